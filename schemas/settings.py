@@ -1,0 +1,156 @@
+"""Typed settings read once from the environment (prefix ``SLUICE_``).
+
+Every service declares one frozen :class:`msgspec.Struct` of its settings and reads it with
+:func:`load_settings` at start-up; nothing else in the code base reads the environment. A variable with the
+``SLUICE_`` prefix that no service knows is rejected with the closest known name, so a typo never silently
+falls back to a default.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import types
+from collections.abc import Mapping
+from typing import Annotated, Any, TypeVar, Union, get_args, get_origin, get_type_hints
+
+import msgspec
+
+PREFIX = "SLUICE_"
+
+S = TypeVar("S", bound=msgspec.Struct)
+
+# Settings classes register here (at import of their module) so that an unknown variable can be told
+# apart from one that belongs to another service.
+_REGISTRY: dict[str, type[msgspec.Struct]] = {}
+
+
+class SettingsError(ValueError):
+    """A ``SLUICE_*`` variable is unknown or its value does not parse."""
+
+
+def register(cls: type[S]) -> type[S]:
+    """Class decorator: make the settings class's variables known to every service."""
+    _REGISTRY[cls.__name__] = cls
+    return cls
+
+
+def env_name(field: str) -> str:
+    return PREFIX + field.upper()
+
+
+def known_variables() -> dict[str, str]:
+    """``SLUICE_*`` name -> owning settings class, over every registered class."""
+    return {
+        env_name(name): cls.__name__ for cls in _REGISTRY.values() for name in cls.__struct_fields__
+    }
+
+
+def _parse(raw: str, annotation: Any, name: str) -> Any:
+    origin = get_origin(annotation)
+    if origin in (Union, types.UnionType):
+        args = [a for a in get_args(annotation) if a is not type(None)]
+        if raw == "" and type(None) in get_args(annotation):
+            return None
+        return _parse(raw, args[0], name)
+    if origin is tuple:
+        (item, *_rest) = get_args(annotation)
+        return tuple(_parse(part.strip(), item, name) for part in raw.split(",") if part.strip())
+    if annotation is bool:
+        lowered = raw.strip().lower()
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off"):
+            return False
+        raise SettingsError(f"{name}={raw!r}: expected true/false")
+    if annotation in (int, float):
+        try:
+            return annotation(raw)
+        except ValueError:
+            raise SettingsError(f"{name}={raw!r}: expected {annotation.__name__}") from None
+    return raw
+
+
+def load_settings(cls: type[S], env: Mapping[str, str] | None = None) -> S:
+    """Read ``cls`` from ``env`` (default ``os.environ``); validate types and reject unknown variables."""
+    env = os.environ if env is None else env
+    register(cls)
+    known = known_variables()
+    unknown = sorted(k for k in env if k.startswith(PREFIX) and k not in known)
+    if unknown:
+        hints = []
+        for key in unknown:
+            close = difflib.get_close_matches(key, list(known), n=1)
+            hints.append(f"{key} (did you mean {close[0]}?)" if close else key)
+        raise SettingsError("unknown settings: " + ", ".join(hints))
+    hints = get_type_hints(cls)
+    values = {
+        field: _parse(env[env_name(field)], hints[field], env_name(field))
+        for field in cls.__struct_fields__
+        if env_name(field) in env
+    }
+    try:
+        return msgspec.convert(values, cls, strict=False)
+    except msgspec.ValidationError as exc:
+        raise SettingsError(f"{cls.__name__}: {exc}") from None
+
+
+def describe(cls: type[msgspec.Struct]) -> list[tuple[str, str, str]]:
+    """(variable, type, default) rows for ``--help`` and the docs."""
+    hints = get_type_hints(cls)
+    rows = []
+    for info in msgspec.structs.fields(cls):
+        if info.default is not msgspec.NODEFAULT:
+            default = repr(info.default)
+        elif info.default_factory is not msgspec.NODEFAULT:
+            default = repr(info.default_factory())
+        else:
+            default = "required"
+        rows.append((env_name(info.name), _type_name(hints[info.name]), default))
+    return rows
+
+
+def _type_name(annotation: Any) -> str:
+    if isinstance(annotation, type):
+        return annotation.__name__
+    return str(annotation).replace("typing.", "")
+
+
+def _default_home() -> str:
+    return os.path.join(os.path.expanduser("~"), ".local", "share", "sluicegate")
+
+
+def _default_cache() -> str:
+    return os.path.join(os.path.expanduser("~"), ".cache", "sluicegate")
+
+
+Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+
+
+@register
+class PlatformSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """What every service shares: where Kafka and the warehouse are, and how topics are named."""
+
+    kafka_bootstrap: str | None = None
+    """An existing cluster (``host:port,...``). Unset: the platform runs its own local broker."""
+    kafka_port: Port = 9092
+    """Client port of the local broker (its controller listens on the next port)."""
+    kafka_version: str = "4.3.1"
+    """Apache Kafka release the local broker is resolved at (from Maven Central)."""
+    topic_prefix: Annotated[str, msgspec.Meta(pattern=r"^[a-zA-Z0-9_-]+$")] = "sluice"
+    models: tuple[str, ...] = ("demo-gpt", "all-minilm-l6-v2")
+    """Model ids served; each gets a request topic."""
+    data_dir: str = msgspec.field(default_factory=_default_home)
+    """Kafka log dirs and the embedded warehouse live under here."""
+    cache_dir: str = msgspec.field(default_factory=_default_cache)
+    """Downloaded Kafka jars (and the venv, see scripts/bootstrap.sh)."""
+    warehouse_url: str | None = None
+    """``http(s)://host:8123`` for a ClickHouse server. Unset: embedded chDB under ``data_dir``."""
+
+    @property
+    def local_kafka(self) -> bool:
+        return self.kafka_bootstrap is None
+
+    @property
+    def bootstrap(self) -> str:
+        return self.kafka_bootstrap or f"127.0.0.1:{self.kafka_port}"

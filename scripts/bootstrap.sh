@@ -1,0 +1,51 @@
+# shellcheck shell=bash
+# Source this file: it makes (or reuses) the project's virtualenv and puts it first on PATH.
+#
+# The venv lives outside the clone, in $SLUICE_CACHE_DIR (default ~/.cache/sluicegate), named by the hash
+# of requirements/lock.txt, the Python version and the uv version, so every clone and every CI run with the
+# same lock reuses it instead of reinstalling gigabytes. A torch CPU wheel found in $SLUICEGATE_WHEEL_DIR
+# (default /opt/wheels) replaces the CUDA build from PyPI.
+set -euo pipefail
+
+_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+_cache="${SLUICE_CACHE_DIR:-$HOME/.cache/sluicegate}"
+_uv_version="0.13.9"
+_python="$(command -v python3.11 || command -v python3)"
+if ! "$_python" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
+  echo "sluicegate needs Python 3.11 (found $("$_python" --version))" >&2
+  return 1 2>/dev/null || exit 1
+fi
+
+_uv="$_cache/tools/uv-$_uv_version/bin/uv"
+if [ ! -x "$_uv" ]; then
+  echo "bootstrap: installing uv $_uv_version into $_cache/tools" >&2
+  "$_python" -m venv "$_cache/tools/uv-$_uv_version"
+  "$_cache/tools/uv-$_uv_version/bin/pip" install --quiet --disable-pip-version-check "uv==$_uv_version"
+fi
+
+_wheel_dir="${SLUICEGATE_WHEEL_DIR:-/opt/wheels}"
+_torch_wheel="$(ls "$_wheel_dir"/torch-*+cpu*.whl 2>/dev/null | sort -V | tail -n 1 || true)"
+_hash="$( { cat "$_root/requirements/lock.txt"; "$_python" --version; echo "$_uv_version ${_torch_wheel##*/}"; } \
+  | sha256sum | cut -c1-16)"
+export SLUICEGATE_VENV="$_cache/venvs/$_hash"
+
+if [ ! -f "$SLUICEGATE_VENV/.complete" ]; then
+  echo "bootstrap: creating $SLUICEGATE_VENV (first run for this lock; later runs reuse it)" >&2
+  rm -rf "$SLUICEGATE_VENV"
+  "$_uv" venv --quiet --python "$_python" "$SLUICEGATE_VENV"
+  if [ -n "$_torch_wheel" ]; then
+    echo "bootstrap: using local torch wheel $_torch_wheel" >&2
+    grep -vE '^(torch|triton|nvidia-[a-z0-9-]+)==' "$_root/requirements/lock.txt" > "$SLUICEGATE_VENV/lock.txt"
+    "$_uv" pip install --python "$SLUICEGATE_VENV/bin/python" "$_torch_wheel"
+  else
+    cp "$_root/requirements/lock.txt" "$SLUICEGATE_VENV/lock.txt"
+  fi
+  "$_uv" pip install --quiet --python "$SLUICEGATE_VENV/bin/python" -r "$SLUICEGATE_VENV/lock.txt"
+  touch "$SLUICEGATE_VENV/.complete"
+fi
+
+# The project itself, editable, pointing at this clone (cheap; the last clone to bootstrap wins).
+"$_uv" pip install --quiet --python "$SLUICEGATE_VENV/bin/python" --no-deps -e "$_root"
+export PATH="$SLUICEGATE_VENV/bin:$PATH"
+export VIRTUAL_ENV="$SLUICEGATE_VENV"
+unset _root _cache _uv_version _python _uv _wheel_dir _torch_wheel _hash
