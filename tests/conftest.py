@@ -1,0 +1,61 @@
+"""Shared fixtures: one real Kafka broker per test session (unless SLUICE_KAFKA_BOOTSTRAP names one)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from infra.kafka.broker import LocalKafka, free_port
+from schemas.settings import PlatformSettings, load_settings
+
+
+@pytest.fixture(scope="session")
+def platform_settings() -> PlatformSettings:
+    return load_settings(PlatformSettings)
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap(
+    platform_settings: PlatformSettings, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    """A broker for the whole session: an external one if configured, else our own on free ports."""
+    if not platform_settings.local_kafka:
+        yield platform_settings.bootstrap
+        return
+    broker = LocalKafka(
+        data_dir=tmp_path_factory.mktemp("kafka"),
+        cache_dir=platform_settings.cache_dir,
+        version=platform_settings.kafka_version,
+        port=free_port(),
+        controller_port=free_port(),
+    )
+    broker.start()
+    try:
+        yield broker.bootstrap
+    finally:
+        broker.stop()
+
+
+@pytest.fixture
+def topic_prefix(request: pytest.FixtureRequest) -> str:
+    """A prefix unique to the test, so tests on the shared broker never see each other's topics."""
+    name = "".join(ch if ch.isalnum() else "-" for ch in request.node.name)[:40].strip("-")
+    return f"t{os.getpid()}-{name}"
+
+
+@pytest.fixture
+def cli_env(kafka_bootstrap: str, tmp_path: Path, topic_prefix: str) -> dict[str, str]:
+    """Environment for running the real ``sluice`` CLI against the session broker."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
+    env.update(
+        SLUICE_KAFKA_BOOTSTRAP=kafka_bootstrap,
+        SLUICE_TOPIC_PREFIX=topic_prefix,
+        SLUICE_DATA_DIR=str(tmp_path / "data"),
+    )
+    cache = os.environ.get("SLUICE_CACHE_DIR")
+    if cache:
+        env["SLUICE_CACHE_DIR"] = cache
+    return env

@@ -1,0 +1,55 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from confluent_kafka import Consumer, Producer
+
+from infra.kafka.broker import BrokerError, LocalKafka, free_port
+from infra.topics import TopicSpec, apply_topics, make_admin
+from schemas.settings import PlatformSettings
+
+
+def _broker(settings: PlatformSettings, data_dir: Path, port: int) -> LocalKafka:
+    return LocalKafka(data_dir=data_dir, cache_dir=settings.cache_dir, version=settings.kafka_version,
+                      port=port, controller_port=free_port())
+
+
+@pytest.mark.integration
+def test_data_survives_a_restart(platform_settings: PlatformSettings, tmp_path: Path) -> None:
+    if not platform_settings.local_kafka:
+        pytest.skip("SLUICE_KAFKA_BOOTSTRAP points at an external cluster: no local broker to restart")
+    broker = _broker(platform_settings, tmp_path, free_port())
+    with broker:
+        assert broker.running()
+        apply_topics(make_admin(broker.bootstrap), [TopicSpec(name="keep", partitions=1, config={}, purpose="")])
+        producer = Producer({"bootstrap.servers": broker.bootstrap, "acks": "all"})
+        producer.produce("keep", b"survives", key=b"k")
+        assert producer.flush(10) == 0
+    assert not broker.running()
+    assert broker.pid() is None
+    with broker:
+        consumer = Consumer({"bootstrap.servers": broker.bootstrap, "group.id": "g",
+                             "auto.offset.reset": "earliest"})
+        consumer.subscribe(["keep"])
+        try:
+            msg = None
+            for _ in range(60):
+                msg = consumer.poll(0.5)
+                if msg is not None and msg.error() is None:
+                    break
+            assert msg is not None
+            assert msg.value() == b"survives"
+        finally:
+            consumer.close()
+
+
+@pytest.mark.integration
+def test_taken_port_is_a_clear_error(
+    platform_settings: PlatformSettings, kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    if not platform_settings.local_kafka:
+        pytest.skip("SLUICE_KAFKA_BOOTSTRAP points at an external cluster: its port is not ours to test")
+    port = int(kafka_bootstrap.rsplit(":", 1)[1])
+    with pytest.raises(BrokerError, match=f"port {port} is taken"):
+        _broker(platform_settings, tmp_path, port).start()

@@ -1,0 +1,72 @@
+from __future__ import annotations
+
+import pytest
+from confluent_kafka.admin import AdminClient, ConfigResource
+
+from infra.topics import TopicSizing, TopicSpec, TopicSpecError, apply_topics, make_admin, platform_topics
+from schemas.topics import TopicNames
+
+
+def test_catalogue_covers_every_platform_topic() -> None:
+    names = TopicNames("sg")
+    specs = platform_topics(names, ["demo-gpt", "all-minilm-l6-v2"])
+    by_name = {s.name: s for s in specs}
+    assert set(by_name) == {
+        "sg.requests.demo-gpt", "sg.requests.all-minilm-l6-v2", "sg.replies", "sg.results", "sg.cancels",
+        "sg.control", "sg.usage", "sg.audit", "sg.drift", "sg.deadletter",
+    }
+    assert by_name["sg.control"].config["cleanup.policy"] == "compact"
+    assert all(s.config["cleanup.policy"] == "delete" for n, s in by_name.items() if n != "sg.control")
+    assert all(int(s.config["retention.ms"]) > 0 for s in specs if "retention.ms" in s.config)
+
+
+def test_sizing_sets_partitions() -> None:
+    specs = platform_topics(TopicNames("sg"), ["m"], TopicSizing(requests=3, replies=5))
+    parts = {s.name: s.partitions for s in specs}
+    assert parts["sg.requests.m"] == 3
+    assert parts["sg.replies"] == 5
+
+
+def _admin(bootstrap: str) -> AdminClient:
+    return make_admin(bootstrap)
+
+
+@pytest.mark.integration
+def test_apply_is_idempotent_and_reports_changes(kafka_bootstrap: str, topic_prefix: str) -> None:
+    admin = _admin(kafka_bootstrap)
+    specs = platform_topics(TopicNames(topic_prefix), ["demo-gpt"], TopicSizing(requests=2, replies=2, events=2))
+    first = apply_topics(admin, specs)
+    assert [c.action for c in first] == ["created"] * len(specs)
+    second = apply_topics(admin, specs)
+    assert [c.action for c in second] == ["unchanged"] * len(specs)
+    topics = admin.list_topics(timeout=10).topics
+    for spec in specs:
+        assert len(topics[spec.name].partitions) == spec.partitions
+
+
+@pytest.mark.integration
+def test_apply_grows_partitions_and_fixes_config(kafka_bootstrap: str, topic_prefix: str) -> None:
+    admin = _admin(kafka_bootstrap)
+    name = f"{topic_prefix}.grow"
+    small = TopicSpec(name=name, partitions=1, config={"retention.ms": "1000"}, purpose="test")
+    apply_topics(admin, [small])
+    bigger = TopicSpec(name=name, partitions=3, config={"retention.ms": "2000"}, purpose="test")
+    (change,) = apply_topics(admin, [bigger])
+    assert change.action == "partitions increased"
+    assert "partitions 1 -> 3" in change.detail
+    assert "retention.ms: 1000 -> 2000" in change.detail
+    resource = ConfigResource(ConfigResource.Type.TOPIC, name)
+    config = admin.describe_configs([resource])[resource].result()
+    assert config["retention.ms"].value == "2000"
+    assert len(admin.list_topics(timeout=10).topics[name].partitions) == 3
+    (again,) = apply_topics(admin, [bigger])
+    assert again.action == "unchanged"
+
+
+@pytest.mark.integration
+def test_fewer_partitions_than_exist_is_a_clear_error(kafka_bootstrap: str, topic_prefix: str) -> None:
+    admin = _admin(kafka_bootstrap)
+    name = f"{topic_prefix}.shrink"
+    apply_topics(admin, [TopicSpec(name=name, partitions=4, config={}, purpose="test")])
+    with pytest.raises(TopicSpecError, match="has 4 partitions but the spec asks for 2"):
+        apply_topics(admin, [TopicSpec(name=name, partitions=2, config={}, purpose="test")])
