@@ -68,24 +68,51 @@ def platform_topics(
         for model in models
     ]
     specs += [
-        TopicSpec(name=names.replies, partitions=size.replies, config=retained(1),
-                  purpose="token chunks + terminal events; partition = the edge that holds the client"),
-        TopicSpec(name=names.results, partitions=size.events, config=retained(7),
-                  purpose="terminal results for downstream consumers; key = tenant"),
-        TopicSpec(name=names.cancels, partitions=size.events, config=retained(1),
-                  purpose="cancel requests (client disconnect or cancel frame); key = tenant"),
-        TopicSpec(name=names.control, partitions=1,
-                  config={"cleanup.policy": "compact", "min.compaction.lag.ms": "0",
-                          "segment.ms": str(DAY_MS)},
-                  purpose="latest budget, deployment and burn-rate state; compacted by key"),
-        TopicSpec(name=names.usage, partitions=size.events, config=retained(30),
-                  purpose="usage and cost records; key = tenant"),
-        TopicSpec(name=names.audit, partitions=size.events, config=retained(365),
-                  purpose="append-only audit entries; key = tenant (hash chain per tenant)"),
-        TopicSpec(name=names.drift, partitions=1, config=retained(30),
-                  purpose="drift and data-quality reports"),
-        TopicSpec(name=names.deadletter, partitions=1, config=retained(14),
-                  purpose="events no consumer could decode, with the reason"),
+        TopicSpec(
+            name=names.replies,
+            partitions=size.replies,
+            config=retained(1),
+            purpose="token chunks + terminal events; partition = the edge that holds the client",
+        ),
+        TopicSpec(
+            name=names.results,
+            partitions=size.events,
+            config=retained(7),
+            purpose="terminal results for downstream consumers; key = tenant",
+        ),
+        TopicSpec(
+            name=names.cancels,
+            partitions=size.events,
+            config=retained(1),
+            purpose="cancel requests (client disconnect or cancel frame); key = tenant",
+        ),
+        TopicSpec(
+            name=names.control,
+            partitions=1,
+            config={"cleanup.policy": "compact", "min.compaction.lag.ms": "0", "segment.ms": str(DAY_MS)},
+            purpose="latest budget, deployment and burn-rate state; compacted by key",
+        ),
+        TopicSpec(
+            name=names.usage,
+            partitions=size.events,
+            config=retained(30),
+            purpose="usage and cost records; key = tenant",
+        ),
+        TopicSpec(
+            name=names.audit,
+            partitions=size.events,
+            config=retained(365),
+            purpose="append-only audit entries; key = tenant (hash chain per tenant)",
+        ),
+        TopicSpec(
+            name=names.drift, partitions=1, config=retained(30), purpose="drift and data-quality reports"
+        ),
+        TopicSpec(
+            name=names.deadletter,
+            partitions=1,
+            config=retained(14),
+            purpose="events no consumer could decode, with the reason",
+        ),
     ]
     return specs
 
@@ -109,14 +136,17 @@ def apply_topics(admin: AdminClient, specs: Iterable[TopicSpec], timeout: float 
     missing = [s for s in specs if s.name not in existing]
     if missing:
         futures = admin.create_topics(
-            [NewTopic(s.name, num_partitions=s.partitions, replication_factor=1, config=s.config)
-             for s in missing],
+            [
+                NewTopic(s.name, num_partitions=s.partitions, replication_factor=1, config=s.config)
+                for s in missing
+            ],
             operation_timeout=timeout,
         )
         for spec in missing:
             _result(futures[spec.name], f"creating {spec.name}")
-            changes.append(TopicChange(name=spec.name, action="created",
-                                       detail=f"{spec.partitions} partitions"))
+            changes.append(
+                TopicChange(name=spec.name, action="created", detail=f"{spec.partitions} partitions")
+            )
     present = [s for s in specs if s.name in existing]
     drifted = _config_drift(admin, present, timeout)
     for spec in present:
@@ -128,7 +158,8 @@ def apply_topics(admin: AdminClient, specs: Iterable[TopicSpec], timeout: float 
             detail.append(f"partitions {have} -> {spec.partitions}")
         if drifted.get(spec.name):
             resource = ConfigResource(
-                ConfigResource.Type.TOPIC, spec.name,
+                ConfigResource.Type.TOPIC,
+                spec.name,
                 incremental_configs=[
                     ConfigEntry(k, spec.config[k], incremental_operation=AlterConfigOpType.SET)
                     for k in sorted(drifted[spec.name])
@@ -139,7 +170,9 @@ def apply_topics(admin: AdminClient, specs: Iterable[TopicSpec], timeout: float 
         if not detail:
             changes.append(TopicChange(name=spec.name, action="unchanged"))
         elif have < spec.partitions:
-            changes.append(TopicChange(name=spec.name, action="partitions increased", detail="; ".join(detail)))
+            changes.append(
+                TopicChange(name=spec.name, action="partitions increased", detail="; ".join(detail))
+            )
         else:
             changes.append(TopicChange(name=spec.name, action="config changed", detail="; ".join(detail)))
     order = {s.name: i for i, s in enumerate(specs)}
@@ -158,7 +191,7 @@ def _config_drift(
     for spec, resource in zip(specs, resources, strict=True):
         current = _result(futures[resource], f"describing {spec.name}")
         wrong = {
-            key: (current[key].value if key in current else "")
+            key: (current[key].value or "") if key in current else ""
             for key, want in spec.config.items()
             if key not in current or current[key].value != want
         }

@@ -41,9 +41,7 @@ def env_name(field: str) -> str:
 
 def known_variables() -> dict[str, str]:
     """``SLUICE_*`` name -> owning settings class, over every registered class."""
-    return {
-        env_name(name): cls.__name__ for cls in _REGISTRY.values() for name in cls.__struct_fields__
-    }
+    return {env_name(name): cls.__name__ for cls in _REGISTRY.values() for name in cls.__struct_fields__}
 
 
 def _parse(raw: str, annotation: Any, name: str) -> Any:
@@ -78,11 +76,11 @@ def load_settings(cls: type[S], env: Mapping[str, str] | None = None) -> S:
     known = known_variables()
     unknown = sorted(k for k in env if k.startswith(PREFIX) and k not in known)
     if unknown:
-        hints = []
+        messages = []
         for key in unknown:
             close = difflib.get_close_matches(key, list(known), n=1)
-            hints.append(f"{key} (did you mean {close[0]}?)" if close else key)
-        raise SettingsError("unknown settings: " + ", ".join(hints))
+            messages.append(f"{key} (did you mean {close[0]}?)" if close else key)
+        raise SettingsError("unknown settings: " + ", ".join(messages))
     hints = get_type_hints(cls)
     values = {
         field: _parse(env[env_name(field)], hints[field], env_name(field))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import logging
 import os
 import signal
 import socket
@@ -138,9 +139,21 @@ class LocalKafka:
             return
         cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
         result = subprocess.run(
-            ["java", "-cp", f"{home / 'libs'}/*", "kafka.tools.StorageTool", "format",
-             "-t", cluster_id, "-c", str(props), "--standalone"],
-            capture_output=True, text=True, check=False,
+            [
+                "java",
+                "-cp",
+                f"{home / 'libs'}/*",
+                "kafka.tools.StorageTool",
+                "format",
+                "-t",
+                cluster_id,
+                "-c",
+                str(props),
+                "--standalone",
+            ],
+            capture_output=True,
+            text=True,
+            check=False,
         )
         if result.returncode != 0:
             raise BrokerError(f"formatting KRaft storage in {log_dir} failed:\n{result.stderr[-2000:]}")
@@ -163,10 +176,21 @@ class LocalKafka:
         self._format(home, props)
         with self.log_file.open("ab") as log:
             self._proc = subprocess.Popen(
-                ["java", f"-Xmx{self.heap}", "-Xms128m", "-XX:+UseG1GC", "-Djava.awt.headless=true",
-                 f"-Dlog4j2.configurationFile={log4j}", "-cp", f"{home / 'libs'}/*",
-                 "kafka.Kafka", str(props)],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                [
+                    "java",
+                    f"-Xmx{self.heap}",
+                    "-Xms128m",
+                    "-XX:+UseG1GC",
+                    "-Djava.awt.headless=true",
+                    f"-Dlog4j2.configurationFile={log4j}",
+                    "-cp",
+                    f"{home / 'libs'}/*",
+                    "kafka.Kafka",
+                    str(props),
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
                 start_new_session=True,  # Ctrl-C in a terminal reaches us, and we stop it cleanly
             )
         self.pid_file.write_text(str(self._proc.pid))
@@ -181,7 +205,9 @@ class LocalKafka:
                 return
             time.sleep(0.2)
         self.stop()
-        raise BrokerError(f"Kafka did not answer on {self.bootstrap} within {timeout:.0f}s:\n{self.log_tail()}")
+        raise BrokerError(
+            f"Kafka did not answer on {self.bootstrap} within {timeout:.0f}s:\n{self.log_tail()}"
+        )
 
     def log_tail(self, lines: int = 20) -> str:
         try:
@@ -220,19 +246,16 @@ class LocalKafka:
 
 def broker_answers(bootstrap: str, timeout: float = 2.0) -> bool:
     """True when a Kafka metadata request to ``bootstrap`` succeeds."""
-    from confluent_kafka.admin import AdminClient  # noqa: PLC0415  (heavy; only needed here)
+    from confluent_kafka.admin import AdminClient
 
-    admin = AdminClient({"bootstrap.servers": bootstrap, "log_level": 0, "logger": _silent})
+    admin = AdminClient({"bootstrap.servers": bootstrap, "log_level": 0}, logger=_SILENT)
     try:
         admin.list_topics(timeout=timeout)
-    except Exception:  # noqa: BLE001  (any failure means "not yet")
+    except Exception:
         return False
     return True
 
 
-class _SilentLogger:
-    def log(self, *_args: object) -> None:
-        return None
-
-
-_silent = _SilentLogger()
+_SILENT = logging.getLogger("sluice.kafka.probe")
+_SILENT.addHandler(logging.NullHandler())
+_SILENT.propagate = False

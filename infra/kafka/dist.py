@@ -33,9 +33,7 @@ def is_fetched(home: Path) -> bool:
     return (home / ".complete").is_file()
 
 
-def fetch_kafka(
-    cache_dir: str | Path, version: str, progress: Callable[[str], None] | None = None
-) -> Path:
+def fetch_kafka(cache_dir: str | Path, version: str, progress: Callable[[str], None] | None = None) -> Path:
     """Return the folder of jars for ``version``, downloading it with Maven the first time.
 
     ``progress`` is called with the name of each artifact as Maven downloads it.
@@ -50,7 +48,11 @@ def fetch_kafka(
     staging.mkdir(parents=True)
     (staging / "pom.xml").write_bytes(_pom())
     cmd = [
-        "mvn", "-B", "-U", "-f", str(staging / "pom.xml"),
+        "mvn",
+        "-B",
+        "-U",
+        "-f",
+        str(staging / "pom.xml"),
         f"-Dkafka.version={version}",
         "dependency:copy-dependencies",
         f"-DoutputDirectory={staging / 'libs'}",

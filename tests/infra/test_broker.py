@@ -11,8 +11,13 @@ from schemas.settings import PlatformSettings
 
 
 def _broker(settings: PlatformSettings, data_dir: Path, port: int) -> LocalKafka:
-    return LocalKafka(data_dir=data_dir, cache_dir=settings.cache_dir, version=settings.kafka_version,
-                      port=port, controller_port=free_port())
+    return LocalKafka(
+        data_dir=data_dir,
+        cache_dir=settings.cache_dir,
+        version=settings.kafka_version,
+        port=port,
+        controller_port=free_port(),
+    )
 
 
 @pytest.mark.integration
@@ -22,15 +27,18 @@ def test_data_survives_a_restart(platform_settings: PlatformSettings, tmp_path: 
     broker = _broker(platform_settings, tmp_path, free_port())
     with broker:
         assert broker.running()
-        apply_topics(make_admin(broker.bootstrap), [TopicSpec(name="keep", partitions=1, config={}, purpose="")])
+        apply_topics(
+            make_admin(broker.bootstrap), [TopicSpec(name="keep", partitions=1, config={}, purpose="")]
+        )
         producer = Producer({"bootstrap.servers": broker.bootstrap, "acks": "all"})
         producer.produce("keep", b"survives", key=b"k")
         assert producer.flush(10) == 0
     assert not broker.running()
     assert broker.pid() is None
     with broker:
-        consumer = Consumer({"bootstrap.servers": broker.bootstrap, "group.id": "g",
-                             "auto.offset.reset": "earliest"})
+        consumer = Consumer(
+            {"bootstrap.servers": broker.bootstrap, "group.id": "g", "auto.offset.reset": "earliest"}
+        )
         consumer.subscribe(["keep"])
         try:
             msg = None

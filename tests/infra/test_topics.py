@@ -12,8 +12,16 @@ def test_catalogue_covers_every_platform_topic() -> None:
     specs = platform_topics(names, ["demo-gpt", "all-minilm-l6-v2"])
     by_name = {s.name: s for s in specs}
     assert set(by_name) == {
-        "sg.requests.demo-gpt", "sg.requests.all-minilm-l6-v2", "sg.replies", "sg.results", "sg.cancels",
-        "sg.control", "sg.usage", "sg.audit", "sg.drift", "sg.deadletter",
+        "sg.requests.demo-gpt",
+        "sg.requests.all-minilm-l6-v2",
+        "sg.replies",
+        "sg.results",
+        "sg.cancels",
+        "sg.control",
+        "sg.usage",
+        "sg.audit",
+        "sg.drift",
+        "sg.deadletter",
     }
     assert by_name["sg.control"].config["cleanup.policy"] == "compact"
     assert all(s.config["cleanup.policy"] == "delete" for n, s in by_name.items() if n != "sg.control")
@@ -34,7 +42,9 @@ def _admin(bootstrap: str) -> AdminClient:
 @pytest.mark.integration
 def test_apply_is_idempotent_and_reports_changes(kafka_bootstrap: str, topic_prefix: str) -> None:
     admin = _admin(kafka_bootstrap)
-    specs = platform_topics(TopicNames(topic_prefix), ["demo-gpt"], TopicSizing(requests=2, replies=2, events=2))
+    specs = platform_topics(
+        TopicNames(topic_prefix), ["demo-gpt"], TopicSizing(requests=2, replies=2, events=2)
+    )
     first = apply_topics(admin, specs)
     assert [c.action for c in first] == ["created"] * len(specs)
     second = apply_topics(admin, specs)

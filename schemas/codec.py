@@ -1,0 +1,145 @@
+"""Events to and from Kafka records: JSON values, CloudEvents binary-mode headers, partition keys.
+
+``decode`` either returns a whole, validated event of its concrete type or raises :class:`DecodeError`;
+consumers catch that one class and dead-letter the record.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import msgspec
+
+from schemas.events import (
+    EVENT_TYPES,
+    BudgetStateChanged,
+    BurnRateCrossed,
+    DeadLetter,
+    DeploymentChanged,
+    DriftReport,
+    Envelope,
+    Event,
+    event_type_name,
+)
+
+__all__ = [
+    "CE_TYPE_PREFIX",
+    "EVENT_TYPES",
+    "DecodeError",
+    "Event",
+    "HeaderValue",
+    "ce_type",
+    "decode",
+    "encode",
+    "event_type_name",
+    "headers",
+    "kafka_key",
+]
+
+CE_TYPE_PREFIX = "dev.sluicegate."
+CONTENT_TYPE = "application/json"
+
+HeaderValue = bytes | str | None
+
+# Headers that restate the body; decode rejects a record where one of them disagrees.
+_CHECKED_HEADERS = frozenset(
+    {"ce_specversion", "ce_id", "ce_type", "ce_subject", "ce_tenant", "ce_model", "content-type"}
+)
+
+_ENCODER = msgspec.json.Encoder(order="deterministic")
+_DECODER: msgspec.json.Decoder[Event] = msgspec.json.Decoder(Event)
+
+
+class DecodeError(ValueError):
+    """A record is not a valid event: bad JSON, unknown type, missing or mistyped field, or its headers
+    disagree with its body."""
+
+
+def ce_type(cls: type[Envelope]) -> str:
+    """The CloudEvents type of an event class, e.g. ``dev.sluicegate.token_chunk.v1``."""
+    return f"{CE_TYPE_PREFIX}{event_type_name(cls)}.v{cls.schema_version}"
+
+
+def encode(event: Event) -> bytes:
+    """The record value: compact JSON, fields in declaration order, dict keys sorted."""
+    return _ENCODER.encode(event)
+
+
+def _rfc3339(event: Envelope) -> bytes:
+    # The same text as the body's "time" (msgspec writes UTC as "Z"), without the quotes.
+    return _ENCODER.encode(event.time)[1:-1]
+
+
+def headers(event: Event) -> list[tuple[str, bytes]]:
+    """CloudEvents 1.0 Kafka binary-binding headers, plus W3C trace context when the event has one."""
+    out = [
+        ("ce_specversion", b"1.0"),
+        ("ce_id", event.id.encode()),
+        ("ce_type", ce_type(type(event)).encode()),
+        ("ce_source", event.source.encode()),
+        ("ce_time", _rfc3339(event)),
+    ]
+    if event.request_id:
+        out.append(("ce_subject", event.request_id.encode()))
+    out += [
+        ("content-type", CONTENT_TYPE.encode()),
+        ("ce_tenant", event.tenant.encode()),
+        ("ce_model", event.model.encode()),
+    ]
+    if event.traceparent is not None:
+        out.append(("traceparent", event.traceparent.encode()))
+    if event.tracestate is not None:
+        out.append(("tracestate", event.tracestate.encode()))
+    return out
+
+
+def decode(
+    value: bytes | bytearray | memoryview | None,
+    headers: Sequence[tuple[str, HeaderValue]] | None = None,
+) -> Event:
+    """The event in a record value, checked against the record's headers when given."""
+    if value is None:
+        raise DecodeError("record has no value (a tombstone?)")
+    try:
+        event = _DECODER.decode(value)
+    except msgspec.ValidationError as exc:
+        raise DecodeError(f"invalid event: {exc}") from exc
+    except msgspec.DecodeError as exc:
+        raise DecodeError(f"malformed event JSON: {exc}") from exc
+    if headers is not None:
+        _check_headers(event, headers)
+    return event
+
+
+def _check_headers(event: Event, received: Sequence[tuple[str, HeaderValue]]) -> None:
+    expected = dict(headers(event))
+    for key, raw in received:
+        if key not in _CHECKED_HEADERS:
+            continue
+        got = raw.encode() if isinstance(raw, str) else raw
+        want = expected.get(key)
+        if key == "content-type" and got is not None:
+            got = got.split(b";", 1)[0].strip().lower()
+        if got != want:
+            shown = want.decode() if want is not None else "no such header"
+            raise DecodeError(
+                f"header {key}={got!r} disagrees with the {event_type_name(type(event))} body "
+                f"(expected {shown!r})"
+            )
+
+
+def kafka_key(event: Event) -> bytes:
+    """The partition key: the tenant for request-scoped events; a compaction key for control state."""
+    match event:
+        case BudgetStateChanged():
+            return f"budget:{event.tenant}".encode()
+        case DeploymentChanged():
+            return f"deployment:{event.model}".encode()
+        case BurnRateCrossed():
+            return f"burn:{event.model}:{event.slo}".encode()
+        case DriftReport():
+            return f"drift:{event.model}".encode()
+        case DeadLetter():
+            return f"{event.source_topic}:{event.partition}".encode()
+        case _:
+            return event.tenant.encode()

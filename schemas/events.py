@@ -1,0 +1,295 @@
+"""The events the platform carries on Kafka: frozen, typed, one tagged union.
+
+Every event subclasses :class:`Envelope` (id, type tag, time, tenant, model, request id, source, trace
+context). ``id`` and ``time`` default to a fresh UUIDv7 and the current UTC time, so a producer passes only
+what it knows. The ``type`` tag is written by msgspec from each class's ``tag``; ``schema_version`` is a class
+constant carried in the CloudEvents ``ce_type`` header (see :mod:`schemas.codec`).
+
+Times are aware UTC datetimes, checked on construction and on decode. Constraints in ``msgspec.Meta`` are
+enforced when decoding (and exported into the JSON Schemas); constructors trust their callers.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Annotated, ClassVar, Literal, TypeAlias
+
+import msgspec
+
+from schemas.ids import UUID7_PATTERN, uuid7
+
+UtcDatetime = Annotated[datetime, msgspec.Meta(tz=True)]
+"""Decoding rejects naive times; ``__post_init__`` rejects offsets other than UTC."""
+EventId = Annotated[str, msgspec.Meta(pattern=UUID7_PATTERN)]
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+Endpoint = Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]
+FinishReason = Literal["stop", "length", "cancelled", "deadline", "error"]
+Status = Literal["completed", "failed", "cancelled", "expired"]
+
+
+def utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
+def _require_utc(name: str, value: datetime | None) -> None:
+    if value is not None and value.utcoffset() != UTC.utcoffset(None):
+        raise ValueError(f"{name} must be an aware UTC datetime, got {value.isoformat()}")
+
+
+class FrozenStruct(msgspec.Struct, frozen=True, kw_only=True):
+    """Base of events and their nested parts.
+
+    Unknown fields are ignored on decode, so a consumer keeps working while producers add optional fields.
+    Subclasses repeat ``frozen=True, kw_only=True``: msgspec inherits them, but mypy only sees them there.
+    """
+
+
+class Envelope(FrozenStruct, frozen=True, kw_only=True, tag_field="type"):
+    """The fields every event shares."""
+
+    schema_version: ClassVar[int] = 1
+
+    id: EventId = msgspec.field(default_factory=uuid7)
+    time: UtcDatetime = msgspec.field(default_factory=utc_now)
+    tenant: str
+    model: str
+    request_id: str = ""
+    """Empty for events that belong to no request (control state, drift reports)."""
+    source: str
+    """The producer, e.g. ``ingest/edge-1``."""
+    traceparent: str | None = None
+    tracestate: str | None = None
+
+    def __post_init__(self) -> None:
+        _require_utc("time", self.time)
+
+
+# --- requests ---------------------------------------------------------------------------------------------
+
+
+class SamplingParams(FrozenStruct, frozen=True, kw_only=True):
+    max_tokens: Annotated[int, msgspec.Meta(ge=1)] = 16
+    temperature: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: NonNegative = 0
+    """0 disables top-k."""
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+
+class ReplyTo(FrozenStruct, frozen=True, kw_only=True):
+    """Where the edge holding the client listens for this request's chunks and terminal event."""
+
+    topic: str
+    partition: NonNegative
+    edge_id: str
+
+
+class RequestCommon(Envelope, frozen=True, kw_only=True):
+    """What every request kind carries (not an event by itself)."""
+
+    model_version: str
+    deadline: UtcDatetime | None = None
+    """Work not finished by then is dropped and the request ends ``expired``."""
+    reply: ReplyTo | None = None
+    """None: no edge waits; the terminal event goes to the results topic only."""
+    idempotency_key: str | None = None
+    priority: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _require_utc("deadline", self.deadline)
+
+
+class GenerationRequested(RequestCommon, frozen=True, kw_only=True, tag="generation_requested"):
+    input_ids: list[int]
+    """Tokenised at the edge."""
+    prompt: str | None = None
+    sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    stream: bool = False
+    chat: bool = False
+
+
+class EmbeddingRequested(RequestCommon, frozen=True, kw_only=True, tag="embedding_requested"):
+    inputs: list[list[int]]
+    """One list of token ids per input."""
+    texts: list[str] | None = None
+    normalize: bool = True
+
+
+class BatchItemRequested(RequestCommon, frozen=True, kw_only=True, tag="batch_item_requested"):
+    batch_id: str
+    custom_id: str
+    index: NonNegative
+    total: Annotated[int, msgspec.Meta(ge=1)]
+    endpoint: Endpoint
+    input_ids: list[int]
+    sampling: SamplingParams | None = None
+    """None for ``/v1/embeddings`` items."""
+
+
+class CancelRequested(Envelope, frozen=True, kw_only=True, tag="cancel_requested"):
+    reason: Literal["client_disconnect", "client_cancel", "shutdown"]
+
+
+# --- results ----------------------------------------------------------------------------------------------
+
+
+class TokenChunk(Envelope, frozen=True, kw_only=True, tag="token_chunk"):
+    seq: NonNegative
+    """Chunk index within the request, from 0."""
+    offset: NonNegative
+    """Index of this chunk's first token within the completion."""
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None = None
+    """Set only on a request's last chunk (the terminal event follows it)."""
+
+
+class Usage(FrozenStruct, frozen=True, kw_only=True):
+    prompt_tokens: NonNegative
+    completion_tokens: NonNegative
+    total_tokens: NonNegative
+
+
+class ErrorInfo(FrozenStruct, frozen=True, kw_only=True):
+    code: str
+    message: str
+    retriable: bool = False
+
+
+class Timings(FrozenStruct, frozen=True, kw_only=True):
+    accepted: UtcDatetime | None = None
+    started: UtcDatetime | None = None
+    first_token: UtcDatetime | None = None
+    finished: UtcDatetime | None = None
+
+    def __post_init__(self) -> None:
+        for name in self.__struct_fields__:
+            _require_utc(name, getattr(self, name))
+
+
+class RequestFinished(Envelope, frozen=True, kw_only=True, tag="request_finished"):
+    """The one terminal event of every accepted request."""
+
+    status: Status
+    finish_reason: FinishReason | None
+    usage: Usage
+    text: str | None = None
+    embeddings: list[list[float]] | None = None
+    error: ErrorInfo | None = None
+    timings: Timings = msgspec.field(default_factory=Timings)
+    worker_id: str = ""
+    """Empty when no worker touched the request (e.g. expired at the edge)."""
+
+
+class UsageRecorded(Envelope, frozen=True, kw_only=True, tag="usage_recorded"):
+    prompt_tokens: NonNegative
+    completion_tokens: NonNegative
+    worker_seconds: Annotated[float, msgspec.Meta(ge=0.0)]
+    cost_micros: NonNegative
+    """Integer micro-USD, so the ledger sums exactly."""
+    price_version: str
+
+
+# --- audit, control, drift, dead letters -----------------------------------------------------------------
+
+
+class AuditEntry(Envelope, frozen=True, kw_only=True, tag="audit_entry"):
+    actor: str
+    action: str
+    resource: str
+    decision: str
+    details: dict[str, str] = msgspec.field(default_factory=dict)
+    prev_hash: str
+    entry_hash: str
+
+
+class DeploymentChanged(Envelope, frozen=True, kw_only=True, tag="deployment_changed"):
+    version: str
+    action: Literal["deploy", "promote", "rollback", "retire"]
+    traffic: dict[str, float]
+    """Model version -> share of traffic."""
+    reason: str
+
+
+class BudgetStateChanged(Envelope, frozen=True, kw_only=True, tag="budget_state_changed"):
+    limit_micros: NonNegative
+    spent_micros: NonNegative
+    exhausted: bool
+
+
+class BurnRateCrossed(Envelope, frozen=True, kw_only=True, tag="burn_rate_crossed"):
+    slo: str
+    window: str
+    burn_rate: float
+    threshold: float
+    firing: bool
+
+
+class DriftReport(Envelope, frozen=True, kw_only=True, tag="drift_report"):
+    window_start: UtcDatetime
+    window_end: UtcDatetime
+    drifted: bool
+    share_drifted: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+    feature_scores: dict[str, float]
+    method: str
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _require_utc("window_start", self.window_start)
+        _require_utc("window_end", self.window_end)
+
+
+class DeadLetter(Envelope, frozen=True, kw_only=True, tag="dead_letter"):
+    """A record a consumer could not handle, kept whole (value in base64) for inspection or replay."""
+
+    source_topic: str
+    partition: NonNegative
+    offset: NonNegative
+    reason: str
+    payload_b64: str
+    headers: dict[str, str] = msgspec.field(default_factory=dict)
+
+
+Event: TypeAlias = (
+    GenerationRequested
+    | EmbeddingRequested
+    | BatchItemRequested
+    | CancelRequested
+    | TokenChunk
+    | RequestFinished
+    | UsageRecorded
+    | AuditEntry
+    | DeploymentChanged
+    | BudgetStateChanged
+    | BurnRateCrossed
+    | DriftReport
+    | DeadLetter
+)
+
+EVENT_TYPES: tuple[type[Envelope], ...] = (
+    GenerationRequested,
+    EmbeddingRequested,
+    BatchItemRequested,
+    CancelRequested,
+    TokenChunk,
+    RequestFinished,
+    UsageRecorded,
+    AuditEntry,
+    DeploymentChanged,
+    BudgetStateChanged,
+    BurnRateCrossed,
+    DriftReport,
+    DeadLetter,
+)
+
+REQUEST_TYPES: tuple[type[RequestCommon], ...] = (GenerationRequested, EmbeddingRequested, BatchItemRequested)
+
+
+def event_type_name(cls: type[Envelope]) -> str:
+    """The ``type`` tag of an event class (``"token_chunk"`` for :class:`TokenChunk`)."""
+    tag = cls.__struct_config__.tag
+    if not isinstance(tag, str) or cls not in EVENT_TYPES:
+        raise TypeError(f"{cls.__name__} is not an event type")
+    return tag

@@ -1,0 +1,196 @@
+"""One fully populated, deterministic instance of every event type.
+
+Used by tests across the repository (codec round trips, pinned golden bytes, Kafka round trips). Every
+optional field is set, so a change to any field shows up in the pinned bytes.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import TypedDict
+
+from schemas.events import (
+    AuditEntry,
+    BatchItemRequested,
+    BudgetStateChanged,
+    BurnRateCrossed,
+    CancelRequested,
+    DeadLetter,
+    DeploymentChanged,
+    DriftReport,
+    EmbeddingRequested,
+    ErrorInfo,
+    Event,
+    GenerationRequested,
+    ReplyTo,
+    RequestFinished,
+    SamplingParams,
+    Timings,
+    TokenChunk,
+    Usage,
+    UsageRecorded,
+)
+from schemas.ids import uuid7_from_parts
+
+T0 = datetime(2026, 11, 22, 9, 30, 0, 125000, tzinfo=UTC)
+TENANT = "acme"
+MODEL = "demo-gpt"
+REQUEST_ID = "req-0001"
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+TRACESTATE = "sluice=edge-1"
+
+
+def _at(ms: int) -> datetime:
+    return T0 + timedelta(milliseconds=ms)
+
+
+def _id(ms: int) -> str:
+    return uuid7_from_parts(int(_at(ms).timestamp() * 1000), 0x2A5 << 62 | ms)
+
+
+class _Envelope(TypedDict):
+    id: str
+    time: datetime
+    tenant: str
+    model: str
+    request_id: str
+    source: str
+    traceparent: str
+    tracestate: str
+
+
+class _Request(TypedDict):
+    model_version: str
+    deadline: datetime
+    reply: ReplyTo
+    idempotency_key: str
+    priority: int
+
+
+def _env(ms: int, source: str, request_id: str = REQUEST_ID) -> _Envelope:
+    """Envelope fields of the example made ``ms`` after :data:`T0`."""
+    return _Envelope(
+        id=_id(ms),
+        time=_at(ms),
+        tenant=TENANT,
+        model=MODEL,
+        request_id=request_id,
+        source=source,
+        traceparent=TRACEPARENT,
+        tracestate=TRACESTATE,
+    )
+
+
+def example_events() -> list[Event]:
+    """Fresh instances on every call (the lists inside are not shared between calls)."""
+    reply = ReplyTo(topic="sluice.replies", partition=3, edge_id="edge-1")
+    sampling = SamplingParams(max_tokens=32, temperature=0.7, top_p=0.9, top_k=40, stop=("\n\n",), seed=7)
+    request = _Request(
+        model_version="demo-gpt@3", deadline=_at(30_000), reply=reply, idempotency_key="idem-42", priority=1
+    )
+    return [
+        GenerationRequested(
+            **_env(0, "ingest/edge-1"),
+            **request,
+            input_ids=[15496, 11, 995],
+            prompt="Hello, world",
+            sampling=sampling,
+            stream=True,
+            chat=True,
+        ),
+        EmbeddingRequested(
+            **_env(1, "ingest/edge-1", "req-0002"),
+            **request,
+            inputs=[[101, 2023, 102], [101, 102]],
+            texts=["this", ""],
+            normalize=True,
+        ),
+        BatchItemRequested(
+            **_env(2, "ingest/batch", "batch-7:item-0"),
+            **request,
+            batch_id="batch-7",
+            custom_id="item-0",
+            index=0,
+            total=2,
+            endpoint="/v1/completions",
+            input_ids=[464, 3290],
+            sampling=sampling,
+        ),
+        CancelRequested(**_env(3, "ingest/edge-1"), reason="client_disconnect"),
+        TokenChunk(
+            **_env(4, "gpu/worker-0"),
+            seq=1,
+            offset=4,
+            token_ids=[262, 995],
+            text=" the world",
+            finish_reason="stop",
+        ),
+        RequestFinished(
+            **_env(5, "gpu/worker-0"),
+            status="failed",
+            finish_reason="error",
+            usage=Usage(prompt_tokens=3, completion_tokens=6, total_tokens=9),
+            text="partial",
+            embeddings=[[0.25, -0.5], [1.0, 0.0]],
+            error=ErrorInfo(code="worker_oom", message="out of memory", retriable=True),
+            timings=Timings(accepted=_at(-40), started=_at(-30), first_token=_at(-20), finished=_at(5)),
+            worker_id="worker-0",
+        ),
+        UsageRecorded(
+            **_env(6, "streams/ledger"),
+            prompt_tokens=3,
+            completion_tokens=6,
+            worker_seconds=0.125,
+            cost_micros=1234,
+            price_version="p-2026-11",
+        ),
+        AuditEntry(
+            **_env(7, "streams/audit"),
+            actor="user:alice",
+            action="chat.completions.create",
+            resource="model:demo-gpt",
+            decision="allow",
+            details={"ip": "127.0.0.1", "api_key": "key-3"},
+            prev_hash="0" * 64,
+            entry_hash="f" * 64,
+        ),
+        DeploymentChanged(
+            **_env(8, "streams/rollout", ""),
+            version="demo-gpt@4",
+            action="promote",
+            traffic={"demo-gpt@3": 0.75, "demo-gpt@4": 0.25},
+            reason="canary healthy for 30m",
+        ),
+        BudgetStateChanged(
+            **_env(9, "streams/ledger", ""),
+            limit_micros=5_000_000,
+            spent_micros=5_000_100,
+            exhausted=True,
+        ),
+        BurnRateCrossed(
+            **_env(10, "streams/slo", ""),
+            slo="ttft-p99",
+            window="1h",
+            burn_rate=14.5,
+            threshold=14.4,
+            firing=True,
+        ),
+        DriftReport(
+            **_env(11, "drift/checker", ""),
+            window_start=_at(-3_600_000),
+            window_end=_at(0),
+            drifted=True,
+            share_drifted=0.5,
+            feature_scores={"prompt_tokens": 0.01, "completion_tokens": 0.4},
+            method="ks",
+        ),
+        DeadLetter(
+            **_env(12, "gpu/worker-0"),
+            source_topic="sluice.requests.demo-gpt",
+            partition=2,
+            offset=981,
+            reason="invalid event: missing required field `input_ids`",
+            payload_b64="eyJ0eXBlIjoiZ2VuZXJhdGlvbl9yZXF1ZXN0ZWQifQ==",
+            headers={"ce_type": "dev.sluicegate.x.v1"},
+        ),
+    ]

@@ -1,0 +1,285 @@
+"""``sluice``: the one command line for running, provisioning and querying the platform."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from schemas.settings import PlatformSettings, SettingsError, describe, load_settings
+
+if TYPE_CHECKING:
+    from confluent_kafka.admin import AdminClient
+
+    from infra.kafka.broker import LocalKafka
+
+console = Console(stderr=True, soft_wrap=True)
+out = Console(soft_wrap=True)
+
+app = typer.Typer(
+    name="sluice",
+    help="sluicegate: event-sourced, observability-first online model serving on Kafka.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+kafka_app = typer.Typer(help="Run the local single-node Kafka broker (KRaft).", no_args_is_help=True)
+topics_app = typer.Typer(
+    help="Create and inspect the platform's topics (declared in infra/topics.py).", no_args_is_help=True
+)
+schemas_app = typer.Typer(help="Event contracts for downstream teams.", no_args_is_help=True)
+warehouse_app = typer.Typer(help="The ClickHouse warehouse (embedded chDB by default).", no_args_is_help=True)
+app.add_typer(kafka_app, name="kafka")
+app.add_typer(topics_app, name="topics")
+app.add_typer(schemas_app, name="schemas")
+app.add_typer(warehouse_app, name="warehouse")
+
+
+def settings() -> PlatformSettings:
+    """The platform settings, read once per process."""
+    global _settings
+    if _settings is None:
+        try:
+            _settings = load_settings(PlatformSettings)
+        except SettingsError as exc:
+            console.print(f"[red]settings error:[/] {exc}")
+            raise typer.Exit(2) from None
+    return _settings
+
+
+_settings: PlatformSettings | None = None
+
+
+def fail(message: str, code: int = 1) -> typer.Exit:
+    console.print(f"[red]error:[/] {message}")
+    return typer.Exit(code)
+
+
+# ---------------------------------------------------------------- kafka
+
+
+def local_broker(s: PlatformSettings) -> LocalKafka:
+    from infra.kafka.broker import LocalKafka
+
+    return LocalKafka(
+        data_dir=Path(s.data_dir) / "kafka",
+        cache_dir=s.cache_dir,
+        version=s.kafka_version,
+        port=s.kafka_port,
+        progress=lambda artifact: console.print(f"  [dim]downloaded {artifact}[/]"),
+    )
+
+
+@kafka_app.command("up")
+def kafka_up() -> None:
+    """Start the local broker in the background (data kept in $SLUICE_DATA_DIR/kafka across restarts)."""
+    from infra.errors import InfraError
+
+    s = settings()
+    if not s.local_kafka:
+        raise fail(
+            f"SLUICE_KAFKA_BOOTSTRAP={s.kafka_bootstrap} points at an existing cluster; nothing to start"
+        )
+    broker = local_broker(s)
+    if broker.running():
+        out.print(f"Kafka already running at {broker.bootstrap} (pid {broker.pid()})")
+        return
+    try:
+        with console.status(f"starting Kafka {s.kafka_version} (first run fetches jars from Maven Central)"):
+            broker.start()
+    except InfraError as exc:
+        raise fail(str(exc)) from None
+    out.print(
+        f"Kafka {s.kafka_version} up at {broker.bootstrap} (pid {broker.pid()}), data in {broker.data_dir}"
+    )
+
+
+@kafka_app.command("down")
+def kafka_down() -> None:
+    """Stop the local broker cleanly (its data stays)."""
+    broker = local_broker(settings())
+    if broker.pid() is None:
+        out.print("Kafka is not running")
+        return
+    broker.stop()
+    out.print("Kafka stopped")
+
+
+@kafka_app.command("status")
+def kafka_status() -> None:
+    """Say whether Kafka answers, and where. Exit code 1 when it does not."""
+    from infra.kafka.broker import broker_answers
+
+    s = settings()
+    if s.local_kafka:
+        broker = local_broker(s)
+        pid = broker.pid()
+        if pid is None or not broker_answers(broker.bootstrap):
+            out.print(f"Kafka (local) is down; `sluice kafka up` starts it at {broker.bootstrap}")
+            raise typer.Exit(1)
+        out.print(
+            f"Kafka (local, {s.kafka_version}) is up at {broker.bootstrap}, pid {pid}, data {broker.data_dir}"
+        )
+    elif broker_answers(s.bootstrap, timeout=5):
+        out.print(f"Kafka (external) answers at {s.bootstrap}")
+    else:
+        out.print(f"Kafka (external) does not answer at {s.bootstrap}")
+        raise typer.Exit(1)
+
+
+@kafka_app.command("fetch")
+def kafka_fetch() -> None:
+    """Download the Kafka jars into the cache without starting anything (CI warms this)."""
+    from infra.kafka.dist import KafkaFetchError, fetch_kafka
+
+    s = settings()
+    try:
+        with console.status(f"resolving Kafka {s.kafka_version} from Maven Central"):
+            home = fetch_kafka(
+                s.cache_dir,
+                s.kafka_version,
+                lambda artifact: console.print(f"  [dim]downloaded {artifact}[/]"),
+            )
+    except KafkaFetchError as exc:
+        raise fail(str(exc)) from None
+    out.print(f"Kafka {s.kafka_version} jars in {home}")
+
+
+# ---------------------------------------------------------------- topics
+
+
+def _admin(s: PlatformSettings) -> AdminClient:
+    from infra.topics import make_admin
+
+    return make_admin(s.bootstrap)
+
+
+@topics_app.command("apply")
+def topics_apply() -> None:
+    """Create or update every platform topic to match the spec; idempotent. Reports each change."""
+    from infra.errors import InfraError
+    from infra.topics import apply_topics, platform_topics
+    from schemas.topics import TopicNames
+
+    s = settings()
+    try:
+        changes = apply_topics(_admin(s), platform_topics(TopicNames(s.topic_prefix), s.models))
+    except InfraError as exc:
+        raise fail(str(exc)) from None
+    table = Table("topic", "action", "detail", title=f"topics on {s.bootstrap}")
+    for change in changes:
+        style = "dim" if change.action == "unchanged" else "green"
+        table.add_row(change.name, f"[{style}]{change.action}[/]", change.detail)
+    out.print(table)
+
+
+@topics_app.command("list")
+def topics_list() -> None:
+    """List the cluster's platform topics with partitions, and the spec's purpose of each."""
+    from infra.topics import describe_topics, platform_topics
+    from schemas.topics import TopicNames
+
+    s = settings()
+    purposes = {t.name: t for t in platform_topics(TopicNames(s.topic_prefix), s.models)}
+    table = Table("topic", "partitions", "cleanup", "purpose", title=f"topics on {s.bootstrap}")
+    for name, partitions in describe_topics(_admin(s), s.topic_prefix):
+        spec = purposes.get(name)
+        table.add_row(
+            name,
+            str(partitions),
+            spec.config.get("cleanup.policy", "") if spec else "",
+            spec.purpose if spec else "[yellow]not in spec[/]",
+        )
+    out.print(table)
+
+
+# ---------------------------------------------------------------- schemas
+
+
+@schemas_app.command("export")
+def schemas_export(directory: Annotated[Path, typer.Argument(help="folder to write into")]) -> None:
+    """Write one JSON Schema per event type (plus index.json) into DIRECTORY."""
+    from schemas.jsonschema import export_json_schemas
+
+    paths = export_json_schemas(directory)
+    out.print(f"wrote {len(paths)} files to {directory}")
+
+
+# ---------------------------------------------------------------- warehouse
+
+
+@warehouse_app.command("migrate")
+def warehouse_migrate() -> None:
+    """Apply pending DDL migrations (idempotent; recorded in schema_migrations)."""
+    from infra.warehouse import WarehouseError, migrate, open_warehouse
+
+    try:
+        client = open_warehouse(settings())
+        applied = migrate(client, progress=lambda name: console.print(f"  applying {name}"))
+    except WarehouseError as exc:
+        raise fail(str(exc)) from None
+    if applied:
+        out.print(f"applied {len(applied)} migration(s): " + ", ".join(m.name for m in applied))
+    else:
+        out.print("warehouse is up to date")
+
+
+@app.command("sql")
+def sql(
+    query: Annotated[str, typer.Argument(help='e.g. "SELECT count() FROM events_raw"')],
+    fmt: Annotated[str, typer.Option("--format", "-f", help="table, json or csv")] = "table",
+) -> None:
+    """Run a read-only SQL query on the warehouse (through the running platform if it owns chDB)."""
+    from infra.warehouse import WarehouseError, query_warehouse
+
+    if fmt not in ("table", "json", "csv"):
+        raise fail("--format must be table, json or csv", 2)
+    try:
+        result = query_warehouse(settings(), query)
+    except WarehouseError as exc:
+        raise fail(str(exc)) from None
+    if fmt == "json":
+        for row in result.rows:
+            out.print_json(json.dumps(dict(zip(result.columns, row, strict=True)), default=str))
+    elif fmt == "csv":
+        import csv
+
+        writer = csv.writer(sys.stdout)
+        writer.writerow(result.columns)
+        writer.writerows(result.rows)
+    else:
+        table = Table(*result.columns)
+        for row in result.rows:
+            table.add_row(*(str(v) for v in row))
+        out.print(table)
+
+
+# ---------------------------------------------------------------- settings and up
+
+
+@app.command("settings")
+def show_settings() -> None:
+    """Show every SLUICE_* setting: its type, default and the value in effect."""
+    s = settings()
+    table = Table("variable", "type", "default", "in effect")
+    for name, type_name, default in describe(PlatformSettings):
+        field = name.removeprefix("SLUICE_").lower()
+        table.add_row(name, type_name, default, repr(getattr(s, field)))
+    out.print(table)
+
+
+@app.command("up")
+def up() -> None:
+    """Run the platform on embedded defaults until Ctrl-C: Kafka, topics, warehouse."""
+    from sluice.up import run_platform
+
+    raise typer.Exit(run_platform(settings(), out, console))
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,204 @@
+from __future__ import annotations
+
+import ast
+import sys
+import uuid
+from datetime import UTC, datetime, timedelta, timezone
+from pathlib import Path
+from typing import get_args
+
+import msgspec
+import pytest
+
+import schemas
+from schemas.events import (
+    EVENT_TYPES,
+    REQUEST_TYPES,
+    CancelRequested,
+    Event,
+    GenerationRequested,
+    RequestCommon,
+    Timings,
+    event_type_name,
+)
+from schemas.examples import example_events
+from schemas.ids import Uuid7Generator, uuid7, uuid7_from_parts, uuid7_time, uuid7_unix_ms
+
+# --- UUIDv7 -----------------------------------------------------------------------------------------------
+
+
+def test_uuid7_has_version_7_and_rfc_variant() -> None:
+    for _ in range(100):
+        value = uuid.UUID(uuid7())
+        assert value.version == 7
+        assert value.variant == uuid.RFC_4122
+        assert (value.int >> 62) & 0b11 == 0b10
+
+
+def test_uuid7_carries_the_current_unix_milliseconds() -> None:
+    before = datetime.now(UTC) - timedelta(milliseconds=1)
+    made = uuid7_time(uuid7())
+    after = datetime.now(UTC) + timedelta(milliseconds=1)
+    assert before <= made <= after
+
+
+def test_uuid7_is_strictly_increasing_and_unique() -> None:
+    made = [uuid7() for _ in range(20_000)]
+    assert made == sorted(made)
+    assert len(set(made)) == len(made)
+    assert [uuid7_unix_ms(v) for v in made] == sorted(uuid7_unix_ms(v) for v in made)
+
+
+def test_uuid7_stays_monotonic_when_the_clock_stands_still_or_steps_back() -> None:
+    now = [1_700_000_000_000_000_000]
+    generator = Uuid7Generator(clock=lambda: now[0])
+    first = generator()
+    second = generator()
+    now[0] -= 5_000_000_000  # five seconds back
+    third = generator()
+    assert first < second < third
+    assert uuid7_unix_ms(first) == uuid7_unix_ms(third) == 1_700_000_000_000
+    now[0] += 10_000_000_000
+    assert uuid7_unix_ms(generator()) == 1_700_000_005_000
+
+
+def test_uuid7_moves_to_the_next_millisecond_when_the_random_part_overflows() -> None:
+    generator = Uuid7Generator(clock=lambda: 1_700_000_000_000_000_000, randbits=lambda n: (1 << n) - 1)
+    first = generator()
+    second = generator()
+    assert first < second
+    assert uuid7_unix_ms(second) == uuid7_unix_ms(first) + 1
+
+
+def test_uuid7_from_parts_lays_out_the_fields() -> None:
+    value = uuid7_from_parts(0x0123456789AB, (0xCDE << 62) | 0x3FFF_FFFF_FFFF_FFFF)
+    assert value == "01234567-89ab-7cde-bfff-ffffffffffff"
+    assert uuid7_unix_ms(value) == 0x0123456789AB
+
+
+@pytest.mark.parametrize(("unix_ms", "rand"), [(-1, 0), (1 << 48, 0), (0, -1), (0, 1 << 74)])
+def test_uuid7_from_parts_rejects_out_of_range_parts(unix_ms: int, rand: int) -> None:
+    with pytest.raises(ValueError, match="bits"):
+        uuid7_from_parts(unix_ms, rand)
+
+
+def test_uuid7_unix_ms_rejects_other_versions() -> None:
+    with pytest.raises(ValueError, match="version 7"):
+        uuid7_unix_ms(str(uuid.uuid4()))
+
+
+# --- event types ------------------------------------------------------------------------------------------
+
+
+def test_event_types_are_the_event_union() -> None:
+    assert set(EVENT_TYPES) == set(get_args(Event))
+    assert len(EVENT_TYPES) == len(set(EVENT_TYPES))
+    assert set(REQUEST_TYPES) <= set(EVENT_TYPES)
+
+
+def test_type_names_are_unique_snake_case_tags() -> None:
+    names = [event_type_name(cls) for cls in EVENT_TYPES]
+    assert len(set(names)) == len(names)
+    for name in names:
+        assert name.isidentifier()
+        assert name == name.lower()
+    assert event_type_name(CancelRequested) == "cancel_requested"
+
+
+def test_event_type_name_rejects_a_non_event() -> None:
+    with pytest.raises(TypeError, match="RequestCommon"):
+        event_type_name(RequestCommon)
+
+
+def test_schema_versions_start_at_one() -> None:
+    assert all(cls.schema_version >= 1 for cls in EVENT_TYPES)
+
+
+def test_id_and_time_default_to_a_fresh_uuid7_and_now() -> None:
+    before = datetime.now(UTC)
+    event = CancelRequested(tenant="t", model="m", request_id="r", source="ingest/edge-1", reason="shutdown")
+    other = CancelRequested(tenant="t", model="m", request_id="r", source="ingest/edge-1", reason="shutdown")
+    assert uuid.UUID(event.id).version == 7
+    assert event.id < other.id
+    assert event.time.tzinfo is not None
+    assert before <= event.time <= datetime.now(UTC)
+    assert event.traceparent is None
+
+
+def test_generation_defaults() -> None:
+    event = GenerationRequested(tenant="t", model="m", source="s", model_version="m@1", input_ids=[1])
+    assert event.request_id == ""
+    assert event.sampling.max_tokens == 16
+    assert event.sampling.stop == ()
+    assert (event.stream, event.chat, event.deadline, event.reply, event.priority) == (
+        False,
+        False,
+        None,
+        None,
+        0,
+    )
+
+
+def test_events_are_frozen() -> None:
+    event = example_events()[0]
+    with pytest.raises(AttributeError):
+        event.tenant = "other"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    "when",
+    [datetime(2026, 1, 1), datetime(2026, 1, 1, tzinfo=timezone(timedelta(hours=2)))],
+    ids=["naive", "plus-2h"],
+)
+def test_times_must_be_utc(when: datetime) -> None:
+    with pytest.raises(ValueError, match="time must be an aware UTC datetime"):
+        CancelRequested(time=when, tenant="t", model="m", source="s", reason="shutdown")
+    with pytest.raises(ValueError, match="deadline must be an aware UTC datetime"):
+        GenerationRequested(tenant="t", model="m", source="s", model_version="v", input_ids=[], deadline=when)
+    with pytest.raises(ValueError, match="first_token must be an aware UTC datetime"):
+        Timings(first_token=when)
+
+
+# --- examples ---------------------------------------------------------------------------------------------
+
+
+def test_examples_hold_every_event_type_exactly_once() -> None:
+    assert sorted(type(e).__name__ for e in example_events()) == sorted(cls.__name__ for cls in EVENT_TYPES)
+
+
+def test_examples_are_deterministic() -> None:
+    assert example_events() == example_events()
+
+
+def _none_fields(value: msgspec.Struct, path: str) -> list[str]:
+    found = []
+    for name in value.__struct_fields__:
+        field = getattr(value, name)
+        if field is None:
+            found.append(f"{path}.{name}")
+        elif isinstance(field, msgspec.Struct):
+            found += _none_fields(field, f"{path}.{name}")
+    return found
+
+
+def test_examples_are_fully_populated() -> None:
+    for event in example_events():
+        assert _none_fields(event, type(event).__name__) == []
+
+
+# --- the package is a leaf --------------------------------------------------------------------------------
+
+
+def test_schemas_imports_only_stdlib_msgspec_and_itself() -> None:
+    allowed = set(sys.stdlib_module_names) | {"msgspec", "schemas", "__future__"}
+    package = Path(schemas.__file__).parent
+    for source in package.glob("*.py"):
+        tree = ast.parse(source.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                roots = [alias.name.split(".")[0] for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                roots = [node.module.split(".")[0]]
+            else:
+                continue
+            assert set(roots) <= allowed, f"{source.name} imports {roots}"

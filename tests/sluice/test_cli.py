@@ -1,0 +1,127 @@
+"""The real ``sluice`` command, run as a user would (a subprocess), against the session's broker."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+import pytest
+from typer.testing import CliRunner
+
+from infra.kafka.broker import free_port
+from infra.topics import make_admin
+from sluice.cli import app
+
+SUBCOMMANDS = [
+    [],
+    ["kafka"],
+    ["kafka", "up"],
+    ["kafka", "down"],
+    ["kafka", "status"],
+    ["kafka", "fetch"],
+    ["topics"],
+    ["topics", "apply"],
+    ["topics", "list"],
+    ["schemas"],
+    ["schemas", "export"],
+    ["warehouse"],
+    ["warehouse", "migrate"],
+    ["sql"],
+    ["settings"],
+    ["up"],
+]
+
+
+def sluice(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "sluice", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize("args", SUBCOMMANDS, ids=lambda a: " ".join(a) or "sluice")
+def test_every_subcommand_has_help(args: list[str]) -> None:
+    result = CliRunner().invoke(app, [*args, "--help"])
+    assert result.exit_code == 0, result.output
+    assert "Usage:" in result.stdout
+    assert len(result.stdout.splitlines()) > 3
+
+
+def test_unknown_setting_is_refused_with_a_hint() -> None:
+    env = {**os.environ, "SLUICE_KAFKA_BOOTSTAP": "x:1"}
+    result = sluice("settings", env=env)
+    assert result.returncode == 2
+    assert "SLUICE_KAFKA_BOOTSTAP (did you mean SLUICE_KAFKA_BOOTSTRAP?)" in result.stderr
+
+
+def test_settings_lists_variables_in_effect() -> None:
+    env = {**os.environ, "SLUICE_TOPIC_PREFIX": "acme"}
+    result = sluice("settings", env=env)
+    assert result.returncode == 0, result.stderr
+    assert "SLUICE_TOPIC_PREFIX" in result.stdout
+    assert "'acme'" in result.stdout
+
+
+def test_schemas_export_writes_valid_json_schemas(tmp_path: Path) -> None:
+    result = sluice("schemas", "export", str(tmp_path / "out"))
+    assert result.returncode == 0, result.stderr
+    files = sorted((tmp_path / "out").glob("*.schema.json"))
+    assert len(files) >= 10
+    for path in files:
+        schema = json.loads(path.read_text())
+        jsonschema.Draft202012Validator.check_schema(schema)
+
+
+@pytest.mark.integration
+def test_topics_apply_and_list(cli_env: dict[str, str], kafka_bootstrap: str, topic_prefix: str) -> None:
+    first = sluice("topics", "apply", env=cli_env)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.count("created") == 10
+    second = sluice("topics", "apply", env=cli_env)
+    assert second.returncode == 0, second.stderr
+    assert "created" not in second.stdout
+    assert second.stdout.count("unchanged") == 10
+    listed = sluice("topics", "list", env=cli_env)
+    assert listed.returncode == 0, listed.stderr
+    for topic in ("requests.demo-gpt", "requests.all-minilm-l6-v2", "replies", "control", "deadletter"):
+        assert f"{topic_prefix}.{topic}" in listed.stdout
+    seen = make_admin(kafka_bootstrap).list_topics(timeout=10).topics
+    assert f"{topic_prefix}.control" in seen
+    assert f"{topic_prefix}.requests.demo-gpt" in seen
+
+
+@pytest.mark.integration
+def test_kafka_up_status_down(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_") or k == "SLUICE_CACHE_DIR"}
+    env.update(SLUICE_DATA_DIR=str(tmp_path / "data"), SLUICE_KAFKA_PORT=str(free_port()))
+    try:
+        up = sluice("kafka", "up", env=env)
+        assert up.returncode == 0, up.stderr
+        assert "up at 127.0.0.1:" in up.stdout
+        assert sluice("kafka", "status", env=env).returncode == 0
+        again = sluice("kafka", "up", env=env)
+        assert "already running" in again.stdout
+    finally:
+        down = sluice("kafka", "down", env=env)
+    assert down.returncode == 0, down.stderr
+    assert "stopped" in down.stdout
+    status = sluice("kafka", "status", env=env)
+    assert status.returncode == 1
+    assert "down" in status.stdout
+
+
+def test_kafka_up_refuses_with_external_bootstrap() -> None:
+    env = {**os.environ, "SLUICE_KAFKA_BOOTSTRAP": "127.0.0.1:1"}
+    result = sluice("kafka", "up", env=env)
+    assert result.returncode == 1
+    assert "existing cluster" in result.stderr
