@@ -1,0 +1,88 @@
+"""``sluice up`` as a user runs it: Kafka, topics and warehouse come up; other processes can query; Ctrl-C
+stops everything cleanly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from infra.kafka.broker import free_port, port_open
+from infra.topics import make_admin
+
+pytestmark = pytest.mark.integration
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_") or k == "SLUICE_CACHE_DIR"}
+    env.update(SLUICE_DATA_DIR=str(tmp_path / "data"), SLUICE_KAFKA_PORT=str(free_port()))
+    return env
+
+
+def _wait_for_line(proc: subprocess.Popen[str], needle: str, timeout: float) -> list[str]:
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            if proc.poll() is not None:
+                break
+            continue
+        lines.append(line)
+        if needle in line:
+            return lines
+    raise AssertionError(f"{needle!r} not seen; output so far:\n{''.join(lines)}")
+
+
+def test_up_serves_kafka_topics_and_warehouse_then_stops_on_sigint(tmp_path: Path) -> None:
+    env = _env(tmp_path)
+    port = int(env["SLUICE_KAFKA_PORT"])
+    with subprocess.Popen(
+        [sys.executable, "-m", "sluice", "up"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    ) as proc:
+        _drive(proc, env, port)
+    assert not port_open(port), "the broker sluice up started must stop with it"
+    assert not (tmp_path / "data" / "warehouse" / ".owner.json").exists()
+
+
+def _drive(proc: subprocess.Popen[str], env: dict[str, str], port: int) -> None:
+    try:
+        _wait_for_line(proc, "sluicegate is up", timeout=90)
+        topics = make_admin(f"127.0.0.1:{port}").list_topics(timeout=10).topics
+        assert "sluice.requests.demo-gpt" in topics
+        assert "sluice.control" in topics
+        sql = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "sluice",
+                "sql",
+                "SELECT count() AS n FROM schema_migrations",
+                "-f",
+                "csv",
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert sql.returncode == 0, sql.stderr
+        assert sql.stdout.splitlines()[0] == "n"
+        assert int(sql.stdout.splitlines()[1]) >= 1
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
