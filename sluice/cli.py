@@ -220,7 +220,10 @@ def warehouse_migrate() -> None:
 
     try:
         client = open_warehouse(settings())
-        applied = migrate(client, progress=lambda name: console.print(f"  applying {name}"))
+        try:
+            applied = migrate(client, progress=lambda name: console.print(f"  applying {name}"))
+        finally:
+            client.close()
     except WarehouseError as exc:
         raise fail(str(exc)) from None
     if applied:
@@ -233,6 +236,7 @@ def warehouse_migrate() -> None:
 def sql(
     query: Annotated[str, typer.Argument(help='e.g. "SELECT count() FROM events_raw"')],
     fmt: Annotated[str, typer.Option("--format", "-f", help="table, json or csv")] = "table",
+    max_rows: Annotated[int, typer.Option("--max-rows", min=1, help="stop after this many rows")] = 10_000,
 ) -> None:
     """Run a read-only SQL query on the warehouse (through the running platform if it owns chDB)."""
     from infra.warehouse import WarehouseError, query_warehouse
@@ -240,7 +244,7 @@ def sql(
     if fmt not in ("table", "json", "csv"):
         raise fail("--format must be table, json or csv", 2)
     try:
-        result = query_warehouse(settings(), query)
+        result = query_warehouse(settings(), query, max_rows=max_rows)
     except WarehouseError as exc:
         raise fail(str(exc)) from None
     if fmt == "json":
@@ -257,6 +261,8 @@ def sql(
         for row in result.rows:
             table.add_row(*(str(v) for v in row))
         out.print(table)
+    if result.truncated:
+        console.print(f"[yellow]result cut at {max_rows} rows[/] (--max-rows raises the limit)")
 
 
 # ---------------------------------------------------------------- settings and up
