@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Sequence
 from typing import Literal
 
 import msgspec
-from confluent_kafka import KafkaException
+from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import (
     AdminClient,
     AlterConfigOpType,
@@ -124,59 +125,88 @@ def apply_topics(admin: AdminClient, specs: Iterable[TopicSpec], timeout: float 
     Kafka cannot shrink a topic.
     """
     specs = list(specs)
-    existing = admin.list_topics(timeout=timeout).topics
+    counts = _partition_counts(admin, timeout)
     for spec in specs:
-        if spec.name in existing and len(existing[spec.name].partitions) > spec.partitions:
+        if counts.get(spec.name, 0) > spec.partitions:
             raise TopicSpecError(
-                f"topic {spec.name} has {len(existing[spec.name].partitions)} partitions but the spec asks "
-                f"for {spec.partitions}; Kafka cannot remove partitions. Raise the spec to at least "
-                f"{len(existing[spec.name].partitions)}, or delete and recreate the topic."
+                f"topic {spec.name} has {counts[spec.name]} partitions but the spec asks for "
+                f"{spec.partitions}; Kafka cannot remove partitions. Raise the spec to at least "
+                f"{counts[spec.name]}, or delete and recreate the topic."
             )
-    changes: list[TopicChange] = []
-    missing = [s for s in specs if s.name not in existing]
+    missing = [s for s in specs if s.name not in counts]
+    created = _create(admin, missing, timeout)
     if missing:
-        futures = admin.create_topics(
-            [
-                NewTopic(s.name, num_partitions=s.partitions, replication_factor=1, config=s.config)
-                for s in missing
-            ],
-            operation_timeout=timeout,
-        )
-        for spec in missing:
-            _result(futures[spec.name], f"creating {spec.name}")
-            changes.append(
-                TopicChange(name=spec.name, action="created", detail=f"{spec.partitions} partitions")
-            )
-    present = [s for s in specs if s.name in existing]
+        counts = _wait_visible(admin, [s.name for s in missing], timeout)
+    changes = {
+        name: TopicChange(name=name, action="created", detail=detail) for name, detail in created.items()
+    }
+    present = [s for s in specs if s.name not in created]
     drifted = _config_drift(admin, present, timeout)
     for spec in present:
-        have = len(existing[spec.name].partitions)
-        detail: list[str] = []
-        if have < spec.partitions:
-            fut = admin.create_partitions([NewPartitions(spec.name, spec.partitions)])[spec.name]
-            _result(fut, f"growing {spec.name}")
-            detail.append(f"partitions {have} -> {spec.partitions}")
-        if drifted.get(spec.name):
-            resource = ConfigResource(
-                ConfigResource.Type.TOPIC,
-                spec.name,
-                incremental_configs=[
-                    ConfigEntry(k, spec.config[k], incremental_operation=AlterConfigOpType.SET)
-                    for k in sorted(drifted[spec.name])
-                ],
+        changes[spec.name] = _reconcile(admin, spec, counts[spec.name], drifted.get(spec.name, {}))
+    return [changes[s.name] for s in specs]
+
+
+def _create(admin: AdminClient, specs: Sequence[TopicSpec], timeout: float) -> dict[str, str]:
+    """Create ``specs``; return name -> detail of those this call created (a concurrent creator may win)."""
+    if not specs:
+        return {}
+    futures = admin.create_topics(
+        [NewTopic(s.name, num_partitions=s.partitions, replication_factor=1, config=s.config) for s in specs],
+        operation_timeout=timeout,
+    )
+    created = {}
+    for spec in specs:
+        try:
+            futures[spec.name].result()
+        except KafkaException as exc:
+            if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
+                raise InfraError(f"creating {spec.name} failed: {exc.args[0]}") from exc
+            continue  # the broker's metadata lagged a creation: reconciled as present below
+        created[spec.name] = f"{spec.partitions} partitions"
+    return created
+
+
+def _reconcile(admin: AdminClient, spec: TopicSpec, have: int, drift: dict[str, str]) -> TopicChange:
+    detail: list[str] = []
+    if have < spec.partitions:
+        _result(
+            admin.create_partitions([NewPartitions(spec.name, spec.partitions)])[spec.name],
+            f"growing {spec.name}",
+        )
+        detail.append(f"partitions {have} -> {spec.partitions}")
+    if drift:
+        entries = [
+            ConfigEntry(key, spec.config[key], incremental_operation=AlterConfigOpType.SET)
+            for key in sorted(drift)
+        ]
+        resource = ConfigResource(ConfigResource.Type.TOPIC, spec.name, incremental_configs=entries)
+        _result(admin.incremental_alter_configs([resource])[resource], f"configuring {spec.name}")
+        detail += [f"{key}: {old} -> {spec.config[key]}" for key, old in sorted(drift.items())]
+    if not detail:
+        return TopicChange(name=spec.name, action="unchanged")
+    action: Literal["partitions increased", "config changed"] = (
+        "partitions increased" if have < spec.partitions else "config changed"
+    )
+    return TopicChange(name=spec.name, action=action, detail="; ".join(detail))
+
+
+def _partition_counts(admin: AdminClient, timeout: float) -> dict[str, int]:
+    return {name: len(meta.partitions) for name, meta in admin.list_topics(timeout=timeout).topics.items()}
+
+
+def _wait_visible(admin: AdminClient, names: Sequence[str], timeout: float) -> dict[str, int]:
+    """Wait until the broker's metadata lists every topic in ``names``; return all partition counts."""
+    deadline = time.monotonic() + timeout
+    while True:
+        counts = _partition_counts(admin, timeout)
+        if all(name in counts for name in names):
+            return counts
+        if time.monotonic() > deadline:
+            raise InfraError(
+                f"topics {sorted(set(names) - set(counts))} were created but never became visible"
             )
-            _result(admin.incremental_alter_configs([resource])[resource], f"configuring {spec.name}")
-            detail += [f"{k}: {v} -> {spec.config[k]}" for k, v in sorted(drifted[spec.name].items())]
-        if not detail:
-            changes.append(TopicChange(name=spec.name, action="unchanged"))
-        elif have < spec.partitions:
-            changes.append(
-                TopicChange(name=spec.name, action="partitions increased", detail="; ".join(detail))
-            )
-        else:
-            changes.append(TopicChange(name=spec.name, action="config changed", detail="; ".join(detail)))
-    order = {s.name: i for i, s in enumerate(specs)}
-    return sorted(changes, key=lambda c: order[c.name])
+        time.sleep(0.05)
 
 
 def _config_drift(

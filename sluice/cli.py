@@ -18,8 +18,9 @@ if TYPE_CHECKING:
 
     from infra.kafka.broker import LocalKafka
 
-console = Console(stderr=True, soft_wrap=True)
-out = Console(soft_wrap=True)
+# Piped output (scripts, tests) gets wide lines instead of rich's 80-column default.
+console = Console(stderr=True, soft_wrap=True, width=None if sys.stderr.isatty() else 200)
+out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 200)
 
 app = typer.Typer(
     name="sluice",

@@ -59,7 +59,9 @@ async def _serve(settings: PlatformSettings, out: Console, console: Console) -> 
         console.print(f"warehouse: {len(applied)} migration(s) applied")
         server = await stack.enter_async_context(WarehouseQueryServer(client, settings))
 
-        out.print(f"[bold green]sluicegate is up[/]  Kafka {settings.bootstrap}  warehouse reads {server.url}")
-        out.print("`sluice sql \"SELECT ...\"` queries the warehouse; Ctrl-C stops everything.")
+        out.print(
+            f"[bold green]sluicegate is up[/]  Kafka {settings.bootstrap}  warehouse reads {server.url}"
+        )
+        out.print('`sluice sql "SELECT ..."` queries the warehouse; Ctrl-C stops everything.')
         await stop.wait()
         console.print("stopping...")
