@@ -145,8 +145,7 @@ class LocalKafka:
                 f"{home / 'libs'}/*",
                 "kafka.tools.StorageTool",
                 "format",
-                "-t",
-                cluster_id,
+                f"--cluster-id={cluster_id}",  # one token: an id may start with "-"
                 "-c",
                 str(props),
                 "--standalone",
