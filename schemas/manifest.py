@@ -1,0 +1,70 @@
+"""The model manifest: what the edge and the workers agree on about a served model directory.
+
+A model directory is a normal Hugging Face ``save_pretrained`` folder plus ``sluice-manifest.json``. The
+edge reads the manifest (and ``tokenizer.json`` with the ``tokenizers`` library) to validate, tokenise and
+clamp; the worker reads it to load the weights and check their hashes. Nothing here does I/O beyond
+reading the manifest file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+import msgspec
+
+MANIFEST_FILE = "sluice-manifest.json"
+
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+
+
+class SamplingDefaults(msgspec.Struct, frozen=True, kw_only=True):
+    temperature: Annotated[float, msgspec.Meta(ge=0.0, le=2.0)] = 1.0
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, msgspec.Meta(ge=0)] = 0
+    max_tokens: PositiveInt = 64
+
+
+class ChatFormat(msgspec.Struct, frozen=True, kw_only=True):
+    """A plain-text chat template: each message becomes ``turn.format(role=…, content=…)``, then
+    ``assistant_prefix`` is appended for the model to continue."""
+
+    turn: str = "<|{role}|>\n{content}\n"
+    assistant_prefix: str = "<|assistant|>\n"
+
+
+class ModelManifest(msgspec.Struct, frozen=True, kw_only=True):
+    model_id: str
+    task: Literal["generation", "embedding"]
+    version: str
+    """Content hash of weights + tokenizer (first 12 hex digits); part of every event as model_version."""
+    max_context: PositiveInt
+    """Prompt + completion tokens the model can attend to."""
+    max_output_tokens: PositiveInt = 256
+    embedding_dim: int | None = None
+    eos_token_id: int | None = None
+    files: dict[str, str] = {}
+    """file name -> sha256 of every weight and tokenizer file, checked when the worker loads."""
+    sampling: SamplingDefaults = SamplingDefaults()
+    chat: ChatFormat = ChatFormat()
+    description: str = ""
+
+
+def read_manifest(model_dir: Path) -> ModelManifest:
+    path = Path(model_dir) / MANIFEST_FILE
+    try:
+        return msgspec.json.decode(path.read_bytes(), type=ModelManifest)
+    except FileNotFoundError:
+        raise ManifestError(f"{model_dir} has no {MANIFEST_FILE}; is it a sluicegate model directory?") from None
+    except msgspec.ValidationError as exc:
+        raise ManifestError(f"{path}: {exc}") from None
+
+
+def write_manifest(model_dir: Path, manifest: ModelManifest) -> Path:
+    path = Path(model_dir) / MANIFEST_FILE
+    path.write_bytes(msgspec.json.format(msgspec.json.encode(manifest), indent=2) + b"\n")
+    return path
+
+
+class ManifestError(ValueError):
+    """A model directory's manifest is missing or invalid."""
