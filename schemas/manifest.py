@@ -68,3 +68,13 @@ def write_manifest(model_dir: Path, manifest: ModelManifest) -> Path:
 
 class ManifestError(ValueError):
     """A model directory's manifest is missing or invalid."""
+
+
+def models_root(cache_dir: str | Path) -> Path:
+    """Prepared model directories live under here: ``<root>/<model id>/<version>/`` + ``current`` link."""
+    return Path(cache_dir).expanduser() / "models"
+
+
+def current_model_dir(cache_dir: str | Path, model_id: str) -> Path:
+    """The prepared directory in use for ``model_id`` (a symlink to its content-addressed version)."""
+    return models_root(cache_dir) / model_id / "current"

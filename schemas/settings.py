@@ -138,6 +138,8 @@ class PlatformSettings(msgspec.Struct, frozen=True, kw_only=True):
     topic_prefix: Annotated[str, msgspec.Meta(pattern=r"^[a-zA-Z0-9_-]+$")] = "sluice"
     models: tuple[str, ...] = ("demo-gpt", "all-minilm-l6-v2")
     """Model ids served; each gets a request topic."""
+    model_paths: tuple[str, ...] = ()
+    """Extra local Hugging Face model directories to serve, as ``id=/path`` entries."""
     data_dir: str = msgspec.field(default_factory=_default_home)
     """Kafka log dirs and the embedded warehouse live under here."""
     cache_dir: str = msgspec.field(default_factory=_default_cache)
