@@ -1,0 +1,91 @@
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from confluent_kafka import Message, Producer
+
+from bus.consumer import ConsumerThread, consumer_config, decode_or_dead_letter
+from bus.producer import EventProducer
+from infra.topics import TopicSpec, apply_topics, make_admin
+from schemas.codec import decode
+from schemas.events import DeadLetter, Event
+from schemas.examples import example_events
+
+pytestmark = pytest.mark.integration
+
+
+def _topics(bootstrap: str, *names: str) -> None:
+    apply_topics(
+        make_admin(bootstrap), [TopicSpec(name=n, partitions=2, config={}, purpose="") for n in names]
+    )
+
+
+class Collector:
+    def __init__(self) -> None:
+        self.messages: list[Message] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, batch: list[Message]) -> None:
+        with self.lock:
+            self.messages += batch
+
+    def wait_for(self, n: int, timeout: float = 30) -> list[Message]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self.lock:
+                if len(self.messages) >= n:
+                    return list(self.messages)
+            time.sleep(0.02)
+        raise AssertionError(f"got {len(self.messages)} of {n} messages")
+
+
+async def test_publish_returns_once_durable_and_a_group_resumes_after_commits(
+    kafka_bootstrap: str, topic_prefix: str
+) -> None:
+    topic = f"{topic_prefix}.in"
+    _topics(kafka_bootstrap, topic)
+    events = example_events()
+    producer = EventProducer(kafka_bootstrap, "test")
+    producer.start()
+    try:
+        positions = [await producer.publish(topic, e, partition=0) for e in events]
+    finally:
+        producer.stop()
+    assert [off for _, off in positions] == list(range(len(events)))
+
+    config = consumer_config(kafka_bootstrap, f"{topic}-g", "test")
+    first = Collector()
+    reader = ConsumerThread(config, first, subscribe=[topic])
+    with reader:
+        got = first.wait_for(len(events))
+        assert [decode(m.value() or b"") for m in got] == events
+        reader.commit({(topic, 0): 5})  # pretend only the first five were handled durably
+    second = Collector()
+    with ConsumerThread(config, second, subscribe=[topic]):
+        rest = second.wait_for(len(events) - 5)
+    assert [decode(m.value() or b"") for m in rest] == events[5:]
+
+
+def test_undecodable_records_go_to_the_dead_letter_topic(kafka_bootstrap: str, topic_prefix: str) -> None:
+    topic, dlq = f"{topic_prefix}.in", f"{topic_prefix}.dlq"
+    _topics(kafka_bootstrap, topic, dlq)
+    raw = Producer({"bootstrap.servers": kafka_bootstrap})
+    raw.produce(topic, b"\x00junk", partition=0, headers=[("x", b"y")])
+    assert raw.flush(10) == 0
+    seen = Collector()
+    with ConsumerThread(consumer_config(kafka_bootstrap, f"{topic}-g", "t"), seen, subscribe=[topic]):
+        (message,) = seen.wait_for(1)
+    producer = EventProducer(kafka_bootstrap, "t")
+    with producer:
+        assert decode_or_dead_letter(message, producer, dlq, "test/worker") is None
+    dead = Collector()
+    with ConsumerThread(consumer_config(kafka_bootstrap, f"{dlq}-g", "t"), dead, subscribe=[dlq]):
+        (letter,) = dead.wait_for(1)
+    event: Event = decode(letter.value() or b"")
+    assert isinstance(event, DeadLetter)
+    assert event.source_topic == topic
+    assert event.offset == 0
+    assert event.headers == {"x": "y"}
+    assert "invalid" in event.reason.lower() or "decode" in event.reason.lower()
