@@ -1,0 +1,210 @@
+"""Dynamic batching for embeddings: cut batches of similar length by size, token budget and wait time.
+
+A pure, synchronous object; the worker loop passes the monotonic ``now`` in and waits
+``time_until_ready(now)`` (or for new input) between calls.
+
+Policies:
+
+* **Length buckets.** An item goes to the first bucket whose boundary is ``>= n_tokens`` (one more bucket
+  holds anything longer than the last boundary). A batch is cut from one bucket only, so it pads to a
+  similar length; buckets are never mixed (padding a short input to a long one costs more compute than
+  the extra forward call saves).
+* **Token budget.** A batch costs ``len(batch) * max(n_tokens)`` (the padded tensor). Items are taken
+  oldest first while the batch stays within ``max_batch_size`` and ``max_batch_tokens``; the first item
+  is always taken, so an item over the budget on its own runs alone instead of blocking its bucket.
+* **Ready.** A bucket is ready when its batch is full (``max_batch_size`` items, more items waiting than
+  fit the budget, or no further item could fit) or its oldest item has waited ``max_wait_s`` since
+  ``add``. Among ready buckets the one with the oldest item goes first.
+* **Deadlines.** An item is expired when ``now >= deadline``. ``next_batch`` never returns one: expired
+  items are moved aside and handed out by ``take_expired`` (the worker ends them ``expired``).
+* **Bounded.** ``add`` answers False when ``max_queued`` items are queued; the caller sheds the request.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+from collections import deque
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+P = TypeVar("P")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EmbedItem(Generic[P]):
+    """One input to embed. A request with several inputs may add several items with one request id."""
+
+    request_id: str
+    n_tokens: int
+    arrival: float
+    """Monotonic seconds the request reached the worker (for timings; the wait clock starts at ``add``)."""
+    payload: P
+    deadline: float | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BatcherConfig:
+    max_batch_size: int
+    max_wait_s: float
+    max_batch_tokens: int
+    """Budget of padded tokens per batch: ``len(batch) * longest item``."""
+    buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512)
+    max_queued: int = 1024
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_size", "max_batch_tokens", "max_queued"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_wait_s < 0:
+            raise ValueError(f"max_wait_s must be >= 0, got {self.max_wait_s}")
+        if not self.buckets or any(b < 1 for b in self.buckets):
+            raise ValueError(f"buckets must be positive lengths, got {self.buckets}")
+        if any(a >= b for a, b in zip(self.buckets, self.buckets[1:], strict=False)):
+            raise ValueError(f"buckets must be strictly increasing, got {self.buckets}")
+
+
+@dataclass(slots=True, eq=False)
+class _Entry(Generic[P]):
+    seq: int
+    ready_at: float  # add time + max_wait_s
+    item: EmbedItem[P]
+
+
+class DynamicBatcher(Generic[P]):
+    def __init__(self, config: BatcherConfig) -> None:
+        self.config = config
+        self._buckets: list[deque[_Entry[P]]] = [deque() for _ in range(len(config.buckets) + 1)]
+        self._live: dict[int, tuple[int, _Entry[P]]] = {}  # seq → (bucket index, entry)
+        self._deadlines: list[tuple[float, int]] = []  # heap of (deadline, seq); stale entries skipped
+        self._expired: list[EmbedItem[P]] = []
+        self._seq = 0
+
+    def __len__(self) -> int:
+        """Items queued for a batch (expired items awaiting ``take_expired`` not included)."""
+        return len(self._live)
+
+    def bucket_of(self, n_tokens: int) -> int:
+        return bisect.bisect_left(self.config.buckets, n_tokens)
+
+    def add(self, item: EmbedItem[P], now: float) -> bool:
+        if item.n_tokens < 0:
+            raise ValueError(f"n_tokens must be >= 0, got {item.n_tokens}")
+        if len(self._live) >= self.config.max_queued:
+            return False
+        self._seq += 1
+        index = self.bucket_of(item.n_tokens)
+        entry = _Entry(self._seq, now + self.config.max_wait_s, item)
+        self._buckets[index].append(entry)
+        self._live[self._seq] = (index, entry)
+        if item.deadline is not None:
+            heapq.heappush(self._deadlines, (item.deadline, self._seq))
+        return True
+
+    def next_batch(self, now: float) -> list[EmbedItem[P]] | None:
+        """The next batch to run, or None if no bucket is ready. Never contains an expired item."""
+        self._sweep(now)
+        best: tuple[float, int, int] | None = None  # (oldest item's ready_at, bucket index, batch length)
+        for index, queue in enumerate(self._buckets):
+            if not queue:
+                continue
+            fit = self._fit(queue)
+            if self._ready(queue, fit, now) and (best is None or queue[0].ready_at < best[0]):
+                best = (queue[0].ready_at, index, fit[0])
+        if best is None:
+            return None
+        _, index, size = best
+        queue = self._buckets[index]
+        batch: list[EmbedItem[P]] = []
+        for _ in range(size):
+            entry = queue.popleft()
+            del self._live[entry.seq]
+            batch.append(entry.item)
+        self._compact_deadlines()
+        return batch
+
+    def take_expired(self, now: float) -> list[EmbedItem[P]]:
+        """Remove and return every queued item past its deadline (and any ``next_batch`` set aside)."""
+        self._sweep(now)
+        expired, self._expired = self._expired, []
+        return expired
+
+    def time_until_ready(self, now: float) -> float | None:
+        """Seconds until ``next_batch`` or ``take_expired`` may have work: 0.0 if now, None if empty."""
+        if self._expired:
+            return 0.0
+        soonest: float | None = None
+        for queue in self._buckets:
+            if not queue:
+                continue
+            if self._ready(queue, self._fit(queue), now):
+                return 0.0
+            at = queue[0].ready_at
+            soonest = at if soonest is None else min(soonest, at)
+        while self._deadlines and self._deadlines[0][1] not in self._live:
+            heapq.heappop(self._deadlines)
+        if self._deadlines:
+            at = self._deadlines[0][0]
+            soonest = at if soonest is None else min(soonest, at)
+        return None if soonest is None else max(0.0, soonest - now)
+
+    def cancel(self, request_id: str) -> list[EmbedItem[P]]:
+        """Remove and return every queued item of ``request_id`` (empty if none)."""
+        hits = [seq for seq, (_, entry) in self._live.items() if entry.item.request_id == request_id]
+        removed = [self._remove(seq) for seq in hits]
+        removed.extend(item for item in self._expired if item.request_id == request_id)
+        self._expired = [item for item in self._expired if item.request_id != request_id]
+        if removed:
+            self._compact_deadlines()
+        return removed
+
+    def drain(self) -> list[EmbedItem[P]]:
+        """Remove and return everything queued or set aside (shutdown: each needs its terminal event)."""
+        items = self._expired + [entry.item for queue in self._buckets for entry in queue]
+        for queue in self._buckets:
+            queue.clear()
+        self._live.clear()
+        self._deadlines.clear()
+        self._expired = []
+        return items
+
+    def _fit(self, queue: deque[_Entry[P]]) -> tuple[int, int]:
+        """How many items from the front of ``queue`` make one batch, and the longest of them."""
+        count, longest = 0, 0
+        for entry in queue:
+            if count == self.config.max_batch_size:
+                break
+            widest = max(longest, entry.item.n_tokens)
+            if count and (count + 1) * widest > self.config.max_batch_tokens:
+                break
+            count, longest = count + 1, widest
+        return count, longest
+
+    def _ready(self, queue: deque[_Entry[P]], fit: tuple[int, int], now: float) -> bool:
+        size, longest = fit
+        full = (
+            size == self.config.max_batch_size
+            or size < len(queue)  # the next waiting item does not fit the budget
+            or (size + 1) * longest > self.config.max_batch_tokens  # no item could join
+        )
+        return full or now >= queue[0].ready_at
+
+    def _sweep(self, now: float) -> None:
+        while self._deadlines and now >= self._deadlines[0][0]:
+            _, seq = heapq.heappop(self._deadlines)
+            if seq in self._live:
+                self._expired.append(self._remove(seq))
+
+    def _remove(self, seq: int) -> EmbedItem[P]:
+        index, entry = self._live.pop(seq)
+        self._buckets[index].remove(entry)
+        return entry.item
+
+    def _compact_deadlines(self) -> None:
+        if len(self._deadlines) > 2 * len(self._live) + 64:
+            self._deadlines = [
+                (entry.item.deadline, seq)
+                for seq, (_, entry) in self._live.items()
+                if entry.item.deadline is not None
+            ]
+            heapq.heapify(self._deadlines)
