@@ -6,11 +6,12 @@ import base64
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 
 from bus.errors import BusError
 from bus.producer import EventProducer
@@ -204,3 +205,30 @@ def _text(value: str | bytes | None) -> str:
     if value is None:
         return ""
     return value if isinstance(value, str) else value.decode("utf-8", "replace")
+
+
+# Errors a just-created partition answers until its leader is ready (librdkafka marks them non-retriable).
+_SETTLING = frozenset(
+    {
+        KafkaError.NOT_LEADER_FOR_PARTITION,
+        KafkaError.LEADER_NOT_AVAILABLE,
+        KafkaError.UNKNOWN_TOPIC_OR_PART,
+        KafkaError._TIMED_OUT,
+    }
+)
+
+
+def watermarks(consumer: Consumer, topic: str, partition: int, timeout: float = 30.0) -> tuple[int, int]:
+    """(low, high) offsets of a partition, retrying while a new partition's leader settles in."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            low, high = consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=min(timeout, 10))
+        except KafkaException as exc:
+            err = exc.args[0]
+            settling = err.retriable() or err.code() in _SETTLING
+            if not settling or time.monotonic() > deadline:
+                raise BusError(f"cannot read the offsets of {topic}[{partition}]: {err}") from exc
+            time.sleep(0.1)
+            continue
+        return int(low), int(high)

@@ -191,15 +191,20 @@ def _reconcile(admin: AdminClient, spec: TopicSpec, have: int, drift: dict[str, 
     return TopicChange(name=spec.name, action=action, detail="; ".join(detail))
 
 
-def _partition_counts(admin: AdminClient, timeout: float) -> dict[str, int]:
-    return {name: len(meta.partitions) for name, meta in admin.list_topics(timeout=timeout).topics.items()}
+def _partition_counts(admin: AdminClient, timeout: float, *, led: bool = False) -> dict[str, int]:
+    """name -> partitions; with ``led``, only topics whose every partition has a leader (usable now)."""
+    return {
+        name: len(meta.partitions)
+        for name, meta in admin.list_topics(timeout=timeout).topics.items()
+        if not led or all(p.leader >= 0 for p in meta.partitions.values())
+    }
 
 
 def _wait_visible(admin: AdminClient, names: Sequence[str], timeout: float) -> dict[str, int]:
-    """Wait until the broker's metadata lists every topic in ``names``; return all partition counts."""
+    """Wait until every topic in ``names`` is listed with a leader for each partition; return all counts."""
     deadline = time.monotonic() + timeout
     while True:
-        counts = _partition_counts(admin, timeout)
+        counts = _partition_counts(admin, timeout, led=True)
         if all(name in counts for name in names):
             return counts
         if time.monotonic() > deadline:

@@ -147,6 +147,11 @@ class PlatformSettings(msgspec.Struct, frozen=True, kw_only=True):
     warehouse_url: str | None = None
     """``http(s)://host:8123`` for a ClickHouse server. Unset: embedded chDB under ``data_dir``."""
 
+    def served_models(self) -> tuple[str, ...]:
+        """``models`` plus the ids named in ``model_paths``, in order, without repeats."""
+        extra = (entry.partition("=")[0].strip() for entry in self.model_paths)
+        return tuple(dict.fromkeys((*self.models, *(e for e in extra if e))))
+
     @property
     def local_kafka(self) -> bool:
         return self.kafka_bootstrap is None

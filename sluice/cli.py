@@ -169,7 +169,7 @@ def topics_apply() -> None:
 
     s = settings()
     try:
-        changes = apply_topics(_admin(s), platform_topics(TopicNames(s.topic_prefix), s.models))
+        changes = apply_topics(_admin(s), platform_topics(TopicNames(s.topic_prefix), s.served_models()))
     except InfraError as exc:
         raise fail(str(exc)) from None
     table = Table("topic", "action", "detail", title=f"topics on {s.bootstrap}")
@@ -186,7 +186,7 @@ def topics_list() -> None:
     from schemas.topics import TopicNames
 
     s = settings()
-    purposes = {t.name: t for t in platform_topics(TopicNames(s.topic_prefix), s.models)}
+    purposes = {t.name: t for t in platform_topics(TopicNames(s.topic_prefix), s.served_models())}
     table = Table("topic", "partitions", "cleanup", "purpose", title=f"topics on {s.bootstrap}")
     for name, partitions in describe_topics(_admin(s), s.topic_prefix):
         spec = purposes.get(name)

@@ -48,7 +48,7 @@ async def _serve(settings: PlatformSettings, out: Console, console: Console) -> 
                 with console.status(f"starting Kafka {settings.kafka_version} at {broker.bootstrap}"):
                     await asyncio.to_thread(broker.start)
                 stack.callback(broker.stop)
-        specs = platform_topics(TopicNames(settings.topic_prefix), settings.models)
+        specs = platform_topics(TopicNames(settings.topic_prefix), settings.served_models())
         changes = await asyncio.to_thread(apply_topics, make_admin(settings.bootstrap), specs)
         created = sum(c.action != "unchanged" for c in changes)
         console.print(f"topics: {len(changes)} in spec, {created} created or changed")

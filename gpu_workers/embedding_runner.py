@@ -1,0 +1,169 @@
+"""The embedding runner: dynamic batching across requests (and across one request's inputs).
+
+Every input of every request becomes one batcher item; each tick runs at most ONE forward pass over a
+batch of similar-length items. A request finishes when all its inputs are embedded, or at once when it
+is cancelled or past its deadline (its remaining items are dropped unrun).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from gpu_workers.batching import BatcherConfig, DynamicBatcher, EmbedItem
+from gpu_workers.embedding import EmbeddingEngine
+from gpu_workers.generation import monotonic_deadline
+from gpu_workers.service import Arrival, Emitter, failed
+from schemas.events import EmbeddingRequested, FinishReason, RequestFinished, Status, Timings, Usage, utc_now
+from schemas.manifest import ModelManifest
+
+
+@dataclass
+class _Request:
+    arrival: Arrival
+    event: EmbeddingRequested
+    vectors: dict[int, list[float]] = field(default_factory=dict)
+    started: datetime | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Input:
+    request_id: str
+    index: int
+    input_ids: list[int]
+
+
+class EmbeddingRunner:
+    def __init__(
+        self,
+        engine: EmbeddingEngine,
+        manifest: ModelManifest,
+        *,
+        source: str,
+        worker_id: str,
+        batching: BatcherConfig,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._engine = engine
+        self._manifest = manifest
+        self._source = source
+        self._worker_id = worker_id
+        self._batcher: DynamicBatcher[_Input] = DynamicBatcher(batching)
+        self._clock = clock
+        self._requests: dict[str, _Request] = {}
+
+    def accept(self, arrival: Arrival, emit: Emitter) -> None:
+        event = arrival.event
+        if not isinstance(event, EmbeddingRequested):
+            emit.finish(
+                arrival,
+                failed(
+                    arrival,
+                    self._source,
+                    self._worker_id,
+                    "wrong_model_kind",
+                    f"{event.model} serves embeddings, not {type(event).__name__}",
+                ),
+            )
+            return
+        if event.request_id in self._requests:
+            return  # a duplicate delivery of a request still in flight
+        too_long = [i for i, ids in enumerate(event.inputs) if len(ids) > self._manifest.max_context]
+        if not event.inputs or too_long:
+            emit.finish(
+                arrival,
+                failed(
+                    arrival,
+                    self._source,
+                    self._worker_id,
+                    "invalid_input",
+                    f"inputs {too_long} exceed {self._manifest.max_context} tokens"
+                    if too_long
+                    else "no inputs",
+                ),
+            )
+            return
+        now, wall = self._clock(), utc_now()
+        deadline = monotonic_deadline(event.deadline, wall, now)
+        request = _Request(arrival, event)
+        if deadline is not None and deadline <= now:
+            emit.finish(arrival, self._terminal(request, "expired", "deadline"))
+            return
+        for index, ids in enumerate(event.inputs):
+            item = EmbedItem(
+                request_id=event.request_id,
+                n_tokens=len(ids),
+                arrival=now,
+                payload=_Input(event.request_id, index, ids),
+                deadline=deadline,
+            )
+            if not self._batcher.add(item, now):
+                self._requests.pop(event.request_id, None)
+                emit.finish(
+                    arrival,
+                    failed(
+                        arrival,
+                        self._source,
+                        self._worker_id,
+                        "queue_full",
+                        "the embedding queue is full; retry later",
+                    ),
+                )
+                return  # items already queued are skipped when their batch runs
+            self._requests[event.request_id] = request
+
+    def cancel(self, request_id: str, emit: Emitter) -> None:
+        request = self._requests.pop(request_id, None)
+        if request is not None:
+            emit.finish(request.arrival, self._terminal(request, "cancelled", "cancelled"))
+
+    def tick(self, emit: Emitter) -> None:
+        now = self._clock()
+        for item in self._batcher.take_expired(now):
+            request = self._requests.pop(item.request_id, None)
+            if request is not None:
+                emit.finish(request.arrival, self._terminal(request, "expired", "deadline"))
+        batch = [item for item in self._batcher.next_batch(now) or () if item.request_id in self._requests]
+        if not batch:
+            return
+        started = utc_now()
+        vectors = self._engine.embed([item.payload.input_ids for item in batch])
+        for item, vector in zip(batch, vectors, strict=True):
+            request = self._requests.get(item.request_id)
+            if request is None:
+                continue
+            request.started = request.started or started
+            request.vectors[item.payload.index] = [float(x) for x in vector]
+            if len(request.vectors) == len(request.event.inputs):
+                del self._requests[item.request_id]
+                emit.finish(request.arrival, self._terminal(request, "completed", "stop"))
+
+    def wait_hint(self) -> float | None:
+        return self._batcher.time_until_ready(self._clock())
+
+    def _terminal(self, request: _Request, status: Status, reason: FinishReason) -> RequestFinished:
+        event = request.event
+        tokens = sum(len(ids) for ids in event.inputs)
+        done = status == "completed"
+        return RequestFinished(
+            tenant=event.tenant,
+            model=event.model,
+            request_id=event.request_id,
+            source=self._source,
+            traceparent=event.traceparent,
+            status=status,
+            finish_reason=reason,
+            usage=Usage(
+                prompt_tokens=tokens if done else 0, completion_tokens=0, total_tokens=tokens if done else 0
+            ),
+            embeddings=[request.vectors[i] for i in range(len(event.inputs))] if done else None,
+            timings=Timings(
+                accepted=event.time,
+                started=request.started,
+                first_token=utc_now() if done else None,
+                finished=utc_now(),
+            ),
+            worker_id=self._worker_id,
+        )

@@ -1,0 +1,284 @@
+"""The generation runner: scheduler + engine + flush policy, driven by the worker's model thread.
+
+Each tick: expire and admit waiting requests (``GenerationScheduler``), stop running ones past their
+deadline, run ONE decode step for the whole running batch (``GenerationEngine.step``), turn tokens into
+text deltas, coalesce them into chunks (``ChunkCoalescer``) and finish sequences that stopped. A cancel
+removes a sequence between two steps, so it never produces another token.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from datetime import datetime
+
+from gpu_workers import GpuWorkerError
+from gpu_workers.detok import Decode, IncrementalDetokenizer
+from gpu_workers.engine import GenerationEngine, SeqRequest
+from gpu_workers.flush import ChunkCoalescer, Flush, FlushPolicy
+from gpu_workers.scheduler import GenerationScheduler, Pending, SchedulerConfig
+from gpu_workers.service import Arrival, Emitter, failed
+from schemas.events import (
+    FinishReason,
+    GenerationRequested,
+    RequestFinished,
+    Status,
+    Timings,
+    TokenChunk,
+    Usage,
+    utc_now,
+)
+from schemas.manifest import ModelManifest
+
+
+@dataclass
+class _Live:
+    arrival: Arrival
+    event: GenerationRequested
+    detok: IncrementalDetokenizer
+    max_new_tokens: int
+    started: datetime | None = None
+    first_token: datetime | None = None
+    stop_hit: bool = False
+    stop_cut: int | None = None  # text length to keep when a stop string matched
+    next_seq: int = 0
+    next_offset: int = 0
+
+
+def seed_for(request_id: str) -> int:
+    """The seed used when the client gave none: stable per request, so a re-run reproduces the tokens."""
+    return int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=8).digest(), "big") & (2**63 - 1)
+
+
+def monotonic_deadline(deadline: datetime | None, now_wall: datetime, now: float) -> float | None:
+    return None if deadline is None else now + (deadline - now_wall).total_seconds()
+
+
+class GenerationRunner:
+    def __init__(
+        self,
+        engine: GenerationEngine,
+        decode: Decode,
+        manifest: ModelManifest,
+        *,
+        source: str,
+        worker_id: str,
+        scheduler: SchedulerConfig,
+        flush: FlushPolicy,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._engine = engine
+        self._decode = decode
+        self._manifest = manifest
+        self._source = source
+        self._worker_id = worker_id
+        self._scheduler: GenerationScheduler[_Live] = GenerationScheduler(scheduler)
+        self._coalescer = ChunkCoalescer(flush)
+        self._clock = clock
+        self._live: dict[str, _Live] = {}
+
+    # ---------------------------------------------------------------- Runner protocol
+
+    def accept(self, arrival: Arrival, emit: Emitter) -> None:
+        event = arrival.event
+        if not isinstance(event, GenerationRequested):
+            emit.finish(
+                arrival,
+                failed(
+                    arrival,
+                    self._source,
+                    self._worker_id,
+                    "wrong_model_kind",
+                    f"{event.model} serves generation, not {type(event).__name__}",
+                ),
+            )
+            return
+        now, wall = self._clock(), utc_now()
+        room = self._manifest.max_context - len(event.input_ids)
+        live = _Live(
+            arrival=arrival,
+            event=event,
+            detok=IncrementalDetokenizer(self._decode),
+            max_new_tokens=max(0, min(event.sampling.max_tokens, room, self._manifest.max_output_tokens)),
+        )
+        if live.max_new_tokens == 0 or not event.input_ids:
+            emit.finish(
+                arrival,
+                failed(
+                    arrival,
+                    self._source,
+                    self._worker_id,
+                    "context_length_exceeded",
+                    "the prompt leaves no room for a completion",
+                ),
+            )
+            return
+        deadline = monotonic_deadline(event.deadline, wall, now)
+        if deadline is not None and deadline <= now:
+            emit.finish(arrival, self._terminal(live, "expired", "deadline"))
+            return
+        item = Pending(
+            request_id=event.request_id,
+            prompt_len=len(event.input_ids),
+            max_new_tokens=live.max_new_tokens,
+            arrival=now,
+            payload=live,
+            deadline=deadline,
+            priority=event.priority,
+        )
+        rejection = self._scheduler.check(item)
+        if rejection is not None:
+            if rejection.code != "duplicate":
+                emit.finish(
+                    arrival, failed(arrival, self._source, self._worker_id, rejection.code, rejection.message)
+                )
+            return
+        self._scheduler.submit(item)
+        self._live[event.request_id] = live
+
+    def cancel(self, request_id: str, emit: Emitter) -> None:
+        live = self._live.get(request_id)
+        where = self._scheduler.cancel(request_id)
+        if live is None or where == "unknown":
+            return
+        if where == "running":
+            self._engine.cancel(request_id)
+        self._end(live, "cancelled", "cancelled", emit)
+
+    def tick(self, emit: Emitter) -> None:
+        now = self._clock()
+        decision = self._scheduler.schedule(now)
+        for item in decision.expire:
+            self._end(item.payload, "expired", "deadline", emit)
+        started = utc_now()
+        for item in decision.admit:
+            self._start(item.payload, started, emit)
+        for request_id in self._scheduler.expired_running(now):
+            self._scheduler.cancel(request_id)
+            self._engine.cancel(request_id)
+            self._end(self._live[request_id], "expired", "deadline", emit)
+        if self._engine.has_work():
+            outputs = self._engine.step()
+            stamp = utc_now()
+            now = self._clock()
+            for out in outputs:
+                live = self._live.get(out.request_id)
+                if live is None:
+                    continue
+                live.first_token = live.first_token or stamp
+                self._token(live, out.token_id, now, emit)
+                reason: FinishReason | None = "stop" if live.stop_hit else out.finish_reason
+                if reason is not None:
+                    if live.stop_hit:
+                        self._engine.cancel(out.request_id)
+                    self._scheduler.finish(out.request_id)
+                    self._end(live, "completed", reason, emit)
+        for flush in self._coalescer.due(self._clock()):
+            self._emit_chunk(self._live[flush.request_id], flush, None, emit)
+
+    def wait_hint(self) -> float | None:
+        if self._engine.has_work() or self._scheduler.waiting:
+            return 0.0
+        deadline = self._coalescer.next_deadline()
+        return None if deadline is None else max(0.0, deadline - self._clock())
+
+    # ---------------------------------------------------------------- helpers
+
+    def _start(self, live: _Live, started: datetime, emit: Emitter) -> None:
+        live.started = started
+        event = live.event
+        eos = self._manifest.eos_token_id
+        try:
+            self._engine.add(
+                SeqRequest(
+                    request_id=event.request_id,
+                    input_ids=list(event.input_ids),
+                    max_new_tokens=live.max_new_tokens,
+                    temperature=event.sampling.temperature,
+                    top_p=event.sampling.top_p,
+                    top_k=event.sampling.top_k,
+                    seed=event.sampling.seed
+                    if event.sampling.seed is not None
+                    else seed_for(event.request_id),
+                    stop_token_ids=frozenset() if eos is None else frozenset({eos}),
+                )
+            )
+        except GpuWorkerError as exc:  # e.g. token ids outside the vocabulary
+            self._scheduler.finish(event.request_id)
+            self._live.pop(event.request_id, None)
+            emit.finish(
+                live.arrival, failed(live.arrival, self._source, self._worker_id, "invalid_request", str(exc))
+            )
+
+    def _token(self, live: _Live, token_id: int, now: float, emit: Emitter) -> None:
+        if token_id == self._manifest.eos_token_id:
+            return  # ends the sequence; not part of the completion
+        delta = live.detok.push(token_id)
+        for stop in live.event.sampling.stop:
+            cut = live.detok.text.find(stop, max(0, len(live.detok.text) - len(delta) - len(stop)))
+            if cut >= 0:
+                live.stop_hit, live.stop_cut = True, cut
+                delta = delta[: max(0, len(delta) - (len(live.detok.text) - cut))]
+                break
+        if live.event.stream:
+            flush = self._coalescer.push(live.event.request_id, token_id, delta, now)
+            if flush is not None:
+                self._emit_chunk(live, flush, None, emit)
+
+    def _emit_chunk(self, live: _Live, flush: Flush, reason: FinishReason | None, emit: Emitter) -> None:
+        event = live.event
+        live.next_seq, live.next_offset = flush.seq + 1, flush.offset + len(flush.token_ids)
+        emit.chunk(
+            live.arrival,
+            TokenChunk(
+                tenant=event.tenant,
+                model=event.model,
+                request_id=event.request_id,
+                source=self._source,
+                traceparent=event.traceparent,
+                seq=flush.seq,
+                offset=flush.offset,
+                token_ids=list(flush.token_ids),
+                text=flush.text,
+                finish_reason=reason,
+            ),
+        )
+
+    def _end(self, live: _Live, status: Status, reason: FinishReason, emit: Emitter) -> None:
+        request_id = live.event.request_id
+        self._live.pop(request_id, None)
+        tail = "" if live.stop_hit else live.detok.flush()  # text held back for an incomplete character
+        if live.event.stream:
+            last = self._coalescer.finish(request_id, self._clock())
+            if last is None and tail:
+                last = Flush(
+                    request_id=request_id, seq=live.next_seq, offset=live.next_offset, token_ids=(), text=""
+                )
+            if last is not None:
+                self._emit_chunk(live, replace(last, text=last.text + tail), reason, emit)
+        else:
+            self._coalescer.drop(request_id)
+        emit.finish(live.arrival, self._terminal(live, status, reason))
+
+    def _terminal(self, live: _Live, status: Status, reason: FinishReason) -> RequestFinished:
+        event = live.event
+        text = live.detok.text if live.stop_cut is None else live.detok.text[: live.stop_cut]
+        completion = len([t for t in live.detok.ids if t != self._manifest.eos_token_id])
+        prompt = len(event.input_ids)
+        return RequestFinished(
+            tenant=event.tenant,
+            model=event.model,
+            request_id=event.request_id,
+            source=self._source,
+            traceparent=event.traceparent,
+            status=status,
+            finish_reason=reason,
+            usage=Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion),
+            text=text if status == "completed" or text else None,
+            timings=Timings(
+                accepted=event.time, started=live.started, first_token=live.first_token, finished=utc_now()
+            ),
+            worker_id=self._worker_id,
+        )

@@ -1,0 +1,113 @@
+"""Run one model's worker: load the model in its own thread, serve its request topic until stopped."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from gpu_workers.batching import BatcherConfig
+from gpu_workers.flush import FlushPolicy
+from gpu_workers.scheduler import SchedulerConfig
+from gpu_workers.service import Runner, WorkerService
+from gpu_workers.settings import WorkerSettings
+from schemas.manifest import current_model_dir, read_manifest
+from schemas.settings import PlatformSettings
+from schemas.topics import TopicNames
+
+log = logging.getLogger(__name__)
+
+
+def runner_factory(
+    model_dir: Path, worker: WorkerSettings, source: str, worker_id: str
+) -> Callable[[], Runner]:
+    """Build the runner inside the model thread (the model loads, warms up and runs in that thread)."""
+
+    def build() -> Runner:
+        manifest = read_manifest(model_dir)
+        if manifest.task == "generation":
+            from gpu_workers.engine import GenerationEngine
+            from gpu_workers.generation import GenerationRunner
+            from gpu_workers.models import load_generation_model
+
+            loaded = load_generation_model(model_dir, worker.worker_device)
+            tokenizer = loaded.tokenizer
+            engine = GenerationEngine(
+                loaded.model, max_batch_size=worker.worker_max_running, max_context=manifest.max_context
+            )
+            _warm_up_generation(engine)
+            return GenerationRunner(
+                engine,
+                lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True)),
+                manifest,
+                source=source,
+                worker_id=worker_id,
+                scheduler=SchedulerConfig(
+                    max_running=worker.worker_max_running,
+                    max_batch_tokens=worker.worker_max_batch_tokens,
+                    max_waiting=worker.worker_max_waiting,
+                ),
+                flush=FlushPolicy(
+                    max_tokens=worker.worker_flush_tokens, max_delay_s=worker.worker_flush_ms / 1000
+                ),
+            )
+        from gpu_workers.embedding import EmbeddingEngine
+        from gpu_workers.embedding_runner import EmbeddingRunner
+        from gpu_workers.models import load_embedding_model
+
+        loaded = load_embedding_model(model_dir, worker.worker_device)
+        embedder = EmbeddingEngine(loaded.model, max_length=manifest.max_context)
+        embedder.embed([[101, 102]])  # warm up in this thread
+        return EmbeddingRunner(
+            embedder,
+            manifest,
+            source=source,
+            worker_id=worker_id,
+            batching=BatcherConfig(
+                max_batch_size=worker.worker_embed_max_batch,
+                max_wait_s=worker.worker_embed_max_wait_ms / 1000,
+                max_batch_tokens=worker.worker_embed_max_batch_tokens,
+            ),
+        )
+
+    return build
+
+
+def _warm_up_generation(engine: object) -> None:
+    from gpu_workers.engine import GenerationEngine, SeqRequest
+
+    if isinstance(engine, GenerationEngine):
+        engine.add(SeqRequest(request_id="warm-up", input_ids=[0, 1, 2], max_new_tokens=2))
+        while engine.has_work():
+            engine.step()
+
+
+def make_worker(platform: PlatformSettings, worker: WorkerSettings, model_id: str) -> WorkerService:
+    worker_id = worker.worker_id or f"{model_id}-{os.getpid()}"
+    model_dir = current_model_dir(platform.cache_dir, model_id)
+    read_manifest(model_dir)  # fail fast, before Kafka, if the model was never prepared
+    return WorkerService(
+        model_id=model_id,
+        worker_id=worker_id,
+        bootstrap=platform.bootstrap,
+        names=TopicNames(platform.topic_prefix),
+        runner_factory=runner_factory(model_dir, worker, f"gpu_workers/{worker_id}", worker_id),
+        consumer_overrides={"session.timeout.ms": worker.worker_session_timeout_ms},
+    )
+
+
+def run_worker(
+    platform: PlatformSettings, worker: WorkerSettings, model_id: str, stop: threading.Event
+) -> None:
+    """Serve until ``stop`` is set (SIGTERM/SIGINT in ``sluice worker``)."""
+    service = make_worker(platform, worker, model_id)
+    service.start()
+    log.info("worker %s serving %s", service.worker_id, model_id)
+    try:
+        while not stop.wait(0.5):
+            if service.failure is not None:
+                raise service.failure
+    finally:
+        service.stop()

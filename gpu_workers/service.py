@@ -1,0 +1,392 @@
+"""The worker's I/O shell: Kafka in, one model thread, Kafka out, offsets committed after durability.
+
+Threads: a consumer thread (the model's consumer group), a cancel listener (every partition of the cancel
+topic, no group: every worker hears every cancel), the producer's delivery thread, and exactly ONE model
+thread that owns the runner (scheduler + engine) and all bookkeeping. Everything reaches the model thread
+through one bounded inbox, so the runner is a plain synchronous object (see ``Runner``).
+
+Invariants kept here, for every runner:
+- each accepted request ends in exactly one terminal event (``RequestFinished``), published to the
+  request's reply partition and to the results topic;
+- a request's offset is committed only once that terminal event is durable (both topics);
+- a redelivered request whose terminal event exists is not run again (the results topic is read at start);
+- a record that does not decode goes to the dead-letter topic and the worker keeps going.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from confluent_kafka import OFFSET_END, Consumer, Message, TopicPartition
+
+from bus.consumer import TP, ConsumerThread, consumer_config, decode_or_dead_letter, watermarks
+from bus.errors import BusError
+from bus.producer import EventProducer
+from gpu_workers.offsets import OffsetTracker
+from schemas.codec import DecodeError, decode
+from schemas.events import (
+    CancelRequested,
+    EmbeddingRequested,
+    ErrorInfo,
+    GenerationRequested,
+    RequestFinished,
+    TokenChunk,
+    Usage,
+)
+from schemas.topics import TopicNames
+
+log = logging.getLogger(__name__)
+
+Request = GenerationRequested | EmbeddingRequested
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """A request as consumed: the event and where it came from (for the commit)."""
+
+    event: Request
+    tp: TP
+    offset: int
+    received: float = field(default_factory=time.monotonic)
+
+
+class Emitter(Protocol):
+    def chunk(self, arrival: Arrival, chunk: TokenChunk) -> None: ...
+    def finish(self, arrival: Arrival, result: RequestFinished) -> None: ...
+
+
+class Runner(Protocol):
+    """The model-specific part, driven only from the model thread."""
+
+    def accept(self, arrival: Arrival, emit: Emitter) -> None:
+        """Take a new request (queue it, or finish it at once, e.g. rejected or expired)."""
+
+    def cancel(self, request_id: str, emit: Emitter) -> None:
+        """Drop the request wherever it is and emit its ``cancelled`` terminal event."""
+
+    def tick(self, emit: Emitter) -> None:
+        """Do one unit of work (one decode step, one embedding batch), emitting what it produced."""
+
+    def wait_hint(self) -> float | None:
+        """Seconds the loop may block waiting for input: 0 while there is work, None for "until input"."""
+
+
+@dataclass(frozen=True)
+class _Durable:
+    tp: TP
+    offset: int
+
+
+@dataclass(frozen=True)
+class _Skip:
+    tp: TP
+    offset: int
+
+
+@dataclass(frozen=True)
+class _Cancel:
+    request_id: str
+
+
+_Inbox = Arrival | _Skip | _Cancel
+
+
+class WorkerService:
+    """Serve one model from its request topic. ``start()``/``stop()`` or ``with``."""
+
+    def __init__(
+        self,
+        *,
+        model_id: str,
+        worker_id: str,
+        bootstrap: str,
+        names: TopicNames,
+        runner_factory: Callable[[], Runner],
+        inbox_size: int = 1024,
+        remember_finished: int = 100_000,
+        consumer_overrides: dict[str, object] | None = None,
+    ) -> None:
+        self.model_id = model_id
+        self.worker_id = worker_id
+        self.source = f"gpu_workers/{worker_id}"
+        self._names = names
+        self._bootstrap = bootstrap
+        self._runner_factory = runner_factory
+        self._inbox: queue.Queue[_Inbox] = queue.Queue(maxsize=inbox_size)
+        # Unbounded but holds at most one entry per request in flight; filled by the producer's thread.
+        self._durable: queue.SimpleQueue[_Durable] = queue.SimpleQueue()
+        self._finished: OrderedDict[str, None] = OrderedDict()
+        self._remember = remember_finished
+        self._offsets = OffsetTracker()
+        self._offsets_lock = threading.Lock()  # the model thread and the consumer's revoke callback
+        self._pending_writes: dict[str, int] = {}
+        self._producer = EventProducer(bootstrap, self.source)
+        overrides = dict(consumer_overrides or {})
+        self._requests = ConsumerThread(
+            consumer_config(bootstrap, f"sluice-workers.{model_id}", self.source, **overrides),
+            self._on_requests,
+            subscribe=[names.requests(model_id)],
+            on_revoke=self._on_revoke,
+            name=f"requests-{model_id}",
+        )
+        self._cancels: ConsumerThread | None = None
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.failure: BaseException | None = None
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def start(self, timeout: float = 120.0) -> None:
+        """Load the model, learn which requests already finished, then start consuming."""
+        try:
+            self._start(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, timeout: float) -> None:
+        self._producer.start()
+        self._learn_finished()
+        self._cancels = ConsumerThread(
+            consumer_config(self._bootstrap, None, f"{self.source}-cancels"),
+            self._on_cancels,
+            assign=_all_partitions_at_end(self._bootstrap, self._names.cancels),
+            name=f"cancels-{self.model_id}",
+        )
+        self._cancels.start()
+        self._thread = threading.Thread(target=self._serve, name=f"model-{self.model_id}", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise BusError(f"worker for {self.model_id} did not load within {timeout:.0f}s")
+        if self.failure is not None:
+            raise BusError(f"worker for {self.model_id} failed to start: {self.failure}") from self.failure
+        self._requests.start()
+
+    def wait_assigned(self, timeout: float) -> bool:
+        return self._requests.wait_assigned(timeout)
+
+    def stop(self) -> None:
+        """Stop working and leave the group. Terminal events already produced are flushed and their
+        offsets committed; requests without one are redelivered to the group's other members (or to
+        this worker's next start)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._cancels is not None:
+            self._cancels.stop()
+            self._cancels = None
+        self._producer.stop()  # the last delivery reports land in self._durable
+        self._commit()
+        self._requests.stop()  # performs the queued commit, then leaves the group
+
+    def __enter__(self) -> WorkerService:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ---------------------------------------------------------------- consumer threads
+
+    def _on_requests(self, batch: list[Message]) -> None:
+        for message in batch:
+            tp = (message.topic() or "", message.partition() or 0)
+            offset = message.offset() or 0
+            event = decode_or_dead_letter(message, self._producer, self._names.deadletter, self.source)
+            if not isinstance(event, GenerationRequested | EmbeddingRequested):
+                if event is not None:
+                    log.warning("ignoring %s on a request topic", type(event).__name__)
+                self._put(_Skip(tp, offset))  # nothing to run: its offset may be committed
+                continue
+            self._put(Arrival(event, tp, offset))
+
+    def _put(self, item: _Inbox) -> None:
+        """Blocks while the inbox is full (backpressure: the consumer stops fetching), until stopped."""
+        while not self._stop.is_set():
+            try:
+                self._inbox.put(item, timeout=0.1)
+            except queue.Full:
+                continue
+            return
+
+    def _on_cancels(self, batch: list[Message]) -> None:
+        for message in batch:
+            try:
+                event = decode(message.value() or b"")
+            except DecodeError:
+                continue  # the edge only writes valid cancels; junk here has no request to stop
+            if isinstance(event, CancelRequested) and event.model == self.model_id:
+                self._put(_Cancel(event.request_id))
+
+    def _on_revoke(self, tps: list[TP]) -> None:
+        with self._offsets_lock:
+            self._offsets.revoke(tps)
+
+    def _learn_finished(self) -> None:
+        """Read the results topic up to now: those requests must not run again if redelivered."""
+        consumer = Consumer(consumer_config(self._bootstrap, None, f"{self.source}-results"))
+        try:
+            meta = consumer.list_topics(self._names.results, timeout=10).topics[self._names.results]
+            tps = [TopicPartition(self._names.results, p, 0) for p in meta.partitions]
+            ends = {tp.partition: watermarks(consumer, tp.topic, tp.partition)[1] for tp in tps}
+            todo = {p for p, end in ends.items() if end > 0}
+            consumer.assign(tps)
+            while todo:
+                for message in consumer.consume(500, timeout=1.0):
+                    if message.error() is not None:
+                        continue
+                    part = message.partition() or 0
+                    if (message.offset() or 0) + 1 >= ends[part]:
+                        todo.discard(part)
+                    try:
+                        event = decode(message.value() or b"")
+                    except DecodeError:
+                        continue
+                    if isinstance(event, RequestFinished) and event.model == self.model_id:
+                        self._remember_finished(event.request_id)
+        finally:
+            consumer.close()
+
+    def _remember_finished(self, request_id: str) -> None:
+        self._finished[request_id] = None
+        self._finished.move_to_end(request_id)
+        while len(self._finished) > self._remember:
+            self._finished.popitem(last=False)
+
+    # ---------------------------------------------------------------- the model thread
+
+    def _serve(self) -> None:
+        try:
+            runner = self._runner_factory()
+        except BaseException as exc:
+            self.failure = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        emit = _KafkaEmitter(self)
+        try:
+            while not self._stop.is_set():
+                hint = runner.wait_hint()
+                self._drain(runner, emit, block=None if hint is None else hint)
+                runner.tick(emit)
+                self._commit()
+        except BaseException as exc:
+            log.exception("model thread for %s failed", self.model_id)
+            self.failure = exc
+
+    def _drain(self, runner: Runner, emit: Emitter, block: float | None) -> None:
+        timeout = 0.1 if block is None else block
+        first = True
+        while True:
+            try:
+                item = self._inbox.get(timeout=timeout) if first and timeout > 0 else self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            first = False
+            match item:
+                case Arrival():
+                    with self._offsets_lock:
+                        self._offsets.started(item.tp, item.offset)
+                    if item.event.request_id in self._finished:
+                        log.info("skipping %s: already finished", item.event.request_id)
+                        with self._offsets_lock:
+                            self._offsets.done(item.tp, item.offset)
+                    else:
+                        runner.accept(item, emit)
+                case _Cancel():
+                    runner.cancel(item.request_id, emit)
+                case _Skip():
+                    with self._offsets_lock:
+                        self._offsets.started(item.tp, item.offset)
+                        self._offsets.done(item.tp, item.offset)
+
+    def _commit(self) -> None:
+        with self._offsets_lock:
+            while True:
+                try:
+                    durable = self._durable.get_nowait()
+                except queue.Empty:
+                    break
+                self._offsets.done(durable.tp, durable.offset)
+            offsets = self._offsets.committable()
+            self._offsets.mark_committed(offsets)
+        if offsets:
+            self._requests.commit(offsets)
+
+    # ---------------------------------------------------------------- output (model thread)
+
+    def _publish_chunk(self, arrival: Arrival, chunk: TokenChunk) -> None:
+        reply = arrival.event.reply
+        if reply is not None:
+            self._producer.produce(reply.topic, chunk, partition=reply.partition)
+
+    def _publish_finish(self, arrival: Arrival, result: RequestFinished) -> None:
+        request_id = arrival.event.request_id
+        if request_id in self._finished:
+            return  # exactly one terminal event per request
+        self._remember_finished(request_id)
+        reply = arrival.event.reply
+        writes = 2 if reply is not None else 1
+        remaining = [writes]
+        lock = threading.Lock()
+
+        def durable(err: BusError | None, _where: tuple[int, int] | None) -> None:
+            if err is not None:
+                log.error("terminal event of %s not durable: %s", request_id, err)
+                return  # not committed: redelivered and retried by the group
+            with lock:
+                remaining[0] -= 1
+                if remaining[0] == 0:
+                    self._durable.put(_Durable(arrival.tp, arrival.offset))
+
+        if reply is not None:
+            self._producer.produce(reply.topic, result, partition=reply.partition, on_delivery=durable)
+        self._producer.produce(self._names.results, result, on_delivery=durable)
+
+
+class _KafkaEmitter:
+    def __init__(self, service: WorkerService) -> None:
+        self._service = service
+
+    def chunk(self, arrival: Arrival, chunk: TokenChunk) -> None:
+        self._service._publish_chunk(arrival, chunk)
+
+    def finish(self, arrival: Arrival, result: RequestFinished) -> None:
+        self._service._publish_finish(arrival, result)
+
+
+def _all_partitions_at_end(bootstrap: str, topic: str) -> list[TopicPartition]:
+    consumer = Consumer(consumer_config(bootstrap, None, "sluice-probe"))
+    try:
+        meta = consumer.list_topics(topic, timeout=10).topics[topic]
+        if meta.error is not None:
+            raise BusError(f"topic {topic} is missing: run `sluice topics apply`")
+        return [TopicPartition(topic, p, OFFSET_END) for p in meta.partitions]
+    finally:
+        consumer.close()
+
+
+def failed(arrival: Arrival, source: str, worker_id: str, code: str, message: str) -> RequestFinished:
+    """A ``failed`` terminal event for a request that could not run."""
+    event = arrival.event
+    return RequestFinished(
+        tenant=event.tenant,
+        model=event.model,
+        request_id=event.request_id,
+        source=source,
+        traceparent=event.traceparent,
+        status="failed",
+        finish_reason="error",
+        usage=Usage(prompt_tokens=0, completion_tokens=0, total_tokens=0),
+        error=ErrorInfo(code=code, message=message),
+        worker_id=worker_id,
+    )

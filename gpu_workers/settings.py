@@ -1,0 +1,34 @@
+"""Worker settings (``SLUICE_WORKER_*``), read once per worker process."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+from schemas.settings import register
+
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+
+
+@register
+class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
+    worker_id: str | None = None
+    """Defaults to ``<model>-<pid>``."""
+    worker_device: str = "auto"
+    """``auto`` (CUDA if present, else CPU), ``cpu``, ``cuda``, ``cuda:1`` …"""
+    worker_max_running: Positive = 16
+    """Generation: sequences decoded together at most (continuous batching)."""
+    worker_max_batch_tokens: Positive = 16_384
+    """Generation: KV budget, sum of prompt + max new tokens over running sequences."""
+    worker_max_waiting: Positive = 1024
+    """Generation: bounded waiting queue; beyond it requests fail fast with ``queue_full``."""
+    worker_flush_tokens: Positive = 8
+    """Streaming: publish a chunk once this many tokens are buffered…"""
+    worker_flush_ms: Annotated[float, msgspec.Meta(ge=0)] = 20.0
+    """…or this long after its first buffered token."""
+    worker_embed_max_batch: Positive = 64
+    worker_embed_max_wait_ms: Annotated[float, msgspec.Meta(ge=0)] = 4.0
+    worker_embed_max_batch_tokens: Positive = 16_384
+    worker_session_timeout_ms: Annotated[int, msgspec.Meta(ge=1000)] = 10_000
+    """Kafka group session timeout: how soon a dead worker's requests move to another worker."""

@@ -1,0 +1,384 @@
+"""The edge's Kafka side: publish requests, fan replies in to the streams waiting for them, replay from the log.
+
+Replies come back on ONE partition of the replies topic that belongs to this edge instance (``reply_to``),
+read with a plain assignment (no consumer group), starting at the partition's end when the edge starts.
+An edge that restarts with the same id gets the same partition; a client that reconnects is served from the
+log (``resume``): the request id is a UUIDv7, so its timestamp tells where in the partition to start reading.
+
+Memory is bounded per stream: a reader that falls behind by more than ``stream_buffer`` events is switched
+to reading its own tail from the log instead of buffering it (Kafka already holds it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import hashlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any
+
+from confluent_kafka import Consumer, Message, TopicPartition
+
+from bus.consumer import ConsumerThread, consumer_config, watermarks
+from bus.producer import EventProducer
+from schemas.codec import DecodeError, decode
+from schemas.events import (
+    CancelRequested,
+    EmbeddingRequested,
+    GenerationRequested,
+    ReplyTo,
+    RequestFinished,
+    TokenChunk,
+)
+from schemas.ids import uuid7_unix_ms
+from schemas.topics import TopicNames
+
+log = logging.getLogger(__name__)
+
+Reply = TokenChunk | RequestFinished
+Detokenize = Callable[[str, list[int]], str]
+"""(model, token ids) -> text; used to cut the overlap when a retried request replays tokens."""
+
+
+class ReplyStream:
+    """The replies of one request, in order, ending with its ``RequestFinished``.
+
+    Tokens are delivered exactly once even if a worker died and another re-ran the request from the start
+    (sampling is seeded, so the re-run reproduces them): chunks are cut by token offset.
+    """
+
+    def __init__(
+        self,
+        gateway: KafkaGateway,
+        request_id: str,
+        model: str,
+        after_seq: int | None,
+        buffer: int,
+        *,
+        tenant: str | None = None,
+        from_log: int | None = None,
+    ) -> None:
+        self._gateway = gateway
+        self.request_id = request_id
+        self._model = model
+        self._queue: collections.deque[tuple[int, Reply]] = collections.deque()
+        self._buffer = buffer
+        self._wakeup = asyncio.Event()
+        self._tenant = tenant
+        self._lagging_from = from_log  # set: read the log from there (after an overflow, or to resume)
+        self._skip_seq = -1 if after_seq is None else after_seq
+        self._delivered_tokens = 0
+        self._tokens: list[int] = []
+        self._done = False
+
+    @property
+    def finished(self) -> bool:
+        return self._done
+
+    def push(self, offset: int, reply: Reply) -> None:
+        """Called on the event loop by the reply listener."""
+        if self._lagging_from is not None:
+            return
+        if len(self._queue) >= self._buffer:
+            self._lagging_from = offset  # stop buffering; the reader catches up from the log
+            self._wakeup.set()
+            return
+        self._queue.append((offset, reply))
+        self._wakeup.set()
+
+    async def __aiter__(self) -> AsyncIterator[Reply]:
+        try:
+            while not self._done:
+                if not self._queue:
+                    if self._lagging_from is not None:
+                        async for offset, reply in self._gateway.read_log(
+                            self.request_id, self._lagging_from
+                        ):
+                            self._lagging_from = offset + 1
+                            for out in self._accept(reply):
+                                yield out
+                            if self.finished:
+                                return
+                        continue
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                    continue
+                _, reply = self._queue.popleft()
+                for out in self._accept(reply):
+                    yield out
+        finally:
+            self._gateway.forget(self.request_id, self)
+
+    def _accept(self, reply: Reply) -> list[Reply]:
+        if self._tenant is not None and reply.tenant != self._tenant:
+            self._done = True  # not this tenant's request: end without revealing anything
+            return []
+        if not self._model:
+            self._model = reply.model
+        if isinstance(reply, RequestFinished):
+            self._done = True
+            return [reply]
+        end = reply.offset + len(reply.token_ids)
+        if end <= self._delivered_tokens:
+            return []  # a re-run repeating tokens already delivered
+        if reply.seq <= self._skip_seq and reply.offset >= self._delivered_tokens:
+            self._delivered_tokens = end  # the client already has this chunk (resume)
+            self._tokens += reply.token_ids
+            return []
+        if reply.offset < self._delivered_tokens:
+            fresh = reply.token_ids[self._delivered_tokens - reply.offset :]
+            before = self._gateway.detokenize(self._model, self._tokens)
+            after = self._gateway.detokenize(self._model, self._tokens + fresh)
+            reply = TokenChunk(
+                id=reply.id,
+                time=reply.time,
+                tenant=reply.tenant,
+                model=reply.model,
+                request_id=reply.request_id,
+                source=reply.source,
+                traceparent=reply.traceparent,
+                tracestate=reply.tracestate,
+                seq=reply.seq,
+                offset=self._delivered_tokens,
+                token_ids=fresh,
+                text=after[len(before) :],
+                finish_reason=reply.finish_reason,
+            )
+        self._delivered_tokens = reply.offset + len(reply.token_ids)
+        self._tokens += reply.token_ids
+        return [reply]
+
+
+class KafkaGateway:
+    """Implements the edge's Gateway on Kafka. ``start()``/``stop()`` or ``async with``."""
+
+    def __init__(
+        self,
+        *,
+        bootstrap: str,
+        names: TopicNames,
+        edge_id: str,
+        reply_partition: int,
+        salts: Mapping[str, int] | None = None,
+        detokenize: Detokenize | None = None,
+        stream_buffer: int = 1024,
+        idempotency_ttl_s: float = 24 * 3600,
+        idempotency_max: int = 100_000,
+    ) -> None:
+        self._bootstrap = bootstrap
+        self._names = names
+        self.edge_id = edge_id
+        self.reply_to = ReplyTo(topic=names.replies, partition=reply_partition, edge_id=edge_id)
+        self._salts = dict(salts or {})
+        self._detokenize = detokenize
+        self._stream_buffer = stream_buffer
+        self._producer = EventProducer(bootstrap, f"ingest/{edge_id}")
+        self._streams: dict[str, ReplyStream] = {}
+        self._listener: ConsumerThread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._idem: collections.OrderedDict[tuple[str, str], tuple[float, Any]] = collections.OrderedDict()
+        self._idem_ttl = idempotency_ttl_s
+        self._idem_max = idempotency_max
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._producer.start()
+        start = await asyncio.to_thread(self._partition_end)
+        self._listener = ConsumerThread(
+            consumer_config(self._bootstrap, None, f"ingest-{self.edge_id}-replies"),
+            self._on_replies,
+            assign=[TopicPartition(self._names.replies, self.reply_to.partition, start)],
+            name=f"replies-{self.edge_id}",
+        )
+        self._listener.start()
+
+    async def stop(self) -> None:
+        if self._listener is not None:
+            await asyncio.to_thread(self._listener.stop)
+            self._listener = None
+        await asyncio.to_thread(self._producer.stop)
+
+    async def __aenter__(self) -> KafkaGateway:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    def ready(self) -> bool:
+        return self._listener is not None and self._listener.failure is None
+
+    def _partition_end(self) -> int:
+        consumer = Consumer(consumer_config(self._bootstrap, None, f"ingest-{self.edge_id}-probe"))
+        try:
+            return watermarks(consumer, self._names.replies, self.reply_to.partition)[1]
+        finally:
+            consumer.close()
+
+    # ---------------------------------------------------------------- requests
+
+    def partition_key(self, tenant: str, request_id: str) -> bytes:
+        """The tenant, salted over ``salts[tenant]`` keys for hot tenants so they can use every worker."""
+        salts = self._salts.get(tenant, 1)
+        if salts <= 1:
+            return tenant.encode()
+        salt = int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=4).digest(), "big") % salts
+        return f"{tenant}#{salt}".encode()
+
+    async def submit(
+        self, event: GenerationRequested | EmbeddingRequested, *, resume_after_seq: int | None = None
+    ) -> ReplyStream:
+        """Publish durably, then return the stream its replies will arrive on."""
+        stream = ReplyStream(self, event.request_id, event.model, resume_after_seq, self._stream_buffer)
+        self._streams[event.request_id] = stream  # registered first: no reply can be missed
+        try:
+            await self._producer.publish(
+                self._names.requests(event.model),
+                event,
+                key=self.partition_key(event.tenant, event.request_id),
+            )
+        except BaseException:
+            self._streams.pop(event.request_id, None)
+            raise
+        return stream
+
+    async def cancel(self, event: CancelRequested) -> None:
+        await self._producer.publish(self._names.cancels, event)
+
+    async def resume(self, tenant: str, request_id: str, after_seq: int) -> ReplyStream | None:
+        """The request's replies after ``after_seq``, read from the log (None if it is not this tenant's
+        or not known on this edge's partition)."""
+        try:
+            accepted_ms = uuid7_unix_ms(request_id)
+        except ValueError:
+            return None
+        start = await asyncio.to_thread(self._offset_at, accepted_ms - 5_000)
+        first = await asyncio.to_thread(self._first_reply, request_id, start)
+        if first is not None and first[1].tenant != tenant:
+            return None  # never another tenant's stream
+        model = first[1].model if first is not None else ""
+        return ReplyStream(
+            self, request_id, model, after_seq, self._stream_buffer, tenant=tenant, from_log=start
+        )
+
+    def forget(self, request_id: str, stream: ReplyStream) -> None:
+        if self._streams.get(request_id) is stream:
+            del self._streams[request_id]
+
+    def detokenize(self, model: str, token_ids: list[int]) -> str:
+        if self._detokenize is None:
+            return ""
+        return self._detokenize(model, token_ids)
+
+    # ---------------------------------------------------------------- idempotency
+
+    async def lookup_idempotent(self, tenant: str, key: str) -> Any | None:
+        entry = self._idem.get((tenant, key))
+        if entry is None or entry[0] < time.monotonic():
+            return None
+        return entry[1]
+
+    async def remember_idempotent(self, tenant: str, key: str, record: Any) -> Any:
+        existing = await self.lookup_idempotent(tenant, key)
+        if existing is not None:
+            return existing
+        self._idem[(tenant, key)] = (time.monotonic() + self._idem_ttl, record)
+        while len(self._idem) > self._idem_max:
+            self._idem.popitem(last=False)
+        return record
+
+    # ---------------------------------------------------------------- replies
+
+    def _on_replies(self, batch: list[Message]) -> None:
+        """Listener thread: decode and hand to the loop in one hop per batch."""
+        decoded: list[tuple[int, Reply]] = []
+        for message in batch:
+            try:
+                event = decode(message.value() or b"")
+            except DecodeError:
+                log.warning("undecodable reply at offset %s", message.offset())
+                continue
+            if isinstance(event, TokenChunk | RequestFinished):
+                decoded.append((message.offset() or 0, event))
+        if decoded and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._dispatch, decoded)
+
+    def _dispatch(self, replies: list[tuple[int, Reply]]) -> None:
+        for offset, reply in replies:
+            stream = self._streams.get(reply.request_id)
+            if stream is not None:
+                stream.push(offset, reply)
+
+    # ---------------------------------------------------------------- the log
+
+    def _offset_at(self, unix_ms: int) -> int:
+        consumer = Consumer(consumer_config(self._bootstrap, None, f"ingest-{self.edge_id}-seek"))
+        try:
+            tp = TopicPartition(self._names.replies, self.reply_to.partition, max(unix_ms, 0))
+            (found,) = consumer.offsets_for_times([tp], timeout=10)
+            if found.offset < 0:  # nothing at or after that time
+                return watermarks(consumer, self._names.replies, self.reply_to.partition)[1]
+            return int(found.offset)
+        finally:
+            consumer.close()
+
+    def _first_reply(self, request_id: str, start: int) -> tuple[int, Reply] | None:
+        found = _scan(self._bootstrap, self._names.replies, self.reply_to.partition, start, request_id)
+        return found[0] if found else None
+
+    async def read_log(self, request_id: str, start: int) -> AsyncIterator[tuple[int, Reply]]:
+        """This request's replies from ``start`` on, until its terminal event (waits for live ones)."""
+        consumer = Consumer(consumer_config(self._bootstrap, None, f"ingest-{self.edge_id}-log"))
+        consumer.assign([TopicPartition(self._names.replies, self.reply_to.partition, start)])
+        try:
+            while True:
+                messages = await asyncio.to_thread(consumer.consume, 500, 0.2)
+                for message in messages:
+                    if message.error() is not None:
+                        continue
+                    reply = _reply_of(message, request_id)
+                    if reply is not None:
+                        yield message.offset() or 0, reply
+                        if isinstance(reply, RequestFinished):
+                            return
+        finally:
+            await asyncio.to_thread(consumer.close)
+
+
+def _reply_of(message: Message, request_id: str) -> Reply | None:
+    try:
+        event = decode(message.value() or b"")
+    except DecodeError:
+        return None
+    if isinstance(event, TokenChunk | RequestFinished) and event.request_id == request_id:
+        return event
+    return None
+
+
+def _scan(bootstrap: str, topic: str, partition: int, start: int, request_id: str) -> list[tuple[int, Reply]]:
+    """Replies of ``request_id`` already in the partition from ``start`` up to its current end."""
+    consumer = Consumer(consumer_config(bootstrap, None, "ingest-scan"))
+    try:
+        tp = TopicPartition(topic, partition, start)
+        end = watermarks(consumer, topic, partition)[1]
+        if start >= end:
+            return []
+        consumer.assign([tp])
+        found: list[tuple[int, Reply]] = []
+        position = start
+        deadline = time.monotonic() + 30
+        while position < end and time.monotonic() < deadline:
+            for message in consumer.consume(500, timeout=0.5):
+                if message.error() is not None:
+                    continue
+                position = (message.offset() or 0) + 1
+                reply = _reply_of(message, request_id)
+                if reply is not None:
+                    found.append((position - 1, reply))
+        return found
+    finally:
+        consumer.close()

@@ -1,0 +1,284 @@
+"""The worker on the real broker: events in, chunks and exactly one terminal event out, offsets committed
+after durability, cancels, deadlines, redelivery and dead letters."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from confluent_kafka import Consumer, Message, Producer, TopicPartition
+
+from bus.consumer import ConsumerThread, consumer_config
+from bus.producer import EventProducer
+from gpu_workers.main import make_worker
+from gpu_workers.service import WorkerService
+from gpu_workers.settings import WorkerSettings
+from infra.topics import TopicSizing, apply_topics, make_admin, platform_topics
+from schemas.codec import decode
+from schemas.events import (
+    CancelRequested,
+    DeadLetter,
+    EmbeddingRequested,
+    Event,
+    GenerationRequested,
+    ReplyTo,
+    RequestFinished,
+    SamplingParams,
+    TokenChunk,
+    utc_now,
+)
+from schemas.ids import uuid7
+from schemas.manifest import read_manifest
+from schemas.settings import PlatformSettings
+from schemas.topics import TopicNames
+
+pytestmark = pytest.mark.integration
+
+MODELS = ["demo-gpt", "all-minilm-l6-v2"]
+
+
+class Log:
+    """Every event on a topic, decoded, collected by a background consumer."""
+
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, batch: list[Message]) -> None:
+        with self.lock:
+            self.events += [decode(m.value() or b"") for m in batch]
+
+    def of(self, request_id: str) -> list[Event]:
+        with self.lock:
+            return [e for e in self.events if e.request_id == request_id]
+
+    def wait(self, predicate: Callable[[], bool], timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if predicate():
+                return
+            time.sleep(0.02)
+        raise AssertionError("condition not met in time")
+
+    def finished(self, request_id: str, timeout: float = 60) -> RequestFinished:
+        self.wait(lambda: any(isinstance(e, RequestFinished) for e in self.of(request_id)), timeout)
+        (result,) = [e for e in self.of(request_id) if isinstance(e, RequestFinished)]
+        return result
+
+
+@pytest.fixture
+def names(kafka_bootstrap: str, topic_prefix: str) -> TopicNames:
+    names = TopicNames(topic_prefix)
+    apply_topics(
+        make_admin(kafka_bootstrap),
+        platform_topics(names, MODELS, TopicSizing(requests=2, replies=2, events=2)),
+    )
+    return names
+
+
+@pytest.fixture
+def platform(
+    platform_settings: PlatformSettings, kafka_bootstrap: str, names: TopicNames
+) -> PlatformSettings:
+    import msgspec
+
+    return msgspec.structs.replace(
+        platform_settings, kafka_bootstrap=kafka_bootstrap, topic_prefix=names.prefix
+    )
+
+
+def _listen(bootstrap: str, topic: str) -> Iterator[Log]:
+    log = Log()
+    consumer = Consumer(consumer_config(bootstrap, None, "test-probe"))
+    parts = consumer.list_topics(topic, timeout=10).topics[topic].partitions
+    consumer.close()
+    with ConsumerThread(
+        consumer_config(bootstrap, None, "test"), log, assign=[TopicPartition(topic, p, 0) for p in parts]
+    ):
+        yield log
+
+
+@pytest.fixture
+def replies(kafka_bootstrap: str, names: TopicNames) -> Iterator[Log]:
+    yield from _listen(kafka_bootstrap, names.replies)
+
+
+@pytest.fixture
+def results(kafka_bootstrap: str, names: TopicNames) -> Iterator[Log]:
+    yield from _listen(kafka_bootstrap, names.results)
+
+
+@pytest.fixture
+def producer(kafka_bootstrap: str) -> Iterator[EventProducer]:
+    with EventProducer(kafka_bootstrap, "test-edge") as p:
+        yield p
+
+
+@pytest.fixture
+def gpt_worker(platform: PlatformSettings, demo_gpt_dir: Path) -> Iterator[WorkerService]:
+    worker = make_worker(platform, WorkerSettings(worker_id="w1", worker_flush_tokens=4), "demo-gpt")
+    with worker:
+        assert worker.wait_assigned(30)
+        yield worker
+
+
+def _generation(names: TopicNames, prompt_ids: list[int], **kw: object) -> GenerationRequested:
+    sampling = kw.pop("sampling", SamplingParams(max_tokens=24, temperature=0.0))
+    return GenerationRequested(
+        tenant="acme",
+        model="demo-gpt",
+        request_id=uuid7(),
+        source="test",
+        model_version="v",
+        input_ids=prompt_ids,
+        sampling=sampling,
+        reply=ReplyTo(topic=names.replies, partition=1, edge_id="e1"),
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+PROMPT = [5, 6, 7, 8, 9, 10]
+
+
+async def test_streamed_generation_ends_in_one_terminal_event(
+    names: TopicNames,
+    gpt_worker: WorkerService,
+    producer: EventProducer,
+    replies: Log,
+    results: Log,
+    kafka_bootstrap: str,
+) -> None:
+    request = _generation(names, PROMPT, stream=True)
+    await producer.publish(names.requests("demo-gpt"), request)
+    finished = replies.finished(request.request_id)
+    assert finished.status == "completed"
+    assert finished.finish_reason in ("length", "stop")
+    chunks = [e for e in replies.of(request.request_id) if isinstance(e, TokenChunk)]
+    assert [c.seq for c in chunks] == list(range(len(chunks)))
+    offsets = [c.offset for c in chunks]
+    assert offsets == [sum(len(c.token_ids) for c in chunks[:i]) for i in range(len(chunks))]
+    assert "".join(c.text for c in chunks) == finished.text
+    assert finished.usage.completion_tokens == sum(len(c.token_ids) for c in chunks)
+    assert finished.usage.prompt_tokens == len(PROMPT)
+    assert results.finished(request.request_id) == finished
+    # the offset is committed once the terminal event is durable
+    probe = Consumer(consumer_config(kafka_bootstrap, "sluice-workers.demo-gpt", "probe"))
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            committed = probe.committed(
+                [TopicPartition(names.requests("demo-gpt"), p) for p in (0, 1)], timeout=10
+            )
+            if sum(max(tp.offset, 0) for tp in committed) == 1:
+                break
+            time.sleep(0.1)
+        assert sum(max(tp.offset, 0) for tp in committed) == 1
+    finally:
+        probe.close()
+
+
+async def test_cancel_stops_a_running_request(
+    names: TopicNames, gpt_worker: WorkerService, producer: EventProducer, replies: Log
+) -> None:
+    request = _generation(
+        names, PROMPT, stream=True, sampling=SamplingParams(max_tokens=250, temperature=0.8)
+    )
+    await producer.publish(names.requests("demo-gpt"), request)
+    replies.wait(lambda: any(isinstance(e, TokenChunk) for e in replies.of(request.request_id)))
+    await producer.publish(
+        names.cancels,
+        CancelRequested(
+            tenant="acme",
+            model="demo-gpt",
+            request_id=request.request_id,
+            source="test",
+            reason="client_disconnect",
+        ),
+    )
+    finished = replies.finished(request.request_id)
+    assert finished.status == "cancelled"
+    assert finished.finish_reason == "cancelled"
+    assert finished.usage.completion_tokens < 250
+    events = replies.of(request.request_id)
+    assert isinstance(events[-1], RequestFinished)  # nothing after the terminal event
+    streamed = sum(len(e.token_ids) for e in events if isinstance(e, TokenChunk))
+    assert streamed == finished.usage.completion_tokens
+
+
+async def test_past_deadline_expires_without_running(
+    names: TopicNames, gpt_worker: WorkerService, producer: EventProducer, replies: Log
+) -> None:
+    request = _generation(names, PROMPT, stream=True, deadline=utc_now() - timedelta(seconds=1))
+    await producer.publish(names.requests("demo-gpt"), request)
+    finished = replies.finished(request.request_id)
+    assert finished.status == "expired"
+    assert finished.timings.started is None
+    assert finished.usage.completion_tokens == 0
+    assert [e for e in replies.of(request.request_id) if isinstance(e, TokenChunk)] == []
+
+
+async def test_redelivered_finished_request_is_not_run_again_and_junk_is_dead_lettered(
+    names: TopicNames, gpt_worker: WorkerService, producer: EventProducer, replies: Log, kafka_bootstrap: str
+) -> None:
+    request = _generation(names, PROMPT)
+    await producer.publish(names.requests("demo-gpt"), request, partition=0)
+    replies.finished(request.request_id)
+    junk = Producer({"bootstrap.servers": kafka_bootstrap})
+    junk.produce(names.requests("demo-gpt"), b"{not json", partition=0)
+    assert junk.flush(10) == 0
+    await producer.publish(names.requests("demo-gpt"), request, partition=0)  # a redelivery
+    after = _generation(names, PROMPT)
+    await producer.publish(names.requests("demo-gpt"), after, partition=0)
+    replies.finished(after.request_id)  # the worker kept going past the junk and the duplicate
+    assert len([e for e in replies.of(request.request_id) if isinstance(e, RequestFinished)]) == 1
+    dead = Log()
+    with ConsumerThread(
+        consumer_config(kafka_bootstrap, None, "t"), dead, assign=[TopicPartition(names.deadletter, 0, 0)]
+    ):
+        dead.wait(lambda: len(dead.events) >= 1)
+    (letter,) = dead.events
+    assert isinstance(letter, DeadLetter)
+    assert letter.source_topic == names.requests("demo-gpt")
+
+
+async def test_embeddings_are_batched_and_returned(
+    names: TopicNames,
+    platform: PlatformSettings,
+    producer: EventProducer,
+    replies: Log,
+    shared_models_root: Path,
+    minilm_source: Path,
+) -> None:
+    from gpu_workers.models import MINILM_ID, prepare_hf_dir
+
+    prepare_hf_dir(MINILM_ID, minilm_source, shared_models_root, task="embedding")
+    manifest = read_manifest(shared_models_root / MINILM_ID / "current")
+    worker = make_worker(platform, WorkerSettings(worker_id="e1"), MINILM_ID)
+    with worker:
+        assert worker.wait_assigned(30)
+        requests = [
+            EmbeddingRequested(
+                tenant="acme",
+                model=MINILM_ID,
+                request_id=uuid7(),
+                source="test",
+                model_version=manifest.version,
+                inputs=[[101, 7592 + i, 2088, 102], [101, 2023, 102]],
+                reply=ReplyTo(topic=names.replies, partition=0, edge_id="e1"),
+            )
+            for i in range(5)
+        ]
+        for request in requests:
+            await producer.publish(names.requests(MINILM_ID), request)
+        for request in requests:
+            finished = replies.finished(request.request_id)
+            assert finished.status == "completed"
+            assert finished.embeddings is not None
+            assert len(finished.embeddings) == 2
+            assert all(len(v) == manifest.embedding_dim for v in finished.embeddings)
+            assert abs(sum(x * x for x in finished.embeddings[0]) - 1.0) < 1e-4
+            assert finished.usage.prompt_tokens == 7
