@@ -17,12 +17,14 @@ import hashlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
-from typing import Any
 
 from confluent_kafka import Consumer, Message, TopicPartition
 
 from bus.consumer import ConsumerThread, consumer_config, watermarks
+from bus.errors import BusError
 from bus.producer import EventProducer
+from ingest.errors import GatewayUnavailable
+from ingest.gateway import IdempotencyRecord
 from schemas.codec import DecodeError, decode
 from schemas.events import (
     CancelRequested,
@@ -76,6 +78,11 @@ class ReplyStream:
     @property
     def finished(self) -> bool:
         return self._done
+
+    async def aclose(self) -> None:
+        """Release the stream (the client went away, or it ended)."""
+        self._done = True
+        self._gateway.forget(self.request_id, self)
 
     def push(self, offset: int, reply: Reply) -> None:
         """Called on the event loop by the reply listener."""
@@ -178,7 +185,9 @@ class KafkaGateway:
         self._streams: dict[str, ReplyStream] = {}
         self._listener: ConsumerThread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._idem: collections.OrderedDict[tuple[str, str], tuple[float, Any]] = collections.OrderedDict()
+        self._idem: collections.OrderedDict[tuple[str, str], tuple[float, IdempotencyRecord]] = (
+            collections.OrderedDict()
+        )
         self._idem_ttl = idempotency_ttl_s
         self._idem_max = idempotency_max
 
@@ -247,7 +256,10 @@ class KafkaGateway:
         return stream
 
     async def cancel(self, event: CancelRequested) -> None:
-        await self._producer.publish(self._names.cancels, event)
+        try:
+            await self._producer.publish(self._names.cancels, event)
+        except BusError as exc:
+            raise GatewayUnavailable(f"the cancel could not be sent: {exc}") from exc
 
     async def resume(self, tenant: str, request_id: str, after_seq: int) -> ReplyStream | None:
         """The request's replies after ``after_seq``, read from the log (None if it is not this tenant's
@@ -276,13 +288,15 @@ class KafkaGateway:
 
     # ---------------------------------------------------------------- idempotency
 
-    async def lookup_idempotent(self, tenant: str, key: str) -> Any | None:
+    async def lookup_idempotent(self, tenant: str, key: str) -> IdempotencyRecord | None:
         entry = self._idem.get((tenant, key))
         if entry is None or entry[0] < time.monotonic():
             return None
         return entry[1]
 
-    async def remember_idempotent(self, tenant: str, key: str, record: Any) -> Any:
+    async def remember_idempotent(
+        self, tenant: str, key: str, record: IdempotencyRecord
+    ) -> IdempotencyRecord:
         existing = await self.lookup_idempotent(tenant, key)
         if existing is not None:
             return existing

@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from schemas.settings import PlatformSettings, SettingsError, describe, load_settings
+from sluice.services import SERVICE_SETTINGS
 
 if TYPE_CHECKING:
     from confluent_kafka.admin import AdminClient
@@ -39,6 +40,10 @@ app.add_typer(kafka_app, name="kafka")
 app.add_typer(topics_app, name="topics")
 app.add_typer(schemas_app, name="schemas")
 app.add_typer(warehouse_app, name="warehouse")
+models_app = typer.Typer(
+    help="The served models (built or linked into $SLUICE_CACHE_DIR/models).", no_args_is_help=True
+)
+app.add_typer(models_app, name="models")
 
 
 def settings() -> PlatformSettings:
@@ -266,18 +271,74 @@ def sql(
         console.print(f"[yellow]result cut at {max_rows} rows[/] (--max-rows raises the limit)")
 
 
+# ---------------------------------------------------------------- models and services
+
+
+@models_app.command("prepare")
+def models_prepare() -> None:
+    """Build demo-gpt (first time: ~1 min) and link MiniLM and SLUICE_MODEL_PATHS into the model cache."""
+    from gpu_workers import GpuWorkerError
+    from gpu_workers.models import prepare_models
+
+    try:
+        prepared = prepare_models(settings(), progress=lambda msg: console.print(f"  [dim]{msg}[/]"))
+    except GpuWorkerError as exc:
+        raise fail(str(exc)) from None
+    for model_id, path in prepared.items():
+        out.print(f"{model_id}: {path}")
+
+
+@models_app.command("list")
+def models_list() -> None:
+    """The served models with task, version and limits (from their manifests)."""
+    from schemas.manifest import ManifestError, current_model_dir, read_manifest
+
+    s = settings()
+    table = Table("model", "task", "version", "context", "max output", "directory")
+    for model_id in s.served_models():
+        path = current_model_dir(s.cache_dir, model_id)
+        try:
+            m = read_manifest(path)
+        except ManifestError:
+            table.add_row(model_id, "[yellow]not prepared[/] (sluice models prepare)", "", "", "", str(path))
+            continue
+        table.add_row(
+            model_id, m.task, m.version, str(m.max_context), str(m.max_output_tokens), str(path.resolve())
+        )
+    out.print(table)
+
+
+@app.command("worker")
+def worker(
+    model: Annotated[str, typer.Option("--model", "-m", help="model id to serve, e.g. demo-gpt")],
+) -> None:
+    """Serve one model from its request topic until SIGTERM/Ctrl-C (one process per model replica)."""
+    from sluice.services import run_worker_process
+
+    raise typer.Exit(run_worker_process(settings(), model, console))
+
+
+@app.command("edge")
+def edge() -> None:
+    """Run one edge (OpenAI-compatible HTTP + WebSocket) until SIGTERM/Ctrl-C."""
+    from sluice.services import run_edge_process
+
+    raise typer.Exit(run_edge_process(settings(), console))
+
+
 # ---------------------------------------------------------------- settings and up
 
 
 @app.command("settings")
 def show_settings() -> None:
     """Show every SLUICE_* setting: its type, default and the value in effect."""
-    s = settings()
-    table = Table("variable", "type", "default", "in effect")
-    for name, type_name, default in describe(PlatformSettings):
-        field = name.removeprefix("SLUICE_").lower()
-        table.add_row(name, type_name, default, repr(getattr(s, field)))
-    out.print(table)
+    for cls in (PlatformSettings, *SERVICE_SETTINGS):
+        values = settings() if cls is PlatformSettings else load_settings(cls)
+        table = Table("variable", "type", "default", "in effect", title=cls.__name__)
+        for name, type_name, default in describe(cls):
+            field = name.removeprefix("SLUICE_").lower()
+            table.add_row(name, type_name, default, repr(getattr(values, field)))
+        out.print(table)
 
 
 @app.command("up")

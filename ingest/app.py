@@ -1,0 +1,143 @@
+"""The edge: an aiohttp application over a :class:`~ingest.gateway.Gateway`, and its lifecycle.
+
+``Edge(settings, gateway, catalogue)`` builds the app (``edge.app``, usable with aiohttp's test server);
+``start()`` serves it on ``edge_host:edge_port`` and ``stop()`` shuts down gracefully: it stops accepting
+(listeners closed, new requests 503, ``/readyz`` 503), lets in-flight requests finish for up to
+``edge_shutdown_grace_s``, then publishes ``CancelRequested(reason="shutdown")`` for the rest, ends their
+streams (clients can resume elsewhere with ``Last-Event-ID``) and closes WebSockets with 1001.
+The gateway's own lifecycle belongs to whoever made it.
+
+Handlers run with ``handler_cancellation=True`` (also under aiohttp's test server), so a client that
+disconnects while its request waits cancels the handler, which publishes ``client_disconnect``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from datetime import datetime
+from types import TracebackType
+
+from aiohttp import WSCloseCode, web
+
+from ingest.admission import Admission
+from ingest.auth import TenantDirectory
+from ingest.context import EdgeContext
+from ingest.dispatch import Dispatcher
+from ingest.errors import IngestError, MethodNotAllowed, NotFound, PayloadTooLarge, error_response
+from ingest.gateway import Gateway
+from ingest.http import Routes
+from ingest.models import ModelCatalogue
+from ingest.prepare import Preparer
+from ingest.settings import EdgeSettings
+from ingest.ws import websocket
+from schemas.events import utc_now
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every error leaves the edge in OpenAI's shape."""
+    try:
+        return await handler(request)
+    except IngestError as exc:
+        return error_response(exc)
+    except web.HTTPException as exc:
+        if exc.status == 404:
+            return error_response(NotFound(f"Unknown route {request.method} {request.path}."))
+        if exc.status == 405:
+            return error_response(MethodNotAllowed(f"Method {request.method} not allowed on {request.path}."))
+        if exc.status == 413:
+            return error_response(PayloadTooLarge("The request body is too large."))
+        raise
+    except Exception:
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        return error_response(IngestError("The server had an error while processing your request."))
+
+
+class Edge:
+    def __init__(
+        self,
+        settings: EdgeSettings,
+        gateway: Gateway,
+        catalogue: ModelCatalogue,
+        tenants: TenantDirectory | None = None,
+        *,
+        clock: Callable[[], datetime] = utc_now,
+    ) -> None:
+        source = f"ingest/{settings.edge_id}"
+        self.ctx = EdgeContext(
+            settings=settings,
+            gateway=gateway,
+            catalogue=catalogue,
+            tenants=tenants if tenants is not None else TenantDirectory.load(settings.edge_tenants_file),
+            admission=Admission(),
+            dispatcher=Dispatcher(
+                gateway, source=source, disconnect_grace_s=settings.edge_disconnect_grace_s
+            ),
+            preparer=Preparer(catalogue, settings, gateway.reply_to, clock=clock),
+        )
+        self.app = web.Application(middlewares=[openai_errors], client_max_size=settings.edge_max_body_bytes)
+        Routes(self.ctx).add_to(self.app)
+        self.app.router.add_get("/v1/ws", self._websocket)
+        self._runner: web.AppRunner | None = None
+        self._site: web.TCPSite | None = None
+        self._stopped = False
+
+    async def _websocket(self, request: web.Request) -> web.StreamResponse:
+        return await websocket(self.ctx, request)
+
+    @property
+    def port(self) -> int:
+        """The bound port once started (useful with ``edge_port=0``)."""
+        if self._runner is None or not self._runner.addresses:
+            raise RuntimeError("the edge is not started")
+        return int(self._runner.addresses[0][1])
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.ctx.settings.edge_host}:{self.port}"
+
+    async def start(self) -> None:
+        settings = self.ctx.settings
+        self._runner = web.AppRunner(
+            self.app, handler_cancellation=True, shutdown_timeout=1.0, access_log=None
+        )
+        await self._runner.setup()
+        self._site = web.TCPSite(self._runner, settings.edge_host, settings.edge_port)
+        await self._site.start()
+        log.info("edge %s listening on %s", settings.edge_id, self.url)
+
+    async def stop(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        ctx = self.ctx
+        ctx.admission.accepting = False
+        if self._site is not None:
+            await self._site.stop()
+        if not await ctx.admission.wait_idle(ctx.settings.edge_shutdown_grace_s):
+            flights = ctx.admission.flights
+            log.info("edge stopping: cancelling %d requests still in flight", len(flights))
+            for flight in flights:
+                ctx.dispatcher.cancel(flight, "shutdown")
+            for flight in flights:
+                if flight.task is not None:
+                    flight.task.cancel()
+        for ws in list(ctx.sockets):
+            await ws.close(code=WSCloseCode.GOING_AWAY, message=b"server shutting down")
+        await ctx.dispatcher.drain()
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def __aenter__(self) -> Edge:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.stop()

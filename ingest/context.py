@@ -1,0 +1,31 @@
+"""What the HTTP routes and WebSocket sessions of one edge share."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from ingest.admission import Admission
+from ingest.auth import TenantDirectory
+from ingest.dispatch import Dispatcher
+from ingest.gateway import Gateway
+from ingest.models import ModelCatalogue
+from ingest.prepare import Preparer
+from ingest.settings import EdgeSettings
+
+
+@dataclass
+class EdgeContext:
+    settings: EdgeSettings
+    gateway: Gateway
+    catalogue: ModelCatalogue
+    tenants: TenantDirectory
+    admission: Admission
+    dispatcher: Dispatcher
+    preparer: Preparer
+    sockets: set[web.WebSocketResponse] = field(default_factory=set)
+
+    @property
+    def ready(self) -> bool:
+        return self.admission.accepting and self.gateway.ready() and len(self.catalogue) > 0

@@ -1,0 +1,175 @@
+"""Between a validated request and its reply stream: idempotency, submit or resume, deadlines and cancels."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Literal
+
+from ingest.admission import Flight
+from ingest.errors import (
+    DeadlineExceeded,
+    IdempotencyInProgress,
+    IdempotencyKeyReused,
+    InvalidRequest,
+    NotFound,
+)
+from ingest.gateway import Gateway, IdempotencyRecord, ReplyItem, ReplyStream
+from ingest.prepare import Prepared
+from schemas.events import CancelRequested
+
+log = logging.getLogger(__name__)
+
+CancelReason = Literal["client_disconnect", "client_cancel", "shutdown"]
+MAX_IDEMPOTENCY_KEY = 255
+
+
+@dataclass(frozen=True)
+class Opened:
+    request_id: str
+    stream: ReplyStream
+    owner: bool
+    """False when the stream replays a request submitted earlier (idempotent retry)."""
+
+
+def check_idempotency_key(key: str | None) -> str | None:
+    if key is not None and not (0 < len(key) <= MAX_IDEMPOTENCY_KEY and key.isprintable()):
+        raise InvalidRequest(
+            f"Idempotency-Key must be 1 to {MAX_IDEMPOTENCY_KEY} printable characters.",
+            param="Idempotency-Key",
+        )
+    return key
+
+
+class TenantChecked:
+    """A resumed stream that ends with ``stream_not_found`` at the first reply of another tenant: the gateway
+    already checks, and this edge checks again (one tenant must never read another's stream)."""
+
+    def __init__(self, stream: ReplyStream, tenant: str) -> None:
+        self._stream = stream
+        self._items = aiter(stream)
+        self._tenant = tenant
+
+    def __aiter__(self) -> TenantChecked:
+        return self
+
+    async def __anext__(self) -> ReplyItem:
+        item = await anext(self._items)
+        if item.tenant != self._tenant:
+            raise NotFound(f"No stream {item.request_id!r} to resume.", code="stream_not_found")
+        return item
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
+
+
+class Dispatcher:
+    def __init__(self, gateway: Gateway, *, source: str, disconnect_grace_s: float = 0.0) -> None:
+        self._gateway = gateway
+        self._source = source
+        self._grace = disconnect_grace_s
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._delayed: dict[str, asyncio.Task[None]] = {}
+        self._flush = asyncio.Event()
+
+    async def open(self, prepared: Prepared, idempotency_key: str | None, flight: Flight) -> Opened:
+        """Submit the request, or, for a key seen before with the same body, replay that request's replies.
+
+        A client that leaves while this waits (on the log's acknowledgement) gets its request cancelled."""
+        try:
+            opened = await self._open(prepared, idempotency_key)
+        except asyncio.CancelledError:
+            self.cancel(flight, "client_disconnect")
+            raise
+        flight.request_id, flight.owner = opened.request_id, opened.owner
+        return opened
+
+    async def _open(self, prepared: Prepared, idempotency_key: str | None) -> Opened:
+        event = prepared.event
+        if idempotency_key is None:
+            return Opened(event.request_id, await self._gateway.submit(event), owner=True)
+        mine = IdempotencyRecord(request_id=event.request_id, body_hash=prepared.body_hash)
+        record = await self._gateway.lookup_idempotent(event.tenant, idempotency_key)
+        if record is None:
+            record = await self._gateway.remember_idempotent(event.tenant, idempotency_key, mine)
+        if record.body_hash != prepared.body_hash:
+            raise IdempotencyKeyReused(
+                "This Idempotency-Key was used with a different request body.", param="Idempotency-Key"
+            )
+        if record.request_id == event.request_id:
+            return Opened(event.request_id, await self._gateway.submit(event), owner=True)
+        stream = await self._gateway.resume(event.tenant, record.request_id, -1)
+        stream = TenantChecked(stream, event.tenant) if stream is not None else None
+        if stream is None:
+            raise IdempotencyInProgress(
+                "A request with this Idempotency-Key is not readable yet; retry shortly.",
+                param="Idempotency-Key",
+            )
+        return Opened(record.request_id, stream, owner=False)
+
+    async def resume(self, tenant: str, request_id: str, after_seq: int) -> tuple[ReplyStream, bool]:
+        """The request's replies after ``after_seq``, and whether the caller now owns the request: true when
+        it came back within the disconnect grace (its delayed cancel is dropped; it cancels on leaving)."""
+        found = await self._gateway.resume(tenant, request_id, after_seq)
+        if found is None:
+            raise NotFound(f"No stream {request_id!r} to resume.", code="stream_not_found")
+        stream = TenantChecked(found, tenant)
+        delayed = self._delayed.pop(request_id, None)
+        if delayed is not None:
+            delayed.cancel()
+        return stream, delayed is not None
+
+    @contextlib.asynccontextmanager
+    async def guard(self, flight: Flight, stream: ReplyStream, timeout_s: float) -> AsyncIterator[None]:
+        """Bound the wait by the deadline, cancel an owned request when the client leaves or the deadline
+        passes, and always close the stream."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                yield
+        except TimeoutError:
+            self.cancel(flight, "client_cancel")
+            raise DeadlineExceeded("The request did not finish before its deadline.") from None
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.cancel(flight, "client_disconnect")
+            raise
+        finally:
+            await stream.aclose()
+
+    def cancel(self, flight: Flight, reason: CancelReason) -> None:
+        """Publish a cancel for the flight's request (once, in the background), if this edge owns it."""
+        if not flight.owner or flight.cancel_sent:
+            return
+        flight.cancel_sent = True
+        event = CancelRequested(
+            tenant=flight.tenant,
+            model=flight.model,
+            request_id=flight.request_id,
+            source=self._source,
+            reason=reason,
+        )
+        delay = self._grace if reason == "client_disconnect" else 0.0
+        task = asyncio.create_task(self._send(event, delay))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        if delay:
+            self._delayed[flight.request_id] = task
+            task.add_done_callback(lambda _: self._delayed.pop(flight.request_id, None))
+
+    async def _send(self, event: CancelRequested, delay: float) -> None:
+        if delay:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(delay):
+                    await self._flush.wait()
+        try:
+            await self._gateway.cancel(event)
+        except Exception:
+            log.exception("could not publish cancel for request %s", event.request_id)
+
+    async def drain(self) -> None:
+        """Send delayed cancels now and wait for every cancel in flight (on shutdown)."""
+        self._flush.set()
+        while self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)

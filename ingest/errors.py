@@ -1,0 +1,155 @@
+"""The edge's one exception root, and its mapping to HTTP statuses and OpenAI's error shape.
+
+Everything the edge reports to a client is an :class:`IngestError`. Each subclass carries its HTTP status,
+OpenAI ``type`` and default ``code`` here and nowhere else; handlers raise, the middleware (HTTP), the SSE
+writer and the WebSocket session render with :func:`error_body` / :func:`error_response`.
+Gateways (Kafka or fake) raise :class:`GatewayUnavailable` when they cannot publish or read.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import msgspec
+from aiohttp import web
+
+from schemas.events import RequestFinished
+
+
+class IngestError(Exception):
+    """Root of every error the edge raises. Unexpected ones are 500 ``server_error``."""
+
+    status: ClassVar[int] = 500
+    error_type: ClassVar[str] = "server_error"
+    default_code: ClassVar[str | None] = None
+    retriable: ClassVar[bool] = False
+
+    def __init__(self, message: str, *, code: str | None = None, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code if code is not None else self.default_code
+        self.param = param
+
+
+class InvalidRequest(IngestError):
+    status = 400
+    error_type = "invalid_request_error"
+
+
+class ContextLengthExceeded(InvalidRequest):
+    default_code = "context_length_exceeded"
+
+
+class AuthenticationFailed(IngestError):
+    status = 401
+    error_type = "invalid_request_error"
+    default_code = "invalid_api_key"
+
+
+class NotFound(IngestError):
+    status = 404
+    error_type = "invalid_request_error"
+    default_code = "not_found"
+
+
+class ModelNotFound(NotFound):
+    default_code = "model_not_found"
+
+
+class MethodNotAllowed(IngestError):
+    status = 405
+    error_type = "invalid_request_error"
+    default_code = "method_not_allowed"
+
+
+class IdempotencyInProgress(IngestError):
+    """The key is taken but its request cannot be read (yet): retry later."""
+
+    status = 409
+    error_type = "invalid_request_error"
+    default_code = "idempotency_key_in_progress"
+    retriable = True
+
+
+class PayloadTooLarge(IngestError):
+    status = 413
+    error_type = "invalid_request_error"
+    default_code = "request_too_large"
+
+
+class IdempotencyKeyReused(IngestError):
+    status = 422
+    error_type = "invalid_request_error"
+    default_code = "idempotency_key_reused"
+
+
+class RateLimited(IngestError):
+    status = 429
+    error_type = "rate_limit_error"
+    default_code = "rate_limit_exceeded"
+    retriable = True
+
+
+class UpstreamFailed(IngestError):
+    """A worker reported the request failed."""
+
+    status = 500
+    error_type = "server_error"
+    default_code = "upstream_error"
+
+
+class Unavailable(IngestError):
+    status = 503
+    error_type = "server_error"
+    default_code = "unavailable"
+    retriable = True
+
+
+class GatewayUnavailable(Unavailable):
+    default_code = "gateway_unavailable"
+
+
+class RequestCancelled(Unavailable):
+    default_code = "request_cancelled"
+
+
+class DeadlineExceeded(IngestError):
+    status = 504
+    error_type = "timeout"
+    default_code = "timeout"
+
+
+class CatalogueError(IngestError):
+    """A served model directory cannot be loaded (raised at start-up, never to a client)."""
+
+
+def error_body(exc: IngestError) -> dict[str, Any]:
+    return {"error": {"message": exc.message, "type": exc.error_type, "param": exc.param, "code": exc.code}}
+
+
+def error_response(exc: IngestError, *, request_id: str | None = None) -> web.Response:
+    headers = {"x-should-retry": "true" if exc.retriable else "false"}
+    if request_id:
+        headers["x-request-id"] = request_id
+    return web.Response(
+        status=exc.status,
+        body=msgspec.json.encode(error_body(exc)),
+        content_type="application/json",
+        headers=headers,
+    )
+
+
+def from_finished(finished: RequestFinished) -> IngestError | None:
+    """The error a terminal event stands for, or None when it completed."""
+    if finished.status == "completed":
+        return None
+    if finished.status == "expired":
+        return DeadlineExceeded("the request passed its deadline before it finished")
+    if finished.status == "cancelled":
+        return RequestCancelled("the request was cancelled before it finished")
+    info = finished.error
+    message = info.message if info else "the request failed"
+    code = info.code if info else None
+    if info is not None and info.retriable:
+        return Unavailable(message, code=code)
+    return UpstreamFailed(message, code=code)

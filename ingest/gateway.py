@@ -1,0 +1,77 @@
+"""The port between the HTTP/WebSocket layer and the log: what the edge needs from Kafka, as a Protocol.
+
+The edge is written and tested against this (with an in-memory fake in ``tests/ingest``); the Kafka
+implementation lives beside it. Its contract:
+
+- :meth:`Gateway.submit` returns only once the request event is durably published (``acks=all``); it raises
+  :class:`ingest.errors.GatewayUnavailable` when it cannot publish. Its reply stream yields the request's
+  :class:`TokenChunk` s in ``seq`` order, without duplicates, skipping ``seq <= resume_after_seq`` when
+  given, then exactly one :class:`RequestFinished`, and ends.
+- A reply stream is pulled by the edge at the client's pace; the gateway must buffer a bounded amount per
+  stream (and pause its consumer or drop-and-replay from the log beyond that), never grow without bound.
+  ``aclose()`` releases the stream early (client gone); it is always called, also after the end.
+- :meth:`Gateway.resume` replays a request's replies from the log after ``after_seq`` (``-1``: all of them)
+  and then follows it live. It returns None when the request is unknown **or belongs to another tenant**:
+  the two must look the same to the caller.
+- :meth:`Gateway.remember_idempotent` stores ``(tenant, key) -> record`` only if absent and returns the
+  stored record (the caller's, or the one that won the race).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Protocol, TypeAlias
+
+import msgspec
+
+from schemas.events import (
+    CancelRequested,
+    EmbeddingRequested,
+    GenerationRequested,
+    ReplyTo,
+    RequestFinished,
+    TokenChunk,
+)
+
+ReplyItem: TypeAlias = TokenChunk | RequestFinished
+RequestEvent: TypeAlias = GenerationRequested | EmbeddingRequested
+
+
+class IdempotencyRecord(msgspec.Struct, frozen=True, kw_only=True):
+    request_id: str
+    body_hash: str
+    """sha256 hex of the canonical JSON of endpoint and body."""
+
+
+class ReplyStream(Protocol):
+    """The replies of ONE request: chunks, then the terminal event, then the end."""
+
+    def __aiter__(self) -> AsyncIterator[ReplyItem]: ...
+
+    async def aclose(self) -> None: ...
+
+
+class Gateway(Protocol):
+    @property
+    def edge_id(self) -> str: ...
+
+    @property
+    def reply_to(self) -> ReplyTo:
+        """Where this edge's replies are routed; copied into every request event."""
+        ...
+
+    def ready(self) -> bool:
+        """Connected and able to publish and receive replies (``/readyz``)."""
+        ...
+
+    async def submit(self, event: RequestEvent, *, resume_after_seq: int | None = None) -> ReplyStream: ...
+
+    async def resume(self, tenant: str, request_id: str, after_seq: int) -> ReplyStream | None: ...
+
+    async def cancel(self, event: CancelRequested) -> None: ...
+
+    async def lookup_idempotent(self, tenant: str, key: str) -> IdempotencyRecord | None: ...
+
+    async def remember_idempotent(
+        self, tenant: str, key: str, record: IdempotencyRecord
+    ) -> IdempotencyRecord: ...

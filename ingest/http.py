@@ -1,0 +1,188 @@
+"""The HTTP routes: OpenAI-compatible endpoints, stream resume, models, health."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from ingest import openai
+from ingest.admission import Flight
+from ingest.auth import Tenant
+from ingest.context import EdgeContext
+from ingest.dispatch import check_idempotency_key
+from ingest.errors import IngestError, InvalidRequest, PayloadTooLarge
+from ingest.gateway import ReplyStream
+from ingest.prepare import Kind, Shape
+from ingest.render import DONE, SseEncoder, collect, final_body, native, sse, sse_error
+from schemas.events import TokenChunk
+from schemas.ids import UUID7_PATTERN
+
+_LAST_EVENT_ID = re.compile(r"^(?P<rid>" + UUID7_PATTERN.strip("^$") + r"):(?P<seq>-1|\d{1,9})$")
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def parse_last_event_id(value: str | None) -> tuple[str, int] | None:
+    if value is None:
+        return None
+    match = _LAST_EVENT_ID.match(value.strip())
+    if match is None:
+        raise InvalidRequest("Last-Event-ID must be '<request id>:<seq>'.", param="Last-Event-ID")
+    return match["rid"], int(match["seq"])
+
+
+def json_response(body: Any, *, status: int = 200, request_id: str | None = None) -> web.Response:
+    headers = {"x-request-id": request_id} if request_id else None
+    return web.Response(
+        status=status, body=msgspec.json.encode(body), content_type="application/json", headers=headers
+    )
+
+
+class Routes:
+    def __init__(self, ctx: EdgeContext) -> None:
+        self.ctx = ctx
+
+    def add_to(self, app: web.Application) -> None:
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/embeddings", self.embeddings)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/streams/{request_id}", self.stream)
+        app.router.add_get("/healthz", self.healthz)
+        app.router.add_get("/readyz", self.readyz)
+
+    def _tenant(self, request: web.Request) -> Tenant:
+        return self.ctx.tenants.authenticate(request.headers.get("Authorization"))
+
+    async def _body(self, request: web.Request) -> bytes:
+        limit = self.ctx.settings.edge_max_body_bytes
+        too_large = PayloadTooLarge(f"The request body is larger than the limit of {limit} bytes.")
+        if request.content_length is not None and request.content_length > limit:
+            raise too_large
+        try:
+            return await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise too_large from None
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._endpoint(request, "chat")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._endpoint(request, "completion")
+
+    async def embeddings(self, request: web.Request) -> web.StreamResponse:
+        return await self._endpoint(request, "embedding")
+
+    async def _endpoint(self, request: web.Request, kind: Kind) -> web.StreamResponse:
+        ctx = self.ctx
+        tenant = self._tenant(request)
+        ctx.admission.check_rate(tenant)  # before any work on the body
+        raw = await self._body(request)
+        key = check_idempotency_key(request.headers.get("Idempotency-Key"))
+        last = parse_last_event_id(request.headers.get("Last-Event-ID")) if kind != "embedding" else None
+        prepared = await ctx.preparer.prepare(
+            kind,
+            raw,
+            tenant=tenant,
+            timeout_header=request.headers.get("X-Request-Timeout"),
+            idempotency_key=key,
+        )
+        shape = prepared.shape
+        if last is not None:  # an SSE reconnect: replay after the last event seen, generate nothing
+            request_id, after_seq = last
+            after_seq = after_seq if shape.stream else -1  # one JSON body needs the whole stream
+            shape = dataclasses.replace(shape, request_id=request_id)
+            with ctx.admission.flight(tenant, shape.model, request_id, owner=False) as flight:
+                stream, flight.owner = await ctx.dispatcher.resume(tenant.name, request_id, after_seq)
+                return await self._serve(request, shape, stream, flight, prepared.timeout_s, after_seq >= 0)
+        with ctx.admission.flight(tenant, shape.model, shape.request_id, owner=True) as flight:
+            opened = await ctx.dispatcher.open(prepared, key, flight)
+            shape = dataclasses.replace(shape, request_id=opened.request_id)
+            return await self._serve(request, shape, opened.stream, flight, prepared.timeout_s, False)
+
+    async def _serve(
+        self,
+        request: web.Request,
+        shape: Shape,
+        stream: ReplyStream,
+        flight: Flight,
+        timeout_s: float,
+        resumed: bool,
+    ) -> web.StreamResponse:
+        guard = self.ctx.dispatcher.guard(flight, stream, timeout_s)
+        if not shape.stream:
+            async with guard:
+                text, finished = await collect(stream)
+            return json_response(final_body(shape, text, finished), request_id=shape.request_id)
+        encoder = SseEncoder(shape, resumed=resumed)
+        response = web.StreamResponse(headers={**SSE_HEADERS, "x-request-id": shape.request_id})
+        ended = False
+        try:
+            async with guard:
+                await response.prepare(request)
+                if opening := encoder.opening():
+                    await response.write(opening)
+                async for item in stream:
+                    ended = not isinstance(item, TokenChunk)
+                    await response.write(encoder.item(item))
+            if not ended:
+                await response.write(
+                    sse_error(IngestError("The reply stream ended early.", code="incomplete_stream"))
+                )
+        except IngestError as exc:  # the deadline passed mid-stream
+            if not response.prepared:
+                raise
+            await response.write(sse_error(exc))
+        except ConnectionResetError:
+            pass  # the client left; the guard published the cancel
+        return response
+
+    async def stream(self, request: web.Request) -> web.StreamResponse:
+        """Replay a request's replies as native frames over SSE, after ``Last-Event-ID`` (default: all)."""
+        ctx = self.ctx
+        tenant = self._tenant(request)
+        request_id = request.match_info["request_id"]
+        last = parse_last_event_id(request.headers.get("Last-Event-ID"))
+        if last is not None and last[0] != request_id:
+            raise InvalidRequest("Last-Event-ID names another request.", param="Last-Event-ID")
+        after_seq = last[1] if last is not None else -1
+        timeout = ctx.preparer.timeout(None, request.headers.get("X-Request-Timeout"))
+        with ctx.admission.flight(tenant, "", request_id, owner=False) as flight:
+            stream, flight.owner = await ctx.dispatcher.resume(tenant.name, request_id, after_seq)
+            response = web.StreamResponse(headers={**SSE_HEADERS, "x-request-id": request_id})
+            try:
+                async with ctx.dispatcher.guard(flight, stream, timeout):
+                    await response.prepare(request)
+                    async for item in stream:
+                        flight.model = item.model
+                        event_id = f"{request_id}:{item.seq}" if isinstance(item, TokenChunk) else None
+                        await response.write(sse(native(item), event_id))
+                    await response.write(DONE)
+            except IngestError as exc:
+                if not response.prepared:
+                    raise
+                await response.write(sse_error(exc))
+            except ConnectionResetError:
+                pass
+            return response
+
+    async def models(self, request: web.Request) -> web.Response:
+        tenant = self._tenant(request)
+        listed = [(m.model_id, 0) for m in self.ctx.catalogue if tenant.may_use(m.model_id)]
+        return json_response(openai.model_list(listed))
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        return json_response({"status": "ok"})
+
+    async def readyz(self, request: web.Request) -> web.Response:
+        ctx = self.ctx
+        body = {
+            "ready": ctx.ready,
+            "accepting": ctx.admission.accepting,
+            "gateway": ctx.gateway.ready(),
+            "models": sorted(m.model_id for m in ctx.catalogue),
+        }
+        return json_response(body, status=200 if ctx.ready else 503)

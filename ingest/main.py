@@ -1,0 +1,49 @@
+"""Run the edge: the model catalogue, the Kafka gateway and the HTTP/WebSocket server, until stopped."""
+
+from __future__ import annotations
+
+import asyncio
+import zlib
+
+from ingest.app import Edge
+from ingest.kafka_gateway import KafkaGateway
+from ingest.models import ModelCatalogue
+from ingest.settings import EdgeSettings
+from schemas.manifest import current_model_dir
+from schemas.settings import PlatformSettings
+from schemas.topics import TopicNames
+
+
+def reply_partition(edge_id: str, partitions: int) -> int:
+    """The replies partition this edge owns: a stable function of its id, so a restart finds its replies."""
+    return zlib.crc32(edge_id.encode()) % partitions
+
+
+def build_edge(
+    platform: PlatformSettings, settings: EdgeSettings, reply_partitions: int
+) -> tuple[Edge, KafkaGateway]:
+    catalogue = ModelCatalogue.load(
+        {m: current_model_dir(platform.cache_dir, m) for m in platform.served_models()}
+    )
+
+    def detokenize(model: str, ids: list[int]) -> str:
+        return str(catalogue.get(model).tokenizer.decode(ids, skip_special_tokens=True))
+
+    gateway = KafkaGateway(
+        bootstrap=platform.bootstrap,
+        names=TopicNames(platform.topic_prefix),
+        edge_id=settings.edge_id,
+        reply_partition=reply_partition(settings.edge_id, reply_partitions),
+        detokenize=detokenize,
+    )
+    return Edge(settings, gateway, catalogue), gateway
+
+
+async def serve_edge(edge: Edge, gateway: KafkaGateway, stop: asyncio.Event) -> None:
+    """Start the gateway then the server; on ``stop``, drain the server then the gateway."""
+    async with gateway:
+        await edge.start()
+        try:
+            await stop.wait()
+        finally:
+            await edge.stop()

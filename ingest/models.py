@@ -1,0 +1,119 @@
+"""The model catalogue: model id -> manifest + tokenizer, loaded once at start-up.
+
+Each served model is a prepared directory (``current_model_dir(cache_dir, id)``) holding
+``sluice-manifest.json`` and ``tokenizer.json``; the edge loads only the tokenizer (the Rust ``tokenizers``
+library), never the weights. Padding and truncation configured in ``tokenizer.json`` are switched off:
+an input longer than the model's context is rejected, never silently cut. Special tokens are added the way
+the tokenizer's post-processor says (``[CLS] … [SEP]`` for a BERT tokenizer, nothing for GPT-2's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from ingest.errors import CatalogueError, ContextLengthExceeded, InvalidRequest, ModelNotFound
+from schemas.manifest import ManifestError, ModelManifest, current_model_dir, read_manifest
+
+TOKENIZER_FILE = "tokenizer.json"
+
+
+@dataclass(frozen=True, eq=False)
+class ServedModel:
+    model_id: str
+    manifest: ModelManifest
+    tokenizer: Tokenizer
+
+    @classmethod
+    def load(cls, model_id: str, model_dir: Path) -> ServedModel:
+        try:
+            manifest = read_manifest(model_dir)
+            tokenizer = Tokenizer.from_file(str(model_dir / TOKENIZER_FILE))
+        except ManifestError as exc:
+            raise CatalogueError(f"model {model_id}: {exc}") from exc
+        except Exception as exc:  # tokenizers raises plain Exception for unreadable files
+            raise CatalogueError(
+                f"model {model_id}: cannot load {model_dir / TOKENIZER_FILE}: {exc}"
+            ) from exc
+        tokenizer.no_truncation()
+        tokenizer.no_padding()
+        try:
+            manifest.chat.turn.format(role="user", content="")
+        except (KeyError, IndexError, ValueError) as exc:
+            raise CatalogueError(f"model {model_id}: bad chat turn template {manifest.chat.turn!r}") from exc
+        return cls(model_id=model_id, manifest=manifest, tokenizer=tokenizer)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.tokenizer.get_vocab_size(with_added_tokens=True))
+
+    def chat_prompt(self, messages: Iterable[tuple[str, str]]) -> str:
+        """The prompt text for (role, content) messages, by the manifest's plain-text chat format."""
+        chat = self.manifest.chat
+        return "".join(chat.turn.format(role=role, content=content) for role, content in messages) + (
+            chat.assistant_prefix
+        )
+
+    def encode(self, texts: Sequence[str]) -> list[list[int]]:
+        return [list(enc.ids) for enc in self.tokenizer.encode_batch(list(texts), add_special_tokens=True)]
+
+    def check_ids(self, ids: Sequence[int], param: str) -> None:
+        vocab = self.vocab_size
+        for token in ids:
+            if not 0 <= token < vocab:
+                raise InvalidRequest(
+                    f"Token id {token} is out of range for model {self.model_id} (vocabulary of {vocab}).",
+                    param=param,
+                    code="invalid_token_id",
+                )
+
+    def check_context(self, tokens: int, param: str, *, reserve: int = 0) -> None:
+        """Raise :class:`ContextLengthExceeded` unless ``tokens`` + ``reserve`` fit the context."""
+        limit = self.manifest.max_context
+        if tokens + reserve > limit:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {limit} tokens. However, your input resulted in "
+                f"{tokens} tokens{' (plus at least one to generate)' if reserve else ''}. "
+                "Please reduce the length of the input.",
+                param=param,
+            )
+
+
+class ModelCatalogue:
+    def __init__(self, models: Iterable[ServedModel]) -> None:
+        self._models = {model.model_id: model for model in models}
+
+    @classmethod
+    def load(cls, dirs: Mapping[str, Path]) -> ModelCatalogue:
+        """Load every ``model id -> directory``; any failure raises :class:`CatalogueError`."""
+        return cls(ServedModel.load(model_id, Path(path)) for model_id, path in dirs.items())
+
+    @classmethod
+    def from_cache(
+        cls, cache_dir: str | Path, model_ids: Iterable[str], model_paths: Iterable[str] = ()
+    ) -> ModelCatalogue:
+        """The platform's models (``PlatformSettings.models`` under ``cache_dir``) plus ``id=/path`` extras."""
+        dirs = {model_id: current_model_dir(cache_dir, model_id) for model_id in model_ids}
+        for entry in model_paths:
+            model_id, sep, path = entry.partition("=")
+            if not sep or not model_id or not path:
+                raise CatalogueError(f"model path {entry!r} is not 'id=/path'")
+            dirs[model_id] = Path(path).expanduser()
+        return cls.load(dirs)
+
+    def get(self, model_id: str) -> ServedModel:
+        model = self._models.get(model_id)
+        if model is None:
+            raise ModelNotFound(
+                f"The model '{model_id}' does not exist or you do not have access to it.", param="model"
+            )
+        return model
+
+    def __iter__(self) -> Iterator[ServedModel]:
+        return iter(self._models.values())
+
+    def __len__(self) -> int:
+        return len(self._models)

@@ -1,0 +1,324 @@
+"""OpenAI-compatible request bodies (strict msgspec structs) and response/chunk builders in OpenAI's shapes.
+
+Requests: unknown fields, wrong types and out-of-range values are 400s naming the ``param``. Parameters we
+accept for compatibility but do not implement must keep their no-op value (``n=1``, penalties 0, …).
+Extension fields: ``top_k`` and ``timeout`` (seconds; see ``X-Request-Timeout``).
+"""
+
+from __future__ import annotations
+
+import base64
+import re
+import sys
+from array import array
+from typing import Annotated, Any, Literal, TypeVar
+
+import msgspec
+
+from ingest.errors import InvalidRequest
+from schemas.events import FinishReason, Usage
+
+T = TypeVar("T")
+
+MaxTokens = Annotated[int, msgspec.Meta(ge=1, le=1_000_000)]
+Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
+TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
+Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
+Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+Timeout = Annotated[float, msgspec.Meta(gt=0.0, le=86_400.0)]
+StopWords = Annotated[list[Annotated[str, msgspec.Meta(min_length=1)]], msgspec.Meta(max_length=4)]
+# Token-or-text inputs: str | list[str] | list[int] | list[list[int]]; mixing is rejected after decoding.
+PromptInput = str | list[str | int | list[int]]
+
+
+class _Strict(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
+    pass
+
+
+class StreamOptions(_Strict, kw_only=True, forbid_unknown_fields=True, frozen=True):
+    include_usage: bool = False
+
+
+class TextPart(_Strict, kw_only=True, forbid_unknown_fields=True, frozen=True):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict, kw_only=True, forbid_unknown_fields=True, frozen=True):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class _GenerationBody(_Strict, kw_only=True, forbid_unknown_fields=True, frozen=True):
+    model: str
+    max_tokens: MaxTokens | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    n: Annotated[int, msgspec.Meta(ge=1, le=128)] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: Annotated[str, msgspec.Meta(min_length=1)] | StopWords | None = None
+    seed: Seed | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    user: str | None = None
+    timeout: Timeout | None = None
+
+    def check_unsupported(self) -> None:
+        if self.n not in (None, 1):
+            raise InvalidRequest("Only n=1 is supported.", param="n", code="unsupported_parameter")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0.0):
+                raise InvalidRequest(f"{name} is not supported.", param=name, code="unsupported_parameter")
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequest(
+                "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+                param="stream_options",
+            )
+
+    @property
+    def stop_words(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class ChatCompletionRequest(_GenerationBody, kw_only=True, forbid_unknown_fields=True, frozen=True):
+    messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
+    max_completion_tokens: MaxTokens | None = None
+    logprobs: bool | None = None
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.logprobs:
+            raise InvalidRequest(
+                "logprobs are not supported.", param="logprobs", code="unsupported_parameter"
+            )
+
+
+class CompletionRequest(_GenerationBody, kw_only=True, forbid_unknown_fields=True, frozen=True):
+    prompt: PromptInput
+    echo: bool = False
+    best_of: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    logprobs: Annotated[int, msgspec.Meta(ge=0, le=5)] | None = None
+    suffix: str | None = None
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        for name, off in (("echo", False), ("best_of", 1), ("logprobs", None), ("suffix", None)):
+            value = getattr(self, name)
+            if value is not None and value != off:
+                raise InvalidRequest(f"{name} is not supported.", param=name, code="unsupported_parameter")
+
+
+class EmbeddingRequest(_Strict, kw_only=True, forbid_unknown_fields=True, frozen=True):
+    model: str
+    input: PromptInput
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    user: str | None = None
+    timeout: Timeout | None = None
+
+
+_AT = re.compile(r"^(?P<what>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.DOTALL)
+_FIELD = re.compile(r"(?:missing required|contains unknown) field `(?P<field>[^`]+)`")
+
+
+def _param(message: str) -> str | None:
+    match = _AT.match(message)
+    path = (match.group("path") if match else "") or ""
+    field = _FIELD.search(message)
+    if field:
+        path = f"{path}.{field.group('field')}"
+    return path.lstrip(".") or None
+
+
+def decode_body(raw: bytes, cls: type[T]) -> T:
+    """The request body as ``cls``, or :class:`InvalidRequest` (malformed JSON, or the failing ``param``)."""
+    try:
+        return msgspec.json.decode(raw, type=cls)
+    except msgspec.ValidationError as exc:
+        raise InvalidRequest(
+            f"Invalid request body: {exc}", param=_param(str(exc)), code="invalid_value"
+        ) from exc
+    except msgspec.DecodeError as exc:
+        raise InvalidRequest(
+            f"We could not parse the JSON body of your request: {exc}", code="invalid_json"
+        ) from exc
+
+
+# --- responses --------------------------------------------------------------------------------------------
+
+Body = dict[str, Any]
+
+
+def finish_reason(reason: FinishReason | None) -> Literal["stop", "length"]:
+    return "length" if reason == "length" else "stop"
+
+
+def usage_body(usage: Usage) -> Body:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+    }
+
+
+def chat_completion(
+    request_id: str,
+    model: str,
+    created: int,
+    fingerprint: str,
+    text: str,
+    reason: FinishReason | None,
+    usage: Usage,
+) -> Body:
+    return {
+        "id": f"chatcmpl-{request_id}",
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "system_fingerprint": fingerprint,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text, "refusal": None},
+                "logprobs": None,
+                "finish_reason": finish_reason(reason),
+            }
+        ],
+        "usage": usage_body(usage),
+    }
+
+
+def chat_chunk(
+    request_id: str,
+    model: str,
+    created: int,
+    fingerprint: str,
+    *,
+    delta: Body | None,
+    reason: FinishReason | None = None,
+    with_usage: bool = False,
+    usage: Usage | None = None,
+) -> Body:
+    """One ``chat.completion.chunk``; ``delta=None`` with ``usage`` is the final usage-only chunk."""
+    choices: list[Body] = []
+    if delta is not None:
+        choices.append(
+            {
+                "index": 0,
+                "delta": delta,
+                "logprobs": None,
+                "finish_reason": finish_reason(reason) if reason is not None else None,
+            }
+        )
+    body: Body = {
+        "id": f"chatcmpl-{request_id}",
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "system_fingerprint": fingerprint,
+        "choices": choices,
+    }
+    if with_usage:
+        body["usage"] = usage_body(usage) if usage is not None else None
+    return body
+
+
+def completion(
+    request_id: str,
+    model: str,
+    created: int,
+    fingerprint: str,
+    text: str,
+    reason: FinishReason | None,
+    usage: Usage,
+) -> Body:
+    return {
+        "id": f"cmpl-{request_id}",
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "system_fingerprint": fingerprint,
+        "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason(reason)}],
+        "usage": usage_body(usage),
+    }
+
+
+def completion_chunk(
+    request_id: str,
+    model: str,
+    created: int,
+    fingerprint: str,
+    *,
+    text: str | None,
+    reason: FinishReason | None = None,
+    with_usage: bool = False,
+    usage: Usage | None = None,
+) -> Body:
+    """One streamed ``text_completion``; ``text=None`` with ``usage`` is the final usage-only chunk."""
+    choices: list[Body] = []
+    if text is not None:
+        choices.append(
+            {
+                "text": text,
+                "index": 0,
+                "logprobs": None,
+                "finish_reason": finish_reason(reason) if reason is not None else None,
+            }
+        )
+    body: Body = {
+        "id": f"cmpl-{request_id}",
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "system_fingerprint": fingerprint,
+        "choices": choices,
+    }
+    if with_usage:
+        body["usage"] = usage_body(usage) if usage is not None else None
+    return body
+
+
+def _base64_floats(vector: list[float]) -> str:
+    packed = array("f", vector)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return base64.b64encode(packed.tobytes()).decode()
+
+
+def embeddings(model: str, vectors: list[list[float]], prompt_tokens: int, encoding_format: str) -> Body:
+    return {
+        "object": "list",
+        "data": [
+            {
+                "object": "embedding",
+                "index": index,
+                "embedding": _base64_floats(vector) if encoding_format == "base64" else vector,
+            }
+            for index, vector in enumerate(vectors)
+        ],
+        "model": model,
+        "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
+    }
+
+
+def model_list(models: list[tuple[str, int]]) -> Body:
+    return {
+        "object": "list",
+        "data": [
+            {"id": model_id, "object": "model", "created": created, "owned_by": "sluicegate"}
+            for model_id, created in models
+        ],
+    }

@@ -1,0 +1,297 @@
+"""From a raw request body to a validated, tokenised request event: all the edge's CPU work, done before
+anything is published. Every failure is an :class:`~ingest.errors.IngestError` (4xx); nothing here talks to
+the gateway. Shared by the HTTP routes and the WebSocket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Literal
+
+import msgspec
+
+from ingest.auth import Tenant
+from ingest.errors import InvalidRequest, ModelNotFound
+from ingest.models import ModelCatalogue, ServedModel
+from ingest.openai import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, PromptInput, decode_body
+from ingest.settings import EdgeSettings
+from schemas.events import EmbeddingRequested, Endpoint, GenerationRequested, ReplyTo, SamplingParams, utc_now
+from schemas.ids import uuid7, uuid7_unix_ms
+
+Kind = Literal["chat", "completion", "embedding"]
+ENDPOINTS: dict[Kind, Endpoint] = {
+    "chat": "/v1/chat/completions",
+    "completion": "/v1/completions",
+    "embedding": "/v1/embeddings",
+}
+MAX_EMBEDDING_INPUTS = 2048
+# Bodies bigger than this are tokenised in a worker thread, off the event loop.
+_INLINE_TOKENISE_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True)
+class Shape:
+    """How to render a request's replies for the client."""
+
+    kind: Kind
+    model: str
+    request_id: str
+    fingerprint: str
+    stream: bool = False
+    include_usage: bool = False
+    encoding_format: str = "float"
+
+    @property
+    def created(self) -> int:
+        return uuid7_unix_ms(self.request_id) // 1000
+
+
+@dataclass(frozen=True)
+class Prepared:
+    event: GenerationRequested | EmbeddingRequested
+    shape: Shape
+    timeout_s: float
+    """Seconds from now to the event's deadline (for the edge's own wait)."""
+    body_hash: str
+
+
+def derive_seed(request_id: str) -> int:
+    """A seed fixed by the request id, so a retried or redelivered request samples the same tokens."""
+    return int.from_bytes(hashlib.sha256(request_id.encode()).digest()[:8], "big") >> 1
+
+
+def body_hash(kind: Kind, raw: bytes) -> str:
+    """sha256 hex of the endpoint and the body's canonical JSON (keys sorted, no whitespace)."""
+    canonical = msgspec.json.encode(
+        {"endpoint": ENDPOINTS[kind], "body": msgspec.json.decode(raw)}, order="sorted"
+    )
+    return hashlib.sha256(canonical).hexdigest()
+
+
+def parse_timeout(header: str | None) -> float | None:
+    if header is None:
+        return None
+    try:
+        value = float(header)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise InvalidRequest(
+            "X-Request-Timeout must be a positive number of seconds.", param="X-Request-Timeout"
+        )
+    return value
+
+
+def _split_input(value: PromptInput, param: str) -> tuple[list[str], list[list[int]]]:
+    """(texts, token lists): exactly one of them is non-empty."""
+    if isinstance(value, str):
+        return [value], []
+    if not value:
+        raise InvalidRequest(f"'{param}' must not be empty.", param=param)
+    if all(isinstance(item, str) for item in value):
+        return [item for item in value if isinstance(item, str)], []
+    if all(isinstance(item, int) for item in value):
+        return [], [[item for item in value if isinstance(item, int)]]
+    if all(isinstance(item, list) for item in value):
+        return [], [item for item in value if isinstance(item, list)]
+    raise InvalidRequest(
+        f"'{param}' must be a string, a list of strings, a list of token ids or a list of token id lists.",
+        param=param,
+    )
+
+
+class Preparer:
+    def __init__(
+        self,
+        catalogue: ModelCatalogue,
+        settings: EdgeSettings,
+        reply_to: ReplyTo,
+        *,
+        clock: Callable[[], datetime] = utc_now,
+    ) -> None:
+        self._catalogue = catalogue
+        self._settings = settings
+        self._reply_to = reply_to
+        self._clock = clock
+        self._source = f"ingest/{settings.edge_id}"
+
+    async def prepare(
+        self,
+        kind: Kind,
+        raw: bytes,
+        *,
+        tenant: Tenant,
+        timeout_header: str | None = None,
+        idempotency_key: str | None = None,
+    ) -> Prepared:
+        if len(raw) > _INLINE_TOKENISE_BYTES:
+            return await asyncio.to_thread(
+                self.prepare_sync, kind, raw, tenant, timeout_header, idempotency_key
+            )
+        return self.prepare_sync(kind, raw, tenant, timeout_header, idempotency_key)
+
+    def prepare_sync(
+        self, kind: Kind, raw: bytes, tenant: Tenant, timeout_header: str | None, idempotency_key: str | None
+    ) -> Prepared:
+        header_timeout = parse_timeout(timeout_header)
+        built: tuple[GenerationRequested | EmbeddingRequested, Shape, float]
+        if kind == "embedding":
+            body = decode_body(raw, EmbeddingRequest)
+            built = self._embedding(body, tenant, header_timeout, idempotency_key)
+        elif kind == "chat":
+            chat = decode_body(raw, ChatCompletionRequest)
+            built = self._generation(kind, chat, tenant, header_timeout, idempotency_key)
+        else:
+            plain = decode_body(raw, CompletionRequest)
+            built = self._generation(kind, plain, tenant, header_timeout, idempotency_key)
+        digest = body_hash(kind, raw) if idempotency_key is not None else ""
+        return Prepared(event=built[0], shape=built[1], timeout_s=built[2], body_hash=digest)
+
+    def _model(self, name: str, tenant: Tenant, task: str) -> ServedModel:
+        if not tenant.may_use(name):
+            raise ModelNotFound(
+                f"The model '{name}' does not exist or you do not have access to it.", param="model"
+            )
+        model = self._catalogue.get(name)
+        if model.manifest.task != task:
+            raise InvalidRequest(
+                f"The model '{name}' is a {model.manifest.task} model and cannot serve this endpoint.",
+                param="model",
+                code="unsupported_model_task",
+            )
+        return model
+
+    def timeout(self, body_timeout: float | None, header: str | None) -> float:
+        """Seconds a request may take: the smaller of body and header, else the default; at most the max."""
+        return self._deadline(body_timeout, parse_timeout(header))[1]
+
+    def _deadline(self, body_timeout: float | None, header_timeout: float | None) -> tuple[datetime, float]:
+        given = [t for t in (body_timeout, header_timeout) if t is not None]
+        timeout = min(given) if given else self._settings.edge_default_timeout_s
+        timeout = min(timeout, self._settings.edge_max_timeout_s)
+        return self._clock() + timedelta(seconds=timeout), timeout
+
+    def _generation(
+        self,
+        kind: Kind,
+        body: ChatCompletionRequest | CompletionRequest,
+        tenant: Tenant,
+        header_timeout: float | None,
+        idempotency_key: str | None,
+    ) -> tuple[GenerationRequested, Shape, float]:
+        body.check_unsupported()
+        model = self._model(body.model, tenant, "generation")
+        manifest = model.manifest
+        if isinstance(body, ChatCompletionRequest):
+            param = "messages"
+            chat_text = model.chat_prompt((m.role, m.text) for m in body.messages)
+            prompt: str | None = chat_text
+            input_ids = model.encode([chat_text])[0]
+            requested = body.max_completion_tokens or body.max_tokens
+        else:
+            param = "prompt"
+            texts, token_lists = _split_input(body.prompt, param)
+            if len(texts) + len(token_lists) != 1:
+                raise InvalidRequest(
+                    "Only one prompt per request is supported.", param=param, code="unsupported_parameter"
+                )
+            if texts:
+                prompt, input_ids = texts[0], model.encode(texts)[0]
+            else:
+                prompt, input_ids = None, token_lists[0]
+                model.check_ids(input_ids, param)
+            requested = body.max_tokens
+        if not input_ids:
+            raise InvalidRequest("The prompt must not be empty.", param=param)
+        model.check_context(len(input_ids), param, reserve=1)
+        max_tokens = min(
+            requested or manifest.sampling.max_tokens,
+            manifest.max_output_tokens,
+            manifest.max_context - len(input_ids),
+        )
+        request_id = uuid7()
+        deadline, timeout = self._deadline(body.timeout, header_timeout)
+        sampling = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=body.temperature if body.temperature is not None else manifest.sampling.temperature,
+            top_p=body.top_p if body.top_p is not None else manifest.sampling.top_p,
+            top_k=body.top_k if body.top_k is not None else manifest.sampling.top_k,
+            stop=body.stop_words,
+            seed=body.seed if body.seed is not None else derive_seed(request_id),
+        )
+        event = GenerationRequested(
+            tenant=tenant.name,
+            model=model.model_id,
+            request_id=request_id,
+            source=self._source,
+            model_version=manifest.version,
+            deadline=deadline,
+            reply=self._reply_to,
+            idempotency_key=idempotency_key,
+            input_ids=input_ids,
+            prompt=prompt,
+            sampling=sampling,
+            stream=body.stream,
+            chat=kind == "chat",
+        )
+        shape = Shape(
+            kind=kind,
+            model=model.model_id,
+            request_id=request_id,
+            fingerprint=manifest.version,
+            stream=body.stream,
+            include_usage=body.include_usage,
+        )
+        return event, shape, timeout
+
+    def _embedding(
+        self,
+        body: EmbeddingRequest,
+        tenant: Tenant,
+        header_timeout: float | None,
+        idempotency_key: str | None,
+    ) -> tuple[EmbeddingRequested, Shape, float]:
+        model = self._model(body.model, tenant, "embedding")
+        if body.dimensions is not None and body.dimensions != model.manifest.embedding_dim:
+            raise InvalidRequest(
+                f"This model only produces {model.manifest.embedding_dim}-dimensional embeddings.",
+                param="dimensions",
+                code="unsupported_parameter",
+            )
+        texts, inputs = _split_input(body.input, "input")
+        if len(texts) + len(inputs) > MAX_EMBEDDING_INPUTS:
+            raise InvalidRequest(f"At most {MAX_EMBEDDING_INPUTS} inputs per request.", param="input")
+        if any(not text for text in texts) or any(not ids for ids in inputs):
+            raise InvalidRequest("Inputs must not be empty.", param="input")
+        if texts:
+            inputs = model.encode(texts)
+        for ids in inputs:
+            model.check_ids(ids, "input")
+            model.check_context(len(ids), "input")
+        request_id = uuid7()
+        deadline, timeout = self._deadline(body.timeout, header_timeout)
+        event = EmbeddingRequested(
+            tenant=tenant.name,
+            model=model.model_id,
+            request_id=request_id,
+            source=self._source,
+            model_version=model.manifest.version,
+            deadline=deadline,
+            reply=self._reply_to,
+            idempotency_key=idempotency_key,
+            inputs=inputs,
+            texts=texts or None,
+        )
+        shape = Shape(
+            kind="embedding",
+            model=model.model_id,
+            request_id=request_id,
+            fingerprint=model.manifest.version,
+            encoding_format=body.encoding_format,
+        )
+        return event, shape, timeout

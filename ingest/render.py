@@ -1,0 +1,120 @@
+"""Replies -> what the client reads: OpenAI JSON bodies, SSE events, and the edge's native frames (used by
+the WebSocket and ``GET /v1/streams/{id}``).
+
+SSE events that carry a token chunk have ``id: <request_id>:<seq>``; a client that reconnects with that as
+``Last-Event-ID`` gets what came after it. The closing events (finish reason, usage, ``[DONE]``) carry no id,
+so a resume after the last chunk still ends properly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from ingest import openai
+from ingest.errors import IngestError, error_body, from_finished
+from ingest.gateway import ReplyItem, ReplyStream
+from ingest.prepare import Shape
+from schemas.events import RequestFinished, TokenChunk
+
+DONE = b"data: [DONE]\n\n"
+_encode = msgspec.json.encode
+
+
+def sse(data: Any, event_id: str | None = None) -> bytes:
+    head = f"id: {event_id}\n".encode() if event_id is not None else b""
+    return head + b"data: " + _encode(data) + b"\n\n"
+
+
+def sse_error(exc: IngestError) -> bytes:
+    return sse(error_body(exc)) + DONE
+
+
+class SseEncoder:
+    """Token chunks and the terminal event of one request as OpenAI streaming chunks."""
+
+    def __init__(self, shape: Shape, *, resumed: bool = False) -> None:
+        self._shape = shape
+        self._resumed = resumed
+
+    def _chunk(self, text: str | None, *, delta: dict[str, Any] | None = None, **kw: Any) -> dict[str, Any]:
+        s = self._shape
+        common = (s.request_id, s.model, s.created, s.fingerprint)
+        if s.kind == "chat":
+            return openai.chat_chunk(*common, delta=delta, with_usage=s.include_usage, **kw)
+        return openai.completion_chunk(*common, text=text, with_usage=s.include_usage, **kw)
+
+    def opening(self) -> bytes:
+        """The chat stream's first chunk (the assistant role), not repeated on a resume."""
+        if self._shape.kind != "chat" or self._resumed:
+            return b""
+        return sse(self._chunk("", delta={"role": "assistant", "content": ""}))
+
+    def item(self, item: ReplyItem) -> bytes:
+        if isinstance(item, TokenChunk):
+            body = self._chunk(item.text, delta={"content": item.text})
+            return sse(body, f"{item.request_id}:{item.seq}")
+        error = from_finished(item)
+        if error is not None:
+            return sse_error(error)
+        out = sse(self._chunk("", delta={}, reason=item.finish_reason))
+        if self._shape.include_usage:
+            out += sse(self._chunk(None, delta=None, usage=item.usage))
+        return out + DONE
+
+
+async def collect(stream: ReplyStream) -> tuple[str, RequestFinished]:
+    """The whole text and the terminal event of a stream; raises the error a failed request stands for."""
+    parts: list[str] = []
+    async for item in stream:
+        if isinstance(item, TokenChunk):
+            parts.append(item.text)
+            continue
+        error = from_finished(item)
+        if error is not None:
+            raise error
+        return (item.text if item.text is not None else "".join(parts)), item
+    raise IngestError("the reply stream ended without a terminal event", code="incomplete_stream")
+
+
+def final_body(shape: Shape, text: str, finished: RequestFinished) -> dict[str, Any]:
+    """The non-streamed OpenAI response for a finished request."""
+    if shape.kind == "embedding":
+        vectors = finished.embeddings or []
+        return openai.embeddings(shape.model, vectors, finished.usage.prompt_tokens, shape.encoding_format)
+    common = (shape.request_id, shape.model, shape.created, shape.fingerprint, text, finished.finish_reason)
+    if shape.kind == "chat":
+        return openai.chat_completion(*common, finished.usage)
+    return openai.completion(*common, finished.usage)
+
+
+def native(item: ReplyItem, shape: Shape | None = None) -> dict[str, Any]:
+    """The edge's own frame for a reply: ``token``, ``done`` or ``error`` (without the client's id)."""
+    if isinstance(item, TokenChunk):
+        return {
+            "type": "token",
+            "request_id": item.request_id,
+            "seq": item.seq,
+            "offset": item.offset,
+            "text": item.text,
+            "token_ids": item.token_ids,
+        }
+    error = from_finished(item)
+    if error is not None:
+        return {"type": "error", "request_id": item.request_id, **error_body(error)}
+    frame: dict[str, Any] = {
+        "type": "done",
+        "request_id": item.request_id,
+        "status": item.status,
+        "finish_reason": item.finish_reason,
+        "usage": openai.usage_body(item.usage),
+    }
+    if item.embeddings is not None:
+        frame["result"] = openai.embeddings(
+            item.model,
+            item.embeddings,
+            item.usage.prompt_tokens,
+            shape.encoding_format if shape is not None else "float",
+        )
+    return frame

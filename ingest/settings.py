@@ -1,0 +1,46 @@
+"""The edge's settings: ``SLUICE_EDGE_*`` variables, read once with :func:`schemas.settings.load_settings`."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+from schemas.settings import register
+
+Seconds = Annotated[float, msgspec.Meta(gt=0.0)]
+Count = Annotated[int, msgspec.Meta(ge=1)]
+
+
+@register
+class EdgeSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """Field ``edge_x`` is variable ``SLUICE_EDGE_X``."""
+
+    edge_host: str = "127.0.0.1"
+    edge_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8080
+    """0 picks a free port (tests)."""
+    edge_id: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")] = "edge-0"
+    """This edge's name: events carry ``source=ingest/<edge_id>`` and replies are routed to it."""
+    edge_tenants_file: str | None = None
+    """JSON or TOML tenants file (see ``ingest/auth.py``). Unset: only the demo tenant, key ``sk-sluice-demo``."""
+    edge_max_body_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 1 << 20
+    """Largest HTTP body and WebSocket message; larger bodies get 413."""
+    edge_default_timeout_s: Seconds = 60.0
+    """Deadline of a request that names none (``timeout`` field or ``X-Request-Timeout`` header)."""
+    edge_max_timeout_s: Seconds = 600.0
+    """Longer deadlines asked for are cut to this."""
+    edge_ws_max_inflight: Count = 32
+    """Requests one WebSocket may have in flight; more get an error frame."""
+    edge_ws_send_queue: Count = 256
+    """Frames one WebSocket may have queued for sending; when full, its streams stop being read."""
+    edge_heartbeat_s: Seconds = 15.0
+    """WebSocket ping interval; a peer that misses a pong is closed."""
+    edge_shutdown_grace_s: Annotated[float, msgspec.Meta(ge=0.0)] = 10.0
+    """On stop, in-flight streams get this long to finish before they are cancelled (reason ``shutdown``)."""
+    edge_disconnect_grace_s: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
+    """Wait this long after a client disconnects before cancelling its request, so that a reconnect with
+    ``Last-Event-ID`` to this edge keeps the generation. 0: cancel at once."""
+
+    def __post_init__(self) -> None:
+        if self.edge_default_timeout_s > self.edge_max_timeout_s:
+            raise ValueError("edge_default_timeout_s must not exceed edge_max_timeout_s")

@@ -1,0 +1,250 @@
+"""``GET /v1/ws``: many requests multiplexed over one WebSocket, as JSON text frames.
+
+Auth: ``Authorization: Bearer <key>`` on the upgrade request; clients that cannot set headers (browsers) may
+pass ``?api_key=<key>`` instead (it can end up in proxy logs: prefer the header).
+
+Client frames::
+
+    {"type": "request", "id": <str|int, client-chosen>, "endpoint": "chat.completions"|"completions"|"embeddings",
+     "body": {...the HTTP body...}}
+    {"type": "cancel", "id": ...}
+    {"type": "resume", "id": ..., "request_id": "<uuid7>", "after_seq": -1}
+    {"type": "ping", "id"?: ...}
+
+Server frames: ``accepted`` (id, request_id), ``token`` (id, request_id, seq, offset, text, token_ids),
+``done`` (id, request_id, status, finish_reason, usage; ``result`` = the OpenAI embeddings body for
+embeddings), ``error`` (id or null, error: OpenAI error object), ``pong``. Liveness is WebSocket ping/pong
+every ``SLUICE_EDGE_HEARTBEAT_S`` (a peer that misses a pong is closed). Bad frames (binary, junk JSON,
+unknown type, invalid body) get an ``error`` frame and the socket stays open; nothing is submitted.
+
+Backpressure: every outgoing frame goes through one bounded queue per socket (``SLUICE_EDGE_WS_SEND_QUEUE``)
+drained by one writer that waits for the transport to drain. When it is full, the request tasks block on
+``put`` and so stop pulling their gateway reply streams: a slow reader holds at most the queue, the kernel
+buffers and one frame per request in memory. Control replies (pong, error) wait in the same queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+import msgspec
+from aiohttp import WSCloseCode, WSMsgType, web
+
+from ingest.admission import Flight
+from ingest.auth import Tenant
+from ingest.context import EdgeContext
+from ingest.errors import IngestError, InvalidRequest, RateLimited, Unavailable, error_body
+from ingest.gateway import ReplyStream
+from ingest.prepare import Kind, Shape
+from ingest.render import native
+
+log = logging.getLogger(__name__)
+
+ClientId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)] | int
+WS_KINDS: dict[str, Kind] = {
+    "chat.completions": "chat",
+    "completions": "completion",
+    "embeddings": "embedding",
+}
+
+
+class RequestFrame(msgspec.Struct, tag="request", tag_field="type", forbid_unknown_fields=True, frozen=True):
+    id: ClientId
+    endpoint: Literal["chat.completions", "completions", "embeddings"]
+    body: msgspec.Raw
+
+
+class CancelFrame(msgspec.Struct, tag="cancel", tag_field="type", forbid_unknown_fields=True, frozen=True):
+    id: ClientId
+
+
+class ResumeFrame(msgspec.Struct, tag="resume", tag_field="type", forbid_unknown_fields=True, frozen=True):
+    id: ClientId
+    request_id: str
+    after_seq: Annotated[int, msgspec.Meta(ge=-1)] = -1
+
+
+class PingFrame(msgspec.Struct, tag="ping", tag_field="type", forbid_unknown_fields=True, frozen=True):
+    id: ClientId | None = None
+
+
+_DECODER = msgspec.json.Decoder(RequestFrame | CancelFrame | ResumeFrame | PingFrame)
+
+
+@dataclass(eq=False)
+class _Work:
+    task: asyncio.Task[None]
+    flight: Flight | None = None
+
+
+def _client_id(text: str | bytes) -> Any:
+    """The ``id`` of a frame that failed to decode, when it has a usable one."""
+    with contextlib.suppress(msgspec.DecodeError):
+        frame = msgspec.json.decode(text)
+        if isinstance(frame, dict) and isinstance(frame.get("id"), str | int):
+            return frame["id"]
+    return None
+
+
+class WsSession:
+    def __init__(self, ctx: EdgeContext, tenant: Tenant, send: Callable[[str], Awaitable[None]]) -> None:
+        self._ctx = ctx
+        self._tenant = tenant
+        self._send = send
+        self._queue: asyncio.Queue[bytes] = asyncio.Queue(maxsize=ctx.settings.edge_ws_send_queue)
+        self._work: dict[str | int, _Work] = {}
+        self._writer: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._writer = asyncio.create_task(self._write())
+
+    async def _write(self) -> None:
+        try:
+            while True:
+                await self._send((await self._queue.get()).decode())
+        except ConnectionResetError:
+            log.debug("websocket peer went away while sending")
+
+    async def _put(self, frame: dict[str, Any]) -> None:
+        await self._queue.put(msgspec.json.encode(frame))
+
+    async def _error(self, client_id: Any, exc: IngestError) -> None:
+        await self._put({"type": "error", "id": client_id, **error_body(exc)})
+
+    async def handle_binary(self) -> None:
+        await self._error(None, InvalidRequest("Binary frames are not supported; send JSON text frames."))
+
+    async def handle_text(self, text: str) -> None:
+        try:
+            frame = _DECODER.decode(text)
+        except msgspec.DecodeError as exc:
+            await self._error(_client_id(text), InvalidRequest(f"Invalid frame: {exc}", code="invalid_frame"))
+            return
+        match frame:
+            case PingFrame():
+                await self._put({"type": "pong", "id": frame.id})
+            case CancelFrame():
+                await self._cancel(frame.id)
+            case RequestFrame() | ResumeFrame():
+                await self._begin(frame)
+
+    async def _begin(self, frame: RequestFrame | ResumeFrame) -> None:
+        if frame.id in self._work:
+            await self._error(
+                frame.id,
+                InvalidRequest(f"Request id {frame.id!r} is already in flight.", code="duplicate_id"),
+            )
+            return
+        if len(self._work) >= self._ctx.settings.edge_ws_max_inflight:
+            limit = self._ctx.settings.edge_ws_max_inflight
+            await self._error(
+                frame.id,
+                RateLimited(f"At most {limit} requests in flight per socket.", code="too_many_inflight"),
+            )
+            return
+        if not self._ctx.admission.accepting:
+            await self._error(frame.id, Unavailable("The server is shutting down.", code="shutting_down"))
+            return
+        work = _Work(task=asyncio.create_task(self._run(frame)))
+        self._work[frame.id] = work
+
+    async def _run(self, frame: RequestFrame | ResumeFrame) -> None:
+        try:
+            if isinstance(frame, RequestFrame):
+                await self._request(frame)
+            else:
+                await self._resume(frame)
+        except IngestError as exc:
+            await self._error(frame.id, exc)
+        finally:
+            work = self._work.get(frame.id)
+            if work is not None and work.task is asyncio.current_task():
+                del self._work[frame.id]
+
+    async def _request(self, frame: RequestFrame) -> None:
+        ctx = self._ctx
+        ctx.admission.check_rate(self._tenant)
+        prepared = await ctx.preparer.prepare(
+            WS_KINDS[frame.endpoint], bytes(frame.body), tenant=self._tenant
+        )
+        shape = prepared.shape
+        with ctx.admission.flight(self._tenant, shape.model, shape.request_id, owner=True) as flight:
+            self._work[frame.id].flight = flight
+            opened = await ctx.dispatcher.open(prepared, None, flight)
+            await self._put({"type": "accepted", "id": frame.id, "request_id": opened.request_id})
+            await self._pump(frame.id, shape, opened.stream, flight, prepared.timeout_s)
+
+    async def _resume(self, frame: ResumeFrame) -> None:
+        ctx = self._ctx
+        timeout = ctx.preparer.timeout(None, None)
+        with ctx.admission.flight(self._tenant, "", frame.request_id, owner=False) as flight:
+            self._work[frame.id].flight = flight
+            stream, flight.owner = await ctx.dispatcher.resume(
+                self._tenant.name, frame.request_id, frame.after_seq
+            )
+            await self._put({"type": "accepted", "id": frame.id, "request_id": frame.request_id})
+            await self._pump(frame.id, None, stream, flight, timeout)
+
+    async def _pump(
+        self, client_id: str | int, shape: Shape | None, stream: ReplyStream, flight: Flight, timeout_s: float
+    ) -> None:
+        async with self._ctx.dispatcher.guard(flight, stream, timeout_s):
+            async for item in stream:
+                flight.model = item.model
+                await self._put({**native(item, shape), "id": client_id})
+
+    async def _cancel(self, client_id: str | int) -> None:
+        work = self._work.pop(client_id, None)
+        if work is None:
+            await self._error(
+                client_id, InvalidRequest(f"No request {client_id!r} in flight.", code="unknown_id")
+            )
+            return
+        request_id = None
+        if work.flight is not None:
+            self._ctx.dispatcher.cancel(work.flight, "client_cancel")
+            request_id = work.flight.request_id
+        work.task.cancel()
+        await asyncio.gather(work.task, return_exceptions=True)
+        frame = {"type": "done", "id": client_id, "request_id": request_id, "status": "cancelled"}
+        await self._put({**frame, "finish_reason": "cancelled", "usage": None})
+
+    async def close(self) -> None:
+        """Cancel what is in flight (published as ``client_disconnect`` unless already cancelled) and stop."""
+        tasks = [work.task for work in self._work.values()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._writer is not None:
+            self._writer.cancel()
+            await asyncio.gather(self._writer, return_exceptions=True)
+
+
+async def websocket(ctx: EdgeContext, request: web.Request) -> web.StreamResponse:
+    tenant = ctx.tenants.authenticate(request.headers.get("Authorization"), request.query.get("api_key"))
+    if not ctx.admission.accepting:
+        raise Unavailable("The server is shutting down.", code="shutting_down")
+    ws = web.WebSocketResponse(
+        heartbeat=ctx.settings.edge_heartbeat_s, max_msg_size=ctx.settings.edge_max_body_bytes
+    )
+    await ws.prepare(request)
+    session = WsSession(ctx, tenant, ws.send_str)
+    session.start()
+    ctx.sockets.add(ws)
+    try:
+        async for message in ws:
+            if message.type == WSMsgType.TEXT:
+                await session.handle_text(message.data)
+            elif message.type == WSMsgType.BINARY:
+                await session.handle_binary()
+    finally:
+        ctx.sockets.discard(ws)
+        await session.close()
+        if not ws.closed:
+            await ws.close(code=WSCloseCode.GOING_AWAY)
+    return ws

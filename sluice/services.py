@@ -1,0 +1,89 @@
+"""The long-running processes behind ``sluice worker``, ``sluice edge`` and ``sluice up``."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import threading
+
+from rich.console import Console
+
+from gpu_workers.settings import WorkerSettings
+from ingest.settings import EdgeSettings
+from schemas.settings import PlatformSettings, SettingsError, load_settings
+
+# Every service's settings class, imported here so the settings registry knows all SLUICE_* names.
+SERVICE_SETTINGS = (EdgeSettings, WorkerSettings)
+
+
+def configure_logging() -> None:
+    # The edge tokenises on its event loop's thread; tokenizers' own thread pool would fight the model
+    # thread for this machine's cores.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("aiokafka", "faust", "urllib3", "httpx"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def run_worker_process(platform: PlatformSettings, model_id: str, console: Console) -> int:
+    from gpu_workers import GpuWorkerError
+    from gpu_workers.main import run_worker
+    from schemas.manifest import ManifestError
+
+    configure_logging()
+    try:
+        worker = load_settings(WorkerSettings)
+    except SettingsError as exc:
+        console.print(f"[red]settings error:[/] {exc}")
+        return 2
+    if model_id not in platform.served_models():
+        console.print(f"[red]error:[/] {model_id} is not served (SLUICE_MODELS / SLUICE_MODEL_PATHS)")
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        run_worker(platform, worker, model_id, stop)
+    except (GpuWorkerError, ManifestError) as exc:
+        console.print(f"[red]error:[/] {exc} (run `sluice models prepare`)")
+        return 1
+    return 0
+
+
+def replies_partitions(platform: PlatformSettings) -> int:
+    from infra.topics import make_admin
+    from schemas.topics import TopicNames
+
+    topic = TopicNames(platform.topic_prefix).replies
+    meta = make_admin(platform.bootstrap).list_topics(topic, timeout=10).topics[topic]
+    if meta.error is not None:
+        raise SettingsError(f"topic {topic} does not exist: run `sluice topics apply`")
+    return len(meta.partitions)
+
+
+def run_edge_process(platform: PlatformSettings, console: Console, port: int | None = None) -> int:
+    from ingest.main import build_edge, serve_edge
+
+    configure_logging()
+    try:
+        edge_settings = load_settings(EdgeSettings)
+        if port is not None:
+            import msgspec
+
+            edge_settings = msgspec.structs.replace(edge_settings, edge_port=port)
+        edge, gateway = build_edge(platform, edge_settings, replies_partitions(platform))
+    except (SettingsError, ValueError) as exc:
+        console.print(f"[red]error:[/] {exc}")
+        return 2
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await serve_edge(edge, gateway, stop)
+
+    asyncio.run(main())
+    return 0

@@ -1,0 +1,233 @@
+"""An in-memory :class:`ingest.gateway.Gateway`: a log per request, deterministic replies, full recording.
+
+Generation: chunk ``i`` is ``" t{i}"`` with token id ``i``, up to ``min(tokens, max_tokens)`` chunks
+(``finish_reason`` "length" when max_tokens cut it, else "stop"). Embeddings: input ``k`` becomes
+``[len(ids), sum(ids) % 97, k]``. ``hold_after=n`` stops each producer after ``n`` chunks until
+``release`` is set or the request is cancelled. Replies are read from the log like Kafka would serve them:
+a submit stream and any number of resumes read the same records.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from dataclasses import dataclass, field
+
+from ingest.errors import GatewayUnavailable
+from ingest.gateway import IdempotencyRecord, ReplyItem, RequestEvent
+from schemas.events import (
+    CancelRequested,
+    EmbeddingRequested,
+    ErrorInfo,
+    FinishReason,
+    GenerationRequested,
+    ReplyTo,
+    RequestFinished,
+    Status,
+    TokenChunk,
+    Usage,
+)
+
+
+@dataclass(eq=False)
+class _Log:
+    event: RequestEvent
+    items: list[ReplyItem] = field(default_factory=list)
+    changed: asyncio.Condition = field(default_factory=asyncio.Condition)
+    cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def append(self, item: ReplyItem) -> None:
+        async with self.changed:
+            self.items.append(item)
+            self.changed.notify_all()
+
+
+class FakeStream:
+    def __init__(self, gateway: FakeGateway, log: _Log, after_seq: int) -> None:
+        self._gateway = gateway
+        self._log = log
+        self._after = after_seq
+        self._index = 0
+        self._ended = False
+        self.closed = False
+
+    def __aiter__(self) -> FakeStream:
+        return self
+
+    async def __anext__(self) -> ReplyItem:
+        if self._ended or self.closed:
+            raise StopAsyncIteration
+        log = self._log
+        while True:
+            async with log.changed:
+                await log.changed.wait_for(lambda: len(log.items) > self._index)
+            item = log.items[self._index]
+            self._index += 1
+            if not (isinstance(item, TokenChunk) and item.seq <= self._after):
+                break
+        self._ended = isinstance(item, RequestFinished)
+        self._gateway.pulled[item.request_id] += 1
+        return item
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+class FakeGateway:
+    def __init__(self, *, edge_id: str = "edge-test", tokens: int = 5) -> None:
+        self._edge_id = edge_id
+        self.tokens = tokens
+        self.is_ready = True
+        self.submitted: list[RequestEvent] = []
+        self.cancels: list[CancelRequested] = []
+        self.resumes: list[tuple[str, str, int]] = []
+        self.streams: list[FakeStream] = []
+        self.pulled: Counter[str] = Counter()
+        self.idempotency: dict[tuple[str, str], IdempotencyRecord] = {}
+        self.hold_after: int | None = None
+        self.release = asyncio.Event()
+        self.fail_submit = False
+        self.fail_with: ErrorInfo | None = None
+        self.text_size = 0
+        """Extra characters of padding per chunk (to test backpressure with big frames)."""
+        self.race_record: IdempotencyRecord | None = None
+        """When set, remember_idempotent answers this record, as if another request won the race."""
+        self._logs: dict[str, _Log] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # --- the Gateway protocol ---------------------------------------------------------------------------
+
+    @property
+    def edge_id(self) -> str:
+        return self._edge_id
+
+    @property
+    def reply_to(self) -> ReplyTo:
+        return ReplyTo(topic="sluice.replies", partition=3, edge_id=self._edge_id)
+
+    def ready(self) -> bool:
+        return self.is_ready
+
+    async def submit(self, event: RequestEvent, *, resume_after_seq: int | None = None) -> FakeStream:
+        if self.fail_submit:
+            raise GatewayUnavailable("fake broker is down")
+        self.submitted.append(event)
+        log = self._logs[event.request_id] = _Log(event=event)
+        task = asyncio.create_task(self._produce(log))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return self._stream(log, -1 if resume_after_seq is None else resume_after_seq)
+
+    async def resume(self, tenant: str, request_id: str, after_seq: int) -> FakeStream | None:
+        self.resumes.append((tenant, request_id, after_seq))
+        log = self._logs.get(request_id)
+        if log is None or log.event.tenant != tenant:
+            return None
+        return self._stream(log, after_seq)
+
+    async def cancel(self, event: CancelRequested) -> None:
+        self.cancels.append(event)
+        log = self._logs.get(event.request_id)
+        if log is not None:
+            log.cancelled.set()
+
+    async def lookup_idempotent(self, tenant: str, key: str) -> IdempotencyRecord | None:
+        return self.idempotency.get((tenant, key))
+
+    async def remember_idempotent(
+        self, tenant: str, key: str, record: IdempotencyRecord
+    ) -> IdempotencyRecord:
+        if self.race_record is not None:
+            record = self.race_record
+        return self.idempotency.setdefault((tenant, key), record)
+
+    # --- helpers for tests ------------------------------------------------------------------------------
+
+    def _stream(self, log: _Log, after_seq: int) -> FakeStream:
+        stream = FakeStream(self, log, after_seq)
+        self.streams.append(stream)
+        return stream
+
+    def log(self, request_id: str) -> list[ReplyItem]:
+        return list(self._logs[request_id].items)
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _produce(self, log: _Log) -> None:
+        event = log.event
+        if isinstance(event, EmbeddingRequested):
+            vectors = [
+                [float(len(ids)), float(sum(ids) % 97), float(k)] for k, ids in enumerate(event.inputs)
+            ]
+            prompt_tokens = sum(len(ids) for ids in event.inputs)
+            usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=0, total_tokens=prompt_tokens)
+            await log.append(_finished(event, "completed", "stop", usage, embeddings=vectors))
+            return
+        if not isinstance(event, GenerationRequested):
+            raise TypeError(event)
+        count = min(self.tokens, event.sampling.max_tokens)
+        reason: FinishReason = "length" if count == event.sampling.max_tokens else "stop"
+        done = 0
+        for i in range(count):
+            if self.hold_after is not None and i >= self.hold_after:
+                await _first(self.release, log.cancelled)
+            if log.cancelled.is_set():
+                break
+            chunk = TokenChunk(
+                tenant=event.tenant,
+                model=event.model,
+                request_id=event.request_id,
+                source="fake",
+                seq=i,
+                offset=i,
+                token_ids=[i],
+                text=f" t{i}" + "x" * self.text_size,
+                finish_reason=reason if i == count - 1 else None,
+            )
+            await log.append(chunk)
+            done += 1
+        prompt = len(event.input_ids)
+        usage = Usage(prompt_tokens=prompt, completion_tokens=done, total_tokens=prompt + done)
+        if log.cancelled.is_set():
+            final = _finished(event, "cancelled", "cancelled", usage)
+        elif self.fail_with is not None:
+            final = _finished(event, "failed", "error", usage, error=self.fail_with)
+        else:
+            final = _finished(event, "completed", reason, usage)
+        await log.append(final)
+
+
+def _finished(
+    event: RequestEvent,
+    status: Status,
+    reason: FinishReason,
+    usage: Usage,
+    *,
+    embeddings: list[list[float]] | None = None,
+    error: ErrorInfo | None = None,
+) -> RequestFinished:
+    return RequestFinished(
+        tenant=event.tenant,
+        model=event.model,
+        request_id=event.request_id,
+        source="fake",
+        status=status,
+        finish_reason=reason,
+        usage=usage,
+        embeddings=embeddings,
+        error=error,
+        worker_id="fake-worker",
+    )
+
+
+async def _first(*events: asyncio.Event) -> None:
+    waiters = [asyncio.create_task(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiter in waiters:
+            waiter.cancel()
+        await asyncio.gather(*waiters, return_exceptions=True)

@@ -1,0 +1,150 @@
+"""API keys, tenants files, per-tenant models and limits."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ingest.admission import Admission
+from ingest.auth import DEMO_KEY, Tenant, TenantDirectory, hash_key
+from ingest.errors import AuthenticationFailed, CatalogueError, RateLimited
+from ingest.models import ModelCatalogue
+from tests.ingest.conftest import GEN, MakeClient, assert_healthy, settings
+from tests.ingest.fake_gateway import FakeGateway
+
+CHAT = {"model": GEN, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 1}
+
+
+def test_demo_tenant_without_a_file() -> None:
+    directory = TenantDirectory.load(None)
+    assert directory.authenticate(f"Bearer {DEMO_KEY}").name == "demo"
+    assert directory.authenticate(None, api_key=DEMO_KEY).name == "demo"
+    for header in ("Bearer sk-wrong", "Basic abc", "Bearer ", DEMO_KEY):
+        with pytest.raises(AuthenticationFailed):
+            directory.authenticate(header)
+    with pytest.raises(AuthenticationFailed):
+        directory.authenticate(None)
+
+
+def test_tenants_file_json_and_toml(tmp_path: Path) -> None:
+    digest = hash_key("sk-acme")
+    as_json = tmp_path / "tenants.json"
+    as_json.write_text(
+        json.dumps({"tenants": {"acme": {"key_sha256": [digest], "models": [GEN], "max_concurrency": 2}}})
+    )
+    as_toml = tmp_path / "tenants.toml"
+    as_toml.write_text(f'[tenants.acme]\nkey_sha256 = ["{digest}"]\nrequests_per_s = 2.5\nburst = 5\n')
+    from_json = TenantDirectory.from_file(as_json).authenticate("Bearer sk-acme")
+    assert (from_json.name, from_json.models, from_json.max_concurrency) == ("acme", frozenset({GEN}), 2)
+    from_toml = TenantDirectory.from_file(as_toml).authenticate("bearer sk-acme")
+    assert (from_toml.name, from_toml.requests_per_s, from_toml.burst) == ("acme", 2.5, 5)
+    with pytest.raises(AuthenticationFailed):  # no demo tenant when a file is given
+        TenantDirectory.from_file(as_toml).authenticate(f"Bearer {DEMO_KEY}")
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        '{"tenants": {"acme": {"key_sha256": ["not-a-hash"]}}}',
+        '{"tenants": {"acme": {"key_sha256": [], "colour": "red"}}}',
+        "{",
+    ],
+)
+def test_bad_tenants_file(tmp_path: Path, content: str) -> None:
+    path = tmp_path / "tenants.json"
+    path.write_text(content)
+    with pytest.raises(CatalogueError):
+        TenantDirectory.from_file(path)
+
+
+def test_a_key_belongs_to_one_tenant() -> None:
+    digest = hash_key("sk-shared")
+    with pytest.raises(CatalogueError, match="share"):
+        TenantDirectory({"a": Tenant(key_sha256=[digest]), "b": Tenant(key_sha256=[digest])})
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer sk-nope"}, {"Authorization": "Token x"}])
+async def test_http_requires_a_known_key(
+    make_client: MakeClient, gateway: FakeGateway, headers: dict[str, str]
+) -> None:
+    client, _ = await make_client()
+    for path in ("/v1/chat/completions", "/v1/embeddings", "/v1/completions"):
+        response = await client.post(path, json=CHAT, headers=headers)
+        assert response.status == 401
+        error = (await response.json())["error"]
+        assert error["code"] == "invalid_api_key"
+    assert (await client.get("/v1/models", headers=headers)).status == 401
+    assert gateway.submitted == []
+    await assert_healthy(client, gateway)
+
+
+async def test_tenant_sees_only_its_models(catalogue: ModelCatalogue, gateway: FakeGateway) -> None:
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from ingest.app import Edge
+
+    tenants = TenantDirectory(
+        {"acme": Tenant(key_sha256=[hash_key("sk-acme")], models=frozenset({"tiny-embed"}))}
+    )
+    edge = Edge(settings(), gateway, catalogue, tenants)
+    async with TestClient(TestServer(edge.app)) as client:
+        headers = {"Authorization": "Bearer sk-acme"}
+        listed = await (await client.get("/v1/models", headers=headers)).json()
+        assert [m["id"] for m in listed["data"]] == ["tiny-embed"]
+        denied = await client.post("/v1/chat/completions", json=CHAT, headers=headers)
+        assert denied.status == 404
+        assert (await denied.json())["error"]["code"] == "model_not_found"
+        assert gateway.submitted == []
+    await edge.stop()
+
+
+def test_token_bucket() -> None:
+    now = [0.0]
+    admission = Admission(clock=lambda: now[0])
+    tenant = Tenant(name="t", requests_per_s=2.0, burst=3)
+    for _ in range(3):
+        admission.check_rate(tenant)
+    with pytest.raises(RateLimited):
+        admission.check_rate(tenant)
+    now[0] = 0.5  # one token back
+    admission.check_rate(tenant)
+    with pytest.raises(RateLimited):
+        admission.check_rate(tenant)
+    admission.check_rate(Tenant(name="unlimited"))
+
+
+async def test_rate_and_concurrency_limits_are_429(catalogue: ModelCatalogue, gateway: FakeGateway) -> None:
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from ingest.app import Edge
+
+    tenants = TenantDirectory(
+        {
+            "slow": Tenant(key_sha256=[hash_key("sk-slow")], requests_per_s=0.001, burst=1),
+            "narrow": Tenant(key_sha256=[hash_key("sk-narrow")], max_concurrency=1),
+        }
+    )
+    edge = Edge(settings(), gateway, catalogue, tenants)
+    async with TestClient(TestServer(edge.app)) as client:
+        slow = {"Authorization": "Bearer sk-slow"}
+        assert (await client.post("/v1/chat/completions", json=CHAT, headers=slow)).status == 200
+        limited = await client.post("/v1/chat/completions", json=CHAT, headers=slow)
+        assert limited.status == 429
+        assert (await limited.json())["error"]["type"] == "rate_limit_error"
+        assert len(gateway.submitted) == 1
+
+        gateway.hold_after = 0
+        narrow = {"Authorization": "Bearer sk-narrow"}
+        first = await client.post("/v1/chat/completions", json={**CHAT, "stream": True}, headers=narrow)
+        assert first.status == 200
+        second = await client.post("/v1/chat/completions", json=CHAT, headers=narrow)
+        assert second.status == 429
+        assert (await second.json())["error"]["code"] == "concurrency_limit_exceeded"
+        assert len(gateway.submitted) == 2
+        gateway.release.set()
+        await first.read()
+        third = await client.post("/v1/chat/completions", json=CHAT, headers=narrow)
+        assert third.status == 200
+    await edge.stop()

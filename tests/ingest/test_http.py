@@ -1,0 +1,217 @@
+"""The OpenAI-compatible routes against the fake gateway: shapes, events, streaming."""
+
+from __future__ import annotations
+
+import base64
+import struct
+from datetime import UTC, datetime
+
+import msgspec
+
+from ingest.models import ModelCatalogue
+from ingest.prepare import derive_seed
+from schemas.events import EmbeddingRequested, GenerationRequested
+from schemas.ids import uuid7_unix_ms
+from tests.ingest.conftest import AUTH, EMB, GEN, Client, MakeClient, parse_sse
+from tests.ingest.fake_gateway import FakeGateway
+
+CHAT = {
+    "model": GEN,
+    "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}],
+}
+
+
+async def test_chat_completion_is_one_json_body(
+    client: Client, gateway: FakeGateway, catalogue: ModelCatalogue
+) -> None:
+    response = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 3}, headers=AUTH)
+    assert response.status == 200
+    body = await response.json()
+    (event,) = gateway.submitted
+    assert isinstance(event, GenerationRequested)
+    assert response.headers["x-request-id"] == event.request_id
+    assert body == {
+        "id": f"chatcmpl-{event.request_id}",
+        "object": "chat.completion",
+        "created": uuid7_unix_ms(event.request_id) // 1000,
+        "model": GEN,
+        "system_fingerprint": "0123456789ab",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": " t0 t1 t2", "refusal": None},
+                "logprobs": None,
+                "finish_reason": "length",
+            }
+        ],
+        "usage": {
+            "prompt_tokens": len(event.input_ids),
+            "completion_tokens": 3,
+            "total_tokens": len(event.input_ids) + 3,
+        },
+    }
+
+
+async def test_the_event_carries_what_the_workers_need(
+    client: Client, gateway: FakeGateway, catalogue: ModelCatalogue
+) -> None:
+    before = datetime.now(UTC)
+    await client.post("/v1/chat/completions", json={**CHAT, "temperature": 0.5, "stop": "x"}, headers=AUTH)
+    (event,) = gateway.submitted
+    assert isinstance(event, GenerationRequested)
+    model = catalogue.get(GEN)
+    prompt = "<|system|>\nbe brief\n<|user|>\nhello\n<|assistant|>\n"
+    assert event.prompt == prompt
+    assert event.input_ids == model.tokenizer.encode(prompt).ids
+    assert event.chat
+    assert not event.stream
+    assert event.tenant == "demo"
+    assert event.model == GEN
+    assert event.model_version == "0123456789ab"
+    assert event.source == "ingest/edge-test"
+    assert event.reply == gateway.reply_to
+    assert event.sampling.temperature == 0.5
+    assert event.sampling.stop == ("x",)
+    assert event.sampling.max_tokens == 8  # the manifest's default
+    assert event.sampling.seed == derive_seed(event.request_id)
+    assert event.deadline is not None
+    assert 59 <= (event.deadline - before).total_seconds() <= 61  # default timeout 60 s
+    assert uuid7_unix_ms(event.request_id) > 0
+
+
+async def test_a_given_seed_is_kept_and_max_tokens_is_clamped(client: Client, gateway: FakeGateway) -> None:
+    await client.post("/v1/chat/completions", json={**CHAT, "seed": 7, "max_tokens": 999_999}, headers=AUTH)
+    await client.post("/v1/completions", json={"model": GEN, "prompt": "the " * 60}, headers=AUTH)
+    chat, near_full = gateway.submitted
+    assert isinstance(chat, GenerationRequested)
+    assert isinstance(near_full, GenerationRequested)
+    assert chat.sampling.seed == 7
+    assert chat.sampling.max_tokens == 16  # manifest.max_output_tokens
+    assert near_full.sampling.max_tokens == 64 - len(near_full.input_ids)  # what is left of the context
+    assert 0 < near_full.sampling.max_tokens < 8
+
+
+async def test_streamed_chat_is_sse_with_resumable_ids(client: Client, gateway: FakeGateway) -> None:
+    response = await client.post("/v1/chat/completions", json={**CHAT, "stream": True}, headers=AUTH)
+    assert response.status == 200
+    assert response.headers["Content-Type"].startswith("text/event-stream")
+    events = parse_sse(await response.text())
+    (event,) = gateway.submitted
+    rid = event.request_id
+    assert events[-1] == (None, "[DONE]")
+    chunks = [msgspec.json.decode(data) for _, data in events[:-1]]
+    assert [eid for eid, _ in events[:-1]] == [None, *(f"{rid}:{i}" for i in range(5)), None]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == " t0 t1 t2 t3 t4"
+    assert all(c["object"] == "chat.completion.chunk" and c["id"] == f"chatcmpl-{rid}" for c in chunks)
+    assert chunks[-1]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}
+    assert all("usage" not in c for c in chunks)
+
+
+async def test_include_usage_adds_a_usage_chunk(client: Client, gateway: FakeGateway) -> None:
+    body = {**CHAT, "stream": True, "stream_options": {"include_usage": True}, "max_tokens": 2}
+    response = await client.post("/v1/chat/completions", json=body, headers=AUTH)
+    events = parse_sse(await response.text())
+    chunks = [msgspec.json.decode(data) for _, data in events[:-1]]
+    assert all(c["usage"] is None for c in chunks[:-1])
+    assert chunks[-1]["choices"] == []
+    prompt = len(gateway.submitted[0].input_ids)  # type: ignore[union-attr]
+    assert chunks[-1]["usage"] == {
+        "prompt_tokens": prompt,
+        "completion_tokens": 2,
+        "total_tokens": prompt + 2,
+    }
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+
+
+async def test_completions_stream_and_not(client: Client, gateway: FakeGateway) -> None:
+    plain = await client.post(
+        "/v1/completions", json={"model": GEN, "prompt": "hello", "max_tokens": 2}, headers=AUTH
+    )
+    body = await plain.json()
+    assert body["object"] == "text_completion"
+    assert body["id"].startswith("cmpl-")
+    assert body["choices"] == [{"text": " t0 t1", "index": 0, "logprobs": None, "finish_reason": "length"}]
+    streamed = await client.post(
+        "/v1/completions", json={"model": GEN, "prompt": ["hello"], "stream": True}, headers=AUTH
+    )
+    events = parse_sse(await streamed.text())
+    chunks = [msgspec.json.decode(data) for _, data in events[:-1]]
+    assert [c["choices"][0]["text"] for c in chunks] == [" t0", " t1", " t2", " t3", " t4", ""]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert events[0][0] is not None
+    assert events[0][0].endswith(":0")
+
+
+async def test_completion_from_token_ids(client: Client, gateway: FakeGateway) -> None:
+    for prompt in ([5, 6, 7], [[5, 6, 7]]):
+        response = await client.post("/v1/completions", json={"model": GEN, "prompt": prompt}, headers=AUTH)
+        assert response.status == 200
+    first, second = gateway.submitted
+    assert isinstance(first, GenerationRequested)
+    assert isinstance(second, GenerationRequested)
+    assert first.input_ids == second.input_ids == [5, 6, 7]
+    assert first.prompt is None
+    assert not first.chat
+
+
+async def test_embeddings_float_and_base64(
+    client: Client, gateway: FakeGateway, catalogue: ModelCatalogue
+) -> None:
+    response = await client.post(
+        "/v1/embeddings", json={"model": EMB, "input": ["hello world", "fox"]}, headers=AUTH
+    )
+    assert response.status == 200
+    body = await response.json()
+    (event,) = gateway.submitted
+    assert isinstance(event, EmbeddingRequested)
+    assert event.inputs == [[2, 4, 5, 3], [2, 9, 3]]  # [CLS] … [SEP], not truncated to 4 by the file
+    assert event.texts == ["hello world", "fox"]
+    assert body["object"] == "list"
+    assert body["model"] == EMB
+    assert body["data"] == [
+        {"object": "embedding", "index": 0, "embedding": [4.0, 14.0, 0.0]},
+        {"object": "embedding", "index": 1, "embedding": [3.0, 14.0, 1.0]},
+    ]
+    assert body["usage"] == {"prompt_tokens": 7, "total_tokens": 7}
+    encoded = await client.post(
+        "/v1/embeddings", json={"model": EMB, "input": [[4, 5]], "encoding_format": "base64"}, headers=AUTH
+    )
+    data = (await encoded.json())["data"][0]["embedding"]
+    assert struct.unpack("<3f", base64.b64decode(data)) == (2.0, 9.0, 0.0)
+    assert gateway.submitted[1].inputs == [[4, 5]]  # type: ignore[union-attr]
+
+
+async def test_models_health_and_readiness(make_client: MakeClient, gateway: FakeGateway) -> None:
+    client, _ = await make_client()
+    models = await (await client.get("/v1/models", headers=AUTH)).json()
+    assert models["object"] == "list"
+    assert sorted(m["id"] for m in models["data"]) == [EMB, GEN]
+    assert (await client.get("/healthz")).status == 200
+    ready = await client.get("/readyz")
+    assert ready.status == 200
+    assert (await ready.json())["models"] == [EMB, GEN]
+    gateway.is_ready = False
+    assert (await client.get("/readyz")).status == 503
+    assert (await client.get("/healthz")).status == 200
+
+
+async def test_failed_request_maps_to_openai_error(client: Client, gateway: FakeGateway) -> None:
+    from schemas.events import ErrorInfo
+
+    gateway.fail_with = ErrorInfo(code="worker_oom", message="out of memory")
+    response = await client.post("/v1/chat/completions", json=CHAT, headers=AUTH)
+    assert response.status == 500
+    assert (await response.json())["error"]["code"] == "worker_oom"
+    streamed = await client.post("/v1/chat/completions", json={**CHAT, "stream": True}, headers=AUTH)
+    events = parse_sse(await streamed.text())
+    assert msgspec.json.decode(events[-2][1])["error"]["code"] == "worker_oom"
+    assert events[-1][1] == "[DONE]"
+
+
+async def test_gateway_down_is_503(client: Client, gateway: FakeGateway) -> None:
+    gateway.fail_submit = True
+    response = await client.post("/v1/chat/completions", json=CHAT, headers=AUTH)
+    assert response.status == 503
+    assert response.headers["x-should-retry"] == "true"
+    assert (await response.json())["error"]["code"] == "gateway_unavailable"

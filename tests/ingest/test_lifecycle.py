@@ -1,0 +1,155 @@
+"""Deadlines, client disconnects and graceful shutdown: each ends in a cancel to the gateway."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime
+
+import aiohttp
+import msgspec
+import pytest
+
+from ingest.app import Edge
+from ingest.auth import TenantDirectory
+from ingest.models import ModelCatalogue
+from tests.ingest.conftest import AUTH, GEN, Client, MakeClient, eventually, parse_sse, settings
+from tests.ingest.fake_gateway import FakeGateway
+
+CHAT = {"model": GEN, "messages": [{"role": "user", "content": "hello"}]}
+
+
+@pytest.mark.parametrize("how", ["body", "header"])
+async def test_deadline_while_waiting_is_504_and_cancels(
+    client: Client, gateway: FakeGateway, how: str
+) -> None:
+    gateway.hold_after = 1
+    body = {**CHAT, "timeout": 0.2} if how == "body" else CHAT
+    headers = {**AUTH, "X-Request-Timeout": "0.2"} if how == "header" else AUTH
+    response = await client.post("/v1/chat/completions", json=body, headers=headers)
+    assert response.status == 504
+    assert response.headers["x-should-retry"] == "false"
+    error = (await response.json())["error"]
+    assert (error["type"], error["code"]) == ("timeout", "timeout")
+    (event,) = gateway.submitted
+    await eventually(lambda: len(gateway.cancels) == 1)
+    assert gateway.cancels[0].request_id == event.request_id
+    assert gateway.cancels[0].reason == "client_cancel"
+    assert gateway.cancels[0].tenant == "demo"
+    assert gateway.cancels[0].source == "ingest/edge-test"
+
+
+async def test_deadline_mid_stream_is_an_sse_error(client: Client, gateway: FakeGateway) -> None:
+    gateway.hold_after = 2
+    body = {**CHAT, "stream": True, "timeout": 0.2}
+    response = await client.post("/v1/chat/completions", json=body, headers=AUTH)
+    assert response.status == 200
+    events = parse_sse(await response.text())
+    texts = [msgspec.json.decode(d) for _, d in events[:-1]]
+    assert [t["choices"][0]["delta"].get("content") for t in texts[:-1]] == ["", " t0", " t1"]
+    assert texts[-1]["error"]["code"] == "timeout"
+    assert events[-1][1] == "[DONE]"
+    await eventually(lambda: len(gateway.cancels) == 1)
+
+
+async def test_deadline_is_clamped_to_the_maximum(make_client: MakeClient, gateway: FakeGateway) -> None:
+    client, _ = await make_client(edge_max_timeout_s=30.0, edge_default_timeout_s=5.0)
+    before = datetime.now(UTC)
+    await client.post("/v1/chat/completions", json=CHAT, headers={**AUTH, "X-Request-Timeout": "9999"})
+    await client.post(
+        "/v1/chat/completions", json={**CHAT, "timeout": 10}, headers={**AUTH, "X-Request-Timeout": "3"}
+    )
+    clamped, smaller = gateway.submitted
+    assert clamped.deadline is not None
+    assert smaller.deadline is not None
+    assert 29 <= (clamped.deadline - before).total_seconds() <= 31
+    assert 2 <= (smaller.deadline - before).total_seconds() <= 4
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_client_disconnect_cancels(client: Client, gateway: FakeGateway, stream: bool) -> None:
+    gateway.hold_after = 2
+    if stream:
+        response = await client.post("/v1/chat/completions", json={**CHAT, "stream": True}, headers=AUTH)
+        assert (await response.content.readuntil(b"t1")).count(b"data:") == 3
+        response.close()
+    else:  # the client gives up waiting for the one JSON body
+        waiting = asyncio.create_task(client.post("/v1/chat/completions", json=CHAT, headers=AUTH))
+        await eventually(
+            lambda: bool(gateway.submitted) and gateway.pulled[gateway.submitted[0].request_id] == 2
+        )
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+    await eventually(lambda: len(gateway.cancels) == 1)
+    (event,) = gateway.submitted
+    assert (gateway.cancels[0].request_id, gateway.cancels[0].reason) == (
+        event.request_id,
+        "client_disconnect",
+    )
+    await eventually(lambda: all(s.closed for s in gateway.streams))
+
+
+async def _open_stream(session: aiohttp.ClientSession, url: str) -> aiohttp.ClientResponse:
+    response = await session.post(f"{url}/v1/chat/completions", json={**CHAT, "stream": True}, headers=AUTH)
+    assert response.status == 200
+    await response.content.readuntil(b" t0")
+    return response
+
+
+async def test_shutdown_drains_in_flight_streams(catalogue: ModelCatalogue, gateway: FakeGateway) -> None:
+    gateway.hold_after = 1
+    edge = Edge(settings(edge_shutdown_grace_s=10.0), gateway, catalogue, TenantDirectory.demo())
+    await edge.start()
+    url = edge.url
+    async with aiohttp.ClientSession() as session:
+        response = await _open_stream(session, url)
+        stopping = asyncio.create_task(edge.stop())
+        await eventually(lambda: not edge.ctx.admission.accepting)
+        with pytest.raises(aiohttp.ClientConnectionError):
+            await session.get(f"{url}/healthz")
+        gateway.release.set()
+        rest = await response.content.read()
+        assert rest.endswith(b"data: [DONE]\n\n")
+        await stopping
+    assert gateway.cancels == []
+
+
+async def test_shutdown_cancels_what_outlives_the_grace(
+    catalogue: ModelCatalogue, gateway: FakeGateway
+) -> None:
+    gateway.hold_after = 1
+    edge = Edge(settings(edge_shutdown_grace_s=0.1), gateway, catalogue, TenantDirectory.demo())
+    async with aiohttp.ClientSession() as session:
+        async with edge:
+            response = await _open_stream(session, edge.url)
+            ws = await session.ws_connect(f"{edge.url}/v1/ws", headers=AUTH)
+        assert [c.reason for c in gateway.cancels] == ["shutdown"]
+        assert gateway.cancels[0].request_id == gateway.submitted[0].request_id
+        with pytest.raises(aiohttp.ClientPayloadError):
+            await response.content.read()
+        response.close()
+        message = await ws.receive()
+        assert message.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED)
+        await ws.close()
+
+
+async def test_new_requests_are_refused_while_stopping(make_client: MakeClient, gateway: FakeGateway) -> None:
+    client, edge = await make_client()
+    edge.ctx.admission.accepting = False
+    response = await client.post("/v1/chat/completions", json=CHAT, headers=AUTH)
+    assert response.status == 503
+    assert (await response.json())["error"]["code"] == "shutting_down"
+    assert (await client.get("/readyz")).status == 503
+    assert gateway.submitted == []
+
+
+async def test_disconnect_grace_then_cancel(make_client: MakeClient, gateway: FakeGateway) -> None:
+    client, _ = await make_client(edge_disconnect_grace_s=0.05)
+    gateway.hold_after = 1
+    response = await client.post("/v1/chat/completions", json={**CHAT, "stream": True}, headers=AUTH)
+    await response.content.readuntil(b" t0")
+    response.close()
+    await eventually(lambda: gateway.streams[0].closed)
+    assert gateway.cancels == []  # not yet: the client may come back
+    await eventually(lambda: len(gateway.cancels) == 1)
+    assert gateway.cancels[0].reason == "client_disconnect"

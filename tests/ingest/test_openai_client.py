@@ -1,0 +1,61 @@
+"""The official ``openai`` package against the edge (real TCP on 127.0.0.1, fake gateway behind)."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+from openai import AsyncOpenAI
+
+from ingest.auth import DEMO_KEY
+from tests.ingest.conftest import EMB, GEN, MakeClient
+from tests.ingest.fake_gateway import FakeGateway
+
+
+async def test_openai_sdk_round_trip(make_client: MakeClient, gateway: FakeGateway) -> None:
+    client, _ = await make_client()
+    base_url = str(client.make_url("/v1"))
+    assert base_url.startswith("http://127.0.0.1:")
+    async with AsyncOpenAI(base_url=base_url, api_key=DEMO_KEY, max_retries=0) as sdk:
+        stream = await sdk.chat.completions.create(
+            model=GEN,
+            messages=[{"role": "user", "content": "tell me a story"}],
+            stream=True,
+            stream_options={"include_usage": True},
+            max_tokens=4,
+        )
+        chunks = [chunk async for chunk in stream]
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == " t0 t1 t2 t3"
+        assert chunks[-2].choices[0].finish_reason == "length"
+        assert chunks[-1].usage is not None
+        assert chunks[-1].usage.completion_tokens == 4
+
+        completion = await sdk.completions.create(model=GEN, prompt="hello world", max_tokens=3)
+        assert completion.choices[0].text == " t0 t1 t2"
+        assert completion.usage is not None
+        assert completion.usage.completion_tokens == 3
+        assert completion.id == f"cmpl-{gateway.submitted[-1].request_id}"
+
+        floats = await sdk.embeddings.create(model=EMB, input=["hello world", "fox"], encoding_format="float")
+        assert [d.embedding for d in floats.data] == [[4.0, 14.0, 0.0], [3.0, 14.0, 1.0]]
+        by_default = await sdk.embeddings.create(model=EMB, input="hello world")  # the SDK asks for base64
+        assert by_default.data[0].embedding == [4.0, 14.0, 0.0]
+
+        models = await sdk.models.list()
+        assert sorted(m.id for m in models.data) == [EMB, GEN]
+
+        with pytest.raises(openai.NotFoundError) as missing:
+            await sdk.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+        assert missing.value.code == "model_not_found"
+        with pytest.raises(openai.BadRequestError) as invalid:
+            await sdk.chat.completions.create(
+                model=GEN, messages=[{"role": "user", "content": "x"}], max_tokens=0
+            )
+        assert invalid.value.param == "max_tokens"
+    assert len(gateway.submitted) == 4
+
+
+async def test_openai_sdk_sees_bad_keys(make_client: MakeClient) -> None:
+    client, _ = await make_client()
+    async with AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="sk-wrong", max_retries=0) as sdk:
+        with pytest.raises(openai.AuthenticationError):
+            await sdk.models.list()

@@ -1,0 +1,172 @@
+"""Idempotency keys and stream resumption: replays come from the log, never from a second submit."""
+
+from __future__ import annotations
+
+import msgspec
+
+from ingest.gateway import IdempotencyRecord
+from ingest.prepare import body_hash
+from schemas.ids import uuid7
+from tests.ingest.conftest import AUTH, GEN, OTHER_AUTH, Client, MakeClient, eventually, parse_sse
+from tests.ingest.fake_gateway import FakeGateway, FakeStream
+
+CHAT = {"model": GEN, "messages": [{"role": "user", "content": "hello"}]}
+KEYED = {**AUTH, "Idempotency-Key": "order-42"}
+
+
+async def test_same_key_same_body_replays_the_same_result(client: Client, gateway: FakeGateway) -> None:
+    first = await client.post("/v1/chat/completions", json=CHAT, headers=KEYED)
+    # the same body written differently (key order, spacing) is the same body
+    same = msgspec.json.encode({"messages": CHAT["messages"], "model": GEN})
+    second = await client.post("/v1/chat/completions", data=same, headers=KEYED)
+    assert first.status == second.status == 200
+    assert await first.json() == await second.json()
+    (event,) = gateway.submitted
+    assert event.idempotency_key == "order-42"
+    assert gateway.resumes == [("demo", event.request_id, -1)]
+    assert second.headers["x-request-id"] == event.request_id
+
+
+async def test_replay_of_a_stream_is_the_whole_stream(client: Client, gateway: FakeGateway) -> None:
+    body = {**CHAT, "stream": True}
+    first = await (await client.post("/v1/chat/completions", json=body, headers=KEYED)).text()
+    second = await (await client.post("/v1/chat/completions", json=body, headers=KEYED)).text()
+    assert first == second
+    assert len(gateway.submitted) == 1
+
+
+async def test_same_key_other_body_is_422(client: Client, gateway: FakeGateway) -> None:
+    assert (await client.post("/v1/chat/completions", json=CHAT, headers=KEYED)).status == 200
+    other = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 1}, headers=KEYED)
+    assert other.status == 422
+    assert (await other.json())["error"]["code"] == "idempotency_key_reused"
+    elsewhere = await client.post("/v1/completions", json={"model": GEN, "prompt": "hello"}, headers=KEYED)
+    assert elsewhere.status == 422  # the endpoint is part of what the key covers
+    assert len(gateway.submitted) == 1
+
+
+async def test_keys_are_per_tenant(client: Client, gateway: FakeGateway) -> None:
+    await client.post("/v1/chat/completions", json=CHAT, headers=KEYED)
+    await client.post(
+        "/v1/chat/completions", json=CHAT, headers={**OTHER_AUTH, "Idempotency-Key": "order-42"}
+    )
+    assert [e.tenant for e in gateway.submitted] == ["demo", "other"]
+
+
+async def test_losing_the_race_is_served_from_the_winner(client: Client, gateway: FakeGateway) -> None:
+    winner = await client.post("/v1/chat/completions", json=CHAT, headers=AUTH)
+    winner_id = winner.headers["x-request-id"]
+    gateway.race_record = IdempotencyRecord(
+        request_id=winner_id, body_hash=body_hash("chat", msgspec.json.encode(CHAT))
+    )
+    loser = await client.post("/v1/chat/completions", json=CHAT, headers=KEYED)
+    assert loser.status == 200
+    assert loser.headers["x-request-id"] == winner_id
+    assert await loser.json() == await winner.json()
+    assert len(gateway.submitted) == 1
+
+
+async def test_a_key_whose_request_cannot_be_read_is_409(client: Client, gateway: FakeGateway) -> None:
+    digest = body_hash("chat", msgspec.json.encode(CHAT))
+    gateway.idempotency[("demo", "order-42")] = IdempotencyRecord(request_id=uuid7(), body_hash=digest)
+    response = await client.post("/v1/chat/completions", json=CHAT, headers=KEYED)
+    assert response.status == 409
+    assert response.headers["x-should-retry"] == "true"
+    assert gateway.submitted == []
+
+
+async def test_last_event_id_resumes_after_that_seq(client: Client, gateway: FakeGateway) -> None:
+    body = {**CHAT, "stream": True}
+    full = parse_sse(await (await client.post("/v1/chat/completions", json=body, headers=AUTH)).text())
+    rid = gateway.submitted[0].request_id
+    resumed = await client.post(
+        "/v1/chat/completions", json=body, headers={**AUTH, "Last-Event-ID": f"{rid}:2"}
+    )
+    assert resumed.status == 200
+    events = parse_sse(await resumed.text())
+    assert [eid for eid, _ in events] == [f"{rid}:3", f"{rid}:4", None, None]
+    assert events == full[4:]  # chunks 3, 4, the finish chunk and [DONE]; no role chunk again
+    assert len(gateway.submitted) == 1
+    assert gateway.resumes == [("demo", rid, 2)]
+
+
+async def test_resume_is_per_tenant(client: Client, gateway: FakeGateway) -> None:
+    await client.post("/v1/chat/completions", json=CHAT, headers=AUTH)
+    rid = gateway.submitted[0].request_id
+    stolen = await client.post(
+        "/v1/chat/completions",
+        json={**CHAT, "stream": True},
+        headers={**OTHER_AUTH, "Last-Event-ID": f"{rid}:-1"},
+    )
+    assert stolen.status == 404
+    assert (await stolen.json())["error"]["code"] == "stream_not_found"
+    assert (await client.get(f"/v1/streams/{rid}", headers=OTHER_AUTH)).status == 404
+    unknown = await client.get(f"/v1/streams/{uuid7()}", headers=AUTH)
+    assert unknown.status == 404
+    assert len(gateway.submitted) == 1
+
+
+async def test_get_stream_replays_native_frames(client: Client, gateway: FakeGateway) -> None:
+    await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 3}, headers=AUTH)
+    rid = gateway.submitted[0].request_id
+    response = await client.get(f"/v1/streams/{rid}", headers={**AUTH, "Last-Event-ID": f"{rid}:0"})
+    events = parse_sse(await response.text())
+    frames = [msgspec.json.decode(d) for _, d in events[:-1]]
+    assert [f["type"] for f in frames] == ["token", "token", "done"]
+    assert [f.get("seq") for f in frames] == [1, 2, None]
+    assert [eid for eid, _ in events] == [f"{rid}:1", f"{rid}:2", None, None]
+    assert frames[-1]["finish_reason"] == "length"
+    assert frames[-1]["usage"]["completion_tokens"] == 3
+    mismatched = await client.get(f"/v1/streams/{rid}", headers={**AUTH, "Last-Event-ID": f"{uuid7()}:0"})
+    assert mismatched.status == 400
+
+
+async def test_reconnect_within_the_grace_keeps_the_generation(
+    make_client: MakeClient, gateway: FakeGateway
+) -> None:
+    client, _ = await make_client(edge_disconnect_grace_s=30.0)
+    gateway.hold_after = 2
+    body = {**CHAT, "stream": True}
+    first = await client.post("/v1/chat/completions", json=body, headers=AUTH)
+    await first.content.readuntil(b" t1")
+    first.close()
+    rid = gateway.submitted[0].request_id
+    await eventually(lambda: gateway.streams[0].closed)
+    resumed = await client.post(
+        "/v1/chat/completions", json=body, headers={**AUTH, "Last-Event-ID": f"{rid}:1"}
+    )
+    gateway.release.set()
+    events = parse_sse(await resumed.text())
+    assert [eid for eid, _ in events][:3] == [f"{rid}:2", f"{rid}:3", f"{rid}:4"]
+    assert events[-1][1] == "[DONE]"
+    assert gateway.cancels == []
+    assert len(gateway.submitted) == 1
+
+
+async def test_last_event_id_on_a_json_request_returns_the_whole_body(
+    client: Client, gateway: FakeGateway
+) -> None:
+    first = await (await client.post("/v1/chat/completions", json=CHAT, headers=AUTH)).json()
+    rid = gateway.submitted[0].request_id
+    again = await client.post(
+        "/v1/chat/completions", json=CHAT, headers={**AUTH, "Last-Event-ID": f"{rid}:3"}
+    )
+    assert await again.json() == first
+    assert len(gateway.submitted) == 1
+
+
+async def test_the_edge_rechecks_the_tenant_of_resumed_replies(client: Client, gateway: FakeGateway) -> None:
+    """Even if a gateway hands out another tenant's stream, the edge does not forward it."""
+    await client.post("/v1/chat/completions", json=CHAT, headers=AUTH)
+    rid = gateway.submitted[0].request_id
+    original = gateway.resume
+
+    async def careless(tenant: str, request_id: str, after_seq: int) -> FakeStream | None:
+        return await original("demo", request_id, after_seq)
+
+    gateway.resume = careless  # type: ignore[method-assign]
+    stolen = await client.post(
+        "/v1/chat/completions", json=CHAT, headers={**OTHER_AUTH, "Last-Event-ID": f"{rid}:-1"}
+    )
+    assert stolen.status == 404
+    assert (await stolen.json())["error"]["code"] == "stream_not_found"

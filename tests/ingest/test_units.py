@@ -1,0 +1,123 @@
+"""Settings, the model catalogue and the pure helpers."""
+
+from __future__ import annotations
+
+import base64
+import struct
+from pathlib import Path
+
+import pytest
+
+from ingest import openai
+from ingest.errors import CatalogueError, InvalidRequest, ModelNotFound
+from ingest.models import ModelCatalogue
+from ingest.openai import ChatCompletionRequest, decode_body
+from ingest.prepare import body_hash, derive_seed
+from ingest.settings import EdgeSettings
+from schemas.events import Usage
+from schemas.ids import uuid7
+from schemas.settings import SettingsError, load_settings
+from tests.ingest.conftest import EMB, GEN
+
+
+def test_settings_from_the_environment() -> None:
+    assert load_settings(EdgeSettings, {}) == EdgeSettings()
+    defaults = EdgeSettings()
+    assert (defaults.edge_host, defaults.edge_port, defaults.edge_tenants_file) == ("127.0.0.1", 8080, None)
+    loaded = load_settings(
+        EdgeSettings,
+        {
+            "SLUICE_EDGE_PORT": "9000",
+            "SLUICE_EDGE_ID": "edge-7",
+            "SLUICE_EDGE_TENANTS_FILE": "/etc/sluice/tenants.toml",
+            "SLUICE_EDGE_WS_SEND_QUEUE": "8",
+            "SLUICE_EDGE_SHUTDOWN_GRACE_S": "2.5",
+        },
+    )
+    assert (loaded.edge_port, loaded.edge_id, loaded.edge_ws_send_queue) == (9000, "edge-7", 8)
+    assert (loaded.edge_tenants_file, loaded.edge_shutdown_grace_s) == ("/etc/sluice/tenants.toml", 2.5)
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"SLUICE_EDGE_PORT": "70000"},
+        {"SLUICE_EDGE_ID": "has space"},
+        {"SLUICE_EDGE_DEFAULT_TIMEOUT_S": "100", "SLUICE_EDGE_MAX_TIMEOUT_S": "10"},
+        {"SLUICE_EDGE_PROT": "1"},
+    ],
+)
+def test_bad_settings(env: dict[str, str]) -> None:
+    with pytest.raises(SettingsError):
+        load_settings(EdgeSettings, env)
+
+
+def test_catalogue(catalogue: ModelCatalogue) -> None:
+    assert sorted(m.model_id for m in catalogue) == [EMB, GEN]
+    gen = catalogue.get(GEN)
+    assert gen.chat_prompt([("user", "{x}")]) == "<|user|>\n{x}\n<|assistant|>\n"
+    emb = catalogue.get(EMB)
+    (ids,) = emb.encode(["the quick brown fox jumps"])
+    assert ids[0] == 2
+    assert ids[-1] == 3
+    assert len(ids) == 7
+    with pytest.raises(ModelNotFound):
+        catalogue.get("nope")
+
+
+def test_catalogue_load_errors(tmp_path: Path, model_cache: Path) -> None:
+    with pytest.raises(CatalogueError, match=r"no sluice-manifest\.json"):
+        ModelCatalogue.from_cache(tmp_path, ["absent"])
+    with pytest.raises(CatalogueError, match="id=/path"):
+        ModelCatalogue.from_cache(tmp_path, [], ["no-equals-sign"])
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "sluice-manifest.json").write_bytes(
+        (model_cache / "models" / GEN / "current" / "sluice-manifest.json").read_bytes()
+    )
+    (broken / "tokenizer.json").write_text("{}")
+    with pytest.raises(CatalogueError, match=r"tokenizer\.json"):
+        ModelCatalogue.from_cache(tmp_path, [], [f"x={broken}"])
+    extra = ModelCatalogue.from_cache(model_cache, [], [f"alias={model_cache / 'models' / GEN / 'current'}"])
+    assert [m.model_id for m in extra] == ["alias"]
+
+
+def test_decode_errors_name_the_param() -> None:
+    cases = {
+        b'{"model": "m", "messages": [{"role": "user"}]}': "messages[0].content",
+        b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "bogus": 1}': "bogus",
+        b'{"messages": [{"role": "user", "content": "x"}]}': "model",
+        b'{"model": 1, "messages": []}': "model",
+    }
+    for raw, param in cases.items():
+        with pytest.raises(InvalidRequest) as caught:
+            decode_body(raw, ChatCompletionRequest)
+        assert caught.value.param == param
+
+
+def test_body_hash_is_canonical() -> None:
+    assert body_hash("chat", b'{"a": 1, "b": [1, 2]}') == body_hash("chat", b'{"b":[1,2],"a":1}')
+    assert body_hash("chat", b'{"a": 1}') != body_hash("completion", b'{"a": 1}')
+    assert body_hash("chat", b'{"a": 1}') != body_hash("chat", b'{"a": 2}')
+
+
+def test_seed_is_a_function_of_the_request_id() -> None:
+    rid = uuid7()
+    assert derive_seed(rid) == derive_seed(rid)
+    assert 0 <= derive_seed(rid) < 2**63
+    assert derive_seed(rid) != derive_seed(uuid7())
+
+
+def test_embeddings_base64_is_little_endian_float32() -> None:
+    body = openai.embeddings("m", [[1.5, -2.0]], 3, "base64")
+    assert struct.unpack("<2f", base64.b64decode(body["data"][0]["embedding"])) == (1.5, -2.0)
+
+
+def test_usage_chunk_shape() -> None:
+    usage = Usage(prompt_tokens=1, completion_tokens=2, total_tokens=3)
+    chunk = openai.chat_chunk("r", "m", 1, "f", delta=None, with_usage=True, usage=usage)
+    assert chunk["choices"] == []
+    assert chunk["usage"]["total_tokens"] == 3
+    plain = openai.completion_chunk("r", "m", 1, "f", text="x")
+    assert "usage" not in plain
+    assert plain["choices"][0]["finish_reason"] is None

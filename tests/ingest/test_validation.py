@@ -1,0 +1,338 @@
+"""Bad input: a 4xx in OpenAI's error shape, nothing submitted, and the edge healthy afterwards."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.ingest.conftest import AUTH, EMB, GEN, Client, MakeClient, assert_healthy
+from tests.ingest.fake_gateway import FakeGateway
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+EMBEDDINGS = "/v1/embeddings"
+MSG = [{"role": "user", "content": "hello"}]
+LONG = "hello world " * 40
+
+CASES: list[tuple[str, str, Any, int, str | None, str | None]] = [
+    # (id, path, json body, status, param, code)
+    ("missing model", CHAT, {"messages": MSG}, 400, "model", "invalid_value"),
+    ("messages not a list", CHAT, {"model": GEN, "messages": "hi"}, 400, "messages", "invalid_value"),
+    ("empty messages", CHAT, {"model": GEN, "messages": []}, 400, "messages", "invalid_value"),
+    (
+        "bad role",
+        CHAT,
+        {"model": GEN, "messages": [{"role": "robot", "content": "x"}]},
+        400,
+        "messages[0].role",
+        "invalid_value",
+    ),
+    (
+        "image part",
+        CHAT,
+        {"model": GEN, "messages": [{"role": "user", "content": [{"type": "image_url", "text": "x"}]}]},
+        400,
+        "messages[0].content[0].type",
+        "invalid_value",
+    ),
+    ("unknown field", CHAT, {"model": GEN, "messages": MSG, "tools": []}, 400, "tools", "invalid_value"),
+    (
+        "temperature type",
+        CHAT,
+        {"model": GEN, "messages": MSG, "temperature": "hot"},
+        400,
+        "temperature",
+        "invalid_value",
+    ),
+    (
+        "temperature range",
+        CHAT,
+        {"model": GEN, "messages": MSG, "temperature": 3},
+        400,
+        "temperature",
+        "invalid_value",
+    ),
+    (
+        "max_tokens zero",
+        CHAT,
+        {"model": GEN, "messages": MSG, "max_tokens": 0},
+        400,
+        "max_tokens",
+        "invalid_value",
+    ),
+    (
+        "max_tokens negative",
+        CHAT,
+        {"model": GEN, "messages": MSG, "max_tokens": -5},
+        400,
+        "max_tokens",
+        "invalid_value",
+    ),
+    (
+        "max_tokens float",
+        CHAT,
+        {"model": GEN, "messages": MSG, "max_tokens": 1.5},
+        400,
+        "max_tokens",
+        "invalid_value",
+    ),
+    (
+        "max_tokens string",
+        CHAT,
+        {"model": GEN, "messages": MSG, "max_tokens": "10"},
+        400,
+        "max_tokens",
+        "invalid_value",
+    ),
+    (
+        "max_tokens bool",
+        CHAT,
+        {"model": GEN, "messages": MSG, "max_tokens": True},
+        400,
+        "max_tokens",
+        "invalid_value",
+    ),
+    (
+        "max_tokens absurd",
+        CHAT,
+        {"model": GEN, "messages": MSG, "max_tokens": 2_000_000},
+        400,
+        "max_tokens",
+        "invalid_value",
+    ),
+    ("n > 1", CHAT, {"model": GEN, "messages": MSG, "n": 2}, 400, "n", "unsupported_parameter"),
+    (
+        "penalty",
+        CHAT,
+        {"model": GEN, "messages": MSG, "presence_penalty": 1.0},
+        400,
+        "presence_penalty",
+        "unsupported_parameter",
+    ),
+    (
+        "logprobs",
+        CHAT,
+        {"model": GEN, "messages": MSG, "logprobs": True},
+        400,
+        "logprobs",
+        "unsupported_parameter",
+    ),
+    (
+        "too many stops",
+        CHAT,
+        {"model": GEN, "messages": MSG, "stop": ["a", "b", "c", "d", "e"]},
+        400,
+        "stop",
+        "invalid_value",
+    ),
+    (
+        "stream_options alone",
+        CHAT,
+        {"model": GEN, "messages": MSG, "stream_options": {"include_usage": True}},
+        400,
+        "stream_options",
+        None,
+    ),
+    (
+        "negative timeout",
+        CHAT,
+        {"model": GEN, "messages": MSG, "timeout": -1},
+        400,
+        "timeout",
+        "invalid_value",
+    ),
+    ("unknown model", CHAT, {"model": "gpt-9", "messages": MSG}, 404, "model", "model_not_found"),
+    (
+        "embedding model for chat",
+        CHAT,
+        {"model": EMB, "messages": MSG},
+        400,
+        "model",
+        "unsupported_model_task",
+    ),
+    (
+        "prompt too long",
+        CHAT,
+        {"model": GEN, "messages": [{"role": "user", "content": LONG}]},
+        400,
+        "messages",
+        "context_length_exceeded",
+    ),
+    (
+        "completion prompt too long",
+        COMPLETIONS,
+        {"model": GEN, "prompt": LONG},
+        400,
+        "prompt",
+        "context_length_exceeded",
+    ),
+    ("empty prompt", COMPLETIONS, {"model": GEN, "prompt": ""}, 400, "prompt", None),
+    (
+        "two prompts",
+        COMPLETIONS,
+        {"model": GEN, "prompt": ["a", "b"]},
+        400,
+        "prompt",
+        "unsupported_parameter",
+    ),
+    ("mixed prompt", COMPLETIONS, {"model": GEN, "prompt": ["a", 1]}, 400, "prompt", None),
+    (
+        "token out of vocab",
+        COMPLETIONS,
+        {"model": GEN, "prompt": [1, 99999]},
+        400,
+        "prompt",
+        "invalid_token_id",
+    ),
+    ("echo", COMPLETIONS, {"model": GEN, "prompt": "a", "echo": True}, 400, "echo", "unsupported_parameter"),
+    (
+        "embedding too long",
+        EMBEDDINGS,
+        {"model": EMB, "input": "the quick brown fox jumps over the lazy dog"},
+        400,
+        "input",
+        "context_length_exceeded",
+    ),
+    (
+        "embedding ids too long",
+        EMBEDDINGS,
+        {"model": EMB, "input": list(range(4, 14))},
+        400,
+        "input",
+        "context_length_exceeded",
+    ),
+    ("embedding empty list", EMBEDDINGS, {"model": EMB, "input": []}, 400, "input", None),
+    ("embedding empty string", EMBEDDINGS, {"model": EMB, "input": ["fox", ""]}, 400, "input", None),
+    ("embedding mixed", EMBEDDINGS, {"model": EMB, "input": ["fox", [1]]}, 400, "input", None),
+    (
+        "embedding format",
+        EMBEDDINGS,
+        {"model": EMB, "input": "fox", "encoding_format": "int8"},
+        400,
+        "encoding_format",
+        "invalid_value",
+    ),
+    (
+        "embedding dimensions",
+        EMBEDDINGS,
+        {"model": EMB, "input": "fox", "dimensions": 5},
+        400,
+        "dimensions",
+        "unsupported_parameter",
+    ),
+    (
+        "generation model for embeddings",
+        EMBEDDINGS,
+        {"model": GEN, "input": "fox"},
+        400,
+        "model",
+        "unsupported_model_task",
+    ),
+    ("body is an array", CHAT, [1, 2], 400, None, "invalid_value"),
+]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param", "code"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
+)
+async def test_bad_body_is_rejected_before_publishing(
+    client: Client,
+    gateway: FakeGateway,
+    path: str,
+    body: Any,
+    status: int,
+    param: str | None,
+    code: str | None,
+) -> None:
+    response = await client.post(path, json=body, headers=AUTH)
+    assert response.status == status, await response.text()
+    error = (await response.json())["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param
+    if code is not None:
+        assert error["code"] == code
+    assert error["type"] == "invalid_request_error"
+    assert gateway.submitted == []
+    await assert_healthy(client, gateway)
+
+
+RAW_CASES = [
+    ("malformed json", b'{"model": ', {}, 400, "invalid_json"),
+    ("not json", b"hello", {}, 400, "invalid_json"),
+    (
+        "bad timeout header",
+        b'{"model":"tiny-gpt","messages":[{"role":"user","content":"x"}]}',
+        {"X-Request-Timeout": "soon"},
+        400,
+        None,
+    ),
+    (
+        "bad idempotency key",
+        b'{"model":"tiny-gpt","messages":[{"role":"user","content":"x"}]}',
+        {"Idempotency-Key": "k" * 300},
+        400,
+        None,
+    ),
+    (
+        "bad last event id",
+        b'{"model":"tiny-gpt","messages":[{"role":"user","content":"x"}]}',
+        {"Last-Event-ID": "nope"},
+        400,
+        None,
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("raw", "headers", "status", "code"), [c[1:] for c in RAW_CASES], ids=[c[0] for c in RAW_CASES]
+)
+async def test_bad_raw_request_is_rejected(
+    client: Client, gateway: FakeGateway, raw: bytes, headers: dict[str, str], status: int, code: str | None
+) -> None:
+    response = await client.post(
+        CHAT, data=raw, headers={**AUTH, **headers, "Content-Type": "application/json"}
+    )
+    assert response.status == status
+    error = (await response.json())["error"]
+    if code is not None:
+        assert error["code"] == code
+    assert gateway.submitted == []
+    await assert_healthy(client, gateway)
+
+
+async def test_body_over_the_limit_is_413(make_client: MakeClient, gateway: FakeGateway) -> None:
+    client, _ = await make_client(edge_max_body_bytes=2048)
+    body = {"model": GEN, "messages": [{"role": "user", "content": "x" * 4096}]}
+    response = await client.post(CHAT, json=body, headers=AUTH)
+    assert response.status == 413
+    assert (await response.json())["error"]["code"] == "request_too_large"
+    chunked = await client.post(CHAT, data=_chunks(b"x" * 4096), headers=AUTH)  # no Content-Length
+    assert chunked.status == 413
+    assert gateway.submitted == []
+    await assert_healthy(client, gateway)
+
+
+async def _chunks(data: bytes) -> Any:
+    for i in range(0, len(data), 512):
+        yield data[i : i + 512]
+
+
+async def test_unknown_route_and_method_are_openai_errors(client: Client, gateway: FakeGateway) -> None:
+    missing = await client.get("/v1/nothing", headers=AUTH)
+    assert missing.status == 404
+    assert (await missing.json())["error"]["code"] == "not_found"
+    wrong = await client.get(CHAT, headers=AUTH)
+    assert wrong.status == 405
+    assert (await wrong.json())["error"]["type"] == "invalid_request_error"
+    assert gateway.submitted == []
+
+
+async def test_big_bodies_are_tokenised_off_the_loop_and_still_checked(
+    client: Client, gateway: FakeGateway
+) -> None:
+    body = {"model": GEN, "messages": [{"role": "user", "content": "hello " * 20_000}]}
+    response = await client.post(CHAT, json=body, headers=AUTH)
+    assert response.status == 400
+    assert (await response.json())["error"]["code"] == "context_length_exceeded"
+    assert gateway.submitted == []

@@ -1,0 +1,205 @@
+"""The WebSocket: multiplexing, cancel, resume, limits, bad frames and backpressure."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+import msgspec
+import pytest
+
+from ingest.auth import DEMO_KEY, TenantDirectory
+from ingest.ws import WsSession
+from tests.ingest.conftest import AUTH, EMB, GEN, Client, MakeClient, assert_healthy, eventually
+from tests.ingest.fake_gateway import FakeGateway
+
+CHAT = {"model": GEN, "messages": [{"role": "user", "content": "hello"}]}
+
+
+def request(
+    client_id: Any, body: dict[str, Any] = CHAT, endpoint: str = "chat.completions"
+) -> dict[str, Any]:
+    return {"type": "request", "id": client_id, "endpoint": endpoint, "body": body}
+
+
+async def frames_until(ws: aiohttp.ClientWebSocketResponse, done: int) -> list[dict[str, Any]]:
+    """Frames until ``done`` terminal (done/error) frames have arrived."""
+    frames: list[dict[str, Any]] = []
+    while sum(f["type"] in ("done", "error") for f in frames) < done:
+        frames.append(msgspec.json.decode(await ws.receive_str(timeout=5)))
+    return frames
+
+
+async def test_two_requests_multiplexed(client: Client, gateway: FakeGateway) -> None:
+    async with client.ws_connect("/v1/ws", headers=AUTH) as ws:
+        await ws.send_json(request("a", {**CHAT, "max_tokens": 2}))
+        await ws.send_json(
+            request(7, {"model": EMB, "input": "fox", "encoding_format": "base64"}, "embeddings")
+        )
+        frames = await frames_until(ws, 2)
+    by_id: dict[Any, list[dict[str, Any]]] = {}
+    for frame in frames:
+        by_id.setdefault(frame["id"], []).append(frame)
+    chat, emb = by_id["a"], by_id[7]
+    rid = chat[0]["request_id"]
+    assert [f["type"] for f in chat] == ["accepted", "token", "token", "done"]
+    assert [f.get("seq") for f in chat[1:3]] == [0, 1]
+    assert chat[1] == {
+        "type": "token",
+        "id": "a",
+        "request_id": rid,
+        "seq": 0,
+        "offset": 0,
+        "text": " t0",
+        "token_ids": [0],
+    }
+    assert chat[-1]["finish_reason"] == "length"
+    assert chat[-1]["usage"]["completion_tokens"] == 2
+    assert [f["type"] for f in emb] == ["accepted", "done"]
+    assert emb[-1]["result"]["object"] == "list"
+    assert isinstance(emb[-1]["result"]["data"][0]["embedding"], str)
+    assert len(gateway.submitted) == 2
+
+
+async def test_ping_cancel_and_resume(client: Client, gateway: FakeGateway) -> None:
+    gateway.hold_after = 1
+    async with client.ws_connect("/v1/ws", headers=AUTH) as ws:
+        await ws.send_json({"type": "ping", "id": 1})
+        assert await ws.receive_json() == {"type": "pong", "id": 1}
+        await ws.send_json(request("x"))
+        accepted = await ws.receive_json()
+        assert (await ws.receive_json())["seq"] == 0
+        await ws.send_json({"type": "cancel", "id": "x"})
+        done = await ws.receive_json()
+        assert (done["type"], done["id"], done["finish_reason"]) == ("done", "x", "cancelled")
+        await eventually(lambda: len(gateway.cancels) == 1)
+        assert gateway.cancels[0].reason == "client_cancel"
+        assert gateway.cancels[0].request_id == accepted["request_id"]
+        # the log holds what was generated before the cancel; a resume replays it from there
+        await ws.send_json(
+            {"type": "resume", "id": "again", "request_id": accepted["request_id"], "after_seq": -1}
+        )
+        replay = await frames_until(ws, 1)
+    assert [f["type"] for f in replay] == ["accepted", "token", "error"]
+    assert replay[-1]["error"]["code"] == "request_cancelled"
+    assert len(gateway.submitted) == 1
+
+
+async def test_duplicate_id_and_inflight_limit(make_client: MakeClient, gateway: FakeGateway) -> None:
+    client, _ = await make_client(edge_ws_max_inflight=2)
+    gateway.hold_after = 0
+    async with client.ws_connect("/v1/ws", headers=AUTH) as ws:
+        await ws.send_json(request("a"))
+        assert (await ws.receive_json())["type"] == "accepted"
+        await ws.send_json(request("a"))
+        duplicate = await ws.receive_json()
+        assert (duplicate["type"], duplicate["id"], duplicate["error"]["code"]) == (
+            "error",
+            "a",
+            "duplicate_id",
+        )
+        await ws.send_json(request("b"))
+        assert (await ws.receive_json())["type"] == "accepted"
+        await ws.send_json(request("c"))
+        limited = await ws.receive_json()
+        assert (limited["id"], limited["error"]["code"]) == ("c", "too_many_inflight")
+        assert len(gateway.submitted) == 2
+        gateway.release.set()
+        await frames_until(ws, 2)
+
+
+BAD_FRAMES: list[tuple[str, str | bytes, Any, str]] = [
+    ("binary", b"\x00\x01", None, "invalid_request_error"),
+    ("junk", "{not json", None, "invalid_request_error"),
+    ("unknown type", '{"type": "shout", "id": "q"}', "q", "invalid_request_error"),
+    ("no id", '{"type": "request", "endpoint": "completions", "body": {}}', None, "invalid_request_error"),
+    (
+        "bad endpoint",
+        '{"type": "request", "id": "e", "endpoint": "images", "body": {}}',
+        "e",
+        "invalid_request_error",
+    ),
+    (
+        "invalid body",
+        '{"type": "request", "id": "v", "endpoint": "chat.completions", "body": {"model": "tiny-gpt"}}',
+        "v",
+        "invalid_request_error",
+    ),
+    (
+        "unknown model",
+        '{"type": "request", "id": "m", "endpoint": "completions", "body": {"model": "nope", "prompt": "x"}}',
+        "m",
+        "invalid_request_error",
+    ),
+    ("cancel unknown", '{"type": "cancel", "id": "zz"}', "zz", "invalid_request_error"),
+]
+
+
+@pytest.mark.parametrize(
+    ("frame", "client_id", "error_type"), [c[1:] for c in BAD_FRAMES], ids=[c[0] for c in BAD_FRAMES]
+)
+async def test_bad_frames_get_an_error_frame(
+    client: Client, gateway: FakeGateway, frame: str | bytes, client_id: Any, error_type: str
+) -> None:
+    async with client.ws_connect("/v1/ws", headers=AUTH) as ws:
+        if isinstance(frame, bytes):
+            await ws.send_bytes(frame)
+        else:
+            await ws.send_str(frame)
+        error = await ws.receive_json(timeout=5)
+        assert (error["type"], error["id"], error["error"]["type"]) == ("error", client_id, error_type)
+        await ws.send_json({"type": "ping"})
+        assert (await ws.receive_json())["type"] == "pong"  # the socket survived
+    assert gateway.submitted == []
+    await assert_healthy(client, gateway)
+
+
+async def test_auth_by_header_or_query(client: Client, gateway: FakeGateway) -> None:
+    async with client.ws_connect(f"/v1/ws?api_key={DEMO_KEY}") as ws:
+        await ws.send_json({"type": "ping"})
+        assert (await ws.receive_json())["type"] == "pong"
+    with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
+        await client.ws_connect("/v1/ws", headers={"Authorization": "Bearer sk-nope"})
+    assert refused.value.status == 401
+    with pytest.raises(aiohttp.WSServerHandshakeError):
+        await client.ws_connect("/v1/ws")
+
+
+async def test_socket_close_cancels_in_flight(client: Client, gateway: FakeGateway) -> None:
+    gateway.hold_after = 1
+    ws = await client.ws_connect("/v1/ws", headers=AUTH)
+    await ws.send_json(request(1))
+    await ws.receive_json()
+    await ws.receive_json()
+    await ws.close()
+    await eventually(lambda: len(gateway.cancels) == 1)
+    assert gateway.cancels[0].reason == "client_disconnect"
+
+
+async def test_a_slow_reader_stops_the_gateway_stream(make_client: MakeClient, gateway: FakeGateway) -> None:
+    """With the send blocked, the request reads from the gateway only what fills the bounded queue."""
+    _, edge = await make_client(edge_ws_send_queue=4)
+    gateway.tokens = 1000
+    unblock = asyncio.Event()
+    sent: list[str] = []
+
+    async def send(text: str) -> None:
+        await unblock.wait()
+        sent.append(text)
+
+    tenant = TenantDirectory.demo().authenticate(f"Bearer {DEMO_KEY}")
+    session = WsSession(edge.ctx, tenant, send)
+    session.start()
+    await session.handle_text(msgspec.json.encode(request("slow", {**CHAT, "max_tokens": 16})).decode())
+    await eventually(lambda: bool(gateway.submitted))
+    rid = gateway.submitted[0].request_id
+    # accepted (held by the blocked writer) + 4 queued + 1 blocked in put = 5 token chunks pulled
+    await eventually(lambda: gateway.pulled[rid] == 5)
+    for _ in range(100):
+        await asyncio.sleep(0)
+    assert gateway.pulled[rid] == 5
+    unblock.set()
+    await eventually(lambda: len(sent) == 18)  # accepted, 16 tokens, done
+    assert msgspec.json.decode(sent[-1])["type"] == "done"
+    await session.close()
