@@ -68,6 +68,7 @@ class EventProducer:
         if self._thread is not None:
             self._thread.join()
         remaining = self._producer.flush(timeout)
+        self._producer.close()  # otherwise librdkafka keeps reconnecting until garbage collection
         if remaining:
             raise BusError(f"{remaining} record(s) were not delivered within {timeout:.0f}s of shutdown")
 

@@ -202,7 +202,7 @@ class GenerationRunner:
                     seed=event.sampling.seed
                     if event.sampling.seed is not None
                     else seed_for(event.request_id),
-                    stop_token_ids=frozenset() if eos is None else frozenset({eos}),
+                    stop_token_ids=frozenset() if eos is None or event.sampling.ignore_eos else frozenset({eos}),
                 )
             )
         except GpuWorkerError as exc:  # e.g. token ids outside the vocabulary
@@ -213,7 +213,7 @@ class GenerationRunner:
             )
 
     def _token(self, live: _Live, token_id: int, now: float, emit: Emitter) -> None:
-        if token_id == self._manifest.eos_token_id:
+        if token_id == self._manifest.eos_token_id and not live.event.sampling.ignore_eos:
             return  # ends the sequence; not part of the completion
         delta = live.detok.push(token_id)
         for stop in live.event.sampling.stop:
@@ -265,7 +265,7 @@ class GenerationRunner:
     def _terminal(self, live: _Live, status: Status, reason: FinishReason) -> RequestFinished:
         event = live.event
         text = live.detok.text if live.stop_cut is None else live.detok.text[: live.stop_cut]
-        completion = len([t for t in live.detok.ids if t != self._manifest.eos_token_id])
+        completion = len(live.detok.ids)
         prompt = len(event.input_ids)
         return RequestFinished(
             tenant=event.tenant,

@@ -65,6 +65,8 @@ class _GenerationBody(_Strict, kw_only=True, forbid_unknown_fields=True, frozen=
     stream_options: StreamOptions | None = None
     stop: Annotated[str, msgspec.Meta(min_length=1)] | StopWords | None = None
     seed: Seed | None = None
+    ignore_eos: bool = False
+    """vLLM's extension: keep generating past the end-of-sequence token (benchmarks, load tests)."""
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     user: str | None = None

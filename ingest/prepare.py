@@ -223,6 +223,7 @@ class Preparer:
             top_k=body.top_k if body.top_k is not None else manifest.sampling.top_k,
             stop=body.stop_words,
             seed=body.seed if body.seed is not None else derive_seed(request_id),
+            ignore_eos=body.ignore_eos,
         )
         event = GenerationRequested(
             tenant=tenant.name,

@@ -75,6 +75,8 @@ class SamplingParams(FrozenStruct, frozen=True, kw_only=True):
     """0 disables top-k."""
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    ignore_eos: bool = False
+    """Keep generating past the end-of-sequence token until ``max_tokens``."""
 
 
 class ReplyTo(FrozenStruct, frozen=True, kw_only=True):

