@@ -59,9 +59,9 @@ class TopicLog:
         with self._lock:
             return list(self.events)
 
-    async def wait(self, predicate: Callable[[], bool], timeout: float = 60) -> None:
+    async def wait(self, predicate: Callable[[], bool], within: float = 60) -> None:
         """Poll without blocking the event loop (the edge under test runs on it)."""
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + within
         while time.monotonic() < deadline:
             if predicate():
                 return
