@@ -112,7 +112,11 @@ class ConsumerThread:
         try:
             while not self._stop.is_set():
                 self._flush_commits()
-                messages = consumer.consume(num_messages=self._batch_size, timeout=0.05)
+                # poll() returns at the first record; consume() with a timeout would wait for a full batch
+                first = consumer.poll(0.05)
+                if first is None:
+                    continue
+                messages = [first, *consumer.consume(num_messages=self._batch_size - 1, timeout=0)]
                 batch = [m for m in messages if not _benign_error(m)]
                 if batch:
                     self._handler(batch)

@@ -185,7 +185,7 @@ async def test_cancel_stops_a_running_request(
     names: TopicNames, gpt_worker: WorkerService, producer: EventProducer, replies: Log
 ) -> None:
     request = _generation(
-        names, PROMPT, stream=True, sampling=SamplingParams(max_tokens=250, temperature=0.8)
+        names, PROMPT, stream=True, sampling=SamplingParams(max_tokens=250, temperature=0.8, ignore_eos=True)
     )
     await producer.publish(names.requests("demo-gpt"), request)
     replies.wait(lambda: any(isinstance(e, TokenChunk) for e in replies.of(request.request_id)))

@@ -1,0 +1,210 @@
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from gpu_workers.engine import (
+    EngineError,
+    GenerationEngine,
+    GenerationRuntime,
+    SeqRequest,
+    StepOutput,
+    engine_throughput,
+    raw_generate_throughput,
+    sample_token,
+)
+from gpu_workers.models import LoadedModel
+
+PROMPTS = {
+    "chat": "<|user|>\nTell me about the river.\n<|assistant|>\n",
+    "short": "Return",
+    "story": "The old mill listens to the lantern in the fog. The baker counts",
+    "system": "<|system|>\nYou answer briefly.\n<|user|>\nWhy is the harbour important?\n<|assistant|>\n",
+    "doc": "Return a new list containing",
+    "mid": "The ferry carries the",
+}
+
+
+def encode(lm: LoadedModel, text: str) -> list[int]:
+    ids: list[int] = lm.tokenizer(text).input_ids
+    return ids
+
+
+def generate_alone(lm: LoadedModel, ids: list[int], max_new_tokens: int) -> list[int]:
+    """The reference: transformers' own greedy generate for this prompt alone (stops at eos)."""
+    with torch.inference_mode():
+        out = lm.model.generate(  # type: ignore[operator]
+            torch.tensor([ids]),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=lm.manifest.eos_token_id,
+        )
+    tokens: list[int] = out[0, len(ids) :].tolist()
+    return tokens
+
+
+def request(lm: LoadedModel, rid: str, ids: list[int], n: int, **sampling: float) -> SeqRequest:
+    eos = lm.manifest.eos_token_id
+    stop = frozenset({eos}) if eos is not None else frozenset()
+    return SeqRequest(request_id=rid, input_ids=ids, max_new_tokens=n, stop_token_ids=stop, **sampling)  # type: ignore[arg-type]
+
+
+def run(
+    engine: GenerationRuntime,
+    joins: dict[int, list[SeqRequest]],
+    *,
+    on_step: Callable[[int], None] | None = None,
+    max_steps: int = 500,
+) -> dict[str, list[StepOutput]]:
+    """Step until idle, adding ``joins[step]`` before that step; outputs per request id in order."""
+    seen: dict[str, list[StepOutput]] = {}
+    last_join = max(joins, default=0)
+    for step in range(max_steps):
+        for req in joins.get(step, []):
+            engine.add(req)
+        if on_step is not None:
+            on_step(step)
+        if not engine.has_work() and step > last_join:
+            return seen
+        for out in engine.step():
+            seen.setdefault(out.request_id, []).append(out)
+    raise AssertionError("engine did not drain")
+
+
+def test_greedy_tokens_equal_generate_alone_while_requests_join_finish_and_cancel(
+    demo_gpt: LoadedModel,
+) -> None:
+    lm = demo_gpt
+    budgets = {"chat": 24, "short": 6, "story": 30, "system": 18, "doc": 12, "mid": 40}
+    ids = {name: encode(lm, text) for name, text in PROMPTS.items()}
+    assert len({len(v) for v in ids.values()}) >= 5, "prompts should differ in length"
+    expected = {name: generate_alone(lm, ids[name], n) for name, n in budgets.items()}
+    engine: GenerationRuntime = GenerationEngine(lm.model, max_batch_size=4)
+    joins = {
+        0: [request(lm, name, ids[name], budgets[name]) for name in ("chat", "short")],
+        2: [request(lm, "story", ids["story"], budgets["story"]), request(lm, "victim", ids["mid"], 50)],
+        3: [request(lm, "system", ids["system"], budgets["system"])],  # waits: batch is full
+        9: [request(lm, name, ids[name], budgets[name]) for name in ("doc", "mid")],
+    }
+    cancelled_at: dict[str, int] = {}
+
+    def cancel_victim(step: int) -> None:
+        if step == 6:
+            before = engine.running
+            assert engine.cancel("victim")
+            assert engine.running == before - 1
+            cancelled_at["victim"] = step
+
+    outputs = run(engine, joins, on_step=cancel_victim)
+    for name in budgets:
+        tokens = [o.token_id for o in outputs[name]]
+        assert tokens == expected[name], name
+        reasons = [o.finish_reason for o in outputs[name]]
+        assert reasons[:-1] == [None] * (len(reasons) - 1)
+        assert reasons[-1] == ("stop" if tokens[-1] == lm.manifest.eos_token_id else "length")
+    assert len(outputs["victim"]) == cancelled_at["victim"] - 2  # one token per step from its join, then none
+    assert all(o.finish_reason is None for o in outputs["victim"])
+    assert engine.running == 0
+    assert not engine.cancel("victim")
+
+
+def test_seeded_sampling_reproduces_tokens_alone_and_in_a_batch(demo_gpt: LoadedModel) -> None:
+    lm = demo_gpt
+    ids = encode(lm, PROMPTS["chat"])
+
+    def sampled(seed: int, company: bool) -> list[int]:
+        engine = GenerationEngine(lm.model, max_batch_size=8)
+        joins = {0: [request(lm, "r", ids, 40, temperature=0.9, top_p=0.95, top_k=50, seed=seed)]}
+        if company:
+            joins[0].append(request(lm, "other", encode(lm, PROMPTS["story"]), 40, temperature=1.0, seed=7))
+            joins[3] = [request(lm, "late", encode(lm, PROMPTS["short"]), 10)]
+        return [o.token_id for o in run(engine, joins)["r"]]
+
+    first = sampled(42, company=False)
+    assert sampled(42, company=False) == first
+    assert sampled(42, company=True) == first
+    assert sampled(43, company=False) != first
+
+
+def test_cancel_frees_the_slot_and_stops_output(demo_gpt: LoadedModel) -> None:
+    lm = demo_gpt
+    engine = GenerationEngine(lm.model, max_batch_size=2)
+    for rid in ("a", "b", "c"):
+        engine.add(SeqRequest(request_id=rid, input_ids=encode(lm, PROMPTS["mid"]), max_new_tokens=100))
+    assert {o.request_id for o in engine.step()} == {"a", "b"}
+    assert (engine.running, engine.waiting) == (2, 1)
+    assert engine.cancel("a")
+    assert (engine.running, engine.waiting) == (1, 1)
+    assert engine.cancel("c")  # a waiting request is simply dropped
+    assert engine.waiting == 0
+    engine.add(SeqRequest(request_id="d", input_ids=encode(lm, PROMPTS["short"]), max_new_tokens=100))
+    for _ in range(3):
+        assert {o.request_id for o in engine.step()} == {"b", "d"}
+    assert engine.cancel("b")
+    assert engine.cancel("d")
+    assert not engine.has_work()
+    assert engine.step() == []
+
+
+def test_finish_reasons_length_and_stop(demo_gpt: LoadedModel) -> None:
+    lm = demo_gpt
+    ids = encode(lm, PROMPTS["story"])
+    greedy = generate_alone(lm, ids, 5)
+    engine = GenerationEngine(lm.model)
+    engine.add(SeqRequest(request_id="len", input_ids=ids, max_new_tokens=3))
+    engine.add(
+        SeqRequest(request_id="stop", input_ids=ids, max_new_tokens=10, stop_token_ids=frozenset({greedy[1]}))
+    )
+    engine.add(SeqRequest(request_id="one", input_ids=ids, max_new_tokens=1))
+    out = run(engine, {})
+    assert [(o.token_id, o.finish_reason) for o in out["len"]] == [
+        (greedy[0], None),
+        (greedy[1], None),
+        (greedy[2], "length"),
+    ]
+    assert [(o.token_id, o.finish_reason) for o in out["stop"]] == [(greedy[0], None), (greedy[1], "stop")]
+    assert [(o.token_id, o.finish_reason) for o in out["one"]] == [(greedy[0], "length")]
+
+
+def test_context_limit_ends_with_length(demo_gpt: LoadedModel) -> None:
+    engine = GenerationEngine(demo_gpt.model, max_context=12)
+    engine.add(SeqRequest(request_id="r", input_ids=list(range(10, 20)), max_new_tokens=50))
+    out = run(engine, {})["r"]
+    assert [o.finish_reason for o in out] == [None, "length"]
+
+
+def test_add_rejects_bad_requests(demo_gpt: LoadedModel) -> None:
+    engine = GenerationEngine(demo_gpt.model)
+    vocab = demo_gpt.model.config.vocab_size
+    bad = [
+        SeqRequest(request_id="empty", input_ids=[], max_new_tokens=1),
+        SeqRequest(request_id="long", input_ids=[5] * engine.max_context, max_new_tokens=1),
+        SeqRequest(request_id="vocab", input_ids=[vocab], max_new_tokens=1),
+        SeqRequest(request_id="zero", input_ids=[5], max_new_tokens=0),
+        SeqRequest(request_id="temp", input_ids=[5], max_new_tokens=1, temperature=-1.0),
+    ]
+    for req in bad:
+        with pytest.raises(EngineError, match=req.request_id):
+            engine.add(req)
+    engine.add(SeqRequest(request_id="dup", input_ids=[5], max_new_tokens=1))
+    with pytest.raises(EngineError, match="already"):
+        engine.add(SeqRequest(request_id="dup", input_ids=[5], max_new_tokens=1))
+
+
+def test_sample_token_filters() -> None:
+    logits = torch.tensor([0.0, 3.0, 2.9, -1.0])
+    gen = torch.Generator().manual_seed(0)
+    top1 = SeqRequest(request_id="k", input_ids=[1], max_new_tokens=1, temperature=1.0, top_k=1)
+    assert {sample_token(logits, top1, gen) for _ in range(20)} == {1}
+    nucleus = SeqRequest(request_id="p", input_ids=[1], max_new_tokens=1, temperature=1.0, top_p=0.01)
+    assert {sample_token(logits, nucleus, gen) for _ in range(20)} == {1}
+    two = SeqRequest(request_id="p", input_ids=[1], max_new_tokens=1, temperature=1.0, top_p=0.9)
+    assert {sample_token(logits, two, gen) for _ in range(200)} == {1, 2}
+
+
+def test_throughput_helpers_measure(demo_gpt: LoadedModel) -> None:
+    prompts = [encode(demo_gpt, PROMPTS[name]) for name in ("chat", "story", "short")]
+    assert raw_generate_throughput(demo_gpt.model, prompts, max_new_tokens=4, batch_size=2) > 0
+    assert engine_throughput(demo_gpt.model, prompts, max_new_tokens=4, batch_size=2) > 0

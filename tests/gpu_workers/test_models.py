@@ -1,0 +1,157 @@
+from __future__ import annotations
+
+import math
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import tokenizers
+import torch
+
+from gpu_workers.models import (
+    DEMO_GPT_ID,
+    ROLE_TOKENS,
+    DemoRecipe,
+    LoadedModel,
+    ModelError,
+    build_demo_gpt,
+    configure_torch_threads,
+    demo_corpus,
+    load_embedding_model,
+    load_generation_model,
+    prepare_hf_dir,
+    prepare_models,
+)
+from schemas.manifest import MANIFEST_FILE, current_model_dir, read_manifest
+from schemas.settings import PlatformSettings
+
+TINY = DemoRecipe(corpus_documents=60, stdlib_modules=("textwrap.py",), vocab_size=400, seq_len=32, steps=4)
+
+
+def test_demo_build_is_cached_content_addressed_and_current(
+    demo_gpt_dir: Path, shared_models_root: Path
+) -> None:
+    messages: list[str] = []
+    again = build_demo_gpt(shared_models_root, messages.append)
+    assert again == demo_gpt_dir
+    assert messages == [f"demo-gpt: cached build {demo_gpt_dir.name}"]
+    current = shared_models_root / DEMO_GPT_ID / "current"
+    assert current.is_symlink()
+    assert os.readlink(current) == demo_gpt_dir.name  # relative: the cache directory can move
+    manifest = read_manifest(demo_gpt_dir)
+    assert manifest.version == demo_gpt_dir.name
+    assert {"model.safetensors", "config.json", "tokenizer.json"} <= set(manifest.files)
+
+
+def test_demo_manifest_and_tokenizer(demo_gpt: LoadedModel, demo_gpt_dir: Path) -> None:
+    manifest = demo_gpt.manifest
+    assert (manifest.model_id, manifest.task, manifest.max_context, manifest.max_output_tokens) == (
+        DEMO_GPT_ID, "generation", 512, 256,
+    )  # fmt: skip
+    edge = tokenizers.Tokenizer.from_file(str(demo_gpt_dir / "tokenizer.json"))  # what the edge uses
+    assert 2000 <= edge.get_vocab_size() <= 4096
+    assert len(demo_gpt.tokenizer) == edge.get_vocab_size() == demo_gpt.model.config.vocab_size
+    assert manifest.eos_token_id == edge.token_to_id("<|endoftext|>") == demo_gpt.tokenizer.eos_token_id
+    chat = manifest.chat.turn.format(role="user", content="Hello there.") + manifest.chat.assistant_prefix
+    ids = edge.encode(chat).ids
+    assert ids == demo_gpt.tokenizer(chat).input_ids
+    assert edge.token_to_id("<|user|>") in ids
+    assert edge.token_to_id("<|assistant|>") in ids
+    for token in ROLE_TOKENS:
+        assert edge.encode(token).ids == [edge.token_to_id(token)]
+    assert edge.decode(edge.encode("Return the value, please!").ids) == "Return the value, please!"
+
+
+def test_demo_model_learned_something(demo_gpt: LoadedModel) -> None:
+    """Loss on held-out text of the corpus' kind is far below a uniform guess (ln 3072 ≈ 8.0)."""
+    text = " ".join(demo_corpus(seed=999, documents=20))
+    ids = torch.tensor([demo_gpt.tokenizer(text).input_ids[:256]])
+    with torch.inference_mode():
+        loss = float(demo_gpt.model(input_ids=ids, labels=ids).loss)
+    assert loss < 0.5 * math.log(demo_gpt.model.config.vocab_size)
+
+
+def test_demo_build_is_deterministic(tmp_path: Path) -> None:
+    first = build_demo_gpt(tmp_path / "a", recipe=TINY)
+    second = build_demo_gpt(tmp_path / "b", recipe=TINY)
+    assert first.name == second.name
+    assert read_manifest(first).files == read_manifest(second).files
+
+
+def test_prepare_hf_dir_links_without_writing_the_source(minilm_source: Path, tmp_path: Path) -> None:
+    before = sorted(p.name for p in minilm_source.iterdir())
+    prepared = prepare_hf_dir("all-minilm-l6-v2", minilm_source, tmp_path)
+    assert sorted(p.name for p in minilm_source.iterdir()) == before
+    assert not (minilm_source / MANIFEST_FILE).exists()
+    assert (prepared / "model.safetensors").is_symlink()
+    manifest = read_manifest(prepared)
+    assert (manifest.task, manifest.max_context, manifest.embedding_dim) == ("embedding", 512, 384)
+    assert manifest.version == prepared.name
+    assert "1_Pooling/config.json" in manifest.files
+    assert current_model_dir(tmp_path.parent, "x") != prepared  # sanity of the helper's layout
+    assert (tmp_path / "all-minilm-l6-v2" / "current").resolve() == prepared.resolve()
+    assert (
+        prepare_hf_dir("all-minilm-l6-v2", minilm_source, tmp_path) == prepared
+    )  # same content, same version
+
+
+def test_prepare_hf_dir_infers_generation(demo_gpt_dir: Path, tmp_path: Path) -> None:
+    source = tmp_path / "plain-hf"
+    shutil.copytree(demo_gpt_dir, source, ignore=shutil.ignore_patterns(MANIFEST_FILE))
+    prepared = prepare_hf_dir("my-gpt", source, tmp_path / "models")
+    manifest = read_manifest(prepared)
+    assert (manifest.task, manifest.max_context, manifest.embedding_dim) == ("generation", 512, None)
+    assert manifest.version == demo_gpt_dir.name  # same files, same content hash
+    lm = load_generation_model(prepared, device="cpu")
+    assert lm.manifest.model_id == "my-gpt"
+
+
+def test_prepare_hf_dir_rejects_non_model_dir(tmp_path: Path) -> None:
+    with pytest.raises(ModelError, match=r"config\.json"):
+        prepare_hf_dir("x", tmp_path, tmp_path / "models")
+
+
+def test_load_verifies_hashes_and_task(tmp_path: Path) -> None:
+    built = build_demo_gpt(tmp_path, recipe=TINY)
+    with pytest.raises(ModelError, match="is a generation model, not embedding"):
+        load_embedding_model(built)
+    lm = load_generation_model(built)
+    assert lm.device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert not lm.model.training
+    config = built / "config.json"
+    config.write_text(config.read_text().replace('"n_layer": 2', '"n_layer": 1'))
+    with pytest.raises(ModelError, match=r"config\.json has sha256 .* prepare it again"):
+        load_generation_model(built)
+    (built / "config.json").unlink()
+    with pytest.raises(ModelError, match="missing"):
+        load_generation_model(built)
+    with pytest.raises(ModelError, match=r"no sluice-manifest\.json"):
+        load_generation_model(tmp_path)
+
+
+def test_prepare_models(
+    demo_gpt_dir: Path, shared_models_root: Path, tmp_path: Path, minilm_source: Path
+) -> None:
+    cache_dir = shared_models_root.parent
+    settings = PlatformSettings(
+        cache_dir=str(cache_dir),
+        models=("demo-gpt", "all-minilm-l6-v2"),
+        model_paths=(f"extra-minilm={minilm_source}",),
+    )
+    prepared = prepare_models(settings)
+    assert list(prepared) == ["demo-gpt", "all-minilm-l6-v2", "extra-minilm"]
+    assert prepared["demo-gpt"] == demo_gpt_dir
+    assert read_manifest(prepared["extra-minilm"]).task == "embedding"
+    assert current_model_dir(cache_dir, "extra-minilm").resolve() == prepared["extra-minilm"].resolve()
+    with pytest.raises(ModelError, match="SLUICE_MODEL_PATHS=nope=/path"):
+        prepare_models(PlatformSettings(cache_dir=str(tmp_path), models=("nope",)))
+    with pytest.raises(ModelError, match="expected id=/path"):
+        prepare_models(PlatformSettings(cache_dir=str(tmp_path), models=(), model_paths=("no-path",)))
+
+
+def test_configure_torch_threads() -> None:
+    threads = configure_torch_threads()
+    assert threads == len(os.sched_getaffinity(0))
+    assert torch.get_num_threads() == threads
+    assert configure_torch_threads() == threads
