@@ -227,7 +227,9 @@ def watermarks(consumer: Consumer, topic: str, partition: int, timeout: float = 
     deadline = time.monotonic() + timeout
     while True:
         try:
-            low, high = consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=min(timeout, 10))
+            low, high = consumer.get_watermark_offsets(
+                TopicPartition(topic, partition), timeout=min(timeout, 10)
+            )
         except KafkaException as exc:
             err = exc.args[0]
             settling = err.retriable() or err.code() in _SETTLING

@@ -202,7 +202,9 @@ class GenerationRunner:
                     seed=event.sampling.seed
                     if event.sampling.seed is not None
                     else seed_for(event.request_id),
-                    stop_token_ids=frozenset() if eos is None or event.sampling.ignore_eos else frozenset({eos}),
+                    stop_token_ids=frozenset()
+                    if eos is None or event.sampling.ignore_eos
+                    else frozenset({eos}),
                 )
             )
         except GpuWorkerError as exc:  # e.g. token ids outside the vocabulary

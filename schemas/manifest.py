@@ -55,7 +55,9 @@ def read_manifest(model_dir: Path) -> ModelManifest:
     try:
         return msgspec.json.decode(path.read_bytes(), type=ModelManifest)
     except FileNotFoundError:
-        raise ManifestError(f"{model_dir} has no {MANIFEST_FILE}; is it a sluicegate model directory?") from None
+        raise ManifestError(
+            f"{model_dir} has no {MANIFEST_FILE}; is it a sluicegate model directory?"
+        ) from None
     except msgspec.ValidationError as exc:
         raise ManifestError(f"{path}: {exc}") from None
 

@@ -3,10 +3,11 @@ after durability, cancels, deadlines, redelivery and dead letters."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Callable, Iterator
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -126,8 +127,14 @@ def gpt_worker(platform: PlatformSettings, demo_gpt_dir: Path) -> Iterator[Worke
         yield worker
 
 
-def _generation(names: TopicNames, prompt_ids: list[int], **kw: object) -> GenerationRequested:
-    sampling = kw.pop("sampling", SamplingParams(max_tokens=24, temperature=0.0))
+def _generation(
+    names: TopicNames,
+    prompt_ids: list[int],
+    *,
+    sampling: SamplingParams | None = None,
+    stream: bool = False,
+    deadline: datetime | None = None,
+) -> GenerationRequested:
     return GenerationRequested(
         tenant="acme",
         model="demo-gpt",
@@ -135,9 +142,10 @@ def _generation(names: TopicNames, prompt_ids: list[int], **kw: object) -> Gener
         source="test",
         model_version="v",
         input_ids=prompt_ids,
-        sampling=sampling,
+        sampling=sampling or SamplingParams(max_tokens=24, temperature=0.0),
+        stream=stream,
+        deadline=deadline,
         reply=ReplyTo(topic=names.replies, partition=1, edge_id="e1"),
-        **kw,  # type: ignore[arg-type]
     )
 
 
@@ -175,7 +183,7 @@ async def test_streamed_generation_ends_in_one_terminal_event(
             )
             if sum(max(tp.offset, 0) for tp in committed) == 1:
                 break
-            time.sleep(0.1)
+            await asyncio.sleep(0.1)
         assert sum(max(tp.offset, 0) for tp in committed) == 1
     finally:
         probe.close()
