@@ -30,6 +30,9 @@ class Flush:
 class FlushPolicy:
     max_tokens: int = 16
     max_delay_s: float = 0.05
+    first_token_alone: bool = False
+    """Publish a request's first token as a chunk of its own at once: time to first token is what a
+    streaming user feels most; coalescing starts from the second token."""
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -65,11 +68,16 @@ class ChunkCoalescer:
         stream = self._streams.get(request_id)
         if stream is None:
             stream = self._streams[request_id] = _Stream()
+        first = stream.seq == 0 and stream.offset == 0 and not stream.token_ids
         if not stream.token_ids:
             stream.due_at = now + self.policy.max_delay_s
         stream.token_ids.append(token_id)
         stream.text.append(text)
-        if len(stream.token_ids) >= self.policy.max_tokens or now >= stream.due_at:
+        if (
+            (first and self.policy.first_token_alone)
+            or len(stream.token_ids) >= self.policy.max_tokens
+            or now >= stream.due_at
+        ):
             return self._flush(request_id, stream)
         return None
 

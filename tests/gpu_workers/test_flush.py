@@ -148,3 +148,16 @@ def test_random_interleavings_never_lose_or_duplicate_tokens(seed: int) -> None:
             assert flat == tokens[: len(flat)]  # a prefix: the rest was cancelled, never sent
         else:
             assert flat == tokens
+
+
+def test_first_token_alone_flushes_the_first_token_at_once() -> None:
+    coalescer = ChunkCoalescer(FlushPolicy(max_tokens=4, max_delay_s=1.0, first_token_alone=True))
+    first = coalescer.push("r", 7, "a", now=0.0)
+    assert first is not None
+    assert (first.seq, first.offset, first.token_ids) == (0, 0, (7,))
+    assert coalescer.push("r", 8, "b", now=0.0) is None  # coalescing from the second token on
+    assert coalescer.push("r", 9, "c", now=0.0) is None
+    assert coalescer.push("r", 10, "d", now=0.0) is None
+    second = coalescer.push("r", 11, "e", now=0.0)
+    assert second is not None
+    assert (second.seq, second.offset, second.token_ids) == (1, 1, (8, 9, 10, 11))

@@ -195,18 +195,18 @@ async def test_cancel_stops_a_running_request(
     request = _generation(
         names, PROMPT, stream=True, sampling=SamplingParams(max_tokens=250, temperature=0.8, ignore_eos=True)
     )
+
+    def cancel(request_id: str) -> CancelRequested:
+        return CancelRequested(
+            tenant="acme", model="demo-gpt", request_id=request_id, source="test", reason="client_disconnect"
+        )
+
+    # A long-lived edge's producer knows the cancel topic already; make this one warm the same way, so
+    # the cancel below is not held up by a first metadata fetch (a cancel of an unknown id is ignored).
+    await producer.publish(names.cancels, cancel(uuid7()))
     await producer.publish(names.requests("demo-gpt"), request)
     replies.wait(lambda: any(isinstance(e, TokenChunk) for e in replies.of(request.request_id)))
-    await producer.publish(
-        names.cancels,
-        CancelRequested(
-            tenant="acme",
-            model="demo-gpt",
-            request_id=request.request_id,
-            source="test",
-            reason="client_disconnect",
-        ),
-    )
+    await producer.publish(names.cancels, cancel(request.request_id))
     finished = replies.finished(request.request_id)
     assert finished.status == "cancelled"
     assert finished.finish_reason == "cancelled"

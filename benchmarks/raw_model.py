@@ -1,0 +1,77 @@
+"""The raw models in-process, no platform: the baseline ``benchmarks/online.py`` compares against.
+
+Prints one JSON object: generation tokens/s of plain batched ``model.generate`` per batch size, the
+prefill-to-first-token time of one request, and MiniLM embeddings/s per batch size. Run it alone (it is
+started as a child process by online.py so torch has the cores to itself).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from gpu_workers.embedding import EmbeddingEngine
+from gpu_workers.engine import raw_generate_throughput
+from gpu_workers.models import load_embedding_model, load_generation_model
+from schemas.manifest import current_model_dir
+from schemas.settings import PlatformSettings, load_settings
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--batches", default="1,4,8,16,32")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--prompt", default="Tell me about the river and the stone wall.")
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    settings = load_settings(PlatformSettings)
+    gen = load_generation_model(current_model_dir(settings.cache_dir, "demo-gpt"), device="auto")
+    prompt = list(gen.tokenizer(args.prompt)["input_ids"])
+    out: dict[str, object] = {"device": str(gen.device), "torch": torch.__version__, "threads": torch.get_num_threads()}
+
+    batches = [int(b) for b in args.batches.split(",")]
+    gen_tps: dict[int, float] = {}
+    raw_generate_throughput(gen.model, [prompt] * 4, 8, 4)  # warm-up
+    for batch in batches:
+        prompts = [prompt] * (batch * (2 if args.quick else 4))
+        gen_tps[batch] = raw_generate_throughput(gen.model, prompts, args.new_tokens, batch)
+    out["generation_tokens_per_s"] = gen_tps
+
+    ids = torch.tensor([prompt], device=gen.device)
+    ttft: list[float] = []
+    with torch.inference_mode():
+        for _ in range(20 if args.quick else 100):
+            started = time.perf_counter()
+            logits = gen.model(input_ids=ids).logits
+            int(logits[0, -1].argmax())
+            ttft.append((time.perf_counter() - started) * 1000)
+    out["ttft_ms"] = {"p50": statistics.median(ttft), "p99": percentile(ttft, 99)}
+
+    emb = load_embedding_model(current_model_dir(settings.cache_dir, "all-minilm-l6-v2"), device="auto")
+    engine = EmbeddingEngine(emb.model)
+    sentence = list(emb.tokenizer("a short sentence about rivers and stones")["input_ids"])
+    emb_rate: dict[int, float] = {}
+    engine.embed([sentence])
+    for batch in (1, 8, 32, 64):
+        rounds = max(2, (64 if args.quick else 256) // batch)
+        started = time.perf_counter()
+        for _ in range(rounds):
+            engine.embed([sentence] * batch)
+        emb_rate[batch] = rounds * batch / (time.perf_counter() - started)
+    out["embeddings_per_s"] = emb_rate
+    out["embedding_tokens"] = len(sentence)
+    out["prompt_tokens"] = len(prompt)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
