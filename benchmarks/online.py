@@ -214,6 +214,7 @@ def table(result: dict[str, dict[str, float]]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer requests (a smoke run)")
+    parser.add_argument("--torch-threads", type=int, default=None, help="SLUICE_WORKER_TORCH_THREADS for the workers")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "online.json")
     args = parser.parse_args()
     settings = load_settings(PlatformSettings)
@@ -229,6 +230,8 @@ def main() -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_") or k == "SLUICE_CACHE_DIR"}
         env.update(SLUICE_KAFKA_BOOTSTRAP=bootstrap, SLUICE_TOPIC_PREFIX=prefix, SLUICE_EDGE_PORT=str(port),
                    SLUICE_WORKER_MAX_RUNNING=str(max(int(b) for b in raw["generation_tokens_per_s"])))
+        if args.torch_threads is not None:
+            env["SLUICE_WORKER_TORCH_THREADS"] = str(args.torch_threads)
         services = Services(env)
         try:
             services.start("gen", ["worker", "--model", "demo-gpt"])
@@ -239,7 +242,8 @@ def main() -> None:
         finally:
             services.stop_all()
     result["machine"] = {"cpus": os.cpu_count(), "python": host.python_version(), "torch": raw["torch"],
-                         "device": raw["device"], "quick": args.quick}
+                         "device": raw["device"], "quick": args.quick,
+                         "worker_torch_threads": args.torch_threads or "cores"}
     print(table(result))  # type: ignore[arg-type]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

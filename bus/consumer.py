@@ -37,6 +37,7 @@ def consumer_config(bootstrap: str, group_id: str | None, client_id: str, **over
         "session.timeout.ms": 10_000,
         "heartbeat.interval.ms": 1_000,
         "fetch.wait.max.ms": 5,
+        "socket.nagle.disable": True,
         "partition.assignment.strategy": "cooperative-sticky",
     }
     config.update(overrides)

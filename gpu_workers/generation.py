@@ -217,6 +217,9 @@ class GenerationRunner:
     def _token(self, live: _Live, token_id: int, now: float, emit: Emitter) -> None:
         if token_id == self._manifest.eos_token_id and not live.event.sampling.ignore_eos:
             return  # ends the sequence; not part of the completion
+        if not live.event.stream and not live.event.sampling.stop:
+            live.detok.ids.append(token_id)  # text is decoded once at the end: no per-token decode cost
+            return
         delta = live.detok.push(token_id)
         for stop in live.event.sampling.stop:
             cut = live.detok.text.find(stop, max(0, len(live.detok.text) - len(delta) - len(stop)))

@@ -26,6 +26,9 @@ def runner_factory(
     """Build the runner inside the model thread (the model loads, warms up and runs in that thread)."""
 
     def build() -> Runner:
+        from gpu_workers.models import configure_torch_threads
+
+        configure_torch_threads(worker.worker_torch_threads)
         manifest = read_manifest(model_dir)
         if manifest.task == "generation":
             from gpu_workers.engine import GenerationEngine

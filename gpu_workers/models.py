@@ -81,6 +81,9 @@ class LoadedModel:
 # --------------------------------------------------------------------------------------------- torch setup
 
 
+_THREADS: int | None = None
+
+
 def configure_torch_threads(threads: int | None = None) -> int:
     """Give torch one intra-op team sized to the machine's cores and a single inter-op thread.
 
@@ -90,7 +93,10 @@ def configure_torch_threads(threads: int | None = None) -> int:
     """
     import torch
 
-    wanted = threads if threads is not None else max(1, len(os.sched_getaffinity(0)))
+    global _THREADS
+    if threads is not None:
+        _THREADS = threads
+    wanted = _THREADS if _THREADS is not None else max(1, len(os.sched_getaffinity(0)))
     if torch.get_num_threads() != wanted:
         torch.set_num_threads(wanted)
     if torch.get_num_interop_threads() != 1:

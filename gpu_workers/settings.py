@@ -16,6 +16,9 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     worker_id: str | None = None
     """Defaults to ``<model>-<pid>``."""
     worker_device: str = "auto"
+    worker_torch_threads: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    """torch intra-op threads; unset: one per core this process may use. On a machine shared with the
+    edge and Kafka, fewer threads than cores avoids OpenMP teams spinning against the other processes."""
     """``auto`` (CUDA if present, else CPU), ``cpu``, ``cuda``, ``cuda:1`` …"""
     worker_max_running: Positive = 16
     """Generation: sequences decoded together at most (continuous batching)."""

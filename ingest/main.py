@@ -34,6 +34,7 @@ def build_edge(
         names=TopicNames(platform.topic_prefix),
         edge_id=settings.edge_id,
         reply_partition=reply_partition(settings.edge_id, reply_partitions),
+        salts=settings.salts(),
         detokenize=detokenize,
     )
     return Edge(settings, gateway, catalogue), gateway

@@ -37,10 +37,23 @@ class EdgeSettings(msgspec.Struct, frozen=True, kw_only=True):
     """WebSocket ping interval; a peer that misses a pong is closed."""
     edge_shutdown_grace_s: Annotated[float, msgspec.Meta(ge=0.0)] = 10.0
     """On stop, in-flight streams get this long to finish before they are cancelled (reason ``shutdown``)."""
+    edge_hot_tenants: tuple[str, ...] = ()
+    """``tenant=N`` entries: that tenant's requests are keyed over N salts, so they spread over N request
+    partitions (and so over up to N workers) instead of one."""
     edge_disconnect_grace_s: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
     """Wait this long after a client disconnects before cancelling its request, so that a reconnect with
     ``Last-Event-ID`` to this edge keeps the generation. 0: cancel at once."""
 
+    def salts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for entry in self.edge_hot_tenants:
+            tenant, sep, count = entry.partition("=")
+            if not sep or not tenant.strip() or not count.strip().isdigit() or int(count) < 1:
+                raise ValueError(f"SLUICE_EDGE_HOT_TENANTS entry {entry!r}: expected tenant=N with N >= 1")
+            out[tenant.strip()] = int(count)
+        return out
+
     def __post_init__(self) -> None:
+        self.salts()  # validate early
         if self.edge_default_timeout_s > self.edge_max_timeout_s:
             raise ValueError("edge_default_timeout_s must not exceed edge_max_timeout_s")
