@@ -50,8 +50,9 @@ def kafka(settings: PlatformSettings) -> Iterator[str]:
         yield settings.bootstrap
         return
     with tempfile.TemporaryDirectory(prefix="sluice-bench-") as tmp:
-        broker = LocalKafka(tmp, settings.cache_dir, settings.kafka_version, port=free_port(),
-                            controller_port=free_port())
+        broker = LocalKafka(
+            tmp, settings.cache_dir, settings.kafka_version, port=free_port(), controller_port=free_port()
+        )
         with broker:
             yield broker.bootstrap
 
@@ -65,8 +66,10 @@ class Services:
 
     def start(self, name: str, args: list[str], extra: dict[str, str] | None = None) -> None:
         self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "sluice", *args], env={**self.env, **(extra or {})},
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            [sys.executable, "-m", "sluice", *args],
+            env={**self.env, **(extra or {})},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
 
     def stop(self, name: str) -> None:
@@ -96,7 +99,13 @@ async def until_ok(call: Callable[[], Awaitable[bool]], within: float = 180) -> 
 
 
 async def completion(session: aiohttp.ClientSession, url: str, max_tokens: int) -> int:
-    body = {"model": "demo-gpt", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    body = {
+        "model": "demo-gpt",
+        "prompt": PROMPT,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     async with session.post(f"{url}/v1/completions", json=body, headers=AUTH) as response:
         data = await response.json()
         if response.status != 200:
@@ -123,7 +132,9 @@ async def embed(session: aiohttp.ClientSession, url: str, n: int) -> None:
         await response.read()
 
 
-async def closed_loop(concurrency: int, total: int, job: Callable[[int], Awaitable[object]]) -> tuple[float, list[object]]:
+async def closed_loop(
+    concurrency: int, total: int, job: Callable[[int], Awaitable[object]]
+) -> tuple[float, list[object]]:
     """``total`` jobs by ``concurrency`` clients, each starting its next job when the last one ends."""
     queue = iter(range(total))
     results: list[object] = []
@@ -139,7 +150,9 @@ async def closed_loop(concurrency: int, total: int, job: Callable[[int], Awaitab
 
 async def measure(url: str, raw: dict[str, object], services: Services, quick: bool) -> dict[str, object]:
     connector = aiohttp.TCPConnector(limit=256)
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as session:
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=aiohttp.ClientTimeout(total=600)
+    ) as session:
 
         async def ready() -> bool:
             await completion(session, url, 2)
@@ -155,15 +168,18 @@ async def measure(url: str, raw: dict[str, object], services: Services, quick: b
         best_batch = max(raw_gen, key=lambda b: raw_gen[b])
         concurrency = best_batch
         new_tokens = 64
-        wall, done = await closed_loop(concurrency, concurrency * (3 if quick else 6),
-                                       lambda _n: completion(session, url, new_tokens))
+        wall, done = await closed_loop(
+            concurrency, concurrency * (3 if quick else 6), lambda _n: completion(session, url, new_tokens)
+        )
         gen_tps = sum(int(x) for x in done) / wall  # type: ignore[call-overload]
 
         n_emb = 256 if quick else 1024
         await closed_loop(64, 64, lambda n: embed(session, url, n))
         wall_dyn, _ = await closed_loop(64, n_emb, lambda n: embed(session, url, n))
         services.stop("embed")
-        services.start("embed", ["worker", "--model", "all-minilm-l6-v2"], {"SLUICE_WORKER_EMBED_MAX_BATCH": "1"})
+        services.start(
+            "embed", ["worker", "--model", "all-minilm-l6-v2"], {"SLUICE_WORKER_EMBED_MAX_BATCH": "1"}
+        )
         await until_ok(ready)
         await closed_loop(64, 64, lambda n: embed(session, url, n))
         wall_one, _ = await closed_loop(64, n_emb // 4, lambda n: embed(session, url, n))
@@ -172,19 +188,26 @@ async def measure(url: str, raw: dict[str, object], services: Services, quick: b
     raw_ttft = raw["ttft_ms"]  # type: ignore[index]
     return {
         "generation": {
-            "raw_best_batch": best_batch, "raw_tokens_per_s": raw_gen[best_batch],
-            "platform_concurrency": concurrency, "platform_tokens_per_s": gen_tps,
-            "ratio": gen_tps / raw_gen[best_batch], "raw_by_batch": raw_gen,
+            "raw_best_batch": best_batch,
+            "raw_tokens_per_s": raw_gen[best_batch],
+            "platform_concurrency": concurrency,
+            "platform_tokens_per_s": gen_tps,
+            "ratio": gen_tps / raw_gen[best_batch],
+            "raw_by_batch": raw_gen,
         },
         "ttft_ms": {
-            "raw_p50": raw_ttft["p50"], "raw_p99": raw_ttft["p99"],  # type: ignore[index]
-            "platform_p50": statistics.median(ttfts), "platform_p99": pct(ttfts, 99),
+            "raw_p50": raw_ttft["p50"],
+            "raw_p99": raw_ttft["p99"],  # type: ignore[index]
+            "platform_p50": statistics.median(ttfts),
+            "platform_p99": pct(ttfts, 99),
             "added_p50": statistics.median(ttfts) - raw_ttft["p50"],  # type: ignore[index]
             "added_p99": pct(ttfts, 99) - raw_ttft["p99"],  # type: ignore[index]
         },
         "embeddings": {
-            "raw_best_per_s": max(raw_emb.values()), "raw_by_batch": raw_emb,
-            "dynamic_per_s": n_emb / wall_dyn, "batch1_per_s": (n_emb // 4) / wall_one,
+            "raw_best_per_s": max(raw_emb.values()),
+            "raw_by_batch": raw_emb,
+            "dynamic_per_s": n_emb / wall_dyn,
+            "batch1_per_s": (n_emb // 4) / wall_one,
             "dynamic_over_batch1": (n_emb / wall_dyn) / ((n_emb // 4) / wall_one),
             "dynamic_over_raw_best": (n_emb / wall_dyn) / max(raw_emb.values()),
             "concurrency": 64,
@@ -195,15 +218,46 @@ async def measure(url: str, raw: dict[str, object], services: Services, quick: b
 def table(result: dict[str, dict[str, float]]) -> str:
     g, t, e = result["generation"], result["ttft_ms"], result["embeddings"]
     rows = [
-        ("generation tok/s at saturation", f"{g['raw_tokens_per_s']:.0f} (batch {g['raw_best_batch']:.0f})",
-         f"{g['platform_tokens_per_s']:.0f} (conc. {g['platform_concurrency']:.0f})", f"{g['ratio']:.2f}", "≥ 0.90"),
-        ("TTFT p50 ms (low load)", f"{t['raw_p50']:.1f}", f"{t['platform_p50']:.1f}", f"+{t['added_p50']:.1f} ms", "≤ +5 ms"),
-        ("TTFT p99 ms (low load)", f"{t['raw_p99']:.1f}", f"{t['platform_p99']:.1f}", f"+{t['added_p99']:.1f} ms", "≤ +15 ms"),
-        ("embeddings/s, conc. 64, dynamic", f"{e['raw_best_per_s']:.0f} (best batch)", f"{e['dynamic_per_s']:.0f}",
-         f"{e['dynamic_over_raw_best']:.2f}", "≥ 0.90"),
-        ("embeddings/s, conc. 64, batch-1", "", f"{e['batch1_per_s']:.0f}", f"dyn/b1 {e['dynamic_over_batch1']:.1f}x", "≥ 4x"),
+        (
+            "generation tok/s at saturation",
+            f"{g['raw_tokens_per_s']:.0f} (batch {g['raw_best_batch']:.0f})",
+            f"{g['platform_tokens_per_s']:.0f} (conc. {g['platform_concurrency']:.0f})",
+            f"{g['ratio']:.2f}",
+            "≥ 0.90",
+        ),
+        (
+            "TTFT p50 ms (low load)",
+            f"{t['raw_p50']:.1f}",
+            f"{t['platform_p50']:.1f}",
+            f"+{t['added_p50']:.1f} ms",
+            "≤ +5 ms",
+        ),
+        (
+            "TTFT p99 ms (low load)",
+            f"{t['raw_p99']:.1f}",
+            f"{t['platform_p99']:.1f}",
+            f"+{t['added_p99']:.1f} ms",
+            "≤ +15 ms",
+        ),
+        (
+            "embeddings/s, conc. 64, dynamic",
+            f"{e['raw_best_per_s']:.0f} (best batch)",
+            f"{e['dynamic_per_s']:.0f}",
+            f"{e['dynamic_over_raw_best']:.2f}",
+            "≥ 0.90",
+        ),
+        (
+            "embeddings/s, conc. 64, batch-1",
+            "",
+            f"{e['batch1_per_s']:.0f}",
+            f"dyn/b1 {e['dynamic_over_batch1']:.1f}x",
+            "≥ 4x",
+        ),
     ]
-    widths = [max(len(str(r[i])) for r in [("metric", "raw model", "platform", "ratio", "target"), *rows]) for i in range(5)]
+    widths = [
+        max(len(str(r[i])) for r in [("metric", "raw model", "platform", "ratio", "target"), *rows])
+        for i in range(5)
+    ]
     lines = []
     for r in [("metric", "raw model", "platform", "ratio", "target"), *rows]:
         lines.append(" | ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)))
@@ -212,24 +266,42 @@ def table(result: dict[str, dict[str, float]]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="fewer requests (a smoke run)")
-    parser.add_argument("--torch-threads", type=int, default=None, help="SLUICE_WORKER_TORCH_THREADS for the workers")
+    parser.add_argument(
+        "--torch-threads", type=int, default=None, help="SLUICE_WORKER_TORCH_THREADS for the workers"
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "online.json")
     args = parser.parse_args()
     settings = load_settings(PlatformSettings)
-    subprocess.run([sys.executable, "-m", "sluice", "models", "prepare"], check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, "-m", "sluice", "models", "prepare"], check=True, stdout=subprocess.DEVNULL
+    )
     print("raw model baseline (alone) ...", file=sys.stderr)
-    raw_cmd = [sys.executable, str(ROOT / "benchmarks" / "raw_model.py"), *(["--quick"] if args.quick else [])]
-    raw = json.loads(subprocess.run(raw_cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
+    raw_cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "raw_model.py"),
+        *(["--quick"] if args.quick else []),
+    ]
+    raw = json.loads(
+        subprocess.run(raw_cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1]
+    )
     with kafka(settings) as bootstrap:
         prefix = f"bench{int(time.time())}"
         names = TopicNames(prefix)
-        apply_topics(make_admin(bootstrap), platform_topics(names, settings.served_models(), TopicSizing(replies=1)))
+        apply_topics(
+            make_admin(bootstrap), platform_topics(names, settings.served_models(), TopicSizing(replies=1))
+        )
         port = free_port()
         env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_") or k == "SLUICE_CACHE_DIR"}
-        env.update(SLUICE_KAFKA_BOOTSTRAP=bootstrap, SLUICE_TOPIC_PREFIX=prefix, SLUICE_EDGE_PORT=str(port),
-                   SLUICE_WORKER_MAX_RUNNING=str(max(int(b) for b in raw["generation_tokens_per_s"])))
+        env.update(
+            SLUICE_KAFKA_BOOTSTRAP=bootstrap,
+            SLUICE_TOPIC_PREFIX=prefix,
+            SLUICE_EDGE_PORT=str(port),
+            SLUICE_WORKER_MAX_RUNNING=str(max(int(b) for b in raw["generation_tokens_per_s"])),
+        )
         if args.torch_threads is not None:
             env["SLUICE_WORKER_TORCH_THREADS"] = str(args.torch_threads)
         services = Services(env)
@@ -241,9 +313,14 @@ def main() -> None:
             result = asyncio.run(measure(f"http://127.0.0.1:{port}", raw, services, args.quick))
         finally:
             services.stop_all()
-    result["machine"] = {"cpus": os.cpu_count(), "python": host.python_version(), "torch": raw["torch"],
-                         "device": raw["device"], "quick": args.quick,
-                         "worker_torch_threads": args.torch_threads or "cores"}
+    result["machine"] = {
+        "cpus": os.cpu_count(),
+        "python": host.python_version(),
+        "torch": raw["torch"],
+        "device": raw["device"],
+        "quick": args.quick,
+        "worker_torch_threads": args.torch_threads or "cores",
+    }
     print(table(result))  # type: ignore[arg-type]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

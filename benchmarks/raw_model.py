@@ -36,7 +36,11 @@ def main() -> None:
     settings = load_settings(PlatformSettings)
     gen = load_generation_model(current_model_dir(settings.cache_dir, "demo-gpt"), device="auto")
     prompt = list(gen.tokenizer(args.prompt)["input_ids"])
-    out: dict[str, object] = {"device": str(gen.device), "torch": torch.__version__, "threads": torch.get_num_threads()}
+    out: dict[str, object] = {
+        "device": str(gen.device),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
 
     batches = [int(b) for b in args.batches.split(",")]
     gen_tps: dict[int, float] = {}
