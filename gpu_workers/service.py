@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from confluent_kafka import OFFSET_END, Consumer, Message, TopicPartition
+from confluent_kafka import Consumer, Message, TopicPartition
 
 from bus.consumer import TP, ConsumerThread, consumer_config, decode_or_dead_letter, watermarks
 from bus.errors import BusError
@@ -370,7 +370,9 @@ def _all_partitions_at_end(bootstrap: str, topic: str) -> list[TopicPartition]:
         meta = consumer.list_topics(topic, timeout=10).topics[topic]
         if meta.error is not None:
             raise BusError(f"topic {topic} is missing: run `sluice topics apply`")
-        return [TopicPartition(topic, p, OFFSET_END) for p in meta.partitions]
+        # Explicit offsets, not OFFSET_END: a lazily resolved "end" could land after a cancel sent in the
+        # meantime (a new partition's leader takes a moment), and that cancel would be missed.
+        return [TopicPartition(topic, p, watermarks(consumer, topic, p)[1]) for p in meta.partitions]
     finally:
         consumer.close()
 
