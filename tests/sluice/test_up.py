@@ -1,26 +1,46 @@
-"""``sluice up`` as a user runs it: Kafka, topics and warehouse come up; other processes can query; Ctrl-C
-stops everything cleanly."""
+"""``sluice up`` as a user runs it: Kafka, topics, warehouse, models, workers and the edge come up; the API
+answers; other processes can query the warehouse; Ctrl-C stops everything cleanly."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from infra.kafka.broker import free_port, port_open
 from infra.topics import make_admin
+from ingest.auth import DEMO_KEY
 
 pytestmark = pytest.mark.integration
 
 
+def _post(url: str, body: dict[str, object]) -> dict[str, Any]:
+    request = urllib.request.Request(
+        url,
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"Authorization": f"Bearer {DEMO_KEY}", "Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        result: dict[str, Any] = json.loads(response.read())
+        return result
+
+
 def _env(tmp_path: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_") or k == "SLUICE_CACHE_DIR"}
-    env.update(SLUICE_DATA_DIR=str(tmp_path / "data"), SLUICE_KAFKA_PORT=str(free_port()))
+    env.update(
+        SLUICE_DATA_DIR=str(tmp_path / "data"),
+        SLUICE_KAFKA_PORT=str(free_port()),
+        SLUICE_EDGE_PORT=str(free_port()),
+    )
     return env
 
 
@@ -57,7 +77,14 @@ def test_up_serves_kafka_topics_and_warehouse_then_stops_on_sigint(tmp_path: Pat
 
 def _drive(proc: subprocess.Popen[str], env: dict[str, str], port: int) -> None:
     try:
-        _wait_for_line(proc, "sluicegate is up", timeout=90)
+        lines = _wait_for_line(proc, "sluicegate is up", timeout=240)
+        url = lines[-1].split()[3]  # "sluicegate is up  http://127.0.0.1:PORT/v1   API key: ..."
+        completion = _post(
+            f"{url}/completions", {"model": "demo-gpt", "prompt": "The river", "max_tokens": 4}
+        )
+        assert completion["usage"]["completion_tokens"] >= 1
+        embedding = _post(f"{url}/embeddings", {"model": "all-minilm-l6-v2", "input": "a river"})
+        assert len(embedding["data"][0]["embedding"]) == 384
         topics = make_admin(f"127.0.0.1:{port}").list_topics(timeout=10).topics
         assert "sluice.requests.demo-gpt" in topics
         assert "sluice.control" in topics
