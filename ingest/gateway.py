@@ -58,11 +58,9 @@ class Gateway(Protocol):
     @property
     def reply_to(self) -> ReplyTo:
         """Where this edge's replies are routed; copied into every request event."""
-        ...
 
     def ready(self) -> bool:
         """Connected and able to publish and receive replies (``/readyz``)."""
-        ...
 
     async def submit(self, event: RequestEvent, *, resume_after_seq: int | None = None) -> ReplyStream: ...
 
