@@ -15,7 +15,7 @@ from datetime import datetime
 from gpu_workers.batching import BatcherConfig, DynamicBatcher, EmbedItem
 from gpu_workers.embedding import EmbeddingEngine
 from gpu_workers.generation import monotonic_deadline
-from gpu_workers.service import Arrival, Emitter, failed
+from gpu_workers.service import Arrival, Emitter, Origin
 from schemas.events import EmbeddingRequested, FinishReason, RequestFinished, Status, Timings, Usage, utc_now
 from schemas.manifest import ModelManifest
 
@@ -48,8 +48,7 @@ class EmbeddingRunner:
     ) -> None:
         self._engine = engine
         self._manifest = manifest
-        self._source = source
-        self._worker_id = worker_id
+        self._origin = Origin(source, worker_id)
         self._batcher: DynamicBatcher[_Input] = DynamicBatcher(batching)
         self._clock = clock
         self._requests: dict[str, _Request] = {}
@@ -59,10 +58,8 @@ class EmbeddingRunner:
         if not isinstance(event, EmbeddingRequested):
             emit.finish(
                 arrival,
-                failed(
+                self._origin.failed(
                     arrival,
-                    self._source,
-                    self._worker_id,
                     "wrong_model_kind",
                     f"{event.model} serves embeddings, not {type(event).__name__}",
                 ),
@@ -74,10 +71,8 @@ class EmbeddingRunner:
         if not event.inputs or too_long:
             emit.finish(
                 arrival,
-                failed(
+                self._origin.failed(
                     arrival,
-                    self._source,
-                    self._worker_id,
                     "invalid_input",
                     f"inputs {too_long} exceed {self._manifest.max_context} tokens"
                     if too_long
@@ -103,10 +98,8 @@ class EmbeddingRunner:
                 self._requests.pop(event.request_id, None)
                 emit.finish(
                     arrival,
-                    failed(
+                    self._origin.failed(
                         arrival,
-                        self._source,
-                        self._worker_id,
                         "queue_full",
                         "the embedding queue is full; retry later",
                     ),
@@ -151,7 +144,7 @@ class EmbeddingRunner:
             tenant=event.tenant,
             model=event.model,
             request_id=event.request_id,
-            source=self._source,
+            source=self._origin.source,
             traceparent=event.traceparent,
             status=status,
             finish_reason=reason,
@@ -165,5 +158,5 @@ class EmbeddingRunner:
                 first_token=utc_now() if done else None,
                 finished=utc_now(),
             ),
-            worker_id=self._worker_id,
+            worker_id=self._origin.worker_id,
         )

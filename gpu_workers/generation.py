@@ -19,7 +19,7 @@ from gpu_workers.detok import Decode, IncrementalDetokenizer
 from gpu_workers.engine import GenerationEngine, SeqRequest
 from gpu_workers.flush import ChunkCoalescer, Flush, FlushPolicy
 from gpu_workers.scheduler import GenerationScheduler, Pending, SchedulerConfig
-from gpu_workers.service import Arrival, Emitter, failed
+from gpu_workers.service import Arrival, Emitter, Origin
 from schemas.events import (
     FinishReason,
     GenerationRequested,
@@ -72,8 +72,7 @@ class GenerationRunner:
         self._engine = engine
         self._decode = decode
         self._manifest = manifest
-        self._source = source
-        self._worker_id = worker_id
+        self._origin = Origin(source, worker_id)
         self._scheduler: GenerationScheduler[_Live] = GenerationScheduler(scheduler)
         self._coalescer = ChunkCoalescer(flush)
         self._clock = clock
@@ -86,10 +85,8 @@ class GenerationRunner:
         if not isinstance(event, GenerationRequested):
             emit.finish(
                 arrival,
-                failed(
+                self._origin.failed(
                     arrival,
-                    self._source,
-                    self._worker_id,
                     "wrong_model_kind",
                     f"{event.model} serves generation, not {type(event).__name__}",
                 ),
@@ -106,10 +103,8 @@ class GenerationRunner:
         if live.max_new_tokens == 0 or not event.input_ids:
             emit.finish(
                 arrival,
-                failed(
+                self._origin.failed(
                     arrival,
-                    self._source,
-                    self._worker_id,
                     "context_length_exceeded",
                     "the prompt leaves no room for a completion",
                 ),
@@ -131,9 +126,7 @@ class GenerationRunner:
         rejection = self._scheduler.check(item)
         if rejection is not None:
             if rejection.code != "duplicate":
-                emit.finish(
-                    arrival, failed(arrival, self._source, self._worker_id, rejection.code, rejection.message)
-                )
+                emit.finish(arrival, self._origin.failed(arrival, rejection.code, rejection.message))
             return
         self._scheduler.submit(item)
         self._live[event.request_id] = live
@@ -210,9 +203,7 @@ class GenerationRunner:
         except GpuWorkerError as exc:  # e.g. token ids outside the vocabulary
             self._scheduler.finish(event.request_id)
             self._live.pop(event.request_id, None)
-            emit.finish(
-                live.arrival, failed(live.arrival, self._source, self._worker_id, "invalid_request", str(exc))
-            )
+            emit.finish(live.arrival, self._origin.failed(live.arrival, "invalid_request", str(exc)))
 
     def _token(self, live: _Live, token_id: int, now: float, emit: Emitter) -> None:
         if token_id == self._manifest.eos_token_id and not live.event.sampling.ignore_eos:
@@ -241,7 +232,7 @@ class GenerationRunner:
                 tenant=event.tenant,
                 model=event.model,
                 request_id=event.request_id,
-                source=self._source,
+                source=self._origin.source,
                 traceparent=event.traceparent,
                 seq=flush.seq,
                 offset=flush.offset,
@@ -276,7 +267,7 @@ class GenerationRunner:
             tenant=event.tenant,
             model=event.model,
             request_id=event.request_id,
-            source=self._source,
+            source=self._origin.source,
             traceparent=event.traceparent,
             status=status,
             finish_reason=reason,
@@ -285,5 +276,5 @@ class GenerationRunner:
             timings=Timings(
                 accepted=event.time, started=live.started, first_token=live.first_token, finished=utc_now()
             ),
-            worker_id=self._worker_id,
+            worker_id=self._origin.worker_id,
         )

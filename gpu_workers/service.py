@@ -377,18 +377,25 @@ def _all_partitions_at_end(bootstrap: str, topic: str) -> list[TopicPartition]:
         consumer.close()
 
 
-def failed(arrival: Arrival, source: str, worker_id: str, code: str, message: str) -> RequestFinished:
-    """A ``failed`` terminal event for a request that could not run."""
-    event = arrival.event
-    return RequestFinished(
-        tenant=event.tenant,
-        model=event.model,
-        request_id=event.request_id,
-        source=source,
-        traceparent=event.traceparent,
-        status="failed",
-        finish_reason="error",
-        usage=Usage(prompt_tokens=0, completion_tokens=0, total_tokens=0),
-        error=ErrorInfo(code=code, message=message),
-        worker_id=worker_id,
-    )
+@dataclass(frozen=True)
+class Origin:
+    """Who produces a runner's events: stamped on every terminal event it builds."""
+
+    source: str
+    worker_id: str
+
+    def failed(self, arrival: Arrival, code: str, message: str) -> RequestFinished:
+        """A ``failed`` terminal event for a request that could not run."""
+        event = arrival.event
+        return RequestFinished(
+            tenant=event.tenant,
+            model=event.model,
+            request_id=event.request_id,
+            source=self.source,
+            traceparent=event.traceparent,
+            status="failed",
+            finish_reason="error",
+            usage=Usage(prompt_tokens=0, completion_tokens=0, total_tokens=0),
+            error=ErrorInfo(code=code, message=message),
+            worker_id=self.worker_id,
+        )

@@ -341,8 +341,7 @@ class KafkaGateway:
             consumer.close()
 
     def _first_reply(self, request_id: str, start: int) -> tuple[int, Reply] | None:
-        found = _scan(self._bootstrap, self._names.replies, self.reply_to.partition, start, request_id)
-        return found[0] if found else None
+        return _first_in_log(self._bootstrap, self._names.replies, self.reply_to.partition, start, request_id)
 
     async def read_log(self, request_id: str, start: int) -> AsyncIterator[tuple[int, Reply]]:
         """This request's replies from ``start`` on, until its terminal event (waits for live ones)."""
@@ -373,16 +372,16 @@ def _reply_of(message: Message, request_id: str) -> Reply | None:
     return None
 
 
-def _scan(bootstrap: str, topic: str, partition: int, start: int, request_id: str) -> list[tuple[int, Reply]]:
-    """Replies of ``request_id`` already in the partition from ``start`` up to its current end."""
+def _first_in_log(
+    bootstrap: str, topic: str, partition: int, start: int, request_id: str
+) -> tuple[int, Reply] | None:
+    """The first reply of ``request_id`` already in the partition from ``start`` up to its current end."""
     consumer = Consumer(consumer_config(bootstrap, None, "ingest-scan"))
     try:
-        tp = TopicPartition(topic, partition, start)
         end = watermarks(consumer, topic, partition)[1]
         if start >= end:
-            return []
-        consumer.assign([tp])
-        found: list[tuple[int, Reply]] = []
+            return None
+        consumer.assign([TopicPartition(topic, partition, start)])
         position = start
         deadline = time.monotonic() + 30
         while position < end and time.monotonic() < deadline:
@@ -392,7 +391,7 @@ def _scan(bootstrap: str, topic: str, partition: int, start: int, request_id: st
                 position = (message.offset() or 0) + 1
                 reply = _reply_of(message, request_id)
                 if reply is not None:
-                    found.append((position - 1, reply))
-        return found
+                    return position - 1, reply
+        return None
     finally:
         consumer.close()

@@ -12,12 +12,10 @@ from rich.console import Console
 from rich.table import Table
 
 from schemas.settings import PlatformSettings, SettingsError, describe, load_settings
-from sluice.services import SERVICE_SETTINGS
+from sluice.services import SERVICE_SETTINGS, local_broker
 
 if TYPE_CHECKING:
     from confluent_kafka.admin import AdminClient
-
-    from infra.kafka.broker import LocalKafka
 
 # Piped output (scripts, tests) gets wide lines instead of rich's 80-column default.
 console = Console(stderr=True, soft_wrap=True, width=None if sys.stderr.isatty() else 200)
@@ -69,18 +67,6 @@ def fail(message: str, code: int = 1) -> typer.Exit:
 # ---------------------------------------------------------------- kafka
 
 
-def local_broker(s: PlatformSettings) -> LocalKafka:
-    from infra.kafka.broker import LocalKafka
-
-    return LocalKafka(
-        data_dir=Path(s.data_dir) / "kafka",
-        cache_dir=s.cache_dir,
-        version=s.kafka_version,
-        port=s.kafka_port,
-        progress=lambda artifact: console.print(f"  [dim]downloaded {artifact}[/]"),
-    )
-
-
 @kafka_app.command("up")
 def kafka_up() -> None:
     """Start the local broker in the background (data kept in $SLUICE_DATA_DIR/kafka across restarts)."""
@@ -91,7 +77,7 @@ def kafka_up() -> None:
         raise fail(
             f"SLUICE_KAFKA_BOOTSTRAP={s.kafka_bootstrap} points at an existing cluster; nothing to start"
         )
-    broker = local_broker(s)
+    broker = local_broker(s, console)
     if broker.running():
         out.print(f"Kafka already running at {broker.bootstrap} (pid {broker.pid()})")
         return
@@ -108,7 +94,7 @@ def kafka_up() -> None:
 @kafka_app.command("down")
 def kafka_down() -> None:
     """Stop the local broker cleanly (its data stays)."""
-    broker = local_broker(settings())
+    broker = local_broker(settings(), console)
     if broker.pid() is None:
         out.print("Kafka is not running")
         return
@@ -123,7 +109,7 @@ def kafka_status() -> None:
 
     s = settings()
     if s.local_kafka:
-        broker = local_broker(s)
+        broker = local_broker(s, console)
         pid = broker.pid()
         if pid is None or not broker_answers(broker.bootstrap):
             out.print(f"Kafka (local) is down; `sluice kafka up` starts it at {broker.bootstrap}")

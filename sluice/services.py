@@ -7,6 +7,8 @@ import logging
 import os
 import signal
 import threading
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 
@@ -14,8 +16,24 @@ from gpu_workers.settings import WorkerSettings
 from ingest.settings import EdgeSettings
 from schemas.settings import PlatformSettings, SettingsError, load_settings
 
+if TYPE_CHECKING:
+    from infra.kafka.broker import LocalKafka
+
 # Every service's settings class, imported here so the settings registry knows all SLUICE_* names.
 SERVICE_SETTINGS = (EdgeSettings, WorkerSettings)
+
+
+def local_broker(platform: PlatformSettings, console: Console) -> LocalKafka:
+    """The local broker the settings describe (data in ``$SLUICE_DATA_DIR/kafka``), reporting downloads."""
+    from infra.kafka.broker import LocalKafka
+
+    return LocalKafka(
+        data_dir=Path(platform.data_dir) / "kafka",
+        cache_dir=platform.cache_dir,
+        version=platform.kafka_version,
+        port=platform.kafka_port,
+        progress=lambda artifact: console.print(f"  [dim]downloaded {artifact}[/]"),
+    )
 
 
 def configure_logging() -> None:

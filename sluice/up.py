@@ -11,13 +11,11 @@ import os
 import signal
 import sys
 from contextlib import AsyncExitStack
-from pathlib import Path
 
 import msgspec
 from rich.console import Console
 
 from infra.errors import InfraError
-from infra.kafka.broker import LocalKafka
 from infra.topics import apply_topics, make_admin, platform_topics
 from infra.warehouse import WarehouseQueryServer, migrate, open_warehouse
 from ingest.auth import DEMO_KEY
@@ -25,7 +23,7 @@ from ingest.main import build_edge
 from ingest.settings import EdgeSettings
 from schemas.settings import PlatformSettings, SettingsError, load_settings
 from schemas.topics import TopicNames
-from sluice.services import configure_logging, replies_partitions
+from sluice.services import configure_logging, local_broker, replies_partitions
 
 
 def run_platform(settings: PlatformSettings, out: Console, console: Console, port: int | None = None) -> int:
@@ -106,13 +104,7 @@ async def _serve(
 
     async with AsyncExitStack() as stack:
         if settings.local_kafka:
-            broker = LocalKafka(
-                data_dir=Path(settings.data_dir) / "kafka",
-                cache_dir=settings.cache_dir,
-                version=settings.kafka_version,
-                port=settings.kafka_port,
-                progress=lambda artifact: console.print(f"  [dim]downloaded {artifact}[/]"),
-            )
+            broker = local_broker(settings, console)
             if broker.running():
                 console.print(f"using the Kafka already running at {broker.bootstrap} (left running on exit)")
             else:
