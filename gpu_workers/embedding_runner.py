@@ -15,6 +15,7 @@ from datetime import datetime
 from gpu_workers.batching import BatcherConfig, DynamicBatcher, EmbedItem
 from gpu_workers.embedding import EmbeddingEngine
 from gpu_workers.generation import monotonic_deadline
+from gpu_workers.observe import RunnerLoad
 from gpu_workers.service import Arrival, Emitter, Origin
 from schemas.events import EmbeddingRequested, FinishReason, RequestFinished, Status, Timings, Usage, utc_now
 from schemas.manifest import ModelManifest
@@ -52,6 +53,7 @@ class EmbeddingRunner:
         self._batcher: DynamicBatcher[_Input] = DynamicBatcher(batching)
         self._clock = clock
         self._requests: dict[str, _Request] = {}
+        self._last_batch = 0
 
     def accept(self, arrival: Arrival, emit: Emitter) -> None:
         event = arrival.event
@@ -119,9 +121,14 @@ class EmbeddingRunner:
             if request is not None:
                 emit.finish(request.arrival, self._terminal(request, "expired", "deadline"))
         batch = [item for item in self._batcher.next_batch(now) or () if item.request_id in self._requests]
+        self._last_batch = len(batch)
         if not batch:
             return
         started = utc_now()
+        for item in batch:
+            request = self._requests[item.request_id]
+            if request.started is None:
+                emit.joined(request.arrival, len(batch), 0.0)
         vectors = self._engine.embed([item.payload.input_ids for item in batch])
         for item, vector in zip(batch, vectors, strict=True):
             request = self._requests.get(item.request_id)
@@ -136,6 +143,12 @@ class EmbeddingRunner:
     def wait_hint(self) -> float | None:
         return self._batcher.time_until_ready(self._clock())
 
+    def load(self) -> RunnerLoad:
+        running = sum(1 for request in self._requests.values() if request.started is not None)
+        return RunnerLoad(
+            running=running, waiting=len(self._requests) - running, budget_ratio=0.0, batch=self._last_batch
+        )
+
     def _terminal(self, request: _Request, status: Status, reason: FinishReason) -> RequestFinished:
         event = request.event
         tokens = sum(len(ids) for ids in event.inputs)
@@ -145,7 +158,7 @@ class EmbeddingRunner:
             model=event.model,
             request_id=event.request_id,
             source=self._origin.source,
-            traceparent=event.traceparent,
+            traceparent=request.arrival.traceparent,
             status=status,
             finish_reason=reason,
             usage=Usage(

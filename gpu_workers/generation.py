@@ -18,6 +18,7 @@ from gpu_workers import GpuWorkerError
 from gpu_workers.detok import Decode, IncrementalDetokenizer
 from gpu_workers.engine import GenerationEngine, SeqRequest
 from gpu_workers.flush import ChunkCoalescer, Flush, FlushPolicy
+from gpu_workers.observe import RunnerLoad
 from gpu_workers.scheduler import GenerationScheduler, Pending, SchedulerConfig
 from gpu_workers.service import Arrival, Emitter, Origin
 from schemas.events import (
@@ -74,6 +75,8 @@ class GenerationRunner:
         self._manifest = manifest
         self._origin = Origin(source, worker_id)
         self._scheduler: GenerationScheduler[_Live] = GenerationScheduler(scheduler)
+        self._budget = scheduler.max_batch_tokens
+        self._last_batch = 0
         self._coalescer = ChunkCoalescer(flush)
         self._clock = clock
         self._live: dict[str, _Live] = {}
@@ -152,8 +155,10 @@ class GenerationRunner:
             self._scheduler.cancel(request_id)
             self._engine.cancel(request_id)
             self._end(self._live[request_id], "expired", "deadline", emit)
+        self._last_batch = 0
         if self._engine.has_work():
             outputs = self._engine.step()
+            self._last_batch = len(outputs)
             stamp = utc_now()
             now = self._clock()
             for out in outputs:
@@ -176,6 +181,15 @@ class GenerationRunner:
             return 0.0
         deadline = self._coalescer.next_deadline()
         return None if deadline is None else max(0.0, deadline - self._clock())
+
+    def load(self) -> RunnerLoad:
+        scheduler = self._scheduler
+        return RunnerLoad(
+            running=scheduler.running,
+            waiting=scheduler.waiting,
+            budget_ratio=scheduler.budget_in_use / self._budget,
+            batch=self._last_batch,
+        )
 
     # ---------------------------------------------------------------- helpers
 
@@ -204,6 +218,8 @@ class GenerationRunner:
             self._scheduler.finish(event.request_id)
             self._live.pop(event.request_id, None)
             emit.finish(live.arrival, self._origin.failed(live.arrival, "invalid_request", str(exc)))
+            return
+        emit.joined(live.arrival, self._scheduler.running, self._scheduler.budget_in_use / self._budget)
 
     def _token(self, live: _Live, token_id: int, now: float, emit: Emitter) -> None:
         if token_id == self._manifest.eos_token_id and not live.event.sampling.ignore_eos:
@@ -233,7 +249,7 @@ class GenerationRunner:
                 model=event.model,
                 request_id=event.request_id,
                 source=self._origin.source,
-                traceparent=event.traceparent,
+                traceparent=live.arrival.traceparent,
                 seq=flush.seq,
                 offset=flush.offset,
                 token_ids=list(flush.token_ids),
@@ -268,7 +284,7 @@ class GenerationRunner:
             model=event.model,
             request_id=event.request_id,
             source=self._origin.source,
-            traceparent=event.traceparent,
+            traceparent=live.arrival.traceparent,
             status=status,
             finish_reason=reason,
             usage=Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion),

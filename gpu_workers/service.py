@@ -25,11 +25,14 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from confluent_kafka import Consumer, Message, TopicPartition
+from opentelemetry.trace import Status, StatusCode
 
 from bus.consumer import TP, ConsumerThread, consumer_config, decode_or_dead_letter, watermarks
 from bus.errors import BusError
 from bus.producer import EventProducer
+from gpu_workers.observe import RequestTrace, RunnerLoad, WorkerObserver, open_trace
 from gpu_workers.offsets import OffsetTracker
+from monitoring import tracing
 from schemas.codec import DecodeError, decode
 from schemas.events import (
     CancelRequested,
@@ -55,11 +58,19 @@ class Arrival:
     tp: TP
     offset: int
     received: float = field(default_factory=time.monotonic)
+    trace: RequestTrace | None = None
+
+    @property
+    def traceparent(self) -> str | None:
+        """The trace context the events a runner builds for this request carry."""
+        return self.trace.traceparent if self.trace is not None else self.event.traceparent
 
 
 class Emitter(Protocol):
     def chunk(self, arrival: Arrival, chunk: TokenChunk) -> None: ...
     def finish(self, arrival: Arrival, result: RequestFinished) -> None: ...
+    def joined(self, arrival: Arrival, batch: int, budget_ratio: float) -> None:
+        """The request joined a batch of ``batch`` sequences (for its ``batch_formation`` span)."""
 
 
 class Runner(Protocol):
@@ -76,6 +87,9 @@ class Runner(Protocol):
 
     def wait_hint(self) -> float | None:
         """Seconds the loop may block waiting for input: 0 while there is work, None for "until input"."""
+
+    def load(self) -> RunnerLoad:
+        """How busy the runner is after the last tick (for the worker's gauges)."""
 
 
 @dataclass(frozen=True)
@@ -128,9 +142,11 @@ class WorkerService:
         self._offsets_lock = threading.Lock()  # the model thread and the consumer's revoke callback
         self._pending_writes: dict[str, int] = {}
         self._producer = EventProducer(bootstrap, self.source)
+        self._observer = WorkerObserver(model_id, worker_id)
+        self.group = f"sluice-workers.{model_id}"
         overrides = dict(consumer_overrides or {})
         self._requests = ConsumerThread(
-            consumer_config(bootstrap, f"sluice-workers.{model_id}", self.source, **overrides),
+            consumer_config(bootstrap, self.group, self.source, **overrides),
             self._on_requests,
             subscribe=[names.requests(model_id)],
             on_revoke=self._on_revoke,
@@ -207,7 +223,7 @@ class WorkerService:
                     log.warning("ignoring %s on a request topic", type(event).__name__)
                 self._put(_Skip(tp, offset))  # nothing to run: its offset may be committed
                 continue
-            self._put(Arrival(event, tp, offset))
+            self._put(Arrival(event, tp, offset, trace=open_trace(event, *tp, offset, self.group)))
 
     def _put(self, item: _Inbox) -> None:
         """Blocks while the inbox is full (backpressure: the consumer stops fetching), until stopped."""
@@ -277,7 +293,9 @@ class WorkerService:
             while not self._stop.is_set():
                 hint = runner.wait_hint()
                 self._drain(runner, emit, block=None if hint is None else hint)
+                began = time.perf_counter()
                 runner.tick(emit)
+                self._observer.tick(runner.load(), time.perf_counter() - began)
                 self._commit()
         except BaseException as exc:
             log.exception("model thread for %s failed", self.model_id)
@@ -298,6 +316,9 @@ class WorkerService:
                         self._offsets.started(item.tp, item.offset)
                     if item.event.request_id in self._finished:
                         log.info("skipping %s: already finished", item.event.request_id)
+                        if item.trace is not None:
+                            item.trace.span.set_attribute(tracing.STATUS, "skipped_finished")
+                            item.trace.span.end()
                         with self._offsets_lock:
                             self._offsets.done(item.tp, item.offset)
                     else:
@@ -327,6 +348,7 @@ class WorkerService:
     def _publish_chunk(self, arrival: Arrival, chunk: TokenChunk) -> None:
         reply = arrival.event.reply
         if reply is not None:
+            self._observer.chunk(arrival.event.request_id)
             self._producer.produce(reply.topic, chunk, partition=reply.partition)
 
     def _publish_finish(self, arrival: Arrival, result: RequestFinished) -> None:
@@ -335,6 +357,13 @@ class WorkerService:
             return  # exactly one terminal event per request
         self._remember_finished(request_id)
         reply = arrival.event.reply
+        result, span = self._observer.finishing(
+            arrival.event,
+            arrival.trace,
+            result,
+            reply.topic if reply is not None else self._names.results,
+            reply.partition if reply is not None else None,
+        )
         writes = 2 if reply is not None else 1
         remaining = [writes]
         lock = threading.Lock()
@@ -342,11 +371,16 @@ class WorkerService:
         def durable(err: BusError | None, _where: tuple[int, int] | None) -> None:
             if err is not None:
                 log.error("terminal event of %s not durable: %s", request_id, err)
+                if span is not None:
+                    span.set_status(Status(StatusCode.ERROR, str(err)))
+                    span.end()
                 return  # not committed: redelivered and retried by the group
             with lock:
                 remaining[0] -= 1
                 if remaining[0] == 0:
                     self._durable.put(_Durable(arrival.tp, arrival.offset))
+                    if span is not None:
+                        span.end()
 
         if reply is not None:
             self._producer.produce(reply.topic, result, partition=reply.partition, on_delivery=durable)
@@ -362,6 +396,9 @@ class _KafkaEmitter:
 
     def finish(self, arrival: Arrival, result: RequestFinished) -> None:
         self._service._publish_finish(arrival, result)
+
+    def joined(self, arrival: Arrival, batch: int, budget_ratio: float) -> None:
+        self._service._observer.joined(arrival.event.request_id, batch, budget_ratio)
 
 
 def _all_partitions_at_end(bootstrap: str, topic: str) -> list[TopicPartition]:
@@ -392,7 +429,7 @@ class Origin:
             model=event.model,
             request_id=event.request_id,
             source=self.source,
-            traceparent=event.traceparent,
+            traceparent=arrival.traceparent,
             status="failed",
             finish_reason="error",
             usage=Usage(prompt_tokens=0, completion_tokens=0, total_tokens=0),

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from ingest.auth import Tenant
 from ingest.errors import RateLimited, Unavailable
+from monitoring import metrics
 
 
 @dataclass(eq=False)
@@ -73,9 +74,12 @@ class Admission:
         self._flights.add(entry)
         self._per_tenant[tenant.name] = running + 1
         self._idle.clear()
+        gauge = metrics.IN_FLIGHT.labels(model)
+        gauge.inc()
         try:
             yield entry
         finally:
+            gauge.dec()
             self._flights.discard(entry)
             left = self._per_tenant[tenant.name] - 1
             if left:

@@ -19,6 +19,7 @@ from datetime import datetime
 from types import TracebackType
 
 from aiohttp import WSCloseCode, web
+from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from ingest.admission import Admission
 from ingest.auth import TenantDirectory
@@ -28,9 +29,11 @@ from ingest.errors import IngestError, MethodNotAllowed, NotFound, PayloadTooLar
 from ingest.gateway import Gateway
 from ingest.http import Routes
 from ingest.models import ModelCatalogue
+from ingest.observe import SERVER_SPAN_KEY, note_refusal
 from ingest.prepare import Preparer
 from ingest.settings import EdgeSettings
 from ingest.ws import websocket
+from monitoring import tracing
 from schemas.events import utc_now
 
 log = logging.getLogger(__name__)
@@ -39,11 +42,33 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 @web.middleware
+async def traced(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """One SERVER span per API request (a child of the caller's ``traceparent`` when it sends one)."""
+    if not request.path.startswith("/v1/"):
+        return await handler(request)
+    route = request.match_info.route.resource
+    name = f"{request.method} {route.canonical if route is not None else request.path}"
+    with tracing.tracer().start_as_current_span(
+        name,
+        context=tracing.context_of_headers(request.headers),
+        kind=SpanKind.SERVER,
+        attributes={"http.request.method": request.method, "url.path": request.path},
+    ) as span:
+        request[SERVER_SPAN_KEY] = span
+        response = await handler(request)
+        span.set_attribute("http.response.status_code", response.status)
+        if response.status >= 500:
+            span.set_status(Status(StatusCode.ERROR))
+        return response
+
+
+@web.middleware
 async def openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Every error leaves the edge in OpenAI's shape."""
+    """Every error leaves the edge in OpenAI's shape (and is counted)."""
     try:
         return await handler(request)
     except IngestError as exc:
+        note_refusal(request, exc)
         return error_response(exc)
     except web.HTTPException as exc:
         if exc.status == 404:
@@ -80,7 +105,9 @@ class Edge:
             ),
             preparer=Preparer(catalogue, settings, gateway.reply_to, clock=clock),
         )
-        self.app = web.Application(middlewares=[openai_errors], client_max_size=settings.edge_max_body_bytes)
+        self.app = web.Application(
+            middlewares=[traced, openai_errors], client_max_size=settings.edge_max_body_bytes
+        )
         Routes(self.ctx).add_to(self.app)
         self.app.router.add_get("/v1/ws", self._websocket)
         self._runner: web.AppRunner | None = None

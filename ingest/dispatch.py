@@ -19,6 +19,7 @@ from ingest.errors import (
 )
 from ingest.gateway import Gateway, IdempotencyRecord, ReplyItem, ReplyStream
 from ingest.prepare import Prepared
+from monitoring import metrics
 from schemas.events import CancelRequested
 
 log = logging.getLogger(__name__)
@@ -130,7 +131,7 @@ class Dispatcher:
             async with asyncio.timeout(timeout_s):
                 yield
         except TimeoutError:
-            self.cancel(flight, "client_cancel")
+            self.cancel(flight, "client_cancel", why="deadline")
             raise DeadlineExceeded("The request did not finish before its deadline.") from None
         except (asyncio.CancelledError, ConnectionResetError):
             self.cancel(flight, "client_disconnect")
@@ -138,11 +139,13 @@ class Dispatcher:
         finally:
             await stream.aclose()
 
-    def cancel(self, flight: Flight, reason: CancelReason) -> None:
-        """Publish a cancel for the flight's request (once, in the background), if this edge owns it."""
+    def cancel(self, flight: Flight, reason: CancelReason, *, why: str | None = None) -> None:
+        """Publish a cancel for the flight's request (once, in the background), if this edge owns it.
+        ``why`` refines the reason for the metric (``deadline``: the schema has no such reason yet)."""
         if not flight.owner or flight.cancel_sent:
             return
         flight.cancel_sent = True
+        metrics.CANCELS.labels(flight.model, why or reason).inc()
         event = CancelRequested(
             tenant=flight.tenant,
             model=flight.model,

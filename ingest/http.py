@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
+import time
 from typing import Any
 
 import msgspec
@@ -16,10 +18,22 @@ from ingest.context import EdgeContext
 from ingest.dispatch import check_idempotency_key
 from ingest.errors import IngestError, InvalidRequest, PayloadTooLarge
 from ingest.gateway import ReplyStream
-from ingest.prepare import Kind, Shape
+from ingest.observe import (
+    MODEL_KEY,
+    SERVER_SPAN_KEY,
+    SUBMITTED_KEY,
+    TENANT_KEY,
+    VERSION_KEY,
+    RequestWatch,
+    note_accepted,
+)
+from ingest.prepare import Kind, Prepared, Shape
 from ingest.render import DONE, SseEncoder, collect, final_body, native, sse, sse_error
+from monitoring import metrics, tracing
 from schemas.events import TokenChunk
 from schemas.ids import UUID7_PATTERN
+
+log = logging.getLogger(__name__)
 
 _LAST_EVENT_ID = re.compile(r"^(?P<rid>" + UUID7_PATTERN.strip("^$") + r"):(?P<seq>-1|\d{1,9})$")
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -53,6 +67,7 @@ class Routes:
         app.router.add_get("/v1/streams/{request_id}", self.stream)
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/readyz", self.readyz)
+        app.router.add_get("/metrics", self.metrics)
 
     def _tenant(self, request: web.Request) -> Tenant:
         return self.ctx.tenants.authenticate(request.headers.get("Authorization"))
@@ -77,8 +92,36 @@ class Routes:
         return await self._endpoint(request, "embedding")
 
     async def _endpoint(self, request: web.Request, kind: Kind) -> web.StreamResponse:
+        t0 = time.monotonic()
+        with tracing.tracer().start_as_current_span("sluice.admit"):
+            tenant, prepared, key, last = await self._admit(request, kind)
+        shape = prepared.shape
+        ctx = self.ctx
+        if last is not None:  # an SSE reconnect: replay after the last event seen, generate nothing
+            request_id, after_seq = last
+            after_seq = after_seq if shape.stream else -1  # one JSON body needs the whole stream
+            shape = dataclasses.replace(shape, request_id=request_id)
+            with ctx.admission.flight(tenant, shape.model, request_id, owner=False) as flight:
+                stream, flight.owner = await ctx.dispatcher.resume(tenant.name, request_id, after_seq)
+                request[SUBMITTED_KEY] = True
+                watch = RequestWatch(None, stream=shape.stream, t0=t0)
+                return await self._serve(
+                    request, shape, stream, flight, prepared.timeout_s, watch, after_seq >= 0
+                )
+        with ctx.admission.flight(tenant, shape.model, shape.request_id, owner=True) as flight:
+            opened = await ctx.dispatcher.open(prepared, key, flight)
+            request[SUBMITTED_KEY] = True
+            shape = dataclasses.replace(shape, request_id=opened.request_id)
+            watch = RequestWatch(prepared.event if opened.owner else None, stream=shape.stream, t0=t0)
+            return await self._serve(request, shape, opened.stream, flight, prepared.timeout_s, watch, False)
+
+    async def _admit(
+        self, request: web.Request, kind: Kind
+    ) -> tuple[Tenant, Prepared, str | None, tuple[str, int] | None]:
+        """Authenticate, rate-limit, read, validate and tokenise: everything before the log sees it."""
         ctx = self.ctx
         tenant = self._tenant(request)
+        request[TENANT_KEY] = metrics.tenant_label(tenant.name)
         ctx.admission.check_rate(tenant)  # before any work on the body
         raw = await self._body(request)
         key = check_idempotency_key(request.headers.get("Idempotency-Key"))
@@ -90,18 +133,10 @@ class Routes:
             timeout_header=request.headers.get("X-Request-Timeout"),
             idempotency_key=key,
         )
-        shape = prepared.shape
-        if last is not None:  # an SSE reconnect: replay after the last event seen, generate nothing
-            request_id, after_seq = last
-            after_seq = after_seq if shape.stream else -1  # one JSON body needs the whole stream
-            shape = dataclasses.replace(shape, request_id=request_id)
-            with ctx.admission.flight(tenant, shape.model, request_id, owner=False) as flight:
-                stream, flight.owner = await ctx.dispatcher.resume(tenant.name, request_id, after_seq)
-                return await self._serve(request, shape, stream, flight, prepared.timeout_s, after_seq >= 0)
-        with ctx.admission.flight(tenant, shape.model, shape.request_id, owner=True) as flight:
-            opened = await ctx.dispatcher.open(prepared, key, flight)
-            shape = dataclasses.replace(shape, request_id=opened.request_id)
-            return await self._serve(request, shape, opened.stream, flight, prepared.timeout_s, False)
+        request[MODEL_KEY] = prepared.event.model
+        request[VERSION_KEY] = prepared.event.model_version
+        note_accepted(prepared.event, request.get(SERVER_SPAN_KEY))
+        return tenant, prepared, key, last
 
     async def _serve(
         self,
@@ -110,35 +145,38 @@ class Routes:
         stream: ReplyStream,
         flight: Flight,
         timeout_s: float,
+        watch: RequestWatch,
         resumed: bool,
     ) -> web.StreamResponse:
-        guard = self.ctx.dispatcher.guard(flight, stream, timeout_s)
-        if not shape.stream:
-            async with guard:
-                text, finished = await collect(stream)
-            return json_response(final_body(shape, text, finished), request_id=shape.request_id)
-        encoder = SseEncoder(shape, resumed=resumed)
-        response = web.StreamResponse(headers={**SSE_HEADERS, "x-request-id": shape.request_id})
-        ended = False
-        try:
-            async with guard:
-                await response.prepare(request)
-                if opening := encoder.opening():
-                    await response.write(opening)
-                async for item in stream:
-                    ended = not isinstance(item, TokenChunk)
-                    await response.write(encoder.item(item))
-            if not ended:
-                await response.write(
-                    sse_error(IngestError("The reply stream ended early.", code="incomplete_stream"))
-                )
-        except IngestError as exc:  # the deadline passed mid-stream
-            if not response.prepared:
-                raise
-            await response.write(sse_error(exc))
-        except ConnectionResetError:
-            pass  # the client left; the guard published the cancel
-        return response
+        with watch:
+            stream = watch.wrap(stream)
+            guard = self.ctx.dispatcher.guard(flight, stream, timeout_s)
+            if not shape.stream:
+                async with guard:
+                    text, finished = await collect(stream)
+                return json_response(final_body(shape, text, finished), request_id=shape.request_id)
+            encoder = SseEncoder(shape, resumed=resumed)
+            response = web.StreamResponse(headers={**SSE_HEADERS, "x-request-id": shape.request_id})
+            ended = False
+            try:
+                async with guard:
+                    await response.prepare(request)
+                    if opening := encoder.opening():
+                        await response.write(opening)
+                    async for item in stream:
+                        ended = not isinstance(item, TokenChunk)
+                        await response.write(encoder.item(item))
+                if not ended:
+                    await response.write(
+                        sse_error(IngestError("The reply stream ended early.", code="incomplete_stream"))
+                    )
+            except IngestError as exc:  # the deadline passed mid-stream
+                if not response.prepared:
+                    raise
+                await response.write(sse_error(exc))
+            except ConnectionResetError:
+                pass  # the client left; the guard published the cancel
+            return response
 
     async def stream(self, request: web.Request) -> web.StreamResponse:
         """Replay a request's replies as native frames over SSE, after ``Last-Event-ID`` (default: all)."""
@@ -176,6 +214,9 @@ class Routes:
 
     async def healthz(self, request: web.Request) -> web.Response:
         return json_response({"status": "ok"})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=metrics.exposition(), headers={"Content-Type": metrics.CONTENT_TYPE})
 
     async def readyz(self, request: web.Request) -> web.Response:
         ctx = self.ctx

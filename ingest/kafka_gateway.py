@@ -18,13 +18,16 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 
+import msgspec
 from confluent_kafka import Consumer, Message, TopicPartition
+from opentelemetry.trace import SpanKind
 
 from bus.consumer import ConsumerThread, consumer_config, watermarks
 from bus.errors import BusError
 from bus.producer import EventProducer
 from ingest.errors import GatewayUnavailable
 from ingest.gateway import IdempotencyRecord
+from monitoring import tracing
 from schemas.codec import DecodeError, decode
 from schemas.events import (
     CancelRequested,
@@ -244,15 +247,21 @@ class KafkaGateway:
         """Publish durably, then return the stream its replies will arrive on."""
         stream = ReplyStream(self, event.request_id, event.model, resume_after_seq, self._stream_buffer)
         self._streams[event.request_id] = stream  # registered first: no reply can be missed
-        try:
-            await self._producer.publish(
-                self._names.requests(event.model),
-                event,
-                key=self.partition_key(event.tenant, event.request_id),
-            )
-        except BaseException:
-            self._streams.pop(event.request_id, None)
-            raise
+        topic = self._names.requests(event.model)
+        with tracing.tracer().start_as_current_span(
+            f"publish {topic}", kind=SpanKind.PRODUCER, attributes=tracing.messaging("publish", topic)
+        ) as span:
+            traceparent, tracestate = tracing.carrier_of(span)
+            if traceparent is not None:  # the worker's spans become children of this one
+                event = msgspec.structs.replace(event, traceparent=traceparent, tracestate=tracestate)
+            try:
+                where = await self._producer.publish(
+                    topic, event, key=self.partition_key(event.tenant, event.request_id)
+                )
+            except BaseException:
+                self._streams.pop(event.request_id, None)
+                raise
+            span.set_attributes(tracing.messaging("publish", topic, where[0], where[1]))
         return stream
 
     async def cancel(self, event: CancelRequested) -> None:

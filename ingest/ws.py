@@ -28,20 +28,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import msgspec
 from aiohttp import WSCloseCode, WSMsgType, web
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.trace import Link, SpanKind
 
 from ingest.admission import Flight
 from ingest.auth import Tenant
 from ingest.context import EdgeContext
 from ingest.errors import IngestError, InvalidRequest, RateLimited, Unavailable, error_body
 from ingest.gateway import ReplyStream
+from ingest.observe import RequestWatch, count_refusal, note_accepted
 from ingest.prepare import Kind, Shape
 from ingest.render import native
+from monitoring import metrics, tracing
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +105,7 @@ class WsSession:
         self._queue: asyncio.Queue[bytes] = asyncio.Queue(maxsize=ctx.settings.edge_ws_send_queue)
         self._work: dict[str | int, _Work] = {}
         self._writer: asyncio.Task[None] | None = None
+        self._socket_span = trace.get_current_span().get_span_context()
 
     def start(self) -> None:
         self._writer = asyncio.create_task(self._write())
@@ -167,17 +174,32 @@ class WsSession:
                 del self._work[frame.id]
 
     async def _request(self, frame: RequestFrame) -> None:
+        """One request frame: its own trace (linked to the socket's span: a socket lives for hours)."""
         ctx = self._ctx
-        ctx.admission.check_rate(self._tenant)
-        prepared = await ctx.preparer.prepare(
-            WS_KINDS[frame.endpoint], bytes(frame.body), tenant=self._tenant
-        )
-        shape = prepared.shape
-        with ctx.admission.flight(self._tenant, shape.model, shape.request_id, owner=True) as flight:
-            self._work[frame.id].flight = flight
-            opened = await ctx.dispatcher.open(prepared, None, flight)
-            await self._put({"type": "accepted", "id": frame.id, "request_id": opened.request_id})
-            await self._pump(frame.id, shape, opened.stream, flight, prepared.timeout_s)
+        t0 = time.monotonic()
+        tracer = tracing.tracer()
+        links = [Link(self._socket_span)] if self._socket_span.is_valid else []
+        with tracer.start_as_current_span(
+            f"WS /v1/ws {frame.endpoint}", context=Context(), kind=SpanKind.SERVER, links=links
+        ) as span:
+            with tracer.start_as_current_span("sluice.admit"):
+                try:
+                    ctx.admission.check_rate(self._tenant)
+                    prepared = await ctx.preparer.prepare(
+                        WS_KINDS[frame.endpoint], bytes(frame.body), tenant=self._tenant
+                    )
+                except IngestError as exc:
+                    count_refusal(metrics.tenant_label(self._tenant.name), "", "", exc)
+                    raise
+                note_accepted(prepared.event, span)
+            shape = prepared.shape
+            with ctx.admission.flight(self._tenant, shape.model, shape.request_id, owner=True) as flight:
+                self._work[frame.id].flight = flight
+                opened = await ctx.dispatcher.open(prepared, None, flight)
+                await self._put({"type": "accepted", "id": frame.id, "request_id": opened.request_id})
+                watch = RequestWatch(prepared.event if opened.owner else None, stream=True, t0=t0)
+                with watch:
+                    await self._pump(frame.id, shape, watch.wrap(opened.stream), flight, prepared.timeout_s)
 
     async def _resume(self, frame: ResumeFrame) -> None:
         ctx = self._ctx
@@ -188,7 +210,8 @@ class WsSession:
                 self._tenant.name, frame.request_id, frame.after_seq
             )
             await self._put({"type": "accepted", "id": frame.id, "request_id": frame.request_id})
-            await self._pump(frame.id, None, stream, flight, timeout)
+            with RequestWatch(None, stream=True, t0=time.monotonic()) as watch:
+                await self._pump(frame.id, None, watch.wrap(stream), flight, timeout)
 
     async def _pump(
         self, client_id: str | int, shape: Shape | None, stream: ReplyStream, flight: Flight, timeout_s: float

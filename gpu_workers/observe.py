@@ -1,0 +1,226 @@
+"""What a worker records about its requests: Prometheus metrics and the spans of each request's stay.
+
+The ``process`` span opens when the consumer thread hands a request over (a child of the edge's
+``publish`` span, through the event's ``traceparent``). Its phases are recorded when the request ends, from
+the times the runner noted (``RequestFinished.timings``) and the moment it joined a batch
+(:meth:`WorkerObserver.joined`): ``sluice.queue_wait``, ``sluice.batch_formation``, ``sluice.prefill``
+and ``sluice.decode`` (``sluice.embed`` for embeddings). Spans timed after the fact are exact and cost
+nothing while the request runs. Everything here but :func:`open_trace` runs on the model thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from datetime import datetime
+
+import msgspec
+from opentelemetry import trace
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+
+from monitoring import metrics, tracing
+from schemas.events import EmbeddingRequested, GenerationRequested, RequestFinished
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RunnerLoad:
+    """How busy a runner is, after a tick."""
+
+    running: int
+    waiting: int
+    budget_ratio: float
+    """Share of the running batch's token budget in use (0 for embeddings)."""
+    batch: int
+    """Sequences in the forward pass the last tick ran (0: it ran none)."""
+
+
+@dataclass(frozen=True)
+class RequestTrace:
+    span: Span
+    traceparent: str | None
+    """What the worker's events about this request carry: the ``process`` span (or, when tracing is off
+    and the span is not recording, the caller's own context, passed on unchanged)."""
+    tracestate: str | None
+    received_ns: int
+
+
+def open_trace(
+    event: GenerationRequested | EmbeddingRequested, topic: str, partition: int, offset: int, group: str
+) -> RequestTrace:
+    """Consumer thread: the ``process`` span of a request just consumed."""
+    received_ns = time.time_ns()
+    attributes = {
+        **tracing.messaging("process", topic, partition, offset),
+        tracing.MESSAGING_CONSUMER_GROUP: group,
+        **tracing.request_attributes(event),
+    }
+    span = tracing.tracer().start_span(
+        f"process {topic}",
+        context=tracing.context_of(event.traceparent, event.tracestate),
+        kind=SpanKind.CONSUMER,
+        attributes=attributes,
+        start_time=received_ns,
+    )
+    traceparent, tracestate = tracing.carrier_of(span)
+    if traceparent is None:
+        traceparent, tracestate = event.traceparent, event.tracestate
+    return RequestTrace(span, traceparent, tracestate, received_ns)
+
+
+@dataclass
+class _Stay:
+    joined_ns: int | None = None
+    batch: int = 0
+    budget_ratio: float = 0.0
+    chunks: int = 0
+
+
+class WorkerObserver:
+    """Per-request bookkeeping for metrics and spans (model thread)."""
+
+    def __init__(self, model_id: str, worker_id: str) -> None:
+        self._model = model_id
+        self._worker = worker_id
+        self._stays: dict[str, _Stay] = {}
+
+    def joined(self, request_id: str, batch: int, budget_ratio: float) -> None:
+        stay = self._stays.setdefault(request_id, _Stay())
+        if stay.joined_ns is None:
+            stay.joined_ns, stay.batch, stay.budget_ratio = time.time_ns(), batch, budget_ratio
+
+    def chunk(self, request_id: str) -> None:
+        self._stays.setdefault(request_id, _Stay()).chunks += 1
+
+    def tick(self, load: RunnerLoad, seconds: float) -> None:
+        metrics.WORKER_RUNNING.labels(self._model).set(load.running)
+        metrics.WORKER_WAITING.labels(self._model).set(load.waiting)
+        metrics.TOKEN_BUDGET.labels(self._model).set(load.budget_ratio)
+        if load.batch:
+            metrics.BATCH_SIZE.labels(self._model).observe(load.batch)
+            metrics.STEP_SECONDS.labels(self._model).observe(seconds)
+
+    def finishing(
+        self,
+        event: GenerationRequested | EmbeddingRequested,
+        request: RequestTrace | None,
+        result: RequestFinished,
+        topic: str,
+        partition: int | None,
+    ) -> tuple[RequestFinished, Span | None]:
+        """Record the request's metrics and phases, end its ``process`` span, and open the ``publish``
+        span of its terminal event (returned, to end once the event is durable) whose context the
+        returned event carries."""
+        stay = self._stays.pop(event.request_id, _Stay())
+        received_ns = request.received_ns if request is not None else None
+        self._metrics(event, result, received_ns)
+        if request is None:
+            return result, None
+        process = request.span
+        process.set_attributes(
+            {
+                tracing.STATUS: result.status,
+                tracing.GEN_AI_INPUT_TOKENS: result.usage.prompt_tokens,
+                tracing.GEN_AI_OUTPUT_TOKENS: result.usage.completion_tokens,
+                "sluice.worker.id": self._worker,
+            }
+        )
+        if result.finish_reason is not None:
+            process.set_attribute(tracing.GEN_AI_FINISH_REASONS, [result.finish_reason])
+        if result.status == "failed":
+            process.set_status(Status(StatusCode.ERROR, result.error.code if result.error else "failed"))
+        self._phases(process, request.received_ns, stay, result, isinstance(event, EmbeddingRequested))
+        publish = tracing.tracer().start_span(
+            f"publish {topic}",
+            context=trace.set_span_in_context(process),
+            kind=SpanKind.PRODUCER,
+            attributes=tracing.messaging("publish", topic, partition),
+        )
+        traceparent, tracestate = tracing.carrier_of(publish)
+        process.end()
+        if traceparent is not None:
+            result = msgspec.structs.replace(result, traceparent=traceparent, tracestate=tracestate)
+        log.debug(
+            "request finished",
+            extra={
+                "request_id": event.request_id,
+                "tenant": event.tenant,
+                "model": event.model,
+                "status": result.status,
+                "completion": result.text,
+            },
+        )
+        return result, publish
+
+    def _metrics(
+        self,
+        event: GenerationRequested | EmbeddingRequested,
+        result: RequestFinished,
+        received_ns: int | None,
+    ) -> None:
+        labels = (self._model, event.model_version)
+        metrics.WORKER_REQUESTS.labels(*labels, result.status).inc()
+        tenant = (metrics.tenant_label(event.tenant), *labels)
+        metrics.WORKER_PROMPT_TOKENS.labels(*tenant).inc(result.usage.prompt_tokens)
+        metrics.WORKER_GENERATION_TOKENS.labels(*tenant).inc(result.usage.completion_tokens)
+        if received_ns is None:
+            return
+        timings = result.timings
+        if timings.started is not None:
+            metrics.QUEUE_WAIT.labels(*labels).observe(_since(received_ns, timings.started))
+        if timings.first_token is not None and isinstance(event, GenerationRequested):
+            metrics.WORKER_TTFT.labels(*labels).observe(_since(received_ns, timings.first_token))
+        if timings.finished is not None:
+            metrics.WORKER_E2E.labels(*labels).observe(_since(received_ns, timings.finished))
+
+    def _phases(
+        self, parent: Span, received_ns: int, stay: _Stay, result: RequestFinished, embed: bool
+    ) -> None:
+        timings = result.timings
+        end_ns = tracing.epoch_ns(timings.finished) if timings.finished else time.time_ns()
+        started_ns = tracing.epoch_ns(timings.started) if timings.started else None
+        joined_ns = stay.joined_ns or started_ns
+        context = trace.set_span_in_context(parent)
+
+        def phase(name: str, start: int, end: int, **attributes: int | float) -> None:
+            span = tracing.tracer().start_span(name, context=context, start_time=start, attributes=attributes)
+            span.end(end_time=max(start, end))
+
+        phase("sluice.queue_wait", received_ns, started_ns or end_ns)
+        if started_ns is None or joined_ns is None:
+            return  # never ran: expired, cancelled or refused while waiting
+        phase(
+            "sluice.batch_formation",
+            started_ns,
+            joined_ns,
+            **{"sluice.batch.size": stay.batch, "sluice.batch.token_budget_ratio": stay.budget_ratio},
+        )
+        if embed:
+            phase("sluice.embed", joined_ns, end_ns, **{"sluice.batch.size": stay.batch})
+            return
+        first_ns = tracing.epoch_ns(timings.first_token) if timings.first_token else None
+        phase(
+            "sluice.prefill",
+            joined_ns,
+            first_ns or end_ns,
+            **{tracing.GEN_AI_INPUT_TOKENS: result.usage.prompt_tokens},
+        )
+        if first_ns is not None:
+            phase(
+                "sluice.decode",
+                first_ns,
+                end_ns,
+                **{
+                    tracing.GEN_AI_OUTPUT_TOKENS: result.usage.completion_tokens,
+                    "sluice.chunks": stay.chunks,
+                },
+            )
+
+    def forget(self, request_id: str) -> None:
+        self._stays.pop(request_id, None)
+
+
+def _since(start_ns: int, when: datetime) -> float:
+    return max(0.0, (tracing.epoch_ns(when) - start_ns) / 1e9)

@@ -1,0 +1,244 @@
+"""The platform's Prometheus metrics: one catalogue, shared by the services, the SLO rules and the docs.
+
+Every metric is defined here, once, in the process-wide default registry (a process that runs an edge and
+workers, as the tests do, exposes all of them on each ``/metrics``). Names follow Prometheus conventions
+(``sluice_`` prefix, base units in the name, ``_total`` on counters); ``docs/metrics.md`` lists them and
+compares them with vLLM's ``vllm:*`` set.
+
+Labels are bounded: ``tenant`` goes through :func:`tenant_label`, which keeps the first
+``metrics_max_tenants`` tenants a process sees and folds the rest into ``"other"``; ``model`` and
+``version`` come from the served catalogue; ``reason``/``outcome``/``status`` are closed sets.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from prometheus_client import (
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+disable_created_metrics()  # type: ignore[no-untyped-call]  # no *_created series: they double the exposition and no rule uses them
+
+# Seconds. TTFT/queue-wait/e2e boundaries are also the thresholds an SLO may name (see monitoring.slo).
+LATENCY_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75,
+    1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+ITL_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
+    0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+)  # fmt: skip
+STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256)
+
+OTHER_TENANT = "other"
+
+# Label sets, named once so the rules and the tests agree with the code.
+REQUEST_LABELS = ("tenant", "model", "version")
+WORKER_LABELS = ("model", "version")
+
+
+class _TenantBound:
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()
+
+    def label(self, tenant: str) -> str:
+        if tenant in self._seen:
+            return tenant
+        with self._lock:
+            if len(self._seen) < self.limit:
+                self._seen.add(tenant)
+                return tenant
+        return OTHER_TENANT
+
+
+_tenants = _TenantBound(50)
+
+
+def bound_tenants(limit: int) -> None:
+    """Set how many distinct tenants get their own label value in this process (settings, at start-up)."""
+    _tenants.limit = limit
+
+
+def tenant_label(tenant: str) -> str:
+    """``tenant``, or ``"other"`` once the process has seen its limit of distinct tenants."""
+    return _tenants.label(tenant)
+
+
+# ---------------------------------------------------------------- edge (what clients see)
+
+REQUESTS = Counter(
+    "sluice_requests",
+    "Requests that ended, by outcome: completed, failed, cancelled, expired (deadline), shed (refused by "
+    "the server: overload, shutdown, Kafka unavailable). Client errors (4xx) are in sluice_rejections_total.",
+    (*REQUEST_LABELS, "outcome"),
+)
+REJECTIONS = Counter(
+    "sluice_rejections",
+    "Requests refused at the edge with a 4xx/5xx before or instead of running, by error code.",
+    ("tenant", "model", "status", "reason"),
+)
+TTFT = Histogram(
+    "sluice_time_to_first_token_seconds",
+    "Streamed requests: from the request reaching the edge to its first token written to the client.",
+    REQUEST_LABELS,
+    buckets=LATENCY_BUCKETS,
+)
+ITL = Histogram(
+    "sluice_inter_token_latency_seconds",
+    "Streamed requests: gap between two chunks written to the client divided by the tokens in the later "
+    "one, observed once per token.",
+    REQUEST_LABELS,
+    buckets=ITL_BUCKETS,
+)
+E2E = Histogram(
+    "sluice_e2e_request_latency_seconds",
+    "From the request reaching the edge to its terminal event (completed requests).",
+    REQUEST_LABELS,
+    buckets=LATENCY_BUCKETS,
+)
+IN_FLIGHT = Gauge(
+    "sluice_edge_requests_in_flight",
+    "Requests the edge is serving now (submitted or resumed streams).",
+    ("model",),
+)
+PROMPT_TOKENS = Counter(
+    "sluice_prompt_tokens",
+    "Prompt tokens of requests that ended, as reported to clients (usage.prompt_tokens).",
+    REQUEST_LABELS,
+)
+GENERATION_TOKENS = Counter(
+    "sluice_generation_tokens",
+    "Completion tokens of requests that ended, as reported to clients (usage.completion_tokens).",
+    REQUEST_LABELS,
+)
+CANCELS = Counter(
+    "sluice_cancels",
+    "Cancels the edge published, by reason (client_disconnect, client_cancel, deadline, shutdown).",
+    ("model", "reason"),
+)
+
+# ---------------------------------------------------------------- workers (what the model does)
+
+WORKER_RUNNING = Gauge(
+    "sluice_worker_running_requests", "Requests in the running batch (generation) or batch being embedded.",
+    ("model",),
+)  # fmt: skip
+WORKER_WAITING = Gauge(
+    "sluice_worker_waiting_requests",
+    "Requests accepted by the worker and waiting for a batch slot.",
+    ("model",),
+)
+TOKEN_BUDGET = Gauge(
+    "sluice_worker_token_budget_usage_ratio",
+    "Share of the running batch's token budget (prompt + max new tokens) in use, 0..1.",
+    ("model",),
+)
+BATCH_SIZE = Histogram(
+    "sluice_worker_batch_size",
+    "Sequences per forward pass (one decode step, or one embedding batch).",
+    ("model",),
+    buckets=BATCH_BUCKETS,
+)
+STEP_SECONDS = Histogram(
+    "sluice_worker_step_seconds",
+    "Duration of one unit of model work (one decode step for the whole batch, one embedding batch).",
+    ("model",),
+    buckets=STEP_BUCKETS,
+)
+QUEUE_WAIT = Histogram(
+    "sluice_worker_queue_wait_seconds",
+    "From the worker consuming a request to the request joining a batch.",
+    WORKER_LABELS,
+    buckets=LATENCY_BUCKETS,
+)
+WORKER_TTFT = Histogram(
+    "sluice_worker_time_to_first_token_seconds",
+    "Generation: from the worker consuming a request to its first generated token.",
+    WORKER_LABELS,
+    buckets=LATENCY_BUCKETS,
+)
+WORKER_E2E = Histogram(
+    "sluice_worker_request_seconds",
+    "From the worker consuming a request to its terminal event.",
+    WORKER_LABELS,
+    buckets=LATENCY_BUCKETS,
+)
+WORKER_REQUESTS = Counter(
+    "sluice_worker_requests",
+    "Terminal events a worker produced, by status (completed, failed, cancelled, expired).",
+    (*WORKER_LABELS, "status"),
+)
+WORKER_PROMPT_TOKENS = Counter(
+    "sluice_worker_prompt_tokens", "Prompt tokens processed (prefill), re-runs included.", REQUEST_LABELS
+)
+WORKER_GENERATION_TOKENS = Counter(
+    "sluice_worker_generation_tokens", "Tokens generated, re-runs included.", REQUEST_LABELS
+)
+MODEL_MEMORY = Gauge(
+    "sluice_model_memory_bytes",
+    "Memory held by the loaded model: parameters and buffers (CPU), or allocated device memory (CUDA).",
+    ("model", "device"),
+)
+MODEL_INFO = Gauge(
+    "sluice_model_info", "1 for each model version a worker serves.", ("model", "version", "device", "worker")
+)
+
+# ---------------------------------------------------------------- Kafka (every service)
+
+CONSUMER_LAG = Gauge(
+    "sluice_consumer_lag",
+    "Records between a consumer's position and the partition's high watermark.",
+    ("group", "topic", "partition"),
+)
+DEAD_LETTERS = Counter(
+    "sluice_dead_letters",
+    "Records sent to the dead-letter topic, by source topic and reason.",
+    ("topic", "reason"),
+)
+
+
+def exposition(registry: CollectorRegistry = REGISTRY) -> bytes:
+    """The text exposition format of every metric in the registry (what ``/metrics`` serves)."""
+    return generate_latest(registry)
+
+
+@dataclass(frozen=True)
+class MetricInfo:
+    name: str
+    """As scraped: counters with ``_total``; histograms as their base name."""
+    kind: str
+    labels: tuple[str, ...]
+    help: str
+
+
+def catalogue() -> list[MetricInfo]:
+    """Every sluice metric (for the docs and for tests of the exposition)."""
+    return [_info(m) for m in _ALL]
+
+
+def _info(metric: Counter | Gauge | Histogram) -> MetricInfo:
+    kind = metric._type
+    name = metric._name + ("_total" if kind == "counter" else "")
+    return MetricInfo(name=name, kind=kind, labels=tuple(metric._labelnames), help=metric._documentation)
+
+
+_ALL: tuple[Counter | Gauge | Histogram, ...] = (
+    REQUESTS, REJECTIONS, TTFT, ITL, E2E, IN_FLIGHT, PROMPT_TOKENS, GENERATION_TOKENS, CANCELS,
+    WORKER_RUNNING, WORKER_WAITING, TOKEN_BUDGET, BATCH_SIZE, STEP_SECONDS, QUEUE_WAIT, WORKER_TTFT,
+    WORKER_E2E, WORKER_REQUESTS, WORKER_PROMPT_TOKENS, WORKER_GENERATION_TOKENS, MODEL_MEMORY, MODEL_INFO,
+    CONSUMER_LAG, DEAD_LETTERS,
+)  # fmt: skip

@@ -1,0 +1,168 @@
+"""OpenTelemetry tracing: setup, W3C trace context through Kafka, and the attribute names the platform uses.
+
+A request's trace crosses processes inside its events: every event carries ``traceparent``/``tracestate``
+(W3C Trace Context), which the codec also writes as Kafka headers. The producer of an event puts the
+context of its ``publish`` span there; the consumer starts its ``process``/``receive`` span as a child of
+it. So one streamed request gives one trace::
+
+    POST /v1/chat/completions            (edge, SERVER)
+    ├── sluice.admit                     (auth, rate limit, validation, tokenising)
+    ├── publish <requests topic>         (edge, PRODUCER)
+    │   └── process <requests topic>     (worker, CONSUMER: consumed → terminal event)
+    │       ├── sluice.queue_wait
+    │       ├── sluice.batch_formation   (joining the running batch; batch size, token budget)
+    │       ├── sluice.prefill
+    │       ├── sluice.decode            (token and chunk counts)
+    │       └── publish <replies topic>  (worker, PRODUCER: the terminal event)
+    │           └── receive <replies topic>  (edge, CONSUMER)
+    └── sluice.respond                   (edge: streaming to the client)
+
+Spans are created through the global tracer provider. Without :func:`configure_tracing` (no
+``SLUICE_OTLP_ENDPOINT``) that is OpenTelemetry's no-op provider: spans cost next to nothing and export
+nothing. Attribute names follow the OpenTelemetry GenAI and messaging semantic conventions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import datetime
+from typing import Literal
+
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.trace import Span
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from monitoring.settings import ObservabilitySettings
+from schemas.events import EmbeddingRequested, GenerationRequested
+
+TRACER_NAME = "sluicegate"
+
+# GenAI semantic conventions (https://opentelemetry.io/docs/specs/semconv/gen-ai/)
+GEN_AI_OPERATION = "gen_ai.operation.name"
+GEN_AI_PROVIDER = "gen_ai.provider.name"
+GEN_AI_REQUEST_MODEL = "gen_ai.request.model"
+GEN_AI_RESPONSE_MODEL = "gen_ai.response.model"
+GEN_AI_RESPONSE_ID = "gen_ai.response.id"
+GEN_AI_REQUEST_MAX_TOKENS = "gen_ai.request.max_tokens"
+GEN_AI_REQUEST_TEMPERATURE = "gen_ai.request.temperature"
+GEN_AI_REQUEST_TOP_P = "gen_ai.request.top_p"
+GEN_AI_REQUEST_STREAM = "gen_ai.request.stream"
+GEN_AI_INPUT_TOKENS = "gen_ai.usage.input_tokens"
+GEN_AI_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
+GEN_AI_FINISH_REASONS = "gen_ai.response.finish_reasons"
+# Messaging semantic conventions
+MESSAGING_SYSTEM = "messaging.system"
+MESSAGING_OPERATION = "messaging.operation.type"
+MESSAGING_DESTINATION = "messaging.destination.name"
+MESSAGING_PARTITION = "messaging.destination.partition.id"
+MESSAGING_OFFSET = "messaging.kafka.offset"
+MESSAGING_CONSUMER_GROUP = "messaging.consumer.group.name"
+# Ours
+TENANT = "sluice.tenant"
+MODEL_VERSION = "sluice.model.version"
+REQUEST_ID = "sluice.request.id"
+STATUS = "sluice.status"
+
+_PROPAGATOR = TraceContextTextMapPropagator()
+
+AttributeValue = str | bool | int | float | list[str]
+
+
+def tracer() -> trace.Tracer:
+    """The platform's tracer (resolved per call, so a provider configured later is honoured)."""
+    return trace.get_tracer(TRACER_NAME)
+
+
+def configure_tracing(settings: ObservabilitySettings, service: str) -> TracerProvider | None:
+    """Export spans over OTLP/HTTP when ``otlp_endpoint`` is set; returns the provider (call
+    :func:`shutdown_tracing` with it on exit, to flush) or None when tracing stays off."""
+    if settings.otlp_endpoint is None:
+        return None
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+
+    provider = TracerProvider(
+        resource=Resource.create(
+            {"service.name": f"sluicegate-{service}", "service.namespace": "sluicegate"}
+        ),
+        sampler=ParentBased(TraceIdRatioBased(settings.trace_sample_ratio)),
+    )
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=settings.otlp_endpoint)))
+    trace.set_tracer_provider(provider)
+    return provider
+
+
+def shutdown_tracing(provider: TracerProvider | None) -> None:
+    if provider is not None:
+        provider.shutdown()
+
+
+def carrier_of(span: Span) -> tuple[str | None, str | None]:
+    """``(traceparent, tracestate)`` naming ``span`` as the parent, for an event about to be published.
+    ``(None, None)`` for a span that is not recording and has no valid context."""
+    carrier: dict[str, str] = {}
+    _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(span))
+    return carrier.get("traceparent"), carrier.get("tracestate")
+
+
+def context_of(traceparent: str | None, tracestate: str | None = None) -> Context:
+    """The remote parent context an event carries (an empty context when it carries none)."""
+    carrier = {"traceparent": traceparent} if traceparent else {}
+    if traceparent and tracestate:
+        carrier["tracestate"] = tracestate
+    return _PROPAGATOR.extract(carrier)
+
+
+def context_of_headers(headers: Mapping[str, str]) -> Context:
+    """The caller's trace context from HTTP headers (``traceparent``/``tracestate``), if any."""
+    return context_of(headers.get("traceparent"), headers.get("tracestate"))
+
+
+def epoch_ns(when: datetime) -> int:
+    """An aware datetime as OpenTelemetry's nanoseconds since the epoch (for spans timed after the fact)."""
+    return int(when.timestamp() * 1_000_000) * 1000
+
+
+def messaging(
+    operation: Literal["publish", "process", "receive"],
+    topic: str,
+    partition: int | None = None,
+    offset: int | None = None,
+) -> dict[str, AttributeValue]:
+    attributes: dict[str, AttributeValue] = {
+        MESSAGING_SYSTEM: "kafka",
+        MESSAGING_OPERATION: operation,
+        MESSAGING_DESTINATION: topic,
+    }
+    if partition is not None:
+        attributes[MESSAGING_PARTITION] = str(partition)
+    if offset is not None:
+        attributes[MESSAGING_OFFSET] = offset
+    return attributes
+
+
+def request_attributes(event: GenerationRequested | EmbeddingRequested) -> dict[str, AttributeValue]:
+    """GenAI request attributes of a request event, plus tenant, model version and request id."""
+    attributes: dict[str, AttributeValue] = {
+        GEN_AI_PROVIDER: "sluicegate",
+        GEN_AI_REQUEST_MODEL: event.model,
+        GEN_AI_RESPONSE_ID: event.request_id,
+        TENANT: event.tenant,
+        MODEL_VERSION: event.model_version,
+        REQUEST_ID: event.request_id,
+    }
+    if isinstance(event, GenerationRequested):
+        attributes[GEN_AI_OPERATION] = "chat" if event.chat else "text_completion"
+        attributes[GEN_AI_REQUEST_MAX_TOKENS] = event.sampling.max_tokens
+        attributes[GEN_AI_REQUEST_TEMPERATURE] = event.sampling.temperature
+        attributes[GEN_AI_REQUEST_TOP_P] = event.sampling.top_p
+        attributes[GEN_AI_REQUEST_STREAM] = event.stream
+        attributes[GEN_AI_INPUT_TOKENS] = len(event.input_ids)
+    else:
+        attributes[GEN_AI_OPERATION] = "embeddings"
+        attributes[GEN_AI_INPUT_TOKENS] = sum(len(ids) for ids in event.inputs)
+    return attributes
