@@ -11,10 +11,12 @@ from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any
 
+import msgspec
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 
 from bus.errors import BusError
 from bus.producer import EventProducer
+from monitoring.metrics import CONSUMER_LAG, DEAD_LETTERS
 from schemas.codec import DecodeError, decode
 from schemas.events import DeadLetter, Event
 
@@ -51,6 +53,14 @@ class ConsumerThread:
     partitions (with explicit start offsets, e.g. OFFSET_END). ``commit`` may be called from any thread:
     commits are queued and performed synchronously by the polling thread between batches. The handler
     must be quick (hand work to a queue); an exception in it stops the thread and is re-raised by ``stop``.
+
+    Lag: every ``stats_interval_ms`` (0: never) librdkafka's statistics give, per owned partition, the
+    records between the end of the partition (its last stable offset under read-committed) and the
+    group's committed offset: what this consumer has not yet finished durably, handed-out records waiting
+    for their commit included. Before anything is committed on a partition (a consumer that never commits,
+    like a reply listener) the lag counts from the position handed to ``handler`` instead. Partitions
+    with neither are not reported. The value goes to ``sluice_consumer_lag`` and to ``lag()``; a
+    partition's series is removed when it is revoked or the consumer stops.
     """
 
     def __init__(
@@ -63,6 +73,7 @@ class ConsumerThread:
         on_revoke: Callable[[list[TP]], None] | None = None,
         name: str = "kafka-consumer",
         batch_size: int = 500,
+        stats_interval_ms: int = 5_000,
     ) -> None:
         if bool(subscribe) == bool(assign):
             raise ValueError("give exactly one of subscribe= or assign=")
@@ -79,16 +90,28 @@ class ConsumerThread:
         self._thread: threading.Thread | None = None
         self._consumer: Consumer | None = None
         self.failure: BaseException | None = None
+        self._stats_interval_ms = stats_interval_ms
+        self._group = str(config.get("group.id", ""))
+        self._read_committed = config.get("isolation.level", "read_committed") == "read_committed"
+        self._lag_lock = threading.Lock()  # the polling thread writes, readiness checks read
+        self._owned: set[TP] = set()
+        self._lags: dict[TP, int] = {}
 
     def start(self) -> None:
         if self._thread is not None:
             return
-        self._consumer = Consumer(self._config)
+        config = dict(self._config)
+        if self._stats_interval_ms > 0:
+            config["statistics.interval.ms"] = self._stats_interval_ms
+            config["stats_cb"] = self._on_stats
+        self._consumer = Consumer(config)
         if self._subscribe:
             self._consumer.subscribe(
                 self._subscribe, on_assign=self._assigned, on_revoke=self._revoked, on_lost=self._revoked
             )
         else:
+            with self._lag_lock:
+                self._owned.update((tp.topic, tp.partition) for tp in self._assign)
             self._consumer.assign(self._assign)
             self._ready.set()
         self._thread = threading.Thread(target=self._serve, name=self._name, daemon=True)
@@ -98,13 +121,55 @@ class ConsumerThread:
         """True once the group gave this consumer its partitions (immediately for ``assign``)."""
         return self._ready.wait(timeout)
 
+    def lag(self) -> dict[TP, int]:
+        """The latest lag of each owned partition that has one (see the class docstring)."""
+        with self._lag_lock:
+            return dict(self._lags)
+
+    def max_lag(self) -> int | None:
+        """The largest partition lag, or None before any was reported."""
+        with self._lag_lock:
+            return max(self._lags.values(), default=None)
+
     def _assigned(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        with self._lag_lock:  # cooperative rebalancing: partitions are added to what is owned
+            self._owned.update((tp.topic, tp.partition) for tp in partitions)
         self._ready.set()
 
     def _revoked(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         self._flush_commits()
+        self._disown([(tp.topic, tp.partition) for tp in partitions])
         if self._on_revoke is not None:
             self._on_revoke([(tp.topic, tp.partition) for tp in partitions])
+
+    def _disown(self, tps: Sequence[TP] | None = None) -> None:
+        """Forget the lag of ``tps`` (all when None) and drop their series from the scrape."""
+        with self._lag_lock:
+            gone = set(self._owned) if tps is None else set(tps)
+            self._owned -= gone
+            for topic, partition in gone:
+                self._lags.pop((topic, partition), None)
+                CONSUMER_LAG.remove(self._group, topic, str(partition))
+
+    def _on_stats(self, stats_json: str) -> None:
+        # Called inside poll(): an exception here would stop the consumer, so none escapes.
+        try:
+            self._record_lag(_STATS.decode(stats_json))
+        except Exception:
+            log.exception("%s: cannot read lag from librdkafka statistics", self._name)
+
+    def _record_lag(self, stats: _Stats) -> None:
+        with self._lag_lock:
+            for topic, topic_stats in stats.topics.items():
+                for part in topic_stats.partitions.values():
+                    tp = (topic, part.partition)
+                    if tp not in self._owned:  # also skips partition -1 (librdkafka's unassigned bucket)
+                        continue
+                    lag = part.lag(read_committed=self._read_committed)
+                    if lag is None:
+                        continue
+                    self._lags[tp] = lag
+                    CONSUMER_LAG.labels(self._group, topic, str(part.partition)).set(lag)
 
     def _serve(self) -> None:
         consumer = self._consumer
@@ -127,6 +192,7 @@ class ConsumerThread:
             self.failure = exc
         finally:
             consumer.close()
+            self._disown()
 
     def commit(self, offsets: dict[TP, int]) -> None:
         """Commit ``{(topic, partition): next offset to read}`` (thread-safe, asynchronous to the caller)."""
@@ -186,13 +252,14 @@ def decode_or_dead_letter(
     try:
         return decode(value, header_list)
     except DecodeError as exc:
+        topic = message.topic() or ""
         producer.produce(
             deadletter_topic,
             DeadLetter(
                 tenant="",
                 model="",
                 source=source,
-                source_topic=message.topic() or "",
+                source_topic=topic,
                 partition=message.partition() or 0,
                 offset=message.offset() or 0,
                 reason=str(exc),
@@ -200,10 +267,53 @@ def decode_or_dead_letter(
                 headers={k: _text(v) for k, v in header_list},
             ),
         )
-        log.warning(
-            "dead-lettered %s[%s]@%s: %s", message.topic(), message.partition(), message.offset(), exc
-        )
+        DEAD_LETTERS.labels(topic=topic, reason=dead_letter_reason(value, exc)).inc()
+        log.warning("dead-lettered %s[%s]@%s: %s", topic, message.partition(), message.offset(), exc)
         return None
+
+
+def dead_letter_reason(value: bytes, exc: DecodeError) -> str:
+    """A closed set for the ``reason`` label: ``empty``, ``bad_json``, ``invalid_event`` (unknown type,
+    missing or mistyped field), ``bad_headers`` (they disagree with the body) or ``other``."""
+    if not value:
+        return "empty"
+    cause = exc.__cause__
+    if isinstance(cause, msgspec.ValidationError):  # before DecodeError: it is a subclass
+        return "invalid_event"
+    if isinstance(cause, msgspec.DecodeError):
+        return "bad_json"
+    if str(exc).startswith("header "):  # schemas.codec._check_headers raises these without a cause
+        return "bad_headers"
+    return "other"
+
+
+class _PartitionStats(msgspec.Struct):
+    """The fields of librdkafka's per-partition statistics used here (offsets are -1001 when unknown)."""
+
+    partition: int
+    app_offset: int = -1001
+    hi_offset: int = -1001
+    ls_offset: int = -1001
+    consumer_lag: int = -1
+
+    def lag(self, *, read_committed: bool) -> int | None:
+        if self.consumer_lag >= 0:  # end - committed offset, computed by librdkafka
+            return self.consumer_lag
+        end = self.ls_offset if read_committed else self.hi_offset
+        if end < 0 or self.app_offset < 0:
+            return None
+        return max(0, end - self.app_offset)
+
+
+class _TopicStats(msgspec.Struct):
+    partitions: dict[str, _PartitionStats] = msgspec.field(default_factory=dict)
+
+
+class _Stats(msgspec.Struct):
+    topics: dict[str, _TopicStats] = msgspec.field(default_factory=dict)
+
+
+_STATS = msgspec.json.Decoder(_Stats)
 
 
 def _text(value: str | bytes | None) -> str:

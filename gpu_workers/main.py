@@ -26,7 +26,7 @@ def runner_factory(
     """Build the runner inside the model thread (the model loads, warms up and runs in that thread)."""
 
     def build() -> Runner:
-        from gpu_workers.models import configure_torch_threads
+        from gpu_workers.models import configure_torch_threads, report_loaded
 
         configure_torch_threads(worker.worker_torch_threads)
         manifest = read_manifest(model_dir)
@@ -36,6 +36,7 @@ def runner_factory(
             from gpu_workers.models import load_generation_model
 
             loaded = load_generation_model(model_dir, worker.worker_device)
+            report_loaded(loaded, manifest.model_id, worker_id)
             tokenizer = loaded.tokenizer
             engine = GenerationEngine(
                 loaded.model, max_batch_size=worker.worker_max_running, max_context=manifest.max_context
@@ -61,6 +62,7 @@ def runner_factory(
         from gpu_workers.models import load_embedding_model
 
         loaded = load_embedding_model(model_dir, worker.worker_device)
+        report_loaded(loaded, manifest.model_id, worker_id)
         embedder = EmbeddingEngine(loaded.model, max_length=manifest.max_context)
         embedder.embed([[101, 102]])  # warm up in this thread
         return EmbeddingRunner(

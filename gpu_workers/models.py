@@ -231,6 +231,25 @@ def _load(model_dir: Path, device: str, task: Task) -> LoadedModel:
     )
 
 
+def memory_bytes(loaded: LoadedModel) -> int:
+    """Memory the model holds: allocated device memory on CUDA, else its parameters and buffers."""
+    import torch
+
+    if loaded.device.type == "cuda":
+        return int(torch.cuda.memory_allocated(loaded.device))
+    tensors = [*loaded.model.parameters(), *loaded.model.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def report_loaded(loaded: LoadedModel, model_id: str, worker_id: str) -> None:
+    """Publish the loaded model's memory and version as gauges (``sluice_model_*``)."""
+    from monitoring import metrics
+
+    device = str(loaded.device)
+    metrics.MODEL_MEMORY.labels(model_id, device).set(memory_bytes(loaded))
+    metrics.MODEL_INFO.labels(model_id, loaded.manifest.version, device, worker_id).set(1)
+
+
 def load_generation_model(model_dir: Path, device: str = "auto") -> LoadedModel:
     return _load(model_dir, device, "generation")
 
@@ -253,9 +272,11 @@ __all__ = [
     "demo_corpus",
     "load_embedding_model",
     "load_generation_model",
+    "memory_bytes",
     "parse_model_paths",
     "prepare_hf_dir",
     "prepare_models",
+    "report_loaded",
     "resolve_device",
     "verify_model_dir",
 ]

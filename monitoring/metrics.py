@@ -201,7 +201,8 @@ MODEL_INFO = Gauge(
 
 CONSUMER_LAG = Gauge(
     "sluice_consumer_lag",
-    "Records between a consumer's position and the partition's high watermark.",
+    "Records between the partition's end and the consumer group's committed offset (before any commit: "
+    "the position handed to the application), from librdkafka statistics every few seconds.",
     ("group", "topic", "partition"),
 )
 DEAD_LETTERS = Counter(

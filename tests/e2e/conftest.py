@@ -13,6 +13,10 @@ from pathlib import Path
 import msgspec
 import pytest
 from confluent_kafka import Consumer, Message, TopicPartition
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from bus.consumer import ConsumerThread, consumer_config
 from gpu_workers.main import make_worker
@@ -154,3 +158,13 @@ async def platform(e2e_settings: PlatformSettings, prepared_models: None) -> Asy
             await edge.stop()
             for log in logs:
                 log._thread.stop()
+
+
+@pytest.fixture(scope="session")
+def span_exporter() -> InMemorySpanExporter:
+    """Every span this process makes from now on, in memory (the global provider can be set only once)."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)
+    return exporter

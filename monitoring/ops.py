@@ -1,0 +1,161 @@
+"""``/metrics``, ``/healthz`` and ``/readyz`` for a process without a web app (a model worker runs plain
+threads): a small threaded HTTP server on a daemon thread.
+
+``Readiness`` is what every service's ``/readyz`` answers, the edge's aiohttp route included.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import TracebackType
+from typing import Any, cast
+from urllib.parse import urlsplit
+
+import msgspec
+
+from monitoring.metrics import CONTENT_TYPE, exposition
+
+log = logging.getLogger(__name__)
+
+CheckValue = bool | int | float | str
+JSON_TYPE = "application/json"
+
+
+class Readiness(msgspec.Struct, frozen=True, kw_only=True):
+    """Whether a service should get traffic, with the checks that decided it (``/readyz``'s body)."""
+
+    ready: bool
+    checks: dict[str, CheckValue] = msgspec.field(default_factory=dict)
+
+    @classmethod
+    def of(cls, **checks: CheckValue) -> Readiness:
+        """Ready when every boolean check is true; other values (a lag, a version) are shown only."""
+        ready = all(value for value in checks.values() if isinstance(value, bool))
+        return cls(ready=ready, checks=dict(checks))
+
+    def to_json(self) -> bytes:
+        return msgspec.json.encode(self)
+
+
+ReadinessProbe = Callable[[], Readiness]
+
+
+class OpsServer:
+    """Serve the operational routes on ``host:port`` (port 0: an ephemeral one, see ``port``).
+
+    ``readiness`` is called on each ``/readyz``, on a request thread: it must be quick and thread-safe.
+    ``start()``/``stop()`` or ``with``.
+    """
+
+    def __init__(self, host: str, port: int, readiness: ReadinessProbe, *, service: str) -> None:
+        self.host = host
+        self._port = port
+        self._readiness = readiness
+        self.service = service
+        self._server: _Server | None = None
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def port(self) -> int:
+        """The bound port once started (the configured one before)."""
+        server = self._server
+        return int(server.server_address[1]) if server is not None else self._port
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def start(self) -> None:
+        with self._lock:
+            if self._server is not None:
+                return
+            server_cls = _Server6 if ":" in self.host else _Server
+            server = server_cls((self.host, self._port), _Handler)
+            server.ops = self
+            self._server = server
+            self._thread = threading.Thread(
+                target=server.serve_forever,
+                kwargs={"poll_interval": 0.05},
+                name=f"ops-{self.service}",
+                daemon=True,
+            )
+            self._thread.start()
+        log.info("%s serves /metrics, /healthz, /readyz on %s", self.service, self.url)
+
+    def stop(self) -> None:
+        """Stop serving and release the port (idempotent)."""
+        with self._lock:
+            server, thread = self._server, self._thread
+            self._server = self._thread = None
+        if server is None:
+            return
+        server.shutdown()
+        server.server_close()
+        if thread is not None:
+            thread.join()
+
+    def __enter__(self) -> OpsServer:
+        self.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    def respond(self, path: str) -> tuple[int, str, bytes]:
+        """(status, content type, body) for a GET of ``path``."""
+        match path:
+            case "/metrics":
+                return 200, CONTENT_TYPE, exposition()
+            case "/healthz":
+                return 200, JSON_TYPE, msgspec.json.encode({"status": "ok", "service": self.service})
+            case "/readyz":
+                return self._ready()
+            case _:
+                return 404, JSON_TYPE, msgspec.json.encode({"error": "not found", "path": path})
+
+    def _ready(self) -> tuple[int, str, bytes]:
+        try:
+            readiness = self._readiness()
+        except Exception as exc:  # an unready answer, not a crashed request
+            log.warning("%s readiness check failed", self.service, exc_info=True)
+            body = {"ready": False, "checks": {}, "error": f"{type(exc).__name__}: {exc}"}
+            return 503, JSON_TYPE, msgspec.json.encode(body)
+        return (200 if readiness.ready else 503), JSON_TYPE, readiness.to_json()
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    ops: OpsServer
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        log.exception("ops request from %s failed", client_address)
+
+
+class _Server6(_Server):
+    address_family = socket.AF_INET6
+
+
+class _Handler(BaseHTTPRequestHandler):
+    timeout = 10.0  # a client that stops sending does not hold a thread forever
+    server_version = "sluice-ops"
+
+    def do_GET(self) -> None:
+        ops = cast(_Server, self.server).ops
+        status, content_type, body = ops.respond(urlsplit(self.path).path)
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "no-store")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("%s %s", self.address_string(), format % args)

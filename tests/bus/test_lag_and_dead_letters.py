@@ -1,0 +1,203 @@
+"""Consumer lag from librdkafka statistics, and the dead-letter counter, against the real broker."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+from confluent_kafka import Message, Producer, TopicPartition
+from prometheus_client import REGISTRY
+
+from bus.consumer import ConsumerThread, consumer_config, decode_or_dead_letter
+from bus.producer import EventProducer
+from infra.topics import TopicSpec, apply_topics, make_admin
+from monitoring.metrics import exposition
+from schemas.codec import encode, headers
+from schemas.examples import example_events
+
+pytestmark = pytest.mark.integration
+
+STATS_MS = 200
+
+
+def _topic(bootstrap: str, name: str, partitions: int = 1) -> str:
+    apply_topics(make_admin(bootstrap), [TopicSpec(name=name, partitions=partitions, config={}, purpose="")])
+    return name
+
+
+def _produce(bootstrap: str, topic: str, values: list[bytes | None], partition: int = 0) -> None:
+    producer = Producer({"bootstrap.servers": bootstrap})
+    for value in values:
+        producer.produce(topic, value, partition=partition)
+    assert producer.flush(10) == 0
+
+
+def eventually(probe: Callable[[], object], want: object, timeout: float = 20) -> None:
+    """Poll ``probe`` until it returns ``want`` (stats arrive every STATS_MS)."""
+    deadline = time.monotonic() + timeout
+    got = probe()
+    while got != want:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"still {got!r}, wanted {want!r}")
+        time.sleep(0.02)
+        got = probe()
+
+
+class Collector:
+    def __init__(self) -> None:
+        self.messages: list[Message] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, batch: list[Message]) -> None:
+        with self.lock:
+            self.messages += batch
+
+    def count(self) -> int:
+        with self.lock:
+            return len(self.messages)
+
+    def all(self) -> list[Message]:
+        with self.lock:
+            return list(self.messages)
+
+
+def lag_sample(group: str, topic: str, partition: int) -> float | None:
+    return REGISTRY.get_sample_value(
+        "sluice_consumer_lag", {"group": group, "topic": topic, "partition": str(partition)}
+    )
+
+
+def test_lag_counts_records_not_yet_committed_and_its_series_goes_at_stop(
+    kafka_bootstrap: str, topic_prefix: str
+) -> None:
+    topic = _topic(kafka_bootstrap, f"{topic_prefix}.in")
+    group = f"{topic}-g"
+    _produce(kafka_bootstrap, topic, [b"r%d" % i for i in range(10)])
+    seen = Collector()
+    reader = ConsumerThread(
+        consumer_config(kafka_bootstrap, group, "t"), seen, subscribe=[topic], stats_interval_ms=STATS_MS
+    )
+    with reader:
+        eventually(seen.count, 10)
+        # nothing committed yet: counted from the position handed to the handler
+        eventually(reader.lag, {(topic, 0): 0})
+
+        reader.commit({(topic, 0): 4})  # four handled durably, six handed out but not finished
+        eventually(reader.lag, {(topic, 0): 6})
+        assert lag_sample(group, topic, 0) == 6
+        assert f'sluice_consumer_lag{{group="{group}",partition="0",topic="{topic}"}} 6.0' in (
+            exposition().decode()
+        )
+
+        _produce(kafka_bootstrap, topic, [b"late"] * 5)
+        eventually(seen.count, 15)
+        eventually(reader.lag, {(topic, 0): 11})
+        assert reader.max_lag() == 11
+
+        reader.commit({(topic, 0): 15})
+        eventually(reader.lag, {(topic, 0): 0})
+        eventually(lambda: lag_sample(group, topic, 0), 0.0)
+    assert reader.lag() == {}
+    assert reader.max_lag() is None
+    assert lag_sample(group, topic, 0) is None
+    assert topic not in exposition().decode()
+
+
+def test_a_consumer_that_never_commits_reports_lag_from_its_delivered_position(
+    kafka_bootstrap: str, topic_prefix: str
+) -> None:
+    topic = _topic(kafka_bootstrap, f"{topic_prefix}.in", partitions=2)
+    _produce(kafka_bootstrap, topic, [b"r"] * 7, partition=1)
+    config = consumer_config(kafka_bootstrap, None, "listener")
+    seen = Collector()
+    reader = ConsumerThread(
+        config, seen, assign=[TopicPartition(topic, 1, 0)], stats_interval_ms=STATS_MS, name="listener"
+    )
+    assert reader.max_lag() is None
+    with reader:
+        eventually(seen.count, 7)
+        eventually(reader.lag, {(topic, 1): 0})  # partition 0 is not assigned: not reported
+        assert lag_sample("listener-assigned", topic, 1) == 0
+        assert lag_sample("listener-assigned", topic, 0) is None
+    assert lag_sample("listener-assigned", topic, 1) is None
+
+
+def test_revoked_partitions_leave_the_lag_of_the_member_that_had_them(
+    kafka_bootstrap: str, topic_prefix: str
+) -> None:
+    topic = _topic(kafka_bootstrap, f"{topic_prefix}.in", partitions=2)
+    group = f"{topic}-g"
+    for partition in (0, 1):
+        _produce(kafka_bootstrap, topic, [b"r"] * 3, partition=partition)
+    config = consumer_config(kafka_bootstrap, group, "t")
+    first = ConsumerThread(config, Collector(), subscribe=[topic], stats_interval_ms=STATS_MS, name="first")
+    with first:
+        eventually(first.lag, {(topic, 0): 0, (topic, 1): 0})
+        second = ConsumerThread(
+            config, Collector(), subscribe=[topic], stats_interval_ms=STATS_MS, name="second"
+        )
+        with second:
+            eventually(lambda: len(first.lag()), 1)
+            eventually(lambda: len(second.lag()), 1)
+            assert set(first.lag()) | set(second.lag()) == {(topic, 0), (topic, 1)}
+            for partition in (0, 1):  # one series per partition, kept by whichever member owns it
+                assert lag_sample(group, topic, partition) == 0
+            (moved,) = second.lag()
+        eventually(lambda: set(first.lag()), {(topic, 0), (topic, 1)})  # back to the first one
+        assert lag_sample(group, topic, moved[1]) == 0
+    assert lag_sample(group, topic, 0) is None
+    assert lag_sample(group, topic, 1) is None
+
+
+def test_stats_interval_zero_reports_no_lag(kafka_bootstrap: str, topic_prefix: str) -> None:
+    topic = _topic(kafka_bootstrap, f"{topic_prefix}.in")
+    _produce(kafka_bootstrap, topic, [b"r"] * 3)
+    assign = [TopicPartition(topic, 0, 0)]
+    quiet = ConsumerThread(
+        consumer_config(kafka_bootstrap, None, "quiet"), Collector(), assign=assign, stats_interval_ms=0
+    )
+    witness = ConsumerThread(
+        consumer_config(kafka_bootstrap, None, "witness"),
+        Collector(),
+        assign=assign,
+        stats_interval_ms=STATS_MS,
+    )
+    with quiet, witness:  # the witness started later: had the quiet one asked for stats, it would have them
+        eventually(witness.lag, {(topic, 0): 0})
+        assert quiet.lag() == {}
+        assert lag_sample("quiet-assigned", topic, 0) is None
+
+
+def dead_letters(topic: str, reason: str) -> float:
+    return REGISTRY.get_sample_value("sluice_dead_letters_total", {"topic": topic, "reason": reason}) or 0.0
+
+
+def test_dead_letters_are_counted_by_source_topic_and_reason(kafka_bootstrap: str, topic_prefix: str) -> None:
+    topic = _topic(kafka_bootstrap, f"{topic_prefix}.in")
+    dlq = _topic(kafka_bootstrap, f"{topic_prefix}.dlq")
+    event = example_events()[0]
+    honest: list[tuple[str, str | bytes | None]] = list(headers(event))
+    lying = [(k, b"someone-else" if k == "ce_tenant" else v) for k, v in honest]
+    raw = Producer({"bootstrap.servers": kafka_bootstrap})
+    raw.produce(topic, encode(event), partition=0, headers=honest)  # fine: not dead-lettered
+    raw.produce(topic, b"\x00junk", partition=0)
+    raw.produce(topic, b'{"type": "no_such_event"}', partition=0)
+    raw.produce(topic, None, partition=0)
+    raw.produce(topic, b"", partition=0)
+    raw.produce(topic, encode(event), partition=0, headers=lying)
+    assert raw.flush(10) == 0
+    seen = Collector()
+    with ConsumerThread(
+        consumer_config(kafka_bootstrap, None, "t"), seen, assign=[TopicPartition(topic, 0, 0)]
+    ):
+        eventually(seen.count, 6)
+    reasons = ("bad_json", "invalid_event", "empty", "bad_headers", "other")
+    before = {reason: dead_letters(topic, reason) for reason in reasons}
+    with EventProducer(kafka_bootstrap, "t") as producer:
+        decoded = [decode_or_dead_letter(m, producer, dlq, "test/worker") for m in seen.all()]
+    assert decoded == [event, None, None, None, None, None]
+    after = {reason: dead_letters(topic, reason) - before[reason] for reason in reasons}
+    assert after == {"bad_json": 1, "invalid_event": 1, "empty": 2, "bad_headers": 1, "other": 0}
+    assert dead_letters(dlq, "bad_json") == 0  # labelled with the source topic, not the dead-letter one
