@@ -13,6 +13,7 @@ from gpu_workers.flush import FlushPolicy
 from gpu_workers.scheduler import SchedulerConfig
 from gpu_workers.service import Runner, WorkerService
 from gpu_workers.settings import WorkerSettings
+from monitoring.ops import OpsServer
 from schemas.manifest import current_model_dir, read_manifest
 from schemas.settings import PlatformSettings
 from schemas.topics import TopicNames
@@ -106,13 +107,22 @@ def make_worker(platform: PlatformSettings, worker: WorkerSettings, model_id: st
 def run_worker(
     platform: PlatformSettings, worker: WorkerSettings, model_id: str, stop: threading.Event
 ) -> None:
-    """Serve until ``stop`` is set (SIGTERM/SIGINT in ``sluice worker``)."""
+    """Serve until ``stop`` is set (SIGTERM/SIGINT in ``sluice worker``). The ops endpoints answer from
+    the start: ``/healthz`` while the model loads, ``/readyz`` once it serves."""
     service = make_worker(platform, worker, model_id)
-    service.start()
-    log.info("worker %s serving %s", service.worker_id, model_id)
-    try:
-        while not stop.wait(0.5):
-            if service.failure is not None:
-                raise service.failure
-    finally:
-        service.stop()
+    ops = OpsServer(
+        worker.worker_ops_host,
+        worker.worker_ops_port,
+        lambda: service.readiness(worker.worker_ready_max_lag),
+        service=f"worker/{service.worker_id}",
+    )
+    with ops:
+        log.info("worker %s: metrics and health on %s", service.worker_id, ops.url)
+        service.start()
+        log.info("worker %s serving %s", service.worker_id, model_id)
+        try:
+            while not stop.wait(0.5):
+                if service.failure is not None:
+                    raise service.failure
+        finally:
+            service.stop()

@@ -149,6 +149,7 @@ class WorkerObserver:
                 "tenant": event.tenant,
                 "model": event.model,
                 "status": result.status,
+                "traceparent": result.traceparent,
                 "completion": result.text,
             },
         )

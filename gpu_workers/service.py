@@ -33,6 +33,7 @@ from bus.producer import EventProducer
 from gpu_workers.observe import RequestTrace, RunnerLoad, WorkerObserver, open_trace
 from gpu_workers.offsets import OffsetTracker
 from monitoring import tracing
+from monitoring.ops import Readiness
 from schemas.codec import DecodeError, decode
 from schemas.events import (
     CancelRequested,
@@ -188,6 +189,16 @@ class WorkerService:
 
     def wait_assigned(self, timeout: float) -> bool:
         return self._requests.wait_assigned(timeout)
+
+    def readiness(self, max_lag: int) -> Readiness:
+        """Model loaded and serving, consuming its request topic, lag under ``max_lag`` (``/readyz``)."""
+        lag = self._requests.max_lag() or 0
+        return Readiness.of(
+            model_loaded=self._ready.is_set() and self.failure is None,
+            kafka=self._requests.failure is None and self._requests.wait_assigned(0),
+            lag_ok=lag <= max_lag,
+            lag=lag,
+        )
 
     def stop(self) -> None:
         """Stop working and leave the group. Terminal events already produced are flushed and their

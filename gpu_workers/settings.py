@@ -16,10 +16,10 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     worker_id: str | None = None
     """Defaults to ``<model>-<pid>``."""
     worker_device: str = "auto"
+    """``auto`` (CUDA if present, else CPU), ``cpu``, ``cuda``, ``cuda:1`` …"""
     worker_torch_threads: Annotated[int, msgspec.Meta(ge=1)] | None = None
     """torch intra-op threads; unset: one per core this process may use. On a machine shared with the
     edge and Kafka, fewer threads than cores avoids OpenMP teams spinning against the other processes."""
-    """``auto`` (CUDA if present, else CPU), ``cpu``, ``cuda``, ``cuda:1`` …"""
     worker_max_running: Positive = 16
     """Generation: sequences decoded together at most (continuous batching)."""
     worker_max_batch_tokens: Positive = 16_384
@@ -33,5 +33,11 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     worker_embed_max_batch: Positive = 64
     worker_embed_max_wait_ms: Annotated[float, msgspec.Meta(ge=0)] = 4.0
     worker_embed_max_batch_tokens: Positive = 16_384
+    worker_ops_host: str = "127.0.0.1"
+    worker_ops_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 9400
+    """``/metrics``, ``/healthz`` and ``/readyz`` of this worker; 0 picks a free port. ``sluice up`` gives
+    its workers this port, the next one, … in the order of ``SLUICE_MODELS``."""
+    worker_ready_max_lag: Annotated[int, msgspec.Meta(ge=0)] = 10_000
+    """``/readyz`` fails while more requests than this wait uncommitted on this worker's partitions."""
     worker_session_timeout_ms: Annotated[int, msgspec.Meta(ge=1000)] = 10_000
     """Kafka group session timeout: how soon a dead worker's requests move to another worker."""

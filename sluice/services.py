@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import signal
 import threading
@@ -14,13 +13,19 @@ from rich.console import Console
 
 from gpu_workers.settings import WorkerSettings
 from ingest.settings import EdgeSettings
+from monitoring.logs import configure_logging
+from monitoring.metrics import bound_tenants
+from monitoring.settings import ObservabilitySettings
+from monitoring.tracing import configure_tracing, shutdown_tracing
 from schemas.settings import PlatformSettings, SettingsError, load_settings
 
 if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
+
     from infra.kafka.broker import LocalKafka
 
 # Every service's settings class, imported here so the settings registry knows all SLUICE_* names.
-SERVICE_SETTINGS = (EdgeSettings, WorkerSettings)
+SERVICE_SETTINGS = (EdgeSettings, WorkerSettings, ObservabilitySettings)
 
 
 def local_broker(platform: PlatformSettings, console: Console) -> LocalKafka:
@@ -36,13 +41,16 @@ def local_broker(platform: PlatformSettings, console: Console) -> LocalKafka:
     )
 
 
-def configure_logging() -> None:
+def observe(service: str) -> TracerProvider | None:
+    """Set up what every service process shares: JSON logs (secrets scrubbed), the bound on the tenant
+    label, and trace export when ``SLUICE_OTLP_ENDPOINT`` is set (the returned provider, to shut down)."""
     # The edge tokenises on its event loop's thread; tokenizers' own thread pool would fight the model
     # thread for this machine's cores.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for noisy in ("aiokafka", "faust", "urllib3", "httpx"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    settings = load_settings(ObservabilitySettings)
+    configure_logging(settings, service)
+    bound_tenants(settings.metrics_max_tenants)
+    return configure_tracing(settings, service)
 
 
 def run_worker_process(platform: PlatformSettings, model_id: str, console: Console) -> int:
@@ -50,9 +58,9 @@ def run_worker_process(platform: PlatformSettings, model_id: str, console: Conso
     from gpu_workers.main import run_worker
     from schemas.manifest import ManifestError
 
-    configure_logging()
     try:
         worker = load_settings(WorkerSettings)
+        provider = observe(f"worker/{model_id}")
     except SettingsError as exc:
         console.print(f"[red]settings error:[/] {exc}")
         return 2
@@ -67,6 +75,8 @@ def run_worker_process(platform: PlatformSettings, model_id: str, console: Conso
     except (GpuWorkerError, ManifestError) as exc:
         console.print(f"[red]error:[/] {exc} (run `sluice models prepare`)")
         return 1
+    finally:
+        shutdown_tracing(provider)
     return 0
 
 
@@ -84,9 +94,9 @@ def replies_partitions(platform: PlatformSettings) -> int:
 def run_edge_process(platform: PlatformSettings, console: Console, port: int | None = None) -> int:
     from ingest.main import build_edge, serve_edge
 
-    configure_logging()
     try:
         edge_settings = load_settings(EdgeSettings)
+        provider = observe("edge")
         if port is not None:
             import msgspec
 
@@ -103,5 +113,8 @@ def run_edge_process(platform: PlatformSettings, console: Console, port: int | N
             loop.add_signal_handler(sig, stop.set)
         await serve_edge(edge, gateway, stop)
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    finally:
+        shutdown_tracing(provider)
     return 0

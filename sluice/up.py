@@ -15,15 +15,17 @@ from contextlib import AsyncExitStack
 import msgspec
 from rich.console import Console
 
+from gpu_workers.settings import WorkerSettings
 from infra.errors import InfraError
 from infra.topics import apply_topics, make_admin, platform_topics
 from infra.warehouse import WarehouseQueryServer, migrate, open_warehouse
 from ingest.auth import DEMO_KEY
 from ingest.main import build_edge
 from ingest.settings import EdgeSettings
+from monitoring.tracing import shutdown_tracing
 from schemas.settings import PlatformSettings, SettingsError, load_settings
 from schemas.topics import TopicNames
-from sluice.services import configure_logging, local_broker, replies_partitions
+from sluice.services import local_broker, observe, replies_partitions
 
 
 def run_platform(settings: PlatformSettings, out: Console, console: Console, port: int | None = None) -> int:
@@ -35,12 +37,13 @@ def run_platform(settings: PlatformSettings, out: Console, console: Console, por
         return 2
     if port is not None:
         edge_settings = msgspec.structs.replace(edge_settings, edge_port=port)
-    configure_logging()
     try:
+        provider = observe("up")
         asyncio.run(_serve(settings, edge_settings, out, console))
     except (InfraError, SettingsError) as exc:
         console.print(f"[red]error:[/] {exc}")
         return 1
+    shutdown_tracing(provider)
     return 0
 
 
@@ -50,8 +53,9 @@ STOP_GRACE_S = 30.0
 class WorkerProcess:
     """One ``sluice worker --model M`` child, restarted with back-off if it exits on its own."""
 
-    def __init__(self, model_id: str, console: Console) -> None:
+    def __init__(self, model_id: str, console: Console, ops_port: int) -> None:
         self.model_id = model_id
+        self.ops_port = ops_port
         self._console = console
         self._proc: asyncio.subprocess.Process | None = None
         self._task: asyncio.Task[None] | None = None
@@ -68,7 +72,13 @@ class WorkerProcess:
         backoff = 1.0
         while not self._stopping:
             self._proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "sluice", "worker", "--model", self.model_id, env=dict(os.environ)
+                sys.executable,
+                "-m",
+                "sluice",
+                "worker",
+                "--model",
+                self.model_id,
+                env={**os.environ, "SLUICE_WORKER_OPS_PORT": str(self.ops_port)},
             )
             code = await self._proc.wait()
             if self.stopping:
@@ -127,10 +137,13 @@ async def _serve(
         prepare = await asyncio.create_subprocess_exec(sys.executable, "-m", "sluice", "models", "prepare")
         if await prepare.wait() != 0:
             raise InfraError("`sluice models prepare` failed (see above)")
-        for model_id in settings.served_models():
-            worker = WorkerProcess(model_id, console)
+        workers: list[WorkerProcess] = []
+        base = load_settings(WorkerSettings).worker_ops_port  # worker i serves /metrics on base + i
+        for index, model_id in enumerate(settings.served_models()):
+            worker = WorkerProcess(model_id, console, base + index if base else 0)
             await worker.start()
             stack.push_async_callback(worker.stop)
+            workers.append(worker)
 
         edge, gateway = build_edge(
             settings, edge_settings, await asyncio.to_thread(replies_partitions, settings)
@@ -143,6 +156,8 @@ async def _serve(
         out.print(
             f"  Kafka {settings.bootstrap}   warehouse reads {server.url}   models: {', '.join(settings.served_models())}"
         )
+        ops = ", ".join(f"{w.model_id} http://127.0.0.1:{w.ops_port or '<free port>'}" for w in workers)
+        out.print(f"  metrics: edge {edge.url}/metrics; workers {ops} (/metrics /healthz /readyz)")
         out.print('  `sluice sql "SELECT ..."` queries the warehouse; Ctrl-C stops everything.')
         await stop.wait()
         console.print("stopping...")

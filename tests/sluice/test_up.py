@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,7 @@ def _env(tmp_path: Path) -> dict[str, str]:
         SLUICE_DATA_DIR=str(tmp_path / "data"),
         SLUICE_KAFKA_PORT=str(free_port()),
         SLUICE_EDGE_PORT=str(free_port()),
+        SLUICE_WORKER_OPS_PORT=str(free_port()),
     )
     return env
 
@@ -58,6 +60,33 @@ def _wait_for_line(proc: subprocess.Popen[str], needle: str, timeout: float) -> 
         if needle in line:
             return lines
     raise AssertionError(f"{needle!r} not seen; output so far:\n{''.join(lines)}")
+
+
+def _get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def _check_ops(edge: str, worker_port: int) -> None:
+    """Every service answers /healthz, /readyz and /metrics; the counts reflect the requests just made."""
+    assert _get(f"{edge}/healthz")[0] == 200
+    assert _get(f"{edge}/readyz")[0] == 200
+    status, text = _get(f"{edge}/metrics")
+    assert status == 200
+    assert 'sluice_requests_total{model="demo-gpt",outcome="completed",tenant="demo"' in text
+    for port, model in ((worker_port, "demo-gpt"), (worker_port + 1, "all-minilm-l6-v2")):
+        worker = f"http://127.0.0.1:{port}"
+        assert _get(f"{worker}/healthz")[0] == 200
+        status, body = _get(f"{worker}/readyz")
+        assert status == 200, body
+        assert json.loads(body)["checks"]["model_loaded"] is True
+        status, text = _get(f"{worker}/metrics")
+        assert status == 200
+        assert f'sluice_worker_requests_total{{model="{model}",status="completed"' in text
+        assert f'sluice_model_memory_bytes{{device="cpu",model="{model}"}}' in text
 
 
 def test_up_serves_kafka_topics_and_warehouse_then_stops_on_sigint(tmp_path: Path) -> None:
@@ -85,6 +114,7 @@ def _drive(proc: subprocess.Popen[str], env: dict[str, str], port: int) -> None:
         assert completion["usage"]["completion_tokens"] >= 1
         embedding = _post(f"{url}/embeddings", {"model": "all-minilm-l6-v2", "input": "a river"})
         assert len(embedding["data"][0]["embedding"]) == 384
+        _check_ops(url.removesuffix("/v1"), int(env["SLUICE_WORKER_OPS_PORT"]))
         topics = make_admin(f"127.0.0.1:{port}").list_topics(timeout=10).topics
         assert "sluice.requests.demo-gpt" in topics
         assert "sluice.control" in topics
