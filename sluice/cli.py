@@ -17,6 +17,8 @@ from sluice.services import SERVICE_SETTINGS, local_broker
 if TYPE_CHECKING:
     from confluent_kafka.admin import AdminClient
 
+    from monitoring.slo import SloConfig
+
 # Piped output (scripts, tests) gets wide lines instead of rich's 80-column default.
 console = Console(stderr=True, soft_wrap=True, width=None if sys.stderr.isatty() else 200)
 out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 200)
@@ -42,6 +44,11 @@ models_app = typer.Typer(
     help="The served models (built or linked into $SLUICE_CACHE_DIR/models).", no_args_is_help=True
 )
 app.add_typer(models_app, name="models")
+slo_app = typer.Typer(
+    help="Service level objectives per model tier, and the Prometheus alerting rules generated from them.",
+    no_args_is_help=True,
+)
+app.add_typer(slo_app, name="slo")
 
 
 def settings() -> PlatformSettings:
@@ -255,6 +262,116 @@ def sql(
         out.print(table)
     if result.truncated:
         console.print(f"[yellow]result cut at {max_rows} rows[/] (--max-rows raises the limit)")
+
+
+# ---------------------------------------------------------------- SLOs
+
+SloConfigOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--config",
+        "-c",
+        help="SLO config TOML (format: docs/slo.md). Default: the built-in tiers (interactive, batch).",
+        dir_okay=False,
+    ),
+]
+
+
+def _slo_config(path: Path | None) -> SloConfig:
+    from monitoring.slo import SloConfigError, load_slo_config
+
+    try:
+        return load_slo_config(path)
+    except SloConfigError as exc:
+        raise fail(str(exc), 2) from None
+
+
+@slo_app.command("rules")
+def slo_rules(
+    config: SloConfigOption = None,
+    out_file: Annotated[
+        Path | None,
+        typer.Option("--out", "-o", help="write the rules file here instead of stdout", dir_okay=False),
+    ] = None,
+) -> None:
+    """Generate Prometheus recording and alerting rules (YAML) for the SLOs and the Kafka alerts.
+
+    Pages when the 1h and 5m burn rates exceed 14.4x or 6h and 30m exceed 6x; tickets at 1d/2h 3x, 3d/6h 1x.
+
+    Point Prometheus' rule_files at the output (example: infra/prometheus/prometheus.yml, docs/slo.md).
+    """
+    from monitoring.slo import render_rules
+
+    text = render_rules(_slo_config(config), source=str(config) if config else "the built-in defaults")
+    if out_file is None:
+        sys.stdout.write(text)
+        return
+    try:
+        out_file.write_text(text)
+    except OSError as exc:
+        raise fail(f"cannot write {out_file}: {exc.strerror or exc}") from None
+    console.print(f"wrote {out_file}")
+
+
+@slo_app.command("show")
+def slo_show(config: SloConfigOption = None) -> None:
+    """Show the tiers with their models, objectives and error budgets, and the alerts' thresholds."""
+    from monitoring.slo import budget_minutes, burn_alerts
+
+    cfg = _slo_config(config)
+    table = Table(
+        "tier", "models", "availability", "time to first token", "inter-token latency", "budget window",
+        title=f"SLOs ({config or 'built-in defaults'})",
+    )  # fmt: skip
+    for tier in cfg.tiers:
+        models = ", ".join(tier.models)
+        if tier.name == cfg.default_tier:
+            models = f"{models}, any other model" if models else "every model"
+        downtime = _minutes_text(budget_minutes(tier.availability, tier.window_days))
+        latency = [
+            f"{_pct(o.target)} within {o.threshold_seconds:g} s\n[dim]budget {_pct(1 - o.target)}[/]"
+            if o
+            else "-"
+            for o in (tier.ttft, tier.itl)
+        ]
+        table.add_row(
+            tier.name,
+            models or "[dim]none[/]",
+            f"{_pct(tier.availability)}\n[dim]budget {_pct(1 - tier.availability)} = {downtime} down[/]",
+            *latency,
+            f"{tier.window_days} days",
+        )
+    out.print(table)
+    days = sorted({t.window_days for t in cfg.tiers})
+    alerts = Table(
+        "alert", "severity", "windows", "burn rate above", "budget spent at that rate", title="alerts"
+    )
+    for a in burn_alerts(cfg):
+        rates = ", ".join(f"{a.threshold(d):.3g}" + (f" ({d} days)" if len(days) > 1 else "") for d in days)
+        alerts.add_row(
+            a.alert, a.severity, f"{a.long} and {a.short}", rates, f"{a.budget_share:.0%} in {a.long}"
+        )
+    lag, dead = cfg.alerts.consumer_lag, cfg.alerts.dead_letters
+    alerts.add_row(
+        "SluiceConsumerLag",
+        lag.severity,
+        f"{lag.for_minutes}m",
+        f"{lag.max_records} records (max per group, topic)",
+        "",
+    )
+    alerts.add_row(
+        "SluiceDeadLetters", dead.severity, f"{dead.window_minutes}m", "any record dead-lettered", ""
+    )
+    out.print(alerts)
+
+
+def _pct(share: float) -> str:
+    return f"{100 * share:.4g}%"
+
+
+def _minutes_text(minutes: float) -> str:
+    hours, rest = divmod(round(minutes), 60)
+    return f"{hours}h {rest:02d}m" if hours else f"{rest}m"
 
 
 # ---------------------------------------------------------------- models and services

@@ -1,0 +1,483 @@
+"""Service level objectives as configuration, and the Prometheus rules that alert on them.
+
+An :class:`SloConfig` names model tiers (each with an availability, a time-to-first-token and an
+inter-token-latency objective over an error-budget window), which models belong to which tier, and the
+thresholds of the Kafka alerts. :func:`rule_groups` turns it into Prometheus rule groups:
+
+* recording rules ``model:sluice_slo_errors:ratio_rate<window>{slo, tier, model}``: the share of bad
+  events of each SLI over each window the alerts need;
+* multi-window, multi-burn-rate alerts (the SRE workbook's): page when the 1h and 5m burn rates both
+  exceed 14.4 (2% of a 30-day budget in an hour) or the 6h and 30m both exceed 6 (5% in 6 hours); ticket
+  when 1d and 2h exceed 3 or 3d and 6h exceed 1 (10% in a day, 10% in three days);
+* ``SluiceConsumerLag`` and ``SluiceDeadLetters``.
+
+``docs/slo.md`` describes the file format and the reasoning.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+import yaml
+
+from monitoring.metrics import ITL_BUCKETS, LATENCY_BUCKETS
+
+Severity = Literal["page", "ticket"]
+SloName = Literal["availability", "ttft", "itl"]
+Share = Annotated[float, msgspec.Meta(gt=0.0, lt=1.0)]
+"""A target share of good events, strictly between 0 and 1."""
+
+# The metrics the rules read (monitoring.metrics defines them; tests check the names against it).
+REQUESTS_TOTAL = "sluice_requests_total"
+TTFT_SECONDS = "sluice_time_to_first_token_seconds"
+ITL_SECONDS = "sluice_inter_token_latency_seconds"
+CONSUMER_LAG = "sluice_consumer_lag"
+DEAD_LETTERS_TOTAL = "sluice_dead_letters_total"
+
+# Availability SLI: cancelled requests are the client's choice and count as neither good nor bad.
+GOOD_OUTCOMES = ("completed",)
+BAD_OUTCOMES = ("failed", "expired", "shed")
+
+RECORD_PREFIX = "model:sluice_slo_errors:ratio_rate"
+
+
+class SloConfigError(ValueError):
+    """An SLO configuration that cannot be read or is not valid (the message says where and why)."""
+
+
+def _check_threshold(
+    slo: str, objective: LatencyObjective | None, buckets: tuple[float, ...], metric: str
+) -> None:
+    if objective is not None and objective.threshold_seconds not in buckets:
+        allowed = ", ".join(_num(b) for b in buckets)
+        raise ValueError(
+            f"{slo} threshold_seconds {_num(objective.threshold_seconds)} is not a bucket boundary of "
+            f"{metric}; allowed: {allowed}"
+        )
+
+
+class LatencyObjective(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    threshold_seconds: Annotated[float, msgspec.Meta(gt=0.0)]
+    """Good: an observation at or under this; it must be a bucket boundary of the histogram."""
+    target: Share
+    """Share of observations that must be good, e.g. 0.95."""
+
+
+class Tier(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    name: Annotated[str, msgspec.Meta(pattern=r"^[a-z][a-z0-9_-]*$")]
+    availability: Share
+    """Share of requests (completed + failed + expired + shed) that must complete, e.g. 0.995."""
+    ttft: LatencyObjective | None = None
+    """Time to first token of streamed requests (buckets ``LATENCY_BUCKETS``). None: no such SLO."""
+    itl: LatencyObjective | None = None
+    """Inter-token latency, per token (buckets ``ITL_BUCKETS``). None: no such SLO."""
+    window_days: Annotated[int, msgspec.Meta(ge=7, le=90)] = 30
+    """The error budget's window."""
+    models: tuple[str, ...] = ()
+    """Models in this tier. The config's ``default_tier`` also takes every model no tier lists."""
+
+    def __post_init__(self) -> None:
+        _check_threshold("ttft", self.ttft, LATENCY_BUCKETS, TTFT_SECONDS)
+        _check_threshold("itl", self.itl, ITL_BUCKETS, ITL_SECONDS)
+        if any(not m for m in self.models):
+            raise ValueError(f"tier {self.name!r}: a model id is empty")
+        if len(set(self.models)) != len(self.models):
+            raise ValueError(f"tier {self.name!r} lists a model twice")
+
+    def objectives(self) -> list[Objective]:
+        """Each objective this tier has, availability first."""
+        found = [Objective("availability", self.availability, None)]
+        if self.ttft is not None:
+            found.append(Objective("ttft", self.ttft.target, self.ttft.threshold_seconds))
+        if self.itl is not None:
+            found.append(Objective("itl", self.itl.target, self.itl.threshold_seconds))
+        return found
+
+
+@dataclass(frozen=True)
+class Objective:
+    slo: SloName
+    target: float
+    threshold_seconds: float | None
+    """Latency SLOs: the bucket boundary a good observation is at or under; None for availability."""
+
+    @property
+    def budget(self) -> float:
+        """The error budget: the share of events that may be bad."""
+        return 1 - self.target
+
+
+class ConsumerLagAlert(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    max_records: Annotated[int, msgspec.Meta(ge=1)] = 1000
+    """Alert when a group's largest partition lag on a topic stays above this ..."""
+    for_minutes: Annotated[int, msgspec.Meta(ge=1)] = 5
+    """... for this long."""
+    severity: Severity = "page"
+
+
+class DeadLetterAlert(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    window_minutes: Annotated[int, msgspec.Meta(ge=1)] = 10
+    """Alert while any record was dead-lettered within this many minutes."""
+    severity: Severity = "ticket"
+
+
+class AlertSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    tickets: bool = True
+    """Also the slow-burn ticket pairs (1d/2h above 3, 3d/6h above 1), not only the two page pairs."""
+    consumer_lag: ConsumerLagAlert = ConsumerLagAlert()
+    dead_letters: DeadLetterAlert = DeadLetterAlert()
+
+
+DEFAULT_TIERS = (
+    Tier(
+        name="interactive",
+        availability=0.995,
+        ttft=LatencyObjective(threshold_seconds=0.5, target=0.95),
+        itl=LatencyObjective(threshold_seconds=0.1, target=0.95),
+    ),
+    Tier(
+        name="batch",
+        availability=0.99,
+        ttft=LatencyObjective(threshold_seconds=5.0, target=0.9),
+        itl=LatencyObjective(threshold_seconds=0.3, target=0.9),
+    ),
+)
+
+
+class SloConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    tiers: Annotated[tuple[Tier, ...], msgspec.Meta(min_length=1)] = DEFAULT_TIERS
+    default_tier: str = "interactive"
+    """The tier of every model that no tier lists."""
+    alerts: AlertSettings = AlertSettings()
+
+    def __post_init__(self) -> None:
+        names = [t.name for t in self.tiers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tier names repeat: {', '.join(names)}")
+        if self.default_tier not in names:
+            raise ValueError(f"default_tier {self.default_tier!r} is not a tier (tiers: {', '.join(names)})")
+        owner: dict[str, str] = {}
+        for tier in self.tiers:
+            for model in tier.models:
+                if model in owner:
+                    raise ValueError(f"model {model!r} is in two tiers: {owner[model]!r} and {tier.name!r}")
+                owner[model] = tier.name
+
+    def tier(self, name: str) -> Tier:
+        return next(t for t in self.tiers if t.name == name)
+
+    def tier_of(self, model: str) -> Tier:
+        """The tier whose objectives apply to ``model``."""
+        return next((t for t in self.tiers if model in t.models), self.tier(self.default_tier))
+
+
+DEFAULT_CONFIG = SloConfig()
+
+
+def load_slo_config(path: Path | None = None) -> SloConfig:
+    """The configuration in the TOML file ``path``; the built-in defaults when ``path`` is None.
+
+    Keys left out keep their defaults (a file with only ``[alerts.consumer_lag]`` keeps the default tiers).
+    """
+    if path is None:
+        return DEFAULT_CONFIG
+    try:
+        with path.open("rb") as f:
+            data = tomllib.load(f)
+    except OSError as exc:
+        raise SloConfigError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise SloConfigError(f"{path}: not valid TOML: {exc}") from exc
+    return parse_slo_config(data, source=str(path))
+
+
+def parse_slo_config(data: dict[str, Any], source: str = "SLO config") -> SloConfig:
+    """Validate a decoded TOML document into an :class:`SloConfig`."""
+    try:
+        return msgspec.convert(data, SloConfig)
+    except msgspec.ValidationError as exc:
+        raise SloConfigError(f"{source}: {exc}") from exc
+
+
+# ---------------------------------------------------------------- burn-rate alerts
+
+
+@dataclass(frozen=True)
+class BurnAlert:
+    """One multi-window pair: alert while both windows burn budget faster than ``threshold``."""
+
+    alert: str
+    long_minutes: int
+    short_minutes: int
+    budget_share: float
+    """Share of the whole budget spent in ``long_minutes`` at exactly the threshold rate."""
+    severity: Severity
+
+    def threshold(self, window_days: int) -> float:
+        """The burn rate that spends ``budget_share`` of a ``window_days`` budget in the long window
+        (14.4, 6, 3 and 1 for 30 days)."""
+        return self.budget_share * window_days * 1440 / self.long_minutes
+
+    @property
+    def long(self) -> str:
+        return duration(self.long_minutes)
+
+    @property
+    def short(self) -> str:
+        return duration(self.short_minutes)
+
+
+PAGE_ALERTS = (
+    BurnAlert("SluiceErrorBudgetBurn1h", 60, 5, 0.02, "page"),
+    BurnAlert("SluiceErrorBudgetBurn6h", 360, 30, 0.05, "page"),
+)
+TICKET_ALERTS = (
+    BurnAlert("SluiceErrorBudgetBurn1d", 1440, 120, 0.10, "ticket"),
+    BurnAlert("SluiceErrorBudgetBurn3d", 4320, 360, 0.10, "ticket"),
+)
+
+
+def burn_alerts(config: SloConfig) -> tuple[BurnAlert, ...]:
+    return PAGE_ALERTS + (TICKET_ALERTS if config.alerts.tickets else ())
+
+
+def windows(config: SloConfig) -> list[int]:
+    """Every window (minutes) some alert reads an error ratio over, shortest first."""
+    return sorted({m for a in burn_alerts(config) for m in (a.long_minutes, a.short_minutes)})
+
+
+def duration(minutes: int) -> str:
+    """A PromQL duration: 5m, 30m, 1h, 6h, 1d, 3d."""
+    if minutes % 1440 == 0:
+        return f"{minutes // 1440}d"
+    if minutes % 60 == 0:
+        return f"{minutes // 60}h"
+    return f"{minutes}m"
+
+
+def budget_minutes(target: float, window_days: int) -> float:
+    """Minutes of total failure the budget of ``target`` over ``window_days`` allows."""
+    return (1 - target) * window_days * 1440
+
+
+# ---------------------------------------------------------------- rules
+
+
+def rule_groups(config: SloConfig) -> dict[str, Any]:
+    """The Prometheus rules document (``{"groups": [...]}``) for ``config``.
+
+    One group per tier with models (recording rules first, then the alerts that read them, so an alert
+    sees this evaluation's ratios), then one group with the Kafka alerts.
+    """
+    groups: list[dict[str, Any]] = []
+    for tier in config.tiers:
+        selector = _model_selector(config, tier)
+        if selector is None:
+            continue  # a non-default tier that lists no models has nothing to measure
+        rules = [
+            _recording_rule(tier, objective, minutes, selector)
+            for objective in tier.objectives()
+            for minutes in windows(config)
+        ]
+        rules += [
+            _burn_alert_rule(tier, objective, alert)
+            for alert in burn_alerts(config)
+            for objective in tier.objectives()
+        ]
+        groups.append({"name": f"sluice-slo-{tier.name}", "rules": rules})
+    groups.append({"name": "sluice-kafka", "rules": [_lag_rule(config), _dead_letter_rule(config)]})
+    return {"groups": groups}
+
+
+def render_rules(config: SloConfig, source: str = "the built-in defaults") -> str:
+    """:func:`rule_groups` as a YAML rules file for Prometheus' ``rule_files``."""
+    header = f"# Generated by `sluice slo rules` from {source}; regenerate rather than edit.\n"
+    return header + yaml.dump(rule_groups(config), Dumper=_RulesDumper, sort_keys=False, width=110)
+
+
+def _model_selector(config: SloConfig, tier: Tier) -> str | None:
+    """The ``model`` matcher picking the tier's models (``model="a"``, ``model=~"a|b"``); for the default
+    tier, every model that no other tier lists (``model!~"x|y"``, or no matcher at all); None for a
+    non-default tier without models."""
+    if tier.name != config.default_tier:
+        return _matcher("model", tier.models, negate=False) if tier.models else None
+    others = [m for t in config.tiers if t.name != tier.name for m in t.models]
+    return _matcher("model", others, negate=True) if others else ""
+
+
+def _recording_rule(tier: Tier, objective: Objective, minutes: int, selector: str) -> dict[str, Any]:
+    w = duration(minutes)
+    if objective.threshold_seconds is None:
+        bad = _selector(_matcher("outcome", BAD_OUTCOMES, negate=False), selector)
+        valid = _selector(_matcher("outcome", GOOD_OUTCOMES + BAD_OUTCOMES, negate=False), selector)
+        # A model without any bad outcome has no such series; `or 0 * valid` makes its ratio 0, not absent.
+        expr = (
+            f"(\n  sum by (model) (rate({REQUESTS_TOTAL}{bad}[{w}]))\n"
+            f"  or\n  0 * sum by (model) (rate({REQUESTS_TOTAL}{valid}[{w}]))\n)\n"
+            f"/\nsum by (model) (rate({REQUESTS_TOTAL}{valid}[{w}]))\n"
+        )
+    else:
+        metric = TTFT_SECONDS if objective.slo == "ttft" else ITL_SECONDS
+        count = f"{metric}_count{_selector(selector)}"
+        good = f"{metric}_bucket{_selector(_le_matcher(objective.threshold_seconds), selector)}"
+        expr = (
+            f"(\n  sum by (model) (rate({count}[{w}]))\n  -\n  sum by (model) (rate({good}[{w}]))\n)\n"
+            f"/\nsum by (model) (rate({count}[{w}]))\n"
+        )
+    return {"record": RECORD_PREFIX + w, "expr": expr, "labels": {"slo": objective.slo, "tier": tier.name}}
+
+
+_SLO_TEXT: dict[SloName, str] = {
+    "availability": "availability",
+    "ttft": "time-to-first-token",
+    "itl": "inter-token-latency",
+}
+
+
+def objective_text(tier: Tier, slo: SloName) -> str:
+    """The objective in words: ``99.5% of requests complete`` …"""
+    if slo == "availability":
+        return f"{_pct(tier.availability)} of requests complete (not failed, expired or shed)"
+    objective = tier.ttft if slo == "ttft" else tier.itl
+    if objective is None:
+        raise ValueError(f"tier {tier.name!r} has no {slo} objective")
+    what = (
+        "streamed requests get a first token" if slo == "ttft" else "streamed tokens follow the previous one"
+    )
+    return f"{_pct(objective.target)} of {what} within {_num(objective.threshold_seconds)} s"
+
+
+def _burn_alert_rule(tier: Tier, objective: Objective, alert: BurnAlert) -> dict[str, Any]:
+    slo = objective.slo
+    budget = _num(objective.budget)
+    threshold = _num(alert.threshold(tier.window_days))
+    match = f'{{slo="{slo}",tier="{tier.name}"}}'
+    expr = (
+        f"(\n  {RECORD_PREFIX}{alert.long}{match} / {budget} > {threshold}\n)\nand\n"
+        f"(\n  {RECORD_PREFIX}{alert.short}{match} / {budget} > {threshold}\n)\n"
+    )
+    name = _SLO_TEXT[slo]
+    return {
+        "alert": alert.alert,
+        "expr": expr,
+        "labels": {"severity": alert.severity, "slo": slo, "tier": tier.name},
+        "annotations": {
+            "summary": (
+                f"{{{{ $labels.model }}}}: {name} error budget burning at {{{{ $value | humanize }}}}x "
+                f"over {alert.long} ({alert.severity} above {threshold}x)"
+            ),
+            "description": (
+                f"Objective ({tier.name} tier, {tier.window_days}-day budget): {objective_text(tier, slo)}. "
+                f"The burn rate (error ratio / error budget {budget}) is above {threshold} over both the "
+                f"last {alert.long} and the last {alert.short}: at that rate {_pct(alert.budget_share)} of "
+                f"the budget goes in {alert.long}."
+            ),
+        },
+    }
+
+
+def _lag_rule(config: SloConfig) -> dict[str, Any]:
+    lag = config.alerts.consumer_lag
+    return {
+        "alert": "SluiceConsumerLag",
+        "expr": f"max by (group, topic) ({CONSUMER_LAG}) > {lag.max_records}\n",
+        "for": duration(lag.for_minutes),
+        "labels": {"severity": lag.severity},
+        "annotations": {
+            "summary": (
+                "Consumer group {{ $labels.group }} is {{ $value | humanize }} records behind on "
+                "{{ $labels.topic }}"
+            ),
+            "description": (
+                f"The largest partition lag of group {{{{ $labels.group }}}} on {{{{ $labels.topic }}}} has "
+                f"stayed above {lag.max_records} records for {duration(lag.for_minutes)}: its consumers do "
+                "not keep up, or have stopped. On a request topic, requests wait that long before a "
+                "worker sees them."
+            ),
+        },
+    }
+
+
+def _dead_letter_rule(config: SloConfig) -> dict[str, Any]:
+    dl = config.alerts.dead_letters
+    w = duration(dl.window_minutes)
+    # increase() needs two samples of a series, and a dead-letter series is born at its first record;
+    # the `unless ... offset` half catches a series that did not exist a window ago.
+    expr = (
+        f"sum by (topic, reason) (increase({DEAD_LETTERS_TOTAL}[{w}])) > 0\n"
+        f"or\nsum by (topic, reason) ({DEAD_LETTERS_TOTAL} unless {DEAD_LETTERS_TOTAL} offset {w}) > 0\n"
+    )
+    return {
+        "alert": "SluiceDeadLetters",
+        "expr": expr,
+        "labels": {"severity": dl.severity},
+        "annotations": {
+            "summary": "Records from {{ $labels.topic }} dead-lettered ({{ $labels.reason }})",
+            "description": (
+                f"About {{{{ $value | humanize }}}} record(s) from {{{{ $labels.topic }}}} went to the "
+                f"dead-letter topic within the last {w}, reason {{{{ $labels.reason }}}}. They were not "
+                "processed; inspect the deadletter topic and replay them once fixed."
+            ),
+        },
+    }
+
+
+# ---------------------------------------------------------------- PromQL and YAML helpers
+
+_RE2_SPECIAL = frozenset("\\.+*?()|[]{}^$")
+
+
+def _regex_literal(value: str) -> str:
+    return "".join("\\" + ch if ch in _RE2_SPECIAL else ch for ch in value)
+
+
+def _string(value: str) -> str:
+    """A PromQL double-quoted string literal."""
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _matcher(label: str, values: tuple[str, ...] | list[str], *, negate: bool) -> str:
+    if len(values) == 1:
+        return f"{label}{'!=' if negate else '='}{_string(values[0])}"
+    pattern = "|".join(_regex_literal(v) for v in values)
+    return f"{label}{'!~' if negate else '=~'}{_string(pattern)}"
+
+
+def _le_matcher(threshold: float) -> str:
+    """``le`` of one bucket boundary. prometheus_client writes 1.0 as ``1.0``, other clients and
+    Prometheus versions as ``1``; both are matched so the rules do not depend on the exposition."""
+    value = float(threshold)  # a Tier built in code may hold an int
+    forms = [repr(value)]  # as prometheus_client writes it: 0.5, 1.0
+    if value.is_integer():
+        forms.append(str(int(value)))
+    return _matcher("le", sorted(set(forms)), negate=False)
+
+
+def _selector(*matchers: str) -> str:
+    present = [m for m in matchers if m]
+    return "{" + ",".join(present) + "}" if present else ""
+
+
+def _num(value: float) -> str:
+    """A float without representation noise: 0.005, not 0.0050000000000000044; 14.4; 1."""
+    return f"{value:.10g}"
+
+
+def _pct(share: float) -> str:
+    return f"{_num(share * 100)}%"
+
+
+class _RulesDumper(yaml.SafeDumper):
+    """Multi-line strings (PromQL expressions) as literal blocks, readable in the generated file."""
+
+
+def _represent_str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+    style = "|" if "\n" in value else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_RulesDumper.add_representer(str, _represent_str)

@@ -1,0 +1,371 @@
+"""SLO configuration: defaults, loading and validation; the structure of the generated rules; the CLI."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from monitoring.metrics import catalogue
+from monitoring.slo import (
+    CONSUMER_LAG,
+    DEAD_LETTERS_TOTAL,
+    DEFAULT_CONFIG,
+    ITL_SECONDS,
+    PAGE_ALERTS,
+    RECORD_PREFIX,
+    REQUESTS_TOTAL,
+    TICKET_ALERTS,
+    TTFT_SECONDS,
+    AlertSettings,
+    LatencyObjective,
+    SloConfig,
+    SloConfigError,
+    Tier,
+    budget_minutes,
+    load_slo_config,
+    parse_slo_config,
+    render_rules,
+    rule_groups,
+    windows,
+)
+from sluice.cli import app
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "slo.md"
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "slo.toml"
+    path.write_text(text)
+    return path
+
+
+def rules_of(config: SloConfig) -> list[dict[str, Any]]:
+    return [rule for group in rule_groups(config)["groups"] for rule in group["rules"]]
+
+
+def group(config: SloConfig, name: str) -> list[dict[str, Any]]:
+    return next(g["rules"] for g in rule_groups(config)["groups"] if g["name"] == name)
+
+
+# ---------------------------------------------------------------- configuration
+
+
+def test_defaults() -> None:
+    assert load_slo_config(None) is DEFAULT_CONFIG
+    assert [t.name for t in DEFAULT_CONFIG.tiers] == ["interactive", "batch"]
+    interactive = DEFAULT_CONFIG.tier("interactive")
+    assert interactive.availability == 0.995
+    assert interactive.ttft == LatencyObjective(threshold_seconds=0.5, target=0.95)
+    assert interactive.window_days == 30
+    assert DEFAULT_CONFIG.tier_of("demo-gpt") is interactive
+    assert DEFAULT_CONFIG.alerts.tickets
+    assert budget_minutes(0.995, 30) == pytest.approx(216)  # 3h 36m
+
+
+def test_the_documented_example_loads(tmp_path: Path) -> None:
+    match = re.search(r"```toml\n(.*?)```", DOC.read_text(), re.S)
+    assert match is not None
+    config = load_slo_config(write(tmp_path, match.group(1)))
+    assert config.tier_of("demo-gpt").name == "interactive"
+    assert config.tier_of("all-minilm-l6-v2").name == "batch"
+    assert config.tier_of("unlisted").name == "interactive"
+    assert config.tier("batch").itl is None
+    assert config.alerts.consumer_lag.max_records == 1000
+
+
+def test_keys_left_out_keep_their_defaults(tmp_path: Path) -> None:
+    config = load_slo_config(write(tmp_path, "[alerts.consumer_lag]\nmax_records = 5000\n"))
+    assert config.tiers == DEFAULT_CONFIG.tiers
+    assert config.alerts.consumer_lag.max_records == 5000
+    assert config.alerts.consumer_lag.for_minutes == 5
+    assert config.alerts.dead_letters == DEFAULT_CONFIG.alerts.dead_letters
+
+
+def test_integral_thresholds_may_be_written_as_integers(tmp_path: Path) -> None:
+    text = 'default_tier = "slow"\n[[tiers]]\nname = "slow"\navailability = 0.9\nttft = { threshold_seconds = 5, target = 0.5 }\n'
+    config = load_slo_config(write(tmp_path, text))
+    assert config.tier("slow").ttft == LatencyObjective(threshold_seconds=5.0, target=0.5)
+
+
+BAD_CONFIGS = [
+    ("avilability = 0.9\n", "unknown field `avilability`"),
+    ('[[tiers]]\nname = "interactive"\navilability = 0.9\n', "unknown field `avilability` - at `$.tiers[0]`"),
+    ("[alerts]\nticket = false\n", "unknown field `ticket` - at `$.alerts`"),
+    ('[[tiers]]\nname = "interactive"\navailability = 1.0\n', "< 1.0 - at `$.tiers[0].availability`"),
+    ('[[tiers]]\nname = "interactive"\navailability = 0\n', "> 0.0 - at `$.tiers[0].availability`"),
+    (
+        '[[tiers]]\nname = "interactive"\navailability = 0.9\nttft = { threshold_seconds = 0.5, target = 1.5 }\n',
+        "< 1.0 - at `$.tiers[0].ttft.target`",
+    ),
+    (
+        '[[tiers]]\nname = "interactive"\navailability = 0.9\nttft = { threshold_seconds = 0.6, target = 0.9 }\n',
+        "ttft threshold_seconds 0.6 is not a bucket boundary of sluice_time_to_first_token_seconds; "
+        "allowed: 0.005, 0.01, 0.025",
+    ),
+    (
+        # 0.6 is a boundary of neither histogram; 0.0025 (next case) is one of ITL_BUCKETS only
+        '[[tiers]]\nname = "interactive"\navailability = 0.9\nitl = { threshold_seconds = 0.6, target = 0.9 }\n',
+        "itl threshold_seconds 0.6 is not a bucket boundary of sluice_inter_token_latency_seconds; "
+        "allowed: 0.001, 0.0025",
+    ),
+    (
+        '[[tiers]]\nname = "interactive"\navailability = 0.9\nttft = { threshold_seconds = 0.0025, target = 0.9 }\n',
+        "ttft threshold_seconds 0.0025 is not a bucket boundary",
+    ),
+    ('default_tier = "gold"\n', "default_tier 'gold' is not a tier (tiers: interactive, batch)"),
+    ('[[tiers]]\nname = "Gold Tier"\navailability = 0.9\n', "at `$.tiers[0].name`"),
+    (
+        '[[tiers]]\nname = "interactive"\navailability = 0.9\nwindow_days = 1\n',
+        ">= 7 - at `$.tiers[0].window_days`",
+    ),
+    ("tiers = []\n", "length >= 1 - at `$.tiers`"),
+    (
+        '[alerts.dead_letters]\nseverity = "sms"\n',
+        "Invalid enum value 'sms' - at `$.alerts.dead_letters.severity`",
+    ),
+    ("default_tier = \n", "not valid TOML"),
+]
+
+
+@pytest.mark.parametrize(("text", "message"), BAD_CONFIGS)
+def test_invalid_files_are_errors_that_say_where(tmp_path: Path, text: str, message: str) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(SloConfigError) as caught:
+        load_slo_config(path)
+    assert str(caught.value).startswith(f"{path}: ")
+    assert message in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (
+            {
+                "default_tier": "a",
+                "tiers": [
+                    {"name": "a", "availability": 0.9, "models": ["m"]},
+                    {"name": "b", "availability": 0.9, "models": ["m"]},
+                ],
+            },
+            "model 'm' is in two tiers: 'a' and 'b'",
+        ),
+        (
+            {
+                "default_tier": "a",
+                "tiers": [{"name": "a", "availability": 0.9}, {"name": "a", "availability": 0.8}],
+            },
+            "tier names repeat: a, a",
+        ),
+        (
+            {"default_tier": "a", "tiers": [{"name": "a", "availability": 0.9, "models": ["m", "m"]}]},
+            "tier 'a' lists a model twice",
+        ),
+    ],
+)
+def test_inconsistent_tiers_are_errors(data: dict[str, Any], message: str) -> None:
+    with pytest.raises(SloConfigError, match=re.escape(message)):
+        parse_slo_config(data)
+
+
+def test_a_missing_file_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(SloConfigError, match="cannot read"):
+        load_slo_config(tmp_path / "nope.toml")
+
+
+def test_constructing_in_code_validates_too() -> None:
+    with pytest.raises(ValueError, match="not a bucket boundary"):
+        Tier(name="x", availability=0.9, ttft=LatencyObjective(threshold_seconds=0.6, target=0.9))
+
+
+# ---------------------------------------------------------------- rules
+
+
+def test_rules_read_metrics_that_exist() -> None:
+    names = {info.name for info in catalogue()}  # histograms by their base name
+    exprs = " ".join(rule["expr"] for rule in rules_of(DEFAULT_CONFIG))
+    read = {re.sub(r"_(bucket|count)$", "", m) for m in re.findall(r"(?<![:\w])sluice_\w+", exprs)}
+    assert read == {REQUESTS_TOTAL, TTFT_SECONDS, ITL_SECONDS, CONSUMER_LAG, DEAD_LETTERS_TOTAL}
+    assert read <= names
+
+
+def test_burn_thresholds_are_the_workbooks_for_30_days() -> None:
+    assert [round(a.threshold(30), 6) for a in PAGE_ALERTS + TICKET_ALERTS] == [14.4, 6, 3, 1]
+    assert [(a.long, a.short) for a in PAGE_ALERTS + TICKET_ALERTS] == [
+        ("1h", "5m"),
+        ("6h", "30m"),
+        ("1d", "2h"),
+        ("3d", "6h"),
+    ]
+    assert round(PAGE_ALERTS[0].threshold(28), 6) == 13.44
+
+
+def test_default_rules_structure() -> None:
+    doc = rule_groups(DEFAULT_CONFIG)
+    # batch lists no models: no group for it; interactive (the default) takes every model
+    assert [g["name"] for g in doc["groups"]] == ["sluice-slo-interactive", "sluice-kafka"]
+    rules = group(DEFAULT_CONFIG, "sluice-slo-interactive")
+    records = [r for r in rules if "record" in r]
+    alerts = [r for r in rules if "alert" in r]
+    assert rules == records + alerts  # recordings first: alerts read this evaluation's ratios
+    assert {(r["record"], r["labels"]["slo"]) for r in records} == {
+        (f"{RECORD_PREFIX}{w}", slo)
+        for w in ("5m", "30m", "1h", "2h", "6h", "1d", "3d")
+        for slo in ("availability", "ttft", "itl")
+    }
+    assert all("model=" not in r["expr"] and "model!" not in r["expr"] for r in records)
+    assert all("sum by (model)" in r["expr"] for r in records)
+    assert len(alerts) == 4 * 3
+    for a in alerts:
+        assert set(a["labels"]) == {"severity", "slo", "tier"}  # model comes from the expression
+        assert set(a["annotations"]) == {"summary", "description"}
+        assert "{{ $labels.model }}" in a["annotations"]["summary"]
+    fast_availability = next(
+        a for a in alerts if a["alert"] == "SluiceErrorBudgetBurn1h" and a["labels"]["slo"] == "availability"
+    )
+    assert fast_availability["labels"] == {"severity": "page", "slo": "availability", "tier": "interactive"}
+    expr = " ".join(fast_availability["expr"].split())
+    assert expr == (
+        f'( {RECORD_PREFIX}1h{{slo="availability",tier="interactive"}} / 0.005 > 14.4 ) and '
+        f'( {RECORD_PREFIX}5m{{slo="availability",tier="interactive"}} / 0.005 > 14.4 )'
+    )
+
+
+def test_availability_counts_cancelled_as_neither_good_nor_bad() -> None:
+    expr = group(DEFAULT_CONFIG, "sluice-slo-interactive")[0]["expr"]
+    assert 'outcome=~"failed|expired|shed"' in expr
+    assert 'outcome=~"completed|failed|expired|shed"' in expr
+    assert "cancelled" not in expr
+
+
+def test_kafka_alerts() -> None:
+    lag, dead = group(DEFAULT_CONFIG, "sluice-kafka")
+    assert lag["alert"] == "SluiceConsumerLag"
+    assert lag["expr"].strip() == "max by (group, topic) (sluice_consumer_lag) > 1000"
+    assert lag["for"] == "5m"
+    assert lag["labels"] == {"severity": "page"}
+    assert dead["alert"] == "SluiceDeadLetters"
+    assert "increase(sluice_dead_letters_total[10m])" in dead["expr"]
+    assert "offset 10m" in dead["expr"]
+    assert dead["labels"] == {"severity": "ticket"}
+
+
+def test_tiers_select_their_models_and_the_default_takes_the_rest() -> None:
+    config = SloConfig(
+        tiers=(
+            Tier(name="interactive", availability=0.995),
+            Tier(name="batch", availability=0.99, models=("emb", "org/model.v1")),
+            Tier(name="gold", availability=0.999, models=("vip",)),
+        )
+    )
+    default = group(config, "sluice-slo-interactive")[0]["expr"]
+    batch = group(config, "sluice-slo-batch")[0]["expr"]
+    gold = group(config, "sluice-slo-gold")[0]["expr"]
+    # regex metacharacters escaped for RE2, backslashes doubled for the PromQL string
+    assert 'model!~"emb|org/model\\\\.v1|vip"' in default
+    assert 'model=~"emb|org/model\\\\.v1"' in batch
+    assert 'model="vip"' in gold
+    # no latency objectives in these tiers: availability only
+    assert {r["labels"]["slo"] for r in group(config, "sluice-slo-gold") if "record" in r} == {"availability"}
+
+
+def test_a_single_other_model_is_excluded_with_not_equal() -> None:
+    config = SloConfig(
+        tiers=(DEFAULT_CONFIG.tiers[0], Tier(name="batch", availability=0.99, models=("emb",)))
+    )
+    assert 'model!="emb"' in group(config, "sluice-slo-interactive")[0]["expr"]
+
+
+def test_latency_rules_read_the_threshold_bucket() -> None:
+    config = SloConfig(
+        tiers=(
+            Tier(
+                name="interactive",
+                availability=0.995,
+                ttft=LatencyObjective(threshold_seconds=5.0, target=0.9),
+                itl=LatencyObjective(threshold_seconds=0.0025, target=0.9),
+            ),
+        )
+    )
+    records = [r for r in group(config, "sluice-slo-interactive") if "record" in r]
+    ttft = next(r["expr"] for r in records if r["labels"]["slo"] == "ttft")
+    itl = next(r["expr"] for r in records if r["labels"]["slo"] == "itl")
+    assert 'sluice_time_to_first_token_seconds_bucket{le=~"5|5\\\\.0"}' in ttft  # either exposition
+    assert "sluice_time_to_first_token_seconds_count[" in ttft
+    assert 'sluice_inter_token_latency_seconds_bucket{le="0.0025"}' in itl
+
+
+def test_without_tickets_only_the_page_pairs_and_their_windows() -> None:
+    config = SloConfig(alerts=AlertSettings(tickets=False))
+    assert windows(config) == [5, 30, 60, 360]
+    assert {r["alert"] for r in rules_of(config) if "alert" in r} == {
+        "SluiceErrorBudgetBurn1h",
+        "SluiceErrorBudgetBurn6h",
+        "SluiceConsumerLag",
+        "SluiceDeadLetters",
+    }
+
+
+def test_yaml_round_trips_and_keeps_expressions_readable() -> None:
+    text = render_rules(DEFAULT_CONFIG, source="slo.toml")
+    assert text.startswith("# Generated by `sluice slo rules` from slo.toml")
+    assert yaml.safe_load(text) == rule_groups(DEFAULT_CONFIG)
+    assert "expr: |\n" in text  # multi-line PromQL as literal blocks
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def test_cli_rules_to_stdout_and_file(tmp_path: Path) -> None:
+    runner = CliRunner()
+    result = runner.invoke(app, ["slo", "rules"])
+    assert result.exit_code == 0, result.output
+    assert yaml.safe_load(result.stdout) == rule_groups(DEFAULT_CONFIG)
+
+    config = write(tmp_path, "[alerts.consumer_lag]\nmax_records = 42\n")
+    out = tmp_path / "rules.yml"
+    result = runner.invoke(app, ["slo", "rules", "--config", str(config), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    text = out.read_text()
+    assert f"from {config}" in text
+    assert "(sluice_consumer_lag) > 42" in text
+
+
+def test_cli_invalid_config_exits_2_with_the_reason(tmp_path: Path) -> None:
+    config = write(tmp_path, "[alerts]\nticket = false\n")
+    for command in ("rules", "show"):
+        result = CliRunner().invoke(app, ["slo", command, "--config", str(config)])
+        assert result.exit_code == 2
+        assert "unknown field `ticket`" in result.output
+
+
+def test_cli_show_lists_tiers_and_alerts() -> None:
+    result = CliRunner().invoke(app, ["slo", "show"])
+    assert result.exit_code == 0, result.output
+    for text in (
+        "interactive",
+        "batch",
+        "99.5%",
+        "95% within 0.5 s",
+        "3h 36m",
+        "SluiceErrorBudgetBurn1h",
+        "14.4",
+    ):
+        assert text in result.stdout
+
+
+@pytest.mark.parametrize("args", [["slo"], ["slo", "rules"], ["slo", "show"]], ids=" ".join)
+def test_cli_help(args: list[str]) -> None:
+    result = CliRunner().invoke(app, [*args, "--help"])
+    assert result.exit_code == 0, result.output
+    assert "Usage:" in result.stdout
+
+
+def test_an_integer_threshold_given_in_code_matches_both_le_forms() -> None:
+    tier = Tier(name="interactive", availability=0.9, ttft=LatencyObjective(threshold_seconds=5, target=0.9))
+    records = group(SloConfig(tiers=(tier,)), "sluice-slo-interactive")
+    assert any('le=~"5|5\\\\.0"' in r["expr"] for r in records if "record" in r)

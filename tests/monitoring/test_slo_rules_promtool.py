@@ -1,0 +1,424 @@
+"""The generated rules, run by Prometheus' own rule engine (``promtool test rules``) on synthetic series.
+
+Each test writes the rules and a promtool test file into ``tmp_path``: series that should page do, those
+that should not don't. Series have one sample a minute, as a 1m scrape would give. Most tests strip the
+annotations (promtool compares them verbatim and they carry ``$value``); one checks them rendered.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from monitoring.slo import (
+    AlertSettings,
+    ConsumerLagAlert,
+    LatencyObjective,
+    SloConfig,
+    Tier,
+    render_rules,
+    rule_groups,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+PROMETHEUS_EXAMPLE = REPO / "infra" / "prometheus" / "prometheus.yml"
+ALERTMANAGER_EXAMPLE = REPO / "infra" / "prometheus" / "alertmanager.yml"
+
+FAST, SLOW, TICKET_1D, TICKET_3D = (
+    "SluiceErrorBudgetBurn1h",
+    "SluiceErrorBudgetBurn6h",
+    "SluiceErrorBudgetBurn1d",
+    "SluiceErrorBudgetBurn3d",
+)
+LAG, DEAD = "SluiceConsumerLag", "SluiceDeadLetters"
+ALL_ALERTS = (FAST, SLOW, TICKET_1D, TICKET_3D, LAG, DEAD)
+
+# interactive (99.5%, TTFT 0.5 s / 95%) is the default tier; batch (99%, TTFT 5 s / 90%) has two models
+# (the dot in batch.v3 must be escaped in the rules' regex).
+CONFIG = SloConfig(
+    tiers=(
+        Tier(
+            name="interactive",
+            availability=0.995,
+            ttft=LatencyObjective(threshold_seconds=0.5, target=0.95),
+            itl=LatencyObjective(threshold_seconds=0.1, target=0.95),
+        ),
+        Tier(
+            name="batch",
+            availability=0.99,
+            ttft=LatencyObjective(threshold_seconds=5.0, target=0.9),
+            models=("batch-model", "batch.v3"),
+        ),
+    ),
+    default_tier="interactive",
+    alerts=AlertSettings(consumer_lag=ConsumerLagAlert(max_records=1000, for_minutes=5)),
+)
+
+
+def tool(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        pytest.fail(
+            f"{name} is not installed: run `source scripts/system-deps.sh` (Debian packages prometheus and "
+            "prometheus-alertmanager)"
+        )
+    return path
+
+
+def run(*args: str | Path) -> str:
+    done = subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=60, check=False)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, f"{' '.join(map(str, args))} exited {done.returncode}:\n{output}"
+    return output
+
+
+# ---------------------------------------------------------------- series
+
+
+def counter(*segments: tuple[int, float]) -> list[float]:
+    """A counter sampled each minute from 0: ``(minutes, increase per minute)`` segments."""
+    values, value = [0.0], 0.0
+    for minutes, per_minute in segments:
+        for _ in range(minutes):
+            value += per_minute
+            values.append(value)
+    return values
+
+
+def gauge(*segments: tuple[int, float]) -> list[float]:
+    """A gauge sampled each minute: ``(minutes, value)`` segments."""
+    return [value for minutes, value in segments for _ in range(minutes)]
+
+
+def series(name: str, values: Sequence[float | None], **labels: str) -> dict[str, str]:
+    """A promtool input series; ``None`` is a missing sample (the series does not exist then)."""
+    label_text = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    text = " ".join("_" if v is None else f"{v:.15g}" for v in values)
+    return {"series": f"{name}{{{label_text}}}", "values": text}
+
+
+def requests(model: str, minutes_ok: int, per_minute: float, *, error_share: float) -> list[dict[str, str]]:
+    """Completed and failed request counters of ``model``: ``minutes_ok`` healthy minutes (no errors),
+    then steady traffic with ``error_share`` of it failed until ``minutes_ok + 480``."""
+    labels = {"tenant": "t1", "model": model, "version": "1"}
+    bad = per_minute * error_share
+    return [
+        series(
+            "sluice_requests_total",
+            counter((minutes_ok, per_minute), (480, per_minute - bad)),
+            outcome="completed",
+            **labels,
+        ),
+        series("sluice_requests_total", counter((minutes_ok, 0), (480, bad)), outcome="failed", **labels),
+        # cancelled requests are neither good nor bad: plenty of them must not change anything
+        series(
+            "sluice_requests_total", counter((minutes_ok + 480, per_minute)), outcome="cancelled", **labels
+        ),
+    ]
+
+
+def ttft(model: str, minutes: int, per_minute: float, *, fast_share: float, le: str) -> list[dict[str, str]]:
+    """TTFT histogram series of ``model``: ``fast_share`` of observations at or under the bucket ``le``."""
+    labels = {"tenant": "t1", "model": model, "version": "1"}
+    name = "sluice_time_to_first_token_seconds"
+    return [
+        series(f"{name}_bucket", counter((minutes, per_minute * fast_share)), le=le, **labels),
+        series(f"{name}_bucket", counter((minutes, per_minute)), le="+Inf", **labels),
+        series(f"{name}_count", counter((minutes, per_minute)), **labels),
+    ]
+
+
+# ---------------------------------------------------------------- promtool
+
+
+def alert(name: str, at: str, *expected: dict[str, str]) -> dict[str, Any]:
+    return {"eval_time": at, "alertname": name, "exp_alerts": [{"exp_labels": dict(e)} for e in expected]}
+
+
+def promtool_test(
+    tmp_path: Path,
+    input_series: list[dict[str, str]],
+    alert_tests: list[dict[str, Any]],
+    *,
+    config: SloConfig = CONFIG,
+    expr_tests: Sequence[dict[str, Any]] = (),
+    annotations: bool = False,
+) -> str:
+    """Run ``promtool test rules`` on the rules of ``config`` (annotations stripped unless asked)."""
+    doc = rule_groups(config)
+    if not annotations:
+        for group in doc["groups"]:
+            for rule in group["rules"]:
+                rule.pop("annotations", None)
+    (tmp_path / "rules.yml").write_text(yaml.safe_dump(doc, sort_keys=False))
+    test = {
+        "rule_files": ["rules.yml"],
+        "evaluation_interval": "1m",
+        "tests": [
+            {
+                "interval": "1m",
+                "input_series": input_series,
+                "alert_rule_test": alert_tests,
+                "promql_expr_test": list(expr_tests),
+            }
+        ],
+    }
+    (tmp_path / "test.yml").write_text(yaml.safe_dump(test, sort_keys=False))
+    return run(tool("promtool"), "test", "rules", tmp_path / "test.yml")
+
+
+def no_alerts(*times: str) -> list[dict[str, Any]]:
+    return [alert(name, at) for at in times for name in ALL_ALERTS]
+
+
+# ---------------------------------------------------------------- tests
+
+
+def test_generated_rules_pass_promtool_check(tmp_path: Path) -> None:
+    for name, config in (("defaults", SloConfig()), ("custom", CONFIG)):
+        path = tmp_path / f"{name}.yml"
+        path.write_text(render_rules(config))
+        output = run(tool("promtool"), "check", "rules", path)
+        assert "SUCCESS" in output
+
+
+def test_total_outage_pages_the_fast_burn_within_minutes(tmp_path: Path) -> None:
+    # 7 h healthy (so the 6h window is full of good traffic), then every request fails from minute 420.
+    page = {"severity": "page", "slo": "availability", "tier": "interactive", "model": "demo-gpt"}
+    promtool_test(
+        tmp_path,
+        requests("demo-gpt", 420, 100, error_share=1.0),
+        [
+            *no_alerts("419m"),
+            # 2 minutes in: the 5m window burns at 80x, but the 1h window only at ~7x; nothing yet
+            alert(FAST, "422m"),
+            alert(FAST, "428m", page),
+            # the 6h/30m pair needs longer (6h burn 10/360 / 0.005 = 5.6 < 6 after 10 minutes) ...
+            alert(SLOW, "430m"),
+            # ... and fires as the second line of defence soon after
+            alert(SLOW, "440m", page),
+        ],
+    )
+
+
+def test_healthy_model_has_no_alerts_at_all(tmp_path: Path) -> None:
+    # 0.1% errors (burn rate 0.2), 99% of first tokens under 0.5 s (burn 0.2), low lag, no dead letters.
+    labels = {"tenant": "t1", "model": "demo-gpt", "version": "1"}
+    itl = "sluice_inter_token_latency_seconds"
+    inputs = [
+        *requests("demo-gpt", 0, 1000, error_share=0.001),
+        *ttft("demo-gpt", 480, 100, fast_share=0.99, le="0.5"),
+        series(f"{itl}_bucket", counter((480, 990)), le="0.1", **labels),
+        series(f"{itl}_count", counter((480, 1000)), **labels),
+        series(
+            "sluice_consumer_lag",
+            gauge((481, 40)),
+            group="g",
+            topic="sluice.requests.demo-gpt",
+            partition="0",
+        ),
+        series("sluice_dead_letters_total", gauge((481, 0)), topic="sluice.replies", reason="decode"),
+    ]
+    ratio = "model:sluice_slo_errors:ratio_rate"
+    promtool_test(
+        tmp_path,
+        inputs,
+        no_alerts("5m", "30m", "1h", "3h", "7h", "8h"),
+        expr_tests=[
+            # the recorded ratios are there and right (compared in a range: they are rates of counters)
+            {
+                "expr": f'count({ratio}1h{{slo="availability",model="demo-gpt"}} > 0.0009 < 0.0011)',
+                "eval_time": "2h",
+                "exp_samples": [{"labels": "{}", "value": 1}],
+            },
+            {
+                "expr": f'count({ratio}6h{{slo="ttft",tier="interactive"}} > 0.009 < 0.011)',
+                "eval_time": "7h",
+                "exp_samples": [{"labels": "{}", "value": 1}],
+            },
+            {
+                "expr": f'count({ratio}5m{{slo="itl",tier="interactive"}} > 0.009 < 0.011)',
+                "eval_time": "1h",
+                "exp_samples": [{"labels": "{}", "value": 1}],
+            },
+        ],
+    )
+
+
+def test_slow_steady_burn_pages_slow_not_fast_and_tiers_set_the_budget(tmp_path: Path) -> None:
+    # 4% errors: 8x the interactive budget (0.5%) but 4x the batch one (1%).
+    inputs = [
+        *requests("demo-gpt", 0, 1000, error_share=0.04),  # listed nowhere: default tier
+        *requests("other-model", 0, 1000, error_share=0.04),  # idem
+        *requests("batch-model", 0, 1000, error_share=0.04),  # batch tier
+    ]
+    slow = [
+        {"severity": "page", "slo": "availability", "tier": "interactive", "model": m}
+        for m in ("demo-gpt", "other-model")
+    ]
+    tickets = [
+        {"severity": "ticket", "slo": "availability", "tier": tier, "model": m}
+        for tier, m in (("interactive", "demo-gpt"), ("interactive", "other-model"), ("batch", "batch-model"))
+    ]
+    promtool_test(
+        tmp_path,
+        inputs,
+        [
+            # 8x is under the fast pair's 14.4x at any time: no fast page, ever
+            *(alert(FAST, at) for at in ("10m", "1h", "4h", "7h", "8h")),
+            # above the slow pair's 6x: pages for both interactive models, not for batch-model (4x)
+            *(alert(SLOW, at, *slow) for at in ("1h", "7h", "8h")),
+            # 4x and 8x are both above the 1d/2h ticket's 3x and the 3d/6h ticket's 1x
+            alert(TICKET_1D, "7h", *tickets),
+            alert(TICKET_3D, "7h", *tickets),
+        ],
+    )
+
+
+def test_latency_breach_pages_with_the_tier_threshold(tmp_path: Path) -> None:
+    labels = {"tenant": "t1", "model": "demo-gpt", "version": "1"}
+    inputs = [
+        *requests("demo-gpt", 0, 100, error_share=0.0),
+        # 90% of first tokens slower than 0.5 s: burn 0.9 / 0.05 = 18x > 14.4x
+        *ttft("demo-gpt", 30, 100, fast_share=0.1, le="0.5"),
+        # every first token of batch-model slower than its 5 s (prometheus_client writes le="5.0"):
+        # burn 1 / 0.1 = 10x, a slow page but not a fast one
+        *ttft("batch-model", 30, 10, fast_share=0.0, le="5.0"),
+        # the same as Prometheus 3 stores it (le="5"), for the other batch model
+        *ttft("batch.v3", 30, 10, fast_share=0.0, le="5"),
+        # ITL fine
+        series("sluice_inter_token_latency_seconds_bucket", counter((30, 100)), le="0.1", **labels),
+        series("sluice_inter_token_latency_seconds_count", counter((30, 100)), **labels),
+    ]
+    fast = {"severity": "page", "slo": "ttft", "tier": "interactive", "model": "demo-gpt"}
+    slow_batch = [
+        {"severity": "page", "slo": "ttft", "tier": "batch", "model": m} for m in ("batch-model", "batch.v3")
+    ]
+    promtool_test(
+        tmp_path,
+        inputs,
+        [
+            alert(FAST, "10m", fast),
+            alert(FAST, "25m", fast),
+            alert(SLOW, "25m", *slow_batch, fast),  # 18x is above 6x too
+        ],
+    )
+
+
+def test_consumer_lag_over_threshold_for_its_duration_fires(tmp_path: Path) -> None:
+    def lag(values: list[float], group: str, topic: str, partition: str) -> dict[str, str]:
+        return series("sluice_consumer_lag", values, group=group, topic=topic, partition=partition)
+
+    inputs = [
+        # g1 is 5000 behind on one partition of the topic (max per group and topic counts)
+        lag(gauge((31, 5000)), "g1", "sluice.requests.demo-gpt", "0"),
+        lag(gauge((31, 10)), "g1", "sluice.requests.demo-gpt", "1"),
+        # g2 stays under the threshold; g3 is over it for only 3 minutes
+        lag(gauge((31, 500)), "g2", "sluice.results", "0"),
+        lag(gauge((10, 0), (3, 5000), (18, 0)), "g3", "sluice.usage", "0"),
+    ]
+    fired = {"severity": "page", "group": "g1", "topic": "sluice.requests.demo-gpt"}
+    promtool_test(
+        tmp_path,
+        inputs,
+        [
+            alert(LAG, "3m"),  # pending: over the threshold for less than 5 minutes
+            alert(LAG, "6m", fired),
+            alert(LAG, "14m", fired),
+            alert(LAG, "30m", fired),
+        ],
+    )
+
+
+def test_dead_letters_fire_on_any_increase_and_on_a_new_series(tmp_path: Path) -> None:
+    decode = {"topic": "sluice.replies", "reason": "decode"}
+    schema = {"topic": "sluice.requests.demo-gpt", "reason": "schema"}
+    inputs = [
+        # a counter at 0 that goes to 1 at minute 11 and stays there
+        series("sluice_dead_letters_total", gauge((11, 0), (50, 1)), **decode),
+        # a series that only comes into being at minute 40, at 1 (its first dead letter)
+        series("sluice_dead_letters_total", [*[None] * 40, *gauge((21, 1))], **schema),
+    ]
+    promtool_test(
+        tmp_path,
+        inputs,
+        [
+            alert(DEAD, "5m"),
+            alert(DEAD, "15m", {"severity": "ticket", **decode}),
+            alert(DEAD, "30m"),  # no new dead letter for 10 minutes: resolved
+            alert(DEAD, "45m", {"severity": "ticket", **schema}),
+            alert(DEAD, "55m"),
+        ],
+    )
+
+
+def test_annotations_render(tmp_path: Path) -> None:
+    # every request fails from the start: the 1h burn rate is exactly 1 / 0.005 = 200
+    inputs = [
+        *requests("demo-gpt", 0, 100, error_share=1.0),
+        series("sluice_consumer_lag", gauge((20, 5000)), group="g1", topic="sluice.results", partition="0"),
+    ]
+    page = {
+        "exp_labels": {"severity": "page", "slo": "availability", "tier": "interactive", "model": "demo-gpt"},
+        "exp_annotations": {
+            "summary": "demo-gpt: availability error budget burning at 200x over 1h (page above 14.4x)",
+            "description": (
+                "Objective (interactive tier, 30-day budget): 99.5% of requests complete (not failed, "
+                "expired or shed). The burn rate (error ratio / error budget 0.005) is above 14.4 over "
+                "both the last 1h and the last 5m: at that rate 2% of the budget goes in 1h."
+            ),
+        },
+    }
+    lag = {
+        "exp_labels": {"severity": "page", "group": "g1", "topic": "sluice.results"},
+        "exp_annotations": {
+            "summary": "Consumer group g1 is 5k records behind on sluice.results",
+            "description": (
+                "The largest partition lag of group g1 on sluice.results has stayed above 1000 records for "
+                "5m: its consumers do not keep up, or have stopped. On a request topic, requests wait that "
+                "long before a worker sees them."
+            ),
+        },
+    }
+    promtool_test(
+        tmp_path,
+        inputs,
+        [
+            {"eval_time": "15m", "alertname": FAST, "exp_alerts": [page]},
+            {"eval_time": "15m", "alertname": LAG, "exp_alerts": [lag]},
+        ],
+        annotations=True,
+    )
+
+
+def test_example_prometheus_config_loads_the_generated_rules(tmp_path: Path) -> None:
+    config = tmp_path / "prometheus.yml"
+    shutil.copy(PROMETHEUS_EXAMPLE, config)
+    # before the rules exist (a glob matching nothing) ...
+    run(tool("promtool"), "check", "config", config)
+    # ... and with them, generated where the example's rule_files looks
+    (tmp_path / "sluice-rules.yml").write_text(render_rules(SloConfig()))
+    output = run(tool("promtool"), "check", "config", config)
+    assert "sluice-rules.yml" in output
+    assert "SUCCESS" in output
+    assert "rules found" in output
+
+
+def test_example_alertmanager_config_is_valid_and_routes_by_severity() -> None:
+    amtool = tool("amtool")
+    run(amtool, "check-config", ALERTMANAGER_EXAMPLE)
+
+    def receiver(*labels: str) -> str:
+        return run(
+            amtool, "config", "routes", "test", f"--config.file={ALERTMANAGER_EXAMPLE}", *labels
+        ).split()[0]
+
+    assert receiver("severity=page", "slo=availability", "model=demo-gpt") == "pager"
+    assert receiver("severity=ticket", "slo=availability", "model=demo-gpt") == "ticket"
+    assert receiver("severity=ticket", "alertname=SluiceDeadLetters") == "ticket"
