@@ -26,6 +26,3 @@ class EdgeContext:
     preparer: Preparer
     sockets: set[web.WebSocketResponse] = field(default_factory=set)
 
-    @property
-    def ready(self) -> bool:
-        return self.admission.accepting and self.gateway.ready() and len(self.catalogue) > 0

@@ -30,6 +30,7 @@ from ingest.observe import (
 from ingest.prepare import Kind, Prepared, Shape
 from ingest.render import DONE, SseEncoder, collect, final_body, native, sse, sse_error
 from monitoring import metrics, tracing
+from monitoring.ops import Readiness
 from schemas.events import TokenChunk
 from schemas.ids import UUID7_PATTERN
 
@@ -219,11 +220,15 @@ class Routes:
         return web.Response(body=metrics.exposition(), headers={"Content-Type": metrics.CONTENT_TYPE})
 
     async def readyz(self, request: web.Request) -> web.Response:
+        """Ready when accepting, connected to Kafka (publishing and hearing replies) and serving models;
+        the same ``{"ready", "checks"}`` shape as the workers' ``/readyz``, plus the model list."""
         ctx = self.ctx
+        readiness = Readiness.of(
+            accepting=ctx.admission.accepting, kafka=ctx.gateway.ready(), models_loaded=len(ctx.catalogue) > 0
+        )
         body = {
-            "ready": ctx.ready,
-            "accepting": ctx.admission.accepting,
-            "gateway": ctx.gateway.ready(),
+            "ready": readiness.ready,
+            "checks": readiness.checks,
             "models": sorted(m.model_id for m in ctx.catalogue),
         }
-        return json_response(body, status=200 if ctx.ready else 503)
+        return json_response(body, status=200 if readiness.ready else 503)
