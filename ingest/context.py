@@ -25,4 +25,3 @@ class EdgeContext:
     dispatcher: Dispatcher
     preparer: Preparer
     sockets: set[web.WebSocketResponse] = field(default_factory=set)
-
