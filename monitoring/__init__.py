@@ -1,0 +1,5 @@
+"""Observability shared by every service: tracing, metrics, the ops server, SLO rules, logs."""
+
+
+class MonitoringError(Exception):
+    """Root of the errors this package raises."""

@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
+from monitoring import MonitoringError
 from monitoring.metrics import CONTENT_TYPE, exposition
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,10 @@ class Readiness(msgspec.Struct, frozen=True, kw_only=True):
 
 
 ReadinessProbe = Callable[[], Readiness]
+
+
+class OpsServerError(MonitoringError):
+    """The ops endpoints could not be served (e.g. the port is taken)."""
 
 
 class OpsServer:
@@ -76,7 +81,13 @@ class OpsServer:
             if self._server is not None:
                 return
             server_cls = _Server6 if ":" in self.host else _Server
-            server = server_cls((self.host, self._port), _Handler)
+            try:
+                server = server_cls((self.host, self._port), _Handler)
+            except OSError as exc:
+                raise OpsServerError(
+                    f"{self.service}: cannot serve /metrics on {self.host}:{self._port}: {exc.strerror} "
+                    "(another process there? choose another port)"
+                ) from exc
             server.ops = self
             self._server = server
             self._thread = threading.Thread(

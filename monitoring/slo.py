@@ -24,6 +24,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 import yaml
 
+from monitoring import MonitoringError
 from monitoring.metrics import ITL_BUCKETS, LATENCY_BUCKETS
 
 Severity = Literal["page", "ticket"]
@@ -45,7 +46,7 @@ BAD_OUTCOMES = ("failed", "expired", "shed")
 RECORD_PREFIX = "model:sluice_slo_errors:ratio_rate"
 
 
-class SloConfigError(ValueError):
+class SloConfigError(MonitoringError, ValueError):
     """An SLO configuration that cannot be read or is not valid (the message says where and why)."""
 
 

@@ -56,6 +56,7 @@ def observe(service: str) -> TracerProvider | None:
 def run_worker_process(platform: PlatformSettings, model_id: str, console: Console) -> int:
     from gpu_workers import GpuWorkerError
     from gpu_workers.main import run_worker
+    from monitoring.ops import OpsServerError
     from schemas.manifest import ManifestError
 
     try:
@@ -75,6 +76,9 @@ def run_worker_process(platform: PlatformSettings, model_id: str, console: Conso
     except (GpuWorkerError, ManifestError) as exc:
         console.print(f"[red]error:[/] {exc} (run `sluice models prepare`)")
         return 1
+    except OpsServerError as exc:
+        console.print(f"[red]error:[/] {exc}: set SLUICE_WORKER_OPS_PORT (0 picks a free port)")
+        return 2
     finally:
         shutdown_tracing(provider)
     return 0

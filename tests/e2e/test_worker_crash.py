@@ -34,6 +34,7 @@ def worker_processes(
         SLUICE_TOPIC_PREFIX=e2e_settings.topic_prefix,
         SLUICE_WORKER_SESSION_TIMEOUT_MS="6000",
         SLUICE_WORKER_FLUSH_TOKENS="4",
+        SLUICE_WORKER_OPS_PORT="0",  # two workers on one host
     )
     procs = {
         name: subprocess.Popen(

@@ -130,3 +130,17 @@ def test_stop_releases_the_port_and_is_idempotent(probe: Probe) -> None:
     server.stop()
     with pytest.raises(urllib.error.URLError):
         urllib.request.urlopen(f"{url}/healthz", timeout=2)
+
+
+def test_a_taken_port_is_a_clear_error() -> None:
+    import socket
+
+    from monitoring.ops import OpsServerError
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        server = OpsServer("127.0.0.1", port, lambda: Readiness.of(ok=True), service="worker/x")
+        with pytest.raises(OpsServerError, match=rf"worker/x: cannot serve /metrics on 127.0.0.1:{port}"):
+            server.start()
