@@ -252,24 +252,38 @@ def decode_or_dead_letter(
     try:
         return decode(value, header_list)
     except DecodeError as exc:
-        topic = message.topic() or ""
-        producer.produce(
-            deadletter_topic,
-            DeadLetter(
-                tenant="",
-                model="",
-                source=source,
-                source_topic=topic,
-                partition=message.partition() or 0,
-                offset=message.offset() or 0,
-                reason=str(exc),
-                payload_b64=base64.b64encode(value).decode(),
-                headers={k: _text(v) for k, v in header_list},
-            ),
-        )
-        DEAD_LETTERS.labels(topic=topic, reason=dead_letter_reason(value, exc)).inc()
-        log.warning("dead-lettered %s[%s]@%s: %s", topic, message.partition(), message.offset(), exc)
+        where = (message.topic() or "", message.partition() or 0, message.offset() or 0)
+        dead_letter(producer, deadletter_topic, source, where, value, exc, header_list)
         return None
+
+
+def dead_letter(
+    producer: EventProducer,
+    deadletter_topic: str,
+    source: str,
+    where: tuple[str, int, int],
+    value: bytes,
+    exc: DecodeError,
+    header_list: Sequence[tuple[str, str | bytes | None]] = (),
+) -> None:
+    """Send an undecodable record (topic, partition, offset) whole to the dead-letter topic, and count it."""
+    topic, partition, offset = where
+    producer.produce(
+        deadletter_topic,
+        DeadLetter(
+            tenant="",
+            model="",
+            source=source,
+            source_topic=topic,
+            partition=partition,
+            offset=offset,
+            reason=str(exc),
+            payload_b64=base64.b64encode(value).decode(),
+            headers={k: _text(v) for k, v in header_list},
+        ),
+    )
+    DEAD_LETTERS.labels(topic=topic, reason=dead_letter_reason(value, exc)).inc()
+    log.warning("dead-lettered %s[%s]@%s: %s", topic, partition, offset, exc)
 
 
 def dead_letter_reason(value: bytes, exc: DecodeError) -> str:

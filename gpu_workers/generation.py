@@ -46,6 +46,8 @@ class _Live:
     stop_cut: int | None = None  # text length to keep when a stop string matched
     next_seq: int = 0
     next_offset: int = 0
+    last_token_at: float | None = None
+    max_gap: float = 0.0
 
 
 def seed_for(request_id: str) -> int:
@@ -222,6 +224,9 @@ class GenerationRunner:
         emit.joined(live.arrival, self._scheduler.running, self._scheduler.budget_in_use / self._budget)
 
     def _token(self, live: _Live, token_id: int, now: float, emit: Emitter) -> None:
+        if live.last_token_at is not None:
+            live.max_gap = max(live.max_gap, now - live.last_token_at)
+        live.last_token_at = now
         if token_id == self._manifest.eos_token_id and not live.event.sampling.ignore_eos:
             return  # ends the sequence; not part of the completion
         if not live.event.stream and not live.event.sampling.stop:
@@ -293,4 +298,5 @@ class GenerationRunner:
                 accepted=event.time, started=live.started, first_token=live.first_token, finished=utc_now()
             ),
             worker_id=self._origin.worker_id,
+            max_inter_token_s=live.max_gap if completion >= 2 else None,
         )

@@ -22,8 +22,9 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
 
+import msgspec
 from confluent_kafka import Consumer, Message, TopicPartition
 from opentelemetry.trace import Status, StatusCode
 
@@ -368,6 +369,7 @@ class WorkerService:
             return  # exactly one terminal event per request
         self._remember_finished(request_id)
         reply = arrival.event.reply
+        result = with_request(result, arrival.event)
         result, span = self._observer.finishing(
             arrival.event,
             arrival.trace,
@@ -423,6 +425,21 @@ def _all_partitions_at_end(bootstrap: str, topic: str) -> list[TopicPartition]:
         return [TopicPartition(topic, p, watermarks(consumer, topic, p)[1]) for p in meta.partitions]
     finally:
         consumer.close()
+
+
+def with_request(result: RequestFinished, event: Request) -> RequestFinished:
+    """The terminal event with what the request said copied in: alone, it is the request's fact row."""
+    kind: Literal["chat", "completion", "embedding"] = (
+        "embedding" if isinstance(event, EmbeddingRequested) else "chat" if event.chat else "completion"
+    )
+    return msgspec.structs.replace(
+        result,
+        model_version=event.model_version,
+        kind=kind,
+        stream=isinstance(event, GenerationRequested) and event.stream,
+        edge_id=event.reply.edge_id if event.reply is not None else "",
+        idempotency_key=event.idempotency_key,
+    )
 
 
 @dataclass(frozen=True)

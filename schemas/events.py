@@ -183,6 +183,15 @@ class RequestFinished(Envelope, frozen=True, kw_only=True, tag="request_finished
     timings: Timings = msgspec.field(default_factory=Timings)
     worker_id: str = ""
     """Empty when no worker touched the request (e.g. expired at the edge)."""
+    # What the request said, copied by the worker, so this one event is the request's whole fact row.
+    model_version: str = ""
+    kind: Literal["chat", "completion", "embedding", ""] = ""
+    stream: bool = False
+    edge_id: str = ""
+    """The edge that held the client (``reply.edge_id``); empty when nobody waited."""
+    idempotency_key: str | None = None
+    max_inter_token_s: Annotated[float, msgspec.Meta(ge=0.0)] | None = None
+    """Longest gap between two generated tokens (generation with 2+ tokens)."""
 
 
 class UsageRecorded(Envelope, frozen=True, kw_only=True, tag="usage_recorded"):
@@ -198,6 +207,9 @@ class UsageRecorded(Envelope, frozen=True, kw_only=True, tag="usage_recorded"):
 
 
 class AuditEntry(Envelope, frozen=True, kw_only=True, tag="audit_entry"):
+    """One link of a tenant's tamper-evident audit chain: ``entry_hash`` covers every other field and
+    ``prev_hash`` is the tenant's previous entry's hash (64 zeros for the first, ``seq`` 0)."""
+
     actor: str
     action: str
     resource: str
@@ -205,6 +217,9 @@ class AuditEntry(Envelope, frozen=True, kw_only=True, tag="audit_entry"):
     details: dict[str, str] = msgspec.field(default_factory=dict)
     prev_hash: str
     entry_hash: str
+    seq: NonNegative = 0
+    """Position in the tenant's chain, from 0."""
+    model_version: str = ""
 
 
 class DeploymentChanged(Envelope, frozen=True, kw_only=True, tag="deployment_changed"):

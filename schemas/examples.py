@@ -135,6 +135,12 @@ def example_events() -> list[Event]:
             error=ErrorInfo(code="worker_oom", message="out of memory", retriable=True),
             timings=Timings(accepted=_at(-40), started=_at(-30), first_token=_at(-20), finished=_at(5)),
             worker_id="worker-0",
+            model_version="3f2a9c",
+            kind="chat",
+            stream=True,
+            edge_id="edge-1",
+            idempotency_key="order-7",
+            max_inter_token_s=0.0125,
         ),
         UsageRecorded(
             **_env(6, "streams/ledger"),
@@ -153,6 +159,8 @@ def example_events() -> list[Event]:
             details={"ip": "127.0.0.1", "api_key": "key-3"},
             prev_hash="0" * 64,
             entry_hash="f" * 64,
+            seq=0,
+            model_version="3f2a9c",
         ),
         DeploymentChanged(
             **_env(8, "streams/rollout", ""),

@@ -35,6 +35,11 @@ class TopicNames(msgspec.Struct, frozen=True):
         return self._name(f"requests.{_check('model id', model)}")
 
     @property
+    def requests_prefix(self) -> str:
+        """What every request topic's name starts with (to find the topics of all models ever served)."""
+        return self._name("requests.")
+
+    @property
     def replies(self) -> str:
         """Token chunks and terminal events, routed to the edge partition that holds the client."""
         return self._name("replies")

@@ -1,0 +1,83 @@
+"""A terminal event becomes its request's row in ``request_facts``: timings, tokens, cost, ids.
+
+``RequestFinished`` carries everything (the worker copies what the request said into it), so a fact is a
+pure function of one event and the price table: a redelivered event gives the same row, and a replay of
+the log gives the same table.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from schemas.events import RequestFinished
+from schemas.ids import uuid7_unix_ms
+from streams.pricing import PriceTable
+
+FACT_COLUMNS = (
+    "request_id", "tenant", "model", "model_version", "kind", "stream", "edge_id", "worker_id", "status",
+    "finish_reason", "error_code", "accepted", "started", "first_token", "finished", "queue_wait_ms",
+    "ttft_ms", "itl_mean_ms", "itl_max_ms", "e2e_ms", "prompt_tokens", "completion_tokens", "worker_ms",
+    "cost_nanos", "price_version", "idempotency_key", "trace_id", "version",
+)  # fmt: skip
+
+
+def accepted_at(event: RequestFinished) -> datetime:
+    """When the edge accepted the request: the request id's UUIDv7 time (the same in every copy)."""
+    try:
+        return datetime.fromtimestamp(uuid7_unix_ms(event.request_id) / 1000, UTC)
+    except ValueError:
+        return event.timings.accepted or event.time
+
+
+def _ms(later: datetime | None, earlier: datetime | None) -> float | None:
+    if later is None or earlier is None:
+        return None
+    return max(0.0, (later - earlier).total_seconds() * 1000)
+
+
+def trace_id(traceparent: str | None) -> str:
+    parts = (traceparent or "").split("-")
+    return parts[1] if len(parts) == 4 else ""
+
+
+def fact_row(event: RequestFinished, prices: PriceTable) -> list[Any]:
+    """The ``request_facts`` row of a terminal event, in :data:`FACT_COLUMNS` order."""
+    timings = event.timings
+    accepted = accepted_at(event)
+    finished = timings.finished or event.time
+    generation = event.kind != "embedding"
+    first_token = timings.first_token if generation else None
+    completion = event.usage.completion_tokens
+    decode_ms = _ms(finished, first_token)
+    worker_ms = round(_ms(finished, timings.started) or 0.0)
+    return [
+        event.request_id,
+        event.tenant,
+        event.model,
+        event.model_version,
+        event.kind,
+        event.stream,
+        event.edge_id,
+        event.worker_id,
+        event.status,
+        event.finish_reason or "",
+        event.error.code if event.error is not None else "",
+        accepted,
+        timings.started,
+        first_token,
+        finished,
+        _ms(timings.started, accepted),
+        _ms(first_token, accepted),
+        decode_ms / (completion - 1) if decode_ms is not None and completion >= 2 else None,
+        event.max_inter_token_s * 1000 if event.max_inter_token_s is not None else None,
+        _ms(finished, accepted) or 0.0,
+        event.usage.prompt_tokens,
+        completion,
+        float(worker_ms),
+        prices.cost_nanos(event.model, event.usage.prompt_tokens, completion, worker_ms),
+        prices.version,
+        event.idempotency_key or "",
+        trace_id(event.traceparent),
+        int(event.time.timestamp() * 1000),
+    ]

@@ -1,0 +1,70 @@
+"""The price table: what a request costs, exactly, in integer nano-USD.
+
+Prices are integers in micro-USD per 1,000 tokens (and per worker-second), so a request's cost
+``prompt_tokens x prompt_price + completion_tokens x completion_price + worker_ms x worker_price`` is an
+integer number of nano-USD: no rounding anywhere, and any sum over the ledger is exact. A TOML file::
+
+    version = "2026-11"
+    [default]
+    prompt = 100          # micro-USD per 1k prompt tokens ($0.10 per million)
+    completion = 400
+    [models.demo-gpt]
+    prompt = 150
+    completion = 600
+    worker_second = 0     # micro-USD per worker-second
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Annotated
+
+import msgspec
+
+Micros = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class PricingError(ValueError):
+    """The price table cannot be read."""
+
+
+class ModelPrice(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    prompt: Micros = 100
+    """micro-USD per 1,000 prompt tokens"""
+    completion: Micros = 400
+    """micro-USD per 1,000 completion tokens"""
+    worker_second: Micros = 0
+    """micro-USD per second a worker held the request in a batch"""
+
+
+class PriceTable(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    version: str = "demo-2026-11"
+    default: ModelPrice = msgspec.field(default_factory=ModelPrice)
+    models: dict[str, ModelPrice] = msgspec.field(
+        default_factory=lambda: {"all-minilm-l6-v2": ModelPrice(prompt=20, completion=0)}
+    )
+
+    def price(self, model: str) -> ModelPrice:
+        return self.models.get(model, self.default)
+
+    def cost_nanos(self, model: str, prompt_tokens: int, completion_tokens: int, worker_ms: int = 0) -> int:
+        """Exact cost in nano-USD (micro-USD per 1k tokens x tokens = nano-USD)."""
+        price = self.price(model)
+        return (
+            prompt_tokens * price.prompt
+            + completion_tokens * price.completion
+            + worker_ms * price.worker_second
+        )
+
+
+def load_prices(path: str | Path | None) -> PriceTable:
+    if path is None:
+        return PriceTable()
+    try:
+        raw = tomllib.loads(Path(path).read_text())
+        return msgspec.convert(raw, PriceTable)
+    except FileNotFoundError:
+        raise PricingError(f"price table {path} does not exist") from None
+    except (tomllib.TOMLDecodeError, msgspec.ValidationError) as exc:
+        raise PricingError(f"price table {path}: {exc}") from exc

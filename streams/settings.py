@@ -1,0 +1,36 @@
+"""The streams process's settings: ``SLUICE_STREAMS_*``, read once with :func:`schemas.settings.load_settings`."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+from schemas.settings import register
+
+
+@register
+class StreamsSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """Field ``streams_x`` is variable ``SLUICE_STREAMS_X``."""
+
+    streams_host: str = "127.0.0.1"
+    streams_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8090
+    """The dashboard (``/dashboard``), ``/metrics``, ``/healthz`` and ``/readyz``; 0 picks a free port."""
+    streams_prices_file: str | None = None
+    """TOML price table (see ``streams/pricing.py``). Unset: the built-in demo prices."""
+    streams_batch_size: Annotated[int, msgspec.Meta(ge=1)] = 5000
+    """Events written to the warehouse per insert at most…"""
+    streams_batch_ms: Annotated[float, msgspec.Meta(gt=0.0)] = 200.0
+    """…or after this long, whichever comes first (bounds freshness)."""
+    streams_store_content: bool = False
+    """Keep prompts, completions and embeddings in ``events_raw`` (default: redacted before storing)."""
+    streams_raw_retention_days: Annotated[int, msgspec.Meta(ge=1)] = 30
+    """Days ``events_raw`` keeps an event (a table TTL); facts, the ledger and the audit log are kept."""
+    streams_budgets_file: str | None = None
+    """TOML of daily spend limits per tenant (``[daily_usd]`` then ``acme = 25.0``); unset: no limits."""
+    streams_slo_file: str | None = None
+    """SLO configuration (``docs/slo.md``) the burn-rate events are computed against; unset: defaults."""
+    streams_control_interval_s: Annotated[float, msgspec.Meta(gt=0.0)] = 5.0
+    """How often budgets and burn rates are evaluated (and changes published on ``control``)."""
+    streams_guarantee: Literal["exactly_once", "at_least_once"] = "exactly_once"
+    """Faust's processing guarantee: ``exactly_once`` uses Kafka transactions for the audit chain."""
