@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from ingest.auth import Tenant
-from ingest.errors import RateLimited, Unavailable
+from ingest.errors import BudgetExceeded, RateLimited, Unavailable
 from monitoring import metrics
 
 
@@ -44,6 +44,13 @@ class Admission:
 
     def __post_init__(self) -> None:
         self._idle.set()
+
+    def check_budget(self, tenant: Tenant, exhausted: bool) -> None:
+        if exhausted:
+            raise BudgetExceeded(
+                f"Tenant {tenant.name} has used up its spending budget; new requests are refused until "
+                "the budget is raised or renewed."
+            )
 
     def check_rate(self, tenant: Tenant) -> None:
         """Take one token from the tenant's bucket, or raise :class:`RateLimited`."""

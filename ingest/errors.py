@@ -90,6 +90,14 @@ class RateLimited(IngestError):
     retriable = True
 
 
+class BudgetExceeded(IngestError):
+    """The tenant's spending budget is used up (a ``BudgetStateChanged`` on the control topic)."""
+
+    status = 402
+    error_type = "insufficient_quota"
+    default_code = "budget_exceeded"
+
+
 class UpstreamFailed(IngestError):
     """A worker reported the request failed."""
 

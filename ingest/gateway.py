@@ -62,6 +62,9 @@ class Gateway(Protocol):
     def ready(self) -> bool:
         """Connected and able to publish and receive replies (``/readyz``)."""
 
+    def budget_exhausted(self, tenant: str) -> bool:
+        """The latest budget state on the control topic says ``tenant`` may not start new work."""
+
     async def submit(self, event: RequestEvent, *, resume_after_seq: int | None = None) -> ReplyStream: ...
 
     async def resume(self, tenant: str, request_id: str, after_seq: int) -> ReplyStream | None: ...

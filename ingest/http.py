@@ -123,6 +123,7 @@ class Routes:
         ctx = self.ctx
         tenant = self._tenant(request)
         request[TENANT_KEY] = metrics.tenant_label(tenant.name)
+        ctx.admission.check_budget(tenant, ctx.gateway.budget_exhausted(tenant.name))
         ctx.admission.check_rate(tenant)  # before any work on the body
         raw = await self._body(request)
         key = check_idempotency_key(request.headers.get("Idempotency-Key"))

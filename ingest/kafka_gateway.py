@@ -30,6 +30,7 @@ from ingest.gateway import IdempotencyRecord
 from monitoring import tracing
 from schemas.codec import DecodeError, decode
 from schemas.events import (
+    BudgetStateChanged,
     CancelRequested,
     EmbeddingRequested,
     GenerationRequested,
@@ -193,6 +194,8 @@ class KafkaGateway:
         )
         self._idem_ttl = idempotency_ttl_s
         self._idem_max = idempotency_max
+        self._control: ConsumerThread | None = None
+        self._exhausted: set[str] = set()
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -207,8 +210,20 @@ class KafkaGateway:
             name=f"replies-{self.edge_id}",
         )
         self._listener.start()
+        control = await asyncio.to_thread(self._control_partitions)
+        if control:
+            self._control = ConsumerThread(
+                consumer_config(self._bootstrap, None, f"ingest-{self.edge_id}-control"),
+                self._on_control,
+                assign=control,
+                name=f"control-{self.edge_id}",
+            )
+            self._control.start()
 
     async def stop(self) -> None:
+        if self._control is not None:
+            await asyncio.to_thread(self._control.stop)
+            self._control = None
         if self._listener is not None:
             await asyncio.to_thread(self._listener.stop)
             self._listener = None
@@ -223,6 +238,35 @@ class KafkaGateway:
 
     def ready(self) -> bool:
         return self._listener is not None and self._listener.failure is None
+
+    def budget_exhausted(self, tenant: str) -> bool:
+        return tenant in self._exhausted
+
+    def _control_partitions(self) -> list[TopicPartition]:
+        """Every partition of the (compacted) control topic from its start: its latest state per key."""
+        consumer = Consumer(consumer_config(self._bootstrap, None, f"ingest-{self.edge_id}-probe"))
+        try:
+            meta = consumer.list_topics(self._names.control, timeout=10).topics.get(self._names.control)
+            if meta is None or meta.error is not None:
+                log.warning("no control topic %s: budgets are not enforced", self._names.control)
+                return []
+            return [TopicPartition(self._names.control, p, 0) for p in meta.partitions]
+        finally:
+            consumer.close()
+
+    def _on_control(self, batch: list[Message]) -> None:
+        """Control listener thread: the latest budget state per tenant (a set swap is atomic enough)."""
+        for message in batch:
+            try:
+                event = decode(message.value() or b"")
+            except DecodeError:
+                continue
+            if isinstance(event, BudgetStateChanged):
+                if event.exhausted:
+                    self._exhausted.add(event.tenant)
+                    log.warning("tenant %s is over its budget: refusing its new requests", event.tenant)
+                else:
+                    self._exhausted.discard(event.tenant)
 
     def _partition_end(self) -> int:
         consumer = Consumer(consumer_config(self._bootstrap, None, f"ingest-{self.edge_id}-probe"))

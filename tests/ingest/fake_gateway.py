@@ -78,6 +78,7 @@ class FakeGateway:
         self._edge_id = edge_id
         self.tokens = tokens
         self.is_ready = True
+        self.exhausted: set[str] = set()
         self.submitted: list[RequestEvent] = []
         self.cancels: list[CancelRequested] = []
         self.resumes: list[tuple[str, str, int]] = []
@@ -107,6 +108,9 @@ class FakeGateway:
 
     def ready(self) -> bool:
         return self.is_ready
+
+    def budget_exhausted(self, tenant: str) -> bool:
+        return tenant in self.exhausted
 
     async def submit(self, event: RequestEvent, *, resume_after_seq: int | None = None) -> FakeStream:
         if self.fail_submit:

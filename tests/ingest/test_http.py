@@ -215,3 +215,17 @@ async def test_gateway_down_is_503(client: Client, gateway: FakeGateway) -> None
     assert response.status == 503
     assert response.headers["x-should-retry"] == "true"
     assert (await response.json())["error"]["code"] == "gateway_unavailable"
+
+
+async def test_a_tenant_over_budget_gets_402_and_nothing_is_published(
+    client: Client, gateway: FakeGateway
+) -> None:
+    gateway.exhausted.add("demo")
+    response = await client.post("/v1/chat/completions", json=CHAT, headers=AUTH)
+    assert response.status == 402
+    error = (await response.json())["error"]
+    assert error["code"] == "budget_exceeded"
+    assert error["type"] == "insufficient_quota"
+    assert gateway.submitted == []
+    gateway.exhausted.clear()  # the budget was raised: served again
+    assert (await client.post("/v1/chat/completions", json=CHAT, headers=AUTH)).status == 200

@@ -1,0 +1,144 @@
+"""Control decisions from the warehouse: tenant budgets and SLO burn rates, published on ``control``.
+
+Every few seconds the streams worker reads today's spend per tenant and each model's error ratios over
+the burn-rate windows, and :class:`Controller` turns them into events *when a state changes*:
+
+- ``BudgetStateChanged`` (key ``budget:<tenant>``) when a tenant's spend today reaches its daily limit, or
+  falls back under it (a new day, a raised limit). The edge refuses that tenant's new work with 402
+  ``budget_exceeded`` while the latest state says exhausted.
+- ``BurnRateCrossed`` (key ``burn:<model>:<slo>``) when a model's availability error budget burns faster
+  than the SRE workbook's fast pair (1h and 5m above 14.4) or slow pair (6h and 30m above 6), and when
+  it stops. The rollout work acts on these.
+
+The control topic is compacted, so its latest event per key is the state; a restarted controller reads
+nothing back and may announce a state again, which consumers treat as idempotent.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated
+
+import msgspec
+
+from monitoring.slo import PAGE_ALERTS, SloConfig
+from schemas.events import BudgetStateChanged, BurnRateCrossed, Event
+
+SOURCE = "streams/control"
+NANOS_PER_MICRO = 1000
+
+# The page pairs of monitoring.slo (the same multi-window alerts Prometheus evaluates), in minutes.
+WINDOWS = sorted({m for alert in PAGE_ALERTS for m in (alert.long_minutes, alert.short_minutes)})
+
+
+class BudgetError(ValueError):
+    """The budgets file cannot be read."""
+
+
+class Budgets(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Daily spend limits per tenant in USD (TOML: ``[daily_usd]`` then ``acme = 25.0``)."""
+
+    daily_usd: dict[str, Annotated[float, msgspec.Meta(ge=0.0)]] = msgspec.field(default_factory=dict)
+
+    def limit_micros(self, tenant: str) -> int | None:
+        limit = self.daily_usd.get(tenant)
+        return None if limit is None else round(limit * 1_000_000)
+
+
+def load_budgets(path: str | Path | None) -> Budgets:
+    if path is None:
+        return Budgets()
+    try:
+        return msgspec.convert(tomllib.loads(Path(path).read_text()), Budgets)
+    except FileNotFoundError:
+        raise BudgetError(f"budgets file {path} does not exist") from None
+    except (tomllib.TOMLDecodeError, msgspec.ValidationError) as exc:
+        raise BudgetError(f"budgets file {path}: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class WindowCounts:
+    bad: int
+    total: int
+
+    @property
+    def ratio(self) -> float:
+        return self.bad / self.total if self.total else 0.0
+
+
+class Controller:
+    """Remembers the last announced state per key and emits events only on a change."""
+
+    def __init__(self, budgets: Budgets, slo: SloConfig) -> None:
+        self._budgets = budgets
+        self._slo = slo
+        self._exhausted: dict[str, bool] = {}
+        self._firing: dict[tuple[str, str], bool] = {}
+
+    def budgets(self, spent_nanos: Mapping[str, int]) -> list[Event]:
+        """``spent_nanos``: today's spend per tenant."""
+        events: list[Event] = []
+        for tenant in sorted(self._budgets.daily_usd):
+            limit = self._budgets.limit_micros(tenant) or 0
+            spent = spent_nanos.get(tenant, 0) // NANOS_PER_MICRO
+            exhausted = spent >= limit
+            if self._exhausted.get(tenant) == exhausted or (tenant not in self._exhausted and not exhausted):
+                self._exhausted[tenant] = exhausted
+                continue
+            self._exhausted[tenant] = exhausted
+            events.append(
+                BudgetStateChanged(
+                    tenant=tenant,
+                    model="",
+                    source=SOURCE,
+                    limit_micros=limit,
+                    spent_micros=spent,
+                    exhausted=exhausted,
+                )
+            )
+        return events
+
+    def burn(self, counts: Mapping[tuple[str, int], WindowCounts]) -> list[Event]:
+        """``counts[(model, minutes)]``: availability errors and eligible requests in that window."""
+        events: list[Event] = []
+        empty = WindowCounts(0, 0)
+        for model in sorted({model for model, _ in counts}):
+            tier = self._slo.tier_of(model)
+            budget = 1.0 - tier.availability
+            for alert in PAGE_ALERTS:
+                threshold = alert.threshold(tier.window_days)
+                long_rate = counts.get((model, alert.long_minutes), empty).ratio / budget
+                short_rate = counts.get((model, alert.short_minutes), empty).ratio / budget
+                firing = long_rate > threshold and short_rate > threshold
+                key = (model, f"{alert.long}/{alert.short}")
+                if self._firing.get(key, False) == firing:
+                    continue
+                self._firing[key] = firing
+                events.append(
+                    BurnRateCrossed(
+                        tenant="",
+                        model=model,
+                        source=SOURCE,
+                        slo="availability",
+                        window=key[1],
+                        burn_rate=round(min(long_rate, short_rate), 3),
+                        threshold=threshold,
+                        firing=firing,
+                    )
+                )
+        return events
+
+
+SPEND_TODAY = "SELECT tenant, sum(cost_nanos) AS spent FROM spend_day WHERE day = today() GROUP BY tenant"
+
+
+def burn_sql(minutes: int) -> str:
+    """Availability errors and eligible requests per model over the last ``minutes``."""
+    return (
+        f"SELECT model, {int(minutes)} AS minutes, countIf(status IN ('failed', 'expired')) AS bad, "  # noqa: S608
+        "countIf(status IN ('completed', 'failed', 'expired')) AS total FROM request_facts FINAL "
+        f"WHERE finished >= now64(3) - INTERVAL {int(minutes)} MINUTE GROUP BY model"
+    )

@@ -1,0 +1,62 @@
+"""Budgets and burn rates become control events only when their state changes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from monitoring.slo import DEFAULT_CONFIG
+from schemas.events import BudgetStateChanged, BurnRateCrossed
+from streams.control import BudgetError, Budgets, Controller, WindowCounts, burn_sql, load_budgets
+
+
+def test_a_budget_is_announced_when_crossed_and_when_it_clears() -> None:
+    controller = Controller(Budgets(daily_usd={"acme": 1.0, "beta": 2.0}), DEFAULT_CONFIG)
+    assert controller.budgets({"acme": 500_000_000}) == []  # $0.50 of $1: nothing to say
+    (event,) = controller.budgets({"acme": 1_000_000_000, "beta": 10})
+    assert isinstance(event, BudgetStateChanged)
+    assert (event.tenant, event.exhausted, event.limit_micros, event.spent_micros) == (
+        "acme",
+        True,
+        1_000_000,
+        1_000_000,
+    )
+    assert controller.budgets({"acme": 1_200_000_000}) == []  # still exhausted: no repeat
+    (cleared,) = controller.budgets({})  # a new day
+    assert isinstance(cleared, BudgetStateChanged)
+    assert not cleared.exhausted
+
+
+def test_burn_fires_on_both_windows_of_a_pair_and_clears() -> None:
+    controller = Controller(Budgets(), DEFAULT_CONFIG)
+    # interactive tier: 99.5% -> budget 0.005; 1h/5m pair fires above 14.4x = 7.2% errors in both windows
+    only_short = {("m", 5): WindowCounts(50, 100), ("m", 60): WindowCounts(5, 1000)}
+    assert controller.burn(only_short) == []
+    outage = {
+        ("m", 5): WindowCounts(100, 100),
+        ("m", 60): WindowCounts(100, 1000),
+        ("m", 30): WindowCounts(0, 10),
+    }
+    events = controller.burn(outage)
+    assert [(e.window, e.firing) for e in events if isinstance(e, BurnRateCrossed)] == [("1h/5m", True)]
+    assert controller.burn(outage) == []
+    healed = {("m", 5): WindowCounts(0, 100), ("m", 60): WindowCounts(100, 1000)}
+    (cleared,) = controller.burn(healed)
+    assert isinstance(cleared, BurnRateCrossed)
+    assert not cleared.firing
+
+
+def test_budgets_file(tmp_path: Path) -> None:
+    path = tmp_path / "budgets.toml"
+    path.write_text("[daily_usd]\nacme = 25.5\n")
+    assert load_budgets(path).limit_micros("acme") == 25_500_000
+    path.write_text("[daily_usd]\nacme = -1\n")
+    with pytest.raises(BudgetError, match="budgets file"):
+        load_budgets(path)
+    with pytest.raises(BudgetError, match="does not exist"):
+        load_budgets(tmp_path / "missing.toml")
+
+
+def test_burn_sql_names_its_window() -> None:
+    assert "INTERVAL 60 MINUTE" in burn_sql(60)
