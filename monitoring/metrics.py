@@ -212,6 +212,33 @@ DEAD_LETTERS = Counter(
 )
 
 
+# ---------------------------------------------------------------- streams (the event log into the warehouse)
+
+STREAMS_EVENTS = Counter(
+    "sluice_streams_events",
+    "Events the streams worker wrote to the warehouse, by topic and type.",
+    ("topic", "type"),
+)
+STREAMS_FRESHNESS = Histogram(
+    "sluice_streams_freshness_seconds",
+    "From an event's time to its rows being written to the warehouse (queryable).",
+    buckets=LATENCY_BUCKETS,
+)
+STREAMS_INSERT_SECONDS = Histogram(
+    "sluice_streams_insert_seconds",
+    "Duration of one warehouse write (every table of one batch).",
+    buckets=STEP_BUCKETS,
+)
+STREAMS_BATCH_SIZE = Histogram(
+    "sluice_streams_batch_size",
+    "Events per warehouse write.",
+    buckets=(1, 10, 50, 100, 500, 1000, 2000, 5000, 10000),
+)
+STREAMS_AUDIT_ENTRIES = Counter(
+    "sluice_streams_audit_entries", "Entries appended to the tenants' audit chains."
+)
+
+
 def exposition(registry: CollectorRegistry = REGISTRY) -> bytes:
     """The text exposition format of every metric in the registry (what ``/metrics`` serves)."""
     return generate_latest(registry)
@@ -241,5 +268,6 @@ _ALL: tuple[Counter | Gauge | Histogram, ...] = (
     REQUESTS, REJECTIONS, TTFT, ITL, E2E, IN_FLIGHT, PROMPT_TOKENS, GENERATION_TOKENS, CANCELS,
     WORKER_RUNNING, WORKER_WAITING, TOKEN_BUDGET, BATCH_SIZE, STEP_SECONDS, QUEUE_WAIT, WORKER_TTFT,
     WORKER_E2E, WORKER_REQUESTS, WORKER_PROMPT_TOKENS, WORKER_GENERATION_TOKENS, MODEL_MEMORY, MODEL_INFO,
-    CONSUMER_LAG, DEAD_LETTERS,
+    CONSUMER_LAG, DEAD_LETTERS, STREAMS_EVENTS, STREAMS_FRESHNESS, STREAMS_INSERT_SECONDS, STREAMS_BATCH_SIZE,
+    STREAMS_AUDIT_ENTRIES,
 )  # fmt: skip

@@ -49,6 +49,12 @@ slo_app = typer.Typer(
     no_args_is_help=True,
 )
 app.add_typer(slo_app, name="slo")
+audit_app = typer.Typer(
+    help="The tamper-evident audit log: one hash chain per tenant in the warehouse's audit_log table "
+    "(docs/streams.md).",
+    no_args_is_help=True,
+)
+app.add_typer(audit_app, name="audit")
 
 
 def settings() -> PlatformSettings:
@@ -374,6 +380,89 @@ def _minutes_text(minutes: float) -> str:
     return f"{hours}h {rest:02d}m" if hours else f"{rest}m"
 
 
+# ---------------------------------------------------------------- audit
+
+AuditTenantOption = Annotated[
+    str | None, typer.Option("--tenant", "-t", help="only this tenant's chain (default: every tenant)")
+]
+
+
+def _warehouse_failure(exc: Exception) -> typer.Exit:
+    """A warehouse error as one line, exit code 2."""
+    message = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+    if "UNKNOWN_TABLE" in message:
+        message = "the warehouse has no audit_log table yet: run `sluice warehouse migrate` or `sluice up`"
+    return fail(message, 2)
+
+
+@audit_app.command("verify")
+def audit_verify(tenant: AuditTenantOption = None) -> None:
+    """Check every tenant's hash chain in the warehouse's audit_log table.
+
+    Per tenant, in seq order: seq counts 0, 1, 2 ... without gaps (a gap means deleted rows);
+    each prev_hash is the previous entry's entry_hash (64 zeros for seq 0);
+    each entry_hash is the SHA-256 of the row's canonical form (an altered row no longer matches).
+
+    Exit status: 0 every chain holds; 1 problems found (each printed); 2 the warehouse cannot be read.
+    """
+    from rich.markup import escape
+
+    from infra.warehouse import WarehouseError
+    from streams.audit import verify_warehouse
+
+    try:
+        report = verify_warehouse(settings(), tenant=tenant)
+    except WarehouseError as exc:
+        raise _warehouse_failure(exc) from None
+    if report.ok:
+        out.print(f"audit log verified: {report.entries} entries in {report.tenants} tenant chains")
+        if tenant is not None and report.entries == 0:
+            console.print(f"[yellow]no audit entries for tenant {escape(tenant)!r}[/]")
+        return
+    for problem in report.problems:
+        out.print(f"[red]tenant {escape(problem.tenant)!r} seq {problem.seq}: {escape(problem.reason)}[/]")
+    out.print(
+        f"[red]audit log verification FAILED:[/] {len(report.problems)} problem(s) in {report.entries} "
+        f"entries, {report.tenants} tenant chains"
+    )
+    raise typer.Exit(1)
+
+
+@audit_app.command("show")
+def audit_show(
+    tenant: AuditTenantOption = None,
+    limit: Annotated[int, typer.Option("--limit", "-n", min=1, max=10_000, help="how many entries")] = 20,
+) -> None:
+    """Show the latest audit entries, newest first (hashes shortened to 12 characters)."""
+    from infra.warehouse import WarehouseError
+    from streams.audit import latest_entries
+
+    try:
+        result = latest_entries(settings(), tenant=tenant, limit=limit)
+    except WarehouseError as exc:
+        raise _warehouse_failure(exc) from None
+    from rich.text import Text
+
+    columns = ("tenant", "seq", "actor", "action", "resource", "model_version", "request_id", "decision")
+    table = Table(
+        "time (UTC)", *columns, "details", "prev_hash", "entry_hash", title="audit log, latest first"
+    )
+    for values in result.rows:
+        row = {column: str(value) for column, value in zip(result.columns, values, strict=True)}
+        try:
+            details = " ".join(f"{k}={v}" for k, v in json.loads(row["details"]).items())
+        except (ValueError, AttributeError):
+            details = row["details"]  # not a JSON object: show it as stored (verify reports it)
+        time_text = row["time"].replace("T", " ").removesuffix("+00:00").removesuffix("000")
+        cells = [time_text, *(row[column] for column in columns), details]
+        table.add_row(
+            *(Text(cell) for cell in cells), f"{row['prev_hash'][:12]}…", f"{row['entry_hash'][:12]}…"
+        )
+    out.print(table)
+    if not result.rows:
+        console.print("[yellow]no audit entries[/]")
+
+
 # ---------------------------------------------------------------- models and services
 
 
@@ -429,6 +518,32 @@ def edge() -> None:
     raise typer.Exit(run_edge_process(settings(), console))
 
 
+@app.command("streams")
+def streams() -> None:
+    """Run the streams worker until SIGTERM/Ctrl-C: the event log into the warehouse (facts, SLIs, cost
+    ledger, audit chain), budget and burn-rate events, and the dashboard on SLUICE_STREAMS_PORT."""
+    from sluice.services import run_streams_process
+
+    raise typer.Exit(run_streams_process(settings(), console))
+
+
+@app.command("replay")
+def replay(
+    data_dir: Annotated[
+        str | None,
+        typer.Option(
+            "--data-dir",
+            help="embedded warehouse to rebuild (under DIR/warehouse); default SLUICE_DATA_DIR. Must be empty.",
+        ),
+    ] = None,
+) -> None:
+    """Rebuild the warehouse from the topics, from offset 0, into an empty warehouse (same rows as the
+    live streams worker writes: compare them with `sluice sql`)."""
+    from sluice.services import run_replay
+
+    raise typer.Exit(run_replay(settings(), console, data_dir))
+
+
 # ---------------------------------------------------------------- settings and up
 
 
@@ -446,7 +561,8 @@ def show_settings() -> None:
 
 @app.command("up")
 def up() -> None:
-    """Run the platform on embedded defaults until Ctrl-C: Kafka, topics, warehouse."""
+    """Run the platform on embedded defaults until Ctrl-C: Kafka, topics, the streams worker (warehouse,
+    dashboard), models, one worker per model, and the edge."""
     from sluice.up import run_platform
 
     raise typer.Exit(run_platform(settings(), out, console))

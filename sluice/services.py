@@ -18,6 +18,7 @@ from monitoring.metrics import bound_tenants
 from monitoring.settings import ObservabilitySettings
 from monitoring.tracing import configure_tracing, shutdown_tracing
 from schemas.settings import PlatformSettings, SettingsError, load_settings
+from streams.settings import StreamsSettings
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
     from infra.kafka.broker import LocalKafka
 
 # Every service's settings class, imported here so the settings registry knows all SLUICE_* names.
-SERVICE_SETTINGS = (EdgeSettings, WorkerSettings, ObservabilitySettings)
+SERVICE_SETTINGS = (EdgeSettings, WorkerSettings, ObservabilitySettings, StreamsSettings)
 
 
 def local_broker(platform: PlatformSettings, console: Console) -> LocalKafka:
@@ -121,4 +122,94 @@ def run_edge_process(platform: PlatformSettings, console: Console, port: int | N
         asyncio.run(main())
     finally:
         shutdown_tracing(provider)
+    return 0
+
+
+def run_streams_process(platform: PlatformSettings, console: Console) -> int:
+    """``sluice streams``: the streams worker until SIGINT/SIGTERM."""
+    from infra.errors import InfraError
+    from streams.pricing import PricingError
+    from streams.service import StreamsService
+
+    try:
+        settings = load_settings(StreamsSettings)
+        provider = observe("streams")
+    except SettingsError as exc:
+        console.print(f"[red]settings error:[/] {exc}")
+        return 2
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        async with StreamsService(platform, settings) as service:
+            console.print(f"streams: dashboard {service.url}/dashboard")
+            await stop.wait()
+
+    try:
+        asyncio.run(main())
+    except (InfraError, PricingError) as exc:
+        console.print(f"[red]error:[/] {exc}")
+        return 1
+    finally:
+        shutdown_tracing(provider)
+    return 0
+
+
+def run_replay(platform: PlatformSettings, console: Console, data_dir: str | None) -> int:
+    """``sluice replay``: rebuild the warehouse from the log into an empty one; returns the exit code."""
+    import msgspec
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    from infra.errors import InfraError
+    from infra.warehouse import migrate, open_warehouse
+    from streams.pricing import PricingError, load_prices
+    from streams.replay import TABLES, ReplayError, replay
+    from streams.service import request_topics
+
+    try:
+        settings = load_settings(StreamsSettings)
+        target = platform if data_dir is None else msgspec.structs.replace(platform, data_dir=data_dir)
+        prices = load_prices(settings.streams_prices_file)
+        client = open_warehouse(target)
+    except (SettingsError, PricingError, InfraError) as exc:
+        console.print(f"[red]error:[/] {exc}")
+        return 2
+    try:
+        migrate(client)
+        filled = {t: int(client.query(f"SELECT count() FROM {t}").result_rows[0][0]) for t in TABLES}  # noqa: S608
+        if any(filled.values()):
+            counts = ", ".join(f"{t}: {n}" for t, n in filled.items() if n)
+            console.print(
+                f"[red]error:[/] the target warehouse is not empty ({counts}); replay into a new --data-dir"
+            )
+            return 1
+        topics, _ = request_topics(platform)
+        with Progress(
+            "[progress.description]{task.description}",
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=console,
+        ) as bar:
+            task = bar.add_task("replaying the log", total=None)
+            report = replay(
+                platform,
+                client,
+                prices,
+                topics,
+                store_content=settings.streams_store_content,
+                batch_size=settings.streams_batch_size,
+                progress=lambda done, total: bar.update(task, completed=done, total=total),
+            )
+    except (ReplayError, InfraError, RuntimeError) as exc:
+        console.print(f"[red]error:[/] {exc}")
+        return 1
+    finally:
+        client.close()
+    console.print(
+        f"replayed {report.events} events from {report.partitions} partitions in {report.seconds:.1f}s"
+        + (f" ({report.undecodable} undecodable, skipped)" if report.undecodable else "")
+    )
     return 0

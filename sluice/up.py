@@ -1,7 +1,8 @@
 """``sluice up``: bring the platform's pieces up in order, hold them until a signal, stop them in reverse.
 
-Kafka (unless ``SLUICE_KAFKA_BOOTSTRAP``) → topics → warehouse (migrated, served to other processes) →
-models (built or linked) → one worker process per model (restarted if it dies) → the edge, in this process.
+Kafka (unless ``SLUICE_KAFKA_BOOTSTRAP``) → topics → the streams worker (a child process that owns the
+warehouse, serves reads and the dashboard) → models (built or linked) → one worker process per model →
+the edge, in this process. Child processes are restarted with back-off if they die.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from rich.console import Console
 from gpu_workers.settings import WorkerSettings
 from infra.errors import InfraError
 from infra.topics import apply_topics, make_admin, platform_topics
-from infra.warehouse import WarehouseQueryServer, migrate, open_warehouse
 from ingest.auth import DEMO_KEY
 from ingest.main import build_edge
 from ingest.settings import EdgeSettings
@@ -26,6 +26,7 @@ from monitoring.tracing import shutdown_tracing
 from schemas.settings import PlatformSettings, SettingsError, load_settings
 from schemas.topics import TopicNames
 from sluice.services import local_broker, observe, replies_partitions
+from streams.settings import StreamsSettings
 
 
 def run_platform(settings: PlatformSettings, out: Console, console: Console, port: int | None = None) -> int:
@@ -50,12 +51,14 @@ def run_platform(settings: PlatformSettings, out: Console, console: Console, por
 STOP_GRACE_S = 30.0
 
 
-class WorkerProcess:
-    """One ``sluice worker --model M`` child, restarted with back-off if it exits on its own."""
+class ServiceProcess:
+    """One ``sluice <command>`` child (a worker, the streams worker), restarted with back-off if it exits
+    on its own."""
 
-    def __init__(self, model_id: str, console: Console, ops_port: int) -> None:
-        self.model_id = model_id
-        self.ops_port = ops_port
+    def __init__(self, name: str, args: list[str], console: Console, env: dict[str, str]) -> None:
+        self.name = name
+        self._args = args
+        self._env = env
         self._console = console
         self._proc: asyncio.subprocess.Process | None = None
         self._task: asyncio.Task[None] | None = None
@@ -66,26 +69,18 @@ class WorkerProcess:
         return self._stopping
 
     async def start(self) -> None:
-        self._task = asyncio.create_task(self._supervise(), name=f"worker-{self.model_id}")
+        self._task = asyncio.create_task(self._supervise(), name=self.name)
 
     async def _supervise(self) -> None:
         backoff = 1.0
         while not self._stopping:
             self._proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "sluice",
-                "worker",
-                "--model",
-                self.model_id,
-                env={**os.environ, "SLUICE_WORKER_OPS_PORT": str(self.ops_port)},
+                sys.executable, "-m", "sluice", *self._args, env={**os.environ, **self._env}
             )
             code = await self._proc.wait()
             if self.stopping:
                 return
-            self._console.print(
-                f"[yellow]worker {self.model_id} exited with {code}; restarting in {backoff:.0f}s[/]"
-            )
+            self._console.print(f"[yellow]{self.name} exited with {code}; restarting in {backoff:.0f}s[/]")
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 30.0)
 
@@ -126,24 +121,31 @@ async def _serve(
         created = sum(c.action != "unchanged" for c in changes)
         console.print(f"topics: {len(changes)} in spec, {created} created or changed")
 
-        client = await asyncio.to_thread(open_warehouse, settings)
-        stack.callback(client.close)
-        applied = await asyncio.to_thread(migrate, client)
-        console.print(f"warehouse: {len(applied)} migration(s) applied")
-        server = await stack.enter_async_context(WarehouseQueryServer(client, settings))
+        # The streams worker owns the embedded warehouse (migrates it, serves reads to other processes)
+        # and the dashboard; it can be killed and restarted without losing or double counting anything.
+        streams_settings = load_settings(StreamsSettings)
+        streams = ServiceProcess("streams", ["streams"], console, {})
+        await streams.start()
+        stack.push_async_callback(streams.stop)
 
         # In a child process: torch stays out of the edge's process (and off its cores).
         console.print("preparing models (the first run builds demo-gpt, about a minute)")
         prepare = await asyncio.create_subprocess_exec(sys.executable, "-m", "sluice", "models", "prepare")
         if await prepare.wait() != 0:
             raise InfraError("`sluice models prepare` failed (see above)")
-        workers: list[WorkerProcess] = []
+        workers: list[tuple[str, int]] = []
         base = load_settings(WorkerSettings).worker_ops_port  # worker i serves /metrics on base + i
         for index, model_id in enumerate(settings.served_models()):
-            worker = WorkerProcess(model_id, console, base + index if base else 0)
+            port = base + index if base else 0
+            worker = ServiceProcess(
+                f"worker {model_id}",
+                ["worker", "--model", model_id],
+                console,
+                {"SLUICE_WORKER_OPS_PORT": str(port)},
+            )
             await worker.start()
             stack.push_async_callback(worker.stop)
-            workers.append(worker)
+            workers.append((model_id, port))
 
         edge, gateway = build_edge(
             settings, edge_settings, await asyncio.to_thread(replies_partitions, settings)
@@ -153,10 +155,10 @@ async def _serve(
         stack.push_async_callback(edge.stop)
 
         out.print(f"[bold green]sluicegate is up[/]  {edge.url}/v1   API key: {DEMO_KEY}")
-        out.print(
-            f"  Kafka {settings.bootstrap}   warehouse reads {server.url}   models: {', '.join(settings.served_models())}"
-        )
-        ops = ", ".join(f"{w.model_id} http://127.0.0.1:{w.ops_port or '<free port>'}" for w in workers)
+        out.print(f"  Kafka {settings.bootstrap}   models: {', '.join(settings.served_models())}")
+        ops = ", ".join(f"{model} http://127.0.0.1:{port or '<free port>'}" for model, port in workers)
+        dashboard = f"http://{streams_settings.streams_host}:{streams_settings.streams_port}"
+        out.print(f"  dashboard {dashboard}/dashboard   (streams metrics on {dashboard}/metrics)")
         out.print(f"  metrics: edge {edge.url}/metrics; workers {ops} (/metrics /healthz /readyz)")
         out.print('  `sluice sql "SELECT ..."` queries the warehouse; Ctrl-C stops everything.')
         await stop.wait()

@@ -1,0 +1,173 @@
+"""The streams process: owns the embedded warehouse, runs the Faust app, serves the dashboard and ops.
+
+``start()``: open the warehouse (this process becomes its owner: other processes read it through the
+query server, e.g. ``sluice sql``), apply migrations and the raw-event retention, start the Faust app,
+then the HTTP server with ``/dashboard``, ``/metrics``, ``/healthz`` and ``/readyz``. ``stop()`` in reverse.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from aiohttp import web
+from clickhouse_connect.driver.client import Client
+
+from bus.producer import EventProducer
+from infra.topics import make_admin
+from infra.warehouse import WarehouseQueryServer, migrate, open_warehouse
+from monitoring import metrics
+from monitoring.ops import Readiness
+from monitoring.slo import load_slo_config
+from schemas.settings import PlatformSettings
+from schemas.topics import TopicNames
+from streams.app import StreamsApp
+from streams.control import Controller, load_budgets
+from streams.pricing import load_prices
+from streams.settings import StreamsSettings
+
+log = logging.getLogger(__name__)
+
+
+def request_topics(platform: PlatformSettings) -> tuple[list[str], int]:
+    """The existing request topics (every model ever served) and the results topic's partition count."""
+    names = TopicNames(platform.topic_prefix)
+    topics = make_admin(platform.bootstrap).list_topics(timeout=10).topics
+    results = topics.get(names.results)
+    if results is None or results.error is not None:
+        raise RuntimeError(f"topic {names.results} does not exist: run `sluice topics apply`")
+    return sorted(t for t in topics if t.startswith(names.requests_prefix)), len(results.partitions)
+
+
+def apply_retention(client: Client, days: int) -> None:
+    """``events_raw`` keeps an event ``days`` days (a table TTL; derived tables keep their rows)."""
+    client.command(f"ALTER TABLE events_raw MODIFY TTL toDateTime(time) + INTERVAL {int(days)} DAY")
+
+
+class StreamsService:
+    def __init__(
+        self, platform: PlatformSettings, settings: StreamsSettings, *, app_id: str | None = None
+    ) -> None:
+        self.platform = platform
+        self.settings = settings
+        self._app_id = app_id
+        self._client: Client | None = None
+        self._writer: Client | None = None
+        self._query_server: WarehouseQueryServer | None = None
+        self._producer = EventProducer(platform.bootstrap, "streams")
+        self.streams: StreamsApp | None = None
+        self._runner: web.AppRunner | None = None
+        self._reads = asyncio.Lock()
+
+    async def start(self) -> None:
+        try:
+            await self._start()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _start(self) -> None:
+        platform, settings = self.platform, self.settings
+        self._client = await asyncio.to_thread(open_warehouse, platform)
+        await asyncio.to_thread(migrate, self._client)
+        await asyncio.to_thread(apply_retention, self._client, settings.streams_raw_retention_days)
+        self._writer = await asyncio.to_thread(open_warehouse, platform)
+        self._query_server = WarehouseQueryServer(self._client, platform)
+        await self._query_server.start()
+        self._producer.start()
+        topics, partitions = await asyncio.to_thread(request_topics, platform)
+        self.streams = StreamsApp(
+            platform,
+            settings,
+            self._writer,
+            load_prices(settings.streams_prices_file),
+            self._producer,
+            controller=Controller(
+                load_budgets(settings.streams_budgets_file),
+                load_slo_config(Path(settings.streams_slo_file) if settings.streams_slo_file else None),
+            ),
+            request_topics=topics,
+            results_partitions=partitions,
+            app_id=self._app_id,
+        )
+        await self.streams.start()
+        app = web.Application()
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/healthz", self._healthz)
+        app.router.add_get("/readyz", self._readyz)
+        self._add_dashboard(app)
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, settings.streams_host, settings.streams_port).start()
+        log.info("streams: dashboard and metrics on %s", self.url)
+
+    def _add_dashboard(self, app: web.Application) -> None:
+        from streams.dashboard import Dashboard
+
+        Dashboard(self.query).add_to(app)
+
+    async def query(self, sql: str) -> list[dict[str, Any]]:
+        """Run a read on the owner's client (one at a time), rows as dicts."""
+        client = self._client
+        if client is None:
+            raise RuntimeError("the streams service is not started")
+        async with self._reads:
+            result = await asyncio.to_thread(client.query, sql)
+        return [dict(zip(result.column_names, row, strict=True)) for row in result.result_rows]
+
+    @property
+    def port(self) -> int:
+        if self._runner is None or not self._runner.addresses:
+            raise RuntimeError("the streams service is not started")
+        return int(self._runner.addresses[0][1])
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.settings.streams_host}:{self.port}"
+
+    def readiness(self) -> Readiness:
+        streams = self.streams
+        return Readiness.of(
+            warehouse=self._query_server is not None,
+            kafka=streams is not None and streams.assigned,
+        )
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=metrics.exposition(), headers={"Content-Type": metrics.CONTENT_TYPE})
+
+    async def _healthz(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "service": "streams"})
+
+    async def _readyz(self, request: web.Request) -> web.Response:
+        readiness = self.readiness()
+        return web.Response(
+            body=readiness.to_json(), status=200 if readiness.ready else 503, content_type="application/json"
+        )
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self.streams is not None:
+            await self.streams.stop()
+            self.streams = None
+        await asyncio.to_thread(self._producer.stop)
+        if self._query_server is not None:
+            await self._query_server.stop()
+            self._query_server = None
+        for client in (self._writer, self._client):
+            if client is not None:
+                client.close()
+        self._writer = self._client = None
+
+    async def __aenter__(self) -> StreamsService:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.stop()

@@ -1,0 +1,126 @@
+"""Events into warehouse rows: the one place that decides what the warehouse holds.
+
+The live streams worker and ``sluice replay`` both hand batches of consumed records to :class:`Rows` and
+insert what it returns with :func:`insert`, so a replay of the log builds the same tables. Every table
+is idempotent under redelivery: ``events_raw`` collapses on the event id, ``request_facts`` on the request
+(latest terminal event wins), ``audit_log`` on (tenant, seq). Prompts, completions, embeddings and token
+ids are removed before an event is stored unless ``streams_store_content`` is set.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import msgspec
+
+from schemas.codec import DecodeError, decode, encode
+from schemas.events import (
+    AuditEntry,
+    EmbeddingRequested,
+    Event,
+    GenerationRequested,
+    RequestFinished,
+    TokenChunk,
+)
+from streams.audit import AUDIT_COLUMNS, audit_row
+from streams.facts import FACT_COLUMNS, fact_row
+from streams.pricing import PriceTable
+
+log = logging.getLogger(__name__)
+
+RAW_COLUMNS = (
+    "event_id", "type", "time", "tenant", "model", "request_id", "source", "payload", "topic", "partition",
+    "offset",
+)  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class Consumed:
+    """A consumed record, from Faust or from a plain consumer (replay)."""
+
+    topic: str
+    partition: int
+    offset: int
+    value: bytes
+
+
+@dataclass
+class Batch:
+    """Rows for each table, plus the decoded events (for metrics and spans) and what failed to decode."""
+
+    raw: list[list[Any]] = field(default_factory=list)
+    facts: list[list[Any]] = field(default_factory=list)
+    audit: list[list[Any]] = field(default_factory=list)
+    events: list[tuple[Consumed, Event]] = field(default_factory=list)
+    undecodable: list[tuple[Consumed, DecodeError]] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.events) + len(self.undecodable)
+
+
+def redact(event: Event) -> Event:
+    """The event without prompt/completion text, token ids or vectors (what ``events_raw`` keeps)."""
+    match event:
+        case GenerationRequested():
+            return msgspec.structs.replace(event, prompt=None, input_ids=[])
+        case EmbeddingRequested():
+            return msgspec.structs.replace(event, texts=None, inputs=[])
+        case RequestFinished():
+            return msgspec.structs.replace(event, text=None, embeddings=None)
+        case TokenChunk():
+            return msgspec.structs.replace(event, text="", token_ids=[])
+    return event
+
+
+class Rows:
+    def __init__(self, prices: PriceTable, *, store_content: bool = False) -> None:
+        self._prices = prices
+        self._store_content = store_content
+
+    def batch(self, records: Iterable[Consumed]) -> Batch:
+        out = Batch()
+        for record in records:
+            try:
+                event = decode(record.value)
+            except DecodeError as exc:
+                out.undecodable.append((record, exc))
+                continue
+            out.events.append((record, event))
+            stored = event if self._store_content else redact(event)
+            out.raw.append(
+                [
+                    event.id,
+                    type(event).__struct_config__.tag,
+                    event.time,
+                    event.tenant,
+                    event.model,
+                    event.request_id,
+                    event.source,
+                    encode(stored).decode(),
+                    record.topic,
+                    record.partition,
+                    record.offset,
+                ]
+            )
+            if isinstance(event, RequestFinished):
+                out.facts.append(fact_row(event, self._prices))
+            elif isinstance(event, AuditEntry):
+                out.audit.append(audit_row(event))
+        return out
+
+
+class Inserter(Protocol):
+    def insert(self, table: str, data: Sequence[Sequence[Any]], column_names: Sequence[str]) -> object: ...
+
+
+def insert(client: Inserter, batch: Batch) -> None:
+    """Write a batch's rows (blocking: call it from a thread when on an event loop)."""
+    if batch.raw:
+        client.insert("events_raw", batch.raw, column_names=RAW_COLUMNS)
+    if batch.facts:
+        client.insert("request_facts", batch.facts, column_names=FACT_COLUMNS)
+    if batch.audit:
+        client.insert("audit_log", batch.audit, column_names=AUDIT_COLUMNS)
