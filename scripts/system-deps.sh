@@ -2,11 +2,13 @@
 # Source this file: installs the system programs the platform needs when they are missing (Debian apt).
 # The JDK runs the Kafka broker; Maven resolves the broker's jars from Maven Central once.
 # promtool and amtool check the generated Prometheus rules and the example Alertmanager config (tests).
+# Chromium (headless) renders the dashboard in its browser test.
 _need=()
 command -v java >/dev/null 2>&1 || _need+=(openjdk-17-jre-headless)
 command -v mvn >/dev/null 2>&1 || _need+=(maven)
 command -v promtool >/dev/null 2>&1 || _need+=(prometheus)
 command -v amtool >/dev/null 2>&1 || _need+=(prometheus-alertmanager)
+command -v chromium >/dev/null 2>&1 || _need+=(chromium)
 if [ "${#_need[@]}" -gt 0 ]; then
   echo "system-deps: installing ${_need[*]} with apt-get" >&2
   _sudo=""; [ "$(id -u)" -eq 0 ] || _sudo="sudo"

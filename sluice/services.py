@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import threading
@@ -128,6 +129,8 @@ def run_edge_process(platform: PlatformSettings, console: Console, port: int | N
 def run_streams_process(platform: PlatformSettings, console: Console) -> int:
     """``sluice streams``: the streams worker until SIGINT/SIGTERM."""
     from infra.errors import InfraError
+    from monitoring.slo import SloConfigError
+    from streams.control import BudgetError
     from streams.pricing import PricingError
     from streams.service import StreamsService
 
@@ -145,16 +148,24 @@ def run_streams_process(platform: PlatformSettings, console: Console) -> int:
             loop.add_signal_handler(sig, stop.set)
         async with StreamsService(platform, settings) as service:
             console.print(f"streams: dashboard {service.url}/dashboard")
-            await stop.wait()
+            while not stop.is_set() and service.failure is None:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), 0.5)
+            if service.failure is not None:
+                raise StreamsFailed(str(service.failure)) from service.failure
 
     try:
         asyncio.run(main())
-    except (InfraError, PricingError) as exc:
+    except (InfraError, PricingError, BudgetError, SloConfigError, StreamsFailed) as exc:
         console.print(f"[red]error:[/] {exc}")
         return 1
     finally:
         shutdown_tracing(provider)
     return 0
+
+
+class StreamsFailed(RuntimeError):
+    """A streams agent crashed: exit non-zero so the supervisor restarts the process."""
 
 
 def run_replay(platform: PlatformSettings, console: Console, data_dir: str | None) -> int:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -95,11 +95,13 @@ class StreamsApp:
         self._results = self.app.topic(names.results, **raw)
         self._audit_out = self.app.topic(names.audit, **raw)
         self._heads = self.app.Table("audit-heads", default=None, partitions=results_partitions)
-        self.app.agent(self._sink_channel, name="sink")(self._sink)
-        self.app.agent(self._results, name="audit")(self._audit)
+        self.app.agent(self._sink_channel, name="sink")(self._guard(self._sink))
+        self.app.agent(self._results, name="audit")(self._guard(self._audit))
         self._controller = controller
         if controller is not None:
             self.app.timer(settings.streams_control_interval_s, name="control")(self._control)
+        self.failure: BaseException | None = None
+        """Set when an agent crashed: the process must exit (and be restarted), not limp on."""
         self._batch_size = settings.streams_batch_size
         self._within = settings.streams_batch_ms / 1000
 
@@ -116,6 +118,25 @@ class StreamsApp:
         return bool(consumer.assignment()) if consumer is not None else False
 
     # ---------------------------------------------------------------- agents
+
+    def _guard(
+        self, agent: Callable[[faust.StreamT[bytes]], Awaitable[None]]
+    ) -> Callable[[faust.StreamT[bytes]], Awaitable[None]]:
+        """Faust logs an agent's crash and carries on without it; record it instead, so the process
+        stops and its supervisor restarts it from the committed offsets."""
+
+        async def guarded(stream: faust.StreamT[bytes]) -> None:
+            try:
+                await agent(stream)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.exception("streams agent %s crashed", agent.__name__)
+                self.failure = exc
+                raise
+
+        guarded.__name__ = agent.__name__
+        return guarded
 
     async def _sink(self, stream: faust.StreamT[bytes]) -> None:
         batches = stream.take_events(self._batch_size, within=self._within)  # type: ignore[attr-defined]
@@ -203,14 +224,27 @@ class StreamsApp:
             except DecodeError:
                 continue  # the sink dead-letters it
             if isinstance(finished, RequestFinished):
-                await self._chain(finished)
+                await self._chain(finished, event.message.partition, event.message.offset)
 
-    async def _chain(self, finished: RequestFinished) -> None:
+    async def _chain(self, finished: RequestFinished, partition: int, offset: int) -> None:
+        """Append the request's entry to its tenant's chain, once.
+
+        The head remembers where (results partition, offset) the tenant's last entry came from. The
+        head's changelog and the entry commit in the same transaction, but this topic's offsets commit
+        only once the sink has also written the event, so after a crash an event can come back whose
+        entry is already committed: the head says so, and it is skipped."""
         stored = self._heads.get(finished.tenant)
+        if stored and stored.get("partition") == partition and offset <= stored.get("offset", -1):
+            return
         head = AuditHead(seq=stored["seq"], entry_hash=stored["entry_hash"]) if stored else None
         entry = request_entry(head, finished, source=SOURCE)
         await self._audit_out.send(key=finished.tenant.encode(), value=encode(entry), headers=headers(entry))
-        self._heads[finished.tenant] = {"seq": entry.seq, "entry_hash": entry.entry_hash}
+        self._heads[finished.tenant] = {
+            "seq": entry.seq,
+            "entry_hash": entry.entry_hash,
+            "partition": partition,
+            "offset": offset,
+        }
         metrics.STREAMS_AUDIT_ENTRIES.inc()
 
 

@@ -128,6 +128,10 @@ class StreamsService:
     def url(self) -> str:
         return f"http://{self.settings.streams_host}:{self.port}"
 
+    @property
+    def failure(self) -> BaseException | None:
+        return self.streams.failure if self.streams is not None else None
+
     def readiness(self) -> Readiness:
         streams = self.streams
         return Readiness.of(

@@ -1,0 +1,312 @@
+"""SQL over the warehouse's facts and views: the analysts' saved queries and the dashboard's series.
+
+Every statement is a plain read (``SELECT``) that runs the same on chDB and on a ClickHouse server, so
+``sluice sql --saved NAME`` can send it through the owner's read-only query server. Statements that depend
+on the SLO targets (error budget, burn rate) are generated from a :class:`monitoring.slo.SloConfig`: each
+model's tier gives its availability target, budget and window, as a ``multiIf`` over the tiers' models.
+
+Percentiles over time come from ``request_facts`` rather than from ``sli_minute``: the view holds one
+percentile per minute *and tenant and version*, and percentiles cannot be merged, so a per-model
+percentile has to be computed from the rows themselves. Counts and spend sum, so they come from the views.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from monitoring.slo import DEFAULT_CONFIG, SloConfig, Tier
+
+__all__ = [
+    "DEFAULT_MINUTES",
+    "DRIFT_TABLE",
+    "MAX_MINUTES",
+    "SAVED",
+    "DashboardSql",
+    "SavedQuery",
+    "dashboard_sql",
+    "saved_queries",
+    "sql_string",
+]
+
+MAX_MINUTES = 1440
+"""The dashboard's longest window (a day): its queries read minute rows, so this bounds their cost."""
+DEFAULT_MINUTES = 60
+DRIFT_TABLE = "drift_reports"
+
+# The availability SLI, as in monitoring.slo: cancelled requests are the client's choice, neither good nor
+# bad. (Shed requests never reach the facts: the edge refuses them before accepting.)
+_GOOD = "status = 'completed'"
+_BAD = "status IN ('failed', 'expired')"
+
+
+@dataclass(frozen=True)
+class SavedQuery:
+    description: str
+    sql: str
+
+
+def sql_string(value: str) -> str:
+    """A ClickHouse single-quoted string literal."""
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def _num(value: float) -> str:
+    """A float literal without representation noise (``1 - 0.995`` is ``0.005``, not ``0.00500…44``)."""
+    return f"{value:.10g}"
+
+
+def _by_tier(config: SloConfig, value: Callable[[Tier], str]) -> str:
+    """An expression of ``model`` giving ``value(tier)`` for the tier each model belongs to."""
+    default = config.tier(config.default_tier)
+    branches = [
+        f"model IN ({', '.join(sql_string(m) for m in tier.models)}), {value(tier)}"
+        for tier in config.tiers
+        if tier.models and tier.name != config.default_tier
+    ]
+    if not branches:
+        return value(default)
+    return f"multiIf({', '.join(branches)}, {value(default)})"
+
+
+def _availability_budget(tier: Tier) -> str:
+    return _num(1 - tier.availability)
+
+
+def _error_budget_left(config: SloConfig) -> str:
+    """Per model and objective (availability, and time to first token where the tier has one), over the
+    tier's budget window: the error ratio, the budget (``1 - target``), the share of it consumed (``error
+    ratio / budget``) and the share left (``1 - consumed``; negative once overspent).
+
+    The inter-token-latency objective counts tokens, which the facts do not hold one by one (only a mean
+    and a maximum per request); its budget is in Prometheus (``sluice slo rules``).
+    """
+    tier = _by_tier(config, lambda t: sql_string(t.name))
+    window = _by_tier(config, lambda t: str(t.window_days))
+    in_window = f"finished >= now64(3) - toIntervalDay({window})"
+    availability = f"""SELECT model, {tier} AS tier, 'availability' AS slo,
+        {_by_tier(config, lambda t: _num(t.availability))} AS target,
+        {_by_tier(config, _availability_budget)} AS budget, {window} AS window_days,
+        toUInt8({_BAD}) AS bad
+    FROM request_facts FINAL
+    WHERE ({_GOOD} OR {_BAD}) AND {in_window}"""  # noqa: S608 (built from the config)
+    selects = [availability]
+    # The tiers that can hold a model: the default one, and every other tier that lists models.
+    used = [t for t in config.tiers if t.name == config.default_tier or t.models]
+    if any(t.ttft is not None for t in used):
+        # A tier without a TTFT objective gets NULL target and threshold, and its models no TTFT rows.
+        def ttft(field: Callable[[Tier], str]) -> str:
+            return _by_tier(config, lambda t: field(t) if t.ttft is not None else "NULL")
+
+        target = ttft(lambda t: _num(t.ttft.target if t.ttft else 0))
+        budget = ttft(lambda t: _num(1 - t.ttft.target if t.ttft else 0))
+        threshold_ms = ttft(lambda t: _num(t.ttft.threshold_seconds * 1000 if t.ttft else 0))
+        selects.append(
+            f"""SELECT model, {tier} AS tier, 'ttft' AS slo, assumeNotNull({target}) AS target,
+        assumeNotNull({budget}) AS budget, {window} AS window_days,
+        toUInt8(assumeNotNull(ttft_ms) > assumeNotNull({threshold_ms})) AS bad
+    FROM request_facts FINAL
+    WHERE stream AND ttft_ms IS NOT NULL AND ({threshold_ms}) IS NOT NULL AND {in_window}"""  # noqa: S608
+        )
+    union = "\n    UNION ALL\n    ".join(selects)
+    return f"""SELECT
+    model,
+    tier,
+    slo,
+    target,
+    window_days,
+    count() AS events,
+    sum(bad) AS bad_events,
+    bad_events / events AS error_ratio,
+    any(budget) AS error_budget,
+    error_ratio / error_budget AS budget_consumed,
+    1 - budget_consumed AS budget_left
+FROM
+(
+    {union}
+)
+GROUP BY model, tier, slo, target, window_days
+ORDER BY model, slo"""  # noqa: S608
+
+
+_TOP_TENANTS = """SELECT
+    tenant,
+    sum(requests) AS requests,
+    sum(prompt_tokens) AS prompt_tokens,
+    sum(completion_tokens) AS completion_tokens,
+    sum(cost_nanos) AS cost_nanos,
+    cost_nanos / 1e9 AS spend_usd
+FROM spend_day
+WHERE day > today() - 30
+GROUP BY tenant
+ORDER BY cost_nanos DESC, tenant
+LIMIT 20"""
+
+_P99_TTFT = """SELECT
+    model,
+    model_version,
+    count() AS requests,
+    countIf(stream) AS streamed,
+    quantileExact(0.5)(assumeNotNull(ttft_ms)) AS ttft_p50_ms,
+    quantileExact(0.95)(assumeNotNull(ttft_ms)) AS ttft_p95_ms,
+    quantileExact(0.99)(assumeNotNull(ttft_ms)) AS ttft_p99_ms,
+    min(finished) AS first_seen,
+    max(finished) AS last_seen
+FROM request_facts FINAL
+WHERE ttft_ms IS NOT NULL AND finished >= now64(3) - INTERVAL 1 DAY
+GROUP BY model, model_version
+ORDER BY model, ttft_p99_ms DESC, model_version"""
+
+_ERRORS_BY_REASON = """SELECT
+    model,
+    reason,
+    sum(requests) AS requests,
+    uniqExact(tenant) AS tenants,
+    max(minute) AS last_seen
+FROM errors_minute
+WHERE minute >= now() - INTERVAL 1 DAY
+GROUP BY model, reason
+ORDER BY requests DESC, model, reason"""
+
+_SLIS_LAST_HOUR = """SELECT
+    model,
+    sum(requests) AS requests,
+    sum(completed) AS completed,
+    sum(errors) AS errors,
+    sum(cancelled) AS cancelled,
+    if(completed + errors = 0, 1.0, completed / (completed + errors)) AS availability,
+    sum(completion_tokens) / 3600 AS tokens_per_s
+FROM sli_minute
+WHERE minute >= now() - INTERVAL 1 HOUR
+GROUP BY model
+ORDER BY model"""
+
+
+def saved_queries(config: SloConfig = DEFAULT_CONFIG) -> dict[str, SavedQuery]:
+    """The analysts' saved queries, by name; ``error-budget-left`` uses ``config``'s targets."""
+    return {
+        "top-tenants-by-spend": SavedQuery(
+            "Tenants by spend over the last 30 days (UTC days), highest first: requests, tokens, exact "
+            "cost in nano-USD and USD.",
+            _TOP_TENANTS,
+        ),
+        "p99-ttft-by-model-version": SavedQuery(
+            "Time to first token (ms) per model version over the last 24 hours: p50, p95, p99 of every "
+            "request that produced a first token.",
+            _P99_TTFT,
+        ),
+        "error-budget-left": SavedQuery(
+            "Per model and objective (availability; TTFT of streamed requests), over the model's tier's "
+            "window: error ratio, budget (1 - target), share consumed (error ratio / budget) and share "
+            "left (1 - consumed, negative once overspent).",
+            _error_budget_left(config),
+        ),
+        "errors-by-reason": SavedQuery(
+            "Failed and expired requests over the last 24 hours per model and reason (the worker's error "
+            "code, else the status).",
+            _ERRORS_BY_REASON,
+        ),
+        "slis-last-hour": SavedQuery(
+            "Per model over the last hour: requests, completed, errors, cancelled, availability and "
+            "generated tokens per second.",
+            _SLIS_LAST_HOUR,
+        ),
+    }
+
+
+SAVED: dict[str, SavedQuery] = saved_queries()
+"""The saved queries with the built-in SLO targets (``saved_queries(config)`` for another config)."""
+
+
+# ---------------------------------------------------------------- the dashboard
+
+
+@dataclass(frozen=True)
+class DashboardSql:
+    """The dashboard's statements for one window of ``minutes`` whole minutes (the current one included).
+
+    Minutes come back as ``'YYYY-MM-DD HH:MM:SS'`` strings in UTC, which Plotly reads as dates as they are.
+    """
+
+    latency: str
+    """Per minute and model: requests and exact TTFT p50/p95/p99 and ITL p50/p99 (ms)."""
+    traffic: str
+    """Per minute and model: requests, outcomes, tokens/s, error rate and availability burn rate."""
+    spend: str
+    """Per tenant over the window, highest spend first (at most 25 tenants); every row also carries the
+    window's total spend (``total_nanos``) and number of tenants."""
+    drift_exists: str
+    """One row, ``present``: whether the drift table is there yet."""
+    drift_latest: str
+    """The latest drift report of each model (only when the table exists)."""
+
+
+_DRIFT_EXISTS = (
+    "SELECT count() > 0 AS present FROM system.tables "
+    "WHERE database = currentDatabase() AND name = 'drift_reports'"
+)
+
+
+def dashboard_sql(minutes: int, config: SloConfig = DEFAULT_CONFIG) -> DashboardSql:
+    if not 1 <= minutes <= MAX_MINUTES:
+        raise ValueError(f"minutes must be between 1 and {MAX_MINUTES}, got {minutes}")
+    since = f"toStartOfMinute(now()) - toIntervalMinute({int(minutes) - 1})"
+    minute = "formatDateTime(toStartOfMinute(finished), '%Y-%m-%d %H:%i:%S')"
+    budget = _by_tier(config, _availability_budget)
+    return DashboardSql(
+        latency=f"""SELECT
+    {minute} AS t,
+    model,
+    count() AS requests,
+    quantileExactIf(0.5)(ttft_ms, ttft_ms IS NOT NULL) AS ttft_p50_ms,
+    quantileExactIf(0.95)(ttft_ms, ttft_ms IS NOT NULL) AS ttft_p95_ms,
+    quantileExactIf(0.99)(ttft_ms, ttft_ms IS NOT NULL) AS ttft_p99_ms,
+    quantileExactIf(0.5)(itl_mean_ms, itl_mean_ms IS NOT NULL) AS itl_p50_ms,
+    quantileExactIf(0.99)(itl_mean_ms, itl_mean_ms IS NOT NULL) AS itl_p99_ms
+FROM request_facts FINAL
+WHERE finished >= {since}
+GROUP BY t, model
+ORDER BY model, t""",  # noqa: S608 (an int and expressions built from the config)
+        traffic=f"""SELECT
+    formatDateTime(minute, '%Y-%m-%d %H:%i:%S') AS t,
+    model,
+    sum(requests) AS requests,
+    sum(completed) AS completed,
+    sum(errors) AS errors,
+    sum(cancelled) AS cancelled,
+    sum(completion_tokens) AS completion_tokens,
+    completion_tokens / 60 AS tokens_per_s,
+    if(completed + errors = 0, 0, errors / (completed + errors)) AS error_rate,
+    error_rate / {budget} AS burn_rate
+FROM sli_minute
+WHERE minute >= {since}
+GROUP BY t, model
+ORDER BY model, t""",  # noqa: S608
+        spend=f"""SELECT
+    tenant,
+    requests,
+    completion_tokens,
+    cost_nanos,
+    sum(cost_nanos) OVER () AS total_nanos,
+    count() OVER () AS tenants
+FROM
+(
+    SELECT tenant, sum(requests) AS requests, sum(completion_tokens) AS completion_tokens,
+        sum(cost_nanos) AS cost_nanos
+    FROM spend_minute
+    WHERE minute >= {since}
+    GROUP BY tenant
+)
+ORDER BY cost_nanos DESC, tenant
+LIMIT 25""",  # noqa: S608
+        drift_exists=_DRIFT_EXISTS,
+        drift_latest=f"""SELECT
+    toString(window_end) AS window_end,
+    model,
+    drifted,
+    share_drifted
+FROM {DRIFT_TABLE}
+ORDER BY window_end DESC, model
+LIMIT 1 BY model
+LIMIT 50""",  # noqa: S608
+    )

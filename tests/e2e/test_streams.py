@@ -1,0 +1,407 @@
+"""Issue 4 done-when on the real platform: mixed traffic through the edge and workers, a real ``sluice
+streams`` process (killed with -9 and restarted mid-run) writing into embedded ClickHouse; the warehouse
+equals what the clients saw, exactly; the audit chain verifies; a replay into an empty warehouse gives
+identical aggregates; the dashboard renders the run in Chromium; the streams' spans join the requests'
+traces (exported over OTLP/HTTP to a receiver in this test)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from gpu_workers.models import MINILM_ID
+from gpu_workers.service import WorkerService
+from infra.kafka.broker import free_port
+from infra.warehouse import query_warehouse
+from ingest.auth import DEMO_KEY
+from schemas.events import GenerationRequested, RequestFinished
+from schemas.settings import PlatformSettings
+from streams.pricing import PriceTable
+from tests.e2e.conftest import GPT, Platform
+
+pytestmark = pytest.mark.integration
+AUTH = {"Authorization": f"Bearer {DEMO_KEY}"}
+ROOT = Path(__file__).resolve().parents[2]
+
+# Order-independent checksums of every derived table: equal iff the rows are equal (as multisets).
+CHECKSUMS = {
+    table: f"SELECT count() AS n, sum(cityHash64(*)) AS h FROM (SELECT * FROM {table})"
+    for table in (
+        "request_facts FINAL",
+        "audit_log FINAL",
+        "events_raw FINAL",
+        "sli_minute",
+        "errors_minute",
+        "spend_minute",
+        "spend_day",
+    )
+}
+
+
+class OtlpReceiver:
+    """An OTLP/HTTP traces endpoint in this process: what the streams process exports lands here."""
+
+    def __init__(self) -> None:
+        self.spans: list[Any] = []
+        self._runner: web.AppRunner | None = None
+        self.port = 0
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_post("/v1/traces", self._traces)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = int(self._runner.addresses[0][1])
+
+    async def _traces(self, request: web.Request) -> web.Response:
+        export = ExportTraceServiceRequest.FromString(await request.read())
+        for resource in export.resource_spans:
+            for scope in resource.scope_spans:
+                self.spans.extend(scope.spans)
+        return web.Response(status=200)
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+
+@dataclass
+class Streams:
+    env: dict[str, str]
+    port: int
+    proc: subprocess.Popen[bytes] | None = None
+    log: list[Path] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def settings(self) -> PlatformSettings:
+        return PlatformSettings(
+            kafka_bootstrap=self.env["SLUICE_KAFKA_BOOTSTRAP"],
+            topic_prefix=self.env["SLUICE_TOPIC_PREFIX"],
+            data_dir=self.env["SLUICE_DATA_DIR"],
+        )
+
+    def start(self) -> None:
+        out = Path(self.env["SLUICE_DATA_DIR"]).parent / f"streams-{len(self.log)}.log"
+        self.log.append(out)
+        with out.open("wb") as sink:  # the child keeps its own descriptor
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "sluice", "streams"],
+                env=self.env,
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+            )
+
+    async def ready(self, within: float = 90) -> None:
+        deadline = time.monotonic() + within
+        async with aiohttp.ClientSession() as session:
+            while time.monotonic() < deadline:
+                assert self.proc is not None
+                if self.proc.poll() is not None:
+                    raise AssertionError(f"sluice streams exited: {self.log[-1].read_text()[-3000:]}")
+                try:
+                    async with session.get(f"{self.url}/readyz") as response:
+                        if response.status == 200:
+                            return
+                except aiohttp.ClientError:
+                    pass
+                await asyncio.sleep(0.2)
+        raise AssertionError(f"sluice streams not ready: {self.log[-1].read_text()[-3000:]}")
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    async def sql(self, sql: str) -> list[dict[str, Any]]:
+        result = await asyncio.to_thread(query_warehouse, self.settings, sql)
+        return [dict(zip(result.columns, row, strict=True)) for row in result.rows]
+
+
+@pytest.fixture(scope="module")
+async def otlp() -> AsyncIterator[OtlpReceiver]:
+    receiver = OtlpReceiver()
+    await receiver.start()
+    yield receiver
+    await receiver.stop()
+
+
+@pytest.fixture(scope="module")
+def streams(
+    e2e_settings: PlatformSettings, tmp_path_factory: pytest.TempPathFactory, otlp: OtlpReceiver
+) -> Iterator[Streams]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_") or k == "SLUICE_CACHE_DIR"}
+    env.update(
+        SLUICE_KAFKA_BOOTSTRAP=e2e_settings.bootstrap,
+        SLUICE_TOPIC_PREFIX=e2e_settings.topic_prefix,
+        SLUICE_DATA_DIR=str(tmp_path_factory.mktemp("streams") / "data"),
+        SLUICE_STREAMS_BATCH_MS="100",
+        SLUICE_OTLP_ENDPOINT=f"http://127.0.0.1:{otlp.port}/v1/traces",
+    )
+    running = Streams(env=env, port=free_port())
+    running.env["SLUICE_STREAMS_PORT"] = str(running.port)
+    running.start()
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+@dataclass
+class Seen:
+    """What a client saw of one request."""
+
+    request_id: str
+    model: str
+    outcome: str
+    usage: dict[str, int] | None = None
+
+
+async def _chat_stream(session: aiohttp.ClientSession, url: str, n: int) -> Seen:
+    body = {
+        "model": GPT,
+        "messages": [{"role": "user", "content": f"Tell me story {n}."}],
+        "stream": True,
+        "max_tokens": 12,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
+    async with session.post(f"{url}/chat/completions", headers=AUTH, json=body) as response:
+        assert response.status == 200
+        usage = None
+        async for line in response.content:
+            if line.startswith(b"data: {"):
+                usage = json.loads(line[6:]).get("usage") or usage
+        return Seen(response.headers["x-request-id"], GPT, "completed", usage)
+
+
+async def _completion(session: aiohttp.ClientSession, url: str, n: int) -> Seen:
+    body = {"model": GPT, "prompt": f"The river {n}", "max_tokens": 8 + n}
+    async with session.post(f"{url}/completions", headers=AUTH, json=body) as response:
+        assert response.status == 200
+        return Seen(response.headers["x-request-id"], GPT, "completed", (await response.json())["usage"])
+
+
+async def _embedding(session: aiohttp.ClientSession, url: str, n: int) -> Seen:
+    body = {"model": MINILM_ID, "input": [f"a river {n}", "a stream"]}
+    async with session.post(f"{url}/embeddings", headers=AUTH, json=body) as response:
+        assert response.status == 200
+        return Seen(
+            response.headers["x-request-id"], MINILM_ID, "completed", (await response.json())["usage"]
+        )
+
+
+async def _disconnect(session: aiohttp.ClientSession, url: str) -> Seen:
+    body = {"model": GPT, "prompt": "A long story", "max_tokens": 250, "ignore_eos": True, "stream": True}
+    response = await session.post(f"{url}/completions", headers=AUTH, json=body)
+    assert response.status == 200
+    request_id = response.headers["x-request-id"]
+    async for line in response.content:
+        if line.startswith(b"data: {"):
+            break
+    response.close()  # the client goes away mid-stream
+    return Seen(request_id, GPT, "cancelled")
+
+
+async def _expired(session: aiohttp.ClientSession, url: str) -> Seen:
+    body = {"model": GPT, "prompt": "Too slow", "max_tokens": 250, "ignore_eos": True}
+    headers = {**AUTH, "X-Request-Timeout": "0.05"}
+    async with session.post(f"{url}/completions", headers=headers, json=body) as response:
+        assert response.status == 504
+        return Seen(response.headers.get("x-request-id", ""), GPT, "deadline")
+
+
+async def _bad(session: aiohttp.ClientSession, url: str) -> None:
+    async with session.post(f"{url}/completions", headers=AUTH, json={"model": GPT}) as response:
+        assert response.status == 400  # never published: not in the warehouse
+
+
+async def _traffic(session: aiohttp.ClientSession, url: str, base: int) -> list[Seen]:
+    seen = await asyncio.gather(
+        *(_chat_stream(session, url, base + i) for i in range(4)),
+        *(_completion(session, url, base + i) for i in range(3)),
+        *(_embedding(session, url, base + i) for i in range(2)),
+        _disconnect(session, url),
+    )
+    await _bad(session, url)
+    return list(seen)
+
+
+async def _wait_rows(streams: Streams, expected: int, within: float = 60) -> None:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        rows = await streams.sql("SELECT count() AS n FROM request_facts FINAL")
+        if rows[0]["n"] >= expected:
+            return
+        await asyncio.sleep(0.3)
+    raise AssertionError(f"the warehouse did not reach {expected} requests: {rows}")
+
+
+def _sluice(env: dict[str, str], *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "sluice", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+async def test_the_warehouse_equals_what_clients_saw_through_a_crash_a_replay_and_the_dashboard(
+    platform: Platform,
+    workers: list[WorkerService],
+    streams: Streams,
+    otlp: OtlpReceiver,
+    span_exporter: InMemorySpanExporter,  # the edge and workers in this process record spans
+) -> None:
+    url = platform.base_url
+    await streams.ready()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+        seen = await _traffic(session, url, 0)
+        expired = await _expired(session, url)
+        # kill -9 the streams worker while the second half of the traffic runs, then restart it
+        second = asyncio.create_task(_traffic(session, url, 100))
+        await asyncio.sleep(0.3)
+        streams.kill()
+        seen += await second
+        streams.start()
+        await streams.ready()
+        seen += await _traffic(session, url, 200)
+
+    # Every accepted request is in the log with exactly one terminal event: that is what we compare with.
+    request_ids = {s.request_id for s in seen}
+    slow = [
+        e for e in platform.requests.all() if isinstance(e, GenerationRequested) and e.prompt == "Too slow"
+    ]
+    assert len(slow) == 1, "the request that ran out of time was accepted (and published) once"
+    deadline_id = slow[0].request_id
+    assert expired.request_id in ("", deadline_id)
+    request_ids.add(deadline_id)
+
+    def terminal(rid: str) -> RequestFinished | None:
+        found = [e for e in platform.results.of(rid) if isinstance(e, RequestFinished)]
+        return found[-1] if found else None
+
+    await platform.results.wait(lambda: all(terminal(r) is not None for r in request_ids), within=60)
+    await _wait_rows(streams, len(request_ids))
+
+    facts = {
+        row["request_id"]: row
+        for row in await streams.sql(
+            "SELECT request_id, model, status, prompt_tokens, completion_tokens, cost_nanos, kind, stream "
+            "FROM request_facts FINAL"
+        )
+    }
+    assert set(facts) == request_ids, "exactly the accepted requests, once each"
+    duplicates = await streams.sql(
+        "SELECT count() AS rows, uniqExact(request_id) AS ids FROM request_facts FINAL"
+    )
+    assert duplicates[0]["rows"] == duplicates[0]["ids"] == len(request_ids)
+
+    prices = PriceTable()
+    expected_cost = 0
+    for s in seen:
+        fact = facts[s.request_id]
+        final = terminal(s.request_id)
+        assert final is not None
+        assert fact["status"] == final.status
+        assert fact["prompt_tokens"] == final.usage.prompt_tokens
+        assert fact["completion_tokens"] == final.usage.completion_tokens
+        if s.outcome == "completed":
+            assert fact["status"] == "completed"
+            assert s.usage is not None
+            assert fact["prompt_tokens"] == s.usage["prompt_tokens"]
+            assert fact["completion_tokens"] == s.usage.get("completion_tokens", 0)
+        else:
+            assert fact["status"] == "cancelled"
+        cost = prices.cost_nanos(s.model, fact["prompt_tokens"], fact["completion_tokens"])
+        assert fact["cost_nanos"] == cost
+        expected_cost += cost
+    assert facts[deadline_id]["status"] in ("expired", "cancelled")
+    expected_cost += facts[deadline_id]["cost_nanos"]
+    ledger = await streams.sql("SELECT sum(cost_nanos) AS c, sum(requests) AS n FROM spend_day")
+    assert ledger[0]["c"] == expected_cost
+    assert ledger[0]["n"] == len(request_ids)
+    sli = await streams.sql("SELECT sum(requests) AS n, sum(completed) AS ok FROM sli_minute")
+    assert sli[0]["n"] == len(request_ids)
+    assert sli[0]["ok"] == sum(1 for s in seen if s.outcome == "completed")
+
+    # The audit chain: one entry per request, even across the crash (Kafka transactions), and it verifies.
+    audit = await streams.sql("SELECT count() AS n, uniqExact(request_id) AS ids FROM audit_log FINAL")
+    repeated = await streams.sql(
+        "SELECT request_id, groupArray(seq) AS seqs, groupArray(tenant) AS t FROM audit_log FINAL "
+        "GROUP BY request_id HAVING count() > 1"
+    )
+    assert repeated == []
+    assert audit[0]["n"] == audit[0]["ids"] == len(request_ids)
+    verified = _sluice(streams.env, "audit", "verify")
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+
+    # The dashboard renders this run in a real browser without console errors.
+    from tests.streams.browser import render
+
+    shot = ROOT / "test-artifacts" / "dashboard-e2e.png"
+    rendered = await render(f"{streams.url}/dashboard", shot)
+    assert rendered.console_errors == []
+    assert shot.stat().st_size > 10_000
+
+    # The streams' spans join the requests' traces: a child of the worker's publish span.
+    finals = [f for f in (terminal(r) for r in request_ids) if f is not None and f.traceparent]
+    assert len(finals) == len(request_ids)
+    parents = {(f.traceparent or "").split("-")[1]: (f.traceparent or "").split("-")[2] for f in finals}
+    results_topic = platform.names.results
+
+    def linked() -> bool:
+        return any(
+            span.name == f"process {results_topic}"
+            and parents.get(span.trace_id.hex()) == span.parent_span_id.hex()
+            for span in otlp.spans
+        )
+
+    await platform.results.wait(linked, within=30)
+
+    # Replay the log into an empty warehouse: identical aggregates.
+    replay_env = {
+        **streams.env,
+        "SLUICE_DATA_DIR": str(Path(streams.env["SLUICE_DATA_DIR"]).parent / "replay"),
+    }
+    replayed = _sluice(replay_env, "replay")
+    assert replayed.returncode == 0, replayed.stdout + replayed.stderr
+    for name, sql in CHECKSUMS.items():
+        live = await streams.sql(sql)
+        again = _sluice(replay_env, "sql", sql, "-f", "json")
+        assert again.returncode == 0, again.stderr
+        assert json.loads(again.stdout) == live[0], f"{name} differs after replay"
+    refused = _sluice(replay_env, "replay")
+    assert refused.returncode == 1
+    assert "not empty" in refused.stdout + refused.stderr
