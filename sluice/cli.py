@@ -239,13 +239,35 @@ def warehouse_migrate() -> None:
 
 @app.command("sql")
 def sql(
-    query: Annotated[str, typer.Argument(help='e.g. "SELECT count() FROM events_raw"')],
+    query: Annotated[
+        str | None, typer.Argument(help='e.g. "SELECT count() FROM request_facts FINAL" (or use --saved)')
+    ] = None,
     fmt: Annotated[str, typer.Option("--format", "-f", help="table, json or csv")] = "table",
     max_rows: Annotated[int, typer.Option("--max-rows", min=1, help="stop after this many rows")] = 10_000,
+    saved: Annotated[
+        str | None, typer.Option("--saved", "-s", help="run a saved query by name (see --list-saved)")
+    ] = None,
+    list_saved: Annotated[bool, typer.Option("--list-saved", help="list the saved queries and exit")] = False,
 ) -> None:
-    """Run a read-only SQL query on the warehouse (through the running platform if it owns chDB)."""
-    from infra.warehouse import WarehouseError, query_warehouse
+    """Run a read-only SQL query on the warehouse (through the running platform if it owns chDB).
 
+    Tables: request_facts (one row per request; read with FINAL), audit_log, events_raw; views
+    sli_minute, errors_minute, spend_minute, spend_day (see docs/streams.md)."""
+    from infra.warehouse import WarehouseError, query_warehouse
+    from streams.queries import SAVED
+
+    if list_saved:
+        listing = Table("name", "what it answers", title="saved queries (sluice sql --saved NAME)")
+        for name, entry in SAVED.items():
+            listing.add_row(name, entry.description)
+        out.print(listing)
+        return
+    if saved is not None:
+        if saved not in SAVED:
+            raise fail(f"no saved query {saved!r}; saved: {', '.join(SAVED)}", 2)
+        query = SAVED[saved].sql
+    if query is None:
+        raise fail("give a query, or --saved NAME (--list-saved shows them)", 2)
     if fmt not in ("table", "json", "csv"):
         raise fail("--format must be table, json or csv", 2)
     try:

@@ -366,6 +366,9 @@ async def test_the_warehouse_equals_what_clients_saw_through_a_crash_a_replay_an
     assert audit[0]["n"] == audit[0]["ids"] == len(request_ids)
     verified = _sluice(streams.env, "audit", "verify")
     assert verified.returncode == 0, verified.stdout + verified.stderr
+    top = _sluice(streams.env, "sql", "--saved", "top-tenants-by-spend", "-f", "csv")
+    assert top.returncode == 0, top.stderr
+    assert top.stdout.splitlines()[1].startswith("demo,")
 
     # The dashboard renders this run in a real browser without console errors.
     from tests.streams.browser import render
