@@ -13,6 +13,7 @@ import signal
 import sys
 from contextlib import AsyncExitStack
 
+import aiohttp
 import msgspec
 from rich.console import Console
 
@@ -99,6 +100,24 @@ class ServiceProcess:
             await self._task
 
 
+async def _wait_ready(host: str, port: int, within_s: float) -> None:
+    """Wait for a child's ``/readyz`` (so "up" means up: e.g. ``sluice sql`` finds the migrated warehouse)."""
+    if port == 0:
+        return  # a free port picked by the child: nothing to poll
+    url = f"http://{host}:{port}/readyz"
+    deadline = asyncio.get_running_loop().time() + within_s
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
+        while asyncio.get_running_loop().time() < deadline:
+            try:
+                async with session.get(url) as response:
+                    if response.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.25)
+    raise InfraError(f"the streams worker was not ready at {url} within {within_s:.0f}s (see its log above)")
+
+
 async def _serve(
     settings: PlatformSettings, edge_settings: EdgeSettings, out: Console, console: Console
 ) -> None:
@@ -127,6 +146,8 @@ async def _serve(
         streams = ServiceProcess("streams", ["streams"], console, {})
         await streams.start()
         stack.push_async_callback(streams.stop)
+        with console.status("starting the streams worker (warehouse, dashboard)"):
+            await _wait_ready(streams_settings.streams_host, streams_settings.streams_port, 120)
 
         # In a child process: torch stays out of the edge's process (and off its cores).
         console.print("preparing models (the first run builds demo-gpt, about a minute)")

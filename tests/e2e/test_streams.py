@@ -256,14 +256,14 @@ async def _traffic(session: aiohttp.ClientSession, url: str, base: int) -> list[
     return list(seen)
 
 
-async def _wait_rows(streams: Streams, expected: int, within: float = 60) -> None:
+async def _wait_rows(streams: Streams, table: str, expected: int, within: float = 60) -> None:
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
-        rows = await streams.sql("SELECT count() AS n FROM request_facts FINAL")
+        rows = await streams.sql(f"SELECT count() AS n FROM {table} FINAL")
         if rows[0]["n"] >= expected:
             return
         await asyncio.sleep(0.3)
-    raise AssertionError(f"the warehouse did not reach {expected} requests: {rows}")
+    raise AssertionError(f"{table} did not reach {expected} rows: {rows}")
 
 
 def _sluice(env: dict[str, str], *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
@@ -313,7 +313,8 @@ async def test_the_warehouse_equals_what_clients_saw_through_a_crash_a_replay_an
         return found[-1] if found else None
 
     await platform.results.wait(lambda: all(terminal(r) is not None for r in request_ids), within=60)
-    await _wait_rows(streams, len(request_ids))
+    await _wait_rows(streams, "request_facts", len(request_ids))
+    await _wait_rows(streams, "audit_log", len(request_ids))  # entries take one more hop (the audit topic)
 
     facts = {
         row["request_id"]: row

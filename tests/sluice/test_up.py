@@ -42,6 +42,7 @@ def _env(tmp_path: Path) -> dict[str, str]:
         SLUICE_KAFKA_PORT=str(free_port()),
         SLUICE_EDGE_PORT=str(free_port()),
         SLUICE_WORKER_OPS_PORT=str(free_port()),
+        SLUICE_STREAMS_PORT=str(free_port()),
     )
     return env
 
@@ -115,6 +116,11 @@ def _drive(proc: subprocess.Popen[str], env: dict[str, str], port: int) -> None:
         embedding = _post(f"{url}/embeddings", {"model": "all-minilm-l6-v2", "input": "a river"})
         assert len(embedding["data"][0]["embedding"]) == 384
         _check_ops(url.removesuffix("/v1"), int(env["SLUICE_WORKER_OPS_PORT"]))
+        streams = f"http://127.0.0.1:{env['SLUICE_STREAMS_PORT']}"
+        assert _get(f"{streams}/readyz")[0] == 200
+        status, page = _get(f"{streams}/dashboard")
+        assert status == 200
+        assert "plotly" in page
         topics = make_admin(f"127.0.0.1:{port}").list_topics(timeout=10).topics
         assert "sluice.requests.demo-gpt" in topics
         assert "sluice.control" in topics
