@@ -1,23 +1,33 @@
 """The streams worker: a Faust app that turns the event log into warehouse tables and the audit chain.
 
-Two agents:
+One agent, ``sink``, reads the request topics, ``results``, ``audit``, ``cancels``, ``control`` and
+``usage`` in batches (``SLUICE_STREAMS_BATCH_SIZE`` events or ``SLUICE_STREAMS_BATCH_MS``, whichever
+comes first). For each batch it
 
-- ``sink`` reads the request topics, ``results``, ``audit``, ``cancels``, ``control`` and ``usage`` in
-  batches (``SLUICE_STREAMS_BATCH_SIZE`` events or ``SLUICE_STREAMS_BATCH_MS``, whichever comes first) and
-  writes them through :mod:`streams.sink`: ``events_raw``, ``request_facts`` and ``audit_log``. The rows are
-  idempotent (see the sink), so a redelivered batch after a crash does not double count; offsets are
-  committed by Faust only after the agent has processed (and so written) the batch.
-- ``audit`` reads ``results`` and extends each tenant's hash chain (``streams.audit``), keeping the chain
-  heads in a Faust table (changelog-backed, so a restarted worker continues the chain) and publishing each
-  entry to the ``audit`` topic. With ``exactly_once`` (the default) the head update, the entry and the
-  input offset commit in one Kafka transaction: a crash never forks or repeats the chain.
+1. builds the rows (:mod:`streams.sink`): ``events_raw`` and ``request_facts``;
+2. extends each tenant's audit hash chain with the batch's terminal events (:mod:`streams.audit`),
+   publishes the new entries on the ``audit`` topic and waits until they are durable;
+3. inserts the rows and the entries, and only then lets Faust commit the batch's offsets.
 
-Undecodable records go to the dead-letter topic with the reason; both agents keep going.
+Every table is idempotent under redelivery, so a crash anywhere re-does at most one batch and double
+counts nothing. The chain heads live in the warehouse (``audit_log``), read back at start; each entry
+records the results offset it came from, so an event delivered again after its entry was stored is
+skipped, and one whose entry was published but not stored is rebuilt identically (same head, same
+event: same seq and hash). Entries that arrive on the ``audit`` topic are kept in ``events_raw``;
+``audit_log`` is filled from the topic only by ``sluice replay``.
+
+Why not Faust tables and ``exactly_once``: we built the chain that way first. On Kafka 4.3.1 with
+faust-streaming 0.15.3, after a ``kill -9`` the restarted worker repeated entries (offsets of a topic two
+agents read commit later than the transaction) and, in other runs, left a partition unprocessed. The
+design above needs neither.
+
+Undecodable records go to the dead-letter topic with the reason; the agent keeps going.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -30,12 +40,11 @@ from opentelemetry.trace import Span, SpanKind
 from bus.consumer import dead_letter
 from bus.producer import EventProducer
 from monitoring import metrics, tracing
-from schemas.codec import DecodeError, decode, encode, headers
-from schemas.events import RequestFinished
+from schemas.events import AuditEntry, RequestFinished
 from schemas.settings import PlatformSettings
 from schemas.topics import TopicNames
-from streams.audit import AuditHead, request_entry
-from streams.control import SPEND_TODAY, WINDOWS, Controller, WindowCounts, burn_sql
+from streams.audit import AuditHead, audit_row, request_entry
+from streams.control import LAST_BUDGET_STATES, SPEND_TODAY, WINDOWS, Controller, WindowCounts, burn_sql
 from streams.pricing import PriceTable
 from streams.settings import StreamsSettings
 from streams.sink import Batch, Consumed, Inserter, Rows, insert
@@ -78,7 +87,6 @@ class StreamsApp:
             app_id or f"{platform.topic_prefix}-streams",
             broker=f"kafka://{platform.bootstrap}",
             store="memory://",
-            processing_guarantee=settings.streams_guarantee,
             web_enabled=False,
             topic_replication_factor=1,
             topic_partitions=results_partitions,
@@ -87,17 +95,15 @@ class StreamsApp:
             broker_heartbeat_interval=1.0,
             broker_rebalance_timeout=10.0,
             broker_commit_interval=1.0,
-            stream_wait_empty=False,
-            table_standby_replicas=0,
         )
         raw: dict[str, Any] = {"key_type": bytes, "value_type": bytes, "value_serializer": "raw"}
         self._sink_channel = self.app.topic(*sink_topics(names, request_topics), **raw)
-        self._results = self.app.topic(names.results, **raw)
-        self._audit_out = self.app.topic(names.audit, **raw)
-        self._heads = self.app.Table("audit-heads", default=None, partitions=results_partitions)
         self.app.agent(self._sink_channel, name="sink")(self._guard(self._sink))
-        self.app.agent(self._results, name="audit")(self._guard(self._audit))
+        self._heads: dict[str, AuditHead] | None = None
+        self._offsets: dict[str, tuple[int, int]] = {}
+        """Per tenant: the results (partition, offset) its last audit entry came from."""
         self._controller = controller
+        self._seeded = False
         if controller is not None:
             self.app.timer(settings.streams_control_interval_s, name="control")(self._control)
         self.failure: BaseException | None = None
@@ -148,15 +154,19 @@ class StreamsApp:
             await self.write(records)
 
     async def write(self, records: Sequence[Consumed]) -> Batch:
-        """Rows for ``records``, written before returning (so their offsets may then be committed)."""
+        """Rows and audit entries for ``records``, durable before returning (so their offsets may then
+        be committed)."""
         batch = self._rows.batch(records)
         spans = self._spans(batch)
-        began = time.perf_counter()
         loop = asyncio.get_running_loop()
+        entries = await self._chain(batch)
+        batch.audit += [audit_row(entry) for entry in entries]
+        began = time.perf_counter()
         await loop.run_in_executor(self._executor, insert, self._writer, batch)
         written = time.time()
         metrics.STREAMS_INSERT_SECONDS.observe(time.perf_counter() - began)
         metrics.STREAMS_BATCH_SIZE.observe(len(batch))
+        metrics.STREAMS_AUDIT_ENTRIES.inc(len(entries))
         for span in spans:
             span.end()
         for record, event in batch.events:
@@ -174,6 +184,33 @@ class StreamsApp:
         if self._on_batch is not None:
             self._on_batch(batch)
         return batch
+
+    async def _chain(self, batch: Batch) -> list[AuditEntry]:
+        """The batch's new audit entries, in order, published and durable on the audit topic."""
+        finished = [
+            (record, event)
+            for record, event in batch.events
+            if isinstance(event, RequestFinished) and record.topic == self.names.results
+        ]
+        if not finished:
+            return []
+        loop = asyncio.get_running_loop()
+        if self._heads is None:
+            rows = await loop.run_in_executor(self._executor, _rows, self._writer, AUDIT_HEADS)
+            self._heads, self._offsets = load_heads(rows)
+        heads = self._heads
+        entries: list[AuditEntry] = []
+        for record, event in finished:
+            last = self._offsets.get(event.tenant)
+            if last is not None and last[0] == record.partition and record.offset <= last[1]:
+                continue  # delivered again after its entry was stored
+            origin = f"{record.partition}:{record.offset}"
+            entry = request_entry(heads.get(event.tenant), event, source=SOURCE, extra={ORIGIN: origin})
+            heads[event.tenant] = AuditHead(seq=entry.seq, entry_hash=entry.entry_hash)
+            self._offsets[event.tenant] = (record.partition, record.offset)
+            entries.append(entry)
+        await asyncio.gather(*(self._producer.publish(self.names.audit, entry) for entry in entries))
+        return entries
 
     def _spans(self, batch: Batch) -> list[Span]:
         """One ``process`` span per terminal event, a child of the worker's publish span."""
@@ -202,6 +239,10 @@ class StreamsApp:
             return
         loop = asyncio.get_running_loop()
         try:
+            if not self._seeded:
+                states = await loop.run_in_executor(self._executor, _rows, self._writer, LAST_BUDGET_STATES)
+                controller.seed({r["tenant"]: bool(r["exhausted"]) for r in states})
+                self._seeded = True
             spend = await loop.run_in_executor(self._executor, _rows, self._writer, SPEND_TODAY)
             burns: list[dict[str, Any]] = []
             for minutes in WINDOWS:
@@ -217,35 +258,26 @@ class StreamsApp:
             await self._producer.publish(self.names.control, event)
             log.info("control: %s", event)
 
-    async def _audit(self, stream: faust.StreamT[bytes]) -> None:
-        async for event in stream.events():
-            try:
-                finished = decode(event.message.value or b"")
-            except DecodeError:
-                continue  # the sink dead-letters it
-            if isinstance(finished, RequestFinished):
-                await self._chain(finished, event.message.partition, event.message.offset)
 
-    async def _chain(self, finished: RequestFinished, partition: int, offset: int) -> None:
-        """Append the request's entry to its tenant's chain, once.
+ORIGIN = "results_offset"
+"""The audit entry detail naming the results partition and offset the entry was built from."""
+AUDIT_HEADS = (
+    "SELECT tenant, max(seq) AS head_seq, argMax(entry_hash, seq) AS head_hash, "
+    "argMax(details, seq) AS head_details FROM audit_log FINAL GROUP BY tenant"
+)
 
-        The head remembers where (results partition, offset) the tenant's last entry came from. The
-        head's changelog and the entry commit in the same transaction, but this topic's offsets commit
-        only once the sink has also written the event, so after a crash an event can come back whose
-        entry is already committed: the head says so, and it is skipped."""
-        stored = self._heads.get(finished.tenant)
-        if stored and stored.get("partition") == partition and offset <= stored.get("offset", -1):
-            return
-        head = AuditHead(seq=stored["seq"], entry_hash=stored["entry_hash"]) if stored else None
-        entry = request_entry(head, finished, source=SOURCE)
-        await self._audit_out.send(key=finished.tenant.encode(), value=encode(entry), headers=headers(entry))
-        self._heads[finished.tenant] = {
-            "seq": entry.seq,
-            "entry_hash": entry.entry_hash,
-            "partition": partition,
-            "offset": offset,
-        }
-        metrics.STREAMS_AUDIT_ENTRIES.inc()
+
+def load_heads(rows: Sequence[dict[str, Any]]) -> tuple[dict[str, AuditHead], dict[str, tuple[int, int]]]:
+    """Chain heads and the results offset each came from, from :data:`AUDIT_HEADS` rows."""
+    heads: dict[str, AuditHead] = {}
+    offsets: dict[str, tuple[int, int]] = {}
+    for row in rows:
+        heads[row["tenant"]] = AuditHead(seq=int(row["head_seq"]), entry_hash=row["head_hash"])
+        origin = str(json.loads(row["head_details"] or "{}").get(ORIGIN, ""))
+        partition, sep, offset = origin.partition(":")
+        if sep and partition.isdigit() and offset.isdigit():
+            offsets[row["tenant"]] = (int(partition), int(offset))
+    return heads, offsets
 
 
 def _rows(client: Inserter, sql: str) -> list[dict[str, Any]]:

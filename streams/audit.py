@@ -132,13 +132,20 @@ def append(
     return msgspec.structs.replace(entry, entry_hash=hashlib.sha256(canonical(entry)).hexdigest())
 
 
-def request_entry(head: AuditHead | None, finished: RequestFinished, *, source: str) -> AuditEntry:
+def request_entry(
+    head: AuditHead | None,
+    finished: RequestFinished,
+    *,
+    source: str,
+    extra: Mapping[str, str] | None = None,
+) -> AuditEntry:
     """The entry for a request's terminal event: who asked for what, and how it ended — no content.
 
-    Built from the event alone (its time, ids, status, usage), so a re-run on the same event after the
-    same head gives the same entry, hash included.
+    Built from the event alone (its time, ids, status, usage) and ``extra`` details, so a re-run on the
+    same event after the same head gives the same entry, hash included.
     """
     details = {
+        **(extra or {}),
         "finish_reason": finished.finish_reason or "",
         "prompt_tokens": str(finished.usage.prompt_tokens),
         "completion_tokens": str(finished.usage.completion_tokens),

@@ -78,15 +78,20 @@ class Controller:
         self._exhausted: dict[str, bool] = {}
         self._firing: dict[tuple[str, str], bool] = {}
 
+    def seed(self, exhausted: Mapping[str, bool]) -> None:
+        """The budget states last announced (read back from the warehouse at start), so a tenant that
+        was cut off and has since left the budgets file, or got a higher limit, is announced again."""
+        self._exhausted.update(exhausted)
+
     def budgets(self, spent_nanos: Mapping[str, int]) -> list[Event]:
-        """``spent_nanos``: today's spend per tenant."""
+        """``spent_nanos``: today's spend per tenant. A state is announced when it differs from the last
+        announced one (an unknown state counts as "not exhausted")."""
         events: list[Event] = []
-        for tenant in sorted(self._budgets.daily_usd):
-            limit = self._budgets.limit_micros(tenant) or 0
+        for tenant in sorted(set(self._budgets.daily_usd) | set(self._exhausted)):
+            limit = self._budgets.limit_micros(tenant)
             spent = spent_nanos.get(tenant, 0) // NANOS_PER_MICRO
-            exhausted = spent >= limit
-            if self._exhausted.get(tenant) == exhausted or (tenant not in self._exhausted and not exhausted):
-                self._exhausted[tenant] = exhausted
+            exhausted = limit is not None and spent >= limit
+            if self._exhausted.get(tenant, False) == exhausted:
                 continue
             self._exhausted[tenant] = exhausted
             events.append(
@@ -94,7 +99,7 @@ class Controller:
                     tenant=tenant,
                     model="",
                     source=SOURCE,
-                    limit_micros=limit,
+                    limit_micros=limit or 0,
                     spent_micros=spent,
                     exhausted=exhausted,
                 )
@@ -132,6 +137,10 @@ class Controller:
         return events
 
 
+LAST_BUDGET_STATES = (
+    "SELECT tenant, JSONExtractBool(argMax(payload, time), 'exhausted') AS exhausted FROM events_raw "
+    "WHERE type = 'budget_state_changed' GROUP BY tenant"
+)
 SPEND_TODAY = "SELECT tenant, sum(cost_nanos) AS spent FROM spend_day WHERE day = today() GROUP BY tenant"
 
 

@@ -50,7 +50,7 @@ def replay(
     began = time.monotonic()
     names = TopicNames(platform.topic_prefix)
     consumer = Consumer(consumer_config(platform.bootstrap, None, "sluice-replay"))
-    rows = Rows(prices, store_content=store_content)
+    rows = Rows(prices, store_content=store_content, audit_from_topic=True)
     try:
         ends: dict[tuple[str, int], int] = {}
         for topic in sink_topics(names, request_topics):

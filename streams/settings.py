@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated
 
 import msgspec
 
@@ -32,5 +32,3 @@ class StreamsSettings(msgspec.Struct, frozen=True, kw_only=True):
     """SLO configuration (``docs/slo.md``) the burn-rate events are computed against; unset: defaults."""
     streams_control_interval_s: Annotated[float, msgspec.Meta(gt=0.0)] = 5.0
     """How often budgets and burn rates are evaluated (and changes published on ``control``)."""
-    streams_guarantee: Literal["exactly_once", "at_least_once"] = "exactly_once"
-    """Faust's processing guarantee: ``exactly_once`` uses Kafka transactions for the audit chain."""

@@ -76,9 +76,15 @@ def redact(event: Event) -> Event:
 
 
 class Rows:
-    def __init__(self, prices: PriceTable, *, store_content: bool = False) -> None:
+    """``audit_from_topic``: turn ``AuditEntry`` events into ``audit_log`` rows (replay). The live worker
+    builds the entries itself and adds their rows to the batch."""
+
+    def __init__(
+        self, prices: PriceTable, *, store_content: bool = False, audit_from_topic: bool = False
+    ) -> None:
         self._prices = prices
         self._store_content = store_content
+        self._audit_from_topic = audit_from_topic
 
     def batch(self, records: Iterable[Consumed]) -> Batch:
         out = Batch()
@@ -107,7 +113,7 @@ class Rows:
             )
             if isinstance(event, RequestFinished):
                 out.facts.append(fact_row(event, self._prices))
-            elif isinstance(event, AuditEntry):
+            elif isinstance(event, AuditEntry) and self._audit_from_topic:
                 out.audit.append(audit_row(event))
         return out
 

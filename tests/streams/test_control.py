@@ -28,6 +28,16 @@ def test_a_budget_is_announced_when_crossed_and_when_it_clears() -> None:
     assert not cleared.exhausted
 
 
+def test_a_restarted_controller_clears_what_an_earlier_one_announced() -> None:
+    controller = Controller(Budgets(daily_usd={"acme": 1.0}), DEFAULT_CONFIG)
+    controller.seed({"acme": True, "gone": True})  # read back from the warehouse
+    events = controller.budgets({"acme": 10})
+    assert sorted((e.tenant, e.exhausted) for e in events if isinstance(e, BudgetStateChanged)) == [
+        ("acme", False),
+        ("gone", False),
+    ]
+
+
 def test_burn_fires_on_both_windows_of_a_pair_and_clears() -> None:
     controller = Controller(Budgets(), DEFAULT_CONFIG)
     # interactive tier: 99.5% -> budget 0.005; 1h/5m pair fires above 14.4x = 7.2% errors in both windows
