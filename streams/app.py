@@ -40,10 +40,11 @@ from opentelemetry.trace import Span, SpanKind
 from bus.consumer import dead_letter
 from bus.producer import EventProducer
 from monitoring import metrics, tracing
-from schemas.events import AuditEntry, RequestFinished
+from schemas.codec import kafka_key
+from schemas.events import AuditEntry, BudgetStateChanged, DeploymentChanged, Event, RequestFinished
 from schemas.settings import PlatformSettings
 from schemas.topics import TopicNames
-from streams.audit import AuditHead, audit_row, request_entry
+from streams.audit import AuditHead, admin_entry, audit_row, request_entry
 from streams.control import LAST_BUDGET_STATES, SPEND_TODAY, WINDOWS, Controller, WindowCounts, burn_sql
 from streams.pricing import PriceTable
 from streams.settings import StreamsSettings
@@ -101,7 +102,7 @@ class StreamsApp:
         self.app.agent(self._sink_channel, name="sink")(self._guard(self._sink))
         self._heads: dict[str, AuditHead] | None = None
         self._offsets: dict[str, tuple[int, int]] = {}
-        """Per tenant: the results (partition, offset) its last audit entry came from."""
+        """Per chain: the (partition, offset) its last audit entry came from."""
         self._controller = controller
         self._seeded = False
         if controller is not None:
@@ -185,33 +186,6 @@ class StreamsApp:
             self._on_batch(batch)
         return batch
 
-    async def _chain(self, batch: Batch) -> list[AuditEntry]:
-        """The batch's new audit entries, in order, published and durable on the audit topic."""
-        finished = [
-            (record, event)
-            for record, event in batch.events
-            if isinstance(event, RequestFinished) and record.topic == self.names.results
-        ]
-        if not finished:
-            return []
-        loop = asyncio.get_running_loop()
-        if self._heads is None:
-            rows = await loop.run_in_executor(self._executor, _rows, self._writer, AUDIT_HEADS)
-            self._heads, self._offsets = load_heads(rows)
-        heads = self._heads
-        entries: list[AuditEntry] = []
-        for record, event in finished:
-            last = self._offsets.get(event.tenant)
-            if last is not None and last[0] == record.partition and record.offset <= last[1]:
-                continue  # delivered again after its entry was stored
-            origin = f"{record.partition}:{record.offset}"
-            entry = request_entry(heads.get(event.tenant), event, source=SOURCE, extra={ORIGIN: origin})
-            heads[event.tenant] = AuditHead(seq=entry.seq, entry_hash=entry.entry_hash)
-            self._offsets[event.tenant] = (record.partition, record.offset)
-            entries.append(entry)
-        await asyncio.gather(*(self._producer.publish(self.names.audit, entry) for entry in entries))
-        return entries
-
     def _spans(self, batch: Batch) -> list[Span]:
         """One ``process`` span per terminal event, a child of the worker's publish span."""
         spans = []
@@ -258,6 +232,42 @@ class StreamsApp:
             await self._producer.publish(self.names.control, event)
             log.info("control: %s", event)
 
+    async def _chain(self, batch: Batch) -> list[AuditEntry]:
+        """The batch's new audit entries, in order, published and durable on the audit topic."""
+        todo = [(record, event) for record, event in batch.events if self._audited(record, event)]
+        if not todo:
+            return []
+        loop = asyncio.get_running_loop()
+        if self._heads is None:
+            rows = await loop.run_in_executor(self._executor, _rows, self._writer, AUDIT_HEADS)
+            self._heads, self._offsets = load_heads(rows)
+        heads = self._heads
+        entries: list[AuditEntry] = []
+        for record, event in todo:
+            chain = chain_of(event)
+            last = self._offsets.get(chain)
+            if last is not None and last[0] == record.partition and record.offset <= last[1]:
+                continue  # delivered again after its entry was stored
+            origin = {ORIGIN: f"{record.partition}:{record.offset}"}
+            entry = (
+                request_entry(heads.get(chain), event, source=SOURCE, extra=origin)
+                if isinstance(event, RequestFinished)
+                else admin_action(heads.get(chain), chain, event, origin)
+            )
+            heads[chain] = AuditHead(seq=entry.seq, entry_hash=entry.entry_hash)
+            self._offsets[chain] = (record.partition, record.offset)
+            entries.append(entry)
+        await asyncio.gather(*(self._producer.publish(self.names.audit, entry) for entry in entries))
+        return entries
+
+    def _audited(self, record: Consumed, event: Event) -> bool:
+        """Terminal events from ``results`` and administrative state changes from ``control``."""
+        if record.topic == self.names.results:
+            return isinstance(event, RequestFinished)
+        return record.topic == self.names.control and isinstance(
+            event, BudgetStateChanged | DeploymentChanged
+        )
+
 
 ORIGIN = "results_offset"
 """The audit entry detail naming the results partition and offset the entry was built from."""
@@ -265,6 +275,40 @@ AUDIT_HEADS = (
     "SELECT tenant, max(seq) AS head_seq, argMax(entry_hash, seq) AS head_hash, "
     "argMax(details, seq) AS head_details FROM audit_log FINAL GROUP BY tenant"
 )
+
+
+def chain_of(event: Event) -> str:
+    """Whose chain an entry extends: the tenant's for its requests; ``admin:<control key>`` for an
+    administrative change (one partition feeds each chain, so its order is the log's)."""
+    if isinstance(event, RequestFinished):
+        return event.tenant
+    return f"admin:{kafka_key(event).decode()}"
+
+
+def admin_action(head: AuditHead | None, chain: str, event: Event, origin: dict[str, str]) -> AuditEntry:
+    """The entry for a budget decision or a deployment change on the control topic."""
+    if isinstance(event, BudgetStateChanged):
+        action, resource = "budget.enforce", f"tenant:{event.tenant}"
+        decision = "exhausted" if event.exhausted else "within_budget"
+        details = {"limit_micros": str(event.limit_micros), "spent_micros": str(event.spent_micros)}
+    elif isinstance(event, DeploymentChanged):
+        action, resource, decision = f"model.{event.action}", f"model:{event.model}", event.version
+        details = {"reason": event.reason, "traffic": json.dumps(event.traffic, sort_keys=True)}
+    else:
+        raise TypeError(f"{type(event).__name__} is not an administrative change")
+    return admin_entry(
+        head,
+        tenant=chain,
+        actor=event.source,
+        action=action,
+        resource=resource,
+        decision=decision,
+        details={**details, **origin},
+        source=SOURCE,
+        model=event.model,
+        time=event.time,
+        entry_id=event.id,
+    )
 
 
 def load_heads(rows: Sequence[dict[str, Any]]) -> tuple[dict[str, AuditHead], dict[str, tuple[int, int]]]:

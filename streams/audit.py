@@ -195,6 +195,7 @@ def admin_entry(
     model: str = "",
     model_version: str = "",
     time: datetime | None = None,
+    entry_id: str | None = None,
 ) -> AuditEntry:
     """The entry for an administrative action, e.g. ``action="key.create"``, ``resource="key:k_12"``,
     ``actor="admin:alice"``, ``decision="allowed"``. It belongs to no request (``request_id`` empty)."""
@@ -211,6 +212,7 @@ def admin_entry(
         model_version=model_version,
         source=source,
         time=time,
+        entry_id=entry_id,
     )
 
 

@@ -449,3 +449,16 @@ async def test_a_tenant_over_its_daily_budget_is_refused_until_the_budget_is_rai
             assert (await refused.json())["error"]["code"] == "budget_exceeded"
         await restart_with(1000.0)
         await wait_status(session, 200)
+
+    # Both decisions are in the audit log, on the budget's own chain, and every chain still verifies.
+    deadline = time.monotonic() + 30
+    decisions: list[str] = []
+    while time.monotonic() < deadline and decisions != ["exhausted", "within_budget"]:
+        rows = await streams.sql(
+            "SELECT decision FROM audit_log FINAL WHERE tenant = 'admin:budget:demo' ORDER BY seq"
+        )
+        decisions = [r["decision"] for r in rows]
+        await asyncio.sleep(0.3)
+    assert decisions == ["exhausted", "within_budget"]
+    verified = _sluice(streams.env, "audit", "verify")
+    assert verified.returncode == 0, verified.stdout + verified.stderr
