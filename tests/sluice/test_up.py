@@ -121,6 +121,9 @@ def _drive(proc: subprocess.Popen[str], env: dict[str, str], port: int) -> None:
         status, page = _get(f"{streams}/dashboard")
         assert status == 200
         assert "plotly" in page
+        status, text = _get(f"{streams}/metrics")
+        assert status == 200
+        assert "sluice_streams_freshness_seconds_count" in text
         topics = make_admin(f"127.0.0.1:{port}").list_topics(timeout=10).topics
         assert "sluice.requests.demo-gpt" in topics
         assert "sluice.control" in topics
