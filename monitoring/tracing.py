@@ -75,6 +75,12 @@ def tracer() -> trace.Tracer:
     return trace.get_tracer(TRACER_NAME)
 
 
+def recording() -> bool:
+    """Whether spans are recorded in this process (a provider was configured), so hot paths can skip
+    building attributes for spans that would be dropped."""
+    return isinstance(trace.get_tracer_provider(), TracerProvider)
+
+
 def configure_tracing(settings: ObservabilitySettings, service: str) -> TracerProvider | None:
     """Export spans over OTLP/HTTP when ``otlp_endpoint`` is set; returns the provider (call
     :func:`shutdown_tracing` with it on exit, to flush) or None when tracing stays off."""

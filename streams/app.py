@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -38,7 +39,8 @@ import faust
 from opentelemetry.trace import Span, SpanKind
 
 from bus.consumer import dead_letter
-from bus.producer import EventProducer
+from bus.errors import BusError
+from bus.producer import DeliveryCallback, EventProducer
 from monitoring import metrics, tracing
 from schemas.codec import kafka_key
 from schemas.events import AuditEntry, BudgetStateChanged, DeploymentChanged, Event, RequestFinished
@@ -55,9 +57,11 @@ log = logging.getLogger(__name__)
 SOURCE = "streams/worker"
 
 
-def sink_topics(names: TopicNames, request_topics: Sequence[str]) -> list[str]:
-    """Every topic whose events the warehouse keeps (token chunks on ``replies`` are delivery only)."""
-    return [*request_topics, names.results, names.audit, names.cancels, names.control, names.usage]
+def sink_topics(names: TopicNames, request_topics: Sequence[str], *, audit: bool = True) -> list[str]:
+    """Every topic whose events the warehouse keeps (token chunks on ``replies`` are delivery only).
+    The live worker writes the audit entries it publishes itself (``audit=False``); a replay reads them."""
+    topics = [*request_topics, names.results, names.cancels, names.control, names.usage]
+    return [*topics, names.audit] if audit else topics
 
 
 class StreamsApp:
@@ -96,9 +100,12 @@ class StreamsApp:
             broker_heartbeat_interval=1.0,
             broker_rebalance_timeout=10.0,
             broker_commit_interval=1.0,
+            # Measured (benchmarks/streams.py): Faust's small default buffers starve the agent.
+            stream_buffer_maxsize=65536,
+            consumer_max_fetch_size=16 * 1024 * 1024,
         )
         raw: dict[str, Any] = {"key_type": bytes, "value_type": bytes, "value_serializer": "raw"}
-        self._sink_channel = self.app.topic(*sink_topics(names, request_topics), **raw)
+        self._sink_channel = self.app.topic(*sink_topics(names, request_topics, audit=False), **raw)
         self.app.agent(self._sink_channel, name="sink")(self._guard(self._sink))
         self._heads: dict[str, AuditHead] | None = None
         self._offsets: dict[str, tuple[int, int]] = {}
@@ -161,13 +168,16 @@ class StreamsApp:
         spans = self._spans(batch)
         loop = asyncio.get_running_loop()
         entries = await self._chain(batch)
-        batch.audit += [audit_row(entry) for entry in entries]
+        batch.audit += [audit_row(entry) for entry, _ in entries]
+        batch.raw += [self._rows.raw_row(entry, self.names.audit, *where) for entry, where in entries]
         began = time.perf_counter()
         await loop.run_in_executor(self._executor, insert, self._writer, batch)
         written = time.time()
         metrics.STREAMS_INSERT_SECONDS.observe(time.perf_counter() - began)
         metrics.STREAMS_BATCH_SIZE.observe(len(batch))
         metrics.STREAMS_AUDIT_ENTRIES.inc(len(entries))
+        if entries:
+            metrics.STREAMS_EVENTS.labels(self.names.audit, "audit_entry").inc(len(entries))
         for span in spans:
             span.end()
         for record, event in batch.events:
@@ -188,7 +198,9 @@ class StreamsApp:
 
     def _spans(self, batch: Batch) -> list[Span]:
         """One ``process`` span per terminal event, a child of the worker's publish span."""
-        spans = []
+        spans: list[Span] = []
+        if not tracing.recording():
+            return spans  # tracing is off: skip building attributes for no-op spans
         for record, event in batch.events:
             if isinstance(event, RequestFinished) and event.traceparent:
                 spans.append(
@@ -232,8 +244,9 @@ class StreamsApp:
             await self._producer.publish(self.names.control, event)
             log.info("control: %s", event)
 
-    async def _chain(self, batch: Batch) -> list[AuditEntry]:
-        """The batch's new audit entries, in order, published and durable on the audit topic."""
+    async def _chain(self, batch: Batch) -> list[tuple[AuditEntry, tuple[int, int]]]:
+        """The batch's new audit entries, in order, published and durable on the audit topic, each with
+        the (partition, offset) it was stored at."""
         todo = [(record, event) for record, event in batch.events if self._audited(record, event)]
         if not todo:
             return []
@@ -257,8 +270,44 @@ class StreamsApp:
             heads[chain] = AuditHead(seq=entry.seq, entry_hash=entry.entry_hash)
             self._offsets[chain] = (record.partition, record.offset)
             entries.append(entry)
-        await asyncio.gather(*(self._producer.publish(self.names.audit, entry) for entry in entries))
-        return entries
+        return list(zip(entries, await self._publish(entries), strict=True))
+
+    async def _publish(self, entries: Sequence[AuditEntry]) -> list[tuple[int, int]]:
+        """Produce every entry, then wait once for all of them to be durable (one wake-up per batch)."""
+        if not entries:
+            return []
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+        where: list[tuple[int, int]] = [(0, 0)] * len(entries)
+        remaining = [len(entries)]
+        lock = threading.Lock()
+
+        def settle(error: BaseException | None) -> None:
+            if done.done():
+                return
+            if error is not None:
+                done.set_exception(error)
+            else:
+                done.set_result(None)
+
+        def delivered(index: int) -> DeliveryCallback:
+            def report(err: BusError | None, stored: tuple[int, int] | None) -> None:
+                if err is not None or stored is None:
+                    loop.call_soon_threadsafe(settle, err or BusError("audit entry not stored"))
+                    return
+                where[index] = stored
+                with lock:
+                    remaining[0] -= 1
+                    last = remaining[0] == 0
+                if last:
+                    loop.call_soon_threadsafe(settle, None)
+
+            return report
+
+        for index, entry in enumerate(entries):
+            self._producer.produce(self.names.audit, entry, on_delivery=delivered(index))
+        await done
+        return where
 
     def _audited(self, record: Consumed, event: Event) -> bool:
         """Terminal events from ``results`` and administrative state changes from ``control``."""

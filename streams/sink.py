@@ -86,6 +86,23 @@ class Rows:
         self._store_content = store_content
         self._audit_from_topic = audit_from_topic
 
+    def raw_row(self, event: Event, topic: str, partition: int, offset: int) -> list[Any]:
+        """The ``events_raw`` row of an event stored at (topic, partition, offset)."""
+        stored = event if self._store_content else redact(event)
+        return [
+            event.id,
+            type(event).__struct_config__.tag,
+            event.time,
+            event.tenant,
+            event.model,
+            event.request_id,
+            event.source,
+            encode(stored).decode(),
+            topic,
+            partition,
+            offset,
+        ]
+
     def batch(self, records: Iterable[Consumed]) -> Batch:
         out = Batch()
         for record in records:
@@ -95,22 +112,7 @@ class Rows:
                 out.undecodable.append((record, exc))
                 continue
             out.events.append((record, event))
-            stored = event if self._store_content else redact(event)
-            out.raw.append(
-                [
-                    event.id,
-                    type(event).__struct_config__.tag,
-                    event.time,
-                    event.tenant,
-                    event.model,
-                    event.request_id,
-                    event.source,
-                    encode(stored).decode(),
-                    record.topic,
-                    record.partition,
-                    record.offset,
-                ]
-            )
+            out.raw.append(self.raw_row(event, record.topic, record.partition, record.offset))
             if isinstance(event, RequestFinished):
                 out.facts.append(fact_row(event, self._prices))
             elif isinstance(event, AuditEntry) and self._audit_from_topic:
