@@ -219,9 +219,6 @@ class WorkerObserver:
                 },
             )
 
-    def forget(self, request_id: str) -> None:
-        self._stays.pop(request_id, None)
-
 
 def _since(start_ns: int, when: datetime) -> float:
     return max(0.0, (tracing.epoch_ns(when) - start_ns) / 1e9)

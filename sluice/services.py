@@ -196,7 +196,7 @@ def run_replay(platform: PlatformSettings, console: Console, data_dir: str | Non
                 f"[red]error:[/] the target warehouse is not empty ({counts}); replay into a new --data-dir"
             )
             return 1
-        topics, _ = request_topics(platform)
+        topics = request_topics(platform)
         with Progress(
             "[progress.description]{task.description}",
             BarColumn(),

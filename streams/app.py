@@ -36,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import faust
+from clickhouse_connect.driver.client import Client
 from opentelemetry.trace import Span, SpanKind
 
 from bus.consumer import dead_letter
@@ -50,7 +51,7 @@ from streams.audit import AuditHead, admin_entry, audit_row, request_entry
 from streams.control import LAST_BUDGET_STATES, SPEND_TODAY, WINDOWS, Controller, WindowCounts, burn_sql
 from streams.pricing import PriceTable
 from streams.settings import StreamsSettings
-from streams.sink import Batch, Consumed, Inserter, Rows, insert
+from streams.sink import Batch, Consumed, Rows, insert, query_rows
 
 log = logging.getLogger(__name__)
 
@@ -71,13 +72,12 @@ class StreamsApp:
         self,
         platform: PlatformSettings,
         settings: StreamsSettings,
-        writer: Inserter,
+        writer: Client,
         prices: PriceTable,
         producer: EventProducer,
         *,
         controller: Controller | None = None,
         request_topics: Sequence[str],
-        results_partitions: int,
         app_id: str | None = None,
         on_batch: Callable[[Batch], None] | None = None,
     ) -> None:
@@ -94,7 +94,6 @@ class StreamsApp:
             store="memory://",
             web_enabled=False,
             topic_replication_factor=1,
-            topic_partitions=results_partitions,
             consumer_auto_offset_reset="earliest",
             broker_session_timeout=10.0,
             broker_heartbeat_interval=1.0,
@@ -226,13 +225,17 @@ class StreamsApp:
         loop = asyncio.get_running_loop()
         try:
             if not self._seeded:
-                states = await loop.run_in_executor(self._executor, _rows, self._writer, LAST_BUDGET_STATES)
+                states = await loop.run_in_executor(
+                    self._executor, query_rows, self._writer, LAST_BUDGET_STATES
+                )
                 controller.seed({r["tenant"]: bool(r["exhausted"]) for r in states})
                 self._seeded = True
-            spend = await loop.run_in_executor(self._executor, _rows, self._writer, SPEND_TODAY)
+            spend = await loop.run_in_executor(self._executor, query_rows, self._writer, SPEND_TODAY)
             burns: list[dict[str, Any]] = []
             for minutes in WINDOWS:
-                burns += await loop.run_in_executor(self._executor, _rows, self._writer, burn_sql(minutes))
+                burns += await loop.run_in_executor(
+                    self._executor, query_rows, self._writer, burn_sql(minutes)
+                )
         except Exception:
             log.exception("control: reading the warehouse failed; trying again next interval")
             return
@@ -252,7 +255,7 @@ class StreamsApp:
             return []
         loop = asyncio.get_running_loop()
         if self._heads is None:
-            rows = await loop.run_in_executor(self._executor, _rows, self._writer, AUDIT_HEADS)
+            rows = await loop.run_in_executor(self._executor, query_rows, self._writer, AUDIT_HEADS)
             self._heads, self._offsets = load_heads(rows)
         heads = self._heads
         entries: list[AuditEntry] = []
@@ -371,8 +374,3 @@ def load_heads(rows: Sequence[dict[str, Any]]) -> tuple[dict[str, AuditHead], di
         if sep and partition.isdigit() and offset.isdigit():
             offsets[row["tenant"]] = (int(partition), int(offset))
     return heads, offsets
-
-
-def _rows(client: Inserter, sql: str) -> list[dict[str, Any]]:
-    result = client.query(sql)  # type: ignore[attr-defined]
-    return [dict(zip(result.column_names, row, strict=True)) for row in result.result_rows]

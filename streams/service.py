@@ -28,18 +28,19 @@ from streams.app import StreamsApp
 from streams.control import Controller, load_budgets
 from streams.pricing import load_prices
 from streams.settings import StreamsSettings
+from streams.sink import query_rows
 
 log = logging.getLogger(__name__)
 
 
-def request_topics(platform: PlatformSettings) -> tuple[list[str], int]:
-    """The existing request topics (every model ever served) and the results topic's partition count."""
+def request_topics(platform: PlatformSettings) -> list[str]:
+    """The existing request topics (every model ever served); the results topic must exist."""
     names = TopicNames(platform.topic_prefix)
     topics = make_admin(platform.bootstrap).list_topics(timeout=10).topics
     results = topics.get(names.results)
     if results is None or results.error is not None:
         raise RuntimeError(f"topic {names.results} does not exist: run `sluice topics apply`")
-    return sorted(t for t in topics if t.startswith(names.requests_prefix)), len(results.partitions)
+    return sorted(t for t in topics if t.startswith(names.requests_prefix))
 
 
 def apply_retention(client: Client, days: int) -> None:
@@ -78,7 +79,7 @@ class StreamsService:
         self._query_server = WarehouseQueryServer(self._client, platform)
         await self._query_server.start()
         self._producer.start()
-        topics, partitions = await asyncio.to_thread(request_topics, platform)
+        topics = await asyncio.to_thread(request_topics, platform)
         self.streams = StreamsApp(
             platform,
             settings,
@@ -90,7 +91,6 @@ class StreamsService:
                 load_slo_config(Path(settings.streams_slo_file) if settings.streams_slo_file else None),
             ),
             request_topics=topics,
-            results_partitions=partitions,
             app_id=self._app_id,
         )
         await self.streams.start()
@@ -115,8 +115,7 @@ class StreamsService:
         if client is None:
             raise RuntimeError("the streams service is not started")
         async with self._reads:
-            result = await asyncio.to_thread(client.query, sql)
-        return [dict(zip(result.column_names, row, strict=True)) for row in result.result_rows]
+            return await asyncio.to_thread(query_rows, client, sql)
 
     @property
     def port(self) -> int:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import msgspec
+from clickhouse_connect.driver.client import Client
 
 from schemas.codec import DecodeError, decode, encode
 from schemas.events import (
@@ -122,6 +123,12 @@ class Rows:
 
 class Inserter(Protocol):
     def insert(self, table: str, data: Sequence[Sequence[Any]], column_names: Sequence[str]) -> object: ...
+
+
+def query_rows(client: Client, sql: str) -> list[dict[str, Any]]:
+    """A query's rows as dicts with native values (blocking: call it from a thread on an event loop)."""
+    result = client.query(sql)
+    return [dict(zip(result.column_names, row, strict=True)) for row in result.result_rows]
 
 
 def insert(client: Inserter, batch: Batch) -> None:
