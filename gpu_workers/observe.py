@@ -15,7 +15,6 @@ import time
 from dataclasses import dataclass
 from datetime import datetime
 
-import msgspec
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
@@ -109,15 +108,15 @@ class WorkerObserver:
         result: RequestFinished,
         topic: str,
         partition: int | None,
-    ) -> tuple[RequestFinished, Span | None]:
+    ) -> tuple[Span | None, tuple[str, str | None] | None]:
         """Record the request's metrics and phases, end its ``process`` span, and open the ``publish``
-        span of its terminal event (returned, to end once the event is durable) whose context the
-        returned event carries."""
+        span of its terminal event (returned, to end once the event is durable) with the trace context
+        (traceparent, tracestate) the terminal event must carry, when there is one."""
         stay = self._stays.pop(event.request_id, _Stay())
         received_ns = request.received_ns if request is not None else None
         self._metrics(event, result, received_ns)
         if request is None:
-            return result, None
+            return None, None
         process = request.span
         process.set_attributes(
             {
@@ -140,8 +139,6 @@ class WorkerObserver:
         )
         traceparent, tracestate = tracing.carrier_of(publish)
         process.end()
-        if traceparent is not None:
-            result = msgspec.structs.replace(result, traceparent=traceparent, tracestate=tracestate)
         log.debug(
             "request finished",
             extra={
@@ -149,11 +146,11 @@ class WorkerObserver:
                 "tenant": event.tenant,
                 "model": event.model,
                 "status": result.status,
-                "traceparent": result.traceparent,
+                "traceparent": traceparent,
                 "completion": result.text,
             },
         )
-        return result, publish
+        return publish, (traceparent, tracestate) if traceparent is not None else None
 
     def _metrics(
         self,

@@ -369,14 +369,14 @@ class WorkerService:
             return  # exactly one terminal event per request
         self._remember_finished(request_id)
         reply = arrival.event.reply
-        result = with_request(result, arrival.event)
-        result, span = self._observer.finishing(
+        span, context = self._observer.finishing(
             arrival.event,
             arrival.trace,
             result,
             reply.topic if reply is not None else self._names.results,
             reply.partition if reply is not None else None,
         )
+        result = with_request(result, arrival.event, context)
         writes = 2 if reply is not None else 1
         remaining = [writes]
         lock = threading.Lock()
@@ -427,13 +427,19 @@ def _all_partitions_at_end(bootstrap: str, topic: str) -> list[TopicPartition]:
         consumer.close()
 
 
-def with_request(result: RequestFinished, event: Request) -> RequestFinished:
-    """The terminal event with what the request said copied in: alone, it is the request's fact row."""
+def with_request(
+    result: RequestFinished, event: Request, context: tuple[str, str | None] | None = None
+) -> RequestFinished:
+    """The terminal event with what the request said copied in (alone, it is the request's fact row),
+    and the trace context of its ``publish`` span when there is one; one copy of the event."""
     kind: Literal["chat", "completion", "embedding"] = (
         "embedding" if isinstance(event, EmbeddingRequested) else "chat" if event.chat else "completion"
     )
+    traceparent, tracestate = context if context is not None else (result.traceparent, result.tracestate)
     return msgspec.structs.replace(
         result,
+        traceparent=traceparent,
+        tracestate=tracestate,
         model_version=event.model_version,
         kind=kind,
         stream=isinstance(event, GenerationRequested) and event.stream,
