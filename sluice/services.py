@@ -43,6 +43,15 @@ def local_broker(platform: PlatformSettings, console: Console) -> LocalKafka:
     )
 
 
+def stop_on_signals() -> asyncio.Event:
+    """An event set by SIGINT or SIGTERM (call on the running loop)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
 def observe(service: str) -> TracerProvider | None:
     """Set up what every service process shares: JSON logs (secrets scrubbed), the bound on the tenant
     label, and trace export when ``SLUICE_OTLP_ENDPOINT`` is set (the returned provider, to shut down)."""
@@ -113,10 +122,7 @@ def run_edge_process(platform: PlatformSettings, console: Console, port: int | N
         return 2
 
     async def main() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+        stop = stop_on_signals()
         await serve_edge(edge, gateway, stop)
 
     try:
@@ -142,10 +148,7 @@ def run_streams_process(platform: PlatformSettings, console: Console) -> int:
         return 2
 
     async def main() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+        stop = stop_on_signals()
         async with StreamsService(platform, settings) as service:
             console.print(f"streams: dashboard {service.url}/dashboard")
             while not stop.is_set() and service.failure is None:

@@ -26,7 +26,7 @@ from ingest.settings import EdgeSettings
 from monitoring.tracing import shutdown_tracing
 from schemas.settings import PlatformSettings, SettingsError, load_settings
 from schemas.topics import TopicNames
-from sluice.services import local_broker, observe, replies_partitions
+from sluice.services import local_broker, observe, replies_partitions, stop_on_signals
 from streams.settings import StreamsSettings
 
 
@@ -121,10 +121,7 @@ async def _wait_ready(host: str, port: int, within_s: float) -> None:
 async def _serve(
     settings: PlatformSettings, edge_settings: EdgeSettings, out: Console, console: Console
 ) -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    stop = stop_on_signals()
 
     async with AsyncExitStack() as stack:
         if settings.local_kafka:

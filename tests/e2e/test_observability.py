@@ -157,6 +157,10 @@ async def test_one_streamed_request_is_one_trace_across_edge_kafka_worker_kafka_
     assert all(p.start_time is not None and p.start_time >= proc.start_time for p in phases)
 
     # The trace context travelled in the events (and so in the Kafka headers the codec writes).
+    # This test's own reader of the replies topic may be a moment behind the edge's.
+    await platform.replies.wait(
+        lambda: any(isinstance(e, RequestFinished) for e in platform.replies.of(request_id))
+    )
     replies = platform.replies.of(request_id)
     assert all(e.traceparent is not None for e in replies)
     terminal = replies[-1]
