@@ -171,6 +171,31 @@ class Timings(FrozenStruct, frozen=True, kw_only=True):
             _require_utc(name, getattr(self, name))
 
 
+class DriftFeatures(FrozenStruct, frozen=True, kw_only=True):
+    """What drift detection sees of one request: numbers and labels derived from the prompt and the output,
+    never their text (see :mod:`schemas.features`). ``None`` means "not measured" (e.g. no prompt text
+    because the client sent token ids, or an engine without log-probabilities); a rising share of ``None``
+    is itself a data-quality signal."""
+
+    prompt_chars: NonNegative | None = None
+    prompt_script: str | None = None
+    """Dominant writing system of the prompt's letters: latin, cyrillic, greek, arabic, hebrew, cjk, other."""
+    prompt_language: str | None = None
+    """A stop-word guess (en, de, fr, es, it, pt, nl) for latin-script text, else the script, or ``other``."""
+    prompt_non_ascii: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None = None
+    """Share of the prompt's letters outside ASCII."""
+    output_chars: NonNegative | None = None
+    output_script: str | None = None
+    empty_output: bool | None = None
+    refusal: bool | None = None
+    mean_logprob: float | None = None
+    """Mean log-probability of the generated tokens under the model (generation engines that expose it)."""
+    mean_entropy: Annotated[float, msgspec.Meta(ge=0.0)] | None = None
+    """Mean entropy (nats) of the next-token distributions the generated tokens were drawn from."""
+    embedding: list[float] | None = None
+    """A MiniLM sentence embedding of the prompt, for 1 in ``SLUICE_DRIFT_SAMPLE`` requests."""
+
+
 class RequestFinished(Envelope, frozen=True, kw_only=True, tag="request_finished"):
     """The one terminal event of every accepted request."""
 
@@ -192,6 +217,8 @@ class RequestFinished(Envelope, frozen=True, kw_only=True, tag="request_finished
     idempotency_key: str | None = None
     max_inter_token_s: Annotated[float, msgspec.Meta(ge=0.0)] | None = None
     """Longest gap between two generated tokens (generation with 2+ tokens)."""
+    features: DriftFeatures | None = None
+    """Drift features of the request, set by the worker (absent in events from before drift detection)."""
 
 
 class UsageRecorded(Envelope, frozen=True, kw_only=True, tag="usage_recorded"):
@@ -244,18 +271,69 @@ class BurnRateCrossed(Envelope, frozen=True, kw_only=True, tag="burn_rate_crosse
     firing: bool
 
 
+DriftVerdict = Literal["reference", "no_drift", "drift", "insufficient_data", "data_quality"]
+"""``reference``: this window became the baseline later windows are compared with; ``insufficient_data``:
+too few requests in either window to decide (never an alarm); ``data_quality``: features went missing or
+out of range (the feature pipeline, not the traffic, changed)."""
+
+
+class FeatureDrift(FrozenStruct, frozen=True, kw_only=True):
+    """One feature's test in a drift report."""
+
+    name: str
+    kind: Literal["numerical", "categorical", "embedding"]
+    method: str
+    """The statistical test, e.g. ``ks``, ``chisquare``, ``z``, ``mmd``."""
+    statistic: float
+    """What the test compares with ``threshold``: a p-value for p-value tests (drift when below), a
+    distance for distance tests (drift when above)."""
+    threshold: float
+    p_value: float | None = None
+    drifted: bool
+    null_share: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
+    """Share of the current window's requests where the feature was not measured."""
+    reference_null_share: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
+
+
 class DriftReport(Envelope, frozen=True, kw_only=True, tag="drift_report"):
+    """A drift verdict for one window of one model version, for all tenants (``tenant`` is ``*``) or one.
+
+    The first six fields are v1's; the rest were added with defaults, so v1 readers still decode it."""
+
     window_start: UtcDatetime
     window_end: UtcDatetime
     drifted: bool
     share_drifted: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
     feature_scores: dict[str, float]
     method: str
+    model_version: str = ""
+    verdict: DriftVerdict | None = None
+    """None in v1 events: read :attr:`effective_verdict`."""
+    reference_start: UtcDatetime | None = None
+    reference_end: UtcDatetime | None = None
+    requests: NonNegative = 0
+    """Terminal events in the current window (before sampling)."""
+    n_reference: NonNegative = 0
+    n_current: NonNegative = 0
+    """Rows each window's sample held (bounded by the reservoir size)."""
+    alpha: float | None = None
+    """Family-wise false-alarm rate per window; each of the m features is tested at alpha / m."""
+    features: list[FeatureDrift] = msgspec.field(default_factory=list)
+    quality: list[str] = msgspec.field(default_factory=list)
+    """Data-quality findings, e.g. ``embedding: not sampled (0 of 412 requests; reference 5.1%)``."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _require_utc("window_start", self.window_start)
         _require_utc("window_end", self.window_end)
+        _require_utc("reference_start", self.reference_start)
+        _require_utc("reference_end", self.reference_end)
+
+    @property
+    def effective_verdict(self) -> DriftVerdict:
+        if self.verdict is not None:
+            return self.verdict
+        return "drift" if self.drifted else "no_drift"
 
 
 class DeadLetter(Envelope, frozen=True, kw_only=True, tag="dead_letter"):

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from schemas.codec import EVENT_TYPES, Event, decode, encode, event_type_name, headers
+from schemas.events import DriftReport, RequestFinished
 from schemas.examples import example_events
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -61,6 +62,28 @@ def test_pinned_bytes_decode_to_the_example(event: Event) -> None:
 
 def test_every_event_type_is_pinned_and_nothing_else() -> None:
     assert sorted(p.stem for p in GOLDEN.glob("*.json")) == sorted(event_type_name(c) for c in EVENT_TYPES)
+
+
+V1 = GOLDEN / "v1"
+"""The bytes every event type had before drift features were added (optional fields, no version bump):
+today's decoder must still read them, so events already on the log stay readable."""
+
+
+@pytest.mark.parametrize("path", sorted(V1.glob("*.json")), ids=lambda p: p.stem)
+def test_events_written_before_drift_features_still_decode(path: Path) -> None:
+    value = path.read_bytes().removesuffix(b"\n")
+    event = decode(value)
+    assert event_type_name(type(event)) == path.stem
+    assert encode(decode(encode(event))) == encode(event)
+    if isinstance(event, RequestFinished):
+        assert event.features is None
+    if isinstance(event, DriftReport):
+        assert event.verdict is None
+        assert event.effective_verdict == ("drift" if event.drifted else "no_drift")
+
+
+def test_v1_pins_every_type_that_existed_then() -> None:
+    assert len(list(V1.glob("*.json"))) == 13
 
 
 def main() -> None:

@@ -1,0 +1,245 @@
+"""Drift features of a text that hold none of it: length, writing system, a language guess, refusals.
+
+Pure stdlib, so the worker (which builds :class:`~schemas.events.DriftFeatures`) and tests share one
+definition. The language guess is deliberately small: stop-word counts for seven latin-script languages,
+good enough to see a traffic mix move from English to German, not a language identifier.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import unicodedata
+from collections import Counter
+from dataclasses import dataclass
+
+SCRIPTS = ("latin", "cyrillic", "greek", "arabic", "hebrew", "cjk", "other")
+
+_STOPWORDS: dict[str, frozenset[str]] = {
+    "en": frozenset(
+        [
+            "the",
+            "and",
+            "of",
+            "to",
+            "is",
+            "in",
+            "that",
+            "it",
+            "for",
+            "you",
+            "with",
+            "on",
+            "are",
+            "this",
+            "be",
+            "was",
+            "what",
+            "how",
+        ]
+    ),
+    "de": frozenset(
+        [
+            "der",
+            "die",
+            "das",
+            "und",
+            "ist",
+            "nicht",
+            "ich",
+            "ein",
+            "eine",
+            "zu",
+            "mit",
+            "den",
+            "von",
+            "sie",
+            "auf",
+            "wie",
+            "was",
+        ]
+    ),
+    "fr": frozenset(
+        [
+            "le",
+            "la",
+            "les",
+            "et",
+            "est",
+            "un",
+            "une",
+            "des",
+            "que",
+            "pas",
+            "je",
+            "vous",
+            "pour",
+            "dans",
+            "du",
+            "sur",
+            "qui",
+        ]
+    ),
+    "es": frozenset(
+        [
+            "el",
+            "la",
+            "los",
+            "las",
+            "y",
+            "es",
+            "un",
+            "una",
+            "que",
+            "no",
+            "por",
+            "para",
+            "con",
+            "del",
+            "se",
+            "como",
+            "qué",
+        ]
+    ),
+    "it": frozenset(
+        [
+            "il",
+            "lo",
+            "la",
+            "gli",
+            "le",
+            "e",
+            "è",
+            "un",
+            "una",
+            "che",
+            "non",
+            "per",
+            "con",
+            "del",
+            "di",
+            "come",
+            "sono",
+        ]
+    ),
+    "pt": frozenset(
+        [
+            "o",
+            "a",
+            "os",
+            "as",
+            "e",
+            "é",
+            "um",
+            "uma",
+            "que",
+            "não",
+            "por",
+            "para",
+            "com",
+            "do",
+            "da",
+            "como",
+            "você",
+        ]
+    ),
+    "nl": frozenset(
+        [
+            "de",
+            "het",
+            "een",
+            "en",
+            "is",
+            "van",
+            "dat",
+            "niet",
+            "ik",
+            "je",
+            "met",
+            "op",
+            "voor",
+            "zijn",
+            "wat",
+            "hoe",
+        ]
+    ),
+}
+_WORD = re.compile(r"[^\W\d_]+", re.UNICODE)
+_REFUSAL = re.compile(
+    r"\b(i\s*(?:can(?:'|no)?t|cannot|am unable to|won't|will not)\s+(?:help|assist|do|provide|comply)"
+    r"|i'm sorry,? but|as an ai\b|i am not able to)",
+    re.IGNORECASE,
+)
+
+
+def script_of(char: str) -> str | None:
+    """The writing system of one letter (None for anything that is not a letter)."""
+    if not char.isalpha():
+        return None
+    if char.isascii():
+        return "latin"
+    name = unicodedata.name(char, "")
+    for script, prefixes in (
+        ("latin", ("LATIN",)),
+        ("cyrillic", ("CYRILLIC",)),
+        ("greek", ("GREEK",)),
+        ("arabic", ("ARABIC",)),
+        ("hebrew", ("HEBREW",)),
+        ("cjk", ("CJK", "HIRAGANA", "KATAKANA", "HANGUL")),
+    ):
+        if name.startswith(prefixes):
+            return script
+    return "other"
+
+
+@dataclass(frozen=True, slots=True)
+class TextProfile:
+    chars: int
+    script: str | None
+    """Dominant script of the letters; None for text with no letters."""
+    non_ascii: float | None
+    """Share of letters outside ASCII; None for text with no letters."""
+    language: str | None
+
+
+def profile(text: str, *, max_chars: int = 4096) -> TextProfile:
+    """Profile the first ``max_chars`` characters (the cost stays bounded for long prompts)."""
+    head = text[:max_chars]
+    scripts = Counter(s for s in map(script_of, head) if s is not None)
+    letters = sum(scripts.values())
+    if not letters:
+        return TextProfile(chars=len(text), script=None, non_ascii=None, language=None)
+    script = max(SCRIPTS, key=lambda s: (scripts[s], -SCRIPTS.index(s)))
+    non_ascii = sum(1 for c in head if c.isalpha() and not c.isascii()) / letters
+    return TextProfile(
+        chars=len(text), script=script, non_ascii=non_ascii, language=guess_language(head, script)
+    )
+
+
+def guess_language(text: str, script: str) -> str:
+    """A stop-word guess for latin-script text; the script's name for other scripts; ``other`` when no
+    language's stop words are there."""
+    if script != "latin":
+        return script
+    words = [w.lower() for w in _WORD.findall(text)]
+    if not words:
+        return "other"
+    counts = {lang: sum(1 for w in words if w in stop) for lang, stop in _STOPWORDS.items()}
+    best = max(counts, key=lambda lang: (counts[lang], -list(_STOPWORDS).index(lang)))
+    return best if counts[best] > 0 else "other"
+
+
+def is_refusal(text: str) -> bool:
+    """Whether an output reads as a refusal ("I can't help with …", "I'm sorry, but …")."""
+    return _REFUSAL.search(text[:512]) is not None
+
+
+def sampled(request_id: str, one_in: int) -> bool:
+    """Whether a request is in the 1-in-``one_in`` drift sample: a hash of its id, so the choice is the
+    same on every worker and every re-run, and unbiased across tenants and models. ``one_in`` 0 disables."""
+    if one_in <= 0:
+        return False
+    if one_in == 1:
+        return True
+    digest = hashlib.blake2b(request_id.encode(), digest_size=8, person=b"sluicedrift").digest()
+    return int.from_bytes(digest, "big") % one_in == 0
