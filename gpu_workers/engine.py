@@ -58,6 +58,10 @@ class StepOutput(msgspec.Struct, frozen=True):
     request_id: str
     token_id: int
     finish_reason: FinishReason | None = None
+    logprob: float = 0.0
+    """Log-probability of ``token_id`` under the model's (untempered) next-token distribution."""
+    entropy: float = 0.0
+    """Entropy (nats) of that distribution: drift features, one batched reduction per step."""
 
 
 class GenerationRuntime(Protocol):
@@ -203,11 +207,11 @@ class GenerationEngine:
             use_cache=True,
         )
         batch.cache = out.past_key_values
-        tokens = self._sample(out.logits[:, -1, :], seqs)
+        tokens, logprobs, entropies = self._sample(out.logits[:, -1, :], seqs)
         keep = []
-        for i, (seq, token) in enumerate(zip(seqs, tokens, strict=True)):
+        for i, seq in enumerate(seqs):
             seq.position += 1
-            if self._emit(seq, token, outputs) is None:
+            if self._emit(seq, tokens[i], outputs, logprobs[i], entropies[i]) is None:
                 keep.append(i)
         return keep
 
@@ -246,17 +250,19 @@ class GenerationEngine:
         seqs = [
             _Seq(req=req, generator=self._generator(req), position=len(req.input_ids)) for req in admitted
         ]
-        tokens = self._sample(out.logits[:, -1, :], seqs)
+        tokens, logprobs, entropies = self._sample(out.logits[:, -1, :], seqs)
         keep_rows = [
             row
-            for row, (s, t) in enumerate(zip(seqs, tokens, strict=True))
-            if self._emit(s, t, outputs) is None
+            for row, s in enumerate(seqs)
+            if self._emit(s, tokens[row], outputs, logprobs[row], entropies[row]) is None
         ]
         if not keep_rows:
             return None
         return [seqs[r] for r in keep_rows], _select(out.past_key_values, keep_rows), mask[keep_rows]
 
-    def _emit(self, seq: _Seq, token: int, outputs: list[StepOutput]) -> FinishReason | None:
+    def _emit(
+        self, seq: _Seq, token: int, outputs: list[StepOutput], logprob: float, entropy: float
+    ) -> FinishReason | None:
         seq.generated += 1
         seq.last_token = token
         reason: FinishReason | None = None
@@ -267,7 +273,7 @@ class GenerationEngine:
             or len(seq.req.input_ids) + seq.generated >= self.max_context
         ):
             reason = "length"
-        outputs.append(StepOutput(seq.req.request_id, token, reason))
+        outputs.append(StepOutput(seq.req.request_id, token, reason, logprob, entropy))
         if reason is not None:
             self._ids.discard(seq.req.request_id)
         return reason
@@ -323,12 +329,20 @@ class GenerationEngine:
             return None
         return torch.Generator(device=self._device).manual_seed(req.seed)
 
-    def _sample(self, logits: torch.Tensor, seqs: Sequence[_Seq]) -> list[int]:
+    def _sample(
+        self, logits: torch.Tensor, seqs: Sequence[_Seq]
+    ) -> tuple[list[int], list[float], list[float]]:
+        """Each row's next token, with its log-probability and the distribution's entropy."""
+        import torch
+
         tokens: list[int] = logits.argmax(dim=-1).tolist()
         for row, seq in enumerate(seqs):
             if seq.generator is not None:
                 tokens[row] = sample_token(logits[row], seq.req, seq.generator)
-        return tokens
+        logp = logits.float().log_softmax(dim=-1)
+        entropy = -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(dim=-1)
+        chosen = logp.gather(1, torch.tensor(tokens, device=logp.device).unsqueeze(1)).squeeze(1)
+        return tokens, chosen.tolist(), entropy.clamp(min=0.0).tolist()
 
 
 def sample_token(logits: torch.Tensor, req: SeqRequest, generator: torch.Generator) -> int:

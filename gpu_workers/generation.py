@@ -22,6 +22,7 @@ from gpu_workers.observe import RunnerLoad
 from gpu_workers.scheduler import GenerationScheduler, Pending, SchedulerConfig
 from gpu_workers.service import Arrival, Emitter, Origin
 from schemas.events import (
+    DriftFeatures,
     FinishReason,
     GenerationRequested,
     RequestFinished,
@@ -48,6 +49,9 @@ class _Live:
     next_offset: int = 0
     last_token_at: float | None = None
     max_gap: float = 0.0
+    logprob_sum: float = 0.0
+    entropy_sum: float = 0.0
+    scored: int = 0
 
 
 def seed_for(request_id: str) -> int:
@@ -168,6 +172,9 @@ class GenerationRunner:
                 if live is None:
                     continue
                 live.first_token = live.first_token or stamp
+                live.logprob_sum += out.logprob
+                live.entropy_sum += out.entropy
+                live.scored += 1
                 self._token(live, out.token_id, now, emit)
                 reason: FinishReason | None = "stop" if live.stop_hit else out.finish_reason
                 if reason is not None:
@@ -299,4 +306,9 @@ class GenerationRunner:
             ),
             worker_id=self._origin.worker_id,
             max_inter_token_s=live.max_gap if completion >= 2 else None,
+            features=DriftFeatures(
+                mean_logprob=live.logprob_sum / live.scored, mean_entropy=live.entropy_sum / live.scored
+            )
+            if live.scored
+            else None,
         )

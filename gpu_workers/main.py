@@ -9,12 +9,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from gpu_workers.batching import BatcherConfig
+from gpu_workers.features import FeatureProbe
 from gpu_workers.flush import FlushPolicy
 from gpu_workers.scheduler import SchedulerConfig
 from gpu_workers.service import Runner, WorkerService
 from gpu_workers.settings import WorkerSettings
 from monitoring.ops import OpsServer
-from schemas.manifest import current_model_dir, read_manifest
+from schemas.manifest import ManifestError, current_model_dir, read_manifest
 from schemas.settings import PlatformSettings
 from schemas.topics import TopicNames
 
@@ -81,6 +82,36 @@ def runner_factory(
     return build
 
 
+def probe_factory(
+    platform: PlatformSettings, worker: WorkerSettings, model_id: str
+) -> Callable[[], FeatureProbe]:
+    """The drift feature probe, built in the model thread after the runner (a generation worker loads
+    MiniLM there to embed sampled prompts; a MiniLM worker uses its own vectors)."""
+
+    def build() -> FeatureProbe:
+        embedder_id = worker.drift_embedding_model
+        if worker.drift_sample == 0 or not embedder_id:
+            return FeatureProbe(worker.drift_sample)
+        if embedder_id == model_id:
+            return FeatureProbe(worker.drift_sample, own_vectors=True)
+        if read_manifest(current_model_dir(platform.cache_dir, model_id)).task != "generation":
+            return FeatureProbe(worker.drift_sample)  # another embedding model: its vectors are not MiniLM's
+        embedder_dir = current_model_dir(platform.cache_dir, embedder_id)
+        try:
+            task = read_manifest(embedder_dir).task
+        except ManifestError as exc:
+            log.warning("no prompt embeddings for drift: %s (run `sluice models prepare`)", exc)
+            return FeatureProbe(worker.drift_sample)
+        if task != "embedding":
+            log.warning("no prompt embeddings for drift: %s is not an embedding model", embedder_id)
+            return FeatureProbe(worker.drift_sample)
+        from gpu_workers.features import minilm_embedder
+
+        return FeatureProbe(worker.drift_sample, minilm_embedder(embedder_dir, worker.worker_device))
+
+    return build
+
+
 def _warm_up_generation(engine: object) -> None:
     from gpu_workers.engine import GenerationEngine, SeqRequest
 
@@ -101,6 +132,7 @@ def make_worker(platform: PlatformSettings, worker: WorkerSettings, model_id: st
         names=TopicNames(platform.topic_prefix),
         runner_factory=runner_factory(model_dir, worker, f"gpu_workers/{worker_id}", worker_id),
         consumer_overrides={"session.timeout.ms": worker.worker_session_timeout_ms},
+        probe_factory=probe_factory(platform, worker, model_id),
     )
 
 

@@ -31,6 +31,7 @@ from opentelemetry.trace import Status, StatusCode
 from bus.consumer import TP, ConsumerThread, consumer_config, decode_or_dead_letter, watermarks
 from bus.errors import BusError
 from bus.producer import EventProducer
+from gpu_workers.features import FeatureProbe
 from gpu_workers.observe import RequestTrace, RunnerLoad, WorkerObserver, open_trace
 from gpu_workers.offsets import OffsetTracker
 from monitoring import tracing
@@ -128,6 +129,7 @@ class WorkerService:
         inbox_size: int = 1024,
         remember_finished: int = 100_000,
         consumer_overrides: dict[str, object] | None = None,
+        probe_factory: Callable[[], FeatureProbe] | None = None,
     ) -> None:
         self.model_id = model_id
         self.worker_id = worker_id
@@ -135,6 +137,8 @@ class WorkerService:
         self._names = names
         self._bootstrap = bootstrap
         self._runner_factory = runner_factory
+        self._probe_factory = probe_factory
+        self._probe: FeatureProbe | None = None
         self._inbox: queue.Queue[_Inbox] = queue.Queue(maxsize=inbox_size)
         # Unbounded but holds at most one entry per request in flight; filled by the producer's thread.
         self._durable: queue.SimpleQueue[_Durable] = queue.SimpleQueue()
@@ -295,6 +299,7 @@ class WorkerService:
     def _serve(self) -> None:
         try:
             runner = self._runner_factory()
+            self._probe = self._probe_factory() if self._probe_factory is not None else None
         except BaseException as exc:
             self.failure = exc
             self._ready.set()
@@ -377,6 +382,11 @@ class WorkerService:
             reply.partition if reply is not None else None,
         )
         result = with_request(result, arrival.event, context)
+        if self._probe is not None:
+            try:
+                result = msgspec.structs.replace(result, features=self._probe.features(arrival.event, result))
+            except Exception:  # features describe the request; they must never keep it from ending
+                log.exception("drift features of %s failed", request_id)
         writes = 2 if reply is not None else 1
         remaining = [writes]
         lock = threading.Lock()

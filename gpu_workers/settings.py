@@ -41,3 +41,9 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     """``/readyz`` fails while more requests than this wait uncommitted on this worker's partitions."""
     worker_session_timeout_ms: Annotated[int, msgspec.Meta(ge=1000)] = 10_000
     """Kafka group session timeout: how soon a dead worker's requests move to another worker."""
+    drift_sample: Annotated[int, msgspec.Meta(ge=0)] = 20
+    """1 in N requests (by a hash of the request id) carry a MiniLM embedding of the prompt for drift
+    detection; 1 embeds every request, 0 none. The other drift features are on every request."""
+    drift_embedding_model: str = "all-minilm-l6-v2"
+    """The prepared model a generation worker loads to embed sampled prompts; empty: no prompt embeddings
+    from generation workers."""

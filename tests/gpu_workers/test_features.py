@@ -1,0 +1,92 @@
+"""Drift features of finished requests, as the worker attaches them to the terminal event."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import msgspec
+
+from gpu_workers.features import FeatureProbe
+from schemas.events import DriftFeatures, EmbeddingRequested, GenerationRequested, RequestFinished, Usage
+from schemas.features import sampled
+
+PROMPT = "Tell me about the river and the weather."
+
+
+def request(request_id: str = "req-1", prompt: str | None = PROMPT) -> GenerationRequested:
+    return GenerationRequested(
+        tenant="acme", model="demo-gpt", request_id=request_id, source="test", model_version="v1",
+        input_ids=[1, 2, 3], prompt=prompt,
+    )  # fmt: skip
+
+
+def finished(
+    text: str | None = "The river is wide.", status: str = "completed", **kw: object
+) -> RequestFinished:
+    return RequestFinished(
+        tenant="acme", model="demo-gpt", request_id="req-1", source="test", status=status,  # type: ignore[arg-type]
+        finish_reason="length", usage=Usage(prompt_tokens=3, completion_tokens=5, total_tokens=8), text=text,
+        **kw,  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
+def sampled_id() -> str:
+    return next(f"req-{i}" for i in range(1000) if sampled(f"req-{i}", 4))
+
+
+def unsampled_id() -> str:
+    return next(f"req-{i}" for i in range(1000) if not sampled(f"req-{i}", 4))
+
+
+def test_generation_features_profile_prompt_and_output_and_keep_engine_stats() -> None:
+    engine = DriftFeatures(mean_logprob=-1.5, mean_entropy=2.0)
+    got = FeatureProbe(0).features(request(), finished(features=engine))
+    assert got.prompt_chars == len(PROMPT)
+    assert (got.prompt_script, got.prompt_language, got.prompt_non_ascii) == ("latin", "en", 0.0)
+    assert (got.output_chars, got.output_script, got.empty_output, got.refusal) == (18, "latin", False, False)
+    assert (got.mean_logprob, got.mean_entropy) == (-1.5, 2.0)
+    assert got.embedding is None
+
+
+def test_empty_and_refused_outputs_are_flagged_failed_ones_are_not_measured() -> None:
+    probe = FeatureProbe(0)
+    assert probe.features(request(), finished(text="  ")).empty_output is True
+    assert probe.features(request(), finished(text="I'm sorry, but I can't help")).refusal is True
+    failed = probe.features(request(), finished(text=None, status="failed"))
+    assert (failed.output_chars, failed.empty_output, failed.refusal) == (None, None, None)
+    assert failed.prompt_language == "en", "the prompt is still profiled"
+    assert probe.features(request(prompt=None), finished()).prompt_chars is None
+
+
+def test_sampled_prompts_are_embedded_others_not() -> None:
+    seen: list[str] = []
+
+    def embed(text: str) -> Sequence[float]:
+        seen.append(text)
+        return [0.1234567891, -0.5]
+
+    probe = FeatureProbe(4, embed)
+    assert probe.features(request(sampled_id()), finished()).embedding == [0.123457, -0.5]
+    assert probe.features(request(unsampled_id()), finished()).embedding is None
+    assert seen == [PROMPT]
+
+
+def test_an_embedder_that_fails_costs_the_feature_not_the_request() -> None:
+    def broken(text: str) -> Sequence[float]:
+        raise RuntimeError("out of memory")
+
+    got = FeatureProbe(1, broken).features(request(), finished())
+    assert got.embedding is None
+    assert got.prompt_language == "en"
+
+
+def test_an_embedding_model_uses_its_own_first_vector() -> None:
+    event = EmbeddingRequested(
+        tenant="acme", model="all-minilm-l6-v2", request_id=sampled_id(), source="test", model_version="v1",
+        inputs=[[101, 102]], texts=["ein Fluss"],
+    )  # fmt: skip
+    result = msgspec.structs.replace(finished(text=None), embeddings=[[0.5, 0.25], [0.0, 1.0]])
+    got = FeatureProbe(4, own_vectors=True).features(event, result)
+    assert got.embedding == [0.5, 0.25]
+    assert got.prompt_chars == len("ein Fluss")
+    assert got.output_chars is None, "embeddings have no text output"
