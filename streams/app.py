@@ -44,11 +44,19 @@ from bus.errors import BusError
 from bus.producer import DeliveryCallback, EventProducer
 from monitoring import metrics, tracing
 from schemas.codec import kafka_key
-from schemas.events import AuditEntry, BudgetStateChanged, DeploymentChanged, Event, RequestFinished
+from schemas.events import (
+    AuditEntry,
+    BudgetStateChanged,
+    DeploymentChanged,
+    DriftReport,
+    Event,
+    RequestFinished,
+)
 from schemas.settings import PlatformSettings
 from schemas.topics import TopicNames
 from streams.audit import AuditHead, admin_entry, audit_row, request_entry
 from streams.control import LAST_BUDGET_STATES, SPEND_TODAY, WINDOWS, Controller, WindowCounts, burn_sql
+from streams.drift import DriftMonitor, report_row
 from streams.pricing import PriceTable
 from streams.settings import StreamsSettings
 from streams.sink import Batch, Consumed, Rows, insert, query_rows
@@ -58,11 +66,12 @@ log = logging.getLogger(__name__)
 SOURCE = "streams/worker"
 
 
-def sink_topics(names: TopicNames, request_topics: Sequence[str], *, audit: bool = True) -> list[str]:
+def sink_topics(names: TopicNames, request_topics: Sequence[str], *, decisions: bool = True) -> list[str]:
     """Every topic whose events the warehouse keeps (token chunks on ``replies`` are delivery only).
-    The live worker writes the audit entries it publishes itself (``audit=False``); a replay reads them."""
+    The live worker writes the audit entries and drift reports it publishes itself (``decisions=False``);
+    a replay reads them from their topics."""
     topics = [*request_topics, names.results, names.cancels, names.control, names.usage]
-    return [*topics, names.audit] if audit else topics
+    return [*topics, names.audit, names.drift] if decisions else topics
 
 
 class StreamsApp:
@@ -80,6 +89,7 @@ class StreamsApp:
         request_topics: Sequence[str],
         app_id: str | None = None,
         on_batch: Callable[[Batch], None] | None = None,
+        drift: bool = True,
     ) -> None:
         names = TopicNames(platform.topic_prefix)
         self.names = names
@@ -104,7 +114,7 @@ class StreamsApp:
             consumer_max_fetch_size=16 * 1024 * 1024,
         )
         raw: dict[str, Any] = {"key_type": bytes, "value_type": bytes, "value_serializer": "raw"}
-        self._sink_channel = self.app.topic(*sink_topics(names, request_topics, audit=False), **raw)
+        self._sink_channel = self.app.topic(*sink_topics(names, request_topics, decisions=False), **raw)
         self.app.agent(self._sink_channel, name="sink")(self._guard(self._sink))
         self._heads: dict[str, AuditHead] | None = None
         self._offsets: dict[str, tuple[int, int]] = {}
@@ -113,6 +123,9 @@ class StreamsApp:
         self._seeded = False
         if controller is not None:
             self.app.timer(settings.streams_control_interval_s, name="control")(self._control)
+        self.drift = DriftMonitor(settings, self._read, self._publish_report) if drift else None
+        if self.drift is not None:
+            self.app.timer(settings.drift_interval_s, name="drift")(self._drift)
         self.failure: BaseException | None = None
         """Set when an agent crashed: the process must exit (and be restarted), not limp on."""
         self._batch_size = settings.streams_batch_size
@@ -246,6 +259,28 @@ class StreamsApp:
         for event in events:
             await self._producer.publish(self.names.control, event)
             log.info("control: %s", event)
+
+    async def _read(self, sql: str) -> list[dict[str, Any]]:
+        """A query on the writer's thread (the warehouse client is used from one thread at a time)."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, query_rows, self._writer, sql)
+
+    async def _publish_report(self, report: DriftReport) -> None:
+        """Durable on the drift topic first, then its ``drift_reports`` and ``events_raw`` rows."""
+        where = await self._producer.publish(self.names.drift, report)
+        batch = Batch(
+            reports=[report_row(report)], raw=[self._rows.raw_row(report, self.names.drift, *where)]
+        )
+        await asyncio.get_running_loop().run_in_executor(self._executor, insert, self._writer, batch)
+        metrics.STREAMS_EVENTS.labels(self.names.drift, "drift_report").inc()
+
+    async def _drift(self) -> None:
+        """Evaluate the drift windows that closed; a failure is logged and retried next interval."""
+        if self.drift is None:
+            return
+        try:
+            await self.drift.run_once()
+        except Exception:
+            log.exception("drift: evaluating windows failed; trying again next interval")
 
     async def _chain(self, batch: Batch) -> list[tuple[AuditEntry, tuple[int, int]]]:
         """The batch's new audit entries, in order, published and durable on the audit topic, each with

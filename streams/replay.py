@@ -20,7 +20,7 @@ from streams.app import sink_topics
 from streams.pricing import PriceTable
 from streams.sink import Consumed, Inserter, Rows, insert
 
-TABLES = ("events_raw", "request_facts", "audit_log")
+TABLES = ("events_raw", "request_facts", "audit_log", "drift_features", "drift_reports")
 
 
 class ReplayError(RuntimeError):
@@ -50,7 +50,7 @@ def replay(
     began = time.monotonic()
     names = TopicNames(platform.topic_prefix)
     consumer = Consumer(consumer_config(platform.bootstrap, None, "sluice-replay"))
-    rows = Rows(prices, store_content=store_content, audit_from_topic=True)
+    rows = Rows(prices, store_content=store_content, decisions_from_topic=True)
     try:
         ends: dict[tuple[str, int], int] = {}
         for topic in sink_topics(names, request_topics):

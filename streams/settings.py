@@ -32,3 +32,23 @@ class StreamsSettings(msgspec.Struct, frozen=True, kw_only=True):
     """SLO configuration (``docs/slo.md``) the burn-rate events are computed against; unset: defaults."""
     streams_control_interval_s: Annotated[float, msgspec.Meta(gt=0.0)] = 5.0
     """How often budgets and burn rates are evaluated (and changes published on ``control``)."""
+    drift_window_s: Annotated[float, msgspec.Meta(ge=1.0)] = 300.0
+    """Drift windows: tumbling, this long, aligned to the epoch, cut on each request's finish time."""
+    drift_lateness_s: Annotated[float, msgspec.Meta(ge=0.0)] = 30.0
+    """A window is evaluated this long after it closes (terminal events still in flight land first)."""
+    drift_interval_s: Annotated[float, msgspec.Meta(gt=0.0)] = 10.0
+    """How often the drift monitor looks for closed windows."""
+    drift_min_samples: Annotated[int, msgspec.Meta(ge=2)] = 100
+    """Fewer requests than this in a window (or its reference): ``insufficient_data``, never an alarm."""
+    drift_reservoir: Annotated[int, msgspec.Meta(ge=2, le=1000)] = 1000
+    """Rows sampled per window for the tabular tests (at most 1000, so KS and chi-square apply)."""
+    drift_embedding_reservoir: Annotated[int, msgspec.Meta(ge=2, le=2000)] = 200
+    """Prompt embeddings sampled per window for the MMD test (its cost grows with the square of this)."""
+    drift_alpha: Annotated[float, msgspec.Meta(gt=0.0, lt=1.0)] = 0.01
+    """False-alarm rate per window and key; each of the m features is tested at alpha / m (Bonferroni)."""
+    drift_null_tolerance: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.2
+    """A feature missing from this much more of the window than of the reference is a data-quality finding."""
+    drift_max_tenants: Annotated[int, msgspec.Meta(ge=0)] = 10
+    """Tenants evaluated on their own per window (the busiest with enough samples); 0: all tenants only."""
+    drift_lookback_windows: Annotated[int, msgspec.Meta(ge=1)] = 288
+    """On a first start, how many past windows the monitor may still evaluate."""

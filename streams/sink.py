@@ -2,8 +2,9 @@
 
 The live streams worker and ``sluice replay`` both hand batches of consumed records to :class:`Rows` and
 insert what it returns with :func:`insert`, so a replay of the log builds the same tables. Every table
-is idempotent under redelivery: ``events_raw`` collapses on the event id, ``request_facts`` on the request
-(latest terminal event wins), ``audit_log`` on (tenant, seq). Prompts, completions, embeddings and token
+is idempotent under redelivery: ``events_raw`` collapses on the event id, ``request_facts`` and
+``drift_features`` on the request (latest terminal event wins), ``audit_log`` on (tenant, seq),
+``drift_reports`` on (model, version, scope, window). Prompts, completions, embeddings and token
 ids are removed before an event is stored unless ``streams_store_content`` is set.
 """
 
@@ -20,6 +21,7 @@ from clickhouse_connect.driver.client import Client
 from schemas.codec import DecodeError, decode, encode
 from schemas.events import (
     AuditEntry,
+    DriftReport,
     EmbeddingRequested,
     Event,
     GenerationRequested,
@@ -27,6 +29,7 @@ from schemas.events import (
     TokenChunk,
 )
 from streams.audit import AUDIT_COLUMNS, audit_row
+from streams.drift import FEATURE_COLUMNS, REPORT_COLUMNS, feature_row, report_row
 from streams.facts import FACT_COLUMNS, fact_row
 from streams.pricing import PriceTable
 
@@ -55,6 +58,8 @@ class Batch:
     raw: list[list[Any]] = field(default_factory=list)
     facts: list[list[Any]] = field(default_factory=list)
     audit: list[list[Any]] = field(default_factory=list)
+    drift: list[list[Any]] = field(default_factory=list)
+    reports: list[list[Any]] = field(default_factory=list)
     events: list[tuple[Consumed, Event]] = field(default_factory=list)
     undecodable: list[tuple[Consumed, DecodeError]] = field(default_factory=list)
 
@@ -70,22 +75,25 @@ def redact(event: Event) -> Event:
         case EmbeddingRequested():
             return msgspec.structs.replace(event, texts=None, inputs=[])
         case RequestFinished():
-            return msgspec.structs.replace(event, text=None, embeddings=None)
+            features = event.features
+            if features is not None and features.embedding is not None:
+                features = msgspec.structs.replace(features, embedding=None)  # kept in drift_features
+            return msgspec.structs.replace(event, text=None, embeddings=None, features=features)
         case TokenChunk():
             return msgspec.structs.replace(event, text="", token_ids=[])
     return event
 
 
 class Rows:
-    """``audit_from_topic``: turn ``AuditEntry`` events into ``audit_log`` rows (replay). The live worker
-    builds the entries itself and adds their rows to the batch."""
+    """``decisions_from_topic``: turn ``AuditEntry`` and ``DriftReport`` events into ``audit_log`` and
+    ``drift_reports`` rows (replay). The live worker makes those decisions itself and adds their rows."""
 
     def __init__(
-        self, prices: PriceTable, *, store_content: bool = False, audit_from_topic: bool = False
+        self, prices: PriceTable, *, store_content: bool = False, decisions_from_topic: bool = False
     ) -> None:
         self._prices = prices
         self._store_content = store_content
-        self._audit_from_topic = audit_from_topic
+        self._decisions_from_topic = decisions_from_topic
 
     def raw_row(self, event: Event, topic: str, partition: int, offset: int) -> list[Any]:
         """The ``events_raw`` row of an event stored at (topic, partition, offset)."""
@@ -116,8 +124,11 @@ class Rows:
             out.raw.append(self.raw_row(event, record.topic, record.partition, record.offset))
             if isinstance(event, RequestFinished):
                 out.facts.append(fact_row(event, self._prices))
-            elif isinstance(event, AuditEntry) and self._audit_from_topic:
+                out.drift.append(feature_row(event))
+            elif isinstance(event, AuditEntry) and self._decisions_from_topic:
                 out.audit.append(audit_row(event))
+            elif isinstance(event, DriftReport) and self._decisions_from_topic:
+                out.reports.append(report_row(event))
         return out
 
 
@@ -139,3 +150,7 @@ def insert(client: Inserter, batch: Batch) -> None:
         client.insert("request_facts", batch.facts, column_names=FACT_COLUMNS)
     if batch.audit:
         client.insert("audit_log", batch.audit, column_names=AUDIT_COLUMNS)
+    if batch.drift:
+        client.insert("drift_features", batch.drift, column_names=FEATURE_COLUMNS)
+    if batch.reports:
+        client.insert("drift_reports", batch.reports, column_names=REPORT_COLUMNS)

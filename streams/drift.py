@@ -1,0 +1,609 @@
+"""Drift detection in the streams worker: windows of per-request features in, ``DriftReport`` events out.
+
+Where the state lives. Every terminal event becomes a ``drift_features`` row (:func:`feature_row`), so
+the windows are in the warehouse, durable and rebuilt by a replay; the monitor keeps only which window it
+reported last and each key's reference bounds, O(model versions x tenants), never O(requests).
+
+Windows are tumbling, ``SLUICE_DRIFT_WINDOW_S`` long, aligned to the epoch and cut on the request's
+``finished`` time. A window is evaluated once it closed ``SLUICE_DRIFT_LATENESS_S`` ago. Its sample is a
+bounded reservoir: the ``SLUICE_DRIFT_RESERVOIR`` rows with the smallest ``cityHash64(request_id)`` (a
+uniform sample, the same whatever order the rows arrived in, so ``sluice drift report`` recomputes
+exactly the sample the verdict came from); embeddings have their own, smaller reservoir.
+
+Per (model, version) the all-tenant scope ``*`` is evaluated every window; each of the
+``SLUICE_DRIFT_MAX_TENANTS`` busiest tenants with at least ``SLUICE_DRIFT_MIN_SAMPLES`` requests in the
+window gets its own report too. A key's first window with enough samples becomes its **reference**
+(verdict ``reference``); later windows are compared with it (:func:`drift.evaluate.evaluate`). Too few
+samples is ``insufficient_data``, never an alarm.
+
+Each verdict is published on the ``drift`` topic (durable first), then inserted into ``drift_reports``
+(and ``events_raw``) by the same row function :mod:`streams.sink` uses when ``sluice replay`` reads the
+topic, so a replay rebuilds the table identically. A report's event id and time derive from its key and
+window, so one published twice (a restart between publish and insert) collapses to one row.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+from monitoring import metrics
+from schemas.events import DriftReport, DriftVerdict, FeatureDrift, RequestFinished
+from schemas.ids import uuid7_from_parts
+from streams.facts import accepted_at
+from streams.queries import sql_string
+from streams.settings import StreamsSettings
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+    import pandas as pd
+    from drift.evaluate import DriftConfig
+
+log = logging.getLogger(__name__)
+
+SOURCE = "streams/drift"
+ALL = "*"
+"""The scope of a report over every tenant."""
+
+FEATURE_COLUMNS = (
+    "request_id", "tenant", "model", "model_version", "kind", "status", "finish_reason", "accepted",
+    "finished", "has_features", "prompt_tokens", "completion_tokens", "prompt_chars", "prompt_script",
+    "prompt_language", "prompt_non_ascii", "output_chars", "output_script", "empty_output", "refusal",
+    "mean_logprob", "mean_entropy", "embedding", "version",
+)  # fmt: skip
+SAMPLE_COLUMNS = (
+    "prompt_tokens", "completion_tokens", "prompt_chars", "prompt_non_ascii", "output_chars", "mean_logprob",
+    "mean_entropy", "prompt_script", "prompt_language", "output_script", "finish_reason", "status",
+    "empty_output", "refusal",
+)  # fmt: skip
+"""What a window's sample holds: the evaluator's numerical and categorical features."""
+REPORT_COLUMNS = (
+    "report_id", "time", "model", "model_version", "scope", "window_start", "window_end", "reference_start",
+    "reference_end", "verdict", "drifted", "share_drifted", "requests", "n_reference", "n_current", "alpha",
+    "method", "feature_names", "feature_kinds", "feature_methods", "feature_statistics",
+    "feature_thresholds", "feature_p_values", "feature_drifted", "feature_null_share", "quality", "source",
+    "version",
+)  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------ rows
+
+
+def feature_row(event: RequestFinished) -> list[Any]:
+    """The ``drift_features`` row of a terminal event, in :data:`FEATURE_COLUMNS` order (no text)."""
+    f = event.features
+    return [
+        event.request_id,
+        event.tenant,
+        event.model,
+        event.model_version,
+        event.kind,
+        event.status,
+        event.finish_reason or "",
+        accepted_at(event),
+        event.timings.finished or event.time,
+        f is not None,
+        event.usage.prompt_tokens,
+        event.usage.completion_tokens,
+        f.prompt_chars if f else None,
+        f.prompt_script if f else None,
+        f.prompt_language if f else None,
+        f.prompt_non_ascii if f else None,
+        f.output_chars if f else None,
+        f.output_script if f else None,
+        f.empty_output if f else None,
+        f.refusal if f else None,
+        f.mean_logprob if f else None,
+        f.mean_entropy if f else None,
+        list(f.embedding) if f is not None and f.embedding else [],
+        int(event.time.timestamp() * 1000),
+    ]
+
+
+def report_row(event: DriftReport) -> list[Any]:
+    """The ``drift_reports`` row of a report, in :data:`REPORT_COLUMNS` order."""
+    features = event.features
+    return [
+        event.id,
+        event.time,
+        event.model,
+        event.model_version,
+        event.tenant,
+        event.window_start,
+        event.window_end,
+        event.reference_start,
+        event.reference_end,
+        event.effective_verdict,
+        event.drifted,
+        event.share_drifted,
+        event.requests,
+        event.n_reference,
+        event.n_current,
+        event.alpha,
+        event.method,
+        [f.name for f in features],
+        [f.kind for f in features],
+        [f.method for f in features],
+        [f.statistic for f in features],
+        [f.threshold for f in features],
+        [f.p_value for f in features],
+        [f.drifted for f in features],
+        [f.null_share for f in features],
+        list(event.quality),
+        event.source,
+        int(event.time.timestamp() * 1000),
+    ]
+
+
+# ------------------------------------------------------------------------------------------------ windows
+
+
+@dataclass(frozen=True, order=True)
+class Window:
+    start_ms: int
+    end_ms: int
+
+    @property
+    def start(self) -> datetime:
+        return datetime.fromtimestamp(self.start_ms / 1000, UTC)
+
+    @property
+    def end(self) -> datetime:
+        return datetime.fromtimestamp(self.end_ms / 1000, UTC)
+
+
+@dataclass(frozen=True, order=True)
+class DriftKey:
+    model: str
+    model_version: str
+    scope: str = ALL
+
+    def where(self, window: Window) -> str:
+        """The SQL condition selecting this key's rows in ``window``."""
+        scope = "" if self.scope == ALL else f" AND tenant = {sql_string(self.scope)}"
+        return (
+            f"model = {sql_string(self.model)} AND model_version = {sql_string(self.model_version)}{scope}"
+            f" AND finished >= fromUnixTimestamp64Milli({window.start_ms}, 'UTC')"
+            f" AND finished < fromUnixTimestamp64Milli({window.end_ms}, 'UTC')"
+        )
+
+
+def windows_sql(window_ms: int, since_ms: int, until_ms: int) -> str:
+    """Per (model, version): the windows in [since, until) that hold rows, with their request counts."""
+    return f"""SELECT model, model_version,
+    intDiv(toUnixTimestamp64Milli(finished), {window_ms}) * {window_ms} AS start_ms,
+    count() AS requests
+FROM drift_features FINAL
+WHERE finished >= fromUnixTimestamp64Milli({since_ms}, 'UTC')
+    AND finished < fromUnixTimestamp64Milli({until_ms}, 'UTC')
+GROUP BY model, model_version, start_ms
+ORDER BY start_ms, model, model_version"""  # noqa: S608 (integers and quoted literals only)
+
+
+def tenants_sql(key: DriftKey, window: Window, min_samples: int, limit: int) -> str:
+    """The busiest tenants of a window with at least ``min_samples`` requests, at most ``limit``."""
+    return f"""SELECT tenant, count() AS requests FROM drift_features FINAL
+WHERE {key.where(window)}
+GROUP BY tenant HAVING requests >= {int(min_samples)}
+ORDER BY requests DESC, tenant LIMIT {int(limit)}"""  # noqa: S608
+
+
+def sample_sql(key: DriftKey, window: Window, rows: int) -> str:
+    """A window's reservoir: the ``rows`` rows with the smallest hash of their request id."""
+    columns = ", ".join(SAMPLE_COLUMNS)
+    return f"""SELECT {columns} FROM drift_features FINAL
+WHERE {key.where(window)}
+ORDER BY cityHash64(request_id), request_id LIMIT {int(rows)}"""  # noqa: S608
+
+
+def embeddings_sql(key: DriftKey, window: Window, rows: int) -> str:
+    """A window's embedding reservoir (only the requests that carry one)."""
+    return f"""SELECT embedding FROM drift_features FINAL
+WHERE {key.where(window)} AND length(embedding) > 0
+ORDER BY cityHash64(request_id), request_id LIMIT {int(rows)}"""  # noqa: S608
+
+
+def count_sql(key: DriftKey, window: Window) -> str:
+    return f"SELECT count() AS requests FROM drift_features FINAL WHERE {key.where(window)}"  # noqa: S608
+
+
+LAST_REPORTS = """SELECT model, model_version, scope,
+    max(window_start) AS last_start,
+    argMax(reference_start, window_start) AS reference_start,
+    argMax(reference_end, window_start) AS reference_end
+FROM drift_reports FINAL
+GROUP BY model, model_version, scope"""
+"""Where each key stands: the last window it reported and its reference (loaded once at start)."""
+
+
+def due_windows(
+    available: Sequence[tuple[str, str, int]],
+    reported: dict[tuple[str, str], int],
+    *,
+    now_ms: int,
+    window_ms: int,
+    lateness_ms: int,
+) -> list[tuple[str, str, Window]]:
+    """The windows to evaluate, oldest first: closed ``lateness`` ago, after the last one reported.
+
+    ``available``: (model, version, window start ms) of windows holding rows; ``reported``: per (model,
+    version), the start of the last window reported."""
+    due = []
+    for model, version, start in sorted(set(available), key=lambda a: (a[2], a[0], a[1])):
+        last = reported.get((model, version))
+        if last is not None and start <= last:
+            continue
+        if start + window_ms + lateness_ms > now_ms:
+            continue
+        due.append((model, version, Window(start, start + window_ms)))
+    return due
+
+
+# ------------------------------------------------------------------------------------------------ samples
+
+Rows = list[dict[str, Any]]
+Query = Callable[[str], Awaitable[Rows]]
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One window's reservoir and how many requests the window held."""
+
+    frame: pd.DataFrame
+    embeddings: npt.NDArray[np.float32]
+    requests: int
+
+    def __len__(self) -> int:
+        return len(self.frame)
+
+
+def sample_of(rows: Rows, embedding_rows: Rows, requests: int) -> Sample:
+    import numpy as np
+    import pandas as pd
+
+    frame = pd.DataFrame(rows, columns=list(SAMPLE_COLUMNS))
+    vectors = [row["embedding"] for row in embedding_rows]
+    dims = {len(v) for v in vectors}
+    embeddings = (
+        np.asarray(vectors, dtype=np.float32)
+        if vectors and len(dims) == 1
+        else np.zeros((0, max(dims, default=0)), dtype=np.float32)
+    )
+    return Sample(frame, embeddings, requests)
+
+
+async def load_sample(query: Query, key: DriftKey, window: Window, reservoir: int, embeddings: int) -> Sample:
+    rows = await query(sample_sql(key, window, reservoir))
+    vectors = await query(embeddings_sql(key, window, embeddings))
+    requests = (
+        len(rows) if len(rows) < reservoir else int((await query(count_sql(key, window)))[0]["requests"])
+    )
+    return sample_of(rows, vectors, requests)
+
+
+# ------------------------------------------------------------------------------------------------ reports
+
+
+def report_id(key: DriftKey, window: Window) -> str:
+    """The report event's id: the same for every evaluation of one key's window."""
+    digest = hashlib.blake2b(
+        json.dumps([key.model, key.model_version, key.scope, window.start_ms]).encode(), digest_size=10
+    ).digest()
+    return uuid7_from_parts(window.end_ms, int.from_bytes(digest, "big") >> 6)
+
+
+def build_report(
+    key: DriftKey,
+    window: Window,
+    reference: Window | None,
+    verdict: DriftVerdict,
+    *,
+    requests: int,
+    n_reference: int,
+    n_current: int,
+    alpha: float,
+    method: str,
+    features: Sequence[FeatureDrift] = (),
+    quality: Sequence[str] = (),
+) -> DriftReport:
+    tested = [f for f in features]
+    drifted = [f for f in tested if f.drifted]
+    return DriftReport(
+        id=report_id(key, window),
+        time=window.end,
+        tenant=key.scope,
+        model=key.model,
+        source=SOURCE,
+        window_start=window.start,
+        window_end=window.end,
+        drifted=verdict == "drift",
+        share_drifted=len(drifted) / len(tested) if tested else 0.0,
+        feature_scores={f.name: f.statistic for f in tested},
+        method=method,
+        model_version=key.model_version,
+        verdict=verdict,
+        reference_start=reference.start if reference is not None else None,
+        reference_end=reference.end if reference is not None else None,
+        requests=requests,
+        n_reference=n_reference,
+        n_current=n_current,
+        alpha=alpha,
+        features=list(tested),
+        quality=list(quality),
+    )
+
+
+def drift_config(settings: StreamsSettings) -> DriftConfig:
+    from drift.evaluate import DriftConfig
+
+    return DriftConfig(
+        alpha=settings.drift_alpha,
+        min_samples=settings.drift_min_samples,
+        null_tolerance=settings.drift_null_tolerance,
+    )
+
+
+def judge(
+    key: DriftKey,
+    window: Window,
+    reference: tuple[Window, Sample] | None,
+    current: Sample,
+    config: DriftConfig,
+) -> DriftReport:
+    """The verdict on ``current`` against ``reference`` (blocking: evidently runs here)."""
+    if reference is None:
+        verdict: DriftVerdict = "reference" if len(current) >= config.min_samples else "insufficient_data"
+        return build_report(
+            key, window, window if verdict == "reference" else None, verdict,
+            requests=current.requests, n_reference=len(current) if verdict == "reference" else 0,
+            n_current=len(current), alpha=config.alpha, method="baseline",
+        )  # fmt: skip
+    from drift.evaluate import evaluate
+
+    ref_window, ref = reference
+    result = evaluate(ref.frame, current.frame, ref.embeddings, current.embeddings, config)
+    return build_report(
+        key, window, ref_window, result.verdict,
+        requests=current.requests, n_reference=len(ref), n_current=len(current), alpha=config.alpha,
+        method=result.method, features=result.features, quality=result.quality,
+    )  # fmt: skip
+
+
+Publish = Callable[[DriftReport], Awaitable[None]]
+"""Make a report durable on the drift topic, then store its row (the monitor's only effect)."""
+
+
+class DriftMonitor:
+    """Evaluate due windows and publish their reports; ``await run_once(now)`` from a timer.
+
+    Its state: per (model, version) the last window reported; per key its reference window; a small LRU
+    of reference samples. Loaded from ``drift_reports`` on the first run, so a restart resumes where the
+    log says it stopped."""
+
+    REFERENCE_CACHE = 32
+
+    def __init__(self, settings: StreamsSettings, query: Query, publish: Publish) -> None:
+        self._settings = settings
+        self._query = query
+        self._publish = publish
+        self._window_ms = int(settings.drift_window_s * 1000)
+        self._lateness_ms = int(settings.drift_lateness_s * 1000)
+        self._reported: dict[tuple[str, str], int] | None = None
+        self._references: dict[DriftKey, Window] = {}
+        self._samples: OrderedDict[tuple[DriftKey, Window], Sample] = OrderedDict()
+        self._config: DriftConfig | None = None
+
+    @property
+    def state_size(self) -> int:
+        """Entries held in memory (bounded by model versions x tenants, never by requests)."""
+        return len(self._reported or {}) + len(self._references) + len(self._samples)
+
+    async def _load(self) -> dict[tuple[str, str], int]:
+        reported: dict[tuple[str, str], int] = {}
+        for row in await self._query(LAST_REPORTS):
+            key = DriftKey(row["model"], row["model_version"], row["scope"])
+            if key.scope == ALL:
+                reported[(key.model, key.model_version)] = _ms(row["last_start"])
+            if row["reference_start"] is not None and row["reference_end"] is not None:
+                self._references[key] = Window(_ms(row["reference_start"]), _ms(row["reference_end"]))
+        return reported
+
+    async def run_once(self, now: datetime | None = None) -> list[DriftReport]:
+        """Evaluate every due window (oldest first) and publish its reports; return them."""
+        if self._reported is None:
+            self._reported = await self._load()
+        if self._config is None:
+            self._config = await asyncio.to_thread(drift_config, self._settings)
+        now_ms = int((now or datetime.now(UTC)).timestamp() * 1000)
+        since = min(self._reported.values(), default=0)
+        since = max(since, now_ms - self._window_ms * self._settings.drift_lookback_windows)
+        available = [
+            (r["model"], r["model_version"], int(r["start_ms"]))
+            for r in await self._query(windows_sql(self._window_ms, since, now_ms))
+        ]
+        reports: list[DriftReport] = []
+        for model, version, window in due_windows(
+            available, self._reported, now_ms=now_ms, window_ms=self._window_ms, lateness_ms=self._lateness_ms
+        ):
+            reports += await self._window(DriftKey(model, version), window)
+            self._reported[(model, version)] = window.start_ms
+        return reports
+
+    async def _window(self, key: DriftKey, window: Window) -> list[DriftReport]:
+        settings = self._settings
+        keys = [key] + [
+            DriftKey(key.model, key.model_version, str(row["tenant"]))
+            for row in await self._query(
+                tenants_sql(key, window, settings.drift_min_samples, settings.drift_max_tenants)
+            )
+        ]
+        reports = []
+        for scoped in keys:
+            report = await self._judge(scoped, window)
+            await self._publish(report)
+            if report.effective_verdict == "reference":
+                self._references[scoped] = window
+            if scoped.scope == ALL:
+                metrics.record_drift(
+                    report.model,
+                    report.model_version,
+                    report.effective_verdict,
+                    [(f.name, f.statistic, f.drifted) for f in report.features],
+                    len(report.quality),
+                    window.end_ms / 1000,
+                )
+            log.info(
+                "drift %s %s %s [%s, %s): %s",
+                key.model, key.model_version, scoped.scope, window.start.isoformat(), window.end.isoformat(),
+                report.effective_verdict,
+            )  # fmt: skip
+            reports.append(report)
+        return reports
+
+    async def _judge(self, key: DriftKey, window: Window) -> DriftReport:
+        config = self._config
+        if config is None:
+            raise RuntimeError("drift monitor not loaded")
+        current = await self._sample(key, window, cache=False)
+        reference_window = self._references.get(key)
+        reference = (
+            (reference_window, await self._sample(key, reference_window, cache=True))
+            if reference_window is not None
+            else None
+        )
+        began = time.perf_counter()
+        report = await asyncio.to_thread(judge, key, window, reference, current, config)
+        metrics.DRIFT_EVALUATION_SECONDS.observe(time.perf_counter() - began)
+        return report
+
+    async def _sample(self, key: DriftKey, window: Window, *, cache: bool) -> Sample:
+        cached = self._samples.get((key, window))
+        if cached is not None:
+            self._samples.move_to_end((key, window))
+            return cached
+        settings = self._settings
+        sample = await load_sample(
+            self._query, key, window, settings.drift_reservoir, settings.drift_embedding_reservoir
+        )
+        if cache:
+            self._samples[(key, window)] = sample
+            while len(self._samples) > self.REFERENCE_CACHE:
+                self._samples.popitem(last=False)
+        return sample
+
+
+def _ms(value: Any) -> int:
+    """Milliseconds since the epoch of a warehouse DateTime64 (aware datetime, or an ISO string)."""
+    if isinstance(value, datetime):
+        moment = value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+    else:
+        moment = datetime.fromisoformat(str(value))
+        moment = moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
+    return round(moment.timestamp() * 1000)
+
+
+# ------------------------------------------------------------------------------------------------ CLI side
+
+
+def latest_report_sql(model: str, version: str | None, scope: str, window_start: datetime | None) -> str:
+    """The newest report of a key (or the one of a given window), every column."""
+    where = [f"model = {sql_string(model)}", f"scope = {sql_string(scope)}"]
+    if version is not None:
+        where.append(f"model_version = {sql_string(version)}")
+    if window_start is not None:
+        where.append(
+            f"window_start = fromUnixTimestamp64Milli({round(window_start.timestamp() * 1000)}, 'UTC')"
+        )
+    return (
+        f"SELECT {', '.join(REPORT_COLUMNS)} FROM drift_reports FINAL WHERE {' AND '.join(where)} "  # noqa: S608
+        "ORDER BY window_start DESC, model_version LIMIT 1"
+    )
+
+
+@dataclass(frozen=True)
+class StoredReport:
+    """A ``drift_reports`` row, typed (as the CLI reads it back)."""
+
+    key: DriftKey
+    window: Window
+    reference: Window | None
+    verdict: str
+    requests: int
+    n_reference: int
+    n_current: int
+    alpha: float | None
+    features: list[FeatureDrift]
+    quality: list[str]
+
+    @classmethod
+    def of(cls, row: dict[str, Any]) -> StoredReport:
+        names = list(row["feature_names"])
+        features = [
+            FeatureDrift(
+                name=str(name),
+                kind=row["feature_kinds"][i],
+                method=str(row["feature_methods"][i]),
+                statistic=float(row["feature_statistics"][i]),
+                threshold=float(row["feature_thresholds"][i]),
+                p_value=None if row["feature_p_values"][i] is None else float(row["feature_p_values"][i]),
+                drifted=bool(row["feature_drifted"][i]),
+                null_share=float(row["feature_null_share"][i]),
+            )
+            for i, name in enumerate(names)
+        ]
+        has_reference = row["reference_start"] is not None and row["reference_end"] is not None
+        return cls(
+            key=DriftKey(str(row["model"]), str(row["model_version"]), str(row["scope"])),
+            window=Window(_ms(row["window_start"]), _ms(row["window_end"])),
+            reference=Window(_ms(row["reference_start"]), _ms(row["reference_end"]))
+            if has_reference
+            else None,
+            verdict=str(row["verdict"]),
+            requests=int(row["requests"]),
+            n_reference=int(row["n_reference"]),
+            n_current=int(row["n_current"]),
+            alpha=None if row["alpha"] is None else float(row["alpha"]),
+            features=features,
+            quality=[str(q) for q in row["quality"]],
+        )
+
+
+@dataclass(frozen=True)
+class Recomputed:
+    """A stored report's windows sampled again from the warehouse, and evidently's HTML for them."""
+
+    html: str
+    n_reference: int
+    n_current: int
+
+
+async def recompute_html(
+    query: Query, report: StoredReport, settings: StreamsSettings, *, embeddings: bool = True
+) -> Recomputed:
+    """Evidently's HTML report for the windows a stored report was judged on (the same reservoirs:
+    samples are chosen by a hash of the request id, not by arrival order)."""
+    from drift.evaluate import html_report
+
+    if report.reference is None:
+        raise ValueError("this report has no reference window (too few samples when it was judged)")
+    size = settings.drift_embedding_reservoir if embeddings else 1
+    reference = await load_sample(query, report.key, report.reference, settings.drift_reservoir, size)
+    current = await load_sample(query, report.key, report.window, settings.drift_reservoir, size)
+    html = await asyncio.to_thread(
+        html_report,
+        reference.frame,
+        current.frame,
+        reference.embeddings if embeddings else reference.embeddings[:0],
+        current.embeddings if embeddings else current.embeddings[:0],
+        drift_config(settings),
+    )
+    return Recomputed(html, len(reference), len(current))

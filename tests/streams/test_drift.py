@@ -1,0 +1,301 @@
+"""The drift monitor on real embedded ClickHouse: rows from terminal events, windows, reference, verdicts,
+restart from the log, bounded state; plus the pure window arithmetic."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import tracemalloc
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from infra.warehouse import migrate, open_warehouse
+from infra.warehouse.client import Client
+from schemas.codec import decode, encode
+from schemas.events import DriftFeatures, DriftReport, RequestFinished, Timings, Usage
+from schemas.ids import uuid7_from_parts
+from schemas.settings import PlatformSettings
+from streams.drift import (
+    ALL,
+    DriftKey,
+    DriftMonitor,
+    StoredReport,
+    Window,
+    due_windows,
+    latest_report_sql,
+    report_row,
+)
+from streams.pricing import PriceTable
+from streams.settings import StreamsSettings
+from streams.sink import Batch, Consumed, Rows, insert, query_rows
+
+WINDOW_S = 60
+T0 = datetime(2026, 11, 23, 10, 0, tzinfo=UTC)  # a window boundary
+MODEL, VERSION = "demo-gpt", "v1"
+
+
+def finished_event(
+    n: int, at: datetime, *, language: str = "en", chars: int = 40, tenant: str = "acme", seed: int = 0,
+    embed: list[float] | None = None, features: bool = True,
+) -> RequestFinished:  # fmt: skip
+    rng = random.Random(seed * 1_000_003 + n)
+    tokens = max(1, int(chars / 4 + rng.gauss(0, 2)))
+    request_id = uuid7_from_parts(int(at.timestamp() * 1000) - 50, seed << 40 | n)
+    return RequestFinished(
+        tenant=tenant,
+        model=MODEL,
+        request_id=request_id,
+        source="gpu_workers/test",
+        status="completed",
+        finish_reason="length",
+        usage=Usage(prompt_tokens=tokens, completion_tokens=8, total_tokens=tokens + 8),
+        timings=Timings(finished=at),
+        model_version=VERSION,
+        kind="completion",
+        features=DriftFeatures(
+            prompt_chars=max(1, int(chars + rng.gauss(0, 4))),
+            prompt_script="latin",
+            prompt_language=language,
+            prompt_non_ascii=0.0 if language == "en" else 0.02,
+            output_chars=30 + rng.randrange(10),
+            output_script="latin",
+            empty_output=False,
+            refusal=False,
+            mean_logprob=-2.0 + rng.gauss(0, 0.2),
+            mean_entropy=3.0 + rng.gauss(0, 0.2),
+            embedding=embed,
+        )
+        if features
+        else None,
+    )
+
+
+def unit(centre: list[float], rng: random.Random, noise: float = 0.15) -> list[float]:
+    v = [c + rng.gauss(0, noise) for c in centre]
+    norm = sum(x * x for x in v) ** 0.5
+    return [x / norm for x in v]
+
+
+def window_events(
+    start: datetime, n: int, *, seed: int, shifted: bool = False, **kw: Any
+) -> list[RequestFinished]:
+    rng = random.Random(seed)
+    dim = 16
+    centre = [1.0] + [0.0] * (dim - 1) if not shifted else [0.0, 1.0] + [0.0] * (dim - 2)
+    events = []
+    for i in range(n):
+        at = start + timedelta(seconds=1 + (WINDOW_S - 2) * i / n)
+        language = (
+            ("de" if rng.random() < 0.8 else "en") if shifted else ("en" if rng.random() < 0.9 else "fr")
+        )
+        events.append(
+            finished_event(
+                i,
+                at,
+                language=language,
+                chars=160 if shifted else 40,
+                seed=seed,
+                embed=unit(centre, rng) if i % 2 == 0 else None,
+                **kw,
+            )
+        )
+    return events
+
+
+def rows_of(events: list[RequestFinished]) -> Batch:
+    return Rows(PriceTable()).batch(Consumed("results", 0, i, encode(e)) for i, e in enumerate(events))
+
+
+@contextlib.contextmanager
+def warehouse(tmp_path: Path) -> Iterator[Client]:
+    with contextlib.closing(open_warehouse(PlatformSettings(data_dir=str(tmp_path / "data")))) as client:
+        migrate(client)
+        yield client
+
+
+def settings(**changes: Any) -> StreamsSettings:
+    base = StreamsSettings(
+        drift_window_s=WINDOW_S, drift_lateness_s=5, drift_min_samples=40, drift_max_tenants=2
+    )
+    return msgspec.structs.replace(base, **changes)
+
+
+class Published:
+    """The monitor's effect: the report made durable (here: kept) and its row inserted."""
+
+    def __init__(self, client: Client) -> None:
+        self.client = client
+        self.reports: list[DriftReport] = []
+
+    async def __call__(self, report: DriftReport) -> None:
+        decoded = decode(encode(report))  # what a replay would read from the topic
+        assert decoded == report
+        self.reports.append(report)
+        insert(self.client, Batch(reports=[report_row(report)]))
+
+
+def monitor(client: Client, published: Published, **changes: Any) -> DriftMonitor:
+    async def query(sql: str) -> list[dict[str, Any]]:
+        return query_rows(client, sql)
+
+    return DriftMonitor(settings(**changes), query, published)
+
+
+def verdicts(reports: list[DriftReport], scope: str = ALL) -> list[str]:
+    return [r.effective_verdict for r in reports if r.tenant == scope]
+
+
+# ------------------------------------------------------------------------------------------------ pure
+
+
+def test_due_windows_waits_for_lateness_and_skips_what_was_reported() -> None:
+    w = 60_000
+    available = [("m", "v", 0), ("m", "v", w), ("m", "v", 2 * w), ("n", "v", w)]
+    due = due_windows(available, {("m", "v"): 0}, now_ms=2 * w + 5_000, window_ms=w, lateness_ms=5_000)
+    assert due == [("m", "v", Window(w, 2 * w)), ("n", "v", Window(w, 2 * w))]
+    first = due_windows(available, {}, now_ms=w + 5_000, window_ms=w, lateness_ms=5_000)
+    assert first == [("m", "v", Window(0, w))]
+    assert due_windows(available, {}, now_ms=w + 4_999, window_ms=w, lateness_ms=5_000) == []
+
+
+def test_drift_key_quotes_hostile_names() -> None:
+    where = DriftKey("m'; DROP TABLE x --", "v", "t\\'").where(Window(0, 1000))
+    assert "'m\\'; DROP TABLE x --'" in where
+    assert "tenant = 't\\\\\\''" in where
+
+
+# ------------------------------------------------------------------------------------------------ chDB
+
+
+@pytest.mark.integration
+async def test_reference_then_no_drift_then_drift_then_a_restart_resumes(tmp_path: Path) -> None:
+    with warehouse(tmp_path) as client:
+        w1, w2, w3 = T0, T0 + timedelta(seconds=WINDOW_S), T0 + timedelta(seconds=2 * WINDOW_S)
+        events = window_events(w1, 120, seed=1) + window_events(w2, 120, seed=2)
+        insert(client, rows_of(events))
+        published = Published(client)
+        first = monitor(client, published)
+        done = await first.run_once(w3 + timedelta(seconds=6))
+        assert verdicts(done) == ["reference", "no_drift"]
+        no_drift = [r for r in done if r.tenant == ALL][1]
+        assert no_drift.reference_start == w1
+        assert no_drift.window_start == w2
+        assert no_drift.requests == 120
+        assert no_drift.n_current == 120
+        assert no_drift.n_reference == 120
+        assert not any(f.drifted for f in no_drift.features), no_drift.features
+        assert {f.name for f in no_drift.features} >= {"prompt_language", "prompt_chars", "embedding"}
+        # the busiest tenant gets its own reports (here the only one)
+        assert verdicts(done, "acme") == ["reference", "no_drift"]
+
+        # nothing more is due until the next window closes
+        assert await first.run_once(w3 + timedelta(seconds=7)) == []
+
+        insert(client, rows_of(window_events(w3, 120, seed=3, shifted=True)))
+        # a restarted monitor reads where it stood from drift_reports: no window is judged twice
+        second = monitor(client, published)
+        done = await second.run_once(w3 + timedelta(seconds=WINDOW_S + 6))
+        assert verdicts(done) == ["drift"]
+        shifted = next(r for r in done if r.tenant == ALL)
+        drifted = {f.name for f in shifted.features if f.drifted}
+        assert {"prompt_language", "prompt_chars", "embedding"} <= drifted, shifted.features
+        assert shifted.reference_start == w1, "the reference stays the first window"
+        assert shifted.drifted
+        assert 0 < shifted.share_drifted <= 1
+
+        # the warehouse row reads back as the report (what `sluice drift report` shows)
+        stored = StoredReport.of(query_rows(client, latest_report_sql(MODEL, None, ALL, None))[0])
+        assert stored.verdict == "drift"
+        assert stored.window == Window(
+            int(w3.timestamp() * 1000), int(w3.timestamp() * 1000) + WINDOW_S * 1000
+        )
+        assert {f.name for f in stored.features if f.drifted} == drifted
+
+
+@pytest.mark.integration
+async def test_too_few_samples_is_insufficient_data_never_an_alarm(tmp_path: Path) -> None:
+    with warehouse(tmp_path) as client:
+        insert(client, rows_of(window_events(T0, 10, seed=4, shifted=True)))
+        published = Published(client)
+        done = await monitor(client, published).run_once(T0 + timedelta(seconds=WINDOW_S + 6))
+        assert verdicts(done) == ["insufficient_data"]
+        assert done[0].drifted is False
+        assert done[0].reference_start is None
+        assert verdicts(done, "acme") == [], "a tenant below the minimum gets no report of its own"
+
+
+@pytest.mark.integration
+async def test_a_feature_pipeline_that_stops_is_a_data_quality_verdict(tmp_path: Path) -> None:
+    with warehouse(tmp_path) as client:
+        w2 = T0 + timedelta(seconds=WINDOW_S)
+        broken = [
+            msgspec.structs.replace(e, features=None) if i % 2 else e
+            for i, e in enumerate(window_events(w2, 120, seed=6))
+        ]
+        insert(client, rows_of(window_events(T0, 120, seed=5) + broken))
+        published = Published(client)
+        done = await monitor(client, published).run_once(w2 + timedelta(seconds=WINDOW_S + 6))
+        assert verdicts(done) == ["reference", "data_quality"]
+        broken_report = [r for r in done if r.tenant == ALL][1]
+        assert any("prompt_language" in finding for finding in broken_report.quality), broken_report.quality
+
+
+@pytest.mark.integration
+async def test_drift_state_stays_bounded_with_100k_requests(tmp_path: Path) -> None:
+    """100k terminal events in one window: the sample is the reservoir, the monitor's memory does not grow
+    with the requests (it holds window bounds and at most a few reservoirs)."""
+    with warehouse(tmp_path) as client:
+        insert(client, rows_of(window_events(T0, 200, seed=7)))
+        w2 = T0 + timedelta(seconds=WINDOW_S)
+        for chunk in range(10):
+            insert(client, rows_of(window_events(w2, 10_000, seed=100 + chunk)))
+        count = query_rows(client, "SELECT count() AS n FROM drift_features FINAL")[0]["n"]
+        assert count == 100_200
+        published = Published(client)
+        watched = monitor(client, published, drift_reservoir=1000, drift_max_tenants=0)
+        tracemalloc.start()
+        try:
+            done = await watched.run_once(w2 + timedelta(seconds=WINDOW_S + 6))
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert verdicts(done) == ["reference", "no_drift"]
+        assert done[1].tenant == ALL
+        assert done[1].requests == 100_000
+        assert done[1].n_current == 1000
+        assert watched.state_size <= 4
+        assert peak < 64 * 2**20, f"peak {peak / 2**20:.1f} MiB while judging 100k requests"
+
+
+@pytest.mark.integration
+def test_rows_hold_no_text_and_replay_rows_equal_live_rows(tmp_path: Path) -> None:
+    event = msgspec.structs.replace(
+        window_events(T0, 1, seed=8)[0], text="a secret completion", embeddings=[[0.5, 0.5]]
+    )
+    batch = rows_of([event])
+    assert "a secret completion" not in repr(batch.drift) + repr(batch.raw)
+    assert "0.5, 0.5" not in repr(batch.raw), "vectors stay out of events_raw"
+    live = Batch(reports=[report_row(sample_report())])
+    replayed = Rows(PriceTable(), decisions_from_topic=True).batch(
+        [Consumed("drift", 0, 0, encode(sample_report()))]
+    )
+    assert replayed.reports == live.reports
+
+
+def sample_report() -> DriftReport:
+    from schemas.examples import example_events
+
+    return next(e for e in example_events() if isinstance(e, DriftReport))
+
+
+def test_the_report_id_is_the_same_for_a_window_judged_twice() -> None:
+    from streams.drift import report_id
+
+    key = DriftKey(MODEL, VERSION)
+    assert report_id(key, Window(0, 60_000)) == report_id(key, Window(0, 60_000))
+    assert report_id(key, Window(0, 60_000)) != report_id(DriftKey(MODEL, VERSION, "acme"), Window(0, 60_000))
