@@ -7,13 +7,17 @@ compares them with vLLM's ``vllm:*`` set.
 
 Labels are bounded: ``tenant`` goes through :func:`tenant_label`, which keeps the first
 ``metrics_max_tenants`` tenants a process sees and folds the rest into ``"other"``; ``model`` and
-``version`` come from the served catalogue; ``reason``/``outcome``/``status`` are closed sets.
+``version`` come from the served catalogue; ``reason``/``outcome``/``status``/``verdict`` are closed sets.
+Drift metrics are kept for the all-tenant scope only (no ``tenant`` label); their ``feature`` label is the
+drift features' fixed set.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import get_args
 
 from prometheus_client import (
     REGISTRY,
@@ -25,6 +29,8 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from schemas.events import DriftVerdict
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -41,12 +47,16 @@ ITL_BUCKETS = (
 )  # fmt: skip
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256)
+DRIFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0)
 
 OTHER_TENANT = "other"
 
 # Label sets, named once so the rules and the tests agree with the code.
 REQUEST_LABELS = ("tenant", "model", "version")
 WORKER_LABELS = ("model", "version")
+DRIFT_LABELS = ("model", "version")
+"""``version`` is the report's ``model_version`` (the manifest's, as in the other metrics)."""
+DRIFT_VERDICTS: tuple[DriftVerdict, ...] = get_args(DriftVerdict)
 
 
 class _TenantBound:
@@ -238,6 +248,86 @@ STREAMS_AUDIT_ENTRIES = Counter(
     "sluice_streams_audit_entries", "Entries appended to the tenants' audit chains."
 )
 
+# ---------------------------------------------------------------- drift (streams; all-tenant reports only)
+
+DRIFT_DETECTED = Gauge(
+    "sluice_drift_detected",
+    "1 when the latest all-tenant drift report of the model version says drift, else 0.",
+    DRIFT_LABELS,
+)
+DRIFT_VERDICT = Gauge(
+    "sluice_drift_verdict",
+    "1 for the verdict of the latest all-tenant drift report of the model version, 0 for the other four "
+    "(reference, no_drift, drift, insufficient_data, data_quality).",
+    (*DRIFT_LABELS, "verdict"),
+)
+DRIFT_FEATURE_STATISTIC = Gauge(
+    "sluice_drift_feature_statistic",
+    "The latest all-tenant report's test statistic per feature: a p-value for p-value tests (ks, "
+    "chisquare, z; drift when below the threshold), a distance for distance tests (mmd; drift when above).",
+    ("model", "feature"),
+)
+DRIFT_FEATURE_DRIFTED = Gauge(
+    "sluice_drift_feature_drifted",
+    "1 when the latest all-tenant report found the feature drifted, else 0.",
+    ("model", "feature"),
+)
+DRIFT_QUALITY_ISSUES = Gauge(
+    "sluice_drift_quality_issues",
+    "Data-quality findings (features missing or out of range, embeddings not sampled) in the latest "
+    "all-tenant drift report of the model version.",
+    DRIFT_LABELS,
+)
+DRIFT_LAST_REPORT = Gauge(
+    "sluice_drift_last_report_timestamp_seconds",
+    "Unix time of the end of the window the latest all-tenant drift report of the model covers.",
+    ("model",),
+)
+DRIFT_REPORTS = Counter(
+    "sluice_drift_reports", "All-tenant drift reports published, by verdict.", ("model", "verdict")
+)
+DRIFT_EVALUATION_SECONDS = Histogram(
+    "sluice_drift_evaluation_seconds",
+    "Duration of one drift evaluation: the statistical tests of one window and scope (every scope, tenants "
+    "included), its samples already loaded.",
+    buckets=DRIFT_BUCKETS,
+)
+
+_drift_lock = threading.Lock()
+_drift_features: dict[str, frozenset[str]] = {}
+
+
+def record_drift(
+    model: str,
+    model_version: str,
+    verdict: str,
+    features: Sequence[tuple[str, float, bool]],
+    quality_issues: int,
+    window_end_unix: float,
+) -> None:
+    """Set the drift metrics from one all-tenant report (``features``: name, statistic, drifted).
+
+    Call it in window order: the gauges show the report recorded last. A feature the model's previous
+    report tested and this one does not (an ``insufficient_data`` window tests none) loses its series
+    rather than keep a stale value. ``DRIFT_EVALUATION_SECONDS`` is observed by the caller."""
+    if verdict not in DRIFT_VERDICTS:
+        raise ValueError(f"unknown drift verdict {verdict!r} (one of {', '.join(DRIFT_VERDICTS)})")
+    names = frozenset(name for name, _, _ in features)
+    with _drift_lock:
+        DRIFT_DETECTED.labels(model, model_version).set(1 if verdict == "drift" else 0)
+        for each in DRIFT_VERDICTS:
+            DRIFT_VERDICT.labels(model, model_version, each).set(1 if each == verdict else 0)
+        DRIFT_QUALITY_ISSUES.labels(model, model_version).set(quality_issues)
+        DRIFT_LAST_REPORT.labels(model).set(window_end_unix)
+        for name, statistic, drifted in features:
+            DRIFT_FEATURE_STATISTIC.labels(model, name).set(statistic)
+            DRIFT_FEATURE_DRIFTED.labels(model, name).set(1 if drifted else 0)
+        for gone in _drift_features.get(model, frozenset()) - names:
+            DRIFT_FEATURE_STATISTIC.remove(model, gone)
+            DRIFT_FEATURE_DRIFTED.remove(model, gone)
+        _drift_features[model] = names
+        DRIFT_REPORTS.labels(model, verdict).inc()
+
 
 def exposition(registry: CollectorRegistry = REGISTRY) -> bytes:
     """The text exposition format of every metric in the registry (what ``/metrics`` serves)."""
@@ -269,5 +359,6 @@ _ALL: tuple[Counter | Gauge | Histogram, ...] = (
     WORKER_RUNNING, WORKER_WAITING, TOKEN_BUDGET, BATCH_SIZE, STEP_SECONDS, QUEUE_WAIT, WORKER_TTFT,
     WORKER_E2E, WORKER_REQUESTS, WORKER_PROMPT_TOKENS, WORKER_GENERATION_TOKENS, MODEL_MEMORY, MODEL_INFO,
     CONSUMER_LAG, DEAD_LETTERS, STREAMS_EVENTS, STREAMS_FRESHNESS, STREAMS_INSERT_SECONDS, STREAMS_BATCH_SIZE,
-    STREAMS_AUDIT_ENTRIES,
+    STREAMS_AUDIT_ENTRIES, DRIFT_DETECTED, DRIFT_VERDICT, DRIFT_FEATURE_STATISTIC, DRIFT_FEATURE_DRIFTED,
+    DRIFT_QUALITY_ISSUES, DRIFT_LAST_REPORT, DRIFT_REPORTS, DRIFT_EVALUATION_SECONDS,
 )  # fmt: skip

@@ -9,7 +9,9 @@ thresholds of the Kafka alerts. :func:`rule_groups` turns it into Prometheus rul
 * multi-window, multi-burn-rate alerts (the SRE workbook's): page when the 1h and 5m burn rates both
   exceed 14.4 (2% of a 30-day budget in an hour) or the 6h and 30m both exceed 6 (5% in 6 hours); ticket
   when 1d and 2h exceed 3 or 3d and 6h exceed 1 (10% in a day, 10% in three days);
-* ``SluiceConsumerLag`` and ``SluiceDeadLetters``.
+* ``SluiceConsumerLag`` and ``SluiceDeadLetters``;
+* the drift alerts ``SluiceDriftDetected``, ``SluiceDriftFeaturePipeline`` and ``SluiceDriftReportsStale``,
+  for model versions that complete requests.
 
 ``docs/slo.md`` describes the file format and the reasoning.
 """
@@ -38,12 +40,21 @@ TTFT_SECONDS = "sluice_time_to_first_token_seconds"
 ITL_SECONDS = "sluice_inter_token_latency_seconds"
 CONSUMER_LAG = "sluice_consumer_lag"
 DEAD_LETTERS_TOTAL = "sluice_dead_letters_total"
+DRIFT_DETECTED = "sluice_drift_detected"
+DRIFT_QUALITY_ISSUES = "sluice_drift_quality_issues"
+DRIFT_LAST_REPORT = "sluice_drift_last_report_timestamp_seconds"
 
 # Availability SLI: cancelled requests are the client's choice and count as neither good nor bad.
 GOOD_OUTCOMES = ("completed",)
 BAD_OUTCOMES = ("failed", "expired", "shed")
 
 RECORD_PREFIX = "model:sluice_slo_errors:ratio_rate"
+
+DRIFT_LOOKBACK = "1d"
+"""How far back the stale-report alert looks for a model's last report: the series vanishes when the
+streams worker is down, and the alert must still see it."""
+MIN_TRAFFIC_WINDOW_S = 300
+"""The drift alerts' "completes requests" window is never shorter (it needs a few scrapes)."""
 
 
 class SloConfigError(MonitoringError, ValueError):
@@ -126,11 +137,35 @@ class DeadLetterAlert(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     severity: Severity = "ticket"
 
 
+class DriftAlert(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    window_s: Annotated[float, msgspec.Meta(ge=1.0)] = 300.0
+    """The streams worker's drift window, ``SLUICE_DRIFT_WINDOW_S`` (rule generation may be given it)."""
+    drift_windows: Annotated[int, msgspec.Meta(ge=1)] = 2
+    """``SluiceDriftDetected`` fires once this many consecutive windows say drift (each window has a false
+    alarm rate of ``SLUICE_DRIFT_ALPHA``; 1: on the first drift verdict, after a minute)."""
+    stale_after_windows: Annotated[int, msgspec.Meta(ge=2)] = 3
+    """Alert when a model that completes requests has had no drift report for this many windows."""
+    for_minutes: Annotated[int, msgspec.Meta(ge=1)] = 1
+    """How long a data-quality finding holds before ``SluiceDriftFeaturePipeline`` fires."""
+    severity: Severity = "ticket"
+
+    @property
+    def detected_for_s(self) -> float:
+        """A verdict gauge holds one window per report: a minute past ``drift_windows - 1`` windows of
+        drift means the next report said drift too."""
+        return (self.drift_windows - 1) * self.window_s + 60
+
+    @property
+    def stale_after_s(self) -> float:
+        return self.window_s * self.stale_after_windows
+
+
 class AlertSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     tickets: bool = True
     """Also the slow-burn ticket pairs (1d/2h above 3, 3d/6h above 1), not only the two page pairs."""
     consumer_lag: ConsumerLagAlert = ConsumerLagAlert()
     dead_letters: DeadLetterAlert = DeadLetterAlert()
+    drift: DriftAlert = DriftAlert()
 
 
 DEFAULT_TIERS = (
@@ -260,6 +295,14 @@ def duration(minutes: int) -> str:
     return f"{minutes}m"
 
 
+def seconds_duration(seconds: float) -> str:
+    """A PromQL duration for a span in seconds: 15m, 1h, 90s, 7500ms."""
+    ms = round(seconds * 1000)
+    if ms % 60_000 == 0:
+        return duration(ms // 60_000)
+    return f"{ms // 1000}s" if ms % 1000 == 0 else f"{ms}ms"
+
+
 def budget_minutes(target: float, window_days: int) -> float:
     """Minutes of total failure the budget of ``target`` over ``window_days`` allows."""
     return (1 - target) * window_days * 1440
@@ -268,11 +311,13 @@ def budget_minutes(target: float, window_days: int) -> float:
 # ---------------------------------------------------------------- rules
 
 
-def rule_groups(config: SloConfig) -> dict[str, Any]:
+def rule_groups(config: SloConfig, *, drift_window_s: float | None = None) -> dict[str, Any]:
     """The Prometheus rules document (``{"groups": [...]}``) for ``config``.
 
     One group per tier with models (recording rules first, then the alerts that read them, so an alert
-    sees this evaluation's ratios), then one group with the Kafka alerts.
+    sees this evaluation's ratios), then one group with the Kafka alerts, then one with the drift alerts.
+    ``drift_window_s`` (the streams worker's ``SLUICE_DRIFT_WINDOW_S``) overrides the config's
+    ``[alerts.drift] window_s``.
     """
     groups: list[dict[str, Any]] = []
     for tier in config.tiers:
@@ -291,13 +336,32 @@ def rule_groups(config: SloConfig) -> dict[str, Any]:
         ]
         groups.append({"name": f"sluice-slo-{tier.name}", "rules": rules})
     groups.append({"name": "sluice-kafka", "rules": [_lag_rule(config), _dead_letter_rule(config)]})
+    drift = drift_settings(config, drift_window_s)
+    groups.append(
+        {
+            "name": "sluice-drift",
+            "rules": [_drift_rule(drift), _drift_quality_rule(drift), _drift_stale_rule(drift)],
+        }
+    )
     return {"groups": groups}
 
 
-def render_rules(config: SloConfig, source: str = "the built-in defaults") -> str:
+def render_rules(
+    config: SloConfig, source: str = "the built-in defaults", *, drift_window_s: float | None = None
+) -> str:
     """:func:`rule_groups` as a YAML rules file for Prometheus' ``rule_files``."""
     header = f"# Generated by `sluice slo rules` from {source}; regenerate rather than edit.\n"
-    return header + yaml.dump(rule_groups(config), Dumper=_RulesDumper, sort_keys=False, width=110)
+    doc = rule_groups(config, drift_window_s=drift_window_s)
+    return header + yaml.dump(doc, Dumper=_RulesDumper, sort_keys=False, width=110)
+
+
+def drift_settings(config: SloConfig, window_s: float | None = None) -> DriftAlert:
+    """The config's drift alert settings, with ``window_s`` (when given) as the drift window."""
+    if window_s is None:
+        return config.alerts.drift
+    if window_s < 1:
+        raise SloConfigError(f"drift window {_num(window_s)} s: must be at least 1 s")
+    return msgspec.structs.replace(config.alerts.drift, window_s=float(window_s))
 
 
 def _model_selector(config: SloConfig, tier: Tier) -> str | None:
@@ -425,6 +489,94 @@ def _dead_letter_rule(config: SloConfig) -> dict[str, Any]:
             ),
         },
     }
+
+
+# ---------------------------------------------------------------- drift alerts
+
+
+def _serving(by: str, drift: DriftAlert) -> str:
+    """The model (versions) that completed requests recently: drift reports are due only for those (the
+    streams worker reports a window only when it holds requests), and a retired version's last verdict
+    stays in its gauges."""
+    w = seconds_duration(max(drift.stale_after_s, MIN_TRAFFIC_WINDOW_S))
+    return f'sum by ({by}) (rate({REQUESTS_TOTAL}{{outcome="completed"}}[{w}])) > 0\n'
+
+
+def _drift_rule(drift: DriftAlert) -> dict[str, Any]:
+    return {
+        "alert": "SluiceDriftDetected",
+        "expr": (
+            f"max by (model, version) ({DRIFT_DETECTED}) == 1\nand on (model, version)\n"
+            + _serving("model, version", drift)
+        ),
+        "for": seconds_duration(drift.detected_for_s),
+        "labels": {"severity": drift.severity},
+        "annotations": {
+            "summary": "{{ $labels.model }} version {{ $labels.version }}: its traffic drifted",
+            "description": (
+                "The latest all-tenant drift report of model {{ $labels.model }} version "
+                f"{{{{ $labels.version }}}} says drift{_windows_text(drift)}: some request features (prompt "
+                "length, script, language, output, log-probabilities, embeddings) are distributed "
+                "differently from its reference window. `sluice drift status` shows every model's latest "
+                "verdict; `sluice drift report {{ $labels.model }} --html out.html` shows which features "
+                "moved and how."
+            ),
+        },
+    }
+
+
+def _drift_quality_rule(drift: DriftAlert) -> dict[str, Any]:
+    return {
+        "alert": "SluiceDriftFeaturePipeline",
+        "expr": (
+            f"max by (model, version) ({DRIFT_QUALITY_ISSUES}) > 0\nand on (model, version)\n"
+            + _serving("model, version", drift)
+        ),
+        "for": duration(drift.for_minutes),
+        "labels": {"severity": drift.severity},
+        "annotations": {
+            "summary": (
+                "{{ $labels.model }} version {{ $labels.version }}: {{ $value }} drift data-quality "
+                "finding(s)"
+            ),
+            "description": (
+                "The latest all-tenant drift report of model {{ $labels.model }} version "
+                "{{ $labels.version }} has data-quality findings: the feature pipeline broke, not the "
+                "traffic (features missing or out of range, the embedding sampler stopped). "
+                "`sluice drift report {{ $labels.model }} --html out.html` lists them; `sluice drift "
+                "status` shows every model's latest verdict."
+            ),
+        },
+    }
+
+
+def _drift_stale_rule(drift: DriftAlert) -> dict[str, Any]:
+    stale = _num(drift.stale_after_s)
+    window = _num(drift.window_s)
+    last = f"max_over_time({DRIFT_LAST_REPORT}[{DRIFT_LOOKBACK}])"
+    return {
+        "alert": "SluiceDriftReportsStale",
+        "expr": f"time() - max by (model) ({last}) > {stale}\nand on (model)\n" + _serving("model", drift),
+        "labels": {"severity": drift.severity},
+        "annotations": {
+            "summary": "No drift report for {{ $labels.model }} for {{ $value | humanizeDuration }}",
+            "description": (
+                "The latest drift report of {{ $labels.model }} covers a window that ended "
+                f"{{{{ $value | humanizeDuration }}}} ago, more than {drift.stale_after_windows} drift "
+                f"windows of {window} s, while the model still completes requests: the streams worker's "
+                "drift monitor is down or stuck (or cannot read the warehouse). Check the streams worker "
+                "and its logs; `sluice drift status` shows each model's last report."
+            ),
+        },
+    }
+
+
+def _windows_text(drift: DriftAlert) -> str:
+    """How many reports before the latest also said drift, in words."""
+    before = drift.drift_windows - 1
+    if before == 0:
+        return ""
+    return ", as did the one before it" if before == 1 else f", as did the {before} before it"
 
 
 # ---------------------------------------------------------------- PromQL and YAML helpers

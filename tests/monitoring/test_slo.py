@@ -15,6 +15,9 @@ from monitoring.slo import (
     CONSUMER_LAG,
     DEAD_LETTERS_TOTAL,
     DEFAULT_CONFIG,
+    DRIFT_DETECTED,
+    DRIFT_LAST_REPORT,
+    DRIFT_QUALITY_ISSUES,
     ITL_SECONDS,
     PAGE_ALERTS,
     RECORD_PREFIX,
@@ -22,6 +25,7 @@ from monitoring.slo import (
     TICKET_ALERTS,
     TTFT_SECONDS,
     AlertSettings,
+    DriftAlert,
     LatencyObjective,
     SloConfig,
     SloConfigError,
@@ -31,6 +35,7 @@ from monitoring.slo import (
     parse_slo_config,
     render_rules,
     rule_groups,
+    seconds_duration,
     windows,
 )
 from sluice.cli import app
@@ -76,6 +81,9 @@ def test_the_documented_example_loads(tmp_path: Path) -> None:
     assert config.tier_of("unlisted").name == "interactive"
     assert config.tier("batch").itl is None
     assert config.alerts.consumer_lag.max_records == 1000
+    assert config.alerts.drift == DriftAlert(
+        window_s=300, drift_windows=2, stale_after_windows=3, for_minutes=1
+    )
 
 
 def test_keys_left_out_keep_their_defaults(tmp_path: Path) -> None:
@@ -84,6 +92,7 @@ def test_keys_left_out_keep_their_defaults(tmp_path: Path) -> None:
     assert config.alerts.consumer_lag.max_records == 5000
     assert config.alerts.consumer_lag.for_minutes == 5
     assert config.alerts.dead_letters == DEFAULT_CONFIG.alerts.dead_letters
+    assert config.alerts.drift == DEFAULT_CONFIG.alerts.drift == DriftAlert()
 
 
 def test_integral_thresholds_may_be_written_as_integers(tmp_path: Path) -> None:
@@ -129,6 +138,9 @@ BAD_CONFIGS = [
         "Invalid enum value 'sms' - at `$.alerts.dead_letters.severity`",
     ),
     ("default_tier = \n", "not valid TOML"),
+    ("[alerts.drift]\nstale_after_windows = 1\n", ">= 2 - at `$.alerts.drift.stale_after_windows`"),
+    ("[alerts.drift]\nwindow_s = 0.5\n", ">= 1.0 - at `$.alerts.drift.window_s`"),
+    ("[drift]\nwindow_s = 300\n", "unknown field `drift`"),
 ]
 
 
@@ -189,7 +201,16 @@ def test_rules_read_metrics_that_exist() -> None:
     names = {info.name for info in catalogue()}  # histograms by their base name
     exprs = " ".join(rule["expr"] for rule in rules_of(DEFAULT_CONFIG))
     read = {re.sub(r"_(bucket|count)$", "", m) for m in re.findall(r"(?<![:\w])sluice_\w+", exprs)}
-    assert read == {REQUESTS_TOTAL, TTFT_SECONDS, ITL_SECONDS, CONSUMER_LAG, DEAD_LETTERS_TOTAL}
+    assert read == {
+        REQUESTS_TOTAL,
+        TTFT_SECONDS,
+        ITL_SECONDS,
+        CONSUMER_LAG,
+        DEAD_LETTERS_TOTAL,
+        DRIFT_DETECTED,
+        DRIFT_QUALITY_ISSUES,
+        DRIFT_LAST_REPORT,
+    }
     assert read <= names
 
 
@@ -207,7 +228,7 @@ def test_burn_thresholds_are_the_workbooks_for_30_days() -> None:
 def test_default_rules_structure() -> None:
     doc = rule_groups(DEFAULT_CONFIG)
     # batch lists no models: no group for it; interactive (the default) takes every model
-    assert [g["name"] for g in doc["groups"]] == ["sluice-slo-interactive", "sluice-kafka"]
+    assert [g["name"] for g in doc["groups"]] == ["sluice-slo-interactive", "sluice-kafka", "sluice-drift"]
     rules = group(DEFAULT_CONFIG, "sluice-slo-interactive")
     records = [r for r in rules if "record" in r]
     alerts = [r for r in rules if "alert" in r]
@@ -252,6 +273,76 @@ def test_kafka_alerts() -> None:
     assert "increase(sluice_dead_letters_total[10m])" in dead["expr"]
     assert "offset 10m" in dead["expr"]
     assert dead["labels"] == {"severity": "ticket"}
+
+
+def test_drift_alerts() -> None:
+    detected, pipeline, stale = group(DEFAULT_CONFIG, "sluice-drift")
+    serving = 'sum by (model, version) (rate(sluice_requests_total{outcome="completed"}[15m])) > 0'
+    assert detected["alert"] == "SluiceDriftDetected"
+    assert detected["expr"] == (
+        f"max by (model, version) (sluice_drift_detected) == 1\nand on (model, version)\n{serving}\n"
+    )
+    assert pipeline["alert"] == "SluiceDriftFeaturePipeline"
+    assert pipeline["expr"] == (
+        f"max by (model, version) (sluice_drift_quality_issues) > 0\nand on (model, version)\n{serving}\n"
+    )
+    assert detected["for"] == "6m"  # a minute into the second window in a row that says drift
+    assert pipeline["for"] == "1m"
+    assert stale["alert"] == "SluiceDriftReportsStale"
+    assert stale["expr"] == (
+        "time() - max by (model) (max_over_time(sluice_drift_last_report_timestamp_seconds[1d])) > 900\n"
+        'and on (model)\nsum by (model) (rate(sluice_requests_total{outcome="completed"}[15m])) > 0\n'
+    )
+    assert "for" not in stale  # the threshold is the wait
+    for rule in (detected, pipeline, stale):
+        assert rule["labels"] == {"severity": "ticket"}
+        assert set(rule["annotations"]) == {"summary", "description"}
+        assert "{{ $labels.model }}" in rule["annotations"]["summary"]
+    assert "sluice drift report {{ $labels.model }} --html out.html" in detected["annotations"]["description"]
+    assert "sluice drift status" in detected["annotations"]["description"]
+
+
+def test_the_drift_window_comes_from_the_config_or_the_caller(tmp_path: Path) -> None:
+    def drift_rules(config: SloConfig, window_s: float | None = None) -> list[dict[str, Any]]:
+        doc = rule_groups(config, drift_window_s=window_s)
+        return next(g["rules"] for g in doc["groups"] if g["name"] == "sluice-drift")
+
+    def stale(config: SloConfig, window_s: float | None = None) -> str:
+        return str(drift_rules(config, window_s)[2]["expr"])
+
+    text = (
+        "[alerts.drift]\nwindow_s = 600\ndrift_windows = 3\nstale_after_windows = 4\nfor_minutes = 5\n"
+        'severity = "page"\n'
+    )
+    config = load_slo_config(write(tmp_path, text))
+    assert "> 2400\n" in stale(config)
+    assert "[40m]" in stale(config)
+    rules = drift_rules(config)
+    assert {r["labels"]["severity"] for r in rules} == {"page"}
+    assert rules[0]["for"] == "21m"  # two windows of drift and a minute into the third
+    assert "says drift, as did the 2 before it:" in rules[0]["annotations"]["description"]
+    assert rules[1]["for"] == "5m"
+    assert drift_rules(DEFAULT_CONFIG, 60)[0]["for"] == "2m"
+    once = SloConfig(alerts=AlertSettings(drift=DriftAlert(drift_windows=1)))
+    assert drift_rules(once)[0]["for"] == "1m"
+    assert "says drift: some" in drift_rules(once)[0]["annotations"]["description"]
+    # the caller's window (the streams worker's SLUICE_DRIFT_WINDOW_S) wins over the file's
+    assert "> 240\n" in stale(config, 60)
+    assert "[5m]" in stale(config, 60)  # the traffic window never goes under 5 minutes
+    assert "> 22.5\n" in stale(DEFAULT_CONFIG, 7.5)
+    assert render_rules(DEFAULT_CONFIG, drift_window_s=600).count("> 1800\n") == 1
+    with pytest.raises(SloConfigError, match=re.escape("drift window 0.5 s: must be at least 1 s")):
+        rule_groups(DEFAULT_CONFIG, drift_window_s=0.5)
+
+
+def test_seconds_duration() -> None:
+    assert [seconds_duration(s) for s in (900, 3600, 90, 7.5, 1800.0)] == [
+        "15m",
+        "1h",
+        "90s",
+        "7500ms",
+        "30m",
+    ]
 
 
 def test_tiers_select_their_models_and_the_default_takes_the_rest() -> None:
@@ -307,6 +398,9 @@ def test_without_tickets_only_the_page_pairs_and_their_windows() -> None:
         "SluiceErrorBudgetBurn6h",
         "SluiceConsumerLag",
         "SluiceDeadLetters",
+        "SluiceDriftDetected",
+        "SluiceDriftFeaturePipeline",
+        "SluiceDriftReportsStale",
     }
 
 

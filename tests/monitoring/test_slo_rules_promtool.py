@@ -37,7 +37,8 @@ FAST, SLOW, TICKET_1D, TICKET_3D = (
     "SluiceErrorBudgetBurn3d",
 )
 LAG, DEAD = "SluiceConsumerLag", "SluiceDeadLetters"
-ALL_ALERTS = (FAST, SLOW, TICKET_1D, TICKET_3D, LAG, DEAD)
+DRIFT, PIPELINE, STALE = "SluiceDriftDetected", "SluiceDriftFeaturePipeline", "SluiceDriftReportsStale"
+ALL_ALERTS = (FAST, SLOW, TICKET_1D, TICKET_3D, LAG, DEAD, DRIFT, PIPELINE, STALE)
 
 # interactive (99.5%, TTFT 0.5 s / 95%) is the default tier; batch (99%, TTFT 5 s / 90%) has two models
 # (the dot in batch.v3 must be escaped in the rules' regex).
@@ -96,10 +97,14 @@ def gauge(*segments: tuple[int, float]) -> list[float]:
     return [value for minutes, value in segments for _ in range(minutes)]
 
 
-def series(name: str, values: Sequence[float | None], **labels: str) -> dict[str, str]:
+STALE_MARKER = "stale"
+"""A staleness marker: what Prometheus writes when a target's scrape fails or a series leaves it."""
+
+
+def series(name: str, values: Sequence[float | str | None], **labels: str) -> dict[str, str]:
     """A promtool input series; ``None`` is a missing sample (the series does not exist then)."""
     label_text = ",".join(f'{k}="{v}"' for k, v in labels.items())
-    text = " ".join("_" if v is None else f"{v:.15g}" for v in values)
+    text = " ".join("_" if v is None else v if isinstance(v, str) else f"{v:.15g}" for v in values)
     return {"series": f"{name}{{{label_text}}}", "values": text}
 
 
@@ -134,6 +139,20 @@ def ttft(model: str, minutes: int, per_minute: float, *, fast_share: float, le: 
     ]
 
 
+def serving(model: str, *segments: tuple[int, float], version: str = "1") -> dict[str, str]:
+    """Completed requests of a model version (what the drift alerts take for "still serves")."""
+    labels = {"tenant": "t1", "model": model, "version": version, "outcome": "completed"}
+    return series("sluice_requests_total", counter(*segments), **labels)
+
+
+def last_report(minutes: int, *, window_s: int = 300, lag_s: int = 40) -> list[float | None]:
+    """``sluice_drift_last_report_timestamp_seconds`` each minute while reports arrive: the end of the
+    latest window reported, each report published ``lag_s`` after its window closed (none before the
+    first)."""
+    ends = [(m * 60 - lag_s) // window_s * window_s for m in range(minutes)]
+    return [float(end) if end > 0 else None for end in ends]
+
+
 # ---------------------------------------------------------------- promtool
 
 
@@ -149,9 +168,10 @@ def promtool_test(
     config: SloConfig = CONFIG,
     expr_tests: Sequence[dict[str, Any]] = (),
     annotations: bool = False,
+    drift_window_s: float | None = None,
 ) -> str:
     """Run ``promtool test rules`` on the rules of ``config`` (annotations stripped unless asked)."""
-    doc = rule_groups(config)
+    doc = rule_groups(config, drift_window_s=drift_window_s)
     if not annotations:
         for group in doc["groups"]:
             for rule in group["rules"]:
@@ -392,6 +412,174 @@ def test_annotations_render(tmp_path: Path) -> None:
         [
             {"eval_time": "15m", "alertname": FAST, "exp_alerts": [page]},
             {"eval_time": "15m", "alertname": LAG, "exp_alerts": [lag]},
+        ],
+        annotations=True,
+    )
+
+
+def test_drift_detected_fires_for_a_drifting_version_that_serves(tmp_path: Path) -> None:
+    def detected(values: list[float], model: str, version: str = "1") -> dict[str, str]:
+        return series("sluice_drift_detected", values, model=model, version=version)
+
+    inputs = [
+        # demo-gpt's reports say drift for three windows in a row (minutes 5 to 19), then no_drift again
+        detected(gauge((5, 0), (15, 1), (11, 0)), "demo-gpt"),
+        # other-model never drifts; blip-model's one false alarm lasts its window (minutes 5 to 9)
+        detected(gauge((31, 0)), "other-model"),
+        detected(gauge((5, 0), (5, 1), (21, 0)), "blip-model"),
+        # demo-gpt's retired version 0 drifted in its last report, and gets no traffic any more
+        detected(gauge((31, 1)), "demo-gpt", version="0"),
+        serving("demo-gpt", (30, 0), version="0"),
+        serving("demo-gpt", (30, 100)),
+        serving("other-model", (30, 100)),
+        serving("blip-model", (30, 100)),
+    ]
+    drifted = {"severity": "ticket", "model": "demo-gpt", "version": "1"}
+    promtool_test(
+        tmp_path,
+        inputs,
+        [
+            *no_alerts("4m"),
+            # pending until a minute into the second window that says drift (for: 6m)
+            alert(DRIFT, "10m"),
+            alert(DRIFT, "11m", drifted),
+            alert(DRIFT, "19m", drifted),
+            *no_alerts("25m"),  # resolved with the no_drift report
+        ],
+    )
+
+
+def test_drift_quality_findings_fire_the_feature_pipeline_alert(tmp_path: Path) -> None:
+    def quality(values: list[float], model: str) -> dict[str, str]:
+        return series("sluice_drift_quality_issues", values, model=model, version="1")
+
+    inputs = [
+        quality(gauge((3, 0), (20, 2)), "demo-gpt"),  # two findings from minute 3 (e.g. no embeddings)
+        quality(gauge((23, 0)), "other-model"),
+        series("sluice_drift_detected", gauge((23, 0)), model="demo-gpt", version="1"),
+        serving("demo-gpt", (22, 100)),
+        serving("other-model", (22, 100)),
+    ]
+    broken = {"severity": "ticket", "model": "demo-gpt", "version": "1"}
+    promtool_test(
+        tmp_path,
+        inputs,
+        [
+            *no_alerts("2m"),
+            alert(PIPELINE, "3m"),
+            alert(PIPELINE, "5m", broken),
+            alert(PIPELINE, "20m", broken),
+            alert(DRIFT, "20m"),  # a broken pipeline is not drift
+        ],
+    )
+
+
+def test_drift_reports_that_stop_arriving_fire_while_the_model_serves(tmp_path: Path) -> None:
+    def reported(values: Sequence[float | str | None], model: str) -> dict[str, str]:
+        return series("sluice_drift_last_report_timestamp_seconds", values, model=model)
+
+    frozen = last_report(21)  # reports until minute 20, the last for the window ending at 900 s
+    inputs = [
+        # fresh: reports keep arriving every 5 minutes
+        reported(last_report(61), "fresh"),
+        # stuck: the streams worker runs (the gauge is scraped) but no report comes after minute 20
+        reported(frozen + [frozen[-1]] * 40, "stuck"),
+        # gone: the streams worker is down from minute 21 (its series goes stale, then is absent)
+        reported([*frozen, STALE_MARKER, *[None] * 39], "gone"),
+        # idle: reports stop because the model stopped completing requests at minute 10
+        reported(frozen + [frozen[-1]] * 40, "idle"),
+        serving("fresh", (60, 100)),
+        serving("stuck", (60, 100)),
+        serving("gone", (60, 100)),
+        serving("idle", (10, 100), (50, 0)),
+    ]
+    stale = [{"severity": "ticket", "model": m} for m in ("gone", "stuck")]
+    promtool_test(
+        tmp_path,
+        inputs,
+        [
+            *no_alerts("10m", "20m"),
+            # 3 windows of 300 s after the last window's end (900 s): 1800 s is not past it, 1860 s is
+            alert(STALE, "30m"),
+            alert(STALE, "31m", *stale),
+            alert(STALE, "59m", *stale),
+        ],
+    )
+
+
+def test_the_drift_window_sets_the_stale_threshold(tmp_path: Path) -> None:
+    # 60 s windows: stale after 180 s without a report
+    inputs = [
+        series(
+            "sluice_drift_last_report_timestamp_seconds",
+            [*last_report(11, window_s=60), *[540.0] * 10],
+            model="demo-gpt",
+        ),
+        serving("demo-gpt", (20, 100)),
+    ]
+    promtool_test(
+        tmp_path,
+        inputs,
+        [
+            alert(STALE, "12m"),  # the last window ended at 540 s: 720 s is not past 540 + 180
+            alert(STALE, "13m", {"severity": "ticket", "model": "demo-gpt"}),
+            alert(DRIFT, "13m"),
+        ],
+        drift_window_s=60,
+    )
+
+
+def test_drift_annotations_render(tmp_path: Path) -> None:
+    inputs = [
+        series("sluice_drift_detected", gauge((20, 1)), model="demo-gpt", version="1"),
+        series("sluice_drift_quality_issues", gauge((20, 2)), model="demo-gpt", version="1"),
+        series("sluice_drift_last_report_timestamp_seconds", gauge((20, 0)), model="demo-gpt"),
+        serving("demo-gpt", (20, 100)),
+    ]
+    drifted = {
+        "exp_labels": {"severity": "ticket", "model": "demo-gpt", "version": "1"},
+        "exp_annotations": {
+            "summary": "demo-gpt version 1: its traffic drifted",
+            "description": (
+                "The latest all-tenant drift report of model demo-gpt version 1 says drift, as did the one "
+                "before it: some request features (prompt length, script, language, output, "
+                "log-probabilities, embeddings) are distributed differently from its reference window. "
+                "`sluice drift status` shows every model's latest verdict; `sluice drift report demo-gpt "
+                "--html out.html` shows which features moved and how."
+            ),
+        },
+    }
+    broken = {
+        "exp_labels": {"severity": "ticket", "model": "demo-gpt", "version": "1"},
+        "exp_annotations": {
+            "summary": "demo-gpt version 1: 2 drift data-quality finding(s)",
+            "description": (
+                "The latest all-tenant drift report of model demo-gpt version 1 has data-quality findings: "
+                "the feature pipeline broke, not the traffic (features missing or out of range, the "
+                "embedding sampler stopped). `sluice drift report demo-gpt --html out.html` lists them; "
+                "`sluice drift status` shows every model's latest verdict."
+            ),
+        },
+    }
+    stale = {
+        "exp_labels": {"severity": "ticket", "model": "demo-gpt"},
+        "exp_annotations": {
+            "summary": "No drift report for demo-gpt for 16m 0s",
+            "description": (
+                "The latest drift report of demo-gpt covers a window that ended 16m 0s ago, more than 3 "
+                "drift windows of 300 s, while the model still completes requests: the streams worker's "
+                "drift monitor is down or stuck (or cannot read the warehouse). Check the streams worker "
+                "and its logs; `sluice drift status` shows each model's last report."
+            ),
+        },
+    }
+    promtool_test(
+        tmp_path,
+        inputs,
+        [
+            {"eval_time": "16m", "alertname": DRIFT, "exp_alerts": [drifted]},
+            {"eval_time": "16m", "alertname": PIPELINE, "exp_alerts": [broken]},
+            {"eval_time": "16m", "alertname": STALE, "exp_alerts": [stale]},
         ],
         annotations=True,
     )
