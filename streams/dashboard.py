@@ -10,9 +10,14 @@
 - ``GET /dashboard/plotly.min.js``: the plotly.js bundle that ships inside the installed ``plotly``
   Python package, read once and kept in memory (gzipped too). Nothing is loaded from elsewhere.
 
-Tenant and model names are user data: the script puts them into the page with ``textContent`` and into
-Plotly's labels HTML-escaped (Plotly reads a subset of HTML in labels), and the page's Content Security
-Policy allows scripts from this server only, so a name like ``<script>`` is shown, never run.
+The drift panel reads ``drift_reports`` (when the warehouse has it): each model version's latest
+all-tenant verdict as a table (a coloured badge, the window, sample sizes, the drifted features and the
+data-quality findings) and a strip of its last windows' verdicts drawn with Plotly.
+
+Tenant, model and feature names (and quality findings) are user data: the script puts them into the page
+with ``textContent`` and into Plotly's labels HTML-escaped (Plotly reads a subset of HTML in labels), and
+the page's Content Security Policy allows scripts from this server only, so a name like ``<script>`` is
+shown, never run.
 
 When its first render is done the script sets ``document.body.dataset.rendered = "1"`` and
 ``dataset.charts`` to the number of charts drawn (``dataset.refreshes`` counts renders), so a browser
@@ -116,8 +121,9 @@ class Dashboard:
         latency = await self._rows(sql.latency)
         traffic = await self._rows(sql.traffic)
         spend = await self._rows(sql.spend)
-        drift_present = (await self._query(sql.drift_exists))[0]["present"]
-        drift = await self._rows(sql.drift_latest) if drift_present else []
+        drift_present = bool((await self._query(sql.drift_exists))[0]["present"])
+        drift_status = await self._rows(sql.drift_status) if drift_present else []
+        drift_history = await self._rows(sql.drift_history) if drift_status else []
 
         for row in spend:
             row["usd"] = _usd(row["cost_nanos"])
@@ -144,7 +150,7 @@ class Dashboard:
             "latency": latency,
             "traffic": traffic,
             "spend": spend,
-            "drift": {"available": bool(drift_present), "reports": drift},
+            "drift": {"available": drift_present, "status": drift_status, "history": drift_history},
         }
 
     def _target(self, model: str) -> dict[str, Any]:
@@ -248,10 +254,19 @@ _PAGE = """<!doctype html>
   .panel { background: #fff; border-radius: 6px; padding: 6px; box-shadow: 0 1px 2px #0001; }
   .chart { height: 320px; }
   #drift table { border-collapse: collapse; width: 100%; }
-  #drift th, #drift td { text-align: left; padding: 4px 8px; border-bottom: 1px solid #e3e6eb; }
+  #drift th, #drift td { text-align: left; vertical-align: top; padding: 4px 8px;
+                         border-bottom: 1px solid #e3e6eb; }
   #drift h2 { font-size: 15px; margin: 6px 8px; }
   #drift .empty { color: #5b6575; margin: 6px 8px 10px; }
-  .drifted { color: #b3261e; font-weight: 600; }
+  #drift .none { color: #8a93a3; }
+  #drift .finding { color: #8a4b00; }
+  #drift .when { white-space: nowrap; }
+  .verdict { display: inline-block; padding: 1px 8px; border-radius: 10px; color: #fff; font-size: 12px;
+             font-weight: 600; white-space: nowrap; background: #80868b; }
+  .verdict.v-drift { background: #b3261e; }
+  .verdict.v-data_quality { background: #e8710a; }
+  .verdict.v-insufficient_data { background: #80868b; }
+  .verdict.v-no_drift, .verdict.v-reference { background: #188038; }
 </style>
 </head>
 <body data-refresh-ms="{refresh_ms}">
@@ -286,8 +301,9 @@ _PAGE = """<!doctype html>
     <div class="panel"><div class="chart" id="chart-spend"></div></div>
   </section>
   <section class="panel" id="drift" style="margin-top: 12px">
-    <h2>Drift</h2>
+    <h2>Drift (all tenants; latest window per model version)</h2>
     <div id="drift-body"><p class="empty">loading…</p></div>
+    <div id="chart-drift" hidden></div>
   </section>
 </main>
 <script src="/dashboard/plotly.min.js"></script>
@@ -438,10 +454,54 @@ _SCRIPT = r"""
     row.appendChild(td);
   }
 
+  // Verdict -> [label, colour, marker in the history strip] (the colours match the .verdict classes; a
+  // reference window is a green diamond, a window without drift a green square); any other verdict grey.
+  const VERDICTS = {
+    drift: ["drift", "#b3261e", "square"],
+    data_quality: ["data quality", "#e8710a", "square"],
+    insufficient_data: ["insufficient data", "#80868b", "square"],
+    no_drift: ["no drift", "#188038", "square"],
+    reference: ["reference", "#188038", "diamond"],
+  };
+  const VERDICT_ORDER = ["reference", "no_drift", "insufficient_data", "data_quality", "drift"];
+
+  function verdictOf(value) {
+    const key = String(value);
+    const known = Object.prototype.hasOwnProperty.call(VERDICTS, key);
+    if (!known) return { key: "", label: key, color: "#80868b", symbol: "square" };
+    const [label, color, symbol] = VERDICTS[key];
+    return { key: key, label: label, color: color, symbol: symbol };
+  }
+
+  function modelVersion(row) {
+    return String(row.model) + " / " + String(row.model_version);
+  }
+
+  function percent(value) {
+    const share = Number(value);
+    return Number.isFinite(share) ? (100 * share).toFixed(1) + "%" : "\u2013";
+  }
+
+  // A cell holding one line of text per item, or a grey dash when there are none.
+  function listCell(row, items, className) {
+    const td = row.insertCell();
+    if (!Array.isArray(items) || items.length === 0) {
+      td.textContent = "\u2013";
+      td.className = "none";
+      return;
+    }
+    for (const item of items) {
+      const line = document.createElement("div");
+      line.textContent = String(item);
+      if (className) line.className = className;
+      td.appendChild(line);
+    }
+  }
+
   function setDrift(drift) {
     const target = document.getElementById("drift-body");
     target.replaceChildren();
-    if (!drift.available || drift.reports.length === 0) {
+    if (!drift.available || drift.status.length === 0) {
       const p = document.createElement("p");
       p.className = "empty";
       p.textContent = drift.available ? "no drift reports in the table yet" : "no drift reports yet";
@@ -450,20 +510,94 @@ _SCRIPT = r"""
     }
     const table = document.createElement("table");
     const head = table.createTHead().insertRow();
-    for (const title of ["window end (UTC)", "model", "status", "share of features drifted"]) {
-      cell(head, title);
-    }
+    const titles = ["model", "version", "status", "window (UTC)", "n current / reference", "requests",
+                    "share drifted", "drifted features", "data quality"];
+    for (const title of titles) cell(head, title);
     const rows = table.createTBody();
-    for (const report of drift.reports) {
+    for (const report of drift.status) {
       const row = rows.insertRow();
-      const drifted = report.drifted === true || report.drifted === 1;
-      const share = Number(report.share_drifted);
-      cell(row, String(report.window_end));
+      const verdict = verdictOf(report.verdict);
       cell(row, String(report.model));
-      cell(row, drifted ? "drifted" : "ok", drifted ? "drifted" : "");
-      cell(row, Number.isFinite(share) ? (100 * share).toFixed(1) + "%" : "\u2013");
+      cell(row, String(report.model_version));
+      const badge = document.createElement("span");
+      badge.className = "verdict" + (verdict.key ? " v-" + verdict.key : "");
+      badge.textContent = verdict.label;
+      row.insertCell().appendChild(badge);
+      cell(row, String(report.window_start) + " \u2013 " + String(report.window_end), "when");
+      cell(row, String(report.n_current) + " / " + String(report.n_reference));
+      cell(row, Number(report.requests).toLocaleString("en-US"));
+      cell(row, percent(report.share_drifted));
+      listCell(row, report.drifted_features);
+      listCell(row, report.quality, "finding");
     }
     target.appendChild(table);
+  }
+
+  // The history strip: one marker per window and model version, coloured by verdict (one trace per
+  // verdict, so the legend names the colours). Returns null when there is nothing to draw.
+  function driftHistory(drift) {
+    if (!drift.available || drift.history.length === 0) return null;
+    const keys = [];
+    for (const row of drift.status.concat(drift.history)) {
+      const key = esc(modelVersion(row));
+      if (!keys.includes(key)) keys.push(key);
+    }
+    const groups = new Map();
+    for (const row of drift.history) {
+      const verdict = verdictOf(row.verdict);
+      const name = verdict.key || String(row.verdict);
+      if (!groups.has(name)) groups.set(name, { verdict: verdict, rows: [] });
+      groups.get(name).rows.push(row);
+    }
+    const rank = (name) => {
+      const at = VERDICT_ORDER.indexOf(name);
+      return at < 0 ? VERDICT_ORDER.length : at;
+    };
+    const names = Array.from(groups.keys())
+      .sort((a, b) => rank(a) - rank(b) || (a < b ? -1 : a > b ? 1 : 0));
+    const traces = names.map((name) => {
+      const group = groups.get(name);
+      return {
+        type: "scatter", mode: "markers", name: esc(group.verdict.label),
+        x: group.rows.map((r) => r.window_end),
+        y: group.rows.map((r) => esc(modelVersion(r))),
+        customdata: group.rows.map((r) => [
+          esc(r.window_start), percent(r.share_drifted), String(r.features_drifted),
+          String(r.features_tested),
+        ]),
+        hovertemplate: "%{y}<br>" + esc(group.verdict.label) + "<br>%{customdata[0]} \u2013 %{x}<br>" +
+          "%{customdata[2]} of %{customdata[3]} features drifted (%{customdata[1]})<extra></extra>",
+        marker: {
+          symbol: group.verdict.symbol, size: 14, color: group.verdict.color, line: { width: 1, color: "#fff" },
+        },
+      };
+    });
+    const lay = {
+      title: { text: "Drift verdict per window (last windows, all tenants)", font: { size: 15 }, x: 0.01,
+               xanchor: "left" },
+      height: 150 + 34 * keys.length,
+      margin: { l: 20, r: 20, t: 50, b: 50 },
+      xaxis: { type: "date", title: { text: "window end (UTC)" } },
+      yaxis: { type: "category", categoryorder: "array", categoryarray: keys.slice().reverse(),
+               automargin: true },
+      legend: { orientation: "h", x: 1, xanchor: "right", y: 1.02, yanchor: "bottom" },
+      showlegend: true,
+      uirevision: "keep",
+    };
+    return [traces, lay];
+  }
+
+  async function drawDriftHistory(drift) {
+    const chart = document.getElementById("chart-drift");
+    const history = driftHistory(drift);
+    if (history === null) {
+      Plotly.purge(chart);
+      chart.hidden = true;
+      return false;
+    }
+    chart.hidden = false;
+    await Plotly.react(chart, history[0], history[1], PLOT_CONFIG);
+    return true;
   }
 
   async function draw(data) {
@@ -475,6 +609,7 @@ _SCRIPT = r"""
       await Plotly.react("chart-" + name, traces, noteIfEmpty(traces, lay, data), PLOT_CONFIG);
       drawn += 1;
     }
+    if (await drawDriftHistory(data.drift)) drawn += 1;
     return drawn;
   }
 

@@ -8,6 +8,10 @@ model's tier gives its availability target, budget and window, as a ``multiIf`` 
 Percentiles over time come from ``request_facts`` rather than from ``sli_minute``: the view holds one
 percentile per minute *and tenant and version*, and percentiles cannot be merged, so a per-model
 percentile has to be computed from the rows themselves. Counts and spend sum, so they come from the views.
+
+Drift reports (``drift_reports``, from migration 0003) hold one row per window of a model version and scope
+(``*`` for all tenants, else a tenant), with the per-feature results as parallel arrays. The table is a
+ReplacingMergeTree, so a window published twice counts once: every drift statement reads it with FINAL.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from monitoring.slo import DEFAULT_CONFIG, SloConfig, Tier
 
 __all__ = [
     "DEFAULT_MINUTES",
+    "DRIFT_HISTORY_WINDOWS",
+    "DRIFT_MODEL_VERSIONS",
     "DRIFT_TABLE",
     "MAX_MINUTES",
     "SAVED",
@@ -33,6 +39,10 @@ MAX_MINUTES = 1440
 """The dashboard's longest window (a day): its queries read minute rows, so this bounds their cost."""
 DEFAULT_MINUTES = 60
 DRIFT_TABLE = "drift_reports"
+DRIFT_MODEL_VERSIONS = 50
+"""The most model versions the dashboard's drift panel shows (the first by model and version)."""
+DRIFT_HISTORY_WINDOWS = 50
+"""The most windows per model version in the drift panel's history strip (the latest ones)."""
 
 # The availability SLI, as in monitoring.slo: cancelled requests are the client's choice, neither good nor
 # bad. (Shed requests never reach the facts: the edge refuses them before accepting.)
@@ -182,6 +192,53 @@ GROUP BY model
 ORDER BY model"""
 
 
+# Drift reports (``drift_reports``, one row per DriftReport event; ReplacingMergeTree, so read with FINAL).
+# The per-feature results are parallel arrays: a feature drifted where ``feature_drifted`` is true.
+_DRIFTED_FEATURES = "arrayFilter((name, drifted) -> drifted, feature_names, feature_drifted)"
+_DRIFT_SECOND = "'%Y-%m-%d %H:%i:%S'"
+
+# The latest window per key (the newest window end; a tie goes to the later start), then formatted outside
+# the subquery so that the formatted columns can keep the table's names.
+_DRIFT_STATUS = f"""SELECT
+    model,
+    model_version,
+    scope,
+    formatDateTime(window_end, {_DRIFT_SECOND}) AS window_end,
+    verdict,
+    share_drifted,
+    requests,
+    arrayStringConcat({_DRIFTED_FEATURES}, ', ') AS drifted_features,
+    arrayStringConcat(quality, '\\n') AS quality
+FROM
+(
+    SELECT *
+    FROM {DRIFT_TABLE} FINAL
+    ORDER BY model, model_version, scope, window_end DESC, window_start DESC
+    LIMIT 1 BY model, model_version, scope
+)
+ORDER BY model, model_version, scope != '*', scope"""  # noqa: S608 (a constant table name)
+
+_DRIFT_HISTORY = f"""SELECT
+    formatDateTime(window_start, {_DRIFT_SECOND}) AS window_start,
+    formatDateTime(window_end, {_DRIFT_SECOND}) AS window_end,
+    model,
+    model_version,
+    verdict,
+    share_drifted,
+    requests,
+    n_reference,
+    n_current,
+    arrayStringConcat({_DRIFTED_FEATURES}, ', ') AS drifted_features,
+    arrayStringConcat(quality, '\\n') AS quality
+FROM
+(
+    SELECT *, window_end AS ended
+    FROM {DRIFT_TABLE} FINAL
+    WHERE scope = '*' AND window_end >= now64(3) - INTERVAL 1 DAY
+)
+ORDER BY ended DESC, model, model_version"""  # noqa: S608
+
+
 def saved_queries(config: SloConfig = DEFAULT_CONFIG) -> dict[str, SavedQuery]:
     """The analysts' saved queries, by name; ``error-budget-left`` uses ``config``'s targets."""
     return {
@@ -211,6 +268,19 @@ def saved_queries(config: SloConfig = DEFAULT_CONFIG) -> dict[str, SavedQuery]:
             "generated tokens per second.",
             _SLIS_LAST_HOUR,
         ),
+        "drift-status": SavedQuery(
+            "The latest drift verdict per model, version and scope (* = all tenants, first; then each "
+            "tenant): its window's end, verdict (reference, no_drift, drift, insufficient_data, "
+            "data_quality), share of features drifted, requests in the window, the drifted features "
+            "(comma-separated) and the data-quality findings (one per line).",
+            _DRIFT_STATUS,
+        ),
+        "drift-history": SavedQuery(
+            "All-tenant drift reports of the last 24 hours, newest window first: window, verdict, share "
+            "of features drifted, requests, sample sizes (reference, current), drifted features and "
+            "data-quality findings.",
+            _DRIFT_HISTORY,
+        ),
     }
 
 
@@ -223,7 +293,8 @@ SAVED: dict[str, SavedQuery] = saved_queries()
 
 @dataclass(frozen=True)
 class DashboardSql:
-    """The dashboard's statements for one window of ``minutes`` whole minutes (the current one included).
+    """The dashboard's statements for one window of ``minutes`` whole minutes (the current one included);
+    the drift statements show the latest reports whatever the window (a drift window is often longer).
 
     Minutes come back as ``'YYYY-MM-DD HH:MM:SS'`` strings in UTC, which Plotly reads as dates as they are.
     """
@@ -236,15 +307,65 @@ class DashboardSql:
     """Per tenant over the window, highest spend first (at most 25 tenants); every row also carries the
     window's total spend (``total_nanos``) and number of tenants."""
     drift_exists: str
-    """One row, ``present``: whether the drift table is there yet."""
-    drift_latest: str
-    """The latest drift report of each model (only when the table exists)."""
+    """One row, ``present``: whether the drift table is there yet (run the two below only when it is)."""
+    drift_status: str
+    """The latest all-tenant drift report per model and version (at most 50 of them, by model and version):
+    window, verdict, share drifted, requests, sample sizes, drifted features and quality findings."""
+    drift_history: str
+    """The last :data:`DRIFT_HISTORY_WINDOWS` all-tenant reports per model and version, oldest first:
+    window, verdict, share drifted and how many features drifted of how many tested."""
 
 
 _DRIFT_EXISTS = (
-    "SELECT count() > 0 AS present FROM system.tables "
-    "WHERE database = currentDatabase() AND name = 'drift_reports'"
+    "SELECT count() > 0 AS present FROM system.tables "  # noqa: S608 (a constant table name)
+    f"WHERE database = currentDatabase() AND name = {sql_string(DRIFT_TABLE)}"
 )
+
+
+# The drift panel does not follow the dashboard's window: a drift window is typically an hour or more, so
+# it shows each model version's latest verdict and its last windows, whenever they were.
+_DASHBOARD_DRIFT_STATUS = f"""SELECT
+    model,
+    model_version,
+    formatDateTime(window_start, {_DRIFT_SECOND}) AS window_start,
+    formatDateTime(window_end, {_DRIFT_SECOND}) AS window_end,
+    verdict,
+    share_drifted,
+    requests,
+    n_reference,
+    n_current,
+    {_DRIFTED_FEATURES} AS drifted_features,
+    quality
+FROM
+(
+    SELECT *
+    FROM {DRIFT_TABLE} FINAL
+    WHERE scope = '*'
+    ORDER BY model, model_version, window_end DESC, window_start DESC
+    LIMIT 1 BY model, model_version
+)
+ORDER BY model, model_version
+LIMIT {DRIFT_MODEL_VERSIONS}"""  # noqa: S608 (constants)
+
+_DASHBOARD_DRIFT_HISTORY = f"""SELECT
+    model,
+    model_version,
+    formatDateTime(window_start, {_DRIFT_SECOND}) AS window_start,
+    formatDateTime(window_end, {_DRIFT_SECOND}) AS window_end,
+    verdict,
+    share_drifted,
+    arrayCount(feature_drifted) AS features_drifted,
+    length(feature_names) AS features_tested
+FROM
+(
+    SELECT *, window_end AS ended
+    FROM {DRIFT_TABLE} FINAL
+    WHERE scope = '*'
+    ORDER BY model, model_version, window_end DESC, window_start DESC
+    LIMIT {DRIFT_HISTORY_WINDOWS} BY model, model_version
+)
+ORDER BY model, model_version, ended
+LIMIT {DRIFT_MODEL_VERSIONS * DRIFT_HISTORY_WINDOWS}"""  # noqa: S608
 
 
 def dashboard_sql(minutes: int, config: SloConfig = DEFAULT_CONFIG) -> DashboardSql:
@@ -300,13 +421,6 @@ FROM
 ORDER BY cost_nanos DESC, tenant
 LIMIT 25""",  # noqa: S608
         drift_exists=_DRIFT_EXISTS,
-        drift_latest=f"""SELECT
-    toString(window_end) AS window_end,
-    model,
-    drifted,
-    share_drifted
-FROM {DRIFT_TABLE}
-ORDER BY window_end DESC, model
-LIMIT 1 BY model
-LIMIT 50""",  # noqa: S608
+        drift_status=_DASHBOARD_DRIFT_STATUS,
+        drift_history=_DASHBOARD_DRIFT_HISTORY,
     )

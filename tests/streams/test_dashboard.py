@@ -1,5 +1,6 @@
 """The dashboard: its JSON on a real embedded warehouse, its routes, and the page in a real headless
-Chromium (loads, draws every chart with the facts' data, no console errors, user data shown not run).
+Chromium (loads, draws every chart with the facts' data and the drift reports, no console errors, user
+data shown not run).
 
 The browser test keeps its screenshot at ``test-artifacts/dashboard.png`` under the repository root.
 """
@@ -24,7 +25,15 @@ from schemas.events import Status
 from streams.dashboard import Dashboard, plotly_js_path
 from streams.queries import MAX_MINUTES
 from tests.streams.browser import render
-from tests.streams.test_queries import BATCH_CONFIG, event, insert_facts, migrated_warehouse, now_ms
+from tests.streams.test_queries import (
+    BATCH_CONFIG,
+    drift_report,
+    event,
+    insert_drift_reports,
+    insert_facts,
+    migrated_warehouse,
+    now_ms,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -49,6 +58,12 @@ PROBES = {
     }))""",
     "spend_ticks": "Array.from(document.querySelectorAll('#chart-spend .xtick text')).map((e) => e.textContent)",
     "drift": "document.getElementById('drift-body').textContent",
+    "drift_table": """Array.from(document.querySelectorAll('#drift-body tr')).map(
+        (tr) => Array.from(tr.cells).map((c) => c.textContent))""",
+    "drift_badges": """Array.from(document.querySelectorAll('#drift-body .verdict')).map(
+        (b) => [b.textContent, getComputedStyle(b).backgroundColor])""",
+    "drift_ticks": "Array.from(document.querySelectorAll('#chart-drift .ytick text')).map((e) => e.textContent)",
+    "drift_hidden": "document.getElementById('chart-drift').hidden",
     "requests_tile": "document.getElementById('tile-requests').textContent",
     "pwned": "typeof window.__pwned",
     "injected": "document.querySelectorAll('img, main script').length",
@@ -122,17 +137,39 @@ def a_few_minutes_of_traffic(client: Client, *, tenants: tuple[str, ...]) -> Non
     insert_facts(client, events)
 
 
-def create_drift_reports(client: Client, models: tuple[str, ...]) -> None:
-    client.command(
-        "CREATE TABLE drift_reports (window_end DateTime64(3, 'UTC'), model String, drifted Bool, "
-        "share_drifted Float64) ENGINE = MergeTree ORDER BY (model, window_end)"
-    )
+def some_drift(client: Client, model: str = "demo-gpt", *, feature: str = "prompt_language") -> None:
+    """Drift reports of ``model`` (v1 and v2) and demo-small, through the real ``drift_reports`` table:
+    ``model`` v1 for all tenants: reference, then no drift, then drift of ``feature`` and prompt_tokens (the
+    latest, with a quality finding); a tenant's own report (not on the dashboard); v2: too few requests.
+    demo-small v1: a data-quality verdict, after a window without drift."""
     now = now_ms()
-    rows = []
-    for n, model in enumerate(models):
-        rows.append([now - timedelta(hours=1), model, False, 0.0])
-        rows.append([now - timedelta(minutes=n), model, n % 2 == 0, 0.25 * (n + 1)])
-    client.insert("drift_reports", rows, column_names=["window_end", "model", "drifted", "share_drifted"])
+    hour = timedelta(hours=1)
+    insert_drift_reports(
+        client,
+        [
+            drift_report(model=model, window_end=now - 3 * hour, verdict="reference"),
+            drift_report(model=model, window_end=now - 2 * hour, verdict="no_drift"),
+            drift_report(
+                model=model,
+                window_end=now - hour,
+                verdict="drift",
+                drifted=("prompt_tokens", feature),
+                quality=(f"{feature}: 40% missing (reference 0%)",),
+                requests=812,
+            ),
+            drift_report(model=model, window_end=now - hour, scope="acme", verdict="data_quality"),
+            drift_report(
+                model=model, version="v2", window_end=now - hour, verdict="insufficient_data", requests=9
+            ),
+            drift_report(model="demo-small", window_end=now - 2 * hour, verdict="no_drift"),
+            drift_report(
+                model="demo-small",
+                window_end=now - hour,
+                verdict="data_quality",
+                quality=("embedding: not sampled (0 of 412 requests; reference 5.1%)",),
+            ),
+        ],
+    )
 
 
 # ---------------------------------------------------------------- the JSON
@@ -166,12 +203,21 @@ async def test_data_on_an_empty_warehouse(warehouse: Client) -> None:
         "spend_usd": 0.0,
         "tenants": 0,
     }
-    assert body["drift"] == {"available": False, "reports": []}
+    assert body["drift"] == {"available": True, "status": [], "history": []}
+
+
+async def test_data_on_a_warehouse_without_drift_reports(tmp_path: Path) -> None:
+    """A warehouse migrated by older code, before the drift table: the panel says so, nothing fails."""
+    with migrated_warehouse(tmp_path / "data", upto=2) as client:
+        async with serve(Dashboard(querier(client))) as url:
+            status, body = await get_json(f"{url}/dashboard/data")
+    assert status == 200
+    assert body["drift"] == {"available": False, "status": [], "history": []}
 
 
 async def test_data_with_facts_and_drift(warehouse: Client) -> None:
     a_few_minutes_of_traffic(warehouse, tenants=("acme", "globex"))
-    create_drift_reports(warehouse, ("demo-gpt", "demo-small"))
+    some_drift(warehouse)
     async with serve(Dashboard(querier(warehouse), slo=BATCH_CONFIG)) as url:
         status, body = await get_json(f"{url}/dashboard/data?minutes=15")
     assert status == 200
@@ -192,10 +238,31 @@ async def test_data_with_facts_and_drift(warehouse: Client) -> None:
     assert body["summary"]["spend_usd"] == pytest.approx(sum(r["usd"] for r in spend))
     drift = body["drift"]
     assert drift["available"] is True
-    assert [(r["model"], r["drifted"], r["share_drifted"]) for r in drift["reports"]] == [
-        ("demo-gpt", True, 0.25),
-        ("demo-small", False, 0.5),
+    # The latest all-tenant report per model version (acme's own report is not on the dashboard).
+    assert [(r["model"], r["model_version"], r["verdict"]) for r in drift["status"]] == [
+        ("demo-gpt", "v1", "drift"),
+        ("demo-gpt", "v2", "insufficient_data"),
+        ("demo-small", "v1", "data_quality"),
     ]
+    latest = drift["status"][0]
+    assert latest["drifted_features"] == ["prompt_tokens", "prompt_language"]
+    assert latest["quality"] == ["prompt_language: 40% missing (reference 0%)"]
+    assert (latest["requests"], latest["n_reference"], latest["n_current"]) == (812, 500, 500)
+    assert latest["share_drifted"] == pytest.approx(2 / 3)
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", latest["window_end"])
+    assert latest["window_start"] < latest["window_end"]
+    # The history strip: every all-tenant window of each model version, oldest first, whatever the
+    # dashboard's window (15 minutes here).
+    assert [(r["model"], r["model_version"], r["verdict"]) for r in drift["history"]] == [
+        ("demo-gpt", "v1", "reference"),
+        ("demo-gpt", "v1", "no_drift"),
+        ("demo-gpt", "v1", "drift"),
+        ("demo-gpt", "v2", "insufficient_data"),
+        ("demo-small", "v1", "no_drift"),
+        ("demo-small", "v1", "data_quality"),
+    ]
+    assert drift["history"][2]["window_end"] == latest["window_end"]
+    assert (drift["history"][2]["features_drifted"], drift["history"][2]["features_tested"]) == (2, 3)
 
 
 @pytest.mark.parametrize("minutes", ["0", str(MAX_MINUTES + 1), "abc", "-5", "1.5", "1e3", "٣", "9" * 40])
@@ -274,22 +341,24 @@ def served_here(url: str, requests: list[str]) -> list[str]:
 async def test_dashboard_renders_in_chromium(warehouse: Client) -> None:
     tenants = ("acme", "globex", "initech", "umbrella")
     a_few_minutes_of_traffic(warehouse, tenants=tenants)
+    some_drift(warehouse)
     async with serve(Dashboard(querier(warehouse), refresh_s=1.0)) as url:
         page = await render(
             f"{url}/dashboard?minutes=15",
             ARTIFACTS / "dashboard.png",
             wait_for_js="document.body.dataset.refreshes >= '2'",  # a refresh redraws without errors
             evaluate=PROBES,
+            height=1400,
         )
     assert page.console_errors == [], page.console
     assert served_here(url, page.requests) == []
     values = page.values
     assert values["dataset"]["rendered"] == "1"
-    assert values["dataset"]["charts"] == str(len(CHARTS))
+    assert values["dataset"]["charts"] == str(len(CHARTS) + 1)  # and the drift history
     assert "error" not in values["dataset"]
-    assert values["plots"] == len(CHARTS)
+    assert values["plots"] == len(CHARTS) + 1
     charts = {c["id"].removeprefix("chart-"): c for c in values["charts"]}
-    assert set(charts) == set(CHARTS)
+    assert set(charts) == {*CHARTS, "drift"}
     for name, chart in charts.items():
         assert chart["traces"] > 0, name
         assert chart["points"] > 0, name
@@ -299,24 +368,69 @@ async def test_dashboard_renders_in_chromium(warehouse: Client) -> None:
     assert charts["burn"]["shapes"] == [1]  # the budget line at 1.0
     assert sorted(values["spend_ticks"]) == sorted(tenants)
     assert values["requests_tile"] == "120"
-    assert values["drift"] == "no drift reports yet"
+
+    # The drift panel: the latest verdict per model version, with its window, n, features and findings.
+    header, *table = values["drift_table"]
+    assert header == [
+        "model",
+        "version",
+        "status",
+        "window (UTC)",
+        "n current / reference",
+        "requests",
+        "share drifted",
+        "drifted features",
+        "data quality",
+    ]
+    assert [row[:3] for row in table] == [
+        ["demo-gpt", "v1", "drift"],
+        ["demo-gpt", "v2", "insufficient data"],
+        ["demo-small", "v1", "data quality"],
+    ]
+    drifted = table[0]
+    second = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d"
+    assert re.fullmatch(f"{second} \u2013 {second}", drifted[3])
+    assert drifted[4:7] == ["500 / 500", "812", "66.7%"]
+    assert drifted[7] == "prompt_tokensprompt_language"  # one line each
+    assert drifted[8] == "prompt_language: 40% missing (reference 0%)"
+    assert table[1][7:] == ["\u2013", "\u2013"]  # none
+    assert table[2][8] == "embedding: not sampled (0 of 412 requests; reference 5.1%)"
+    assert values["drift_badges"] == [
+        ["drift", "rgb(179, 38, 30)"],  # red
+        ["insufficient data", "rgb(128, 134, 139)"],  # grey
+        ["data quality", "rgb(232, 113, 10)"],  # orange
+    ]
+    # The history strip: a marker per window and model version, a trace per verdict seen.
+    assert charts["drift"]["points"] == 6
+    assert charts["drift"]["traces"] == 5  # reference, no drift, insufficient data, data quality, drift
+    assert sorted(values["drift_ticks"]) == ["demo-gpt / v1", "demo-gpt / v2", "demo-small / v1"]
+    assert values["drift_hidden"] is False
     assert page.screenshot.stat().st_size > 10_000
 
 
-async def test_empty_dashboard_renders_clean_charts(warehouse: Client, tmp_path: Path) -> None:
-    async with serve(Dashboard(querier(warehouse))) as url:
-        page = await render(f"{url}/dashboard?minutes=15", tmp_path / "empty.png", evaluate=PROBES)
+@pytest.mark.parametrize(
+    ("upto", "drift"),
+    [(None, "no drift reports in the table yet"), (2, "no drift reports yet")],
+    ids=["migrated", "before-the-drift-table"],
+)
+async def test_empty_dashboard_renders_clean_charts(tmp_path: Path, upto: int | None, drift: str) -> None:
+    with migrated_warehouse(tmp_path / "data", upto=upto) as client:
+        async with serve(Dashboard(querier(client))) as url:
+            page = await render(f"{url}/dashboard?minutes=15", tmp_path / "empty.png", evaluate=PROBES)
     assert page.console_errors == [], page.console
-    assert page.values["plots"] == len(CHARTS)
+    assert page.values["plots"] == len(CHARTS)  # no drift history drawn
+    assert page.values["dataset"]["charts"] == str(len(CHARTS))
     for chart in page.values["charts"]:
         assert chart["points"] == 0
         assert chart["notes"] == ["no requests in the last 15 min"], chart["id"]
     assert page.values["requests_tile"] == "0"
+    assert page.values["drift"] == drift
+    assert page.values["drift_hidden"] is True
 
 
 async def test_names_from_the_data_are_shown_not_run(warehouse: Client, tmp_path: Path) -> None:
     a_few_minutes_of_traffic(warehouse, tenants=(EVIL, "acme"))
-    create_drift_reports(warehouse, (EVIL,))
+    some_drift(warehouse, EVIL, feature=EVIL)  # a model, a feature and a quality finding
     async with serve(Dashboard(querier(warehouse))) as url:
         page = await render(f"{url}/dashboard", tmp_path / "evil.png", evaluate=PROBES)
     assert page.console_errors == [], page.console
@@ -324,4 +438,8 @@ async def test_names_from_the_data_are_shown_not_run(warehouse: Client, tmp_path
     assert page.values["injected"] == 0
     assert served_here(url, page.requests) == []  # the <img src=x> was never requested
     assert EVIL in page.values["spend_ticks"]  # shown as text, exactly
-    assert EVIL in page.values["drift"]
+    evil = next(row for row in page.values["drift_table"] if row[0] == EVIL)
+    assert evil[:3] == [EVIL, "v1", "drift"]
+    assert evil[7] == "prompt_tokens" + EVIL
+    assert evil[8] == f"{EVIL}: 40% missing (reference 0%)"
+    assert f"{EVIL} / v1" in page.values["drift_ticks"]

@@ -1,32 +1,51 @@
 """The saved queries and the dashboard's SQL, on a real embedded warehouse (chDB) with known facts.
 
 The helpers here (``event``, ``insert_facts``, ``migrated_warehouse``, ``rows``) build terminal events and
-their ``request_facts`` rows the way the streams sink does (``streams.facts.fact_row``); the dashboard's
-tests use them too.
+their ``request_facts`` rows the way the streams sink does (``streams.facts.fact_row``); ``drift_report``
+and ``insert_drift_reports`` build DriftReport events and their ``drift_reports`` rows (the columns of
+migration 0003). The dashboard's tests use them too.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import shutil
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 import pytest
 
 from infra.warehouse import migrate, open_warehouse
 from infra.warehouse.client import Client
+from infra.warehouse.migrate import MIGRATIONS_DIR
 from monitoring.slo import DEFAULT_TIERS, SloConfig
-from schemas.events import ErrorInfo, RequestFinished, Status, Timings, Usage
+from schemas.events import (
+    DriftReport,
+    DriftVerdict,
+    ErrorInfo,
+    FeatureDrift,
+    RequestFinished,
+    Status,
+    Timings,
+    Usage,
+)
 from schemas.ids import uuid7_from_parts
 from schemas.settings import PlatformSettings
 from streams.facts import FACT_COLUMNS, fact_row
 from streams.pricing import PriceTable
-from streams.queries import MAX_MINUTES, SAVED, dashboard_sql, saved_queries, sql_string
+from streams.queries import (
+    DRIFT_HISTORY_WINDOWS,
+    MAX_MINUTES,
+    SAVED,
+    dashboard_sql,
+    saved_queries,
+    sql_string,
+)
 
 PRICES = PriceTable()
 _RAND = itertools.count(1)
@@ -93,13 +112,157 @@ def insert_facts(client: Client, events: Iterable[RequestFinished]) -> list[list
     return facts
 
 
+FeatureKind = Literal["numerical", "categorical", "embedding"]
+
+# The features every test drift report tests (name, kind, method); a drifted name not here is added.
+_FEATURES: tuple[tuple[str, FeatureKind, str], ...] = (
+    ("prompt_tokens", "numerical", "ks"),
+    ("prompt_language", "categorical", "chisquare"),
+    ("embedding", "embedding", "mmd"),
+)
+
+
+def drift_report(
+    *,
+    window_end: datetime,
+    model: str = "demo-gpt",
+    version: str = "v1",
+    scope: str = "*",
+    verdict: DriftVerdict = "no_drift",
+    drifted: Sequence[str] = (),
+    quality: Sequence[str] = (),
+    requests: int = 400,
+    window: timedelta = timedelta(hours=1),
+    published: datetime | None = None,
+) -> DriftReport:
+    """The report of the window ``[window_end - window, window_end)``, published at ``published``
+    (default: ``window_end``); the features named in ``drifted`` drifted, the others did not."""
+    known = {name for name, _, _ in _FEATURES}
+    features = [*_FEATURES, *((name, "numerical", "ks") for name in drifted if name not in known)]
+    tested = [
+        FeatureDrift(
+            name=name,
+            kind=kind,
+            method=method,
+            statistic=0.0001 if name in drifted else 0.4,
+            threshold=0.0033,
+            p_value=None if kind == "embedding" else (0.0001 if name in drifted else 0.4),
+            drifted=name in drifted,
+            null_share=0.9 if kind == "embedding" else 0.0,
+        )
+        for name, kind, method in features
+    ]
+    return DriftReport(
+        tenant=scope,
+        model=model,
+        source="streams/drift",
+        time=published or window_end,
+        window_start=window_end - window,
+        window_end=window_end,
+        drifted=verdict == "drift",
+        share_drifted=len(drifted) / len(tested),
+        feature_scores={f.name: f.statistic for f in tested},
+        method="ks+chisquare+mmd",
+        model_version=version,
+        verdict=verdict,
+        reference_start=window_end - 25 * window,
+        reference_end=window_end - 24 * window,
+        requests=requests,
+        n_reference=500,
+        n_current=min(requests, 500),
+        alpha=0.01,
+        features=tested,
+        quality=list(quality),
+    )
+
+
+DRIFT_COLUMNS = (
+    "report_id",
+    "time",
+    "model",
+    "model_version",
+    "scope",
+    "window_start",
+    "window_end",
+    "reference_start",
+    "reference_end",
+    "verdict",
+    "drifted",
+    "share_drifted",
+    "requests",
+    "n_reference",
+    "n_current",
+    "alpha",
+    "method",
+    "feature_names",
+    "feature_kinds",
+    "feature_methods",
+    "feature_statistics",
+    "feature_thresholds",
+    "feature_p_values",
+    "feature_drifted",
+    "feature_null_share",
+    "quality",
+    "source",
+    "version",
+)
+
+
+def drift_row(report: DriftReport) -> list[Any]:
+    """The report's ``drift_reports`` row (its version: the event time in ms, as the migration says)."""
+    features = report.features
+    return [
+        report.id,
+        report.time,
+        report.model,
+        report.model_version,
+        report.tenant,
+        report.window_start,
+        report.window_end,
+        report.reference_start,
+        report.reference_end,
+        report.effective_verdict,
+        report.drifted,
+        report.share_drifted,
+        report.requests,
+        report.n_reference,
+        report.n_current,
+        report.alpha,
+        report.method,
+        [f.name for f in features],
+        [f.kind for f in features],
+        [f.method for f in features],
+        [f.statistic for f in features],
+        [f.threshold for f in features],
+        [f.p_value for f in features],
+        [f.drifted for f in features],
+        [f.null_share for f in features],
+        list(report.quality),
+        report.source,
+        int(report.time.timestamp() * 1000),
+    ]
+
+
+def insert_drift_reports(client: Client, reports: Iterable[DriftReport]) -> None:
+    """One insert (so one part: FINAL, not a background merge, is what collapses duplicates in it)."""
+    client.insert("drift_reports", [drift_row(r) for r in reports], column_names=list(DRIFT_COLUMNS))
+
+
 @contextlib.contextmanager
-def migrated_warehouse(directory: Path) -> Iterator[Client]:
+def migrated_warehouse(directory: Path, *, upto: int | None = None) -> Iterator[Client]:
     """This process's chDB engine on a fresh, migrated directory, closed afterwards (chDB runs one engine
-    per process, so the next test can open its own)."""
+    per process, so the next test can open its own). ``upto``: apply the migrations up to that version
+    only, as a warehouse migrated by older code."""
+    migrations = MIGRATIONS_DIR
+    if upto is not None:
+        migrations = directory.parent / f"migrations-upto-{upto:04d}"
+        migrations.mkdir()
+        for path in sorted(MIGRATIONS_DIR.glob("*.sql")):
+            if int(path.name[:4]) <= upto:
+                shutil.copy(path, migrations / path.name)
     client = open_warehouse(PlatformSettings(data_dir=str(directory)))
     try:
-        migrate(client)
+        migrate(client, directory=migrations)
         yield client
     finally:
         client.close()
@@ -153,7 +316,13 @@ def by_key(found: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]
 
 
 def test_saved_queries_are_named_and_described() -> None:
-    assert {"top-tenants-by-spend", "p99-ttft-by-model-version", "error-budget-left"} <= set(SAVED)
+    assert {
+        "top-tenants-by-spend",
+        "p99-ttft-by-model-version",
+        "error-budget-left",
+        "drift-status",
+        "drift-history",
+    } <= set(SAVED)
     for name, saved in SAVED.items():
         assert saved.description, name
         assert saved.sql.lstrip().upper().startswith("SELECT"), name
@@ -189,15 +358,28 @@ def test_every_saved_query_runs_on_an_empty_warehouse(warehouse: Client) -> None
     for name, saved in {**SAVED, **saved_queries(BATCH_CONFIG)}.items():
         assert rows(warehouse, saved.sql) == [], name
     sql = dashboard_sql(60, BATCH_CONFIG)
-    for statement in (sql.latency, sql.traffic, sql.spend):
+    for statement in (sql.latency, sql.traffic, sql.spend, sql.drift_status, sql.drift_history):
         assert rows(warehouse, statement) == []
-    assert rows(warehouse, sql.drift_exists) == [{"present": False}]
+    assert rows(warehouse, sql.drift_exists) == [{"present": True}]
+
+
+@pytest.mark.integration
+def test_drift_rows_have_the_migrations_columns(warehouse: Client) -> None:
+    described = rows(warehouse, "DESCRIBE TABLE drift_reports")
+    assert [r["name"] for r in described] == list(DRIFT_COLUMNS)
+
+
+@pytest.mark.integration
+def test_an_old_warehouse_has_no_drift_table(tmp_path: Path) -> None:
+    with migrated_warehouse(tmp_path / "data", upto=2) as client:
+        assert rows(client, dashboard_sql(60).drift_exists) == [{"present": False}]
 
 
 @pytest.mark.integration
 def test_saved_queries_on_facts(warehouse: Client) -> None:
     now = now_ms()
     insert_facts(warehouse, known_mix(now))
+    insert_drift_reports(warehouse, a_day_of_drift(now))
     for name, saved in SAVED.items():
         assert rows(warehouse, saved.sql), name
 
@@ -313,3 +495,178 @@ def test_dashboard_sql_on_facts(warehouse: Client) -> None:
     assert [r["tenant"] for r in spend] == ["acme"]
     assert spend[0]["total_nanos"] == spend[0]["cost_nanos"]
     assert spend[0]["tenants"] == 1
+
+
+# ---------------------------------------------------------------- drift reports on chDB
+
+DRIFT_STATUS_COLUMNS = [
+    "model",
+    "model_version",
+    "scope",
+    "window_end",
+    "verdict",
+    "share_drifted",
+    "requests",
+    "drifted_features",
+    "quality",
+]
+
+
+def second(at: datetime) -> str:
+    return at.strftime("%Y-%m-%d %H:%M:%S")
+
+
+def a_day_of_drift(now: datetime) -> list[DriftReport]:
+    """demo-gpt v1 for all tenants: the reference window 3 h ago, no drift 2 h ago, drift 1 h ago (the
+    latest); for acme alone: too few requests 1 h ago. demo-gpt v2: a reference window 1 h ago.
+    demo-small v1: a data-quality verdict 30 min ago, and a report 2 days ago (outside the history's day)."""
+    hour = timedelta(hours=1)
+    quality = "prompt_language: 40% missing (reference 0%)"
+    return [
+        drift_report(window_end=now - 3 * hour, verdict="reference"),
+        drift_report(window_end=now - 2 * hour, verdict="no_drift"),
+        drift_report(
+            window_end=now - hour,
+            verdict="drift",
+            drifted=("prompt_tokens", "prompt_language"),
+            quality=("embedding: not sampled (0 of 412 requests; reference 5.1%)",),
+            requests=812,
+        ),
+        drift_report(window_end=now - hour, scope="acme", verdict="insufficient_data", requests=12),
+        drift_report(window_end=now - hour, version="v2", verdict="reference"),
+        drift_report(window_end=now - 2 * timedelta(days=1), model="demo-small", verdict="no_drift"),
+        drift_report(
+            window_end=now - hour / 2, model="demo-small", verdict="data_quality", quality=(quality,)
+        ),
+    ]
+
+
+@pytest.mark.integration
+def test_drift_status_is_the_latest_verdict_per_key(warehouse: Client) -> None:
+    now = now_ms()
+    insert_drift_reports(warehouse, a_day_of_drift(now))
+    result = warehouse.query(SAVED["drift-status"].sql)
+    assert list(result.column_names) == DRIFT_STATUS_COLUMNS
+    found = rows(warehouse, SAVED["drift-status"].sql)
+    # All tenants first within a model version, then each tenant.
+    assert [(r["model"], r["model_version"], r["scope"], r["verdict"]) for r in found] == [
+        ("demo-gpt", "v1", "*", "drift"),  # the latest of three windows
+        ("demo-gpt", "v1", "acme", "insufficient_data"),
+        ("demo-gpt", "v2", "*", "reference"),
+        ("demo-small", "v1", "*", "data_quality"),
+    ]
+    drift = found[0]
+    assert drift["window_end"] == second(now - timedelta(hours=1))
+    assert drift["share_drifted"] == pytest.approx(2 / 3)
+    assert drift["requests"] == 812
+    assert drift["drifted_features"] == "prompt_tokens, prompt_language"
+    assert drift["quality"] == "embedding: not sampled (0 of 412 requests; reference 5.1%)"
+    assert (found[1]["requests"], found[1]["drifted_features"], found[1]["quality"]) == (12, "", "")
+    assert found[3]["quality"] == "prompt_language: 40% missing (reference 0%)"
+
+
+@pytest.mark.integration
+def test_drift_status_follows_a_newer_window(warehouse: Client) -> None:
+    now = now_ms()
+    insert_drift_reports(warehouse, [drift_report(window_end=now - timedelta(hours=1), verdict="drift")])
+    assert [r["verdict"] for r in rows(warehouse, SAVED["drift-status"].sql)] == ["drift"]
+    # The next window arrives in a later insert (another part): it wins, whatever the insert order.
+    insert_drift_reports(warehouse, [drift_report(window_end=now, verdict="no_drift")])
+    insert_drift_reports(warehouse, [drift_report(window_end=now - timedelta(hours=2), verdict="reference")])
+    found = rows(warehouse, SAVED["drift-status"].sql)
+    assert [(r["verdict"], r["window_end"]) for r in found] == [("no_drift", second(now))]
+
+
+@pytest.mark.integration
+def test_a_window_published_twice_counts_once(warehouse: Client) -> None:
+    """A restart between publish and insert: the same window twice, the second published later with another
+    verdict (e.g. re-checked); FINAL keeps the later one, in both saved queries and the dashboard's."""
+    now = now_ms()
+    first = drift_report(window_end=now - timedelta(hours=1), verdict="no_drift")
+    again = drift_report(
+        window_end=now - timedelta(hours=1),
+        verdict="drift",
+        drifted=("prompt_tokens",),
+        published=now - timedelta(minutes=30),
+    )
+    insert_drift_reports(warehouse, [first])
+    insert_drift_reports(warehouse, [again])
+    insert_drift_reports(warehouse, [first])  # a replay of the first one: its older version still loses
+    assert rows(warehouse, "SELECT count() AS n FROM drift_reports") == [{"n": 3}]  # three parts, unmerged
+    history = rows(warehouse, SAVED["drift-history"].sql)
+    assert [(r["verdict"], r["drifted_features"]) for r in history] == [("drift", "prompt_tokens")]
+    status = rows(warehouse, SAVED["drift-status"].sql)
+    assert [r["verdict"] for r in status] == ["drift"]
+    sql = dashboard_sql(60)
+    assert [r["verdict"] for r in rows(warehouse, sql.drift_status)] == ["drift"]
+    assert [r["verdict"] for r in rows(warehouse, sql.drift_history)] == ["drift"]
+
+
+@pytest.mark.integration
+def test_drift_history_is_the_last_day_for_all_tenants(warehouse: Client) -> None:
+    now = now_ms()
+    insert_drift_reports(warehouse, a_day_of_drift(now))
+    found = rows(warehouse, SAVED["drift-history"].sql)
+    assert [(r["window_end"], r["model"], r["model_version"], r["verdict"]) for r in found] == [
+        (second(now - timedelta(minutes=30)), "demo-small", "v1", "data_quality"),
+        (second(now - timedelta(hours=1)), "demo-gpt", "v1", "drift"),
+        (second(now - timedelta(hours=1)), "demo-gpt", "v2", "reference"),
+        (second(now - timedelta(hours=2)), "demo-gpt", "v1", "no_drift"),
+        (second(now - timedelta(hours=3)), "demo-gpt", "v1", "reference"),
+    ]
+    drift = found[1]
+    assert drift["window_start"] == second(now - timedelta(hours=2))
+    assert (drift["requests"], drift["n_reference"], drift["n_current"]) == (812, 500, 500)
+    assert drift["drifted_features"] == "prompt_tokens, prompt_language"
+
+
+@pytest.mark.integration
+def test_dashboard_drift_sql(warehouse: Client) -> None:
+    now = now_ms()
+    insert_drift_reports(warehouse, a_day_of_drift(now))
+    sql = dashboard_sql(15)
+    status = rows(warehouse, sql.drift_status)
+    assert [(r["model"], r["model_version"], r["verdict"]) for r in status] == [
+        ("demo-gpt", "v1", "drift"),
+        ("demo-gpt", "v2", "reference"),
+        ("demo-small", "v1", "data_quality"),
+    ]
+    drift = status[0]
+    assert drift == {
+        "model": "demo-gpt",
+        "model_version": "v1",
+        "window_start": second(now - timedelta(hours=2)),
+        "window_end": second(now - timedelta(hours=1)),
+        "verdict": "drift",
+        "share_drifted": pytest.approx(2 / 3),
+        "requests": 812,
+        "n_reference": 500,
+        "n_current": 500,
+        "drifted_features": ["prompt_tokens", "prompt_language"],
+        "quality": ["embedding: not sampled (0 of 412 requests; reference 5.1%)"],
+    }
+    # Not bound to the dashboard's 15 minutes: the last windows of each model version, oldest first.
+    history = rows(warehouse, sql.drift_history)
+    assert [(r["model"], r["model_version"], r["verdict"]) for r in history] == [
+        ("demo-gpt", "v1", "reference"),
+        ("demo-gpt", "v1", "no_drift"),
+        ("demo-gpt", "v1", "drift"),
+        ("demo-gpt", "v2", "reference"),
+        ("demo-small", "v1", "no_drift"),
+        ("demo-small", "v1", "data_quality"),
+    ]
+    assert (history[2]["features_drifted"], history[2]["features_tested"]) == (2, 3)
+    assert history[2]["window_end"] == second(now - timedelta(hours=1))
+
+
+@pytest.mark.integration
+def test_dashboard_drift_history_is_bounded(warehouse: Client) -> None:
+    now = now_ms()
+    windows = DRIFT_HISTORY_WINDOWS + 5
+    insert_drift_reports(
+        warehouse, [drift_report(window_end=now - timedelta(hours=i)) for i in range(windows)]
+    )
+    history = rows(warehouse, dashboard_sql(60).drift_history)
+    assert len(history) == DRIFT_HISTORY_WINDOWS
+    assert history[0]["window_end"] == second(now - timedelta(hours=DRIFT_HISTORY_WINDOWS - 1))
+    assert history[-1]["window_end"] == second(now)
