@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -55,6 +55,12 @@ audit_app = typer.Typer(
     no_args_is_help=True,
 )
 app.add_typer(audit_app, name="audit")
+drift_app = typer.Typer(
+    help="Drift detection: per model version and window, evidently tests of request features against a "
+    "reference window (docs/drift.md).",
+    no_args_is_help=True,
+)
+app.add_typer(drift_app, name="drift")
 
 
 def settings() -> PlatformSettings:
@@ -325,12 +331,24 @@ def slo_rules(
     """Generate Prometheus recording and alerting rules (YAML) for the SLOs and the Kafka alerts.
 
     Pages when the 1h and 5m burn rates exceed 14.4x or 6h and 30m exceed 6x; tickets at 1d/2h 3x, 3d/6h 1x.
+    Drift tickets: a drift verdict persisting, a broken feature pipeline, reports gone stale
+    (SLUICE_DRIFT_WINDOW_S, when set, gives the window length).
 
     Point Prometheus' rule_files at the output (example: infra/prometheus/prometheus.yml, docs/slo.md).
     """
-    from monitoring.slo import render_rules
+    import os
 
-    text = render_rules(_slo_config(config), source=str(config) if config else "the built-in defaults")
+    from monitoring.slo import render_rules
+    from schemas.settings import load_settings
+    from streams.settings import StreamsSettings
+
+    # The drift window the streams worker runs with, when set, wins over the config's [alerts.drift].
+    window = load_settings(StreamsSettings).drift_window_s if "SLUICE_DRIFT_WINDOW_S" in os.environ else None
+    text = render_rules(
+        _slo_config(config),
+        source=str(config) if config else "the built-in defaults",
+        drift_window_s=window,
+    )
     if out_file is None:
         sys.stdout.write(text)
         return
@@ -413,7 +431,7 @@ def _warehouse_failure(exc: Exception) -> typer.Exit:
     """A warehouse error as one line, exit code 2."""
     message = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
     if "UNKNOWN_TABLE" in message:
-        message = "the warehouse has no audit_log table yet: run `sluice warehouse migrate` or `sluice up`"
+        message = "the warehouse is missing a table: run `sluice warehouse migrate` or `sluice up`"
     return fail(message, 2)
 
 
@@ -566,6 +584,136 @@ def replay(
     raise typer.Exit(run_replay(settings(), console, data_dir))
 
 
+# ---------------------------------------------------------------- drift
+
+
+@drift_app.command("status")
+def drift_status(
+    model: Annotated[str | None, typer.Option("--model", "-m", help="only this model")] = None,
+) -> None:
+    """The latest verdict per model, version and scope ('*' = all tenants): drift, no_drift, reference,
+    insufficient_data or data_quality, with the drifted features and data-quality findings."""
+    from infra.warehouse import WarehouseError, query_warehouse
+    from streams.queries import SAVED
+
+    try:
+        result = query_warehouse(settings(), SAVED["drift-status"].sql)
+    except WarehouseError as exc:
+        raise _warehouse_failure(exc) from None
+    rows = [dict(zip(result.columns, row, strict=True)) for row in result.rows]
+    rows = [r for r in rows if model is None or r["model"] == model]
+    if not rows:
+        out.print("no drift reports yet" + (f" for {model}" if model else "") + " (see docs/drift.md)")
+        return
+    colour = {"drift": "red", "data_quality": "yellow", "insufficient_data": "dim"}
+    table = Table(*result.columns, title="drift: latest verdict per model, version and scope")
+    for row in rows:
+        cells = [_cell(row[c]) for c in result.columns]
+        style = colour.get(str(row.get("verdict")), "green")
+        table.add_row(*cells, style=style)
+    out.print(table)
+
+
+def _cell(value: object) -> str:
+    if isinstance(value, list):
+        return ", ".join(str(v) for v in value) or "-"
+    return str(value)
+
+
+@drift_app.command("report")
+def drift_report(
+    model: Annotated[str, typer.Argument(help="the model id, e.g. demo-gpt")],
+    version: Annotated[
+        str | None, typer.Option("--version", help="model version (default: newest report)")
+    ] = None,
+    tenant: Annotated[str, typer.Option("--tenant", help="a tenant's own report; '*' = all tenants")] = "*",
+    window: Annotated[
+        str | None, typer.Option("--window", help="window start, ISO 8601 UTC (default: the latest window)")
+    ] = None,
+    html: Annotated[
+        Path | None, typer.Option("--html", help="write evidently's HTML report for that window here")
+    ] = None,
+    no_embeddings: Annotated[
+        bool, typer.Option("--no-embeddings", help="leave the embedding widgets out of the HTML (faster)")
+    ] = False,
+) -> None:
+    """Show one drift report (the latest by default) feature by feature; with --html, sample the same
+    reference and current windows again from the warehouse and write evidently's report."""
+    import asyncio
+    from datetime import UTC, datetime
+
+    from rich.markup import escape
+
+    from infra.warehouse import WarehouseError, query_warehouse
+    from schemas.settings import load_settings
+    from streams.drift import StoredReport, latest_report_sql, recompute_html
+    from streams.settings import StreamsSettings
+
+    start = None
+    if window is not None:
+        try:
+            start = datetime.fromisoformat(window)
+        except ValueError:
+            raise fail(f"--window {window!r} is not an ISO 8601 time", 2) from None
+        start = start if start.tzinfo is not None else start.replace(tzinfo=UTC)
+    platform = settings()
+
+    def rows(sql: str) -> list[dict[str, Any]]:
+        result = query_warehouse(platform, sql, max_rows=100_000)
+        return [dict(zip(result.columns, row, strict=True)) for row in result.rows]
+
+    try:
+        found = rows(latest_report_sql(model, version, tenant, start))
+    except WarehouseError as exc:
+        raise _warehouse_failure(exc) from None
+    if not found:
+        raise fail(f"no drift report for {model} (scope {tenant}); `sluice drift status` lists them", 1)
+    report = StoredReport.of(found[0])
+    reference = (
+        f"{report.reference.start:%Y-%m-%d %H:%M:%S} - {report.reference.end:%H:%M:%S}"
+        if report.reference is not None
+        else "none yet"
+    )
+    out.print(
+        f"[bold]{escape(model)}[/] {escape(report.key.model_version)} scope {escape(tenant)}: window "
+        f"{report.window.start:%Y-%m-%d %H:%M:%S} - {report.window.end:%H:%M:%S} UTC, reference {reference}: "
+        f"[bold]{report.verdict}[/] ({report.requests} requests, sampled {report.n_reference} vs "
+        f"{report.n_current}, alpha {report.alpha})"
+    )
+    table = Table("feature", "kind", "test", "statistic", "threshold", "drifted", "missing")
+    for feature in report.features:
+        table.add_row(
+            feature.name,
+            feature.kind,
+            feature.method,
+            f"{feature.statistic:.4g}",
+            f"{feature.threshold:.4g}",
+            "[red]yes[/]" if feature.drifted else "no",
+            f"{feature.null_share:.0%}",
+        )
+    if report.features:
+        out.print(table)
+    for finding in report.quality:
+        out.print(f"[yellow]data quality:[/] {escape(finding)}")
+    if html is None:
+        return
+
+    async def query(sql: str) -> list[dict[str, Any]]:
+        return await asyncio.to_thread(rows, sql)
+
+    with console.status("sampling the windows again and running evidently…"):
+        try:
+            made = asyncio.run(
+                recompute_html(query, report, load_settings(StreamsSettings), embeddings=not no_embeddings)
+            )
+        except (WarehouseError, ValueError) as exc:
+            raise fail(str(exc)) from None
+    html.write_text(made.html, encoding="utf-8")
+    out.print(
+        f"wrote {html} (evidently report: {made.n_reference} reference vs {made.n_current} current rows)"
+    )
+
+
 # ---------------------------------------------------------------- settings and up
 
 
@@ -582,12 +730,19 @@ def show_settings() -> None:
 
 
 @app.command("up")
-def up() -> None:
+def up(
+    port: Annotated[
+        int | None,
+        typer.Option(
+            "--port", "-p", min=0, max=65535, help="the edge's port (default SLUICE_EDGE_PORT, 8080)"
+        ),
+    ] = None,
+) -> None:
     """Run the platform on embedded defaults until Ctrl-C: Kafka, topics, the streams worker (warehouse,
-    dashboard), models, one worker per model, and the edge."""
+    dashboard, drift monitor), models, one worker per model, and the edge."""
     from sluice.up import run_platform
 
-    raise typer.Exit(run_platform(settings(), out, console))
+    raise typer.Exit(run_platform(settings(), out, console, port))
 
 
 def main() -> None:

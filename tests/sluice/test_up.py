@@ -93,22 +93,24 @@ def _check_ops(edge: str, worker_port: int) -> None:
 def test_up_serves_kafka_topics_and_warehouse_then_stops_on_sigint(tmp_path: Path) -> None:
     env = _env(tmp_path)
     port = int(env["SLUICE_KAFKA_PORT"])
+    edge_port = env.pop("SLUICE_EDGE_PORT")  # the README's `sluice up --port N` instead
     with subprocess.Popen(
-        [sys.executable, "-m", "sluice", "up"],
+        [sys.executable, "-m", "sluice", "up", "--port", edge_port],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     ) as proc:
-        _drive(proc, env, port)
+        _drive(proc, env, port, edge_port=int(edge_port))
     assert not port_open(port), "the broker sluice up started must stop with it"
     assert not (tmp_path / "data" / "warehouse" / ".owner.json").exists()
 
 
-def _drive(proc: subprocess.Popen[str], env: dict[str, str], port: int) -> None:
+def _drive(proc: subprocess.Popen[str], env: dict[str, str], port: int, edge_port: int) -> None:
     try:
         lines = _wait_for_line(proc, "sluicegate is up", timeout=240)
         url = lines[-1].split()[3]  # "sluicegate is up  http://127.0.0.1:PORT/v1   API key: ..."
+        assert url == f"http://127.0.0.1:{edge_port}/v1"
         completion = _post(
             f"{url}/completions", {"model": "demo-gpt", "prompt": "The river", "max_tokens": 4}
         )
