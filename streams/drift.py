@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     import numpy as np
     import numpy.typing as npt
     import pandas as pd
+
     from drift.evaluate import DriftConfig
 
 log = logging.getLogger(__name__)

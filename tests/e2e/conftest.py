@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -122,14 +123,15 @@ def shared_models_root_e2e(platform_settings: PlatformSettings) -> Path:
     return models_root(platform_settings.cache_dir)
 
 
-@pytest.fixture(scope="module")
-def workers(e2e_settings: PlatformSettings, prepared_models: None) -> Iterator[list[WorkerService]]:
+@contextlib.contextmanager
+def running_workers(
+    settings: PlatformSettings, worker_settings: Callable[[str], WorkerSettings]
+) -> Iterator[list[WorkerService]]:
+    """One in-process worker per model, assigned their partitions; stopped afterwards."""
     started: list[WorkerService] = []
     try:
         for model in MODELS:
-            worker = make_worker(
-                e2e_settings, WorkerSettings(worker_id=f"e2e-{model}", worker_flush_tokens=4), model
-            )
+            worker = make_worker(settings, worker_settings(model), model)
             worker.start()
             started.append(worker)
         for worker in started:
@@ -138,6 +140,14 @@ def workers(e2e_settings: PlatformSettings, prepared_models: None) -> Iterator[l
     finally:
         for worker in reversed(started):
             worker.stop()
+
+
+@pytest.fixture(scope="module")
+def workers(e2e_settings: PlatformSettings, prepared_models: None) -> Iterator[list[WorkerService]]:
+    with running_workers(
+        e2e_settings, lambda model: WorkerSettings(worker_id=f"e2e-{model}", worker_flush_tokens=4)
+    ) as started:
+        yield started
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -19,15 +18,13 @@ from typing import Any
 import aiohttp
 import pytest
 
-from gpu_workers.main import make_worker
 from gpu_workers.service import WorkerService
 from gpu_workers.settings import WorkerSettings
-from infra.kafka.broker import free_port
 from ingest.auth import DEMO_KEY
 from schemas.events import DriftReport
 from schemas.settings import PlatformSettings
-from tests.e2e.conftest import GPT, MODELS, Platform, TopicLog
-from tests.e2e.test_streams import ROOT, Streams, _sluice, _wait_rows
+from tests.e2e.conftest import GPT, Platform, TopicLog, running_workers
+from tests.e2e.test_streams import ROOT, Streams, _sluice, _wait_rows, running_streams
 
 pytestmark = pytest.mark.integration
 AUTH = {"Authorization": f"Bearer {DEMO_KEY}"}
@@ -56,45 +53,25 @@ GERMAN = [
 @pytest.fixture(scope="module")
 def workers(e2e_settings: PlatformSettings, prepared_models: None) -> Iterator[list[WorkerService]]:
     """demo-gpt and MiniLM, every prompt embedded for drift (1 in 1), so the MMD test has samples."""
-    started: list[WorkerService] = []
-    try:
-        for model in MODELS:
-            worker = make_worker(
-                e2e_settings,
-                WorkerSettings(worker_id=f"drift-{model}", worker_flush_tokens=4, drift_sample=1),
-                model,
-            )
-            worker.start()
-            started.append(worker)
-        for worker in started:
-            assert worker.wait_assigned(30)
+    with running_workers(
+        e2e_settings,
+        lambda model: WorkerSettings(worker_id=f"drift-{model}", worker_flush_tokens=4, drift_sample=1),
+    ) as started:
         yield started
-    finally:
-        for worker in reversed(started):
-            worker.stop()
 
 
 @pytest.fixture(scope="module")
 def streams(e2e_settings: PlatformSettings, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Streams]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_") or k == "SLUICE_CACHE_DIR"}
-    env.update(
-        SLUICE_KAFKA_BOOTSTRAP=e2e_settings.bootstrap,
-        SLUICE_TOPIC_PREFIX=e2e_settings.topic_prefix,
-        SLUICE_DATA_DIR=str(tmp_path_factory.mktemp("drift") / "data"),
-        SLUICE_STREAMS_BATCH_MS="100",
+    with running_streams(
+        e2e_settings,
+        tmp_path_factory.mktemp("drift") / "data",
         SLUICE_DRIFT_WINDOW_S=str(WINDOW_S),
         SLUICE_DRIFT_LATENESS_S="1.5",
         SLUICE_DRIFT_INTERVAL_S="0.5",
         SLUICE_DRIFT_MIN_SAMPLES="30",
         SLUICE_DRIFT_MAX_TENANTS="0",
-    )
-    running = Streams(env=env, port=free_port())
-    running.env["SLUICE_STREAMS_PORT"] = str(running.port)
-    running.start()
-    try:
+    ) as running:
         yield running
-    finally:
-        running.stop()
 
 
 @pytest.fixture(scope="module")

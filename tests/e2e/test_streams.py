@@ -7,6 +7,7 @@ traces (exported over OTLP/HTTP to a receiver in this test)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -155,25 +156,36 @@ async def otlp() -> AsyncIterator[OtlpReceiver]:
     await receiver.stop()
 
 
-@pytest.fixture(scope="module")
-def streams(
-    e2e_settings: PlatformSettings, tmp_path_factory: pytest.TempPathFactory, otlp: OtlpReceiver
-) -> Iterator[Streams]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_") or k == "SLUICE_CACHE_DIR"}
-    env.update(
-        SLUICE_KAFKA_BOOTSTRAP=e2e_settings.bootstrap,
-        SLUICE_TOPIC_PREFIX=e2e_settings.topic_prefix,
-        SLUICE_DATA_DIR=str(tmp_path_factory.mktemp("streams") / "data"),
+@contextlib.contextmanager
+def running_streams(settings: PlatformSettings, data_dir: Path, **env: str) -> Iterator[Streams]:
+    """A real ``sluice streams`` process on its own data dir and a free port, stopped afterwards."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_") or k == "SLUICE_CACHE_DIR"}
+    base.update(
+        SLUICE_KAFKA_BOOTSTRAP=settings.bootstrap,
+        SLUICE_TOPIC_PREFIX=settings.topic_prefix,
+        SLUICE_DATA_DIR=str(data_dir),
         SLUICE_STREAMS_BATCH_MS="100",
-        SLUICE_OTLP_ENDPOINT=f"http://127.0.0.1:{otlp.port}/v1/traces",
+        **env,
     )
-    running = Streams(env=env, port=free_port())
+    running = Streams(env=base, port=free_port())
     running.env["SLUICE_STREAMS_PORT"] = str(running.port)
     running.start()
     try:
         yield running
     finally:
         running.stop()
+
+
+@pytest.fixture(scope="module")
+def streams(
+    e2e_settings: PlatformSettings, tmp_path_factory: pytest.TempPathFactory, otlp: OtlpReceiver
+) -> Iterator[Streams]:
+    with running_streams(
+        e2e_settings,
+        tmp_path_factory.mktemp("streams") / "data",
+        SLUICE_OTLP_ENDPOINT=f"http://127.0.0.1:{otlp.port}/v1/traces",
+    ) as running:
+        yield running
 
 
 @dataclass

@@ -36,6 +36,7 @@ from schemas.events import (
 )
 from schemas.ids import uuid7_from_parts
 from schemas.settings import PlatformSettings
+from streams.drift import REPORT_COLUMNS, report_row
 from streams.facts import FACT_COLUMNS, fact_row
 from streams.pricing import PriceTable
 from streams.queries import (
@@ -176,76 +177,9 @@ def drift_report(
     )
 
 
-DRIFT_COLUMNS = (
-    "report_id",
-    "time",
-    "model",
-    "model_version",
-    "scope",
-    "window_start",
-    "window_end",
-    "reference_start",
-    "reference_end",
-    "verdict",
-    "drifted",
-    "share_drifted",
-    "requests",
-    "n_reference",
-    "n_current",
-    "alpha",
-    "method",
-    "feature_names",
-    "feature_kinds",
-    "feature_methods",
-    "feature_statistics",
-    "feature_thresholds",
-    "feature_p_values",
-    "feature_drifted",
-    "feature_null_share",
-    "quality",
-    "source",
-    "version",
-)
-
-
-def drift_row(report: DriftReport) -> list[Any]:
-    """The report's ``drift_reports`` row (its version: the event time in ms, as the migration says)."""
-    features = report.features
-    return [
-        report.id,
-        report.time,
-        report.model,
-        report.model_version,
-        report.tenant,
-        report.window_start,
-        report.window_end,
-        report.reference_start,
-        report.reference_end,
-        report.effective_verdict,
-        report.drifted,
-        report.share_drifted,
-        report.requests,
-        report.n_reference,
-        report.n_current,
-        report.alpha,
-        report.method,
-        [f.name for f in features],
-        [f.kind for f in features],
-        [f.method for f in features],
-        [f.statistic for f in features],
-        [f.threshold for f in features],
-        [f.p_value for f in features],
-        [f.drifted for f in features],
-        [f.null_share for f in features],
-        list(report.quality),
-        report.source,
-        int(report.time.timestamp() * 1000),
-    ]
-
-
 def insert_drift_reports(client: Client, reports: Iterable[DriftReport]) -> None:
     """One insert (so one part: FINAL, not a background merge, is what collapses duplicates in it)."""
-    client.insert("drift_reports", [drift_row(r) for r in reports], column_names=list(DRIFT_COLUMNS))
+    client.insert("drift_reports", [report_row(r) for r in reports], column_names=list(REPORT_COLUMNS))
 
 
 @contextlib.contextmanager
@@ -366,7 +300,7 @@ def test_every_saved_query_runs_on_an_empty_warehouse(warehouse: Client) -> None
 @pytest.mark.integration
 def test_drift_rows_have_the_migrations_columns(warehouse: Client) -> None:
     described = rows(warehouse, "DESCRIBE TABLE drift_reports")
-    assert [r["name"] for r in described] == list(DRIFT_COLUMNS)
+    assert [r["name"] for r in described] == list(REPORT_COLUMNS)
 
 
 @pytest.mark.integration
