@@ -11,7 +11,7 @@ from typing import Any
 from confluent_kafka import KafkaError, Message, Producer
 
 from bus.errors import BusError
-from schemas.codec import encode, headers, kafka_key
+from schemas.codec import MAX_RECORD_BYTES, encode, headers, kafka_key
 from schemas.events import Event
 
 Delivered = tuple[int, int]
@@ -33,6 +33,7 @@ def producer_config(bootstrap: str, client_id: str, **overrides: Any) -> dict[st
         "compression.type": "none",
         "socket.nagle.disable": True,  # small records on loopback: Nagle + delayed ACK cost ~40 ms
         "message.timeout.ms": 30_000,
+        "message.max.bytes": MAX_RECORD_BYTES,
     }
     config.update(overrides)
     return config

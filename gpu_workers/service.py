@@ -30,18 +30,19 @@ from opentelemetry.trace import Status, StatusCode
 
 from bus.consumer import TP, ConsumerThread, consumer_config, decode_or_dead_letter, watermarks
 from bus.errors import BusError
-from bus.producer import EventProducer
+from bus.producer import DeliveryCallback, EventProducer
 from gpu_workers.features import FeatureProbe
 from gpu_workers.observe import RequestTrace, RunnerLoad, WorkerObserver, open_trace
 from gpu_workers.offsets import OffsetTracker
 from monitoring import tracing
 from monitoring.ops import Readiness
-from schemas.codec import DecodeError, decode
+from schemas.codec import DecodeError, decode, encode
 from schemas.events import (
     CancelRequested,
     EmbeddingRequested,
     ErrorInfo,
     GenerationRequested,
+    ReplyTo,
     RequestFinished,
     TokenChunk,
     Usage,
@@ -405,9 +406,41 @@ class WorkerService:
                     if span is not None:
                         span.end()
 
+        try:
+            self._produce_terminal(reply, result, durable)
+        except BusError as exc:  # e.g. a result larger than a record may be: end the request, not the worker
+            log.exception("terminal event of %s cannot be published; it ends failed instead", request_id)
+            if span is not None:
+                span.set_status(Status(StatusCode.ERROR, str(exc)))
+            self._produce_terminal(reply, unpublishable(result, exc), durable)
+
+    def _produce_terminal(
+        self, reply: ReplyTo | None, result: RequestFinished, durable: DeliveryCallback
+    ) -> None:
+        """The terminal event to the client's reply partition (first: if it cannot be produced, nothing
+        was) and to the results topic."""
         if reply is not None:
             self._producer.produce(reply.topic, result, partition=reply.partition, on_delivery=durable)
         self._producer.produce(self._names.results, result, on_delivery=durable)
+
+
+def unpublishable(result: RequestFinished, exc: BusError) -> RequestFinished:
+    """The ``failed`` terminal event that replaces one the log refused (too large, most likely): no
+    text, no vectors, nothing billed; the message says how large the result was and what to do."""
+    size = len(encode(result))
+    return msgspec.structs.replace(
+        result,
+        status="failed",
+        finish_reason="error",
+        text=None,
+        embeddings=None,
+        usage=Usage(prompt_tokens=0, completion_tokens=0, total_tokens=0),
+        error=ErrorInfo(
+            code="result_too_large",
+            message=f"the result ({size:,} bytes) could not be published ({exc}); ask for fewer inputs or "
+            "tokens per request",
+        ),
+    )
 
 
 class _KafkaEmitter:

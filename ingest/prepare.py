@@ -20,6 +20,7 @@ from ingest.errors import InvalidRequest, ModelNotFound
 from ingest.models import ModelCatalogue, ServedModel
 from ingest.openai import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, PromptInput, decode_body
 from ingest.settings import EdgeSettings
+from schemas.codec import FLOAT_JSON_BYTES, MAX_RECORD_BYTES
 from schemas.events import EmbeddingRequested, Endpoint, GenerationRequested, ReplyTo, SamplingParams, utc_now
 from schemas.ids import uuid7, uuid7_unix_ms
 
@@ -30,6 +31,17 @@ ENDPOINTS: dict[Kind, Endpoint] = {
     "embedding": "/v1/embeddings",
 }
 MAX_EMBEDDING_INPUTS = 2048
+RESULT_ENVELOPE_BYTES = 16_384
+"""Room in a terminal event for everything but its vectors (ids, usage, timings, features)."""
+
+
+def embedding_inputs_that_fit(dim: int | None) -> int:
+    """How many ``dim``-dimensional vectors a terminal event can carry within one log record."""
+    if not dim:
+        return MAX_EMBEDDING_INPUTS
+    return max(1, (MAX_RECORD_BYTES - RESULT_ENVELOPE_BYTES) // (dim * FLOAT_JSON_BYTES + 2))
+
+
 # Bodies bigger than this are tokenised in a worker thread, off the event loop.
 _INLINE_TOKENISE_BYTES = 64 * 1024
 
@@ -267,6 +279,14 @@ class Preparer:
         texts, inputs = _split_input(body.input, "input")
         if len(texts) + len(inputs) > MAX_EMBEDDING_INPUTS:
             raise InvalidRequest(f"At most {MAX_EMBEDDING_INPUTS} inputs per request.", param="input")
+        fit = embedding_inputs_that_fit(model.manifest.embedding_dim)
+        if len(texts) + len(inputs) > fit:
+            raise InvalidRequest(
+                f"At most {fit} inputs per request for {model.model_id}: the result, {fit} vectors of "
+                f"{model.manifest.embedding_dim} floats, must fit one {MAX_RECORD_BYTES:,}-byte record "
+                "of the event log. Split the inputs over several requests.",
+                param="input",
+            )
         if any(not text for text in texts) or any(not ids for ids in inputs):
             raise InvalidRequest("Inputs must not be empty.", param="input")
         if texts:

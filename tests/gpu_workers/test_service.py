@@ -290,3 +290,48 @@ async def test_embeddings_are_batched_and_returned(
             assert all(len(v) == manifest.embedding_dim for v in finished.embeddings)
             assert abs(sum(x * x for x in finished.embeddings[0]) - 1.0) < 1e-4
             assert finished.usage.prompt_tokens == 7
+
+
+async def test_a_result_too_large_for_the_log_fails_that_request_and_the_worker_keeps_serving(
+    names: TopicNames,
+    platform: PlatformSettings,
+    producer: EventProducer,
+    replies: Log,
+    shared_models_root: Path,
+    minilm_source: Path,
+) -> None:
+    """Poison pill: 200 inputs make a terminal event of ~1.5 MB, over the producer's 1 MB record limit.
+    Before, the publish error killed the model thread (and the redelivered request killed the restarted
+    worker again); now that request fails with a reason and the next one is served."""
+    from gpu_workers.models import MINILM_ID, prepare_hf_dir
+
+    prepare_hf_dir(MINILM_ID, minilm_source, shared_models_root, task="embedding")
+    manifest = read_manifest(shared_models_root / MINILM_ID / "current")
+    worker = make_worker(platform, WorkerSettings(worker_id="big", drift_sample=0), MINILM_ID)
+    with worker:
+        assert worker.wait_assigned(30)
+
+        def request(inputs: int) -> EmbeddingRequested:
+            return EmbeddingRequested(
+                tenant="acme",
+                model=MINILM_ID,
+                request_id=uuid7(),
+                source="test",
+                model_version=manifest.version,
+                inputs=[[101, 7592 + i % 50, 2088, 102] for i in range(inputs)],
+                reply=ReplyTo(topic=names.replies, partition=0, edge_id="e1"),
+            )
+
+        big, small = request(200), request(1)
+        await producer.publish(names.requests(MINILM_ID), big)
+        await producer.publish(names.requests(MINILM_ID), small)
+        failed = replies.finished(big.request_id)
+        assert failed.status == "failed"
+        assert failed.error is not None
+        assert failed.error.code == "result_too_large"
+        assert "bytes" in failed.error.message
+        assert failed.embeddings is None
+        assert failed.usage.total_tokens == 0, "nothing is billed for a result nobody got"
+        served = replies.finished(small.request_id)
+        assert served.status == "completed"
+        assert worker.failure is None

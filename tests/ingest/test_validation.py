@@ -336,3 +336,33 @@ async def test_big_bodies_are_tokenised_off_the_loop_and_still_checked(
     assert response.status == 400
     assert (await response.json())["error"]["code"] == "context_length_exceeded"
     assert gateway.submitted == []
+
+
+async def test_embeddings_whose_result_cannot_fit_one_record_are_refused_naming_the_limit(
+    client: Client, gateway: FakeGateway, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before, such a request ran and its terminal event killed the worker (too large to publish)."""
+    import ingest.prepare
+    from schemas.codec import FLOAT_JSON_BYTES
+
+    per_vector = 3 * FLOAT_JSON_BYTES + 2
+    monkeypatch.setattr(
+        ingest.prepare, "MAX_RECORD_BYTES", ingest.prepare.RESULT_ENVELOPE_BYTES + 10 * per_vector
+    )
+    assert ingest.prepare.embedding_inputs_that_fit(3) == 10
+    fits = await client.post(EMBEDDINGS, json={"model": EMB, "input": ["fox"] * 10}, headers=AUTH)
+    assert fits.status == 200, await fits.text()
+    response = await client.post(EMBEDDINGS, json={"model": EMB, "input": ["fox"] * 11}, headers=AUTH)
+    assert response.status == 400
+    error = (await response.json())["error"]
+    assert error["param"] == "input"
+    assert "At most 10 inputs" in error["message"]
+    assert "record" in error["message"]
+    assert len(gateway.submitted) == 1, "the refused request is never published"
+
+
+def test_a_minilm_result_fits_up_to_106_inputs() -> None:
+    from ingest.prepare import embedding_inputs_that_fit
+
+    assert embedding_inputs_that_fit(384) == 106
+    assert embedding_inputs_that_fit(None) == 2048
