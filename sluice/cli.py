@@ -408,6 +408,25 @@ def slo_show(config: SloConfigOption = None) -> None:
     alerts.add_row(
         "SluiceDeadLetters", dead.severity, f"{dead.window_minutes}m", "any record dead-lettered", ""
     )
+    drift = cfg.alerts.drift
+    window = f"{drift.window_s:g} s drift windows"
+    alerts.add_row(
+        "SluiceDriftDetected", drift.severity, window, f"{drift.drift_windows} windows in a row say drift", ""
+    )
+    alerts.add_row(
+        "SluiceDriftFeaturePipeline",
+        drift.severity,
+        f"{drift.for_minutes}m",
+        "any data-quality finding (features missing, out of range)",
+        "",
+    )
+    alerts.add_row(
+        "SluiceDriftReportsStale",
+        drift.severity,
+        window,
+        f"no report for {drift.stale_after_windows} windows while serving",
+        "",
+    )
     out.print(alerts)
 
 

@@ -448,6 +448,9 @@ def test_cli_show_lists_tiers_and_alerts() -> None:
         "3h 36m",
         "SluiceErrorBudgetBurn1h",
         "14.4",
+        "SluiceDriftDetected",
+        "SluiceDriftFeaturePipeline",
+        "SluiceDriftReportsStale",
     ):
         assert text in result.stdout
 
