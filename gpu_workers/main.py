@@ -107,7 +107,12 @@ def probe_factory(
             return FeatureProbe(worker.drift_sample)
         from gpu_workers.features import minilm_embedder
 
-        return FeatureProbe(worker.drift_sample, minilm_embedder(embedder_dir, worker.worker_device))
+        try:
+            embed = minilm_embedder(embedder_dir, worker.worker_device)
+        except Exception:  # optional: a worker serves without prompt embeddings rather than not at all
+            log.exception("no prompt embeddings for drift: loading %s failed", embedder_id)
+            return FeatureProbe(worker.drift_sample)
+        return FeatureProbe(worker.drift_sample, embed)
 
     return build
 

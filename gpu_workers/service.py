@@ -30,19 +30,18 @@ from opentelemetry.trace import Status, StatusCode
 
 from bus.consumer import TP, ConsumerThread, consumer_config, decode_or_dead_letter, watermarks
 from bus.errors import BusError
-from bus.producer import DeliveryCallback, EventProducer
+from bus.producer import EventProducer
 from gpu_workers.features import FeatureProbe
 from gpu_workers.observe import RequestTrace, RunnerLoad, WorkerObserver, open_trace
 from gpu_workers.offsets import OffsetTracker
 from monitoring import tracing
 from monitoring.ops import Readiness
-from schemas.codec import DecodeError, decode, encode
+from schemas.codec import MAX_RECORD_BYTES, DecodeError, decode, encode
 from schemas.events import (
     CancelRequested,
     EmbeddingRequested,
     ErrorInfo,
     GenerationRequested,
-    ReplyTo,
     RequestFinished,
     TokenChunk,
     Usage,
@@ -103,6 +102,13 @@ class _Durable:
 
 
 @dataclass(frozen=True)
+class _Undelivered:
+    """A terminal event Kafka did not take: its request is not finished, and runs again if redelivered."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
 class _Skip:
     tp: TP
     offset: int
@@ -142,8 +148,12 @@ class WorkerService:
         self._probe: FeatureProbe | None = None
         self._inbox: queue.Queue[_Inbox] = queue.Queue(maxsize=inbox_size)
         # Unbounded but holds at most one entry per request in flight; filled by the producer's thread.
-        self._durable: queue.SimpleQueue[_Durable] = queue.SimpleQueue()
+        self._durable: queue.SimpleQueue[_Durable | _Undelivered] = queue.SimpleQueue()
         self._finished: OrderedDict[str, None] = OrderedDict()
+        self._live: set[str] = set()
+        """Requests handed to the runner and not yet ended (model thread only)."""
+        self._early_cancels: OrderedDict[str, float] = OrderedDict()
+        """Cancels that arrived before their request (another consumer thread): id -> when, bounded."""
         self._remember = remember_finished
         self._offsets = OffsetTracker()
         self._offsets_lock = threading.Lock()  # the model thread and the consumer's revoke callback
@@ -340,13 +350,37 @@ class WorkerService:
                         with self._offsets_lock:
                             self._offsets.done(item.tp, item.offset)
                     else:
+                        request_id = item.event.request_id
+                        self._live.add(request_id)
                         runner.accept(item, emit)
+                        if self._early_cancels.pop(request_id, None) is not None:
+                            runner.cancel(request_id, emit)  # cancelled before it arrived: never runs
                 case _Cancel():
-                    runner.cancel(item.request_id, emit)
+                    if item.request_id in self._live:
+                        runner.cancel(item.request_id, emit)
+                    elif item.request_id not in self._finished:
+                        self._remember_early_cancel(item.request_id)
                 case _Skip():
                     with self._offsets_lock:
                         self._offsets.started(item.tp, item.offset)
                         self._offsets.done(item.tp, item.offset)
+
+    EARLY_CANCEL_TTL_S = 120.0
+    EARLY_CANCELS = 10_000
+
+    def _remember_early_cancel(self, request_id: str) -> None:
+        now = time.monotonic()
+        self._early_cancels[request_id] = now
+        while self._early_cancels and (
+            len(self._early_cancels) > self.EARLY_CANCELS
+            or next(iter(self._early_cancels.values())) < now - self.EARLY_CANCEL_TTL_S
+        ):
+            self._early_cancels.popitem(last=False)
+
+    @property
+    def early_cancels(self) -> int:
+        """Cancels held for requests not seen yet (for tests and debugging)."""
+        return len(self._early_cancels)
 
     def _commit(self) -> None:
         with self._offsets_lock:
@@ -355,6 +389,9 @@ class WorkerService:
                     durable = self._durable.get_nowait()
                 except queue.Empty:
                     break
+                if isinstance(durable, _Undelivered):
+                    self._finished.pop(durable.request_id, None)  # a redelivery must run it again
+                    continue
                 self._offsets.done(durable.tp, durable.offset)
             offsets = self._offsets.committable()
             self._offsets.mark_committed(offsets)
@@ -374,6 +411,7 @@ class WorkerService:
         if request_id in self._finished:
             return  # exactly one terminal event per request
         self._remember_finished(request_id)
+        self._live.discard(request_id)
         reply = arrival.event.reply
         span, context = self._observer.finishing(
             arrival.event,
@@ -392,13 +430,19 @@ class WorkerService:
         remaining = [writes]
         lock = threading.Lock()
 
+        failed = [False]
+
         def durable(err: BusError | None, _where: tuple[int, int] | None) -> None:
             if err is not None:
                 log.error("terminal event of %s not durable: %s", request_id, err)
-                if span is not None:
-                    span.set_status(Status(StatusCode.ERROR, str(err)))
-                    span.end()
-                return  # not committed: redelivered and retried by the group
+                with lock:
+                    first_failure, failed[0] = not failed[0], True
+                if first_failure:
+                    self._durable.put(_Undelivered(request_id))
+                    if span is not None:
+                        span.set_status(Status(StatusCode.ERROR, str(err)))
+                        span.end()
+                return  # not committed: redelivered to the group, and then run again
             with lock:
                 remaining[0] -= 1
                 if remaining[0] == 0:
@@ -406,28 +450,28 @@ class WorkerService:
                     if span is not None:
                         span.end()
 
-        try:
-            self._produce_terminal(reply, result, durable)
-        except BusError as exc:  # e.g. a result larger than a record may be: end the request, not the worker
-            log.exception("terminal event of %s cannot be published; it ends failed instead", request_id)
+        size = len(encode(result))
+        if size > MAX_RECORD_BYTES - RECORD_HEADROOM_BYTES:
+            # Too large for one record: end the request failed, not the model thread (which the produce
+            # error used to kill, and again after every redelivery).
+            log.error(
+                "terminal event of %s is %d bytes, over the record limit; it ends failed", request_id, size
+            )
             if span is not None:
-                span.set_status(Status(StatusCode.ERROR, str(exc)))
-            self._produce_terminal(reply, unpublishable(result, exc), durable)
-
-    def _produce_terminal(
-        self, reply: ReplyTo | None, result: RequestFinished, durable: DeliveryCallback
-    ) -> None:
-        """The terminal event to the client's reply partition (first: if it cannot be produced, nothing
-        was) and to the results topic."""
+                span.set_status(Status(StatusCode.ERROR, "result_too_large"))
+            result = too_large(result, size)
         if reply is not None:
             self._producer.produce(reply.topic, result, partition=reply.partition, on_delivery=durable)
         self._producer.produce(self._names.results, result, on_delivery=durable)
 
 
-def unpublishable(result: RequestFinished, exc: BusError) -> RequestFinished:
-    """The ``failed`` terminal event that replaces one the log refused (too large, most likely): no
-    text, no vectors, nothing billed; the message says how large the result was and what to do."""
-    size = len(encode(result))
+RECORD_HEADROOM_BYTES = 4096
+"""Room under :data:`~schemas.codec.MAX_RECORD_BYTES` for the key, headers and record framing."""
+
+
+def too_large(result: RequestFinished, size: int) -> RequestFinished:
+    """The ``failed`` terminal event that replaces one too large for the log: no text, no vectors,
+    nothing billed; the message says how large the result was and what to do."""
     return msgspec.structs.replace(
         result,
         status="failed",
@@ -437,8 +481,8 @@ def unpublishable(result: RequestFinished, exc: BusError) -> RequestFinished:
         usage=Usage(prompt_tokens=0, completion_tokens=0, total_tokens=0),
         error=ErrorInfo(
             code="result_too_large",
-            message=f"the result ({size:,} bytes) could not be published ({exc}); ask for fewer inputs or "
-            "tokens per request",
+            message=f"the result ({size:,} bytes) does not fit one {MAX_RECORD_BYTES:,}-byte record of the "
+            "event log; ask for fewer inputs or tokens per request",
         ),
     )
 

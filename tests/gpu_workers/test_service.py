@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 from confluent_kafka import Consumer, Message, Producer, TopicPartition
@@ -335,3 +336,72 @@ async def test_a_result_too_large_for_the_log_fails_that_request_and_the_worker_
         served = replies.finished(small.request_id)
         assert served.status == "completed"
         assert worker.failure is None
+
+
+async def eventually(predicate: Callable[[], bool], within: float) -> None:
+    """Poll ``predicate`` without blocking the loop until it holds or ``within`` seconds pass."""
+    for _ in range(int(within / 0.02)):
+        if predicate():
+            return
+        await asyncio.sleep(0.02)
+
+
+async def test_a_cancel_that_arrives_before_its_request_still_cancels_it(
+    names: TopicNames, gpt_worker: WorkerService, producer: EventProducer, replies: Log
+) -> None:
+    """The cancel listener and the request consumer are separate threads: a cancel can win the race.
+    Before, it was dropped and the request ran to its end."""
+    request = _generation(
+        names, PROMPT, stream=True, sampling=SamplingParams(max_tokens=250, temperature=0.8, ignore_eos=True)
+    )
+    held = gpt_worker.early_cancels
+    await producer.publish(
+        names.cancels,
+        CancelRequested(
+            tenant="acme",
+            model="demo-gpt",
+            request_id=request.request_id,
+            source="test",
+            reason="client_cancel",
+        ),
+    )
+    await eventually(lambda: gpt_worker.early_cancels != held, within=20)
+    assert gpt_worker.early_cancels == held + 1, "the worker holds the cancel of a request it has not seen"
+    await producer.publish(names.requests("demo-gpt"), request)
+    finished = replies.finished(request.request_id)
+    assert finished.status == "cancelled"
+    assert finished.usage.completion_tokens == 0
+    assert [e for e in replies.of(request.request_id) if isinstance(e, TokenChunk)] == []
+    assert gpt_worker.early_cancels == held
+
+
+async def test_a_terminal_event_kafka_did_not_take_lets_a_redelivery_run_again(
+    names: TopicNames,
+    gpt_worker: WorkerService,
+    producer: EventProducer,
+    results: Log,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before, the request was marked finished when its terminal event was produced, so a redelivery
+    after a failed delivery was skipped as "already finished" and the request never ended."""
+    from bus.errors import BusError
+
+    worker_producer = gpt_worker._producer
+    real_produce = worker_producer.produce
+    dropped: list[str] = []
+
+    def flaky(topic: str, event: Event, **kwargs: Any) -> None:
+        if topic == names.results and isinstance(event, RequestFinished) and not dropped:
+            dropped.append(event.request_id)
+            kwargs["on_delivery"](BusError("broker went away"), None)  # delivery failed after retries
+            return
+        real_produce(topic, event, **kwargs)
+
+    monkeypatch.setattr(worker_producer, "produce", flaky)
+    request = _generation(names, PROMPT)
+    await producer.publish(names.requests("demo-gpt"), request)
+    await eventually(lambda: bool(dropped), within=30)
+    assert dropped == [request.request_id]  # reported on the model thread, handled in the same tick
+    await producer.publish(names.requests("demo-gpt"), request)  # what the group redelivers
+    finished = results.finished(request.request_id)
+    assert finished.status == "completed"
