@@ -43,7 +43,7 @@ from bus.consumer import dead_letter
 from bus.errors import BusError
 from bus.producer import DeliveryCallback, EventProducer
 from monitoring import metrics, tracing
-from schemas.codec import kafka_key
+from schemas.codec import decode, encode, kafka_key
 from schemas.events import (
     AuditEntry,
     BudgetStateChanged,
@@ -123,7 +123,13 @@ class StreamsApp:
         self._seeded = False
         if controller is not None:
             self.app.timer(settings.streams_control_interval_s, name="control")(self._control)
-        self.drift = DriftMonitor(settings, self._read, self._publish_report) if drift else None
+        self._last_batch_at: float | None = None
+        self._last_batch_full = False
+        self._stored_until_ms = 0
+        """The latest ``finished`` time of a terminal event the sink has written (ms)."""
+        self.drift = (
+            DriftMonitor(settings, self._read, self._publish_report, self.stored_until) if drift else None
+        )
         if self.drift is not None:
             self.app.timer(settings.drift_interval_s, name="drift")(self._drift)
         self.failure: BaseException | None = None
@@ -177,6 +183,8 @@ class StreamsApp:
         """Rows and audit entries for ``records``, durable before returning (so their offsets may then
         be committed)."""
         batch = self._rows.batch(records)
+        self._last_batch_at = time.monotonic()
+        self._last_batch_full = len(records) >= self._batch_size
         spans = self._spans(batch)
         loop = asyncio.get_running_loop()
         entries = await self._chain(batch)
@@ -193,6 +201,9 @@ class StreamsApp:
         for span in spans:
             span.end()
         for record, event in batch.events:
+            if isinstance(event, RequestFinished):
+                finished = event.timings.finished or event.time
+                self._stored_until_ms = max(self._stored_until_ms, int(finished.timestamp() * 1000))
             metrics.STREAMS_EVENTS.labels(record.topic, type(event).__struct_config__.tag).inc()
             metrics.STREAMS_FRESHNESS.observe(max(0.0, written - event.time.timestamp()))
         for record, exc in batch.undecodable:
@@ -260,6 +271,17 @@ class StreamsApp:
             await self._producer.publish(self.names.control, event)
             log.info("control: %s", event)
 
+    SINK_IDLE_S = 5.0
+
+    def stored_until(self) -> int | None:
+        """The drift monitor's watermark: None when the sink has caught up with the log (its last batch
+        was not full, or nothing came for a while although it holds its partitions); otherwise the
+        latest finish time it has written, so windows wait for their rows."""
+        idle = self._last_batch_at is None or time.monotonic() - self._last_batch_at > self.SINK_IDLE_S
+        if (idle and self.assigned) or (not idle and not self._last_batch_full):
+            return None
+        return self._stored_until_ms
+
     async def _read(self, sql: str) -> list[dict[str, Any]]:
         """A query on the writer's thread (the warehouse client is used from one thread at a time)."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, query_rows, self._writer, sql)
@@ -267,8 +289,11 @@ class StreamsApp:
     async def _publish_report(self, report: DriftReport) -> None:
         """Durable on the drift topic first, then its ``drift_reports`` and ``events_raw`` rows."""
         where = await self._producer.publish(self.names.drift, report)
+        stored = decode(encode(report))  # the rows a replay builds from the topic, by construction
+        if not isinstance(stored, DriftReport):
+            raise TypeError(f"a drift report decoded as {type(stored).__name__}")
         batch = Batch(
-            reports=[report_row(report)], raw=[self._rows.raw_row(report, self.names.drift, *where)]
+            reports=[report_row(stored)], raw=[self._rows.raw_row(stored, self.names.drift, *where)]
         )
         await asyncio.get_running_loop().run_in_executor(self._executor, insert, self._writer, batch)
         metrics.STREAMS_EVENTS.labels(self.names.drift, "drift_report").inc()

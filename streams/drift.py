@@ -28,12 +28,15 @@ import asyncio
 import hashlib
 import json
 import logging
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 from monitoring import metrics
 from schemas.events import DriftReport, DriftVerdict, FeatureDrift, RequestFinished
@@ -316,7 +319,7 @@ def build_report(
     features: Sequence[FeatureDrift] = (),
     quality: Sequence[str] = (),
 ) -> DriftReport:
-    tested = [f for f in features]
+    tested = [finite(f) for f in features]
     drifted = [f for f in tested if f.drifted]
     return DriftReport(
         id=report_id(key, window),
@@ -343,6 +346,27 @@ def build_report(
     )
 
 
+_FLOAT_MAX = 1.7976931348623157e308
+
+
+def _clamp(value: float) -> float:
+    """JSON has no infinities or NaN (msgspec writes them as null, which a replay cannot read back)."""
+    if math.isnan(value):
+        return 0.0
+    return max(-_FLOAT_MAX, min(_FLOAT_MAX, value))
+
+
+def finite(feature: FeatureDrift) -> FeatureDrift:
+    """The feature's numbers as finite floats, so the report survives the log and a replay."""
+    p_value = feature.p_value
+    return msgspec.structs.replace(
+        feature,
+        statistic=_clamp(feature.statistic),
+        threshold=_clamp(feature.threshold),
+        p_value=None if p_value is None or math.isnan(p_value) else _clamp(p_value),
+    )
+
+
 def drift_config(settings: StreamsSettings) -> DriftConfig:
     from drift.evaluate import DriftConfig
 
@@ -360,13 +384,22 @@ def judge(
     current: Sample,
     config: DriftConfig,
 ) -> DriftReport:
-    """The verdict on ``current`` against ``reference`` (blocking: evidently runs here)."""
+    """The verdict on ``current`` against ``reference`` (blocking: evidently runs here). A reference whose
+    rows are gone (retention, a rebuilt warehouse) is replaced by this window, and the report says so."""
+    notes: list[str] = []
+    if reference is not None and len(reference[1]) < config.min_samples:
+        gone = reference[0]
+        notes.append(
+            f"reference window {gone.start:%Y-%m-%d %H:%M:%S} - {gone.end:%H:%M:%S} holds {len(reference[1])} "
+            "rows now; this window replaces it"
+        )
+        reference = None
     if reference is None:
         verdict: DriftVerdict = "reference" if len(current) >= config.min_samples else "insufficient_data"
         return build_report(
             key, window, window if verdict == "reference" else None, verdict,
             requests=current.requests, n_reference=len(current) if verdict == "reference" else 0,
-            n_current=len(current), alpha=config.alpha, method="baseline",
+            n_current=len(current), alpha=config.alpha, method="baseline", quality=notes,
         )  # fmt: skip
     from drift.evaluate import evaluate
 
@@ -383,30 +416,45 @@ Publish = Callable[[DriftReport], Awaitable[None]]
 """Make a report durable on the drift topic, then store its row (the monitor's only effect)."""
 
 
+Watermark = Callable[[], int | None]
+"""How far the sink has stored the log: None when it has caught up (the wall clock rules), else the
+latest ``finished`` time (ms) it has written, so no window is judged before its rows are in."""
+
+
 class DriftMonitor:
     """Evaluate due windows and publish their reports; ``await run_once(now)`` from a timer.
 
     Its state: per (model, version) the last window reported; per key its reference window; a small LRU
     of reference samples. Loaded from ``drift_reports`` on the first run, so a restart resumes where the
-    log says it stopped."""
+    log says it stopped. A window's reports (all tenants, then each busy tenant) are all judged before any
+    is published, and the state moves only once all are durable: a failure part-way re-judges the window
+    from the same state, with the same report ids. A window that keeps failing is reported as
+    ``data_quality`` with the error after :attr:`MAX_FAILURES` tries, so it cannot block later windows."""
 
     REFERENCE_CACHE = 32
+    MAX_FAILURES = 3
 
-    def __init__(self, settings: StreamsSettings, query: Query, publish: Publish) -> None:
+    def __init__(
+        self, settings: StreamsSettings, query: Query, publish: Publish, watermark: Watermark | None = None
+    ) -> None:
         self._settings = settings
         self._query = query
         self._publish = publish
+        self._watermark = watermark or (lambda: None)
         self._window_ms = int(settings.drift_window_s * 1000)
         self._lateness_ms = int(settings.drift_lateness_s * 1000)
         self._reported: dict[tuple[str, str], int] | None = None
         self._references: dict[DriftKey, Window] = {}
         self._samples: OrderedDict[tuple[DriftKey, Window], Sample] = OrderedDict()
+        self._failures: dict[tuple[DriftKey, Window], int] = {}
+        self._scan_from = 0
+        """Windows starting before this were all considered already: the scan need not read them."""
         self._config: DriftConfig | None = None
 
     @property
     def state_size(self) -> int:
         """Entries held in memory (bounded by model versions x tenants, never by requests)."""
-        return len(self._reported or {}) + len(self._references) + len(self._samples)
+        return len(self._reported or {}) + len(self._references) + len(self._samples) + len(self._failures)
 
     async def _load(self) -> dict[tuple[str, str], int]:
         reported: dict[tuple[str, str], int] = {}
@@ -425,18 +473,54 @@ class DriftMonitor:
         if self._config is None:
             self._config = await asyncio.to_thread(drift_config, self._settings)
         now_ms = int((now or datetime.now(UTC)).timestamp() * 1000)
-        since = min(self._reported.values(), default=0)
-        since = max(since, now_ms - self._window_ms * self._settings.drift_lookback_windows)
+        stored = self._watermark()
+        if stored is not None:
+            now_ms = min(now_ms, stored)  # the sink is behind: judge only what it has written
+        lookback = now_ms - self._window_ms * self._settings.drift_lookback_windows
+        since = max(self._scan_from, lookback)
         available = [
             (r["model"], r["model_version"], int(r["start_ms"]))
             for r in await self._query(windows_sql(self._window_ms, since, now_ms))
         ]
         reports: list[DriftReport] = []
+        blocked: dict[tuple[str, str], int] = {}
         for model, version, window in due_windows(
             available, self._reported, now_ms=now_ms, window_ms=self._window_ms, lateness_ms=self._lateness_ms
         ):
-            reports += await self._window(DriftKey(model, version), window)
+            if (model, version) in blocked:
+                continue  # windows are judged in order: a later one waits for the failed one
+            done = await self._attempt(DriftKey(model, version), window)
+            if done is None:
+                blocked[(model, version)] = window.start_ms
+                continue
+            reports += done
             self._reported[(model, version)] = window.start_ms
+        self._scan_from = min([now_ms - 2 * self._window_ms - self._lateness_ms, *blocked.values()])
+        return reports
+
+    async def _attempt(self, key: DriftKey, window: Window) -> list[DriftReport] | None:
+        """The window's reports, or None after a failure that is to be retried next run."""
+        try:
+            reports = await self._window(key, window)
+        except Exception as exc:
+            tries = self._failures.get((key, window), 0) + 1
+            self._failures[(key, window)] = tries
+            log.exception("drift: judging %s %s at %s failed (try %d)", key.model, key.model_version,
+                          window.start.isoformat(), tries)  # fmt: skip
+            if tries < self.MAX_FAILURES:
+                return None
+            report = build_report(
+                key, window, self._references.get(key), "data_quality",
+                requests=0, n_reference=0, n_current=0, alpha=self._settings.drift_alpha, method="failed",
+                quality=[f"evaluation failed {tries} times: {type(exc).__name__}: {exc}"[:500]],
+            )  # fmt: skip
+            try:
+                await self._publish(report)
+            except Exception:
+                log.exception("drift: could not publish the failure report either; retrying next run")
+                return None
+            reports = [report]
+        self._failures.pop((key, window), None)
         return reports
 
     async def _window(self, key: DriftKey, window: Window) -> list[DriftReport]:
@@ -447,10 +531,10 @@ class DriftMonitor:
                 tenants_sql(key, window, settings.drift_min_samples, settings.drift_max_tenants)
             )
         ]
-        reports = []
-        for scoped in keys:
-            report = await self._judge(scoped, window)
-            await self._publish(report)
+        judged = [(scoped, await self._judge(scoped, window)) for scoped in keys]
+        for _, report in judged:
+            await self._publish(report)  # the same ids if a failure here has this window judged again
+        for scoped, report in judged:
             if report.effective_verdict == "reference":
                 self._references[scoped] = window
             if scoped.scope == ALL:
@@ -467,8 +551,7 @@ class DriftMonitor:
                 key.model, key.model_version, scoped.scope, window.start.isoformat(), window.end.isoformat(),
                 report.effective_verdict,
             )  # fmt: skip
-            reports.append(report)
-        return reports
+        return [report for _, report in judged]
 
     async def _judge(self, key: DriftKey, window: Window) -> DriftReport:
         config = self._config
@@ -478,7 +561,7 @@ class DriftMonitor:
         reference_window = self._references.get(key)
         reference = (
             (reference_window, await self._sample(key, reference_window, cache=True))
-            if reference_window is not None
+            if reference_window is not None and reference_window != window
             else None
         )
         began = time.perf_counter()

@@ -44,8 +44,9 @@ class StreamsSettings(msgspec.Struct, frozen=True, kw_only=True):
     """Rows sampled per window for the tabular tests (at most 1000, so KS and chi-square apply)."""
     drift_embedding_reservoir: Annotated[int, msgspec.Meta(ge=2, le=2000)] = 200
     """Prompt embeddings sampled per window for the MMD test (its cost grows with the square of this)."""
-    drift_alpha: Annotated[float, msgspec.Meta(gt=0.0, lt=1.0)] = 0.01
-    """False-alarm rate per window and key; each of the m features is tested at alpha / m (Bonferroni)."""
+    drift_alpha: Annotated[float, msgspec.Meta(ge=0.001, le=0.2)] = 0.01
+    """False-alarm rate per window and key; each of the m features is tested at alpha / m (Bonferroni).
+    At least 0.001: below that the embedding test's permutation budget cannot reach the level."""
     drift_null_tolerance: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.2
     """A feature missing from this much more of the window than of the reference is a data-quality finding."""
     drift_max_tenants: Annotated[int, msgspec.Meta(ge=0)] = 10

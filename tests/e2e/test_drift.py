@@ -28,7 +28,7 @@ from tests.e2e.test_streams import ROOT, Streams, _sluice, _wait_rows, running_s
 
 pytestmark = pytest.mark.integration
 AUTH = {"Authorization": f"Bearer {DEMO_KEY}"}
-WINDOW_S = 8.0
+WINDOW_S = 10.0
 PER_WINDOW = 48
 SECRET = "Flussufer"  # in the shifted prompts: must never reach the warehouse
 
@@ -66,7 +66,7 @@ def streams(e2e_settings: PlatformSettings, tmp_path_factory: pytest.TempPathFac
         e2e_settings,
         tmp_path_factory.mktemp("drift") / "data",
         SLUICE_DRIFT_WINDOW_S=str(WINDOW_S),
-        SLUICE_DRIFT_LATENESS_S="1.5",
+        SLUICE_DRIFT_LATENESS_S="3",
         SLUICE_DRIFT_INTERVAL_S="0.5",
         SLUICE_DRIFT_MIN_SAMPLES="30",
         SLUICE_DRIFT_MAX_TENANTS="0",
@@ -97,15 +97,13 @@ async def _window_of_traffic(session: aiohttp.ClientSession, url: str, prompts: 
     chosen = [
         rng.choice(prompts).format(secret=SECRET) + f" ({rng.randrange(1000)})" for _ in range(PER_WINDOW)
     ]
-    began = time.time()
     gate = asyncio.Semaphore(8)
 
     async def one(prompt: str) -> str:
         async with gate:
             return await _complete(session, url, prompt)
 
-    await asyncio.gather(*(one(p) for p in chosen))
-    assert time.time() - began < WINDOW_S - 1.5, "the traffic spilled into the next window: machine too slow"
+    await asyncio.gather(*(one(p) for p in chosen))  # each report's request count shows it stayed inside
 
 
 def _reports(log: TopicLog) -> list[DriftReport]:
@@ -147,12 +145,14 @@ async def test_drift_flips_on_a_shifted_mix_and_not_on_the_same_mix(
     # the CLI: status and the evidently HTML of the latest window
     status = _sluice(streams.env, "drift", "status", "--model", GPT)
     assert status.returncode == 0, status.stdout + status.stderr
-    assert "drift" in status.stdout
-    assert "prompt_language" in status.stdout
+    rows_out = [line for line in status.stdout.splitlines() if GPT in line]
+    assert len(rows_out) == 1, status.stdout
+    assert "│ drift " in rows_out[0], rows_out[0]
+    assert "prompt_language" in rows_out[0]
     html = Path(streams.env["SLUICE_DATA_DIR"]).parent / "drift.html"
     made = _sluice(streams.env, "drift", "report", GPT, "--html", str(html))
     assert made.returncode == 0, made.stdout + made.stderr
-    assert "drift" in made.stdout
+    assert ": drift (48 requests" in made.stdout, made.stdout
     assert "<html" in html.read_text()[:2000].lower()
 
     # the dashboard in a real browser shows the verdict and the drifted features
@@ -163,10 +163,14 @@ async def test_drift_flips_on_a_shifted_mix_and_not_on_the_same_mix(
         f"{streams.url}/dashboard",
         shot,
         wait_for_js="document.getElementById('drift-body').textContent.includes('prompt_language')",
-        evaluate={"drift": "document.getElementById('drift-body').textContent"},
+        evaluate={
+            "verdicts": "[...document.querySelectorAll('#drift-body td')].map(td => td.textContent.trim())"
+        },
     )
     assert rendered.console_errors == []
-    assert "drift" in rendered.values["drift"]
+    cells = rendered.values["verdicts"]
+    assert "drift" in cells, cells  # the status cell says exactly "drift" (not "no_drift")
+    assert GPT in cells
 
     # no prompt text anywhere in the warehouse
     leaks = await streams.sql(

@@ -299,3 +299,115 @@ def test_the_report_id_is_the_same_for_a_window_judged_twice() -> None:
     key = DriftKey(MODEL, VERSION)
     assert report_id(key, Window(0, 60_000)) == report_id(key, Window(0, 60_000))
     assert report_id(key, Window(0, 60_000)) != report_id(DriftKey(MODEL, VERSION, "acme"), Window(0, 60_000))
+
+
+class FailingOnce(Published):
+    """Publishing fails for the n-th report, once (a broker blip part-way through a window)."""
+
+    def __init__(self, client: Client, fail_at: int) -> None:
+        super().__init__(client)
+        self.calls = 0
+        self.fail_at = fail_at
+
+    async def __call__(self, report: DriftReport) -> None:
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("broker went away")
+        await super().__call__(report)
+
+
+@pytest.mark.integration
+async def test_a_publish_failure_part_way_rejudges_the_window_from_the_same_state(tmp_path: Path) -> None:
+    with warehouse(tmp_path) as client:
+        insert(client, rows_of(window_events(T0, 120, seed=11)))
+        published = FailingOnce(client, fail_at=2)  # the all-tenant report goes out, the tenant's fails
+        watched = monitor(client, published)
+        at = T0 + timedelta(seconds=WINDOW_S + 6)
+        assert await watched.run_once(at) == []
+        retried = await watched.run_once(at)
+        assert [(r.tenant, r.effective_verdict) for r in retried] == [
+            (ALL, "reference"),
+            ("acme", "reference"),
+        ]
+        ids = [r.id for r in published.reports]
+        assert ids[0] == ids[1], "the report published before the failure is published again, same id"
+        stored = query_rows(client, "SELECT scope, verdict FROM drift_reports FINAL ORDER BY scope")
+        assert stored == [{"scope": "*", "verdict": "reference"}, {"scope": "acme", "verdict": "reference"}]
+
+
+@pytest.mark.integration
+async def test_a_window_that_keeps_failing_is_reported_and_does_not_block_the_next(tmp_path: Path) -> None:
+    with warehouse(tmp_path) as client:
+        w2 = T0 + timedelta(seconds=WINDOW_S)
+        insert(client, rows_of(window_events(T0, 120, seed=12) + window_events(w2, 120, seed=13)))
+        published = Published(client)
+        watched = monitor(client, published, drift_max_tenants=0)
+        real = watched._judge
+        broken = Window(int(T0.timestamp() * 1000), int(w2.timestamp() * 1000))
+
+        async def judge(key: DriftKey, window: Window) -> DriftReport:
+            if window == broken:
+                raise ValueError("evidently could not")
+            return await real(key, window)
+
+        watched._judge = judge  # type: ignore[method-assign]
+        at = w2 + timedelta(seconds=WINDOW_S + 6)
+        assert await watched.run_once(at) == []
+        assert await watched.run_once(at) == [], "later windows of the model wait for the failing one"
+        done = await watched.run_once(at)
+        assert [r.effective_verdict for r in done] == ["data_quality", "reference"]
+        assert "evidently could not" in done[0].quality[0]
+        assert done[1].window_start == w2
+
+
+@pytest.mark.integration
+async def test_windows_wait_for_a_sink_that_is_behind(tmp_path: Path) -> None:
+    with warehouse(tmp_path) as client:
+        insert(client, rows_of(window_events(T0, 120, seed=14)))
+        stored_until: list[int | None] = [int(T0.timestamp() * 1000) + 30_000]
+
+        async def query(sql: str) -> list[dict[str, Any]]:
+            return query_rows(client, sql)
+
+        watched = DriftMonitor(
+            settings(drift_max_tenants=0), query, Published(client), lambda: stored_until[0]
+        )
+        at = T0 + timedelta(seconds=WINDOW_S * 3)
+        assert await watched.run_once(at) == [], "the sink has only written half the window"
+        stored_until[0] = None  # caught up
+        assert verdicts(await watched.run_once(at)) == ["reference"]
+
+
+def test_reports_carry_only_finite_numbers() -> None:
+    from schemas.events import FeatureDrift
+    from streams.drift import build_report
+
+    odd = FeatureDrift(
+        name="embedding", kind="embedding", method="mmd", statistic=float("nan"), threshold=float("inf"),
+        p_value=float("nan"), drifted=False,
+    )  # fmt: skip
+    report = build_report(
+        DriftKey(MODEL, VERSION), Window(0, 60_000), Window(0, 60_000), "no_drift",
+        requests=1, n_reference=1, n_current=1, alpha=0.01, method="t", features=[odd],
+    )  # fmt: skip
+    assert decode(encode(report)) == report, "a report must survive the log (JSON has no inf or NaN)"
+
+
+@pytest.mark.integration
+async def test_a_reference_whose_rows_are_gone_is_replaced_not_an_endless_insufficient_data(
+    tmp_path: Path,
+) -> None:
+    with warehouse(tmp_path) as client:
+        w2 = T0 + timedelta(seconds=WINDOW_S)
+        insert(client, rows_of(window_events(T0, 120, seed=15)))
+        published = Published(client)
+        watched = monitor(client, published, drift_max_tenants=0)
+        assert verdicts(await watched.run_once(T0 + timedelta(seconds=WINDOW_S + 6))) == ["reference"]
+        client.command(
+            "TRUNCATE TABLE drift_features"
+        )  # retention, or a warehouse rebuilt from 7 days of log
+        insert(client, rows_of(window_events(w2, 120, seed=16)))
+        done = await watched.run_once(w2 + timedelta(seconds=WINDOW_S + 6))
+        assert verdicts(done) == ["reference"]
+        assert done[0].reference_start == w2
+        assert "replaces it" in done[0].quality[0]
