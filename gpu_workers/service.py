@@ -170,6 +170,9 @@ class WorkerService:
             name=f"requests-{model_id}",
         )
         self._cancels: ConsumerThread | None = None
+        self._results_tail: ConsumerThread | None = None
+        self._finished_elsewhere: queue.SimpleQueue[str] = queue.SimpleQueue()
+        """Request ids whose terminal event the results tail saw (filled by its thread)."""
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._thread: threading.Thread | None = None
@@ -187,7 +190,16 @@ class WorkerService:
 
     def _start(self, timeout: float) -> None:
         self._producer.start()
-        self._learn_finished()
+        ends = self._learn_finished()
+        # Then keep learning: another worker may finish a request whose record this one is handed after a
+        # rebalance (its offset was not committed yet); without the tail it would run a second time.
+        self._results_tail = ConsumerThread(
+            consumer_config(self._bootstrap, None, f"{self.source}-results"),
+            self._on_results,
+            assign=[TopicPartition(self._names.results, p, end) for p, end in ends.items()],
+            name=f"results-{self.model_id}",
+        )
+        self._results_tail.start()
         self._cancels = ConsumerThread(
             consumer_config(self._bootstrap, None, f"{self.source}-cancels"),
             self._on_cancels,
@@ -224,9 +236,10 @@ class WorkerService:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        if self._cancels is not None:
-            self._cancels.stop()
-            self._cancels = None
+        for listener in (self._cancels, self._results_tail):
+            if listener is not None:
+                listener.stop()
+        self._cancels = self._results_tail = None
         self._producer.stop()  # the last delivery reports land in self._durable
         self._commit()
         self._requests.stop()  # performs the queued commit, then leaves the group
@@ -274,8 +287,22 @@ class WorkerService:
         with self._offsets_lock:
             self._offsets.revoke(tps)
 
-    def _learn_finished(self) -> None:
-        """Read the results topic up to now: those requests must not run again if redelivered."""
+    def _on_results(self, batch: list[Message]) -> None:
+        for message in batch:
+            try:
+                event = decode(message.value() or b"")
+            except DecodeError:
+                continue
+            if isinstance(event, RequestFinished) and event.model == self.model_id:
+                self._finished_elsewhere.put(event.request_id)
+
+    def knows_finished(self, request_id: str) -> bool:
+        """Whether this worker would skip a redelivery of ``request_id`` (for tests and debugging)."""
+        return request_id in self._finished
+
+    def _learn_finished(self) -> dict[int, int]:
+        """Read the results topic up to now: those requests must not run again if redelivered. Returns
+        where each partition ended, for the tail that keeps learning from there."""
         consumer = Consumer(consumer_config(self._bootstrap, None, f"{self.source}-results"))
         try:
             meta = consumer.list_topics(self._names.results, timeout=10).topics[self._names.results]
@@ -298,6 +325,7 @@ class WorkerService:
                         self._remember_finished(event.request_id)
         finally:
             consumer.close()
+        return ends
 
     def _remember_finished(self, request_id: str) -> None:
         self._finished[request_id] = None
@@ -330,6 +358,7 @@ class WorkerService:
             self.failure = exc
 
     def _drain(self, runner: Runner, emit: Emitter, block: float | None) -> None:
+        self._learn_from_tail()
         timeout = 0.1 if block is None else block
         first = True
         while True:
@@ -340,6 +369,7 @@ class WorkerService:
             first = False
             match item:
                 case Arrival():
+                    self._learn_from_tail()  # it may have seen this very request finish elsewhere
                     with self._offsets_lock:
                         self._offsets.started(item.tp, item.offset)
                     if item.event.request_id in self._finished:
@@ -364,6 +394,15 @@ class WorkerService:
                     with self._offsets_lock:
                         self._offsets.started(item.tp, item.offset)
                         self._offsets.done(item.tp, item.offset)
+
+    def _learn_from_tail(self) -> None:
+        while True:
+            try:
+                request_id = self._finished_elsewhere.get_nowait()
+            except queue.Empty:
+                return
+            if request_id not in self._live:  # one it runs itself ends through _publish_finish
+                self._remember_finished(request_id)
 
     EARLY_CANCEL_TTL_S = 120.0
     EARLY_CANCELS = 10_000

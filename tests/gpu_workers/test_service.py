@@ -31,6 +31,7 @@ from schemas.events import (
     RequestFinished,
     SamplingParams,
     TokenChunk,
+    Usage,
     utc_now,
 )
 from schemas.ids import uuid7
@@ -405,3 +406,28 @@ async def test_a_terminal_event_kafka_did_not_take_lets_a_redelivery_run_again(
     await producer.publish(names.requests("demo-gpt"), request)  # what the group redelivers
     finished = results.finished(request.request_id)
     assert finished.status == "completed"
+
+
+async def test_a_request_another_worker_finished_is_not_run_again_when_handed_over(
+    names: TopicNames, gpt_worker: WorkerService, producer: EventProducer, replies: Log
+) -> None:
+    """After a rebalance a worker can be handed a record whose request another worker already finished
+    (its offset not committed yet). Before, finished ids were learned only at start, so it ran again."""
+    handed_over = _generation(names, PROMPT)
+    elsewhere = RequestFinished(
+        tenant="acme",
+        model="demo-gpt",
+        request_id=handed_over.request_id,
+        source="gpu_workers/another-worker",
+        status="completed",
+        finish_reason="length",
+        usage=Usage(prompt_tokens=len(PROMPT), completion_tokens=24, total_tokens=len(PROMPT) + 24),
+    )
+    await producer.publish(names.results, elsewhere)
+    await eventually(lambda: gpt_worker.knows_finished(handed_over.request_id), within=20)
+    assert gpt_worker.knows_finished(handed_over.request_id)
+    after = _generation(names, PROMPT)  # same tenant: same partition, so it comes after the handed-over one
+    await producer.publish(names.requests("demo-gpt"), handed_over)
+    await producer.publish(names.requests("demo-gpt"), after)
+    assert replies.finished(after.request_id).status == "completed"
+    assert replies.of(handed_over.request_id) == [], "not run a second time"
