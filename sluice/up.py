@@ -8,6 +8,7 @@ the edge, in this process. Child processes are restarted with back-off if they d
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import sys
@@ -56,8 +57,14 @@ class ServiceProcess:
     """One ``sluice <command>`` child (a worker, the streams worker), restarted with back-off if it exits
     on its own."""
 
-    def __init__(self, name: str, args: list[str], console: Console, env: dict[str, str]) -> None:
+    def __init__(
+        self, name: str, args: list[str], console: Console, env: dict[str, str], *, backoff_s: float = 1.0
+    ) -> None:
         self.name = name
+        self._backoff_s = backoff_s
+        self._stop_requested = asyncio.Event()
+        self.exits = 0
+        """How often the child exited on its own (each one is followed by a restart after a back-off)."""
         self._args = args
         self._env = env
         self._console = console
@@ -73,7 +80,7 @@ class ServiceProcess:
         self._task = asyncio.create_task(self._supervise(), name=self.name)
 
     async def _supervise(self) -> None:
-        backoff = 1.0
+        backoff = self._backoff_s
         while not self._stopping:
             self._proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "sluice", *self._args, env={**os.environ, **self._env}
@@ -81,12 +88,16 @@ class ServiceProcess:
             code = await self._proc.wait()
             if self.stopping:
                 return
+            self.exits += 1
             self._console.print(f"[yellow]{self.name} exited with {code}; restarting in {backoff:.0f}s[/]")
-            await asyncio.sleep(backoff)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(backoff):  # a stop during the back-off ends it at once
+                    await self._stop_requested.wait()
             backoff = min(backoff * 2, 30.0)
 
     async def stop(self) -> None:
         self._stopping = True
+        self._stop_requested.set()
         proc = self._proc
         if proc is not None and proc.returncode is None:
             proc.send_signal(signal.SIGTERM)
