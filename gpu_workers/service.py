@@ -62,6 +62,8 @@ class Arrival:
     offset: int
     received: float = field(default_factory=time.monotonic)
     trace: RequestTrace | None = None
+    generation: int = 0
+    """The worker's assignment generation when the record was consumed (see ``WorkerService._stale``)."""
 
     @property
     def traceparent(self) -> str | None:
@@ -112,6 +114,7 @@ class _Undelivered:
 class _Skip:
     tp: TP
     offset: int
+    generation: int = 0
 
 
 @dataclass(frozen=True)
@@ -157,6 +160,10 @@ class WorkerService:
         self._remember = remember_finished
         self._offsets = OffsetTracker()
         self._offsets_lock = threading.Lock()  # the model thread and the consumer's revoke callback
+        self._generation = 0
+        """Bumped on every revocation (consumer thread, under the offsets lock); records carry it."""
+        self._revoked_at: dict[TP, int] = {}
+        """Per partition, the generation it was last revoked at."""
         self._pending_writes: dict[str, int] = {}
         self._producer = EventProducer(bootstrap, self.source)
         self._observer = WorkerObserver(model_id, worker_id)
@@ -261,9 +268,10 @@ class WorkerService:
             if not isinstance(event, GenerationRequested | EmbeddingRequested):
                 if event is not None:
                     log.warning("ignoring %s on a request topic", type(event).__name__)
-                self._put(_Skip(tp, offset))  # nothing to run: its offset may be committed
+                self._put(_Skip(tp, offset, self._generation))  # nothing to run: its offset may be committed
                 continue
-            self._put(Arrival(event, tp, offset, trace=open_trace(event, *tp, offset, self.group)))
+            trace = open_trace(event, *tp, offset, self.group)
+            self._put(Arrival(event, tp, offset, trace=trace, generation=self._generation))
 
     def _put(self, item: _Inbox) -> None:
         """Blocks while the inbox is full (backpressure: the consumer stops fetching), until stopped."""
@@ -284,8 +292,18 @@ class WorkerService:
                 self._put(_Cancel(event.request_id))
 
     def _on_revoke(self, tps: list[TP]) -> None:
+        """Partitions taken away in a rebalance: forget their offsets, and mark every record of theirs
+        still in the inbox stale (their next owner runs them; this worker must neither run them nor
+        track, let alone commit, offsets it no longer owns)."""
         with self._offsets_lock:
+            self._generation += 1
+            for tp in tps:
+                self._revoked_at[tp] = self._generation
             self._offsets.revoke(tps)
+
+    def _stale(self, tp: TP, generation: int) -> bool:
+        """Consumed before ``tp`` was last revoked (call with the offsets lock held)."""
+        return self._revoked_at.get(tp, -1) > generation
 
     def _on_results(self, batch: list[Message]) -> None:
         for message in batch:
@@ -371,7 +389,15 @@ class WorkerService:
                 case Arrival():
                     self._learn_from_tail()  # it may have seen this very request finish elsewhere
                     with self._offsets_lock:
-                        self._offsets.started(item.tp, item.offset)
+                        stale = self._stale(item.tp, item.generation)
+                        if not stale:
+                            self._offsets.started(item.tp, item.offset)
+                    if stale:
+                        log.info("dropping %s: its partition was revoked", item.event.request_id)
+                        if item.trace is not None:
+                            item.trace.span.set_attribute(tracing.STATUS, "revoked")
+                            item.trace.span.end()
+                        continue
                     if item.event.request_id in self._finished:
                         log.info("skipping %s: already finished", item.event.request_id)
                         if item.trace is not None:
@@ -392,8 +418,9 @@ class WorkerService:
                         self._remember_early_cancel(item.request_id)
                 case _Skip():
                     with self._offsets_lock:
-                        self._offsets.started(item.tp, item.offset)
-                        self._offsets.done(item.tp, item.offset)
+                        if not self._stale(item.tp, item.generation):
+                            self._offsets.started(item.tp, item.offset)
+                            self._offsets.done(item.tp, item.offset)
 
     def _learn_from_tail(self) -> None:
         while True:

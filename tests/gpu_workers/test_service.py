@@ -431,3 +431,23 @@ async def test_a_request_another_worker_finished_is_not_run_again_when_handed_ov
     await producer.publish(names.requests("demo-gpt"), after)
     assert replies.finished(after.request_id).status == "completed"
     assert replies.of(handed_over.request_id) == [], "not run a second time"
+
+
+async def test_records_of_a_revoked_partition_still_in_the_inbox_are_dropped_not_run(
+    names: TopicNames, gpt_worker: WorkerService, producer: EventProducer, replies: Log
+) -> None:
+    """A rebalance takes a partition away while some of its records wait in the inbox. Before, they ran
+    anyway (the new owner runs them too) and re-created the revoked partition's offset tracking."""
+    from gpu_workers.service import Arrival
+
+    topic = names.requests("demo-gpt")
+    gone = (topic, 99)  # a partition this test pretends the worker owned (the real ones keep working)
+    stale = _generation(names, PROMPT)
+    consumed_at = gpt_worker._generation
+    gpt_worker._on_revoke([gone])  # the rebalance happens after the record was consumed...
+    gpt_worker._put(Arrival(stale, gone, 7, generation=consumed_at))  # ...and before the model thread took it
+    after = _generation(names, PROMPT)
+    await producer.publish(topic, after)
+    assert replies.finished(after.request_id).status == "completed"
+    assert replies.of(stale.request_id) == [], "the revoked partition's record did not run here"
+    assert gone not in gpt_worker._offsets.partitions, "no tracking (or commit) of a partition not owned"
