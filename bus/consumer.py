@@ -23,6 +23,8 @@ from schemas.events import DeadLetter, Event
 log = logging.getLogger(__name__)
 
 TP = tuple[str, int]
+CommitFailed = Callable[[dict[tuple[str, int], int]], None]
+"""Told which offsets a commit did not store, so their owner can commit them again."""
 Handler = Callable[[list[Message]], None]
 
 
@@ -84,7 +86,7 @@ class ConsumerThread:
         self._on_revoke = on_revoke
         self._name = name
         self._batch_size = batch_size
-        self._commits: queue.SimpleQueue[dict[TP, int]] = queue.SimpleQueue()
+        self._commits: queue.SimpleQueue[tuple[dict[TP, int], CommitFailed | None]] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._thread: threading.Thread | None = None
@@ -194,24 +196,31 @@ class ConsumerThread:
             consumer.close()
             self._disown()
 
-    def commit(self, offsets: dict[TP, int]) -> None:
-        """Commit ``{(topic, partition): next offset to read}`` (thread-safe, asynchronous to the caller)."""
+    def commit(self, offsets: dict[TP, int], on_failure: CommitFailed | None = None) -> None:
+        """Commit ``{(topic, partition): next offset to read}`` (thread-safe, asynchronous to the caller).
+        ``on_failure(offsets)`` is called (on the polling thread) if the broker refuses it."""
         if offsets:
-            self._commits.put(dict(offsets))
+            self._commits.put((dict(offsets), on_failure))
 
     def _flush_commits(self) -> None:
         merged: dict[TP, int] = {}
+        callers: list[tuple[dict[TP, int], CommitFailed | None]] = []
         while True:
             try:
-                merged.update(self._commits.get_nowait())
+                offsets, on_failure = self._commits.get_nowait()
             except queue.Empty:
                 break
+            merged.update(offsets)
+            callers.append((offsets, on_failure))
         if merged and self._consumer is not None:
             tps = [TopicPartition(topic, part, off) for (topic, part), off in merged.items()]
             try:
                 self._consumer.commit(offsets=tps, asynchronous=False)
             except Exception:  # a revoked partition cannot be committed: its next owner redoes the work
                 log.warning("commit of %s failed", merged, exc_info=True)
+                for offsets, on_failure in callers:
+                    if on_failure is not None:
+                        on_failure(offsets)
 
     def stop(self) -> None:
         self._stop.set()

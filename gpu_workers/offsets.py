@@ -8,8 +8,9 @@ done. A crash then redelivers every record whose effect may not be durable, and 
 or transaction markers) do not hold the commit back.
 
 A pure, synchronous object. The consumer calls ``started`` when it takes a record, ``done`` once the
-record's terminal event is acknowledged by the broker, commits ``committable()`` and, when that commit
-succeeds, ``mark_committed`` with the same mapping. On rebalance, ``revoke`` forgets the partitions lost.
+record's terminal event is acknowledged by the broker, commits ``committable()`` and marks it with
+``mark_committed`` (commits are queued to the polling thread), and ``uncommit`` with the same mapping if
+the broker refuses that commit, so it is offered again. On rebalance, ``revoke`` forgets the partitions lost.
 """
 
 from __future__ import annotations
@@ -77,6 +78,14 @@ class OffsetTracker:
             part = self._partitions.get(tp)
             if part is not None and (part.committed is None or offset > part.committed):
                 part.committed = offset
+
+    def uncommit(self, offsets: Mapping[TopicPartition, int]) -> None:
+        """A commit marked by :meth:`mark_committed` did not reach the broker: forget it where nothing
+        later was marked since, so :meth:`committable` offers that partition's point again."""
+        for tp, offset in offsets.items():
+            part = self._partitions.get(tp)
+            if part is not None and part.committed == offset:
+                part.committed = None
 
     def revoke(self, tps: Iterable[TopicPartition]) -> None:
         """Forget partitions lost in a rebalance; late ``done`` calls for them are ignored."""

@@ -111,6 +111,13 @@ class _Undelivered:
 
 
 @dataclass(frozen=True)
+class _Uncommitted:
+    """A commit the broker refused: offered again by the next ``_commit``."""
+
+    offsets: dict[TP, int]
+
+
+@dataclass(frozen=True)
 class _Skip:
     tp: TP
     offset: int
@@ -151,7 +158,7 @@ class WorkerService:
         self._probe: FeatureProbe | None = None
         self._inbox: queue.Queue[_Inbox] = queue.Queue(maxsize=inbox_size)
         # Unbounded but holds at most one entry per request in flight; filled by the producer's thread.
-        self._durable: queue.SimpleQueue[_Durable | _Undelivered] = queue.SimpleQueue()
+        self._durable: queue.SimpleQueue[_Durable | _Undelivered | _Uncommitted] = queue.SimpleQueue()
         self._finished: OrderedDict[str, None] = OrderedDict()
         self._live: set[str] = set()
         """Requests handed to the runner and not yet ended (model thread only)."""
@@ -458,11 +465,16 @@ class WorkerService:
                 if isinstance(durable, _Undelivered):
                     self._finished.pop(durable.request_id, None)  # a redelivery must run it again
                     continue
+                if isinstance(durable, _Uncommitted):
+                    self._offsets.uncommit(durable.offsets)
+                    continue
                 self._offsets.done(durable.tp, durable.offset)
             offsets = self._offsets.committable()
             self._offsets.mark_committed(offsets)
         if offsets:
-            self._requests.commit(offsets)
+            self._requests.commit(
+                offsets, on_failure=lambda refused: self._durable.put(_Uncommitted(refused))
+            )
 
     # ---------------------------------------------------------------- output (model thread)
 

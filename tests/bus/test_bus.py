@@ -89,3 +89,27 @@ def test_undecodable_records_go_to_the_dead_letter_topic(kafka_bootstrap: str, t
     assert event.offset == 0
     assert event.headers == {"x": "y"}
     assert "invalid" in event.reason.lower() or "decode" in event.reason.lower()
+
+
+def test_a_commit_the_broker_refuses_is_reported_to_its_owner(
+    kafka_bootstrap: str, topic_prefix: str
+) -> None:
+    """The broker refuses a commit (here: for a partition that does not exist); the refusal reaches
+    ``on_failure`` with the offsets, so the worker offers them again instead of believing they are stored."""
+    topic = f"{topic_prefix}.commits"
+    _topics(kafka_bootstrap, topic)
+    from confluent_kafka import TopicPartition
+
+    refused: list[dict[tuple[str, int], int]] = []
+    done = threading.Event()
+
+    def report(offsets: dict[tuple[str, int], int]) -> None:
+        refused.append(offsets)
+        done.set()
+
+    with ConsumerThread(
+        consumer_config(kafka_bootstrap, None, "no-group"), Collector(), assign=[TopicPartition(topic, 0, 0)]
+    ) as consumer:
+        consumer.commit({(topic, 99): 3}, on_failure=report)
+        assert done.wait(30)
+    assert refused == [{(topic, 99): 3}]

@@ -143,3 +143,26 @@ def test_many_out_of_order_completions_behind_one_slow_offset() -> None:
     assert t.in_flight(A) == 1
     t.done(A, 0)
     assert t.committable() == {A: 200}
+
+
+def test_a_refused_commit_is_offered_again() -> None:
+    t = OffsetTracker()
+    t.started(A, 4)
+    t.done(A, 4)
+    assert t.committable() == {A: 5}
+    t.mark_committed({A: 5})
+    assert t.committable() == {}
+    t.uncommit({A: 5})  # the broker refused it
+    assert t.committable() == {A: 5}
+
+
+def test_uncommit_leaves_a_later_commit_alone() -> None:
+    t = OffsetTracker()
+    for offset in (4, 5):
+        t.started(A, offset)
+        t.done(A, offset)
+    t.mark_committed({A: 5})
+    t.mark_committed({A: 6})
+    t.uncommit({A: 5})  # an older commit's failure report arrives after a newer one was marked
+    assert t.committable() == {}
+    t.uncommit({B: 3})  # a partition not tracked: nothing to do
