@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
+import logging
 import threading
 from collections.abc import Callable
 from types import TracebackType
@@ -13,6 +15,8 @@ from confluent_kafka import KafkaError, Message, Producer
 from bus.errors import BusError
 from schemas.codec import MAX_RECORD_BYTES, encode, headers, kafka_key
 from schemas.events import Event
+
+log = logging.getLogger(__name__)
 
 Delivered = tuple[int, int]
 """(partition, offset) of a durable record."""
@@ -51,6 +55,12 @@ class EventProducer:
         self._producer = Producer(producer_config(bootstrap, client_id, **overrides))
         self._running = False
         self._thread: threading.Thread | None = None
+        self._pending: dict[int, DeliveryCallback] = {}
+        """Delivery callbacks not yet called, so a dead poll thread can fail them all (none waits forever)."""
+        self._tokens = itertools.count()
+        self._lock = threading.Lock()
+        self.failure: BaseException | None = None
+        """Why the delivery thread stopped, if it did: every later produce raises it as a BusError."""
 
     def start(self) -> None:
         if self._running:
@@ -60,8 +70,17 @@ class EventProducer:
         self._thread.start()
 
     def _serve(self) -> None:
-        while self._running:
-            self._producer.poll(0.05)
+        try:
+            while self._running:
+                self._producer.poll(0.05)
+        except BaseException as exc:  # fail every waiting caller instead of leaving them hanging
+            log.exception("the producer's delivery thread failed")
+            self.failure = exc
+            with self._lock:
+                waiting = list(self._pending.values())
+                self._pending.clear()
+            for callback in waiting:
+                _call(callback, BusError(f"the producer failed: {exc}"), None)
 
     def stop(self, timeout: float = 30.0) -> None:
         if not self._running:
@@ -111,15 +130,26 @@ class EventProducer:
         partition: int | None = None,
         on_delivery: DeliveryCallback | None = None,
     ) -> None:
+        if self.failure is not None:
+            raise BusError(f"the producer failed: {self.failure}") from self.failure
+        token = next(self._tokens)
+        if on_delivery is not None:
+            with self._lock:
+                self._pending[token] = on_delivery
+
         def report(err: KafkaError | None, msg: Message) -> None:
-            if on_delivery is None:
+            with self._lock:
+                callback = self._pending.pop(token, None)
+            if callback is None:
                 return
             if err is not None:
-                on_delivery(
-                    BusError(f"delivery to {topic} failed: {err.str()}", retriable=err.retriable()), None
+                _call(
+                    callback,
+                    BusError(f"delivery to {topic} failed: {err.str()}", retriable=err.retriable()),
+                    None,
                 )
             else:
-                on_delivery(None, (msg.partition() or 0, msg.offset() or 0))
+                _call(callback, None, (msg.partition() or 0, msg.offset() or 0))
 
         kwargs: dict[str, Any] = {"key": key, "headers": headers, "on_delivery": report}
         if partition is not None:
@@ -131,6 +161,8 @@ class EventProducer:
                 self._producer.poll(0.05)  # local queue full: wait for deliveries, never drop
                 continue
             except Exception as exc:  # KafkaException: unknown topic/partition, record too large, ...
+                with self._lock:
+                    self._pending.pop(token, None)
                 raise BusError(f"cannot produce to {topic}: {exc}") from exc
             return
 
@@ -146,6 +178,14 @@ class EventProducer:
 
         self.produce(topic, event, partition=partition, key=key, on_delivery=settle)
         return await future
+
+
+def _call(callback: DeliveryCallback, err: BusError | None, where: Delivered | None) -> None:
+    """A delivery callback runs inside ``poll``: an exception from it must not stop the delivery thread."""
+    try:
+        callback(err, where)
+    except Exception:
+        log.exception("a delivery callback failed")
 
 
 def _settle(future: asyncio.Future[Delivered], err: BusError | None, where: Delivered | None) -> None:

@@ -1,12 +1,15 @@
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
+from typing import Any
 
 import pytest
 from confluent_kafka import Message, Producer
 
 from bus.consumer import ConsumerThread, consumer_config, decode_or_dead_letter
+from bus.errors import BusError
 from bus.producer import EventProducer
 from infra.topics import TopicSpec, apply_topics, make_admin
 from schemas.codec import decode
@@ -113,3 +116,61 @@ def test_a_commit_the_broker_refuses_is_reported_to_its_owner(
         consumer.commit({(topic, 99): 3}, on_failure=report)
         assert done.wait(30)
     assert refused == [{(topic, 99): 3}]
+
+
+async def test_a_failing_delivery_callback_does_not_stop_deliveries(
+    kafka_bootstrap: str, topic_prefix: str
+) -> None:
+    topic = f"{topic_prefix}.callbacks"
+    _topics(kafka_bootstrap, topic)
+    event = example_events()[0]
+
+    def broken(err: object, where: object) -> None:
+        raise RuntimeError("a caller's bug")
+
+    with EventProducer(kafka_bootstrap, "test") as producer:
+        producer.produce(topic, event, on_delivery=broken)
+        where = await asyncio.wait_for(producer.publish(topic, event), timeout=30)
+        assert where[1] >= 1, "the record after the failing callback was delivered too"
+        assert producer.failure is None
+
+
+async def test_a_dead_delivery_thread_fails_every_waiting_publish(
+    kafka_bootstrap: str, topic_prefix: str
+) -> None:
+    """Before, a poll loop that raised left every pending ``publish`` waiting forever."""
+    topic = f"{topic_prefix}.dead-poll"
+    _topics(kafka_bootstrap, topic)
+    event = example_events()[0]
+    producer = EventProducer(kafka_bootstrap, "test")
+    real = producer._producer
+
+    class Broken:
+        """The real producer, whose delivery poll fails (a fatal error in librdkafka)."""
+
+        def produce(self, *args: Any, **kwargs: Any) -> None:
+            real.produce(*args, **kwargs)
+
+        def poll(self, timeout: float) -> int:
+            raise RuntimeError("fatal: the producer is fenced")
+
+        def flush(self, timeout: float) -> int:
+            return int(real.flush(timeout))
+
+        def close(self) -> None:
+            real.close()
+
+    producer._producer = Broken()  # type: ignore[assignment]
+    waiting = asyncio.create_task(producer.publish(topic, event))
+    await asyncio.sleep(0)  # produced, and now waiting for its delivery report
+    assert not waiting.done()
+    producer.start()  # the delivery thread dies at its first poll
+    try:
+        with pytest.raises(BusError, match="the producer failed"):
+            await asyncio.wait_for(waiting, timeout=30)
+        with pytest.raises(BusError, match="the producer failed"):
+            producer.produce(topic, event)
+    finally:
+        producer._running = False
+        real.flush(10)
+        real.close()
