@@ -233,10 +233,13 @@ def _range_findings(current: pd.DataFrame) -> list[str]:
 
 
 def _embedding_findings(
-    reference: FloatArray, current: FloatArray, n_reference: int, n_current: int
+    reference: FloatArray, current: FloatArray, n_reference: int, n_current: int, level: float
 ) -> list[str]:
-    rate = len(reference) / n_reference if n_reference else 0.0
-    if len(current) == 0 and rate * n_current >= EXPECTED_EMBEDDINGS:
+    """ "Not sampled" only when none in the window is unlikely at ``level`` (1 in 20 sampling leaves a
+    100-request window without an embedding 0.6 % of the time: that is chance, not a broken sampler)."""
+    rate = min(1.0, len(reference) / n_reference) if n_reference else 0.0
+    by_chance = (1.0 - rate) ** n_current
+    if len(current) == 0 and rate * n_current >= EXPECTED_EMBEDDINGS and by_chance < level:
         return [f"{EMBEDDING}: not sampled (0 of {n_current} requests; reference {rate:.1%})"]
     if len(reference) and len(current) and reference.shape[1] != current.shape[1]:
         return [f"{EMBEDDING}: dimension {current.shape[1]} (reference {reference.shape[1]})"]
@@ -474,7 +477,9 @@ def _plan(
     quality = [
         *_missing_findings(ref_nulls, cur_nulls, config.null_tolerance),
         *_range_findings(cur),
-        *_embedding_findings(ref_emb, cur_emb, len(ref), len(cur)),
+        *_embedding_findings(
+            ref_emb, cur_emb, len(ref), len(cur), config.alpha / (len(NUMERICAL) + len(CATEGORICAL) + 1)
+        ),
     ]
     ref_sample, cur_sample = (
         _capped(frame, MAX_ROWS, config.seed).replace([np.inf, -np.inf], np.nan) for frame in (ref, cur)

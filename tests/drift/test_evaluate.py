@@ -307,3 +307,17 @@ def test_html_report_is_evidently_html_with_the_same_embedding_test() -> None:
 def test_html_report_of_too_few_rows_is_an_empty_page() -> None:
     rng = np.random.default_rng(19)
     assert "<html" in html_report(_window(rng, 10), _window(rng, 10), _none(), _none())
+
+
+def test_a_small_window_without_embeddings_by_chance_is_not_a_finding() -> None:
+    """At 5 % sampling, 100 requests carry no embedding 0.6 % of the time: below the false-alarm level
+    that is chance, not a stopped sampler."""
+    from drift.evaluate import _embedding_findings
+
+    reference = np.zeros((5, 4), dtype=np.float64)  # 5 of 100 reference requests embedded
+    nothing = np.zeros((0, 4), dtype=np.float64)
+    level = 0.01 / 15
+    assert _embedding_findings(reference, nothing, 100, 100, level) == []
+    assert _embedding_findings(reference, nothing, 100, 1000, level) == [
+        "embedding: not sampled (0 of 1000 requests; reference 5.0%)"
+    ]
