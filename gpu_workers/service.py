@@ -36,7 +36,7 @@ from gpu_workers.observe import RequestTrace, RunnerLoad, WorkerObserver, open_t
 from gpu_workers.offsets import OffsetTracker
 from monitoring import tracing
 from monitoring.ops import Readiness
-from schemas.codec import MAX_RECORD_BYTES, DecodeError, decode, encode
+from schemas.codec import MAX_RECORD_BYTES, DecodeError, decode, encode, headers, kafka_key
 from schemas.events import (
     CancelRequested,
     EmbeddingRequested,
@@ -528,19 +528,25 @@ class WorkerService:
                     if span is not None:
                         span.end()
 
-        size = len(encode(result))
-        if size > MAX_RECORD_BYTES - RECORD_HEADROOM_BYTES:
+        value = encode(result)  # once, for the size check and both topics
+        if len(value) > MAX_RECORD_BYTES - RECORD_HEADROOM_BYTES:
             # Too large for one record: end the request failed, not the model thread (which the produce
             # error used to kill, and again after every redelivery).
             log.error(
-                "terminal event of %s is %d bytes, over the record limit; it ends failed", request_id, size
+                "terminal event of %s is %d bytes, over the record limit; it ends failed",
+                request_id,
+                len(value),
             )
             if span is not None:
                 span.set_status(Status(StatusCode.ERROR, "result_too_large"))
-            result = too_large(result, size)
+            result = too_large(result, len(value))
+            value = encode(result)
+        key, head = kafka_key(result), headers(result)
         if reply is not None:
-            self._producer.produce(reply.topic, result, partition=reply.partition, on_delivery=durable)
-        self._producer.produce(self._names.results, result, on_delivery=durable)
+            self._producer.produce_raw(
+                reply.topic, value, key=key, headers=head, partition=reply.partition, on_delivery=durable
+            )
+        self._producer.produce_raw(self._names.results, value, key=key, headers=head, on_delivery=durable)
 
 
 RECORD_HEADROOM_BYTES = 4096

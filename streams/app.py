@@ -89,7 +89,6 @@ class StreamsApp:
         request_topics: Sequence[str],
         app_id: str | None = None,
         on_batch: Callable[[Batch], None] | None = None,
-        drift: bool = True,
     ) -> None:
         names = TopicNames(platform.topic_prefix)
         self.names = names
@@ -127,11 +126,8 @@ class StreamsApp:
         self._last_batch_full = False
         self._stored_until_ms = 0
         """The latest ``finished`` time of a terminal event the sink has written (ms)."""
-        self.drift = (
-            DriftMonitor(settings, self._read, self._publish_report, self.stored_until) if drift else None
-        )
-        if self.drift is not None:
-            self.app.timer(settings.drift_interval_s, name="drift")(self._drift)
+        self.drift = DriftMonitor(settings, self._read, self._publish_report, self.stored_until)
+        self.app.timer(settings.drift_interval_s, name="drift")(self._drift)
         self.failure: BaseException | None = None
         """Set when an agent crashed: the process must exit (and be restarted), not limp on."""
         self._batch_size = settings.streams_batch_size
@@ -246,20 +242,15 @@ class StreamsApp:
         controller = self._controller
         if controller is None:
             return
-        loop = asyncio.get_running_loop()
         try:
             if not self._seeded:
-                states = await loop.run_in_executor(
-                    self._executor, query_rows, self._writer, LAST_BUDGET_STATES
-                )
+                states = await self._read(LAST_BUDGET_STATES)
                 controller.seed({r["tenant"]: bool(r["exhausted"]) for r in states})
                 self._seeded = True
-            spend = await loop.run_in_executor(self._executor, query_rows, self._writer, SPEND_TODAY)
+            spend = await self._read(SPEND_TODAY)
             burns: list[dict[str, Any]] = []
             for minutes in WINDOWS:
-                burns += await loop.run_in_executor(
-                    self._executor, query_rows, self._writer, burn_sql(minutes)
-                )
+                burns += await self._read(burn_sql(minutes))
         except Exception:
             log.exception("control: reading the warehouse failed; trying again next interval")
             return
@@ -300,8 +291,6 @@ class StreamsApp:
 
     async def _drift(self) -> None:
         """Evaluate the drift windows that closed; a failure is logged and retried next interval."""
-        if self.drift is None:
-            return
         try:
             await self.drift.run_once()
         except Exception:
@@ -313,9 +302,8 @@ class StreamsApp:
         todo = [(record, event) for record, event in batch.events if self._audited(record, event)]
         if not todo:
             return []
-        loop = asyncio.get_running_loop()
         if self._heads is None:
-            rows = await loop.run_in_executor(self._executor, query_rows, self._writer, AUDIT_HEADS)
+            rows = await self._read(AUDIT_HEADS)
             self._heads, self._offsets = load_heads(rows)
         heads = self._heads
         entries: list[AuditEntry] = []

@@ -388,17 +388,18 @@ async def test_a_terminal_event_kafka_did_not_take_lets_a_redelivery_run_again(
     from bus.errors import BusError
 
     worker_producer = gpt_worker._producer
-    real_produce = worker_producer.produce
+    real_produce = worker_producer.produce_raw
     dropped: list[str] = []
 
-    def flaky(topic: str, event: Event, **kwargs: Any) -> None:
+    def flaky(topic: str, value: bytes, **kwargs: Any) -> None:
+        event = decode(value)
         if topic == names.results and isinstance(event, RequestFinished) and not dropped:
             dropped.append(event.request_id)
             kwargs["on_delivery"](BusError("broker went away"), None)  # delivery failed after retries
             return
-        real_produce(topic, event, **kwargs)
+        real_produce(topic, value, **kwargs)
 
-    monkeypatch.setattr(worker_producer, "produce", flaky)
+    monkeypatch.setattr(worker_producer, "produce_raw", flaky)
     request = _generation(names, PROMPT)
     await producer.publish(names.requests("demo-gpt"), request)
     await eventually(lambda: bool(dropped), within=30)
