@@ -97,6 +97,9 @@ class RequestCommon(Envelope, frozen=True, kw_only=True):
     """None: no edge waits; the terminal event goes to the results topic only."""
     idempotency_key: str | None = None
     priority: int = 0
+    shadow_of: str | None = None
+    """Set on a shadow copy: the id of the request it mirrors. A shadow request runs on a candidate version
+    at the lowest priority, has no ``reply`` (no client ever sees it) and is never billed."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -219,6 +222,8 @@ class RequestFinished(Envelope, frozen=True, kw_only=True, tag="request_finished
     """Longest gap between two generated tokens (generation with 2+ tokens)."""
     features: DriftFeatures | None = None
     """Drift features of the request, set by the worker (absent in events from before drift detection)."""
+    shadow_of: str | None = None
+    """Copied from a shadow request: the id of the request it mirrored (not billed, never answered)."""
 
 
 class UsageRecorded(Envelope, frozen=True, kw_only=True, tag="usage_recorded"):
@@ -249,12 +254,79 @@ class AuditEntry(Envelope, frozen=True, kw_only=True, tag="audit_entry"):
     model_version: str = ""
 
 
+RolloutPhase = Literal["stable", "canary", "promoted", "rolled_back"]
+GateState = Literal["pass", "fail", "insufficient_data"]
+
+
+class RolloutGates(FrozenStruct, frozen=True, kw_only=True):
+    """What a candidate must show at each step, compared with the stable version over the same window."""
+
+    min_requests: Annotated[int, msgspec.Meta(ge=1)] = 50
+    """Terminal requests per version in the step before any gate decides (``insufficient_data`` before)."""
+    max_error_delta: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.05
+    """The candidate's error ratio may exceed the stable version's by at most this."""
+    max_ttft_p99_ratio: Annotated[float, msgspec.Meta(ge=1.0)] = 1.5
+    max_itl_p99_ratio: Annotated[float, msgspec.Meta(ge=1.0)] = 1.5
+    latency_slack_ms: Annotated[float, msgspec.Meta(ge=0.0)] = 25.0
+    """Added to the latency limits, so a few ms of noise on a fast baseline is not a failure."""
+    max_cost_ratio: Annotated[float, msgspec.Meta(ge=1.0)] = 1.25
+    """Cost per 1k tokens, candidate / stable."""
+    drift: bool = True
+    """A ``drift`` verdict for the candidate in the step fails the gate."""
+    burn: bool = True
+    """A firing fast-burn ``BurnRateCrossed`` for the candidate fails the gate."""
+    step_min_s: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
+    """Seconds each step lasts at least, however many requests it saw."""
+
+
+class GateResult(FrozenStruct, frozen=True, kw_only=True):
+    """One gate's evidence at a decision: both sides' values, the limit, and the sample sizes."""
+
+    gate: str
+    """``error_ratio``, ``ttft_p99_ms``, ``itl_p99_ms``, ``cost_per_1k_tokens``, ``drift`` or ``burn``."""
+    state: GateState
+    candidate: float | None = None
+    baseline: float | None = None
+    limit: float | None = None
+    candidate_n: NonNegative = 0
+    baseline_n: NonNegative = 0
+    detail: str = ""
+
+
 class DeploymentChanged(Envelope, frozen=True, kw_only=True, tag="deployment_changed"):
+    """The whole deployment of one model (key ``deployment:<model>`` on the compacted control topic): the
+    latest one is the only truth of what serves. Edges route by ``traffic``, workers of every version in
+    it run, and the rollout controller moves ``step`` and decides promotion or rollback."""
+
     version: str
+    """The version this change is about (the candidate, or the version deployed)."""
     action: Literal["deploy", "promote", "rollback", "retire"]
     traffic: dict[str, float]
     """Model version -> share of traffic."""
     reason: str
+    stable: str = ""
+    """The version that takes what the candidate does not, and runs requests left by a version that
+    stopped serving."""
+    candidate: str | None = None
+    """The version under rollout; None when none is."""
+    phase: RolloutPhase = "stable"
+    steps: list[float] = msgspec.field(default_factory=list)
+    """The candidate's share at each step, ending at 1.0."""
+    step: NonNegative = 0
+    step_started: UtcDatetime | None = None
+    """When the current step began: gates compare requests accepted since then."""
+    shadow: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
+    """Share of the stable version's requests mirrored to the candidate (never answered, not billed)."""
+    gates: RolloutGates | None = None
+    evidence: list[GateResult] = msgspec.field(default_factory=list)
+    """The gate values behind this decision."""
+    actor: str = ""
+    """``operator`` (the CLI) or ``controller`` (streams)."""
+    rollout_id: str = ""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _require_utc("step_started", self.step_started)
 
 
 class BudgetStateChanged(Envelope, frozen=True, kw_only=True, tag="budget_state_changed"):

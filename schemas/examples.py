@@ -23,9 +23,11 @@ from schemas.events import (
     ErrorInfo,
     Event,
     FeatureDrift,
+    GateResult,
     GenerationRequested,
     ReplyTo,
     RequestFinished,
+    RolloutGates,
     SamplingParams,
     Timings,
     TokenChunk,
@@ -67,6 +69,7 @@ class _Request(TypedDict):
     reply: ReplyTo
     idempotency_key: str
     priority: int
+    shadow_of: str
 
 
 def _env(ms: int, source: str, request_id: str = REQUEST_ID) -> _Envelope:
@@ -88,7 +91,8 @@ def example_events() -> list[Event]:
     reply = ReplyTo(topic="sluice.replies", partition=3, edge_id="edge-1")
     sampling = SamplingParams(max_tokens=32, temperature=0.7, top_p=0.9, top_k=40, stop=("\n\n",), seed=7)
     request = _Request(
-        model_version="demo-gpt@3", deadline=_at(30_000), reply=reply, idempotency_key="idem-42", priority=1
+        model_version="demo-gpt@3", deadline=_at(30_000), reply=reply, idempotency_key="idem-42", priority=1,
+        shadow_of="0190a1b2-c3d4-7e5f-8a9b-0c1d2e3f4a50",
     )
     return [
         GenerationRequested(
@@ -142,6 +146,7 @@ def example_events() -> list[Event]:
             stream=True,
             edge_id="edge-1",
             idempotency_key="order-7",
+            shadow_of="0190a1b2-c3d4-7e5f-8a9b-0c1d2e3f4a50",
             max_inter_token_s=0.0125,
             features=DriftFeatures(
                 prompt_chars=24,
@@ -183,6 +188,27 @@ def example_events() -> list[Event]:
             action="promote",
             traffic={"demo-gpt@3": 0.75, "demo-gpt@4": 0.25},
             reason="canary healthy for 30m",
+            stable="demo-gpt@3",
+            candidate="demo-gpt@4",
+            phase="canary",
+            steps=[0.05, 0.25, 0.5, 1.0],
+            step=1,
+            step_started=T0,
+            shadow=0.2,
+            gates=RolloutGates(min_requests=100),
+            evidence=[
+                GateResult(
+                    gate="error_ratio",
+                    state="pass",
+                    candidate=0.01,
+                    baseline=0.012,
+                    limit=0.062,
+                    candidate_n=120,
+                    baseline_n=2280,
+                )
+            ],
+            actor="controller",
+            rollout_id="0190a1b2-c3d4-7e5f-8a9b-0c1d2e3f4a5b",
         ),
         BudgetStateChanged(
             **_env(9, "streams/ledger", ""),
