@@ -15,7 +15,7 @@ from gpu_workers.scheduler import SchedulerConfig
 from gpu_workers.service import Runner, WorkerService
 from gpu_workers.settings import WorkerSettings
 from monitoring.ops import OpsServer
-from schemas.manifest import ManifestError, current_model_dir, read_manifest
+from schemas.manifest import ManifestError, current_model_dir, models_root, read_manifest
 from schemas.settings import PlatformSettings
 from schemas.topics import TopicNames
 
@@ -28,6 +28,29 @@ def runner_factory(
     """Build the runner inside the model thread (the model loads, warms up and runs in that thread)."""
 
     def build() -> Runner:
+        runner = build_runner()
+        faulty = worker.fault_fail_ratio > 0 or worker.fault_delay_ms > 0
+        version = read_manifest(model_dir).version
+        if not faulty or (worker.fault_versions and version not in worker.fault_versions):
+            return runner
+        from gpu_workers.faults import FaultyRunner
+        from gpu_workers.service import Origin
+
+        log.warning(
+            "worker %s: FAULT INJECTION on version %s (fail %.0f%%, +%d ms per step)",
+            worker_id,
+            version,
+            100 * worker.fault_fail_ratio,
+            worker.fault_delay_ms,
+        )
+        return FaultyRunner(
+            runner,
+            Origin(source, worker_id),
+            fail_ratio=worker.fault_fail_ratio,
+            delay_s=worker.fault_delay_ms / 1000,
+        )
+
+    def build_runner() -> Runner:
         from gpu_workers.models import configure_torch_threads, report_loaded
 
         configure_torch_threads(worker.worker_torch_threads)
@@ -128,8 +151,8 @@ def _warm_up_generation(engine: object) -> None:
 
 def make_worker(platform: PlatformSettings, worker: WorkerSettings, model_id: str) -> WorkerService:
     worker_id = worker.worker_id or f"{model_id}-{os.getpid()}"
-    model_dir = current_model_dir(platform.cache_dir, model_id)
-    read_manifest(model_dir)  # fail fast, before Kafka, if the model was never prepared
+    model_dir = model_dir_of(platform, model_id, worker.worker_version)
+    manifest = read_manifest(model_dir)  # fail fast, before Kafka, if the model was never prepared
     return WorkerService(
         model_id=model_id,
         worker_id=worker_id,
@@ -138,7 +161,19 @@ def make_worker(platform: PlatformSettings, worker: WorkerSettings, model_id: st
         runner_factory=runner_factory(model_dir, worker, f"gpu_workers/{worker_id}", worker_id),
         consumer_overrides={"session.timeout.ms": worker.worker_session_timeout_ms},
         probe_factory=probe_factory(platform, worker, model_id),
+        version=manifest.version,
+        adopt_grace_s=worker.worker_adopt_grace_s,
     )
+
+
+def model_dir_of(platform: PlatformSettings, model_id: str, version: str | None) -> Path:
+    """The prepared directory of ``model_id`` at ``version`` (``current`` when None)."""
+    if not version:
+        return current_model_dir(platform.cache_dir, model_id)
+    path = models_root(platform.cache_dir) / model_id / version
+    if not path.is_dir():
+        raise ManifestError(f"{model_id} has no version {version} (see `sluice models list`)")
+    return path
 
 
 def run_worker(

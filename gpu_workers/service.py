@@ -29,6 +29,7 @@ from confluent_kafka import Consumer, Message, TopicPartition
 from opentelemetry.trace import Status, StatusCode
 
 from bus.consumer import TP, ConsumerThread, consumer_config, decode_or_dead_letter, watermarks
+from bus.control import control_start, latest_deployments
 from bus.errors import BusError
 from bus.producer import EventProducer
 from gpu_workers.features import FeatureProbe
@@ -37,8 +38,10 @@ from gpu_workers.offsets import OffsetTracker
 from monitoring import tracing
 from monitoring.ops import Readiness
 from schemas.codec import MAX_RECORD_BYTES, DecodeError, decode, encode, headers, kafka_key
+from schemas.deployments import Deployment
 from schemas.events import (
     CancelRequested,
+    DeploymentChanged,
     EmbeddingRequested,
     ErrorInfo,
     GenerationRequested,
@@ -129,7 +132,13 @@ class _Cancel:
     request_id: str
 
 
-_Inbox = Arrival | _Skip | _Cancel
+@dataclass(frozen=True)
+class _Deploy:
+    deployment: Deployment
+
+
+_Inbox = Arrival | _Skip | _Cancel | _Deploy
+Placement = Literal["run", "hold", "adopt", "drop"]
 
 
 class WorkerService:
@@ -147,8 +156,21 @@ class WorkerService:
         remember_finished: int = 100_000,
         consumer_overrides: dict[str, object] | None = None,
         probe_factory: Callable[[], FeatureProbe] | None = None,
+        version: str = "",
+        adopt_grace_s: float = 10.0,
     ) -> None:
         self.model_id = model_id
+        self.version = version
+        """The model version this worker runs ("" : any, and no deployment is followed)."""
+        self._adopt_grace_s = adopt_grace_s
+        self._deployment: Deployment | None = None
+        """The model's latest deployment (model thread); None before any rollout: run every record."""
+        self._held: dict[str, Arrival] = {}
+        """Records routed to another version still serving: not run here, their offsets kept open until
+        the results tail shows them finished, or their version stops serving (model thread)."""
+        self._left_serving: dict[str, float] = {}
+        """Version -> when this worker learned it no longer serves (its records are adopted after grace)."""
+        self._next_sweep = 0.0
         self.worker_id = worker_id
         self.source = f"gpu_workers/{worker_id}"
         self._names = names
@@ -174,7 +196,8 @@ class WorkerService:
         self._pending_writes: dict[str, int] = {}
         self._producer = EventProducer(bootstrap, self.source)
         self._observer = WorkerObserver(model_id, worker_id)
-        self.group = f"sluice-workers.{model_id}"
+        # One consumer group per version: each reads the whole topic and runs what is routed to it.
+        self.group = f"sluice-workers.{model_id}" + (f".{version}" if version else "")
         overrides = dict(consumer_overrides or {})
         self._requests = ConsumerThread(
             consumer_config(bootstrap, self.group, self.source, **overrides),
@@ -184,6 +207,7 @@ class WorkerService:
             name=f"requests-{model_id}",
         )
         self._cancels: ConsumerThread | None = None
+        self._control: ConsumerThread | None = None
         self._results_tail: ConsumerThread | None = None
         self._finished_elsewhere: queue.SimpleQueue[str] = queue.SimpleQueue()
         """Request ids whose terminal event the results tail saw (filled by its thread)."""
@@ -221,6 +245,8 @@ class WorkerService:
             name=f"cancels-{self.model_id}",
         )
         self._cancels.start()
+        if self.version:
+            self._follow_deployments()
         self._thread = threading.Thread(target=self._serve, name=f"model-{self.model_id}", daemon=True)
         self._thread.start()
         if not self._ready.wait(timeout):
@@ -250,10 +276,10 @@ class WorkerService:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        for listener in (self._cancels, self._results_tail):
+        for listener in (self._cancels, self._results_tail, self._control):
             if listener is not None:
                 listener.stop()
-        self._cancels = self._results_tail = None
+        self._cancels = self._results_tail = self._control = None
         self._producer.stop()  # the last delivery reports land in self._durable
         self._commit()
         self._requests.stop()  # performs the queued commit, then leaves the group
@@ -297,6 +323,32 @@ class WorkerService:
                 continue  # the edge only writes valid cancels; junk here has no request to stop
             if isinstance(event, CancelRequested) and event.model == self.model_id:
                 self._put(_Cancel(event.request_id))
+
+    def _follow_deployments(self) -> None:
+        """The deployment now (read to the control topic's end before serving), then every change."""
+        control = self._names.control
+        latest = latest_deployments(self._bootstrap, control, f"{self.source}-control")
+        if self.model_id in latest:
+            self._deployment = Deployment.of(latest[self.model_id])
+        tps, ends = control_start(self._bootstrap, control, f"{self.source}-control")
+        if not tps:
+            return
+        self._control = ConsumerThread(
+            consumer_config(self._bootstrap, None, f"{self.source}-control"),
+            self._on_control,
+            assign=[TopicPartition(control, tp.partition, ends[tp.partition]) for tp in tps],
+            name=f"control-{self.model_id}",
+        )
+        self._control.start()
+
+    def _on_control(self, batch: list[Message]) -> None:
+        for message in batch:
+            try:
+                event = decode(message.value() or b"")
+            except DecodeError:
+                continue
+            if isinstance(event, DeploymentChanged) and event.model == self.model_id:
+                self._put(_Deploy(Deployment.of(event)))
 
     def _on_revoke(self, tps: list[TP]) -> None:
         """Partitions taken away in a rebalance: forget their offsets, and mark every record of theirs
@@ -390,7 +442,7 @@ class WorkerService:
             try:
                 item = self._inbox.get(timeout=timeout) if first and timeout > 0 else self._inbox.get_nowait()
             except queue.Empty:
-                return
+                break
             first = False
             match item:
                 case Arrival():
@@ -407,17 +459,12 @@ class WorkerService:
                         continue
                     if item.event.request_id in self._finished:
                         log.info("skipping %s: already finished", item.event.request_id)
-                        if item.trace is not None:
-                            item.trace.span.set_attribute(tracing.STATUS, "skipped_finished")
-                            item.trace.span.end()
-                        with self._offsets_lock:
-                            self._offsets.done(item.tp, item.offset)
+                        self._release(item, "skipped_finished")
+                    elif self._placement(item.event) == "run":
+                        self._run(runner, item, emit)
                     else:
-                        request_id = item.event.request_id
-                        self._live.add(request_id)
-                        runner.accept(item, emit)
-                        if self._early_cancels.pop(request_id, None) is not None:
-                            runner.cancel(request_id, emit)  # cancelled before it arrived: never runs
+                        self._held[item.event.request_id] = item
+                        self._next_sweep = 0.0  # an adoptable or droppable record goes at once
                 case _Cancel():
                     if item.request_id in self._live:
                         runner.cancel(item.request_id, emit)
@@ -428,6 +475,88 @@ class WorkerService:
                         if not self._stale(item.tp, item.generation):
                             self._offsets.started(item.tp, item.offset)
                             self._offsets.done(item.tp, item.offset)
+                case _Deploy():
+                    self._deploy(item.deployment)
+        self._sweep(runner, emit)
+
+    def _run(self, runner: Runner, item: Arrival, emit: Emitter) -> None:
+        request_id = item.event.request_id
+        self._live.add(request_id)
+        runner.accept(item, emit)
+        if self._early_cancels.pop(request_id, None) is not None:
+            runner.cancel(request_id, emit)  # cancelled before it arrived: never runs
+
+    def _release(self, item: Arrival, status: str) -> None:
+        """Done with a record this worker does not run: its offset may be committed."""
+        if item.trace is not None:
+            item.trace.span.set_attribute(tracing.STATUS, status)
+            item.trace.span.end()
+        with self._offsets_lock:
+            if not self._stale(item.tp, item.generation):
+                self._offsets.done(item.tp, item.offset)
+
+    # ---------------------------------------------------------------- versions (model thread)
+
+    def _placement(self, event: Request) -> Placement:
+        """What this worker does with a record routed to ``event.model_version``: run it (its own
+        version, or any before the first deployment), hold it (another serving version runs it), adopt it
+        after a grace period (its version stopped serving and this is the stable version), or drop it (a
+        shadow copy whose candidate stopped serving: nobody waits for it)."""
+        deployment, version = self._deployment, event.model_version
+        if deployment is None or not self.version:
+            return "run"
+        if self.version not in deployment.serving:
+            return "hold"  # this worker is being retired: the stable version takes over what is left
+        if deployment.runs(self.version, version):
+            if version == self.version:
+                return "run"
+            return "drop" if event.shadow_of else "adopt"
+        return "hold"
+
+    def _deploy(self, deployment: Deployment) -> None:
+        old = self._deployment.serving if self._deployment is not None else frozenset()
+        now = time.monotonic()
+        for version in old - deployment.serving:
+            self._left_serving.setdefault(version, now)
+        for version in deployment.serving:
+            self._left_serving.pop(version, None)  # serving again (a rollout started anew)
+        if deployment != self._deployment:
+            log.info("worker %s (%s): deployment %s", self.worker_id, self.version, deployment)
+        self._deployment = deployment
+        self._next_sweep = 0.0
+
+    SWEEP_EVERY_S = 0.5
+
+    def _sweep(self, runner: Runner, emit: Emitter) -> None:
+        """Run, adopt or drop held records whose placement changed (at most every ``SWEEP_EVERY_S``)."""
+        now = time.monotonic()
+        if not self._held or now < self._next_sweep:
+            return
+        self._next_sweep = now + self.SWEEP_EVERY_S
+        for request_id, item in list(self._held.items()):
+            with self._offsets_lock:
+                stale = self._stale(item.tp, item.generation)
+            placement = self._placement(item.event)
+            if stale:
+                del self._held[request_id]
+                self._release(item, "revoked")
+            elif placement == "run":
+                del self._held[request_id]
+                self._run(runner, item, emit)
+            elif placement == "drop":
+                del self._held[request_id]
+                self._release(item, "shadow_dropped")
+            elif placement == "adopt":
+                left = self._left_serving.setdefault(item.event.model_version, now)
+                if now - left >= self._adopt_grace_s:
+                    del self._held[request_id]
+                    log.info("adopting %s: version %s no longer serves", request_id, item.event.model_version)
+                    self._run(runner, item, emit)
+
+    @property
+    def held(self) -> int:
+        """Records held for another version (for tests and debugging)."""
+        return len(self._held)
 
     def _learn_from_tail(self) -> None:
         while True:
@@ -437,6 +566,9 @@ class WorkerService:
                 return
             if request_id not in self._live:  # one it runs itself ends through _publish_finish
                 self._remember_finished(request_id)
+                held = self._held.pop(request_id, None)
+                if held is not None:  # its own version's worker finished it
+                    self._release(held, "finished_elsewhere")
 
     EARLY_CANCEL_TTL_S = 120.0
     EARLY_CANCELS = 10_000
@@ -498,7 +630,7 @@ class WorkerService:
             reply.topic if reply is not None else self._names.results,
             reply.partition if reply is not None else None,
         )
-        result = with_request(result, arrival.event, context)
+        result = with_request(result, arrival.event, context, self.version)
         if self._probe is not None:
             try:
                 result = msgspec.structs.replace(result, features=self._probe.features(arrival.event, result))
@@ -599,10 +731,14 @@ def _all_partitions_at_end(bootstrap: str, topic: str) -> list[TopicPartition]:
 
 
 def with_request(
-    result: RequestFinished, event: Request, context: tuple[str, str | None] | None = None
+    result: RequestFinished,
+    event: Request,
+    context: tuple[str, str | None] | None = None,
+    version: str = "",
 ) -> RequestFinished:
     """The terminal event with what the request said copied in (alone, it is the request's fact row),
-    and the trace context of its ``publish`` span when there is one; one copy of the event."""
+    and the trace context of its ``publish`` span when there is one; one copy of the event. The model
+    version is the one that ran it (``version``), which differs from the routed one when it was adopted."""
     kind: Literal["chat", "completion", "embedding"] = (
         "embedding" if isinstance(event, EmbeddingRequested) else "chat" if event.chat else "completion"
     )
@@ -611,7 +747,8 @@ def with_request(
         result,
         traceparent=traceparent,
         tracestate=tracestate,
-        model_version=event.model_version,
+        model_version=version or event.model_version,
+        shadow_of=event.shadow_of,
         kind=kind,
         stream=isinstance(event, GenerationRequested) and event.stream,
         edge_id=event.reply.edge_id if event.reply is not None else "",

@@ -41,6 +41,17 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     """``/readyz`` fails while more requests than this wait uncommitted on this worker's partitions."""
     worker_session_timeout_ms: Annotated[int, msgspec.Meta(ge=1000)] = 10_000
     """Kafka group session timeout: how soon a dead worker's requests move to another worker."""
+    worker_version: str | None = None
+    """The model version to serve (a directory under the model's cache folder); default: ``current``."""
+    worker_adopt_grace_s: Annotated[float, msgspec.Meta(ge=0.0)] = 10.0
+    """How long after a version stops serving the stable version's workers wait before running the
+    requests still routed to it (its own workers finish what they started in the meantime)."""
+    fault_fail_ratio: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
+    """Fault injection for rollout drills: this share of requests (by request-id hash) ends ``failed``."""
+    fault_delay_ms: Annotated[int, msgspec.Meta(ge=0)] = 0
+    """Fault injection: added to every model step (slower first token and inter-token gaps)."""
+    fault_versions: tuple[str, ...] = ()
+    """Model versions the faults apply to (empty: every version this worker serves)."""
     drift_sample: Annotated[int, msgspec.Meta(ge=0)] = 20
     """1 in N requests (by a hash of the request id) carry a MiniLM embedding of the prompt for drift
     detection; 1 embeds every request, 0 none. The other drift features are on every request."""

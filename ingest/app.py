@@ -103,7 +103,9 @@ class Edge:
             dispatcher=Dispatcher(
                 gateway, source=source, disconnect_grace_s=settings.edge_disconnect_grace_s
             ),
-            preparer=Preparer(catalogue, settings, gateway.reply_to, clock=clock),
+            preparer=Preparer(
+                catalogue, settings, gateway.reply_to, clock=clock, deployments=gateway.deployment
+            ),
         )
         self.app = web.Application(
             middlewares=[traced, openai_errors], client_max_size=settings.edge_max_body_bytes

@@ -17,7 +17,7 @@ from ingest.errors import (
     InvalidRequest,
     NotFound,
 )
-from ingest.gateway import Gateway, IdempotencyRecord, ReplyItem, ReplyStream
+from ingest.gateway import Gateway, IdempotencyRecord, ReplyItem, ReplyStream, RequestEvent
 from ingest.prepare import Prepared
 from monitoring import metrics
 from schemas.events import CancelRequested
@@ -89,6 +89,21 @@ class Dispatcher:
         return opened
 
     async def _open(self, prepared: Prepared, idempotency_key: str | None) -> Opened:
+        opened = await self._submit_or_replay(prepared, idempotency_key)
+        if opened.owner and prepared.shadow is not None:
+            task = asyncio.create_task(self._mirror(prepared.shadow))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        return opened
+
+    async def _mirror(self, shadow: RequestEvent) -> None:
+        """The shadow copy, after its request is on the log; its failure never reaches the client."""
+        try:
+            await self._gateway.mirror(shadow)
+        except Exception:
+            log.exception("could not publish the shadow copy of %s", shadow.shadow_of)
+
+    async def _submit_or_replay(self, prepared: Prepared, idempotency_key: str | None) -> Opened:
         event = prepared.event
         if idempotency_key is None:
             return Opened(event.request_id, await self._gateway.submit(event), owner=True)

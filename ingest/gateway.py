@@ -24,6 +24,7 @@ from typing import Protocol, TypeAlias
 
 import msgspec
 
+from schemas.deployments import Deployment
 from schemas.events import (
     CancelRequested,
     EmbeddingRequested,
@@ -68,6 +69,12 @@ class Gateway(Protocol):
     async def submit(self, event: RequestEvent, *, resume_after_seq: int | None = None) -> ReplyStream: ...
 
     async def resume(self, tenant: str, request_id: str, after_seq: int) -> ReplyStream | None: ...
+
+    def deployment(self, model: str) -> Deployment | None:
+        """The model's latest deployment on the control topic (None: no rollout ever; serve ``current``)."""
+
+    async def mirror(self, event: RequestEvent) -> None:
+        """Publish a shadow copy durably; nothing listens for its replies."""
 
     async def cancel(self, event: CancelRequested) -> None: ...
 

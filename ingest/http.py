@@ -134,6 +134,7 @@ class Routes:
             tenant=tenant,
             timeout_header=request.headers.get("X-Request-Timeout"),
             idempotency_key=key,
+            session=request.headers.get("X-Session-Id"),
         )
         request[MODEL_KEY] = prepared.event.model
         request[VERSION_KEY] = prepared.event.model_version

@@ -15,6 +15,7 @@ import asyncio
 import collections
 import hashlib
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 
@@ -23,15 +24,18 @@ from confluent_kafka import Consumer, Message, TopicPartition
 from opentelemetry.trace import SpanKind
 
 from bus.consumer import ConsumerThread, consumer_config, watermarks
+from bus.control import control_start
 from bus.errors import BusError
 from bus.producer import EventProducer
 from ingest.errors import GatewayUnavailable
 from ingest.gateway import IdempotencyRecord
 from monitoring import tracing
 from schemas.codec import DecodeError, decode
+from schemas.deployments import Deployment
 from schemas.events import (
     BudgetStateChanged,
     CancelRequested,
+    DeploymentChanged,
     EmbeddingRequested,
     GenerationRequested,
     ReplyTo,
@@ -196,6 +200,13 @@ class KafkaGateway:
         self._idem_max = idempotency_max
         self._control: ConsumerThread | None = None
         self._exhausted: set[str] = set()
+        self._deployments: dict[str, Deployment] = {}
+        self._control_ends: dict[int, int] = {}
+        self._control_seen = threading.Event()
+        """Set once the control listener has read to where the topic ended at start: only then do the
+        budgets and deployments reflect the log (``ready()``)."""
+        self.on_deploy: Callable[[str, Deployment], None] | None = None
+        """Told of every deployment before edges route by it (the catalogue preloads its versions)."""
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -210,7 +221,13 @@ class KafkaGateway:
             name=f"replies-{self.edge_id}",
         )
         self._listener.start()
-        control = await asyncio.to_thread(self._control_partitions)
+        control, self._control_ends = await asyncio.to_thread(
+            control_start, self._bootstrap, self._names.control, f"ingest-{self.edge_id}-control"
+        )
+        if not control:
+            log.warning("no control topic %s: budgets and deployments are not followed", self._names.control)
+        if not any(self._control_ends.values()):
+            self._control_seen.set()
         if control:
             self._control = ConsumerThread(
                 consumer_config(self._bootstrap, None, f"ingest-{self.edge_id}-control"),
@@ -219,6 +236,9 @@ class KafkaGateway:
                 name=f"control-{self.edge_id}",
             )
             self._control.start()
+            # Route by the current deployments from the first request: wait until they are read.
+            if not await asyncio.to_thread(self._control_seen.wait, self.CONTROL_CATCH_UP_S):
+                log.warning("the control topic was not read to its end within %ss", self.CONTROL_CATCH_UP_S)
 
     async def stop(self) -> None:
         if self._control is not None:
@@ -236,23 +256,17 @@ class KafkaGateway:
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
 
+    CONTROL_CATCH_UP_S = 30.0
+
     def ready(self) -> bool:
-        return self._listener is not None and self._listener.failure is None
+        control_ok = self._control is None or (self._control.failure is None and self._control_seen.is_set())
+        return self._listener is not None and self._listener.failure is None and control_ok
+
+    def deployment(self, model: str) -> Deployment | None:
+        return self._deployments.get(model)
 
     def budget_exhausted(self, tenant: str) -> bool:
         return tenant in self._exhausted
-
-    def _control_partitions(self) -> list[TopicPartition]:
-        """Every partition of the (compacted) control topic from its start: its latest state per key."""
-        consumer = Consumer(consumer_config(self._bootstrap, None, f"ingest-{self.edge_id}-probe"))
-        try:
-            meta = consumer.list_topics(self._names.control, timeout=10).topics.get(self._names.control)
-            if meta is None or meta.error is not None:
-                log.warning("no control topic %s: budgets are not enforced", self._names.control)
-                return []
-            return [TopicPartition(self._names.control, p, 0) for p in meta.partitions]
-        finally:
-            consumer.close()
 
     def _on_control(self, batch: list[Message]) -> None:
         """Control listener thread: the latest budget state per tenant (a set swap is atomic enough)."""
@@ -261,7 +275,19 @@ class KafkaGateway:
                 event = decode(message.value() or b"")
             except DecodeError:
                 continue
-            if isinstance(event, BudgetStateChanged):
+            if not self._control_seen.is_set():
+                part, offset = message.partition() or 0, message.offset() or 0
+                if offset + 1 >= self._control_ends.get(part, 0):
+                    self._control_ends[part] = 0
+                if not any(self._control_ends.values()):
+                    self._control_seen.set()
+            if isinstance(event, DeploymentChanged):
+                deployment = Deployment.of(event)
+                if self.on_deploy is not None:
+                    self.on_deploy(event.model, deployment)
+                self._deployments[event.model] = deployment
+                log.info("deployment of %s: %s", event.model, deployment)
+            elif isinstance(event, BudgetStateChanged):
                 if event.exhausted:
                     self._exhausted.add(event.tenant)
                     log.warning("tenant %s is over its budget: refusing its new requests", event.tenant)
@@ -307,6 +333,14 @@ class KafkaGateway:
                 raise
             span.set_attributes(tracing.messaging("publish", topic, where[0], where[1]))
         return stream
+
+    async def mirror(self, event: GenerationRequested | EmbeddingRequested) -> None:
+        """Publish a shadow copy: nobody listens for its replies (it has no ``reply``)."""
+        topic = self._names.requests(event.model)
+        try:
+            await self._producer.publish(topic, event, key=self.partition_key(event.tenant, event.request_id))
+        except BusError as exc:
+            raise GatewayUnavailable(f"the shadow copy could not be published: {exc}") from exc
 
     async def cancel(self, event: CancelRequested) -> None:
         try:

@@ -7,9 +7,9 @@ import zlib
 
 from ingest.app import Edge
 from ingest.kafka_gateway import KafkaGateway
-from ingest.models import ModelCatalogue
+from ingest.models import ModelCatalogue, ServedModel
 from ingest.settings import EdgeSettings
-from schemas.manifest import current_model_dir
+from schemas.manifest import current_model_dir, models_root
 from schemas.settings import PlatformSettings
 from schemas.topics import TopicNames
 
@@ -22,8 +22,9 @@ def reply_partition(edge_id: str, partitions: int) -> int:
 def build_edge(
     platform: PlatformSettings, settings: EdgeSettings, reply_partitions: int
 ) -> tuple[Edge, KafkaGateway]:
-    catalogue = ModelCatalogue.load(
-        {m: current_model_dir(platform.cache_dir, m) for m in platform.served_models()}
+    catalogue = ModelCatalogue(
+        [ServedModel.load(m, current_model_dir(platform.cache_dir, m)) for m in platform.served_models()],
+        models_root(platform.cache_dir),
     )
 
     def detokenize(model: str, ids: list[int]) -> str:
@@ -37,6 +38,7 @@ def build_edge(
         salts=settings.salts(),
         detokenize=detokenize,
     )
+    gateway.on_deploy = lambda model, deployment: catalogue.preload(model, deployment.serving)
     return Edge(settings, gateway, catalogue), gateway
 
 

@@ -9,6 +9,8 @@ the tokenizer's post-processor says (``[CLS] … [SEP]`` for a BERT tokenizer, n
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,9 +18,11 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from ingest.errors import CatalogueError, ContextLengthExceeded, InvalidRequest, ModelNotFound
-from schemas.manifest import ManifestError, ModelManifest, current_model_dir, read_manifest
+from schemas.manifest import ManifestError, ModelManifest, current_model_dir, models_root, read_manifest
 
 TOKENIZER_FILE = "tokenizer.json"
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, eq=False)
@@ -83,8 +87,12 @@ class ServedModel:
 
 
 class ModelCatalogue:
-    def __init__(self, models: Iterable[ServedModel]) -> None:
+    def __init__(self, models: Iterable[ServedModel], root: Path | None = None) -> None:
         self._models = {model.model_id: model for model in models}
+        self._root = root
+        """Where other versions of a model live (``<root>/<model id>/<version>/``); None: none."""
+        self._versions: dict[tuple[str, str], ServedModel] = {}
+        self._lock = threading.Lock()  # the control listener preloads while the loop reads
 
     @classmethod
     def load(cls, dirs: Mapping[str, Path]) -> ModelCatalogue:
@@ -102,7 +110,33 @@ class ModelCatalogue:
             if not sep or not model_id or not path:
                 raise CatalogueError(f"model path {entry!r} is not 'id=/path'")
             dirs[model_id] = Path(path).expanduser()
-        return cls.load(dirs)
+        loaded = [ServedModel.load(model_id, Path(path)) for model_id, path in dirs.items()]
+        return cls(loaded, models_root(cache_dir))
+
+    def version(self, model_id: str, version: str) -> ServedModel:
+        """``model_id`` at ``version`` (the tokenizer and manifest of that version's directory), loaded once.
+        Raises :class:`CatalogueError` when the version is not on this machine."""
+        base = self.get(model_id)
+        if version == base.manifest.version:
+            return base
+        with self._lock:
+            found = self._versions.get((model_id, version))
+        if found is not None:
+            return found
+        if self._root is None:
+            raise CatalogueError(f"model {model_id}: version {version} is not available on this edge")
+        loaded = ServedModel.load(model_id, self._root / model_id / version)
+        with self._lock:
+            self._versions[(model_id, version)] = loaded
+        return loaded
+
+    def preload(self, model_id: str, versions: Iterable[str]) -> None:
+        """Load the versions a deployment names before requests are routed to them (control thread)."""
+        for version in versions:
+            try:
+                self.version(model_id, version)
+            except (CatalogueError, ModelNotFound) as exc:
+                log.warning("deployment of %s names a version this edge cannot load: %s", model_id, exc)
 
     def get(self, model_id: str) -> ServedModel:
         model = self._models.get(model_id)

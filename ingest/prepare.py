@@ -16,11 +16,12 @@ from typing import Literal
 import msgspec
 
 from ingest.auth import Tenant
-from ingest.errors import InvalidRequest, ModelNotFound
+from ingest.errors import CatalogueError, InvalidRequest, ModelNotFound, Unavailable
 from ingest.models import ModelCatalogue, ServedModel
 from ingest.openai import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, PromptInput, decode_body
 from ingest.settings import EdgeSettings
 from schemas.codec import FLOAT_JSON_BYTES, MAX_RECORD_BYTES
+from schemas.deployments import Deployment, sticky_key
 from schemas.events import EmbeddingRequested, Endpoint, GenerationRequested, ReplyTo, SamplingParams, utc_now
 from schemas.ids import uuid7, uuid7_unix_ms
 
@@ -31,6 +32,8 @@ ENDPOINTS: dict[Kind, Endpoint] = {
     "embedding": "/v1/embeddings",
 }
 MAX_EMBEDDING_INPUTS = 2048
+SHADOW_PRIORITY = 1000
+"""Shadow copies wait behind every other request on the candidate's workers (lower runs first)."""
 RESULT_ENVELOPE_BYTES = 16_384
 """Room in a terminal event for everything but its vectors (ids, usage, timings, features)."""
 
@@ -70,6 +73,8 @@ class Prepared:
     timeout_s: float
     """Seconds from now to the event's deadline (for the edge's own wait)."""
     body_hash: str
+    shadow: GenerationRequested | EmbeddingRequested | None = None
+    """A copy for the candidate version, published after the request and never answered."""
 
 
 def derive_seed(request_id: str) -> int:
@@ -125,7 +130,9 @@ class Preparer:
         reply_to: ReplyTo,
         *,
         clock: Callable[[], datetime] = utc_now,
+        deployments: Callable[[str], Deployment | None] = lambda _model: None,
     ) -> None:
+        self._deployments = deployments
         self._catalogue = catalogue
         self._settings = settings
         self._reply_to = reply_to
@@ -140,36 +147,80 @@ class Preparer:
         tenant: Tenant,
         timeout_header: str | None = None,
         idempotency_key: str | None = None,
+        session: str | None = None,
     ) -> Prepared:
         if len(raw) > _INLINE_TOKENISE_BYTES:
             return await asyncio.to_thread(
-                self.prepare_sync, kind, raw, tenant, timeout_header, idempotency_key
+                self.prepare_sync, kind, raw, tenant, timeout_header, idempotency_key, session
             )
-        return self.prepare_sync(kind, raw, tenant, timeout_header, idempotency_key)
+        return self.prepare_sync(kind, raw, tenant, timeout_header, idempotency_key, session)
 
     def prepare_sync(
-        self, kind: Kind, raw: bytes, tenant: Tenant, timeout_header: str | None, idempotency_key: str | None
+        self,
+        kind: Kind,
+        raw: bytes,
+        tenant: Tenant,
+        timeout_header: str | None,
+        idempotency_key: str | None,
+        session: str | None = None,
     ) -> Prepared:
+        """``session`` (``X-Session-Id``, else the body's ``user``) keeps a conversation on one version."""
         header_timeout = parse_timeout(timeout_header)
         built: tuple[GenerationRequested | EmbeddingRequested, Shape, float]
         if kind == "embedding":
             body = decode_body(raw, EmbeddingRequest)
-            built = self._embedding(body, tenant, header_timeout, idempotency_key)
+            key = sticky_key(tenant.name, session or body.user)
+            built = self._embedding(body, tenant, header_timeout, idempotency_key, key)
         elif kind == "chat":
             chat = decode_body(raw, ChatCompletionRequest)
-            built = self._generation(kind, chat, tenant, header_timeout, idempotency_key)
+            key = sticky_key(tenant.name, session or chat.user)
+            built = self._generation(kind, chat, tenant, header_timeout, idempotency_key, key)
         else:
             plain = decode_body(raw, CompletionRequest)
-            built = self._generation(kind, plain, tenant, header_timeout, idempotency_key)
+            key = sticky_key(tenant.name, session or plain.user)
+            built = self._generation(kind, plain, tenant, header_timeout, idempotency_key, key)
         digest = body_hash(kind, raw) if idempotency_key is not None else ""
-        return Prepared(event=built[0], shape=built[1], timeout_s=built[2], body_hash=digest)
+        event = built[0]
+        return Prepared(
+            event=event, shape=built[1], timeout_s=built[2], body_hash=digest, shadow=self._shadow(event, key)
+        )
 
-    def _model(self, name: str, tenant: Tenant, task: str) -> ServedModel:
+    def _shadow(
+        self, event: GenerationRequested | EmbeddingRequested, key: str
+    ) -> GenerationRequested | EmbeddingRequested | None:
+        """The shadow copy of ``event`` for the candidate, when this key is mirrored: its own id, no reply
+        (no client sees it), the lowest priority, no idempotency key, ``shadow_of`` naming the original."""
+        deployment = self._deployments(event.model)
+        target = deployment.shadow_to(key) if deployment is not None else None
+        if target is None:
+            return None
+        return msgspec.structs.replace(
+            event,
+            id=uuid7(),
+            request_id=uuid7(),
+            model_version=target,
+            reply=None,
+            priority=SHADOW_PRIORITY,
+            idempotency_key=None,
+            shadow_of=event.request_id,
+        )
+
+    def _model(self, name: str, tenant: Tenant, task: str, key: str = "") -> ServedModel:
+        """The model ``name`` at the version its deployment routes ``key`` to."""
         if not tenant.may_use(name):
             raise ModelNotFound(
                 f"The model '{name}' does not exist or you do not have access to it.", param="model"
             )
         model = self._catalogue.get(name)
+        deployment = self._deployments(name)
+        if deployment is not None:
+            try:
+                model = self._catalogue.version(name, deployment.route(key))
+            except CatalogueError as exc:
+                raise Unavailable(
+                    f"The model '{name}' is being redeployed and its new version is not loaded on this edge "
+                    "yet; retry shortly.",
+                ) from exc
         if model.manifest.task != task:
             raise InvalidRequest(
                 f"The model '{name}' is a {model.manifest.task} model and cannot serve this endpoint.",
@@ -195,9 +246,10 @@ class Preparer:
         tenant: Tenant,
         header_timeout: float | None,
         idempotency_key: str | None,
+        key: str = "",
     ) -> tuple[GenerationRequested, Shape, float]:
         body.check_unsupported()
-        model = self._model(body.model, tenant, "generation")
+        model = self._model(body.model, tenant, "generation", key)
         manifest = model.manifest
         if isinstance(body, ChatCompletionRequest):
             param = "messages"
@@ -268,8 +320,9 @@ class Preparer:
         tenant: Tenant,
         header_timeout: float | None,
         idempotency_key: str | None,
+        key: str = "",
     ) -> tuple[EmbeddingRequested, Shape, float]:
-        model = self._model(body.model, tenant, "embedding")
+        model = self._model(body.model, tenant, "embedding", key)
         if body.dimensions is not None and body.dimensions != model.manifest.embedding_dim:
             raise InvalidRequest(
                 f"This model only produces {model.manifest.embedding_dim}-dimensional embeddings.",

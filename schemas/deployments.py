@@ -4,7 +4,7 @@ One pure object everybody shares, so the edge, the workers, ``sluice up`` and th
 agree by construction:
 
 - **Routing is sticky.** A request's key (tenant, plus its session when the client names one) hashes to
-  one of ``BUCKETS`` buckets; the candidate takes buckets ``[0, share × BUCKETS)``. Shares only grow
+  one of ``BUCKETS`` buckets; the candidate takes buckets ``[0, share * BUCKETS)``. Shares only grow
   during a rollout, so a key on the candidate stays there from step to step, and a conversation never
   flips between versions while its step lasts.
 - **Shadowing** mirrors a request routed to the stable version when a second, independent hash of its

@@ -91,7 +91,11 @@ def example_events() -> list[Event]:
     reply = ReplyTo(topic="sluice.replies", partition=3, edge_id="edge-1")
     sampling = SamplingParams(max_tokens=32, temperature=0.7, top_p=0.9, top_k=40, stop=("\n\n",), seed=7)
     request = _Request(
-        model_version="demo-gpt@3", deadline=_at(30_000), reply=reply, idempotency_key="idem-42", priority=1,
+        model_version="demo-gpt@3",
+        deadline=_at(30_000),
+        reply=reply,
+        idempotency_key="idem-42",
+        priority=1,
         shadow_of="0190a1b2-c3d4-7e5f-8a9b-0c1d2e3f4a50",
     )
     return [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -562,9 +563,17 @@ def models_list() -> None:
 @app.command("worker")
 def worker(
     model: Annotated[str, typer.Option("--model", "-m", help="model id to serve, e.g. demo-gpt")],
+    version: Annotated[
+        str | None,
+        typer.Option("--version", help="model version to serve (see `sluice models list`); default: current"),
+    ] = None,
 ) -> None:
-    """Serve one model from its request topic until SIGTERM/Ctrl-C (one process per model replica)."""
+    """Serve one model version from its request topic until SIGTERM/Ctrl-C (one process per replica).
+    Workers of each version form their own consumer group and run the requests routed to their version."""
     from sluice.services import run_worker_process
+
+    if version:
+        os.environ["SLUICE_WORKER_VERSION"] = version
 
     raise typer.Exit(run_worker_process(settings(), model, console))
 

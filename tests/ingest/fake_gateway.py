@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from ingest.errors import GatewayUnavailable
 from ingest.gateway import IdempotencyRecord, ReplyItem, RequestEvent
+from schemas.deployments import Deployment
 from schemas.events import (
     CancelRequested,
     EmbeddingRequested,
@@ -80,6 +81,8 @@ class FakeGateway:
         self.is_ready = True
         self.exhausted: set[str] = set()
         self.submitted: list[RequestEvent] = []
+        self.deployments: dict[str, Deployment] = {}
+        self.mirrored: list[RequestEvent] = []
         self.cancels: list[CancelRequested] = []
         self.resumes: list[tuple[str, str, int]] = []
         self.streams: list[FakeStream] = []
@@ -111,6 +114,12 @@ class FakeGateway:
 
     def budget_exhausted(self, tenant: str) -> bool:
         return tenant in self.exhausted
+
+    def deployment(self, model: str) -> Deployment | None:
+        return self.deployments.get(model)
+
+    async def mirror(self, event: RequestEvent) -> None:
+        self.mirrored.append(event)
 
     async def submit(self, event: RequestEvent, *, resume_after_seq: int | None = None) -> FakeStream:
         if self.fail_submit:

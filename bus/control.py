@@ -1,0 +1,69 @@
+"""The compacted ``control`` topic read to its end: the latest deployment of every model.
+
+``DeploymentChanged`` (key ``deployment:<model>``) is the only truth of what serves. Long-running
+services follow the topic with a :class:`ConsumerThread` from :func:`control_start`; one-shot readers (the
+CLI, ``sluice up`` at start, the rollout controller at start) call :func:`latest_deployments`.
+"""
+
+from __future__ import annotations
+
+import time
+
+from confluent_kafka import Consumer, TopicPartition
+
+from bus.consumer import consumer_config, watermarks
+from bus.errors import BusError
+from schemas.codec import DecodeError, decode
+from schemas.events import DeploymentChanged, Event
+
+
+def control_start(bootstrap: str, topic: str, client_id: str) -> tuple[list[TopicPartition], dict[int, int]]:
+    """Every partition of the control topic from offset 0, and where each ends now (what a reader must
+    have seen before it knows the current state). No topic: nothing to read."""
+    consumer = Consumer(consumer_config(bootstrap, None, f"{client_id}-probe"))
+    try:
+        meta = consumer.list_topics(topic, timeout=10).topics.get(topic)
+        if meta is None or meta.error is not None:
+            return [], {}
+        ends = {p: watermarks(consumer, topic, p)[1] for p in meta.partitions}
+        return [TopicPartition(topic, p, 0) for p in meta.partitions], ends
+    finally:
+        consumer.close()
+
+
+def read_control(bootstrap: str, topic: str, client_id: str, timeout: float = 30.0) -> list[Event]:
+    """Every decodable event on the control topic up to its current end, in offset order per partition."""
+    tps, ends = control_start(bootstrap, topic, client_id)
+    todo = {p for p, end in ends.items() if end > 0}
+    events: list[Event] = []
+    if not todo:
+        return events
+    consumer = Consumer(consumer_config(bootstrap, None, client_id))
+    try:
+        consumer.assign(tps)
+        deadline = time.monotonic() + timeout
+        while todo:
+            if time.monotonic() > deadline:
+                raise BusError(f"reading {topic} to its end took over {timeout:.0f}s")
+            for message in consumer.consume(500, timeout=0.5):
+                if message.error() is not None:
+                    continue
+                part = message.partition() or 0
+                if (message.offset() or 0) + 1 >= ends.get(part, 0):
+                    todo.discard(part)
+                try:
+                    events.append(decode(message.value() or b""))
+                except DecodeError:
+                    continue  # a tombstone or junk: not state
+    finally:
+        consumer.close()
+    return events
+
+
+def latest_deployments(bootstrap: str, topic: str, client_id: str) -> dict[str, DeploymentChanged]:
+    """model -> its latest ``DeploymentChanged`` (models never deployed through a rollout are absent)."""
+    latest: dict[str, DeploymentChanged] = {}
+    for event in read_control(bootstrap, topic, client_id):
+        if isinstance(event, DeploymentChanged):
+            latest[event.model] = event
+    return latest

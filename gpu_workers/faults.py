@@ -1,0 +1,52 @@
+"""Fault injection for rollout drills: a runner that fails a share of requests or slows every step.
+
+A deliberately bad candidate is what proves automated rollback works, so the faults are settings of the
+worker (``SLUICE_FAULT_*``), scoped to model versions, not code paths of the model. A failed request
+still ends with exactly one terminal event (``failed``, code ``fault_injected``), like any other failure.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gpu_workers.observe import RunnerLoad
+    from gpu_workers.service import Arrival, Emitter, Origin, Runner
+
+
+def fails(request_id: str, ratio: float) -> bool:
+    """Whether the request is among the ``ratio`` share chosen by its id's hash (the same on every run)."""
+    digest = hashlib.blake2b(request_id.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2**64 < ratio
+
+
+class FaultyRunner:
+    """Wraps a runner: fails ``fail_ratio`` of requests at once and sleeps ``delay_s`` before each step."""
+
+    def __init__(self, inner: Runner, origin: Origin, *, fail_ratio: float, delay_s: float) -> None:
+        self._inner = inner
+        self._origin = origin
+        self._fail_ratio = fail_ratio
+        self._delay_s = delay_s
+
+    def accept(self, arrival: Arrival, emit: Emitter) -> None:
+        if fails(arrival.event.request_id, self._fail_ratio):
+            emit.finish(arrival, self._origin.failed(arrival, "fault_injected", "injected failure (drill)"))
+            return
+        self._inner.accept(arrival, emit)
+
+    def cancel(self, request_id: str, emit: Emitter) -> None:
+        self._inner.cancel(request_id, emit)
+
+    def tick(self, emit: Emitter) -> None:
+        if self._delay_s and self._inner.wait_hint() == 0:
+            time.sleep(self._delay_s)
+        self._inner.tick(emit)
+
+    def wait_hint(self) -> float | None:
+        return self._inner.wait_hint()
+
+    def load(self) -> RunnerLoad:
+        return self._inner.load()
