@@ -111,6 +111,82 @@ class ServiceProcess:
             await self._task
 
 
+async def _cancel(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+class Fleet:
+    """The worker processes of every serving model version: the stable one, and a candidate while it has
+    traffic or shadow (``Deployment.serving``), or the ``current`` version of a model never rolled out.
+    ``follow`` re-reads the deployments every ``interval_s`` and starts and stops workers to match; a
+    stopped version's unfinished requests run on the stable version (see ``WorkerService``)."""
+
+    def __init__(
+        self, settings: PlatformSettings, console: Console, base_port: int, interval_s: float = 2.0
+    ) -> None:
+        self._settings = settings
+        self._console = console
+        self._base_port = base_port  # model i's first worker serves /metrics on base + i; others pick a port
+        self._interval_s = interval_s
+        self.workers: dict[tuple[str, str], tuple[ServiceProcess, int]] = {}
+
+    def desired(self) -> set[tuple[str, str]]:
+        """(model, version) pairs that should have a worker now (blocking: reads Kafka and the cache)."""
+        from bus.control import latest_deployments
+        from schemas.deployments import Deployment
+        from schemas.manifest import current_model_dir, read_manifest
+
+        deployments = latest_deployments(
+            self._settings.bootstrap, TopicNames(self._settings.topic_prefix).control, "sluice-up"
+        )
+        wanted: set[tuple[str, str]] = set()
+        for model in self._settings.served_models():
+            if model in deployments:
+                wanted |= {(model, v) for v in Deployment.of(deployments[model]).serving}
+            else:
+                wanted.add((model, read_manifest(current_model_dir(self._settings.cache_dir, model)).version))
+        return wanted
+
+    async def reconcile(self, wanted: set[tuple[str, str]]) -> None:
+        models = self._settings.served_models()
+        for key in sorted(wanted - self.workers.keys()):
+            model, version = key
+            first = not any(m == model for m, _ in self.workers)
+            port = self._base_port + models.index(model) if self._base_port and first else 0
+            worker = ServiceProcess(
+                f"worker {model}@{version}",
+                ["worker", "--model", model, "--version", version],
+                self._console,
+                {"SLUICE_WORKER_OPS_PORT": str(port)},
+            )
+            await worker.start()
+            self.workers[key] = (worker, port)
+            self._console.print(f"worker for {model} version {version} started")
+        for key in sorted(self.workers.keys() - wanted):
+            worker, _ = self.workers.pop(key)
+            self._console.print(
+                f"worker for {key[0]} version {key[1]} stopping: the version no longer serves"
+            )
+            await worker.stop()
+
+    async def follow(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval_s)
+            try:
+                await self.reconcile(await asyncio.to_thread(self.desired))
+            except Exception as exc:  # keep serving what runs; the next round tries again
+                self._console.print(f"[yellow]could not follow the deployments: {exc}[/]")
+
+    def ports(self) -> list[tuple[str, int]]:
+        return [(f"{model}@{version}", port) for (model, version), (_, port) in sorted(self.workers.items())]
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(worker.stop() for worker, _ in self.workers.values()))
+        self.workers.clear()
+
+
 async def _wait_ready(host: str, port: int, within_s: float) -> None:
     """Wait for a child's ``/readyz`` (so "up" means up: e.g. ``sluice sql`` finds the migrated warehouse)."""
     if port == 0:
@@ -162,19 +238,13 @@ async def _serve(
         prepare = await asyncio.create_subprocess_exec(sys.executable, "-m", "sluice", "models", "prepare")
         if await prepare.wait() != 0:
             raise InfraError("`sluice models prepare` failed (see above)")
-        workers: list[tuple[str, int]] = []
-        base = load_settings(WorkerSettings).worker_ops_port  # worker i serves /metrics on base + i
-        for index, model_id in enumerate(settings.served_models()):
-            port = base + index if base else 0
-            worker = ServiceProcess(
-                f"worker {model_id}",
-                ["worker", "--model", model_id],
-                console,
-                {"SLUICE_WORKER_OPS_PORT": str(port)},
-            )
-            await worker.start()
-            stack.push_async_callback(worker.stop)
-            workers.append((model_id, port))
+        # One worker per serving version of each model, following the deployments on the control topic.
+        fleet = Fleet(settings, console, load_settings(WorkerSettings).worker_ops_port)
+        stack.push_async_callback(fleet.stop)
+        await fleet.reconcile(await asyncio.to_thread(fleet.desired))
+        follow = asyncio.create_task(fleet.follow(), name="fleet")
+        stack.push_async_callback(_cancel, follow)
+        workers = fleet.ports()
 
         edge, gateway = build_edge(
             settings, edge_settings, await asyncio.to_thread(replies_partitions, settings)

@@ -36,10 +36,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import faust
+import msgspec
 from clickhouse_connect.driver.client import Client
 from opentelemetry.trace import Span, SpanKind
 
 from bus.consumer import dead_letter
+from bus.control import latest_deployments
 from bus.errors import BusError
 from bus.producer import DeliveryCallback, EventProducer
 from monitoring import metrics, tracing
@@ -58,6 +60,7 @@ from streams.audit import AuditHead, admin_entry, audit_row, request_entry
 from streams.control import LAST_BUDGET_STATES, SPEND_TODAY, WINDOWS, Controller, WindowCounts, burn_sql
 from streams.drift import DriftMonitor, report_row
 from streams.pricing import PriceTable
+from streams.rollout import RolloutController
 from streams.settings import StreamsSettings
 from streams.sink import Batch, Consumed, Rows, insert, query_rows
 
@@ -128,12 +131,22 @@ class StreamsApp:
         """The latest ``finished`` time of a terminal event the sink has written (ms)."""
         self.drift = DriftMonitor(settings, self._read, self._publish_report, self.stored_until)
         self.app.timer(settings.drift_interval_s, name="drift")(self._drift)
+        self.rollout = RolloutController(
+            self._read, self._publish_deployment, interval_s=settings.rollout_eval_interval_s
+        )
+        # Evaluations are due after sink batches; the timer only runs one a batch left waiting.
+        self.app.timer(settings.rollout_eval_interval_s, name="rollout")(self._rollout)
+        self._bootstrap = platform.bootstrap
         self.failure: BaseException | None = None
         """Set when an agent crashed: the process must exit (and be restarted), not limp on."""
         self._batch_size = settings.streams_batch_size
         self._within = settings.streams_batch_ms / 1000
 
     async def start(self) -> None:
+        latest = await asyncio.to_thread(
+            latest_deployments, self._bootstrap, self.names.control, f"{SOURCE}-rollout"
+        )
+        self.rollout.seed(latest.values())  # resume every rollout where the log says it is
         await self.app.start()
 
     async def stop(self) -> None:
@@ -213,6 +226,8 @@ class StreamsApp:
             )
         if self._on_batch is not None:
             self._on_batch(batch)
+        self.rollout.observe(event for _, event in batch.events)
+        await self._rollout()
         return batch
 
     def _spans(self, batch: Batch) -> list[Span]:
@@ -288,6 +303,16 @@ class StreamsApp:
         )
         await asyncio.get_running_loop().run_in_executor(self._executor, insert, self._writer, batch)
         metrics.STREAMS_EVENTS.labels(self.names.drift, "drift_report").inc()
+
+    async def _publish_deployment(self, event: DeploymentChanged) -> None:
+        """A rollout decision, durable on the control topic (the sink then stores and chains it)."""
+        await self._producer.publish(self.names.control, event)
+
+    async def _rollout(self) -> None:
+        try:
+            await self.rollout.run_due()
+        except Exception:
+            log.exception("rollout: publishing a decision failed; trying again")
 
     async def _drift(self) -> None:
         """Evaluate the drift windows that closed; a failure is logged and retried next interval."""
@@ -393,7 +418,14 @@ def admin_action(head: AuditHead | None, chain: str, event: Event, origin: dict[
         details = {"limit_micros": str(event.limit_micros), "spent_micros": str(event.spent_micros)}
     elif isinstance(event, DeploymentChanged):
         action, resource, decision = f"model.{event.action}", f"model:{event.model}", event.version
-        details = {"reason": event.reason, "traffic": json.dumps(event.traffic, sort_keys=True)}
+        details = {
+            "reason": event.reason,
+            "traffic": json.dumps(event.traffic, sort_keys=True),
+            "phase": event.phase,
+            "stable": event.stable,
+            "actor": event.actor,
+            "evidence": msgspec.json.encode(event.evidence).decode(),
+        }
     else:
         raise TypeError(f"{type(event).__name__} is not an administrative change")
     return admin_entry(

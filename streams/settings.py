@@ -36,6 +36,9 @@ class StreamsSettings(msgspec.Struct, frozen=True, kw_only=True):
     """Drift windows: tumbling, this long, aligned to the epoch, cut on each request's finish time."""
     drift_lateness_s: Annotated[float, msgspec.Meta(ge=0.0)] = 30.0
     """A window is evaluated this long after it closes (terminal events still in flight land first)."""
+    rollout_eval_interval_s: Annotated[float, msgspec.Meta(gt=0.0)] = 1.0
+    """At most how often the rollout controller evaluates a canary's gates (each sink batch with its
+    outcomes makes it due)."""
     drift_interval_s: Annotated[float, msgspec.Meta(gt=0.0)] = 10.0
     """How often the drift monitor looks for closed windows."""
     drift_min_samples: Annotated[int, msgspec.Meta(ge=2)] = 100

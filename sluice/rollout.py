@@ -1,0 +1,160 @@
+"""``sluice rollout``: start, inspect, promote and abort rollouts, all as ``DeploymentChanged`` events.
+
+The CLI never changes what serves by itself: it publishes a decision on the compacted control topic, and
+edges, workers, ``sluice up`` and the rollout controller follow it. ``status`` recomputes the gates from
+the warehouse with the controller's own functions, so what it shows is what the controller sees.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import datetime
+
+from bus.control import latest_deployments
+from bus.producer import EventProducer
+from schemas.events import DeploymentChanged, GateResult, RolloutGates, utc_now
+from schemas.manifest import ManifestError, current_model_dir, models_root, read_manifest
+from schemas.settings import PlatformSettings
+from schemas.topics import TopicNames
+from streams.rollout import (
+    VersionStats,
+    advance,
+    drift_sql,
+    judge,
+    parse_stats,
+    roll_back,
+    start_rollout,
+    stats_sql,
+)
+
+CLIENT_ID = "sluice-cli-rollout"
+
+
+class RolloutError(ValueError):
+    """An operator request that cannot be carried out (the message says why and what to do)."""
+
+
+def parse_steps(canary: float, steps: str) -> list[float]:
+    """Shares from percentages: ``canary`` first, then the listed steps above it, ending at 100."""
+    try:
+        listed = [float(part) for part in steps.split(",") if part.strip()]
+    except ValueError:
+        raise RolloutError(
+            f"--steps {steps!r}: expected comma-separated percentages, e.g. 5,25,50,100"
+        ) from None
+    if not 0 <= canary < 100:
+        raise RolloutError(f"--canary {canary:g}: expected a percentage from 0 (shadow only) to below 100")
+    if any(not 0 < p <= 100 for p in listed):
+        raise RolloutError(f"--steps {steps!r}: every step must be above 0 and at most 100")
+    shares = [canary, *sorted(p for p in set(listed) if p > canary)]
+    if shares[-1] != 100:
+        shares.append(100.0)
+    return [round(p / 100, 6) for p in shares]
+
+
+def current_version(platform: PlatformSettings, model: str) -> str:
+    try:
+        return read_manifest(current_model_dir(platform.cache_dir, model)).version
+    except ManifestError as exc:
+        raise RolloutError(f"{model}: {exc} (run `sluice models prepare`)") from None
+
+
+def deployment_of(platform: PlatformSettings, model: str) -> DeploymentChanged | None:
+    return latest_deployments(platform.bootstrap, TopicNames(platform.topic_prefix).control, CLIENT_ID).get(
+        model
+    )
+
+
+def plan_start(
+    platform: PlatformSettings,
+    model: str,
+    version: str,
+    *,
+    steps: list[float],
+    shadow: float,
+    gates: RolloutGates,
+    now: datetime | None = None,
+) -> DeploymentChanged:
+    """The ``deploy`` event that starts a rollout of ``version``, after checking it can start."""
+    if model not in platform.served_models():
+        raise RolloutError(f"{model} is not served (SLUICE_MODELS / SLUICE_MODEL_PATHS)")
+    if not (models_root(platform.cache_dir) / model / version).is_dir():
+        raise RolloutError(f"{model} has no version {version}: register it with `sluice models add`")
+    latest = deployment_of(platform, model)
+    if latest is not None and latest.phase == "canary":
+        raise RolloutError(
+            f"a rollout of {model} {latest.candidate} is in progress (step {latest.step + 1}/"
+            f"{len(latest.steps)}): `sluice rollout promote` or `sluice rollout abort` it first"
+        )
+    stable = latest.stable if latest is not None and latest.stable else current_version(platform, model)
+    if version == stable:
+        raise RolloutError(f"{version} is already the stable version of {model}")
+    return start_rollout(
+        model,
+        stable=stable,
+        candidate=version,
+        steps=steps,
+        shadow=shadow,
+        gates=gates,
+        now=now or utc_now(),
+        source="sluice/cli",
+    )
+
+
+def plan_promote(platform: PlatformSettings, model: str, *, to_end: bool) -> DeploymentChanged:
+    current = _active(platform, model)
+    decision = advance(current, utc_now(), "promoted by the operator", [], "operator")
+    while to_end and decision.phase == "canary":
+        decision = advance(decision, decision.time, "promoted by the operator", [], "operator")
+    return decision
+
+
+def plan_abort(platform: PlatformSettings, model: str, why: str) -> DeploymentChanged:
+    current = _active(platform, model)
+    return roll_back(current, utc_now(), f"aborted by the operator: {why}", [], "operator")
+
+
+def _active(platform: PlatformSettings, model: str) -> DeploymentChanged:
+    current = deployment_of(platform, model)
+    if current is None or current.phase != "canary":
+        raise RolloutError(f"no rollout of {model} is in progress (see `sluice rollout status`)")
+    return current
+
+
+def publish(platform: PlatformSettings, event: DeploymentChanged) -> None:
+    """Durable on the control topic before returning."""
+
+    async def send() -> None:
+        producer = EventProducer(platform.bootstrap, "sluice/cli")
+        producer.start()
+        try:
+            await producer.publish(TopicNames(platform.topic_prefix).control, event)
+        finally:
+            await asyncio.to_thread(producer.stop)
+
+    asyncio.run(send())
+
+
+def live_gates(platform: PlatformSettings, current: DeploymentChanged) -> list[GateResult]:
+    """The gates of the current step as the controller computes them, from the warehouse."""
+    from infra.warehouse import query_warehouse
+
+    candidate = current.candidate or current.version
+    since = current.step_started or current.time
+
+    def rows(sql: str) -> list[dict[str, object]]:
+        result = query_warehouse(platform, sql)
+        return [dict(zip(result.columns, row, strict=True)) for row in result.rows]
+
+    stats = parse_stats(rows(stats_sql(current.model, (current.stable, candidate), since)))
+    drifted: list[str] | None = None
+    for row in rows(drift_sql(current.model, candidate, since)):
+        features = row["features"]
+        if row["verdict"] == "drift" and isinstance(features, list | tuple):
+            drifted = sorted(str(f) for f in features)
+    return judge(
+        current.gates or RolloutGates(),
+        stats.get(candidate, VersionStats()),
+        stats.get(current.stable, VersionStats()),
+        drifted=drifted,
+    )

@@ -1,0 +1,459 @@
+"""The rollout controller: observe (the outcome stream) -> decide (gates) -> act (``DeploymentChanged``).
+
+A rollout is a ``DeploymentChanged`` with a ``candidate`` and ``phase="canary"`` on the compacted control
+topic. The controller lives in the streams worker. Every sink batch that carries a terminal event of a
+model under rollout (or a burn-rate change for it) triggers an evaluation, at most once per
+``rollout_eval_interval_s``, over the rows that batch has just made durable: the stable and candidate
+versions' requests accepted since the step began (``request_facts``), the candidate's drift verdicts in
+the step (``drift_reports``), and the model's firing fast burn alerts.
+
+Each gate is ``pass``, ``fail`` or ``insufficient_data`` (either side below ``min_requests``, or no
+latency samples): low traffic neither promotes nor aborts. One failed gate rolls back at once: the
+candidate's share goes to 0 and the ``DeploymentChanged`` carries the reason and every gate's numbers.
+All gates passing, for at least ``step_min_s``, moves to the next step; passing the last step before
+100 % promotes the candidate to stable.
+
+The controller keeps no state of its own beyond the latest deployment per model, which it reads from the
+control topic at start and follows through the sink: a restarted controller resumes exactly where the
+log says the rollout is, and recomputes the gates from the warehouse.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, TypedDict
+
+import msgspec
+
+from schemas.events import (
+    BurnRateCrossed,
+    DeploymentChanged,
+    Event,
+    GateResult,
+    RequestFinished,
+    RolloutGates,
+    utc_now,
+)
+from streams.queries import sql_string
+
+log = logging.getLogger(__name__)
+
+SOURCE = "streams/rollout"
+FAST_BURN = 14.4
+"""The page-level burn rate (2 % of a 30-day budget in an hour): a firing crossing at or above it counts."""
+
+
+@dataclass(frozen=True)
+class VersionStats:
+    """One version's requests in a step (from :func:`stats_sql`)."""
+
+    n: int = 0
+    errors: int = 0
+    ttft_p99_ms: float | None = None
+    itl_p99_ms: float | None = None
+    tokens: int = 0
+    cost_nanos: int = 0
+
+    @property
+    def error_ratio(self) -> float:
+        return self.errors / self.n if self.n else 0.0
+
+    @property
+    def cost_per_1k_usd(self) -> float | None:
+        return self.cost_nanos / 1e9 / self.tokens * 1000 if self.tokens else None
+
+
+def stats_sql(model: str, versions: Iterable[str], since: datetime) -> str:
+    """Per version: terminal requests accepted since ``since``, errors (failed or expired), p99 TTFT and
+    inter-token gap, tokens and cost (shadow copies included: they are the candidate's outcomes too)."""
+    listed = ", ".join(sql_string(v) for v in sorted(set(versions)))
+    since_ms = int(since.timestamp() * 1000)
+    return f"""SELECT model_version,
+    count() AS n,
+    countIf(status IN ('failed', 'expired')) AS errors,
+    quantileExactIf(0.99)(ttft_ms, ttft_ms IS NOT NULL) AS ttft_p99,
+    countIf(ttft_ms IS NOT NULL) AS ttft_n,
+    quantileExactIf(0.99)(itl_max_ms, itl_max_ms IS NOT NULL) AS itl_p99,
+    countIf(itl_max_ms IS NOT NULL) AS itl_n,
+    sum(prompt_tokens + completion_tokens) AS tokens,
+    sum(cost_nanos) AS cost_nanos
+FROM request_facts FINAL
+WHERE model = {sql_string(model)} AND model_version IN ({listed})
+    AND accepted >= fromUnixTimestamp64Milli({since_ms})
+GROUP BY model_version"""  # noqa: S608 (quoted literals and an integer only)
+
+
+def drift_sql(model: str, version: str, since: datetime) -> str:
+    """The candidate's all-tenant drift verdicts for windows that started in the step."""
+    since_ms = int(since.timestamp() * 1000)
+    return f"""SELECT verdict, count() AS windows,
+    groupUniqArrayArray(arrayFilter((name, hit) -> hit, feature_names, feature_drifted)) AS features
+FROM drift_reports FINAL
+WHERE model = {sql_string(model)} AND model_version = {sql_string(version)} AND scope = '*'
+    AND window_start >= fromUnixTimestamp64Milli({since_ms})
+GROUP BY verdict"""  # noqa: S608
+
+
+def parse_stats(rows: Sequence[dict[str, Any]]) -> dict[str, VersionStats]:
+    def number(value: Any, samples: Any) -> float | None:
+        if not samples or value is None or not math.isfinite(float(value)):
+            return None
+        return float(value)
+
+    return {
+        str(r["model_version"]): VersionStats(
+            n=int(r["n"]),
+            errors=int(r["errors"]),
+            ttft_p99_ms=number(r["ttft_p99"], r["ttft_n"]),
+            itl_p99_ms=number(r["itl_p99"], r["itl_n"]),
+            tokens=int(r["tokens"]),
+            cost_nanos=int(r["cost_nanos"]),
+        )
+        for r in rows
+    }
+
+
+class _Sizes(TypedDict):
+    candidate_n: int
+    baseline_n: int
+
+
+def judge(
+    gates: RolloutGates,
+    candidate: VersionStats,
+    baseline: VersionStats,
+    *,
+    drifted: Sequence[str] | None = None,
+    burn: BurnRateCrossed | None = None,
+) -> list[GateResult]:
+    """Every gate's result for one step. ``drifted``: the candidate's drifted features when a window in the
+    step said ``drift`` (None: no drift verdict); ``burn``: a firing fast-burn crossing for the model."""
+    sizes: _Sizes = {"candidate_n": candidate.n, "baseline_n": baseline.n}
+    enough = candidate.n >= gates.min_requests and baseline.n >= gates.min_requests
+    results: list[GateResult] = []
+
+    limit = min(1.0, baseline.error_ratio + gates.max_error_delta)
+    results.append(
+        GateResult(
+            gate="error_ratio",
+            state=("fail" if candidate.error_ratio > limit else "pass") if enough else "insufficient_data",
+            candidate=round(candidate.error_ratio, 6),
+            baseline=round(baseline.error_ratio, 6),
+            limit=round(limit, 6),
+            **sizes,
+        )
+    )
+    for gate, cand, base, ratio, slack in (
+        ("ttft_p99_ms", candidate.ttft_p99_ms, baseline.ttft_p99_ms, gates.max_ttft_p99_ratio, True),
+        ("itl_p99_ms", candidate.itl_p99_ms, baseline.itl_p99_ms, gates.max_itl_p99_ratio, True),
+        (
+            "cost_per_1k_tokens",
+            candidate.cost_per_1k_usd,
+            baseline.cost_per_1k_usd,
+            gates.max_cost_ratio,
+            False,
+        ),
+    ):
+        if not enough or cand is None or base is None:
+            results.append(
+                GateResult(gate=gate, state="insufficient_data", candidate=cand, baseline=base, **sizes)
+            )
+            continue
+        bound = base * ratio + (gates.latency_slack_ms if slack else 0.0)
+        results.append(
+            GateResult(
+                gate=gate,
+                state="fail" if cand > bound else "pass",
+                candidate=round(cand, 6),
+                baseline=round(base, 6),
+                limit=round(bound, 6),
+                **sizes,
+            )
+        )
+    if gates.drift:
+        results.append(
+            GateResult(
+                gate="drift",
+                state="fail" if drifted is not None else "pass",
+                detail=f"drifted: {', '.join(drifted)}" if drifted else "",
+                **sizes,
+            )
+        )
+    if gates.burn:
+        # The model's fast burn is the candidate's when the candidate fails more than the stable version.
+        blamed = burn is not None and candidate.error_ratio > baseline.error_ratio
+        results.append(
+            GateResult(
+                gate="burn",
+                state="fail" if blamed else "pass",
+                candidate=burn.burn_rate if burn is not None else None,
+                limit=burn.threshold if burn is not None else None,
+                detail=f"{burn.slo} {burn.window} burn {burn.burn_rate:.1f}" if burn is not None else "",
+                **sizes,
+            )
+        )
+    return results
+
+
+def _traffic(stable: str, candidate: str | None, share: float) -> dict[str, float]:
+    if candidate is None or share <= 0:
+        return {stable: 1.0} if candidate is None else {stable: 1.0, candidate: 0.0}
+    if share >= 1.0:
+        return {candidate: 1.0}
+    return {stable: round(1.0 - share, 6), candidate: round(share, 6)}
+
+
+def decide(
+    current: DeploymentChanged, results: Sequence[GateResult], now: datetime
+) -> DeploymentChanged | None:
+    """The next deployment for a canary whose gates gave ``results``: a rollback on any failure, the next
+    step (or promotion) when every gate passed and the step lasted ``step_min_s``; otherwise None."""
+    if current.phase != "canary" or current.candidate is None:
+        return None
+    failed = [r for r in results if r.state == "fail"]
+    if failed:
+        reason = "; ".join(_describe(r) for r in failed)
+        step = f"{current.step + 1}/{len(current.steps)}"
+        return roll_back(current, now, f"automatic rollback at step {step}: {reason}", results, "controller")
+    gates = current.gates or RolloutGates()
+    started = current.step_started or current.time
+    if any(r.state != "pass" for r in results) or (now - started).total_seconds() < gates.step_min_s:
+        return None
+    summary = ", ".join(_describe(r) for r in results if r.candidate is not None)
+    return advance(current, now, f"gates passed ({summary})", results, "controller")
+
+
+def start_rollout(
+    model: str,
+    *,
+    stable: str,
+    candidate: str,
+    steps: Sequence[float],
+    shadow: float,
+    gates: RolloutGates,
+    now: datetime,
+    source: str,
+) -> DeploymentChanged:
+    """The first step of a rollout: ``steps[0]`` of the traffic (0 for shadow only) on the candidate."""
+    from schemas.ids import uuid7
+
+    return DeploymentChanged(
+        tenant="",
+        model=model,
+        source=source,
+        time=now,
+        version=candidate,
+        action="deploy",
+        traffic=_traffic(stable, candidate, steps[0]),
+        reason=f"rollout started: {steps[0]:.0%} of traffic" + (f", {shadow:.0%} shadowed" if shadow else ""),
+        stable=stable,
+        candidate=candidate,
+        phase="canary",
+        steps=list(steps),
+        step=0,
+        step_started=now,
+        shadow=shadow,
+        gates=gates,
+        actor="operator",
+        rollout_id=uuid7(),
+    )
+
+
+def advance(
+    current: DeploymentChanged, now: datetime, why: str, evidence: Sequence[GateResult], actor: str
+) -> DeploymentChanged:
+    """The next step of ``current``'s rollout, or promotion when the next share is 100 %."""
+    candidate = current.candidate or current.version
+    step = current.step + 1
+    share = current.steps[step] if step < len(current.steps) else 1.0
+    common = _decision(current, now, evidence, actor)
+    if share >= 1.0:
+        return msgspec.structs.replace(
+            current,
+            **common,
+            action="promote",
+            traffic=_traffic(candidate, None, 0.0),
+            stable=candidate,
+            phase="promoted",
+            step=min(step, max(len(current.steps) - 1, 0)),
+            step_started=now,
+            shadow=0.0,
+            reason=f"promoted to 100% after step {current.step + 1}: {why}",
+        )
+    return msgspec.structs.replace(
+        current,
+        **common,
+        action="promote",
+        traffic=_traffic(current.stable, candidate, share),
+        step=step,
+        step_started=now,
+        reason=f"step {step + 1}/{len(current.steps)}, {share:.0%} of traffic: {why}",
+    )
+
+
+def roll_back(
+    current: DeploymentChanged, now: datetime, why: str, evidence: Sequence[GateResult], actor: str
+) -> DeploymentChanged:
+    """All traffic back on the stable version; the candidate stops serving (its workers drain, and what
+    was routed to it and not finished runs on the stable version)."""
+    candidate = current.candidate or current.version
+    return msgspec.structs.replace(
+        current,
+        **_decision(current, now, evidence, actor),
+        action="rollback",
+        traffic=_traffic(current.stable, candidate, 0.0),
+        phase="rolled_back",
+        shadow=0.0,
+        reason=why,
+    )
+
+
+class _Decision(TypedDict):
+    id: str
+    time: datetime
+    source: str
+    version: str
+    evidence: list[GateResult]
+    actor: str
+
+
+def _decision(
+    current: DeploymentChanged, now: datetime, evidence: Sequence[GateResult], actor: str
+) -> _Decision:
+    from schemas.ids import uuid7
+
+    return {
+        "id": uuid7(),
+        "time": now,
+        "source": SOURCE if actor == "controller" else "sluice/cli",
+        "version": current.candidate or current.version,
+        "evidence": list(evidence),
+        "actor": actor,
+    }
+
+
+def _describe(result: GateResult) -> str:
+    if result.gate in ("drift", "burn"):
+        return f"{result.gate} {result.state}" + (f" ({result.detail})" if result.detail else "")
+    return (
+        f"{result.gate} {result.candidate:g} vs stable {result.baseline:g} (limit {result.limit:g}, "
+        f"n={result.candidate_n}/{result.baseline_n})"
+    )
+
+
+Reader = Callable[[str], Awaitable[list[dict[str, Any]]]]
+Publisher = Callable[[DeploymentChanged], Awaitable[None]]
+
+
+class RolloutController:
+    """Evaluates the canaries after sink batches and publishes the decisions (see the module docstring)."""
+
+    def __init__(
+        self,
+        read: Reader,
+        publish: Publisher,
+        *,
+        interval_s: float = 1.0,
+        clock: Callable[[], datetime] = utc_now,
+        monotonic: Callable[[], float] | None = None,
+    ) -> None:
+        import time
+
+        self._read = read
+        self._publish = publish
+        self._interval_s = interval_s
+        self._clock = clock
+        self._monotonic = monotonic or time.monotonic
+        self.deployments: dict[str, DeploymentChanged] = {}
+        """model -> its latest deployment (the log's, or this controller's own decision)."""
+        self._burning: dict[str, BurnRateCrossed] = {}
+        self._due: set[str] = set()
+        self._last_run = -math.inf
+        self.last_results: dict[str, list[GateResult]] = {}
+        """model -> the gates of its last evaluation (for metrics and debugging)."""
+
+    def seed(self, deployments: Iterable[DeploymentChanged]) -> None:
+        """The latest deployments from the control topic (at start)."""
+        for event in deployments:
+            self._follow(event)
+        self._due |= {m for m, d in self.deployments.items() if d.phase == "canary"}
+
+    def _follow(self, event: DeploymentChanged) -> None:
+        known = self.deployments.get(event.model)
+        if known is None or (event.time, event.id) >= (known.time, known.id):
+            self.deployments[event.model] = event
+            if event.phase != "canary":
+                self._burning.pop(event.model, None)
+
+    def observe(self, events: Iterable[Event]) -> None:
+        """A sink batch's events: deployments are followed; outcomes and burns make their model due."""
+        for event in events:
+            if isinstance(event, DeploymentChanged):
+                self._follow(event)
+                self._due.add(event.model)
+            elif isinstance(event, RequestFinished) and self._canary(event.model):
+                self._due.add(event.model)
+            elif isinstance(event, BurnRateCrossed) and self._canary(event.model):
+                if event.firing and event.threshold >= FAST_BURN:
+                    self._burning[event.model] = event
+                elif not event.firing:
+                    self._burning.pop(event.model, None)
+                self._due.add(event.model)
+
+    def _canary(self, model: str) -> bool:
+        deployment = self.deployments.get(model)
+        return deployment is not None and deployment.phase == "canary"
+
+    async def run_due(self) -> list[DeploymentChanged]:
+        """Evaluate the models that are due (at most once per interval); publish and return decisions."""
+        now_mono = self._monotonic()
+        if not self._due or now_mono - self._last_run < self._interval_s:
+            return []
+        self._last_run = now_mono
+        due, self._due = self._due, set()
+        decisions: list[DeploymentChanged] = []
+        for model in sorted(due):
+            current = self.deployments.get(model)
+            if current is None or current.phase != "canary" or current.candidate is None:
+                continue
+            try:
+                results = await self.evaluate(current)
+            except Exception:
+                log.exception("rollout: evaluating %s failed; trying again", model)
+                self._due.add(model)
+                continue
+            self.last_results[model] = results
+            decision = decide(current, results, self._clock())
+            if decision is None:
+                continue
+            await self._publish(decision)  # durable before the state moves
+            self._follow(decision)
+            log.warning("rollout %s: %s", model, decision.reason)
+            decisions.append(decision)
+        return decisions
+
+    async def evaluate(self, current: DeploymentChanged) -> list[GateResult]:
+        """The gates of ``current``'s step, from the warehouse."""
+        candidate = current.candidate or current.version
+        since = current.step_started or current.time
+        stats = parse_stats(await self._read(stats_sql(current.model, (current.stable, candidate), since)))
+        drifted: list[str] | None = None
+        gates = current.gates or RolloutGates()
+        if gates.drift:
+            for row in await self._read(drift_sql(current.model, candidate, since)):
+                if row["verdict"] == "drift":
+                    drifted = sorted(str(f) for f in row["features"])
+        burn = self._burning.get(current.model)
+        if burn is not None and burn.time < since:
+            burn = None  # fired before this step began
+        return judge(
+            gates,
+            stats.get(candidate, VersionStats()),
+            stats.get(current.stable, VersionStats()),
+            drifted=drifted,
+            burn=burn,
+        )
