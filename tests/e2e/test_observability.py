@@ -246,7 +246,7 @@ async def test_metrics_scrape_after_real_traffic(platform: Platform, workers: li
         mine = [
             (labels, v)
             for labels, v in lags
-            if labels["topic"] == requests_topic and labels["group"] == f"sluice-workers.{GPT}"
+            if labels["topic"] == requests_topic and labels["group"].startswith(f"sluice-workers.{GPT}.")
         ]
         if mine:
             break

@@ -4,6 +4,7 @@ after durability, cancels, deadlines, redelivery and dead letters."""
 from __future__ import annotations
 
 import asyncio
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -11,6 +12,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from confluent_kafka import Consumer, Message, Producer, TopicPartition
 
@@ -24,6 +26,7 @@ from schemas.codec import decode
 from schemas.events import (
     CancelRequested,
     DeadLetter,
+    DeploymentChanged,
     EmbeddingRequested,
     Event,
     GenerationRequested,
@@ -176,7 +179,7 @@ async def test_streamed_generation_ends_in_one_terminal_event(
     assert finished.usage.prompt_tokens == len(PROMPT)
     assert results.finished(request.request_id) == finished
     # the offset is committed once the terminal event is durable
-    probe = Consumer(consumer_config(kafka_bootstrap, "sluice-workers.demo-gpt", "probe"))
+    probe = Consumer(consumer_config(kafka_bootstrap, gpt_worker.group, "probe"))
     try:
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
@@ -452,3 +455,137 @@ async def test_records_of_a_revoked_partition_still_in_the_inbox_are_dropped_not
     assert replies.finished(after.request_id).status == "completed"
     assert replies.of(stale.request_id) == [], "the revoked partition's record did not run here"
     assert gone not in gpt_worker._offsets.partitions, "no tracking (or commit) of a partition not owned"
+
+
+# ------------------------------------------------------------------------------- versions and deployments
+
+CANDIDATE = "cand00000001"
+
+
+@pytest.fixture
+def two_versions(
+    platform: PlatformSettings, demo_gpt_dir: Path, tmp_path: Path
+) -> tuple[PlatformSettings, str]:
+    """A cache with demo-gpt's stable version (``current``) and a candidate copy: (platform, stable)."""
+    import msgspec
+
+    from schemas.manifest import models_root, write_manifest
+
+    root = models_root(tmp_path / "cache") / "demo-gpt"
+    root.mkdir(parents=True)
+    manifest = read_manifest(demo_gpt_dir)
+    (root / manifest.version).symlink_to(demo_gpt_dir)
+    (root / "current").symlink_to(manifest.version)
+    shutil.copytree(demo_gpt_dir, root / CANDIDATE)
+    write_manifest(root / CANDIDATE, msgspec.structs.replace(manifest, version=CANDIDATE))
+    return msgspec.structs.replace(platform, cache_dir=str(tmp_path / "cache")), manifest.version
+
+
+def _deployment(stable: str, share: float, *, phase: str = "canary") -> DeploymentChanged:
+    traffic = {stable: 1.0 - share, CANDIDATE: share}
+    return DeploymentChanged(
+        tenant="",
+        model="demo-gpt",
+        source="test",
+        version=CANDIDATE,
+        action="deploy" if phase == "canary" else "rollback",
+        traffic=traffic,
+        reason="test",
+        stable=stable,
+        candidate=CANDIDATE,
+        phase=phase,  # type: ignore[arg-type]
+        steps=[share, 1.0],
+    )
+
+
+def _version_worker(platform: PlatformSettings, version: str, worker_id: str) -> WorkerService:
+    settings = WorkerSettings(
+        worker_id=worker_id, worker_version=version, worker_adopt_grace_s=1.0, drift_sample=0
+    )
+    return make_worker(platform, settings, "demo-gpt")
+
+
+async def test_each_version_runs_what_is_routed_to_it_and_holds_the_rest_until_it_ends(
+    names: TopicNames,
+    two_versions: tuple[PlatformSettings, str],
+    producer: EventProducer,
+    results: Log,
+    kafka_bootstrap: str,
+) -> None:
+    platform, stable = two_versions
+    await producer.publish(names.control, _deployment(stable, 0.5))
+    with _version_worker(platform, stable, "ws") as ws, _version_worker(platform, CANDIDATE, "wc") as wc:
+        assert ws.group != wc.group  # one consumer group per version: each reads every record
+        assert ws.wait_assigned(30)
+        assert wc.wait_assigned(30)
+        on_stable = msgspec.structs.replace(_generation(names, PROMPT), model_version=stable)
+        on_candidate = msgspec.structs.replace(_generation(names, PROMPT), model_version=CANDIDATE)
+        for request in (on_stable, on_candidate):
+            await producer.publish(names.requests("demo-gpt"), request)
+        assert results.finished(on_stable.request_id).model_version == stable
+        assert results.finished(on_candidate.request_id).model_version == CANDIDATE
+        # each worker held the other's record until the results tail showed it finished, then let it go
+        results.wait(lambda: ws.held == 0 and wc.held == 0, timeout=20)
+        await asyncio.sleep(1.0)
+        for request in (on_stable, on_candidate):  # exactly one terminal event each
+            assert len([e for e in results.of(request.request_id) if isinstance(e, RequestFinished)]) == 1
+
+
+async def test_after_a_rollback_the_stable_version_runs_what_was_routed_to_the_candidate_once(
+    names: TopicNames,
+    two_versions: tuple[PlatformSettings, str],
+    producer: EventProducer,
+    results: Log,
+    replies: Log,
+) -> None:
+    platform, stable = two_versions
+    await producer.publish(names.control, _deployment(stable, 0.2))
+    with _version_worker(platform, stable, "ws") as ws:  # the candidate's worker is down (or never came up)
+        assert ws.wait_assigned(30)
+        routed = msgspec.structs.replace(_generation(names, PROMPT), model_version=CANDIDATE)
+        shadow = msgspec.structs.replace(
+            _generation(names, PROMPT), model_version=CANDIDATE, reply=None, shadow_of=routed.request_id
+        )
+        for request in (routed, shadow):
+            await producer.publish(names.requests("demo-gpt"), request)
+        results.wait(lambda: ws.held == 2, timeout=20)
+        await asyncio.sleep(1.5)
+        assert not results.of(routed.request_id), "a serving candidate's request ran on the stable version"
+        await producer.publish(names.control, _deployment(stable, 0.0, phase="rolled_back"))
+        finished = results.finished(routed.request_id)  # adopted after the grace period, run once
+        assert finished.status == "completed"
+        assert finished.model_version == stable
+        assert replies.finished(routed.request_id) == finished  # the client still gets its answer
+        results.wait(lambda: ws.held == 0, timeout=20)
+        await asyncio.sleep(1.0)
+        assert len([e for e in results.of(routed.request_id) if isinstance(e, RequestFinished)]) == 1
+        assert not results.of(shadow.request_id), "a shadow copy of a retired candidate was run"
+
+
+async def test_fault_injection_fails_the_chosen_share_of_requests_with_a_terminal_event(
+    names: TopicNames,
+    two_versions: tuple[PlatformSettings, str],
+    producer: EventProducer,
+    results: Log,
+) -> None:
+    from gpu_workers.faults import fails
+
+    platform, stable = two_versions
+    settings = WorkerSettings(
+        worker_id="wf", drift_sample=0, fault_fail_ratio=0.5, fault_versions=(stable,), fault_delay_ms=5
+    )
+    with make_worker(platform, settings, "demo-gpt") as worker:
+        assert worker.wait_assigned(30)
+        requests = [_generation(names, PROMPT, sampling=SamplingParams(max_tokens=4)) for _ in range(12)]
+        for request in requests:
+            await producer.publish(names.requests("demo-gpt"), request)
+        for request in requests:
+            finished = results.finished(request.request_id)
+            if fails(request.request_id, 0.5):
+                assert finished.status == "failed"
+                assert finished.error is not None
+                assert finished.error.code == "fault_injected"
+            else:
+                assert finished.status == "completed"
+        assert any(fails(r.request_id, 0.5) for r in requests)
+        assert not all(fails(r.request_id, 0.5) for r in requests)
