@@ -43,6 +43,8 @@ from streams.queries import sql_string
 log = logging.getLogger(__name__)
 
 SOURCE = "streams/rollout"
+BURN_MIN_ERRORS = 3
+"""Failed candidate requests in the step before a fast burn is blamed on it."""
 FAST_BURN = 14.4
 """The page-level burn rate (2 % of a 30-day budget in an hour): a firing crossing at or above it counts."""
 
@@ -184,8 +186,14 @@ def judge(
             )
         )
     if gates.burn:
-        # The model's fast burn is the candidate's when the candidate fails more than the stable version.
-        blamed = burn is not None and candidate.error_ratio > baseline.error_ratio
+        # The model's fast burn is the candidate's when the candidate fails more than the stable version
+        # (and fails at all: a few errors, not one unlucky request). It acts before min_requests: a fast
+        # burn is an emergency, the budget of a month going in hours.
+        blamed = (
+            burn is not None
+            and candidate.errors >= BURN_MIN_ERRORS
+            and candidate.error_ratio > baseline.error_ratio
+        )
         results.append(
             GateResult(
                 gate="burn",
