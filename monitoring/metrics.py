@@ -293,6 +293,26 @@ DRIFT_EVALUATION_SECONDS = Histogram(
     buckets=DRIFT_BUCKETS,
 )
 
+# ---------------------------------------------------------------- rollouts (streams: the rollout controller)
+
+ROLLOUT_TRAFFIC_SHARE = Gauge(
+    "sluice_rollout_traffic_share",
+    "Share of the model's traffic routed to the version by its latest deployment (0 to 1).",
+    ("model", "version"),
+)
+ROLLOUT_GATE_STATE = Gauge(
+    "sluice_rollout_gate_state",
+    "The rollout gate's state at the controller's last evaluation: 1 on the current state (pass, fail, "
+    "insufficient_data), 0 on the others.",
+    ("model", "gate", "state"),
+)
+ROLLOUT_DECISIONS = Counter(
+    "sluice_rollout_decisions",
+    "Deployment changes seen by the rollout controller, by action (deploy, promote, rollback, retire) and "
+    "actor (operator, controller).",
+    ("model", "action", "actor"),
+)
+
 _drift_lock = threading.Lock()
 _drift_features: dict[str, frozenset[str]] = {}
 

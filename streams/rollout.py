@@ -29,6 +29,7 @@ from typing import Any, TypedDict
 
 import msgspec
 
+from monitoring import metrics
 from schemas.events import (
     BurnRateCrossed,
     DeploymentChanged,
@@ -392,10 +393,16 @@ class RolloutController:
 
     def _follow(self, event: DeploymentChanged) -> None:
         known = self.deployments.get(event.model)
-        if known is None or (event.time, event.id) >= (known.time, known.id):
-            self.deployments[event.model] = event
-            if event.phase != "canary":
-                self._burning.pop(event.model, None)
+        if known is not None and (event.time, event.id) < (known.time, known.id):
+            return  # an older decision (redelivered): the state is already past it
+        if known is None or known.id != event.id:
+            metrics.ROLLOUT_DECISIONS.labels(event.model, event.action, event.actor or "operator").inc()
+        self.deployments[event.model] = event
+        if event.phase != "canary":
+            self._burning.pop(event.model, None)
+        versions = set(event.traffic) | ({known.stable, *known.traffic} if known is not None else set())
+        for version in versions:
+            metrics.ROLLOUT_TRAFFIC_SHARE.labels(event.model, version).set(event.traffic.get(version, 0.0))
 
     def observe(self, events: Iterable[Event]) -> None:
         """A sink batch's events: deployments are followed; outcomes and burns make their model due."""
@@ -435,6 +442,9 @@ class RolloutController:
                 self._due.add(model)
                 continue
             self.last_results[model] = results
+            for result in results:
+                for state in ("pass", "fail", "insufficient_data"):
+                    metrics.ROLLOUT_GATE_STATE.labels(model, result.gate, state).set(state == result.state)
             decision = decide(current, results, self._clock())
             if decision is None:
                 continue
