@@ -868,6 +868,88 @@ def rollout_start(
     _rollout_call(plan)
 
 
+@rollout_app.command("evaluate")
+def rollout_evaluate(
+    model: Annotated[str, typer.Argument(help="the model id")],
+    version: Annotated[str, typer.Option("--version", help="the candidate version (`sluice models list`)")],
+    from_log: Annotated[
+        str, typer.Option("--from-log", help="logged requests accepted within this long: 30m, 1h, 2d")
+    ] = "1h",
+    limit: Annotated[
+        int, typer.Option("--limit", min=1, help="at most this many requests (oldest first)")
+    ] = 500,
+    min_requests: Annotated[
+        int, typer.Option("--min-requests", min=1, help="fewer logged requests: insufficient_data")
+    ] = 20,
+    max_error_delta: Annotated[float, typer.Option("--max-error-delta", min=0, max=1)] = 0.05,
+    max_ttft_ratio: Annotated[float, typer.Option("--max-ttft-ratio", min=1)] = 1.5,
+    max_itl_ratio: Annotated[float, typer.Option("--max-itl-ratio", min=1)] = 1.5,
+    max_cost_ratio: Annotated[float, typer.Option("--max-cost-ratio", min=1)] = 1.25,
+    json_out: Annotated[Path | None, typer.Option("--json", help="also write the evaluation here")] = None,
+) -> None:
+    """Before any live traffic: run the requests logged for MODEL through the stable version and VERSION in
+    this process, and judge VERSION with the rollout gates (error ratio, TTFT and ITL p99, cost per 1k
+    tokens) plus how often both answer the same. Exit 0 when every gate passes, 1 when one does not."""
+    import msgspec
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    from bus.errors import BusError
+    from gpu_workers.settings import WorkerSettings
+    from schemas.events import RolloutGates
+    from sluice.evaluate import evaluate, parse_duration
+    from sluice.rollout import RolloutError
+
+    gates = RolloutGates(
+        min_requests=min_requests,
+        max_error_delta=max_error_delta,
+        max_ttft_p99_ratio=max_ttft_ratio,
+        max_itl_p99_ratio=max_itl_ratio,
+        max_cost_ratio=max_cost_ratio,
+        drift=False,
+        burn=False,
+    )
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
+    with Progress(*columns, console=console, transient=True) as bar:
+        tasks: dict[str, Any] = {}
+
+        def progress(name: str, done: int, total: int) -> None:
+            if name not in tasks:
+                tasks[name] = bar.add_task(f"{name} version", total=total)
+            bar.update(tasks[name], completed=done)
+
+        try:
+            result = evaluate(
+                settings(),
+                model,
+                version,
+                window=parse_duration(from_log),
+                limit=limit,
+                gates=gates,
+                worker=load_settings(WorkerSettings),
+                progress=progress,
+            )
+        except RolloutError as exc:
+            console.print(f"[red]error:[/] {exc}")
+            raise typer.Exit(2) from None
+        except BusError as exc:
+            console.print(f"[red]error:[/] cannot read the log: {exc} (is `sluice up` running?)")
+            raise typer.Exit(1) from None
+    title = (
+        f"{model}: {result.candidate} vs stable {result.stable} on {result.requests} logged requests "
+        f"(stable {result.seconds['stable']:.1f}s, candidate {result.seconds['candidate']:.1f}s)"
+    )
+    table = Table("gate", "state", "candidate", "stable", "limit", title=title)
+    for g in result.gates:
+        style = {"fail": "red", "insufficient_data": "dim"}.get(g.state, "green")
+        table.add_row(g.gate, g.state, _cell(g.candidate), _cell(g.baseline), _cell(g.limit), style=style)
+    out.print(table)
+    out.print(f"same output as the stable version: {result.same_output:.1%}")
+    if json_out is not None:
+        json_out.write_bytes(msgspec.json.format(msgspec.json.encode(result), indent=2) + b"\n")
+    out.print("[green]every gate passed[/]" if result.passed else "[red]not every gate passed[/]")
+    raise typer.Exit(0 if result.passed else 1)
+
+
 @rollout_app.command("promote")
 def rollout_promote(
     model: Annotated[str, typer.Argument(help="the model id")],

@@ -39,6 +39,8 @@ from schemas.events import (
     RolloutGates,
     utc_now,
 )
+from streams.facts import FACT_COLUMNS, fact_row
+from streams.pricing import PriceTable
 from streams.queries import sql_string
 
 log = logging.getLogger(__name__)
@@ -123,6 +125,25 @@ def parse_stats(rows: Sequence[dict[str, Any]]) -> dict[str, VersionStats]:
 class _Sizes(TypedDict):
     candidate_n: int
     baseline_n: int
+
+
+def stats_of(results: Iterable[RequestFinished], prices: PriceTable) -> VersionStats:
+    """The gate metrics of terminal events computed as their ``request_facts`` rows compute them (for
+    runs that never reach the warehouse: ``sluice rollout evaluate``)."""
+    rows = [dict(zip(FACT_COLUMNS, fact_row(event, prices), strict=True)) for event in results]
+
+    def p99(column: str) -> float | None:
+        values = sorted(float(r[column]) for r in rows if r[column] is not None)
+        return values[min(len(values) - 1, math.ceil(0.99 * len(values)) - 1)] if values else None
+
+    return VersionStats(
+        n=len(rows),
+        errors=sum(r["status"] in ("failed", "expired") for r in rows),
+        ttft_p99_ms=p99("ttft_ms"),
+        itl_p99_ms=p99("itl_max_ms"),
+        tokens=sum(int(r["prompt_tokens"]) + int(r["completion_tokens"]) for r in rows),
+        cost_nanos=sum(int(r["cost_nanos"]) for r in rows),
+    )
 
 
 def judge(

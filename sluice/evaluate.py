@@ -1,0 +1,170 @@
+"""``sluice rollout evaluate``: a candidate version on logged production requests, before live traffic.
+
+The requests come from the model's request topic (``--from-log 1h``: those accepted in the last hour; the
+events hold the tokenised prompts, so no content store is needed). Shadow copies and requests of other
+models are skipped. Both the stable and the candidate versions run them offline in this process
+(``gpu_workers.evaluate``), and the rollout gates compare the two runs as the controller would compare
+live traffic, plus how often the candidate's output equals the stable version's.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from confluent_kafka import Consumer, TopicPartition
+
+from bus.consumer import consumer_config, watermarks
+from bus.errors import BusError
+from gpu_workers.settings import WorkerSettings
+from schemas.codec import DecodeError, decode
+from schemas.events import (
+    EmbeddingRequested,
+    GateResult,
+    GenerationRequested,
+    RequestFinished,
+    RolloutGates,
+    utc_now,
+)
+from schemas.manifest import models_root
+from schemas.settings import PlatformSettings
+from schemas.topics import TopicNames
+from sluice.rollout import RolloutError, current_version, deployment_of
+
+Logged = GenerationRequested | EmbeddingRequested
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str) -> timedelta:
+    """``90s``, ``30m``, ``1h``, ``2d``."""
+    match = _DURATION.match(text.strip())
+    if match is None:
+        raise RolloutError(f"--from-log {text!r}: expected a duration such as 30m, 1h or 2d")
+    return timedelta(seconds=float(match.group(1)) * _UNITS[match.group(2)])
+
+
+def logged_requests(
+    platform: PlatformSettings, model: str, since: datetime, limit: int, timeout_s: float = 60.0
+) -> list[Logged]:
+    """Up to ``limit`` requests for ``model`` accepted since ``since`` (oldest first), no shadow copies."""
+    topic = TopicNames(platform.topic_prefix).requests(model)
+    consumer = Consumer(consumer_config(platform.bootstrap, None, "sluice-evaluate"))
+    found: list[Logged] = []
+    try:
+        meta = consumer.list_topics(topic, timeout=10).topics.get(topic)
+        if meta is None or meta.error is not None:
+            raise RolloutError(f"no request topic {topic}: is {model} served?")
+        since_ms = int(since.timestamp() * 1000)
+        starts = consumer.offsets_for_times([TopicPartition(topic, p, since_ms) for p in meta.partitions], 10)
+        ends = {p: watermarks(consumer, topic, p)[1] for p in meta.partitions}
+        todo = {tp.partition for tp in starts if 0 <= tp.offset < ends[tp.partition]}
+        consumer.assign([tp for tp in starts if tp.partition in todo])
+        deadline = time.monotonic() + timeout_s
+        while todo and len(found) < limit:
+            if time.monotonic() > deadline:
+                raise BusError(f"reading {topic} took over {timeout_s:.0f}s")
+            for message in consumer.consume(500, timeout=0.5):
+                if message.error() is not None:
+                    continue
+                part = message.partition() or 0
+                if (message.offset() or 0) + 1 >= ends[part]:
+                    todo.discard(part)
+                try:
+                    event = decode(message.value() or b"")
+                except DecodeError:
+                    continue
+                if isinstance(event, Logged) and event.model == model and event.shadow_of is None:
+                    found.append(event)
+    finally:
+        consumer.close()
+    found.sort(key=lambda e: e.time)
+    return found[:limit]
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    model: str
+    stable: str
+    candidate: str
+    requests: int
+    gates: list[GateResult]
+    same_output: float
+    """Share of requests whose output (text, or vectors to 4 decimals) is the same on both versions."""
+    seconds: dict[str, float]
+
+    @property
+    def passed(self) -> bool:
+        return all(g.state == "pass" for g in self.gates)
+
+
+def evaluate(
+    platform: PlatformSettings,
+    model: str,
+    version: str,
+    *,
+    window: timedelta,
+    limit: int,
+    gates: RolloutGates,
+    worker: WorkerSettings,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> Evaluation:
+    """Run the logged requests on the stable version and on ``version``; judge the candidate."""
+    from gpu_workers.evaluate import run_offline
+    from schemas.settings import load_settings
+    from streams.pricing import load_prices
+    from streams.rollout import judge, stats_of
+    from streams.settings import StreamsSettings
+
+    candidate_dir = models_root(platform.cache_dir) / model / version
+    if not candidate_dir.is_dir():
+        raise RolloutError(f"{model} has no version {version}: register it with `sluice models add`")
+    deployment = deployment_of(platform, model)
+    stable = (
+        deployment.stable
+        if deployment is not None and deployment.stable
+        else current_version(platform, model)
+    )
+    if stable == version:
+        raise RolloutError(f"{version} is the stable version of {model}: nothing to compare it with")
+    requests = logged_requests(platform, model, utc_now() - window, limit)
+    if not requests:
+        raise RolloutError(
+            f"no logged requests for {model} in the last {window}: send traffic or widen --from-log"
+        )
+    prices = load_prices(load_settings(StreamsSettings).streams_prices_file)
+    runs = {}
+    for name, directory in (
+        ("stable", models_root(platform.cache_dir) / model / stable),
+        ("candidate", candidate_dir),
+    ):
+        done = [0]
+
+        def step(n: int, name: str = name, done: list[int] = done) -> None:
+            done[0] += n
+            if progress is not None:
+                progress(name, done[0], len(requests))
+
+        runs[name] = run_offline(directory, requests, worker, progress=step)
+    base, cand = runs["stable"].results, runs["candidate"].results
+    same = sum(_output(a) == _output(b) for a, b in zip(base, cand, strict=True)) / len(requests)
+    return Evaluation(
+        model=model,
+        stable=stable,
+        candidate=version,
+        requests=len(requests),
+        gates=judge(gates, stats_of(cand, prices), stats_of(base, prices)),
+        same_output=same,
+        seconds={name: run.seconds for name, run in runs.items()},
+    )
+
+
+def _output(result: RequestFinished) -> object:
+    if result.status != "completed":
+        return None
+    if result.embeddings is not None:
+        return [[round(x, 4) for x in vector] for vector in result.embeddings]
+    return result.text

@@ -1,0 +1,162 @@
+"""``sluice rollout evaluate`` on the real broker: logged requests through the stable version and a
+candidate, judged by the rollout gates, before any live traffic."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from bus.producer import EventProducer
+from gpu_workers.models import build_demo_gpt
+from gpu_workers.settings import WorkerSettings
+from infra.topics import TopicSizing, apply_topics, make_admin, platform_topics
+from schemas.events import GenerationRequested, ReplyTo, RolloutGates, SamplingParams
+from schemas.ids import uuid7
+from schemas.manifest import models_root, read_manifest, write_manifest
+from schemas.settings import PlatformSettings
+from schemas.topics import TopicNames
+from sluice.evaluate import evaluate, logged_requests, parse_duration
+from sluice.rollout import RolloutError
+
+pytestmark = pytest.mark.integration
+GPT = "demo-gpt"
+CANDIDATE = "cand00000042"
+
+
+@pytest.fixture
+def platform(
+    platform_settings: PlatformSettings, kafka_bootstrap: str, topic_prefix: str, tmp_path: Path
+) -> PlatformSettings:
+    """demo-gpt's stable version plus a candidate copy in a cache of the test's own; its topics."""
+    stable_dir = build_demo_gpt(models_root(platform_settings.cache_dir))
+    root = models_root(tmp_path / "cache") / GPT
+    root.mkdir(parents=True)
+    manifest = read_manifest(stable_dir)
+    (root / manifest.version).symlink_to(stable_dir)
+    (root / "current").symlink_to(manifest.version)
+    shutil.copytree(stable_dir, root / CANDIDATE)
+    write_manifest(root / CANDIDATE, msgspec.structs.replace(manifest, version=CANDIDATE))
+    apply_topics(
+        make_admin(kafka_bootstrap),
+        platform_topics(TopicNames(topic_prefix), [GPT], TopicSizing(requests=2, replies=2, events=2)),
+    )
+    return msgspec.structs.replace(
+        platform_settings,
+        kafka_bootstrap=kafka_bootstrap,
+        topic_prefix=topic_prefix,
+        cache_dir=str(tmp_path / "cache"),
+        models=(GPT,),
+    )
+
+
+async def _log_requests(platform: PlatformSettings, n: int) -> list[GenerationRequested]:
+    names = TopicNames(platform.topic_prefix)
+    requests = [
+        GenerationRequested(
+            tenant=f"tenant-{i % 3}",
+            model=GPT,
+            request_id=uuid7(),
+            source="test",
+            model_version="whatever-was-live",
+            input_ids=[5 + i % 7, 6, 7, 8, 9],
+            sampling=SamplingParams(max_tokens=5, temperature=0.0),
+            reply=ReplyTo(topic=names.replies, partition=0, edge_id="e"),
+        )
+        for i in range(n)
+    ]
+    shadow = msgspec.structs.replace(
+        requests[0], request_id=uuid7(), reply=None, shadow_of=requests[0].request_id
+    )
+    with EventProducer(platform.bootstrap, "test-edge") as producer:
+        for request in [*requests, shadow]:
+            await producer.publish(names.requests(GPT), request)
+    return requests
+
+
+async def test_an_identical_candidate_passes_and_a_failing_one_does_not(platform: PlatformSettings) -> None:
+    logged = await _log_requests(platform, 24)
+    found = logged_requests(platform, GPT, logged[0].time, limit=100)
+    assert [r.request_id for r in found] == [r.request_id for r in logged]  # the shadow copy is skipped
+    assert len(logged_requests(platform, GPT, logged[0].time, limit=5)) == 5
+
+    gates = RolloutGates(
+        min_requests=20, drift=False, burn=False, max_ttft_p99_ratio=10, max_itl_p99_ratio=10
+    )
+    same = evaluate(
+        platform, GPT, CANDIDATE, window=parse_duration("1h"), limit=100, gates=gates,
+        worker=WorkerSettings(drift_sample=0),
+    )  # fmt: skip
+    assert same.requests == 24
+    assert same.same_output == 1.0  # same weights, same seeds: the same answers
+    assert {g.gate: g.state for g in same.gates} == {
+        "error_ratio": "pass",
+        "ttft_p99_ms": "pass",
+        "itl_p99_ms": "pass",
+        "cost_per_1k_tokens": "pass",
+    }
+    assert same.passed
+
+    faulty = WorkerSettings(drift_sample=0, fault_fail_ratio=0.5, fault_versions=(CANDIDATE,))
+    bad = evaluate(
+        platform, GPT, CANDIDATE, window=parse_duration("1h"), limit=100, gates=gates, worker=faulty
+    )
+    error_ratio = {g.gate: g for g in bad.gates}["error_ratio"]
+    assert error_ratio.state == "fail"
+    assert error_ratio.baseline == 0.0  # the fault is scoped to the candidate's version
+    assert not bad.passed
+    assert bad.same_output < 1.0
+
+    few = evaluate(
+        platform, GPT, CANDIDATE, window=parse_duration("1h"), limit=10, gates=gates,
+        worker=WorkerSettings(drift_sample=0),
+    )  # fmt: skip
+    assert {g.state for g in few.gates} == {"insufficient_data"}  # never a pass on 10 requests
+    assert not few.passed
+
+
+async def test_the_command_exits_1_on_a_failing_gate_and_2_on_a_bad_request(
+    platform: PlatformSettings, cli_env: dict[str, str], tmp_path: Path
+) -> None:
+    await _log_requests(platform, 20)
+    env = {
+        **cli_env,
+        "SLUICE_CACHE_DIR": platform.cache_dir,
+        "SLUICE_MODELS": GPT,
+        "SLUICE_FAULT_FAIL_RATIO": "0.5",
+        "SLUICE_FAULT_VERSIONS": CANDIDATE,
+        "SLUICE_DRIFT_SAMPLE": "0",
+    }
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "sluice", "rollout", "evaluate", GPT, *args],
+            env=env, capture_output=True, text=True, timeout=300, check=False,
+        )  # fmt: skip
+
+    report = tmp_path / "evaluation.json"
+    failing = run("--version", CANDIDATE, "--from-log", "1h", "--json", str(report))
+    assert failing.returncode == 1, failing.stdout + failing.stderr
+    assert "error_ratio" in failing.stdout
+    assert "fail" in failing.stdout
+    saved = msgspec.json.decode(report.read_bytes())
+    assert saved["requests"] == 20
+    assert {g["gate"]: g["state"] for g in saved["gates"]}["error_ratio"] == "fail"
+
+    unknown = run("--version", "nosuchversion")
+    assert unknown.returncode == 2
+    assert "no version nosuchversion" in unknown.stderr
+    bad_window = run("--version", CANDIDATE, "--from-log", "an hour")
+    assert bad_window.returncode == 2
+    assert "expected a duration" in bad_window.stderr
+
+
+def test_durations() -> None:
+    assert parse_duration("90s").total_seconds() == 90
+    assert parse_duration("1.5h").total_seconds() == 5400
+    with pytest.raises(RolloutError, match="expected a duration"):
+        parse_duration("1 hour")
