@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 from datetime import datetime
 
+import msgspec
+
 from bus.control import latest_deployments
 from bus.producer import EventProducer
 from schemas.events import DeploymentChanged, GateResult, RolloutGates, utc_now
@@ -47,6 +49,8 @@ def parse_steps(canary: float, steps: str) -> list[float]:
     if any(not 0 < p <= 100 for p in listed):
         raise RolloutError(f"--steps {steps!r}: every step must be above 0 and at most 100")
     shares = [canary, *sorted(p for p in set(listed) if p > canary)]
+    if round(canary / 100, 6) >= 1.0:
+        raise RolloutError(f"--canary {canary:g}: expected a percentage below 100")
     if shares[-1] != 100:
         shares.append(100.0)
     return [round(p / 100, 6) for p in shares]
@@ -89,6 +93,11 @@ def plan_start(
     stable = latest.stable if latest is not None and latest.stable else current_version(platform, model)
     if version == stable:
         raise RolloutError(f"{version} is already the stable version of {model}")
+    if steps[0] <= 0 and shadow <= 0:
+        raise RolloutError(
+            "--canary 0 without --shadow sends the candidate nothing: it could never pass a gate; "
+            "give it a share (--canary 5) or shadow traffic (--shadow 20)"
+        )
     return start_rollout(
         model,
         stable=stable,
@@ -152,8 +161,11 @@ def live_gates(platform: PlatformSettings, current: DeploymentChanged) -> list[G
         features = row["features"]
         if row["verdict"] == "drift" and isinstance(features, list | tuple):
             drifted = sorted(str(f) for f in features)
+    # The burn gate needs the model's BurnRateCrossed events, which only the controller follows: shown as
+    # of the last decision's evidence, not recomputed here.
+    gates = msgspec.structs.replace(current.gates or RolloutGates(), burn=False)
     return judge(
-        current.gates or RolloutGates(),
+        gates,
         stats.get(candidate, VersionStats()),
         stats.get(current.stable, VersionStats()),
         drifted=drifted,

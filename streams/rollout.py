@@ -24,7 +24,7 @@ import logging
 import math
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, TypedDict
 
 import msgspec
@@ -251,7 +251,8 @@ def decide(
         return roll_back(current, now, f"automatic rollback at step {step}: {reason}", results, "controller")
     gates = current.gates or RolloutGates()
     started = current.step_started or current.time
-    if any(r.state != "pass" for r in results) or (now - started).total_seconds() < gates.step_min_s:
+    young = gates.step_min_s > 0 and (now - started).total_seconds() < gates.step_min_s
+    if young or any(r.state != "pass" for r in results):
         return None
     summary = ", ".join(_describe(r) for r in results if r.candidate is not None)
     return advance(current, now, f"gates passed ({summary})", results, "controller")
@@ -300,6 +301,7 @@ def advance(
     candidate = current.candidate or current.version
     step = current.step + 1
     share = current.steps[step] if step < len(current.steps) else 1.0
+    now = after(current, now)
     common = _decision(current, now, evidence, actor)
     if share >= 1.0:
         return msgspec.structs.replace(
@@ -333,7 +335,7 @@ def roll_back(
     candidate = current.candidate or current.version
     return msgspec.structs.replace(
         current,
-        **_decision(current, now, evidence, actor),
+        **_decision(current, after(current, now), evidence, actor),
         action="rollback",
         traffic=_traffic(current.stable, candidate, 0.0),
         phase="rolled_back",
@@ -349,6 +351,12 @@ class _Decision(TypedDict):
     version: str
     evidence: list[GateResult]
     actor: str
+
+
+def after(current: DeploymentChanged, now: datetime) -> datetime:
+    """A decision's time: ``now``, but always after the deployment it was derived from, so the order of
+    times is the causal order even when the deciding clock is behind the one that wrote ``current``."""
+    return max(now, current.time + timedelta(milliseconds=1))
 
 
 def _decision(
@@ -469,7 +477,12 @@ class RolloutController:
             decision = decide(current, results, self._clock())
             if decision is None:
                 continue
-            await self._publish(decision)  # durable before the state moves
+            try:
+                await self._publish(decision)  # durable before the state moves
+            except Exception:
+                log.exception("rollout: publishing the decision for %s failed; trying again", model)
+                self._due.add(model)
+                continue
             self._follow(decision)
             log.warning("rollout %s: %s", model, decision.reason)
             decisions.append(decision)

@@ -1,0 +1,342 @@
+"""``sluice rollout``'s planning: steps, and the checks before start / promote / abort (Kafka faked out)."""
+
+from __future__ import annotations
+
+import os
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import msgspec
+import pytest
+
+import infra.warehouse
+import sluice.rollout
+from infra.warehouse import QueryResult
+from schemas.events import DeploymentChanged, RolloutGates
+from schemas.manifest import ModelManifest, current_model_dir, models_root, write_manifest
+from schemas.settings import PlatformSettings, load_settings
+from sluice.rollout import (
+    RolloutError,
+    current_version,
+    live_gates,
+    parse_steps,
+    plan_abort,
+    plan_promote,
+    plan_start,
+)
+from streams.rollout import VersionStats, advance, judge, roll_back, start_rollout
+
+MODEL = "demo-gpt"
+T0 = datetime(2025, 3, 1, 12, tzinfo=UTC)
+STEPS = [0.05, 0.25, 0.5, 1.0]
+GATES = RolloutGates(min_requests=20, step_min_s=30)
+
+# --- parse_steps ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("canary", "steps", "shares"),
+    [
+        (10, "5,25,50,100", [0.1, 0.25, 0.5, 1.0]),  # a step below the canary is dropped
+        (5, "25,50,100", [0.05, 0.25, 0.5, 1.0]),
+        (5, "25,50", [0.05, 0.25, 0.5, 1.0]),  # 100 appended
+        (5, "50, 25 ,,", [0.05, 0.25, 0.5, 1.0]),  # sorted, blanks ignored
+        (10, "10,50,50", [0.1, 0.5, 1.0]),  # no repeats
+        (5, "", [0.05, 1.0]),
+        (0, "5,25,50,100", [0.0, 0.05, 0.25, 0.5, 1.0]),  # shadow only first
+        (0, "", [0.0, 1.0]),
+        (12.5, "33.3", [0.125, 0.333, 1.0]),
+        (99.99, "100", [0.9999, 1.0]),
+    ],
+)
+def test_parse_steps(canary: float, steps: str, shares: list[float]) -> None:
+    assert parse_steps(canary, steps) == shares
+
+
+@pytest.mark.parametrize(
+    ("canary", "steps", "message"),
+    [
+        (5, "5,abc", "--steps '5,abc': expected comma-separated percentages, e.g. 5,25,50,100"),
+        (5, "25;50", "expected comma-separated percentages"),
+        (100, "", "--canary 100: expected a percentage from 0 (shadow only) to below 100"),
+        (-1, "25", "--canary -1: expected a percentage"),
+        (float("nan"), "25", "--canary nan"),
+        (5, "0,50", "--steps '0,50': every step must be above 0 and at most 100"),
+        (5, "50,150", "every step must be above 0 and at most 100"),
+        (5, "-5", "every step must be above 0"),
+        (5, "nan", "every step must be above 0"),
+        (5, "inf", "every step must be above 0"),
+    ],
+)
+def test_parse_steps_rejects(canary: float, steps: str, message: str) -> None:
+    with pytest.raises(RolloutError, match=message.replace("(", r"\(").replace(")", r"\)")) as caught:
+        parse_steps(canary, steps)
+    assert isinstance(caught.value, ValueError)  # the CLI's usage-error root
+
+
+# --- plan_start / plan_promote / plan_abort ---------------------------------------------------------------
+
+
+@pytest.fixture
+def platform(tmp_path: Path) -> PlatformSettings:
+    """A cache dir holding demo-gpt v1 (current, with a manifest), v2 and v3."""
+    settings = load_settings(
+        PlatformSettings, {"SLUICE_CACHE_DIR": str(tmp_path), "SLUICE_MODEL_PATHS": "extra-model=/nowhere"}
+    )
+    root = models_root(settings.cache_dir) / MODEL
+    for version in ("v1", "v2", "v3"):
+        (root / version).mkdir(parents=True)
+    write_manifest(
+        root / "v1", ModelManifest(model_id=MODEL, task="generation", version="v1", max_context=128)
+    )
+    os.symlink(root / "v1", current_model_dir(settings.cache_dir, MODEL))
+    (models_root(settings.cache_dir) / "extra-model" / "e2").mkdir(parents=True)
+    return settings
+
+
+class Log:
+    """Stands in for the compacted control topic: the latest deployment per model."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.latest: dict[str, DeploymentChanged] = {}
+        self.asked: list[str] = []
+        monkeypatch.setattr(sluice.rollout, "deployment_of", self.deployment_of)
+
+    def deployment_of(self, platform: PlatformSettings, model: str) -> DeploymentChanged | None:
+        self.asked.append(model)
+        return self.latest.get(model)
+
+
+@pytest.fixture
+def log(monkeypatch: pytest.MonkeyPatch) -> Log:
+    return Log(monkeypatch)
+
+
+def rollout(stable: str = "v1", candidate: str = "v2", *, now: datetime = T0) -> DeploymentChanged:
+    return start_rollout(
+        MODEL,
+        stable=stable,
+        candidate=candidate,
+        steps=STEPS,
+        shadow=0.1,
+        gates=GATES,
+        now=now,
+        source="sluice/cli",
+    )
+
+
+def start(platform: PlatformSettings, version: str, model: str = MODEL) -> DeploymentChanged:
+    return plan_start(platform, model, version, steps=STEPS, shadow=0.1, gates=GATES, now=T0)
+
+
+def test_the_fixture_reads_the_cache_dir_from_the_environment(
+    platform: PlatformSettings, tmp_path: Path
+) -> None:
+    assert platform.cache_dir == str(tmp_path)
+    assert current_version(platform, MODEL) == "v1"
+
+
+def test_current_version_without_a_prepared_model(tmp_path: Path) -> None:
+    settings = msgspec.structs.replace(PlatformSettings(), cache_dir=str(tmp_path))
+    with pytest.raises(RolloutError, match=r"demo-gpt: .*run `sluice models prepare`"):
+        current_version(settings, MODEL)
+
+
+def test_start_a_first_rollout_from_the_prepared_version(platform: PlatformSettings, log: Log) -> None:
+    event = start(platform, "v2")
+    assert log.asked == [MODEL]
+    assert (event.model, event.version, event.stable, event.candidate) == (MODEL, "v2", "v1", "v2")
+    assert (event.action, event.phase, event.actor, event.source) == (
+        "deploy",
+        "canary",
+        "operator",
+        "sluice/cli",
+    )
+    assert event.traffic == {"v1": 0.95, "v2": 0.05}
+    assert (event.steps, event.step, event.step_started, event.time) == (STEPS, 0, T0, T0)
+    assert (event.shadow, event.gates) == (0.1, GATES)
+
+
+def test_start_uses_the_logged_stable_version(
+    platform: PlatformSettings, log: Log, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_manifest(platform: PlatformSettings, model: str) -> str:
+        raise AssertionError("the log's stable version wins over the prepared directory")
+
+    monkeypatch.setattr(sluice.rollout, "current_version", no_manifest)
+    promoted = msgspec.structs.replace(
+        rollout(), phase="promoted", stable="v2", traffic={"v2": 1.0}, action="promote"
+    )
+    log.latest[MODEL] = promoted
+    event = start(platform, "v3")
+    assert (event.stable, event.candidate) == ("v2", "v3")
+    assert event.traffic == {"v2": 0.95, "v3": 0.05}
+
+
+def test_start_again_after_a_rollback(platform: PlatformSettings, log: Log) -> None:
+    log.latest[MODEL] = roll_back(rollout(), T0, "aborted by the operator: x", [], "operator")
+    event = start(platform, "v2")
+    assert (event.stable, event.candidate, event.phase) == ("v1", "v2", "canary")
+    assert event.rollout_id != log.latest[MODEL].rollout_id
+
+
+def test_start_defaults_to_now(platform: PlatformSettings, log: Log) -> None:
+    before = datetime.now(UTC)
+    event = plan_start(platform, MODEL, "v2", steps=STEPS, shadow=0.0, gates=GATES)
+    assert before <= event.time <= datetime.now(UTC) + timedelta(seconds=1)
+    assert event.step_started == event.time
+
+
+def test_start_refuses_a_second_rollout(platform: PlatformSettings, log: Log) -> None:
+    log.latest[MODEL] = rollout()
+    with pytest.raises(RolloutError) as caught:
+        start(platform, "v3")
+    message = str(caught.value)
+    assert "a rollout of demo-gpt v2 is in progress (step 1/4)" in message
+    assert "`sluice rollout promote`" in message
+    assert "`sluice rollout abort`" in message
+
+
+def test_start_refuses_the_prepared_stable_version(platform: PlatformSettings, log: Log) -> None:
+    with pytest.raises(RolloutError, match="v1 is already the stable version of demo-gpt"):
+        start(platform, "v1")
+
+
+def test_start_refuses_the_logged_stable_version(platform: PlatformSettings, log: Log) -> None:
+    log.latest[MODEL] = msgspec.structs.replace(rollout(), phase="promoted", stable="v2", traffic={"v2": 1.0})
+    with pytest.raises(RolloutError, match="v2 is already the stable version of demo-gpt"):
+        start(platform, "v2")
+
+
+def test_start_refuses_an_unknown_version(platform: PlatformSettings, log: Log) -> None:
+    with pytest.raises(
+        RolloutError, match=r"demo-gpt has no version v9: register it with `sluice models add`"
+    ):
+        start(platform, "v9")
+
+
+def test_start_refuses_a_version_file_that_is_no_directory(platform: PlatformSettings, log: Log) -> None:
+    (models_root(platform.cache_dir) / MODEL / "v4").write_text("not a model")
+    with pytest.raises(RolloutError, match="has no version v4"):
+        start(platform, "v4")
+
+
+def test_start_refuses_an_unserved_model(platform: PlatformSettings, log: Log) -> None:
+    with pytest.raises(
+        RolloutError, match=r"gone-model is not served \(SLUICE_MODELS / SLUICE_MODEL_PATHS\)"
+    ):
+        start(platform, "v2", model="gone-model")
+    assert log.asked == []
+
+
+def test_start_a_model_served_from_model_paths(
+    platform: PlatformSettings, log: Log, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sluice.rollout, "current_version", lambda platform, model: "e1")
+    event = start(platform, "e2", model="extra-model")
+    assert (event.model, event.stable, event.candidate) == ("extra-model", "e1", "e2")
+
+
+def test_start_refuses_a_rollout_that_can_never_see_a_request(platform: PlatformSettings, log: Log) -> None:
+    with pytest.raises(RolloutError):
+        plan_start(platform, MODEL, "v2", steps=parse_steps(0, "25,100"), shadow=0.0, gates=GATES, now=T0)
+
+
+def test_promote_moves_one_step(platform: PlatformSettings, log: Log) -> None:
+    current = rollout()
+    log.latest[MODEL] = current
+    event = plan_promote(platform, MODEL, to_end=False)
+    assert (event.phase, event.step, event.action) == ("canary", 1, "promote")
+    assert event.traffic == {"v1": 0.75, "v2": 0.25}
+    assert (event.actor, event.source, event.rollout_id) == ("operator", "sluice/cli", current.rollout_id)
+    assert event.time > current.time
+    assert "promoted by the operator" in event.reason
+
+
+@pytest.mark.parametrize("step", [0, 1, 2])
+def test_promote_all_reaches_promoted(platform: PlatformSettings, log: Log, step: int) -> None:
+    current = rollout()
+    for _ in range(step):
+        current = advance(current, T0, "test", [], "operator")
+    log.latest[MODEL] = current
+    event = plan_promote(platform, MODEL, to_end=True)
+    assert event.phase == "promoted"
+    assert (event.stable, event.version, event.traffic) == ("v2", "v2", {"v2": 1.0})
+    assert event.shadow == 0.0
+    assert event.step == len(STEPS) - 1
+    assert event.actor == "operator"
+
+
+def test_abort_rolls_back_with_the_reason(platform: PlatformSettings, log: Log) -> None:
+    current = rollout()
+    log.latest[MODEL] = advance(current, T0, "test", [], "operator")
+    event = plan_abort(platform, MODEL, "p99 looks off")
+    assert (event.action, event.phase) == ("rollback", "rolled_back")
+    assert event.traffic == {"v1": 1.0, "v2": 0.0}
+    assert event.shadow == 0.0
+    assert event.reason == "aborted by the operator: p99 looks off"
+    assert (event.actor, event.source, event.stable, event.version) == ("operator", "sluice/cli", "v1", "v2")
+
+
+@pytest.mark.parametrize("phase", [None, "promoted", "rolled_back", "stable"])
+def test_promote_and_abort_need_a_rollout_in_progress(
+    platform: PlatformSettings, log: Log, phase: str | None
+) -> None:
+    if phase is not None:
+        log.latest[MODEL] = msgspec.structs.replace(rollout(), phase=phase)
+    expected = r"no rollout of demo-gpt is in progress \(see `sluice rollout status`\)"
+    with pytest.raises(RolloutError, match=expected):
+        plan_promote(platform, MODEL, to_end=True)
+    with pytest.raises(RolloutError, match=expected):
+        plan_abort(platform, MODEL, "why")
+
+
+# --- live_gates -------------------------------------------------------------------------------------------
+
+
+def test_live_gates_compute_what_the_controller_computes(
+    platform: PlatformSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    current = rollout(now=T0)
+    queries: list[str] = []
+    stat_columns = [
+        "model_version",
+        "n",
+        "errors",
+        "ttft_p99",
+        "ttft_n",
+        "itl_p99",
+        "itl_n",
+        "tokens",
+        "cost_nanos",
+    ]
+
+    def query(settings: PlatformSettings, sql: str) -> QueryResult:
+        queries.append(sql)
+        if "FROM request_facts" in sql:
+            return QueryResult(
+                columns=stat_columns,
+                types=["String"] * len(stat_columns),
+                rows=[
+                    ["v1", 100, 1, 100.0, 100, 20.0, 100, 1000, 1_000_000_000],
+                    ["v2", 100, 2, 300.0, 100, None, 0, 1000, 1_000_000_000],
+                ],
+            )
+        return QueryResult(
+            columns=["verdict", "windows", "features"],
+            types=["String", "UInt64", "Array(String)"],
+            rows=[["no_drift", 3, []], ["drift", 1, ["b", "a"]]],
+        )
+
+    monkeypatch.setattr(infra.warehouse, "query_warehouse", query)
+    results = live_gates(platform, current)
+    assert len(queries) == 2
+    assert "burn" not in {r.gate for r in results}
+    expected = judge(
+        msgspec.structs.replace(GATES, burn=False),  # the burn gate is the controller's alone
+        VersionStats(n=100, errors=2, ttft_p99_ms=300.0, itl_p99_ms=None, tokens=1000, cost_nanos=10**9),
+        VersionStats(n=100, errors=1, ttft_p99_ms=100.0, itl_p99_ms=20.0, tokens=1000, cost_nanos=10**9),
+        drifted=["a", "b"],
+    )
+    assert results == expected
+    assert [r.state for r in results] == ["pass", "fail", "insufficient_data", "pass", "fail"]

@@ -1,0 +1,1022 @@
+"""The rollout controller: gates, decisions, the decision events and the controller loop (no Kafka)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Sequence
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import msgspec
+import pytest
+
+from schemas.events import (
+    BurnRateCrossed,
+    DeploymentChanged,
+    GateResult,
+    RequestFinished,
+    RolloutGates,
+    Usage,
+)
+from streams.rollout import (
+    BURN_MIN_ERRORS,
+    FAST_BURN,
+    SOURCE,
+    RolloutController,
+    VersionStats,
+    advance,
+    decide,
+    drift_sql,
+    judge,
+    parse_stats,
+    roll_back,
+    start_rollout,
+    stats_sql,
+)
+
+T0 = datetime(2025, 3, 1, 12, tzinfo=UTC)
+T0_MS = 1_740_830_400_000
+MODEL = "demo-gpt"
+STEPS = [0.05, 0.25, 0.5, 1.0]
+GATES = RolloutGates(min_requests=100)
+ALL_GATES = ["error_ratio", "ttft_p99_ms", "itl_p99_ms", "cost_per_1k_tokens", "drift", "burn"]
+
+
+def stats(
+    n: int = 1000,
+    errors: int = 10,
+    ttft: float | None = 100.0,
+    itl: float | None = 20.0,
+    tokens: int = 100_000,
+    cost_per_1k_usd: float = 1.0,
+) -> VersionStats:
+    return VersionStats(
+        n=n,
+        errors=errors,
+        ttft_p99_ms=ttft,
+        itl_p99_ms=itl,
+        tokens=tokens,
+        cost_nanos=round(cost_per_1k_usd * tokens / 1000 * 1e9),
+    )
+
+
+def by_gate(results: Sequence[GateResult]) -> dict[str, GateResult]:
+    return {r.gate: r for r in results}
+
+
+def burn_event(
+    *,
+    at: datetime,
+    firing: bool = True,
+    threshold: float = FAST_BURN,
+    model: str = MODEL,
+    rate: float = 20.0,
+) -> BurnRateCrossed:
+    return BurnRateCrossed(
+        tenant="",
+        model=model,
+        source="streams/slo",
+        time=at,
+        slo="availability",
+        window="1h/5m",
+        burn_rate=rate,
+        threshold=threshold,
+        firing=firing,
+    )
+
+
+def canary(
+    *,
+    steps: Sequence[float] = STEPS,
+    shadow: float = 0.1,
+    gates: RolloutGates = GATES,
+    now: datetime = T0,
+    step: int = 0,
+) -> DeploymentChanged:
+    started = start_rollout(
+        MODEL,
+        stable="v1",
+        candidate="v2",
+        steps=steps,
+        shadow=shadow,
+        gates=gates,
+        now=now,
+        source="sluice/cli",
+    )
+    for _ in range(step):
+        started = advance(started, now, "test", [], "operator")
+    return started
+
+
+def passing(gates: RolloutGates = GATES) -> list[GateResult]:
+    return judge(gates, stats(), stats())
+
+
+def failing(gates: RolloutGates = GATES) -> list[GateResult]:
+    return judge(gates, stats(errors=200), stats())
+
+
+# --- VersionStats ---------------------------------------------------------------------------------------
+
+
+def test_error_ratio() -> None:
+    assert VersionStats(n=200, errors=3).error_ratio == 0.015
+    assert VersionStats(n=0, errors=0).error_ratio == 0.0
+
+
+def test_cost_per_1k_tokens_in_usd() -> None:
+    # 2 M tokens for $3 (3e9 nanos): $0.0015 per 1k tokens
+    assert VersionStats(tokens=2_000_000, cost_nanos=3_000_000_000).cost_per_1k_usd == pytest.approx(0.0015)
+    assert VersionStats(tokens=1000, cost_nanos=1_250_000_000).cost_per_1k_usd == 1.25
+    assert VersionStats(tokens=0, cost_nanos=5).cost_per_1k_usd is None
+
+
+# --- judge ----------------------------------------------------------------------------------------------
+
+
+def test_healthy_candidate_passes_every_gate_in_order() -> None:
+    results = judge(GATES, stats(), stats())
+    assert [r.gate for r in results] == ALL_GATES
+    assert {r.state for r in results} == {"pass"}
+    assert all((r.candidate_n, r.baseline_n) == (1000, 1000) for r in results)
+
+
+@pytest.mark.parametrize(
+    ("errors", "baseline_errors", "state", "limit"),
+    [(150, 100, "pass", 0.15), (151, 100, "fail", 0.15), (50, 0, "pass", 0.05), (51, 0, "fail", 0.05)],
+)
+def test_error_ratio_limit_is_baseline_plus_delta(
+    errors: int, baseline_errors: int, state: str, limit: float
+) -> None:
+    result = by_gate(judge(GATES, stats(errors=errors), stats(errors=baseline_errors)))["error_ratio"]
+    assert result.state == state
+    assert (result.candidate, result.baseline, result.limit) == (errors / 1000, baseline_errors / 1000, limit)
+    assert (result.candidate_n, result.baseline_n) == (1000, 1000)
+
+
+def test_error_ratio_uses_the_configured_delta() -> None:
+    gates = RolloutGates(min_requests=100, max_error_delta=0.0)
+    result = by_gate(judge(gates, stats(errors=101), stats(errors=100)))["error_ratio"]
+    assert (result.state, result.limit) == ("fail", 0.1)
+
+
+def test_error_ratio_limit_is_capped_at_one() -> None:
+    result = by_gate(judge(GATES, stats(errors=1000), stats(errors=980)))["error_ratio"]
+    assert result.limit == 1.0
+
+
+@pytest.mark.parametrize(("ttft", "state"), [(175.0, "pass"), (175.5, "fail")])
+def test_ttft_limit_is_ratio_times_baseline_plus_slack(ttft: float, state: str) -> None:
+    result = by_gate(judge(GATES, stats(ttft=ttft), stats(ttft=100.0)))["ttft_p99_ms"]
+    assert (result.state, result.candidate, result.baseline, result.limit) == (state, ttft, 100.0, 175.0)
+
+
+@pytest.mark.parametrize(("itl", "state"), [(55.0, "pass"), (55.1, "fail")])
+def test_itl_limit_is_ratio_times_baseline_plus_slack(itl: float, state: str) -> None:
+    result = by_gate(judge(GATES, stats(itl=itl), stats(itl=20.0)))["itl_p99_ms"]
+    assert (result.state, result.limit) == (state, 55.0)
+
+
+def test_latency_limits_use_the_configured_ratios_and_slack() -> None:
+    gates = RolloutGates(
+        min_requests=100, max_ttft_p99_ratio=2.0, max_itl_p99_ratio=3.0, latency_slack_ms=0.0
+    )
+    results = by_gate(judge(gates, stats(ttft=201.0, itl=60.0), stats(ttft=100.0, itl=20.0)))
+    assert (results["ttft_p99_ms"].state, results["ttft_p99_ms"].limit) == ("fail", 200.0)
+    assert (results["itl_p99_ms"].state, results["itl_p99_ms"].limit) == ("pass", 60.0)
+
+
+@pytest.mark.parametrize(("cost", "state"), [(1.25, "pass"), (1.26, "fail"), (1.3, "fail")])
+def test_cost_limit_is_a_ratio_without_slack(cost: float, state: str) -> None:
+    result = by_gate(judge(GATES, stats(cost_per_1k_usd=cost), stats(cost_per_1k_usd=1.0)))[
+        "cost_per_1k_tokens"
+    ]
+    assert (result.state, result.limit, result.baseline) == (state, 1.25, 1.0)
+    assert result.candidate == pytest.approx(cost)
+
+
+@pytest.mark.parametrize(
+    ("candidate_n", "baseline_n", "decides"),
+    [(99, 1000, False), (1000, 99, False), (0, 0, False), (100, 100, True)],
+)
+def test_metric_gates_need_min_requests_on_both_sides(
+    candidate_n: int, baseline_n: int, decides: bool
+) -> None:
+    # The candidate is bad on every metric, so a deciding gate fails.
+    bad = stats(n=candidate_n, errors=candidate_n, ttft=1e6, itl=1e6, cost_per_1k_usd=100.0)
+    results = by_gate(judge(GATES, bad, stats(n=baseline_n, errors=0)))
+    for gate in ("error_ratio", "ttft_p99_ms", "itl_p99_ms", "cost_per_1k_tokens"):
+        assert results[gate].state == ("fail" if decides else "insufficient_data"), gate
+        assert (results[gate].candidate_n, results[gate].baseline_n) == (candidate_n, baseline_n)
+
+
+def test_missing_latency_or_cost_is_insufficient_data() -> None:
+    results = by_gate(judge(GATES, stats(ttft=None), stats(itl=None)))
+    assert results["ttft_p99_ms"].state == "insufficient_data"
+    assert results["ttft_p99_ms"].baseline == 100.0
+    assert results["itl_p99_ms"].state == "insufficient_data"
+    assert results["itl_p99_ms"].candidate == 20.0
+    assert results["error_ratio"].state == "pass"
+    assert results["cost_per_1k_tokens"].state == "pass"
+    no_tokens = by_gate(judge(GATES, stats(tokens=0), stats()))
+    assert no_tokens["cost_per_1k_tokens"].state == "insufficient_data"
+
+
+def test_drift_gate_fails_with_the_drifted_features() -> None:
+    result = by_gate(judge(GATES, stats(), stats(), drifted=["completion_tokens", "prompt_tokens"]))["drift"]
+    assert result.state == "fail"
+    assert result.detail == "drifted: completion_tokens, prompt_tokens"
+
+
+def test_drift_gate_fails_on_a_drift_verdict_without_named_features() -> None:
+    assert by_gate(judge(GATES, stats(), stats(), drifted=[]))["drift"].state == "fail"
+
+
+def test_drift_gate_passes_without_a_drift_verdict() -> None:
+    result = by_gate(judge(GATES, stats(), stats(), drifted=None))["drift"]
+    assert (result.state, result.detail) == ("pass", "")
+
+
+def test_burn_gate_fails_when_the_candidate_errs_more() -> None:
+    burn = burn_event(at=T0, rate=20.0)
+    result = by_gate(judge(GATES, stats(errors=20), stats(errors=10), burn=burn))["burn"]
+    assert result.state == "fail"
+    assert (result.candidate, result.limit) == (20.0, FAST_BURN)
+    assert result.detail == "availability 1h/5m burn 20.0"
+
+
+@pytest.mark.parametrize("candidate_errors", [10, 5])
+def test_burn_gate_passes_when_the_candidate_errs_no_more(candidate_errors: int) -> None:
+    result = by_gate(judge(GATES, stats(errors=candidate_errors), stats(errors=10), burn=burn_event(at=T0)))
+    assert result["burn"].state == "pass"
+
+
+@pytest.mark.parametrize(("errors", "state"), [(2, "pass"), (3, "fail")])
+def test_burn_gate_needs_a_few_candidate_failures(errors: int, state: str) -> None:
+    assert BURN_MIN_ERRORS == 3  # docs/rollout.md: "with at least 3 failures"
+    # 2 of 10 (20 %) vs 1 %: more, but one unlucky request or two are not blamed for the burn.
+    results = by_gate(judge(GATES, stats(n=10, errors=errors), stats(errors=10), burn=burn_event(at=T0)))
+    assert results["burn"].state == state
+
+
+def test_burn_gate_acts_before_min_requests() -> None:
+    # A fast burn is an emergency: 3 failures of 5 requests are enough, far below min_requests (100).
+    results = by_gate(judge(GATES, stats(n=5, errors=3), stats(errors=10), burn=burn_event(at=T0)))
+    assert results["error_ratio"].state == "insufficient_data"
+    assert results["burn"].state == "fail"
+    assert (results["burn"].candidate_n, results["burn"].baseline_n) == (5, 1000)
+
+
+def test_burn_gate_passes_without_a_burn() -> None:
+    result = by_gate(judge(GATES, stats(errors=40), stats(errors=10), burn=None))["burn"]
+    assert (result.state, result.candidate, result.limit, result.detail) == ("pass", None, None, "")
+
+
+def test_disabled_gates_are_absent() -> None:
+    gates = RolloutGates(min_requests=100, drift=False, burn=False)
+    results = judge(gates, stats(errors=40), stats(), drifted=["x"], burn=burn_event(at=T0))
+    assert [r.gate for r in results] == ALL_GATES[:4]
+    assert {r.state for r in results} == {"pass"}
+
+
+# --- decide ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("phase", ["stable", "promoted", "rolled_back"])
+def test_decide_ignores_what_is_not_a_canary(phase: str) -> None:
+    current = msgspec.structs.replace(canary(), phase=phase)
+    assert decide(current, failing(), T0 + timedelta(hours=1)) is None
+    assert decide(current, passing(), T0 + timedelta(hours=1)) is None
+
+
+def test_decide_ignores_a_canary_without_candidate() -> None:
+    current = msgspec.structs.replace(canary(), candidate=None)
+    assert decide(current, failing(), T0 + timedelta(hours=1)) is None
+
+
+def test_a_failed_gate_rolls_back_at_once() -> None:
+    current = canary(gates=RolloutGates(min_requests=100, step_min_s=600))
+    results = failing()
+    now = T0 + timedelta(seconds=1)  # long before step_min_s
+    decision = decide(current, results, now)
+    assert decision is not None
+    assert decision.action == "rollback"
+    assert decision.phase == "rolled_back"
+    assert decision.traffic == {"v1": 1.0, "v2": 0.0}
+    assert decision.shadow == 0.0
+    assert decision.actor == "controller"
+    assert decision.source == SOURCE
+    assert decision.evidence == results
+    assert decision.time == now
+    assert decision.id != current.id
+    assert (decision.version, decision.stable, decision.candidate) == ("v2", "v1", "v2")
+    assert (decision.step, decision.steps, decision.rollout_id) == (0, STEPS, current.rollout_id)
+    assert decision.reason.startswith("automatic rollback at step 1/4: ")
+    assert "error_ratio 0.2 vs stable 0.01 (limit 0.06, n=1000/1000)" in decision.reason
+
+
+def test_rollback_reason_names_every_failed_gate() -> None:
+    results = judge(GATES, stats(ttft=500.0), stats(), drifted=["prompt_tokens"])
+    decision = decide(canary(step=1), results, T0)
+    assert decision is not None
+    assert decision.reason.startswith("automatic rollback at step 2/4: ")
+    assert "ttft_p99_ms 500 vs stable 100 (limit 175" in decision.reason
+    assert "drift fail (drifted: prompt_tokens)" in decision.reason
+    assert "error_ratio" not in decision.reason
+
+
+def test_a_failure_wins_over_insufficient_data() -> None:
+    results = judge(GATES, stats(n=10, errors=0), stats(n=10), drifted=["x"])
+    assert by_gate(results)["error_ratio"].state == "insufficient_data"
+    decision = decide(canary(), results, T0)
+    assert decision is not None
+    assert decision.action == "rollback"
+
+
+def test_insufficient_data_neither_promotes_nor_aborts() -> None:
+    results = judge(GATES, stats(n=99), stats())
+    assert decide(canary(), results, T0 + timedelta(days=1)) is None
+
+
+def test_a_young_step_waits_for_step_min_s() -> None:
+    current = canary(gates=RolloutGates(min_requests=100, step_min_s=60))
+    results = passing()
+    assert decide(current, results, T0 + timedelta(seconds=59.9)) is None
+    assert decide(current, results, T0 + timedelta(seconds=60)) is not None
+
+
+def test_the_step_age_counts_from_the_event_time_without_step_started() -> None:
+    current = msgspec.structs.replace(
+        canary(gates=RolloutGates(min_requests=100, step_min_s=60)), step_started=None, time=T0
+    )
+    assert decide(current, passing(), T0 + timedelta(seconds=30)) is None
+    assert decide(current, passing(), T0 + timedelta(seconds=60)) is not None
+
+
+def test_passing_gates_move_to_the_next_step() -> None:
+    current = canary()
+    results = passing()
+    now = T0 + timedelta(minutes=5)
+    decision = decide(current, results, now)
+    assert decision is not None
+    assert decision.phase == "canary"
+    assert decision.action == "promote"
+    assert decision.traffic == {"v1": 0.75, "v2": 0.25}
+    assert (decision.step, decision.step_started, decision.time) == (1, now, now)
+    assert (decision.stable, decision.candidate, decision.shadow) == ("v1", "v2", 0.1)
+    assert decision.actor == "controller"
+    assert decision.evidence == results
+    assert decision.reason.startswith("step 2/4, 25% of traffic: gates passed (")
+    assert "error_ratio 0.01 vs stable 0.01" in decision.reason
+
+
+def test_each_step_takes_its_share() -> None:
+    decision = decide(canary(step=1), passing(), T0)
+    assert decision is not None
+    assert (decision.step, decision.traffic) == (2, {"v1": 0.5, "v2": 0.5})
+
+
+def test_passing_the_last_step_promotes() -> None:
+    current = canary(step=2)
+    assert current.traffic == {"v1": 0.5, "v2": 0.5}
+    now = T0 + timedelta(minutes=5)
+    decision = decide(current, passing(), now)
+    assert decision is not None
+    assert decision.phase == "promoted"
+    assert decision.action == "promote"
+    assert decision.stable == "v2"
+    assert decision.traffic == {"v2": 1.0}
+    assert decision.shadow == 0.0
+    assert decision.step == 3
+    assert decision.step_started == now
+    assert decision.reason.startswith("promoted to 100% after step 3: gates passed")
+
+
+def test_steps_without_a_final_100_still_promote_after_the_last() -> None:
+    current = canary(steps=[0.1, 0.5], step=1)
+    decision = decide(current, passing(), T0)
+    assert decision is not None
+    assert (decision.phase, decision.traffic, decision.step) == ("promoted", {"v2": 1.0}, 1)
+
+
+# --- start_rollout, advance, roll_back ------------------------------------------------------------------
+
+
+def test_start_rollout() -> None:
+    gates = RolloutGates(min_requests=7)
+    event = start_rollout(
+        MODEL, stable="v1", candidate="v2", steps=STEPS, shadow=0.1, gates=gates, now=T0, source="sluice/cli"
+    )
+    assert (event.tenant, event.model, event.source, event.time) == ("", MODEL, "sluice/cli", T0)
+    assert (event.version, event.stable, event.candidate) == ("v2", "v1", "v2")
+    assert (event.action, event.phase, event.actor) == ("deploy", "canary", "operator")
+    assert event.traffic == {"v1": 0.95, "v2": 0.05}
+    assert (event.steps, event.step, event.step_started) == (STEPS, 0, T0)
+    assert (event.shadow, event.gates) == (0.1, gates)
+    assert event.reason == "rollout started: 5% of traffic, 10% shadowed"
+    assert event.rollout_id
+    assert event.evidence == []
+
+
+def test_a_shadow_only_start_keeps_every_request_on_stable() -> None:
+    event = canary(steps=[0.0, 0.25, 1.0], shadow=0.2)
+    assert event.traffic == {"v1": 1.0, "v2": 0.0}
+    assert event.reason == "rollout started: 0% of traffic, 20% shadowed"
+
+
+def test_a_start_without_shadow_does_not_mention_it() -> None:
+    assert canary(shadow=0.0).reason == "rollout started: 5% of traffic"
+
+
+def test_rollout_ids_differ_between_rollouts() -> None:
+    assert canary().rollout_id != canary().rollout_id
+
+
+def test_operator_advance() -> None:
+    current = canary()
+    now = T0 + timedelta(minutes=1)
+    event = advance(current, now, "promoted by the operator", [], "operator")
+    assert (event.actor, event.source, event.version) == ("operator", "sluice/cli", "v2")
+    assert (event.step, event.step_started, event.time) == (1, now, now)
+    assert event.traffic == {"v1": 0.75, "v2": 0.25}
+    assert event.reason == "step 2/4, 25% of traffic: promoted by the operator"
+    assert event.rollout_id == current.rollout_id
+
+
+def test_operator_roll_back() -> None:
+    current = canary(step=1)
+    now = T0 + timedelta(minutes=1)
+    event = roll_back(current, now, "aborted by the operator: bad vibes", [], "operator")
+    assert (event.action, event.phase, event.actor, event.source) == (
+        "rollback",
+        "rolled_back",
+        "operator",
+        "sluice/cli",
+    )
+    assert event.traffic == {"v1": 1.0, "v2": 0.0}
+    assert (event.shadow, event.time, event.reason) == (0.0, now, "aborted by the operator: bad vibes")
+    assert (event.stable, event.candidate, event.step) == ("v1", "v2", 1)
+
+
+# --- SQL ------------------------------------------------------------------------------------------------
+
+
+def literals(sql: str) -> tuple[list[str], str]:
+    """The single-quoted string literals of ``sql`` (ClickHouse backslash escapes), and the text outside."""
+    found: list[str] = []
+    outside: list[str] = []
+    i = 0
+    while i < len(sql):
+        if sql[i] != "'":
+            outside.append(sql[i])
+            i += 1
+            continue
+        i += 1
+        value: list[str] = []
+        while sql[i] != "'":
+            if sql[i] == "\\":
+                i += 1
+            value.append(sql[i])
+            i += 1
+        found.append("".join(value))
+        i += 1
+    return found, "".join(outside)
+
+
+HOSTILE_VERSION = "v2' OR 1=1) --\\"
+HOSTILE_MODEL = "m\\'; DROP TABLE request_facts; --"
+
+
+def test_stats_sql_quotes_hostile_names() -> None:
+    sql = stats_sql(HOSTILE_MODEL, [HOSTILE_VERSION, "v1"], T0)
+    found, outside = literals(sql)
+    assert found == ["failed", "expired", HOSTILE_MODEL, "v1", HOSTILE_VERSION]
+    assert "DROP" not in outside
+    assert "OR 1=1" not in outside
+    assert "FROM request_facts" in outside
+
+
+def test_stats_sql_lists_each_version_once_and_starts_at_since() -> None:
+    sql = stats_sql(MODEL, ["v2", "v1", "v2"], T0 + timedelta(milliseconds=123))
+    found, outside = literals(sql)
+    assert found == ["failed", "expired", MODEL, "v1", "v2"]
+    assert f"fromUnixTimestamp64Milli({T0_MS + 123})" in outside
+
+
+def test_drift_sql_quotes_hostile_names() -> None:
+    sql = drift_sql(HOSTILE_MODEL, HOSTILE_VERSION, T0)
+    found, outside = literals(sql)
+    assert found == [HOSTILE_MODEL, HOSTILE_VERSION, "*"]
+    assert "DROP" not in outside
+    assert "OR 1=1" not in outside
+    assert "FROM drift_reports" in outside
+    assert f"fromUnixTimestamp64Milli({T0_MS})" in outside
+
+
+# --- parse_stats ----------------------------------------------------------------------------------------
+
+
+def row(
+    version: str,
+    *,
+    n: int = 1000,
+    errors: int = 10,
+    ttft: float | None = 100.0,
+    itl: float | None = 20.0,
+    tokens: int = 100_000,
+    cost_nanos: int = 100_000_000_000,
+) -> dict[str, Any]:
+    return {
+        "model_version": version,
+        "n": n,
+        "errors": errors,
+        "ttft_p99": ttft,
+        "ttft_n": n if ttft is not None else 0,
+        "itl_p99": itl,
+        "itl_n": n if itl is not None else 0,
+        "tokens": tokens,
+        "cost_nanos": cost_nanos,
+    }
+
+
+def test_parse_stats_maps_rows_by_version() -> None:
+    parsed = parse_stats([row("v1"), row("v2", n=200, errors=7, ttft=80.5, itl=12.0, tokens=5, cost_nanos=9)])
+    assert parsed == {
+        "v1": VersionStats(
+            n=1000, errors=10, ttft_p99_ms=100.0, itl_p99_ms=20.0, tokens=100_000, cost_nanos=10**11
+        ),
+        "v2": VersionStats(n=200, errors=7, ttft_p99_ms=80.5, itl_p99_ms=12.0, tokens=5, cost_nanos=9),
+    }
+
+
+@pytest.mark.parametrize(
+    ("value", "samples"),
+    [(float("nan"), 0), (None, 0), (0.0, 0), (float("nan"), 5), (float("inf"), 5), (None, 5)],
+)
+def test_parse_stats_has_no_latency_without_samples_or_a_finite_value(
+    value: float | None, samples: int
+) -> None:
+    raw = row("v1") | {"ttft_p99": value, "ttft_n": samples, "itl_p99": value, "itl_n": samples}
+    parsed = parse_stats([raw])["v1"]
+    assert (parsed.ttft_p99_ms, parsed.itl_p99_ms) == (None, None)
+    assert parsed.n == 1000
+
+
+def test_parse_stats_accepts_numbers_as_text() -> None:
+    # ClickHouse's JSON output quotes 64-bit integers.
+    raw = row("v1") | {
+        "n": "12",
+        "errors": "3",
+        "tokens": "40",
+        "cost_nanos": "41",
+        "ttft_n": "12",
+        "ttft_p99": 9,
+    }
+    parsed = parse_stats([raw])["v1"]
+    assert parsed == VersionStats(n=12, errors=3, ttft_p99_ms=9.0, itl_p99_ms=20.0, tokens=40, cost_nanos=41)
+
+
+def test_parse_stats_of_no_rows() -> None:
+    assert parse_stats([]) == {}
+
+
+# --- RolloutController ----------------------------------------------------------------------------------
+
+
+class Warehouse:
+    """Canned rows per query kind; records every query."""
+
+    def __init__(self) -> None:
+        self.stats: list[dict[str, Any]] = [row("v1"), row("v2")]
+        self.drift: list[dict[str, Any]] = []
+        self.stats_of: dict[str, list[dict[str, Any]]] = {}
+        """Rows for a model other than the default one."""
+        self.queries: list[str] = []
+        self.error: Exception | None = None
+
+    async def read(self, sql: str) -> list[dict[str, Any]]:
+        self.queries.append(sql)
+        if self.error is not None:
+            raise self.error
+        if "FROM request_facts" in sql:
+            for model, rows in self.stats_of.items():
+                if f"model = '{model}'" in sql:
+                    return list(rows)
+            return list(self.stats)
+        if "FROM drift_reports" in sql:
+            return list(self.drift)
+        raise AssertionError(f"unexpected query: {sql}")
+
+
+@dataclasses.dataclass
+class Harness:
+    warehouse: Warehouse
+    published: list[DeploymentChanged]
+    now: datetime = T0 + timedelta(minutes=5)
+    mono: float = 100.0
+
+    async def publish(self, event: DeploymentChanged) -> None:
+        self.published.append(event)
+
+    def controller(self, interval_s: float = 1.0) -> RolloutController:
+        return RolloutController(
+            self.warehouse.read,
+            self.publish,
+            interval_s=interval_s,
+            clock=lambda: self.now,
+            monotonic=lambda: self.mono,
+        )
+
+    def later(self, seconds: float = 10.0) -> None:
+        self.now += timedelta(seconds=seconds)
+        self.mono += seconds
+
+
+@pytest.fixture
+def harness() -> Harness:
+    return Harness(Warehouse(), [])
+
+
+def finished(model: str = MODEL, version: str = "v2") -> RequestFinished:
+    return RequestFinished(
+        tenant="acme",
+        model=model,
+        source="gpu/worker-0",
+        request_id="r-1",
+        status="completed",
+        finish_reason="stop",
+        usage=Usage(prompt_tokens=3, completion_tokens=5, total_tokens=8),
+        model_version=version,
+    )
+
+
+def bad_candidate(warehouse: Warehouse) -> None:
+    warehouse.stats = [row("v1", errors=10), row("v2", errors=200)]
+
+
+def same_decision(a: DeploymentChanged, b: DeploymentChanged) -> bool:
+    fields = ("action", "phase", "traffic", "stable", "candidate", "step", "shadow", "evidence", "reason")
+    return all(getattr(a, f) == getattr(b, f) for f in fields)
+
+
+async def test_a_seeded_canary_is_due(harness: Harness) -> None:
+    controller = harness.controller()
+    controller.seed([canary()])
+    (decision,) = await controller.run_due()
+    assert harness.published == [decision]
+    assert (decision.step, decision.traffic) == (1, {"v1": 0.75, "v2": 0.25})
+    assert decision.step_started == harness.now
+    assert controller.deployments[MODEL] is decision
+    assert [r.state for r in controller.last_results[MODEL]] == ["pass"] * 6
+
+
+async def test_a_seeded_stable_deployment_is_not_due(harness: Harness) -> None:
+    controller = harness.controller()
+    controller.seed([msgspec.structs.replace(canary(), phase="stable", candidate=None)])
+    assert await controller.run_due() == []
+    assert harness.warehouse.queries == []
+
+
+async def test_the_controller_reads_the_step_since_it_began(harness: Harness) -> None:
+    controller = harness.controller()
+    # The step began after the event was written: the step, not the event, bounds the window.
+    current = msgspec.structs.replace(
+        canary(now=T0 + timedelta(milliseconds=5)), time=T0 + timedelta(minutes=1)
+    )
+    controller.seed([current])
+    await controller.run_due()
+    stats_query, drift_query = harness.warehouse.queries
+    assert "FROM request_facts" in stats_query
+    assert f"fromUnixTimestamp64Milli({T0_MS + 5})" in stats_query
+    assert literals(stats_query)[0][2:] == [MODEL, "v1", "v2"]
+    assert "FROM drift_reports" in drift_query
+    assert literals(drift_query)[0] == [MODEL, "v2", "*"]
+
+
+async def test_no_drift_query_when_the_drift_gate_is_off(harness: Harness) -> None:
+    controller = harness.controller()
+    controller.seed([canary(gates=RolloutGates(min_requests=100, drift=False))])
+    await controller.run_due()
+    assert len(harness.warehouse.queries) == 1
+
+
+async def test_outcomes_of_the_model_make_it_due_others_do_not(harness: Harness) -> None:
+    harness.warehouse.stats = [row("v1", n=10), row("v2", n=10)]  # insufficient: no decision
+    controller = harness.controller(interval_s=5.0)
+    controller.seed([canary()])
+    assert await controller.run_due() == []
+    asked = len(harness.warehouse.queries)
+    assert asked > 0
+
+    harness.mono += 5.0
+    controller.observe([finished(model="all-minilm-l6-v2")])
+    assert await controller.run_due() == []
+    assert len(harness.warehouse.queries) == asked
+
+    # The other model's outcome did not count as an evaluation: this one is not held back by the interval.
+    harness.mono += 0.5
+    controller.observe([finished()])
+    assert await controller.run_due() == []
+    assert len(harness.warehouse.queries) == 2 * asked
+    assert harness.published == []
+
+
+async def test_run_due_evaluates_at_most_once_per_interval(harness: Harness) -> None:
+    harness.warehouse.stats = []  # no requests yet
+    controller = harness.controller(interval_s=5.0)
+    controller.seed([canary()])
+    await controller.run_due()
+    asked = len(harness.warehouse.queries)
+
+    controller.observe([finished()])
+    harness.mono += 4.9
+    await controller.run_due()
+    assert len(harness.warehouse.queries) == asked  # too soon: still due
+
+    harness.mono += 0.1
+    await controller.run_due()
+    assert len(harness.warehouse.queries) == 2 * asked
+
+
+async def test_a_failed_gate_publishes_one_rollback(harness: Harness) -> None:
+    bad_candidate(harness.warehouse)
+    controller = harness.controller()
+    controller.seed([canary()])
+    (decision,) = await controller.run_due()
+    assert harness.published == [decision]
+    assert (decision.action, decision.phase, decision.actor) == ("rollback", "rolled_back", "controller")
+    assert decision.time == harness.now
+    assert controller.deployments[MODEL] is decision
+    assert by_gate(controller.last_results[MODEL])["error_ratio"].state == "fail"
+
+    asked = len(harness.warehouse.queries)
+    harness.later()
+    controller.observe([finished(), finished(version="v1")])
+    assert await controller.run_due() == []
+    assert harness.published == [decision]
+    assert len(harness.warehouse.queries) == asked
+
+
+async def test_its_own_decision_coming_back_through_the_sink_changes_nothing(harness: Harness) -> None:
+    bad_candidate(harness.warehouse)
+    controller = harness.controller()
+    controller.seed([canary()])
+    (decision,) = await controller.run_due()
+    harness.later()
+    controller.observe([decision])
+    assert await controller.run_due() == []
+    assert controller.deployments[MODEL] is decision
+
+
+async def test_a_drift_verdict_rolls_back_with_the_features(harness: Harness) -> None:
+    harness.warehouse.drift = [
+        {"verdict": "no_drift", "windows": 4, "features": []},
+        {"verdict": "drift", "windows": 1, "features": ["prompt_tokens", "completion_tokens"]},
+    ]
+    controller = harness.controller()
+    controller.seed([canary()])
+    (decision,) = await controller.run_due()
+    assert decision.action == "rollback"
+    assert by_gate(decision.evidence)["drift"].detail == "drifted: completion_tokens, prompt_tokens"
+    assert "drift fail (drifted: completion_tokens, prompt_tokens)" in decision.reason
+
+
+async def test_other_drift_verdicts_do_not_fail_the_gate(harness: Harness) -> None:
+    harness.warehouse.drift = [
+        {"verdict": "no_drift", "windows": 4, "features": []},
+        {"verdict": "data_quality", "windows": 1, "features": ["prompt_tokens"]},
+        {"verdict": "insufficient_data", "windows": 2, "features": []},
+    ]
+    controller = harness.controller()
+    controller.seed([canary()])
+    (decision,) = await controller.run_due()
+    assert decision.action == "promote"
+    assert by_gate(decision.evidence)["drift"].state == "pass"
+
+
+async def test_no_traffic_is_no_decision(harness: Harness) -> None:
+    harness.warehouse.stats = []
+    controller = harness.controller()
+    controller.seed([canary()])
+    assert await controller.run_due() == []
+    assert {r.state for r in controller.last_results[MODEL][:4]} == {"insufficient_data"}
+    assert controller.deployments[MODEL].phase == "canary"
+
+
+@pytest.mark.parametrize("bad", [True, False])
+async def test_a_restarted_controller_reaches_the_same_decision(harness: Harness, bad: bool) -> None:
+    if bad:
+        bad_candidate(harness.warehouse)
+    mid_rollout = canary(step=1)
+    first = harness.controller()
+    first.seed([mid_rollout])
+    (decision,) = await first.run_due()
+
+    again = Harness(harness.warehouse, [], now=harness.now, mono=0.0).controller()
+    again.seed([mid_rollout])
+    (repeated,) = await again.run_due()
+    assert same_decision(decision, repeated)
+    assert repeated.action == ("rollback" if bad else "promote")
+
+
+async def test_a_controller_restarted_after_a_rollback_does_nothing(harness: Harness) -> None:
+    bad_candidate(harness.warehouse)
+    first = harness.controller()
+    first.seed([canary()])
+    (rollback,) = await first.run_due()
+    asked = len(harness.warehouse.queries)
+
+    published: list[DeploymentChanged] = []
+    restarted = Harness(harness.warehouse, published, now=harness.now + timedelta(minutes=1)).controller()
+    restarted.seed([rollback])
+    restarted.observe([finished()])
+    assert await restarted.run_due() == []
+    assert published == []
+    assert len(harness.warehouse.queries) == asked
+    assert restarted.deployments[MODEL] == rollback
+
+
+def candidate_errs_more(warehouse: Warehouse) -> None:
+    # 5 % vs 1 %: within max_error_delta, so only the burn gate can fail.
+    warehouse.stats = [row("v1", errors=10), row("v2", errors=50)]
+
+
+async def test_a_fast_burn_rolls_back_when_the_candidate_errs_more(harness: Harness) -> None:
+    candidate_errs_more(harness.warehouse)
+    controller = harness.controller()
+    controller.seed([canary()])
+    controller.observe([burn_event(at=T0 + timedelta(seconds=10), threshold=14.4)])
+    (decision,) = await controller.run_due()
+    assert decision.action == "rollback"
+    assert by_gate(decision.evidence)["error_ratio"].state == "pass"
+    assert by_gate(decision.evidence)["burn"].state == "fail"
+    assert "burn fail (availability 1h/5m burn 20.0)" in decision.reason
+
+
+async def test_without_a_burn_the_same_rows_advance(harness: Harness) -> None:
+    candidate_errs_more(harness.warehouse)
+    controller = harness.controller()
+    controller.seed([canary()])
+    (decision,) = await controller.run_due()
+    assert decision.action == "promote"
+
+
+@pytest.mark.parametrize(
+    "burn",
+    [
+        burn_event(at=T0 + timedelta(seconds=10), threshold=6.0),  # a slow burn
+        burn_event(at=T0 - timedelta(seconds=1)),  # fired before the step began
+        burn_event(at=T0 + timedelta(seconds=10), model="all-minilm-l6-v2"),  # another model
+    ],
+    ids=["slow", "before-step", "other-model"],
+)
+async def test_burns_that_do_not_count(harness: Harness, burn: BurnRateCrossed) -> None:
+    candidate_errs_more(harness.warehouse)
+    controller = harness.controller()
+    controller.seed([canary()])
+    controller.observe([burn])
+    (decision,) = await controller.run_due()
+    assert decision.action == "promote"
+    assert by_gate(decision.evidence)["burn"].state == "pass"
+
+
+async def test_a_burn_from_an_earlier_step_is_ignored(harness: Harness) -> None:
+    candidate_errs_more(harness.warehouse)
+    controller = harness.controller()
+    controller.seed([canary(now=T0)])
+    controller.observe([burn_event(at=T0 + timedelta(seconds=10))])
+    later_step = canary(now=T0 + timedelta(minutes=1), step=1)
+    controller.observe([later_step])
+    (decision,) = await controller.run_due()
+    assert decision.action == "promote"
+    assert decision.step == 2
+
+
+async def test_a_cleared_burn_no_longer_counts(harness: Harness) -> None:
+    candidate_errs_more(harness.warehouse)
+    controller = harness.controller()
+    controller.seed([canary()])
+    controller.observe([burn_event(at=T0 + timedelta(seconds=10))])
+    controller.observe([burn_event(at=T0 + timedelta(seconds=20), firing=False)])
+    (decision,) = await controller.run_due()
+    assert decision.action == "promote"
+
+
+async def test_a_burn_observed_before_the_canary_is_ignored(harness: Harness) -> None:
+    candidate_errs_more(harness.warehouse)
+    controller = harness.controller()
+    controller.observe([burn_event(at=T0 + timedelta(seconds=10))])  # no rollout known yet
+    controller.seed([canary()])
+    (decision,) = await controller.run_due()
+    assert decision.action == "promote"
+
+
+async def test_a_newer_deployment_replaces_the_state(harness: Harness) -> None:
+    current = canary()
+    controller = harness.controller()
+    controller.seed([current])
+    aborted = roll_back(current, T0 + timedelta(seconds=1), "aborted by the operator: test", [], "operator")
+    controller.observe([aborted])
+    assert controller.deployments[MODEL] is aborted
+    assert await controller.run_due() == []
+    assert harness.warehouse.queries == []
+
+
+async def test_an_older_deployment_does_not_replace_the_state(harness: Harness) -> None:
+    current = canary()
+    controller = harness.controller()
+    controller.seed([current])
+    stale = msgspec.structs.replace(
+        roll_back(current, T0, "old news", [], "operator"), time=T0 - timedelta(seconds=1)
+    )
+    controller.observe([stale])
+    assert controller.deployments[MODEL] is current
+    (decision,) = await controller.run_due()
+    assert decision.action == "promote"
+
+
+async def test_a_new_canary_observed_later_becomes_due(harness: Harness) -> None:
+    controller = harness.controller()
+    controller.seed(
+        [msgspec.structs.replace(canary(), phase="stable", candidate=None, time=T0 - timedelta(days=1))]
+    )
+    assert await controller.run_due() == []
+    controller.observe([canary()])
+    (decision,) = await controller.run_due()
+    assert decision.step == 1
+
+
+async def test_a_failed_read_publishes_nothing_and_tries_again(
+    harness: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    harness.warehouse.error = ConnectionError("warehouse down")
+    controller = harness.controller(interval_s=5.0)
+    controller.seed([canary()])
+    with caplog.at_level(logging.ERROR, logger="streams.rollout"):
+        assert await controller.run_due() == []
+    assert harness.published == []
+    assert any("evaluating demo-gpt failed" in r.getMessage() for r in caplog.records)
+    assert controller.deployments[MODEL].phase == "canary"
+
+    harness.warehouse.error = None
+    harness.mono += 1.0
+    assert await controller.run_due() == []  # still within the interval
+    harness.mono += 4.0
+    (decision,) = await controller.run_due()  # due without any new event
+    assert decision.step == 1
+    assert harness.published == [decision]
+
+
+async def test_models_are_decided_independently(harness: Harness) -> None:
+    other = msgspec.structs.replace(canary(), model="other")
+    harness.warehouse.stats_of["other"] = [row("v1", errors=10), row("v2", errors=200)]
+    controller = harness.controller()
+    controller.seed([canary(), other])
+    decisions = await controller.run_due()
+    assert [(d.model, d.action) for d in decisions] == [(MODEL, "promote"), ("other", "rollback")]
+    assert controller.deployments[MODEL].step == 1
+    assert controller.deployments["other"].phase == "rolled_back"
+
+
+async def test_a_failed_publish_is_tried_again(harness: Harness) -> None:
+    bad_candidate(harness.warehouse)
+    attempts: list[DeploymentChanged] = []
+
+    async def flaky_publish(event: DeploymentChanged) -> None:
+        attempts.append(event)
+        if len(attempts) == 1:
+            raise ConnectionError("broker unreachable")
+        harness.published.append(event)
+
+    controller = RolloutController(
+        harness.warehouse.read,
+        flaky_publish,
+        interval_s=1.0,
+        clock=lambda: harness.now,
+        monotonic=lambda: harness.mono,
+    )
+    controller.seed([canary()])
+    with contextlib.suppress(ConnectionError):  # raising or logging: either is fine
+        await controller.run_due()
+    assert harness.published == []
+    assert controller.deployments[MODEL].phase == "canary"  # nothing moves before it is durable
+
+    harness.later()  # no new event: the failed decision alone must bring it back
+    (decision,) = await controller.run_due()
+    assert decision.action == "rollback"
+    assert harness.published == [decision]
+
+
+async def test_the_controller_follows_its_own_decision_when_its_clock_is_behind(harness: Harness) -> None:
+    bad_candidate(harness.warehouse)
+    harness.now = T0 - timedelta(seconds=5)  # the operator's clock ran 5 s ahead of the streams worker's
+    controller = harness.controller()
+    controller.seed([canary(now=T0)])
+    (decision,) = await controller.run_due()
+    assert controller.deployments[MODEL] is decision
+    harness.mono += 10
+    controller.observe([finished(version="v1")])
+    assert await controller.run_due() == []
+    assert harness.published == [decision]
