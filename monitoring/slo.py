@@ -11,7 +11,9 @@ thresholds of the Kafka alerts. :func:`rule_groups` turns it into Prometheus rul
   when 1d and 2h exceed 3 or 3d and 6h exceed 1 (10% in a day, 10% in three days);
 * ``SluiceConsumerLag`` and ``SluiceDeadLetters``;
 * the drift alerts ``SluiceDriftDetected``, ``SluiceDriftFeaturePipeline`` and ``SluiceDriftReportsStale``,
-  for model versions that complete requests.
+  for model versions that complete requests;
+* ``SluiceRolloutRolledBack``: the rollout controller rolled a candidate back (a ticket: serving is safe
+  again, a person should read the evidence).
 
 ``docs/slo.md`` describes the file format and the reasoning.
 """
@@ -343,7 +345,33 @@ def rule_groups(config: SloConfig, *, drift_window_s: float | None = None) -> di
             "rules": [_drift_rule(drift), _drift_quality_rule(drift), _drift_stale_rule(drift)],
         }
     )
+    groups.append({"name": "sluice-rollout", "rules": [_rollback_rule()]})
     return {"groups": groups}
+
+
+ROLLOUT_DECISIONS = "sluice_rollout_decisions_total"
+ROLLBACK_LOOKBACK = "30m"
+
+
+def _rollback_rule() -> dict[str, Any]:
+    return {
+        "alert": "SluiceRolloutRolledBack",
+        "expr": (
+            f'sum by (model) (increase({ROLLOUT_DECISIONS}{{action="rollback", actor="controller"}}'
+            f"[{ROLLBACK_LOOKBACK}])) > 0"
+        ),
+        "labels": {"severity": "ticket"},
+        "annotations": {
+            "summary": "{{ $labels.model }}: a candidate version was rolled back automatically",
+            "description": (
+                "The rollout controller rolled back a candidate of model {{ $labels.model }} in the last "
+                f"{ROLLBACK_LOOKBACK}: a gate failed (error ratio, TTFT or ITL p99, cost, drift or fast "
+                "burn). All traffic is on the stable version again. `sluice rollout status "
+                "{{ $labels.model }}` shows the decision and its evidence; the audit chain "
+                "admin:deployment:{{ $labels.model }} has it too."
+            ),
+        },
+    }
 
 
 def render_rules(

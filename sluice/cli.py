@@ -431,6 +431,7 @@ def slo_show(config: SloConfigOption = None) -> None:
         f"no report for {drift.stale_after_windows} windows while serving",
         "",
     )
+    alerts.add_row("SluiceRolloutRolledBack", "ticket", "30m", "the rollout controller rolled back", "")
     out.print(alerts)
 
 

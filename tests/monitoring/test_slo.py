@@ -228,7 +228,12 @@ def test_burn_thresholds_are_the_workbooks_for_30_days() -> None:
 def test_default_rules_structure() -> None:
     doc = rule_groups(DEFAULT_CONFIG)
     # batch lists no models: no group for it; interactive (the default) takes every model
-    assert [g["name"] for g in doc["groups"]] == ["sluice-slo-interactive", "sluice-kafka", "sluice-drift"]
+    assert [g["name"] for g in doc["groups"]] == [
+        "sluice-slo-interactive",
+        "sluice-kafka",
+        "sluice-drift",
+        "sluice-rollout",
+    ]
     rules = group(DEFAULT_CONFIG, "sluice-slo-interactive")
     records = [r for r in rules if "record" in r]
     alerts = [r for r in rules if "alert" in r]

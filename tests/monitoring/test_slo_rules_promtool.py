@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from monitoring.slo import (
+    ROLLOUT_DECISIONS,
     AlertSettings,
     ConsumerLagAlert,
     LatencyObjective,
@@ -38,7 +39,8 @@ FAST, SLOW, TICKET_1D, TICKET_3D = (
 )
 LAG, DEAD = "SluiceConsumerLag", "SluiceDeadLetters"
 DRIFT, PIPELINE, STALE = "SluiceDriftDetected", "SluiceDriftFeaturePipeline", "SluiceDriftReportsStale"
-ALL_ALERTS = (FAST, SLOW, TICKET_1D, TICKET_3D, LAG, DEAD, DRIFT, PIPELINE, STALE)
+ROLLBACK = "SluiceRolloutRolledBack"
+ALL_ALERTS = (FAST, SLOW, TICKET_1D, TICKET_3D, LAG, DEAD, DRIFT, PIPELINE, STALE, ROLLBACK)
 
 # interactive (99.5%, TTFT 0.5 s / 95%) is the default tier; batch (99%, TTFT 5 s / 90%) has two models
 # (the dot in batch.v3 must be escaped in the rules' regex).
@@ -582,6 +584,27 @@ def test_drift_annotations_render(tmp_path: Path) -> None:
             {"eval_time": "16m", "alertname": STALE, "exp_alerts": [stale]},
         ],
         annotations=True,
+    )
+
+
+def test_an_automatic_rollback_opens_a_ticket_and_an_operator_abort_does_not(tmp_path: Path) -> None:
+    def decisions(values: list[float], model: str, actor: str) -> dict[str, str]:
+        return series(ROLLOUT_DECISIONS, values, model=model, action="rollback", actor=actor)
+
+    inputs = [
+        decisions(counter((10, 0), (1, 1), (59, 0)), "demo-gpt", "controller"),  # one at minute 11
+        decisions(counter((10, 0), (1, 1), (59, 0)), "other", "operator"),
+    ]
+    ticket = {"severity": "ticket", "model": "demo-gpt"}
+    promtool_test(
+        tmp_path,
+        inputs,
+        [
+            alert(ROLLBACK, "10m"),
+            alert(ROLLBACK, "12m", ticket),
+            alert(ROLLBACK, "35m", ticket),
+            alert(ROLLBACK, "45m"),  # the lookback (30m) has passed
+        ],
     )
 
 
