@@ -22,6 +22,7 @@ from monitoring.slo import (
     PAGE_ALERTS,
     RECORD_PREFIX,
     REQUESTS_TOTAL,
+    ROLLOUT_DECISIONS,
     TICKET_ALERTS,
     TTFT_SECONDS,
     AlertSettings,
@@ -210,6 +211,7 @@ def test_rules_read_metrics_that_exist() -> None:
         DRIFT_DETECTED,
         DRIFT_QUALITY_ISSUES,
         DRIFT_LAST_REPORT,
+        ROLLOUT_DECISIONS,
     }
     assert read <= names
 
@@ -406,6 +408,7 @@ def test_without_tickets_only_the_page_pairs_and_their_windows() -> None:
         "SluiceDriftDetected",
         "SluiceDriftFeaturePipeline",
         "SluiceDriftReportsStale",
+        "SluiceRolloutRolledBack",
     }
 
 
