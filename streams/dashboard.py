@@ -30,6 +30,7 @@ import asyncio
 import gzip
 import hashlib
 import importlib.util
+import json
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from datetime import UTC, datetime, timedelta
@@ -117,13 +118,19 @@ class Dashboard:
 
     async def data(self, minutes: int, *, now: datetime | None = None) -> dict[str, Any]:
         """What ``/dashboard/data?minutes=`` answers: every series of the last ``minutes`` minutes."""
-        sql = dashboard_sql(minutes, self._slo)
+        probe = dashboard_sql(minutes, self._slo)
+        rollouts_present = bool((await self._query(probe.rollouts_exist))[0]["present"])
+        sql = dashboard_sql(minutes, self._slo, shadows=rollouts_present)
         latency = await self._rows(sql.latency)
         traffic = await self._rows(sql.traffic)
         spend = await self._rows(sql.spend)
         drift_present = bool((await self._query(sql.drift_exists))[0]["present"])
         drift_status = await self._rows(sql.drift_status) if drift_present else []
         drift_history = await self._rows(sql.drift_history) if drift_status else []
+        rollouts = await self._rows(sql.rollouts) if rollouts_present else []
+        for row in rollouts:
+            row["traffic"] = json.loads(str(row["traffic"]) or "{}")
+            row["evidence"] = json.loads(str(row["evidence"]) or "[]")
 
         for row in spend:
             row["usd"] = _usd(row["cost_nanos"])
@@ -151,6 +158,7 @@ class Dashboard:
             "traffic": traffic,
             "spend": spend,
             "drift": {"available": drift_present, "status": drift_status, "history": drift_history},
+            "rollouts": rollouts,
         }
 
     def _target(self, model: str) -> dict[str, Any]:
@@ -253,7 +261,11 @@ _PAGE = """<!doctype html>
   .grid { display: grid; grid-template-columns: 1fr 1fr; gap: 12px; }
   .panel { background: #fff; border-radius: 6px; padding: 6px; box-shadow: 0 1px 2px #0001; }
   .chart { height: 320px; }
-  #drift table { border-collapse: collapse; width: 100%; }
+  #drift table, #rollouts table { border-collapse: collapse; width: 100%; }
+  #rollouts th, #rollouts td { text-align: left; vertical-align: top; padding: 4px 8px;
+                               border-bottom: 1px solid #e3e6eb; }
+  #rollouts h2 { font-size: 15px; margin: 6px 8px; }
+  #rollouts .empty { color: #5b6575; margin: 6px 8px 10px; }
   #drift th, #drift td { text-align: left; vertical-align: top; padding: 4px 8px;
                          border-bottom: 1px solid #e3e6eb; }
   #drift h2 { font-size: 15px; margin: 6px 8px; }
@@ -304,6 +316,10 @@ _PAGE = """<!doctype html>
     <h2>Drift (all tenants; latest window per model version)</h2>
     <div id="drift-body"><p class="empty">loading…</p></div>
     <div id="chart-drift" hidden></div>
+  </section>
+  <section class="panel" id="rollouts" style="margin-top: 12px">
+    <h2>Rollouts (decisions per model, newest first, with the gates behind them)</h2>
+    <div id="rollouts-body"><p class="empty">loading…</p></div>
   </section>
 </main>
 <script src="/dashboard/plotly.min.js"></script>
@@ -498,6 +514,44 @@ _SCRIPT = r"""
     }
   }
 
+  // One row per deployment change: who decided what, the traffic after it, and the gates behind it.
+  function setRollouts(rollouts) {
+    const target = document.getElementById("rollouts-body");
+    target.replaceChildren();
+    if (!rollouts || rollouts.length === 0) {
+      const p = document.createElement("p");
+      p.className = "empty";
+      p.textContent = "no rollouts yet (sluice rollout start --help)";
+      target.appendChild(p);
+      return;
+    }
+    const table = document.createElement("table");
+    const head = table.createTHead().insertRow();
+    for (const title of ["time (UTC)", "model", "action", "phase", "by", "traffic", "step", "gates", "reason"]) {
+      cell(head, title);
+    }
+    const rows = table.createTBody();
+    for (const r of rollouts) {
+      const row = rows.insertRow();
+      cell(row, String(r.time), "when");
+      cell(row, String(r.model));
+      cell(row, String(r.action));
+      const badge = document.createElement("span");
+      badge.className = "verdict" + (r.phase === "rolled_back" ? " v-drift" : r.phase === "canary" ? "" : " v-no_drift");
+      badge.textContent = String(r.phase);
+      row.insertCell().appendChild(badge);
+      cell(row, String(r.actor));
+      listCell(row, Object.entries(r.traffic).map(([v, s]) => v + " " + percent(Number(s))));
+      cell(row, String(r.step) + " / " + String(r.steps));
+      listCell(row, r.evidence.map((g) => g.gate + " " + g.state +
+        (g.candidate === null || g.candidate === undefined ? "" :
+          ": " + String(g.candidate) + " vs " + String(g.baseline) + " (limit " + String(g.limit) + ", n=" +
+          String(g.candidate_n) + "/" + String(g.baseline_n) + ")")));
+      cell(row, String(r.reason));
+    }
+    target.appendChild(table);
+  }
+
   function setDrift(drift) {
     const target = document.getElementById("drift-body");
     target.replaceChildren();
@@ -603,6 +657,7 @@ _SCRIPT = r"""
   async function draw(data) {
     setTiles(data.summary);
     setDrift(data.drift);
+    setRollouts(data.rollouts);
     const all = charts(data);
     let drawn = 0;
     for (const [name, [traces, lay]] of Object.entries(all)) {

@@ -18,7 +18,7 @@ FACT_COLUMNS = (
     "request_id", "tenant", "model", "model_version", "kind", "stream", "edge_id", "worker_id", "status",
     "finish_reason", "error_code", "accepted", "started", "first_token", "finished", "queue_wait_ms",
     "ttft_ms", "itl_mean_ms", "itl_max_ms", "e2e_ms", "prompt_tokens", "completion_tokens", "worker_ms",
-    "cost_nanos", "price_version", "idempotency_key", "trace_id", "version",
+    "cost_nanos", "price_version", "idempotency_key", "trace_id", "version", "shadow_of",
 )  # fmt: skip
 
 
@@ -80,4 +80,5 @@ def fact_row(event: RequestFinished, prices: PriceTable) -> list[Any]:
         event.idempotency_key or "",
         trace_id(event.traceparent),
         int(event.time.timestamp() * 1000),
+        event.shadow_of or "",
     ]

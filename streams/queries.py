@@ -99,7 +99,7 @@ def _error_budget_left(config: SloConfig) -> str:
         {_by_tier(config, _availability_budget)} AS budget, {window} AS window_days,
         toUInt8({_BAD}) AS bad
     FROM request_facts FINAL
-    WHERE ({_GOOD} OR {_BAD}) AND {in_window}"""  # noqa: S608 (built from the config)
+    WHERE ({_GOOD} OR {_BAD}) AND {in_window} AND shadow_of = ''"""  # noqa: S608 (built from the config)
     selects = [availability]
     # The tiers that can hold a model: the default one, and every other tier that lists models.
     used = [t for t in config.tiers if t.name == config.default_tier or t.models]
@@ -116,7 +116,8 @@ def _error_budget_left(config: SloConfig) -> str:
         assumeNotNull({budget}) AS budget, {window} AS window_days,
         toUInt8(assumeNotNull(ttft_ms) > assumeNotNull({threshold_ms})) AS bad
     FROM request_facts FINAL
-    WHERE stream AND ttft_ms IS NOT NULL AND ({threshold_ms}) IS NOT NULL AND {in_window}"""  # noqa: S608
+    WHERE stream AND ttft_ms IS NOT NULL AND ({threshold_ms}) IS NOT NULL AND {in_window}
+        AND shadow_of = ''"""  # noqa: S608
         )
     union = "\n    UNION ALL\n    ".join(selects)
     return f"""SELECT
@@ -163,7 +164,7 @@ _P99_TTFT = """SELECT
     min(finished) AS first_seen,
     max(finished) AS last_seen
 FROM request_facts FINAL
-WHERE ttft_ms IS NOT NULL AND finished >= now64(3) - INTERVAL 1 DAY
+WHERE ttft_ms IS NOT NULL AND finished >= now64(3) - INTERVAL 1 DAY AND shadow_of = ''
 GROUP BY model, model_version
 ORDER BY model, ttft_p99_ms DESC, model_version"""
 
@@ -239,6 +240,37 @@ FROM
 ORDER BY ended DESC, model, model_version"""  # noqa: S608
 
 
+_ROLLOUTS = """SELECT
+    model,
+    phase,
+    stable,
+    candidate,
+    traffic,
+    step + 1 AS step,
+    length(JSONExtractArrayRaw(steps)) AS steps,
+    action,
+    actor,
+    reason,
+    time
+FROM deployments FINAL
+ORDER BY model, time DESC, event_id DESC
+LIMIT 1 BY model"""
+
+_ROLLOUT_TIMELINE = """SELECT
+    time,
+    model,
+    action,
+    phase,
+    actor,
+    traffic,
+    step + 1 AS step,
+    reason,
+    evidence
+FROM deployments FINAL
+WHERE time >= now64(3) - INTERVAL 7 DAY
+ORDER BY model, time, event_id"""
+
+
 def saved_queries(config: SloConfig = DEFAULT_CONFIG) -> dict[str, SavedQuery]:
     """The analysts' saved queries, by name; ``error-budget-left`` uses ``config``'s targets."""
     return {
@@ -274,6 +306,18 @@ def saved_queries(config: SloConfig = DEFAULT_CONFIG) -> dict[str, SavedQuery]:
             "data_quality), share of features drifted, requests in the window, the drifted features "
             "(comma-separated) and the data-quality findings (one per line).",
             _DRIFT_STATUS,
+        ),
+        "rollouts": SavedQuery(
+            "Each model's latest deployment: phase (stable, canary, promoted, rolled_back), stable and "
+            "candidate versions, traffic shares (JSON), step (1-based) of how many, the last action, who "
+            "took it (operator or controller), why, and when.",
+            _ROLLOUTS,
+        ),
+        "rollout-timeline": SavedQuery(
+            "Every deployment change of the last 7 days per model, oldest first: action, phase, actor, "
+            "traffic shares, step, reason and the gate evidence (JSON: gate, state, candidate, baseline, "
+            "limit, sample sizes).",
+            _ROLLOUT_TIMELINE,
         ),
         "drift-history": SavedQuery(
             "All-tenant drift reports of the last 24 hours, newest window first: window, verdict, share "
@@ -314,7 +358,34 @@ class DashboardSql:
     drift_history: str
     """The last :data:`DRIFT_HISTORY_WINDOWS` all-tenant reports per model and version, oldest first:
     window, verdict, share drifted and how many features drifted of how many tested."""
+    rollouts_exist: str
+    """One row, ``present``: whether the deployments table is there yet."""
+    rollouts: str
+    """The last :data:`ROLLOUT_HISTORY` deployment changes per model, newest first, with their evidence."""
 
+
+ROLLOUT_HISTORY = 20
+_ROLLOUTS_EXIST = (
+    "SELECT count() > 0 AS present FROM system.tables "
+    "WHERE database = currentDatabase() AND name = 'deployments'"
+)
+# Like drift, the rollout timeline does not follow the dashboard's window: a rollout lasts hours.
+_DASHBOARD_ROLLOUTS = f"""SELECT
+    formatDateTime(time, '%Y-%m-%d %H:%i:%S') AS time,
+    model,
+    action,
+    phase,
+    actor,
+    stable,
+    candidate,
+    traffic,
+    step + 1 AS step,
+    length(JSONExtractArrayRaw(steps)) AS steps,
+    reason,
+    evidence
+FROM deployments FINAL
+ORDER BY model, deployments.time DESC, event_id DESC
+LIMIT {ROLLOUT_HISTORY} BY model"""  # noqa: S608 (an integer constant)
 
 _DRIFT_EXISTS = (
     "SELECT count() > 0 AS present FROM system.tables "  # noqa: S608 (a constant table name)
@@ -368,7 +439,9 @@ ORDER BY model, model_version, ended
 LIMIT {DRIFT_MODEL_VERSIONS * DRIFT_HISTORY_WINDOWS}"""  # noqa: S608
 
 
-def dashboard_sql(minutes: int, config: SloConfig = DEFAULT_CONFIG) -> DashboardSql:
+def dashboard_sql(minutes: int, config: SloConfig = DEFAULT_CONFIG, *, shadows: bool = True) -> DashboardSql:
+    """``shadows``: the warehouse has rollout shadow rows to leave out (``request_facts.shadow_of``, from
+    migration 0004); False for a warehouse migrated by older code."""
     if not 1 <= minutes <= MAX_MINUTES:
         raise ValueError(f"minutes must be between 1 and {MAX_MINUTES}, got {minutes}")
     since = f"toStartOfMinute(now()) - toIntervalMinute({int(minutes) - 1})"
@@ -385,7 +458,7 @@ def dashboard_sql(minutes: int, config: SloConfig = DEFAULT_CONFIG) -> Dashboard
     quantileExactIf(0.5)(itl_mean_ms, itl_mean_ms IS NOT NULL) AS itl_p50_ms,
     quantileExactIf(0.99)(itl_mean_ms, itl_mean_ms IS NOT NULL) AS itl_p99_ms
 FROM request_facts FINAL
-WHERE finished >= {since}
+WHERE finished >= {since}{" AND shadow_of = ''" if shadows else ""}
 GROUP BY t, model
 ORDER BY model, t""",  # noqa: S608 (an int and expressions built from the config)
         traffic=f"""SELECT
@@ -423,4 +496,6 @@ LIMIT 25""",  # noqa: S608
         drift_exists=_DRIFT_EXISTS,
         drift_status=_DASHBOARD_DRIFT_STATUS,
         drift_history=_DASHBOARD_DRIFT_HISTORY,
+        rollouts_exist=_ROLLOUTS_EXIST,
+        rollouts=_DASHBOARD_ROLLOUTS,
     )

@@ -20,7 +20,7 @@ from streams.app import sink_topics
 from streams.pricing import PriceTable
 from streams.sink import Consumed, Inserter, Rows, insert
 
-TABLES = ("events_raw", "request_facts", "audit_log", "drift_features", "drift_reports")
+TABLES = ("events_raw", "request_facts", "audit_log", "drift_features", "drift_reports", "deployments")
 
 
 class ReplayError(RuntimeError):

@@ -21,6 +21,7 @@ from clickhouse_connect.driver.client import Client
 from schemas.codec import DecodeError, decode, encode
 from schemas.events import (
     AuditEntry,
+    DeploymentChanged,
     DriftReport,
     EmbeddingRequested,
     Event,
@@ -60,6 +61,7 @@ class Batch:
     audit: list[list[Any]] = field(default_factory=list)
     drift: list[list[Any]] = field(default_factory=list)
     reports: list[list[Any]] = field(default_factory=list)
+    deployments: list[list[Any]] = field(default_factory=list)
     events: list[tuple[Consumed, Event]] = field(default_factory=list)
     undecodable: list[tuple[Consumed, DecodeError]] = field(default_factory=list)
 
@@ -129,7 +131,39 @@ class Rows:
                 out.audit.append(audit_row(event))
             elif isinstance(event, DriftReport) and self._decisions_from_topic:
                 out.reports.append(report_row(event))
+            elif isinstance(event, DeploymentChanged):
+                out.deployments.append(deployment_row(event))
         return out
+
+
+DEPLOYMENT_COLUMNS = (
+    "event_id", "time", "model", "version", "action", "phase", "stable", "candidate", "traffic", "steps",
+    "step", "step_started", "shadow", "reason", "evidence", "actor", "rollout_id", "source",
+)  # fmt: skip
+
+
+def deployment_row(event: DeploymentChanged) -> list[Any]:
+    """The ``deployments`` row of a deployment change: traffic, steps and the gate evidence as JSON."""
+    return [
+        event.id,
+        event.time,
+        event.model,
+        event.version,
+        event.action,
+        event.phase,
+        event.stable,
+        event.candidate or "",
+        msgspec.json.encode(event.traffic, order="sorted").decode(),
+        msgspec.json.encode(event.steps).decode(),
+        event.step,
+        event.step_started,
+        event.shadow,
+        event.reason,
+        msgspec.json.encode(event.evidence).decode(),
+        event.actor,
+        event.rollout_id,
+        event.source,
+    ]
 
 
 class Inserter(Protocol):
@@ -154,3 +188,5 @@ def insert(client: Inserter, batch: Batch) -> None:
         client.insert("drift_features", batch.drift, column_names=FEATURE_COLUMNS)
     if batch.reports:
         client.insert("drift_reports", batch.reports, column_names=REPORT_COLUMNS)
+    if batch.deployments:
+        client.insert("deployments", batch.deployments, column_names=DEPLOYMENT_COLUMNS)

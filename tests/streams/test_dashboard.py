@@ -191,7 +191,9 @@ async def test_data_on_an_empty_warehouse(warehouse: Client) -> None:
         "traffic",
         "spend",
         "drift",
+        "rollouts",
     }
+    assert body["rollouts"] == []
     assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:00", body["since"])
     assert (body["latency"], body["traffic"], body["spend"], body["targets"]) == ([], [], [], {})
     assert body["summary"] == {

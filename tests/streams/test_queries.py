@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import shutil
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
@@ -25,17 +26,21 @@ from infra.warehouse.client import Client
 from infra.warehouse.migrate import MIGRATIONS_DIR
 from monitoring.slo import DEFAULT_TIERS, SloConfig
 from schemas.events import (
+    DeploymentChanged,
     DriftReport,
     DriftVerdict,
     ErrorInfo,
     FeatureDrift,
+    GateResult,
     RequestFinished,
+    RolloutGates,
     Status,
     Timings,
     Usage,
 )
 from schemas.ids import uuid7_from_parts
 from schemas.settings import PlatformSettings
+from streams.control import SPEND_TODAY, burn_sql
 from streams.drift import REPORT_COLUMNS, report_row
 from streams.facts import FACT_COLUMNS, fact_row
 from streams.pricing import PriceTable
@@ -47,6 +52,8 @@ from streams.queries import (
     saved_queries,
     sql_string,
 )
+from streams.rollout import advance, roll_back, start_rollout
+from streams.sink import Batch, deployment_row, insert
 
 PRICES = PriceTable()
 _RAND = itertools.count(1)
@@ -314,6 +321,7 @@ def test_saved_queries_on_facts(warehouse: Client) -> None:
     now = now_ms()
     insert_facts(warehouse, known_mix(now))
     insert_drift_reports(warehouse, a_day_of_drift(now))
+    insert_deployments(warehouse, a_rollout(now))
     for name, saved in SAVED.items():
         assert rows(warehouse, saved.sql), name
 
@@ -604,3 +612,98 @@ def test_dashboard_drift_history_is_bounded(warehouse: Client) -> None:
     assert len(history) == DRIFT_HISTORY_WINDOWS
     assert history[0]["window_end"] == second(now - timedelta(hours=DRIFT_HISTORY_WINDOWS - 1))
     assert history[-1]["window_end"] == second(now)
+
+
+# ---------------------------------------------------------------- rollouts and shadow traffic
+
+
+def a_rollout(now: datetime) -> list[DeploymentChanged]:
+    """demo-gpt: a canary of v2 at 10 %, a step to 50 %, then an automatic rollback with its evidence."""
+    started = start_rollout(
+        "demo-gpt",
+        stable="v1",
+        candidate="v2",
+        steps=[0.1, 0.5, 1.0],
+        shadow=0.2,
+        gates=RolloutGates(min_requests=10),
+        now=now - timedelta(minutes=30),
+        source="sluice/cli",
+    )
+    stepped = advance(started, now - timedelta(minutes=20), "gates passed", [], "controller")
+    evidence = [
+        GateResult(
+            gate="error_ratio", state="fail", candidate=0.3, baseline=0.01, limit=0.06, candidate_n=40,
+            baseline_n=60,
+        )
+    ]  # fmt: skip
+    return [
+        started,
+        stepped,
+        roll_back(stepped, now - timedelta(minutes=10), "error_ratio", evidence, "controller"),
+    ]
+
+
+def insert_deployments(client: Client, events: Iterable[DeploymentChanged]) -> None:
+    insert(client, Batch(deployments=[deployment_row(e) for e in events]))
+
+
+@pytest.mark.integration
+def test_rollout_queries_show_the_latest_deployment_and_the_timeline(warehouse: Client) -> None:
+    now = now_ms()
+    history = a_rollout(now)
+    insert_deployments(warehouse, [*history, history[1]])  # a redelivery collapses on the event id
+    (latest,) = rows(warehouse, SAVED["rollouts"].sql)
+    assert (latest["model"], latest["phase"], latest["stable"], latest["candidate"]) == (
+        "demo-gpt",
+        "rolled_back",
+        "v1",
+        "v2",
+    )
+    assert json.loads(latest["traffic"]) == {"v1": 1.0, "v2": 0.0}
+    assert (latest["step"], latest["steps"], latest["actor"]) == (2, 3, "controller")
+    timeline = rows(warehouse, SAVED["rollout-timeline"].sql)
+    assert [(r["action"], r["phase"], r["actor"]) for r in timeline] == [
+        ("deploy", "canary", "operator"),
+        ("promote", "canary", "controller"),
+        ("rollback", "rolled_back", "controller"),
+    ]
+    (gate,) = json.loads(timeline[-1]["evidence"])
+    assert (gate["gate"], gate["state"], gate["candidate"], gate["candidate_n"]) == (
+        "error_ratio",
+        "fail",
+        0.3,
+        40,
+    )
+
+
+@pytest.mark.integration
+def test_shadow_copies_are_recorded_but_never_billed_nor_counted_as_service(warehouse: Client) -> None:
+    now = now_ms()
+    served = [event(finished=now - timedelta(seconds=i)) for i in range(10)]
+    shadows = [
+        msgspec.structs.replace(
+            event(
+                finished=now - timedelta(seconds=i), version="v2", status="failed" if i % 2 else "completed"
+            ),
+            shadow_of=served[i].request_id,
+        )
+        for i in range(6)
+    ]
+    facts = insert_facts(warehouse, [*served, *shadows])
+    cost = dict(zip((r[0] for r in facts), (r[FACT_COLUMNS.index("cost_nanos")] for r in facts), strict=True))
+    served_cost = sum(cost[e.request_id] for e in served)
+    assert all(cost[e.request_id] > 0 for e in shadows)  # priced, for the rollout's cost gate
+
+    (recorded,) = rows(warehouse, "SELECT count() AS n FROM request_facts FINAL WHERE shadow_of != ''")
+    assert recorded["n"] == 6
+    (day,) = rows(warehouse, "SELECT sum(requests) AS n, sum(cost_nanos) AS c FROM spend_day")
+    assert (day["n"], day["c"]) == (10, served_cost)
+    (minute,) = rows(warehouse, "SELECT sum(requests) AS n, sum(cost_nanos) AS c FROM spend_minute")
+    assert (minute["n"], minute["c"]) == (10, served_cost)
+    (today,) = rows(warehouse, SPEND_TODAY)
+    assert today["spent"] == served_cost
+    (sli,) = rows(warehouse, "SELECT sum(requests) AS n, sum(errors) AS e FROM sli_minute")
+    assert (sli["n"], sli["e"]) == (10, 0)  # the shadow failures are no client's errors
+    assert rows(warehouse, "SELECT * FROM errors_minute") == []
+    (burn,) = rows(warehouse, burn_sql(60))
+    assert (burn["bad"], burn["total"]) == (0, 10)
