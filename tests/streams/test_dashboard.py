@@ -12,7 +12,7 @@ import contextlib
 import gzip
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +21,11 @@ import pytest
 from aiohttp import web
 
 from infra.warehouse.client import Client
-from schemas.events import Status
+from schemas.events import GateResult, RolloutGates, Status
 from streams.dashboard import Dashboard, plotly_js_path
 from streams.queries import MAX_MINUTES
+from streams.rollout import roll_back, start_rollout
+from streams.sink import Batch, deployment_row, insert
 from tests.streams.browser import render
 from tests.streams.test_queries import (
     BATCH_CONFIG,
@@ -65,6 +67,9 @@ PROBES = {
     "drift_ticks": "Array.from(document.querySelectorAll('#chart-drift .ytick text')).map((e) => e.textContent)",
     "drift_hidden": "document.getElementById('chart-drift').hidden",
     "requests_tile": "document.getElementById('tile-requests').textContent",
+    "rollouts": "document.getElementById('rollouts-body').textContent",
+    "rollout_table": """Array.from(document.querySelectorAll('#rollouts-body tr')).map(
+        (tr) => Array.from(tr.cells).map((c) => c.textContent))""",
     "pwned": "typeof window.__pwned",
     "injected": "document.querySelectorAll('img, main script').length",
 }
@@ -340,10 +345,37 @@ def served_here(url: str, requests: list[str]) -> list[str]:
     return [r for r in requests if not r.startswith(url) and not r.startswith(("data:", "blob:", "about:"))]
 
 
+def a_rollback(client: Client, model: str = "demo-gpt", candidate: str = "v2") -> None:
+    """A canary of ``candidate`` at 10 %, rolled back by the controller on its error ratio."""
+    now = datetime.now(UTC).replace(microsecond=0)
+    started = start_rollout(
+        model,
+        stable="v1",
+        candidate=candidate,
+        steps=[0.1, 1.0],
+        shadow=0.0,
+        gates=RolloutGates(),
+        now=now - timedelta(minutes=5),
+        source="sluice/cli",
+    )
+    gate = GateResult(
+        gate="error_ratio",
+        state="fail",
+        candidate=0.5,
+        baseline=0.0,
+        limit=0.05,
+        candidate_n=60,
+        baseline_n=540,
+    )
+    back = roll_back(started, now, "automatic rollback: error_ratio", [gate], "controller")
+    insert(client, Batch(deployments=[deployment_row(e) for e in (started, back)]))
+
+
 async def test_dashboard_renders_in_chromium(warehouse: Client) -> None:
     tenants = ("acme", "globex", "initech", "umbrella")
     a_few_minutes_of_traffic(warehouse, tenants=tenants)
     some_drift(warehouse)
+    a_rollback(warehouse)
     async with serve(Dashboard(querier(warehouse), refresh_s=1.0)) as url:
         page = await render(
             f"{url}/dashboard?minutes=15",
@@ -407,6 +439,18 @@ async def test_dashboard_renders_in_chromium(warehouse: Client) -> None:
     assert charts["drift"]["traces"] == 5  # reference, no drift, insufficient data, data quality, drift
     assert sorted(values["drift_ticks"]) == ["demo-gpt / v1", "demo-gpt / v2", "demo-small / v1"]
     assert values["drift_hidden"] is False
+
+    # The rollout panel: the decisions, newest first, with the gates behind them.
+    header, *decisions = values["rollout_table"]
+    assert header == ["time (UTC)", "model", "action", "phase", "by", "traffic", "step", "gates", "reason"]
+    assert [row[1:5] for row in decisions] == [
+        ["demo-gpt", "rollback", "rolled_back", "controller"],
+        ["demo-gpt", "deploy", "canary", "operator"],
+    ]
+    assert decisions[0][5] == "v1 100.0%v2 0.0%"
+    assert decisions[1][5] == "v1 90.0%v2 10.0%"
+    assert decisions[0][7] == "error_ratio fail: 0.5 vs 0 (limit 0.05, n=60/540)"
+    assert decisions[0][8] == "automatic rollback: error_ratio"
     assert page.screenshot.stat().st_size > 10_000
 
 
@@ -428,11 +472,13 @@ async def test_empty_dashboard_renders_clean_charts(tmp_path: Path, upto: int | 
     assert page.values["requests_tile"] == "0"
     assert page.values["drift"] == drift
     assert page.values["drift_hidden"] is True
+    assert page.values["rollouts"] == "no rollouts yet (sluice rollout start --help)"
 
 
 async def test_names_from_the_data_are_shown_not_run(warehouse: Client, tmp_path: Path) -> None:
     a_few_minutes_of_traffic(warehouse, tenants=(EVIL, "acme"))
     some_drift(warehouse, EVIL, feature=EVIL)  # a model, a feature and a quality finding
+    a_rollback(warehouse, EVIL, candidate=EVIL)
     async with serve(Dashboard(querier(warehouse))) as url:
         page = await render(f"{url}/dashboard", tmp_path / "evil.png", evaluate=PROBES)
     assert page.console_errors == [], page.console
@@ -445,3 +491,6 @@ async def test_names_from_the_data_are_shown_not_run(warehouse: Client, tmp_path
     assert evil[7] == "prompt_tokens" + EVIL
     assert evil[8] == f"{EVIL}: 40% missing (reference 0%)"
     assert f"{EVIL} / v1" in page.values["drift_ticks"]
+    rollback = next(row for row in page.values["rollout_table"] if row[2] == "rollback")
+    assert rollback[1] == EVIL
+    assert rollback[5] == f"{EVIL} 0.0%v1 100.0%"  # sorted by version, shown as text
