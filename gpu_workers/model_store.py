@@ -86,9 +86,14 @@ def point_current(model_root: Path, version: str) -> None:
 
 
 def publish(
-    staging: Path, model_root: Path, manifest_for: Callable[[str, dict[str, str]], ModelManifest]
+    staging: Path,
+    model_root: Path,
+    manifest_for: Callable[[str, dict[str, str]], ModelManifest],
+    *,
+    point: bool = True,
 ) -> Path:
-    """Hash ``staging``, write its manifest, move it to ``<model_root>/<version>`` and point ``current``."""
+    """Hash ``staging``, write its manifest, move it to ``<model_root>/<version>`` and (``point``) point
+    ``current`` at it; ``current`` is always created when the model has none."""
     files = content_files(staging)
     version = version_of(files)
     target = model_root / version
@@ -98,5 +103,6 @@ def publish(
         write_manifest(staging, manifest_for(version, files))
         staging.chmod(0o755)  # mkdtemp made it private
         os.replace(staging, target)
-    point_current(model_root, version)
+    if point or not (model_root / CURRENT).exists():
+        point_current(model_root, version)
     return target

@@ -110,8 +110,11 @@ def _infer_task(config: dict[str, Any], source: Path) -> Task:
     raise ModelError(f"{source}: cannot tell the task from architectures {architectures}; pass task=")
 
 
-def prepare_hf_dir(model_id: str, source: Path, root: Path, task: Task | None = None) -> Path:
-    """Link a local Hugging Face directory into ``<root>/<model_id>/<version>/`` with a manifest."""
+def prepare_hf_dir(
+    model_id: str, source: Path, root: Path, task: Task | None = None, *, point: bool = True
+) -> Path:
+    """Link a local Hugging Face directory into ``<root>/<model_id>/<version>/`` with a manifest; with
+    ``point``, ``current`` then names it."""
     source = Path(source).expanduser().resolve()
     try:
         config = json.loads((source / "config.json").read_text())
@@ -146,7 +149,80 @@ def prepare_hf_dir(model_id: str, source: Path, root: Path, task: Task | None = 
                 description=f"linked from {source}",
             )
 
-        return publish(staging, model_root, manifest_for)
+        return publish(staging, model_root, manifest_for, point=point)
+
+
+TOKENIZER = "tokenizer.json"
+
+
+def add_version(model_id: str, source: Path, root: Path, task: Task | None = None) -> Path:
+    """Register a local Hugging Face directory as a new version of ``model_id`` without changing what
+    serves (``current`` moves only when the model had none): a rollout puts it into service. Versions of
+    one id must share the task and ``tokenizer.json`` (requests are tokenised at the edge)."""
+    source = Path(source).expanduser().resolve()
+    current_dir = Path(root) / model_id / CURRENT
+    if current_dir.exists():
+        try:
+            current = read_manifest(current_dir)
+        except ManifestError as exc:
+            raise ModelError(f"{model_id}: its current version is unreadable: {exc}") from None
+        if task is not None and task != current.task:
+            raise ModelError(
+                f"{model_id} serves {current.task} requests; a {task} version cannot serve them "
+                "(register it under another model id)"
+            )
+        task = current.task
+        theirs = source / TOKENIZER
+        if not theirs.is_file():
+            raise ModelError(f"{source} has no {TOKENIZER}; every version of {model_id} needs the same one")
+        if sha256_file(theirs) != current.files.get(TOKENIZER):
+            raise ModelError(
+                f"{source}/{TOKENIZER} differs from {model_id}'s (version {current.version}): edges tokenise "
+                "requests with one tokenizer per model id, so a version must keep it; register a model "
+                "with another tokenizer under a new model id"
+            )
+    return prepare_hf_dir(model_id, source, root, task, point=False)
+
+
+@dataclass(frozen=True)
+class VersionInfo:
+    model_id: str
+    version: str
+    task: str
+    created: float
+    """When the version was registered (Unix time of its manifest)."""
+    description: str
+    current: bool
+    path: Path
+
+
+def list_versions(root: Path, model_id: str | None = None) -> list[VersionInfo]:
+    """Every registered version (of ``model_id``, or of every model), oldest first per model."""
+    found: list[VersionInfo] = []
+    models = [Path(root) / model_id] if model_id else sorted(p for p in Path(root).glob("*") if p.is_dir())
+    for model_root in models:
+        current = (model_root / CURRENT).resolve() if (model_root / CURRENT).exists() else None
+        versions: list[VersionInfo] = []
+        for path in model_root.iterdir() if model_root.is_dir() else ():
+            if path.name.startswith(".") or path.name == CURRENT or not (path / MANIFEST_FILE).is_file():
+                continue
+            try:
+                manifest = read_manifest(path)
+            except ManifestError:
+                continue
+            versions.append(
+                VersionInfo(
+                    model_id=model_root.name,
+                    version=manifest.version,
+                    task=manifest.task,
+                    created=(path / MANIFEST_FILE).lstat().st_mtime,
+                    description=manifest.description,
+                    current=current is not None and path.resolve() == current,
+                    path=path,
+                )
+            )
+        found += sorted(versions, key=lambda v: (v.created, v.version))
+    return found
 
 
 def _minilm_source() -> Path:

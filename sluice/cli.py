@@ -6,7 +6,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 from rich.console import Console
@@ -544,24 +544,97 @@ def models_prepare() -> None:
         out.print(f"{model_id}: {path}")
 
 
+@models_app.command("add")
+def models_add(
+    model: Annotated[str, typer.Argument(help="the model id, e.g. demo-gpt")],
+    path: Annotated[
+        Path, typer.Option("--path", help="a local Hugging Face model directory (save_pretrained)")
+    ],
+    task: Annotated[
+        str | None, typer.Option("--task", help="generation or embedding (default: the model's, or inferred)")
+    ] = None,
+) -> None:
+    """Register DIR as a new immutable version of MODEL (content-addressed: the same files give the same
+    version). What serves does not change: roll it out with `sluice rollout start`."""
+    from gpu_workers import GpuWorkerError
+    from gpu_workers.models import add_version
+    from schemas.manifest import models_root, read_manifest
+
+    tasks: dict[str | None, Literal["generation", "embedding"] | None] = {
+        None: None,
+        "generation": "generation",
+        "embedding": "embedding",
+    }
+    if task not in tasks:
+        raise fail(f"--task {task!r}: expected generation or embedding", 2)
+    try:
+        added = add_version(model, path, models_root(settings().cache_dir), tasks[task])
+    except GpuWorkerError as exc:
+        raise fail(str(exc)) from None
+    version = read_manifest(added).version
+    out.print(f"{model}: version [bold]{version}[/] ({added})")
+    out.print(f"  next: sluice rollout evaluate {model} --version {version} --from-log 1h")
+    out.print(f"        sluice rollout start {model} --version {version} --canary 5")
+
+
 @models_app.command("list")
-def models_list() -> None:
-    """The served models with task, version and limits (from their manifests)."""
-    from schemas.manifest import ManifestError, current_model_dir, read_manifest
+def models_list(
+    model: Annotated[str | None, typer.Argument(help="only this model")] = None,
+) -> None:
+    """Every version of the served models: task, when it was registered, whether it is `current`, and
+    its share of live traffic from the latest deployment on the control topic."""
+    from datetime import UTC, datetime
+
+    from gpu_workers.models import list_versions
+    from schemas.manifest import models_root
 
     s = settings()
-    table = Table("model", "task", "version", "context", "max output", "directory")
+    live, note = _live_shares(s)
+    table = Table("model", "version", "task", "registered (UTC)", "current", "live", "description")
     for model_id in s.served_models():
-        path = current_model_dir(s.cache_dir, model_id)
-        try:
-            m = read_manifest(path)
-        except ManifestError:
-            table.add_row(model_id, "[yellow]not prepared[/] (sluice models prepare)", "", "", "", str(path))
+        if model is not None and model_id != model:
             continue
-        table.add_row(
-            model_id, m.task, m.version, str(m.max_context), str(m.max_output_tokens), str(path.resolve())
-        )
+        versions = list_versions(models_root(s.cache_dir), model_id)
+        if not versions:
+            table.add_row(model_id, "[yellow]not prepared[/] (sluice models prepare)", "", "", "", "", "")
+            continue
+        shares = live.get(model_id)
+        for v in versions:
+            share = (shares or {}).get(v.version, 0.0) if shares is not None else (1.0 if v.current else 0.0)
+            registered = datetime.fromtimestamp(v.created, UTC).strftime("%Y-%m-%d %H:%M")
+            table.add_row(
+                model_id,
+                v.version,
+                v.task,
+                registered,
+                "yes" if v.current else "",
+                f"{share:.0%}",
+                v.description,
+                style="bold" if share > 0 else "",
+            )
     out.print(table)
+    if note:
+        console.print(f"[dim]{note}[/]")
+
+
+def _live_shares(s: PlatformSettings) -> tuple[dict[str, dict[str, float]], str]:
+    """model -> version -> traffic share from the control topic; models without a deployment are absent
+    (their `current` version takes everything). A note when the broker could not be read."""
+    from confluent_kafka import KafkaException
+
+    from bus.control import latest_deployments
+    from bus.errors import BusError
+    from schemas.topics import TopicNames
+
+    if s.local_kafka and not local_broker(s, console).running():
+        return {}, "live shares assume no rollout: Kafka is not running (`sluice up`)"
+    try:
+        latest = latest_deployments(s.bootstrap, TopicNames(s.topic_prefix).control, "sluice-cli-models")
+    except (BusError, KafkaException) as exc:
+        return {}, f"live shares assume no rollout: the control topic could not be read ({exc})"
+    return {
+        m: dict(d.traffic) for m, d in latest.items()
+    }, "" if latest else "no rollout yet: `current` serves"
 
 
 @app.command("worker")

