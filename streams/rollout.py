@@ -73,13 +73,14 @@ class VersionStats:
 
 
 def stats_sql(model: str, versions: Iterable[str], since: datetime) -> str:
-    """Per version: terminal requests accepted since ``since``, errors (failed or expired), p99 TTFT and
+    """Per version: terminal requests accepted since ``since``, errors (failed, or expired: a shadow copy
+    that expired waited at the lowest priority, which is not the candidate's fault), p99 TTFT and
     inter-token gap, tokens and cost (shadow copies included: they are the candidate's outcomes too)."""
     listed = ", ".join(sql_string(v) for v in sorted(set(versions)))
     since_ms = int(since.timestamp() * 1000)
     return f"""SELECT model_version,
     count() AS n,
-    countIf(status IN ('failed', 'expired')) AS errors,
+    countIf(status = 'failed' OR (status = 'expired' AND shadow_of = '')) AS errors,
     quantileExactIf(0.99)(ttft_ms, ttft_ms IS NOT NULL) AS ttft_p99,
     countIf(ttft_ms IS NOT NULL) AS ttft_n,
     quantileExactIf(0.99)(itl_max_ms, itl_max_ms IS NOT NULL) AS itl_p99,
