@@ -7,7 +7,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -372,3 +372,35 @@ def watermarks(consumer: Consumer, topic: str, partition: int, timeout: float = 
             time.sleep(0.1)
             continue
         return int(low), int(high)
+
+
+READ_TO_END_S = 120.0
+
+
+def read_to_end(
+    consumer: Consumer,
+    starts: Sequence[TopicPartition],
+    ends: dict[int, int],
+    timeout_s: float = READ_TO_END_S,
+) -> Iterator[Message]:
+    """Every record of ``starts`` (partitions of one topic with start offsets) up to ``ends`` (partition ->
+    the end offset to reach, e.g. the high watermark taken before), then stop. A partition already at its
+    end is not read. Raises :class:`BusError` when that takes longer than ``timeout_s``."""
+    todo = {tp.partition for tp in starts if 0 <= tp.offset < ends.get(tp.partition, 0)}
+    if not todo:
+        return
+    consumer.assign([tp for tp in starts if tp.partition in todo])
+    deadline = time.monotonic() + timeout_s
+    while todo:
+        if time.monotonic() > deadline:
+            topic = starts[0].topic
+            raise BusError(
+                f"reading {topic} to its end took over {timeout_s:.0f}s ({len(todo)} partitions left)"
+            )
+        for message in consumer.consume(500, timeout=0.5):
+            if message.error() is not None:
+                continue
+            part = message.partition() or 0
+            if (message.offset() or 0) + 1 >= ends.get(part, 0):
+                todo.discard(part)
+            yield message

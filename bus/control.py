@@ -7,12 +7,9 @@ CLI, ``sluice up`` at start, the rollout controller at start) call :func:`latest
 
 from __future__ import annotations
 
-import time
-
 from confluent_kafka import Consumer, TopicPartition
 
-from bus.consumer import consumer_config, watermarks
-from bus.errors import BusError
+from bus.consumer import consumer_config, read_to_end, watermarks
 from schemas.codec import DecodeError, decode
 from schemas.events import DeploymentChanged, Event
 
@@ -34,27 +31,14 @@ def control_start(bootstrap: str, topic: str, client_id: str) -> tuple[list[Topi
 def read_control(bootstrap: str, topic: str, client_id: str, timeout: float = 30.0) -> list[Event]:
     """Every decodable event on the control topic up to its current end, in offset order per partition."""
     tps, ends = control_start(bootstrap, topic, client_id)
-    todo = {p for p, end in ends.items() if end > 0}
     events: list[Event] = []
-    if not todo:
-        return events
     consumer = Consumer(consumer_config(bootstrap, None, client_id))
     try:
-        consumer.assign(tps)
-        deadline = time.monotonic() + timeout
-        while todo:
-            if time.monotonic() > deadline:
-                raise BusError(f"reading {topic} to its end took over {timeout:.0f}s")
-            for message in consumer.consume(500, timeout=0.5):
-                if message.error() is not None:
-                    continue
-                part = message.partition() or 0
-                if (message.offset() or 0) + 1 >= ends.get(part, 0):
-                    todo.discard(part)
-                try:
-                    events.append(decode(message.value() or b""))
-                except DecodeError:
-                    continue  # a tombstone or junk: not state
+        for message in read_to_end(consumer, tps, ends, timeout):
+            try:
+                events.append(decode(message.value() or b""))
+            except DecodeError:
+                continue  # a tombstone or junk: not state
     finally:
         consumer.close()
     return events

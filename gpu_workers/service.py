@@ -28,7 +28,7 @@ import msgspec
 from confluent_kafka import Consumer, Message, TopicPartition
 from opentelemetry.trace import Status, StatusCode
 
-from bus.consumer import TP, ConsumerThread, consumer_config, decode_or_dead_letter, watermarks
+from bus.consumer import TP, ConsumerThread, consumer_config, decode_or_dead_letter, read_to_end, watermarks
 from bus.control import control_start, latest_deployments
 from bus.errors import BusError
 from bus.producer import EventProducer
@@ -385,21 +385,13 @@ class WorkerService:
             meta = consumer.list_topics(self._names.results, timeout=10).topics[self._names.results]
             tps = [TopicPartition(self._names.results, p, 0) for p in meta.partitions]
             ends = {tp.partition: watermarks(consumer, tp.topic, tp.partition)[1] for tp in tps}
-            todo = {p for p, end in ends.items() if end > 0}
-            consumer.assign(tps)
-            while todo:
-                for message in consumer.consume(500, timeout=1.0):
-                    if message.error() is not None:
-                        continue
-                    part = message.partition() or 0
-                    if (message.offset() or 0) + 1 >= ends[part]:
-                        todo.discard(part)
-                    try:
-                        event = decode(message.value() or b"")
-                    except DecodeError:
-                        continue
-                    if isinstance(event, RequestFinished) and event.model == self.model_id:
-                        self._remember_finished(event.request_id)
+            for message in read_to_end(consumer, tps, ends):
+                try:
+                    event = decode(message.value() or b"")
+                except DecodeError:
+                    continue
+                if isinstance(event, RequestFinished) and event.model == self.model_id:
+                    self._remember_finished(event.request_id)
         finally:
             consumer.close()
         return ends

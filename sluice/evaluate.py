@@ -10,15 +10,13 @@ live traffic, plus how often the candidate's output equals the stable version's.
 from __future__ import annotations
 
 import re
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from confluent_kafka import Consumer, TopicPartition
 
-from bus.consumer import consumer_config, watermarks
-from bus.errors import BusError
+from bus.consumer import consumer_config, read_to_end, watermarks
 from gpu_workers.settings import WorkerSettings
 from schemas.codec import DecodeError, decode
 from schemas.events import (
@@ -50,7 +48,8 @@ def parse_duration(text: str) -> timedelta:
 def logged_requests(
     platform: PlatformSettings, model: str, since: datetime, limit: int, timeout_s: float = 60.0
 ) -> list[Logged]:
-    """Up to ``limit`` requests for ``model`` accepted since ``since`` (oldest first), no shadow copies."""
+    """Up to ``limit`` requests for ``model`` accepted since ``since`` (the first read from each partition,
+    sorted by time), no shadow copies."""
     topic = TopicNames(platform.topic_prefix).requests(model)
     consumer = Consumer(consumer_config(platform.bootstrap, None, "sluice-evaluate"))
     found: list[Logged] = []
@@ -61,24 +60,15 @@ def logged_requests(
         since_ms = int(since.timestamp() * 1000)
         starts = consumer.offsets_for_times([TopicPartition(topic, p, since_ms) for p in meta.partitions], 10)
         ends = {p: watermarks(consumer, topic, p)[1] for p in meta.partitions}
-        todo = {tp.partition for tp in starts if 0 <= tp.offset < ends[tp.partition]}
-        consumer.assign([tp for tp in starts if tp.partition in todo])
-        deadline = time.monotonic() + timeout_s
-        while todo and len(found) < limit:
-            if time.monotonic() > deadline:
-                raise BusError(f"reading {topic} took over {timeout_s:.0f}s")
-            for message in consumer.consume(500, timeout=0.5):
-                if message.error() is not None:
-                    continue
-                part = message.partition() or 0
-                if (message.offset() or 0) + 1 >= ends[part]:
-                    todo.discard(part)
-                try:
-                    event = decode(message.value() or b"")
-                except DecodeError:
-                    continue
-                if isinstance(event, Logged) and event.model == model and event.shadow_of is None:
-                    found.append(event)
+        for message in read_to_end(consumer, starts, ends, timeout_s):
+            try:
+                event = decode(message.value() or b"")
+            except DecodeError:
+                continue
+            if isinstance(event, Logged) and event.model == model and event.shadow_of is None:
+                found.append(event)
+                if len(found) >= limit:
+                    break
     finally:
         consumer.close()
     found.sort(key=lambda e: e.time)

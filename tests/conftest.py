@@ -59,3 +59,24 @@ def cli_env(kafka_bootstrap: str, tmp_path: Path, topic_prefix: str) -> dict[str
     if cache:
         env["SLUICE_CACHE_DIR"] = cache
     return env
+
+
+def versioned_cache(cache: Path, model: str, stable_dir: Path, *candidates: str) -> str:
+    """A model cache under ``cache`` holding ``model``'s stable version (a link to the prepared
+    ``stable_dir``, also ``current``) and one copy per candidate version whose manifest names it (same
+    weights, another version id). Returns the stable version."""
+    import shutil
+
+    import msgspec
+
+    from schemas.manifest import models_root, read_manifest, write_manifest
+
+    root = models_root(cache) / model
+    root.mkdir(parents=True)
+    manifest = read_manifest(stable_dir)
+    (root / manifest.version).symlink_to(stable_dir)
+    (root / "current").symlink_to(manifest.version)
+    for version in candidates:
+        shutil.copytree(stable_dir, root / version)
+        write_manifest(root / version, msgspec.structs.replace(manifest, version=version))
+    return manifest.version

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import shutil
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -30,9 +29,10 @@ from gpu_workers.settings import WorkerSettings
 from infra.topics import TopicSizing, apply_topics, make_admin, platform_topics
 from ingest.auth import DEMO_KEY
 from schemas.events import DeploymentChanged, GenerationRequested, RequestFinished, TokenChunk
-from schemas.manifest import models_root, read_manifest, write_manifest
+from schemas.manifest import models_root, read_manifest
 from schemas.settings import PlatformSettings
 from schemas.topics import TopicNames
+from tests.conftest import versioned_cache
 from tests.e2e.conftest import GPT, Platform, TopicLog
 from tests.e2e.test_streams import Streams, _sluice, running_streams
 
@@ -52,14 +52,7 @@ def e2e_settings(
     candidate copies whose manifests name other versions."""
     stable_dir = build_demo_gpt(models_root(platform_settings.cache_dir))
     cache = tmp_path_factory.mktemp("rollout-cache")
-    root = models_root(cache) / GPT
-    root.mkdir(parents=True)
-    manifest = read_manifest(stable_dir)
-    (root / manifest.version).symlink_to(stable_dir)
-    (root / "current").symlink_to(manifest.version)
-    for version in (BAD, GOOD):
-        shutil.copytree(stable_dir, root / version)
-        write_manifest(root / version, msgspec.structs.replace(manifest, version=version))
+    versioned_cache(cache, GPT, stable_dir, BAD, GOOD)
     prefix = f"e2e-rollout-{int(time.time())}"
     apply_topics(
         make_admin(kafka_bootstrap),

@@ -4,7 +4,6 @@ after durability, cancels, deadlines, redelivery and dead letters."""
 from __future__ import annotations
 
 import asyncio
-import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -41,6 +40,7 @@ from schemas.ids import uuid7
 from schemas.manifest import read_manifest
 from schemas.settings import PlatformSettings
 from schemas.topics import TopicNames
+from tests.conftest import versioned_cache
 
 pytestmark = pytest.mark.integration
 
@@ -467,18 +467,8 @@ def two_versions(
     platform: PlatformSettings, demo_gpt_dir: Path, tmp_path: Path
 ) -> tuple[PlatformSettings, str]:
     """A cache with demo-gpt's stable version (``current``) and a candidate copy: (platform, stable)."""
-    import msgspec
-
-    from schemas.manifest import models_root, write_manifest
-
-    root = models_root(tmp_path / "cache") / "demo-gpt"
-    root.mkdir(parents=True)
-    manifest = read_manifest(demo_gpt_dir)
-    (root / manifest.version).symlink_to(demo_gpt_dir)
-    (root / "current").symlink_to(manifest.version)
-    shutil.copytree(demo_gpt_dir, root / CANDIDATE)
-    write_manifest(root / CANDIDATE, msgspec.structs.replace(manifest, version=CANDIDATE))
-    return msgspec.structs.replace(platform, cache_dir=str(tmp_path / "cache")), manifest.version
+    stable = versioned_cache(tmp_path / "cache", "demo-gpt", demo_gpt_dir, CANDIDATE)
+    return msgspec.structs.replace(platform, cache_dir=str(tmp_path / "cache")), stable
 
 
 def _deployment(stable: str, share: float, *, phase: str = "canary") -> DeploymentChanged:

@@ -3,7 +3,6 @@ candidate, judged by the rollout gates, before any live traffic."""
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,11 +16,12 @@ from gpu_workers.settings import WorkerSettings
 from infra.topics import TopicSizing, apply_topics, make_admin, platform_topics
 from schemas.events import GenerationRequested, ReplyTo, RolloutGates, SamplingParams
 from schemas.ids import uuid7
-from schemas.manifest import models_root, read_manifest, write_manifest
+from schemas.manifest import models_root
 from schemas.settings import PlatformSettings
 from schemas.topics import TopicNames
 from sluice.evaluate import evaluate, logged_requests, parse_duration
 from sluice.rollout import RolloutError
+from tests.conftest import versioned_cache
 
 pytestmark = pytest.mark.integration
 GPT = "demo-gpt"
@@ -34,13 +34,7 @@ def platform(
 ) -> PlatformSettings:
     """demo-gpt's stable version plus a candidate copy in a cache of the test's own; its topics."""
     stable_dir = build_demo_gpt(models_root(platform_settings.cache_dir))
-    root = models_root(tmp_path / "cache") / GPT
-    root.mkdir(parents=True)
-    manifest = read_manifest(stable_dir)
-    (root / manifest.version).symlink_to(stable_dir)
-    (root / "current").symlink_to(manifest.version)
-    shutil.copytree(stable_dir, root / CANDIDATE)
-    write_manifest(root / CANDIDATE, msgspec.structs.replace(manifest, version=CANDIDATE))
+    versioned_cache(tmp_path / "cache", GPT, stable_dir, CANDIDATE)
     apply_topics(
         make_admin(kafka_bootstrap),
         platform_topics(TopicNames(topic_prefix), [GPT], TopicSizing(requests=2, replies=2, events=2)),
