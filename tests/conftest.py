@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from infra.kafka.broker import LocalKafka, free_port
+from schemas.manifest import read_manifest, write_manifest
 from schemas.settings import PlatformSettings, load_settings
 
 
@@ -65,18 +68,23 @@ def versioned_cache(cache: Path, model: str, stable_dir: Path, *candidates: str)
     """A model cache under ``cache`` holding ``model``'s stable version (a link to the prepared
     ``stable_dir``, also ``current``) and one copy per candidate version whose manifest names it (same
     weights, another version id). Returns the stable version."""
-    import shutil
-
-    import msgspec
-
-    from schemas.manifest import models_root, read_manifest, write_manifest
+    from schemas.manifest import models_root
 
     root = models_root(cache) / model
     root.mkdir(parents=True)
+    version = read_manifest(stable_dir).version
+    (root / version).symlink_to(stable_dir)
+    (root / "current").symlink_to(version)
+    for candidate in candidates:
+        add_candidate(root, stable_dir, candidate)
+    return version
+
+
+def add_candidate(model_root: Path, stable_dir: Path, version: str) -> str:
+    """A copy of ``stable_dir`` in ``model_root`` as ``version`` (kept when it is there already); returns
+    the stable version."""
     manifest = read_manifest(stable_dir)
-    (root / manifest.version).symlink_to(stable_dir)
-    (root / "current").symlink_to(manifest.version)
-    for version in candidates:
-        shutil.copytree(stable_dir, root / version)
-        write_manifest(root / version, msgspec.structs.replace(manifest, version=version))
+    if not (model_root / version).exists():
+        shutil.copytree(stable_dir, model_root / version)
+        write_manifest(model_root / version, msgspec.structs.replace(manifest, version=version))
     return manifest.version

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,12 +24,16 @@ from ingest.auth import DEMO_KEY
 pytestmark = pytest.mark.integration
 
 
-def _post(url: str, body: dict[str, object]) -> dict[str, Any]:
+def _post(url: str, body: dict[str, object], headers: dict[str, str] | None = None) -> dict[str, Any]:
     request = urllib.request.Request(
         url,
         data=json.dumps(body).encode(),
         method="POST",
-        headers={"Authorization": f"Bearer {DEMO_KEY}", "Content-Type": "application/json"},
+        headers={
+            "Authorization": f"Bearer {DEMO_KEY}",
+            "Content-Type": "application/json",
+            **(headers or {}),
+        },
     )
     with urllib.request.urlopen(request, timeout=120) as response:
         result: dict[str, Any] = json.loads(response.read())
@@ -148,9 +153,65 @@ def _drive(proc: subprocess.Popen[str], env: dict[str, str], port: int, edge_por
         assert sql.returncode == 0, sql.stderr
         assert sql.stdout.splitlines()[0] == "n"
         assert int(sql.stdout.splitlines()[1]) >= 1
+        _rollout(proc, env, url)
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+CANDIDATE = "uptest000001"
+
+
+def _sluice(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "sluice", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def _rollout(proc: subprocess.Popen[str], env: dict[str, str], url: str) -> None:
+    """The operator's flow on the running platform: a second version of demo-gpt, a rollout that makes
+    `sluice up` start its worker and the edge split sessions between the versions, then an abort that
+    stops that worker and puts every session back on the stable version."""
+    from schemas.manifest import current_model_dir, models_root
+    from schemas.settings import PlatformSettings
+    from tests.conftest import add_candidate
+
+    cache = env.get("SLUICE_CACHE_DIR") or PlatformSettings().cache_dir
+    stable = add_candidate(models_root(cache) / "demo-gpt", current_model_dir(cache, "demo-gpt"), CANDIDATE)
+    try:
+        _canary_then_abort(proc, env, url, stable)
+    finally:  # the shared model cache keeps no test version
+        shutil.rmtree(models_root(cache) / "demo-gpt" / CANDIDATE, ignore_errors=True)
+
+
+def _canary_then_abort(proc: subprocess.Popen[str], env: dict[str, str], url: str, stable: str) -> None:
+    started = _sluice(env, "rollout", "start", "demo-gpt", "--version", CANDIDATE, "--canary", "50",
+                      "--step-min-s", "3600")  # fmt: skip
+    assert started.returncode == 0, started.stdout + started.stderr
+    _wait_for_line(proc, f"worker for demo-gpt version {CANDIDATE} started", timeout=30)
+
+    def versions(prefix: str, n: int) -> set[str]:
+        seen = set()
+        for i in range(n):
+            body = {"model": "demo-gpt", "prompt": "The river", "max_tokens": 2}
+            seen.add(
+                _post(f"{url}/completions", body, {"X-Session-Id": f"{prefix}-{i}"})["system_fingerprint"]
+            )
+        return seen
+
+    assert versions("canary", 16) == {stable, CANDIDATE}  # the odds of one version only: 2 in 65536
+    status = _sluice(env, "rollout", "status", "demo-gpt")
+    assert status.returncode == 0, status.stderr
+    assert "canary" in status.stdout
+    aborted = _sluice(env, "rollout", "abort", "demo-gpt", "--reason", "test")
+    assert aborted.returncode == 0, aborted.stderr
+    _wait_for_line(proc, f"worker for demo-gpt version {CANDIDATE} stopping", timeout=30)
+    assert versions("after", 8) == {stable}
