@@ -286,6 +286,14 @@ async def test_a_bad_candidate_is_rolled_back_by_the_controller_and_nothing_is_l
         await asyncio.sleep(0.3)
     assert len(audit) == 1
     assert audit[0]["decision"] == BAD
+    stored = await streams.sql(
+        f"SELECT action, phase, actor, evidence FROM deployments FINAL WHERE model = '{GPT}' ORDER BY time"
+    )
+    assert [(r["action"], r["phase"], r["actor"]) for r in stored] == [
+        ("deploy", "canary", "operator"),
+        ("rollback", "rolled_back", "controller"),
+    ]
+    assert json.loads(stored[-1]["evidence"]) == json.loads(msgspec.json.encode(rollback.evidence))
     evidence = json.loads(json.loads(audit[0]["details"])["evidence"])
     assert {(g["gate"], g["state"]) for g in evidence} >= {(gate, "fail") for gate in failing}
     verify = _sluice(env, "audit", "verify")
