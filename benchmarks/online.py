@@ -58,19 +58,44 @@ def kafka(settings: PlatformSettings) -> Iterator[str]:
 
 
 class Services:
-    """The worker and edge processes, each started with ``sluice`` like an operator would."""
+    """The worker and edge processes, each started with ``sluice`` like an operator would, each on its own
+    free ops port, each with its output in a log file under ``logs`` (shown when something fails)."""
 
-    def __init__(self, env: dict[str, str]) -> None:
+    def __init__(self, env: dict[str, str], logs: Path) -> None:
         self.env = env
+        self.logs = logs
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.ops: dict[str, int] = {}
 
     def start(self, name: str, args: list[str], extra: dict[str, str] | None = None) -> None:
-        self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "sluice", *args],
-            env={**self.env, **(extra or {})},
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        self.logs.mkdir(parents=True, exist_ok=True)
+        ops = free_port()
+        with (self.logs / f"{name}.log").open("wb") as log:  # the child keeps its own descriptor
+            self.procs[name] = subprocess.Popen(
+                [sys.executable, "-m", "sluice", *args],
+                env={**self.env, "SLUICE_WORKER_OPS_PORT": str(ops), **(extra or {})},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        self.ops[name] = ops
+
+    def check_alive(self) -> None:
+        for name, proc in self.procs.items():
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with {proc.returncode}:\n{self.tail(name)}")
+
+    def tail(self, name: str, lines: int = 40) -> str:
+        path = self.logs / f"{name}.log"
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+
+    async def ready(self, session: aiohttp.ClientSession, name: str, url: str) -> bool:
+        """The process is alive and its ``/readyz`` says 200."""
+        self.check_alive()
+        try:
+            async with session.get(url) as response:
+                return response.status == 200
+        except aiohttp.ClientError:
+            return False
 
     def stop(self, name: str) -> None:
         proc = self.procs.pop(name)
@@ -155,6 +180,11 @@ async def measure(url: str, raw: dict[str, object], services: Services, quick: b
     ) as session:
 
         async def ready() -> bool:
+            for name in ("gen", "embed"):
+                if not await services.ready(session, name, f"http://127.0.0.1:{services.ops[name]}/readyz"):
+                    return False
+            if not await services.ready(session, "edge", f"{url}/readyz"):
+                return False
             await completion(session, url, 2)
             await embed(session, url, 0)
             return True
@@ -304,13 +334,17 @@ def main() -> None:
         )
         if args.torch_threads is not None:
             env["SLUICE_WORKER_TORCH_THREADS"] = str(args.torch_threads)
-        services = Services(env)
+        services = Services(env, Path(tempfile.mkdtemp(prefix="sluice-bench-logs-")))
         try:
             services.start("gen", ["worker", "--model", "demo-gpt"])
             services.start("embed", ["worker", "--model", "all-minilm-l6-v2"])
             services.start("edge", ["edge"])
             print("platform under load ...", file=sys.stderr)
             result = asyncio.run(measure(f"http://127.0.0.1:{port}", raw, services, args.quick))
+        except BaseException:
+            for name in services.procs:
+                print(f"--- {name} ({services.logs / name}.log)\n{services.tail(name)}", file=sys.stderr)
+            raise
         finally:
             services.stop_all()
     result["machine"] = {

@@ -76,7 +76,10 @@ class ConsumerThread:
         name: str = "kafka-consumer",
         batch_size: int = 500,
         stats_interval_ms: int = 5_000,
+        on_failure: Callable[[BaseException], None] | None = None,
     ) -> None:
+        """``on_failure(exc)`` is told (on the polling thread) when the thread dies of an error: the handler
+        raised, or the client hit a fatal error; owners fail what waits on this consumer."""
         if bool(subscribe) == bool(assign):
             raise ValueError("give exactly one of subscribe= or assign=")
         self._config = config
@@ -84,6 +87,7 @@ class ConsumerThread:
         self._subscribe = list(subscribe)
         self._assign = list(assign)
         self._on_revoke = on_revoke
+        self._on_failure = on_failure
         self._name = name
         self._batch_size = batch_size
         self._commits: queue.SimpleQueue[tuple[dict[TP, int], CommitFailed | None]] = queue.SimpleQueue()
@@ -192,6 +196,11 @@ class ConsumerThread:
         except BaseException as exc:  # surfaced by stop(); logging here too so it is never silent
             log.exception("%s stopped on an error", self._name)
             self.failure = exc
+            if self._on_failure is not None:
+                try:
+                    self._on_failure(exc)
+                except Exception:
+                    log.exception("%s: its failure callback raised", self._name)
         finally:
             consumer.close()
             self._disown()
@@ -241,9 +250,13 @@ class ConsumerThread:
 
 
 def _benign_error(message: Message) -> bool:
+    """Whether a polled message is an error to skip (True) or a record (False). A fatal error (the client
+    can no longer work, e.g. fenced or misconfigured) raises: the consumer thread stops and says why."""
     err = message.error()
     if err is None:
         return False
+    if err.fatal():
+        raise KafkaException(err)
     if err.code() == KafkaError._PARTITION_EOF:
         return True
     log.warning("consumer error: %s", err)

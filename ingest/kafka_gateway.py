@@ -82,10 +82,16 @@ class ReplyStream:
         self._delivered_tokens = 0
         self._tokens: list[int] = []
         self._done = False
+        self._error: Exception | None = None
 
     @property
     def finished(self) -> bool:
         return self._done
+
+    def fail(self, error: Exception) -> None:
+        """End the stream with ``error`` (raised to the reader), e.g. when the reply listener died."""
+        self._error = error
+        self._wakeup.set()
 
     async def aclose(self) -> None:
         """Release the stream (the client went away, or it ended)."""
@@ -106,6 +112,8 @@ class ReplyStream:
     async def __aiter__(self) -> AsyncIterator[Reply]:
         try:
             while not self._done:
+                if self._error is not None:
+                    raise self._error
                 if not self._queue:
                     if self._lagging_from is not None:
                         async for offset, reply in self._gateway.read_log(
@@ -211,6 +219,14 @@ class KafkaGateway:
     # ---------------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
+        """Producer, reply listener, control listener; a failure part-way stops what had started."""
+        try:
+            await self._start()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._producer.start()
         start = await asyncio.to_thread(self._partition_end)
@@ -219,6 +235,7 @@ class KafkaGateway:
             self._on_replies,
             assign=[TopicPartition(self._names.replies, self.reply_to.partition, start)],
             name=f"replies-{self.edge_id}",
+            on_failure=self._listener_died,
         )
         self._listener.start()
         control, self._control_ends = await asyncio.to_thread(
@@ -241,13 +258,26 @@ class KafkaGateway:
                 log.warning("the control topic was not read to its end within %ss", self.CONTROL_CATCH_UP_S)
 
     async def stop(self) -> None:
-        if self._control is not None:
-            await asyncio.to_thread(self._control.stop)
-            self._control = None
-        if self._listener is not None:
-            await asyncio.to_thread(self._listener.stop)
-            self._listener = None
+        for name in ("_control", "_listener"):
+            listener: ConsumerThread | None = getattr(self, name)
+            setattr(self, name, None)
+            if listener is not None:
+                try:
+                    await asyncio.to_thread(listener.stop)
+                except BusError:
+                    log.warning("%s had failed", name.strip("_"), exc_info=True)
         await asyncio.to_thread(self._producer.stop)
+
+    def _listener_died(self, exc: BaseException) -> None:
+        """Reply listener thread: nothing will reach the open streams any more; fail them now rather than
+        let each wait for its deadline (their clients get a 503 and may resume on a healthy edge)."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._fail_streams, exc)
+
+    def _fail_streams(self, exc: BaseException) -> None:
+        for stream in list(self._streams.values()):
+            stream.fail(GatewayUnavailable(f"this edge stopped receiving replies ({exc}); resume the stream"))
 
     async def __aenter__(self) -> KafkaGateway:
         await self.start()
@@ -315,6 +345,8 @@ class KafkaGateway:
         self, event: GenerationRequested | EmbeddingRequested, *, resume_after_seq: int | None = None
     ) -> ReplyStream:
         """Publish durably, then return the stream its replies will arrive on."""
+        if self._listener is None or self._listener.failure is not None:
+            raise GatewayUnavailable("this edge is not receiving replies; retry on another edge")
         stream = ReplyStream(self, event.request_id, event.model, resume_after_seq, self._stream_buffer)
         self._streams[event.request_id] = stream  # registered first: no reply can be missed
         topic = self._names.requests(event.model)

@@ -174,3 +174,56 @@ async def test_a_dead_delivery_thread_fails_every_waiting_publish(
         producer._running = False
         real.flush(10)
         real.close()
+
+
+def test_a_consumer_that_dies_tells_its_owner_and_stop_raises(
+    kafka_bootstrap: str, topic_prefix: str
+) -> None:
+    from confluent_kafka import TopicPartition
+
+    topic = f"{topic_prefix}.dies"
+    _topics(kafka_bootstrap, topic)
+    died: list[BaseException] = []
+    told = threading.Event()
+
+    def handler(batch: list[Message]) -> None:
+        raise ValueError("a handler bug")
+
+    def on_failure(exc: BaseException) -> None:
+        died.append(exc)
+        told.set()
+
+    consumer = ConsumerThread(
+        consumer_config(kafka_bootstrap, None, "dies"),
+        handler,
+        assign=[TopicPartition(topic, 0, 0)],
+        on_failure=on_failure,
+    )
+    consumer.start()
+    producer = Producer({"bootstrap.servers": kafka_bootstrap})
+    producer.produce(topic, b"x", partition=0)
+    producer.flush(10)
+    assert told.wait(30), "the owner was never told"
+    assert isinstance(died[0], ValueError)
+    assert consumer.failure is died[0]
+    with pytest.raises(BusError, match="a handler bug"):
+        consumer.stop()
+
+
+def test_a_fatal_client_error_stops_the_consumer_instead_of_being_skipped() -> None:
+    from confluent_kafka import KafkaError, KafkaException
+
+    from bus.consumer import _benign_error
+
+    class Fake:
+        def __init__(self, err: KafkaError | None) -> None:
+            self._err = err
+
+        def error(self) -> KafkaError | None:
+            return self._err
+
+    assert _benign_error(Fake(None)) is False  # type: ignore[arg-type]
+    assert _benign_error(Fake(KafkaError(KafkaError._PARTITION_EOF))) is True  # type: ignore[arg-type]
+    assert _benign_error(Fake(KafkaError(KafkaError._TRANSPORT))) is True  # type: ignore[arg-type]
+    with pytest.raises(KafkaException):
+        _benign_error(Fake(KafkaError(KafkaError._FATAL, fatal=True)))  # type: ignore[arg-type]

@@ -19,7 +19,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from bus.consumer import ConsumerThread, consumer_config
+from bus.consumer import ConsumerThread, consumer_config, watermarks
 from gpu_workers.main import make_worker
 from gpu_workers.models import MINILM_ID, prepare_hf_dir
 from gpu_workers.service import WorkerService
@@ -42,6 +42,8 @@ class TopicLog:
 
     def __init__(self, bootstrap: str, topic: str) -> None:
         self.events: list[Event] = []
+        self._positions: dict[int, int] = {}
+        self._bootstrap, self._topic = bootstrap, topic
         self._lock = threading.Lock()
         probe = Consumer(consumer_config(bootstrap, None, "e2e-probe"))
         parts = probe.list_topics(topic, timeout=10).topics[topic].partitions
@@ -55,6 +57,8 @@ class TopicLog:
     def _add(self, batch: list[Message]) -> None:
         with self._lock:
             self.events += [decode(m.value() or b"") for m in batch]
+            for m in batch:
+                self._positions[m.partition() or 0] = (m.offset() or 0) + 1
 
     def of(self, request_id: str) -> list[Event]:
         with self._lock:
@@ -63,6 +67,17 @@ class TopicLog:
     def all(self) -> list[Event]:
         with self._lock:
             return list(self.events)
+
+    async def caught_up(self, within: float = 30) -> None:
+        """Wait until this log has read every record its topic holds now (so an event already produced,
+        e.g. a duplicate, is in ``events``)."""
+        probe = Consumer(consumer_config(self._bootstrap, None, "e2e-probe"))
+        try:
+            parts = probe.list_topics(self._topic, timeout=10).topics[self._topic].partitions
+            ends = {p: watermarks(probe, self._topic, p)[1] for p in parts}
+        finally:
+            probe.close()
+        await self.wait(lambda: all(self._positions.get(p, 0) >= end for p, end in ends.items()), within)
 
     async def wait(self, predicate: Callable[[], bool], within: float = 60) -> None:
         """Poll without blocking the event loop (the edge under test runs on it)."""

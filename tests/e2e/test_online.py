@@ -13,6 +13,7 @@ from gpu_workers.models import MINILM_ID
 from gpu_workers.service import WorkerService
 from ingest.auth import DEMO_KEY
 from schemas.events import CancelRequested, GenerationRequested, RequestFinished, TokenChunk
+from schemas.ids import uuid7
 from tests.e2e.conftest import GPT, Platform
 
 pytestmark = pytest.mark.integration
@@ -129,7 +130,8 @@ async def test_disconnect_mid_stream_cancels_the_work(
 
 
 async def test_idempotency_key_executes_once(platform: Platform, workers: list[WorkerService]) -> None:
-    headers = {**AUTH, "Idempotency-Key": "order-7"}
+    key = f"order-{uuid7()}"
+    headers = {**AUTH, "Idempotency-Key": key}
     body = {**CHAT, "max_tokens": 16, "temperature": 0.9}
     async with aiohttp.ClientSession() as session:
         first = await session.post(f"{platform.base_url}/chat/completions", headers=headers, json=body)
@@ -141,9 +143,14 @@ async def test_idempotency_key_executes_once(platform: Platform, workers: list[W
     assert first.status == second.status == 200
     assert first_body == second_body
     request_id = first_body["id"].removeprefix("chatcmpl-")
-    assert len([e for e in _generations(platform) if e.request_id == request_id]) == 1
     await platform.results.wait(lambda: bool(platform.results.of(request_id)))
-    assert len(platform.results.of(request_id)) == 1
+    await platform.requests.caught_up()
+    await platform.results.caught_up()
+    # by the key, not the first id: a second execution would be a new request with a new id
+    published = [e for e in _generations(platform) if e.idempotency_key == key]
+    assert [e.request_id for e in published] == [request_id]
+    ended = [e for e in platform.results.all() if isinstance(e, RequestFinished) and e.idempotency_key == key]
+    assert [e.request_id for e in ended] == [request_id]
     assert clash.status == 422
 
 
@@ -154,6 +161,7 @@ async def test_last_event_id_resumes_from_the_log(platform: Platform, workers: l
         original = [line async for line in response.content]
         ids = [line[4:].decode().strip() for line in original if line.startswith(b"id: ")]
         request_id = ids[0].split(":")[0]
+        await platform.requests.caught_up()
         published = len(_generations(platform))
         resumed = await session.post(
             f"{platform.base_url}/chat/completions", headers={**AUTH, "Last-Event-ID": ids[1]}, json=body
@@ -164,6 +172,8 @@ async def test_last_event_id_resumes_from_the_log(platform: Platform, workers: l
     tail = [line for line in rest if line.startswith(b"data: ")]
     # data[0] opens the stream (the assistant role, no id); data[1], data[2] carry seq 0 and 1
     assert tail == data[3:]  # everything after seq 1, byte for byte
+    await platform.requests.caught_up()
+    await platform.results.caught_up()
     assert len(_generations(platform)) == published  # no new generation
     assert len([e for e in platform.results.of(request_id)]) == 1
 
@@ -183,6 +193,7 @@ async def test_last_event_id_resumes_from_the_log(platform: Platform, workers: l
 async def test_bad_input_is_refused_and_nothing_is_published(
     platform: Platform, workers: list[WorkerService], body: bytes, headers: dict[str, str], status: int
 ) -> None:
+    await platform.requests.caught_up()
     before = len(platform.requests.all())
     async with aiohttp.ClientSession() as session:
         response = await session.post(
@@ -199,12 +210,15 @@ async def test_bad_input_is_refused_and_nothing_is_published(
             json={"model": GPT, "prompt": "ok", "max_tokens": 2},
         )
         assert healthy.status == 200
-    await platform.requests.wait(lambda: len(platform.requests.all()) == before + 1)  # only the healthy one
+    await platform.requests.wait(lambda: len(platform.requests.all()) >= before + 1)
+    await platform.requests.caught_up()
+    assert len(platform.requests.all()) == before + 1  # only the healthy one
 
 
 async def test_binary_junk_on_the_websocket_gets_an_error_frame(
     platform: Platform, workers: list[WorkerService]
 ) -> None:
+    await platform.requests.caught_up()
     before = len(platform.requests.all())
     async with (
         aiohttp.ClientSession() as session,
@@ -219,4 +233,5 @@ async def test_binary_junk_on_the_websocket_gets_an_error_frame(
         await ws.send_json({"type": "ping"})
         frame = json.loads((await asyncio.wait_for(ws.receive(), 10)).data)
         assert frame["type"] == "pong"
+    await platform.requests.caught_up()
     assert len(platform.requests.all()) == before

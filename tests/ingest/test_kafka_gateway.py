@@ -1,0 +1,81 @@
+"""The Kafka gateway's lifecycle on the real broker: a reply listener that dies fails the streams waiting
+on it at once (not at their deadlines), new submits are refused, and a start that fails part-way stops
+what it had started."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from confluent_kafka import Message, Producer
+
+from infra.topics import TopicSizing, apply_topics, make_admin, platform_topics
+from ingest.errors import GatewayUnavailable
+from ingest.kafka_gateway import KafkaGateway
+from schemas.events import GenerationRequested
+from schemas.ids import uuid7
+from schemas.topics import TopicNames
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def gateway(kafka_bootstrap: str, topic_prefix: str) -> KafkaGateway:
+    names = TopicNames(topic_prefix)
+    apply_topics(make_admin(kafka_bootstrap), platform_topics(names, ["demo-gpt"], TopicSizing(replies=1)))
+    return KafkaGateway(bootstrap=kafka_bootstrap, names=names, edge_id="edge-t", reply_partition=0)
+
+
+def _request(gateway: KafkaGateway) -> GenerationRequested:
+    return GenerationRequested(
+        tenant="acme",
+        model="demo-gpt",
+        request_id=uuid7(),
+        source="test",
+        model_version="v1",
+        input_ids=[1, 2, 3],
+        reply=gateway.reply_to,
+    )
+
+
+async def test_a_dead_reply_listener_fails_open_streams_and_new_submits(
+    gateway: KafkaGateway, kafka_bootstrap: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(self: KafkaGateway, batch: list[Message]) -> None:
+        raise RuntimeError("listener bug")
+
+    monkeypatch.setattr(KafkaGateway, "_on_replies", broken)
+    async with gateway:
+        stream = await gateway.submit(_request(gateway))
+
+        async def first() -> object:
+            async for reply in stream:
+                return reply
+            return None
+
+        reader = asyncio.create_task(first())
+        await asyncio.sleep(0.2)
+        assert not reader.done()  # waiting for replies
+        producer = Producer({"bootstrap.servers": kafka_bootstrap})
+        producer.produce(gateway.reply_to.topic, b"anything", partition=0)  # the listener's first batch
+        producer.flush(10)
+        with pytest.raises(GatewayUnavailable, match="stopped receiving replies"):
+            await asyncio.wait_for(reader, 30)  # far sooner than any deadline
+        assert not gateway.ready()
+        with pytest.raises(GatewayUnavailable):
+            await gateway.submit(_request(gateway))
+
+
+async def test_a_start_that_fails_part_way_stops_what_it_started(
+    gateway: KafkaGateway, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import ingest.kafka_gateway
+
+    def no_control(*_args: object) -> object:
+        raise OSError("control topic unreachable")
+
+    monkeypatch.setattr(ingest.kafka_gateway, "control_start", no_control)
+    with pytest.raises(OSError, match="unreachable"):
+        await gateway.start()
+    assert gateway._listener is None  # the reply listener it had started was stopped
+    assert not gateway.ready()
