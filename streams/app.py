@@ -274,7 +274,12 @@ class StreamsApp:
             {(r["model"], int(r["minutes"])): WindowCounts(int(r["bad"]), int(r["total"])) for r in burns}
         )
         for event in events:
-            await self._producer.publish(self.names.control, event)
+            try:
+                await self._producer.publish(self.names.control, event)
+            except BusError:
+                log.exception("control: publishing %s failed; announcing it again next interval", event)
+                controller.unannounced(event)
+                continue
             log.info("control: %s", event)
 
     SINK_IDLE_S = 5.0

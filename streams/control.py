@@ -26,6 +26,7 @@ import msgspec
 
 from monitoring.slo import PAGE_ALERTS, SloConfig
 from schemas.events import BudgetStateChanged, BurnRateCrossed, Event
+from streams import StreamsError
 
 SOURCE = "streams/control"
 NANOS_PER_MICRO = 1000
@@ -34,7 +35,7 @@ NANOS_PER_MICRO = 1000
 WINDOWS = sorted({m for alert in PAGE_ALERTS for m in (alert.long_minutes, alert.short_minutes)})
 
 
-class BudgetError(ValueError):
+class BudgetError(StreamsError, ValueError):
     """The budgets file cannot be read."""
 
 
@@ -105,6 +106,14 @@ class Controller:
                 )
             )
         return events
+
+    def unannounced(self, event: Event) -> None:
+        """``event`` could not be published: forget the state it announced, so the next evaluation
+        announces the state current then."""
+        if isinstance(event, BudgetStateChanged):
+            self._exhausted[event.tenant] = not event.exhausted
+        elif isinstance(event, BurnRateCrossed):
+            self._firing[(event.model, event.window)] = not event.firing
 
     def burn(self, counts: Mapping[tuple[str, int], WindowCounts]) -> list[Event]:
         """``counts[(model, minutes)]``: availability errors and eligible requests in that window."""

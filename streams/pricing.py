@@ -22,10 +22,12 @@ from typing import Annotated
 
 import msgspec
 
+from streams import StreamsError
+
 Micros = Annotated[int, msgspec.Meta(ge=0)]
 
 
-class PricingError(ValueError):
+class PricingError(StreamsError, ValueError):
     """The price table cannot be read."""
 
 

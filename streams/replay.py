@@ -16,6 +16,7 @@ from confluent_kafka import Consumer, TopicPartition
 from bus.consumer import consumer_config, watermarks
 from schemas.settings import PlatformSettings
 from schemas.topics import TopicNames
+from streams import StreamsError
 from streams.app import sink_topics
 from streams.pricing import PriceTable
 from streams.sink import Consumed, Inserter, Rows, insert
@@ -23,7 +24,7 @@ from streams.sink import Consumed, Inserter, Rows, insert
 TABLES = ("events_raw", "request_facts", "audit_log", "drift_features", "drift_reports", "deployments")
 
 
-class ReplayError(RuntimeError):
+class ReplayError(StreamsError, RuntimeError):
     """The target warehouse is not empty, or the log could not be read to its end."""
 
 

@@ -57,6 +57,32 @@ def test_burn_fires_on_both_windows_of_a_pair_and_clears() -> None:
     assert not cleared.firing
 
 
+def test_a_state_that_could_not_be_published_is_announced_again() -> None:
+    controller = Controller(Budgets(daily_usd={"acme": 1.0}), DEFAULT_CONFIG)
+    (lost,) = controller.budgets({"acme": 2_000_000_000})
+    controller.unannounced(lost)  # the broker did not take it: the edges never heard
+    (again,) = controller.budgets({"acme": 2_000_000_000})
+    assert isinstance(again, BudgetStateChanged)
+    assert again.exhausted
+    assert controller.budgets({"acme": 2_000_000_000}) == []
+    outage = {("m", 5): WindowCounts(100, 100), ("m", 60): WindowCounts(100, 1000)}
+    (fired,) = controller.burn(outage)
+    controller.unannounced(fired)
+    (refired,) = controller.burn(outage)
+    assert isinstance(refired, BurnRateCrossed)
+    assert refired.firing
+
+
+def test_every_streams_error_has_one_root() -> None:
+    from streams import StreamsError
+    from streams.pricing import PricingError
+    from streams.replay import ReplayError
+
+    assert issubclass(BudgetError, StreamsError)
+    assert issubclass(PricingError, StreamsError)
+    assert issubclass(ReplayError, StreamsError)
+
+
 def test_budgets_file(tmp_path: Path) -> None:
     path = tmp_path / "budgets.toml"
     path.write_text("[daily_usd]\nacme = 25.5\n")
