@@ -26,6 +26,8 @@ TP = tuple[str, int]
 CommitFailed = Callable[[dict[tuple[str, int], int]], None]
 """Told which offsets a commit did not store, so their owner can commit them again."""
 Handler = Callable[[list[Message]], None]
+Revoked = Callable[[list[TP], bool], dict[TP, int] | None]
+"""Told the partitions leaving and whether they were lost; may return final offsets to commit (not lost)."""
 
 
 def consumer_config(bootstrap: str, group_id: str | None, client_id: str, **overrides: Any) -> dict[str, Any]:
@@ -72,7 +74,7 @@ class ConsumerThread:
         *,
         subscribe: Sequence[str] = (),
         assign: Sequence[TopicPartition] = (),
-        on_revoke: Callable[[list[TP]], None] | None = None,
+        on_revoke: Revoked | None = None,
         name: str = "kafka-consumer",
         batch_size: int = 500,
         stats_interval_ms: int = 5_000,
@@ -113,7 +115,7 @@ class ConsumerThread:
         self._consumer = Consumer(config)
         if self._subscribe:
             self._consumer.subscribe(
-                self._subscribe, on_assign=self._assigned, on_revoke=self._revoked, on_lost=self._revoked
+                self._subscribe, on_assign=self._assigned, on_revoke=self._revoked, on_lost=self._lost
             )
         else:
             with self._lag_lock:
@@ -142,11 +144,26 @@ class ConsumerThread:
             self._owned.update((tp.topic, tp.partition) for tp in partitions)
         self._ready.set()
 
-    def _revoked(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+    def _revoked(self, consumer: Consumer, partitions: list[TopicPartition], *, lost: bool = False) -> None:
+        """Partitions leave this consumer. Revoked (not lost): their owner may finish their work first and
+        return the offsets to commit, which are committed here, before the group hands them on."""
         self._flush_commits()
-        self._disown([(tp.topic, tp.partition) for tp in partitions])
-        if self._on_revoke is not None:
-            self._on_revoke([(tp.topic, tp.partition) for tp in partitions])
+        tps = [(tp.topic, tp.partition) for tp in partitions]
+        self._disown(tps)
+        if self._on_revoke is None:
+            return
+        final = self._on_revoke(tps, lost)
+        if final and not lost:
+            try:
+                consumer.commit(
+                    offsets=[TopicPartition(t, p, o) for (t, p), o in final.items()], asynchronous=False
+                )
+            except KafkaException:
+                log.warning("final commit of revoked %s failed", final, exc_info=True)
+
+    def _lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        """Partitions taken without a revoke (this member missed its session): nothing may be committed."""
+        self._revoked(consumer, partitions, lost=True)
 
     def _disown(self, tps: Sequence[TP] | None = None) -> None:
         """Forget the lag of ``tps`` (all when None) and drop their series from the scrape."""

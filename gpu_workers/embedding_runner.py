@@ -8,7 +8,7 @@ is cancelled or past its deadline (its remaining items are dropped unrun).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -108,6 +108,10 @@ class EmbeddingRunner:
                 )
                 return  # items already queued are skipped when their batch runs
             self._requests[event.request_id] = request
+
+    def release(self, request_ids: Collection[str]) -> set[str]:
+        # A batch runs within one tick: whatever is still here has not started.
+        return {r for r in request_ids if self._requests.pop(r, None) is not None}
 
     def cancel(self, request_id: str, emit: Emitter) -> None:
         request = self._requests.pop(request_id, None)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -39,6 +40,9 @@ class FaultyRunner:
 
     def cancel(self, request_id: str, emit: Emitter) -> None:
         self._inner.cancel(request_id, emit)
+
+    def release(self, request_ids: Collection[str]) -> set[str]:
+        return self._inner.release(request_ids)
 
     def tick(self, emit: Emitter) -> None:
         if self._delay_s and self._inner.wait_hint() == 0:

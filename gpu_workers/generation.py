@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
 from datetime import datetime
 
@@ -139,6 +139,12 @@ class GenerationRunner:
             return
         self._scheduler.submit(item)
         self._live[event.request_id] = live
+
+    def release(self, request_ids: Collection[str]) -> set[str]:
+        released = {r for r in request_ids if r in self._live and self._scheduler.withdraw(r)}
+        for request_id in released:
+            del self._live[request_id]
+        return released
 
     def cancel(self, request_id: str, emit: Emitter) -> None:
         live = self._live.get(request_id)

@@ -161,6 +161,13 @@ class GenerationScheduler(Generic[P]):
             return "running"
         return "unknown"
 
+    def withdraw(self, request_id: str) -> bool:
+        """Take a waiting request out (it never started). False if it is running or unknown."""
+        if request_id not in self._waiting:
+            return False
+        self._remove_waiting(request_id)
+        return True
+
     def finish(self, request_id: str) -> bool:
         """Free a running sequence's slot and budget. False if it was not running."""
         item = self._running.pop(request_id, None)

@@ -19,8 +19,8 @@ import logging
 import queue
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -93,6 +93,10 @@ class Runner(Protocol):
     def tick(self, emit: Emitter) -> None:
         """Do one unit of work (one decode step, one embedding batch), emitting what it produced."""
 
+    def release(self, request_ids: Collection[str]) -> set[str]:
+        """Drop those of ``request_ids`` that have not started (no output yet) without a terminal event:
+        their partition moved to another worker, which runs them. Returns the ids dropped."""
+
     def wait_hint(self) -> float | None:
         """Seconds the loop may block waiting for input: 0 while there is work, None for "until input"."""
 
@@ -111,6 +115,7 @@ class _Undelivered:
     """A terminal event Kafka did not take: its request is not finished, and runs again if redelivered."""
 
     request_id: str
+    tp: TP
 
 
 @dataclass(frozen=True)
@@ -182,7 +187,7 @@ class WorkerService:
         # Unbounded but holds at most one entry per request in flight; filled by the producer's thread.
         self._durable: queue.SimpleQueue[_Durable | _Undelivered | _Uncommitted] = queue.SimpleQueue()
         self._finished: OrderedDict[str, None] = OrderedDict()
-        self._live: set[str] = set()
+        self._live: dict[str, Arrival] = {}
         """Requests handed to the runner and not yet ended (model thread only)."""
         self._early_cancels: OrderedDict[str, float] = OrderedDict()
         """Cancels that arrived before their request (another consumer thread): id -> when, bounded."""
@@ -193,6 +198,10 @@ class WorkerService:
         """Bumped on every revocation (consumer thread, under the offsets lock); records carry it."""
         self._revoked_at: dict[TP, int] = {}
         """Per partition, the generation it was last revoked at."""
+        self._releases: queue.SimpleQueue[frozenset[TP]] = queue.SimpleQueue()
+        """Partitions being revoked, for the model thread to give back their requests not yet started."""
+        self._running: Counter[TP] = Counter()
+        """Per partition, requests handed to the runner whose terminal event is not settled (offsets lock)."""
         self._pending_writes: dict[str, int] = {}
         self._producer = EventProducer(bootstrap, self.source)
         self._observer = WorkerObserver(model_id, worker_id)
@@ -350,15 +359,34 @@ class WorkerService:
             if isinstance(event, DeploymentChanged) and event.model == self.model_id:
                 self._put(_Deploy(Deployment.of(event)))
 
-    def _on_revoke(self, tps: list[TP]) -> None:
-        """Partitions taken away in a rebalance: forget their offsets, and mark every record of theirs
-        still in the inbox stale (their next owner runs them; this worker must neither run them nor
-        track, let alone commit, offsets it no longer owns)."""
+    REVOKE_DRAIN_S = 30.0
+
+    def _on_revoke(self, tps: list[TP], lost: bool) -> dict[TP, int] | None:
+        """Partitions taken away in a rebalance (consumer thread). Every record of theirs still in the inbox
+        is stale at once (their next owner runs them). The requests of theirs already running here are
+        finished first (up to ``REVOKE_DRAIN_S``) and the offsets they reach are returned, to be committed
+        before the partitions move: otherwise the next owner, reading from the last commit, would run them
+        a second time. Lost partitions (already someone else's) are dropped without waiting."""
         with self._offsets_lock:
             self._generation += 1
             for tp in tps:
                 self._revoked_at[tp] = self._generation
-            self._offsets.revoke(tps)
+        self._releases.put(frozenset(tps))  # the model thread gives back what has not started
+        deadline = time.monotonic() + self.REVOKE_DRAIN_S
+        while True:
+            with self._offsets_lock:
+                busy = sum(self._running[tp] for tp in tps)
+                quit_waiting = lost or self._stop.is_set() or self.failure is not None
+                if busy == 0 or quit_waiting or time.monotonic() > deadline:
+                    final = {tp: offset for tp, offset in self._offsets.committable().items() if tp in tps}
+                    self._offsets.revoke(tps)
+                    for tp in tps:
+                        self._running.pop(tp, None)
+                    break
+            time.sleep(0.01)
+        if busy:
+            log.warning("%d requests of revoked partitions %s still running: they may run twice", busy, tps)
+        return None if lost else final
 
     def _stale(self, tp: TP, generation: int) -> bool:
         """Consumed before ``tp`` was last revoked (call with the offsets lock held)."""
@@ -428,6 +456,7 @@ class WorkerService:
 
     def _drain(self, runner: Runner, emit: Emitter, block: float | None) -> None:
         self._learn_from_tail()
+        self._release_revoked(runner)
         timeout = 0.1 if block is None else block
         first = True
         while True:
@@ -473,7 +502,9 @@ class WorkerService:
 
     def _run(self, runner: Runner, item: Arrival, emit: Emitter) -> None:
         request_id = item.event.request_id
-        self._live.add(request_id)
+        self._live[request_id] = item
+        with self._offsets_lock:
+            self._running[item.tp] += 1
         runner.accept(item, emit)
         if self._early_cancels.pop(request_id, None) is not None:
             runner.cancel(request_id, emit)  # cancelled before it arrived: never runs
@@ -550,6 +581,27 @@ class WorkerService:
         """Records held for another version (for tests and debugging)."""
         return len(self._held)
 
+    def _release_revoked(self, runner: Runner) -> None:
+        """Give back the not yet started requests of partitions being revoked (``_on_revoke`` waits)."""
+        while True:
+            try:
+                tps = self._releases.get_nowait()
+            except queue.Empty:
+                return
+            mine = [request_id for request_id, arrival in self._live.items() if arrival.tp in tps]
+            for request_id in runner.release(mine):
+                arrival = self._live.pop(request_id)
+                if arrival.trace is not None:
+                    arrival.trace.span.set_attribute(tracing.STATUS, "released")
+                    arrival.trace.span.end()
+                with self._offsets_lock:
+                    self._settled(arrival.tp)
+
+    def _settled(self, tp: TP) -> None:
+        """A running request's terminal event was delivered or refused (offsets lock held)."""
+        if self._running.get(tp, 0) > 0:
+            self._running[tp] -= 1
+
     def _learn_from_tail(self) -> None:
         while True:
             try:
@@ -588,11 +640,13 @@ class WorkerService:
                     break
                 if isinstance(durable, _Undelivered):
                     self._finished.pop(durable.request_id, None)  # a redelivery must run it again
+                    self._settled(durable.tp)
                     continue
                 if isinstance(durable, _Uncommitted):
                     self._offsets.uncommit(durable.offsets)
                     continue
                 self._offsets.done(durable.tp, durable.offset)
+                self._settled(durable.tp)
             offsets = self._offsets.committable()
             self._offsets.mark_committed(offsets)
         if offsets:
@@ -613,7 +667,7 @@ class WorkerService:
         if request_id in self._finished:
             return  # exactly one terminal event per request
         self._remember_finished(request_id)
-        self._live.discard(request_id)
+        self._live.pop(request_id, None)
         reply = arrival.event.reply
         span, context = self._observer.finishing(
             arrival.event,
@@ -640,7 +694,7 @@ class WorkerService:
                 with lock:
                     first_failure, failed[0] = not failed[0], True
                 if first_failure:
-                    self._durable.put(_Undelivered(request_id))
+                    self._durable.put(_Undelivered(request_id, arrival.tp))
                     if span is not None:
                         span.set_status(Status(StatusCode.ERROR, str(err)))
                         span.end()

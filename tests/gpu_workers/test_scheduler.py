@@ -127,6 +127,20 @@ def test_cancel_from_waiting_running_or_unknown() -> None:
     assert decision.admit == decision.expire == []  # a cancelled item is neither admitted nor expired
 
 
+def test_withdraw_takes_only_what_waits() -> None:
+    """A rebalance gives back requests that have not started; a running one stays and finishes."""
+    s = sched(max_running=1)
+    s.submit(req("run"))
+    s.schedule(0.0)
+    s.submit(req("wait", deadline=5.0))
+    assert s.withdraw("run") is False
+    assert s.withdraw("wait") is True
+    assert s.withdraw("wait") is False
+    assert s.withdraw("unknown") is False
+    assert (s.running, s.waiting) == (1, 0)
+    assert s.schedule(10.0).expire == []  # a withdrawn item does not expire later either
+
+
 def test_expired_waiting_items_are_returned_and_never_admitted() -> None:
     s = sched()
     s.submit(req("late", deadline=1.0))

@@ -448,7 +448,7 @@ async def test_records_of_a_revoked_partition_still_in_the_inbox_are_dropped_not
     gone = (topic, 99)  # a partition this test pretends the worker owned (the real ones keep working)
     stale = _generation(names, PROMPT)
     consumed_at = gpt_worker._generation
-    gpt_worker._on_revoke([gone])  # the rebalance happens after the record was consumed...
+    gpt_worker._on_revoke([gone], False)  # the rebalance happens after the record was consumed...
     gpt_worker._put(Arrival(stale, gone, 7, generation=consumed_at))  # ...and before the model thread took it
     after = _generation(names, PROMPT)
     await producer.publish(topic, after)
@@ -579,3 +579,37 @@ async def test_fault_injection_fails_the_chosen_share_of_requests_with_a_termina
                 assert finished.status == "completed"
         assert any(fails(r.request_id, 0.5) for r in requests)
         assert not all(fails(r.request_id, 0.5) for r in requests)
+
+
+async def test_a_worker_joining_mid_load_takes_partitions_and_every_request_ends_once(
+    names: TopicNames, platform: PlatformSettings, demo_gpt_dir: Path, producer: EventProducer, results: Log
+) -> None:
+    """Two workers of one version, the second joining while the first is busy: the group rebalances (a
+    partition and its in-flight records move), and each request still ends exactly once."""
+    # two sequences at a time, so the first worker is still busy when the second has loaded its model
+    settings = {"worker_flush_tokens": 8, "drift_sample": 0, "worker_max_running": 2}
+    requests = [
+        msgspec.structs.replace(
+            _generation(names, PROMPT, sampling=SamplingParams(max_tokens=120, ignore_eos=True)),
+            tenant=f"tenant-{i % 8}",  # spread over both partitions
+        )
+        for i in range(64)
+    ]
+    first = make_worker(platform, WorkerSettings(worker_id="r1", **settings), "demo-gpt")  # type: ignore[arg-type]
+    with first:
+        assert first.wait_assigned(30)
+        for request in requests:
+            await producer.publish(names.requests("demo-gpt"), request)
+        results.wait(lambda: sum(bool(results.of(r.request_id)) for r in requests) >= 6)
+        second = make_worker(platform, WorkerSettings(worker_id="r2", **settings), "demo-gpt")  # type: ignore[arg-type]
+        with second:
+            assert second.group == first.group
+            for request in requests:
+                results.finished(request.request_id, timeout=120)
+            await asyncio.sleep(2.0)  # a second terminal event, if any, would be in by now
+            ran = {e.worker_id for e in results.events if isinstance(e, RequestFinished)}
+    for request in requests:
+        finals = [e for e in results.of(request.request_id) if isinstance(e, RequestFinished)]
+        assert len(finals) == 1, f"{request.request_id} ended {len(finals)} times"
+        assert finals[0].status == "completed"
+    assert ran == {"r1", "r2"}, "the joining worker took no partition: the test proved nothing"
