@@ -1,0 +1,300 @@
+"""The worker's exactly-once bookkeeping under random interleavings, against a reference model.
+
+The real ``WorkerService`` model-thread code runs here (inbox, offsets, generations, delivery reports,
+commits, revocations with their drain), with Kafka replaced at its edges: records are put into the inbox as
+the consumer thread would, terminal events go to a fake producer whose deliveries the test acknowledges or
+fails when it likes, commits go to a fake that the broker may refuse, and a partition that is revoked and
+assigned again is redelivered from its last committed offset, as Kafka does. A revocation runs
+``_on_revoke`` on its own thread, as the consumer's callback does, while the test plays the model thread.
+
+After every step: no committed offset passes a record whose request has not ended durably, no request
+ends durably twice, no record consumed before its partition's revocation is run after it. At the end, with
+everything delivered, every record ever consumed has ended exactly once and every partition is committed
+to its end.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections import Counter
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from bus.errors import BusError
+from gpu_workers.observe import RunnerLoad
+from gpu_workers.service import Arrival, Emitter, WorkerService, _Cancel
+from schemas.codec import decode
+from schemas.events import GenerationRequested, RequestFinished, TokenChunk, Usage
+from schemas.ids import uuid7
+from schemas.topics import TopicNames
+
+TOPIC = "p.requests.m"
+PARTITIONS = (0, 1, 2)
+
+
+class FakeRunner:
+    """Requests wait until the test starts them, run until it finishes them."""
+
+    def __init__(self) -> None:
+        self.waiting: dict[str, Arrival] = {}
+        self.running: dict[str, Arrival] = {}
+        self.accepted: list[Arrival] = []
+
+    def accept(self, arrival: Arrival, emit: Emitter) -> None:
+        self.accepted.append(arrival)
+        self.waiting[arrival.event.request_id] = arrival
+
+    def start(self, request_id: str) -> None:
+        self.running[request_id] = self.waiting.pop(request_id)
+
+    def finish(self, request_id: str, emit: Emitter, status: str = "completed") -> None:
+        arrival = self.running.pop(request_id, None) or self.waiting.pop(request_id)
+        emit.finish(
+            arrival,
+            RequestFinished(
+                tenant=arrival.event.tenant,
+                model=arrival.event.model,
+                request_id=request_id,
+                source="fake",
+                status=status,  # type: ignore[arg-type]
+                finish_reason="stop" if status == "completed" else "cancelled",
+                usage=Usage(prompt_tokens=1, completion_tokens=1, total_tokens=2),
+            ),
+        )
+
+    def cancel(self, request_id: str, emit: Emitter) -> None:
+        if request_id in self.running or request_id in self.waiting:
+            self.finish(request_id, emit, "cancelled")
+
+    def release(self, request_ids: Collection[str]) -> set[str]:
+        released = {r for r in request_ids if r in self.waiting}
+        for request_id in released:
+            del self.waiting[request_id]
+        return released
+
+    def tick(self, emit: Emitter) -> None:
+        pass
+
+    def wait_hint(self) -> float | None:
+        return 0.0
+
+    def load(self) -> RunnerLoad:
+        return RunnerLoad(running=len(self.running), waiting=len(self.waiting), budget_ratio=0.0, batch=0)
+
+
+@dataclass
+class FakeProducer:
+    """Holds every produce until the test delivers (or fails) it."""
+
+    pending: list[tuple[str, bytes, Callable[..., None] | None]] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def produce_raw(self, topic: str, value: bytes, *, on_delivery: Any = None, **_: Any) -> None:
+        with self.lock:
+            self.pending.append((topic, value, on_delivery))
+
+    def produce(self, topic: str, event: Any, **_: Any) -> None:
+        pass  # token chunks: not part of the bookkeeping
+
+    def settle(self, index: int, ok: bool) -> tuple[str, bytes, bool]:
+        with self.lock:
+            topic, value, callback = self.pending.pop(index)
+        if callback is not None:
+            callback(None if ok else BusError("broker down"), (0, 0) if ok else None)
+        return topic, value, ok
+
+
+@dataclass
+class Model:
+    """What Kafka and the clients would see."""
+
+    next_offset: dict[int, int] = field(default_factory=lambda: dict.fromkeys(PARTITIONS, 0))
+    committed: dict[int, int] = field(default_factory=lambda: dict.fromkeys(PARTITIONS, 0))
+    records: dict[tuple[int, int], str] = field(default_factory=dict)
+    """(partition, offset) -> request id: the log."""
+    assigned: set[int] = field(default_factory=lambda: set(PARTITIONS))
+    durable: Counter[str] = field(default_factory=Counter)
+    """Request id -> terminal events durable on the results topic."""
+    revoked_at: dict[int, int] = field(default_factory=dict)
+    """Partition -> how many arrivals the runner had accepted when it was last revoked."""
+
+
+class Harness:
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+        self.runner = FakeRunner()
+        self.service = WorkerService(
+            model_id="m",
+            worker_id="w",
+            bootstrap="127.0.0.1:9",
+            names=TopicNames("p"),
+            runner_factory=lambda: self.runner,
+        )
+        self.producer = FakeProducer()
+        self.service._producer = self.producer  # type: ignore[assignment]
+        self.commits: list[dict[tuple[str, int], int]] = []
+        self.service._requests.commit = self._commit  # type: ignore[method-assign]
+        self.emit = _Emit(self.service)
+        self.model = Model()
+        self.refuse_commits = False
+
+    # --- Kafka's side --------------------------------------------------------------------------------
+
+    def _commit(self, offsets: dict[tuple[str, int], int], on_failure: Any = None) -> None:
+        if self.refuse_commits and on_failure is not None:
+            on_failure(offsets)
+            return
+        self.commits.append(offsets)
+        for (_, part), offset in offsets.items():
+            self.check_commit(part, offset)
+            self.model.committed[part] = max(self.model.committed[part], offset)
+
+    def consume(self, part: int, fresh: bool) -> None:
+        offset = self.model.next_offset[part]
+        if (part, offset) not in self.model.records:
+            if not fresh:
+                return
+            self.model.records[(part, offset)] = uuid7()
+        request_id = self.model.records[(part, offset)]
+        event = GenerationRequested(
+            tenant="t", model="m", request_id=request_id, source="edge", model_version="v", input_ids=[1]
+        )
+        self.service._inbox.put_nowait(
+            Arrival(event, (TOPIC, part), offset, generation=self.service._generation)
+        )
+        self.model.next_offset[part] = offset + 1
+
+    def revoke(self, part: int) -> None:
+        """The consumer thread's revoke callback, with this thread playing the model thread meanwhile."""
+        result: dict[str, Any] = {}
+        thread = threading.Thread(
+            target=lambda: result.update(final=self.service._on_revoke([(TOPIC, part)], False))
+        )
+        self.model.assigned.discard(part)
+        self.model.revoked_at[part] = len(self.runner.accepted)
+        thread.start()
+        while thread.is_alive():
+            self.model_thread_step()
+            for request_id in [r for r, a in self.runner.running.items() if a.tp == (TOPIC, part)]:
+                self.runner.finish(request_id, self.emit)
+            while self.producer.pending:
+                self.deliver(0, ok=True)
+            self.service._commit()
+            thread.join(0.01)
+        final = result["final"] or {}
+        for (_, p), offset in final.items():
+            self.check_commit(p, offset)
+            self.model.committed[p] = max(self.model.committed[p], offset)
+
+    def assign(self, part: int) -> None:
+        self.model.assigned.add(part)
+        self.model.next_offset[part] = self.model.committed[part]  # redelivered from the last commit
+
+    def deliver(self, index: int, ok: bool) -> None:
+        topic, value, delivered = self.producer.settle(index, ok)
+        if delivered and topic == self.service._names.results:
+            event = decode(value)
+            assert isinstance(event, RequestFinished)
+            self.model.durable[event.request_id] += 1
+            assert self.model.durable[event.request_id] == 1, f"{event.request_id} ended twice"
+
+    # --- the model thread ----------------------------------------------------------------------------
+
+    def model_thread_step(self) -> None:
+        self.service._drain(self.runner, self.emit, block=0)
+        self.check_no_stale_run()
+
+    # --- invariants ----------------------------------------------------------------------------------
+
+    def check_commit(self, part: int, offset: int) -> None:
+        """Never past a record whose request has not ended durably."""
+        for o in range(offset):
+            request_id = self.model.records.get((part, o))
+            if request_id is not None:
+                assert self.model.durable[request_id] >= 1, f"committed {part}@{offset} past unfinished {o}"
+
+    def check_no_stale_run(self) -> None:
+        """A record consumed before its partition was revoked is never handed to the runner after."""
+        for part, accepted_before in self.model.revoked_at.items():
+            for arrival in self.runner.accepted[accepted_before:]:
+                if arrival.tp == (TOPIC, part):
+                    revoked_gen = self.service._revoked_at.get((TOPIC, part), -1)
+                    assert arrival.generation >= revoked_gen, f"a revoked record of {part} ran"
+
+
+class _Emit:
+    def __init__(self, service: WorkerService) -> None:
+        self._service = service
+
+    def chunk(self, arrival: Arrival, chunk: TokenChunk) -> None:
+        pass
+
+    def finish(self, arrival: Arrival, result: RequestFinished) -> None:
+        self._service._publish_finish(arrival, result)
+
+    def joined(self, arrival: Arrival, batch: int, budget_ratio: float) -> None:
+        pass
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_interleavings_end_every_request_exactly_once(seed: int) -> None:
+    h = Harness(seed)
+    rng = h.rng
+    for _ in range(400):
+        action = rng.choices(
+            ["consume", "drain", "start", "finish", "deliver", "fail", "commit", "revoke", "assign", "cancel",
+             "refuse"],
+            weights=[20, 15, 10, 10, 15, 2, 8, 2, 3, 2, 1],
+        )[0]  # fmt: skip
+        if action == "consume" and h.model.assigned:
+            h.consume(rng.choice(sorted(h.model.assigned)), fresh=True)
+        elif action == "drain":
+            h.model_thread_step()
+        elif action == "start" and h.runner.waiting:
+            h.runner.start(rng.choice(sorted(h.runner.waiting)))
+        elif action == "finish" and h.runner.running:
+            h.runner.finish(rng.choice(sorted(h.runner.running)), h.emit)
+        elif action in ("deliver", "fail") and h.producer.pending:
+            h.deliver(rng.randrange(len(h.producer.pending)), ok=action == "deliver")
+        elif action == "commit":
+            h.service._commit()
+        elif action == "revoke" and h.model.assigned:
+            h.revoke(rng.choice(sorted(h.model.assigned)))
+        elif action == "assign":
+            for part in sorted(set(PARTITIONS) - h.model.assigned):
+                h.assign(part)
+        elif action == "cancel" and h.model.records:
+            request_id = rng.choice(sorted(h.model.records.values()))
+            h.service._inbox.put_nowait(_Cancel(request_id))
+        elif action == "refuse":
+            h.refuse_commits = not h.refuse_commits
+
+    # Quiesce: every partition back, every record consumed, everything run, delivered and committed.
+    h.refuse_commits = False
+    for part in sorted(set(PARTITIONS) - h.model.assigned):
+        h.assign(part)
+    for round_ in range(50):
+        if round_ % 10 == 9:  # a terminal event that was never delivered waits for a redelivery
+            for part in PARTITIONS:
+                h.revoke(part)
+                h.assign(part)
+        for part in PARTITIONS:
+            while (part, h.model.next_offset[part]) in h.model.records:
+                h.consume(part, fresh=False)
+        h.model_thread_step()
+        for request_id in sorted(h.runner.waiting):
+            h.runner.start(request_id)
+        for request_id in sorted(h.runner.running):
+            h.runner.finish(request_id, h.emit)
+        while h.producer.pending:
+            h.deliver(0, ok=True)
+        h.service._commit()
+    ended = {request_id for request_id, n in h.model.durable.items() if n}
+    assert set(h.model.records.values()) <= ended, "a request never ended"
+    assert all(n == 1 for n in h.model.durable.values())
+    ends = {part: max((o for p, o in h.model.records if p == part), default=-1) + 1 for part in PARTITIONS}
+    assert h.model.committed == ends
