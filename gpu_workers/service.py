@@ -32,6 +32,7 @@ from bus.consumer import TP, ConsumerThread, consumer_config, decode_or_dead_let
 from bus.control import control_start, latest_deployments
 from bus.errors import BusError
 from bus.producer import EventProducer
+from gpu_workers import GpuWorkerError
 from gpu_workers.features import FeatureProbe
 from gpu_workers.observe import RequestTrace, RunnerLoad, WorkerObserver, open_trace
 from gpu_workers.offsets import OffsetTracker
@@ -49,6 +50,7 @@ from schemas.events import (
     TokenChunk,
     Usage,
 )
+from schemas.manifest import ManifestError
 from schemas.topics import TopicNames
 
 log = logging.getLogger(__name__)
@@ -260,6 +262,8 @@ class WorkerService:
         self._thread.start()
         if not self._ready.wait(timeout):
             raise BusError(f"worker for {self.model_id} did not load within {timeout:.0f}s")
+        if isinstance(self.failure, GpuWorkerError | ManifestError):
+            raise self.failure  # the model cannot load: the caller says how to fix it, not a traceback
         if self.failure is not None:
             raise BusError(f"worker for {self.model_id} failed to start: {self.failure}") from self.failure
         self._requests.start()

@@ -182,3 +182,36 @@ def test_models_add_registers_a_version_and_list_shows_it_without_a_broker(tmp_p
     bad = sluice("models", "add", "all-minilm-l6-v2", "--path", str(copy), "--task", "chat", env=env)
     assert bad.returncode == 2
     assert "expected generation or embedding" in bad.stderr
+
+
+@pytest.mark.integration
+def test_a_worker_whose_model_cannot_load_says_what_to_do(cli_env: dict[str, str], tmp_path: Path) -> None:
+    """A version whose weights changed on disk: one red line naming the file and `sluice models prepare`,
+    exit 1, no traceback."""
+    from gpu_workers.models import build_demo_gpt
+    from infra.topics import TopicSizing, apply_topics, platform_topics
+    from schemas.manifest import models_root
+    from schemas.settings import PlatformSettings
+    from schemas.topics import TopicNames
+    from tests.conftest import versioned_cache
+
+    stable_dir = build_demo_gpt(models_root(PlatformSettings().cache_dir))
+    cache = tmp_path / "cache"
+    versioned_cache(cache, "demo-gpt", stable_dir, "broken000001")
+    weights = next((models_root(cache) / "demo-gpt" / "broken000001").glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:-16])
+    env = {
+        **cli_env,
+        "SLUICE_CACHE_DIR": str(cache),
+        "SLUICE_MODELS": "demo-gpt",
+        "SLUICE_WORKER_OPS_PORT": "0",
+    }
+    apply_topics(
+        make_admin(env["SLUICE_KAFKA_BOOTSTRAP"]),
+        platform_topics(TopicNames(env["SLUICE_TOPIC_PREFIX"]), ["demo-gpt"], TopicSizing(requests=1)),
+    )
+    result = sluice("worker", "--model", "demo-gpt", "--version", "broken000001", env=env, timeout=120)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    assert "sha256" in result.stderr
+    assert "run `sluice models prepare`" in result.stderr
