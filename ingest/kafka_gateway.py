@@ -23,7 +23,7 @@ import msgspec
 from confluent_kafka import Consumer, Message, TopicPartition
 from opentelemetry.trace import SpanKind
 
-from bus.consumer import ConsumerThread, consumer_config, watermarks
+from bus.consumer import ConsumerThread, consumer_config, read_to_end, watermarks
 from bus.control import control_start
 from bus.errors import BusError
 from bus.producer import EventProducer
@@ -189,6 +189,8 @@ class KafkaGateway:
         stream_buffer: int = 1024,
         idempotency_ttl_s: float = 24 * 3600,
         idempotency_max: int = 100_000,
+        resume_window_s: float = 3600.0,
+        resume_index: int = 100_000,
     ) -> None:
         self._bootstrap = bootstrap
         self._names = names
@@ -197,6 +199,13 @@ class KafkaGateway:
         self._salts = dict(salts or {})
         self._detokenize = detokenize
         self._stream_buffer = stream_buffer
+        self._owners: collections.OrderedDict[str, tuple[str, int | None]] = collections.OrderedDict()
+        """Request id -> (tenant, offset of its first reply on this edge's partition, when seen): which
+        streams may be resumed here, by whom, from where. Filled by submits and the reply listener, and
+        at start from the last ``resume_window_s`` of the partition (record headers only)."""
+        self._owners_lock = threading.Lock()  # the reply listener writes, the event loop reads
+        self._resume_window_s = resume_window_s
+        self._resume_index = resume_index
         self._producer = EventProducer(bootstrap, f"ingest/{edge_id}")
         self._streams: dict[str, ReplyStream] = {}
         self._listener: ConsumerThread | None = None
@@ -230,6 +239,7 @@ class KafkaGateway:
         self._loop = asyncio.get_running_loop()
         self._producer.start()
         start = await asyncio.to_thread(self._partition_end)
+        await asyncio.to_thread(self._index_recent, start)
         self._listener = ConsumerThread(
             consumer_config(self._bootstrap, None, f"ingest-{self.edge_id}-replies"),
             self._on_replies,
@@ -324,6 +334,36 @@ class KafkaGateway:
                 else:
                     self._exhausted.discard(event.tenant)
 
+    def _own(self, request_id: str, tenant: str, offset: int | None = None) -> None:
+        with self._owners_lock:
+            known = self._owners.get(request_id)
+            if known is None:
+                self._owners[request_id] = (tenant, offset)
+                while len(self._owners) > self._resume_index:
+                    self._owners.popitem(last=False)
+            elif known[1] is None and offset is not None:
+                self._owners[request_id] = (known[0], offset)
+
+    def owner(self, request_id: str) -> tuple[str, int | None] | None:
+        """(tenant, first reply offset) of a request this edge may resume, else None."""
+        with self._owners_lock:
+            return self._owners.get(request_id)
+
+    def _index_recent(self, end: int) -> None:
+        """Index the requests answered on this edge's partition in the last ``resume_window_s``, from the
+        records' CloudEvents headers (no body is decoded), so streams survive an edge restart."""
+        begin = self._offset_at(int((time.time() - self._resume_window_s) * 1000))
+        consumer = Consumer(consumer_config(self._bootstrap, None, f"ingest-{self.edge_id}-index"))
+        tp = TopicPartition(self._names.replies, self.reply_to.partition, begin)
+        try:
+            for message in read_to_end(consumer, [tp], {tp.partition: end}):
+                head = dict(message.headers() or [])
+                subject, tenant = head.get("ce_subject"), head.get("ce_tenant")
+                if isinstance(subject, bytes) and isinstance(tenant, bytes):
+                    self._own(subject.decode(), tenant.decode(), message.offset())
+        finally:
+            consumer.close()
+
     def _partition_end(self) -> int:
         consumer = Consumer(consumer_config(self._bootstrap, None, f"ingest-{self.edge_id}-probe"))
         try:
@@ -348,6 +388,7 @@ class KafkaGateway:
         if self._listener is None or self._listener.failure is not None:
             raise GatewayUnavailable("this edge is not receiving replies; retry on another edge")
         stream = ReplyStream(self, event.request_id, event.model, resume_after_seq, self._stream_buffer)
+        self._own(event.request_id, event.tenant)
         self._streams[event.request_id] = stream  # registered first: no reply can be missed
         topic = self._names.requests(event.model)
         with tracing.tracer().start_as_current_span(
@@ -381,19 +422,17 @@ class KafkaGateway:
             raise GatewayUnavailable(f"the cancel could not be sent: {exc}") from exc
 
     async def resume(self, tenant: str, request_id: str, after_seq: int) -> ReplyStream | None:
-        """The request's replies after ``after_seq``, read from the log (None if it is not this tenant's
-        or not known on this edge's partition)."""
-        try:
-            accepted_ms = uuid7_unix_ms(request_id)
-        except ValueError:
-            return None
-        start = await asyncio.to_thread(self._offset_at, accepted_ms - 5_000)
-        first = await asyncio.to_thread(self._first_reply, request_id, start)
-        if first is not None and first[1].tenant != tenant:
-            return None  # never another tenant's stream
-        model = first[1].model if first is not None else ""
+        """The request's replies after ``after_seq``, read from the log; None (404) unless the index says
+        this edge holds the request for this tenant: an unknown or foreign id costs a lookup, never a
+        scan of the log."""
+        owner = self.owner(request_id)
+        if owner is None or owner[0] != tenant:
+            return None  # never another tenant's stream, nor a made-up one
+        start = owner[1]
+        if start is None:  # submitted here, no reply yet: from a moment before it was accepted
+            start = await asyncio.to_thread(self._offset_at, uuid7_unix_ms(request_id) - 5_000)
         return ReplyStream(
-            self, request_id, model, after_seq, self._stream_buffer, tenant=tenant, from_log=start
+            self, request_id, "", after_seq, self._stream_buffer, tenant=tenant, from_log=start
         )
 
     def forget(self, request_id: str, stream: ReplyStream) -> None:
@@ -437,6 +476,7 @@ class KafkaGateway:
                 continue
             if isinstance(event, TokenChunk | RequestFinished):
                 decoded.append((message.offset() or 0, event))
+                self._own(event.request_id, event.tenant, message.offset())
         if decoded and self._loop is not None:
             self._loop.call_soon_threadsafe(self._dispatch, decoded)
 
@@ -458,9 +498,6 @@ class KafkaGateway:
             return int(found.offset)
         finally:
             consumer.close()
-
-    def _first_reply(self, request_id: str, start: int) -> tuple[int, Reply] | None:
-        return _first_in_log(self._bootstrap, self._names.replies, self.reply_to.partition, start, request_id)
 
     async def read_log(self, request_id: str, start: int) -> AsyncIterator[tuple[int, Reply]]:
         """This request's replies from ``start`` on, until its terminal event (waits for live ones)."""
@@ -489,28 +526,3 @@ def _reply_of(message: Message, request_id: str) -> Reply | None:
     if isinstance(event, TokenChunk | RequestFinished) and event.request_id == request_id:
         return event
     return None
-
-
-def _first_in_log(
-    bootstrap: str, topic: str, partition: int, start: int, request_id: str
-) -> tuple[int, Reply] | None:
-    """The first reply of ``request_id`` already in the partition from ``start`` up to its current end."""
-    consumer = Consumer(consumer_config(bootstrap, None, "ingest-scan"))
-    try:
-        end = watermarks(consumer, topic, partition)[1]
-        if start >= end:
-            return None
-        consumer.assign([TopicPartition(topic, partition, start)])
-        position = start
-        deadline = time.monotonic() + 30
-        while position < end and time.monotonic() < deadline:
-            for message in consumer.consume(500, timeout=0.5):
-                if message.error() is not None:
-                    continue
-                position = (message.offset() or 0) + 1
-                reply = _reply_of(message, request_id)
-                if reply is not None:
-                    return position - 1, reply
-        return None
-    finally:
-        consumer.close()

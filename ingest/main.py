@@ -37,6 +37,7 @@ def build_edge(
         reply_partition=reply_partition(settings.edge_id, reply_partitions),
         salts=settings.salts(),
         detokenize=detokenize,
+        resume_window_s=settings.edge_resume_window_s,
     )
     gateway.on_deploy = lambda model, deployment: catalogue.preload(model, deployment.serving)
     return Edge(settings, gateway, catalogue), gateway

@@ -40,6 +40,9 @@ class EdgeSettings(msgspec.Struct, frozen=True, kw_only=True):
     edge_hot_tenants: tuple[str, ...] = ()
     """``tenant=N`` entries: that tenant's requests are keyed over N salts, so they spread over N request
     partitions (and so over up to N workers) instead of one."""
+    edge_resume_window_s: Annotated[float, msgspec.Meta(ge=0.0)] = 3600.0
+    """Streams answered on this edge this recently can be resumed after the edge restarts (its reply
+    partition is indexed at start, from the record headers); older ones are 404."""
     edge_disconnect_grace_s: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
     """Wait this long after a client disconnects before cancelling its request, so that a reconnect with
     ``Last-Event-ID`` to this edge keeps the generation. 0: cancel at once."""

@@ -1,0 +1,105 @@
+"""One contract for every Gateway: the fake the HTTP tests use and the Kafka gateway on the real broker
+answer resumes the same way. A stream can be resumed only by the tenant that owns it; a made-up id or
+another tenant's id is None (404) at once, never a scan of the log or a hanging stream; an edge that
+restarts still knows the streams answered on its partition."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+
+import pytest
+
+from bus.producer import EventProducer
+from infra.topics import TopicSizing, apply_topics, make_admin, platform_topics
+from ingest.gateway import Gateway
+from ingest.kafka_gateway import KafkaGateway
+from schemas.events import GenerationRequested, TokenChunk
+from schemas.ids import uuid7
+from schemas.topics import TopicNames
+from tests.ingest.fake_gateway import FakeGateway
+
+Opened = Callable[[], AbstractAsyncContextManager[Gateway]]
+
+
+def _request(gateway: Gateway, tenant: str = "acme") -> GenerationRequested:
+    return GenerationRequested(
+        tenant=tenant,
+        model="demo-gpt",
+        request_id=uuid7(),
+        source="test",
+        model_version="v1",
+        input_ids=[1, 2, 3],
+        reply=gateway.reply_to,
+    )
+
+
+@pytest.fixture(params=["fake", pytest.param("kafka", marks=pytest.mark.integration)])
+def opened(request: pytest.FixtureRequest) -> Opened:
+    if request.param == "fake":
+
+        @asynccontextmanager
+        async def fake() -> AsyncIterator[Gateway]:
+            yield FakeGateway()
+
+        return fake
+    bootstrap: str = request.getfixturevalue("kafka_bootstrap")
+    names = TopicNames(request.getfixturevalue("topic_prefix"))
+    apply_topics(make_admin(bootstrap), platform_topics(names, ["demo-gpt"], TopicSizing(replies=1)))
+
+    @asynccontextmanager
+    async def kafka() -> AsyncIterator[Gateway]:
+        async with KafkaGateway(
+            bootstrap=bootstrap, names=names, edge_id="edge-c", reply_partition=0
+        ) as gateway:
+            yield gateway
+
+    return kafka
+
+
+class TestResume:
+    async def test_a_made_up_id_is_none_at_once(self, opened: Opened) -> None:
+        async with opened() as gateway:
+            began = time.monotonic()
+            assert await gateway.resume("acme", uuid7(), -1) is None
+            assert await gateway.resume("acme", "not-a-uuid", -1) is None
+            assert time.monotonic() - began < 1.0  # a lookup, not a scan of the log
+
+    async def test_only_the_owning_tenant_resumes(self, opened: Opened) -> None:
+        async with opened() as gateway:
+            request = _request(gateway)
+            stream = await gateway.submit(request)
+            try:
+                assert await gateway.resume("intruder", request.request_id, -1) is None
+                resumed = await gateway.resume("acme", request.request_id, -1)
+                assert resumed is not None
+                await resumed.aclose()
+            finally:
+                await stream.aclose()
+
+
+@pytest.mark.integration
+async def test_a_restarted_kafka_edge_still_resumes_the_streams_it_answered(
+    kafka_bootstrap: str, topic_prefix: str
+) -> None:
+    names = TopicNames(topic_prefix)
+    apply_topics(make_admin(kafka_bootstrap), platform_topics(names, ["demo-gpt"], TopicSizing(replies=1)))
+    request_id = uuid7()
+    chunk = TokenChunk(
+        tenant="acme", model="demo-gpt", request_id=request_id, source="worker", seq=0, offset=0,
+        token_ids=[7], text="x",
+    )  # fmt: skip
+    with EventProducer(kafka_bootstrap, "worker") as producer:  # answered before this edge (re)started
+        await producer.publish(names.replies, chunk, partition=0)
+    async with KafkaGateway(
+        bootstrap=kafka_bootstrap, names=names, edge_id="edge-r", reply_partition=0
+    ) as gateway:
+        assert gateway.owner(request_id) == ("acme", 0)
+        assert await gateway.resume("intruder", request_id, -1) is None
+        stream = await gateway.resume("acme", request_id, -1)
+        assert stream is not None
+        first = await asyncio.wait_for(anext(aiter(stream)), 10)
+        assert first.request_id == request_id
+        await stream.aclose()
