@@ -858,6 +858,17 @@ rollout_app = typer.Typer(
 app.add_typer(rollout_app, name="rollout")
 
 
+# The gates' limits, shared by `rollout start` (live traffic) and `rollout evaluate` (logged requests).
+MaxErrorDelta = Annotated[
+    float, typer.Option("--max-error-delta", min=0, max=1, help="allowed error-ratio excess over stable")
+]
+MaxTtftRatio = Annotated[float, typer.Option("--max-ttft-ratio", min=1, help="TTFT p99 limit, x stable's")]
+MaxItlRatio = Annotated[float, typer.Option("--max-itl-ratio", min=1, help="ITL p99 limit, x stable's")]
+MaxCostRatio = Annotated[
+    float, typer.Option("--max-cost-ratio", min=1, help="cost per 1k tokens limit, x stable's")
+]
+
+
 def _rollout_call(action: Callable[[], DeploymentChanged]) -> None:
     """Plan a decision, publish it, say what changed; operator errors are one red line."""
     from bus.errors import BusError
@@ -898,16 +909,10 @@ def rollout_start(
     min_requests: Annotated[
         int, typer.Option("--min-requests", min=1, help="requests per version per step before gates decide")
     ] = 50,
-    max_error_delta: Annotated[
-        float, typer.Option("--max-error-delta", min=0, max=1, help="allowed error-ratio excess over stable")
-    ] = 0.05,
-    max_ttft_ratio: Annotated[
-        float, typer.Option("--max-ttft-ratio", min=1, help="TTFT p99 vs stable")
-    ] = 1.5,
-    max_itl_ratio: Annotated[float, typer.Option("--max-itl-ratio", min=1, help="ITL p99 vs stable")] = 1.5,
-    max_cost_ratio: Annotated[
-        float, typer.Option("--max-cost-ratio", min=1, help="cost per 1k tokens vs stable")
-    ] = 1.25,
+    max_error_delta: MaxErrorDelta = 0.05,
+    max_ttft_ratio: MaxTtftRatio = 1.5,
+    max_itl_ratio: MaxItlRatio = 1.5,
+    max_cost_ratio: MaxCostRatio = 1.25,
     step_min_s: Annotated[
         float, typer.Option("--step-min-s", min=0, help="seconds each step lasts at least")
     ] = 60.0,
@@ -955,10 +960,10 @@ def rollout_evaluate(
     min_requests: Annotated[
         int, typer.Option("--min-requests", min=1, help="fewer logged requests: insufficient_data")
     ] = 20,
-    max_error_delta: Annotated[float, typer.Option("--max-error-delta", min=0, max=1)] = 0.05,
-    max_ttft_ratio: Annotated[float, typer.Option("--max-ttft-ratio", min=1)] = 1.5,
-    max_itl_ratio: Annotated[float, typer.Option("--max-itl-ratio", min=1)] = 1.5,
-    max_cost_ratio: Annotated[float, typer.Option("--max-cost-ratio", min=1)] = 1.25,
+    max_error_delta: MaxErrorDelta = 0.05,
+    max_ttft_ratio: MaxTtftRatio = 1.5,
+    max_itl_ratio: MaxItlRatio = 1.5,
+    max_cost_ratio: MaxCostRatio = 1.25,
     json_out: Annotated[Path | None, typer.Option("--json", help="also write the evaluation here")] = None,
 ) -> None:
     """Before any live traffic: run the requests logged for MODEL through the stable version and VERSION in

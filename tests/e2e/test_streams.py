@@ -302,8 +302,9 @@ async def test_the_warehouse_equals_what_clients_saw_through_a_crash_a_replay_an
         seen = await _traffic(session, url, 0)
         expired = await _expired(session, url)
         # kill -9 the streams worker while the second half of the traffic runs, then restart it
+        written = (await streams.sql("SELECT count() AS n FROM request_facts FINAL"))[0]["n"]
         second = asyncio.create_task(_traffic(session, url, 100))
-        await asyncio.sleep(0.3)
+        await _wait_rows(streams, "request_facts", written + 10)  # mid-way through the second half's rows
         streams.kill()
         seen += await second
         streams.start()
@@ -325,6 +326,13 @@ async def test_the_warehouse_equals_what_clients_saw_through_a_crash_a_replay_an
         return found[-1] if found else None
 
     await platform.results.wait(lambda: all(terminal(r) is not None for r in request_ids), within=60)
+    await platform.results.caught_up()
+    twice = [
+        r
+        for r in request_ids
+        if len([e for e in platform.results.of(r) if isinstance(e, RequestFinished)]) != 1
+    ]
+    assert twice == [], "a request ended more than once"
     await _wait_rows(streams, "request_facts", len(request_ids))
     await _wait_rows(streams, "audit_log", len(request_ids))
 
