@@ -1,9 +1,10 @@
-"""Pins today's encoded bytes of every example event, so an incompatible change to a contract fails.
+"""Pins the encoded bytes of every example event, one snapshot per wire-format change, so a change that
+breaks events already on the log fails.
 
-``tests/schemas/golden/<type>.json`` holds ``encode(example)`` plus one trailing newline. The test asserts
-both directions: today's encoder writes exactly those bytes, and today's decoder reads them back into the
-example. When a change is deliberate (a new field, a bumped ``schema_version``), regenerate and review the
-diff::
+``tests/schemas/golden/<date>/<type>.json`` holds ``encode(example)`` plus one trailing newline, as the code
+of that date wrote it. Every snapshot must still decode with today's code (old bytes stay readable); the
+newest must also be exactly what today's encoder writes. A snapshot is never rewritten: when a change is
+deliberate (a new optional field, a bumped ``schema_version``), add a snapshot dated today and review it::
 
     python -m tests.schemas.test_compat --regen
 """
@@ -11,6 +12,7 @@ diff::
 from __future__ import annotations
 
 import argparse
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -22,24 +24,43 @@ from schemas.examples import example_events
 GOLDEN = Path(__file__).parent / "golden"
 
 
-def golden_path(event: Event) -> Path:
-    return GOLDEN / f"{event_type_name(type(event))}.json"
+def snapshots(root: Path = GOLDEN) -> list[Path]:
+    """The snapshot directories, oldest first (their names are ISO dates)."""
+    return sorted(d for d in root.iterdir() if d.is_dir())
+
+
+NEWEST = snapshots()[-1]
+
+
+def golden_name(event: Event) -> str:
+    return f"{event_type_name(type(event))}.json"
 
 
 def golden_bytes(event: Event) -> bytes:
     return encode(event) + b"\n"
 
 
-def regen() -> list[Path]:
-    """Rewrite every golden file from today's examples; remove files of types that no longer exist."""
-    GOLDEN.mkdir(exist_ok=True)
+class SnapshotRefused(Exception):
+    """Regenerating would overwrite a snapshot or repeat the newest one."""
+
+
+def regen(root: Path = GOLDEN, name: str | None = None) -> list[Path]:
+    """Write today's examples into a new snapshot ``root/<name>`` (default: today's UTC date)."""
+    target = root / (name or datetime.now(UTC).date().isoformat())
+    if target.exists():
+        raise SnapshotRefused(
+            f"{target} exists; snapshots are never rewritten (delete it only if uncommitted)"
+        )
+    files = {golden_name(e): golden_bytes(e) for e in example_events()}
+    previous = snapshots(root) if root.is_dir() else []
+    if previous and {p.name: p.read_bytes() for p in previous[-1].glob("*.json")} == files:
+        raise SnapshotRefused(f"today's bytes equal {previous[-1]}; no new snapshot is needed")
+    target.mkdir(parents=True)
     written = []
-    for event in example_events():
-        path = golden_path(event)
-        path.write_bytes(golden_bytes(event))
+    for file_name, data in files.items():
+        path = target / file_name
+        path.write_bytes(data)
         written.append(path)
-    for stale in set(GOLDEN.glob("*.json")) - set(written):
-        stale.unlink()
     return written
 
 
@@ -48,33 +69,47 @@ def _ids(event: Event) -> str:
 
 
 @pytest.mark.parametrize("event", example_events(), ids=_ids)
-def test_encoding_matches_the_pinned_bytes(event: Event) -> None:
-    assert golden_path(event).read_bytes() == golden_bytes(event), (
+def test_encoding_matches_the_newest_pinned_bytes(event: Event) -> None:
+    assert (NEWEST / golden_name(event)).read_bytes() == golden_bytes(event), (
         "the wire format changed; if that is deliberate, run `python -m tests.schemas.test_compat --regen`"
     )
 
 
 @pytest.mark.parametrize("event", example_events(), ids=_ids)
-def test_pinned_bytes_decode_to_the_example(event: Event) -> None:
-    value = golden_path(event).read_bytes().removesuffix(b"\n")
+def test_newest_pinned_bytes_decode_to_the_example(event: Event) -> None:
+    value = (NEWEST / golden_name(event)).read_bytes().removesuffix(b"\n")
     assert decode(value, headers(event)) == event
 
 
-def test_every_event_type_is_pinned_and_nothing_else() -> None:
-    assert sorted(p.stem for p in GOLDEN.glob("*.json")) == sorted(event_type_name(c) for c in EVENT_TYPES)
+def test_the_newest_snapshot_pins_every_event_type_and_nothing_else() -> None:
+    assert sorted(p.stem for p in NEWEST.glob("*.json")) == sorted(event_type_name(c) for c in EVENT_TYPES)
 
 
-V1 = GOLDEN / "v1"
-"""The bytes every event type had before drift features were added (optional fields, no version bump):
-today's decoder must still read them, so events already on the log stay readable."""
+def test_golden_files_live_only_in_dated_snapshots() -> None:
+    assert not list(GOLDEN.glob("*.json"))
+    for snapshot in snapshots():
+        assert snapshot.name == datetime.strptime(snapshot.name, "%Y-%m-%d").date().isoformat()
 
 
-@pytest.mark.parametrize("path", sorted(V1.glob("*.json")), ids=lambda p: p.stem)
-def test_events_written_before_drift_features_still_decode(path: Path) -> None:
+ALL_PINNED = [path for snapshot in snapshots() for path in sorted(snapshot.glob("*.json"))]
+
+
+@pytest.mark.parametrize("path", ALL_PINNED, ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_every_snapshot_still_decodes(path: Path) -> None:
     value = path.read_bytes().removesuffix(b"\n")
     event = decode(value)
     assert event_type_name(type(event)) == path.stem
+    assert decode(value, headers(event)) == event
     assert encode(decode(encode(event))) == encode(event)
+
+
+BEFORE_DRIFT = GOLDEN / "2026-11-22"
+"""The bytes every event type had before drift features were added (optional fields, no version bump)."""
+
+
+@pytest.mark.parametrize("path", sorted(BEFORE_DRIFT.glob("*.json")), ids=lambda p: p.stem)
+def test_events_written_before_drift_features_decode_without_them(path: Path) -> None:
+    event = decode(path.read_bytes().removesuffix(b"\n"))
     if isinstance(event, RequestFinished):
         assert event.features is None
     if isinstance(event, DriftReport):
@@ -82,17 +117,40 @@ def test_events_written_before_drift_features_still_decode(path: Path) -> None:
         assert event.effective_verdict == ("drift" if event.drifted else "no_drift")
 
 
-def test_v1_pins_every_type_that_existed_then() -> None:
-    assert len(list(V1.glob("*.json"))) == 13
+def test_the_oldest_snapshot_pins_every_type_that_existed_then() -> None:
+    assert snapshots()[0] == BEFORE_DRIFT
+    assert len(list(BEFORE_DRIFT.glob("*.json"))) == 13
+
+
+def test_regen_adds_a_snapshot_and_never_rewrites_one(tmp_path: Path) -> None:
+    first = regen(tmp_path, "2026-01-01")
+    assert {p.name for p in first} == {golden_name(e) for e in example_events()}
+    with pytest.raises(SnapshotRefused, match="never rewritten"):
+        regen(tmp_path, "2026-01-01")
+    with pytest.raises(SnapshotRefused, match="no new snapshot"):
+        regen(tmp_path, "2026-01-02")
+    first[0].write_bytes(b"bytes of an older encoder\n")
+    second = regen(tmp_path, "2026-01-02")
+    assert {p.name: p.read_bytes() for p in second} == {
+        golden_name(e): golden_bytes(e) for e in example_events()
+    }
+    assert first[0].read_bytes() == b"bytes of an older encoder\n"
+    assert snapshots(tmp_path) == [tmp_path / "2026-01-01", tmp_path / "2026-01-02"]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--regen", action="store_true", help="rewrite the golden files from today's examples")
+    parser.add_argument(
+        "--regen", action="store_true", help="write today's examples into a new snapshot dated today"
+    )
     if parser.parse_args().regen:
-        for path in regen():
+        try:
+            written = regen()
+        except SnapshotRefused as refused:
+            raise SystemExit(str(refused)) from None
+        for path in written:
             print(path)
     else:
         parser.print_help()
