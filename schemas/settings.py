@@ -141,7 +141,7 @@ class PlatformSettings(msgspec.Struct, frozen=True, kw_only=True):
     model_paths: tuple[str, ...] = ()
     """Extra local Hugging Face model directories to serve, as ``id=/path`` entries."""
     data_dir: str = msgspec.field(default_factory=_default_home)
-    """Kafka log dirs and the embedded warehouse live under here."""
+    """Kafka log dirs, the embedded warehouse and the streams worker's Faust directory live under here."""
     cache_dir: str = msgspec.field(default_factory=_default_cache)
     """Downloaded Kafka jars (and the venv, see scripts/bootstrap.sh)."""
     warehouse_url: str | None = None

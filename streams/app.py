@@ -33,6 +33,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import faust
@@ -69,6 +70,12 @@ log = logging.getLogger(__name__)
 SOURCE = "streams/worker"
 
 
+def faust_datadir(platform: PlatformSettings, app_id: str) -> Path:
+    """Where Faust keeps its directories: under the data dir (Faust's default is ``<app id>-data`` in the
+    working directory)."""
+    return Path(platform.data_dir) / "faust" / app_id
+
+
 def sink_topics(names: TopicNames, request_topics: Sequence[str], *, decisions: bool = True) -> list[str]:
     """Every topic whose events the warehouse keeps (token chunks on ``replies`` are delivery only).
     The live worker writes the audit entries and drift reports it publishes itself (``decisions=False``);
@@ -100,9 +107,13 @@ class StreamsApp:
         self._producer = producer
         self._on_batch = on_batch
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="warehouse-writer")
+        name = app_id or f"{platform.topic_prefix}-streams"
+        self._datadir = faust_datadir(platform, name)
         self.app = faust.App(
-            app_id or f"{platform.topic_prefix}-streams",
+            name,
             broker=f"kafka://{platform.bootstrap}",
+            # Faust expands the path with str.format: braces in the data dir must stay literal.
+            datadir=str(self._datadir).replace("{", "{{").replace("}", "}}"),
             store="memory://",
             web_enabled=False,
             topic_replication_factor=1,
@@ -147,6 +158,8 @@ class StreamsApp:
             latest_deployments, self._bootstrap, self.names.control, f"{SOURCE}-rollout"
         )
         self.rollout.seed(latest.values())  # resume every rollout where the log says it is
+        # Faust creates its directory without parents.
+        await asyncio.to_thread(self._datadir.parent.mkdir, parents=True, exist_ok=True)
         await self.app.start()
 
     async def stop(self) -> None:
