@@ -2,7 +2,8 @@
 streams`` process (killed with -9 and restarted mid-run) writing into embedded ClickHouse; the warehouse
 equals what the clients saw, exactly; the audit chain verifies; a replay into an empty warehouse gives
 identical aggregates; the dashboard renders the run in Chromium; the streams' spans join the requests'
-traces (exported over OTLP/HTTP to a receiver in this test)."""
+traces (exported over OTLP/HTTP to a receiver in this test). The fixture ``run`` sends the traffic and
+crashes the streams worker once; each test checks one part of the outcome, so a failure names it."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -102,13 +103,20 @@ class Streams:
             data_dir=self.env["SLUICE_DATA_DIR"],
         )
 
+    @property
+    def cwd(self) -> Path:
+        """The process's working directory: it must leave nothing there (its files go under the data dir)."""
+        return Path(self.env["SLUICE_DATA_DIR"]).parent / "cwd"
+
     def start(self) -> None:
         out = Path(self.env["SLUICE_DATA_DIR"]).parent / f"streams-{len(self.log)}.log"
         self.log.append(out)
+        self.cwd.mkdir(exist_ok=True)
         with out.open("wb") as sink:  # the child keeps its own descriptor
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "sluice", "streams"],
                 env=self.env,
+                cwd=self.cwd,
                 stdout=sink,
                 stderr=subprocess.STDOUT,
             )
@@ -160,6 +168,8 @@ async def otlp() -> AsyncIterator[OtlpReceiver]:
 def running_streams(settings: PlatformSettings, data_dir: Path, **env: str) -> Iterator[Streams]:
     """A real ``sluice streams`` process on its own data dir and a free port, stopped afterwards."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_") or k == "SLUICE_CACHE_DIR"}
+    # The process runs elsewhere than this checkout, and must still import its code.
+    base["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     base.update(
         SLUICE_KAFKA_BOOTSTRAP=settings.bootstrap,
         SLUICE_TOPIC_PREFIX=settings.topic_prefix,
@@ -257,24 +267,47 @@ async def _bad(session: aiohttp.ClientSession, url: str) -> None:
         assert response.status == 400  # never published: not in the warehouse
 
 
-async def _traffic(session: aiohttp.ClientSession, url: str, base: int) -> list[Seen]:
-    seen = await asyncio.gather(
-        *(_chat_stream(session, url, base + i) for i in range(4)),
-        *(_completion(session, url, base + i) for i in range(3)),
-        *(_embedding(session, url, base + i) for i in range(2)),
-        _disconnect(session, url),
-    )
+async def _traffic(
+    session: aiohttp.ClientSession, url: str, base: int, *, one_at_a_time: bool = False
+) -> list[Seen]:
+    """Ten accepted requests (4 streamed chats, 3 completions, 2 embeddings, 1 client that leaves) and one
+    refused: all at once, or one after another, so that their rows reach the warehouse over several
+    batches instead of one."""
+    requests: list[Callable[[], Awaitable[Seen]]] = [
+        lambda: _chat_stream(session, url, base),
+        lambda: _completion(session, url, base),
+        lambda: _embedding(session, url, base),
+        lambda: _chat_stream(session, url, base + 1),
+        lambda: _completion(session, url, base + 1),
+        lambda: _disconnect(session, url),
+        lambda: _chat_stream(session, url, base + 2),
+        lambda: _embedding(session, url, base + 1),
+        lambda: _completion(session, url, base + 2),
+        lambda: _chat_stream(session, url, base + 3),
+    ]
+    if one_at_a_time:
+        seen = [await request() for request in requests]
+    else:
+        seen = list(await asyncio.gather(*(request() for request in requests)))
     await _bad(session, url)
-    return list(seen)
+    return seen
 
 
-async def _wait_rows(streams: Streams, table: str, expected: int, within: float = 60) -> None:
+async def _facts_count(streams: Streams, where: str = "1") -> int:
+    rows = await streams.sql(f"SELECT count() AS n FROM request_facts FINAL WHERE {where}")
+    return int(rows[0]["n"])
+
+
+async def _wait_rows(
+    streams: Streams, table: str, expected: int, within: float = 60, every: float = 0.3
+) -> int:
+    """Poll until ``table`` holds at least ``expected`` rows; the count seen."""
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
         rows = await streams.sql(f"SELECT count() AS n FROM {table} FINAL")
         if rows[0]["n"] >= expected:
-            return
-        await asyncio.sleep(0.3)
+            return int(rows[0]["n"])
+        await asyncio.sleep(every)
     raise AssertionError(f"{table} did not reach {expected} rows: {rows}")
 
 
@@ -289,72 +322,135 @@ def _sluice(env: dict[str, str], *args: str, timeout: float = 180) -> subprocess
     )
 
 
-async def test_the_warehouse_equals_what_clients_saw_through_a_crash_a_replay_and_the_dashboard(
+KILL_AFTER = 3
+"""The streams worker is killed once it has written at least this many rows of the second half (of 10)."""
+
+
+@dataclass
+class Run:
+    """What the clients saw of a run through a ``kill -9`` of the streams worker, and what the log holds."""
+
+    seen: list[Seen]
+    """Every request a client got an answer for (not the one that ran out of time)."""
+    expired: Seen
+    deadline_id: str
+    """The request that ran out of time, as the log has it."""
+    slow: list[GenerationRequested]
+    """Its request events on the log (exactly one expected)."""
+    finals: dict[str, RequestFinished]
+    """The last terminal event of each request on the results topic."""
+    second_half_rows_at_kill: int
+
+    @property
+    def request_ids(self) -> set[str]:
+        return {s.request_id for s in self.seen} | {self.deadline_id}
+
+
+@pytest.fixture(scope="module")
+async def run(
     platform: Platform,
     workers: list[WorkerService],
     streams: Streams,
-    otlp: OtlpReceiver,
     span_exporter: InMemorySpanExporter,  # the edge and workers in this process record spans
-) -> None:
+) -> Run:
+    """Traffic in three parts: the first is written, the streams worker is killed with -9 after it wrote
+    a few rows of the second, then restarted for the rest of the second and the third."""
     url = platform.base_url
     await streams.ready()
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
         seen = await _traffic(session, url, 0)
         expired = await _expired(session, url)
-        # kill -9 the streams worker while the second half of the traffic runs, then restart it
-        written = (await streams.sql("SELECT count() AS n FROM request_facts FINAL"))[0]["n"]
-        second = asyncio.create_task(_traffic(session, url, 100))
-        await _wait_rows(streams, "request_facts", written + 10)  # mid-way through the second half's rows
+
+        def slow_requests() -> list[GenerationRequested]:
+            return [
+                e
+                for e in platform.requests.all()
+                if isinstance(e, GenerationRequested) and e.prompt == "Too slow"
+            ]
+
+        await platform.requests.wait(lambda: slow_requests() != [], within=30)
+        first = [s.request_id for s in seen] + [slow_requests()[0].request_id]
+        listed = ", ".join(f"'{rid}'" for rid in first)
+        deadline = time.monotonic() + 60
+        while await _facts_count(streams, f"request_id IN ({listed})") < len(first):
+            assert time.monotonic() < deadline, "the first half's rows were not written in time"
+            await asyncio.sleep(0.3)
+        written = await _facts_count(streams)
+
+        # One request at a time: the rows of the second half are written over several batches, so the
+        # kill lands between them (all at once, they were written in one batch).
+        second = asyncio.create_task(_traffic(session, url, 100, one_at_a_time=True))
+        at_kill = await _wait_rows(streams, "request_facts", written + KILL_AFTER, every=0.02)
         streams.kill()
         seen += await second
         streams.start()
         await streams.ready()
         seen += await _traffic(session, url, 200)
 
-    # Every accepted request is in the log with exactly one terminal event: that is what we compare with.
-    request_ids = {s.request_id for s in seen}
-    slow = [
-        e for e in platform.requests.all() if isinstance(e, GenerationRequested) and e.prompt == "Too slow"
-    ]
-    assert len(slow) == 1, "the request that ran out of time was accepted (and published) once"
-    deadline_id = slow[0].request_id
-    assert expired.request_id in ("", deadline_id)
-    request_ids.add(deadline_id)
+    slow = slow_requests()
+    run = Run(seen, expired, slow[0].request_id, slow, {}, at_kill - written)
 
     def terminal(rid: str) -> RequestFinished | None:
         found = [e for e in platform.results.of(rid) if isinstance(e, RequestFinished)]
         return found[-1] if found else None
 
-    await platform.results.wait(lambda: all(terminal(r) is not None for r in request_ids), within=60)
+    await platform.results.wait(lambda: all(terminal(r) is not None for r in run.request_ids), within=60)
     await platform.results.caught_up()
+    run.finals = {r: f for r in run.request_ids if (f := terminal(r)) is not None}
+    return run
+
+
+@pytest.fixture(scope="module")
+async def written(run: Run, streams: Streams) -> Run:
+    """The run, once the warehouse holds a fact and an audit entry per request."""
+    await _wait_rows(streams, "request_facts", len(run.request_ids))
+    await _wait_rows(streams, "audit_log", len(run.request_ids))
+    return run
+
+
+async def test_the_kill_came_mid_way_through_the_second_half(run: Run) -> None:
+    assert KILL_AFTER <= run.second_half_rows_at_kill < 10, (
+        "the streams worker was killed after it wrote the whole second half: the crash tests nothing"
+    )
+
+
+async def test_every_accepted_request_is_on_the_log_with_exactly_one_terminal_event(
+    run: Run, platform: Platform
+) -> None:
+    assert len(run.slow) == 1, "the request that ran out of time was accepted (and published) once"
+    assert run.expired.request_id in ("", run.deadline_id)
+    assert set(run.finals) == run.request_ids
     twice = [
         r
-        for r in request_ids
+        for r in run.request_ids
         if len([e for e in platform.results.of(r) if isinstance(e, RequestFinished)]) != 1
     ]
     assert twice == [], "a request ended more than once"
-    await _wait_rows(streams, "request_facts", len(request_ids))
-    await _wait_rows(streams, "audit_log", len(request_ids))
 
-    facts = {
+
+async def _facts(streams: Streams) -> dict[str, dict[str, Any]]:
+    return {
         row["request_id"]: row
         for row in await streams.sql(
             "SELECT request_id, model, status, prompt_tokens, completion_tokens, cost_nanos, kind, stream "
             "FROM request_facts FINAL"
         )
     }
-    assert set(facts) == request_ids, "exactly the accepted requests, once each"
+
+
+async def test_the_facts_equal_what_clients_saw(written: Run, streams: Streams) -> None:
+    run = written
+    facts = await _facts(streams)
+    assert set(facts) == run.request_ids, "exactly the accepted requests, once each"
     duplicates = await streams.sql(
         "SELECT count() AS rows, uniqExact(request_id) AS ids FROM request_facts FINAL"
     )
-    assert duplicates[0]["rows"] == duplicates[0]["ids"] == len(request_ids)
+    assert duplicates[0]["rows"] == duplicates[0]["ids"] == len(run.request_ids)
 
     prices = PriceTable()
-    expected_cost = 0
-    for s in seen:
+    for s in run.seen:
         fact = facts[s.request_id]
-        final = terminal(s.request_id)
-        assert final is not None
+        final = run.finals[s.request_id]
         assert fact["status"] == final.status
         assert fact["prompt_tokens"] == final.usage.prompt_tokens
         assert fact["completion_tokens"] == final.usage.completion_tokens
@@ -365,33 +461,49 @@ async def test_the_warehouse_equals_what_clients_saw_through_a_crash_a_replay_an
             assert fact["completion_tokens"] == s.usage.get("completion_tokens", 0)
         else:
             assert fact["status"] == "cancelled"
-        cost = prices.cost_nanos(s.model, fact["prompt_tokens"], fact["completion_tokens"])
-        assert fact["cost_nanos"] == cost
-        expected_cost += cost
-    assert facts[deadline_id]["status"] in ("expired", "cancelled")
-    expected_cost += facts[deadline_id]["cost_nanos"]
+        assert fact["cost_nanos"] == prices.cost_nanos(
+            s.model, fact["prompt_tokens"], fact["completion_tokens"]
+        )
+    assert facts[run.deadline_id]["status"] in ("expired", "cancelled")
+
+
+async def test_the_ledger_and_the_slis_add_up_to_the_facts(written: Run, streams: Streams) -> None:
+    run = written
+    facts = await _facts(streams)
+    prices = PriceTable()
+    expected_cost = sum(
+        prices.cost_nanos(
+            s.model, facts[s.request_id]["prompt_tokens"], facts[s.request_id]["completion_tokens"]
+        )
+        for s in run.seen
+    )
+    expected_cost += facts[run.deadline_id]["cost_nanos"]
     ledger = await streams.sql("SELECT sum(cost_nanos) AS c, sum(requests) AS n FROM spend_day")
     assert ledger[0]["c"] == expected_cost
-    assert ledger[0]["n"] == len(request_ids)
+    assert ledger[0]["n"] == len(run.request_ids)
     sli = await streams.sql("SELECT sum(requests) AS n, sum(completed) AS ok FROM sli_minute")
-    assert sli[0]["n"] == len(request_ids)
-    assert sli[0]["ok"] == sum(1 for s in seen if s.outcome == "completed")
+    assert sli[0]["n"] == len(run.request_ids)
+    assert sli[0]["ok"] == sum(1 for s in run.seen if s.outcome == "completed")
+    top = _sluice(streams.env, "sql", "--saved", "top-tenants-by-spend", "-f", "csv")
+    assert top.returncode == 0, top.stderr
+    assert top.stdout.splitlines()[1].startswith("demo,")
 
-    # The audit chain: one entry per request, even across the crash, and it verifies.
+
+async def test_the_audit_chain_has_one_entry_per_request_across_the_crash_and_verifies(
+    written: Run, streams: Streams
+) -> None:
     audit = await streams.sql("SELECT count() AS n, uniqExact(request_id) AS ids FROM audit_log FINAL")
     repeated = await streams.sql(
         "SELECT request_id, groupArray(seq) AS seqs, groupArray(tenant) AS t FROM audit_log FINAL "
         "GROUP BY request_id HAVING count() > 1"
     )
     assert repeated == []
-    assert audit[0]["n"] == audit[0]["ids"] == len(request_ids)
+    assert audit[0]["n"] == audit[0]["ids"] == len(written.request_ids)
     verified = _sluice(streams.env, "audit", "verify")
     assert verified.returncode == 0, verified.stdout + verified.stderr
-    top = _sluice(streams.env, "sql", "--saved", "top-tenants-by-spend", "-f", "csv")
-    assert top.returncode == 0, top.stderr
-    assert top.stdout.splitlines()[1].startswith("demo,")
 
-    # The dashboard renders this run in a real browser without console errors.
+
+async def test_the_dashboard_renders_the_run_without_console_errors(written: Run, streams: Streams) -> None:
     from tests.streams.browser import render
 
     shot = ROOT / "test-artifacts" / "dashboard-e2e.png"
@@ -399,9 +511,13 @@ async def test_the_warehouse_equals_what_clients_saw_through_a_crash_a_replay_an
     assert rendered.console_errors == []
     assert shot.stat().st_size > 10_000
 
-    # The streams' spans join the requests' traces: a child of the worker's publish span.
-    finals = [f for f in (terminal(r) for r in request_ids) if f is not None and f.traceparent]
-    assert len(finals) == len(request_ids)
+
+async def test_the_streams_spans_join_the_request_traces(
+    written: Run, platform: Platform, otlp: OtlpReceiver
+) -> None:
+    """A span of the streams process is a child of the worker's publish span."""
+    finals = [f for f in written.finals.values() if f.traceparent]
+    assert len(finals) == len(written.request_ids)
     parents = {(f.traceparent or "").split("-")[1]: (f.traceparent or "").split("-")[2] for f in finals}
     results_topic = platform.names.results
 
@@ -414,7 +530,10 @@ async def test_the_warehouse_equals_what_clients_saw_through_a_crash_a_replay_an
 
     await platform.results.wait(linked, within=30)
 
-    # Replay the log into an empty warehouse: identical aggregates.
+
+async def test_a_replay_into_an_empty_warehouse_gives_identical_aggregates(
+    written: Run, streams: Streams
+) -> None:
     replay_env = {
         **streams.env,
         "SLUICE_DATA_DIR": str(Path(streams.env["SLUICE_DATA_DIR"]).parent / "replay"),
@@ -429,6 +548,12 @@ async def test_the_warehouse_equals_what_clients_saw_through_a_crash_a_replay_an
     refused = _sluice(replay_env, "replay")
     assert refused.returncode == 1
     assert "not empty" in refused.stdout + refused.stderr
+
+
+async def test_the_streams_process_leaves_nothing_in_its_working_directory(
+    written: Run, streams: Streams
+) -> None:
+    assert list(streams.cwd.iterdir()) == [], "Faust's directory belongs under SLUICE_DATA_DIR"
 
 
 async def _status(session: aiohttp.ClientSession, url: str) -> int:
