@@ -8,7 +8,6 @@ removes a sequence between two steps, so it never produces another token.
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
@@ -32,6 +31,7 @@ from schemas.events import (
     Usage,
     utc_now,
 )
+from schemas.ids import derive_seed
 from schemas.manifest import ModelManifest
 
 
@@ -52,11 +52,6 @@ class _Live:
     logprob_sum: float = 0.0
     entropy_sum: float = 0.0
     scored: int = 0
-
-
-def seed_for(request_id: str) -> int:
-    """The seed used when the client gave none: stable per request, so a re-run reproduces the tokens."""
-    return int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=8).digest(), "big") & (2**63 - 1)
 
 
 def monotonic_deadline(deadline: datetime | None, now_wall: datetime, now: float) -> float | None:
@@ -223,7 +218,7 @@ class GenerationRunner:
                     top_k=event.sampling.top_k,
                     seed=event.sampling.seed
                     if event.sampling.seed is not None
-                    else seed_for(event.request_id),
+                    else derive_seed(event.request_id),
                     stop_token_ids=frozenset()
                     if eos is None or event.sampling.ignore_eos
                     else frozenset({eos}),

@@ -12,10 +12,9 @@ from ingest import openai
 from ingest.errors import CatalogueError, InvalidRequest, ModelNotFound
 from ingest.models import ModelCatalogue
 from ingest.openai import ChatCompletionRequest, decode_body
-from ingest.prepare import body_hash, derive_seed
+from ingest.prepare import body_hash
 from ingest.settings import EdgeSettings
 from schemas.events import Usage
-from schemas.ids import uuid7
 from schemas.settings import SettingsError, load_settings
 from tests.ingest.conftest import EMB, GEN
 
@@ -99,13 +98,6 @@ def test_body_hash_is_canonical() -> None:
     assert body_hash("chat", b'{"a": 1, "b": [1, 2]}') == body_hash("chat", b'{"b":[1,2],"a":1}')
     assert body_hash("chat", b'{"a": 1}') != body_hash("completion", b'{"a": 1}')
     assert body_hash("chat", b'{"a": 1}') != body_hash("chat", b'{"a": 2}')
-
-
-def test_seed_is_a_function_of_the_request_id() -> None:
-    rid = uuid7()
-    assert derive_seed(rid) == derive_seed(rid)
-    assert 0 <= derive_seed(rid) < 2**63
-    assert derive_seed(rid) != derive_seed(uuid7())
 
 
 def test_embeddings_base64_is_little_endian_float32() -> None:
