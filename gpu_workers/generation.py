@@ -292,20 +292,15 @@ class GenerationRunner:
         text = live.detok.text if live.stop_cut is None else live.detok.text[: live.stop_cut]
         completion = len(live.detok.ids)
         prompt = len(event.input_ids)
-        return RequestFinished(
-            tenant=event.tenant,
-            model=event.model,
-            request_id=event.request_id,
-            source=self._origin.source,
-            traceparent=live.arrival.traceparent,
-            status=status,
-            finish_reason=reason,
-            usage=Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion),
+        return self._origin.finished(
+            live.arrival,
+            status,
+            reason,
+            Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion),
             text=text if status == "completed" or text else None,
             timings=Timings(
                 accepted=event.time, started=live.started, first_token=live.first_token, finished=utc_now()
             ),
-            worker_id=self._origin.worker_id,
             max_inter_token_s=live.max_gap if completion >= 2 else None,
             features=DriftFeatures(
                 mean_logprob=live.logprob_sum / live.scored, mean_entropy=live.entropy_sum / live.scored
