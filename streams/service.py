@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -88,7 +87,7 @@ class StreamsService:
             self._producer,
             controller=Controller(
                 load_budgets(settings.streams_budgets_file),
-                load_slo_config(Path(settings.streams_slo_file) if settings.streams_slo_file else None),
+                load_slo_config(settings.slo_path),
             ),
             request_topics=topics,
             app_id=self._app_id,
