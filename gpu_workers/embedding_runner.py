@@ -157,15 +157,11 @@ class EmbeddingRunner:
         event = request.event
         tokens = sum(len(ids) for ids in event.inputs)
         done = status == "completed"
-        return RequestFinished(
-            tenant=event.tenant,
-            model=event.model,
-            request_id=event.request_id,
-            source=self._origin.source,
-            traceparent=request.arrival.traceparent,
-            status=status,
-            finish_reason=reason,
-            usage=Usage(
+        return self._origin.finished(
+            request.arrival,
+            status,
+            reason,
+            Usage(
                 prompt_tokens=tokens if done else 0, completion_tokens=0, total_tokens=tokens if done else 0
             ),
             embeddings=[request.vectors[i] for i in range(len(event.inputs))] if done else None,
@@ -175,5 +171,4 @@ class EmbeddingRunner:
                 first_token=utc_now() if done else None,
                 finished=utc_now(),
             ),
-            worker_id=self._origin.worker_id,
         )

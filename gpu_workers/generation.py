@@ -8,7 +8,6 @@ removes a sequence between two steps, so it never produces another token.
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
@@ -32,6 +31,7 @@ from schemas.events import (
     Usage,
     utc_now,
 )
+from schemas.ids import derive_seed
 from schemas.manifest import ModelManifest
 
 
@@ -52,11 +52,6 @@ class _Live:
     logprob_sum: float = 0.0
     entropy_sum: float = 0.0
     scored: int = 0
-
-
-def seed_for(request_id: str) -> int:
-    """The seed used when the client gave none: stable per request, so a re-run reproduces the tokens."""
-    return int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=8).digest(), "big") & (2**63 - 1)
 
 
 def monotonic_deadline(deadline: datetime | None, now_wall: datetime, now: float) -> float | None:
@@ -223,7 +218,7 @@ class GenerationRunner:
                     top_k=event.sampling.top_k,
                     seed=event.sampling.seed
                     if event.sampling.seed is not None
-                    else seed_for(event.request_id),
+                    else derive_seed(event.request_id),
                     stop_token_ids=frozenset()
                     if eos is None or event.sampling.ignore_eos
                     else frozenset({eos}),
@@ -297,20 +292,15 @@ class GenerationRunner:
         text = live.detok.text if live.stop_cut is None else live.detok.text[: live.stop_cut]
         completion = len(live.detok.ids)
         prompt = len(event.input_ids)
-        return RequestFinished(
-            tenant=event.tenant,
-            model=event.model,
-            request_id=event.request_id,
-            source=self._origin.source,
-            traceparent=live.arrival.traceparent,
-            status=status,
-            finish_reason=reason,
-            usage=Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion),
+        return self._origin.finished(
+            live.arrival,
+            status,
+            reason,
+            Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion),
             text=text if status == "completed" or text else None,
             timings=Timings(
                 accepted=event.time, started=live.started, first_token=live.first_token, finished=utc_now()
             ),
-            worker_id=self._origin.worker_id,
             max_inter_token_s=live.max_gap if completion >= 2 else None,
             features=DriftFeatures(
                 mean_logprob=live.logprob_sum / live.scored, mean_entropy=live.entropy_sum / live.scored

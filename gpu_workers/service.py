@@ -43,13 +43,17 @@ from schemas.deployments import Deployment
 from schemas.events import (
     CancelRequested,
     DeploymentChanged,
+    DriftFeatures,
     EmbeddingRequested,
     ErrorInfo,
+    FinishReason,
     GenerationRequested,
     RequestFinished,
+    Timings,
     TokenChunk,
     Usage,
 )
+from schemas.events import Status as RequestStatus
 from schemas.manifest import ManifestError
 from schemas.topics import TopicNames
 
@@ -806,6 +810,9 @@ def with_request(
     )
 
 
+NO_USAGE = Usage(prompt_tokens=0, completion_tokens=0, total_tokens=0)
+
+
 @dataclass(frozen=True)
 class Origin:
     """Who produces a runner's events: stamped on every terminal event it builds."""
@@ -813,8 +820,22 @@ class Origin:
     source: str
     worker_id: str
 
-    def failed(self, arrival: Arrival, code: str, message: str) -> RequestFinished:
-        """A ``failed`` terminal event for a request that could not run."""
+    def finished(
+        self,
+        arrival: Arrival,
+        status: RequestStatus,
+        reason: FinishReason,
+        usage: Usage = NO_USAGE,
+        *,
+        text: str | None = None,
+        embeddings: list[list[float]] | None = None,
+        error: ErrorInfo | None = None,
+        timings: Timings | None = None,
+        max_inter_token_s: float | None = None,
+        features: DriftFeatures | None = None,
+    ) -> RequestFinished:
+        """The one builder of a runner's terminal events: the request's identity and trace context and this
+        origin are filled in here; what the request itself said is copied in at publish (``with_request``)."""
         event = arrival.event
         return RequestFinished(
             tenant=event.tenant,
@@ -822,9 +843,18 @@ class Origin:
             request_id=event.request_id,
             source=self.source,
             traceparent=arrival.traceparent,
-            status="failed",
-            finish_reason="error",
-            usage=Usage(prompt_tokens=0, completion_tokens=0, total_tokens=0),
-            error=ErrorInfo(code=code, message=message),
+            status=status,
+            finish_reason=reason,
+            usage=usage,
+            text=text,
+            embeddings=embeddings,
+            error=error,
+            timings=timings if timings is not None else Timings(),
             worker_id=self.worker_id,
+            max_inter_token_s=max_inter_token_s,
+            features=features,
         )
+
+    def failed(self, arrival: Arrival, code: str, message: str) -> RequestFinished:
+        """A ``failed`` terminal event for a request that could not run."""
+        return self.finished(arrival, "failed", "error", error=ErrorInfo(code=code, message=message))

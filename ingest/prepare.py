@@ -23,7 +23,7 @@ from ingest.settings import EdgeSettings
 from schemas.codec import FLOAT_JSON_BYTES, MAX_RECORD_BYTES
 from schemas.deployments import Deployment, sticky_key
 from schemas.events import EmbeddingRequested, Endpoint, GenerationRequested, ReplyTo, SamplingParams, utc_now
-from schemas.ids import uuid7, uuid7_unix_ms
+from schemas.ids import derive_seed, uuid7, uuid7_unix_ms
 
 Kind = Literal["chat", "completion", "embedding"]
 ENDPOINTS: dict[Kind, Endpoint] = {
@@ -75,11 +75,6 @@ class Prepared:
     body_hash: str
     shadow: GenerationRequested | EmbeddingRequested | None = None
     """A copy for the candidate version, published after the request and never answered."""
-
-
-def derive_seed(request_id: str) -> int:
-    """A seed fixed by the request id, so a retried or redelivered request samples the same tokens."""
-    return int.from_bytes(hashlib.sha256(request_id.encode()).digest()[:8], "big") >> 1
 
 
 def body_hash(kind: Kind, raw: bytes) -> str:

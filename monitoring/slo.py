@@ -6,9 +6,11 @@ thresholds of the Kafka alerts. :func:`rule_groups` turns it into Prometheus rul
 
 * recording rules ``model:sluice_slo_errors:ratio_rate<window>{slo, tier, model}``: the share of bad
   events of each SLI over each window the alerts need;
-* multi-window, multi-burn-rate alerts (the SRE workbook's): page when the 1h and 5m burn rates both
-  exceed 14.4 (2% of a 30-day budget in an hour) or the 6h and 30m both exceed 6 (5% in 6 hours); ticket
-  when 1d and 2h exceed 3 or 3d and 6h exceed 1 (10% in a day, 10% in three days);
+* multi-window, multi-burn-rate alerts (``[[alerts.burn]]``, by default the SRE workbook's): page when the
+  1h and 5m burn rates both exceed 14.4 (2% of a 30-day budget in an hour) or the 6h and 30m both exceed 6
+  (5% in 6 hours); ticket when 1d and 2h exceed 3 or 3d and 6h exceed 1 (10% in a day, 10% in three
+  days). The streams worker announces the page pairs as ``BurnRateCrossed`` events
+  (``streams/control.py``), from the same configuration;
 * ``SluiceConsumerLag`` and ``SluiceDeadLetters``;
 * the drift alerts ``SluiceDriftDetected``, ``SluiceDriftFeaturePipeline`` and ``SluiceDriftReportsStale``,
   for model versions that complete requests;
@@ -162,12 +164,74 @@ class DriftAlert(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
         return self.window_s * self.stale_after_windows
 
 
+def duration(minutes: int) -> str:
+    """A PromQL duration: 5m, 30m, 1h, 6h, 1d, 3d."""
+    if minutes % 1440 == 0:
+        return f"{minutes // 1440}d"
+    if minutes % 60 == 0:
+        return f"{minutes // 60}h"
+    return f"{minutes}m"
+
+
+class BurnAlert(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One multi-window pair: alert while both windows burn budget faster than the threshold."""
+
+    long_minutes: Annotated[int, msgspec.Meta(ge=2)]
+    short_minutes: Annotated[int, msgspec.Meta(ge=1)]
+    budget_share: Share
+    """Share of the whole budget spent in ``long_minutes`` at exactly the threshold rate."""
+    severity: Severity
+
+    def __post_init__(self) -> None:
+        if self.short_minutes >= self.long_minutes:
+            raise ValueError(
+                f"burn pair {self.long}/{self.short}: the short window must be shorter than the long one"
+            )
+
+    @property
+    def alert(self) -> str:
+        """The alert's name, after its long window: ``SluiceErrorBudgetBurn1h``."""
+        return f"SluiceErrorBudgetBurn{self.long}"
+
+    def threshold(self, window_days: int) -> float:
+        """The burn rate that spends ``budget_share`` of a ``window_days`` budget in the long window
+        (14.4, 6, 3 and 1 for 30 days)."""
+        return self.budget_share * window_days * 1440 / self.long_minutes
+
+    @property
+    def long(self) -> str:
+        return duration(self.long_minutes)
+
+    @property
+    def short(self) -> str:
+        return duration(self.short_minutes)
+
+
+PAGE_ALERTS = (
+    BurnAlert(long_minutes=60, short_minutes=5, budget_share=0.02, severity="page"),
+    BurnAlert(long_minutes=360, short_minutes=30, budget_share=0.05, severity="page"),
+)
+TICKET_ALERTS = (
+    BurnAlert(long_minutes=1440, short_minutes=120, budget_share=0.10, severity="ticket"),
+    BurnAlert(long_minutes=4320, short_minutes=360, budget_share=0.10, severity="ticket"),
+)
+"""The SRE workbook's pairs: the default of ``[[alerts.burn]]``."""
+
+
 class AlertSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    burn: Annotated[tuple[BurnAlert, ...], msgspec.Meta(min_length=1)] = PAGE_ALERTS + TICKET_ALERTS
+    """The burn-rate pairs. The page pairs are also what the streams worker announces as ``BurnRateCrossed``
+    events, over the same windows (so its events and Prometheus' pages agree)."""
     tickets: bool = True
-    """Also the slow-burn ticket pairs (1d/2h above 3, 3d/6h above 1), not only the two page pairs."""
+    """Also the ticket pairs (by default 1d/2h above 3, 3d/6h above 1), not only the page pairs."""
     consumer_lag: ConsumerLagAlert = ConsumerLagAlert()
     dead_letters: DeadLetterAlert = DeadLetterAlert()
     drift: DriftAlert = DriftAlert()
+
+    def __post_init__(self) -> None:
+        longs = [a.long for a in self.burn]
+        if len(set(longs)) != len(longs):
+            raise ValueError(f"burn pairs share a long window (it names the alert): {', '.join(longs)}")
 
 
 DEFAULT_TIERS = (
@@ -244,57 +308,20 @@ def parse_slo_config(data: dict[str, Any], source: str = "SLO config") -> SloCon
 # ---------------------------------------------------------------- burn-rate alerts
 
 
-@dataclass(frozen=True)
-class BurnAlert:
-    """One multi-window pair: alert while both windows burn budget faster than ``threshold``."""
-
-    alert: str
-    long_minutes: int
-    short_minutes: int
-    budget_share: float
-    """Share of the whole budget spent in ``long_minutes`` at exactly the threshold rate."""
-    severity: Severity
-
-    def threshold(self, window_days: int) -> float:
-        """The burn rate that spends ``budget_share`` of a ``window_days`` budget in the long window
-        (14.4, 6, 3 and 1 for 30 days)."""
-        return self.budget_share * window_days * 1440 / self.long_minutes
-
-    @property
-    def long(self) -> str:
-        return duration(self.long_minutes)
-
-    @property
-    def short(self) -> str:
-        return duration(self.short_minutes)
+def burn_alerts(config: SloConfig, severity: Severity | None = None) -> tuple[BurnAlert, ...]:
+    """The config's burn-rate pairs that alert (ticket pairs only with ``tickets``), of ``severity`` if
+    given. The streams worker's ``BurnRateCrossed`` events use the page pairs."""
+    return tuple(
+        a
+        for a in config.alerts.burn
+        if (config.alerts.tickets or a.severity == "page") and severity in (None, a.severity)
+    )
 
 
-PAGE_ALERTS = (
-    BurnAlert("SluiceErrorBudgetBurn1h", 60, 5, 0.02, "page"),
-    BurnAlert("SluiceErrorBudgetBurn6h", 360, 30, 0.05, "page"),
-)
-TICKET_ALERTS = (
-    BurnAlert("SluiceErrorBudgetBurn1d", 1440, 120, 0.10, "ticket"),
-    BurnAlert("SluiceErrorBudgetBurn3d", 4320, 360, 0.10, "ticket"),
-)
-
-
-def burn_alerts(config: SloConfig) -> tuple[BurnAlert, ...]:
-    return PAGE_ALERTS + (TICKET_ALERTS if config.alerts.tickets else ())
-
-
-def windows(config: SloConfig) -> list[int]:
-    """Every window (minutes) some alert reads an error ratio over, shortest first."""
-    return sorted({m for a in burn_alerts(config) for m in (a.long_minutes, a.short_minutes)})
-
-
-def duration(minutes: int) -> str:
-    """A PromQL duration: 5m, 30m, 1h, 6h, 1d, 3d."""
-    if minutes % 1440 == 0:
-        return f"{minutes // 1440}d"
-    if minutes % 60 == 0:
-        return f"{minutes // 60}h"
-    return f"{minutes}m"
+def windows(config: SloConfig, severity: Severity | None = None) -> list[int]:
+    """Every window (minutes) some alert (of ``severity``, if given) reads an error ratio over, shortest
+    first."""
+    return sorted({m for a in burn_alerts(config, severity) for m in (a.long_minutes, a.short_minutes)})
 
 
 def seconds_duration(seconds: float) -> str:

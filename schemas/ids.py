@@ -1,4 +1,5 @@
-"""RFC 9562 UUID version 7 identifiers: 48-bit Unix milliseconds, then 74 random bits.
+"""RFC 9562 UUID version 7 identifiers: 48-bit Unix milliseconds, then 74 random bits; and the sampling seed
+derived from a request id.
 
 Ids made by one process are strictly increasing (RFC 9562 section 6.2, method 2: within one millisecond the
 random part grows by a random increment; on overflow the timestamp moves on by one millisecond), so they sort
@@ -7,6 +8,7 @@ by creation time and make good Kafka/warehouse keys.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import secrets
 import threading
@@ -93,3 +95,13 @@ os.register_at_fork(after_in_child=_GENERATOR.reset)
 def uuid7() -> str:
     """A new UUIDv7, greater than every one this process made before."""
     return _GENERATOR()
+
+
+def derive_seed(request_id: str) -> int:
+    """The sampling seed of a request whose client gave none: the top 63 bits of sha256(request id).
+
+    The edge writes it on the request event and the worker falls back to it for an event without one, so a
+    retried, redelivered or replayed request samples the same tokens. Logged requests carry this value:
+    changing the function would change what a re-run of them produces.
+    """
+    return int.from_bytes(hashlib.sha256(request_id.encode()).digest()[:8], "big") >> 1

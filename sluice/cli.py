@@ -309,17 +309,29 @@ SloConfigOption = Annotated[
     typer.Option(
         "--config",
         "-c",
-        help="SLO config TOML (format: docs/slo.md). Default: the built-in tiers (interactive, batch).",
+        help="SLO config TOML (format: docs/slo.md). Default: the file SLUICE_STREAMS_SLO_FILE names (the "
+        "streams worker's, whose burn-rate events then match these alerts), else the built-in tiers.",
         dir_okay=False,
     ),
 ]
 
 
-def _slo_config(path: Path | None) -> SloConfig:
+def _slo_config(path: Path | None) -> tuple[SloConfig, str]:
+    """The SLO configuration and where it came from: ``path``, else the streams worker's
+    ``SLUICE_STREAMS_SLO_FILE``, else the built-in defaults (one source for its events and these rules)."""
     from monitoring.slo import SloConfigError, load_slo_config
+    from schemas.settings import SettingsError, load_settings
+    from streams.settings import StreamsSettings
 
+    source = str(path)
+    if path is None:
+        try:
+            path = load_settings(StreamsSettings).slo_path
+        except SettingsError as exc:
+            raise fail(str(exc), 2) from None
+        source = "the built-in defaults" if path is None else f"{path} (SLUICE_STREAMS_SLO_FILE)"
     try:
-        return load_slo_config(path)
+        return load_slo_config(path), source
     except SloConfigError as exc:
         raise fail(str(exc), 2) from None
 
@@ -334,7 +346,8 @@ def slo_rules(
 ) -> None:
     """Generate Prometheus recording and alerting rules (YAML) for the SLOs and the Kafka alerts.
 
-    Pages when the 1h and 5m burn rates exceed 14.4x or 6h and 30m exceed 6x; tickets at 1d/2h 3x, 3d/6h 1x.
+    By default pages when the 1h and 5m burn rates exceed 14.4x or 6h and 30m exceed 6x; tickets at 1d/2h
+    3x, 3d/6h 1x ([[alerts.burn]] in the config changes the pairs).
     Drift tickets: a drift verdict persisting, a broken feature pipeline, reports gone stale
     (SLUICE_DRIFT_WINDOW_S, when set, gives the window length).
 
@@ -348,11 +361,8 @@ def slo_rules(
 
     # The drift window the streams worker runs with, when set, wins over the config's [alerts.drift].
     window = load_settings(StreamsSettings).drift_window_s if "SLUICE_DRIFT_WINDOW_S" in os.environ else None
-    text = render_rules(
-        _slo_config(config),
-        source=str(config) if config else "the built-in defaults",
-        drift_window_s=window,
-    )
+    cfg, source = _slo_config(config)
+    text = render_rules(cfg, source=source, drift_window_s=window)
     if out_file is None:
         sys.stdout.write(text)
         return
@@ -368,10 +378,10 @@ def slo_show(config: SloConfigOption = None) -> None:
     """Show the tiers with their models, objectives and error budgets, and the alerts' thresholds."""
     from monitoring.slo import budget_minutes, burn_alerts
 
-    cfg = _slo_config(config)
+    cfg, source = _slo_config(config)
     table = Table(
         "tier", "models", "availability", "time to first token", "inter-token latency", "budget window",
-        title=f"SLOs ({config or 'built-in defaults'})",
+        title=f"SLOs ({source})",
     )  # fmt: skip
     for tier in cfg.tiers:
         models = ", ".join(tier.models)

@@ -58,7 +58,7 @@ from schemas.events import (
 from schemas.settings import PlatformSettings
 from schemas.topics import TopicNames
 from streams.audit import AuditHead, admin_entry, audit_row, request_entry
-from streams.control import LAST_BUDGET_STATES, SPEND_TODAY, WINDOWS, Controller, WindowCounts, burn_sql
+from streams.control import LAST_BUDGET_STATES, SPEND_TODAY, Controller, WindowCounts, burn_sql
 from streams.drift import DriftMonitor, report_row
 from streams.pricing import PriceTable
 from streams.rollout import RolloutController
@@ -277,7 +277,7 @@ class StreamsApp:
                 self._seeded = True
             spend = await self._read(SPEND_TODAY)
             burns: list[dict[str, Any]] = []
-            for minutes in WINDOWS:
+            for minutes in controller.windows:
                 burns += await self._read(burn_sql(minutes))
         except Exception:
             log.exception("control: reading the warehouse failed; trying again next interval")

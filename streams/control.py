@@ -7,8 +7,10 @@ the burn-rate windows, and :class:`Controller` turns them into events *when a st
   falls back under it (a new day, a raised limit). The edge refuses that tenant's new work with 402
   ``budget_exceeded`` while the latest state says exhausted.
 - ``BurnRateCrossed`` (key ``burn:<model>:<slo>``) when a model's availability error budget burns faster
-  than the SRE workbook's fast pair (1h and 5m above 14.4) or slow pair (6h and 30m above 6), and when
-  it stops. The rollout work acts on these.
+  than one of the SLO configuration's page pairs allows (by default the SRE workbook's fast pair, 1h and
+  5m above 14.4, and slow pair, 6h and 30m above 6), and when it stops. These are the pairs and
+  thresholds Prometheus pages on (``sluice slo rules`` with the same file). The rollout work acts on
+  these.
 
 The control topic is compacted, so its latest event per key is the state; a restarted controller reads
 nothing back and may announce a state again, which consumers treat as idempotent.
@@ -24,15 +26,12 @@ from typing import Annotated
 
 import msgspec
 
-from monitoring.slo import PAGE_ALERTS, SloConfig
+from monitoring.slo import SloConfig, burn_alerts, windows
 from schemas.events import BudgetStateChanged, BurnRateCrossed, Event
 from streams import StreamsError
 
 SOURCE = "streams/control"
 NANOS_PER_MICRO = 1000
-
-# The page pairs of monitoring.slo (the same multi-window alerts Prometheus evaluates), in minutes.
-WINDOWS = sorted({m for alert in PAGE_ALERTS for m in (alert.long_minutes, alert.short_minutes)})
 
 
 class BudgetError(StreamsError, ValueError):
@@ -78,6 +77,9 @@ class Controller:
         self._slo = slo
         self._exhausted: dict[str, bool] = {}
         self._firing: dict[tuple[str, str], bool] = {}
+        self._pairs = burn_alerts(slo, "page")
+        # The windows (minutes) burn() needs counts over: those of the page pairs, shortest first.
+        self.windows = windows(slo, "page")
 
     def seed(self, exhausted: Mapping[str, bool]) -> None:
         """The budget states last announced (read back from the warehouse at start), so a tenant that
@@ -116,13 +118,14 @@ class Controller:
             self._firing[(event.model, event.window)] = not event.firing
 
     def burn(self, counts: Mapping[tuple[str, int], WindowCounts]) -> list[Event]:
-        """``counts[(model, minutes)]``: availability errors and eligible requests in that window."""
+        """``counts[(model, minutes)]``: availability errors and eligible requests in that window, for each
+        of :attr:`windows`."""
         events: list[Event] = []
         empty = WindowCounts(0, 0)
         for model in sorted({model for model, _ in counts}):
             tier = self._slo.tier_of(model)
             budget = 1.0 - tier.availability
-            for alert in PAGE_ALERTS:
+            for alert in self._pairs:
                 threshold = alert.threshold(tier.window_days)
                 long_rate = counts.get((model, alert.long_minutes), empty).ratio / budget
                 short_rate = counts.get((model, alert.short_minutes), empty).ratio / budget

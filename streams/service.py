@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -21,7 +20,7 @@ from infra.topics import make_admin
 from infra.warehouse import WarehouseQueryServer, migrate, open_warehouse
 from monitoring import metrics
 from monitoring.ops import Readiness
-from monitoring.slo import load_slo_config
+from monitoring.slo import SloConfig, load_slo_config
 from schemas.settings import PlatformSettings
 from schemas.topics import TopicNames
 from streams.app import StreamsApp
@@ -80,6 +79,7 @@ class StreamsService:
         await self._query_server.start()
         self._producer.start()
         topics = await asyncio.to_thread(request_topics, platform)
+        slo = load_slo_config(settings.slo_path)  # one config for the burn events and the dashboard
         self.streams = StreamsApp(
             platform,
             settings,
@@ -88,7 +88,7 @@ class StreamsService:
             self._producer,
             controller=Controller(
                 load_budgets(settings.streams_budgets_file),
-                load_slo_config(Path(settings.streams_slo_file) if settings.streams_slo_file else None),
+                slo,
             ),
             request_topics=topics,
             app_id=self._app_id,
@@ -98,16 +98,16 @@ class StreamsService:
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/readyz", self._readyz)
-        self._add_dashboard(app)
+        self._add_dashboard(app, slo)
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
         await self._runner.setup()
         await web.TCPSite(self._runner, settings.streams_host, settings.streams_port).start()
         log.info("streams: dashboard and metrics on %s", self.url)
 
-    def _add_dashboard(self, app: web.Application) -> None:
+    def _add_dashboard(self, app: web.Application, slo: SloConfig) -> None:
         from streams.dashboard import Dashboard
 
-        Dashboard(self.query).add_to(app)
+        Dashboard(self.query, slo=slo).add_to(app)
 
     async def query(self, sql: str) -> list[dict[str, Any]]:
         """Run a read on the owner's client (one at a time), rows as dicts."""

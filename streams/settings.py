@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import msgspec
@@ -29,7 +30,8 @@ class StreamsSettings(msgspec.Struct, frozen=True, kw_only=True):
     streams_budgets_file: str | None = None
     """TOML of daily spend limits per tenant (``[daily_usd]`` then ``acme = 25.0``); unset: no limits."""
     streams_slo_file: str | None = None
-    """SLO configuration (``docs/slo.md``) the burn-rate events are computed against; unset: defaults."""
+    """SLO configuration (``docs/slo.md``) the burn-rate events and the dashboard use, and the default of
+    ``sluice slo rules|show --config``; unset: defaults."""
     streams_control_interval_s: Annotated[float, msgspec.Meta(gt=0.0)] = 5.0
     """How often budgets and burn rates are evaluated (and changes published on ``control``)."""
     drift_window_s: Annotated[float, msgspec.Meta(ge=1.0)] = 300.0
@@ -56,3 +58,8 @@ class StreamsSettings(msgspec.Struct, frozen=True, kw_only=True):
     """Tenants evaluated on their own per window (the busiest with enough samples); 0: all tenants only."""
     drift_lookback_windows: Annotated[int, msgspec.Meta(ge=1)] = 288
     """On a first start, how many past windows the monitor may still evaluate."""
+
+    @property
+    def slo_path(self) -> Path | None:
+        """``streams_slo_file`` as a path; None when unset (or empty): the built-in SLO defaults."""
+        return Path(self.streams_slo_file) if self.streams_slo_file else None

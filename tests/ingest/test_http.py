@@ -9,9 +9,8 @@ from datetime import UTC, datetime
 import msgspec
 
 from ingest.models import ModelCatalogue
-from ingest.prepare import derive_seed
 from schemas.events import EmbeddingRequested, GenerationRequested
-from schemas.ids import uuid7_unix_ms
+from schemas.ids import derive_seed, uuid7_unix_ms
 from tests.ingest.conftest import AUTH, EMB, GEN, Client, MakeClient, parse_sse
 from tests.ingest.fake_gateway import FakeGateway
 

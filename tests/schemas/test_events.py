@@ -22,7 +22,7 @@ from schemas.events import (
     event_type_name,
 )
 from schemas.examples import example_events
-from schemas.ids import Uuid7Generator, uuid7, uuid7_from_parts, uuid7_time, uuid7_unix_ms
+from schemas.ids import Uuid7Generator, derive_seed, uuid7, uuid7_from_parts, uuid7_time, uuid7_unix_ms
 
 # --- UUIDv7 -----------------------------------------------------------------------------------------------
 
@@ -85,6 +85,21 @@ def test_uuid7_from_parts_rejects_out_of_range_parts(unix_ms: int, rand: int) ->
 def test_uuid7_unix_ms_rejects_other_versions() -> None:
     with pytest.raises(ValueError, match="version 7"):
         uuid7_unix_ms(str(uuid.uuid4()))
+
+
+# --- the sampling seed ------------------------------------------------------------------------------------
+
+
+def test_seed_is_a_pinned_function_of_the_request_id() -> None:
+    """Logged requests carry this value and replays re-run with it (a redelivered or resumed request must
+    sample the same tokens as before): it must never change."""
+    assert derive_seed("01a20297-4e3d-72a5-8000-000000000000") == 2264185528031817339
+    assert derive_seed("0190a1b2-c3d4-7e5f-8a9b-0c1d2e3f4a5b") == 2156553938529864395
+    assert derive_seed("0190a1b2-c3d4-7e5f-8a9b-0c1d2e3f4a5c") == 8411372545041013622
+    assert derive_seed("") == 8203414616412130826
+    rid = uuid7()
+    assert 0 <= derive_seed(rid) < 2**63
+    assert derive_seed(rid) != derive_seed(uuid7())
 
 
 # --- event types ------------------------------------------------------------------------------------------

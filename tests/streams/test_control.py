@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from monitoring.slo import DEFAULT_CONFIG
+from monitoring.slo import DEFAULT_CONFIG, AlertSettings, BurnAlert, SloConfig
 from schemas.events import BudgetStateChanged, BurnRateCrossed
 from streams.control import BudgetError, Budgets, Controller, WindowCounts, burn_sql, load_budgets
 
@@ -55,6 +55,23 @@ def test_burn_fires_on_both_windows_of_a_pair_and_clears() -> None:
     (cleared,) = controller.burn(healed)
     assert isinstance(cleared, BurnRateCrossed)
     assert not cleared.firing
+
+
+def test_the_burn_windows_and_pairs_come_from_the_slo_config() -> None:
+    """The same config that ``sluice slo rules`` turns into Prometheus pages: its page pairs (not its
+    ticket pairs) are what the controller reads counts over and announces."""
+    assert Controller(Budgets(), DEFAULT_CONFIG).windows == [5, 30, 60, 360]
+    pairs = (
+        BurnAlert(long_minutes=120, short_minutes=10, budget_share=0.05, severity="page"),
+        BurnAlert(long_minutes=2880, short_minutes=240, budget_share=0.1, severity="ticket"),
+    )
+    controller = Controller(Budgets(), SloConfig(alerts=AlertSettings(burn=pairs)))
+    assert controller.windows == [10, 120]
+    # 99.5%: budget 0.005; the 2h/10m pair pages above 0.05 * 30 * 24 / 2 = 18x, i.e. 9% errors in both
+    assert controller.burn({("m", 10): WindowCounts(10, 100), ("m", 120): WindowCounts(80, 1000)}) == []
+    (event,) = controller.burn({("m", 10): WindowCounts(10, 100), ("m", 120): WindowCounts(100, 1000)})
+    assert isinstance(event, BurnRateCrossed)
+    assert (event.window, event.threshold, event.firing) == ("2h/10m", 18.0, True)
 
 
 def test_a_state_that_could_not_be_published_is_announced_again() -> None:

@@ -1,0 +1,291 @@
+"""The generation and embedding runners in this process, without Kafka: the terminal events they build and
+the seed a request without one samples with."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import msgspec
+import pytest
+
+from gpu_workers.batching import BatcherConfig
+from gpu_workers.embedding import EmbeddingEngine
+from gpu_workers.embedding_runner import EmbeddingRunner
+from gpu_workers.engine import GenerationEngine
+from gpu_workers.flush import FlushPolicy
+from gpu_workers.generation import GenerationRunner
+from gpu_workers.models import LoadedModel
+from gpu_workers.scheduler import SchedulerConfig
+from gpu_workers.service import Arrival, Request, Runner
+from schemas.events import (
+    EmbeddingRequested,
+    ErrorInfo,
+    GenerationRequested,
+    RequestFinished,
+    SamplingParams,
+    Timings,
+    TokenChunk,
+    Usage,
+    utc_now,
+)
+from schemas.ids import derive_seed, uuid7
+
+SOURCE = "gpu_workers/test"
+WORKER = "worker-1"
+PROMPT = [5, 6, 7, 8, 9, 10]
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+@dataclass
+class Collected:
+    chunks: list[TokenChunk] = field(default_factory=list)
+    finished: dict[str, RequestFinished] = field(default_factory=dict)
+
+    def chunk(self, arrival: Arrival, chunk: TokenChunk) -> None:
+        self.chunks.append(chunk)
+
+    def finish(self, arrival: Arrival, result: RequestFinished) -> None:
+        assert result.request_id not in self.finished, "one terminal event per request"
+        self.finished[result.request_id] = result
+
+    def joined(self, arrival: Arrival, batch: int, budget_ratio: float) -> None:
+        pass
+
+
+def run(runner: Runner, requests: Sequence[Request], max_ticks: int = 2000) -> Collected:
+    """Accept ``requests`` and tick until each has its terminal event."""
+    out = Collected()
+    for offset, request in enumerate(requests):
+        runner.accept(Arrival(request, ("requests", 0), offset), out)
+    for _ in range(max_ticks):
+        if len(out.finished) == len(requests):
+            return out
+        runner.tick(out)
+    raise AssertionError(f"{len(requests) - len(out.finished)} requests never finished")
+
+
+@pytest.fixture(scope="module")
+def gpt_runner(demo_gpt: LoadedModel) -> GenerationRunner:
+    tokenizer = demo_gpt.tokenizer
+    return GenerationRunner(
+        GenerationEngine(demo_gpt.model, max_batch_size=8, max_context=demo_gpt.manifest.max_context),
+        lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True)),
+        demo_gpt.manifest,
+        source=SOURCE,
+        worker_id=WORKER,
+        scheduler=SchedulerConfig(max_running=8, max_batch_tokens=4096, max_waiting=64),
+        flush=FlushPolicy(max_tokens=4, max_delay_s=0.0),
+    )
+
+
+@pytest.fixture(scope="module")
+def minilm_runner(minilm: LoadedModel) -> EmbeddingRunner:
+    return EmbeddingRunner(
+        EmbeddingEngine(minilm.model, max_length=minilm.manifest.max_context),
+        minilm.manifest,
+        source=SOURCE,
+        worker_id=WORKER,
+        batching=BatcherConfig(max_batch_size=8, max_wait_s=0.0, max_batch_tokens=4096),
+    )
+
+
+def generation(sampling: SamplingParams, **fields: object) -> GenerationRequested:
+    event = GenerationRequested(
+        tenant="acme",
+        model="demo-gpt",
+        request_id=uuid7(),
+        source="test",
+        model_version="v",
+        input_ids=PROMPT,
+        sampling=sampling,
+    )
+    return msgspec.structs.replace(event, **fields)
+
+
+def embedding(**fields: object) -> EmbeddingRequested:
+    event = EmbeddingRequested(
+        tenant="globex",
+        model="all-minilm-l6-v2",
+        request_id=uuid7(),
+        source="test",
+        model_version="v",
+        inputs=[[101, 7592, 102], [101, 2088, 2003, 102]],
+    )
+    return msgspec.structs.replace(event, **fields)
+
+
+def assert_envelope(result: RequestFinished, request: Request) -> None:
+    """What a runner stamps on every terminal event; the request's own fields (version, kind, edge, shadow)
+    are copied in later, at publish (``with_request``), so a runner leaves them empty."""
+    assert (result.tenant, result.model, result.request_id) == (
+        request.tenant,
+        request.model,
+        request.request_id,
+    )
+    assert (result.source, result.worker_id) == (SOURCE, WORKER)
+    assert (result.traceparent, result.tracestate) == (request.traceparent, None)
+    assert (result.model_version, result.kind, result.stream, result.edge_id) == ("", "", False, "")
+    assert (result.idempotency_key, result.shadow_of) == (None, None)
+
+
+NO_USAGE = Usage(prompt_tokens=0, completion_tokens=0, total_tokens=0)
+
+
+def test_a_seedless_request_samples_with_the_seed_the_edge_would_give_it(
+    gpt_runner: GenerationRunner,
+) -> None:
+    """A request published without a seed (not through the edge) samples the same tokens as the edge's
+    copy of it, which carries ``derive_seed(request_id)``."""
+    sampling = SamplingParams(max_tokens=32, temperature=1.0, ignore_eos=True)
+    seedless = generation(sampling)
+    seeded = generation(msgspec.structs.replace(sampling, seed=derive_seed(seedless.request_id)))
+    other = generation(msgspec.structs.replace(sampling, seed=derive_seed(uuid7())))
+    done = run(gpt_runner, [seedless, seeded, other]).finished
+    assert done[seedless.request_id].text == done[seeded.request_id].text
+    assert done[seedless.request_id].text != done[other.request_id].text
+
+
+# --- terminal events ----------------------------------------------------------------------------------------
+
+
+def test_generation_terminal_events(gpt_runner: GenerationRunner) -> None:
+    common = {"traceparent": TRACEPARENT, "shadow_of": uuid7(), "idempotency_key": "k"}
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    completed = generation(greedy, **common)
+    expired = generation(greedy, deadline=utc_now() - timedelta(seconds=1), **common)
+    no_room = generation(greedy, input_ids=[], **common)
+    wrong_kind = embedding(**common)
+    began = utc_now()
+    done = run(gpt_runner, [completed, expired, no_room, wrong_kind]).finished
+    for request in (completed, expired, no_room, wrong_kind):
+        assert_envelope(done[request.request_id], request)
+
+    result = done[completed.request_id]
+    assert (result.status, result.finish_reason, result.error) == ("completed", "length", None)
+    assert result.usage == Usage(prompt_tokens=6, completion_tokens=6, total_tokens=12)
+    assert result.text
+    assert result.embeddings is None
+    assert result.timings.accepted == completed.time
+    assert result.timings.started
+    assert result.timings.first_token
+    assert result.timings.finished
+    assert began <= result.timings.started <= result.timings.first_token <= result.timings.finished
+    assert result.max_inter_token_s is not None
+    assert result.features is not None
+
+    result = done[expired.request_id]
+    assert (result.status, result.finish_reason, result.error, result.text) == (
+        "expired",
+        "deadline",
+        None,
+        None,
+    )
+    assert result.usage == Usage(prompt_tokens=6, completion_tokens=0, total_tokens=6)
+    assert (result.timings.accepted, result.timings.started, result.timings.first_token) == (
+        expired.time,
+        None,
+        None,
+    )
+    assert result.timings.finished is not None
+    assert (result.max_inter_token_s, result.features) == (None, None)
+
+    for request, error in (
+        (
+            no_room,
+            ErrorInfo(code="context_length_exceeded", message="the prompt leaves no room for a completion"),
+        ),
+        (
+            wrong_kind,
+            ErrorInfo(
+                code="wrong_model_kind", message="all-minilm-l6-v2 serves generation, not EmbeddingRequested"
+            ),
+        ),
+    ):
+        result = done[request.request_id]
+        assert (result.status, result.finish_reason, result.usage) == ("failed", "error", NO_USAGE)
+        assert result.error == error
+        assert (result.text, result.embeddings, result.timings) == (None, None, Timings())
+        assert (result.max_inter_token_s, result.features) == (None, None)
+
+
+def test_a_cancelled_generation_ends_cancelled(gpt_runner: GenerationRunner) -> None:
+    request = generation(SamplingParams(max_tokens=6), traceparent=TRACEPARENT)
+    out = Collected()
+    gpt_runner.accept(Arrival(request, ("requests", 0), 0), out)
+    gpt_runner.cancel(request.request_id, out)
+    result = out.finished[request.request_id]
+    assert_envelope(result, request)
+    assert (result.status, result.finish_reason, result.text, result.error) == (
+        "cancelled",
+        "cancelled",
+        None,
+        None,
+    )
+    assert result.usage == Usage(prompt_tokens=6, completion_tokens=0, total_tokens=6)
+    assert (result.timings.accepted, result.timings.started) == (request.time, None)
+
+
+def test_embedding_terminal_events(minilm_runner: EmbeddingRunner) -> None:
+    common = {"traceparent": TRACEPARENT, "shadow_of": uuid7(), "idempotency_key": "k"}
+    completed = embedding(**common)
+    expired = embedding(deadline=utc_now() - timedelta(seconds=1), **common)
+    empty = embedding(inputs=[], **common)
+    wrong_kind = generation(SamplingParams(), **common)
+    done = run(minilm_runner, [completed, expired, empty, wrong_kind]).finished
+    for request in (completed, expired, empty, wrong_kind):
+        assert_envelope(done[request.request_id], request)
+
+    result = done[completed.request_id]
+    assert (result.status, result.finish_reason, result.error, result.text) == (
+        "completed",
+        "stop",
+        None,
+        None,
+    )
+    assert result.usage == Usage(prompt_tokens=7, completion_tokens=0, total_tokens=7)
+    assert result.embeddings is not None
+    assert len(result.embeddings) == 2
+    assert result.timings.accepted == completed.time
+    assert result.timings.started
+    assert result.timings.first_token
+    assert result.timings.finished
+    assert (result.max_inter_token_s, result.features) == (None, None)
+
+    result = done[expired.request_id]
+    assert (result.status, result.finish_reason, result.usage) == ("expired", "deadline", NO_USAGE)
+    assert (result.embeddings, result.error) == (None, None)
+    assert (result.timings.accepted, result.timings.started, result.timings.first_token) == (
+        expired.time,
+        None,
+        None,
+    )
+    assert result.timings.finished is not None
+
+    for request, error in (
+        (empty, ErrorInfo(code="invalid_input", message="no inputs")),
+        (
+            wrong_kind,
+            ErrorInfo(code="wrong_model_kind", message="demo-gpt serves embeddings, not GenerationRequested"),
+        ),
+    ):
+        result = done[request.request_id]
+        assert (result.status, result.finish_reason, result.usage, result.error) == (
+            "failed",
+            "error",
+            NO_USAGE,
+            error,
+        )
+        assert (result.text, result.embeddings, result.timings) == (None, None, Timings())
+
+
+def test_a_cancelled_embedding_ends_cancelled(minilm_runner: EmbeddingRunner) -> None:
+    request = embedding(traceparent=TRACEPARENT)
+    out = Collected()
+    minilm_runner.accept(Arrival(request, ("requests", 0), 0), out)
+    minilm_runner.cancel(request.request_id, out)
+    result = out.finished[request.request_id]
+    assert_envelope(result, request)
+    assert (result.status, result.finish_reason, result.usage) == ("cancelled", "cancelled", NO_USAGE)
+    assert (result.embeddings, result.error, result.timings.started) == (None, None, None)
