@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 from datetime import datetime
-from types import TracebackType
 
 from aiohttp import WSCloseCode, web
 from opentelemetry.trace import SpanKind, Status, StatusCode
@@ -34,7 +33,9 @@ from ingest.prepare import Preparer
 from ingest.settings import EdgeSettings
 from ingest.ws import websocket
 from monitoring import tracing
+from monitoring.ops import bound_port
 from schemas.events import utc_now
+from schemas.lifecycle import AsyncComponent
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
         return error_response(IngestError("The server had an error while processing your request."))
 
 
-class Edge:
+class Edge(AsyncComponent):
     def __init__(
         self,
         settings: EdgeSettings,
@@ -93,6 +94,7 @@ class Edge:
         *,
         clock: Callable[[], datetime] = utc_now,
     ) -> None:
+        super().__init__()
         source = f"ingest/{settings.edge_id}"
         self.ctx = EdgeContext(
             settings=settings,
@@ -122,15 +124,13 @@ class Edge:
     @property
     def port(self) -> int:
         """The bound port once started (useful with ``edge_port=0``)."""
-        if self._runner is None or not self._runner.addresses:
-            raise RuntimeError("the edge is not started")
-        return int(self._runner.addresses[0][1])
+        return bound_port(self._runner, "the edge")
 
     @property
     def url(self) -> str:
         return f"http://{self.ctx.settings.edge_host}:{self.port}"
 
-    async def start(self) -> None:
+    async def _start(self) -> None:
         settings = self.ctx.settings
         self._runner = web.AppRunner(
             self.app, handler_cancellation=True, shutdown_timeout=1.0, access_log=None
@@ -161,12 +161,3 @@ class Edge:
         await ctx.dispatcher.drain()
         if self._runner is not None:
             await self._runner.cleanup()
-
-    async def __aenter__(self) -> Edge:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.stop()

@@ -43,6 +43,7 @@ from schemas.events import (
     TokenChunk,
 )
 from schemas.ids import uuid7_unix_ms
+from schemas.lifecycle import AsyncComponent
 from schemas.topics import TopicNames
 
 log = logging.getLogger(__name__)
@@ -174,7 +175,7 @@ class ReplyStream:
         return [reply]
 
 
-class KafkaGateway:
+class KafkaGateway(AsyncComponent):
     """Implements the edge's Gateway on Kafka. ``start()``/``stop()`` or ``async with``."""
 
     def __init__(
@@ -192,6 +193,7 @@ class KafkaGateway:
         resume_window_s: float = 3600.0,
         resume_index: int = 100_000,
     ) -> None:
+        super().__init__()
         self._bootstrap = bootstrap
         self._names = names
         self.edge_id = edge_id
@@ -207,6 +209,8 @@ class KafkaGateway:
         self._resume_window_s = resume_window_s
         self._resume_index = resume_index
         self._producer = EventProducer(bootstrap, f"ingest/{edge_id}")
+        self._producer.watch(self.fail)
+        self.watch(self._gateway_failed)
         self._streams: dict[str, ReplyStream] = {}
         self._listener: ConsumerThread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -227,15 +231,10 @@ class KafkaGateway:
 
     # ---------------------------------------------------------------- lifecycle
 
-    async def start(self) -> None:
-        """Producer, reply listener, control listener; a failure part-way stops what had started."""
-        try:
-            await self._start()
-        except BaseException:
-            await self.stop()
-            raise
-
     async def _start(self) -> None:
+        """Producer, reply listener, control listener. Any of them dying fails the gateway (:meth:`fail`):
+        open streams fail at once, submits are refused, and ``ready()`` turns false, so budgets and
+        deployments never go stale silently."""
         self._loop = asyncio.get_running_loop()
         self._producer.start()
         start = await asyncio.to_thread(self._partition_end)
@@ -245,7 +244,7 @@ class KafkaGateway:
             self._on_replies,
             assign=[TopicPartition(self._names.replies, self.reply_to.partition, start)],
             name=f"replies-{self.edge_id}",
-            on_failure=self._listener_died,
+            on_failure=self.fail,
         )
         self._listener.start()
         control, self._control_ends = await asyncio.to_thread(
@@ -261,6 +260,7 @@ class KafkaGateway:
                 self._on_control,
                 assign=control,
                 name=f"control-{self.edge_id}",
+                on_failure=self.fail,
             )
             self._control.start()
             # Route by the current deployments from the first request: wait until they are read.
@@ -278,9 +278,9 @@ class KafkaGateway:
                     log.warning("%s had failed", name.strip("_"), exc_info=True)
         await asyncio.to_thread(self._producer.stop)
 
-    def _listener_died(self, exc: BaseException) -> None:
-        """Reply listener thread: nothing will reach the open streams any more; fail them now rather than
-        let each wait for its deadline (their clients get a 503 and may resume on a healthy edge)."""
+    def _gateway_failed(self, exc: BaseException) -> None:
+        """On the failing thread: replies or control are no longer followed; fail the open streams now
+        rather than let each wait for its deadline (their clients get a 503 and may resume elsewhere)."""
         loop = self._loop
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(self._fail_streams, exc)
@@ -289,18 +289,11 @@ class KafkaGateway:
         for stream in list(self._streams.values()):
             stream.fail(GatewayUnavailable(f"this edge stopped receiving replies ({exc}); resume the stream"))
 
-    async def __aenter__(self) -> KafkaGateway:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.stop()
-
     CONTROL_CATCH_UP_S = 30.0
 
     def ready(self) -> bool:
-        control_ok = self._control is None or (self._control.failure is None and self._control_seen.is_set())
-        return self._listener is not None and self._listener.failure is None and control_ok
+        control_ok = self._control is None or self._control_seen.is_set()
+        return self._listener is not None and self.failure is None and control_ok
 
     def deployment(self, model: str) -> Deployment | None:
         return self._deployments.get(model)
@@ -385,8 +378,10 @@ class KafkaGateway:
         self, event: GenerationRequested | EmbeddingRequested, *, resume_after_seq: int | None = None
     ) -> ReplyStream:
         """Publish durably, then return the stream its replies will arrive on."""
-        if self._listener is None or self._listener.failure is not None:
-            raise GatewayUnavailable("this edge is not receiving replies; retry on another edge")
+        if self._listener is None or self.failure is not None:
+            raise GatewayUnavailable(
+                f"this edge lost its connection to the platform ({self.failure}); retry on another edge"
+            )
         stream = ReplyStream(self, event.request_id, event.model, resume_after_seq, self._stream_buffer)
         self._own(event.request_id, event.tenant)
         self._streams[event.request_id] = stream  # registered first: no reply can be missed
