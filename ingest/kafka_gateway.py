@@ -29,8 +29,10 @@ from bus.errors import BusError
 from bus.producer import EventProducer
 from ingest.errors import GatewayUnavailable
 from ingest.gateway import IdempotencyRecord
+from ingest.quota import WINDOW_S
 from monitoring import tracing
 from schemas.codec import DecodeError, decode
+from schemas.coordination import QuotaSync, decode_quota, encode_coordination
 from schemas.deployments import Deployment
 from schemas.events import (
     BudgetStateChanged,
@@ -226,6 +228,8 @@ class KafkaGateway(AsyncComponent):
         self._control_seen = threading.Event()
         """Set once the control listener has read to where the topic ended at start: only then do the
         budgets and deployments reflect the log (``ready()``)."""
+        self._quota: ConsumerThread | None = None
+        self._quota_apply: Callable[[QuotaSync, float], None] | None = None
         self.on_deploy: Callable[[str, Deployment], None] | None = None
         """Told of every deployment before edges route by it (the catalogue preloads its versions)."""
 
@@ -266,9 +270,21 @@ class KafkaGateway(AsyncComponent):
             # Route by the current deployments from the first request: wait until they are read.
             if not await asyncio.to_thread(self._control_seen.wait, self.CONTROL_CATCH_UP_S):
                 log.warning("the control topic was not read to its end within %ss", self.CONTROL_CATCH_UP_S)
+        quota = await asyncio.to_thread(self._recent_quota)
+        if quota is None:
+            log.warning("no quota topic %s: tenants' limits are this edge's alone", self._names.quota)
+        else:
+            self._quota = ConsumerThread(
+                consumer_config(self._bootstrap, None, f"ingest-{self.edge_id}-quota"),
+                self._on_quota,
+                assign=[quota],
+                name=f"quota-{self.edge_id}",
+                on_failure=self.fail,
+            )
+            self._quota.start()
 
     async def stop(self) -> None:
-        for name in ("_control", "_listener"):
+        for name in ("_quota", "_control", "_listener"):
             listener: ConsumerThread | None = getattr(self, name)
             setattr(self, name, None)
             if listener is not None:
@@ -439,6 +455,46 @@ class KafkaGateway(AsyncComponent):
             return ""
         return self._detokenize(model, token_ids)
 
+    # ---------------------------------------------------------------- quota
+
+    async def publish_quota(self, sync: QuotaSync) -> None:
+        """Fire and forget: a snapshot that is lost is replaced by the next one."""
+        self._producer.produce_raw(self._names.quota, encode_coordination(sync), key=sync.edge.encode())
+
+    def follow_quota(self, apply: Callable[[QuotaSync, float], None]) -> None:
+        self._quota_apply = apply
+
+    def _recent_quota(self) -> TopicPartition | None:
+        """Where to start reading the quota topic: one window back, so that what other edges (and this
+        edge's previous life) admitted lately still counts after a restart."""
+        consumer = Consumer(consumer_config(self._bootstrap, None, f"ingest-{self.edge_id}-quota-seek"))
+        try:
+            topic = consumer.list_topics(self._names.quota, timeout=10).topics.get(self._names.quota)
+            if topic is None or topic.error is not None or not topic.partitions:
+                return None
+            since = int((time.time() - WINDOW_S) * 1000)
+            (found,) = consumer.offsets_for_times([TopicPartition(self._names.quota, 0, since)], timeout=10)
+            if found.offset < 0:
+                return TopicPartition(self._names.quota, 0, watermarks(consumer, self._names.quota, 0)[1])
+            return TopicPartition(self._names.quota, 0, found.offset)
+        finally:
+            consumer.close()
+
+    def _on_quota(self, batch: list[Message]) -> None:
+        """Quota listener thread: decode the snapshots and hand them to the loop in one hop per batch."""
+        now_ms = time.time() * 1000
+        syncs: list[tuple[QuotaSync, float]] = []
+        for message in batch:
+            try:
+                sync = decode_quota(message.value() or b"")
+            except msgspec.DecodeError:
+                log.warning("undecodable quota snapshot at offset %s", message.offset())
+                continue
+            syncs.append((sync, max(0.0, (now_ms - sync.time_ms) / 1000)))
+        apply, loop = self._quota_apply, self._loop
+        if syncs and apply is not None and loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(_apply_all, apply, syncs)
+
     # ---------------------------------------------------------------- idempotency
 
     async def lookup_idempotent(self, tenant: str, key: str) -> IdempotencyRecord | None:
@@ -511,6 +567,11 @@ class KafkaGateway(AsyncComponent):
                             return
         finally:
             await asyncio.to_thread(consumer.close)
+
+
+def _apply_all(apply: Callable[[QuotaSync, float], None], syncs: list[tuple[QuotaSync, float]]) -> None:
+    for sync, age in syncs:
+        apply(sync, age)
 
 
 def _reply_of(message: Message, request_id: str) -> Reply | None:
