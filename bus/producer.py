@@ -113,7 +113,7 @@ class EventProducer(Component):
     def produce_raw(
         self,
         topic: str,
-        value: bytes,
+        value: bytes | None,
         *,
         key: bytes | None = None,
         headers: list[tuple[str, bytes]] | None = None,
@@ -160,13 +160,31 @@ class EventProducer(Component):
         self, topic: str, event: Event, *, partition: int | None = None, key: bytes | None = None
     ) -> Delivered:
         """Produce and wait until the record is durable; raises BusError if it is not."""
+        return await self.publish_raw(
+            topic,
+            encode(event),
+            key=kafka_key(event) if key is None else key,
+            headers=headers(event),
+            partition=partition,
+        )
+
+    async def publish_raw(
+        self,
+        topic: str,
+        value: bytes | None,
+        *,
+        key: bytes | None = None,
+        headers: list[tuple[str, bytes]] | None = None,
+        partition: int | None = None,
+    ) -> Delivered:
+        """:meth:`produce_raw` (``value`` None: a tombstone), awaited until durable."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Delivered] = loop.create_future()
 
         def settle(err: BusError | None, where: Delivered | None) -> None:
             loop.call_soon_threadsafe(_settle, future, err, where)
 
-        self.produce(topic, event, partition=partition, key=key, on_delivery=settle)
+        self.produce_raw(topic, value, key=key, headers=headers, partition=partition, on_delivery=settle)
         return await future
 
 

@@ -124,7 +124,11 @@ def platform_topics(
         TopicSpec(
             name=names.idempotency,
             partitions=size.events,
-            config={"cleanup.policy": "compact,delete", "retention.ms": str(DAY_MS), "min.compaction.lag.ms": "0"},
+            config={
+                "cleanup.policy": "compact,delete",
+                "retention.ms": str(DAY_MS),
+                "min.compaction.lag.ms": "0",
+            },
             purpose="idempotency keys claimed by edges, 24 h; key = tenant + key hash (first claim wins)",
         ),
     ]

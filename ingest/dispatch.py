@@ -13,6 +13,7 @@ from typing import Literal
 from ingest.admission import Flight
 from ingest.errors import (
     DeadlineExceeded,
+    GatewayUnavailable,
     IdempotencyInProgress,
     IdempotencyKeyReused,
     InvalidRequest,
@@ -150,7 +151,11 @@ class Dispatcher:
                 "This Idempotency-Key was used with a different request body.", param="Idempotency-Key"
             )
         if record.request_id == event.request_id:
-            return Opened(event.request_id, await self._gateway.submit(event), owner=True)
+            try:
+                return Opened(event.request_id, await self._gateway.submit(event), owner=True)
+            except GatewayUnavailable:  # never published: the key must not point at a request that is not
+                await self._gateway.forget_idempotent(event.tenant, idempotency_key, mine)
+                raise
         stream = await self._gateway.resume(event.tenant, record.request_id, -1)
         stream = TenantChecked(stream, event.tenant) if stream is not None else None
         if stream is None:

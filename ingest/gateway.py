@@ -17,7 +17,8 @@ implementation lives beside it. Its contract:
   snapshot replaces the one before, so a lost one costs nothing); :meth:`Gateway.follow_quota` hands every
   other edge's snapshots, on the event loop, to the admission ledger.
 - :meth:`Gateway.remember_idempotent` stores ``(tenant, key) -> record`` only if absent and returns the
-  stored record (the caller's, or the one that won the race).
+  stored record (the caller's, or the one that won the race, on any edge); :meth:`Gateway.forget_idempotent`
+  withdraws the caller's record when its request could not be published, so a retry can run.
 """
 
 from __future__ import annotations
@@ -87,6 +88,8 @@ class Gateway(Protocol):
     async def remember_idempotent(
         self, tenant: str, key: str, record: IdempotencyRecord
     ) -> IdempotencyRecord: ...
+
+    async def forget_idempotent(self, tenant: str, key: str, record: IdempotencyRecord) -> None: ...
 
     async def publish_quota(self, sync: QuotaSync) -> None: ...
 

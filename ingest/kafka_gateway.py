@@ -29,10 +29,19 @@ from bus.errors import BusError
 from bus.producer import EventProducer
 from ingest.errors import GatewayUnavailable
 from ingest.gateway import IdempotencyRecord
+from ingest.idempotency import ClaimTable
 from ingest.quota import WINDOW_S
 from monitoring import tracing
 from schemas.codec import DecodeError, decode
-from schemas.coordination import QuotaSync, decode_quota, encode_coordination
+from schemas.coordination import (
+    IdempotencyClaim,
+    QuotaSync,
+    claim_key,
+    decode_claim,
+    decode_quota,
+    encode_coordination,
+    key_digest,
+)
 from schemas.deployments import Deployment
 from schemas.events import (
     BudgetStateChanged,
@@ -72,8 +81,11 @@ class ReplyStream:
         *,
         tenant: str | None = None,
         from_log: int | None = None,
+        partition: int | None = None,
     ) -> None:
         self._gateway = gateway
+        self._partition = partition
+        """The replies partition to read from the log (None: this edge's own)."""
         self.request_id = request_id
         self._model = model
         self._queue: collections.deque[tuple[int, Reply]] = collections.deque()
@@ -120,7 +132,7 @@ class ReplyStream:
                 if not self._queue:
                     if self._lagging_from is not None:
                         async for offset, reply in self._gateway.read_log(
-                            self.request_id, self._lagging_from
+                            self.request_id, self._lagging_from, self._partition
                         ):
                             self._lagging_from = offset + 1
                             for out in self._accept(reply):
@@ -191,7 +203,7 @@ class KafkaGateway(AsyncComponent):
         detokenize: Detokenize | None = None,
         stream_buffer: int = 1024,
         idempotency_ttl_s: float = 24 * 3600,
-        idempotency_max: int = 100_000,
+        idempotency_per_tenant: int = 10_000,
         resume_window_s: float = 3600.0,
         resume_index: int = 100_000,
     ) -> None:
@@ -216,11 +228,14 @@ class KafkaGateway(AsyncComponent):
         self._streams: dict[str, ReplyStream] = {}
         self._listener: ConsumerThread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._idem: collections.OrderedDict[tuple[str, str], tuple[float, IdempotencyRecord]] = (
-            collections.OrderedDict()
-        )
-        self._idem_ttl = idempotency_ttl_s
-        self._idem_max = idempotency_max
+        self._claims = ClaimTable(per_tenant=idempotency_per_tenant, ttl_s=idempotency_ttl_s)
+        """Idempotency keys claimed by any edge, from the ``idempotency`` topic (applied on the loop)."""
+        self._claims_reader: ConsumerThread | None = None
+        self._claims_read: dict[int, int] = {}
+        """Per partition of the idempotency topic, the next offset the reader will apply."""
+        self._claims_waiting: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._claims_caught_up = asyncio.Event()
+        self._claims_ends: dict[int, int] = {}
         self._control: ConsumerThread | None = None
         self._exhausted: set[str] = set()
         self._deployments: dict[str, Deployment] = {}
@@ -282,9 +297,32 @@ class KafkaGateway(AsyncComponent):
                 on_failure=self.fail,
             )
             self._quota.start()
+        claims, ends = await asyncio.to_thread(
+            control_start, self._bootstrap, self._names.idempotency, f"ingest-{self.edge_id}-claims"
+        )
+        if not claims:
+            log.warning("no idempotency topic %s: Idempotency-Key is refused", self._names.idempotency)
+        else:
+            self._claims_ends = {p: end for p, end in ends.items() if end > 0}
+            if not self._claims_ends:
+                self._claims_caught_up.set()
+            self._claims_reader = ConsumerThread(
+                consumer_config(self._bootstrap, None, f"ingest-{self.edge_id}-claims"),
+                self._on_claims,
+                assign=claims,
+                name=f"claims-{self.edge_id}",
+                on_failure=self.fail,
+            )
+            self._claims_reader.start()
+            try:  # every key claimed in the last day, by any edge, before the first request
+                await asyncio.wait_for(self._claims_caught_up.wait(), self.CONTROL_CATCH_UP_S)
+            except TimeoutError:
+                log.warning(
+                    "the idempotency topic was not read to its end within %ss", self.CONTROL_CATCH_UP_S
+                )
 
     async def stop(self) -> None:
-        for name in ("_quota", "_control", "_listener"):
+        for name in ("_claims_reader", "_quota", "_control", "_listener"):
             listener: ConsumerThread | None = getattr(self, name)
             setattr(self, name, None)
             if listener is not None:
@@ -437,13 +475,26 @@ class KafkaGateway(AsyncComponent):
         this edge holds the request for this tenant: an unknown or foreign id costs a lookup, never a
         scan of the log."""
         owner = self.owner(request_id)
+        partition = self.reply_to.partition
         if owner is None or owner[0] != tenant:
-            return None  # never another tenant's stream, nor a made-up one
+            claimed = self._claims.by_request(tenant, request_id)
+            if claimed is None:
+                return None  # never another tenant's stream, nor a made-up one
+            # another edge's request, named by an idempotency claim: its replies are on that edge's
+            # partition, from a moment before the claim (a bounded read, not a scan for an unknown id)
+            owner, partition = (tenant, None), claimed.reply_partition
         start = owner[1]
-        if start is None:  # submitted here, no reply yet: from a moment before it was accepted
-            start = await asyncio.to_thread(self._offset_at, uuid7_unix_ms(request_id) - 5_000)
+        if start is None:  # no reply seen yet: from a moment before it was accepted
+            start = await asyncio.to_thread(self._offset_at, uuid7_unix_ms(request_id) - 5_000, partition)
         return ReplyStream(
-            self, request_id, "", after_seq, self._stream_buffer, tenant=tenant, from_log=start
+            self,
+            request_id,
+            "",
+            after_seq,
+            self._stream_buffer,
+            tenant=tenant,
+            from_log=start,
+            partition=partition,
         )
 
     def forget(self, request_id: str, stream: ReplyStream) -> None:
@@ -497,22 +548,102 @@ class KafkaGateway(AsyncComponent):
 
     # ---------------------------------------------------------------- idempotency
 
+    CLAIM_WAIT_S = 10.0
+
     async def lookup_idempotent(self, tenant: str, key: str) -> IdempotencyRecord | None:
-        entry = self._idem.get((tenant, key))
-        if entry is None or entry[0] < time.monotonic():
-            return None
-        return entry[1]
+        claim = self._claims.get(tenant, key_digest(key), time.time() * 1000)
+        return (
+            None
+            if claim is None
+            else IdempotencyRecord(request_id=claim.request_id, body_hash=claim.body_hash)
+        )
 
     async def remember_idempotent(
         self, tenant: str, key: str, record: IdempotencyRecord
     ) -> IdempotencyRecord:
-        existing = await self.lookup_idempotent(tenant, key)
-        if existing is not None:
-            return existing
-        self._idem[(tenant, key)] = (time.monotonic() + self._idem_ttl, record)
-        while len(self._idem) > self._idem_max:
-            self._idem.popitem(last=False)
-        return record
+        """Claim ``key`` on the log and return the record of the claim that won it (in log order, on every
+        edge alike): ``record`` itself, or an earlier claim's, whose stream the caller then replays."""
+        if self._claims_reader is None:
+            raise GatewayUnavailable("idempotency keys are not available on this edge (no idempotency topic)")
+        claim = IdempotencyClaim(
+            tenant=tenant,
+            key_sha256=key_digest(key),
+            request_id=record.request_id,
+            body_hash=record.body_hash,
+            edge=self.edge_id,
+            reply_partition=self.reply_to.partition,
+            time_ms=int(time.time() * 1000),
+        )
+        try:
+            partition, offset = await self._producer.publish_raw(
+                self._names.idempotency, encode_coordination(claim), key=claim_key(tenant, key)
+            )
+        except BusError as exc:
+            raise GatewayUnavailable(f"cannot record the idempotency key: {exc}") from exc
+        await self._claims_passed(partition, offset)
+        won = self._claims.get(tenant, claim.key_sha256, time.time() * 1000)
+        if won is None:  # withdrawn meanwhile by its winner's failed publish: ours was after it
+            raise GatewayUnavailable("the idempotency key was released by a failed request; retry")
+        return IdempotencyRecord(request_id=won.request_id, body_hash=won.body_hash)
+
+    async def forget_idempotent(self, tenant: str, key: str, record: IdempotencyRecord) -> None:
+        """Withdraw this edge's winning claim of ``key`` (its request was never published)."""
+        held = self._claims.get(tenant, key_digest(key), time.time() * 1000)
+        if held is None or held.request_id != record.request_id:
+            return
+        self._claims.withdraw(tenant, held.key_sha256)
+        try:
+            await self._producer.publish_raw(self._names.idempotency, None, key=claim_key(tenant, key))
+        except BusError:
+            log.warning("could not withdraw the idempotency claim of %s", record.request_id, exc_info=True)
+
+    async def _claims_passed(self, partition: int, offset: int) -> None:
+        """Wait until the reader has applied the record at ``offset`` (and so every claim before it)."""
+        if self._claims_read.get(partition, 0) > offset:
+            return
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._claims_waiting.append((partition, offset, future))
+        try:
+            await asyncio.wait_for(future, self.CLAIM_WAIT_S)
+        except TimeoutError as exc:
+            raise GatewayUnavailable("the idempotency topic is not being read; retry") from exc
+
+    def _on_claims(self, batch: list[Message]) -> None:
+        """Claims reader thread: decode, then apply on the loop in one hop per batch."""
+        read: list[tuple[int, int, bytes | None, IdempotencyClaim | None]] = []
+        for message in batch:
+            value, claim = message.value(), None
+            if value is not None:
+                try:
+                    claim = decode_claim(value)
+                except msgspec.DecodeError:
+                    log.warning("undecodable idempotency claim at offset %s", message.offset())
+            read.append((message.partition() or 0, message.offset() or 0, message.key(), claim))
+        loop = self._loop
+        if read and loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._apply_claims, read)
+
+    def _apply_claims(self, read: list[tuple[int, int, bytes | None, IdempotencyClaim | None]]) -> None:
+        now_ms = time.time() * 1000
+        for partition, offset, key, claim in read:
+            if claim is not None:
+                self._claims.apply(claim, now_ms)
+            elif key is not None:  # a tombstone: the key's winner withdrew it
+                tenant, _, digest = key.decode(errors="replace").partition("\x00")
+                self._claims.withdraw(tenant, digest)
+            self._claims_read[partition] = offset + 1
+            if offset + 1 >= self._claims_ends.get(partition, 0):
+                self._claims_ends.pop(partition, None)
+        if not self._claims_ends:
+            self._claims_caught_up.set()
+        waiting = []
+        for partition, offset, future in self._claims_waiting:
+            if self._claims_read.get(partition, 0) > offset:
+                if not future.done():
+                    future.set_result(None)
+            elif not future.done():
+                waiting.append((partition, offset, future))
+        self._claims_waiting = waiting
 
     # ---------------------------------------------------------------- replies
 
@@ -539,21 +670,26 @@ class KafkaGateway(AsyncComponent):
 
     # ---------------------------------------------------------------- the log
 
-    def _offset_at(self, unix_ms: int) -> int:
+    def _offset_at(self, unix_ms: int, partition: int | None = None) -> int:
+        partition = self.reply_to.partition if partition is None else partition
         consumer = Consumer(consumer_config(self._bootstrap, None, f"ingest-{self.edge_id}-seek"))
         try:
-            tp = TopicPartition(self._names.replies, self.reply_to.partition, max(unix_ms, 0))
+            tp = TopicPartition(self._names.replies, partition, max(unix_ms, 0))
             (found,) = consumer.offsets_for_times([tp], timeout=10)
             if found.offset < 0:  # nothing at or after that time
-                return watermarks(consumer, self._names.replies, self.reply_to.partition)[1]
+                return watermarks(consumer, self._names.replies, partition)[1]
             return int(found.offset)
         finally:
             consumer.close()
 
-    async def read_log(self, request_id: str, start: int) -> AsyncIterator[tuple[int, Reply]]:
-        """This request's replies from ``start`` on, until its terminal event (waits for live ones)."""
+    async def read_log(
+        self, request_id: str, start: int, partition: int | None = None
+    ) -> AsyncIterator[tuple[int, Reply]]:
+        """This request's replies from ``start`` on, until its terminal event (waits for live ones), on this
+        edge's partition or another's."""
         consumer = Consumer(consumer_config(self._bootstrap, None, f"ingest-{self.edge_id}-log"))
-        consumer.assign([TopicPartition(self._names.replies, self.reply_to.partition, start)])
+        partition = self.reply_to.partition if partition is None else partition
+        consumer.assign([TopicPartition(self._names.replies, partition, start)])
         try:
             while True:
                 messages = await asyncio.to_thread(consumer.consume, 500, 0.2)

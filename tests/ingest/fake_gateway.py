@@ -163,6 +163,10 @@ class FakeGateway:
             record = self.race_record
         return self.idempotency.setdefault((tenant, key), record)
 
+    async def forget_idempotent(self, tenant: str, key: str, record: IdempotencyRecord) -> None:
+        if self.idempotency.get((tenant, key)) == record:
+            del self.idempotency[(tenant, key)]
+
     async def publish_quota(self, sync: QuotaSync) -> None:
         self.quota_published.append(sync)
         for gateway in self._quota_bus:
