@@ -8,7 +8,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from types import TracebackType
 from typing import Any
 
 import msgspec
@@ -19,6 +18,7 @@ from bus.producer import EventProducer
 from monitoring.metrics import CONSUMER_LAG, DEAD_LETTERS
 from schemas.codec import DecodeError, decode
 from schemas.events import DeadLetter, Event
+from schemas.lifecycle import Component, Watcher
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ def consumer_config(bootstrap: str, group_id: str | None, client_id: str, **over
     return config
 
 
-class ConsumerThread:
+class ConsumerThread(Component):
     """Poll one consumer on a dedicated thread and pass each non-empty batch to ``handler`` there.
 
     Either ``subscribe`` to topics as a member of the consumer group in the config, or ``assign`` fixed
@@ -78,10 +78,11 @@ class ConsumerThread:
         name: str = "kafka-consumer",
         batch_size: int = 500,
         stats_interval_ms: int = 5_000,
-        on_failure: Callable[[BaseException], None] | None = None,
+        on_failure: Watcher | None = None,
     ) -> None:
-        """``on_failure(exc)`` is told (on the polling thread) when the thread dies of an error: the handler
-        raised, or the client hit a fatal error; owners fail what waits on this consumer."""
+        """``on_failure(exc)`` is watched (:meth:`watch`): told on the polling thread when the thread dies of
+        an error (the handler raised, or the client hit a fatal error), so owners fail what waits on it."""
+        super().__init__()
         if bool(subscribe) == bool(assign):
             raise ValueError("give exactly one of subscribe= or assign=")
         self._config = config
@@ -89,15 +90,15 @@ class ConsumerThread:
         self._subscribe = list(subscribe)
         self._assign = list(assign)
         self._on_revoke = on_revoke
-        self._on_failure = on_failure
-        self._name = name
+        if on_failure is not None:
+            self.watch(on_failure)
+        self.name = name
         self._batch_size = batch_size
         self._commits: queue.SimpleQueue[tuple[dict[TP, int], CommitFailed | None]] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._thread: threading.Thread | None = None
         self._consumer: Consumer | None = None
-        self.failure: BaseException | None = None
         self._stats_interval_ms = stats_interval_ms
         self._group = str(config.get("group.id", ""))
         self._read_committed = config.get("isolation.level", "read_committed") == "read_committed"
@@ -105,7 +106,7 @@ class ConsumerThread:
         self._owned: set[TP] = set()
         self._lags: dict[TP, int] = {}
 
-    def start(self) -> None:
+    def _start(self) -> None:
         if self._thread is not None:
             return
         config = dict(self._config)
@@ -122,7 +123,7 @@ class ConsumerThread:
                 self._owned.update((tp.topic, tp.partition) for tp in self._assign)
             self._consumer.assign(self._assign)
             self._ready.set()
-        self._thread = threading.Thread(target=self._serve, name=self._name, daemon=True)
+        self._thread = threading.Thread(target=self._serve, name=self.name, daemon=True)
         self._thread.start()
 
     def wait_assigned(self, timeout: float) -> bool:
@@ -179,7 +180,7 @@ class ConsumerThread:
         try:
             self._record_lag(_STATS.decode(stats_json))
         except Exception:
-            log.exception("%s: cannot read lag from librdkafka statistics", self._name)
+            log.exception("%s: cannot read lag from librdkafka statistics", self.name)
 
     def _record_lag(self, stats: _Stats) -> None:
         with self._lag_lock:
@@ -211,13 +212,8 @@ class ConsumerThread:
                     self._handler(batch)
             self._flush_commits()
         except BaseException as exc:  # surfaced by stop(); logging here too so it is never silent
-            log.exception("%s stopped on an error", self._name)
-            self.failure = exc
-            if self._on_failure is not None:
-                try:
-                    self._on_failure(exc)
-                except Exception:
-                    log.exception("%s: its failure callback raised", self._name)
+            log.exception("%s stopped on an error", self.name)
+            self.fail(exc)
         finally:
             consumer.close()
             self._disown()
@@ -254,16 +250,7 @@ class ConsumerThread:
             self._thread.join()
             self._thread = None
         if self.failure is not None:
-            raise BusError(f"{self._name} failed: {self.failure}") from self.failure
-
-    def __enter__(self) -> ConsumerThread:
-        self.start()
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
+            raise BusError(f"{self.name} failed: {self.failure}") from self.failure
 
 
 def _benign_error(message: Message) -> bool:

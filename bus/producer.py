@@ -7,7 +7,6 @@ import itertools
 import logging
 import threading
 from collections.abc import Callable
-from types import TracebackType
 from typing import Any
 
 from confluent_kafka import KafkaError, Message, Producer
@@ -15,6 +14,7 @@ from confluent_kafka import KafkaError, Message, Producer
 from bus.errors import BusError
 from schemas.codec import MAX_RECORD_BYTES, encode, headers, kafka_key
 from schemas.events import Event
+from schemas.lifecycle import Component
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ def producer_config(bootstrap: str, client_id: str, **overrides: Any) -> dict[st
     return config
 
 
-class EventProducer:
+class EventProducer(Component):
     """Produce events from any thread; await durability from asyncio.
 
     One background thread serves delivery reports (``poll``), so callers never block on the network.
@@ -52,6 +52,7 @@ class EventProducer:
     """
 
     def __init__(self, bootstrap: str, client_id: str, **overrides: Any) -> None:
+        super().__init__()
         self._producer = Producer(producer_config(bootstrap, client_id, **overrides))
         self._running = False
         self._thread: threading.Thread | None = None
@@ -59,10 +60,8 @@ class EventProducer:
         """Delivery callbacks not yet called, so a dead poll thread can fail them all (none waits forever)."""
         self._tokens = itertools.count()
         self._lock = threading.Lock()
-        self.failure: BaseException | None = None
-        """Why the delivery thread stopped, if it did: every later produce raises it as a BusError."""
 
-    def start(self) -> None:
+    def _start(self) -> None:
         if self._running:
             return
         self._running = True
@@ -75,7 +74,7 @@ class EventProducer:
                 self._producer.poll(0.05)
         except BaseException as exc:  # fail every waiting caller instead of leaving them hanging
             log.exception("the producer's delivery thread failed")
-            self.failure = exc
+            self.fail(exc)  # every later produce raises it as a BusError
             with self._lock:
                 waiting = list(self._pending.values())
                 self._pending.clear()
@@ -92,15 +91,6 @@ class EventProducer:
         self._producer.close()  # otherwise librdkafka keeps reconnecting until garbage collection
         if remaining:
             raise BusError(f"{remaining} record(s) were not delivered within {timeout:.0f}s of shutdown")
-
-    def __enter__(self) -> EventProducer:
-        self.start()
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
 
     def produce(
         self,
@@ -123,7 +113,7 @@ class EventProducer:
     def produce_raw(
         self,
         topic: str,
-        value: bytes,
+        value: bytes | None,
         *,
         key: bytes | None = None,
         headers: list[tuple[str, bytes]] | None = None,
@@ -170,13 +160,31 @@ class EventProducer:
         self, topic: str, event: Event, *, partition: int | None = None, key: bytes | None = None
     ) -> Delivered:
         """Produce and wait until the record is durable; raises BusError if it is not."""
+        return await self.publish_raw(
+            topic,
+            encode(event),
+            key=kafka_key(event) if key is None else key,
+            headers=headers(event),
+            partition=partition,
+        )
+
+    async def publish_raw(
+        self,
+        topic: str,
+        value: bytes | None,
+        *,
+        key: bytes | None = None,
+        headers: list[tuple[str, bytes]] | None = None,
+        partition: int | None = None,
+    ) -> Delivered:
+        """:meth:`produce_raw` (``value`` None: a tombstone), awaited until durable."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Delivered] = loop.create_future()
 
         def settle(err: BusError | None, where: Delivered | None) -> None:
             loop.call_soon_threadsafe(_settle, future, err, where)
 
-        self.produce(topic, event, partition=partition, key=key, on_delivery=settle)
+        self.produce_raw(topic, value, key=key, headers=headers, partition=partition, on_delivery=settle)
         return await future
 
 

@@ -190,11 +190,12 @@ def run_worker(
     )
     with ops:
         log.info("worker %s: metrics and health on %s", service.worker_id, ops.url)
+        service.watch(lambda _: stop.set())  # the first failure of any of its threads ends the wait
         service.start()
         log.info("worker %s serving %s", service.worker_id, model_id)
         try:
-            while not stop.wait(0.5):
-                if service.failure is not None:
-                    raise service.failure
+            stop.wait()
+            if service.failure is not None:
+                raise service.failure
         finally:
             service.stop()

@@ -54,6 +54,7 @@ from schemas.events import (
     Usage,
 )
 from schemas.events import Status as RequestStatus
+from schemas.lifecycle import Component
 from schemas.manifest import ManifestError
 from schemas.topics import TopicNames
 
@@ -152,8 +153,12 @@ _Inbox = Arrival | _Skip | _Cancel | _Deploy
 Placement = Literal["run", "hold", "adopt", "drop"]
 
 
-class WorkerService:
-    """Serve one model from its request topic. ``start()``/``stop()`` or ``with``."""
+class WorkerService(Component):
+    """Serve one model from its request topic. ``start()``/``stop()`` or ``with``.
+
+    The worker fails (:attr:`failure`, told to :meth:`watch`-ers) when its model thread or any of its
+    Kafka threads (requests, cancels, the results tail, control) dies: it cannot keep its invariants
+    without each of them, so its supervisor stops it and starts it again."""
 
     def __init__(
         self,
@@ -169,8 +174,11 @@ class WorkerService:
         probe_factory: Callable[[], FeatureProbe] | None = None,
         version: str = "",
         adopt_grace_s: float = 10.0,
+        start_timeout_s: float = 120.0,
     ) -> None:
+        super().__init__()
         self.model_id = model_id
+        self._start_timeout_s = start_timeout_s
         self.version = version
         """The model version this worker runs ("" : any, and no deployment is followed)."""
         self._adopt_grace_s = adopt_grace_s
@@ -220,6 +228,7 @@ class WorkerService:
             subscribe=[names.requests(model_id)],
             on_revoke=self._on_revoke,
             name=f"requests-{model_id}",
+            on_failure=self.fail,
         )
         self._cancels: ConsumerThread | None = None
         self._control: ConsumerThread | None = None
@@ -229,19 +238,12 @@ class WorkerService:
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._thread: threading.Thread | None = None
-        self.failure: BaseException | None = None
 
     # ---------------------------------------------------------------- lifecycle
 
-    def start(self, timeout: float = 120.0) -> None:
+    def _start(self) -> None:
         """Load the model, learn which requests already finished, then start consuming."""
-        try:
-            self._start(timeout)
-        except BaseException:
-            self.stop()
-            raise
-
-    def _start(self, timeout: float) -> None:
+        timeout = self._start_timeout_s
         self._producer.start()
         ends = self._learn_finished()
         # Then keep learning: another worker may finish a request whose record this one is handed after a
@@ -251,6 +253,7 @@ class WorkerService:
             self._on_results,
             assign=[TopicPartition(self._names.results, p, end) for p, end in ends.items()],
             name=f"results-{self.model_id}",
+            on_failure=self.fail,
         )
         self._results_tail.start()
         self._cancels = ConsumerThread(
@@ -258,6 +261,7 @@ class WorkerService:
             self._on_cancels,
             assign=_all_partitions_at_end(self._bootstrap, self._names.cancels),
             name=f"cancels-{self.model_id}",
+            on_failure=self.fail,
         )
         self._cancels.start()
         if self.version:
@@ -280,7 +284,7 @@ class WorkerService:
         lag = self._requests.max_lag() or 0
         return Readiness.of(
             model_loaded=self._ready.is_set() and self.failure is None,
-            kafka=self._requests.failure is None and self._requests.wait_assigned(0),
+            kafka=self.failure is None and self._requests.wait_assigned(0),
             lag_ok=lag <= max_lag,
             lag=lag,
         )
@@ -295,18 +299,14 @@ class WorkerService:
             self._thread = None
         for listener in (self._cancels, self._results_tail, self._control):
             if listener is not None:
-                listener.stop()
+                try:
+                    listener.stop()
+                except BusError:  # already the worker's failure: the rest must still stop
+                    log.warning("stopping %s: it had failed", listener.name, exc_info=True)
         self._cancels = self._results_tail = self._control = None
         self._producer.stop()  # the last delivery reports land in self._durable
         self._commit()
         self._requests.stop()  # performs the queued commit, then leaves the group
-
-    def __enter__(self) -> WorkerService:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
     # ---------------------------------------------------------------- consumer threads
 
@@ -355,6 +355,7 @@ class WorkerService:
             self._on_control,
             assign=[TopicPartition(control, tp.partition, ends[tp.partition]) for tp in tps],
             name=f"control-{self.model_id}",
+            on_failure=self.fail,
         )
         self._control.start()
 
@@ -445,7 +446,7 @@ class WorkerService:
             runner = self._runner_factory()
             self._probe = self._probe_factory() if self._probe_factory is not None else None
         except BaseException as exc:
-            self.failure = exc
+            self.fail(exc)
             self._ready.set()
             return
         self._ready.set()
@@ -460,7 +461,7 @@ class WorkerService:
                 self._commit()
         except BaseException as exc:
             log.exception("model thread for %s failed", self.model_id)
-            self.failure = exc
+            self.fail(exc)
 
     def _drain(self, runner: Runner, emit: Emitter, block: float | None) -> None:
         self._learn_from_tail()

@@ -20,7 +20,8 @@ from confluent_kafka.admin import (
 from infra.errors import InfraError
 from schemas.topics import TopicNames
 
-DAY_MS = 24 * 60 * 60 * 1000
+HOUR_MS = 60 * 60 * 1000
+DAY_MS = 24 * HOUR_MS
 
 
 class TopicSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -113,6 +114,22 @@ def platform_topics(
             partitions=1,
             config=retained(14),
             purpose="events no consumer could decode, with the reason",
+        ),
+        TopicSpec(
+            name=names.quota,
+            partitions=1,
+            config={**delete, "retention.ms": str(HOUR_MS)},
+            purpose="each edge's admitted requests and tokens per tenant and model (shared limits)",
+        ),
+        TopicSpec(
+            name=names.idempotency,
+            partitions=size.events,
+            config={
+                "cleanup.policy": "compact,delete",
+                "retention.ms": str(DAY_MS),
+                "min.compaction.lag.ms": "0",
+            },
+            purpose="idempotency keys claimed by edges, 24 h; key = tenant + key hash (first claim wins)",
         ),
     ]
     return specs

@@ -1,17 +1,19 @@
-"""Admission: per-tenant rate (token bucket) and concurrency limits, and the registry of in-flight requests
-that graceful shutdown drains and cancels."""
+"""Admission: per-tenant limits shared by every edge (:mod:`ingest.quota`), the budget gate, and the
+registry of in-flight requests that graceful shutdown drains and cancels."""
 
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Callable, Iterator
+import secrets
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from ingest.auth import Tenant
-from ingest.errors import BudgetExceeded, RateLimited, Unavailable
+from ingest.errors import BudgetExceeded, InvalidRequest, RateLimited, Unavailable
+from ingest.quota import ALL_MODELS, Key, Limits, QuotaExceeded, QuotaLedger, Reservation
 from monitoring import metrics
+from schemas.events import EmbeddingRequested, GenerationRequested, RequestFinished
 
 
 @dataclass(eq=False)
@@ -25,21 +27,23 @@ class Flight:
     """True when this edge submitted it: only the owner cancels it on disconnect, timeout or shutdown."""
     task: asyncio.Task[object] | None = None
     cancel_sent: bool = False
+    reservation: Reservation | None = None
 
 
-@dataclass
-class _Bucket:
-    tokens: float
-    stamp: float
+def reserved_tokens(event: GenerationRequested | EmbeddingRequested) -> int:
+    """What a request may use, reserved at admission: prompt + ``max_tokens``, or every input's tokens."""
+    if isinstance(event, GenerationRequested):
+        return len(event.input_ids) + event.sampling.max_tokens
+    return sum(len(tokens) for tokens in event.inputs)
 
 
 @dataclass
 class Admission:
-    clock: Callable[[], float] = time.monotonic
     accepting: bool = True
-    _buckets: dict[str, _Bucket] = field(default_factory=dict)
+    ledger: QuotaLedger = field(default_factory=lambda: QuotaLedger(f"edge-{secrets.token_hex(4)}"))
+    tenants: dict[str, Tenant] = field(default_factory=dict)
+    """The tenants seen (name -> its limits), for the sync to know every key's limits."""
     _flights: set[Flight] = field(default_factory=set)
-    _per_tenant: dict[str, int] = field(default_factory=dict)
     _idle: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:
@@ -53,33 +57,45 @@ class Admission:
             )
 
     def check_rate(self, tenant: Tenant) -> None:
-        """Take one token from the tenant's bucket, or raise :class:`RateLimited`."""
-        if tenant.requests_per_s is None:
-            return
-        capacity = float(tenant.burst or max(1, round(tenant.requests_per_s)))
-        now = self.clock()
-        bucket = self._buckets.setdefault(tenant.name, _Bucket(tokens=capacity, stamp=now))
-        bucket.tokens = min(capacity, bucket.tokens + (now - bucket.stamp) * tenant.requests_per_s)
-        bucket.stamp = now
-        if bucket.tokens < 1.0:
-            raise RateLimited(f"Rate limit reached for tenant {tenant.name}: {tenant.requests_per_s}/s.")
-        bucket.tokens -= 1.0
+        """Refuse before any work on the body when the tenant is already at one of its limits."""
+        try:
+            self.ledger.precheck((tenant.name, ALL_MODELS), tenant.total)
+        except QuotaExceeded as exc:
+            raise _refused(exc) from None
+
+    def limits_of(self, key: Key) -> Limits | None:
+        tenant = self.tenants.get(key[0])
+        return tenant.limits(key[1]) if tenant is not None else None
+
+    def settle(self, flight: Flight, finished: RequestFinished) -> None:
+        """Replace the flight's token reservation with what its request used."""
+        if flight.reservation is not None and finished.usage is not None:
+            self.ledger.reconcile(flight.reservation, finished.usage.total_tokens)
 
     @contextmanager
-    def flight(self, tenant: Tenant, model: str, request_id: str, *, owner: bool) -> Iterator[Flight]:
-        """Register a request for its lifetime; refuse it when shutting down or over the tenant's limit."""
+    def flight(
+        self, tenant: Tenant, model: str, request_id: str, *, owner: bool, tokens: int = 0
+    ) -> Iterator[Flight]:
+        """Register a request for its lifetime, reserving one request, ``tokens`` tokens and one place in
+        flight under the tenant's limits (a resume reserves no tokens, but counts); refuse it when shutting
+        down or over a limit (429 with ``Retry-After``)."""
         if not self.accepting:
             raise Unavailable("The server is shutting down; retry on another instance.", code="shutting_down")
-        running = self._per_tenant.get(tenant.name, 0)
-        if tenant.max_concurrency is not None and running >= tenant.max_concurrency:
-            raise RateLimited(
-                f"Too many concurrent requests for tenant {tenant.name} (limit {tenant.max_concurrency}).",
-                code="concurrency_limit_exceeded",
-            )
+        self.tenants[tenant.name] = tenant
+        try:
+            reservation = self.ledger.admit(tenant.checks(model), tokens)
+        except QuotaExceeded as exc:
+            raise _refused(exc) from None
         current = asyncio.current_task()
-        entry = Flight(tenant=tenant.name, model=model, request_id=request_id, owner=owner, task=current)
+        entry = Flight(
+            tenant=tenant.name,
+            model=model,
+            request_id=request_id,
+            owner=owner,
+            task=current,
+            reservation=reservation,
+        )
         self._flights.add(entry)
-        self._per_tenant[tenant.name] = running + 1
         self._idle.clear()
         gauge = metrics.IN_FLIGHT.labels(model)
         gauge.inc()
@@ -87,12 +103,8 @@ class Admission:
             yield entry
         finally:
             gauge.dec()
+            self.ledger.release(reservation)
             self._flights.discard(entry)
-            left = self._per_tenant[tenant.name] - 1
-            if left:
-                self._per_tenant[tenant.name] = left
-            else:
-                del self._per_tenant[tenant.name]
             if not self._flights:
                 self._idle.set()
 
@@ -108,3 +120,10 @@ class Admission:
         except TimeoutError:
             return False
         return True
+
+
+def _refused(exc: QuotaExceeded) -> RateLimited | InvalidRequest:
+    refusal = exc.refusal
+    if refusal.code == "tokens_exceed_limit":  # can never fit: not a rate limit, a request to change
+        return InvalidRequest(refusal.message, code=refusal.code, param="max_tokens")
+    return RateLimited(refusal.message, code=refusal.code, retry_after_s=refusal.retry_after_s)

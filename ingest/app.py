@@ -13,10 +13,12 @@ disconnects while its request waits cancels the handler, which publishes ``clien
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+import secrets
+from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import datetime
-from types import TracebackType
 
 from aiohttp import WSCloseCode, web
 from opentelemetry.trace import SpanKind, Status, StatusCode
@@ -31,10 +33,13 @@ from ingest.http import Routes
 from ingest.models import ModelCatalogue
 from ingest.observe import SERVER_SPAN_KEY, note_refusal
 from ingest.prepare import Preparer
+from ingest.quota import QuotaLedger
 from ingest.settings import EdgeSettings
 from ingest.ws import websocket
 from monitoring import tracing
+from monitoring.ops import bound_port
 from schemas.events import utc_now
+from schemas.lifecycle import AsyncComponent
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +88,7 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
         return error_response(IngestError("The server had an error while processing your request."))
 
 
-class Edge:
+class Edge(AsyncComponent):
     def __init__(
         self,
         settings: EdgeSettings,
@@ -93,15 +98,25 @@ class Edge:
         *,
         clock: Callable[[], datetime] = utc_now,
     ) -> None:
+        super().__init__()
         source = f"ingest/{settings.edge_id}"
+        admission = Admission(
+            ledger=QuotaLedger(
+                f"{settings.edge_id}.{secrets.token_hex(3)}",
+                peer_ttl_s=max(1.0, 3 * settings.edge_quota_sync_s),
+            )
+        )
         self.ctx = EdgeContext(
             settings=settings,
             gateway=gateway,
             catalogue=catalogue,
             tenants=tenants if tenants is not None else TenantDirectory.load(settings.edge_tenants_file),
-            admission=Admission(),
+            admission=admission,
             dispatcher=Dispatcher(
-                gateway, source=source, disconnect_grace_s=settings.edge_disconnect_grace_s
+                gateway,
+                source=source,
+                disconnect_grace_s=settings.edge_disconnect_grace_s,
+                settle=admission.settle,
             ),
             preparer=Preparer(
                 catalogue, settings, gateway.reply_to, clock=clock, deployments=gateway.deployment
@@ -111,10 +126,39 @@ class Edge:
             middlewares=[traced, openai_errors], client_max_size=settings.edge_max_body_bytes
         )
         Routes(self.ctx).add_to(self.app)
+        self.app.cleanup_ctx.append(self._share_quota)
         self.app.router.add_get("/v1/ws", self._websocket)
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
         self._stopped = False
+
+    async def _share_quota(self, app: web.Application) -> AsyncIterator[None]:
+        """While the app runs: follow the other edges' admissions and publish this edge's own."""
+        ledger = self.ctx.admission.ledger
+        self.ctx.gateway.follow_quota(ledger.apply)
+        task = asyncio.create_task(self._publish_quota(), name="quota-sync")
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    QUOTA_HEARTBEAT_S = 1.0
+    """An idle edge still publishes this often, so the others count it among the live edges."""
+
+    async def _publish_quota(self) -> None:
+        admission, gateway = self.ctx.admission, self.ctx.gateway
+        interval = self.ctx.settings.edge_quota_sync_s
+        quiet = 0.0
+        while True:
+            await asyncio.sleep(interval)
+            sync = admission.ledger.snapshot(admission.limits_of)
+            quiet = 0.0 if sync.usage else quiet + interval
+            if sync.usage or quiet >= self.QUOTA_HEARTBEAT_S:
+                quiet = 0.0
+                try:
+                    await gateway.publish_quota(sync)
+                except Exception:  # the next snapshot replaces this one; limits stay local meanwhile
+                    log.warning("could not publish this edge's quota snapshot", exc_info=True)
 
     async def _websocket(self, request: web.Request) -> web.StreamResponse:
         return await websocket(self.ctx, request)
@@ -122,15 +166,13 @@ class Edge:
     @property
     def port(self) -> int:
         """The bound port once started (useful with ``edge_port=0``)."""
-        if self._runner is None or not self._runner.addresses:
-            raise RuntimeError("the edge is not started")
-        return int(self._runner.addresses[0][1])
+        return bound_port(self._runner, "the edge")
 
     @property
     def url(self) -> str:
         return f"http://{self.ctx.settings.edge_host}:{self.port}"
 
-    async def start(self) -> None:
+    async def _start(self) -> None:
         settings = self.ctx.settings
         self._runner = web.AppRunner(
             self.app, handler_cancellation=True, shutdown_timeout=1.0, access_log=None
@@ -161,12 +203,3 @@ class Edge:
         await ctx.dispatcher.drain()
         if self._runner is not None:
             await self._runner.cleanup()
-
-    async def __aenter__(self) -> Edge:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.stop()

@@ -6,9 +6,11 @@ Keys are never stored, only their sha256 hex digests, in a tenants file named by
     [tenants.acme]
     key_sha256 = ["<sha256 hex of the key>"]     # printf %s "$KEY" | sha256sum
     models = ["demo-gpt"]                         # optional: the models it may use (default: all)
-    max_concurrency = 16                          # optional: requests in flight at once
-    requests_per_s = 20.0                         # optional: sustained admission rate ...
-    burst = 40                                    # ... and bucket size (default: max(1, requests_per_s))
+    requests_per_min = 600                        # optional limits, over all its models and shared by
+    tokens_per_min = 200000                       # every edge (see ingest/quota.py): tokens are reserved
+    max_concurrency = 16                          # as prompt + max_tokens, then what was really used
+    [tenants.acme.model_limits.demo-gpt]          # optional: tighter limits on one model
+    tokens_per_min = 50000
 
 Without a file the edge knows one tenant, ``demo``, with key ``sk-sluice-demo`` and no limits: fine on
 loopback, never on a shared host.
@@ -25,6 +27,7 @@ from typing import Annotated
 import msgspec
 
 from ingest.errors import AuthenticationFailed, CatalogueError
+from ingest.quota import ALL_MODELS, Key, Limits
 
 DEMO_TENANT = "demo"
 DEMO_KEY = "sk-sluice-demo"
@@ -32,20 +35,52 @@ DEMO_KEY = "sk-sluice-demo"
 Sha256Hex = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{64}$")]
 
 
-class Tenant(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class Tenant(Limits, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A tenant and its limits (``Limits``: over all its models), plus tighter ones per model."""
+
     name: str = ""
     key_sha256: list[Sha256Hex] = []
     models: frozenset[str] | None = None
-    max_concurrency: Annotated[int, msgspec.Meta(ge=1)] | None = None
-    requests_per_s: Annotated[float, msgspec.Meta(gt=0.0)] | None = None
-    burst: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    model_limits: dict[str, Limits] = {}
 
     def may_use(self, model: str) -> bool:
         return self.models is None or model in self.models
 
+    @property
+    def total(self) -> Limits:
+        """The limits over all its models."""
+        return Limits(
+            requests_per_min=self.requests_per_min,
+            tokens_per_min=self.tokens_per_min,
+            max_concurrency=self.max_concurrency,
+        )
+
+    def limits(self, model: str) -> Limits | None:
+        return self.total if model == ALL_MODELS else self.model_limits.get(model)
+
+    def checks(self, model: str) -> list[tuple[Key, Limits]]:
+        """The limits a request for ``model`` must fit: the tenant's total, then the model's own."""
+        out = [((self.name, ALL_MODELS), self.total)]
+        per_model = self.model_limits.get(model)
+        if per_model is not None:
+            out.append(((self.name, model), per_model))
+        return out
+
 
 class _TenantsFile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     tenants: dict[Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")], Tenant]
+
+
+def _no_edge_local_limits(loaded: object) -> None:
+    """``requests_per_s``/``burst`` were limits of one edge (N edges let a tenant through N times): say
+    what replaced them instead of a bare unknown-field error."""
+    tenants = loaded.get("tenants") if isinstance(loaded, dict) else None
+    for name, tenant in (tenants or {}).items() if isinstance(tenants, dict) else ():
+        if isinstance(tenant, dict) and {"requests_per_s", "burst"} & tenant.keys():
+            raise msgspec.ValidationError(
+                f"tenant {name!r}: requests_per_s and burst were per-edge limits and are gone; use "
+                "requests_per_min (and tokens_per_min), which every edge shares"
+            )
 
 
 def hash_key(key: str) -> str:
@@ -75,10 +110,9 @@ class TenantDirectory:
         path = Path(path)
         try:
             raw = path.read_bytes()
-            if path.suffix == ".toml":
-                parsed = msgspec.convert(tomllib.loads(raw.decode()), _TenantsFile)
-            else:
-                parsed = msgspec.json.decode(raw, type=_TenantsFile)
+            loaded = tomllib.loads(raw.decode()) if path.suffix == ".toml" else msgspec.json.decode(raw)
+            _no_edge_local_limits(loaded)
+            parsed = msgspec.convert(loaded, _TenantsFile)
         except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, msgspec.DecodeError) as exc:
             raise CatalogueError(f"tenants file {path}: {exc}") from exc
         return cls(parsed.tenants)

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Literal
 
 from ingest.admission import Flight
 from ingest.errors import (
     DeadlineExceeded,
+    GatewayUnavailable,
     IdempotencyInProgress,
     IdempotencyKeyReused,
     InvalidRequest,
@@ -20,7 +22,7 @@ from ingest.errors import (
 from ingest.gateway import Gateway, IdempotencyRecord, ReplyItem, ReplyStream, RequestEvent
 from ingest.prepare import Prepared
 from monitoring import metrics
-from schemas.events import CancelRequested
+from schemas.events import CancelRequested, RequestFinished
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +69,38 @@ class TenantChecked:
         await self._stream.aclose()
 
 
+class Settling:
+    """Tells ``settle`` the terminal event as it passes: the tenant's token reservation becomes what the
+    request really used."""
+
+    def __init__(self, stream: ReplyStream, settle: Callable[[RequestFinished], None]) -> None:
+        self._stream = stream
+        self._items = aiter(stream)
+        self._settle = settle
+
+    def __aiter__(self) -> Settling:
+        return self
+
+    async def __anext__(self) -> ReplyItem:
+        item = await anext(self._items)
+        if isinstance(item, RequestFinished):
+            self._settle(item)
+        return item
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
+
+
 class Dispatcher:
-    def __init__(self, gateway: Gateway, *, source: str, disconnect_grace_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        gateway: Gateway,
+        *,
+        source: str,
+        disconnect_grace_s: float = 0.0,
+        settle: Callable[[Flight, RequestFinished], None] | None = None,
+    ) -> None:
+        self._settle = settle
         self._gateway = gateway
         self._source = source
         self._grace = disconnect_grace_s
@@ -86,6 +118,9 @@ class Dispatcher:
             self.cancel(flight, "client_disconnect")
             raise
         flight.request_id, flight.owner = opened.request_id, opened.owner
+        if self._settle is not None and opened.owner:
+            settle = self._settle
+            opened = dataclasses.replace(opened, stream=Settling(opened.stream, lambda f: settle(flight, f)))
         return opened
 
     async def _open(self, prepared: Prepared, idempotency_key: str | None) -> Opened:
@@ -116,7 +151,11 @@ class Dispatcher:
                 "This Idempotency-Key was used with a different request body.", param="Idempotency-Key"
             )
         if record.request_id == event.request_id:
-            return Opened(event.request_id, await self._gateway.submit(event), owner=True)
+            try:
+                return Opened(event.request_id, await self._gateway.submit(event), owner=True)
+            except GatewayUnavailable:  # never published: the key must not point at a request that is not
+                await self._gateway.forget_idempotent(event.tenant, idempotency_key, mine)
+                raise
         stream = await self._gateway.resume(event.tenant, record.request_id, -1)
         stream = TenantChecked(stream, event.tenant) if stream is not None else None
         if stream is None:

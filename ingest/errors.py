@@ -8,6 +8,7 @@ Gateways (Kafka or fake) raise :class:`GatewayUnavailable` when they cannot publ
 
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar
 
 import msgspec
@@ -89,6 +90,12 @@ class RateLimited(IngestError):
     default_code = "rate_limit_exceeded"
     retriable = True
 
+    def __init__(
+        self, message: str, *, code: str | None = None, param: str | None = None, retry_after_s: float = 1.0
+    ) -> None:
+        super().__init__(message, code=code, param=param)
+        self.retry_after_s = retry_after_s
+
 
 class BudgetExceeded(IngestError):
     """The tenant's spending budget is used up (a ``BudgetStateChanged`` on the control topic)."""
@@ -137,6 +144,9 @@ def error_body(exc: IngestError) -> dict[str, Any]:
 
 def error_response(exc: IngestError, *, request_id: str | None = None) -> web.Response:
     headers = {"x-should-retry": "true" if exc.retriable else "false"}
+    if isinstance(exc, RateLimited):  # seconds (RFC 9110), and milliseconds as OpenAI's clients read them
+        headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
+        headers["retry-after-ms"] = str(max(1, round(exc.retry_after_s * 1000)))
     if request_id:
         headers["x-request-id"] = request_id
     return web.Response(

@@ -13,17 +13,22 @@ implementation lives beside it. Its contract:
 - :meth:`Gateway.resume` replays a request's replies from the log after ``after_seq`` (``-1``: all of them)
   and then follows it live. It returns None when the request is unknown **or belongs to another tenant**:
   the two must look the same to the caller.
+- :meth:`Gateway.publish_quota` shares this edge's admissions with the other edges (best effort: each
+  snapshot replaces the one before, so a lost one costs nothing); :meth:`Gateway.follow_quota` hands every
+  other edge's snapshots, on the event loop, to the admission ledger.
 - :meth:`Gateway.remember_idempotent` stores ``(tenant, key) -> record`` only if absent and returns the
-  stored record (the caller's, or the one that won the race).
+  stored record (the caller's, or the one that won the race, on any edge); :meth:`Gateway.forget_idempotent`
+  withdraws the caller's record when its request could not be published, so a retry can run.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Protocol, TypeAlias
 
 import msgspec
 
+from schemas.coordination import QuotaSync
 from schemas.deployments import Deployment
 from schemas.events import (
     CancelRequested,
@@ -83,3 +88,11 @@ class Gateway(Protocol):
     async def remember_idempotent(
         self, tenant: str, key: str, record: IdempotencyRecord
     ) -> IdempotencyRecord: ...
+
+    async def forget_idempotent(self, tenant: str, key: str, record: IdempotencyRecord) -> None: ...
+
+    async def publish_quota(self, sync: QuotaSync) -> None: ...
+
+    def follow_quota(self, apply: Callable[[QuotaSync, float], None]) -> None:
+        """From now on, call ``apply(snapshot, age_s)`` on the event loop with the other edges' snapshots
+        (a starting edge is first given those of the last window)."""

@@ -12,7 +12,7 @@ import msgspec
 from aiohttp import web
 
 from ingest import openai
-from ingest.admission import Flight
+from ingest.admission import Flight, reserved_tokens
 from ingest.auth import Tenant
 from ingest.context import EdgeContext
 from ingest.dispatch import check_idempotency_key
@@ -109,7 +109,8 @@ class Routes:
                 return await self._serve(
                     request, shape, stream, flight, prepared.timeout_s, watch, after_seq >= 0
                 )
-        with ctx.admission.flight(tenant, shape.model, shape.request_id, owner=True) as flight:
+        tokens = reserved_tokens(prepared.event)
+        with ctx.admission.flight(tenant, shape.model, shape.request_id, owner=True, tokens=tokens) as flight:
             opened = await ctx.dispatcher.open(prepared, key, flight)
             request[SUBMITTED_KEY] = True
             shape = dataclasses.replace(shape, request_id=opened.request_id)

@@ -29,8 +29,19 @@ from bus.errors import BusError
 from bus.producer import EventProducer
 from ingest.errors import GatewayUnavailable
 from ingest.gateway import IdempotencyRecord
+from ingest.idempotency import ClaimTable
+from ingest.quota import WINDOW_S
 from monitoring import tracing
 from schemas.codec import DecodeError, decode
+from schemas.coordination import (
+    IdempotencyClaim,
+    QuotaSync,
+    claim_key,
+    decode_claim,
+    decode_quota,
+    encode_coordination,
+    key_digest,
+)
 from schemas.deployments import Deployment
 from schemas.events import (
     BudgetStateChanged,
@@ -43,6 +54,7 @@ from schemas.events import (
     TokenChunk,
 )
 from schemas.ids import uuid7_unix_ms
+from schemas.lifecycle import AsyncComponent
 from schemas.topics import TopicNames
 
 log = logging.getLogger(__name__)
@@ -69,8 +81,11 @@ class ReplyStream:
         *,
         tenant: str | None = None,
         from_log: int | None = None,
+        partition: int | None = None,
     ) -> None:
         self._gateway = gateway
+        self._partition = partition
+        """The replies partition to read from the log (None: this edge's own)."""
         self.request_id = request_id
         self._model = model
         self._queue: collections.deque[tuple[int, Reply]] = collections.deque()
@@ -117,7 +132,7 @@ class ReplyStream:
                 if not self._queue:
                     if self._lagging_from is not None:
                         async for offset, reply in self._gateway.read_log(
-                            self.request_id, self._lagging_from
+                            self.request_id, self._lagging_from, self._partition
                         ):
                             self._lagging_from = offset + 1
                             for out in self._accept(reply):
@@ -174,7 +189,7 @@ class ReplyStream:
         return [reply]
 
 
-class KafkaGateway:
+class KafkaGateway(AsyncComponent):
     """Implements the edge's Gateway on Kafka. ``start()``/``stop()`` or ``async with``."""
 
     def __init__(
@@ -188,10 +203,11 @@ class KafkaGateway:
         detokenize: Detokenize | None = None,
         stream_buffer: int = 1024,
         idempotency_ttl_s: float = 24 * 3600,
-        idempotency_max: int = 100_000,
+        idempotency_per_tenant: int = 10_000,
         resume_window_s: float = 3600.0,
         resume_index: int = 100_000,
     ) -> None:
+        super().__init__()
         self._bootstrap = bootstrap
         self._names = names
         self.edge_id = edge_id
@@ -207,14 +223,19 @@ class KafkaGateway:
         self._resume_window_s = resume_window_s
         self._resume_index = resume_index
         self._producer = EventProducer(bootstrap, f"ingest/{edge_id}")
+        self._producer.watch(self.fail)
+        self.watch(self._gateway_failed)
         self._streams: dict[str, ReplyStream] = {}
         self._listener: ConsumerThread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._idem: collections.OrderedDict[tuple[str, str], tuple[float, IdempotencyRecord]] = (
-            collections.OrderedDict()
-        )
-        self._idem_ttl = idempotency_ttl_s
-        self._idem_max = idempotency_max
+        self._claims = ClaimTable(per_tenant=idempotency_per_tenant, ttl_s=idempotency_ttl_s)
+        """Idempotency keys claimed by any edge, from the ``idempotency`` topic (applied on the loop)."""
+        self._claims_reader: ConsumerThread | None = None
+        self._claims_read: dict[int, int] = {}
+        """Per partition of the idempotency topic, the next offset the reader will apply."""
+        self._claims_waiting: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._claims_caught_up = asyncio.Event()
+        self._claims_ends: dict[int, int] = {}
         self._control: ConsumerThread | None = None
         self._exhausted: set[str] = set()
         self._deployments: dict[str, Deployment] = {}
@@ -222,20 +243,17 @@ class KafkaGateway:
         self._control_seen = threading.Event()
         """Set once the control listener has read to where the topic ended at start: only then do the
         budgets and deployments reflect the log (``ready()``)."""
+        self._quota: ConsumerThread | None = None
+        self._quota_apply: Callable[[QuotaSync, float], None] | None = None
         self.on_deploy: Callable[[str, Deployment], None] | None = None
         """Told of every deployment before edges route by it (the catalogue preloads its versions)."""
 
     # ---------------------------------------------------------------- lifecycle
 
-    async def start(self) -> None:
-        """Producer, reply listener, control listener; a failure part-way stops what had started."""
-        try:
-            await self._start()
-        except BaseException:
-            await self.stop()
-            raise
-
     async def _start(self) -> None:
+        """Producer, reply listener, control listener. Any of them dying fails the gateway (:meth:`fail`):
+        open streams fail at once, submits are refused, and ``ready()`` turns false, so budgets and
+        deployments never go stale silently."""
         self._loop = asyncio.get_running_loop()
         self._producer.start()
         start = await asyncio.to_thread(self._partition_end)
@@ -245,7 +263,7 @@ class KafkaGateway:
             self._on_replies,
             assign=[TopicPartition(self._names.replies, self.reply_to.partition, start)],
             name=f"replies-{self.edge_id}",
-            on_failure=self._listener_died,
+            on_failure=self.fail,
         )
         self._listener.start()
         control, self._control_ends = await asyncio.to_thread(
@@ -261,14 +279,50 @@ class KafkaGateway:
                 self._on_control,
                 assign=control,
                 name=f"control-{self.edge_id}",
+                on_failure=self.fail,
             )
             self._control.start()
             # Route by the current deployments from the first request: wait until they are read.
             if not await asyncio.to_thread(self._control_seen.wait, self.CONTROL_CATCH_UP_S):
                 log.warning("the control topic was not read to its end within %ss", self.CONTROL_CATCH_UP_S)
+        quota = await asyncio.to_thread(self._recent_quota)
+        if quota is None:
+            log.warning("no quota topic %s: tenants' limits are this edge's alone", self._names.quota)
+        else:
+            self._quota = ConsumerThread(
+                consumer_config(self._bootstrap, None, f"ingest-{self.edge_id}-quota"),
+                self._on_quota,
+                assign=[quota],
+                name=f"quota-{self.edge_id}",
+                on_failure=self.fail,
+            )
+            self._quota.start()
+        claims, ends = await asyncio.to_thread(
+            control_start, self._bootstrap, self._names.idempotency, f"ingest-{self.edge_id}-claims"
+        )
+        if not claims:
+            log.warning("no idempotency topic %s: Idempotency-Key is refused", self._names.idempotency)
+        else:
+            self._claims_ends = {p: end for p, end in ends.items() if end > 0}
+            if not self._claims_ends:
+                self._claims_caught_up.set()
+            self._claims_reader = ConsumerThread(
+                consumer_config(self._bootstrap, None, f"ingest-{self.edge_id}-claims"),
+                self._on_claims,
+                assign=claims,
+                name=f"claims-{self.edge_id}",
+                on_failure=self.fail,
+            )
+            self._claims_reader.start()
+            try:  # every key claimed in the last day, by any edge, before the first request
+                await asyncio.wait_for(self._claims_caught_up.wait(), self.CONTROL_CATCH_UP_S)
+            except TimeoutError:
+                log.warning(
+                    "the idempotency topic was not read to its end within %ss", self.CONTROL_CATCH_UP_S
+                )
 
     async def stop(self) -> None:
-        for name in ("_control", "_listener"):
+        for name in ("_claims_reader", "_quota", "_control", "_listener"):
             listener: ConsumerThread | None = getattr(self, name)
             setattr(self, name, None)
             if listener is not None:
@@ -278,9 +332,9 @@ class KafkaGateway:
                     log.warning("%s had failed", name.strip("_"), exc_info=True)
         await asyncio.to_thread(self._producer.stop)
 
-    def _listener_died(self, exc: BaseException) -> None:
-        """Reply listener thread: nothing will reach the open streams any more; fail them now rather than
-        let each wait for its deadline (their clients get a 503 and may resume on a healthy edge)."""
+    def _gateway_failed(self, exc: BaseException) -> None:
+        """On the failing thread: replies or control are no longer followed; fail the open streams now
+        rather than let each wait for its deadline (their clients get a 503 and may resume elsewhere)."""
         loop = self._loop
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(self._fail_streams, exc)
@@ -289,18 +343,11 @@ class KafkaGateway:
         for stream in list(self._streams.values()):
             stream.fail(GatewayUnavailable(f"this edge stopped receiving replies ({exc}); resume the stream"))
 
-    async def __aenter__(self) -> KafkaGateway:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.stop()
-
     CONTROL_CATCH_UP_S = 30.0
 
     def ready(self) -> bool:
-        control_ok = self._control is None or (self._control.failure is None and self._control_seen.is_set())
-        return self._listener is not None and self._listener.failure is None and control_ok
+        control_ok = self._control is None or self._control_seen.is_set()
+        return self._listener is not None and self.failure is None and control_ok
 
     def deployment(self, model: str) -> Deployment | None:
         return self._deployments.get(model)
@@ -385,8 +432,10 @@ class KafkaGateway:
         self, event: GenerationRequested | EmbeddingRequested, *, resume_after_seq: int | None = None
     ) -> ReplyStream:
         """Publish durably, then return the stream its replies will arrive on."""
-        if self._listener is None or self._listener.failure is not None:
-            raise GatewayUnavailable("this edge is not receiving replies; retry on another edge")
+        if self._listener is None or self.failure is not None:
+            raise GatewayUnavailable(
+                f"this edge lost its connection to the platform ({self.failure}); retry on another edge"
+            )
         stream = ReplyStream(self, event.request_id, event.model, resume_after_seq, self._stream_buffer)
         self._own(event.request_id, event.tenant)
         self._streams[event.request_id] = stream  # registered first: no reply can be missed
@@ -426,13 +475,26 @@ class KafkaGateway:
         this edge holds the request for this tenant: an unknown or foreign id costs a lookup, never a
         scan of the log."""
         owner = self.owner(request_id)
+        partition = self.reply_to.partition
         if owner is None or owner[0] != tenant:
-            return None  # never another tenant's stream, nor a made-up one
+            claimed = self._claims.by_request(tenant, request_id)
+            if claimed is None:
+                return None  # never another tenant's stream, nor a made-up one
+            # another edge's request, named by an idempotency claim: its replies are on that edge's
+            # partition, from a moment before the claim (a bounded read, not a scan for an unknown id)
+            owner, partition = (tenant, None), claimed.reply_partition
         start = owner[1]
-        if start is None:  # submitted here, no reply yet: from a moment before it was accepted
-            start = await asyncio.to_thread(self._offset_at, uuid7_unix_ms(request_id) - 5_000)
+        if start is None:  # no reply seen yet: from a moment before it was accepted
+            start = await asyncio.to_thread(self._offset_at, uuid7_unix_ms(request_id) - 5_000, partition)
         return ReplyStream(
-            self, request_id, "", after_seq, self._stream_buffer, tenant=tenant, from_log=start
+            self,
+            request_id,
+            "",
+            after_seq,
+            self._stream_buffer,
+            tenant=tenant,
+            from_log=start,
+            partition=partition,
         )
 
     def forget(self, request_id: str, stream: ReplyStream) -> None:
@@ -444,24 +506,144 @@ class KafkaGateway:
             return ""
         return self._detokenize(model, token_ids)
 
+    # ---------------------------------------------------------------- quota
+
+    async def publish_quota(self, sync: QuotaSync) -> None:
+        """Fire and forget: a snapshot that is lost is replaced by the next one."""
+        self._producer.produce_raw(self._names.quota, encode_coordination(sync), key=sync.edge.encode())
+
+    def follow_quota(self, apply: Callable[[QuotaSync, float], None]) -> None:
+        self._quota_apply = apply
+
+    def _recent_quota(self) -> TopicPartition | None:
+        """Where to start reading the quota topic: one window back, so that what other edges (and this
+        edge's previous life) admitted lately still counts after a restart."""
+        consumer = Consumer(consumer_config(self._bootstrap, None, f"ingest-{self.edge_id}-quota-seek"))
+        try:
+            topic = consumer.list_topics(self._names.quota, timeout=10).topics.get(self._names.quota)
+            if topic is None or topic.error is not None or not topic.partitions:
+                return None
+            since = int((time.time() - WINDOW_S) * 1000)
+            (found,) = consumer.offsets_for_times([TopicPartition(self._names.quota, 0, since)], timeout=10)
+            if found.offset < 0:
+                return TopicPartition(self._names.quota, 0, watermarks(consumer, self._names.quota, 0)[1])
+            return TopicPartition(self._names.quota, 0, found.offset)
+        finally:
+            consumer.close()
+
+    def _on_quota(self, batch: list[Message]) -> None:
+        """Quota listener thread: decode the snapshots and hand them to the loop in one hop per batch."""
+        now_ms = time.time() * 1000
+        syncs: list[tuple[QuotaSync, float]] = []
+        for message in batch:
+            try:
+                sync = decode_quota(message.value() or b"")
+            except msgspec.DecodeError:
+                log.warning("undecodable quota snapshot at offset %s", message.offset())
+                continue
+            syncs.append((sync, max(0.0, (now_ms - sync.time_ms) / 1000)))
+        apply, loop = self._quota_apply, self._loop
+        if syncs and apply is not None and loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(_apply_all, apply, syncs)
+
     # ---------------------------------------------------------------- idempotency
 
+    CLAIM_WAIT_S = 10.0
+
     async def lookup_idempotent(self, tenant: str, key: str) -> IdempotencyRecord | None:
-        entry = self._idem.get((tenant, key))
-        if entry is None or entry[0] < time.monotonic():
-            return None
-        return entry[1]
+        claim = self._claims.get(tenant, key_digest(key), time.time() * 1000)
+        return (
+            None
+            if claim is None
+            else IdempotencyRecord(request_id=claim.request_id, body_hash=claim.body_hash)
+        )
 
     async def remember_idempotent(
         self, tenant: str, key: str, record: IdempotencyRecord
     ) -> IdempotencyRecord:
-        existing = await self.lookup_idempotent(tenant, key)
-        if existing is not None:
-            return existing
-        self._idem[(tenant, key)] = (time.monotonic() + self._idem_ttl, record)
-        while len(self._idem) > self._idem_max:
-            self._idem.popitem(last=False)
-        return record
+        """Claim ``key`` on the log and return the record of the claim that won it (in log order, on every
+        edge alike): ``record`` itself, or an earlier claim's, whose stream the caller then replays."""
+        if self._claims_reader is None:
+            raise GatewayUnavailable("idempotency keys are not available on this edge (no idempotency topic)")
+        claim = IdempotencyClaim(
+            tenant=tenant,
+            key_sha256=key_digest(key),
+            request_id=record.request_id,
+            body_hash=record.body_hash,
+            edge=self.edge_id,
+            reply_partition=self.reply_to.partition,
+            time_ms=int(time.time() * 1000),
+        )
+        try:
+            partition, offset = await self._producer.publish_raw(
+                self._names.idempotency, encode_coordination(claim), key=claim_key(tenant, key)
+            )
+        except BusError as exc:
+            raise GatewayUnavailable(f"cannot record the idempotency key: {exc}") from exc
+        await self._claims_passed(partition, offset)
+        won = self._claims.get(tenant, claim.key_sha256, time.time() * 1000)
+        if won is None:  # withdrawn meanwhile by its winner's failed publish: ours was after it
+            raise GatewayUnavailable("the idempotency key was released by a failed request; retry")
+        return IdempotencyRecord(request_id=won.request_id, body_hash=won.body_hash)
+
+    async def forget_idempotent(self, tenant: str, key: str, record: IdempotencyRecord) -> None:
+        """Withdraw this edge's winning claim of ``key`` (its request was never published)."""
+        held = self._claims.get(tenant, key_digest(key), time.time() * 1000)
+        if held is None or held.request_id != record.request_id:
+            return
+        self._claims.withdraw(tenant, held.key_sha256)
+        try:
+            await self._producer.publish_raw(self._names.idempotency, None, key=claim_key(tenant, key))
+        except BusError:
+            log.warning("could not withdraw the idempotency claim of %s", record.request_id, exc_info=True)
+
+    async def _claims_passed(self, partition: int, offset: int) -> None:
+        """Wait until the reader has applied the record at ``offset`` (and so every claim before it)."""
+        if self._claims_read.get(partition, 0) > offset:
+            return
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._claims_waiting.append((partition, offset, future))
+        try:
+            await asyncio.wait_for(future, self.CLAIM_WAIT_S)
+        except TimeoutError as exc:
+            raise GatewayUnavailable("the idempotency topic is not being read; retry") from exc
+
+    def _on_claims(self, batch: list[Message]) -> None:
+        """Claims reader thread: decode, then apply on the loop in one hop per batch."""
+        read: list[tuple[int, int, bytes | None, IdempotencyClaim | None]] = []
+        for message in batch:
+            value, claim = message.value(), None
+            if value is not None:
+                try:
+                    claim = decode_claim(value)
+                except msgspec.DecodeError:
+                    log.warning("undecodable idempotency claim at offset %s", message.offset())
+            read.append((message.partition() or 0, message.offset() or 0, message.key(), claim))
+        loop = self._loop
+        if read and loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._apply_claims, read)
+
+    def _apply_claims(self, read: list[tuple[int, int, bytes | None, IdempotencyClaim | None]]) -> None:
+        now_ms = time.time() * 1000
+        for partition, offset, key, claim in read:
+            if claim is not None:
+                self._claims.apply(claim, now_ms)
+            elif key is not None:  # a tombstone: the key's winner withdrew it
+                tenant, _, digest = key.decode(errors="replace").partition("\x00")
+                self._claims.withdraw(tenant, digest)
+            self._claims_read[partition] = offset + 1
+            if offset + 1 >= self._claims_ends.get(partition, 0):
+                self._claims_ends.pop(partition, None)
+        if not self._claims_ends:
+            self._claims_caught_up.set()
+        waiting = []
+        for partition, offset, future in self._claims_waiting:
+            if self._claims_read.get(partition, 0) > offset:
+                if not future.done():
+                    future.set_result(None)
+            elif not future.done():
+                waiting.append((partition, offset, future))
+        self._claims_waiting = waiting
 
     # ---------------------------------------------------------------- replies
 
@@ -488,21 +670,26 @@ class KafkaGateway:
 
     # ---------------------------------------------------------------- the log
 
-    def _offset_at(self, unix_ms: int) -> int:
+    def _offset_at(self, unix_ms: int, partition: int | None = None) -> int:
+        partition = self.reply_to.partition if partition is None else partition
         consumer = Consumer(consumer_config(self._bootstrap, None, f"ingest-{self.edge_id}-seek"))
         try:
-            tp = TopicPartition(self._names.replies, self.reply_to.partition, max(unix_ms, 0))
+            tp = TopicPartition(self._names.replies, partition, max(unix_ms, 0))
             (found,) = consumer.offsets_for_times([tp], timeout=10)
             if found.offset < 0:  # nothing at or after that time
-                return watermarks(consumer, self._names.replies, self.reply_to.partition)[1]
+                return watermarks(consumer, self._names.replies, partition)[1]
             return int(found.offset)
         finally:
             consumer.close()
 
-    async def read_log(self, request_id: str, start: int) -> AsyncIterator[tuple[int, Reply]]:
-        """This request's replies from ``start`` on, until its terminal event (waits for live ones)."""
+    async def read_log(
+        self, request_id: str, start: int, partition: int | None = None
+    ) -> AsyncIterator[tuple[int, Reply]]:
+        """This request's replies from ``start`` on, until its terminal event (waits for live ones), on this
+        edge's partition or another's."""
         consumer = Consumer(consumer_config(self._bootstrap, None, f"ingest-{self.edge_id}-log"))
-        consumer.assign([TopicPartition(self._names.replies, self.reply_to.partition, start)])
+        partition = self.reply_to.partition if partition is None else partition
+        consumer.assign([TopicPartition(self._names.replies, partition, start)])
         try:
             while True:
                 messages = await asyncio.to_thread(consumer.consume, 500, 0.2)
@@ -516,6 +703,11 @@ class KafkaGateway:
                             return
         finally:
             await asyncio.to_thread(consumer.close)
+
+
+def _apply_all(apply: Callable[[QuotaSync, float], None], syncs: list[tuple[QuotaSync, float]]) -> None:
+    for sync, age in syncs:
+        apply(sync, age)
 
 
 def _reply_of(message: Message, request_id: str) -> Reply | None:

@@ -38,6 +38,7 @@ def build_edge(
         salts=settings.salts(),
         detokenize=detokenize,
         resume_window_s=settings.edge_resume_window_s,
+        idempotency_per_tenant=settings.edge_idempotency_keys_per_tenant,
     )
     gateway.on_deploy = lambda model, deployment: catalogue.preload(model, deployment.serving)
     return Edge(settings, gateway, catalogue), gateway

@@ -43,6 +43,12 @@ class EdgeSettings(msgspec.Struct, frozen=True, kw_only=True):
     edge_resume_window_s: Annotated[float, msgspec.Meta(ge=0.0)] = 3600.0
     """Streams answered on this edge this recently can be resumed after the edge restarts (its reply
     partition is indexed at start, from the record headers); older ones are 404."""
+    edge_idempotency_keys_per_tenant: Count = 10_000
+    """Idempotency keys remembered per tenant (24 h, shared by every edge through the ``idempotency`` topic);
+    a tenant past it forgets its own oldest keys, never another tenant's."""
+    edge_quota_sync_s: Annotated[float, msgspec.Meta(ge=0.01, le=5.0)] = 0.1
+    """How often this edge publishes what it admitted (``quota`` topic), so that tenants' limits hold across
+    edges; between two syncs the edges together can pass a limit by at most (edges - 1) requests."""
     edge_disconnect_grace_s: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
     """Wait this long after a client disconnects before cancelling its request, so that a reconnect with
     ``Last-Event-ID`` to this edge keeps the generation. 0: cancel at once."""

@@ -39,7 +39,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Link, SpanKind
 
-from ingest.admission import Flight
+from ingest.admission import Flight, reserved_tokens
 from ingest.auth import Tenant
 from ingest.context import EdgeContext
 from ingest.errors import IngestError, InvalidRequest, RateLimited, Unavailable, error_body
@@ -121,7 +121,10 @@ class WsSession:
         await self._queue.put(msgspec.json.encode(frame))
 
     async def _error(self, client_id: Any, exc: IngestError) -> None:
-        await self._put({"type": "error", "id": client_id, **error_body(exc)})
+        frame = {"type": "error", "id": client_id, **error_body(exc)}
+        if isinstance(exc, RateLimited):
+            frame["retry_after_ms"] = max(1, round(exc.retry_after_s * 1000))
+        await self._put(frame)
 
     async def handle_binary(self) -> None:
         await self._error(None, InvalidRequest("Binary frames are not supported; send JSON text frames."))
@@ -194,7 +197,10 @@ class WsSession:
                     raise
                 note_accepted(prepared.event, span)
             shape = prepared.shape
-            with ctx.admission.flight(self._tenant, shape.model, shape.request_id, owner=True) as flight:
+            tokens = reserved_tokens(prepared.event)
+            with ctx.admission.flight(
+                self._tenant, shape.model, shape.request_id, owner=True, tokens=tokens
+            ) as flight:
                 self._work[frame.id].flight = flight
                 opened = await ctx.dispatcher.open(prepared, None, flight)
                 await self._put({"type": "accepted", "id": frame.id, "request_id": opened.request_id})

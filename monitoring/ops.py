@@ -11,14 +11,15 @@ import socket
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from types import TracebackType
 from typing import Any, cast
 from urllib.parse import urlsplit
 
 import msgspec
+from aiohttp import web
 
 from monitoring import MonitoringError
 from monitoring.metrics import CONTENT_TYPE, exposition
+from schemas.lifecycle import Component
 
 log = logging.getLogger(__name__)
 
@@ -45,11 +46,18 @@ class Readiness(msgspec.Struct, frozen=True, kw_only=True):
 ReadinessProbe = Callable[[], Readiness]
 
 
+def bound_port(runner: web.AppRunner | None, what: str) -> int:
+    """The port an aiohttp runner listens on once started (its config may have said 0)."""
+    if runner is None or not runner.addresses:
+        raise RuntimeError(f"{what} is not started")
+    return int(runner.addresses[0][1])
+
+
 class OpsServerError(MonitoringError):
     """The ops endpoints could not be served (e.g. the port is taken)."""
 
 
-class OpsServer:
+class OpsServer(Component):
     """Serve the operational routes on ``host:port`` (port 0: an ephemeral one, see ``port``).
 
     ``readiness`` is called on each ``/readyz``, on a request thread: it must be quick and thread-safe.
@@ -57,6 +65,7 @@ class OpsServer:
     """
 
     def __init__(self, host: str, port: int, readiness: ReadinessProbe, *, service: str) -> None:
+        super().__init__()
         self.host = host
         self._port = port
         self._readiness = readiness
@@ -76,7 +85,7 @@ class OpsServer:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}"
 
-    def start(self) -> None:
+    def _start(self) -> None:
         with self._lock:
             if self._server is not None:
                 return
@@ -110,15 +119,6 @@ class OpsServer:
         server.server_close()
         if thread is not None:
             thread.join()
-
-    def __enter__(self) -> OpsServer:
-        self.start()
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
 
     def respond(self, path: str) -> tuple[int, str, bytes]:
         """(status, content type, body) for a GET of ``path``."""

@@ -74,6 +74,16 @@ class TopicNames(msgspec.Struct, frozen=True):
     def deadletter(self) -> str:
         return self._name("deadletter")
 
+    @property
+    def quota(self) -> str:
+        """What each edge admitted per tenant and model lately: limits hold across edges."""
+        return self._name("quota")
+
+    @property
+    def idempotency(self) -> str:
+        """Idempotency keys claimed by any edge (the first claim of a key wins)."""
+        return self._name("idempotency")
+
     def shared(self) -> tuple[str, ...]:
         """Every topic that is not per model."""
         return (
@@ -85,4 +95,6 @@ class TopicNames(msgspec.Struct, frozen=True):
             self.audit,
             self.drift,
             self.deadletter,
+            self.quota,
+            self.idempotency,
         )

@@ -27,6 +27,7 @@ Undecodable records go to the dead-letter topic with the reason; the agent keeps
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import threading
@@ -34,7 +35,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, ParamSpec
 
 import faust
 import msgspec
@@ -55,6 +56,7 @@ from schemas.events import (
     Event,
     RequestFinished,
 )
+from schemas.lifecycle import AsyncComponent
 from schemas.settings import PlatformSettings
 from schemas.topics import TopicNames
 from streams.audit import AuditHead, admin_entry, audit_row, request_entry
@@ -84,8 +86,36 @@ def sink_topics(names: TopicNames, request_topics: Sequence[str], *, decisions: 
     return [*topics, names.audit, names.drift] if decisions else topics
 
 
-class StreamsApp:
-    """The Faust app and its agents. ``await start()`` / ``await stop()`` on the running loop."""
+P = ParamSpec("P")
+
+
+def guarded(
+    fail: Callable[[BaseException], object], work: Callable[P, Awaitable[None]]
+) -> Callable[P, Awaitable[None]]:
+    """``work`` (an agent or a timer) with whatever escapes it told to ``fail`` and raised again.
+    ``functools.wraps`` keeps its signature: Faust passes the app to a timer only if it takes one."""
+
+    @functools.wraps(work)
+    async def guard(*args: P.args, **kwargs: P.kwargs) -> None:
+        try:
+            await work(*args, **kwargs)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.exception("streams: %s crashed", getattr(work, "__name__", work))
+            fail(exc)
+            raise
+
+    return guard
+
+
+class StreamsApp(AsyncComponent):
+    """The Faust app, its agent and timers. ``await start()`` / ``await stop()`` on the running loop.
+
+    Faust logs a crashed agent or timer and carries on without it; here every one is guarded: what escapes
+    it is the app's failure (:meth:`fail`), so the process stops and its supervisor restarts it from the
+    committed offsets instead of limping on without its sink or its controller.
+    """
 
     def __init__(
         self,
@@ -100,6 +130,7 @@ class StreamsApp:
         app_id: str | None = None,
         on_batch: Callable[[Batch], None] | None = None,
     ) -> None:
+        super().__init__()
         names = TopicNames(platform.topic_prefix)
         self.names = names
         self._writer = writer
@@ -128,32 +159,32 @@ class StreamsApp:
         )
         raw: dict[str, Any] = {"key_type": bytes, "value_type": bytes, "value_serializer": "raw"}
         self._sink_channel = self.app.topic(*sink_topics(names, request_topics, decisions=False), **raw)
-        self.app.agent(self._sink_channel, name="sink")(self._guard(self._sink))
+        self.app.agent(self._sink_channel, name="sink")(guarded(self.fail, self._sink))
         self._heads: dict[str, AuditHead] | None = None
         self._offsets: dict[str, tuple[int, int]] = {}
         """Per chain: the (partition, offset) its last audit entry came from."""
         self._controller = controller
         self._seeded = False
         if controller is not None:
-            self.app.timer(settings.streams_control_interval_s, name="control")(self._control)
+            self.app.timer(settings.streams_control_interval_s, name="control")(
+                guarded(self.fail, self._control)
+            )
         self._last_batch_at: float | None = None
         self._last_batch_full = False
         self._stored_until_ms = 0
         """The latest ``finished`` time of a terminal event the sink has written (ms)."""
         self.drift = DriftMonitor(settings, self._read, self._publish_report, self.stored_until)
-        self.app.timer(settings.drift_interval_s, name="drift")(self._drift)
+        self.app.timer(settings.drift_interval_s, name="drift")(guarded(self.fail, self._drift))
         self.rollout = RolloutController(
             self._read, self._publish_deployment, interval_s=settings.rollout_eval_interval_s
         )
         # Evaluations are due after sink batches; the timer only runs one a batch left waiting.
-        self.app.timer(settings.rollout_eval_interval_s, name="rollout")(self._rollout)
+        self.app.timer(settings.rollout_eval_interval_s, name="rollout")(guarded(self.fail, self._rollout))
         self._bootstrap = platform.bootstrap
-        self.failure: BaseException | None = None
-        """Set when an agent crashed: the process must exit (and be restarted), not limp on."""
         self._batch_size = settings.streams_batch_size
         self._within = settings.streams_batch_ms / 1000
 
-    async def start(self) -> None:
+    async def _start(self) -> None:
         latest = await asyncio.to_thread(
             latest_deployments, self._bootstrap, self.names.control, f"{SOURCE}-rollout"
         )
@@ -172,25 +203,6 @@ class StreamsApp:
         return bool(consumer.assignment()) if consumer is not None else False
 
     # ---------------------------------------------------------------- agents
-
-    def _guard(
-        self, agent: Callable[[faust.StreamT[bytes]], Awaitable[None]]
-    ) -> Callable[[faust.StreamT[bytes]], Awaitable[None]]:
-        """Faust logs an agent's crash and carries on without it; record it instead, so the process
-        stops and its supervisor restarts it from the committed offsets."""
-
-        async def guarded(stream: faust.StreamT[bytes]) -> None:
-            try:
-                await agent(stream)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                log.exception("streams agent %s crashed", agent.__name__)
-                self.failure = exc
-                raise
-
-        guarded.__name__ = agent.__name__
-        return guarded
 
     async def _sink(self, stream: faust.StreamT[bytes]) -> None:
         batches = stream.take_events(self._batch_size, within=self._within)  # type: ignore[attr-defined]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from types import TracebackType
 from typing import Any
 
 from aiohttp import web
@@ -19,8 +18,9 @@ from bus.producer import EventProducer
 from infra.topics import make_admin
 from infra.warehouse import WarehouseQueryServer, migrate, open_warehouse
 from monitoring import metrics
-from monitoring.ops import Readiness
+from monitoring.ops import Readiness, bound_port
 from monitoring.slo import SloConfig, load_slo_config
+from schemas.lifecycle import AsyncComponent
 from schemas.settings import PlatformSettings
 from schemas.topics import TopicNames
 from streams.app import StreamsApp
@@ -47,10 +47,13 @@ def apply_retention(client: Client, days: int) -> None:
     client.command(f"ALTER TABLE events_raw MODIFY TTL toDateTime(time) + INTERVAL {int(days)} DAY")
 
 
-class StreamsService:
+class StreamsService(AsyncComponent):
+    """Fails (:attr:`failure`, and ``/readyz`` says so) when the Faust app or the producer dies."""
+
     def __init__(
         self, platform: PlatformSettings, settings: StreamsSettings, *, app_id: str | None = None
     ) -> None:
+        super().__init__()
         self.platform = platform
         self.settings = settings
         self._app_id = app_id
@@ -58,16 +61,10 @@ class StreamsService:
         self._writer: Client | None = None
         self._query_server: WarehouseQueryServer | None = None
         self._producer = EventProducer(platform.bootstrap, "streams")
+        self._producer.watch(self.fail)
         self.streams: StreamsApp | None = None
         self._runner: web.AppRunner | None = None
         self._reads = asyncio.Lock()
-
-    async def start(self) -> None:
-        try:
-            await self._start()
-        except BaseException:
-            await self.stop()
-            raise
 
     async def _start(self) -> None:
         platform, settings = self.platform, self.settings
@@ -93,6 +90,7 @@ class StreamsService:
             request_topics=topics,
             app_id=self._app_id,
         )
+        self.streams.watch(self.fail)
         await self.streams.start()
         app = web.Application()
         app.router.add_get("/metrics", self._metrics)
@@ -119,23 +117,18 @@ class StreamsService:
 
     @property
     def port(self) -> int:
-        if self._runner is None or not self._runner.addresses:
-            raise RuntimeError("the streams service is not started")
-        return int(self._runner.addresses[0][1])
+        return bound_port(self._runner, "the streams service")
 
     @property
     def url(self) -> str:
         return f"http://{self.settings.streams_host}:{self.port}"
-
-    @property
-    def failure(self) -> BaseException | None:
-        return self.streams.failure if self.streams is not None else None
 
     def readiness(self) -> Readiness:
         streams = self.streams
         return Readiness.of(
             warehouse=self._query_server is not None,
             kafka=streams is not None and streams.assigned,
+            running=self.failure is None,
         )
 
     async def _metrics(self, request: web.Request) -> web.Response:
@@ -165,12 +158,3 @@ class StreamsService:
             if client is not None:
                 client.close()
         self._writer = self._client = None
-
-    async def __aenter__(self) -> StreamsService:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.stop()

@@ -12,10 +12,10 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from types import TracebackType
 
 from infra.errors import InfraError
 from infra.kafka.dist import fetch_kafka
+from schemas.lifecycle import Component
 
 # Small internal topics keep a one-node broker quick to start and quick to serve its first consumer group.
 _SERVER_PROPERTIES = """\
@@ -82,7 +82,7 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-class LocalKafka:
+class LocalKafka(Component):
     """One KRaft broker+controller on 127.0.0.1 whose data lives in ``data_dir`` across restarts.
 
     ``start()`` returns once the broker answers a metadata request; ``stop()`` sends SIGTERM and waits
@@ -100,7 +100,9 @@ class LocalKafka:
         heap: str = "768m",
         log_level: str = "WARN",
         progress: Callable[[str], None] | None = None,
+        start_timeout: float = 90.0,
     ) -> None:
+        super().__init__()
         self.data_dir = Path(data_dir).expanduser()
         self.cache_dir = Path(cache_dir).expanduser()
         self.version = version
@@ -109,6 +111,7 @@ class LocalKafka:
         self.heap = heap
         self.log_level = log_level
         self.progress = progress
+        self.start_timeout = start_timeout
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -157,7 +160,7 @@ class LocalKafka:
         if result.returncode != 0:
             raise BrokerError(f"formatting KRaft storage in {log_dir} failed:\n{result.stderr[-2000:]}")
 
-    def start(self, timeout: float = 90.0) -> None:
+    def _start(self) -> None:
         if self.running():
             return
         if port_open(self.port):
@@ -193,7 +196,7 @@ class LocalKafka:
                 start_new_session=True,  # Ctrl-C in a terminal reaches us, and we stop it cleanly
             )
         self.pid_file.write_text(str(self._proc.pid))
-        self._wait_ready(timeout)
+        self._wait_ready(self.start_timeout)
 
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -232,15 +235,6 @@ class LocalKafka:
         if self._proc is not None and self._proc.pid == pid:
             return self._proc.poll() is not None
         return not pid_alive(pid)
-
-    def __enter__(self) -> LocalKafka:
-        self.start()
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
 
 
 def broker_answers(bootstrap: str, timeout: float = 2.0) -> bool:

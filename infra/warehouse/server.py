@@ -22,7 +22,6 @@ import secrets
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from types import TracebackType
 
 import msgspec
 from aiohttp import web
@@ -37,6 +36,7 @@ from infra.warehouse.client import (
 )
 from infra.warehouse.errors import WarehouseError, WarehouseQueryError
 from infra.warehouse.owner import OwnerRecord, pid_alive, read_owner, remove_owner, warehouse_dir, write_owner
+from schemas.lifecycle import AsyncComponent
 from schemas.settings import PlatformSettings
 
 __all__ = ["QueryRequest", "WarehouseQueryServer", "query_warehouse"]
@@ -55,7 +55,7 @@ class _ErrorBody(msgspec.Struct, frozen=True):
     error: str
 
 
-class WarehouseQueryServer:
+class WarehouseQueryServer(AsyncComponent):
     """Serve read-only queries on ``client`` (the owner's) to other local processes.
 
     Queries run one at a time on a single worker thread (chDB is not to be driven from many threads); at
@@ -74,6 +74,7 @@ class WarehouseQueryServer:
         timeout_s: float = DEFAULT_QUERY_TIMEOUT_S,
         max_pending: int = 16,
     ) -> None:
+        super().__init__()
         self._client = client
         self._settings = settings
         self._max_rows = max_rows
@@ -90,7 +91,7 @@ class WarehouseQueryServer:
             raise RuntimeError("the warehouse query server is not started")
         return self._record.url
 
-    async def start(self) -> None:
+    async def _start(self) -> None:
         if self._runner is not None:
             raise RuntimeError("the warehouse query server is already started")
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="warehouse-query")
@@ -99,18 +100,15 @@ class WarehouseQueryServer:
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=self._timeout_s + 5)
         await runner.setup()
         self._runner = runner
-        try:
-            site = web.TCPSite(runner, _LOOPBACK, 0)
-            await site.start()
-            port = runner.addresses[0][1]
-            self._record = OwnerRecord(
-                pid=os.getpid(), url=f"http://{_LOOPBACK}:{port}", token=secrets.token_urlsafe(32)
-            )
-            write_owner(self._settings, self._record)
-        except BaseException:
-            await self.stop()
-            raise
-        log.info("warehouse query server at %s", self._record.url)
+        site = web.TCPSite(runner, _LOOPBACK, 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        record = OwnerRecord(
+            pid=os.getpid(), url=f"http://{_LOOPBACK}:{port}", token=secrets.token_urlsafe(32)
+        )
+        self._record = record
+        write_owner(self._settings, record)
+        log.info("warehouse query server at %s", record.url)
 
     async def stop(self) -> None:
         """Withdraw the owner file, finish in-flight queries, stop the worker thread. Idempotent."""
@@ -123,15 +121,6 @@ class WarehouseQueryServer:
         if self._executor is not None:
             executor, self._executor = self._executor, None
             await asyncio.to_thread(functools.partial(executor.shutdown, wait=True, cancel_futures=True))
-
-    async def __aenter__(self) -> WarehouseQueryServer:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.stop()
 
     async def _handle_query(self, request: web.Request) -> web.Response:
         record, executor = self._record, self._executor

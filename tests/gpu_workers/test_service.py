@@ -613,3 +613,40 @@ async def test_a_worker_joining_mid_load_takes_partitions_and_every_request_ends
         assert len(finals) == 1, f"{request.request_id} ended {len(finals)} times"
         assert finals[0].status == "completed"
     assert ran == {"r1", "r2"}, "the joining worker took no partition: the test proved nothing"
+
+
+async def test_a_dead_cancel_listener_fails_the_worker_and_its_readiness(
+    platform: PlatformSettings,
+    names: TopicNames,
+    demo_gpt_dir: Path,
+    producer: EventProducer,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before, the worker watched only its model thread: with its cancel listener dead it went on
+    serving and cancels were silently ignored. Now every thread's death is the worker's failure, which
+    its supervisor (``run_worker``) is woken by."""
+
+    def broken(self: WorkerService, batch: list[Message]) -> None:
+        raise RuntimeError("cancel listener bug")
+
+    monkeypatch.setattr(WorkerService, "_on_cancels", broken)
+    worker = make_worker(platform, WorkerSettings(worker_id="w-dies"), "demo-gpt")
+    woken = threading.Event()
+    worker.watch(lambda _: woken.set())
+    worker.start()
+    try:
+        assert worker.wait_assigned(30)
+        assert worker.readiness(100).ready
+        await producer.publish(
+            names.cancels,
+            CancelRequested(
+                tenant="acme", model="demo-gpt", request_id=uuid7(), source="test", reason="client_cancel"
+            ),
+        )
+        assert await asyncio.to_thread(woken.wait, 30)
+        assert isinstance(worker.failure, RuntimeError)
+        readiness = worker.readiness(100)
+        assert not readiness.ready
+        assert readiness.checks["kafka"] is False
+    finally:
+        worker.stop()  # the other threads still stop, the requests consumer commits and leaves

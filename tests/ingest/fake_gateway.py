@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ingest.errors import GatewayUnavailable
 from ingest.gateway import IdempotencyRecord, ReplyItem, RequestEvent
+from schemas.coordination import QuotaSync
 from schemas.deployments import Deployment
 from schemas.events import (
     CancelRequested,
@@ -75,8 +77,15 @@ class FakeStream:
 
 
 class FakeGateway:
-    def __init__(self, *, edge_id: str = "edge-test", tokens: int = 5) -> None:
+    def __init__(
+        self, *, edge_id: str = "edge-test", tokens: int = 5, quota_bus: list[FakeGateway] | None = None
+    ) -> None:
+        """Gateways made with the same ``quota_bus`` list see each other's quota snapshots (2 edges)."""
         self._edge_id = edge_id
+        self._quota_bus = quota_bus if quota_bus is not None else []
+        self._quota_bus.append(self)
+        self._followers: list[Callable[[QuotaSync, float], None]] = []
+        self.quota_published: list[QuotaSync] = []
         self.tokens = tokens
         self.is_ready = True
         self.exhausted: set[str] = set()
@@ -153,6 +162,19 @@ class FakeGateway:
         if self.race_record is not None:
             record = self.race_record
         return self.idempotency.setdefault((tenant, key), record)
+
+    async def forget_idempotent(self, tenant: str, key: str, record: IdempotencyRecord) -> None:
+        if self.idempotency.get((tenant, key)) == record:
+            del self.idempotency[(tenant, key)]
+
+    async def publish_quota(self, sync: QuotaSync) -> None:
+        self.quota_published.append(sync)
+        for gateway in self._quota_bus:
+            for apply in gateway._followers:
+                apply(sync, 0.0)
+
+    def follow_quota(self, apply: Callable[[QuotaSync, float], None]) -> None:
+        self._followers.append(apply)
 
     # --- helpers for tests ------------------------------------------------------------------------------
 

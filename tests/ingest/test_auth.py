@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from ingest.admission import Admission
 from ingest.auth import DEMO_KEY, Tenant, TenantDirectory, hash_key
-from ingest.errors import AuthenticationFailed, CatalogueError, RateLimited
+from ingest.errors import AuthenticationFailed, CatalogueError
 from ingest.models import ModelCatalogue
+from ingest.quota import Limits
 from tests.ingest.conftest import GEN, MakeClient, assert_healthy, settings
 from tests.ingest.fake_gateway import FakeGateway
 
@@ -35,11 +35,18 @@ def test_tenants_file_json_and_toml(tmp_path: Path) -> None:
         json.dumps({"tenants": {"acme": {"key_sha256": [digest], "models": [GEN], "max_concurrency": 2}}})
     )
     as_toml = tmp_path / "tenants.toml"
-    as_toml.write_text(f'[tenants.acme]\nkey_sha256 = ["{digest}"]\nrequests_per_s = 2.5\nburst = 5\n')
+    as_toml.write_text(
+        f'[tenants.acme]\nkey_sha256 = ["{digest}"]\nrequests_per_min = 150\ntokens_per_min = 9000\n'
+        "[tenants.acme.model_limits.demo-gpt]\ntokens_per_min = 500\n"
+    )
     from_json = TenantDirectory.from_file(as_json).authenticate("Bearer sk-acme")
     assert (from_json.name, from_json.models, from_json.max_concurrency) == ("acme", frozenset({GEN}), 2)
     from_toml = TenantDirectory.from_file(as_toml).authenticate("bearer sk-acme")
-    assert (from_toml.name, from_toml.requests_per_s, from_toml.burst) == ("acme", 2.5, 5)
+    assert (from_toml.name, from_toml.requests_per_min, from_toml.tokens_per_min) == ("acme", 150, 9000)
+    assert from_toml.checks("demo-gpt") == [
+        (("acme", "*"), Limits(requests_per_min=150, tokens_per_min=9000)),
+        (("acme", "demo-gpt"), Limits(tokens_per_min=500)),
+    ]
     with pytest.raises(AuthenticationFailed):  # no demo tenant when a file is given
         TenantDirectory.from_file(as_toml).authenticate(f"Bearer {DEMO_KEY}")
 
@@ -100,19 +107,11 @@ async def test_tenant_sees_only_its_models(catalogue: ModelCatalogue, gateway: F
     await edge.stop()
 
 
-def test_token_bucket() -> None:
-    now = [0.0]
-    admission = Admission(clock=lambda: now[0])
-    tenant = Tenant(name="t", requests_per_s=2.0, burst=3)
-    for _ in range(3):
-        admission.check_rate(tenant)
-    with pytest.raises(RateLimited):
-        admission.check_rate(tenant)
-    now[0] = 0.5  # one token back
-    admission.check_rate(tenant)
-    with pytest.raises(RateLimited):
-        admission.check_rate(tenant)
-    admission.check_rate(Tenant(name="unlimited"))
+def test_the_per_edge_limits_of_old_tenants_files_are_refused_with_what_replaced_them(tmp_path: Path) -> None:
+    old = tmp_path / "tenants.toml"
+    old.write_text(f'[tenants.acme]\nkey_sha256 = ["{hash_key("k")}"]\nrequests_per_s = 2.5\nburst = 5\n')
+    with pytest.raises(CatalogueError, match="requests_per_min"):
+        TenantDirectory.from_file(old)
 
 
 async def test_rate_and_concurrency_limits_are_429(catalogue: ModelCatalogue, gateway: FakeGateway) -> None:
@@ -122,7 +121,7 @@ async def test_rate_and_concurrency_limits_are_429(catalogue: ModelCatalogue, ga
 
     tenants = TenantDirectory(
         {
-            "slow": Tenant(key_sha256=[hash_key("sk-slow")], requests_per_s=0.001, burst=1),
+            "slow": Tenant(key_sha256=[hash_key("sk-slow")], requests_per_min=1),
             "narrow": Tenant(key_sha256=[hash_key("sk-narrow")], max_concurrency=1),
         }
     )
@@ -133,6 +132,8 @@ async def test_rate_and_concurrency_limits_are_429(catalogue: ModelCatalogue, ga
         limited = await client.post("/v1/chat/completions", json=CHAT, headers=slow)
         assert limited.status == 429
         assert (await limited.json())["error"]["type"] == "rate_limit_error"
+        assert 1 <= int(limited.headers["Retry-After"]) <= 60
+        assert int(limited.headers["retry-after-ms"]) >= 1
         assert len(gateway.submitted) == 1
 
         gateway.hold_after = 0

@@ -79,3 +79,33 @@ async def test_a_start_that_fails_part_way_stops_what_it_started(
         await gateway.start()
     assert gateway._listener is None  # the reply listener it had started was stopped
     assert not gateway.ready()
+
+
+async def test_a_dead_control_listener_fails_the_gateway_so_budgets_never_go_stale(
+    gateway: KafkaGateway, kafka_bootstrap: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Budgets and deployments come from the control topic: once nobody follows it, the edge must not
+    keep admitting on what it last knew. Open streams fail, submits are refused, readiness is false."""
+
+    def broken(self: KafkaGateway, batch: list[Message]) -> None:
+        raise RuntimeError("control bug")
+
+    monkeypatch.setattr(KafkaGateway, "_on_control", broken)
+    async with gateway:
+        assert gateway.ready()
+        stream = await gateway.submit(_request(gateway))
+        producer = Producer({"bootstrap.servers": kafka_bootstrap})
+        producer.produce(gateway._names.control, b"anything", key=b"budget:acme")
+        producer.flush(10)
+
+        async def first() -> object:
+            async for reply in stream:
+                return reply
+            return None
+
+        with pytest.raises(GatewayUnavailable):
+            await asyncio.wait_for(first(), 30)
+        assert isinstance(gateway.failure, RuntimeError)
+        assert not gateway.ready()
+        with pytest.raises(GatewayUnavailable, match="control bug"):
+            await gateway.submit(_request(gateway))

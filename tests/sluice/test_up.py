@@ -95,6 +95,7 @@ def _check_ops(edge: str, worker_port: int) -> None:
         assert f'sluice_model_memory_bytes{{device="cpu",model="{model}"}}' in text
 
 
+@pytest.mark.timeout(360)  # the whole operator's flow, a candidate worker's start included, on 2 cores
 def test_up_serves_kafka_topics_and_warehouse_then_stops_on_sigint(tmp_path: Path) -> None:
     env = _env(tmp_path)
     port = int(env["SLUICE_KAFKA_PORT"])

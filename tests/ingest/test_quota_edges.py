@@ -1,0 +1,114 @@
+"""Two edges, one tenant: its limits hold across both (the edges share their admissions through the
+gateway, in memory here; the same contract runs on Kafka in ``tests/e2e/test_overload.py``)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from ingest.app import Edge
+from ingest.auth import Tenant, TenantDirectory, hash_key
+from ingest.models import ModelCatalogue
+from tests.ingest.conftest import GEN, Client, settings
+from tests.ingest.fake_gateway import FakeGateway
+
+KEY = "sk-shared"
+CHAT = {"model": GEN, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+HEADERS = {"Authorization": f"Bearer {KEY}"}
+
+
+async def _edges(
+    catalogue: ModelCatalogue, tenant: Tenant
+) -> AsyncIterator[list[tuple[Client, FakeGateway]]]:
+    bus: list[FakeGateway] = []
+    tenants = TenantDirectory({"shared": tenant})
+    made: list[tuple[Client, FakeGateway, Edge]] = []
+    for index in range(2):
+        gateway = FakeGateway(edge_id=f"edge-{index}", quota_bus=bus)
+        edge = Edge(settings(edge_id=f"edge-{index}", edge_quota_sync_s=0.05), gateway, catalogue, tenants)
+        client: Client = TestClient(TestServer(edge.app))
+        await client.start_server()
+        made.append((client, gateway, edge))
+    try:
+        yield [(c, g) for c, g, _ in made]
+    finally:
+        for client, gateway, edge in made:
+            await edge.stop()
+            await client.close()
+            gateway.release.set()
+            await gateway.close()
+
+
+@pytest.fixture
+async def rpm_edges(catalogue: ModelCatalogue) -> AsyncIterator[list[tuple[Client, FakeGateway]]]:
+    async for edges in _edges(catalogue, Tenant(key_sha256=[hash_key(KEY)], requests_per_min=12)):
+        yield edges
+
+
+async def test_requests_per_minute_hold_across_two_edges(rpm_edges: list[tuple[Client, FakeGateway]]) -> None:
+    """Offered 10x the limit, alternating between the edges at a steady pace: admitted about the limit,
+    not twice it (what per-edge limits used to give); every refusal is a 429 with Retry-After."""
+    await asyncio.sleep(0.15)  # both edges have published a first snapshot: they know each other
+    statuses: list[int] = []
+    for i in range(120):
+        client, _ = rpm_edges[i % 2]
+        response = await client.post("/v1/chat/completions", json=CHAT, headers=HEADERS)
+        statuses.append(response.status)
+        if response.status == 429:
+            assert 1 <= int(response.headers["Retry-After"]) <= 60
+            assert (await response.json())["error"]["type"] == "rate_limit_error"
+        else:
+            assert response.status == 200
+        await asyncio.sleep(0.01)
+    admitted = statuses.count(200)
+    submitted = sum(len(gateway.submitted) for _, gateway in rpm_edges)
+    assert admitted == submitted
+    assert 12 <= admitted <= 13, statuses  # the limit, give or take one request in one sync interval
+    assert statuses.count(429) == 120 - admitted
+
+
+async def test_concurrency_holds_across_two_edges(catalogue: ModelCatalogue) -> None:
+    async for edges in _edges(catalogue, Tenant(key_sha256=[hash_key(KEY)], max_concurrency=2)):
+        for _, gateway in edges:
+            gateway.hold_after = 0  # each stream waits: it stays in flight
+        (a, _), (b, _) = edges
+        await asyncio.sleep(0.15)
+        stream = {**CHAT, "stream": True}
+        first = await a.post("/v1/chat/completions", json=stream, headers=HEADERS)
+        second = await b.post("/v1/chat/completions", json=stream, headers=HEADERS)
+        assert (first.status, second.status) == (200, 200)
+        await asyncio.sleep(0.2)  # both snapshots are out
+        third = await a.post("/v1/chat/completions", json=stream, headers=HEADERS)
+        assert third.status == 429
+        assert (await third.json())["error"]["code"] == "concurrency_limit_exceeded"
+        for _, gateway in edges:
+            gateway.release.set()
+        await first.read()
+        await second.read()
+        await asyncio.sleep(0.2)
+        again = await b.post("/v1/chat/completions", json=CHAT, headers=HEADERS)
+        assert again.status == 200
+
+
+async def test_token_reservations_are_reconciled_so_short_answers_leave_room(
+    catalogue: ModelCatalogue,
+) -> None:
+    """Each request reserves prompt + max_tokens (23 here); the fake uses 12 (prompt + 5), so
+    the terminal event the window holds the real use: 8 fit where reservations alone would stop at 5."""
+    tenant = Tenant(key_sha256=[hash_key(KEY)], tokens_per_min=120)
+    async for edges in _edges(catalogue, tenant):
+        (a, _), _ = edges
+        body = {**CHAT, "max_tokens": 16}
+        statuses = [
+            (await a.post("/v1/chat/completions", json=body, headers=HEADERS)).status for _ in range(8)
+        ]
+        assert statuses == [200] * 8  # each settles to ~10 tokens before the next one
+    async for edges in _edges(catalogue, Tenant(key_sha256=[hash_key(KEY)], tokens_per_min=10)):
+        (a, gateway), _ = edges
+        huge = await a.post("/v1/chat/completions", json={**CHAT, "max_tokens": 16}, headers=HEADERS)
+        assert huge.status == 400  # it could never fit: a request to change, not a rate limit to wait out
+        assert (await huge.json())["error"]["code"] == "tokens_exceed_limit"
+        assert gateway.submitted == []
