@@ -75,7 +75,10 @@ class VersionStats:
 def stats_sql(model: str, versions: Iterable[str], since: datetime) -> str:
     """Per version: terminal requests accepted since ``since``, errors (failed, or expired: a shadow copy
     that expired waited at the lowest priority, which is not the candidate's fault), p99 TTFT and
-    inter-token gap, tokens and cost (shadow copies included: they are the candidate's outcomes too)."""
+    inter-token gap, tokens and cost (shadow copies included: they are the candidate's outcomes too).
+    TTFT is taken over the requests clients sent when there are any: a shadow copy's first token waits
+    behind every live request (lowest priority), which measures the queue, not the candidate; a
+    shadow-only step has nothing else to judge by."""
     listed = ", ".join(sql_string(v) for v in sorted(set(versions)))
     since_ms = int(since.timestamp() * 1000)
     return f"""SELECT model_version,
@@ -83,6 +86,8 @@ def stats_sql(model: str, versions: Iterable[str], since: datetime) -> str:
     countIf(status = 'failed' OR (status = 'expired' AND shadow_of = '')) AS errors,
     quantileExactIf(0.99)(ttft_ms, ttft_ms IS NOT NULL) AS ttft_p99,
     countIf(ttft_ms IS NOT NULL) AS ttft_n,
+    quantileExactIf(0.99)(ttft_ms, ttft_ms IS NOT NULL AND shadow_of = '') AS ttft_live_p99,
+    countIf(ttft_ms IS NOT NULL AND shadow_of = '') AS ttft_live_n,
     quantileExactIf(0.99)(itl_max_ms, itl_max_ms IS NOT NULL) AS itl_p99,
     countIf(itl_max_ms IS NOT NULL) AS itl_n,
     sum(prompt_tokens + completion_tokens) AS tokens,
@@ -114,7 +119,11 @@ def parse_stats(rows: Sequence[dict[str, Any]]) -> dict[str, VersionStats]:
         str(r["model_version"]): VersionStats(
             n=int(r["n"]),
             errors=int(r["errors"]),
-            ttft_p99_ms=number(r["ttft_p99"], r["ttft_n"]),
+            ttft_p99_ms=(
+                number(r["ttft_live_p99"], r["ttft_live_n"])
+                if r.get("ttft_live_n")
+                else number(r["ttft_p99"], r["ttft_n"])
+            ),
             itl_p99_ms=number(r["itl_p99"], r["itl_n"]),
             tokens=int(r["tokens"]),
             cost_nanos=int(r["cost_nanos"]),
@@ -133,14 +142,16 @@ def stats_of(results: Iterable[RequestFinished], prices: PriceTable) -> VersionS
     runs that never reach the warehouse: ``sluice rollout evaluate``)."""
     rows = [dict(zip(FACT_COLUMNS, fact_row(event, prices), strict=True)) for event in results]
 
-    def p99(column: str) -> float | None:
-        values = sorted(float(r[column]) for r in rows if r[column] is not None)
+    def p99(column: str, of: list[dict[str, Any]] = rows) -> float | None:
+        values = sorted(float(r[column]) for r in of if r[column] is not None)
         return values[min(len(values) - 1, math.ceil(0.99 * len(values)) - 1)] if values else None
+
+    live = [r for r in rows if not r["shadow_of"]]
 
     return VersionStats(
         n=len(rows),
         errors=sum(r["status"] in ("failed", "expired") for r in rows),
-        ttft_p99_ms=p99("ttft_ms"),
+        ttft_p99_ms=p99("ttft_ms", live) if any(r["ttft_ms"] is not None for r in live) else p99("ttft_ms"),
         itl_p99_ms=p99("itl_max_ms"),
         tokens=sum(int(r["prompt_tokens"]) + int(r["completion_tokens"]) for r in rows),
         cost_nanos=sum(int(r["cost_nanos"]) for r in rows),

@@ -15,7 +15,7 @@ import msgspec
 import pytest
 from confluent_kafka import Consumer, Message, Producer, TopicPartition
 
-from bus.consumer import ConsumerThread, consumer_config
+from bus.consumer import ConsumerThread, consumer_config, watermarks
 from bus.producer import EventProducer
 from gpu_workers.main import make_worker
 from gpu_workers.service import WorkerService
@@ -53,10 +53,23 @@ class Log:
     def __init__(self) -> None:
         self.events: list[Event] = []
         self.lock = threading.Lock()
+        self.positions: dict[int, int] = {}
 
     def __call__(self, batch: list[Message]) -> None:
         with self.lock:
             self.events += [decode(m.value() or b"") for m in batch]
+            for m in batch:
+                self.positions[m.partition() or 0] = (m.offset() or 0) + 1
+
+    def caught_up(self, bootstrap: str, topic: str, timeout: float = 30) -> None:
+        """Wait until every record the topic holds now has been read (a duplicate already produced is in)."""
+        probe = Consumer(consumer_config(bootstrap, None, "test-probe"))
+        try:
+            parts = probe.list_topics(topic, timeout=10).topics[topic].partitions
+            ends = {p: watermarks(probe, topic, p)[1] for p in parts}
+        finally:
+            probe.close()
+        self.wait(lambda: all(self.positions.get(p, 0) >= end for p, end in ends.items()), timeout)
 
     def of(self, request_id: str) -> list[Event]:
         with self.lock:
@@ -606,8 +619,9 @@ async def test_a_worker_joining_mid_load_takes_partitions_and_every_request_ends
             assert second.group == first.group
             for request in requests:
                 results.finished(request.request_id, timeout=120)
-            await asyncio.sleep(2.0)  # a second terminal event, if any, would be in by now
-            ran = {e.worker_id for e in results.events if isinstance(e, RequestFinished)}
+    # both stopped (their producers flushed): every terminal event they wrote is on the topic; read it all
+    results.caught_up(platform.bootstrap, names.results)
+    ran = {e.worker_id for e in results.events if isinstance(e, RequestFinished)}
     for request in requests:
         finals = [e for e in results.of(request.request_id) if isinstance(e, RequestFinished)]
         assert len(finals) == 1, f"{request.request_id} ended {len(finals)} times"

@@ -18,8 +18,10 @@ from schemas.events import (
     GateResult,
     RequestFinished,
     RolloutGates,
+    Timings,
     Usage,
 )
+from streams.pricing import PriceTable
 from streams.rollout import (
     BURN_MIN_ERRORS,
     FAST_BURN,
@@ -33,6 +35,7 @@ from streams.rollout import (
     parse_stats,
     roll_back,
     start_rollout,
+    stats_of,
     stats_sql,
 )
 
@@ -492,7 +495,7 @@ HOSTILE_MODEL = "m\\'; DROP TABLE request_facts; --"
 def test_stats_sql_quotes_hostile_names() -> None:
     sql = stats_sql(HOSTILE_MODEL, [HOSTILE_VERSION, "v1"], T0)
     found, outside = literals(sql)
-    assert found == ["failed", "expired", "", HOSTILE_MODEL, "v1", HOSTILE_VERSION]
+    assert found == ["failed", "expired", "", "", "", HOSTILE_MODEL, "v1", HOSTILE_VERSION]
     assert "DROP" not in outside
     assert "OR 1=1" not in outside
     assert "FROM request_facts" in outside
@@ -501,7 +504,7 @@ def test_stats_sql_quotes_hostile_names() -> None:
 def test_stats_sql_lists_each_version_once_and_starts_at_since() -> None:
     sql = stats_sql(MODEL, ["v2", "v1", "v2"], T0 + timedelta(milliseconds=123))
     found, outside = literals(sql)
-    assert found == ["failed", "expired", "", MODEL, "v1", "v2"]
+    assert found == ["failed", "expired", "", "", "", MODEL, "v1", "v2"]
     assert f"fromUnixTimestamp64Milli({T0_MS + 123})" in outside
 
 
@@ -580,6 +583,39 @@ def test_parse_stats_accepts_numbers_as_text() -> None:
 
 def test_parse_stats_of_no_rows() -> None:
     assert parse_stats([]) == {}
+
+
+def test_ttft_is_judged_on_live_requests_when_there_are_any() -> None:
+    """A shadow copy waits behind every live request (lowest priority): its first token measures the
+    queue. With live requests in the step they decide the TTFT gate; a shadow-only step uses the shadows."""
+    live = row("v2") | {"ttft_p99": 900.0, "ttft_n": 50, "ttft_live_p99": 120.0, "ttft_live_n": 10}
+    assert parse_stats([live])["v2"].ttft_p99_ms == 120.0
+    shadow_only = row("v2") | {
+        "ttft_p99": 900.0,
+        "ttft_n": 50,
+        "ttft_live_p99": float("nan"),
+        "ttft_live_n": 0,
+    }
+    assert parse_stats([shadow_only])["v2"].ttft_p99_ms == 900.0
+
+
+def test_stats_of_an_offline_run_judge_ttft_on_live_requests_too() -> None:
+    def timed(request_id: str, ttft_s: float, shadow_of: str | None) -> RequestFinished:
+        return msgspec.structs.replace(
+            finished(),
+            request_id=request_id,
+            shadow_of=shadow_of,
+            timings=Timings(
+                accepted=T0,
+                started=T0,
+                first_token=T0 + timedelta(seconds=ttft_s),
+                finished=T0 + timedelta(seconds=2),
+            ),
+        )
+
+    results = [timed("a", 0.1, None), timed("b", 0.2, None), timed("c", 5.0, "a")]
+    assert stats_of(results, PriceTable()).ttft_p99_ms == pytest.approx(200.0)
+    assert stats_of(results[2:], PriceTable()).ttft_p99_ms == pytest.approx(5000.0)
 
 
 # --- RolloutController ----------------------------------------------------------------------------------
@@ -690,7 +726,7 @@ async def test_the_controller_reads_the_step_since_it_began(harness: Harness) ->
     stats_query, drift_query = harness.warehouse.queries
     assert "FROM request_facts" in stats_query
     assert f"fromUnixTimestamp64Milli({T0_MS + 5})" in stats_query
-    assert literals(stats_query)[0][3:] == [MODEL, "v1", "v2"]
+    assert literals(stats_query)[0][5:] == [MODEL, "v1", "v2"]
     assert "FROM drift_reports" in drift_query
     assert literals(drift_query)[0] == [MODEL, "v2", "*"]
 
