@@ -8,7 +8,11 @@ import random
 from collections import Counter
 from dataclasses import dataclass, field
 
+import pytest
+
 from gpu_workers.scheduler import GenerationScheduler, Pending, SchedulerConfig, ServiceClass
+from gpu_workers.settings import WorkerSettings
+from schemas.settings import SettingsError, load_settings
 
 
 def req(
@@ -236,3 +240,12 @@ def test_a_full_queue_sheds_the_lowest_class_first() -> None:
     assert [item.request_id for item in s.schedule(0.0).shed] == ["shadow"]
     assert s.withdraw("batch")
     assert [item.request_id for item in s.drain()] == ["i1", "i2"]
+
+
+def test_tenant_weights_setting() -> None:
+    env = {"SLUICE_WORKER_TENANT_WEIGHTS": "acme=2, bigco=0.5"}
+    assert load_settings(WorkerSettings, env).tenant_weights() == {"acme": 2.0, "bigco": 0.5}
+    assert load_settings(WorkerSettings, {}).tenant_weights() == {}
+    for entry in ("acme", "acme=0", "=2", "acme=x", "acme=-1", "acme=nan", "acme=inf"):
+        with pytest.raises(SettingsError, match="SLUICE_WORKER_TENANT_WEIGHTS"):
+            load_settings(WorkerSettings, {"SLUICE_WORKER_TENANT_WEIGHTS": entry})
