@@ -1,8 +1,9 @@
 """The generation runner: scheduler + engine + flush policy, driven by the worker's model thread.
 
-Each tick: expire and admit waiting requests (``GenerationScheduler``), stop running ones past their
-deadline, run ONE decode step for the whole running batch (``GenerationEngine.step``), turn tokens into
-text deltas, coalesce them into chunks (``ChunkCoalescer``) and finish sequences that stopped. A cancel
+Each tick: expire and admit waiting requests (``GenerationScheduler``: fair between tenants, so requests
+that a full queue pushed out end ``failed`` with ``queue_full``), stop running ones past their deadline,
+run ONE decode step for the whole running batch (``GenerationEngine.step``), charge each token to its
+tenant (``GenerationScheduler.produced``), turn tokens into text deltas, coalesce them into chunks (``ChunkCoalescer``) and finish sequences that stopped. A cancel
 removes a sequence between two steps, so it never produces another token.
 """
 
@@ -126,6 +127,8 @@ class GenerationRunner:
             payload=live,
             deadline=deadline,
             priority=event.priority,
+            tenant=event.tenant,
+            shadow=event.shadow_of is not None,
         )
         rejection = self._scheduler.check(item)
         if rejection is not None:
@@ -155,6 +158,17 @@ class GenerationRunner:
         decision = self._scheduler.schedule(now)
         for item in decision.expire:
             self._end(item.payload, "expired", "deadline", emit)
+        for item in decision.shed:
+            self._live.pop(item.request_id, None)
+            emit.finish(
+                item.payload.arrival,
+                self._origin.failed(
+                    item.payload.arrival,
+                    "queue_full",
+                    f"the waiting queue is full ({self._scheduler.config.max_waiting} requests) and tenant "
+                    f"{item.tenant!r} held the most of it: its newest request made room for another tenant's",
+                ),
+            )
         started = utc_now()
         for item in decision.admit:
             self._start(item.payload, started, emit)
@@ -172,6 +186,7 @@ class GenerationRunner:
                 live = self._live.get(out.request_id)
                 if live is None:
                     continue
+                self._scheduler.produced(out.request_id)
                 live.first_token = live.first_token or stamp
                 live.logprob_sum += out.logprob
                 live.entropy_sum += out.entropy

@@ -77,6 +77,7 @@ def runner_factory(
                     max_running=worker.worker_max_running,
                     max_batch_tokens=worker.worker_max_batch_tokens,
                     max_waiting=worker.worker_max_waiting,
+                    weights=worker.tenant_weights(),
                 ),
                 flush=FlushPolicy(
                     max_tokens=worker.worker_flush_tokens, max_delay_s=worker.worker_flush_ms / 1000

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Annotated
 
 import msgspec
@@ -25,7 +26,11 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     worker_max_batch_tokens: Positive = 16_384
     """Generation: KV budget, sum of prompt + max new tokens over running sequences."""
     worker_max_waiting: Positive = 1024
-    """Generation: bounded waiting queue; beyond it requests fail fast with ``queue_full``."""
+    """Generation: bounded waiting queue; when it is full, the tenant holding the most of it has its newest
+    request refused (``queue_full``), not whoever comes next."""
+    worker_tenant_weights: tuple[str, ...] = ()
+    """Generation: ``tenant=w`` entries, the tenant's share of the worker's service relative to others (every
+    tenant not named: 1). Under saturation a tenant of weight 2 gets twice the tokens of one of weight 1."""
     worker_flush_tokens: Positive = 8
     """Streaming: publish a chunk once this many tokens are buffered…"""
     worker_flush_ms: Annotated[float, msgspec.Meta(ge=0)] = 20.0
@@ -58,3 +63,21 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     drift_embedding_model: str = "all-minilm-l6-v2"
     """The prepared model a generation worker loads to embed sampled prompts; empty: no prompt embeddings
     from generation workers."""
+
+    def tenant_weights(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for entry in self.worker_tenant_weights:
+            tenant, sep, weight = entry.partition("=")
+            try:
+                value = float(weight)
+            except ValueError:
+                value = 0.0
+            if not sep or not tenant.strip() or not 0 < value < math.inf:
+                raise ValueError(
+                    f"SLUICE_WORKER_TENANT_WEIGHTS entry {entry!r}: expected tenant=w with w a positive number"
+                )
+            out[tenant.strip()] = value
+        return out
+
+    def __post_init__(self) -> None:
+        self.tenant_weights()  # validate early

@@ -289,3 +289,39 @@ def test_a_cancelled_embedding_ends_cancelled(minilm_runner: EmbeddingRunner) ->
     assert_envelope(result, request)
     assert (result.status, result.finish_reason, result.usage) == ("cancelled", "cancelled", NO_USAGE)
     assert (result.embeddings, result.error, result.timings.started) == (None, None, None)
+
+
+# --- fairness between tenants -------------------------------------------------------------------------------
+
+
+def test_a_flooding_tenant_waits_its_turn_and_pays_for_the_full_queue(demo_gpt: LoadedModel) -> None:
+    """The runner hands the scheduler each request's tenant and charges every token it produces: a light
+    tenant runs next after the flood's running request, and a full queue refuses the flood's requests."""
+    tokenizer = demo_gpt.tokenizer
+    runner = GenerationRunner(
+        GenerationEngine(demo_gpt.model, max_batch_size=1, max_context=demo_gpt.manifest.max_context),
+        lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True)),
+        demo_gpt.manifest,
+        source=SOURCE,
+        worker_id=WORKER,
+        scheduler=SchedulerConfig(max_running=1, max_batch_tokens=4096, max_waiting=3),
+        flush=FlushPolicy(max_tokens=4, max_delay_s=0.0),
+    )
+    long = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    flood = [generation(long, tenant="flood") for _ in range(4)]
+    light = generation(SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), tenant="light")
+    done = run(runner, [*flood, light]).finished
+    refused, shed = done[flood[3].request_id], done[flood[2].request_id]
+    assert refused.error is not None
+    assert refused.error.code == "queue_full"  # the flood already held the whole queue
+    assert shed.error is not None
+    assert shed.error.code == "queue_full"  # pushed out to make room for the light tenant
+    assert "'flood' held the most of it" in shed.error.message
+    first, second, quick = done[flood[0].request_id], done[flood[1].request_id], done[light.request_id]
+    assert (first.status, second.status, quick.status) == ("completed", "completed", "completed")
+    assert first.timings.finished is not None
+    assert quick.timings.started is not None
+    assert quick.timings.finished is not None
+    assert second.timings.started is not None
+    assert first.timings.finished <= quick.timings.started  # the light tenant took the first free slot
+    assert quick.timings.finished <= second.timings.started

@@ -1,10 +1,11 @@
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 
-from gpu_workers.scheduler import GenerationScheduler, Pending, RejectCode, SchedulerConfig
+from gpu_workers.scheduler import GenerationScheduler, Pending, RejectCode, SchedulerConfig, ServiceClass
 
 
 def req(
@@ -15,6 +16,8 @@ def req(
     deadline: float | None = None,
     priority: int = 0,
     arrival: float = 0.0,
+    tenant: str = "",
+    shadow: bool = False,
 ) -> Pending[None]:
     return Pending(
         request_id=rid,
@@ -24,6 +27,8 @@ def req(
         payload=None,
         deadline=deadline,
         priority=priority,
+        tenant=tenant,
+        shadow=shadow,
     )
 
 
@@ -204,11 +209,15 @@ def test_drain_returns_waiting_in_order() -> None:
 
 @pytest.mark.parametrize("field", ["max_running", "max_batch_tokens", "max_waiting"])
 def test_config_validates(field: str) -> None:
-    values = {"max_running": 1, "max_batch_tokens": 1, "max_waiting": 1, field: 0}
+    values: dict[str, Any] = {"max_running": 1, "max_batch_tokens": 1, "max_waiting": 1, field: 0}
     with pytest.raises(ValueError, match=field):
         SchedulerConfig(**values)
     with pytest.raises(ValueError, match="max_overtakes"):
         SchedulerConfig(max_running=1, max_batch_tokens=1, max_waiting=1, max_overtakes=-1)
+    with pytest.raises(ValueError, match="max_idle_tenants"):
+        SchedulerConfig(max_running=1, max_batch_tokens=1, max_waiting=1, max_idle_tenants=-1)
+    with pytest.raises(ValueError, match="tenant 'a'"):
+        SchedulerConfig(max_running=1, max_batch_tokens=1, max_waiting=1, weights={"a": 0.0})
 
 
 @pytest.mark.parametrize("seed", range(30))
@@ -225,6 +234,7 @@ def test_random_interleavings_keep_invariants(seed: int) -> None:
     queued: dict[str, Pending[None]] = {}
     outcome: dict[str, str] = {}  # request id → how it left the waiting queue
     running: dict[str, Pending[None]] = {}
+    unannounced = 0  # pushed out of a full queue, not yet returned in ``Decision.shed``
     for step in range(400):
         now += rng.choice((0.0, 0.01, 0.1, 0.5))
         op = rng.random()
@@ -240,15 +250,20 @@ def test_random_interleavings_keep_invariants(seed: int) -> None:
                     deadline=now + rng.uniform(0, 3) if rng.random() < 0.6 else None,
                     priority=rng.randint(0, 2),
                     arrival=now,
+                    tenant=rng.choice("abc"),
+                    shadow=rng.random() < 0.1,
                 )
+                before = s.waiting
                 result = s.submit(item)
                 if result == "queued":
                     assert item.cost <= config.max_batch_tokens
                     queued[item.request_id] = item
+                    unannounced += before + 1 - s.waiting
                 else:
                     assert result == "rejected"
         elif op < 0.55 and queued:
             rid = rng.choice(sorted(queued))
+            before = s.waiting
             where = s.cancel(rid)
             if rid in running:
                 assert where == "running"
@@ -257,15 +272,22 @@ def test_random_interleavings_keep_invariants(seed: int) -> None:
             elif rid not in outcome:
                 assert where == "waiting"
                 outcome[rid] = "cancelled"
+                unannounced -= 1 - (before - s.waiting)  # it was shed: it will not be announced
             else:
                 assert where == "unknown"
         elif op < 0.75 and running:
+            for rid in running:
+                s.produced(rid)
             rid = rng.choice(sorted(running))
             assert s.finish(rid)
             del running[rid]
             outcome[rid] = "finished"
         else:
             decision = s.schedule(now)
+            for item in decision.shed:
+                assert item.request_id not in outcome
+                outcome[item.request_id] = "shed"
+                unannounced -= 1
             for item in decision.expire:
                 assert item.deadline is not None
                 assert now >= item.deadline
@@ -278,7 +300,8 @@ def test_random_interleavings_keep_invariants(seed: int) -> None:
                 running[item.request_id] = item
         assert s.running == len(running) <= config.max_running
         assert s.budget_in_use == sum(item.cost for item in running.values()) <= config.max_batch_tokens
-        assert s.waiting == sum(1 for rid in queued if rid not in outcome) <= config.max_waiting
+        assert s.waiting == sum(1 for rid in queued if rid not in outcome) - unannounced <= config.max_waiting
+        assert s.tenants() <= len(ServiceClass) * (3 + config.max_idle_tenants)
     # liveness: once running work finishes, every waiting request is admitted or expires
     for _ in range(len(queued) + 1):
         for rid in list(running):
@@ -290,6 +313,8 @@ def test_random_interleavings_keep_invariants(seed: int) -> None:
             outcome[item.request_id] = "admitted"
         for item in decision.expire:
             outcome[item.request_id] = "expired"
+        for item in decision.shed:
+            outcome[item.request_id] = "shed"
     assert s.waiting == 0
     assert set(outcome) == set(queued)
 

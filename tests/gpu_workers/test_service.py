@@ -664,3 +664,43 @@ async def test_a_dead_cancel_listener_fails_the_worker_and_its_readiness(
         assert readiness.checks["kafka"] is False
     finally:
         worker.stop()  # the other threads still stop, the requests consumer commits and leaves
+
+
+async def test_a_light_tenant_is_served_while_a_flooding_tenant_waits(
+    names: TopicNames, platform: PlatformSettings, demo_gpt_dir: Path, producer: EventProducer, results: Log
+) -> None:
+    """Tenant ``flood`` queues long ignore_eos generations; tenant ``light``'s few short requests, sent
+    after them, run at the next free slot and finish while most of the flood still waits."""
+    settings = WorkerSettings(worker_id="wfair", worker_max_running=2, drift_sample=0)
+
+    def requests(tenant: str, n: int, max_tokens: int) -> list[GenerationRequested]:
+        sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        return [
+            msgspec.structs.replace(_generation(names, PROMPT, sampling=sampling), tenant=tenant)
+            for _ in range(n)
+        ]
+
+    with make_worker(platform, settings, "demo-gpt") as worker:
+        assert worker.wait_assigned(30)
+        flood = requests("flood", 12, 64)
+        for request in flood:
+            await producer.publish(names.requests("demo-gpt"), request)
+        results.finished(flood[0].request_id, timeout=90)  # the flood is queued and being served
+        light = requests("light", 3, 4)
+        for request in light:
+            await producer.publish(names.requests("demo-gpt"), request)
+        done = {r.request_id: results.finished(r.request_id, timeout=90) for r in [*flood, *light]}
+
+    def queue_wait(request: GenerationRequested) -> float:
+        """From publish (the event's time) to joining the running batch."""
+        timings = done[request.request_id].timings
+        assert done[request.request_id].status == "completed"
+        assert timings.started is not None
+        return (timings.started - request.time).total_seconds()
+
+    flood_started = sorted(t for r in flood if (t := done[r.request_id].timings.started) is not None)
+    light_finished = [done[r.request_id].timings.finished for r in light]
+    # In arrival order the light requests would start after every flood request; instead they are done
+    # before the flood's last few even start, and wait a fraction of what the flood waits.
+    assert all(t is not None and t < flood_started[-4] for t in light_finished)
+    assert max(queue_wait(r) for r in light) < max(queue_wait(r) for r in flood) / 3
