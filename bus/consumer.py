@@ -391,6 +391,31 @@ def watermarks(consumer: Consumer, topic: str, partition: int, timeout: float = 
         return int(low), int(high)
 
 
+def topic_extent(
+    bootstrap: str, topic: str, client_id: str
+) -> tuple[list[TopicPartition], dict[int, int]] | None:
+    """What a reader of a whole topic must read: every partition from its first retained offset (the low
+    watermark: retention may have deleted the start), and where each ends now (the high watermark), for
+    :func:`read_to_end`. None when the topic does not exist; :class:`BusError` when the cluster cannot say."""
+    consumer = Consumer(consumer_config(bootstrap, None, f"{client_id}-probe"))
+    try:
+        try:
+            meta = consumer.list_topics(topic, timeout=10).topics.get(topic)
+        except KafkaException as exc:
+            raise BusError(f"cannot read the metadata of {topic} from {bootstrap}: {exc.args[0]}") from exc
+        if meta is None or meta.error is not None:
+            return None
+        starts: list[TopicPartition] = []
+        ends: dict[int, int] = {}
+        for partition in sorted(meta.partitions):
+            low, high = watermarks(consumer, topic, partition)
+            starts.append(TopicPartition(topic, partition, low))
+            ends[partition] = high
+        return starts, ends
+    finally:
+        consumer.close()
+
+
 READ_TO_END_S = 120.0
 
 

@@ -247,6 +247,14 @@ STREAMS_BATCH_SIZE = Histogram(
 STREAMS_AUDIT_ENTRIES = Counter(
     "sluice_streams_audit_entries", "Entries appended to the tenants' audit chains."
 )
+STREAMS_AUDIT_HEALED = Counter(
+    "sluice_streams_audit_healed",
+    "Audit entries re-inserted into audit_log from the audit topic at start (the warehouse was behind).",
+)
+STREAMS_AUDIT_CONFLICTS = Gauge(
+    "sluice_streams_audit_conflicts",
+    "Audit chains whose warehouse rows disagree with the audit topic; their rows are withheld from audit_log.",
+)
 
 # ---------------------------------------------------------------- drift (streams; all-tenant reports only)
 
@@ -379,7 +387,7 @@ _ALL: tuple[Counter | Gauge | Histogram, ...] = (
     WORKER_RUNNING, WORKER_WAITING, TOKEN_BUDGET, BATCH_SIZE, STEP_SECONDS, QUEUE_WAIT, WORKER_TTFT,
     WORKER_E2E, WORKER_REQUESTS, WORKER_PROMPT_TOKENS, WORKER_GENERATION_TOKENS, MODEL_MEMORY, MODEL_INFO,
     CONSUMER_LAG, DEAD_LETTERS, STREAMS_EVENTS, STREAMS_FRESHNESS, STREAMS_INSERT_SECONDS, STREAMS_BATCH_SIZE,
-    STREAMS_AUDIT_ENTRIES, DRIFT_DETECTED, DRIFT_VERDICT, DRIFT_FEATURE_STATISTIC, DRIFT_FEATURE_DRIFTED,
+    STREAMS_AUDIT_ENTRIES, STREAMS_AUDIT_HEALED, STREAMS_AUDIT_CONFLICTS, DRIFT_DETECTED, DRIFT_VERDICT, DRIFT_FEATURE_STATISTIC, DRIFT_FEATURE_DRIFTED,
     DRIFT_QUALITY_ISSUES, DRIFT_LAST_REPORT, DRIFT_REPORTS, DRIFT_EVALUATION_SECONDS, ROLLOUT_TRAFFIC_SHARE,
     ROLLOUT_GATE_STATE, ROLLOUT_DECISIONS,
 )  # fmt: skip

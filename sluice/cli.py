@@ -54,8 +54,8 @@ slo_app = typer.Typer(
 )
 app.add_typer(slo_app, name="slo")
 audit_app = typer.Typer(
-    help="The tamper-evident audit log: one hash chain per tenant in the warehouse's audit_log table "
-    "(docs/streams.md).",
+    help="The tamper-evident audit log: one hash chain per tenant in the warehouse's audit_log table, "
+    "anchored on the audit topic (docs/streams.md).",
     no_args_is_help=True,
 )
 app.add_typer(audit_app, name="audit")
@@ -470,34 +470,71 @@ def _warehouse_failure(exc: Exception) -> typer.Exit:
 
 
 @audit_app.command("verify")
-def audit_verify(tenant: AuditTenantOption = None) -> None:
-    """Check every tenant's hash chain in the warehouse's audit_log table.
+def audit_verify(
+    tenant: AuditTenantOption = None,
+    warehouse_only: Annotated[
+        bool,
+        typer.Option(
+            "--warehouse-only",
+            help="check the table's own chains only, without the audit topic (cannot see a cut tail)",
+        ),
+    ] = False,
+) -> None:
+    """Check every tenant's hash chain in the warehouse's audit_log table, and against the audit topic.
 
     Per tenant, in seq order: seq counts 0, 1, 2 ... without gaps (a gap means deleted rows);
     each prev_hash is the previous entry's entry_hash (64 zeros for seq 0);
     each entry_hash is the SHA-256 of the row's canonical form (an altered row no longer matches).
 
-    Exit status: 0 every chain holds; 1 problems found (each printed); 2 the warehouse cannot be read.
+    Then against the audit topic, where the streams worker publishes every entry before storing its row:
+    a cut tail (the topic's chain goes past the warehouse's last seq, or the whole chain is gone), rows past
+    the topic's last entry, rows that differ from the topic's entry of the same seq, and a topic chain that
+    forks. Chains older than the topic's retention are checked by their hashes alone (said on stderr).
+
+    Exit status: 0 every chain holds; 1 problems found (each printed); 2 the warehouse or the topic cannot
+    be read.
     """
     from rich.markup import escape
 
+    from bus.errors import BusError
     from infra.warehouse import WarehouseError
+    from streams.anchor import AnchorError, verify_anchored
     from streams.audit import verify_warehouse
 
     try:
-        report = verify_warehouse(settings(), tenant=tenant)
+        if warehouse_only:
+            report = verify_warehouse(settings(), tenant=tenant)
+            problems, entries, tenants = report.problems, report.entries, report.tenants
+            anchored = ""
+        else:
+            checked = verify_anchored(settings(), tenant=tenant)
+            problems, entries, tenants = (
+                checked.problems,
+                checked.warehouse.entries,
+                checked.warehouse.tenants,
+            )
+            anchored = f"; {checked.anchored} chains checked against the audit topic ({checked.topic_entries} entries)"
+            if checked.unanchored:
+                console.print(
+                    f"[yellow]{len(checked.unanchored)} chain(s) have no entry on the audit topic (older than "
+                    f"its retention): checked by their hashes alone: {escape(', '.join(checked.unanchored[:10]))}"
+                    f"{' …' if len(checked.unanchored) > 10 else ''}[/]"
+                )
     except WarehouseError as exc:
         raise _warehouse_failure(exc) from None
-    if report.ok:
-        out.print(f"audit log verified: {report.entries} entries in {report.tenants} tenant chains")
-        if tenant is not None and report.entries == 0:
+    except (AnchorError, BusError) as exc:
+        raise fail(f"{exc} (--warehouse-only checks the table alone)", 2) from None
+    if not problems:
+        out.print(f"audit log verified: {entries} entries in {tenants} tenant chains{anchored}")
+        if tenant is not None and entries == 0:
             console.print(f"[yellow]no audit entries for tenant {escape(tenant)!r}[/]")
         return
-    for problem in report.problems:
+    for problem in problems:
         out.print(f"[red]tenant {escape(problem.tenant)!r} seq {problem.seq}: {escape(problem.reason)}[/]")
+    chains = len({problem.tenant for problem in problems})
     out.print(
-        f"[red]audit log verification FAILED:[/] {len(report.problems)} problem(s) in {report.entries} "
-        f"entries, {report.tenants} tenant chains"
+        f"[red]audit log verification FAILED:[/] {len(problems)} problem(s) in {chains} chain(s); "
+        f"{entries} entries in {tenants} tenant chains{anchored}"
     )
     raise typer.Exit(1)
 

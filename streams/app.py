@@ -10,11 +10,11 @@ comes first). For each batch it
 3. inserts the rows and the entries, and only then lets Faust commit the batch's offsets.
 
 Every table is idempotent under redelivery, so a crash anywhere re-does at most one batch and double
-counts nothing. The chain heads live in the warehouse (``audit_log``), read back at start; each entry
-records the results offset it came from, so an event delivered again after its entry was stored is
-skipped, and one whose entry was published but not stored is rebuilt identically (same head, same
-event: same seq and hash). Entries that arrive on the ``audit`` topic are kept in ``events_raw``;
-``audit_log`` is filled from the topic only by ``sluice replay``.
+counts nothing. The chain heads are anchored on the ``audit`` topic (:mod:`streams.anchor`): at start
+the worker reads the topic to its end and goes on from each chain's last entry there, re-inserting into
+``audit_log`` what the warehouse lacks (a crash between publishing and inserting, or a cut tail) and
+withholding the rows of a chain the warehouse disagrees with. Each entry records the results offset it
+came from, so an event delivered again after its entry was published is skipped.
 
 Why not Faust tables and ``exactly_once``: we built the chain that way first. On Kafka 4.3.1 with
 faust-streaming 0.15.3, after a ``kill -9`` the restarted worker repeated entries (offsets of a topic two
@@ -32,7 +32,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, ParamSpec
@@ -59,6 +59,16 @@ from schemas.events import (
 from schemas.lifecycle import AsyncComponent
 from schemas.settings import PlatformSettings
 from schemas.topics import TopicNames
+from streams.anchor import (
+    AUDIT_HEADS,
+    ORIGIN,
+    Anchored,
+    AnchorError,
+    Placed,
+    anchor_chains,
+    audit_extent,
+    audit_records,
+)
 from streams.audit import AuditHead, admin_entry, audit_row, request_entry
 from streams.control import LAST_BUDGET_STATES, SPEND_TODAY, Controller, WindowCounts, burn_sql
 from streams.drift import DriftMonitor, report_row
@@ -163,6 +173,9 @@ class StreamsApp(AsyncComponent):
         self._heads: dict[str, AuditHead] | None = None
         self._offsets: dict[str, tuple[int, int]] = {}
         """Per chain: the (partition, offset) its last audit entry came from."""
+        self.audit_conflicts: dict[str, str] = {}
+        """Chains whose warehouse rows disagree with the audit topic (why): their rows are withheld."""
+        self._anchor_timeout_s = settings.streams_audit_anchor_timeout_s
         self._controller = controller
         self._seeded = False
         if controller is not None:
@@ -185,6 +198,7 @@ class StreamsApp(AsyncComponent):
         self._within = settings.streams_batch_ms / 1000
 
     async def _start(self) -> None:
+        await self.anchor()
         latest = await asyncio.to_thread(
             latest_deployments, self._bootstrap, self.names.control, f"{SOURCE}-rollout"
         )
@@ -222,7 +236,8 @@ class StreamsApp(AsyncComponent):
         spans = self._spans(batch)
         loop = asyncio.get_running_loop()
         entries = await self._chain(batch)
-        batch.audit += [audit_row(entry) for entry, _ in entries]
+        withheld = self.audit_conflicts
+        batch.audit += [audit_row(entry) for entry, _ in entries if entry.tenant not in withheld]
         batch.raw += [self._rows.raw_row(entry, self.names.audit, *where) for entry, where in entries]
         began = time.perf_counter()
         await loop.run_in_executor(self._executor, insert, self._writer, batch)
@@ -357,10 +372,7 @@ class StreamsApp(AsyncComponent):
         todo = [(record, event) for record, event in batch.events if self._audited(record, event)]
         if not todo:
             return []
-        if self._heads is None:
-            rows = await self._read(AUDIT_HEADS)
-            self._heads, self._offsets = load_heads(rows)
-        heads = self._heads
+        heads = self._heads if self._heads is not None else (await self.anchor()).heads
         entries: list[AuditEntry] = []
         for record, event in todo:
             chain = chain_of(event)
@@ -377,6 +389,62 @@ class StreamsApp(AsyncComponent):
             self._offsets[chain] = (record.partition, record.offset)
             entries.append(entry)
         return list(zip(entries, await self._publish(entries), strict=True))
+
+    async def anchor(self) -> Anchored:
+        """Load every chain's head from the audit topic and heal ``audit_log`` where it is behind
+        (:func:`streams.anchor.anchor_chains`); on the writer's thread. Called at start."""
+        loop = asyncio.get_running_loop()
+        anchored = await loop.run_in_executor(self._executor, self._anchor)
+        self._heads, self._offsets = dict(anchored.heads), dict(anchored.offsets)
+        self.audit_conflicts = dict(anchored.conflicts)
+        metrics.STREAMS_AUDIT_CONFLICTS.set(len(anchored.conflicts))
+        for chain, (first, last) in anchored.healed.items():
+            metrics.STREAMS_AUDIT_HEALED.inc(last - first + 1)
+            log.warning(
+                "audit: chain %r: the warehouse was behind the audit topic; seq %d..%d re-inserted from it",
+                chain,
+                first,
+                last,
+            )
+        for problem in anchored.topic_problems:
+            log.error("audit: chain %r: seq %d: %s", problem.tenant, problem.seq, problem.reason)
+        for chain, reason in anchored.conflicts.items():
+            log.error(
+                "audit: chain %r disagrees with the audit topic: %s. Its entries go on from the topic's "
+                "head, their audit_log rows are withheld until resolved (docs/streams.md, Audit log)",
+                chain,
+                reason,
+            )
+        log.info(
+            "audit: %d chains anchored on %s (%d entries read)",
+            len(anchored.heads),
+            self.names.audit,
+            anchored.entries,
+        )
+        return anchored
+
+    def _anchor(self) -> Anchored:
+        rows = query_rows(self._writer, AUDIT_HEADS)
+        try:
+            extent = audit_extent(self._bootstrap, self.names.audit, f"{SOURCE}-anchor")
+        except AnchorError:
+            log.warning("audit: no %s topic: the chains go on from the warehouse's heads", self.names.audit)
+            return anchor_chains(rows, lambda: (), self._heal)
+
+        def records() -> Iterator[Placed]:
+            return audit_records(
+                self._bootstrap, extent, f"{SOURCE}-anchor", timeout_s=self._anchor_timeout_s
+            )
+
+        return anchor_chains(rows, records, self._heal)
+
+    def _heal(self, placed: Sequence[Placed]) -> None:
+        """Insert entries read from the audit topic: their ``audit_log`` and ``events_raw`` rows."""
+        batch = Batch(
+            audit=[audit_row(entry) for entry, _, _ in placed],
+            raw=[self._rows.raw_row(entry, self.names.audit, p, o) for entry, p, o in placed],
+        )
+        insert(self._writer, batch)
 
     async def _publish(self, entries: Sequence[AuditEntry]) -> list[tuple[int, int]]:
         """Produce every entry, then wait once for all of them to be durable (one wake-up per batch)."""
@@ -424,14 +492,6 @@ class StreamsApp(AsyncComponent):
         )
 
 
-ORIGIN = "results_offset"
-"""The audit entry detail naming the results partition and offset the entry was built from."""
-AUDIT_HEADS = (
-    "SELECT tenant, max(seq) AS head_seq, argMax(entry_hash, seq) AS head_hash, "
-    "argMax(details, seq) AS head_details FROM audit_log FINAL GROUP BY tenant"
-)
-
-
 def chain_of(event: Event) -> str:
     """Whose chain an entry extends: the tenant's for its requests; ``admin:<control key>`` for an
     administrative change (one partition feeds each chain, so its order is the log's)."""
@@ -471,16 +531,3 @@ def admin_action(head: AuditHead | None, chain: str, event: Event, origin: dict[
         time=event.time,
         entry_id=event.id,
     )
-
-
-def load_heads(rows: Sequence[dict[str, Any]]) -> tuple[dict[str, AuditHead], dict[str, tuple[int, int]]]:
-    """Chain heads and the results offset each came from, from :data:`AUDIT_HEADS` rows."""
-    heads: dict[str, AuditHead] = {}
-    offsets: dict[str, tuple[int, int]] = {}
-    for row in rows:
-        heads[row["tenant"]] = AuditHead(seq=int(row["head_seq"]), entry_hash=row["head_hash"])
-        origin = str(json.loads(row["head_details"] or "{}").get(ORIGIN, ""))
-        partition, sep, offset = origin.partition(":")
-        if sep and partition.isdigit() and offset.isdigit():
-            offsets[row["tenant"]] = (int(partition), int(offset))
-    return heads, offsets

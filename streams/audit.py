@@ -30,7 +30,7 @@ else a read-only open of the directory, or a ClickHouse server).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from datetime import UTC, datetime
 from typing import Any, NamedTuple
 
@@ -56,8 +56,10 @@ __all__ = [
     "request_entry",
     "request_entry_id",
     "row_canonical",
+    "rows_at",
     "verify",
     "verify_warehouse",
+    "warehouse_rows",
 ]
 
 GENESIS = "0" * 64
@@ -366,21 +368,50 @@ def verify_warehouse(
     Reads where ``sluice sql`` reads; raises :class:`~infra.warehouse.WarehouseError` (or its subclasses)
     when the warehouse cannot answer.
     """
+    verifier = ChainVerifier()
+    for row in warehouse_rows(settings, tenants=None if tenant is None else [tenant], page_rows=page_rows):
+        verifier.add(row)
+    return verifier.report()
+
+
+def warehouse_rows(
+    settings: PlatformSettings, *, tenants: Collection[str] | None = None, page_rows: int = 5000
+) -> Iterator[dict[str, Any]]:
+    """``audit_log FINAL`` rows (dicts keyed by column) in (tenant, seq) order, of ``tenants`` only when
+    given, read ``page_rows`` at a time (one page in memory)."""
     if page_rows < 1:
         raise ValueError("page_rows must be at least 1")
-    verifier = ChainVerifier()
+    if tenants is not None and not tenants:
+        return
     after: tuple[str, int] | None = None
     while True:
-        where = [f"tenant = {_literal(tenant)}"] if tenant is not None else []
+        where = [f"tenant IN ({', '.join(map(_literal, sorted(tenants)))})"] if tenants is not None else []
         if after is not None:
             where.append(f"(tenant, seq) > ({_literal(after[0])}, {after[1]})")
         result = query_warehouse(settings, _select(where, "tenant, seq", page_rows), max_rows=page_rows)
         for values in result.rows:
-            verifier.add(dict(zip(result.columns, values, strict=True)))
+            yield dict(zip(result.columns, values, strict=True))
         if not result.rows or (len(result.rows) < page_rows and not result.truncated):
-            return verifier.report()
+            return
         last = dict(zip(result.columns, result.rows[-1], strict=True))
         after = (str(last["tenant"]), int(last["seq"]))
+
+
+def rows_at(
+    settings: PlatformSettings, keys: Collection[tuple[str, int]]
+) -> dict[tuple[str, int], dict[str, Any]]:
+    """The ``audit_log FINAL`` rows at these (tenant, seq) keys, those that exist, keyed like ``keys``."""
+    found: dict[tuple[str, int], dict[str, Any]] = {}
+    ordered = sorted(set(keys))
+    for start in range(0, len(ordered), 500):
+        chunk = ordered[start : start + 500]
+        pairs = ", ".join(f"({_literal(tenant)}, {int(seq)})" for tenant, seq in chunk)
+        sql = _select([f"(tenant, seq) IN ({pairs})"], "tenant, seq", len(chunk))
+        result = query_warehouse(settings, sql, max_rows=len(chunk))
+        for values in result.rows:
+            row = dict(zip(result.columns, values, strict=True))
+            found[(str(row["tenant"]), int(row["seq"]))] = row
+    return found
 
 
 def latest_entries(settings: PlatformSettings, *, tenant: str | None = None, limit: int = 20) -> QueryResult:

@@ -129,6 +129,8 @@ class StreamsService(AsyncComponent):
             warehouse=self._query_server is not None,
             kafka=streams is not None and streams.assigned,
             running=self.failure is None,
+            # Shown, not gating: the worker keeps every other chain (and its own tables) going.
+            audit_conflicts=len(streams.audit_conflicts) if streams is not None else 0,
         )
 
     async def _metrics(self, request: web.Request) -> web.Response:

@@ -32,6 +32,9 @@ class StreamsSettings(msgspec.Struct, frozen=True, kw_only=True):
     streams_slo_file: str | None = None
     """SLO configuration (``docs/slo.md``) the burn-rate events and the dashboard use, and the default of
     ``sluice slo rules|show --config``; unset: defaults."""
+    streams_audit_anchor_timeout_s: Annotated[float, msgspec.Meta(gt=0.0)] = 600.0
+    """At start the worker reads the ``audit`` topic to its end (each chain's head, and what the warehouse
+    lacks); it fails if that takes longer than this."""
     streams_control_interval_s: Annotated[float, msgspec.Meta(gt=0.0)] = 5.0
     """How often budgets and burn rates are evaluated (and changes published on ``control``)."""
     drift_window_s: Annotated[float, msgspec.Meta(ge=1.0)] = 300.0

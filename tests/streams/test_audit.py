@@ -408,6 +408,9 @@ async def test_verify_reads_through_a_running_owner_that_caps_rows(settings: Pla
 def sluice(settings: PlatformSettings, *args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_") or k == "SLUICE_CACHE_DIR"}
     env["SLUICE_DATA_DIR"] = settings.data_dir
+    env["SLUICE_TOPIC_PREFIX"] = settings.topic_prefix
+    if settings.kafka_bootstrap is not None:
+        env["SLUICE_KAFKA_BOOTSTRAP"] = settings.kafka_bootstrap
     return subprocess.run(
         [sys.executable, "-m", "sluice", *args],
         cwd=REPO_ROOT,
@@ -421,13 +424,15 @@ def sluice(settings: PlatformSettings, *args: str) -> subprocess.CompletedProces
 
 @pytest.mark.integration
 def test_sluice_audit_verify_passes_then_fails_after_tampering(settings: PlatformSettings) -> None:
-    missing = sluice(settings, "audit", "verify")
+    """The table's own checks (``--warehouse-only``: no broker here); against the audit topic in
+    test_audit_anchor.py."""
+    missing = sluice(settings, "audit", "verify", "--warehouse-only")
     assert missing.returncode == 2, missing.stderr
     assert "no embedded warehouse" in missing.stderr
     assert len(missing.stderr.strip().splitlines()) == 1
 
     insert_chains(settings, {"acme": 4, "globex": 2})
-    passed = sluice(settings, "audit", "verify")
+    passed = sluice(settings, "audit", "verify", "--warehouse-only")
     assert passed.returncode == 0, passed.stderr
     assert "audit log verified: 6 entries in 2 tenant chains" in passed.stdout
     shown = sluice(settings, "audit", "show", "--tenant", "acme", "--limit", "2")
@@ -441,8 +446,8 @@ def test_sluice_audit_verify_passes_then_fails_after_tampering(settings: Platfor
             "ALTER TABLE audit_log UPDATE decision = 'completed' WHERE tenant = 'acme' AND seq = 1 "
             "SETTINGS mutations_sync = 1"
         )
-    failed = sluice(settings, "audit", "verify")
+    failed = sluice(settings, "audit", "verify", "--warehouse-only")
     assert failed.returncode == 1, failed.stderr
     assert "tenant 'acme' seq 1: hash mismatch (row altered)" in failed.stdout
     assert "FAILED" in failed.stdout
-    assert sluice(settings, "audit", "verify", "--tenant", "globex").returncode == 0
+    assert sluice(settings, "audit", "verify", "--warehouse-only", "--tenant", "globex").returncode == 0
