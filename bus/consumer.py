@@ -8,7 +8,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
@@ -21,6 +21,7 @@ from schemas.events import DeadLetter, Event
 from schemas.lifecycle import Component, Watcher
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 TP = tuple[str, int]
 CommitFailed = Callable[[dict[tuple[str, int], int]], None]
@@ -375,20 +376,38 @@ _SETTLING = frozenset(
 
 def watermarks(consumer: Consumer, topic: str, partition: int, timeout: float = 30.0) -> tuple[int, int]:
     """(low, high) offsets of a partition, retrying while a new partition's leader settles in."""
+    low, high = _settled(
+        lambda: consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=min(timeout, 10)),
+        f"the offsets of {topic}[{partition}]",
+        timeout,
+    )
+    return int(low), int(high)
+
+
+def offset_at(consumer: Consumer, topic: str, partition: int, unix_ms: int, timeout: float = 30.0) -> int:
+    """The first offset of a partition at or after ``unix_ms`` (its end when there is none), retrying
+    while a new partition's leader settles in."""
+    (found,) = _settled(
+        lambda: consumer.offsets_for_times([TopicPartition(topic, partition, max(unix_ms, 0))], timeout=10),
+        f"the offset of {topic}[{partition}] at {unix_ms}",
+        timeout,
+    )
+    if found.offset < 0:  # nothing at or after that time
+        return watermarks(consumer, topic, partition, timeout)[1]
+    return int(found.offset)
+
+
+def _settled(call: Callable[[], _T], what: str, timeout: float) -> _T:
     deadline = time.monotonic() + timeout
     while True:
         try:
-            low, high = consumer.get_watermark_offsets(
-                TopicPartition(topic, partition), timeout=min(timeout, 10)
-            )
+            return call()
         except KafkaException as exc:
             err = exc.args[0]
             settling = err.retriable() or err.code() in _SETTLING
             if not settling or time.monotonic() > deadline:
-                raise BusError(f"cannot read the offsets of {topic}[{partition}]: {err}") from exc
+                raise BusError(f"cannot read {what}: {err}") from exc
             time.sleep(0.1)
-            continue
-        return int(low), int(high)
 
 
 def topic_extent(

@@ -23,7 +23,7 @@ import msgspec
 from confluent_kafka import Consumer, Message, TopicPartition
 from opentelemetry.trace import SpanKind
 
-from bus.consumer import ConsumerThread, consumer_config, read_to_end, watermarks
+from bus.consumer import ConsumerThread, consumer_config, offset_at, read_to_end, watermarks
 from bus.control import control_start
 from bus.errors import BusError
 from bus.producer import EventProducer
@@ -524,10 +524,7 @@ class KafkaGateway(AsyncComponent):
             if topic is None or topic.error is not None or not topic.partitions:
                 return None
             since = int((time.time() - WINDOW_S) * 1000)
-            (found,) = consumer.offsets_for_times([TopicPartition(self._names.quota, 0, since)], timeout=10)
-            if found.offset < 0:
-                return TopicPartition(self._names.quota, 0, watermarks(consumer, self._names.quota, 0)[1])
-            return TopicPartition(self._names.quota, 0, found.offset)
+            return TopicPartition(self._names.quota, 0, offset_at(consumer, self._names.quota, 0, since))
         finally:
             consumer.close()
 
@@ -674,11 +671,7 @@ class KafkaGateway(AsyncComponent):
         partition = self.reply_to.partition if partition is None else partition
         consumer = Consumer(consumer_config(self._bootstrap, None, f"ingest-{self.edge_id}-seek"))
         try:
-            tp = TopicPartition(self._names.replies, partition, max(unix_ms, 0))
-            (found,) = consumer.offsets_for_times([tp], timeout=10)
-            if found.offset < 0:  # nothing at or after that time
-                return watermarks(consumer, self._names.replies, partition)[1]
-            return int(found.offset)
+            return offset_at(consumer, self._names.replies, partition, unix_ms)
         finally:
             consumer.close()
 

@@ -110,6 +110,9 @@ def _reports(log: TopicLog) -> list[DriftReport]:
     return [e for e in log.all() if isinstance(e, DriftReport) and e.model == GPT and e.tenant == "*"]
 
 
+@pytest.mark.timeout(
+    300
+)  # three 10 s windows, the monitor, a replay: ~100 s alone, more on a busy 2-core box
 async def test_drift_flips_on_a_shifted_mix_and_not_on_the_same_mix(
     platform: Platform, workers: list[WorkerService], streams: Streams, drift_log: TopicLog
 ) -> None:

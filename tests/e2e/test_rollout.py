@@ -206,6 +206,7 @@ async def _rows_caught_up(streams: Streams, n: int, within: float = 60) -> None:
     raise AssertionError(f"request_facts did not reach {n} rows")
 
 
+@pytest.mark.timeout(300)  # its own loop allows 120 s for the rollback, and the checks follow
 async def test_a_bad_candidate_is_rolled_back_by_the_controller_and_nothing_is_lost(
     platform: Platform,
     workers: list[WorkerService],
@@ -303,6 +304,7 @@ async def test_a_bad_candidate_is_rolled_back_by_the_controller_and_nothing_is_l
     assert "rolled_back" in shown.stdout
 
 
+@pytest.mark.timeout(300)  # its own loop allows 180 s for the steps; the default 120 s would cut it first
 async def test_a_good_candidate_is_promoted_step_by_step_across_a_controller_restart(
     platform: Platform,
     workers: list[WorkerService],

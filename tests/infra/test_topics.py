@@ -22,9 +22,16 @@ def test_catalogue_covers_every_platform_topic() -> None:
         "sg.audit",
         "sg.drift",
         "sg.deadletter",
+        "sg.quota",
+        "sg.idempotency",
     }
     assert by_name["sg.control"].config["cleanup.policy"] == "compact"
-    assert all(s.config["cleanup.policy"] == "delete" for n, s in by_name.items() if n != "sg.control")
+    assert by_name["sg.idempotency"].config["cleanup.policy"] == "compact,delete"  # 24 h of claims
+    assert all(
+        s.config["cleanup.policy"] == "delete"
+        for n, s in by_name.items()
+        if n not in ("sg.control", "sg.idempotency")
+    )
     assert all(int(s.config["retention.ms"]) > 0 for s in specs if "retention.ms" in s.config)
 
 
