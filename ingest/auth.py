@@ -9,6 +9,7 @@ Keys are never stored, only their sha256 hex digests, in a tenants file named by
     requests_per_min = 600                        # optional limits, over all its models and shared by
     tokens_per_min = 200000                       # every edge (see ingest/quota.py): tokens are reserved
     max_concurrency = 16                          # as prompt + max_tokens, then what was really used
+    allow_ignore_eos = false                      # optional: may ask for ignore_eos (load tests)
     [tenants.acme.model_limits.demo-gpt]          # optional: tighter limits on one model
     tokens_per_min = 50000
 
@@ -42,6 +43,9 @@ class Tenant(Limits, frozen=True, kw_only=True, forbid_unknown_fields=True):
     key_sha256: list[Sha256Hex] = []
     models: frozenset[str] | None = None
     model_limits: dict[str, Limits] = {}
+    allow_ignore_eos: bool = False
+    """May ask for ``ignore_eos`` (generate to ``max_tokens`` whatever the model says): a load-test switch
+    that makes every request as long as it may be, off unless granted."""
 
     def may_use(self, model: str) -> bool:
         return self.models is None or model in self.models
@@ -103,7 +107,7 @@ class TenantDirectory:
 
     @classmethod
     def demo(cls) -> TenantDirectory:
-        return cls({DEMO_TENANT: Tenant(key_sha256=[hash_key(DEMO_KEY)])})
+        return cls({DEMO_TENANT: Tenant(key_sha256=[hash_key(DEMO_KEY)], allow_ignore_eos=True)})
 
     @classmethod
     def from_file(cls, path: str | Path) -> TenantDirectory:

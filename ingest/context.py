@@ -25,3 +25,5 @@ class EdgeContext:
     dispatcher: Dispatcher
     preparer: Preparer
     sockets: set[web.WebSocketResponse] = field(default_factory=set)
+    sockets_of: dict[str, int] = field(default_factory=dict)
+    """Open WebSockets per tenant (``edge_ws_max_per_tenant``)."""

@@ -26,7 +26,10 @@ TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
 Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
 Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 Timeout = Annotated[float, msgspec.Meta(gt=0.0, le=86_400.0)]
-StopWords = Annotated[list[Annotated[str, msgspec.Meta(min_length=1)]], msgspec.Meta(max_length=4)]
+MAX_STOP_CHARS = 256
+"""A stop string longer than this is refused: it rides in every request event and terminal event."""
+StopWord = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_STOP_CHARS)]
+StopWords = Annotated[list[StopWord], msgspec.Meta(max_length=4)]
 # Token-or-text inputs: str | list[str] | list[int] | list[list[int]]; mixing is rejected after decoding.
 PromptInput = str | list[str | int | list[int]]
 
@@ -63,7 +66,7 @@ class _GenerationBody(_Strict, kw_only=True, forbid_unknown_fields=True, frozen=
     n: Annotated[int, msgspec.Meta(ge=1, le=128)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: Annotated[str, msgspec.Meta(min_length=1)] | StopWords | None = None
+    stop: StopWord | StopWords | None = None
     seed: Seed | None = None
     ignore_eos: bool = False
     """vLLM's extension: keep generating past the end-of-sequence token (benchmarks, load tests)."""

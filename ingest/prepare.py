@@ -244,6 +244,12 @@ class Preparer:
         key: str = "",
     ) -> tuple[GenerationRequested, Shape, float]:
         body.check_unsupported()
+        if body.ignore_eos and not tenant.allow_ignore_eos:
+            raise InvalidRequest(
+                f"ignore_eos is not enabled for tenant {tenant.name} (allow_ignore_eos in the tenants file).",
+                param="ignore_eos",
+                code="ignore_eos_not_allowed",
+            )
         model = self._model(body.model, tenant, "generation", key)
         manifest = model.manifest
         if isinstance(body, ChatCompletionRequest):

@@ -33,6 +33,11 @@ class EdgeSettings(msgspec.Struct, frozen=True, kw_only=True):
     """Requests one WebSocket may have in flight; more get an error frame."""
     edge_ws_send_queue: Count = 256
     """Frames one WebSocket may have queued for sending; when full, its streams stop being read."""
+    edge_ws_send_queue_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 4 << 20
+    """Bytes one WebSocket may have queued for sending (a single larger frame still goes alone); when
+    full, its streams stop being read."""
+    edge_ws_max_per_tenant: Count = 64
+    """Open WebSockets one tenant may hold on this edge; one more is refused with 429."""
     edge_heartbeat_s: Seconds = 15.0
     """WebSocket ping interval; a peer that misses a pong is closed."""
     edge_shutdown_grace_s: Annotated[float, msgspec.Meta(ge=0.0)] = 10.0

@@ -103,6 +103,10 @@ class WsSession:
         self._tenant = tenant
         self._send = send
         self._queue: asyncio.Queue[bytes] = asyncio.Queue(maxsize=ctx.settings.edge_ws_send_queue)
+        self._queued_bytes = 0
+        self._room = asyncio.Condition()
+        """Bytes waiting in the send queue, bounded by ``edge_ws_send_queue_bytes`` (frames alone are
+        not a bound: one frame may carry a whole embeddings result)."""
         self._work: dict[str | int, _Work] = {}
         self._writer: asyncio.Task[None] | None = None
         self._socket_span = trace.get_current_span().get_span_context()
@@ -113,12 +117,23 @@ class WsSession:
     async def _write(self) -> None:
         try:
             while True:
-                await self._send((await self._queue.get()).decode())
+                frame = await self._queue.get()
+                async with self._room:
+                    self._queued_bytes -= len(frame)
+                    self._room.notify_all()
+                await self._send(frame.decode())
         except ConnectionResetError:
             log.debug("websocket peer went away while sending")
 
     async def _put(self, frame: dict[str, Any]) -> None:
-        await self._queue.put(msgspec.json.encode(frame))
+        data = msgspec.json.encode(frame)
+        limit = self._ctx.settings.edge_ws_send_queue_bytes
+        async with self._room:  # wait for room; an oversized frame waits until the queue is empty
+            await self._room.wait_for(
+                lambda: self._queued_bytes == 0 or self._queued_bytes + len(data) <= limit
+            )
+            self._queued_bytes += len(data)
+        await self._queue.put(data)
 
     async def _error(self, client_id: Any, exc: IngestError) -> None:
         frame = {"type": "error", "id": client_id, **error_body(exc)}
@@ -259,6 +274,14 @@ async def websocket(ctx: EdgeContext, request: web.Request) -> web.StreamRespons
     tenant = ctx.tenants.authenticate(request.headers.get("Authorization"), request.query.get("api_key"))
     if not ctx.admission.accepting:
         raise Unavailable("The server is shutting down.", code="shutting_down")
+    held = ctx.sockets_of.get(tenant.name, 0)
+    if held >= ctx.settings.edge_ws_max_per_tenant:
+        raise RateLimited(
+            f"Tenant {tenant.name} already holds {held} WebSockets on this edge "
+            f"(limit {ctx.settings.edge_ws_max_per_tenant}); multiplex requests over fewer sockets.",
+            code="too_many_sockets",
+            retry_after_s=5.0,
+        )
     ws = web.WebSocketResponse(
         heartbeat=ctx.settings.edge_heartbeat_s, max_msg_size=ctx.settings.edge_max_body_bytes
     )
@@ -266,6 +289,7 @@ async def websocket(ctx: EdgeContext, request: web.Request) -> web.StreamRespons
     session = WsSession(ctx, tenant, ws.send_str)
     session.start()
     ctx.sockets.add(ws)
+    ctx.sockets_of[tenant.name] = ctx.sockets_of.get(tenant.name, 0) + 1
     try:
         async for message in ws:
             if message.type == WSMsgType.TEXT:
@@ -274,6 +298,11 @@ async def websocket(ctx: EdgeContext, request: web.Request) -> web.StreamRespons
                 await session.handle_binary()
     finally:
         ctx.sockets.discard(ws)
+        left = ctx.sockets_of.get(tenant.name, 1) - 1
+        if left:
+            ctx.sockets_of[tenant.name] = left
+        else:
+            ctx.sockets_of.pop(tenant.name, None)
         await session.close()
         if not ws.closed:
             await ws.close(code=WSCloseCode.GOING_AWAY)

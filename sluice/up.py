@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import os
 import signal
 import sys
@@ -83,7 +84,12 @@ class ServiceProcess:
         backoff = self._backoff_s
         while not self._stopping:
             self._proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "sluice", *self._args, env={**os.environ, **self._env}
+                sys.executable,
+                "-m",
+                "sluice",
+                *self._args,
+                env={**os.environ, **self._env},
+                preexec_fn=die_with_parent,
             )
             code = await self._proc.wait()
             if self.stopping:
@@ -109,6 +115,15 @@ class ServiceProcess:
                 await proc.wait()
         if self._task is not None:
             await self._task
+
+
+def die_with_parent() -> None:
+    """In a child, before it runs: on Linux it gets SIGTERM when ``sluice up`` dies, however that dies
+    (a ``kill -9`` or a crash too), so no worker or streams process is left behind holding ports, the
+    warehouse lock and a consumer group's partitions. Elsewhere nothing happens."""
+    if sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 async def _cancel(task: asyncio.Task[None]) -> None:

@@ -116,7 +116,7 @@ def catalogue(model_cache: Path) -> ModelCatalogue:
 def tenants() -> TenantDirectory:
     return TenantDirectory(
         {
-            "demo": Tenant(key_sha256=[hash_key(DEMO_KEY)]),
+            "demo": Tenant(key_sha256=[hash_key(DEMO_KEY)], allow_ignore_eos=True),
             "other": Tenant(key_sha256=[hash_key(OTHER_KEY)]),
         }
     )

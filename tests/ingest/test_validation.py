@@ -6,7 +6,8 @@ from typing import Any
 
 import pytest
 
-from tests.ingest.conftest import AUTH, EMB, GEN, Client, MakeClient, assert_healthy
+from ingest.openai import MAX_STOP_CHARS
+from tests.ingest.conftest import AUTH, EMB, GEN, OTHER_AUTH, Client, MakeClient, assert_healthy
 from tests.ingest.fake_gateway import FakeGateway
 
 CHAT = "/v1/chat/completions"
@@ -366,3 +367,31 @@ def test_a_minilm_result_fits_up_to_106_inputs() -> None:
 
     assert embedding_inputs_that_fit(384) == 106
     assert embedding_inputs_that_fit(None) == 2048
+
+
+async def test_ignore_eos_is_a_tenant_permission(client: Client, gateway: FakeGateway) -> None:
+    """One tenant asking every request to run to max_tokens fills a worker: only tenants granted it may."""
+    body = {
+        "model": GEN,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 4,
+        "ignore_eos": True,
+    }
+    refused = await client.post("/v1/chat/completions", json=body, headers=OTHER_AUTH)
+    assert refused.status == 400
+    error = (await refused.json())["error"]
+    assert (error["param"], error["code"]) == ("ignore_eos", "ignore_eos_not_allowed")
+    assert gateway.submitted == []
+    assert (await client.post("/v1/chat/completions", json=body, headers=AUTH)).status == 200
+
+
+async def test_a_stop_string_longer_than_the_limit_is_refused(client: Client, gateway: FakeGateway) -> None:
+    """Stop strings ride in every event: a long one used to make the event exceed a record (a 500)."""
+    for stop in ("x" * (MAX_STOP_CHARS + 1), ["ok", "y" * (MAX_STOP_CHARS + 1)]):
+        body = {"model": GEN, "messages": [{"role": "user", "content": "hi"}], "stop": stop}
+        response = await client.post("/v1/chat/completions", json=body, headers=AUTH)
+        assert response.status == 400
+        assert "stop" in (await response.json())["error"]["param"]
+    assert gateway.submitted == []
+    fine = {"model": GEN, "messages": [{"role": "user", "content": "hi"}], "stop": "z" * MAX_STOP_CHARS}
+    assert (await client.post("/v1/chat/completions", json=fine, headers=AUTH)).status == 200

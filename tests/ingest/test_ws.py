@@ -11,7 +11,7 @@ import pytest
 
 from ingest.auth import DEMO_KEY, TenantDirectory
 from ingest.ws import WsSession
-from tests.ingest.conftest import AUTH, EMB, GEN, Client, MakeClient, assert_healthy, eventually
+from tests.ingest.conftest import AUTH, EMB, GEN, OTHER_AUTH, Client, MakeClient, assert_healthy, eventually
 from tests.ingest.fake_gateway import FakeGateway
 
 CHAT = {"model": GEN, "messages": [{"role": "user", "content": "hello"}]}
@@ -203,3 +203,47 @@ async def test_a_slow_reader_stops_the_gateway_stream(make_client: MakeClient, g
     await eventually(lambda: len(sent) == 18)  # accepted, 16 tokens, done
     assert msgspec.json.decode(sent[-1])["type"] == "done"
     await session.close()
+
+
+async def test_the_send_queue_is_bounded_in_bytes_not_only_frames(
+    make_client: MakeClient, gateway: FakeGateway
+) -> None:
+    """Frames of 2 KB against a 4 KB bound: with the send blocked, only what fits 4 KB is pulled from the
+    gateway (by frames alone, 256 of them, the whole 16-chunk stream would be)."""
+    _, edge = await make_client(edge_ws_send_queue_bytes=4096)
+    gateway.tokens = 16
+    gateway.text_size = 2000
+    unblock = asyncio.Event()
+    sent: list[str] = []
+
+    async def send(text: str) -> None:
+        await unblock.wait()
+        sent.append(text)
+
+    tenant = TenantDirectory.demo().authenticate(f"Bearer {DEMO_KEY}")
+    session = WsSession(edge.ctx, tenant, send)
+    session.start()
+    await session.handle_text(msgspec.json.encode(request("big", {**CHAT, "max_tokens": 16})).decode())
+    await eventually(lambda: bool(gateway.submitted))
+    rid = gateway.submitted[0].request_id
+    await eventually(lambda: gateway.pulled[rid] >= 2)
+    for _ in range(200):
+        await asyncio.sleep(0)
+    assert gateway.pulled[rid] <= 4  # one in the blocked writer, about two queued, one waiting for room
+    unblock.set()
+    await eventually(lambda: len(sent) == 18)  # accepted, 16 tokens, done
+    await session.close()
+
+
+async def test_a_tenant_holds_at_most_its_sockets_on_an_edge(
+    make_client: MakeClient, gateway: FakeGateway
+) -> None:
+    client, _ = await make_client(edge_ws_max_per_tenant=2)
+    async with client.ws_connect("/v1/ws", headers=AUTH), client.ws_connect("/v1/ws", headers=AUTH):
+        with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
+            await client.ws_connect("/v1/ws", headers=AUTH)
+        assert refused.value.status == 429
+        async with client.ws_connect("/v1/ws", headers=OTHER_AUTH):  # another tenant is not counted
+            pass
+    async with client.ws_connect("/v1/ws", headers=AUTH):  # closed ones are given back
+        pass
