@@ -19,6 +19,7 @@ from monitoring.metrics import CONSUMER_LAG, DEAD_LETTERS
 from schemas.codec import DecodeError, decode
 from schemas.events import DeadLetter, Event
 from schemas.lifecycle import Component, Watcher
+from schemas.settings import KafkaConnection
 
 log = logging.getLogger(__name__)
 
@@ -30,10 +31,12 @@ Revoked = Callable[[list[TP], bool], dict[TP, int] | None]
 """Told the partitions leaving and whether they were lost; may return final offsets to commit (not lost)."""
 
 
-def consumer_config(bootstrap: str, group_id: str | None, client_id: str, **overrides: Any) -> dict[str, Any]:
+def consumer_config(
+    kafka: KafkaConnection, group_id: str | None, client_id: str, **overrides: Any
+) -> dict[str, Any]:
     """Manual commits (offsets are committed only after the effect is durable), read-committed isolation."""
     config: dict[str, Any] = {
-        "bootstrap.servers": bootstrap,
+        **kafka.client_config(),
         "client.id": client_id,
         "group.id": group_id or f"{client_id}-assigned",
         "enable.auto.commit": False,

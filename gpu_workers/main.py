@@ -156,7 +156,7 @@ def make_worker(platform: PlatformSettings, worker: WorkerSettings, model_id: st
     return WorkerService(
         model_id=model_id,
         worker_id=worker_id,
-        bootstrap=platform.bootstrap,
+        kafka=platform.kafka,
         names=TopicNames(platform.topic_prefix),
         runner_factory=runner_factory(model_dir, worker, f"gpu_workers/{worker_id}", worker_id),
         consumer_overrides={"session.timeout.ms": worker.worker_session_timeout_ms},

@@ -31,7 +31,7 @@ def build_edge(
         return str(catalogue.get(model).tokenizer.decode(ids, skip_special_tokens=True))
 
     gateway = KafkaGateway(
-        bootstrap=platform.bootstrap,
+        kafka=platform.kafka,
         names=TopicNames(platform.topic_prefix),
         edge_id=settings.edge_id,
         reply_partition=reply_partition(settings.edge_id, reply_partitions),

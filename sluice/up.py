@@ -41,7 +41,7 @@ def run_platform(settings: PlatformSettings, out: Console, console: Console, por
     if port is not None:
         edge_settings = msgspec.structs.replace(edge_settings, edge_port=port)
     try:
-        provider = observe("up")
+        provider = observe("up", settings)
         asyncio.run(_serve(settings, edge_settings, out, console))
     except (InfraError, SettingsError) as exc:
         console.print(f"[red]error:[/] {exc}")
@@ -139,7 +139,7 @@ class Fleet:
         from schemas.manifest import current_model_dir, read_manifest
 
         deployments = latest_deployments(
-            self._settings.bootstrap, TopicNames(self._settings.topic_prefix).control, "sluice-up"
+            self._settings.kafka, TopicNames(self._settings.topic_prefix).control, "sluice-up"
         )
         wanted: set[tuple[str, str]] = set()
         for model in self._settings.served_models():
@@ -220,7 +220,7 @@ async def _serve(
                     await asyncio.to_thread(broker.start)
                 stack.callback(broker.stop)
         specs = platform_topics(TopicNames(settings.topic_prefix), settings.served_models())
-        changes = await asyncio.to_thread(apply_topics, make_admin(settings.bootstrap), specs)
+        changes = await asyncio.to_thread(apply_topics, make_admin(settings.kafka), specs)
         created = sum(c.action != "unchanged" for c in changes)
         console.print(f"topics: {len(changes)} in spec, {created} created or changed")
 

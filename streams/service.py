@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 def request_topics(platform: PlatformSettings) -> list[str]:
     """The existing request topics (every model ever served); the results topic must exist."""
     names = TopicNames(platform.topic_prefix)
-    topics = make_admin(platform.bootstrap).list_topics(timeout=10).topics
+    topics = make_admin(platform.kafka).list_topics(timeout=10).topics
     results = topics.get(names.results)
     if results is None or results.error is not None:
         raise RuntimeError(f"topic {names.results} does not exist: run `sluice topics apply`")
@@ -60,7 +60,7 @@ class StreamsService(AsyncComponent):
         self._client: Client | None = None
         self._writer: Client | None = None
         self._query_server: WarehouseQueryServer | None = None
-        self._producer = EventProducer(platform.bootstrap, "streams")
+        self._producer = EventProducer(platform.kafka, "streams")
         self._producer.watch(self.fail)
         self.streams: StreamsApp | None = None
         self._runner: web.AppRunner | None = None
