@@ -187,6 +187,7 @@ def run_worker(
         worker.worker_ops_port,
         lambda: service.readiness(worker.worker_ready_max_lag),
         service=f"worker/{service.worker_id}",
+        token=platform.ops_token,
     )
     with ops:
         log.info("worker %s: metrics and health on %s", service.worker_id, ops.url)

@@ -9,6 +9,7 @@ from ingest.app import Edge
 from ingest.kafka_gateway import KafkaGateway
 from ingest.models import ModelCatalogue, ServedModel
 from ingest.settings import EdgeSettings
+from monitoring.access import check_exposure
 from schemas.manifest import current_model_dir, models_root
 from schemas.settings import PlatformSettings
 from schemas.topics import TopicNames
@@ -17,6 +18,14 @@ from schemas.topics import TopicNames
 def reply_partition(edge_id: str, partitions: int) -> int:
     """The replies partition this edge owns: a stable function of its id, so a restart finds its replies."""
     return zlib.crc32(edge_id.encode()) % partitions
+
+
+def check_edge_exposure(platform: PlatformSettings, settings: EdgeSettings) -> None:
+    """Refuse (:class:`SettingsError`) an edge on a non-loopback address without an ops token: called first
+    by ``sluice edge`` and ``sluice up``, before anything slow starts."""
+    check_exposure(
+        platform.ops_token, host=settings.edge_host, variable="SLUICE_EDGE_HOST", service="the edge"
+    )
 
 
 def build_edge(
@@ -41,7 +50,7 @@ def build_edge(
         idempotency_per_tenant=settings.edge_idempotency_keys_per_tenant,
     )
     gateway.on_deploy = lambda model, deployment: catalogue.preload(model, deployment.serving)
-    return Edge(settings, gateway, catalogue), gateway
+    return Edge(settings, gateway, catalogue, ops_token=platform.ops_token), gateway
 
 
 async def serve_edge(edge: Edge, gateway: KafkaGateway, stop: asyncio.Event) -> None:

@@ -9,6 +9,7 @@ falls back to a default.
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import os
 import types
 from collections.abc import Mapping
@@ -130,7 +131,7 @@ def _default_cache() -> str:
 
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 
-SECRET_FIELDS = frozenset({"kafka_sasl_password"})
+SECRET_FIELDS = frozenset({"ops_token", "kafka_sasl_password"})
 """Fields whose values are never shown (``sluice settings``, ``repr``) and are scrubbed from logs."""
 REDACTED = "[REDACTED]"
 
@@ -145,6 +146,35 @@ def display(field: str, value: object) -> str:
             netloc = parts.netloc.replace(f":{parts.password}@", f":{REDACTED}@", 1)
             value = parts._replace(netloc=netloc).geturl()
     return repr(value)
+
+
+def bare_host(host: str) -> str:
+    """``host`` without IPv6 brackets, lower-cased: ``[::1]`` -> ``::1``, ``LocalHost`` -> ``localhost``."""
+    host = host.strip().lower()
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback addresses (``127.0.0.0/8``, ``::1``). Any other name is taken
+    as reachable from elsewhere (it is not resolved), and so is a wildcard (``0.0.0.0``, ``::``, empty)."""
+    host = bare_host(host)
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def is_wildcard(host: str) -> bool:
+    """True when binding ``host`` listens on every address (``0.0.0.0``, ``::``, or empty)."""
+    host = bare_host(host)
+    if host == "":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False
 
 
 SecurityProtocol = Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"]
@@ -193,6 +223,9 @@ class PlatformSettings(msgspec.Struct, frozen=True, kw_only=True):
     """Downloaded Kafka jars (and the venv, see scripts/bootstrap.sh)."""
     warehouse_url: str | None = None
     """``http(s)://host:8123`` for a ClickHouse server. Unset: embedded chDB under ``data_dir``."""
+    ops_token: Annotated[str, msgspec.Meta(min_length=16, pattern=r"^[\x21-\x7e]+$")] | None = None
+    """Bearer token for every service's ``/metrics`` and the streams dashboard (``/healthz`` and ``/readyz``
+    stay open). Unset: those are open, and a service refuses to bind a non-loopback address."""
     kafka_security_protocol: SecurityProtocol = "PLAINTEXT"
     """How every client (librdkafka and Faust) talks to ``kafka_bootstrap``: ``SSL`` and ``SASL_SSL``
     encrypt, the ``SASL_*`` ones authenticate with the username and password below."""

@@ -14,6 +14,7 @@ from rich.console import Console
 
 from gpu_workers.settings import WorkerSettings
 from ingest.settings import EdgeSettings
+from monitoring.access import check_exposure
 from monitoring.logs import MIN_SECRET_CHARS, configure_logging, register_secret
 from monitoring.metrics import bound_tenants
 from monitoring.settings import ObservabilitySettings
@@ -61,11 +62,26 @@ def observe(service: str, platform: PlatformSettings) -> TracerProvider | None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     settings = load_settings(ObservabilitySettings)
     configure_logging(settings, service)
-    for secret in (platform.kafka_sasl_password,):
+    for secret in (platform.ops_token, platform.kafka_sasl_password):
         if secret and len(secret) >= MIN_SECRET_CHARS:
             register_secret(secret)
     bound_tenants(settings.metrics_max_tenants)
     return configure_tracing(settings, service)
+
+
+def check_worker_exposure(platform: PlatformSettings, worker: WorkerSettings) -> None:
+    check_exposure(
+        platform.ops_token, host=worker.worker_ops_host, variable="SLUICE_WORKER_OPS_HOST", service="a worker"
+    )
+
+
+def check_streams_exposure(platform: PlatformSettings, streams: StreamsSettings) -> None:
+    check_exposure(
+        platform.ops_token,
+        host=streams.streams_host,
+        variable="SLUICE_STREAMS_HOST",
+        service="the streams worker",
+    )
 
 
 def run_worker_process(platform: PlatformSettings, model_id: str, console: Console) -> int:
@@ -76,6 +92,7 @@ def run_worker_process(platform: PlatformSettings, model_id: str, console: Conso
 
     try:
         worker = load_settings(WorkerSettings)
+        check_worker_exposure(platform, worker)
         provider = observe(f"worker/{model_id}", platform)
     except SettingsError as exc:
         console.print(f"[red]settings error:[/] {exc}")
@@ -111,10 +128,11 @@ def replies_partitions(platform: PlatformSettings) -> int:
 
 
 def run_edge_process(platform: PlatformSettings, console: Console, port: int | None = None) -> int:
-    from ingest.main import build_edge, serve_edge
+    from ingest.main import build_edge, check_edge_exposure, serve_edge
 
     try:
         edge_settings = load_settings(EdgeSettings)
+        check_edge_exposure(platform, edge_settings)
         provider = observe("edge", platform)
         if port is not None:
             import msgspec
@@ -146,6 +164,7 @@ def run_streams_process(platform: PlatformSettings, console: Console) -> int:
 
     try:
         settings = load_settings(StreamsSettings)
+        check_streams_exposure(platform, settings)
         provider = observe("streams", platform)
     except SettingsError as exc:
         console.print(f"[red]settings error:[/] {exc}")

@@ -22,12 +22,19 @@ from gpu_workers.settings import WorkerSettings
 from infra.errors import InfraError
 from infra.topics import apply_topics, make_admin, platform_topics
 from ingest.auth import DEMO_KEY
-from ingest.main import build_edge
+from ingest.main import build_edge, check_edge_exposure
 from ingest.settings import EdgeSettings
 from monitoring.tracing import shutdown_tracing
 from schemas.settings import PlatformSettings, SettingsError, load_settings
 from schemas.topics import TopicNames
-from sluice.services import local_broker, observe, replies_partitions, stop_on_signals
+from sluice.services import (
+    check_streams_exposure,
+    check_worker_exposure,
+    local_broker,
+    observe,
+    replies_partitions,
+    stop_on_signals,
+)
 from streams.settings import StreamsSettings
 
 
@@ -35,6 +42,11 @@ def run_platform(settings: PlatformSettings, out: Console, console: Console, por
     """Run until SIGINT/SIGTERM; returns the process exit code."""
     try:
         edge_settings = load_settings(EdgeSettings)
+        # Every service it starts would refuse an exposed address without its credentials: say so now,
+        # not after Kafka, the warehouse and the models are up (or a child in a restart loop).
+        check_edge_exposure(settings, edge_settings)
+        check_streams_exposure(settings, load_settings(StreamsSettings))
+        check_worker_exposure(settings, load_settings(WorkerSettings))
     except SettingsError as exc:
         console.print(f"[red]settings error:[/] {exc}")
         return 2
@@ -259,6 +271,11 @@ async def _serve(
         dashboard = f"http://{streams_settings.streams_host}:{streams_settings.streams_port}"
         out.print(f"  dashboard {dashboard}/dashboard   (streams metrics on {dashboard}/metrics)")
         out.print(f"  metrics: edge {edge.url}/metrics; workers {ops} (/metrics /healthz /readyz)")
+        if settings.ops_token:
+            out.print(
+                "  ops token set: /metrics wants 'Authorization: Bearer $SLUICE_OPS_TOKEN'; "
+                "open /dashboard?token=$SLUICE_OPS_TOKEN once in a browser"
+            )
         out.print('  `sluice sql "SELECT ..."` queries the warehouse; Ctrl-C stops everything.')
         await stop.wait()
         console.print("stopping...")

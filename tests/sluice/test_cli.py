@@ -97,7 +97,10 @@ def test_settings_lists_variables_in_effect() -> None:
 
 
 def test_settings_hide_secrets() -> None:
-    secrets = {"SLUICE_KAFKA_SASL_PASSWORD": "sasl-secret-9876"}
+    secrets = {
+        "SLUICE_OPS_TOKEN": "ops-token-not-to-show-1234",
+        "SLUICE_KAFKA_SASL_PASSWORD": "sasl-secret-9876",
+    }
     env = {
         **os.environ,
         **secrets,
@@ -110,9 +113,32 @@ def test_settings_hide_secrets() -> None:
     assert result.returncode == 0, result.stderr
     for secret in (*secrets.values(), "warehouse-pw"):
         assert secret not in result.stdout
-    assert result.stdout.count("[REDACTED]") == 2
+    assert result.stdout.count("[REDACTED]") == 3
     assert "'SASL_SSL'" in result.stdout
     assert "'sluice'" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "settings", "named"),
+    [
+        (["edge"], {"SLUICE_EDGE_HOST": "0.0.0.0", "SLUICE_EDGE_TENANTS_FILE": "t.toml"}, "SLUICE_OPS_TOKEN"),
+        (["streams"], {"SLUICE_STREAMS_HOST": "0.0.0.0"}, "SLUICE_OPS_TOKEN"),
+        (["worker", "--model", "demo-gpt"], {"SLUICE_WORKER_OPS_HOST": "::"}, "SLUICE_OPS_TOKEN"),
+        (["up"], {"SLUICE_STREAMS_HOST": "0.0.0.0"}, "SLUICE_OPS_TOKEN"),
+    ],
+    ids=["edge-no-token", "streams", "worker", "up-streams"],
+)
+def test_an_exposed_service_without_credentials_refuses_at_once(
+    args: list[str], settings: dict[str, str], named: str, tmp_path: Path
+) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_") or k == "SLUICE_CACHE_DIR"}
+    env |= {"SLUICE_DATA_DIR": str(tmp_path), "SLUICE_KAFKA_PORT": str(free_port()), **settings}
+    result = sluice(*args, env=env, timeout=60)
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.strip().splitlines()  # one line, before anything starts
+    assert line.startswith(("error:", "settings error:"))
+    assert named in line
+    assert not (tmp_path / "kafka").exists()
 
 
 def test_schemas_export_writes_valid_json_schemas(tmp_path: Path) -> None:
