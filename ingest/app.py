@@ -12,8 +12,8 @@ disconnects while its request waits cancels the handler, which publishes ``clien
 
 Every request but ``/healthz`` and ``/readyz`` must name this edge in its ``Host`` header
 (``SLUICE_EDGE_ALLOWED_HOSTS``, else 421), and ``/metrics`` wants the ops token when one is set
-(``SLUICE_OPS_TOKEN``, see :mod:`monitoring.access`). Without an ops token the edge refuses to be built
-for a non-loopback ``SLUICE_EDGE_HOST``.
+(``SLUICE_OPS_TOKEN``, see :mod:`monitoring.access`). Without a tenants file or without an ops token the
+edge refuses to be built for a non-loopback ``SLUICE_EDGE_HOST``.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from aiohttp.typedefs import Middleware
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from ingest.admission import Admission
-from ingest.auth import TenantDirectory
+from ingest.auth import TenantDirectory, require_tenants_file
 from ingest.context import EdgeContext
 from ingest.dispatch import Dispatcher
 from ingest.errors import (
@@ -136,12 +136,16 @@ class Edge(AsyncComponent):
         clock: Callable[[], datetime] = utc_now,
         ops_token: str | None = None,
     ) -> None:
-        """``ops_token``: ``SLUICE_OPS_TOKEN``. Raises :class:`SettingsError` for an exposed edge without
-        one (see :func:`ingest.main.check_edge_exposure`)."""
+        """``tenants`` None: from ``SLUICE_EDGE_TENANTS_FILE``, or the demo tenant (loopback only).
+        ``ops_token``: ``SLUICE_OPS_TOKEN``. Raises :class:`SettingsError` for an exposed edge that lacks
+        either (see :func:`ingest.main.check_edge_exposure`)."""
         super().__init__()
         access = OpsAccess(
             ops_token, host=settings.edge_host, variable="SLUICE_EDGE_HOST", service="the edge"
         )
+        if tenants is None:
+            require_tenants_file(settings)
+            tenants = TenantDirectory.load(settings.edge_tenants_file)
         source = f"ingest/{settings.edge_id}"
         admission = Admission(
             ledger=QuotaLedger(
@@ -153,7 +157,7 @@ class Edge(AsyncComponent):
             settings=settings,
             gateway=gateway,
             catalogue=catalogue,
-            tenants=tenants if tenants is not None else TenantDirectory.load(settings.edge_tenants_file),
+            tenants=tenants,
             admission=admission,
             dispatcher=Dispatcher(
                 gateway,

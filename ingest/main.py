@@ -6,6 +6,7 @@ import asyncio
 import zlib
 
 from ingest.app import Edge
+from ingest.auth import require_tenants_file
 from ingest.kafka_gateway import KafkaGateway
 from ingest.models import ModelCatalogue, ServedModel
 from ingest.settings import EdgeSettings
@@ -21,8 +22,9 @@ def reply_partition(edge_id: str, partitions: int) -> int:
 
 
 def check_edge_exposure(platform: PlatformSettings, settings: EdgeSettings) -> None:
-    """Refuse (:class:`SettingsError`) an edge on a non-loopback address without an ops token: called first
-    by ``sluice edge`` and ``sluice up``, before anything slow starts."""
+    """Refuse (:class:`SettingsError`) an edge on a non-loopback address without a tenants file or without
+    an ops token: called first by ``sluice edge`` and ``sluice up``, before anything slow starts."""
+    require_tenants_file(settings)
     check_exposure(
         platform.ops_token, host=settings.edge_host, variable="SLUICE_EDGE_HOST", service="the edge"
     )

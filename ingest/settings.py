@@ -17,7 +17,8 @@ class EdgeSettings(msgspec.Struct, frozen=True, kw_only=True):
     """Field ``edge_x`` is variable ``SLUICE_EDGE_X``."""
 
     edge_host: str = "127.0.0.1"
-    """Not a loopback address: needs ``SLUICE_OPS_TOKEN`` (``/metrics``), or the edge refuses to start."""
+    """Not a loopback address: needs ``SLUICE_EDGE_TENANTS_FILE`` (the demo key is for loopback only) and
+    ``SLUICE_OPS_TOKEN`` (``/metrics``), or the edge refuses to start."""
     edge_allowed_hosts: tuple[str, ...] = ()
     """``Host`` names the edge answers (ports ignored; ``*`` any, ``.example.com`` a domain and its
     subdomains); others get 421. Unset: ``127.0.0.1,localhost,[::1]`` and ``edge_host`` (any name when

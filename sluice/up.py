@@ -265,7 +265,8 @@ async def _serve(
         await edge.start()
         stack.push_async_callback(edge.stop)
 
-        out.print(f"[bold green]sluicegate is up[/]  {edge.url}/v1   API key: {DEMO_KEY}")
+        keys = f"API key: {DEMO_KEY}" if edge_settings.edge_tenants_file is None else "API keys: tenants file"
+        out.print(f"[bold green]sluicegate is up[/]  {edge.url}/v1   {keys}")
         out.print(f"  Kafka {settings.bootstrap}   models: {', '.join(settings.served_models())}")
         ops = ", ".join(f"{model} http://127.0.0.1:{port or '<free port>'}" for model, port in workers)
         dashboard = f"http://{streams_settings.streams_host}:{streams_settings.streams_port}"

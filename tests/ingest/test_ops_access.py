@@ -1,16 +1,17 @@
 """The edge's own hardening: ``/metrics`` behind the ops token, the Host allow-list (DNS rebinding), and
-no public bind without an ops token."""
+no public bind with the demo key or without an ops token."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from ingest.app import Edge
-from ingest.auth import TenantDirectory
+from ingest.auth import DEMO_KEY, TenantDirectory, hash_key
 from ingest.main import check_edge_exposure
 from ingest.models import ModelCatalogue
 from schemas.settings import PlatformSettings, SettingsError
@@ -73,6 +74,23 @@ async def test_allowed_hosts_replace_the_default(make_client: MakeClient) -> Non
     client, _ = await make_client(edge_allowed_hosts=["api.example.com"])
     assert (await client.get("/v1/models", headers={**AUTH, "Host": "api.example.com"})).status == 200
     assert (await client.get("/v1/models", headers=AUTH)).status == 421  # 127.0.0.1 is not listed
+
+
+def test_the_demo_key_is_refused_off_loopback(
+    catalogue: ModelCatalogue, gateway: FakeGateway, tmp_path: Path
+) -> None:
+    exposed = settings(edge_host="0.0.0.0")
+    with pytest.raises(
+        SettingsError, match=rf"SLUICE_EDGE_TENANTS_FILE is unset: anyone could use .*{DEMO_KEY}"
+    ):
+        Edge(exposed, gateway, catalogue, ops_token=TOKEN)
+    with pytest.raises(SettingsError, match="set SLUICE_EDGE_TENANTS_FILE"):
+        check_edge_exposure(PlatformSettings(ops_token=TOKEN), exposed)
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text(f'[tenants.acme]\nkey_sha256 = ["{hash_key("sk-acme-0123456789")}"]\n')
+    with_file = settings(edge_host="0.0.0.0", edge_tenants_file=str(tenants))
+    check_edge_exposure(PlatformSettings(ops_token=TOKEN), with_file)
+    Edge(with_file, gateway, catalogue, ops_token=TOKEN)
 
 
 def test_an_exposed_edge_needs_an_ops_token(catalogue: ModelCatalogue, gateway: FakeGateway) -> None:

@@ -118,15 +118,28 @@ def test_settings_hide_secrets() -> None:
     assert "'sluice'" in result.stdout
 
 
+EXPOSED_TOKEN = "ops-token-for-an-exposed-test"
+
+
 @pytest.mark.parametrize(
     ("args", "settings", "named"),
     [
+        (
+            ["edge"],
+            {"SLUICE_EDGE_HOST": "0.0.0.0", "SLUICE_OPS_TOKEN": EXPOSED_TOKEN},
+            "SLUICE_EDGE_TENANTS_FILE",
+        ),
         (["edge"], {"SLUICE_EDGE_HOST": "0.0.0.0", "SLUICE_EDGE_TENANTS_FILE": "t.toml"}, "SLUICE_OPS_TOKEN"),
         (["streams"], {"SLUICE_STREAMS_HOST": "0.0.0.0"}, "SLUICE_OPS_TOKEN"),
         (["worker", "--model", "demo-gpt"], {"SLUICE_WORKER_OPS_HOST": "::"}, "SLUICE_OPS_TOKEN"),
+        (
+            ["up"],
+            {"SLUICE_EDGE_HOST": "10.1.2.3", "SLUICE_OPS_TOKEN": EXPOSED_TOKEN},
+            "SLUICE_EDGE_TENANTS_FILE",
+        ),
         (["up"], {"SLUICE_STREAMS_HOST": "0.0.0.0"}, "SLUICE_OPS_TOKEN"),
     ],
-    ids=["edge-no-token", "streams", "worker", "up-streams"],
+    ids=["edge-demo-key", "edge-no-token", "streams", "worker", "up-demo-key", "up-streams"],
 )
 def test_an_exposed_service_without_credentials_refuses_at_once(
     args: list[str], settings: dict[str, str], named: str, tmp_path: Path
