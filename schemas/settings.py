@@ -136,16 +136,21 @@ SECRET_FIELDS = frozenset({"ops_token", "kafka_sasl_password"})
 REDACTED = "[REDACTED]"
 
 
-def display(field: str, value: object) -> str:
-    """``repr(value)`` of a settings field fit to print: secrets hidden, a URL's password too."""
+def redacted(field: str, value: object) -> object:
+    """A settings field's value fit to show: a secret as ``[REDACTED]``, a URL without its password."""
     if value is not None and field in SECRET_FIELDS:
         return REDACTED
     if isinstance(value, str) and "@" in value and "://" in value:
         parts = urlsplit(value)
         if parts.password is not None:
             netloc = parts.netloc.replace(f":{parts.password}@", f":{REDACTED}@", 1)
-            value = parts._replace(netloc=netloc).geturl()
-    return repr(value)
+            return parts._replace(netloc=netloc).geturl()
+    return value
+
+
+def display(field: str, value: object) -> str:
+    """``repr`` of a settings field's value, redacted (``sluice settings``)."""
+    return repr(redacted(field, value))
 
 
 def bare_host(host: str) -> str:
@@ -197,9 +202,14 @@ class KafkaConnection(msgspec.Struct, frozen=True):
         """The base of every librdkafka client configuration: bootstrap, security, then ``overrides``."""
         return {"bootstrap.servers": self.bootstrap, **self.security, **overrides}
 
+    def _shown(self) -> dict[str, str]:
+        return {k: (REDACTED if "password" in k else v) for k, v in self.security.items()}
+
     def __repr__(self) -> str:
-        security = {k: (REDACTED if "password" in k else v) for k, v in self.security.items()}
-        return f"KafkaConnection({self.bootstrap!r}, {security!r})"
+        return f"KafkaConnection({self.bootstrap!r}, {self._shown()!r})"
+
+    def __rich_repr__(self) -> list[tuple[str, Any]]:
+        return [("bootstrap", self.bootstrap), ("security", self._shown())]
 
 
 @register
@@ -269,6 +279,9 @@ class PlatformSettings(msgspec.Struct, frozen=True, kw_only=True):
     def __repr__(self) -> str:
         fields = ", ".join(f"{f}={display(f, getattr(self, f))}" for f in self.__struct_fields__)
         return f"PlatformSettings({fields})"
+
+    def __rich_repr__(self) -> list[tuple[str, Any]]:
+        return [(f, redacted(f, getattr(self, f))) for f in self.__struct_fields__]
 
     def kafka_security(self) -> dict[str, str]:
         """The librdkafka security keys these settings ask for (empty for PLAINTEXT): the one place they are

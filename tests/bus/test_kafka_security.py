@@ -10,6 +10,7 @@ from typing import Any
 import faust
 import pytest
 from faust.transport.drivers.aiokafka import credentials_to_aiokafka_auth
+from rich.pretty import pretty_repr
 
 import bus.consumer
 import bus.control
@@ -124,7 +125,7 @@ def test_inconsistent_security_settings_are_refused(env: dict[str, str], message
 
 def test_the_password_is_never_shown(secured: KafkaConnection) -> None:
     platform = load_settings(PlatformSettings, SASL)
-    for text in (repr(platform), str(platform), repr(secured)):
+    for text in (repr(platform), str(platform), repr(secured), pretty_repr(platform), pretty_repr(secured)):
         assert "pa55-w0rd-of-sluice" not in text
         assert "[REDACTED]" in text
     assert "sluice" in repr(secured)  # the rest is shown
