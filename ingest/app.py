@@ -51,7 +51,7 @@ from ingest.quota import QuotaLedger
 from ingest.settings import EdgeSettings
 from ingest.ws import websocket
 from monitoring import tracing
-from monitoring.access import PROBES, TOKEN_VARIABLE, HostAllowList, OpsAccess
+from monitoring.access import PROBES, TOKEN_VARIABLE, HostAllowList, OpsAccess, route_of
 from monitoring.ops import bound_port
 from schemas.events import utc_now
 from schemas.lifecycle import AsyncComponent
@@ -109,14 +109,15 @@ def ops_guard(access: OpsAccess, hosts: HostAllowList) -> Middleware:
 
     @web.middleware
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path in PROBES:
+        route = route_of(request)
+        if route in PROBES:
             return await handler(request)
         host = request.headers.get("Host")
         if not hosts.allows(host):
             raise HostNotAllowed(
                 f"This server does not answer for Host {host!r} (SLUICE_EDGE_ALLOWED_HOSTS)."
             )
-        if request.path == "/metrics" and not access.allows(request.headers.get("Authorization")):
+        if route == "/metrics" and not access.allows(request.headers.get("Authorization")):
             raise AuthenticationFailed(
                 f"/metrics needs 'Authorization: Bearer <{TOKEN_VARIABLE}>'.", code="invalid_ops_token"
             )

@@ -138,6 +138,13 @@ class HostAllowList:
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
+def route_of(request: web.Request) -> str | None:
+    """The path of the route that will answer ``request`` (None: no route, a 404). Checks use it rather
+    than ``request.path``, so a spelling of a path that reaches a handler cannot also dodge its check."""
+    resource = request.match_info.route.resource
+    return resource.canonical if resource is not None else None
+
+
 def ops_middleware(
     access: OpsAccess, hosts: HostAllowList, *, session_prefix: str = "/dashboard"
 ) -> Middleware:
@@ -150,12 +157,15 @@ def ops_middleware(
 
     @web.middleware
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path in PROBES:
+        route = route_of(request)
+        if route in PROBES:
             return await handler(request)
         if not hosts.allows(request.headers.get("Host")):
             return _refuse(421, f"this server does not answer for Host {request.headers.get('Host')!r}")
-        in_session_scope = request.path == session_prefix or request.path.startswith(session_prefix + "/")
-        if access.required and request.path == session_prefix and "token" in request.query:
+        in_session_scope = route is not None and (
+            route == session_prefix or route.startswith(session_prefix + "/")
+        )
+        if access.required and route == session_prefix and "token" in request.query:
             return _open_session(request, access, session_prefix)
         if access.allows(request.headers.get("Authorization")):
             return await handler(request)

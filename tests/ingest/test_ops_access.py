@@ -3,6 +3,7 @@ no public bind with the demo key or without an ops token."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,19 @@ async def test_metrics_want_the_ops_token_when_one_is_set(guarded: Client) -> No
     assert (await guarded.get("/v1/models", headers=AUTH)).status == 200  # tenants are unaffected
     for probe in ("/healthz", "/readyz"):
         assert (await guarded.get(probe)).status in (200, 503)
+
+
+async def test_another_spelling_of_the_metrics_path_is_checked_too(guarded: Client) -> None:
+    server = guarded.server
+    reader, writer = await asyncio.open_connection(server.host, server.port)
+    writer.write(
+        f"GET /%6Detrics HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\nConnection: close\r\n\r\n".encode()
+    )
+    await writer.drain()
+    status_line = (await reader.read()).split(b"\r\n", 1)[0]
+    writer.close()
+    await writer.wait_closed()
+    assert status_line == b"HTTP/1.1 401 Unauthorized"
 
 
 async def test_without_a_token_metrics_stay_open_on_loopback(client: Client) -> None:
