@@ -30,7 +30,7 @@ import aiohttp
 
 from infra.kafka.broker import LocalKafka, free_port
 from infra.topics import TopicSizing, apply_topics, make_admin, platform_topics
-from schemas.settings import PlatformSettings, load_settings
+from schemas.settings import KafkaConnection, PlatformSettings, load_settings
 from schemas.topics import TopicNames
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,16 +45,16 @@ def pct(values: list[float], q: float) -> float:
 
 
 @contextmanager
-def kafka(settings: PlatformSettings) -> Iterator[str]:
+def kafka(settings: PlatformSettings) -> Iterator[KafkaConnection]:
     if not settings.local_kafka:
-        yield settings.bootstrap
+        yield settings.kafka
         return
     with tempfile.TemporaryDirectory(prefix="sluice-bench-") as tmp:
         broker = LocalKafka(
             tmp, settings.cache_dir, settings.kafka_version, port=free_port(), controller_port=free_port()
         )
         with broker:
-            yield broker.bootstrap
+            yield broker.connection
 
 
 class Services:
@@ -318,16 +318,17 @@ def main() -> None:
     raw = json.loads(
         subprocess.run(raw_cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1]
     )
-    with kafka(settings) as bootstrap:
+    with kafka(settings) as conn:
         prefix = f"bench{int(time.time())}"
         names = TopicNames(prefix)
         apply_topics(
-            make_admin(bootstrap), platform_topics(names, settings.served_models(), TopicSizing(replies=1))
+            make_admin(conn), platform_topics(names, settings.served_models(), TopicSizing(replies=1))
         )
         port = free_port()
-        env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_") or k == "SLUICE_CACHE_DIR"}
+        keep = ("SLUICE_CACHE_DIR", "SLUICE_KAFKA_")  # the cache and Kafka security pass through
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_") or k.startswith(keep)}
         env.update(
-            SLUICE_KAFKA_BOOTSTRAP=bootstrap,
+            SLUICE_KAFKA_BOOTSTRAP=conn.bootstrap,
             SLUICE_TOPIC_PREFIX=prefix,
             SLUICE_EDGE_PORT=str(port),
             SLUICE_WORKER_MAX_RUNNING=str(max(int(b) for b in raw["generation_tokens_per_s"])),

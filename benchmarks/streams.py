@@ -55,7 +55,7 @@ from infra.topics import TopicSizing, apply_topics, make_admin, platform_topics
 from infra.warehouse import WarehouseError, query_warehouse
 from schemas.events import FinishReason, RequestFinished, Status, Timings, Usage
 from schemas.ids import uuid7_from_parts
-from schemas.settings import PlatformSettings, load_settings
+from schemas.settings import KafkaConnection, PlatformSettings, load_settings
 from schemas.topics import TopicNames
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -197,9 +197,9 @@ def pct(values: list[float], q: float) -> float:
 
 
 @contextmanager
-def kafka(settings: PlatformSettings, data: Path) -> Iterator[str]:
+def kafka(settings: PlatformSettings, data: Path) -> Iterator[KafkaConnection]:
     if not settings.local_kafka:
-        yield settings.bootstrap
+        yield settings.kafka
         return
     broker = LocalKafka(
         data / "kafka",
@@ -209,7 +209,7 @@ def kafka(settings: PlatformSettings, data: Path) -> Iterator[str]:
         controller_port=free_port(),
     )
     with broker:
-        yield broker.bootstrap
+        yield broker.connection
 
 
 @contextmanager
@@ -252,9 +252,9 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path, within: float
 # ------------------------------------------------------------------------------------------------ phases
 
 
-def produce_backlog(bootstrap: str, topic: str, traffic: Traffic, n: int) -> float:
+def produce_backlog(conn: KafkaConnection, topic: str, traffic: Traffic, n: int) -> float:
     """``n`` terminal events on ``topic``, durable before returning; returns events/s produced."""
-    producer = EventProducer(bootstrap, "bench-backlog", log_level=3)
+    producer = EventProducer(conn, "bench-backlog", log_level=3)
     producer.start()
     began = time.perf_counter()
     try:
@@ -343,7 +343,7 @@ class Prober(threading.Thread):
 
 
 def paced(
-    bootstrap: str,
+    conn: KafkaConnection,
     topic: str,
     traffic: Traffic,
     per_s: float,
@@ -354,7 +354,7 @@ def paced(
 ) -> dict[str, float]:
     """Produce ``per_s`` terminal events/s for ``seconds`` in 5 ms bursts; every ``seconds/markers`` one
     of them is a marker the prober looks for (its clock starts just before it is produced)."""
-    producer = EventProducer(bootstrap, "bench-paced", log_level=3)
+    producer = EventProducer(conn, "bench-paced", log_level=3)
     producer.start()
     sent = 0
     next_marker = seconds / markers / 2
@@ -380,7 +380,7 @@ def at_rate(
     url: str,
     proc: subprocess.Popen[bytes],
     settings: PlatformSettings,
-    bootstrap: str,
+    conn: KafkaConnection,
     topic: str,
     traffic: Traffic,
     rate: float,
@@ -393,9 +393,7 @@ def at_rate(
     result: dict[str, float] = {}
     stop = threading.Event()
     producing = threading.Thread(
-        target=lambda: result.update(
-            paced(bootstrap, topic, traffic, rate / 2, seconds, prober, markers, stop)
-        ),
+        target=lambda: result.update(paced(conn, topic, traffic, rate / 2, seconds, prober, markers, stop)),
         name="bench-producer",
         daemon=True,
     )
@@ -450,20 +448,20 @@ def at_rate(
 
 
 def run_once(
-    settings: PlatformSettings, bootstrap: str, work: Path, label: str, args: argparse.Namespace
+    settings: PlatformSettings, conn: KafkaConnection, work: Path, label: str, args: argparse.Namespace
 ) -> dict[str, Any]:
     prefix = f"bench{int(time.time())}"
     names = TopicNames(prefix)
-    apply_topics(make_admin(bootstrap), platform_topics(names, [GENERATION_MODEL], SIZING))
+    apply_topics(make_admin(conn), platform_topics(names, [GENERATION_MODEL], SIZING))
     traffic = Traffic()
     print(f"[{label}] producing {args.events} terminal events ...", file=sys.stderr)
-    backlog_rate = produce_backlog(bootstrap, names.results, traffic, args.events)
+    backlog_rate = produce_backlog(conn, names.results, traffic, args.events)
     data = work / f"data-{prefix}"
     port = free_port()
-    keep = ("SLUICE_CACHE_DIR", "SLUICE_STREAMS_")  # the worker's tuning passes through
+    keep = ("SLUICE_CACHE_DIR", "SLUICE_STREAMS_", "SLUICE_KAFKA_")  # tuning and Kafka security pass through
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_") or k.startswith(keep)}
     env.update(
-        SLUICE_KAFKA_BOOTSTRAP=bootstrap,
+        SLUICE_KAFKA_BOOTSTRAP=conn.bootstrap,
         SLUICE_TOPIC_PREFIX=prefix,
         SLUICE_DATA_DIR=str(data),
         SLUICE_STREAMS_PORT=str(port),
@@ -472,7 +470,7 @@ def run_once(
     url = f"http://127.0.0.1:{port}"
     log = work / f"streams-{prefix}.log"
     local = msgspec.structs.replace(
-        settings, kafka_bootstrap=bootstrap, topic_prefix=prefix, data_dir=str(data)
+        settings, kafka_bootstrap=conn.bootstrap, topic_prefix=prefix, data_dir=str(data)
     )
     print(f"[{label}] catch-up ...", file=sys.stderr)
     with streams_process(env, log) as proc:
@@ -481,7 +479,7 @@ def run_once(
         caught = catch_up(url, proc, 2 * args.events, started)
         rate = args.rate or min(TARGET_EVENTS_PER_S, 0.8 * caught["warehouse_events_per_s"])
         print(f"[{label}] {rate:.0f} warehouse events/s for {args.seconds:.0f}s ...", file=sys.stderr)
-        fresh = at_rate(url, proc, local, bootstrap, names.results, traffic, rate, args.seconds, args.markers)
+        fresh = at_rate(url, proc, local, conn, names.results, traffic, rate, args.seconds, args.markers)
     return {
         "code": code_version(),
         "backlog_produce_per_s": backlog_rate,
@@ -569,10 +567,10 @@ def main() -> None:
     runs: dict[str, dict[str, Any]] = {}
     with (
         tempfile.TemporaryDirectory(prefix="sluice-bench-streams-") as tmp,
-        kafka(settings, Path(tmp)) as bootstrap,
+        kafka(settings, Path(tmp)) as conn,
     ):
         for n in range(1, args.repeat + 1):
-            runs[f"run {n}"] = run_once(settings, bootstrap, Path(tmp), f"run {n}", args)
+            runs[f"run {n}"] = run_once(settings, conn, Path(tmp), f"run {n}", args)
             write(args, runs, streams, settings)  # what is measured so far survives a later failure
     print(table(runs))
     print(

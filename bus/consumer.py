@@ -19,6 +19,7 @@ from monitoring.metrics import CONSUMER_LAG, DEAD_LETTERS
 from schemas.codec import DecodeError, decode
 from schemas.events import DeadLetter, Event
 from schemas.lifecycle import Component, Watcher
+from schemas.settings import KafkaConnection
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -31,10 +32,12 @@ Revoked = Callable[[list[TP], bool], dict[TP, int] | None]
 """Told the partitions leaving and whether they were lost; may return final offsets to commit (not lost)."""
 
 
-def consumer_config(bootstrap: str, group_id: str | None, client_id: str, **overrides: Any) -> dict[str, Any]:
+def consumer_config(
+    kafka: KafkaConnection, group_id: str | None, client_id: str, **overrides: Any
+) -> dict[str, Any]:
     """Manual commits (offsets are committed only after the effect is durable), read-committed isolation."""
     config: dict[str, Any] = {
-        "bootstrap.servers": bootstrap,
+        **kafka.client_config(),
         "client.id": client_id,
         "group.id": group_id or f"{client_id}-assigned",
         "enable.auto.commit": False,
@@ -411,17 +414,19 @@ def _settled(call: Callable[[], _T], what: str, timeout: float) -> _T:
 
 
 def topic_extent(
-    bootstrap: str, topic: str, client_id: str
+    kafka: KafkaConnection, topic: str, client_id: str
 ) -> tuple[list[TopicPartition], dict[int, int]] | None:
     """What a reader of a whole topic must read: every partition from its first retained offset (the low
     watermark: retention may have deleted the start), and where each ends now (the high watermark), for
     :func:`read_to_end`. None when the topic does not exist; :class:`BusError` when the cluster cannot say."""
-    consumer = Consumer(consumer_config(bootstrap, None, f"{client_id}-probe"))
+    consumer = Consumer(consumer_config(kafka, None, f"{client_id}-probe"))
     try:
         try:
             meta = consumer.list_topics(topic, timeout=10).topics.get(topic)
         except KafkaException as exc:
-            raise BusError(f"cannot read the metadata of {topic} from {bootstrap}: {exc.args[0]}") from exc
+            raise BusError(
+                f"cannot read the metadata of {topic} from {kafka.bootstrap}: {exc.args[0]}"
+            ) from exc
         if meta is None or meta.error is not None:
             return None
         starts: list[TopicPartition] = []

@@ -12,12 +12,15 @@ from confluent_kafka import Consumer, TopicPartition
 from bus.consumer import consumer_config, read_to_end, watermarks
 from schemas.codec import DecodeError, decode
 from schemas.events import DeploymentChanged, Event
+from schemas.settings import KafkaConnection
 
 
-def control_start(bootstrap: str, topic: str, client_id: str) -> tuple[list[TopicPartition], dict[int, int]]:
+def control_start(
+    kafka: KafkaConnection, topic: str, client_id: str
+) -> tuple[list[TopicPartition], dict[int, int]]:
     """Every partition of the control topic from offset 0, and where each ends now (what a reader must
     have seen before it knows the current state). No topic: nothing to read."""
-    consumer = Consumer(consumer_config(bootstrap, None, f"{client_id}-probe"))
+    consumer = Consumer(consumer_config(kafka, None, f"{client_id}-probe"))
     try:
         meta = consumer.list_topics(topic, timeout=10).topics.get(topic)
         if meta is None or meta.error is not None:
@@ -28,11 +31,11 @@ def control_start(bootstrap: str, topic: str, client_id: str) -> tuple[list[Topi
         consumer.close()
 
 
-def read_control(bootstrap: str, topic: str, client_id: str, timeout: float = 30.0) -> list[Event]:
+def read_control(kafka: KafkaConnection, topic: str, client_id: str, timeout: float = 30.0) -> list[Event]:
     """Every decodable event on the control topic up to its current end, in offset order per partition."""
-    tps, ends = control_start(bootstrap, topic, client_id)
+    tps, ends = control_start(kafka, topic, client_id)
     events: list[Event] = []
-    consumer = Consumer(consumer_config(bootstrap, None, client_id))
+    consumer = Consumer(consumer_config(kafka, None, client_id))
     try:
         for message in read_to_end(consumer, tps, ends, timeout):
             try:
@@ -44,10 +47,10 @@ def read_control(bootstrap: str, topic: str, client_id: str, timeout: float = 30
     return events
 
 
-def latest_deployments(bootstrap: str, topic: str, client_id: str) -> dict[str, DeploymentChanged]:
+def latest_deployments(kafka: KafkaConnection, topic: str, client_id: str) -> dict[str, DeploymentChanged]:
     """model -> its latest ``DeploymentChanged`` (models never deployed through a rollout are absent)."""
     latest: dict[str, DeploymentChanged] = {}
-    for event in read_control(bootstrap, topic, client_id):
+    for event in read_control(kafka, topic, client_id):
         if isinstance(event, DeploymentChanged):
             latest[event.model] = event
     return latest

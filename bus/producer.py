@@ -15,6 +15,7 @@ from bus.errors import BusError
 from schemas.codec import MAX_RECORD_BYTES, encode, headers, kafka_key
 from schemas.events import Event
 from schemas.lifecycle import Component
+from schemas.settings import KafkaConnection
 
 log = logging.getLogger(__name__)
 
@@ -23,11 +24,11 @@ Delivered = tuple[int, int]
 DeliveryCallback = Callable[[BusError | None, Delivered | None], None]
 
 
-def producer_config(bootstrap: str, client_id: str, **overrides: Any) -> dict[str, Any]:
+def producer_config(kafka: KafkaConnection, client_id: str, **overrides: Any) -> dict[str, Any]:
     """Durable and quick: every record is on all in-sync replicas before it counts as sent, retries do not
     duplicate, and nothing waits for batch-mates (``linger.ms=0``: librdkafka still batches what queues up while a request is in flight)."""
     config: dict[str, Any] = {
-        "bootstrap.servers": bootstrap,
+        **kafka.client_config(),
         "client.id": client_id,
         "acks": "all",
         "enable.idempotence": True,
@@ -51,9 +52,9 @@ class EventProducer(Component):
     record is durable. ``stop`` flushes everything still in flight.
     """
 
-    def __init__(self, bootstrap: str, client_id: str, **overrides: Any) -> None:
+    def __init__(self, kafka: KafkaConnection, client_id: str, **overrides: Any) -> None:
         super().__init__()
-        self._producer = Producer(producer_config(bootstrap, client_id, **overrides))
+        self._producer = Producer(producer_config(kafka, client_id, **overrides))
         self._running = False
         self._thread: threading.Thread | None = None
         self._pending: dict[int, DeliveryCallback] = {}

@@ -157,7 +157,7 @@ def make_worker(platform: PlatformSettings, worker: WorkerSettings, model_id: st
     return WorkerService(
         model_id=model_id,
         worker_id=worker_id,
-        bootstrap=platform.bootstrap,
+        kafka=platform.kafka,
         names=TopicNames(platform.topic_prefix),
         runner_factory=runner_factory(model_dir, worker, f"gpu_workers/{worker_id}", worker_id),
         consumer_overrides={"session.timeout.ms": worker.worker_session_timeout_ms},
@@ -188,6 +188,7 @@ def run_worker(
         worker.worker_ops_port,
         lambda: service.readiness(worker.worker_ready_max_lag),
         service=f"worker/{service.worker_id}",
+        token=platform.ops_token,
     )
     with ops:
         log.info("worker %s: metrics and health on %s", service.worker_id, ops.url)

@@ -56,6 +56,7 @@ from schemas.events import (
 from schemas.events import Status as RequestStatus
 from schemas.lifecycle import Component
 from schemas.manifest import ManifestError
+from schemas.settings import KafkaConnection
 from schemas.topics import TopicNames
 
 log = logging.getLogger(__name__)
@@ -165,7 +166,7 @@ class WorkerService(Component):
         *,
         model_id: str,
         worker_id: str,
-        bootstrap: str,
+        kafka: KafkaConnection,
         names: TopicNames,
         runner_factory: Callable[[], Runner],
         inbox_size: int = 1024,
@@ -193,7 +194,7 @@ class WorkerService(Component):
         self.worker_id = worker_id
         self.source = f"gpu_workers/{worker_id}"
         self._names = names
-        self._bootstrap = bootstrap
+        self._kafka = kafka
         self._runner_factory = runner_factory
         self._probe_factory = probe_factory
         self._probe: FeatureProbe | None = None
@@ -217,13 +218,13 @@ class WorkerService(Component):
         self._running: Counter[TP] = Counter()
         """Per partition, requests handed to the runner whose terminal event is not settled (offsets lock)."""
         self._pending_writes: dict[str, int] = {}
-        self._producer = EventProducer(bootstrap, self.source)
+        self._producer = EventProducer(kafka, self.source)
         self._observer = WorkerObserver(model_id, worker_id)
         # One consumer group per version: each reads the whole topic and runs what is routed to it.
         self.group = f"sluice-workers.{model_id}" + (f".{version}" if version else "")
         overrides = dict(consumer_overrides or {})
         self._requests = ConsumerThread(
-            consumer_config(bootstrap, self.group, self.source, **overrides),
+            consumer_config(kafka, self.group, self.source, **overrides),
             self._on_requests,
             subscribe=[names.requests(model_id)],
             on_revoke=self._on_revoke,
@@ -249,7 +250,7 @@ class WorkerService(Component):
         # Then keep learning: another worker may finish a request whose record this one is handed after a
         # rebalance (its offset was not committed yet); without the tail it would run a second time.
         self._results_tail = ConsumerThread(
-            consumer_config(self._bootstrap, None, f"{self.source}-results"),
+            consumer_config(self._kafka, None, f"{self.source}-results"),
             self._on_results,
             assign=[TopicPartition(self._names.results, p, end) for p, end in ends.items()],
             name=f"results-{self.model_id}",
@@ -257,9 +258,9 @@ class WorkerService(Component):
         )
         self._results_tail.start()
         self._cancels = ConsumerThread(
-            consumer_config(self._bootstrap, None, f"{self.source}-cancels"),
+            consumer_config(self._kafka, None, f"{self.source}-cancels"),
             self._on_cancels,
-            assign=_all_partitions_at_end(self._bootstrap, self._names.cancels),
+            assign=_all_partitions_at_end(self._kafka, self._names.cancels),
             name=f"cancels-{self.model_id}",
             on_failure=self.fail,
         )
@@ -344,14 +345,14 @@ class WorkerService(Component):
     def _follow_deployments(self) -> None:
         """The deployment now (read to the control topic's end before serving), then every change."""
         control = self._names.control
-        latest = latest_deployments(self._bootstrap, control, f"{self.source}-control")
+        latest = latest_deployments(self._kafka, control, f"{self.source}-control")
         if self.model_id in latest:
             self._deployment = Deployment.of(latest[self.model_id])
-        tps, ends = control_start(self._bootstrap, control, f"{self.source}-control")
+        tps, ends = control_start(self._kafka, control, f"{self.source}-control")
         if not tps:
             return
         self._control = ConsumerThread(
-            consumer_config(self._bootstrap, None, f"{self.source}-control"),
+            consumer_config(self._kafka, None, f"{self.source}-control"),
             self._on_control,
             assign=[TopicPartition(control, tp.partition, ends[tp.partition]) for tp in tps],
             name=f"control-{self.model_id}",
@@ -417,7 +418,7 @@ class WorkerService(Component):
     def _learn_finished(self) -> dict[int, int]:
         """Read the results topic up to now: those requests must not run again if redelivered. Returns
         where each partition ended, for the tail that keeps learning from there."""
-        consumer = Consumer(consumer_config(self._bootstrap, None, f"{self.source}-results"))
+        consumer = Consumer(consumer_config(self._kafka, None, f"{self.source}-results"))
         try:
             meta = consumer.list_topics(self._names.results, timeout=10).topics[self._names.results]
             tps = [TopicPartition(self._names.results, p, 0) for p in meta.partitions]
@@ -772,8 +773,8 @@ class _KafkaEmitter:
         self._service._observer.joined(arrival.event.request_id, batch, budget_ratio)
 
 
-def _all_partitions_at_end(bootstrap: str, topic: str) -> list[TopicPartition]:
-    consumer = Consumer(consumer_config(bootstrap, None, "sluice-probe"))
+def _all_partitions_at_end(kafka: KafkaConnection, topic: str) -> list[TopicPartition]:
+    consumer = Consumer(consumer_config(kafka, None, "sluice-probe"))
     try:
         meta = consumer.list_topics(topic, timeout=10).topics[topic]
         if meta.error is not None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 from confluent_kafka import KafkaError, KafkaException
@@ -18,6 +18,7 @@ from confluent_kafka.admin import (
 )
 
 from infra.errors import InfraError
+from schemas.settings import KafkaConnection
 from schemas.topics import TopicNames
 
 HOUR_MS = 60 * 60 * 1000
@@ -267,5 +268,6 @@ def describe_topics(admin: AdminClient, prefix: str, timeout: float = 10.0) -> l
     )
 
 
-def make_admin(bootstrap: str) -> AdminClient:
-    return AdminClient({"bootstrap.servers": bootstrap})
+def make_admin(kafka: KafkaConnection, **overrides: Any) -> AdminClient:
+    """The one way an AdminClient is made: with the connection's security keys."""
+    return AdminClient(kafka.client_config(**overrides))

@@ -9,6 +9,11 @@ The gateway's own lifecycle belongs to whoever made it.
 
 Handlers run with ``handler_cancellation=True`` (also under aiohttp's test server), so a client that
 disconnects while its request waits cancels the handler, which publishes ``client_disconnect``.
+
+Every request but ``/healthz`` and ``/readyz`` must name this edge in its ``Host`` header
+(``SLUICE_EDGE_ALLOWED_HOSTS``, else 421), and ``/metrics`` wants the ops token when one is set
+(``SLUICE_OPS_TOKEN``, see :mod:`monitoring.access`). Without a tenants file or without an ops token the
+edge refuses to be built for a non-loopback ``SLUICE_EDGE_HOST``.
 """
 
 from __future__ import annotations
@@ -21,13 +26,22 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import datetime
 
 from aiohttp import WSCloseCode, web
+from aiohttp.typedefs import Middleware
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from ingest.admission import Admission
-from ingest.auth import TenantDirectory
+from ingest.auth import TenantDirectory, require_tenants_file
 from ingest.context import EdgeContext
 from ingest.dispatch import Dispatcher
-from ingest.errors import IngestError, MethodNotAllowed, NotFound, PayloadTooLarge, error_response
+from ingest.errors import (
+    AuthenticationFailed,
+    HostNotAllowed,
+    IngestError,
+    MethodNotAllowed,
+    NotFound,
+    PayloadTooLarge,
+    error_response,
+)
 from ingest.gateway import Gateway
 from ingest.http import Routes
 from ingest.models import ModelCatalogue
@@ -37,6 +51,7 @@ from ingest.quota import QuotaLedger
 from ingest.settings import EdgeSettings
 from ingest.ws import websocket
 from monitoring import tracing
+from monitoring.access import PROBES, TOKEN_VARIABLE, HostAllowList, OpsAccess, route_of
 from monitoring.ops import bound_port
 from schemas.events import utc_now
 from schemas.lifecycle import AsyncComponent
@@ -88,6 +103,29 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
         return error_response(IngestError("The server had an error while processing your request."))
 
 
+def ops_guard(access: OpsAccess, hosts: HostAllowList) -> Middleware:
+    """Refuse requests for a ``Host`` that is not this edge (DNS rebinding), and ``/metrics`` without the
+    ops token; probes pass. Errors are raised, so they leave in OpenAI's shape (``openai_errors``)."""
+
+    @web.middleware
+    async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+        route = route_of(request)
+        if route in PROBES:
+            return await handler(request)
+        host = request.headers.get("Host")
+        if not hosts.allows(host):
+            raise HostNotAllowed(
+                f"This server does not answer for Host {host!r} (SLUICE_EDGE_ALLOWED_HOSTS)."
+            )
+        if route == "/metrics" and not access.allows(request.headers.get("Authorization")):
+            raise AuthenticationFailed(
+                f"/metrics needs 'Authorization: Bearer <{TOKEN_VARIABLE}>'.", code="invalid_ops_token"
+            )
+        return await handler(request)
+
+    return guard
+
+
 class Edge(AsyncComponent):
     def __init__(
         self,
@@ -97,8 +135,18 @@ class Edge(AsyncComponent):
         tenants: TenantDirectory | None = None,
         *,
         clock: Callable[[], datetime] = utc_now,
+        ops_token: str | None = None,
     ) -> None:
+        """``tenants`` None: from ``SLUICE_EDGE_TENANTS_FILE``, or the demo tenant (loopback only).
+        ``ops_token``: ``SLUICE_OPS_TOKEN``. Raises :class:`SettingsError` for an exposed edge that lacks
+        either (see :func:`ingest.main.check_edge_exposure`)."""
         super().__init__()
+        access = OpsAccess(
+            ops_token, host=settings.edge_host, variable="SLUICE_EDGE_HOST", service="the edge"
+        )
+        if tenants is None:
+            require_tenants_file(settings)
+            tenants = TenantDirectory.load(settings.edge_tenants_file)
         source = f"ingest/{settings.edge_id}"
         admission = Admission(
             ledger=QuotaLedger(
@@ -110,7 +158,7 @@ class Edge(AsyncComponent):
             settings=settings,
             gateway=gateway,
             catalogue=catalogue,
-            tenants=tenants if tenants is not None else TenantDirectory.load(settings.edge_tenants_file),
+            tenants=tenants,
             admission=admission,
             dispatcher=Dispatcher(
                 gateway,
@@ -122,8 +170,10 @@ class Edge(AsyncComponent):
                 catalogue, settings, gateway.reply_to, clock=clock, deployments=gateway.deployment
             ),
         )
+        hosts = HostAllowList(settings.edge_allowed_hosts, settings.edge_host)
         self.app = web.Application(
-            middlewares=[traced, openai_errors], client_max_size=settings.edge_max_body_bytes
+            middlewares=[traced, openai_errors, ops_guard(access, hosts)],
+            client_max_size=settings.edge_max_body_bytes,
         )
         Routes(self.ctx).add_to(self.app)
         self.app.cleanup_ctx.append(self._share_quota)

@@ -14,7 +14,8 @@ Keys are never stored, only their sha256 hex digests, in a tenants file named by
     tokens_per_min = 50000
 
 Without a file the edge knows one tenant, ``demo``, with key ``sk-sluice-demo`` and no limits: fine on
-loopback, never on a shared host.
+loopback, never on a shared host, so an edge without a file refuses to bind any other address
+(:func:`require_tenants_file`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ import msgspec
 
 from ingest.errors import AuthenticationFailed, CatalogueError
 from ingest.quota import ALL_MODELS, Key, Limits
+from ingest.settings import EdgeSettings
+from schemas.settings import SettingsError, is_loopback
 
 DEMO_TENANT = "demo"
 DEMO_KEY = "sk-sluice-demo"
@@ -85,6 +88,17 @@ def _no_edge_local_limits(loaded: object) -> None:
                 f"tenant {name!r}: requests_per_s and burst were per-edge limits and are gone; use "
                 "requests_per_min (and tokens_per_min), which every edge shares"
             )
+
+
+def require_tenants_file(settings: EdgeSettings) -> None:
+    """The demo key is public: refuse (:class:`SettingsError`) an edge on a non-loopback address without
+    a tenants file."""
+    if settings.edge_tenants_file is None and not is_loopback(settings.edge_host):
+        raise SettingsError(
+            f"SLUICE_EDGE_HOST={settings.edge_host!r} is not a loopback address and SLUICE_EDGE_TENANTS_FILE "
+            f"is unset: anyone could use the demo key {DEMO_KEY}; set SLUICE_EDGE_TENANTS_FILE (see "
+            "ingest/auth.py) or bind 127.0.0.1"
+        )
 
 
 def hash_key(key: str) -> str:

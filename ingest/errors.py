@@ -57,6 +57,15 @@ class ModelNotFound(NotFound):
     default_code = "model_not_found"
 
 
+class HostNotAllowed(IngestError):
+    """The ``Host`` header names none of this edge's names (``SLUICE_EDGE_ALLOWED_HOSTS``): a DNS-rebinding
+    page, or a client that reached the wrong server."""
+
+    status = 421
+    error_type = "invalid_request_error"
+    default_code = "host_not_allowed"
+
+
 class MethodNotAllowed(IngestError):
     status = 405
     error_type = "invalid_request_error"

@@ -55,6 +55,7 @@ from schemas.events import (
 )
 from schemas.ids import uuid7_unix_ms
 from schemas.lifecycle import AsyncComponent
+from schemas.settings import KafkaConnection
 from schemas.topics import TopicNames
 
 log = logging.getLogger(__name__)
@@ -195,7 +196,7 @@ class KafkaGateway(AsyncComponent):
     def __init__(
         self,
         *,
-        bootstrap: str,
+        kafka: KafkaConnection,
         names: TopicNames,
         edge_id: str,
         reply_partition: int,
@@ -208,7 +209,7 @@ class KafkaGateway(AsyncComponent):
         resume_index: int = 100_000,
     ) -> None:
         super().__init__()
-        self._bootstrap = bootstrap
+        self._kafka = kafka
         self._names = names
         self.edge_id = edge_id
         self.reply_to = ReplyTo(topic=names.replies, partition=reply_partition, edge_id=edge_id)
@@ -222,7 +223,7 @@ class KafkaGateway(AsyncComponent):
         self._owners_lock = threading.Lock()  # the reply listener writes, the event loop reads
         self._resume_window_s = resume_window_s
         self._resume_index = resume_index
-        self._producer = EventProducer(bootstrap, f"ingest/{edge_id}")
+        self._producer = EventProducer(kafka, f"ingest/{edge_id}")
         self._producer.watch(self.fail)
         self.watch(self._gateway_failed)
         self._streams: dict[str, ReplyStream] = {}
@@ -259,7 +260,7 @@ class KafkaGateway(AsyncComponent):
         start = await asyncio.to_thread(self._partition_end)
         await asyncio.to_thread(self._index_recent, start)
         self._listener = ConsumerThread(
-            consumer_config(self._bootstrap, None, f"ingest-{self.edge_id}-replies"),
+            consumer_config(self._kafka, None, f"ingest-{self.edge_id}-replies"),
             self._on_replies,
             assign=[TopicPartition(self._names.replies, self.reply_to.partition, start)],
             name=f"replies-{self.edge_id}",
@@ -267,7 +268,7 @@ class KafkaGateway(AsyncComponent):
         )
         self._listener.start()
         control, self._control_ends = await asyncio.to_thread(
-            control_start, self._bootstrap, self._names.control, f"ingest-{self.edge_id}-control"
+            control_start, self._kafka, self._names.control, f"ingest-{self.edge_id}-control"
         )
         if not control:
             log.warning("no control topic %s: budgets and deployments are not followed", self._names.control)
@@ -275,7 +276,7 @@ class KafkaGateway(AsyncComponent):
             self._control_seen.set()
         if control:
             self._control = ConsumerThread(
-                consumer_config(self._bootstrap, None, f"ingest-{self.edge_id}-control"),
+                consumer_config(self._kafka, None, f"ingest-{self.edge_id}-control"),
                 self._on_control,
                 assign=control,
                 name=f"control-{self.edge_id}",
@@ -290,7 +291,7 @@ class KafkaGateway(AsyncComponent):
             log.warning("no quota topic %s: tenants' limits are this edge's alone", self._names.quota)
         else:
             self._quota = ConsumerThread(
-                consumer_config(self._bootstrap, None, f"ingest-{self.edge_id}-quota"),
+                consumer_config(self._kafka, None, f"ingest-{self.edge_id}-quota"),
                 self._on_quota,
                 assign=[quota],
                 name=f"quota-{self.edge_id}",
@@ -298,7 +299,7 @@ class KafkaGateway(AsyncComponent):
             )
             self._quota.start()
         claims, ends = await asyncio.to_thread(
-            control_start, self._bootstrap, self._names.idempotency, f"ingest-{self.edge_id}-claims"
+            control_start, self._kafka, self._names.idempotency, f"ingest-{self.edge_id}-claims"
         )
         if not claims:
             log.warning("no idempotency topic %s: Idempotency-Key is refused", self._names.idempotency)
@@ -307,7 +308,7 @@ class KafkaGateway(AsyncComponent):
             if not self._claims_ends:
                 self._claims_caught_up.set()
             self._claims_reader = ConsumerThread(
-                consumer_config(self._bootstrap, None, f"ingest-{self.edge_id}-claims"),
+                consumer_config(self._kafka, None, f"ingest-{self.edge_id}-claims"),
                 self._on_claims,
                 assign=claims,
                 name=f"claims-{self.edge_id}",
@@ -400,7 +401,7 @@ class KafkaGateway(AsyncComponent):
         """Index the requests answered on this edge's partition in the last ``resume_window_s``, from the
         records' CloudEvents headers (no body is decoded), so streams survive an edge restart."""
         begin = self._offset_at(int((time.time() - self._resume_window_s) * 1000))
-        consumer = Consumer(consumer_config(self._bootstrap, None, f"ingest-{self.edge_id}-index"))
+        consumer = Consumer(consumer_config(self._kafka, None, f"ingest-{self.edge_id}-index"))
         tp = TopicPartition(self._names.replies, self.reply_to.partition, begin)
         try:
             for message in read_to_end(consumer, [tp], {tp.partition: end}):
@@ -412,7 +413,7 @@ class KafkaGateway(AsyncComponent):
             consumer.close()
 
     def _partition_end(self) -> int:
-        consumer = Consumer(consumer_config(self._bootstrap, None, f"ingest-{self.edge_id}-probe"))
+        consumer = Consumer(consumer_config(self._kafka, None, f"ingest-{self.edge_id}-probe"))
         try:
             return watermarks(consumer, self._names.replies, self.reply_to.partition)[1]
         finally:
@@ -518,7 +519,7 @@ class KafkaGateway(AsyncComponent):
     def _recent_quota(self) -> TopicPartition | None:
         """Where to start reading the quota topic: one window back, so that what other edges (and this
         edge's previous life) admitted lately still counts after a restart."""
-        consumer = Consumer(consumer_config(self._bootstrap, None, f"ingest-{self.edge_id}-quota-seek"))
+        consumer = Consumer(consumer_config(self._kafka, None, f"ingest-{self.edge_id}-quota-seek"))
         try:
             topic = consumer.list_topics(self._names.quota, timeout=10).topics.get(self._names.quota)
             if topic is None or topic.error is not None or not topic.partitions:
@@ -669,7 +670,7 @@ class KafkaGateway(AsyncComponent):
 
     def _offset_at(self, unix_ms: int, partition: int | None = None) -> int:
         partition = self.reply_to.partition if partition is None else partition
-        consumer = Consumer(consumer_config(self._bootstrap, None, f"ingest-{self.edge_id}-seek"))
+        consumer = Consumer(consumer_config(self._kafka, None, f"ingest-{self.edge_id}-seek"))
         try:
             return offset_at(consumer, self._names.replies, partition, unix_ms)
         finally:
@@ -680,7 +681,7 @@ class KafkaGateway(AsyncComponent):
     ) -> AsyncIterator[tuple[int, Reply]]:
         """This request's replies from ``start`` on, until its terminal event (waits for live ones), on this
         edge's partition or another's."""
-        consumer = Consumer(consumer_config(self._bootstrap, None, f"ingest-{self.edge_id}-log"))
+        consumer = Consumer(consumer_config(self._kafka, None, f"ingest-{self.edge_id}-log"))
         partition = self.reply_to.partition if partition is None else partition
         consumer.assign([TopicPartition(self._names.replies, partition, start)])
         try:

@@ -6,9 +6,11 @@ import asyncio
 import zlib
 
 from ingest.app import Edge
+from ingest.auth import require_tenants_file
 from ingest.kafka_gateway import KafkaGateway
 from ingest.models import ModelCatalogue, ServedModel
 from ingest.settings import EdgeSettings
+from monitoring.access import check_exposure
 from schemas.manifest import current_model_dir, models_root
 from schemas.settings import PlatformSettings
 from schemas.topics import TopicNames
@@ -17,6 +19,15 @@ from schemas.topics import TopicNames
 def reply_partition(edge_id: str, partitions: int) -> int:
     """The replies partition this edge owns: a stable function of its id, so a restart finds its replies."""
     return zlib.crc32(edge_id.encode()) % partitions
+
+
+def check_edge_exposure(platform: PlatformSettings, settings: EdgeSettings) -> None:
+    """Refuse (:class:`SettingsError`) an edge on a non-loopback address without a tenants file or without
+    an ops token: called first by ``sluice edge`` and ``sluice up``, before anything slow starts."""
+    require_tenants_file(settings)
+    check_exposure(
+        platform.ops_token, host=settings.edge_host, variable="SLUICE_EDGE_HOST", service="the edge"
+    )
 
 
 def build_edge(
@@ -31,7 +42,7 @@ def build_edge(
         return str(catalogue.get(model).tokenizer.decode(ids, skip_special_tokens=True))
 
     gateway = KafkaGateway(
-        bootstrap=platform.bootstrap,
+        kafka=platform.kafka,
         names=TopicNames(platform.topic_prefix),
         edge_id=settings.edge_id,
         reply_partition=reply_partition(settings.edge_id, reply_partitions),
@@ -41,7 +52,7 @@ def build_edge(
         idempotency_per_tenant=settings.edge_idempotency_keys_per_tenant,
     )
     gateway.on_deploy = lambda model, deployment: catalogue.preload(model, deployment.serving)
-    return Edge(settings, gateway, catalogue), gateway
+    return Edge(settings, gateway, catalogue, ops_token=platform.ops_token), gateway
 
 
 async def serve_edge(edge: Edge, gateway: KafkaGateway, stop: asyncio.Event) -> None:

@@ -17,6 +17,12 @@ class EdgeSettings(msgspec.Struct, frozen=True, kw_only=True):
     """Field ``edge_x`` is variable ``SLUICE_EDGE_X``."""
 
     edge_host: str = "127.0.0.1"
+    """Not a loopback address: needs ``SLUICE_EDGE_TENANTS_FILE`` (the demo key is for loopback only) and
+    ``SLUICE_OPS_TOKEN`` (``/metrics``), or the edge refuses to start."""
+    edge_allowed_hosts: tuple[str, ...] = ()
+    """``Host`` names the edge answers (ports ignored; ``*`` any, ``.example.com`` a domain and its
+    subdomains); others get 421. Unset: ``127.0.0.1,localhost,[::1]`` and ``edge_host`` (any name when
+    ``edge_host`` is ``0.0.0.0`` or ``::``). ``/healthz`` and ``/readyz`` answer any name."""
     edge_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8080
     """0 picks a free port (tests)."""
     edge_id: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")] = "edge-0"

@@ -18,6 +18,7 @@ import msgspec
 from aiohttp import web
 
 from monitoring import MonitoringError
+from monitoring.access import PROBES, TOKEN_VARIABLE, HostAllowList, OpsAccess
 from monitoring.metrics import CONTENT_TYPE, exposition
 from schemas.lifecycle import Component
 
@@ -61,11 +62,25 @@ class OpsServer(Component):
     """Serve the operational routes on ``host:port`` (port 0: an ephemeral one, see ``port``).
 
     ``readiness`` is called on each ``/readyz``, on a request thread: it must be quick and thread-safe.
-    ``start()``/``stop()`` or ``with``.
+    ``/metrics`` wants ``Authorization: Bearer <token>`` when ``token`` (``SLUICE_OPS_TOKEN``) is set; without
+    one, a ``host`` other than loopback is refused here (a :class:`SettingsError` naming ``host_setting``).
+    Requests whose ``Host`` is not this server's are refused with 421 (``/healthz`` and ``/readyz`` excepted);
+    see :mod:`monitoring.access`. ``start()``/``stop()`` or ``with``.
     """
 
-    def __init__(self, host: str, port: int, readiness: ReadinessProbe, *, service: str) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        readiness: ReadinessProbe,
+        *,
+        service: str,
+        token: str | None = None,
+        host_setting: str = "SLUICE_WORKER_OPS_HOST",
+    ) -> None:
         super().__init__()
+        self._access = OpsAccess(token, host=host, variable=host_setting, service=service)
+        self._hosts = HostAllowList((), host)
         self.host = host
         self._port = port
         self._readiness = readiness
@@ -120,8 +135,18 @@ class OpsServer(Component):
         if thread is not None:
             thread.join()
 
-    def respond(self, path: str) -> tuple[int, str, bytes]:
-        """(status, content type, body) for a GET of ``path``."""
+    def respond(
+        self, path: str, *, host: str | None, authorization: str | None = None
+    ) -> tuple[int, str, bytes]:
+        """(status, content type, body) for a GET of ``path`` with these ``Host`` and ``Authorization``."""
+        if path not in PROBES and not self._hosts.allows(host):
+            return 421, JSON_TYPE, msgspec.json.encode({"error": f"this server does not answer for {host!r}"})
+        if path == "/metrics" and not self._access.allows(authorization):
+            return (
+                401,
+                JSON_TYPE,
+                msgspec.json.encode({"error": f"send Authorization: Bearer <{TOKEN_VARIABLE}>"}),
+            )
         match path:
             case "/metrics":
                 return 200, CONTENT_TYPE, exposition()
@@ -160,7 +185,11 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         ops = cast(_Server, self.server).ops
-        status, content_type, body = ops.respond(urlsplit(self.path).path)
+        status, content_type, body = ops.respond(
+            urlsplit(self.path).path,
+            host=self.headers.get("Host"),
+            authorization=self.headers.get("Authorization"),
+        )
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))

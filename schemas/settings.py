@@ -9,10 +9,12 @@ falls back to a default.
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import os
 import types
 from collections.abc import Mapping
-from typing import Annotated, Any, TypeVar, Union, get_args, get_origin, get_type_hints
+from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
+from urllib.parse import urlsplit
 
 import msgspec
 
@@ -51,6 +53,11 @@ def _parse(raw: str, annotation: Any, name: str) -> Any:
         if raw == "" and type(None) in get_args(annotation):
             return None
         return _parse(raw, args[0], name)
+    if origin is Literal:
+        choices = get_args(annotation)
+        if raw not in choices:
+            raise SettingsError(f"{name}={raw!r}: expected one of {', '.join(map(str, choices))}")
+        return raw
     if origin is tuple:
         (item, *_rest) = get_args(annotation)
         return tuple(_parse(part.strip(), item, name) for part in raw.split(",") if part.strip())
@@ -124,6 +131,86 @@ def _default_cache() -> str:
 
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 
+SECRET_FIELDS = frozenset({"ops_token", "kafka_sasl_password"})
+"""Fields whose values are never shown (``sluice settings``, ``repr``) and are scrubbed from logs."""
+REDACTED = "[REDACTED]"
+
+
+def redacted(field: str, value: object) -> object:
+    """A settings field's value fit to show: a secret as ``[REDACTED]``, a URL without its password."""
+    if value is not None and field in SECRET_FIELDS:
+        return REDACTED
+    if isinstance(value, str) and "@" in value and "://" in value:
+        parts = urlsplit(value)
+        if parts.password is not None:
+            netloc = parts.netloc.replace(f":{parts.password}@", f":{REDACTED}@", 1)
+            return parts._replace(netloc=netloc).geturl()
+    return value
+
+
+def display(field: str, value: object) -> str:
+    """``repr`` of a settings field's value, redacted (``sluice settings``)."""
+    return repr(redacted(field, value))
+
+
+def bare_host(host: str) -> str:
+    """``host`` without IPv6 brackets, lower-cased: ``[::1]`` -> ``::1``, ``LocalHost`` -> ``localhost``."""
+    host = host.strip().lower()
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback addresses (``127.0.0.0/8``, ``::1``). Any other name is taken
+    as reachable from elsewhere (it is not resolved), and so is a wildcard (``0.0.0.0``, ``::``, empty)."""
+    host = bare_host(host)
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def is_wildcard(host: str) -> bool:
+    """True when binding ``host`` listens on every address (``0.0.0.0``, ``::``, or empty)."""
+    host = bare_host(host)
+    if host == "":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False
+
+
+SecurityProtocol = Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"]
+SaslMechanism = Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"]
+
+
+class KafkaConnection(msgspec.Struct, frozen=True):
+    """Where the cluster is and how to reach it: the bootstrap servers and librdkafka's security keys.
+
+    Every Kafka client of the platform is configured from :meth:`client_config` (``bus.producer_config``,
+    ``bus.consumer_config``, ``infra.topics.make_admin``), and the Faust app from the same keys
+    (``streams.app.faust_credentials``), so no client can reach the cluster with less than the settings ask.
+    """
+
+    bootstrap: str
+    security: dict[str, str] = {}
+    """librdkafka keys (``security.protocol``, ``sasl.*``, ``ssl.*``); empty: PLAINTEXT."""
+
+    def client_config(self, **overrides: Any) -> dict[str, Any]:
+        """The base of every librdkafka client configuration: bootstrap, security, then ``overrides``."""
+        return {"bootstrap.servers": self.bootstrap, **self.security, **overrides}
+
+    def _shown(self) -> dict[str, str]:
+        return {k: (REDACTED if "password" in k else v) for k, v in self.security.items()}
+
+    def __repr__(self) -> str:
+        return f"KafkaConnection({self.bootstrap!r}, {self._shown()!r})"
+
+    def __rich_repr__(self) -> list[tuple[str, Any]]:
+        return [("bootstrap", self.bootstrap), ("security", self._shown())]
+
 
 @register
 class PlatformSettings(msgspec.Struct, frozen=True, kw_only=True):
@@ -146,6 +233,80 @@ class PlatformSettings(msgspec.Struct, frozen=True, kw_only=True):
     """Downloaded Kafka jars (and the venv, see scripts/bootstrap.sh)."""
     warehouse_url: str | None = None
     """``http(s)://host:8123`` for a ClickHouse server. Unset: embedded chDB under ``data_dir``."""
+    ops_token: Annotated[str, msgspec.Meta(min_length=16, pattern=r"^[\x21-\x7e]+$")] | None = None
+    """Bearer token for every service's ``/metrics`` and the streams dashboard (``/healthz`` and ``/readyz``
+    stay open). Unset: those are open, and a service refuses to bind a non-loopback address."""
+    kafka_security_protocol: SecurityProtocol = "PLAINTEXT"
+    """How every client (librdkafka and Faust) talks to ``kafka_bootstrap``: ``SSL`` and ``SASL_SSL``
+    encrypt, the ``SASL_*`` ones authenticate with the username and password below."""
+    kafka_sasl_mechanism: SaslMechanism = "PLAIN"
+    kafka_sasl_username: str | None = None
+    kafka_sasl_password: str | None = None
+    """Never shown by ``sluice settings`` and scrubbed from logs."""
+    kafka_ssl_ca_file: str | None = None
+    """PEM file of the CA(s) that signed the brokers' certificates. Unset: the system's CA store."""
+    kafka_ssl_cert_file: str | None = None
+    """PEM client certificate (mutual TLS), with ``kafka_ssl_key_file`` (an unencrypted PEM key)."""
+    kafka_ssl_key_file: str | None = None
+
+    def __post_init__(self) -> None:
+        protocol = self.kafka_security_protocol
+        sasl, ssl = protocol.startswith("SASL_"), protocol.endswith("SSL")
+        if protocol != "PLAINTEXT" and self.kafka_bootstrap is None:
+            raise ValueError(
+                f"SLUICE_KAFKA_SECURITY_PROTOCOL={protocol} needs SLUICE_KAFKA_BOOTSTRAP: the local broker "
+                "speaks PLAINTEXT on 127.0.0.1"
+            )
+        if sasl and not (self.kafka_sasl_username and self.kafka_sasl_password):
+            raise ValueError(
+                f"SLUICE_KAFKA_SECURITY_PROTOCOL={protocol} needs SLUICE_KAFKA_SASL_USERNAME and "
+                "SLUICE_KAFKA_SASL_PASSWORD"
+            )
+        if not sasl and (self.kafka_sasl_username or self.kafka_sasl_password):
+            raise ValueError(
+                "SLUICE_KAFKA_SASL_USERNAME/PASSWORD are set but SLUICE_KAFKA_SECURITY_PROTOCOL="
+                f"{protocol} does not use them (SASL_SSL or SASL_PLAINTEXT does)"
+            )
+        files = (self.kafka_ssl_ca_file, self.kafka_ssl_cert_file, self.kafka_ssl_key_file)
+        if not ssl and any(files):
+            raise ValueError(
+                "SLUICE_KAFKA_SSL_* files are set but SLUICE_KAFKA_SECURITY_PROTOCOL="
+                f"{protocol} does not use TLS (SSL or SASL_SSL does)"
+            )
+        if bool(self.kafka_ssl_cert_file) != bool(self.kafka_ssl_key_file):
+            raise ValueError("SLUICE_KAFKA_SSL_CERT_FILE and SLUICE_KAFKA_SSL_KEY_FILE go together")
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{f}={display(f, getattr(self, f))}" for f in self.__struct_fields__)
+        return f"PlatformSettings({fields})"
+
+    def __rich_repr__(self) -> list[tuple[str, Any]]:
+        return [(f, redacted(f, getattr(self, f))) for f in self.__struct_fields__]
+
+    def kafka_security(self) -> dict[str, str]:
+        """The librdkafka security keys these settings ask for (empty for PLAINTEXT): the one place they are
+        made, for every client (see :class:`KafkaConnection`)."""
+        protocol = self.kafka_security_protocol
+        if protocol == "PLAINTEXT":
+            return {}
+        keys = {"security.protocol": protocol.lower()}
+        if protocol.startswith("SASL_") and self.kafka_sasl_username and self.kafka_sasl_password:
+            keys["sasl.mechanism"] = self.kafka_sasl_mechanism
+            keys["sasl.username"] = self.kafka_sasl_username
+            keys["sasl.password"] = self.kafka_sasl_password
+        for key, path in (
+            ("ssl.ca.location", self.kafka_ssl_ca_file),
+            ("ssl.certificate.location", self.kafka_ssl_cert_file),
+            ("ssl.key.location", self.kafka_ssl_key_file),
+        ):
+            if path:
+                keys[key] = path
+        return keys
+
+    @property
+    def kafka(self) -> KafkaConnection:
+        """How every Kafka client of this process reaches the cluster."""
+        return KafkaConnection(self.bootstrap, self.kafka_security())
 
     def served_models(self) -> tuple[str, ...]:
         """``models`` plus the ids named in ``model_paths``, in order, without repeats."""

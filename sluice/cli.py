@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from schemas.settings import PlatformSettings, SettingsError, describe, load_settings
+from schemas.settings import PlatformSettings, SettingsError, describe, display, load_settings
 from sluice.services import SERVICE_SETTINGS, local_broker
 
 if TYPE_CHECKING:
@@ -134,13 +134,13 @@ def kafka_status() -> None:
     if s.local_kafka:
         broker = local_broker(s, console)
         pid = broker.pid()
-        if pid is None or not broker_answers(broker.bootstrap):
+        if pid is None or not broker_answers(broker.connection):
             out.print(f"Kafka (local) is down; `sluice kafka up` starts it at {broker.bootstrap}")
             raise typer.Exit(1)
         out.print(
             f"Kafka (local, {s.kafka_version}) is up at {broker.bootstrap}, pid {pid}, data {broker.data_dir}"
         )
-    elif broker_answers(s.bootstrap, timeout=5):
+    elif broker_answers(s.kafka, timeout=5):
         out.print(f"Kafka (external) answers at {s.bootstrap}")
     else:
         out.print(f"Kafka (external) does not answer at {s.bootstrap}")
@@ -171,7 +171,7 @@ def kafka_fetch() -> None:
 def _admin(s: PlatformSettings) -> AdminClient:
     from infra.topics import make_admin
 
-    return make_admin(s.bootstrap)
+    return make_admin(s.kafka)
 
 
 @topics_app.command("apply")
@@ -676,7 +676,7 @@ def _live_shares(s: PlatformSettings) -> tuple[dict[str, dict[str, float]], str]
     if s.local_kafka and not local_broker(s, console).running():
         return {}, "live shares assume no rollout: Kafka is not running (`sluice up`)"
     try:
-        latest = latest_deployments(s.bootstrap, TopicNames(s.topic_prefix).control, "sluice-cli-models")
+        latest = latest_deployments(s.kafka, TopicNames(s.topic_prefix).control, "sluice-cli-models")
     except (BusError, KafkaException) as exc:
         return {}, f"live shares assume no rollout: the control topic could not be read ({exc})"
     return {
@@ -871,13 +871,13 @@ def drift_report(
 
 @app.command("settings")
 def show_settings() -> None:
-    """Show every SLUICE_* setting: its type, default and the value in effect."""
+    """Show every SLUICE_* setting: its type, default and the value in effect (secrets hidden)."""
     for cls in (PlatformSettings, *SERVICE_SETTINGS):
         values = settings() if cls is PlatformSettings else load_settings(cls)
         table = Table("variable", "type", "default", "in effect", title=cls.__name__)
         for name, type_name, default in describe(cls):
             field = name.removeprefix("SLUICE_").lower()
-            table.add_row(name, type_name, default, repr(getattr(values, field)))
+            table.add_row(name, type_name, default, display(field, getattr(values, field)))
         out.print(table)
 
 
@@ -1112,7 +1112,7 @@ def rollout_status(
 
     platform = settings()
     try:
-        latest = latest_deployments(platform.bootstrap, TopicNames(platform.topic_prefix).control, CLIENT_ID)
+        latest = latest_deployments(platform.kafka, TopicNames(platform.topic_prefix).control, CLIENT_ID)
     except BusError as exc:
         console.print(f"[red]error:[/] cannot read the control topic: {exc} (is `sluice up` running?)")
         raise typer.Exit(1) from None

@@ -51,7 +51,7 @@ def logged_requests(
     """Up to ``limit`` requests for ``model`` accepted since ``since`` (the first read from each partition,
     sorted by time), no shadow copies."""
     topic = TopicNames(platform.topic_prefix).requests(model)
-    consumer = Consumer(consumer_config(platform.bootstrap, None, "sluice-evaluate"))
+    consumer = Consumer(consumer_config(platform.kafka, None, "sluice-evaluate"))
     found: list[Logged] = []
     try:
         meta = consumer.list_topics(topic, timeout=10).topics.get(topic)

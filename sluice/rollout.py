@@ -64,9 +64,7 @@ def current_version(platform: PlatformSettings, model: str) -> str:
 
 
 def deployment_of(platform: PlatformSettings, model: str) -> DeploymentChanged | None:
-    return latest_deployments(platform.bootstrap, TopicNames(platform.topic_prefix).control, CLIENT_ID).get(
-        model
-    )
+    return latest_deployments(platform.kafka, TopicNames(platform.topic_prefix).control, CLIENT_ID).get(model)
 
 
 def plan_start(
@@ -134,7 +132,7 @@ def publish(platform: PlatformSettings, event: DeploymentChanged) -> None:
     """Durable on the control topic before returning."""
 
     async def send() -> None:
-        producer = EventProducer(platform.bootstrap, "sluice/cli")
+        producer = EventProducer(platform.kafka, "sluice/cli")
         producer.start()
         try:
             await producer.publish(TopicNames(platform.topic_prefix).control, event)

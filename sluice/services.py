@@ -14,7 +14,8 @@ from rich.console import Console
 
 from gpu_workers.settings import WorkerSettings
 from ingest.settings import EdgeSettings
-from monitoring.logs import configure_logging
+from monitoring.access import check_exposure
+from monitoring.logs import MIN_SECRET_CHARS, configure_logging, register_secret
 from monitoring.metrics import bound_tenants
 from monitoring.settings import ObservabilitySettings
 from monitoring.tracing import configure_tracing, shutdown_tracing
@@ -52,16 +53,35 @@ def stop_on_signals() -> asyncio.Event:
     return stop
 
 
-def observe(service: str) -> TracerProvider | None:
-    """Set up what every service process shares: JSON logs (secrets scrubbed), the bound on the tenant
-    label, and trace export when ``SLUICE_OTLP_ENDPOINT`` is set (the returned provider, to shut down)."""
+def observe(service: str, platform: PlatformSettings) -> TracerProvider | None:
+    """Set up what every service process shares: JSON logs (secrets scrubbed, the platform's own among
+    them), the bound on the tenant label, and trace export when ``SLUICE_OTLP_ENDPOINT`` is set (the
+    returned provider, to shut down)."""
     # The edge tokenises on its event loop's thread; tokenizers' own thread pool would fight the model
     # thread for this machine's cores.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     settings = load_settings(ObservabilitySettings)
     configure_logging(settings, service)
+    for secret in (platform.ops_token, platform.kafka_sasl_password):
+        if secret and len(secret) >= MIN_SECRET_CHARS:
+            register_secret(secret)
     bound_tenants(settings.metrics_max_tenants)
     return configure_tracing(settings, service)
+
+
+def check_worker_exposure(platform: PlatformSettings, worker: WorkerSettings) -> None:
+    check_exposure(
+        platform.ops_token, host=worker.worker_ops_host, variable="SLUICE_WORKER_OPS_HOST", service="a worker"
+    )
+
+
+def check_streams_exposure(platform: PlatformSettings, streams: StreamsSettings) -> None:
+    check_exposure(
+        platform.ops_token,
+        host=streams.streams_host,
+        variable="SLUICE_STREAMS_HOST",
+        service="the streams worker",
+    )
 
 
 def run_worker_process(platform: PlatformSettings, model_id: str, console: Console) -> int:
@@ -72,7 +92,8 @@ def run_worker_process(platform: PlatformSettings, model_id: str, console: Conso
 
     try:
         worker = load_settings(WorkerSettings)
-        provider = observe(f"worker/{model_id}")
+        check_worker_exposure(platform, worker)
+        provider = observe(f"worker/{model_id}", platform)
     except SettingsError as exc:
         console.print(f"[red]settings error:[/] {exc}")
         return 2
@@ -100,18 +121,19 @@ def replies_partitions(platform: PlatformSettings) -> int:
     from schemas.topics import TopicNames
 
     topic = TopicNames(platform.topic_prefix).replies
-    meta = make_admin(platform.bootstrap).list_topics(topic, timeout=10).topics[topic]
+    meta = make_admin(platform.kafka).list_topics(topic, timeout=10).topics[topic]
     if meta.error is not None:
         raise SettingsError(f"topic {topic} does not exist: run `sluice topics apply`")
     return len(meta.partitions)
 
 
 def run_edge_process(platform: PlatformSettings, console: Console, port: int | None = None) -> int:
-    from ingest.main import build_edge, serve_edge
+    from ingest.main import build_edge, check_edge_exposure, serve_edge
 
     try:
         edge_settings = load_settings(EdgeSettings)
-        provider = observe("edge")
+        check_edge_exposure(platform, edge_settings)
+        provider = observe("edge", platform)
         if port is not None:
             import msgspec
 
@@ -142,7 +164,8 @@ def run_streams_process(platform: PlatformSettings, console: Console) -> int:
 
     try:
         settings = load_settings(StreamsSettings)
-        provider = observe("streams")
+        check_streams_exposure(platform, settings)
+        provider = observe("streams", platform)
     except SettingsError as exc:
         console.print(f"[red]settings error:[/] {exc}")
         return 2

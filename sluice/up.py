@@ -23,12 +23,19 @@ from gpu_workers.settings import WorkerSettings
 from infra.errors import InfraError
 from infra.topics import apply_topics, make_admin, platform_topics
 from ingest.auth import DEMO_KEY
-from ingest.main import build_edge
+from ingest.main import build_edge, check_edge_exposure
 from ingest.settings import EdgeSettings
 from monitoring.tracing import shutdown_tracing
 from schemas.settings import PlatformSettings, SettingsError, load_settings
 from schemas.topics import TopicNames
-from sluice.services import local_broker, observe, replies_partitions, stop_on_signals
+from sluice.services import (
+    check_streams_exposure,
+    check_worker_exposure,
+    local_broker,
+    observe,
+    replies_partitions,
+    stop_on_signals,
+)
 from streams.settings import StreamsSettings
 
 
@@ -36,13 +43,18 @@ def run_platform(settings: PlatformSettings, out: Console, console: Console, por
     """Run until SIGINT/SIGTERM; returns the process exit code."""
     try:
         edge_settings = load_settings(EdgeSettings)
+        # Every service it starts would refuse an exposed address without its credentials: say so now,
+        # not after Kafka, the warehouse and the models are up (or a child in a restart loop).
+        check_edge_exposure(settings, edge_settings)
+        check_streams_exposure(settings, load_settings(StreamsSettings))
+        check_worker_exposure(settings, load_settings(WorkerSettings))
     except SettingsError as exc:
         console.print(f"[red]settings error:[/] {exc}")
         return 2
     if port is not None:
         edge_settings = msgspec.structs.replace(edge_settings, edge_port=port)
     try:
-        provider = observe("up")
+        provider = observe("up", settings)
         asyncio.run(_serve(settings, edge_settings, out, console))
     except (InfraError, SettingsError) as exc:
         console.print(f"[red]error:[/] {exc}")
@@ -154,7 +166,7 @@ class Fleet:
         from schemas.manifest import current_model_dir, read_manifest
 
         deployments = latest_deployments(
-            self._settings.bootstrap, TopicNames(self._settings.topic_prefix).control, "sluice-up"
+            self._settings.kafka, TopicNames(self._settings.topic_prefix).control, "sluice-up"
         )
         wanted: set[tuple[str, str]] = set()
         for model in self._settings.served_models():
@@ -235,7 +247,7 @@ async def _serve(
                     await asyncio.to_thread(broker.start)
                 stack.callback(broker.stop)
         specs = platform_topics(TopicNames(settings.topic_prefix), settings.served_models())
-        changes = await asyncio.to_thread(apply_topics, make_admin(settings.bootstrap), specs)
+        changes = await asyncio.to_thread(apply_topics, make_admin(settings.kafka), specs)
         created = sum(c.action != "unchanged" for c in changes)
         console.print(f"topics: {len(changes)} in spec, {created} created or changed")
 
@@ -268,12 +280,18 @@ async def _serve(
         await edge.start()
         stack.push_async_callback(edge.stop)
 
-        out.print(f"[bold green]sluicegate is up[/]  {edge.url}/v1   API key: {DEMO_KEY}")
+        keys = f"API key: {DEMO_KEY}" if edge_settings.edge_tenants_file is None else "API keys: tenants file"
+        out.print(f"[bold green]sluicegate is up[/]  {edge.url}/v1   {keys}")
         out.print(f"  Kafka {settings.bootstrap}   models: {', '.join(settings.served_models())}")
         ops = ", ".join(f"{model} http://127.0.0.1:{port or '<free port>'}" for model, port in workers)
         dashboard = f"http://{streams_settings.streams_host}:{streams_settings.streams_port}"
         out.print(f"  dashboard {dashboard}/dashboard   (streams metrics on {dashboard}/metrics)")
         out.print(f"  metrics: edge {edge.url}/metrics; workers {ops} (/metrics /healthz /readyz)")
+        if settings.ops_token:
+            out.print(
+                "  ops token set: /metrics wants 'Authorization: Bearer $SLUICE_OPS_TOKEN'; "
+                "open /dashboard?token=$SLUICE_OPS_TOKEN once in a browser"
+            )
         out.print('  `sluice sql "SELECT ..."` queries the warehouse; Ctrl-C stops everything.')
         await stop.wait()
         console.print("stopping...")

@@ -37,7 +37,7 @@ from confluent_kafka import Consumer, TopicPartition
 from bus.consumer import consumer_config, read_to_end, topic_extent
 from schemas.codec import DecodeError, decode
 from schemas.events import AuditEntry
-from schemas.settings import PlatformSettings
+from schemas.settings import KafkaConnection, PlatformSettings
 from schemas.topics import TopicNames
 from streams import StreamsError
 from streams.audit import (
@@ -89,20 +89,24 @@ class AnchorError(StreamsError, RuntimeError):
 # ------------------------------------------------------------------------------------------ the topic
 
 
-def audit_extent(bootstrap: str, topic: str, client_id: str) -> Extent:
+def audit_extent(kafka: KafkaConnection, topic: str, client_id: str) -> Extent:
     """The audit topic from its first retained offsets to its end now. Raises :class:`AnchorError` when
     it does not exist, :class:`~bus.errors.BusError` when the cluster cannot say."""
-    extent = topic_extent(bootstrap, topic, client_id)
+    extent = topic_extent(kafka, topic, client_id)
     if extent is None:
-        raise AnchorError(f"the audit topic {topic} does not exist at {bootstrap}: run `sluice topics apply`")
+        raise AnchorError(
+            f"the audit topic {topic} does not exist at {kafka.bootstrap}: run `sluice topics apply`"
+        )
     return extent
 
 
-def audit_records(bootstrap: str, extent: Extent, client_id: str, *, timeout_s: float) -> Iterator[Placed]:
+def audit_records(
+    kafka: KafkaConnection, extent: Extent, client_id: str, *, timeout_s: float
+) -> Iterator[Placed]:
     """Every audit entry within ``extent``, each partition in offset order (records that are not audit
     entries are skipped and counted in a warning). :class:`~bus.errors.BusError` past ``timeout_s``."""
     starts, ends = extent
-    consumer = Consumer(consumer_config(bootstrap, None, client_id))
+    consumer = Consumer(consumer_config(kafka, None, client_id))
     skipped = 0
     try:
         for message in read_to_end(consumer, starts, ends, timeout_s):
@@ -379,12 +383,12 @@ def verify_anchored(
     :class:`AnchorError` or :class:`~bus.errors.BusError` when the warehouse or the topic cannot be read.
     """
     report = verify_warehouse(settings, tenant=tenant, page_rows=page_rows)
-    extent = audit_extent(settings.bootstrap, TopicNames(settings.topic_prefix).audit, VERIFY_CLIENT)
+    extent = audit_extent(settings.kafka, TopicNames(settings.topic_prefix).audit, VERIFY_CLIENT)
     probes = {name: head.seq for name, head in report.heads.items()}
     suspects = {problem.tenant for problem in report.problems}
 
     def scan(keep: Collection[str], *, check: bool) -> tuple[dict[str, TopicChain], int]:
-        records = audit_records(settings.bootstrap, extent, VERIFY_CLIENT, timeout_s=timeout_s)
+        records = audit_records(settings.kafka, extent, VERIFY_CLIENT, timeout_s=timeout_s)
         return read_chains(records, tenant=tenant, probes=probes, keep_hashes=keep, check_hashes=check)
 
     chains, read = scan(suspects, check=True)

@@ -30,6 +30,7 @@ import asyncio
 import functools
 import json
 import logging
+import ssl
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -57,7 +58,7 @@ from schemas.events import (
     RequestFinished,
 )
 from schemas.lifecycle import AsyncComponent
-from schemas.settings import PlatformSettings
+from schemas.settings import KafkaConnection, PlatformSettings
 from schemas.topics import TopicNames
 from streams.anchor import (
     AUDIT_HEADS,
@@ -86,6 +87,28 @@ def faust_datadir(platform: PlatformSettings, app_id: str) -> Path:
     """Where Faust keeps its directories: under the data dir (Faust's default is ``<app id>-data`` in the
     working directory)."""
     return Path(platform.data_dir) / "faust" / app_id
+
+
+def faust_credentials(kafka: KafkaConnection) -> faust.auth.Credentials | None:
+    """The Faust (aiokafka) form of the connection's librdkafka security keys, so the streams app reaches
+    the cluster as every other client does; None for PLAINTEXT."""
+    security = kafka.security
+    protocol = security.get("security.protocol", "plaintext").upper()
+    context: ssl.SSLContext | None = None
+    if protocol in ("SSL", "SASL_SSL"):
+        context = ssl.create_default_context(cafile=security.get("ssl.ca.location"))
+        if "ssl.certificate.location" in security:
+            context.load_cert_chain(security["ssl.certificate.location"], security.get("ssl.key.location"))
+    if protocol == "SSL":
+        return faust.SSLCredentials(context)
+    if protocol in ("SASL_PLAINTEXT", "SASL_SSL"):
+        return faust.SASLCredentials(
+            username=security["sasl.username"],
+            password=security["sasl.password"],
+            mechanism=security["sasl.mechanism"],
+            ssl_context=context,  # None: SASL_PLAINTEXT
+        )
+    return None
 
 
 def sink_topics(names: TopicNames, request_topics: Sequence[str], *, decisions: bool = True) -> list[str]:
@@ -153,6 +176,7 @@ class StreamsApp(AsyncComponent):
         self.app = faust.App(
             name,
             broker=f"kafka://{platform.bootstrap}",
+            broker_credentials=faust_credentials(platform.kafka),
             # Faust expands the path with str.format: braces in the data dir must stay literal.
             datadir=str(self._datadir).replace("{", "{{").replace("}", "}}"),
             store="memory://",
@@ -193,14 +217,14 @@ class StreamsApp(AsyncComponent):
         )
         # Evaluations are due after sink batches; the timer only runs one a batch left waiting.
         self.app.timer(settings.rollout_eval_interval_s, name="rollout")(guarded(self.fail, self._rollout))
-        self._bootstrap = platform.bootstrap
+        self._kafka = platform.kafka
         self._batch_size = settings.streams_batch_size
         self._within = settings.streams_batch_ms / 1000
 
     async def _start(self) -> None:
         await self.anchor()
         latest = await asyncio.to_thread(
-            latest_deployments, self._bootstrap, self.names.control, f"{SOURCE}-rollout"
+            latest_deployments, self._kafka, self.names.control, f"{SOURCE}-rollout"
         )
         self.rollout.seed(latest.values())  # resume every rollout where the log says it is
         # Faust creates its directory without parents.
@@ -426,15 +450,13 @@ class StreamsApp(AsyncComponent):
     def _anchor(self) -> Anchored:
         rows = query_rows(self._writer, AUDIT_HEADS)
         try:
-            extent = audit_extent(self._bootstrap, self.names.audit, f"{SOURCE}-anchor")
+            extent = audit_extent(self._kafka, self.names.audit, f"{SOURCE}-anchor")
         except AnchorError:
             log.warning("audit: no %s topic: the chains go on from the warehouse's heads", self.names.audit)
             return anchor_chains(rows, lambda: (), self._heal)
 
         def records() -> Iterator[Placed]:
-            return audit_records(
-                self._bootstrap, extent, f"{SOURCE}-anchor", timeout_s=self._anchor_timeout_s
-            )
+            return audit_records(self._kafka, extent, f"{SOURCE}-anchor", timeout_s=self._anchor_timeout_s)
 
         return anchor_chains(rows, records, self._heal)
 

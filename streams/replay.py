@@ -50,7 +50,7 @@ def replay(
     """Read the sink topics from the start to their current end into ``writer``; ``progress(done, total)``."""
     began = time.monotonic()
     names = TopicNames(platform.topic_prefix)
-    consumer = Consumer(consumer_config(platform.bootstrap, None, "sluice-replay"))
+    consumer = Consumer(consumer_config(platform.kafka, None, "sluice-replay"))
     rows = Rows(prices, store_content=store_content, decisions_from_topic=True)
     try:
         ends: dict[tuple[str, int], int] = {}

@@ -3,13 +3,17 @@
 ``start()``: open the warehouse (this process becomes its owner: other processes read it through the
 query server, e.g. ``sluice sql``), apply migrations and the raw-event retention, start the Faust app,
 then the HTTP server with ``/dashboard``, ``/metrics``, ``/healthz`` and ``/readyz``. ``stop()`` in reverse.
+
+Everything on that server but the probes wants the ops token when ``SLUICE_OPS_TOKEN`` is set, and a ``Host``
+it answers for (:mod:`monitoring.access`); without a token it refuses a non-loopback ``SLUICE_STREAMS_HOST``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from clickhouse_connect.driver.client import Client
@@ -18,8 +22,9 @@ from bus.producer import EventProducer
 from infra.topics import make_admin
 from infra.warehouse import WarehouseQueryServer, migrate, open_warehouse
 from monitoring import metrics
+from monitoring.access import HostAllowList, OpsAccess, ops_middleware
 from monitoring.ops import Readiness, bound_port
-from monitoring.slo import SloConfig, load_slo_config
+from monitoring.slo import load_slo_config
 from schemas.lifecycle import AsyncComponent
 from schemas.settings import PlatformSettings
 from schemas.topics import TopicNames
@@ -29,13 +34,16 @@ from streams.pricing import load_prices
 from streams.settings import StreamsSettings
 from streams.sink import query_rows
 
+if TYPE_CHECKING:
+    from streams.dashboard import Dashboard
+
 log = logging.getLogger(__name__)
 
 
 def request_topics(platform: PlatformSettings) -> list[str]:
     """The existing request topics (every model ever served); the results topic must exist."""
     names = TopicNames(platform.topic_prefix)
-    topics = make_admin(platform.bootstrap).list_topics(timeout=10).topics
+    topics = make_admin(platform.kafka).list_topics(timeout=10).topics
     results = topics.get(names.results)
     if results is None or results.error is not None:
         raise RuntimeError(f"topic {names.results} does not exist: run `sluice topics apply`")
@@ -47,6 +55,32 @@ def apply_retention(client: Client, days: int) -> None:
     client.command(f"ALTER TABLE events_raw MODIFY TTL toDateTime(time) + INTERVAL {int(days)} DAY")
 
 
+def http_app(
+    dashboard: Dashboard, readiness: Callable[[], Readiness], access: OpsAccess, hosts: HostAllowList
+) -> web.Application:
+    """The streams worker's HTTP routes: the dashboard and ``/metrics`` behind ``access`` and ``hosts``,
+    and the open probes ``/healthz`` and ``/readyz``."""
+
+    async def metrics_route(request: web.Request) -> web.Response:
+        return web.Response(body=metrics.exposition(), headers={"Content-Type": metrics.CONTENT_TYPE})
+
+    async def healthz(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "service": "streams"})
+
+    async def readyz(request: web.Request) -> web.Response:
+        ready = readiness()
+        return web.Response(
+            body=ready.to_json(), status=200 if ready.ready else 503, content_type="application/json"
+        )
+
+    app = web.Application(middlewares=[ops_middleware(access, hosts)])
+    app.router.add_get("/metrics", metrics_route)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    dashboard.add_to(app)
+    return app
+
+
 class StreamsService(AsyncComponent):
     """Fails (:attr:`failure`, and ``/readyz`` says so) when the Faust app or the producer dies."""
 
@@ -56,11 +90,18 @@ class StreamsService(AsyncComponent):
         super().__init__()
         self.platform = platform
         self.settings = settings
+        self._access = OpsAccess(
+            platform.ops_token,
+            host=settings.streams_host,
+            variable="SLUICE_STREAMS_HOST",
+            service="the streams worker",
+        )
+        self._hosts = HostAllowList(settings.streams_allowed_hosts, settings.streams_host)
         self._app_id = app_id
         self._client: Client | None = None
         self._writer: Client | None = None
         self._query_server: WarehouseQueryServer | None = None
-        self._producer = EventProducer(platform.bootstrap, "streams")
+        self._producer = EventProducer(platform.kafka, "streams")
         self._producer.watch(self.fail)
         self.streams: StreamsApp | None = None
         self._runner: web.AppRunner | None = None
@@ -92,20 +133,13 @@ class StreamsService(AsyncComponent):
         )
         self.streams.watch(self.fail)
         await self.streams.start()
-        app = web.Application()
-        app.router.add_get("/metrics", self._metrics)
-        app.router.add_get("/healthz", self._healthz)
-        app.router.add_get("/readyz", self._readyz)
-        self._add_dashboard(app, slo)
+        from streams.dashboard import Dashboard
+
+        app = http_app(Dashboard(self.query, slo=slo), self.readiness, self._access, self._hosts)
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
         await self._runner.setup()
         await web.TCPSite(self._runner, settings.streams_host, settings.streams_port).start()
         log.info("streams: dashboard and metrics on %s", self.url)
-
-    def _add_dashboard(self, app: web.Application, slo: SloConfig) -> None:
-        from streams.dashboard import Dashboard
-
-        Dashboard(self.query, slo=slo).add_to(app)
 
     async def query(self, sql: str) -> list[dict[str, Any]]:
         """Run a read on the owner's client (one at a time), rows as dicts."""
@@ -131,18 +165,6 @@ class StreamsService(AsyncComponent):
             running=self.failure is None,
             # Shown, not gating: the worker keeps every other chain (and its own tables) going.
             audit_conflicts=len(streams.audit_conflicts) if streams is not None else 0,
-        )
-
-    async def _metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=metrics.exposition(), headers={"Content-Type": metrics.CONTENT_TYPE})
-
-    async def _healthz(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "service": "streams"})
-
-    async def _readyz(self, request: web.Request) -> web.Response:
-        readiness = self.readiness()
-        return web.Response(
-            body=readiness.to_json(), status=200 if readiness.ready else 503, content_type="application/json"
         )
 
     async def stop(self) -> None:

@@ -15,8 +15,13 @@ class StreamsSettings(msgspec.Struct, frozen=True, kw_only=True):
     """Field ``streams_x`` is variable ``SLUICE_STREAMS_X``."""
 
     streams_host: str = "127.0.0.1"
+    """Not a loopback address: needs ``SLUICE_OPS_TOKEN`` (the dashboard and ``/metrics`` want it), or the
+    streams worker refuses to start."""
     streams_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8090
     """The dashboard (``/dashboard``), ``/metrics``, ``/healthz`` and ``/readyz``; 0 picks a free port."""
+    streams_allowed_hosts: tuple[str, ...] = ()
+    """``Host`` names the dashboard server answers (as ``SLUICE_EDGE_ALLOWED_HOSTS``); others get 421.
+    Unset: ``127.0.0.1,localhost,[::1]`` and ``streams_host`` (any name when it is ``0.0.0.0`` or ``::``)."""
     streams_prices_file: str | None = None
     """TOML price table (see ``streams/pricing.py``). Unset: the built-in demo prices."""
     streams_batch_size: Annotated[int, msgspec.Meta(ge=1)] = 5000

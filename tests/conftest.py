@@ -12,7 +12,7 @@ import pytest
 
 from infra.kafka.broker import LocalKafka, free_port
 from schemas.manifest import read_manifest, write_manifest
-from schemas.settings import PlatformSettings, load_settings
+from schemas.settings import KafkaConnection, PlatformSettings, load_settings
 
 
 @pytest.fixture(scope="session")
@@ -21,12 +21,13 @@ def platform_settings() -> PlatformSettings:
 
 
 @pytest.fixture(scope="session")
-def kafka_bootstrap(
+def kafka(
     platform_settings: PlatformSettings, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[str]:
-    """A broker for the whole session: an external one if configured, else our own on free ports."""
+) -> Iterator[KafkaConnection]:
+    """A broker for the whole session: an external one if configured (with its security settings), else
+    our own on free ports."""
     if not platform_settings.local_kafka:
-        yield platform_settings.bootstrap
+        yield platform_settings.kafka
         return
     broker = LocalKafka(
         data_dir=tmp_path_factory.mktemp("kafka"),
@@ -37,9 +38,15 @@ def kafka_bootstrap(
     )
     broker.start()
     try:
-        yield broker.bootstrap
+        yield broker.connection
     finally:
         broker.stop()
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap(kafka: KafkaConnection) -> str:
+    """The session broker's ``host:port`` (for ``SLUICE_KAFKA_BOOTSTRAP`` in a child's environment)."""
+    return kafka.bootstrap
 
 
 @pytest.fixture
@@ -52,7 +59,9 @@ def topic_prefix(request: pytest.FixtureRequest) -> str:
 @pytest.fixture
 def cli_env(kafka_bootstrap: str, tmp_path: Path, topic_prefix: str) -> dict[str, str]:
     """Environment for running the real ``sluice`` CLI against the session broker."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith("SLUICE_") or k.startswith("SLUICE_KAFKA_")
+    }
     env.update(
         SLUICE_KAFKA_BOOTSTRAP=kafka_bootstrap,
         SLUICE_TOPIC_PREFIX=topic_prefix,

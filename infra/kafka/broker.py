@@ -10,12 +10,13 @@ import socket
 import subprocess
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from infra.errors import InfraError
 from infra.kafka.dist import fetch_kafka
 from schemas.lifecycle import Component
+from schemas.settings import KafkaConnection
 
 # Small internal topics keep a one-node broker quick to start and quick to serve its first consumer group.
 _SERVER_PROPERTIES = """\
@@ -101,7 +102,10 @@ class LocalKafka(Component):
         log_level: str = "WARN",
         progress: Callable[[str], None] | None = None,
         start_timeout: float = 90.0,
+        extra_properties: Mapping[str, str] | None = None,
     ) -> None:
+        """``extra_properties`` are appended to ``server.properties`` (a key given again wins), e.g. a
+        ``SASL_PLAINTEXT`` listener beside the ``PLAINTEXT`` one this class waits on."""
         super().__init__()
         self.data_dir = Path(data_dir).expanduser()
         self.cache_dir = Path(cache_dir).expanduser()
@@ -112,11 +116,17 @@ class LocalKafka(Component):
         self.log_level = log_level
         self.progress = progress
         self.start_timeout = start_timeout
+        self.extra_properties = dict(extra_properties or {})
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
     def bootstrap(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def connection(self) -> KafkaConnection:
+        """How clients reach this broker (its ``PLAINTEXT`` listener)."""
+        return KafkaConnection(self.bootstrap)
 
     @property
     def log_file(self) -> Path:
@@ -168,10 +178,12 @@ class LocalKafka(Component):
         home = fetch_kafka(self.cache_dir, self.version, self.progress)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         props = self.data_dir / "server.properties"
+        extra = "".join(f"{key}={value}\n" for key, value in self.extra_properties.items())
         props.write_text(
             _SERVER_PROPERTIES.format(
                 port=self.port, controller_port=self.controller_port, log_dir=self.data_dir / "logs"
             )
+            + extra
         )
         log4j = self.data_dir / "log4j2.properties"
         log4j.write_text(_LOG4J2.format(level=self.log_level))
@@ -203,7 +215,7 @@ class LocalKafka(Component):
         while time.monotonic() < deadline:
             if self._proc is not None and self._proc.poll() is not None:
                 raise BrokerError(f"Kafka exited with {self._proc.returncode}:\n{self.log_tail()}")
-            if port_open(self.port) and broker_answers(self.bootstrap):
+            if port_open(self.port) and broker_answers(self.connection):
                 return
             time.sleep(0.2)
         self.stop()
@@ -237,11 +249,11 @@ class LocalKafka(Component):
         return not pid_alive(pid)
 
 
-def broker_answers(bootstrap: str, timeout: float = 2.0) -> bool:
-    """True when a Kafka metadata request to ``bootstrap`` succeeds."""
-    from confluent_kafka.admin import AdminClient
+def broker_answers(kafka: KafkaConnection, timeout: float = 2.0) -> bool:
+    """True when a Kafka metadata request to ``kafka`` succeeds."""
+    from infra.topics import make_admin
 
-    admin = AdminClient({"bootstrap.servers": bootstrap, "log_level": 0}, logger=_SILENT)
+    admin = make_admin(kafka, log_level=0, logger=_SILENT)
     try:
         admin.list_topics(timeout=timeout)
     except Exception:

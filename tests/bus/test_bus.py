@@ -15,14 +15,13 @@ from infra.topics import TopicSpec, apply_topics, make_admin
 from schemas.codec import decode
 from schemas.events import DeadLetter, Event
 from schemas.examples import example_events
+from schemas.settings import KafkaConnection
 
 pytestmark = pytest.mark.integration
 
 
-def _topics(bootstrap: str, *names: str) -> None:
-    apply_topics(
-        make_admin(bootstrap), [TopicSpec(name=n, partitions=2, config={}, purpose="") for n in names]
-    )
+def _topics(kafka: KafkaConnection, *names: str) -> None:
+    apply_topics(make_admin(kafka), [TopicSpec(name=n, partitions=2, config={}, purpose="") for n in names])
 
 
 class Collector:
@@ -45,12 +44,12 @@ class Collector:
 
 
 async def test_publish_returns_once_durable_and_a_group_resumes_after_commits(
-    kafka_bootstrap: str, topic_prefix: str
+    kafka: KafkaConnection, topic_prefix: str
 ) -> None:
     topic = f"{topic_prefix}.in"
-    _topics(kafka_bootstrap, topic)
+    _topics(kafka, topic)
     events = example_events()
-    producer = EventProducer(kafka_bootstrap, "test")
+    producer = EventProducer(kafka, "test")
     producer.start()
     try:
         positions = [await producer.publish(topic, e, partition=0) for e in events]
@@ -58,7 +57,7 @@ async def test_publish_returns_once_durable_and_a_group_resumes_after_commits(
         producer.stop()
     assert [off for _, off in positions] == list(range(len(events)))
 
-    config = consumer_config(kafka_bootstrap, f"{topic}-g", "test")
+    config = consumer_config(kafka, f"{topic}-g", "test")
     first = Collector()
     reader = ConsumerThread(config, first, subscribe=[topic])
     with reader:
@@ -71,20 +70,20 @@ async def test_publish_returns_once_durable_and_a_group_resumes_after_commits(
     assert [decode(m.value() or b"") for m in rest] == events[5:]
 
 
-def test_undecodable_records_go_to_the_dead_letter_topic(kafka_bootstrap: str, topic_prefix: str) -> None:
+def test_undecodable_records_go_to_the_dead_letter_topic(kafka: KafkaConnection, topic_prefix: str) -> None:
     topic, dlq = f"{topic_prefix}.in", f"{topic_prefix}.dlq"
-    _topics(kafka_bootstrap, topic, dlq)
-    raw = Producer({"bootstrap.servers": kafka_bootstrap})
+    _topics(kafka, topic, dlq)
+    raw = Producer(kafka.client_config())
     raw.produce(topic, b"\x00junk", partition=0, headers=[("x", b"y")])
     assert raw.flush(10) == 0
     seen = Collector()
-    with ConsumerThread(consumer_config(kafka_bootstrap, f"{topic}-g", "t"), seen, subscribe=[topic]):
+    with ConsumerThread(consumer_config(kafka, f"{topic}-g", "t"), seen, subscribe=[topic]):
         (message,) = seen.wait_for(1)
-    producer = EventProducer(kafka_bootstrap, "t")
+    producer = EventProducer(kafka, "t")
     with producer:
         assert decode_or_dead_letter(message, producer, dlq, "test/worker") is None
     dead = Collector()
-    with ConsumerThread(consumer_config(kafka_bootstrap, f"{dlq}-g", "t"), dead, subscribe=[dlq]):
+    with ConsumerThread(consumer_config(kafka, f"{dlq}-g", "t"), dead, subscribe=[dlq]):
         (letter,) = dead.wait_for(1)
     event: Event = decode(letter.value() or b"")
     assert isinstance(event, DeadLetter)
@@ -95,12 +94,12 @@ def test_undecodable_records_go_to_the_dead_letter_topic(kafka_bootstrap: str, t
 
 
 def test_a_commit_the_broker_refuses_is_reported_to_its_owner(
-    kafka_bootstrap: str, topic_prefix: str
+    kafka: KafkaConnection, topic_prefix: str
 ) -> None:
     """The broker refuses a commit (here: for a partition that does not exist); the refusal reaches
     ``on_failure`` with the offsets, so the worker offers them again instead of believing they are stored."""
     topic = f"{topic_prefix}.commits"
-    _topics(kafka_bootstrap, topic)
+    _topics(kafka, topic)
     from confluent_kafka import TopicPartition
 
     refused: list[dict[tuple[str, int], int]] = []
@@ -111,7 +110,7 @@ def test_a_commit_the_broker_refuses_is_reported_to_its_owner(
         done.set()
 
     with ConsumerThread(
-        consumer_config(kafka_bootstrap, None, "no-group"), Collector(), assign=[TopicPartition(topic, 0, 0)]
+        consumer_config(kafka, None, "no-group"), Collector(), assign=[TopicPartition(topic, 0, 0)]
     ) as consumer:
         consumer.commit({(topic, 99): 3}, on_failure=report)
         assert done.wait(30)
@@ -119,16 +118,16 @@ def test_a_commit_the_broker_refuses_is_reported_to_its_owner(
 
 
 async def test_a_failing_delivery_callback_does_not_stop_deliveries(
-    kafka_bootstrap: str, topic_prefix: str
+    kafka: KafkaConnection, topic_prefix: str
 ) -> None:
     topic = f"{topic_prefix}.callbacks"
-    _topics(kafka_bootstrap, topic)
+    _topics(kafka, topic)
     event = example_events()[0]
 
     def broken(err: object, where: object) -> None:
         raise RuntimeError("a caller's bug")
 
-    with EventProducer(kafka_bootstrap, "test") as producer:
+    with EventProducer(kafka, "test") as producer:
         producer.produce(topic, event, on_delivery=broken)
         where = await asyncio.wait_for(producer.publish(topic, event), timeout=30)
         assert where[1] >= 1, "the record after the failing callback was delivered too"
@@ -136,13 +135,13 @@ async def test_a_failing_delivery_callback_does_not_stop_deliveries(
 
 
 async def test_a_dead_delivery_thread_fails_every_waiting_publish(
-    kafka_bootstrap: str, topic_prefix: str
+    kafka: KafkaConnection, topic_prefix: str
 ) -> None:
     """Before, a poll loop that raised left every pending ``publish`` waiting forever."""
     topic = f"{topic_prefix}.dead-poll"
-    _topics(kafka_bootstrap, topic)
+    _topics(kafka, topic)
     event = example_events()[0]
-    producer = EventProducer(kafka_bootstrap, "test")
+    producer = EventProducer(kafka, "test")
     real = producer._producer
 
     class Broken:
@@ -177,12 +176,12 @@ async def test_a_dead_delivery_thread_fails_every_waiting_publish(
 
 
 def test_a_consumer_that_dies_tells_its_owner_and_stop_raises(
-    kafka_bootstrap: str, topic_prefix: str
+    kafka: KafkaConnection, topic_prefix: str
 ) -> None:
     from confluent_kafka import TopicPartition
 
     topic = f"{topic_prefix}.dies"
-    _topics(kafka_bootstrap, topic)
+    _topics(kafka, topic)
     died: list[BaseException] = []
     told = threading.Event()
 
@@ -194,13 +193,13 @@ def test_a_consumer_that_dies_tells_its_owner_and_stop_raises(
         told.set()
 
     consumer = ConsumerThread(
-        consumer_config(kafka_bootstrap, None, "dies"),
+        consumer_config(kafka, None, "dies"),
         handler,
         assign=[TopicPartition(topic, 0, 0)],
         on_failure=on_failure,
     )
     consumer.start()
-    producer = Producer({"bootstrap.servers": kafka_bootstrap})
+    producer = Producer(kafka.client_config())
     producer.produce(topic, b"x", partition=0)
     producer.flush(10)
     assert told.wait(30), "the owner was never told"

@@ -16,19 +16,20 @@ from infra.topics import TopicSpec, apply_topics, make_admin
 from monitoring.metrics import exposition
 from schemas.codec import encode, headers
 from schemas.examples import example_events
+from schemas.settings import KafkaConnection
 
 pytestmark = pytest.mark.integration
 
 STATS_MS = 200
 
 
-def _topic(bootstrap: str, name: str, partitions: int = 1) -> str:
-    apply_topics(make_admin(bootstrap), [TopicSpec(name=name, partitions=partitions, config={}, purpose="")])
+def _topic(kafka: KafkaConnection, name: str, partitions: int = 1) -> str:
+    apply_topics(make_admin(kafka), [TopicSpec(name=name, partitions=partitions, config={}, purpose="")])
     return name
 
 
-def _produce(bootstrap: str, topic: str, values: list[bytes | None], partition: int = 0) -> None:
-    producer = Producer({"bootstrap.servers": bootstrap})
+def _produce(kafka: KafkaConnection, topic: str, values: list[bytes | None], partition: int = 0) -> None:
+    producer = Producer(kafka.client_config())
     for value in values:
         producer.produce(topic, value, partition=partition)
     assert producer.flush(10) == 0
@@ -70,14 +71,14 @@ def lag_sample(group: str, topic: str, partition: int) -> float | None:
 
 
 def test_lag_counts_records_not_yet_committed_and_its_series_goes_at_stop(
-    kafka_bootstrap: str, topic_prefix: str
+    kafka: KafkaConnection, topic_prefix: str
 ) -> None:
-    topic = _topic(kafka_bootstrap, f"{topic_prefix}.in")
+    topic = _topic(kafka, f"{topic_prefix}.in")
     group = f"{topic}-g"
-    _produce(kafka_bootstrap, topic, [b"r%d" % i for i in range(10)])
+    _produce(kafka, topic, [b"r%d" % i for i in range(10)])
     seen = Collector()
     reader = ConsumerThread(
-        consumer_config(kafka_bootstrap, group, "t"), seen, subscribe=[topic], stats_interval_ms=STATS_MS
+        consumer_config(kafka, group, "t"), seen, subscribe=[topic], stats_interval_ms=STATS_MS
     )
     with reader:
         eventually(seen.count, 10)
@@ -91,7 +92,7 @@ def test_lag_counts_records_not_yet_committed_and_its_series_goes_at_stop(
             exposition().decode()
         )
 
-        _produce(kafka_bootstrap, topic, [b"late"] * 5)
+        _produce(kafka, topic, [b"late"] * 5)
         eventually(seen.count, 15)
         eventually(reader.lag, {(topic, 0): 11})
         assert reader.max_lag() == 11
@@ -106,11 +107,11 @@ def test_lag_counts_records_not_yet_committed_and_its_series_goes_at_stop(
 
 
 def test_a_consumer_that_never_commits_reports_lag_from_its_delivered_position(
-    kafka_bootstrap: str, topic_prefix: str
+    kafka: KafkaConnection, topic_prefix: str
 ) -> None:
-    topic = _topic(kafka_bootstrap, f"{topic_prefix}.in", partitions=2)
-    _produce(kafka_bootstrap, topic, [b"r"] * 7, partition=1)
-    config = consumer_config(kafka_bootstrap, None, "listener")
+    topic = _topic(kafka, f"{topic_prefix}.in", partitions=2)
+    _produce(kafka, topic, [b"r"] * 7, partition=1)
+    config = consumer_config(kafka, None, "listener")
     seen = Collector()
     reader = ConsumerThread(
         config, seen, assign=[TopicPartition(topic, 1, 0)], stats_interval_ms=STATS_MS, name="listener"
@@ -125,13 +126,13 @@ def test_a_consumer_that_never_commits_reports_lag_from_its_delivered_position(
 
 
 def test_revoked_partitions_leave_the_lag_of_the_member_that_had_them(
-    kafka_bootstrap: str, topic_prefix: str
+    kafka: KafkaConnection, topic_prefix: str
 ) -> None:
-    topic = _topic(kafka_bootstrap, f"{topic_prefix}.in", partitions=2)
+    topic = _topic(kafka, f"{topic_prefix}.in", partitions=2)
     group = f"{topic}-g"
     for partition in (0, 1):
-        _produce(kafka_bootstrap, topic, [b"r"] * 3, partition=partition)
-    config = consumer_config(kafka_bootstrap, group, "t")
+        _produce(kafka, topic, [b"r"] * 3, partition=partition)
+    config = consumer_config(kafka, group, "t")
     first = ConsumerThread(config, Collector(), subscribe=[topic], stats_interval_ms=STATS_MS, name="first")
     with first:
         eventually(first.lag, {(topic, 0): 0, (topic, 1): 0})
@@ -151,15 +152,15 @@ def test_revoked_partitions_leave_the_lag_of_the_member_that_had_them(
     assert lag_sample(group, topic, 1) is None
 
 
-def test_stats_interval_zero_reports_no_lag(kafka_bootstrap: str, topic_prefix: str) -> None:
-    topic = _topic(kafka_bootstrap, f"{topic_prefix}.in")
-    _produce(kafka_bootstrap, topic, [b"r"] * 3)
+def test_stats_interval_zero_reports_no_lag(kafka: KafkaConnection, topic_prefix: str) -> None:
+    topic = _topic(kafka, f"{topic_prefix}.in")
+    _produce(kafka, topic, [b"r"] * 3)
     assign = [TopicPartition(topic, 0, 0)]
     quiet = ConsumerThread(
-        consumer_config(kafka_bootstrap, None, "quiet"), Collector(), assign=assign, stats_interval_ms=0
+        consumer_config(kafka, None, "quiet"), Collector(), assign=assign, stats_interval_ms=0
     )
     witness = ConsumerThread(
-        consumer_config(kafka_bootstrap, None, "witness"),
+        consumer_config(kafka, None, "witness"),
         Collector(),
         assign=assign,
         stats_interval_ms=STATS_MS,
@@ -174,13 +175,15 @@ def dead_letters(topic: str, reason: str) -> float:
     return REGISTRY.get_sample_value("sluice_dead_letters_total", {"topic": topic, "reason": reason}) or 0.0
 
 
-def test_dead_letters_are_counted_by_source_topic_and_reason(kafka_bootstrap: str, topic_prefix: str) -> None:
-    topic = _topic(kafka_bootstrap, f"{topic_prefix}.in")
-    dlq = _topic(kafka_bootstrap, f"{topic_prefix}.dlq")
+def test_dead_letters_are_counted_by_source_topic_and_reason(
+    kafka: KafkaConnection, topic_prefix: str
+) -> None:
+    topic = _topic(kafka, f"{topic_prefix}.in")
+    dlq = _topic(kafka, f"{topic_prefix}.dlq")
     event = example_events()[0]
     honest: list[tuple[str, str | bytes | None]] = list(headers(event))
     lying = [(k, b"someone-else" if k == "ce_tenant" else v) for k, v in honest]
-    raw = Producer({"bootstrap.servers": kafka_bootstrap})
+    raw = Producer(kafka.client_config())
     raw.produce(topic, encode(event), partition=0, headers=honest)  # fine: not dead-lettered
     raw.produce(topic, b"\x00junk", partition=0)
     raw.produce(topic, b'{"type": "no_such_event"}', partition=0)
@@ -189,13 +192,11 @@ def test_dead_letters_are_counted_by_source_topic_and_reason(kafka_bootstrap: st
     raw.produce(topic, encode(event), partition=0, headers=lying)
     assert raw.flush(10) == 0
     seen = Collector()
-    with ConsumerThread(
-        consumer_config(kafka_bootstrap, None, "t"), seen, assign=[TopicPartition(topic, 0, 0)]
-    ):
+    with ConsumerThread(consumer_config(kafka, None, "t"), seen, assign=[TopicPartition(topic, 0, 0)]):
         eventually(seen.count, 6)
     reasons = ("bad_json", "invalid_event", "empty", "bad_headers", "other")
     before = {reason: dead_letters(topic, reason) for reason in reasons}
-    with EventProducer(kafka_bootstrap, "t") as producer:
+    with EventProducer(kafka, "t") as producer:
         decoded = [decode_or_dead_letter(m, producer, dlq, "test/worker") for m in seen.all()]
     assert decoded == [event, None, None, None, None, None]
     after = {reason: dead_letters(topic, reason) - before[reason] for reason in reasons}

@@ -30,7 +30,7 @@ from ingest.main import build_edge
 from ingest.settings import EdgeSettings
 from schemas.codec import decode
 from schemas.events import Event
-from schemas.settings import PlatformSettings
+from schemas.settings import KafkaConnection, PlatformSettings
 from schemas.topics import TopicNames
 
 GPT = "demo-gpt"
@@ -40,16 +40,16 @@ MODELS = [GPT, MINILM_ID]
 class TopicLog:
     """Every event of a topic (all partitions, from the start), decoded, kept in order of arrival."""
 
-    def __init__(self, bootstrap: str, topic: str) -> None:
+    def __init__(self, kafka: KafkaConnection, topic: str) -> None:
         self.events: list[Event] = []
         self._positions: dict[int, int] = {}
-        self._bootstrap, self._topic = bootstrap, topic
+        self._kafka, self._topic = kafka, topic
         self._lock = threading.Lock()
-        probe = Consumer(consumer_config(bootstrap, None, "e2e-probe"))
+        probe = Consumer(consumer_config(kafka, None, "e2e-probe"))
         parts = probe.list_topics(topic, timeout=10).topics[topic].partitions
         probe.close()
         self._thread = ConsumerThread(
-            consumer_config(bootstrap, None, "e2e"),
+            consumer_config(kafka, None, "e2e"),
             self._add,
             assign=[TopicPartition(topic, p, 0) for p in parts],
         )
@@ -71,7 +71,7 @@ class TopicLog:
     async def caught_up(self, within: float = 30) -> None:
         """Wait until this log has read every record its topic holds now (so an event already produced,
         e.g. a duplicate, is in ``events``)."""
-        probe = Consumer(consumer_config(self._bootstrap, None, "e2e-probe"))
+        probe = Consumer(consumer_config(self._kafka, None, "e2e-probe"))
         try:
             parts = probe.list_topics(self._topic, timeout=10).topics[self._topic].partitions
             ends = {p: watermarks(probe, self._topic, p)[1] for p in parts}
@@ -106,14 +106,14 @@ class Platform:
 
 @pytest.fixture(scope="module")
 def e2e_settings(
-    platform_settings: PlatformSettings, kafka_bootstrap: str, request: pytest.FixtureRequest
+    platform_settings: PlatformSettings, kafka: KafkaConnection, request: pytest.FixtureRequest
 ) -> PlatformSettings:
     prefix = f"e2e-{request.module.__name__.rsplit('.', 1)[-1].replace('_', '-')}-{int(time.time())}"
     settings = msgspec.structs.replace(
-        platform_settings, kafka_bootstrap=kafka_bootstrap, topic_prefix=prefix
+        platform_settings, kafka_bootstrap=kafka.bootstrap, topic_prefix=prefix
     )
     apply_topics(
-        make_admin(kafka_bootstrap),
+        make_admin(kafka),
         platform_topics(TopicNames(prefix), MODELS, TopicSizing(requests=2, replies=2, events=2)),
     )
     return settings
@@ -170,7 +170,7 @@ async def platform(e2e_settings: PlatformSettings, prepared_models: None) -> Asy
     names = TopicNames(e2e_settings.topic_prefix)
     edge, gateway = build_edge(e2e_settings, EdgeSettings(edge_port=0, edge_id="e2e-edge"), 2)
     logs = [
-        TopicLog(e2e_settings.bootstrap, t)
+        TopicLog(e2e_settings.kafka, t)
         for t in (names.replies, names.results, names.requests(GPT), names.cancels)
     ]
     for log in logs:

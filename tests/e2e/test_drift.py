@@ -76,7 +76,7 @@ def streams(e2e_settings: PlatformSettings, tmp_path_factory: pytest.TempPathFac
 
 @pytest.fixture(scope="module")
 async def drift_log(e2e_settings: PlatformSettings, platform: Platform) -> AsyncIterator[TopicLog]:
-    log = TopicLog(e2e_settings.bootstrap, platform.names.drift)
+    log = TopicLog(e2e_settings.kafka, platform.names.drift)
     log._thread.start()
     yield log
     log._thread.stop()

@@ -30,7 +30,7 @@ from infra.topics import TopicSizing, apply_topics, make_admin, platform_topics
 from ingest.auth import DEMO_KEY
 from schemas.events import DeploymentChanged, GenerationRequested, RequestFinished, TokenChunk
 from schemas.manifest import models_root, read_manifest
-from schemas.settings import PlatformSettings
+from schemas.settings import KafkaConnection, PlatformSettings
 from schemas.topics import TopicNames
 from tests.conftest import versioned_cache
 from tests.e2e.conftest import GPT, Platform, TopicLog
@@ -46,7 +46,7 @@ ROLLBACK_BOUND_S = 60.0
 
 @pytest.fixture(scope="module")
 def e2e_settings(
-    platform_settings: PlatformSettings, kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory
+    platform_settings: PlatformSettings, kafka: KafkaConnection, tmp_path_factory: pytest.TempPathFactory
 ) -> PlatformSettings:
     """demo-gpt only, in a cache of its own: the stable version (linked from the shared build) plus two
     candidate copies whose manifests name other versions."""
@@ -55,12 +55,12 @@ def e2e_settings(
     versioned_cache(cache, GPT, stable_dir, BAD, GOOD)
     prefix = f"e2e-rollout-{int(time.time())}"
     apply_topics(
-        make_admin(kafka_bootstrap),
+        make_admin(kafka),
         platform_topics(TopicNames(prefix), [GPT], TopicSizing(requests=2, replies=2, events=2)),
     )
     return msgspec.structs.replace(
         platform_settings,
-        kafka_bootstrap=kafka_bootstrap,
+        kafka_bootstrap=kafka.bootstrap,
         topic_prefix=prefix,
         cache_dir=str(cache),
         models=(GPT,),
@@ -117,7 +117,7 @@ def streams(e2e_settings: PlatformSettings, tmp_path_factory: pytest.TempPathFac
 
 @pytest.fixture(scope="module")
 async def control(e2e_settings: PlatformSettings, platform: Platform) -> AsyncIterator[TopicLog]:
-    log = TopicLog(e2e_settings.bootstrap, platform.names.control)
+    log = TopicLog(e2e_settings.kafka, platform.names.control)
     log._thread.start()
     yield log
     log._thread.stop()

@@ -30,6 +30,7 @@ from gpu_workers.service import Arrival, Emitter, WorkerService, _Cancel
 from schemas.codec import decode
 from schemas.events import GenerationRequested, RequestFinished, TokenChunk, Usage
 from schemas.ids import uuid7
+from schemas.settings import KafkaConnection
 from schemas.topics import TopicNames
 
 TOPIC = "p.requests.m"
@@ -130,7 +131,7 @@ class Harness:
         self.service = WorkerService(
             model_id="m",
             worker_id="w",
-            bootstrap="127.0.0.1:9",
+            kafka=KafkaConnection("127.0.0.1:9"),
             names=TopicNames("p"),
             runner_factory=lambda: self.runner,
         )

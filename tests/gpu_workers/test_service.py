@@ -38,7 +38,7 @@ from schemas.events import (
 )
 from schemas.ids import uuid7
 from schemas.manifest import read_manifest
-from schemas.settings import PlatformSettings
+from schemas.settings import KafkaConnection, PlatformSettings
 from schemas.topics import TopicNames
 from tests.conftest import versioned_cache
 
@@ -61,9 +61,9 @@ class Log:
             for m in batch:
                 self.positions[m.partition() or 0] = (m.offset() or 0) + 1
 
-    def caught_up(self, bootstrap: str, topic: str, timeout: float = 30) -> None:
+    def caught_up(self, kafka: KafkaConnection, topic: str, timeout: float = 30) -> None:
         """Wait until every record the topic holds now has been read (a duplicate already produced is in)."""
-        probe = Consumer(consumer_config(bootstrap, None, "test-probe"))
+        probe = Consumer(consumer_config(kafka, None, "test-probe"))
         try:
             parts = probe.list_topics(topic, timeout=10).topics[topic].partitions
             ends = {p: watermarks(probe, topic, p)[1] for p in parts}
@@ -90,10 +90,10 @@ class Log:
 
 
 @pytest.fixture
-def names(kafka_bootstrap: str, topic_prefix: str) -> TopicNames:
+def names(kafka: KafkaConnection, topic_prefix: str) -> TopicNames:
     names = TopicNames(topic_prefix)
     apply_topics(
-        make_admin(kafka_bootstrap),
+        make_admin(kafka),
         platform_topics(names, MODELS, TopicSizing(requests=2, replies=2, events=2)),
     )
     return names
@@ -101,39 +101,39 @@ def names(kafka_bootstrap: str, topic_prefix: str) -> TopicNames:
 
 @pytest.fixture
 def platform(
-    platform_settings: PlatformSettings, kafka_bootstrap: str, names: TopicNames
+    platform_settings: PlatformSettings, kafka: KafkaConnection, names: TopicNames
 ) -> PlatformSettings:
     import msgspec
 
     return msgspec.structs.replace(
-        platform_settings, kafka_bootstrap=kafka_bootstrap, topic_prefix=names.prefix
+        platform_settings, kafka_bootstrap=kafka.bootstrap, topic_prefix=names.prefix
     )
 
 
-def _listen(bootstrap: str, topic: str) -> Iterator[Log]:
+def _listen(kafka: KafkaConnection, topic: str) -> Iterator[Log]:
     log = Log()
-    consumer = Consumer(consumer_config(bootstrap, None, "test-probe"))
+    consumer = Consumer(consumer_config(kafka, None, "test-probe"))
     parts = consumer.list_topics(topic, timeout=10).topics[topic].partitions
     consumer.close()
     with ConsumerThread(
-        consumer_config(bootstrap, None, "test"), log, assign=[TopicPartition(topic, p, 0) for p in parts]
+        consumer_config(kafka, None, "test"), log, assign=[TopicPartition(topic, p, 0) for p in parts]
     ):
         yield log
 
 
 @pytest.fixture
-def replies(kafka_bootstrap: str, names: TopicNames) -> Iterator[Log]:
-    yield from _listen(kafka_bootstrap, names.replies)
+def replies(kafka: KafkaConnection, names: TopicNames) -> Iterator[Log]:
+    yield from _listen(kafka, names.replies)
 
 
 @pytest.fixture
-def results(kafka_bootstrap: str, names: TopicNames) -> Iterator[Log]:
-    yield from _listen(kafka_bootstrap, names.results)
+def results(kafka: KafkaConnection, names: TopicNames) -> Iterator[Log]:
+    yield from _listen(kafka, names.results)
 
 
 @pytest.fixture
-def producer(kafka_bootstrap: str) -> Iterator[EventProducer]:
-    with EventProducer(kafka_bootstrap, "test-edge") as p:
+def producer(kafka: KafkaConnection) -> Iterator[EventProducer]:
+    with EventProducer(kafka, "test-edge") as p:
         yield p
 
 
@@ -176,7 +176,7 @@ async def test_streamed_generation_ends_in_one_terminal_event(
     producer: EventProducer,
     replies: Log,
     results: Log,
-    kafka_bootstrap: str,
+    kafka: KafkaConnection,
 ) -> None:
     request = _generation(names, PROMPT, stream=True)
     await producer.publish(names.requests("demo-gpt"), request)
@@ -192,7 +192,7 @@ async def test_streamed_generation_ends_in_one_terminal_event(
     assert finished.usage.prompt_tokens == len(PROMPT)
     assert results.finished(request.request_id) == finished
     # the offset is committed once the terminal event is durable
-    probe = Consumer(consumer_config(kafka_bootstrap, gpt_worker.group, "probe"))
+    probe = Consumer(consumer_config(kafka, gpt_worker.group, "probe"))
     try:
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
@@ -248,12 +248,16 @@ async def test_past_deadline_expires_without_running(
 
 
 async def test_redelivered_finished_request_is_not_run_again_and_junk_is_dead_lettered(
-    names: TopicNames, gpt_worker: WorkerService, producer: EventProducer, replies: Log, kafka_bootstrap: str
+    names: TopicNames,
+    gpt_worker: WorkerService,
+    producer: EventProducer,
+    replies: Log,
+    kafka: KafkaConnection,
 ) -> None:
     request = _generation(names, PROMPT)
     await producer.publish(names.requests("demo-gpt"), request, partition=0)
     replies.finished(request.request_id)
-    junk = Producer({"bootstrap.servers": kafka_bootstrap})
+    junk = Producer(kafka.client_config())
     junk.produce(names.requests("demo-gpt"), b"{not json", partition=0)
     assert junk.flush(10) == 0
     await producer.publish(names.requests("demo-gpt"), request, partition=0)  # a redelivery
@@ -263,7 +267,7 @@ async def test_redelivered_finished_request_is_not_run_again_and_junk_is_dead_le
     assert len([e for e in replies.of(request.request_id) if isinstance(e, RequestFinished)]) == 1
     dead = Log()
     with ConsumerThread(
-        consumer_config(kafka_bootstrap, None, "t"), dead, assign=[TopicPartition(names.deadletter, 0, 0)]
+        consumer_config(kafka, None, "t"), dead, assign=[TopicPartition(names.deadletter, 0, 0)]
     ):
         dead.wait(lambda: len(dead.events) >= 1)
     (letter,) = dead.events
@@ -513,7 +517,7 @@ async def test_each_version_runs_what_is_routed_to_it_and_holds_the_rest_until_i
     two_versions: tuple[PlatformSettings, str],
     producer: EventProducer,
     results: Log,
-    kafka_bootstrap: str,
+    kafka: KafkaConnection,
 ) -> None:
     platform, stable = two_versions
     await producer.publish(names.control, _deployment(stable, 0.5))
@@ -620,7 +624,7 @@ async def test_a_worker_joining_mid_load_takes_partitions_and_every_request_ends
             for request in requests:
                 results.finished(request.request_id, timeout=120)
     # both stopped (their producers flushed): every terminal event they wrote is on the topic; read it all
-    results.caught_up(platform.bootstrap, names.results)
+    results.caught_up(platform.kafka, names.results)
     ran = {e.worker_id for e in results.events if isinstance(e, RequestFinished)}
     for request in requests:
         finals = [e for e in results.of(request.request_id) if isinstance(e, RequestFinished)]

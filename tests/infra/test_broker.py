@@ -28,16 +28,16 @@ def test_data_survives_a_restart(platform_settings: PlatformSettings, tmp_path: 
     with broker:
         assert broker.running()
         apply_topics(
-            make_admin(broker.bootstrap), [TopicSpec(name="keep", partitions=1, config={}, purpose="")]
+            make_admin(broker.connection), [TopicSpec(name="keep", partitions=1, config={}, purpose="")]
         )
-        producer = Producer({"bootstrap.servers": broker.bootstrap, "acks": "all"})
+        producer = Producer(broker.connection.client_config(acks="all"))
         producer.produce("keep", b"survives", key=b"k")
         assert producer.flush(10) == 0
     assert not broker.running()
     assert broker.pid() is None
     with broker:
         consumer = Consumer(
-            {"bootstrap.servers": broker.bootstrap, "group.id": "g", "auto.offset.reset": "earliest"}
+            broker.connection.client_config(**{"group.id": "g", "auto.offset.reset": "earliest"})
         )
         consumer.subscribe(["keep"])
         try:

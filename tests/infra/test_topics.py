@@ -4,6 +4,7 @@ import pytest
 from confluent_kafka.admin import AdminClient, ConfigResource
 
 from infra.topics import TopicSizing, TopicSpec, TopicSpecError, apply_topics, make_admin, platform_topics
+from schemas.settings import KafkaConnection
 from schemas.topics import TopicNames
 
 
@@ -42,13 +43,13 @@ def test_sizing_sets_partitions() -> None:
     assert parts["sg.replies"] == 5
 
 
-def _admin(bootstrap: str) -> AdminClient:
-    return make_admin(bootstrap)
+def _admin(kafka: KafkaConnection) -> AdminClient:
+    return make_admin(kafka)
 
 
 @pytest.mark.integration
-def test_apply_is_idempotent_and_reports_changes(kafka_bootstrap: str, topic_prefix: str) -> None:
-    admin = _admin(kafka_bootstrap)
+def test_apply_is_idempotent_and_reports_changes(kafka: KafkaConnection, topic_prefix: str) -> None:
+    admin = _admin(kafka)
     specs = platform_topics(
         TopicNames(topic_prefix), ["demo-gpt"], TopicSizing(requests=2, replies=2, events=2)
     )
@@ -62,8 +63,8 @@ def test_apply_is_idempotent_and_reports_changes(kafka_bootstrap: str, topic_pre
 
 
 @pytest.mark.integration
-def test_apply_grows_partitions_and_fixes_config(kafka_bootstrap: str, topic_prefix: str) -> None:
-    admin = _admin(kafka_bootstrap)
+def test_apply_grows_partitions_and_fixes_config(kafka: KafkaConnection, topic_prefix: str) -> None:
+    admin = _admin(kafka)
     name = f"{topic_prefix}.grow"
     small = TopicSpec(name=name, partitions=1, config={"retention.ms": "1000"}, purpose="test")
     apply_topics(admin, [small])
@@ -81,8 +82,8 @@ def test_apply_grows_partitions_and_fixes_config(kafka_bootstrap: str, topic_pre
 
 
 @pytest.mark.integration
-def test_fewer_partitions_than_exist_is_a_clear_error(kafka_bootstrap: str, topic_prefix: str) -> None:
-    admin = _admin(kafka_bootstrap)
+def test_fewer_partitions_than_exist_is_a_clear_error(kafka: KafkaConnection, topic_prefix: str) -> None:
+    admin = _admin(kafka)
     name = f"{topic_prefix}.shrink"
     apply_topics(admin, [TopicSpec(name=name, partitions=4, config={}, purpose="test")])
     with pytest.raises(TopicSpecError, match="has 4 partitions but the spec asks for 2"):

@@ -18,6 +18,7 @@ from ingest.gateway import Gateway
 from ingest.kafka_gateway import KafkaGateway
 from schemas.events import GenerationRequested, TokenChunk
 from schemas.ids import uuid7
+from schemas.settings import KafkaConnection
 from schemas.topics import TopicNames
 from tests.ingest.fake_gateway import FakeGateway
 
@@ -45,14 +46,14 @@ def opened(request: pytest.FixtureRequest) -> Opened:
             yield FakeGateway()
 
         return fake
-    bootstrap: str = request.getfixturevalue("kafka_bootstrap")
+    connection: KafkaConnection = request.getfixturevalue("kafka")
     names = TopicNames(request.getfixturevalue("topic_prefix"))
-    apply_topics(make_admin(bootstrap), platform_topics(names, ["demo-gpt"], TopicSizing(replies=1)))
+    apply_topics(make_admin(connection), platform_topics(names, ["demo-gpt"], TopicSizing(replies=1)))
 
     @asynccontextmanager
     async def kafka() -> AsyncIterator[Gateway]:
         async with KafkaGateway(
-            bootstrap=bootstrap, names=names, edge_id="edge-c", reply_partition=0
+            kafka=connection, names=names, edge_id="edge-c", reply_partition=0
         ) as gateway:
             yield gateway
 
@@ -82,20 +83,18 @@ class TestResume:
 
 @pytest.mark.integration
 async def test_a_restarted_kafka_edge_still_resumes_the_streams_it_answered(
-    kafka_bootstrap: str, topic_prefix: str
+    kafka: KafkaConnection, topic_prefix: str
 ) -> None:
     names = TopicNames(topic_prefix)
-    apply_topics(make_admin(kafka_bootstrap), platform_topics(names, ["demo-gpt"], TopicSizing(replies=1)))
+    apply_topics(make_admin(kafka), platform_topics(names, ["demo-gpt"], TopicSizing(replies=1)))
     request_id = uuid7()
     chunk = TokenChunk(
         tenant="acme", model="demo-gpt", request_id=request_id, source="worker", seq=0, offset=0,
         token_ids=[7], text="x",
     )  # fmt: skip
-    with EventProducer(kafka_bootstrap, "worker") as producer:  # answered before this edge (re)started
+    with EventProducer(kafka, "worker") as producer:  # answered before this edge (re)started
         await producer.publish(names.replies, chunk, partition=0)
-    async with KafkaGateway(
-        bootstrap=kafka_bootstrap, names=names, edge_id="edge-r", reply_partition=0
-    ) as gateway:
+    async with KafkaGateway(kafka=kafka, names=names, edge_id="edge-r", reply_partition=0) as gateway:
         assert gateway.owner(request_id) == ("acme", 0)
         assert await gateway.resume("intruder", request_id, -1) is None
         stream = await gateway.resume("acme", request_id, -1)

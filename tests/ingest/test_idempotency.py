@@ -21,6 +21,7 @@ from ingest.kafka_gateway import KafkaGateway
 from schemas.coordination import IdempotencyClaim, key_digest
 from schemas.events import RequestFinished, TokenChunk, Usage
 from schemas.ids import uuid7
+from schemas.settings import KafkaConnection
 from schemas.topics import TopicNames
 
 
@@ -65,21 +66,23 @@ def test_one_tenant_flooding_keys_only_pushes_out_its_own() -> None:
 
 
 @pytest.fixture
-def names(kafka_bootstrap: str, topic_prefix: str) -> TopicNames:
+def names(kafka: KafkaConnection, topic_prefix: str) -> TopicNames:
     names = TopicNames(topic_prefix)
-    apply_topics(make_admin(kafka_bootstrap), platform_topics(names, ["demo-gpt"], TopicSizing(replies=2)))
+    apply_topics(make_admin(kafka), platform_topics(names, ["demo-gpt"], TopicSizing(replies=2)))
     return names
 
 
-def _gateway(bootstrap: str, names: TopicNames, edge: str, partition: int) -> KafkaGateway:
-    return KafkaGateway(bootstrap=bootstrap, names=names, edge_id=edge, reply_partition=partition)
+def _gateway(kafka: KafkaConnection, names: TopicNames, edge: str, partition: int) -> KafkaGateway:
+    return KafkaGateway(kafka=kafka, names=names, edge_id=edge, reply_partition=partition)
 
 
 @pytest.fixture
-async def edges(kafka_bootstrap: str, names: TopicNames) -> AsyncIterator[tuple[KafkaGateway, KafkaGateway]]:
+async def edges(
+    kafka: KafkaConnection, names: TopicNames
+) -> AsyncIterator[tuple[KafkaGateway, KafkaGateway]]:
     async with (
-        _gateway(kafka_bootstrap, names, "edge-a", 0) as a,
-        _gateway(kafka_bootstrap, names, "edge-b", 1) as b,
+        _gateway(kafka, names, "edge-a", 0) as a,
+        _gateway(kafka, names, "edge-b", 1) as b,
     ):
         yield a, b
 
@@ -105,7 +108,7 @@ async def test_the_same_key_on_two_edges_at_once_has_one_winner_on_both(
 
 @pytest.mark.integration
 async def test_the_other_edge_replays_the_winners_stream_and_a_restarted_edge_knows_the_key(
-    kafka_bootstrap: str, names: TopicNames, edges: tuple[KafkaGateway, KafkaGateway]
+    kafka: KafkaConnection, names: TopicNames, edges: tuple[KafkaGateway, KafkaGateway]
 ) -> None:
     a, b = edges
     record = IdempotencyRecord(request_id=uuid7(), body_hash="h")
@@ -125,7 +128,7 @@ async def test_the_other_edge_replays_the_winners_stream_and_a_restarted_edge_kn
         tenant="acme", model="demo-gpt", request_id=rid, source="worker", status="completed",
         finish_reason="stop", usage=Usage(prompt_tokens=1, completion_tokens=1, total_tokens=2),
     )  # fmt: skip
-    with EventProducer(kafka_bootstrap, "worker") as producer:  # answered on edge a's partition
+    with EventProducer(kafka, "worker") as producer:  # answered on edge a's partition
         await producer.publish(names.replies, chunk, partition=0)
         await producer.publish(names.replies, finished, partition=0)
     await asyncio.sleep(0)
@@ -135,7 +138,7 @@ async def test_the_other_edge_replays_the_winners_stream_and_a_restarted_edge_kn
     assert stream is not None
     items = [item async for item in stream]
     assert [type(i).__name__ for i in items] == ["TokenChunk", "RequestFinished"]
-    async with _gateway(kafka_bootstrap, names, "edge-c", 1) as restarted:
+    async with _gateway(kafka, names, "edge-c", 1) as restarted:
         assert await restarted.lookup_idempotent("acme", "pay-1") == record
 
 

@@ -14,16 +14,17 @@ from ingest.errors import GatewayUnavailable
 from ingest.kafka_gateway import KafkaGateway
 from schemas.events import GenerationRequested
 from schemas.ids import uuid7
+from schemas.settings import KafkaConnection
 from schemas.topics import TopicNames
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
-def gateway(kafka_bootstrap: str, topic_prefix: str) -> KafkaGateway:
+def gateway(kafka: KafkaConnection, topic_prefix: str) -> KafkaGateway:
     names = TopicNames(topic_prefix)
-    apply_topics(make_admin(kafka_bootstrap), platform_topics(names, ["demo-gpt"], TopicSizing(replies=1)))
-    return KafkaGateway(bootstrap=kafka_bootstrap, names=names, edge_id="edge-t", reply_partition=0)
+    apply_topics(make_admin(kafka), platform_topics(names, ["demo-gpt"], TopicSizing(replies=1)))
+    return KafkaGateway(kafka=kafka, names=names, edge_id="edge-t", reply_partition=0)
 
 
 def _request(gateway: KafkaGateway) -> GenerationRequested:
@@ -39,7 +40,7 @@ def _request(gateway: KafkaGateway) -> GenerationRequested:
 
 
 async def test_a_dead_reply_listener_fails_open_streams_and_new_submits(
-    gateway: KafkaGateway, kafka_bootstrap: str, monkeypatch: pytest.MonkeyPatch
+    gateway: KafkaGateway, kafka: KafkaConnection, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def broken(self: KafkaGateway, batch: list[Message]) -> None:
         raise RuntimeError("listener bug")
@@ -56,7 +57,7 @@ async def test_a_dead_reply_listener_fails_open_streams_and_new_submits(
         reader = asyncio.create_task(first())
         await asyncio.sleep(0.2)
         assert not reader.done()  # waiting for replies
-        producer = Producer({"bootstrap.servers": kafka_bootstrap})
+        producer = Producer(kafka.client_config())
         producer.produce(gateway.reply_to.topic, b"anything", partition=0)  # the listener's first batch
         producer.flush(10)
         with pytest.raises(GatewayUnavailable, match="stopped receiving replies"):
@@ -82,7 +83,7 @@ async def test_a_start_that_fails_part_way_stops_what_it_started(
 
 
 async def test_a_dead_control_listener_fails_the_gateway_so_budgets_never_go_stale(
-    gateway: KafkaGateway, kafka_bootstrap: str, monkeypatch: pytest.MonkeyPatch
+    gateway: KafkaGateway, kafka: KafkaConnection, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Budgets and deployments come from the control topic: once nobody follows it, the edge must not
     keep admitting on what it last knew. Open streams fail, submits are refused, readiness is false."""
@@ -94,7 +95,7 @@ async def test_a_dead_control_listener_fails_the_gateway_so_budgets_never_go_sta
     async with gateway:
         assert gateway.ready()
         stream = await gateway.submit(_request(gateway))
-        producer = Producer({"bootstrap.servers": kafka_bootstrap})
+        producer = Producer(kafka.client_config())
         producer.produce(gateway._names.control, b"anything", key=b"budget:acme")
         producer.flush(10)
 

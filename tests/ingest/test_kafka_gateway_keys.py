@@ -8,12 +8,17 @@ from ingest.kafka_gateway import KafkaGateway
 from ingest.main import reply_partition
 from ingest.settings import EdgeSettings
 from schemas.ids import uuid7
+from schemas.settings import KafkaConnection
 from schemas.topics import TopicNames
 
 
 def _gateway(salts: dict[str, int]) -> KafkaGateway:
     return KafkaGateway(
-        bootstrap="127.0.0.1:1", names=TopicNames("t"), edge_id="e", reply_partition=0, salts=salts
+        kafka=KafkaConnection("127.0.0.1:1"),
+        names=TopicNames("t"),
+        edge_id="e",
+        reply_partition=0,
+        salts=salts,
     )
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from monitoring.metrics import CONTENT_TYPE, DEAD_LETTERS
 from monitoring.ops import OpsServer, Readiness
+from schemas.settings import SettingsError
 
 
 class Probe:
@@ -29,10 +30,12 @@ class Probe:
         return self.answer
 
 
-def get(url: str) -> tuple[int, str, bytes]:
+def get(url: str, headers: dict[str, str] | None = None) -> tuple[int, str, bytes]:
     """(status, content type, body), for error statuses too."""
     try:
-        with urllib.request.urlopen(url, timeout=5) as response:
+        with urllib.request.urlopen(
+            urllib.request.Request(url, headers=headers or {}), timeout=5
+        ) as response:
             return response.status, response.headers["Content-Type"], response.read()
     except urllib.error.HTTPError as exc:
         with exc:
@@ -144,3 +147,34 @@ def test_a_taken_port_is_a_clear_error() -> None:
         server = OpsServer("127.0.0.1", port, lambda: Readiness.of(ok=True), service="worker/x")
         with pytest.raises(OpsServerError, match=rf"worker/x: cannot serve /metrics on 127.0.0.1:{port}"):
             server.start()
+
+
+TOKEN = "worker-ops-token-0123456789"
+
+
+def test_with_a_token_metrics_want_it_and_probes_do_not(probe: Probe) -> None:
+    with OpsServer("127.0.0.1", 0, probe, service="worker-test", token=TOKEN) as ops:
+        status, _, body = get(f"{ops.url}/metrics")
+        assert status == 401
+        assert b"SLUICE_OPS_TOKEN" in body
+        assert get(f"{ops.url}/metrics", {"Authorization": "Bearer not-it"})[0] == 401
+        status, content_type, _ = get(f"{ops.url}/metrics", {"Authorization": f"Bearer {TOKEN}"})
+        assert (status, content_type) == (200, CONTENT_TYPE)
+        assert get(f"{ops.url}/healthz")[0] == 200
+        assert get(f"{ops.url}/readyz")[0] == 200
+
+
+def test_a_foreign_host_is_refused_but_probes_answer(ops: OpsServer) -> None:
+    rebound = {"Host": f"attacker.example:{ops.port}"}
+    status, _, body = get(f"{ops.url}/metrics", rebound)
+    assert status == 421
+    assert b"attacker.example" in body
+    assert get(f"{ops.url}/metrics", {"Host": f"localhost:{ops.port}"})[0] == 200
+    assert get(f"{ops.url}/healthz", rebound)[0] == 200
+    assert get(f"{ops.url}/readyz", rebound)[0] == 200
+
+
+def test_an_exposed_ops_port_without_a_token_does_not_start(probe: Probe) -> None:
+    with pytest.raises(SettingsError, match=r"SLUICE_WORKER_OPS_HOST='0\.0\.0\.0'.*SLUICE_OPS_TOKEN"):
+        OpsServer("0.0.0.0", 0, probe, service="worker-test")
+    OpsServer("0.0.0.0", 0, probe, service="worker-test", token=TOKEN)

@@ -15,21 +15,22 @@ from infra.topics import TopicSpec, apply_topics, make_admin
 from schemas.codec import DecodeError, HeaderValue, decode, encode, headers, kafka_key
 from schemas.events import Event
 from schemas.examples import example_events
+from schemas.settings import KafkaConnection
 
 pytestmark = pytest.mark.integration
 
 
-def _topic(bootstrap: str, name: str) -> str:
-    apply_topics(make_admin(bootstrap), [TopicSpec(name=name, partitions=1, config={}, purpose="test")])
+def _topic(kafka: KafkaConnection, name: str) -> str:
+    apply_topics(make_admin(kafka), [TopicSpec(name=name, partitions=1, config={}, purpose="test")])
     return name
 
 
 def _consume_confluent(
-    bootstrap: str, topic: str, count: int
+    kafka: KafkaConnection, topic: str, count: int
 ) -> list[tuple[bytes, list[tuple[str, HeaderValue]]]]:
     consumer = Consumer(
         {
-            "bootstrap.servers": bootstrap,
+            **kafka.client_config(),
             "group.id": f"{topic}-reader",
             "auto.offset.reset": "earliest",
             "enable.auto.commit": False,
@@ -51,23 +52,23 @@ def _consume_confluent(
     return got
 
 
-def test_every_event_round_trips_through_confluent_kafka(kafka_bootstrap: str, topic_prefix: str) -> None:
-    topic = _topic(kafka_bootstrap, f"{topic_prefix}.events")
+def test_every_event_round_trips_through_confluent_kafka(kafka: KafkaConnection, topic_prefix: str) -> None:
+    topic = _topic(kafka, f"{topic_prefix}.events")
     events = example_events()
-    producer = Producer({"bootstrap.servers": kafka_bootstrap, "acks": "all", "enable.idempotence": True})
+    producer = Producer({**kafka.client_config(), "acks": "all", "enable.idempotence": True})
     for event in events:
         producer.produce(topic, encode(event), key=kafka_key(event), headers=list(headers(event)))
     assert producer.flush(15) == 0
-    received = _consume_confluent(kafka_bootstrap, topic, len(events))
+    received = _consume_confluent(kafka, topic, len(events))
     decoded: list[Event] = [decode(value, hdrs) for value, hdrs in received]
     assert decoded == events
     assert {type(e) for e in decoded} == {type(e) for e in events}
 
 
-async def test_every_event_round_trips_through_aiokafka(kafka_bootstrap: str, topic_prefix: str) -> None:
-    topic = _topic(kafka_bootstrap, f"{topic_prefix}.events")
+async def test_every_event_round_trips_through_aiokafka(kafka: KafkaConnection, topic_prefix: str) -> None:
+    topic = _topic(kafka, f"{topic_prefix}.events")
     events = example_events()
-    producer = AIOKafkaProducer(bootstrap_servers=kafka_bootstrap, acks="all", enable_idempotence=True)
+    producer = AIOKafkaProducer(bootstrap_servers=kafka.bootstrap, acks="all", enable_idempotence=True)
     await producer.start()
     try:
         for event in events:
@@ -76,7 +77,7 @@ async def test_every_event_round_trips_through_aiokafka(kafka_bootstrap: str, to
         await producer.stop()
     consumer = AIOKafkaConsumer(
         topic,
-        bootstrap_servers=kafka_bootstrap,
+        bootstrap_servers=kafka.bootstrap,
         group_id=f"{topic}-aio",
         auto_offset_reset="earliest",
         enable_auto_commit=False,
@@ -95,15 +96,15 @@ async def test_every_event_round_trips_through_aiokafka(kafka_bootstrap: str, to
 
 
 def test_malformed_bytes_from_the_broker_raise_the_decoding_error(
-    kafka_bootstrap: str, topic_prefix: str
+    kafka: KafkaConnection, topic_prefix: str
 ) -> None:
-    topic = _topic(kafka_bootstrap, f"{topic_prefix}.junk")
+    topic = _topic(kafka, f"{topic_prefix}.junk")
     junk = [b"\x00\xff\xfe binary junk", b'{"type": "no_such_event"}', b'{"type": "token_chunk"}', b"[1,2"]
-    producer = Producer({"bootstrap.servers": kafka_bootstrap})
+    producer = Producer(kafka.client_config())
     for value in junk:
         producer.produce(topic, value)
     assert producer.flush(15) == 0
-    received = _consume_confluent(kafka_bootstrap, topic, len(junk))
+    received = _consume_confluent(kafka, topic, len(junk))
     assert [value for value, _ in received] == junk
     for value, hdrs in received:
         with pytest.raises(DecodeError):

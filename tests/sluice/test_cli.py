@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 
 from infra.kafka.broker import free_port
 from infra.topics import make_admin
+from schemas.settings import KafkaConnection
 from sluice.cli import app
 
 SUBCOMMANDS = [
@@ -95,6 +96,64 @@ def test_settings_lists_variables_in_effect() -> None:
     assert "'acme'" in result.stdout
 
 
+def test_settings_hide_secrets() -> None:
+    secrets = {
+        "SLUICE_OPS_TOKEN": "ops-token-not-to-show-1234",
+        "SLUICE_KAFKA_SASL_PASSWORD": "sasl-secret-9876",
+    }
+    env = {
+        **os.environ,
+        **secrets,
+        "SLUICE_KAFKA_BOOTSTRAP": "kafka.example:9093",
+        "SLUICE_KAFKA_SECURITY_PROTOCOL": "SASL_SSL",
+        "SLUICE_KAFKA_SASL_USERNAME": "sluice",
+        "SLUICE_WAREHOUSE_URL": "https://bob:warehouse-pw@ch.example:8443/db",
+    }
+    result = sluice("settings", env=env)
+    assert result.returncode == 0, result.stderr
+    for secret in (*secrets.values(), "warehouse-pw"):
+        assert secret not in result.stdout
+    assert result.stdout.count("[REDACTED]") == 3
+    assert "'SASL_SSL'" in result.stdout
+    assert "'sluice'" in result.stdout
+
+
+EXPOSED_TOKEN = "ops-token-for-an-exposed-test"
+
+
+@pytest.mark.parametrize(
+    ("args", "settings", "named"),
+    [
+        (
+            ["edge"],
+            {"SLUICE_EDGE_HOST": "0.0.0.0", "SLUICE_OPS_TOKEN": EXPOSED_TOKEN},
+            "SLUICE_EDGE_TENANTS_FILE",
+        ),
+        (["edge"], {"SLUICE_EDGE_HOST": "0.0.0.0", "SLUICE_EDGE_TENANTS_FILE": "t.toml"}, "SLUICE_OPS_TOKEN"),
+        (["streams"], {"SLUICE_STREAMS_HOST": "0.0.0.0"}, "SLUICE_OPS_TOKEN"),
+        (["worker", "--model", "demo-gpt"], {"SLUICE_WORKER_OPS_HOST": "::"}, "SLUICE_OPS_TOKEN"),
+        (
+            ["up"],
+            {"SLUICE_EDGE_HOST": "10.1.2.3", "SLUICE_OPS_TOKEN": EXPOSED_TOKEN},
+            "SLUICE_EDGE_TENANTS_FILE",
+        ),
+        (["up"], {"SLUICE_STREAMS_HOST": "0.0.0.0"}, "SLUICE_OPS_TOKEN"),
+    ],
+    ids=["edge-demo-key", "edge-no-token", "streams", "worker", "up-demo-key", "up-streams"],
+)
+def test_an_exposed_service_without_credentials_refuses_at_once(
+    args: list[str], settings: dict[str, str], named: str, tmp_path: Path
+) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_") or k == "SLUICE_CACHE_DIR"}
+    env |= {"SLUICE_DATA_DIR": str(tmp_path), "SLUICE_KAFKA_PORT": str(free_port()), **settings}
+    result = sluice(*args, env=env, timeout=60)
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.strip().splitlines()  # one line, before anything starts
+    assert line.startswith(("error:", "settings error:"))
+    assert named in line
+    assert not (tmp_path / "kafka").exists()
+
+
 def test_schemas_export_writes_valid_json_schemas(tmp_path: Path) -> None:
     result = sluice("schemas", "export", str(tmp_path / "out"))
     assert result.returncode == 0, result.stderr
@@ -106,7 +165,7 @@ def test_schemas_export_writes_valid_json_schemas(tmp_path: Path) -> None:
 
 
 @pytest.mark.integration
-def test_topics_apply_and_list(cli_env: dict[str, str], kafka_bootstrap: str, topic_prefix: str) -> None:
+def test_topics_apply_and_list(cli_env: dict[str, str], kafka: KafkaConnection, topic_prefix: str) -> None:
     first = sluice("topics", "apply", env=cli_env)
     assert first.returncode == 0, first.stderr
     assert first.stdout.count("created") == 12
@@ -118,7 +177,7 @@ def test_topics_apply_and_list(cli_env: dict[str, str], kafka_bootstrap: str, to
     assert listed.returncode == 0, listed.stderr
     for topic in ("requests.demo-gpt", "requests.all-minilm-l6-v2", "replies", "control", "deadletter"):
         assert f"{topic_prefix}.{topic}" in listed.stdout
-    seen = make_admin(kafka_bootstrap).list_topics(timeout=10).topics
+    seen = make_admin(kafka).list_topics(timeout=10).topics
     assert f"{topic_prefix}.control" in seen
     assert f"{topic_prefix}.requests.demo-gpt" in seen
 
@@ -207,7 +266,7 @@ def test_a_worker_whose_model_cannot_load_says_what_to_do(cli_env: dict[str, str
         "SLUICE_WORKER_OPS_PORT": "0",
     }
     apply_topics(
-        make_admin(env["SLUICE_KAFKA_BOOTSTRAP"]),
+        make_admin(KafkaConnection(env["SLUICE_KAFKA_BOOTSTRAP"])),
         platform_topics(TopicNames(env["SLUICE_TOPIC_PREFIX"]), ["demo-gpt"], TopicSizing(requests=1)),
     )
     result = sluice("worker", "--model", "demo-gpt", "--version", "broken000001", env=env, timeout=120)

@@ -17,7 +17,7 @@ from infra.topics import TopicSizing, apply_topics, make_admin, platform_topics
 from schemas.events import GenerationRequested, ReplyTo, RolloutGates, SamplingParams
 from schemas.ids import uuid7
 from schemas.manifest import models_root
-from schemas.settings import PlatformSettings
+from schemas.settings import KafkaConnection, PlatformSettings
 from schemas.topics import TopicNames
 from sluice.evaluate import evaluate, logged_requests, parse_duration
 from sluice.rollout import RolloutError
@@ -30,18 +30,18 @@ CANDIDATE = "cand00000042"
 
 @pytest.fixture
 def platform(
-    platform_settings: PlatformSettings, kafka_bootstrap: str, topic_prefix: str, tmp_path: Path
+    platform_settings: PlatformSettings, kafka: KafkaConnection, topic_prefix: str, tmp_path: Path
 ) -> PlatformSettings:
     """demo-gpt's stable version plus a candidate copy in a cache of the test's own; its topics."""
     stable_dir = build_demo_gpt(models_root(platform_settings.cache_dir))
     versioned_cache(tmp_path / "cache", GPT, stable_dir, CANDIDATE)
     apply_topics(
-        make_admin(kafka_bootstrap),
+        make_admin(kafka),
         platform_topics(TopicNames(topic_prefix), [GPT], TopicSizing(requests=2, replies=2, events=2)),
     )
     return msgspec.structs.replace(
         platform_settings,
-        kafka_bootstrap=kafka_bootstrap,
+        kafka_bootstrap=kafka.bootstrap,
         topic_prefix=topic_prefix,
         cache_dir=str(tmp_path / "cache"),
         models=(GPT,),
@@ -66,7 +66,7 @@ async def _log_requests(platform: PlatformSettings, n: int) -> list[GenerationRe
     shadow = msgspec.structs.replace(
         requests[0], request_id=uuid7(), reply=None, shadow_of=requests[0].request_id
     )
-    with EventProducer(platform.bootstrap, "test-edge") as producer:
+    with EventProducer(platform.kafka, "test-edge") as producer:
         for request in [*requests, shadow]:
             await producer.publish(names.requests(GPT), request)
     return requests

@@ -20,6 +20,7 @@ import pytest
 from infra.kafka.broker import free_port, port_open
 from infra.topics import make_admin
 from ingest.auth import DEMO_KEY
+from schemas.settings import KafkaConnection
 
 pytestmark = pytest.mark.integration
 
@@ -132,7 +133,7 @@ def _drive(proc: subprocess.Popen[str], env: dict[str, str], port: int, edge_por
         status, text = _get(f"{streams}/metrics")
         assert status == 200
         assert "sluice_streams_freshness_seconds_count" in text
-        topics = make_admin(f"127.0.0.1:{port}").list_topics(timeout=10).topics
+        topics = make_admin(KafkaConnection(f"127.0.0.1:{port}")).list_topics(timeout=10).topics
         assert "sluice.requests.demo-gpt" in topics
         assert "sluice.control" in topics
         sql = subprocess.run(

@@ -9,7 +9,7 @@ import pytest
 from clickhouse_connect.driver.client import Client
 
 from bus.producer import EventProducer
-from schemas.settings import PlatformSettings
+from schemas.settings import KafkaConnection, PlatformSettings
 from streams.app import StreamsApp
 from streams.pricing import PriceTable
 from streams.settings import StreamsSettings
@@ -27,7 +27,7 @@ async def test_faust_keeps_its_directories_under_the_data_dir_not_the_working_di
         StreamsSettings(),
         cast(Client, None),  # never used unless the app runs
         PriceTable(),
-        EventProducer("127.0.0.1:1", "test"),
+        EventProducer(KafkaConnection("127.0.0.1:1"), "test"),
         request_topics=["p.requests.demo-gpt"],
     )
     try:

@@ -191,14 +191,14 @@ def anchored_settings(kafka_bootstrap: str, topic_prefix: str, tmp_path: Path) -
         kafka_bootstrap=kafka_bootstrap, topic_prefix=topic_prefix, data_dir=str(tmp_path / "data")
     )
     sizing = TopicSizing(requests=1, replies=1, events=2)
-    apply_topics(make_admin(kafka_bootstrap), platform_topics(TopicNames(topic_prefix), ["demo-gpt"], sizing))
+    apply_topics(make_admin(settings.kafka), platform_topics(TopicNames(topic_prefix), ["demo-gpt"], sizing))
     return settings
 
 
 def publish_chains(settings: PlatformSettings, chains: dict[str, int]) -> dict[str, list[AuditEntry]]:
     """What the streams worker leaves behind: every entry on the audit topic, then its row."""
     made = {tenant: chain(tenant, length) for tenant, length in chains.items()}
-    producer = EventProducer(settings.bootstrap, "test-audit")
+    producer = EventProducer(settings.kafka, "test-audit")
     with producer:
         for entries in made.values():
             for entry in entries:
@@ -360,7 +360,7 @@ def chain_of_length(settings: PlatformSettings, tenant: str, length: int) -> Cal
 
 
 async def finish_requests(settings: PlatformSettings, tenant: str, ids: range) -> None:
-    producer = EventProducer(settings.bootstrap, "test-results")
+    producer = EventProducer(settings.kafka, "test-results")
     with producer:
         for n in ids:
             event = finished(tenant=tenant, request_id=f"req-{tenant}-{n}", text=None, embeddings=None)
