@@ -53,7 +53,7 @@ from bus.producer import EventProducer
 from infra.kafka.broker import LocalKafka, free_port
 from infra.topics import TopicSizing, apply_topics, make_admin, platform_topics
 from infra.warehouse import WarehouseError, query_warehouse
-from schemas.events import FinishReason, RequestFinished, Status, Timings, Usage
+from schemas.events import FinishReason, Float32Vectors, RequestFinished, Status, Timings, Usage
 from schemas.ids import uuid7_from_parts
 from schemas.settings import KafkaConnection, PlatformSettings, load_settings
 from schemas.topics import TopicNames
@@ -80,7 +80,9 @@ class Traffic:
         self.weights = [1 / (i + 1) for i in range(50)]  # a few hot tenants, a long tail
         words = ("the", "river", "ran", "past", "old", "stone", "wall", "and", "gate", "held", "water")
         self.texts = [" ".join(self.rng.choices(words, k=n)) for n in (8, 24, 64, 128, 256) for _ in range(4)]
-        self.vectors = [[self.rng.uniform(-0.2, 0.2) for _ in range(384)] for _ in range(8)]
+        self.vectors = [
+            Float32Vectors.pack([[self.rng.uniform(-0.2, 0.2) for _ in range(384)]], 384) for _ in range(8)
+        ]
 
     def event(self, now: datetime | None = None) -> RequestFinished:
         rng = self.rng
@@ -109,7 +111,7 @@ class Traffic:
             finish_reason=reason,
             usage=Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion),
             text=rng.choice(self.texts) if completed and not embedding else None,
-            embeddings=[rng.choice(self.vectors)] if completed and embedding else None,
+            embeddings_f32=rng.choice(self.vectors) if completed and embedding else None,
             timings=Timings(accepted=accepted, started=started, first_token=first, finished=now),
             worker_id=f"{'minilm' if embedding else 'demo-gpt'}-1",
             model_version="v3" if rng.random() < 0.9 else "v4",

@@ -17,7 +17,17 @@ from gpu_workers.embedding import EmbeddingEngine
 from gpu_workers.generation import monotonic_deadline
 from gpu_workers.observe import RunnerLoad
 from gpu_workers.service import Arrival, Emitter, Origin
-from schemas.events import EmbeddingRequested, FinishReason, RequestFinished, Status, Timings, Usage, utc_now
+from schemas.events import (
+    FLOAT32_BYTES,
+    EmbeddingRequested,
+    FinishReason,
+    Float32Vectors,
+    RequestFinished,
+    Status,
+    Timings,
+    Usage,
+    utc_now,
+)
 from schemas.manifest import ModelManifest
 
 
@@ -25,7 +35,8 @@ from schemas.manifest import ModelManifest
 class _Request:
     arrival: Arrival
     event: EmbeddingRequested
-    vectors: dict[int, list[float]] = field(default_factory=dict)
+    vectors: dict[int, bytes] = field(default_factory=dict)
+    """Input index -> its vector's little-endian float32 bytes."""
     started: datetime | None = None
 
 
@@ -139,7 +150,7 @@ class EmbeddingRunner:
             if request is None:
                 continue
             request.started = request.started or started
-            request.vectors[item.payload.index] = [float(x) for x in vector]
+            request.vectors[item.payload.index] = vector.astype("<f4", copy=False).tobytes()
             if len(request.vectors) == len(request.event.inputs):
                 del self._requests[item.request_id]
                 emit.finish(request.arrival, self._terminal(request, "completed", "stop"))
@@ -153,6 +164,10 @@ class EmbeddingRunner:
             running=running, waiting=len(self._requests) - running, budget_ratio=0.0, batch=self._last_batch
         )
 
+    def _packed(self, request: _Request) -> Float32Vectors:
+        rows = [request.vectors[i] for i in range(len(request.event.inputs))]
+        return Float32Vectors(dim=len(rows[0]) // FLOAT32_BYTES, data=b"".join(rows))
+
     def _terminal(self, request: _Request, status: Status, reason: FinishReason) -> RequestFinished:
         event = request.event
         tokens = sum(len(ids) for ids in event.inputs)
@@ -164,7 +179,7 @@ class EmbeddingRunner:
             Usage(
                 prompt_tokens=tokens if done else 0, completion_tokens=0, total_tokens=tokens if done else 0
             ),
-            embeddings=[request.vectors[i] for i in range(len(event.inputs))] if done else None,
+            embeddings=self._packed(request) if done else None,
             timings=Timings(
                 accepted=event.time,
                 started=request.started,

@@ -78,7 +78,8 @@ class FeatureProbe:
         self, event: GenerationRequested | EmbeddingRequested, result: RequestFinished, prompt: str | None
     ) -> Sequence[float] | None:
         if self._own_vectors and isinstance(event, EmbeddingRequested):
-            return result.embeddings[0] if result.embeddings else None
+            vectors = result.vectors()
+            return vectors[0] if vectors else None
         if self._embed is None or not prompt:
             return None
         try:

@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import base64
 import re
-import sys
-from array import array
 from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
 from ingest.errors import InvalidRequest
-from schemas.events import FinishReason, Usage
+from schemas.events import FinishReason, Float32Vectors, Usage
 
 T = TypeVar("T")
 
@@ -296,23 +294,19 @@ def completion_chunk(
     return body
 
 
-def _base64_floats(vector: list[float]) -> str:
-    packed = array("f", vector)
-    if sys.byteorder != "little":
-        packed.byteswap()
-    return base64.b64encode(packed.tobytes()).decode()
-
-
-def embeddings(model: str, vectors: list[list[float]], prompt_tokens: int, encoding_format: str) -> Body:
+def embeddings(model: str, vectors: Float32Vectors, prompt_tokens: int, encoding_format: str) -> Body:
+    """``base64`` passes each vector's float32 bytes through as they came in the event; ``float`` lists
+    the floats."""
+    rendered: list[str] | list[list[float]] = (
+        [base64.b64encode(row).decode() for row in vectors.rows()]
+        if encoding_format == "base64"
+        else vectors.tolist()
+    )
     return {
         "object": "list",
         "data": [
-            {
-                "object": "embedding",
-                "index": index,
-                "embedding": _base64_floats(vector) if encoding_format == "base64" else vector,
-            }
-            for index, vector in enumerate(vectors)
+            {"object": "embedding", "index": index, "embedding": vector}
+            for index, vector in enumerate(rendered)
         ],
         "model": model,
         "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},

@@ -20,9 +20,17 @@ from ingest.errors import CatalogueError, InvalidRequest, ModelNotFound, Unavail
 from ingest.models import ModelCatalogue, ServedModel
 from ingest.openai import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, PromptInput, decode_body
 from ingest.settings import EdgeSettings
-from schemas.codec import FLOAT_JSON_BYTES, MAX_RECORD_BYTES
+from schemas.codec import MAX_RECORD_BYTES
 from schemas.deployments import Deployment, sticky_key
-from schemas.events import EmbeddingRequested, Endpoint, GenerationRequested, ReplyTo, SamplingParams, utc_now
+from schemas.events import (
+    FLOAT32_BYTES,
+    EmbeddingRequested,
+    Endpoint,
+    GenerationRequested,
+    ReplyTo,
+    SamplingParams,
+    utc_now,
+)
 from schemas.ids import derive_seed, uuid7, uuid7_unix_ms
 
 Kind = Literal["chat", "completion", "embedding"]
@@ -39,10 +47,12 @@ RESULT_ENVELOPE_BYTES = 16_384
 
 
 def embedding_inputs_that_fit(dim: int | None) -> int:
-    """How many ``dim``-dimensional vectors a terminal event can carry within one log record."""
+    """How many ``dim``-dimensional vectors a terminal event can carry within one log record: packed as
+    float32 (``RequestFinished.embeddings_f32``), base64 between quotes, 4 characters per 3 bytes."""
     if not dim:
         return MAX_EMBEDDING_INPUTS
-    return max(1, (MAX_RECORD_BYTES - RESULT_ENVELOPE_BYTES) // (dim * FLOAT_JSON_BYTES + 2))
+    base64_chars = MAX_RECORD_BYTES - RESULT_ENVELOPE_BYTES - 2
+    return max(1, base64_chars // 4 * 3 // (dim * FLOAT32_BYTES))
 
 
 # Bodies bigger than this are tokenised in a worker thread, off the event loop.
@@ -337,7 +347,7 @@ class Preparer:
         if len(texts) + len(inputs) > fit:
             raise InvalidRequest(
                 f"At most {fit} inputs per request for {model.model_id}: the result, {fit} vectors of "
-                f"{model.manifest.embedding_dim} floats, must fit one {MAX_RECORD_BYTES:,}-byte record "
+                f"{model.manifest.embedding_dim} float32, must fit one {MAX_RECORD_BYTES:,}-byte record "
                 "of the event log. Split the inputs over several requests.",
                 param="input",
             )

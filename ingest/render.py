@@ -16,7 +16,7 @@ from ingest import openai
 from ingest.errors import IngestError, error_body, from_finished
 from ingest.gateway import ReplyItem, ReplyStream
 from ingest.prepare import Shape
-from schemas.events import RequestFinished, TokenChunk
+from schemas.events import Float32Vectors, RequestFinished, TokenChunk
 
 DONE = b"data: [DONE]\n\n"
 _encode = msgspec.json.encode
@@ -81,7 +81,7 @@ async def collect(stream: ReplyStream) -> tuple[str, RequestFinished]:
 def final_body(shape: Shape, text: str, finished: RequestFinished) -> dict[str, Any]:
     """The non-streamed OpenAI response for a finished request."""
     if shape.kind == "embedding":
-        vectors = finished.embeddings or []
+        vectors = finished.packed_vectors() or Float32Vectors(dim=1, data=b"")
         return openai.embeddings(shape.model, vectors, finished.usage.prompt_tokens, shape.encoding_format)
     common = (shape.request_id, shape.model, shape.created, shape.fingerprint, text, finished.finish_reason)
     if shape.kind == "chat":
@@ -110,10 +110,11 @@ def native(item: ReplyItem, shape: Shape | None = None) -> dict[str, Any]:
         "finish_reason": item.finish_reason,
         "usage": openai.usage_body(item.usage),
     }
-    if item.embeddings is not None:
+    vectors = item.packed_vectors()
+    if vectors is not None:
         frame["result"] = openai.embeddings(
             item.model,
-            item.embeddings,
+            vectors,
             item.usage.prompt_tokens,
             shape.encoding_format if shape is not None else "float",
         )

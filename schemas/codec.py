@@ -63,8 +63,6 @@ def ce_type(cls: type[Envelope]) -> str:
 MAX_RECORD_BYTES = 1_000_000
 """The most a producer writes in one record (librdkafka's ``message.max.bytes``, which
 :func:`bus.producer.producer_config` sets to this): what a terminal event must fit."""
-FLOAT_JSON_BYTES = 24
-"""The most one float takes in an encoded event (``-1.2345678901234567e-05,``)."""
 
 
 def encode(event: Event) -> bytes:

@@ -11,6 +11,9 @@ enforced when decoding (and exported into the JSON Schemas); constructors trust 
 
 from __future__ import annotations
 
+import sys
+from array import array
+from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
 from typing import Annotated, ClassVar, Literal, TypeAlias
 
@@ -199,14 +202,65 @@ class DriftFeatures(FrozenStruct, frozen=True, kw_only=True):
     """A MiniLM sentence embedding of the prompt, for 1 in ``SLUICE_DRIFT_SAMPLE`` requests."""
 
 
+FLOAT32_BYTES = 4
+
+
+class Float32Vectors(FrozenStruct, frozen=True, kw_only=True):
+    """Equal-length vectors packed as little-endian float32, row-major: ``len(data) // (4 * dim)`` rows.
+
+    JSON carries ``data`` as base64 (msgspec encodes ``bytes`` so): 5.3 characters per float where a JSON
+    number takes ~20, and a row is OpenAI's ``encoding_format="base64"`` embedding once base64-encoded
+    alone. Pure Python (``array``), so the schemas need no numpy."""
+
+    dim: Annotated[int, msgspec.Meta(ge=1)]
+    data: bytes
+
+    def __post_init__(self) -> None:
+        if len(self.data) % (FLOAT32_BYTES * self.dim):
+            raise ValueError(f"{len(self.data)} bytes are not whole rows of {self.dim} float32")
+
+    @classmethod
+    def pack(cls, vectors: Iterable[Sequence[float]], dim: int) -> Float32Vectors:
+        """Vectors of ``dim`` floats each, rounded to float32 (exact for values that are float32)."""
+        values = array("f")
+        for vector in vectors:
+            if len(vector) != dim:
+                raise ValueError(f"a vector of {len(vector)} floats among vectors of {dim}")
+            values.extend(vector)
+        if sys.byteorder != "little":
+            values.byteswap()
+        return cls(dim=dim, data=values.tobytes())
+
+    def __len__(self) -> int:
+        return len(self.data) // (FLOAT32_BYTES * self.dim)
+
+    def rows(self) -> list[bytes]:
+        """Each vector's little-endian float32 bytes (no conversion to floats)."""
+        step = FLOAT32_BYTES * self.dim
+        return [self.data[start : start + step] for start in range(0, len(self.data), step)]
+
+    def tolist(self) -> list[list[float]]:
+        values = array("f", self.data)
+        if sys.byteorder != "little":
+            values.byteswap()
+        flat = values.tolist()
+        return [flat[start : start + self.dim] for start in range(0, len(flat), self.dim)]
+
+
 class RequestFinished(Envelope, frozen=True, kw_only=True, tag="request_finished"):
-    """The one terminal event of every accepted request."""
+    """The one terminal event of every accepted request.
+
+    An embedding result's vectors are in ``embeddings_f32`` (or, in events written before it existed,
+    ``embeddings``): read them with :meth:`vectors` or :meth:`packed_vectors`, never a field directly."""
 
     status: Status
     finish_reason: FinishReason | None
     usage: Usage
     text: str | None = None
     embeddings: list[list[float]] | None = None
+    """Vectors as JSON numbers, as workers wrote them before ``embeddings_f32`` (~4x larger)."""
+    embeddings_f32: Float32Vectors | None = None
+    """The vectors, packed: what workers write."""
     error: ErrorInfo | None = None
     timings: Timings = msgspec.field(default_factory=Timings)
     worker_id: str = ""
@@ -224,6 +278,18 @@ class RequestFinished(Envelope, frozen=True, kw_only=True, tag="request_finished
     """Drift features of the request, set by the worker (absent in events from before drift detection)."""
     shadow_of: str | None = None
     """Copied from a shadow request: the id of the request it mirrored (not billed, never answered)."""
+
+    def packed_vectors(self) -> Float32Vectors | None:
+        """The result's vectors packed, whichever form the event carries (None: the result has none)."""
+        if self.embeddings_f32 is not None or self.embeddings is None:
+            return self.embeddings_f32
+        return Float32Vectors.pack(self.embeddings, len(self.embeddings[0]) if self.embeddings else 1)
+
+    def vectors(self) -> list[list[float]] | None:
+        """The result's vectors as floats, whichever form the event carries (None: the result has none)."""
+        if self.embeddings_f32 is not None:
+            return self.embeddings_f32.tolist()
+        return self.embeddings
 
 
 class UsageRecorded(Envelope, frozen=True, kw_only=True, tag="usage_recorded"):

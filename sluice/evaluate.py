@@ -155,6 +155,7 @@ def evaluate(
 def _output(result: RequestFinished) -> object:
     if result.status != "completed":
         return None
-    if result.embeddings is not None:
-        return [[round(x, 4) for x in vector] for vector in result.embeddings]
+    vectors = result.vectors()
+    if vectors is not None:
+        return [[round(x, 4) for x in vector] for vector in vectors]
     return result.text

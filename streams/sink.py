@@ -80,7 +80,9 @@ def redact(event: Event) -> Event:
             features = event.features
             if features is not None and features.embedding is not None:
                 features = msgspec.structs.replace(features, embedding=None)  # kept in drift_features
-            return msgspec.structs.replace(event, text=None, embeddings=None, features=features)
+            return msgspec.structs.replace(
+                event, text=None, embeddings=None, embeddings_f32=None, features=features
+            )
         case TokenChunk():
             return msgspec.structs.replace(event, text="", token_ids=[])
     return event

@@ -7,7 +7,14 @@ from collections.abc import Sequence
 import msgspec
 
 from gpu_workers.features import FeatureProbe
-from schemas.events import DriftFeatures, EmbeddingRequested, GenerationRequested, RequestFinished, Usage
+from schemas.events import (
+    DriftFeatures,
+    EmbeddingRequested,
+    Float32Vectors,
+    GenerationRequested,
+    RequestFinished,
+    Usage,
+)
 from schemas.features import sampled
 
 PROMPT = "Tell me about the river and the weather."
@@ -85,8 +92,11 @@ def test_an_embedding_model_uses_its_own_first_vector() -> None:
         tenant="acme", model="all-minilm-l6-v2", request_id=sampled_id(), source="test", model_version="v1",
         inputs=[[101, 102]], texts=["ein Fluss"],
     )  # fmt: skip
-    result = msgspec.structs.replace(finished(text=None), embeddings=[[0.5, 0.25], [0.0, 1.0]])
+    packed = Float32Vectors.pack([[0.5, 0.25], [0.0, 1.0]], 2)
+    result = msgspec.structs.replace(finished(text=None), embeddings_f32=packed)
     got = FeatureProbe(4, own_vectors=True).features(event, result)
     assert got.embedding == [0.5, 0.25]
+    old = msgspec.structs.replace(finished(text=None), embeddings=[[0.5, 0.25], [0.0, 1.0]])
+    assert FeatureProbe(4, own_vectors=True).features(event, old).embedding == [0.5, 0.25], "old events"
     assert got.prompt_chars == len("ein Fluss")
     assert got.output_chars is None, "embeddings have no text output"

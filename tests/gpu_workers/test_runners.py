@@ -166,7 +166,7 @@ def test_generation_terminal_events(gpt_runner: GenerationRunner) -> None:
     assert (result.status, result.finish_reason, result.error) == ("completed", "length", None)
     assert result.usage == Usage(prompt_tokens=6, completion_tokens=6, total_tokens=12)
     assert result.text
-    assert result.embeddings is None
+    assert result.vectors() is None
     assert result.timings.accepted == completed.time
     assert result.timings.started
     assert result.timings.first_token
@@ -206,7 +206,7 @@ def test_generation_terminal_events(gpt_runner: GenerationRunner) -> None:
         result = done[request.request_id]
         assert (result.status, result.finish_reason, result.usage) == ("failed", "error", NO_USAGE)
         assert result.error == error
-        assert (result.text, result.embeddings, result.timings) == (None, None, Timings())
+        assert (result.text, result.vectors(), result.timings) == (None, None, Timings())
         assert (result.max_inter_token_s, result.features) == (None, None)
 
 
@@ -245,8 +245,12 @@ def test_embedding_terminal_events(minilm_runner: EmbeddingRunner) -> None:
         None,
     )
     assert result.usage == Usage(prompt_tokens=7, completion_tokens=0, total_tokens=7)
-    assert result.embeddings is not None
-    assert len(result.embeddings) == 2
+    assert result.embeddings is None, "vectors are packed, not JSON floats"
+    vectors = result.vectors()
+    assert vectors is not None
+    assert len(vectors) == 2
+    assert all(len(v) == 384 for v in vectors)
+    assert abs(sum(x * x for x in vectors[0]) - 1.0) < 1e-4
     assert result.timings.accepted == completed.time
     assert result.timings.started
     assert result.timings.first_token
@@ -255,7 +259,7 @@ def test_embedding_terminal_events(minilm_runner: EmbeddingRunner) -> None:
 
     result = done[expired.request_id]
     assert (result.status, result.finish_reason, result.usage) == ("expired", "deadline", NO_USAGE)
-    assert (result.embeddings, result.error) == (None, None)
+    assert (result.vectors(), result.error) == (None, None)
     assert (result.timings.accepted, result.timings.started, result.timings.first_token) == (
         expired.time,
         None,
@@ -277,7 +281,7 @@ def test_embedding_terminal_events(minilm_runner: EmbeddingRunner) -> None:
             NO_USAGE,
             error,
         )
-        assert (result.text, result.embeddings, result.timings) == (None, None, Timings())
+        assert (result.text, result.vectors(), result.timings) == (None, None, Timings())
 
 
 def test_a_cancelled_embedding_ends_cancelled(minilm_runner: EmbeddingRunner) -> None:
@@ -288,7 +292,7 @@ def test_a_cancelled_embedding_ends_cancelled(minilm_runner: EmbeddingRunner) ->
     result = out.finished[request.request_id]
     assert_envelope(result, request)
     assert (result.status, result.finish_reason, result.usage) == ("cancelled", "cancelled", NO_USAGE)
-    assert (result.embeddings, result.error, result.timings.started) == (None, None, None)
+    assert (result.vectors(), result.error, result.timings.started) == (None, None, None)
 
 
 # --- fairness between tenants -------------------------------------------------------------------------------

@@ -307,10 +307,13 @@ async def test_embeddings_are_batched_and_returned(
         for request in requests:
             finished = replies.finished(request.request_id)
             assert finished.status == "completed"
-            assert finished.embeddings is not None
-            assert len(finished.embeddings) == 2
-            assert all(len(v) == manifest.embedding_dim for v in finished.embeddings)
-            assert abs(sum(x * x for x in finished.embeddings[0]) - 1.0) < 1e-4
+            assert finished.embeddings_f32 is not None, "vectors travel packed as float32"
+            assert finished.embeddings_f32.dim == manifest.embedding_dim
+            vectors = finished.vectors()
+            assert vectors is not None
+            assert len(vectors) == 2
+            assert all(len(v) == manifest.embedding_dim for v in vectors)
+            assert abs(sum(x * x for x in vectors[0]) - 1.0) < 1e-4
             assert finished.usage.prompt_tokens == 7
 
 
@@ -322,7 +325,8 @@ async def test_a_result_too_large_for_the_log_fails_that_request_and_the_worker_
     shared_models_root: Path,
     minilm_source: Path,
 ) -> None:
-    """Poison pill: 200 inputs make a terminal event of ~1.5 MB, over the producer's 1 MB record limit.
+    """Poison pill: 600 inputs make a terminal event of ~1.2 MB (2,048 base64 characters per 384-dim
+    float32 vector), over the producer's 1 MB record limit; the edge refuses more than 480.
     Before, the publish error killed the model thread (and the redelivered request killed the restarted
     worker again); now that request fails with a reason and the next one is served."""
     from gpu_workers.models import MINILM_ID, prepare_hf_dir
@@ -344,7 +348,7 @@ async def test_a_result_too_large_for_the_log_fails_that_request_and_the_worker_
                 reply=ReplyTo(topic=names.replies, partition=0, edge_id="e1"),
             )
 
-        big, small = request(200), request(1)
+        big, small = request(600), request(1)
         await producer.publish(names.requests(MINILM_ID), big)
         await producer.publish(names.requests(MINILM_ID), small)
         failed = replies.finished(big.request_id)
@@ -352,7 +356,7 @@ async def test_a_result_too_large_for_the_log_fails_that_request_and_the_worker_
         assert failed.error is not None
         assert failed.error.code == "result_too_large"
         assert "bytes" in failed.error.message
-        assert failed.embeddings is None
+        assert failed.vectors() is None
         assert failed.usage.total_tokens == 0, "nothing is billed for a result nobody got"
         served = replies.finished(small.request_id)
         assert served.status == "completed"

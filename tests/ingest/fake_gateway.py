@@ -23,6 +23,7 @@ from schemas.events import (
     EmbeddingRequested,
     ErrorInfo,
     FinishReason,
+    Float32Vectors,
     GenerationRequested,
     ReplyTo,
     RequestFinished,
@@ -199,7 +200,8 @@ class FakeGateway:
             ]
             prompt_tokens = sum(len(ids) for ids in event.inputs)
             usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=0, total_tokens=prompt_tokens)
-            await log.append(_finished(event, "completed", "stop", usage, embeddings=vectors))
+            packed = Float32Vectors.pack(vectors, 3)
+            await log.append(_finished(event, "completed", "stop", usage, embeddings=packed))
             return
         if not isinstance(event, GenerationRequested):
             raise TypeError(event)
@@ -241,7 +243,7 @@ def _finished(
     reason: FinishReason,
     usage: Usage,
     *,
-    embeddings: list[list[float]] | None = None,
+    embeddings: Float32Vectors | None = None,
     error: ErrorInfo | None = None,
 ) -> RequestFinished:
     return RequestFinished(
@@ -252,7 +254,7 @@ def _finished(
         status=status,
         finish_reason=reason,
         usage=usage,
-        embeddings=embeddings,
+        embeddings_f32=embeddings,
         error=error,
         worker_id="fake-worker",
     )

@@ -6,15 +6,17 @@ import base64
 import struct
 from pathlib import Path
 
+import msgspec
 import pytest
 
-from ingest import openai
+from ingest import openai, render
 from ingest.errors import CatalogueError, InvalidRequest, ModelNotFound
 from ingest.models import ModelCatalogue
 from ingest.openai import ChatCompletionRequest, decode_body
-from ingest.prepare import body_hash
+from ingest.prepare import Shape, body_hash
 from ingest.settings import EdgeSettings
-from schemas.events import Usage
+from schemas.events import Float32Vectors, RequestFinished, Usage
+from schemas.ids import uuid7
 from schemas.settings import SettingsError, load_settings
 from tests.ingest.conftest import EMB, GEN
 
@@ -101,8 +103,30 @@ def test_body_hash_is_canonical() -> None:
 
 
 def test_embeddings_base64_is_little_endian_float32() -> None:
-    body = openai.embeddings("m", [[1.5, -2.0]], 3, "base64")
-    assert struct.unpack("<2f", base64.b64decode(body["data"][0]["embedding"])) == (1.5, -2.0)
+    packed = Float32Vectors.pack([[1.5, -2.0], [0.25, 3.0]], 2)
+    body = openai.embeddings("m", packed, 3, "base64")
+    rows = [struct.unpack("<2f", base64.b64decode(d["embedding"])) for d in body["data"]]
+    assert rows == [(1.5, -2.0), (0.25, 3.0)]
+    assert [d["embedding"] for d in openai.embeddings("m", packed, 3, "float")["data"]] == [
+        [1.5, -2.0],
+        [0.25, 3.0],
+    ]
+
+
+def test_embedding_replies_read_old_json_float_events_and_packed_ones_alike() -> None:
+    exact = [[1.5, -2.0], [0.25, 3.0]]
+    usage = Usage(prompt_tokens=3, completion_tokens=0, total_tokens=3)
+    old = RequestFinished(
+        tenant="t", model="m", request_id="r", source="s", status="completed", finish_reason="stop",
+        usage=usage, embeddings=exact,
+    )  # fmt: skip
+    new = msgspec.structs.replace(old, embeddings=None, embeddings_f32=Float32Vectors.pack(exact, 2))
+    for encoding_format in ("float", "base64"):
+        shape = Shape("embedding", "m", uuid7(), "fp", encoding_format=encoding_format)
+        assert render.final_body(shape, "", old) == render.final_body(shape, "", new)
+        assert render.native(old, shape) == render.native(new, shape)
+    float_shape = Shape("embedding", "m", uuid7(), "fp")
+    assert [d["embedding"] for d in render.final_body(float_shape, "", old)["data"]] == exact
 
 
 def test_usage_chunk_shape() -> None:

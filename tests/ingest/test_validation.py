@@ -344,11 +344,10 @@ async def test_embeddings_whose_result_cannot_fit_one_record_are_refused_naming_
 ) -> None:
     """Before, such a request ran and its terminal event killed the worker (too large to publish)."""
     import ingest.prepare
-    from schemas.codec import FLOAT_JSON_BYTES
 
-    per_vector = 3 * FLOAT_JSON_BYTES + 2
+    per_vector = 16  # 3 float32 = 12 bytes = 16 base64 characters
     monkeypatch.setattr(
-        ingest.prepare, "MAX_RECORD_BYTES", ingest.prepare.RESULT_ENVELOPE_BYTES + 10 * per_vector
+        ingest.prepare, "MAX_RECORD_BYTES", ingest.prepare.RESULT_ENVELOPE_BYTES + 2 + 10 * per_vector
     )
     assert ingest.prepare.embedding_inputs_that_fit(3) == 10
     fits = await client.post(EMBEDDINGS, json={"model": EMB, "input": ["fox"] * 10}, headers=AUTH)
@@ -362,11 +361,29 @@ async def test_embeddings_whose_result_cannot_fit_one_record_are_refused_naming_
     assert len(gateway.submitted) == 1, "the refused request is never published"
 
 
-def test_a_minilm_result_fits_up_to_106_inputs() -> None:
-    from ingest.prepare import embedding_inputs_that_fit
+def test_a_minilm_result_fits_up_to_480_inputs() -> None:
+    from ingest.prepare import RESULT_ENVELOPE_BYTES, embedding_inputs_that_fit
+    from schemas.codec import MAX_RECORD_BYTES
 
-    assert embedding_inputs_that_fit(384) == 106
+    # (1_000_000 - 16_384 - 2 quotes) // 4 * 3 bytes of base64 // (384 dims * 4 bytes): 480 vectors, where
+    # JSON floats (24 bytes each) fit 106.
+    assert embedding_inputs_that_fit(384) == 480
     assert embedding_inputs_that_fit(None) == 2048
+    budget = MAX_RECORD_BYTES - RESULT_ENVELOPE_BYTES
+    for dim in (3, 384, 768, 1024):
+        fit = embedding_inputs_that_fit(dim)
+        assert packed_json_bytes(fit, dim) <= budget < packed_json_bytes(fit + 1, dim), dim
+
+
+def packed_json_bytes(count: int, dim: int) -> int:
+    """What ``count`` packed vectors add to an encoded event: the ``data`` string, quotes included."""
+    import msgspec
+
+    from schemas.events import Float32Vectors
+
+    packed = Float32Vectors.pack([[0.0] * dim] * count, dim)
+    empty = Float32Vectors(dim=dim, data=b"")
+    return len(msgspec.json.encode(packed)) - len(msgspec.json.encode(empty)) + 2
 
 
 async def test_ignore_eos_is_a_tenant_permission(client: Client, gateway: FakeGateway) -> None:

@@ -12,6 +12,7 @@ deliberate (a new optional field, a bumped ``schema_version``), add a snapshot d
 from __future__ import annotations
 
 import argparse
+import struct
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -115,6 +116,20 @@ def test_events_written_before_drift_features_decode_without_them(path: Path) ->
     if isinstance(event, DriftReport):
         assert event.verdict is None
         assert event.effective_verdict == ("drift" if event.drifted else "no_drift")
+
+
+@pytest.mark.parametrize(
+    "path", [s / "request_finished.json" for s in snapshots()], ids=lambda p: p.parent.name
+)
+def test_result_vectors_read_the_same_from_json_floats_and_packed_float32(path: Path) -> None:
+    """Snapshots before 2026-11-25 carry ``embeddings`` as JSON floats, later ones ``embeddings_f32``."""
+    event = decode(path.read_bytes().removesuffix(b"\n"))
+    assert isinstance(event, RequestFinished)
+    assert event.vectors() == [[0.25, -0.5], [1.0, 0.0]]
+    packed = event.packed_vectors()
+    assert packed is not None
+    assert packed.rows() == [struct.pack("<2f", 0.25, -0.5), struct.pack("<2f", 1.0, 0.0)]
+    assert (event.embeddings is None) == (path.parent.name >= "2026-11-25")
 
 
 def test_the_oldest_snapshot_pins_every_type_that_existed_then() -> None:

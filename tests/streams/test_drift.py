@@ -17,7 +17,7 @@ import pytest
 from infra.warehouse import migrate, open_warehouse
 from infra.warehouse.client import Client
 from schemas.codec import decode, encode
-from schemas.events import DriftFeatures, DriftReport, RequestFinished, Timings, Usage
+from schemas.events import DriftFeatures, DriftReport, Float32Vectors, RequestFinished, Timings, Usage
 from schemas.ids import uuid7_from_parts
 from schemas.settings import PlatformSettings
 from streams.drift import (
@@ -280,6 +280,10 @@ def test_rows_hold_no_text_and_replay_rows_equal_live_rows(tmp_path: Path) -> No
     batch = rows_of([event])
     assert "a secret completion" not in repr(batch.drift) + repr(batch.raw)
     assert "0.5, 0.5" not in repr(batch.raw), "vectors stay out of events_raw"
+    packed = msgspec.structs.replace(
+        event, embeddings=None, embeddings_f32=Float32Vectors.pack([[0.5, 0.5]], 2)
+    )
+    assert "AAAAPwAAAD8=" not in repr(rows_of([packed]).raw), "packed vectors (base64) too"
     live = Batch(reports=[report_row(sample_report())])
     replayed = Rows(PriceTable(), decisions_from_topic=True).batch(
         [Consumed("drift", 0, 0, encode(sample_report()))]
