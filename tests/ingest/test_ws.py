@@ -203,3 +203,14 @@ async def test_a_slow_reader_stops_the_gateway_stream(make_client: MakeClient, g
     await eventually(lambda: len(sent) == 18)  # accepted, 16 tokens, done
     assert msgspec.json.decode(sent[-1])["type"] == "done"
     await session.close()
+
+
+async def test_json_nested_too_deep_is_an_error_frame_and_the_socket_stays_open(client: Client) -> None:
+    """Found by the fuzz suite: the id lookup of a bad frame hit RecursionError and the socket closed."""
+    async with client.ws_connect("/v1/ws", headers=AUTH) as ws:
+        await ws.send_str('{"type": "cancel", "x": ' + "[" * 100_000)
+        error = await ws.receive_json()
+        assert error["type"] == "error"
+        assert error["error"]["code"] == "invalid_frame"
+        await ws.send_str('{"type": "ping", "id": 1}')
+        assert await ws.receive_json() == {"type": "pong", "id": 1}
