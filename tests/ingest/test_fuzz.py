@@ -7,11 +7,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import random
 from collections import Counter
 from typing import Any
 
 import hypothesis
+import msgspec
 import schemathesis
+from aiohttp import WSCloseCode, WSMsgType
 from hypothesis import HealthCheck, given
 from schemathesis import Case, GenerationMode
 from schemathesis.specs.openapi.checks import (
@@ -109,3 +112,109 @@ async def test_schemathesis_finds_no_server_error_and_every_refusal_is_openai_sh
         assert decode(encode(event)) == event
         assert event.tenant == "demo"
 
+
+# --- WebSocket frames -------------------------------------------------------------------------------------
+
+WS_FRAMES = 2_000
+WS_BATCH = 100
+SERVER_FRAMES = {"accepted", "token", "done", "error", "pong"}
+
+
+def _junk_json(rng: random.Random, depth: int = 0) -> Any:
+    """A random JSON value: wrong types, huge numbers, odd strings, nesting."""
+    pick = rng.randrange(9 if depth < 4 else 6)
+    leaves: list[Any] = [
+        None,
+        rng.choice([True, False]),
+        rng.choice([0, -1, 2**63, -(2**64), 10**30, rng.randrange(-(10**6), 10**6)]),
+        rng.choice([0.5, -0.0, 1e308, -1e-320, 3.14]),
+        "".join(chr(rng.randrange(0x20, 0x3000)) for _ in range(rng.randrange(0, 20))),
+        rng.choice(["", "x" * 300, "\u0000", "\ud7ff", "chat.completions", "request"]),
+    ]
+    if pick < len(leaves):
+        return leaves[pick]
+    if pick == 6:
+        return [_junk_json(rng, depth + 1) for _ in range(rng.randrange(4))]
+    keys = ["type", "id", "endpoint", "body", "request_id", "after_seq", "model", "messages", "zz"]
+    return {rng.choice(keys): _junk_json(rng, depth + 1) for _ in range(rng.randrange(5))}
+
+
+def _valid_body(rng: random.Random) -> dict[str, Any]:
+    return {
+        "model": GEN,
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": rng.randrange(1, 4),
+    }
+
+
+def _frame(rng: random.Random) -> str | bytes:
+    """One client frame: mostly broken, some well-formed with junk inside, a few fully valid."""
+    ids: list[Any] = [rng.randrange(50), 2**64, -(2**70), "a" * 129, "", 1.5, None, [1], {"x": 1}, "id-7"]
+    kind = rng.randrange(10)
+    if kind == 0:
+        return rng.randbytes(rng.randrange(1, 64))  # a binary frame
+    if kind == 1:
+        return rng.randbytes(rng.randrange(1, 64)).decode("latin-1")  # not JSON
+    if kind == 2:
+        whole = msgspec.json.encode({"type": "request", "id": 1, "endpoint": "completions", "body": {}})
+        return whole[: rng.randrange(len(whole))].decode()  # truncated JSON
+    if kind == 3:
+        return "[" * rng.choice([10, 1_000, 100_000]) + "]" * rng.choice([0, 10])  # deep nesting
+    if kind == 4:
+        return msgspec.json.encode(_junk_json(rng)).decode()
+    if kind == 6:
+        valid = {"type": "request", "id": rng.randrange(10**12), "endpoint": "chat.completions"}
+        return msgspec.json.encode({**valid, "body": _valid_body(rng)}).decode()
+    frame: dict[str, Any] = {
+        "type": rng.choice(["request", "cancel", "resume", "ping", "pong", "REQUEST", 7, None]),
+        "id": rng.choice(ids),
+    }
+    if kind == 5:
+        frame["endpoint"] = rng.choice(["chat.completions", "completions", "embeddings", "nope", 3])
+        frame["body"] = rng.choice([_valid_body(rng), _junk_json(rng)])
+    elif kind == 7:
+        frame["request_id"] = rng.choice(["0190a5b0-0000-7000-8000-000000000000", "x", 5, "../../etc"])
+        frame["after_seq"] = rng.choice([-1, -2, 0, 2**63, "1", None])
+    elif kind == 8:
+        frame[rng.choice(["extra", "body", "after_seq"])] = _junk_json(rng)
+    return msgspec.json.encode(frame).decode()
+
+
+async def test_websocket_frame_fuzz_gets_answers_never_a_crash(client: Client, gateway: FakeGateway) -> None:
+    rng = random.Random(11)
+    frames = [_frame(rng) for _ in range(WS_FRAMES)]
+    answered = 0
+    async with client.ws_connect("/v1/ws", headers=AUTH) as ws:
+        for start in range(0, WS_FRAMES, WS_BATCH):
+            batch = frames[start : start + WS_BATCH]
+            for frame in batch:
+                await (ws.send_bytes(frame) if isinstance(frame, bytes) else ws.send_str(frame))
+            sentinel = f"sentinel-{start}"
+            await ws.send_str(msgspec.json.encode({"type": "ping", "id": sentinel}).decode())
+            while True:
+                reply = await asyncio.wait_for(ws.receive_json(), 10)
+                assert reply["type"] in SERVER_FRAMES, reply
+                if reply["type"] == "error":
+                    assert _is_openai_error(reply), reply
+                    assert reply["error"]["type"] != "server_error", reply
+                if reply == {"type": "pong", "id": sentinel}:
+                    break
+                answered += 1
+            assert not ws.closed
+    assert answered >= WS_FRAMES  # every frame got at least one answer
+    assert len(gateway.submitted) > 50  # the well-formed requests among the junk went through
+    await assert_healthy(client, gateway)
+    for event in gateway.submitted:
+        assert decode(encode(event)) == event
+
+
+async def test_a_websocket_frame_over_the_size_limit_closes_only_that_socket(
+    make_client: MakeClient, gateway: FakeGateway
+) -> None:
+    client, _ = await make_client(edge_max_body_bytes=4096)
+    async with client.ws_connect("/v1/ws", headers=AUTH) as ws:
+        await ws.send_str("x" * 5000)
+        closing = await ws.receive()
+        assert closing.type in (WSMsgType.CLOSE, WSMsgType.CLOSED, WSMsgType.CLOSING)
+    assert ws.close_code == WSCloseCode.MESSAGE_TOO_BIG
+    await assert_healthy(client, gateway)
