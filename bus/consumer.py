@@ -16,7 +16,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Topic
 from bus.errors import BusError
 from bus.producer import EventProducer
 from monitoring.metrics import CONSUMER_LAG, DEAD_LETTERS
-from schemas.codec import DecodeError, decode
+from schemas.codec import MAX_RECORD_BYTES, DecodeError, decode
 from schemas.events import DeadLetter, Event
 from schemas.lifecycle import Component, Watcher
 from schemas.settings import KafkaConnection
@@ -287,6 +287,10 @@ def decode_or_dead_letter(
         return None
 
 
+DEAD_LETTER_KEEP_BYTES = MAX_RECORD_BYTES // 2
+"""The most of an undecodable record a dead letter keeps (its base64 and the rest stay under the limit)."""
+
+
 def dead_letter(
     producer: EventProducer,
     deadletter_topic: str,
@@ -296,8 +300,19 @@ def dead_letter(
     exc: DecodeError,
     header_list: Sequence[tuple[str, str | bytes | None]] = (),
 ) -> None:
-    """Send an undecodable record (topic, partition, offset) whole to the dead-letter topic, and count it."""
+    """Send an undecodable record (topic, partition, offset) to the dead-letter topic, and count it.
+
+    The record goes whole unless its letter would pass the record limit (base64 grows it by a third): then
+    the letter keeps its first :data:`DEAD_LETTER_KEEP_BYTES` and the reason says so. A letter over the
+    limit failed to produce and stopped the worker that read the junk."""
     topic, partition, offset = where
+    reason = str(exc)
+    kept = {k: _text(v) for k, v in header_list}
+    if len(value) > DEAD_LETTER_KEEP_BYTES:
+        reason += f" (payload cut to its first {DEAD_LETTER_KEEP_BYTES} of {len(value)} bytes)"
+    if sum(len(k) + len(v) for k, v in kept.items()) > DEAD_LETTER_KEEP_BYTES // 8:
+        reason += f" ({len(kept)} headers left out: too large)"
+        kept = {}
     producer.produce(
         deadletter_topic,
         DeadLetter(
@@ -307,9 +322,9 @@ def dead_letter(
             source_topic=topic,
             partition=partition,
             offset=offset,
-            reason=str(exc),
-            payload_b64=base64.b64encode(value).decode(),
-            headers={k: _text(v) for k, v in header_list},
+            reason=reason,
+            payload_b64=base64.b64encode(value[:DEAD_LETTER_KEEP_BYTES]).decode(),
+            headers=kept,
         ),
     )
     DEAD_LETTERS.labels(topic=topic, reason=dead_letter_reason(value, exc)).inc()

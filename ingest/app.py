@@ -37,6 +37,7 @@ from ingest.errors import (
     AuthenticationFailed,
     HostNotAllowed,
     IngestError,
+    InvalidRequest,
     MethodNotAllowed,
     NotFound,
     PayloadTooLarge,
@@ -97,6 +98,10 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
             return error_response(MethodNotAllowed(f"Method {request.method} not allowed on {request.path}."))
         if exc.status == 413:
             return error_response(PayloadTooLarge("The request body is too large."))
+        if 400 <= exc.status < 500:  # aiohttp's own refusals (a GET of /v1/ws without an upgrade, ...)
+            response = error_response(InvalidRequest(exc.text or exc.reason, code="bad_request"))
+            response.set_status(exc.status, exc.reason)
+            return response
         raise
     except Exception:
         log.exception("unhandled error in %s %s", request.method, request.path)

@@ -11,7 +11,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from ingest import openai
+from ingest import openai, openapi_doc
 from ingest.admission import Flight, reserved_tokens
 from ingest.auth import Tenant
 from ingest.context import EdgeContext
@@ -59,6 +59,7 @@ def json_response(body: Any, *, status: int = 200, request_id: str | None = None
 class Routes:
     def __init__(self, ctx: EdgeContext) -> None:
         self.ctx = ctx
+        self._openapi: bytes | None = None
 
     def add_to(self, app: web.Application) -> None:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
@@ -69,6 +70,8 @@ class Routes:
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/readyz", self.readyz)
         app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/openapi.json", self.openapi)
+        app.router.add_get("/v1/openapi.json", self.openapi)
 
     def _tenant(self, request: web.Request) -> Tenant:
         return self.ctx.tenants.authenticate(request.headers.get("Authorization"))
@@ -215,6 +218,12 @@ class Routes:
         tenant = self._tenant(request)
         listed = [(m.model_id, 0) for m in self.ctx.catalogue if tenant.may_use(m.model_id)]
         return json_response(openai.model_list(listed))
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        """The OpenAPI document of the routes this app serves (written once, on first request)."""
+        if self._openapi is None:
+            self._openapi = msgspec.json.encode(openapi_doc.document(request.app))
+        return web.Response(body=self._openapi, content_type="application/json")
 
     async def healthz(self, request: web.Request) -> web.Response:
         return json_response({"status": "ok"})

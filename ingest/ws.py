@@ -89,8 +89,9 @@ class _Work:
 
 
 def _client_id(text: str | bytes) -> Any:
-    """The ``id`` of a frame that failed to decode, when it has a usable one."""
-    with contextlib.suppress(msgspec.DecodeError):
+    """The ``id`` of a frame that failed to decode, when it has a usable one (none in JSON nested too deep
+    to decode: that raised RecursionError out of the socket's loop and closed it)."""
+    with contextlib.suppress(msgspec.DecodeError, RecursionError):
         frame = msgspec.json.decode(text)
         if isinstance(frame, dict) and isinstance(frame.get("id"), str | int):
             return frame["id"]

@@ -111,6 +111,8 @@ def decode(
         raise DecodeError(f"invalid event: {exc}") from exc
     except msgspec.DecodeError as exc:
         raise DecodeError(f"malformed event JSON: {exc}") from exc
+    except RecursionError as exc:  # an unknown field nested too deep to skip: junk, not a worker's death
+        raise DecodeError("malformed event JSON: nested too deep") from exc
     if headers is not None:
         _check_headers(event, headers)
     return event

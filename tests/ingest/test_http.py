@@ -228,3 +228,26 @@ async def test_a_tenant_over_budget_gets_402_and_nothing_is_published(
     assert gateway.submitted == []
     gateway.exhausted.clear()  # the budget was raised: served again
     assert (await client.post("/v1/chat/completions", json=CHAT, headers=AUTH)).status == 200
+
+
+async def test_aiohttps_own_refusals_are_openai_errors(client: Client) -> None:
+    """Found by the fuzz suite: a GET of /v1/ws without an upgrade was aiohttp's text/plain 400."""
+    response = await client.get("/v1/ws", headers=AUTH)
+    assert response.status == 400
+    body = await response.json()
+    assert body["error"]["type"] == "invalid_request_error"
+    assert body["error"]["code"] == "bad_request"
+    assert response.headers["x-should-retry"] == "false"
+
+
+async def test_json_nested_too_deep_is_a_400(client: Client) -> None:
+    for path, field in (
+        ("/v1/chat/completions", "messages"),
+        ("/v1/completions", "prompt"),
+        ("/v1/embeddings", "input"),
+    ):
+        for body in ("[" * 100_000, '{"' + field + '": ' + "[" * 100_000, '{"zz": ' + "[" * 100_000):
+            response = await client.post(
+                path, data=body, headers={**AUTH, "Content-Type": "application/json"}
+            )
+            assert response.status == 400, (path, body[:20], await response.text())

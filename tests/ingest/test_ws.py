@@ -247,3 +247,14 @@ async def test_a_tenant_holds_at_most_its_sockets_on_an_edge(
             pass
     async with client.ws_connect("/v1/ws", headers=AUTH):  # closed ones are given back
         pass
+
+
+async def test_json_nested_too_deep_is_an_error_frame_and_the_socket_stays_open(client: Client) -> None:
+    """Found by the fuzz suite: the id lookup of a bad frame hit RecursionError and the socket closed."""
+    async with client.ws_connect("/v1/ws", headers=AUTH) as ws:
+        await ws.send_str('{"type": "cancel", "x": ' + "[" * 100_000)
+        error = await ws.receive_json()
+        assert error["type"] == "error"
+        assert error["error"]["code"] == "invalid_frame"
+        await ws.send_str('{"type": "ping", "id": 1}')
+        assert await ws.receive_json() == {"type": "pong", "id": 1}

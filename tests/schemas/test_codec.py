@@ -273,3 +273,12 @@ def test_json_schema_export_is_deterministic(tmp_path: Path) -> None:
     first = {p.name: p.read_bytes() for p in export_json_schemas(tmp_path / "a")}
     second = {p.name: p.read_bytes() for p in export_json_schemas(tmp_path / "b")}
     assert first == second
+
+
+def test_an_unknown_field_nested_too_deep_is_a_decode_error() -> None:
+    """Found by the fuzz suite: msgspec's RecursionError skipping the field escaped decode_or_dead_letter
+    and stopped the worker's consumer instead of dead-lettering the record."""
+    valid = encode(example_events()[0])
+    for junk in (b"[" * 100_000, b"[" * 100_000 + b"]" * 100_000):
+        with pytest.raises(DecodeError, match="nested too deep"):
+            decode(valid[:-1] + b',"zz":' + junk + b"}")

@@ -1,0 +1,47 @@
+"""A dead letter always fits in a record, however large the junk it carries (no broker needed)."""
+
+from __future__ import annotations
+
+import base64
+from typing import Any, cast
+
+from bus.consumer import DEAD_LETTER_KEEP_BYTES, dead_letter
+from bus.producer import EventProducer
+from schemas.codec import MAX_RECORD_BYTES, DecodeError, encode
+from schemas.events import DeadLetter
+
+
+class _Capture:
+    def __init__(self) -> None:
+        self.letters: list[DeadLetter] = []
+
+    def produce(self, topic: str, event: Any) -> None:
+        self.letters.append(event)
+
+
+def _letter(value: bytes, header_list: list[tuple[str, str | bytes | None]]) -> DeadLetter:
+    capture = _Capture()
+    where = ("t.requests.m", 0, 7)
+    dead_letter(
+        cast(EventProducer, capture), "t.deadletter", "test", where, value, DecodeError("bad"), header_list
+    )
+    (letter,) = capture.letters
+    return letter
+
+
+def test_a_small_record_goes_whole() -> None:
+    letter = _letter(b"{junk", [("ce_type", b"x")])
+    assert base64.b64decode(letter.payload_b64) == b"{junk"
+    assert letter.headers == {"ce_type": "x"}
+    assert letter.reason == "bad"
+
+
+def test_a_record_near_the_limit_is_cut_so_its_letter_fits() -> None:
+    """Found by the fuzz suite: the letter of a 990 kB record was over the limit, failed to produce and
+    stopped the worker."""
+    value = b"x" * (MAX_RECORD_BYTES - 10_000)
+    letter = _letter(value, [("h", b"y" * 200_000)])
+    assert len(encode(letter)) < MAX_RECORD_BYTES
+    assert base64.b64decode(letter.payload_b64) == value[:DEAD_LETTER_KEEP_BYTES]
+    assert f"of {len(value)} bytes" in letter.reason
+    assert letter.headers == {}
