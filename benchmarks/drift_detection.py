@@ -71,7 +71,10 @@ def window(n: int, rng: np.random.Generator, *, shifted: bool = False) -> pd.Dat
 def vectors(n: int, rng: np.random.Generator, centre: int) -> np.ndarray[Any, np.dtype[np.float32]]:
     v = rng.normal(0, 0.3, (n, 384)).astype(np.float32)
     v[:, centre] += 1.0
-    return (v / np.linalg.norm(v, axis=1, keepdims=True)).astype(np.float32)
+    normed: np.ndarray[Any, np.dtype[np.float32]] = (v / np.linalg.norm(v, axis=1, keepdims=True)).astype(
+        np.float32
+    )
+    return normed
 
 
 def per_request(repeat: int) -> dict[str, float]:

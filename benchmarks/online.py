@@ -22,39 +22,22 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import cast
 
 import aiohttp
+from harness import kafka, pct
 
-from infra.kafka.broker import LocalKafka, free_port
+from infra.kafka.broker import free_port
 from infra.topics import TopicSizing, apply_topics, make_admin, platform_topics
-from schemas.settings import KafkaConnection, PlatformSettings, load_settings
+from schemas.settings import PlatformSettings, load_settings
 from schemas.topics import TopicNames
 
 ROOT = Path(__file__).resolve().parent.parent
 KEY = "sk-sluice-demo"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 PROMPT = "Tell me about the river and the stone wall."
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
-
-
-@contextmanager
-def kafka(settings: PlatformSettings) -> Iterator[KafkaConnection]:
-    if not settings.local_kafka:
-        yield settings.kafka
-        return
-    with tempfile.TemporaryDirectory(prefix="sluice-bench-") as tmp:
-        broker = LocalKafka(
-            tmp, settings.cache_dir, settings.kafka_version, port=free_port(), controller_port=free_port()
-        )
-        with broker:
-            yield broker.connection
 
 
 class Services:
@@ -214,8 +197,8 @@ async def measure(url: str, raw: dict[str, object], services: Services, quick: b
         await closed_loop(64, 64, lambda n: embed(session, url, n))
         wall_one, _ = await closed_loop(64, n_emb // 4, lambda n: embed(session, url, n))
 
-    raw_emb = {int(k): float(v) for k, v in raw["embeddings_per_s"].items()}  # type: ignore[attr-defined]
-    raw_ttft = raw["ttft_ms"]  # type: ignore[index]
+    raw_emb = {int(k): float(v) for k, v in cast(dict[str, float], raw["embeddings_per_s"]).items()}
+    raw_ttft = cast(dict[str, float], raw["ttft_ms"])
     return {
         "generation": {
             "raw_best_batch": best_batch,
@@ -227,11 +210,11 @@ async def measure(url: str, raw: dict[str, object], services: Services, quick: b
         },
         "ttft_ms": {
             "raw_p50": raw_ttft["p50"],
-            "raw_p99": raw_ttft["p99"],  # type: ignore[index]
+            "raw_p99": raw_ttft["p99"],
             "platform_p50": statistics.median(ttfts),
             "platform_p99": pct(ttfts, 99),
-            "added_p50": statistics.median(ttfts) - raw_ttft["p50"],  # type: ignore[index]
-            "added_p99": pct(ttfts, 99) - raw_ttft["p99"],  # type: ignore[index]
+            "added_p50": statistics.median(ttfts) - raw_ttft["p50"],
+            "added_p99": pct(ttfts, 99) - raw_ttft["p99"],
         },
         "embeddings": {
             "raw_best_per_s": max(raw_emb.values()),

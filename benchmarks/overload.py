@@ -25,16 +25,15 @@ import platform as host
 import statistics
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import aiohttp
 import msgspec
 from aiohttp import web
+from harness import kafka, pct
 
 from gpu_workers.models import build_demo_gpt
-from infra.kafka.broker import LocalKafka, free_port
 from infra.topics import TopicSizing, apply_topics, make_admin, platform_topics
 from ingest.app import Edge
 from ingest.auth import hash_key
@@ -49,28 +48,11 @@ LIMIT_PER_MIN = 60
 KEY = "sk-flood"
 
 
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
-
-
-@contextmanager
-def kafka(settings: PlatformSettings) -> Iterator[str]:
-    if not settings.local_kafka:
-        yield settings.bootstrap
-        return
-    with tempfile.TemporaryDirectory(prefix="sluice-bench-") as tmp:
-        broker = LocalKafka(
-            tmp, settings.cache_dir, settings.kafka_version, port=free_port(), controller_port=free_port()
-        )
-        with broker:
-            yield broker.bootstrap
-
-
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Middleware = Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]
 
 
-def timing(refusals: list[float]) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+def timing(refusals: list[float]) -> Middleware:
     @web.middleware
     async def timed(request: web.Request, handler: Handler) -> web.StreamResponse:
         began = time.perf_counter()
@@ -105,7 +87,7 @@ async def run(
             edge, gateway = build_edge(
                 platform, EdgeSettings(edge_port=0, edge_id=name, edge_tenants_file=str(tenants_file)), 2
             )
-            edge.app.middlewares.insert(0, timing(inside))
+            edge.app.middlewares.insert(0, timing(inside))  # type: ignore[arg-type]  # aiohttp's Protocol
             await gateway.start()
             gateways.append(gateway)
             await edge.start()
@@ -171,13 +153,13 @@ def main() -> None:
                 {"tenants": {"flood": {"key_sha256": [hash_key(KEY)], "requests_per_min": LIMIT_PER_MIN}}}
             )
         )
-        with kafka(settings) as bootstrap:
+        with kafka(settings) as connection:
             prefix = f"bench-overload-{os.getpid()}"
             platform = msgspec.structs.replace(
-                settings, kafka_bootstrap=bootstrap, topic_prefix=prefix, models=("demo-gpt",)
+                settings, kafka_bootstrap=connection.bootstrap, topic_prefix=prefix, models=("demo-gpt",)
             )
             apply_topics(
-                make_admin(bootstrap),
+                make_admin(connection),
                 platform_topics(TopicNames(prefix), ["demo-gpt"], TopicSizing(replies=2)),
             )
             result = asyncio.run(run(platform, seconds, args.clients, tenants))

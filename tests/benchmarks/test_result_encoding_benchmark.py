@@ -2,26 +2,15 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.benchmarks.runner import run_benchmark
 
 
 def test_the_result_encoding_benchmark_runs_and_writes_its_json(tmp_path: Path) -> None:
     out = tmp_path / "result_encoding.json"
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "result_encoding.py"), "--repeat", "3", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-        cwd=ROOT,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    forms = json.loads(out.read_text())["forms"]
+    stdout, result = run_benchmark("result_encoding.py", out, "--repeat", "3", timeout=60)
+    forms = result["forms"]
     assert forms["packed_float32"]["event_bytes"] * 3 < forms["json_floats"]["event_bytes"]
     assert forms["packed_float32"]["inputs_that_fit"] == 480
-    assert "packed_float32" in done.stdout
+    assert "packed_float32" in stdout

@@ -1,0 +1,31 @@
+"""Run a benchmark script as a user would (``python benchmarks/<name>.py ... --out FILE``) and hand back its
+output and JSON: the tests keep the scripts from rotting; their numbers are printed, never asserted."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_benchmark(script: str, out: Path, *args: str, timeout: float) -> tuple[str, dict[str, Any]]:
+    """(stdout, the JSON it wrote). Only ``SLUICE_CACHE_DIR`` of the caller's ``SLUICE_*`` variables goes
+    through: a benchmark starts its own broker on free ports."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_") or k == "SLUICE_CACHE_DIR"}
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), *args, "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        cwd=ROOT,
+        env=env,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    result: dict[str, Any] = json.loads(out.read_text())
+    return done.stdout, result
