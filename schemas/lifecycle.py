@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from types import TracebackType
 from typing import Self
@@ -82,7 +83,7 @@ class _Watched:
         self._lifecycle.watch(watcher, type(self).__name__)
 
 
-class Component(_Watched):
+class Component(_Watched, ABC):
     """A synchronous long-lived component."""
 
     def start(self) -> None:
@@ -92,11 +93,13 @@ class Component(_Watched):
             self._stop_quietly()
             raise
 
+    @abstractmethod
     def _start(self) -> None:
-        raise NotImplementedError
+        """Start every piece; raise to have :meth:`stop` undo what had started."""
 
+    @abstractmethod
     def stop(self) -> None:
-        raise NotImplementedError
+        """Stop every piece that runs; safe after a partial start and more than once."""
 
     def _stop_quietly(self) -> None:
         try:
@@ -114,7 +117,7 @@ class Component(_Watched):
         self.stop()
 
 
-class AsyncComponent(_Watched):
+class AsyncComponent(_Watched, ABC):
     """An asyncio long-lived component."""
 
     async def start(self) -> None:
@@ -127,11 +130,13 @@ class AsyncComponent(_Watched):
                 log.warning("%s: stop after a failed start raised", type(self).__name__, exc_info=True)
             raise
 
+    @abstractmethod
     async def _start(self) -> None:
-        raise NotImplementedError
+        """Start every piece; raise to have :meth:`stop` undo what had started."""
 
+    @abstractmethod
     async def stop(self) -> None:
-        raise NotImplementedError
+        """Stop every piece that runs; safe after a partial start and more than once."""
 
     async def __aenter__(self) -> Self:
         await self.start()
