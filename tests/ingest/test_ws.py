@@ -9,6 +9,7 @@ import aiohttp
 import msgspec
 import pytest
 
+from ingest.app import Edge
 from ingest.auth import DEMO_KEY, TenantDirectory
 from ingest.ws import WsSession
 from tests.ingest.conftest import AUTH, EMB, GEN, OTHER_AUTH, Client, MakeClient, assert_healthy, eventually
@@ -177,10 +178,9 @@ async def test_socket_close_cancels_in_flight(client: Client, gateway: FakeGatew
     assert gateway.cancels[0].reason == "client_disconnect"
 
 
-async def test_a_slow_reader_stops_the_gateway_stream(make_client: MakeClient, gateway: FakeGateway) -> None:
-    """With the send blocked, the request reads from the gateway only what fills the bounded queue."""
-    _, edge = await make_client(edge_ws_send_queue=4)
-    gateway.tokens = 1000
+def blocked_session(edge: Edge) -> tuple[WsSession, list[str], asyncio.Event]:
+    """A demo tenant's socket session whose sends wait until the event is set: a reader that fell behind.
+    Returns the session (started), what it sent so far, and the event that lets sends go on."""
     unblock = asyncio.Event()
     sent: list[str] = []
 
@@ -188,9 +188,16 @@ async def test_a_slow_reader_stops_the_gateway_stream(make_client: MakeClient, g
         await unblock.wait()
         sent.append(text)
 
-    tenant = TenantDirectory.demo().authenticate(f"Bearer {DEMO_KEY}")
-    session = WsSession(edge.ctx, tenant, send)
+    session = WsSession(edge.ctx, TenantDirectory.demo().authenticate(f"Bearer {DEMO_KEY}"), send)
     session.start()
+    return session, sent, unblock
+
+
+async def test_a_slow_reader_stops_the_gateway_stream(make_client: MakeClient, gateway: FakeGateway) -> None:
+    """With the send blocked, the request reads from the gateway only what fills the bounded queue."""
+    _, edge = await make_client(edge_ws_send_queue=4)
+    gateway.tokens = 1000
+    session, sent, unblock = blocked_session(edge)
     await session.handle_text(msgspec.json.encode(request("slow", {**CHAT, "max_tokens": 16})).decode())
     await eventually(lambda: bool(gateway.submitted))
     rid = gateway.submitted[0].request_id
@@ -213,16 +220,7 @@ async def test_the_send_queue_is_bounded_in_bytes_not_only_frames(
     _, edge = await make_client(edge_ws_send_queue_bytes=4096)
     gateway.tokens = 16
     gateway.text_size = 2000
-    unblock = asyncio.Event()
-    sent: list[str] = []
-
-    async def send(text: str) -> None:
-        await unblock.wait()
-        sent.append(text)
-
-    tenant = TenantDirectory.demo().authenticate(f"Bearer {DEMO_KEY}")
-    session = WsSession(edge.ctx, tenant, send)
-    session.start()
+    session, sent, unblock = blocked_session(edge)
     await session.handle_text(msgspec.json.encode(request("big", {**CHAT, "max_tokens": 16})).decode())
     await eventually(lambda: bool(gateway.submitted))
     rid = gateway.submitted[0].request_id
