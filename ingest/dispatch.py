@@ -47,48 +47,46 @@ def check_idempotency_key(key: str | None) -> str | None:
     return key
 
 
-class TenantChecked:
+class Watched:
+    """A reply stream whose every item is shown to ``see`` on its way to the reader (which may raise)."""
+
+    def __init__(self, stream: ReplyStream, see: Callable[[ReplyItem], None]) -> None:
+        self._stream = stream
+        self._items = aiter(stream)
+        self._see = see
+
+    def __aiter__(self) -> Watched:
+        return self
+
+    async def __anext__(self) -> ReplyItem:
+        item = await anext(self._items)
+        self._see(item)
+        return item
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
+
+
+def tenant_checked(stream: ReplyStream, tenant: str) -> Watched:
     """A resumed stream that ends with ``stream_not_found`` at the first reply of another tenant: the gateway
     already checks, and this edge checks again (one tenant must never read another's stream)."""
 
-    def __init__(self, stream: ReplyStream, tenant: str) -> None:
-        self._stream = stream
-        self._items = aiter(stream)
-        self._tenant = tenant
-
-    def __aiter__(self) -> TenantChecked:
-        return self
-
-    async def __anext__(self) -> ReplyItem:
-        item = await anext(self._items)
-        if item.tenant != self._tenant:
+    def check(item: ReplyItem) -> None:
+        if item.tenant != tenant:
             raise NotFound(f"No stream {item.request_id!r} to resume.", code="stream_not_found")
-        return item
 
-    async def aclose(self) -> None:
-        await self._stream.aclose()
+    return Watched(stream, check)
 
 
-class Settling:
+def settling(stream: ReplyStream, settle: Callable[[RequestFinished], None]) -> Watched:
     """Tells ``settle`` the terminal event as it passes: the tenant's token reservation becomes what the
     request really used."""
 
-    def __init__(self, stream: ReplyStream, settle: Callable[[RequestFinished], None]) -> None:
-        self._stream = stream
-        self._items = aiter(stream)
-        self._settle = settle
-
-    def __aiter__(self) -> Settling:
-        return self
-
-    async def __anext__(self) -> ReplyItem:
-        item = await anext(self._items)
+    def see(item: ReplyItem) -> None:
         if isinstance(item, RequestFinished):
-            self._settle(item)
-        return item
+            settle(item)
 
-    async def aclose(self) -> None:
-        await self._stream.aclose()
+    return Watched(stream, see)
 
 
 class Dispatcher:
@@ -120,7 +118,7 @@ class Dispatcher:
         flight.request_id, flight.owner = opened.request_id, opened.owner
         if self._settle is not None and opened.owner:
             settle = self._settle
-            opened = dataclasses.replace(opened, stream=Settling(opened.stream, lambda f: settle(flight, f)))
+            opened = dataclasses.replace(opened, stream=settling(opened.stream, lambda f: settle(flight, f)))
         return opened
 
     async def _open(self, prepared: Prepared, idempotency_key: str | None) -> Opened:
@@ -157,7 +155,7 @@ class Dispatcher:
                 await self._gateway.forget_idempotent(event.tenant, idempotency_key, mine)
                 raise
         stream = await self._gateway.resume(event.tenant, record.request_id, -1)
-        stream = TenantChecked(stream, event.tenant) if stream is not None else None
+        stream = tenant_checked(stream, event.tenant) if stream is not None else None
         if stream is None:
             raise IdempotencyInProgress(
                 "A request with this Idempotency-Key is not readable yet; retry shortly.",
@@ -171,7 +169,7 @@ class Dispatcher:
         found = await self._gateway.resume(tenant, request_id, after_seq)
         if found is None:
             raise NotFound(f"No stream {request_id!r} to resume.", code="stream_not_found")
-        stream = TenantChecked(found, tenant)
+        stream = tenant_checked(found, tenant)
         delayed = self._delayed.pop(request_id, None)
         if delayed is not None:
             delayed.cancel()
