@@ -20,6 +20,7 @@ log says the rollout is, and recomputes the gates from the warehouse.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -423,6 +424,9 @@ class RolloutController:
         self._burning: dict[str, BurnRateCrossed] = {}
         self._due: set[str] = set()
         self._last_run = -math.inf
+        self._running = asyncio.Lock()
+        """One evaluation at a time: the sink and the timer both call :meth:`run_due`, and two evaluations
+        of one step would both publish its decision (the step promoted twice)."""
         self.last_results: dict[str, list[GateResult]] = {}
         """model -> the gates of its last evaluation (for metrics and debugging)."""
 
@@ -466,6 +470,12 @@ class RolloutController:
 
     async def run_due(self) -> list[DeploymentChanged]:
         """Evaluate the models that are due (at most once per interval); publish and return decisions."""
+        if self._running.locked():
+            return []  # the evaluation in progress will see what is due now, or the next one will
+        async with self._running:
+            return await self._run_due()
+
+    async def _run_due(self) -> list[DeploymentChanged]:
         now_mono = self._monotonic()
         if not self._due or now_mono - self._last_run < self._interval_s:
             return []
@@ -486,6 +496,10 @@ class RolloutController:
             for result in results:
                 for state in ("pass", "fail", "insufficient_data"):
                     metrics.ROLLOUT_GATE_STATE.labels(model, result.gate, state).set(state == result.state)
+            latest = self.deployments.get(model)
+            if latest is None or latest.id != current.id:
+                self._due.add(model)  # an operator's change arrived meanwhile: judge that one instead
+                continue
             decision = decide(current, results, self._clock())
             if decision is None:
                 continue

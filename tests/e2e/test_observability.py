@@ -124,8 +124,13 @@ async def test_one_streamed_request_is_one_trace_across_edge_kafka_worker_kafka_
     for name, kind in kinds.items():
         assert tree[name].kind == kind, name
 
-    # GenAI semantic conventions, plus tenant and model version
-    (result,) = [e for e in platform.results.of(request_id) if isinstance(e, RequestFinished)]
+    # GenAI semantic conventions, plus tenant and model version. The client saw the reply topic's copy;
+    # the results topic's copy may still be on its way to the test's reader.
+    def finished() -> list[RequestFinished]:
+        return [e for e in platform.results.of(request_id) if isinstance(e, RequestFinished)]
+
+    await platform.results.wait(lambda: bool(finished()), within=30)
+    (result,) = finished()
     root_attributes = dict(root.attributes or {})
     assert root_attributes["gen_ai.request.model"] == GPT
     assert root_attributes["gen_ai.operation.name"] == "chat"

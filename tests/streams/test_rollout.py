@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import logging
@@ -774,6 +775,57 @@ async def test_run_due_evaluates_at_most_once_per_interval(harness: Harness) -> 
     harness.mono += 0.1
     await controller.run_due()
     assert len(harness.warehouse.queries) == 2 * asked
+
+
+async def test_the_timer_and_the_sink_evaluating_at_once_publish_one_decision(harness: Harness) -> None:
+    # CI saw a step promoted twice: the timer's evaluation outlasted its interval and the sink's ran beside it.
+    release = asyncio.Event()
+
+    async def slow_read(sql: str) -> list[dict[str, Any]]:
+        await release.wait()
+        return await harness.warehouse.read(sql)
+
+    controller = RolloutController(
+        slow_read, harness.publish, interval_s=0.5, clock=lambda: harness.now, monotonic=lambda: harness.mono
+    )
+    controller.seed([canary()])
+    timer = asyncio.create_task(controller.run_due())
+    await asyncio.sleep(0)
+    harness.mono += 1.0  # past the interval while the first evaluation still waits on the warehouse
+    controller.observe([finished()])
+    sink = asyncio.create_task(controller.run_due())
+    await asyncio.sleep(0)
+    release.set()
+    decisions = [*await timer, *await sink]
+    assert len(decisions) == 1
+    assert harness.published == decisions
+    # What the sink made due is still due: the next run evaluates the new step, once.
+    harness.later()
+    (step_2,) = await controller.run_due()
+    assert (decisions[0].step, step_2.step) == (1, 2)
+
+
+async def test_an_operator_change_during_an_evaluation_wins(harness: Harness) -> None:
+    release = asyncio.Event()
+
+    async def read_while_aborted(sql: str) -> list[dict[str, Any]]:
+        await release.wait()
+        return await harness.warehouse.read(sql)
+
+    controller = RolloutController(
+        read_while_aborted, harness.publish, clock=lambda: harness.now, monotonic=lambda: harness.mono
+    )
+    controller.seed([canary()])
+    running = asyncio.create_task(controller.run_due())
+    await asyncio.sleep(0)
+    aborted = msgspec.structs.replace(
+        canary(), action="rollback", phase="rolled_back", time=harness.now, id="operator-abort"
+    )
+    controller.observe([aborted])
+    release.set()
+    assert await running == []
+    assert harness.published == []
+    assert controller.deployments[MODEL] is aborted
 
 
 async def test_a_failed_gate_publishes_one_rollback(harness: Harness) -> None:
