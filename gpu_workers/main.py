@@ -182,6 +182,9 @@ def run_worker(
 ) -> None:
     """Serve until ``stop`` is set (SIGTERM/SIGINT in ``sluice worker``). The ops endpoints answer from
     the start: ``/healthz`` while the model loads, ``/readyz`` once it serves."""
+    from gpu_workers.models import configure_openmp
+
+    configure_openmp(worker.worker_omp_wait_policy)  # before the model thread loads torch
     service = make_worker(platform, worker, model_id)
     ops = OpsServer(
         worker.worker_ops_host,

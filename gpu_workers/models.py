@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import json
+import logging
 import os
 import tempfile
 from dataclasses import dataclass
@@ -47,6 +48,8 @@ if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+log = logging.getLogger(__name__)
+
 
 MINILM_ID = "all-minilm-l6-v2"
 
@@ -66,6 +69,19 @@ class LoadedModel:
 
 
 _THREADS: int | None = None
+
+
+def configure_openmp(wait_policy: str) -> None:
+    """Set ``OMP_WAIT_POLICY`` for this process's torch unless the environment already names one. OpenMP
+    reads it once, when torch loads: call this before anything imports torch (the worker does at start)."""
+    import sys
+
+    if "OMP_WAIT_POLICY" in os.environ:
+        return
+    if "torch" in sys.modules:
+        log.warning("torch is already loaded: OMP_WAIT_POLICY=%s comes too late to apply", wait_policy)
+        return
+    os.environ["OMP_WAIT_POLICY"] = wait_policy.upper()
 
 
 def configure_torch_threads(threads: int | None = None) -> int:
@@ -344,6 +360,7 @@ __all__ = [
     "LoadedModel",
     "ModelError",
     "build_demo_gpt",
+    "configure_openmp",
     "configure_torch_threads",
     "demo_corpus",
     "load_embedding_model",

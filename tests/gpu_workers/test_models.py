@@ -4,6 +4,8 @@ import json
 import math
 import os
 import shutil
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,7 @@ from gpu_workers.models import (
     ModelError,
     add_version,
     build_demo_gpt,
+    configure_openmp,
     configure_torch_threads,
     demo_corpus,
     list_versions,
@@ -208,3 +211,27 @@ def test_add_version_refuses_another_tokenizer_or_task(minilm_source: Path, tmp_
     with pytest.raises(ModelError, match=r"has no tokenizer\.json"):
         add_version("all-minilm-l6-v2", missing, root)
     assert len(list_versions(root, "all-minilm-l6-v2")) == 1  # nothing was registered
+
+
+def test_configure_openmp_sets_the_policy_before_torch_loads(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delitem(sys.modules, "torch", raising=False)
+    configure_openmp("passive")
+    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+
+
+def test_configure_openmp_leaves_an_explicit_policy(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    monkeypatch.delitem(sys.modules, "torch", raising=False)
+    configure_openmp("passive")
+    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
+def test_configure_openmp_after_torch_loaded_warns_and_sets_nothing(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.setitem(sys.modules, "torch", types.ModuleType("torch"))
+    configure_openmp("passive")
+    assert "OMP_WAIT_POLICY" not in os.environ
+    assert "comes too late" in caplog.text
