@@ -80,7 +80,9 @@ def runner_factory(
                     weights=worker.tenant_weights(),
                 ),
                 flush=FlushPolicy(
-                    max_tokens=worker.worker_flush_tokens, max_delay_s=worker.worker_flush_ms / 1000
+                    max_tokens=worker.worker_flush_tokens,
+                    max_delay_s=worker.worker_flush_ms / 1000,
+                    first_token_alone=worker.worker_flush_first_token,
                 ),
             )
         from gpu_workers.embedding import EmbeddingEngine

@@ -41,8 +41,15 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     """Streaming: publish a chunk once this many tokens are buffered…"""
     worker_flush_ms: Annotated[float, msgspec.Meta(ge=0)] = 20.0
     """…or this long after its first buffered token."""
+    worker_flush_first_token: bool = True
+    """Streaming: publish each request's first token at once, in a chunk of its own (time to first token
+    is what a streaming user feels most); coalescing starts from the second token."""
     worker_embed_max_batch: Positive = 64
-    worker_embed_max_wait_ms: Annotated[float, msgspec.Meta(ge=0)] = 4.0
+    worker_embed_max_wait_ms: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    """Embeddings: how long a batch that is not full waits for more inputs. 0: an idle model runs what is
+    there at once, and batches fill with what arrives while the previous one runs (at 64 clients the
+    throughput was the same as with 4 ms; at 1 client p50 fell from 42 to 31 ms). Raise it only for
+    traffic that arrives in bursts just apart."""
     worker_embed_max_batch_tokens: Positive = 16_384
     worker_ops_host: str = "127.0.0.1"
     worker_ops_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 9400
