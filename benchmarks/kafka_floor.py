@@ -1,0 +1,248 @@
+"""The floor under the platform's two Kafka hops: what a request costs when nothing else runs.
+
+    python benchmarks/kafka_floor.py [--quick] [--fetch-wait-ms 500] [--acks all]
+        [--out benchmarks/results/kafka_floor.json]
+
+A request crosses Kafka twice: the edge publishes it (``requests``), a worker consumes it and publishes
+the reply (``replies``), the edge consumes that. This benchmark runs exactly that with no model, no HTTP
+and no platform code in the way: an echo process (consume ``req``, produce ``rep``) and a driver in this
+process (produce ``req``, consume ``rep``), both with the platform's own producer and consumer settings
+(``bus.producer.producer_config``, ``bus.consumer.consumer_config``) and records of a request's size.
+
+1. latency: one request in flight at a time; p50/p99 of the two hops (what TTFT can never go under);
+2. throughput: 64 in flight for a few seconds; requests/s and CPU milliseconds per request of the broker
+   JVM, the echo process and the driver (what every request costs on a shared box before any model runs).
+
+It starts its own broker on free ports (unless SLUICE_KAFKA_BOOTSTRAP is set). The numbers are this
+machine's (2 cores shared by everything): the ratios in ``online.py`` are judged against them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform as host
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+from confluent_kafka import Consumer, Message, Producer, TopicPartition
+from harness import kafka, pct
+
+from bus.consumer import consumer_config
+from bus.producer import producer_config
+from infra.topics import make_admin
+from schemas.settings import KafkaConnection, PlatformSettings, load_settings
+
+ROOT = Path(__file__).resolve().parent.parent
+RECORD = b"x" * 900
+"""About a chat request's event (prompt tokens, sampling, trace context)."""
+IN_FLIGHT = 64
+
+
+def configs(conn: KafkaConnection, role: str, fetch_wait_ms: int, acks: str) -> tuple[dict[str, Any], ...]:
+    produce = producer_config(
+        conn, f"floor-{role}", acks=acks, **({"enable.idempotence": False} if acks != "all" else {})
+    )
+    consume = consumer_config(conn, None, f"floor-{role}", **{"fetch.wait.max.ms": fetch_wait_ms})
+    return produce, consume
+
+
+def echo(bootstrap: str, fetch_wait_ms: int, acks: str) -> None:
+    """The worker's half: every record of ``req`` goes back on ``rep``, until a record says ``stop``."""
+    produce, consume = configs(KafkaConnection(bootstrap), "echo", fetch_wait_ms, acks)
+    producer, consumer = Producer(produce), Consumer(consume)
+    consumer.assign([TopicPartition("req", 0, 0)])
+    print("ready", flush=True)
+    while True:
+        first = consumer.poll(0.05)
+        producer.poll(0)
+        if first is None or first.error() is not None:
+            continue
+        for message in [first, *consumer.consume(num_messages=499, timeout=0)]:
+            if message.error() is not None:
+                continue
+            if message.value() == b"stop":
+                producer.flush(10)
+                consumer.close()
+                return
+            producer.produce("rep", message.value(), key=message.key())
+
+
+class Driver:
+    """The edge's half: publish to ``req``, wait for the echo on ``rep``."""
+
+    def __init__(self, conn: KafkaConnection, fetch_wait_ms: int, acks: str) -> None:
+        produce, consume = configs(conn, "driver", fetch_wait_ms, acks)
+        self.producer, self.consumer = Producer(produce), Consumer(consume)
+        self.consumer.assign([TopicPartition("rep", 0, 0)])
+        self.sent = 0
+
+    def send(self) -> int:
+        self.sent += 1
+        self.producer.produce("req", RECORD, key=str(self.sent).encode())
+        self.producer.poll(0)
+        return self.sent
+
+    def received(self, timeout: float) -> list[Message]:
+        first = self.consumer.poll(timeout)
+        self.producer.poll(0)
+        if first is None:
+            return []
+        return [m for m in [first, *self.consumer.consume(num_messages=499, timeout=0)] if m.error() is None]
+
+    def latency(self, n: int) -> list[float]:
+        """Two hops, one request at a time (ms)."""
+        out = []
+        for _ in range(n):
+            began = time.perf_counter()
+            key = str(self.send()).encode()
+            while not any(m.key() == key for m in self.received(5.0)):
+                if time.perf_counter() - began > 30:
+                    raise RuntimeError("the echo did not answer within 30 s")
+            out.append((time.perf_counter() - began) * 1000)
+        return out
+
+    def saturate(self, seconds: float) -> int:
+        """Keep IN_FLIGHT requests in flight for ``seconds``; the number answered."""
+        for _ in range(IN_FLIGHT):
+            self.send()
+        answered = 0
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            for _ in self.received(0.5):
+                answered += 1
+                self.send()
+        return answered
+
+    def drain(self, answered: int) -> None:
+        """Read the answers still in flight so the next phase starts clean."""
+        deadline = time.monotonic() + 30
+        while answered < self.sent and time.monotonic() < deadline:
+            answered += len(self.received(0.5))
+
+
+def cpu_seconds(*procs: psutil.Process) -> list[float]:
+    return [sum(p.cpu_times()[:2]) for p in procs]
+
+
+def broker_process(conn: KafkaConnection) -> psutil.Process | None:
+    """The local broker's JVM (the one listening on the bootstrap port), if it runs on this machine."""
+    port = int(conn.bootstrap.rsplit(":", 1)[1])
+    for c in psutil.net_connections("tcp"):
+        if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid:
+            return psutil.Process(c.pid)
+    return None
+
+
+def run(conn: KafkaConnection, args: argparse.Namespace) -> dict[str, Any]:
+    from confluent_kafka.admin import NewTopic
+
+    admin = make_admin(conn)
+    for future in admin.create_topics([NewTopic("req", 1, 1), NewTopic("rep", 1, 1)]).values():
+        future.result()
+    child = subprocess.Popen(
+        [sys.executable, __file__, "--echo", conn.bootstrap, str(args.fetch_wait_ms), args.acks],
+        stdout=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
+    )
+    try:
+        assert child.stdout is not None
+        if child.stdout.readline().strip() != b"ready":
+            raise RuntimeError("the echo process did not start")
+        driver = Driver(conn, args.fetch_wait_ms, args.acks)
+        driver.latency(20)  # connections, metadata, JIT
+        hops = driver.latency(100 if args.quick else 500)
+
+        broker = broker_process(conn)
+        procs = [p for p in (broker, psutil.Process(child.pid), psutil.Process()) if p is not None]
+        idle_before, idle_began = cpu_seconds(*procs), time.perf_counter()
+        time.sleep(2 if args.quick else 5)
+        idle = [
+            (b - a) / (time.perf_counter() - idle_began)
+            for a, b in zip(idle_before, cpu_seconds(*procs), strict=True)
+        ]
+        driver.saturate(1.0)  # warm
+        driver.drain(0)
+        driver.sent = 0
+        before, began = cpu_seconds(*procs), time.perf_counter()
+        answered = driver.saturate(3 if args.quick else 10)
+        wall = time.perf_counter() - began
+        spent = [b - a for a, b in zip(before, cpu_seconds(*procs), strict=True)]
+        driver.drain(answered)
+        driver.producer.produce("req", b"stop")
+        driver.producer.flush(10)
+        child.wait(30)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    names = (["broker"] if broker is not None else []) + ["echo", "driver"]
+    return {
+        "latency_ms": {
+            "p50": statistics.median(hops),
+            "p99": pct(hops, 99),
+            "mean": statistics.fmean(hops),
+            "samples": len(hops),
+        },
+        "saturation": {
+            "in_flight": IN_FLIGHT,
+            "requests_per_s": answered / wall,
+            "cpu_ms_per_request": {n: 1000 * s / answered for n, s in zip(names, spent, strict=True)},
+            "cpu_cores": {n: s / wall for n, s in zip(names, spent, strict=True)},
+        },
+        "idle_cpu_cores": dict(zip(names, idle, strict=True)),
+    }
+
+
+def table(result: dict[str, Any]) -> str:
+    lat, sat = result["latency_ms"], result["saturation"]
+    rows = [
+        ("two hops, 1 in flight, p50", f"{lat['p50']:.2f} ms"),
+        ("two hops, 1 in flight, p99", f"{lat['p99']:.2f} ms"),
+        (f"requests/s, {sat['in_flight']} in flight", f"{sat['requests_per_s']:.0f}"),
+        *((f"CPU per request: {name}", f"{ms:.3f} ms") for name, ms in sat["cpu_ms_per_request"].items()),
+        *((f"idle CPU: {name}", f"{cores:.3f} cores") for name, cores in result["idle_cpu_cores"].items()),
+    ]
+    width = max(len(r[0]) for r in rows)
+    return "\n".join(f"{name.ljust(width)} | {value}" for name, value in rows)
+
+
+def main() -> None:
+    if len(sys.argv) == 5 and sys.argv[1] == "--echo":
+        echo(sys.argv[2], int(sys.argv[3]), sys.argv[4])
+        return
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="fewer samples (a smoke run)")
+    parser.add_argument(
+        "--fetch-wait-ms",
+        type=int,
+        default=consumer_config(KafkaConnection("x"), None, "x")["fetch.wait.max.ms"],
+        help="consumers' fetch.wait.max.ms (default: the platform's)",
+    )
+    parser.add_argument("--acks", choices=("all", "1"), default="all", help="producers' acks (platform: all)")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "kafka_floor.json")
+    args = parser.parse_args()
+    settings = load_settings(PlatformSettings)
+    with kafka(settings) as conn:
+        result = run(conn, args)
+    result["settings"] = {"fetch_wait_max_ms": args.fetch_wait_ms, "acks": args.acks, "quick": args.quick}
+    result["machine"] = {
+        "cpus": os.cpu_count(),
+        "python": host.python_version(),
+        "load_avg_1m": os.getloadavg()[0],
+    }
+    print(table(result))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\nwrote {args.out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
