@@ -45,41 +45,42 @@ RECORD = b"x" * 900
 IN_FLIGHT = 64
 
 
-def configs(conn: KafkaConnection, role: str, fetch_wait_ms: int, acks: str) -> tuple[dict[str, Any], ...]:
-    produce = producer_config(
-        conn, f"floor-{role}", acks=acks, **({"enable.idempotence": False} if acks != "all" else {})
-    )
-    consume = consumer_config(conn, None, f"floor-{role}", **{"fetch.wait.max.ms": fetch_wait_ms})
-    return produce, consume
+def producer(conn: KafkaConnection, role: str, acks: str) -> Producer:
+    idempotence = {} if acks == "all" else {"enable.idempotence": False}
+    return Producer(producer_config(conn, f"floor-{role}", acks=acks, **idempotence))
+
+
+def consumer(conn: KafkaConnection, role: str, fetch_wait_ms: int) -> Consumer:
+    return Consumer(consumer_config(conn, None, f"floor-{role}", **{"fetch.wait.max.ms": fetch_wait_ms}))
 
 
 def echo(bootstrap: str, fetch_wait_ms: int, acks: str) -> None:
     """The worker's half: every record of ``req`` goes back on ``rep``, until a record says ``stop``."""
-    produce, consume = configs(KafkaConnection(bootstrap), "echo", fetch_wait_ms, acks)
-    producer, consumer = Producer(produce), Consumer(consume)
-    consumer.assign([TopicPartition("req", 0, 0)])
+    conn = KafkaConnection(bootstrap)
+    out, source = producer(conn, "echo", acks), consumer(conn, "echo", fetch_wait_ms)
+    source.assign([TopicPartition("req", 0, 0)])
     print("ready", flush=True)
     while True:
-        first = consumer.poll(0.05)
-        producer.poll(0)
+        first = source.poll(0.05)
+        out.poll(0)
         if first is None or first.error() is not None:
             continue
-        for message in [first, *consumer.consume(num_messages=499, timeout=0)]:
+        for message in [first, *source.consume(num_messages=499, timeout=0)]:
             if message.error() is not None:
                 continue
             if message.value() == b"stop":
-                producer.flush(10)
-                consumer.close()
+                out.flush(10)
+                source.close()
                 return
-            producer.produce("rep", message.value(), key=message.key())
+            out.produce("rep", message.value(), key=message.key())
 
 
 class Driver:
     """The edge's half: publish to ``req``, wait for the echo on ``rep``."""
 
     def __init__(self, conn: KafkaConnection, fetch_wait_ms: int, acks: str) -> None:
-        produce, consume = configs(conn, "driver", fetch_wait_ms, acks)
-        self.producer, self.consumer = Producer(produce), Consumer(consume)
+        self.producer = producer(conn, "driver", acks)
+        self.consumer = consumer(conn, "driver", fetch_wait_ms)
         self.consumer.assign([TopicPartition("rep", 0, 0)])
         self.sent = 0
 
@@ -157,10 +158,12 @@ def run(conn: KafkaConnection, args: argparse.Namespace) -> dict[str, Any]:
             raise RuntimeError("the echo process did not start")
         driver = Driver(conn, args.fetch_wait_ms, args.acks)
         driver.latency(20)  # connections, metadata, JIT
-        hops = driver.latency(100 if args.quick else 500)
-
         broker = broker_process(conn)
         procs = [p for p in (broker, psutil.Process(child.pid), psutil.Process()) if p is not None]
+        lone_before = cpu_seconds(*procs)
+        hops = driver.latency(100 if args.quick else 500)
+        lone = [b - a for a, b in zip(lone_before, cpu_seconds(*procs), strict=True)]
+
         idle_before, idle_began = cpu_seconds(*procs), time.perf_counter()
         time.sleep(2 if args.quick else 5)
         idle = [
@@ -188,6 +191,7 @@ def run(conn: KafkaConnection, args: argparse.Namespace) -> dict[str, Any]:
             "p99": pct(hops, 99),
             "mean": statistics.fmean(hops),
             "samples": len(hops),
+            "cpu_ms_per_request": {n: 1000 * s / len(hops) for n, s in zip(names, lone, strict=True)},
         },
         "saturation": {
             "in_flight": IN_FLIGHT,
@@ -204,6 +208,10 @@ def table(result: dict[str, Any]) -> str:
     rows = [
         ("two hops, 1 in flight, p50", f"{lat['p50']:.2f} ms"),
         ("two hops, 1 in flight, p99", f"{lat['p99']:.2f} ms"),
+        *(
+            (f"CPU per request, 1 in flight: {name}", f"{ms:.3f} ms")
+            for name, ms in lat["cpu_ms_per_request"].items()
+        ),
         (f"requests/s, {sat['in_flight']} in flight", f"{sat['requests_per_s']:.0f}"),
         *((f"CPU per request: {name}", f"{ms:.3f} ms") for name, ms in sat["cpu_ms_per_request"].items()),
         *((f"idle CPU: {name}", f"{cores:.3f} cores") for name, cores in result["idle_cpu_cores"].items()),

@@ -36,6 +36,13 @@ FETCH_WAIT_MAX_MS = 500
 """Kafka's default. The longest an empty fetch waits on the broker; a record ends the wait at once."""
 
 
+BACKGROUND = {"fetch.min.bytes": 64 * 1024, "fetch.wait.max.ms": 100}
+"""Overrides for a consumer no request waits on (the workers' results tail and cancels, control, quota):
+the broker answers its fetch when 64 KiB are there or after 100 ms, so a burst of records costs one fetch
+instead of one each. At low load every record used to wake every such consumer: ~1.5 ms of broker CPU
+per fetch on this box, several per request (benchmarks/kafka_floor.py, docs/perf/)."""
+
+
 def consumer_config(
     kafka: KafkaConnection, group_id: str | None, client_id: str, **overrides: Any
 ) -> dict[str, Any]:

@@ -23,7 +23,7 @@ import msgspec
 from confluent_kafka import Consumer, Message, TopicPartition
 from opentelemetry.trace import SpanKind
 
-from bus.consumer import ConsumerThread, consumer_config, offset_at, read_to_end, watermarks
+from bus.consumer import BACKGROUND, ConsumerThread, consumer_config, offset_at, read_to_end, watermarks
 from bus.control import control_start
 from bus.errors import BusError
 from bus.producer import EventProducer
@@ -276,7 +276,7 @@ class KafkaGateway(AsyncComponent):
             self._control_seen.set()
         if control:
             self._control = ConsumerThread(
-                consumer_config(self._kafka, None, f"ingest-{self.edge_id}-control"),
+                consumer_config(self._kafka, None, f"ingest-{self.edge_id}-control", **BACKGROUND),
                 self._on_control,
                 assign=control,
                 name=f"control-{self.edge_id}",
@@ -291,7 +291,7 @@ class KafkaGateway(AsyncComponent):
             log.warning("no quota topic %s: tenants' limits are this edge's alone", self._names.quota)
         else:
             self._quota = ConsumerThread(
-                consumer_config(self._kafka, None, f"ingest-{self.edge_id}-quota"),
+                consumer_config(self._kafka, None, f"ingest-{self.edge_id}-quota", **BACKGROUND),
                 self._on_quota,
                 assign=[quota],
                 name=f"quota-{self.edge_id}",
