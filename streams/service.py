@@ -1,4 +1,4 @@
-"""The streams process: owns the embedded warehouse, runs the Faust app, serves the dashboard and ops.
+"""The streams process: owns the embedded warehouse, runs the sink and its timers, serves the dashboard and ops.
 
 ``start()``: open the warehouse (this process becomes its owner: other processes read it through the
 query server, e.g. ``sluice sql``), apply migrations and the raw-event retention, start the Faust app,
