@@ -4,6 +4,7 @@ committed only after the batch is written), and the timers."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -147,7 +148,7 @@ async def test_a_timer_runs_its_work_after_each_interval_until_cancelled() -> No
     with pytest.raises(asyncio.CancelledError):
         await task
     assert runs[0] - began >= 0.009  # the first run waits one interval (asyncio may wake a hair early)
-    assert all(later - earlier >= 0.009 for earlier, later in zip(runs, runs[1:], strict=False))
+    assert all(later - earlier >= 0.009 for earlier, later in itertools.pairwise(runs))
 
 
 async def test_stopping_an_app_that_never_started_leaves_the_working_directory_alone(
