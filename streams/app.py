@@ -40,7 +40,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, ParamSpec
+from typing import Any, NamedTuple, ParamSpec
 
 import msgspec
 from clickhouse_connect.driver.client import Client
@@ -125,6 +125,14 @@ async def every(interval_s: float, work: Callable[[], Awaitable[None]]) -> None:
         await work()
 
 
+class Prepared(NamedTuple):
+    """A batch ready to insert: its rows (audit entries durable on the topic), spans, entries made."""
+
+    batch: Batch
+    spans: list[Span]
+    entries: int
+
+
 def consumed(messages: Sequence[Message]) -> tuple[list[Consumed], dict[tuple[str, int], int]]:
     """The batch's records, and the offsets to commit once they are written: per partition, the one after
     its last record."""
@@ -174,6 +182,8 @@ class StreamsApp(AsyncComponent):
         self._sink: ConsumerThread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timers: list[asyncio.Task[None]] = []
+        self._storing: asyncio.Task[Batch] | None = None
+        """The insert of the batch before the one being prepared."""
         self._heads: dict[str, AuditHead] | None = None
         self._offsets: dict[str, tuple[int, int]] = {}
         """Per chain: the (partition, offset) its last audit entry came from."""
@@ -230,6 +240,9 @@ class StreamsApp(AsyncComponent):
                 await asyncio.to_thread(sink.stop)
             except BusError:
                 log.warning("streams: the sink had failed", exc_info=True)  # already told (fail)
+        storing, self._storing = self._storing, None
+        if storing is not None:  # the last batch's insert (its offsets stay uncommitted: redelivered)
+            await asyncio.gather(storing, return_exceptions=True)
         timers, self._timers = self._timers, []
         for task in timers:
             task.cancel()
@@ -243,35 +256,68 @@ class StreamsApp(AsyncComponent):
     # ---------------------------------------------------------------- the sink
 
     def _consume(self, messages: list[Message]) -> None:
-        """On the polling thread: write a batch on the loop, wait for it, then commit its offsets."""
+        """On the polling thread: hand a batch to the loop (:meth:`_pipelined`) and wait until it is
+        prepared; its offsets are committed once it is written."""
         loop, sink = self._loop, self._sink
         if loop is None or sink is None:
             raise RuntimeError("the sink consumes before the app started")
         records, offsets = consumed(messages)
-        asyncio.run_coroutine_threadsafe(self.write(records), loop).result()
-        sink.commit(offsets)  # committed by the polling thread before its next batch
+        stored = functools.partial(sink.commit, offsets)  # by the polling thread before its next batch
+        asyncio.run_coroutine_threadsafe(self._pipelined(records, stored), loop).result()
+
+    async def _pipelined(self, records: Sequence[Consumed], on_stored: Callable[[], object]) -> None:
+        """Prepare ``records`` (rows, audit entries durable on the topic) while the previous batch is
+        still being inserted, wait for that insert, then start this batch's; ``on_stored`` runs once
+        it is written. One insert at a time, in order, so offsets are committed in order, each after
+        its batch's rows. A failed insert fails the app (nothing after it is committed)."""
+        prepared = await self._prepare(records)
+        previous = self._storing
+        if previous is not None:
+            await previous  # raises what failed it
+        task = asyncio.create_task(self._store(prepared))
+        task.add_done_callback(functools.partial(self._stored, on_stored))
+        self._storing = task
+
+    def _stored(self, on_stored: Callable[[], object], task: asyncio.Task[Batch]) -> None:
+        if task.cancelled():
+            return
+        failed = task.exception()
+        if failed is not None:
+            log.error("streams: writing a batch failed", exc_info=failed)
+            self.fail(failed)
+            return
+        on_stored()
 
     async def write(self, records: Sequence[Consumed]) -> Batch:
         """Rows and audit entries for ``records``, durable before returning (so their offsets may then
         be committed)."""
+        return await self._store(await self._prepare(records))
+
+    async def _prepare(self, records: Sequence[Consumed]) -> Prepared:
+        """The rows of ``records`` and their audit entries, published and durable on the audit topic."""
         batch = self._rows.batch(records)
         self._last_batch_at = time.monotonic()
         self._last_batch_full = len(records) >= self._batch_size
         spans = self._spans(batch)
-        loop = asyncio.get_running_loop()
         entries = await self._chain(batch)
         withheld = self.audit_conflicts
         batch.audit += [audit_row(entry) for entry, _, _ in entries if entry.tenant not in withheld]
         raw_row, audit = self._rows.raw_row, self.names.audit
         batch.raw += [raw_row(entry, audit, *where, encoded=value) for entry, value, where in entries]
+        return Prepared(batch, spans, len(entries))
+
+    async def _store(self, prepared: Prepared) -> Batch:
+        """Insert a prepared batch, then count it, dead-letter what could not be decoded and let the
+        rollout controller see its outcomes."""
+        batch, spans, entries = prepared
         began = time.perf_counter()
-        await loop.run_in_executor(self._executor, insert, self._writer, batch)
+        await asyncio.get_running_loop().run_in_executor(self._executor, insert, self._writer, batch)
         written = time.time()
         metrics.STREAMS_INSERT_SECONDS.observe(time.perf_counter() - began)
         metrics.STREAMS_BATCH_SIZE.observe(len(batch))
-        metrics.STREAMS_AUDIT_ENTRIES.inc(len(entries))
+        metrics.STREAMS_AUDIT_ENTRIES.inc(entries)
         if entries:
-            metrics.STREAMS_EVENTS.labels(self.names.audit, "audit_entry").inc(len(entries))
+            metrics.STREAMS_EVENTS.labels(self.names.audit, "audit_entry").inc(entries)
         for span in spans:
             span.end()
         kinds: Counter[tuple[str, str | int | None]] = Counter()

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import queue
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import cast
 
 import pytest
 from clickhouse_connect.driver.client import Client
@@ -17,10 +19,10 @@ from confluent_kafka import Message
 from bus.consumer import ConsumerThread
 from bus.producer import EventProducer
 from schemas.settings import KafkaConnection, PlatformSettings
-from streams.app import StreamsApp, consumed, every
+from streams.app import Prepared, StreamsApp, consumed, every
 from streams.pricing import PriceTable
 from streams.settings import StreamsSettings
-from streams.sink import Consumed
+from streams.sink import Batch, Consumed
 
 
 class Record:
@@ -103,28 +105,97 @@ def loop() -> Iterator[asyncio.AbstractEventLoop]:
 def test_offsets_are_committed_only_once_the_batch_is_written(
     tmp_path: Path, loop: asyncio.AbstractEventLoop
 ) -> None:
+    """The next batch is prepared while the previous one is inserted; each batch's offsets are committed
+    after its own insert, in order; a failed insert fails the app and commits nothing more."""
     app = make_app(tmp_path)
     sink = Sink()
     app._loop, app._sink = loop, cast(ConsumerThread, sink)
-    written: list[list[Consumed]] = []
+    steps: list[str] = []
+    inserting: dict[int, asyncio.Event] = {}
 
-    async def write(records: list[Consumed]) -> Any:
-        assert sink.commits == []  # nothing committed while the batch is being written
-        await asyncio.sleep(0)
-        written.append(records)
+    async def prepare(records: Sequence[Consumed]) -> Prepared:
+        steps.append(f"prepare {records[0].offset}")
+        return Prepared(Batch(raw=[[record.offset] for record in records]), [], 0)
 
-    app.write = write  # type: ignore[method-assign]
-    app._consume(messages(("r", 0, 3), ("r", 1, 0)))
-    assert [len(batch) for batch in written] == [2]
+    async def store(prepared: Prepared) -> Batch:
+        first = prepared.batch.raw[0][0]
+        steps.append(f"insert {first}")
+        inserting[first] = asyncio.Event()
+        await inserting[first].wait()
+        if first == 9:
+            raise RuntimeError("the warehouse is gone")
+        steps.append(f"written {first}")
+        return prepared.batch
+
+    app._prepare = prepare  # type: ignore[method-assign]
+    app._store = store  # type: ignore[method-assign]
+
+    def released(first: int) -> None:
+        _until(lambda: first in inserting)
+        asyncio.run_coroutine_threadsafe(_set(inserting, first), loop).result()
+
+    polling = Polling(app)  # the consumer thread: one batch after another
+    polling.put(messages(("r", 0, 3), ("r", 1, 0)))
+    polling.put(messages(("r", 0, 4)))
+    _until(lambda: len(steps) == 3)
+    assert steps == ["prepare 3", "insert 3", "prepare 4"]  # 4 is prepared while 3 is being inserted
+    assert sink.commits == []  # nothing is written yet
+    released(3)
+    _until(lambda: len(sink.commits) == 1)
     assert sink.commits == [{("r", 0): 4, ("r", 1): 1}]
+    released(4)
+    _until(lambda: len(sink.commits) == 2)
+    assert sink.commits[1] == {("r", 0): 5}
+    assert steps == ["prepare 3", "insert 3", "prepare 4", "written 3", "insert 4", "written 4"]
 
-    async def broken(records: list[Consumed]) -> Any:
-        raise RuntimeError("the warehouse is gone")
+    polling.put(messages(("r", 0, 9)))
+    released(9)
+    _until(lambda: app.failure is not None)
+    assert isinstance(app.failure, RuntimeError)
+    polling.put(messages(("r", 0, 10)))
+    assert isinstance(polling.died(), RuntimeError)  # the consumer thread dies of it too
+    assert len(sink.commits) == 2  # the failed batch is not committed, nor anything after it
+    assert "prepare 10" in steps
+    assert "insert 10" not in steps
 
-    app.write = broken  # type: ignore[method-assign]
-    with pytest.raises(RuntimeError, match="the warehouse is gone"):
-        app._consume(messages(("r", 0, 4)))  # the consumer thread dies of it: the app fails
-    assert sink.commits == [{("r", 0): 4, ("r", 1): 1}]  # and the failed batch is not committed
+
+class Polling:
+    """Calls the app's ``_consume`` with each batch put, in order, on one thread, until one raises."""
+
+    def __init__(self, app: StreamsApp) -> None:
+        self._app = app
+        self._batches: queue.SimpleQueue[list[Message]] = queue.SimpleQueue()
+        self._error: list[BaseException] = []
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def put(self, batch: list[Message]) -> None:
+        self._batches.put(batch)
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self._app._consume(self._batches.get())
+            except Exception as exc:
+                self._error.append(exc)
+                return
+
+    def died(self) -> BaseException:
+        self._thread.join(10)
+        assert self._error, "the polling thread is still running"
+        return self._error[0]
+
+
+async def _set(events: dict[int, asyncio.Event], key: int) -> None:
+    events[key].set()
+
+
+def _until(condition: Callable[[], bool], timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("the condition was never met")
+        time.sleep(0.001)
 
 
 def test_the_sink_refuses_a_batch_before_the_app_started(tmp_path: Path) -> None:
