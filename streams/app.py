@@ -101,8 +101,7 @@ P = ParamSpec("P")
 def guarded(
     fail: Callable[[BaseException], object], work: Callable[P, Awaitable[None]]
 ) -> Callable[P, Awaitable[None]]:
-    """``work`` (an agent or a timer) with whatever escapes it told to ``fail`` and raised again.
-    ``functools.wraps`` keeps its signature: Faust passes the app to a timer only if it takes one."""
+    """``work`` (a timer) with whatever escapes it told to ``fail`` and raised again."""
 
     @functools.wraps(work)
     async def guard(*args: P.args, **kwargs: P.kwargs) -> None:

@@ -1,7 +1,7 @@
 """The streams process: owns the embedded warehouse, runs the sink and its timers, serves the dashboard and ops.
 
 ``start()``: open the warehouse (this process becomes its owner: other processes read it through the
-query server, e.g. ``sluice sql``), apply migrations and the raw-event retention, start the Faust app,
+query server, e.g. ``sluice sql``), apply migrations and the raw-event retention, start the sink and its timers,
 then the HTTP server with ``/dashboard``, ``/metrics``, ``/healthz`` and ``/readyz``. ``stop()`` in reverse.
 
 Everything on that server but the probes wants the ops token when ``SLUICE_OPS_TOKEN`` is set, and a ``Host``
@@ -102,7 +102,7 @@ def http_app(
 
 
 class StreamsService(AsyncComponent):
-    """Fails (:attr:`failure`, and ``/readyz`` says so) when the Faust app or the producer dies."""
+    """Fails (:attr:`failure`, and ``/readyz`` says so) when the streams app (its sink or a timer) or the producer dies."""
 
     def __init__(
         self, platform: PlatformSettings, settings: StreamsSettings, *, app_id: str | None = None

@@ -44,7 +44,7 @@ RAW_COLUMNS = (
 
 @dataclass(frozen=True, slots=True)
 class Consumed:
-    """A consumed record, from Faust or from a plain consumer (replay)."""
+    """A consumed record, from the sink's consumer or from replay's reader."""
 
     topic: str
     partition: int
