@@ -19,7 +19,7 @@ def test_the_streams_benchmark_runs_small_and_writes_its_json(tmp_path: Path) ->
         "streams.py",
         out,
         "--events",
-        "2000",
+        "20000",  # fewer are written before a second scrape shows progress
         "--rate",
         "500",
         "--seconds",
@@ -30,7 +30,7 @@ def test_the_streams_benchmark_runs_small_and_writes_its_json(tmp_path: Path) ->
     )
     run = result["runs"]["run 1"]
     assert run["catch_up"]["complete"] is True
-    assert run["catch_up"]["warehouse_events"] == 4000  # each RequestFinished and its audit entry
+    assert run["catch_up"]["warehouse_events"] == 40_000  # each RequestFinished and its audit entry
     assert run["at_rate"]["all_written"] is True
     assert run["at_rate"]["probes_missing"] == 0
     assert "catch-up: warehouse events/s" in stdout
