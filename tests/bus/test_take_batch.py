@@ -31,35 +31,40 @@ class Source:
         return cast(list[Message], taken)
 
 
+def taken(source: Source, size: int, linger_s: float) -> list[object]:
+    """What ``take_batch`` took (the fake's records are ints)."""
+    return list(take_batch(source, size, linger_s))
+
+
 def test_nothing_comes_nothing_is_taken() -> None:
     source = Source(0)
-    assert take_batch(source, 10, 0.2) == []
+    assert taken(source, 10, 0.2) == []
     assert source.timeouts == []
 
 
 def test_without_linger_a_batch_is_what_was_already_fetched() -> None:
     source = Source(3, later=5)
-    assert take_batch(source, 10, 0.0) == [0, 1, 2]
+    assert taken(source, 10, 0.0) == [0, 1, 2]
     assert source.timeouts == [0.0]
 
 
 def test_a_batch_stops_at_its_size() -> None:
     source = Source(25)
-    assert take_batch(source, 10, 0.2) == list(range(10))
-    assert take_batch(source, 10, 0.0) == list(range(10, 20))
-    assert take_batch(source, 1, 0.2) == [20]
+    assert taken(source, 10, 0.2) == list(range(10))
+    assert taken(source, 10, 0.0) == list(range(10, 20))
+    assert taken(source, 1, 0.2) == [20]
     assert source.timeouts[0] > 0.0
 
 
 def test_with_linger_it_waits_for_records_that_follow_the_first() -> None:
     source = Source(2, later=4)
-    assert take_batch(source, 10, 0.05) == [0, 1, 2, 3, 4, 5]
+    assert taken(source, 10, 0.05) == [0, 1, 2, 3, 4, 5]
     assert 0.0 < source.timeouts[0] <= 0.05
 
 
 def test_linger_is_counted_from_the_first_record() -> None:
     source = Source(1)
     began = time.monotonic()
-    assert take_batch(source, 10, 0.05) == [0]
+    assert taken(source, 10, 0.05) == [0]
     assert time.monotonic() - began >= 0.05
     assert source.timeouts[-1] == 0.0  # it ends once the deadline has passed
