@@ -17,12 +17,15 @@ from clickhouse_connect.driver.client import Client
 from confluent_kafka import Message
 
 from bus.consumer import ConsumerThread
-from bus.producer import EventProducer
+from bus.producer import DeliveryCallback, EventProducer
+from schemas.codec import encode
+from schemas.events import DeadLetter
 from schemas.settings import KafkaConnection, PlatformSettings
 from streams.app import Prepared, StreamsApp, consumed, every
 from streams.pricing import PriceTable
 from streams.settings import StreamsSettings
 from streams.sink import Batch, Consumed
+from tests.streams.test_audit import finished
 
 
 class Record:
@@ -232,3 +235,53 @@ async def test_stopping_an_app_that_never_started_leaves_the_working_directory_a
     await app.stop()
     await app.stop()  # safe more than once
     assert list(cwd.iterdir()) == []
+
+
+class Producer:
+    """Records what the app produces; every record is durable at once."""
+
+    def __init__(self) -> None:
+        self.records: list[tuple[str, object]] = []
+
+    def produce(self, topic: str, event: object, **kwargs: object) -> None:
+        self.records.append((topic, event))
+
+    def produce_raw(
+        self, topic: str, value: bytes, *, on_delivery: DeliveryCallback, **kwargs: object
+    ) -> None:
+        self.records.append((topic, value))
+        on_delivery(None, (0, len(self.records)))
+
+
+class Warehouse:
+    def __init__(self) -> None:
+        self.rows: dict[str, int] = {}
+
+    def insert(self, table: str, data: Sequence[Sequence[object]], column_names: Sequence[str]) -> None:
+        self.rows[table] = self.rows.get(table, 0) + len(data)
+
+
+async def test_an_undecodable_record_is_dead_lettered_and_the_rest_of_its_batch_written(
+    tmp_path: Path,
+) -> None:
+    producer, warehouse = Producer(), Warehouse()
+    app = StreamsApp(
+        PlatformSettings(kafka_bootstrap="127.0.0.1:1", topic_prefix="p", data_dir=str(tmp_path)),
+        StreamsSettings(),
+        cast(Client, warehouse),
+        PriceTable(),
+        cast(EventProducer, producer),
+        request_topics=["p.requests.demo-gpt"],
+    )
+    app._heads = {}  # anchored: no chain yet
+    good = finished()
+    batch = await app.write(
+        [Consumed("p.results", 0, 7, b"{not json"), Consumed("p.results", 0, 8, encode(good))]
+    )
+    assert [record.offset for record, _ in batch.undecodable] == [7]
+    letters = [event for topic, event in producer.records if topic == "p.deadletter"]
+    assert len(letters) == 1
+    assert isinstance(letters[0], DeadLetter)
+    assert (letters[0].source_topic, letters[0].offset) == ("p.results", 7)
+    assert [topic for topic, _ in producer.records if topic != "p.deadletter"] == ["p.audit"]
+    assert warehouse.rows == {"events_raw": 2, "request_facts": 1, "audit_log": 1, "drift_features": 1}
