@@ -8,7 +8,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
@@ -95,11 +95,16 @@ class ConsumerThread(Component):
         on_revoke: Revoked | None = None,
         name: str = "kafka-consumer",
         batch_size: int = 500,
+        linger_s: float = 0.0,
         stats_interval_ms: int = 5_000,
         on_failure: Watcher | None = None,
     ) -> None:
         """``on_failure(exc)`` is watched (:meth:`watch`): told on the polling thread when the thread dies of
-        an error (the handler raised, or the client hit a fatal error), so owners fail what waits on it."""
+        an error (the handler raised, or the client hit a fatal error), so owners fail what waits on it.
+
+        A batch is what has arrived when the first record comes, up to ``batch_size``; with ``linger_s``
+        the thread waits up to that long after the first record for the batch to fill (fewer, larger
+        batches: what a warehouse writer wants)."""
         super().__init__()
         if bool(subscribe) == bool(assign):
             raise ValueError("give exactly one of subscribe= or assign=")
@@ -112,6 +117,7 @@ class ConsumerThread(Component):
             self.watch(on_failure)
         self.name = name
         self._batch_size = batch_size
+        self._linger_s = linger_s
         self._commits: queue.SimpleQueue[tuple[dict[TP, int], CommitFailed | None]] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._ready = threading.Event()
@@ -147,6 +153,11 @@ class ConsumerThread(Component):
     def wait_assigned(self, timeout: float) -> bool:
         """True once the group gave this consumer its partitions (immediately for ``assign``)."""
         return self._ready.wait(timeout)
+
+    def assignment(self) -> set[TP]:
+        """The partitions this consumer owns now."""
+        with self._lag_lock:
+            return set(self._owned)
 
     def lag(self) -> dict[TP, int]:
         """The latest lag of each owned partition that has one (see the class docstring)."""
@@ -220,11 +231,7 @@ class ConsumerThread(Component):
         try:
             while not self._stop.is_set():
                 self._flush_commits()
-                # poll() returns at the first record; consume() with a timeout would wait for a full batch
-                first = consumer.poll(0.05)
-                if first is None:
-                    continue
-                messages = [first, *consumer.consume(num_messages=self._batch_size - 1, timeout=0)]
+                messages = take_batch(consumer, self._batch_size, self._linger_s)
                 batch = [m for m in messages if not _benign_error(m)]
                 if batch:
                     self._handler(batch)
@@ -269,6 +276,27 @@ class ConsumerThread(Component):
             self._thread = None
         if self.failure is not None:
             raise BusError(f"{self.name} failed: {self.failure}") from self.failure
+
+
+class _Source(Protocol):
+    def poll(self, timeout: float) -> Message | None: ...
+    def consume(self, num_messages: int, timeout: float) -> list[Message]: ...
+
+
+def take_batch(consumer: _Source, size: int, linger_s: float, wait_s: float = 0.05) -> list[Message]:
+    """Up to ``size`` records: none when nothing comes within ``wait_s``; else the first record and what
+    follows it within ``linger_s`` (0: only what is already fetched). librdkafka fills the list in C."""
+    first = consumer.poll(wait_s)  # returns at the first record; consume() with a timeout would wait
+    if first is None:
+        return []
+    messages = [first]
+    deadline = time.monotonic() + linger_s
+    while len(messages) < size:
+        left = max(0.0, deadline - time.monotonic())
+        messages += consumer.consume(num_messages=size - len(messages), timeout=left)
+        if left == 0.0:
+            break
+    return messages
 
 
 def _benign_error(message: Message) -> bool:

@@ -35,7 +35,7 @@ def utc_now() -> datetime:
 
 
 def _require_utc(name: str, value: datetime | None) -> None:
-    if value is not None and value.utcoffset() != UTC.utcoffset(None):
+    if value is not None and value.tzinfo is not UTC and value.utcoffset() != UTC.utcoffset(None):
         raise ValueError(f"{name} must be an aware UTC datetime, got {value.isoformat()}")
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import secrets
 import threading
 import time
@@ -39,11 +40,17 @@ def uuid7_from_parts(unix_ms: int, rand: int) -> str:
     rand_a = rand >> _RAND_B_BITS
     rand_b = rand & ((1 << _RAND_B_BITS) - 1)
     value = (unix_ms << 80) | (0x7 << 76) | (rand_a << 64) | (0b10 << 62) | rand_b
-    return str(uuid.UUID(int=value))
+    digits = f"{value:032x}"  # what str(uuid.UUID(int=value)) writes, without building the UUID
+    return f"{digits[:8]}-{digits[8:12]}-{digits[12:16]}-{digits[16:20]}-{digits[20:]}"
+
+
+_UUID7 = re.compile(UUID7_PATTERN)
 
 
 def uuid7_unix_ms(value: str) -> int:
     """The millisecond timestamp inside a UUIDv7; ``ValueError`` if ``value`` is not one."""
+    if _UUID7.fullmatch(value):  # the canonical form (every id we make): its first 12 digits
+        return int(value[:8] + value[9:13], 16)
     parsed = uuid.UUID(value)
     if parsed.version != 7 or parsed.variant != uuid.RFC_4122:
         raise ValueError(f"not a version 7 UUID: {value!r}")

@@ -190,8 +190,8 @@ class KafkaConnection(msgspec.Struct, frozen=True):
     """Where the cluster is and how to reach it: the bootstrap servers and librdkafka's security keys.
 
     Every Kafka client of the platform is configured from :meth:`client_config` (``bus.producer_config``,
-    ``bus.consumer_config``, ``infra.topics.make_admin``), and the Faust app from the same keys
-    (``streams.app.faust_credentials``), so no client can reach the cluster with less than the settings ask.
+    ``bus.consumer_config``, ``infra.topics.make_admin``; the streams sink is a ``bus.ConsumerThread``), so
+    no client can reach the cluster with less than the settings ask.
     """
 
     bootstrap: str
@@ -228,7 +228,7 @@ class PlatformSettings(msgspec.Struct, frozen=True, kw_only=True):
     model_paths: tuple[str, ...] = ()
     """Extra local Hugging Face model directories to serve, as ``id=/path`` entries."""
     data_dir: str = msgspec.field(default_factory=_default_home)
-    """Kafka log dirs, the embedded warehouse and the streams worker's Faust directory live under here."""
+    """Kafka log dirs and the embedded warehouse live under here."""
     cache_dir: str = msgspec.field(default_factory=_default_cache)
     """Downloaded Kafka jars (and the venv, see scripts/bootstrap.sh)."""
     warehouse_url: str | None = None
@@ -237,7 +237,7 @@ class PlatformSettings(msgspec.Struct, frozen=True, kw_only=True):
     """Bearer token for every service's ``/metrics`` and the streams dashboard (``/healthz`` and ``/readyz``
     stay open). Unset: those are open, and a service refuses to bind a non-loopback address."""
     kafka_security_protocol: SecurityProtocol = "PLAINTEXT"
-    """How every client (librdkafka and Faust) talks to ``kafka_bootstrap``: ``SSL`` and ``SASL_SSL``
+    """How every client (librdkafka) talks to ``kafka_bootstrap``: ``SSL`` and ``SASL_SSL``
     encrypt, the ``SASL_*`` ones authenticate with the username and password below."""
     kafka_sasl_mechanism: SaslMechanism = "PLAIN"
     kafka_sasl_username: str | None = None

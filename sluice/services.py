@@ -160,7 +160,7 @@ def run_streams_process(platform: PlatformSettings, console: Console) -> int:
     from monitoring.slo import SloConfigError
     from streams.control import BudgetError
     from streams.pricing import PricingError
-    from streams.service import StreamsService
+    from streams.service import StreamsService, tune_gc
 
     try:
         settings = load_settings(StreamsSettings)
@@ -173,6 +173,7 @@ def run_streams_process(platform: PlatformSettings, console: Console) -> int:
     async def main() -> None:
         stop = stop_on_signals()
         async with StreamsService(platform, settings) as service:
+            tune_gc()  # after start-up: what it imported and built is frozen out of the collector's sight
             console.print(f"streams: dashboard {service.url}/dashboard")
             while not stop.is_set() and service.failure is None:
                 with contextlib.suppress(TimeoutError):

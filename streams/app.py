@@ -1,13 +1,13 @@
-"""The streams worker: a Faust app that turns the event log into warehouse tables and the audit chain.
+"""The streams worker: turns the event log into warehouse tables and the audit chain.
 
-One agent, ``sink``, reads the request topics, ``results``, ``audit``, ``cancels``, ``control`` and
-``usage`` in batches (``SLUICE_STREAMS_BATCH_SIZE`` events or ``SLUICE_STREAMS_BATCH_MS``, whichever
-comes first). For each batch it
+The sink reads the request topics, ``results``, ``cancels``, ``control`` and ``usage`` with a librdkafka
+consumer on its own thread, in batches (``SLUICE_STREAMS_BATCH_SIZE`` events, or what arrived within
+``SLUICE_STREAMS_BATCH_MS`` of a batch's first event). For each batch it
 
-1. builds the rows (:mod:`streams.sink`): ``events_raw`` and ``request_facts``;
+1. builds the rows (:mod:`streams.sink`): ``events_raw``, ``request_facts`` and ``drift_features``;
 2. extends each tenant's audit hash chain with the batch's terminal events (:mod:`streams.audit`),
    publishes the new entries on the ``audit`` topic and waits until they are durable;
-3. inserts the rows and the entries, and only then lets Faust commit the batch's offsets.
+3. inserts the rows and the entries, and only then commits the batch's offsets.
 
 Every table is idempotent under redelivery, so a crash anywhere re-does at most one batch and double
 counts nothing. The chain heads are anchored on the ``audit`` topic (:mod:`streams.anchor`): at start
@@ -21,7 +21,12 @@ faust-streaming 0.15.3, after a ``kill -9`` the restarted worker repeated entrie
 agents read commit later than the transaction) and, in other runs, left a partition unprocessed. The
 design above needs neither.
 
-Undecodable records go to the dead-letter topic with the reason; the agent keeps going.
+Why not a Faust agent (what the sink was until issue 12): Faust and aiokafka deliver events one at a
+time through Python, ~90 us of CPU per event with large buffers, where librdkafka's ``consume`` fills a
+batch in C for ~4 us per event (``docs/streams.md``, Benchmark). The timers (control, drift, rollout) are
+plain asyncio tasks.
+
+Undecodable records go to the dead-letter topic with the reason; the sink keeps going.
 """
 
 from __future__ import annotations
@@ -30,25 +35,24 @@ import asyncio
 import functools
 import json
 import logging
-import ssl
 import threading
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
-from typing import Any, ParamSpec
+from typing import Any, NamedTuple, ParamSpec
 
-import faust
 import msgspec
 from clickhouse_connect.driver.client import Client
+from confluent_kafka import Message
 from opentelemetry.trace import Span, SpanKind
 
-from bus.consumer import dead_letter
+from bus.consumer import ConsumerThread, consumer_config, dead_letter
 from bus.control import latest_deployments
 from bus.errors import BusError
 from bus.producer import DeliveryCallback, EventProducer
 from monitoring import metrics, tracing
-from schemas.codec import decode, encode, kafka_key
+from schemas.codec import decode, encode, headers, kafka_key
 from schemas.events import (
     AuditEntry,
     BudgetStateChanged,
@@ -58,7 +62,7 @@ from schemas.events import (
     RequestFinished,
 )
 from schemas.lifecycle import AsyncComponent
-from schemas.settings import KafkaConnection, PlatformSettings
+from schemas.settings import PlatformSettings
 from schemas.topics import TopicNames
 from streams.anchor import (
     AUDIT_HEADS,
@@ -83,34 +87,6 @@ log = logging.getLogger(__name__)
 SOURCE = "streams/worker"
 
 
-def faust_datadir(platform: PlatformSettings, app_id: str) -> Path:
-    """Where Faust keeps its directories: under the data dir (Faust's default is ``<app id>-data`` in the
-    working directory)."""
-    return Path(platform.data_dir) / "faust" / app_id
-
-
-def faust_credentials(kafka: KafkaConnection) -> faust.auth.Credentials | None:
-    """The Faust (aiokafka) form of the connection's librdkafka security keys, so the streams app reaches
-    the cluster as every other client does; None for PLAINTEXT."""
-    security = kafka.security
-    protocol = security.get("security.protocol", "plaintext").upper()
-    context: ssl.SSLContext | None = None
-    if protocol in ("SSL", "SASL_SSL"):
-        context = ssl.create_default_context(cafile=security.get("ssl.ca.location"))
-        if "ssl.certificate.location" in security:
-            context.load_cert_chain(security["ssl.certificate.location"], security.get("ssl.key.location"))
-    if protocol == "SSL":
-        return faust.SSLCredentials(context)
-    if protocol in ("SASL_PLAINTEXT", "SASL_SSL"):
-        return faust.SASLCredentials(
-            username=security["sasl.username"],
-            password=security["sasl.password"],
-            mechanism=security["sasl.mechanism"],
-            ssl_context=context,  # None: SASL_PLAINTEXT
-        )
-    return None
-
-
 def sink_topics(names: TopicNames, request_topics: Sequence[str], *, decisions: bool = True) -> list[str]:
     """Every topic whose events the warehouse keeps (token chunks on ``replies`` are delivery only).
     The live worker writes the audit entries and drift reports it publishes itself (``decisions=False``);
@@ -125,8 +101,7 @@ P = ParamSpec("P")
 def guarded(
     fail: Callable[[BaseException], object], work: Callable[P, Awaitable[None]]
 ) -> Callable[P, Awaitable[None]]:
-    """``work`` (an agent or a timer) with whatever escapes it told to ``fail`` and raised again.
-    ``functools.wraps`` keeps its signature: Faust passes the app to a timer only if it takes one."""
+    """``work`` (a timer) with whatever escapes it told to ``fail`` and raised again."""
 
     @functools.wraps(work)
     async def guard(*args: P.args, **kwargs: P.kwargs) -> None:
@@ -142,12 +117,41 @@ def guarded(
     return guard
 
 
-class StreamsApp(AsyncComponent):
-    """The Faust app, its agent and timers. ``await start()`` / ``await stop()`` on the running loop.
+async def every(interval_s: float, work: Callable[[], Awaitable[None]]) -> None:
+    """Run ``work`` every ``interval_s`` seconds (the first time after one interval) until cancelled."""
+    while True:
+        await asyncio.sleep(interval_s)
+        await work()
 
-    Faust logs a crashed agent or timer and carries on without it; here every one is guarded: what escapes
-    it is the app's failure (:meth:`fail`), so the process stops and its supervisor restarts it from the
-    committed offsets instead of limping on without its sink or its controller.
+
+class Prepared(NamedTuple):
+    """A batch ready to insert: its rows (audit entries durable on the topic), spans, entries made."""
+
+    batch: Batch
+    spans: list[Span]
+    entries: int
+
+
+def consumed(messages: Sequence[Message]) -> tuple[list[Consumed], dict[tuple[str, int], int]]:
+    """The batch's records, and the offsets to commit once they are written: per partition, the one after
+    its last record."""
+    records: list[Consumed] = []
+    ends: dict[tuple[str, int], int] = {}
+    for message in messages:
+        topic, partition, offset = message.topic() or "", message.partition() or 0, message.offset() or 0
+        records.append(Consumed(topic, partition, offset, message.value() or b""))
+        ends[(topic, partition)] = offset + 1
+    return records, ends
+
+
+class StreamsApp(AsyncComponent):
+    """The sink's consumer thread and the timers. ``await start()`` / ``await stop()`` on the running loop.
+
+    The sink reads with librdkafka (:class:`bus.consumer.ConsumerThread`, a member of the consumer group
+    ``<prefix>-streams``): the polling thread takes a batch, hands it to :meth:`write` on the event loop,
+    waits until it is written and only then commits its offsets. Every timer is guarded, as is the
+    consumer: what escapes one is the app's failure (:meth:`fail`), so the process stops and its supervisor
+    restarts it from the committed offsets instead of limping on without its sink or its controller.
     """
 
     def __init__(
@@ -171,29 +175,14 @@ class StreamsApp(AsyncComponent):
         self._producer = producer
         self._on_batch = on_batch
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="warehouse-writer")
-        name = app_id or f"{platform.topic_prefix}-streams"
-        self._datadir = faust_datadir(platform, name)
-        self.app = faust.App(
-            name,
-            broker=f"kafka://{platform.bootstrap}",
-            broker_credentials=faust_credentials(platform.kafka),
-            # Faust expands the path with str.format: braces in the data dir must stay literal.
-            datadir=str(self._datadir).replace("{", "{{").replace("}", "}}"),
-            store="memory://",
-            web_enabled=False,
-            topic_replication_factor=1,
-            consumer_auto_offset_reset="earliest",
-            broker_session_timeout=10.0,
-            broker_heartbeat_interval=1.0,
-            broker_rebalance_timeout=10.0,
-            broker_commit_interval=1.0,
-            # Measured (benchmarks/streams.py): Faust's small default buffers starve the agent.
-            stream_buffer_maxsize=65536,
-            consumer_max_fetch_size=16 * 1024 * 1024,
-        )
-        raw: dict[str, Any] = {"key_type": bytes, "value_type": bytes, "value_serializer": "raw"}
-        self._sink_channel = self.app.topic(*sink_topics(names, request_topics, decisions=False), **raw)
-        self.app.agent(self._sink_channel, name="sink")(guarded(self.fail, self._sink))
+        self.group = app_id or f"{platform.topic_prefix}-streams"
+        """The sink's consumer group (the Faust app of earlier versions committed under the same id)."""
+        self.topics = sink_topics(names, request_topics, decisions=False)
+        self._sink: ConsumerThread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._timers: list[asyncio.Task[None]] = []
+        self._storing: asyncio.Task[Batch] | None = None
+        """The insert of the batch before the one being prepared."""
         self._heads: dict[str, AuditHead] | None = None
         self._offsets: dict[str, tuple[int, int]] = {}
         """Per chain: the (partition, offset) its last audit entry came from."""
@@ -202,21 +191,21 @@ class StreamsApp(AsyncComponent):
         self._anchor_timeout_s = settings.streams_audit_anchor_timeout_s
         self._controller = controller
         self._seeded = False
-        if controller is not None:
-            self.app.timer(settings.streams_control_interval_s, name="control")(
-                guarded(self.fail, self._control)
-            )
         self._last_batch_at: float | None = None
         self._last_batch_full = False
         self._stored_until_ms = 0
         """The latest ``finished`` time of a terminal event the sink has written (ms)."""
         self.drift = DriftMonitor(settings, self._read, self._publish_report, self.stored_until)
-        self.app.timer(settings.drift_interval_s, name="drift")(guarded(self.fail, self._drift))
         self.rollout = RolloutController(
             self._read, self._publish_deployment, interval_s=settings.rollout_eval_interval_s
         )
-        # Evaluations are due after sink batches; the timer only runs one a batch left waiting.
-        self.app.timer(settings.rollout_eval_interval_s, name="rollout")(guarded(self.fail, self._rollout))
+        # Evaluations are due after sink batches; the rollout timer only runs one a batch left waiting.
+        self._every: list[tuple[float, Callable[[], Awaitable[None]]]] = [
+            (settings.drift_interval_s, self._drift),
+            (settings.rollout_eval_interval_s, self._rollout),
+        ]
+        if controller is not None:
+            self._every.append((settings.streams_control_interval_s, self._control))
         self._kafka = platform.kafka
         self._batch_size = settings.streams_batch_size
         self._within = settings.streams_batch_ms / 1000
@@ -227,58 +216,120 @@ class StreamsApp(AsyncComponent):
             latest_deployments, self._kafka, self.names.control, f"{SOURCE}-rollout"
         )
         self.rollout.seed(latest.values())  # resume every rollout where the log says it is
-        # Faust creates its directory without parents.
-        await asyncio.to_thread(self._datadir.parent.mkdir, parents=True, exist_ok=True)
-        await self.app.start()
+        await self.drift.prepare()
+        self._loop = asyncio.get_running_loop()
+        for interval, work in self._every:
+            task = asyncio.create_task(every(interval, guarded(self.fail, work)), name=work.__name__)
+            self._timers.append(task)
+        self._sink = ConsumerThread(
+            consumer_config(self._kafka, self.group, f"{self.group}-sink"),
+            self._consume,
+            subscribe=self.topics,
+            name="streams-sink",
+            batch_size=self._batch_size,
+            linger_s=self._within,
+            on_failure=self.fail,
+        )
+        await asyncio.to_thread(self._sink.start)
 
     async def stop(self) -> None:
-        await self.app.stop()
+        sink, self._sink = self._sink, None
+        if sink is not None:
+            try:  # on a thread: the sink may be waiting for a write on this loop
+                await asyncio.to_thread(sink.stop)
+            except BusError:
+                log.warning("streams: the sink had failed", exc_info=True)  # already told (fail)
+        storing, self._storing = self._storing, None
+        if storing is not None:  # the last batch's insert (its offsets stay uncommitted: redelivered)
+            await asyncio.gather(storing, return_exceptions=True)
+        timers, self._timers = self._timers, []
+        for task in timers:
+            task.cancel()
+        await asyncio.gather(*timers, return_exceptions=True)
         self._executor.shutdown(wait=True)
 
     @property
     def assigned(self) -> bool:
-        consumer = self.app.consumer
-        return bool(consumer.assignment()) if consumer is not None else False
+        return self._sink is not None and bool(self._sink.assignment())
 
-    # ---------------------------------------------------------------- agents
+    # ---------------------------------------------------------------- the sink
 
-    async def _sink(self, stream: faust.StreamT[bytes]) -> None:
-        batches = stream.take_events(self._batch_size, within=self._within)  # type: ignore[attr-defined]
-        async for events in batches:
-            records = [
-                Consumed(e.message.topic, e.message.partition, e.message.offset, e.message.value or b"")
-                for e in events
-            ]
-            await self.write(records)
+    def _consume(self, messages: list[Message]) -> None:
+        """On the polling thread: hand a batch to the loop (:meth:`_pipelined`) and wait until it is
+        prepared; its offsets are committed once it is written."""
+        loop, sink = self._loop, self._sink
+        if loop is None or sink is None:
+            raise RuntimeError("the sink consumes before the app started")
+        records, offsets = consumed(messages)
+        stored = functools.partial(sink.commit, offsets)  # by the polling thread before its next batch
+        asyncio.run_coroutine_threadsafe(self._pipelined(records, stored), loop).result()
+
+    async def _pipelined(self, records: Sequence[Consumed], on_stored: Callable[[], object]) -> None:
+        """Prepare ``records`` (rows, audit entries durable on the topic) while the previous batch is
+        still being inserted, wait for that insert, then start this batch's; ``on_stored`` runs once
+        it is written. One insert at a time, in order, so offsets are committed in order, each after
+        its batch's rows. A failed insert fails the app (nothing after it is committed)."""
+        prepared = await self._prepare(records)
+        previous = self._storing
+        if previous is not None:
+            await previous  # raises what failed it
+        task = asyncio.create_task(self._store(prepared))
+        task.add_done_callback(functools.partial(self._stored, on_stored))
+        self._storing = task
+
+    def _stored(self, on_stored: Callable[[], object], task: asyncio.Task[Batch]) -> None:
+        if task.cancelled():
+            return
+        failed = task.exception()
+        if failed is not None:
+            log.error("streams: writing a batch failed", exc_info=failed)
+            self.fail(failed)
+            return
+        on_stored()
 
     async def write(self, records: Sequence[Consumed]) -> Batch:
         """Rows and audit entries for ``records``, durable before returning (so their offsets may then
         be committed)."""
+        return await self._store(await self._prepare(records))
+
+    async def _prepare(self, records: Sequence[Consumed]) -> Prepared:
+        """The rows of ``records`` and their audit entries, published and durable on the audit topic."""
         batch = self._rows.batch(records)
         self._last_batch_at = time.monotonic()
         self._last_batch_full = len(records) >= self._batch_size
         spans = self._spans(batch)
-        loop = asyncio.get_running_loop()
         entries = await self._chain(batch)
         withheld = self.audit_conflicts
-        batch.audit += [audit_row(entry) for entry, _ in entries if entry.tenant not in withheld]
-        batch.raw += [self._rows.raw_row(entry, self.names.audit, *where) for entry, where in entries]
+        batch.audit += [audit_row(entry) for entry, _, _ in entries if entry.tenant not in withheld]
+        raw_row, audit = self._rows.raw_row, self.names.audit
+        batch.raw += [raw_row(entry, audit, *where, encoded=value) for entry, value, where in entries]
+        return Prepared(batch, spans, len(entries))
+
+    async def _store(self, prepared: Prepared) -> Batch:
+        """Insert a prepared batch, then count it, dead-letter what could not be decoded and let the
+        rollout controller see its outcomes."""
+        batch, spans, entries = prepared
         began = time.perf_counter()
-        await loop.run_in_executor(self._executor, insert, self._writer, batch)
+        await asyncio.get_running_loop().run_in_executor(self._executor, insert, self._writer, batch)
         written = time.time()
         metrics.STREAMS_INSERT_SECONDS.observe(time.perf_counter() - began)
         metrics.STREAMS_BATCH_SIZE.observe(len(batch))
-        metrics.STREAMS_AUDIT_ENTRIES.inc(len(entries))
+        metrics.STREAMS_AUDIT_ENTRIES.inc(entries)
         if entries:
-            metrics.STREAMS_EVENTS.labels(self.names.audit, "audit_entry").inc(len(entries))
+            metrics.STREAMS_EVENTS.labels(self.names.audit, "audit_entry").inc(entries)
         for span in spans:
             span.end()
+        kinds: Counter[tuple[str, str | int | None]] = Counter()
+        freshness = metrics.STREAMS_FRESHNESS.observe
+        latest = self._stored_until_ms
         for record, event in batch.events:
             if isinstance(event, RequestFinished):
-                finished = event.timings.finished or event.time
-                self._stored_until_ms = max(self._stored_until_ms, int(finished.timestamp() * 1000))
-            metrics.STREAMS_EVENTS.labels(record.topic, type(event).__struct_config__.tag).inc()
-            metrics.STREAMS_FRESHNESS.observe(max(0.0, written - event.time.timestamp()))
+                latest = max(latest, int((event.timings.finished or event.time).timestamp() * 1000))
+            kinds[(record.topic, type(event).__struct_config__.tag)] += 1
+            freshness(max(0.0, written - event.time.timestamp()))
+        self._stored_until_ms = latest
+        for (topic, kind), count in kinds.items():
+            metrics.STREAMS_EVENTS.labels(topic, kind).inc(count)
         for record, exc in batch.undecodable:
             dead_letter(
                 self._producer,
@@ -390,9 +441,9 @@ class StreamsApp(AsyncComponent):
         except Exception:
             log.exception("drift: evaluating windows failed; trying again next interval")
 
-    async def _chain(self, batch: Batch) -> list[tuple[AuditEntry, tuple[int, int]]]:
+    async def _chain(self, batch: Batch) -> list[tuple[AuditEntry, bytes, tuple[int, int]]]:
         """The batch's new audit entries, in order, published and durable on the audit topic, each with
-        the (partition, offset) it was stored at."""
+        its record value and the (partition, offset) it was stored at."""
         todo = [(record, event) for record, event in batch.events if self._audited(record, event)]
         if not todo:
             return []
@@ -412,7 +463,8 @@ class StreamsApp(AsyncComponent):
             heads[chain] = AuditHead(seq=entry.seq, entry_hash=entry.entry_hash)
             self._offsets[chain] = (record.partition, record.offset)
             entries.append(entry)
-        return list(zip(entries, await self._publish(entries), strict=True))
+        values = [encode(entry) for entry in entries]
+        return list(zip(entries, values, await self._publish(entries, values), strict=True))
 
     async def anchor(self) -> Anchored:
         """Load every chain's head from the audit topic and heal ``audit_log`` where it is behind
@@ -468,8 +520,9 @@ class StreamsApp(AsyncComponent):
         )
         insert(self._writer, batch)
 
-    async def _publish(self, entries: Sequence[AuditEntry]) -> list[tuple[int, int]]:
-        """Produce every entry, then wait once for all of them to be durable (one wake-up per batch)."""
+    async def _publish(self, entries: Sequence[AuditEntry], values: Sequence[bytes]) -> list[tuple[int, int]]:
+        """Produce every entry (``values``: their encoded form), then wait once for all of them to be
+        durable (one wake-up per batch)."""
         if not entries:
             return []
         loop = asyncio.get_running_loop()
@@ -500,8 +553,14 @@ class StreamsApp(AsyncComponent):
 
             return report
 
-        for index, entry in enumerate(entries):
-            self._producer.produce(self.names.audit, entry, on_delivery=delivered(index))
+        for index, (entry, value) in enumerate(zip(entries, values, strict=True)):
+            self._producer.produce_raw(
+                self.names.audit,
+                value,
+                key=kafka_key(entry),
+                headers=headers(entry),
+                on_delivery=delivered(index),
+            )
         await done
         return where
 

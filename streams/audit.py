@@ -114,24 +114,24 @@ def append(
     if not tenant:
         raise ValueError("an audit entry needs a tenant")
     when = time if time is not None else utc_now()
-    entry = AuditEntry(
-        id=entry_id if entry_id is not None else uuid7(),
-        time=when.replace(microsecond=when.microsecond // 1000 * 1000),
-        tenant=tenant,
-        model=model,
-        request_id=request_id,
-        source=source,
-        actor=actor,
-        action=action,
-        resource=resource,
-        decision=decision,
-        details=dict(details),
-        prev_hash=head.entry_hash if head is not None else GENESIS,
-        entry_hash="",
-        seq=head.seq + 1 if head is not None else 0,
-        model_version=model_version,
-    )
-    return msgspec.structs.replace(entry, entry_hash=hashlib.sha256(canonical(entry)).hexdigest())
+    fields: dict[str, Any] = {
+        "id": entry_id if entry_id is not None else uuid7(),
+        "time": when.replace(microsecond=when.microsecond // 1000 * 1000),
+        "tenant": tenant,
+        "model": model,
+        "request_id": request_id,
+        "source": source,
+        "actor": actor,
+        "action": action,
+        "resource": resource,
+        "decision": decision,
+        "details": dict(details),
+        "prev_hash": head.entry_hash if head is not None else GENESIS,
+        "seq": head.seq + 1 if head is not None else 0,
+        "model_version": model_version,
+    }
+    digest = hashlib.sha256(_canonical_form(fields)).hexdigest()
+    return AuditEntry(**fields, entry_hash=digest)
 
 
 def request_entry(
@@ -244,7 +244,51 @@ def audit_row(entry: AuditEntry) -> list[Any]:
 
 def canonical(entry: AuditEntry) -> bytes:
     """The bytes ``entry_hash`` is the SHA-256 of: the canonical form of the entry's row."""
-    return row_canonical(dict(zip(AUDIT_COLUMNS, audit_row(entry), strict=True)))
+    return _canonical_form(
+        {
+            "id": entry.id,
+            "time": entry.time,
+            "tenant": entry.tenant,
+            "model": entry.model,
+            "request_id": entry.request_id,
+            "source": entry.source,
+            "actor": entry.actor,
+            "action": entry.action,
+            "resource": entry.resource,
+            "decision": entry.decision,
+            "details": entry.details,
+            "prev_hash": entry.prev_hash,
+            "seq": entry.seq,
+            "model_version": entry.model_version,
+        }
+    )
+
+
+def _canonical_form(fields: Mapping[str, Any]) -> bytes:
+    """The canonical form of an entry given by its :class:`AuditEntry` fields: what
+    :func:`row_canonical` makes of its row, without building the row (the sink hashes every entry)."""
+    details = fields["details"]
+    if not isinstance(details, dict) or not all(
+        type(k) is str and type(v) is str for k, v in details.items()
+    ):
+        raise TypeError(f"details must map strings to strings, got {details!r}")
+    form = {
+        "action": fields["action"],
+        "actor": fields["actor"],
+        "decision": fields["decision"],
+        "details": details,
+        "entry_id": fields["id"],
+        "model": fields["model"],
+        "model_version": fields["model_version"],
+        "prev_hash": fields["prev_hash"],
+        "request_id": fields["request_id"],
+        "resource": fields["resource"],
+        "seq": fields["seq"],
+        "source": fields["source"],
+        "tenant": fields["tenant"],
+        "time": _canonical_time(fields["time"]),
+    }
+    return _checked(form)
 
 
 def row_canonical(row: Mapping[str, Any]) -> bytes:
@@ -257,6 +301,11 @@ def row_canonical(row: Mapping[str, Any]) -> bytes:
     form["time"] = _canonical_time(row["time"])
     details = row["details"]
     form["details"] = _DETAILS.decode(details) if isinstance(details, (str, bytes)) else dict(details)
+    return _checked(form)
+
+
+def _checked(form: dict[str, Any]) -> bytes:
+    """The sorted compact JSON of a canonical form, once its values have the types the form allows."""
     if isinstance(form["seq"], bool) or not isinstance(form["seq"], int):
         raise TypeError(f"seq must be an integer, got {form['seq']!r}")
     for column, value in form.items():
@@ -271,6 +320,8 @@ def _canonical_time(value: object) -> str:
     if not isinstance(value, datetime):
         raise TypeError(f"time must be a datetime or an ISO 8601 string, got {value!r}")
     when = value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+    if when.year >= 1000:  # isoformat pads the year to 4 digits, strftime's %Y does not below 1000
+        return when.isoformat(timespec="milliseconds")[:23] + "Z"
     return f"{when:%Y-%m-%dT%H:%M:%S}.{when.microsecond // 1000:03d}Z"
 
 

@@ -466,12 +466,17 @@ class DriftMonitor:
                 self._references[key] = Window(_ms(row["reference_start"]), _ms(row["reference_end"]))
         return reported
 
+    async def prepare(self) -> None:
+        """Load the drift engine (importing evidently and scipy takes seconds of CPU) now: the streams
+        worker calls this before its sink starts, so the import does not stall the sink mid-stream."""
+        if self._config is None:
+            self._config = await asyncio.to_thread(drift_config, self._settings)
+
     async def run_once(self, now: datetime | None = None) -> list[DriftReport]:
         """Evaluate every due window (oldest first) and publish its reports; return them."""
         if self._reported is None:
             self._reported = await self._load()
-        if self._config is None:
-            self._config = await asyncio.to_thread(drift_config, self._settings)
+        await self.prepare()
         now_ms = int((now or datetime.now(UTC)).timestamp() * 1000)
         stored = self._watermark()
         if stored is not None:

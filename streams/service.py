@@ -1,7 +1,7 @@
-"""The streams process: owns the embedded warehouse, runs the Faust app, serves the dashboard and ops.
+"""The streams process: owns the embedded warehouse, runs the sink and its timers, serves the dashboard and ops.
 
 ``start()``: open the warehouse (this process becomes its owner: other processes read it through the
-query server, e.g. ``sluice sql``), apply migrations and the raw-event retention, start the Faust app,
+query server, e.g. ``sluice sql``), apply migrations and the raw-event retention, start the sink and its timers,
 then the HTTP server with ``/dashboard``, ``/metrics``, ``/healthz`` and ``/readyz``. ``stop()`` in reverse.
 
 Everything on that server but the probes wants the ops token when ``SLUICE_OPS_TOKEN`` is set, and a ``Host``
@@ -11,6 +11,7 @@ it answers for (:mod:`monitoring.access`); without a token it refuses a non-loop
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -50,6 +51,25 @@ def request_topics(platform: PlatformSettings) -> list[str]:
     return sorted(t for t in topics if t.startswith(names.requests_prefix))
 
 
+GC_GEN0_THRESHOLD = 50_000
+"""Allocations between young-generation collections in a streams process (CPython's default: 700)."""
+
+
+def tune_gc() -> None:
+    """Garbage collection for a process that runs the sink; call it once the service has started.
+
+    A sink batch allocates a few hundred thousand short-lived objects (decoded events, rows, columns),
+    nearly all freed by reference counting. At CPython's default thresholds they set off a collection
+    every 700 allocations, and the older generations are then walked over the whole heap (evidently,
+    pandas and scipy included): measured, a third of the sink's CPU. ``gc.freeze()`` moves everything
+    alive after start-up out of the collector's sight, and the young generation is collected every
+    :data:`GC_GEN0_THRESHOLD` allocations; cycles are still collected, only later.
+    """
+    gc.freeze()
+    gen0, gen1, gen2 = gc.get_threshold()
+    gc.set_threshold(max(gen0, GC_GEN0_THRESHOLD), gen1, gen2)
+
+
 def apply_retention(client: Client, days: int) -> None:
     """``events_raw`` keeps an event ``days`` days (a table TTL; derived tables keep their rows)."""
     client.command(f"ALTER TABLE events_raw MODIFY TTL toDateTime(time) + INTERVAL {int(days)} DAY")
@@ -82,7 +102,7 @@ def http_app(
 
 
 class StreamsService(AsyncComponent):
-    """Fails (:attr:`failure`, and ``/readyz`` says so) when the Faust app or the producer dies."""
+    """Fails (:attr:`failure`, and ``/readyz`` says so) when the streams app (its sink or a timer) or the producer dies."""
 
     def __init__(
         self, platform: PlatformSettings, settings: StreamsSettings, *, app_id: str | None = None

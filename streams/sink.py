@@ -44,7 +44,7 @@ RAW_COLUMNS = (
 
 @dataclass(frozen=True, slots=True)
 class Consumed:
-    """A consumed record, from Faust or from a plain consumer (replay)."""
+    """A consumed record, from the sink's consumer or from replay's reader."""
 
     topic: str
     partition: int
@@ -99,9 +99,13 @@ class Rows:
         self._store_content = store_content
         self._decisions_from_topic = decisions_from_topic
 
-    def raw_row(self, event: Event, topic: str, partition: int, offset: int) -> list[Any]:
-        """The ``events_raw`` row of an event stored at (topic, partition, offset)."""
+    def raw_row(
+        self, event: Event, topic: str, partition: int, offset: int, *, encoded: bytes | None = None
+    ) -> list[Any]:
+        """The ``events_raw`` row of an event stored at (topic, partition, offset); ``encoded``, the
+        event's record value when the caller has it, is reused where nothing is redacted from it."""
         stored = event if self._store_content else redact(event)
+        payload = encoded if encoded is not None and stored is event else encode(stored)
         return [
             event.id,
             type(event).__struct_config__.tag,
@@ -110,7 +114,7 @@ class Rows:
             event.model,
             event.request_id,
             event.source,
-            encode(stored).decode(),
+            payload.decode(),
             topic,
             partition,
             offset,

@@ -7,9 +7,7 @@ import ast
 from pathlib import Path
 from typing import Any
 
-import faust
 import pytest
-from faust.transport.drivers.aiokafka import credentials_to_aiokafka_auth
 from rich.pretty import pretty_repr
 
 import bus.consumer
@@ -21,7 +19,6 @@ from bus.producer import EventProducer, producer_config
 from infra.kafka.broker import broker_answers
 from infra.topics import make_admin
 from schemas.settings import KafkaConnection, PlatformSettings, SettingsError, load_settings
-from streams.app import faust_credentials
 
 REPO = Path(__file__).resolve().parents[2]
 SOURCE_DIRS = (
@@ -175,24 +172,6 @@ def test_every_client_constructor_gets_the_security_keys(
         assert includes(config, {"bootstrap.servers": secured.bootstrap, **SASL_KEYS}), config
 
 
-def test_faust_gets_the_same_credentials(secured: KafkaConnection) -> None:
-    credentials = faust_credentials(secured)
-    assert isinstance(credentials, faust.SASLCredentials)
-    auth = credentials_to_aiokafka_auth(credentials)
-    assert auth["security_protocol"] == "SASL_SSL"
-    assert auth["sasl_mechanism"] == "SCRAM-SHA-512"
-    assert (auth["sasl_plain_username"], auth["sasl_plain_password"]) == ("sluice", "pa55-w0rd-of-sluice")
-    assert auth["ssl_context"] is not None
-    assert faust_credentials(KafkaConnection("k:1")) is None
-    tls = faust_credentials(KafkaConnection("k:1", {"security.protocol": "ssl"}))
-    assert credentials_to_aiokafka_auth(tls)["security_protocol"] == "SSL"
-    sasl_plain = faust_credentials(
-        KafkaConnection("k:1", {**SASL_KEYS, "security.protocol": "sasl_plaintext"})
-    )
-    plain_auth = credentials_to_aiokafka_auth(sasl_plain)
-    assert (plain_auth["security_protocol"], plain_auth["ssl_context"]) == ("SASL_PLAINTEXT", None)
-
-
 def test_the_streams_app_connects_with_the_platform_credentials(tmp_path: Path) -> None:
     from typing import cast
 
@@ -210,9 +189,10 @@ def test_the_streams_app_connects_with_the_platform_credentials(tmp_path: Path) 
         cast(EventProducer, None),
         request_topics=["sluice.requests.demo-gpt"],
     )
-    credentials = streams.app.conf.broker_credentials
-    assert isinstance(credentials, faust.SASLCredentials)
-    assert (credentials.username, credentials.password) == ("sluice", "pa55-w0rd-of-sluice")
+    # The sink's ConsumerThread is built from consumer_config(streams._kafka, ...) (the scan below checks
+    # that every ConsumerThread gets a consumer_config).
+    config = consumer_config(streams._kafka, streams.group, "sink")
+    assert includes(config, {"bootstrap.servers": platform.bootstrap, **SASL_KEYS}), config
 
 
 # ------------------------------------------------------------------ no client made another way
@@ -262,9 +242,5 @@ def test_no_kafka_client_is_made_without_the_builders() -> None:
                         offenders.append(f"{where}: {name}(...) without a config builder")
                 elif name == "ConsumerThread" and not _built(node):
                     offenders.append(f"{where}: ConsumerThread(...) without consumer_config(...)")
-                elif name == "App" and _name(getattr(node.func, "value", node.func)) == "faust":
-                    keywords = {k.arg for k in node.keywords}
-                    if "broker_credentials" not in keywords:
-                        offenders.append(f"{where}: faust.App(...) without broker_credentials=")
     assert not offenders, "\n".join(offenders)
     assert {"Consumer", "Producer", "AdminClient"} <= seen  # the scan does find the clients

@@ -93,6 +93,16 @@ def test_uuid7_unix_ms_rejects_other_versions() -> None:
         uuid7_unix_ms(str(uuid.uuid4()))
 
 
+def test_uuid7_unix_ms_reads_the_forms_uuid_accepts_and_nothing_else() -> None:
+    value = uuid7_from_parts(0x0123456789AB, 99)
+    assert value == str(uuid.UUID(value))
+    for form in (value, value.upper(), "{" + value + "}", value.replace("-", ""), "urn:uuid:" + value):
+        assert uuid7_unix_ms(form) == 0x0123456789AB
+    for bad in (value + "\n", value[:-1] + "g", value[:-1], value.replace("-7", "-4", 1)):
+        with pytest.raises(ValueError):  # uuid's own message varies by the flaw
+            uuid7_unix_ms(bad)
+
+
 # --- the sampling seed ------------------------------------------------------------------------------------
 
 

@@ -1,40 +1,287 @@
-"""The Faust app's configuration, checked without a broker."""
+"""The streams app without a broker: its consumer group and topics, the batch hand-over (offsets are
+committed only after the batch is written), and the timers."""
 
 from __future__ import annotations
 
+import asyncio
+import itertools
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import cast
 
 import pytest
 from clickhouse_connect.driver.client import Client
+from confluent_kafka import Message
 
-from bus.producer import EventProducer
+from bus.consumer import ConsumerThread
+from bus.producer import DeliveryCallback, EventProducer
+from schemas.codec import encode
+from schemas.events import DeadLetter
 from schemas.settings import KafkaConnection, PlatformSettings
-from streams.app import StreamsApp
+from streams.app import Prepared, StreamsApp, consumed, every
 from streams.pricing import PriceTable
 from streams.settings import StreamsSettings
+from streams.sink import Batch, Consumed
+from tests.streams.test_audit import finished
 
 
-async def test_faust_keeps_its_directories_under_the_data_dir_not_the_working_directory(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    cwd = tmp_path / "cwd"
-    cwd.mkdir()
-    monkeypatch.chdir(cwd)
-    data = tmp_path / "data {conf.name}"  # Faust formats the path: braces must stay literal
-    streams = StreamsApp(
-        PlatformSettings(kafka_bootstrap="127.0.0.1:1", topic_prefix="p", data_dir=str(data)),
+class Record:
+    """The parts of a confluent-kafka ``Message`` the sink reads."""
+
+    def __init__(self, topic: str, partition: int, offset: int, value: bytes | None) -> None:
+        self._where = (topic, partition, offset)
+        self._value = value
+
+    def topic(self) -> str:
+        return self._where[0]
+
+    def partition(self) -> int:
+        return self._where[1]
+
+    def offset(self) -> int:
+        return self._where[2]
+
+    def value(self) -> bytes | None:
+        return self._value
+
+
+def messages(*where: tuple[str, int, int]) -> list[Message]:
+    return cast(list[Message], [Record(t, p, o, f"{t}{p}{o}".encode()) for t, p, o in where])
+
+
+def test_a_batch_commits_the_offset_after_each_partitions_last_record() -> None:
+    batch = messages(("r", 0, 5), ("r", 1, 9), ("r", 0, 6), ("c", 0, 0), ("r", 0, 7))
+    records, offsets = consumed(batch)
+    assert records == [
+        Consumed("r", 0, 5, b"r05"),
+        Consumed("r", 1, 9, b"r19"),
+        Consumed("r", 0, 6, b"r06"),
+        Consumed("c", 0, 0, b"c00"),
+        Consumed("r", 0, 7, b"r07"),
+    ]
+    assert offsets == {("r", 0): 8, ("r", 1): 10, ("c", 0): 1}
+    tombstone, _ = consumed(cast(list[Message], [Record("r", 0, 1, None)]))
+    assert tombstone == [Consumed("r", 0, 1, b"")]  # undecodable: dead-lettered by the sink
+
+
+def make_app(tmp_path: Path) -> StreamsApp:
+    return StreamsApp(
+        PlatformSettings(kafka_bootstrap="127.0.0.1:1", topic_prefix="p", data_dir=str(tmp_path)),
         StreamsSettings(),
         cast(Client, None),  # never used unless the app runs
         PriceTable(),
         EventProducer(KafkaConnection("127.0.0.1:1"), "test"),
         request_topics=["p.requests.demo-gpt"],
     )
-    try:
-        conf = streams.app.conf
-        assert conf.datadir == data / "faust" / "p-streams"
-        assert conf.appdir.is_relative_to(data)
-        assert conf.tabledir.is_relative_to(data)
-    finally:
-        await streams.stop()
+
+
+def test_the_sink_reads_what_the_warehouse_keeps_as_the_streams_group(tmp_path: Path) -> None:
+    app = make_app(tmp_path)
+    assert app.group == "p-streams"  # the group the Faust app of earlier versions committed under
+    assert app.topics == ["p.requests.demo-gpt", "p.results", "p.cancels", "p.control", "p.usage"]
+    assert not app.assigned
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.commits: list[dict[tuple[str, int], int]] = []
+
+    def commit(self, offsets: dict[tuple[str, int], int]) -> None:
+        self.commits.append(offsets)
+
+
+@pytest.fixture
+def loop() -> Iterator[asyncio.AbstractEventLoop]:
+    """An event loop on its own thread, as the sink's polling thread sees the app's loop."""
+    running = asyncio.new_event_loop()
+    thread = threading.Thread(target=running.run_forever, daemon=True)
+    thread.start()
+    yield running
+    running.call_soon_threadsafe(running.stop)
+    thread.join()
+    running.close()
+
+
+def test_offsets_are_committed_only_once_the_batch_is_written(
+    tmp_path: Path, loop: asyncio.AbstractEventLoop
+) -> None:
+    """The next batch is prepared while the previous one is inserted; each batch's offsets are committed
+    after its own insert, in order; a failed insert fails the app and commits nothing more."""
+    app = make_app(tmp_path)
+    sink = Sink()
+    app._loop, app._sink = loop, cast(ConsumerThread, sink)
+    steps: list[str] = []
+    inserting: dict[int, asyncio.Event] = {}
+
+    async def prepare(records: Sequence[Consumed]) -> Prepared:
+        steps.append(f"prepare {records[0].offset}")
+        return Prepared(Batch(raw=[[record.offset] for record in records]), [], 0)
+
+    async def store(prepared: Prepared) -> Batch:
+        first = prepared.batch.raw[0][0]
+        steps.append(f"insert {first}")
+        inserting[first] = asyncio.Event()
+        await inserting[first].wait()
+        if first == 9:
+            raise RuntimeError("the warehouse is gone")
+        steps.append(f"written {first}")
+        return prepared.batch
+
+    app._prepare = prepare  # type: ignore[method-assign]
+    app._store = store  # type: ignore[method-assign]
+
+    def released(first: int) -> None:
+        _until(lambda: first in inserting)
+        asyncio.run_coroutine_threadsafe(_set(inserting, first), loop).result()
+
+    polling = Polling(app)  # the consumer thread: one batch after another
+    polling.put(messages(("r", 0, 3), ("r", 1, 0)))
+    polling.put(messages(("r", 0, 4)))
+    _until(lambda: len(steps) == 3)
+    assert steps == ["prepare 3", "insert 3", "prepare 4"]  # 4 is prepared while 3 is being inserted
+    assert sink.commits == []  # nothing is written yet
+    released(3)
+    _until(lambda: len(sink.commits) == 1)
+    assert sink.commits == [{("r", 0): 4, ("r", 1): 1}]
+    released(4)
+    _until(lambda: len(sink.commits) == 2)
+    assert sink.commits[1] == {("r", 0): 5}
+    assert steps == ["prepare 3", "insert 3", "prepare 4", "written 3", "insert 4", "written 4"]
+
+    polling.put(messages(("r", 0, 9)))
+    released(9)
+    _until(lambda: app.failure is not None)
+    assert isinstance(app.failure, RuntimeError)
+    polling.put(messages(("r", 0, 10)))
+    assert isinstance(polling.died(), RuntimeError)  # the consumer thread dies of it too
+    assert len(sink.commits) == 2  # the failed batch is not committed, nor anything after it
+    assert "prepare 10" in steps
+    assert "insert 10" not in steps
+
+
+class Polling:
+    """Calls the app's ``_consume`` with each batch put, in order, on one thread, until one raises."""
+
+    def __init__(self, app: StreamsApp) -> None:
+        self._app = app
+        self._batches: queue.SimpleQueue[list[Message]] = queue.SimpleQueue()
+        self._error: list[BaseException] = []
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def put(self, batch: list[Message]) -> None:
+        self._batches.put(batch)
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self._app._consume(self._batches.get())
+            except Exception as exc:
+                self._error.append(exc)
+                return
+
+    def died(self) -> BaseException:
+        self._thread.join(10)
+        assert self._error, "the polling thread is still running"
+        return self._error[0]
+
+
+async def _set(events: dict[int, asyncio.Event], key: int) -> None:
+    events[key].set()
+
+
+def _until(condition: Callable[[], bool], timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("the condition was never met")
+        time.sleep(0.001)
+
+
+def test_the_sink_refuses_a_batch_before_the_app_started(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match="before the app started"):
+        make_app(tmp_path)._consume(messages(("r", 0, 0)))
+
+
+async def test_a_timer_runs_its_work_after_each_interval_until_cancelled() -> None:
+    runs: list[float] = []
+    third = asyncio.Event()
+
+    async def work() -> None:
+        runs.append(asyncio.get_running_loop().time())
+        if len(runs) == 3:
+            third.set()
+
+    began = asyncio.get_running_loop().time()
+    task = asyncio.create_task(every(0.01, work))
+    await asyncio.wait_for(third.wait(), 10)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert runs[0] - began >= 0.009  # the first run waits one interval (asyncio may wake a hair early)
+    assert all(later - earlier >= 0.009 for earlier, later in itertools.pairwise(runs))
+
+
+async def test_stopping_an_app_that_never_started_leaves_the_working_directory_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    app = make_app(tmp_path / "data")
+    await app.stop()
+    await app.stop()  # safe more than once
     assert list(cwd.iterdir()) == []
+
+
+class Producer:
+    """Records what the app produces; every record is durable at once."""
+
+    def __init__(self) -> None:
+        self.records: list[tuple[str, object]] = []
+
+    def produce(self, topic: str, event: object, **kwargs: object) -> None:
+        self.records.append((topic, event))
+
+    def produce_raw(
+        self, topic: str, value: bytes, *, on_delivery: DeliveryCallback, **kwargs: object
+    ) -> None:
+        self.records.append((topic, value))
+        on_delivery(None, (0, len(self.records)))
+
+
+class Warehouse:
+    def __init__(self) -> None:
+        self.rows: dict[str, int] = {}
+
+    def insert(self, table: str, data: Sequence[Sequence[object]], column_names: Sequence[str]) -> None:
+        self.rows[table] = self.rows.get(table, 0) + len(data)
+
+
+async def test_an_undecodable_record_is_dead_lettered_and_the_rest_of_its_batch_written(
+    tmp_path: Path,
+) -> None:
+    producer, warehouse = Producer(), Warehouse()
+    app = StreamsApp(
+        PlatformSettings(kafka_bootstrap="127.0.0.1:1", topic_prefix="p", data_dir=str(tmp_path)),
+        StreamsSettings(),
+        cast(Client, warehouse),
+        PriceTable(),
+        cast(EventProducer, producer),
+        request_topics=["p.requests.demo-gpt"],
+    )
+    app._heads = {}  # anchored: no chain yet
+    good = finished()
+    batch = await app.write(
+        [Consumed("p.results", 0, 7, b"{not json"), Consumed("p.results", 0, 8, encode(good))]
+    )
+    assert [record.offset for record, _ in batch.undecodable] == [7]
+    letters = [event for topic, event in producer.records if topic == "p.deadletter"]
+    assert len(letters) == 1
+    assert isinstance(letters[0], DeadLetter)
+    assert (letters[0].source_topic, letters[0].offset) == ("p.results", 7)
+    assert [topic for topic, _ in producer.records if topic != "p.deadletter"] == ["p.audit"]
+    assert warehouse.rows == {"events_raw": 2, "request_facts": 1, "audit_log": 1, "drift_features": 1}

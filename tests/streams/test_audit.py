@@ -13,7 +13,7 @@ import random
 import subprocess
 import sys
 from collections.abc import Iterator
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -163,6 +163,61 @@ def test_the_canonical_form_is_plain_sorted_json_of_the_row_and_is_pinned() -> N
     assert entry.entry_hash == hashlib.sha256(expected).hexdigest()
     # Pinned: a change to the canonical form would orphan every stored chain.
     assert entry.entry_hash == "ada1c55033b8c0bc2b4899609ac5b7567038866cccec4a1753a077727ae81897"
+
+
+def test_an_entry_hashes_the_same_form_as_its_table_row() -> None:
+    """The sink hashes an entry from its fields (no row built); verify hashes the row: they must agree."""
+    rng = random.Random(5)
+    head: AuditHead | None = None
+    for n in range(200):
+        when = T0 + timedelta(microseconds=rng.randrange(10**12))
+        entry = request_entry(
+            head, finished(time=when, tenant=rng.choice(["acme", "ünï", 'a"b\\c'])), source="t"
+        )
+        if n % 3 == 0:
+            entry = admin_entry(
+                head,
+                tenant=entry.tenant,
+                actor="admin:ål",
+                action="key.create",
+                resource="key:k\n1",
+                decision="allowed",
+                details={"z": "1", "a": "\u2028", "é": ""},
+                source="t",
+                time=when,
+            )
+        row = dict(zip(AUDIT_COLUMNS, audit_row(entry), strict=True))
+        assert canonical(entry) == row_canonical(row)
+        assert entry.entry_hash == hashlib.sha256(row_canonical(row)).hexdigest()
+        head = AuditHead(seq=entry.seq, entry_hash=entry.entry_hash)
+
+
+def test_a_time_is_written_with_milliseconds_in_utc_whatever_its_year_or_zone() -> None:
+    row = dict(zip(AUDIT_COLUMNS, audit_row(chain("acme", 1)[0]), strict=True))
+    for when, text in [
+        (datetime(2026, 1, 2, 3, 4, 5, 999_999, tzinfo=UTC), "2026-01-02T03:04:05.999Z"),
+        (datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone(timedelta(hours=2))), "2026-01-02T01:04:05.000Z"),
+        (datetime(2026, 1, 2, 3, 4, 5, 1_000), "2026-01-02T03:04:05.001Z"),  # naive: read as UTC
+        (datetime(999, 1, 2, 3, 4, 5, tzinfo=UTC), "999-01-02T03:04:05.000Z"),  # as strftime's %Y writes it
+    ]:
+        assert json.loads(row_canonical({**row, "time": when}))["time"] == text
+
+
+def test_an_entry_whose_details_are_not_strings_cannot_be_hashed() -> None:
+    with pytest.raises(TypeError, match="details"):
+        append(
+            None,
+            tenant="acme",
+            model="",
+            request_id="",
+            actor="a",
+            action="b",
+            resource="c",
+            decision="d",
+            details={"count": 3},  # type: ignore[dict-item]
+            model_version="",
+            source="t",
+        )
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,5 @@
-"""Faust logs a crashed agent or timer and carries on without it; guarded, the crash is the app's failure,
-so the streams process exits and is restarted instead of running on without its sink or controller."""
+"""A crashed timer is the app's failure (guarded), so the streams process exits and is restarted instead
+of running on without its controller."""
 
 from __future__ import annotations
 

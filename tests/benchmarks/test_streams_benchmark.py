@@ -1,0 +1,36 @@
+"""The streams benchmark (catch-up and freshness of one ``sluice streams``) still runs end to end and writes
+its JSON; its numbers are printed, never asserted (a benchmark is not a timed test)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.benchmarks.runner import run_benchmark
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.mark.timeout(420)
+def test_the_streams_benchmark_runs_small_and_writes_its_json(tmp_path: Path) -> None:
+    out = tmp_path / "streams.json"
+    stdout, result = run_benchmark(
+        "streams.py",
+        out,
+        "--events",
+        "20000",  # fewer are written before a second scrape shows progress
+        "--rate",
+        "500",
+        "--seconds",
+        "3",
+        "--markers",
+        "3",
+        timeout=400,
+    )
+    run = result["runs"]["run 1"]
+    assert run["catch_up"]["complete"] is True
+    assert run["catch_up"]["warehouse_events"] == 40_000  # each RequestFinished and its audit entry
+    assert run["at_rate"]["all_written"] is True
+    assert run["at_rate"]["probes_missing"] == 0
+    assert "catch-up: warehouse events/s" in stdout
