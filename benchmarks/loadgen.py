@@ -17,7 +17,9 @@ KEY = "sk-sluice-demo"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 PROMPT = "Tell me about the river and the stone wall."
 NEW_TOKENS = 64
-"""Tokens per completion in the profiles (``ignore_eos``: every request makes exactly this many)."""
+"""Tokens per completion in the profiles (``ignore_eos``: every request makes exactly this many); a quick
+run asks for ``QUICK_TOKENS``."""
+QUICK_TOKENS = 16
 CLIENTS = (1, 64)
 WORKLOADS = ("embeddings", "generation")
 
@@ -101,16 +103,17 @@ async def profile(clients: int, total: int, job: Callable[[int], Awaitable[int]]
 
 def requests_for(workload: str, clients: int, quick: bool) -> int:
     if workload == "embeddings":
-        return (32 if quick else 200) if clients == 1 else (256 if quick else 1024)
+        return (32 if quick else 200) if clients == 1 else (128 if quick else 1024)
     return (6 if quick else 24) if clients == 1 else (64 if quick else 256)
 
 
 async def profile_all(session: aiohttp.ClientSession, url: str, quick: bool) -> dict[str, dict[str, Profile]]:
-    """Embeddings and generation (``NEW_TOKENS`` per completion), each at every count in ``CLIENTS``:
-    ``{workload: {str(clients): profile}}``."""
+    """Embeddings and generation (``NEW_TOKENS`` per completion, ``QUICK_TOKENS`` if ``quick``), each at
+    every count in ``CLIENTS``: ``{workload: {str(clients): profile}}``."""
+    tokens = QUICK_TOKENS if quick else NEW_TOKENS
     jobs: dict[str, Callable[[int], Awaitable[int]]] = {
         "embeddings": lambda n: embed(session, url, n),
-        "generation": lambda _n: completion(session, url, NEW_TOKENS),
+        "generation": lambda _n: completion(session, url, tokens),
     }
     out: dict[str, dict[str, Profile]] = {}
     for workload in WORKLOADS:

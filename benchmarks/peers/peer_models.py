@@ -1,5 +1,6 @@
 """What both peer servers run: the platform's own models, loaded the way its workers load them
-(``gpu_workers.models``: same prepared directories, float32, same torch thread setup), called the way the
+(``gpu_workers.models``: same prepared directories, float32, same torch thread setup, including
+``SLUICE_WORKER_TORCH_THREADS``), called the way the
 raw baseline calls them (``EmbeddingEngine.embed`` and ``padded_generate``), behind OpenAI-shaped bodies.
 A peer differs from the platform only in how requests reach these calls.
 
@@ -20,6 +21,7 @@ from gpu_workers.models import (
     load_embedding_model,
     load_generation_model,
 )
+from gpu_workers.settings import WorkerSettings
 from schemas.manifest import current_model_dir
 from schemas.settings import PlatformSettings, load_settings
 
@@ -29,8 +31,8 @@ Body = dict[str, Any]
 
 class PeerModels:
     def __init__(self, *, embeddings: bool = True, generation: bool = True) -> None:
-        configure_torch_threads()
         cache = load_settings(PlatformSettings).cache_dir
+        configure_torch_threads(load_settings(WorkerSettings).worker_torch_threads)  # as `sluice worker`
         self.emb: LoadedModel | None = None
         self.engine: EmbeddingEngine | None = None
         self.gen: LoadedModel | None = None
