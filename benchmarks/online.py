@@ -1,12 +1,31 @@
-"""Platform vs the raw model, in one run on this machine: generation throughput at saturation, added time
-to first token at low load, and embeddings with dynamic batching vs batch-1 serving.
+"""Platform vs the raw model and two peers, in one run on this machine: generation throughput at
+saturation, added time to first token at low load, embeddings with dynamic batching vs batch-1 serving,
+and the same load (embeddings and generation at 1 and 64 clients) against a naive aiohttp server and Ray
+Serve, with the ratios platform/raw, platform/Ray and platform/naive.
 
-    python benchmarks/online.py [--quick] [--out benchmarks/results/online.json]
+    python benchmarks/online.py [--quick] [--peers naive,ray] [--ray-python PATH] [--out FILE]
 
 It starts its own Kafka (unless SLUICE_KAFKA_BOOTSTRAP is set) on free ports, one ``sluice worker`` per
-model and one ``sluice edge`` as separate processes, and drives them over HTTP from this process. The raw
-baseline runs first, alone, in a child process (``benchmarks/raw_model.py``). Everything shares this
-machine's cores: the ratios say what the platform costs here, not on a dedicated serving box.
+model and one ``sluice edge`` as separate processes, and drives them over HTTP from this process
+(``loadgen.py``). The raw baseline runs first, alone, in a child process (``raw_model.py``); after the
+platform has stopped, each peer runs alone (``peers/naive.py``, then ``peers/ray_serve.py``), with the
+same models, dtype and torch threads, driven by the same load generator.
+
+Ray is optional (the ``bench`` extra). Without it the Ray columns say ``not installed`` and everything
+else runs (CI runs ``--quick`` that way). To include it, give it a venv of its own that sees the
+project's packages, e.g.:
+
+    R=~/.cache/sluicegate/venvs/ray-peer; python3.11 -m venv $R
+    python -c 'import site; print(site.getsitepackages()[0])' > $R/lib/python3.11/site-packages/sg.pth
+    $R/bin/pip install "ray[serve]>=2.40"
+
+with the project's venv active (``python`` is its Python: the peer then runs the project's torch). That
+path is found by default (or pass ``--ray-python``). Ray runs with its dashboard and usage stats off,
+inside a loopback-only network namespace (``unshare -rn``) where the machine allows one, since its
+start-up probes outside addresses; its start-up (~1 min here) is not measured.
+
+Everything shares this machine's cores: the ratios say what the platform costs here, not on a dedicated
+serving box, and other work on the machine moves them a lot (load average is printed).
 """
 
 from __future__ import annotations
@@ -291,6 +310,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "online.json")
     args = parser.parse_args()
     settings = load_settings(PlatformSettings)
+    load_before = os.getloadavg()
     subprocess.run(
         [sys.executable, "-m", "sluice", "models", "prepare"], check=True, stdout=subprocess.DEVNULL
     )
@@ -341,11 +361,15 @@ def main() -> None:
         "device": raw["device"],
         "quick": args.quick,
         "worker_torch_threads": args.torch_threads or "cores",
+        "load_avg_start": load_before,
+        "load_avg_end": os.getloadavg(),
     }
     result["peers"] = peers
     print(table(result))  # type: ignore[arg-type]
     print()
     print(comparison.table(peers["profiles"], peers["ratios"]))
+    load = " / ".join(f"{a:.1f}" for a in load_before), " / ".join(f"{a:.1f}" for a in os.getloadavg())
+    print(f"\nload average (1/5/15 min) at start {load[0]}, at end {load[1]} on {os.cpu_count()} CPUs")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\nwrote {args.out}", file=sys.stderr)
