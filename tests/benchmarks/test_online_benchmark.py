@@ -14,6 +14,7 @@ from tests.benchmarks.runner import run_benchmark
 pytestmark = pytest.mark.integration
 
 
+@pytest.mark.timeout(600)  # the run's own limit: raw model, platform and naive peer, each loading models
 def test_the_online_benchmark_runs_quick_and_writes_its_json(tmp_path: Path) -> None:
     out = tmp_path / "online.json"
     stdout, result = run_benchmark(
