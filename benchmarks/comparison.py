@@ -178,9 +178,9 @@ def ratios(profiles: dict[str, Outcome]) -> dict[str, Any]:
                 row[f"{peer}_p99"] = mine["p99_ms"] / other["p99_ms"]
                 if peer != "raw":
                     added = other["p50_ms"] - base["p50_ms"]
-                    row[f"{peer}_added_p50"] = (
-                        (mine["p50_ms"] - base["p50_ms"]) / added if added > 0 else None
-                    )
+                    # below the raw model's (noise, or a raw run on a busy machine) counts as nothing added
+                    ours = max(0.0, mine["p50_ms"] - base["p50_ms"])
+                    row[f"{peer}_added_p50"] = ours / added if added > 0 else None
             out.setdefault(workload, {})[clients] = row
     return out
 
