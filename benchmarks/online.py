@@ -1,12 +1,31 @@
-"""Platform vs the raw model, in one run on this machine: generation throughput at saturation, added time
-to first token at low load, and embeddings with dynamic batching vs batch-1 serving.
+"""Platform vs the raw model and two peers, in one run on this machine: generation throughput at
+saturation, added time to first token at low load, embeddings with dynamic batching vs batch-1 serving,
+and the same load (embeddings and generation at 1 and 64 clients) against a naive aiohttp server and Ray
+Serve, with the ratios platform/raw, platform/Ray and platform/naive.
 
-    python benchmarks/online.py [--quick] [--out benchmarks/results/online.json]
+    python benchmarks/online.py [--quick] [--peers naive,ray] [--ray-python PATH] [--out FILE]
 
 It starts its own Kafka (unless SLUICE_KAFKA_BOOTSTRAP is set) on free ports, one ``sluice worker`` per
-model and one ``sluice edge`` as separate processes, and drives them over HTTP from this process. The raw
-baseline runs first, alone, in a child process (``benchmarks/raw_model.py``). Everything shares this
-machine's cores: the ratios say what the platform costs here, not on a dedicated serving box.
+model and one ``sluice edge`` as separate processes, and drives them over HTTP from this process
+(``loadgen.py``). The raw baseline runs first, alone, in a child process (``raw_model.py``); after the
+platform has stopped, each peer runs alone (``peers/naive.py``, then ``peers/ray_serve.py``), with the
+same models, dtype and torch threads, driven by the same load generator.
+
+Ray is optional (the ``bench`` extra). Without it the Ray columns say ``not installed`` and everything
+else runs (CI runs ``--quick`` that way). To include it, give it a venv of its own that sees the
+project's packages, e.g.:
+
+    R=~/.cache/sluicegate/venvs/ray-peer; python3.11 -m venv $R
+    python -c 'import site; print(site.getsitepackages()[0])' > $R/lib/python3.11/site-packages/sg.pth
+    $R/bin/pip install "ray[serve]>=2.40"
+
+with the project's venv active (``python`` is its Python: the peer then runs the project's torch). That
+path is found by default (or pass ``--ray-python``). Ray runs with its dashboard and usage stats off,
+inside a loopback-only network namespace (``unshare -rn``) where the machine allows one, since its
+start-up probes outside addresses; its start-up (~1 min here) is not measured.
+
+Everything shares this machine's cores: the ratios say what the platform costs here, not on a dedicated
+serving box, and other work on the machine moves them a lot (load average is printed).
 """
 
 from __future__ import annotations
@@ -24,10 +43,12 @@ import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import aiohttp
+import comparison
 from harness import kafka, pct
+from loadgen import closed_loop, completion, embed, profile_all, ttft_once
 
 from infra.kafka.broker import free_port
 from infra.topics import TopicSizing, apply_topics, make_admin, platform_topics
@@ -35,9 +56,6 @@ from schemas.settings import PlatformSettings, load_settings
 from schemas.topics import TopicNames
 
 ROOT = Path(__file__).resolve().parent.parent
-KEY = "sk-sluice-demo"
-AUTH = {"Authorization": f"Bearer {KEY}"}
-PROMPT = "Tell me about the river and the stone wall."
 
 
 class Services:
@@ -106,56 +124,6 @@ async def until_ok(call: Callable[[], Awaitable[bool]], within: float = 180) -> 
     raise RuntimeError("the platform did not come up")
 
 
-async def completion(session: aiohttp.ClientSession, url: str, max_tokens: int) -> int:
-    body = {
-        "model": "demo-gpt",
-        "prompt": PROMPT,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-    }
-    async with session.post(f"{url}/v1/completions", json=body, headers=AUTH) as response:
-        data = await response.json()
-        if response.status != 200:
-            raise RuntimeError(data)
-        return int(data["usage"]["completion_tokens"])
-
-
-async def ttft_once(session: aiohttp.ClientSession, url: str) -> float:
-    body = {"model": "demo-gpt", "prompt": PROMPT, "max_tokens": 2, "temperature": 0, "stream": True}
-    started = time.perf_counter()
-    async with session.post(f"{url}/v1/completions", json=body, headers=AUTH) as response:
-        first = None
-        async for line in response.content:
-            if first is None and line.startswith(b"data: {"):
-                first = time.perf_counter() - started
-        return (first or float("nan")) * 1000
-
-
-async def embed(session: aiohttp.ClientSession, url: str, n: int) -> None:
-    body = {"model": "all-minilm-l6-v2", "input": f"a short sentence about rivers and stones {n}"}
-    async with session.post(f"{url}/v1/embeddings", json=body, headers=AUTH) as response:
-        if response.status != 200:
-            raise RuntimeError(await response.text())
-        await response.read()
-
-
-async def closed_loop(
-    concurrency: int, total: int, job: Callable[[int], Awaitable[object]]
-) -> tuple[float, list[object]]:
-    """``total`` jobs by ``concurrency`` clients, each starting its next job when the last one ends."""
-    queue = iter(range(total))
-    results: list[object] = []
-
-    async def client() -> None:
-        for n in queue:
-            results.append(await job(n))
-
-    started = time.perf_counter()
-    await asyncio.gather(*(client() for _ in range(concurrency)))
-    return time.perf_counter() - started, results
-
-
 async def measure(url: str, raw: dict[str, object], services: Services, quick: bool) -> dict[str, object]:
     connector = aiohttp.TCPConnector(limit=256)
     async with aiohttp.ClientSession(
@@ -189,6 +157,7 @@ async def measure(url: str, raw: dict[str, object], services: Services, quick: b
         n_emb = 256 if quick else 1024
         await closed_loop(64, 64, lambda n: embed(session, url, n))
         wall_dyn, _ = await closed_loop(64, n_emb, lambda n: embed(session, url, n))
+        profiles = await profile_all(session, url, quick)  # the load the peers get too
         services.stop("embed")
         services.start(
             "embed", ["worker", "--model", "all-minilm-l6-v2"], {"SLUICE_WORKER_EMBED_MAX_BATCH": "1"}
@@ -200,6 +169,7 @@ async def measure(url: str, raw: dict[str, object], services: Services, quick: b
     raw_emb = {int(k): float(v) for k, v in cast(dict[str, float], raw["embeddings_per_s"]).items()}
     raw_ttft = cast(dict[str, float], raw["ttft_ms"])
     return {
+        "platform_profiles": profiles,
         "generation": {
             "raw_best_batch": best_batch,
             "raw_tokens_per_s": raw_gen[best_batch],
@@ -278,6 +248,46 @@ def table(result: dict[str, dict[str, float]]) -> str:
     return "\n".join(lines)
 
 
+def run_peers(
+    args: argparse.Namespace,
+    raw: dict[str, object],
+    platform: comparison.Profiles,
+    settings: PlatformSettings,
+    env: dict[str, str],
+) -> dict[str, Any]:
+    """The peers, one at a time, after the platform has stopped (this machine's cores are shared), with
+    the workers' torch threads; their profiles beside the platform's and the raw model's, and the ratios."""
+    wanted = {p.strip() for p in args.peers.split(",") if p.strip()}
+    logs = Path(tempfile.mkdtemp(prefix="sluice-bench-peers-"))
+    peer_env = comparison.child_env(env.get("SLUICE_WORKER_TORCH_THREADS"))
+    profiles: dict[str, comparison.Outcome] = {
+        "raw": comparison.raw_profiles(raw, args.quick),
+        "platform": platform,
+        "naive": "not run",
+        "ray": "not run",
+    }
+    facts: dict[str, Any] = {}
+    if "naive" in wanted:
+        print("naive aiohttp peer (alone) ...", file=sys.stderr)
+        started = time.perf_counter()
+        profiles["naive"] = comparison.run_naive(args.quick, logs / "naive.log", peer_env)
+        facts["naive"] = {"wall_s": time.perf_counter() - started}
+    if "ray" in wanted:
+        python, tried = comparison.find_ray_python(args.ray_python, Path(settings.cache_dir))
+        if python is None:
+            profiles["ray"] = "not installed"
+            facts["ray"] = {"tried": tried}
+        else:
+            print(f"Ray Serve peer (alone; {python}) ...", file=sys.stderr)
+            gen_batch = int(env["SLUICE_WORKER_MAX_RUNNING"])  # the platform's generation batch limit
+            started = time.perf_counter()
+            profiles["ray"], facts["ray"] = comparison.run_ray(
+                python, args.quick, gen_batch, logs / "ray.log", peer_env
+            )
+            facts["ray"]["wall_s"] = time.perf_counter() - started
+    return {"profiles": profiles, "ratios": comparison.ratios(profiles), "about": facts}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -286,9 +296,21 @@ def main() -> None:
     parser.add_argument(
         "--torch-threads", type=int, default=None, help="SLUICE_WORKER_TORCH_THREADS for the workers"
     )
+    parser.add_argument(
+        "--peers",
+        default="naive,ray",
+        help="peers to run after the platform, comma-separated: naive, ray (default both; '' for none)",
+    )
+    parser.add_argument(
+        "--ray-python",
+        default=None,
+        help="a Python with ray[serve] (default: this one if it has Ray, else "
+        "<SLUICE_CACHE_DIR>/venvs/ray-peer/bin/python if present; else Ray is 'not installed')",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "online.json")
     args = parser.parse_args()
     settings = load_settings(PlatformSettings)
+    load_before = os.getloadavg()
     subprocess.run(
         [sys.executable, "-m", "sluice", "models", "prepare"], check=True, stdout=subprocess.DEVNULL
     )
@@ -331,6 +353,7 @@ def main() -> None:
             raise
         finally:
             services.stop_all()
+    peers = run_peers(args, raw, cast(comparison.Profiles, result.pop("platform_profiles")), settings, env)
     result["machine"] = {
         "cpus": os.cpu_count(),
         "python": host.python_version(),
@@ -338,8 +361,15 @@ def main() -> None:
         "device": raw["device"],
         "quick": args.quick,
         "worker_torch_threads": args.torch_threads or "cores",
+        "load_avg_start": load_before,
+        "load_avg_end": os.getloadavg(),
     }
+    result["peers"] = peers
     print(table(result))  # type: ignore[arg-type]
+    print()
+    print(comparison.table(peers["profiles"], peers["ratios"]))
+    load = " / ".join(f"{a:.1f}" for a in load_before), " / ".join(f"{a:.1f}" for a in os.getloadavg())
+    print(f"\nload average (1/5/15 min) at start {load[0]}, at end {load[1]} on {os.cpu_count()} CPUs")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\nwrote {args.out}", file=sys.stderr)

@@ -377,35 +377,47 @@ def _select(cache: Any, rows: list[int]) -> Any:
 # ------------------------------------------------------------------------------------------- benchmarks
 
 
-def raw_generate_throughput(
-    model: PreTrainedModel, prompts: Sequence[Sequence[int]], max_new_tokens: int, batch_size: int
-) -> float:
-    """Tokens/s of plain batched ``model.generate`` (greedy, left padding): the baseline to compare against."""
+def padded_generate(
+    model: PreTrainedModel, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, min_new_tokens: int = 0
+) -> list[list[int]]:
+    """One plain batched ``model.generate`` (greedy, left padding): each prompt's new token ids (padding
+    after an early EOS is kept, as ``generate`` returns it). The raw baseline and the benchmark's peer
+    servers all call the model through this."""
     import torch
 
     pad = model.generation_config.pad_token_id
     pad_id = int(pad if isinstance(pad, int) else (model.config.eos_token_id or 0))
     device = next(model.parameters()).device
+    longest = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), longest), pad_id, dtype=torch.long, device=device)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, longest - len(prompt) :] = torch.tensor(list(prompt), dtype=torch.long)
+        mask[row, longest - len(prompt) :] = 1
+    with torch.inference_mode():
+        out = model.generate(  # type: ignore[operator]
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=min_new_tokens,
+            pad_token_id=pad_id,
+        )
+    new: list[list[int]] = out[:, longest:].tolist()
+    return new
+
+
+def raw_generate_throughput(
+    model: PreTrainedModel, prompts: Sequence[Sequence[int]], max_new_tokens: int, batch_size: int
+) -> float:
+    """Tokens/s of plain batched ``model.generate`` (greedy, left padding): the baseline to compare against."""
     produced = 0
     started = time.perf_counter()
-    with torch.inference_mode():
-        for start in range(0, len(prompts), batch_size):
-            chunk = prompts[start : start + batch_size]
-            longest = max(len(p) for p in chunk)
-            ids = torch.full((len(chunk), longest), pad_id, dtype=torch.long, device=device)
-            mask = torch.zeros_like(ids)
-            for row, prompt in enumerate(chunk):
-                ids[row, longest - len(prompt) :] = torch.tensor(list(prompt), dtype=torch.long)
-                mask[row, longest - len(prompt) :] = 1
-            out = model.generate(  # type: ignore[operator]
-                input_ids=ids,
-                attention_mask=mask,
-                do_sample=False,
-                max_new_tokens=max_new_tokens,
-                min_new_tokens=max_new_tokens,
-                pad_token_id=pad_id,
-            )
-            produced += (out.shape[1] - longest) * len(chunk)
+    for start in range(0, len(prompts), batch_size):
+        chunk = prompts[start : start + batch_size]
+        produced += sum(
+            len(row) for row in padded_generate(model, chunk, max_new_tokens, min_new_tokens=max_new_tokens)
+        )
     return produced / (time.perf_counter() - started)
 
 

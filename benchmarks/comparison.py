@@ -1,0 +1,254 @@
+"""The platform beside its peers: the same load (``loadgen.profile_all``: embeddings and generation at 1
+and 64 clients) against the naive server and Ray Serve, one at a time, and the table of ratios
+platform/raw, platform/Ray, platform/naive. ``benchmarks/online.py`` runs it after the platform.
+
+Ray is optional. Its Python is ``--ray-python``, else this one if it imports ``ray.serve``, else
+``<SLUICE_CACHE_DIR>/venvs/ray-peer/bin/python`` if it exists; without one the Ray columns say
+``not installed`` and the rest runs. Ray and its load driver run inside a loopback-only network
+namespace (``unshare -rn``) where the machine allows one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, cast
+
+import loadgen
+from loadgen import CLIENTS, NEW_TOKENS, QUICK_TOKENS, WORKLOADS, Profile
+
+from infra.kafka.broker import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+PEERS = ROOT / "benchmarks" / "peers"
+Profiles = dict[str, dict[str, Profile]]
+"""``{workload: {str(clients): profile}}``, as ``loadgen.profile_all`` returns it."""
+Outcome = Profiles | str
+"""A peer's profiles, or why it has none (``not installed``, ``failed: ...``, ``not run``)."""
+UNITS = {"embeddings": "emb/s", "generation": "tok/s"}
+
+
+def child_env(torch_threads: str | None) -> dict[str, str]:
+    """A peer's environment: this one with this checkout first on the import path (a shared venv's
+    editable install may point at another clone) and the workers' torch threads, if they were set."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    threads = {"SLUICE_WORKER_TORCH_THREADS": torch_threads} if torch_threads else {}
+    return {**os.environ, "PYTHONPATH": path, **threads}
+
+
+def raw_profiles(raw: dict[str, Any], quick: bool) -> Profiles:
+    """The raw model as if it were a server: 1 client = batch 1 (latency = one call); 64 clients = its
+    best batch for the 64 (latency = one such batch; throughput, not latency, is the point there). Its
+    rates come from ``raw_model.py`` (64 new tokens); latencies are scaled to the tokens the load asks."""
+    tokens = QUICK_TOKENS if quick else NEW_TOKENS
+    emb = {int(k): float(v) for k, v in raw["embeddings_per_s"].items()}
+    gen = {int(k): float(v) for k, v in raw["generation_tokens_per_s"].items()}
+    best = max((b for b in gen if b <= max(CLIENTS)), key=lambda b: gen[b])
+
+    def one(per_s: float, ms: float, batch: int) -> Profile:
+        return {"clients": batch, "requests": 0, "per_s": per_s, "p50_ms": ms, "p99_ms": ms}
+
+    return {
+        "embeddings": {"1": one(emb[1], 1000 / emb[1], 1), "64": one(emb[64], 64_000 / emb[64], 64)},
+        "generation": {
+            "1": one(gen[1], tokens * 1000 / gen[1], 1),
+            "64": one(gen[best], best * tokens * 1000 / gen[best], best),
+        },
+    }
+
+
+# ------------------------------------------------------------------------------------------ the naive peer
+
+
+async def _drive_naive(url: str, proc: subprocess.Popen[bytes], quick: bool) -> Profiles:
+    def alive() -> None:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the naive peer exited with {proc.returncode}")
+
+    async with loadgen.client_session() as session:
+        await loadgen.until_ready(session, f"{url}/readyz", alive=alive)
+        return await loadgen.profile_all(session, url, quick)
+
+
+def run_naive(quick: bool, log: Path, env: dict[str, str]) -> Outcome:
+    port = free_port()
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, str(PEERS / "naive.py"), "--port", str(port)],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        return asyncio.run(_drive_naive(f"http://127.0.0.1:{port}", proc, quick))
+    except (RuntimeError, OSError) as exc:
+        return f"failed: {exc} (log {log})"
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+# --------------------------------------------------------------------------------------------- Ray Serve
+
+
+def find_ray_python(explicit: str | None, cache_dir: Path) -> tuple[str | None, str]:
+    """(a Python that imports ``ray.serve``, or None; what was tried)."""
+    candidates = (
+        [explicit] if explicit else [sys.executable, str(cache_dir / "venvs" / "ray-peer" / "bin" / "python")]
+    )
+    for python in candidates:
+        if python is None or not Path(python).exists():
+            continue
+        check = subprocess.run(
+            [python, "-c", "import ray.serve, starlette"], capture_output=True, timeout=120, check=False
+        )
+        if check.returncode == 0:
+            return python, python
+    return None, ", ".join(c for c in candidates if c)
+
+
+def loopback_namespace() -> list[str]:
+    """A command prefix that runs its command in a new network namespace with only ``lo`` (up), or []."""
+    wrap = ["sh", "-c", 'ip link set lo up && exec "$0" "$@"']
+    for unshare in (["unshare", "-rn"], ["unshare", "-n"]):
+        try:
+            done = subprocess.run([*unshare, *wrap, "true"], capture_output=True, timeout=30, check=False)
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if done.returncode == 0:
+            return [*unshare, *wrap]
+    return []
+
+
+def run_ray(
+    python: str, quick: bool, gen_batch: int, log: Path, env: dict[str, str]
+) -> tuple[Outcome, dict[str, Any]]:
+    """Ray Serve and its load driver (``peers/ray_serve.py``) in one child: (profiles, facts about it)."""
+    netns = loopback_namespace()
+    command = [*netns, python, str(PEERS / "ray_serve.py"), "--gen-batch", str(gen_batch)]
+    facts: dict[str, Any] = {
+        "python": python,
+        "network": "loopback-only namespace (" + " ".join(netns[:2]) + ")" if netns else "host network",
+    }
+    try:
+        done = subprocess.run(
+            [*command, *(["--quick"] if quick else [])],
+            env={**env, "RAY_USAGE_STATS_ENABLED": "0"},
+            capture_output=True,
+            text=True,
+            timeout=1200,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        return "failed: timed out", facts
+    log.write_text(done.stdout + done.stderr)
+    if done.returncode != 0:
+        return f"failed: exit {done.returncode} (log {log})", facts
+    report = json.loads(done.stdout.splitlines()[-1])
+    facts.update(version=report["ray"], startup_s=report["startup_s"])
+    return cast(Profiles, report["profiles"]), facts
+
+
+# ------------------------------------------------------------------------------------------- the verdict
+
+
+def ratios(profiles: dict[str, Outcome]) -> dict[str, Any]:
+    """Per workload and client count: platform over each of raw/ray/naive in throughput (``per_s``), p99,
+    and (where the peer is not raw) in latency added to the raw model's at p50."""
+    out: dict[str, Any] = {}
+    platform, raw = profiles["platform"], profiles["raw"]
+    if isinstance(platform, str) or isinstance(raw, str):
+        return out
+    for workload in WORKLOADS:
+        for clients in map(str, CLIENTS):
+            row: dict[str, float | None] = {}
+            mine, base = platform[workload][clients], raw[workload][clients]
+            for peer in ("raw", "ray", "naive"):
+                theirs = profiles.get(peer, "not run")
+                if isinstance(theirs, str):
+                    row |= {f"{peer}_per_s": None, f"{peer}_p99": None, f"{peer}_added_p50": None}
+                    continue
+                other = theirs[workload][clients]
+                row[f"{peer}_per_s"] = mine["per_s"] / other["per_s"]
+                row[f"{peer}_p99"] = mine["p99_ms"] / other["p99_ms"]
+                if peer != "raw":
+                    added = other["p50_ms"] - base["p50_ms"]
+                    # below the raw model's (noise, or a raw run on a busy machine) counts as nothing added
+                    ours = max(0.0, mine["p50_ms"] - base["p50_ms"])
+                    row[f"{peer}_added_p50"] = ours / added if added > 0 else None
+            out.setdefault(workload, {})[clients] = row
+    return out
+
+
+def p6(row: dict[str, float | None], clients: str) -> str:
+    """P6 (printed, not asserted): at 64 clients ≥ 3x Ray's throughput with a lower p99; at 1 client at
+    most 1/4 of the latency Ray adds to the raw model."""
+    if clients == "1":
+        added = row.get("ray_added_p50")
+        return "n/a" if added is None else f"{'met' if added <= 0.25 else 'missed'} (≤ 0.25)"
+    per_s, p99 = row.get("ray_per_s"), row.get("ray_p99")
+    if per_s is None or p99 is None:
+        return "n/a"
+    return f"{'met' if per_s >= 3 and p99 < 1 else 'missed'} (≥ 3x, p99 < 1x)"
+
+
+def _grid(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = [" | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in [header, *rows]]
+    lines.insert(1, "-+-".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _cell(outcome: Outcome, workload: str, clients: str) -> str:
+    if isinstance(outcome, str):
+        return outcome.split(" (log")[0]
+    p = outcome[workload][clients]
+    return f"{p['per_s']:.0f} · {p['p50_ms']:.1f}/{p['p99_ms']:.1f}"
+
+
+def _x(value: float | None) -> str:
+    return "-" if value is None or math.isnan(value) else f"{value:.2f}x"
+
+
+def table(profiles: dict[str, Outcome], ratio: dict[str, Any]) -> str:
+    names = ("raw", "naive", "ray", "platform")
+    header = ("workload", "clients", "raw model", "naive aiohttp", "Ray Serve", "platform")
+    rows = [
+        (
+            f"{workload} {UNITS[workload]}",
+            clients,
+            *(_cell(profiles.get(n, "not run"), workload, clients) for n in names),
+        )
+        for workload in WORKLOADS
+        for clients in map(str, CLIENTS)
+    ]
+    first = _grid(header, rows)
+    header2 = ("workload", "clients", "platform/raw", "platform/Ray", "platform/naive", "P6 vs Ray")
+    rows2 = []
+    for workload in WORKLOADS:
+        for clients in map(str, CLIENTS):
+            row = ratio.get(workload, {}).get(clients, {})
+            second = "_added_p50" if clients == "1" else "_p99"
+            label = "added p50" if clients == "1" else "p99"
+            rows2.append(
+                (
+                    workload,
+                    clients,
+                    f"{_x(row.get('raw_per_s'))} thr",
+                    *(
+                        f"{_x(row.get(p + '_per_s'))} thr · {_x(row.get(p + second))} {label}"
+                        for p in ("ray", "naive")
+                    ),
+                    p6(row, clients),
+                )
+            )
+    return (
+        "each cell: throughput · p50/p99 ms per request (raw: one model call of batch 1, or of its best batch)\n"
+        f"{first}\n\nplatform over each peer (thr: throughput; added p50: latency added to the raw model's)\n"
+        f"{_grid(header2, rows2)}"
+    )

@@ -1,0 +1,148 @@
+"""The one HTTP load generator every benchmark target gets: OpenAI-shaped requests (embeddings, completions,
+streamed time to first token), a closed loop of N clients, and a profile (throughput, p50/p99 latency) at 1
+and 64 clients. The platform, the naive peer and the Ray Serve peer are all measured with this, so their
+numbers differ only by the server."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from collections.abc import Awaitable, Callable
+
+import aiohttp
+from harness import pct
+
+KEY = "sk-sluice-demo"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+PROMPT = "Tell me about the river and the stone wall."
+NEW_TOKENS = 64
+"""Tokens per completion in the profiles (``ignore_eos``: every request makes exactly this many); a quick
+run asks for ``QUICK_TOKENS``."""
+QUICK_TOKENS = 16
+CLIENTS = (1, 64)
+WORKLOADS = ("embeddings", "generation")
+
+Profile = dict[str, float]
+"""``clients``, ``requests``, ``per_s`` (embeddings/s or tokens/s), ``p50_ms``, ``p99_ms`` (per request)."""
+
+
+async def completion(session: aiohttp.ClientSession, url: str, max_tokens: int) -> int:
+    body = {
+        "model": "demo-gpt",
+        "prompt": PROMPT,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    async with session.post(f"{url}/v1/completions", json=body, headers=AUTH) as response:
+        data = await response.json()
+        if response.status != 200:
+            raise RuntimeError(data)
+        return int(data["usage"]["completion_tokens"])
+
+
+async def ttft_once(session: aiohttp.ClientSession, url: str) -> float:
+    body = {"model": "demo-gpt", "prompt": PROMPT, "max_tokens": 2, "temperature": 0, "stream": True}
+    started = time.perf_counter()
+    async with session.post(f"{url}/v1/completions", json=body, headers=AUTH) as response:
+        first = None
+        async for line in response.content:
+            if first is None and line.startswith(b"data: {"):
+                first = time.perf_counter() - started
+        return (first or float("nan")) * 1000
+
+
+async def embed(session: aiohttp.ClientSession, url: str, n: int) -> int:
+    """One embedding request; 1 (the number of inputs embedded)."""
+    body = {"model": "all-minilm-l6-v2", "input": f"a short sentence about rivers and stones {n}"}
+    async with session.post(f"{url}/v1/embeddings", json=body, headers=AUTH) as response:
+        if response.status != 200:
+            raise RuntimeError(await response.text())
+        await response.read()
+    return 1
+
+
+async def closed_loop(
+    concurrency: int, total: int, job: Callable[[int], Awaitable[object]]
+) -> tuple[float, list[object]]:
+    """``total`` jobs by ``concurrency`` clients, each starting its next job when the last one ends."""
+    queue = iter(range(total))
+    results: list[object] = []
+
+    async def client() -> None:
+        for n in queue:
+            results.append(await job(n))
+
+    started = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    return time.perf_counter() - started, results
+
+
+async def profile(clients: int, total: int, job: Callable[[int], Awaitable[int]]) -> Profile:
+    """``total`` jobs by ``clients`` clients after a short untimed warm-up; ``job`` returns its units."""
+    warm = min(clients, 8)
+    await closed_loop(warm, warm, job)
+    latencies: list[float] = []
+
+    async def timed(n: int) -> int:
+        started = time.perf_counter()
+        units = await job(n)
+        latencies.append((time.perf_counter() - started) * 1000)
+        return units
+
+    wall, done = await closed_loop(clients, total, timed)
+    return {
+        "clients": clients,
+        "requests": total,
+        "per_s": sum(int(x) for x in done) / wall,  # type: ignore[call-overload]
+        "p50_ms": statistics.median(latencies),
+        "p99_ms": pct(latencies, 99),
+    }
+
+
+def requests_for(workload: str, clients: int, quick: bool) -> int:
+    if workload == "embeddings":
+        return (32 if quick else 200) if clients == 1 else (128 if quick else 1024)
+    return (6 if quick else 24) if clients == 1 else (64 if quick else 256)
+
+
+async def profile_all(session: aiohttp.ClientSession, url: str, quick: bool) -> dict[str, dict[str, Profile]]:
+    """Embeddings and generation (``NEW_TOKENS`` per completion, ``QUICK_TOKENS`` if ``quick``), each at
+    every count in ``CLIENTS``: ``{workload: {str(clients): profile}}``."""
+    tokens = QUICK_TOKENS if quick else NEW_TOKENS
+    jobs: dict[str, Callable[[int], Awaitable[int]]] = {
+        "embeddings": lambda n: embed(session, url, n),
+        "generation": lambda _n: completion(session, url, tokens),
+    }
+    out: dict[str, dict[str, Profile]] = {}
+    for workload in WORKLOADS:
+        out[workload] = {}
+        for clients in CLIENTS:
+            total = requests_for(workload, clients, quick)
+            out[workload][str(clients)] = await profile(clients, total, jobs[workload])
+    return out
+
+
+def client_session() -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=256), timeout=aiohttp.ClientTimeout(total=600)
+    )
+
+
+async def until_ready(
+    session: aiohttp.ClientSession, url: str, within: float = 180, alive: Callable[[], None] | None = None
+) -> None:
+    """Poll ``url`` until it answers 200 (``alive`` raises if the server died meanwhile)."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if alive is not None:
+            alive()
+        try:
+            async with session.get(url) as response:
+                if response.status == 200:
+                    return
+        except aiohttp.ClientError:
+            pass
+        await asyncio.sleep(0.25)
+    raise RuntimeError(f"{url} did not answer 200 within {within:.0f} s")
