@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -61,8 +62,31 @@ class BrokerError(InfraError):
     """The local broker failed to start, answer or stop."""
 
 
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands to outgoing connections (``ip_local_port_range``)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
+    """A loopback port nothing listens on now, for a server started a moment later.
+
+    Chosen below the kernel's ephemeral range: a port the kernel picks (``bind(0)``) is one it may also give
+    the next outgoing connection of any process, which then holds it when the server binds (CI saw a
+    broker's controller fail with "Address already in use" that way)."""
+    low = _ephemeral_low()
+    rng = random.SystemRandom()
+    for _ in range(64):
+        port = rng.randrange(10_000, low - 1) if low > 11_000 else 0  # port + 1 too (a default controller)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return int(sock.getsockname()[1])
+    with socket.socket() as sock:  # everything tried was taken: let the kernel choose
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
 

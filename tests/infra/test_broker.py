@@ -1,11 +1,12 @@
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import pytest
 from confluent_kafka import Consumer, Producer
 
-from infra.kafka.broker import BrokerError, LocalKafka, free_port
+from infra.kafka.broker import BrokerError, LocalKafka, _ephemeral_low, free_port
 from infra.topics import TopicSpec, apply_topics, make_admin
 from schemas.settings import PlatformSettings
 
@@ -61,3 +62,13 @@ def test_taken_port_is_a_clear_error(
     port = int(kafka_bootstrap.rsplit(":", 1)[1])
     with pytest.raises(BrokerError, match=f"port {port} is taken"):
         _broker(platform_settings, tmp_path, port).start()
+
+
+def test_free_ports_are_below_the_kernels_ephemeral_range() -> None:
+    low = _ephemeral_low()
+    ports = {free_port() for _ in range(20)}
+    assert all(port < low for port in ports)
+    assert len(ports) > 1  # chosen at random, so parallel tests rarely meet
+    for port in ports:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))  # free when handed out
