@@ -657,9 +657,16 @@ class Harness:
     async def publish(self, event: DeploymentChanged) -> None:
         self.published.append(event)
 
-    def controller(self, interval_s: float = 1.0) -> RolloutController:
+    def controller(self, interval_s: float = 1.0, *, held: asyncio.Event | None = None) -> RolloutController:
+        """``held``: every warehouse read waits until the event is set (an evaluation in progress)."""
+
+        async def read(sql: str) -> list[dict[str, Any]]:
+            if held is not None:
+                await held.wait()
+            return await self.warehouse.read(sql)
+
         return RolloutController(
-            self.warehouse.read,
+            read,
             self.publish,
             interval_s=interval_s,
             clock=lambda: self.now,
@@ -780,14 +787,7 @@ async def test_run_due_evaluates_at_most_once_per_interval(harness: Harness) -> 
 async def test_the_timer_and_the_sink_evaluating_at_once_publish_one_decision(harness: Harness) -> None:
     # CI saw a step promoted twice: the timer's evaluation outlasted its interval and the sink's ran beside it.
     release = asyncio.Event()
-
-    async def slow_read(sql: str) -> list[dict[str, Any]]:
-        await release.wait()
-        return await harness.warehouse.read(sql)
-
-    controller = RolloutController(
-        slow_read, harness.publish, interval_s=0.5, clock=lambda: harness.now, monotonic=lambda: harness.mono
-    )
+    controller = harness.controller(interval_s=0.5, held=release)
     controller.seed([canary()])
     timer = asyncio.create_task(controller.run_due())
     await asyncio.sleep(0)
@@ -807,14 +807,7 @@ async def test_the_timer_and_the_sink_evaluating_at_once_publish_one_decision(ha
 
 async def test_an_operator_change_during_an_evaluation_wins(harness: Harness) -> None:
     release = asyncio.Event()
-
-    async def read_while_aborted(sql: str) -> list[dict[str, Any]]:
-        await release.wait()
-        return await harness.warehouse.read(sql)
-
-    controller = RolloutController(
-        read_while_aborted, harness.publish, clock=lambda: harness.now, monotonic=lambda: harness.mono
-    )
+    controller = harness.controller(held=release)
     controller.seed([canary()])
     running = asyncio.create_task(controller.run_due())
     await asyncio.sleep(0)
