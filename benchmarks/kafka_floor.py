@@ -34,7 +34,7 @@ import psutil
 from confluent_kafka import Consumer, Message, Producer, TopicPartition
 from harness import kafka, pct
 
-from bus.consumer import consumer_config
+from bus.consumer import FETCH_WAIT_MAX_MS, consumer_config
 from bus.producer import producer_config
 from infra.topics import make_admin
 from schemas.settings import KafkaConnection, PlatformSettings, load_settings
@@ -231,7 +231,7 @@ def main() -> None:
     parser.add_argument(
         "--fetch-wait-ms",
         type=int,
-        default=consumer_config(KafkaConnection("x"), None, "x")["fetch.wait.max.ms"],
+        default=FETCH_WAIT_MAX_MS,
         help="consumers' fetch.wait.max.ms (default: the platform's)",
     )
     parser.add_argument("--acks", choices=("all", "1"), default="all", help="producers' acks (platform: all)")
