@@ -132,6 +132,12 @@ def platform_topics(
             },
             purpose="idempotency keys claimed by edges, 24 h; key = tenant + key hash (first claim wins)",
         ),
+        TopicSpec(
+            name=names.batches,
+            partitions=size.events,
+            config={"cleanup.policy": "compact", "min.compaction.lag.ms": "0", "segment.ms": str(DAY_MS)},
+            purpose="latest state of every async batch (status, progress, files); key = batch:<id>",
+        ),
     ]
     return specs
 

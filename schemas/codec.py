@@ -11,7 +11,10 @@ from collections.abc import Sequence
 import msgspec
 
 from schemas.events import (
+    BATCH_KEY_SPREAD,
     EVENT_TYPES,
+    BatchItemRequested,
+    BatchStateChanged,
     BudgetStateChanged,
     BurnRateCrossed,
     DeadLetter,
@@ -148,5 +151,9 @@ def kafka_key(event: Event) -> bytes:
             return f"drift:{event.model}".encode()
         case DeadLetter():
             return f"{event.source_topic}:{event.partition}".encode()
+        case BatchStateChanged():
+            return f"batch:{event.batch_id}".encode()
+        case BatchItemRequested():
+            return f"batch:{event.batch_id}:{event.index % BATCH_KEY_SPREAD}".encode()
         case _:
             return event.tenant.encode()

@@ -15,7 +15,7 @@ import sys
 from array import array
 from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
-from typing import Annotated, ClassVar, Literal, TypeAlias
+from typing import Annotated, ClassVar, Literal, TypeAlias, TypedDict
 
 import msgspec
 
@@ -125,15 +125,140 @@ class EmbeddingRequested(RequestCommon, frozen=True, kw_only=True, tag="embeddin
     normalize: bool = True
 
 
+class BatchRef(FrozenStruct, frozen=True, kw_only=True):
+    """Which line of which batch a request or result is (``attempt`` counts retries from 0)."""
+
+    batch_id: str
+    custom_id: str
+    index: NonNegative
+    attempt: NonNegative = 0
+
+
+BATCH_KEY_SPREAD = 8
+"""A batch's items are keyed by batch id and ``index % BATCH_KEY_SPREAD``: one batch's lines stay on a few
+partitions (their order is the output file's, not the log's), and several workers share a big batch."""
+
+
 class BatchItemRequested(RequestCommon, frozen=True, kw_only=True, tag="batch_item_requested"):
+    """One line of an async batch (the OpenAI Batch API), published by the edge that owns the batch.
+
+    It carries what a :class:`GenerationRequested` or :class:`EmbeddingRequested` of the same body would
+    (tokenised at the edge); workers run it as that request (:meth:`as_request`) in their batch lane, after
+    interactive work, and its terminal event names the line (``RequestFinished.batch``). ``request_id`` is
+    derived from the batch id, index and attempt, so a re-publication after an edge restart is the same
+    request and runs once."""
+
     batch_id: str
     custom_id: str
     index: NonNegative
     total: Annotated[int, msgspec.Meta(ge=1)]
     endpoint: Endpoint
     input_ids: list[int]
+    """The prompt's token ids (generation); empty for ``/v1/embeddings`` items."""
     sampling: SamplingParams | None = None
     """None for ``/v1/embeddings`` items."""
+    attempt: NonNegative = 0
+    """0 for the first run; a retry of a retriable failure is a new request with ``attempt + 1``."""
+    prompt: str | None = None
+    chat: bool = False
+    inputs: list[list[int]] | None = None
+    """One list of token ids per input (``/v1/embeddings`` items)."""
+    texts: list[str] | None = None
+    normalize: bool = True
+
+    @property
+    def ref(self) -> BatchRef:
+        return BatchRef(
+            batch_id=self.batch_id, custom_id=self.custom_id, index=self.index, attempt=self.attempt
+        )
+
+    def as_request(self) -> GenerationRequested | EmbeddingRequested:
+        """The request this line is, as a worker runs it (same ids, deadline, priority and trace)."""
+        common = _request_common(self)
+        if self.endpoint == "/v1/embeddings":
+            return EmbeddingRequested(
+                **common, inputs=list(self.inputs or []), texts=self.texts, normalize=self.normalize
+            )
+        return GenerationRequested(
+            **common,
+            input_ids=self.input_ids,
+            prompt=self.prompt,
+            sampling=self.sampling or SamplingParams(),
+            chat=self.chat,
+        )
+
+    @classmethod
+    def of(
+        cls,
+        request: GenerationRequested | EmbeddingRequested,
+        ref: BatchRef,
+        *,
+        total: int,
+        endpoint: Endpoint,
+    ) -> BatchItemRequested:
+        """The batch line that runs as ``request`` (its reply, shadow and stream settings are dropped:
+        nobody waits on a batch line but the batch)."""
+        common = _request_common(request, reply=False)
+        line: dict[str, object] = {
+            "batch_id": ref.batch_id,
+            "custom_id": ref.custom_id,
+            "index": ref.index,
+            "attempt": ref.attempt,
+            "total": total,
+            "endpoint": endpoint,
+        }
+        if isinstance(request, EmbeddingRequested):
+            return cls(
+                **common,
+                **line,  # type: ignore[arg-type]
+                input_ids=[],
+                inputs=request.inputs,
+                texts=request.texts,
+                normalize=request.normalize,
+            )
+        return cls(
+            **common,
+            **line,  # type: ignore[arg-type]
+            input_ids=request.input_ids,
+            prompt=request.prompt,
+            sampling=request.sampling,
+            chat=request.chat,
+        )
+
+
+class _RequestFields(TypedDict):
+    id: str
+    time: datetime
+    tenant: str
+    model: str
+    request_id: str
+    source: str
+    traceparent: str | None
+    tracestate: str | None
+    model_version: str
+    deadline: datetime | None
+    reply: ReplyTo | None
+    idempotency_key: str | None
+    priority: int
+
+
+def _request_common(request: RequestCommon, *, reply: bool = True) -> _RequestFields:
+    """The fields every request kind shares, to build one kind from another."""
+    return _RequestFields(
+        id=request.id,
+        time=request.time,
+        tenant=request.tenant,
+        model=request.model,
+        request_id=request.request_id,
+        source=request.source,
+        traceparent=request.traceparent,
+        tracestate=request.tracestate,
+        model_version=request.model_version,
+        deadline=request.deadline,
+        reply=request.reply if reply else None,
+        idempotency_key=request.idempotency_key,
+        priority=request.priority,
+    )
 
 
 class CancelRequested(Envelope, frozen=True, kw_only=True, tag="cancel_requested"):
@@ -278,6 +403,8 @@ class RequestFinished(Envelope, frozen=True, kw_only=True, tag="request_finished
     """Drift features of the request, set by the worker (absent in events from before drift detection)."""
     shadow_of: str | None = None
     """Copied from a shadow request: the id of the request it mirrored (not billed, never answered)."""
+    batch: BatchRef | None = None
+    """Copied from a batch line (:class:`BatchItemRequested`): which batch and line this result answers."""
 
     def packed_vectors(self) -> Float32Vectors | None:
         """The result's vectors packed, whichever form the event carries (None: the result has none)."""
@@ -299,6 +426,66 @@ class UsageRecorded(Envelope, frozen=True, kw_only=True, tag="usage_recorded"):
     cost_micros: NonNegative
     """Integer micro-USD, so the ledger sums exactly."""
     price_version: str
+
+
+# --- batches ----------------------------------------------------------------------------------------------
+
+
+BatchStatus = Literal[
+    "validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled"
+]
+"""The OpenAI Batch API's statuses. Terminal: ``failed`` (validation), ``completed``, ``expired``,
+``cancelled``."""
+BATCH_TERMINAL: frozenset[str] = frozenset({"failed", "completed", "expired", "cancelled"})
+
+
+class BatchCounts(FrozenStruct, frozen=True, kw_only=True):
+    total: NonNegative = 0
+    completed: NonNegative = 0
+    failed: NonNegative = 0
+
+
+class BatchLineError(FrozenStruct, frozen=True, kw_only=True):
+    """Why a batch's input file was refused (one per bad line, up to a limit), as OpenAI's ``errors``."""
+
+    code: str
+    message: str
+    line: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    param: str | None = None
+
+
+class BatchStateChanged(Envelope, frozen=True, kw_only=True, tag="batch_state_changed"):
+    """The whole state of one batch after a change (status, progress), keyed ``batch:<id>`` on the
+    ``batches`` topic: the latest one is what the batch is. ``seq`` grows with every change of the batch, so
+    the warehouse keeps the latest row and a re-published state replaces itself. ``model`` is the model its
+    lines name (empty while validating)."""
+
+    batch_id: str
+    status: BatchStatus
+    endpoint: Endpoint
+    completion_window: str
+    input_file_id: str
+    edge_id: str
+    """The edge that runs the batch (it publishes its lines and collects their results)."""
+    seq: NonNegative = 0
+    counts: BatchCounts = msgspec.field(default_factory=BatchCounts)
+    output_file_id: str | None = None
+    error_file_id: str | None = None
+    created_at: UtcDatetime
+    expires_at: UtcDatetime
+    in_progress_at: UtcDatetime | None = None
+    finalizing_at: UtcDatetime | None = None
+    completed_at: UtcDatetime | None = None
+    failed_at: UtcDatetime | None = None
+    expired_at: UtcDatetime | None = None
+    cancelling_at: UtcDatetime | None = None
+    cancelled_at: UtcDatetime | None = None
+    errors: list[BatchLineError] = msgspec.field(default_factory=list)
+    metadata: dict[str, str] = msgspec.field(default_factory=dict)
+
+    @property
+    def terminal(self) -> bool:
+        return self.status in BATCH_TERMINAL
 
 
 # --- audit, control, drift, dead letters -----------------------------------------------------------------
@@ -499,6 +686,7 @@ Event: TypeAlias = (
     | BurnRateCrossed
     | DriftReport
     | DeadLetter
+    | BatchStateChanged
 )
 
 EVENT_TYPES: tuple[type[Envelope], ...] = (
@@ -515,6 +703,7 @@ EVENT_TYPES: tuple[type[Envelope], ...] = (
     BurnRateCrossed,
     DriftReport,
     DeadLetter,
+    BatchStateChanged,
 )
 
 REQUEST_TYPES: tuple[type[RequestCommon], ...] = (GenerationRequested, EmbeddingRequested, BatchItemRequested)

@@ -84,6 +84,11 @@ class TopicNames(msgspec.Struct, frozen=True):
         """Idempotency keys claimed by any edge (the first claim of a key wins)."""
         return self._name("idempotency")
 
+    @property
+    def batches(self) -> str:
+        """The latest state of every async batch (compacted; key ``batch:<id>``)."""
+        return self._name("batches")
+
     def shared(self) -> tuple[str, ...]:
         """Every topic that is not per model."""
         return (
@@ -97,4 +102,5 @@ class TopicNames(msgspec.Struct, frozen=True):
             self.deadletter,
             self.quota,
             self.idempotency,
+            self.batches,
         )

@@ -25,13 +25,15 @@ def test_catalogue_covers_every_platform_topic() -> None:
         "sg.deadletter",
         "sg.quota",
         "sg.idempotency",
+        "sg.batches",
     }
     assert by_name["sg.control"].config["cleanup.policy"] == "compact"
+    assert by_name["sg.batches"].config["cleanup.policy"] == "compact"  # latest state per batch
     assert by_name["sg.idempotency"].config["cleanup.policy"] == "compact,delete"  # 24 h of claims
     assert all(
         s.config["cleanup.policy"] == "delete"
         for n, s in by_name.items()
-        if n not in ("sg.control", "sg.idempotency")
+        if n not in ("sg.control", "sg.idempotency", "sg.batches")
     )
     assert all(int(s.config["retention.ms"]) > 0 for s in specs if "retention.ms" in s.config)
 

@@ -2,7 +2,7 @@
 breaks events already on the log fails.
 
 ``tests/schemas/golden/<date>/<type>.json`` holds ``encode(example)`` plus one trailing newline, as the code
-of that date wrote it. Every snapshot must still decode with today's code (old bytes stay readable); the
+of that date wrote it (``<date>.2`` for a second change on one day). Every snapshot must still decode with today's code (old bytes stay readable); the
 newest must also be exactly what today's encoder writes. A snapshot is never rewritten: when a change is
 deliberate (a new optional field, a bumped ``schema_version``), add a snapshot dated today and review it::
 
@@ -47,7 +47,10 @@ class SnapshotRefused(Exception):
 
 def regen(root: Path = GOLDEN, name: str | None = None) -> list[Path]:
     """Write today's examples into a new snapshot ``root/<name>`` (default: today's UTC date)."""
-    target = root / (name or datetime.now(UTC).date().isoformat())
+    today = datetime.now(UTC).date().isoformat()
+    if name is None:  # a second wire change on one day gets today.2, today.3, ...
+        name = next(n for n in (today, *(f"{today}.{k}" for k in range(2, 100))) if not (root / n).exists())
+    target = root / name
     if target.exists():
         raise SnapshotRefused(
             f"{target} exists; snapshots are never rewritten (delete it only if uncommitted)"
@@ -89,7 +92,9 @@ def test_the_newest_snapshot_pins_every_event_type_and_nothing_else() -> None:
 def test_golden_files_live_only_in_dated_snapshots() -> None:
     assert not list(GOLDEN.glob("*.json"))
     for snapshot in snapshots():
-        assert snapshot.name == datetime.strptime(snapshot.name, "%Y-%m-%d").date().isoformat()
+        day, _, nth = snapshot.name.partition(".")  # a second change on one day: 2026-11-25.2
+        assert day == datetime.strptime(day, "%Y-%m-%d").date().isoformat()
+        assert not nth or (nth.isdigit() and int(nth) >= 2)
 
 
 ALL_PINNED = [path for snapshot in snapshots() for path in sorted(snapshot.glob("*.json"))]

@@ -22,7 +22,7 @@ def test_names_under_the_prefix() -> None:
 
 def test_shared_topics_are_distinct_and_prefixed() -> None:
     shared = TopicNames("dev-1").shared()
-    assert len(shared) == len(set(shared)) == 10
+    assert len(shared) == len(set(shared)) == 11
     assert all(name.startswith("dev-1.") for name in shared)
 
 
