@@ -49,6 +49,8 @@ from monitoring.ops import Readiness
 from schemas.codec import MAX_RECORD_BYTES, DecodeError, decode, encode, headers, kafka_key
 from schemas.deployments import Deployment
 from schemas.events import (
+    BatchItemRequested,
+    BatchRef,
     CancelRequested,
     DeploymentChanged,
     DriftFeatures,
@@ -84,6 +86,8 @@ class Arrival:
     trace: RequestTrace | None = None
     generation: int = 0
     """The worker's assignment generation when the record was consumed (see ``WorkerService._stale``)."""
+    batch: BatchRef | None = None
+    """The batch line this request is (consumed as a :class:`BatchItemRequested`): its terminal event names it."""
 
     @property
     def traceparent(self) -> str | None:
@@ -326,13 +330,16 @@ class WorkerService(Component):
             tp = (message.topic() or "", message.partition() or 0)
             offset = message.offset() or 0
             event = decode_or_dead_letter(message, self._producer, self._names.deadletter, self.source)
+            line: BatchRef | None = None
+            if isinstance(event, BatchItemRequested):  # a batch line runs as the request it carries
+                line, event = event.ref, event.as_request()
             if not isinstance(event, GenerationRequested | EmbeddingRequested):
                 if event is not None:
                     log.warning("ignoring %s on a request topic", type(event).__name__)
                 self._put(_Skip(tp, offset, self._generation))  # nothing to run: its offset may be committed
                 continue
             trace = open_trace(event, *tp, offset, self.group)
-            self._put(Arrival(event, tp, offset, trace=trace, generation=self._generation))
+            self._put(Arrival(event, tp, offset, trace=trace, generation=self._generation, batch=line))
 
     def _put(self, item: _Inbox) -> None:
         """Blocks while the inbox is full (backpressure: the consumer stops fetching), until stopped."""
@@ -501,6 +508,11 @@ class WorkerService(Component):
                     if item.event.request_id in self._finished:
                         log.info("skipping %s: already finished", item.event.request_id)
                         self._release(item, "skipped_finished")
+                    elif item.event.request_id in self._live or item.event.request_id in self._held:
+                        # The same request published twice (a batch line re-published after its edge
+                        # restarted): the copy already here ends it, once.
+                        log.info("skipping %s: already running here", item.event.request_id)
+                        self._release(item, "skipped_duplicate")
                     elif self._placement(item.event) == "run":
                         self._run(runner, item, emit)
                     else:
@@ -707,6 +719,8 @@ class WorkerService(Component):
             reply.partition if reply is not None else None,
         )
         result = with_request(result, arrival.event, context, self.version)
+        if arrival.batch is not None:
+            result = msgspec.structs.replace(result, batch=arrival.batch)
         if self._probe is not None:
             try:
                 result = msgspec.structs.replace(result, features=self._probe.features(arrival.event, result))

@@ -31,6 +31,8 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from ingest.admission import Admission
 from ingest.auth import TenantDirectory, require_tenants_file
+from ingest.batch_http import BatchRoutes
+from ingest.batches import BatchRunner
 from ingest.context import EdgeContext
 from ingest.dispatch import Dispatcher
 from ingest.errors import (
@@ -141,9 +143,11 @@ class Edge(AsyncComponent):
         *,
         clock: Callable[[], datetime] = utc_now,
         ops_token: str | None = None,
+        batches: Callable[[EdgeContext], BatchRunner] | None = None,
     ) -> None:
         """``tenants`` None: from ``SLUICE_EDGE_TENANTS_FILE``, or the demo tenant (loopback only).
-        ``ops_token``: ``SLUICE_OPS_TOKEN``. Raises :class:`SettingsError` for an exposed edge that lacks
+        ``ops_token``: ``SLUICE_OPS_TOKEN``. ``batches`` builds the batch runner from the edge's context
+        (None: the Files and Batches routes answer 503). Raises :class:`SettingsError` for an exposed edge that lacks
         either (see :func:`ingest.main.check_edge_exposure`)."""
         super().__init__()
         access = OpsAccess(
@@ -181,6 +185,10 @@ class Edge(AsyncComponent):
             client_max_size=settings.edge_max_body_bytes,
         )
         Routes(self.ctx).add_to(self.app)
+        self.batches = batches(self.ctx) if batches is not None else None
+        BatchRoutes(self.ctx, self.batches).add_to(self.app)
+        if self.batches is not None:
+            self.app.cleanup_ctx.append(self._run_batches)
         self.app.cleanup_ctx.append(self._share_quota)
         self.app.router.add_get("/v1/ws", self._websocket)
         self._runner: web.AppRunner | None = None
@@ -196,6 +204,14 @@ class Edge(AsyncComponent):
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+
+    async def _run_batches(self, app: web.Application) -> AsyncIterator[None]:
+        """While the app runs: the batch runner (it resumes the batches this edge ran before)."""
+        if self.batches is None:
+            yield
+            return
+        async with self.batches:
+            yield
 
     QUOTA_HEARTBEAT_S = 1.0
     """An idle edge still publishes this often, so the others count it among the live edges."""

@@ -110,8 +110,10 @@ class TenantDirectory:
 
     def __init__(self, tenants: Mapping[str, Tenant]) -> None:
         self._by_hash: dict[str, Tenant] = {}
+        self._by_name: dict[str, Tenant] = {}
         for name, tenant in tenants.items():
             named = msgspec.structs.replace(tenant, name=name)
+            self._by_name[name] = named
             for digest in tenant.key_sha256:
                 if digest in self._by_hash:
                     raise CatalogueError(
@@ -138,6 +140,10 @@ class TenantDirectory:
     @classmethod
     def load(cls, path: str | None) -> TenantDirectory:
         return cls.demo() if path is None else cls.from_file(path)
+
+    def named(self, name: str) -> Tenant | None:
+        """The tenant called ``name`` (work it started, e.g. a batch, goes on under its current limits)."""
+        return self._by_name.get(name)
 
     def authenticate(self, authorization: str | None, api_key: str | None = None) -> Tenant:
         """The tenant of an ``Authorization: Bearer <key>`` header, else of ``api_key`` (WebSocket query)."""

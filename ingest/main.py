@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import zlib
+from pathlib import Path
 
 from ingest.app import Edge
 from ingest.auth import require_tenants_file
+from ingest.batch_log import KafkaBatchLog
+from ingest.batches import BatchRunner
+from ingest.context import EdgeContext
+from ingest.files import FileStore
 from ingest.kafka_gateway import KafkaGateway
 from ingest.models import ModelCatalogue, ServedModel
 from ingest.settings import EdgeSettings
@@ -52,7 +57,20 @@ def build_edge(
         idempotency_per_tenant=settings.edge_idempotency_keys_per_tenant,
     )
     gateway.on_deploy = lambda model, deployment: catalogue.preload(model, deployment.serving)
-    return Edge(settings, gateway, catalogue, ops_token=platform.ops_token), gateway
+    files = Path(settings.edge_files_dir) if settings.edge_files_dir else Path(platform.data_dir) / "files"
+    store = FileStore(files, max_bytes=settings.edge_file_max_bytes)
+
+    def batches(ctx: EdgeContext) -> BatchRunner:
+        return BatchRunner(
+            log=KafkaBatchLog(platform.kafka, TopicNames(platform.topic_prefix), settings.edge_id),
+            settings=settings,
+            store=store,
+            preparer=ctx.preparer,
+            tenants=ctx.tenants,
+        )
+
+    edge = Edge(settings, gateway, catalogue, ops_token=platform.ops_token, batches=batches)
+    return edge, gateway
 
 
 async def serve_edge(edge: Edge, gateway: KafkaGateway, stop: asyncio.Event) -> None:

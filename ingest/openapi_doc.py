@@ -13,6 +13,7 @@ from typing import Any
 import msgspec
 from aiohttp import hdrs, web
 
+from ingest.batches import CreateBatch
 from ingest.openai import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 
 REF = "#/components/schemas/{name}"
@@ -100,6 +101,37 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         ok={},
         extra={"responses": {"101": {"description": "Switching protocols to a WebSocket"}}},
     ),
+    ("POST", "/v1/files"): Operation(
+        "Upload a file (multipart/form-data: 'file', and 'purpose' = 'batch'; JSONL, one request per line)",
+        extra={
+            "requestBody": {
+                "required": True,
+                "content": {
+                    "multipart/form-data": {
+                        "schema": {
+                            "type": "object",
+                            "required": ["file", "purpose"],
+                            "properties": {
+                                "file": {"type": "string", "contentMediaType": "application/octet-stream"},
+                                "purpose": {"type": "string", "enum": ["batch"]},
+                            },
+                        }
+                    }
+                },
+            }
+        },
+    ),
+    ("GET", "/v1/files"): Operation("List this key's files"),
+    ("GET", "/v1/files/{file_id}"): Operation("A file's metadata"),
+    ("DELETE", "/v1/files/{file_id}"): Operation("Delete a file"),
+    ("GET", "/v1/files/{file_id}/content"): Operation(
+        "A file's bytes (a running batch's output file: the lines settled so far, in input order)",
+        ok={"application/octet-stream": {"schema": {"type": "string"}}},
+    ),
+    ("POST", "/v1/batches"): Operation("Create a batch from an uploaded JSONL file", CreateBatch),
+    ("GET", "/v1/batches"): Operation("List this key's batches, newest first ('after', 'limit')"),
+    ("GET", "/v1/batches/{batch_id}"): Operation("A batch: status, request counts, output and error files"),
+    ("POST", "/v1/batches/{batch_id}/cancel"): Operation("Cancel a batch: lines not yet run never run"),
     ("GET", "/healthz"): Operation("Liveness", public=True),
     ("GET", "/readyz"): Operation(
         "Readiness (503 while not ready)",

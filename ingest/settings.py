@@ -64,6 +64,21 @@ class EdgeSettings(msgspec.Struct, frozen=True, kw_only=True):
     """Wait this long after a client disconnects before cancelling its request, so that a reconnect with
     ``Last-Event-ID`` to this edge keeps the generation. 0: cancel at once."""
 
+    edge_files_dir: str | None = None
+    """Where uploaded files and batches' files and journals live. Unset: ``<SLUICE_DATA_DIR>/files``. Edges
+    that share batches share this folder (one machine, or a shared file system)."""
+    edge_file_max_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 200 * 1024 * 1024
+    """Largest file ``POST /v1/files`` takes (OpenAI's limit: 200 MB); larger uploads get 413."""
+    edge_batch_max_lines: Count = 50_000
+    """Lines one batch may hold (OpenAI's limit); a longer input file fails validation."""
+    edge_batch_max_in_flight: Count = 256
+    """Batch lines per model published and not yet finished, over every batch this edge runs: enough to
+    keep the workers' batches full, few enough that interactive requests always find room."""
+    edge_batch_max_attempts: Count = 3
+    """Runs of a line that keeps failing for a retriable reason (worker overloaded, died or shut down)."""
+    edge_batch_retry_backoff_s: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0
+    """First retry after about this long (x 0.5-1.5 jitter), doubling with each attempt, at most 60 s."""
+
     def salts(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for entry in self.edge_hot_tenants:

@@ -17,9 +17,13 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 
 from ingest.app import Edge
 from ingest.auth import DEMO_KEY, Tenant, TenantDirectory, hash_key
+from ingest.batches import BatchRunner
+from ingest.context import EdgeContext
+from ingest.files import FileStore
 from ingest.models import ModelCatalogue
 from ingest.settings import EdgeSettings
 from schemas.manifest import ModelManifest, SamplingDefaults, current_model_dir, write_manifest
+from tests.ingest.fake_batch_log import FakeBatchLog
 from tests.ingest.fake_gateway import FakeGateway
 
 GEN = "tiny-gpt"
@@ -136,13 +140,30 @@ def settings(**overrides: Any) -> EdgeSettings:
 
 
 @pytest.fixture
+def batch_log() -> FakeBatchLog:
+    return FakeBatchLog()
+
+
+@pytest.fixture
 async def make_client(
-    catalogue: ModelCatalogue, gateway: FakeGateway, tenants: TenantDirectory
+    catalogue: ModelCatalogue,
+    gateway: FakeGateway,
+    tenants: TenantDirectory,
+    batch_log: FakeBatchLog,
+    tmp_path: Path,
 ) -> AsyncIterator[MakeClient]:
     clients: list[tuple[Client, Edge]] = []
 
     async def make(**overrides: Any) -> tuple[Client, Edge]:
-        edge = Edge(settings(**overrides), gateway, catalogue, tenants)
+        edge_settings = settings(**overrides)
+
+        def batches(ctx: EdgeContext) -> BatchRunner:
+            store = FileStore(tmp_path / "files", max_bytes=edge_settings.edge_file_max_bytes)
+            return BatchRunner(
+                log=batch_log, settings=edge_settings, store=store, preparer=ctx.preparer, tenants=ctx.tenants
+            )
+
+        edge = Edge(edge_settings, gateway, catalogue, tenants, batches=batches)
         client: Client = TestClient(TestServer(edge.app))
         await client.start_server()
         clients.append((client, edge))

@@ -1,0 +1,157 @@
+"""The Files and Batches routes of the OpenAI API (``/v1/files``, ``/v1/batches``).
+
+Every lookup is by the caller's tenant: another tenant's file or batch is a 404, exactly like an id that
+never existed. The batch runner does the work (:mod:`ingest.batches`); an edge built without one (tests of
+the online path) answers 503 here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from typing import Any
+
+from aiohttp import BodyPartReader, web
+from aiohttp.http_exceptions import HttpProcessingError
+
+from ingest.auth import Tenant
+from ingest.batches import BatchRunner, CreateBatch, batch_object
+from ingest.context import EdgeContext
+from ingest.errors import InvalidRequest, Unavailable
+from ingest.files import StoredFile, check_purpose, chunks_of
+from ingest.http import json_response
+from ingest.openai import decode_body
+
+_LIST_LIMIT = 100
+_STREAM_LINES = 512
+
+
+def _checked_form(stored: StoredFile | None, purpose: str | None) -> StoredFile:
+    if stored is None:
+        raise InvalidRequest("The form has no 'file' part.", param="file")
+    check_purpose(purpose or "")
+    return stored
+
+
+class BatchRoutes:
+    def __init__(self, ctx: EdgeContext, runner: BatchRunner | None) -> None:
+        self.ctx = ctx
+        self.runner = runner
+
+    def add_to(self, app: web.Application) -> None:
+        app.router.add_post("/v1/files", self.upload)
+        app.router.add_get("/v1/files", self.files)
+        app.router.add_get("/v1/files/{file_id}", self.file)
+        app.router.add_delete("/v1/files/{file_id}", self.delete_file)
+        app.router.add_get("/v1/files/{file_id}/content", self.content)
+        app.router.add_post("/v1/batches", self.create)
+        app.router.add_get("/v1/batches", self.batches)
+        app.router.add_get("/v1/batches/{batch_id}", self.batch)
+        app.router.add_post("/v1/batches/{batch_id}/cancel", self.cancel)
+
+    def _caller(self, request: web.Request) -> tuple[Tenant, BatchRunner]:
+        tenant = self.ctx.tenants.authenticate(request.headers.get("Authorization"))
+        if self.runner is None:
+            raise Unavailable("This edge does not run batches.", code="batches_unavailable")
+        return tenant, self.runner
+
+    # ------------------------------------------------------------------ files
+
+    async def upload(self, request: web.Request) -> web.Response:
+        tenant, runner = self._caller(request)
+        if not request.content_type.startswith("multipart/"):
+            raise InvalidRequest("Upload a file as multipart/form-data with 'file' and 'purpose'.")
+        purpose: str | None = None
+        stored: StoredFile | None = None
+        try:
+            reader = await request.multipart()
+            while (part := await reader.next()) is not None:
+                if not isinstance(part, BodyPartReader):
+                    continue
+                if part.name == "purpose":
+                    purpose = (await part.text())[:64]
+                elif part.name == "file" and stored is None:
+                    filename = (part.filename or "upload.jsonl")[:255]
+                    stored = await runner.store.upload(
+                        tenant.name, filename, "batch", chunks_of(part.read_chunk)
+                    )
+            uploaded = _checked_form(stored, purpose)
+        except (HttpProcessingError, ValueError, UnicodeDecodeError) as exc:
+            if stored is not None:
+                runner.store.delete(tenant.name, stored.id)
+            raise InvalidRequest(
+                f"The multipart form could not be read: {exc}", code="invalid_form"
+            ) from None
+        except BaseException:
+            if stored is not None:
+                runner.store.delete(tenant.name, stored.id)
+            raise
+        return json_response(uploaded.openai())
+
+    async def files(self, request: web.Request) -> web.Response:
+        tenant, runner = self._caller(request)
+        listed = runner.store.list(tenant.name, request.query.get("purpose"))
+        return json_response({"object": "list", "data": [f.openai() for f in listed], "has_more": False})
+
+    async def file(self, request: web.Request) -> web.Response:
+        tenant, runner = self._caller(request)
+        return json_response(runner.store.get(tenant.name, request.match_info["file_id"]).openai())
+
+    async def delete_file(self, request: web.Request) -> web.Response:
+        tenant, runner = self._caller(request)
+        file_id = request.match_info["file_id"]
+        runner.store.delete(tenant.name, file_id)
+        return json_response({"id": file_id, "object": "file", "deleted": True})
+
+    async def content(self, request: web.Request) -> web.StreamResponse:
+        """The file's bytes; for a running batch's output file, the lines settled so far, in input order."""
+        tenant, runner = self._caller(request)
+        file_id = request.match_info["file_id"]
+        partial = runner.partial_output(tenant.name, file_id)
+        if partial is None:
+            path = runner.store.data_path(tenant.name, file_id)
+            return web.FileResponse(path, headers={"Content-Type": "application/octet-stream"})
+        response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+        await response.prepare(request)
+        while lines := await asyncio.to_thread(lambda: list(itertools.islice(partial, _STREAM_LINES))):
+            await response.write(b"".join(line + b"\n" for line in lines))
+        await response.write_eof()
+        return response
+
+    # ------------------------------------------------------------------ batches
+
+    async def create(self, request: web.Request) -> web.Response:
+        tenant, runner = self._caller(request)
+        self.ctx.admission.check_budget(tenant, self.ctx.gateway.budget_exhausted(tenant.name))
+        body = decode_body(await request.read(), CreateBatch)
+        state = await runner.create(tenant, body)
+        return json_response(batch_object(state))
+
+    async def batches(self, request: web.Request) -> web.Response:
+        tenant, runner = self._caller(request)
+        try:
+            limit = max(1, min(_LIST_LIMIT, int(request.query.get("limit", "20"))))
+        except ValueError:
+            raise InvalidRequest("limit must be a whole number from 1 to 100.", param="limit") from None
+        after = request.query.get("after")
+        states = runner.listing(tenant.name)
+        if after:
+            states = [s for s in states if s.batch_id < after]
+        page = states[:limit]
+        body: dict[str, Any] = {
+            "object": "list",
+            "data": [batch_object(s) for s in page],
+            "first_id": page[0].batch_id if page else None,
+            "last_id": page[-1].batch_id if page else None,
+            "has_more": len(states) > limit,
+        }
+        return json_response(body)
+
+    async def batch(self, request: web.Request) -> web.Response:
+        tenant, runner = self._caller(request)
+        return json_response(batch_object(runner.get(tenant.name, request.match_info["batch_id"])))
+
+    async def cancel(self, request: web.Request) -> web.Response:
+        tenant, runner = self._caller(request)
+        state = await runner.cancel(tenant.name, request.match_info["batch_id"])
+        return json_response(batch_object(state))

@@ -1,0 +1,161 @@
+"""What the batch runner needs from the log, as a port, and its Kafka adapter.
+
+- ``publish_line`` produces a line's request event on its model's request topic (``on_failed`` is called
+  on the event loop if Kafka did not take it);
+- ``cancel`` produces a :class:`CancelRequested`; ``publish_state`` awaits a batch state being durable on
+  the ``batches`` topic;
+- ``results`` waits (up to ``wait_s``) for the next terminal events of batch lines from the ``results``
+  topic, in log order; ``handled`` says the runner made everything ``results`` returned durable, so
+  their offsets may be committed.
+
+The in-memory fake in ``tests/ingest`` implements the same port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import queue
+import threading
+from collections.abc import Callable
+from typing import Protocol
+
+from confluent_kafka import Consumer, Message, TopicPartition
+
+from bus.consumer import BACKGROUND, TP, ConsumerThread, consumer_config, watermarks
+from bus.errors import BusError
+from bus.producer import EventProducer
+from schemas.codec import DecodeError, decode
+from schemas.events import BatchItemRequested, BatchStateChanged, CancelRequested, RequestFinished
+from schemas.lifecycle import AsyncComponent
+from schemas.settings import KafkaConnection
+from schemas.topics import TopicNames
+
+
+class BatchLog(Protocol):
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    def watch(self, watcher: Callable[[BaseException], object]) -> None: ...
+
+    def publish_line(self, event: BatchItemRequested, on_failed: Callable[[BusError], None]) -> None: ...
+
+    def cancel(self, event: CancelRequested) -> None: ...
+
+    async def publish_state(self, state: BatchStateChanged) -> None: ...
+
+    async def results(self, wait_s: float) -> list[RequestFinished]: ...
+
+    def handled(self) -> None: ...
+
+
+class KafkaBatchLog(AsyncComponent):
+    def __init__(self, kafka: KafkaConnection, names: TopicNames, edge_id: str) -> None:
+        super().__init__()
+        self._kafka, self._names, self._edge_id = kafka, names, edge_id
+        self._group = f"sluice-batches.{edge_id}"
+        self._queue: queue.Queue[tuple[list[RequestFinished], dict[TP, int]]] = queue.Queue(8)
+        self._stopping = threading.Event()
+        self._pending: dict[TP, int] = {}
+        self._producer: EventProducer | None = None
+        self._consumer: ConsumerThread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def _start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._producer = EventProducer(self._kafka, f"{self._edge_id}-batches")
+        self._producer.start()
+        self._producer.watch(self.fail)
+        await asyncio.to_thread(self._seed_group)
+        self._consumer = ConsumerThread(
+            consumer_config(self._kafka, self._group, f"{self._edge_id}-batch-results", **BACKGROUND),
+            self._on_results,
+            subscribe=[self._names.results],
+            name="batch-results",
+            batch_size=1000,
+        )
+        self._consumer.watch(self.fail)
+        self._consumer.start()
+
+    async def stop(self) -> None:
+        self._stopping.set()
+        if self._consumer is not None:
+            consumer, self._consumer = self._consumer, None
+            with contextlib.suppress(BusError):  # already reported through fail()
+                await asyncio.to_thread(consumer.stop)
+        if self._producer is not None:
+            producer, self._producer = self._producer, None
+            await asyncio.to_thread(producer.stop)
+
+    def _seed_group(self) -> None:
+        """A new group starts at the end of ``results``, not at its whole history: commit the current end
+        of each partition the group has no offset on yet, before subscribing."""
+        consumer = Consumer(consumer_config(self._kafka, self._group, f"{self._edge_id}-batch-seed"))
+        try:
+            topic = self._names.results
+            meta = consumer.list_topics(topic, timeout=10).topics[topic]
+            if meta.error is not None:
+                raise BusError(f"topic {topic} is missing: run `sluice topics apply`")
+            tps = [TopicPartition(topic, p) for p in meta.partitions]
+            missing = [tp.partition for tp in consumer.committed(tps, timeout=10) if tp.offset < 0]
+            if missing:
+                ends = [TopicPartition(topic, p, watermarks(consumer, topic, p)[1]) for p in missing]
+                consumer.commit(offsets=ends, asynchronous=False)
+        finally:
+            consumer.close()
+
+    def _producing(self) -> EventProducer:
+        if self._producer is None:
+            raise BusError("the batch log is not started")
+        return self._producer
+
+    def publish_line(self, event: BatchItemRequested, on_failed: Callable[[BusError], None]) -> None:
+        loop = self._loop
+
+        def delivered(err: BusError | None, _where: object) -> None:
+            if err is not None and loop is not None:
+                loop.call_soon_threadsafe(on_failed, err)
+
+        self._producing().produce(self._names.requests(event.model), event, on_delivery=delivered)
+
+    def cancel(self, event: CancelRequested) -> None:
+        self._producing().produce(self._names.cancels, event)
+
+    async def publish_state(self, state: BatchStateChanged) -> None:
+        await self._producing().publish(self._names.batches, state)
+
+    def _on_results(self, batch: list[Message]) -> None:
+        """On the consumer thread: decode the batch lines' results, hand them over (bounded: it waits)."""
+        found: list[RequestFinished] = []
+        ends: dict[TP, int] = {}
+        for message in batch:
+            ends[(message.topic() or "", message.partition() or 0)] = (message.offset() or 0) + 1
+            value = message.value()
+            if not value or b'"batch":{' not in value:
+                continue  # not a batch line's result: no need to decode it
+            try:
+                event = decode(value)
+            except DecodeError:
+                continue  # the streams sink dead-letters what does not decode
+            if isinstance(event, RequestFinished) and event.batch is not None:
+                found.append(event)
+        while not self._stopping.is_set():
+            try:
+                self._queue.put((found, ends), timeout=0.2)
+                return
+            except queue.Full:
+                continue
+
+    async def results(self, wait_s: float) -> list[RequestFinished]:
+        try:
+            found, ends = await asyncio.to_thread(self._queue.get, True, wait_s)
+        except queue.Empty:
+            return []
+        self._pending.update(ends)
+        return found
+
+    def handled(self) -> None:
+        if self._consumer is not None and self._pending:
+            self._consumer.commit(self._pending)
+        self._pending = {}

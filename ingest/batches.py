@@ -1,0 +1,578 @@
+"""Async batches (the OpenAI Batch API) on the edge that accepted them: validate the input file, publish each
+line as a :class:`BatchItemRequested` at batch priority, collect the lines' results from the results
+topic, retry what failed for a retriable reason, and write the output and error files in input order.
+
+Everything a batch is lives on the log and on disk, never only in this process:
+- its lines are request events on ``requests.<model>`` (each line's attempt has a request id derived from
+  batch, line and attempt, so publishing it again runs it once);
+- their results are the workers' terminal events on ``results``; this runner reads them in its own group
+  (``sluice-batches.<edge id>``) and commits their offsets only after its journal is synced;
+- its state is a :class:`BatchStateChanged` on the compacted ``batches`` topic after every change (what
+  the warehouse, the dashboard and ``sluice batch status`` read) and in ``state.json``.
+
+A restarted edge reloads the batches it ran (``state.json``, the journal), publishes again every line that
+has no result (duplicates of lines still queued are skipped by the workers), and goes on. At most
+``SLUICE_EDGE_BATCH_MAX_IN_FLIGHT`` lines per model are published and unfinished at once, so a batch never
+fills the workers' queues: interactive requests overtake it there (they are a higher class).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import hashlib
+import logging
+import time
+from collections.abc import Iterator
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from bus.errors import BusError
+from ingest.auth import Tenant, TenantDirectory
+from ingest.batch_job import NO_LINE, IN_FLIGHT, PENDING, RETRY, Ending, Job, JournalEntry, at_time, load_state
+from ingest.batch_lines import LineError, item_request_id, line_request, output_line, parse_line
+from ingest.batch_log import BatchLog
+from ingest.errors import InvalidRequest, NotFound
+from ingest.files import FileStore, new_file_id, read_lines
+from ingest.prepare import Preparer
+from ingest.settings import EdgeSettings
+from schemas.events import (
+    BatchLineError,
+    BatchStateChanged,
+    BatchStatus,
+    CancelRequested,
+    Endpoint,
+    RequestFinished,
+    utc_now,
+)
+from schemas.ids import uuid7
+from schemas.lifecycle import AsyncComponent
+
+log = logging.getLogger(__name__)
+
+ENDPOINTS: tuple[Endpoint, ...] = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+RETRIABLE_CODES = frozenset({"queue_full", "worker_oom", "worker_error", "unavailable", "fault_injected"})
+MAX_REPORTED_ERRORS = 100
+ENDING_GRACE_S = 30.0
+"""After a cancel or the expiry, how long lines already running may take to end before the batch is
+finalised without them."""
+PROGRESS_EVERY_S = 1.0
+
+
+def batch_id_ok(batch_id: str) -> bool:
+    return batch_id.startswith("batch_") and len(batch_id) == 38 and batch_id[6:].isalnum()
+
+
+def parse_window(value: str) -> timedelta:
+    """``24h`` (OpenAI's only value), or any ``<n>h`` / ``<n>m`` / ``<n>s`` from 1 s to 7 days."""
+    units = {"h": 3600, "m": 60, "s": 1}
+    number, unit = value[:-1], value[-1:]
+    if unit not in units or not number.isdigit() or not 1 <= int(number) * units[unit] <= 7 * 86400:
+        raise InvalidRequest(
+            "completion_window must be '24h' (or '<n>h', '<n>m', '<n>s' up to 7 days).",
+            param="completion_window",
+        )
+    return timedelta(seconds=int(number) * units[unit])
+
+
+def retriable(finished: RequestFinished) -> bool:
+    """A failure that another attempt may not have: the worker was overloaded, died or shut down."""
+    if finished.status == "cancelled":
+        return True  # not by the batch (that is checked first): a worker shutting down
+    if finished.status != "failed" or finished.error is None:
+        return False
+    return finished.error.retriable or finished.error.code in RETRIABLE_CODES
+
+
+def _first_time(seen: set[bytes], custom_id: str) -> None:
+    digest = hashlib.blake2b(custom_id.encode(), digest_size=16).digest()  # 16 bytes a line, not the id
+    if digest in seen:
+        raise LineError("duplicate_custom_id", f"custom_id {custom_id!r} appears twice.", "custom_id")
+    seen.add(digest)
+
+
+class CreateBatch(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    input_file_id: str
+    endpoint: str
+    completion_window: str = "24h"
+    metadata: dict[str, str] | None = None
+
+
+class BatchRunner(AsyncComponent):
+    def __init__(
+        self,
+        *,
+        log: BatchLog,
+        settings: EdgeSettings,
+        store: FileStore,
+        preparer: Preparer,
+        tenants: TenantDirectory,
+    ) -> None:
+        super().__init__()
+        self._log, self._settings = log, settings
+        self.store, self._preparer, self._tenants = store, preparer, tenants
+        self._edge_id = settings.edge_id
+        self._source = f"ingest/{settings.edge_id}"
+        self._root = store.root / "batches"
+        self._jobs: dict[str, Job] = {}
+        self._in_flight: dict[str, int] = {}
+        self._wake = asyncio.Event()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._started = False
+        self._last_progress: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def _start(self) -> None:
+        await self._log.start()
+        self._log.watch(self.fail)
+        self._started = True
+        for job in await asyncio.to_thread(self._reload):
+            self._jobs[job.state.batch_id] = job
+        self._spawn(self._pump(), "batch-pump")
+        self._spawn(self._collect(), "batch-results")
+        self._wake.set()  # resumed batches go on at once
+
+    def _spawn(self, coro: Any, name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("batch task %s failed", task.get_name(), exc_info=task.exception())
+            self.fail(task.exception() or RuntimeError(task.get_name()))
+
+    async def stop(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        for job in self._jobs.values():
+            job.close()
+        if self._started:
+            self._started = False
+            await self._log.stop()
+
+    def _reload(self) -> list[Job]:
+        """The unfinished batches this edge ran before it stopped."""
+        jobs = []
+        for path in self._root.glob("*/batch_*/state.json"):
+            state = load_state(path)
+            if state is None or state.terminal or state.edge_id != self._edge_id:
+                continue
+            try:
+                input_path = self.store.data_path(state.tenant, state.input_file_id)
+            except NotFound:
+                log.warning("batch %s: its input file is gone; it cannot resume", state.batch_id)
+                continue
+            job = Job(path.parent, state, input_path)
+            job.index_input()
+            if state.status != "validating":
+                job.restore()
+                job.next_index = 0  # every line without a result is published again
+            jobs.append(job)
+            log.info("batch %s resumes (%s, %d lines)", state.batch_id, state.status, job.total)
+        return jobs
+
+    # ------------------------------------------------------------------ API
+
+    def _folder(self, tenant: str, batch_id: str) -> Path:
+        return self._root / hashlib.sha256(tenant.encode()).hexdigest()[:32] / batch_id
+
+    async def create(self, tenant: Tenant, body: CreateBatch) -> BatchStateChanged:
+        endpoint = next((e for e in ENDPOINTS if e == body.endpoint), None)
+        if endpoint is None:
+            raise InvalidRequest(
+                f"endpoint must be one of {', '.join(ENDPOINTS)}.", param="endpoint", code="invalid_endpoint"
+            )
+        window = parse_window(body.completion_window)
+        stored = self.store.get(tenant.name, body.input_file_id)
+        if stored.purpose != "batch":
+            raise InvalidRequest(
+                "input_file_id must name a file uploaded with purpose 'batch'.", param="input_file_id"
+            )
+        if len(body.metadata or {}) > 16:
+            raise InvalidRequest("metadata holds at most 16 pairs.", param="metadata")
+        now = utc_now()
+        batch_id = "batch_" + uuid7().replace("-", "")
+        state = BatchStateChanged(
+            tenant=tenant.name,
+            model="",
+            source=self._source,
+            batch_id=batch_id,
+            status="validating",
+            endpoint=endpoint,
+            completion_window=body.completion_window,
+            input_file_id=body.input_file_id,
+            edge_id=self._edge_id,
+            created_at=now,
+            expires_at=now + window,
+            metadata=dict(body.metadata or {}),
+        )
+        folder = self._folder(tenant.name, batch_id)
+        folder.mkdir(parents=True, exist_ok=True)
+        job = Job(folder, state, self.store.data_path(tenant.name, body.input_file_id))
+        job.save_state(state)
+        self._jobs[batch_id] = job
+        await self._publish_state(job)
+        self._spawn(self._validate(job, tenant), f"batch-validate-{batch_id}")
+        return state
+
+    def get(self, tenant: str, batch_id: str) -> BatchStateChanged:
+        job = self._jobs.get(batch_id)
+        if job is not None and job.state.tenant == tenant:
+            return job.state
+        state = load_state(self._folder(tenant, batch_id) / "state.json") if batch_id_ok(batch_id) else None
+        if state is None or state.tenant != tenant:
+            raise NotFound(f"No such Batch object: {batch_id}", param="batch_id")
+        return state
+
+    def listing(self, tenant: str) -> list[BatchStateChanged]:
+        """The tenant's batches, newest first (from every edge sharing the files dir)."""
+        folder = self._root / hashlib.sha256(tenant.encode()).hexdigest()[:32]
+        states = [load_state(path) for path in folder.glob("batch_*/state.json")]
+        out = {s.batch_id: s for s in states if s is not None and s.tenant == tenant}
+        out.update({j.state.batch_id: j.state for j in self._jobs.values() if j.state.tenant == tenant})
+        return sorted(out.values(), key=lambda s: s.batch_id, reverse=True)
+
+    async def cancel(self, tenant: str, batch_id: str) -> BatchStateChanged:
+        state = self.get(tenant, batch_id)
+        job = self._jobs.get(batch_id)
+        if state.terminal or state.status == "cancelling":
+            if state.status in ("cancelled", "cancelling"):
+                return state
+            raise InvalidRequest(
+                f"Cannot cancel a batch that is {state.status}.",
+                code="batch_not_cancellable",
+                param="batch_id",
+            )
+        if job is None:
+            raise InvalidRequest(
+                f"Batch {batch_id} runs on edge {state.edge_id}, which is not running; cancel it there.",
+                code="batch_not_here",
+            )
+        await self._end(job, "cancelled")
+        return job.state
+
+    def partial_output(self, tenant: str, file_id: str) -> Iterator[bytes] | None:
+        """The output lines so far of a running batch whose output file is ``file_id`` (None: no such)."""
+        for job in self._jobs.values():
+            if job.state.tenant == tenant and job.state.output_file_id == file_id and not job.state.terminal:
+                return job.lines(ok=True)
+        return None
+
+    # ------------------------------------------------------------------ validating
+
+    async def _validate(self, job: Job, tenant: Tenant) -> None:
+        errors, total, model = await asyncio.to_thread(self._check_file, job, tenant)
+        now = utc_now()
+        if errors:
+            await self._change(job, status="failed", failed_at=now, errors=errors)
+            self._drop(job)
+            return
+        job.index_input()
+        await self._change(
+            job,
+            status="in_progress",
+            model=model,
+            in_progress_at=now,
+            counts=job.counts(),
+            output_file_id=new_file_id(),
+            error_file_id=new_file_id(),
+        )
+        log.info("batch %s: %d lines of %s in progress", job.state.batch_id, total, model)
+        self._wake.set()
+
+    def _check_file(self, job: Job, tenant: Tenant) -> tuple[list[BatchLineError], int, str]:
+        """Every line checked as its request would be (tokenised too), streaming; the first errors."""
+        errors: list[BatchLineError] = []
+        seen: set[bytes] = set()
+        model = ""
+        total = 0
+        limit = self._settings.edge_batch_max_lines
+        state = job.state
+        for number, (_, raw) in enumerate(read_lines(job.input_path), start=1):
+            if not raw.strip():
+                continue
+            total += 1
+            if total > limit:
+                errors.append(
+                    BatchLineError(
+                        code="too_many_lines", message=f"A batch holds at most {limit:,} lines.", line=number
+                    )
+                )
+                break
+            try:
+                parsed = parse_line(raw, state.endpoint)
+                _first_time(seen, parsed.custom_id)
+                model = model or parsed.model
+                checked = msgspec.structs.replace(state, model=model, counts=state.counts)
+                line_request(self._preparer, tenant, checked, parsed, total - 1, 0, self._source)
+            except LineError as exc:
+                if len(errors) < MAX_REPORTED_ERRORS:
+                    errors.append(exc.at(number))
+        if total == 0:
+            errors.append(BatchLineError(code="empty_file", message="The input file has no lines."))
+        return errors, total, model
+
+    # ------------------------------------------------------------------ publishing
+
+    async def _pump(self) -> None:
+        """Publish what the in-flight windows allow, end batches, report progress; wake on every change."""
+        while True:
+            timeout = self._next_wake()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            self._wake.clear()
+            now = time.monotonic()
+            for job in list(self._jobs.values()):
+                await self._step(job, now)
+
+    def _next_wake(self) -> float:
+        due = [d for job in self._jobs.values() if (d := job.next_retry_due()) is not None]
+        soonest = min(due, default=time.monotonic() + PROGRESS_EVERY_S)
+        return max(0.01, min(PROGRESS_EVERY_S, soonest - time.monotonic()))
+
+    async def _step(self, job: Job, now: float) -> None:
+        state = job.state
+        if state.status == "in_progress" and job.ending is None and utc_now() >= state.expires_at:
+            await self._end(job, "expired")
+        if state.status == "in_progress" and job.ending is None:
+            await self._publish_lines(job, now)
+            if job.settled():
+                await self._finish(job, None)
+                return
+        elif job.ending is not None and (job.in_flight == 0 or now - job.ending_since > ENDING_GRACE_S):
+            await self._finish(job, job.ending)
+            return
+        if (
+            state.status in ("in_progress", "cancelling")
+            and now - self._last_progress.get(state.batch_id, 0) >= PROGRESS_EVERY_S
+        ):
+            counts = job.counts()
+            if counts != state.counts:
+                await self._change(job, counts=counts)
+            self._last_progress[state.batch_id] = now
+
+    async def _publish_lines(self, job: Job, now: float) -> None:
+        tenant = self._tenants.named(job.state.tenant)
+        if tenant is None:
+            return
+        model = job.state.model
+        room = self._settings.edge_batch_max_in_flight - self._in_flight.get(model, 0)
+        picked: list[tuple[int, int]] = []
+        while len(picked) < min(room, 64) and (nxt := job.next_to_publish(now)) is not None:
+            picked.append(nxt)
+        if not picked:
+            return
+        events = await asyncio.to_thread(self._line_events, job, tenant, picked)
+        for (index, attempt), event in zip(picked, events, strict=True):
+            if isinstance(event, LineError):  # the model or the tenant changed since validation
+                self._refuse(job, index, attempt, event)
+                continue
+            job.status[index] = IN_FLIGHT
+            job.in_flight += 1
+            self._in_flight[model] = self._in_flight.get(model, 0) + 1
+            self._log.publish_line(event, functools.partial(self._undelivered, job, index))
+        self._wake.set()  # more may fit: go round again
+
+    def _line_events(self, job: Job, tenant: Tenant, picked: list[tuple[int, int]]) -> list[Any]:
+        out: list[Any] = []
+        for index, attempt in picked:
+            try:
+                parsed = parse_line(job.raw_line(index), job.state.endpoint)
+                out.append(
+                    line_request(self._preparer, tenant, job.state, parsed, index, attempt, self._source)
+                )
+            except LineError as exc:
+                out.append(exc)
+        return out
+
+    def _undelivered(self, job: Job, index: int, err: BusError) -> None:
+        log.warning("batch %s line %d not published (%s); publishing again", job.state.batch_id, index, err)
+        if job.status[index] == IN_FLIGHT:
+            job.status[index] = PENDING
+            job.in_flight -= 1
+            self._in_flight[job.state.model] -= 1
+            job.next_index = min(job.next_index, index)
+            self._wake.set()
+
+    def _refuse(self, job: Job, index: int, attempt: int, error: LineError) -> None:
+        """A line that validated but cannot be published now (its model or tenant changed): it fails."""
+        line = msgspec.json.encode(
+            {
+                "id": None,
+                "custom_id": job.custom_id(index),
+                "response": None,
+                "error": {"code": error.code, "message": error.message},
+            }
+        )
+        job.record(
+            JournalEntry(index, attempt, False, True, msgspec.Raw(line)), backoff=0.0, now=time.monotonic()
+        )
+
+    # ------------------------------------------------------------------ results
+
+    async def _collect(self) -> None:
+        """Apply the lines' results; commit their offsets once the journals holding them are synced."""
+        while True:
+            found = await self._log.results(0.5)
+            touched: set[str] = set()
+            now = time.monotonic()
+            for finished in found:
+                job = self._jobs.get(finished.batch.batch_id) if finished.batch is not None else None
+                if job is not None and job.state.status in ("in_progress", "cancelling"):
+                    self._apply_result(job, finished, now)
+                    touched.add(job.state.batch_id)
+            for batch_id in touched:
+                await asyncio.to_thread(self._jobs[batch_id].sync)
+            self._log.handled()
+            if touched:
+                self._wake.set()
+
+    def _apply_result(self, job: Job, finished: RequestFinished, now: float) -> None:
+        ref = finished.batch
+        if ref is None or not 0 <= ref.index < job.total:
+            return
+        was = job.status[ref.index]
+        ok, line = output_line(finished, ref, job.state.endpoint, job.base64(ref.index))
+        final = ok or job.ending is not None or not retriable(finished)
+        final = final or job.attempts[ref.index] + 1 >= self._settings.edge_batch_max_attempts
+        if not ok and not final and ref.attempt < job.attempts[ref.index]:
+            return  # an older attempt's failure, already retried
+        if (
+            job.record(
+                JournalEntry(ref.index, ref.attempt, ok, final, msgspec.Raw(line) if final else NO_LINE),
+                backoff=self._settings.edge_batch_retry_backoff_s,
+                now=now,
+            )
+            and was == IN_FLIGHT
+        ):
+            self._in_flight[job.state.model] -= 1
+
+    # ------------------------------------------------------------------ ending
+
+    async def _end(self, job: Job, ending: Ending) -> None:
+        """Stop publishing; a cancel also cancels the lines running now (an expiry lets their deadline)."""
+        if job.ending is not None:
+            return
+        job.ending, job.ending_since = ending, time.monotonic()
+        if ending == "cancelled":
+            await self._change(job, status="cancelling", cancelling_at=utc_now())
+            for index in range(job.total):
+                if job.status[index] == IN_FLIGHT:
+                    cancel = CancelRequested(
+                        tenant=job.state.tenant,
+                        model=job.state.model,
+                        request_id=item_request_id(job.state, index, job.attempts[index]),
+                        source=self._source,
+                        reason="client_cancel",
+                    )
+                    self._log.cancel(cancel)
+            for index in range(job.total):
+                if job.status[index] in (PENDING, RETRY):
+                    job.status[index] = PENDING  # never runs now
+        self._wake.set()
+
+    async def _finish(self, job: Job, ending: Ending | None) -> None:
+        """Write the output and error files (input order) and the final state."""
+        await self._change(job, status="finalizing", finalizing_at=utc_now(), counts=job.counts())
+        state = job.state
+        out_id, err_id = state.output_file_id or new_file_id(), state.error_file_id or new_file_id()
+        errors = await asyncio.to_thread(self._write_files, job, ending, out_id, err_id)
+        now = utc_now()
+        final: BatchStatus = ending or "completed"
+        times = {"expired": {"expired_at": now}, "cancelled": {"cancelled_at": now}}.get(
+            final, {"completed_at": now}
+        )
+        counts = job.counts()
+        if ending is not None:  # lines that never ran count as failed
+            counts = msgspec.structs.replace(counts, failed=counts.total - counts.completed)
+        await self._change(
+            job,
+            status=final,
+            counts=counts,
+            output_file_id=out_id,
+            error_file_id=err_id if errors else None,
+            **times,
+        )
+        self._drop(job)
+        log.info(
+            "batch %s %s: %d completed, %d failed", state.batch_id, final, counts.completed, counts.failed
+        )
+
+    def _write_files(self, job: Job, ending: Ending | None, out_id: str, err_id: str) -> int:
+        state = job.state
+        with self.store.writer(state.tenant, f"{state.batch_id}_output.jsonl", "batch_output", out_id) as out:
+            for line in job.lines(ok=True):
+                out.write(line + b"\n")
+        errors = 0
+        with self.store.writer(state.tenant, f"{state.batch_id}_error.jsonl", "batch_output", err_id) as err:
+            for line in job.lines(ok=False, ending=ending):
+                err.write(line + b"\n")
+                errors += 1
+        if not errors:
+            self.store.delete(state.tenant, err_id)
+        return errors
+
+    def _drop(self, job: Job) -> None:
+        job.close()
+        self._jobs.pop(job.state.batch_id, None)
+        self._last_progress.pop(job.state.batch_id, None)
+        for index in range(job.total):
+            if job.status[index] == IN_FLIGHT:
+                self._in_flight[job.state.model] -= 1
+
+    # ------------------------------------------------------------------ state
+
+    async def _change(self, job: Job, **changes: Any) -> None:
+        state = at_time(job.state, utc_now(), **changes)
+        await asyncio.to_thread(job.save_state, state)
+        await self._publish_state(job)
+
+    async def _publish_state(self, job: Job) -> None:
+        try:
+            await self._log.publish_state(job.state)
+        except BusError:  # state.json holds it; the next change publishes the whole state again
+            log.warning("batch %s: state not published", job.state.batch_id, exc_info=True)
+
+
+def batch_object(state: BatchStateChanged) -> dict[str, Any]:
+    """OpenAI's batch object."""
+
+    def ts(value: datetime | None) -> int | None:
+        return int(value.timestamp()) if value is not None else None
+
+    errors = (
+        {"object": "list", "data": [msgspec.to_builtins(e) for e in state.errors]} if state.errors else None
+    )
+    return {
+        "id": state.batch_id,
+        "object": "batch",
+        "endpoint": state.endpoint,
+        "model": state.model or None,
+        "errors": errors,
+        "input_file_id": state.input_file_id,
+        "completion_window": state.completion_window,
+        "status": state.status,
+        "output_file_id": state.output_file_id,
+        "error_file_id": state.error_file_id,
+        "created_at": ts(state.created_at),
+        "in_progress_at": ts(state.in_progress_at),
+        "expires_at": ts(state.expires_at),
+        "finalizing_at": ts(state.finalizing_at),
+        "completed_at": ts(state.completed_at),
+        "failed_at": ts(state.failed_at),
+        "expired_at": ts(state.expired_at),
+        "cancelling_at": ts(state.cancelling_at),
+        "cancelled_at": ts(state.cancelled_at),
+        "request_counts": msgspec.to_builtins(state.counts),
+        "metadata": state.metadata or None,
+    }

@@ -1,0 +1,219 @@
+"""Files of the OpenAI Files API (``purpose="batch"`` inputs, and the output and error files batches write),
+kept on disk under ``SLUICE_EDGE_FILES_DIR`` (default ``<data dir>/files``), one folder per tenant.
+
+A tenant's folder is named by a hash of its name, and every lookup goes through it: a file id of another
+tenant is simply not there, so it reads as 404, like an id that never existed. File ids are checked
+against their pattern before any path is built from them. Uploads stream to a temporary file (bounded by
+``SLUICE_EDGE_FILE_MAX_BYTES``) that is renamed into place once complete and synced, so a reader never
+sees half a file. Several edges on one machine (or on a shared file system) share the store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any, BinaryIO, Literal
+
+import msgspec
+
+from ingest.errors import InvalidRequest, NotFound, PayloadTooLarge
+from schemas.ids import uuid7
+
+Purpose = Literal["batch", "batch_output"]
+FILE_ID = re.compile(r"^file-[0-9a-f]{32}$")
+_CHUNK = 1 << 16
+
+
+class StoredFile(msgspec.Struct, frozen=True, kw_only=True):
+    """A file's metadata (``<id>.json`` beside its bytes ``<id>.data``)."""
+
+    id: str
+    tenant: str
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: Purpose
+    lines: int = 0
+
+    def openai(self) -> dict[str, Any]:
+        """OpenAI's file object."""
+        return {
+            "id": self.id,
+            "object": "file",
+            "bytes": self.bytes,
+            "created_at": self.created_at,
+            "filename": self.filename,
+            "purpose": self.purpose,
+            "status": "processed",
+            "status_details": None,
+            "expires_at": None,
+        }
+
+
+_META = msgspec.json.Decoder(StoredFile)
+
+
+def new_file_id() -> str:
+    return "file-" + uuid7().replace("-", "")
+
+
+def not_found(file_id: str) -> NotFound:
+    return NotFound(f"No such File object: {file_id}", param="file_id")
+
+
+class FileStore:
+    def __init__(self, root: Path, *, max_bytes: int) -> None:
+        self.root = root
+        self.max_bytes = max_bytes
+
+    def _dir(self, tenant: str) -> Path:
+        return self.root / hashlib.sha256(tenant.encode()).hexdigest()[:32]
+
+    def _paths(self, tenant: str, file_id: str) -> tuple[Path, Path]:
+        if not FILE_ID.fullmatch(file_id):
+            raise not_found(file_id)
+        folder = self._dir(tenant)
+        return folder / f"{file_id}.json", folder / f"{file_id}.data"
+
+    def get(self, tenant: str, file_id: str) -> StoredFile:
+        """The tenant's file ``file_id``; :class:`NotFound` for another tenant's or an unknown id."""
+        meta, _ = self._paths(tenant, file_id)
+        try:
+            stored = _META.decode(meta.read_bytes())
+        except (FileNotFoundError, msgspec.DecodeError):
+            raise not_found(file_id) from None
+        if stored.tenant != tenant:  # a hash collision of two tenants' names, however unlikely
+            raise not_found(file_id)
+        return stored
+
+    def data_path(self, tenant: str, file_id: str) -> Path:
+        self.get(tenant, file_id)
+        return self._paths(tenant, file_id)[1]
+
+    def list(self, tenant: str, purpose: str | None = None) -> list[StoredFile]:
+        """The tenant's files, newest first."""
+        out = []
+        for meta in self._dir(tenant).glob("file-*.json"):
+            try:
+                stored = _META.decode(meta.read_bytes())
+            except (OSError, msgspec.DecodeError):
+                continue
+            if stored.tenant == tenant and (purpose is None or stored.purpose == purpose):
+                out.append(stored)
+        return sorted(out, key=lambda f: f.id, reverse=True)
+
+    def delete(self, tenant: str, file_id: str) -> None:
+        meta, data = self._paths(tenant, file_id)
+        self.get(tenant, file_id)
+        meta.unlink(missing_ok=True)
+        data.unlink(missing_ok=True)
+
+    async def upload(
+        self, tenant: str, filename: str, purpose: Purpose, chunks: AsyncIterator[bytes]
+    ) -> StoredFile:
+        """Stream ``chunks`` into a new file; :class:`PayloadTooLarge` past the size limit (nothing kept)."""
+        with self.writer(tenant, filename, purpose) as out:
+            async for chunk in chunks:
+                out.write(chunk)
+        return out.stored
+
+    @contextlib.contextmanager
+    def writer(
+        self, tenant: str, filename: str, purpose: Purpose, file_id: str | None = None
+    ) -> Iterator[FileWriter]:
+        """Write a new file; it appears (metadata last) only if the block ends without an error."""
+        file_id = file_id or new_file_id()
+        meta, data = self._paths(tenant, file_id)
+        data.parent.mkdir(parents=True, exist_ok=True)
+        tmp = data.with_name(f".{file_id}.{os.getpid()}.part")
+        out = FileWriter(tmp, self.max_bytes)
+        try:
+            yield out
+            out.close()
+            os.replace(tmp, data)
+            out.stored = StoredFile(
+                id=file_id,
+                tenant=tenant,
+                bytes=out.size,
+                created_at=int(time.time()),
+                filename=filename,
+                purpose=purpose,
+                lines=out.lines,
+            )
+            write_atomic(meta, msgspec.json.encode(out.stored))
+        finally:
+            out.close()
+            tmp.unlink(missing_ok=True)
+
+
+class FileWriter:
+    """Bytes into a file being made, counted against the limit, lines counted."""
+
+    def __init__(self, path: Path, max_bytes: int) -> None:
+        self._file: BinaryIO | None = path.open("wb")
+        self._max = max_bytes
+        self.size = 0
+        self.lines = 0
+        self._last = b"\n"
+        self.stored: StoredFile
+
+    def write(self, chunk: bytes) -> None:
+        if self._file is None:
+            raise ValueError("write to a closed file")
+        self.size += len(chunk)
+        if self.size > self._max:
+            raise PayloadTooLarge(f"The file is larger than the limit of {self._max:,} bytes.", param="file")
+        if chunk:
+            self.lines += chunk.count(b"\n")
+            self._last = chunk[-1:]
+        self._file.write(chunk)
+
+    def close(self) -> None:
+        if self._file is None:
+            return
+        if self._last != b"\n" and self.size:
+            self.lines += 1  # a last line without its newline
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        self._file = None
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data`` so that a reader sees the old or the new content, never a mix."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with tmp.open("wb") as out:
+        out.write(data)
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(tmp, path)
+
+
+def read_lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    """(byte offset, line without its newline) of every line of a file, streaming."""
+    offset = 0
+    with path.open("rb") as source:
+        for line in source:
+            yield offset, line.rstrip(b"\r\n")
+            offset += len(line)
+
+
+def check_purpose(value: str) -> Purpose:
+    if value != "batch":
+        raise InvalidRequest(
+            f"Unsupported purpose {value!r}: this server stores files for the Batch API only ('batch').",
+            param="purpose",
+            code="invalid_purpose",
+        )
+    return "batch"
+
+
+async def chunks_of(read: Any) -> AsyncIterator[bytes]:
+    """An aiohttp body part (``read_chunk``) as chunks."""
+    while chunk := await read(_CHUNK):
+        yield chunk

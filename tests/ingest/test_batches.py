@@ -1,0 +1,344 @@
+"""The Batch API on the edge, driven by the official ``openai`` SDK over TCP, with an in-memory log behind
+(workers answer at once, or fail, or hold lines, as each test says). The same runner on the real broker and
+workers: ``tests/e2e/test_batches.py``."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import openai
+import pytest
+from openai import AsyncOpenAI
+from openai.types import Batch
+
+from ingest.auth import DEMO_KEY
+from ingest.batch_lines import BATCH_PRIORITY
+from schemas.events import BatchItemRequested, RequestFinished, Usage
+from tests.ingest.conftest import EMB, GEN, OTHER_KEY, Client, MakeClient
+from tests.ingest.fake_batch_log import FakeBatchLog, complete, failing, finished
+
+CHAT = "/v1/chat/completions"
+
+
+def chat_line(i: int, custom_id: str | None = None, **body: Any) -> dict[str, Any]:
+    return {
+        "custom_id": custom_id or f"req-{i}",
+        "method": "POST",
+        "url": CHAT,
+        "body": {"model": GEN, "messages": [{"role": "user", "content": f"tell me a story {i}"}], **body},
+    }
+
+
+def jsonl(lines: list[Any]) -> bytes:
+    return b"".join((line if isinstance(line, bytes) else json.dumps(line).encode()) + b"\n" for line in lines)
+
+
+@pytest.fixture
+async def sdk(client: Client) -> AsyncIterator[AsyncOpenAI]:
+    async with AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=DEMO_KEY, max_retries=0) as made:
+        yield made
+
+
+async def run(sdk: AsyncOpenAI, lines: list[Any], endpoint: str = CHAT, window: str = "24h") -> Batch:
+    uploaded = await sdk.files.create(file=("in.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
+    return await sdk.batches.create(
+        input_file_id=uploaded.id,
+        endpoint=endpoint,  # type: ignore[arg-type]
+        completion_window=window,  # type: ignore[arg-type]
+    )
+
+
+async def until(sdk: AsyncOpenAI, batch_id: str, *statuses: str, within_s: float = 10.0) -> Batch:
+    deadline = time.monotonic() + within_s
+    while True:
+        batch = await sdk.batches.retrieve(batch_id)
+        if batch.status in statuses:
+            return batch
+        if time.monotonic() > deadline:
+            raise AssertionError(f"batch is {batch.status}, not {statuses}")
+        await asyncio.sleep(0.02)
+
+
+async def lines_of(sdk: AsyncOpenAI, file_id: str | None) -> list[dict[str, Any]]:
+    assert file_id is not None
+    content = await sdk.files.content(file_id)
+    return [json.loads(line) for line in content.text.splitlines()]
+
+
+async def test_a_chat_batch_completes_with_one_output_line_per_input_in_input_order(
+    sdk: AsyncOpenAI, batch_log: FakeBatchLog
+) -> None:
+    lines = [chat_line(i, custom_id=f"z-{50 - i}") for i in range(50)]  # custom ids sort against the order
+    created = await run(sdk, lines)
+    assert created.status == "validating"
+    done = await until(sdk, created.id, "completed")
+    assert done.request_counts is not None
+    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (50, 50, 0)
+    assert done.error_file_id is None and done.completed_at is not None and done.model == GEN
+    out = await lines_of(sdk, done.output_file_id)
+    assert [line["custom_id"] for line in out] == [f"z-{50 - i}" for i in range(50)]
+    for i, line in enumerate(out):
+        body = line["response"]["body"]
+        assert line["response"]["status_code"] == 200 and line["error"] is None
+        assert body["object"] == "chat.completion"
+        assert body["choices"][0]["message"]["content"] == f"line {i}"
+        assert line["id"].startswith("batch_req_")
+    published = batch_log.lines
+    assert len(published) == 50 and {e.priority for e in published} == {BATCH_PRIORITY}
+    assert all(e.reply is None and e.deadline == published[0].deadline for e in published)
+    states = [s.status for s in batch_log.states if s.batch_id == created.id]
+    assert states[0] == "validating" and states[-2:] == ["finalizing", "completed"]
+    assert [s.seq for s in batch_log.states] == sorted(s.seq for s in batch_log.states)
+
+
+async def test_an_embeddings_batch_keeps_each_lines_encoding(sdk: AsyncOpenAI) -> None:
+    lines = [
+        {
+            "custom_id": f"e{i}",
+            "method": "POST",
+            "url": "/v1/embeddings",
+            "body": {"model": EMB, "input": ["hello world", "the fox"][: 1 + i % 2]}
+            | ({"encoding_format": "base64"} if i == 3 else {}),
+        }
+        for i in range(6)
+    ]
+    created = await run(sdk, lines, endpoint="/v1/embeddings")
+    done = await until(sdk, created.id, "completed")
+    out = await lines_of(sdk, done.output_file_id)
+    assert [len(line["response"]["body"]["data"]) for line in out] == [1, 2, 1, 2, 1, 2]
+    assert out[0]["response"]["body"]["data"][0]["embedding"][0] == 0.0  # the fake's vector: [index, ...]
+    assert out[5]["response"]["body"]["data"][1]["embedding"][:1] == [5.0]
+    assert isinstance(out[3]["response"]["body"]["data"][0]["embedding"], str)  # base64
+
+
+async def test_an_invalid_file_fails_validation_with_every_bad_line_and_nothing_runs(
+    sdk: AsyncOpenAI, batch_log: FakeBatchLog
+) -> None:
+    lines: list[Any] = [
+        chat_line(0),
+        b"{not json",
+        chat_line(2, custom_id="req-0"),  # duplicate
+        {**chat_line(3), "url": "/v1/embeddings"},
+        {**chat_line(4), "method": "GET"},
+        chat_line(5) | {"body": {"model": "no-such-model", "messages": [{"role": "user", "content": "x"}]}},
+        chat_line(6) | {"body": {"model": GEN, "messages": []}},
+        chat_line(7),
+    ]
+    created = await run(sdk, lines)
+    failed = await until(sdk, created.id, "failed")
+    assert failed.errors is not None and failed.errors.data is not None
+    found = {(e.line, e.code) for e in failed.errors.data}
+    assert {line for line, _ in found} == {2, 3, 4, 5, 6, 7}
+    assert (2, "invalid_json_line") in found and (3, "duplicate_custom_id") in found
+    assert (4, "mismatched_endpoint") in found and (5, "invalid_method") in found
+    assert (6, "model_not_found") in found
+    assert batch_log.lines == []  # nothing executed
+    assert failed.output_file_id is None and failed.failed_at is not None
+
+
+async def test_limits_on_lines_files_and_fields_are_clear_4xx(make_client: MakeClient, batch_log: FakeBatchLog) -> None:
+    client, _ = await make_client(edge_batch_max_lines=3, edge_file_max_bytes=4096)
+    async with AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=DEMO_KEY, max_retries=0) as sdk:
+        failed = await until(sdk, (await run(sdk, [chat_line(i) for i in range(5)])).id, "failed")
+        assert failed.errors is not None and failed.errors.data is not None
+        assert [e.code for e in failed.errors.data] == ["too_many_lines"]
+        with pytest.raises(openai.APIStatusError) as too_big:
+            await sdk.files.create(file=("big.jsonl", io.BytesIO(b"x" * 5000)), purpose="batch")
+        assert too_big.value.status_code == 413
+        with pytest.raises(openai.BadRequestError) as purpose:
+            await sdk.files.create(file=("a.jsonl", io.BytesIO(b"{}\n")), purpose="fine-tune")
+        assert purpose.value.code == "invalid_purpose"
+        assert (await sdk.files.list()).data == [f for f in (await sdk.files.list()).data if f.purpose == "batch"]
+        good = await sdk.files.create(file=("a.jsonl", io.BytesIO(jsonl([chat_line(0)]))), purpose="batch")
+        for bad in (
+            {"endpoint": "/v1/images", "completion_window": "24h"},
+            {"endpoint": CHAT, "completion_window": "forever"},
+        ):
+            with pytest.raises(openai.BadRequestError):
+                await sdk.batches.create(input_file_id=good.id, **bad)  # type: ignore[arg-type]
+        with pytest.raises(openai.NotFoundError):
+            await sdk.batches.create(input_file_id="file-" + "0" * 32, endpoint=CHAT, completion_window="24h")
+    assert batch_log.lines == []
+    assert len(await _stored(client)) == 2  # the refused uploads left nothing behind
+
+
+async def _stored(client: Client) -> list[Any]:
+    response = await client.get("/v1/files", headers={"Authorization": f"Bearer {DEMO_KEY}"})
+    body = await response.json()
+    return list(body["data"])
+
+
+async def test_another_tenant_can_never_see_or_touch_files_or_batches(client: Client, sdk: AsyncOpenAI) -> None:
+    created = await run(sdk, [chat_line(0)])
+    done = await until(sdk, created.id, "completed")
+    async with AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=OTHER_KEY, max_retries=0) as other:
+        for call in (
+            other.files.retrieve(done.input_file_id),
+            other.files.content(done.input_file_id),
+            other.files.content(done.output_file_id or ""),
+            other.files.delete(done.input_file_id),
+            other.batches.retrieve(done.id),
+            other.batches.cancel(done.id),
+            other.batches.create(input_file_id=done.input_file_id, endpoint=CHAT, completion_window="24h"),
+        ):
+            with pytest.raises(openai.NotFoundError):
+                await call
+        assert (await other.files.list()).data == []
+        assert (await other.batches.list()).data == []
+    assert (await sdk.files.retrieve(done.input_file_id)).id == done.input_file_id  # still there, untouched
+    assert [b.id for b in (await sdk.batches.list()).data] == [done.id]
+
+
+async def test_retriable_failures_run_again_and_the_rest_go_to_the_error_file(
+    make_client: MakeClient, batch_log: FakeBatchLog
+) -> None:
+    def respond(event: BatchItemRequested) -> RequestFinished:
+        if event.index % 3 == 0 and event.attempt == 0:
+            return failing("queue_full")(event)  # retried, then completes
+        if event.index == 4:
+            return failing("queue_full")(event)  # retried until the attempts are spent
+        if event.index == 5:
+            return failing("invalid_request")(event)  # not retriable
+        return complete(event)
+
+    batch_log.respond = respond
+    client, _ = await make_client(edge_batch_retry_backoff_s=0.01, edge_batch_max_attempts=3)
+    async with AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=DEMO_KEY, max_retries=0) as sdk:
+        done = await until(sdk, (await run(sdk, [chat_line(i) for i in range(9)])).id, "completed")
+        assert done.request_counts is not None
+        assert (done.request_counts.completed, done.request_counts.failed) == (7, 2)
+        out = await lines_of(sdk, done.output_file_id)
+        errors = await lines_of(sdk, done.error_file_id)
+    assert [line["custom_id"] for line in out] == [f"req-{i}" for i in (0, 1, 2, 3, 6, 7, 8)]
+    assert [(e["custom_id"], e["response"]["body"]["error"]["code"]) for e in errors] == [
+        ("req-4", "queue_full"),
+        ("req-5", "invalid_request"),
+    ]
+    attempts = sorted((e.index, e.attempt) for e in batch_log.lines)
+    assert [a for i, a in attempts if i == 4] == [0, 1, 2]
+    assert [a for i, a in attempts if i == 0] == [0, 1] and [a for i, a in attempts if i == 5] == [0]
+    ids = {(e.index, e.attempt): e.request_id for e in batch_log.lines}
+    assert len(set(ids.values())) == len(ids)  # each attempt its own request
+
+
+async def test_cancel_stops_what_has_not_run_and_cancels_what_runs(
+    make_client: MakeClient, batch_log: FakeBatchLog
+) -> None:
+    held: list[BatchItemRequested] = []
+    batch_log.respond = lambda event: held.append(event)  # type: ignore[func-returns-value]
+    client, _ = await make_client(edge_batch_max_in_flight=4)
+    async with AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=DEMO_KEY, max_retries=0) as sdk:
+        created = await run(sdk, [chat_line(i) for i in range(10)])
+        await until(sdk, created.id, "in_progress")
+        await _eventually(lambda: len(held) == 4)
+        batch_log.answer(complete(held[0]))
+        await _eventually(lambda: len(held) == 5)  # a slot freed: one more line went out
+        cancelling = await sdk.batches.cancel(created.id)
+        assert cancelling.status == "cancelling"
+        assert sorted(c.request_id for c in batch_log.cancels) == sorted(e.request_id for e in held[1:])
+        for event in held[1:]:
+            usage = Usage(prompt_tokens=1, completion_tokens=0, total_tokens=1)
+            batch_log.answer(finished(event, "cancelled", usage))
+        done = await until(sdk, created.id, "cancelled")
+        assert done.request_counts is not None
+        assert (done.request_counts.completed, done.request_counts.failed) == (1, 9)
+        assert [line["custom_id"] for line in await lines_of(sdk, done.output_file_id)] == ["req-0"]
+        errors = await lines_of(sdk, done.error_file_id)
+    assert [e["custom_id"] for e in errors] == [f"req-{i}" for i in range(1, 10)]
+    assert {e["error"]["code"] for e in errors if e["response"] is None} == {"batch_cancelled"}
+    assert len(batch_log.lines) == 5  # nothing was published after the cancel
+
+
+async def test_a_batch_expires_at_its_window_with_what_completed(
+    make_client: MakeClient, batch_log: FakeBatchLog
+) -> None:
+    held: list[BatchItemRequested] = []
+    batch_log.respond = lambda event: complete(event) if event.index < 2 else held.append(event)  # type: ignore[func-returns-value]
+    client, _ = await make_client(edge_batch_max_in_flight=1)
+    async with AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=DEMO_KEY, max_retries=0) as sdk:
+        created = await run(sdk, [chat_line(i) for i in range(5)], window="1s")
+        await _eventually(lambda: len(held) == 1)
+        deadline = held[0].deadline
+        assert deadline is not None
+        await asyncio.sleep(max(0.0, deadline.timestamp() - time.time()) + 0.05)
+        usage = Usage(prompt_tokens=0, completion_tokens=0, total_tokens=0)
+        batch_log.answer(finished(held[0], "expired", usage))  # what a worker does at the line's deadline
+        done = await until(sdk, created.id, "expired")
+        assert done.expired_at is not None and done.request_counts is not None
+        assert (done.request_counts.completed, done.request_counts.failed) == (2, 3)
+        assert len(await lines_of(sdk, done.output_file_id)) == 2
+        errors = await lines_of(sdk, done.error_file_id)
+    assert [e["custom_id"] for e in errors] == ["req-2", "req-3", "req-4"]
+    assert errors[0]["response"]["body"]["error"]["code"] == "timeout"  # it ran, and passed the deadline
+    assert [e["error"]["code"] for e in errors[1:]] == ["batch_expired", "batch_expired"]  # never ran
+    assert {e.index for e in batch_log.lines} == {0, 1, 2}  # nothing was published after the expiry
+    assert {e.deadline for e in batch_log.lines} == {batch_log.lines[0].deadline}  # the batch's expiry
+
+
+async def test_partial_output_is_readable_while_the_batch_runs(
+    make_client: MakeClient, batch_log: FakeBatchLog
+) -> None:
+    batch_log.respond = lambda event: complete(event) if event.index in (1, 3) else None
+    client, _ = await make_client()
+    async with AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=DEMO_KEY, max_retries=0) as sdk:
+        created = await run(sdk, [chat_line(i) for i in range(5)])
+        running = await until(sdk, created.id, "in_progress")
+        await _eventually_async(lambda: _counted(sdk, created.id, 2))
+        partial = await lines_of(sdk, running.output_file_id)
+        assert [line["custom_id"] for line in partial] == ["req-1", "req-3"]
+
+
+async def _counted(sdk: AsyncOpenAI, batch_id: str, completed: int) -> bool:
+    batch = await sdk.batches.retrieve(batch_id)
+    return batch.request_counts is not None and batch.request_counts.completed == completed
+
+
+async def _eventually(check: Any, within_s: float = 5.0) -> None:
+    deadline = time.monotonic() + within_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.01)
+
+
+async def _eventually_async(check: Any, within_s: float = 5.0) -> None:
+    deadline = time.monotonic() + within_s
+    while not await check():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.02)
+
+
+async def test_a_restarted_edge_resumes_its_batch_and_each_line_ends_once(
+    make_client: MakeClient, batch_log: FakeBatchLog
+) -> None:
+    held: list[BatchItemRequested] = []
+    batch_log.respond = lambda event: complete(event) if event.index < 3 else held.append(event)  # type: ignore[func-returns-value]
+    first, _ = await make_client(edge_batch_max_in_flight=5)
+    async with AsyncOpenAI(base_url=str(first.make_url("/v1")), api_key=DEMO_KEY, max_retries=0) as sdk:
+        created = await run(sdk, [chat_line(i) for i in range(12)])
+        await _eventually_async(lambda: _counted(sdk, created.id, 3))
+    await _eventually(lambda: len(held) == 5)
+    await first.close()  # the edge stops mid-batch: lines 3-7 published, 8-11 not yet
+    before = len(batch_log.lines)
+
+    batch_log.respond = complete
+    second, _ = await make_client(edge_batch_max_in_flight=5)
+    async with AsyncOpenAI(base_url=str(second.make_url("/v1")), api_key=DEMO_KEY, max_retries=0) as sdk:
+        await _eventually(lambda: len(batch_log.lines) == before + 9)
+        for event in held:  # the first run's copies finish too, late: duplicates of the re-published ones
+            batch_log.answer(complete(event))
+        done = await until(sdk, created.id, "completed")
+        assert done.request_counts is not None
+        assert (done.request_counts.completed, done.request_counts.failed) == (12, 0)
+        out = await lines_of(sdk, done.output_file_id)
+    assert [line["custom_id"] for line in out] == [f"req-{i}" for i in range(12)]
+    again = batch_log.lines[before:]
+    assert sorted(e.index for e in again) == list(range(3, 12))  # what had no result, nothing else
+    first_ids = {e.index: e.request_id for e in batch_log.lines[:before]}
+    assert all(first_ids[e.index] == e.request_id for e in again if e.index in first_ids)  # same requests
