@@ -44,7 +44,7 @@ class JournalEntry(msgspec.Struct, frozen=True, array_like=True):
     attempt: int
     ok: bool
     final: bool
-    line: msgspec.Raw = msgspec.field(default_factory=lambda: NO_LINE)
+    line: msgspec.Raw = msgspec.field(default_factory=lambda: msgspec.Raw(NO_LINE_BYTES))
 
 
 _ENTRY = msgspec.json.Decoder(JournalEntry)

@@ -33,7 +33,17 @@ import msgspec
 
 from bus.errors import BusError
 from ingest.auth import Tenant, TenantDirectory
-from ingest.batch_job import NO_LINE, IN_FLIGHT, PENDING, RETRY, Ending, Job, JournalEntry, at_time, load_state
+from ingest.batch_job import (
+    IN_FLIGHT,
+    NO_LINE,
+    PENDING,
+    RETRY,
+    Ending,
+    Job,
+    JournalEntry,
+    at_time,
+    load_state,
+)
 from ingest.batch_lines import LineError, item_request_id, line_request, output_line, parse_line
 from ingest.batch_log import BatchLog
 from ingest.errors import InvalidRequest, NotFound
