@@ -280,8 +280,8 @@ ORDER BY model, time, event_id"""
 
 
 # Async batches: each batch's latest state, with what its lines cost so far (the facts of every attempt of
-# every line that has finished, at the batch price). The statement is built around the batches to show, so
-# the facts are read for those batches only.
+# every line that has finished, at the batch price). The facts are read for the batches shown only (the
+# same subquery twice: ClickHouse would inline a WITH anyway, and every statement here starts with SELECT).
 _BATCH_ACTIVE = "status IN ('validating', 'in_progress', 'finalizing', 'cancelling')"
 _BATCH_SECOND = "'%Y-%m-%d %H:%i:%S'"
 
@@ -293,11 +293,7 @@ def _batches_sql(where: str, limit: int | None) -> str:
     FROM batches FINAL
     WHERE {where}
     ORDER BY {_BATCH_ACTIVE} DESC, created_at DESC, batch_id{f" LIMIT {int(limit)}" if limit else ""}"""  # noqa: S608
-    return f"""WITH shown AS
-(
-    {shown}
-)
-SELECT
+    return f"""SELECT
     batch_id,
     tenant,
     model,
@@ -317,12 +313,15 @@ SELECT
     lines_finished,
     cost_nanos,
     cost_nanos / 1e9 AS spend_usd
-FROM shown
+FROM
+(
+    {shown}
+) AS shown
 LEFT JOIN
 (
     SELECT tenant, batch_id, count() AS lines_finished, sum(cost_nanos) AS cost_nanos
     FROM request_facts FINAL
-    WHERE batch_id IN (SELECT batch_id FROM shown) AND shadow_of = ''
+    WHERE batch_id IN (SELECT batch_id FROM ({shown})) AND shadow_of = ''
     GROUP BY tenant, batch_id
 ) AS spent USING (tenant, batch_id)
 ORDER BY {_BATCH_ACTIVE} DESC, shown.created_at DESC, batch_id"""  # noqa: S608 (constants and an integer)
