@@ -261,8 +261,9 @@ def sql(
 ) -> None:
     """Run a read-only SQL query on the warehouse (through the running platform if it owns chDB).
 
-    Tables: request_facts (one row per request; read with FINAL), audit_log, events_raw; views
-    sli_minute, errors_minute, spend_minute, spend_day (see docs/streams.md)."""
+    Tables: request_facts (one row per request; read with FINAL), batches (one row per async batch; read
+    with FINAL), audit_log, events_raw; views sli_minute, errors_minute, spend_minute, spend_day (see
+    docs/streams.md)."""
     from infra.warehouse import WarehouseError, query_warehouse
     from streams.queries import SAVED
 

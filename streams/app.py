@@ -1,10 +1,11 @@
 """The streams worker: turns the event log into warehouse tables and the audit chain.
 
-The sink reads the request topics, ``results``, ``cancels``, ``control`` and ``usage`` with a librdkafka
-consumer on its own thread, in batches (``SLUICE_STREAMS_BATCH_SIZE`` events, or what arrived within
-``SLUICE_STREAMS_BATCH_MS`` of a batch's first event). For each batch it
+The sink reads the request topics, ``results``, ``cancels``, ``control``, ``usage`` and ``batches`` with a
+librdkafka consumer on its own thread, in batches (``SLUICE_STREAMS_BATCH_SIZE`` events, or what arrived
+within ``SLUICE_STREAMS_BATCH_MS`` of a batch's first event). For each batch it
 
-1. builds the rows (:mod:`streams.sink`): ``events_raw``, ``request_facts`` and ``drift_features``;
+1. builds the rows (:mod:`streams.sink`): ``events_raw``, ``request_facts``, ``drift_features`` and
+   ``batches`` (each async batch's latest state);
 2. extends each tenant's audit hash chain with the batch's terminal events (:mod:`streams.audit`),
    publishes the new entries on the ``audit`` topic and waits until they are durable;
 3. inserts the rows and the entries, and only then commits the batch's offsets.
@@ -91,7 +92,7 @@ def sink_topics(names: TopicNames, request_topics: Sequence[str], *, decisions: 
     """Every topic whose events the warehouse keeps (token chunks on ``replies`` are delivery only).
     The live worker writes the audit entries and drift reports it publishes itself (``decisions=False``);
     a replay reads them from their topics."""
-    topics = [*request_topics, names.results, names.cancels, names.control, names.usage]
+    topics = [*request_topics, names.results, names.cancels, names.control, names.usage, names.batches]
     return [*topics, names.audit, names.drift] if decisions else topics
 
 

@@ -156,6 +156,9 @@ def request_entry(
     }
     if finished.error is not None:
         details["error_code"] = finished.error.code
+    if finished.batch is not None:  # a line of an async batch: which batch and line (not its custom id)
+        details["batch_id"] = finished.batch.batch_id
+        details["batch_index"] = str(finished.batch.index)
     return append(
         head,
         tenant=finished.tenant,

@@ -157,9 +157,11 @@ SPEND_TODAY = "SELECT tenant, sum(cost_nanos) AS spent FROM spend_day WHERE day 
 
 
 def burn_sql(minutes: int) -> str:
-    """Availability errors and eligible requests per model over the last ``minutes``."""
+    """Availability errors and eligible requests per model over the last ``minutes``: the requests clients
+    sent and waited for (no shadow copies, no lines of async batches: ``docs/streams.md``, Async batches)."""
     return (
         f"SELECT model, {int(minutes)} AS minutes, countIf(status IN ('failed', 'expired')) AS bad, "  # noqa: S608
         "countIf(status IN ('completed', 'failed', 'expired')) AS total FROM request_facts FINAL "
-        f"WHERE finished >= now64(3) - INTERVAL {int(minutes)} MINUTE AND shadow_of = '' GROUP BY model"
+        f"WHERE finished >= now64(3) - INTERVAL {int(minutes)} MINUTE AND shadow_of = '' AND batch_id = '' "
+        "GROUP BY model"
     )

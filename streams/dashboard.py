@@ -14,7 +14,12 @@ The drift panel reads ``drift_reports`` (when the warehouse has it): each model 
 all-tenant verdict as a table (a coloured badge, the window, sample sizes, the drifted features and the
 data-quality findings) and a strip of its last windows' verdicts drawn with Plotly.
 
-Tenant, model and feature names (and quality findings) are user data: the script puts them into the page
+The batch panel reads ``batches`` (when the warehouse has it): every async batch still running and those
+created in the last day (at most :data:`streams.queries.BATCH_PANEL_ROWS`), with tenant, model, status, a
+progress bar (completed and failed lines of the total), when it was created and what its lines cost so far.
+The latency charts leave batch lines out (they wait in the batch lane by design), as the SLI views do.
+
+Tenant, model, batch and feature names (and quality findings) are user data: the script puts them into the page
 with ``textContent`` and into Plotly's labels HTML-escaped (Plotly reads a subset of HTML in labels), and
 the page's Content Security Policy allows scripts from this server only, so a name like ``<script>`` is
 shown, never run.
@@ -120,7 +125,8 @@ class Dashboard:
         """What ``/dashboard/data?minutes=`` answers: every series of the last ``minutes`` minutes."""
         probe = dashboard_sql(minutes, self._slo)
         rollouts_present = bool((await self._query(probe.rollouts_exist))[0]["present"])
-        sql = dashboard_sql(minutes, self._slo, shadows=rollouts_present)
+        batches_present = bool((await self._query(probe.batches_exist))[0]["present"])
+        sql = dashboard_sql(minutes, self._slo, shadows=rollouts_present, batch_lines=batches_present)
         latency = await self._rows(sql.latency)
         traffic = await self._rows(sql.traffic)
         spend = await self._rows(sql.spend)
@@ -132,7 +138,10 @@ class Dashboard:
             row["traffic"] = json.loads(str(row["traffic"]) or "{}")
             row["evidence"] = json.loads(str(row["evidence"]) or "[]")
 
+        batches = await self._rows(sql.batches) if batches_present else []
         for row in spend:
+            row["usd"] = _usd(row["cost_nanos"])
+        for row in batches:
             row["usd"] = _usd(row["cost_nanos"])
         completed = sum(_int(r["completed"]) for r in traffic)
         errors = sum(_int(r["errors"]) for r in traffic)
@@ -159,6 +168,7 @@ class Dashboard:
             "spend": spend,
             "drift": {"available": drift_present, "status": drift_status, "history": drift_history},
             "rollouts": rollouts,
+            "batches": {"available": batches_present, "batches": batches},
         }
 
     def _target(self, model: str) -> dict[str, Any]:
@@ -279,6 +289,22 @@ _PAGE = """<!doctype html>
   .verdict.v-data_quality { background: #e8710a; }
   .verdict.v-insufficient_data { background: #80868b; }
   .verdict.v-no_drift, .verdict.v-reference { background: #188038; }
+  #batches table { border-collapse: collapse; width: 100%; }
+  #batches th, #batches td { text-align: left; vertical-align: middle; padding: 4px 8px;
+                             border-bottom: 1px solid #e3e6eb; }
+  #batches h2 { font-size: 15px; margin: 6px 8px; }
+  #batches .empty { color: #5b6575; margin: 6px 8px 10px; }
+  #batches .when { white-space: nowrap; }
+  #batches .id { font-family: ui-monospace, monospace; font-size: 12px; }
+  .progress { display: flex; width: 160px; height: 10px; border-radius: 5px; background: #e3e6eb;
+              overflow: hidden; }
+  .progress .done { background: #188038; }
+  .progress .failed { background: #b3261e; }
+  .progress-text { font-size: 12px; color: #5b6575; }
+  .verdict.b-in_progress, .verdict.b-validating, .verdict.b-finalizing { background: #1f77b4; }
+  .verdict.b-completed { background: #188038; }
+  .verdict.b-failed, .verdict.b-expired { background: #b3261e; }
+  .verdict.b-cancelling, .verdict.b-cancelled { background: #80868b; }
 </style>
 </head>
 <body data-refresh-ms="{refresh_ms}">
@@ -320,6 +346,10 @@ _PAGE = """<!doctype html>
   <section class="panel" id="rollouts" style="margin-top: 12px">
     <h2>Rollouts (decisions per model, newest first, with the gates behind them)</h2>
     <div id="rollouts-body"><p class="empty">loading…</p></div>
+  </section>
+  <section class="panel" id="batches" style="margin-top: 12px">
+    <h2>Batches (running, then created in the last 24 hours; lines billed at the batch price)</h2>
+    <div id="batches-body"><p class="empty">loading…</p></div>
   </section>
 </main>
 <script src="/dashboard/plotly.min.js"></script>
@@ -552,6 +582,57 @@ _SCRIPT = r"""
     target.appendChild(table);
   }
 
+  // One row per batch: who, which model, its status, a bar of its lines done (green: completed, red:
+  // failed) of the total, when it was created and what its finished lines cost so far.
+  function setBatches(batches) {
+    const target = document.getElementById("batches-body");
+    target.replaceChildren();
+    if (!batches || !batches.available || batches.batches.length === 0) {
+      const p = document.createElement("p");
+      p.className = "empty";
+      p.textContent = batches && batches.available ? "no batches in the last 24 hours" : "no batches yet";
+      target.appendChild(p);
+      return;
+    }
+    const table = document.createElement("table");
+    const head = table.createTHead().insertRow();
+    for (const title of ["batch", "tenant", "model", "status", "progress", "created (UTC)", "cost so far"]) {
+      cell(head, title);
+    }
+    const rows = table.createTBody();
+    for (const b of batches.batches) {
+      const row = rows.insertRow();
+      cell(row, String(b.batch_id), "id");
+      cell(row, String(b.tenant));
+      cell(row, String(b.model));
+      const badge = document.createElement("span");
+      badge.className = "verdict b-" + String(b.status).replace(/[^a-z_]/g, "");
+      badge.textContent = String(b.status);
+      row.insertCell().appendChild(badge);
+      const total = Number(b.total), done = Number(b.completed), failed = Number(b.failed);
+      const share = (n) => (total > 0 ? Math.min(100, (100 * n) / total) : 0);
+      const progress = row.insertCell();
+      const bar = document.createElement("div");
+      bar.className = "progress";
+      bar.title = done + " completed, " + failed + " failed of " + total;
+      for (const [name, n] of [["done", done], ["failed", failed]]) {
+        const part = document.createElement("span");
+        part.className = name;
+        part.style.width = share(n).toFixed(2) + "%";
+        bar.appendChild(part);
+      }
+      const text = document.createElement("div");
+      text.className = "progress-text";
+      text.textContent = (done + failed).toLocaleString("en-US") + " / " + total.toLocaleString("en-US") +
+        (failed ? " (" + failed.toLocaleString("en-US") + " failed)" : "");
+      progress.appendChild(bar);
+      progress.appendChild(text);
+      cell(row, String(b.created), "when");
+      cell(row, "$" + Number(b.usd).toFixed(6));
+    }
+    target.appendChild(table);
+  }
+
   function setDrift(drift) {
     const target = document.getElementById("drift-body");
     target.replaceChildren();
@@ -658,6 +739,7 @@ _SCRIPT = r"""
     setTiles(data.summary);
     setDrift(data.drift);
     setRollouts(data.rollouts);
+    setBatches(data.batches);
     const all = charts(data);
     let drawn = 0;
     for (const [name, [traces, lay]] of Object.entries(all)) {

@@ -3,6 +3,10 @@
 ``RequestFinished`` carries everything (the worker copies what the request said into it), so a fact is a
 pure function of one event and the price table: a redelivered event gives the same row, and a replay of
 the log gives the same table.
+
+A batch line's terminal event names its line (``RequestFinished.batch``): its row carries the batch id,
+custom id, index and attempt, and its cost is the batch price (:meth:`PriceTable.cost_nanos`, ``batch``).
+Other rows have batch id ``''``, index -1 and attempt 0.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ FACT_COLUMNS = (
     "request_id", "tenant", "model", "model_version", "kind", "stream", "edge_id", "worker_id", "status",
     "finish_reason", "error_code", "accepted", "started", "first_token", "finished", "queue_wait_ms",
     "ttft_ms", "itl_mean_ms", "itl_max_ms", "e2e_ms", "prompt_tokens", "completion_tokens", "worker_ms",
-    "cost_nanos", "price_version", "idempotency_key", "trace_id", "version", "shadow_of",
+    "cost_nanos", "price_version", "idempotency_key", "trace_id", "version", "shadow_of", "batch_id",
+    "batch_custom_id", "batch_index", "batch_attempt",
 )  # fmt: skip
 
 
@@ -51,6 +56,10 @@ def fact_row(event: RequestFinished, prices: PriceTable) -> list[Any]:
     completion = event.usage.completion_tokens
     decode_ms = _ms(finished, first_token)
     worker_ms = round(_ms(finished, timings.started) or 0.0)
+    line = event.batch
+    cost = prices.cost_nanos(
+        event.model, event.usage.prompt_tokens, completion, worker_ms, batch=line is not None
+    )
     return [
         event.request_id,
         event.tenant,
@@ -75,10 +84,14 @@ def fact_row(event: RequestFinished, prices: PriceTable) -> list[Any]:
         event.usage.prompt_tokens,
         completion,
         float(worker_ms),
-        prices.cost_nanos(event.model, event.usage.prompt_tokens, completion, worker_ms),
+        cost,
         prices.version,
         event.idempotency_key or "",
         trace_id(event.traceparent),
         int(event.time.timestamp() * 1000),
         event.shadow_of or "",
+        line.batch_id if line is not None else "",
+        line.custom_id if line is not None else "",
+        line.index if line is not None else -1,
+        line.attempt if line is not None else 0,
     ]

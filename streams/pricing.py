@@ -2,9 +2,15 @@
 
 Prices are integers in micro-USD per 1,000 tokens (and per worker-second), so a request's cost
 ``prompt_tokens x prompt_price + completion_tokens x completion_price + worker_ms x worker_price`` is an
-integer number of nano-USD: no rounding anywhere, and any sum over the ledger is exact. A TOML file::
+integer number of nano-USD: no rounding anywhere, and any sum over the ledger is exact.
+
+Lines of an async batch (the Batch API) are billed at a discount, ``batch_discount_percent`` of the table
+(50 by default, as OpenAI's): a line's cost is ``full x (100 - percent) // 100``, rounded down to the
+nano-USD (in the client's favour, at most 1 nano-USD per line), so it stays an integer and sums stay exact.
+A TOML file::
 
     version = "2026-11"
+    batch_discount_percent = 50
     [default]
     prompt = 100          # micro-USD per 1k prompt tokens ($0.10 per million)
     completion = 400
@@ -25,6 +31,7 @@ import msgspec
 from streams import StreamsError
 
 Micros = Annotated[int, msgspec.Meta(ge=0)]
+Percent = Annotated[int, msgspec.Meta(ge=0, le=100)]
 
 
 class PricingError(StreamsError, ValueError):
@@ -42,6 +49,8 @@ class ModelPrice(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
 
 class PriceTable(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     version: str = "demo-2026-11"
+    batch_discount_percent: Percent = 50
+    """Taken off the price of a batch line (0: batch lines cost what requests do)."""
     default: ModelPrice = msgspec.field(default_factory=ModelPrice)
     models: dict[str, ModelPrice] = msgspec.field(
         default_factory=lambda: {"all-minilm-l6-v2": ModelPrice(prompt=20, completion=0)}
@@ -50,14 +59,24 @@ class PriceTable(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     def price(self, model: str) -> ModelPrice:
         return self.models.get(model, self.default)
 
-    def cost_nanos(self, model: str, prompt_tokens: int, completion_tokens: int, worker_ms: int = 0) -> int:
-        """Exact cost in nano-USD (micro-USD per 1k tokens x tokens = nano-USD)."""
+    def cost_nanos(
+        self,
+        model: str,
+        prompt_tokens: int,
+        completion_tokens: int,
+        worker_ms: int = 0,
+        *,
+        batch: bool = False,
+    ) -> int:
+        """Exact cost in nano-USD (micro-USD per 1k tokens x tokens = nano-USD); ``batch``: the cost of a batch
+        line, with :attr:`batch_discount_percent` taken off and rounded down to the nano-USD."""
         price = self.price(model)
-        return (
+        full = (
             prompt_tokens * price.prompt
             + completion_tokens * price.completion
             + worker_ms * price.worker_second
         )
+        return full * (100 - self.batch_discount_percent) // 100 if batch else full
 
 
 def load_prices(path: str | Path | None) -> PriceTable:

@@ -12,6 +12,10 @@ percentile has to be computed from the rows themselves. Counts and spend sum, so
 Drift reports (``drift_reports``, from migration 0003) hold one row per window of a model version and scope
 (``*`` for all tenants, else a tenant), with the per-feature results as parallel arrays. The table is a
 ReplacingMergeTree, so a window published twice counts once: every drift statement reads it with FINAL.
+
+Lines of async batches (``request_facts.batch_id``, from migration 0005) wait in the batch lane by design:
+every latency and availability statement leaves them out, as the SLI views do; spend keeps them (billed at
+the batch discount). ``batches`` holds each batch's latest state (highest ``seq``; read with FINAL).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from dataclasses import dataclass
 from monitoring.slo import DEFAULT_CONFIG, SloConfig, Tier
 
 __all__ = [
+    "BATCH_PANEL_ROWS",
     "DEFAULT_MINUTES",
     "DRIFT_HISTORY_WINDOWS",
     "DRIFT_MODEL_VERSIONS",
@@ -43,6 +48,9 @@ DRIFT_MODEL_VERSIONS = 50
 """The most model versions the dashboard's drift panel shows (the first by model and version)."""
 DRIFT_HISTORY_WINDOWS = 50
 """The most windows per model version in the drift panel's history strip (the latest ones)."""
+
+BATCH_PANEL_ROWS = 50
+"""The most batches the dashboard's batch panel shows: the active ones first, then the newest."""
 
 # The availability SLI, as in monitoring.slo: cancelled requests are the client's choice, neither good nor
 # bad. (Shed requests never reach the facts: the edge refuses them before accepting.)
@@ -99,7 +107,7 @@ def _error_budget_left(config: SloConfig) -> str:
         {_by_tier(config, _availability_budget)} AS budget, {window} AS window_days,
         toUInt8({_BAD}) AS bad
     FROM request_facts FINAL
-    WHERE ({_GOOD} OR {_BAD}) AND {in_window} AND shadow_of = ''"""  # noqa: S608 (built from the config)
+    WHERE ({_GOOD} OR {_BAD}) AND {in_window} AND shadow_of = '' AND batch_id = ''"""  # noqa: S608 (from the config)
     selects = [availability]
     # The tiers that can hold a model: the default one, and every other tier that lists models.
     used = [t for t in config.tiers if t.name == config.default_tier or t.models]
@@ -117,7 +125,7 @@ def _error_budget_left(config: SloConfig) -> str:
         toUInt8(assumeNotNull(ttft_ms) > assumeNotNull({threshold_ms})) AS bad
     FROM request_facts FINAL
     WHERE stream AND ttft_ms IS NOT NULL AND ({threshold_ms}) IS NOT NULL AND {in_window}
-        AND shadow_of = ''"""  # noqa: S608
+        AND shadow_of = '' AND batch_id = ''"""  # noqa: S608
         )
     union = "\n    UNION ALL\n    ".join(selects)
     return f"""SELECT
@@ -164,7 +172,7 @@ _P99_TTFT = """SELECT
     min(finished) AS first_seen,
     max(finished) AS last_seen
 FROM request_facts FINAL
-WHERE ttft_ms IS NOT NULL AND finished >= now64(3) - INTERVAL 1 DAY AND shadow_of = ''
+WHERE ttft_ms IS NOT NULL AND finished >= now64(3) - INTERVAL 1 DAY AND shadow_of = '' AND batch_id = ''
 GROUP BY model, model_version
 ORDER BY model, ttft_p99_ms DESC, model_version"""
 
@@ -271,6 +279,71 @@ WHERE time >= now64(3) - INTERVAL 7 DAY
 ORDER BY model, time, event_id"""
 
 
+# Async batches: each batch's latest state, with what its lines cost so far (the facts of every attempt of
+# every line that has finished, at the batch price). The facts are read for the batches shown only (the
+# same subquery twice: ClickHouse would inline a WITH anyway, and every statement here starts with SELECT).
+_BATCH_ACTIVE = "status IN ('validating', 'in_progress', 'finalizing', 'cancelling')"
+_BATCH_SECOND = "'%Y-%m-%d %H:%i:%S'"
+
+
+def _batches_sql(where: str, limit: int | None) -> str:
+    """The batches ``where`` selects (active ones first, then newest first), each with its progress, the
+    time it ended (empty while it runs), and its lines' cost so far from ``request_facts``."""
+    shown = f"""SELECT *
+    FROM batches FINAL
+    WHERE {where}
+    ORDER BY {_BATCH_ACTIVE} DESC, created_at DESC, batch_id{f" LIMIT {int(limit)}" if limit else ""}"""  # noqa: S608
+    return f"""SELECT
+    batch_id,
+    tenant,
+    model,
+    status,
+    endpoint,
+    total,
+    completed,
+    failed,
+    if(total = 0, 0, (completed + failed) / total) AS progress,
+    formatDateTime(created_at, {_BATCH_SECOND}) AS created,
+    ifNull(formatDateTime(coalesce(completed_at, failed_at, expired_at, cancelled_at), {_BATCH_SECOND}), '')
+        AS ended,
+    formatDateTime(expires_at, {_BATCH_SECOND}) AS expires,
+    error_count,
+    output_file_id,
+    error_file_id,
+    lines_finished,
+    cost_nanos,
+    cost_nanos / 1e9 AS spend_usd
+FROM
+(
+    {shown}
+) AS shown
+LEFT JOIN
+(
+    SELECT tenant, batch_id, count() AS lines_finished, sum(cost_nanos) AS cost_nanos
+    FROM request_facts FINAL
+    WHERE batch_id IN (SELECT batch_id FROM ({shown})) AND shadow_of = ''
+    GROUP BY tenant, batch_id
+) AS spent USING (tenant, batch_id)
+ORDER BY {_BATCH_ACTIVE} DESC, shown.created_at DESC, batch_id"""  # noqa: S608 (constants and an integer)
+
+
+_BATCHES = _batches_sql(f"{_BATCH_ACTIVE} OR created_at >= now64(3) - INTERVAL 7 DAY", None)
+
+_BATCH_SPEND = """SELECT
+    toDate(finished) AS day,
+    tenant,
+    uniqExact(batch_id) AS batches,
+    count() AS lines,
+    sum(prompt_tokens) AS prompt_tokens,
+    sum(completion_tokens) AS completion_tokens,
+    sum(cost_nanos) AS cost_nanos,
+    cost_nanos / 1e9 AS spend_usd
+FROM request_facts FINAL
+WHERE batch_id != '' AND shadow_of = '' AND finished >= today() - 30
+GROUP BY day, tenant
+ORDER BY day DESC, cost_nanos DESC, tenant"""
+
+
 def saved_queries(config: SloConfig = DEFAULT_CONFIG) -> dict[str, SavedQuery]:
     """The analysts' saved queries, by name; ``error-budget-left`` uses ``config``'s targets."""
     return {
@@ -325,6 +398,18 @@ def saved_queries(config: SloConfig = DEFAULT_CONFIG) -> dict[str, SavedQuery]:
             "data-quality findings.",
             _DRIFT_HISTORY,
         ),
+        "batches": SavedQuery(
+            "Async batches still running, and those created in the last 7 days, running first then newest "
+            "first: tenant, model, status, endpoint, lines total / completed / failed, progress (share "
+            "done), created, ended and expiry times (UTC), input-file errors, output and error file ids, "
+            "lines finished and their cost so far (nano-USD and USD, at the batch price).",
+            _BATCHES,
+        ),
+        "batch-spend": SavedQuery(
+            "Spend on async batch lines per UTC day and tenant over the last 30 days, newest day first: "
+            "batches, lines, tokens and exact cost (at the batch price) in nano-USD and USD.",
+            _BATCH_SPEND,
+        ),
     }
 
 
@@ -362,6 +447,11 @@ class DashboardSql:
     """One row, ``present``: whether the deployments table is there yet."""
     rollouts: str
     """The last :data:`ROLLOUT_HISTORY` deployment changes per model, newest first, with their evidence."""
+    batches_exist: str
+    """One row, ``present``: whether the batches table is there yet (and ``request_facts.batch_id``)."""
+    batches: str
+    """The batch panel: every running batch and those created in the last day, at most
+    :data:`BATCH_PANEL_ROWS`, with progress and their lines' cost so far."""
 
 
 ROLLOUT_HISTORY = 20
@@ -386,6 +476,14 @@ _DASHBOARD_ROLLOUTS = f"""SELECT
 FROM deployments FINAL
 ORDER BY model, deployments.time DESC, event_id DESC
 LIMIT {ROLLOUT_HISTORY} BY model"""  # noqa: S608 (an integer constant)
+
+_BATCHES_EXIST = (
+    "SELECT count() > 0 AS present FROM system.tables WHERE database = currentDatabase() AND name = 'batches'"
+)
+# Like drift and rollouts, the batch panel does not follow the dashboard's window: a batch runs for hours.
+_DASHBOARD_BATCHES = _batches_sql(
+    f"{_BATCH_ACTIVE} OR created_at >= now64(3) - INTERVAL 1 DAY", BATCH_PANEL_ROWS
+)
 
 _DRIFT_EXISTS = (
     "SELECT count() > 0 AS present FROM system.tables "  # noqa: S608 (a constant table name)
@@ -439,14 +537,18 @@ ORDER BY model, model_version, ended
 LIMIT {DRIFT_MODEL_VERSIONS * DRIFT_HISTORY_WINDOWS}"""  # noqa: S608
 
 
-def dashboard_sql(minutes: int, config: SloConfig = DEFAULT_CONFIG, *, shadows: bool = True) -> DashboardSql:
+def dashboard_sql(
+    minutes: int, config: SloConfig = DEFAULT_CONFIG, *, shadows: bool = True, batch_lines: bool = True
+) -> DashboardSql:
     """``shadows``: the warehouse has rollout shadow rows to leave out (``request_facts.shadow_of``, from
-    migration 0004); False for a warehouse migrated by older code."""
+    migration 0004); ``batch_lines``: it has batch lines to leave out of the latencies
+    (``request_facts.batch_id``, from migration 0005); False for a warehouse migrated by older code."""
     if not 1 <= minutes <= MAX_MINUTES:
         raise ValueError(f"minutes must be between 1 and {MAX_MINUTES}, got {minutes}")
     since = f"toStartOfMinute(now()) - toIntervalMinute({int(minutes) - 1})"
     minute = "formatDateTime(toStartOfMinute(finished), '%Y-%m-%d %H:%i:%S')"
     budget = _by_tier(config, _availability_budget)
+    interactive = (" AND shadow_of = ''" if shadows else "") + (" AND batch_id = ''" if batch_lines else "")
     return DashboardSql(
         latency=f"""SELECT
     {minute} AS t,
@@ -458,7 +560,7 @@ def dashboard_sql(minutes: int, config: SloConfig = DEFAULT_CONFIG, *, shadows: 
     quantileExactIf(0.5)(itl_mean_ms, itl_mean_ms IS NOT NULL) AS itl_p50_ms,
     quantileExactIf(0.99)(itl_mean_ms, itl_mean_ms IS NOT NULL) AS itl_p99_ms
 FROM request_facts FINAL
-WHERE finished >= {since}{" AND shadow_of = ''" if shadows else ""}
+WHERE finished >= {since}{interactive}
 GROUP BY t, model
 ORDER BY model, t""",  # noqa: S608 (an int and expressions built from the config)
         traffic=f"""SELECT
@@ -498,4 +600,6 @@ LIMIT 25""",  # noqa: S608
         drift_history=_DASHBOARD_DRIFT_HISTORY,
         rollouts_exist=_ROLLOUTS_EXIST,
         rollouts=_DASHBOARD_ROLLOUTS,
+        batches_exist=_BATCHES_EXIST,
+        batches=_DASHBOARD_BATCHES,
     )

@@ -21,7 +21,9 @@ from streams.app import sink_topics
 from streams.pricing import PriceTable
 from streams.sink import Consumed, Inserter, Rows, insert
 
-TABLES = ("events_raw", "request_facts", "audit_log", "drift_features", "drift_reports", "deployments")
+TABLES = (
+    "events_raw", "request_facts", "audit_log", "drift_features", "drift_reports", "deployments", "batches",
+)  # fmt: skip
 
 
 class ReplayError(StreamsError, RuntimeError):

@@ -75,24 +75,26 @@ class VersionStats:
 
 def stats_sql(model: str, versions: Iterable[str], since: datetime) -> str:
     """Per version: terminal requests accepted since ``since``, errors (failed, or expired: a shadow copy
-    that expired waited at the lowest priority, which is not the candidate's fault), p99 TTFT and
-    inter-token gap, tokens and cost (shadow copies included: they are the candidate's outcomes too).
+    or a batch line that expired waited at a low priority, which is not the candidate's fault), p99 TTFT
+    and inter-token gap, tokens and cost (shadow copies included: they are the candidate's outcomes too).
     TTFT is taken over the requests clients sent when there are any: a shadow copy's first token waits
     behind every live request (lowest priority), which measures the queue, not the candidate; a
-    shadow-only step has nothing else to judge by."""
+    shadow-only step has nothing else to judge by. Lines of async batches count as requests and failures
+    but in no latency (they wait in the batch lane by design) and not in the cost per token (they are
+    billed at the batch discount, so a version that served more of them would look cheaper)."""
     listed = ", ".join(sql_string(v) for v in sorted(set(versions)))
     since_ms = int(since.timestamp() * 1000)
     return f"""SELECT model_version,
     count() AS n,
-    countIf(status = 'failed' OR (status = 'expired' AND shadow_of = '')) AS errors,
-    quantileExactIf(0.99)(ttft_ms, ttft_ms IS NOT NULL) AS ttft_p99,
-    countIf(ttft_ms IS NOT NULL) AS ttft_n,
-    quantileExactIf(0.99)(ttft_ms, ttft_ms IS NOT NULL AND shadow_of = '') AS ttft_live_p99,
-    countIf(ttft_ms IS NOT NULL AND shadow_of = '') AS ttft_live_n,
-    quantileExactIf(0.99)(itl_max_ms, itl_max_ms IS NOT NULL) AS itl_p99,
-    countIf(itl_max_ms IS NOT NULL) AS itl_n,
-    sum(prompt_tokens + completion_tokens) AS tokens,
-    sum(cost_nanos) AS cost_nanos
+    countIf(status = 'failed' OR (status = 'expired' AND shadow_of = '' AND batch_id = '')) AS errors,
+    quantileExactIf(0.99)(ttft_ms, ttft_ms IS NOT NULL AND batch_id = '') AS ttft_p99,
+    countIf(ttft_ms IS NOT NULL AND batch_id = '') AS ttft_n,
+    quantileExactIf(0.99)(ttft_ms, ttft_ms IS NOT NULL AND shadow_of = '' AND batch_id = '') AS ttft_live_p99,
+    countIf(ttft_ms IS NOT NULL AND shadow_of = '' AND batch_id = '') AS ttft_live_n,
+    quantileExactIf(0.99)(itl_max_ms, itl_max_ms IS NOT NULL AND batch_id = '') AS itl_p99,
+    countIf(itl_max_ms IS NOT NULL AND batch_id = '') AS itl_n,
+    sumIf(prompt_tokens + completion_tokens, batch_id = '') AS tokens,
+    sumIf(cost_nanos, batch_id = '') AS cost_nanos
 FROM request_facts FINAL
 WHERE model = {sql_string(model)} AND model_version IN ({listed})
     AND accepted >= fromUnixTimestamp64Milli({since_ms})
@@ -147,15 +149,23 @@ def stats_of(results: Iterable[RequestFinished], prices: PriceTable) -> VersionS
         values = sorted(float(r[column]) for r in of if r[column] is not None)
         return values[min(len(values) - 1, math.ceil(0.99 * len(values)) - 1)] if values else None
 
-    live = [r for r in rows if not r["shadow_of"]]
+    timed = [r for r in rows if not r["batch_id"]]  # batch lines: no latency, no cost per token
+    live = [r for r in timed if not r["shadow_of"]]
+
+    def error(r: dict[str, Any]) -> bool:
+        return r["status"] == "failed" or (
+            r["status"] == "expired" and not r["shadow_of"] and not r["batch_id"]
+        )
 
     return VersionStats(
         n=len(rows),
-        errors=sum(r["status"] in ("failed", "expired") for r in rows),
-        ttft_p99_ms=p99("ttft_ms", live) if any(r["ttft_ms"] is not None for r in live) else p99("ttft_ms"),
-        itl_p99_ms=p99("itl_max_ms"),
-        tokens=sum(int(r["prompt_tokens"]) + int(r["completion_tokens"]) for r in rows),
-        cost_nanos=sum(int(r["cost_nanos"]) for r in rows),
+        errors=sum(error(r) for r in rows),
+        ttft_p99_ms=(
+            p99("ttft_ms", live) if any(r["ttft_ms"] is not None for r in live) else p99("ttft_ms", timed)
+        ),
+        itl_p99_ms=p99("itl_max_ms", timed),
+        tokens=sum(int(r["prompt_tokens"]) + int(r["completion_tokens"]) for r in timed),
+        cost_nanos=sum(int(r["cost_nanos"]) for r in timed),
     )
 
 

@@ -4,8 +4,9 @@ The live streams worker and ``sluice replay`` both hand batches of consumed reco
 insert what it returns with :func:`insert`, so a replay of the log builds the same tables. Every table
 is idempotent under redelivery: ``events_raw`` collapses on the event id, ``request_facts`` and
 ``drift_features`` on the request (latest terminal event wins), ``audit_log`` on (tenant, seq),
-``drift_reports`` on (model, version, scope, window). Prompts, completions, embeddings and token
-ids are removed before an event is stored unless ``streams_store_content`` is set.
+``drift_reports`` on (model, version, scope, window), ``batches`` on (tenant, batch id) (the highest
+``seq`` wins). Prompts, completions, embeddings and token ids are removed before an event is stored
+unless ``streams_store_content`` is set.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from clickhouse_connect.driver.client import Client
 from schemas.codec import DecodeError, decode, encode
 from schemas.events import (
     AuditEntry,
+    BatchItemRequested,
+    BatchStateChanged,
     DeploymentChanged,
     DriftReport,
     EmbeddingRequested,
@@ -62,6 +65,7 @@ class Batch:
     drift: list[list[Any]] = field(default_factory=list)
     reports: list[list[Any]] = field(default_factory=list)
     deployments: list[list[Any]] = field(default_factory=list)
+    batches: list[list[Any]] = field(default_factory=list)
     events: list[tuple[Consumed, Event]] = field(default_factory=list)
     undecodable: list[tuple[Consumed, DecodeError]] = field(default_factory=list)
 
@@ -76,6 +80,8 @@ def redact(event: Event) -> Event:
             return msgspec.structs.replace(event, prompt=None, input_ids=[])
         case EmbeddingRequested():
             return msgspec.structs.replace(event, texts=None, inputs=[])
+        case BatchItemRequested():
+            return msgspec.structs.replace(event, prompt=None, input_ids=[], texts=None, inputs=None)
         case RequestFinished():
             features = event.features
             if features is not None and features.embedding is not None:
@@ -139,6 +145,8 @@ class Rows:
                 out.reports.append(report_row(event))
             elif isinstance(event, DeploymentChanged):
                 out.deployments.append(deployment_row(event))
+            elif isinstance(event, BatchStateChanged):
+                out.batches.append(batch_row(event))
         return out
 
 
@@ -172,6 +180,50 @@ def deployment_row(event: DeploymentChanged) -> list[Any]:
     ]
 
 
+BATCH_COLUMNS = (
+    "tenant", "batch_id", "seq", "event_id", "time", "model", "status", "endpoint", "completion_window",
+    "edge_id", "input_file_id", "output_file_id", "error_file_id", "total", "completed", "failed",
+    "created_at", "expires_at", "in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at",
+    "cancelling_at", "cancelled_at", "error_count", "errors", "metadata", "source",
+)  # fmt: skip
+
+
+def batch_row(event: BatchStateChanged) -> list[Any]:
+    """The ``batches`` row of a batch's state: counts, file ids ('' for none), times, the input file's
+    errors and the client's metadata as JSON."""
+    return [
+        event.tenant,
+        event.batch_id,
+        event.seq,
+        event.id,
+        event.time,
+        event.model,
+        event.status,
+        event.endpoint,
+        event.completion_window,
+        event.edge_id,
+        event.input_file_id,
+        event.output_file_id or "",
+        event.error_file_id or "",
+        event.counts.total,
+        event.counts.completed,
+        event.counts.failed,
+        event.created_at,
+        event.expires_at,
+        event.in_progress_at,
+        event.finalizing_at,
+        event.completed_at,
+        event.failed_at,
+        event.expired_at,
+        event.cancelling_at,
+        event.cancelled_at,
+        len(event.errors),
+        msgspec.json.encode(event.errors).decode(),
+        msgspec.json.encode(event.metadata, order="sorted").decode(),
+        event.source,
+    ]
+
+
 class Inserter(Protocol):
     def insert(self, table: str, data: Sequence[Sequence[Any]], column_names: Sequence[str]) -> object: ...
 
@@ -196,3 +248,5 @@ def insert(client: Inserter, batch: Batch) -> None:
         client.insert("drift_reports", batch.reports, column_names=REPORT_COLUMNS)
     if batch.deployments:
         client.insert("deployments", batch.deployments, column_names=DEPLOYMENT_COLUMNS)
+    if batch.batches:
+        client.insert("batches", batch.batches, column_names=BATCH_COLUMNS)

@@ -47,6 +47,7 @@ CHECKSUMS = {
         "request_facts FINAL",
         "audit_log FINAL",
         "events_raw FINAL",
+        "batches FINAL",
         "sli_minute",
         "errors_minute",
         "spend_minute",

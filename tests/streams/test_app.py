@@ -81,7 +81,14 @@ def make_app(tmp_path: Path) -> StreamsApp:
 def test_the_sink_reads_what_the_warehouse_keeps_as_the_streams_group(tmp_path: Path) -> None:
     app = make_app(tmp_path)
     assert app.group == "p-streams"  # the group the Faust app of earlier versions committed under
-    assert app.topics == ["p.requests.demo-gpt", "p.results", "p.cancels", "p.control", "p.usage"]
+    assert app.topics == [
+        "p.requests.demo-gpt",
+        "p.results",
+        "p.cancels",
+        "p.control",
+        "p.usage",
+        "p.batches",
+    ]
     assert not app.assigned
 
 

@@ -22,7 +22,7 @@ import pytest
 from infra.warehouse import WarehouseQueryServer, migrate, open_warehouse
 from infra.warehouse.client import Client
 from schemas.codec import decode, encode, headers
-from schemas.events import AuditEntry, ErrorInfo, RequestFinished, Usage
+from schemas.events import AuditEntry, BatchRef, ErrorInfo, RequestFinished, Usage
 from schemas.ids import uuid7_from_parts, uuid7_unix_ms
 from schemas.settings import PlatformSettings
 from streams.audit import (
@@ -257,6 +257,17 @@ def test_a_request_entry_records_who_what_and_the_decision_without_content(kind:
     stored = encode(entry) + json.dumps(audit_row(entry), default=str).encode()
     assert b"secret" not in stored
     assert b"0.25" not in stored
+
+
+def test_a_batch_lines_entry_names_its_batch_and_line_but_not_its_custom_id() -> None:
+    plain = request_entry(None, finished(), source="streams/audit")
+    assert not {"batch_id", "batch_index"} & set(plain.details)  # other entries: as before
+    ref = BatchRef(batch_id="batch_9", custom_id="the client's own words", index=12, attempt=1)
+    line = request_entry(None, finished(batch=ref), source="streams/audit")
+    assert (line.details["batch_id"], line.details["batch_index"]) == ("batch_9", "12")
+    assert {k: v for k, v in line.details.items() if not k.startswith("batch_")} == plain.details
+    assert "the client's own words" not in json.dumps(line.details)
+    assert line.entry_hash != plain.entry_hash
 
 
 def test_a_completed_request_has_no_error_code() -> None:

@@ -29,8 +29,11 @@ from streams.sink import Batch, deployment_row, insert
 from tests.streams.browser import render
 from tests.streams.test_queries import (
     BATCH_CONFIG,
+    batch_line,
+    batch_state,
     drift_report,
     event,
+    insert_batches,
     insert_drift_reports,
     insert_facts,
     migrated_warehouse,
@@ -70,6 +73,12 @@ PROBES = {
     "rollouts": "document.getElementById('rollouts-body').textContent",
     "rollout_table": """Array.from(document.querySelectorAll('#rollouts-body tr')).map(
         (tr) => Array.from(tr.cells).map((c) => c.textContent))""",
+    "batches": "document.getElementById('batches-body').textContent",
+    "batch_table": """Array.from(document.querySelectorAll('#batches-body tr')).map(
+        (tr) => Array.from(tr.cells).map((c) => c.textContent))""",
+    "batch_bars": """Array.from(document.querySelectorAll('#batches-body .progress')).map(
+        (bar) => Array.from(bar.children).map((part) => [part.className, part.style.width,
+                                                          part.getBoundingClientRect().width > 0]))""",
     "pwned": "typeof window.__pwned",
     "injected": "document.querySelectorAll('img, main script').length",
 }
@@ -197,8 +206,10 @@ async def test_data_on_an_empty_warehouse(warehouse: Client) -> None:
         "spend",
         "drift",
         "rollouts",
+        "batches",
     }
     assert body["rollouts"] == []
+    assert body["batches"] == {"available": True, "batches": []}
     assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:00", body["since"])
     assert (body["latency"], body["traffic"], body["spend"], body["targets"]) == ([], [], [], {})
     assert body["summary"] == {
@@ -220,6 +231,71 @@ async def test_data_on_a_warehouse_without_drift_reports(tmp_path: Path) -> None
             status, body = await get_json(f"{url}/dashboard/data")
     assert status == 200
     assert body["drift"] == {"available": False, "status": [], "history": []}
+
+
+async def test_data_on_a_warehouse_before_the_batches_table(tmp_path: Path) -> None:
+    """Migrated by older code (no batches table, no request_facts.batch_id): the latency statement does
+    not name the column, and the panel says there are no batches."""
+    with migrated_warehouse(tmp_path / "data", upto=4) as client:
+        async with serve(Dashboard(querier(client))) as url:
+            status, body = await get_json(f"{url}/dashboard/data")
+    assert status == 200, body
+    assert body["batches"] == {"available": False, "batches": []}
+
+
+def some_batches(client: Client, *, tenant: str = "acme", batch_id: str = "batch_1") -> None:
+    """``batch_id`` running (6 of 10 lines done, one failed) with its 7 finished lines (one retried), and
+    another batch that completed; batch lines that waited a minute, which no latency chart shows."""
+    now = now_ms()
+    hour = timedelta(hours=1)
+    insert_batches(
+        client,
+        [
+            batch_state(
+                4,
+                "in_progress",
+                batch_id=batch_id,
+                tenant=tenant,
+                completed=5,
+                failed=1,
+                created_at=now - hour,
+            ),
+            batch_state(9, "completed", batch_id="batch_0", completed=4, total=4, created_at=now - 2 * hour),
+        ],
+    )
+    lines = [
+        batch_line(event(tenant=tenant, finished=now - timedelta(seconds=i), ttft_ms=60_000), batch_id, i % 6)
+        for i in range(7)
+    ]
+    insert_facts(client, lines)
+
+
+async def test_data_with_batches(warehouse: Client) -> None:
+    a_few_minutes_of_traffic(warehouse, tenants=("acme", "globex"))
+    some_batches(warehouse)
+    async with serve(Dashboard(querier(warehouse))) as url:
+        status, body = await get_json(f"{url}/dashboard/data?minutes=15")
+    assert status == 200
+    assert body["batches"]["available"] is True
+    running, done = body["batches"]["batches"]
+    assert (running["batch_id"], running["tenant"], running["model"], running["status"]) == (
+        "batch_1",
+        "acme",
+        "demo-gpt",
+        "in_progress",
+    )
+    assert (running["total"], running["completed"], running["failed"], running["lines_finished"]) == (
+        10,
+        5,
+        1,
+        7,
+    )
+    assert running["usd"] == pytest.approx(running["cost_nanos"] / 1e9)
+    assert running["cost_nanos"] > 0
+    assert (done["batch_id"], done["status"], done["cost_nanos"]) == ("batch_0", "completed", 0)
+    assert body["summary"]["requests"] == 120  # the batch lines are in no latency or traffic series
+    assert max(r["ttft_p99_ms"] for r in body["latency"]) < 60_000
+    assert sum(r["requests"] for r in body["latency"]) == 120
 
 
 async def test_data_with_facts_and_drift(warehouse: Client) -> None:
@@ -376,6 +452,7 @@ async def test_dashboard_renders_in_chromium(warehouse: Client) -> None:
     a_few_minutes_of_traffic(warehouse, tenants=tenants)
     some_drift(warehouse)
     a_rollback(warehouse)
+    some_batches(warehouse)
     async with serve(Dashboard(querier(warehouse), refresh_s=1.0)) as url:
         page = await render(
             f"{url}/dashboard?minutes=15",
@@ -451,6 +528,24 @@ async def test_dashboard_renders_in_chromium(warehouse: Client) -> None:
     assert decisions[1][5] == "v1 90.0%v2 10.0%"
     assert decisions[0][7] == "error_ratio fail: 0.5 vs 0 (limit 0.05, n=60/540)"
     assert decisions[0][8] == "automatic rollback: error_ratio"
+
+    # The batch panel: running first, a bar of the lines done (completed, failed) of the total.
+    header, *batches = values["batch_table"]
+    assert header == ["batch", "tenant", "model", "status", "progress", "created (UTC)", "cost so far"]
+    assert [row[:4] for row in batches] == [
+        ["batch_1", "acme", "demo-gpt", "in_progress"],
+        ["batch_0", "acme", "demo-gpt", "completed"],
+    ]
+    assert batches[0][4] == "6 / 10 (1 failed)"
+    assert batches[1][4] == "4 / 4"
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", batches[0][5])
+    assert re.fullmatch(r"\$0\.\d{6}", batches[0][6])
+    assert batches[0][6] != "$0.000000"
+    assert batches[1][6] == "$0.000000"
+    assert values["batch_bars"] == [
+        [["done", "50%", True], ["failed", "10%", True]],
+        [["done", "100%", True], ["failed", "0%", False]],
+    ]
     assert page.screenshot.stat().st_size > 10_000
 
 
@@ -473,12 +568,14 @@ async def test_empty_dashboard_renders_clean_charts(tmp_path: Path, upto: int | 
     assert page.values["drift"] == drift
     assert page.values["drift_hidden"] is True
     assert page.values["rollouts"] == "no rollouts yet (sluice rollout start --help)"
+    assert page.values["batches"] == ("no batches yet" if upto else "no batches in the last 24 hours")
 
 
 async def test_names_from_the_data_are_shown_not_run(warehouse: Client, tmp_path: Path) -> None:
     a_few_minutes_of_traffic(warehouse, tenants=(EVIL, "acme"))
     some_drift(warehouse, EVIL, feature=EVIL)  # a model, a feature and a quality finding
     a_rollback(warehouse, EVIL, candidate=EVIL)
+    some_batches(warehouse, tenant=EVIL, batch_id=EVIL)
     async with serve(Dashboard(querier(warehouse))) as url:
         page = await render(f"{url}/dashboard", tmp_path / "evil.png", evaluate=PROBES)
     assert page.console_errors == [], page.console
@@ -494,3 +591,5 @@ async def test_names_from_the_data_are_shown_not_run(warehouse: Client, tmp_path
     rollback = next(row for row in page.values["rollout_table"] if row[2] == "rollback")
     assert rollback[1] == EVIL
     assert rollback[5] == f"{EVIL} 0.0%v1 100.0%"  # sorted by version, shown as text
+    evil_batch = next(row for row in page.values["batch_table"] if row[0] == EVIL)
+    assert evil_batch[1:4] == [EVIL, "demo-gpt", "in_progress"]

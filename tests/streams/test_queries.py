@@ -26,6 +26,11 @@ from infra.warehouse.client import Client
 from infra.warehouse.migrate import MIGRATIONS_DIR
 from monitoring.slo import DEFAULT_TIERS, SloConfig
 from schemas.events import (
+    BatchCounts,
+    BatchLineError,
+    BatchRef,
+    BatchStateChanged,
+    BatchStatus,
     DeploymentChanged,
     DriftReport,
     DriftVerdict,
@@ -52,8 +57,8 @@ from streams.queries import (
     saved_queries,
     sql_string,
 )
-from streams.rollout import advance, roll_back, start_rollout
-from streams.sink import Batch, deployment_row, insert
+from streams.rollout import advance, parse_stats, roll_back, start_rollout, stats_of, stats_sql
+from streams.sink import Batch, batch_row, deployment_row, insert
 
 PRICES = PriceTable()
 _RAND = itertools.count(1)
@@ -263,6 +268,8 @@ def test_saved_queries_are_named_and_described() -> None:
         "error-budget-left",
         "drift-status",
         "drift-history",
+        "batches",
+        "batch-spend",
     } <= set(SAVED)
     for name, saved in SAVED.items():
         assert saved.description, name
@@ -322,6 +329,8 @@ def test_saved_queries_on_facts(warehouse: Client) -> None:
     insert_facts(warehouse, known_mix(now))
     insert_drift_reports(warehouse, a_day_of_drift(now))
     insert_deployments(warehouse, a_rollout(now))
+    insert_facts(warehouse, slow_batch_lines(now))  # in no SLI below
+    insert_batches(warehouse, [batch_state(1, "in_progress", created_at=now)])
     for name, saved in SAVED.items():
         assert rows(warehouse, saved.sql), name
 
@@ -707,3 +716,258 @@ def test_shadow_copies_are_recorded_but_never_billed_nor_counted_as_service(ware
     assert rows(warehouse, "SELECT * FROM errors_minute") == []
     (burn,) = rows(warehouse, burn_sql(60))
     assert (burn["bad"], burn["total"]) == (0, 10)
+
+
+# ---------------------------------------------------------------- async batches on chDB
+
+
+def batch_state(
+    seq: int,
+    status: BatchStatus,
+    *,
+    batch_id: str = "batch_1",
+    tenant: str = "acme",
+    model: str = "demo-gpt",
+    total: int = 10,
+    completed: int = 0,
+    failed: int = 0,
+    created_at: datetime = datetime(2026, 11, 25, 12, 0, tzinfo=UTC),
+    errors: int = 0,
+) -> BatchStateChanged:
+    """Batch ``batch_id``'s state number ``seq``; the times of the statuses it went through are set."""
+    at = created_at + timedelta(seconds=seq)
+    ran = status not in ("validating", "failed")
+    return BatchStateChanged(
+        tenant=tenant,
+        model="" if status == "validating" else model,
+        source="ingest/edge-1",
+        time=at,
+        batch_id=batch_id,
+        status=status,
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+        input_file_id=f"file-in-{batch_id}",
+        edge_id="edge-1",
+        seq=seq,
+        counts=BatchCounts(total=total, completed=completed, failed=failed),
+        output_file_id=f"file-out-{batch_id}" if status == "completed" else None,
+        created_at=created_at,
+        expires_at=created_at + timedelta(hours=24),
+        in_progress_at=created_at + timedelta(seconds=1) if ran else None,
+        completed_at=at if status == "completed" else None,
+        failed_at=at if status == "failed" else None,
+        errors=[BatchLineError(code="invalid_json", message="line 3", line=3)] * errors,
+        metadata={"job": "nightly", "by": "ci"},
+    )
+
+
+def batch_line(finished: RequestFinished, batch_id: str = "batch_1", index: int = 0) -> RequestFinished:
+    """``finished`` as the terminal event of line ``index`` of ``batch_id``."""
+    ref = BatchRef(batch_id=batch_id, custom_id=f"line-{index}", index=index)
+    return msgspec.structs.replace(finished, batch=ref)
+
+
+def slow_batch_lines(now: datetime, n: int = 20, *, batch_id: str = "batch_1") -> list[RequestFinished]:
+    """Lines that waited a minute behind interactive traffic; a quarter failed, a quarter expired."""
+    statuses: list[Status] = ["completed", "completed", "failed", "expired"]
+    return [
+        msgspec.structs.replace(
+            batch_line(
+                event(
+                    finished=now - timedelta(seconds=i), ttft_ms=60_000, itl_ms=900, status=statuses[i % 4]
+                ),
+                batch_id,
+                i,
+            ),
+            max_inter_token_s=0.9,
+        )
+        for i in range(n)
+    ]
+
+
+@pytest.mark.integration
+def test_batch_lines_are_billed_at_the_batch_price_but_left_out_of_the_slis(warehouse: Client) -> None:
+    now = now_ms()
+    served = [
+        event(finished=now - timedelta(seconds=i), status="failed" if i == 3 else "completed")
+        for i in range(10)
+    ]
+    lines = slow_batch_lines(now)
+    facts = insert_facts(warehouse, [*served, *lines])
+    cost = dict(zip((r[0] for r in facts), (r[FACT_COLUMNS.index("cost_nanos")] for r in facts), strict=True))
+    served_cost = sum(cost[e.request_id] for e in served)
+    lines_cost = sum(cost[e.request_id] for e in lines)
+    full = sum(PRICES.cost_nanos(e.model, e.usage.prompt_tokens, e.usage.completion_tokens) for e in lines)
+    assert lines_cost == full // 2 > 0  # 50 % off, exact
+
+    # The ledger bills them.
+    (day,) = rows(warehouse, "SELECT sum(requests) AS n, sum(cost_nanos) AS c FROM spend_day")
+    assert (day["n"], day["c"]) == (30, served_cost + lines_cost)
+    (minute,) = rows(warehouse, "SELECT sum(requests) AS n, sum(cost_nanos) AS c FROM spend_minute")
+    assert (minute["n"], minute["c"]) == (30, served_cost + lines_cost)
+    (today,) = rows(warehouse, SPEND_TODAY)
+    assert today["spent"] == served_cost + lines_cost
+
+    # No SLI counts them: not their latency, not their failures or expiries.
+    (sli,) = rows(
+        warehouse,
+        "SELECT sum(requests) AS n, sum(errors) AS e, max(ttft_p99_ms) AS ttft, max(itl_p99_ms) AS itl, "
+        "max(queue_wait_p99_ms) AS queue FROM sli_minute",
+    )
+    assert (sli["n"], sli["e"]) == (10, 1)
+    assert sli["ttft"] == 100
+    assert sli["itl"] == pytest.approx(10)
+    (errors,) = rows(warehouse, "SELECT sum(requests) AS n FROM errors_minute")
+    assert errors["n"] == 1
+    (burn,) = rows(warehouse, burn_sql(60))
+    assert (burn["bad"], burn["total"]) == (1, 10)
+    budget = by_key(rows(warehouse, SAVED["error-budget-left"].sql))
+    assert (
+        budget[("demo-gpt", "availability")]["events"],
+        budget[("demo-gpt", "availability")]["bad_events"],
+    ) == (
+        10,
+        1,
+    )
+    assert budget[("demo-gpt", "ttft")]["events"] == 10
+    (ttft,) = rows(warehouse, SAVED["p99-ttft-by-model-version"].sql)
+    assert (ttft["requests"], ttft["ttft_p99_ms"]) == (10, 100)
+    latency = rows(warehouse, dashboard_sql(15).latency)
+    assert sum(r["requests"] for r in latency) == 10
+    assert max(r["ttft_p99_ms"] for r in latency) == 100
+    assert sum(r["requests"] for r in rows(warehouse, dashboard_sql(15).traffic)) == 10
+
+
+@pytest.mark.integration
+def test_rollout_gates_count_batch_lines_but_not_their_latency_nor_their_price(warehouse: Client) -> None:
+    """The warehouse's gate statistics (``stats_sql``) and an offline run's (``stats_of``) agree: batch
+    lines count as requests and their failures as errors (not their expiries), but their TTFT, ITL and
+    discounted cost are left out."""
+    now = now_ms()
+    served = [
+        msgspec.structs.replace(
+            event(finished=now - timedelta(seconds=i), version="v2", ttft_ms=100 + i), max_inter_token_s=0.012
+        )
+        for i in range(10)
+    ]
+    lines = [msgspec.structs.replace(e, model_version="v2") for e in slow_batch_lines(now)]
+    insert_facts(warehouse, [*served, *lines])
+    found = parse_stats(rows(warehouse, stats_sql("demo-gpt", ["v2"], now - timedelta(hours=1))))["v2"]
+    offline = stats_of([*served, *lines], PRICES)
+    assert found == offline
+    assert (found.n, found.errors) == (30, 5)  # the 5 failed lines; the 5 expired ones waited by design
+    assert found.ttft_p99_ms == 109
+    assert found.itl_p99_ms == pytest.approx(12)  # the lines' 900 ms gaps are not the candidate's
+    assert found.tokens == sum(e.usage.prompt_tokens + e.usage.completion_tokens for e in served)
+    assert found.cost_per_1k_usd == stats_of(served, PRICES).cost_per_1k_usd
+
+
+HOSTILE_TENANT = "it's <b>\\ acme"
+HOSTILE_BATCH = "batch_'; DROP TABLE batches; --<script>"
+
+
+def insert_batches(client: Client, states: list[BatchStateChanged]) -> None:
+    insert(client, Batch(batches=[batch_row(s) for s in states]))
+
+
+def some_batches(client: Client, now: datetime) -> dict[str, int]:
+    """A running batch with a hostile id and tenant (4 of 10 lines done), one that completed an hour ago,
+    one from two days ago and one from ten days ago, and one still validating; returns the cost of each
+    batch's finished lines (every attempt of a line is billed)."""
+    hour, day = timedelta(hours=1), timedelta(days=1)
+    insert_batches(
+        client,
+        [
+            batch_state(
+                0, "validating", batch_id=HOSTILE_BATCH, tenant=HOSTILE_TENANT, total=0, created_at=now - hour
+            ),
+            batch_state(
+                5,
+                "in_progress",
+                batch_id=HOSTILE_BATCH,
+                tenant=HOSTILE_TENANT,
+                completed=3,
+                failed=1,
+                created_at=now - hour,
+            ),
+            batch_state(
+                9, "completed", batch_id="batch_done", completed=9, failed=1, created_at=now - 2 * hour
+            ),
+            batch_state(4, "completed", batch_id="batch_old", total=2, completed=2, created_at=now - 2 * day),
+            batch_state(
+                4, "completed", batch_id="batch_older", total=2, completed=2, created_at=now - 10 * day
+            ),
+            batch_state(
+                0, "validating", batch_id="batch_new", total=0, created_at=now - timedelta(minutes=1)
+            ),
+        ],
+    )
+    hostile = [
+        batch_line(e, HOSTILE_BATCH, i)
+        for i, e in enumerate(
+            event(
+                tenant=HOSTILE_TENANT,
+                finished=now - timedelta(seconds=i),
+                status="failed" if i == 3 else "completed",
+            )
+            for i in range(4)
+        )
+    ]
+    retried = batch_line(event(tenant=HOSTILE_TENANT, finished=now, completion_tokens=3), HOSTILE_BATCH, 3)
+    done = [batch_line(event(finished=now - hour + timedelta(seconds=i)), "batch_done", i) for i in range(10)]
+    facts = insert_facts(client, [*hostile, retried, *done, event(tenant=HOSTILE_TENANT, finished=now)])
+    cost = FACT_COLUMNS.index("cost_nanos")
+    spent: dict[str, int] = defaultdict(int)
+    for fact in facts:
+        spent[fact[FACT_COLUMNS.index("batch_id")]] += fact[cost]
+    return dict(spent)
+
+
+BATCH_KEYS = (
+    "batch_id",
+    "tenant",
+    "model",
+    "status",
+    "total",
+    "completed",
+    "failed",
+    "lines_finished",
+    "cost_nanos",
+)
+
+
+@pytest.mark.integration
+def test_the_batches_query_shows_progress_and_cost_so_far(warehouse: Client) -> None:
+    now = now_ms()
+    spent = some_batches(warehouse, now)
+    found = rows(warehouse, SAVED["batches"].sql)
+    assert [tuple(r[k] for k in BATCH_KEYS) for r in found] == [
+        ("batch_new", "acme", "", "validating", 0, 0, 0, 0, 0),
+        (HOSTILE_BATCH, HOSTILE_TENANT, "demo-gpt", "in_progress", 10, 3, 1, 5, spent[HOSTILE_BATCH]),
+        ("batch_done", "acme", "demo-gpt", "completed", 10, 9, 1, 10, spent["batch_done"]),
+        ("batch_old", "acme", "demo-gpt", "completed", 2, 2, 0, 0, 0),
+    ]  # running first, then newest first; ten days ago is out of the last 7 days
+    running = found[1]
+    assert running["progress"] == pytest.approx(0.4)
+    assert running["ended"] == ""
+    assert running["spend_usd"] == pytest.approx(spent[HOSTILE_BATCH] / 1e9)
+    assert found[2]["ended"] == second(now - timedelta(hours=2) + timedelta(seconds=9))
+    assert found[2]["created"] == second(now - timedelta(hours=2))
+    assert found[2]["output_file_id"] == "file-out-batch_done"
+    # The panel: the last day only, at most BATCH_PANEL_ROWS.
+    panel = rows(warehouse, dashboard_sql(60).batches)
+    assert [r["batch_id"] for r in panel] == ["batch_new", HOSTILE_BATCH, "batch_done"]
+    assert [r["cost_nanos"] for r in panel] == [0, spent[HOSTILE_BATCH], spent["batch_done"]]
+
+
+@pytest.mark.integration
+def test_batch_spend_per_day_and_tenant(warehouse: Client) -> None:
+    now = now_ms()
+    spent = some_batches(warehouse, now)
+    found = rows(warehouse, SAVED["batch-spend"].sql)
+    by_tenant = {r["tenant"]: r for r in found}
+    assert set(by_tenant) == {HOSTILE_TENANT, "acme"}
+    hostile = by_tenant[HOSTILE_TENANT]
+    assert (hostile["batches"], hostile["lines"], hostile["cost_nanos"]) == (1, 5, spent[HOSTILE_BATCH])
+    assert by_tenant["acme"]["cost_nanos"] == spent["batch_done"]
+    assert sum(r["cost_nanos"] for r in found) == sum(v for k, v in spent.items() if k)  # no plain request

@@ -493,10 +493,14 @@ HOSTILE_VERSION = "v2' OR 1=1) --\\"
 HOSTILE_MODEL = "m\\'; DROP TABLE request_facts; --"
 
 
+STATS_FILTERS = [""] * 12
+"""The empty literals of ``stats_sql``'s filters: ``shadow_of = ''`` and ``batch_id = ''``."""
+
+
 def test_stats_sql_quotes_hostile_names() -> None:
     sql = stats_sql(HOSTILE_MODEL, [HOSTILE_VERSION, "v1"], T0)
     found, outside = literals(sql)
-    assert found == ["failed", "expired", "", "", "", HOSTILE_MODEL, "v1", HOSTILE_VERSION]
+    assert found == ["failed", "expired", *STATS_FILTERS, HOSTILE_MODEL, "v1", HOSTILE_VERSION]
     assert "DROP" not in outside
     assert "OR 1=1" not in outside
     assert "FROM request_facts" in outside
@@ -505,7 +509,7 @@ def test_stats_sql_quotes_hostile_names() -> None:
 def test_stats_sql_lists_each_version_once_and_starts_at_since() -> None:
     sql = stats_sql(MODEL, ["v2", "v1", "v2"], T0 + timedelta(milliseconds=123))
     found, outside = literals(sql)
-    assert found == ["failed", "expired", "", "", "", MODEL, "v1", "v2"]
+    assert found == ["failed", "expired", *STATS_FILTERS, MODEL, "v1", "v2"]
     assert f"fromUnixTimestamp64Milli({T0_MS + 123})" in outside
 
 
@@ -734,7 +738,7 @@ async def test_the_controller_reads_the_step_since_it_began(harness: Harness) ->
     stats_query, drift_query = harness.warehouse.queries
     assert "FROM request_facts" in stats_query
     assert f"fromUnixTimestamp64Milli({T0_MS + 5})" in stats_query
-    assert literals(stats_query)[0][5:] == [MODEL, "v1", "v2"]
+    assert literals(stats_query)[0][2 + len(STATS_FILTERS) :] == [MODEL, "v1", "v2"]
     assert "FROM drift_reports" in drift_query
     assert literals(drift_query)[0] == [MODEL, "v2", "*"]
 

@@ -1,0 +1,80 @@
+"""A terminal event's fact row and its price: a batch line carries its line and the batch price, exactly;
+every other request's row is what it was."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from schemas.events import BatchRef, RequestFinished, Usage
+from streams.facts import FACT_COLUMNS, fact_row
+from streams.pricing import ModelPrice, PriceTable, PricingError, load_prices
+from tests.streams.test_audit import finished
+
+PRICES = PriceTable(default=ModelPrice(prompt=150, completion=601, worker_second=0), models={})
+LINE = BatchRef(batch_id="batch_42", custom_id="request-7", index=7, attempt=1)
+
+
+def row(event: RequestFinished, prices: PriceTable = PRICES) -> dict[str, object]:
+    return dict(zip(FACT_COLUMNS, fact_row(event, prices), strict=True))
+
+
+def test_a_request_that_is_no_batch_line_is_priced_in_full_and_names_no_batch() -> None:
+    fact = row(finished(usage=Usage(prompt_tokens=3, completion_tokens=7, total_tokens=10)))
+    assert fact["cost_nanos"] == 3 * 150 + 7 * 601  # 4657
+    assert (fact["batch_id"], fact["batch_custom_id"], fact["batch_index"], fact["batch_attempt"]) == (
+        "",
+        "",
+        -1,
+        0,
+    )
+
+
+def test_a_batch_line_names_its_line_and_is_billed_at_the_batch_price() -> None:
+    usage = Usage(prompt_tokens=3, completion_tokens=7, total_tokens=10)
+    plain = row(finished(usage=usage))
+    fact = row(finished(usage=usage, batch=LINE))
+    assert (fact["batch_id"], fact["batch_custom_id"], fact["batch_index"], fact["batch_attempt"]) == (
+        "batch_42",
+        "request-7",
+        7,
+        1,
+    )
+    # Half of 4657 nano-USD, rounded down to the nano-USD: an exact integer.
+    assert fact["cost_nanos"] == 2328
+    assert isinstance(fact["cost_nanos"], int)
+    assert {k: v for k, v in fact.items() if not k.startswith("batch_") and k != "cost_nanos"} == {
+        k: v for k, v in plain.items() if not k.startswith("batch_") and k != "cost_nanos"
+    }
+
+
+@pytest.mark.parametrize(("percent", "cost"), [(0, 4657), (25, 3492), (50, 2328), (100, 0)])
+def test_the_discount_comes_from_the_price_table(percent: int, cost: int) -> None:
+    prices = msgspec.structs.replace(PRICES, batch_discount_percent=percent)
+    assert prices.cost_nanos("demo-gpt", 3, 7, batch=True) == cost
+    assert prices.cost_nanos("demo-gpt", 3, 7) == 4657  # requests that are no batch line: never
+    usage = Usage(prompt_tokens=3, completion_tokens=7, total_tokens=10)
+    assert row(finished(usage=usage, batch=LINE), prices)["cost_nanos"] == cost
+
+
+def test_sums_of_discounted_lines_stay_exact() -> None:
+    lines = [PRICES.cost_nanos("demo-gpt", p, c, batch=True) for p in range(0, 40) for c in range(0, 40)]
+    full = [PRICES.cost_nanos("demo-gpt", p, c) for p in range(0, 40) for c in range(0, 40)]
+    assert all(isinstance(cost, int) for cost in lines)
+    assert all(f // 2 == cost for f, cost in zip(full, lines, strict=True))  # each line rounds down
+    assert sum(full) // 2 - sum(lines) <= len(lines)  # at most a nano-USD per line in the client's favour
+
+
+def test_the_discount_is_read_from_the_price_file(tmp_path: Path) -> None:
+    path = tmp_path / "prices.toml"
+    path.write_text('version = "v"\nbatch_discount_percent = 40\n[default]\nprompt = 100\ncompletion = 400\n')
+    assert load_prices(path).batch_discount_percent == 40
+    assert load_prices(None).batch_discount_percent == 50
+    path.write_text('version = "v"\nbatch_discount_percent = 101\n')
+    with pytest.raises(PricingError, match="batch_discount_percent"):
+        load_prices(path)
+    path.write_text('version = "v"\nbatch_discount_percent = 12.5\n')
+    with pytest.raises(PricingError, match="batch_discount_percent"):
+        load_prices(path)

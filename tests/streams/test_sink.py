@@ -1,0 +1,155 @@
+"""Events into rows for async batches: a batch's states become its ``batches`` row (and ``events_raw``
+rows), the latest state winning on ``seq`` in a real warehouse; a batch line's content is not stored."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from infra.warehouse.client import Client
+from schemas.codec import decode, encode
+from schemas.events import (
+    BatchItemRequested,
+    BatchRef,
+    BatchStateChanged,
+    GenerationRequested,
+    RequestFinished,
+    SamplingParams,
+)
+from streams.pricing import PriceTable
+from streams.sink import BATCH_COLUMNS, Batch, Consumed, Rows, batch_row, insert
+from tests.streams.test_audit import finished
+from tests.streams.test_queries import batch_state, migrated_warehouse, rows
+
+T0 = datetime(2026, 11, 25, 12, 0, tzinfo=UTC)
+
+
+def records(*events: Any, topic: str = "p.batches") -> list[Consumed]:
+    return [Consumed(topic, 0, i, encode(e)) for i, e in enumerate(events)]
+
+
+def test_a_batch_state_becomes_its_batches_row_and_an_events_raw_row() -> None:
+    state = batch_state(3, "completed", completed=9, failed=1, errors=2)
+    out = Rows(PriceTable()).batch(records(state))
+    assert (len(out.raw), len(out.facts), len(out.audit)) == (1, 0, 0)
+    (raw,) = out.raw
+    assert (raw[1], raw[3], raw[8]) == ("batch_state_changed", "acme", "p.batches")
+    assert decode(raw[7].encode()) == state  # nothing of a state is content: stored whole
+    (row,) = out.batches
+    got = dict(zip(BATCH_COLUMNS, row, strict=True))
+    assert {k: got[k] for k in ("tenant", "batch_id", "seq", "status", "model", "total", "completed")} == {
+        "tenant": "acme",
+        "batch_id": "batch_1",
+        "seq": 3,
+        "status": "completed",
+        "model": "demo-gpt",
+        "total": 10,
+        "completed": 9,
+    }
+    assert (got["failed"], got["error_count"], got["event_id"]) == (1, 2, state.id)
+    assert (got["output_file_id"], got["error_file_id"]) == ("file-out-batch_1", "")
+    assert (got["completed_at"], got["failed_at"], got["cancelled_at"]) == (
+        T0 + timedelta(seconds=3),
+        None,
+        None,
+    )
+    assert (
+        msgspec.json.decode(got["errors"])
+        == [{"code": "invalid_json", "message": "line 3", "line": 3, "param": None}] * 2
+    )
+    assert got["metadata"] == '{"by":"ci","job":"nightly"}'  # sorted keys: the same bytes on every replay
+
+
+def test_a_batch_lines_content_is_not_stored_unless_asked() -> None:
+    request = GenerationRequested(
+        tenant="acme",
+        model="demo-gpt",
+        source="ingest/edge-1",
+        model_version="v1",
+        input_ids=[1, 2, 3],
+        prompt="the secret prompt",
+        sampling=SamplingParams(max_tokens=4),
+    )
+    line = BatchItemRequested.of(
+        request, BatchRef(batch_id="b", custom_id="c", index=0), total=1, endpoint="/v1/completions"
+    )
+    (raw,) = Rows(PriceTable()).batch(records(line, topic="p.requests.demo-gpt")).raw
+    stored = decode(raw[7].encode())
+    assert isinstance(stored, BatchItemRequested)
+    assert (stored.prompt, stored.input_ids, stored.texts, stored.inputs) == (None, [], None, None)
+    assert (stored.batch_id, stored.custom_id, stored.total) == ("b", "c", 1)
+    (kept,) = Rows(PriceTable(), store_content=True).batch(records(line, topic="p.requests.demo-gpt")).raw
+    assert decode(kept[7].encode()) == line
+
+
+def test_a_batch_lines_terminal_event_is_a_fact_with_its_line() -> None:
+    line = BatchRef(batch_id="batch_1", custom_id="r-1", index=4)
+    out = Rows(PriceTable()).batch(records(finished(batch=line), topic="p.results"))
+    (fact,) = out.facts
+    assert fact[-4:] == ["batch_1", "r-1", 4, 0]
+    assert out.batches == []
+
+
+# ---------------------------------------------------------------- in a warehouse
+
+
+@pytest.fixture
+def warehouse(tmp_path: Path) -> Iterator[Client]:
+    with migrated_warehouse(tmp_path / "data") as client:
+        yield client
+
+
+LATEST = "SELECT batch_id, seq, status, completed, failed FROM batches FINAL ORDER BY tenant, batch_id"
+
+
+def store(client: Client, *events: BatchStateChanged | RequestFinished) -> None:
+    """One sink batch: its rows, inserted as the sink inserts them."""
+    insert(client, Rows(PriceTable()).batch(records(*events)))
+
+
+@pytest.mark.integration
+def test_the_batches_table_keeps_each_batchs_latest_state(warehouse: Client) -> None:
+    store(
+        warehouse,
+        batch_state(0, "validating", total=0),
+        batch_state(0, "validating", batch_id="batch_2", total=0),
+        batch_state(1, "in_progress"),
+    )
+    store(warehouse, batch_state(2, "in_progress", completed=4, failed=1))
+    store(warehouse, batch_state(1, "in_progress", batch_id="batch_2", total=3))
+    assert rows(warehouse, LATEST) == [
+        {"batch_id": "batch_1", "seq": 2, "status": "in_progress", "completed": 4, "failed": 1},
+        {"batch_id": "batch_2", "seq": 1, "status": "in_progress", "completed": 0, "failed": 0},
+    ]
+    # A redelivered older state (the sink re-doing a batch after a crash) does not win, before or after a
+    # merge; the state that follows does.
+    store(warehouse, batch_state(1, "in_progress"), batch_state(0, "validating", total=0))
+    assert rows(warehouse, LATEST)[0] == {
+        "batch_id": "batch_1",
+        "seq": 2,
+        "status": "in_progress",
+        "completed": 4,
+        "failed": 1,
+    }
+    warehouse.command("OPTIMIZE TABLE batches FINAL")
+    assert rows(warehouse, "SELECT count() AS n FROM batches")[0]["n"] == 2
+    assert rows(warehouse, LATEST)[0]["seq"] == 2
+    store(warehouse, batch_state(3, "completed", completed=9, failed=1))
+    (done, _) = rows(warehouse, LATEST)
+    assert (done["seq"], done["status"], done["completed"], done["failed"]) == (3, "completed", 9, 1)
+
+
+@pytest.mark.integration
+def test_batch_rows_have_the_migrations_columns(warehouse: Client) -> None:
+    insert(warehouse, Batch(batches=[batch_row(batch_state(3, "completed", completed=10, errors=1))]))
+    (got,) = rows(warehouse, "SELECT * FROM batches FINAL")
+    assert list(got) == list(BATCH_COLUMNS)  # every column, in the table's order
+    assert got["output_file_id"] == "file-out-batch_1"
+    assert got["in_progress_at"] == T0 + timedelta(seconds=1)
+    assert got["expired_at"] is None
+    assert got["error_count"] == 1
