@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from schemas.settings import PlatformSettings, SettingsError, describe, display, load_settings
+from sluice.batch import batch_app
 from sluice.services import SERVICE_SETTINGS, local_broker
 
 if TYPE_CHECKING:
@@ -65,6 +66,7 @@ drift_app = typer.Typer(
     no_args_is_help=True,
 )
 app.add_typer(drift_app, name="drift")
+app.add_typer(batch_app, name="batch")
 
 
 def settings() -> PlatformSettings:

@@ -57,6 +57,9 @@ SUBCOMMANDS = [
     ["drift"],
     ["drift", "status"],
     ["drift", "report"],
+    ["batch"],
+    ["batch", "status"],
+    ["batch", "list"],
 ]
 
 
