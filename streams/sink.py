@@ -138,7 +138,8 @@ class Rows:
             out.raw.append(self.raw_row(event, record.topic, record.partition, record.offset))
             if isinstance(event, RequestFinished):
                 out.facts.append(fact_row(event, self._prices))
-                out.drift.append(feature_row(event))
+                if event.batch is None:  # an offline job's inputs say nothing of the live traffic's drift
+                    out.drift.append(feature_row(event))
             elif isinstance(event, AuditEntry) and self._decisions_from_topic:
                 out.audit.append(audit_row(event))
             elif isinstance(event, DriftReport) and self._decisions_from_topic:

@@ -17,6 +17,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import IO, Any
 
@@ -162,9 +163,9 @@ def settled(sdk: OpenAI, batch_id: str) -> int:
     return 0 if counts is None else counts.completed + counts.failed
 
 
-def status(sdk: OpenAI, batch_id: str) -> str:
+def completed(sdk: OpenAI, batch_id: str) -> bool:
     batch: Batch = retrying(lambda: sdk.batches.retrieve(batch_id))
-    return batch.status
+    return batch.status == "completed"
 
 
 def file_lines(sdk: OpenAI, file_id: str | None) -> list[dict[str, Any]]:
@@ -213,10 +214,8 @@ def _run(services: Services, sdk: OpenAI, results: TopicLog) -> None:
     kill(GPT, chat, CHAT_LINES, 50)
     kill(MINILM, emb, EMBEDDING_LINES, 1500)
     kill("edge", emb, EMBEDDING_LINES, 4000)
-    for batch in (emb, chat):
-        wait_for(
-            lambda b=batch.id: status(sdk, b) == "completed", f"batch {batch.id} completed", services, 600
-        )
+    for batch_id in (emb.id, chat.id):
+        wait_for(partial(completed, sdk, batch_id), f"batch {batch_id} completed", services, 600)
     took = time.monotonic() - began
     assert services.starts == Counter({GPT: 2, MINILM: 2, "edge": 2})
     print(f"\nprogress at each kill -9 (name, lines settled, of): {at_kill}")

@@ -93,6 +93,8 @@ def test_a_batch_lines_terminal_event_is_a_fact_with_its_line() -> None:
     (fact,) = out.facts
     assert fact[-4:] == ["batch_1", "r-1", 4, 0]
     assert out.batches == []
+    assert out.drift == []  # batch lines are not live traffic: drift windows leave them out
+    assert len(Rows(PriceTable()).batch(records(finished(), topic="p.results")).drift) == 1
 
 
 # ---------------------------------------------------------------- in a warehouse
