@@ -211,6 +211,7 @@ class Edge(AsyncComponent):
             yield
             return
         async with self.batches:
+            self.batches.watch(self.fail)  # a dead runner strands its batches: the edge fails, to restart
             yield
 
     QUOTA_HEARTBEAT_S = 1.0

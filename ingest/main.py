@@ -11,6 +11,7 @@ from ingest.auth import require_tenants_file
 from ingest.batch_log import KafkaBatchLog
 from ingest.batches import BatchRunner
 from ingest.context import EdgeContext
+from ingest.errors import IngestError
 from ingest.files import FileStore
 from ingest.kafka_gateway import KafkaGateway
 from ingest.models import ModelCatalogue, ServedModel
@@ -74,10 +75,19 @@ def build_edge(
 
 
 async def serve_edge(edge: Edge, gateway: KafkaGateway, stop: asyncio.Event) -> None:
-    """Start the gateway then the server; on ``stop``, drain the server then the gateway."""
+    """Start the gateway then the server; on ``stop``, drain the server then the gateway. If the edge fails
+    (its batch runner died), it stops too and the failure is raised, so a supervisor restarts it."""
+    loop = asyncio.get_running_loop()
     async with gateway:
         await edge.start()
+        edge.watch(lambda _exc: loop.call_soon_threadsafe(stop.set))
         try:
             await stop.wait()
         finally:
             await edge.stop()
+    if edge.failure is not None:
+        raise EdgeFailed(f"the edge failed: {edge.failure}") from edge.failure
+
+
+class EdgeFailed(IngestError):
+    """A part of the edge the process cannot serve without died."""

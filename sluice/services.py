@@ -128,7 +128,7 @@ def replies_partitions(platform: PlatformSettings) -> int:
 
 
 def run_edge_process(platform: PlatformSettings, console: Console, port: int | None = None) -> int:
-    from ingest.main import build_edge, check_edge_exposure, serve_edge
+    from ingest.main import EdgeFailed, build_edge, check_edge_exposure, serve_edge
 
     try:
         edge_settings = load_settings(EdgeSettings)
@@ -149,6 +149,9 @@ def run_edge_process(platform: PlatformSettings, console: Console, port: int | N
 
     try:
         asyncio.run(main())
+    except EdgeFailed as exc:
+        console.print(f"[red]error:[/] {exc}")
+        return 1
     finally:
         shutdown_tracing(provider)
     return 0

@@ -75,6 +75,8 @@ class FakeBatchLog:
         self.respond: Responder = complete
         """Called for each published line; None holds it (answer later with :meth:`answer`)."""
         self.handled_calls = 0
+        self.broken: BaseException | None = None
+        """Set: ``results`` raises it (the results consumer died)."""
         self._results: asyncio.Queue[RequestFinished] = asyncio.Queue()
         self._watchers: list[Callable[[BaseException], object]] = []
 
@@ -103,8 +105,10 @@ class FakeBatchLog:
         self.states.append(state)
 
     async def results(self, wait_s: float) -> list[RequestFinished]:
+        if self.broken is not None:
+            raise self.broken
         try:
-            first = await asyncio.wait_for(self._results.get(), wait_s)
+            first = await asyncio.wait_for(self._results.get(), min(wait_s, 0.05))
         except TimeoutError:
             return []
         out = [first]

@@ -367,3 +367,13 @@ async def test_a_restarted_edge_resumes_its_batch_and_each_line_ends_once(
     assert sorted(e.index for e in again) == list(range(3, 12))  # what had no result, nothing else
     first_ids = {e.index: e.request_id for e in batch_log.lines[:before]}
     assert all(first_ids[e.index] == e.request_id for e in again if e.index in first_ids)  # same requests
+
+
+async def test_a_runner_that_dies_fails_the_edge_so_that_it_restarts(
+    make_client: MakeClient, batch_log: FakeBatchLog
+) -> None:
+    _, edge = await make_client()
+    assert edge.failure is None
+    batch_log.broken = RuntimeError("the results consumer died")
+    await _eventually(lambda: edge.failure is not None)
+    assert "results consumer died" in str(edge.failure)
