@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from harness import kafka, pct
+from harness import kafka, pct, service_env
 from loadgen import AUTH, client_session
 from online import Services, until_ok
 
@@ -254,11 +254,9 @@ def main() -> None:
         prefix = f"benchbatch{int(time.time())}"
         apply_topics(make_admin(conn), platform_topics(TopicNames(prefix), [MODEL], TopicSizing(replies=1)))
         port = free_port()
-        keep = ("SLUICE_CACHE_DIR", "SLUICE_KAFKA_")
-        env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_") or k.startswith(keep)}
-        env.update(
-            SLUICE_KAFKA_BOOTSTRAP=conn.bootstrap,
-            SLUICE_TOPIC_PREFIX=prefix,
+        env = service_env(
+            conn,
+            prefix,
             SLUICE_MODELS=MODEL,
             SLUICE_DATA_DIR=data,
             SLUICE_EDGE_PORT=str(port),

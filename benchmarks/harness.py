@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,3 +29,12 @@ def kafka(settings: PlatformSettings) -> Iterator[KafkaConnection]:
         )
         with broker:
             yield broker.connection
+
+
+def service_env(conn: KafkaConnection, prefix: str, **extra: str) -> dict[str, str]:
+    """The environment of the ``sluice`` processes a benchmark starts: this one's without its ``SLUICE_*``
+    settings (but the cache and Kafka security), on the benchmark's broker and topic prefix, plus ``extra``."""
+    keep = ("SLUICE_CACHE_DIR", "SLUICE_KAFKA_")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_") or k.startswith(keep)}
+    env.update(SLUICE_KAFKA_BOOTSTRAP=conn.bootstrap, SLUICE_TOPIC_PREFIX=prefix, **extra)
+    return env

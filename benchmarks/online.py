@@ -47,7 +47,7 @@ from typing import Any, cast
 
 import aiohttp
 import comparison
-from harness import kafka, pct
+from harness import kafka, pct, service_env
 from loadgen import closed_loop, completion, embed, profile_all, ttft_once
 
 from infra.kafka.broker import free_port
@@ -330,11 +330,9 @@ def main() -> None:
             make_admin(conn), platform_topics(names, settings.served_models(), TopicSizing(replies=1))
         )
         port = free_port()
-        keep = ("SLUICE_CACHE_DIR", "SLUICE_KAFKA_")  # the cache and Kafka security pass through
-        env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_") or k.startswith(keep)}
-        env.update(
-            SLUICE_KAFKA_BOOTSTRAP=conn.bootstrap,
-            SLUICE_TOPIC_PREFIX=prefix,
+        env = service_env(
+            conn,
+            prefix,
             SLUICE_EDGE_PORT=str(port),
             SLUICE_WORKER_MAX_RUNNING=str(max(int(b) for b in raw["generation_tokens_per_s"])),
         )
