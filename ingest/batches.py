@@ -143,6 +143,9 @@ class BatchRunner(AsyncComponent):
         self._started = True
         for job in await asyncio.to_thread(self._reload):
             self._jobs[job.state.batch_id] = job
+            tenant = self._tenants.named(job.state.tenant)
+            if job.state.status == "validating" and tenant is not None:
+                self._spawn(self._validate(job, tenant), f"batch-validate-{job.state.batch_id}")
         self._spawn(self._pump(), "batch-pump")
         self._spawn(self._collect(), "batch-results")
         self._wake.set()  # resumed batches go on at once
@@ -187,6 +190,10 @@ class BatchRunner(AsyncComponent):
             if state.status != "validating":
                 job.restore()
                 job.next_index = 0  # every line without a result is published again
+            if state.cancelling_at is not None:
+                job.ending = "cancelled"  # its cancels went out before the stop: it only needs to end
+            elif state.status == "finalizing" and not job.settled():
+                job.ending = "expired"
             jobs.append(job)
             log.info("batch %s resumes (%s, %d lines)", state.batch_id, state.status, job.total)
         return jobs
@@ -281,7 +288,11 @@ class BatchRunner(AsyncComponent):
     # ------------------------------------------------------------------ validating
 
     async def _validate(self, job: Job, tenant: Tenant) -> None:
-        errors, total, model = await asyncio.to_thread(self._check_file, job, tenant)
+        try:
+            errors, total, model = await asyncio.to_thread(self._check_file, job, tenant)
+        except OSError as exc:  # the input file cannot be read: this batch fails, not the edge
+            log.exception("batch %s: validation failed", job.state.batch_id)
+            errors, total, model = [BatchLineError(code="unreadable_file", message=str(exc))], 0, ""
         now = utc_now()
         if errors:
             await self._change(job, status="failed", failed_at=now, errors=errors)
@@ -352,6 +363,9 @@ class BatchRunner(AsyncComponent):
 
     async def _step(self, job: Job, now: float) -> None:
         state = job.state
+        if state.status == "finalizing":  # the edge stopped while it wrote the files: write them again
+            await self._finish(job, job.ending)
+            return
         if state.status == "in_progress" and job.ending is None and utc_now() >= state.expires_at:
             await self._end(job, "expired")
         if state.status == "in_progress" and job.ending is None:

@@ -377,3 +377,24 @@ async def test_a_runner_that_dies_fails_the_edge_so_that_it_restarts(
     batch_log.broken = RuntimeError("the results consumer died")
     await _eventually(lambda: edge.failure is not None)
     assert "results consumer died" in str(edge.failure)
+
+
+async def test_a_batch_cancelled_before_its_edge_stopped_ends_cancelled_after_the_restart(
+    make_client: MakeClient, batch_log: FakeBatchLog
+) -> None:
+    held: list[BatchItemRequested] = []
+    batch_log.respond = lambda event: held.append(event)
+    first, _ = await make_client(edge_batch_max_in_flight=2)
+    async with AsyncOpenAI(base_url=str(first.make_url("/v1")), api_key=DEMO_KEY, max_retries=0) as sdk:
+        created = await run(sdk, [chat_line(i) for i in range(6)])
+        await _eventually(lambda: len(held) == 2)
+        assert (await sdk.batches.cancel(created.id)).status == "cancelling"
+    await first.close()  # stopped while its two running lines had not ended yet
+    published = len(batch_log.lines)
+
+    second, _ = await make_client(edge_batch_max_in_flight=2)
+    async with AsyncOpenAI(base_url=str(second.make_url("/v1")), api_key=DEMO_KEY, max_retries=0) as sdk:
+        done = await until(sdk, created.id, "cancelled")
+        assert done.request_counts is not None
+        assert (done.request_counts.completed, done.request_counts.failed) == (0, 6)
+    assert len(batch_log.lines) == published  # nothing ran again after the restart
