@@ -171,11 +171,11 @@ def test_schemas_export_writes_valid_json_schemas(tmp_path: Path) -> None:
 def test_topics_apply_and_list(cli_env: dict[str, str], kafka: KafkaConnection, topic_prefix: str) -> None:
     first = sluice("topics", "apply", env=cli_env)
     assert first.returncode == 0, first.stderr
-    assert first.stdout.count("created") == 12
+    assert first.stdout.count("created") == 13
     second = sluice("topics", "apply", env=cli_env)
     assert second.returncode == 0, second.stderr
     assert "created" not in second.stdout
-    assert second.stdout.count("unchanged") == 12
+    assert second.stdout.count("unchanged") == 13
     listed = sluice("topics", "list", env=cli_env)
     assert listed.returncode == 0, listed.stderr
     for topic in ("requests.demo-gpt", "requests.all-minilm-l6-v2", "replies", "control", "deadletter"):
