@@ -355,6 +355,7 @@ class BatchRunner(AsyncComponent):
             now = time.monotonic()
             for job in list(self._jobs.values()):
                 await self._step(job, now)
+            await self._publish(now)
 
     def _next_wake(self) -> float:
         due = [d for job in self._jobs.values() if (d := job.next_retry_due()) is not None]
@@ -369,7 +370,6 @@ class BatchRunner(AsyncComponent):
         if state.status == "in_progress" and job.ending is None and utc_now() >= state.expires_at:
             await self._end(job, "expired")
         if state.status == "in_progress" and job.ending is None:
-            await self._publish_lines(job, now)
             if job.settled():
                 await self._finish(job, None)
                 return
@@ -385,14 +385,30 @@ class BatchRunner(AsyncComponent):
                 await self._change(job, counts=counts)
             self._last_progress[state.batch_id] = now
 
-    async def _publish_lines(self, job: Job, now: float) -> None:
+    async def _publish(self, now: float) -> None:
+        """Fill each model's in-flight window, fairly between batches: each running batch first up to its
+        share (the window over the batches of that model), then what the others leave to whoever has more
+        (work-conserving). A tenant's big batch never holds another's small one back."""
+        window = self._settings.edge_batch_max_in_flight
+        running: dict[str, list[Job]] = {}
+        for job in self._jobs.values():
+            if job.state.status == "in_progress" and job.ending is None:
+                running.setdefault(job.state.model, []).append(job)
+        for model, jobs in running.items():
+            share = max(1, window // len(jobs))
+            for job in jobs:
+                await self._publish_lines(job, now, share - job.in_flight)
+            for job in jobs:
+                await self._publish_lines(job, now, window - self._in_flight.get(model, 0))
+
+    async def _publish_lines(self, job: Job, now: float, limit: int) -> None:
         tenant = self._tenants.named(job.state.tenant)
-        if tenant is None:
-            return
         model = job.state.model
-        room = self._settings.edge_batch_max_in_flight - self._in_flight.get(model, 0)
+        room = min(limit, self._settings.edge_batch_max_in_flight - self._in_flight.get(model, 0), 64)
+        if tenant is None or room <= 0:
+            return
         picked: list[tuple[int, int]] = []
-        while len(picked) < min(room, 64) and (nxt := job.next_to_publish(now)) is not None:
+        while len(picked) < room and (nxt := job.next_to_publish(now)) is not None:
             picked.append(nxt)
         if not picked:
             return

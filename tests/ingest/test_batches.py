@@ -398,3 +398,26 @@ async def test_a_batch_cancelled_before_its_edge_stopped_ends_cancelled_after_th
         assert done.request_counts is not None
         assert (done.request_counts.completed, done.request_counts.failed) == (0, 6)
     assert len(batch_log.lines) == published  # nothing ran again after the restart
+
+
+async def test_a_big_batch_never_holds_another_tenants_small_one_back(
+    make_client: MakeClient, batch_log: FakeBatchLog
+) -> None:
+    held: list[BatchItemRequested] = []  # the big batch's lines run long; the small one's end at once
+    batch_log.respond = lambda event: complete(event) if event.tenant == "other" else held.append(event)
+    client, _ = await make_client(edge_batch_max_in_flight=4)
+    url = str(client.make_url("/v1"))
+    async with (
+        AsyncOpenAI(base_url=url, api_key=DEMO_KEY, max_retries=0) as big,
+        AsyncOpenAI(base_url=url, api_key=OTHER_KEY, max_retries=0) as small,
+    ):
+        first = await run(big, [chat_line(i) for i in range(40)])
+        await _eventually(lambda: len(held) == 4)  # the big batch fills the window
+        second = await run(small, [chat_line(i) for i in range(3)])
+        await until(small, second.id, "in_progress")
+        batch_log.answer(complete(held.pop(0)))  # one slot frees: the small batch, below its share, gets it
+        done = await until(small, second.id, "completed")
+        assert done.request_counts is not None
+        assert done.request_counts.completed == 3
+        assert (await big.batches.retrieve(first.id)).status == "in_progress"  # it goes on meanwhile
+    assert len(held) == 4  # and the window is its own again
