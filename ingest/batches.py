@@ -24,6 +24,7 @@ import functools
 import hashlib
 import logging
 import time
+from collections import Counter
 from collections.abc import Iterator
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -50,6 +51,7 @@ from ingest.errors import InvalidRequest, NotFound
 from ingest.files import FileStore, new_file_id, read_lines
 from ingest.prepare import Preparer
 from ingest.settings import EdgeSettings
+from monitoring import metrics
 from schemas.events import (
     BatchLineError,
     BatchStateChanged,
@@ -356,6 +358,14 @@ class BatchRunner(AsyncComponent):
             for job in list(self._jobs.values()):
                 await self._step(job, now)
             await self._publish(now)
+            self._observe()
+
+    def _observe(self) -> None:
+        by_status = Counter(job.state.status for job in self._jobs.values())
+        for status in ("validating", "in_progress", "cancelling", "finalizing"):
+            metrics.BATCHES.labels(status).set(by_status.get(status, 0))
+        for model, lines in self._in_flight.items():
+            metrics.BATCH_LINES_IN_FLIGHT.labels(model).set(lines)
 
     def _next_wake(self) -> float:
         due = [d for job in self._jobs.values() if (d := job.next_retry_due()) is not None]
@@ -457,6 +467,7 @@ class BatchRunner(AsyncComponent):
         job.record(
             JournalEntry(index, attempt, False, True, msgspec.Raw(line)), backoff=0.0, now=time.monotonic()
         )
+        metrics.BATCH_LINES.labels(job.state.model, "failed").inc()
 
     # ------------------------------------------------------------------ results
 
@@ -487,15 +498,12 @@ class BatchRunner(AsyncComponent):
         final = final or job.attempts[ref.index] + 1 >= self._settings.edge_batch_max_attempts
         if not ok and not final and ref.attempt < job.attempts[ref.index]:
             return  # an older attempt's failure, already retried
-        if (
-            job.record(
-                JournalEntry(ref.index, ref.attempt, ok, final, msgspec.Raw(line) if final else NO_LINE),
-                backoff=self._settings.edge_batch_retry_backoff_s,
-                now=now,
-            )
-            and was == IN_FLIGHT
-        ):
-            self._in_flight[job.state.model] -= 1
+        entry = JournalEntry(ref.index, ref.attempt, ok, final, msgspec.Raw(line) if final else NO_LINE)
+        if job.record(entry, backoff=self._settings.edge_batch_retry_backoff_s, now=now):
+            outcome = "completed" if ok else "failed" if final else "retried"
+            metrics.BATCH_LINES.labels(job.state.model, outcome).inc()
+            if was == IN_FLIGHT:
+                self._in_flight[job.state.model] -= 1
 
     # ------------------------------------------------------------------ ending
 
@@ -534,6 +542,8 @@ class BatchRunner(AsyncComponent):
         )
         counts = job.counts()
         if ending is not None:  # lines that never ran count as failed
+            unrun = counts.total - counts.completed - counts.failed
+            metrics.BATCH_LINES.labels(state.model, "failed").inc(unrun)
             counts = msgspec.structs.replace(counts, failed=counts.total - counts.completed)
         await self._change(
             job,

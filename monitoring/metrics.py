@@ -141,6 +141,23 @@ CANCELS = Counter(
     ("model", "reason"),
 )
 
+BATCHES = Gauge(
+    "sluice_batches",
+    "Async batches this edge runs now, by status (validating, in_progress, cancelling, finalizing).",
+    ("status",),
+)
+BATCH_LINES_IN_FLIGHT = Gauge(
+    "sluice_batch_lines_in_flight",
+    "Batch lines this edge published that have not ended yet (at most SLUICE_EDGE_BATCH_MAX_IN_FLIGHT).",
+    ("model",),
+)
+BATCH_LINES = Counter(
+    "sluice_batch_lines",
+    "Batch lines that ended, by outcome: completed, failed (for good), retried (a retriable failure; the "
+    "line runs again).",
+    ("model", "outcome"),
+)
+
 # ---------------------------------------------------------------- workers (what the model does)
 
 WORKER_RUNNING = Gauge(
@@ -384,6 +401,7 @@ def _info(metric: Counter | Gauge | Histogram) -> MetricInfo:
 
 _ALL: tuple[Counter | Gauge | Histogram, ...] = (
     REQUESTS, REJECTIONS, TTFT, ITL, E2E, IN_FLIGHT, PROMPT_TOKENS, GENERATION_TOKENS, CANCELS,
+    BATCHES, BATCH_LINES_IN_FLIGHT, BATCH_LINES,
     WORKER_RUNNING, WORKER_WAITING, TOKEN_BUDGET, BATCH_SIZE, STEP_SECONDS, QUEUE_WAIT, WORKER_TTFT,
     WORKER_E2E, WORKER_REQUESTS, WORKER_PROMPT_TOKENS, WORKER_GENERATION_TOKENS, MODEL_MEMORY, MODEL_INFO,
     CONSUMER_LAG, DEAD_LETTERS, STREAMS_EVENTS, STREAMS_FRESHNESS, STREAMS_INSERT_SECONDS, STREAMS_BATCH_SIZE,

@@ -15,6 +15,7 @@ import openai
 import pytest
 from openai import AsyncOpenAI
 from openai.types import Batch
+from prometheus_client import REGISTRY
 
 from ingest.auth import DEMO_KEY
 from ingest.batch_lines import BATCH_PRIORITY
@@ -230,6 +231,7 @@ async def test_retriable_failures_run_again_and_the_rest_go_to_the_error_file(
         return complete(event)
 
     batch_log.respond = respond
+    before = {o: _lines_counted(o) for o in ("completed", "failed", "retried")}
     client, _ = await make_client(edge_batch_retry_backoff_s=0.01, edge_batch_max_attempts=3)
     async with AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=DEMO_KEY, max_retries=0) as sdk:
         done = await until(sdk, (await run(sdk, [chat_line(i) for i in range(9)])).id, "completed")
@@ -244,6 +246,8 @@ async def test_retriable_failures_run_again_and_the_rest_go_to_the_error_file(
     ]
     attempts = sorted((e.index, e.attempt) for e in batch_log.lines)
     assert [a for i, a in attempts if i == 4] == [0, 1, 2]
+    counted = {o: _lines_counted(o) - before[o] for o in before}
+    assert counted == {"completed": 7, "failed": 2, "retried": 5}  # 0, 3, 6 once; 4 twice
     assert [a for i, a in attempts if i == 0] == [0, 1]
     assert [a for i, a in attempts if i == 5] == [0]
     ids = {(e.index, e.attempt): e.request_id for e in batch_log.lines}
@@ -316,6 +320,10 @@ async def test_partial_output_is_readable_while_the_batch_runs(
         await _eventually_async(lambda: _counted(sdk, created.id, 2))
         partial = await lines_of(sdk, running.output_file_id)
         assert [line["custom_id"] for line in partial] == ["req-1", "req-3"]
+
+
+def _lines_counted(outcome: str) -> float:
+    return REGISTRY.get_sample_value("sluice_batch_lines_total", {"model": GEN, "outcome": outcome}) or 0.0
 
 
 async def _counted(sdk: AsyncOpenAI, batch_id: str, completed: int) -> bool:
