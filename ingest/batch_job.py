@@ -90,6 +90,10 @@ class Job:
                 flags.append(parse_line(raw, self.state.endpoint).flags)
             except Exception:
                 flags.append(0)
+        self.set_index(offsets, flags)
+
+    def set_index(self, offsets: array[int], flags: bytearray) -> None:
+        """Each line's offset in the input file and its flags; every line pending."""
         self.offsets, self.flags = offsets, flags
         n = len(offsets)
         self.status = bytearray(n)

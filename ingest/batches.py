@@ -24,6 +24,7 @@ import functools
 import hashlib
 import logging
 import time
+from array import array
 from collections import Counter
 from collections.abc import Iterator
 from datetime import datetime, timedelta
@@ -300,7 +301,6 @@ class BatchRunner(AsyncComponent):
             await self._change(job, status="failed", failed_at=now, errors=errors)
             self._drop(job)
             return
-        job.index_input()
         await self._change(
             job,
             status="in_progress",
@@ -314,36 +314,36 @@ class BatchRunner(AsyncComponent):
         self._wake.set()
 
     def _check_file(self, job: Job, tenant: Tenant) -> tuple[list[BatchLineError], int, str]:
-        """Every line checked as its request would be (tokenised too), streaming; the first errors."""
+        """Every line checked as its request would be (tokenised too), streaming; the first errors. The
+        job's line index (offsets, flags) is built in the same pass."""
         errors: list[BatchLineError] = []
         seen: set[bytes] = set()
-        model = ""
-        total = 0
+        offsets, flags = array("Q"), bytearray()
         limit = self._settings.edge_batch_max_lines
-        state = job.state
-        for number, (_, raw) in enumerate(read_lines(job.input_path), start=1):
+        checked = job.state
+        for number, (offset, raw) in enumerate(read_lines(job.input_path), start=1):
             if not raw.strip():
                 continue
-            total += 1
-            if total > limit:
-                errors.append(
-                    BatchLineError(
-                        code="too_many_lines", message=f"A batch holds at most {limit:,} lines.", line=number
-                    )
-                )
+            if len(offsets) == limit:
+                message = f"A batch holds at most {limit:,} lines."
+                errors.append(BatchLineError(code="too_many_lines", message=message, line=number))
                 break
+            offsets.append(offset)
+            flags.append(0)
             try:
-                parsed = parse_line(raw, state.endpoint)
+                parsed = parse_line(raw, checked.endpoint)
+                flags[-1] = parsed.flags
                 _first_time(seen, parsed.custom_id)
-                model = model or parsed.model
-                checked = msgspec.structs.replace(state, model=model, counts=state.counts)
-                line_request(self._preparer, tenant, checked, parsed, total - 1, 0, self._source)
+                if not checked.model:  # the first line names the batch's model
+                    checked = msgspec.structs.replace(checked, model=parsed.model)
+                line_request(self._preparer, tenant, checked, parsed, len(offsets) - 1, 0, self._source)
             except LineError as exc:
                 if len(errors) < MAX_REPORTED_ERRORS:
                     errors.append(exc.at(number))
-        if total == 0:
+        if not offsets:
             errors.append(BatchLineError(code="empty_file", message="The input file has no lines."))
-        return errors, total, model
+        job.set_index(offsets, flags)
+        return errors, len(offsets), checked.model
 
     # ------------------------------------------------------------------ publishing
 
