@@ -423,20 +423,24 @@ def _text(value: str | bytes | None) -> str:
     return value if isinstance(value, str) else value.decode("utf-8", "replace")
 
 
-# Errors a just-created partition answers until its leader is ready (librdkafka marks them non-retriable).
+# Errors a just-created partition answers until its leader is ready, and a group until its coordinator is
+# (a broker that just started); librdkafka marks some of them non-retriable.
 _SETTLING = frozenset(
     {
         KafkaError.NOT_LEADER_FOR_PARTITION,
         KafkaError.LEADER_NOT_AVAILABLE,
         KafkaError.UNKNOWN_TOPIC_OR_PART,
         KafkaError._TIMED_OUT,
+        KafkaError.NOT_COORDINATOR,
+        KafkaError.COORDINATOR_NOT_AVAILABLE,
+        KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
     }
 )
 
 
 def watermarks(consumer: Consumer, topic: str, partition: int, timeout: float = 30.0) -> tuple[int, int]:
     """(low, high) offsets of a partition, retrying while a new partition's leader settles in."""
-    low, high = _settled(
+    low, high = settled(
         lambda: consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=min(timeout, 10)),
         f"the offsets of {topic}[{partition}]",
         timeout,
@@ -447,7 +451,7 @@ def watermarks(consumer: Consumer, topic: str, partition: int, timeout: float = 
 def offset_at(consumer: Consumer, topic: str, partition: int, unix_ms: int, timeout: float = 30.0) -> int:
     """The first offset of a partition at or after ``unix_ms`` (its end when there is none), retrying
     while a new partition's leader settles in."""
-    (found,) = _settled(
+    (found,) = settled(
         lambda: consumer.offsets_for_times([TopicPartition(topic, partition, max(unix_ms, 0))], timeout=10),
         f"the offset of {topic}[{partition}] at {unix_ms}",
         timeout,
@@ -457,7 +461,9 @@ def offset_at(consumer: Consumer, topic: str, partition: int, unix_ms: int, time
     return int(found.offset)
 
 
-def _settled(call: Callable[[], _T], what: str, timeout: float) -> _T:
+def settled(call: Callable[[], _T], what: str, timeout: float) -> _T:
+    """``call()``, retried while the cluster is still settling (a new group's coordinator, a partition's
+    leader being elected), for up to ``timeout`` seconds; :class:`BusError` past it or on any other error."""
     deadline = time.monotonic() + timeout
     while True:
         try:

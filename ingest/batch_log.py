@@ -22,7 +22,7 @@ from typing import Protocol
 
 from confluent_kafka import Consumer, Message, TopicPartition
 
-from bus.consumer import BACKGROUND, TP, ConsumerThread, consumer_config, watermarks
+from bus.consumer import BACKGROUND, TP, ConsumerThread, consumer_config, settled, watermarks
 from bus.errors import BusError
 from bus.producer import EventProducer
 from schemas.codec import DecodeError, decode
@@ -98,10 +98,14 @@ class KafkaBatchLog(AsyncComponent):
             if meta.error is not None:
                 raise BusError(f"topic {topic} is missing: run `sluice topics apply`")
             tps = [TopicPartition(topic, p) for p in meta.partitions]
-            missing = [tp.partition for tp in consumer.committed(tps, timeout=10) if tp.offset < 0]
+            # A broker that just started may not have the group's coordinator yet: wait for it.
+            committed = settled(lambda: consumer.committed(tps, timeout=10), f"{self._group}'s offsets", 60)
+            missing = [tp.partition for tp in committed if tp.offset < 0]
             if missing:
                 ends = [TopicPartition(topic, p, watermarks(consumer, topic, p)[1]) for p in missing]
-                consumer.commit(offsets=ends, asynchronous=False)
+                settled(
+                    lambda: consumer.commit(offsets=ends, asynchronous=False), f"{self._group}'s start", 60
+                )
         finally:
             consumer.close()
 
