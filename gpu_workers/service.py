@@ -167,6 +167,11 @@ _Inbox = Arrival | _Skip | _Cancel | _Deploy
 Placement = Literal["run", "hold", "adopt", "drop"]
 
 
+def worker_group(model_id: str, version: str | None) -> str:
+    """The consumer group of a model version's workers (what a lag-based autoscaler watches)."""
+    return f"sluice-workers.{model_id}" + (f".{version}" if version else "")
+
+
 class WorkerService(Component):
     """Serve one model from its request topic. ``start()``/``stop()`` or ``with``.
 
@@ -235,7 +240,7 @@ class WorkerService(Component):
         self._producer = EventProducer(kafka, self.source)
         self._observer = WorkerObserver(model_id, worker_id)
         # One consumer group per version: each reads the whole topic and runs what is routed to it.
-        self.group = f"sluice-workers.{model_id}" + (f".{version}" if version else "")
+        self.group = worker_group(model_id, version)
         overrides = dict(consumer_overrides or {})
         self._requests = ConsumerThread(
             consumer_config(kafka, self.group, self.source, **overrides),
