@@ -18,7 +18,7 @@ from confluent_kafka.admin import (
 )
 
 from infra.errors import InfraError
-from schemas.settings import KafkaConnection
+from schemas.settings import KafkaConnection, PlatformSettings
 from schemas.topics import TopicNames
 
 HOUR_MS = 60 * 60 * 1000
@@ -30,6 +30,8 @@ class TopicSpec(msgspec.Struct, frozen=True, kw_only=True):
     partitions: int
     config: dict[str, str]
     purpose: str
+    replication: int = 1
+    """Replicas of each partition, set when the topic is created (changing it later is a reassignment)."""
 
 
 class TopicChange(msgspec.Struct, frozen=True, kw_only=True):
@@ -43,7 +45,9 @@ class TopicSpecError(InfraError):
 
 
 class TopicSizing(msgspec.Struct, frozen=True, kw_only=True):
-    """Partition counts. Requests: one per worker a model may scale to. Replies: one per edge instance."""
+    """Partition counts (requests: one per worker a model may scale to; replies: one per edge instance) and
+    the replication factor (``SLUICE_KAFKA_REPLICATION_FACTOR``; with 2 or more, every topic also asks
+    ``min.insync.replicas`` = replication - 1, so an ``acks=all`` write survives one broker's loss)."""
 
     requests: int = 6
     replies: int = 8
@@ -139,7 +143,19 @@ def platform_topics(
             purpose="latest state of every async batch (status, progress, files); key = batch:<id>",
         ),
     ]
-    return specs
+    if size.replication == 1:
+        return specs
+    insync = {"min.insync.replicas": str(size.replication - 1)}
+    return [
+        msgspec.structs.replace(spec, replication=size.replication, config={**spec.config, **insync})
+        for spec in specs
+    ]
+
+
+def topics_of(settings: PlatformSettings) -> list[TopicSpec]:
+    """The catalogue for a platform's settings: its prefix, its models, its replication factor."""
+    sizing = TopicSizing(replication=settings.kafka_replication_factor)
+    return platform_topics(TopicNames(settings.topic_prefix), settings.served_models(), sizing)
 
 
 def apply_topics(admin: AdminClient, specs: Iterable[TopicSpec], timeout: float = 30.0) -> list[TopicChange]:
@@ -176,7 +192,10 @@ def _create(admin: AdminClient, specs: Sequence[TopicSpec], timeout: float) -> d
     if not specs:
         return {}
     futures = admin.create_topics(
-        [NewTopic(s.name, num_partitions=s.partitions, replication_factor=1, config=s.config) for s in specs],
+        [
+            NewTopic(s.name, num_partitions=s.partitions, replication_factor=s.replication, config=s.config)
+            for s in specs
+        ],
         operation_timeout=timeout,
     )
     created = {}

@@ -222,6 +222,9 @@ class PlatformSettings(msgspec.Struct, frozen=True, kw_only=True):
     """Client port of the local broker (its controller listens on the next port)."""
     kafka_version: str = "4.3.1"
     """Apache Kafka release the local broker is resolved at (from Maven Central)."""
+    kafka_replication_factor: Annotated[int, msgspec.Meta(ge=1, le=16)] = 1
+    """Replicas of every topic ``sluice topics apply`` creates (3 on a 3-broker cluster, which then also
+    asks ``min.insync.replicas`` = 2 of each topic). The local single broker needs 1."""
     topic_prefix: Annotated[str, msgspec.Meta(pattern=r"^[a-zA-Z0-9_-]+$")] = "sluice"
     models: tuple[str, ...] = ("demo-gpt", "all-minilm-l6-v2")
     """Model ids served; each gets a request topic."""

@@ -182,12 +182,11 @@ def _admin(s: PlatformSettings) -> AdminClient:
 def topics_apply() -> None:
     """Create or update every platform topic to match the spec; idempotent. Reports each change."""
     from infra.errors import InfraError
-    from infra.topics import apply_topics, platform_topics
-    from schemas.topics import TopicNames
+    from infra.topics import apply_topics, topics_of
 
     s = settings()
     try:
-        changes = apply_topics(_admin(s), platform_topics(TopicNames(s.topic_prefix), s.served_models()))
+        changes = apply_topics(_admin(s), topics_of(s))
     except InfraError as exc:
         raise fail(str(exc)) from None
     table = Table("topic", "action", "detail", title=f"topics on {s.bootstrap}")
@@ -200,11 +199,10 @@ def topics_apply() -> None:
 @topics_app.command("list")
 def topics_list() -> None:
     """List the cluster's platform topics with partitions, and the spec's purpose of each."""
-    from infra.topics import describe_topics, platform_topics
-    from schemas.topics import TopicNames
+    from infra.topics import describe_topics, topics_of
 
     s = settings()
-    purposes = {t.name: t for t in platform_topics(TopicNames(s.topic_prefix), s.served_models())}
+    purposes = {t.name: t for t in topics_of(s)}
     table = Table("topic", "partitions", "cleanup", "purpose", title=f"topics on {s.bootstrap}")
     for name, partitions in describe_topics(_admin(s), s.topic_prefix):
         spec = purposes.get(name)

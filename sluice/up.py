@@ -21,7 +21,7 @@ from rich.console import Console
 
 from gpu_workers.settings import WorkerSettings
 from infra.errors import InfraError
-from infra.topics import apply_topics, make_admin, platform_topics
+from infra.topics import apply_topics, make_admin, topics_of
 from ingest.auth import DEMO_KEY
 from ingest.main import build_edge, check_edge_exposure
 from ingest.settings import EdgeSettings
@@ -246,7 +246,7 @@ async def _serve(
                 with console.status(f"starting Kafka {settings.kafka_version} at {broker.bootstrap}"):
                     await asyncio.to_thread(broker.start)
                 stack.callback(broker.stop)
-        specs = platform_topics(TopicNames(settings.topic_prefix), settings.served_models())
+        specs = topics_of(settings)
         changes = await asyncio.to_thread(apply_topics, make_admin(settings.kafka), specs)
         created = sum(c.action != "unchanged" for c in changes)
         console.print(f"topics: {len(changes)} in spec, {created} created or changed")

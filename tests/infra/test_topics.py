@@ -3,8 +3,17 @@ from __future__ import annotations
 import pytest
 from confluent_kafka.admin import AdminClient, ConfigResource
 
-from infra.topics import TopicSizing, TopicSpec, TopicSpecError, apply_topics, make_admin, platform_topics
-from schemas.settings import KafkaConnection
+from infra.errors import InfraError
+from infra.topics import (
+    TopicSizing,
+    TopicSpec,
+    TopicSpecError,
+    apply_topics,
+    make_admin,
+    platform_topics,
+    topics_of,
+)
+from schemas.settings import KafkaConnection, PlatformSettings
 from schemas.topics import TopicNames
 
 
@@ -43,6 +52,30 @@ def test_sizing_sets_partitions() -> None:
     parts = {s.name: s.partitions for s in specs}
     assert parts["sg.requests.m"] == 3
     assert parts["sg.replies"] == 5
+
+
+def test_replication_comes_from_the_settings_with_min_insync_one_less() -> None:
+    single = topics_of(PlatformSettings(topic_prefix="sg", models=("m",)))
+    assert {s.replication for s in single} == {1}
+    assert all("min.insync.replicas" not in s.config for s in single)  # one broker: nothing to wait for
+    three = topics_of(PlatformSettings(topic_prefix="sg", models=("m",), kafka_replication_factor=3))
+    assert [s.name for s in three] == [s.name for s in single]
+    assert {s.replication for s in three} == {3}
+    assert {s.config["min.insync.replicas"] for s in three} == {"2"}  # acks=all survives one broker
+    assert all(s.config.items() >= t.config.items() for s, t in zip(three, single, strict=True))
+
+
+@pytest.mark.integration
+def test_a_replication_factor_above_the_brokers_is_refused_with_the_reason(
+    kafka: KafkaConnection, topic_prefix: str
+) -> None:
+    (spec,) = [
+        s
+        for s in platform_topics(TopicNames(topic_prefix), [], TopicSizing(replication=3))
+        if "drift" in s.name
+    ]
+    with pytest.raises(InfraError, match=r"creating .*drift failed.*[Rr]eplication"):
+        apply_topics(make_admin(kafka), [spec])
 
 
 def _admin(kafka: KafkaConnection) -> AdminClient:
