@@ -7,7 +7,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
 import msgspec
-from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka import KafkaError, KafkaException, TopicCollection
 from confluent_kafka.admin import (
     AdminClient,
     AlterConfigOpType,
@@ -291,6 +291,22 @@ def describe_topics(admin: AdminClient, prefix: str, timeout: float = 10.0) -> l
     return sorted(
         (name, len(meta.partitions)) for name, meta in topics.items() if name.startswith(prefix + ".")
     )
+
+
+def under_replicated(
+    admin: AdminClient, names: Sequence[str], timeout: float = 10.0
+) -> list[tuple[str, int]]:
+    """(topic, partition) of each partition of ``names`` whose in-sync replicas are fewer than its
+    replicas: after a broker's loss, its partitions until it is back and has caught up."""
+    futures = admin.describe_topics(TopicCollection(list(names)), request_timeout=timeout)
+    lagging = []
+    for name in names:
+        try:
+            description = futures[name].result()
+        except KafkaException as exc:
+            raise InfraError(f"describing {name} failed: {exc.args[0]}") from exc
+        lagging += [(name, p.id) for p in description.partitions if len(p.isr) < len(p.replicas)]
+    return sorted(lagging)
 
 
 def make_admin(kafka: KafkaConnection, **overrides: Any) -> AdminClient:

@@ -1,8 +1,10 @@
-"""A single-node KRaft Kafka broker run with the machine's JDK: format, configure, start, wait, stop."""
+"""Local KRaft Kafka run with the machine's JDK: one node (:class:`LocalKafka`: format, configure, start,
+wait, stop) or a cluster of them (:class:`LocalKafkaCluster`), every node a broker and a controller."""
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import logging
 import os
 import random
@@ -11,19 +13,25 @@ import socket
 import subprocess
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+import msgspec
 
 from infra.errors import InfraError
 from infra.kafka.dist import fetch_kafka
 from schemas.lifecycle import Component
 from schemas.settings import KafkaConnection
 
-# Small internal topics keep a one-node broker quick to start and quick to serve its first consumer group.
+if TYPE_CHECKING:
+    from confluent_kafka.admin import ClusterMetadata
+
+# Small internal topics keep a node quick to start and quick to serve its first consumer group.
 _SERVER_PROPERTIES = """\
 process.roles=broker,controller
-node.id=1
-controller.quorum.bootstrap.servers=127.0.0.1:{controller_port}
+node.id={node_id}
+controller.quorum.bootstrap.servers={controllers}
 listeners=PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{controller_port}
 advertised.listeners=PLAINTEXT://127.0.0.1:{port}
 controller.listener.names=CONTROLLER
@@ -32,15 +40,23 @@ inter.broker.listener.name=PLAINTEXT
 log.dirs={log_dir}
 auto.create.topics.enable=false
 num.partitions=1
-offsets.topic.replication.factor=1
+offsets.topic.replication.factor={replication}
 offsets.topic.num.partitions=8
-transaction.state.log.replication.factor=1
-transaction.state.log.min.isr=1
+transaction.state.log.replication.factor={replication}
+transaction.state.log.min.isr={min_isr}
 transaction.state.log.num.partitions=4
-share.coordinator.state.topic.replication.factor=1
-share.coordinator.state.topic.min.isr=1
+share.coordinator.state.topic.replication.factor={replication}
+share.coordinator.state.topic.min.isr={min_isr}
 group.initial.rebalance.delay.ms=0
 log.retention.check.interval.ms=60000
+"""
+
+# A cluster's own defaults: a topic created without a replication factor gets the cluster's, an acks=all
+# write needs min.insync.replicas copies, and a replica that fell behind never becomes leader.
+_REPLICATED_PROPERTIES = """\
+default.replication.factor={replication}
+min.insync.replicas={min_isr}
+unclean.leader.election.enable=false
 """
 
 _LOG4J2 = """\
@@ -107,6 +123,60 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def kafka_uuid() -> str:
+    """A random Kafka ``Uuid`` in its base64 form (a cluster or directory id), never starting with "-" (as
+    Kafka's own ``random-uuid``), so it reads as a value on a command line."""
+    while True:
+        text = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        if not text.startswith("-"):
+            return text
+
+
+def replication_for(brokers: int) -> tuple[int, int]:
+    """Replication factor and ``min.insync.replicas`` of a cluster of ``brokers`` nodes: three copies (or
+    as many as there are nodes), an ``acks=all`` write on all but one of them."""
+    replication = min(brokers, 3)
+    return replication, max(1, replication - 1)
+
+
+class NodeLayout(msgspec.Struct, frozen=True, kw_only=True):
+    """One node of a local cluster: its id, its client and controller ports on 127.0.0.1, and the directory
+    id its metadata log dir is formatted with."""
+
+    node_id: int
+    port: int
+    controller_port: int
+    directory_id: str
+
+
+class ClusterLayout(msgspec.Struct, frozen=True, kw_only=True):
+    """A local cluster as its storage is formatted: one cluster id, and the nodes, which are all the KRaft
+    controllers (the voter set is fixed when the nodes are formatted with ``--initial-controllers``)."""
+
+    cluster_id: str
+    nodes: tuple[NodeLayout, ...]
+
+    @classmethod
+    def new(cls, ports: Sequence[tuple[int, int]]) -> ClusterLayout:
+        """Fresh ids for nodes 1..N on ``ports`` ((client, controller) per node)."""
+        return cls(
+            cluster_id=kafka_uuid(),
+            nodes=tuple(
+                NodeLayout(node_id=i, port=port, controller_port=controller, directory_id=kafka_uuid())
+                for i, (port, controller) in enumerate(ports, start=1)
+            ),
+        )
+
+    @property
+    def ports(self) -> list[tuple[int, int]]:
+        return [(node.port, node.controller_port) for node in self.nodes]
+
+    @property
+    def initial_controllers(self) -> str:
+        """``kafka-storage format --initial-controllers``: ``id@host:port:directory-id`` of every node."""
+        return ",".join(f"{n.node_id}@127.0.0.1:{n.controller_port}:{n.directory_id}" for n in self.nodes)
+
+
 class LocalKafka(Component):
     """One KRaft broker+controller on 127.0.0.1 whose data lives in ``data_dir`` across restarts.
 
@@ -127,9 +197,13 @@ class LocalKafka(Component):
         progress: Callable[[str], None] | None = None,
         start_timeout: float = 90.0,
         extra_properties: Mapping[str, str] | None = None,
+        node_id: int = 1,
+        cluster: ClusterLayout | None = None,
     ) -> None:
         """``extra_properties`` are appended to ``server.properties`` (a key given again wins), e.g. a
-        ``SASL_PLAINTEXT`` listener beside the ``PLAINTEXT`` one this class waits on."""
+        ``SASL_PLAINTEXT`` listener beside the ``PLAINTEXT`` one this class waits on. ``cluster``: this node
+        is node ``node_id`` of that layout (on that node's ports), formatted with the cluster's id and voter
+        set; None: a node on its own, its controller the only voter (``--standalone``)."""
         super().__init__()
         self.data_dir = Path(data_dir).expanduser()
         self.cache_dir = Path(cache_dir).expanduser()
@@ -141,6 +215,14 @@ class LocalKafka(Component):
         self.progress = progress
         self.start_timeout = start_timeout
         self.extra_properties = dict(extra_properties or {})
+        self.node_id = node_id
+        self.cluster = cluster
+        if cluster is not None and (node_id, self.port, self.controller_port) not in {
+            (n.node_id, n.port, n.controller_port) for n in cluster.nodes
+        }:
+            raise ValueError(
+                f"node {node_id} on ports {self.port}/{self.controller_port} is not in {cluster}"
+            )
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -170,11 +252,45 @@ class LocalKafka(Component):
     def running(self) -> bool:
         return self.pid() is not None and port_open(self.port)
 
+    def server_properties(self) -> str:
+        """The ``server.properties`` this node runs with."""
+        nodes = (self.node_id,) if self.cluster is None else tuple(n.node_id for n in self.cluster.nodes)
+        controllers = (
+            [self.controller_port]
+            if self.cluster is None
+            else [n.controller_port for n in self.cluster.nodes]
+        )
+        replication, min_isr = replication_for(len(nodes))
+        text = _SERVER_PROPERTIES.format(
+            node_id=self.node_id,
+            controllers=",".join(f"127.0.0.1:{port}" for port in controllers),
+            port=self.port,
+            controller_port=self.controller_port,
+            log_dir=self.data_dir / "logs",
+            replication=replication,
+            min_isr=min_isr,
+        )
+        if len(nodes) > 1:
+            text += _REPLICATED_PROPERTIES.format(replication=replication, min_isr=min_isr)
+        return text + "".join(f"{key}={value}\n" for key, value in self.extra_properties.items())
+
+    def write_config(self) -> Path:
+        """Write ``server.properties`` and the log4j2 config into the data dir; return the former."""
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        props = self.data_dir / "server.properties"
+        props.write_text(self.server_properties())
+        (self.data_dir / "log4j2.properties").write_text(_LOG4J2.format(level=self.log_level))
+        return props
+
     def _format(self, home: Path, props: Path) -> None:
         log_dir = self.data_dir / "logs"
         if (log_dir / "meta.properties").exists():
             return
-        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        if self.cluster is None:
+            cluster_id, quorum = kafka_uuid(), "--standalone"
+        else:  # every node of a cluster: the same cluster id and the same voters
+            cluster_id = self.cluster.cluster_id
+            quorum = f"--initial-controllers={self.cluster.initial_controllers}"
         result = subprocess.run(
             [
                 "java",
@@ -182,10 +298,10 @@ class LocalKafka(Component):
                 f"{home / 'libs'}/*",
                 "kafka.tools.StorageTool",
                 "format",
-                f"--cluster-id={cluster_id}",  # one token: an id may start with "-"
+                f"--cluster-id={cluster_id}",
                 "-c",
                 str(props),
-                "--standalone",
+                quorum,
             ],
             capture_output=True,
             text=True,
@@ -197,20 +313,16 @@ class LocalKafka(Component):
     def _start(self) -> None:
         if self.running():
             return
+        self.launch()
+        self._wait_ready(self.start_timeout)
+
+    def launch(self) -> None:
+        """Configure, format (the first time) and start the JVM, without waiting for it to answer: the nodes
+        of a cluster all start before any can serve (its controllers need a majority)."""
         if port_open(self.port):
             raise BrokerError(f"port {self.port} is taken by another program; set SLUICE_KAFKA_PORT")
         home = fetch_kafka(self.cache_dir, self.version, self.progress)
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        props = self.data_dir / "server.properties"
-        extra = "".join(f"{key}={value}\n" for key, value in self.extra_properties.items())
-        props.write_text(
-            _SERVER_PROPERTIES.format(
-                port=self.port, controller_port=self.controller_port, log_dir=self.data_dir / "logs"
-            )
-            + extra
-        )
-        log4j = self.data_dir / "log4j2.properties"
-        log4j.write_text(_LOG4J2.format(level=self.log_level))
+        props = self.write_config()
         self._format(home, props)
         with self.log_file.open("ab") as log:
             self._proc = subprocess.Popen(
@@ -220,7 +332,7 @@ class LocalKafka(Component):
                     "-Xms128m",
                     "-XX:+UseG1GC",
                     "-Djava.awt.headless=true",
-                    f"-Dlog4j2.configurationFile={log4j}",
+                    f"-Dlog4j2.configurationFile={self.data_dir / 'log4j2.properties'}",
                     "-cp",
                     f"{home / 'libs'}/*",
                     "kafka.Kafka",
@@ -232,13 +344,18 @@ class LocalKafka(Component):
                 start_new_session=True,  # Ctrl-C in a terminal reaches us, and we stop it cleanly
             )
         self.pid_file.write_text(str(self._proc.pid))
-        self._wait_ready(self.start_timeout)
+
+    def raise_if_exited(self) -> None:
+        """Raise BrokerError (with the log's tail) if the JVM this object started has exited."""
+        if self._proc is not None and self._proc.poll() is not None:
+            raise BrokerError(
+                f"Kafka node {self.node_id} exited with {self._proc.returncode}:\n{self.log_tail()}"
+            )
 
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self._proc is not None and self._proc.poll() is not None:
-                raise BrokerError(f"Kafka exited with {self._proc.returncode}:\n{self.log_tail()}")
+            self.raise_if_exited()
             if port_open(self.port) and broker_answers(self.connection):
                 return
             time.sleep(0.2)
@@ -254,18 +371,42 @@ class LocalKafka(Component):
             return "(no broker log)"
 
     def stop(self, stop_timeout: float = 30.0) -> None:
-        pid = self._proc.pid if self._proc is not None else self.pid()
-        if pid is not None and pid_alive(pid):
-            os.kill(pid, signal.SIGTERM)
-            deadline = time.monotonic() + stop_timeout
-            while self._exited(pid) is False and time.monotonic() < deadline:
+        self.terminate()
+        self.wait_stopped(stop_timeout)
+
+    def terminate(self) -> None:
+        """Ask the JVM to shut down cleanly (SIGTERM) and return at once; :meth:`wait_stopped` waits."""
+        self._signal(signal.SIGTERM)
+
+    def kill(self, timeout: float = 10.0) -> None:
+        """Crash the JVM (SIGKILL: no controlled shutdown, no flush) and wait until it is gone; its data
+        stays, so :meth:`start` brings the node back. For failure tests."""
+        self._signal(signal.SIGKILL)
+        self.wait_stopped(timeout)
+
+    def wait_stopped(self, timeout: float) -> None:
+        """Wait until the JVM has exited, SIGKILL it after ``timeout`` seconds; remove the pid file."""
+        pid = self._live_pid()
+        if pid is not None:
+            deadline = time.monotonic() + timeout
+            while not self._exited(pid) and time.monotonic() < deadline:
                 time.sleep(0.1)
             if not self._exited(pid):
-                os.kill(pid, signal.SIGKILL)
+                self._signal(signal.SIGKILL)
                 while not self._exited(pid):
                     time.sleep(0.05)
         self._proc = None
         self.pid_file.unlink(missing_ok=True)
+
+    def _live_pid(self) -> int | None:
+        pid = self._proc.pid if self._proc is not None else self.pid()
+        return None if pid is None or self._exited(pid) else pid
+
+    def _signal(self, sig: signal.Signals) -> None:
+        pid = self._live_pid()
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):  # it exited meanwhile
+                os.kill(pid, sig)
 
     def _exited(self, pid: int) -> bool:
         if self._proc is not None and self._proc.pid == pid:
@@ -273,16 +414,177 @@ class LocalKafka(Component):
         return not pid_alive(pid)
 
 
+CLUSTER_FILE = "cluster.json"
+
+
+def read_layout(data_dir: str | Path) -> ClusterLayout | None:
+    """The layout of the multi-node cluster formatted under ``data_dir``, or None if there is none."""
+    path = Path(data_dir).expanduser() / CLUSTER_FILE
+    try:
+        return msgspec.json.decode(path.read_bytes(), type=ClusterLayout)
+    except FileNotFoundError:
+        return None
+    except msgspec.DecodeError as exc:
+        raise BrokerError(
+            f"{path} is not a cluster layout ({exc}); delete it with the node-* folders"
+        ) from None
+
+
+class LocalKafkaCluster(Component):
+    """``len(ports)`` KRaft nodes on 127.0.0.1, each a broker and a controller, all of them the controller
+    quorum; ``ports`` gives each node's (client, controller) port.
+
+    With one node this is exactly a :class:`LocalKafka` in ``data_dir`` (the single-node layout and config).
+    With more, node ``i`` lives in ``data_dir/node-<i>``, the internal topics have three replicas (or as many
+    as there are nodes) with ``min.insync.replicas`` one less, as do topics created without a replication
+    factor, and unclean leader election is off; the layout (cluster id, ports, directory ids) is recorded
+    in ``data_dir/cluster.json`` so the cluster restarts as it was formatted.
+
+    ``start()`` starts every node that is not running and returns once the cluster's metadata lists all of
+    them as brokers; ``stop()`` stops them all at once (SIGTERM, SIGKILL after ``stop_timeout``).
+    :meth:`kill` and :meth:`restart` crash one node and bring it back, for failure tests.
+    """
+
+    def __init__(
+        self,
+        data_dir: str | Path,
+        cache_dir: str | Path,
+        version: str,
+        ports: Sequence[tuple[int, int]] = ((9092, 9093),),
+        heap: str = "768m",
+        log_level: str = "WARN",
+        progress: Callable[[str], None] | None = None,
+        start_timeout: float = 90.0,
+        extra_properties: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__()
+        if not ports:
+            raise ValueError("a cluster has at least one node")
+        self.data_dir = Path(data_dir).expanduser()
+        self.version = version
+        self.start_timeout = start_timeout
+        self.recorded = read_layout(self.data_dir) if len(ports) > 1 else None
+        """The layout found in ``data_dir``: a start with other ports or another node count is refused."""
+        self.layout: ClusterLayout | None = None
+        if len(ports) > 1:
+            matches = self.recorded is not None and self.recorded.ports == list(ports)
+            self.layout = self.recorded if matches else ClusterLayout.new(ports)
+        self.nodes = [
+            LocalKafka(
+                data_dir=self.data_dir if self.layout is None else self.data_dir / f"node-{node_id}",
+                cache_dir=cache_dir,
+                version=version,
+                port=port,
+                controller_port=controller_port,
+                heap=heap,
+                log_level=log_level,
+                progress=progress,
+                start_timeout=start_timeout,
+                extra_properties=extra_properties,
+                node_id=node_id,
+                cluster=self.layout,
+            )
+            for node_id, (port, controller_port) in enumerate(ports, start=1)
+        ]
+
+    @property
+    def bootstrap(self) -> str:
+        """Every node's client listener: clients still find the cluster with any one of them down."""
+        return ",".join(node.bootstrap for node in self.nodes)
+
+    @property
+    def connection(self) -> KafkaConnection:
+        return KafkaConnection(self.bootstrap)
+
+    @property
+    def layout_file(self) -> Path:
+        return self.data_dir / CLUSTER_FILE
+
+    def node(self, node_id: int) -> LocalKafka:
+        for node in self.nodes:
+            if node.node_id == node_id:
+                return node
+        raise KeyError(f"no node {node_id} in a cluster of {len(self.nodes)}")
+
+    def pids(self) -> list[int | None]:
+        """Each node's JVM pid, None for a node that is not running."""
+        return [node.pid() for node in self.nodes]
+
+    def running(self) -> bool:
+        """Every node runs and listens (see :func:`live_brokers` for what the cluster's metadata says)."""
+        return all(node.running() for node in self.nodes)
+
+    def _start(self) -> None:
+        if self.running():
+            return
+        if self.layout is not None:
+            if self.recorded is not None and self.recorded != self.layout:
+                raise BrokerError(
+                    f"{self.data_dir} holds a {len(self.recorded.nodes)}-node cluster on ports "
+                    f"{self.recorded.ports} (client, controller): start it as it was formatted (the same "
+                    f"--brokers and SLUICE_KAFKA_PORT), or delete {self.layout_file} and the node-* folders"
+                )
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+            self.layout_file.write_bytes(msgspec.json.format(msgspec.json.encode(self.layout)) + b"\n")
+            self.recorded = self.layout
+        for node in self.nodes:
+            if not node.running():
+                node.launch()
+        self._wait_ready(self.start_timeout)
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for node in self.nodes:
+                node.raise_if_exited()
+            if all(port_open(node.port) for node in self.nodes) and live_brokers(self.connection) == len(
+                self.nodes
+            ):
+                return
+            time.sleep(0.2)
+        tails = "\n".join(f"node {node.node_id}:\n{node.log_tail(8)}" for node in self.nodes)
+        raise BrokerError(
+            f"the Kafka cluster at {self.bootstrap} did not list its {len(self.nodes)} brokers within "
+            f"{timeout:.0f}s:\n{tails}"
+        )
+
+    def stop(self, stop_timeout: float = 30.0) -> None:
+        # All at once: a node stopped last, alone, would wait on a controller quorum that is gone.
+        for node in self.nodes:
+            node.terminate()
+        deadline = time.monotonic() + stop_timeout
+        for node in self.nodes:
+            node.wait_stopped(max(0.0, deadline - time.monotonic()))
+
+    def kill(self, node_id: int) -> None:
+        """SIGKILL one node (a crash) and wait until its process is gone."""
+        self.node(node_id).kill()
+
+    def restart(self, node_id: int) -> None:
+        """Start a killed or stopped node again; return once the cluster lists all its brokers."""
+        self.node(node_id).start()
+        self._wait_ready(self.start_timeout)
+
+
 def broker_answers(kafka: KafkaConnection, timeout: float = 2.0) -> bool:
     """True when a Kafka metadata request to ``kafka`` succeeds."""
+    return _metadata(kafka, timeout) is not None
+
+
+def live_brokers(kafka: KafkaConnection, timeout: float = 2.0) -> int:
+    """How many brokers the cluster's metadata lists (registered and not fenced); 0 when none answers."""
+    metadata = _metadata(kafka, timeout)
+    return 0 if metadata is None else len(metadata.brokers)
+
+
+def _metadata(kafka: KafkaConnection, timeout: float) -> ClusterMetadata | None:
     from infra.topics import make_admin
 
     admin = make_admin(kafka, log_level=0, logger=_SILENT)
     try:
-        admin.list_topics(timeout=timeout)
+        return admin.list_topics(timeout=timeout)
     except Exception:
-        return False
-    return True
+        return None
 
 
 _SILENT = logging.getLogger("sluice.kafka.probe")
