@@ -212,6 +212,11 @@ class KafkaConnection(msgspec.Struct, frozen=True):
         return [("bootstrap", self.bootstrap), ("security", self._shown())]
 
 
+def local_kafka_ports(first: int, brokers: int) -> list[tuple[int, int]]:
+    """(client, controller) ports of each node of a local cluster: consecutive pairs from ``first``."""
+    return [(first + 2 * i, first + 2 * i + 1) for i in range(brokers)]
+
+
 @register
 class PlatformSettings(msgspec.Struct, frozen=True, kw_only=True):
     """What every service shares: where Kafka and the warehouse are, and how topics are named."""
@@ -220,6 +225,10 @@ class PlatformSettings(msgspec.Struct, frozen=True, kw_only=True):
     """An existing cluster (``host:port,...``). Unset: the platform runs its own local broker."""
     kafka_port: Port = 9092
     """Client port of the local broker (its controller listens on the next port)."""
+    kafka_brokers: Annotated[int, msgspec.Meta(ge=1, le=9)] = 1
+    """Nodes of the local cluster (each a broker and a KRaft controller; node i on ports
+    ``kafka_port`` + 2(i - 1) and the next); clients bootstrap from all of them. ``sluice kafka up --brokers``
+    overrides it for that command. With 3, set ``kafka_replication_factor`` to 3 too."""
     kafka_version: str = "4.3.1"
     """Apache Kafka release the local broker is resolved at (from Maven Central)."""
     kafka_replication_factor: Annotated[int, msgspec.Meta(ge=1, le=16)] = 1
@@ -278,6 +287,11 @@ class PlatformSettings(msgspec.Struct, frozen=True, kw_only=True):
             )
         if bool(self.kafka_ssl_cert_file) != bool(self.kafka_ssl_key_file):
             raise ValueError("SLUICE_KAFKA_SSL_CERT_FILE and SLUICE_KAFKA_SSL_KEY_FILE go together")
+        if self.kafka_bootstrap is None and self.kafka_port + 2 * self.kafka_brokers - 1 > 65535:
+            raise ValueError(
+                f"SLUICE_KAFKA_BROKERS={self.kafka_brokers} nodes need ports {self.kafka_port} to "
+                f"{self.kafka_port + 2 * self.kafka_brokers - 1}; lower SLUICE_KAFKA_PORT"
+            )
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{f}={display(f, getattr(self, f))}" for f in self.__struct_fields__)
@@ -322,4 +336,5 @@ class PlatformSettings(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def bootstrap(self) -> str:
-        return self.kafka_bootstrap or f"127.0.0.1:{self.kafka_port}"
+        local = local_kafka_ports(self.kafka_port, self.kafka_brokers)
+        return self.kafka_bootstrap or ",".join(f"127.0.0.1:{port}" for port, _ in local)

@@ -15,13 +15,14 @@ from rich.table import Table
 from schemas.settings import PlatformSettings, SettingsError, describe, display, load_settings
 from sluice.batch import batch_app
 from sluice.grafana import grafana_app
-from sluice.services import SERVICE_SETTINGS, local_broker
+from sluice.services import SERVICE_SETTINGS, local_broker, started_broker
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     from confluent_kafka.admin import AdminClient
 
+    from infra.kafka.broker import LocalKafkaCluster
     from monitoring.slo import SloConfig
     from schemas.events import DeploymentChanged
 
@@ -36,7 +37,9 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-kafka_app = typer.Typer(help="Run the local single-node Kafka broker (KRaft).", no_args_is_help=True)
+kafka_app = typer.Typer(
+    help="Run the local Kafka broker, or a local cluster of them (KRaft).", no_args_is_help=True
+)
 topics_app = typer.Typer(
     help="Create and inspect the platform's topics (declared in infra/topics.py).", no_args_is_help=True
 )
@@ -95,55 +98,104 @@ def fail(message: str, code: int = 1) -> typer.Exit:
 
 
 @kafka_app.command("up")
-def kafka_up() -> None:
-    """Start the local broker in the background (data kept in $SLUICE_DATA_DIR/kafka across restarts)."""
+def kafka_up(
+    brokers: Annotated[
+        int | None,
+        typer.Option(
+            "--brokers",
+            min=1,
+            max=9,
+            help="Nodes of the local cluster, each a broker and a KRaft controller (default "
+            "$SLUICE_KAFKA_BROKERS, 1). With 3: replication factor 3, min.insync.replicas 2.",
+        ),
+    ] = None,
+) -> None:
+    """Start the local broker, or a cluster of them, in the background (data kept in $SLUICE_DATA_DIR/kafka
+    across restarts)."""
     from infra.errors import InfraError
+    from infra.kafka.broker import replication_for
 
     s = settings()
     if not s.local_kafka:
         raise fail(
             f"SLUICE_KAFKA_BOOTSTRAP={s.kafka_bootstrap} points at an existing cluster; nothing to start"
         )
-    broker = local_broker(s, console)
-    if broker.running():
-        out.print(f"Kafka already running at {broker.bootstrap} (pid {broker.pid()})")
-        return
+    wanted = brokers or s.kafka_brokers
     try:
+        broker = started_broker(s, console)
+        if any(pid is not None for pid in broker.pids()):
+            if len(broker.nodes) != wanted:
+                raise fail(
+                    f"a local Kafka of {len(broker.nodes)} broker(s) runs at {broker.bootstrap}; "
+                    "`sluice kafka down` stops it"
+                )
+            if broker.running():
+                out.print(f"Kafka already running at {broker.bootstrap} ({_pids(broker)})")
+                return
+        else:
+            broker = local_broker(s, console, wanted)
         with console.status(f"starting Kafka {s.kafka_version} (first run fetches jars from Maven Central)"):
             broker.start()
     except InfraError as exc:
         raise fail(str(exc)) from None
     out.print(
-        f"Kafka {s.kafka_version} up at {broker.bootstrap} (pid {broker.pid()}), data in {broker.data_dir}"
+        f"Kafka {s.kafka_version} up at {broker.bootstrap} ({_pids(broker)}), data in {broker.data_dir}"
     )
+    if wanted != s.kafka_brokers:
+        console.print(
+            f"set SLUICE_KAFKA_BROKERS={wanted} (and SLUICE_KAFKA_REPLICATION_FACTOR="
+            f"{replication_for(wanted)[0]}) so that every sluice command bootstraps from all the brokers "
+            "and replicates its topics"
+        )
+
+
+def _pids(broker: LocalKafkaCluster) -> str:
+    pids = ", ".join("-" if pid is None else str(pid) for pid in broker.pids())
+    return f"pid {pids}" if len(broker.nodes) == 1 else f"{len(broker.nodes)} brokers, pids {pids}"
 
 
 @kafka_app.command("down")
 def kafka_down() -> None:
-    """Stop the local broker cleanly (its data stays)."""
-    broker = local_broker(settings(), console)
-    if broker.pid() is None:
+    """Stop the local broker, or every node of the local cluster, cleanly (their data stays)."""
+    from infra.errors import InfraError
+
+    try:
+        broker = started_broker(settings(), console)
+    except InfraError as exc:
+        raise fail(str(exc)) from None
+    if all(pid is None for pid in broker.pids()):
         out.print("Kafka is not running")
         return
     broker.stop()
-    out.print("Kafka stopped")
+    out.print("Kafka stopped" if len(broker.nodes) == 1 else f"Kafka stopped ({len(broker.nodes)} brokers)")
 
 
 @kafka_app.command("status")
 def kafka_status() -> None:
-    """Say whether Kafka answers, and where. Exit code 1 when it does not."""
-    from infra.kafka.broker import broker_answers
+    """Say whether Kafka answers, and where (with a local cluster: how many of its brokers the metadata
+    lists). Exit code 1 when it does not answer, or when a local cluster misses a broker."""
+    from infra.errors import InfraError
+    from infra.kafka.broker import broker_answers, live_brokers
 
     s = settings()
     if s.local_kafka:
-        broker = local_broker(s, console)
-        pid = broker.pid()
-        if pid is None or not broker_answers(broker.connection):
+        try:
+            broker = started_broker(s, console)
+        except InfraError as exc:
+            raise fail(str(exc)) from None
+        pids = broker.pids()
+        live = live_brokers(broker.connection) if any(pid is not None for pid in pids) else 0
+        if live == 0:
             out.print(f"Kafka (local) is down; `sluice kafka up` starts it at {broker.bootstrap}")
             raise typer.Exit(1)
-        out.print(
-            f"Kafka (local, {s.kafka_version}) is up at {broker.bootstrap}, pid {pid}, data {broker.data_dir}"
-        )
+        where = f"{broker.bootstrap}, {_pids(broker)}, data {broker.data_dir}"
+        if live < len(broker.nodes) or None in pids:
+            out.print(
+                f"Kafka (local, {s.kafka_version}) is degraded: {live} of {len(broker.nodes)} brokers "
+                f"listed at {where}; `sluice kafka up --brokers {len(broker.nodes)}` restarts the missing ones"
+            )
+            raise typer.Exit(1)
+        out.print(f"Kafka (local, {s.kafka_version}) is up at {where}")
     elif broker_answers(s.kafka, timeout=5):
         out.print(f"Kafka (external) answers at {s.bootstrap}")
     else:

@@ -19,27 +19,51 @@ from monitoring.logs import MIN_SECRET_CHARS, configure_logging, register_secret
 from monitoring.metrics import bound_tenants
 from monitoring.settings import ObservabilitySettings
 from monitoring.tracing import configure_tracing, shutdown_tracing
-from schemas.settings import PlatformSettings, SettingsError, load_settings
+from schemas.settings import PlatformSettings, SettingsError, load_settings, local_kafka_ports
 from streams.settings import StreamsSettings
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
 
-    from infra.kafka.broker import LocalKafka
+    from infra.kafka.broker import LocalKafkaCluster
 
 # Every service's settings class, imported here so the settings registry knows all SLUICE_* names.
 SERVICE_SETTINGS = (EdgeSettings, WorkerSettings, ObservabilitySettings, StreamsSettings)
 
 
-def local_broker(platform: PlatformSettings, console: Console) -> LocalKafka:
-    """The local broker the settings describe (data in ``$SLUICE_DATA_DIR/kafka``), reporting downloads."""
-    from infra.kafka.broker import LocalKafka
+def local_broker(
+    platform: PlatformSettings, console: Console, brokers: int | None = None
+) -> LocalKafkaCluster:
+    """The local Kafka the settings describe (data in ``$SLUICE_DATA_DIR/kafka``): ``brokers`` nodes
+    (``SLUICE_KAFKA_BROKERS`` unless given) from ``SLUICE_KAFKA_PORT`` on, reporting downloads."""
+    return _local_kafka(
+        platform, console, local_kafka_ports(platform.kafka_port, brokers or platform.kafka_brokers)
+    )
 
-    return LocalKafka(
+
+def started_broker(platform: PlatformSettings, console: Console) -> LocalKafkaCluster:
+    """The local Kafka ``sluice kafka up`` started: the multi-node cluster recorded in the data dir while
+    any of its nodes runs (whatever ``--brokers`` it was started with), else the one the settings describe."""
+    from infra.kafka.broker import read_layout
+
+    layout = read_layout(Path(platform.data_dir) / "kafka")
+    if layout is not None:
+        cluster = _local_kafka(platform, console, layout.ports)
+        if any(pid is not None for pid in cluster.pids()):
+            return cluster
+    return local_broker(platform, console)
+
+
+def _local_kafka(
+    platform: PlatformSettings, console: Console, ports: list[tuple[int, int]]
+) -> LocalKafkaCluster:
+    from infra.kafka.broker import LocalKafkaCluster
+
+    return LocalKafkaCluster(
         data_dir=Path(platform.data_dir) / "kafka",
         cache_dir=platform.cache_dir,
         version=platform.kafka_version,
-        port=platform.kafka_port,
+        ports=ports,
         progress=lambda artifact: console.print(f"  [dim]downloaded {artifact}[/]"),
     )
 
