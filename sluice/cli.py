@@ -728,7 +728,7 @@ def _live_shares(s: PlatformSettings) -> tuple[dict[str, dict[str, float]], str]
     from bus.errors import BusError
     from schemas.topics import TopicNames
 
-    if s.local_kafka and not local_broker(s, console).running():
+    if s.local_kafka and not any(node.running() for node in started_broker(s, console).nodes):
         return {}, "live shares assume no rollout: Kafka is not running (`sluice up`)"
     try:
         latest = latest_deployments(s.kafka, TopicNames(s.topic_prefix).control, "sluice-cli-models")
