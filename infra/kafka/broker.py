@@ -114,13 +114,18 @@ def port_open(port: int, host: str = "127.0.0.1") -> bool:
 
 
 def pid_alive(pid: int) -> bool:
+    """True while process ``pid`` runs; an exited one its parent has not reaped yet (a zombie) is not."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:  # /proc/<pid>/stat: "pid (comm) state ...", comm may hold spaces and parentheses
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state not in ("Z", "X")
 
 
 def kafka_uuid() -> str:
@@ -440,8 +445,8 @@ class LocalKafkaCluster(Component):
     factor, and unclean leader election is off; the layout (cluster id, ports, directory ids) is recorded
     in ``data_dir/cluster.json`` so the cluster restarts as it was formatted.
 
-    ``start()`` starts every node that is not running and returns once the cluster's metadata lists all of
-    them as brokers; ``stop()`` stops them all at once (SIGTERM, SIGKILL after ``stop_timeout``).
+    ``start()`` starts every node that is not running and returns once every node answers a metadata request
+    that lists all of them as brokers; ``stop()`` stops them all at once (SIGTERM, SIGKILL after ``stop_timeout``).
     :meth:`kill` and :meth:`restart` crash one node and bring it back, for failure tests.
     """
 
@@ -537,9 +542,9 @@ class LocalKafkaCluster(Component):
         while time.monotonic() < deadline:
             for node in self.nodes:
                 node.raise_if_exited()
-            if all(port_open(node.port) for node in self.nodes) and live_brokers(self.connection) == len(
-                self.nodes
-            ):
+            # Each node answers on its own listener (a restarted one too, not only its old registration
+            # that the others still list until its session expires), and lists every broker.
+            if all(port_open(n.port) and live_brokers(n.connection) == len(self.nodes) for n in self.nodes):
                 return
             time.sleep(0.2)
         tails = "\n".join(f"node {node.node_id}:\n{node.log_tail(8)}" for node in self.nodes)
