@@ -31,9 +31,9 @@ from schemas.topics import TopicNames
 from sluice.services import (
     check_streams_exposure,
     check_worker_exposure,
-    local_broker,
     observe,
     replies_partitions,
+    started_broker,
     stop_on_signals,
 )
 from streams.settings import StreamsSettings
@@ -239,7 +239,7 @@ async def _serve(
 
     async with AsyncExitStack() as stack:
         if settings.local_kafka:
-            broker = local_broker(settings, console)
+            broker = started_broker(settings, console)
             if broker.running():
                 console.print(f"using the Kafka already running at {broker.bootstrap} (left running on exit)")
             else:
