@@ -236,15 +236,15 @@ def main() -> None:
     )
     parser.add_argument("--quick", action="store_true", help="short phases and a small batch (a smoke run)")
     parser.add_argument(
-        "--seconds", type=float, default=None, help="length of each phase (default 20; quick 4)"
+        "--seconds", type=float, default=None, help="length of each phase (default 20; quick 3)"
     )
     parser.add_argument(
-        "--lines", type=int, default=None, help="lines in the batch (default 3000; quick 300)"
+        "--lines", type=int, default=None, help="lines in the batch (default 3000; quick 200)"
     )
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "batch.json")
     args = parser.parse_args()
-    seconds = args.seconds or (4.0 if args.quick else 20.0)
-    lines = args.lines or (300 if args.quick else 3000)
+    seconds = args.seconds or (3.0 if args.quick else 20.0)
+    lines = args.lines or (200 if args.quick else 3000)
     settings = load_settings(PlatformSettings)
     load_before = os.getloadavg()
     subprocess.run(
