@@ -29,7 +29,7 @@ from collections import Counter
 from collections.abc import Iterator
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import msgspec
 
@@ -49,7 +49,7 @@ from ingest.batch_job import (
 from ingest.batch_lines import LineError, item_request_id, line_request, output_line, parse_line
 from ingest.batch_log import BatchLog
 from ingest.errors import InvalidRequest, NotFound
-from ingest.files import FileStore, new_file_id, read_lines
+from ingest.files import FileStore, new_file_id, read_lines, tenant_folder
 from ingest.prepare import Preparer
 from ingest.settings import EdgeSettings
 from monitoring import metrics
@@ -67,7 +67,7 @@ from schemas.lifecycle import AsyncComponent
 
 log = logging.getLogger(__name__)
 
-ENDPOINTS: tuple[Endpoint, ...] = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+ENDPOINTS: tuple[Endpoint, ...] = get_args(Endpoint)
 RETRIABLE_CODES = frozenset({"queue_full", "worker_oom", "worker_error", "unavailable", "fault_injected"})
 MAX_REPORTED_ERRORS = 100
 ENDING_GRACE_S = 30.0
@@ -204,7 +204,7 @@ class BatchRunner(AsyncComponent):
     # ------------------------------------------------------------------ API
 
     def _folder(self, tenant: str, batch_id: str) -> Path:
-        return self._root / hashlib.sha256(tenant.encode()).hexdigest()[:32] / batch_id
+        return self._root / tenant_folder(tenant) / batch_id
 
     async def create(self, tenant: Tenant, body: CreateBatch) -> BatchStateChanged:
         endpoint = next((e for e in ENDPOINTS if e == body.endpoint), None)
@@ -256,7 +256,7 @@ class BatchRunner(AsyncComponent):
 
     def listing(self, tenant: str) -> list[BatchStateChanged]:
         """The tenant's batches, newest first (from every edge sharing the files dir)."""
-        folder = self._root / hashlib.sha256(tenant.encode()).hexdigest()[:32]
+        folder = self._root / tenant_folder(tenant)
         states = [load_state(path) for path in folder.glob("batch_*/state.json")]
         out = {s.batch_id: s for s in states if s is not None and s.tenant == tenant}
         out.update({j.state.batch_id: j.state for j in self._jobs.values() if j.state.tenant == tenant})

@@ -58,6 +58,12 @@ class StoredFile(msgspec.Struct, frozen=True, kw_only=True):
 _META = msgspec.json.Decoder(StoredFile)
 
 
+def tenant_folder(tenant: str) -> str:
+    """A tenant's folder name under a store's root (files) or its ``batches/`` (batches): a hash, so no
+    tenant name ever becomes a path, and every lookup is confined to the caller's folder."""
+    return hashlib.sha256(tenant.encode()).hexdigest()[:32]
+
+
 def new_file_id() -> str:
     return "file-" + uuid7().replace("-", "")
 
@@ -72,7 +78,7 @@ class FileStore:
         self.max_bytes = max_bytes
 
     def _dir(self, tenant: str) -> Path:
-        return self.root / hashlib.sha256(tenant.encode()).hexdigest()[:32]
+        return self.root / tenant_folder(tenant)
 
     def _paths(self, tenant: str, file_id: str) -> tuple[Path, Path]:
         if not FILE_ID.fullmatch(file_id):
