@@ -184,7 +184,23 @@ def apply_topics(admin: AdminClient, specs: Iterable[TopicSpec], timeout: float 
     drifted = _config_drift(admin, present, timeout)
     for spec in present:
         changes[spec.name] = _reconcile(admin, spec, counts[spec.name], drifted.get(spec.name, {}))
+    _wait_applied(admin, [s for s in present if changes[s.name].action != "unchanged"], timeout)
     return [changes[s.name] for s in specs]
+
+
+def _wait_applied(admin: AdminClient, specs: Sequence[TopicSpec], timeout: float) -> None:
+    """Wait until each changed topic reads back as its spec: KRaft brokers apply an accepted change
+    from the metadata log a moment later, and a describe in between still shows the old value."""
+    deadline = time.monotonic() + timeout
+    while specs:
+        counts = _partition_counts(admin, timeout)
+        drifted = _config_drift(admin, specs, timeout)
+        specs = [s for s in specs if s.name in drifted or counts.get(s.name, 0) < s.partitions]
+        if not specs:
+            return
+        if time.monotonic() > deadline:
+            raise InfraError(f"topics {[s.name for s in specs]} were changed but never read back as changed")
+        time.sleep(0.05)
 
 
 def _create(admin: AdminClient, specs: Sequence[TopicSpec], timeout: float) -> dict[str, str]:
