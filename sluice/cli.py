@@ -14,6 +14,7 @@ from rich.table import Table
 
 from schemas.settings import PlatformSettings, SettingsError, describe, display, load_settings
 from sluice.batch import batch_app
+from sluice.capacity import capacity
 from sluice.grafana import grafana_app
 from sluice.services import SERVICE_SETTINGS, local_broker, started_broker
 
@@ -72,6 +73,7 @@ drift_app = typer.Typer(
 app.add_typer(drift_app, name="drift")
 app.add_typer(batch_app, name="batch")
 app.add_typer(grafana_app, name="grafana")
+app.command("capacity")(capacity)
 
 
 def settings() -> PlatformSettings:

@@ -60,6 +60,9 @@ SUBCOMMANDS = [
     ["batch"],
     ["batch", "status"],
     ["batch", "list"],
+    ["capacity"],
+    ["grafana"],
+    ["grafana", "dashboard"],
 ]
 
 
