@@ -121,6 +121,8 @@ class ConsumerThread(Component):
         self._commits: queue.SimpleQueue[tuple[dict[TP, int], CommitFailed | None]] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._ready = threading.Event()
+        self._pause = threading.Event()
+        self._paused = threading.Event()
         self._thread: threading.Thread | None = None
         self._consumer: Consumer | None = None
         self._stats_interval_ms = stats_interval_ms
@@ -231,6 +233,9 @@ class ConsumerThread(Component):
         try:
             while not self._stop.is_set():
                 self._flush_commits()
+                if self._pause.is_set():
+                    self._hold(consumer)
+                    continue
                 messages = take_batch(consumer, self._batch_size, self._linger_s)
                 batch = [m for m in messages if not _benign_error(m)]
                 if batch:
@@ -242,6 +247,26 @@ class ConsumerThread(Component):
         finally:
             consumer.close()
             self._disown()
+
+    def pause(self, timeout: float = 10.0) -> bool:
+        """Stop handing records to the handler, staying in the group (commits still go out) until
+        :meth:`stop`. Returns once the polling thread has paused: no handler call starts after that.
+        Records fetched but not handled are not committed, so the partitions' next owner reads them."""
+        self._pause.set()
+        if self._thread is None or not self._thread.is_alive():
+            return True
+        return self._paused.wait(timeout)
+
+    def _hold(self, consumer: Consumer) -> None:
+        """One round while paused: every owned partition paused (also one a rebalance just added), the
+        group kept by polling; a record that still arrives is dropped, never handled, so never committed."""
+        assignment = consumer.assignment()
+        if assignment:
+            consumer.pause(assignment)
+        self._paused.set()
+        dropped = consumer.consume(self._batch_size, 0.1)
+        if any(not _benign_error(m) for m in dropped):
+            log.debug("%s: paused; %d records left for the partitions' next owner", self.name, len(dropped))
 
     def commit(self, offsets: dict[TP, int], on_failure: CommitFailed | None = None) -> None:
         """Commit ``{(topic, partition): next offset to read}`` (thread-safe, asynchronous to the caller).

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -204,5 +205,13 @@ def run_worker(
             stop.wait()
             if service.failure is not None:
                 raise service.failure
+            began = time.monotonic()
+            drained = service.drain(worker.worker_drain_s)
+            log.info(
+                "worker %s: %s in %.1fs",
+                service.worker_id,
+                "drained" if drained else "not drained (what runs is re-run elsewhere)",
+                time.monotonic() - began,
+            )
         finally:
             service.stop()

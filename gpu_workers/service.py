@@ -256,6 +256,8 @@ class WorkerService(Component):
         self._finished_elsewhere: queue.SimpleQueue[str] = queue.SimpleQueue()
         """Request ids whose terminal event the results tail saw (filled by its thread)."""
         self._stop = threading.Event()
+        self._draining = threading.Event()
+        """Set by :meth:`drain`: records not yet started are left for the partitions' next owner."""
         self._ready = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -299,6 +301,10 @@ class WorkerService(Component):
     def wait_assigned(self, timeout: float) -> bool:
         return self._requests.wait_assigned(timeout)
 
+    def assignment(self) -> set[TP]:
+        """The request partitions this worker owns now."""
+        return self._requests.assignment()
+
     def readiness(self, max_lag: int) -> Readiness:
         """Model loaded and serving, consuming its request topic, lag under ``max_lag`` (``/readyz``)."""
         lag = self._requests.max_lag() or 0
@@ -308,6 +314,25 @@ class WorkerService(Component):
             lag_ok=lag <= max_lag,
             lag=lag,
         )
+
+    def drain(self, within_s: float) -> bool:
+        """Take no more requests and finish those already running, for up to ``within_s``; True when
+        nothing is left running (a scale-in or a rolling restart then re-runs nothing). Records fetched but
+        not started (the inbox) are dropped uncommitted: the partitions' next owner reads them after
+        :meth:`stop`. Nothing later in their partitions is started, so no commit can pass them."""
+        deadline = time.monotonic() + within_s
+        if self._thread is None or self.failure is not None:
+            return False
+        self._draining.set()
+        if not self._requests.pause(within_s):
+            return False
+        idle = 0  # two looks in a row: the model thread may hold an item between the inbox and _live
+        while time.monotonic() < deadline and self.failure is None:
+            idle = idle + 1 if self._inbox.empty() and not self._live else 0
+            if idle >= 2:
+                return True
+            time.sleep(0.02)
+        return False
 
     def stop(self) -> None:
         """Stop working and leave the group. Terminal events already produced are flushed and their
@@ -498,6 +523,12 @@ class WorkerService(Component):
                 break
             first = False
             match item:
+                case Arrival() if self._draining.is_set():
+                    if item.trace is not None:  # left for the partition's next owner, never started
+                        item.trace.span.set_attribute(tracing.STATUS, "drained")
+                        item.trace.span.end()
+                case _Skip() if self._draining.is_set():
+                    pass  # not marked done: an earlier record of its partition may have been dropped
                 case Arrival():
                     self._learn_from_tail()  # it may have seen this very request finish elsewhere
                     with self._offsets_lock:

@@ -59,6 +59,10 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     """``/readyz`` fails while more requests than this wait uncommitted on this worker's partitions."""
     worker_session_timeout_ms: Annotated[int, msgspec.Meta(ge=1000)] = 10_000
     """Kafka group session timeout: how soon a dead worker's requests move to another worker."""
+    worker_drain_s: Annotated[float, msgspec.Meta(ge=0.0)] = 20.0
+    """On SIGTERM (a scale-in, a rolling restart), how long the worker keeps running what it already took,
+    taking nothing new, before it leaves the group; what is still running then is re-run by another worker.
+    Keep it under the supervisor's grace (``sluice up``: 30 s; Kubernetes: terminationGracePeriodSeconds)."""
     worker_version: str | None = None
     """The model version to serve (a directory under the model's cache folder); default: ``current``."""
     worker_adopt_grace_s: Annotated[float, msgspec.Meta(ge=0.0)] = 10.0

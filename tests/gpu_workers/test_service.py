@@ -712,3 +712,49 @@ async def test_a_light_tenant_is_served_while_a_flooding_tenant_waits(
     # before the flood's last few even start, and wait a fraction of what the flood waits.
     assert all(t is not None and t < flood_started[-4] for t in light_finished)
     assert max(queue_wait(r) for r in light) < max(queue_wait(r) for r in flood) / 3
+
+
+async def test_a_draining_worker_finishes_what_runs_takes_nothing_new_and_nothing_runs_twice(
+    names: TopicNames,
+    platform: PlatformSettings,
+    demo_gpt_dir: Path,
+    producer: EventProducer,
+    results: Log,
+    replies: Log,
+) -> None:
+    """Scale-in: the first worker drains (what it runs finishes there; what it fetched but never started is
+    left uncommitted) and stops; the second takes the rest. Every request ends once, none on two workers."""
+    settings = {"worker_flush_tokens": 8, "drift_sample": 0, "worker_max_running": 2}
+    requests = [
+        msgspec.structs.replace(
+            _generation(names, PROMPT, sampling=SamplingParams(max_tokens=60, ignore_eos=True), stream=True),
+            tenant=f"tenant-{i % 8}",  # spread over both partitions
+        )
+        for i in range(24)
+    ]
+    first = make_worker(platform, WorkerSettings(worker_id="d1", **settings), "demo-gpt")  # type: ignore[arg-type]
+    second = make_worker(platform, WorkerSettings(worker_id="d2", **settings), "demo-gpt")  # type: ignore[arg-type]
+    with second:
+        with first:
+            # a partition each before any request: no rebalance moves a running request
+            results.wait(lambda: bool(first.assignment() and second.assignment()), 60)
+            for request in requests:
+                await producer.publish(names.requests("demo-gpt"), request)
+            results.wait(lambda: sum(bool(results.of(r.request_id)) for r in requests) >= 4)
+            began = time.monotonic()
+            assert first.drain(30), "the worker did not drain"
+            drained_in = time.monotonic() - began
+        for request in requests:
+            results.finished(request.request_id, timeout=120)
+    results.caught_up(platform.kafka, names.results)
+    replies.caught_up(platform.kafka, names.replies)
+    ran: dict[str, set[str]] = {}
+    for request in requests:
+        finals = [e for e in results.of(request.request_id) if isinstance(e, RequestFinished)]
+        assert len(finals) == 1, f"{request.request_id} ended {len(finals)} times"
+        assert finals[0].status == "completed"
+        sources = {e.source for e in replies.of(request.request_id) if isinstance(e, TokenChunk)}
+        assert len(sources) == 1, f"{request.request_id} ran on {sources}: the drain cut it off"
+        ran.setdefault(next(iter(sources)), set()).add(request.request_id)
+    assert set(ran) == {"gpu_workers/d1", "gpu_workers/d2"}, "one worker ran everything: nothing was drained"
+    assert drained_in < 30
