@@ -22,6 +22,7 @@ from schemas.events import (
     DriftReport,
     Envelope,
     Event,
+    WorkersScaled,
     event_type_name,
 )
 
@@ -147,6 +148,8 @@ def kafka_key(event: Event) -> bytes:
             return f"deployment:{event.model}".encode()
         case BurnRateCrossed():
             return f"burn:{event.model}:{event.slo}".encode()
+        case WorkersScaled():
+            return f"scale:{event.model}".encode()
         case DriftReport():
             return f"drift:{event.model}".encode()
         case DeadLetter():

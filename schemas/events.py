@@ -596,6 +596,27 @@ class BurnRateCrossed(Envelope, frozen=True, kw_only=True, tag="burn_rate_crosse
     firing: bool
 
 
+class WorkersScaled(Envelope, frozen=True, kw_only=True, tag="workers_scaled"):
+    """An autoscaler's decision on how many workers serve one model version (key ``scale:<model>`` on the
+    compacted control topic: the latest is the fleet's target). Published when the target changes, with
+    the signals behind it; the streams worker writes it to the audit chain ``admin:scale:<model>``."""
+
+    version: str
+    replicas: NonNegative
+    """Workers wanted from now on."""
+    previous: NonNegative
+    """Workers wanted before this decision."""
+    reason: str
+    """Why, in words (e.g. ``lag 412 over 2 workers x 50``)."""
+    lag: NonNegative = 0
+    """Requests waiting on the model's request topic for its worker group when it decided."""
+    target_lag: NonNegative = 0
+    """Waiting requests one worker is sized for."""
+    bounds: tuple[NonNegative, NonNegative] = (0, 0)
+    """(min, max) workers the autoscaler may choose between."""
+    actor: str = ""
+
+
 DriftVerdict = Literal["reference", "no_drift", "drift", "insufficient_data", "data_quality"]
 """``reference``: this window became the baseline later windows are compared with; ``insufficient_data``:
 too few requests in either window to decide (never an alarm); ``data_quality``: features went missing or
@@ -687,6 +708,7 @@ Event: TypeAlias = (
     | DriftReport
     | DeadLetter
     | BatchStateChanged
+    | WorkersScaled
 )
 
 EVENT_TYPES: tuple[type[Envelope], ...] = (
@@ -704,6 +726,7 @@ EVENT_TYPES: tuple[type[Envelope], ...] = (
     DriftReport,
     DeadLetter,
     BatchStateChanged,
+    WorkersScaled,
 )
 
 REQUEST_TYPES: tuple[type[RequestCommon], ...] = (GenerationRequested, EmbeddingRequested, BatchItemRequested)

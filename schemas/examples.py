@@ -38,6 +38,7 @@ from schemas.events import (
     TokenChunk,
     Usage,
     UsageRecorded,
+    WorkersScaled,
 )
 from schemas.ids import uuid7_from_parts
 
@@ -313,5 +314,16 @@ def example_events() -> list[Event]:
             cancelled_at=_at(4),
             errors=[BatchLineError(code="duplicate_custom_id", message="custom_id 'a' repeats", line=2)],
             metadata={"job": "nightly-eval"},
+        ),
+        WorkersScaled(
+            **_env(14, "sluice/autoscaler", ""),
+            version="530b56af490a",
+            replicas=3,
+            previous=1,
+            reason="lag 140 over 1 worker x 50",
+            lag=140,
+            target_lag=50,
+            bounds=(1, 4),
+            actor="autoscaler",
         ),
     ]

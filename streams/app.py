@@ -61,6 +61,7 @@ from schemas.events import (
     DriftReport,
     Event,
     RequestFinished,
+    WorkersScaled,
 )
 from schemas.lifecycle import AsyncComponent
 from schemas.settings import PlatformSettings
@@ -570,7 +571,7 @@ class StreamsApp(AsyncComponent):
         if record.topic == self.names.results:
             return isinstance(event, RequestFinished)
         return record.topic == self.names.control and isinstance(
-            event, BudgetStateChanged | DeploymentChanged
+            event, BudgetStateChanged | DeploymentChanged | WorkersScaled
         )
 
 
@@ -583,7 +584,7 @@ def chain_of(event: Event) -> str:
 
 
 def admin_action(head: AuditHead | None, chain: str, event: Event, origin: dict[str, str]) -> AuditEntry:
-    """The entry for a budget decision or a deployment change on the control topic."""
+    """The entry for a budget decision, a deployment change or a scaling decision on the control topic."""
     if isinstance(event, BudgetStateChanged):
         action, resource = "budget.enforce", f"tenant:{event.tenant}"
         decision = "exhausted" if event.exhausted else "within_budget"
@@ -597,6 +598,17 @@ def admin_action(head: AuditHead | None, chain: str, event: Event, origin: dict[
             "stable": event.stable,
             "actor": event.actor,
             "evidence": msgspec.json.encode(event.evidence).decode(),
+        }
+    elif isinstance(event, WorkersScaled):
+        action, resource, decision = "workers.scale", f"model:{event.model}", str(event.replicas)
+        details = {
+            "reason": event.reason,
+            "version": event.version,
+            "previous": str(event.previous),
+            "lag": str(event.lag),
+            "target_lag": str(event.target_lag),
+            "bounds": f"{event.bounds[0]}..{event.bounds[1]}",
+            "actor": event.actor,
         }
     else:
         raise TypeError(f"{type(event).__name__} is not an administrative change")

@@ -517,3 +517,31 @@ def test_sluice_audit_verify_passes_then_fails_after_tampering(settings: Platfor
     assert "tenant 'acme' seq 1: hash mismatch (row altered)" in failed.stdout
     assert "FAILED" in failed.stdout
     assert sluice(settings, "audit", "verify", "--warehouse-only", "--tenant", "globex").returncode == 0
+
+
+def test_a_scaling_decision_is_an_admin_entry_on_its_models_chain() -> None:
+    from schemas.events import WorkersScaled
+    from streams.app import admin_action, chain_of
+
+    event = WorkersScaled(
+        tenant="",
+        model="demo-gpt",
+        source="sluice/autoscaler",
+        version="v1",
+        replicas=3,
+        previous=1,
+        reason="lag 140 over 1 worker x 50",
+        lag=140,
+        target_lag=50,
+        bounds=(1, 4),
+        actor="autoscaler",
+    )
+    chain = chain_of(event)
+    assert chain == "admin:scale:demo-gpt"
+    entry = admin_action(None, chain, event, {"topic": "control"})
+    assert (entry.action, entry.resource, entry.decision) == ("workers.scale", "model:demo-gpt", "3")
+    assert entry.details["previous"] == "1"
+    assert entry.details["lag"] == "140"
+    assert entry.details["bounds"] == "1..4"
+    assert entry.details["reason"] == "lag 140 over 1 worker x 50"
+    assert entry.id == event.id  # a re-read of the same event is the same entry
