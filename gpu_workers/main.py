@@ -167,6 +167,7 @@ def make_worker(platform: PlatformSettings, worker: WorkerSettings, model_id: st
         probe_factory=probe_factory(platform, worker, model_id),
         version=manifest.version,
         adopt_grace_s=worker.worker_adopt_grace_s,
+        standby=worker.worker_standby,
     )
 
 
@@ -181,7 +182,11 @@ def model_dir_of(platform: PlatformSettings, model_id: str, version: str | None)
 
 
 def run_worker(
-    platform: PlatformSettings, worker: WorkerSettings, model_id: str, stop: threading.Event
+    platform: PlatformSettings,
+    worker: WorkerSettings,
+    model_id: str,
+    stop: threading.Event,
+    join: threading.Event | None = None,
 ) -> None:
     """Serve until ``stop`` is set (SIGTERM/SIGINT in ``sluice worker``). The ops endpoints answer from
     the start: ``/healthz`` while the model loads, ``/readyz`` once it serves."""
@@ -200,8 +205,14 @@ def run_worker(
         log.info("worker %s: metrics and health on %s", service.worker_id, ops.url)
         service.watch(lambda _: stop.set())  # the first failure of any of its threads ends the wait
         service.start()
-        log.info("worker %s serving %s", service.worker_id, model_id)
         try:
+            if service.standby and join is not None:
+                log.info("worker %s warm for %s: joins its group on SIGUSR1", service.worker_id, model_id)
+                while not stop.is_set() and not join.wait(0.1):
+                    pass
+                if not stop.is_set():
+                    service.join()
+            log.info("worker %s serving %s", service.worker_id, model_id)
             stop.wait()
             if service.failure is not None:
                 raise service.failure

@@ -68,7 +68,7 @@ from schemas.events import Status as RequestStatus
 from schemas.lifecycle import Component
 from schemas.manifest import ManifestError
 from schemas.settings import KafkaConnection
-from schemas.topics import TopicNames
+from schemas.topics import TopicNames, worker_group
 
 log = logging.getLogger(__name__)
 
@@ -167,11 +167,6 @@ _Inbox = Arrival | _Skip | _Cancel | _Deploy
 Placement = Literal["run", "hold", "adopt", "drop"]
 
 
-def worker_group(model_id: str, version: str | None) -> str:
-    """The consumer group of a model version's workers (what a lag-based autoscaler watches)."""
-    return f"sluice-workers.{model_id}" + (f".{version}" if version else "")
-
-
 class WorkerService(Component):
     """Serve one model from its request topic. ``start()``/``stop()`` or ``with``.
 
@@ -194,9 +189,13 @@ class WorkerService(Component):
         version: str = "",
         adopt_grace_s: float = 10.0,
         start_timeout_s: float = 120.0,
+        standby: bool = False,
     ) -> None:
+        """With ``standby``, ``start`` loads the model and follows results, cancels and deployments but
+        joins no group: a warm worker that :meth:`join` puts to work at once."""
         super().__init__()
         self.model_id = model_id
+        self.standby = standby
         self._start_timeout_s = start_timeout_s
         self.version = version
         """The model version this worker runs ("" : any, and no deployment is followed)."""
@@ -296,7 +295,14 @@ class WorkerService(Component):
             raise self.failure  # the model cannot load: the caller says how to fix it, not a traceback
         if self.failure is not None:
             raise BusError(f"worker for {self.model_id} failed to start: {self.failure}") from self.failure
-        self._requests.start()
+        if not self.standby:
+            self._requests.start()
+
+    def join(self) -> None:
+        """A standby worker joins its group and takes requests (nothing to load: it is warm)."""
+        if self.standby:
+            self.standby = False
+            self._requests.start()
 
     def wait_assigned(self, timeout: float) -> bool:
         return self._requests.wait_assigned(timeout)

@@ -59,6 +59,9 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     """``/readyz`` fails while more requests than this wait uncommitted on this worker's partitions."""
     worker_session_timeout_ms: Annotated[int, msgspec.Meta(ge=1000)] = 10_000
     """Kafka group session timeout: how soon a dead worker's requests move to another worker."""
+    worker_standby: bool = False
+    """Start warm: load the model, then wait outside the group until SIGUSR1 (``sluice up``'s autoscaler
+    keeps such workers to scale out without waiting for a model to load)."""
     worker_drain_s: Annotated[float, msgspec.Meta(ge=0.0)] = 20.0
     """On SIGTERM (a scale-in, a rolling restart), how long the worker keeps running what it already took,
     taking nothing new, before it leaves the group; what is still running then is re-run by another worker.

@@ -104,3 +104,8 @@ class TopicNames(msgspec.Struct, frozen=True):
             self.idempotency,
             self.batches,
         )
+
+
+def worker_group(model_id: str, version: str | None) -> str:
+    """The consumer group of a model version's workers (what a lag-based autoscaler watches)."""
+    return f"sluice-workers.{model_id}" + (f".{version}" if version else "")

@@ -946,12 +946,56 @@ def up(
             "--port", "-p", min=0, max=65535, help="the edge's port (default SLUICE_EDGE_PORT, 8080)"
         ),
     ] = None,
+    edges: Annotated[
+        int | None,
+        typer.Option(
+            "--edges",
+            min=1,
+            max=64,
+            help="edges to run, on the port and those after it (SLUICE_FLEET_EDGES, 1)",
+        ),
+    ] = None,
+    workers_per_model: Annotated[
+        int | None,
+        typer.Option(
+            "--workers-per-model",
+            min=1,
+            max=64,
+            help="workers per model (sharing its consumer group); with --autoscale the fewest "
+            "(SLUICE_FLEET_WORKERS_PER_MODEL, 1)",
+        ),
+    ] = None,
+    autoscale: Annotated[
+        bool | None,
+        typer.Option(
+            "--autoscale/--no-autoscale",
+            help="scale workers on each model's queue in Kafka (SLUICE_FLEET_AUTOSCALE, off)",
+        ),
+    ] = None,
+    max_workers: Annotated[
+        int | None,
+        typer.Option("--max-workers", min=1, max=64, help="autoscaling's most workers per model (4)"),
+    ] = None,
+    warm_workers: Annotated[
+        int | None,
+        typer.Option(
+            "--warm-workers", min=0, max=8, help="autoscaling's loaded standby workers per model (0)"
+        ),
+    ] = None,
 ) -> None:
     """Run the platform on embedded defaults until Ctrl-C: Kafka, topics, the streams worker (warehouse,
-    dashboard, drift monitor), models, one worker per model, and the edge."""
+    dashboard, drift monitor), models, workers per model (fixed or autoscaled on lag), and edges."""
     from sluice.up import run_platform
 
-    raise typer.Exit(run_platform(settings(), out, console, port))
+    flags = {
+        "fleet_edges": edges,
+        "fleet_workers_per_model": workers_per_model,
+        "fleet_autoscale": autoscale,
+        "fleet_max_workers": max_workers,
+        "fleet_warm_workers": warm_workers,
+    }
+    overrides: dict[str, object] = {k: v for k, v in flags.items() if v is not None}
+    raise typer.Exit(run_platform(settings(), out, console, port, overrides))
 
 
 rollout_app = typer.Typer(

@@ -20,6 +20,7 @@ from monitoring.metrics import bound_tenants
 from monitoring.settings import ObservabilitySettings
 from monitoring.tracing import configure_tracing, shutdown_tracing
 from schemas.settings import PlatformSettings, SettingsError, load_settings, local_kafka_ports
+from sluice.autoscale import FleetSettings
 from streams.settings import StreamsSettings
 
 if TYPE_CHECKING:
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
     from infra.kafka.broker import LocalKafkaCluster
 
 # Every service's settings class, imported here so the settings registry knows all SLUICE_* names.
-SERVICE_SETTINGS = (EdgeSettings, WorkerSettings, ObservabilitySettings, StreamsSettings)
+SERVICE_SETTINGS = (EdgeSettings, WorkerSettings, ObservabilitySettings, StreamsSettings, FleetSettings)
 
 
 def local_broker(
@@ -124,11 +125,12 @@ def run_worker_process(platform: PlatformSettings, model_id: str, console: Conso
     if model_id not in platform.served_models():
         console.print(f"[red]error:[/] {model_id} is not served (SLUICE_MODELS / SLUICE_MODEL_PATHS)")
         return 2
-    stop = threading.Event()
+    stop, join = threading.Event(), threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    signal.signal(signal.SIGUSR1, lambda *_: join.set())  # a warm standby (SLUICE_WORKER_STANDBY) joins
     try:
-        run_worker(platform, worker, model_id, stop)
+        run_worker(platform, worker, model_id, stop, join)
     except (GpuWorkerError, ManifestError) as exc:
         console.print(f"[red]error:[/] {exc} (run `sluice models prepare`)")
         return 1

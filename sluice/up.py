@@ -1,8 +1,9 @@
 """``sluice up``: bring the platform's pieces up in order, hold them until a signal, stop them in reverse.
 
 Kafka (unless ``SLUICE_KAFKA_BOOTSTRAP``) → topics → the streams worker (a child process that owns the
-warehouse, serves reads and the dashboard) → models (built or linked) → one worker process per model →
-the edge, in this process. Child processes are restarted with back-off if they die.
+warehouse, serves reads and the dashboard) → models (built or linked) → worker processes per model (a
+fixed count, or autoscaled on lag: ``sluice/autoscale.py``) → the edge, in this process, and any more edges
+as children. Child processes are restarted with back-off if they die.
 """
 
 from __future__ import annotations
@@ -10,24 +11,32 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import itertools
 import os
 import signal
 import sys
+import time
+from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
+from dataclasses import dataclass
 
 import aiohttp
 import msgspec
 from rich.console import Console
 
+from bus.producer import EventProducer
 from gpu_workers.settings import WorkerSettings
 from infra.errors import InfraError
+from infra.kafka.broker import free_port
 from infra.topics import apply_topics, make_admin, topics_of
 from ingest.auth import DEMO_KEY
-from ingest.main import build_edge, check_edge_exposure
+from ingest.main import build_edge, check_edge_exposure, reply_partition
 from ingest.settings import EdgeSettings
 from monitoring.tracing import shutdown_tracing
+from schemas.events import DeploymentChanged, Event, WorkersScaled, utc_now
 from schemas.settings import PlatformSettings, SettingsError, load_settings
 from schemas.topics import TopicNames
+from sluice.autoscale import FleetSettings, ScalePolicy
 from sluice.services import (
     check_streams_exposure,
     check_worker_exposure,
@@ -39,23 +48,35 @@ from sluice.services import (
 from streams.settings import StreamsSettings
 
 
-def run_platform(settings: PlatformSettings, out: Console, console: Console, port: int | None = None) -> int:
-    """Run until SIGINT/SIGTERM; returns the process exit code."""
+def run_platform(
+    settings: PlatformSettings,
+    out: Console,
+    console: Console,
+    port: int | None = None,
+    fleet_overrides: dict[str, object] | None = None,
+) -> int:
+    """Run until SIGINT/SIGTERM; returns the process exit code. ``fleet_overrides`` (the command's flags)
+    win over ``SLUICE_FLEET_*``."""
     try:
         edge_settings = load_settings(EdgeSettings)
+        fleet_settings = load_settings(FleetSettings)
+        if fleet_overrides:
+            fleet_settings = msgspec.convert(
+                {**msgspec.structs.asdict(fleet_settings), **fleet_overrides}, FleetSettings
+            )
         # Every service it starts would refuse an exposed address without its credentials: say so now,
         # not after Kafka, the warehouse and the models are up (or a child in a restart loop).
         check_edge_exposure(settings, edge_settings)
         check_streams_exposure(settings, load_settings(StreamsSettings))
         check_worker_exposure(settings, load_settings(WorkerSettings))
-    except SettingsError as exc:
+    except (SettingsError, msgspec.ValidationError) as exc:
         console.print(f"[red]settings error:[/] {exc}")
         return 2
     if port is not None:
         edge_settings = msgspec.structs.replace(edge_settings, edge_port=port)
     try:
         provider = observe("up", settings)
-        asyncio.run(_serve(settings, edge_settings, out, console))
+        asyncio.run(_serve(settings, edge_settings, fleet_settings, out, console))
     except (InfraError, SettingsError) as exc:
         console.print(f"[red]error:[/] {exc}")
         return 1
@@ -64,6 +85,7 @@ def run_platform(settings: PlatformSettings, out: Console, console: Console, por
 
 
 STOP_GRACE_S = 30.0
+Publish = Callable[[str, Event], Awaitable[object]]
 
 
 class ServiceProcess:
@@ -71,10 +93,21 @@ class ServiceProcess:
     on its own."""
 
     def __init__(
-        self, name: str, args: list[str], console: Console, env: dict[str, str], *, backoff_s: float = 1.0
+        self,
+        name: str,
+        args: list[str],
+        console: Console,
+        env: dict[str, str],
+        *,
+        backoff_s: float = 1.0,
+        halt: asyncio.Event | None = None,
     ) -> None:
+        """``halt`` is the whole platform's stop: a child that exits once it is set (a Ctrl-C reaches the
+        whole process group, so children exit on their own as ``sluice up`` starts stopping) is not
+        restarted."""
         self.name = name
         self._backoff_s = backoff_s
+        self._halt = halt
         self._stop_requested = asyncio.Event()
         self.exits = 0
         """How often the child exited on its own (each one is followed by a restart after a back-off)."""
@@ -104,14 +137,23 @@ class ServiceProcess:
                 preexec_fn=die_with_parent,
             )
             code = await self._proc.wait()
-            if self.stopping:
+            if self.stopping or self._halting():
                 return
             self.exits += 1
             self._console.print(f"[yellow]{self.name} exited with {code}; restarting in {backoff:.0f}s[/]")
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(backoff):  # a stop during the back-off ends it at once
                     await self._stop_requested.wait()
+            if self._halting():
+                return
             backoff = min(backoff * 2, 30.0)
+
+    def _halting(self) -> bool:
+        return self._halt is not None and self._halt.is_set()
+
+    def send_signal(self, sig: int) -> None:
+        if self._proc is not None and self._proc.returncode is None:
+            self._proc.send_signal(sig)
 
     async def stop(self) -> None:
         self._stopping = True
@@ -144,77 +186,216 @@ async def _cancel(task: asyncio.Task[None]) -> None:
         await task
 
 
+@dataclass(slots=True)
+class _Worker:
+    process: ServiceProcess
+    port: int
+    """Its ops port (``/metrics``, ``/healthz``), or 0 when the child picked a free one."""
+
+
 class Fleet:
     """The worker processes of every serving model version: the stable one, and a candidate while it has
     traffic or shadow (``Deployment.serving``), or the ``current`` version of a model never rolled out.
-    ``follow`` re-reads the deployments every ``interval_s`` and starts and stops workers to match; a
-    stopped version's unfinished requests run on the stable version (see ``WorkerService``)."""
+
+    The stable (or current) version runs ``SLUICE_FLEET_WORKERS_PER_MODEL`` workers, or with autoscaling
+    the count of the latest ``WorkersScaled`` this fleet published (``sluice/autoscale.py``); a candidate
+    runs one. ``follow`` re-reads the control topic every ``SLUICE_FLEET_SCALE_INTERVAL_S``, decides, and
+    starts and stops workers to match; a stopping worker drains first, and a stopped version's unfinished
+    requests run on the stable version (see ``WorkerService``)."""
 
     def __init__(
-        self, settings: PlatformSettings, console: Console, base_port: int, interval_s: float = 2.0
+        self,
+        settings: PlatformSettings,
+        fleet: FleetSettings,
+        console: Console,
+        base_port: int,
+        halt: asyncio.Event | None = None,
     ) -> None:
         self._settings = settings
+        self._halt = halt
+        self._fleet = fleet
         self._console = console
         self._base_port = base_port  # model i's first worker serves /metrics on base + i; others pick a port
-        self._interval_s = interval_s
-        self.workers: dict[tuple[str, str], tuple[ServiceProcess, int]] = {}
+        self._names = TopicNames(settings.topic_prefix)
+        self._started_at = utc_now()
+        self.policy = ScalePolicy(
+            min_workers=fleet.fleet_workers_per_model,
+            max_workers=fleet.fleet_max_workers if fleet.fleet_autoscale else fleet.fleet_workers_per_model,
+            target_lag=fleet.fleet_target_lag,
+            scale_in_after_s=fleet.fleet_scale_in_after_s,
+        )
+        self.workers: dict[tuple[str, str], list[_Worker]] = {}
+        self.standby: dict[tuple[str, str], list[_Worker]] = {}
+        self.decisions: list[WorkersScaled] = []
+        """What this fleet decided, in order (also on the control topic)."""
+        self._scaled: dict[str, WorkersScaled] = {}
+        self._stopping: set[asyncio.Task[None]] = set()
+        self._serial = itertools.count(1)
 
-    def desired(self) -> set[tuple[str, str]]:
-        """(model, version) pairs that should have a worker now (blocking: reads Kafka and the cache)."""
-        from bus.control import latest_deployments
+    def desired(self) -> tuple[dict[tuple[str, str], int], dict[str, str]]:
+        """(model, version) -> workers wanted now, and each model's stable version (blocking: reads Kafka
+        and the cache)."""
+        from bus.control import read_control
         from schemas.deployments import Deployment
         from schemas.manifest import current_model_dir, read_manifest
 
-        deployments = latest_deployments(
-            self._settings.kafka, TopicNames(self._settings.topic_prefix).control, "sluice-up"
-        )
-        wanted: set[tuple[str, str]] = set()
+        deployments: dict[str, DeploymentChanged] = {}
+        for event in read_control(self._settings.kafka, self._names.control, "sluice-up"):
+            if isinstance(event, DeploymentChanged):
+                deployments[event.model] = event
+            elif isinstance(event, WorkersScaled) and event.time >= self._started_at:
+                self._scaled[event.model] = event  # decisions of an earlier run do not carry over
+        wanted: dict[tuple[str, str], int] = {}
+        stable: dict[str, str] = {}
         for model in self._settings.served_models():
             if model in deployments:
-                wanted |= {(model, v) for v in Deployment.of(deployments[model]).serving}
+                deployment = Deployment.of(deployments[model])
+                stable[model] = deployment.stable
+                for version in deployment.serving:
+                    wanted[(model, version)] = 1
             else:
-                wanted.add((model, read_manifest(current_model_dir(self._settings.cache_dir, model)).version))
-        return wanted
+                stable[model] = read_manifest(current_model_dir(self._settings.cache_dir, model)).version
+            wanted[(model, stable[model])] = self.replicas(model, stable[model])
+        return wanted, stable
 
-    async def reconcile(self, wanted: set[tuple[str, str]]) -> None:
-        models = self._settings.served_models()
-        for key in sorted(wanted - self.workers.keys()):
-            model, version = key
-            first = not any(m == model for m, _ in self.workers)
-            port = self._base_port + models.index(model) if self._base_port and first else 0
-            worker = ServiceProcess(
-                f"worker {model}@{version}",
-                ["worker", "--model", model, "--version", version],
-                self._console,
-                {"SLUICE_WORKER_OPS_PORT": str(port)},
+    def replicas(self, model: str, version: str) -> int:
+        """Workers for the stable version: the latest decision about it, within today's bounds."""
+        scaled = self._scaled.get(model)
+        count = (
+            scaled.replicas if scaled is not None and scaled.version == version else self.policy.min_workers
+        )
+        return min(self.policy.max_workers, max(self.policy.min_workers, count))
+
+    async def reconcile(self, wanted: dict[tuple[str, str], int], stable: dict[str, str]) -> None:
+        for key in sorted(wanted):
+            running = self.workers.setdefault(key, [])
+            while len(running) < wanted[key]:
+                running.append(await self._add(key))
+            while len(running) > wanted[key]:
+                self._retire(key, running.pop(), "scaled in")
+        for key in sorted(self.workers.keys() - wanted.keys()):
+            for worker in self.workers.pop(key):
+                self._retire(key, worker, "the version no longer serves")
+        warm = {(m, v) for m, v in stable.items()} if self._fleet.fleet_autoscale else set()
+        for key in sorted(warm):
+            pool = self.standby.setdefault(key, [])
+            while len(pool) < self._fleet.fleet_warm_workers:
+                pool.append(await self._spawn(key, standby=True))
+        for key in sorted(self.standby.keys() - warm):
+            for worker in self.standby.pop(key):
+                self._retire(key, worker, "standby of a version no longer stable")
+
+    async def _add(self, key: tuple[str, str]) -> _Worker:
+        """A warm standby joins at once when one is up; otherwise a new worker starts (and loads)."""
+        pool = self.standby.get(key, [])
+        for worker in list(pool):
+            if await _answers(worker.port):
+                pool.remove(worker)
+                worker.process.send_signal(signal.SIGUSR1)
+                self._console.print(f"{worker.process.name}: a warm standby joins the group")
+                return worker
+        return await self._spawn(key, standby=False)
+
+    async def _spawn(self, key: tuple[str, str], *, standby: bool) -> _Worker:
+        model, version = key
+        fixed = self._base_port + self._settings.served_models().index(model) if self._base_port else 0
+        taken = {w.port for running in self.workers.values() for w in running}
+        if standby:
+            port = free_port()  # polled for /healthz before it is told to join
+        elif fixed and fixed not in taken:
+            port = fixed
+        else:
+            port = 0
+        name = f"worker {model}@{version}#{next(self._serial)}" + (" (standby)" if standby else "")
+        env = {"SLUICE_WORKER_OPS_PORT": str(port)}
+        if standby:
+            env["SLUICE_WORKER_STANDBY"] = "true"
+        process = ServiceProcess(
+            name, ["worker", "--model", model, "--version", version], self._console, env, halt=self._halt
+        )
+        await process.start()
+        self._console.print(f"{name} started")
+        return _Worker(process, port)
+
+    def _retire(self, key: tuple[str, str], worker: _Worker, why: str) -> None:
+        """Stop a worker in the background (it drains first), so the fleet keeps deciding meanwhile."""
+        self._console.print(f"{worker.process.name} stopping: {why}")
+        task = asyncio.create_task(worker.process.stop(), name=f"stop {worker.process.name}")
+        self._stopping.add(task)
+        task.add_done_callback(self._stopping.discard)
+
+    async def autoscale(self, stable: dict[str, str], publish: Publish) -> None:
+        """Decide each model's worker count from its lag; a change is published before it is acted on."""
+        from sluice.autoscale import group_lag
+
+        for model, version in sorted(stable.items()):
+            current = len(self.workers.get((model, version), []))
+            topic = self._names.requests(model)
+            lag = await asyncio.to_thread(group_lag, self._settings.kafka, topic, model, version)
+            decision = self.policy.decide(model, current, lag, time.monotonic())
+            if decision is None:
+                continue
+            event = WorkersScaled(
+                tenant="",
+                model=model,
+                source="sluice/autoscaler",
+                version=version,
+                replicas=decision.replicas,
+                previous=decision.previous,
+                reason=decision.reason,
+                lag=lag,
+                target_lag=self.policy.target_lag,
+                bounds=(self.policy.min_workers, self.policy.max_workers),
+                actor="autoscaler",
             )
-            await worker.start()
-            self.workers[key] = (worker, port)
-            self._console.print(f"worker for {model} version {version} started")
-        for key in sorted(self.workers.keys() - wanted):
-            worker, _ = self.workers.pop(key)
+            await publish(self._names.control, event)
+            self._scaled[model] = event
+            self.decisions.append(event)
             self._console.print(
-                f"worker for {key[0]} version {key[1]} stopping: the version no longer serves"
+                f"autoscaler: {model}@{version} {decision.previous} -> {decision.replicas} workers ({decision.reason})"
             )
-            await worker.stop()
 
-    async def follow(self) -> None:
+    async def follow(self, publish: Publish) -> None:
         while True:
-            await asyncio.sleep(self._interval_s)
+            await asyncio.sleep(self._fleet.fleet_scale_interval_s)
             try:
-                await self.reconcile(await asyncio.to_thread(self.desired))
+                wanted, stable = await asyncio.to_thread(self.desired)
+                if self._fleet.fleet_autoscale:
+                    await self.autoscale(stable, publish)
+                    wanted.update({(m, v): self.replicas(m, v) for m, v in stable.items()})
+                await self.reconcile(wanted, stable)
             except Exception as exc:  # keep serving what runs; the next round tries again
-                self._console.print(f"[yellow]could not follow the deployments: {exc}[/]")
+                self._console.print(f"[yellow]could not follow the control topic: {exc}[/]")
 
     def ports(self) -> list[tuple[str, int]]:
-        return [(f"{model}@{version}", port) for (model, version), (_, port) in sorted(self.workers.items())]
+        return [
+            (f"{model}@{version}", worker.port)
+            for (model, version), running in sorted(self.workers.items())
+            for worker in running
+        ]
 
     async def stop(self) -> None:
-        await asyncio.gather(*(worker.stop() for worker, _ in self.workers.values()))
+        everyone = [w for group in (self.workers, self.standby) for ws in group.values() for w in ws]
+        await asyncio.gather(*(w.process.stop() for w in everyone), *self._stopping)
         self.workers.clear()
+        self.standby.clear()
 
 
-async def _wait_ready(host: str, port: int, within_s: float) -> None:
+async def _answers(port: int) -> bool:
+    """Whether a child's ops server answers ``/healthz`` (so it runs and has its signal handlers)."""
+    if port == 0:
+        return False
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1)) as session,
+            session.get(f"http://127.0.0.1:{port}/healthz") as response,
+        ):
+            return response.status == 200
+    except (aiohttp.ClientError, TimeoutError):
+        return False
+
+
+async def _wait_ready(host: str, port: int, within_s: float, what: str = "the streams worker") -> None:
     """Wait for a child's ``/readyz`` (so "up" means up: e.g. ``sluice sql`` finds the migrated warehouse)."""
     if port == 0:
         return  # a free port picked by the child: nothing to poll
@@ -229,11 +410,33 @@ async def _wait_ready(host: str, port: int, within_s: float) -> None:
             except aiohttp.ClientError:
                 pass
             await asyncio.sleep(0.25)
-    raise InfraError(f"the streams worker was not ready at {url} within {within_s:.0f}s (see its log above)")
+    raise InfraError(f"{what} was not ready at {url} within {within_s:.0f}s (see its log above)")
+
+
+def extra_edges(settings: EdgeSettings, edges: int, partitions: int) -> list[tuple[str, int]]:
+    """(id, port) of the edges after the first: ``<id>-1``, ``<id>-2``, … on the ports after the first
+    edge's, each id chosen so that its replies partition is no other edge's while partitions last."""
+    if edges > 1 and settings.edge_port == 0:
+        raise SettingsError("several edges need a fixed SLUICE_EDGE_PORT (they take the ports after it)")
+    used = {reply_partition(settings.edge_id, partitions)}
+    chosen: list[tuple[str, int]] = []
+    serial = itertools.count(1)
+    for index in range(1, edges):
+        for _ in range(64):
+            candidate = f"{settings.edge_id}-{next(serial)}"
+            if reply_partition(candidate, partitions) not in used or len(used) >= partitions:
+                break
+        used.add(reply_partition(candidate, partitions))
+        chosen.append((candidate, settings.edge_port + index))
+    return chosen
 
 
 async def _serve(
-    settings: PlatformSettings, edge_settings: EdgeSettings, out: Console, console: Console
+    settings: PlatformSettings,
+    edge_settings: EdgeSettings,
+    fleet_settings: FleetSettings,
+    out: Console,
+    console: Console,
 ) -> None:
     stop = stop_on_signals()
 
@@ -254,7 +457,7 @@ async def _serve(
         # The streams worker owns the embedded warehouse (migrates it, serves reads to other processes)
         # and the dashboard; it can be killed and restarted without losing or double counting anything.
         streams_settings = load_settings(StreamsSettings)
-        streams = ServiceProcess("streams", ["streams"], console, {})
+        streams = ServiceProcess("streams", ["streams"], console, {}, halt=stop)
         await streams.start()
         stack.push_async_callback(streams.stop)
         with console.status("starting the streams worker (warehouse, dashboard)"):
@@ -265,23 +468,46 @@ async def _serve(
         prepare = await asyncio.create_subprocess_exec(sys.executable, "-m", "sluice", "models", "prepare")
         if await prepare.wait() != 0:
             raise InfraError("`sluice models prepare` failed (see above)")
-        # One worker per serving version of each model, following the deployments on the control topic.
-        fleet = Fleet(settings, console, load_settings(WorkerSettings).worker_ops_port)
+        # Workers per serving version of each model, following the deployments (and with autoscaling the
+        # scaling decisions) on the control topic.
+        producer = EventProducer(settings.kafka, "sluice-up")
+        stack.enter_context(producer)
+        fleet = Fleet(settings, fleet_settings, console, load_settings(WorkerSettings).worker_ops_port, stop)
         stack.push_async_callback(fleet.stop)
-        await fleet.reconcile(await asyncio.to_thread(fleet.desired))
-        follow = asyncio.create_task(fleet.follow(), name="fleet")
+        await fleet.reconcile(*await asyncio.to_thread(fleet.desired))
+        follow = asyncio.create_task(fleet.follow(producer.publish), name="fleet")
         stack.push_async_callback(_cancel, follow)
         workers = fleet.ports()
 
-        edge, gateway = build_edge(
-            settings, edge_settings, await asyncio.to_thread(replies_partitions, settings)
-        )
+        partitions = await asyncio.to_thread(replies_partitions, settings)
+        edge, gateway = build_edge(settings, edge_settings, partitions)
         await stack.enter_async_context(gateway)
         await edge.start()
         stack.push_async_callback(edge.stop)
+        # More edges: `sluice edge` children on the next ports, each with its own replies partition.
+        edges = [edge.url]
+        for edge_id, port in extra_edges(edge_settings, fleet_settings.fleet_edges, partitions):
+            child = ServiceProcess(
+                f"edge {edge_id}",
+                ["edge"],
+                console,
+                {"SLUICE_EDGE_ID": edge_id, "SLUICE_EDGE_PORT": str(port)},
+            )
+            await child.start()
+            stack.push_async_callback(child.stop)
+            await _wait_ready(edge_settings.edge_host, port, 120, what=f"edge {edge_id}")
+            edges.append(f"http://{edge_settings.edge_host}:{port}")
 
         keys = f"API key: {DEMO_KEY}" if edge_settings.edge_tenants_file is None else "API keys: tenants file"
         out.print(f"[bold green]sluicegate is up[/]  {edge.url}/v1   {keys}")
+        if len(edges) > 1:
+            out.print(f"  edges: {'   '.join(f'{url}/v1' for url in edges)}")
+        if fleet_settings.fleet_autoscale:
+            policy = fleet.policy
+            out.print(
+                f"  autoscaling workers {policy.min_workers}..{policy.max_workers} per model on lag "
+                f"(target {policy.target_lag} per worker, {fleet_settings.fleet_warm_workers} warm)"
+            )
         out.print(f"  Kafka {settings.bootstrap}   models: {', '.join(settings.served_models())}")
         ops = ", ".join(f"{model} http://127.0.0.1:{port or '<free port>'}" for model, port in workers)
         dashboard = f"http://{streams_settings.streams_host}:{streams_settings.streams_port}"

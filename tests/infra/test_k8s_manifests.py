@@ -14,14 +14,13 @@ import msgspec
 import pytest
 import yaml
 
-from gpu_workers.service import worker_group
 from gpu_workers.settings import WorkerSettings
 from infra.topics import TopicSizing
 from ingest.settings import EdgeSettings
 from monitoring.access import PROBES
 from monitoring.settings import ObservabilitySettings
 from schemas.settings import PlatformSettings, known_variables, load_settings
-from schemas.topics import TopicNames
+from schemas.topics import TopicNames, worker_group
 from sluice.services import SERVICE_SETTINGS
 from streams.settings import StreamsSettings
 from tests.infra.manifests import IMAGE, ROOT, UsageError, load_documents, resolve_sluice_command

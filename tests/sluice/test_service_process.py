@@ -28,6 +28,25 @@ async def test_stop_during_a_restart_back_off_returns_at_once() -> None:
     assert child.exits == 1
 
 
+async def test_a_child_that_exits_once_the_platform_halts_is_not_restarted() -> None:
+    """A Ctrl-C reaches every process of the group: children exit on their own while ``sluice up`` starts
+    stopping. Before, the supervisor restarted them (a streams worker restarted mid-shutdown failed)."""
+    halt = asyncio.Event()
+    child = ServiceProcess("quick", ["settings"], Console(quiet=True), {}, backoff_s=0.2, halt=halt)
+    halt.set()
+    await child.start()
+    await asyncio.wait_for(child._task, timeout=60)  # type: ignore[arg-type]  # the supervisor ends by itself
+    assert child.exits == 0
+    again = ServiceProcess("quick", ["settings"], Console(quiet=True), {}, backoff_s=2.0, halt=asyncio.Event())
+    await again.start()
+    for _ in range(600):  # no halt: it restarts
+        if again.exits >= 1:
+            break
+        await asyncio.sleep(0.05)
+    assert again.exits >= 1
+    await again.stop()
+
+
 def test_a_child_dies_with_sluice_up_even_after_a_kill_9() -> None:
     """Before, ``sluice up`` killed by a signal it cannot handle left its workers and streams process
     running (holding ports, the warehouse lock and partitions); a test's timeout left four of them."""

@@ -1,0 +1,124 @@
+"""How many workers each model runs under ``sluice up``: fixed, or scaled on the queue in Kafka.
+
+The loop is the platform's own: observe → decide → act, with the decision on the log.
+
+- **Observe**: a model's lag is what waits for its worker group on its request topic, end offset minus
+  committed offset summed over partitions. Workers commit a request's offset only once it has finished, so
+  lag counts requests queued and running: the same signal KEDA's ``ScaledObject`` scales on in
+  ``infra/k8s`` (``lagThreshold`` = ``SLUICE_FLEET_TARGET_LAG``).
+- **Decide** (:class:`ScalePolicy`, pure): ``ceil(lag / target_lag)`` workers within ``[min, max]``. Out at
+  once and straight to that count; in one worker at a time, only after the lag has called for fewer for
+  ``scale_in_after_s`` (each step waits again), so a burst's gaps never flap the fleet.
+- **Act**: the decision is a ``WorkersScaled`` on the compacted control topic (key ``scale:<model>``, in the
+  audit chain ``admin:scale:<model>``); the fleet reads the latest one and starts workers (a warm standby
+  first: its model is loaded, it joins the group at once) or stops them (a stopping worker drains: it
+  takes nothing new and finishes what runs, ``SLUICE_WORKER_DRAIN_S``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Annotated
+
+import msgspec
+from confluent_kafka import Consumer, TopicPartition
+
+from bus.consumer import consumer_config, watermarks
+from schemas.settings import KafkaConnection, register
+from schemas.topics import worker_group
+
+Count = Annotated[int, msgspec.Meta(ge=1, le=64)]
+
+
+@register
+class FleetSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """How many edges and workers ``sluice up`` runs (``SLUICE_FLEET_*``), and how workers scale."""
+
+    fleet_edges: Count = 1
+    """Edges: the first in the ``sluice up`` process on ``SLUICE_EDGE_PORT``, the others ``sluice edge``
+    children on the next ports, each with its own id and replies partition."""
+    fleet_workers_per_model: Count = 1
+    """Workers per model (of its stable version); with autoscaling, the fewest it scales in to."""
+    fleet_autoscale: bool = False
+    """Scale each model's workers on its queue in Kafka between ``workers_per_model`` and ``max_workers``."""
+    fleet_max_workers: Count = 4
+    """The most workers per model autoscaling starts."""
+    fleet_target_lag: Annotated[int, msgspec.Meta(ge=1)] = 50
+    """Requests waiting or running that one worker is sized for (KEDA's ``lagThreshold`` in infra/k8s)."""
+    fleet_scale_in_after_s: Annotated[float, msgspec.Meta(ge=0.0)] = 60.0
+    """How long the queue must call for fewer workers before one stops (and again before the next)."""
+    fleet_scale_interval_s: Annotated[float, msgspec.Meta(ge=0.1, le=60.0)] = 2.0
+    """How often the lag is read and the fleet reconciled."""
+    fleet_warm_workers: Annotated[int, msgspec.Meta(ge=0, le=8)] = 0
+    """Standby workers per autoscaled model: model loaded, not in the group, joined at once on a scale-out
+    (then replaced). Each costs a worker's memory; 0: a scale-out waits for a model to load."""
+
+    def __post_init__(self) -> None:
+        if self.fleet_autoscale and self.fleet_max_workers < self.fleet_workers_per_model:
+            raise ValueError(
+                f"SLUICE_FLEET_MAX_WORKERS ({self.fleet_max_workers}) is below SLUICE_FLEET_WORKERS_PER_MODEL "
+                f"({self.fleet_workers_per_model}), the fewest workers autoscaling keeps"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    replicas: int
+    previous: int
+    reason: str
+
+
+@dataclass(slots=True)
+class ScalePolicy:
+    """The decision for one model, from its lag and the workers it has (pure: ``now`` is given)."""
+
+    min_workers: int
+    max_workers: int
+    target_lag: int
+    scale_in_after_s: float
+    _below_since: dict[str, float] = field(default_factory=dict)
+
+    def wanted(self, lag: int) -> int:
+        return min(self.max_workers, max(self.min_workers, math.ceil(lag / self.target_lag)))
+
+    def decide(self, model: str, current: int, lag: int, now: float) -> Decision | None:
+        """The new worker count when it changes now, else None."""
+        wanted = self.wanted(lag)
+        if current < self.min_workers or current > self.max_workers:  # bounds changed since the last run
+            self._below_since.pop(model, None)
+            bounded = min(self.max_workers, max(self.min_workers, current))
+            return Decision(bounded, current, f"bounds are {self.min_workers}..{self.max_workers}")
+        if wanted > current:
+            self._below_since.pop(model, None)
+            return Decision(wanted, current, f"lag {lag} over {current} x {self.target_lag}")
+        if wanted == current:
+            self._below_since.pop(model, None)
+            return None
+        since = self._below_since.setdefault(model, now)
+        if now - since < self.scale_in_after_s:
+            return None
+        self._below_since[model] = now  # the next step down waits a whole period again
+        return Decision(
+            current - 1,
+            current,
+            f"lag {lag} has needed {wanted} for {self.scale_in_after_s:.0f}s",
+        )
+
+
+def group_lag(kafka: KafkaConnection, topic: str, model: str, version: str | None) -> int:
+    """Records of ``topic`` not yet committed by the worker group of ``model``'s ``version``: queued and
+    running requests (a partition the group never committed counts from its first record)."""
+    consumer = Consumer(consumer_config(kafka, worker_group(model, version), "sluice-autoscaler"))
+    try:
+        meta = consumer.list_topics(topic, timeout=10).topics[topic]
+        tps = [TopicPartition(topic, p) for p in meta.partitions]
+        committed = {tp.partition: tp.offset for tp in consumer.committed(tps, timeout=10)}
+        lag = 0
+        for partition in meta.partitions:
+            low, high = watermarks(consumer, topic, partition)
+            at = committed.get(partition, -1)
+            lag += max(0, high - (at if at >= 0 else low))
+        return lag
+    finally:
+        consumer.close()

@@ -1,0 +1,102 @@
+"""The autoscaling policy (pure), the fleet's settings, and where `sluice up`'s extra edges go."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from ingest.main import reply_partition
+from ingest.settings import EdgeSettings
+from schemas.settings import SettingsError, load_settings
+from sluice.autoscale import FleetSettings, ScalePolicy
+from sluice.up import extra_edges
+
+
+def _policy(**overrides: float) -> ScalePolicy:
+    values = {"min_workers": 1, "max_workers": 4, "target_lag": 50, "scale_in_after_s": 30.0, **overrides}
+    return ScalePolicy(**values)  # type: ignore[arg-type]
+
+
+def test_out_at_once_and_straight_to_what_the_lag_needs_within_bounds() -> None:
+    policy = _policy()
+    assert policy.decide("m", 1, 0, now=0) is None
+    assert policy.decide("m", 1, 50, now=0) is None  # exactly one worker's worth
+    out = policy.decide("m", 1, 140, now=1)
+    assert out is not None
+    assert (out.previous, out.replicas) == (1, 3)
+    assert out.reason == "lag 140 over 1 x 50"
+    capped = policy.decide("m", 3, 10_000, now=2)
+    assert capped is not None
+    assert capped.replicas == 4  # never past max
+    assert policy.decide("m", 4, 10_000, now=3) is None
+
+
+def test_in_slowly_one_at_a_time_after_the_lag_stayed_low() -> None:
+    policy = _policy(scale_in_after_s=30)
+    assert policy.decide("m", 3, 0, now=100) is None  # the low lag starts the clock
+    assert policy.decide("m", 3, 0, now=129) is None
+    first = policy.decide("m", 3, 0, now=130)
+    assert first is not None
+    assert (first.previous, first.replicas) == (3, 2)
+    assert "needed 1 for 30s" in first.reason
+    assert policy.decide("m", 2, 0, now=131) is None  # the next step waits a whole period again
+    second = policy.decide("m", 2, 0, now=160)
+    assert second is not None
+    assert second.replicas == 1
+    assert policy.decide("m", 1, 0, now=1000) is None  # never under min
+
+
+def test_a_burst_in_the_quiet_period_restarts_the_clock() -> None:
+    policy = _policy(scale_in_after_s=30)
+    assert policy.decide("m", 2, 0, now=0) is None
+    assert policy.decide("m", 2, 100, now=20) is None  # needs 2 again: the clock resets
+    assert policy.decide("m", 2, 0, now=40) is None
+    assert policy.decide("m", 2, 0, now=69) is None
+    assert policy.decide("m", 2, 0, now=70) is not None
+
+
+def test_models_are_decided_apart_and_bounds_changed_since_are_applied() -> None:
+    policy = _policy(scale_in_after_s=10)
+    assert policy.decide("a", 2, 0, now=0) is None
+    assert policy.decide("b", 2, 0, now=5) is None
+    a = policy.decide("a", 2, 0, now=10)
+    assert a is not None
+    assert a.replicas == 1
+    assert policy.decide("b", 2, 0, now=10) is None  # b's clock started later
+    over = policy.decide("a", 6, 0, now=11)
+    assert over is not None
+    assert over.replicas == 4
+    assert "bounds are 1..4" in over.reason
+
+
+def test_fleet_settings_from_env_and_their_limits() -> None:
+    env = {
+        "SLUICE_FLEET_EDGES": "2",
+        "SLUICE_FLEET_WORKERS_PER_MODEL": "2",
+        "SLUICE_FLEET_AUTOSCALE": "true",
+        "SLUICE_FLEET_MAX_WORKERS": "3",
+        "SLUICE_FLEET_WARM_WORKERS": "1",
+    }
+    fleet = load_settings(FleetSettings, env)
+    assert (fleet.fleet_edges, fleet.fleet_workers_per_model, fleet.fleet_max_workers) == (2, 2, 3)
+    assert fleet.fleet_autoscale
+    with pytest.raises(SettingsError, match="SLUICE_FLEET_MAX_WORKERS"):
+        load_settings(FleetSettings, {**env, "SLUICE_FLEET_MAX_WORKERS": "1"})
+    with pytest.raises(SettingsError):
+        load_settings(FleetSettings, {"SLUICE_FLEET_EDGES": "0"})
+    with pytest.raises(msgspec.ValidationError, match="SLUICE_FLEET_MAX_WORKERS"):  # the CLI's flags path
+        msgspec.convert({"fleet_autoscale": True, "fleet_workers_per_model": 3, "fleet_max_workers": 2}, FleetSettings)
+
+
+def test_extra_edges_take_the_next_ports_and_their_own_replies_partitions() -> None:
+    settings = EdgeSettings(edge_port=8080, edge_id="edge-0")
+    edges = extra_edges(settings, 4, 8)
+    assert [port for _, port in edges] == [8081, 8082, 8083]
+    ids = ["edge-0", *(edge_id for edge_id, _ in edges)]
+    assert len(set(ids)) == 4
+    assert len({reply_partition(i, 8) for i in ids}) == 4
+    assert extra_edges(settings, 1, 8) == []
+    crowded = extra_edges(settings, 4, 2)  # more edges than partitions: they share, all still start
+    assert len(crowded) == 3
+    with pytest.raises(SettingsError, match="fixed SLUICE_EDGE_PORT"):
+        extra_edges(EdgeSettings(edge_port=0), 2, 8)
