@@ -85,7 +85,9 @@ def test_fleet_settings_from_env_and_their_limits() -> None:
     with pytest.raises(SettingsError):
         load_settings(FleetSettings, {"SLUICE_FLEET_EDGES": "0"})
     with pytest.raises(msgspec.ValidationError, match="SLUICE_FLEET_MAX_WORKERS"):  # the CLI's flags path
-        msgspec.convert({"fleet_autoscale": True, "fleet_workers_per_model": 3, "fleet_max_workers": 2}, FleetSettings)
+        msgspec.convert(
+            {"fleet_autoscale": True, "fleet_workers_per_model": 3, "fleet_max_workers": 2}, FleetSettings
+        )
 
 
 def test_extra_edges_take_the_next_ports_and_their_own_replies_partitions() -> None:

@@ -37,7 +37,9 @@ async def test_a_child_that_exits_once_the_platform_halts_is_not_restarted() -> 
     await child.start()
     await asyncio.wait_for(child._task, timeout=60)  # type: ignore[arg-type]  # the supervisor ends by itself
     assert child.exits == 0
-    again = ServiceProcess("quick", ["settings"], Console(quiet=True), {}, backoff_s=2.0, halt=asyncio.Event())
+    again = ServiceProcess(
+        "quick", ["settings"], Console(quiet=True), {}, backoff_s=2.0, halt=asyncio.Event()
+    )
     await again.start()
     for _ in range(600):  # no halt: it restarts
         if again.exits >= 1:
