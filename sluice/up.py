@@ -191,6 +191,9 @@ class _Worker:
     process: ServiceProcess
     port: int
     """Its ops port (``/metrics``, ``/healthz``), or 0 when the child picked a free one."""
+    model: str
+    version: str
+    serial: int
 
 
 class Fleet:
@@ -292,7 +295,9 @@ class Fleet:
             if await _answers(worker.port):
                 pool.remove(worker)
                 worker.process.send_signal(signal.SIGUSR1)
-                self._console.print(f"{worker.process.name}: a warm standby joins the group")
+                self._console.print(
+                    f"worker for {worker.model} version {worker.version} joins from the warm pool (#{worker.serial})"
+                )
                 return worker
         return await self._spawn(key, standby=False)
 
@@ -306,7 +311,9 @@ class Fleet:
             port = fixed
         else:
             port = 0
-        name = f"worker {model}@{version}#{next(self._serial)}" + (" (standby)" if standby else "")
+        serial = next(self._serial)
+        name = f"worker #{serial}"
+        what = f"worker for {model} version {version}" + (" (warm standby)" if standby else "")
         env = {"SLUICE_WORKER_OPS_PORT": str(port)}
         if standby:
             env["SLUICE_WORKER_STANDBY"] = "true"
@@ -314,12 +321,14 @@ class Fleet:
             name, ["worker", "--model", model, "--version", version], self._console, env, halt=self._halt
         )
         await process.start()
-        self._console.print(f"{name} started")
-        return _Worker(process, port)
+        self._console.print(f"{what} started (#{serial})")
+        return _Worker(process, port, model, version, serial)
 
     def _retire(self, key: tuple[str, str], worker: _Worker, why: str) -> None:
         """Stop a worker in the background (it drains first), so the fleet keeps deciding meanwhile."""
-        self._console.print(f"{worker.process.name} stopping: {why}")
+        self._console.print(
+            f"worker for {worker.model} version {worker.version} stopping: {why} (#{worker.serial})"
+        )
         task = asyncio.create_task(worker.process.stop(), name=f"stop {worker.process.name}")
         self._stopping.add(task)
         task.add_done_callback(self._stopping.discard)
