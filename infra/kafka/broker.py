@@ -404,8 +404,12 @@ class LocalKafka(Component):
         self.pid_file.unlink(missing_ok=True)
 
     def _live_pid(self) -> int | None:
-        pid = self._proc.pid if self._proc is not None else self.pid()
-        return None if pid is None or self._exited(pid) else pid
+        """The node's running JVM: the one this object started, or, once that one has died, the one its pid
+        file names (a node killed and started again by another process, e.g. ``sluice kafka up``)."""
+        for pid in (self._proc.pid if self._proc is not None else None, self.pid()):
+            if pid is not None and not self._exited(pid):
+                return pid
+        return None
 
     def _signal(self, sig: signal.Signals) -> None:
         pid = self._live_pid()

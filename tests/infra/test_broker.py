@@ -72,3 +72,29 @@ def test_free_ports_are_below_the_kernels_ephemeral_range() -> None:
     for port in ports:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", port))  # free when handed out
+
+
+def test_stop_reaches_a_node_another_process_started_after_a_crash(tmp_path: Path) -> None:
+    """``sluice up`` started the node; it was killed with -9 and ``sluice kafka up`` started it again (a new
+    pid in its pid file). Before, stopping ``sluice up`` signalled only the dead process it had started,
+    and the new JVM outlived the platform (CI leaked one per failure test)."""
+    import subprocess
+    import sys
+    import time
+
+    node = LocalKafka(tmp_path, tmp_path / "cache", "4.3.1", port=19192, controller_port=19193)
+    first = subprocess.Popen([sys.executable, "-c", "pass"])
+    first.wait()
+    node._proc = first  # what this object started: gone
+    again = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        node.pid_file.write_text(str(again.pid))  # what the other process started
+        began = time.monotonic()
+        node.stop(stop_timeout=10)
+        assert again.wait(timeout=5) is not None
+        assert time.monotonic() - began < 10, "stopped by SIGTERM, not by the timeout's SIGKILL"
+        assert not node.pid_file.exists()
+    finally:
+        if again.poll() is None:
+            again.kill()
+            again.wait()
