@@ -1,5 +1,5 @@
-"""The online benchmark (platform vs the raw model and its peers) still runs end to end: its own broker, a
-worker per model and an edge as processes, on free ports, then the naive peer. Its ratios are printed, never
+"""The online benchmark (platform vs the raw model and its peers) still runs end to end: on the session's
+broker (as on a user's cluster), a worker per model and an edge as processes, on free ports, then the naive peer. Its ratios are printed, never
 asserted (a benchmark is not a timed test); this only keeps it from rotting. Ray is an optional extra that
 CI does not install: the run is pointed at a Python that has none, so its columns say so."""
 
@@ -9,16 +9,17 @@ from pathlib import Path
 
 import pytest
 
+from schemas.settings import KafkaConnection
 from tests.benchmarks.runner import run_benchmark
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.mark.timeout(600)  # the run's own limit: raw model, platform and naive peer, each loading models
-def test_the_online_benchmark_runs_quick_and_writes_its_json(tmp_path: Path) -> None:
+def test_the_online_benchmark_runs_quick_and_writes_its_json(tmp_path: Path, kafka: KafkaConnection) -> None:
     out = tmp_path / "online.json"
     stdout, result = run_benchmark(
-        "online.py", out, "--quick", "--ray-python", "/nonexistent/python", timeout=600
+        "online.py", out, "--quick", "--ray-python", "/nonexistent/python", timeout=600, kafka=kafka
     )
     assert result["machine"]["quick"] is True
     assert result["generation"]["platform_tokens_per_s"] > 0
