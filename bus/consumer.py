@@ -449,9 +449,13 @@ def _text(value: str | bytes | None) -> str:
 
 
 # Errors a just-created partition answers until its leader is ready, and a group until its coordinator is
-# (a broker that just started); librdkafka marks some of them non-retriable.
+# (a broker that just started), and what a request gets when the broker it went to dies under it (a
+# replicated cluster losing a node: the next try goes to the partition's new leader); librdkafka marks
+# some of them non-retriable.
 _SETTLING = frozenset(
     {
+        KafkaError._DESTROY_BROKER,
+        KafkaError._TRANSPORT,
         KafkaError.NOT_LEADER_FOR_PARTITION,
         KafkaError.LEADER_NOT_AVAILABLE,
         KafkaError.UNKNOWN_TOPIC_OR_PART,

@@ -26,7 +26,12 @@ def flaky(code: int, failures: int) -> tuple[list[int], Callable[[], str]]:
 
 @pytest.mark.parametrize(
     "code",
-    [KafkaError.NOT_COORDINATOR, KafkaError.COORDINATOR_LOAD_IN_PROGRESS, KafkaError.LEADER_NOT_AVAILABLE],
+    [
+        KafkaError.NOT_COORDINATOR,
+        KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+        KafkaError.LEADER_NOT_AVAILABLE,
+        KafkaError._DESTROY_BROKER,  # the broker died under the request (seen: a worker starting as one did)
+    ],
 )
 def test_a_settling_cluster_is_waited_for(code: int) -> None:
     calls, call = flaky(code, 2)

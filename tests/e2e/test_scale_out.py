@@ -223,6 +223,8 @@ async def _resuming_client(
         for _ in range(60):  # the edge died mid-stream: the same stream from another edge, after what we have
             if done:
                 ledger.finish("resumer", request_id, text)
+                if request_id in ledger.resumed:  # a cut stream, finished on the other edge
+                    ledger.done_at.setdefault("resumed", []).append(time.monotonic())
                 break
             ledger.resumed.append(request_id)
             event_id, more, done = await _sse(
@@ -377,6 +379,7 @@ async def _run(proc: subprocess.Popen[str], out: Output, env: dict[str, str]) ->
         before = len(ledger.texts)
         cut = set(ledger.live)
         os.kill(edge_pid, signal.SIGKILL)
+        killed_edge = time.monotonic()
         await asyncio.sleep(3)
         (worker_pid, *_) = _children(proc.pid, "worker", serving=True)
         os.kill(worker_pid, signal.SIGKILL)
@@ -395,10 +398,11 @@ async def _run(proc: subprocess.Popen[str], out: Output, env: dict[str, str]) ->
         async with asyncio.timeout(200):
             await asyncio.gather(*load)
         during_kills = len(ledger.texts) - before
+        resumed_within = max(ledger.done_at.get("resumed", [killed_edge])) - killed_edge
         print(
             f"edge killed with {len(cut)} streams on it, a worker killed, broker {victim} killed and back in "
             f"{broker_back_s:.1f}s; {during_kills} requests completed meanwhile, "
-            f"{len(set(ledger.resumed))} streams resumed; "
+            f"{len(set(ledger.resumed))} streams resumed (the last done {resumed_within:.1f}s after the kill); "
             f"refused so far: {dict(ledger.refused)}"
         )
 
