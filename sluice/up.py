@@ -75,6 +75,11 @@ def run_platform(
     if port is not None:
         edge_settings = msgspec.structs.replace(edge_settings, edge_port=port)
     try:
+        extra_edges(edge_settings, fleet_settings.fleet_edges, 1)  # before anything starts
+    except SettingsError as exc:
+        console.print(f"[red]settings error:[/] {exc}")
+        return 2
+    try:
         provider = observe("up", settings)
         asyncio.run(_serve(settings, edge_settings, fleet_settings, out, console))
     except (InfraError, SettingsError) as exc:
