@@ -18,7 +18,7 @@ from ingest.auth import Tenant
 from ingest.batches import BatchRunner, CreateBatch, batch_object
 from ingest.context import EdgeContext
 from ingest.errors import InvalidRequest, Unavailable
-from ingest.files import StoredFile, check_purpose, chunks_of
+from ingest.files import StoredFile, check_purpose, chunks_of, expires_after
 from ingest.http import json_response
 from ingest.openai import decode_body
 
@@ -63,6 +63,7 @@ class BatchRoutes:
             raise InvalidRequest("Upload a file as multipart/form-data with 'file' and 'purpose'.")
         purpose: str | None = None
         stored: StoredFile | None = None
+        expiry: dict[str, str] = {}
         try:
             reader = await request.multipart()
             while (part := await reader.next()) is not None:
@@ -70,12 +71,17 @@ class BatchRoutes:
                     continue
                 if part.name == "purpose":
                     purpose = (await part.text())[:64]
+                elif part.name in ("expires_after[anchor]", "expires_after[seconds]"):
+                    expiry[part.name] = (await part.text())[:32]
                 elif part.name == "file" and stored is None:
                     filename = (part.filename or "upload.jsonl")[:255]
                     stored = await runner.store.upload(
                         tenant.name, filename, "batch", chunks_of(part.read_chunk)
                     )
             uploaded = _checked_form(stored, purpose)
+            seconds = expires_after(expiry.get("expires_after[anchor]"), expiry.get("expires_after[seconds]"))
+            if seconds is not None:
+                uploaded = runner.store.expire_after(tenant.name, uploaded.id, seconds)
         except (HttpProcessingError, ValueError, UnicodeDecodeError) as exc:
             if stored is not None:
                 runner.store.delete(tenant.name, stored.id)

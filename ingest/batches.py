@@ -49,7 +49,7 @@ from ingest.batch_job import (
 from ingest.batch_lines import LineError, item_request_id, line_request, output_line, parse_line
 from ingest.batch_log import BatchLog
 from ingest.errors import InvalidRequest, NotFound
-from ingest.files import FileStore, new_file_id, read_lines, tenant_folder
+from ingest.files import SWEEP_S, FileStore, new_file_id, read_lines, tenant_folder
 from ingest.prepare import Preparer
 from ingest.settings import EdgeSettings
 from monitoring import metrics
@@ -151,6 +151,7 @@ class BatchRunner(AsyncComponent):
                 self._spawn(self._validate(job, tenant), f"batch-validate-{job.state.batch_id}")
         self._spawn(self._pump(), "batch-pump")
         self._spawn(self._collect(), "batch-results")
+        self._spawn(self._sweep(), "file-sweep")
         self._wake.set()  # resumed batches go on at once
 
     def _spawn(self, coro: Any, name: str) -> None:
@@ -175,6 +176,18 @@ class BatchRunner(AsyncComponent):
         if self._started:
             self._started = False
             await self._log.stop()
+
+    async def _sweep(self) -> None:
+        """Remove expired files (reads already treat them as gone) every ``SWEEP_S``."""
+        while True:
+            try:
+                removed = await asyncio.to_thread(self.store.sweep)
+            except OSError:
+                log.warning("sweeping expired files failed; next try in %.0fs", SWEEP_S, exc_info=True)
+            else:
+                if removed:
+                    log.info("removed %d expired files", removed)
+            await asyncio.sleep(SWEEP_S)
 
     def _reload(self) -> list[Job]:
         """The unfinished batches this edge ran before it stopped."""

@@ -6,6 +6,11 @@ tenant is simply not there, so it reads as 404, like an id that never existed. F
 against their pattern before any path is built from them. Uploads stream to a temporary file (bounded by
 ``SLUICE_EDGE_FILE_MAX_BYTES``) that is renamed into place once complete and synced, so a reader never
 sees half a file. Several edges on one machine (or on a shared file system) share the store.
+
+Files expire as OpenAI's do: ``SLUICE_EDGE_FILE_TTL_S`` after creation (30 days; 0 never), or what an
+upload asks with ``expires_after[anchor]=created_at`` and ``expires_after[seconds]`` (1 hour to 30 days).
+An expired file is gone for every read at once; :meth:`FileStore.sweep` (the batch runner, every
+``SWEEP_S``) removes its bytes.
 """
 
 from __future__ import annotations
@@ -27,6 +32,10 @@ from schemas.ids import uuid7
 Purpose = Literal["batch", "batch_output"]
 FILE_ID = re.compile(r"^file-[0-9a-f]{32}$")
 _CHUNK = 1 << 16
+DAY_S = 86_400
+EXPIRES_AFTER_S = (3_600, 30 * DAY_S)
+"""What ``expires_after[seconds]`` may ask for (OpenAI's bounds)."""
+SWEEP_S = 600.0
 
 
 class StoredFile(msgspec.Struct, frozen=True, kw_only=True):
@@ -39,6 +48,11 @@ class StoredFile(msgspec.Struct, frozen=True, kw_only=True):
     filename: str
     purpose: Purpose
     lines: int = 0
+    expires_at: int | None = None
+    """Unix seconds after which the file is gone (None: kept until deleted)."""
+
+    def expired(self, now: float | None = None) -> bool:
+        return self.expires_at is not None and (time.time() if now is None else now) >= self.expires_at
 
     def openai(self) -> dict[str, Any]:
         """OpenAI's file object."""
@@ -51,7 +65,7 @@ class StoredFile(msgspec.Struct, frozen=True, kw_only=True):
             "purpose": self.purpose,
             "status": "processed",
             "status_details": None,
-            "expires_at": None,
+            "expires_at": self.expires_at,
         }
 
 
@@ -73,9 +87,11 @@ def not_found(file_id: str) -> NotFound:
 
 
 class FileStore:
-    def __init__(self, root: Path, *, max_bytes: int) -> None:
+    def __init__(self, root: Path, *, max_bytes: int, ttl_s: int = 30 * DAY_S) -> None:
+        """``ttl_s``: how long a new file lives unless its upload says otherwise (0: until deleted)."""
         self.root = root
         self.max_bytes = max_bytes
+        self.ttl_s = ttl_s
 
     def _dir(self, tenant: str) -> Path:
         return self.root / tenant_folder(tenant)
@@ -95,6 +111,9 @@ class FileStore:
             raise not_found(file_id) from None
         if stored.tenant != tenant:  # a hash collision of two tenants' names, however unlikely
             raise not_found(file_id)
+        if stored.expired():
+            self._remove(tenant, file_id)
+            raise not_found(file_id)
         return stored
 
     def data_path(self, tenant: str, file_id: str) -> Path:
@@ -109,15 +128,39 @@ class FileStore:
                 stored = _META.decode(meta.read_bytes())
             except (OSError, msgspec.DecodeError):
                 continue
-            if stored.tenant == tenant and (purpose is None or stored.purpose == purpose):
+            if stored.tenant == tenant and not stored.expired() and purpose in (None, stored.purpose):
                 out.append(stored)
         return sorted(out, key=lambda f: f.id, reverse=True)
 
     def delete(self, tenant: str, file_id: str) -> None:
-        meta, data = self._paths(tenant, file_id)
         self.get(tenant, file_id)
-        meta.unlink(missing_ok=True)
+        self._remove(tenant, file_id)
+
+    def _remove(self, tenant: str, file_id: str) -> None:
+        meta, data = self._paths(tenant, file_id)
+        meta.unlink(missing_ok=True)  # metadata first: from here on no reader finds the file
         data.unlink(missing_ok=True)
+
+    def expire_after(self, tenant: str, file_id: str, seconds: int) -> StoredFile:
+        """Make the tenant's file expire ``seconds`` after it was created (an upload's ``expires_after``)."""
+        stored = self.get(tenant, file_id)
+        stored = msgspec.structs.replace(stored, expires_at=stored.created_at + seconds)
+        write_atomic(self._paths(tenant, file_id)[0], msgspec.json.encode(stored))
+        return stored
+
+    def sweep(self, now: float | None = None) -> int:
+        """Remove every expired file of every tenant; returns how many (blocking: run it on a thread)."""
+        now = time.time() if now is None else now
+        removed = 0
+        for meta in self.root.glob("*/file-*.json"):
+            try:
+                stored = _META.decode(meta.read_bytes())
+            except (OSError, msgspec.DecodeError):
+                continue
+            if stored.expired(now) and meta.parent.name == tenant_folder(stored.tenant):
+                self._remove(stored.tenant, stored.id)
+                removed += 1
+        return removed
 
     async def upload(
         self, tenant: str, filename: str, purpose: Purpose, chunks: AsyncIterator[bytes]
@@ -142,14 +185,16 @@ class FileStore:
             yield out
             out.close()
             os.replace(tmp, data)
+            created = int(time.time())
             out.stored = StoredFile(
                 id=file_id,
                 tenant=tenant,
                 bytes=out.size,
-                created_at=int(time.time()),
+                created_at=created,
                 filename=filename,
                 purpose=purpose,
                 lines=out.lines,
+                expires_at=created + self.ttl_s if self.ttl_s else None,
             )
             write_atomic(meta, msgspec.json.encode(out.stored))
         finally:
@@ -223,3 +268,28 @@ async def chunks_of(read: Any) -> AsyncIterator[bytes]:
     """An aiohttp body part (``read_chunk``) as chunks."""
     while chunk := await read(_CHUNK):
         yield chunk
+
+
+def expires_after(anchor: str | None, seconds: str | None) -> int | None:
+    """An upload's ``expires_after[anchor]`` and ``expires_after[seconds]`` form fields, checked: the
+    seconds, or None when neither was given."""
+    if anchor is None and seconds is None:
+        return None
+    if anchor != "created_at":
+        raise InvalidRequest(
+            "expires_after[anchor] must be 'created_at'.",
+            param="expires_after.anchor",
+            code="invalid_expires_after",
+        )
+    low, high = EXPIRES_AFTER_S
+    try:
+        value = int(seconds or "")
+    except ValueError:
+        value = -1
+    if not low <= value <= high:
+        raise InvalidRequest(
+            f"expires_after[seconds] must be a whole number from {low} (1 hour) to {high} (30 days).",
+            param="expires_after.seconds",
+            code="invalid_expires_after",
+        )
+    return value

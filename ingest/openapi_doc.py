@@ -102,7 +102,8 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         extra={"responses": {"101": {"description": "Switching protocols to a WebSocket"}}},
     ),
     ("POST", "/v1/files"): Operation(
-        "Upload a file (multipart/form-data: 'file', and 'purpose' = 'batch'; JSONL, one request per line)",
+        "Upload a file (multipart/form-data: 'file', and 'purpose' = 'batch'; JSONL, one request per line); "
+        "it expires 30 days after creation unless 'expires_after' says otherwise",
         extra={
             "requestBody": {
                 "required": True,
@@ -114,6 +115,12 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
                             "properties": {
                                 "file": {"type": "string", "contentMediaType": "application/octet-stream"},
                                 "purpose": {"type": "string", "enum": ["batch"]},
+                                "expires_after[anchor]": {"type": "string", "enum": ["created_at"]},
+                                "expires_after[seconds]": {
+                                    "type": "integer",
+                                    "minimum": 3600,
+                                    "maximum": 2592000,
+                                },
                             },
                         }
                     }

@@ -1,0 +1,93 @@
+"""Files expire as OpenAI's do: 30 days after creation unless an upload asks otherwise (1 hour to 30 days);
+an expired file is gone for every read at once, and a sweep removes its bytes."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import openai
+import pytest
+from openai import AsyncOpenAI
+
+from ingest.auth import DEMO_KEY
+from ingest.errors import InvalidRequest, NotFound
+from ingest.files import DAY_S, FileStore, expires_after
+from tests.ingest.conftest import MakeClient
+
+
+def _store(tmp_path: Path, ttl_s: int = 30 * DAY_S) -> FileStore:
+    return FileStore(tmp_path, max_bytes=1 << 20, ttl_s=ttl_s)
+
+
+def _write(store: FileStore, tenant: str = "acme", purpose: str = "batch") -> str:
+    with store.writer(tenant, "a.jsonl", purpose) as out:  # type: ignore[arg-type]
+        out.write(b'{"a": 1}\n')
+    return out.stored.id
+
+
+def test_a_new_file_expires_after_the_ttl_and_zero_keeps_it(tmp_path: Path) -> None:
+    store = _store(tmp_path)
+    stored = store.get("acme", _write(store))
+    assert stored.expires_at == stored.created_at + 30 * DAY_S
+    assert stored.openai()["expires_at"] == stored.expires_at
+    forever = _store(tmp_path / "forever", ttl_s=0)
+    assert forever.get("acme", _write(forever)).expires_at is None
+
+
+def test_an_expired_file_is_gone_for_every_read_and_the_sweep_removes_its_bytes(tmp_path: Path) -> None:
+    store = _store(tmp_path)
+    gone, kept, other = _write(store), _write(store), _write(store, tenant="zen")
+    store.expire_after("acme", gone, 0)  # created_at + 0: expired now
+    with pytest.raises(NotFound):
+        store.get("acme", gone)
+    assert [f.id for f in store.list("acme")] == [kept]
+    store.expire_after("acme", kept, 3600)
+    assert store.sweep() == 0  # the read already removed the expired one; nothing else is due
+    assert store.sweep(now=store.get("acme", kept).created_at + 3600) == 1
+    assert [f.id for f in store.list("acme")] == []
+    assert not list((tmp_path).glob(f"*/{kept}.*"))
+    assert store.get("zen", other).id == other  # another tenant's file is untouched
+
+
+@pytest.mark.parametrize(
+    ("anchor", "seconds", "expected"),
+    [(None, None, None), ("created_at", "3600", 3600), ("created_at", str(30 * DAY_S), 30 * DAY_S)],
+)
+def test_expires_after_fields(anchor: str | None, seconds: str | None, expected: int | None) -> None:
+    assert expires_after(anchor, seconds) == expected
+
+
+@pytest.mark.parametrize(
+    ("anchor", "seconds"),
+    [("created_at", "3599"), ("created_at", str(30 * DAY_S + 1)), ("created_at", "soon"), ("last_used", "3600"),
+     (None, "3600"), ("created_at", None)],
+)  # fmt: skip
+def test_bad_expires_after_fields_are_refused(anchor: str | None, seconds: str | None) -> None:
+    with pytest.raises(InvalidRequest) as refused:
+        expires_after(anchor, seconds)
+    assert refused.value.code == "invalid_expires_after"
+
+
+async def test_an_upload_through_the_sdk_sets_its_expiry_and_a_bad_one_keeps_nothing(
+    make_client: MakeClient,
+) -> None:
+    client, _ = await make_client()
+    async with AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=DEMO_KEY, max_retries=0) as sdk:
+        default = await sdk.files.create(file=("a.jsonl", io.BytesIO(b"{}\n")), purpose="batch")
+        assert default.expires_at == default.created_at + 30 * DAY_S
+        hour = await sdk.files.create(
+            file=("b.jsonl", io.BytesIO(b"{}\n")),
+            purpose="batch",
+            expires_after={"anchor": "created_at", "seconds": 3600},
+        )
+        assert hour.expires_at == hour.created_at + 3600
+        assert (await sdk.files.retrieve(hour.id)).expires_at == hour.expires_at
+        with pytest.raises(openai.BadRequestError) as refused:
+            await sdk.files.create(
+                file=("c.jsonl", io.BytesIO(b"{}\n")),
+                purpose="batch",
+                expires_after={"anchor": "created_at", "seconds": 60},
+            )
+        assert refused.value.code == "invalid_expires_after"
+        assert sorted(f.id for f in (await sdk.files.list()).data) == sorted([default.id, hour.id])
