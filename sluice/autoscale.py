@@ -106,11 +106,22 @@ class ScalePolicy:
         )
 
 
-def group_lag(kafka: KafkaConnection, topic: str, model: str, version: str | None) -> int:
-    """Records of ``topic`` not yet committed by the worker group of ``model``'s ``version``: queued and
-    running requests (a partition the group never committed counts from its first record)."""
-    consumer = Consumer(consumer_config(kafka, worker_group(model, version), "sluice-autoscaler"))
-    try:
+class GroupLag:
+    """Lag of worker groups on their request topics, read every interval through one long-lived client
+    per group (it never joins the group: it only reads the group's committed offsets)."""
+
+    def __init__(self, kafka: KafkaConnection) -> None:
+        self._kafka = kafka
+        self._consumers: dict[str, Consumer] = {}
+
+    def __call__(self, topic: str, model: str, version: str | None) -> int:
+        """Records of ``topic`` not yet committed by the worker group of ``model``'s ``version``: queued and
+        running requests (a partition the group never committed counts from its first record)."""
+        group = worker_group(model, version)
+        consumer = self._consumers.get(group)
+        if consumer is None:
+            consumer = Consumer(consumer_config(self._kafka, group, "sluice-autoscaler"))
+            self._consumers[group] = consumer
         meta = consumer.list_topics(topic, timeout=10).topics[topic]
         tps = [TopicPartition(topic, p) for p in meta.partitions]
         committed = {tp.partition: tp.offset for tp in consumer.committed(tps, timeout=10)}
@@ -120,5 +131,8 @@ def group_lag(kafka: KafkaConnection, topic: str, model: str, version: str | Non
             at = committed.get(partition, -1)
             lag += max(0, high - (at if at >= 0 else low))
         return lag
-    finally:
-        consumer.close()
+
+    def close(self) -> None:
+        for consumer in self._consumers.values():
+            consumer.close()
+        self._consumers.clear()

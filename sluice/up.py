@@ -36,7 +36,7 @@ from monitoring.tracing import shutdown_tracing
 from schemas.events import DeploymentChanged, Event, WorkersScaled, utc_now
 from schemas.settings import PlatformSettings, SettingsError, load_settings
 from schemas.topics import TopicNames
-from sluice.autoscale import FleetSettings, ScalePolicy
+from sluice.autoscale import FleetSettings, GroupLag, ScalePolicy
 from sluice.services import (
     check_streams_exposure,
     check_worker_exposure,
@@ -239,6 +239,7 @@ class Fleet:
         self._scaled: dict[str, WorkersScaled] = {}
         self._stopping: set[asyncio.Task[None]] = set()
         self._serial = itertools.count(1)
+        self._lag = GroupLag(settings.kafka)
 
     def desired(self) -> tuple[dict[tuple[str, str], int], dict[str, str]]:
         """(model, version) -> workers wanted now, and each model's stable version (blocking: reads Kafka
@@ -340,12 +341,9 @@ class Fleet:
 
     async def autoscale(self, stable: dict[str, str], publish: Publish) -> None:
         """Decide each model's worker count from its lag; a change is published before it is acted on."""
-        from sluice.autoscale import group_lag
-
         for model, version in sorted(stable.items()):
             current = len(self.workers.get((model, version), []))
-            topic = self._names.requests(model)
-            lag = await asyncio.to_thread(group_lag, self._settings.kafka, topic, model, version)
+            lag = await asyncio.to_thread(self._lag, self._names.requests(model), model, version)
             decision = self.policy.decide(model, current, lag, time.monotonic())
             if decision is None:
                 continue
@@ -391,6 +389,7 @@ class Fleet:
     async def stop(self) -> None:
         everyone = [w for group in (self.workers, self.standby) for ws in group.values() for w in ws]
         await asyncio.gather(*(w.process.stop() for w in everyone), *self._stopping)
+        self._lag.close()
         self.workers.clear()
         self.standby.clear()
 

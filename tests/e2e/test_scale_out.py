@@ -42,6 +42,7 @@ from schemas.codec import DecodeError, decode
 from schemas.events import RequestFinished
 from schemas.settings import KafkaConnection
 from tests.infra.test_cluster import _free_run
+from tests.sluice.test_cli import sluice
 
 pytestmark = pytest.mark.integration
 GPT = "demo-gpt"
@@ -277,19 +278,8 @@ def _finished(kafka: KafkaConnection, topic: str) -> dict[str, list[RequestFinis
         consumer.close()
 
 
-def _sluice(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "sluice", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-
-
 def _sql(env: dict[str, str], query: str) -> list[str]:
-    result = _sluice(env, "sql", query, "-f", "csv")
+    result = sluice("sql", query, "-f", "csv", env=env)
     assert result.returncode == 0, result.stderr
     return result.stdout.splitlines()[1:]
 
@@ -340,7 +330,7 @@ def up(env: dict[str, str], tmp_path: Path) -> Iterator[tuple[subprocess.Popen[s
         if proc.stdout is not None:
             proc.stdout.close()
         # the cluster stops with `sluice up`; if that died first, nothing of it may outlive the test
-        down = _sluice(env, "kafka", "down")
+        down = sluice("kafka", "down", env=env)
         assert down.returncode in (0, 1), down.stdout + down.stderr
         (tmp_path / "up.log").write_text("\n".join(out.lines))
         print(f"sluice up's output: {tmp_path / 'up.log'}")
@@ -396,7 +386,7 @@ async def _run(proc: subprocess.Popen[str], out: Output, env: dict[str, str]) ->
         os.kill(broker_pid, signal.SIGKILL)
         killed_broker = time.monotonic()
         await asyncio.sleep(3)
-        back = await asyncio.to_thread(_sluice, env, "kafka", "up", "--brokers", "3")
+        back = await asyncio.to_thread(sluice, "kafka", "up", "--brokers", "3", env=env)
         assert back.returncode == 0, back.stdout + back.stderr
         broker_back_s = time.monotonic() - killed_broker
         assert not pid_alive(broker_pid)
@@ -457,7 +447,7 @@ async def _run(proc: subprocess.Popen[str], out: Output, env: dict[str, str]) ->
             break
         await asyncio.sleep(2)
     assert rows == [f"{accepted},{accepted}"], f"warehouse {rows}, results topic {accepted}"
-    verify = await asyncio.to_thread(_sluice, env, "audit", "verify")
+    verify = await asyncio.to_thread(sluice, "audit", "verify", env=env)
     assert verify.returncode == 0, verify.stdout + verify.stderr
     decisions = await asyncio.to_thread(
         _sql, env, "SELECT decision FROM audit_log WHERE action = 'workers.scale' ORDER BY seq"

@@ -521,21 +521,10 @@ def test_sluice_audit_verify_passes_then_fails_after_tampering(settings: Platfor
 
 def test_a_scaling_decision_is_an_admin_entry_on_its_models_chain() -> None:
     from schemas.events import WorkersScaled
+    from schemas.examples import example_events
     from streams.app import admin_action, chain_of
 
-    event = WorkersScaled(
-        tenant="",
-        model="demo-gpt",
-        source="sluice/autoscaler",
-        version="v1",
-        replicas=3,
-        previous=1,
-        reason="lag 140 over 1 worker x 50",
-        lag=140,
-        target_lag=50,
-        bounds=(1, 4),
-        actor="autoscaler",
-    )
+    (event,) = [e for e in example_events() if isinstance(e, WorkersScaled)]
     chain = chain_of(event)
     assert chain == "admin:scale:demo-gpt"
     entry = admin_action(None, chain, event, {"topic": "control"})
