@@ -5,11 +5,20 @@ left-padded to a common length with an attention mask, and every row carries its
 ``position_ids`` (GPT-2 uses absolute positions, so padding must not shift them). Each ``step()`` is one
 token boundary:
 
-1. one batched decode forward for every running sequence (the cache grows by the model's own update);
-2. a batched prefill of waiting requests that fit (free slots, prefill token budget) — each gets its first
+1. one batched decode forward for every row (the cache grows by the model's own update); a row whose
+   sequence finished becomes a *free row*: it stays in the batch, attending only to itself, and its output
+   is ignored;
+2. a batched prefill of waiting requests that fit (free slots, prefill token budget): each gets its first
    token from the prefill logits;
-3. only if membership changed (a sequence finished, or requests joined) the cache is rebuilt: kept rows
-   are selected, leading all-padding columns trimmed, and joiners' caches left-padded and concatenated.
+3. joiners move into free rows **in place** (their keys and values are written right-aligned into the
+   row, the row's mask re-drawn): the other rows are not touched. Only when there are more joiners than
+   free rows, or a joiner's prompt is longer than the cache, is the batch rebuilt (kept rows selected and
+   concatenated with the joiners, all re-padded to one length); free rows nobody claims for
+   ``COMPACT_AFTER_STEPS`` steps are dropped the same way;
+4. leading columns no running row attends to are cut off (a view: the next decode's update copies anyway).
+
+Under saturation with staggered lengths (a sequence ends and another joins at nearly every step) this
+keeps the cost of a membership change to the joiner's own cache instead of a copy of the whole batch's.
 
 So every running sequence produces exactly one token per step. ``cancel()`` drops a row at once; a
 cancelled request never produces another token. The engine is not thread-safe: one dedicated thread owns
@@ -91,11 +100,23 @@ class _Seq:
 
 @dataclass(slots=True, eq=False)
 class _Batch:
-    """The running rows: their cache, 2D attention mask, next positions and last tokens (row order = seqs)."""
+    """The rows: their cache, 2D attention mask, and each row's sequence (``None``: a free row)."""
 
-    seqs: list[_Seq] = field(default_factory=list)
+    seqs: list[_Seq | None] = field(default_factory=list)
     cache: Any = None  # DynamicCache
     mask: torch.Tensor | None = None
+    live: int = 0
+    """Rows holding a sequence."""
+    idle_steps: int = 0
+    """Steps in a row with free rows and nothing waiting to take them."""
+
+    def live_rows(self) -> list[int]:
+        return [i for i, seq in enumerate(self.seqs) if seq is not None]
+
+
+COMPACT_AFTER_STEPS = 16
+"""Free rows nobody claims for this many steps are dropped (one rebuild); until then a joiner takes one in
+place. A free row costs one row of each decode; a rebuild costs a copy of every row's cache."""
 
 
 class GenerationEngine:
@@ -108,6 +129,8 @@ class GenerationEngine:
         max_batch_size: int = 16,
         max_context: int | None = None,
         max_prefill_tokens: int = 4096,
+        prefill_ratio: float = 8.0,
+        max_prefill_wait: int = 8,
     ) -> None:
         if max_batch_size < 1:
             raise EngineError("max_batch_size must be >= 1")
@@ -118,23 +141,37 @@ class GenerationEngine:
         self.max_context: int = max_context or int(limit or 2048)
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
+        self.prefill_ratio = prefill_ratio
+        self.max_prefill_wait = max_prefill_wait
+        self._waited = 0
         self._vocab_size = int(config.vocab_size)
         self._pending: deque[SeqRequest] = deque()
         self._batch = _Batch()
         self._ids: set[str] = set()
+        self._rebuilds = 0
 
     # ------------------------------------------------------------------------------------------- commands
 
     @property
     def running(self) -> int:
+        return self._batch.live
+
+    @property
+    def rows(self) -> int:
+        """Rows in the batch, free ones (waiting for a joiner or to be dropped) included."""
         return len(self._batch.seqs)
+
+    @property
+    def rebuilds(self) -> int:
+        """Times the whole batch was copied (more joiners than free rows, or free rows dropped)."""
+        return self._rebuilds
 
     @property
     def waiting(self) -> int:
         return len(self._pending)
 
     def has_work(self) -> bool:
-        return bool(self._batch.seqs or self._pending)
+        return bool(self._batch.live or self._pending)
 
     def add(self, req: SeqRequest) -> None:
         """Queue ``req``; it is prefilled at the next step with a free slot."""
@@ -169,9 +206,11 @@ class GenerationEngine:
                 return True
         import torch
 
-        keep = [i for i, seq in enumerate(self._batch.seqs) if seq.req.request_id != request_id]
-        with torch.inference_mode():
-            self._rebuild(keep, None)
+        for row, seq in enumerate(self._batch.seqs):
+            if seq is not None and seq.req.request_id == request_id:
+                with torch.inference_mode():
+                    self._free(row)
+                break
         return True
 
     # ------------------------------------------------------------------------------------------------ step
@@ -182,13 +221,15 @@ class GenerationEngine:
 
         outputs: list[StepOutput] = []
         with torch.inference_mode():
-            keep = self._decode(outputs) if self._batch.seqs else []
-            joined = self._prefill(outputs, free=self.max_batch_size - len(keep))
-            if joined is not None or len(keep) != len(self._batch.seqs):
-                self._rebuild(keep, joined)
+            if self._batch.live:
+                self._decode(outputs)
+            joined = self._prefill(outputs, free=self.max_batch_size - self._batch.live)
+            if joined is not None:
+                self._place(*joined)
+            self._tidy()
         return outputs
 
-    def _decode(self, outputs: list[StepOutput]) -> list[int]:
+    def _decode(self, outputs: list[StepOutput]) -> None:
         import torch
 
         batch = self._batch
@@ -196,30 +237,48 @@ class GenerationEngine:
             raise EngineError("engine batch has no mask")  # unreachable: rows always come with a mask
         seqs = batch.seqs
         device = self._device
-        input_ids = torch.tensor([[s.last_token] for s in seqs], dtype=torch.long, device=device)
-        positions = torch.tensor([[s.position] for s in seqs], dtype=torch.long, device=device)
+        live = batch.live_rows()
+        last = [[0 if s is None else s.last_token] for s in seqs]
+        position = [[0 if s is None else s.position] for s in seqs]
         batch.mask = torch.cat([batch.mask, batch.mask.new_ones((len(seqs), 1))], dim=1)
         out = self._model(
-            input_ids=input_ids,
+            input_ids=torch.tensor(last, dtype=torch.long, device=device),
             attention_mask=batch.mask,
-            position_ids=positions,
+            position_ids=torch.tensor(position, dtype=torch.long, device=device),
             past_key_values=batch.cache,
             use_cache=True,
         )
         batch.cache = out.past_key_values
-        tokens, logprobs, entropies = self._sample(out.logits[:, -1, :], seqs)
-        keep = []
-        for i, seq in enumerate(seqs):
+        logits = out.logits[:, -1, :]
+        running = [s for s in seqs if s is not None]
+        if len(running) != len(seqs):
+            logits = logits[live]
+        tokens, logprobs, entropies = self._sample(logits, running)
+        for j, row in enumerate(live):
+            seq = running[j]
             seq.position += 1
-            if self._emit(seq, tokens[i], outputs, logprobs[i], entropies[i]) is None:
-                keep.append(i)
-        return keep
+            if self._emit(seq, tokens[j], outputs, logprobs[j], entropies[j]) is not None:
+                self._free(row)
+
+    def _defer_prefill(self) -> bool:
+        """Let joiners gather for a batched prefill while a large batch decodes (TGI's ``waiting_served_ratio``
+        and ``max_waiting_tokens``): a prefill forward costs about a decode step whatever its size, so at
+        saturation, where a sequence ends at nearly every step, prefilling each joiner alone would add a
+        forward per step. Never while the batch is small (``waiting * prefill_ratio >= running``: at low load
+        a joiner starts at once), never past ``max_prefill_wait`` steps."""
+        running = self._batch.live
+        if not running or len(self._pending) * self.prefill_ratio >= running:
+            return False
+        self._waited += 1
+        return self._waited <= self.max_prefill_wait
 
     def _prefill(self, outputs: list[StepOutput], free: int) -> tuple[list[_Seq], Any, torch.Tensor] | None:
         """Run waiting requests that fit through one padded forward; return the still-running ones."""
         import torch
         from transformers import DynamicCache
 
+        if not self._pending or self._defer_prefill():
+            return None
         admitted: list[SeqRequest] = []
         longest = 0
         while self._pending and len(admitted) < free:
@@ -229,6 +288,8 @@ class GenerationEngine:
                 break
             admitted.append(self._pending.popleft())
             longest = max(longest, n)
+        if not self._pending:
+            self._waited = 0
         if not admitted:
             return None
         device = self._device
@@ -280,18 +341,75 @@ class GenerationEngine:
 
     # -------------------------------------------------------------------------------------- batch surgery
 
+    def _free(self, row: int) -> None:
+        """The row's sequence is gone: from now on the row attends only to its own new columns."""
+        batch = self._batch
+        batch.seqs[row] = None
+        batch.live -= 1
+        if batch.mask is not None:
+            batch.mask[row] = 0
+            batch.mask[row, -1] = 1  # never an all-masked row (a softmax over nothing)
+
+    def _place(self, seqs: list[_Seq], cache: Any, mask: torch.Tensor) -> None:
+        """Joiners into free rows, in place, while they fit; the rest (if any) by one rebuild."""
+        batch = self._batch
+        left: list[int] = []
+        free = (row for row, seq in enumerate(batch.seqs) if seq is None)
+        length = 0 if batch.mask is None else batch.mask.shape[1]
+        joined = _layers(cache)
+        for j, seq in enumerate(seqs):
+            n = len(seq.req.input_ids)
+            row = next(free, None) if n <= length else None
+            if row is None or batch.mask is None:
+                left.append(j)
+                continue
+            for (keys, values), (jk, jv) in zip(_layers(batch.cache), joined, strict=True):
+                keys[row, :, length - n :] = jk[j, :, jk.shape[2] - n :]
+                values[row, :, length - n :] = jv[j, :, jv.shape[2] - n :]
+            batch.mask[row] = 0
+            batch.mask[row, length - n :] = 1
+            batch.seqs[row] = seq
+            batch.live += 1
+        if left:
+            self._rebuild(batch.live_rows(), ([seqs[j] for j in left], _select(cache, left), mask[left]))
+
+    def _tidy(self) -> None:
+        """Drop free rows nobody took for a while, and leading columns no row attends to."""
+        batch = self._batch
+        if not batch.live:
+            self._batch = _Batch()
+            return
+        if len(batch.seqs) == batch.live or self._pending:
+            batch.idle_steps = 0
+        else:
+            batch.idle_steps += 1
+            if batch.idle_steps >= COMPACT_AFTER_STEPS:
+                self._rebuild(batch.live_rows(), None)
+                return
+        if batch.mask is None:
+            raise EngineError("engine batch has no mask")  # unreachable: rows always come with a mask
+        first = int(batch.mask.any(dim=0).to(batch.mask.dtype).argmax())
+        if first > 0:
+            batch.mask = batch.mask[:, first:]
+            for layer in batch.cache.layers:
+                layer.keys = layer.keys[:, :, first:]
+                layer.values = layer.values[:, :, first:]
+
     def _rebuild(self, keep: list[int], joined: tuple[list[_Seq], Any, torch.Tensor] | None) -> None:
         """New membership: kept rows (trimmed of all-padding columns) plus joiners, re-padded to one length."""
         import torch
         from transformers import DynamicCache
 
+        self._rebuilds += 1
         batch = self._batch
         parts: list[tuple[list[_Seq], list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]] = []
         if keep and batch.mask is not None:
             mask = batch.mask[keep]
             first = int((mask.sum(dim=0) > 0).nonzero()[0])  # leading columns no kept row attends to
             layers = [(k[keep, :, first:], v[keep, :, first:]) for k, v in _layers(batch.cache)]
-            parts.append(([batch.seqs[i] for i in keep], layers, mask[:, first:]))
+            parts.append(
+                ([s for s in (batch.seqs[i] for i in keep) if s is not None], layers, mask[:, first:])
+            )
         if joined is not None:
             seqs, cache, mask = joined
             parts.append((seqs, list(_layers(cache)), mask))
@@ -314,10 +432,12 @@ class GenerationEngine:
             (torch.cat([pad(p[1][i][0]) for p in parts]), torch.cat([pad(p[1][i][1]) for p in parts]))
             for i in range(n_layers)
         ]
+        rows: list[_Seq | None] = [s for p in parts for s in p[0]]
         self._batch = _Batch(
-            seqs=[s for p in parts for s in p[0]],
+            seqs=rows,
             cache=DynamicCache(ddp_cache_data=data),
             mask=torch.cat([pad(p[2]) for p in parts]),
+            live=len(rows),
         )
 
     # -------------------------------------------------------------------------------------------- sampling
@@ -335,14 +455,19 @@ class GenerationEngine:
         """Each row's next token, with its log-probability and the distribution's entropy."""
         import torch
 
-        tokens: list[int] = logits.argmax(dim=-1).tolist()
-        for row, seq in enumerate(seqs):
-            if seq.generator is not None:
-                tokens[row] = sample_token(logits[row], seq.req, seq.generator)
-        logp = logits.float().log_softmax(dim=-1)
-        entropy = -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(dim=-1)
-        chosen = logp.gather(1, torch.tensor(tokens, device=logp.device).unsqueeze(1)).squeeze(1)
-        return tokens, chosen.tolist(), entropy.clamp(min=0.0).tolist()
+        scores = logits.float()
+        best, argmax = scores.max(dim=-1)
+        tokens: list[int] = argmax.tolist()
+        chosen = best
+        if any(seq.generator is not None for seq in seqs):
+            for row, seq in enumerate(seqs):
+                if seq.generator is not None:
+                    tokens[row] = sample_token(logits[row], seq.req, seq.generator)
+            chosen = scores.gather(1, torch.tensor(tokens, device=scores.device).unsqueeze(1)).squeeze(1)
+        # log p(token) = score - logsumexp; entropy = logsumexp - sum(p * score) (a -inf score has p = 0)
+        lse = torch.logsumexp(scores, dim=-1)
+        expected = (scores.softmax(dim=-1) * scores.nan_to_num(neginf=0.0)).sum(dim=-1)
+        return tokens, (chosen - lse).tolist(), (lse - expected).clamp(min=0.0).tolist()
 
 
 def sample_token(logits: torch.Tensor, req: SeqRequest, generator: torch.Generator) -> int:

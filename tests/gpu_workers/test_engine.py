@@ -1,11 +1,13 @@
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import pytest
 import torch
 
 from gpu_workers.engine import (
+    COMPACT_AFTER_STEPS,
     EngineError,
     GenerationEngine,
     GenerationRuntime,
@@ -108,6 +110,39 @@ def test_greedy_tokens_equal_generate_alone_while_requests_join_finish_and_cance
     assert all(o.finish_reason is None for o in outputs["victim"])
     assert engine.running == 0
     assert not engine.cancel("victim")
+
+
+def test_rows_are_reused_in_place_under_churn_and_tokens_still_equal_generate_alone(
+    demo_gpt: LoadedModel,
+) -> None:
+    """A closed loop at a full batch: whenever a sequence ends, the next request joins and takes the free row
+    in place, so the batch is copied once to build it and once to drop the free rows nobody takes (after
+    COMPACT_AFTER_STEPS), never per join. Every request's tokens are still exactly ``generate``'s alone."""
+    lm = demo_gpt
+    names = ["story", "short", "doc", "mid", "chat", "short", "mid", "doc", "chat", "short", "mid", "doc"]
+    budgets = [50, 3, 9, 5, 12, 4, 7, 6, 10, 8, 5, 11]  # "story" outlives the others (no eos within 50)
+    ids = [encode(lm, PROMPTS[name]) for name in names]
+    expected = {str(i): generate_alone(lm, ids[i], budgets[i]) for i in range(len(names))}
+    assert len(expected["0"]) == budgets[0]
+    engine = GenerationEngine(lm.model, max_batch_size=4)
+    queue = iter(range(len(names)))
+    for i in itertools.islice(queue, 4):
+        engine.add(request(lm, str(i), ids[i], budgets[i]))
+    seen: dict[str, list[int]] = {}
+    alone: list[int] = []  # engine.rows at each step while "story" runs alone
+    while engine.has_work():
+        for out in engine.step():
+            seen.setdefault(out.request_id, []).append(out.token_id)
+            if out.finish_reason is not None and (nxt := next(queue, None)) is not None:
+                engine.add(request(lm, str(nxt), ids[nxt], budgets[nxt]))
+        assert engine.rows <= 4
+        if engine.running == 1 and not engine.waiting:
+            alone.append(engine.rows)
+    assert seen == expected
+    assert engine.rebuilds == 2, f"{engine.rebuilds} rebuilds for {len(names) - 4} joins: rows not reused"
+    assert alone[0] > 1, "free rows are kept a while for joiners"
+    assert alone.index(1) <= COMPACT_AFTER_STEPS, "then dropped"
+    assert engine.rows == 0
 
 
 def test_seeded_sampling_reproduces_tokens_alone_and_in_a_batch(demo_gpt: LoadedModel) -> None:
