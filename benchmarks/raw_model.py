@@ -2,7 +2,8 @@
 
 Prints one JSON object: generation tokens/s of plain batched ``model.generate`` per batch size, the
 prefill-to-first-token time of one request, and MiniLM embeddings/s per batch size. Run it alone (it is
-started as a child process by online.py so torch has the cores to itself).
+started as a child process by online.py so torch has the cores to itself); ``--threads N`` gives torch N
+threads (online.py's floor: the model on the threads a worker gets).
 """
 
 from __future__ import annotations
@@ -32,7 +33,12 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt", default="Tell me about the river and the stone wall.")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch intra-op threads (default: torch's, one per core)"
+    )
     args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     settings = load_settings(PlatformSettings)
     gen = load_generation_model(current_model_dir(settings.cache_dir, "demo-gpt"), device="auto")
     prompt = list(gen.tokenizer(args.prompt)["input_ids"])

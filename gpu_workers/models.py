@@ -84,8 +84,18 @@ def configure_openmp(wait_policy: str) -> None:
     os.environ["OMP_WAIT_POLICY"] = wait_policy.upper()
 
 
+def default_torch_threads() -> int:
+    """Half the cores this process may use, at least one: a worker shares its box with its own Kafka
+    threads, the edge, the broker and often another worker. Measured on 2 cores (docs/perf): demo-gpt at
+    batch 32 made 6.1k tok/s with a 2-thread team whose threads sleep between ops (``OMP_WAIT_POLICY``
+    passive, the worker's default), 12.4k with spinning threads (which starve the other processes) and
+    10.3k with one thread; MiniLM did 177 embeddings/s with one thread against 170/s with two."""
+    return max(1, len(os.sched_getaffinity(0)) // 2)
+
+
 def configure_torch_threads(threads: int | None = None) -> int:
-    """Give torch one intra-op team sized to the machine's cores and a single inter-op thread.
+    """Give torch one intra-op team (``threads``, else :func:`default_torch_threads`) and a single inter-op
+    thread.
 
     Model calls must all run on ONE dedicated thread (see docs): a second thread running torch starts a
     second OpenMP team and on 2 cores each MiniLM call slows from ~5 ms to ~12 ms. Call it from the model
@@ -96,7 +106,7 @@ def configure_torch_threads(threads: int | None = None) -> int:
     global _THREADS
     if threads is not None:
         _THREADS = threads
-    wanted = _THREADS if _THREADS is not None else max(1, len(os.sched_getaffinity(0)))
+    wanted = _THREADS if _THREADS is not None else default_torch_threads()
     if torch.get_num_threads() != wanted:
         torch.set_num_threads(wanted)
     if torch.get_num_interop_threads() != 1:
@@ -362,6 +372,7 @@ __all__ = [
     "build_demo_gpt",
     "configure_openmp",
     "configure_torch_threads",
+    "default_torch_threads",
     "demo_corpus",
     "load_embedding_model",
     "load_generation_model",

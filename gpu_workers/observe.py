@@ -84,6 +84,7 @@ class WorkerObserver:
         self._model = model_id
         self._worker = worker_id
         self._stays: dict[str, _Stay] = {}
+        self._child = metrics.Children()
 
     def joined(self, request_id: str, batch: int, budget_ratio: float) -> None:
         stay = self._stays.setdefault(request_id, _Stay())
@@ -94,12 +95,13 @@ class WorkerObserver:
         self._stays.setdefault(request_id, _Stay()).chunks += 1
 
     def tick(self, load: RunnerLoad, seconds: float) -> None:
-        metrics.WORKER_RUNNING.labels(self._model).set(load.running)
-        metrics.WORKER_WAITING.labels(self._model).set(load.waiting)
-        metrics.TOKEN_BUDGET.labels(self._model).set(load.budget_ratio)
+        child, model = self._child, self._model
+        child(metrics.WORKER_RUNNING, model).set(load.running)
+        child(metrics.WORKER_WAITING, model).set(load.waiting)
+        child(metrics.TOKEN_BUDGET, model).set(load.budget_ratio)
         if load.batch:
-            metrics.BATCH_SIZE.labels(self._model).observe(load.batch)
-            metrics.STEP_SECONDS.labels(self._model).observe(seconds)
+            child(metrics.BATCH_SIZE, model).observe(load.batch)
+            child(metrics.STEP_SECONDS, model).observe(seconds)
 
     def finishing(
         self,
@@ -158,20 +160,21 @@ class WorkerObserver:
         result: RequestFinished,
         received_ns: int | None,
     ) -> None:
+        child = self._child
         labels = (self._model, event.model_version)
-        metrics.WORKER_REQUESTS.labels(*labels, result.status).inc()
+        child(metrics.WORKER_REQUESTS, *labels, result.status).inc()
         tenant = (metrics.tenant_label(event.tenant), *labels)
-        metrics.WORKER_PROMPT_TOKENS.labels(*tenant).inc(result.usage.prompt_tokens)
-        metrics.WORKER_GENERATION_TOKENS.labels(*tenant).inc(result.usage.completion_tokens)
+        child(metrics.WORKER_PROMPT_TOKENS, *tenant).inc(result.usage.prompt_tokens)
+        child(metrics.WORKER_GENERATION_TOKENS, *tenant).inc(result.usage.completion_tokens)
         if received_ns is None:
             return
         timings = result.timings
         if timings.started is not None:
-            metrics.QUEUE_WAIT.labels(*labels).observe(_since(received_ns, timings.started))
+            child(metrics.QUEUE_WAIT, *labels).observe(_since(received_ns, timings.started))
         if timings.first_token is not None and isinstance(event, GenerationRequested):
-            metrics.WORKER_TTFT.labels(*labels).observe(_since(received_ns, timings.first_token))
+            child(metrics.WORKER_TTFT, *labels).observe(_since(received_ns, timings.first_token))
         if timings.finished is not None:
-            metrics.WORKER_E2E.labels(*labels).observe(_since(received_ns, timings.finished))
+            child(metrics.WORKER_E2E, *labels).observe(_since(received_ns, timings.finished))
 
     def _phases(
         self, parent: Span, received_ns: int, stay: _Stay, result: RequestFinished, embed: bool

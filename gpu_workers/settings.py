@@ -19,8 +19,10 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     worker_device: str = "auto"
     """``auto`` (CUDA if present, else CPU), ``cpu``, ``cuda``, ``cuda:1`` …"""
     worker_torch_threads: Annotated[int, msgspec.Meta(ge=1)] | None = None
-    """torch intra-op threads; unset: one per core this process may use. On a machine shared with the
-    edge and Kafka, fewer threads than cores avoids OpenMP teams spinning against the other processes."""
+    """torch intra-op threads; unset: half the cores this process may use, at least one (on a box shared
+    with the edge, Kafka and other workers a team as wide as the box either spins against them or, with
+    passive threads, wakes them at every op: on 2 cores generation ran at half speed; docs/perf). On a
+    dedicated CPU box serving a large model, give it the cores it has."""
     worker_omp_wait_policy: Literal["passive", "active"] = "passive"
     """OpenMP's ``OMP_WAIT_POLICY`` for torch's threads (an ``OMP_WAIT_POLICY`` already in the environment
     wins). ``active`` threads spin between ops; on a box shared with the edge, Kafka and another worker a

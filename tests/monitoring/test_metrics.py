@@ -107,3 +107,15 @@ def test_drift_metrics_are_in_the_exposition(model: str) -> None:
     assert f'sluice_drift_verdict{{model="{model}",verdict="no_drift",version="v1"}} 1.0' in text
     assert f'sluice_drift_feature_statistic{{feature="output_chars",model="{model}"}} 0.2' in text
     assert 'sluice_drift_evaluation_seconds_bucket{le="0.5"}' in text
+
+
+def test_children_remember_labelled_series_and_count_into_the_registry(model: str) -> None:
+    child = metrics.Children(limit=2)
+    first = child(metrics.WORKER_REQUESTS, model, "v1", "completed")
+    assert child(metrics.WORKER_REQUESTS, model, "v1", "completed") is first
+    assert child(metrics.WORKER_REQUESTS, model, "v1", "failed") is not first
+    first.inc(3)
+    child(metrics.WORKER_REQUESTS, model, "v2", "completed").inc()  # over the limit: starts over
+    child(metrics.WORKER_REQUESTS, model, "v1", "completed").inc()
+    labels = {"model": model, "version": "v1", "status": "completed"}
+    assert REGISTRY.get_sample_value("sluice_worker_requests_total", labels) == 4
