@@ -31,6 +31,7 @@ worker crash streams the same text).
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -392,13 +393,11 @@ class GenerationEngine:
         if first > 0:
             batch.mask = batch.mask[:, first:]
             for layer in batch.cache.layers:
-                layer.keys = layer.keys[:, :, first:]
-                layer.values = layer.values[:, :, first:]
+                layer.trim(first)
 
     def _rebuild(self, keep: list[int], joined: tuple[list[_Seq], Any, torch.Tensor] | None) -> None:
         """New membership: kept rows (trimmed of all-padding columns) plus joiners, re-padded to one length."""
         import torch
-        from transformers import DynamicCache
 
         self._rebuilds += 1
         batch = self._batch
@@ -435,7 +434,7 @@ class GenerationEngine:
         rows: list[_Seq | None] = [s for p in parts for s in p[0]]
         self._batch = _Batch(
             seqs=rows,
-            cache=DynamicCache(ddp_cache_data=data),
+            cache=_growing_cache(data),
             mask=torch.cat([pad(p[2]) for p in parts]),
             live=len(rows),
         )
@@ -485,6 +484,62 @@ def sample_token(logits: torch.Tensor, req: SeqRequest, generator: torch.Generat
         scores = scores.scatter(0, order[drop], float("-inf"))
     probs = scores.softmax(dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def _growing_cache(data: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+    """A ``DynamicCache`` holding ``data`` in layers that grow in place (:func:`_growing_layer_class`)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(ddp_cache_data=data)
+    layer = _growing_layer_class()
+    cache.layers = [layer(keys, values) for keys, values in data]
+    return cache
+
+
+@functools.cache
+def _growing_layer_class() -> type:
+    """transformers' ``DynamicLayer`` over a buffer with room to grow. Its ``update`` concatenates: a copy
+    of the whole cache per layer per decode step (~9 % of the engine's time at batch 32 here); this one
+    writes the new column into the buffer. ``keys``/``values`` are views of the live columns, ``trim``
+    drops leading ones, and a full buffer moves to one twice the live size (one copy per doubling)."""
+    from transformers.cache_utils import DynamicLayer
+
+    class GrowingLayer(DynamicLayer):  # type: ignore[no-untyped-call]
+        def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+            super().__init__()  # type: ignore[no-untyped-call]
+            self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
+            self._move(keys, values, room=0)
+
+        def _move(self, keys: torch.Tensor, values: torch.Tensor, room: int) -> None:
+            live = keys.shape[-2]
+            shape = (*keys.shape[:2], max(64, 2 * (live + room)), keys.shape[3])
+            self.kbuf, self.vbuf = keys.new_empty(shape), values.new_empty(shape)
+            self.kbuf[:, :, :live] = keys
+            self.vbuf[:, :, :live] = values
+            self.start, self.end = 0, live
+            self._views()
+
+        def _views(self) -> None:
+            self.live_keys = self.keys = self.kbuf[:, :, self.start : self.end]
+            self.live_values = self.values = self.vbuf[:, :, self.start : self.end]
+
+        def update(
+            self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            n = key_states.shape[-2]
+            if self.end + n > self.kbuf.shape[2]:
+                self._move(self.live_keys, self.live_values, room=n)
+            self.kbuf[:, :, self.end : self.end + n] = key_states
+            self.vbuf[:, :, self.end : self.end + n] = value_states
+            self.end += n
+            self._views()
+            return self.live_keys, self.live_values
+
+        def trim(self, columns: int) -> None:
+            self.start += columns
+            self._views()
+
+    return GrowingLayer
 
 
 def _layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -13,6 +13,7 @@ from gpu_workers.engine import (
     GenerationRuntime,
     SeqRequest,
     StepOutput,
+    _growing_cache,
     engine_throughput,
     raw_generate_throughput,
     sample_token,
@@ -243,3 +244,25 @@ def test_throughput_helpers_measure(demo_gpt: LoadedModel) -> None:
     prompts = [encode(demo_gpt, PROMPTS[name]) for name in ("chat", "story", "short")]
     assert raw_generate_throughput(demo_gpt.model, prompts, max_new_tokens=4, batch_size=2) > 0
     assert engine_throughput(demo_gpt.model, prompts, max_new_tokens=4, batch_size=2) > 0
+
+
+def test_the_growing_cache_layer_matches_concatenation_through_growth_and_trims() -> None:
+    """The decode cache's layers write each step into a buffer (doubling when full) instead of
+    concatenating; what the model sees must be exactly what concatenation gives, trims included."""
+    gen = torch.Generator().manual_seed(0)
+    keys, values = torch.randn(3, 2, 5, 4, generator=gen), torch.randn(3, 2, 5, 4, generator=gen)
+    cache = _growing_cache([(keys, values)])
+    layer = cache.layers[0]
+    ref_k, ref_v = keys, values
+    for step in range(150):  # past 64, 2x and 4x the first buffer
+        k, v = torch.randn(3, 2, 1, 4, generator=gen), torch.randn(3, 2, 1, 4, generator=gen)
+        ref_k, ref_v = torch.cat([ref_k, k], dim=-2), torch.cat([ref_v, v], dim=-2)
+        out_k, out_v = cache.update(k, v, 0)
+        if step % 40 == 39:  # leading columns nobody attends to go
+            layer.trim(7)
+            ref_k, ref_v = ref_k[:, :, 7:], ref_v[:, :, 7:]
+            out_k, out_v = layer.keys, layer.values
+        assert torch.equal(out_k, ref_k)
+        assert torch.equal(out_v, ref_v)
+        assert cache.get_seq_length() == ref_k.shape[-2]
+    assert layer.kbuf.shape[2] > 64, "the buffer grew (moved) on the way"
