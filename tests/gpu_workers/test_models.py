@@ -22,6 +22,7 @@ from gpu_workers.models import (
     build_demo_gpt,
     configure_openmp,
     configure_torch_threads,
+    default_torch_threads,
     demo_corpus,
     list_versions,
     load_embedding_model,
@@ -156,9 +157,9 @@ def test_prepare_models(
         prepare_models(PlatformSettings(cache_dir=str(tmp_path), models=(), model_paths=("no-path",)))
 
 
-def test_configure_torch_threads() -> None:
+def test_configure_torch_threads_defaults_to_half_the_cores() -> None:
     threads = configure_torch_threads()
-    assert threads == len(os.sched_getaffinity(0))
+    assert threads == default_torch_threads() == max(1, len(os.sched_getaffinity(0)) // 2)
     assert torch.get_num_threads() == threads
     assert configure_torch_threads() == threads
 
