@@ -5,8 +5,10 @@ Every terminal event gets :class:`~schemas.events.DriftFeatures`: a profile of t
 mean log-probability and entropy when the runner measured them, and for 1 in ``SLUICE_DRIFT_SAMPLE``
 requests a MiniLM embedding of the prompt. An embedding request's own first vector is that embedding when
 the served model is MiniLM; a generation worker embeds the prompt with a small MiniLM it loads next to its
-model (one forward of ~13 ms with one torch thread on this CPU, so 1 in 20 costs ~0.7 ms per request
-on average; `benchmarks/drift_detection.py`).
+model. A MiniLM forward of one short text costs ~8 ms on one thread here, most of it per call, not per
+text, and it stalls the whole running batch: so sampled prompts are queued when their request starts
+(:meth:`FeatureProbe.expect`) and embedded together when the first of them finishes; the others find
+their vectors ready. Under saturation a request runs ~0.5 s, long enough for a few sampled companions.
 
 None of this holds text: the streams worker turns the features into a ``drift_features`` row.
 """
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import msgspec
 
@@ -26,9 +28,14 @@ if TYPE_CHECKING:
     from pathlib import Path
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
-EmbedText = Callable[[str], Sequence[float]]
-"""A prompt's text to a unit vector (MiniLM), run on the model thread."""
+EmbedTexts = Callable[[Sequence[str]], Sequence[Sequence[float]]]
+"""Prompts' texts to unit vectors (MiniLM), in one batch, run on the model thread."""
+
+MAX_HELD = 256
+"""Prompts queued and vectors computed ahead, at most (a request that never ends here, e.g. its partition
+moved, must not leak): past it the oldest go."""
 
 EMBEDDING_DECIMALS = 6
 """Embeddings travel rounded: ~9 characters a component instead of ~20, and no drift test can tell."""
@@ -37,11 +44,24 @@ EMBEDDING_DECIMALS = 6
 class FeatureProbe:
     """``features(event, result)``: the drift features of one request (pure, apart from the embedder)."""
 
-    def __init__(self, sample_one_in: int, embed: EmbedText | None = None, *, own_vectors: bool = False):
+    def __init__(self, sample_one_in: int, embed: EmbedTexts | None = None, *, own_vectors: bool = False):
         self._one_in = sample_one_in
         self._embed = embed
         self._own_vectors = own_vectors
         """The served model is the drift embedder itself: a request's first vector is its embedding."""
+        self._queued: dict[str, str] = {}
+        """Sampled prompts of requests that started, by request id, to embed together."""
+        self._ready: dict[str, Sequence[float]] = {}
+        """Vectors embedded with another request's, waiting for their own request to finish."""
+        self.calls = 0
+        """Embedder calls so far."""
+
+    def expect(self, event: GenerationRequested | EmbeddingRequested) -> None:
+        """The request starts here: if it is sampled for an embedding, queue its prompt."""
+        if self._embed is None or self._own_vectors or not isinstance(event, GenerationRequested):
+            return
+        if event.prompt and sampled(event.request_id, self._one_in):
+            _hold(self._queued, event.request_id, event.prompt)
 
     def features(
         self, event: GenerationRequested | EmbeddingRequested, result: RequestFinished
@@ -82,15 +102,36 @@ class FeatureProbe:
             return vectors[0] if vectors else None
         if self._embed is None or not prompt:
             return None
+        request_id = event.request_id
+        ready = self._ready.pop(request_id, None)
+        if ready is not None:
+            return ready
+        self._queued.pop(request_id, None)
+        ids = [request_id, *self._queued][:MAX_BATCH]
+        texts = [prompt, *(self._queued.pop(other) for other in ids[1:])]
+        self.calls += 1
         try:
-            return self._embed(prompt)
+            embedded = self._embed(texts)
         except Exception:  # a feature must never fail the request it describes
-            log.exception("drift embedding of %s failed", event.request_id)
+            log.exception("drift embedding of %s failed", request_id)
             return None
+        for other, vector in zip(ids[1:], embedded[1:], strict=True):
+            _hold(self._ready, other, vector)
+        return embedded[0]
 
 
-def minilm_embedder(model_dir: Path, device: str, max_tokens: int = 128) -> EmbedText:
-    """Load MiniLM from the model cache and return a one-text embedder; call it on the model thread."""
+MAX_BATCH = 32
+"""Prompts embedded in one call at most."""
+
+
+def _hold(held: dict[str, T], key: str, value: T) -> None:
+    held[key] = value
+    while len(held) > MAX_HELD:
+        del held[next(iter(held))]
+
+
+def minilm_embedder(model_dir: Path, device: str, max_tokens: int = 128) -> EmbedTexts:
+    """Load MiniLM from the model cache and return a batch embedder; call it on the model thread."""
     from gpu_workers.embedding import EmbeddingEngine
     from gpu_workers.models import load_embedding_model
 
@@ -98,10 +139,10 @@ def minilm_embedder(model_dir: Path, device: str, max_tokens: int = 128) -> Embe
     engine = EmbeddingEngine(loaded.model, max_length=max_tokens)
     tokenizer = loaded.tokenizer
 
-    def embed(text: str) -> Sequence[float]:
-        ids: list[int] = tokenizer(text, truncation=True, max_length=max_tokens)["input_ids"]
-        vector: Sequence[float] = engine.embed([ids])[0].tolist()
-        return vector
+    def embed(texts: Sequence[str]) -> Sequence[Sequence[float]]:
+        ids: list[list[int]] = tokenizer(list(texts), truncation=True, max_length=max_tokens)["input_ids"]
+        vectors: list[list[float]] = engine.embed(ids).tolist()
+        return vectors
 
-    embed("warm up")
+    embed(["warm up"])
     return embed

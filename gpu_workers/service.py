@@ -579,6 +579,8 @@ class WorkerService(Component):
         self._live[request_id] = item
         with self._offsets_lock:
             self._running[item.tp] += 1
+        if self._probe is not None:
+            self._probe.expect(item.event)
         runner.accept(item, emit)
         if self._early_cancels.pop(request_id, None) is not None:
             runner.cancel(request_id, emit)  # cancelled before it arrived: never runs

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from gpu_workers.features import FeatureProbe
+from gpu_workers.features import MAX_BATCH, MAX_HELD, FeatureProbe
 from schemas.events import (
     DriftFeatures,
     EmbeddingRequested,
@@ -66,20 +66,44 @@ def test_empty_and_refused_outputs_are_flagged_failed_ones_are_not_measured() ->
 
 
 def test_sampled_prompts_are_embedded_others_not() -> None:
-    seen: list[str] = []
+    seen: list[list[str]] = []
 
-    def embed(text: str) -> Sequence[float]:
-        seen.append(text)
-        return [0.1234567891, -0.5]
+    def embed(texts: Sequence[str]) -> Sequence[Sequence[float]]:
+        seen.append(list(texts))
+        return [[0.1234567891, -0.5] for _ in texts]
 
     probe = FeatureProbe(4, embed)
     assert probe.features(request(sampled_id()), finished()).embedding == [0.123457, -0.5]
     assert probe.features(request(unsampled_id()), finished()).embedding is None
-    assert seen == [PROMPT]
+    assert seen == [[PROMPT]]
+
+
+def test_prompts_sampled_while_others_run_are_embedded_in_one_call() -> None:
+    """A MiniLM call costs mostly per call: prompts queued at their requests' start are embedded together
+    when the first of them finishes, and the others find their vectors ready."""
+    seen: list[list[str]] = []
+
+    def embed(texts: Sequence[str]) -> Sequence[Sequence[float]]:
+        seen.append(list(texts))
+        return [[float(len(text)), 0.0] for text in texts]
+
+    probe = FeatureProbe(1, embed)
+    events = [request(f"r-{i}", prompt="x" * (i + 1)) for i in range(3)]
+    for event in events:
+        probe.expect(event)
+    probe.expect(request("never-ends", prompt="gone"))  # e.g. its partition moved: held, bounded
+    got = {e.request_id: probe.features(e, finished()).embedding for e in reversed(events)}
+    assert got == {"r-0": [1.0, 0.0], "r-1": [2.0, 0.0], "r-2": [3.0, 0.0]}
+    assert probe.calls == 1
+    assert sorted(seen[0]) == ["gone", "x", "xx", "xxx"]
+    for i in range(MAX_HELD + 10):  # bounded however many start and never finish here
+        probe.expect(request(f"q-{i}", prompt="p"))
+    assert probe.features(events[0], finished()).embedding == [1.0, 0.0]
+    assert len(seen[-1]) == MAX_BATCH
 
 
 def test_an_embedder_that_fails_costs_the_feature_not_the_request() -> None:
-    def broken(text: str) -> Sequence[float]:
+    def broken(texts: Sequence[str]) -> Sequence[Sequence[float]]:
         raise RuntimeError("out of memory")
 
     got = FeatureProbe(1, broken).features(request(), finished())
