@@ -49,7 +49,7 @@ from confluent_kafka import Message
 from opentelemetry.trace import Span, SpanKind
 
 from bus.consumer import ConsumerThread, consumer_config, dead_letter
-from bus.control import latest_deployments
+from bus.control import read_control
 from bus.errors import BusError
 from bus.producer import DeliveryCallback, EventProducer
 from monitoring import metrics, tracing
@@ -77,7 +77,7 @@ from streams.anchor import (
     audit_records,
 )
 from streams.audit import AuditHead, admin_entry, audit_row, request_entry
-from streams.control import LAST_BUDGET_STATES, SPEND_TODAY, Controller, WindowCounts, burn_sql
+from streams.control import SPEND_TODAY, Controller, WindowCounts, burn_sql
 from streams.drift import DriftMonitor, report_row
 from streams.pricing import PriceTable
 from streams.rollout import RolloutController
@@ -192,7 +192,6 @@ class StreamsApp(AsyncComponent):
         """Chains whose warehouse rows disagree with the audit topic (why): their rows are withheld."""
         self._anchor_timeout_s = settings.streams_audit_anchor_timeout_s
         self._controller = controller
-        self._seeded = False
         self._last_batch_at: float | None = None
         self._last_batch_full = False
         self._stored_until_ms = 0
@@ -214,10 +213,16 @@ class StreamsApp(AsyncComponent):
 
     async def _start(self) -> None:
         await self.anchor()
-        latest = await asyncio.to_thread(
-            latest_deployments, self._kafka, self.names.control, f"{SOURCE}-rollout"
-        )
-        self.rollout.seed(latest.values())  # resume every rollout where the log says it is
+        control = await asyncio.to_thread(read_control, self._kafka, self.names.control, f"{SOURCE}-start")
+        deployments = {e.model: e for e in control if isinstance(e, DeploymentChanged)}
+        self.rollout.seed(deployments.values())  # resume every rollout where the log says it is
+        if self._controller is not None:
+            # The budget states last announced, from the log itself: the warehouse may not hold the last
+            # one yet (a process stopped right after announcing it), and a state the controller does not
+            # know it announced is never announced back (a raised limit would leave the tenant refused).
+            self._controller.seed(
+                {e.tenant: e.exhausted for e in control if isinstance(e, BudgetStateChanged)}
+            )
         await self.drift.prepare()
         self._loop = asyncio.get_running_loop()
         for interval, work in self._every:
@@ -375,10 +380,6 @@ class StreamsApp(AsyncComponent):
         if controller is None:
             return
         try:
-            if not self._seeded:
-                states = await self._read(LAST_BUDGET_STATES)
-                controller.seed({r["tenant"]: bool(r["exhausted"]) for r in states})
-                self._seeded = True
             spend = await self._read(SPEND_TODAY)
             burns: list[dict[str, Any]] = []
             for minutes in controller.windows:

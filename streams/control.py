@@ -13,7 +13,8 @@ the burn-rate windows, and :class:`Controller` turns them into events *when a st
   these.
 
 The control topic is compacted, so its latest event per key is the state; a restarted controller reads
-nothing back and may announce a state again, which consumers treat as idempotent.
+the budget states back from it (:meth:`Controller.seed`) and may announce a burn-rate state again, which
+consumers treat as idempotent.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ class Controller:
         self.windows = windows(slo, "page")
 
     def seed(self, exhausted: Mapping[str, bool]) -> None:
-        """The budget states last announced (read back from the warehouse at start), so a tenant that
+        """The budget states last announced (read back from the control topic at start), so a tenant that
         was cut off and has since left the budgets file, or got a higher limit, is announced again."""
         self._exhausted.update(exhausted)
 
@@ -149,10 +150,6 @@ class Controller:
         return events
 
 
-LAST_BUDGET_STATES = (
-    "SELECT tenant, JSONExtractBool(argMax(payload, time), 'exhausted') AS exhausted FROM events_raw "
-    "WHERE type = 'budget_state_changed' GROUP BY tenant"
-)
 SPEND_TODAY = "SELECT tenant, sum(cost_nanos) AS spent FROM spend_day WHERE day = today() GROUP BY tenant"
 
 

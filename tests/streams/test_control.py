@@ -30,7 +30,7 @@ def test_a_budget_is_announced_when_crossed_and_when_it_clears() -> None:
 
 def test_a_restarted_controller_clears_what_an_earlier_one_announced() -> None:
     controller = Controller(Budgets(daily_usd={"acme": 1.0}), DEFAULT_CONFIG)
-    controller.seed({"acme": True, "gone": True})  # read back from the warehouse
+    controller.seed({"acme": True, "gone": True})  # read back from the control topic
     events = controller.budgets({"acme": 10})
     assert sorted((e.tenant, e.exhausted) for e in events if isinstance(e, BudgetStateChanged)) == [
         ("acme", False),
