@@ -106,10 +106,13 @@ class _Batch:
     seqs: list[_Seq | None] = field(default_factory=list)
     cache: Any = None  # DynamicCache
     mask: torch.Tensor | None = None
-    live: int = 0
-    """Rows holding a sequence."""
     idle_steps: int = 0
     """Steps in a row with free rows and nothing waiting to take them."""
+
+    @property
+    def live(self) -> int:
+        """Rows holding a sequence."""
+        return sum(seq is not None for seq in self.seqs)
 
     def live_rows(self) -> list[int]:
         return [i for i, seq in enumerate(self.seqs) if seq is not None]
@@ -239,6 +242,7 @@ class GenerationEngine:
         seqs = batch.seqs
         device = self._device
         live = batch.live_rows()
+        running = [seq for seq in seqs if seq is not None]  # the rows of ``live``, in order
         last = [[0 if s is None else s.last_token] for s in seqs]
         position = [[0 if s is None else s.position] for s in seqs]
         batch.mask = torch.cat([batch.mask, batch.mask.new_ones((len(seqs), 1))], dim=1)
@@ -251,8 +255,7 @@ class GenerationEngine:
         )
         batch.cache = out.past_key_values
         logits = out.logits[:, -1, :]
-        running = [s for s in seqs if s is not None]
-        if len(running) != len(seqs):
+        if len(live) != len(seqs):
             logits = logits[live]
         tokens, logprobs, entropies = self._sample(logits, running)
         for j, row in enumerate(live):
@@ -346,7 +349,6 @@ class GenerationEngine:
         """The row's sequence is gone: from now on the row attends only to its own new columns."""
         batch = self._batch
         batch.seqs[row] = None
-        batch.live -= 1
         if batch.mask is not None:
             batch.mask[row] = 0
             batch.mask[row, -1] = 1  # never an all-masked row (a softmax over nothing)
@@ -370,7 +372,6 @@ class GenerationEngine:
             batch.mask[row] = 0
             batch.mask[row, length - n :] = 1
             batch.seqs[row] = seq
-            batch.live += 1
         if left:
             self._rebuild(batch.live_rows(), ([seqs[j] for j in left], _select(cache, left), mask[left]))
 
@@ -389,7 +390,7 @@ class GenerationEngine:
                 return
         if batch.mask is None:
             raise EngineError("engine batch has no mask")  # unreachable: rows always come with a mask
-        first = int(batch.mask.any(dim=0).to(batch.mask.dtype).argmax())
+        first = _first_attended(batch.mask)
         if first > 0:
             batch.mask = batch.mask[:, first:]
             for layer in batch.cache.layers:
@@ -404,7 +405,7 @@ class GenerationEngine:
         parts: list[tuple[list[_Seq], list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]] = []
         if keep and batch.mask is not None:
             mask = batch.mask[keep]
-            first = int((mask.sum(dim=0) > 0).nonzero()[0])  # leading columns no kept row attends to
+            first = _first_attended(mask)
             layers = [(k[keep, :, first:], v[keep, :, first:]) for k, v in _layers(batch.cache)]
             parts.append(
                 ([s for s in (batch.seqs[i] for i in keep) if s is not None], layers, mask[:, first:])
@@ -436,7 +437,6 @@ class GenerationEngine:
             seqs=rows,
             cache=_growing_cache(data),
             mask=torch.cat([pad(p[2]) for p in parts]),
-            live=len(rows),
         )
 
     # -------------------------------------------------------------------------------------------- sampling
@@ -486,11 +486,16 @@ def sample_token(logits: torch.Tensor, req: SeqRequest, generator: torch.Generat
     return int(torch.multinomial(probs, 1, generator=generator).item())
 
 
+def _first_attended(mask: torch.Tensor) -> int:
+    """The first column some row of ``mask`` attends to: the ones before it can go."""
+    return int(mask.any(dim=0).to(mask.dtype).argmax())
+
+
 def _growing_cache(data: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
     """A ``DynamicCache`` holding ``data`` in layers that grow in place (:func:`_growing_layer_class`)."""
     from transformers import DynamicCache
 
-    cache = DynamicCache(ddp_cache_data=data)
+    cache = DynamicCache()
     layer = _growing_layer_class()
     cache.layers = [layer(keys, values) for keys, values in data]
     return cache
@@ -517,27 +522,28 @@ def _growing_layer_class() -> type:
             self.kbuf[:, :, :live] = keys
             self.vbuf[:, :, :live] = values
             self.start, self.end = 0, live
-            self._views()
+            self._live()
 
-        def _views(self) -> None:
-            self.live_keys = self.keys = self.kbuf[:, :, self.start : self.end]
-            self.live_values = self.values = self.vbuf[:, :, self.start : self.end]
+        def _live(self) -> tuple[torch.Tensor, torch.Tensor]:
+            """``keys``/``values`` as views of the live columns; returned."""
+            keys, values = self.kbuf[:, :, self.start : self.end], self.vbuf[:, :, self.start : self.end]
+            self.keys, self.values = keys, values
+            return keys, values
 
         def update(
             self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
         ) -> tuple[torch.Tensor, torch.Tensor]:
             n = key_states.shape[-2]
             if self.end + n > self.kbuf.shape[2]:
-                self._move(self.live_keys, self.live_values, room=n)
+                self._move(*self._live(), room=n)
             self.kbuf[:, :, self.end : self.end + n] = key_states
             self.vbuf[:, :, self.end : self.end + n] = value_states
             self.end += n
-            self._views()
-            return self.live_keys, self.live_values
+            return self._live()
 
         def trim(self, columns: int) -> None:
             self.start += columns
-            self._views()
+            self._live()
 
     return GrowingLayer
 
