@@ -7,6 +7,8 @@ CLI, ``sluice up`` at start, the rollout controller at start) call :func:`latest
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from confluent_kafka import Consumer, TopicPartition
 
 from bus.consumer import consumer_config, read_to_end, watermarks
@@ -49,8 +51,9 @@ def read_control(kafka: KafkaConnection, topic: str, client_id: str, timeout: fl
 
 def latest_deployments(kafka: KafkaConnection, topic: str, client_id: str) -> dict[str, DeploymentChanged]:
     """model -> its latest ``DeploymentChanged`` (models never deployed through a rollout are absent)."""
-    latest: dict[str, DeploymentChanged] = {}
-    for event in read_control(kafka, topic, client_id):
-        if isinstance(event, DeploymentChanged):
-            latest[event.model] = event
-    return latest
+    return deployments_in(read_control(kafka, topic, client_id))
+
+
+def deployments_in(events: Iterable[Event]) -> dict[str, DeploymentChanged]:
+    """model -> its latest ``DeploymentChanged`` among ``events`` (in log order)."""
+    return {event.model: event for event in events if isinstance(event, DeploymentChanged)}
