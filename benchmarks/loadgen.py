@@ -53,9 +53,15 @@ async def ttft_once(session: aiohttp.ClientSession, url: str) -> float:
         return (first or float("nan")) * 1000
 
 
+def embed_text(n: int) -> str:
+    """The ``n``-th embedding input: a short sentence, 10-12 MiniLM tokens (the raw baseline embeds the
+    same ones)."""
+    return f"a short sentence about rivers and stones {n}"
+
+
 async def embed(session: aiohttp.ClientSession, url: str, n: int) -> int:
     """One embedding request; 1 (the number of inputs embedded)."""
-    body = {"model": "all-minilm-l6-v2", "input": f"a short sentence about rivers and stones {n}"}
+    body = {"model": "all-minilm-l6-v2", "input": embed_text(n)}
     async with session.post(f"{url}/v1/embeddings", json=body, headers=AUTH) as response:
         if response.status != 200:
             raise RuntimeError(await response.text())

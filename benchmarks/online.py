@@ -3,7 +3,8 @@ saturation, added time to first token at low load, embeddings with dynamic batch
 and the same load (embeddings and generation at 1 and 64 clients) against a naive aiohttp server and Ray
 Serve, with the ratios platform/raw, platform/Ray and platform/naive.
 
-    python benchmarks/online.py [--quick] [--peers naive,ray] [--ray-python PATH] [--out FILE]
+    python benchmarks/online.py [--quick] [--peers naive,ray] [--ray-python PATH] [--worker-cpus auto]
+                                [--out FILE]
 
 It starts its own Kafka (unless SLUICE_KAFKA_BOOTSTRAP is set) on free ports, one ``sluice worker`` per
 model and one ``sluice edge`` as separate processes, and drives them over HTTP from this process
@@ -29,6 +30,8 @@ serving box, and other work on the machine moves them a lot (load average is pri
 model at its best (alone, torch's threads on every core) the table gives the **floor**: the same model on
 the threads a worker gets (``--torch-threads``, default ``default_torch_threads()``: half the cores), the
 share of the box the platform can give the model while Kafka, the edge and the clients run on the rest.
+While the platform runs, the box is split as ``sluice up`` splits it (``--worker-cpus``, default ``auto``):
+the workers on the upper half of the cores, this process (the clients), Kafka and the edge on the rest.
 
 Generation throughput at saturation is measured with twice as many clients as the worker's batch (the raw
 model's best): a closed-loop client holds its slot empty for its own round trip, so as many clients as
@@ -57,6 +60,7 @@ import comparison
 from harness import kafka, pct, service_env
 from loadgen import closed_loop, completion, embed, profile_all, ttft_once
 
+from bus.placement import available_cpus, pin_process, place_box
 from gpu_workers.models import default_torch_threads
 from infra.kafka.broker import free_port
 from infra.topics import TopicSizing, apply_topics, make_admin, platform_topics
@@ -70,9 +74,11 @@ class Services:
     """The worker and edge processes, each started with ``sluice`` like an operator would, each on its own
     free ops port, each with its output in a log file under ``logs`` (shown when something fails)."""
 
-    def __init__(self, env: dict[str, str], logs: Path) -> None:
+    def __init__(self, env: dict[str, str], logs: Path, worker_env: dict[str, str] | None = None) -> None:
         self.env = env
         self.logs = logs
+        self.worker_env = worker_env or {}
+        """Every worker's extra environment (its cores, ``place_box``), restarts included."""
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.ops: dict[str, int] = {}
 
@@ -82,7 +88,12 @@ class Services:
         with (self.logs / f"{name}.log").open("wb") as log:  # the child keeps its own descriptor
             self.procs[name] = subprocess.Popen(
                 [sys.executable, "-m", "sluice", *args],
-                env={**self.env, "SLUICE_WORKER_OPS_PORT": str(ops), **(extra or {})},
+                env={
+                    **self.env,
+                    **(self.worker_env if args[0] == "worker" else {}),
+                    "SLUICE_WORKER_OPS_PORT": str(ops),
+                    **(extra or {}),
+                },
                 stdout=log,
                 stderr=subprocess.STDOUT,
             )
@@ -346,6 +357,12 @@ def main() -> None:
         help="a Python with ray[serve] (default: this one if it has Ray, else "
         "<SLUICE_CACHE_DIR>/venvs/ray-peer/bin/python if present; else Ray is 'not installed')",
     )
+    parser.add_argument(
+        "--worker-cpus",
+        default="auto",
+        help="cores for the workers while the platform runs, as `sluice up --worker-cpus` (default auto: "
+        "the upper half, this process with Kafka, the edge and the clients on the rest; 'off': no pinning)",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "online.json")
     args = parser.parse_args()
     settings = load_settings(PlatformSettings)
@@ -375,6 +392,11 @@ def main() -> None:
             text=True,
         ).stdout.splitlines()[-1]
     )
+    # Placed as `sluice up` places it: the workers on their cores, this process (the clients) and what it
+    # starts (Kafka, the edge) on the others; the peers afterwards run where the OS puts them.
+    own_cores = available_cpus()
+    placed, worker_env = place_box(args.worker_cpus)
+    print(placed or "no CPU placement", file=sys.stderr)
     with kafka(settings) as conn:
         prefix = f"bench{int(time.time())}"
         names = TopicNames(prefix)
@@ -389,7 +411,7 @@ def main() -> None:
             SLUICE_WORKER_MAX_RUNNING=str(max(int(b) for b in raw["generation_tokens_per_s"])),
         )
         env["SLUICE_WORKER_TORCH_THREADS"] = str(threads)  # the peers get the same
-        services = Services(env, Path(tempfile.mkdtemp(prefix="sluice-bench-logs-")))
+        services = Services(env, Path(tempfile.mkdtemp(prefix="sluice-bench-logs-")), worker_env)
         try:
             services.start("gen", ["worker", "--model", "demo-gpt"])
             services.start("embed", ["worker", "--model", "all-minilm-l6-v2"])
@@ -402,6 +424,8 @@ def main() -> None:
             raise
         finally:
             services.stop_all()
+    if own_cores:
+        pin_process(own_cores)
     peers = run_peers(args, raw, cast(comparison.Profiles, result.pop("platform_profiles")), settings, env)
     result["machine"] = {
         "cpus": os.cpu_count(),
@@ -410,6 +434,7 @@ def main() -> None:
         "device": raw["device"],
         "quick": args.quick,
         "worker_torch_threads": threads,
+        "placement": placed or "off",
         "load_avg_start": load_before,
         "load_avg_end": os.getloadavg(),
     }

@@ -14,6 +14,7 @@ import msgspec
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 
 from bus.errors import BusError
+from bus.placement import native_threads
 from bus.producer import EventProducer
 from monitoring.metrics import CONSUMER_LAG, DEAD_LETTERS
 from schemas.codec import MAX_RECORD_BYTES, DecodeError, decode
@@ -139,7 +140,8 @@ class ConsumerThread(Component):
         if self._stats_interval_ms > 0:
             config["statistics.interval.ms"] = self._stats_interval_ms
             config["stats_cb"] = self._on_stats
-        self._consumer = Consumer(config)
+        with native_threads():  # librdkafka's threads: off a worker's model cores (bus.placement)
+            self._consumer = Consumer(config)
         if self._subscribe:
             self._consumer.subscribe(
                 self._subscribe, on_assign=self._assigned, on_revoke=self._revoked, on_lost=self._lost

@@ -12,6 +12,7 @@ from typing import Any
 from confluent_kafka import KafkaError, Message, Producer
 
 from bus.errors import BusError
+from bus.placement import native_threads
 from schemas.codec import MAX_RECORD_BYTES, encode, headers, kafka_key
 from schemas.events import Event
 from schemas.lifecycle import Component
@@ -54,7 +55,8 @@ class EventProducer(Component):
 
     def __init__(self, kafka: KafkaConnection, client_id: str, **overrides: Any) -> None:
         super().__init__()
-        self._producer = Producer(producer_config(kafka, client_id, **overrides))
+        with native_threads():  # librdkafka's threads: off a worker's model cores (bus.placement)
+            self._producer = Producer(producer_config(kafka, client_id, **overrides))
         self._running = False
         self._thread: threading.Thread | None = None
         self._pending: dict[int, DeliveryCallback] = {}

@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from bus.placement import available_cpus, format_cpus, parse_cpus, pin_process, place_native_threads
 from gpu_workers.batching import BatcherConfig
 from gpu_workers.features import FeatureProbe
 from gpu_workers.flush import FlushPolicy
@@ -54,7 +55,9 @@ def runner_factory(
     def build_runner() -> Runner:
         from gpu_workers.models import configure_torch_threads, report_loaded
 
-        configure_torch_threads(worker.worker_torch_threads)
+        configure_torch_threads(
+            worker.worker_torch_threads or (len(available_cpus()) if worker.worker_cpus else None)
+        )
         manifest = read_manifest(model_dir)
         if manifest.task == "generation":
             from gpu_workers.engine import GenerationEngine
@@ -179,6 +182,24 @@ def model_dir_of(platform: PlatformSettings, model_id: str, version: str | None)
     if not path.is_dir():
         raise ManifestError(f"{model_id} has no version {version} (see `sluice models list`)")
     return path
+
+
+def place_worker(cpus: str) -> None:
+    """``SLUICE_WORKER_CPUS``: this process's threads onto ``cpus``, its Kafka clients' native threads onto
+    the cores it was started with minus those (none left: the same cores). Empty: nothing moves. Call it
+    first in a worker process: the threads started later inherit it (``sluice worker`` does)."""
+    if not cpus:
+        return
+    model = parse_cpus(cpus)
+    started_on = available_cpus()
+    pin_process(model)
+    rest = started_on - model
+    place_native_threads(rest or None)
+    log.info(
+        "worker on cores %s, Kafka's native threads on %s",
+        format_cpus(model),
+        format_cpus(rest) if rest else "the same",
+    )
 
 
 def run_worker(

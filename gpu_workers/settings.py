@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from bus.placement import parse_cpus
 from schemas.settings import register
 
 Positive = Annotated[int, msgspec.Meta(ge=1)]
@@ -23,6 +24,12 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     with the edge, Kafka and other workers a team as wide as the box either spins against them or, with
     passive threads, wakes them at every op: on 2 cores generation ran at half speed; docs/perf). On a
     dedicated CPU box serving a large model, give it the cores it has."""
+    worker_cpus: str = ""
+    """Cores (``taskset -c`` syntax: ``1``, ``2-7``) this worker runs on, its model thread and all its other
+    Python threads; its Kafka clients' native threads go to the cores it was started with minus these.
+    Unset: wherever the OS puts it. ``sluice up`` gives its workers half the box (``SLUICE_FLEET_WORKER_CPUS``)
+    and the edge, Kafka and the streams worker the other half: on 2 shared cores that made +10-20 %
+    throughput (bus/placement.py, docs/perf). With it set, torch's threads default to one per core here."""
     worker_omp_wait_policy: Literal["passive", "active"] = "passive"
     """OpenMP's ``OMP_WAIT_POLICY`` for torch's threads (an ``OMP_WAIT_POLICY`` already in the environment
     wins). ``active`` threads spin between ops; on a box shared with the edge, Kafka and another worker a
@@ -103,3 +110,5 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
 
     def __post_init__(self) -> None:
         self.tenant_weights()  # validate early
+        if self.worker_cpus:
+            parse_cpus(self.worker_cpus)

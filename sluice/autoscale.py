@@ -25,6 +25,7 @@ import msgspec
 from confluent_kafka import Consumer, TopicPartition
 
 from bus.consumer import consumer_config, watermarks
+from bus.placement import parse_cpus
 from schemas.settings import KafkaConnection, register
 from schemas.topics import worker_group
 
@@ -54,7 +55,16 @@ class FleetSettings(msgspec.Struct, frozen=True, kw_only=True):
     """Standby workers per autoscaled model: model loaded, not in the group, joined at once on a scale-out
     (then replaced). Each costs a worker's memory; 0: a scale-out waits for a model to load."""
 
+    fleet_worker_cpus: str = "auto"
+    """Cores for the workers (``taskset -c`` syntax), the rest of the box going to the ``sluice up`` process
+    (the edge) and what it starts (Kafka, the streams worker); ``auto``: the upper half of the cores it may
+    use (nothing pinned on one core), ``off``: nothing pinned. A model thread sharing its core with the
+    edge and Kafka waits on the run queue 10-20 % of the time (bus/placement.py, docs/perf).
+    ``SLUICE_WORKER_CPUS``, when set, names the workers' cores instead."""
+
     def __post_init__(self) -> None:
+        if self.fleet_worker_cpus not in ("auto", "off"):
+            parse_cpus(self.fleet_worker_cpus)
         if self.fleet_autoscale and self.fleet_max_workers < self.fleet_workers_per_model:
             raise ValueError(
                 f"SLUICE_FLEET_MAX_WORKERS ({self.fleet_max_workers}) is below SLUICE_FLEET_WORKERS_PER_MODEL "

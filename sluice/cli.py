@@ -982,6 +982,14 @@ def up(
             "--warm-workers", min=0, max=8, help="autoscaling's loaded standby workers per model (0)"
         ),
     ] = None,
+    worker_cpus: Annotated[
+        str | None,
+        typer.Option(
+            "--worker-cpus",
+            help="cores for the workers, e.g. '1' or '4-7'; the edge, Kafka and the streams worker get the "
+            "others; 'auto' (default): the upper half; 'off': no pinning (SLUICE_FLEET_WORKER_CPUS)",
+        ),
+    ] = None,
 ) -> None:
     """Run the platform on embedded defaults until Ctrl-C: Kafka, topics, the streams worker (warehouse,
     dashboard, drift monitor), models, workers per model (fixed or autoscaled on lag), and edges."""
@@ -993,6 +1001,7 @@ def up(
         "fleet_autoscale": autoscale,
         "fleet_max_workers": max_workers,
         "fleet_warm_workers": warm_workers,
+        "fleet_worker_cpus": worker_cpus,
     }
     overrides: dict[str, object] = {k: v for k, v in flags.items() if v is not None}
     raise typer.Exit(run_platform(settings(), out, console, port, overrides))

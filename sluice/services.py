@@ -111,13 +111,14 @@ def check_streams_exposure(platform: PlatformSettings, streams: StreamsSettings)
 
 def run_worker_process(platform: PlatformSettings, model_id: str, console: Console) -> int:
     from gpu_workers import GpuWorkerError
-    from gpu_workers.main import run_worker
+    from gpu_workers.main import place_worker, run_worker
     from monitoring.ops import OpsServerError
     from schemas.manifest import ManifestError
 
     try:
         worker = load_settings(WorkerSettings)
         check_worker_exposure(platform, worker)
+        place_worker(worker.worker_cpus)  # before its threads start: they inherit the cores
         provider = observe(f"worker/{model_id}", platform)
     except SettingsError as exc:
         console.print(f"[red]settings error:[/] {exc}")

@@ -24,6 +24,7 @@ import aiohttp
 import msgspec
 from rich.console import Console
 
+from bus.placement import place_box
 from bus.producer import EventProducer
 from gpu_workers.settings import WorkerSettings
 from infra.errors import InfraError
@@ -80,8 +81,17 @@ def run_platform(
         console.print(f"[red]settings error:[/] {exc}")
         return 2
     try:
+        placed, worker_env = place_box(
+            fleet_settings.fleet_worker_cpus, load_settings(WorkerSettings).worker_cpus
+        )
+    except SettingsError as exc:
+        console.print(f"[red]settings error:[/] {exc}")
+        return 2
+    if placed:
+        console.print(f"{placed} (the edge, Kafka, the streams worker; --worker-cpus)")
+    try:
         provider = observe("up", settings)
-        asyncio.run(_serve(settings, edge_settings, fleet_settings, out, console))
+        asyncio.run(_serve(settings, edge_settings, fleet_settings, out, console, worker_env))
     except (InfraError, SettingsError) as exc:
         console.print(f"[red]error:[/] {exc}")
         return 1
@@ -218,8 +228,10 @@ class Fleet:
         console: Console,
         base_port: int,
         halt: asyncio.Event | None = None,
+        worker_env: dict[str, str] | None = None,
     ) -> None:
         self._settings = settings
+        self._worker_env = worker_env or {}
         self._halt = halt
         self._fleet = fleet
         self._console = console
@@ -320,7 +332,7 @@ class Fleet:
         serial = next(self._serial)
         name = f"worker #{serial}"
         what = f"worker for {model} version {version}" + (" (warm standby)" if standby else "")
-        env = {"SLUICE_WORKER_OPS_PORT": str(port)}
+        env = {**self._worker_env, "SLUICE_WORKER_OPS_PORT": str(port)}
         if standby:
             env["SLUICE_WORKER_STANDBY"] = "true"
         process = ServiceProcess(
@@ -450,6 +462,7 @@ async def _serve(
     fleet_settings: FleetSettings,
     out: Console,
     console: Console,
+    worker_env: dict[str, str],
 ) -> None:
     stop = stop_on_signals()
 
@@ -485,7 +498,14 @@ async def _serve(
         # scaling decisions) on the control topic.
         producer = EventProducer(settings.kafka, "sluice-up")
         stack.enter_context(producer)
-        fleet = Fleet(settings, fleet_settings, console, load_settings(WorkerSettings).worker_ops_port, stop)
+        fleet = Fleet(
+            settings,
+            fleet_settings,
+            console,
+            load_settings(WorkerSettings).worker_ops_port,
+            stop,
+            worker_env,
+        )
         stack.push_async_callback(fleet.stop)
         await fleet.reconcile(*await asyncio.to_thread(fleet.desired))
         follow = asyncio.create_task(fleet.follow(producer.publish), name="fleet")

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from bus.placement import available_cpus, format_cpus, split_box
 from infra.kafka.broker import free_port, port_open
 from infra.topics import make_admin
 from ingest.auth import DEMO_KEY
@@ -113,6 +114,50 @@ def test_up_serves_kafka_topics_and_warehouse_then_stops_on_sigint(tmp_path: Pat
     assert not (tmp_path / "data" / "warehouse" / ".owner.json").exists()
 
 
+def _children(pid: int) -> dict[int, str]:
+    """Child pid -> command line."""
+    found: dict[int, str] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                ppid = int(stat.read().rsplit(")", 1)[1].split()[1])
+            if ppid == pid:
+                with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                    found[int(entry)] = cmdline.read().replace(b"\0", b" ").decode()
+        except (OSError, IndexError, ValueError):
+            continue
+    return found
+
+
+def _check_placement(up: int, lines: list[str]) -> None:
+    """On a box of 2+ cores the workers run on the upper half; ``sluice up`` (the edge), Kafka and the streams
+    worker on the rest; a worker's Python threads on its cores, librdkafka's native threads on the rest."""
+    split = split_box(available_cpus())
+    if split is None:  # one core: nothing to place
+        assert not any(line.startswith("cores:") for line in lines)
+        return
+    workers, rest = split
+    assert any(line.startswith(f"cores: workers {format_cpus(workers)};") for line in lines), lines
+    assert os.sched_getaffinity(up) == rest
+    children = _children(up)
+    serving = [pid for pid, cmd in children.items() if " worker --model " in cmd]
+    assert len(serving) == 2, children
+    others = [pid for pid in children if pid not in serving]
+    assert others, "Kafka and the streams worker"
+    assert all(os.sched_getaffinity(pid) == rest for pid in others)
+    for pid in serving:
+        native = 0
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/comm") as comm:
+                name = comm.read().strip()
+            native += name.startswith("rdk:")
+            expected = rest if name.startswith("rdk:") else workers
+            assert os.sched_getaffinity(int(task)) == expected, (pid, task, name)
+        assert native, "the worker's Kafka clients run native threads"
+
+
 def _drive(proc: subprocess.Popen[str], env: dict[str, str], port: int, edge_port: int) -> None:
     try:
         lines = _wait_for_line(proc, "sluicegate is up", timeout=240)
@@ -125,6 +170,7 @@ def _drive(proc: subprocess.Popen[str], env: dict[str, str], port: int, edge_por
         embedding = _post(f"{url}/embeddings", {"model": "all-minilm-l6-v2", "input": "a river"})
         assert len(embedding["data"][0]["embedding"]) == 384
         _check_ops(url.removesuffix("/v1"), int(env["SLUICE_WORKER_OPS_PORT"]))
+        _check_placement(proc.pid, lines)
         streams = f"http://127.0.0.1:{env['SLUICE_STREAMS_PORT']}"
         assert _get(f"{streams}/readyz")[0] == 200
         status, page = _get(f"{streams}/dashboard")

@@ -1,0 +1,158 @@
+"""Which cores a process's threads run on: a worker's model thread on cores of its own, everything else on
+the others (Linux; elsewhere nothing is pinned).
+
+Measured on 2 shared cores (docs/perf/README.md, "CPU placement"): unpinned, the worker's model thread
+waited on the run queue 10 % (generation) to 20 % (embeddings) of the time, preempted ~700 times a second
+by the edge, the broker and the clients while the other core sat partly idle. Pinning the whole worker
+to one core and everything else to the other raised embeddings/s by 16 % and generation tokens/s by 10 %;
+moving librdkafka's native threads (``rdk:*``, which never take the GIL) off the model's core as well
+made generation +18 %. Pinning ONLY the model thread and leaving the worker's other Python threads on the
+busy core stalled the pipeline (60 embeddings/s instead of 300): a thread preempted there while it holds
+the GIL stops the model thread too. So a worker's Python threads share its model's cores, and its Kafka
+clients' native threads run on the rest (:func:`native_threads`), as vLLM's CPU backend binds its
+OpenMP threads and leaves other cores to the serving front end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Collection, Iterator
+
+from schemas.settings import SettingsError
+
+_native: frozenset[int] | None = None
+"""Cores the Kafka clients' native threads get (:func:`place_native_threads`); None: wherever their
+creator runs."""
+
+
+class PlacementError(SettingsError):
+    """A core list that cannot be parsed or used here."""
+
+
+def parse_cpus(text: str) -> frozenset[int]:
+    """``"1"``, ``"0-3,6"`` (``taskset -c`` syntax) to a set of core numbers."""
+    cores: set[int] = set()
+    for part in text.replace(" ", "").split(","):
+        if not part:
+            continue
+        low, dash, high = part.partition("-")
+        try:
+            first, last = int(low), int(high if dash else low)
+        except ValueError:
+            raise PlacementError(f"{text!r} is not a core list like '1' or '0-3,6'") from None
+        if first < 0 or last < first:
+            raise PlacementError(f"{part!r} in {text!r} is not a core range")
+        cores.update(range(first, last + 1))
+    if not cores:
+        raise PlacementError(f"{text!r} names no cores")
+    return frozenset(cores)
+
+
+def format_cpus(cores: Collection[int]) -> str:
+    """The inverse of :func:`parse_cpus`, with ranges folded: ``{0, 1, 2, 6}`` -> ``"0-2,6"``."""
+    runs: list[list[int]] = []
+    for core in sorted(cores):
+        if runs and runs[-1][1] == core - 1:
+            runs[-1][1] = core
+        else:
+            runs.append([core, core])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def split_box(available: Collection[int]) -> tuple[frozenset[int], frozenset[int]] | None:
+    """A box shared by workers and everything else: ``(model cores, other cores)``, the workers taking the
+    upper half (at least one core), or None with fewer than two cores (nothing to split)."""
+    cores = sorted(available)
+    if len(cores) < 2:
+        return None
+    half = max(1, len(cores) // 2)
+    return frozenset(cores[-half:]), frozenset(cores[:-half])
+
+
+def available_cpus() -> frozenset[int]:
+    """The cores this thread may run on."""
+    return frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else frozenset()
+
+
+def pin_process(cores: Collection[int]) -> None:
+    """Every thread of this process (and every thread or child it starts later) onto ``cores``."""
+    if not hasattr(os, "sched_setaffinity"):
+        return
+    allowed = available_cpus()
+    try:
+        os.sched_setaffinity(0, cores)  # this thread first: a failure names the cores
+    except OSError as exc:
+        raise PlacementError(
+            f"cannot run on cores {format_cpus(cores)} (this process has {format_cpus(allowed)}): "
+            f"{exc.strerror}"
+        ) from None
+    for task in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):  # a thread that just ended
+            os.sched_setaffinity(int(task), cores)
+
+
+def place_box(choice: str, workers: str = "") -> tuple[str, dict[str, str]]:
+    """Split a shared box (``sluice up``, the benchmarks): this process and whatever it starts from now on
+    (Kafka, the edge, the streams worker) onto the cores the workers do not get. ``choice``: ``auto`` (the
+    upper half of the cores, :func:`split_box`), ``off`` or a core list; ``workers``, when set
+    (``SLUICE_WORKER_CPUS``), names the workers' cores instead. Returns a line that says what went where
+    and the workers' extra environment."""
+    available = available_cpus()
+    if choice == "off" or not available:
+        return "", {}
+    if workers:
+        cores = parse_cpus(workers)
+    elif choice == "auto":
+        split = split_box(available)
+        if split is None:
+            return "", {}
+        cores = split[0]
+    else:
+        cores = parse_cpus(choice)
+    if cores - available:
+        raise PlacementError(
+            f"cannot give the workers cores {format_cpus(cores - available)}: this process has "
+            f"{format_cpus(available)}"
+        )
+    rest = available - cores
+    if rest:
+        pin_process(rest)
+    line = f"cores: workers {format_cpus(cores)}; the rest {format_cpus(rest) if rest else 'the same'}"
+    return line, {"SLUICE_WORKER_CPUS": format_cpus(cores)}
+
+
+def place_native_threads(cores: Collection[int] | None) -> None:
+    """Where the Kafka clients built from now on (:func:`native_threads`) run their native threads."""
+    global _native
+    _native = frozenset(cores) if cores else None
+
+
+@contextlib.contextmanager
+def native_threads() -> Iterator[None]:
+    """Build a Kafka client inside: librdkafka's threads inherit the affinity of the thread that creates
+    the client (and those it creates later, from its own), so this thread moves to the native-thread cores
+    for the construction and back."""
+    cores = _native
+    if cores is None:
+        yield
+        return
+    own = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cores)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, own)
+
+
+__all__ = [
+    "PlacementError",
+    "available_cpus",
+    "format_cpus",
+    "native_threads",
+    "parse_cpus",
+    "pin_process",
+    "place_box",
+    "place_native_threads",
+    "split_box",
+]
