@@ -1,16 +1,16 @@
 """Which cores a process's threads run on: a worker's model thread on cores of its own, everything else on
 the others (Linux; elsewhere nothing is pinned).
 
-Measured on 2 shared cores (docs/perf/README.md, "CPU placement"): unpinned, the worker's model thread
+Measured on 2 shared cores (docs/perf/README.md, findings): unpinned, the worker's model thread
 waited on the run queue 10 % (generation) to 20 % (embeddings) of the time, preempted ~700 times a second
 by the edge, the broker and the clients while the other core sat partly idle. Pinning the whole worker
-to one core and everything else to the other raised embeddings/s by 16 % and generation tokens/s by 10 %;
-moving librdkafka's native threads (``rdk:*``, which never take the GIL) off the model's core as well
-made generation +18 %. Pinning ONLY the model thread and leaving the worker's other Python threads on the
-busy core stalled the pipeline (60 embeddings/s instead of 300): a thread preempted there while it holds
-the GIL stops the model thread too. So a worker's Python threads share its model's cores, and its Kafka
-clients' native threads run on the rest (:func:`native_threads`), as vLLM's CPU backend binds its
-OpenMP threads and leaves other cores to the serving front end.
+to one core and everything else to the other raised embeddings/s by ~15 % and generation tokens/s by
+~13 %; moving librdkafka's native threads (``rdk:*``, which never take the GIL) off the model's core as
+well made generation ~+22 %. Pinning ONLY the model thread and leaving the worker's other Python threads
+on the busy core stalled the pipeline (60 embeddings/s instead of 300): a thread preempted there while it
+holds the GIL stops the model thread too. So a worker's Python threads share its model's cores, and its
+Kafka clients' native threads run on the rest (:func:`native_threads`). vllm-ascend's CPU binding
+(on by default) does the same for its workers' key threads, to cut preemption on busy hosts.
 """
 
 from __future__ import annotations
