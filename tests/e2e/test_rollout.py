@@ -173,10 +173,12 @@ async def _wait_edge(platform: Platform, phase: str, candidate: str | None) -> N
     gateway = platform.edge.ctx.gateway
     for _ in range(300):
         deployment = gateway.deployment(GPT)
+        # A rolled-back deployment still names its candidate, with no traffic: the canary one, which also
+        # names it, must not pass for it (the load after a rollback was sent on the canary split once).
         if (
             deployment is not None
             and deployment.candidate == candidate
-            and (phase != "canary" or deployment.share > 0)
+            and (deployment.share > 0 if phase == "canary" else deployment.share == 0)
         ):
             return
         await asyncio.sleep(0.05)
