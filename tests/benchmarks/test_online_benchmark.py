@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from bus.placement import available_cpus, format_cpus, split_box
 from schemas.settings import KafkaConnection
 from tests.benchmarks.runner import run_benchmark
 
@@ -29,6 +30,10 @@ def test_the_online_benchmark_runs_quick_and_writes_its_json(tmp_path: Path, kaf
     assert floor["generation_tokens_per_s"] > 0
     assert floor["embeddings_per_s"] > 0
     assert result["generation"]["platform_concurrency"] == 2 * result["generation"]["raw_best_batch"]
+    # placed as `sluice up` places it: on 2+ cores the workers get the upper half (bus/placement.py)
+    split = split_box(available_cpus())
+    workers = "off" if split is None else f"cores: workers {format_cpus(split[0])};"
+    assert result["machine"]["placement"].startswith(workers), result["machine"]["placement"]
     assert "raw on the worker's" in stdout
     assert "generation tok/s at saturation" in stdout
     assert "embeddings/s" in stdout
