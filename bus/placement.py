@@ -66,7 +66,7 @@ def split_box(available: Collection[int]) -> tuple[frozenset[int], frozenset[int
     cores = sorted(available)
     if len(cores) < 2:
         return None
-    half = max(1, len(cores) // 2)
+    half = len(cores) // 2
     return frozenset(cores[-half:]), frozenset(cores[:-half])
 
 

@@ -37,6 +37,9 @@ MAX_HELD = 256
 """Prompts queued and vectors computed ahead, at most (a request that never ends here, e.g. its partition
 moved, must not leak): past it the oldest go."""
 
+MAX_BATCH = 32
+"""Prompts embedded in one call at most."""
+
 EMBEDDING_DECIMALS = 6
 """Embeddings travel rounded: ~9 characters a component instead of ~20, and no drift test can tell."""
 
@@ -118,10 +121,6 @@ class FeatureProbe:
         for other, vector in zip(ids[1:], embedded[1:], strict=True):
             _hold(self._ready, other, vector)
         return embedded[0]
-
-
-MAX_BATCH = 32
-"""Prompts embedded in one call at most."""
 
 
 def _hold(held: dict[str, T], key: str, value: T) -> None:

@@ -69,7 +69,8 @@ def run_platform(
         # not after Kafka, the warehouse and the models are up (or a child in a restart loop).
         check_edge_exposure(settings, edge_settings)
         check_streams_exposure(settings, load_settings(StreamsSettings))
-        check_worker_exposure(settings, load_settings(WorkerSettings))
+        worker_settings = load_settings(WorkerSettings)
+        check_worker_exposure(settings, worker_settings)
     except (SettingsError, msgspec.ValidationError) as exc:
         console.print(f"[red]settings error:[/] {exc}")
         return 2
@@ -77,13 +78,8 @@ def run_platform(
         edge_settings = msgspec.structs.replace(edge_settings, edge_port=port)
     try:
         extra_edges(edge_settings, fleet_settings.fleet_edges, 1)  # before anything starts
-    except SettingsError as exc:
-        console.print(f"[red]settings error:[/] {exc}")
-        return 2
-    try:
-        placed, worker_env = place_box(
-            fleet_settings.fleet_worker_cpus, load_settings(WorkerSettings).worker_cpus
-        )
+        # this process and what it starts onto the cores the workers do not get
+        placed, worker_env = place_box(fleet_settings.fleet_worker_cpus, worker_settings.worker_cpus)
     except SettingsError as exc:
         console.print(f"[red]settings error:[/] {exc}")
         return 2
@@ -91,7 +87,9 @@ def run_platform(
         console.print(f"{placed} (the edge, Kafka, the streams worker; --worker-cpus)")
     try:
         provider = observe("up", settings)
-        asyncio.run(_serve(settings, edge_settings, fleet_settings, out, console, worker_env))
+        asyncio.run(
+            _serve(settings, edge_settings, fleet_settings, out, console, worker_settings, worker_env)
+        )
     except (InfraError, SettingsError) as exc:
         console.print(f"[red]error:[/] {exc}")
         return 1
@@ -462,6 +460,7 @@ async def _serve(
     fleet_settings: FleetSettings,
     out: Console,
     console: Console,
+    worker_settings: WorkerSettings,
     worker_env: dict[str, str],
 ) -> None:
     stop = stop_on_signals()
@@ -502,7 +501,7 @@ async def _serve(
             settings,
             fleet_settings,
             console,
-            load_settings(WorkerSettings).worker_ops_port,
+            worker_settings.worker_ops_port,
             stop,
             worker_env,
         )

@@ -15,6 +15,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from bus.placement import available_cpus, format_cpus, split_box
@@ -114,23 +115,6 @@ def test_up_serves_kafka_topics_and_warehouse_then_stops_on_sigint(tmp_path: Pat
     assert not (tmp_path / "data" / "warehouse" / ".owner.json").exists()
 
 
-def _children(pid: int) -> dict[int, str]:
-    """Child pid -> command line."""
-    found: dict[int, str] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as stat:
-                ppid = int(stat.read().rsplit(")", 1)[1].split()[1])
-            if ppid == pid:
-                with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
-                    found[int(entry)] = cmdline.read().replace(b"\0", b" ").decode()
-        except (OSError, IndexError, ValueError):
-            continue
-    return found
-
-
 def _check_placement(up: int, lines: list[str]) -> None:
     """On a box of 2+ cores the workers run on the upper half; ``sluice up`` (the edge), Kafka and the streams
     worker on the rest; a worker's Python threads on its cores, librdkafka's native threads on the rest."""
@@ -141,7 +125,7 @@ def _check_placement(up: int, lines: list[str]) -> None:
     workers, rest = split
     assert any(line.startswith(f"cores: workers {format_cpus(workers)};") for line in lines), lines
     assert os.sched_getaffinity(up) == rest
-    children = _children(up)
+    children = {child.pid: " ".join(child.cmdline()) for child in psutil.Process(up).children()}
     serving = [pid for pid, cmd in children.items() if " worker --model " in cmd]
     assert len(serving) == 2, children
     others = [pid for pid in children if pid not in serving]
