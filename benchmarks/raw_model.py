@@ -14,7 +14,7 @@ import statistics
 import time
 
 import torch
-from loadgen import embed_text
+from loadgen import EMBED_TEXTS, embed_text
 
 from gpu_workers.embedding import EmbeddingEngine
 from gpu_workers.engine import raw_generate_throughput
@@ -69,9 +69,8 @@ def main() -> None:
 
     emb = load_embedding_model(current_model_dir(settings.cache_dir, "all-minilm-l6-v2"), device="auto")
     engine = EmbeddingEngine(emb.model)
-    # The load generator's inputs (10-12 tokens, padded to the longest in a batch), not one fixed sentence:
-    # ~15 % more tokens than the sentence without its number, and the comparison must be like for like.
-    texts = [list(emb.tokenizer(embed_text(n))["input_ids"]) for n in range(256)]
+    # Exactly the load generator's inputs, so the comparison is like for like.
+    texts = [list(emb.tokenizer(embed_text(n))["input_ids"]) for n in range(EMBED_TEXTS)]
     emb_rate: dict[int, float] = {}
     engine.embed(texts[:1])
     for batch in (1, 8, 32, 64):
