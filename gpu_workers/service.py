@@ -46,7 +46,7 @@ from gpu_workers.observe import RequestTrace, RunnerLoad, WorkerObserver, open_t
 from gpu_workers.offsets import OffsetTracker
 from monitoring import tracing
 from monitoring.ops import Readiness
-from schemas.codec import MAX_RECORD_BYTES, DecodeError, decode, encode, headers, kafka_key
+from schemas.codec import MAX_RECORD_BYTES, DecodeError, ce_type, decode, encode, headers, kafka_key
 from schemas.deployments import Deployment
 from schemas.events import (
     BatchItemRequested,
@@ -457,12 +457,9 @@ class WorkerService(Component):
 
     def _on_results(self, batch: list[Message]) -> None:
         for message in batch:
-            try:
-                event = decode(message.value() or b"")
-            except DecodeError:
-                continue
-            if isinstance(event, RequestFinished) and event.model == self.model_id:
-                self._finished_elsewhere.put(event.request_id)
+            request_id = finished_by(message, self.model_id, skip_source=self.source)
+            if request_id is not None:
+                self._finished_elsewhere.put(request_id)
 
     def knows_finished(self, request_id: str) -> bool:
         """Whether this worker would skip a redelivery of ``request_id`` (for tests and debugging)."""
@@ -813,6 +810,37 @@ class WorkerService(Component):
                 reply.topic, value, key=key, headers=head, partition=reply.partition, on_delivery=durable
             )
         self._producer.produce_raw(self._names.results, value, key=key, headers=head, on_delivery=durable)
+
+
+_FINISHED_TYPE = ce_type(RequestFinished).encode()
+
+
+def finished_by(message: Message, model_id: str, *, skip_source: str | None = None) -> str | None:
+    """The request id of a terminal event of ``model_id`` on the results topic, else None.
+
+    Read from the record's CloudEvents headers (type, model, subject) without decoding the body: every
+    worker tails every result, and a body holds the whole text or every vector. A record without those
+    headers (written by another tool) is decoded. One whose ``ce_source`` is ``skip_source`` (this
+    worker's own results, remembered when it published them) is skipped."""
+    raw = message.headers() or []
+    found: dict[str, bytes] = {}
+    for key, value in raw.items() if isinstance(raw, dict) else raw:
+        if key.startswith("ce_") and value is not None:
+            found[key] = value.encode() if isinstance(value, str) else value
+    kind, model, subject = found.get("ce_type"), found.get("ce_model"), found.get("ce_subject")
+    if kind is not None and model is not None and subject is not None:
+        if kind != _FINISHED_TYPE or model != model_id.encode():
+            return None
+        if skip_source is not None and found.get("ce_source") == skip_source.encode():
+            return None
+        return subject.decode()
+    try:
+        event = decode(message.value() or b"")
+    except DecodeError:
+        return None
+    if not isinstance(event, RequestFinished) or event.model != model_id:
+        return None
+    return None if event.source == skip_source else event.request_id
 
 
 RECORD_HEADROOM_BYTES = 4096
