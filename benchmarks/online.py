@@ -36,6 +36,8 @@ the workers on the upper half of the cores, this process (the clients), Kafka an
 Generation throughput at saturation is measured with twice as many clients as the worker's batch (the raw
 model's best): a closed-loop client holds its slot empty for its own round trip, so as many clients as
 slots would measure round trips, not the server (vLLM's throughput benchmark offers all requests at once).
+That phase, and embeddings at 64 clients with dynamic batching and with batch-1 serving, are measured at
+steady state: what completes in a window after a ramp-up (8 s after 2 s; 1.5 s after 0.5 s with --quick).
 """
 
 from __future__ import annotations
@@ -178,7 +180,7 @@ async def measure(
         new_tokens = 64
         # Steady state, as every saturation phase here: a fixed number of requests would also time the
         # ramp-up and the drain (10-15 % of a few-second phase).
-        warm_s, window_s = (1.0, 3.0) if quick else (2.0, 8.0)
+        warm_s, window_s = (0.5, 1.5) if quick else (2.0, 8.0)
         gen_tps = await steady_rate(
             concurrency,
             lambda _n: completion(session, url, new_tokens),
@@ -191,7 +193,7 @@ async def measure(
 
         # Warmed at this concurrency first: batches of 33-64 are new shapes to torch after the warm-up above
         # (included in ``warm_s`` here).
-        dynamic = await steady_rate(64, emb_job, warm_s=warm_s + 1, window_s=window_s)
+        dynamic = await steady_rate(64, emb_job, warm_s=2 * warm_s, window_s=window_s)
         profiles = await profile_all(session, url, quick)  # the load the peers get too
         services.stop("embed")
         services.start(
