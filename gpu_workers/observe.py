@@ -94,6 +94,10 @@ class WorkerObserver:
     def chunk(self, request_id: str) -> None:
         self._stays.setdefault(request_id, _Stay()).chunks += 1
 
+    def forget(self, request_id: str) -> None:
+        """A request that ends here without a terminal event (another worker's is on the log)."""
+        self._stays.pop(request_id, None)
+
     def tick(self, load: RunnerLoad, seconds: float) -> None:
         child, model = self._child, self._model
         child(metrics.WORKER_RUNNING, model).set(load.running)

@@ -515,7 +515,7 @@ class WorkerService(Component):
             self.fail(exc)
 
     def _drain(self, runner: Runner, emit: Emitter, block: float | None) -> None:
-        self._learn_from_tail()
+        self._learn_from_tail(runner)
         self._release_revoked(runner)
         timeout = 0.1 if block is None else block
         first = True
@@ -533,7 +533,7 @@ class WorkerService(Component):
                 case _Skip() if self._draining.is_set():
                     pass  # not marked done: an earlier record of its partition may have been dropped
                 case Arrival():
-                    self._learn_from_tail()  # it may have seen this very request finish elsewhere
+                    self._learn_from_tail(runner)  # it may have seen this very request finish elsewhere
                     with self._offsets_lock:
                         stale = self._stale(item.tp, item.generation)
                         if not stale:
@@ -675,17 +675,38 @@ class WorkerService(Component):
         if self._running.get(tp, 0) > 0:
             self._running[tp] -= 1
 
-    def _learn_from_tail(self) -> None:
+    def _learn_from_tail(self, runner: Runner) -> None:
         while True:
             try:
                 request_id = self._finished_elsewhere.get_nowait()
             except queue.Empty:
                 return
-            if request_id not in self._live:  # one it runs itself ends through _publish_finish
-                self._remember_finished(request_id)
-                held = self._held.pop(request_id, None)
-                if held is not None:  # its own version's worker finished it
-                    self._release(held, "finished_elsewhere")
+            if request_id in self._live:
+                # Running here too (adopted from a retiring version that finished it after all, or
+                # handed over by a rebalance while its old owner still ran it): its terminal event is on
+                # the log, so this run ends without one.
+                self._end_quietly(runner, request_id)
+                continue
+            self._remember_finished(request_id)
+            held = self._held.pop(request_id, None)
+            if held is not None:  # its own version's worker finished it
+                self._release(held, "finished_elsewhere")
+
+    def _end_quietly(self, runner: Runner, request_id: str) -> None:
+        log.info("%s finished on another worker: ending it here without a terminal event", request_id)
+        runner.cancel(request_id, _QuietEmitter(self))
+
+    def _ended_elsewhere(self, arrival: Arrival) -> None:
+        """The runner ended a request another worker finished: nothing is published, its offset may be
+        committed (the request ended on the log), and it is never run here again."""
+        request_id = arrival.event.request_id
+        self._live.pop(request_id, None)
+        self._remember_finished(request_id)
+        self._observer.forget(request_id)
+        if arrival.trace is not None:
+            arrival.trace.span.set_attribute(tracing.STATUS, "finished_elsewhere")
+            arrival.trace.span.end()
+        self._durable.put(_Durable(arrival.tp, arrival.offset))
 
     EARLY_CANCEL_TTL_S = 120.0
     EARLY_CANCELS = 10_000
@@ -878,6 +899,22 @@ class _KafkaEmitter:
 
     def joined(self, arrival: Arrival, batch: int, budget_ratio: float) -> None:
         self._service._observer.joined(arrival.event.request_id, batch, budget_ratio)
+
+
+class _QuietEmitter:
+    """What a runner emits for a request another worker already finished: nothing reaches the log."""
+
+    def __init__(self, service: WorkerService) -> None:
+        self._service = service
+
+    def chunk(self, arrival: Arrival, chunk: TokenChunk) -> None:
+        pass
+
+    def finish(self, arrival: Arrival, result: RequestFinished) -> None:
+        self._service._ended_elsewhere(arrival)
+
+    def joined(self, arrival: Arrival, batch: int, budget_ratio: float) -> None:
+        pass
 
 
 def _all_partitions_at_end(kafka: KafkaConnection, topic: str) -> list[TopicPartition]:

@@ -458,6 +458,48 @@ async def test_a_request_another_worker_finished_is_not_run_again_when_handed_ov
     assert replies.of(handed_over.request_id) == [], "not run a second time"
 
 
+async def test_a_request_finished_elsewhere_while_it_runs_here_ends_there_alone(
+    platform: PlatformSettings,
+    demo_gpt_dir: Path,
+    names: TopicNames,
+    producer: EventProducer,
+    results: Log,
+    replies: Log,
+) -> None:
+    """Two workers can run one request: the stable version's worker adopts a retiring version's request
+    that its own worker then finishes after all, or a rebalance hands a record over while its old owner
+    still runs it. The terminal event that reaches the log first ends it; the run still going learns it
+    from the results tail and ends without one. Before, both ended it."""
+    slow = make_worker(  # ~25 ms a step: 120 tokens take 3 s here
+        platform, WorkerSettings(worker_id="w-slow", worker_flush_tokens=4, fault_delay_ms=25), "demo-gpt"
+    )
+    with slow:
+        assert slow.wait_assigned(30)
+        request = _generation(
+            names, PROMPT, sampling=SamplingParams(max_tokens=120, temperature=0.0), stream=True
+        )
+        await producer.publish(names.requests("demo-gpt"), request)
+        await asyncio.to_thread(replies.wait, lambda: bool(replies.of(request.request_id)), 30)  # running
+        elsewhere = RequestFinished(
+            tenant="acme",
+            model="demo-gpt",
+            request_id=request.request_id,
+            source="gpu_workers/another-worker",
+            status="completed",
+            finish_reason="length",
+            usage=Usage(prompt_tokens=len(PROMPT), completion_tokens=120, total_tokens=len(PROMPT) + 120),
+        )
+        await producer.publish(names.results, elsewhere)
+        await eventually(lambda: slow.knows_finished(request.request_id), within=20)
+        after = _generation(names, PROMPT)
+        await producer.publish(names.requests("demo-gpt"), after)
+        assert (await asyncio.to_thread(results.finished, after.request_id)).status == "completed"
+        await asyncio.sleep(3.5)  # past the time the first run would have ended on its own
+        ended = [e for e in results.of(request.request_id) if isinstance(e, RequestFinished)]
+        assert [e.source for e in ended] == ["gpu_workers/another-worker"]
+        assert not [e for e in replies.of(request.request_id) if isinstance(e, RequestFinished)]
+
+
 async def test_records_of_a_revoked_partition_still_in_the_inbox_are_dropped_not_run(
     names: TopicNames, gpt_worker: WorkerService, producer: EventProducer, replies: Log
 ) -> None:
