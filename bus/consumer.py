@@ -17,7 +17,7 @@ from bus.errors import BusError
 from bus.placement import native_threads
 from bus.producer import EventProducer
 from monitoring.metrics import CONSUMER_LAG, DEAD_LETTERS
-from schemas.codec import MAX_RECORD_BYTES, DecodeError, decode
+from schemas.codec import MAX_RECORD_BYTES, DecodeError, HeaderValue, decode
 from schemas.events import DeadLetter, Event
 from schemas.lifecycle import Component, Watcher
 from schemas.settings import KafkaConnection
@@ -340,14 +340,19 @@ def _benign_error(message: Message) -> bool:
     return True
 
 
+def record_headers(message: Message) -> list[tuple[str, HeaderValue]]:
+    """A record's headers as ``(key, value)`` pairs (confluent-kafka may give a list or a dict)."""
+    raw = message.headers() or []
+    return list(raw.items()) if isinstance(raw, dict) else list(raw)
+
+
 def decode_or_dead_letter(
     message: Message, producer: EventProducer, deadletter_topic: str, source: str
 ) -> Event | None:
     """Decode a record into its event, or send it whole to the dead-letter topic (with the reason) and
     return None so the caller moves on."""
     value = message.value() or b""
-    raw_headers = message.headers() or []
-    header_list = list(raw_headers.items()) if isinstance(raw_headers, dict) else list(raw_headers)
+    header_list = record_headers(message)
     try:
         return decode(value, header_list)
     except DecodeError as exc:

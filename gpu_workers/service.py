@@ -35,6 +35,7 @@ from bus.consumer import (
     consumer_config,
     decode_or_dead_letter,
     read_to_end,
+    record_headers,
     watermarks,
 )
 from bus.control import control_start, latest_deployments
@@ -474,12 +475,9 @@ class WorkerService(Component):
             tps = [TopicPartition(self._names.results, p, 0) for p in meta.partitions]
             ends = {tp.partition: watermarks(consumer, tp.topic, tp.partition)[1] for tp in tps}
             for message in read_to_end(consumer, tps, ends):
-                try:
-                    event = decode(message.value() or b"")
-                except DecodeError:
-                    continue
-                if isinstance(event, RequestFinished) and event.model == self.model_id:
-                    self._remember_finished(event.request_id)
+                request_id = finished_by(message, self.model_id)
+                if request_id is not None:
+                    self._remember_finished(request_id)
         finally:
             consumer.close()
         return ends
@@ -843,11 +841,11 @@ def finished_by(message: Message, model_id: str, *, skip_source: str | None = No
     worker tails every result, and a body holds the whole text or every vector. A record without those
     headers (written by another tool) is decoded. One whose ``ce_source`` is ``skip_source`` (this
     worker's own results, remembered when it published them) is skipped."""
-    raw = message.headers() or []
-    found: dict[str, bytes] = {}
-    for key, value in raw.items() if isinstance(raw, dict) else raw:
-        if key.startswith("ce_") and value is not None:
-            found[key] = value.encode() if isinstance(value, str) else value
+    found = {
+        key: value.encode() if isinstance(value, str) else value
+        for key, value in record_headers(message)
+        if key.startswith("ce_") and value is not None
+    }
     kind, model, subject = found.get("ce_type"), found.get("ce_model"), found.get("ce_subject")
     if kind is not None and model is not None and subject is not None:
         if kind != _FINISHED_TYPE or model != model_id.encode():

@@ -23,7 +23,15 @@ import msgspec
 from confluent_kafka import Consumer, Message, TopicPartition
 from opentelemetry.trace import SpanKind
 
-from bus.consumer import BACKGROUND, ConsumerThread, consumer_config, offset_at, read_to_end, watermarks
+from bus.consumer import (
+    BACKGROUND,
+    ConsumerThread,
+    consumer_config,
+    offset_at,
+    read_to_end,
+    record_headers,
+    watermarks,
+)
 from bus.control import control_start
 from bus.errors import BusError
 from bus.producer import EventProducer
@@ -405,7 +413,7 @@ class KafkaGateway(AsyncComponent):
         tp = TopicPartition(self._names.replies, self.reply_to.partition, begin)
         try:
             for message in read_to_end(consumer, [tp], {tp.partition: end}):
-                head = dict(message.headers() or [])
+                head = dict(record_headers(message))
                 subject, tenant = head.get("ce_subject"), head.get("ce_tenant")
                 if isinstance(subject, bytes) and isinstance(tenant, bytes):
                     self._own(subject.decode(), tenant.decode(), message.offset())

@@ -175,10 +175,14 @@ class BatchLog:
     skipped: int = 0
 
     def add(self, message: Message) -> None:
-        raw_headers = message.headers() or []
-        header_list = list(raw_headers.items()) if isinstance(raw_headers, dict) else list(raw_headers)
+        from bus.consumer import record_headers
+
         record = to_record(
-            message.partition() or 0, message.offset() or 0, message.key(), message.value(), header_list
+            message.partition() or 0,
+            message.offset() or 0,
+            message.key(),
+            message.value(),
+            record_headers(message),
         )
         if record is None:
             self.skipped += 1

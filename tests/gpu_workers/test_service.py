@@ -433,21 +433,30 @@ async def test_a_terminal_event_kafka_did_not_take_lets_a_redelivery_run_again(
     assert finished.status == "completed"
 
 
+def _finished_elsewhere(request_id: str, completion_tokens: int) -> RequestFinished:
+    """The terminal event another worker published for ``request_id``."""
+    return RequestFinished(
+        tenant="acme",
+        model="demo-gpt",
+        request_id=request_id,
+        source="gpu_workers/another-worker",
+        status="completed",
+        finish_reason="length",
+        usage=Usage(
+            prompt_tokens=len(PROMPT),
+            completion_tokens=completion_tokens,
+            total_tokens=len(PROMPT) + completion_tokens,
+        ),
+    )
+
+
 async def test_a_request_another_worker_finished_is_not_run_again_when_handed_over(
     names: TopicNames, gpt_worker: WorkerService, producer: EventProducer, replies: Log
 ) -> None:
     """After a rebalance a worker can be handed a record whose request another worker already finished
     (its offset not committed yet). Before, finished ids were learned only at start, so it ran again."""
     handed_over = _generation(names, PROMPT)
-    elsewhere = RequestFinished(
-        tenant="acme",
-        model="demo-gpt",
-        request_id=handed_over.request_id,
-        source="gpu_workers/another-worker",
-        status="completed",
-        finish_reason="length",
-        usage=Usage(prompt_tokens=len(PROMPT), completion_tokens=24, total_tokens=len(PROMPT) + 24),
-    )
+    elsewhere = _finished_elsewhere(handed_over.request_id, 24)
     await producer.publish(names.results, elsewhere)
     await eventually(lambda: gpt_worker.knows_finished(handed_over.request_id), within=20)
     assert gpt_worker.knows_finished(handed_over.request_id)
@@ -480,15 +489,7 @@ async def test_a_request_finished_elsewhere_while_it_runs_here_ends_there_alone(
         )
         await producer.publish(names.requests("demo-gpt"), request)
         await asyncio.to_thread(replies.wait, lambda: bool(replies.of(request.request_id)), 30)  # running
-        elsewhere = RequestFinished(
-            tenant="acme",
-            model="demo-gpt",
-            request_id=request.request_id,
-            source="gpu_workers/another-worker",
-            status="completed",
-            finish_reason="length",
-            usage=Usage(prompt_tokens=len(PROMPT), completion_tokens=120, total_tokens=len(PROMPT) + 120),
-        )
+        elsewhere = _finished_elsewhere(request.request_id, 120)
         await producer.publish(names.results, elsewhere)
         await eventually(lambda: slow.knows_finished(request.request_id), within=20)
         after = _generation(names, PROMPT)
