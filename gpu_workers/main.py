@@ -17,6 +17,7 @@ from gpu_workers.scheduler import SchedulerConfig
 from gpu_workers.service import Runner, WorkerService
 from gpu_workers.settings import WorkerSettings
 from monitoring.ops import OpsServer
+from monitoring.runtime import tune_gc
 from schemas.manifest import ManifestError, current_model_dir, models_root, read_manifest
 from schemas.settings import PlatformSettings
 from schemas.topics import TopicNames
@@ -225,7 +226,8 @@ def run_worker(
     with ops:
         log.info("worker %s: metrics and health on %s", service.worker_id, ops.url)
         service.watch(lambda _: stop.set())  # the first failure of any of its threads ends the wait
-        service.start()
+        service.start()  # returns once the model is loaded
+        tune_gc()  # the model and what start-up built: out of the collector's sight (monitoring.runtime)
         try:
             if service.standby and join is not None:
                 log.info("worker %s warm for %s: joins its group on SIGUSR1", service.worker_id, model_id)

@@ -17,6 +17,7 @@ from ingest.kafka_gateway import KafkaGateway
 from ingest.models import ModelCatalogue, ServedModel
 from ingest.settings import EdgeSettings
 from monitoring.access import check_exposure
+from monitoring.runtime import tune_gc
 from schemas.manifest import current_model_dir, models_root
 from schemas.settings import PlatformSettings
 from schemas.topics import TopicNames
@@ -80,6 +81,7 @@ async def serve_edge(edge: Edge, gateway: KafkaGateway, stop: asyncio.Event) -> 
     loop = asyncio.get_running_loop()
     async with gateway:
         await edge.start()
+        tune_gc()  # what start-up built: out of the collector's sight (monitoring.runtime)
         edge.watch(lambda _exc: loop.call_soon_threadsafe(stop.set))
         try:
             await stop.wait()

@@ -187,10 +187,11 @@ def run_edge_process(platform: PlatformSettings, console: Console, port: int | N
 def run_streams_process(platform: PlatformSettings, console: Console) -> int:
     """``sluice streams``: the streams worker until SIGINT/SIGTERM."""
     from infra.errors import InfraError
+    from monitoring.runtime import tune_gc
     from monitoring.slo import SloConfigError
     from streams.control import BudgetError
     from streams.pricing import PricingError
-    from streams.service import StreamsService, tune_gc
+    from streams.service import StreamsService
 
     try:
         settings = load_settings(StreamsSettings)

@@ -11,7 +11,6 @@ it answers for (:mod:`monitoring.access`); without a token it refuses a non-loop
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -49,25 +48,6 @@ def request_topics(platform: PlatformSettings) -> list[str]:
     if results is None or results.error is not None:
         raise RuntimeError(f"topic {names.results} does not exist: run `sluice topics apply`")
     return sorted(t for t in topics if t.startswith(names.requests_prefix))
-
-
-GC_GEN0_THRESHOLD = 50_000
-"""Allocations between young-generation collections in a streams process (CPython's default: 700)."""
-
-
-def tune_gc() -> None:
-    """Garbage collection for a process that runs the sink; call it once the service has started.
-
-    A sink batch allocates a few hundred thousand short-lived objects (decoded events, rows, columns),
-    nearly all freed by reference counting. At CPython's default thresholds they set off a collection
-    every 700 allocations, and the older generations are then walked over the whole heap (evidently,
-    pandas and scipy included): measured, a third of the sink's CPU. ``gc.freeze()`` moves everything
-    alive after start-up out of the collector's sight, and the young generation is collected every
-    :data:`GC_GEN0_THRESHOLD` allocations; cycles are still collected, only later.
-    """
-    gc.freeze()
-    gen0, gen1, gen2 = gc.get_threshold()
-    gc.set_threshold(max(gen0, GC_GEN0_THRESHOLD), gen1, gen2)
 
 
 def apply_retention(client: Client, days: int) -> None:

@@ -26,6 +26,10 @@ def test_the_streams_benchmark_runs_small_and_writes_its_json(tmp_path: Path) ->
         "3",
         "--markers",
         "3",
+        "--producer-nice",
+        "5",
+        "--producer-linger-ms",
+        "2",
         timeout=400,
     )
     run = result["runs"]["run 1"]
@@ -34,3 +38,4 @@ def test_the_streams_benchmark_runs_small_and_writes_its_json(tmp_path: Path) ->
     assert run["at_rate"]["all_written"] is True
     assert run["at_rate"]["probes_missing"] == 0
     assert "catch-up: warehouse events/s" in stdout
+    assert (result["settings"]["producer_nice"], result["settings"]["producer_linger_ms"]) == (5, 2.0)

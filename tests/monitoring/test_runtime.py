@@ -1,4 +1,4 @@
-"""The streams process's garbage-collection tuning."""
+"""Garbage-collection tuning of the long-lived processes (edge, workers, streams)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from streams.service import GC_GEN0_THRESHOLD, tune_gc
+from monitoring.runtime import GC_GEN0_THRESHOLD, tune_gc
 
 
 @pytest.fixture
