@@ -271,7 +271,7 @@ def _canonical_form(fields: Mapping[str, Any]) -> bytes:
     """The canonical form of an entry given by its :class:`AuditEntry` fields: what
     :func:`row_canonical` makes of its row, without building the row (the sink hashes every entry)."""
     details = fields["details"]
-    if type(details) is not dict:
+    if not isinstance(details, dict):
         raise TypeError(f"details must map strings to strings, got {details!r}")
     for key, value in details.items():  # a loop, not all(...): the sink runs this once per request
         if type(key) is not str or type(value) is not str:
