@@ -15,11 +15,14 @@ GIL. Measured:
 collector never walks (``gc.freeze()``) and collects the young generation every
 :data:`GC_GEN0_THRESHOLD` net allocations. Cycles are still collected, only later: between collections
 at most that many container objects of cyclic garbage wait (a few tens of MB). Python's own
-``python_gc_*`` series on ``/metrics`` show what the collector does.
+``python_gc_*`` series on ``/metrics`` show what the collector does. At exit the heap is unfrozen again,
+so the interpreter's last collection frees it (frozen, nanobind's bindings that torch loads report
+hundreds of leaked objects on stderr as the process ends).
 """
 
 from __future__ import annotations
 
+import atexit
 import gc
 
 GC_GEN0_THRESHOLD = 200_000
@@ -29,6 +32,8 @@ GC_GEN0_THRESHOLD = 200_000
 def tune_gc() -> None:
     """Freeze what start-up built and collect the young generation less often; call it once the process
     serves (its model loaded, its server started). A larger threshold already set is kept."""
+    atexit.unregister(gc.unfreeze)
+    atexit.register(gc.unfreeze)  # once, however often it is called
     gc.freeze()
     gen0, gen1, gen2 = gc.get_threshold()
     gc.set_threshold(max(gen0, GC_GEN0_THRESHOLD), gen1, gen2)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -28,3 +30,19 @@ def test_tuning_freezes_what_exists_and_collects_the_young_generation_less_often
     gc.set_threshold(GC_GEN0_THRESHOLD * 2, 10, 10)
     tune_gc()
     assert gc.get_threshold()[0] == GC_GEN0_THRESHOLD * 2  # a larger threshold already set is kept
+
+
+def test_the_heap_is_unfrozen_at_exit_so_the_last_collection_frees_it() -> None:
+    # atexit runs its handlers last-registered first: this one runs after tune_gc's, and sees the heap.
+    script = (
+        "import atexit, gc\n"
+        "from monitoring.runtime import tune_gc\n"
+        "atexit.register(lambda: print('frozen at exit:', gc.get_freeze_count()))\n"
+        "tune_gc()\n"
+        "tune_gc()\n"
+        "assert gc.get_freeze_count() > 0\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert done.stdout.strip() == "frozen at exit: 0", done.stdout + done.stderr
