@@ -582,9 +582,7 @@ class WorkerService(Component):
 
     def _release(self, item: Arrival, status: str) -> None:
         """Done with a record this worker does not run: its offset may be committed."""
-        if item.trace is not None:
-            item.trace.span.set_attribute(tracing.STATUS, status)
-            item.trace.span.end()
+        _end_trace(item, status)
         with self._offsets_lock:
             if not self._stale(item.tp, item.generation):
                 self._offsets.done(item.tp, item.offset)
@@ -701,9 +699,7 @@ class WorkerService(Component):
         self._live.pop(request_id, None)
         self._remember_finished(request_id)
         self._observer.forget(request_id)
-        if arrival.trace is not None:
-            arrival.trace.span.set_attribute(tracing.STATUS, "finished_elsewhere")
-            arrival.trace.span.end()
+        _end_trace(arrival, "finished_elsewhere")
         self._durable.put(_Durable(arrival.tp, arrival.offset))
 
     EARLY_CANCEL_TTL_S = 120.0
@@ -829,6 +825,13 @@ class WorkerService(Component):
                 reply.topic, value, key=key, headers=head, partition=reply.partition, on_delivery=durable
             )
         self._producer.produce_raw(self._names.results, value, key=key, headers=head, on_delivery=durable)
+
+
+def _end_trace(arrival: Arrival, status: str) -> None:
+    """End the span of a record that ends here without a terminal event of this worker's, with why."""
+    if arrival.trace is not None:
+        arrival.trace.span.set_attribute(tracing.STATUS, status)
+        arrival.trace.span.end()
 
 
 _FINISHED_TYPE = ce_type(RequestFinished).encode()

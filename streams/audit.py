@@ -323,13 +323,14 @@ _NOT_STRINGS = frozenset({"seq", "details"})
 
 
 def _canonical_time(value: object) -> str:
-    if type(value) is datetime and value.tzinfo is UTC and value.year >= 1000:  # what the sink hands in
-        return value.isoformat(timespec="milliseconds")[:23] + "Z"
-    if isinstance(value, str):
-        value = datetime.fromisoformat(value)
-    if not isinstance(value, datetime):
-        raise TypeError(f"time must be a datetime or an ISO 8601 string, got {value!r}")
-    when = value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+    if type(value) is datetime and value.tzinfo is UTC:  # what the sink hands in: already UTC
+        when = value
+    else:
+        if isinstance(value, str):
+            value = datetime.fromisoformat(value)
+        if not isinstance(value, datetime):
+            raise TypeError(f"time must be a datetime or an ISO 8601 string, got {value!r}")
+        when = value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
     if when.year >= 1000:  # isoformat pads the year to 4 digits, strftime's %Y does not below 1000
         return when.isoformat(timespec="milliseconds")[:23] + "Z"
     return f"{when:%Y-%m-%dT%H:%M:%S}.{when.microsecond // 1000:03d}Z"
