@@ -1,9 +1,15 @@
 """Models for the runtime tests: demo-gpt is built once into the shared cache (keyed by its recipe), so
-later sessions and CI runs reuse it; MiniLM is linked from its package."""
+later sessions and CI runs reuse it; MiniLM is linked from its package.
+
+The models load on the CPU. ``SLUICEGATE_TEST_DEVICE=cuda`` loads them on the GPU instead, so the same runtime
+tests (engine tokens equal ``generate`` alone under churn, seeded sampling, embeddings) run there: what
+``benchmarks/gpu.py``'s smoke run does on a machine with one. CI has no GPU and never sets it.
+"""
 
 from __future__ import annotations
 
 import importlib
+import os
 from pathlib import Path
 
 import pytest
@@ -19,6 +25,7 @@ from schemas.manifest import models_root
 from schemas.settings import PlatformSettings
 
 BUILD_TIMEOUT_S = 600
+TEST_DEVICE = os.environ.get("SLUICEGATE_TEST_DEVICE", "cpu")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -41,7 +48,7 @@ def demo_gpt_dir(shared_models_root: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def demo_gpt(demo_gpt_dir: Path) -> LoadedModel:
-    return load_generation_model(demo_gpt_dir, device="cpu")
+    return load_generation_model(demo_gpt_dir, device=TEST_DEVICE)
 
 
 @pytest.fixture(scope="session")
@@ -53,4 +60,4 @@ def minilm_source() -> Path:
 @pytest.fixture(scope="session")
 def minilm(minilm_source: Path, tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
     prepared = prepare_hf_dir("all-minilm-l6-v2", minilm_source, tmp_path_factory.mktemp("models"))
-    return load_embedding_model(prepared, device="cpu")
+    return load_embedding_model(prepared, device=TEST_DEVICE)

@@ -39,7 +39,7 @@ def generate_alone(lm: LoadedModel, ids: list[int], max_new_tokens: int) -> list
     """The reference: transformers' own greedy generate for this prompt alone (stops at eos)."""
     with torch.inference_mode():
         out = lm.model.generate(  # type: ignore[operator]
-            torch.tensor([ids]),
+            torch.tensor([ids], device=lm.device),
             do_sample=False,
             max_new_tokens=max_new_tokens,
             pad_token_id=lm.manifest.eos_token_id,

@@ -73,7 +73,7 @@ def test_demo_manifest_and_tokenizer(demo_gpt: LoadedModel, demo_gpt_dir: Path) 
 def test_demo_model_learned_something(demo_gpt: LoadedModel) -> None:
     """Loss on held-out text of the corpus' kind is far below a uniform guess (ln 3072 ≈ 8.0)."""
     text = " ".join(demo_corpus(seed=999, documents=20))
-    ids = torch.tensor([demo_gpt.tokenizer(text).input_ids[:256]])
+    ids = torch.tensor([demo_gpt.tokenizer(text).input_ids[:256]], device=demo_gpt.device)
     with torch.inference_mode():
         loss = float(demo_gpt.model(input_ids=ids, labels=ids).loss)
     assert loss < 0.5 * math.log(demo_gpt.model.config.vocab_size)

@@ -1,0 +1,438 @@
+"""The model runtime on a GPU: a CUDA smoke test, then the worker's engines against the raw model, in process.
+
+What a worker's model thread does, without Kafka or the edge: the generation engine (continuous batching)
+and the embedding engine on the device, against plain batched ``model.generate`` and the bare forward.
+
+Smoke checks (the run exits 1 if one fails):
+
+- both models load on the device through the normal path (manifest checked, ``from_pretrained``);
+- greedy tokens on the device equal the CPU's (a tiny model's near-ties may flip; the agreement is shown);
+- the engine's greedy tokens under churn (requests join and finish at staggered steps) equal ``generate``
+  alone for each request, on the device;
+- a seeded sampled request gives the same tokens alone and in a batch, on the device;
+- embeddings on the device equal the CPU's (cosine).
+
+Then tokens/s of the engine and of ``generate`` per batch size, the prefill-to-first-token time of one
+request, and MiniLM embeddings/s per batch. One table, one JSON (``--out``).
+
+    python benchmarks/gpu.py                          # on CUDA; fails clearly without it
+    python benchmarks/gpu.py --device cpu --quick     # the same on the CPU: CI runs it so it cannot rot
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import msgspec
+import numpy as np
+import torch
+from loadgen import EMBED_TEXTS, embed_text
+
+from gpu_workers.embedding import EmbeddingEngine
+from gpu_workers.engine import (
+    GenerationEngine,
+    SeqRequest,
+    engine_throughput,
+    padded_generate,
+    raw_generate_throughput,
+)
+from gpu_workers.main import runner_factory
+from gpu_workers.models import (
+    LoadedModel,
+    load_embedding_model,
+    load_generation_model,
+    memory_bytes,
+    prepare_models,
+)
+from gpu_workers.service import Arrival, Request, Runner
+from gpu_workers.settings import WorkerSettings
+from schemas.events import (
+    EmbeddingRequested,
+    GenerationRequested,
+    RequestFinished,
+    SamplingParams,
+    TokenChunk,
+)
+from schemas.ids import uuid7
+from schemas.manifest import current_model_dir
+from schemas.settings import PlatformSettings, load_settings
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+RESULTS = Path(__file__).parent / "results" / "gpu.json"
+PROMPTS = [
+    "Tell me about the river and the stone wall.",
+    "Hello",
+    "The sluice gate opens at dawn and the water",
+    "Write a short story about a miller who",
+    "Why is the sky",
+    "A list of the things a river carries: stones, sand,",
+    "Once",
+    "The old wall by the river was built",
+]
+
+
+@dataclass
+class Check:
+    check: str
+    ok: bool
+    detail: str
+
+
+def greedy_on(
+    model: PreTrainedModel, prompts: list[list[int]], budgets: list[int], eos: int | None
+) -> list[list[int]]:
+    """Each prompt generated alone (no padding), greedy, up to its budget or through EOS."""
+    out = [padded_generate(model, [p], n)[0] for p, n in zip(prompts, budgets, strict=True)]
+    return [tokens[: tokens.index(eos) + 1] if eos in tokens else tokens for tokens in out]
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> tuple[int, float]:
+    """Identical sequences, and the fraction of tokens before each pair's first difference."""
+    same = sum(x == y for x, y in zip(a, b, strict=True))
+    prefix = 0
+    for x, y in zip(a, b, strict=True):
+        prefix += next((i for i, (s, t) in enumerate(zip(x, y, strict=False)) if s != t), min(len(x), len(y)))
+    return same, prefix / max(1, sum(len(x) for x in a))
+
+
+def engine_under_churn(
+    gen: LoadedModel, prompts: list[list[int]], budgets: list[int]
+) -> dict[str, list[int]]:
+    """A closed loop at 4 slots: whenever a sequence ends the next request joins its free row."""
+    eos = gen.manifest.eos_token_id
+    stop = frozenset({eos}) if eos is not None else frozenset()
+    engine = GenerationEngine(gen.model, max_batch_size=4, max_context=gen.manifest.max_context)
+
+    def add(i: int) -> None:
+        engine.add(
+            SeqRequest(
+                request_id=str(i), input_ids=prompts[i], max_new_tokens=budgets[i], stop_token_ids=stop
+            )
+        )
+
+    queue = iter(range(len(prompts)))
+    for i in [next(queue) for _ in range(4)]:
+        add(i)
+    seen: dict[str, list[int]] = {}
+    while engine.has_work():
+        for out in engine.step():
+            seen.setdefault(out.request_id, []).append(out.token_id)
+            if out.finish_reason is not None and (nxt := next(queue, None)) is not None:
+                add(nxt)
+    return seen
+
+
+def sampled(gen: LoadedModel, prompt: list[int], company: list[list[int]]) -> list[int]:
+    """A seeded sampled request's tokens, run with ``company`` (greedy requests) in the batch."""
+    engine = GenerationEngine(gen.model, max_batch_size=8, max_context=gen.manifest.max_context)
+    engine.add(
+        SeqRequest(request_id="s", input_ids=prompt, max_new_tokens=24, temperature=0.9, top_p=0.9, seed=7)
+    )
+    for i, other in enumerate(company):
+        engine.add(SeqRequest(request_id=f"g{i}", input_ids=other, max_new_tokens=16 + i))
+    tokens: list[int] = []
+    while engine.has_work():
+        tokens += [o.token_id for o in engine.step() if o.request_id == "s"]
+    return tokens
+
+
+def smoke(
+    gen: LoadedModel, emb: LoadedModel, cpu_gen: LoadedModel, cpu_emb: LoadedModel, texts: list[list[int]]
+) -> list[Check]:
+    checks = [
+        Check(
+            "models load on the device",
+            gen.device.type == emb.device.type,
+            f"{gen.device} / {emb.device}; {memory_bytes(gen) / 2**20:.1f} + {memory_bytes(emb) / 2**20:.1f} MiB",
+        )
+    ]
+    prompts = [list(gen.tokenizer(p)["input_ids"]) for p in PROMPTS]
+    eos = gen.manifest.eos_token_id
+    flat = [32] * len(prompts)
+    here, there = greedy_on(gen.model, prompts, flat, eos), greedy_on(cpu_gen.model, prompts, flat, eos)
+    same, prefix = agreement(here, there)
+    checks.append(
+        Check(
+            "greedy tokens equal the CPU's",
+            prefix >= 0.9,
+            f"{same}/{len(prompts)} sequences identical, {prefix:.1%} of tokens before a first difference",
+        )
+    )
+    budgets = [40, 3, 9, 5, 12, 4, 7, 30]
+    alone = {str(i): tokens for i, tokens in enumerate(greedy_on(gen.model, prompts, budgets, eos))}
+    churn = engine_under_churn(gen, prompts, budgets)
+    equal = sum(churn[k] == v for k, v in alone.items())
+    checks.append(
+        Check(
+            "engine under churn equals generate alone",
+            equal == len(alone),
+            f"{equal}/{len(alone)} requests token-identical",
+        )
+    )
+    first = sampled(gen, prompts[0], [])
+    again = sampled(gen, prompts[0], prompts[1:6])
+    checks.append(
+        Check(
+            "seeded sampling is the same alone and in a batch",
+            first == again and len(first) > 0,
+            f"{len(first)} tokens alone, {len(again)} in a batch of 6, {'equal' if first == again else 'DIFFERENT'}",
+        )
+    )
+    here_v = EmbeddingEngine(emb.model).embed(texts)
+    there_v = EmbeddingEngine(cpu_emb.model).embed(texts)
+    cosine = float(np.min(np.sum(here_v * there_v, axis=1)))
+    norm = float(np.max(np.abs(np.linalg.norm(here_v, axis=1) - 1)))
+    checks.append(
+        Check(
+            "embeddings equal the CPU's",
+            cosine >= 0.9999 and norm < 1e-4,
+            f"{len(texts)} texts: min cosine {cosine:.6f}, max |norm - 1| {norm:.1e}",
+        )
+    )
+    return checks
+
+
+def generation_bench(
+    gen: LoadedModel, batches: list[int], new_tokens: int, rounds: int
+) -> dict[str, dict[str, float]]:
+    prompt = list(gen.tokenizer(PROMPTS[0])["input_ids"])
+    rows: dict[str, dict[str, float]] = {}
+    for batch in batches:
+        # untimed first: each batch size's shapes pick their kernels on first use
+        raw_generate_throughput(gen.model, [prompt] * batch, 8, batch)
+        engine_throughput(gen.model, [prompt] * batch, 8, batch)
+        prompts = [prompt] * (batch * rounds)
+        raw = raw_generate_throughput(gen.model, prompts, new_tokens, batch)
+        engine = engine_throughput(gen.model, prompts, new_tokens, batch)
+        rows[str(batch)] = {"raw_tok_s": raw, "engine_tok_s": engine, "engine_over_raw": engine / raw}
+        print(
+            f"  generation batch {batch}: generate {raw:,.0f} tok/s, engine {engine:,.0f} tok/s", flush=True
+        )
+    return rows
+
+
+def ttft(gen: LoadedModel, samples: int) -> dict[str, float]:
+    ids = torch.tensor([list(gen.tokenizer(PROMPTS[0])["input_ids"])], device=gen.device)
+    took: list[float] = []
+    with torch.inference_mode():
+        for _ in range(samples + 5):
+            started = time.perf_counter()
+            int(gen.model(input_ids=ids).logits[0, -1].argmax())
+            took.append((time.perf_counter() - started) * 1000)
+    took = sorted(took[5:])
+    return {"p50": statistics.median(took), "p99": took[min(len(took) - 1, math.ceil(0.99 * len(took)) - 1)]}
+
+
+def embedding_bench(
+    emb: LoadedModel, texts: list[list[int]], batches: list[int], items: int
+) -> dict[str, float]:
+    engine = EmbeddingEngine(emb.model)
+    rates: dict[str, float] = {}
+    for batch in batches:
+        engine.embed([texts[i % len(texts)] for i in range(batch)])  # untimed: kernels for these shapes
+        rounds = max(3, items // batch)
+        started = time.perf_counter()
+        for r in range(rounds):
+            first = (r * batch) % len(texts)
+            engine.embed([texts[(first + i) % len(texts)] for i in range(batch)])
+        rates[str(batch)] = rounds * batch / (time.perf_counter() - started)
+        print(f"  embeddings batch {batch}: {rates[str(batch)]:,.0f}/s", flush=True)
+    return rates
+
+
+class Counting:
+    """The emitter the runner reports to: counts what a worker would publish."""
+
+    def __init__(self) -> None:
+        self.finished = 0
+        self.tokens = 0
+        self.items = 0
+
+    def chunk(self, arrival: Arrival, chunk: TokenChunk) -> None:
+        pass
+
+    def finish(self, arrival: Arrival, result: RequestFinished) -> None:
+        if result.status != "completed":
+            raise RuntimeError(f"{result.request_id} ended {result.status}: {result.error}")
+        self.finished += 1
+        self.tokens += result.usage.completion_tokens
+        self.items += len(result.vectors() or ())
+
+    def joined(self, arrival: Arrival, batch: int, budget_ratio: float) -> None:
+        pass
+
+
+def through_runner(runner: Runner, requests: list[Request], in_flight: int) -> tuple[float, Counting]:
+    """Seconds to finish ``requests`` with at most ``in_flight`` accepted and unfinished (a closed loop of
+    clients in front of the worker's inbox), and what was emitted."""
+    out = Counting()
+    accepted = 0
+    started = time.perf_counter()
+    while out.finished < len(requests):
+        while accepted < len(requests) and accepted - out.finished < in_flight:
+            runner.accept(Arrival(requests[accepted], ("requests", 0), accepted), out)
+            accepted += 1
+        runner.tick(out)
+    return time.perf_counter() - started, out
+
+
+def runner_bench(
+    device: str,
+    gen_dir: Path,
+    emb_dir: Path,
+    prompt: list[int],
+    texts: list[list[int]],
+    batch: int,
+    new_tokens: int,
+) -> dict[str, float]:
+    """The worker's own runners (built as ``sluice worker`` builds them: batching, scheduling, terminal
+    events; no Kafka) at ``batch``, against the engines alone on the same work."""
+    worker = load_settings(WorkerSettings)
+    worker = msgspec.structs.replace(
+        worker,
+        worker_device=device,
+        worker_max_running=batch,
+        worker_embed_max_batch=batch,
+        worker_max_waiting=4 * batch,
+    )
+    gen_runner = runner_factory(gen_dir, worker, "benchmarks/gpu", "bench-gen")()
+    sampling = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+
+    def gen_request() -> GenerationRequested:
+        return GenerationRequested(
+            tenant="bench",
+            model="demo-gpt",
+            request_id=uuid7(),
+            source="benchmarks/gpu",
+            model_version="v",
+            input_ids=prompt,
+            sampling=sampling,
+        )
+
+    through_runner(gen_runner, [gen_request() for _ in range(batch)], 2 * batch)  # warm-up
+    took, out = through_runner(gen_runner, [gen_request() for _ in range(4 * batch)], 2 * batch)
+    runner_tps = out.tokens / took
+
+    emb_runner = runner_factory(emb_dir, worker, "benchmarks/gpu", "bench-emb")()
+
+    def emb_requests(n: int) -> list[Request]:
+        return [
+            EmbeddingRequested(
+                tenant="bench",
+                model="all-minilm-l6-v2",
+                request_id=uuid7(),
+                source="benchmarks/gpu",
+                model_version="v",
+                inputs=[texts[i % len(texts)]],
+            )
+            for i in range(n)
+        ]
+
+    through_runner(emb_runner, emb_requests(batch), 2 * batch)  # warm-up
+    took, out = through_runner(emb_runner, emb_requests(max(16, 16 * batch)), 2 * batch)
+    runner_eps = out.items / took
+    return {"batch": batch, "generation_tok_s": runner_tps, "embeddings_per_s": runner_eps}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--device", default="cuda", help="torch device to test (default cuda; cpu runs it anywhere)"
+    )
+    parser.add_argument("--quick", action="store_true", help="small batches and few rounds (CI)")
+    parser.add_argument("--out", type=Path, default=RESULTS, help=f"JSON results (default {RESULTS})")
+    args = parser.parse_args()
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print(
+            f"no CUDA device here (torch {torch.__version__}); run with --device cpu to exercise the script"
+        )
+        return 2
+    settings = load_settings(PlatformSettings)
+    gen_dir = current_model_dir(settings.cache_dir, "demo-gpt")
+    emb_dir = current_model_dir(settings.cache_dir, "all-minilm-l6-v2")
+    if not (gen_dir.exists() and emb_dir.exists()):
+        prepare_models(settings, print)  # as `sluice models prepare` does; a prepared cache is reused as is
+    started = time.perf_counter()
+    gen = load_generation_model(gen_dir, device=args.device)
+    emb = load_embedding_model(emb_dir, device=args.device)
+    on_cpu = gen.device.type == "cpu"
+    # on the CPU the comparisons are with itself: they still run, so the script cannot rot
+    cpu_gen = gen if on_cpu else load_generation_model(gen_dir, device="cpu")
+    cpu_emb = emb if on_cpu else load_embedding_model(emb_dir, device="cpu")
+    print(f"loaded on {gen.device} in {time.perf_counter() - started:.1f} s", flush=True)
+    texts = [list(emb.tokenizer(embed_text(n))["input_ids"]) for n in range(EMBED_TEXTS)]
+
+    checks = smoke(gen, emb, cpu_gen, cpu_emb, texts)
+    for c in checks:
+        print(f"  [{'ok' if c.ok else 'FAIL'}] {c.check}: {c.detail}", flush=True)
+
+    batches = [1, 8] if args.quick else [1, 8, 32, 64, 128, 256]
+    generation = generation_bench(gen, batches, 16 if args.quick else 64, 1 if args.quick else 5)
+    first_token = ttft(gen, 10 if args.quick else 100)
+    emb_batches = [1, 8] if args.quick else [1, 8, 32, 64, 128, 256, 512]
+    embeddings = embedding_bench(emb, texts, emb_batches, 16 if args.quick else 4096)
+
+    prompt = list(gen.tokenizer(PROMPTS[0])["input_ids"])
+    runners: dict[str, dict[str, float]] = {}
+    for size in [8] if args.quick else [64, 256]:
+        row = runner_bench(args.device, gen_dir, emb_dir, prompt, texts, size, 16 if args.quick else 64)
+        row["generation_over_generate"] = row["generation_tok_s"] / generation[str(size)]["raw_tok_s"]
+        row["embeddings_over_engine"] = row["embeddings_per_s"] / embeddings[str(size)]
+        runners[str(size)] = row
+
+    name = torch.cuda.get_device_name(gen.device) if gen.device.type == "cuda" else "cpu"
+    result = {
+        "device": str(gen.device),
+        "device_name": name,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "quick": args.quick,
+        "smoke": [asdict(c) for c in checks],
+        "generation": generation,
+        "ttft_ms": first_token,
+        "embeddings_per_s": embeddings,
+        "runners": runners,
+    }
+    print(f"\n{name} ({gen.device}), torch {torch.__version__}")
+    print(f"{'batch':>6} {'generate tok/s':>15} {'engine tok/s':>13} {'engine/generate':>16}")
+    for label, row in generation.items():
+        print(
+            f"{label:>6} {row['raw_tok_s']:>15,.0f} {row['engine_tok_s']:>13,.0f} {row['engine_over_raw']:>16.2f}"
+        )
+    print(
+        f"prefill to first token, one request: p50 {first_token['p50']:.2f} ms, p99 {first_token['p99']:.2f} ms"
+    )
+    print(f"{'batch':>6} {'embeddings/s':>13}")
+    for label, rate in embeddings.items():
+        print(f"{label:>6} {rate:>13,.0f}")
+    print(
+        "the worker's runners (batching, scheduling, terminal events; no Kafka), against the engines alone:"
+    )
+    for label, row in runners.items():
+        print(
+            f"  batch {label}: generation {row['generation_tok_s']:,.0f} tok/s ({row['generation_over_generate']:.2f} "
+            f"of generate), embeddings {row['embeddings_per_s']:,.0f}/s ({row['embeddings_over_engine']:.2f} of the engine)"
+        )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    failed = [c.check for c in checks if not c.ok]
+    if failed:
+        print(f"smoke checks failed: {', '.join(failed)}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
