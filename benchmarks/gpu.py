@@ -266,7 +266,8 @@ class Counting:
             raise RuntimeError(f"{result.request_id} ended {result.status}: {result.error}")
         self.finished += 1
         self.tokens += result.usage.completion_tokens
-        self.items += len(result.vectors() or ())
+        packed = result.packed_vectors()  # not vectors(): that makes Python floats of every one
+        self.items += len(packed.data) // (4 * packed.dim) if packed is not None else 0
 
     def joined(self, arrival: Arrival, batch: int, budget_ratio: float) -> None:
         pass
@@ -308,7 +309,7 @@ def runner_bench(
     gen_runner = runner_factory(gen_dir, worker, "benchmarks/gpu", "bench-gen")()
     sampling = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
 
-    def gen_request() -> GenerationRequested:
+    def gen_request(stream: bool) -> GenerationRequested:
         return GenerationRequested(
             tenant="bench",
             model="demo-gpt",
@@ -317,11 +318,14 @@ def runner_bench(
             model_version="v",
             input_ids=prompt,
             sampling=sampling,
+            stream=stream,
         )
 
-    through_runner(gen_runner, [gen_request() for _ in range(batch)], 2 * batch)  # warm-up
-    took, out = through_runner(gen_runner, [gen_request() for _ in range(4 * batch)], 2 * batch)
-    runner_tps = out.tokens / took
+    rates: dict[bool, float] = {}
+    for stream in (False, True):  # streamed: text decoded per token and coalesced into chunks
+        through_runner(gen_runner, [gen_request(stream) for _ in range(batch)], 2 * batch)  # warm-up
+        took, out = through_runner(gen_runner, [gen_request(stream) for _ in range(4 * batch)], 2 * batch)
+        rates[stream] = out.tokens / took
 
     emb_runner = runner_factory(emb_dir, worker, "benchmarks/gpu", "bench-emb")()
 
@@ -341,7 +345,12 @@ def runner_bench(
     through_runner(emb_runner, emb_requests(batch), 2 * batch)  # warm-up
     took, out = through_runner(emb_runner, emb_requests(max(16, 16 * batch)), 2 * batch)
     runner_eps = out.items / took
-    return {"batch": batch, "generation_tok_s": runner_tps, "embeddings_per_s": runner_eps}
+    return {
+        "batch": batch,
+        "generation_tok_s": rates[False],
+        "generation_streamed_tok_s": rates[True],
+        "embeddings_per_s": runner_eps,
+    }
 
 
 def main() -> int:
@@ -389,6 +398,7 @@ def main() -> int:
     for size in [8] if args.quick else [64, 256]:
         row = runner_bench(args.device, gen_dir, emb_dir, prompt, texts, size, 16 if args.quick else 64)
         row["generation_over_generate"] = row["generation_tok_s"] / generation[str(size)]["raw_tok_s"]
+        row["streamed_over_generate"] = row["generation_streamed_tok_s"] / generation[str(size)]["raw_tok_s"]
         row["embeddings_over_engine"] = row["embeddings_per_s"] / embeddings[str(size)]
         runners[str(size)] = row
 
@@ -420,11 +430,14 @@ def main() -> int:
     print(
         "the worker's runners (batching, scheduling, terminal events; no Kafka), against the engines alone:"
     )
+    print(f"{'batch':>6} {'generation tok/s':>17} {'streamed tok/s':>15} {'embeddings/s':>13}")
     for label, row in runners.items():
         print(
-            f"  batch {label}: generation {row['generation_tok_s']:,.0f} tok/s ({row['generation_over_generate']:.2f} "
-            f"of generate), embeddings {row['embeddings_per_s']:,.0f}/s ({row['embeddings_over_engine']:.2f} of the engine)"
+            f"{label:>6} {row['generation_tok_s']:>10,.0f} ({row['generation_over_generate']:.2f})"
+            f" {row['generation_streamed_tok_s']:>8,.0f} ({row['streamed_over_generate']:.2f})"
+            f" {row['embeddings_per_s']:>6,.0f} ({row['embeddings_over_engine']:.2f})"
         )
+    print("  (in parentheses: of generate / of the embedding engine alone at that batch)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -6,9 +6,28 @@ The approach vLLM uses: decode a short window ``ids[prefix:]`` and emit what it 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+from typing import Any
 
 Decode = Callable[[list[int]], str]
+
+
+def decoder_for(tokenizer: Any) -> Decode:
+    """``tokenizer.decode(ids, skip_special_tokens=True)`` as a :data:`Decode`, through the Rust tokenizer
+    directly where that is the same text.
+
+    A transformers fast tokenizer's ``decode`` converts its argument, looks at its type and options, then
+    calls ``backend_tokenizer.decode`` and, with ``clean_up_tokenization_spaces``, cleans the text up. A
+    streamed token costs two decodes (:class:`IncrementalDetokenizer`), and that wrapper was ~75 % of
+    their cost (5.6 against 1.4 us a token on the development machine). Without the clean-up the two give
+    the same text, so the wrapper is skipped; with it (or a tokenizer without a Rust backend) it is not.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False:
+        decode: Decode = functools.partial(backend.decode, skip_special_tokens=True)
+        return decode
+    return lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True))
 
 
 class IncrementalDetokenizer:

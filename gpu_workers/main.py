@@ -61,20 +61,20 @@ def runner_factory(
         )
         manifest = read_manifest(model_dir)
         if manifest.task == "generation":
+            from gpu_workers.detok import decoder_for
             from gpu_workers.engine import GenerationEngine
             from gpu_workers.generation import GenerationRunner
             from gpu_workers.models import load_generation_model
 
             loaded = load_generation_model(model_dir, worker.worker_device)
             report_loaded(loaded, manifest.model_id, worker_id)
-            tokenizer = loaded.tokenizer
             engine = GenerationEngine(
                 loaded.model, max_batch_size=worker.worker_max_running, max_context=manifest.max_context
             )
             _warm_up_generation(engine)
             return GenerationRunner(
                 engine,
-                lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True)),
+                decoder_for(loaded.tokenizer),
                 manifest,
                 source=source,
                 worker_id=worker_id,

@@ -32,6 +32,7 @@ def test_the_gpu_benchmark_runs_on_the_cpu_and_writes_its_json(tmp_path: Path) -
     assert set(result["embeddings_per_s"]) == {"1", "8"}
     runner = result["runners"]["8"]
     assert runner["generation_tok_s"] > 0
+    assert runner["generation_streamed_tok_s"] > 0
     assert runner["embeddings_per_s"] > 0
     assert "the worker's runners" in stdout
 

@@ -11,6 +11,7 @@ import msgspec
 import pytest
 
 from gpu_workers.batching import BatcherConfig
+from gpu_workers.detok import decoder_for
 from gpu_workers.embedding import EmbeddingEngine
 from gpu_workers.embedding_runner import EmbeddingRunner
 from gpu_workers.engine import GenerationEngine
@@ -71,7 +72,7 @@ def gpt_runner(demo_gpt: LoadedModel) -> GenerationRunner:
     tokenizer = demo_gpt.tokenizer
     return GenerationRunner(
         GenerationEngine(demo_gpt.model, max_batch_size=8, max_context=demo_gpt.manifest.max_context),
-        lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True)),
+        decoder_for(tokenizer),
         demo_gpt.manifest,
         source=SOURCE,
         worker_id=WORKER,
@@ -304,7 +305,7 @@ def test_a_flooding_tenant_waits_its_turn_and_pays_for_the_full_queue(demo_gpt: 
     tokenizer = demo_gpt.tokenizer
     runner = GenerationRunner(
         GenerationEngine(demo_gpt.model, max_batch_size=1, max_context=demo_gpt.manifest.max_context),
-        lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True)),
+        decoder_for(tokenizer),
         demo_gpt.manifest,
         source=SOURCE,
         worker_id=WORKER,
