@@ -13,7 +13,9 @@ Smoke checks (the run exits 1 if one fails):
 - embeddings on the device equal the CPU's (cosine).
 
 Then tokens/s of the engine and of ``generate`` per batch size, the prefill-to-first-token time of one
-request, and MiniLM embeddings/s per batch. One table, one JSON (``--out``).
+request, MiniLM embeddings/s per batch, and the worker's own runners (built as ``sluice worker`` builds
+them: batching, scheduling, terminal events; no Kafka) against the engines at 64 and 256, streamed
+generation too. Each cell is the median of ``--repeats`` measurements. One table, one JSON (``--out``).
 
     python benchmarks/gpu.py                          # on CUDA; fails clearly without it
     python benchmarks/gpu.py --device cpu --quick     # the same on the CPU: CI runs it so it cannot rot
@@ -27,7 +29,9 @@ import math
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -203,8 +207,14 @@ def smoke(
     return checks
 
 
+def median_rate(repeats: int, measure: Callable[[], float]) -> float:
+    """The median of ``repeats`` measurements: a cell is short and launch-bound, and one slow moment of the
+    host moves a lone measurement by a third."""
+    return statistics.median(measure() for _ in range(repeats))
+
+
 def generation_bench(
-    gen: LoadedModel, batches: list[int], new_tokens: int, rounds: int
+    gen: LoadedModel, batches: list[int], new_tokens: int, rounds: int, repeats: int
 ) -> dict[str, dict[str, float]]:
     prompt = list(gen.tokenizer(PROMPTS[0])["input_ids"])
     rows: dict[str, dict[str, float]] = {}
@@ -213,8 +223,8 @@ def generation_bench(
         raw_generate_throughput(gen.model, [prompt] * batch, 8, batch)
         engine_throughput(gen.model, [prompt] * batch, 8, batch)
         prompts = [prompt] * (batch * rounds)
-        raw = raw_generate_throughput(gen.model, prompts, new_tokens, batch)
-        engine = engine_throughput(gen.model, prompts, new_tokens, batch)
+        raw = median_rate(repeats, partial(raw_generate_throughput, gen.model, prompts, new_tokens, batch))
+        engine = median_rate(repeats, partial(engine_throughput, gen.model, prompts, new_tokens, batch))
         rows[str(batch)] = {"raw_tok_s": raw, "engine_tok_s": engine, "engine_over_raw": engine / raw}
         print(
             f"  generation batch {batch}: generate {raw:,.0f} tok/s, engine {engine:,.0f} tok/s", flush=True
@@ -235,18 +245,22 @@ def ttft(gen: LoadedModel, samples: int) -> dict[str, float]:
 
 
 def embedding_bench(
-    emb: LoadedModel, texts: list[list[int]], batches: list[int], items: int
+    emb: LoadedModel, texts: list[list[int]], batches: list[int], items: int, repeats: int
 ) -> dict[str, float]:
     engine = EmbeddingEngine(emb.model)
     rates: dict[str, float] = {}
     for batch in batches:
         engine.embed([texts[i % len(texts)] for i in range(batch)])  # untimed: kernels for these shapes
         rounds = max(3, items // batch)
-        started = time.perf_counter()
-        for r in range(rounds):
-            first = (r * batch) % len(texts)
-            engine.embed([texts[(first + i) % len(texts)] for i in range(batch)])
-        rates[str(batch)] = rounds * batch / (time.perf_counter() - started)
+
+        def measure(batch: int = batch, rounds: int = rounds) -> float:
+            started = time.perf_counter()
+            for r in range(rounds):
+                first = (r * batch) % len(texts)
+                engine.embed([texts[(first + i) % len(texts)] for i in range(batch)])
+            return rounds * batch / (time.perf_counter() - started)
+
+        rates[str(batch)] = median_rate(repeats, measure)
         print(f"  embeddings batch {batch}: {rates[str(batch)]:,.0f}/s", flush=True)
     return rates
 
@@ -296,6 +310,7 @@ def runner_bench(
     texts: list[list[int]],
     batch: int,
     new_tokens: int,
+    repeats: int,
 ) -> dict[str, float]:
     """The worker's own runners (built as ``sluice worker`` builds them: batching, scheduling, terminal
     events; no Kafka) at ``batch``, against the engines alone on the same work."""
@@ -322,11 +337,14 @@ def runner_bench(
             stream=stream,
         )
 
+    def gen_rate(stream: bool) -> float:
+        took, out = through_runner(gen_runner, [gen_request(stream) for _ in range(4 * batch)], 2 * batch)
+        return out.tokens / took
+
     rates: dict[bool, float] = {}
     for stream in (False, True):  # streamed: text decoded per token and coalesced into chunks
         through_runner(gen_runner, [gen_request(stream) for _ in range(batch)], 2 * batch)  # warm-up
-        took, out = through_runner(gen_runner, [gen_request(stream) for _ in range(4 * batch)], 2 * batch)
-        rates[stream] = out.tokens / took
+        rates[stream] = median_rate(repeats, partial(gen_rate, stream))
 
     emb_runner = runner_factory(emb_dir, worker, "benchmarks/gpu", "bench-emb")()
 
@@ -343,9 +361,12 @@ def runner_bench(
             for i in range(n)
         ]
 
+    def emb_rate() -> float:
+        took, out = through_runner(emb_runner, emb_requests(max(16, 16 * batch)), 2 * batch)
+        return out.items / took
+
     through_runner(emb_runner, emb_requests(batch), 2 * batch)  # warm-up
-    took, out = through_runner(emb_runner, emb_requests(max(16, 16 * batch)), 2 * batch)
-    runner_eps = out.items / took
+    runner_eps = median_rate(repeats, emb_rate)
     return {
         "batch": batch,
         "generation_tok_s": rates[False],
@@ -363,7 +384,17 @@ def main() -> int:
     )
     parser.add_argument("--quick", action="store_true", help="small batches and few rounds (CI)")
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"JSON results (default {RESULTS})")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="measurements per cell, the median kept (default 3; 1 with --quick)",
+    )
     args = parser.parse_args()
+    if args.repeats is None:
+        args.repeats = 1 if args.quick else 3
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print(
             f"no CUDA device here (torch {torch.__version__}); run with --device cpu to exercise the script"
@@ -392,15 +423,19 @@ def main() -> int:
         print(f"  [{'ok' if c.ok else 'FAIL'}] {c.check}: {c.detail}", flush=True)
 
     batches = [1, 8] if args.quick else [1, 8, 32, 64, 128, 256]
-    generation = generation_bench(gen, batches, 16 if args.quick else 64, 1 if args.quick else 5)
+    generation = generation_bench(
+        gen, batches, 16 if args.quick else 64, 1 if args.quick else 5, args.repeats
+    )
     first_token = ttft(gen, 10 if args.quick else 100)
     emb_batches = [1, 8] if args.quick else [1, 8, 32, 64, 128, 256, 512]
-    embeddings = embedding_bench(emb, texts, emb_batches, 16 if args.quick else 4096)
+    embeddings = embedding_bench(emb, texts, emb_batches, 16 if args.quick else 4096, args.repeats)
 
     prompt = list(gen.tokenizer(PROMPTS[0])["input_ids"])
     runners: dict[str, dict[str, float]] = {}
     for size in [8] if args.quick else [64, 256]:
-        row = runner_bench(args.device, gen_dir, emb_dir, prompt, texts, size, 16 if args.quick else 64)
+        row = runner_bench(
+            args.device, gen_dir, emb_dir, prompt, texts, size, 16 if args.quick else 64, args.repeats
+        )
         row["generation_over_generate"] = row["generation_tok_s"] / generation[str(size)]["raw_tok_s"]
         row["streamed_over_generate"] = row["generation_streamed_tok_s"] / generation[str(size)]["raw_tok_s"]
         row["embeddings_over_engine"] = row["embeddings_per_s"] / embeddings[str(size)]
@@ -413,6 +448,7 @@ def main() -> int:
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "quick": args.quick,
+        "repeats": args.repeats,
         "smoke": [asdict(c) for c in checks],
         "generation": generation,
         "ttft_ms": first_token,
