@@ -79,6 +79,9 @@ class DynamicBatcher(Generic[P]):
         self._deadlines: list[tuple[float, int]] = []  # heap of (deadline, seq); stale entries skipped
         self._expired: list[EmbedItem[P]] = []
         self._seq = 0
+        self.token_budget = config.max_batch_tokens
+        """Padded tokens a batch may hold now: the configured budget, lower after an out-of-memory
+        (``gpu_workers.oom``). A lone item always makes a batch, whatever its length."""
 
     def __len__(self) -> int:
         """Items queued for a batch (expired items awaiting ``take_expired`` not included)."""
@@ -175,7 +178,7 @@ class DynamicBatcher(Generic[P]):
             if count == self.config.max_batch_size:
                 break
             widest = max(longest, entry.item.n_tokens)
-            if count and (count + 1) * widest > self.config.max_batch_tokens:
+            if count and (count + 1) * widest > self.token_budget:
                 break
             count, longest = count + 1, widest
         return count, longest
@@ -185,7 +188,7 @@ class DynamicBatcher(Generic[P]):
         full = (
             size == self.config.max_batch_size
             or size < len(queue)  # the next waiting item does not fit the budget
-            or (size + 1) * longest > self.config.max_batch_tokens  # no item could join
+            or (size + 1) * longest > self.token_budget  # no item could join
         )
         return full or now >= queue[0].ready_at
 

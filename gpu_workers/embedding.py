@@ -30,6 +30,7 @@ class EmbeddingEngine:
         config = model.config
         self._model = model
         self._device = next(model.parameters()).device
+        self.device = self._device
         config_pad = getattr(config, "pad_token_id", None)
         self._pad_id: int = pad_token_id if pad_token_id is not None else int(config_pad or 0)
         positions: int = getattr(config, "max_position_embeddings", 512)

@@ -7,19 +7,25 @@ is cancelled or past its deadline (its remaining items are dropped unrun).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from datetime import datetime
 
+import numpy as np
+import numpy.typing as npt
+
 from gpu_workers.batching import BatcherConfig, DynamicBatcher, EmbedItem
 from gpu_workers.embedding import EmbeddingEngine
 from gpu_workers.generation import monotonic_deadline
 from gpu_workers.observe import RunnerLoad
+from gpu_workers.oom import OOM_CODE, MemoryBackoff, is_out_of_memory, release_memory
 from gpu_workers.service import Arrival, Emitter, Origin
 from schemas.events import (
     FLOAT32_BYTES,
     EmbeddingRequested,
+    ErrorInfo,
     FinishReason,
     Float32Vectors,
     RequestFinished,
@@ -29,6 +35,8 @@ from schemas.events import (
     utc_now,
 )
 from schemas.manifest import ModelManifest
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -62,6 +70,7 @@ class EmbeddingRunner:
         self._manifest = manifest
         self._origin = Origin(source, worker_id)
         self._batcher: DynamicBatcher[_Input] = DynamicBatcher(batching)
+        self._backoff = MemoryBackoff(ceiling=batching.max_batch_tokens)
         self._clock = clock
         self._requests: dict[str, _Request] = {}
         self._last_batch = 0
@@ -144,16 +153,64 @@ class EmbeddingRunner:
             request = self._requests[item.request_id]
             if request.started is None:
                 emit.joined(request.arrival, len(batch), 0.0)
-        vectors = self._engine.embed([item.payload.input_ids for item in batch])
-        for item, vector in zip(batch, vectors, strict=True):
+        for item, vector in self._forward(batch):
             request = self._requests.get(item.request_id)
             if request is None:
                 continue
             request.started = request.started or started
+            if vector is None:  # alone it did not fit: the request ends, its other items are skipped
+                del self._requests[item.request_id]
+                emit.finish(request.arrival, self._out_of_memory(request, item))
+                continue
             request.vectors[item.payload.index] = vector.astype("<f4", copy=False).tobytes()
             if len(request.vectors) == len(request.event.inputs):
                 del self._requests[item.request_id]
                 emit.finish(request.arrival, self._terminal(request, "completed", "stop"))
+
+    def _forward(
+        self, batch: list[EmbedItem[_Input]]
+    ) -> list[tuple[EmbedItem[_Input], npt.NDArray[np.float32] | None]]:
+        """Each item with its vector. A batch that does not fit in memory runs as two halves (recursively);
+        an item that does not fit alone gets None. The batcher's token budget follows
+        (:class:`~gpu_workers.oom.MemoryBackoff`)."""
+        try:
+            vectors = self._engine.embed([item.payload.input_ids for item in batch])
+        except Exception as exc:
+            if not is_out_of_memory(exc):
+                raise
+            release_memory(self._engine.device)
+            padded = len(batch) * max(item.n_tokens for item in batch)
+            self._batcher.token_budget = self._backoff.failed(padded)
+            log.warning(
+                "%s: out of memory embedding %d items (%d padded tokens); batches now hold at most %d",
+                self._manifest.model_id,
+                len(batch),
+                padded,
+                self._batcher.token_budget,
+            )
+            if len(batch) == 1:
+                return [(batch[0], None)]
+            half = len(batch) // 2
+            return self._forward(batch[:half]) + self._forward(batch[half:])
+        self._backoff.succeeded()
+        self._batcher.token_budget = self._backoff.limit
+        return list(zip(batch, vectors, strict=True))
+
+    def _out_of_memory(self, request: _Request, item: EmbedItem[_Input]) -> RequestFinished:
+        return self._origin.finished(
+            request.arrival,
+            "failed",
+            "error",
+            error=ErrorInfo(
+                code=OOM_CODE,
+                message=f"input {item.payload.index} ({item.n_tokens} tokens) does not fit in the memory of "
+                f"{self._engine.device} even alone; retry later or send it shorter",
+                retriable=True,
+            ),
+            timings=Timings(
+                accepted=request.event.time, started=request.started, first_token=None, finished=utc_now()
+            ),
+        )
 
     def wait_hint(self) -> float | None:
         return self._batcher.time_until_ready(self._clock())

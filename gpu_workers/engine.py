@@ -88,6 +88,8 @@ class GenerationRuntime(Protocol):
 
     def has_work(self) -> bool: ...
 
+    def reset(self) -> list[str]: ...
+
 
 @dataclass(slots=True, eq=False)
 class _Seq:
@@ -161,6 +163,10 @@ class GenerationEngine:
         return self._batch.live
 
     @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
     def rows(self) -> int:
         """Rows in the batch, free ones (waiting for a joiner or to be dropped) included."""
         return len(self._batch.seqs)
@@ -216,6 +222,19 @@ class GenerationEngine:
                     self._free(row)
                 break
         return True
+
+    def reset(self) -> list[str]:
+        """Drop every request, running or waiting, and the batch with its cache: after a step that failed
+        part-way (out of memory), whose state is not to be trusted. Returns the ids dropped; the engine is
+        empty and ready for new requests."""
+        dropped = [*(seq.req.request_id for seq in self._batch.seqs if seq is not None)]
+        dropped += [req.request_id for req in self._pending]
+        dropped += sorted(self._ids - set(dropped))  # admitted by the failed step's prefill
+        self._batch = _Batch()
+        self._pending.clear()
+        self._ids.clear()
+        self._waited = 0
+        return dropped
 
     # ------------------------------------------------------------------------------------------------ step
 

@@ -9,6 +9,7 @@ removes a sequence between two steps, so it never produces another token.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
@@ -19,10 +20,12 @@ from gpu_workers.detok import Decode, IncrementalDetokenizer
 from gpu_workers.engine import GenerationEngine, SeqRequest
 from gpu_workers.flush import ChunkCoalescer, Flush, FlushPolicy
 from gpu_workers.observe import RunnerLoad
+from gpu_workers.oom import OOM_CODE, MemoryBackoff, is_out_of_memory, release_memory
 from gpu_workers.scheduler import GenerationScheduler, Pending, SchedulerConfig
 from gpu_workers.service import Arrival, Emitter, Origin
 from schemas.events import (
     DriftFeatures,
+    ErrorInfo,
     FinishReason,
     GenerationRequested,
     RequestFinished,
@@ -34,6 +37,8 @@ from schemas.events import (
 )
 from schemas.ids import derive_seed
 from schemas.manifest import ModelManifest
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -82,6 +87,7 @@ class GenerationRunner:
         self._coalescer = ChunkCoalescer(flush)
         self._clock = clock
         self._live: dict[str, _Live] = {}
+        self._backoff = MemoryBackoff(ceiling=engine.max_batch_size)
 
     # ---------------------------------------------------------------- Runner protocol
 
@@ -178,7 +184,15 @@ class GenerationRunner:
             self._end(self._live[request_id], "expired", "deadline", emit)
         self._last_batch = 0
         if self._engine.has_work():
-            outputs = self._engine.step()
+            try:
+                outputs = self._engine.step()
+            except Exception as exc:
+                if not is_out_of_memory(exc):
+                    raise
+                self._out_of_memory(emit)
+                return
+            self._backoff.succeeded()
+            self._engine.max_batch_size = self._backoff.limit
             self._last_batch = len(outputs)
             stamp = utc_now()
             now = self._clock()
@@ -215,6 +229,34 @@ class GenerationRunner:
             budget_ratio=scheduler.budget_in_use / self._budget,
             batch=self._last_batch,
         )
+
+    def _out_of_memory(self, emit: Emitter) -> None:
+        """The step did not fit in memory: every sequence in the engine ends ``worker_oom`` (retriable; a
+        retry is a new request), the engine starts empty with half the rows, and requests still waiting
+        in the scheduler run as before."""
+        rows = self._engine.running
+        dropped = self._engine.reset()
+        release_memory(self._engine.device)
+        self._engine.max_batch_size = self._backoff.failed(max(rows, len(dropped)))
+        log.warning(
+            "%s: out of memory in a step of %d rows; %d requests end %s, the batch now holds at most %d",
+            self._manifest.model_id,
+            rows,
+            len(dropped),
+            OOM_CODE,
+            self._engine.max_batch_size,
+        )
+        error = ErrorInfo(
+            code=OOM_CODE,
+            message=f"the batch did not fit in the memory of {self._engine.device}; retry the request",
+            retriable=True,
+        )
+        for request_id in dropped:
+            live = self._live.get(request_id)
+            if live is None:
+                continue
+            self._scheduler.finish(request_id)
+            self._end(live, "failed", "error", emit, error)
 
     # ---------------------------------------------------------------- helpers
 
@@ -286,7 +328,9 @@ class GenerationRunner:
             ),
         )
 
-    def _end(self, live: _Live, status: Status, reason: FinishReason, emit: Emitter) -> None:
+    def _end(
+        self, live: _Live, status: Status, reason: FinishReason, emit: Emitter, error: ErrorInfo | None = None
+    ) -> None:
         request_id = live.event.request_id
         self._live.pop(request_id, None)
         tail = "" if live.stop_hit else live.detok.flush()  # text held back for an incomplete character
@@ -300,9 +344,11 @@ class GenerationRunner:
                 self._emit_chunk(live, replace(last, text=last.text + tail), reason, emit)
         else:
             self._coalescer.drop(request_id)
-        emit.finish(live.arrival, self._terminal(live, status, reason))
+        emit.finish(live.arrival, self._terminal(live, status, reason, error))
 
-    def _terminal(self, live: _Live, status: Status, reason: FinishReason) -> RequestFinished:
+    def _terminal(
+        self, live: _Live, status: Status, reason: FinishReason, error: ErrorInfo | None = None
+    ) -> RequestFinished:
         event = live.event
         text = live.detok.text if live.stop_cut is None else live.detok.text[: live.stop_cut]
         completion = len(live.detok.ids)
@@ -313,6 +359,7 @@ class GenerationRunner:
             reason,
             Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion),
             text=text if status == "completed" or text else None,
+            error=error,
             timings=Timings(
                 accepted=event.time, started=live.started, first_token=live.first_token, finished=utc_now()
             ),

@@ -1,0 +1,177 @@
+"""Out of memory in a forward pass ends the requests that did not fit (``worker_oom``, retriable), never the
+worker: the runners keep serving, with a lower batch limit that grows back.
+
+The real models run here; an engine that raises ``torch.cuda.OutOfMemoryError`` (what a GPU raises, and
+leaves the process usable) above a size stands in for a card that is too small."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+import torch
+
+from gpu_workers.batching import BatcherConfig
+from gpu_workers.detok import decoder_for
+from gpu_workers.embedding import EmbeddingEngine
+from gpu_workers.embedding_runner import EmbeddingRunner
+from gpu_workers.engine import GenerationEngine
+from gpu_workers.flush import FlushPolicy
+from gpu_workers.generation import GenerationRunner
+from gpu_workers.models import LoadedModel
+from gpu_workers.oom import OOM_CODE, MemoryBackoff, is_out_of_memory
+from gpu_workers.scheduler import SchedulerConfig
+from schemas.events import SamplingParams
+from tests.gpu_workers.test_engine import generate_alone
+from tests.gpu_workers.test_runners import SOURCE, WORKER, embedding, generation, run
+
+
+def test_what_counts_as_out_of_memory() -> None:
+    assert is_out_of_memory(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert is_out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried 8 GB"))
+    assert is_out_of_memory(MemoryError())
+    assert not is_out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not is_out_of_memory(ValueError("out of memory"))  # only torch's and the interpreter's
+
+
+def test_the_limit_halves_at_each_failure_and_doubles_back_after_clean_batches() -> None:
+    backoff = MemoryBackoff(ceiling=64, recover_after=3)
+    assert backoff.failed(40) == 20  # half of what failed, not of the ceiling
+    assert backoff.failed(64) == 10  # never above the current limit
+    assert backoff.failed(1) == 1  # never below the floor
+    for _ in range(2):
+        backoff.succeeded()
+    assert backoff.limit == 1
+    backoff.succeeded()
+    assert backoff.limit == 2
+    for _ in range(3 * 6):
+        backoff.succeeded()
+    assert backoff.limit == 64
+
+
+class SmallCardEmbedder(EmbeddingEngine):
+    """MiniLM that runs out of memory above ``fits`` padded tokens per batch."""
+
+    fits = 40
+    calls: list[int]
+
+    def embed(self, batch: Sequence[Sequence[int]]) -> npt.NDArray[np.float32]:
+        padded = len(batch) * max(len(item) for item in batch)
+        self.calls.append(padded)
+        if padded > self.fits:
+            raise torch.cuda.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {padded} rows")
+        return super().embed(batch)
+
+
+def test_an_embedding_batch_that_does_not_fit_runs_in_halves_and_only_an_input_too_big_alone_fails(
+    minilm: LoadedModel,
+) -> None:
+    engine = SmallCardEmbedder(minilm.model, max_length=minilm.manifest.max_context)
+    engine.calls = []
+    runner = EmbeddingRunner(
+        engine,
+        minilm.manifest,
+        source=SOURCE,
+        worker_id=WORKER,
+        batching=BatcherConfig(max_batch_size=8, max_wait_s=0.0, max_batch_tokens=4096),
+    )
+    short = [[101, 7592 + i, 2088, 102] for i in range(6)]  # 4 tokens each
+    huge = [101, *range(2000, 2060), 102]  # 62 tokens: more than fits, even alone
+    requests = [embedding(inputs=[ids]) for ids in short]
+    doomed = embedding(inputs=[short[0], huge])
+    done = run(runner, [*requests, doomed]).finished  # the runner never raised
+
+    alone = EmbeddingEngine(minilm.model).embed(short)
+    for request, expected in zip(requests, alone, strict=True):
+        result = done[request.request_id]
+        assert (result.status, result.error) == ("completed", None)
+        vectors = result.vectors()
+        assert vectors is not None
+        np.testing.assert_allclose(vectors[0], expected, atol=1e-5)
+    failed = done[doomed.request_id]
+    assert (failed.status, failed.finish_reason) == ("failed", "error")
+    assert failed.error is not None
+    assert (failed.error.code, failed.error.retriable) == (OOM_CODE, True)
+    assert "input 1 (62 tokens)" in failed.error.message
+    assert failed.vectors() is None
+    assert max(engine.calls) > engine.fits, "the first batch did not fit"
+    assert runner._batcher.token_budget <= engine.fits, "the batches that follow are smaller"
+
+    later = [embedding(inputs=[ids]) for ids in short]
+    calls_before = len(engine.calls)
+    done = run(runner, later).finished
+    assert all(done[r.request_id].status == "completed" for r in later)
+    assert all(padded <= engine.fits for padded in engine.calls[calls_before:]), "no failed forward now"
+
+
+class SmallCardGenerator(GenerationEngine):
+    """demo-gpt that runs out of memory in a decode step of ``fits`` + 1 rows or more, once, after it has
+    already changed the batch (as a forward that fails part-way does)."""
+
+    fits = 2
+    failures = 1
+
+    def _decode(self, outputs: list) -> None:  # type: ignore[type-arg]
+        if self.failures and self._batch.live > self.fits:
+            self.failures -= 1
+            mask = self._batch.mask
+            assert mask is not None
+            self._batch.mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+        super()._decode(outputs)
+
+
+def test_a_generation_step_that_does_not_fit_ends_its_sequences_and_the_engine_starts_clean(
+    demo_gpt: LoadedModel,
+) -> None:
+    engine = SmallCardGenerator(demo_gpt.model, max_batch_size=4, max_context=demo_gpt.manifest.max_context)
+    runner = GenerationRunner(
+        engine,
+        decoder_for(demo_gpt.tokenizer),
+        demo_gpt.manifest,
+        source=SOURCE,
+        worker_id=WORKER,
+        scheduler=SchedulerConfig(max_running=4, max_batch_tokens=4096, max_waiting=16),
+        flush=FlushPolicy(max_tokens=4, max_delay_s=0.0),
+    )
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    first = [generation(greedy, stream=True) for _ in range(4)]
+    done = run(runner, first).finished  # the runner never raised
+    for request in first:
+        result = done[request.request_id]
+        assert (result.status, result.finish_reason) == ("failed", "error")
+        assert result.error is not None
+        assert (result.error.code, result.error.retriable) == (OOM_CODE, True)
+    assert engine.max_batch_size == 2, "half of the rows that did not fit"
+    assert engine.running == 0
+
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [5, 9, 14, 20, 21]]
+    later = [generation(greedy, input_ids=ids) for ids in prompts]
+    done = run(runner, later).finished
+    for request, ids in zip(later, prompts, strict=True):
+        result = done[request.request_id]
+        assert (result.status, result.error) == ("completed", None)
+        assert result.text == demo_gpt.tokenizer.decode(
+            generate_alone(demo_gpt, ids, 8), skip_special_tokens=True
+        )
+
+
+def test_other_failures_still_stop_the_runner(minilm: LoadedModel) -> None:
+    """Only memory is retried: any other exception is a bug and stops the worker (its supervisor restarts
+    it), as before."""
+
+    class Broken(EmbeddingEngine):
+        def embed(self, batch: Sequence[Sequence[int]]) -> npt.NDArray[np.float32]:
+            raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+
+    runner = EmbeddingRunner(
+        Broken(minilm.model),
+        minilm.manifest,
+        source=SOURCE,
+        worker_id=WORKER,
+        batching=BatcherConfig(max_batch_size=8, max_wait_s=0.0, max_batch_tokens=4096),
+    )
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        run(runner, [embedding()])
