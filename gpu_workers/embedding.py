@@ -14,6 +14,7 @@ import numpy as np
 import numpy.typing as npt
 
 from gpu_workers import GpuWorkerError
+from gpu_workers.padding import pad_rows
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -52,13 +53,7 @@ class EmbeddingEngine:
                 raise EmbeddingError(f"{len(item)} tokens exceed the model's {self.max_length}")
             if min(item) < 0 or max(item) >= self._vocab_size:
                 raise EmbeddingError(f"token ids outside the vocabulary of {self._vocab_size}")
-        longest = max(len(item) for item in batch)
-        ids = torch.full((len(batch), longest), self._pad_id, dtype=torch.long)
-        mask = torch.zeros((len(batch), longest), dtype=torch.long)
-        for row, item in enumerate(batch):
-            ids[row, : len(item)] = torch.tensor(list(item), dtype=torch.long)
-            mask[row, : len(item)] = 1
-        ids, mask = ids.to(self._device), mask.to(self._device)
+        ids, mask = pad_rows(batch, self._pad_id, self._device)
         with torch.inference_mode():
             hidden = self._model(input_ids=ids, attention_mask=mask, token_type_ids=torch.zeros_like(ids))
             weights = mask.unsqueeze(-1).to(hidden.last_hidden_state.dtype)

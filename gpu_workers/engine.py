@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 import msgspec
 
 from gpu_workers import GpuWorkerError
+from gpu_workers.padding import pad_rows
 
 if TYPE_CHECKING:
     import torch
@@ -297,7 +298,6 @@ class GenerationEngine:
 
     def _prefill(self, outputs: list[StepOutput], free: int) -> tuple[list[_Seq], Any, torch.Tensor] | None:
         """Run waiting requests that fit through one padded forward; return the still-running ones."""
-        import torch
         from transformers import DynamicCache
 
         if not self._pending or self._defer_prefill():
@@ -315,13 +315,7 @@ class GenerationEngine:
             self._waited = 0
         if not admitted:
             return None
-        device = self._device
-        ids = torch.zeros((len(admitted), longest), dtype=torch.long, device=device)
-        mask = torch.zeros((len(admitted), longest), dtype=torch.long, device=device)
-        for row, req in enumerate(admitted):
-            n = len(req.input_ids)
-            ids[row, longest - n :] = torch.tensor(req.input_ids, dtype=torch.long, device=device)
-            mask[row, longest - n :] = 1
+        ids, mask = pad_rows([req.input_ids for req in admitted], 0, self._device, left=True)
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
         out = self._model(
             input_ids=ids,
@@ -592,13 +586,8 @@ def padded_generate(
 
     pad = model.generation_config.pad_token_id
     pad_id = int(pad if isinstance(pad, int) else (model.config.eos_token_id or 0))
-    device = next(model.parameters()).device
     longest = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), longest), pad_id, dtype=torch.long, device=device)
-    mask = torch.zeros_like(ids)
-    for row, prompt in enumerate(prompts):
-        ids[row, longest - len(prompt) :] = torch.tensor(list(prompt), dtype=torch.long)
-        mask[row, longest - len(prompt) :] = 1
+    ids, mask = pad_rows(prompts, pad_id, next(model.parameters()).device, left=True)
     with torch.inference_mode():
         out = model.generate(  # type: ignore[operator]
             input_ids=ids,

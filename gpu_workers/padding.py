@@ -1,0 +1,33 @@
+"""One padded batch of token rows, built on the host and moved to the device in one copy each."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+
+def pad_rows(
+    rows: Sequence[Sequence[int]], pad_id: int, device: torch.device, *, left: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids, attention_mask)``, ``[len(rows), longest]`` int64 on ``device``; padding on the right (an
+    encoder's) or, with ``left``, on the left (a decoder that generates after its prompt).
+
+    Filled in numpy, then one ``from_numpy`` and one copy per tensor: writing each row into a torch
+    tensor cost ~6 us a row on the CPU (1.6 ms for 256 rows against 0.16 ms), and on a GPU each row was
+    its own host-to-device copy and kernel launch."""
+    import torch
+
+    longest = max(len(row) for row in rows)
+    ids = np.full((len(rows), longest), pad_id, dtype=np.int64)
+    mask = np.zeros((len(rows), longest), dtype=np.int64)
+    for i, row in enumerate(rows):
+        n = len(row)
+        span = slice(longest - n, longest) if left else slice(0, n)
+        ids[i, span] = row
+        mask[i, span] = 1
+    return torch.from_numpy(ids).to(device), torch.from_numpy(mask).to(device)
