@@ -218,7 +218,12 @@ class EmbeddingRunner:
     def load(self) -> RunnerLoad:
         running = sum(1 for request in self._requests.values() if request.started is not None)
         return RunnerLoad(
-            running=running, waiting=len(self._requests) - running, budget_ratio=0.0, batch=self._last_batch
+            running=running,
+            waiting=len(self._requests) - running,
+            budget_ratio=0.0,
+            batch=self._last_batch,
+            out_of_memory=self._backoff.failures,
+            limit_ratio=self._backoff.ratio,
         )
 
     def _packed(self, request: _Request) -> Float32Vectors:

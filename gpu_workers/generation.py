@@ -228,6 +228,8 @@ class GenerationRunner:
             waiting=scheduler.waiting,
             budget_ratio=scheduler.budget_in_use / self._budget,
             batch=self._last_batch,
+            out_of_memory=self._backoff.failures,
+            limit_ratio=self._backoff.ratio,
         )
 
     def _out_of_memory(self, emit: Emitter) -> None:

@@ -34,6 +34,10 @@ class RunnerLoad:
     """Share of the running batch's token budget in use (0 for embeddings)."""
     batch: int
     """Sequences in the forward pass the last tick ran (0: it ran none)."""
+    out_of_memory: int = 0
+    """Forward passes that ran out of memory since the runner started."""
+    limit_ratio: float = 1.0
+    """The runner's batch limit now over its configured one (below 1 after running out of memory)."""
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,7 @@ class WorkerObserver:
         self._worker = worker_id
         self._stays: dict[str, _Stay] = {}
         self._child = metrics.Children()
+        self._out_of_memory = 0
 
     def joined(self, request_id: str, batch: int, budget_ratio: float) -> None:
         stay = self._stays.setdefault(request_id, _Stay())
@@ -103,6 +108,10 @@ class WorkerObserver:
         child(metrics.WORKER_RUNNING, model).set(load.running)
         child(metrics.WORKER_WAITING, model).set(load.waiting)
         child(metrics.TOKEN_BUDGET, model).set(load.budget_ratio)
+        child(metrics.WORKER_BATCH_LIMIT, model).set(load.limit_ratio)
+        if load.out_of_memory > self._out_of_memory:
+            child(metrics.WORKER_OUT_OF_MEMORY, model).inc(load.out_of_memory - self._out_of_memory)
+            self._out_of_memory = load.out_of_memory
         if load.batch:
             child(metrics.BATCH_SIZE, model).observe(load.batch)
             child(metrics.STEP_SECONDS, model).observe(seconds)

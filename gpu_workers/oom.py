@@ -48,6 +48,8 @@ class MemoryBackoff:
     recover_after: int = 1000
     limit: int = field(init=False)
     clean: int = field(init=False, default=0)
+    failures: int = field(init=False, default=0)
+    """Out-of-memory failures so far (``sluice_worker_out_of_memory_total``)."""
 
     def __post_init__(self) -> None:
         self.limit = self.ceiling
@@ -56,7 +58,13 @@ class MemoryBackoff:
         """A batch of size ``at`` did not fit: the new limit (half of it, at least ``floor``)."""
         self.limit = max(self.floor, min(self.limit, at) // 2)
         self.clean = 0
+        self.failures += 1
         return self.limit
+
+    @property
+    def ratio(self) -> float:
+        """The limit now over the ceiling (``sluice_worker_batch_limit_ratio``)."""
+        return self.limit / self.ceiling
 
     def succeeded(self) -> None:
         if self.limit >= self.ceiling:

@@ -228,6 +228,16 @@ WORKER_E2E = Histogram(
     WORKER_LABELS,
     buckets=LATENCY_BUCKETS,
 )
+WORKER_OUT_OF_MEMORY = Counter(
+    "sluice_worker_out_of_memory",
+    "Forward passes that ran out of memory (the batch ran in halves, or the step's sequences ended worker_oom).",
+    ("model",),
+)
+WORKER_BATCH_LIMIT = Gauge(
+    "sluice_worker_batch_limit_ratio",
+    "The batch limit now over the configured one: 1, or less for a while after running out of memory.",
+    ("model",),
+)
 WORKER_REQUESTS = Counter(
     "sluice_worker_requests",
     "Terminal events a worker produced, by status (completed, failed, cancelled, expired).",

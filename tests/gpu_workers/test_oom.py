@@ -12,6 +12,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 import torch
+from prometheus_client import REGISTRY
 
 from gpu_workers.batching import BatcherConfig
 from gpu_workers.detok import decoder_for
@@ -21,6 +22,7 @@ from gpu_workers.engine import GenerationEngine
 from gpu_workers.flush import FlushPolicy
 from gpu_workers.generation import GenerationRunner
 from gpu_workers.models import LoadedModel
+from gpu_workers.observe import RunnerLoad, WorkerObserver
 from gpu_workers.oom import OOM_CODE, MemoryBackoff, is_out_of_memory
 from gpu_workers.scheduler import SchedulerConfig
 from schemas.events import SamplingParams
@@ -54,7 +56,7 @@ def test_the_limit_halves_at_each_failure_and_doubles_back_after_clean_batches()
 class SmallCardEmbedder(EmbeddingEngine):
     """MiniLM that runs out of memory above ``fits`` padded tokens per batch."""
 
-    fits = 40
+    fits = 20
     calls: list[int]
 
     def embed(self, batch: Sequence[Sequence[int]]) -> npt.NDArray[np.float32]:
@@ -96,8 +98,11 @@ def test_an_embedding_batch_that_does_not_fit_runs_in_halves_and_only_an_input_t
     assert (failed.error.code, failed.error.retriable) == (OOM_CODE, True)
     assert "input 1 (62 tokens)" in failed.error.message
     assert failed.vectors() is None
-    assert max(engine.calls) > engine.fits, "the first batch did not fit"
+    assert engine.calls[:3] == [28, 12, 16], "7 short inputs did not fit together; their halves did"
     assert runner._batcher.token_budget <= engine.fits, "the batches that follow are smaller"
+    load = runner.load()
+    assert load.out_of_memory == 2  # the short inputs together, and the huge input alone
+    assert load.limit_ratio == runner._batcher.token_budget / 4096
 
     later = [embedding(inputs=[ids]) for ids in short]
     calls_before = len(engine.calls)
@@ -145,6 +150,7 @@ def test_a_generation_step_that_does_not_fit_ends_its_sequences_and_the_engine_s
         assert result.error is not None
         assert (result.error.code, result.error.retriable) == (OOM_CODE, True)
     assert engine.max_batch_size == 2, "half of the rows that did not fit"
+    assert (runner.load().out_of_memory, runner.load().limit_ratio) == (1, 0.5)
     assert engine.running == 0
 
     prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [5, 9, 14, 20, 21]]
@@ -175,3 +181,18 @@ def test_other_failures_still_stop_the_runner(minilm: LoadedModel) -> None:
     )
     with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
         run(runner, [embedding()])
+
+
+def test_the_worker_counts_out_of_memory_and_shows_its_batch_limit() -> None:
+    model = "oom-metrics-test"
+    observer = WorkerObserver(model, "w")
+    labels = {"model": model}
+    observer.tick(RunnerLoad(running=0, waiting=0, budget_ratio=0.0, batch=0), 0.0)
+    assert REGISTRY.get_sample_value("sluice_worker_batch_limit_ratio", labels) == 1.0
+    for seen in (2, 2, 3):  # a runner's cumulative count, reported at every tick
+        observer.tick(
+            RunnerLoad(running=1, waiting=0, budget_ratio=0.0, batch=1, out_of_memory=seen, limit_ratio=0.25),
+            0.01,
+        )
+    assert REGISTRY.get_sample_value("sluice_worker_out_of_memory_total", labels) == 3
+    assert REGISTRY.get_sample_value("sluice_worker_batch_limit_ratio", labels) == 0.25
