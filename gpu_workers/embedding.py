@@ -17,6 +17,7 @@ from gpu_workers import GpuWorkerError
 from gpu_workers.padding import pad_rows
 
 if TYPE_CHECKING:
+    import torch
     from transformers import PreTrainedModel
 
 
@@ -31,7 +32,6 @@ class EmbeddingEngine:
         config = model.config
         self._model = model
         self._device = next(model.parameters()).device
-        self.device = self._device
         config_pad = getattr(config, "pad_token_id", None)
         self._pad_id: int = pad_token_id if pad_token_id is not None else int(config_pad or 0)
         positions: int = getattr(config, "max_position_embeddings", 512)
@@ -39,6 +39,10 @@ class EmbeddingEngine:
         hidden: int = config.hidden_size
         self.dim = hidden
         self._vocab_size = int(config.vocab_size)
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
 
     def embed(self, batch: Sequence[Sequence[int]]) -> npt.NDArray[np.float32]:
         """``[len(batch), dim]`` float32 unit vectors, one forward pass for the whole batch."""

@@ -192,8 +192,8 @@ class EmbeddingRunner:
                 return [(batch[0], None)]
             half = len(batch) // 2
             return self._forward(batch[:half]) + self._forward(batch[half:])
-        self._backoff.succeeded()
-        self._batcher.token_budget = self._backoff.limit
+        if self._backoff.succeeded():
+            self._batcher.token_budget = self._backoff.limit
         return list(zip(batch, vectors, strict=True))
 
     def _out_of_memory(self, request: _Request, item: EmbedItem[_Input]) -> RequestFinished:

@@ -228,7 +228,7 @@ class GenerationEngine:
         """Drop every request, running or waiting, and the batch with its cache: after a step that failed
         part-way (out of memory), whose state is not to be trusted. Returns the ids dropped; the engine is
         empty and ready for new requests."""
-        dropped = [*(seq.req.request_id for seq in self._batch.seqs if seq is not None)]
+        dropped = [seq.req.request_id for seq in self._batch.seqs if seq is not None]
         dropped += [req.request_id for req in self._pending]
         dropped += sorted(self._ids - set(dropped))  # admitted by the failed step's prefill
         self._batch = _Batch()

@@ -191,8 +191,8 @@ class GenerationRunner:
                     raise
                 self._out_of_memory(emit)
                 return
-            self._backoff.succeeded()
-            self._engine.max_batch_size = self._backoff.limit
+            if self._backoff.succeeded():
+                self._engine.max_batch_size = self._backoff.limit
             self._last_batch = len(outputs)
             stamp = utc_now()
             now = self._clock()

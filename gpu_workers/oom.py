@@ -66,9 +66,12 @@ class MemoryBackoff:
         """The limit now over the ceiling (``sluice_worker_batch_limit_ratio``)."""
         return self.limit / self.ceiling
 
-    def succeeded(self) -> None:
+    def succeeded(self) -> bool:
+        """A batch fitted; True when that raised the limit (the caller applies it)."""
         if self.limit >= self.ceiling:
-            return
+            return False
         self.clean += 1
-        if self.clean >= self.recover_after:
-            self.limit, self.clean = min(self.ceiling, self.limit * 2), 0
+        if self.clean < self.recover_after:
+            return False
+        self.limit, self.clean = min(self.ceiling, self.limit * 2), 0
+        return True

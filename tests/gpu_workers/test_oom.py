@@ -14,20 +14,14 @@ import pytest
 import torch
 from prometheus_client import REGISTRY
 
-from gpu_workers.batching import BatcherConfig
-from gpu_workers.detok import decoder_for
 from gpu_workers.embedding import EmbeddingEngine
-from gpu_workers.embedding_runner import EmbeddingRunner
 from gpu_workers.engine import GenerationEngine
-from gpu_workers.flush import FlushPolicy
-from gpu_workers.generation import GenerationRunner
 from gpu_workers.models import LoadedModel
 from gpu_workers.observe import RunnerLoad, WorkerObserver
 from gpu_workers.oom import OOM_CODE, MemoryBackoff, is_out_of_memory
-from gpu_workers.scheduler import SchedulerConfig
 from schemas.events import SamplingParams
 from tests.gpu_workers.test_engine import generate_alone
-from tests.gpu_workers.test_runners import SOURCE, WORKER, embedding, generation, run
+from tests.gpu_workers.test_runners import embedding, embedding_runner, generation, generation_runner, run
 
 
 def test_what_counts_as_out_of_memory() -> None:
@@ -72,13 +66,7 @@ def test_an_embedding_batch_that_does_not_fit_runs_in_halves_and_only_an_input_t
 ) -> None:
     engine = SmallCardEmbedder(minilm.model, max_length=minilm.manifest.max_context)
     engine.calls = []
-    runner = EmbeddingRunner(
-        engine,
-        minilm.manifest,
-        source=SOURCE,
-        worker_id=WORKER,
-        batching=BatcherConfig(max_batch_size=8, max_wait_s=0.0, max_batch_tokens=4096),
-    )
+    runner = embedding_runner(minilm, engine)
     short = [[101, 7592 + i, 2088, 102] for i in range(6)]  # 4 tokens each
     huge = [101, *range(2000, 2060), 102]  # 62 tokens: more than fits, even alone
     requests = [embedding(inputs=[ids]) for ids in short]
@@ -132,15 +120,7 @@ def test_a_generation_step_that_does_not_fit_ends_its_sequences_and_the_engine_s
     demo_gpt: LoadedModel,
 ) -> None:
     engine = SmallCardGenerator(demo_gpt.model, max_batch_size=4, max_context=demo_gpt.manifest.max_context)
-    runner = GenerationRunner(
-        engine,
-        decoder_for(demo_gpt.tokenizer),
-        demo_gpt.manifest,
-        source=SOURCE,
-        worker_id=WORKER,
-        scheduler=SchedulerConfig(max_running=4, max_batch_tokens=4096, max_waiting=16),
-        flush=FlushPolicy(max_tokens=4, max_delay_s=0.0),
-    )
+    runner = generation_runner(demo_gpt, engine, max_running=4, max_waiting=16)
     greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     first = [generation(greedy, stream=True) for _ in range(4)]
     done = run(runner, first).finished  # the runner never raised
@@ -172,13 +152,7 @@ def test_other_failures_still_stop_the_runner(minilm: LoadedModel) -> None:
         def embed(self, batch: Sequence[Sequence[int]]) -> npt.NDArray[np.float32]:
             raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
 
-    runner = EmbeddingRunner(
-        Broken(minilm.model),
-        minilm.manifest,
-        source=SOURCE,
-        worker_id=WORKER,
-        batching=BatcherConfig(max_batch_size=8, max_wait_s=0.0, max_batch_tokens=4096),
-    )
+    runner = embedding_runner(minilm, Broken(minilm.model))
     with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
         run(runner, [embedding()])
 

@@ -67,29 +67,41 @@ def run(runner: Runner, requests: Sequence[Request], max_ticks: int = 2000) -> C
     raise AssertionError(f"{len(requests) - len(out.finished)} requests never finished")
 
 
-@pytest.fixture(scope="module")
-def gpt_runner(demo_gpt: LoadedModel) -> GenerationRunner:
-    tokenizer = demo_gpt.tokenizer
+def generation_runner(
+    lm: LoadedModel, engine: GenerationEngine, *, max_running: int, max_waiting: int
+) -> GenerationRunner:
+    """demo-gpt's runner around ``engine``, as the tests configure it."""
     return GenerationRunner(
-        GenerationEngine(demo_gpt.model, max_batch_size=8, max_context=demo_gpt.manifest.max_context),
-        decoder_for(tokenizer),
-        demo_gpt.manifest,
+        engine,
+        decoder_for(lm.tokenizer),
+        lm.manifest,
         source=SOURCE,
         worker_id=WORKER,
-        scheduler=SchedulerConfig(max_running=8, max_batch_tokens=4096, max_waiting=64),
+        scheduler=SchedulerConfig(max_running=max_running, max_batch_tokens=4096, max_waiting=max_waiting),
         flush=FlushPolicy(max_tokens=4, max_delay_s=0.0),
     )
 
 
-@pytest.fixture(scope="module")
-def minilm_runner(minilm: LoadedModel) -> EmbeddingRunner:
+def embedding_runner(lm: LoadedModel, engine: EmbeddingEngine) -> EmbeddingRunner:
+    """MiniLM's runner around ``engine``, as the tests configure it."""
     return EmbeddingRunner(
-        EmbeddingEngine(minilm.model, max_length=minilm.manifest.max_context),
-        minilm.manifest,
+        engine,
+        lm.manifest,
         source=SOURCE,
         worker_id=WORKER,
         batching=BatcherConfig(max_batch_size=8, max_wait_s=0.0, max_batch_tokens=4096),
     )
+
+
+@pytest.fixture(scope="module")
+def gpt_runner(demo_gpt: LoadedModel) -> GenerationRunner:
+    engine = GenerationEngine(demo_gpt.model, max_batch_size=8, max_context=demo_gpt.manifest.max_context)
+    return generation_runner(demo_gpt, engine, max_running=8, max_waiting=64)
+
+
+@pytest.fixture(scope="module")
+def minilm_runner(minilm: LoadedModel) -> EmbeddingRunner:
+    return embedding_runner(minilm, EmbeddingEngine(minilm.model, max_length=minilm.manifest.max_context))
 
 
 def generation(sampling: SamplingParams, **fields: object) -> GenerationRequested:
@@ -302,16 +314,8 @@ def test_a_cancelled_embedding_ends_cancelled(minilm_runner: EmbeddingRunner) ->
 def test_a_flooding_tenant_waits_its_turn_and_pays_for_the_full_queue(demo_gpt: LoadedModel) -> None:
     """The runner hands the scheduler each request's tenant and charges every token it produces: a light
     tenant runs next after the flood's running request, and a full queue refuses the flood's requests."""
-    tokenizer = demo_gpt.tokenizer
-    runner = GenerationRunner(
-        GenerationEngine(demo_gpt.model, max_batch_size=1, max_context=demo_gpt.manifest.max_context),
-        decoder_for(tokenizer),
-        demo_gpt.manifest,
-        source=SOURCE,
-        worker_id=WORKER,
-        scheduler=SchedulerConfig(max_running=1, max_batch_tokens=4096, max_waiting=3),
-        flush=FlushPolicy(max_tokens=4, max_delay_s=0.0),
-    )
+    engine = GenerationEngine(demo_gpt.model, max_batch_size=1, max_context=demo_gpt.manifest.max_context)
+    runner = generation_runner(demo_gpt, engine, max_running=1, max_waiting=3)
     long = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     flood = [generation(long, tenant="flood") for _ in range(4)]
     light = generation(SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), tenant="light")
