@@ -8,7 +8,7 @@ adds nothing but padding. Like the generation engine it is used from one dedicat
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -23,6 +23,33 @@ if TYPE_CHECKING:
 
 class EmbeddingError(GpuWorkerError):
     """A batch the embedding engine cannot take (empty item, too long, ids outside the vocabulary)."""
+
+
+class PendingVectors(Protocol):
+    def result(self) -> npt.NDArray[np.float32]:
+        """``[len(batch), dim]`` float32 unit vectors (waits for the device if it has not finished)."""
+        ...
+
+
+class _Ready:
+    def __init__(self, vectors: npt.NDArray[np.float32]) -> None:
+        self._vectors = vectors
+
+    def result(self) -> npt.NDArray[np.float32]:
+        return self._vectors
+
+
+class _OnTheWay:
+    """A batch the GPU is still computing and copying back (into pinned memory) when ``launch`` returns."""
+
+    def __init__(self, host: torch.Tensor, copied: torch.cuda.Event) -> None:
+        self._host = host
+        self._copied = copied
+
+    def result(self) -> npt.NDArray[np.float32]:
+        self._copied.synchronize()  # waits without the GIL
+        vectors: npt.NDArray[np.float32] = self._host.numpy()
+        return vectors
 
 
 class EmbeddingEngine:
@@ -44,12 +71,24 @@ class EmbeddingEngine:
     def device(self) -> torch.device:
         return self._device
 
+    @property
+    def overlaps(self) -> bool:
+        """Whether ``launch`` returns before the device has finished (a GPU): the caller can do other work,
+        such as finishing the previous batch's requests, while this one runs."""
+        return self._device.type == "cuda"
+
     def embed(self, batch: Sequence[Sequence[int]]) -> npt.NDArray[np.float32]:
         """``[len(batch), dim]`` float32 unit vectors, one forward pass for the whole batch."""
+        return self.launch(batch).result()
+
+    def launch(self, batch: Sequence[Sequence[int]]) -> PendingVectors:
+        """Start the forward pass over ``batch`` and the copy of its vectors back to the host. On a GPU both
+        are queued on the device and this returns at once; on a CPU they have finished. Out of memory is
+        raised here, when the pass allocates, never by ``result()``."""
         import torch
 
         if not batch:
-            return np.zeros((0, self.dim), dtype=np.float32)
+            return _Ready(np.zeros((0, self.dim), dtype=np.float32))
         for item in batch:
             if not item:
                 raise EmbeddingError("cannot embed an empty token sequence")
@@ -64,5 +103,9 @@ class EmbeddingEngine:
             summed = (hidden.last_hidden_state * weights).sum(dim=1)
             pooled = summed / weights.sum(dim=1).clamp(min=1e-9)
             unit = torch.nn.functional.normalize(pooled.float(), p=2, dim=1)
-        result: npt.NDArray[np.float32] = unit.cpu().numpy()
-        return result
+        if not self.overlaps:
+            return _Ready(unit.cpu().numpy())
+        host = unit.to("cpu", non_blocking=True)  # into pinned memory, after the pass on the same stream
+        copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        copied.record()
+        return _OnTheWay(host, copied)

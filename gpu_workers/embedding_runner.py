@@ -55,6 +55,11 @@ class _Input:
     input_ids: list[int]
 
 
+_Flight = Callable[[], list[tuple[EmbedItem[_Input], "npt.NDArray[np.float32] | None"]]]
+"""A launched batch: called, it waits for the device and returns each item with its vector (None: the
+item does not fit in memory even alone)."""
+
+
 class EmbeddingRunner:
     def __init__(
         self,
@@ -64,6 +69,7 @@ class EmbeddingRunner:
         source: str,
         worker_id: str,
         batching: BatcherConfig,
+        overlap: bool | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._engine = engine
@@ -74,6 +80,10 @@ class EmbeddingRunner:
         self._clock = clock
         self._requests: dict[str, _Request] = {}
         self._last_batch = 0
+        self.overlap = engine.overlaps if overlap is None else overlap
+        """Launch each batch before finishing the one before it (on a GPU, the previous batch's terminal
+        events are built and published while the device computes the next)."""
+        self._in_flight: _Flight | None = None
 
     def accept(self, arrival: Arrival, emit: Emitter) -> None:
         event = arrival.event
@@ -130,7 +140,8 @@ class EmbeddingRunner:
             self._requests[event.request_id] = request
 
     def release(self, request_ids: Collection[str]) -> set[str]:
-        # A batch runs within one tick: whatever is still here has not started.
+        # Whatever is still here has produced nothing yet (a batch in flight included: its vectors are
+        # skipped when it lands).
         return {r for r in request_ids if self._requests.pop(r, None) is not None}
 
     def cancel(self, request_id: str, emit: Emitter) -> None:
@@ -144,20 +155,31 @@ class EmbeddingRunner:
             request = self._requests.pop(item.request_id, None)
             if request is not None:
                 emit.finish(request.arrival, self._terminal(request, "expired", "deadline"))
+        previous, self._in_flight = self._in_flight, None
         batch = [item for item in self._batcher.next_batch(now) or () if item.request_id in self._requests]
         self._last_batch = len(batch)
-        if not batch:
-            return
-        started = utc_now()
-        for item in batch:
-            request = self._requests[item.request_id]
-            if request.started is None:
-                emit.joined(request.arrival, len(batch), 0.0)
-        for item, vector in self._forward(batch):
+        if batch:
+            started = utc_now()
+            for item in batch:
+                request = self._requests[item.request_id]
+                if request.started is None:
+                    emit.joined(request.arrival, len(batch), 0.0)
+                    request.started = started
+            flight = self._launch(batch)
+            if self.overlap:
+                self._in_flight = flight  # finished at the next tick, after the batch behind it is launched
+            else:
+                self._finish(flight(), emit)
+        if previous is not None:
+            self._finish(previous(), emit)
+
+    def _finish(
+        self, embedded: list[tuple[EmbedItem[_Input], npt.NDArray[np.float32] | None]], emit: Emitter
+    ) -> None:
+        for item, vector in embedded:
             request = self._requests.get(item.request_id)
             if request is None:
-                continue
-            request.started = request.started or started
+                continue  # cancelled, expired or released while its batch ran
             if vector is None:  # alone it did not fit: the request ends, its other items are skipped
                 del self._requests[item.request_id]
                 emit.finish(request.arrival, self._out_of_memory(request, item))
@@ -167,14 +189,12 @@ class EmbeddingRunner:
                 del self._requests[item.request_id]
                 emit.finish(request.arrival, self._terminal(request, "completed", "stop"))
 
-    def _forward(
-        self, batch: list[EmbedItem[_Input]]
-    ) -> list[tuple[EmbedItem[_Input], npt.NDArray[np.float32] | None]]:
-        """Each item with its vector. A batch that does not fit in memory runs as two halves (recursively);
-        an item that does not fit alone gets None. The batcher's token budget follows
-        (:class:`~gpu_workers.oom.MemoryBackoff`)."""
+    def _launch(self, batch: list[EmbedItem[_Input]]) -> _Flight:
+        """Start ``batch``; the flight returns each item with its vector. A batch that does not fit in memory
+        runs at once as two halves (recursively); an item that does not fit alone gets None. The batcher's
+        token budget follows (:class:`~gpu_workers.oom.MemoryBackoff`)."""
         try:
-            vectors = self._engine.embed([item.payload.input_ids for item in batch])
+            pending = self._engine.launch([item.payload.input_ids for item in batch])
         except Exception as exc:
             if not is_out_of_memory(exc):
                 raise
@@ -189,12 +209,14 @@ class EmbeddingRunner:
                 self._batcher.token_budget,
             )
             if len(batch) == 1:
-                return [(batch[0], None)]
-            half = len(batch) // 2
-            return self._forward(batch[:half]) + self._forward(batch[half:])
+                embedded: list[tuple[EmbedItem[_Input], npt.NDArray[np.float32] | None]] = [(batch[0], None)]
+            else:
+                half = len(batch) // 2
+                embedded = self._launch(batch[:half])() + self._launch(batch[half:])()
+            return lambda: embedded
         if self._backoff.succeeded():
             self._batcher.token_budget = self._backoff.limit
-        return list(zip(batch, vectors, strict=True))
+        return lambda: list(zip(batch, pending.result(), strict=True))
 
     def _out_of_memory(self, request: _Request, item: EmbedItem[_Input]) -> RequestFinished:
         return self._origin.finished(
@@ -213,6 +235,8 @@ class EmbeddingRunner:
         )
 
     def wait_hint(self) -> float | None:
+        if self._in_flight is not None:
+            return 0.0
         return self._batcher.time_until_ready(self._clock())
 
     def load(self) -> RunnerLoad:

@@ -9,12 +9,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-import numpy.typing as npt
 import pytest
 import torch
 from prometheus_client import REGISTRY
 
-from gpu_workers.embedding import EmbeddingEngine
+from gpu_workers.embedding import EmbeddingEngine, PendingVectors
 from gpu_workers.engine import GenerationEngine
 from gpu_workers.models import LoadedModel
 from gpu_workers.observe import RunnerLoad, WorkerObserver
@@ -53,20 +52,21 @@ class SmallCardEmbedder(EmbeddingEngine):
     fits = 20
     calls: list[int]
 
-    def embed(self, batch: Sequence[Sequence[int]]) -> npt.NDArray[np.float32]:
+    def launch(self, batch: Sequence[Sequence[int]]) -> PendingVectors:
         padded = len(batch) * max(len(item) for item in batch)
         self.calls.append(padded)
         if padded > self.fits:
             raise torch.cuda.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {padded} rows")
-        return super().embed(batch)
+        return super().launch(batch)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 def test_an_embedding_batch_that_does_not_fit_runs_in_halves_and_only_an_input_too_big_alone_fails(
-    minilm: LoadedModel,
+    minilm: LoadedModel, overlap: bool
 ) -> None:
     engine = SmallCardEmbedder(minilm.model, max_length=minilm.manifest.max_context)
     engine.calls = []
-    runner = embedding_runner(minilm, engine)
+    runner = embedding_runner(minilm, engine, overlap=overlap)
     short = [[101, 7592 + i, 2088, 102] for i in range(6)]  # 4 tokens each
     huge = [101, *range(2000, 2060), 102]  # 62 tokens: more than fits, even alone
     requests = [embedding(inputs=[ids]) for ids in short]
@@ -149,7 +149,7 @@ def test_other_failures_still_stop_the_runner(minilm: LoadedModel) -> None:
     it), as before."""
 
     class Broken(EmbeddingEngine):
-        def embed(self, batch: Sequence[Sequence[int]]) -> npt.NDArray[np.float32]:
+        def launch(self, batch: Sequence[Sequence[int]]) -> PendingVectors:
             raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
 
     runner = embedding_runner(minilm, Broken(minilm.model))

@@ -82,14 +82,17 @@ def generation_runner(
     )
 
 
-def embedding_runner(lm: LoadedModel, engine: EmbeddingEngine) -> EmbeddingRunner:
+def embedding_runner(
+    lm: LoadedModel, engine: EmbeddingEngine, *, max_batch_size: int = 8, overlap: bool | None = None
+) -> EmbeddingRunner:
     """MiniLM's runner around ``engine``, as the tests configure it."""
     return EmbeddingRunner(
         engine,
         lm.manifest,
         source=SOURCE,
         worker_id=WORKER,
-        batching=BatcherConfig(max_batch_size=8, max_wait_s=0.0, max_batch_tokens=4096),
+        batching=BatcherConfig(max_batch_size=max_batch_size, max_wait_s=0.0, max_batch_tokens=4096),
+        overlap=overlap,
     )
 
 

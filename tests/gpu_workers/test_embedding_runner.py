@@ -1,0 +1,135 @@
+"""The embedding runner's overlap: on a GPU each batch is launched before the one ahead of it is finished,
+so that batch's terminal events are built (and published) while the device computes the next. Forced on
+here: on a CPU the engine has finished when ``launch`` returns, so only the order changes; with
+``SLUICEGATE_TEST_DEVICE=cuda`` the same tests run the real asynchronous pass and copy."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+from gpu_workers.embedding import EmbeddingEngine, PendingVectors
+from gpu_workers.models import LoadedModel
+from gpu_workers.service import Arrival
+from tests.gpu_workers.test_runners import Collected, embedding, embedding_runner
+
+
+class Recording(EmbeddingEngine):
+    """MiniLM that logs when each batch is launched and when its vectors are read."""
+
+    log: list[str]
+
+    def launch(self, batch: Sequence[Sequence[int]]) -> PendingVectors:
+        n = sum(entry.startswith("launch") for entry in self.log) + 1
+        self.log.append(f"launch {n}")
+        pending = super().launch(batch)
+        log = self.log
+
+        class Read:
+            def result(self) -> npt.NDArray[np.float32]:
+                log.append(f"result {n}")
+                return pending.result()
+
+        return Read()
+
+
+@pytest.fixture
+def engine(minilm: LoadedModel) -> Recording:
+    engine = Recording(minilm.model, max_length=minilm.manifest.max_context)
+    engine.log = []
+    return engine
+
+
+TEXTS = [[101, 7592 + i, 2088, 102] for i in range(7)]
+
+
+def test_the_engine_overlaps_only_on_a_gpu(minilm: LoadedModel) -> None:
+    engine = EmbeddingEngine(minilm.model)
+    assert engine.overlaps == (engine.device.type == "cuda")
+    assert embedding_runner(minilm, engine).overlap == engine.overlaps
+    assert embedding_runner(minilm, engine, overlap=True).overlap
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_each_batch_is_finished_after_the_next_is_launched_with_the_same_vectors(
+    minilm: LoadedModel, engine: Recording, overlap: bool
+) -> None:
+    runner = embedding_runner(minilm, engine, max_batch_size=2, overlap=overlap)
+    one = [embedding(inputs=[ids]) for ids in TEXTS[:4]]
+    spread = embedding(inputs=TEXTS[4:])  # three inputs: its batches are the third and the fourth
+    out = Collected()
+    for offset, request in enumerate([*one, spread]):
+        runner.accept(Arrival(request, ("requests", 0), offset), out)
+
+    runner.tick(out)
+    if overlap:
+        assert not out.finished, "the first batch is still in flight"
+        assert runner.wait_hint() == 0.0, "the loop comes back for it at once"
+        assert runner.load().running == 2
+    else:
+        assert set(out.finished) == {one[0].request_id, one[1].request_id}
+    for _ in range(10):
+        runner.tick(out)
+    done = out.finished
+    assert len(done) == 5
+    assert runner.wait_hint() is None, "nothing in flight or queued"
+
+    if overlap:
+        assert engine.log == [
+            "launch 1",
+            "launch 2",
+            "result 1",
+            "launch 3",
+            "result 2",
+            "launch 4",
+            "result 3",
+            "result 4",  # the last batch, with nothing behind it, is finished at the next tick
+        ]
+    else:
+        assert engine.log == [
+            "launch 1",
+            "result 1",
+            "launch 2",
+            "result 2",
+            "launch 3",
+            "result 3",
+            "launch 4",
+            "result 4",
+        ]
+    alone = EmbeddingEngine(minilm.model).embed(TEXTS)
+    for request, expected in zip(one, alone, strict=False):
+        vectors = done[request.request_id].vectors()
+        assert vectors is not None
+        np.testing.assert_allclose(vectors[0], expected, atol=1e-5)
+    vectors = done[spread.request_id].vectors()
+    assert vectors is not None
+    np.testing.assert_allclose(np.array(vectors), alone[4:], atol=1e-5)
+    assert done[spread.request_id].usage.prompt_tokens == 12
+
+
+def test_a_request_cancelled_or_released_in_flight_ends_once_or_not_at_all(
+    minilm: LoadedModel, engine: Recording
+) -> None:
+    runner = embedding_runner(minilm, engine, overlap=True)
+    cancelled, released, kept = (embedding(inputs=[ids]) for ids in TEXTS[:3])
+    out = Collected()
+    for offset, request in enumerate([cancelled, released, kept]):
+        runner.accept(Arrival(request, ("requests", 0), offset), out)
+    runner.tick(out)
+    assert engine.log == ["launch 1"]
+    assert runner.wait_hint() == 0.0, "nothing queued, but a batch to finish"
+
+    runner.cancel(cancelled.request_id, out)
+    assert out.finished[cancelled.request_id].status == "cancelled"
+    assert runner.release([released.request_id, kept.request_id, "unknown"]) == {
+        released.request_id,
+        kept.request_id,
+    }, "nothing was published for them yet: another worker runs them"
+    runner.tick(out)
+    assert engine.log == ["launch 1", "result 1"]
+    assert set(out.finished) == {cancelled.request_id}, "their vectors landed and were dropped"
+    assert runner.wait_hint() is None
+    assert runner.load().running == 0
