@@ -10,12 +10,13 @@ Smoke checks (the run exits 1 if one fails):
 - the engine's greedy tokens under churn (requests join and finish at staggered steps) equal ``generate``
   alone for each request, on the device;
 - a seeded sampled request gives the same tokens alone and in a batch, on the device;
-- embeddings on the device equal the CPU's (cosine).
+- embeddings on the device equal the CPU's (cosine);
+- the embedding forward replayed as CUDA graphs (one per batch shape bucket) equals the eager one.
 
 Then tokens/s of the engine and of ``generate`` per batch size, the prefill-to-first-token time of one
-request, MiniLM embeddings/s per batch, and the worker's own runners (built as ``sluice worker`` builds
+request, MiniLM embeddings/s per batch (CUDA graphs, as a worker runs it, and eager), and the worker's own runners (built as ``sluice worker`` builds
 them: batching, scheduling, terminal events; no Kafka) against the engines at 64 and 256, streamed
-generation too. Each cell is the median of ``--repeats`` measurements. One table, one JSON (``--out``).
+generation too, the embedding runner with and without overlap. Each cell is the median of ``--repeats`` measurements. One table, one JSON (``--out``).
 
     python benchmarks/gpu.py                          # on CUDA; fails clearly without it
     python benchmarks/gpu.py --device cpu --quick     # the same on the CPU: CI runs it so it cannot rot
@@ -205,6 +206,21 @@ def smoke(
             f"{len(texts)} texts: min cosine {cosine:.6f}, max |norm - 1| {norm:.1e}",
         )
     )
+    graphed, eager = EmbeddingEngine(emb.model), EmbeddingEngine(emb.model, cuda_graphs=False)
+    mixed = [texts[i][: 2 + i % 9] + texts[i][-1:] for i in range(37)]  # 3 to 11 ids, [SEP] last
+    pairs = [
+        (graphed.embed(b), eager.embed(b)) for b in (texts[:1], texts[:5], mixed, texts[:256], mixed[:3])
+    ]
+    cosine = min(float(np.min(np.sum(g * e, axis=1))) for g, e in pairs)
+    diff = max(float(np.max(np.abs(g - e))) for g, e in pairs)
+    checks.append(
+        Check(
+            "CUDA graphs equal the eager forward",
+            cosine >= 0.99999 and diff < 1e-4 and graphed.graphs == (4 if graphed.overlaps else 0),
+            f"5 batches (1 to 256, mixed lengths), {graphed.graphs} graphs: min cosine {cosine:.6f},"
+            f" max |diff| {diff:.1e}",
+        )
+    )
     return checks
 
 
@@ -247,22 +263,29 @@ def ttft(gen: LoadedModel, samples: int) -> dict[str, float]:
 
 def embedding_bench(
     emb: LoadedModel, texts: list[list[int]], batches: list[int], items: int, repeats: int
-) -> dict[str, float]:
-    engine = EmbeddingEngine(emb.model)
-    rates: dict[str, float] = {}
+) -> dict[str, dict[str, float]]:
+    """MiniLM embeddings/s per batch: the engine as a worker builds it (CUDA graphs on a GPU) and eager."""
+    engines = {"engine": EmbeddingEngine(emb.model), "eager": EmbeddingEngine(emb.model, cuda_graphs=False)}
+    rates: dict[str, dict[str, float]] = {}
     for batch in batches:
-        engine.embed([texts[i % len(texts)] for i in range(batch)])  # untimed: kernels for these shapes
-        rounds = max(3, items // batch)
+        row: dict[str, float] = {}
+        for label, engine in engines.items():
+            engine.embed([texts[i % len(texts)] for i in range(batch)])  # untimed: kernels, graph capture
+            rounds = max(3, items // batch)
 
-        def measure(batch: int = batch, rounds: int = rounds) -> float:
-            started = time.perf_counter()
-            for r in range(rounds):
-                first = (r * batch) % len(texts)
-                engine.embed([texts[(first + i) % len(texts)] for i in range(batch)])
-            return rounds * batch / (time.perf_counter() - started)
+            def measure(engine: EmbeddingEngine = engine, batch: int = batch, rounds: int = rounds) -> float:
+                started = time.perf_counter()
+                for r in range(rounds):
+                    first = (r * batch) % len(texts)
+                    engine.embed([texts[(first + i) % len(texts)] for i in range(batch)])
+                return rounds * batch / (time.perf_counter() - started)
 
-        rates[str(batch)] = median_rate(repeats, measure)
-        print(f"  embeddings batch {batch}: {rates[str(batch)]:,.0f}/s", flush=True)
+            row[f"{label}_per_s"] = median_rate(repeats, measure)
+        rates[str(batch)] = row
+        print(
+            f"  embeddings batch {batch}: {row['engine_per_s']:,.0f}/s ({row['eager_per_s']:,.0f}/s eager)",
+            flush=True,
+        )
     return rates
 
 
@@ -446,9 +469,10 @@ def main() -> int:
         )
         row["generation_over_generate"] = row["generation_tok_s"] / generation[str(size)]["raw_tok_s"]
         row["streamed_over_generate"] = row["generation_streamed_tok_s"] / generation[str(size)]["raw_tok_s"]
-        row["embeddings_over_engine"] = row["embeddings_per_s"] / embeddings[str(size)]
-        row["serial_over_engine"] = row["embeddings_serial_per_s"] / embeddings[str(size)]
-        row["overlapped_over_engine"] = row["embeddings_overlapped_per_s"] / embeddings[str(size)]
+        engine_eps = embeddings[str(size)]["engine_per_s"]
+        row["embeddings_over_engine"] = row["embeddings_per_s"] / engine_eps
+        row["serial_over_engine"] = row["embeddings_serial_per_s"] / engine_eps
+        row["overlapped_over_engine"] = row["embeddings_overlapped_per_s"] / engine_eps
         print(
             f"  runners at {size}: generation {row['generation_over_generate']:.2f}, streamed"
             f" {row['streamed_over_generate']:.2f} of generate; embeddings serial {row['serial_over_engine']:.2f},"
@@ -480,9 +504,13 @@ def main() -> int:
     print(
         f"prefill to first token, one request: p50 {first_token['p50']:.2f} ms, p99 {first_token['p99']:.2f} ms"
     )
-    print(f"{'batch':>6} {'embeddings/s':>13}")
-    for label, rate in embeddings.items():
-        print(f"{label:>6} {rate:>13,.0f}")
+    print(f"{'batch':>6} {'embeddings/s':>13} {'eager':>9} {'graphs/eager':>13}")
+    for label, rates in embeddings.items():
+        print(
+            f"{label:>6} {rates['engine_per_s']:>13,.0f} {rates['eager_per_s']:>9,.0f}"
+            f" {rates['engine_per_s'] / rates['eager_per_s']:>13.2f}"
+        )
+    print("  (the engine as a worker runs it: CUDA graphs on a GPU, eager on a CPU)")
     print(
         "the worker's runners (batching, scheduling, terminal events; no Kafka), against the engines alone:"
     )

@@ -96,7 +96,9 @@ def runner_factory(
 
         loaded = load_embedding_model(model_dir, worker.worker_device)
         report_loaded(loaded, manifest.model_id, worker_id)
-        embedder = EmbeddingEngine(loaded.model, max_length=manifest.max_context)
+        embedder = EmbeddingEngine(
+            loaded.model, max_length=manifest.max_context, cuda_graphs=worker.worker_cuda_graphs
+        )
         embedder.embed([[101, 102]])  # warm up in this thread
         return EmbeddingRunner(
             embedder,

@@ -26,10 +26,14 @@ def test_the_gpu_benchmark_runs_on_the_cpu_and_writes_its_json(tmp_path: Path) -
         "engine under churn equals generate alone": True,
         "seeded sampling is the same alone and in a batch": True,
         "embeddings equal the CPU's": True,
+        "CUDA graphs equal the eager forward": True,
     }
     assert set(result["generation"]) == {"1", "8"}
     assert all(row["raw_tok_s"] > 0 and row["engine_tok_s"] > 0 for row in result["generation"].values())
     assert set(result["embeddings_per_s"]) == {"1", "8"}
+    assert all(
+        row["engine_per_s"] > 0 and row["eager_per_s"] > 0 for row in result["embeddings_per_s"].values()
+    )
     runner = result["runners"]["8"]
     assert runner["generation_tok_s"] > 0
     assert runner["generation_streamed_tok_s"] > 0

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 import tokenizers
 
-from gpu_workers.embedding import EmbeddingEngine, EmbeddingError
+from gpu_workers.embedding import GRAPH_MAX_TOKENS, EmbeddingEngine, EmbeddingError, graph_shape
 from gpu_workers.models import LoadedModel
+from gpu_workers.padding import pad_rows
 
 SENTENCES = [
     "A man is playing a guitar on stage.",
@@ -53,3 +54,73 @@ def test_rejects_bad_batches(minilm: LoadedModel) -> None:
         engine.embed([[101] * (engine.max_length + 1)])
     with pytest.raises(EmbeddingError, match="vocabulary"):
         engine.embed([[101, 10**6]])
+
+
+# --- CUDA graphs: one per batch shape bucket, replayed over padded static inputs ----------------------------
+
+
+def test_batches_fall_in_shape_buckets_up_to_a_size() -> None:
+    assert graph_shape(1, 2) == (1, 16)
+    assert graph_shape(3, 16) == (4, 16)
+    assert graph_shape(17, 17) == (24, 32)
+    assert graph_shape(64, 512) == (64, 512)
+    assert graph_shape(65, 512) is None, f"above {GRAPH_MAX_TOKENS} padded tokens: eager"
+    assert graph_shape(513, 16) is None
+    assert graph_shape(8, 513) is None
+
+
+def test_padding_to_a_bucket_leaves_every_vector_as_it_was(minilm: LoadedModel, ids: list[list[int]]) -> None:
+    """What a graph computes: the same forward over rows and columns of padding (extra rows attend to one
+    pad column, so none is NaN); the real rows' vectors do not change."""
+    engine = EmbeddingEngine(minilm.model, cuda_graphs=False)
+    shape = graph_shape(len(ids), max(map(len, ids)))
+    assert shape == (8, 32)
+    padded, mask = pad_rows(ids, 0, engine.device, shape=shape)
+    assert tuple(padded.shape) == shape
+    assert mask[len(ids) :].sum(dim=1).tolist() == [1, 1, 1], "each extra row attends to one column"
+    with pytest.raises(ValueError, match="do not fit"):
+        pad_rows(ids, 0, engine.device, shape=(4, 32))
+    import torch
+
+    with torch.inference_mode():
+        vectors = engine._pooled(padded, mask).cpu().numpy()
+    assert not np.isnan(vectors).any()
+    np.testing.assert_allclose(vectors[: len(ids)], engine.embed(ids), atol=1e-5)
+
+
+def test_cuda_graphs_replay_the_eager_forward(minilm: LoadedModel, ids: list[list[int]]) -> None:
+    """On a GPU (``SLUICEGATE_TEST_DEVICE=cuda``) the forward runs as captured graphs, one per bucket, each
+    replayed over new inputs; on a CPU it is eager. Either way the vectors are the eager ones."""
+    graphed = EmbeddingEngine(minilm.model)
+    eager = EmbeddingEngine(minilm.model, cuda_graphs=False)
+    batches = [
+        ids,
+        ids[:3],
+        ids[1:4],
+        [ids[3]] * 17,
+        [ids[4]],
+    ]  # buckets (8, 32), (4, 32) twice, (24, 32), (1, 16)
+    for batch in batches:
+        np.testing.assert_allclose(graphed.embed(batch), eager.embed(batch), atol=1e-5)
+    assert graphed.graphs == (4 if graphed.device.type == "cuda" else 0)
+    assert eager.graphs == 0
+
+
+def test_a_capture_that_fails_leaves_the_engine_eager(
+    minilm: LoadedModel,
+    ids: list[list[int]],
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    engine = EmbeddingEngine(minilm.model)
+    engine._graphs = {}  # as on a GPU, where the first batch of a bucket is captured
+
+    def capture(rows: int, columns: int) -> None:
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(engine, "_capture", capture)
+    expected = EmbeddingEngine(minilm.model, cuda_graphs=False).embed(ids)
+    np.testing.assert_allclose(engine.embed(ids), expected, atol=1e-5)
+    assert "embeddings run eagerly from now on" in caplog.text
+    assert engine.graphs == 0
+    np.testing.assert_allclose(engine.embed(ids), expected, atol=1e-5)
