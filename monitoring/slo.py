@@ -12,6 +12,8 @@ thresholds of the Kafka alerts. :func:`rule_groups` turns it into Prometheus rul
   days). The streams worker announces the page pairs as ``BurnRateCrossed`` events
   (``streams/control.py``), from the same configuration;
 * ``SluiceConsumerLag`` and ``SluiceDeadLetters``;
+* ``SluiceWorkerOutOfMemory``: a model's forward passes ran out of device memory (requests were split or
+  failed ``worker_oom``, and the batch limit is lowered for a while);
 * the drift alerts ``SluiceDriftDetected``, ``SluiceDriftFeaturePipeline`` and ``SluiceDriftReportsStale``,
   for model versions that complete requests;
 * ``SluiceRolloutRolledBack``: the rollout controller rolled a candidate back (a ticket: serving is safe
@@ -44,6 +46,8 @@ TTFT_SECONDS = "sluice_time_to_first_token_seconds"
 ITL_SECONDS = "sluice_inter_token_latency_seconds"
 CONSUMER_LAG = "sluice_consumer_lag"
 DEAD_LETTERS_TOTAL = "sluice_dead_letters_total"
+OUT_OF_MEMORY_TOTAL = "sluice_worker_out_of_memory_total"
+BATCH_LIMIT = "sluice_worker_batch_limit_ratio"
 DRIFT_DETECTED = "sluice_drift_detected"
 DRIFT_QUALITY_ISSUES = "sluice_drift_quality_issues"
 DRIFT_LAST_REPORT = "sluice_drift_last_report_timestamp_seconds"
@@ -135,9 +139,10 @@ class ConsumerLagAlert(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     severity: Severity = "page"
 
 
-class DeadLetterAlert(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class CounterAlert(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     window_minutes: Annotated[int, msgspec.Meta(ge=1)] = 10
-    """Alert while any record was dead-lettered within this many minutes."""
+    """Alert while the counter rose within this many minutes (a record dead-lettered, a forward pass out
+    of memory)."""
     severity: Severity = "ticket"
 
 
@@ -225,7 +230,8 @@ class AlertSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     tickets: bool = True
     """Also the ticket pairs (by default 1d/2h above 3, 3d/6h above 1), not only the page pairs."""
     consumer_lag: ConsumerLagAlert = ConsumerLagAlert()
-    dead_letters: DeadLetterAlert = DeadLetterAlert()
+    dead_letters: CounterAlert = CounterAlert()
+    out_of_memory: CounterAlert = CounterAlert()
     drift: DriftAlert = DriftAlert()
 
     def __post_init__(self) -> None:
@@ -344,7 +350,8 @@ def rule_groups(config: SloConfig, *, drift_window_s: float | None = None) -> di
     """The Prometheus rules document (``{"groups": [...]}``) for ``config``.
 
     One group per tier with models (recording rules first, then the alerts that read them, so an alert
-    sees this evaluation's ratios), then one group with the Kafka alerts, then one with the drift alerts.
+    sees this evaluation's ratios), then one group with the Kafka alerts, one with the workers', one with
+    the drift alerts and one with the rollout's.
     ``drift_window_s`` (the streams worker's ``SLUICE_DRIFT_WINDOW_S``) overrides the config's
     ``[alerts.drift] window_s``.
     """
@@ -365,6 +372,7 @@ def rule_groups(config: SloConfig, *, drift_window_s: float | None = None) -> di
         ]
         groups.append({"name": f"sluice-slo-{tier.name}", "rules": rules})
     groups.append({"name": "sluice-kafka", "rules": [_lag_rule(config), _dead_letter_rule(config)]})
+    groups.append({"name": "sluice-workers", "rules": [_out_of_memory_rule(config)]})
     drift = drift_settings(config, drift_window_s)
     groups.append(
         {
@@ -522,18 +530,22 @@ def _lag_rule(config: SloConfig) -> dict[str, Any]:
     }
 
 
+def _rose(counter: str, by: str, window: str) -> str:
+    """A counter that rose within ``window``, per ``by``. ``increase()`` needs two samples of a series,
+    and such a series is often born at its first event; the ``unless ... offset`` half catches a series that
+    did not exist a window ago."""
+    return (
+        f"sum by ({by}) (increase({counter}[{window}])) > 0\n"
+        f"or\nsum by ({by}) ({counter} unless {counter} offset {window}) > 0\n"
+    )
+
+
 def _dead_letter_rule(config: SloConfig) -> dict[str, Any]:
     dl = config.alerts.dead_letters
     w = duration(dl.window_minutes)
-    # increase() needs two samples of a series, and a dead-letter series is born at its first record;
-    # the `unless ... offset` half catches a series that did not exist a window ago.
-    expr = (
-        f"sum by (topic, reason) (increase({DEAD_LETTERS_TOTAL}[{w}])) > 0\n"
-        f"or\nsum by (topic, reason) ({DEAD_LETTERS_TOTAL} unless {DEAD_LETTERS_TOTAL} offset {w}) > 0\n"
-    )
     return {
         "alert": "SluiceDeadLetters",
-        "expr": expr,
+        "expr": _rose(DEAD_LETTERS_TOTAL, "topic, reason", w),
         "labels": {"severity": dl.severity},
         "annotations": {
             "summary": "Records from {{ $labels.topic }} dead-lettered ({{ $labels.reason }})",
@@ -541,6 +553,28 @@ def _dead_letter_rule(config: SloConfig) -> dict[str, Any]:
                 f"About {{{{ $value | humanize }}}} record(s) from {{{{ $labels.topic }}}} went to the "
                 f"dead-letter topic within the last {w}, reason {{{{ $labels.reason }}}}. They were not "
                 "processed; inspect the deadletter topic and replay them once fixed."
+            ),
+        },
+    }
+
+
+def _out_of_memory_rule(config: SloConfig) -> dict[str, Any]:
+    oom = config.alerts.out_of_memory
+    w = duration(oom.window_minutes)
+    return {
+        "alert": "SluiceWorkerOutOfMemory",
+        "expr": _rose(OUT_OF_MEMORY_TOTAL, "model", w),
+        "labels": {"severity": oom.severity},
+        "annotations": {
+            "summary": "{{ $labels.model }}: forward passes ran out of device memory",
+            "description": (
+                f"Workers of {{{{ $labels.model }}}} ran out of memory in about {{{{ $value | humanize }}}} "
+                f"forward pass(es) within the last {w}. An embedding batch that did not fit ran in halves; "
+                "an input that does not fit alone, or every sequence of a failed generation step, ended "
+                "`worker_oom` (retriable: clients got 503 and should retry). The batch limit was halved and "
+                f"grows back after 1,000 clean batches ({BATCH_LIMIT} shows it): throughput is lower until "
+                "then. If it recurs, lower SLUICE_WORKER_EMBED_MAX_BATCH_TOKENS or SLUICE_WORKER_MAX_RUNNING, "
+                "or give the model more memory."
             ),
         },
     }

@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 
 from monitoring.metrics import catalogue
 from monitoring.slo import (
+    BATCH_LIMIT,
     CONSUMER_LAG,
     DEAD_LETTERS_TOTAL,
     DEFAULT_CONFIG,
@@ -20,6 +21,7 @@ from monitoring.slo import (
     DRIFT_LAST_REPORT,
     DRIFT_QUALITY_ISSUES,
     ITL_SECONDS,
+    OUT_OF_MEMORY_TOTAL,
     PAGE_ALERTS,
     RECORD_PREFIX,
     REQUESTS_TOTAL,
@@ -225,12 +227,14 @@ def test_rules_read_metrics_that_exist() -> None:
         ITL_SECONDS,
         CONSUMER_LAG,
         DEAD_LETTERS_TOTAL,
+        OUT_OF_MEMORY_TOTAL,
         DRIFT_DETECTED,
         DRIFT_QUALITY_ISSUES,
         DRIFT_LAST_REPORT,
         ROLLOUT_DECISIONS,
     }
     assert read <= names
+    assert BATCH_LIMIT in names  # named in the out-of-memory alert's description
 
 
 def test_burn_thresholds_are_the_workbooks_for_30_days() -> None:
@@ -250,6 +254,7 @@ def test_default_rules_structure() -> None:
     assert [g["name"] for g in doc["groups"]] == [
         "sluice-slo-interactive",
         "sluice-kafka",
+        "sluice-workers",
         "sluice-drift",
         "sluice-rollout",
     ]
@@ -297,6 +302,19 @@ def test_kafka_alerts() -> None:
     assert "increase(sluice_dead_letters_total[10m])" in dead["expr"]
     assert "offset 10m" in dead["expr"]
     assert dead["labels"] == {"severity": "ticket"}
+
+
+def test_out_of_memory_alert() -> None:
+    (oom,) = group(DEFAULT_CONFIG, "sluice-workers")
+    assert oom["alert"] == "SluiceWorkerOutOfMemory"
+    assert "sum by (model) (increase(sluice_worker_out_of_memory_total[10m])) > 0" in oom["expr"]
+    assert "offset 10m" in oom["expr"]
+    assert oom["labels"] == {"severity": "ticket"}
+    assert "sluice_worker_batch_limit_ratio" in oom["annotations"]["description"]
+    config = parse_slo_config({"alerts": {"out_of_memory": {"window_minutes": 30, "severity": "page"}}})
+    (oom,) = group(config, "sluice-workers")
+    assert "[30m]" in oom["expr"]
+    assert oom["labels"] == {"severity": "page"}
 
 
 def test_drift_alerts() -> None:
@@ -422,6 +440,7 @@ def test_without_tickets_only_the_page_pairs_and_their_windows() -> None:
         "SluiceErrorBudgetBurn6h",
         "SluiceConsumerLag",
         "SluiceDeadLetters",
+        "SluiceWorkerOutOfMemory",
         "SluiceDriftDetected",
         "SluiceDriftFeaturePipeline",
         "SluiceDriftReportsStale",

@@ -37,10 +37,10 @@ FAST, SLOW, TICKET_1D, TICKET_3D = (
     "SluiceErrorBudgetBurn1d",
     "SluiceErrorBudgetBurn3d",
 )
-LAG, DEAD = "SluiceConsumerLag", "SluiceDeadLetters"
+LAG, DEAD, OOM = "SluiceConsumerLag", "SluiceDeadLetters", "SluiceWorkerOutOfMemory"
 DRIFT, PIPELINE, STALE = "SluiceDriftDetected", "SluiceDriftFeaturePipeline", "SluiceDriftReportsStale"
 ROLLBACK = "SluiceRolloutRolledBack"
-ALL_ALERTS = (FAST, SLOW, TICKET_1D, TICKET_3D, LAG, DEAD, DRIFT, PIPELINE, STALE, ROLLBACK)
+ALL_ALERTS = (FAST, SLOW, TICKET_1D, TICKET_3D, LAG, DEAD, OOM, DRIFT, PIPELINE, STALE, ROLLBACK)
 
 # interactive (99.5%, TTFT 0.5 s / 95%) is the default tier; batch (99%, TTFT 5 s / 90%) has two models
 # (the dot in batch.v3 must be escaped in the rules' regex).
@@ -246,6 +246,8 @@ def test_healthy_model_has_no_alerts_at_all(tmp_path: Path) -> None:
             partition="0",
         ),
         series("sluice_dead_letters_total", gauge((481, 0)), topic="sluice.replies", reason="decode"),
+        series("sluice_worker_out_of_memory_total", gauge((481, 0)), model="demo-gpt"),
+        series("sluice_worker_batch_limit_ratio", gauge((481, 1)), model="demo-gpt"),
     ]
     ratio = "model:sluice_slo_errors:ratio_rate"
     promtool_test(
@@ -376,6 +378,33 @@ def test_dead_letters_fire_on_any_increase_and_on_a_new_series(tmp_path: Path) -
             alert(DEAD, "30m"),  # no new dead letter for 10 minutes: resolved
             alert(DEAD, "45m", {"severity": "ticket", **schema}),
             alert(DEAD, "55m"),
+        ],
+    )
+
+
+OOM_TOTAL = "sluice_worker_out_of_memory_total"
+
+
+def test_out_of_memory_fires_per_model_on_any_increase_and_on_a_worker_that_starts_with_one(
+    tmp_path: Path,
+) -> None:
+    inputs = [
+        # two workers of one model: one runs out of memory twice at minute 11 (summed by model), the other
+        # never does
+        series(OOM_TOTAL, gauge((11, 0), (50, 2)), model="all-minilm-l6-v2", instance="w1:9401"),
+        series(OOM_TOTAL, gauge((61, 0)), model="all-minilm-l6-v2", instance="w2:9401"),
+        # a worker first scraped at minute 40 that already ran out of memory once
+        series(OOM_TOTAL, [*[None] * 40, *gauge((21, 1))], model="demo-gpt", instance="w3:9400"),
+    ]
+    promtool_test(
+        tmp_path,
+        inputs,
+        [
+            alert(OOM, "5m"),
+            alert(OOM, "15m", {"severity": "ticket", "model": "all-minilm-l6-v2"}),
+            alert(OOM, "30m"),  # nothing for 10 minutes: resolved (the batch limit grows back on its own)
+            alert(OOM, "45m", {"severity": "ticket", "model": "demo-gpt"}),
+            alert(OOM, "55m"),
         ],
     )
 
