@@ -479,6 +479,14 @@ def slo_show(config: SloConfigOption = None) -> None:
     alerts.add_row(
         "SluiceDeadLetters", dead.severity, f"{dead.window_minutes}m", "any record dead-lettered", ""
     )
+    oom = cfg.alerts.out_of_memory
+    alerts.add_row(
+        "SluiceWorkerOutOfMemory",
+        oom.severity,
+        f"{oom.window_minutes}m",
+        "any forward pass out of memory (per model)",
+        "",
+    )
     drift = cfg.alerts.drift
     window = f"{drift.window_s:g} s drift windows"
     alerts.add_row(

@@ -542,6 +542,7 @@ def test_cli_without_config_uses_the_streams_workers_slo_file(
     assert result.exit_code == 0, result.output
     assert "SluiceErrorBudgetBurn2h" in result.stdout
     assert "SluiceErrorBudgetBurn1h" not in result.stdout
+    assert "SluiceWorkerOutOfMemory" in result.stdout
     # --config still wins over the variable
     result = CliRunner().invoke(app, ["slo", "rules", "--config", str(write(tmp_path, ""))])
     assert result.exit_code == 0, result.output
