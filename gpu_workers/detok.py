@@ -1,16 +1,53 @@
 """Incremental detokenisation: text deltas per token without re-decoding the whole completion.
 
 The approach vLLM uses: decode a short window ``ids[prefix:]`` and emit what it adds over
-``ids[prefix:read]``, holding text back while it ends in an incomplete character (U+FFFD).
+``ids[prefix:read]``, holding text back while it ends in an incomplete character (U+FFFD). With a Rust
+tokenizer that is done in Rust, one call a token (``tokenizers.decoders.DecodeStream``).
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 Decode = Callable[[list[int]], str]
+
+
+class Detokenizer(Protocol):
+    """One request's completion, decoded as its tokens arrive."""
+
+    ids: list[int]
+    """Every token so far (a runner that needs no streamed text appends here and calls ``flush`` once)."""
+    text: str
+    """The text so far: the deltas ``push`` and ``flush`` returned."""
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the text it completes (possibly empty)."""
+        ...
+
+    def flush(self) -> str:
+        """At the end: whatever was held back (an incomplete character's replacement, or all the text of
+        tokens appended to ``ids`` without ``push``)."""
+        ...
+
+
+def detokenizer_for(tokenizer: Any) -> Callable[[], Detokenizer]:
+    """A new request's :class:`Detokenizer`, whose text is ``tokenizer.decode(ids, skip_special_tokens=True)``.
+
+    Where :func:`decoder_for` takes the Rust tokenizer directly, so does this: its ``DecodeStream`` runs the
+    window logic of :class:`IncrementalDetokenizer` in Rust, one call a streamed token instead of two
+    decodes and the Python around them (3.2 against 1.? us a token with an instant engine at 256 rows)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False:
+        try:
+            from tokenizers.decoders import DecodeStream  # tokenizers >= 0.21
+        except ImportError:
+            pass
+        else:
+            return lambda: StreamDetokenizer(backend, DecodeStream(skip_special_tokens=True))
+    decode = decoder_for(tokenizer)
+    return lambda: IncrementalDetokenizer(decode)
 
 
 def decoder_for(tokenizer: Any) -> Decode:
@@ -56,5 +93,29 @@ class IncrementalDetokenizer:
         after = self._decode(self.ids[self._prefix :])
         delta = after[len(before) :] if after.startswith(before) else ""
         self._prefix = self._read = len(self.ids)
+        self.text += delta
+        return delta
+
+
+class StreamDetokenizer:
+    """:class:`IncrementalDetokenizer`'s deltas from the Rust tokenizer's own incremental decoder."""
+
+    def __init__(self, backend: Any, stream: Any) -> None:
+        self._backend = backend
+        self._stream = stream
+        self.ids: list[int] = []
+        self.text = ""
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        delta: str | None = self._stream.step(self._backend, token_id)
+        if not delta:
+            return ""
+        self.text += delta
+        return delta
+
+    def flush(self) -> str:
+        whole: str = self._backend.decode(self.ids, skip_special_tokens=True)
+        delta = whole[len(self.text) :] if whole.startswith(self.text) else ""
         self.text += delta
         return delta

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime
 
 from gpu_workers import GpuWorkerError
-from gpu_workers.detok import Decode, IncrementalDetokenizer
+from gpu_workers.detok import Detokenizer
 from gpu_workers.engine import GenerationEngine, SeqRequest
 from gpu_workers.flush import ChunkCoalescer, Flush, FlushPolicy
 from gpu_workers.observe import RunnerLoad
@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 class _Live:
     arrival: Arrival
     event: GenerationRequested
-    detok: IncrementalDetokenizer
+    detok: Detokenizer
     max_new_tokens: int
     started: datetime | None = None
     first_token: datetime | None = None
@@ -68,7 +68,7 @@ class GenerationRunner:
     def __init__(
         self,
         engine: GenerationEngine,
-        decode: Decode,
+        detokenizer: Callable[[], Detokenizer],
         manifest: ModelManifest,
         *,
         source: str,
@@ -78,7 +78,7 @@ class GenerationRunner:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._engine = engine
-        self._decode = decode
+        self._detokenizer = detokenizer
         self._manifest = manifest
         self._origin = Origin(source, worker_id)
         self._scheduler: GenerationScheduler[_Live] = GenerationScheduler(scheduler)
@@ -108,7 +108,7 @@ class GenerationRunner:
         live = _Live(
             arrival=arrival,
             event=event,
-            detok=IncrementalDetokenizer(self._decode),
+            detok=self._detokenizer(),
             max_new_tokens=max(0, min(event.sampling.max_tokens, room, self._manifest.max_output_tokens)),
         )
         if live.max_new_tokens == 0 or not event.input_ids:

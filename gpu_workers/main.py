@@ -61,7 +61,7 @@ def runner_factory(
         )
         manifest = read_manifest(model_dir)
         if manifest.task == "generation":
-            from gpu_workers.detok import decoder_for
+            from gpu_workers.detok import detokenizer_for
             from gpu_workers.engine import GenerationEngine
             from gpu_workers.generation import GenerationRunner
             from gpu_workers.models import load_generation_model
@@ -74,7 +74,7 @@ def runner_factory(
             _warm_up_generation(engine)
             return GenerationRunner(
                 engine,
-                decoder_for(loaded.tokenizer),
+                detokenizer_for(loaded.tokenizer),
                 manifest,
                 source=source,
                 worker_id=worker_id,

@@ -93,15 +93,16 @@ class Pending(Generic[P]):
     """Whose service this is: fairness is between tenants."""
     shadow: bool = False
     """A rollout's shadow copy: the lowest class."""
+    service_class: ServiceClass = field(init=False, compare=False)
+    """From ``priority`` and ``shadow``; kept, since every generated token is charged to its class's flow."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "service_class", service_class(self.priority, self.shadow))
 
     @property
     def cost(self) -> int:
         """Tokens of budget held while running: the KV cache it may need."""
         return self.prompt_len + self.max_new_tokens
-
-    @property
-    def service_class(self) -> ServiceClass:
-        return service_class(self.priority, self.shadow)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

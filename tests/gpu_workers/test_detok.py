@@ -4,10 +4,17 @@ fast path through the Rust tokenizer gives the same text as transformers' ``deco
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import pytest
 
-from gpu_workers.detok import IncrementalDetokenizer, decoder_for
+from gpu_workers.detok import (
+    Detokenizer,
+    IncrementalDetokenizer,
+    StreamDetokenizer,
+    decoder_for,
+    detokenizer_for,
+)
 from gpu_workers.models import LoadedModel
 
 TEXT = "The sluice gate opens at dawn; über café 東京 — the water 🌊 runs over the stone wall.\n\n  Twice."
@@ -37,26 +44,78 @@ def test_a_tokenizer_that_cleans_up_spaces_keeps_transformers_decode(minilm: Loa
     assert decoder_for(tokenizer)(ids) == cleaned
 
 
-@pytest.mark.parametrize("fast", [True, False], ids=["fast", "transformers"])
-def test_streamed_deltas_add_up_to_the_whole_text(demo_gpt: LoadedModel, fast: bool) -> None:
-    tokenizer = demo_gpt.tokenizer
+KINDS = ["rust-stream", "window-fast", "window-transformers"]
+
+
+def detokenizers(lm: LoadedModel, kind: str) -> Callable[[], Detokenizer]:
+    """The runner's detokenizer (``rust-stream`` for demo-gpt), or the Python window over either decode."""
+    tokenizer = lm.tokenizer
+    if kind == "rust-stream":
+        new = detokenizer_for(tokenizer)
+        assert isinstance(new(), StreamDetokenizer), "demo-gpt's tokenizer streams in Rust"
+        return new
     decode = (
-        decoder_for(tokenizer) if fast else (lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True)))
+        decoder_for(tokenizer)
+        if kind == "window-fast"
+        else (lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True)))
     )
+    return lambda: IncrementalDetokenizer(decode)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_streamed_deltas_add_up_to_the_whole_text(demo_gpt: LoadedModel, kind: str) -> None:
+    tokenizer = demo_gpt.tokenizer
     ids = list(tokenizer(TEXT)["input_ids"])
-    detok = IncrementalDetokenizer(decode)
+    detok = detokenizers(demo_gpt, kind)()
     deltas = [detok.push(token) for token in ids]
     assert "\ufffd" not in "".join(deltas), "an incomplete character is held back, never streamed"
     assert "".join(deltas) + detok.flush() == tokenizer.decode(ids, skip_special_tokens=True) == detok.text
     assert detok.text == TEXT
+    assert detok.ids == ids
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_prefix_streams_what_decode_gives_it(demo_gpt: LoadedModel, kind: str) -> None:
+    """Special tokens among the text, characters cut mid-byte: after each token, the text streamed so far
+    plus a flush is ``decode`` of the tokens so far."""
+    tokenizer = demo_gpt.tokenizer
+    eos = demo_gpt.manifest.eos_token_id
+    assert eos is not None
+    ids = list(tokenizer(TEXT)["input_ids"])
+    with_special = [eos, *ids[:5], eos, *ids[5:], eos]
+    new = detokenizers(demo_gpt, kind)
+    for end in range(1, len(with_special) + 1):
+        detok = new()
+        streamed = "".join(detok.push(token) for token in with_special[:end])
+        assert streamed + detok.flush() == tokenizer.decode(with_special[:end], skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_tokens_appended_without_push_are_decoded_by_flush(demo_gpt: LoadedModel, kind: str) -> None:
+    """What the runner does for a request that needs no streamed text: one decode at the end."""
+    ids = list(demo_gpt.tokenizer(TEXT)["input_ids"])
+    detok = detokenizers(demo_gpt, kind)()
+    detok.ids.extend(ids)
+    assert detok.flush() == TEXT == detok.text
+
+
+def test_a_tokenizer_that_cleans_up_spaces_detokenizes_in_python(minilm: LoadedModel) -> None:
+    tokenizer = copy.deepcopy(minilm.tokenizer)
+    tokenizer.clean_up_tokenization_spaces = True
+    detok = detokenizer_for(tokenizer)()
+    assert isinstance(detok, IncrementalDetokenizer)
+    ids = list(tokenizer("hello , world ! it ' s fine")["input_ids"])
+    detok.ids.extend(ids)
+    assert detok.flush() == tokenizer.decode(ids, skip_special_tokens=True)
 
 
 def test_a_stream_cut_inside_a_character_flushes_what_was_held_back(demo_gpt: LoadedModel) -> None:
     tokenizer = demo_gpt.tokenizer
     ids = list(tokenizer("water 🌊")["input_ids"])
     whole = tokenizer.decode(ids, skip_special_tokens=True)
-    for cut in range(1, len(ids)):
-        detok = IncrementalDetokenizer(decoder_for(tokenizer))
-        streamed = "".join(detok.push(token) for token in ids[:cut])
-        assert streamed + detok.flush() == tokenizer.decode(ids[:cut], skip_special_tokens=True)
+    for kind in KINDS:
+        for cut in range(1, len(ids)):
+            detok = detokenizers(demo_gpt, kind)()
+            streamed = "".join(detok.push(token) for token in ids[:cut])
+            assert streamed + detok.flush() == tokenizer.decode(ids[:cut], skip_special_tokens=True), kind
     assert whole == "water 🌊"

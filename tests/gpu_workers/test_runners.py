@@ -11,7 +11,7 @@ import msgspec
 import pytest
 
 from gpu_workers.batching import BatcherConfig
-from gpu_workers.detok import decoder_for
+from gpu_workers.detok import detokenizer_for
 from gpu_workers.embedding import EmbeddingEngine
 from gpu_workers.embedding_runner import EmbeddingRunner
 from gpu_workers.engine import GenerationEngine
@@ -73,7 +73,7 @@ def generation_runner(
     """demo-gpt's runner around ``engine``, as the tests configure it."""
     return GenerationRunner(
         engine,
-        decoder_for(lm.tokenizer),
+        detokenizer_for(lm.tokenizer),
         lm.manifest,
         source=SOURCE,
         worker_id=WORKER,
