@@ -156,7 +156,7 @@ class EmbeddingEngine:
             return _Ready(unit.cpu().numpy())
         host = unit.to("cpu", non_blocking=True)  # into pinned memory, after the pass on the same stream
         copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        copied.record()
+        copied.record(torch.cuda.current_stream(self._device))
         return _OnTheWay(host, copied)
 
     def _pooled(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -194,18 +194,19 @@ class EmbeddingEngine:
         never run at once, and a result is copied out before the next replay on the same stream."""
         import torch
 
-        ids = torch.full((rows, columns), self._pad_id, dtype=torch.long, device=self._device)
-        mask = torch.zeros((rows, columns), dtype=torch.long, device=self._device)
-        mask[:, 0] = 1
-        side = torch.cuda.Stream(self._device)  # type: ignore[no-untyped-call]
-        side.wait_stream(torch.cuda.current_stream(self._device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._pooled(ids, mask)
-        torch.cuda.current_stream(self._device).wait_stream(side)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            unit = self._pooled(ids, mask)
+        with torch.cuda.device(self._device):  # the pool, the side stream and the capture: the model's
+            ids = torch.full((rows, columns), self._pad_id, dtype=torch.long, device=self._device)
+            mask = torch.zeros((rows, columns), dtype=torch.long, device=self._device)
+            mask[:, 0] = 1
+            side = torch.cuda.Stream(self._device)  # type: ignore[no-untyped-call]
+            side.wait_stream(torch.cuda.current_stream(self._device))
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._pooled(ids, mask)
+            torch.cuda.current_stream(self._device).wait_stream(side)
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                unit = self._pooled(ids, mask)
         return _Graph((rows, columns), ids, mask, unit, graph)

@@ -322,6 +322,10 @@ def _load(model_dir: Path, device: str, task: Task) -> LoadedModel:
         raise ModelError(f"{manifest.model_id} is a {manifest.task} model, not {task}")
     configure_torch_threads()
     target = resolve_device(device)
+    if target.type == "cuda" and target.index is not None:
+        # streams, events and CUDA graphs use the thread's current device (a worker loads in its model
+        # thread): make it the model's, e.g. cuda:1
+        torch.cuda.set_device(target.index)
     loader = AutoModelForCausalLM if task == "generation" else AutoModel
     model = loader.from_pretrained(str(model_dir), local_files_only=True, dtype=torch.float32)
     model.to(target)  # type: ignore[arg-type]
