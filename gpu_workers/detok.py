@@ -98,24 +98,51 @@ class IncrementalDetokenizer:
 
 
 class StreamDetokenizer:
-    """:class:`IncrementalDetokenizer`'s deltas from the Rust tokenizer's own incremental decoder."""
+    """:class:`IncrementalDetokenizer`'s deltas from the Rust tokenizer's own incremental decoder.
+
+    That decoder refuses a token that changes text it already returned (a byte-fallback tokenizer's
+    partial bytes can); the request then goes on with the window method from there, over the last
+    ``WINDOW_CONTEXT`` tokens, as vLLM starts its windows."""
+
+    WINDOW_CONTEXT = 6
 
     def __init__(self, backend: Any, stream: Any) -> None:
         self._backend = backend
         self._stream = stream
+        self._window: IncrementalDetokenizer | None = None
         self.ids: list[int] = []
         self.text = ""
 
     def push(self, token_id: int) -> str:
-        self.ids.append(token_id)
-        delta: str | None = self._stream.step(self._backend, token_id)
-        if not delta:
-            return ""
-        self.text += delta
+        if self._window is None:
+            try:
+                delta: str | None = self._stream.step(self._backend, token_id)
+            except Exception:  # the tokenizers library raises a bare Exception for it
+                self._window = self._window_from_here()
+            else:
+                self.ids.append(token_id)
+                if not delta:
+                    return ""
+                self.text += delta
+                return delta
+        delta = self._window.push(token_id)  # appends to self.ids: the window shares the list
+        self.text = self._window.text
         return delta
 
     def flush(self) -> str:
+        if self._window is not None:
+            delta = self._window.flush()
+            self.text = self._window.text
+            return delta
         whole: str = self._backend.decode(self.ids, skip_special_tokens=True)
         delta = whole[len(self.text) :] if whole.startswith(self.text) else ""
         self.text += delta
         return delta
+
+    def _window_from_here(self) -> IncrementalDetokenizer:
+        window = IncrementalDetokenizer(functools.partial(self._backend.decode, skip_special_tokens=True))
+        window.ids = self.ids
+        window._prefix = max(0, len(self.ids) - self.WINDOW_CONTEXT)
+        window._read = len(self.ids)
+        window.text = self.text
+        return window

@@ -4,9 +4,12 @@ fast path through the Rust tokenizer gives the same text as transformers' ``deco
 from __future__ import annotations
 
 import copy
+import random
 from collections.abc import Callable
 
 import pytest
+from tokenizers import Tokenizer, decoders, models
+from transformers import PreTrainedTokenizerFast
 
 from gpu_workers.detok import (
     Detokenizer,
@@ -119,3 +122,51 @@ def test_a_stream_cut_inside_a_character_flushes_what_was_held_back(demo_gpt: Lo
             streamed = "".join(detok.push(token) for token in ids[:cut])
             assert streamed + detok.flush() == tokenizer.decode(ids[:cut], skip_special_tokens=True), kind
     assert whole == "water 🌊"
+
+
+def byte_fallback_tokenizer() -> PreTrainedTokenizerFast:
+    """A Llama-style tokenizer: byte-fallback tokens <0x00>..<0xFF>, a few words, a decoder that fuses bytes
+    and strips the first space."""
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab |= {f"<0x{b:02X}>": 3 + b for b in range(256)}
+    for word in ["▁the", "▁water", "▁", "a", "b", "é"]:
+        vocab[word] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    backend.add_special_tokens(["<s>", "</s>"])
+    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=backend, clean_up_tokenization_spaces=False, eos_token="</s>"
+    )
+
+
+def test_bytes_the_rust_stream_refuses_go_on_through_the_window_method() -> None:
+    """The Rust stream raises when a token changes text it already returned (bytes that complete, or fail
+    to complete, a character). A sampled model can produce any bytes: the request goes on with the window
+    method from there instead of the worker failing, and its text is what the window method alone gives."""
+    tokenizer = byte_fallback_tokenizer()
+    new = detokenizer_for(tokenizer)
+    window = decoder_for(tokenizer)
+    rng = random.Random(7)
+    fell_back = 0
+    for _ in range(300):
+        ids = [rng.choice([rng.randrange(3, 259), rng.randrange(259, 265), 2]) for _ in range(8)]
+        detok = new()
+        assert isinstance(detok, StreamDetokenizer)
+        streamed = "".join(detok.push(token) for token in ids)  # never raises
+        assert streamed + detok.flush() == detok.text
+        assert detok.ids == ids
+        fell_back += detok._window is not None
+        if detok._window is None:
+            # the window method's deltas and text, which are not always decode's for such bytes ("V" then
+            # an invalid byte: decode makes both U+FFFD, but "V" was already streamed)
+            alone = IncrementalDetokenizer(window)
+            assert "".join(alone.push(token) for token in ids) == streamed
+            alone.flush()
+            assert alone.text == detok.text
+    assert fell_back > 10, "the Rust stream refused some of these sequences"
+    text = "the water é"
+    detok = new()
+    ids = list(tokenizer(text)["input_ids"])
+    assert "".join(detok.push(token) for token in ids) + detok.flush() == tokenizer.decode(ids)
