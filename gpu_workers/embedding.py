@@ -83,6 +83,17 @@ class _OnTheWay:
         return vectors
 
 
+def _out_of_memory_in(exc: BaseException) -> BaseException | None:
+    """``exc`` if it is running out of memory, or the one it was raised from or while handling (a capture
+    that runs out of memory can end in another error when the capture is torn down)."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if is_out_of_memory(seen):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
 class EmbeddingEngine:
     def __init__(
         self,
@@ -98,6 +109,7 @@ class EmbeddingEngine:
         config_pad = getattr(config, "pad_token_id", None)
         self._pad_id: int = pad_token_id if pad_token_id is not None else int(config_pad or 0)
         positions: int = getattr(config, "max_position_embeddings", 512)
+        self._positions = positions
         self.max_length = max_length or positions
         hidden: int = config.hidden_size
         self.dim = hidden
@@ -129,8 +141,9 @@ class EmbeddingEngine:
 
     def launch(self, batch: Sequence[Sequence[int]]) -> PendingVectors:
         """Start the forward pass over ``batch`` and the copy of its vectors back to the host. On a GPU both
-        are queued on the device and this returns at once; on a CPU they have finished. Out of memory is
-        raised here, when the pass allocates, never by ``result()``."""
+        are queued on the device and this returns without waiting for them (the copy of the ids, from
+        pageable memory, waits for the batch ahead on the stream, not for this one); on a CPU they have
+        finished. Out of memory is raised here, when the pass allocates, never by ``result()``."""
         import torch
 
         if not batch:
@@ -173,20 +186,49 @@ class EmbeddingEngine:
         if self._graphs is None:
             return None
         shape = graph_shape(rows, longest)
-        if shape is None:
+        if shape is None or shape[1] > self._positions:  # padding past the model's positions: eager
             return None
         graph = self._graphs.get(shape)
         if graph is None:
             try:
                 graph = self._graphs[shape] = self._capture(*shape)
             except Exception as exc:
-                if is_out_of_memory(exc):
-                    raise  # the runner splits the batch, as for an eager pass
+                oom = _out_of_memory_in(exc)
+                if oom is exc:  # the runner splits the batch, as for an eager pass
+                    raise
+                if oom is not None:
+                    raise oom from exc
                 log.warning("CUDA graph capture failed (%s): embeddings run eagerly from now on", exc)
                 self._graphs = None
                 return None
             log.info("captured the embedding forward for %d x %d as a CUDA graph", *shape)
         return graph
+
+    def warm_up(self, max_rows: int, max_columns: int = 32) -> int:
+        """Capture, before serving, the graphs of the batches a worker sees most (up to ``max_rows`` rows
+        of up to ``max_columns`` ids), so that their first batches do not wait ~0.1 s each for a capture;
+        other shapes are still captured at first use. Returns how many graphs exist. Running out of memory
+        stops the warm-up, not the worker. On a CPU (no graphs) one small forward warms the kernels."""
+        if self._graphs is None:
+            self.embed([[self._pad_id, self._pad_id]])
+            return 0
+        top = next((r for r in GRAPH_ROWS if r >= max_rows), GRAPH_ROWS[-1])  # where a full batch runs
+        for rows in (r for r in GRAPH_ROWS if r <= top):
+            for columns in (c for c in GRAPH_COLUMNS if c <= max_columns):
+                if graph_shape(rows, columns) != (rows, columns) or columns > self._positions:
+                    continue
+                try:
+                    self.embed([[self._pad_id] * columns] * rows)
+                except Exception as exc:
+                    if _out_of_memory_in(exc) is None:
+                        raise
+                    log.warning(
+                        "warming up CUDA graphs: out of memory at %d x %d; the rest at first use",
+                        rows,
+                        columns,
+                    )
+                    return self.graphs
+        return self.graphs
 
     def _capture(self, rows: int, columns: int) -> _Graph:
         """The forward for ``rows`` x ``columns`` ids, captured as a CUDA graph over static inputs (warmed up

@@ -99,7 +99,15 @@ def runner_factory(
         embedder = EmbeddingEngine(
             loaded.model, max_length=manifest.max_context, cuda_graphs=worker.worker_cuda_graphs
         )
-        embedder.embed([[101, 102]])  # warm up in this thread
+        began = time.perf_counter()
+        graphs = embedder.warm_up(worker.worker_embed_max_batch)  # in this thread, the model's
+        if graphs:
+            log.info(
+                "%s: %d CUDA graphs captured in %.1f s",
+                manifest.model_id,
+                graphs,
+                time.perf_counter() - began,
+            )
         return EmbeddingRunner(
             embedder,
             manifest,

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import tokenizers
 
-from gpu_workers.embedding import GRAPH_MAX_TOKENS, EmbeddingEngine, EmbeddingError, graph_shape
+from gpu_workers.embedding import GRAPH_MAX_TOKENS, EmbeddingEngine, EmbeddingError, _Graph, graph_shape
 from gpu_workers.models import LoadedModel
 from gpu_workers.padding import pad_rows
 
@@ -121,3 +121,85 @@ def test_a_capture_that_fails_leaves_the_engine_eager(
     assert "embeddings run eagerly from now on" in caplog.text
     assert engine.graphs == 0
     np.testing.assert_allclose(engine.embed(ids), expected, atol=1e-5)
+
+
+class CaptureLog:
+    """Stands in for a capture on a CPU: records the shapes and returns what an eager pass would need."""
+
+    def __init__(self, engine: EmbeddingEngine, fail: BaseException | None = None) -> None:
+        self.engine, self.fail, self.shapes = engine, fail, list[tuple[int, int]]()
+
+    def __call__(self, rows: int, columns: int) -> object:
+        self.shapes.append((rows, columns))
+        if self.fail is not None:
+            raise self.fail
+        import torch
+
+        ids = torch.zeros((rows, columns), dtype=torch.long)
+        mask = torch.ones_like(ids)
+        with torch.inference_mode():
+            unit = self.engine._pooled(ids, mask)
+
+        class Replay:
+            def replay(self) -> None:
+                with torch.inference_mode():
+                    unit.copy_(engine._pooled(ids, mask))
+
+        engine = self.engine
+        return _Graph((rows, columns), ids, mask, unit, Replay())  # type: ignore[arg-type]
+
+
+def as_on_a_gpu(engine: EmbeddingEngine, capture: CaptureLog, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine._graphs = {}
+    monkeypatch.setattr(engine, "_capture", capture)
+
+
+def test_out_of_memory_in_a_capture_reaches_the_runner_and_graphs_stay_on(
+    minilm: LoadedModel, ids: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The runner splits a batch that runs out of memory; in a capture it may come wrapped in the error of
+    the capture's teardown. Either way the runner sees out of memory, and graphs are not turned off."""
+    import torch
+
+    oom = torch.cuda.OutOfMemoryError("CUDA out of memory")
+    teardown = RuntimeError("CUDA error: operation failed due to a previous error during capture")
+    teardown.__context__ = oom  # raised while handling it, as the capture's teardown does
+    for fail in (oom, teardown):
+        engine = EmbeddingEngine(minilm.model)
+        as_on_a_gpu(engine, CaptureLog(engine, fail), monkeypatch)
+        with pytest.raises(torch.cuda.OutOfMemoryError):
+            engine.embed(ids)
+        assert engine._graphs == {}, "still on: a smaller batch may fit"
+
+
+def test_graphs_replay_and_never_pad_past_the_models_positions(
+    minilm: LoadedModel, ids: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = EmbeddingEngine(minilm.model)
+    capture = CaptureLog(engine)
+    as_on_a_gpu(engine, capture, monkeypatch)
+    expected = EmbeddingEngine(minilm.model, cuda_graphs=False).embed(ids)
+    np.testing.assert_allclose(engine.embed(ids), expected, atol=1e-5)
+    np.testing.assert_allclose(engine.embed(ids[::-1]), expected[::-1], atol=1e-5)  # the same graph, replayed
+    assert capture.shapes == [(8, 24)]
+    engine._positions = 20  # a model with 20 positions: ids padded to 24 would index past them
+    np.testing.assert_allclose(engine.embed([ids[3], ids[0]]), expected[[3, 0]], atol=1e-5)
+    assert capture.shapes == [(8, 24)], "ran eagerly"
+
+
+def test_warm_up_captures_the_common_shapes_up_to_the_batch_size(
+    minilm: LoadedModel, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import torch
+
+    eager = EmbeddingEngine(minilm.model)
+    assert eager.warm_up(64) == 0, "on a CPU: no graphs"
+    engine = EmbeddingEngine(minilm.model)
+    capture = CaptureLog(engine)
+    as_on_a_gpu(engine, capture, monkeypatch)
+    assert engine.warm_up(20, max_columns=16) == 18
+    assert capture.shapes == [(r, c) for r in (1, 2, 4, 8, 16, 24) for c in (8, 12, 16)]
+    engine = EmbeddingEngine(minilm.model)
+    as_on_a_gpu(engine, CaptureLog(engine, torch.cuda.OutOfMemoryError("CUDA out of memory")), monkeypatch)
+    assert engine.warm_up(64) == 0, "out of memory stops the warm-up, not the worker"
+    assert "out of memory at 1 x 8" in caplog.text

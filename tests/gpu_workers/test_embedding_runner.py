@@ -6,14 +6,18 @@ here: on a CPU the engine has finished when ``launch`` returns, so only the orde
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import timedelta
 
 import numpy as np
 import numpy.typing as npt
 import pytest
 
+from gpu_workers.batching import BatcherConfig
 from gpu_workers.embedding import EmbeddingEngine, PendingVectors
+from gpu_workers.embedding_runner import EmbeddingRunner
 from gpu_workers.models import LoadedModel
 from gpu_workers.service import Arrival
+from schemas.events import utc_now
 from tests.gpu_workers.test_runners import Collected, embedding, embedding_runner
 
 
@@ -133,3 +137,30 @@ def test_a_request_cancelled_or_released_in_flight_ends_once_or_not_at_all(
     assert set(out.finished) == {cancelled.request_id}, "their vectors landed and were dropped"
     assert runner.wait_hint() is None
     assert runner.load().running == 0
+
+
+def test_a_deadline_that_passes_while_part_of_a_request_is_in_flight_ends_it_expired_once(
+    minilm: LoadedModel, engine: Recording
+) -> None:
+    now = [100.0]
+    runner = EmbeddingRunner(
+        engine,
+        minilm.manifest,
+        source="test",
+        worker_id="w",
+        batching=BatcherConfig(max_batch_size=2, max_wait_s=0.0, max_batch_tokens=4096),
+        overlap=True,
+        clock=lambda: now[0],
+    )
+    late = embedding(inputs=TEXTS[:3], deadline=utc_now() + timedelta(seconds=5))  # batches of 2, then 1
+    out = Collected()
+    runner.accept(Arrival(late, ("requests", 0), 0), out)
+    runner.tick(out)
+    assert engine.log == ["launch 1"]
+    now[0] += 10  # past the deadline: its third input, still queued, expires
+    runner.tick(out)
+    assert out.finished[late.request_id].status == "expired"
+    assert engine.log == ["launch 1", "result 1"], "the in-flight batch was finished, its vectors dropped"
+    runner.tick(out)
+    assert runner.wait_hint() is None
+    assert len(out.finished) == 1
