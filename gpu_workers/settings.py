@@ -61,8 +61,9 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     traffic that arrives in bursts just apart."""
     worker_embed_max_batch_tokens: Positive = 16_384
     worker_cuda_graphs: bool = True
-    """Embeddings on a GPU: run the forward as CUDA graphs, one per batch shape bucket (captured at its first
-    batch, ~0.1 s each). A small encoder's forward is launch-bound there: MiniLM on an H100 took ~3 ms a
+    """Embeddings on a GPU: run the forward as CUDA graphs, one per batch shape bucket (the common ones
+    captured at start-up, others at their first batch; a capture synchronises the device and runs the
+    forward three times). A small encoder's forward is launch-bound there: MiniLM on an H100 took ~3 ms a
     batch eagerly whatever its size (docs/perf). Off: every batch runs eagerly."""
     worker_ops_host: str = "127.0.0.1"
     worker_ops_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 9400
