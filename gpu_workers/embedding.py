@@ -206,10 +206,10 @@ class EmbeddingEngine:
 
     def warm_up(self, max_rows: int, max_columns: int = 32) -> int:
         """Capture, before serving, the graphs of the batches a worker sees most (up to ``max_rows`` rows
-        of up to ``max_columns`` ids), so that their first batches do not wait for a capture (it synchronises the device, collects
-        garbage and runs the forward three times);
-        other shapes are still captured at first use. Returns how many graphs exist. Running out of memory
-        stops the warm-up, not the worker. On a CPU (no graphs) one small forward warms the kernels."""
+        of up to ``max_columns`` ids), so that their first batches do not wait for a capture (it
+        synchronises the device, collects garbage and runs the forward three times); other shapes are
+        still captured at first use. Returns how many graphs exist. Running out of memory stops the
+        warm-up, not the worker. On a CPU (no graphs) one small forward warms the kernels."""
         if self._graphs is None:
             self.embed([[self._pad_id, self._pad_id]])
             return 0
