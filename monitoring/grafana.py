@@ -238,6 +238,20 @@ def rows() -> list[Row]:
                     (gauge_by("sluice_model_memory_bytes", "model, device"),),
                     "bytes",
                 ),
+                Panel(
+                    "Out of memory",
+                    "Forward passes that ran out of device memory per second (an embedding batch then runs in "
+                    "halves; a generation step's sequences end worker_oom). SluiceWorkerOutOfMemory alerts.",
+                    (rate_by("sluice_worker_out_of_memory_total", "model"),),
+                    "ops",
+                ),
+                Panel(
+                    "Batch limit",
+                    "The batch limit over the configured one, the lowest worker of each model: below 1 for a "
+                    "while after running out of memory (it doubles back after 1,000 clean batches).",
+                    (Query(f"min by (model) (sluice_worker_batch_limit_ratio{{{MODEL}}})", "{{model}}"),),
+                    "percentunit",
+                ),
             ),
         ),
         Row(
