@@ -16,7 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 from gpu_workers import GpuWorkerError
-from gpu_workers.oom import is_out_of_memory
+from gpu_workers.oom import out_of_memory_in
 from gpu_workers.padding import pad_rows
 
 if TYPE_CHECKING:
@@ -81,17 +81,6 @@ class _OnTheWay:
         self._copied.synchronize()  # waits without the GIL
         vectors: npt.NDArray[np.float32] = self._host.numpy()
         return vectors
-
-
-def _out_of_memory_in(exc: BaseException) -> BaseException | None:
-    """``exc`` if it is running out of memory, or the one it was raised from or while handling (a capture
-    that runs out of memory can end in another error when the capture is torn down)."""
-    seen: BaseException | None = exc
-    while seen is not None:
-        if is_out_of_memory(seen):
-            return seen
-        seen = seen.__cause__ or seen.__context__
-    return None
 
 
 class EmbeddingEngine:
@@ -193,7 +182,7 @@ class EmbeddingEngine:
             try:
                 graph = self._graphs[shape] = self._capture(*shape)
             except Exception as exc:
-                oom = _out_of_memory_in(exc)
+                oom = out_of_memory_in(exc)
                 if oom is exc:  # the runner splits the batch, as for an eager pass
                     raise
                 if oom is not None:
@@ -221,7 +210,7 @@ class EmbeddingEngine:
                 try:
                     self.embed([[self._pad_id] * columns] * rows)
                 except Exception as exc:
-                    if _out_of_memory_in(exc) is None:
+                    if out_of_memory_in(exc) is None:
                         raise
                     log.warning(
                         "warming up CUDA graphs: out of memory at %d x %d; the rest at first use",

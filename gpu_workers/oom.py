@@ -30,6 +30,17 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return "out of memory" in message or "can't allocate memory" in message
 
 
+def out_of_memory_in(exc: BaseException) -> BaseException | None:
+    """``exc`` if it is running out of memory, or the one it was raised from or while handling (a CUDA
+    graph capture that runs out of memory can end in another error when the capture is torn down)."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if is_out_of_memory(seen):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
 def release_memory(device: torch.device) -> None:
     """Hand the cached blocks of a failed forward back, so the retry (and other processes) can use them."""
     import torch
