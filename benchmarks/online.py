@@ -38,6 +38,11 @@ model's best): a closed-loop client holds its slot empty for its own round trip,
 slots would measure round trips, not the server (vLLM's throughput benchmark offers all requests at once).
 That phase, and embeddings at 64 clients with dynamic batching and with batch-1 serving, are measured at
 steady state: what completes in a window after a ramp-up (8 s after 2 s; 1.5 s after 0.5 s with --quick).
+
+Where one client's embedding time goes: 200 more requests (30 with --quick), one at a time, each set beside
+the timings its terminal event carries (read back off the results topic, one machine, one clock): edge in,
+to the worker, model, back, total (p50 ms), with the raw forward of batch 1 in a loop and after 5 ms idle
+(``raw_model.py``): an idle core starts a forward slower, and one client's requests always meet one.
 """
 
 from __future__ import annotations
@@ -59,14 +64,18 @@ from typing import Any, cast
 
 import aiohttp
 import comparison
+from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 from harness import kafka, pct, service_env
-from loadgen import closed_loop, completion, embed, profile_all, steady_rate, ttft_once
+from loadgen import closed_loop, completion, embed, embed_stamped, profile_all, steady_rate, ttft_once
 
+from bus.consumer import consumer_config
 from bus.placement import available_cpus, pin_process, place_box
 from gpu_workers.models import default_torch_threads
 from infra.kafka.broker import free_port
 from infra.topics import TopicSizing, apply_topics, make_admin, platform_topics
-from schemas.settings import PlatformSettings, load_settings
+from schemas.codec import decode
+from schemas.events import RequestFinished
+from schemas.settings import KafkaConnection, PlatformSettings, load_settings
 from schemas.topics import TopicNames
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -195,6 +204,9 @@ async def measure(
         # (included in ``warm_s`` here).
         dynamic = await steady_rate(64, emb_job, warm_s=2 * warm_s, window_s=window_s)
         profiles = await profile_all(session, url, quick)  # the load the peers get too
+        # One client's embeddings once more, each request's id and wall-clock times kept: main() sets them
+        # beside the timings of their terminal events (where_time_goes).
+        stamps = [await embed_stamped(session, url, n) for n in range(30 if quick else 200)]
         services.stop("embed")
         services.start(
             "embed", ["worker", "--model", "all-minilm-l6-v2"], {"SLUICE_WORKER_EMBED_MAX_BATCH": "1"}
@@ -215,6 +227,7 @@ async def measure(
             "embeddings_ratio": dynamic / floor_emb,
         },
         "platform_profiles": profiles,
+        "one_client_stamps": stamps,
         "generation": {
             "raw_best_batch": best_batch,
             "raw_tokens_per_s": raw_gen[best_batch],
@@ -241,6 +254,54 @@ async def measure(
             "concurrency": 64,
         },
     }
+
+
+STAGES = ("edge in", "to the worker", "model", "back", "total")
+
+
+def where_time_goes(
+    conn: KafkaConnection, topic: str, stamps: list[tuple[str, float, float]], raw_batch1_ms: float
+) -> dict[str, float]:
+    """Where one client's embedding request spends its time, p50 of each stage in ms, from the timings
+    its terminal event carries (read back from the results topic) and the client's own clock (one
+    machine, one clock): ``edge in`` (sent to the request event built at the edge: HTTP, auth,
+    tokenising), ``to the worker`` (to its batch starting: the produce, the first Kafka hop, the hand-off
+    to the model thread), ``model`` (the batch's forward), ``back`` (to the answer read: the terminal
+    event, the second hop, the edge's response). Beside them ``raw batch 1``: the same forward alone in a
+    loop, where the core never idles between calls (an idle core is slower to start one: docs/perf)."""
+    wanted = {request_id: (sent, done) for request_id, sent, done in stamps if request_id}
+    consumer = Consumer(consumer_config(conn, None, "bench-where-time-goes"))
+    try:
+        partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
+        consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in partitions])
+        stages: dict[str, list[float]] = {stage: [] for stage in STAGES}
+        found: set[str] = set()
+        deadline = time.monotonic() + 30
+        while len(found) < len(wanted) and time.monotonic() < deadline:
+            for message in consumer.consume(1000, 0.5):
+                if message.error() is not None:
+                    continue
+                event = decode(message.value() or b"")
+                if not isinstance(event, RequestFinished) or event.request_id not in wanted:
+                    continue
+                timing, (sent, done) = event.timings, wanted[event.request_id]
+                if timing.accepted is None or timing.started is None or timing.finished is None:
+                    continue
+                found.add(event.request_id)
+                accepted, started = timing.accepted.timestamp(), timing.started.timestamp()
+                finished = timing.finished.timestamp()
+                for stage, ms in zip(
+                    STAGES,
+                    (accepted - sent, started - accepted, finished - started, done - finished, done - sent),
+                    strict=True,
+                ):
+                    stages[stage].append(ms * 1000)
+    finally:
+        consumer.close()
+    out = {stage: statistics.median(values) for stage, values in stages.items() if values}
+    out["raw batch 1"] = raw_batch1_ms
+    out["requests"] = float(len(found))
+    return out
 
 
 def table(result: dict[str, dict[str, float]]) -> str:
@@ -427,6 +488,14 @@ def main() -> None:
             services.start("edge", ["edge"])
             print("platform under load ...", file=sys.stderr)
             result = asyncio.run(measure(f"http://127.0.0.1:{port}", raw, floor, services, args.quick))
+            raw_batch1_ms = 1000 / float(cast(dict[str, float], raw["embeddings_per_s"])["1"])
+            where = where_time_goes(
+                conn, names.results, cast(Any, result.pop("one_client_stamps")), raw_batch1_ms
+            )
+            after_idle = cast(dict[str, float], raw["embedding_batch1_after_idle"])
+            where["raw batch 1 after idle"] = after_idle["ms"]
+            where["raw idle ms"] = after_idle["idle_ms"]
+            result["embedding_one_client_ms"] = where
         except BaseException:
             for name in services.procs:
                 print(f"--- {name} ({services.logs / name}.log)\n{services.tail(name)}", file=sys.stderr)
@@ -449,6 +518,14 @@ def main() -> None:
     }
     result["peers"] = peers
     print(table(result))  # type: ignore[arg-type]
+    where = cast(dict[str, float], result["embedding_one_client_ms"])
+    print(
+        "\nembeddings at 1 client, where the time goes (p50 ms; the terminal events' timings, "
+        f"{where['requests']:.0f} requests): "
+        + " | ".join(f"{stage} {where[stage]:.2f}" for stage in STAGES if stage in where)
+        + f" | raw batch 1 {where['raw batch 1']:.2f} in a loop, "
+        f"{where['raw batch 1 after idle']:.2f} after {where['raw idle ms']:.0f} ms idle"
+    )
     print()
     print(comparison.table(peers["profiles"], peers["ratios"]))
     load = " / ".join(f"{a:.1f}" for a in load_before), " / ".join(f"{a:.1f}" for a in os.getloadavg())

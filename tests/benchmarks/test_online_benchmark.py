@@ -37,6 +37,16 @@ def test_the_online_benchmark_runs_quick_and_writes_its_json(tmp_path: Path, kaf
     assert "raw on the worker's" in stdout
     assert "generation tok/s at saturation" in stdout
     assert "embeddings/s" in stdout
+    # one client's embedding time, stage by stage, from the terminal events read back off the results topic
+    where = result["embedding_one_client_ms"]
+    assert where["requests"] == 30, where  # every request of the quick phase found its terminal event
+    stages = [where[s] for s in ("edge in", "to the worker", "model", "back")]
+    assert all(ms > 0 for ms in stages), where
+    assert where["total"] >= where["model"] > 0, where
+    assert where["raw batch 1"] > 0, where
+    assert where["raw batch 1 after idle"] > 0, where
+    assert where["raw idle ms"] == 5, where
+    assert "where the time goes" in stdout
     profiles = result["peers"]["profiles"]
     assert profiles["ray"] == "not installed"
     for peer in ("raw", "naive", "platform"):
