@@ -7,6 +7,7 @@ good enough to see a traffic mix move from English to German, not a language ide
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 import unicodedata
@@ -165,6 +166,13 @@ _STOPWORDS: dict[str, frozenset[str]] = {
     ),
 }
 _WORD = re.compile(r"[^\W\d_]+", re.UNICODE)
+_ASCII_LETTER = re.compile(r"[A-Za-z]")
+"""What ``str.isalpha`` accepts among ASCII characters."""
+_LANGUAGES_OF: dict[str, tuple[str, ...]] = {
+    word: tuple(language for language, stop in _STOPWORDS.items() if word in stop)
+    for word in frozenset[str]().union(*_STOPWORDS.values())
+}
+"""Stop word -> the languages that have it."""
 _REFUSAL = re.compile(
     r"\b(i\s*(?:can(?:'|no)?t|cannot|am unable to|won't|will not)\s+(?:help|assist|do|provide|comply)"
     r"|i'm sorry,? but|as an ai\b|i am not able to)",
@@ -192,6 +200,10 @@ def script_of(char: str) -> str | None:
     return "other"
 
 
+_script_of_char = functools.lru_cache(maxsize=8192)(script_of)
+"""``script_of`` remembered per character (texts repeat a few hundred characters at most)."""
+
+
 @dataclass(frozen=True, slots=True)
 class TextProfile:
     chars: int
@@ -203,16 +215,32 @@ class TextProfile:
 
 
 def profile(text: str, *, max_chars: int = 4096) -> TextProfile:
-    """Profile the first ``max_chars`` characters (the cost stays bounded for long prompts)."""
+    """Profile the first ``max_chars`` characters (the cost stays bounded for long prompts).
+
+    It runs on a worker's model thread for every terminal event, so the per-character work is done in C:
+    ASCII text needs one regex search, other text looks up the script of each distinct character once.
+    Measured here: 4,096 characters of German 0.68 ms character by character, 0.27 ms so (most of it is
+    finding the words); 400 of Japanese 0.24 → 0.03 ms; a 43-character ASCII sentence 16 → 6 us."""
     head = text[:max_chars]
-    scripts = Counter(s for s in map(script_of, head) if s is not None)
+    if head.isascii():  # an ASCII letter is latin, and none is outside ASCII
+        if _ASCII_LETTER.search(head) is None:
+            return TextProfile(chars=len(text), script=None, non_ascii=None, language=None)
+        return TextProfile(
+            chars=len(text), script="latin", non_ascii=0.0, language=guess_language(head, "latin")
+        )
+    scripts: Counter[str] = Counter()
+    non_ascii = 0
+    for char, count in Counter(head).items():
+        script = _script_of_char(char)
+        if script is not None:
+            scripts[script] += count
+            non_ascii += 0 if char.isascii() else count
     letters = sum(scripts.values())
     if not letters:
         return TextProfile(chars=len(text), script=None, non_ascii=None, language=None)
     script = max(SCRIPTS, key=lambda s: (scripts[s], -SCRIPTS.index(s)))
-    non_ascii = sum(1 for c in head if c.isalpha() and not c.isascii()) / letters
     return TextProfile(
-        chars=len(text), script=script, non_ascii=non_ascii, language=guess_language(head, script)
+        chars=len(text), script=script, non_ascii=non_ascii / letters, language=guess_language(head, script)
     )
 
 
@@ -221,11 +249,14 @@ def guess_language(text: str, script: str) -> str:
     language's stop words are there."""
     if script != "latin":
         return script
-    words = [w.lower() for w in _WORD.findall(text)]
+    words = Counter(map(str.lower, _WORD.findall(text)))
     if not words:
         return "other"
-    counts = {lang: sum(1 for w in words if w in stop) for lang, stop in _STOPWORDS.items()}
-    best = max(counts, key=lambda lang: (counts[lang], -list(_STOPWORDS).index(lang)))
+    counts = dict.fromkeys(_STOPWORDS, 0)
+    for word, count in words.items():
+        for language in _LANGUAGES_OF.get(word, ()):
+            counts[language] += count
+    best = max(counts, key=counts.__getitem__)  # a tie goes to the language listed first
     return best if counts[best] > 0 else "other"
 
 

@@ -3,9 +3,13 @@
 
 from __future__ import annotations
 
+import random
+from collections import Counter
+
 import pytest
 
-from schemas.features import guess_language, is_refusal, profile, sampled, script_of
+from schemas import features
+from schemas.features import SCRIPTS, TextProfile, guess_language, is_refusal, profile, sampled, script_of
 
 
 @pytest.mark.parametrize(
@@ -58,3 +62,49 @@ def test_sampling_is_a_stable_share_of_request_ids() -> None:
     assert picked == [i for i in ids if sampled(i, 20)], "the same choice on every call"
     assert all(sampled(i, 1) for i in ids[:10])
     assert not any(sampled(i, 0) for i in ids[:10])
+
+
+def profile_char_by_char(text: str, max_chars: int = 4096) -> TextProfile:
+    """The definition ``profile`` keeps, one character at a time (what it did before its work moved to C)."""
+    head = text[:max_chars]
+    scripts = Counter(s for s in map(script_of, head) if s is not None)
+    letters = sum(scripts.values())
+    if not letters:
+        return TextProfile(chars=len(text), script=None, non_ascii=None, language=None)
+    script = max(SCRIPTS, key=lambda s: (scripts[s], -SCRIPTS.index(s)))
+    non_ascii = sum(1 for c in head if c.isalpha() and not c.isascii()) / letters
+    if script != "latin":
+        language = script
+    else:
+        words = [w.lower() for w in features._WORD.findall(head)]
+        stopwords = features._STOPWORDS
+        counts = {lang: sum(1 for w in words if w in stop) for lang, stop in stopwords.items()}
+        best = max(counts, key=lambda lang: (counts[lang], -list(stopwords).index(lang)))
+        language = best if counts[best] > 0 and words else "other"
+    return TextProfile(chars=len(text), script=script, non_ascii=non_ascii, language=language)
+
+
+def test_profile_equals_its_character_by_character_definition() -> None:
+    stop = sorted(frozenset[str]().union(*features._STOPWORDS.values()))
+    pieces = [
+        *"abcXYZ 0123 .,!?'-_\n\t",
+        *"äöüßéèçñøÅÆİı",  # latin beyond ASCII, and letters whose lower case changes their length
+        *"дождьЖЯ",
+        *"ποτάμιΩ",
+        *"川天気東京",
+        *"ひらカタ한글",
+        *"مرحبا",
+        *"שלום",
+        *"ＡＢｃ",  # fullwidth latin: "other" by name
+        "\u0301",  # a combining mark
+        "🙂",
+        *(f" {w} " for w in stop),
+        *(f" {w.upper()} " for w in stop[:40]),
+    ]
+    rng = random.Random(12)
+    texts = ["", " ", "1234", "der die das", "DER Die das THE the"]
+    texts += ["".join(rng.choices(pieces, k=rng.randint(1, 60))) for _ in range(3000)]
+    texts += ["".join(rng.choices(pieces, k=3000)) for _ in range(20)]  # past max_chars
+    for text in texts:
+        assert profile(text) == profile_char_by_char(text), text
+        assert profile(text, max_chars=7) == profile_char_by_char(text, max_chars=7), text
