@@ -16,6 +16,7 @@ None of this holds text: the streams worker turns the features into a ``drift_fe
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
@@ -40,6 +41,9 @@ moved, must not leak): past it the oldest go."""
 MAX_BATCH = 32
 """Prompts embedded in one call at most."""
 
+DRIFT_EMBED_BURST_S = 0.05
+"""Embedding time the budget lets through at once after a quiet spell (a few calls)."""
+
 EMBEDDING_DECIMALS = 6
 """Embeddings travel rounded: ~9 characters a component instead of ~20, and no drift test can tell."""
 
@@ -47,9 +51,28 @@ EMBEDDING_DECIMALS = 6
 class FeatureProbe:
     """``features(event, result)``: the drift features of one request (pure, apart from the embedder)."""
 
-    def __init__(self, sample_one_in: int, embed: EmbedTexts | None = None, *, own_vectors: bool = False):
+    def __init__(
+        self,
+        sample_one_in: int,
+        embed: EmbedTexts | None = None,
+        *,
+        own_vectors: bool = False,
+        budget: float = 1.0,
+        on_skip: Callable[[], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        """``budget``: the share of the (model thread's) time ``embed`` may take, 1 for no limit; a sampled
+        request past it goes without its embedding and ``on_skip()`` is called."""
         self._one_in = sample_one_in
         self._embed = embed
+        self._budget = budget
+        self._on_skip = on_skip
+        self._clock = clock
+        self._credit = DRIFT_EMBED_BURST_S
+        """Seconds of embedding the budget allows now: it earns ``budget`` per second, spends what calls take."""
+        self._earned_at = clock()
+        self.skipped = 0
+        """Sampled requests left without their embedding by the budget."""
         self._own_vectors = own_vectors
         """The served model is the drift embedder itself: a request's first vector is its embedding."""
         self._queued: dict[str, str] = {}
@@ -110,17 +133,34 @@ class FeatureProbe:
         if ready is not None:
             return ready
         self._queued.pop(request_id, None)
+        if not self._affordable():
+            self.skipped += 1
+            if self._on_skip is not None:
+                self._on_skip()
+            return None
         ids = [request_id, *self._queued][:MAX_BATCH]
         texts = [prompt, *(self._queued.pop(other) for other in ids[1:])]
         self.calls += 1
+        started = self._clock()
         try:
             embedded = self._embed(texts)
         except Exception:  # a feature must never fail the request it describes
             log.exception("drift embedding of %s failed", request_id)
             return None
+        finally:
+            self._credit -= self._clock() - started
         for other, vector in zip(ids[1:], embedded[1:], strict=True):
             _hold(self._ready, other, vector)
         return embedded[0]
+
+    def _affordable(self) -> bool:
+        """Whether the budget allows an embedding call now (always, without a limit)."""
+        if self._budget >= 1.0:
+            return True
+        now = self._clock()
+        self._credit = min(DRIFT_EMBED_BURST_S, self._credit + (now - self._earned_at) * self._budget)
+        self._earned_at = now
+        return self._credit > 0.0
 
 
 def _hold(held: dict[str, T], key: str, value: T) -> None:

@@ -16,6 +16,7 @@ from gpu_workers.flush import FlushPolicy
 from gpu_workers.scheduler import SchedulerConfig
 from gpu_workers.service import Runner, WorkerService
 from gpu_workers.settings import WorkerSettings
+from monitoring import metrics
 from monitoring.ops import OpsServer
 from monitoring.runtime import tune_gc
 from schemas.manifest import ManifestError, current_model_dir, models_root, read_manifest
@@ -153,7 +154,12 @@ def probe_factory(
         except Exception:  # optional: a worker serves without prompt embeddings rather than not at all
             log.exception("no prompt embeddings for drift: loading %s failed", embedder_id)
             return FeatureProbe(worker.drift_sample)
-        return FeatureProbe(worker.drift_sample, embed)
+        return FeatureProbe(
+            worker.drift_sample,
+            embed,
+            budget=worker.drift_embed_budget,
+            on_skip=metrics.WORKER_DRIFT_SKIPPED.labels(model_id).inc,
+        )
 
     return build
 

@@ -52,10 +52,13 @@ GERMAN = [
 
 @pytest.fixture(scope="module")
 def workers(e2e_settings: PlatformSettings, prepared_models: None) -> Iterator[list[WorkerService]]:
-    """demo-gpt and MiniLM, every prompt embedded for drift (1 in 1), so the MMD test has samples."""
+    """demo-gpt and MiniLM, every prompt embedded for drift (1 in 1, no time budget), so the MMD test has
+    samples."""
     with running_workers(
         e2e_settings,
-        lambda model: WorkerSettings(worker_id=f"drift-{model}", worker_flush_tokens=4, drift_sample=1),
+        lambda model: WorkerSettings(
+            worker_id=f"drift-{model}", worker_flush_tokens=4, drift_sample=1, drift_embed_budget=1.0
+        ),
     ) as started:
         yield started
 

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from gpu_workers.features import MAX_BATCH, MAX_HELD, FeatureProbe
+from gpu_workers.features import DRIFT_EMBED_BURST_S, MAX_BATCH, MAX_HELD, FeatureProbe
 from schemas.events import (
     DriftFeatures,
     EmbeddingRequested,
@@ -124,3 +124,54 @@ def test_an_embedding_model_uses_its_own_first_vector() -> None:
     assert FeatureProbe(4, own_vectors=True).features(event, old).embedding == [0.5, 0.25], "old events"
     assert got.prompt_chars == len("ein Fluss")
     assert got.output_chars is None, "embeddings have no text output"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def saturated(budget: float, requests: int = 2000) -> tuple[FeatureProbe, float, float]:
+    """Every request sampled, 5 ms of model work between them, 10 ms per embedding call (a MiniLM call on
+    one CPU thread): the probe, then the seconds spent embedding and in all."""
+    clock, spent = Clock(), [0.0]
+
+    def embed(texts: Sequence[str]) -> Sequence[Sequence[float]]:
+        clock.now += 0.010
+        spent[0] += 0.010
+        return [[1.0, 0.0] for _ in texts]
+
+    skips: list[None] = []
+    probe = FeatureProbe(1, embed, budget=budget, on_skip=lambda: skips.append(None), clock=clock)
+    for i in range(requests):
+        clock.now += 0.005
+        event = request(f"r-{i}")
+        probe.expect(event)
+        probe.features(event, finished())
+    assert len(skips) == probe.skipped
+    return probe, spent[0], clock.now
+
+
+def test_prompt_embeddings_keep_to_their_share_of_the_model_thread() -> None:
+    """Unbounded, a 10 ms embedding per 5 ms of work would take two thirds of the thread; with a budget of
+    5 % it takes 5 % (plus one burst), and the requests past it go without an embedding, counted."""
+    probe, spent, total = saturated(budget=0.05)
+    assert spent <= 0.05 * total + DRIFT_EMBED_BURST_S + 0.010
+    assert spent >= 0.05 * total - 0.010, "the budget is used, not left idle"
+    assert probe.skipped == 2000 - probe.calls > 0
+    unbounded, spent, total = saturated(budget=1.0)
+    assert unbounded.skipped == 0
+    assert unbounded.calls == 2000
+    assert spent > 0.6 * total
+
+
+def test_under_the_budget_every_sampled_prompt_is_embedded() -> None:
+    clock = Clock()
+    probe = FeatureProbe(1, lambda texts: [[0.5, 0.5] for _ in texts], budget=0.02, clock=clock)
+    for i in range(100):  # one request a second, embedding instantly: far under 2 %
+        clock.now += 1.0
+        assert probe.features(request(f"r-{i}"), finished()).embedding == [0.5, 0.5]
+    assert probe.skipped == 0
