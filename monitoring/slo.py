@@ -25,6 +25,7 @@ thresholds of the Kafka alerts. :func:`rule_groups` turns it into Prometheus rul
 from __future__ import annotations
 
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -530,54 +531,56 @@ def _lag_rule(config: SloConfig) -> dict[str, Any]:
     }
 
 
-def _rose(counter: str, by: str, window: str) -> str:
-    """A counter that rose within ``window``, per ``by``. ``increase()`` needs two samples of a series,
-    and such a series is often born at its first event; the ``unless ... offset`` half catches a series that
-    did not exist a window ago."""
-    return (
-        f"sum by ({by}) (increase({counter}[{window}])) > 0\n"
-        f"or\nsum by ({by}) ({counter} unless {counter} offset {window}) > 0\n"
-    )
+def _counter_rule(
+    alert: str, counter: str, by: str, settings: CounterAlert, summary: str, describe: Callable[[str], str]
+) -> dict[str, Any]:
+    """``alert`` while ``counter`` rose within ``settings.window_minutes``, per ``by``; ``describe(window)``
+    is its description. ``increase()`` needs two samples of a series, and such a series is often born at
+    its first event; the ``unless ... offset`` half catches a series that did not exist a window ago."""
+    w = duration(settings.window_minutes)
+    return {
+        "alert": alert,
+        "expr": (
+            f"sum by ({by}) (increase({counter}[{w}])) > 0\n"
+            f"or\nsum by ({by}) ({counter} unless {counter} offset {w}) > 0\n"
+        ),
+        "labels": {"severity": settings.severity},
+        "annotations": {"summary": summary, "description": describe(w)},
+    }
 
 
 def _dead_letter_rule(config: SloConfig) -> dict[str, Any]:
-    dl = config.alerts.dead_letters
-    w = duration(dl.window_minutes)
-    return {
-        "alert": "SluiceDeadLetters",
-        "expr": _rose(DEAD_LETTERS_TOTAL, "topic, reason", w),
-        "labels": {"severity": dl.severity},
-        "annotations": {
-            "summary": "Records from {{ $labels.topic }} dead-lettered ({{ $labels.reason }})",
-            "description": (
-                f"About {{{{ $value | humanize }}}} record(s) from {{{{ $labels.topic }}}} went to the "
-                f"dead-letter topic within the last {w}, reason {{{{ $labels.reason }}}}. They were not "
-                "processed; inspect the deadletter topic and replay them once fixed."
-            ),
-        },
-    }
+    return _counter_rule(
+        "SluiceDeadLetters",
+        DEAD_LETTERS_TOTAL,
+        "topic, reason",
+        config.alerts.dead_letters,
+        "Records from {{ $labels.topic }} dead-lettered ({{ $labels.reason }})",
+        lambda w: (
+            f"About {{{{ $value | humanize }}}} record(s) from {{{{ $labels.topic }}}} went to the "
+            f"dead-letter topic within the last {w}, reason {{{{ $labels.reason }}}}. They were not "
+            "processed; inspect the deadletter topic and replay them once fixed."
+        ),
+    )
 
 
 def _out_of_memory_rule(config: SloConfig) -> dict[str, Any]:
-    oom = config.alerts.out_of_memory
-    w = duration(oom.window_minutes)
-    return {
-        "alert": "SluiceWorkerOutOfMemory",
-        "expr": _rose(OUT_OF_MEMORY_TOTAL, "model", w),
-        "labels": {"severity": oom.severity},
-        "annotations": {
-            "summary": "{{ $labels.model }}: forward passes ran out of device memory",
-            "description": (
-                f"Workers of {{{{ $labels.model }}}} ran out of memory in about {{{{ $value | humanize }}}} "
-                f"forward pass(es) within the last {w}. An embedding batch that did not fit ran in halves; "
-                "an input that does not fit alone, or every sequence of a failed generation step, ended "
-                "`worker_oom` (retriable: clients got 503 and should retry). The batch limit was halved and "
-                f"grows back after 1,000 clean batches ({BATCH_LIMIT} shows it): throughput is lower until "
-                "then. If it recurs, lower SLUICE_WORKER_EMBED_MAX_BATCH_TOKENS or SLUICE_WORKER_MAX_RUNNING, "
-                "or give the model more memory."
-            ),
-        },
-    }
+    return _counter_rule(
+        "SluiceWorkerOutOfMemory",
+        OUT_OF_MEMORY_TOTAL,
+        "model",
+        config.alerts.out_of_memory,
+        "{{ $labels.model }}: forward passes ran out of device memory",
+        lambda w: (
+            f"Workers of {{{{ $labels.model }}}} ran out of memory in about {{{{ $value | humanize }}}} "
+            f"forward pass(es) within the last {w}. An embedding batch that did not fit ran in halves; "
+            "an input that does not fit alone, or every sequence of a failed generation step, ended "
+            "`worker_oom` (retriable: clients got 503 and should retry). The batch limit was halved and "
+            f"grows back after 1,000 clean batches ({BATCH_LIMIT} shows it): throughput is lower until "
+            "then. If it recurs, lower SLUICE_WORKER_EMBED_MAX_BATCH_TOKENS or SLUICE_WORKER_MAX_RUNNING, "
+            "or give the model more memory."
+        ),
+    )
 
 
 # ---------------------------------------------------------------- drift alerts
