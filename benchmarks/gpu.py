@@ -8,12 +8,14 @@ Smoke checks (the run exits 1 if one fails):
 - both models load on the device through the normal path (manifest checked, ``from_pretrained``);
 - greedy tokens on the device equal the CPU's (a tiny model's near-ties may flip; the agreement is shown);
 - the engine's greedy tokens under churn (requests join and finish at staggered steps) equal ``generate``
-  alone for each request, on the device;
+  alone for each request, on the device: as a worker builds it (on a GPU the fixed KV ring, its decode
+  captured as CUDA graphs) and with the growing cache;
 - a seeded sampled request gives the same tokens alone and in a batch, on the device;
 - embeddings on the device equal the CPU's (cosine);
 - the embedding forward replayed as CUDA graphs (one per batch shape bucket) equals the eager one.
 
-Then tokens/s of the engine and of ``generate`` per batch size, the prefill-to-first-token time of one
+Then tokens/s of the engine (as a worker builds it, and with the growing cache) and of ``generate`` per
+batch size, the prefill-to-first-token time of one
 request, MiniLM embeddings/s per batch (CUDA graphs, as a worker runs it, and eager), and the worker's own runners (built as ``sluice worker`` builds
 them: batching, scheduling, terminal events; no Kafka) against the engines at 64 and 256, streamed
 generation too, the embedding runner with and without overlap. Each cell is the median of ``--repeats`` measurements. One table, one JSON (``--out``).
@@ -113,12 +115,14 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> tuple[int, float]:
 
 
 def engine_under_churn(
-    gen: LoadedModel, prompts: list[list[int]], budgets: list[int]
-) -> dict[str, list[int]]:
+    gen: LoadedModel, prompts: list[list[int]], budgets: list[int], static_cache: bool | None
+) -> tuple[dict[str, list[int]], GenerationEngine]:
     """A closed loop at 4 slots: whenever a sequence ends the next request joins its free row."""
     eos = gen.manifest.eos_token_id
     stop = frozenset({eos}) if eos is not None else frozenset()
-    engine = GenerationEngine(gen.model, max_batch_size=4, max_context=gen.manifest.max_context)
+    engine = GenerationEngine(
+        gen.model, max_batch_size=4, max_context=gen.manifest.max_context, static_cache=static_cache
+    )
 
     def add(i: int) -> None:
         engine.add(
@@ -136,7 +140,7 @@ def engine_under_churn(
             seen.setdefault(out.request_id, []).append(out.token_id)
             if out.finish_reason is not None and (nxt := next(queue, None)) is not None:
                 add(nxt)
-    return seen
+    return seen, engine
 
 
 def sampled(gen: LoadedModel, prompt: list[int], company: list[list[int]]) -> list[int]:
@@ -164,6 +168,7 @@ def smoke(
         )
     ]
     prompts = [list(gen.tokenizer(p)["input_ids"]) for p in PROMPTS]
+    on_gpu = gen.device.type == "cuda"
     eos = gen.manifest.eos_token_id
     flat = [32] * len(prompts)
     here, there = greedy_on(gen.model, prompts, flat, eos), greedy_on(cpu_gen.model, prompts, flat, eos)
@@ -177,15 +182,18 @@ def smoke(
     )
     budgets = [40, 3, 9, 5, 12, 4, 7, 30]
     alone = {str(i): tokens for i, tokens in enumerate(greedy_on(gen.model, prompts, budgets, eos))}
-    churn = engine_under_churn(gen, prompts, budgets)
-    equal = sum(churn[k] == v for k, v in alone.items())
-    checks.append(
-        Check(
-            "engine under churn equals generate alone",
-            equal == len(alone),
-            f"{equal}/{len(alone)} requests token-identical",
+    for static_cache in (None, not on_gpu):  # as a worker builds it (the ring and graphs on a GPU), the other
+        churn, engine = engine_under_churn(gen, prompts, budgets, static_cache)
+        equal = sum(churn[k] == v for k, v in alone.items())
+        checks.append(
+            Check(
+                "engine under churn equals generate alone"
+                + (" (as a worker builds it)" if static_cache is None else " (the other KV cache)"),
+                equal == len(alone) and (engine.graphs > 0) == (on_gpu and engine.static_cache),
+                f"{equal}/{len(alone)} requests token-identical; {'ring' if engine.static_cache else 'growing'}"
+                f" cache, {engine.graphs} decode graphs",
+            )
         )
-    )
     first = sampled(gen, prompts[0], [])
     again = sampled(gen, prompts[0], prompts[1:6])
     checks.append(
@@ -239,12 +247,24 @@ def generation_bench(
         # untimed first: each batch size's shapes pick their kernels on first use
         raw_generate_throughput(gen.model, [prompt] * batch, 8, batch)
         engine_throughput(gen.model, [prompt] * batch, 8, batch)
+        engine_throughput(gen.model, [prompt] * batch, 8, batch, static_cache=False)
         prompts = [prompt] * (batch * rounds)
         raw = median_rate(repeats, partial(raw_generate_throughput, gen.model, prompts, new_tokens, batch))
         engine = median_rate(repeats, partial(engine_throughput, gen.model, prompts, new_tokens, batch))
-        rows[str(batch)] = {"raw_tok_s": raw, "engine_tok_s": engine, "engine_over_raw": engine / raw}
+        growing = median_rate(
+            repeats, partial(engine_throughput, gen.model, prompts, new_tokens, batch, static_cache=False)
+        )
+        rows[str(batch)] = {
+            "raw_tok_s": raw,
+            "engine_tok_s": engine,
+            "engine_over_raw": engine / raw,
+            "growing_cache_tok_s": growing,
+            "growing_over_raw": growing / raw,
+        }
         print(
-            f"  generation batch {batch}: generate {raw:,.0f} tok/s, engine {engine:,.0f} tok/s", flush=True
+            f"  generation batch {batch}: generate {raw:,.0f} tok/s, engine {engine:,.0f} tok/s"
+            f" (growing cache, eager: {growing:,.0f})",
+            flush=True,
         )
     return rows
 
@@ -496,11 +516,16 @@ def main() -> int:
         "runners": runners,
     }
     print(f"\n{name} ({gen.device}), torch {torch.__version__}")
-    print(f"{'batch':>6} {'generate tok/s':>15} {'engine tok/s':>13} {'engine/generate':>16}")
+    print(
+        f"{'batch':>6} {'generate tok/s':>15} {'engine tok/s':>13} {'engine/generate':>16}"
+        f" {'growing cache':>14} {'growing/generate':>17}"
+    )
     for label, row in generation.items():
         print(
             f"{label:>6} {row['raw_tok_s']:>15,.0f} {row['engine_tok_s']:>13,.0f} {row['engine_over_raw']:>16.2f}"
+            f" {row['growing_cache_tok_s']:>14,.0f} {row['growing_over_raw']:>17.2f}"
         )
+    print("  (the engine as a worker builds it: on a GPU the KV ring, its decode as CUDA graphs)")
     print(
         f"prefill to first token, one request: p50 {first_token['p50']:.2f} ms, p99 {first_token['p99']:.2f} ms"
     )

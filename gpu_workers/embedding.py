@@ -16,6 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 from gpu_workers import GpuWorkerError
+from gpu_workers.graphs import GRAPH_ROWS, capture, rows_bucket
 from gpu_workers.oom import out_of_memory_in
 from gpu_workers.padding import pad_rows
 
@@ -26,7 +27,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-GRAPH_ROWS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 GRAPH_COLUMNS = (8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 GRAPH_MAX_TOKENS = 4_096
 """Rows x columns of the largest CUDA graph; a bigger batch runs eagerly. Past this a batch is no longer
@@ -36,7 +36,7 @@ graph, 512 x 16 (10-id texts padded to 16) 0.8x (docs/perf)."""
 
 def graph_shape(rows: int, longest: int) -> tuple[int, int] | None:
     """The bucket a batch of ``rows`` inputs of up to ``longest`` ids runs in as a CUDA graph, or None."""
-    height = next((r for r in GRAPH_ROWS if r >= rows), None)
+    height = rows_bucket(rows)
     width = next((c for c in GRAPH_COLUMNS if c >= longest), None)
     if height is None or width is None or height * width > GRAPH_MAX_TOKENS:
         return None
@@ -226,19 +226,10 @@ class EmbeddingEngine:
         never run at once, and a result is copied out before the next replay on the same stream."""
         import torch
 
-        with torch.cuda.device(self._device):  # the pool, the side stream and the capture: the model's
-            ids = torch.full((rows, columns), self._pad_id, dtype=torch.long, device=self._device)
-            mask = torch.zeros((rows, columns), dtype=torch.long, device=self._device)
-            mask[:, 0] = 1
-            side = torch.cuda.Stream(self._device)  # type: ignore[no-untyped-call]
-            side.wait_stream(torch.cuda.current_stream(self._device))
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    self._pooled(ids, mask)
-            torch.cuda.current_stream(self._device).wait_stream(side)
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                unit = self._pooled(ids, mask)
+        ids = torch.full((rows, columns), self._pad_id, dtype=torch.long, device=self._device)
+        mask = torch.zeros((rows, columns), dtype=torch.long, device=self._device)
+        mask[:, 0] = 1
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph, unit = capture(lambda: self._pooled(ids, mask), self._device, self._pool)
         return _Graph((rows, columns), ids, mask, unit, graph)

@@ -32,6 +32,7 @@ worker crash streams the same text).
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -46,6 +47,10 @@ from gpu_workers.padding import pad_rows
 if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel
+
+    from gpu_workers.ring import RingCache
+
+log = logging.getLogger(__name__)
 
 FinishReason = Literal["stop", "length"]
 
@@ -138,6 +143,8 @@ class GenerationEngine:
         max_prefill_tokens: int = 4096,
         prefill_ratio: float = 8.0,
         max_prefill_wait: int = 8,
+        static_cache: bool | None = None,
+        cuda_graphs: bool = True,
     ) -> None:
         if max_batch_size < 1:
             raise EngineError("max_batch_size must be >= 1")
@@ -156,6 +163,12 @@ class GenerationEngine:
         self._batch = _Batch()
         self._ids: set[str] = set()
         self._rebuilds = 0
+        self._ring: RingCache | None = None
+        """The KV cache in fixed ring columns (``gpu_workers.ring``), the decode a CUDA graph per batch
+        height with ``cuda_graphs``: on a GPU by default (``static_cache=None``), where the decode of a
+        small model is host-bound; elsewhere the growing cache, whose attention spans only live columns."""
+        if static_cache or (static_cache is None and self._device.type == "cuda"):
+            self._ring = self._make_ring(cuda_graphs)
 
     # ------------------------------------------------------------------------------------------- commands
 
@@ -180,6 +193,32 @@ class GenerationEngine:
     @property
     def waiting(self) -> int:
         return len(self._pending)
+
+    @property
+    def static_cache(self) -> bool:
+        """Whether the KV cache is the fixed ring (``gpu_workers.ring``) rather than the growing one."""
+        return self._ring is not None
+
+    @property
+    def graphs(self) -> int:
+        """Decode steps captured as CUDA graphs (one per batch height; 0 where the decode runs eagerly)."""
+        return self._ring.graphs if self._ring is not None else 0
+
+    def warm_up(self) -> int:
+        """Run one short request through (kernels chosen, allocator warm), then, with CUDA graphs, capture
+        the decode for every batch height up to ``max_batch_size`` so that no request waits for a capture.
+        Returns the graphs captured. Call with the engine empty, before serving."""
+        from gpu_workers.graphs import GRAPH_ROWS
+
+        self.add(SeqRequest(request_id="warm-up", input_ids=[0, 1, 2], max_new_tokens=2))
+        while self.has_work():
+            self.step()
+        if self._ring is None:
+            return 0
+        import torch
+
+        with torch.inference_mode():
+            return self._ring.capture_all([h for h in GRAPH_ROWS if h <= self._ring.rows])
 
     def has_work(self) -> bool:
         return bool(self._batch.live or self._pending)
@@ -231,7 +270,7 @@ class GenerationEngine:
         dropped = [seq.req.request_id for seq in self._batch.seqs if seq is not None]
         dropped += [req.request_id for req in self._pending]
         dropped += sorted(self._ids - set(dropped))  # admitted by the failed step's prefill
-        self._batch = _Batch()
+        self._batch = _Batch()  # the ring's rows too: the next rebuild clears the rows it hands out
         self._pending.clear()
         self._ids.clear()
         self._waited = 0
@@ -257,24 +296,27 @@ class GenerationEngine:
         import torch
 
         batch = self._batch
-        if batch.mask is None:
-            raise EngineError("engine batch has no mask")  # unreachable: rows always come with a mask
         seqs = batch.seqs
-        device = self._device
         live = batch.live_rows()
         running = [seq for seq in seqs if seq is not None]  # the rows of ``live``, in order
-        last = [[0 if s is None else s.last_token] for s in seqs]
-        position = [[0 if s is None else s.position] for s in seqs]
-        batch.mask = torch.cat([batch.mask, batch.mask.new_ones((len(seqs), 1))], dim=1)
-        out = self._model(
-            input_ids=torch.tensor(last, dtype=torch.long, device=device),
-            attention_mask=batch.mask,
-            position_ids=torch.tensor(position, dtype=torch.long, device=device),
-            past_key_values=batch.cache,
-            use_cache=True,
-        )
-        batch.cache = out.past_key_values
-        logits = out.logits[:, -1, :]
+        last = [0 if s is None else s.last_token for s in seqs]
+        position = [0 if s is None else s.position for s in seqs]
+        if self._ring is not None:
+            logits = self._ring.decode(last, position)
+        else:
+            if batch.mask is None:
+                raise EngineError("engine batch has no mask")  # unreachable: rows always come with a mask
+            device = self._device
+            batch.mask = torch.cat([batch.mask, batch.mask.new_ones((len(seqs), 1))], dim=1)
+            out = self._model(
+                input_ids=torch.tensor(last, dtype=torch.long, device=device)[:, None],
+                attention_mask=batch.mask,
+                position_ids=torch.tensor(position, dtype=torch.long, device=device)[:, None],
+                past_key_values=batch.cache,
+                use_cache=True,
+            )
+            batch.cache = out.past_key_values
+            logits = out.logits[:, -1, :]
         if len(live) != len(seqs):
             logits = logits[live]
         tokens, logprobs, entropies = self._sample(logits, running)
@@ -362,7 +404,9 @@ class GenerationEngine:
         """The row's sequence is gone: from now on the row attends only to its own new columns."""
         batch = self._batch
         batch.seqs[row] = None
-        if batch.mask is not None:
+        if self._ring is not None:
+            self._ring.free(row)
+        elif batch.mask is not None:
             batch.mask[row] = 0
             batch.mask[row, -1] = 1  # never an all-masked row (a softmax over nothing)
 
@@ -371,11 +415,16 @@ class GenerationEngine:
         batch = self._batch
         left: list[int] = []
         free = (row for row, seq in enumerate(batch.seqs) if seq is None)
-        length = 0 if batch.mask is None else batch.mask.shape[1]
+        ring = self._ring
+        length = ring.columns if ring is not None else 0 if batch.mask is None else batch.mask.shape[1]
         joined = _layers(cache)
         for j, seq in enumerate(seqs):
             n = len(seq.req.input_ids)
             row = next(free, None) if n <= length else None
+            if row is not None and ring is not None:
+                ring.place(row, [(jk[j], jv[j]) for jk, jv in joined], n)
+                batch.seqs[row] = seq
+                continue
             if row is None or batch.mask is None:
                 left.append(j)
                 continue
@@ -394,13 +443,15 @@ class GenerationEngine:
         if not batch.live:
             self._batch = _Batch()
             return
-        if len(batch.seqs) == batch.live or self._pending:
+        if len(batch.seqs) == self._height(batch.live) or self._pending:
             batch.idle_steps = 0
         else:
             batch.idle_steps += 1
             if batch.idle_steps >= COMPACT_AFTER_STEPS:
                 self._rebuild(batch.live_rows(), None)
                 return
+        if self._ring is not None:
+            return  # the ring has no leading columns to drop: the next decode overwrites the oldest
         if batch.mask is None:
             raise EngineError("engine batch has no mask")  # unreachable: rows always come with a mask
         first = _first_attended(batch.mask)
@@ -415,6 +466,9 @@ class GenerationEngine:
 
         self._rebuilds += 1
         batch = self._batch
+        if self._ring is not None:
+            self._rebuild_ring(keep, joined)
+            return
         parts: list[tuple[list[_Seq], list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]] = []
         if keep and batch.mask is not None:
             mask = batch.mask[keep]
@@ -452,6 +506,51 @@ class GenerationEngine:
             mask=torch.cat([pad(p[2]) for p in parts]),
         )
 
+    def _height(self, rows: int) -> int:
+        """Rows the batch has for ``rows`` sequences: as many, or with the ring the smallest CUDA graph
+        height that holds them (the rest free rows)."""
+        from gpu_workers.graphs import rows_bucket
+
+        if self._ring is None or not rows:
+            return rows
+        return min(rows_bucket(rows) or self._ring.rows, self._ring.rows)
+
+    def _rebuild_ring(self, keep: list[int], joined: tuple[list[_Seq], Any, torch.Tensor] | None) -> None:
+        """The ring's rows: kept ones to the top, then joiners, then free rows up to the graph height."""
+        ring = self._ring
+        if ring is None:
+            raise EngineError("no ring cache")  # unreachable: the caller checked
+        batch = self._batch
+        joiners, layers = ([], []) if joined is None else (joined[0], _layers(joined[1]))
+        height = self._height(len(keep) + len(joiners))
+        rows: list[_Seq | None] = [batch.seqs[i] for i in keep]
+        ring.gather(keep, height)
+        for j, seq in enumerate(joiners):
+            ring.place(len(rows), [(jk[j], jv[j]) for jk, jv in layers], len(seq.req.input_ids))
+            rows.append(seq)
+        rows += [None] * (height - len(rows))
+        self._batch = _Batch(seqs=rows)
+
+    def _make_ring(self, cuda_graphs: bool) -> RingCache | None:
+        """The ring for ``max_batch_size`` rows of ``max_context`` columns, or None (the growing cache)
+        where it does not fit the device's memory."""
+        from gpu_workers.graphs import rows_bucket
+        from gpu_workers.oom import out_of_memory_in
+        from gpu_workers.ring import RingCache
+
+        rows = rows_bucket(self.max_batch_size) or self.max_batch_size
+        try:
+            return RingCache(self._model, rows, self.max_context, graphs=cuda_graphs)
+        except Exception as exc:
+            if out_of_memory_in(exc) is None:
+                raise
+            log.warning(
+                "a KV ring of %d rows x %d columns does not fit the device: the growing cache instead",
+                rows,
+                self.max_context,
+            )
+            return None
+
     # -------------------------------------------------------------------------------------------- sampling
 
     def _generator(self, req: SeqRequest) -> torch.Generator | None:
@@ -469,17 +568,21 @@ class GenerationEngine:
 
         scores = logits.float()
         best, argmax = scores.max(dim=-1)
-        tokens: list[int] = argmax.tolist()
-        chosen = best
-        if any(seq.generator is not None for seq in seqs):
-            for row, seq in enumerate(seqs):
-                if seq.generator is not None:
-                    tokens[row] = sample_token(logits[row], seq.req, seq.generator)
-            chosen = scores.gather(1, torch.tensor(tokens, device=scores.device).unsqueeze(1)).squeeze(1)
         # log p(token) = score - logsumexp; entropy = logsumexp - sum(p * score) (a -inf score has p = 0)
         lse = torch.logsumexp(scores, dim=-1)
         expected = (scores.softmax(dim=-1) * scores.nan_to_num(neginf=0.0)).sum(dim=-1)
-        return tokens, (chosen - lse).tolist(), (lse - expected).clamp(min=0.0).tolist()
+        entropy = (lse - expected).clamp(min=0.0)
+        if all(seq.generator is None for seq in seqs):  # greedy: one copy back (a device sync) a step
+            stats: list[list[float]] = torch.stack(
+                [argmax.double(), (best - lse).double(), entropy.double()]
+            ).tolist()
+            return [int(t) for t in stats[0]], stats[1], stats[2]
+        tokens: list[int] = argmax.tolist()
+        for row, seq in enumerate(seqs):
+            if seq.generator is not None:
+                tokens[row] = sample_token(logits[row], seq.req, seq.generator)
+        chosen = scores.gather(1, torch.tensor(tokens, device=scores.device).unsqueeze(1)).squeeze(1)
+        return tokens, (chosen - lse).tolist(), entropy.tolist()
 
 
 def sample_token(logits: torch.Tensor, req: SeqRequest, generator: torch.Generator) -> int:
@@ -616,10 +719,16 @@ def raw_generate_throughput(
 
 
 def engine_throughput(
-    model: PreTrainedModel, prompts: Sequence[Sequence[int]], max_new_tokens: int, batch_size: int
+    model: PreTrainedModel,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    batch_size: int,
+    static_cache: bool | None = None,
 ) -> float:
-    """Tokens/s of :class:`GenerationEngine` with ``batch_size`` slots, greedy, no stop tokens."""
-    engine = GenerationEngine(model, max_batch_size=batch_size)
+    """Tokens/s of :class:`GenerationEngine` with ``batch_size`` slots, greedy, no stop tokens (its KV
+    cache the device's default, or the one ``static_cache`` names; CUDA graphs captured before timing)."""
+    engine = GenerationEngine(model, max_batch_size=batch_size, static_cache=static_cache)
+    engine.warm_up()
     for i, prompt in enumerate(prompts):
         engine.add(SeqRequest(request_id=str(i), input_ids=list(prompt), max_new_tokens=max_new_tokens))
     produced = 0

@@ -70,9 +70,19 @@ def runner_factory(
             loaded = load_generation_model(model_dir, worker.worker_device)
             report_loaded(loaded, manifest.model_id, worker_id)
             engine = GenerationEngine(
-                loaded.model, max_batch_size=worker.worker_max_running, max_context=manifest.max_context
+                loaded.model,
+                max_batch_size=worker.worker_max_running,
+                max_context=manifest.max_context,
+                cuda_graphs=worker.worker_cuda_graphs,
             )
-            _warm_up_generation(engine)
+            began = time.perf_counter()
+            if graphs := engine.warm_up():  # in this thread, the model's
+                log.info(
+                    "%s: %d CUDA graphs of the decode captured in %.1f s",
+                    manifest.model_id,
+                    graphs,
+                    time.perf_counter() - began,
+                )
             return GenerationRunner(
                 engine,
                 detokenizer_for(loaded.tokenizer),
@@ -162,15 +172,6 @@ def probe_factory(
         )
 
     return build
-
-
-def _warm_up_generation(engine: object) -> None:
-    from gpu_workers.engine import GenerationEngine, SeqRequest
-
-    if isinstance(engine, GenerationEngine):
-        engine.add(SeqRequest(request_id="warm-up", input_ids=[0, 1, 2], max_new_tokens=2))
-        while engine.has_work():
-            engine.step()
 
 
 def make_worker(platform: PlatformSettings, worker: WorkerSettings, model_id: str) -> WorkerService:

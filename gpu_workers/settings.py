@@ -61,10 +61,12 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     traffic that arrives in bursts just apart."""
     worker_embed_max_batch_tokens: Positive = 16_384
     worker_cuda_graphs: bool = True
-    """Embeddings on a GPU: run the forward as CUDA graphs, one per batch shape bucket (the common ones
+    """On a GPU, run the forwards as CUDA graphs. Embeddings: one per batch shape bucket (the common ones
     captured at start-up, others at their first batch; a capture synchronises the device and runs the
-    forward three times). A small encoder's forward is launch-bound there: MiniLM on an H100 took ~3 ms a
-    batch eagerly whatever its size (docs/perf). Off: every batch runs eagerly."""
+    forward three times). Generation: the decode step, one per batch height up to ``worker_max_running``,
+    all captured at start-up, over the fixed KV ring (``gpu_workers.ring``). A small model's forward is
+    launch-bound there: MiniLM on an H100 took ~3 ms a batch eagerly whatever its size (docs/perf). Off:
+    every forward runs eagerly (generation keeps the ring)."""
     worker_ops_host: str = "127.0.0.1"
     worker_ops_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 9400
     """``/metrics``, ``/healthz`` and ``/readyz`` of this worker; 0 picks a free port. ``sluice up`` gives

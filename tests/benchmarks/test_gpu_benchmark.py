@@ -23,13 +23,20 @@ def test_the_gpu_benchmark_runs_on_the_cpu_and_writes_its_json(tmp_path: Path) -
     assert checks == {
         "models load on the device": True,
         "greedy tokens equal the CPU's": True,
-        "engine under churn equals generate alone": True,
+        "engine under churn equals generate alone (as a worker builds it)": True,
+        "engine under churn equals generate alone (the other KV cache)": True,
         "seeded sampling is the same alone and in a batch": True,
         "embeddings equal the CPU's": True,
         "CUDA graphs equal the eager forward": True,
     }
     assert set(result["generation"]) == {"1", "8"}
-    assert all(row["raw_tok_s"] > 0 and row["engine_tok_s"] > 0 for row in result["generation"].values())
+    assert all(
+        row["raw_tok_s"] > 0 and row["engine_tok_s"] > 0 and row["growing_cache_tok_s"] > 0
+        for row in result["generation"].values()
+    )
+    details = [c["detail"] for c in result["smoke"] if c["check"].startswith("engine under churn")]
+    assert "growing cache, 0 decode graphs" in details[0], "a CPU's default: the growing cache"
+    assert "ring cache, 0 decode graphs" in details[1], "the ring runs eagerly on a CPU"
     assert set(result["embeddings_per_s"]) == {"1", "8"}
     assert all(
         row["engine_per_s"] > 0 and row["eager_per_s"] > 0 for row in result["embeddings_per_s"].values()

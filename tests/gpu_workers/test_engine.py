@@ -30,6 +30,13 @@ PROMPTS = {
 }
 
 
+@pytest.fixture(params=[False, True], ids=["growing", "ring"])
+def static_cache(request: pytest.FixtureRequest) -> bool:
+    """The engine's two KV caches: the growing one (the CPU's default) and the fixed ring (a GPU's, where
+    its decode is a CUDA graph; here it runs eagerly). Every engine contract holds for both."""
+    return bool(request.param)
+
+
 def encode(lm: LoadedModel, text: str) -> list[int]:
     ids: list[int] = lm.tokenizer(text).input_ids
     return ids
@@ -77,14 +84,14 @@ def run(
 
 
 def test_greedy_tokens_equal_generate_alone_while_requests_join_finish_and_cancel(
-    demo_gpt: LoadedModel,
+    demo_gpt: LoadedModel, static_cache: bool
 ) -> None:
     lm = demo_gpt
     budgets = {"chat": 24, "short": 6, "story": 30, "system": 18, "doc": 12, "mid": 40}
     ids = {name: encode(lm, text) for name, text in PROMPTS.items()}
     assert len({len(v) for v in ids.values()}) >= 5, "prompts should differ in length"
     expected = {name: generate_alone(lm, ids[name], n) for name, n in budgets.items()}
-    engine: GenerationRuntime = GenerationEngine(lm.model, max_batch_size=4)
+    engine: GenerationRuntime = GenerationEngine(lm.model, max_batch_size=4, static_cache=static_cache)
     joins = {
         0: [request(lm, name, ids[name], budgets[name]) for name in ("chat", "short")],
         2: [request(lm, "story", ids["story"], budgets["story"]), request(lm, "victim", ids["mid"], 50)],
@@ -114,7 +121,7 @@ def test_greedy_tokens_equal_generate_alone_while_requests_join_finish_and_cance
 
 
 def test_rows_are_reused_in_place_under_churn_and_tokens_still_equal_generate_alone(
-    demo_gpt: LoadedModel,
+    demo_gpt: LoadedModel, static_cache: bool
 ) -> None:
     """A closed loop at a full batch: whenever a sequence ends, the next request joins and takes the free row
     in place, so the batch is copied once to build it and once to drop the free rows nobody takes (after
@@ -125,7 +132,8 @@ def test_rows_are_reused_in_place_under_churn_and_tokens_still_equal_generate_al
     ids = [encode(lm, PROMPTS[name]) for name in names]
     expected = {str(i): generate_alone(lm, ids[i], budgets[i]) for i in range(len(names))}
     assert len(expected["0"]) == budgets[0]
-    engine = GenerationEngine(lm.model, max_batch_size=4)
+    engine = GenerationEngine(lm.model, max_batch_size=4, static_cache=static_cache)
+    assert engine.static_cache == static_cache
     queue = iter(range(len(names)))
     for i in itertools.islice(queue, 4):
         engine.add(request(lm, str(i), ids[i], budgets[i]))
@@ -146,12 +154,14 @@ def test_rows_are_reused_in_place_under_churn_and_tokens_still_equal_generate_al
     assert engine.rows == 0
 
 
-def test_seeded_sampling_reproduces_tokens_alone_and_in_a_batch(demo_gpt: LoadedModel) -> None:
+def test_seeded_sampling_reproduces_tokens_alone_and_in_a_batch(
+    demo_gpt: LoadedModel, static_cache: bool
+) -> None:
     lm = demo_gpt
     ids = encode(lm, PROMPTS["chat"])
 
     def sampled(seed: int, company: bool) -> list[int]:
-        engine = GenerationEngine(lm.model, max_batch_size=8)
+        engine = GenerationEngine(lm.model, max_batch_size=8, static_cache=static_cache)
         joins = {0: [request(lm, "r", ids, 40, temperature=0.9, top_p=0.95, top_k=50, seed=seed)]}
         if company:
             joins[0].append(request(lm, "other", encode(lm, PROMPTS["story"]), 40, temperature=1.0, seed=7))
@@ -164,9 +174,9 @@ def test_seeded_sampling_reproduces_tokens_alone_and_in_a_batch(demo_gpt: Loaded
     assert sampled(43, company=False) != first
 
 
-def test_cancel_frees_the_slot_and_stops_output(demo_gpt: LoadedModel) -> None:
+def test_cancel_frees_the_slot_and_stops_output(demo_gpt: LoadedModel, static_cache: bool) -> None:
     lm = demo_gpt
-    engine = GenerationEngine(lm.model, max_batch_size=2)
+    engine = GenerationEngine(lm.model, max_batch_size=2, static_cache=static_cache)
     for rid in ("a", "b", "c"):
         engine.add(SeqRequest(request_id=rid, input_ids=encode(lm, PROMPTS["mid"]), max_new_tokens=100))
     assert {o.request_id for o in engine.step()} == {"a", "b"}
@@ -184,11 +194,11 @@ def test_cancel_frees_the_slot_and_stops_output(demo_gpt: LoadedModel) -> None:
     assert engine.step() == []
 
 
-def test_finish_reasons_length_and_stop(demo_gpt: LoadedModel) -> None:
+def test_finish_reasons_length_and_stop(demo_gpt: LoadedModel, static_cache: bool) -> None:
     lm = demo_gpt
     ids = encode(lm, PROMPTS["story"])
     greedy = generate_alone(lm, ids, 5)
-    engine = GenerationEngine(lm.model)
+    engine = GenerationEngine(lm.model, static_cache=static_cache)
     engine.add(SeqRequest(request_id="len", input_ids=ids, max_new_tokens=3))
     engine.add(
         SeqRequest(request_id="stop", input_ids=ids, max_new_tokens=10, stop_token_ids=frozenset({greedy[1]}))
@@ -204,11 +214,79 @@ def test_finish_reasons_length_and_stop(demo_gpt: LoadedModel) -> None:
     assert [(o.token_id, o.finish_reason) for o in out["one"]] == [(greedy[0], "length")]
 
 
-def test_context_limit_ends_with_length(demo_gpt: LoadedModel) -> None:
-    engine = GenerationEngine(demo_gpt.model, max_context=12)
+def test_context_limit_ends_with_length(demo_gpt: LoadedModel, static_cache: bool) -> None:
+    engine = GenerationEngine(demo_gpt.model, max_context=12, static_cache=static_cache)
     engine.add(SeqRequest(request_id="r", input_ids=list(range(10, 20)), max_new_tokens=50))
     out = run(engine, {})["r"]
     assert [o.finish_reason for o in out] == [None, "length"]
+
+
+def test_the_ring_wraps_many_times_and_tokens_still_equal_generate_alone(demo_gpt: LoadedModel) -> None:
+    """A ring of 32 columns under a closed loop of 3 slots for ~200 steps: every column is rewritten
+    several times, joiners land on any ring position (their prompt's columns wrapping past the end), rows
+    free and fill, the batch grows and shrinks between graph heights; each request's tokens are still
+    ``generate``'s alone, cut where the 32-token context ends."""
+    lm = demo_gpt
+    context = 32
+    names = list(itertools.islice(itertools.cycle(PROMPTS), 30))
+    ids = [encode(lm, PROMPTS[name]) for name in names]
+    budgets = [3 + (7 * i) % 23 for i in range(len(names))]
+    expected = {
+        str(i): generate_alone(lm, ids[i], min(budgets[i], context - len(ids[i]))) for i in range(len(names))
+    }
+    engine = GenerationEngine(lm.model, max_batch_size=3, max_context=context, static_cache=True)
+    queue = iter(range(len(names)))
+    for i in itertools.islice(queue, 3):
+        engine.add(request(lm, str(i), ids[i], budgets[i]))
+    seen: dict[str, list[int]] = {}
+    steps = 0
+    heights: set[int] = set()
+    while engine.has_work():
+        steps += 1
+        for out in engine.step():
+            seen.setdefault(out.request_id, []).append(out.token_id)
+            if out.finish_reason is not None and (nxt := next(queue, None)) is not None:
+                engine.add(request(lm, str(nxt), ids[nxt], budgets[nxt]))
+        heights.add(engine.rows)
+    assert steps > 4 * context, f"{steps} steps: the ring should wrap several times"
+    assert seen == expected
+    assert heights >= {4}, "3 slots run in the ring's graph height of 4 (one free row)"
+
+
+def test_the_last_row_moves_up_when_free_rows_are_dropped(demo_gpt: LoadedModel, static_cache: bool) -> None:
+    """Three requests start together; the first two end early, and once their rows have been free for
+    COMPACT_AFTER_STEPS the batch shrinks to the third, which moves from row 2 to row 0 with its cache."""
+    lm = demo_gpt
+    ids = {name: encode(lm, PROMPTS[name]) for name in ("short", "doc", "story")}
+    budgets = {"short": 2, "doc": 3, "story": 45}
+    expected = generate_alone(lm, ids["story"], budgets["story"])
+    engine = GenerationEngine(lm.model, max_batch_size=3, static_cache=static_cache)
+    rows: list[int] = []
+    out = run(
+        engine,
+        {0: [request(lm, name, ids[name], n) for name, n in budgets.items()]},
+        on_step=lambda _: rows.append(engine.rows),
+    )
+    assert [o.token_id for o in out["story"]] == expected
+    assert max(rows) >= 3, rows
+    assert 1 in rows, rows
+
+
+def test_a_reset_ring_engine_serves_again(demo_gpt: LoadedModel) -> None:
+    """After ``reset`` (a step that ran out of memory) the ring's rows are free and new requests' tokens
+    are ``generate``'s alone; ``warm_up`` leaves the engine empty (its graphs captured on a GPU)."""
+    lm = demo_gpt
+    engine = GenerationEngine(lm.model, max_batch_size=4, static_cache=True)
+    assert engine.warm_up() == (3 if lm.device.type == "cuda" else 0), "heights 1, 2, 4 on a GPU"
+    assert not engine.has_work()
+    ids = encode(lm, PROMPTS["story"])
+    engine.add(request(lm, "a", ids, 30))
+    engine.add(request(lm, "b", encode(lm, PROMPTS["chat"]), 30))
+    for _ in range(5):
+        engine.step()
+    assert sorted(engine.reset()) == ["a", "b"]
+    out = run(engine, {0: [request(lm, "c", ids, 12)]})
+    assert [o.token_id for o in out["c"]] == generate_alone(lm, ids, 12)
 
 
 def test_add_rejects_bad_requests(demo_gpt: LoadedModel) -> None:

@@ -109,17 +109,21 @@ class SmallCardGenerator(GenerationEngine):
     def _decode(self, outputs: list) -> None:  # type: ignore[type-arg]
         if self.failures and self._batch.live > self.fits:
             self.failures -= 1
-            mask = self._batch.mask
-            assert mask is not None
-            self._batch.mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
+            super()._decode([])  # the cache and the rows moved on; the step's tokens are lost
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
         super()._decode(outputs)
 
 
+@pytest.mark.parametrize("static_cache", [False, True], ids=["growing", "ring"])
 def test_a_generation_step_that_does_not_fit_ends_its_sequences_and_the_engine_starts_clean(
-    demo_gpt: LoadedModel,
+    demo_gpt: LoadedModel, static_cache: bool
 ) -> None:
-    engine = SmallCardGenerator(demo_gpt.model, max_batch_size=4, max_context=demo_gpt.manifest.max_context)
+    engine = SmallCardGenerator(
+        demo_gpt.model,
+        max_batch_size=4,
+        max_context=demo_gpt.manifest.max_context,
+        static_cache=static_cache,
+    )
     runner = generation_runner(demo_gpt, engine, max_running=4, max_waiting=16)
     greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     first = [generation(greedy, stream=True) for _ in range(4)]
