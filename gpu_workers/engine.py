@@ -302,7 +302,7 @@ class GenerationEngine:
         last = [0 if s is None else s.last_token for s in seqs]
         position = [0 if s is None else s.position for s in seqs]
         if self._ring is not None:
-            logits = self._ring.decode(last, position)
+            logits, stats = self._ring.decode(last, position)
         else:
             if batch.mask is None:
                 raise EngineError("engine batch has no mask")  # unreachable: rows always come with a mask
@@ -317,9 +317,8 @@ class GenerationEngine:
             )
             batch.cache = out.past_key_values
             logits = out.logits[:, -1, :]
-        if len(live) != len(seqs):
-            logits = logits[live]
-        tokens, logprobs, entropies = self._sample(logits, running)
+            stats = token_stats(logits)
+        tokens, logprobs, entropies = self._sample(logits, stats, running, live)
         for j, row in enumerate(live):
             seq = running[j]
             seq.position += 1
@@ -370,7 +369,8 @@ class GenerationEngine:
         seqs = [
             _Seq(req=req, generator=self._generator(req), position=len(req.input_ids)) for req in admitted
         ]
-        tokens, logprobs, entropies = self._sample(out.logits[:, -1, :], seqs)
+        logits = out.logits[:, -1, :]
+        tokens, logprobs, entropies = self._sample(logits, token_stats(logits), seqs, range(len(seqs)))
         keep_rows = [
             row
             for row, s in enumerate(seqs)
@@ -418,11 +418,12 @@ class GenerationEngine:
         ring = self._ring
         length = ring.columns if ring is not None else 0 if batch.mask is None else batch.mask.shape[1]
         joined = _layers(cache)
+        placed: list[tuple[int, int, int]] = []  # into the ring, all at once: (row, joiner, its length)
         for j, seq in enumerate(seqs):
             n = len(seq.req.input_ids)
             row = next(free, None) if n <= length else None
             if row is not None and ring is not None:
-                ring.place(row, [(jk[j], jv[j]) for jk, jv in joined], n)
+                placed.append((row, j, n))
                 batch.seqs[row] = seq
                 continue
             if row is None or batch.mask is None:
@@ -434,6 +435,8 @@ class GenerationEngine:
             batch.mask[row] = 0
             batch.mask[row, length - n :] = 1
             batch.seqs[row] = seq
+        if placed and ring is not None:
+            ring.place(placed, joined)
         if left:
             self._rebuild(batch.live_rows(), ([seqs[j] for j in left], _select(cache, left), mask[left]))
 
@@ -525,9 +528,9 @@ class GenerationEngine:
         height = self._height(len(keep) + len(joiners))
         rows: list[_Seq | None] = [batch.seqs[i] for i in keep]
         ring.gather(keep, height)
-        for j, seq in enumerate(joiners):
-            ring.place(len(rows), [(jk[j], jv[j]) for jk, jv in layers], len(seq.req.input_ids))
-            rows.append(seq)
+        if joiners:
+            ring.place([(len(keep) + j, j, len(seq.req.input_ids)) for j, seq in enumerate(joiners)], layers)
+        rows += joiners
         rows += [None] * (height - len(rows))
         self._batch = _Batch(seqs=rows)
 
@@ -540,7 +543,7 @@ class GenerationEngine:
 
         rows = rows_bucket(self.max_batch_size) or self.max_batch_size
         try:
-            return RingCache(self._model, rows, self.max_context, graphs=cuda_graphs)
+            return RingCache(self._model, rows, self.max_context, graphs=cuda_graphs, head=token_stats)
         except Exception as exc:
             if out_of_memory_in(exc) is None:
                 raise
@@ -561,28 +564,38 @@ class GenerationEngine:
         return torch.Generator(device=self._device).manual_seed(req.seed)
 
     def _sample(
-        self, logits: torch.Tensor, seqs: Sequence[_Seq]
+        self, logits: torch.Tensor, stats: torch.Tensor, seqs: Sequence[_Seq], rows: Sequence[int]
     ) -> tuple[list[int], list[float], list[float]]:
-        """Each row's next token, with its log-probability and the distribution's entropy."""
+        """Each sequence's next token, with its log-probability and the distribution's entropy; ``seqs[i]``
+        is row ``rows[i]`` of ``logits`` and of ``stats`` (:func:`token_stats`). All greedy: one copy
+        back (one device sync) a step, and no other work on the device."""
         import torch
 
-        scores = logits.float()
-        best, argmax = scores.max(dim=-1)
-        # log p(token) = score - logsumexp; entropy = logsumexp - sum(p * score) (a -inf score has p = 0)
-        lse = torch.logsumexp(scores, dim=-1)
-        expected = (scores.softmax(dim=-1) * scores.nan_to_num(neginf=0.0)).sum(dim=-1)
-        entropy = (lse - expected).clamp(min=0.0)
-        if all(seq.generator is None for seq in seqs):  # greedy: one copy back (a device sync) a step
-            stats: list[list[float]] = torch.stack(
-                [argmax.double(), (best - lse).double(), entropy.double()]
-            ).tolist()
-            return [int(t) for t in stats[0]], stats[1], stats[2]
-        tokens: list[int] = argmax.tolist()
-        for row, seq in enumerate(seqs):
+        argmax, greedy_logprob, entropy = stats.tolist()
+        entropies = [entropy[r] for r in rows]
+        if all(seq.generator is None for seq in seqs):
+            return [int(argmax[r]) for r in rows], [greedy_logprob[r] for r in rows], entropies
+        tokens = [int(argmax[r]) for r in rows]
+        for i, seq in enumerate(seqs):
             if seq.generator is not None:
-                tokens[row] = sample_token(logits[row], seq.req, seq.generator)
+                tokens[i] = sample_token(logits[rows[i]], seq.req, seq.generator)
+        scores = logits[list(rows)].float()
         chosen = scores.gather(1, torch.tensor(tokens, device=scores.device).unsqueeze(1)).squeeze(1)
-        return tokens, (chosen - lse).tolist(), entropy.tolist()
+        return tokens, (chosen - torch.logsumexp(scores, dim=-1)).tolist(), entropies
+
+
+def token_stats(logits: torch.Tensor) -> torch.Tensor:
+    """``[3, rows]`` float32: each row's greedy token (exact below 2**24), its log-probability, and the
+    entropy (nats) of the row's next-token distribution, in one tensor so that one copy brings them back.
+    On a GPU it is part of the decode's CUDA graph."""
+    import torch
+
+    scores = logits.float()
+    best, argmax = scores.max(dim=-1)
+    # log p(token) = score - logsumexp; entropy = logsumexp - sum(p * score) (a -inf score has p = 0)
+    lse = torch.logsumexp(scores, dim=-1)
+    expected = (scores.softmax(dim=-1) * scores.nan_to_num(neginf=0.0)).sum(dim=-1)
+    return torch.stack([argmax.to(scores.dtype), best - lse, (lse - expected).clamp(min=0.0)])
 
 
 def sample_token(logits: torch.Tensor, req: SeqRequest, generator: torch.Generator) -> int:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -45,10 +46,21 @@ class RingCache:
     and the decode forward over them (a CUDA graph per batch height with ``graphs``). Used from the
     engine's thread only."""
 
-    def __init__(self, model: PreTrainedModel, rows: int, columns: int, *, graphs: bool) -> None:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        rows: int,
+        columns: int,
+        *,
+        graphs: bool,
+        head: Callable[[torch.Tensor], torch.Tensor],
+    ) -> None:
         import torch
 
         self._model = model
+        self._head = head
+        """What the decode computes from its logits besides them (the sampler's per-row statistics): part
+        of the graph, so a step is one launch and one copy back."""
         self.device: torch.device = next(model.parameters()).device
         self.rows = rows
         self.columns = columns
@@ -69,7 +81,7 @@ class RingCache:
         self._host = torch.zeros(2 * rows + 1, dtype=torch.long, pin_memory=self.device.type == "cuda")
         self.column = 0
         """The column the next decode writes."""
-        self._graphs: dict[int, tuple[Any, torch.Tensor]] | None = (
+        self._graphs: dict[int, tuple[Any, tuple[torch.Tensor, torch.Tensor]]] | None = (
             {} if graphs and self.device.type == "cuda" else None
         )
         self._pool: Any = None
@@ -86,18 +98,33 @@ class RingCache:
 
     # ---------------------------------------------------------------------------------------- row surgery
 
-    def place(self, row: int, layers: list[tuple[torch.Tensor, torch.Tensor]], n: int) -> None:
-        """A joiner's prompt into ``row``: its keys and values (``[heads, length, dim]`` per layer, the
-        prompt right-aligned) into the ``n`` columns written last; the row attends to those alone."""
+    def place(
+        self, placed: list[tuple[int, int, int]], layers: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> None:
+        """Joiners' prompts into rows, all in one pass: for each ``(row, joiner, n)``, the joiner's keys and
+        values (its index in each layer's ``[joiners, heads, length, dim]``, the prompt right-aligned) go
+        into the ``n`` columns written last of ``row``, which attends to those alone. A handful of device
+        operations whatever the number of joiners (one index copy in, one gather and one scatter per
+        tensor): placing joiners one by one cost a few launches each, on a GPU ~15 ms for 256."""
         import torch
 
-        start = self.column - n
-        cols = torch.arange(start, start + n, device=self.device) % self.columns
+        rows, joiners, lengths = (np.array(column, dtype=np.int64) for column in zip(*placed, strict=True))
+        width = layers[0][0].shape[2]
+        offsets = np.concatenate([np.arange(-n, 0) for n in lengths.tolist()])  # -n .. -1, per joiner
+        index = np.stack(
+            [
+                np.repeat(rows, lengths),
+                np.repeat(joiners, lengths),
+                width + offsets,  # the joiner's own columns
+                (self.column + offsets) % self.columns,  # the ring's columns written last
+            ]
+        )
+        row, joiner, source, column = torch.from_numpy(index).to(self.device)  # one copy
         for buf_k, buf_v, (k, v) in zip(self.keys, self.values, layers, strict=True):
-            buf_k[row].index_copy_(1, cols, k[:, k.shape[1] - n :])
-            buf_v[row].index_copy_(1, cols, v[:, v.shape[1] - n :])
+            buf_k[row, :, column] = k[joiner, :, source]
+            buf_v[row, :, column] = v[joiner, :, source]
         self.mask[row] = False
-        self.mask[row].index_fill_(0, cols, True)
+        self.mask[row, column] = True
 
     def free(self, row: int) -> None:
         """The row's sequence is gone: from now on it attends only to its own new columns."""
@@ -116,9 +143,10 @@ class RingCache:
 
     # --------------------------------------------------------------------------------------------- decode
 
-    def decode(self, ids: list[int], positions: list[int]) -> torch.Tensor:
+    def decode(self, ids: list[int], positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step for the first ``len(ids)`` rows (each fed its last token at its absolute
-        position): their logits, ``[rows, vocab]``. Writes the current column and moves to the next."""
+        position): their logits, ``[rows, vocab]``, and ``head`` of them. Writes the current column and
+        moves to the next."""
         height = len(ids)
         host: np.ndarray[Any, np.dtype[np.int64]] = self._host.numpy()
         host[:height] = ids
@@ -138,14 +166,14 @@ class RingCache:
             self._graph_for(height)
         return self.graphs
 
-    def _run(self, height: int) -> torch.Tensor:
+    def _run(self, height: int) -> tuple[torch.Tensor, torch.Tensor]:
         graph = self._graph_for(height)
         if graph is None:
             return self._forward(height)
         graph[0].replay()
         return graph[1]
 
-    def _graph_for(self, height: int) -> tuple[Any, torch.Tensor] | None:
+    def _graph_for(self, height: int) -> tuple[Any, tuple[torch.Tensor, torch.Tensor]] | None:
         import torch
 
         if self._graphs is None:
@@ -170,8 +198,8 @@ class RingCache:
             log.info("captured the decode for %d rows as a CUDA graph", height)
         return graph
 
-    def _forward(self, height: int) -> torch.Tensor:
-        """The decode forward over the static tensors (what a graph captures)."""
+    def _forward(self, height: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decode forward over the static tensors, and ``head`` of its logits (what a graph captures)."""
         import torch
 
         rows = self.rows
@@ -188,7 +216,7 @@ class RingCache:
             use_cache=True,
         )
         logits: torch.Tensor = out.logits[:, -1, :]
-        return logits
+        return logits, self._head(logits)
 
     def _cache_for(self, height: int) -> Any:
         """A transformers ``DynamicCache`` whose layers are views of the first ``height`` rows and write
