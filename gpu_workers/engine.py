@@ -539,19 +539,15 @@ class GenerationEngine:
         where it does not fit the device's memory."""
         from gpu_workers.graphs import rows_bucket
         from gpu_workers.oom import out_of_memory_in
-        from gpu_workers.ring import RingCache
+        from gpu_workers.ring import RingCache, RingTooLarge
 
         rows = rows_bucket(self.max_batch_size) or self.max_batch_size
         try:
             return RingCache(self._model, rows, self.max_context, graphs=cuda_graphs, head=token_stats)
         except Exception as exc:
-            if out_of_memory_in(exc) is None:
+            if not isinstance(exc, RingTooLarge) and out_of_memory_in(exc) is None:
                 raise
-            log.warning(
-                "a KV ring of %d rows x %d columns does not fit the device: the growing cache instead",
-                rows,
-                self.max_context,
-            )
+            log.warning("%s: the growing KV cache instead (no CUDA graphs of the decode)", exc)
             return None
 
     # -------------------------------------------------------------------------------------------- sampling

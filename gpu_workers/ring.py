@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from gpu_workers import GpuWorkerError
 from gpu_workers.graphs import capture
 from gpu_workers.oom import out_of_memory_in
 
@@ -39,6 +40,15 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 log = logging.getLogger(__name__)
+
+RING_MEMORY_SHARE = 0.5
+"""A ring may take at most this share of the device memory free when it is made: past it the engine keeps
+the growing cache (a long context times many rows of a big model is gigabytes, which the batches' own
+activations and the CUDA graphs also need)."""
+
+
+class RingTooLarge(GpuWorkerError):
+    """The ring would take more of the device's memory than :data:`RING_MEMORY_SHARE` of what is free."""
 
 
 class RingCache:
@@ -69,6 +79,14 @@ class RingCache:
                 input_ids=torch.zeros((1, 1), dtype=torch.long, device=self.device), use_cache=True
             ).past_key_values
         shapes = [(layer.keys.shape, layer.keys.dtype) for layer in probe.layers]
+        need = sum(2 * rows * s[1] * columns * s[3] * dt.itemsize for s, dt in shapes)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            if need > RING_MEMORY_SHARE * free:
+                raise RingTooLarge(
+                    f"a KV ring of {rows} rows x {columns} columns needs {need / 2**20:,.0f} MiB;"
+                    f" {free / 2**20:,.0f} MiB of the device is free"
+                )
         self.keys = [
             torch.zeros((rows, s[1], columns, s[3]), dtype=dt, device=self.device) for s, dt in shapes
         ]

@@ -289,6 +289,36 @@ def test_a_reset_ring_engine_serves_again(demo_gpt: LoadedModel) -> None:
     assert [o.token_id for o in out["c"]] == generate_alone(lm, ids, 12)
 
 
+@pytest.mark.parametrize("error", ["too large", "out of memory"])
+def test_a_ring_that_does_not_fit_leaves_the_growing_cache(
+    demo_gpt: LoadedModel, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, error: str
+) -> None:
+    """A ring past half the free device memory, or one whose allocation runs out of memory, is not made:
+    the engine warns and serves with the growing cache. Any other failure is a bug and is raised."""
+    from gpu_workers import ring
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        if error == "too large":
+            raise ring.RingTooLarge("a KV ring of 4 rows x 512 columns needs 9,999 MiB")
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.77 GiB")
+
+    monkeypatch.setattr(ring, "RingCache", refuse)
+    lm = demo_gpt
+    engine = GenerationEngine(lm.model, max_batch_size=4, static_cache=True)
+    assert not engine.static_cache
+    assert "the growing KV cache instead" in caplog.text
+    ids = encode(lm, PROMPTS["story"])
+    out = run(engine, {0: [request(lm, "r", ids, 10)]})
+    assert [o.token_id for o in out["r"]] == generate_alone(lm, ids, 10)
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise ValueError("a bug")
+
+    monkeypatch.setattr(ring, "RingCache", broken)
+    with pytest.raises(ValueError, match="a bug"):
+        GenerationEngine(lm.model, static_cache=True)
+
+
 def test_add_rejects_bad_requests(demo_gpt: LoadedModel) -> None:
     engine = GenerationEngine(demo_gpt.model)
     vocab = demo_gpt.model.config.vocab_size
