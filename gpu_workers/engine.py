@@ -17,6 +17,11 @@ token boundary:
    ``COMPACT_AFTER_STEPS`` steps are dropped the same way;
 4. leading columns no running row attends to are cut off (a view: the next decode's update copies anyway).
 
+That is the growing cache, the CPU's. On a GPU the same steps run over a fixed KV ring instead
+(``gpu_workers.ring``): every row's keys and values in ``max_context`` columns, the batch's rows rounded up
+to a CUDA graph height, the decode one graph replay a step (the sampler's statistics part of it); joiners
+still take free rows in place, and a rebuild moves rows within the ring.
+
 Under saturation with staggered lengths (a sequence ends and another joins at nearly every step) this
 keeps the cost of a membership change to the joiner's own cache instead of a copy of the whole batch's.
 
