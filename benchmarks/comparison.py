@@ -157,17 +157,20 @@ def run_ray(
 # ------------------------------------------------------------------------------------------- the verdict
 
 
-def ratios(profiles: dict[str, Outcome]) -> dict[str, Any]:
+def ratios(profiles: dict[str, Outcome], base: Profiles | None = None) -> dict[str, Any]:
     """Per workload and client count: platform over each of raw/ray/naive in throughput (``per_s``), p99,
-    and (where the peer is not raw) in latency added to the raw model's at p50."""
+    and (where the peer is not raw) in latency added at p50 to ``base``'s: the raw model on the threads the
+    servers get (every server here runs its model on the workers' threads, so what one adds is measured
+    from the same call), else ``profiles["raw"]``."""
     out: dict[str, Any] = {}
     platform, raw = profiles["platform"], profiles["raw"]
     if isinstance(platform, str) or isinstance(raw, str):
         return out
+    reference = base or raw
     for workload in WORKLOADS:
         for clients in map(str, CLIENTS):
             row: dict[str, float | None] = {}
-            mine, base = platform[workload][clients], raw[workload][clients]
+            mine, base_row = platform[workload][clients], reference[workload][clients]
             for peer in ("raw", "ray", "naive"):
                 theirs = profiles.get(peer, "not run")
                 if isinstance(theirs, str):
@@ -177,9 +180,9 @@ def ratios(profiles: dict[str, Outcome]) -> dict[str, Any]:
                 row[f"{peer}_per_s"] = mine["per_s"] / other["per_s"]
                 row[f"{peer}_p99"] = mine["p99_ms"] / other["p99_ms"]
                 if peer != "raw":
-                    added = other["p50_ms"] - base["p50_ms"]
+                    added = other["p50_ms"] - base_row["p50_ms"]
                     # below the raw model's (noise, or a raw run on a busy machine) counts as nothing added
-                    ours = max(0.0, mine["p50_ms"] - base["p50_ms"])
+                    ours = max(0.0, mine["p50_ms"] - base_row["p50_ms"])
                     row[f"{peer}_added_p50"] = ours / added if added > 0 else None
             out.setdefault(workload, {})[clients] = row
     return out
@@ -249,6 +252,7 @@ def table(profiles: dict[str, Outcome], ratio: dict[str, Any]) -> str:
             )
     return (
         "each cell: throughput · p50/p99 ms per request (raw: one model call of batch 1, or of its best batch)\n"
-        f"{first}\n\nplatform over each peer (thr: throughput; added p50: latency added to the raw model's)\n"
+        f"{first}\n\nplatform over each peer (thr: throughput; added p50: latency added to the raw model's on"
+        " the servers' threads)\n"
         f"{_grid(header2, rows2)}"
     )

@@ -257,6 +257,8 @@ async def measure(
 
 
 STAGES = ("edge in", "to the worker", "model", "back", "total")
+RAW_IDLE_WORKER = "raw batch 1 after idle, worker's threads"
+"""The same forward alone after idle on the threads a worker gets (the floor run), as the model stage runs it."""
 
 
 def where_time_goes(
@@ -306,10 +308,11 @@ def where_time_goes(
 
 def table(result: dict[str, dict[str, float]]) -> str:
     g, t, e, f = result["generation"], result["ttft_ms"], result["embeddings"], result["floor"]
+    m = result["machine"]
     rows = [
         (
             "generation tok/s at saturation",
-            f"{g['raw_tokens_per_s']:.0f} (batch {g['raw_best_batch']:.0f})",
+            f"{g['raw_tokens_per_s']:.0f} (batch {g['raw_best_batch']:.0f}, {m['raw_torch_threads']:.0f} thr)",
             f"{g['platform_tokens_per_s']:.0f} (conc. {g['platform_concurrency']:.0f})",
             f"{g['ratio']:.2f}",
             "≥ 0.90",
@@ -337,7 +340,7 @@ def table(result: dict[str, dict[str, float]]) -> str:
         ),
         (
             "embeddings/s, conc. 64, dynamic",
-            f"{e['raw_best_per_s']:.0f} (best batch)",
+            f"{e['raw_best_per_s']:.0f} (best batch, {m['raw_torch_threads']:.0f} thr)",
             f"{e['dynamic_per_s']:.0f}",
             f"{e['dynamic_over_raw_best']:.2f}",
             "≥ 0.90",
@@ -371,6 +374,7 @@ def table(result: dict[str, dict[str, float]]) -> str:
 def run_peers(
     args: argparse.Namespace,
     raw: dict[str, object],
+    floor: dict[str, object],
     platform: comparison.Profiles,
     settings: PlatformSettings,
     env: dict[str, str],
@@ -405,7 +409,8 @@ def run_peers(
                 python, args.quick, gen_batch, logs / "ray.log", peer_env
             )
             facts["ray"]["wall_s"] = time.perf_counter() - started
-    return {"profiles": profiles, "ratios": comparison.ratios(profiles), "about": facts}
+    base = comparison.raw_profiles(floor, args.quick)  # the model on the threads every server gets
+    return {"profiles": profiles, "ratios": comparison.ratios(profiles, base), "about": facts}
 
 
 def main() -> None:
@@ -456,7 +461,7 @@ def main() -> None:
     print(f"raw model on {threads} thread(s), the floor (alone) ...", file=sys.stderr)
     floor = json.loads(
         subprocess.run(
-            [*raw_cmd, "--threads", str(threads), "--batches", str(best)],
+            [*raw_cmd, "--threads", str(threads), "--batches", ",".join(sorted({"1", str(best)}, key=int))],
             check=True,
             capture_output=True,
             text=True,
@@ -495,6 +500,8 @@ def main() -> None:
             after_idle = cast(dict[str, float], raw["embedding_batch1_after_idle"])
             where["raw batch 1 after idle"] = after_idle["ms"]
             where["raw idle ms"] = after_idle["idle_ms"]
+            # the model stage runs on the worker's threads: the same forward there, alone, after idle
+            where[RAW_IDLE_WORKER] = cast(dict[str, float], floor["embedding_batch1_after_idle"])["ms"]
             result["embedding_one_client_ms"] = where
         except BaseException:
             for name in services.procs:
@@ -504,7 +511,9 @@ def main() -> None:
             services.stop_all()
     if own_cores:
         pin_process(own_cores)
-    peers = run_peers(args, raw, cast(comparison.Profiles, result.pop("platform_profiles")), settings, env)
+    peers = run_peers(
+        args, raw, floor, cast(comparison.Profiles, result.pop("platform_profiles")), settings, env
+    )
     result["machine"] = {
         "cpus": os.cpu_count(),
         "python": host.python_version(),
@@ -512,6 +521,7 @@ def main() -> None:
         "device": raw["device"],
         "quick": args.quick,
         "worker_torch_threads": threads,
+        "raw_torch_threads": raw["threads"],
         "placement": placed or "off",
         "load_avg_start": load_before,
         "load_avg_end": os.getloadavg(),
@@ -519,12 +529,14 @@ def main() -> None:
     result["peers"] = peers
     print(table(result))  # type: ignore[arg-type]
     where = cast(dict[str, float], result["embedding_one_client_ms"])
+    m_threads = threads
     print(
         "\nembeddings at 1 client, where the time goes (p50 ms; the terminal events' timings, "
         f"{where['requests']:.0f} requests): "
         + " | ".join(f"{stage} {where[stage]:.2f}" for stage in STAGES if stage in where)
         + f" | raw batch 1 {where['raw batch 1']:.2f} in a loop, "
         f"{where['raw batch 1 after idle']:.2f} after {where['raw idle ms']:.0f} ms idle"
+        f" ({where[RAW_IDLE_WORKER]:.2f} on the worker's {m_threads} thread(s))"
     )
     print()
     print(comparison.table(peers["profiles"], peers["ratios"]))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -18,7 +19,7 @@ from loadgen import EMBED_TEXTS, embed_text
 
 from gpu_workers.embedding import EmbeddingEngine
 from gpu_workers.engine import raw_generate_throughput
-from gpu_workers.models import load_embedding_model, load_generation_model
+from gpu_workers.models import configure_torch_threads, load_embedding_model, load_generation_model
 from schemas.manifest import current_model_dir
 from schemas.settings import PlatformSettings, load_settings
 
@@ -43,8 +44,8 @@ def main() -> None:
         "--threads", type=int, default=None, help="torch intra-op threads (default: torch's, one per core)"
     )
     args = parser.parse_args()
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    # the models' loader sizes torch's team for a worker (half the cores); the raw model alone gets them all
+    configure_torch_threads(args.threads or len(os.sched_getaffinity(0)))
     settings = load_settings(PlatformSettings)
     gen = load_generation_model(current_model_dir(settings.cache_dir, "demo-gpt"), device="auto")
     prompt = list(gen.tokenizer(args.prompt)["input_ids"])

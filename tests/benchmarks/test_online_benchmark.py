@@ -5,6 +5,7 @@ CI does not install: the run is pointed at a Python that has none, so its column
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,8 @@ def test_the_online_benchmark_runs_quick_and_writes_its_json(tmp_path: Path, kaf
     assert result["embeddings"]["dynamic_per_s"] > 0
     floor = result["floor"]  # the raw model again, on the threads a worker gets
     assert floor["threads"] == result["machine"]["worker_torch_threads"] >= 1
+    # the raw model alone gets every core (the models' loader sizes torch for a worker: half of them)
+    assert result["machine"]["raw_torch_threads"] == len(os.sched_getaffinity(0))
     assert floor["generation_tokens_per_s"] > 0
     assert floor["embeddings_per_s"] > 0
     assert result["generation"]["platform_concurrency"] == 2 * result["generation"]["raw_best_batch"]
@@ -45,6 +48,7 @@ def test_the_online_benchmark_runs_quick_and_writes_its_json(tmp_path: Path, kaf
     assert where["total"] >= where["model"] > 0, where
     assert where["raw batch 1"] > 0, where
     assert where["raw batch 1 after idle"] > 0, where
+    assert where["raw batch 1 after idle, worker's threads"] > 0, where
     assert where["raw idle ms"] == 5, where
     assert "where the time goes" in stdout
     profiles = result["peers"]["profiles"]
