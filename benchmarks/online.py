@@ -529,14 +529,13 @@ def main() -> None:
     result["peers"] = peers
     print(table(result))  # type: ignore[arg-type]
     where = cast(dict[str, float], result["embedding_one_client_ms"])
-    m_threads = threads
     print(
         "\nembeddings at 1 client, where the time goes (p50 ms; the terminal events' timings, "
         f"{where['requests']:.0f} requests): "
         + " | ".join(f"{stage} {where[stage]:.2f}" for stage in STAGES if stage in where)
         + f" | raw batch 1 {where['raw batch 1']:.2f} in a loop, "
         f"{where['raw batch 1 after idle']:.2f} after {where['raw idle ms']:.0f} ms idle"
-        f" ({where[RAW_IDLE_WORKER]:.2f} on the worker's {m_threads} thread(s))"
+        f" ({where[RAW_IDLE_WORKER]:.2f} on the worker's {threads} thread(s))"
     )
     print()
     print(comparison.table(peers["profiles"], peers["ratios"]))

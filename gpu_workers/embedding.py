@@ -16,7 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 from gpu_workers import GpuWorkerError
-from gpu_workers.graphs import GRAPH_ROWS, capture, rows_bucket
+from gpu_workers.graphs import GRAPH_ROWS, capture, captured_or_eager, rows_bucket
 from gpu_workers.oom import out_of_memory_in
 from gpu_workers.padding import pad_rows
 
@@ -179,17 +179,12 @@ class EmbeddingEngine:
             return None
         graph = self._graphs.get(shape)
         if graph is None:
-            try:
-                graph = self._graphs[shape] = self._capture(*shape)
-            except Exception as exc:
-                oom = out_of_memory_in(exc)
-                if oom is exc:  # the runner splits the batch, as for an eager pass
-                    raise
-                if oom is not None:
-                    raise oom from exc
-                log.warning("CUDA graph capture failed (%s): embeddings run eagerly from now on", exc)
+            # out of memory is raised: the runner splits the batch, as for an eager pass
+            graph = captured_or_eager(lambda: self._capture(*shape), "embeddings run eagerly")
+            if graph is None:
                 self._graphs = None
                 return None
+            self._graphs[shape] = graph
             log.info("captured the embedding forward for %d x %d as a CUDA graph", *shape)
         return graph
 

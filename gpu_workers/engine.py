@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 import msgspec
 
 from gpu_workers import GpuWorkerError
+from gpu_workers.graphs import GRAPH_ROWS, rows_bucket
 from gpu_workers.padding import pad_rows
 
 if TYPE_CHECKING:
@@ -213,8 +214,6 @@ class GenerationEngine:
         """Run one short request through (kernels chosen, allocator warm), then, with CUDA graphs, capture
         the decode for every batch height up to ``max_batch_size`` so that no request waits for a capture.
         Returns the graphs captured. Call with the engine empty, before serving."""
-        from gpu_workers.graphs import GRAPH_ROWS
-
         self.add(SeqRequest(request_id="warm-up", input_ids=[0, 1, 2], max_new_tokens=2))
         while self.has_work():
             self.step()
@@ -517,8 +516,6 @@ class GenerationEngine:
     def _height(self, rows: int) -> int:
         """Rows the batch has for ``rows`` sequences: as many, or with the ring the smallest CUDA graph
         height that holds them (the rest free rows)."""
-        from gpu_workers.graphs import rows_bucket
-
         if self._ring is None or not rows:
             return rows
         return min(rows_bucket(rows) or self._ring.rows, self._ring.rows)
@@ -542,7 +539,6 @@ class GenerationEngine:
     def _make_ring(self, cuda_graphs: bool) -> RingCache | None:
         """The ring for ``max_batch_size`` rows of ``max_context`` columns, or None (the growing cache)
         where it does not fit the device's memory."""
-        from gpu_workers.graphs import rows_bucket
         from gpu_workers.oom import out_of_memory_in
         from gpu_workers.ring import RingCache, RingTooLarge
 

@@ -8,11 +8,16 @@ are static tensors, and a batch is copied into them.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from gpu_workers.oom import out_of_memory_in
+
 if TYPE_CHECKING:
     import torch
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -24,6 +29,22 @@ it padding."""
 def rows_bucket(rows: int) -> int | None:
     """The smallest of :data:`GRAPH_ROWS` that holds ``rows``, or None past the largest."""
     return next((r for r in GRAPH_ROWS if r >= rows), None)
+
+
+def captured_or_eager(make: Callable[[], T], fallback: str) -> T | None:
+    """``make()`` (a capture), or None where it failed for any reason but memory: logged, and the caller
+    runs eagerly from then on (``fallback`` says what). Out of memory is raised as itself, also when the
+    capture's teardown raised it wrapped, so the caller backs off as after an eager pass."""
+    try:
+        return make()
+    except Exception as exc:
+        oom = out_of_memory_in(exc)
+        if oom is exc:
+            raise
+        if oom is not None:
+            raise oom from exc
+        log.warning("CUDA graph capture failed (%s): %s from now on", exc, fallback)
+        return None
 
 
 def capture(forward: Callable[[], T], device: torch.device, pool: Any) -> tuple[torch.cuda.CUDAGraph, T]:

@@ -32,8 +32,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from gpu_workers import GpuWorkerError
-from gpu_workers.graphs import capture
-from gpu_workers.oom import out_of_memory_in
+from gpu_workers.graphs import capture, captured_or_eager
 
 if TYPE_CHECKING:
     import torch
@@ -97,6 +96,7 @@ class RingCache:
         self.feed = torch.zeros(2 * rows + 1, dtype=torch.long, device=self.device)
         """The static input of a decode: ``[ids (rows), positions (rows), column]``."""
         self._host = torch.zeros(2 * rows + 1, dtype=torch.long, pin_memory=self.device.type == "cuda")
+        self._host_view: np.ndarray[Any, np.dtype[np.int64]] = self._host.numpy()
         self.column = 0
         """The column the next decode writes."""
         self._graphs: dict[int, tuple[Any, tuple[torch.Tensor, torch.Tensor]]] | None = (
@@ -166,7 +166,7 @@ class RingCache:
         position): their logits, ``[rows, vocab]``, and ``head`` of them. Writes the current column and
         moves to the next."""
         height = len(ids)
-        host: np.ndarray[Any, np.dtype[np.int64]] = self._host.numpy()
+        host = self._host_view
         host[:height] = ids
         host[self.rows : self.rows + height] = positions
         host[-1] = self.column
@@ -200,19 +200,15 @@ class RingCache:
         if graph is None:
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
-            try:
-                graph = self._graphs[height] = capture(
-                    functools.partial(self._forward, height), self.device, self._pool
-                )
-            except Exception as exc:
-                oom = out_of_memory_in(exc)
-                if oom is exc:
-                    raise
-                if oom is not None:
-                    raise oom from exc
-                log.warning("CUDA graph capture of the decode failed (%s): it runs eagerly from now on", exc)
+            pool = self._pool
+            graph = captured_or_eager(
+                lambda: capture(functools.partial(self._forward, height), self.device, pool),
+                "the decode runs eagerly",
+            )
+            if graph is None:
                 self._graphs = None
                 return None
+            self._graphs[height] = graph
             log.info("captured the decode for %d rows as a CUDA graph", height)
         return graph
 
