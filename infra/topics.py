@@ -313,16 +313,24 @@ def under_replicated(
     admin: AdminClient, names: Sequence[str], timeout: float = 10.0
 ) -> list[tuple[str, int]]:
     """(topic, partition) of each partition of ``names`` whose in-sync replicas are fewer than its
-    replicas: after a broker's loss, its partitions until it is back and has caught up."""
-    futures = admin.describe_topics(TopicCollection(list(names)), request_timeout=timeout)
-    lagging = []
-    for name in names:
-        try:
-            description = futures[name].result()
-        except KafkaException as exc:
-            raise InfraError(f"describing {name} failed: {exc.args[0]}") from exc
-        lagging += [(name, p.id) for p in description.partitions if len(p.isr) < len(p.replicas)]
-    return sorted(lagging)
+    replicas: after a broker's loss, its partitions until it is back and has caught up. A topic the
+    answering broker does not know yet (just created: ``apply_topics`` waits until one broker lists it,
+    and the others learn of it a moment later) is asked about again until ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        futures = admin.describe_topics(TopicCollection(list(names)), request_timeout=timeout)
+        lagging: list[tuple[str, int]] = []
+        for name in names:
+            try:
+                description = futures[name].result()
+            except KafkaException as exc:
+                if exc.args[0].code() == KafkaError.UNKNOWN_TOPIC_OR_PART and time.monotonic() < deadline:
+                    break  # not known yet where it was asked: ask again
+                raise InfraError(f"describing {name} failed: {exc.args[0]}") from exc
+            lagging += [(name, p.id) for p in description.partitions if len(p.isr) < len(p.replicas)]
+        else:
+            return sorted(lagging)
+        time.sleep(0.1)
 
 
 def make_admin(kafka: KafkaConnection, **overrides: Any) -> AdminClient:

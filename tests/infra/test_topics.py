@@ -1,6 +1,9 @@
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
+from confluent_kafka import KafkaError, KafkaException, TopicCollection
 from confluent_kafka.admin import AdminClient, ConfigResource
 
 from infra.errors import InfraError
@@ -12,6 +15,7 @@ from infra.topics import (
     make_admin,
     platform_topics,
     topics_of,
+    under_replicated,
 )
 from schemas.settings import KafkaConnection, PlatformSettings
 from schemas.topics import TopicNames
@@ -123,3 +127,41 @@ def test_fewer_partitions_than_exist_is_a_clear_error(kafka: KafkaConnection, to
     apply_topics(admin, [TopicSpec(name=name, partitions=4, config={}, purpose="test")])
     with pytest.raises(TopicSpecError, match="has 4 partitions but the spec asks for 2"):
         apply_topics(admin, [TopicSpec(name=name, partitions=2, config={}, purpose="test")])
+
+
+class _Answer:
+    def __init__(self, value: object) -> None:
+        self._value = value
+
+    def result(self) -> object:
+        if isinstance(self._value, BaseException):
+            raise self._value
+        return self._value
+
+
+class _LaggingAdmin:
+    """Answers DescribeTopics as a broker that learns of a new topic after ``unknown_for`` requests."""
+
+    def __init__(self, unknown_for: int, error: int = KafkaError.UNKNOWN_TOPIC_OR_PART) -> None:
+        self.calls, self._unknown_for, self._error = 0, unknown_for, error
+
+    def describe_topics(self, topics: TopicCollection, request_timeout: float) -> dict[str, _Answer]:
+        self.calls += 1
+        partitions = [SimpleNamespace(id=0, isr=[1, 2], replicas=[1, 2, 3])]
+        answer: object = SimpleNamespace(partitions=partitions)
+        if self.calls <= self._unknown_for:
+            answer = KafkaException(KafkaError(self._error))
+        return {name: _Answer(answer) for name in topics.topic_names}
+
+
+def test_under_replicated_asks_again_while_a_new_topic_is_unknown_where_it_asks() -> None:
+    """``apply_topics`` waits until one broker lists a new topic; another may learn of it a moment later."""
+    admin = _LaggingAdmin(unknown_for=2)
+    assert under_replicated(admin, ["t"], timeout=5) == [("t", 0)]  # type: ignore[arg-type]
+    assert admin.calls == 3
+    with pytest.raises(InfraError, match="describing t failed"):  # past the timeout it is an error
+        under_replicated(_LaggingAdmin(unknown_for=10**6), ["t"], timeout=0.3)  # type: ignore[arg-type]
+    other = _LaggingAdmin(unknown_for=1, error=KafkaError.TOPIC_AUTHORIZATION_FAILED)
+    with pytest.raises(InfraError, match="describing t failed"):  # any other error at once
+        under_replicated(other, ["t"], timeout=5)  # type: ignore[arg-type]
+    assert other.calls == 1
