@@ -18,7 +18,8 @@ Then tokens/s of the engine (as a worker builds it, and with the growing cache) 
 batch size, the prefill-to-first-token time of one
 request, MiniLM embeddings/s per batch (CUDA graphs, as a worker runs it, and eager), and the worker's own runners (built as ``sluice worker`` builds
 them: batching, scheduling, terminal events; no Kafka) against the engines at 64 and 256, streamed
-generation too, the embedding runner with and without overlap. Each cell is the median of ``--repeats`` measurements. One table, one JSON (``--out``).
+generation too, the embedding runner with and without overlap; and the generation runner's host time per token
+around an engine that costs nothing (what is left to the host when the device's decode is a graph replay). Each cell is the median of ``--repeats`` measurements. One table, one JSON (``--out``).
 
     python benchmarks/gpu.py                          # on CUDA; fails clearly without it
     python benchmarks/gpu.py --device cpu --quick     # the same on the CPU: CI runs it so it cannot rot
@@ -48,11 +49,12 @@ from gpu_workers.embedding_runner import EmbeddingRunner
 from gpu_workers.engine import (
     GenerationEngine,
     SeqRequest,
+    StepOutput,
     engine_throughput,
     padded_generate,
     raw_generate_throughput,
 )
-from gpu_workers.main import runner_factory
+from gpu_workers.main import generation_runner, runner_factory
 from gpu_workers.models import (
     LoadedModel,
     load_embedding_model,
@@ -426,6 +428,98 @@ def runner_bench(
     }
 
 
+class InstantEngine(GenerationEngine):
+    """A generation engine whose steps cost nothing: each running sequence's next token is the next of
+    ``text`` (real text's tokens, cycled; a decoder fed arbitrary ids, e.g. GPT-2's lone UTF-8 bytes, holds
+    text back and re-decodes, which real output rarely makes it do). What a runner costs per token on the
+    host is then all there is to time: on a GPU, where the KV ring's decode is a graph replay, that host
+    time is what stands between the runner and the engine."""
+
+    def __init__(self, gen: LoadedModel, text: list[int], max_batch_size: int) -> None:
+        super().__init__(gen.model, max_batch_size=max_batch_size, max_context=gen.manifest.max_context)
+        self._text = text
+        self._waiting: list[SeqRequest] = []
+        self._live: dict[str, list[int]] = {}  # request id -> [tokens made, max new tokens]
+
+    @property
+    def running(self) -> int:
+        return len(self._live)
+
+    def has_work(self) -> bool:
+        return bool(self._live or self._waiting)
+
+    def add(self, req: SeqRequest) -> None:
+        self._waiting.append(req)
+
+    def cancel(self, request_id: str) -> bool:
+        return self._live.pop(request_id, None) is not None
+
+    def reset(self) -> list[str]:
+        dropped = list(self._live)
+        self._live.clear()
+        return dropped
+
+    def step(self) -> list[StepOutput]:
+        while self._waiting and len(self._live) < self.max_batch_size:
+            req = self._waiting.pop(0)
+            self._live[req.request_id] = [0, req.max_new_tokens]
+        outputs = []
+        text = self._text
+        for request_id, seq in list(self._live.items()):
+            made = seq[0] = seq[0] + 1
+            done = made >= seq[1]
+            outputs.append(
+                StepOutput(request_id, text[made % len(text)], "length" if done else None, -0.5, 2.0)
+            )
+            if done:
+                del self._live[request_id]
+        return outputs
+
+
+def host_cost(gen: LoadedModel, slots: int, new_tokens: int, requests: int, repeats: int) -> dict[str, float]:
+    """Microseconds of host time per generated token in the worker's generation runner (built as a worker
+    builds it: scheduler, flush policy, detokeniser, terminal events) around :class:`InstantEngine` with
+    ``slots`` sequences running: unstreamed (text decoded once at the end), streamed (text decoded once a
+    flushed chunk), and streamed with a stop string (text decoded token by token to look for it)."""
+    worker = msgspec.structs.replace(
+        load_settings(WorkerSettings), worker_max_running=slots, worker_max_waiting=4 * slots
+    )
+    text = list(gen.tokenizer(" ".join(PROMPTS) * 4)["input_ids"])
+    engine = InstantEngine(gen, text, slots)
+    runner = generation_runner(engine, gen.tokenizer, gen.manifest, worker, "benchmarks/gpu", "bench-host")
+    cases = {
+        "unstreamed": (False, ()),
+        "streamed": (True, ()),
+        "streamed_stop": (True, ("never in this text",)),
+    }
+    costs: dict[str, float] = {}
+    for name, (stream, stop) in cases.items():
+        sampling = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True, stop=stop)
+
+        def made(n: int, stream: bool = stream, sampling: SamplingParams = sampling) -> list[Request]:
+            return [
+                GenerationRequested(
+                    tenant="bench",
+                    model="demo-gpt",
+                    request_id=uuid7(),
+                    source="benchmarks/gpu",
+                    model_version="v",
+                    input_ids=text[:8],
+                    sampling=sampling,
+                    stream=stream,
+                )
+                for _ in range(n)
+            ]
+
+        def rate(made: Callable[[int], list[Request]] = made) -> float:
+            took, out = through_runner(runner, made(requests), 2 * slots)
+            return out.tokens / took
+
+        through_runner(runner, made(slots), 2 * slots)  # warm-up
+        costs[name] = 1e6 / median_rate(repeats, rate)
+    return costs
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -501,6 +595,13 @@ def main() -> int:
         )
         runners[str(size)] = row
 
+    host = host_cost(gen, 256, 64, 256 if args.quick else 1024, args.repeats)
+    print(
+        "  the generation runner's host time per token at 256 slots (an instant engine): "
+        + ", ".join(f"{case} {us:.2f} us" for case, us in host.items()),
+        flush=True,
+    )
+
     name = torch.cuda.get_device_name(gen.device) if gen.device.type == "cuda" else "cpu"
     result = {
         "device": str(gen.device),
@@ -514,6 +615,7 @@ def main() -> int:
         "ttft_ms": first_token,
         "embeddings_per_s": embeddings,
         "runners": runners,
+        "runner_host_us_per_token": host,
     }
     print(f"\n{name} ({gen.device}), torch {torch.__version__}")
     print(
@@ -554,6 +656,11 @@ def main() -> int:
         "  (in parentheses: of generate / of the embedding engine alone at that batch; overlapped: each"
         " batch's requests finished while the next runs, the default on a GPU)"
     )
+    print(
+        "the generation runner's host time a token at 256 slots, its engine instant (all a GPU's graphed"
+        " decode leaves to the host):"
+    )
+    print("  " + "   ".join(f"{case} {us:.2f} us" for case, us in host.items()))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")

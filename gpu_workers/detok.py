@@ -26,6 +26,12 @@ class Detokenizer(Protocol):
         """Add one token; return the text it completes (possibly empty)."""
         ...
 
+    def catch_up(self) -> str:
+        """Decode the tokens appended to ``ids`` since the text was last brought up to date, all at once;
+        return the text they complete (possibly empty; an incomplete character is held back). A runner
+        streaming a request in chunks appends each token and calls this once a chunk."""
+        ...
+
     def flush(self) -> str:
         """At the end: whatever was held back (an incomplete character's replacement, or all the text of
         tokens appended to ``ids`` without ``push``)."""
@@ -78,19 +84,31 @@ def _rust_backend(tokenizer: Any) -> Any | None:
 
 class IncrementalDetokenizer:
     def __init__(
-        self, decode: Decode, ids: list[int] | None = None, text: str = "", context: int = 0
+        self,
+        decode: Decode,
+        ids: list[int] | None = None,
+        text: str = "",
+        context: int = 0,
+        read: int | None = None,
     ) -> None:
-        """A new completion; or, with ``ids`` (kept, not copied) whose ``text`` was already returned, one
-        that goes on from there, its window starting ``context`` tokens back."""
+        """A new completion; or, with ``ids`` (kept, not copied) whose first ``read`` (default: all) made
+        ``text``, already returned, one that goes on from there, its window starting ``context`` tokens
+        back."""
         self._decode = decode
         self.ids: list[int] = [] if ids is None else ids
-        self._read = len(self.ids)
+        self._read = len(self.ids) if read is None else read
         self._prefix = max(0, self._read - context)
         self.text = text
 
     def push(self, token_id: int) -> str:
         """Add one token; return the text it completes (possibly empty)."""
         self.ids.append(token_id)
+        return self.catch_up()
+
+    def catch_up(self) -> str:
+        """Decode what was appended since; return the text it completes (possibly empty)."""
+        if self._read == len(self.ids):
+            return ""
         before = self._decode(self.ids[self._prefix : self._read])
         after = self._decode(self.ids[self._prefix :])
         if len(after) > len(before) and not after.endswith("\ufffd"):
@@ -115,7 +133,9 @@ class StreamDetokenizer:
 
     That decoder refuses a token that changes text it already returned (a byte-fallback tokenizer's
     partial bytes can); the request then goes on with the window method from there, over the last
-    ``WINDOW_CONTEXT`` tokens, as vLLM starts its windows."""
+    ``WINDOW_CONTEXT`` tokens, as vLLM starts its windows. ``catch_up`` hands the decoder every token
+    appended since, in one call (tokenizers >= 0.22 takes a list; an older one raises, and the window
+    method takes over)."""
 
     WINDOW_CONTEXT = 6
 
@@ -125,27 +145,38 @@ class StreamDetokenizer:
         self._stream = stream
         self._decode = decode
         self._window: IncrementalDetokenizer | None = None
+        self._stepped = 0  # how many of ids the Rust decoder has had
         self.ids: list[int] = []
         self.text = ""
 
     def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        return self.catch_up()
+
+    def catch_up(self) -> str:
         if self._window is None:
+            ids, stepped = self.ids, self._stepped
+            if stepped == len(ids):
+                return ""
             try:
-                delta: str | None = self._stream.step(self._backend, token_id)
+                delta: str | None = self._stream.step(
+                    self._backend, ids[-1] if stepped + 1 == len(ids) else ids[stepped:]
+                )
             except Exception:  # the tokenizers library raises a bare Exception for it
                 self._window = IncrementalDetokenizer(
                     self._decode,
-                    self.ids,  # shared: the window appends to it from here
+                    ids,  # shared: what is appended from here is the window's
                     self.text,
                     self.WINDOW_CONTEXT,
+                    read=stepped,
                 )
             else:
-                self.ids.append(token_id)
+                self._stepped = len(ids)
                 if not delta:
                     return ""
                 self.text += delta
                 return delta
-        delta = self._window.push(token_id)  # appends to self.ids: the window shares the list
+        delta = self._window.catch_up()
         self.text = self._window.text
         return delta
 
@@ -157,4 +188,5 @@ class StreamDetokenizer:
         whole = self._decode(self.ids)
         delta = whole[len(self.text) :] if whole.startswith(self.text) else ""
         self.text += delta
+        self._stepped = len(self.ids)  # the end: nothing is left to catch up on
         return delta

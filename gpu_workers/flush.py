@@ -68,15 +68,18 @@ class ChunkCoalescer:
         stream = self._streams.get(request_id)
         if stream is None:
             stream = self._streams[request_id] = _Stream()
-        first = stream.seq == 0 and stream.offset == 0 and not stream.token_ids
-        if not stream.token_ids:
+        tokens = stream.token_ids
+        first = False
+        if not tokens:
             stream.due_at = now + self.policy.max_delay_s
-        stream.token_ids.append(token_id)
-        stream.text.append(text)
+            first = stream.seq == 0 and stream.offset == 0
+        tokens.append(token_id)
+        if text:  # a runner that decodes a chunk's text when it is flushed passes none
+            stream.text.append(text)
         if (
-            (first and self.policy.first_token_alone)
-            or len(stream.token_ids) >= self.policy.max_tokens
+            len(tokens) >= self.policy.max_tokens
             or now >= stream.due_at
+            or (first and self.policy.first_token_alone)
         ):
             return self._flush(request_id, stream)
         return None

@@ -3,7 +3,8 @@
 Each tick: expire and admit waiting requests (``GenerationScheduler``: fair between tenants, so requests
 that a full queue pushed out end ``failed`` with ``queue_full``), stop running ones past their deadline,
 run ONE decode step for the whole running batch (``GenerationEngine.step``), charge each token to its
-tenant (``GenerationScheduler.produced``), turn tokens into text deltas, coalesce them into chunks (``ChunkCoalescer``) and finish sequences that stopped. A cancel
+tenant (``GenerationScheduler.produced``), coalesce tokens into chunks (``ChunkCoalescer``), decode each chunk's text in one call (token by token only
+where stop strings need the text as it grows) and finish sequences that stopped. A cancel
 removes a sequence between two steps, so it never produces another token.
 """
 
@@ -296,8 +297,14 @@ class GenerationRunner:
         live.last_token_at = now
         if token_id == self._manifest.eos_token_id and not live.event.sampling.ignore_eos:
             return  # ends the sequence; not part of the completion
-        if not live.event.stream and not live.event.sampling.stop:
-            live.detok.ids.append(token_id)  # text is decoded once at the end: no per-token decode cost
+        if not live.event.sampling.stop:
+            # No stop string needs the text token by token: a streamed request's text is decoded a chunk
+            # at a time (_emit_chunk), any other's once at the end.
+            live.detok.ids.append(token_id)
+            if live.event.stream:
+                flush = self._coalescer.push(live.event.request_id, token_id, "", now)
+                if flush is not None:
+                    self._emit_chunk(live, flush, None, emit)
             return
         delta = live.detok.push(token_id)
         for stop in live.event.sampling.stop:
@@ -314,6 +321,7 @@ class GenerationRunner:
     def _emit_chunk(self, live: _Live, flush: Flush, reason: FinishReason | None, emit: Emitter) -> None:
         event = live.event
         live.next_seq, live.next_offset = flush.seq + 1, flush.offset + len(flush.token_ids)
+        text = flush.text if event.sampling.stop else flush.text + live.detok.catch_up()
         emit.chunk(
             live.arrival,
             TokenChunk(
@@ -325,7 +333,7 @@ class GenerationRunner:
                 seq=flush.seq,
                 offset=flush.offset,
                 token_ids=list(flush.token_ids),
-                text=flush.text,
+                text=text,
                 finish_reason=reason,
             ),
         )

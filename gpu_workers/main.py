@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from bus.placement import available_cpus, format_cpus, parse_cpus, pin_process, place_native_threads
 from gpu_workers.batching import BatcherConfig
@@ -19,11 +20,48 @@ from gpu_workers.settings import WorkerSettings
 from monitoring import metrics
 from monitoring.ops import OpsServer
 from monitoring.runtime import tune_gc
-from schemas.manifest import ManifestError, current_model_dir, models_root, read_manifest
+from schemas.manifest import ManifestError, ModelManifest, current_model_dir, models_root, read_manifest
 from schemas.settings import PlatformSettings
 from schemas.topics import TopicNames
 
+if TYPE_CHECKING:
+    from gpu_workers.engine import GenerationEngine
+    from gpu_workers.generation import GenerationRunner
+
 log = logging.getLogger(__name__)
+
+
+def generation_runner(
+    engine: GenerationEngine,
+    tokenizer: Any,
+    manifest: ModelManifest,
+    worker: WorkerSettings,
+    source: str,
+    worker_id: str,
+) -> GenerationRunner:
+    """The generation runner around ``engine`` as a worker sets it up: the scheduler's limits and tenant
+    weights, the flush policy, the tokenizer's detokeniser."""
+    from gpu_workers.detok import detokenizer_for
+    from gpu_workers.generation import GenerationRunner
+
+    return GenerationRunner(
+        engine,
+        detokenizer_for(tokenizer),
+        manifest,
+        source=source,
+        worker_id=worker_id,
+        scheduler=SchedulerConfig(
+            max_running=worker.worker_max_running,
+            max_batch_tokens=worker.worker_max_batch_tokens,
+            max_waiting=worker.worker_max_waiting,
+            weights=worker.tenant_weights(),
+        ),
+        flush=FlushPolicy(
+            max_tokens=worker.worker_flush_tokens,
+            max_delay_s=worker.worker_flush_ms / 1000,
+            first_token_alone=worker.worker_flush_first_token,
+        ),
+    )
 
 
 def runner_factory(
@@ -62,9 +100,7 @@ def runner_factory(
         )
         manifest = read_manifest(model_dir)
         if manifest.task == "generation":
-            from gpu_workers.detok import detokenizer_for
             from gpu_workers.engine import GenerationEngine
-            from gpu_workers.generation import GenerationRunner
             from gpu_workers.models import load_generation_model
 
             loaded = load_generation_model(model_dir, worker.worker_device)
@@ -83,24 +119,7 @@ def runner_factory(
                     graphs,
                     time.perf_counter() - began,
                 )
-            return GenerationRunner(
-                engine,
-                detokenizer_for(loaded.tokenizer),
-                manifest,
-                source=source,
-                worker_id=worker_id,
-                scheduler=SchedulerConfig(
-                    max_running=worker.worker_max_running,
-                    max_batch_tokens=worker.worker_max_batch_tokens,
-                    max_waiting=worker.worker_max_waiting,
-                    weights=worker.tenant_weights(),
-                ),
-                flush=FlushPolicy(
-                    max_tokens=worker.worker_flush_tokens,
-                    max_delay_s=worker.worker_flush_ms / 1000,
-                    first_token_alone=worker.worker_flush_first_token,
-                ),
-            )
+            return generation_runner(engine, loaded.tokenizer, manifest, worker, source, worker_id)
         from gpu_workers.embedding import EmbeddingEngine
         from gpu_workers.embedding_runner import EmbeddingRunner
         from gpu_workers.models import load_embedding_model

@@ -47,6 +47,10 @@ def test_the_gpu_benchmark_runs_on_the_cpu_and_writes_its_json(tmp_path: Path) -
     assert runner["embeddings_per_s"] == runner["embeddings_serial_per_s"], "no overlap on a CPU by default"
     assert runner["embeddings_overlapped_per_s"] > 0
     assert "the worker's runners" in stdout
+    host = result["runner_host_us_per_token"]
+    assert set(host) == {"unstreamed", "streamed", "streamed_stop"}
+    assert all(us > 0 for us in host.values())
+    assert "host time a token at 256 slots" in stdout
 
 
 def test_without_cuda_it_says_how_to_run_it_anyway(tmp_path: Path) -> None:

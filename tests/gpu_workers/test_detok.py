@@ -94,6 +94,41 @@ def test_every_prefix_streams_what_decode_gives_it(demo_gpt: LoadedModel, kind: 
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_chunks_caught_up_at_once_stream_what_decode_gives_them(demo_gpt: LoadedModel, kind: str) -> None:
+    """What the runner does for a streamed request without stop strings: it appends a chunk's tokens, then
+    decodes them in one call. After every chunk (cut anywhere, special tokens among them) the text so far
+    plus a flush is ``decode`` of the tokens so far, and a chunk that does not end inside a character
+    holds nothing back."""
+    tokenizer = demo_gpt.tokenizer
+    eos = demo_gpt.manifest.eos_token_id
+    assert eos is not None
+    ids = list(tokenizer(TEXT)["input_ids"])
+    with_special = [eos, *ids[:5], eos, *ids[5:], eos]
+    new = detokenizers(demo_gpt, kind)
+    rng = random.Random(3)
+    held = 0
+    for _ in range(40):
+        detok = new()
+        streamed, end = "", 0
+        while end < len(with_special):
+            step = rng.randint(1, 9)
+            detok.ids.extend(with_special[end : end + step])
+            end += step
+            streamed += detok.catch_up()
+            whole = str(tokenizer.decode(with_special[:end], skip_special_tokens=True))
+            assert whole.startswith(streamed)
+            assert "\ufffd" not in streamed
+            if whole.endswith("\ufffd"):
+                held += 1
+            else:
+                assert streamed == whole
+        assert detok.catch_up() == "", "nothing new, nothing to say"
+        assert streamed + detok.flush() == TEXT == detok.text
+        assert detok.ids == with_special
+    assert held > 0, "some chunks ended inside a character (the emoji, the CJK)"
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_tokens_appended_without_push_are_decoded_by_flush(demo_gpt: LoadedModel, kind: str) -> None:
     """What the runner does for a request that needs no streamed text: one decode at the end."""
     ids = list(demo_gpt.tokenizer(TEXT)["input_ids"])
@@ -152,21 +187,56 @@ def test_bytes_the_rust_stream_refuses_go_on_through_the_window_method() -> None
     fell_back = 0
     for _ in range(300):
         ids = [rng.choice([rng.randrange(3, 259), rng.randrange(259, 265), 2]) for _ in range(8)]
-        detok = new()
-        assert isinstance(detok, StreamDetokenizer)
-        streamed = "".join(detok.push(token) for token in ids)  # never raises
-        assert streamed + detok.flush() == detok.text
-        assert detok.ids == ids
-        fell_back += detok._window is not None
-        if detok._window is None:
-            # the window method's deltas and text, which are not always decode's for such bytes ("V" then
-            # an invalid byte: decode makes both U+FFFD, but "V" was already streamed)
-            alone = IncrementalDetokenizer(window)
-            assert "".join(alone.push(token) for token in ids) == streamed
-            alone.flush()
-            assert alone.text == detok.text
-    assert fell_back > 10, "the Rust stream refused some of these sequences"
+        cuts = [*sorted(rng.sample(range(1, 8), rng.randint(0, 3))), 8]
+        for whole_chunks in (False, True):  # token by token, or a chunk's tokens at once
+            detok = new()
+            assert isinstance(detok, StreamDetokenizer)
+            if whole_chunks:
+                streamed, start = "", 0
+                for cut in cuts:
+                    detok.ids.extend(ids[start:cut])
+                    streamed += detok.catch_up()  # never raises
+                    start = cut
+            else:
+                streamed = "".join(detok.push(token) for token in ids)  # never raises
+            assert streamed + detok.flush() == detok.text
+            assert detok.ids == ids
+            fell_back += detok._window is not None
+            if detok._window is None:
+                # the window method's deltas and text, which are not always decode's for such bytes ("V"
+                # then an invalid byte: decode makes both U+FFFD, but "V" was already streamed)
+                alone = IncrementalDetokenizer(window)
+                if whole_chunks:
+                    start, alone_streamed = 0, ""
+                    for cut in cuts:
+                        alone.ids.extend(ids[start:cut])
+                        alone_streamed += alone.catch_up()
+                        start = cut
+                else:
+                    alone_streamed = "".join(alone.push(token) for token in ids)
+                assert alone_streamed == streamed
+                alone.flush()
+                assert alone.text == detok.text
+    assert fell_back > 20, "the Rust stream refused some of these sequences"
     text = "the water é"
     detok = new()
     ids = list(tokenizer(text)["input_ids"])
     assert "".join(detok.push(token) for token in ids) + detok.flush() == tokenizer.decode(ids)
+
+
+def test_a_chunk_the_rust_stream_refuses_is_streamed_by_the_window_method() -> None:
+    """A stray continuation byte after bytes already streamed makes the Rust stream refuse the chunk that
+    holds it (the byte decoder turns the whole run of bytes into U+FFFD). The window takes over from the
+    tokens before that chunk, so the chunk's own text is streamed with it, not held back until the end."""
+    tokenizer = byte_fallback_tokenizer()
+    detok = detokenizer_for(tokenizer)()
+    byte = tokenizer.get_vocab()
+    detok.ids.extend([byte["<0x1A>"], byte["<0x4D>"]])
+    assert detok.catch_up() == "\x1aM"
+    detok.ids.extend([byte["<0xBA>"], *tokenizer("the water")["input_ids"]])
+    delta = detok.catch_up()
+    assert isinstance(detok, StreamDetokenizer)
+    assert detok._window is not None, "the Rust stream refused the chunk"
+    assert delta.endswith("ater")
+    assert detok.flush() == ""
+    assert detok.text == "\x1aM" + delta

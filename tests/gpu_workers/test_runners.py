@@ -67,10 +67,18 @@ def run(runner: Runner, requests: Sequence[Request], max_ticks: int = 2000) -> C
     raise AssertionError(f"{len(requests) - len(out.finished)} requests never finished")
 
 
+EVERY_TOKEN = FlushPolicy(max_tokens=4, max_delay_s=0.0)
+
+
 def generation_runner(
-    lm: LoadedModel, engine: GenerationEngine, *, max_running: int, max_waiting: int
+    lm: LoadedModel,
+    engine: GenerationEngine,
+    *,
+    max_running: int,
+    max_waiting: int,
+    flush: FlushPolicy = EVERY_TOKEN,
 ) -> GenerationRunner:
-    """demo-gpt's runner around ``engine``, as the tests configure it."""
+    """demo-gpt's runner around ``engine``, as the tests configure it (by default every token is a chunk)."""
     return GenerationRunner(
         engine,
         detokenizer_for(lm.tokenizer),
@@ -78,7 +86,7 @@ def generation_runner(
         source=SOURCE,
         worker_id=WORKER,
         scheduler=SchedulerConfig(max_running=max_running, max_batch_tokens=4096, max_waiting=max_waiting),
-        flush=FlushPolicy(max_tokens=4, max_delay_s=0.0),
+        flush=flush,
     )
 
 
@@ -164,6 +172,42 @@ def test_a_seedless_request_samples_with_the_seed_the_edge_would_give_it(
 
 
 # --- terminal events ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stop", [(), ("never-in-this-text",)], ids=["per-chunk", "per-token"])
+def test_streamed_chunks_carry_the_text_decode_gives_their_tokens(
+    demo_gpt: LoadedModel, stop: tuple[str, ...]
+) -> None:
+    """A streamed request without stop strings has its text decoded once a chunk; with them, token by token
+    (a stop string is looked for as the text grows). Either way each chunk carries all the text its
+    tokens complete (none held back unless the tokens so far end inside a character), and the chunks add up
+    to the terminal event's text."""
+    sampling = SamplingParams(max_tokens=40, temperature=0.9, ignore_eos=True, stop=stop)
+    requests = [generation(sampling, stream=True) for _ in range(3)]
+    engine = GenerationEngine(demo_gpt.model, max_batch_size=8, max_context=demo_gpt.manifest.max_context)
+    chunked = FlushPolicy(max_tokens=3, max_delay_s=60.0, first_token_alone=True)
+    out = run(generation_runner(demo_gpt, engine, max_running=8, max_waiting=8, flush=chunked), requests)
+    tokenizer = demo_gpt.tokenizer
+    compared = 0
+    for request in requests:
+        chunks = [c for c in out.chunks if c.request_id == request.request_id]
+        assert [c.seq for c in chunks] == list(range(len(chunks)))
+        ids: list[int] = []
+        text = ""
+        for chunk in chunks:
+            assert chunk.offset == len(ids)
+            ids += chunk.token_ids
+            text += chunk.text
+            so_far = str(tokenizer.decode(ids, skip_special_tokens=True))
+            assert so_far.startswith(text)
+            if chunk.finish_reason is None and not so_far.endswith("\ufffd"):
+                assert text == so_far, "a chunk's text was held back"
+                compared += 1
+        assert [len(c.token_ids) for c in chunks] == [1] + [3] * 13, "the first token alone, then 3 a chunk"
+        assert (
+            text == out.finished[request.request_id].text == tokenizer.decode(ids, skip_special_tokens=True)
+        )
+    assert compared >= 10
 
 
 def test_generation_terminal_events(gpt_runner: GenerationRunner) -> None:
