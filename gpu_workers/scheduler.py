@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import math
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -169,6 +170,7 @@ class GenerationScheduler(Generic[P]):
         self._idle: tuple[OrderedDict[str, float], ...] = tuple(OrderedDict() for _ in ServiceClass)
         self._last_left = [0.0 for _ in ServiceClass]  # counter of the tenant that last went idle
         self._deadlines: list[tuple[float, int, str]] = []  # heap over waiting; stale entries skipped
+        self._costs: list[tuple[int, int, str]] = []  # (cost, seq, id) heap over waiting; stale skipped
         self._running: dict[str, Pending[P]] = {}
         self._shed: dict[str, Pending[P]] = {}  # refused after queuing, until the next ``schedule``
         self._budget_in_use = 0
@@ -240,6 +242,7 @@ class GenerationScheduler(Generic[P]):
         self._waiting[item.request_id] = (key, item)
         if item.deadline is not None:
             heapq.heappush(self._deadlines, (item.deadline, self._seq, item.request_id))
+        heapq.heappush(self._costs, (item.cost, self._seq, item.request_id))
         return "queued"
 
     def cancel(self, request_id: str) -> Cancelled:
@@ -287,6 +290,7 @@ class GenerationScheduler(Generic[P]):
             self._remove_waiting(item.request_id)
         self._shed.clear()
         self._deadlines.clear()
+        self._costs.clear()
         return items
 
     def expired_running(self, now: float) -> list[str]:
@@ -300,6 +304,8 @@ class GenerationScheduler(Generic[P]):
         self._shed.clear()
         if not self._waiting or len(self._running) >= self.config.max_running:
             return decision
+        if self._least_cost() > self.config.max_batch_tokens - self._budget_in_use:
+            return decision  # nothing waiting fits the budget left: no need to walk the queue
         # One candidate per backlogged tenant, most urgent class first, then the smallest counter, then the
         # earliest arrival; ``cursor`` walks a tenant's own queue past requests that did not fit.
         heap = [
@@ -323,6 +329,8 @@ class GenerationScheduler(Generic[P]):
                     self._overtaken[blocked] += 1
                     if self._overtaken[blocked] >= limit:
                         break
+                if self._least_cost() > self.config.max_batch_tokens - self._budget_in_use:
+                    break  # what is left cannot fit: the walk would admit nothing more
             else:
                 if blocked is None:
                     blocked = rid
@@ -414,8 +422,20 @@ class GenerationScheduler(Generic[P]):
         if compact:
             self._compact_deadlines()  # its deadline entry (if any) is now stale
 
+    def _least_cost(self) -> float:
+        """The smallest cost of a waiting request (infinite when none waits). A budget-bound batch with a
+        long queue would otherwise walk the whole queue at every decode step to admit nothing."""
+        costs, waiting = self._costs, self._waiting
+        while costs:
+            cost, seq, rid = costs[0]
+            entry = waiting.get(rid)
+            if entry is not None and entry[0][1] == seq:
+                return cost
+            heapq.heappop(costs)  # admitted, withdrawn or expired since
+        return math.inf
+
     def _compact_deadlines(self) -> None:
-        """Keep the deadline heap bounded by the waiting queue despite stale entries."""
+        """Keep the deadline and cost heaps bounded by the waiting queue despite stale entries."""
         if len(self._deadlines) > 2 * len(self._waiting) + 64:
             self._deadlines = [
                 (item.deadline, key[1], rid)
@@ -423,3 +443,6 @@ class GenerationScheduler(Generic[P]):
                 if item.deadline is not None
             ]
             heapq.heapify(self._deadlines)
+        if len(self._costs) > 2 * len(self._waiting) + 64:
+            self._costs = [(item.cost, key[1], rid) for rid, (key, item) in self._waiting.items()]
+            heapq.heapify(self._costs)
