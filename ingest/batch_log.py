@@ -6,7 +6,10 @@
   the ``batches`` topic;
 - ``results`` waits (up to ``wait_s``) for the next terminal events of batch lines from the ``results``
   topic, in log order; ``handled`` says the runner made everything ``results`` returned durable, so
-  their offsets may be committed.
+  their offsets may be committed;
+- ``follow`` starts reading ``results`` (the runner calls it before it publishes a line), ``unfollow``
+  stops: every terminal event of every request passes through ``results``, and an edge that tails it with
+  no batch running spent ~15 % of its CPU a request doing so (``docs/perf/``).
 
 The in-memory fake in ``tests/ingest`` implements the same port.
 """
@@ -49,6 +52,13 @@ class BatchLog(Protocol):
 
     def handled(self) -> None: ...
 
+    async def follow(self, *, from_end: bool) -> None: ...
+
+    async def unfollow(self) -> None: ...
+
+    @property
+    def following(self) -> bool: ...
+
 
 class KafkaBatchLog(AsyncComponent):
     def __init__(self, kafka: KafkaConnection, names: TopicNames, edge_id: str) -> None:
@@ -67,30 +77,57 @@ class KafkaBatchLog(AsyncComponent):
         self._producer = EventProducer(self._kafka, f"{self._edge_id}-batches")
         self._producer.start()
         self._producer.watch(self.fail)
-        await asyncio.to_thread(self._seed_group)
-        self._consumer = ConsumerThread(
+
+    @property
+    def following(self) -> bool:
+        return self._consumer is not None
+
+    async def follow(self, *, from_end: bool) -> None:
+        """Read batch lines' results from now on (no-op while following). ``from_end``: no line of this
+        edge is in flight, so what was written while it did not follow is skipped (the group's offsets move
+        to the end first); else the group goes on from its committed offsets (an edge restarted with
+        batches running: their lines' results may have landed while it was down)."""
+        if self._consumer is not None:
+            return
+        await asyncio.to_thread(self._seed_group, from_end)
+        self._stopping.clear()
+        consumer = ConsumerThread(
             consumer_config(self._kafka, self._group, f"{self._edge_id}-batch-results", **BACKGROUND),
             self._on_results,
             subscribe=[self._names.results],
             name="batch-results",
             batch_size=1000,
         )
-        self._consumer.watch(self.fail)
-        self._consumer.start()
+        consumer.watch(self.fail)
+        consumer.start()
+        self._consumer = consumer
+
+    async def unfollow(self) -> None:
+        """Stop reading results (no line of this edge may be in flight): commits already asked for go
+        out; results read and not yet returned are dropped."""
+        consumer, self._consumer = self._consumer, None
+        if consumer is None:
+            return
+        self._stopping.set()  # a handler waiting on the full queue gives up
+        with contextlib.suppress(BusError):  # already reported through fail()
+            await asyncio.to_thread(consumer.stop)
+        self._pending = {}
+        while True:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
 
     async def stop(self) -> None:
-        self._stopping.set()
-        if self._consumer is not None:
-            consumer, self._consumer = self._consumer, None
-            with contextlib.suppress(BusError):  # already reported through fail()
-                await asyncio.to_thread(consumer.stop)
+        await self.unfollow()
         if self._producer is not None:
             producer, self._producer = self._producer, None
             await asyncio.to_thread(producer.stop)
 
-    def _seed_group(self) -> None:
-        """A new group starts at the end of ``results``, not at its whole history: commit the current end
-        of each partition the group has no offset on yet, before subscribing."""
+    def _seed_group(self, from_end: bool) -> None:
+        """Before subscribing: a new group starts at the end of ``results``, not at its whole history (the
+        current end is committed for each partition the group has no offset on yet); with ``from_end``,
+        every partition does."""
         consumer = Consumer(consumer_config(self._kafka, self._group, f"{self._edge_id}-batch-seed"))
         try:
             topic = self._names.results
@@ -100,7 +137,7 @@ class KafkaBatchLog(AsyncComponent):
             tps = [TopicPartition(topic, p) for p in meta.partitions]
             # A broker that just started may not have the group's coordinator yet: wait for it.
             committed = settled(lambda: consumer.committed(tps, timeout=10), f"{self._group}'s offsets", 60)
-            missing = [tp.partition for tp in committed if tp.offset < 0]
+            missing = [tp.partition for tp in committed if from_end or tp.offset < 0]
             if missing:
                 ends = [TopicPartition(topic, p, watermarks(consumer, topic, p)[1]) for p in missing]
                 settled(

@@ -71,6 +71,8 @@ ENDPOINTS: tuple[Endpoint, ...] = get_args(Endpoint)
 RETRIABLE_CODES = frozenset({"queue_full", "worker_oom", "worker_error", "unavailable", "fault_injected"})
 MAX_REPORTED_ERRORS = 100
 ENDING_GRACE_S = 30.0
+FOLLOW_IDLE_S = 60.0
+"""With no batch unfinished for this long, the edge stops reading the results topic (``BatchLog.unfollow``)."""
 """After a cancel or the expiry, how long lines already running may take to end before the batch is
 finalised without them."""
 PROGRESS_EVERY_S = 1.0
@@ -137,6 +139,9 @@ class BatchRunner(AsyncComponent):
         self._tasks: set[asyncio.Task[None]] = set()
         self._started = False
         self._last_progress: dict[str, float] = {}
+        self._idle_since: float | None = None  # no batch unfinished since (monotonic)
+        self._resumed = False  # batches ran when this edge started: the first follow reads what they left
+        self.follow_idle_s = FOLLOW_IDLE_S
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -146,6 +151,7 @@ class BatchRunner(AsyncComponent):
         self._started = True
         for job in await asyncio.to_thread(self._reload):
             self._jobs[job.state.batch_id] = job
+            self._resumed = True
             tenant = self._tenants.named(job.state.tenant)
             if job.state.status == "validating" and tenant is not None:
                 self._spawn(self._validate(job, tenant), f"batch-validate-{job.state.batch_id}")
@@ -368,10 +374,24 @@ class BatchRunner(AsyncComponent):
                 await asyncio.wait_for(self._wake.wait(), timeout)
             self._wake.clear()
             now = time.monotonic()
+            await self._follow(now)
             for job in list(self._jobs.values()):
                 await self._step(job, now)
             await self._publish(now)
             self._observe()
+
+    async def _follow(self, now: float) -> None:
+        """Read the results topic while a batch is unfinished (before any of its lines is published), and
+        stop ``follow_idle_s`` after the last one ended: every request's terminal event passes there."""
+        if any(not job.state.terminal for job in self._jobs.values()):
+            self._idle_since = None
+            if not self._log.following:
+                await self._log.follow(from_end=not self._resumed)
+                self._resumed = False  # from here on, nothing is in flight while it does not follow
+        elif self._idle_since is None:
+            self._idle_since = now
+        elif now - self._idle_since >= self.follow_idle_s and self._log.following:
+            await self._log.unfollow()
 
     def _observe(self) -> None:
         by_status = Counter(job.state.status for job in self._jobs.values())

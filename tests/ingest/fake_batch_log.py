@@ -77,6 +77,10 @@ class FakeBatchLog:
         self.handled_calls = 0
         self.broken: BaseException | None = None
         """Set: ``results`` raises it (the results consumer died)."""
+        self.follows: list[bool] = []
+        """``from_end`` of each ``follow`` that started reading results."""
+        self.unfollows = 0
+        self._following = False
         self._results: asyncio.Queue[RequestFinished] = asyncio.Queue()
         self._watchers: list[Callable[[BaseException], object]] = []
 
@@ -84,12 +88,28 @@ class FakeBatchLog:
         return None
 
     async def stop(self) -> None:
-        return None
+        await self.unfollow()
+
+    @property
+    def following(self) -> bool:
+        return self._following
+
+    async def follow(self, *, from_end: bool) -> None:
+        if not self._following:
+            self._following = True
+            self.follows.append(from_end)
+
+    async def unfollow(self) -> None:
+        if self._following:
+            self._following = False
+            self.unfollows += 1
 
     def watch(self, watcher: Callable[[BaseException], object]) -> None:
         self._watchers.append(watcher)
 
     def publish_line(self, event: BatchItemRequested, on_failed: Callable[[BusError], None]) -> None:
+        if not self._following:  # its result could land before anybody reads the results topic
+            raise AssertionError(f"line {event.index} published while the results topic is not followed")
         self.lines.append(event)
         result = self.respond(event)
         if result is not None:
@@ -107,6 +127,9 @@ class FakeBatchLog:
     async def results(self, wait_s: float) -> list[RequestFinished]:
         if self.broken is not None:
             raise self.broken
+        if not self._following:
+            await asyncio.sleep(min(wait_s, 0.05))
+            return []
         try:
             first = await asyncio.wait_for(self._results.get(), min(wait_s, 0.05))
         except TimeoutError:

@@ -371,10 +371,38 @@ async def test_a_restarted_edge_resumes_its_batch_and_each_line_ends_once(
         assert (done.request_counts.completed, done.request_counts.failed) == (12, 0)
         out = await lines_of(sdk, done.output_file_id)
     assert [line["custom_id"] for line in out] == [f"req-{i}" for i in range(12)]
+    # the first edge skipped the results written before its batch; the restarted one read from where the
+    # first had committed (its lines' results may have landed while it was down)
+    assert batch_log.follows == [True, False]
     again = batch_log.lines[before:]
     assert sorted(e.index for e in again) == list(range(3, 12))  # what had no result, nothing else
     first_ids = {e.index: e.request_id for e in batch_log.lines[:before]}
     assert all(first_ids[e.index] == e.request_id for e in again if e.index in first_ids)  # same requests
+
+
+async def test_the_edge_reads_results_only_while_a_batch_is_unfinished(
+    make_client: MakeClient, batch_log: FakeBatchLog
+) -> None:
+    """Every request's terminal event passes through the results topic: an edge with no batch does not
+    read it. It starts before the first line is published (the fake refuses a line published before) and
+    stops ``follow_idle_s`` after the last batch ended; the next batch starts it again, from the end."""
+    client, edge = await make_client()
+    assert edge.batches is not None
+    edge.batches.follow_idle_s = 0.3
+    await asyncio.sleep(0.2)
+    assert (batch_log.following, batch_log.follows) == (False, [])
+    async with AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=DEMO_KEY, max_retries=0) as sdk:
+        first = await run(sdk, [chat_line(i) for i in range(4)])
+        await until(sdk, first.id, "completed")
+        assert batch_log.following
+        await _eventually(lambda: not batch_log.following)
+        assert (batch_log.follows, batch_log.unfollows) == ([True], 1)
+        second = await run(sdk, [chat_line(i) for i in range(3)])
+        done = await until(sdk, second.id, "completed")
+        assert done.request_counts is not None
+        assert done.request_counts.completed == 3
+    assert batch_log.follows == [True, True]
+    assert len(batch_log.lines) == 7
 
 
 async def test_a_runner_that_dies_fails_the_edge_so_that_it_restarts(

@@ -1,0 +1,84 @@
+"""The batch log's Kafka adapter on the real broker: it reads the results topic only between ``follow`` and
+``unfollow``; following again ``from_end`` skips what was written in between, following without it goes on
+from the group's committed offsets (an edge restarted with batches running)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from bus.producer import EventProducer
+from infra.topics import TopicSizing, apply_topics, make_admin, platform_topics
+from ingest.batch_log import KafkaBatchLog
+from schemas.events import BatchRef, RequestFinished, Usage
+from schemas.ids import uuid7
+from schemas.settings import KafkaConnection
+from schemas.topics import TopicNames
+
+pytestmark = pytest.mark.integration
+
+
+def result(index: int) -> RequestFinished:
+    return RequestFinished(
+        tenant="acme",
+        model="demo-gpt",
+        request_id=uuid7(),
+        source="worker",
+        status="completed",
+        finish_reason="stop",
+        usage=Usage(prompt_tokens=1, completion_tokens=1, total_tokens=2),
+        text=f"line {index}",
+        batch=BatchRef(batch_id="batch_1", custom_id=f"req-{index}", index=index, attempt=0),
+    )
+
+
+def following(log: KafkaBatchLog) -> bool:
+    return log.following  # read afresh: mypy would narrow the property across awaits
+
+
+async def read(log: KafkaBatchLog, want: int, within_s: float = 20.0) -> list[int]:
+    """Batch line indexes returned by ``results`` until ``want`` came (or the time is up), marked handled."""
+    got: list[int] = []
+    deadline = time.monotonic() + within_s
+    while len(got) < want and time.monotonic() < deadline:
+        found = await log.results(0.2)
+        got += [r.batch.index for r in found if r.batch is not None]
+        log.handled()
+    return got
+
+
+async def test_results_are_read_only_while_following(kafka: KafkaConnection, topic_prefix: str) -> None:
+    names = TopicNames(topic_prefix)
+    apply_topics(make_admin(kafka), platform_topics(names, ["demo-gpt"], TopicSizing(replies=1)))
+    with EventProducer(kafka, "worker") as worker:
+
+        async def publish(*indexes: int) -> None:
+            for index in indexes:
+                await worker.publish(names.results, result(index))
+
+        await publish(0)  # before the edge ever followed: history, not its lines
+        async with KafkaBatchLog(kafka, names, "edge-f") as log:
+            assert not following(log)
+            await log.follow(from_end=True)
+            assert following(log)
+            await publish(1, 2)
+            assert sorted(await read(log, 2)) == [1, 2]  # partitions apart: in any order
+
+            await log.unfollow()
+            assert not following(log)
+            await publish(3)  # written while it did not follow
+            await asyncio.sleep(0.5)
+            assert await log.results(0.2) == []
+            await log.follow(from_end=True)  # nothing of its own in flight: 3 is skipped
+            await publish(4)
+            assert await read(log, 1) == [4]
+
+            await log.unfollow()
+            await publish(5)
+        # a restarted edge with batches running goes on from the committed offsets: 5 is read
+        async with KafkaBatchLog(kafka, names, "edge-f") as log:
+            await log.follow(from_end=False)
+            await publish(6)
+            assert sorted(await read(log, 2)) == [5, 6]
