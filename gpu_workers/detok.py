@@ -28,8 +28,10 @@ class Detokenizer(Protocol):
 
     def catch_up(self) -> str:
         """Decode the tokens appended to ``ids`` since the text was last brought up to date, all at once;
-        return the text they complete (possibly empty; an incomplete character is held back). A runner
-        streaming a request in chunks appends each token and calls this once a chunk."""
+        return the text they complete. When they end inside a character, the text of them all is held
+        back (returned by the next call, or ``flush``), not only that character's: a runner streaming a
+        request in chunks appends each token and calls this once a chunk, so such a chunk's text comes
+        with the next one (one flush interval later)."""
         ...
 
     def flush(self) -> str:

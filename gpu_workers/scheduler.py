@@ -410,6 +410,8 @@ class GenerationScheduler(Generic[P]):
             if entry is not None and entry[0][1] == seq:
                 expired.append(entry[1])
                 self._remove_waiting(rid, compact=False)
+        if expired:
+            self._compact_deadlines()  # their cost entries are stale (a full batch admits nothing)
         return expired
 
     def _remove_waiting(self, request_id: str, *, compact: bool = True) -> None:

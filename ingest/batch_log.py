@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import queue
 import threading
 from collections.abc import Callable
@@ -65,12 +66,14 @@ class KafkaBatchLog(AsyncComponent):
         super().__init__()
         self._kafka, self._names, self._edge_id = kafka, names, edge_id
         self._group = f"sluice-batches.{edge_id}"
-        self._queue: queue.Queue[tuple[list[RequestFinished], dict[TP, int]]] = queue.Queue(8)
+        self._queue: queue.Queue[tuple[int, list[RequestFinished], dict[TP, int]]] = queue.Queue(8)
+        """(the generation of the consumer that read them, batch lines' results, where each partition is)"""
         self._stopping = threading.Event()
         self._pending: dict[TP, int] = {}
         self._producer: EventProducer | None = None
         self._consumer: ConsumerThread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._generation = 0  # counts follows and unfollows: what an earlier consumer read is stale
 
     async def _start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -90,10 +93,11 @@ class KafkaBatchLog(AsyncComponent):
         if self._consumer is not None:
             return
         await asyncio.to_thread(self._seed_group, from_end)
+        self._generation += 1
         self._stopping.clear()
         consumer = ConsumerThread(
             consumer_config(self._kafka, self._group, f"{self._edge_id}-batch-results", **BACKGROUND),
-            self._on_results,
+            functools.partial(self._on_results, self._generation),
             subscribe=[self._names.results],
             name="batch-results",
             batch_size=1000,
@@ -108,6 +112,7 @@ class KafkaBatchLog(AsyncComponent):
         consumer, self._consumer = self._consumer, None
         if consumer is None:
             return
+        self._generation += 1
         self._stopping.set()  # a handler waiting on the full queue gives up
         with contextlib.suppress(BusError):  # already reported through fail()
             await asyncio.to_thread(consumer.stop)
@@ -166,7 +171,7 @@ class KafkaBatchLog(AsyncComponent):
     async def publish_state(self, state: BatchStateChanged) -> None:
         await self._producing().publish(self._names.batches, state)
 
-    def _on_results(self, batch: list[Message]) -> None:
+    def _on_results(self, generation: int, batch: list[Message]) -> None:
         """On the consumer thread: decode the batch lines' results, hand them over (bounded: it waits)."""
         found: list[RequestFinished] = []
         ends: dict[TP, int] = {}
@@ -183,16 +188,18 @@ class KafkaBatchLog(AsyncComponent):
                 found.append(event)
         while not self._stopping.is_set():
             try:
-                self._queue.put((found, ends), timeout=0.2)
+                self._queue.put((generation, found, ends), timeout=0.2)
                 return
             except queue.Full:
                 continue
 
     async def results(self, wait_s: float) -> list[RequestFinished]:
         try:
-            found, ends = await asyncio.to_thread(self._queue.get, True, wait_s)
+            generation, found, ends = await asyncio.to_thread(self._queue.get, True, wait_s)
         except queue.Empty:
             return []
+        if generation != self._generation:
+            return []  # read by a consumer since stopped (no line was in flight): its offsets are stale
         self._pending.update(ends)
         return found
 

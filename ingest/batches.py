@@ -71,10 +71,10 @@ ENDPOINTS: tuple[Endpoint, ...] = get_args(Endpoint)
 RETRIABLE_CODES = frozenset({"queue_full", "worker_oom", "worker_error", "unavailable", "fault_injected"})
 MAX_REPORTED_ERRORS = 100
 ENDING_GRACE_S = 30.0
-FOLLOW_IDLE_S = 60.0
-"""With no batch unfinished for this long, the edge stops reading the results topic (``BatchLog.unfollow``)."""
 """After a cancel or the expiry, how long lines already running may take to end before the batch is
 finalised without them."""
+FOLLOW_IDLE_S = 60.0
+"""With no batch unfinished for this long, the edge stops reading the results topic (``BatchLog.unfollow``)."""
 PROGRESS_EVERY_S = 1.0
 
 
@@ -383,15 +383,23 @@ class BatchRunner(AsyncComponent):
     async def _follow(self, now: float) -> None:
         """Read the results topic while a batch is unfinished (before any of its lines is published), and
         stop ``follow_idle_s`` after the last one ended: every request's terminal event passes there."""
-        if any(not job.state.terminal for job in self._jobs.values()):
+        if self._unfinished():
             self._idle_since = None
             if not self._log.following:
                 await self._log.follow(from_end=not self._resumed)
                 self._resumed = False  # from here on, nothing is in flight while it does not follow
-        elif self._idle_since is None:
+            return
+        self._resumed = False  # whatever the restart brought back has ended
+        if self._idle_since is None:
             self._idle_since = now
         elif now - self._idle_since >= self.follow_idle_s and self._log.following:
             await self._log.unfollow()
+            if self._unfinished():  # a batch came in while it stopped: none of its lines is out yet
+                self._idle_since = None
+                await self._log.follow(from_end=True)
+
+    def _unfinished(self) -> bool:
+        return any(not job.state.terminal for job in self._jobs.values())
 
     def _observe(self) -> None:
         by_status = Counter(job.state.status for job in self._jobs.values())
@@ -432,6 +440,8 @@ class BatchRunner(AsyncComponent):
         """Fill each model's in-flight window, fairly between batches: each running batch first up to its
         share (the window over the batches of that model), then what the others leave to whoever has more
         (work-conserving). A tenant's big batch never holds another's small one back."""
+        if not self._log.following:
+            return  # a line's result must never land before the results topic is read (_follow)
         window = self._settings.edge_batch_max_in_flight
         running: dict[str, list[Job]] = {}
         for job in self._jobs.values():

@@ -409,7 +409,7 @@ def test_skipping_a_walk_that_cannot_admit_changes_no_decision(seed: int) -> Non
             walking.running,
             walking.budget_in_use,
         )
-        assert len(fast._costs) <= 2 * fast.waiting + 64 + config.max_running + 1
+        assert len(fast._costs) <= 2 * fast.waiting + 65  # stale entries are compacted away
     assert admitted > 20
 
 

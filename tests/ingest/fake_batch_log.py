@@ -80,6 +80,9 @@ class FakeBatchLog:
         self.follows: list[bool] = []
         """``from_end`` of each ``follow`` that started reading results."""
         self.unfollows = 0
+        self.unfollow_takes_s = 0.0
+        """How long ``unfollow`` takes (the real one stops a consumer thread): the runner goes on meanwhile."""
+        self.unfollowing = False
         self._following = False
         self._results: asyncio.Queue[RequestFinished] = asyncio.Queue()
         self._watchers: list[Callable[[BaseException], object]] = []
@@ -96,6 +99,9 @@ class FakeBatchLog:
 
     async def follow(self, *, from_end: bool) -> None:
         if not self._following:
+            if from_end:  # what was written while it did not follow is skipped, as on Kafka
+                while not self._results.empty():
+                    self._results.get_nowait()
             self._following = True
             self.follows.append(from_end)
 
@@ -103,6 +109,9 @@ class FakeBatchLog:
         if self._following:
             self._following = False
             self.unfollows += 1
+            self.unfollowing = True
+            await asyncio.sleep(self.unfollow_takes_s)
+            self.unfollowing = False
 
     def watch(self, watcher: Callable[[BaseException], object]) -> None:
         self._watchers.append(watcher)

@@ -405,6 +405,27 @@ async def test_the_edge_reads_results_only_while_a_batch_is_unfinished(
     assert len(batch_log.lines) == 7
 
 
+async def test_a_batch_created_while_the_edge_stops_reading_results_still_completes(
+    make_client: MakeClient, batch_log: FakeBatchLog
+) -> None:
+    """The edge stops reading results (it takes a while: a consumer thread stops) just as a new batch
+    comes in: none of its lines is published before the edge reads results again, so none is lost."""
+    client, edge = await make_client()
+    assert edge.batches is not None
+    edge.batches.follow_idle_s = 0.2
+    batch_log.unfollow_takes_s = 1.0
+    async with AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=DEMO_KEY, max_retries=0) as sdk:
+        await until(sdk, (await run(sdk, [chat_line(0)])).id, "completed")
+        await _eventually(lambda: batch_log.unfollowing)
+        second = await run(sdk, [chat_line(i) for i in range(5)])
+        assert batch_log.unfollowing, "created while the log stops"
+        done = await until(sdk, second.id, "completed")
+        assert done.request_counts is not None
+        assert (done.request_counts.completed, done.request_counts.failed) == (5, 0)
+    assert batch_log.follows == [True, True]
+    assert edge.failure is None
+
+
 async def test_a_runner_that_dies_fails_the_edge_so_that_it_restarts(
     make_client: MakeClient, batch_log: FakeBatchLog
 ) -> None:
