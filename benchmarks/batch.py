@@ -268,8 +268,7 @@ def main() -> None:
             services.start("edge", ["edge"])
             result = asyncio.run(measure(f"http://127.0.0.1:{port}", services, seconds, lines))
         except BaseException:
-            for name in services.procs:
-                print(f"--- {name}\n{services.tail(name)}", file=sys.stderr)
+            services.print_tails()
             raise
         finally:
             services.stop_all()

@@ -39,14 +39,14 @@ from typing import Any
 
 import aiohttp
 import psutil
-from harness import kafka, pct, service_env
+from harness import broker_process, cpu_seconds, kafka, pct, service_env
 from loadgen import closed_loop, completion, embed
 from online import ROOT, Services, until_ok
 
 from bus.placement import place_box
 from infra.kafka.broker import free_port
 from infra.topics import TopicSizing, apply_topics, make_admin, platform_topics
-from schemas.settings import PlatformSettings, load_settings
+from schemas.settings import KafkaConnection, PlatformSettings, load_settings
 from schemas.topics import TopicNames
 
 MODELS = {"embeddings": "all-minilm-l6-v2", "generation": "demo-gpt"}
@@ -96,14 +96,9 @@ def batch_sizes(before: dict[float, float], after: dict[float, float]) -> dict[s
     return {("+Inf" if b == float("inf") else f"{b:g}"): n for b, n in zip(bounds, counts, strict=True) if n}
 
 
-def broker_process() -> psutil.Process | None:
-    for proc in psutil.process_iter(["cmdline"]):
-        if "kafka.Kafka" in " ".join(proc.info["cmdline"] or ()):
-            return proc
-    return None
-
-
-async def profile(args: argparse.Namespace, url: str, services: Services, name: str) -> dict[str, Any]:
+async def profile(
+    args: argparse.Namespace, conn: KafkaConnection, url: str, services: Services, name: str
+) -> dict[str, Any]:
     worker_ops = f"http://127.0.0.1:{services.ops[name]}"
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256)) as session:
 
@@ -128,11 +123,13 @@ async def profile(args: argparse.Namespace, url: str, services: Services, name: 
                 return batch_histogram(await response.text())
 
         worker = psutil.Process(services.procs[name].pid)
-        processes = {"broker": broker_process(), "edge": psutil.Process(services.procs["edge"].pid)}
-        processes |= {"worker": worker, "clients": psutil.Process()}
+        broker = broker_process(conn)  # not on this machine: not counted
+        processes = {"broker": broker} if broker is not None else {}
+        processes |= {"edge": psutil.Process(services.procs["edge"].pid), "worker": worker}
+        processes["clients"] = psutil.Process()
         spies = flame_graphs(args, {"edge": processes["edge"], "worker": worker})
         hist_before = await histogram()
-        cpu_before = {k: sum(p.cpu_times()[:2]) for k, p in processes.items() if p is not None}
+        cpu_before = cpu_seconds(*processes.values())
         watched = {"worker": worker.pid, "edge": services.procs["edge"].pid}
         threads_before = {label: thread_times(pid) for label, pid in watched.items()}
         latencies: list[float] = []
@@ -151,13 +148,13 @@ async def profile(args: argparse.Namespace, url: str, services: Services, name: 
 
         await asyncio.gather(*(client() for _ in range(args.clients)))
         wall = time.perf_counter() - started
-        cpu_after = {k: sum(p.cpu_times()[:2]) for k, p in processes.items() if p is not None}
+        cpu_after = cpu_seconds(*processes.values())
         threads_after = {label: thread_times(pid) for label, pid in watched.items()}
         hist_after = await histogram()
     for spy in spies:
         spy.wait(60)
     requests = len(latencies)
-    cores = {k: (cpu_after[k] - cpu_before[k]) / wall for k in cpu_after}
+    cores = {k: (b - a) / wall for k, a, b in zip(processes, cpu_before, cpu_after, strict=True)}
     busiest = {"worker": "model", "edge": "event loop"}
     threads = {
         label: thread_rows(threads_before[label], threads_after[label], wall, requests, busiest[label])
@@ -332,10 +329,9 @@ def main() -> int:
             services.start(name, ["worker", "--model", MODELS[args.model]])
             services.start("edge", ["edge"])
             print(f"{MODELS[args.model]} under {args.clients} clients ...", file=sys.stderr)
-            result = asyncio.run(profile(args, f"http://127.0.0.1:{port}", services, name))
+            result = asyncio.run(profile(args, conn, f"http://127.0.0.1:{port}", services, name))
         except BaseException:
-            for proc in services.procs:
-                print(f"--- {proc} ({services.logs / proc}.log)\n{services.tail(proc)}", file=sys.stderr)
+            services.print_tails()
             raise
         finally:
             services.stop_all()

@@ -348,6 +348,23 @@ def through_runner(runner: Runner, requests: list[Request], in_flight: int) -> t
     return time.perf_counter() - started, out
 
 
+def generations(n: int, prompt: list[int], sampling: SamplingParams, stream: bool) -> list[Request]:
+    """``n`` generation requests of ``prompt`` for the worker's runner."""
+    return [
+        GenerationRequested(
+            tenant="bench",
+            model="demo-gpt",
+            request_id=uuid7(),
+            source="benchmarks/gpu",
+            model_version="v",
+            input_ids=prompt,
+            sampling=sampling,
+            stream=stream,
+        )
+        for _ in range(n)
+    ]
+
+
 def runner_bench(
     device: str,
     gen_dir: Path,
@@ -371,25 +388,13 @@ def runner_bench(
     gen_runner = runner_factory(gen_dir, worker, "benchmarks/gpu", "bench-gen")()
     sampling = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
 
-    def gen_request(stream: bool) -> GenerationRequested:
-        return GenerationRequested(
-            tenant="bench",
-            model="demo-gpt",
-            request_id=uuid7(),
-            source="benchmarks/gpu",
-            model_version="v",
-            input_ids=prompt,
-            sampling=sampling,
-            stream=stream,
-        )
-
     def gen_rate(stream: bool) -> float:
-        took, out = through_runner(gen_runner, [gen_request(stream) for _ in range(4 * batch)], 2 * batch)
+        took, out = through_runner(gen_runner, generations(4 * batch, prompt, sampling, stream), 2 * batch)
         return out.tokens / took
 
     rates: dict[bool, float] = {}
-    for stream in (False, True):  # streamed: text decoded per token and coalesced into chunks
-        through_runner(gen_runner, [gen_request(stream) for _ in range(batch)], 2 * batch)  # warm-up
+    for stream in (False, True):  # streamed: coalesced into chunks, each chunk's text decoded at once
+        through_runner(gen_runner, generations(batch, prompt, sampling, stream), 2 * batch)  # warm-up
         rates[stream] = median_rate(repeats, partial(gen_rate, stream))
 
     emb_runner = runner_factory(emb_dir, worker, "benchmarks/gpu", "bench-emb")()
@@ -436,7 +441,9 @@ class InstantEngine(GenerationEngine):
     time is what stands between the runner and the engine."""
 
     def __init__(self, gen: LoadedModel, text: list[int], max_batch_size: int) -> None:
-        super().__init__(gen.model, max_batch_size=max_batch_size, max_context=gen.manifest.max_context)
+        super().__init__(  # the growing cache, never used: no ring allocated on a GPU
+            gen.model, max_batch_size=max_batch_size, max_context=gen.manifest.max_context, static_cache=False
+        )
         self._text = text
         self._waiting: list[SeqRequest] = []
         self._live: dict[str, list[int]] = {}  # request id -> [tokens made, max new tokens]
@@ -496,26 +503,11 @@ def host_cost(gen: LoadedModel, slots: int, new_tokens: int, requests: int, repe
     for name, (stream, stop) in cases.items():
         sampling = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True, stop=stop)
 
-        def made(n: int, stream: bool = stream, sampling: SamplingParams = sampling) -> list[Request]:
-            return [
-                GenerationRequested(
-                    tenant="bench",
-                    model="demo-gpt",
-                    request_id=uuid7(),
-                    source="benchmarks/gpu",
-                    model_version="v",
-                    input_ids=text[:8],
-                    sampling=sampling,
-                    stream=stream,
-                )
-                for _ in range(n)
-            ]
-
-        def rate(made: Callable[[int], list[Request]] = made) -> float:
-            took, out = through_runner(runner, made(requests), 2 * slots)
+        def rate(stream: bool = stream, sampling: SamplingParams = sampling) -> float:
+            took, out = through_runner(runner, generations(requests, text[:8], sampling, stream), 2 * slots)
             return out.tokens / took
 
-        through_runner(runner, made(slots), 2 * slots)  # warm-up
+        through_runner(runner, generations(slots, text[:8], sampling, stream), 2 * slots)  # warm-up
         costs[name] = 1e6 / median_rate(repeats, rate)
     return costs
 
@@ -596,11 +588,6 @@ def main() -> int:
         runners[str(size)] = row
 
     host = host_cost(gen, 256, 64, 256 if args.quick else 1024, args.repeats)
-    print(
-        "  the generation runner's host time per token at 256 slots (an instant engine): "
-        + ", ".join(f"{case} {us:.2f} us" for case, us in host.items()),
-        flush=True,
-    )
 
     name = torch.cuda.get_device_name(gen.device) if gen.device.type == "cuda" else "cpu"
     result = {

@@ -8,6 +8,8 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import psutil
+
 from infra.kafka.broker import LocalKafka, free_port
 from schemas.settings import KafkaConnection, PlatformSettings
 
@@ -38,3 +40,17 @@ def service_env(conn: KafkaConnection, prefix: str, **extra: str) -> dict[str, s
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_") or k.startswith(keep)}
     env.update(SLUICE_KAFKA_BOOTSTRAP=conn.bootstrap, SLUICE_TOPIC_PREFIX=prefix, **extra)
     return env
+
+
+def cpu_seconds(*procs: psutil.Process) -> list[float]:
+    """User + system CPU seconds of each process so far."""
+    return [sum(p.cpu_times()[:2]) for p in procs]
+
+
+def broker_process(conn: KafkaConnection) -> psutil.Process | None:
+    """The local broker's JVM (the one listening on the bootstrap port), if it runs on this machine."""
+    port = int(conn.bootstrap.rsplit(":", 1)[1])
+    for c in psutil.net_connections("tcp"):
+        if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid:
+            return psutil.Process(c.pid)
+    return None

@@ -32,7 +32,7 @@ from typing import Any
 
 import psutil
 from confluent_kafka import Consumer, Message, Producer, TopicPartition
-from harness import kafka, pct
+from harness import broker_process, cpu_seconds, kafka, pct
 
 from bus.consumer import FETCH_WAIT_MAX_MS, consumer_config
 from bus.producer import producer_config
@@ -126,19 +126,6 @@ class Driver:
         deadline = time.monotonic() + 30
         while answered < self.sent and time.monotonic() < deadline:
             answered += len(self.received(0.5))
-
-
-def cpu_seconds(*procs: psutil.Process) -> list[float]:
-    return [sum(p.cpu_times()[:2]) for p in procs]
-
-
-def broker_process(conn: KafkaConnection) -> psutil.Process | None:
-    """The local broker's JVM (the one listening on the bootstrap port), if it runs on this machine."""
-    port = int(conn.bootstrap.rsplit(":", 1)[1])
-    for c in psutil.net_connections("tcp"):
-        if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid:
-            return psutil.Process(c.pid)
-    return None
 
 
 def run(conn: KafkaConnection, args: argparse.Namespace) -> dict[str, Any]:

@@ -119,6 +119,11 @@ class Services:
         path = self.logs / f"{name}.log"
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
 
+    def print_tails(self) -> None:
+        """Each process's last log lines on stderr (a run that failed says why)."""
+        for name in self.procs:
+            print(f"--- {name} ({self.logs / name}.log)\n{self.tail(name)}", file=sys.stderr)
+
     async def ready(self, session: aiohttp.ClientSession, name: str, url: str) -> bool:
         """The process is alive and its ``/readyz`` says 200."""
         self.check_alive()
@@ -504,8 +509,7 @@ def main() -> None:
             where[RAW_IDLE_WORKER] = cast(dict[str, float], floor["embedding_batch1_after_idle"])["ms"]
             result["embedding_one_client_ms"] = where
         except BaseException:
-            for name in services.procs:
-                print(f"--- {name} ({services.logs / name}.log)\n{services.tail(name)}", file=sys.stderr)
+            services.print_tails()
             raise
         finally:
             services.stop_all()

@@ -116,12 +116,7 @@ class KafkaBatchLog(AsyncComponent):
         self._stopping.set()  # a handler waiting on the full queue gives up
         with contextlib.suppress(BusError):  # already reported through fail()
             await asyncio.to_thread(consumer.stop)
-        self._pending = {}
-        while True:
-            try:
-                self._queue.get_nowait()
-            except queue.Empty:
-                break
+        self._pending = {}  # what it still holds is dropped by ``results`` (an earlier generation)
 
     async def stop(self) -> None:
         await self.unfollow()
