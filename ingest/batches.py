@@ -371,7 +371,10 @@ class BatchRunner(AsyncComponent):
         while True:
             timeout = self._next_wake()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout)
+                # not asyncio.wait_for: on 3.11 it swallows a cancel that comes as the wake is set, and
+                # stop() then waits for this loop forever (CPython gh-86296, fixed in 3.12)
+                async with asyncio.timeout(timeout):
+                    await self._wake.wait()
             self._wake.clear()
             now = time.monotonic()
             await self._follow(now)

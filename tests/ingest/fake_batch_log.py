@@ -140,7 +140,8 @@ class FakeBatchLog:
             await asyncio.sleep(min(wait_s, 0.05))
             return []
         try:
-            first = await asyncio.wait_for(self._results.get(), min(wait_s, 0.05))
+            async with asyncio.timeout(min(wait_s, 0.05)):  # wait_for could swallow the runner's cancel
+                first = await self._results.get()
         except TimeoutError:
             return []
         out = [first]

@@ -426,6 +426,18 @@ async def test_a_batch_created_while_the_edge_stops_reading_results_still_comple
     assert edge.failure is None
 
 
+async def test_the_runner_stops_when_it_is_woken_as_it_is_stopped(make_client: MakeClient) -> None:
+    """A wake-up (a result, a new batch) in the same moment as the stop: the runner's loop still ends (with
+    asyncio.wait_for it swallowed the cancel on Python 3.11 and the edge's shutdown hung)."""
+    _, edge = await make_client()
+    assert edge.batches is not None
+    await asyncio.sleep(0.1)  # its loop waits for a wake-up
+    edge.batches._wake.set()
+    stopping = asyncio.create_task(edge.batches.stop())
+    done, _ = await asyncio.wait({stopping}, timeout=5)
+    assert done, "the runner's loop went on after its cancel"
+
+
 async def test_a_runner_that_dies_fails_the_edge_so_that_it_restarts(
     make_client: MakeClient, batch_log: FakeBatchLog
 ) -> None:
