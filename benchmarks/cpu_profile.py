@@ -2,7 +2,8 @@
 clients, and what each process and each of the worker's threads spent per request while it ran.
 
     python benchmarks/cpu_profile.py [--model embeddings|generation] [--clients 64] [--seconds 15]
-                                 [--flame DIR] [--rate 50] [--worker-cpus auto] [--quick] [--out FILE]
+                                 [--flame DIR] [--rate 50] [--worker-cpus auto] [--set NAME=VALUE]
+                                 [--quick] [--out FILE]
 
 It starts its own Kafka (unless SLUICE_KAFKA_BOOTSTRAP is set), one ``sluice worker`` for the model and one
 ``sluice edge``, placed as ``sluice up`` places them (``--worker-cpus``), warms them up, then measures a
@@ -88,6 +89,15 @@ def batch_histogram(metrics: str) -> dict[float, float]:
     return buckets
 
 
+def quiet_batches(metrics: str) -> float:
+    """Batches the worker ran on its quiet team so far (``sluice_worker_quiet_batches_total``)."""
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("sluice_worker_quiet_batches_total")
+    )
+
+
 def batch_sizes(before: dict[float, float], after: dict[float, float]) -> dict[str, float]:
     """Batches run in the window per bucket (``<= le``, not cumulative) and their count."""
     bounds = sorted(after)
@@ -118,9 +128,9 @@ async def profile(
         await until_ok(ready)
         await closed_loop(args.clients, args.clients * (1 if args.quick else 4), job)  # warm-up
 
-        async def histogram() -> dict[float, float]:
+        async def worker_metrics() -> str:
             async with session.get(f"{worker_ops}/metrics") as response:
-                return batch_histogram(await response.text())
+                return await response.text()
 
         worker = psutil.Process(services.procs[name].pid)
         broker = broker_process(conn)  # not on this machine: not counted
@@ -128,7 +138,7 @@ async def profile(
         processes |= {"edge": psutil.Process(services.procs["edge"].pid), "worker": worker}
         processes["clients"] = psutil.Process()
         spies = flame_graphs(args, {"edge": processes["edge"], "worker": worker})
-        hist_before = await histogram()
+        metrics_before = await worker_metrics()
         cpu_before = cpu_seconds(*processes.values())
         watched = {"worker": worker.pid, "edge": services.procs["edge"].pid}
         threads_before = {label: thread_times(pid) for label, pid in watched.items()}
@@ -150,7 +160,7 @@ async def profile(
         wall = time.perf_counter() - started
         cpu_after = cpu_seconds(*processes.values())
         threads_after = {label: thread_times(pid) for label, pid in watched.items()}
-        hist_after = await histogram()
+        metrics_after = await worker_metrics()
     for spy in spies:
         spy.wait(60)
     requests = len(latencies)
@@ -163,6 +173,7 @@ async def profile(
     return {
         "model": MODELS[args.model],
         "clients": args.clients,
+        "settings": args.overrides,
         "window_s": wall,
         "requests": requests,
         "units_per_s": units / wall,
@@ -172,7 +183,8 @@ async def profile(
         "cores": cores,
         "cpu_ms_per_request": {k: c * wall / requests * 1000 for k, c in cores.items()},
         "threads": threads,
-        "batches": batch_sizes(hist_before, hist_after),
+        "batches": batch_sizes(batch_histogram(metrics_before), batch_histogram(metrics_after)),
+        "quiet_batches": quiet_batches(metrics_after) - quiet_batches(metrics_before),
         "flame_graphs": [str(path) for path in flame_paths(args)],
         "load_average": os.getloadavg()[0],
     }
@@ -264,7 +276,9 @@ def table(result: dict[str, Any]) -> str:
         ]
     batches = result["batches"]
     rows.append(
-        "batches by size (<= bound: count): " + ", ".join(f"{b}: {n:.0f}" for b, n in batches.items())
+        "batches by size (<= bound: count): "
+        + ", ".join(f"{b}: {n:.0f}" for b, n in batches.items())
+        + f"; on the quiet team: {result['quiet_batches']:.0f}"
     )
     for path in result["flame_graphs"]:
         rows.append(f"flame graph: {path}")
@@ -293,6 +307,14 @@ def main() -> int:
         default="auto",
         help="cores for the worker, as `sluice up --worker-cpus` (default auto; 'off': no pinning)",
     )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SLUICE_NAME=VALUE",
+        help="a setting for the edge and the worker (repeatable; for A/B runs: the benchmark otherwise drops "
+        "this shell's SLUICE_* settings)",
+    )
     parser.add_argument("--quick", action="store_true", help="a short warm-up and window (a smoke run)")
     parser.add_argument(
         "--out", type=Path, default=None, help="JSON (default benchmarks/results/profile-<model>.json)"
@@ -304,6 +326,9 @@ def main() -> int:
         args.seconds = 2.0 if args.quick else 15.0
     if args.seconds <= 0:
         parser.error("--seconds must be positive")
+    args.overrides = overrides = dict(item.partition("=")[::2] for item in args.set)
+    if bad := [k for k in overrides if not k.startswith("SLUICE_") or not overrides[k]]:
+        parser.error(f"--set takes SLUICE_NAME=VALUE, not {', '.join(bad)}")
     if args.out is None:
         args.out = ROOT / "benchmarks" / "results" / f"profile-{args.model}.json"
     args.py_spy = shutil.which("py-spy") if args.flame is not None else None
@@ -323,7 +348,9 @@ def main() -> int:
             platform_topics(TopicNames(prefix), settings.served_models(), TopicSizing(replies=1)),
         )
         port = free_port()
-        env = service_env(conn, prefix, SLUICE_EDGE_PORT=str(port), SLUICE_WORKER_MAX_RUNNING="32")
+        env = service_env(
+            conn, prefix, SLUICE_EDGE_PORT=str(port), SLUICE_WORKER_MAX_RUNNING="32", **overrides
+        )
         services = Services(env, Path(tempfile.mkdtemp(prefix="sluice-profile-logs-")), worker_env)
         try:
             services.start(name, ["worker", "--model", MODELS[args.model]])

@@ -128,6 +128,12 @@ def place_native_threads(cores: Collection[int] | None) -> None:
     _native = frozenset(cores) if cores else None
 
 
+def native_cores() -> frozenset[int] | None:
+    """The cores set by :func:`place_native_threads` (a placed worker's: those it was started with beyond
+    its own), or None."""
+    return _native
+
+
 @contextlib.contextmanager
 def native_threads() -> Iterator[None]:
     """Build a Kafka client inside: librdkafka's threads inherit the affinity of the thread that creates
@@ -149,6 +155,7 @@ __all__ = [
     "PlacementError",
     "available_cpus",
     "format_cpus",
+    "native_cores",
     "native_threads",
     "parse_cpus",
     "pin_process",

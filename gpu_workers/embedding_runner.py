@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
@@ -35,6 +36,9 @@ from schemas.events import (
     utc_now,
 )
 from schemas.manifest import ModelManifest
+
+if TYPE_CHECKING:
+    from gpu_workers.models import QuietTeam
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +74,7 @@ class EmbeddingRunner:
         worker_id: str,
         batching: BatcherConfig,
         overlap: bool | None = None,
+        team: QuietTeam | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._engine = engine
@@ -84,6 +89,10 @@ class EmbeddingRunner:
         """Launch each batch before finishing the one before it (on a GPU, the previous batch's terminal
         events are built and published while the device computes the next)."""
         self._in_flight: _Flight | None = None
+        self.team = team
+        self._idle_since = clock()
+        """When the model last finished a batch."""
+        """On a CPU, torch's team sized per batch: wider for a small batch with nothing behind it."""
 
     def accept(self, arrival: Arrival, emit: Emitter) -> None:
         event = arrival.event
@@ -165,6 +174,8 @@ class EmbeddingRunner:
                 if request.started is None:
                     emit.joined(request.arrival, len(batch), 0.0)
                     request.started = started
+            if self.team is not None:
+                self.team.size_for(len(batch), len(self._batcher), now - self._idle_since)
             flight = self._launch(batch)
             if self.overlap:
                 self._in_flight = flight  # finished at the next tick, after the batch behind it is launched
@@ -172,6 +183,8 @@ class EmbeddingRunner:
                 self._finish(flight(), emit)
         if previous is not None:
             self._finish(previous(), emit)
+        if batch or previous is not None:
+            self._idle_since = self._clock()
 
     def _finish(
         self, embedded: list[tuple[EmbedItem[_Input], npt.NDArray[np.float32] | None]], emit: Emitter
@@ -248,6 +261,7 @@ class EmbeddingRunner:
             batch=self._last_batch,
             out_of_memory=self._backoff.failures,
             limit_ratio=self._backoff.ratio,
+            quiet_batches=self.team.wide_batches if self.team is not None else 0,
         )
 
     def _packed(self, request: _Request) -> Float32Vectors:

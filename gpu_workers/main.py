@@ -10,7 +10,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bus.placement import available_cpus, format_cpus, parse_cpus, pin_process, place_native_threads
+from bus.placement import (
+    available_cpus,
+    format_cpus,
+    native_cores,
+    parse_cpus,
+    pin_process,
+    place_native_threads,
+)
 from gpu_workers.batching import BatcherConfig
 from gpu_workers.features import FeatureProbe
 from gpu_workers.flush import FlushPolicy
@@ -93,12 +100,23 @@ def runner_factory(
         )
 
     def build_runner() -> Runner:
-        from gpu_workers.models import configure_torch_threads, report_loaded
+        from gpu_workers.models import (
+            QUIET_SPIN_COUNT,
+            QuietTeam,
+            configure_openmp,
+            configure_torch_threads,
+            load_torch,
+            report_loaded,
+        )
 
-        configure_torch_threads(
+        manifest = read_manifest(model_dir)
+        wide = quiet_threads(worker, manifest.task)
+        # before torch loads: OpenMP reads its policy, and counts its cores, once
+        configure_openmp(worker.worker_omp_wait_policy, QUIET_SPIN_COUNT if wide else None)
+        load_torch(native_cores() or () if wide else ())
+        narrow = configure_torch_threads(
             worker.worker_torch_threads or (len(available_cpus()) if worker.worker_cpus else None)
         )
-        manifest = read_manifest(model_dir)
         if manifest.task == "generation":
             from gpu_workers.engine import GenerationEngine
             from gpu_workers.models import load_generation_model
@@ -138,6 +156,17 @@ def runner_factory(
                 graphs,
                 time.perf_counter() - began,
             )
+        team = None
+        if wide > narrow and embedder.device.type == "cpu":
+            team = QuietTeam(narrow, wide, worker.worker_quiet_batch, native_cores() or ())
+            team.start(lambda: embedder.embed([[0] * 8]))  # id 0: in every vocabulary
+            log.info(
+                "%s: a batch of at most %d with nothing waiting runs on %d torch threads (%d otherwise)",
+                manifest.model_id,
+                team.max_batch,
+                team.wide,
+                team.narrow,
+            )
         return EmbeddingRunner(
             embedder,
             manifest,
@@ -148,9 +177,21 @@ def runner_factory(
                 max_wait_s=worker.worker_embed_max_wait_ms / 1000,
                 max_batch_tokens=worker.worker_embed_max_batch_tokens,
             ),
+            team=team,
         )
 
     return build
+
+
+def quiet_threads(worker: WorkerSettings, task: str) -> int:
+    """How many torch threads a quiet batch gets (``SLUICE_WORKER_QUIET_THREADS``); 0: no quiet team.
+    Unset, an embedding worker placed on its own cores gets every core it was started with."""
+    if task != "embedding":
+        return 0
+    if worker.worker_quiet_threads is not None:
+        return worker.worker_quiet_threads
+    spare = native_cores()
+    return len(available_cpus() | spare) if spare else 0
 
 
 def probe_factory(
@@ -248,9 +289,6 @@ def run_worker(
 ) -> None:
     """Serve until ``stop`` is set (SIGTERM/SIGINT in ``sluice worker``). The ops endpoints answer from
     the start: ``/healthz`` while the model loads, ``/readyz`` once it serves."""
-    from gpu_workers.models import configure_openmp
-
-    configure_openmp(worker.worker_omp_wait_policy)  # before the model thread loads torch
     service = make_worker(platform, worker, model_id)
     ops = OpsServer(
         worker.worker_ops_host,

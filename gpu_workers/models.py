@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import tempfile
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -71,17 +72,147 @@ class LoadedModel:
 _THREADS: int | None = None
 
 
-def configure_openmp(wait_policy: str) -> None:
-    """Set ``OMP_WAIT_POLICY`` for this process's torch unless the environment already names one. OpenMP
-    reads it once, when torch loads: call this before anything imports torch (the worker does at start)."""
+QUIET_SPIN_COUNT = 10_000
+"""libgomp's ``GOMP_SPINCOUNT`` for a worker with a quiet team (:class:`QuietTeam`): a thread of the team
+spins this many rounds (~0.15 ms here) before it sleeps. The gaps between a forward's parallel regions are
+shorter than that, so a 2-thread team keeps up inside a forward, and after it the helper sleeps at once.
+Measured (MiniLM, batch 1, 5 ms idle between calls, 2 threads on 2 cores): passive 11.2-11.8 ms, 3,000
+rounds 7.1 ms, 10,000 5.3 ms, 30,000 4.9-5.7 ms; one thread 7.9-8.1 ms."""
+
+
+def configure_openmp(wait_policy: str, spin_count: int | None = None) -> None:
+    """Set ``OMP_WAIT_POLICY`` for this process's torch unless the environment already names one (or a
+    ``GOMP_SPINCOUNT``). With ``spin_count``, a ``passive`` policy becomes a short spin instead
+    (``GOMP_SPINCOUNT``, :data:`QUIET_SPIN_COUNT`): a team whose threads sleep at once wakes them at every
+    op, slower than one thread. OpenMP reads both once, when torch loads: call this before anything
+    imports torch (the worker's model thread does, first)."""
     import sys
 
-    if "OMP_WAIT_POLICY" in os.environ:
+    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
         return
     if "torch" in sys.modules:
         log.warning("torch is already loaded: OMP_WAIT_POLICY=%s comes too late to apply", wait_policy)
         return
+    if spin_count is not None and wait_policy.lower() == "passive":
+        os.environ["GOMP_SPINCOUNT"] = str(spin_count)
+        return
     os.environ["OMP_WAIT_POLICY"] = wait_policy.upper()
+
+
+def _threads() -> set[int]:
+    return {int(tid) for tid in os.listdir("/proc/self/task")}
+
+
+def load_torch(extra_cores: Collection[int] = ()) -> None:
+    """Import torch, this thread allowed on ``extra_cores`` too while it loads. OpenMP (libgomp) counts
+    the cores it may use once, when it loads, and takes a team larger than that for oversubscribed: its
+    threads then barely spin between ops. A worker pinned to one core loading torch there made a 2-thread
+    team slower than one thread (10.5 against 7.5 ms for MiniLM at batch 1). A thread started meanwhile
+    that inherited the widened cores goes back to this thread's."""
+    import sys
+
+    if "torch" in sys.modules or not extra_cores or not hasattr(os, "sched_setaffinity"):
+        import torch
+
+        return
+    own = os.sched_getaffinity(0)
+    wide = own | set(extra_cores)
+    before = _threads()
+    os.sched_setaffinity(0, wide)
+    try:
+        import torch  # noqa: F401
+    finally:
+        os.sched_setaffinity(0, own)
+        for tid in _threads() - before:
+            with contextlib.suppress(OSError):  # a thread that already ended
+                if os.sched_getaffinity(tid) == wide:
+                    os.sched_setaffinity(tid, own)
+
+
+class QuietTeam:
+    """torch's intra-op team sized per batch, for embeddings on a CPU: ``narrow`` threads (the worker's own
+    cores) for a batch with work waiting behind it or more than ``max_batch`` items, ``wide`` for a small
+    batch with nothing waiting. The extra threads live on ``helper_cores`` (the cores the edge, Kafka and
+    the clients use on a shared box).
+
+    At low load those cores idle while a request's forward runs: MiniLM at batch 1 after 5 ms idle took
+    7.9-8.1 ms on one thread and 4.9-5.3 ms with a second thread on the other core (docs/perf). Under load
+    the batches are larger and have company behind them, so the team stays narrow and the other core stays
+    with the edge and Kafka, whose CPU the throughput needs (a 2-thread team under load either starved them,
+    spinning, or ran at half speed, passive: :func:`default_torch_threads`). Call everything from the model
+    thread."""
+
+    QUIET_IDLE_S = 0.002
+    """The model's idle time before a batch that may run wide: at one client it idles ~4 ms between
+    requests (the way back to the client and the next request's way in); with a few clients a request is
+    nearly always waiting or on its way when a batch ends."""
+    QUIET_STREAK = 3
+    """Quiet batches in a row before the team goes wide (see :meth:`size_for`)."""
+
+    def __init__(
+        self,
+        narrow: int,
+        wide: int,
+        max_batch: int,
+        helper_cores: Collection[int] = (),
+        set_threads: Callable[[int], None] | None = None,
+    ) -> None:
+        if not 1 <= narrow < wide:
+            raise ValueError(f"a quiet team is wider than the worker's {narrow} threads, not {wide}")
+        self.narrow, self.wide, self.max_batch = narrow, wide, max_batch
+        self.helper_cores = frozenset(helper_cores)
+        self._set = set_threads or _set_torch_threads
+        self._current = narrow
+        self._streak = 0
+        self.wide_batches = 0
+        """Batches run on the wide team so far."""
+
+    def start(self, warm_up: Callable[[], object]) -> None:
+        """Create the team's extra threads on the helper cores: OpenMP starts them from the thread that
+        first asks for a wider team, and a thread inherits its creator's cores, so this thread runs
+        ``warm_up`` (a forward) there with the wide team, then comes back, narrow."""
+        moved = bool(self.helper_cores) and hasattr(os, "sched_setaffinity")
+        own = os.sched_getaffinity(0) if moved else frozenset()
+        if moved:
+            os.sched_setaffinity(0, self.helper_cores)
+        try:
+            self._set(self.wide)
+            warm_up()
+        finally:
+            if moved:
+                os.sched_setaffinity(0, own)
+            self._set(self.narrow)
+            self._current = self.narrow
+
+    def size_for(self, batch: int, waiting: int, idle_s: float) -> int:
+        """The team for a batch of ``batch`` items with ``waiting`` more queued behind it, the model idle
+        for ``idle_s`` before it (set in torch). A batch looks quiet when it is small, nothing waits behind
+        it and the model idled :attr:`QUIET_IDLE_S` before it (no request was on its way as the last one
+        finished); it runs wide when it is the :attr:`QUIET_STREAK`-th quiet batch in a row, i.e. the box
+        has been quiet for a while. Measured with looser rules (``cpu_profile.py``, alternating runs, the
+        team off for the second figure):
+
+        - any small batch with nothing waiting: at 4 clients (batches of 1-2, the edge and Kafka busy with
+          the other requests) the helper competed with them for its core, 133-139 against 188-198
+          embeddings/s; at 64 clients 484 against 512/s over 7 pairs;
+        - a small batch after a small one, after 2 ms of idle: at 16 clients the trickle after a wave of
+          replies still ran wide (~30 batches in 8 s), 253-272 against 301-306/s."""
+        quiet = batch <= self.max_batch and waiting == 0 and idle_s >= self.QUIET_IDLE_S
+        self._streak = self._streak + 1 if quiet else 0
+        wide = self._streak >= self.QUIET_STREAK
+        threads = self.wide if wide else self.narrow
+        if threads != self._current:
+            self._set(threads)
+            self._current = threads
+        if wide:
+            self.wide_batches += 1
+        return threads
+
+
+def _set_torch_threads(threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
 
 
 def default_torch_threads() -> int:
@@ -369,10 +500,12 @@ __all__ = [
     "DEMO_GPT_ID",
     "EOS_TOKEN",
     "MINILM_ID",
+    "QUIET_SPIN_COUNT",
     "ROLE_TOKENS",
     "DemoRecipe",
     "LoadedModel",
     "ModelError",
+    "QuietTeam",
     "build_demo_gpt",
     "configure_openmp",
     "configure_torch_threads",
@@ -380,6 +513,7 @@ __all__ = [
     "demo_corpus",
     "load_embedding_model",
     "load_generation_model",
+    "load_torch",
     "memory_bytes",
     "parse_model_paths",
     "prepare_hf_dir",

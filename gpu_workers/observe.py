@@ -38,6 +38,8 @@ class RunnerLoad:
     """Forward passes that ran out of memory since the runner started."""
     limit_ratio: float = 1.0
     """The runner's batch limit now over its configured one (below 1 after running out of memory)."""
+    quiet_batches: int = 0
+    """Batches run on a quiet team (``gpu_workers.models.QuietTeam``) since the runner started."""
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,7 @@ class WorkerObserver:
         self._stays: dict[str, _Stay] = {}
         self._child = metrics.Children()
         self._out_of_memory = 0
+        self._quiet_batches = 0
 
     def joined(self, request_id: str, batch: int, budget_ratio: float) -> None:
         stay = self._stays.setdefault(request_id, _Stay())
@@ -112,6 +115,9 @@ class WorkerObserver:
         if load.out_of_memory > self._out_of_memory:
             child(metrics.WORKER_OUT_OF_MEMORY, model).inc(load.out_of_memory - self._out_of_memory)
             self._out_of_memory = load.out_of_memory
+        if load.quiet_batches > self._quiet_batches:
+            child(metrics.WORKER_QUIET_BATCHES, model).inc(load.quiet_batches - self._quiet_batches)
+            self._quiet_batches = load.quiet_batches
         if load.batch:
             child(metrics.BATCH_SIZE, model).observe(load.batch)
             child(metrics.STEP_SECONDS, model).observe(seconds)

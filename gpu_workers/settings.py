@@ -30,12 +30,23 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     Unset: wherever the OS puts it. ``sluice up`` gives its workers half the box (``SLUICE_FLEET_WORKER_CPUS``)
     and the edge, Kafka and the streams worker the other half: on 2 shared cores that made +10-20 %
     throughput (bus/placement.py, docs/perf). With it set, torch's threads default to one per core here."""
+    worker_quiet_threads: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    """Embeddings on a CPU: torch threads for a batch of at most ``worker_quiet_batch`` items with nothing
+    waiting behind it, i.e. when the box is quiet; the extra threads run on the cores the worker does not
+    own (``gpu_workers.models.QuietTeam``). At one client MiniLM's forward took ~8 ms on the worker's one
+    core and ~5 ms with a second thread on the idle other core; under load batches are larger and the team
+    stays at ``worker_torch_threads``. Unset: with ``SLUICE_WORKER_CPUS`` set, every core the worker was
+    started with; without it, off. ``1`` (or the worker's own thread count) turns it off."""
+    worker_quiet_batch: Positive = 4
+    """Embeddings: the largest batch that runs on the quiet team (``worker_quiet_threads``)."""
     worker_omp_wait_policy: Literal["passive", "active"] = "passive"
     """OpenMP's ``OMP_WAIT_POLICY`` for torch's threads (an ``OMP_WAIT_POLICY`` already in the environment
     wins). ``active`` threads spin between ops; on a box shared with the edge, Kafka and another worker a
     spinning team burns the cores the others need: MiniLM at 64 clients measured 78 embeddings/s with
     ``active`` and 170/s with ``passive`` (10.6 vs 3.9 ms of worker CPU per request, docs/perf/).
-    ``active`` can win on a dedicated CPU box."""
+    ``active`` can win on a dedicated CPU box. With a quiet team (``worker_quiet_threads``) ``passive``
+    becomes a short spin (``GOMP_SPINCOUNT``, ``gpu_workers.models.QUIET_SPIN_COUNT``): a passive 2-thread
+    team is slower than one thread."""
     worker_max_running: Positive = 16
     """Generation: sequences decoded together at most (continuous batching)."""
     worker_max_batch_tokens: Positive = 16_384

@@ -238,6 +238,12 @@ WORKER_DRIFT_SKIPPED = Counter(
     "Drift-sampled prompts left without their embedding: the model thread's embedding budget was spent.",
     ("model",),
 )
+WORKER_QUIET_BATCHES = Counter(
+    "sluice_worker_quiet_batches",
+    "Embedding batches run on the worker's quiet team (small, nothing waiting: torch also on the cores the "
+    "worker does not own; SLUICE_WORKER_QUIET_THREADS).",
+    ("model",),
+)
 WORKER_BATCH_LIMIT = Gauge(
     "sluice_worker_batch_limit_ratio",
     "The batch limit now over the configured one: 1, or less for a while after running out of memory.",
@@ -443,7 +449,7 @@ _ALL: tuple[Counter | Gauge | Histogram, ...] = (
     BATCHES, BATCH_LINES_IN_FLIGHT, BATCH_LINES,
     WORKER_RUNNING, WORKER_WAITING, TOKEN_BUDGET, BATCH_SIZE, STEP_SECONDS, QUEUE_WAIT, WORKER_TTFT,
     WORKER_E2E, WORKER_REQUESTS, WORKER_PROMPT_TOKENS, WORKER_GENERATION_TOKENS, WORKER_OUT_OF_MEMORY,
-    WORKER_BATCH_LIMIT, WORKER_DRIFT_SKIPPED, MODEL_MEMORY, MODEL_INFO,
+    WORKER_BATCH_LIMIT, WORKER_QUIET_BATCHES, WORKER_DRIFT_SKIPPED, MODEL_MEMORY, MODEL_INFO,
     CONSUMER_LAG, DEAD_LETTERS, STREAMS_EVENTS, STREAMS_FRESHNESS, STREAMS_INSERT_SECONDS, STREAMS_BATCH_SIZE,
     STREAMS_AUDIT_ENTRIES, STREAMS_AUDIT_HEALED, STREAMS_AUDIT_CONFLICTS, DRIFT_DETECTED, DRIFT_VERDICT, DRIFT_FEATURE_STATISTIC, DRIFT_FEATURE_DRIFTED,
     DRIFT_QUALITY_ISSUES, DRIFT_LAST_REPORT, DRIFT_REPORTS, DRIFT_EVALUATION_SECONDS, ROLLOUT_TRAFFIC_SHARE,
