@@ -42,7 +42,7 @@ import aiohttp
 import psutil
 from harness import broker_process, cpu_seconds, kafka, pct, service_env
 from loadgen import closed_loop, completion, embed
-from online import ROOT, Services, until_ok
+from online import ROOT, Services, quiet_batch_count, until_ok
 
 from bus.placement import place_box
 from infra.kafka.broker import free_port
@@ -87,15 +87,6 @@ def batch_histogram(metrics: str) -> dict[float, float]:
             bound = float("inf") if le == "+Inf" else float(le)
             buckets[bound] = buckets.get(bound, 0.0) + float(line.rsplit(" ", 1)[1])
     return buckets
-
-
-def quiet_batches(metrics: str) -> float:
-    """Batches the worker ran on its quiet team so far (``sluice_worker_quiet_batches_total``)."""
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in metrics.splitlines()
-        if line.startswith("sluice_worker_quiet_batches_total")
-    )
 
 
 def batch_sizes(before: dict[float, float], after: dict[float, float]) -> dict[str, float]:
@@ -184,7 +175,7 @@ async def profile(
         "cpu_ms_per_request": {k: c * wall / requests * 1000 for k, c in cores.items()},
         "threads": threads,
         "batches": batch_sizes(batch_histogram(metrics_before), batch_histogram(metrics_after)),
-        "quiet_batches": quiet_batches(metrics_after) - quiet_batches(metrics_before),
+        "quiet_batches": quiet_batch_count(metrics_after) - quiet_batch_count(metrics_before),
         "flame_graphs": [str(path) for path in flame_paths(args)],
         "load_average": os.getloadavg()[0],
     }

@@ -212,6 +212,9 @@ async def measure(
         # One client's embeddings once more, each request's id and wall-clock times kept: main() sets them
         # beside the timings of their terminal events (where_time_goes).
         stamps = [await embed_stamped(session, url, n) for n in range(30 if quick else 200)]
+        # whether one client's embeddings ran on the worker's quiet team (both cores): ratios() needs it
+        async with session.get(f"http://127.0.0.1:{services.ops['embed']}/metrics") as response:
+            quiet = quiet_batch_count(await response.text())
         services.stop("embed")
         services.start(
             "embed", ["worker", "--model", "all-minilm-l6-v2"], {"SLUICE_WORKER_EMBED_MAX_BATCH": "1"}
@@ -233,6 +236,7 @@ async def measure(
         },
         "platform_profiles": profiles,
         "one_client_stamps": stamps,
+        "embedding_quiet_batches": quiet,
         "generation": {
             "raw_best_batch": best_batch,
             "raw_tokens_per_s": raw_gen[best_batch],
@@ -376,6 +380,16 @@ def table(result: dict[str, dict[str, float]]) -> str:
     return "\n".join(lines)
 
 
+def quiet_batch_count(metrics: str) -> float:
+    """The batches a worker ran on its quiet team so far (``sluice_worker_quiet_batches_total`` in its
+    ``/metrics`` text)."""
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("sluice_worker_quiet_batches_total")
+    )
+
+
 def run_peers(
     args: argparse.Namespace,
     raw: dict[str, object],
@@ -383,9 +397,11 @@ def run_peers(
     platform: comparison.Profiles,
     settings: PlatformSettings,
     env: dict[str, str],
+    quiet_batches: float = 0.0,
 ) -> dict[str, Any]:
     """The peers, one at a time, after the platform has stopped (this machine's cores are shared), with
-    the workers' torch threads; their profiles beside the platform's and the raw model's, and the ratios."""
+    the workers' torch threads; their profiles beside the platform's and the raw model's, and the ratios.
+    ``quiet_batches``: the embedding worker's batches on its quiet team (one client's phase ran there)."""
     wanted = {p.strip() for p in args.peers.split(",") if p.strip()}
     logs = Path(tempfile.mkdtemp(prefix="sluice-bench-peers-"))
     peer_env = comparison.child_env(env.get("SLUICE_WORKER_TORCH_THREADS"))
@@ -415,7 +431,12 @@ def run_peers(
             )
             facts["ray"]["wall_s"] = time.perf_counter() - started
     base = comparison.raw_profiles(floor, args.quick)  # the model on the threads every server gets
-    return {"profiles": profiles, "ratios": comparison.ratios(profiles, base), "about": facts}
+    own = None
+    if quiet_batches and not isinstance(profiles["raw"], str):
+        # one client's embeddings ran on the worker's quiet team (both cores): its own overhead is measured
+        # from the model on both cores, the peers' from the model on the workers' threads
+        own = {**base, "embeddings": {**base["embeddings"], "1": profiles["raw"]["embeddings"]["1"]}}
+    return {"profiles": profiles, "ratios": comparison.ratios(profiles, base, own), "about": facts}
 
 
 def main() -> None:
@@ -516,7 +537,13 @@ def main() -> None:
     if own_cores:
         pin_process(own_cores)
     peers = run_peers(
-        args, raw, floor, cast(comparison.Profiles, result.pop("platform_profiles")), settings, env
+        args,
+        raw,
+        floor,
+        cast(comparison.Profiles, result.pop("platform_profiles")),
+        settings,
+        env,
+        cast(float, result["embedding_quiet_batches"]),
     )
     result["machine"] = {
         "cpus": os.cpu_count(),

@@ -161,7 +161,8 @@ def runner_factory(
             team = QuietTeam(narrow, wide, worker.worker_quiet_batch, native_cores() or ())
             team.start(lambda: embedder.embed([[0] * 8]))  # id 0: in every vocabulary
             log.info(
-                "%s: a batch of at most %d with nothing waiting runs on %d torch threads (%d otherwise)",
+                "%s: on a quiet box a batch of at most %d runs on %d torch threads (%d otherwise; "
+                "SLUICE_WORKER_QUIET_THREADS=1 turns it off)",
                 manifest.model_id,
                 team.max_batch,
                 team.wide,
