@@ -90,9 +90,9 @@ class EmbeddingRunner:
         events are built and published while the device computes the next)."""
         self._in_flight: _Flight | None = None
         self.team = team
+        """On a CPU, torch's team sized per batch: wider for a quiet box's small batches."""
         self._idle_since = clock()
         """When the model last finished a batch."""
-        """On a CPU, torch's team sized per batch: wider for a small batch with nothing behind it."""
 
     def accept(self, arrival: Arrival, emit: Emitter) -> None:
         event = arrival.event

@@ -105,18 +105,22 @@ def runner_factory(
             QuietTeam,
             configure_openmp,
             configure_torch_threads,
+            default_torch_threads,
             load_torch,
             report_loaded,
         )
 
         manifest = read_manifest(model_dir)
+        narrow = worker.worker_torch_threads or (
+            len(available_cpus()) if worker.worker_cpus else default_torch_threads()
+        )
         wide = quiet_threads(worker, manifest.task)
+        if wide <= narrow:
+            wide = 0  # no wider than the worker's own team: no quiet team
         # before torch loads: OpenMP reads its policy, and counts its cores, once
         configure_openmp(worker.worker_omp_wait_policy, QUIET_SPIN_COUNT if wide else None)
-        load_torch(native_cores() or () if wide else ())
-        narrow = configure_torch_threads(
-            worker.worker_torch_threads or (len(available_cpus()) if worker.worker_cpus else None)
-        )
+        load_torch((native_cores() or ()) if wide else ())
+        narrow = configure_torch_threads(narrow)
         if manifest.task == "generation":
             from gpu_workers.engine import GenerationEngine
             from gpu_workers.models import load_generation_model
@@ -157,7 +161,7 @@ def runner_factory(
                 time.perf_counter() - began,
             )
         team = None
-        if wide > narrow and embedder.device.type == "cpu":
+        if wide and embedder.device.type == "cpu":
             team = QuietTeam(narrow, wide, worker.worker_quiet_batch, native_cores() or ())
             team.start(lambda: embedder.embed([[0] * 8]))  # id 0: in every vocabulary
             log.info(
