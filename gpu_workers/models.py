@@ -129,6 +129,10 @@ def load_torch(extra_cores: Collection[int] = ()) -> None:
                     os.sched_setaffinity(tid, own)
 
 
+QUIET_THREAD_NAME = "omp:quiet"
+"""The name a quiet team's helper threads get (what ``/proc/<pid>/task/<tid>/comm`` shows)."""
+
+
 class QuietTeam:
     """torch's intra-op team sized per batch, for embeddings on a CPU: ``narrow`` threads (the worker's own
     cores) for a batch with work waiting behind it or more than ``max_batch`` items, ``wide`` for a small
@@ -170,9 +174,11 @@ class QuietTeam:
     def start(self, warm_up: Callable[[], object]) -> None:
         """Create the team's extra threads on the helper cores: OpenMP starts them from the thread that
         first asks for a wider team, and a thread inherits its creator's cores, so this thread runs
-        ``warm_up`` (a forward) there with the wide team, then comes back, narrow."""
+        ``warm_up`` (a forward) there with the wide team, then comes back, narrow. The threads it started
+        there are named :data:`QUIET_THREAD_NAME` (``top -H``, ``cpu_profile.py``)."""
         moved = bool(self.helper_cores) and hasattr(os, "sched_setaffinity")
         own = os.sched_getaffinity(0) if moved else frozenset()
+        before = _threads() if moved else set()
         if moved:
             os.sched_setaffinity(0, self.helper_cores)
         try:
@@ -183,6 +189,10 @@ class QuietTeam:
                 os.sched_setaffinity(0, own)
             self._set(self.narrow)
             self._current = self.narrow
+        for tid in _threads() - before if moved else ():
+            with contextlib.suppress(OSError):  # ended, or not this process's to name
+                if os.sched_getaffinity(tid) == self.helper_cores:
+                    Path(f"/proc/self/task/{tid}/comm").write_text(QUIET_THREAD_NAME)
 
     def size_for(self, batch: int, waiting: int, idle_s: float) -> int:
         """The team for a batch of ``batch`` items with ``waiting`` more queued behind it, the model idle
@@ -501,6 +511,7 @@ __all__ = [
     "EOS_TOKEN",
     "MINILM_ID",
     "QUIET_SPIN_COUNT",
+    "QUIET_THREAD_NAME",
     "ROLE_TOKENS",
     "DemoRecipe",
     "LoadedModel",

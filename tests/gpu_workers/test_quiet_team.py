@@ -9,6 +9,7 @@ import sys
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -17,7 +18,13 @@ from gpu_workers.batching import BatcherConfig
 from gpu_workers.embedding import EmbeddingEngine
 from gpu_workers.embedding_runner import EmbeddingRunner
 from gpu_workers.main import quiet_threads
-from gpu_workers.models import QUIET_SPIN_COUNT, LoadedModel, QuietTeam, configure_openmp
+from gpu_workers.models import (
+    QUIET_SPIN_COUNT,
+    QUIET_THREAD_NAME,
+    LoadedModel,
+    QuietTeam,
+    configure_openmp,
+)
 from gpu_workers.service import Arrival
 from gpu_workers.settings import WorkerSettings
 from tests.gpu_workers.test_runners import Collected, embedding
@@ -196,6 +203,11 @@ _PROBE = textwrap.dedent(
         out["torch_threads"] = torch.get_num_threads()
         new = set(os.listdir("/proc/self/task")) - before
         out["helpers"] = sorted(sorted(os.sched_getaffinity(int(t))) for t in new)
+        out["names"] = sorted(
+            open(f"/proc/self/task/{t}/comm").read().strip()
+            for t in new
+            if os.sched_getaffinity(int(t)) == spare
+        )
         out["others"] = sorted(
             sorted(os.sched_getaffinity(int(t))) for t in set(os.listdir("/proc/self/task")) - new
         )
@@ -208,7 +220,7 @@ _PROBE = textwrap.dedent(
 )
 
 
-def _probe(own: int, spare: int, mode: str) -> dict[str, object]:
+def _probe(own: int, spare: int, mode: str) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "GOMP_SPINCOUNT")}
     done = subprocess.run(
         [sys.executable, "-c", _PROBE, str(own), str(spare), mode],
@@ -222,7 +234,7 @@ def _probe(own: int, spare: int, mode: str) -> dict[str, object]:
     assert done.returncode == 0, done.stderr[-2000:]
     import json
 
-    result: dict[str, object] = json.loads(done.stdout.splitlines()[-1])
+    result: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
     return result
 
 
@@ -239,8 +251,10 @@ def test_torch_loaded_with_the_spare_cores_sees_them_and_the_team_lives_there() 
     assert wide["after_load"] == [own], "the loading thread is back on its own core"
     assert wide["after_start"] == [own]
     assert wide["torch_threads"] == 1, "narrow again after the warm-up"
-    assert [spare] in wide["helpers"], "the team's extra thread lives on the spare core"  # type: ignore[operator]
-    assert wide["others"] == [[own]] * len(wide["others"]), "nothing else moved"  # type: ignore[arg-type]
+    assert [spare] in wide["helpers"], "the team's extra thread lives on the spare core"
+    assert wide["names"], wide
+    assert set(wide["names"]) == {QUIET_THREAD_NAME}, "named, for top -H"
+    assert wide["others"] == [[own]] * len(wide["others"]), "nothing else moved"
 
 
 def test_a_worker_builds_its_embedding_runner_with_the_team_it_is_given(minilm: LoadedModel) -> None:

@@ -19,6 +19,7 @@ import psutil
 import pytest
 
 from bus.placement import available_cpus, format_cpus, split_box
+from gpu_workers.models import QUIET_THREAD_NAME
 from infra.kafka.broker import free_port, port_open
 from infra.topics import make_admin
 from ingest.auth import DEMO_KEY
@@ -131,15 +132,19 @@ def _check_placement(up: int, lines: list[str]) -> None:
     others = [pid for pid in children if pid not in serving]
     assert others, "Kafka and the streams worker"
     assert all(os.sched_getaffinity(pid) == rest for pid in others)
+    helpers = 0
     for pid in serving:
         native = 0
         for task in os.listdir(f"/proc/{pid}/task"):
             with open(f"/proc/{pid}/task/{task}/comm") as comm:
                 name = comm.read().strip()
             native += name.startswith("rdk:")
-            expected = rest if name.startswith("rdk:") else workers
+            helpers += name == QUIET_THREAD_NAME
+            # the embedding worker's quiet team: torch's helper threads on the rest too (gpu_workers.models)
+            expected = rest if name.startswith("rdk:") or name == QUIET_THREAD_NAME else workers
             assert os.sched_getaffinity(int(task)) == expected, (pid, task, name)
         assert native, "the worker's Kafka clients run native threads"
+    assert helpers, "the embedding worker's quiet team has a helper thread on the rest"
 
 
 def _drive(proc: subprocess.Popen[str], env: dict[str, str], port: int, edge_port: int) -> None:
