@@ -87,9 +87,9 @@ def pin_process(cores: Collection[int]) -> None:
             f"cannot run on cores {format_cpus(cores)} (this process has {format_cpus(allowed)}): "
             f"{exc.strerror}"
         ) from None
-    for task in os.listdir("/proc/self/task"):
+    for task in thread_ids():
         with contextlib.suppress(OSError):  # a thread that just ended
-            os.sched_setaffinity(int(task), cores)
+            os.sched_setaffinity(task, cores)
 
 
 def place_box(choice: str, workers: str = "") -> tuple[str, dict[str, str]]:
@@ -135,12 +135,11 @@ def native_cores() -> frozenset[int] | None:
 
 
 @contextlib.contextmanager
-def native_threads() -> Iterator[None]:
-    """Build a Kafka client inside: librdkafka's threads inherit the affinity of the thread that creates
-    the client (and those it creates later, from its own), so this thread moves to the native-thread cores
-    for the construction and back."""
-    cores = _native
-    if cores is None:
+def on_cores(cores: Collection[int] | None) -> Iterator[None]:
+    """This thread on ``cores`` inside, back on its own after (None, or no affinity here: it stays where it
+    is). A thread started inside inherits ``cores``: that is how threads another library starts are
+    placed (librdkafka's, OpenMP's)."""
+    if cores is None or not hasattr(os, "sched_setaffinity"):
         yield
         return
     own = os.sched_getaffinity(0)
@@ -151,15 +150,31 @@ def native_threads() -> Iterator[None]:
         os.sched_setaffinity(0, own)
 
 
+@contextlib.contextmanager
+def native_threads() -> Iterator[None]:
+    """Build a Kafka client inside: librdkafka's threads inherit the affinity of the thread that creates
+    the client (and those it creates later, from its own), so this thread moves to the native-thread cores
+    for the construction and back."""
+    with on_cores(_native):
+        yield
+
+
+def thread_ids() -> set[int]:
+    """This process's threads (Linux)."""
+    return {int(task) for task in os.listdir("/proc/self/task")}
+
+
 __all__ = [
     "PlacementError",
     "available_cpus",
     "format_cpus",
     "native_cores",
     "native_threads",
+    "on_cores",
     "parse_cpus",
     "pin_process",
     "place_box",
     "place_native_threads",
     "split_box",
+    "thread_ids",
 ]

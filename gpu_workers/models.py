@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from bus.placement import on_cores, thread_ids
 from gpu_workers.demo_model import (
     DEMO_GPT_ID,
     EOS_TOKEN,
@@ -99,10 +100,6 @@ def configure_openmp(wait_policy: str, spin_count: int | None = None) -> None:
     os.environ["OMP_WAIT_POLICY"] = wait_policy.upper()
 
 
-def _threads() -> set[int]:
-    return {int(tid) for tid in os.listdir("/proc/self/task")}
-
-
 def load_torch(extra_cores: Collection[int] = ()) -> None:
     """Import torch, this thread allowed on ``extra_cores`` too while it loads. OpenMP (libgomp) counts
     the cores it may use once, when it loads, and takes a team larger than that for oversubscribed: its
@@ -117,16 +114,13 @@ def load_torch(extra_cores: Collection[int] = ()) -> None:
         return
     own = os.sched_getaffinity(0)
     wide = own | set(extra_cores)
-    before = _threads()
-    os.sched_setaffinity(0, wide)
-    try:
+    before = thread_ids()
+    with on_cores(wide):
         import torch  # noqa: F401
-    finally:
-        os.sched_setaffinity(0, own)
-        for tid in _threads() - before:
-            with contextlib.suppress(OSError):  # a thread that already ended
-                if os.sched_getaffinity(tid) == wide:
-                    os.sched_setaffinity(tid, own)
+    for tid in thread_ids() - before:
+        with contextlib.suppress(OSError):  # a thread that already ended
+            if os.sched_getaffinity(tid) == wide:
+                os.sched_setaffinity(tid, own)
 
 
 QUIET_THREAD_NAME = "omp:quiet"
@@ -177,19 +171,15 @@ class QuietTeam:
         ``warm_up`` (a forward) there with the wide team, then comes back, narrow. The threads it started
         there are named :data:`QUIET_THREAD_NAME` (``top -H``, ``cpu_profile.py``)."""
         moved = bool(self.helper_cores) and hasattr(os, "sched_setaffinity")
-        own = os.sched_getaffinity(0) if moved else frozenset()
-        before = _threads() if moved else set()
-        if moved:
-            os.sched_setaffinity(0, self.helper_cores)
+        before = thread_ids() if moved else set()
         try:
-            self._set(self.wide)
-            warm_up()
+            with on_cores(self.helper_cores if moved else None):
+                self._set(self.wide)
+                warm_up()
         finally:
-            if moved:
-                os.sched_setaffinity(0, own)
             self._set(self.narrow)
             self._current = self.narrow
-        for tid in _threads() - before if moved else ():
+        for tid in thread_ids() - before if moved else ():
             with contextlib.suppress(OSError):  # ended, or not this process's to name
                 if os.sched_getaffinity(tid) == self.helper_cores:
                     Path(f"/proc/self/task/{tid}/comm").write_text(QUIET_THREAD_NAME)

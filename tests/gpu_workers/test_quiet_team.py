@@ -3,6 +3,7 @@ whose extra threads live on the cores the worker does not own; everything else o
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -232,8 +233,6 @@ def _probe(own: int, spare: int, mode: str) -> dict[str, Any]:
         check=False,
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    import json
-
     result: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
     return result
 
