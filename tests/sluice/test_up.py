@@ -136,13 +136,17 @@ def _check_placement(up: int, lines: list[str]) -> None:
     for pid in serving:
         native = 0
         for task in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{task}/comm") as comm:
-                name = comm.read().strip()
+            try:
+                with open(f"/proc/{pid}/task/{task}/comm") as comm:
+                    name = comm.read().strip()
+                affinity = os.sched_getaffinity(int(task))
+            except (FileNotFoundError, ProcessLookupError):
+                continue  # a thread that ended while we looked
             native += name.startswith("rdk:")
             helpers += name == QUIET_THREAD_NAME
             # the embedding worker's quiet team: torch's helper threads on the rest too (gpu_workers.models)
             expected = rest if name.startswith("rdk:") or name == QUIET_THREAD_NAME else workers
-            assert os.sched_getaffinity(int(task)) == expected, (pid, task, name)
+            assert affinity == expected, (pid, task, name)
         assert native, "the worker's Kafka clients run native threads"
     assert helpers, "the embedding worker's quiet team has a helper thread on the rest"
 
