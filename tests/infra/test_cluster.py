@@ -28,6 +28,7 @@ from infra.kafka.broker import (
     live_brokers,
     pid_alive,
     read_layout,
+    request_threads,
 )
 from infra.topics import TopicSizing, apply_topics, make_admin, platform_topics, under_replicated
 from schemas.settings import PlatformSettings
@@ -35,7 +36,8 @@ from schemas.topics import TopicNames
 from tests.sluice.test_cli import sluice
 
 # The single-node server.properties as it was before clusters existed (node 1, its own controller the
-# only voter, one copy of everything): a cluster of one must keep writing exactly this.
+# only voter, one copy of everything) and the request threads sized to the cores: a cluster of one must keep
+# writing exactly this.
 SINGLE_NODE = """\
 process.roles=broker,controller
 node.id=1
@@ -57,7 +59,12 @@ share.coordinator.state.topic.replication.factor=1
 share.coordinator.state.topic.min.isr=1
 group.initial.rebalance.delay.ms=0
 log.retention.check.interval.ms=60000
+num.network.threads={network_threads}
+num.io.threads={io_threads}
 """
+THREADS = dict(
+    zip(("network_threads", "io_threads"), request_threads(len(os.sched_getaffinity(0))), strict=True)
+)
 
 
 def _properties(text: str) -> dict[str, str]:
@@ -72,14 +79,22 @@ def test_one_node_writes_the_single_node_config_as_before(tmp_path: Path) -> Non
     assert cluster.bootstrap == "127.0.0.1:19092"
     written = node.write_config().read_text()
     assert written == SINGLE_NODE.format(
-        port=19092, controller_port=19093, log_dir=tmp_path / "kafka" / "logs"
+        port=19092, controller_port=19093, log_dir=tmp_path / "kafka" / "logs", **THREADS
     )
     # the class the single-node callers (the session fixture, benchmarks) use writes the same
     plain = LocalKafka(tmp_path / "plain", tmp_path / "cache", "4.3.1", port=19092, controller_port=19093)
     assert plain.server_properties() == SINGLE_NODE.format(
-        port=19092, controller_port=19093, log_dir=tmp_path / "plain" / "logs"
+        port=19092, controller_port=19093, log_dir=tmp_path / "plain" / "logs", **THREADS
     )
     assert not (tmp_path / "kafka" / "cluster.json").exists()
+
+
+def test_a_local_node_sizes_its_request_threads_to_its_cores() -> None:
+    # a 2-core box: one of each (measured on the two hops: docs/perf); a server's count stays near Kafka's
+    assert request_threads(1) == (1, 1)
+    assert request_threads(2) == (1, 1)
+    assert request_threads(4) == (1, 2)
+    assert request_threads(16) == (4, 8)
 
 
 def test_three_nodes_share_one_quorum_and_replicate_by_three(tmp_path: Path) -> None:
