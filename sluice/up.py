@@ -436,6 +436,24 @@ async def _wait_ready(host: str, port: int, within_s: float, what: str = "the st
     raise InfraError(f"{what} was not ready at {url} within {within_s:.0f}s (see its log above)")
 
 
+WORKERS_READY_S = 300.0
+"""How long ``sluice up`` waits for its workers' ``/readyz`` before it says "up" anyway, with a warning."""
+
+
+async def _wait_workers(workers: list[tuple[str, int]], within_s: float, console: Console) -> None:
+    """Wait for each worker's ``/readyz`` (model loaded, consuming, caught up). One not ready in time is
+    named and left to come up (its requests wait on its topic meanwhile); a worker on a port it picked
+    itself (0) cannot be polled."""
+
+    async def one(name: str, port: int) -> None:
+        try:
+            await _wait_ready("127.0.0.1", port, within_s, what=f"the worker for {name}")
+        except InfraError as exc:
+            console.print(f"[yellow]{exc}; its requests wait for it[/]")
+
+    await asyncio.gather(*(one(name, port) for name, port in workers))
+
+
 def extra_edges(settings: EdgeSettings, edges: int, partitions: int) -> list[tuple[str, int]]:
     """(id, port) of the edges after the first: ``<id>-1``, ``<id>-2``, … on the ports after the first
     edge's, each id chosen so that its replies partition is no other edge's while partitions last."""
@@ -529,6 +547,10 @@ async def _serve(
             stack.push_async_callback(child.stop)
             await _wait_ready(edge_settings.edge_host, port, 120, what=f"edge {edge_id}")
             edges.append(f"http://{edge_settings.edge_host}:{port}")
+
+        # "up" means a first request is served, not queued behind a model still loading
+        with console.status(f"loading models: waiting for {len(workers)} worker(s) to be ready"):
+            await _wait_workers(workers, WORKERS_READY_S, console)
 
         keys = f"API key: {DEMO_KEY}" if edge_settings.edge_tenants_file is None else "API keys: tenants file"
         out.print(f"[bold green]sluicegate is up[/]  {edge.url}/v1   {keys}")

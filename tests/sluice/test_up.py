@@ -156,6 +156,10 @@ def _drive(proc: subprocess.Popen[str], env: dict[str, str], port: int, edge_por
         lines = _wait_for_line(proc, "sluicegate is up", timeout=240)
         url = lines[-1].split()[3]  # "sluicegate is up  http://127.0.0.1:PORT/v1   API key: ..."
         assert url == f"http://127.0.0.1:{edge_port}/v1"
+        ops = int(env["SLUICE_WORKER_OPS_PORT"])
+        for worker in (ops, ops + 1):  # "up" waited for them: a first request does not wait for a model load
+            status, body = _get(f"http://127.0.0.1:{worker}/readyz")
+            assert status == 200, body
         completion = _post(
             f"{url}/completions", {"model": "demo-gpt", "prompt": "The river", "max_tokens": 4}
         )
