@@ -203,8 +203,14 @@ def _drive(proc: subprocess.Popen[str], env: dict[str, str], port: int, edge_por
         assert proc.wait(timeout=60) == 0
     finally:
         if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+            proc.send_signal(signal.SIGINT)  # a failed check: stop it as an operator would, then harder
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            # the broker runs in a session of its own: if sluice up died first, it must not outlive the test
+            _sluice(env, "kafka", "down")
 
 
 CANDIDATE = "uptest000001"
