@@ -16,9 +16,10 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 import msgspec
@@ -191,6 +192,20 @@ def die_with_parent() -> None:
     if sys.platform.startswith("linux"):
         pr_set_pdeathsig = 1
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+async def _unless_stopped(stop: asyncio.Event, waiting: Coroutine[Any, Any, None]) -> bool:
+    """Run ``waiting`` unless Ctrl-C (``stop``) comes first: then cancel it and return False. A start-up
+    wait (the warehouse, the models loading) must not hold a Ctrl-C for minutes."""
+    task = asyncio.ensure_future(waiting)
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait((task, stopped), return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    if task.done():
+        task.result()  # its error, if it failed
+        return True
+    await _cancel(task)
+    return False
 
 
 async def _cancel(task: asyncio.Task[None]) -> None:
@@ -504,7 +519,10 @@ async def _serve(
         await streams.start()
         stack.push_async_callback(streams.stop)
         with console.status("starting the streams worker (warehouse, dashboard)"):
-            await _wait_ready(streams_settings.streams_host, streams_settings.streams_port, 120)
+            ready = _wait_ready(streams_settings.streams_host, streams_settings.streams_port, 120)
+            if not await _unless_stopped(stop, ready):
+                console.print("stopping...")
+                return
 
         # In a child process: torch stays out of the edge's process (and off its cores).
         console.print("preparing models (the first run builds demo-gpt, about a minute)")
@@ -549,8 +567,10 @@ async def _serve(
             edges.append(f"http://{edge_settings.edge_host}:{port}")
 
         # "up" means a first request is served, not queued behind a model still loading
-        with console.status(f"loading models: waiting for {len(workers)} worker(s) to be ready"):
-            await _wait_workers(workers, WORKERS_READY_S, console)
+        with console.status("loading models: waiting for the workers' /readyz"):
+            if not await _unless_stopped(stop, _wait_workers(workers, WORKERS_READY_S, console)):
+                console.print("stopping...")
+                return
 
         keys = f"API key: {DEMO_KEY}" if edge_settings.edge_tenants_file is None else "API keys: tenants file"
         out.print(f"[bold green]sluicegate is up[/]  {edge.url}/v1   {keys}")

@@ -1,0 +1,85 @@
+"""``sluice up``'s start-up waits: for its workers' ``/readyz`` before it says "up", and never past a Ctrl-C."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+
+import pytest
+from aiohttp import web
+from rich.console import Console
+
+from infra.errors import InfraError
+from infra.kafka.broker import free_port
+from sluice.up import _unless_stopped, _wait_workers
+
+
+async def test_a_ctrl_c_ends_a_start_up_wait_at_once_and_cancels_it() -> None:
+    stop = asyncio.Event()
+    cancelled = asyncio.Event()
+
+    async def loading() -> None:
+        try:
+            await asyncio.sleep(300)  # a model that takes minutes to load
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    asyncio.get_running_loop().call_later(0.05, stop.set)
+    async with asyncio.timeout(5):
+        assert await _unless_stopped(stop, loading()) is False
+    assert cancelled.is_set()
+
+
+async def test_a_start_up_wait_that_ends_first_goes_on_and_its_error_is_raised() -> None:
+    stop = asyncio.Event()
+
+    async def ready() -> None:
+        await asyncio.sleep(0)
+
+    assert await _unless_stopped(stop, ready()) is True
+
+    async def broken() -> None:
+        raise InfraError("the streams worker was not ready")
+
+    with pytest.raises(InfraError, match="not ready"):
+        await _unless_stopped(stop, broken())
+
+
+async def _worker(ready_after: int) -> tuple[web.AppRunner, int, list[int]]:
+    """An ops server whose /readyz answers 503 ``ready_after`` times, then 200; the statuses it gave."""
+    given: list[int] = []
+
+    async def readyz(_: web.Request) -> web.Response:
+        status = 200 if len(given) >= ready_after else 503
+        given.append(status)
+        return web.Response(status=status)
+
+    app = web.Application()
+    app.router.add_get("/readyz", readyz)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, port, given
+
+
+async def test_up_waits_for_each_workers_readyz_and_names_one_that_is_not_ready() -> None:
+    loading, loading_port, loading_given = await _worker(ready_after=3)
+    try:
+        out = io.StringIO()
+        silent = free_port()  # a worker that never answers
+        await _wait_workers(
+            [("demo-gpt@v1", loading_port), ("all-minilm-l6-v2@v1", silent), ("free@v1", 0)],
+            1.5,
+            Console(file=out, width=200),
+        )
+    finally:
+        await loading.cleanup()
+    assert loading_given == [503, 503, 503, 200]  # polled until ready, then left alone
+    printed = out.getvalue()
+    assert "the worker for all-minilm-l6-v2@v1 was not ready" in printed
+    assert f"127.0.0.1:{silent}/readyz" in printed
+    assert "its requests wait for it" in printed
+    assert "demo-gpt" not in printed  # it came up
+    assert "free@v1" not in printed  # on a port of its own choosing: nothing to poll
