@@ -208,6 +208,10 @@ async def _unless_stopped(stop: asyncio.Event, waiting: Coroutine[Any, Any, None
     return False
 
 
+async def _exited(child: asyncio.subprocess.Process) -> None:
+    await child.wait()
+
+
 async def _cancel(task: asyncio.Task[None]) -> None:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
@@ -527,7 +531,14 @@ async def _serve(
         # In a child process: torch stays out of the edge's process (and off its cores).
         console.print("preparing models (the first run builds demo-gpt, about a minute)")
         prepare = await asyncio.create_subprocess_exec(sys.executable, "-m", "sluice", "models", "prepare")
-        if await prepare.wait() != 0:
+        prepared = await _unless_stopped(stop, _exited(prepare))
+        if not prepared or stop.is_set():  # a terminal's Ctrl-C reaches the child too: it fails as we stop
+            if prepare.returncode is None:
+                prepare.terminate()
+                await prepare.wait()
+            console.print("stopping...")
+            return
+        if prepare.returncode != 0:
             raise InfraError("`sluice models prepare` failed (see above)")
         # Workers per serving version of each model, following the deployments (and with autoscaling the
         # scaling decisions) on the control topic.
