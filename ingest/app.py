@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import datetime
@@ -214,19 +215,23 @@ class Edge(AsyncComponent):
             self.batches.watch(self.fail)  # a dead runner strands its batches: the edge fails, to restart
             yield
 
-    QUOTA_HEARTBEAT_S = 1.0
-    """An idle edge still publishes this often, so the others count it among the live edges."""
+    HEARTBEATS_PER_TTL = 3
+    """An idle edge still publishes this many times in the time the others keep a peer live
+    (``peer_ttl_s``), so that one late or lost snapshot does not drop it from the live edges. (It published
+    once per ``peer_ttl_s``, counted in sync intervals that added up to a little more: an idle edge left
+    the live set for a moment every cycle.)"""
 
     async def _publish_quota(self) -> None:
         admission, gateway = self.ctx.admission, self.ctx.gateway
         interval = self.ctx.settings.edge_quota_sync_s
-        quiet = 0.0
+        heartbeat = admission.ledger.peer_ttl_s / self.HEARTBEATS_PER_TTL
+        loop = asyncio.get_running_loop()
+        last = -math.inf  # the first one at once: the other edges know this one from its start
         while True:
             await asyncio.sleep(interval)
             sync = admission.ledger.snapshot(admission.limits_of)
-            quiet = 0.0 if sync.usage else quiet + interval
-            if sync.usage or quiet >= self.QUOTA_HEARTBEAT_S:
-                quiet = 0.0
+            if sync.usage or loop.time() - last >= heartbeat:
+                last = loop.time()
                 try:
                     await gateway.publish_quota(sync)
                 except Exception:  # the next snapshot replaces this one; limits stay local meanwhile

@@ -21,7 +21,7 @@ HEADERS = {"Authorization": f"Bearer {KEY}"}
 
 
 async def _edges(
-    catalogue: ModelCatalogue, tenant: Tenant
+    catalogue: ModelCatalogue, tenant: Tenant, into: list[Edge] | None = None
 ) -> AsyncIterator[list[tuple[Client, FakeGateway]]]:
     bus: list[FakeGateway] = []
     tenants = TenantDirectory({"shared": tenant})
@@ -32,6 +32,8 @@ async def _edges(
         client: Client = TestClient(TestServer(edge.app))
         await client.start_server()
         made.append((client, gateway, edge))
+    if into is not None:
+        into.extend(edge for _, _, edge in made)
     try:
         yield [(c, g) for c, g, _ in made]
     finally:
@@ -68,6 +70,21 @@ async def test_requests_per_minute_hold_across_two_edges(rpm_edges: list[tuple[C
     assert admitted == submitted
     assert 12 <= admitted <= 13, statuses  # the limit, give or take one request in one sync interval
     assert statuses.count(429) == 120 - admitted
+
+
+async def test_idle_edges_stay_among_each_others_live_edges(catalogue: ModelCatalogue) -> None:
+    """An idle edge publishes a snapshot at its start and then a few times in the time its peers keep it
+    live (it used to publish once per that time, a little late, and drop out for a moment every cycle)."""
+    edges: list[Edge] = []
+    async for _ in _edges(catalogue, Tenant(key_sha256=[hash_key(KEY)]), into=edges):
+        ledgers = [edge.ctx.admission.ledger for edge in edges]
+        await asyncio.sleep(0.2)
+        seen: list[tuple[int, int]] = []
+        for _ in range(125):  # 2.5 s: more than two peer lifetimes
+            seen.append((len(ledgers[0].peers), len(ledgers[1].peers)))
+            await asyncio.sleep(0.02)
+        assert ledgers[0].peer_ttl_s == 1.0
+        assert set(seen) == {(1, 1)}, [i for i, s in enumerate(seen) if s != (1, 1)]
 
 
 async def test_concurrency_holds_across_two_edges(catalogue: ModelCatalogue) -> None:
