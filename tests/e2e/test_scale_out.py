@@ -122,12 +122,12 @@ def _children(parent: int, word: str, *, serving: bool = False) -> list[int]:
         try:
             stat = (entry / "stat").read_text()
             cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid != parent or word.encode() not in cmdline:
-            continue
-        if serving and b"SLUICE_WORKER_STANDBY=true" in (entry / "environ").read_bytes().split(b"\0"):
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            if ppid != parent or word.encode() not in cmdline:
+                continue
+            if serving and b"SLUICE_WORKER_STANDBY=true" in (entry / "environ").read_bytes().split(b"\0"):
+                continue
+        except OSError:  # a process that ended while we looked
             continue
         found.append(int(entry.name))
     return found

@@ -291,7 +291,8 @@ async def test_a_batch_expires_at_its_window_with_what_completed(
     batch_log.respond = lambda event: complete(event) if event.index < 2 else held.append(event)
     client, _ = await make_client(edge_batch_max_in_flight=1)
     async with AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=DEMO_KEY, max_retries=0) as sdk:
-        created = await run(sdk, [chat_line(i) for i in range(5)], window="1s")
+        # long enough for three lines' rounds (each fsyncs its journal) on a slow disk before it expires
+        created = await run(sdk, [chat_line(i) for i in range(5)], window="3s")
         await _eventually(lambda: len(held) == 1)
         deadline = held[0].deadline
         assert deadline is not None
@@ -415,11 +416,13 @@ async def test_a_batch_created_while_the_edge_stops_reading_results_still_comple
     client, edge = await make_client()
     assert edge.batches is not None
     edge.batches.follow_idle_s = 0.2
-    batch_log.unfollow_takes_s = 1.0
+    batch_log.unfollow_takes_s = 1.5
     async with AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=DEMO_KEY, max_retries=0) as sdk:
         await until(sdk, (await run(sdk, [chat_line(0)])).id, "completed")
+        lines = io.BytesIO(jsonl([chat_line(i) for i in range(5)]))
+        uploaded = await sdk.files.create(file=("in.jsonl", lines), purpose="batch")  # before: it fsyncs
         await _eventually(lambda: batch_log.unfollowing)
-        second = await run(sdk, [chat_line(i) for i in range(5)])
+        second = await sdk.batches.create(input_file_id=uploaded.id, endpoint=CHAT, completion_window="24h")
         assert batch_log.unfollowing, "created while the log stops"
         done = await until(sdk, second.id, "completed")
         assert done.request_counts is not None

@@ -131,7 +131,10 @@ async def test_the_other_edge_replays_the_winners_stream_and_a_restarted_edge_kn
     with EventProducer(kafka, "worker") as producer:  # answered on edge a's partition
         await producer.publish(names.replies, chunk, partition=0)
         await producer.publish(names.replies, finished, partition=0)
-    await asyncio.sleep(0)
+    for _ in range(100):  # b reads a's claim on a consumer of its own
+        if await b.lookup_idempotent("acme", "pay-1") == record:
+            break
+        await asyncio.sleep(0.05)
     assert await b.lookup_idempotent("acme", "pay-1") == record
     assert await b.resume("intruder", rid, -1) is None
     stream = await b.resume("acme", rid, -1)
