@@ -1000,7 +1000,8 @@ def up(
     ] = None,
 ) -> None:
     """Run the platform on embedded defaults until Ctrl-C: Kafka, topics, the streams worker (warehouse,
-    dashboard, drift monitor), models, workers per model (fixed or autoscaled on lag), and edges."""
+    dashboard, drift monitor), models, workers per model (fixed or autoscaled on lag), and edges. It says
+    "sluicegate is up" once the workers answer /readyz (their models loaded)."""
     from sluice.up import run_platform
 
     flags = {
