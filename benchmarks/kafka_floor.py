@@ -157,8 +157,10 @@ def run(conn: KafkaConnection, args: argparse.Namespace) -> dict[str, Any]:
             (b - a) / (time.perf_counter() - idle_began)
             for a, b in zip(idle_before, cpu_seconds(*procs), strict=True)
         ]
-        driver.saturate(1.0)  # warm
-        driver.drain(0)
+        # warm; the latency phases' requests are all answered: count this phase's alone (the drain waited
+        # out its 30 s, counting those as still in flight)
+        driver.sent = 0
+        driver.drain(driver.saturate(1.0))
         driver.sent = 0
         before, began = cpu_seconds(*procs), time.perf_counter()
         answered = driver.saturate(3 if args.quick else 10)
