@@ -151,6 +151,23 @@ def on_cores(cores: Collection[int] | None) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def threads_started_on(cores: Collection[int] | None) -> Iterator[set[int]]:
+    """:func:`on_cores`, and the set it yields holds, on the way out, the threads started inside that are
+    still on ``cores`` (a library's threads placed there; empty when nothing moved)."""
+    started: set[int] = set()
+    if cores is None or not hasattr(os, "sched_setaffinity"):
+        yield started
+        return
+    before = thread_ids()
+    with on_cores(cores):
+        yield started
+    for tid in thread_ids() - before:
+        with contextlib.suppress(OSError):  # a thread that already ended
+            if os.sched_getaffinity(tid) == set(cores):
+                started.add(tid)
+
+
+@contextlib.contextmanager
 def native_threads() -> Iterator[None]:
     """Build a Kafka client inside: librdkafka's threads inherit the affinity of the thread that creates
     the client (and those it creates later, from its own), so this thread moves to the native-thread cores
@@ -177,4 +194,5 @@ __all__ = [
     "place_native_threads",
     "split_box",
     "thread_ids",
+    "threads_started_on",
 ]

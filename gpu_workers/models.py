@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bus.placement import on_cores, thread_ids
+from bus.placement import threads_started_on
 from gpu_workers.demo_model import (
     DEMO_GPT_ID,
     EOS_TOKEN,
@@ -114,13 +114,11 @@ def load_torch(extra_cores: Collection[int] = ()) -> None:
         return
     own = os.sched_getaffinity(0)
     wide = own | set(extra_cores)
-    before = thread_ids()
-    with on_cores(wide):
+    with threads_started_on(wide) as started:
         import torch  # noqa: F401
-    for tid in thread_ids() - before:
+    for tid in started:
         with contextlib.suppress(OSError):  # a thread that already ended
-            if os.sched_getaffinity(tid) == wide:
-                os.sched_setaffinity(tid, own)
+            os.sched_setaffinity(tid, own)
 
 
 QUIET_THREAD_NAME = "omp:quiet"
@@ -170,19 +168,16 @@ class QuietTeam:
         first asks for a wider team, and a thread inherits its creator's cores, so this thread runs
         ``warm_up`` (a forward) there with the wide team, then comes back, narrow. The threads it started
         there are named :data:`QUIET_THREAD_NAME` (``top -H``, ``cpu_profile.py``)."""
-        moved = bool(self.helper_cores) and hasattr(os, "sched_setaffinity")
-        before = thread_ids() if moved else set()
         try:
-            with on_cores(self.helper_cores if moved else None):
+            with threads_started_on(self.helper_cores or None) as started:
                 self._set(self.wide)
                 warm_up()
         finally:
             self._set(self.narrow)
             self._current = self.narrow
-        for tid in thread_ids() - before if moved else ():
+        for tid in started:
             with contextlib.suppress(OSError):  # ended, or not this process's to name
-                if os.sched_getaffinity(tid) == self.helper_cores:
-                    Path(f"/proc/self/task/{tid}/comm").write_text(QUIET_THREAD_NAME)
+                Path(f"/proc/self/task/{tid}/comm").write_text(QUIET_THREAD_NAME)
 
     def size_for(self, batch: int, waiting: int, idle_s: float) -> int:
         """The team for a batch of ``batch`` items with ``waiting`` more queued behind it, the model idle

@@ -16,7 +16,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from typing import Any
@@ -194,7 +194,7 @@ def die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
-async def _unless_stopped(stop: asyncio.Event, waiting: Coroutine[Any, Any, None]) -> bool:
+async def _unless_stopped(stop: asyncio.Event, waiting: Awaitable[object]) -> bool:
     """Run ``waiting`` unless Ctrl-C (``stop``) comes first: then cancel it and return False. A start-up
     wait (the warehouse, the models loading) must not hold a Ctrl-C for minutes."""
     task = asyncio.ensure_future(waiting)
@@ -208,11 +208,7 @@ async def _unless_stopped(stop: asyncio.Event, waiting: Coroutine[Any, Any, None
     return False
 
 
-async def _exited(child: asyncio.subprocess.Process) -> None:
-    await child.wait()
-
-
-async def _cancel(task: asyncio.Task[None]) -> None:
+async def _cancel(task: asyncio.Future[Any]) -> None:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
@@ -531,7 +527,7 @@ async def _serve(
         # In a child process: torch stays out of the edge's process (and off its cores).
         console.print("preparing models (the first run builds demo-gpt, about a minute)")
         prepare = await asyncio.create_subprocess_exec(sys.executable, "-m", "sluice", "models", "prepare")
-        prepared = await _unless_stopped(stop, _exited(prepare))
+        prepared = await _unless_stopped(stop, prepare.wait())
         if not prepared or stop.is_set():  # a terminal's Ctrl-C reaches the child too: it fails as we stop
             if prepare.returncode is None:
                 prepare.terminate()
