@@ -101,6 +101,7 @@ def test_the_runner_tells_the_team_its_batch_what_waits_and_how_long_the_model_i
         batching=BatcherConfig(max_batch_size=2, max_wait_s=0.0, max_batch_tokens=4096),
         team=(team := Recorded()),
         clock=lambda: now[0],
+        overlap=False,  # a quiet team is a CPU worker's; on a GPU each batch would finish a tick later
     )
     out = Collected()
 
@@ -261,13 +262,17 @@ def test_a_worker_builds_its_embedding_runner_with_the_team_it_is_given(minilm: 
     from gpu_workers.models import configure_torch_threads
 
     narrow = configure_torch_threads()
-    worker = WorkerSettings(worker_quiet_threads=narrow + 1, worker_quiet_batch=2)
+    # a quiet team is a CPU worker's (a GPU's batches do not run on torch's CPU threads): the worker is
+    # placed on the CPU, also where the test session's models load on a GPU
+    worker = WorkerSettings(worker_device="cpu", worker_quiet_threads=narrow + 1, worker_quiet_batch=2)
     runner = runner_factory(minilm.path, worker, "test", "w")()
     try:
         assert isinstance(runner, EmbeddingRunner)
         assert runner.team is not None
         assert (runner.team.narrow, runner.team.wide, runner.team.max_batch) == (narrow, narrow + 1, 2)
-        off = runner_factory(minilm.path, WorkerSettings(worker_quiet_threads=narrow), "test", "w")()
+        off = runner_factory(
+            minilm.path, WorkerSettings(worker_device="cpu", worker_quiet_threads=narrow), "test", "w"
+        )()
         assert isinstance(off, EmbeddingRunner)
         assert off.team is None, "no wider than the worker's own: off"
     finally:
