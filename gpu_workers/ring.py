@@ -33,6 +33,7 @@ import numpy as np
 
 from gpu_workers import GpuWorkerError
 from gpu_workers.graphs import capture, captured_or_eager
+from gpu_workers.padding import decode_bias
 
 if TYPE_CHECKING:
     import torch
@@ -214,17 +215,13 @@ class RingCache:
 
     def _forward(self, height: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The decode forward over the static tensors, and ``head`` of its logits (what a graph captures)."""
-        import torch
-
         rows = self.rows
         column = self.feed[-1:]
         mask = self.mask[:height]
         mask.index_fill_(1, column, True)  # every row attends to the token it writes now
-        bias = torch.zeros((height, 1, 1, self.columns), dtype=self._dtype, device=self.device)
-        bias.masked_fill_(~mask[:, None, None, :], torch.finfo(self._dtype).min)
         out = self._model(
             input_ids=self.feed[:height].view(height, 1),
-            attention_mask=bias,
+            attention_mask=decode_bias(mask, self._dtype),
             position_ids=self.feed[rows : rows + height].view(height, 1),
             past_key_values=self._cache_for(height),
             use_cache=True,

@@ -17,8 +17,10 @@ from gpu_workers.engine import (
     engine_throughput,
     raw_generate_throughput,
     sample_token,
+    token_stats,
 )
 from gpu_workers.models import LoadedModel
+from gpu_workers.padding import decode_bias
 
 PROMPTS = {
     "chat": "<|user|>\nTell me about the river.\n<|assistant|>\n",
@@ -348,10 +350,87 @@ def test_sample_token_filters() -> None:
     assert {sample_token(logits, two, gen) for _ in range(200)} == {1, 2}
 
 
+def reference_stats(logits: torch.Tensor) -> list[tuple[int, float, float]]:
+    """Each row's first best column, its log-probability and the entropy, in float64 from the definitions."""
+    out = []
+    for row in logits.double():
+        best = max(range(len(row)), key=lambda i: (row[i].item(), -i))  # the first of equal bests
+        logp = row.log_softmax(dim=-1)
+        p = logp.exp()
+        entropy = -(p[p > 0] * logp[p > 0]).sum().item()
+        out.append((best, logp[best].item(), entropy))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_token_stats_are_the_greedy_token_its_logprob_and_the_entropy(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn((6, 97), generator=gen) * 4
+    logits[1, 10] = logits[1, 40] = logits[1].max() + 1  # a tie: the first column wins, as argmax
+    logits[2, 5:60] = float("-inf")  # masked columns: no probability, no entropy
+    logits[3, :] = float("-inf")
+    logits[3, 17] = 0.5  # one candidate: log-probability 0, entropy 0
+    logits[4, :] = 2.0  # all equal: column 0, uniform
+    logits = logits.to(dtype)
+    stats = token_stats(logits)
+    assert stats.shape == (3, 6)
+    assert stats.dtype == torch.float32
+    for row, (token, logprob, entropy) in enumerate(reference_stats(logits)):
+        assert int(stats[0, row]) == token
+        assert stats[1, row].item() == pytest.approx(logprob, abs=1e-4)
+        assert stats[2, row].item() == pytest.approx(entropy, abs=1e-4)
+    assert [int(t) for t in stats[0, 1:5]] == [10, int(logits[2].float().argmax()), 17, 0]
+    assert stats[1, 3].item() == pytest.approx(0.0, abs=1e-6)
+    assert stats[2, 3].item() == 0.0
+
+
+def test_token_stats_of_a_nan_row_is_still_a_token_of_the_vocabulary() -> None:
+    logits = torch.randn(2, 50)
+    logits[0, 7] = float("nan")
+    tokens = token_stats(logits)[0]
+    assert 0 <= int(tokens[0]) < 50
+    assert int(tokens[1]) == int(logits[1].argmax())
+
+
+@pytest.mark.parametrize("attend_dtype", [torch.bool, torch.long])
+def test_decode_bias_is_zero_where_a_row_attends_and_the_lowest_value_elsewhere(
+    attend_dtype: torch.dtype,
+) -> None:
+    attend = torch.tensor([[0, 1, 1], [1, 1, 1]]).to(attend_dtype)
+    bias = decode_bias(attend, torch.float16)
+    lowest = torch.finfo(torch.float16).min
+    assert bias.shape == (2, 1, 1, 3)
+    assert bias.dtype == torch.float16
+    assert bias[:, 0, 0, :].tolist() == [[lowest, 0.0, 0.0], [0.0, 0.0, 0.0]]
+
+
 def test_throughput_helpers_measure(demo_gpt: LoadedModel) -> None:
     prompts = [encode(demo_gpt, PROMPTS[name]) for name in ("chat", "story", "short")]
     assert raw_generate_throughput(demo_gpt.model, prompts, max_new_tokens=4, batch_size=2) > 0
     assert engine_throughput(demo_gpt.model, prompts, max_new_tokens=4, batch_size=2) > 0
+
+
+def test_leading_columns_go_once_the_rows_that_attended_to_them_are_freed(demo_gpt: LoadedModel) -> None:
+    """The growing cache keeps only the columns some row attends to: while every row runs, a decode adds
+    one column; once the long prompt's row is freed its columns go, and the batch is as wide as the short
+    row's own span."""
+    engine = GenerationEngine(demo_gpt.model, max_batch_size=2, static_cache=False)
+    engine.add(SeqRequest(request_id="long", input_ids=list(range(5, 35)), max_new_tokens=3))
+    engine.add(SeqRequest(request_id="short", input_ids=[5, 6, 7], max_new_tokens=12))
+    engine.step()  # both prefilled together: 30 columns
+    widths = []
+    while engine.has_work():
+        finished = {out.request_id for out in engine.step() if out.finish_reason is not None}
+        mask = engine._batch.mask
+        if mask is None:
+            break
+        widths.append(mask.shape[1])
+        if finished == {"long"}:
+            short_row = next(i for i, seq in enumerate(engine._batch.seqs) if seq is not None)
+            assert mask.shape[1] == int(mask[short_row].sum()) < 30
+    # one column a decode while both run; when the long one ends (its 3rd token, the 2nd decode) its
+    # columns go: the short row's 3 prompt columns and 2 decoded ones stay, then one a decode again
+    assert widths == [31, *range(5, 5 + len(widths) - 1)]
 
 
 def test_the_growing_cache_layer_matches_concatenation_through_growth_and_trims() -> None:

@@ -30,6 +30,7 @@ from gpu_workers.models import (
     prepare_hf_dir,
     prepare_models,
 )
+from gpu_workers.padding import decode_bias
 from schemas.manifest import MANIFEST_FILE, current_model_dir, read_manifest
 from schemas.settings import PlatformSettings
 
@@ -155,6 +156,33 @@ def test_prepare_models(
         prepare_models(PlatformSettings(cache_dir=str(tmp_path), models=("nope",)))
     with pytest.raises(ModelError, match="expected id=/path"):
         prepare_models(PlatformSettings(cache_dir=str(tmp_path), models=(), model_paths=("no-path",)))
+
+
+def test_a_cpu_model_without_a_cuda_driver_skips_the_per_forward_padding_check(
+    demo_gpt_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """transformers asks on every forward whether a CUDA stream is capturing (before its padding check);
+    a CUDA build of torch without a driver answers by raising (~0.12 ms). A CPU model loaded where CUDA is
+    unavailable no longer asks in the engine's decode (a ready 4D mask); one loaded where CUDA is
+    available keeps the check."""
+    asked: list[int] = []
+
+    def capturing() -> bool:
+        asked.append(1)
+        return False
+
+    def decode(loaded: LoadedModel) -> None:
+        ids = torch.tensor([[5], [6]])
+        with torch.inference_mode():
+            loaded.model(input_ids=ids, attention_mask=decode_bias(torch.ones_like(ids), torch.float32))
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", capturing)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    decode(load_generation_model(demo_gpt_dir, device="cpu"))
+    assert asked == []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    decode(load_generation_model(demo_gpt_dir, device="cpu"))
+    assert asked  # the control: the same forward asks when the check is kept
 
 
 def test_configure_torch_threads_defaults_to_half_the_cores() -> None:
