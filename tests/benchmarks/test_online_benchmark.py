@@ -32,6 +32,15 @@ def test_the_online_benchmark_runs_quick_and_writes_its_json(tmp_path: Path, kaf
     assert result["machine"]["raw_torch_threads"] == len(os.sched_getaffinity(0))
     assert floor["generation_tokens_per_s"] > 0
     assert floor["embeddings_per_s"] > 0
+    # run before and after the platform; the ratios are to the mean of the two
+    for key in ("generation_tokens_per_s", "embeddings_per_s"):
+        runs = [floor["before"][key], floor["after"][key]]
+        assert min(runs) > 0
+        assert floor[key] == pytest.approx(sum(runs) / 2)
+    assert floor["generation_ratio"] == pytest.approx(
+        result["generation"]["platform_tokens_per_s"] / floor["generation_tokens_per_s"]
+    )
+    assert "(before " in stdout
     assert result["generation"]["platform_concurrency"] == 2 * result["generation"]["raw_best_batch"]
     # placed as `sluice up` places it: on 2+ cores the workers get the upper half (bus/placement.py)
     split = split_box(available_cpus())
