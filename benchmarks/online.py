@@ -40,6 +40,8 @@ model's best): a closed-loop client holds its slot empty for its own round trip,
 slots would measure round trips, not the server (vLLM's throughput benchmark offers all requests at once).
 That phase, and embeddings at 64 clients with dynamic batching and with batch-1 serving, are measured at
 steady state: what completes in a window after a ramp-up (8 s after 2 s; 1.5 s after 0.5 s with --quick).
+Time to first token at low load is measured after them, on a warm broker (a fresh JVM compiles through its
+first thousands of requests; ``kafka_floor.py`` measures its floor warm too).
 
 Where one client's embedding time goes: 200 more requests (30 with --quick), one at a time, each set beside
 the timings its terminal event carries (read back off the results topic, one machine, one clock): edge in,
@@ -208,9 +210,6 @@ async def measure(url: str, raw: dict[str, object], services: Services, quick: b
         # warm-up: every path once under load, so the measured phases see warm caches and connections
         await closed_loop(32, 64, lambda _n: completion(session, url, 8))
         await closed_loop(32, 128, lambda n: embed(session, url, n))
-        for _ in range(5):
-            await ttft_once(session, url)
-        ttfts = [await ttft_once(session, url) for _ in range(30 if quick else 100)]
 
         raw_gen = {int(k): float(v) for k, v in raw["generation_tokens_per_s"].items()}  # type: ignore[attr-defined]
         best_batch = max(raw_gen, key=lambda b: raw_gen[b])
@@ -235,6 +234,12 @@ async def measure(url: str, raw: dict[str, object], services: Services, quick: b
         # Warmed at this concurrency first: batches of 33-64 are new shapes to torch after the warm-up above
         # (included in ``warm_s`` here).
         dynamic = await steady_rate(64, emb_job, warm_s=2 * warm_s, window_s=window_s)
+        # Time to first token at low load after the saturation phases: a fresh broker's JVM is still
+        # compiling through its first few thousand requests (kafka_floor.py, 300 lone round trips at a time:
+        # 2.7-5.0 ms p50 for the first, 1.3-1.6 once warm), and a serving platform's broker is warm.
+        for _ in range(5):
+            await ttft_once(session, url)
+        ttfts = [await ttft_once(session, url) for _ in range(30 if quick else 100)]
         profiles = await profile_all(session, url, quick)  # the load the peers get too
         # One client's embeddings once more, each request's id and wall-clock times kept: main() sets them
         # beside the timings of their terminal events (where_time_goes).
