@@ -148,8 +148,8 @@ def run(conn: KafkaConnection, args: argparse.Namespace) -> dict[str, Any]:
         driver = Driver(conn, args.fetch_wait_ms, args.acks)
         driver.latency(20)  # connections, metadata
         # the JIT: a fresh broker is still compiling through its first few thousand requests (300 lone
-        # round trips at a time on 2 cores: 2.7-5.0 ms p50 and 4-6 ms of broker CPU each for the first 300,
-        # 1.3-1.6 ms and 1.3-1.5 ms once warm), and the floor is what a running broker costs
+        # round trips at a time on 2 cores: 2.7-5.0 ms p50 and 4-7 ms of broker CPU each for the first 300,
+        # 1.3-1.9 ms and 1.2-2.0 ms once warm), and the floor is what a running broker costs
         driver.sent = 0
         driver.drain(driver.saturate(1.0 if args.quick else 5.0))
         driver.sent = 0

@@ -236,7 +236,7 @@ async def measure(url: str, raw: dict[str, object], services: Services, quick: b
         dynamic = await steady_rate(64, emb_job, warm_s=2 * warm_s, window_s=window_s)
         # Time to first token at low load after the saturation phases: a fresh broker's JVM is still
         # compiling through its first few thousand requests (kafka_floor.py, 300 lone round trips at a time:
-        # 2.7-5.0 ms p50 for the first, 1.3-1.6 once warm), and a serving platform's broker is warm.
+        # 2.7-5.0 ms p50 for the first, 1.3-1.9 once warm), and a serving platform's broker is warm.
         for _ in range(5):
             await ttft_once(session, url)
         ttfts = [await ttft_once(session, url) for _ in range(30 if quick else 100)]
