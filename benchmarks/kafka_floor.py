@@ -123,6 +123,13 @@ class Driver:
                 self.send()
         return answered
 
+    def warm(self, seconds: float) -> None:
+        """``seconds`` at IN_FLIGHT, every answer read, then the count starts again: the phases before are
+        all answered, so the drain would otherwise wait out its 30 s counting theirs as still in flight."""
+        self.sent = 0
+        self.drain(self.saturate(seconds))
+        self.sent = 0
+
     def drain(self, answered: int) -> None:
         """Read the answers still in flight so the next phase starts clean."""
         deadline = time.monotonic() + 30
@@ -150,9 +157,7 @@ def run(conn: KafkaConnection, args: argparse.Namespace) -> dict[str, Any]:
         # the JIT: a fresh broker is still compiling through its first few thousand requests (300 lone
         # round trips at a time on 2 cores: 2.7-5.0 ms p50 and 4-7 ms of broker CPU each for the first 300,
         # 1.3-1.9 ms and 1.2-2.0 ms once warm), and the floor is what a running broker costs
-        driver.sent = 0
-        driver.drain(driver.saturate(1.0 if args.quick else 5.0))
-        driver.sent = 0
+        driver.warm(1.0 if args.quick else 5.0)
         driver.latency(50 if args.quick else 300)
         broker = broker_process(conn)
         procs = [p for p in (broker, psutil.Process(child.pid), psutil.Process()) if p is not None]
@@ -166,11 +171,7 @@ def run(conn: KafkaConnection, args: argparse.Namespace) -> dict[str, Any]:
             (b - a) / (time.perf_counter() - idle_began)
             for a, b in zip(idle_before, cpu_seconds(*procs), strict=True)
         ]
-        # warm; the latency phases' requests are all answered: count this phase's alone (the drain waited
-        # out its 30 s, counting those as still in flight)
-        driver.sent = 0
-        driver.drain(driver.saturate(1.0))
-        driver.sent = 0
+        driver.warm(1.0)
         before, began = cpu_seconds(*procs), time.perf_counter()
         answered = driver.saturate(3 if args.quick else 10)
         wall = time.perf_counter() - began
