@@ -184,6 +184,9 @@ def ratios(
                 other = theirs[workload][clients]
                 row[f"{peer}_per_s"] = mine["per_s"] / other["per_s"]
                 row[f"{peer}_p99"] = mine["p99_ms"] / other["p99_ms"]
+                if peer == "ray":
+                    # the most platform/Ray can be: the model alone on the servers' threads over Ray
+                    row["ray_ceiling"] = base_row["per_s"] / other["per_s"]
                 if peer != "raw":
                     added = other["p50_ms"] - base_row["p50_ms"]
                     # below the raw model's (noise, or a raw run on a busy machine) counts as nothing added
@@ -195,13 +198,21 @@ def ratios(
 
 def p6(row: dict[str, float | None], clients: str) -> str:
     """P6 (printed, not asserted): at 64 clients ≥ 3x Ray's throughput with a lower p99; at 1 client at
-    most 1/4 of the latency Ray adds to the raw model."""
+    most 1/4 of the latency Ray adds to the raw model.
+
+    Where 3x Ray is more than the model makes alone on the threads every server gets (``ray_ceiling``: that
+    model's throughput over Ray's, measured in the same run), 3x is out of reach for any server of it on this
+    box, and the issue's rule for such targets applies: within 1.2x of that ceiling."""
     if clients == "1":
         added = row.get("ray_added_p50")
         return "n/a" if added is None else f"{'met' if added <= 0.25 else 'missed'} (≤ 0.25)"
-    per_s, p99 = row.get("ray_per_s"), row.get("ray_p99")
+    per_s, p99, ceiling = row.get("ray_per_s"), row.get("ray_p99"), row.get("ray_ceiling")
     if per_s is None or p99 is None:
         return "n/a"
+    if ceiling is not None and ceiling < 3:
+        target = ceiling / 1.2
+        verdict = "met" if per_s >= target and p99 < 1 else "missed"
+        return f"{verdict} (≥ {target:.2f}x: the model alone is {ceiling:.2f}x Ray, /1.2; p99 < 1x)"
     return f"{'met' if per_s >= 3 and p99 < 1 else 'missed'} (≥ 3x, p99 < 1x)"
 
 

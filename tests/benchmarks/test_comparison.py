@@ -64,3 +64,40 @@ def test_the_platforms_own_overhead_is_measured_from_the_model_as_it_runs_it() -
     assert quiet["generation"]["1"] == comparison.ratios(everyone, floor)["generation"]["1"]
     plain = comparison.ratios(everyone, floor)["embeddings"]["1"]["ray_added_p50"]
     assert plain == pytest.approx((11.0 - 8.8) / (23.9 - 8.8)), "without it the spare core counts as a gain"
+
+
+def test_p6_at_64_clients_is_judged_against_the_model_alone_where_3x_ray_is_beyond_it() -> None:
+    raw = profiles({"embeddings": 4.6, "generation": 68.0}, per_s=1000.0)
+    floor = profiles(
+        {"embeddings": 8.8, "generation": 72.0}, per_s=600.0
+    )  # the model on the servers' threads
+    ray = profiles({"embeddings": 23.9, "generation": 100.0}, per_s=300.0)  # the model alone: 2x Ray
+    near = profiles({"embeddings": 12.0, "generation": 80.0}, per_s=510.0)  # 1.70x Ray: within 1.2x of 2x
+    far = profiles({"embeddings": 12.0, "generation": 80.0}, per_s=480.0)  # 1.60x Ray: not
+    for platform, verdict in ((near, "met"), (far, "missed")):
+        row = comparison.ratios({"raw": raw, "platform": platform, "ray": ray, "naive": "not run"}, floor)[
+            "embeddings"
+        ]["64"]
+        assert row["ray_ceiling"] == pytest.approx(2.0)
+        assert (
+            comparison.p6(row, "64") == f"{verdict} (≥ 1.67x: the model alone is 2.00x Ray, /1.2; p99 < 1x)"
+        )
+    # where the model alone makes 3x Ray or more, 3x it is: 2.5x Ray with a lower p99 misses
+    slow_ray = profiles({"embeddings": 23.9, "generation": 100.0}, per_s=150.0)  # the model alone: 4x Ray
+    mid = profiles({"embeddings": 12.0, "generation": 80.0}, per_s=375.0)
+    row = comparison.ratios({"raw": raw, "platform": mid, "ray": slow_ray, "naive": "not run"}, floor)[
+        "generation"
+    ]["64"]
+    assert row["ray_ceiling"] == pytest.approx(4.0)
+    assert comparison.p6(row, "64") == "missed (≥ 3x, p99 < 1x)"
+    fast = profiles({"embeddings": 12.0, "generation": 80.0}, per_s=460.0)
+    row = comparison.ratios({"raw": raw, "platform": fast, "ray": slow_ray, "naive": "not run"}, floor)[
+        "generation"
+    ]["64"]
+    assert comparison.p6(row, "64") == "met (≥ 3x, p99 < 1x)"
+    # a higher p99 than Ray's misses whatever the throughput
+    slow_tail = {w: {c: {**p, "p99_ms": 500.0} for c, p in byc.items()} for w, byc in near.items()}
+    row = comparison.ratios({"raw": raw, "platform": slow_tail, "ray": ray, "naive": "not run"}, floor)[
+        "embeddings"
+    ]["64"]
+    assert comparison.p6(row, "64").startswith("missed (≥ 1.67x")

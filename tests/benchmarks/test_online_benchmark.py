@@ -37,6 +37,12 @@ def test_the_online_benchmark_runs_quick_and_writes_its_json(tmp_path: Path, kaf
         runs = [floor["before"][key], floor["after"][key]]
         assert min(runs) > 0
         assert floor[key] == pytest.approx(sum(runs) / 2)
+    # what batching alone buys the model on those threads, printed beside P3
+    assert floor["embeddings_batching"] == pytest.approx(
+        floor["embeddings_per_s"]
+        / ((floor["before"]["embeddings_batch1_per_s"] + floor["after"]["embeddings_batch1_per_s"]) / 2)
+    )
+    assert "best/b1 " in stdout
     assert floor["generation_ratio"] == pytest.approx(
         result["generation"]["platform_tokens_per_s"] / floor["generation_tokens_per_s"]
     )
