@@ -1,6 +1,6 @@
 """The floor under the platform's two Kafka hops: what a request costs when nothing else runs.
 
-    python benchmarks/kafka_floor.py [--quick] [--fetch-wait-ms 500] [--acks all]
+    python benchmarks/kafka_floor.py [--quick] [--fetch-wait-ms 500] [--acks all] [--idle-ms 20]
         [--out benchmarks/results/kafka_floor.json]
 
 A request crosses Kafka twice: the edge publishes it (``requests``), a worker consumes it and publishes
@@ -11,7 +11,10 @@ process (produce ``req``, consume ``rep``), both with the platform's own produce
 
 1. latency: one request in flight at a time, on a warm broker (after 5 s at 64 in flight and 300 lone round
    trips: a fresh JVM compiles through its first thousands of requests); p50/p99 of the two hops (what TTFT
-   can never go under);
+   can never go under), back to back, and again with ``--idle-ms`` of nothing between round trips: one
+   client leaves the broker and the cores idle while the model runs between its two hops, and an idle
+   JVM on an idle vCPU answers slower (on the 2-core development box 1.3-1.8 ms back to back, 2.5-3.1 ms
+   after 16-50 ms idle, with twice the broker CPU a round trip: docs/perf);
 2. throughput: 64 in flight for a few seconds; requests/s and CPU milliseconds per request of the broker
    JVM, the echo process and the driver (what every request costs on a shared box before any model runs).
 
@@ -99,10 +102,12 @@ class Driver:
             return []
         return [m for m in [first, *self.consumer.consume(num_messages=499, timeout=0)] if m.error() is None]
 
-    def latency(self, n: int) -> list[float]:
-        """Two hops, one request at a time (ms)."""
+    def latency(self, n: int, idle_s: float = 0.0) -> list[float]:
+        """Two hops, one request at a time (ms), each after ``idle_s`` of nothing."""
         out = []
         for _ in range(n):
+            if idle_s:
+                time.sleep(idle_s)
             began = time.perf_counter()
             key = str(self.send()).encode()
             while not any(m.key() == key for m in self.received(5.0)):
@@ -164,6 +169,9 @@ def run(conn: KafkaConnection, args: argparse.Namespace) -> dict[str, Any]:
         lone_before = cpu_seconds(*procs)
         hops = driver.latency(100 if args.quick else 500)
         lone = [b - a for a, b in zip(lone_before, cpu_seconds(*procs), strict=True)]
+        rested_before = cpu_seconds(*procs)
+        rested = driver.latency(50 if args.quick else 300, args.idle_ms / 1000)
+        rested_cpu = [b - a for a, b in zip(rested_before, cpu_seconds(*procs), strict=True)]
 
         idle_before, idle_began = cpu_seconds(*procs), time.perf_counter()
         time.sleep(2 if args.quick else 5)
@@ -192,6 +200,14 @@ def run(conn: KafkaConnection, args: argparse.Namespace) -> dict[str, Any]:
             "samples": len(hops),
             "cpu_ms_per_request": {n: 1000 * s / len(hops) for n, s in zip(names, lone, strict=True)},
         },
+        "after_idle_ms": {
+            "idle_ms": args.idle_ms,
+            "p50": statistics.median(rested),
+            "p99": pct(rested, 99),
+            "mean": statistics.fmean(rested),
+            "samples": len(rested),
+            "cpu_ms_per_request": {n: 1000 * s / len(rested) for n, s in zip(names, rested_cpu, strict=True)},
+        },
         "saturation": {
             "in_flight": IN_FLIGHT,
             "requests_per_s": answered / wall,
@@ -203,13 +219,20 @@ def run(conn: KafkaConnection, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def table(result: dict[str, Any]) -> str:
-    lat, sat = result["latency_ms"], result["saturation"]
+    lat, sat, rested = result["latency_ms"], result["saturation"], result["after_idle_ms"]
+    after = f"each after {rested['idle_ms']:g} ms idle"
     rows = [
         ("two hops, 1 in flight, p50", f"{lat['p50']:.2f} ms"),
         ("two hops, 1 in flight, p99", f"{lat['p99']:.2f} ms"),
         *(
             (f"CPU per request, 1 in flight: {name}", f"{ms:.3f} ms")
             for name, ms in lat["cpu_ms_per_request"].items()
+        ),
+        (f"two hops, {after}, p50", f"{rested['p50']:.2f} ms"),
+        (f"two hops, {after}, p99", f"{rested['p99']:.2f} ms"),
+        *(
+            (f"CPU per request, {after}: {name}", f"{ms:.3f} ms")
+            for name, ms in rested["cpu_ms_per_request"].items()
         ),
         (f"requests/s, {sat['in_flight']} in flight", f"{sat['requests_per_s']:.0f}"),
         *((f"CPU per request: {name}", f"{ms:.3f} ms") for name, ms in sat["cpu_ms_per_request"].items()),
@@ -234,12 +257,24 @@ def main() -> None:
         help="consumers' fetch.wait.max.ms (default: the platform's)",
     )
     parser.add_argument("--acks", choices=("all", "1"), default="all", help="producers' acks (platform: all)")
+    parser.add_argument(
+        "--idle-ms",
+        type=float,
+        default=20.0,
+        help="idle time before each lone round trip of the second latency run, as one client leaves the "
+        "broker while the model runs (default 20: about one client's MiniLM call on the 2-core box)",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "kafka_floor.json")
     args = parser.parse_args()
     settings = load_settings(PlatformSettings)
     with kafka(settings) as conn:
         result = run(conn, args)
-    result["settings"] = {"fetch_wait_max_ms": args.fetch_wait_ms, "acks": args.acks, "quick": args.quick}
+    result["settings"] = {
+        "fetch_wait_max_ms": args.fetch_wait_ms,
+        "acks": args.acks,
+        "idle_ms": args.idle_ms,
+        "quick": args.quick,
+    }
     result["machine"] = {
         "cpus": os.cpu_count(),
         "python": host.python_version(),
