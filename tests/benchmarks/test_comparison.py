@@ -101,3 +101,16 @@ def test_p6_at_64_clients_is_judged_against_the_model_alone_where_3x_ray_is_beyo
         "embeddings"
     ]["64"]
     assert comparison.p6(row, "64").startswith("missed (≥ 1.67x")
+
+
+def test_the_raw_model_at_64_clients_is_its_best_batch_of_at_most_64() -> None:
+    raw = {
+        "embeddings_per_s": {"1": 60.0, "8": 200.0, "32": 262.0, "64": 250.0, "128": 400.0},
+        "generation_tokens_per_s": {"1": 300.0, "32": 5200.0, "64": 5100.0, "256": 9000.0},
+    }
+    profile = comparison.raw_profiles(raw, quick=False)
+    assert profile["embeddings"]["64"]["per_s"] == 262.0  # batch 32, not 64 nor 128 (over the 64 clients)
+    assert profile["embeddings"]["64"]["clients"] == 32
+    assert profile["embeddings"]["64"]["p50_ms"] == pytest.approx(32 * 1000 / 262.0)
+    assert profile["generation"]["64"]["per_s"] == 5200.0
+    assert profile["embeddings"]["1"]["per_s"] == 60.0
