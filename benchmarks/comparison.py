@@ -48,8 +48,12 @@ def raw_profiles(raw: dict[str, Any], quick: bool) -> Profiles:
     tokens = QUICK_TOKENS if quick else NEW_TOKENS
     emb = {int(k): float(v) for k, v in raw["embeddings_per_s"].items()}
     gen = {int(k): float(v) for k, v in raw["generation_tokens_per_s"].items()}
-    best = max((b for b in gen if b <= max(CLIENTS)), key=lambda b: gen[b])
-    best_emb = max((b for b in emb if b <= max(CLIENTS)), key=lambda b: emb[b])
+
+    def best_of(rates: dict[int, float]) -> int:
+        """The best batch the 64 clients can fill."""
+        return max((b for b in rates if b <= max(CLIENTS)), key=lambda b: rates[b])
+
+    best, best_emb = best_of(gen), best_of(emb)
 
     def one(per_s: float, ms: float, batch: int) -> Profile:
         return {"clients": batch, "requests": 0, "per_s": per_s, "p50_ms": ms, "p99_ms": ms}

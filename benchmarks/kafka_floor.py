@@ -166,12 +166,26 @@ def run(conn: KafkaConnection, args: argparse.Namespace) -> dict[str, Any]:
         driver.latency(50 if args.quick else 300)
         broker = broker_process(conn)
         procs = [p for p in (broker, psutil.Process(child.pid), psutil.Process()) if p is not None]
-        lone_before = cpu_seconds(*procs)
-        hops = driver.latency(100 if args.quick else 500)
-        lone = [b - a for a, b in zip(lone_before, cpu_seconds(*procs), strict=True)]
-        rested_before = cpu_seconds(*procs)
-        rested = driver.latency(50 if args.quick else 300, args.idle_ms / 1000)
-        rested_cpu = [b - a for a, b in zip(rested_before, cpu_seconds(*procs), strict=True)]
+        names = (["broker"] if broker is not None else []) + ["echo", "driver"]
+
+        def lone_round_trips(n: int, idle_s: float = 0.0) -> dict[str, Any]:
+            """``n`` lone round trips (each after ``idle_s``): their latency and CPU a round trip."""
+            before = cpu_seconds(*procs)
+            hops = driver.latency(n, idle_s)
+            spent = [b - a for a, b in zip(before, cpu_seconds(*procs), strict=True)]
+            return {
+                "p50": statistics.median(hops),
+                "p99": pct(hops, 99),
+                "mean": statistics.fmean(hops),
+                "samples": len(hops),
+                "cpu_ms_per_request": {k: 1000 * v / len(hops) for k, v in zip(names, spent, strict=True)},
+            }
+
+        latency = lone_round_trips(100 if args.quick else 500)
+        after_idle = {
+            "idle_ms": args.idle_ms,
+            **lone_round_trips(50 if args.quick else 300, args.idle_ms / 1000),
+        }
 
         idle_before, idle_began = cpu_seconds(*procs), time.perf_counter()
         time.sleep(2 if args.quick else 5)
@@ -191,23 +205,9 @@ def run(conn: KafkaConnection, args: argparse.Namespace) -> dict[str, Any]:
     finally:
         if child.poll() is None:
             child.kill()
-    names = (["broker"] if broker is not None else []) + ["echo", "driver"]
     return {
-        "latency_ms": {
-            "p50": statistics.median(hops),
-            "p99": pct(hops, 99),
-            "mean": statistics.fmean(hops),
-            "samples": len(hops),
-            "cpu_ms_per_request": {n: 1000 * s / len(hops) for n, s in zip(names, lone, strict=True)},
-        },
-        "after_idle_ms": {
-            "idle_ms": args.idle_ms,
-            "p50": statistics.median(rested),
-            "p99": pct(rested, 99),
-            "mean": statistics.fmean(rested),
-            "samples": len(rested),
-            "cpu_ms_per_request": {n: 1000 * s / len(rested) for n, s in zip(names, rested_cpu, strict=True)},
-        },
+        "latency_ms": latency,
+        "after_idle_ms": after_idle,
         "saturation": {
             "in_flight": IN_FLIGHT,
             "requests_per_s": answered / wall,
@@ -219,21 +219,21 @@ def run(conn: KafkaConnection, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def table(result: dict[str, Any]) -> str:
-    lat, sat, rested = result["latency_ms"], result["saturation"], result["after_idle_ms"]
-    after = f"each after {rested['idle_ms']:g} ms idle"
+    sat, rested = result["saturation"], result["after_idle_ms"]
+
+    def lone(label: str, run: dict[str, Any]) -> list[tuple[str, str]]:
+        return [
+            (f"two hops, {label}, p50", f"{run['p50']:.2f} ms"),
+            (f"two hops, {label}, p99", f"{run['p99']:.2f} ms"),
+            *(
+                (f"CPU per request, {label}: {name}", f"{ms:.3f} ms")
+                for name, ms in run["cpu_ms_per_request"].items()
+            ),
+        ]
+
     rows = [
-        ("two hops, 1 in flight, p50", f"{lat['p50']:.2f} ms"),
-        ("two hops, 1 in flight, p99", f"{lat['p99']:.2f} ms"),
-        *(
-            (f"CPU per request, 1 in flight: {name}", f"{ms:.3f} ms")
-            for name, ms in lat["cpu_ms_per_request"].items()
-        ),
-        (f"two hops, {after}, p50", f"{rested['p50']:.2f} ms"),
-        (f"two hops, {after}, p99", f"{rested['p99']:.2f} ms"),
-        *(
-            (f"CPU per request, {after}: {name}", f"{ms:.3f} ms")
-            for name, ms in rested["cpu_ms_per_request"].items()
-        ),
+        *lone("1 in flight", result["latency_ms"]),
+        *lone(f"each after {rested['idle_ms']:g} ms idle", rested),
         (f"requests/s, {sat['in_flight']} in flight", f"{sat['requests_per_s']:.0f}"),
         *((f"CPU per request: {name}", f"{ms:.3f} ms") for name, ms in sat["cpu_ms_per_request"].items()),
         *((f"idle CPU: {name}", f"{cores:.3f} cores") for name, cores in result["idle_cpu_cores"].items()),

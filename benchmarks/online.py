@@ -178,9 +178,8 @@ def floor_summary(
         }
 
     first, second = figures(before), figures(after)
-    gen = statistics.mean([first["generation_tokens_per_s"], second["generation_tokens_per_s"]])
-    emb = statistics.mean([first["embeddings_per_s"], second["embeddings_per_s"]])
-    emb_one = statistics.mean([first["embeddings_batch1_per_s"], second["embeddings_batch1_per_s"]])
+    mean = {key: statistics.mean([first[key], second[key]]) for key in first}
+    gen, emb = mean["generation_tokens_per_s"], mean["embeddings_per_s"]
     return {
         "threads": before["threads"],
         "generation_tokens_per_s": gen,
@@ -188,7 +187,7 @@ def floor_summary(
         "generation_ratio": gen_tps / gen,
         "embeddings_ratio": dynamic / emb,
         # what batching alone buys the model on these threads (beside P3's dynamic over batch-1 serving)
-        "embeddings_batching": emb / emb_one,
+        "embeddings_batching": emb / mean["embeddings_batch1_per_s"],
         "before": first,
         "after": second,
     }
