@@ -32,11 +32,13 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
 import psutil
-from confluent_kafka import Consumer, Message, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaException, Message, Producer, TopicPartition
 from harness import broker_process, cpu_seconds, kafka, pct
 
 from bus.consumer import FETCH_WAIT_MAX_MS, consumer_config
@@ -59,11 +61,11 @@ def consumer(conn: KafkaConnection, role: str, fetch_wait_ms: int) -> Consumer:
     return Consumer(consumer_config(conn, None, f"floor-{role}", **{"fetch.wait.max.ms": fetch_wait_ms}))
 
 
-def echo(bootstrap: str, fetch_wait_ms: int, acks: str) -> None:
+def echo(bootstrap: str, fetch_wait_ms: int, acks: str, req: str, rep: str) -> None:
     """The worker's half: every record of ``req`` goes back on ``rep``, until a record says ``stop``."""
     conn = KafkaConnection(bootstrap)
     out, source = producer(conn, "echo", acks), consumer(conn, "echo", fetch_wait_ms)
-    source.assign([TopicPartition("req", 0, 0)])
+    source.assign([TopicPartition(req, 0, 0)])
     print("ready", flush=True)
     while True:
         first = source.poll(0.05)
@@ -77,21 +79,22 @@ def echo(bootstrap: str, fetch_wait_ms: int, acks: str) -> None:
                 out.flush(10)
                 source.close()
                 return
-            out.produce("rep", message.value(), key=message.key())
+            out.produce(rep, message.value(), key=message.key())
 
 
 class Driver:
     """The edge's half: publish to ``req``, wait for the echo on ``rep``."""
 
-    def __init__(self, conn: KafkaConnection, fetch_wait_ms: int, acks: str) -> None:
+    def __init__(self, conn: KafkaConnection, fetch_wait_ms: int, acks: str, req: str, rep: str) -> None:
         self.producer = producer(conn, "driver", acks)
         self.consumer = consumer(conn, "driver", fetch_wait_ms)
-        self.consumer.assign([TopicPartition("rep", 0, 0)])
+        self.consumer.assign([TopicPartition(rep, 0, 0)])
+        self.req = req
         self.sent = 0
 
     def send(self) -> int:
         self.sent += 1
-        self.producer.produce("req", RECORD, key=str(self.sent).encode())
+        self.producer.produce(self.req, RECORD, key=str(self.sent).encode())
         self.producer.poll(0)
         return self.sent
 
@@ -142,27 +145,60 @@ class Driver:
             answered += len(self.received(0.5))
 
 
-def run(conn: KafkaConnection, args: argparse.Namespace) -> dict[str, Any]:
+@contextmanager
+def echo_pair(
+    conn: KafkaConnection, fetch_wait_ms: int, acks: str, warm_s: float
+) -> Iterator[tuple[Driver, subprocess.Popen[bytes]]]:
+    """The driver here and the echo in a child process, on two topics of their own (deleted afterwards, so a
+    shared cluster keeps nothing of the run), connected and warmed: ``warm_s`` at IN_FLIGHT, because a
+    fresh broker's JIT is still compiling through its first few thousand requests (300 lone round trips at
+    a time on 2 cores: 2.7-5.0 ms p50 and 4-7 ms of broker CPU each for the first 300, 1.3-1.9 ms and
+    1.2-2.0 ms once warm), and the floor is what a running broker costs."""
     from confluent_kafka.admin import NewTopic
 
+    run_id = f"{os.getpid()}-{time.time_ns()}"
+    req, rep = f"floor-req-{run_id}", f"floor-rep-{run_id}"
     admin = make_admin(conn)
-    for future in admin.create_topics([NewTopic("req", 1, 1), NewTopic("rep", 1, 1)]).values():
+    for future in admin.create_topics([NewTopic(req, 1, 1), NewTopic(rep, 1, 1)]).values():
         future.result()
     child = subprocess.Popen(
-        [sys.executable, __file__, "--echo", conn.bootstrap, str(args.fetch_wait_ms), args.acks],
+        [sys.executable, __file__, "--echo", conn.bootstrap, str(fetch_wait_ms), acks, req, rep],
         stdout=subprocess.PIPE,
         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
     )
+    driver: Driver | None = None
     try:
         assert child.stdout is not None
         if child.stdout.readline().strip() != b"ready":
             raise RuntimeError("the echo process did not start")
-        driver = Driver(conn, args.fetch_wait_ms, args.acks)
+        driver = Driver(conn, fetch_wait_ms, acks, req, rep)
         driver.latency(20)  # connections, metadata
-        # the JIT: a fresh broker is still compiling through its first few thousand requests (300 lone
-        # round trips at a time on 2 cores: 2.7-5.0 ms p50 and 4-7 ms of broker CPU each for the first 300,
-        # 1.3-1.9 ms and 1.2-2.0 ms once warm), and the floor is what a running broker costs
-        driver.warm(1.0 if args.quick else 5.0)
+        driver.warm(warm_s)
+        yield driver, child
+        driver.producer.produce(req, b"stop")
+        driver.producer.flush(10)
+        child.wait(30)
+    finally:
+        if child.poll() is None:
+            child.kill()
+        if driver is not None:
+            driver.consumer.close()
+        for future in admin.delete_topics([req, rep]).values():
+            with suppress(KafkaException):
+                future.result()
+
+
+def hops_after_idle(conn: KafkaConnection, idle_ms: float, n: int) -> dict[str, float]:
+    """Only the floor's lone round trips after ``idle_ms`` of nothing (p50, p99 ms), with the platform's
+    settings, on ``conn``'s cluster: what a benchmark of the platform sets beside one client's latency."""
+    with echo_pair(conn, FETCH_WAIT_MAX_MS, "all", warm_s=2.0) as (driver, _):
+        driver.latency(100)
+        hops = driver.latency(n, idle_ms / 1000)
+    return {"p50": statistics.median(hops), "p99": pct(hops, 99), "idle_ms": idle_ms, "samples": len(hops)}
+
+
+def run(conn: KafkaConnection, args: argparse.Namespace) -> dict[str, Any]:
+    with echo_pair(conn, args.fetch_wait_ms, args.acks, 1.0 if args.quick else 5.0) as (driver, child):
         driver.latency(50 if args.quick else 300)
         broker = broker_process(conn)
         procs = [p for p in (broker, psutil.Process(child.pid), psutil.Process()) if p is not None]
@@ -199,12 +235,6 @@ def run(conn: KafkaConnection, args: argparse.Namespace) -> dict[str, Any]:
         wall = time.perf_counter() - began
         spent = [b - a for a, b in zip(before, cpu_seconds(*procs), strict=True)]
         driver.drain(answered)
-        driver.producer.produce("req", b"stop")
-        driver.producer.flush(10)
-        child.wait(30)
-    finally:
-        if child.poll() is None:
-            child.kill()
     return {
         "latency_ms": latency,
         "after_idle_ms": after_idle,
@@ -243,8 +273,8 @@ def table(result: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    if len(sys.argv) == 5 and sys.argv[1] == "--echo":
-        echo(sys.argv[2], int(sys.argv[3]), sys.argv[4])
+    if len(sys.argv) == 7 and sys.argv[1] == "--echo":
+        echo(sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5], sys.argv[6])
         return
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter

@@ -64,13 +64,14 @@ import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import aiohttp
 import comparison
+import kafka_floor
 from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 from harness import kafka, pct, service_env
-from loadgen import closed_loop, completion, embed, embed_stamped, profile_all, steady_rate, ttft_once
+from loadgen import closed_loop, completion, embed, embed_stamped, profile_all, steady_rate, ttft_stamped
 
 from bus.consumer import consumer_config
 from bus.placement import available_cpus, pin_process, place_box
@@ -252,8 +253,9 @@ async def measure(url: str, raw: dict[str, object], services: Services, quick: b
         # compiling through its first few thousand requests (kafka_floor.py, 300 lone round trips at a time:
         # 2.7-5.0 ms p50 for the first, 1.3-1.9 once warm), and a serving platform's broker is warm.
         for _ in range(5):
-            await ttft_once(session, url)
-        ttfts = [await ttft_once(session, url) for _ in range(30 if quick else 100)]
+            await ttft_stamped(session, url)
+        ttft_stamps = [await ttft_stamped(session, url) for _ in range(30 if quick else 100)]
+        ttfts = [(first - sent) * 1000 for _, sent, first in ttft_stamps]
         profiles = await profile_all(session, url, quick)  # the load the peers get too
         # One client's embeddings once more, each request's id and wall-clock times kept: main() sets them
         # beside the timings of their terminal events (where_time_goes).
@@ -273,6 +275,7 @@ async def measure(url: str, raw: dict[str, object], services: Services, quick: b
     return {
         "platform_profiles": profiles,
         "one_client_stamps": stamps,
+        "ttft_stamps": ttft_stamps,
         "embedding_quiet_batches": quiet,
         "generation": {
             "raw_best_batch": best_batch,
@@ -308,17 +311,20 @@ RAW_IDLE_WORKER = "raw batch 1 after idle, worker's threads"
 
 
 def where_time_goes(
-    conn: KafkaConnection, topic: str, stamps: list[tuple[str, float, float]], raw_batch1_ms: float
+    conn: KafkaConnection,
+    topic: str,
+    stamps: list[tuple[str, float, float]],
+    model_until: Literal["finished", "first_token"],
 ) -> dict[str, float]:
-    """Where one client's embedding request spends its time, p50 of each stage in ms, from the timings
-    its terminal event carries (read back from the results topic) and the client's own clock (one
-    machine, one clock): ``edge in`` (sent to the request event built at the edge: HTTP, auth,
-    tokenising), ``to the worker`` (to its batch starting: the produce, the first Kafka hop, the hand-off
-    to the model thread), ``model`` (the batch's forward), ``back`` (to the answer read: the terminal
-    event, the second hop, the edge's response). Beside them ``raw batch 1``: the same forward alone in a
-    loop, where the core never idles between calls (an idle core is slower to start one: docs/perf)."""
+    """Where one client's requests spend their time, p50 of each stage in ms, from the timings their
+    terminal events carry (read back from the results topic) and the client's own clock (one machine, one
+    clock; ``stamps``: request id, sent, answer read): ``edge in`` (sent to the request event built at the
+    edge: HTTP, auth, tokenising), ``to the worker`` (to the model starting on it: the produce, the first
+    Kafka hop, the hand-off to the model thread), ``model`` (to ``model_until``: an embedding batch's
+    forward to ``finished``, a completion's prefill to its ``first_token``), ``back`` (to the answer read:
+    the event out of the worker, the second hop, the edge's response)."""
     wanted = {request_id: (sent, done) for request_id, sent, done in stamps if request_id}
-    consumer = Consumer(consumer_config(conn, None, "bench-where-time-goes"))
+    consumer = Consumer(consumer_config(conn, None, f"bench-where-time-goes-{model_until}"))
     try:
         partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
         consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in partitions])
@@ -333,23 +339,45 @@ def where_time_goes(
                 if not isinstance(event, RequestFinished) or event.request_id not in wanted:
                     continue
                 timing, (sent, done) = event.timings, wanted[event.request_id]
-                if timing.accepted is None or timing.started is None or timing.finished is None:
+                ended = getattr(timing, model_until)
+                if timing.accepted is None or timing.started is None or ended is None:
                     continue
                 found.add(event.request_id)
-                accepted, started = timing.accepted.timestamp(), timing.started.timestamp()
-                finished = timing.finished.timestamp()
+                accepted, started, ended_at = (
+                    t.timestamp() for t in (timing.accepted, timing.started, ended)
+                )
                 for stage, ms in zip(
                     STAGES,
-                    (accepted - sent, started - accepted, finished - started, done - finished, done - sent),
+                    (accepted - sent, started - accepted, ended_at - started, done - ended_at, done - sent),
                     strict=True,
                 ):
                     stages[stage].append(ms * 1000)
     finally:
         consumer.close()
     out = {stage: statistics.median(values) for stage, values in stages.items() if values}
-    out["raw batch 1"] = raw_batch1_ms
     out["requests"] = float(len(found))
     return out
+
+
+def ttft_floor(
+    ttft: dict[str, float], model_after_idle_ms: float, hops: dict[str, float]
+) -> dict[str, float]:
+    """``ttft`` with the floor under the TTFT the platform adds at low load, and P2's target for it.
+
+    Of what one client's first token takes beyond the raw model's (a forward in a loop on every core), the
+    platform cannot go under two parts on this box: the same forward on the worker's threads after the
+    idle a request's way in leaves them (``model_after_idle_ms``), and the two Kafka hops alone after that
+    idle (``hops``, the platform's producer and consumer settings, no model, no HTTP, no platform code).
+    Where that floor is above +5 ms, +5 is out of reach and the issue's rule applies: within 1.2x of it."""
+    floor = max(0.0, model_after_idle_ms - ttft["raw_p50"]) + hops["p50"]
+    return {
+        **ttft,
+        "floor_model_after_idle_ms": model_after_idle_ms,
+        "floor_two_hops_after_idle_ms": hops["p50"],
+        "floor_idle_ms": hops["idle_ms"],
+        "floor_added_p50": floor,
+        "target_added_p50": 5.0 if floor <= 5.0 else 1.2 * floor,
+    }
 
 
 def drift(floor: dict[str, Any], key: str) -> str:
@@ -380,7 +408,14 @@ def table(result: dict[str, Any]) -> str:
             f"{t['raw_p50']:.1f}",
             f"{t['platform_p50']:.1f}",
             f"+{t['added_p50']:.1f} ms",
-            "≤ +5 ms",
+            f"≤ +{t['target_added_p50']:.1f} ms",
+        ),
+        (
+            f"  floor: raw after {t['floor_idle_ms']:g} ms idle on the worker's {f['threads']:.0f} thr, 2 hops",
+            f"{t['floor_model_after_idle_ms']:.1f} + {t['floor_two_hops_after_idle_ms']:.1f} hops",
+            "",
+            f"+{t['floor_added_p50']:.1f} ms floor",
+            "≤ +5 ms" if t["target_added_p50"] == 5.0 else f"≤ +{t['target_added_p50']:.1f} (1.2x floor)",
         ),
         (
             "TTFT p99 ms (low load)",
@@ -568,21 +603,34 @@ def main() -> None:
             result = asyncio.run(measure(f"http://127.0.0.1:{port}", raw, services, args.quick))
             raw_batch1_ms = 1000 / float(cast(dict[str, float], raw["embeddings_per_s"])["1"])
             where = where_time_goes(
-                conn, names.results, cast(Any, result.pop("one_client_stamps")), raw_batch1_ms
+                conn, names.results, cast(Any, result.pop("one_client_stamps")), "finished"
             )
+            where["raw batch 1"] = raw_batch1_ms
             after_idle = cast(dict[str, float], raw["embedding_batch1_after_idle"])
             where["raw batch 1 after idle"] = after_idle["ms"]
             where["raw idle ms"] = after_idle["idle_ms"]
             # the model stage runs on the worker's threads: the same forward there, alone, after idle
             where[RAW_IDLE_WORKER] = cast(dict[str, float], floor["embedding_batch1_after_idle"])["ms"]
             result["embedding_one_client_ms"] = where
+            first = where_time_goes(conn, names.results, cast(Any, result.pop("ttft_stamps")), "first_token")
+            first["raw"] = cast(dict[str, float], raw["ttft_ms"])["p50"]
+            first["raw after idle"] = cast(dict[str, float], floor["ttft_after_idle"])["ms"]
+            result["ttft_one_client_ms"] = first
         except BaseException:
             services.print_tails()
             raise
         finally:
             services.stop_all()
-    if own_cores:
-        pin_process(own_cores)
+        if own_cores:
+            pin_process(own_cores)
+        idle_ms = cast(dict[str, float], floor["ttft_after_idle"])["idle_ms"]
+        print(f"the two Kafka hops alone, each after {idle_ms:g} ms idle ...", file=sys.stderr)
+        hops = kafka_floor.hops_after_idle(conn, idle_ms, 50 if args.quick else 200)
+    result["ttft_ms"] = ttft_floor(
+        cast(dict[str, float], result["ttft_ms"]),
+        cast(dict[str, float], floor["ttft_after_idle"])["ms"],
+        hops,
+    )
     print(
         f"raw model on {threads} thread(s) again, the floor after the platform (alone) ...", file=sys.stderr
     )
@@ -629,6 +677,17 @@ def main() -> None:
         + f" | raw batch 1 {where['raw batch 1']:.2f} in a loop, "
         f"{where['raw batch 1 after idle']:.2f} after {where['raw idle ms']:.0f} ms idle"
         f" ({where[RAW_IDLE_WORKER]:.2f} on the worker's {threads} thread(s))"
+    )
+    first, ttft = (
+        cast(dict[str, float], result["ttft_one_client_ms"]),
+        cast(dict[str, float], result["ttft_ms"]),
+    )
+    print(
+        "time to first token at low load, where the time goes (p50 ms, "
+        f"{first['requests']:.0f} requests; model: prefill to the first token): "
+        + " | ".join(f"{stage} {first[stage]:.2f}" for stage in STAGES if stage in first)
+        + f" | raw TTFT {first['raw']:.2f} in a loop ({first['raw after idle']:.2f} after"
+        f" {ttft['floor_idle_ms']:g} ms idle on the worker's {threads} thread(s))"
     )
     print()
     print(comparison.table(peers["profiles"], peers["ratios"]))

@@ -114,3 +114,22 @@ def test_the_raw_model_at_64_clients_is_its_best_batch_of_at_most_64() -> None:
     assert profile["embeddings"]["64"]["p50_ms"] == pytest.approx(32 * 1000 / 262.0)
     assert profile["generation"]["64"]["per_s"] == 5200.0
     assert profile["embeddings"]["1"]["per_s"] == 60.0
+
+
+def test_the_ttft_floor_is_the_model_after_idle_on_the_workers_threads_plus_the_two_hops() -> None:
+    online = importlib.import_module("online")
+    ttft = {"raw_p50": 2.4, "platform_p50": 11.2, "added_p50": 8.8}
+    hops = {"p50": 2.1, "p99": 4.0, "idle_ms": 5.0, "samples": 200.0}
+    # the forward after idle on the worker's thread 1.5 ms over the raw loop's, the hops 2.1: +3.6, under +5
+    below = online.ttft_floor(ttft, 3.9, hops)
+    assert below["floor_added_p50"] == pytest.approx(1.5 + 2.1)
+    assert below["target_added_p50"] == 5.0  # the absolute target stands where the floor is under it
+    assert below["floor_idle_ms"] == 5.0
+    assert below["floor_two_hops_after_idle_ms"] == 2.1
+    assert {k: below[k] for k in ttft} == ttft  # the measured figures are kept as they were
+    # a floor above +5: the rule, within 1.2x of it
+    above = online.ttft_floor(ttft, 6.0, {**hops, "p50": 3.0})
+    assert above["floor_added_p50"] == pytest.approx(3.6 + 3.0)
+    assert above["target_added_p50"] == pytest.approx(1.2 * 6.6)
+    # a forward faster after idle than in the loop (noise) adds nothing to the floor
+    assert online.ttft_floor(ttft, 2.0, hops)["floor_added_p50"] == pytest.approx(2.1)

@@ -68,6 +68,22 @@ def test_the_online_benchmark_runs_quick_and_writes_its_json(tmp_path: Path, kaf
     assert where["raw batch 1 after idle, worker's threads"] > 0, where
     assert where["raw idle ms"] == 5, where
     assert "where the time goes" in stdout
+    # and one client's time to first token, stage by stage, the same way (the model: prefill to first token)
+    first = result["ttft_one_client_ms"]
+    assert first["requests"] == 30, first  # every TTFT request of the quick phase found its terminal event
+    assert all(first[s] > 0 for s in ("edge in", "to the worker", "model", "back")), first
+    assert first["total"] == pytest.approx(result["ttft_ms"]["platform_p50"], rel=0.5), first
+    assert first["raw"] == result["ttft_ms"]["raw_p50"]
+    assert first["raw after idle"] == result["ttft_ms"]["floor_model_after_idle_ms"] > 0
+    # the floor under the added TTFT, measured in the same run: the forward after idle, the two hops alone
+    ttft = result["ttft_ms"]
+    assert ttft["floor_two_hops_after_idle_ms"] > 0
+    assert ttft["floor_idle_ms"] == 5
+    assert ttft["floor_added_p50"] >= ttft["floor_two_hops_after_idle_ms"]
+    ttft_floor_ms = ttft["floor_added_p50"]
+    assert ttft["target_added_p50"] == pytest.approx(5.0 if ttft_floor_ms <= 5 else 1.2 * ttft_floor_ms)
+    assert "floor: raw after 5 ms idle" in stdout
+    assert "time to first token at low load, where the time goes" in stdout
     profiles = result["peers"]["profiles"]
     assert profiles["ray"] == "not installed"
     for peer in ("raw", "naive", "platform"):
