@@ -194,7 +194,17 @@ def hops_after_idle(conn: KafkaConnection, idle_ms: float, n: int) -> dict[str, 
     with echo_pair(conn, FETCH_WAIT_MAX_MS, "all", warm_s=2.0) as (driver, _):
         driver.latency(100)
         hops = driver.latency(n, idle_ms / 1000)
-    return {"p50": statistics.median(hops), "p99": pct(hops, 99), "idle_ms": idle_ms, "samples": len(hops)}
+    return {**latency_summary(hops), "idle_ms": idle_ms}
+
+
+def latency_summary(hops: list[float]) -> dict[str, float]:
+    """p50, p99 and mean (ms) of lone round trips, and how many."""
+    return {
+        "p50": statistics.median(hops),
+        "p99": pct(hops, 99),
+        "mean": statistics.fmean(hops),
+        "samples": len(hops),
+    }
 
 
 def run(conn: KafkaConnection, args: argparse.Namespace) -> dict[str, Any]:
@@ -210,10 +220,7 @@ def run(conn: KafkaConnection, args: argparse.Namespace) -> dict[str, Any]:
             hops = driver.latency(n, idle_s)
             spent = [b - a for a, b in zip(before, cpu_seconds(*procs), strict=True)]
             return {
-                "p50": statistics.median(hops),
-                "p99": pct(hops, 99),
-                "mean": statistics.fmean(hops),
-                "samples": len(hops),
+                **latency_summary(hops),
                 "cpu_ms_per_request": {k: 1000 * v / len(hops) for k, v in zip(names, spent, strict=True)},
             }
 

@@ -580,6 +580,8 @@ def main() -> None:
 
     print(f"raw model on {threads} thread(s), the floor (alone) ...", file=sys.stderr)
     floor = run_floor()
+    # the forward to the first token after idle on the worker's threads: the TTFT floor's model part
+    ttft_idle = cast(dict[str, float], floor["ttft_after_idle"])
     # Placed as `sluice up` places it: the workers on their cores, this process (the clients) and what it
     # starts (Kafka, the edge) on the others; the peers afterwards run where the OS puts them.
     own_cores = available_cpus()
@@ -619,7 +621,7 @@ def main() -> None:
             result["embedding_one_client_ms"] = where
             first = where_time_goes(conn, names.results, cast(Any, result.pop("ttft_stamps")), "first_token")
             first["raw"] = cast(dict[str, float], raw["ttft_ms"])["p50"]
-            first["raw after idle"] = cast(dict[str, float], floor["ttft_after_idle"])["ms"]
+            first["raw after idle"] = ttft_idle["ms"]
             result["ttft_one_client_ms"] = first
         except BaseException:
             services.print_tails()
@@ -628,14 +630,9 @@ def main() -> None:
             services.stop_all()
         if own_cores:
             pin_process(own_cores)
-        idle_ms = cast(dict[str, float], floor["ttft_after_idle"])["idle_ms"]
-        print(f"the two Kafka hops alone, each after {idle_ms:g} ms idle ...", file=sys.stderr)
-        hops = kafka_floor.hops_after_idle(conn, idle_ms, 50 if args.quick else 200)
-    result["ttft_ms"] = ttft_floor(
-        cast(dict[str, float], result["ttft_ms"]),
-        cast(dict[str, float], floor["ttft_after_idle"])["ms"],
-        hops,
-    )
+        print(f"the two Kafka hops alone, each after {ttft_idle['idle_ms']:g} ms idle ...", file=sys.stderr)
+        hops = kafka_floor.hops_after_idle(conn, ttft_idle["idle_ms"], 50 if args.quick else 200)
+    result["ttft_ms"] = ttft_floor(cast(dict[str, float], result["ttft_ms"]), ttft_idle["ms"], hops)
     print(
         f"raw model on {threads} thread(s) again, the floor after the platform (alone) ...", file=sys.stderr
     )

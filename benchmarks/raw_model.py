@@ -13,6 +13,7 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 from loadgen import EMBED_TEXTS, embed_text
@@ -32,6 +33,24 @@ def percentile(values: list[float], q: float) -> float:
 IDLE_S = 0.005
 """The pause before each call of the batch-1-after-idle measurement: about what one client's request spends
 outside the model on the platform (its way in and out)."""
+
+
+def timed_ms(call: Callable[[int], object], n: int, idle_s: float = 0.0) -> list[float]:
+    """The wall time (ms) of ``call(0)`` … ``call(n - 1)``, each after ``idle_s`` of nothing."""
+    times: list[float] = []
+    for i in range(n):
+        if idle_s:
+            time.sleep(idle_s)
+        started = time.perf_counter()
+        call(i)
+        times.append((time.perf_counter() - started) * 1000)
+    return times
+
+
+def after_idle(call: Callable[[int], object], n: int) -> dict[str, float]:
+    """``call``'s p50 (ms) with ``IDLE_S`` before each: an idle core starts a forward slower than a loop
+    that never lets it idle (docs/perf), and one client's requests always meet one."""
+    return {"ms": statistics.median(timed_ms(call, n, IDLE_S)), "idle_ms": IDLE_S * 1000}
 
 
 def main() -> None:
@@ -65,22 +84,14 @@ def main() -> None:
 
     ids = torch.tensor([prompt], device=gen.device)
 
-    def first_tokens(idle_s: float) -> list[float]:
-        """The prompt's forward to its first token (ms), each after ``idle_s`` of nothing."""
-        ttft: list[float] = []
-        with torch.inference_mode():
-            for _ in range(20 if args.quick else 100):
-                time.sleep(idle_s)
-                started = time.perf_counter()
-                logits = gen.model(input_ids=ids).logits
-                int(logits[0, -1].argmax())
-                ttft.append((time.perf_counter() - started) * 1000)
-        return ttft
+    def first_token(_n: int) -> None:
+        int(gen.model(input_ids=ids).logits[0, -1].argmax())
 
-    ttft = first_tokens(0.0)
-    out["ttft_ms"] = {"p50": statistics.median(ttft), "p99": percentile(ttft, 99)}
-    # as one client's requests meet it: the core idles on their way in and out (as embeddings' below)
-    out["ttft_after_idle"] = {"ms": statistics.median(first_tokens(IDLE_S)), "idle_ms": IDLE_S * 1000}
+    with torch.inference_mode():
+        ttft = timed_ms(first_token, 20 if args.quick else 100)
+        out["ttft_ms"] = {"p50": statistics.median(ttft), "p99": percentile(ttft, 99)}
+        # as one client's requests meet it: the core idles on their way in and out (as embeddings' below)
+        out["ttft_after_idle"] = after_idle(first_token, 20 if args.quick else 100)
 
     emb = load_embedding_model(current_model_dir(settings.cache_dir, "all-minilm-l6-v2"), device="auto")
     engine = EmbeddingEngine(emb.model)
@@ -98,13 +109,9 @@ def main() -> None:
     out["embeddings_per_s"] = emb_rate
     # Batch 1 as one client meets it: the core idles between calls (the request's way in and out), and an
     # idle core here starts a forward slower than the loop above, which never lets it idle (docs/perf).
-    idle: list[float] = []
-    for n in range(30 if args.quick else 100):
-        time.sleep(IDLE_S)
-        started = time.perf_counter()
-        engine.embed([texts[n % len(texts)]])
-        idle.append((time.perf_counter() - started) * 1000)
-    out["embedding_batch1_after_idle"] = {"ms": statistics.median(idle), "idle_ms": IDLE_S * 1000}
+    out["embedding_batch1_after_idle"] = after_idle(
+        lambda n: engine.embed([texts[n % len(texts)]]), 30 if args.quick else 100
+    )
     out["embedding_tokens"] = statistics.mean(len(ids) for ids in texts)
     out["prompt_tokens"] = len(prompt)
     print(json.dumps(out))
