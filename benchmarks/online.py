@@ -69,23 +69,21 @@ import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, cast
 
 import aiohttp
 import comparison
 import kafka_floor
-from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+from floors import drift, floor_summary, mean_run, ttft_floor
 from harness import kafka, pct, service_env
 from loadgen import closed_loop, completion, embed, embed_stamped, profile_all, steady_rate, ttft_stamped
+from stages import RAW_IDLE_WORKER, STAGES, where_time_goes
 
-from bus.consumer import consumer_config
 from bus.placement import available_cpus, pin_process, place_box
 from gpu_workers.models import default_torch_threads
 from infra.kafka.broker import free_port
 from infra.topics import TopicSizing, apply_topics, make_admin, platform_topics
-from schemas.codec import decode
-from schemas.events import RequestFinished
-from schemas.settings import KafkaConnection, PlatformSettings, load_settings
+from schemas.settings import PlatformSettings, load_settings
 from schemas.topics import TopicNames
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -167,47 +165,6 @@ async def until_ok(call: Callable[[], Awaitable[bool]], within: float = 180) -> 
             pass
         await asyncio.sleep(0.5)
     raise RuntimeError("the platform did not come up")
-
-
-def floor_summary(
-    before: dict[str, Any], after: dict[str, Any], best_batch: int, gen_tps: float, dynamic: float
-) -> dict[str, Any]:
-    """The floor's figures and the platform's ratios to it. The floor runs twice, alone, just before the
-    platform and just after it: a shared box drifts by ±20 % within minutes, so each ratio is to the mean
-    of the two runs (what the model did around the platform's phases), and both are kept to show the drift."""
-
-    def figures(run: dict[str, Any]) -> dict[str, float]:
-        return {
-            "generation_tokens_per_s": float(run["generation_tokens_per_s"][str(best_batch)]),
-            "embeddings_per_s": max(float(v) for v in run["embeddings_per_s"].values()),
-            "embeddings_batch1_per_s": float(run["embeddings_per_s"]["1"]),
-        }
-
-    first, second = figures(before), figures(after)
-    mean = {key: statistics.mean([first[key], second[key]]) for key in first}
-    gen, emb = mean["generation_tokens_per_s"], mean["embeddings_per_s"]
-    return {
-        "threads": before["threads"],
-        "generation_tokens_per_s": gen,
-        "embeddings_per_s": emb,
-        "generation_ratio": gen_tps / gen,
-        "embeddings_ratio": dynamic / emb,
-        # what batching alone buys the model on these threads (beside P3's dynamic over batch-1 serving)
-        "embeddings_batching": emb / mean["embeddings_batch1_per_s"],
-        "before": first,
-        "after": second,
-    }
-
-
-def mean_run(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
-    """The floor's two runs as one: each rate the mean of both (the peers' reference, like the ratios)."""
-    return {
-        key: {
-            batch: statistics.mean([float(rate), float(after[key][batch])])
-            for batch, rate in before[key].items()
-        }
-        for key in ("embeddings_per_s", "generation_tokens_per_s")
-    }
 
 
 async def measure(url: str, raw: dict[str, object], services: Services, quick: bool) -> dict[str, object]:
@@ -308,86 +265,6 @@ async def measure(url: str, raw: dict[str, object], services: Services, quick: b
             "concurrency": 64,
         },
     }
-
-
-STAGES = ("edge in", "to the worker", "model", "back", "total")
-RAW_IDLE_WORKER = "raw batch 1 after idle, worker's threads"
-"""The same forward alone after idle on the threads a worker gets (the floor run), as the model stage runs it."""
-
-
-def where_time_goes(
-    conn: KafkaConnection,
-    topic: str,
-    stamps: list[tuple[str, float, float]],
-    model_until: Literal["finished", "first_token"],
-) -> dict[str, float]:
-    """Where one client's requests spend their time, p50 of each stage in ms, from the timings their
-    terminal events carry (read back from the results topic) and the client's own clock (one machine, one
-    clock; ``stamps``: request id, sent, answer read): ``edge in`` (sent to the request event built at the
-    edge: HTTP, auth, tokenising), ``to the worker`` (to the model starting on it: the produce, the first
-    Kafka hop, the hand-off to the model thread), ``model`` (to ``model_until``: an embedding batch's
-    forward to ``finished``, a completion's prefill to its ``first_token``), ``back`` (to the answer read:
-    the event out of the worker, the second hop, the edge's response)."""
-    wanted = {request_id: (sent, done) for request_id, sent, done in stamps if request_id}
-    consumer = Consumer(consumer_config(conn, None, f"bench-where-time-goes-{model_until}"))
-    try:
-        partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
-        consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in partitions])
-        stages: dict[str, list[float]] = {stage: [] for stage in STAGES}
-        found: set[str] = set()
-        deadline = time.monotonic() + 30
-        while len(found) < len(wanted) and time.monotonic() < deadline:
-            for message in consumer.consume(1000, 0.5):
-                if message.error() is not None:
-                    continue
-                event = decode(message.value() or b"")
-                if not isinstance(event, RequestFinished) or event.request_id not in wanted:
-                    continue
-                timing, (sent, done) = event.timings, wanted[event.request_id]
-                ended = getattr(timing, model_until)
-                if timing.accepted is None or timing.started is None or ended is None:
-                    continue
-                found.add(event.request_id)
-                accepted, started, ended_at = (
-                    t.timestamp() for t in (timing.accepted, timing.started, ended)
-                )
-                for stage, ms in zip(
-                    STAGES,
-                    (accepted - sent, started - accepted, ended_at - started, done - ended_at, done - sent),
-                    strict=True,
-                ):
-                    stages[stage].append(ms * 1000)
-    finally:
-        consumer.close()
-    out = {stage: statistics.median(values) for stage, values in stages.items() if values}
-    out["requests"] = float(len(found))
-    return out
-
-
-def ttft_floor(
-    ttft: dict[str, float], model_after_idle_ms: float, hops: dict[str, float]
-) -> dict[str, float]:
-    """``ttft`` with the floor under the TTFT the platform adds at low load, and P2's target for it.
-
-    Of what one client's first token takes beyond the raw model's (a forward in a loop on every core), the
-    platform cannot go under two parts on this box: the same forward on the worker's threads after the
-    idle a request's way in leaves them (``model_after_idle_ms``), and the two Kafka hops alone after that
-    idle (``hops``, the platform's producer and consumer settings, no model, no HTTP, no platform code).
-    Where that floor is above +5 ms, +5 is out of reach and the issue's rule applies: within 1.2x of it."""
-    floor = max(0.0, model_after_idle_ms - ttft["raw_p50"]) + hops["p50"]
-    return {
-        **ttft,
-        "floor_model_after_idle_ms": model_after_idle_ms,
-        "floor_two_hops_after_idle_ms": hops["p50"],
-        "floor_idle_ms": hops["idle_ms"],
-        "floor_added_p50": floor,
-        "target_added_p50": 5.0 if floor <= 5.0 else 1.2 * floor,
-    }
-
-
-def drift(floor: dict[str, Any], key: str) -> str:
-    """The floor's figure for the ratio (the mean of its two runs), with the runs before and after."""
-    return f"{floor[key]:.0f} (before {floor['before'][key]:.0f}, after {floor['after'][key]:.0f})"
 
 
 def table(result: dict[str, Any]) -> str:

@@ -117,19 +117,44 @@ def test_the_raw_model_at_64_clients_is_its_best_batch_of_at_most_64() -> None:
 
 
 def test_the_ttft_floor_is_the_model_after_idle_on_the_workers_threads_plus_the_two_hops() -> None:
-    online = importlib.import_module("online")
+    floors = importlib.import_module("floors")
     ttft = {"raw_p50": 2.4, "platform_p50": 11.2, "added_p50": 8.8}
     hops = {"p50": 2.1, "p99": 4.0, "idle_ms": 5.0, "samples": 200.0}
     # the forward after idle on the worker's thread 1.5 ms over the raw loop's, the hops 2.1: +3.6, under +5
-    below = online.ttft_floor(ttft, 3.9, hops)
+    below = floors.ttft_floor(ttft, 3.9, hops)
     assert below["floor_added_p50"] == pytest.approx(1.5 + 2.1)
     assert below["target_added_p50"] == 5.0  # the absolute target stands where the floor is under it
     assert below["floor_idle_ms"] == 5.0
     assert below["floor_two_hops_after_idle_ms"] == 2.1
     assert {k: below[k] for k in ttft} == ttft  # the measured figures are kept as they were
     # a floor above +5: the issue's rule, within 1.2x of it
-    above = online.ttft_floor(ttft, 6.0, {**hops, "p50": 3.0})
+    above = floors.ttft_floor(ttft, 6.0, {**hops, "p50": 3.0})
     assert above["floor_added_p50"] == pytest.approx(3.6 + 3.0)
     assert above["target_added_p50"] == pytest.approx(1.2 * 6.6)
     # a forward faster after idle than in the loop (noise) adds nothing to the floor
-    assert online.ttft_floor(ttft, 2.0, hops)["floor_added_p50"] == pytest.approx(2.1)
+    assert floors.ttft_floor(ttft, 2.0, hops)["floor_added_p50"] == pytest.approx(2.1)
+
+
+def test_the_floor_is_the_mean_of_its_runs_before_and_after_the_platform() -> None:
+    floors = importlib.import_module("floors")
+
+    def run(gen: float, emb_best: float, emb_one: float) -> dict[str, object]:
+        return {
+            "threads": 1,
+            "generation_tokens_per_s": {"1": 500.0, "32": gen},
+            "embeddings_per_s": {"1": emb_one, "16": emb_best - 10, "32": emb_best},
+        }
+
+    before, after = run(4000.0, 300.0, 60.0), run(3000.0, 260.0, 50.0)
+    summary = floors.floor_summary(before, after, 32, gen_tps=3150.0, dynamic=224.0)
+    assert summary["generation_tokens_per_s"] == pytest.approx(3500.0)  # the best batch's, not batch 1's
+    assert summary["embeddings_per_s"] == pytest.approx(280.0)  # each run's best batch
+    assert summary["generation_ratio"] == pytest.approx(0.9)
+    assert summary["embeddings_ratio"] == pytest.approx(0.8)
+    assert summary["embeddings_batching"] == pytest.approx(280.0 / 55.0)
+    assert summary["before"]["generation_tokens_per_s"] == 4000.0  # both runs kept: the drift shows
+    assert summary["after"]["embeddings_per_s"] == 260.0
+    mean = floors.mean_run(before, after)
+    assert mean["generation_tokens_per_s"] == {"1": 500.0, "32": 3500.0}
+    assert mean["embeddings_per_s"]["1"] == pytest.approx(55.0)
+    assert floors.drift(summary, "generation_tokens_per_s") == "3500 (before 4000, after 3000)"
