@@ -459,6 +459,7 @@ def _load(model_dir: Path, device: str, task: Task) -> LoadedModel:
     model.requires_grad_(False)
     if target.type == "cpu" and not torch.cuda.is_available():
         _skip_padding_check(model)
+        _no_stream_capture_without_cuda()
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
     return LoadedModel(
         model=model, tokenizer=tokenizer, manifest=manifest, device=target, path=Path(model_dir)
@@ -482,6 +483,25 @@ def _skip_padding_check(model: PreTrainedModel) -> None:
 
 def _never_warn(input_ids: object, attention_mask: object) -> None:
     return None
+
+
+def _no_stream_capture_without_cuda() -> None:
+    """Answer transformers' "is a CUDA stream capturing?" at once in a process without a usable CUDA.
+
+    transformers asks it inside ``is_tracing``, which its mask builders call on every forward that carries
+    a padding mask (a generation prefill, every embedding batch). With a CUDA build of torch and no GPU
+    driver (this project's default install on a CPU box) torch's answer raises inside and is caught:
+    25-35 us a call warm, ~150 us in a prefill on a core that idled (the profile of one client's first
+    token). Without CUDA no stream can be capturing, so the answer is False. Process-wide, as the question
+    is: a model loaded on a CUDA device never gets here."""
+    from transformers.utils import import_utils
+
+    if callable(getattr(import_utils, "is_cuda_stream_capturing", None)):
+        setattr(import_utils, "is_cuda_stream_capturing", _not_capturing)  # noqa: B010
+
+
+def _not_capturing() -> bool:
+    return False
 
 
 def memory_bytes(loaded: LoadedModel) -> int:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import tokenizers
 import torch
+from transformers.utils import import_utils
 
 from gpu_workers.models import (
     DEMO_GPT_ID,
@@ -158,6 +159,12 @@ def test_prepare_models(
         prepare_models(PlatformSettings(cache_dir=str(tmp_path), models=(), model_paths=("no-path",)))
 
 
+def asks_torch() -> bool:
+    """transformers' own question, without its catch: a model loaded where CUDA is unavailable replaces it
+    process-wide, so the tests put it back to see who asks."""
+    return bool(torch.cuda.is_current_stream_capturing())
+
+
 def test_a_cpu_model_without_a_cuda_driver_skips_the_per_forward_padding_check(
     demo_gpt_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -181,8 +188,41 @@ def test_a_cpu_model_without_a_cuda_driver_skips_the_per_forward_padding_check(
     decode(load_generation_model(demo_gpt_dir, device="cpu"))
     assert asked == []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(import_utils, "is_cuda_stream_capturing", asks_torch)  # as a process with CUDA has it
     decode(load_generation_model(demo_gpt_dir, device="cpu"))
     assert asked  # the control: the same forward asks when the check is kept
+
+
+def test_a_process_without_cuda_answers_the_stream_capture_question_at_once(
+    demo_gpt_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """transformers' mask builders ask whether a CUDA stream is capturing on every forward with a padding
+    mask (a prefill, an embedding batch); torch's CUDA build without a driver answers by raising inside
+    (25-150 us). A CPU model loaded where CUDA is unavailable makes the answer False without asking torch;
+    the padded prefill's tokens are the same either way."""
+    asked: list[int] = []
+
+    def capturing() -> bool:
+        asked.append(1)
+        return False
+
+    def prefill(loaded: LoadedModel) -> torch.Tensor:
+        ids = torch.tensor([[0, 0, 5, 6], [7, 8, 9, 10]])
+        mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
+        with torch.inference_mode():
+            logits: torch.Tensor = loaded.model(input_ids=ids, attention_mask=mask).logits
+        return logits[:, -1].argmax(-1)
+
+    monkeypatch.setattr(import_utils, "is_cuda_stream_capturing", asks_torch)  # as transformers has it
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", capturing)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    control = prefill(load_generation_model(demo_gpt_dir, device="cpu"))
+    assert asked  # with CUDA available the question still goes to torch
+    asked.clear()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    tokens = prefill(load_generation_model(demo_gpt_dir, device="cpu"))
+    assert asked == []
+    assert tokens.tolist() == control.tolist()
 
 
 def test_configure_torch_threads_defaults_to_half_the_cores() -> None:
