@@ -458,7 +458,6 @@ def _load(model_dir: Path, device: str, task: Task) -> LoadedModel:
     model.eval()
     model.requires_grad_(False)
     if target.type == "cpu" and not torch.cuda.is_available():
-        _skip_padding_check(model)
         _no_stream_capture_without_cuda()
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
     return LoadedModel(
@@ -466,34 +465,16 @@ def _load(model_dir: Path, device: str, task: Task) -> LoadedModel:
     )
 
 
-def _skip_padding_check(model: PreTrainedModel) -> None:
-    """Skip transformers' per-forward check for padded ids without an attention mask on this instance.
-
-    The check first asks whether a CUDA stream is capturing. With a CUDA build of torch on a machine
-    without a GPU driver (a generic image on a CPU node, this project's default install) that question
-    raises inside torch and is caught: ~0.12 ms a forward, ~2 % of demo-gpt's decode step at 32 rows.
-    Every forward the engines run passes an attention mask, so the check could never warn. (The check is
-    the inner model's, e.g. ``GPT2Model`` under ``GPT2LMHeadModel``: every pretrained module skips it.)"""
-    from transformers import PreTrainedModel
-
-    for module in model.modules():
-        if isinstance(module, PreTrainedModel):
-            module.warn_if_padding_and_no_attention_mask = _never_warn  # type: ignore[method-assign]
-
-
-def _never_warn(input_ids: object, attention_mask: object) -> None:
-    return None
-
-
 def _no_stream_capture_without_cuda() -> None:
     """Answer transformers' "is a CUDA stream capturing?" at once in a process without a usable CUDA.
 
-    transformers asks it inside ``is_tracing``, which its mask builders call on every forward that carries
-    a padding mask (a generation prefill, every embedding batch). With a CUDA build of torch and no GPU
-    driver (this project's default install on a CPU box) torch's answer raises inside and is caught:
-    25-35 us a call warm, ~150 us in a prefill on a core that idled (the profile of one client's first
-    token). Without CUDA no stream can be capturing, so the answer is False. Process-wide, as the question
-    is: a model loaded on a CUDA device never gets here."""
+    transformers asks it inside ``is_tracing``: in the per-forward "padding without a mask?" check of every
+    pretrained module, and in its mask builders on every forward that carries a padding mask (a generation
+    prefill, every embedding batch). With a CUDA build of torch and no GPU driver (this project's default
+    install on a CPU box) torch's answer raises inside and is caught: 25-35 us a call warm (~2 % of
+    demo-gpt's decode step at 32 rows), ~150 us in a prefill on a core that idled (one client's first
+    token). Without CUDA no stream can be capturing, so the answer is False (the padding check then costs
+    ~3.5 us). Process-wide, as the question is: a model loaded on a CUDA device never gets here."""
     from transformers.utils import import_utils
 
     if callable(getattr(import_utils, "is_cuda_stream_capturing", None)):

@@ -170,8 +170,8 @@ def test_a_cpu_model_without_a_cuda_driver_skips_the_per_forward_padding_check(
 ) -> None:
     """transformers asks on every forward whether a CUDA stream is capturing (before its padding check);
     a CUDA build of torch without a driver answers by raising (~0.12 ms). A CPU model loaded where CUDA is
-    unavailable no longer asks in the engine's decode (a ready 4D mask); one loaded where CUDA is
-    available keeps the check."""
+    unavailable no longer asks torch in the engine's decode (a ready 4D mask): the question is answered at
+    once (``_no_stream_capture_without_cuda``); one loaded where CUDA is available keeps asking."""
     asked: list[int] = []
 
     def capturing() -> bool:
