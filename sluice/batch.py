@@ -436,6 +436,7 @@ def render_list(states: list[BatchStateChanged], title: str) -> Table:
 
 
 batch_app = typer.Typer(
+    rich_markup_mode=None,
     help="Async batches (the OpenAI Batch API): their state and progress. " + _SOURCE_HELP,
     no_args_is_help=True,
 )

@@ -32,6 +32,7 @@ console = Console(stderr=True, soft_wrap=True, width=None if sys.stderr.isatty()
 out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 200)
 
 app = typer.Typer(
+    rich_markup_mode=None,
     name="sluice",
     help="sluicegate: event-sourced, observability-first online model serving on Kafka.",
     no_args_is_help=True,
@@ -39,33 +40,46 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 kafka_app = typer.Typer(
-    help="Run the local Kafka broker, or a local cluster of them (KRaft).", no_args_is_help=True
+    rich_markup_mode=None,
+    help="Run the local Kafka broker, or a local cluster of them (KRaft).",
+    no_args_is_help=True,
 )
 topics_app = typer.Typer(
-    help="Create and inspect the platform's topics (declared in infra/topics.py).", no_args_is_help=True
+    rich_markup_mode=None,
+    help="Create and inspect the platform's topics (declared in infra/topics.py).",
+    no_args_is_help=True,
 )
-schemas_app = typer.Typer(help="Event contracts for downstream teams.", no_args_is_help=True)
-warehouse_app = typer.Typer(help="The ClickHouse warehouse (embedded chDB by default).", no_args_is_help=True)
+schemas_app = typer.Typer(
+    rich_markup_mode=None, help="Event contracts for downstream teams.", no_args_is_help=True
+)
+warehouse_app = typer.Typer(
+    rich_markup_mode=None, help="The ClickHouse warehouse (embedded chDB by default).", no_args_is_help=True
+)
 app.add_typer(kafka_app, name="kafka")
 app.add_typer(topics_app, name="topics")
 app.add_typer(schemas_app, name="schemas")
 app.add_typer(warehouse_app, name="warehouse")
 models_app = typer.Typer(
-    help="The served models (built or linked into $SLUICE_CACHE_DIR/models).", no_args_is_help=True
+    rich_markup_mode=None,
+    help="The served models (built or linked into $SLUICE_CACHE_DIR/models).",
+    no_args_is_help=True,
 )
 app.add_typer(models_app, name="models")
 slo_app = typer.Typer(
+    rich_markup_mode=None,
     help="Service level objectives per model tier, and the Prometheus alerting rules generated from them.",
     no_args_is_help=True,
 )
 app.add_typer(slo_app, name="slo")
 audit_app = typer.Typer(
+    rich_markup_mode=None,
     help="The tamper-evident audit log: one hash chain per tenant in the warehouse's audit_log table, "
     "anchored on the audit topic (docs/streams.md).",
     no_args_is_help=True,
 )
 app.add_typer(audit_app, name="audit")
 drift_app = typer.Typer(
+    rich_markup_mode=None,
     help="Drift detection: per model version and window, evidently tests of request features against a "
     "reference window (docs/drift.md).",
     no_args_is_help=True,
@@ -1017,6 +1031,7 @@ def up(
 
 
 rollout_app = typer.Typer(
+    rich_markup_mode=None,
     help="Roll a model version out step by step (canary, shadow), with gates that promote or roll back "
     "by themselves. Every command publishes a DeploymentChanged on the control topic.",
     no_args_is_help=True,

@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 grafana_app = typer.Typer(
+    rich_markup_mode=None,
     help="Grafana dashboards generated from the metric catalogue (monitoring/metrics.py).",
     no_args_is_help=True,
 )

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import jsonschema
 import pytest
+import typer
 from typer.testing import CliRunner
 
 from infra.kafka.broker import free_port
@@ -18,52 +19,19 @@ from infra.topics import make_admin
 from schemas.settings import KafkaConnection
 from sluice.cli import app
 
-SUBCOMMANDS = [
-    [],
-    ["kafka"],
-    ["kafka", "up"],
-    ["kafka", "down"],
-    ["kafka", "status"],
-    ["kafka", "fetch"],
-    ["topics"],
-    ["topics", "apply"],
-    ["topics", "list"],
-    ["streams"],
-    ["replay"],
-    ["slo"],
-    ["slo", "rules"],
-    ["slo", "show"],
-    ["audit"],
-    ["audit", "verify"],
-    ["audit", "show"],
-    ["schemas"],
-    ["schemas", "export"],
-    ["warehouse"],
-    ["warehouse", "migrate"],
-    ["sql"],
-    ["settings"],
-    ["up"],
-    ["models"],
-    ["models", "prepare"],
-    ["models", "add"],
-    ["models", "list"],
-    ["worker"],
-    ["rollout"],
-    ["rollout", "start"],
-    ["rollout", "status"],
-    ["rollout", "promote"],
-    ["rollout", "abort"],
-    ["rollout", "evaluate"],
-    ["drift"],
-    ["drift", "status"],
-    ["drift", "report"],
-    ["batch"],
-    ["batch", "status"],
-    ["batch", "list"],
-    ["capacity"],
-    ["grafana"],
-    ["grafana", "dashboard"],
-]
+
+def _every_command() -> list[list[str]]:
+    """The CLI's whole command tree, walked from click (not a hand-kept list, which can miss one)."""
+    found: list[list[str]] = []
+
+    def walk(command: object, path: list[str]) -> None:
+        found.append(path)
+        if isinstance(command, typer.core.TyperGroup):
+            for name, sub in command.commands.items():
+                walk(sub, [*path, name])
+
+    walk(typer.main.get_command(app), [])
+    return found
 
 
 def sluice(
@@ -79,12 +47,28 @@ def sluice(
     )
 
 
-@pytest.mark.parametrize("args", SUBCOMMANDS, ids=lambda a: " ".join(a) or "sluice")
+@pytest.mark.parametrize("args", _every_command(), ids=lambda a: " ".join(a) or "sluice")
 def test_every_subcommand_has_help(args: list[str]) -> None:
     result = CliRunner().invoke(app, [*args, "--help"])
     assert result.exit_code == 0, result.output
     assert "Usage:" in result.stdout
     assert len(result.stdout.splitlines()) > 3
+
+
+@pytest.mark.parametrize("args", _every_command(), ids=lambda a: " ".join(a) or "sluice")
+def test_every_option_is_named_whole_in_help_at_80_columns(args: list[str]) -> None:
+    # Rich's help table cut long flags to e.g. `--workers-per-mo…` in an 80-column terminal.
+    result = CliRunner().invoke(app, [*args, "--help"], env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    assert max(map(len, result.stdout.splitlines())) <= 80, result.stdout
+    command = typer.main.get_command(app)
+    for name in args:
+        assert isinstance(command, typer.core.TyperGroup)
+        command = command.commands[name]
+    for param in command.params:
+        for flag in [*param.opts, *param.secondary_opts]:
+            if flag.startswith("-"):
+                assert flag in result.stdout, f"{flag} missing or cut in:\n{result.stdout}"
 
 
 def test_unknown_setting_is_refused_with_a_hint() -> None:
