@@ -433,19 +433,24 @@ async def _answers(port: int) -> bool:
         return False
 
 
+READY_POLL_S = 2.0
+"""How long one ``/readyz`` poll may take; a child too busy to answer in time (a model loading on a shared
+box) is polled again, not taken for dead."""
+
+
 async def _wait_ready(host: str, port: int, within_s: float, what: str = "the streams worker") -> None:
     """Wait for a child's ``/readyz`` (so "up" means up: e.g. ``sluice sql`` finds the migrated warehouse)."""
     if port == 0:
         return  # a free port picked by the child: nothing to poll
     url = f"http://{host}:{port}/readyz"
     deadline = asyncio.get_running_loop().time() + within_s
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=READY_POLL_S)) as session:
         while asyncio.get_running_loop().time() < deadline:
             try:
                 async with session.get(url) as response:
                     if response.status == 200:
                         return
-            except aiohttp.ClientError:
+            except (aiohttp.ClientError, TimeoutError):
                 pass
             await asyncio.sleep(0.25)
     raise InfraError(f"{what} was not ready at {url} within {within_s:.0f}s (see its log above)")

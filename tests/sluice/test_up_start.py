@@ -11,6 +11,7 @@ from rich.console import Console
 
 from infra.errors import InfraError
 from infra.kafka.broker import free_port
+from sluice import up
 from sluice.up import _unless_stopped, _wait_workers
 
 
@@ -46,11 +47,14 @@ async def test_a_start_up_wait_that_ends_first_goes_on_and_its_error_is_raised()
         await _unless_stopped(stop, broken())
 
 
-async def _worker(ready_after: int) -> tuple[web.AppRunner, int, list[int]]:
-    """An ops server whose /readyz answers 503 ``ready_after`` times, then 200; the statuses it gave."""
+async def _worker(ready_after: int, first_answer_s: float = 0.0) -> tuple[web.AppRunner, int, list[int]]:
+    """An ops server whose /readyz answers 503 ``ready_after`` times, then 200 (its first answer after
+    ``first_answer_s``); the statuses it gave."""
     given: list[int] = []
 
     async def readyz(_: web.Request) -> web.Response:
+        if not given:
+            await asyncio.sleep(first_answer_s)
         status = 200 if len(given) >= ready_after else 503
         given.append(status)
         return web.Response(status=status)
@@ -83,3 +87,20 @@ async def test_up_waits_for_each_workers_readyz_and_names_one_that_is_not_ready(
     assert "its requests wait for it" in printed
     assert "demo-gpt" not in printed  # it came up
     assert "free@v1" not in printed  # on a port of its own choosing: nothing to poll
+
+
+async def test_a_worker_too_busy_to_answer_one_poll_in_time_is_polled_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A worker loading its model on a busy box may not answer a poll within its timeout; that poll's
+    # TimeoutError once escaped the wait and took `sluice up` down.
+    monkeypatch.setattr(up, "READY_POLL_S", 0.2)
+    busy, busy_port, busy_given = await _worker(ready_after=0, first_answer_s=0.5)
+    try:
+        out = io.StringIO()
+        await _wait_workers([("demo-gpt@v1", busy_port)], 5, Console(file=out, width=200))
+    finally:
+        await busy.cleanup()
+    assert busy_given[-1] == 200
+    assert len(busy_given) >= 2  # the slow first answer was given up on, and a later poll found it ready
+    assert out.getvalue() == ""
