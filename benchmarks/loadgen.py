@@ -195,7 +195,7 @@ async def until_ready(
             async with session.get(url) as response:
                 if response.status == 200:
                     return
-        except aiohttp.ClientError:
+        except (aiohttp.ClientError, TimeoutError):  # a server too busy to answer one poll in time
             pass
         await asyncio.sleep(0.25)
     raise RuntimeError(f"{url} did not answer 200 within {within:.0f} s")

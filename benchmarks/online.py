@@ -138,7 +138,7 @@ class Services:
         try:
             async with session.get(url) as response:
                 return response.status == 200
-        except aiohttp.ClientError:
+        except (aiohttp.ClientError, TimeoutError):
             return False
 
     def stop(self, name: str) -> None:
@@ -161,7 +161,7 @@ async def until_ok(call: Callable[[], Awaitable[bool]], within: float = 180) -> 
         try:
             if await call():
                 return
-        except aiohttp.ClientError:
+        except (aiohttp.ClientError, TimeoutError):
             pass
         await asyncio.sleep(0.5)
     raise RuntimeError("the platform did not come up")
