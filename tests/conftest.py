@@ -1,4 +1,5 @@
-"""Shared fixtures: one real Kafka broker per test session (unless SLUICE_KAFKA_BOOTSTRAP names one)."""
+"""Shared fixtures: one real Kafka broker per test session (unless SLUICE_KAFKA_BOOTSTRAP names one), i.e. one
+per pytest-xdist process; and how the files are shared out among those processes."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -13,6 +15,44 @@ import pytest
 from infra.kafka.broker import LocalKafka, free_port
 from schemas.manifest import read_manifest, write_manifest
 from schemas.settings import KafkaConnection, PlatformSettings, load_settings
+
+WHOLE_PLATFORM_FILES = frozenset(
+    {
+        "tests/benchmarks/test_batch_benchmark.py",
+        "tests/benchmarks/test_cpu_profile_benchmark.py",
+        "tests/benchmarks/test_drift_benchmark.py",
+        "tests/benchmarks/test_gpu_benchmark.py",
+        "tests/benchmarks/test_kafka_floor_benchmark.py",
+        "tests/benchmarks/test_online_benchmark.py",
+        "tests/benchmarks/test_overload_benchmark.py",
+        "tests/benchmarks/test_result_encoding_benchmark.py",
+        "tests/benchmarks/test_streams_benchmark.py",
+        "tests/e2e/test_scale_out.py",
+        "tests/sluice/test_up.py",
+    }
+)
+"""Files that run the whole platform, or a benchmark that loads both cores. Under `scripts/test`'s xdist
+processes they are one unit of work, run in turn on one process while the others run the rest, so none is
+starved by another's load past its deadlines (a candidate worker loading its model beside `online.py`'s
+saturation once took longer than the edge's 60 s deadline)."""
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's, when it runs the suite
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadfile``, but with ``WHOLE_PLATFORM_FILES`` as one unit, handed out first, and the other
+    files in collection order (xdist's own ``--dist loadgroup`` cannot group under pytest 9: it renames
+    ``item._nodeid``, which pytest 9 no longer reads)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling  # type: ignore[import-untyped]
+
+    class WholePlatformFirst(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "whole-platform" if path in WHOLE_PLATFORM_FILES else path
+
+    config.option.loadscopereorder = False  # keep collection order: tests/benchmarks comes first
+    return WholePlatformFirst(config, log)
 
 
 @pytest.fixture(scope="session")
