@@ -85,11 +85,12 @@ async def _stream(session: aiohttp.ClientSession, url: str, n: int) -> tuple[str
 async def test_kill_9_mid_stream_still_finishes_every_request(
     platform: Platform, worker_processes: dict[str, subprocess.Popen[bytes]]
 ) -> None:
-    # Both workers up and in the group: a warm-up request is served.
+    # Both workers up and in the group: a warm-up request is served (the workers may still be loading their
+    # model on a busy box: it waits past the edge's default 60 s).
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=180)) as session:
         warm = await session.post(
             f"{platform.base_url}/completions",
-            headers=AUTH,
+            headers={**AUTH, "X-Request-Timeout": "170"},
             json={"model": GPT, "prompt": "hi", "max_tokens": 2},
         )
         assert warm.status == 200

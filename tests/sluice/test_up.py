@@ -253,9 +253,9 @@ def _canary_then_abort(proc: subprocess.Popen[str], env: dict[str, str], url: st
         seen = set()
         for i in range(n):
             body = {"model": "demo-gpt", "prompt": "The river", "max_tokens": 2}
-            seen.add(
-                _post(f"{url}/completions", body, {"X-Session-Id": f"{prefix}-{i}"})["system_fingerprint"]
-            )
+            # The candidate's worker may still be loading its model: wait past the edge's default 60 s.
+            headers = {"X-Session-Id": f"{prefix}-{i}", "X-Request-Timeout": "110"}
+            seen.add(_post(f"{url}/completions", body, headers)["system_fingerprint"])
         return seen
 
     assert versions("canary", 16) == {stable, CANDIDATE}  # the odds of one version only: 2 in 65536
