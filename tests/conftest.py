@@ -1,14 +1,11 @@
-"""Shared fixtures: one real Kafka broker per test session (unless SLUICE_KAFKA_BOOTSTRAP names one), i.e. one
-per pytest-xdist process; and how the files are shared out among those processes."""
+"""Shared fixtures: one real Kafka broker per test session (unless SLUICE_KAFKA_BOOTSTRAP names one)."""
 
 from __future__ import annotations
 
-import functools
 import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import pytest
@@ -16,39 +13,6 @@ import pytest
 from infra.kafka.broker import LocalKafka, free_port
 from schemas.manifest import read_manifest, write_manifest
 from schemas.settings import KafkaConnection, PlatformSettings, load_settings
-
-INTEGRATION_LANE = "integration"
-"""Under `scripts/test`'s xdist processes, the files with integration tests are one unit of work: run one
-after another on one process, as in a serial run, while the other processes run the unit tests. Run beside
-each other on this 2-core box (`--dist loadfile`), the tests that start the whole platform starved each
-other past their deadlines (a worker loading its model took longer than the edge's 60 s), for a suite only
-4 minutes shorter (23 against 27)."""
-
-
-@functools.cache
-def _has_integration_tests(path: Path) -> bool:
-    return "mark.integration" in path.read_text(encoding="utf-8")
-
-
-@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's, when it runs the suite
-def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """``--dist loadfile``, but with every file that has integration tests in one unit (``INTEGRATION_LANE``),
-    handed out first, and the other files in collection order. (xdist's own ``--dist loadgroup`` cannot
-    group under pytest 9: it renames ``item._nodeid``, which pytest 9 no longer reads; and the scheduler,
-    in the controlling process, sees node ids only, not markers: hence the file's text.)"""
-    if config.getvalue("dist") != "loadfile":
-        return None
-    from xdist.scheduler import LoadScopeScheduling  # type: ignore[import-untyped]
-
-    root = config.rootpath
-
-    class IntegrationLane(LoadScopeScheduling):  # type: ignore[misc]
-        def _split_scope(self, nodeid: str) -> str:
-            path = nodeid.split("::", 1)[0]
-            return INTEGRATION_LANE if _has_integration_tests(root / path) else path
-
-    config.option.loadscopereorder = False  # collection order: tests/benchmarks, with the lane's first file
-    return IntegrationLane(config, log)
 
 
 @pytest.fixture(scope="session")
