@@ -27,6 +27,7 @@ from rich.table import Table
 from rich.text import Text
 
 from schemas.events import BatchStateChanged, BatchStatus
+from sluice.groups import command_group
 
 if TYPE_CHECKING:
     from confluent_kafka import Message
@@ -435,10 +436,8 @@ def render_list(states: list[BatchStateChanged], title: str) -> Table:
 # ---------------------------------------------------------------- commands
 
 
-batch_app = typer.Typer(
-    rich_markup_mode=None,
-    help="Async batches (the OpenAI Batch API): their state and progress. " + _SOURCE_HELP,
-    no_args_is_help=True,
+batch_app = command_group(
+    help="Async batches (the OpenAI Batch API): their state and progress. " + _SOURCE_HELP
 )
 
 

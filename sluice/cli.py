@@ -16,6 +16,7 @@ from schemas.settings import PlatformSettings, SettingsError, describe, display,
 from sluice.batch import batch_app
 from sluice.capacity import capacity
 from sluice.grafana import grafana_app
+from sluice.groups import command_group
 from sluice.services import SERVICE_SETTINGS, local_broker, started_broker
 
 if TYPE_CHECKING:
@@ -31,58 +32,34 @@ if TYPE_CHECKING:
 console = Console(stderr=True, soft_wrap=True, width=None if sys.stderr.isatty() else 200)
 out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 200)
 
-app = typer.Typer(
-    rich_markup_mode=None,
-    name="sluice",
+app = command_group(
     help="sluicegate: event-sourced, observability-first online model serving on Kafka.",
-    no_args_is_help=True,
+    name="sluice",
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-kafka_app = typer.Typer(
-    rich_markup_mode=None,
-    help="Run the local Kafka broker, or a local cluster of them (KRaft).",
-    no_args_is_help=True,
-)
-topics_app = typer.Typer(
-    rich_markup_mode=None,
-    help="Create and inspect the platform's topics (declared in infra/topics.py).",
-    no_args_is_help=True,
-)
-schemas_app = typer.Typer(
-    rich_markup_mode=None, help="Event contracts for downstream teams.", no_args_is_help=True
-)
-warehouse_app = typer.Typer(
-    rich_markup_mode=None, help="The ClickHouse warehouse (embedded chDB by default).", no_args_is_help=True
-)
+kafka_app = command_group(help="Run the local Kafka broker, or a local cluster of them (KRaft).")
+topics_app = command_group(help="Create and inspect the platform's topics (declared in infra/topics.py).")
+schemas_app = command_group(help="Event contracts for downstream teams.")
+warehouse_app = command_group(help="The ClickHouse warehouse (embedded chDB by default).")
 app.add_typer(kafka_app, name="kafka")
 app.add_typer(topics_app, name="topics")
 app.add_typer(schemas_app, name="schemas")
 app.add_typer(warehouse_app, name="warehouse")
-models_app = typer.Typer(
-    rich_markup_mode=None,
-    help="The served models (built or linked into $SLUICE_CACHE_DIR/models).",
-    no_args_is_help=True,
-)
+models_app = command_group(help="The served models (built or linked into $SLUICE_CACHE_DIR/models).")
 app.add_typer(models_app, name="models")
-slo_app = typer.Typer(
-    rich_markup_mode=None,
-    help="Service level objectives per model tier, and the Prometheus alerting rules generated from them.",
-    no_args_is_help=True,
+slo_app = command_group(
+    help="Service level objectives per model tier, and the Prometheus alerting rules generated from them."
 )
 app.add_typer(slo_app, name="slo")
-audit_app = typer.Typer(
-    rich_markup_mode=None,
+audit_app = command_group(
     help="The tamper-evident audit log: one hash chain per tenant in the warehouse's audit_log table, "
-    "anchored on the audit topic (docs/streams.md).",
-    no_args_is_help=True,
+    "anchored on the audit topic (docs/streams.md)."
 )
 app.add_typer(audit_app, name="audit")
-drift_app = typer.Typer(
-    rich_markup_mode=None,
+drift_app = command_group(
     help="Drift detection: per model version and window, evidently tests of request features against a "
-    "reference window (docs/drift.md).",
-    no_args_is_help=True,
+    "reference window (docs/drift.md)."
 )
 app.add_typer(drift_app, name="drift")
 app.add_typer(batch_app, name="batch")
@@ -1030,11 +1007,9 @@ def up(
     raise typer.Exit(run_platform(settings(), out, console, port, overrides))
 
 
-rollout_app = typer.Typer(
-    rich_markup_mode=None,
+rollout_app = command_group(
     help="Roll a model version out step by step (canary, shadow), with gates that promote or roll back "
-    "by themselves. Every command publishes a DeploymentChanged on the control topic.",
-    no_args_is_help=True,
+    "by themselves. Every command publishes a DeploymentChanged on the control topic."
 )
 app.add_typer(rollout_app, name="rollout")
 

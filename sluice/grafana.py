@@ -8,10 +8,10 @@ from typing import Annotated
 
 import typer
 
-grafana_app = typer.Typer(
-    rich_markup_mode=None,
-    help="Grafana dashboards generated from the metric catalogue (monitoring/metrics.py).",
-    no_args_is_help=True,
+from sluice.groups import command_group
+
+grafana_app = command_group(
+    help="Grafana dashboards generated from the metric catalogue (monitoring/metrics.py)."
 )
 
 

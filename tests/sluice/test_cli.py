@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import jsonschema
 import pytest
@@ -20,18 +21,23 @@ from schemas.settings import KafkaConnection
 from sluice.cli import app
 
 
-def _every_command() -> list[list[str]]:
-    """The CLI's whole command tree, walked from click (not a hand-kept list, which can miss one)."""
-    found: list[list[str]] = []
+def _every_command() -> list[tuple[list[str], Any]]:
+    """The CLI's whole command tree, walked from click (not a hand-kept list, which can miss one): each
+    command's words after ``sluice``, and the command."""
+    found: list[tuple[list[str], Any]] = []
 
-    def walk(command: object, path: list[str]) -> None:
-        found.append(path)
+    def walk(command: Any, path: list[str]) -> None:
+        found.append((path, command))
         if isinstance(command, typer.core.TyperGroup):
             for name, sub in command.commands.items():
                 walk(sub, [*path, name])
 
     walk(typer.main.get_command(app), [])
     return found
+
+
+COMMANDS = _every_command()
+COMMAND_IDS = [" ".join(path) or "sluice" for path, _ in COMMANDS]
 
 
 def sluice(
@@ -47,7 +53,7 @@ def sluice(
     )
 
 
-@pytest.mark.parametrize("args", _every_command(), ids=lambda a: " ".join(a) or "sluice")
+@pytest.mark.parametrize("args", [path for path, _ in COMMANDS], ids=COMMAND_IDS)
 def test_every_subcommand_has_help(args: list[str]) -> None:
     result = CliRunner().invoke(app, [*args, "--help"])
     assert result.exit_code == 0, result.output
@@ -55,16 +61,12 @@ def test_every_subcommand_has_help(args: list[str]) -> None:
     assert len(result.stdout.splitlines()) > 3
 
 
-@pytest.mark.parametrize("args", _every_command(), ids=lambda a: " ".join(a) or "sluice")
-def test_every_option_is_named_whole_in_help_at_80_columns(args: list[str]) -> None:
+@pytest.mark.parametrize(("args", "command"), COMMANDS, ids=COMMAND_IDS)
+def test_every_option_is_named_whole_in_help_at_80_columns(args: list[str], command: Any) -> None:
     # Rich's help table cut long flags to e.g. `--workers-per-mo…` in an 80-column terminal.
     result = CliRunner().invoke(app, [*args, "--help"], env={"COLUMNS": "80"})
     assert result.exit_code == 0, result.output
     assert max(map(len, result.stdout.splitlines())) <= 80, result.stdout
-    command = typer.main.get_command(app)
-    for name in args:
-        assert isinstance(command, typer.core.TyperGroup)
-        command = command.commands[name]
     for param in command.params:
         for flag in [*param.opts, *param.secondary_opts]:
             if flag.startswith("-"):
