@@ -64,6 +64,7 @@ from schemas.events import (
     Timings,
     TokenChunk,
     Usage,
+    WorkerReady,
 )
 from schemas.events import Status as RequestStatus
 from schemas.lifecycle import Component
@@ -162,6 +163,7 @@ class _Cancel:
 @dataclass(frozen=True)
 class _Deploy:
     deployment: Deployment
+    event_id: str
 
 
 _Inbox = Arrival | _Skip | _Cancel | _Deploy
@@ -203,6 +205,11 @@ class WorkerService(Component):
         self._adopt_grace_s = adopt_grace_s
         self._deployment: Deployment | None = None
         """The model's latest deployment (model thread); None before any rollout: run every record."""
+        self._deployment_id = ""
+        """The id of the ``DeploymentChanged`` behind ``_deployment`` (model thread)."""
+        self._announce = bool(version)
+        """Say ``WorkerReady`` once this worker owns request partitions: at its start, and again for every
+        rollout that starts warming its version (model thread)."""
         self._held: dict[str, Arrival] = {}
         """Records routed to another version still serving: not run here, their offsets kept open until
         the results tail shows them finished, or their version stops serving (model thread)."""
@@ -402,6 +409,7 @@ class WorkerService(Component):
         latest = latest_deployments(self._kafka, control, f"{self.source}-control")
         if self.model_id in latest:
             self._deployment = Deployment.of(latest[self.model_id])
+            self._deployment_id = latest[self.model_id].id
         tps, ends = control_start(self._kafka, control, f"{self.source}-control")
         if not tps:
             return
@@ -421,7 +429,7 @@ class WorkerService(Component):
             except DecodeError:
                 continue
             if isinstance(event, DeploymentChanged) and event.model == self.model_id:
-                self._put(_Deploy(Deployment.of(event)))
+                self._put(_Deploy(Deployment.of(event), event.id))
 
     REVOKE_DRAIN_S = 30.0
 
@@ -490,6 +498,27 @@ class WorkerService(Component):
 
     # ---------------------------------------------------------------- the model thread
 
+    def _say_ready(self) -> None:
+        """``WorkerReady`` for the latest deployment this worker read, on the control topic. An
+        announcement Kafka did not take is made again."""
+        self._announce = False
+        event = WorkerReady(
+            tenant="",
+            model=self.model_id,
+            source=self.source,
+            version=self.version,
+            worker=self.worker_id,
+            deployment=self._deployment_id,
+        )
+
+        def delivered(err: BusError | None, _where: tuple[int, int] | None) -> None:
+            if err is not None:
+                log.warning("worker %s: saying it is ready failed (%s); trying again", self.worker_id, err)
+                self._announce = True
+
+        self._producer.produce(self._names.control, event, on_delivery=delivered)
+        log.info("worker %s (%s): ready, after deployment %s", self.worker_id, self.version, event.deployment)
+
     def _serve(self) -> None:
         try:
             runner = self._runner_factory()
@@ -508,6 +537,8 @@ class WorkerService(Component):
                 runner.tick(emit)
                 self._observer.tick(runner.load(), time.perf_counter() - began)
                 self._commit()
+                if self._announce and not self._draining.is_set() and self._requests.wait_assigned(0):
+                    self._say_ready()
         except BaseException as exc:
             log.exception("model thread for %s failed", self.model_id)
             self.fail(exc)
@@ -566,7 +597,7 @@ class WorkerService(Component):
                             self._offsets.started(item.tp, item.offset)
                             self._offsets.done(item.tp, item.offset)
                 case _Deploy():
-                    self._deploy(item.deployment)
+                    self._deploy(item.deployment, item.event_id)
         self._sweep(runner, emit)
 
     def _run(self, runner: Runner, item: Arrival, emit: Emitter) -> None:
@@ -605,8 +636,11 @@ class WorkerService(Component):
             return "drop" if event.shadow_of else "adopt"
         return "hold"
 
-    def _deploy(self, deployment: Deployment) -> None:
+    def _deploy(self, deployment: Deployment, event_id: str) -> None:
         old = self._deployment.serving if self._deployment is not None else frozenset()
+        self._deployment_id = event_id
+        if deployment.warming and deployment.candidate == self.version:
+            self._announce = True  # the rollout waits for a ready worker of this version
         now = time.monotonic()
         for version in old - deployment.serving:
             self._left_serving.setdefault(version, now)

@@ -22,6 +22,7 @@ from schemas.events import (
     DriftReport,
     Envelope,
     Event,
+    WorkerReady,
     WorkersScaled,
     event_type_name,
 )
@@ -150,6 +151,8 @@ def kafka_key(event: Event) -> bytes:
             return f"burn:{event.model}:{event.slo}".encode()
         case WorkersScaled():
             return f"scale:{event.model}".encode()
+        case WorkerReady():
+            return f"ready:{event.model}:{event.version}".encode()
         case DriftReport():
             return f"drift:{event.model}".encode()
         case DeadLetter():

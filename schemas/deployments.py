@@ -9,8 +9,9 @@ agree by construction:
   flips between versions while its step lasts.
 - **Shadowing** mirrors a request routed to the stable version when a second, independent hash of its
   key falls under the shadow share.
-- **Liveness.** A version serves while it has traffic, or is the stable one. A request whose version no
-  longer serves (a rolled-back candidate, a retired stable) is run by the stable version's workers.
+- **Liveness.** A version serves while it has traffic, or is the stable one, or is a candidate warming
+  up (its workers start and load, with no traffic yet). A request whose version no longer serves (a
+  rolled-back candidate, a retired stable) is run by the stable version's workers.
 """
 
 from __future__ import annotations
@@ -42,11 +43,15 @@ class Deployment:
     share: float = 0.0
     """The candidate's share of traffic."""
     shadow: float = 0.0
+    warming: bool = False
+    """The candidate's workers are starting: they run, and nothing is routed or mirrored to them yet."""
 
     @classmethod
     def of(cls, event: DeploymentChanged) -> Deployment:
         stable = event.stable or max(event.traffic, key=lambda v: event.traffic[v], default=event.version)
         candidate = event.candidate if event.candidate and event.candidate != stable else None
+        if candidate is not None and event.phase == "warming":
+            return cls(event.model, stable, candidate, warming=True)
         share = event.traffic.get(candidate, 0.0) if candidate else 0.0
         return cls(event.model, stable, candidate, share, event.shadow if candidate else 0.0)
 
@@ -64,8 +69,10 @@ class Deployment:
 
     @property
     def serving(self) -> frozenset[str]:
-        """Versions whose workers run: the stable one, and the candidate while it has traffic or shadow."""
-        extra = {self.candidate} if self.candidate and (self.share > 0 or self.shadow > 0) else set()
+        """Versions whose workers run: the stable one, and the candidate while it warms up or has traffic
+        or shadow."""
+        live = self.warming or self.share > 0 or self.shadow > 0
+        extra = {self.candidate} if self.candidate and live else set()
         return frozenset({self.stable, *extra})
 
     def runs(self, own: str, version: str) -> bool:

@@ -507,7 +507,9 @@ class AuditEntry(Envelope, frozen=True, kw_only=True, tag="audit_entry"):
     model_version: str = ""
 
 
-RolloutPhase = Literal["stable", "canary", "promoted", "rolled_back"]
+RolloutPhase = Literal["stable", "warming", "canary", "promoted", "rolled_back"]
+"""``warming``: a rollout has started and the candidate's workers are loading; it has no traffic until one
+of them says it is ready (``WorkerReady``), then the rollout moves to ``canary`` at its first step."""
 GateState = Literal["pass", "fail", "insufficient_data"]
 
 
@@ -530,6 +532,8 @@ class RolloutGates(FrozenStruct, frozen=True, kw_only=True):
     """A firing fast-burn ``BurnRateCrossed`` for the candidate fails the gate."""
     step_min_s: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
     """Seconds each step lasts at least, however many requests it saw."""
+    ready_timeout_s: Annotated[float, msgspec.Meta(gt=0.0)] = 600.0
+    """Seconds a warming candidate may take to have a ready worker before the rollout is rolled back."""
 
 
 class GateResult(FrozenStruct, frozen=True, kw_only=True):
@@ -615,6 +619,19 @@ class WorkersScaled(Envelope, frozen=True, kw_only=True, tag="workers_scaled"):
     bounds: tuple[NonNegative, NonNegative] = (0, 0)
     """(min, max) workers the autoscaler may choose between."""
     actor: str = ""
+
+
+class WorkerReady(Envelope, frozen=True, kw_only=True, tag="worker_ready"):
+    """A worker of one model version has loaded its model and owns request partitions: it can serve now
+    (key ``ready:<model>:<version>`` on the compacted control topic). A worker says so when it first
+    becomes ready, and again for every rollout that starts warming its version, so the rollout controller
+    gives a candidate traffic only once something can serve it."""
+
+    version: str
+    worker: str
+    """The worker's id (``SLUICE_WORKER_ID``)."""
+    deployment: str = ""
+    """The id of the model's latest ``DeploymentChanged`` this worker had read ("" before any)."""
 
 
 DriftVerdict = Literal["reference", "no_drift", "drift", "insufficient_data", "data_quality"]
@@ -709,6 +726,7 @@ Event: TypeAlias = (
     | DeadLetter
     | BatchStateChanged
     | WorkersScaled
+    | WorkerReady
 )
 
 EVENT_TYPES: tuple[type[Envelope], ...] = (
@@ -727,6 +745,7 @@ EVENT_TYPES: tuple[type[Envelope], ...] = (
     DeadLetter,
     BatchStateChanged,
     WorkersScaled,
+    WorkerReady,
 )
 
 REQUEST_TYPES: tuple[type[RequestCommon], ...] = (GenerationRequested, EmbeddingRequested, BatchItemRequested)

@@ -38,6 +38,7 @@ from schemas.events import (
     TokenChunk,
     Usage,
     UsageRecorded,
+    WorkerReady,
     WorkersScaled,
 )
 from schemas.ids import uuid7_from_parts
@@ -325,5 +326,11 @@ def example_events() -> list[Event]:
             target_lag=50,
             bounds=(1, 4),
             actor="autoscaler",
+        ),
+        WorkerReady(
+            **_env(15, "gpu_workers/demo-gpt-0", ""),
+            version="530b56af490a",
+            worker="demo-gpt-0",
+            deployment=_id(8),
         ),
     ]

@@ -1078,9 +1078,18 @@ def rollout_start(
     burn_gate: Annotated[
         bool, typer.Option("--burn-gate/--no-burn-gate", help="fail on the model's fast burn")
     ] = True,
+    ready_timeout_s: Annotated[
+        float,
+        typer.Option(
+            "--ready-timeout-s",
+            min=1,
+            help="seconds the candidate's workers may take to load; then rolled back",
+        ),
+    ] = 600.0,
 ) -> None:
-    """Start rolling VERSION out: --canary % of traffic at once (sticky per tenant and X-Session-Id / user),
-    then each step of --steps once its gates pass; any failed gate rolls back by itself."""
+    """Start rolling VERSION out: once a worker of VERSION is ready, --canary % of traffic (sticky per tenant
+    and X-Session-Id / user), then each step of --steps once its gates pass; any failed gate rolls back by
+    itself."""
     from schemas.events import RolloutGates
     from sluice.rollout import parse_steps, plan_start
 
@@ -1093,6 +1102,7 @@ def rollout_start(
         drift=drift_gate,
         burn=burn_gate,
         step_min_s=step_min_s,
+        ready_timeout_s=ready_timeout_s,
     )
 
     def plan() -> DeploymentChanged:
@@ -1216,6 +1226,7 @@ def rollout_status(
     from bus.control import latest_deployments
     from bus.errors import BusError
     from infra.warehouse import WarehouseError
+    from schemas.events import RolloutGates, utc_now
     from schemas.topics import TopicNames
     from sluice.rollout import CLIENT_ID, live_gates
 
@@ -1233,7 +1244,9 @@ def rollout_status(
     for d in shown:
         traffic = ", ".join(f"{v} {s:.0%}" for v, s in d.traffic.items())
         step = f"{d.step + 1}/{len(d.steps)}" if d.steps else ""
-        colour = {"rolled_back": "red", "canary": "yellow", "promoted": "green"}.get(d.phase, "")
+        colour = {"rolled_back": "red", "warming": "cyan", "canary": "yellow", "promoted": "green"}.get(
+            d.phase, ""
+        )
         table.add_row(
             d.model,
             d.phase,
@@ -1248,6 +1261,13 @@ def rollout_status(
         )
     out.print(table)
     for d in shown:
+        if d.phase == "warming":
+            waited = (utc_now() - (d.step_started or d.time)).total_seconds()
+            limit = (d.gates or RolloutGates()).ready_timeout_s
+            out.print(
+                f"{d.model}: waiting for a worker of {d.candidate} to be ready ({waited:.0f}s of {limit:g}s; "
+                "no traffic until then, rolled back after)"
+            )
         gates = d.evidence
         title = f"{d.model}: gates of the last decision"
         if d.phase == "canary":

@@ -22,6 +22,7 @@ from streams.rollout import (
     VersionStats,
     advance,
     drift_sql,
+    in_progress,
     judge,
     parse_stats,
     roll_back,
@@ -83,10 +84,11 @@ def plan_start(
     if not (models_root(platform.cache_dir) / model / version).is_dir():
         raise RolloutError(f"{model} has no version {version}: register it with `sluice models add`")
     latest = deployment_of(platform, model)
-    if latest is not None and latest.phase == "canary":
+    if latest is not None and in_progress(latest):
+        where = "warming up" if latest.phase == "warming" else f"step {latest.step + 1}/{len(latest.steps)}"
         raise RolloutError(
-            f"a rollout of {model} {latest.candidate} is in progress (step {latest.step + 1}/"
-            f"{len(latest.steps)}): `sluice rollout promote` or `sluice rollout abort` it first"
+            f"a rollout of {model} {latest.candidate} is in progress ({where}): "
+            "`sluice rollout promote` or `sluice rollout abort` it first"
         )
     stable = latest.stable if latest is not None and latest.stable else current_version(platform, model)
     if version == stable:
@@ -111,7 +113,7 @@ def plan_start(
 def plan_promote(platform: PlatformSettings, model: str, *, to_end: bool) -> DeploymentChanged:
     current = _active(platform, model)
     decision = advance(current, utc_now(), "promoted by the operator", [], "operator")
-    while to_end and decision.phase == "canary":
+    while to_end and in_progress(decision):
         decision = advance(decision, decision.time, "promoted by the operator", [], "operator")
     return decision
 
@@ -123,7 +125,7 @@ def plan_abort(platform: PlatformSettings, model: str, why: str) -> DeploymentCh
 
 def _active(platform: PlatformSettings, model: str) -> DeploymentChanged:
     current = deployment_of(platform, model)
-    if current is None or current.phase != "canary":
+    if current is None or not in_progress(current):
         raise RolloutError(f"no rollout of {model} is in progress (see `sluice rollout status`)")
     return current
 

@@ -49,7 +49,7 @@ from confluent_kafka import Message
 from opentelemetry.trace import Span, SpanKind
 
 from bus.consumer import ConsumerThread, consumer_config, dead_letter
-from bus.control import deployments_in, read_control
+from bus.control import read_control
 from bus.errors import BusError
 from bus.producer import DeliveryCallback, EventProducer
 from monitoring import metrics, tracing
@@ -214,7 +214,7 @@ class StreamsApp(AsyncComponent):
     async def _start(self) -> None:
         await self.anchor()
         control = await asyncio.to_thread(read_control, self._kafka, self.names.control, f"{SOURCE}-start")
-        self.rollout.seed(deployments_in(control).values())  # resume every rollout where the log says it is
+        self.rollout.seed(control)  # resume every rollout where the log says it is
         if self._controller is not None:
             # The budget states last announced, from the log itself: the warehouse may not hold the last
             # one yet (a process stopped right after announcing it), and a state the controller does not

@@ -567,7 +567,7 @@ _SCRIPT = r"""
       cell(row, String(r.model));
       cell(row, String(r.action));
       const badge = document.createElement("span");
-      badge.className = "verdict" + (r.phase === "rolled_back" ? " v-drift" : r.phase === "canary" ? "" : " v-no_drift");
+      badge.className = "verdict" + (r.phase === "rolled_back" ? " v-drift" : r.phase === "canary" || r.phase === "warming" ? "" : " v-no_drift");
       badge.textContent = String(r.phase);
       row.insertCell().appendChild(badge);
       cell(row, String(r.actor));

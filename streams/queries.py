@@ -381,7 +381,7 @@ def saved_queries(config: SloConfig = DEFAULT_CONFIG) -> dict[str, SavedQuery]:
             _DRIFT_STATUS,
         ),
         "rollouts": SavedQuery(
-            "Each model's latest deployment: phase (stable, canary, promoted, rolled_back), stable and "
+            "Each model's latest deployment: phase (stable, warming, canary, promoted, rolled_back), stable and "
             "candidate versions, traffic shares (JSON), step (1-based) of how many, the last action, who "
             "took it (operator or controller), why, and when.",
             _ROLLOUTS,

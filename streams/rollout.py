@@ -1,7 +1,12 @@
 """The rollout controller: observe (the outcome stream) -> decide (gates) -> act (``DeploymentChanged``).
 
-A rollout is a ``DeploymentChanged`` with a ``candidate`` and ``phase="canary"`` on the compacted control
-topic. The controller lives in the streams worker. Every sink batch that carries a terminal event of a
+A rollout is a ``DeploymentChanged`` with a ``candidate`` on the compacted control topic. It starts
+``warming``: the candidate's workers start and load with no traffic. A worker of the candidate that is
+ready says so on the control topic (``WorkerReady``, naming the deployment it read); the controller then
+moves the rollout to ``canary`` at its first step. A candidate with no ready worker within the gates'
+``ready_timeout_s`` is rolled back. So no request waits for a model that is still loading.
+
+The controller lives in the streams worker. Every sink batch that carries a terminal event of a
 model under rollout (or a burn-rate change for it) triggers an evaluation, at most once per
 ``rollout_eval_interval_s``, over the rows that batch has just made durable: the stable and candidate
 versions' requests accepted since the step began (``request_facts``), the candidate's drift verdicts in
@@ -23,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -38,6 +44,7 @@ from schemas.events import (
     GateResult,
     RequestFinished,
     RolloutGates,
+    WorkerReady,
     utc_now,
 )
 from streams.facts import FACT_COLUMNS, fact_row
@@ -51,6 +58,15 @@ BURN_MIN_ERRORS = 3
 """Failed candidate requests in the step before a fast burn is blamed on it."""
 FAST_BURN = 14.4
 """The page-level burn rate (2 % of a 30-day budget in an hour): a firing crossing at or above it counts."""
+IN_PROGRESS = ("warming", "canary")
+"""The phases of a rollout that has not ended."""
+READY_REMEMBERED = 1024
+"""``WorkerReady`` announcements the controller keeps (by deployment and version), newest last."""
+
+
+def in_progress(deployment: DeploymentChanged | None) -> bool:
+    """Whether ``deployment`` is a rollout that has not ended (warming up or at a canary step)."""
+    return deployment is not None and deployment.phase in IN_PROGRESS and deployment.candidate is not None
 
 
 @dataclass(frozen=True)
@@ -292,9 +308,11 @@ def start_rollout(
     now: datetime,
     source: str,
 ) -> DeploymentChanged:
-    """The first step of a rollout: ``steps[0]`` of the traffic (0 for shadow only) on the candidate."""
+    """A rollout, warming up: the candidate's workers start with no traffic; ``steps[0]`` of the traffic
+    (0 for shadow only) and ``shadow`` follow once one of them is ready (:func:`warm`)."""
     from schemas.ids import uuid7
 
+    first = f"{steps[0]:.0%} of traffic" + (f", {shadow:.0%} shadowed" if shadow else "")
     return DeploymentChanged(
         tenant="",
         model=model,
@@ -302,11 +320,11 @@ def start_rollout(
         time=now,
         version=candidate,
         action="deploy",
-        traffic=_traffic(stable, candidate, steps[0]),
-        reason=f"rollout started: {steps[0]:.0%} of traffic" + (f", {shadow:.0%} shadowed" if shadow else ""),
+        traffic=_traffic(stable, candidate, 0.0),
+        reason=f"rollout started: {first} once a worker of {candidate} is ready",
         stable=stable,
         candidate=candidate,
-        phase="canary",
+        phase="warming",
         steps=list(steps),
         step=0,
         step_started=now,
@@ -317,12 +335,31 @@ def start_rollout(
     )
 
 
+def warm(current: DeploymentChanged, ready: WorkerReady | None, now: datetime) -> DeploymentChanged | None:
+    """The next deployment of a warming rollout: its first step once a worker of the candidate said it is
+    ready for this deployment (``ready``), a rollback once ``ready_timeout_s`` passed without one;
+    otherwise None."""
+    if current.phase != "warming" or current.candidate is None:
+        return None
+    if ready is not None and (ready.deployment, ready.version) == (current.id, current.candidate):
+        why = f"{current.candidate} is ready (worker {ready.worker})"
+        return advance(current, now, why, [], "controller")
+    gates = current.gates or RolloutGates()
+    waited = (now - (current.step_started or current.time)).total_seconds()
+    if waited <= gates.ready_timeout_s:
+        return None
+    why = f"automatic rollback: no worker of {current.candidate} was ready within {gates.ready_timeout_s:g}s"
+    return roll_back(current, now, why, [], "controller")
+
+
 def advance(
     current: DeploymentChanged, now: datetime, why: str, evidence: Sequence[GateResult], actor: str
 ) -> DeploymentChanged:
-    """The next step of ``current``'s rollout, or promotion when the next share is 100 %."""
+    """The next step of ``current``'s rollout (the first when it is warming up), or promotion when the
+    next share is 100 %."""
     candidate = current.candidate or current.version
-    step = current.step + 1
+    warming = current.phase == "warming"
+    step = current.step if warming else current.step + 1
     share = current.steps[step] if step < len(current.steps) else 1.0
     now = after(current, now)
     common = _decision(current, now, evidence, actor)
@@ -342,8 +379,9 @@ def advance(
     return msgspec.structs.replace(
         current,
         **common,
-        action="promote",
+        action="deploy" if warming else "promote",
         traffic=_traffic(current.stable, candidate, share),
+        phase="canary",
         step=step,
         step_started=now,
         reason=f"step {step + 1}/{len(current.steps)}, {share:.0%} of traffic: {why}",
@@ -432,6 +470,9 @@ class RolloutController:
         self.deployments: dict[str, DeploymentChanged] = {}
         """model -> its latest deployment (the log's, or this controller's own decision)."""
         self._burning: dict[str, BurnRateCrossed] = {}
+        self._ready: OrderedDict[tuple[str, str], WorkerReady] = OrderedDict()
+        """(deployment id, version) -> a worker's announcement that it is ready (at most
+        ``READY_REMEMBERED``): a warming rollout takes its first step once its own candidate's is here."""
         self._due: set[str] = set()
         self._last_run = -math.inf
         self._running = asyncio.Lock()
@@ -440,11 +481,25 @@ class RolloutController:
         self.last_results: dict[str, list[GateResult]] = {}
         """model -> the gates of its last evaluation (for metrics and debugging)."""
 
-    def seed(self, deployments: Iterable[DeploymentChanged]) -> None:
-        """The latest deployments from the control topic (at start)."""
-        for event in deployments:
-            self._follow(event)
-        self._due |= {m for m, d in self.deployments.items() if d.phase == "canary"}
+    def seed(self, control: Iterable[Event]) -> None:
+        """The control topic's events, read to its end at start: the latest deployments, and the workers'
+        readiness announcements (a rollout that was warming resumes there)."""
+        events = list(control)
+        latest = {e.model: e for e in events if isinstance(e, DeploymentChanged)}
+        for deployment in latest.values():
+            self._follow(deployment)
+        for event in events:
+            if isinstance(event, WorkerReady):
+                self._remember_ready(event)
+        self._due |= {m for m, d in self.deployments.items() if in_progress(d)}
+
+    def _remember_ready(self, event: WorkerReady) -> None:
+        if event.deployment:
+            key = (event.deployment, event.version)
+            self._ready[key] = event
+            self._ready.move_to_end(key)
+            while len(self._ready) > READY_REMEMBERED:
+                self._ready.popitem(last=False)
 
     def _follow(self, event: DeploymentChanged) -> None:
         known = self.deployments.get(event.model)
@@ -466,6 +521,9 @@ class RolloutController:
                 self._follow(event)
                 self._due.add(event.model)
             elif isinstance(event, RequestFinished) and self._canary(event.model):
+                self._due.add(event.model)
+            elif isinstance(event, WorkerReady):
+                self._remember_ready(event)
                 self._due.add(event.model)
             elif isinstance(event, BurnRateCrossed) and self._canary(event.model):
                 if event.firing and event.threshold >= FAST_BURN:
@@ -494,7 +552,15 @@ class RolloutController:
         decisions: list[DeploymentChanged] = []
         for model in sorted(due):
             current = self.deployments.get(model)
-            if current is None or current.phase != "canary" or current.candidate is None:
+            if current is None or not in_progress(current):
+                continue
+            if current.phase == "warming":
+                ready = self._ready.get((current.id, current.candidate or ""))
+                decision = warm(current, ready, self._clock())
+                if decision is None:
+                    self._due.add(model)  # still loading: the timer looks again (the ready timeout)
+                elif await self._act(model, decision):
+                    decisions.append(decision)
                 continue
             try:
                 results = await self.evaluate(current)
@@ -511,18 +577,21 @@ class RolloutController:
                 self._due.add(model)  # an operator's change arrived meanwhile: judge that one instead
                 continue
             decision = decide(current, results, self._clock())
-            if decision is None:
-                continue
-            try:
-                await self._publish(decision)  # durable before the state moves
-            except Exception:
-                log.exception("rollout: publishing the decision for %s failed; trying again", model)
-                self._due.add(model)
-                continue
-            self._follow(decision)
-            log.warning("rollout %s: %s", model, decision.reason)
-            decisions.append(decision)
+            if decision is not None and await self._act(model, decision):
+                decisions.append(decision)
         return decisions
+
+    async def _act(self, model: str, decision: DeploymentChanged) -> bool:
+        """Publish ``decision`` (durable before the state moves); False when that failed (due again)."""
+        try:
+            await self._publish(decision)
+        except Exception:
+            log.exception("rollout: publishing the decision for %s failed; trying again", model)
+            self._due.add(model)
+            return False
+        self._follow(decision)
+        log.warning("rollout %s: %s", model, decision.reason)
+        return True
 
     async def evaluate(self, current: DeploymentChanged) -> list[GateResult]:
         """The gates of ``current``'s step, from the warehouse."""

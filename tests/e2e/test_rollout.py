@@ -28,7 +28,7 @@ from gpu_workers.service import WorkerService
 from gpu_workers.settings import WorkerSettings
 from infra.topics import TopicSizing, apply_topics, make_admin, platform_topics
 from ingest.auth import DEMO_KEY
-from schemas.events import DeploymentChanged, GenerationRequested, RequestFinished, TokenChunk
+from schemas.events import DeploymentChanged, GenerationRequested, RequestFinished, TokenChunk, WorkerReady
 from schemas.manifest import models_root, read_manifest
 from schemas.settings import KafkaConnection, PlatformSettings
 from schemas.topics import TopicNames
@@ -301,7 +301,8 @@ async def test_a_bad_candidate_is_rolled_back_by_the_controller_and_nothing_is_l
         f"SELECT action, phase, actor, evidence FROM deployments FINAL WHERE model = '{GPT}' ORDER BY time"
     )
     assert [(r["action"], r["phase"], r["actor"]) for r in stored] == [
-        ("deploy", "canary", "operator"),
+        ("deploy", "warming", "operator"),
+        ("deploy", "canary", "controller"),  # once the candidate's worker said it was ready
         ("rollback", "rolled_back", "controller"),
     ]
     assert json.loads(stored[-1]["evidence"]) == json.loads(msgspec.json.encode(rollback.evidence))
@@ -353,13 +354,24 @@ async def test_a_good_candidate_is_promoted_step_by_step_across_a_controller_res
         await _wait_edge(platform, "promoted", None)
         after = await _load(session, platform.base_url, [f"later-{i}" for i in range(10)])
 
-    # deploy 20 % -> step 50 % -> promoted 100 %, once each: the restart repeated nothing
-    assert [(d.action, d.step, d.traffic.get(GOOD)) for d in promoted] == [
-        ("deploy", 0, 0.2),
-        ("promote", 1, 0.5),
-        ("promote", 2, 1.0),
+    # warming 0 % -> 20 % once ready -> step 50 % -> promoted 100 %, once each: the restart repeated nothing
+    assert [(d.action, d.phase, d.step, d.traffic.get(GOOD)) for d in promoted] == [
+        ("deploy", "warming", 0, 0.0),
+        ("deploy", "canary", 0, 0.2),
+        ("promote", "canary", 1, 0.5),
+        ("promote", "promoted", 2, 1.0),
     ]
-    assert [d.actor for d in promoted] == ["operator", "controller", "controller"]
+    assert [d.actor for d in promoted] == ["operator", "controller", "controller", "controller"]
+    ready = [e for e in control.all() if isinstance(e, WorkerReady) and e.deployment == promoted[0].id]
+    assert [(e.version, e.worker) for e in ready] == [(GOOD, f"rollout-{GOOD}")]
+    assert promoted[1].reason.endswith(f"{GOOD} is ready (worker rollout-{GOOD})")
+    assert ready[0].time <= promoted[1].time
+    # nothing was routed to the candidate before its first step was on the log
+    early = [
+        r for r in platform.requests.all()
+        if isinstance(r, GenerationRequested) and r.model_version == GOOD and r.time < promoted[1].time
+    ]  # fmt: skip
+    assert early == []
     assert promoted[-1].stable == GOOD
     assert all(o.status == 200 and o.version == GOOD for o in after)
     assert all(o.status == 200 for o in outcomes)

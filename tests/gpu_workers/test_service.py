@@ -7,6 +7,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from gpu_workers.main import make_worker
 from gpu_workers.service import WorkerService
 from gpu_workers.settings import WorkerSettings
 from infra.topics import TopicSizing, apply_topics, make_admin, platform_topics
-from schemas.codec import decode
+from schemas.codec import decode, kafka_key
 from schemas.events import (
     CancelRequested,
     DeadLetter,
@@ -34,6 +35,7 @@ from schemas.events import (
     SamplingParams,
     TokenChunk,
     Usage,
+    WorkerReady,
     utc_now,
 )
 from schemas.ids import uuid7
@@ -614,6 +616,46 @@ async def test_after_a_rollback_the_stable_version_runs_what_was_routed_to_the_c
         await asyncio.sleep(1.0)
         assert len([e for e in results.of(routed.request_id) if isinstance(e, RequestFinished)]) == 1
         assert not results.of(shadow.request_id), "a shadow copy of a retired candidate was run"
+
+
+async def test_a_worker_says_it_is_ready_at_start_and_for_each_rollout_warming_its_version(
+    kafka: KafkaConnection,
+    names: TopicNames,
+    two_versions: tuple[PlatformSettings, str],
+    producer: EventProducer,
+) -> None:
+    """The rollout controller gives a candidate traffic only after one of its workers says it is ready for
+    that very rollout (docs/rollout.md): a worker already running says so again when a rollout of its
+    version starts warming; one started during the rollout says so once it owns request partitions."""
+    platform, stable = two_versions
+    before = _deployment(stable, 0.0, phase="rolled_back")
+    await producer.publish(names.control, before)
+    with contextmanager(_listen)(kafka, names.control) as log:
+
+        def ready(worker: str) -> list[tuple[str, str]]:
+            with log.lock:
+                return [
+                    (e.version, e.deployment)
+                    for e in log.events
+                    if isinstance(e, WorkerReady) and e.worker == worker
+                ]
+
+        with _version_worker(platform, CANDIDATE, "wc") as wc:
+            assert wc.wait_assigned(30)
+            log.wait(lambda: ready("wc") == [(CANDIDATE, before.id)], timeout=30)
+            warming = msgspec.structs.replace(_deployment(stable, 0.0), phase="warming")
+            await producer.publish(names.control, warming)
+            log.wait(lambda: ready("wc") == [(CANDIDATE, before.id), (CANDIDATE, warming.id)], timeout=30)
+            with _version_worker(platform, CANDIDATE, "wc2") as wc2:  # started while the rollout warms
+                assert wc2.wait_assigned(30)
+                log.wait(lambda: ready("wc2") == [(CANDIDATE, warming.id)], timeout=30)
+            with log.lock:
+                keys = {kafka_key(e) for e in log.events if isinstance(e, WorkerReady)}
+            assert keys == {f"ready:demo-gpt:{CANDIDATE}".encode()}  # compacted: one per version
+            # A later deployment that does not warm this version asks nothing of it.
+            await producer.publish(names.control, _deployment(stable, 0.1))
+            await asyncio.sleep(1.0)
+            assert len(ready("wc")) == 2
 
 
 async def test_fault_injection_fails_the_chosen_share_of_requests_with_a_terminal_event(

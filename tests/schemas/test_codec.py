@@ -29,6 +29,7 @@ from schemas.events import (
     DriftReport,
     GenerationRequested,
     TokenChunk,
+    WorkerReady,
 )
 from schemas.examples import example_events
 from schemas.jsonschema import export_json_schemas, schema_file_name
@@ -238,6 +239,7 @@ def test_decode_rejects_headers_that_disagree_with_the_body(
         (DeploymentChanged, b"deployment:demo-gpt"),
         (BurnRateCrossed, b"burn:demo-gpt:ttft-p99"),
         (DriftReport, b"drift:demo-gpt"),
+        (WorkerReady, b"ready:demo-gpt:530b56af490a"),
         (DeadLetter, b"sluice.requests.demo-gpt:2"),
     ],
     ids=lambda value: getattr(value, "__name__", None),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
+import msgspec
 import pytest
 
 from schemas.deployments import BUCKETS, Deployment, bucket, sticky_key
@@ -125,6 +126,19 @@ def test_of_without_candidate_ignores_shadow_and_other_traffic() -> None:
 def test_of_a_candidate_absent_from_traffic_has_share_zero() -> None:
     d = Deployment.of(changed({"v1": 1.0}, stable="v1", candidate="v2", shadow=0.1))
     assert (d.candidate, d.share, d.shadow) == ("v2", 0.0, 0.1)
+
+
+def test_a_warming_candidate_serves_with_no_traffic_and_no_shadow() -> None:
+    event = msgspec.structs.replace(
+        changed({"v1": 0.9, "v2": 0.1}, stable="v1", candidate="v2", shadow=0.5), phase="warming"
+    )
+    d = Deployment.of(event)
+    assert d == Deployment(MODEL, "v1", "v2", 0.0, 0.0, warming=True)
+    assert {d.route(key) for key in KEYS} == {"v1"}
+    assert {d.shadow_to(key) for key in KEYS} == {None}
+    assert d.serving == frozenset({"v1", "v2"})  # its workers start and load
+    assert d.runs("v2", "v2")
+    assert not d.runs("v1", "v2")  # the stable version's workers adopt nothing of the candidate's
 
 
 # --- route --------------------------------------------------------------------------------------------------

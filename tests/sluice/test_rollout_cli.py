@@ -112,7 +112,8 @@ def log(monkeypatch: pytest.MonkeyPatch) -> Log:
     return Log(monkeypatch)
 
 
-def rollout(stable: str = "v1", candidate: str = "v2", *, now: datetime = T0) -> DeploymentChanged:
+def warming(stable: str = "v1", candidate: str = "v2", *, now: datetime = T0) -> DeploymentChanged:
+    """A rollout just started (its candidate's workers loading)."""
     return start_rollout(
         MODEL,
         stable=stable,
@@ -123,6 +124,11 @@ def rollout(stable: str = "v1", candidate: str = "v2", *, now: datetime = T0) ->
         now=now,
         source="sluice/cli",
     )
+
+
+def rollout(stable: str = "v1", candidate: str = "v2", *, now: datetime = T0) -> DeploymentChanged:
+    """A rollout at its first step (a worker of the candidate said it is ready)."""
+    return advance(warming(stable, candidate, now=now), now, "ready", [], "controller")
 
 
 def start(platform: PlatformSettings, version: str, model: str = MODEL) -> DeploymentChanged:
@@ -148,11 +154,11 @@ def test_start_a_first_rollout_from_the_prepared_version(platform: PlatformSetti
     assert (event.model, event.version, event.stable, event.candidate) == (MODEL, "v2", "v1", "v2")
     assert (event.action, event.phase, event.actor, event.source) == (
         "deploy",
-        "canary",
+        "warming",
         "operator",
         "sluice/cli",
     )
-    assert event.traffic == {"v1": 0.95, "v2": 0.05}
+    assert event.traffic == {"v1": 1.0, "v2": 0.0}  # until a worker of v2 is ready
     assert (event.steps, event.step, event.step_started, event.time) == (STEPS, 0, T0, T0)
     assert (event.shadow, event.gates) == (0.1, GATES)
 
@@ -170,13 +176,13 @@ def test_start_uses_the_logged_stable_version(
     log.latest[MODEL] = promoted
     event = start(platform, "v3")
     assert (event.stable, event.candidate) == ("v2", "v3")
-    assert event.traffic == {"v2": 0.95, "v3": 0.05}
+    assert event.traffic == {"v2": 1.0, "v3": 0.0}
 
 
 def test_start_again_after_a_rollback(platform: PlatformSettings, log: Log) -> None:
     log.latest[MODEL] = roll_back(rollout(), T0, "aborted by the operator: x", [], "operator")
     event = start(platform, "v2")
-    assert (event.stable, event.candidate, event.phase) == ("v1", "v2", "canary")
+    assert (event.stable, event.candidate, event.phase) == ("v1", "v2", "warming")
     assert event.rollout_id != log.latest[MODEL].rollout_id
 
 
@@ -195,6 +201,28 @@ def test_start_refuses_a_second_rollout(platform: PlatformSettings, log: Log) ->
     assert "a rollout of demo-gpt v2 is in progress (step 1/4)" in message
     assert "`sluice rollout promote`" in message
     assert "`sluice rollout abort`" in message
+
+
+def test_start_refuses_a_second_rollout_while_the_first_warms_up(
+    platform: PlatformSettings, log: Log
+) -> None:
+    log.latest[MODEL] = warming()
+    with pytest.raises(RolloutError, match=r"a rollout of demo-gpt v2 is in progress \(warming up\)"):
+        start(platform, "v3")
+
+
+def test_promote_gives_a_warming_rollout_its_first_step(platform: PlatformSettings, log: Log) -> None:
+    log.latest[MODEL] = warming()
+    event = plan_promote(platform, MODEL, to_end=False)
+    assert (event.phase, event.step, event.action, event.actor) == ("canary", 0, "deploy", "operator")
+    assert event.traffic == {"v1": 0.95, "v2": 0.05}
+    assert plan_promote(platform, MODEL, to_end=True).phase == "promoted"
+
+
+def test_abort_a_warming_rollout(platform: PlatformSettings, log: Log) -> None:
+    log.latest[MODEL] = warming()
+    event = plan_abort(platform, MODEL, "wrong version")
+    assert (event.phase, event.traffic) == ("rolled_back", {"v1": 1.0, "v2": 0.0})
 
 
 def test_start_refuses_the_prepared_stable_version(platform: PlatformSettings, log: Log) -> None:

@@ -253,15 +253,25 @@ def _canary_then_abort(proc: subprocess.Popen[str], env: dict[str, str], url: st
         seen = set()
         for i in range(n):
             body = {"model": "demo-gpt", "prompt": "The river", "max_tokens": 2}
-            # The candidate's worker may still be loading its model: wait past the edge's default 60 s.
-            headers = {"X-Session-Id": f"{prefix}-{i}", "X-Request-Timeout": "110"}
-            seen.add(_post(f"{url}/completions", body, headers)["system_fingerprint"])
+            seen.add(
+                _post(f"{url}/completions", body, {"X-Session-Id": f"{prefix}-{i}"})["system_fingerprint"]
+            )
         return seen
 
+    # While the candidate's worker loads, the rollout warms up with every session on the stable version;
+    # its first step (the candidate's share) follows the worker's readiness, so no request waits for a
+    # model still loading (before, these requests needed a deadline past the edge's default 60 s).
+    phases = []
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        status = _sluice(env, "rollout", "status", "demo-gpt")
+        assert status.returncode == 0, status.stderr
+        phases.append(next(p for p in ("warming", "canary") if p in status.stdout))
+        if phases[-1] == "canary":
+            break
+        time.sleep(0.5)
+    assert phases[-1] == "canary", "the candidate's worker never said it was ready"
     assert versions("canary", 16) == {stable, CANDIDATE}  # the odds of one version only: 2 in 65536
-    status = _sluice(env, "rollout", "status", "demo-gpt")
-    assert status.returncode == 0, status.stderr
-    assert "canary" in status.stdout
     aborted = _sluice(env, "rollout", "abort", "demo-gpt", "--reason", "test")
     assert aborted.returncode == 0, aborted.stderr
     _wait_for_line(proc, f"worker for demo-gpt version {CANDIDATE} stopping", timeout=30)

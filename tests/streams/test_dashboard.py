@@ -24,7 +24,7 @@ from infra.warehouse.client import Client
 from schemas.events import GateResult, RolloutGates, Status
 from streams.dashboard import Dashboard, plotly_js_path
 from streams.queries import MAX_MINUTES
-from streams.rollout import roll_back, start_rollout
+from streams.rollout import advance, roll_back, start_rollout
 from streams.sink import Batch, deployment_row, insert
 from tests.streams.browser import render
 from tests.streams.test_queries import (
@@ -422,7 +422,8 @@ def served_here(url: str, requests: list[str]) -> list[str]:
 
 
 def a_rollback(client: Client, model: str = "demo-gpt", candidate: str = "v2") -> None:
-    """A canary of ``candidate`` at 10 %, rolled back by the controller on its error ratio."""
+    """A rollout of ``candidate``: warming up, 10 % once its worker was ready, rolled back by the controller
+    on its error ratio."""
     now = datetime.now(UTC).replace(microsecond=0)
     started = start_rollout(
         model,
@@ -443,8 +444,9 @@ def a_rollback(client: Client, model: str = "demo-gpt", candidate: str = "v2") -
         candidate_n=60,
         baseline_n=540,
     )
-    back = roll_back(started, now, "automatic rollback: error_ratio", [gate], "controller")
-    insert(client, Batch(deployments=[deployment_row(e) for e in (started, back)]))
+    ready = advance(started, now - timedelta(minutes=4), "v2 is ready (worker w-1)", [], "controller")
+    back = roll_back(ready, now, "automatic rollback: error_ratio", [gate], "controller")
+    insert(client, Batch(deployments=[deployment_row(e) for e in (started, ready, back)]))
 
 
 async def test_dashboard_renders_in_chromium(warehouse: Client) -> None:
@@ -522,10 +524,12 @@ async def test_dashboard_renders_in_chromium(warehouse: Client) -> None:
     assert header == ["time (UTC)", "model", "action", "phase", "by", "traffic", "step", "gates", "reason"]
     assert [row[1:5] for row in decisions] == [
         ["demo-gpt", "rollback", "rolled_back", "controller"],
-        ["demo-gpt", "deploy", "canary", "operator"],
+        ["demo-gpt", "deploy", "canary", "controller"],
+        ["demo-gpt", "deploy", "warming", "operator"],
     ]
     assert decisions[0][5] == "v1 100.0%v2 0.0%"
     assert decisions[1][5] == "v1 90.0%v2 10.0%"
+    assert decisions[2][5] == "v1 100.0%v2 0.0%"
     assert decisions[0][7] == "error_ratio fail: 0.5 vs 0 (limit 0.05, n=60/540)"
     assert decisions[0][8] == "automatic rollback: error_ratio"
 

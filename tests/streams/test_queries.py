@@ -627,7 +627,8 @@ def test_dashboard_drift_history_is_bounded(warehouse: Client) -> None:
 
 
 def a_rollout(now: datetime) -> list[DeploymentChanged]:
-    """demo-gpt: a canary of v2 at 10 %, a step to 50 %, then an automatic rollback with its evidence."""
+    """demo-gpt: v2 warming up, a canary at 10 % once ready, a step to 50 %, then an automatic rollback
+    with its evidence."""
     started = start_rollout(
         "demo-gpt",
         stable="v1",
@@ -638,7 +639,8 @@ def a_rollout(now: datetime) -> list[DeploymentChanged]:
         now=now - timedelta(minutes=30),
         source="sluice/cli",
     )
-    stepped = advance(started, now - timedelta(minutes=20), "gates passed", [], "controller")
+    ready = advance(started, now - timedelta(minutes=25), "v2 is ready (worker w-1)", [], "controller")
+    stepped = advance(ready, now - timedelta(minutes=20), "gates passed", [], "controller")
     evidence = [
         GateResult(
             gate="error_ratio", state="fail", candidate=0.3, baseline=0.01, limit=0.06, candidate_n=40,
@@ -647,6 +649,7 @@ def a_rollout(now: datetime) -> list[DeploymentChanged]:
     ]  # fmt: skip
     return [
         started,
+        ready,
         stepped,
         roll_back(stepped, now - timedelta(minutes=10), "error_ratio", evidence, "controller"),
     ]
@@ -660,7 +663,7 @@ def insert_deployments(client: Client, events: Iterable[DeploymentChanged]) -> N
 def test_rollout_queries_show_the_latest_deployment_and_the_timeline(warehouse: Client) -> None:
     now = now_ms()
     history = a_rollout(now)
-    insert_deployments(warehouse, [*history, history[1]])  # a redelivery collapses on the event id
+    insert_deployments(warehouse, [*history, history[2]])  # a redelivery collapses on the event id
     (latest,) = rows(warehouse, SAVED["rollouts"].sql)
     assert (latest["model"], latest["phase"], latest["stable"], latest["candidate"]) == (
         "demo-gpt",
@@ -672,7 +675,8 @@ def test_rollout_queries_show_the_latest_deployment_and_the_timeline(warehouse: 
     assert (latest["step"], latest["steps"], latest["actor"]) == (2, 3, "controller")
     timeline = rows(warehouse, SAVED["rollout-timeline"].sql)
     assert [(r["action"], r["phase"], r["actor"]) for r in timeline] == [
-        ("deploy", "canary", "operator"),
+        ("deploy", "warming", "operator"),
+        ("deploy", "canary", "controller"),
         ("promote", "canary", "controller"),
         ("rollback", "rolled_back", "controller"),
     ]

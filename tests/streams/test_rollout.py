@@ -13,6 +13,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from schemas.deployments import Deployment
 from schemas.events import (
     BurnRateCrossed,
     DeploymentChanged,
@@ -21,6 +22,7 @@ from schemas.events import (
     RolloutGates,
     Timings,
     Usage,
+    WorkerReady,
 )
 from streams.pricing import PriceTable
 from streams.rollout import (
@@ -38,6 +40,7 @@ from streams.rollout import (
     start_rollout,
     stats_of,
     stats_sql,
+    warm,
 )
 
 T0 = datetime(2025, 3, 1, 12, tzinfo=UTC)
@@ -99,7 +102,23 @@ def canary(
     now: datetime = T0,
     step: int = 0,
 ) -> DeploymentChanged:
-    started = start_rollout(
+    """A rollout at ``step`` (0: its first canary step, its candidate's worker ready)."""
+    begun = warming(steps=steps, shadow=shadow, gates=gates, now=now - timedelta(milliseconds=1))
+    started = advance(begun, now, "ready", [], "controller")
+    for _ in range(step):
+        started = advance(started, now, "test", [], "operator")
+    return started
+
+
+def warming(
+    *,
+    steps: Sequence[float] = STEPS,
+    shadow: float = 0.1,
+    gates: RolloutGates = GATES,
+    now: datetime = T0,
+) -> DeploymentChanged:
+    """A rollout just started: the candidate's workers loading, no traffic."""
+    return start_rollout(
         MODEL,
         stable="v1",
         candidate="v2",
@@ -109,9 +128,6 @@ def canary(
         now=now,
         source="sluice/cli",
     )
-    for _ in range(step):
-        started = advance(started, now, "test", [], "operator")
-    return started
 
 
 def passing(gates: RolloutGates = GATES) -> list[GateResult]:
@@ -415,23 +431,26 @@ def test_start_rollout() -> None:
     )
     assert (event.tenant, event.model, event.source, event.time) == ("", MODEL, "sluice/cli", T0)
     assert (event.version, event.stable, event.candidate) == ("v2", "v1", "v2")
-    assert (event.action, event.phase, event.actor) == ("deploy", "canary", "operator")
-    assert event.traffic == {"v1": 0.95, "v2": 0.05}
+    assert (event.action, event.phase, event.actor) == ("deploy", "warming", "operator")
+    assert event.traffic == {"v1": 1.0, "v2": 0.0}  # nothing until a worker of v2 is ready
     assert (event.steps, event.step, event.step_started) == (STEPS, 0, T0)
     assert (event.shadow, event.gates) == (0.1, gates)
-    assert event.reason == "rollout started: 5% of traffic, 10% shadowed"
+    assert event.reason == "rollout started: 5% of traffic, 10% shadowed once a worker of v2 is ready"
     assert event.rollout_id
     assert event.evidence == []
+    routing = Deployment.of(event)
+    assert (routing.share, routing.shadow, routing.serving) == (0.0, 0.0, frozenset({"v1", "v2"}))
 
 
 def test_a_shadow_only_start_keeps_every_request_on_stable() -> None:
     event = canary(steps=[0.0, 0.25, 1.0], shadow=0.2)
     assert event.traffic == {"v1": 1.0, "v2": 0.0}
-    assert event.reason == "rollout started: 0% of traffic, 20% shadowed"
+    assert (event.phase, event.shadow) == ("canary", 0.2)
+    assert event.reason == "step 1/3, 0% of traffic: ready"
 
 
 def test_a_start_without_shadow_does_not_mention_it() -> None:
-    assert canary(shadow=0.0).reason == "rollout started: 5% of traffic"
+    assert warming(shadow=0.0).reason == "rollout started: 5% of traffic once a worker of v2 is ready"
 
 
 def test_rollout_ids_differ_between_rollouts() -> None:
@@ -718,6 +737,120 @@ async def test_a_seeded_canary_is_due(harness: Harness) -> None:
     assert decision.step_started == harness.now
     assert controller.deployments[MODEL] is decision
     assert [r.state for r in controller.last_results[MODEL]] == ["pass"] * 6
+
+
+# --- warming up: no traffic before a worker of the candidate is ready --------------------------------------
+
+
+def ready(deployment: DeploymentChanged, version: str = "v2", worker: str = "w-1") -> WorkerReady:
+    return WorkerReady(
+        tenant="",
+        model=deployment.model,
+        source=f"gpu_workers/{worker}",
+        version=version,
+        worker=worker,
+        deployment=deployment.id,
+    )
+
+
+def test_a_ready_worker_takes_a_warming_rollout_to_its_first_step() -> None:
+    begun = warming()
+    now = T0 + timedelta(seconds=40)
+    step = warm(begun, ready(begun), now)
+    assert step is not None
+    assert (step.phase, step.action, step.actor, step.source) == ("canary", "deploy", "controller", SOURCE)
+    assert (step.step, step.step_started, step.time) == (0, now, now)
+    assert step.traffic == {"v1": 0.95, "v2": 0.05}
+    assert (step.shadow, step.rollout_id, step.steps) == (0.1, begun.rollout_id, begun.steps)
+    assert step.reason == "step 1/4, 5% of traffic: v2 is ready (worker w-1)"
+    routing = Deployment.of(step)
+    assert (routing.share, routing.shadow, routing.warming) == (0.05, 0.1, False)
+
+
+def test_a_warming_rollout_waits_for_its_ready_timeout_then_rolls_back() -> None:
+    begun = warming(gates=RolloutGates(ready_timeout_s=120))
+    assert warm(begun, None, T0 + timedelta(seconds=120)) is None
+    back = warm(begun, None, T0 + timedelta(seconds=120.5))
+    assert back is not None
+    assert (back.phase, back.action, back.actor) == ("rolled_back", "rollback", "controller")
+    assert back.traffic == {"v1": 1.0, "v2": 0.0}
+    assert back.reason == "automatic rollback: no worker of v2 was ready within 120s"
+    assert Deployment.of(back).serving == frozenset({"v1"})
+
+
+def test_only_the_candidates_readiness_for_this_deployment_counts() -> None:
+    begun = warming()
+    other = msgspec.structs.replace(begun, id="an-older-deployment")
+    assert warm(begun, ready(begun, version="v1"), T0 + timedelta(seconds=1)) is None
+    assert warm(begun, ready(other), T0 + timedelta(seconds=1)) is None
+
+
+def test_warm_leaves_a_canary_step_alone() -> None:
+    current = canary()
+    assert warm(current, ready(current), T0 + timedelta(hours=1)) is None
+
+
+def test_an_operator_promotes_a_warming_rollout_to_its_first_step_then_on() -> None:
+    step = advance(warming(), T0 + timedelta(seconds=1), "promoted by the operator", [], "operator")
+    assert (step.phase, step.action, step.actor, step.step) == ("canary", "deploy", "operator", 0)
+    assert step.traffic == {"v1": 0.95, "v2": 0.05}
+    nxt = advance(step, T0 + timedelta(seconds=2), "promoted by the operator", [], "operator")
+    assert (nxt.phase, nxt.step, nxt.traffic) == ("canary", 1, {"v1": 0.75, "v2": 0.25})
+
+
+async def test_the_controller_gives_a_candidate_traffic_only_once_a_worker_is_ready(harness: Harness) -> None:
+    controller = harness.controller()
+    begun = warming(now=harness.now)
+    controller.seed([begun])
+    assert await controller.run_due() == []
+    assert harness.warehouse.queries == []  # warming: no gates to compute
+
+    harness.later(1)
+    earlier = msgspec.structs.replace(begun, id="an-older-deployment")
+    controller.observe([ready(earlier), ready(begun, version="v1")])  # another deployment's; the stable's
+    assert await controller.run_due() == []
+
+    harness.later(1)
+    controller.observe([ready(begun)])
+    (step,) = await controller.run_due()
+    assert harness.published == [step]
+    assert (step.phase, step.step, step.traffic) == ("canary", 0, {"v1": 0.95, "v2": 0.05})
+    assert step.step_started == harness.now
+    assert controller.deployments[MODEL] is step
+
+
+async def test_a_ready_announcement_read_before_its_deployment_still_counts(harness: Harness) -> None:
+    controller = harness.controller()
+    begun = warming(now=harness.now)
+    controller.seed([])
+    controller.observe([ready(begun), begun])  # two partitions of the control topic, read out of order
+    (step,) = await controller.run_due()
+    assert step.phase == "canary"
+
+
+async def test_a_restarted_controller_resumes_a_warming_rollout_from_the_log(harness: Harness) -> None:
+    begun = warming(now=harness.now)
+    controller = harness.controller()
+    controller.seed([begun, ready(begun)])  # the control topic, read to its end at start
+    (step,) = await controller.run_due()
+    assert (step.phase, step.traffic) == ("canary", {"v1": 0.95, "v2": 0.05})
+
+
+async def test_the_controller_rolls_back_a_candidate_never_ready(harness: Harness) -> None:
+    controller = harness.controller()
+    begun = warming(now=harness.now, gates=RolloutGates(ready_timeout_s=30))
+    controller.seed([begun])
+    for _ in range(3):  # the timer keeps looking while it waits, with no event to make it due
+        harness.later(10)
+        assert await controller.run_due() == []
+    harness.later(1)
+    (back,) = await controller.run_due()
+    assert (back.phase, back.actor) == ("rolled_back", "controller")
+    assert back.reason == "automatic rollback: no worker of v2 was ready within 30s"
+    harness.later(1)
+    controller.observe([ready(begun)])  # too late: the rollout has ended
+    assert await controller.run_due() == []
+    assert harness.published == [back]
 
 
 async def test_a_seeded_stable_deployment_is_not_due(harness: Harness) -> None:
