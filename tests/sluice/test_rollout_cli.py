@@ -8,6 +8,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from typer.testing import CliRunner
 
 import infra.warehouse
 import sluice.rollout
@@ -368,3 +369,27 @@ def test_live_gates_compute_what_the_controller_computes(
     )
     assert results == expected
     assert [r.state for r in results] == ["pass", "fail", "insufficient_data", "pass", "fail"]
+
+
+# --- sluice rollout status --------------------------------------------------------------------------------
+
+
+def test_status_of_a_warming_rollout_says_what_it_waits_for(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import bus.control
+    from sluice.cli import app
+
+    begun = warming(now=datetime.now(UTC) - timedelta(seconds=42))
+    monkeypatch.setattr(bus.control, "latest_deployments", lambda kafka, topic, client_id: {MODEL: begun})
+    monkeypatch.setattr(
+        infra.warehouse, "query_warehouse", lambda settings, sql: pytest.fail("no gates while warming")
+    )
+    result = CliRunner().invoke(
+        app, ["rollout", "status", MODEL], env={"COLUMNS": "200", "SLUICE_CACHE_DIR": str(tmp_path)}
+    )
+    assert result.exit_code == 0, result.output
+    assert "warming" in result.output
+    waiting = next(line for line in result.output.splitlines() if line.startswith(f"{MODEL}: waiting"))
+    assert waiting.startswith(f"{MODEL}: waiting for a worker of v2 to be ready (4")  # 42 s, give or take
+    assert "s of 600s; no traffic until then, rolled back after)" in waiting
