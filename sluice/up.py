@@ -262,6 +262,10 @@ class Fleet:
         self.decisions: list[WorkersScaled] = []
         """What this fleet decided, in order (also on the control topic)."""
         self._scaled: dict[str, WorkersScaled] = {}
+        self._deployments: dict[str, DeploymentChanged] = {}
+        """model -> its latest deployment, as ``desired`` last read it."""
+        self._told: dict[str, str] = {}
+        """model -> the id of the last deployment this fleet printed."""
         self._stopping: set[asyncio.Task[None]] = set()
         self._serial = itertools.count(1)
         self._lag = GroupLag(settings.kafka)
@@ -279,6 +283,7 @@ class Fleet:
                 deployments[event.model] = event
             elif isinstance(event, WorkersScaled) and event.time >= self._started_at:
                 self._scaled[event.model] = event  # decisions of an earlier run do not carry over
+        self._deployments = deployments
         wanted: dict[tuple[str, str], int] = {}
         stable: dict[str, str] = {}
         for model in self._settings.served_models():
@@ -397,12 +402,25 @@ class Fleet:
             await asyncio.sleep(self._fleet.fleet_scale_interval_s)
             try:
                 wanted, stable = await asyncio.to_thread(self.desired)
+                self.tell_rollouts()
                 if self._fleet.fleet_autoscale:
                     await self.autoscale(stable, publish)
                     wanted.update({(m, v): self.replicas(m, v) for m, v in stable.items()})
                 await self.reconcile(wanted, stable)
             except Exception as exc:  # keep serving what runs; the next round tries again
                 self._console.print(f"[yellow]could not follow the control topic: {exc}[/]")
+
+    def tell_rollouts(self) -> None:
+        """Print a model's deployment when it changed since the last look (every
+        ``SLUICE_FLEET_SCALE_INTERVAL_S``; decisions from before this fleet started are not repeated): the
+        operator watching `sluice up` sees a rollout warm up, step, promote or roll back."""
+        for model, event in sorted(self._deployments.items()):
+            if self._told.get(model) == event.id or event.time < self._started_at:
+                continue
+            self._told[model] = event.id
+            colour = {"rolled_back": "red", "promoted": "green"}.get(event.phase, "cyan")
+            by = f" by the {event.actor}" if event.actor else ""
+            self._console.print(f"[{colour}]rollout {model}: {event.phase}{by}[/]: {event.reason}")
 
     def ports(self) -> list[tuple[str, int]]:
         return [

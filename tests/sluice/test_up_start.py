@@ -1,9 +1,11 @@
-"""``sluice up``'s start-up waits: for its workers' ``/readyz`` before it says "up", and never past a Ctrl-C."""
+"""``sluice up``'s start-up waits (for its workers' ``/readyz`` before it says "up", and never past a Ctrl-C),
+and what its fleet tells the operator."""
 
 from __future__ import annotations
 
 import asyncio
 import io
+from datetime import datetime, timedelta
 
 import pytest
 from aiohttp import web
@@ -11,8 +13,12 @@ from rich.console import Console
 
 from infra.errors import InfraError
 from infra.kafka.broker import free_port
+from schemas.events import DeploymentChanged, RolloutGates
+from schemas.settings import PlatformSettings
 from sluice import up
-from sluice.up import _unless_stopped, _wait_workers
+from sluice.autoscale import FleetSettings
+from sluice.up import Fleet, _unless_stopped, _wait_workers
+from streams.rollout import advance, start_rollout
 
 
 async def test_a_ctrl_c_ends_a_start_up_wait_at_once_and_cancels_it() -> None:
@@ -104,3 +110,30 @@ async def test_a_worker_too_busy_to_answer_one_poll_in_time_is_polled_again(
     assert busy_given[-1] == 200
     assert len(busy_given) >= 2  # the slow first answer was given up on, and a later poll found it ready
     assert out.getvalue() == ""
+
+
+def test_the_fleet_prints_each_rollout_change_once_and_nothing_from_before_it_started() -> None:
+    """`sluice up` shows the operator a rollout warming up, stepping, promoting or rolling back."""
+    screen = io.StringIO()
+    fleet = Fleet(PlatformSettings(), FleetSettings(), Console(file=screen, width=300), base_port=0)
+    started = fleet._started_at
+
+    def rollout(model: str, at: datetime) -> DeploymentChanged:
+        return start_rollout(
+            model, stable="v1", candidate="v2", steps=[0.1, 1.0], shadow=0.0, gates=RolloutGates(),
+            now=at, source="sluice/cli",
+        )  # fmt: skip
+
+    old = rollout("old-model", started - timedelta(minutes=5))
+    warming = rollout("demo-gpt", started + timedelta(seconds=1))
+    fleet._deployments = {"demo-gpt": warming, "old-model": old}
+    fleet.tell_rollouts()
+    fleet.tell_rollouts()  # nothing new
+    fleet._deployments["demo-gpt"] = advance(
+        warming, warming.time, "v2 is ready (worker w-1)", [], "controller"
+    )
+    fleet.tell_rollouts()
+    assert screen.getvalue().splitlines() == [
+        "rollout demo-gpt: warming by the operator: rollout started: 10% of traffic once a worker of v2 is ready",
+        "rollout demo-gpt: canary by the controller: step 1/2, 10% of traffic: v2 is ready (worker w-1)",
+    ]
