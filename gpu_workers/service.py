@@ -517,7 +517,8 @@ class WorkerService(Component):
                 self._announce = True
 
         self._producer.produce(self._names.control, event, on_delivery=delivered)
-        log.info("worker %s (%s): ready, after deployment %s", self.worker_id, self.version, event.deployment)
+        after = f" (deployment {event.deployment})" if event.deployment else " (no deployment yet)"
+        log.info("worker %s (%s): ready%s", self.worker_id, self.version, after)
 
     def _serve(self) -> None:
         try:
