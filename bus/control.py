@@ -33,9 +33,18 @@ def control_start(
         consumer.close()
 
 
-def read_control(kafka: KafkaConnection, topic: str, client_id: str, timeout: float = 30.0) -> list[Event]:
-    """Every decodable event on the control topic up to its current end, in offset order per partition."""
-    tps, ends = control_start(kafka, topic, client_id)
+def read_control(
+    kafka: KafkaConnection,
+    topic: str,
+    client_id: str,
+    timeout: float = 30.0,
+    *,
+    start: tuple[list[TopicPartition], dict[int, int]] | None = None,
+) -> list[Event]:
+    """Every decodable event on the control topic up to its current end (or to the ends of ``start``, a
+    :func:`control_start` taken before: a reader that follows on from those same ends misses nothing), in
+    offset order per partition."""
+    tps, ends = start if start is not None else control_start(kafka, topic, client_id)
     events: list[Event] = []
     consumer = Consumer(consumer_config(kafka, None, client_id))
     try:

@@ -254,6 +254,7 @@ def make_worker(platform: PlatformSettings, worker: WorkerSettings, model_id: st
         version=manifest.version,
         adopt_grace_s=worker.worker_adopt_grace_s,
         standby=worker.worker_standby,
+        ready_max_lag=worker.worker_ready_max_lag,
     )
 
 

@@ -38,7 +38,7 @@ from bus.consumer import (
     record_headers,
     watermarks,
 )
-from bus.control import control_start, latest_deployments
+from bus.control import control_start, deployments_in, read_control
 from bus.errors import BusError
 from bus.producer import EventProducer
 from gpu_workers import GpuWorkerError
@@ -193,6 +193,7 @@ class WorkerService(Component):
         adopt_grace_s: float = 10.0,
         start_timeout_s: float = 120.0,
         standby: bool = False,
+        ready_max_lag: int = 10_000,
     ) -> None:
         """With ``standby``, ``start`` loads the model and follows results, cancels and deployments but
         joins no group: a warm worker that :meth:`join` puts to work at once."""
@@ -200,6 +201,8 @@ class WorkerService(Component):
         self.model_id = model_id
         self.standby = standby
         self._start_timeout_s = start_timeout_s
+        self._ready_max_lag = ready_max_lag
+        """The request lag under which this worker says it is ready (``/readyz``, ``WorkerReady``)."""
         self.version = version
         """The model version this worker runs ("" : any, and no deployment is followed)."""
         self._adopt_grace_s = adopt_grace_s
@@ -406,11 +409,16 @@ class WorkerService(Component):
     def _follow_deployments(self) -> None:
         """The deployment now (read to the control topic's end before serving), then every change."""
         control = self._names.control
-        latest = latest_deployments(self._kafka, control, f"{self.source}-control")
+        # One snapshot of the ends: read to them, then follow from them. Ends taken twice would miss a
+        # deployment published in between (a rollout started as this worker starts: it would never learn
+        # that its version is warming up, nor say it is ready for it).
+        tps, ends = control_start(self._kafka, control, f"{self.source}-control")
+        latest = deployments_in(
+            read_control(self._kafka, control, f"{self.source}-control", start=(tps, ends))
+        )
         if self.model_id in latest:
             self._deployment = Deployment.of(latest[self.model_id])
             self._deployment_id = latest[self.model_id].id
-        tps, ends = control_start(self._kafka, control, f"{self.source}-control")
         if not tps:
             return
         self._control = ConsumerThread(
@@ -498,6 +506,12 @@ class WorkerService(Component):
 
     # ---------------------------------------------------------------- the model thread
 
+    def _serves(self) -> bool:
+        """Owns request partitions and has caught up with them (the lag ``/readyz`` accepts): what it is
+        routed from now on runs at once, not behind a backlog."""
+        lag = self._requests.max_lag()
+        return bool(self._requests.assignment()) and (lag or 0) <= self._ready_max_lag
+
     def _say_ready(self) -> None:
         """``WorkerReady`` for the latest deployment this worker read, on the control topic. An
         announcement Kafka did not take is made again."""
@@ -538,7 +552,7 @@ class WorkerService(Component):
                 runner.tick(emit)
                 self._observer.tick(runner.load(), time.perf_counter() - began)
                 self._commit()
-                if self._announce and not self._draining.is_set() and self._requests.wait_assigned(0):
+                if self._announce and not self._draining.is_set() and self._serves():
                     self._say_ready()
         except BaseException as exc:
             log.exception("model thread for %s failed", self.model_id)

@@ -402,7 +402,7 @@ def _rollback_rule() -> dict[str, Any]:
             "description": (
                 "The rollout controller rolled back a candidate of model {{ $labels.model }} in the last "
                 f"{ROLLBACK_LOOKBACK}: a gate failed (error ratio, TTFT or ITL p99, cost, drift or fast "
-                "burn). All traffic is on the stable version again. `sluice rollout status "
+                "burn), or no worker of the candidate became ready in time. All traffic is on the stable version again. `sluice rollout status "
                 "{{ $labels.model }}` shows the decision and its evidence; the audit chain "
                 "admin:deployment:{{ $labels.model }} has it too."
             ),

@@ -17,6 +17,7 @@ import pytest
 from confluent_kafka import Consumer, Message, Producer, TopicPartition
 
 from bus.consumer import ConsumerThread, consumer_config, watermarks
+from bus.control import read_control
 from bus.producer import EventProducer
 from gpu_workers.main import make_worker
 from gpu_workers.service import WorkerService
@@ -618,6 +619,14 @@ async def test_after_a_rollback_the_stable_version_runs_what_was_routed_to_the_c
         assert not results.of(shadow.request_id), "a shadow copy of a retired candidate was run"
 
 
+def _readiness(log: Log, worker: str) -> list[tuple[str, str]]:
+    """(version, deployment) of each ``WorkerReady`` of ``worker`` on the log, in order."""
+    with log.lock:
+        return [
+            (e.version, e.deployment) for e in log.events if isinstance(e, WorkerReady) and e.worker == worker
+        ]
+
+
 async def test_a_worker_says_it_is_ready_at_start_and_for_each_rollout_warming_its_version(
     kafka: KafkaConnection,
     names: TopicNames,
@@ -633,12 +642,7 @@ async def test_a_worker_says_it_is_ready_at_start_and_for_each_rollout_warming_i
     with contextmanager(_listen)(kafka, names.control) as log:
 
         def ready(worker: str) -> list[tuple[str, str]]:
-            with log.lock:
-                return [
-                    (e.version, e.deployment)
-                    for e in log.events
-                    if isinstance(e, WorkerReady) and e.worker == worker
-                ]
+            return _readiness(log, worker)
 
         with _version_worker(platform, CANDIDATE, "wc") as wc:
             assert wc.wait_assigned(30)
@@ -656,6 +660,35 @@ async def test_a_worker_says_it_is_ready_at_start_and_for_each_rollout_warming_i
             await producer.publish(names.control, _deployment(stable, 0.1))
             await asyncio.sleep(1.0)
             assert len(ready("wc")) == 2
+
+
+async def test_a_rollout_started_while_a_worker_reads_the_control_topic_is_not_missed(
+    kafka: KafkaConnection,
+    names: TopicNames,
+    two_versions: tuple[PlatformSettings, str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The worker reads the control topic to its end, then follows it from that very end: a rollout
+    published in between (as the candidate's worker starts with the rollout) still reaches it. With two
+    snapshots of the ends it was skipped, and the worker never said it was ready for the rollout."""
+    import gpu_workers.service as service
+
+    platform, stable = two_versions
+    warming = msgspec.structs.replace(_deployment(stable, 0.0), phase="warming")
+
+    def read_then_a_rollout_starts(*args: Any, **kwargs: Any) -> list[Event]:
+        events = read_control(*args, **kwargs)
+        with EventProducer(kafka, "test-cli") as cli:  # durable when it stops
+            cli.produce(names.control, warming)
+        return events
+
+    monkeypatch.setattr(service, "read_control", read_then_a_rollout_starts)
+    with (
+        contextmanager(_listen)(kafka, names.control) as log,
+        _version_worker(platform, CANDIDATE, "wl") as worker,
+    ):
+        assert worker.wait_assigned(30)
+        log.wait(lambda: (CANDIDATE, warming.id) in _readiness(log, "wl"), timeout=30)
 
 
 async def test_fault_injection_fails_the_chosen_share_of_requests_with_a_terminal_event(
