@@ -262,10 +262,10 @@ class Fleet:
         self.decisions: list[WorkersScaled] = []
         """What this fleet decided, in order (also on the control topic)."""
         self._scaled: dict[str, WorkersScaled] = {}
-        self._deployments: dict[str, DeploymentChanged] = {}
-        """model -> its latest deployment, as ``desired`` last read it."""
-        self._told: dict[str, str] = {}
-        """model -> the id of the last deployment this fleet printed."""
+        self.changes: list[DeploymentChanged] = []
+        """Every deployment change ``desired`` last read, in log order."""
+        self._told: set[str] = set()
+        """Ids of the deployment changes this fleet printed."""
         self._stopping: set[asyncio.Task[None]] = set()
         self._serial = itertools.count(1)
         self._lag = GroupLag(settings.kafka)
@@ -278,12 +278,14 @@ class Fleet:
         from schemas.manifest import current_model_dir, read_manifest
 
         deployments: dict[str, DeploymentChanged] = {}
+        changes: list[DeploymentChanged] = []
         for event in read_control(self._settings.kafka, self._names.control, "sluice-up"):
             if isinstance(event, DeploymentChanged):
                 deployments[event.model] = event
+                changes.append(event)
             elif isinstance(event, WorkersScaled) and event.time >= self._started_at:
                 self._scaled[event.model] = event  # decisions of an earlier run do not carry over
-        self._deployments = deployments
+        self.changes = changes
         wanted: dict[tuple[str, str], int] = {}
         stable: dict[str, str] = {}
         for model in self._settings.served_models():
@@ -411,16 +413,16 @@ class Fleet:
                 self._console.print(f"[yellow]could not follow the control topic: {exc}[/]")
 
     def tell_rollouts(self) -> None:
-        """Print a model's deployment when it changed since the last look (every
-        ``SLUICE_FLEET_SCALE_INTERVAL_S``; decisions from before this fleet started are not repeated): the
-        operator watching `sluice up` sees a rollout warm up, step, promote or roll back."""
-        for model, event in sorted(self._deployments.items()):
-            if self._told.get(model) == event.id or event.time < self._started_at:
+        """Print each deployment change made since this fleet started, once, in log order (read every
+        ``SLUICE_FLEET_SCALE_INTERVAL_S``): the operator watching `sluice up` sees a rollout warm up, step,
+        promote or roll back."""
+        for event in self.changes:
+            if event.id in self._told or event.time < self._started_at:
                 continue
-            self._told[model] = event.id
+            self._told.add(event.id)
             colour = {"rolled_back": "red", "promoted": "green"}.get(event.phase, "cyan")
             by = f" by the {event.actor}" if event.actor else ""
-            self._console.print(f"[{colour}]rollout {model}: {event.phase}{by}[/]: {event.reason}")
+            self._console.print(f"[{colour}]rollout {event.model}: {event.phase}{by}[/]: {event.reason}")
 
     def ports(self) -> list[tuple[str, int]]:
         return [

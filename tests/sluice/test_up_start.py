@@ -18,7 +18,7 @@ from schemas.settings import PlatformSettings
 from sluice import up
 from sluice.autoscale import FleetSettings
 from sluice.up import Fleet, _unless_stopped, _wait_workers
-from streams.rollout import advance, start_rollout
+from streams.rollout import advance, roll_back, start_rollout
 
 
 async def test_a_ctrl_c_ends_a_start_up_wait_at_once_and_cancels_it() -> None:
@@ -126,14 +126,15 @@ def test_the_fleet_prints_each_rollout_change_once_and_nothing_from_before_it_st
 
     old = rollout("old-model", started - timedelta(minutes=5))
     warming = rollout("demo-gpt", started + timedelta(seconds=1))
-    fleet._deployments = {"demo-gpt": warming, "old-model": old}
+    fleet.changes = [old, warming]  # the control topic as one look read it
     fleet.tell_rollouts()
     fleet.tell_rollouts()  # nothing new
-    fleet._deployments["demo-gpt"] = advance(
-        warming, warming.time, "v2 is ready (worker w-1)", [], "controller"
-    )
+    ready = advance(warming, warming.time, "v2 is ready (worker w-1)", [], "controller")
+    back = roll_back(ready, ready.time, "aborted by the operator: x", [], "operator")
+    fleet.changes = [old, warming, ready, back]  # two decisions between two looks: both are told
     fleet.tell_rollouts()
     assert screen.getvalue().splitlines() == [
         "rollout demo-gpt: warming by the operator: rollout started: 10% of traffic once a worker of v2 is ready",
         "rollout demo-gpt: canary by the controller: step 1/2, 10% of traffic: v2 is ready (worker w-1)",
+        "rollout demo-gpt: rolled_back by the operator: aborted by the operator: x",
     ]
