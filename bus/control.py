@@ -58,9 +58,16 @@ def read_control(
     return events
 
 
-def latest_deployments(kafka: KafkaConnection, topic: str, client_id: str) -> dict[str, DeploymentChanged]:
-    """model -> its latest ``DeploymentChanged`` (models never deployed through a rollout are absent)."""
-    return deployments_in(read_control(kafka, topic, client_id))
+def latest_deployments(
+    kafka: KafkaConnection,
+    topic: str,
+    client_id: str,
+    *,
+    start: tuple[list[TopicPartition], dict[int, int]] | None = None,
+) -> dict[str, DeploymentChanged]:
+    """model -> its latest ``DeploymentChanged`` (models never deployed through a rollout are absent), up
+    to the ends of ``start`` when given (see :func:`read_control`)."""
+    return deployments_in(read_control(kafka, topic, client_id, start=start))
 
 
 def deployments_in(events: Iterable[Event]) -> dict[str, DeploymentChanged]:

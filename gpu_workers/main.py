@@ -299,7 +299,7 @@ def run_worker(
     ops = OpsServer(
         worker.worker_ops_host,
         worker.worker_ops_port,
-        lambda: service.readiness(worker.worker_ready_max_lag),
+        service.readiness,
         service=f"worker/{service.worker_id}",
         token=platform.ops_token,
     )

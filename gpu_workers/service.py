@@ -38,7 +38,7 @@ from bus.consumer import (
     record_headers,
     watermarks,
 )
-from bus.control import control_start, deployments_in, read_control
+from bus.control import control_start, latest_deployments
 from bus.errors import BusError
 from bus.producer import EventProducer
 from gpu_workers import GpuWorkerError
@@ -322,8 +322,10 @@ class WorkerService(Component):
         """The request partitions this worker owns now."""
         return self._requests.assignment()
 
-    def readiness(self, max_lag: int) -> Readiness:
-        """Model loaded and serving, consuming its request topic, lag under ``max_lag`` (``/readyz``)."""
+    def readiness(self, max_lag: int | None = None) -> Readiness:
+        """Model loaded and serving, consuming its request topic, lag under ``max_lag`` (``/readyz``; by
+        default the worker's ``ready_max_lag``)."""
+        max_lag = self._ready_max_lag if max_lag is None else max_lag
         lag = self._requests.max_lag() or 0
         return Readiness.of(
             model_loaded=self._ready.is_set() and self.failure is None,
@@ -413,9 +415,7 @@ class WorkerService(Component):
         # deployment published in between (a rollout started as this worker starts: it would never learn
         # that its version is warming up, nor say it is ready for it).
         tps, ends = control_start(self._kafka, control, f"{self.source}-control")
-        latest = deployments_in(
-            read_control(self._kafka, control, f"{self.source}-control", start=(tps, ends))
-        )
+        latest = latest_deployments(self._kafka, control, f"{self.source}-control", start=(tps, ends))
         if self.model_id in latest:
             self._deployment = Deployment.of(latest[self.model_id])
             self._deployment_id = latest[self.model_id].id
@@ -507,10 +507,9 @@ class WorkerService(Component):
     # ---------------------------------------------------------------- the model thread
 
     def _serves(self) -> bool:
-        """Owns request partitions and has caught up with them (the lag ``/readyz`` accepts): what it is
-        routed from now on runs at once, not behind a backlog."""
-        lag = self._requests.max_lag()
-        return bool(self._requests.assignment()) and (lag or 0) <= self._ready_max_lag
+        """Ready as ``/readyz`` says, and owning request partitions (``/readyz`` also passes a worker the
+        group gave none): what it is routed from now on runs at once, not behind a backlog."""
+        return bool(self._requests.assignment()) and self.readiness().ready
 
     def _say_ready(self) -> None:
         """``WorkerReady`` for the latest deployment this worker read, on the control topic. An

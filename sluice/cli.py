@@ -1228,7 +1228,7 @@ def rollout_status(
     from infra.warehouse import WarehouseError
     from schemas.events import RolloutGates, utc_now
     from schemas.topics import TopicNames
-    from sluice.rollout import CLIENT_ID, live_gates
+    from sluice.rollout import CLIENT_ID, PHASE_COLOURS, live_gates
 
     platform = settings()
     try:
@@ -1244,9 +1244,7 @@ def rollout_status(
     for d in shown:
         traffic = ", ".join(f"{v} {s:.0%}" for v, s in d.traffic.items())
         step = f"{d.step + 1}/{len(d.steps)}" if d.steps else ""
-        colour = {"rolled_back": "red", "warming": "cyan", "canary": "yellow", "promoted": "green"}.get(
-            d.phase, ""
-        )
+        colour = PHASE_COLOURS.get(d.phase, "")
         table.add_row(
             d.model,
             d.phase,

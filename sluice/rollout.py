@@ -31,6 +31,8 @@ from streams.rollout import (
 )
 
 CLIENT_ID = "sluice-cli-rollout"
+PHASE_COLOURS = {"rolled_back": "red", "warming": "cyan", "canary": "yellow", "promoted": "green"}
+"""How the CLI and ``sluice up`` colour a deployment's phase."""
 
 
 class RolloutError(ValueError):

@@ -273,19 +273,18 @@ class Fleet:
     def desired(self) -> tuple[dict[tuple[str, str], int], dict[str, str]]:
         """(model, version) -> workers wanted now, and each model's stable version (blocking: reads Kafka
         and the cache)."""
-        from bus.control import read_control
+        from bus.control import deployments_in, read_control
         from schemas.deployments import Deployment
         from schemas.manifest import current_model_dir, read_manifest
 
-        deployments: dict[str, DeploymentChanged] = {}
         changes: list[DeploymentChanged] = []
         for event in read_control(self._settings.kafka, self._names.control, "sluice-up"):
             if isinstance(event, DeploymentChanged):
-                deployments[event.model] = event
                 changes.append(event)
             elif isinstance(event, WorkersScaled) and event.time >= self._started_at:
                 self._scaled[event.model] = event  # decisions of an earlier run do not carry over
         self.changes = changes
+        deployments = deployments_in(changes)
         wanted: dict[tuple[str, str], int] = {}
         stable: dict[str, str] = {}
         for model in self._settings.served_models():
@@ -416,11 +415,13 @@ class Fleet:
         """Print each deployment change made since this fleet started, once, in log order (read every
         ``SLUICE_FLEET_SCALE_INTERVAL_S``): the operator watching `sluice up` sees a rollout warm up, step,
         promote or roll back."""
+        from sluice.rollout import PHASE_COLOURS
+
         for event in self.changes:
             if event.id in self._told or event.time < self._started_at:
                 continue
             self._told.add(event.id)
-            colour = {"rolled_back": "red", "promoted": "green"}.get(event.phase, "cyan")
+            colour = PHASE_COLOURS.get(event.phase, "cyan")
             by = f" by the {event.actor}" if event.actor else ""
             self._console.print(f"[{colour}]rollout {event.model}: {event.phase}{by}[/]: {event.reason}")
 

@@ -671,7 +671,7 @@ async def test_a_rollout_started_while_a_worker_reads_the_control_topic_is_not_m
     """The worker reads the control topic to its end, then follows it from that very end: a rollout
     published in between (as the candidate's worker starts with the rollout) still reaches it. With two
     snapshots of the ends it was skipped, and the worker never said it was ready for the rollout."""
-    import gpu_workers.service as service
+    import bus.control
 
     platform, stable = two_versions
     warming = msgspec.structs.replace(_deployment(stable, 0.0), phase="warming")
@@ -682,7 +682,7 @@ async def test_a_rollout_started_while_a_worker_reads_the_control_topic_is_not_m
             cli.produce(names.control, warming)
         return events
 
-    monkeypatch.setattr(service, "read_control", read_then_a_rollout_starts)
+    monkeypatch.setattr(bus.control, "read_control", read_then_a_rollout_starts)
     with (
         contextmanager(_listen)(kafka, names.control) as log,
         _version_worker(platform, CANDIDATE, "wl") as worker,
