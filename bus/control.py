@@ -44,13 +44,27 @@ def read_control(
     """Every decodable event on the control topic up to its current end (or to the ends of ``start``, a
     :func:`control_start` taken before: a reader that follows on from those same ends misses nothing), in
     offset order per partition."""
+    return [event for event, _ in read_placed(kafka, topic, client_id, timeout, start=start)]
+
+
+def read_placed(
+    kafka: KafkaConnection,
+    topic: str,
+    client_id: str,
+    timeout: float = 30.0,
+    *,
+    start: tuple[list[TopicPartition], dict[int, int]] | None = None,
+) -> list[tuple[Event, tuple[int, int]]]:
+    """:func:`read_control`, each event with its (partition, offset): its place in the log."""
     tps, ends = start if start is not None else control_start(kafka, topic, client_id)
-    events: list[Event] = []
+    events: list[tuple[Event, tuple[int, int]]] = []
     consumer = Consumer(consumer_config(kafka, None, client_id))
     try:
         for message in read_to_end(consumer, tps, ends, timeout):
             try:
-                events.append(decode(message.value() or b""))
+                events.append(
+                    (decode(message.value() or b""), (message.partition() or 0, message.offset() or 0))
+                )
             except DecodeError:
                 continue  # a tombstone or junk: not state
     finally:

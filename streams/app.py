@@ -49,7 +49,7 @@ from confluent_kafka import Message
 from opentelemetry.trace import Span, SpanKind
 
 from bus.consumer import ConsumerThread, consumer_config, dead_letter
-from bus.control import read_control
+from bus.control import read_placed
 from bus.errors import BusError
 from bus.producer import DeliveryCallback, EventProducer
 from monitoring import metrics, tracing
@@ -213,8 +213,10 @@ class StreamsApp(AsyncComponent):
 
     async def _start(self) -> None:
         await self.anchor()
-        control = await asyncio.to_thread(read_control, self._kafka, self.names.control, f"{SOURCE}-start")
-        self.rollout.seed(control)  # resume every rollout where the log says it is
+        placed = await asyncio.to_thread(read_placed, self._kafka, self.names.control, f"{SOURCE}-start")
+        control = [event for event, _ in placed]
+        places = {event.id: at for event, at in placed}
+        self.rollout.seed(control, places)  # resume where the log says
         if self._controller is not None:
             # The budget states last announced, from the log itself: the warehouse may not hold the last
             # one yet (a process stopped right after announcing it), and a state the controller does not
@@ -347,7 +349,8 @@ class StreamsApp(AsyncComponent):
             )
         if self._on_batch is not None:
             self._on_batch(batch)
-        self.rollout.observe(event for _, event in batch.events)
+        places = {e.id: (r.partition, r.offset) for r, e in batch.events if r.topic == self.names.control}
+        self.rollout.observe((event for _, event in batch.events), places)
         await self._rollout()
         return batch
 
@@ -426,9 +429,9 @@ class StreamsApp(AsyncComponent):
         await asyncio.get_running_loop().run_in_executor(self._executor, insert, self._writer, batch)
         metrics.STREAMS_EVENTS.labels(self.names.drift, "drift_report").inc()
 
-    async def _publish_deployment(self, event: DeploymentChanged) -> None:
-        """A rollout decision, durable on the control topic (the sink then stores and chains it)."""
-        await self._producer.publish(self.names.control, event)
+    async def _publish_deployment(self, event: DeploymentChanged) -> tuple[int, int]:
+        """A rollout decision, durable on the control topic (the sink then stores and chains it); where."""
+        return await self._producer.publish(self.names.control, event)
 
     async def _rollout(self) -> None:
         try:

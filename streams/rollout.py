@@ -20,7 +20,15 @@ All gates passing, for at least ``step_min_s``, moves to the next step; passing 
 
 The controller keeps no state of its own beyond the latest deployment per model, which it reads from the
 control topic at start and follows through the sink: a restarted controller resumes exactly where the
-log says the rollout is, and recomputes the gates from the warehouse.
+log says the rollout is, and recomputes the gates from the warehouse. Like the edges and workers, it
+follows the log's order (each deployment's place on the control topic), not the deciders' clocks.
+
+An operator's decision outranks the controller's. Both are derived from the latest deployment the decider
+has read, so the two can race: the operator aborts, and before the sink has brought the abort here the
+controller publishes the next step it derived from the deployment before the abort. The log's last word
+would then silently undo the operator's. The controller notices (an operator's deployment placed between
+the one its decision came from and its decision) and publishes the operator's decision again, so the
+log ends with it; workers and edges follow the step for the moment that takes.
 """
 
 from __future__ import annotations
@@ -29,9 +37,10 @@ import asyncio
 import logging
 import math
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from types import MappingProxyType
 from typing import Any, TypedDict
 
 import msgspec
@@ -445,7 +454,25 @@ def _describe(result: GateResult) -> str:
 
 
 Reader = Callable[[str], Awaitable[list[dict[str, Any]]]]
-Publisher = Callable[[DeploymentChanged], Awaitable[None]]
+Position = tuple[int, int]
+"""A record's place on the control topic: (partition, offset)."""
+Publisher = Callable[[DeploymentChanged], Awaitable[Position]]
+Places = Mapping[str, Position]
+"""Event id -> where it is on the control topic (an event not in it: taken as after everything known)."""
+NOWHERE: Places = MappingProxyType({})
+
+
+def reapply(decision: DeploymentChanged, over: DeploymentChanged, now: datetime) -> DeploymentChanged:
+    """``decision`` (an operator's) published again after ``over`` (the controller's decision that landed
+    after it on the log, derived from the deployment before it), so the log ends with the operator's."""
+    return msgspec.structs.replace(
+        decision,
+        **_decision(decision, after(over, now), decision.evidence, "controller"),
+        reason=(
+            f"the {decision.actor}'s {decision.action} again: the controller's {over.action} was derived "
+            f"from the deployment before it ({decision.reason})"
+        ),
+    )
 
 
 class RolloutController:
@@ -469,6 +496,13 @@ class RolloutController:
         self._monotonic = monotonic or time.monotonic
         self.deployments: dict[str, DeploymentChanged] = {}
         """model -> its latest deployment (the log's, or this controller's own decision)."""
+        self._places: dict[str, Position | None] = {}
+        """model -> where its latest deployment is on the control topic (None: not known)."""
+        self._mine: dict[str, tuple[DeploymentChanged, Position | None, Position]] = {}
+        """model -> this controller's last decision, where the deployment it came from was, where it is."""
+        self._outranked: dict[str, DeploymentChanged] = {}
+        """model -> an operator's decision that a decision of this controller landed after (published
+        again at the next evaluation)."""
         self._burning: dict[str, BurnRateCrossed] = {}
         self._ready: OrderedDict[tuple[str, str], WorkerReady] = OrderedDict()
         """(deployment id, version) -> a worker's announcement that it is ready (at most
@@ -481,13 +515,13 @@ class RolloutController:
         self.last_results: dict[str, list[GateResult]] = {}
         """model -> the gates of its last evaluation (for metrics and debugging)."""
 
-    def seed(self, control: Iterable[Event]) -> None:
-        """The control topic's events, read to its end at start: the latest deployments, and the workers'
-        readiness announcements (a rollout that was warming resumes there)."""
+    def seed(self, control: Iterable[Event], places: Places = NOWHERE) -> None:
+        """The control topic's events, read to its end at start (``places``: where each is): the latest
+        deployments, and the workers' readiness announcements (a rollout that was warming resumes there)."""
         events = list(control)
         latest = {e.model: e for e in events if isinstance(e, DeploymentChanged)}
         for deployment in latest.values():
-            self._follow(deployment)
+            self._follow(deployment, places.get(deployment.id))
         for event in events:
             if isinstance(event, WorkerReady):
                 self._remember_ready(event)
@@ -501,24 +535,51 @@ class RolloutController:
             while len(self._ready) > READY_REMEMBERED:
                 self._ready.popitem(last=False)
 
-    def _follow(self, event: DeploymentChanged) -> None:
-        known = self.deployments.get(event.model)
-        if known is not None and (event.time, event.id) < (known.time, known.id):
-            return  # an older decision (redelivered): the state is already past it
+    def _follow(self, event: DeploymentChanged, at: Position | None) -> None:
+        """``event`` is the model's latest deployment unless the log has it before the one known."""
+        known, known_at = self.deployments.get(event.model), self._places.get(event.model)
+        self._check_outranked(event, at)
+        if at is not None and known_at is not None and at <= known_at:
+            return  # earlier in the log (redelivered, or raced by a later decision): the state is past it
         if known is None or known.id != event.id:
             metrics.ROLLOUT_DECISIONS.labels(event.model, event.action, event.actor or "operator").inc()
         self.deployments[event.model] = event
+        self._places[event.model] = at
         if event.phase != "canary":
             self._burning.pop(event.model, None)
         versions = set(event.traffic) | ({known.stable, *known.traffic} if known is not None else set())
         for version in versions:
             metrics.ROLLOUT_TRAFFIC_SHARE.labels(event.model, version).set(event.traffic.get(version, 0.0))
 
-    def observe(self, events: Iterable[Event]) -> None:
-        """A sink batch's events: deployments are followed; outcomes and burns make their model due."""
+    def _check_outranked(self, event: DeploymentChanged, at: Position | None) -> None:
+        """Whether ``event`` is an operator's decision that this controller's last one landed after
+        (derived from the deployment before it): it is published again at the next evaluation."""
+        model = event.model
+        mine = self._mine.get(model)
+        if mine is None or event.id == mine[0].id:
+            return
+        decision, source, placed = mine
+        if at is None or at > placed:
+            self._outranked.pop(model, None)  # a later deployment than the controller's: it stands
+            del self._mine[model]
+        elif event.actor == "operator" and (source is None or at > source):
+            self._outranked[model] = event
+            self._due.add(model)
+            log.warning(
+                "rollout %s: the operator's %s (%s) came before the controller's %s on the log; "
+                "publishing the operator's again",
+                model,
+                event.action,
+                event.id,
+                decision.action,
+            )
+
+    def observe(self, events: Iterable[Event], places: Places = NOWHERE) -> None:
+        """A sink batch's events (``places``: where each is on the control topic): deployments are
+        followed; outcomes and burns make their model due."""
         for event in events:
             if isinstance(event, DeploymentChanged):
-                self._follow(event)
+                self._follow(event, places.get(event.id))
                 self._due.add(event.model)
             elif isinstance(event, RequestFinished) and self._canary(event.model):
                 self._due.add(event.model)
@@ -544,12 +605,12 @@ class RolloutController:
             return await self._run_due()
 
     async def _run_due(self) -> list[DeploymentChanged]:
+        decisions = await self._reapply()  # at once: it reads nothing, and the log is wrong until then
         now_mono = self._monotonic()
         if not self._due or now_mono - self._last_run < self._interval_s:
-            return []
+            return decisions
         self._last_run = now_mono
         due, self._due = self._due, set()
-        decisions: list[DeploymentChanged] = []
         for model in sorted(due):
             current = self.deployments.get(model)
             if current is None or not in_progress(current):
@@ -581,15 +642,35 @@ class RolloutController:
                 decisions.append(decision)
         return decisions
 
+    async def _reapply(self) -> list[DeploymentChanged]:
+        """Publish again each operator's decision that one of this controller's landed after."""
+        decisions: list[DeploymentChanged] = []
+        for model, outranked in list(self._outranked.items()):
+            del self._outranked[model]
+            current = self.deployments.get(model)
+            if current is None:
+                continue
+            again = reapply(outranked, current, self._clock())
+            if await self._act(model, again):
+                decisions.append(again)
+            elif model not in self._outranked:
+                self._outranked[model] = outranked  # the publish failed: the next run tries again
+        return decisions
+
     async def _act(self, model: str, decision: DeploymentChanged) -> bool:
         """Publish ``decision`` (durable before the state moves); False when that failed (due again)."""
+        before, source = self.deployments.get(model), self._places.get(model)
         try:
-            await self._publish(decision)
+            placed = await self._publish(decision)
         except Exception:
             log.exception("rollout: publishing the decision for %s failed; trying again", model)
             self._due.add(model)
             return False
-        self._follow(decision)
+        self._mine[model] = (decision, source, placed)
+        latest = self.deployments.get(model)
+        if latest is not None and latest is not before:
+            self._check_outranked(latest, self._places.get(model))  # followed while this was published
+        self._follow(decision, placed)
         log.warning("rollout %s: %s", model, decision.reason)
         return True
 

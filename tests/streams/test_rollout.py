@@ -677,8 +677,13 @@ class Harness:
     now: datetime = T0 + timedelta(minutes=5)
     mono: float = 100.0
 
-    async def publish(self, event: DeploymentChanged) -> None:
+    end: int = 100
+    """The control topic's next offset: what this harness publishes is placed there."""
+
+    async def publish(self, event: DeploymentChanged) -> tuple[int, int]:
         self.published.append(event)
+        self.end += 1
+        return (0, self.end - 1)
 
     def controller(self, interval_s: float = 1.0, *, held: asyncio.Event | None = None) -> RolloutController:
         """``held``: every warehouse read waits until the event is set (an evaluation in progress)."""
@@ -1145,14 +1150,24 @@ async def test_a_newer_deployment_replaces_the_state(harness: Harness) -> None:
 async def test_an_older_deployment_does_not_replace_the_state(harness: Harness) -> None:
     current = canary()
     controller = harness.controller()
-    controller.seed([current])
-    stale = msgspec.structs.replace(
-        roll_back(current, T0, "old news", [], "operator"), time=T0 - timedelta(seconds=1)
-    )
-    controller.observe([stale])
+    controller.seed([current], {current.id: (0, 7)})
+    stale = roll_back(current, T0 + timedelta(hours=1), "old news, a clock ahead", [], "operator")
+    controller.observe([stale], {stale.id: (0, 6)})  # before it in the log: its clock does not matter
     assert controller.deployments[MODEL] is current
     (decision,) = await controller.run_due()
     assert decision.action == "promote"
+
+
+async def test_the_log_order_wins_over_the_clocks(harness: Harness) -> None:
+    current = canary()
+    controller = harness.controller()
+    controller.seed([current], {current.id: (0, 7)})
+    aborted = msgspec.structs.replace(
+        roll_back(current, T0, "aborted by the operator: test", [], "operator"), time=T0 - timedelta(hours=1)
+    )
+    controller.observe([aborted], {aborted.id: (0, 8)})  # after it in the log, from a clock behind
+    assert controller.deployments[MODEL] is aborted
+    assert await controller.run_due() == []
 
 
 async def test_a_new_canary_observed_later_becomes_due(harness: Harness) -> None:
@@ -1202,11 +1217,11 @@ async def test_a_failed_publish_is_tried_again(harness: Harness) -> None:
     bad_candidate(harness.warehouse)
     attempts: list[DeploymentChanged] = []
 
-    async def flaky_publish(event: DeploymentChanged) -> None:
+    async def flaky_publish(event: DeploymentChanged) -> tuple[int, int]:
         attempts.append(event)
         if len(attempts) == 1:
             raise ConnectionError("broker unreachable")
-        harness.published.append(event)
+        return await harness.publish(event)
 
     controller = RolloutController(
         harness.warehouse.read,
@@ -1238,3 +1253,85 @@ async def test_the_controller_follows_its_own_decision_when_its_clock_is_behind(
     controller.observe([finished(version="v1")])
     assert await controller.run_due() == []
     assert harness.published == [decision]
+
+
+# --- an operator's decision and the controller's, derived from the same deployment ------------------------
+
+
+def operator_abort(current: DeploymentChanged) -> DeploymentChanged:
+    return roll_back(current, T0 + timedelta(seconds=1), "aborted by the operator: test", [], "operator")
+
+
+async def test_an_operator_decision_the_controller_landed_after_is_published_again(harness: Harness) -> None:
+    current = canary()
+    controller = harness.controller()
+    controller.seed([current], {current.id: (0, 7)})
+    (step,) = await controller.run_due()  # placed at 100: after the abort the sink has not brought yet
+    aborted = operator_abort(current)
+    controller.observe([aborted, step], {aborted.id: (0, 99), step.id: (0, 100)})
+    assert controller.deployments[MODEL] is step  # the log's last word, for now
+
+    (again,) = await controller.run_due()  # without waiting for the evaluation interval
+    assert harness.published == [step, again]
+    assert (again.action, again.phase, again.traffic) == ("rollback", "rolled_back", aborted.traffic)
+    assert (again.actor, again.stable, again.candidate) == ("controller", "v1", "v2")
+    assert again.id not in (aborted.id, step.id)
+    assert again.time > step.time
+    assert "the operator's rollback again" in again.reason
+    assert "aborted by the operator" in again.reason
+    assert controller.deployments[MODEL] is again
+    controller.observe([again], {again.id: (0, 101)})  # its own, coming back
+    harness.later()
+    controller.observe([finished()])
+    assert await controller.run_due() == []
+    assert len(harness.published) == 2
+
+
+async def test_an_operator_decision_read_while_the_controller_publishes_is_published_again(
+    harness: Harness,
+) -> None:
+    current = canary()
+    controller = harness.controller()
+    controller.seed([current], {current.id: (0, 7)})
+    aborted = operator_abort(current)
+    publish = harness.publish
+
+    async def publish_while_the_abort_arrives(event: DeploymentChanged) -> tuple[int, int]:
+        controller.observe([aborted], {aborted.id: (0, 99)})  # the sink, during the round trip
+        return await publish(event)
+
+    controller._publish = publish_while_the_abort_arrives
+    (step,) = await controller.run_due()
+    assert controller.deployments[MODEL] is step
+    controller._publish = publish
+    (again,) = await controller.run_due()
+    assert (again.action, again.actor, controller.deployments[MODEL]) == ("rollback", "controller", again)
+
+
+async def test_an_operator_decision_after_the_controllers_stands(harness: Harness) -> None:
+    current = canary()
+    controller = harness.controller()
+    controller.seed([current], {current.id: (0, 7)})
+    (step,) = await controller.run_due()
+    aborted = operator_abort(current)
+    controller.observe([step, aborted], {step.id: (0, 100), aborted.id: (0, 101)})
+    assert controller.deployments[MODEL] is aborted
+    harness.later()
+    assert await controller.run_due() == []
+    assert harness.published == [step]
+
+
+async def test_a_decision_of_another_controller_before_its_own_is_not_published_again(
+    harness: Harness,
+) -> None:
+    bad_candidate(harness.warehouse)
+    current = canary()
+    controller = harness.controller()
+    controller.seed([current], {current.id: (0, 7)})
+    (rollback,) = await controller.run_due()
+    other = advance(current, T0 + timedelta(seconds=1), "another controller's step", [], "controller")
+    controller.observe([other, rollback], {other.id: (0, 99), rollback.id: (0, 100)})
+    harness.later()
+    assert await controller.run_due() == []
+    assert harness.published == [rollback]
+    assert controller.deployments[MODEL] is rollback
