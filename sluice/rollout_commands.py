@@ -1,0 +1,312 @@
+"""``sluice rollout ...``: the operator's commands (start, evaluate, promote, abort, status).
+
+What each does lives in :mod:`sluice.rollout` (plans, gates) and :mod:`streams.rollout` (the controller's
+rules); this module is only the command line, and imports them when a command runs, so ``sluice --help``
+stays quick.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+from rich.table import Table
+
+from sluice.groups import command_group
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from schemas.events import DeploymentChanged
+
+rollout_app = command_group(
+    help="Roll a model version out step by step (canary, shadow), with gates that promote or roll back "
+    "by themselves. Every command publishes a DeploymentChanged on the control topic."
+)
+
+
+# The gates' limits, shared by `rollout start` (live traffic) and `rollout evaluate` (logged requests).
+MaxErrorDelta = Annotated[
+    float, typer.Option("--max-error-delta", min=0, max=1, help="allowed error-ratio excess over stable")
+]
+MaxTtftRatio = Annotated[float, typer.Option("--max-ttft-ratio", min=1, help="TTFT p99 limit, x stable's")]
+MaxItlRatio = Annotated[float, typer.Option("--max-itl-ratio", min=1, help="ITL p99 limit, x stable's")]
+MaxCostRatio = Annotated[
+    float, typer.Option("--max-cost-ratio", min=1, help="cost per 1k tokens limit, x stable's")
+]
+
+
+def _rollout_call(action: Callable[[], DeploymentChanged]) -> None:
+    """Plan a decision, publish it, say what changed; operator errors are one red line."""
+    from bus.errors import BusError
+    from sluice.cli import console, out, settings
+    from sluice.rollout import RolloutError, publish
+
+    try:
+        decision = action()
+        publish(settings(), decision)
+    except RolloutError as exc:
+        console.print(f"[red]error:[/] {exc}")
+        raise typer.Exit(2) from None
+    except BusError as exc:
+        console.print(
+            f"[red]error:[/] cannot reach Kafka at {settings().bootstrap}: {exc} (is `sluice up` running?)"
+        )
+        raise typer.Exit(1) from None
+    traffic = ", ".join(f"{v} {share:.0%}" for v, share in decision.traffic.items())
+    out.print(f"[bold]{decision.model}[/]: {decision.action} -> {decision.phase}; traffic {traffic}")
+    out.print(f"  {decision.reason}")
+
+
+@rollout_app.command("start")
+def rollout_start(
+    model: Annotated[str, typer.Argument(help="the model id, e.g. demo-gpt")],
+    version: Annotated[str, typer.Option("--version", help="the candidate version (`sluice models list`)")],
+    canary: Annotated[
+        float,
+        typer.Option(
+            "--canary", min=0, max=99.99, help="% of traffic on the candidate at step 1 (0: shadow only)"
+        ),
+    ] = 5.0,
+    steps: Annotated[
+        str, typer.Option("--steps", help="later steps in %, comma-separated; 100 (promotion) is added")
+    ] = "25,50,100",
+    shadow: Annotated[
+        float, typer.Option("--shadow", min=0, max=100, help="% of the stable version's requests mirrored")
+    ] = 0.0,
+    min_requests: Annotated[
+        int, typer.Option("--min-requests", min=1, help="requests per version per step before gates decide")
+    ] = 50,
+    max_error_delta: MaxErrorDelta = 0.05,
+    max_ttft_ratio: MaxTtftRatio = 1.5,
+    max_itl_ratio: MaxItlRatio = 1.5,
+    max_cost_ratio: MaxCostRatio = 1.25,
+    step_min_s: Annotated[
+        float, typer.Option("--step-min-s", min=0, help="seconds each step lasts at least")
+    ] = 60.0,
+    drift_gate: Annotated[
+        bool, typer.Option("--drift-gate/--no-drift-gate", help="fail on a drift verdict")
+    ] = True,
+    burn_gate: Annotated[
+        bool, typer.Option("--burn-gate/--no-burn-gate", help="fail on the model's fast burn")
+    ] = True,
+    ready_timeout_s: Annotated[
+        float,
+        typer.Option(
+            "--ready-timeout-s",
+            min=1,
+            help="seconds the candidate's workers may take to load; then rolled back",
+        ),
+    ] = 600.0,
+) -> None:
+    """Start rolling VERSION out: once a worker of VERSION is ready, --canary % of traffic (sticky per tenant
+    and X-Session-Id / user), then each step of --steps once its gates pass; any failed gate rolls back by
+    itself."""
+    from schemas.events import RolloutGates
+    from sluice.cli import settings
+    from sluice.rollout import parse_steps, plan_start
+
+    gates = RolloutGates(
+        min_requests=min_requests,
+        max_error_delta=max_error_delta,
+        max_ttft_p99_ratio=max_ttft_ratio,
+        max_itl_p99_ratio=max_itl_ratio,
+        max_cost_ratio=max_cost_ratio,
+        drift=drift_gate,
+        burn=burn_gate,
+        step_min_s=step_min_s,
+        ready_timeout_s=ready_timeout_s,
+    )
+
+    def plan() -> DeploymentChanged:
+        return plan_start(
+            settings(), model, version, steps=parse_steps(canary, steps), shadow=shadow / 100, gates=gates
+        )
+
+    _rollout_call(plan)
+
+
+@rollout_app.command("evaluate")
+def rollout_evaluate(
+    model: Annotated[str, typer.Argument(help="the model id")],
+    version: Annotated[str, typer.Option("--version", help="the candidate version (`sluice models list`)")],
+    from_log: Annotated[
+        str, typer.Option("--from-log", help="logged requests accepted within this long: 30m, 1h, 2d")
+    ] = "1h",
+    limit: Annotated[
+        int, typer.Option("--limit", min=1, help="at most this many requests (oldest first)")
+    ] = 500,
+    min_requests: Annotated[
+        int, typer.Option("--min-requests", min=1, help="fewer logged requests: insufficient_data")
+    ] = 20,
+    max_error_delta: MaxErrorDelta = 0.05,
+    max_ttft_ratio: MaxTtftRatio = 1.5,
+    max_itl_ratio: MaxItlRatio = 1.5,
+    max_cost_ratio: MaxCostRatio = 1.25,
+    json_out: Annotated[Path | None, typer.Option("--json", help="also write the evaluation here")] = None,
+) -> None:
+    """Before any live traffic: run the requests logged for MODEL through the stable version and VERSION in
+    this process, and judge VERSION with the rollout gates (error ratio, TTFT and ITL p99, cost per 1k
+    tokens) plus how often both answer the same. Exit 0 when every gate passes, 1 when one does not."""
+    import msgspec
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    from bus.errors import BusError
+    from gpu_workers.settings import WorkerSettings
+    from schemas.events import RolloutGates
+    from schemas.settings import load_settings
+    from sluice.cli import _cell, console, out, settings
+    from sluice.evaluate import evaluate, parse_duration
+    from sluice.rollout import RolloutError
+
+    gates = RolloutGates(
+        min_requests=min_requests,
+        max_error_delta=max_error_delta,
+        max_ttft_p99_ratio=max_ttft_ratio,
+        max_itl_p99_ratio=max_itl_ratio,
+        max_cost_ratio=max_cost_ratio,
+        drift=False,
+        burn=False,
+    )
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
+    with Progress(*columns, console=console, transient=True) as bar:
+        tasks: dict[str, Any] = {}
+
+        def progress(name: str, done: int, total: int) -> None:
+            if name not in tasks:
+                tasks[name] = bar.add_task(f"{name} version", total=total)
+            bar.update(tasks[name], completed=done)
+
+        try:
+            result = evaluate(
+                settings(),
+                model,
+                version,
+                window=parse_duration(from_log),
+                limit=limit,
+                gates=gates,
+                worker=load_settings(WorkerSettings),
+                progress=progress,
+            )
+        except RolloutError as exc:
+            console.print(f"[red]error:[/] {exc}")
+            raise typer.Exit(2) from None
+        except BusError as exc:
+            console.print(f"[red]error:[/] cannot read the log: {exc} (is `sluice up` running?)")
+            raise typer.Exit(1) from None
+    title = (
+        f"{model}: {result.candidate} vs stable {result.stable} on {result.requests} logged requests "
+        f"(stable {result.seconds['stable']:.1f}s, candidate {result.seconds['candidate']:.1f}s)"
+    )
+    table = Table("gate", "state", "candidate", "stable", "limit", title=title)
+    for g in result.gates:
+        style = {"fail": "red", "insufficient_data": "dim"}.get(g.state, "green")
+        table.add_row(g.gate, g.state, _cell(g.candidate), _cell(g.baseline), _cell(g.limit), style=style)
+    out.print(table)
+    out.print(f"same output as the stable version: {result.same_output:.1%}")
+    if json_out is not None:
+        json_out.write_bytes(msgspec.json.format(msgspec.json.encode(result), indent=2) + b"\n")
+    out.print("[green]every gate passed[/]" if result.passed else "[red]not every gate passed[/]")
+    raise typer.Exit(0 if result.passed else 1)
+
+
+@rollout_app.command("promote")
+def rollout_promote(
+    model: Annotated[str, typer.Argument(help="the model id")],
+    to_end: Annotated[bool, typer.Option("--all", help="straight to 100% instead of the next step")] = False,
+) -> None:
+    """Move the rollout to its next step now (or to 100% with --all), whatever the gates say."""
+    from sluice.cli import settings
+    from sluice.rollout import plan_promote
+
+    _rollout_call(lambda: plan_promote(settings(), model, to_end=to_end))
+
+
+@rollout_app.command("abort")
+def rollout_abort(
+    model: Annotated[str, typer.Argument(help="the model id")],
+    reason: Annotated[str, typer.Option("--reason", help="recorded in the decision and the audit log")] = "",
+) -> None:
+    """Roll back now: all traffic to the stable version; requests routed to the candidate that have not
+    run yet run on the stable version."""
+    from sluice.cli import settings
+    from sluice.rollout import plan_abort
+
+    _rollout_call(lambda: plan_abort(settings(), model, reason or "no reason given"))
+
+
+@rollout_app.command("status")
+def rollout_status(
+    model: Annotated[str | None, typer.Argument(help="only this model")] = None,
+) -> None:
+    """Each model's deployment (phase, traffic, step) and, during a rollout, its gates right now."""
+    from bus.control import latest_deployments
+    from bus.errors import BusError
+    from infra.warehouse import WarehouseError
+    from schemas.events import RolloutGates, utc_now
+    from schemas.topics import TopicNames
+    from sluice.cli import _cell, console, out, settings
+    from sluice.rollout import CLIENT_ID, PHASE_COLOURS, live_gates
+
+    platform = settings()
+    try:
+        latest = latest_deployments(platform.kafka, TopicNames(platform.topic_prefix).control, CLIENT_ID)
+    except BusError as exc:
+        console.print(f"[red]error:[/] cannot read the control topic: {exc} (is `sluice up` running?)")
+        raise typer.Exit(1) from None
+    shown = [d for m, d in sorted(latest.items()) if model is None or m == model]
+    if not shown:
+        out.print("no rollouts yet" + (f" for {model}" if model else "") + " (`sluice rollout start --help`)")
+        return
+    table = Table("model", "phase", "stable", "candidate", "traffic", "step", "shadow", "since", "reason")
+    for d in shown:
+        traffic = ", ".join(f"{v} {s:.0%}" for v, s in d.traffic.items())
+        step = f"{d.step + 1}/{len(d.steps)}" if d.steps else ""
+        colour = PHASE_COLOURS.get(d.phase, "")
+        table.add_row(
+            d.model,
+            d.phase,
+            d.stable,
+            d.candidate or "",
+            traffic,
+            step,
+            f"{d.shadow:.0%}",
+            d.time.isoformat(timespec="seconds"),
+            d.reason,
+            style=colour,
+        )
+    out.print(table)
+    for d in shown:
+        if d.phase == "warming":
+            waited = (utc_now() - (d.step_started or d.time)).total_seconds()
+            limit = (d.gates or RolloutGates()).ready_timeout_s
+            out.print(
+                f"{d.model}: waiting for a worker of {d.candidate} to be ready ({waited:.0f}s of {limit:g}s; "
+                "no traffic until then, rolled back after)"
+            )
+        gates = d.evidence
+        title = f"{d.model}: gates of the last decision"
+        if d.phase == "canary":
+            try:
+                gates, title = live_gates(platform, d), f"{d.model}: gates of step {d.step + 1} now"
+            except WarehouseError as exc:
+                console.print(f"[yellow]gates unavailable:[/] {exc}")
+        if not gates:
+            continue
+        gate_table = Table(
+            "gate", "state", "candidate", "stable", "limit", "n (cand/stable)", "detail", title=title
+        )
+        for g in gates:
+            style = {"fail": "red", "insufficient_data": "dim"}.get(g.state, "green")
+            gate_table.add_row(
+                g.gate,
+                g.state,
+                _cell(g.candidate),
+                _cell(g.baseline),
+                _cell(g.limit),
+                f"{g.candidate_n}/{g.baseline_n}",
+                g.detail,
+                style=style,
+            )
+        out.print(gate_table)
