@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import io
-import itertools
 import json
 import os
 import platform as host
@@ -121,18 +120,23 @@ async def start_batch(session: aiohttp.ClientSession, url: str, lines: int) -> s
     create = {"input_file_id": uploaded["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"}
     async with session.post(f"{url}/v1/batches", json=create, headers=AUTH) as response:
         batch_id: str = (await response.json())["id"]
-    await until_status(session, url, batch_id, lambda status: status != "validating")
+    await until_state(session, url, batch_id, lambda state: state["status"] != "validating")
     return batch_id
 
 
-async def until_status(
-    session: aiohttp.ClientSession, url: str, batch_id: str, done: Callable[[str], bool], within: float = 300
-) -> None:
-    """Poll the batch (bounded) until ``done(status)``."""
+async def until_state(
+    session: aiohttp.ClientSession,
+    url: str,
+    batch_id: str,
+    done: Callable[[dict[str, Any]], bool],
+    within: float = 300,
+) -> dict[str, Any]:
+    """Poll the batch (bounded) until ``done(state)``; that state."""
     deadline = time.monotonic() + within
-    for _ in itertools.count():
-        if done((await batch_state(session, url, batch_id))["status"]):
-            return
+    while True:
+        state = await batch_state(session, url, batch_id)
+        if done(state):
+            return state
         if time.monotonic() > deadline:
             raise RuntimeError(f"batch {batch_id} did not get there within {within:.0f}s")
         await asyncio.sleep(0.2)
@@ -191,14 +195,16 @@ async def measure(url: str, services: Services, seconds: float, lines: int) -> d
 
         print("phase 2: beside a batch ...", file=sys.stderr)
         batch_id = await start_batch(session, url, lines)
-        before = settled(await batch_state(session, url, batch_id))
+        # The window opens once the batch runs (its first lines settled), so a slow start on a loaded box
+        # is not counted as the batch's pace beside the clients.
+        before = settled(await until_state(session, url, batch_id, lambda state: settled(state) > 0))
         ttfts = await interactive(session, url, seconds)
         after = await batch_state(session, url, batch_id)
         beside = summary(ttfts, seconds, (settled(after) - before) / seconds)
         beside["batch_status_after"] = after["status"]
         async with session.post(f"{url}/v1/batches/{batch_id}/cancel", headers=AUTH) as response:
             await response.read()
-        await until_status(session, url, batch_id, lambda status: status in ("cancelled", "completed"))
+        await until_state(session, url, batch_id, lambda state: state["status"] in ("cancelled", "completed"))
 
         print("phase 3: the same work as interactive requests ...", file=sys.stderr)
         done = [0]

@@ -14,6 +14,36 @@ from infra.kafka.broker import LocalKafka, free_port
 from schemas.manifest import read_manifest, write_manifest
 from schemas.settings import KafkaConnection, PlatformSettings, load_settings
 
+SLOWEST_FIRST = (
+    "tests/benchmarks/test_online_benchmark.py",
+    "tests/e2e/test_scale_out.py",
+    "tests/e2e/test_batches.py",
+    "tests/e2e/test_streams.py",
+    "tests/e2e/test_drift.py",
+    "tests/sluice/test_up.py",
+    "tests/infra/test_cluster.py",
+    "tests/e2e/test_rollout.py",
+    "tests/streams/test_audit_anchor.py",
+    "tests/ingest/test_batch_job.py",
+    "tests/benchmarks/test_batch_benchmark.py",
+    "tests/benchmarks/test_drift_benchmark.py",
+    "tests/benchmarks/test_streams_benchmark.py",
+    "tests/gpu_workers/test_service.py",
+)
+"""The files that take longest (``--durations`` of a CI run), started first: ``scripts/test`` runs the
+files on two pytest workers (``-n 2 --dist loadfile``), and a long file picked up last would leave one
+worker idle while the other finishes it. Any order is correct; this one only ends sooner."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {path: i for i, path in enumerate(SLOWEST_FIRST)}
+    root = Path(__file__).resolve().parent.parent
+
+    def where(item: pytest.Item) -> int:
+        return rank.get(item.path.relative_to(root).as_posix(), len(rank))
+
+    items.sort(key=where)  # stable: the rest keep their order
+
 
 @pytest.fixture(scope="session")
 def platform_settings() -> PlatformSettings:
