@@ -18,7 +18,7 @@ from sluice.groups import command_group
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from schemas.events import DeploymentChanged
+    from schemas.events import DeploymentChanged, RolloutGates
 
 rollout_app = command_group(
     help="Roll a model version out step by step (canary, shadow), with gates that promote or roll back "
@@ -35,6 +35,25 @@ MaxItlRatio = Annotated[float, typer.Option("--max-itl-ratio", min=1, help="ITL 
 MaxCostRatio = Annotated[
     float, typer.Option("--max-cost-ratio", min=1, help="cost per 1k tokens limit, x stable's")
 ]
+
+
+def _limits(
+    min_requests: int,
+    max_error_delta: float,
+    max_ttft_ratio: float,
+    max_itl_ratio: float,
+    max_cost_ratio: float,
+) -> RolloutGates:
+    """The gates' limits from the options both ``start`` and ``evaluate`` take."""
+    from schemas.events import RolloutGates
+
+    return RolloutGates(
+        min_requests=min_requests,
+        max_error_delta=max_error_delta,
+        max_ttft_p99_ratio=max_ttft_ratio,
+        max_itl_p99_ratio=max_itl_ratio,
+        max_cost_ratio=max_cost_ratio,
+    )
 
 
 def _rollout_call(action: Callable[[], DeploymentChanged]) -> None:
@@ -103,16 +122,13 @@ def rollout_start(
     """Start rolling VERSION out: once a worker of VERSION is ready, --canary % of traffic (sticky per tenant
     and X-Session-Id / user), then each step of --steps once its gates pass; any failed gate rolls back by
     itself."""
-    from schemas.events import RolloutGates
+    import msgspec
+
     from sluice.cli import settings
     from sluice.rollout import parse_steps, plan_start
 
-    gates = RolloutGates(
-        min_requests=min_requests,
-        max_error_delta=max_error_delta,
-        max_ttft_p99_ratio=max_ttft_ratio,
-        max_itl_p99_ratio=max_itl_ratio,
-        max_cost_ratio=max_cost_ratio,
+    gates = msgspec.structs.replace(
+        _limits(min_requests, max_error_delta, max_ttft_ratio, max_itl_ratio, max_cost_ratio),
         drift=drift_gate,
         burn=burn_gate,
         step_min_s=step_min_s,
@@ -154,18 +170,13 @@ def rollout_evaluate(
 
     from bus.errors import BusError
     from gpu_workers.settings import WorkerSettings
-    from schemas.events import RolloutGates
     from schemas.settings import load_settings
     from sluice.cli import _cell, console, out, settings
     from sluice.evaluate import evaluate, parse_duration
     from sluice.rollout import RolloutError
 
-    gates = RolloutGates(
-        min_requests=min_requests,
-        max_error_delta=max_error_delta,
-        max_ttft_p99_ratio=max_ttft_ratio,
-        max_itl_p99_ratio=max_itl_ratio,
-        max_cost_ratio=max_cost_ratio,
+    gates = msgspec.structs.replace(
+        _limits(min_requests, max_error_delta, max_ttft_ratio, max_itl_ratio, max_cost_ratio),
         drift=False,
         burn=False,
     )
