@@ -441,6 +441,8 @@ def verify_model_dir(model_dir: Path) -> ModelManifest:
 
 def _load(model_dir: Path, device: str, task: Task) -> LoadedModel:
     import torch
+
+    _without_sklearn()
     from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
     manifest = verify_model_dir(model_dir)
@@ -463,6 +465,30 @@ def _load(model_dir: Path, device: str, task: Task) -> LoadedModel:
     return LoadedModel(
         model=model, tokenizer=tokenizer, manifest=manifest, device=target, path=Path(model_dir)
     )
+
+
+def _without_sklearn() -> None:
+    """Keep transformers from importing scikit-learn in a worker.
+
+    Every pretrained model class imports ``transformers.generation``. That module imports scikit-learn
+    when it is installed, for assisted generation's ROC threshold, which workers never use. scikit-learn
+    is in the environment for evidently (the streams worker's drift). Importing it was ~5 s of a worker's
+    20-23 s from start to a loaded model on this 2-core box (demo-gpt, 3 alternating pairs: 21.1/22.7/22.4 s
+    against 15.1/17.9/18.4 s without). Every worker start pays it: a scale-out, a restart, a rollout's
+    candidate. Process-wide, like transformers' own check; a no-op once ``transformers.generation`` is
+    imported, or if transformers drops the check."""
+    import sys
+
+    import transformers.utils as transformers_utils
+
+    if "transformers.generation.candidate_generator" in sys.modules:
+        return
+    if callable(getattr(transformers_utils, "is_sklearn_available", None)):
+        setattr(transformers_utils, "is_sklearn_available", _no_sklearn)  # noqa: B010
+
+
+def _no_sklearn() -> bool:
+    return False
 
 
 def _no_stream_capture_without_cuda() -> None:

@@ -304,3 +304,43 @@ def test_configure_openmp_after_torch_loaded_warns_and_sets_nothing(
     configure_openmp("passive")
     assert "OMP_WAIT_POLICY" not in os.environ
     assert "comes too late" in caplog.text
+
+
+LOADS_WITHOUT_SKLEARN = """
+import sys
+from pathlib import Path
+
+from gpu_workers.models import load_generation_model
+
+loaded = load_generation_model(Path(sys.argv[1]), device="cpu")
+assert loaded.model.generation_config is not None
+print(sorted(m for m in sys.modules if m == "sklearn" or m.startswith("sklearn.")))
+"""
+
+
+def test_a_worker_loads_its_model_without_importing_scikit_learn(demo_gpt_dir: Path) -> None:
+    """scikit-learn is installed (evidently needs it), and transformers' generation module imports it when
+    it is: ~5 s of a worker's start on 2 cores, for a feature workers never use. In a fresh process, as a
+    worker starts; the control: the same import without the guard does load it."""
+    import subprocess
+
+    loads = subprocess.run(
+        [sys.executable, "-c", LOADS_WITHOUT_SKLEARN, str(demo_gpt_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert loads.stdout.strip().splitlines()[-1] == "[]", loads.stdout
+    control = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, transformers.generation.candidate_generator; print('sklearn' in sys.modules)",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert control.stdout.strip().splitlines()[-1] == "True"
