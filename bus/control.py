@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from confluent_kafka import Consumer, TopicPartition
 
 from bus.consumer import consumer_config, read_to_end, watermarks
+from bus.producer import Position
 from schemas.codec import DecodeError, decode
 from schemas.events import DeploymentChanged, Event
 from schemas.settings import KafkaConnection
@@ -54,10 +55,10 @@ def read_placed(
     timeout: float = 30.0,
     *,
     start: tuple[list[TopicPartition], dict[int, int]] | None = None,
-) -> list[tuple[Event, tuple[int, int]]]:
+) -> list[tuple[Event, Position]]:
     """:func:`read_control`, each event with its (partition, offset): its place in the log."""
     tps, ends = start if start is not None else control_start(kafka, topic, client_id)
-    events: list[tuple[Event, tuple[int, int]]] = []
+    events: list[tuple[Event, Position]] = []
     consumer = Consumer(consumer_config(kafka, None, client_id))
     try:
         for message in read_to_end(consumer, tps, ends, timeout):

@@ -20,9 +20,9 @@ from schemas.settings import KafkaConnection
 
 log = logging.getLogger(__name__)
 
-Delivered = tuple[int, int]
-"""(partition, offset) of a durable record."""
-DeliveryCallback = Callable[[BusError | None, Delivered | None], None]
+Position = tuple[int, int]
+"""A record's place in its topic: (partition, offset)."""
+DeliveryCallback = Callable[[BusError | None, Position | None], None]
 
 
 def producer_config(kafka: KafkaConnection, client_id: str, **overrides: Any) -> dict[str, Any]:
@@ -161,7 +161,7 @@ class EventProducer(Component):
 
     async def publish(
         self, topic: str, event: Event, *, partition: int | None = None, key: bytes | None = None
-    ) -> Delivered:
+    ) -> Position:
         """Produce and wait until the record is durable; raises BusError if it is not."""
         return await self.publish_raw(
             topic,
@@ -179,19 +179,19 @@ class EventProducer(Component):
         key: bytes | None = None,
         headers: list[tuple[str, bytes]] | None = None,
         partition: int | None = None,
-    ) -> Delivered:
+    ) -> Position:
         """:meth:`produce_raw` (``value`` None: a tombstone), awaited until durable."""
         loop = asyncio.get_running_loop()
-        future: asyncio.Future[Delivered] = loop.create_future()
+        future: asyncio.Future[Position] = loop.create_future()
 
-        def settle(err: BusError | None, where: Delivered | None) -> None:
+        def settle(err: BusError | None, where: Position | None) -> None:
             loop.call_soon_threadsafe(_settle, future, err, where)
 
         self.produce_raw(topic, value, key=key, headers=headers, partition=partition, on_delivery=settle)
         return await future
 
 
-def _call(callback: DeliveryCallback, err: BusError | None, where: Delivered | None) -> None:
+def _call(callback: DeliveryCallback, err: BusError | None, where: Position | None) -> None:
     """A delivery callback runs inside ``poll``: an exception from it must not stop the delivery thread."""
     try:
         callback(err, where)
@@ -199,7 +199,7 @@ def _call(callback: DeliveryCallback, err: BusError | None, where: Delivered | N
         log.exception("a delivery callback failed")
 
 
-def _settle(future: asyncio.Future[Delivered], err: BusError | None, where: Delivered | None) -> None:
+def _settle(future: asyncio.Future[Position], err: BusError | None, where: Position | None) -> None:
     if future.done():
         return
     if err is not None or where is None:

@@ -40,7 +40,7 @@ from bus.consumer import (
 )
 from bus.control import control_start, latest_deployments
 from bus.errors import BusError
-from bus.producer import EventProducer
+from bus.producer import EventProducer, Position
 from gpu_workers import GpuWorkerError
 from gpu_workers.features import FeatureProbe
 from gpu_workers.observe import RequestTrace, RunnerLoad, WorkerObserver, open_trace
@@ -524,7 +524,7 @@ class WorkerService(Component):
             deployment=self._deployment_id,
         )
 
-        def delivered(err: BusError | None, _where: tuple[int, int] | None) -> None:
+        def delivered(err: BusError | None, _where: Position | None) -> None:
             if err is not None:
                 log.warning("worker %s: saying it is ready failed (%s); trying again", self.worker_id, err)
                 self._announce = True
@@ -836,7 +836,7 @@ class WorkerService(Component):
 
         failed = [False]
 
-        def durable(err: BusError | None, _where: tuple[int, int] | None) -> None:
+        def durable(err: BusError | None, _where: Position | None) -> None:
             if err is not None:
                 log.error("terminal event of %s not durable: %s", request_id, err)
                 with lock:

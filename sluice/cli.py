@@ -6,15 +6,17 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from schemas.settings import PlatformSettings, SettingsError, describe, display, load_settings
+from sluice.audit_commands import audit_app
 from sluice.batch import batch_app
 from sluice.capacity import capacity
+from sluice.drift_commands import drift_app
 from sluice.grafana import grafana_app
 from sluice.groups import command_group
 from sluice.rollout_commands import rollout_app
@@ -50,15 +52,7 @@ slo_app = command_group(
     help="Service level objectives per model tier, and the Prometheus alerting rules generated from them."
 )
 app.add_typer(slo_app, name="slo")
-audit_app = command_group(
-    help="The tamper-evident audit log: one hash chain per tenant in the warehouse's audit_log table, "
-    "anchored on the audit topic (docs/streams.md)."
-)
 app.add_typer(audit_app, name="audit")
-drift_app = command_group(
-    help="Drift detection: per model version and window, evidently tests of request features against a "
-    "reference window (docs/drift.md)."
-)
 app.add_typer(drift_app, name="drift")
 app.add_typer(batch_app, name="batch")
 app.add_typer(grafana_app, name="grafana")
@@ -511,122 +505,13 @@ def _minutes_text(minutes: float) -> str:
 
 # ---------------------------------------------------------------- audit
 
-AuditTenantOption = Annotated[
-    str | None, typer.Option("--tenant", "-t", help="only this tenant's chain (default: every tenant)")
-]
 
-
-def _warehouse_failure(exc: Exception) -> typer.Exit:
+def warehouse_failure(exc: Exception) -> typer.Exit:
     """A warehouse error as one line, exit code 2."""
     message = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
     if "UNKNOWN_TABLE" in message:
         message = "the warehouse is missing a table: run `sluice warehouse migrate` or `sluice up`"
     return fail(message, 2)
-
-
-@audit_app.command("verify")
-def audit_verify(
-    tenant: AuditTenantOption = None,
-    warehouse_only: Annotated[
-        bool,
-        typer.Option(
-            "--warehouse-only",
-            help="check the table's own chains only, without the audit topic (cannot see a cut tail)",
-        ),
-    ] = False,
-) -> None:
-    """Check every tenant's hash chain in the warehouse's audit_log table, and against the audit topic.
-
-    Per tenant, in seq order: seq counts 0, 1, 2 ... without gaps (a gap means deleted rows);
-    each prev_hash is the previous entry's entry_hash (64 zeros for seq 0);
-    each entry_hash is the SHA-256 of the row's canonical form (an altered row no longer matches).
-
-    Then against the audit topic, where the streams worker publishes every entry before storing its row:
-    a cut tail (the topic's chain goes past the warehouse's last seq, or the whole chain is gone), rows past
-    the topic's last entry, rows that differ from the topic's entry of the same seq, and a topic chain that
-    forks. Chains older than the topic's retention are checked by their hashes alone (said on stderr).
-
-    Exit status: 0 every chain holds; 1 problems found (each printed); 2 the warehouse or the topic cannot
-    be read.
-    """
-    from rich.markup import escape
-
-    from bus.errors import BusError
-    from infra.warehouse import WarehouseError
-    from streams.anchor import AnchorError, verify_anchored
-    from streams.audit import verify_warehouse
-
-    try:
-        if warehouse_only:
-            report = verify_warehouse(settings(), tenant=tenant)
-            problems, entries, tenants = report.problems, report.entries, report.tenants
-            anchored = ""
-        else:
-            checked = verify_anchored(settings(), tenant=tenant)
-            problems, entries, tenants = (
-                checked.problems,
-                checked.warehouse.entries,
-                checked.warehouse.tenants,
-            )
-            anchored = f"; {checked.anchored} chains checked against the audit topic ({checked.topic_entries} entries)"
-            if checked.unanchored:
-                console.print(
-                    f"[yellow]{len(checked.unanchored)} chain(s) have no entry on the audit topic (older than "
-                    f"its retention): checked by their hashes alone: {escape(', '.join(checked.unanchored[:10]))}"
-                    f"{' …' if len(checked.unanchored) > 10 else ''}[/]"
-                )
-    except WarehouseError as exc:
-        raise _warehouse_failure(exc) from None
-    except (AnchorError, BusError) as exc:
-        raise fail(f"{exc} (--warehouse-only checks the table alone)", 2) from None
-    if not problems:
-        out.print(f"audit log verified: {entries} entries in {tenants} tenant chains{anchored}")
-        if tenant is not None and entries == 0:
-            console.print(f"[yellow]no audit entries for tenant {escape(tenant)!r}[/]")
-        return
-    for problem in problems:
-        out.print(f"[red]tenant {escape(problem.tenant)!r} seq {problem.seq}: {escape(problem.reason)}[/]")
-    chains = len({problem.tenant for problem in problems})
-    out.print(
-        f"[red]audit log verification FAILED:[/] {len(problems)} problem(s) in {chains} chain(s); "
-        f"{entries} entries in {tenants} tenant chains{anchored}"
-    )
-    raise typer.Exit(1)
-
-
-@audit_app.command("show")
-def audit_show(
-    tenant: AuditTenantOption = None,
-    limit: Annotated[int, typer.Option("--limit", "-n", min=1, max=10_000, help="how many entries")] = 20,
-) -> None:
-    """Show the latest audit entries, newest first (hashes shortened to 12 characters)."""
-    from infra.warehouse import WarehouseError
-    from streams.audit import latest_entries
-
-    try:
-        result = latest_entries(settings(), tenant=tenant, limit=limit)
-    except WarehouseError as exc:
-        raise _warehouse_failure(exc) from None
-    from rich.text import Text
-
-    columns = ("tenant", "seq", "actor", "action", "resource", "model_version", "request_id", "decision")
-    table = Table(
-        "time (UTC)", *columns, "details", "prev_hash", "entry_hash", title="audit log, latest first"
-    )
-    for values in result.rows:
-        row = {column: str(value) for column, value in zip(result.columns, values, strict=True)}
-        try:
-            details = " ".join(f"{k}={v}" for k, v in json.loads(row["details"]).items())
-        except (ValueError, AttributeError):
-            details = row["details"]  # not a JSON object: show it as stored (verify reports it)
-        time_text = row["time"].replace("T", " ").removesuffix("+00:00").removesuffix("000")
-        cells = [time_text, *(row[column] for column in columns), details]
-        table.add_row(
-            *(Text(cell) for cell in cells), f"{row['prev_hash'][:12]}…", f"{row['entry_hash'][:12]}…"
-        )
-    out.print(table)
-    if not result.rows:
-        console.print("[yellow]no audit entries[/]")
 
 
 # ---------------------------------------------------------------- models and services
@@ -791,134 +676,10 @@ def replay(
     raise typer.Exit(run_replay(settings(), console, data_dir))
 
 
-# ---------------------------------------------------------------- drift
-
-
-@drift_app.command("status")
-def drift_status(
-    model: Annotated[str | None, typer.Option("--model", "-m", help="only this model")] = None,
-) -> None:
-    """The latest verdict per model, version and scope ('*' = all tenants): drift, no_drift, reference,
-    insufficient_data or data_quality, with the drifted features and data-quality findings."""
-    from infra.warehouse import WarehouseError, query_warehouse
-    from streams.queries import SAVED
-
-    try:
-        result = query_warehouse(settings(), SAVED["drift-status"].sql)
-    except WarehouseError as exc:
-        raise _warehouse_failure(exc) from None
-    rows = [dict(zip(result.columns, row, strict=True)) for row in result.rows]
-    rows = [r for r in rows if model is None or r["model"] == model]
-    if not rows:
-        out.print("no drift reports yet" + (f" for {model}" if model else "") + " (see docs/drift.md)")
-        return
-    colour = {"drift": "red", "data_quality": "yellow", "insufficient_data": "dim"}
-    table = Table(*result.columns, title="drift: latest verdict per model, version and scope")
-    for row in rows:
-        cells = [_cell(row[c]) for c in result.columns]
-        style = colour.get(str(row.get("verdict")), "green")
-        table.add_row(*cells, style=style)
-    out.print(table)
-
-
 def _cell(value: object) -> str:
     if isinstance(value, list):
         return ", ".join(str(v) for v in value) or "-"
     return str(value)
-
-
-@drift_app.command("report")
-def drift_report(
-    model: Annotated[str, typer.Argument(help="the model id, e.g. demo-gpt")],
-    version: Annotated[
-        str | None, typer.Option("--version", help="model version (default: newest report)")
-    ] = None,
-    tenant: Annotated[str, typer.Option("--tenant", help="a tenant's own report; '*' = all tenants")] = "*",
-    window: Annotated[
-        str | None, typer.Option("--window", help="window start, ISO 8601 UTC (default: the latest window)")
-    ] = None,
-    html: Annotated[
-        Path | None, typer.Option("--html", help="write evidently's HTML report for that window here")
-    ] = None,
-    no_embeddings: Annotated[
-        bool, typer.Option("--no-embeddings", help="leave the embedding widgets out of the HTML (faster)")
-    ] = False,
-) -> None:
-    """Show one drift report (the latest by default) feature by feature; with --html, sample the same
-    reference and current windows again from the warehouse and write evidently's report."""
-    import asyncio
-    from datetime import UTC, datetime
-
-    from rich.markup import escape
-
-    from infra.warehouse import WarehouseError, query_warehouse
-    from schemas.settings import load_settings
-    from streams.drift import StoredReport, latest_report_sql, recompute_html
-    from streams.settings import StreamsSettings
-
-    start = None
-    if window is not None:
-        try:
-            start = datetime.fromisoformat(window)
-        except ValueError:
-            raise fail(f"--window {window!r} is not an ISO 8601 time", 2) from None
-        start = start if start.tzinfo is not None else start.replace(tzinfo=UTC)
-    platform = settings()
-
-    def rows(sql: str) -> list[dict[str, Any]]:
-        result = query_warehouse(platform, sql, max_rows=100_000)
-        return [dict(zip(result.columns, row, strict=True)) for row in result.rows]
-
-    try:
-        found = rows(latest_report_sql(model, version, tenant, start))
-    except WarehouseError as exc:
-        raise _warehouse_failure(exc) from None
-    if not found:
-        raise fail(f"no drift report for {model} (scope {tenant}); `sluice drift status` lists them", 1)
-    report = StoredReport.of(found[0])
-    reference = (
-        f"{report.reference.start:%Y-%m-%d %H:%M:%S} - {report.reference.end:%H:%M:%S}"
-        if report.reference is not None
-        else "none yet"
-    )
-    out.print(
-        f"[bold]{escape(model)}[/] {escape(report.key.model_version)} scope {escape(tenant)}: window "
-        f"{report.window.start:%Y-%m-%d %H:%M:%S} - {report.window.end:%H:%M:%S} UTC, reference {reference}: "
-        f"[bold]{report.verdict}[/] ({report.requests} requests, sampled {report.n_reference} vs "
-        f"{report.n_current}, alpha {report.alpha})"
-    )
-    table = Table("feature", "kind", "test", "statistic", "threshold", "drifted", "missing")
-    for feature in report.features:
-        table.add_row(
-            feature.name,
-            feature.kind,
-            feature.method,
-            f"{feature.statistic:.4g}",
-            f"{feature.threshold:.4g}",
-            "[red]yes[/]" if feature.drifted else "no",
-            f"{feature.null_share:.0%}",
-        )
-    if report.features:
-        out.print(table)
-    for finding in report.quality:
-        out.print(f"[yellow]data quality:[/] {escape(finding)}")
-    if html is None:
-        return
-
-    async def query(sql: str) -> list[dict[str, Any]]:
-        return await asyncio.to_thread(rows, sql)
-
-    with console.status("sampling the windows again and running evidently…"):
-        try:
-            made = asyncio.run(
-                recompute_html(query, report, load_settings(StreamsSettings), embeddings=not no_embeddings)
-            )
-        except (WarehouseError, ValueError) as exc:
-            raise fail(str(exc)) from None
-    html.write_text(made.html, encoding="utf-8")
-    out.print(
-        f"wrote {html} (evidently report: {made.n_reference} reference vs {made.n_current} current rows)"
-    )
 
 
 # ---------------------------------------------------------------- settings and up

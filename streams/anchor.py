@@ -35,6 +35,7 @@ import msgspec
 from confluent_kafka import Consumer, TopicPartition
 
 from bus.consumer import consumer_config, read_to_end, topic_extent
+from bus.producer import Position
 from schemas.codec import DecodeError, decode
 from schemas.events import AuditEntry
 from schemas.settings import KafkaConnection, PlatformSettings
@@ -233,7 +234,7 @@ class Anchored:
     """Where each chain goes on, and what the worker found at start."""
 
     heads: dict[str, AuditHead]
-    offsets: dict[str, tuple[int, int]]
+    offsets: dict[str, Position]
     """Per chain: the (partition, offset) its head entry was built from; redelivered events up to it are
     skipped."""
     healed: dict[str, tuple[int, int]]
@@ -269,7 +270,7 @@ def anchor_chains(
         stored[str(row["tenant"])] = (head, str(details.get(ORIGIN, "")))
     chains, read = read_chains(records(), probes={name: head.seq for name, (head, _) in stored.items()})
     heads: dict[str, AuditHead] = {}
-    offsets: dict[str, tuple[int, int]] = {}
+    offsets: dict[str, Position] = {}
     conflicts: dict[str, str] = {}
     behind: dict[str, int] = {}
     for name in sorted(stored.keys() | chains.keys()):

@@ -51,7 +51,7 @@ from opentelemetry.trace import Span, SpanKind
 from bus.consumer import ConsumerThread, consumer_config, dead_letter
 from bus.control import read_placed
 from bus.errors import BusError
-from bus.producer import DeliveryCallback, EventProducer
+from bus.producer import DeliveryCallback, EventProducer, Position
 from monitoring import metrics, tracing
 from schemas.codec import decode, encode, headers, kafka_key
 from schemas.events import (
@@ -186,7 +186,7 @@ class StreamsApp(AsyncComponent):
         self._storing: asyncio.Task[Batch] | None = None
         """The insert of the batch before the one being prepared."""
         self._heads: dict[str, AuditHead] | None = None
-        self._offsets: dict[str, tuple[int, int]] = {}
+        self._offsets: dict[str, Position] = {}
         """Per chain: the (partition, offset) its last audit entry came from."""
         self.audit_conflicts: dict[str, str] = {}
         """Chains whose warehouse rows disagree with the audit topic (why): their rows are withheld."""
@@ -349,7 +349,11 @@ class StreamsApp(AsyncComponent):
             )
         if self._on_batch is not None:
             self._on_batch(batch)
-        places = {e.id: (r.partition, r.offset) for r, e in batch.events if r.topic == self.names.control}
+        places = {
+            e.id: (r.partition, r.offset)
+            for r, e in batch.events
+            if isinstance(e, DeploymentChanged) and r.topic == self.names.control
+        }
         self.rollout.observe((event for _, event in batch.events), places)
         await self._rollout()
         return batch
@@ -429,7 +433,7 @@ class StreamsApp(AsyncComponent):
         await asyncio.get_running_loop().run_in_executor(self._executor, insert, self._writer, batch)
         metrics.STREAMS_EVENTS.labels(self.names.drift, "drift_report").inc()
 
-    async def _publish_deployment(self, event: DeploymentChanged) -> tuple[int, int]:
+    async def _publish_deployment(self, event: DeploymentChanged) -> Position:
         """A rollout decision, durable on the control topic (the sink then stores and chains it); where."""
         return await self._producer.publish(self.names.control, event)
 
@@ -446,7 +450,7 @@ class StreamsApp(AsyncComponent):
         except Exception:
             log.exception("drift: evaluating windows failed; trying again next interval")
 
-    async def _chain(self, batch: Batch) -> list[tuple[AuditEntry, bytes, tuple[int, int]]]:
+    async def _chain(self, batch: Batch) -> list[tuple[AuditEntry, bytes, Position]]:
         """The batch's new audit entries, in order, published and durable on the audit topic, each with
         its record value and the (partition, offset) it was stored at."""
         todo = [(record, event) for record, event in batch.events if self._audited(record, event)]
@@ -525,14 +529,14 @@ class StreamsApp(AsyncComponent):
         )
         insert(self._writer, batch)
 
-    async def _publish(self, entries: Sequence[AuditEntry], values: Sequence[bytes]) -> list[tuple[int, int]]:
+    async def _publish(self, entries: Sequence[AuditEntry], values: Sequence[bytes]) -> list[Position]:
         """Produce every entry (``values``: their encoded form), then wait once for all of them to be
         durable (one wake-up per batch)."""
         if not entries:
             return []
         loop = asyncio.get_running_loop()
         done: asyncio.Future[None] = loop.create_future()
-        where: list[tuple[int, int]] = [(0, 0)] * len(entries)
+        where: list[Position] = [(0, 0)] * len(entries)
         remaining = [len(entries)]
         lock = threading.Lock()
 
@@ -545,7 +549,7 @@ class StreamsApp(AsyncComponent):
                 done.set_result(None)
 
         def delivered(index: int) -> DeliveryCallback:
-            def report(err: BusError | None, stored: tuple[int, int] | None) -> None:
+            def report(err: BusError | None, stored: Position | None) -> None:
                 if err is not None or stored is None:
                     loop.call_soon_threadsafe(settle, err or BusError("audit entry not stored"))
                     return

@@ -45,6 +45,7 @@ from typing import Any, TypedDict
 
 import msgspec
 
+from bus.producer import Position
 from monitoring import metrics
 from schemas.events import (
     BurnRateCrossed,
@@ -454,8 +455,6 @@ def _describe(result: GateResult) -> str:
 
 
 Reader = Callable[[str], Awaitable[list[dict[str, Any]]]]
-Position = tuple[int, int]
-"""A record's place on the control topic: (partition, offset)."""
 Publisher = Callable[[DeploymentChanged], Awaitable[Position]]
 Places = Mapping[str, Position]
 """Event id -> where it is on the control topic (an event not in it: taken as after everything known)."""
@@ -494,10 +493,9 @@ class RolloutController:
         self._interval_s = interval_s
         self._clock = clock
         self._monotonic = monotonic or time.monotonic
-        self.deployments: dict[str, DeploymentChanged] = {}
-        """model -> its latest deployment (the log's, or this controller's own decision)."""
-        self._places: dict[str, Position | None] = {}
-        """model -> where its latest deployment is on the control topic (None: not known)."""
+        self._latest: dict[str, tuple[DeploymentChanged, Position | None]] = {}
+        """model -> its latest deployment (the log's, or this controller's own decision) and where it is
+        on the control topic (None: not known)."""
         self._mine: dict[str, tuple[DeploymentChanged, Position | None, Position]] = {}
         """model -> this controller's last decision, where the deployment it came from was, where it is."""
         self._outranked: dict[str, DeploymentChanged] = {}
@@ -515,6 +513,15 @@ class RolloutController:
         self.last_results: dict[str, list[GateResult]] = {}
         """model -> the gates of its last evaluation (for metrics and debugging)."""
 
+    @property
+    def deployments(self) -> Mapping[str, DeploymentChanged]:
+        """model -> its latest deployment (the log's, or this controller's own decision)."""
+        return {model: deployment for model, (deployment, _) in self._latest.items()}
+
+    def _known(self, model: str) -> tuple[DeploymentChanged | None, Position | None]:
+        """The model's latest deployment and where it is on the control topic (None: not known)."""
+        return self._latest.get(model, (None, None))
+
     def seed(self, control: Iterable[Event], places: Places = NOWHERE) -> None:
         """The control topic's events, read to its end at start (``places``: where each is): the latest
         deployments, and the workers' readiness announcements (a rollout that was warming resumes there)."""
@@ -525,7 +532,7 @@ class RolloutController:
         for event in events:
             if isinstance(event, WorkerReady):
                 self._remember_ready(event)
-        self._due |= {m for m, d in self.deployments.items() if in_progress(d)}
+        self._due |= {m for m, (d, _) in self._latest.items() if in_progress(d)}
 
     def _remember_ready(self, event: WorkerReady) -> None:
         if event.deployment:
@@ -537,14 +544,13 @@ class RolloutController:
 
     def _follow(self, event: DeploymentChanged, at: Position | None) -> None:
         """``event`` is the model's latest deployment unless the log has it before the one known."""
-        known, known_at = self.deployments.get(event.model), self._places.get(event.model)
+        known, known_at = self._known(event.model)
         self._check_outranked(event, at)
         if at is not None and known_at is not None and at <= known_at:
             return  # earlier in the log (redelivered, or raced by a later decision): the state is past it
         if known is None or known.id != event.id:
             metrics.ROLLOUT_DECISIONS.labels(event.model, event.action, event.actor or "operator").inc()
-        self.deployments[event.model] = event
-        self._places[event.model] = at
+        self._latest[event.model] = (event, at)
         if event.phase != "canary":
             self._burning.pop(event.model, None)
         versions = set(event.traffic) | ({known.stable, *known.traffic} if known is not None else set())
@@ -594,7 +600,7 @@ class RolloutController:
                 self._due.add(event.model)
 
     def _canary(self, model: str) -> bool:
-        deployment = self.deployments.get(model)
+        deployment, _ = self._known(model)
         return deployment is not None and deployment.phase == "canary"
 
     async def run_due(self) -> list[DeploymentChanged]:
@@ -612,7 +618,7 @@ class RolloutController:
         self._last_run = now_mono
         due, self._due = self._due, set()
         for model in sorted(due):
-            current = self.deployments.get(model)
+            current, _ = self._known(model)
             if current is None or not in_progress(current):
                 continue
             if current.phase == "warming":
@@ -633,7 +639,7 @@ class RolloutController:
             for result in results:
                 for state in ("pass", "fail", "insufficient_data"):
                     metrics.ROLLOUT_GATE_STATE.labels(model, result.gate, state).set(state == result.state)
-            latest = self.deployments.get(model)
+            latest, _ = self._known(model)
             if latest is None or latest.id != current.id:
                 self._due.add(model)  # an operator's change arrived meanwhile: judge that one instead
                 continue
@@ -647,7 +653,7 @@ class RolloutController:
         decisions: list[DeploymentChanged] = []
         for model, outranked in list(self._outranked.items()):
             del self._outranked[model]
-            current = self.deployments.get(model)
+            current, _ = self._known(model)
             if current is None:
                 continue
             again = reapply(outranked, current, self._clock())
@@ -659,7 +665,7 @@ class RolloutController:
 
     async def _act(self, model: str, decision: DeploymentChanged) -> bool:
         """Publish ``decision`` (durable before the state moves); False when that failed (due again)."""
-        before, source = self.deployments.get(model), self._places.get(model)
+        before, source = self._known(model)
         try:
             placed = await self._publish(decision)
         except Exception:
@@ -667,9 +673,9 @@ class RolloutController:
             self._due.add(model)
             return False
         self._mine[model] = (decision, source, placed)
-        latest = self.deployments.get(model)
+        latest, at = self._known(model)
         if latest is not None and latest is not before:
-            self._check_outranked(latest, self._places.get(model))  # followed while this was published
+            self._check_outranked(latest, at)  # followed while this was published
         self._follow(decision, placed)
         log.warning("rollout %s: %s", model, decision.reason)
         return True

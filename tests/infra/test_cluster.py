@@ -18,7 +18,7 @@ from confluent_kafka.admin import ConfigResource
 
 from bus.consumer import consumer_config
 from bus.errors import BusError
-from bus.producer import Delivered, EventProducer
+from bus.producer import EventProducer, Position
 from infra.kafka.broker import (
     BrokerError,
     LocalKafka,
@@ -294,13 +294,13 @@ class _Acks:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.delivered: dict[bytes, Delivered] = {}
+        self.delivered: dict[bytes, Position] = {}
         self.errors: list[BusError] = []
 
     def produce(self, producer: EventProducer, topic: str, values: list[bytes], partitions: int) -> None:
         for i, value in enumerate(values):
 
-            def report(err: BusError | None, where: Delivered | None, value: bytes = value) -> None:
+            def report(err: BusError | None, where: Position | None, value: bytes = value) -> None:
                 with self.lock:
                     if err is not None:
                         self.errors.append(err)

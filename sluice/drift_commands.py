@@ -1,0 +1,143 @@
+"""``sluice drift ...``: the latest drift verdicts, and one report feature by feature (docs/drift.md).
+
+The detection lives in :mod:`streams.drift` and :mod:`drift`; this module is only the command line, and
+imports them when a command runs, so ``sluice --help`` stays quick.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from sluice.groups import command_group
+
+drift_app = command_group(
+    help="Drift detection: per model version and window, evidently tests of request features against a "
+    "reference window (docs/drift.md)."
+)
+
+
+@drift_app.command("status")
+def drift_status(
+    model: Annotated[str | None, typer.Option("--model", "-m", help="only this model")] = None,
+) -> None:
+    """The latest verdict per model, version and scope ('*' = all tenants): drift, no_drift, reference,
+    insufficient_data or data_quality, with the drifted features and data-quality findings."""
+    from infra.warehouse import WarehouseError, query_warehouse
+    from sluice.cli import _cell, out, settings, warehouse_failure
+    from streams.queries import SAVED
+
+    try:
+        result = query_warehouse(settings(), SAVED["drift-status"].sql)
+    except WarehouseError as exc:
+        raise warehouse_failure(exc) from None
+    rows = [dict(zip(result.columns, row, strict=True)) for row in result.rows]
+    rows = [r for r in rows if model is None or r["model"] == model]
+    if not rows:
+        out.print("no drift reports yet" + (f" for {model}" if model else "") + " (see docs/drift.md)")
+        return
+    colour = {"drift": "red", "data_quality": "yellow", "insufficient_data": "dim"}
+    table = Table(*result.columns, title="drift: latest verdict per model, version and scope")
+    for row in rows:
+        cells = [_cell(row[c]) for c in result.columns]
+        style = colour.get(str(row.get("verdict")), "green")
+        table.add_row(*cells, style=style)
+    out.print(table)
+
+
+@drift_app.command("report")
+def drift_report(
+    model: Annotated[str, typer.Argument(help="the model id, e.g. demo-gpt")],
+    version: Annotated[
+        str | None, typer.Option("--version", help="model version (default: newest report)")
+    ] = None,
+    tenant: Annotated[str, typer.Option("--tenant", help="a tenant's own report; '*' = all tenants")] = "*",
+    window: Annotated[
+        str | None, typer.Option("--window", help="window start, ISO 8601 UTC (default: the latest window)")
+    ] = None,
+    html: Annotated[
+        Path | None, typer.Option("--html", help="write evidently's HTML report for that window here")
+    ] = None,
+    no_embeddings: Annotated[
+        bool, typer.Option("--no-embeddings", help="leave the embedding widgets out of the HTML (faster)")
+    ] = False,
+) -> None:
+    """Show one drift report (the latest by default) feature by feature; with --html, sample the same
+    reference and current windows again from the warehouse and write evidently's report."""
+    import asyncio
+    from datetime import UTC, datetime
+
+    from rich.markup import escape
+
+    from infra.warehouse import WarehouseError, query_warehouse
+    from schemas.settings import load_settings
+    from sluice.cli import console, fail, out, settings, warehouse_failure
+    from streams.drift import StoredReport, latest_report_sql, recompute_html
+    from streams.settings import StreamsSettings
+
+    start = None
+    if window is not None:
+        try:
+            start = datetime.fromisoformat(window)
+        except ValueError:
+            raise fail(f"--window {window!r} is not an ISO 8601 time", 2) from None
+        start = start if start.tzinfo is not None else start.replace(tzinfo=UTC)
+    platform = settings()
+
+    def rows(sql: str) -> list[dict[str, Any]]:
+        result = query_warehouse(platform, sql, max_rows=100_000)
+        return [dict(zip(result.columns, row, strict=True)) for row in result.rows]
+
+    try:
+        found = rows(latest_report_sql(model, version, tenant, start))
+    except WarehouseError as exc:
+        raise warehouse_failure(exc) from None
+    if not found:
+        raise fail(f"no drift report for {model} (scope {tenant}); `sluice drift status` lists them", 1)
+    report = StoredReport.of(found[0])
+    reference = (
+        f"{report.reference.start:%Y-%m-%d %H:%M:%S} - {report.reference.end:%H:%M:%S}"
+        if report.reference is not None
+        else "none yet"
+    )
+    out.print(
+        f"[bold]{escape(model)}[/] {escape(report.key.model_version)} scope {escape(tenant)}: window "
+        f"{report.window.start:%Y-%m-%d %H:%M:%S} - {report.window.end:%H:%M:%S} UTC, reference {reference}: "
+        f"[bold]{report.verdict}[/] ({report.requests} requests, sampled {report.n_reference} vs "
+        f"{report.n_current}, alpha {report.alpha})"
+    )
+    table = Table("feature", "kind", "test", "statistic", "threshold", "drifted", "missing")
+    for feature in report.features:
+        table.add_row(
+            feature.name,
+            feature.kind,
+            feature.method,
+            f"{feature.statistic:.4g}",
+            f"{feature.threshold:.4g}",
+            "[red]yes[/]" if feature.drifted else "no",
+            f"{feature.null_share:.0%}",
+        )
+    if report.features:
+        out.print(table)
+    for finding in report.quality:
+        out.print(f"[yellow]data quality:[/] {escape(finding)}")
+    if html is None:
+        return
+
+    async def query(sql: str) -> list[dict[str, Any]]:
+        return await asyncio.to_thread(rows, sql)
+
+    with console.status("sampling the windows again and running evidently…"):
+        try:
+            made = asyncio.run(
+                recompute_html(query, report, load_settings(StreamsSettings), embeddings=not no_embeddings)
+            )
+        except (WarehouseError, ValueError) as exc:
+            raise fail(str(exc)) from None
+    html.write_text(made.html, encoding="utf-8")
+    out.print(
+        f"wrote {html} (evidently report: {made.n_reference} reference vs {made.n_current} current rows)"
+    )
