@@ -79,16 +79,18 @@ async def embed(session: aiohttp.ClientSession, url: str, n: int) -> int:
     return 1
 
 
-async def embed_stamped(session: aiohttp.ClientSession, url: str, n: int) -> tuple[str, float, float]:
-    """One embedding request: its request id (the edge's ``x-request-id``), and the wall-clock times it was
-    sent and its whole answer read (to set beside the timings its terminal event carries)."""
+async def embed_stamped(session: aiohttp.ClientSession, url: str, n: int) -> tuple[str, float, float, str]:
+    """One embedding request: its request id (the edge's ``x-request-id``), the wall-clock times it was
+    sent and its whole answer read (to set beside the timings its terminal event carries), and the answer's
+    ``Server-Timing`` header ("" if none)."""
     body = {"model": "all-minilm-l6-v2", "input": embed_text(n)}
     sent = time.time()
     async with session.post(f"{url}/v1/embeddings", json=body, headers=AUTH) as response:
         if response.status != 200:
             raise RuntimeError(await response.text())
         await response.read()
-        return response.headers.get("x-request-id", ""), sent, time.time()
+        done = time.time()
+        return response.headers.get("x-request-id", ""), sent, done, response.headers.get("Server-Timing", "")
 
 
 async def closed_loop(

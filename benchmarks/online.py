@@ -77,7 +77,7 @@ import kafka_floor
 from floors import drift, floor_summary, mean_run, ttft_floor
 from harness import kafka, pct, service_env
 from loadgen import closed_loop, completion, embed, embed_stamped, profile_all, steady_rate, ttft_stamped
-from stages import RAW_IDLE_WORKER, STAGES, where_time_goes
+from stages import BACK_SPLIT, RAW_IDLE_WORKER, STAGES, server_timing, where_time_goes
 
 from bus.placement import available_cpus, pin_process, place_box
 from gpu_workers.models import default_torch_threads
@@ -486,8 +486,14 @@ def main() -> None:
             print("platform under load ...", file=sys.stderr)
             result = asyncio.run(measure(f"http://127.0.0.1:{port}", raw, services, args.quick))
             raw_batch1_ms = 1000 / float(cast(dict[str, float], raw["embeddings_per_s"])["1"])
+            stamped = cast(list[tuple[str, float, float, str]], result.pop("one_client_stamps"))
+            returns = {
+                request_id: timing["return"]
+                for request_id, _, _, header in stamped
+                if "return" in (timing := server_timing(header))
+            }
             where = where_time_goes(
-                conn, names.results, cast(Any, result.pop("one_client_stamps")), "finished"
+                conn, names.results, [s[:3] for s in stamped], "finished", returns=returns
             )
             where["raw batch 1"] = raw_batch1_ms
             after_idle = cast(dict[str, float], raw["embedding_batch1_after_idle"])
@@ -552,7 +558,7 @@ def main() -> None:
     print(
         "\nembeddings at 1 client, where the time goes (p50 ms; the terminal events' timings, "
         f"{where['requests']:.0f} requests): "
-        + " | ".join(f"{stage} {where[stage]:.2f}" for stage in STAGES if stage in where)
+        + " | ".join(f"{stage} {where[stage]:.2f}" for stage in (*STAGES, *BACK_SPLIT) if stage in where)
         + f" | raw batch 1 {where['raw batch 1']:.2f} in a loop, "
         f"{where['raw batch 1 after idle']:.2f} after {where['raw idle ms']:.0f} ms idle"
         f" ({where[RAW_IDLE_WORKER]:.2f} on the worker's {threads} thread(s))"

@@ -49,8 +49,12 @@ def parse_last_event_id(value: str | None) -> tuple[str, int] | None:
     return match["rid"], int(match["seq"])
 
 
-def json_response(body: Any, *, status: int = 200, request_id: str | None = None) -> web.Response:
-    headers = {"x-request-id": request_id} if request_id else None
+def json_response(
+    body: Any, *, status: int = 200, request_id: str | None = None, timing: str | None = None
+) -> web.Response:
+    headers = {"x-request-id": request_id} if request_id else {}
+    if timing:
+        headers["Server-Timing"] = timing
     return web.Response(
         status=status, body=msgspec.json.encode(body), content_type="application/json", headers=headers
     )
@@ -161,7 +165,10 @@ class Routes:
             if not shape.stream:
                 async with guard:
                     text, finished = await collect(stream)
-                return json_response(final_body(shape, text, finished), request_id=shape.request_id)
+                timing = watch.server_timing(finished) if self.ctx.settings.edge_server_timing else None
+                return json_response(
+                    final_body(shape, text, finished), request_id=shape.request_id, timing=timing
+                )
             encoder = SseEncoder(shape, resumed=resumed)
             response = web.StreamResponse(headers={**SSE_HEADERS, "x-request-id": shape.request_id})
             ended = False

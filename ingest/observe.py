@@ -61,11 +61,15 @@ class RequestWatch:
         stream: bool,
         t0: float,
         clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
     ) -> None:
         self._event = event
         self._stream = stream
         self._t0 = t0
         self._clock = clock
+        self._wall = wall
+        self._received: float | None = None
+        """When the terminal event reached this handler (``clock``)."""
         self._labels = (
             (metrics.tenant_label(event.tenant), event.model, event.model_version) if event else None
         )
@@ -126,6 +130,7 @@ class RequestWatch:
         self._last = now
 
     def _finished(self, finished: RequestFinished, now: float) -> None:
+        self._received = now
         self._record_receive(finished)
         attributes: dict[str, tracing.AttributeValue] = {
             tracing.GEN_AI_RESPONSE_MODEL: finished.model,
@@ -147,6 +152,40 @@ class RequestWatch:
         metrics.GENERATION_TOKENS.labels(*self._labels).inc(finished.usage.completion_tokens)
         if finished.status == "completed":
             metrics.E2E.labels(*self._labels).observe(now - self._t0)
+
+    def server_timing(self, finished: RequestFinished) -> str | None:
+        """Where a non-streamed request's time went, as a ``Server-Timing`` header (milliseconds): ``edge``
+        (the request read, checked, tokenised and published), ``queue`` (the way to the worker and the wait
+        for a batch there), ``model`` (the worker's batch, up to its terminal event), ``return`` (the terminal
+        event's way back to this handler) and ``total`` (this handler's time, up to now). ``queue`` and
+        ``return`` span two hosts' clocks (the edge's and the worker's): an offset between them moves time
+        from one to the other (their sum does not move), and one that would make either negative reads 0.
+        None for a request this edge did not submit (a resume, an idempotent replay: its timings are an
+        earlier run's) or one whose terminal event has not arrived."""
+        if self._event is None or self._received is None:
+            return None
+        timings = finished.timings
+        now = self._clock()
+        wall_now = self._wall()
+
+        def wall(at: float) -> float:
+            return wall_now - (now - at)
+
+        points = [
+            ("edge", wall(self._t0), timings.accepted.timestamp() if timings.accepted else None),
+            ("queue", None, timings.started.timestamp() if timings.started else None),
+            ("model", None, timings.finished.timestamp() if timings.finished else None),
+            ("return", None, wall(self._received)),
+        ]
+        parts: list[str] = []
+        last: float | None = wall(self._t0)
+        for name, start, end in points:
+            start = last if start is None else start
+            if start is not None and end is not None:
+                parts.append(f"{name};dur={max(0.0, (end - start) * 1000):.2f}")
+            last = end
+        parts.append(f"total;dur={(now - self._t0) * 1000:.2f}")
+        return ", ".join(parts)
 
     def _record_receive(self, finished: RequestFinished) -> None:
         """The terminal event's arrival, as a child of the worker's publish span (the Kafka hop back)."""

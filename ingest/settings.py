@@ -31,6 +31,9 @@ class EdgeSettings(msgspec.Struct, frozen=True, kw_only=True):
     """JSON or TOML tenants file (see ``ingest/auth.py``). Unset: only the demo tenant, key ``sk-sluice-demo``."""
     edge_max_body_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 1 << 20
     """Largest HTTP body and WebSocket message; larger bodies get 413."""
+    edge_server_timing: bool = True
+    """A non-streamed answer carries a ``Server-Timing`` header: where its time went (the edge, the queue, the
+    model, the way back; ingest/README.md). Off: no header (the timings stay in the logs and traces)."""
     edge_default_timeout_s: Seconds = 60.0
     """Deadline of a request that names none (``timeout`` field or ``X-Request-Timeout`` header)."""
     edge_max_timeout_s: Seconds = 600.0

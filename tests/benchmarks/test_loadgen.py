@@ -34,3 +34,11 @@ async def test_steady_rate_counts_only_what_completes_inside_the_window() -> Non
 def test_embedding_inputs_cycle_through_a_fixed_set() -> None:
     assert embed_text(3) == embed_text(3 + EMBED_TEXTS) == embed_text(3 + 5 * EMBED_TEXTS)
     assert len({embed_text(n) for n in range(3 * EMBED_TEXTS)}) == EMBED_TEXTS
+
+
+def test_a_server_timing_header_reads_as_durations_by_name() -> None:
+    from stages import server_timing  # type: ignore[import-not-found]
+
+    header = 'edge;dur=0.74, queue;dur=0.98, cache;desc="hit", model;desc="x";dur=5.95, total;dur=9.5'
+    assert server_timing(header) == {"edge": 0.74, "queue": 0.98, "model": 5.95, "total": 9.5}
+    assert server_timing("") == {}

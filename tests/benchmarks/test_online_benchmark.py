@@ -63,6 +63,9 @@ def test_the_online_benchmark_runs_quick_and_writes_its_json(tmp_path: Path, kaf
     stages = [where[s] for s in ("edge in", "to the worker", "model", "back")]
     assert all(ms > 0 for ms in stages), where
     assert where["total"] >= where["model"] > 0, where
+    # the way back split by the answers' Server-Timing: the terminal event's way to the edge, and the rest
+    assert 0 < where["back: return"] < where["back"], where
+    assert where["back: respond"] > 0, where
     assert where["raw batch 1"] > 0, where
     assert where["raw batch 1 after idle"] > 0, where
     assert where["raw batch 1 after idle, worker's threads"] > 0, where

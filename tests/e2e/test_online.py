@@ -144,6 +144,11 @@ async def test_idempotency_key_executes_once(platform: Platform, workers: list[W
         )
     assert first.status == second.status == 200
     assert first_body == second_body
+    # where the first run's time went; the replay was not run, so it says nothing
+    stages = [part.split(";dur=") for part in first.headers["Server-Timing"].split(", ")]
+    assert [name for name, _ in stages] == ["edge", "queue", "model", "return", "total"]
+    assert float(dict(stages)["model"]) > 0
+    assert "Server-Timing" not in second.headers
     request_id = first_body["id"].removeprefix("chatcmpl-")
     await platform.results.wait(lambda: bool(platform.results.of(request_id)))
     await platform.requests.caught_up()

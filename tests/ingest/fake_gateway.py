@@ -28,8 +28,10 @@ from schemas.events import (
     ReplyTo,
     RequestFinished,
     Status,
+    Timings,
     TokenChunk,
     Usage,
+    utc_now,
 )
 
 
@@ -257,6 +259,7 @@ def _finished(
         embeddings_f32=embeddings,
         error=error,
         worker_id="fake-worker",
+        timings=Timings(accepted=event.time, started=utc_now(), finished=utc_now()),
     )
 
 

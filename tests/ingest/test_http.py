@@ -181,6 +181,34 @@ async def test_embeddings_float_and_base64(
     assert gateway.submitted[1].inputs == [[4, 5]]  # type: ignore[union-attr]
 
 
+def _server_timing(header: str) -> dict[str, float]:
+    parts = [part.strip().split(";dur=") for part in header.split(",")]
+    return {name: float(duration) for name, duration in parts}
+
+
+async def test_a_non_streamed_answer_says_where_its_time_went(make_client: MakeClient) -> None:
+    client, _ = await make_client()
+    embedded = await client.post("/v1/embeddings", json={"model": EMB, "input": "hello"}, headers=AUTH)
+    completed = await client.post(
+        "/v1/completions", json={"model": GEN, "prompt": "hi", "max_tokens": 2}, headers=AUTH
+    )
+    for response in (embedded, completed):
+        assert response.status == 200
+        timing = _server_timing(response.headers["Server-Timing"])
+        assert list(timing) == ["edge", "queue", "model", "return", "total"]
+        assert all(duration >= 0 for duration in timing.values())
+        assert timing["total"] >= timing["edge"]
+    streamed = await client.post(
+        "/v1/completions", json={"model": GEN, "prompt": "hi", "max_tokens": 2, "stream": True}, headers=AUTH
+    )
+    await streamed.read()
+    assert "Server-Timing" not in streamed.headers  # sent before the stream's timings exist
+    quiet, _ = await make_client(edge_server_timing=False)
+    plain = await quiet.post("/v1/embeddings", json={"model": EMB, "input": "hello"}, headers=AUTH)
+    assert plain.status == 200
+    assert "Server-Timing" not in plain.headers
+
+
 async def test_models_health_and_readiness(make_client: MakeClient, gateway: FakeGateway) -> None:
     client, _ = await make_client()
     models = await (await client.get("/v1/models", headers=AUTH)).json()
