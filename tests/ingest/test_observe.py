@@ -38,7 +38,7 @@ def request() -> EmbeddingRequested:
     )
 
 
-def finished(accepted: datetime, started: datetime, done: datetime) -> RequestFinished:
+def finished(accepted: datetime | None, started: datetime, done: datetime) -> RequestFinished:
     return RequestFinished(
         tenant="acme",
         model="all-minilm-l6-v2",
@@ -90,14 +90,5 @@ def test_no_header_for_a_request_this_edge_did_not_submit_or_before_its_end() ->
 
 
 def test_a_stage_whose_timings_are_missing_is_left_out() -> None:
-    result = RequestFinished(
-        tenant="acme",
-        model="all-minilm-l6-v2",
-        request_id="r1",
-        source="test",
-        status="completed",
-        finish_reason="stop",
-        usage=Usage(prompt_tokens=2, completion_tokens=0, total_tokens=2),
-        timings=Timings(started=at(100.004), finished=at(100.010)),
-    )
+    result = finished(None, at(100.004), at(100.010))
     assert served(request(), result, Clocks()) == "model;dur=6.00, return;dur=2.00, total;dur=13.00"
