@@ -11,6 +11,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import Span
 
 from gpu_workers.observe import WorkerObserver, open_trace
 from monitoring import tracing
@@ -41,6 +42,13 @@ def finished(event: EmbeddingRequested) -> RequestFinished:
     )
 
 
+def ended(observer: WorkerObserver, event: EmbeddingRequested) -> tuple[Span | None, object]:
+    """``event`` consumed, run in a batch of one, and ended: what ``finishing`` hands its publisher."""
+    observer.joined(event.request_id, 1, 0.0)
+    opened = open_trace(event, "requests", 0, 7, "group")
+    return observer.finishing(event, opened, finished(event), "replies", 0)
+
+
 def test_without_a_recording_provider_the_callers_context_passes_through(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -48,14 +56,11 @@ def test_without_a_recording_provider_the_callers_context_passes_through(
     monkeypatch.setattr(tracing, "recording", lambda: False)
     event = request()
     observer = WorkerObserver(event.model, "w")
-    observer.joined(event.request_id, 1, 0.0)
-    opened = open_trace(event, "requests", 0, 7, "group")
-    span, context = observer.finishing(event, opened, finished(event), "replies", 0)
+    span, context = ended(observer, event)
     assert span is None  # nothing to end once the event is durable
     assert context == (TRACEPARENT, None)  # the terminal event names the edge's publish span
     alone = msgspec.structs.replace(event, traceparent=None, request_id=uuid7())  # no caller's trace
-    opened = open_trace(alone, "requests", 0, 8, "group")
-    assert observer.finishing(alone, opened, finished(alone), "replies", 0) == (None, None)
+    assert ended(observer, alone) == (None, None)
 
 
 def test_a_recording_provider_gets_the_phases_and_the_publish_span(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -64,11 +69,7 @@ def test_a_recording_provider_gets_the_phases_and_the_publish_span(monkeypatch: 
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     monkeypatch.setattr(tracing, "tracer", lambda: provider.get_tracer("test"))
     monkeypatch.setattr(tracing, "recording", lambda: True)
-    event = request()
-    observer = WorkerObserver(event.model, "w")
-    observer.joined(event.request_id, 1, 0.0)
-    opened = open_trace(event, "requests", 0, 7, "group")
-    span, context = observer.finishing(event, opened, finished(event), "replies", 0)
+    span, context = ended(WorkerObserver("all-minilm-l6-v2", "w"), request())
     assert span is not None
     span.end()
     names = [s.name for s in exporter.get_finished_spans()]
