@@ -40,9 +40,11 @@ pytestmark = pytest.mark.integration
 AUTH = {"Authorization": f"Bearer {DEMO_KEY}"}
 BAD = "bad000000001"
 GOOD = "good00000001"
-LATENCY_SLACK = ("--max-ttft-ratio", "4", "--max-itl-ratio", "4")
+LATENCY_SLACK = ("--max-ttft-ratio", "50", "--max-itl-ratio", "50")
 """The three versions' workers share this process and 2 cores, and the candidate also runs the shadow
-copies: its latencies say how the CPU was shared, not how the model is. These tests are about the
+copies: its latencies say how the CPU was shared, not how the model is (with 4x, one stall of the box in a
+step's window, a JVM starting beside this test in CI, took a candidate's ITL p99 to 834 ms against stable's
+28 and rolled the good candidate back). These tests are about the
 controller's decisions on errors and promotion; the latency gates' limits are tested on their own in
 ``tests/streams/test_rollout.py``."""
 ROLLBACK_BOUND_S = 60.0

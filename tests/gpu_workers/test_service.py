@@ -808,7 +808,10 @@ async def test_a_light_tenant_is_served_while_a_flooding_tenant_waits(
 
     with make_worker(platform, settings, "demo-gpt") as worker:
         assert worker.wait_assigned(30)
-        flood = requests("flood", 12, 64)
+        # long enough that the light requests, published once the flood's first has ended, arrive while most
+        # of the flood still waits, on a fast box too (with 64 tokens a fast box had started all but the last
+        # few by then)
+        flood = requests("flood", 12, 192)
         for request in flood:
             await producer.publish(names.requests("demo-gpt"), request)
         results.finished(flood[0].request_id, timeout=90)  # the flood is queued and being served

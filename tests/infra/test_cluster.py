@@ -272,6 +272,10 @@ def test_replicated_topics_on_three_brokers(cluster: LocalKafkaCluster, topic_pr
     changes = apply_topics(admin, specs)
     assert [c.action for c in changes] == ["created"] * len(specs)
     names = [spec.name for spec in specs]
+    # created by the controller; the broker answering the metadata request may learn of them a moment later
+    _wait_for(
+        "every topic in the metadata", lambda: set(names) <= set(admin.list_topics(timeout=10).topics), 30
+    )
     metadata = admin.list_topics(timeout=10)
     for spec in specs:
         partitions = metadata.topics[spec.name].partitions
