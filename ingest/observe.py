@@ -171,19 +171,17 @@ class RequestWatch:
         def wall(at: float) -> float:
             return wall_now - (now - at)
 
-        points = [
-            ("edge", wall(self._t0), timings.accepted.timestamp() if timings.accepted else None),
-            ("queue", None, timings.started.timestamp() if timings.started else None),
-            ("model", None, timings.finished.timestamp() if timings.finished else None),
-            ("return", None, wall(self._received)),
+        # the hand-offs in order, on the wall clock; each stage is the time between two of them
+        marks = [
+            wall(self._t0),
+            *(at.timestamp() if at else None for at in (timings.accepted, timings.started, timings.finished)),
+            wall(self._received),
         ]
-        parts: list[str] = []
-        last: float | None = wall(self._t0)
-        for name, start, end in points:
-            start = last if start is None else start
-            if start is not None and end is not None:
-                parts.append(f"{name};dur={max(0.0, (end - start) * 1000):.2f}")
-            last = end
+        parts = [
+            f"{name};dur={max(0.0, (end - start) * 1000):.2f}"
+            for name, start, end in zip(("edge", "queue", "model", "return"), marks, marks[1:], strict=False)
+            if start is not None and end is not None
+        ]
         parts.append(f"total;dur={(now - self._t0) * 1000:.2f}")
         return ", ".join(parts)
 

@@ -37,14 +37,15 @@ MaxCostRatio = Annotated[
 ]
 
 
-def _limits(
+def _gates(
     min_requests: int,
     max_error_delta: float,
     max_ttft_ratio: float,
     max_itl_ratio: float,
     max_cost_ratio: float,
+    **more: Any,
 ) -> RolloutGates:
-    """The gates' limits from the options both ``start`` and ``evaluate`` take."""
+    """The gates, from the limits both ``start`` and ``evaluate`` take and ``more`` of their fields."""
     from schemas.events import RolloutGates
 
     return RolloutGates(
@@ -53,6 +54,7 @@ def _limits(
         max_ttft_p99_ratio=max_ttft_ratio,
         max_itl_p99_ratio=max_itl_ratio,
         max_cost_ratio=max_cost_ratio,
+        **more,
     )
 
 
@@ -122,13 +124,15 @@ def rollout_start(
     """Start rolling VERSION out: once a worker of VERSION is ready, --canary % of traffic (sticky per tenant
     and X-Session-Id / user), then each step of --steps once its gates pass; any failed gate rolls back by
     itself."""
-    import msgspec
-
     from sluice.cli import settings
     from sluice.rollout import parse_steps, plan_start
 
-    gates = msgspec.structs.replace(
-        _limits(min_requests, max_error_delta, max_ttft_ratio, max_itl_ratio, max_cost_ratio),
+    gates = _gates(
+        min_requests,
+        max_error_delta,
+        max_ttft_ratio,
+        max_itl_ratio,
+        max_cost_ratio,
         drift=drift_gate,
         burn=burn_gate,
         step_min_s=step_min_s,
@@ -175,10 +179,8 @@ def rollout_evaluate(
     from sluice.evaluate import evaluate, parse_duration
     from sluice.rollout import RolloutError
 
-    gates = msgspec.structs.replace(
-        _limits(min_requests, max_error_delta, max_ttft_ratio, max_itl_ratio, max_cost_ratio),
-        drift=False,
-        burn=False,
+    gates = _gates(
+        min_requests, max_error_delta, max_ttft_ratio, max_itl_ratio, max_cost_ratio, drift=False, burn=False
     )
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
     with Progress(*columns, console=console, transient=True) as bar:
