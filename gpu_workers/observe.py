@@ -130,12 +130,11 @@ class WorkerObserver:
         topic: str,
         partition: int | None,
     ) -> tuple[Span | None, tuple[str, str | None] | None]:
-        """Record the request's metrics and phases, end its ``process`` span, and open the ``publish``
-        span of its terminal event (returned, to end once the event is durable) with the trace context
-        (traceparent, tracestate) the terminal event must carry, when there is one."""
+        """Record the request's phases, end its ``process`` span, and open the ``publish`` span of its
+        terminal event (returned, to end once the event is durable) with the trace context (traceparent,
+        tracestate) the terminal event must carry, when there is one. Its metrics are :meth:`measure`'s,
+        which the caller calls once the reply is on its way."""
         stay = self._stays.pop(event.request_id, _Stay())
-        received_ns = request.received_ns if request is not None else None
-        self._metrics(event, result, received_ns)
         if request is None:
             return None, None
         process = request.span
@@ -193,12 +192,14 @@ class WorkerObserver:
             attributes=tracing.messaging("publish", topic, partition),
         )
 
-    def _metrics(
+    def measure(
         self,
         event: GenerationRequested | EmbeddingRequested,
+        request: RequestTrace | None,
         result: RequestFinished,
-        received_ns: int | None,
     ) -> None:
+        """Count a finished request and observe its queue wait, time to first token and end to end."""
+        received_ns = request.received_ns if request is not None else None
         child = self._child
         labels = (self._model, event.model_version)
         child(metrics.WORKER_REQUESTS, *labels, result.status).inc()

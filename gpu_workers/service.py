@@ -809,29 +809,29 @@ class WorkerService(Component):
             self._producer.produce(reply.topic, chunk, partition=reply.partition)
 
     def _publish_finish(self, arrival: Arrival, result: RequestFinished) -> None:
+        """Publish a request's terminal event: first the copy its edge waits for on the reply topic, then
+        what the client need not wait for (the worker's metrics, the drift features: right after a forward
+        pass every cold line of that code costs tens of microseconds, and a sampled generation prompt's
+        embedding a whole MiniLM call), then the copy downstream systems read on the results topic, which
+        carries the features too. Both copies are one event (same id, status, output and timings); the
+        request's offset is committed once both are durable."""
         request_id = arrival.event.request_id
         if request_id in self._finished:
             return  # exactly one terminal event per request
         self._remember_finished(request_id)
         self._live.pop(request_id, None)
-        reply = arrival.event.reply
+        event, reply = arrival.event, arrival.event.reply
         span, context = self._observer.finishing(
-            arrival.event,
+            event,
             arrival.trace,
             result,
             reply.topic if reply is not None else self._names.results,
             reply.partition if reply is not None else None,
         )
-        result = with_request(result, arrival.event, context, self.version)
+        result = with_request(result, event, context, self.version)
         if arrival.batch is not None:
             result = msgspec.structs.replace(result, batch=arrival.batch)
-        if self._probe is not None:
-            try:
-                result = msgspec.structs.replace(result, features=self._probe.features(arrival.event, result))
-            except Exception:  # features describe the request; they must never keep it from ending
-                log.exception("drift features of %s failed", request_id)
-        writes = 2 if reply is not None else 1
-        remaining = [writes]
+        remaining = [2 if reply is not None else 1]
         lock = threading.Lock()
 
         failed = [False]
@@ -854,8 +854,8 @@ class WorkerService(Component):
                     if span is not None:
                         span.end()
 
-        value = encode(result)  # once, for the size check and both topics
-        if len(value) > MAX_RECORD_BYTES - RECORD_HEADROOM_BYTES:
+        value = encode(result)
+        if not _fits(value):
             # Too large for one record: end the request failed, not the model thread (which the produce
             # error used to kill, and again after every redelivery).
             log.error(
@@ -872,7 +872,25 @@ class WorkerService(Component):
             self._producer.produce_raw(
                 reply.topic, value, key=key, headers=head, partition=reply.partition, on_delivery=durable
             )
+        self._observer.measure(event, arrival.trace, result)
+        if self._probe is not None:
+            value = self._with_features(event, result, value)
         self._producer.produce_raw(self._names.results, value, key=key, headers=head, on_delivery=durable)
+
+    def _with_features(self, event: Request, result: RequestFinished, value: bytes) -> bytes:
+        """The results copy of a terminal event (encoded as ``value``) with its drift features, or as it
+        was where they fail or would not fit in one record: they describe the request, they must never keep
+        it from ending."""
+        assert self._probe is not None
+        try:
+            described = encode(msgspec.structs.replace(result, features=self._probe.features(event, result)))
+        except Exception:
+            log.exception("drift features of %s failed", event.request_id)
+            return value
+        if not _fits(described):
+            log.warning("drift features of %s left out: the event would not fit one record", event.request_id)
+            return value
+        return described
 
 
 def _end_trace(arrival: Arrival, status: str) -> None:
@@ -915,6 +933,11 @@ def finished_by(message: Message, model_id: str, *, skip_source: str | None = No
 
 RECORD_HEADROOM_BYTES = 4096
 """Room under :data:`~schemas.codec.MAX_RECORD_BYTES` for the key, headers and record framing."""
+
+
+def _fits(value: bytes) -> bool:
+    """Whether an encoded terminal event fits one log record with its key and headers."""
+    return len(value) <= MAX_RECORD_BYTES - RECORD_HEADROOM_BYTES
 
 
 def too_large(result: RequestFinished, size: int) -> RequestFinished:
