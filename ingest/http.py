@@ -60,6 +60,18 @@ def json_response(
     )
 
 
+async def send_now(request: web.Request, response: web.Response) -> None:
+    """Send a whole answer now, before the handler's bookkeeping unwinds (the flight's release, the
+    request's span, the middlewares' own): aiohttp would send it only once the handler has returned, and
+    right after a reply wakes the edge every line of that code runs cold (~0.1 ms of one client's request
+    on the development box). aiohttp sees the response sent and does not send it again."""
+    try:
+        await response.prepare(request)
+        await response.write_eof()
+    except ConnectionResetError:
+        pass  # the client left: nothing to tell it
+
+
 class Routes:
     def __init__(self, ctx: EdgeContext) -> None:
         self.ctx = ctx
@@ -166,9 +178,11 @@ class Routes:
                 async with guard:
                     text, finished = await collect(stream)
                 timing = watch.server_timing(finished) if self.ctx.settings.edge_server_timing else None
-                return json_response(
+                answer = json_response(
                     final_body(shape, text, finished), request_id=shape.request_id, timing=timing
                 )
+                await send_now(request, answer)
+                return answer
             encoder = SseEncoder(shape, resumed=resumed)
             response = web.StreamResponse(headers={**SSE_HEADERS, "x-request-id": shape.request_id})
             ended = False

@@ -5,8 +5,11 @@ from __future__ import annotations
 import base64
 import struct
 from datetime import UTC, datetime
+from typing import Any
 
 import msgspec
+import pytest
+from aiohttp import web
 
 from ingest.models import ModelCatalogue
 from schemas.events import EmbeddingRequested, GenerationRequested
@@ -207,6 +210,38 @@ async def test_a_non_streamed_answer_says_where_its_time_went(make_client: MakeC
     plain = await quiet.post("/v1/embeddings", json={"model": EMB, "input": "hello"}, headers=AUTH)
     assert plain.status == 200
     assert "Server-Timing" not in plain.headers
+
+
+async def test_a_whole_answer_leaves_before_the_bookkeeping(
+    make_client: MakeClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    client, edge = await make_client()
+    answers: list[web.StreamResponse] = []
+    sent_at_release: list[bool] = []
+
+    prepare = web.StreamResponse.prepare
+
+    async def prepared(response: web.StreamResponse, request: web.BaseRequest) -> Any:
+        answers.append(response)
+        return await prepare(response, request)
+
+    monkeypatch.setattr(web.StreamResponse, "prepare", prepared)
+    ledger = edge.ctx.admission.ledger
+    release = ledger.release
+
+    def released(reservation: Any) -> None:  # the request's flight ends: its bookkeeping unwinds
+        sent_at_release.append(bool(answers) and answers[-1].prepared)
+        release(reservation)
+
+    monkeypatch.setattr(ledger, "release", released)
+    for path, body in (
+        ("/v1/embeddings", {"model": EMB, "input": "hello"}),
+        ("/v1/completions", {"model": GEN, "prompt": "hi", "max_tokens": 2}),
+    ):
+        response = await client.post(path, json=body, headers=AUTH)
+        assert response.status == 200
+        assert (await response.json())["object"] in ("list", "text_completion")
+    assert sent_at_release == [True, True]
 
 
 async def test_models_health_and_readiness(make_client: MakeClient, gateway: FakeGateway) -> None:
