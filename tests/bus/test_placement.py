@@ -15,6 +15,7 @@ import pytest
 from bus.placement import (
     PlacementError,
     available_cpus,
+    batch_policy,
     format_cpus,
     native_threads,
     parse_cpus,
@@ -118,6 +119,25 @@ def test_a_producers_librdkafka_threads_run_on_the_native_cores(native_on_first_
         assert any(name.startswith("rdk:") for name in native.values()), native
         for tid in native:
             assert os.sched_getaffinity(tid) == native_on_first_core, native[tid]
+            assert os.sched_getscheduler(tid) == os.SCHED_BATCH, native[tid]
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER, "the building thread goes back to its own policy"
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="scheduling policies are Linux's")
+def test_threads_started_under_the_batch_policy_keep_it_and_the_caller_gets_its_own_back() -> None:
+    def policy_of_a_new_thread() -> int:
+        seen: list[int] = []
+        thread = threading.Thread(target=lambda: seen.append(os.sched_getscheduler(0)))
+        thread.start()
+        thread.join()
+        return seen[0]
+
+    assert policy_of_a_new_thread() == os.SCHED_OTHER
+    with batch_policy():
+        assert os.sched_getscheduler(0) == os.SCHED_BATCH
+        assert policy_of_a_new_thread() == os.SCHED_BATCH
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER
+    assert policy_of_a_new_thread() == os.SCHED_OTHER
 
 
 @needs_affinity
