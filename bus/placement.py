@@ -16,10 +16,13 @@ Kafka clients' native threads run on the rest (:func:`native_threads`). vllm-asc
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Collection, Iterator
 
 from schemas.settings import SettingsError
+
+log = logging.getLogger(__name__)
 
 _native: frozenset[int] | None = None
 """Cores the Kafka clients' native threads get (:func:`place_native_threads`); None: wherever their
@@ -193,15 +196,22 @@ def batch_policy() -> Iterator[None]:
     if not hasattr(os, "SCHED_BATCH"):
         yield
         return
-    own = os.sched_getscheduler(0)
-    if own != os.SCHED_OTHER:  # a caller under another policy (real-time, idle) keeps it
+    try:
+        if (
+            os.sched_getscheduler(0) != os.SCHED_OTHER
+        ):  # a caller under another policy (real-time, idle) keeps it
+            yield
+            return
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+    except OSError as exc:  # a sandbox that refuses policies: the threads start under the caller's
+        log.debug("scheduling policy unchanged: %s", exc)
         yield
         return
-    os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
     try:
         yield
     finally:
-        os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+        with contextlib.suppress(OSError):
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
 
 
 def thread_ids() -> set[int]:

@@ -140,6 +140,16 @@ def test_threads_started_under_the_batch_policy_keep_it_and_the_caller_gets_its_
     assert policy_of_a_new_thread() == os.SCHED_OTHER
 
 
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="scheduling policies are Linux's")
+def test_where_policies_are_refused_clients_are_still_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refused(*_: object) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "sched_setscheduler", refused)
+    with native_threads():  # the refusal is not the caller's problem: nothing raises
+        assert os.sched_getscheduler(0) == os.SCHED_OTHER
+
+
 @needs_affinity
 def test_without_a_placement_clients_are_built_where_the_caller_runs() -> None:
     place_native_threads(None)
