@@ -193,18 +193,7 @@ def batch_policy() -> Iterator[None]:
     0.59-0.69 to 0.51-0.57 ms for embeddings (3 pairs), from 0.73-0.84 to 0.50-0.64 and 0.69-0.88 to
     0.55-0.72 ms for generation (3 pairs), throughput inside the noise (the worker's core is the limit
     there); one client's embedding did not move (4 pairs, p50 10.5 against 11.0 ms). docs/perf/."""
-    if not hasattr(os, "SCHED_BATCH"):
-        yield
-        return
-    try:
-        if (
-            os.sched_getscheduler(0) != os.SCHED_OTHER
-        ):  # a caller under another policy (real-time, idle) keeps it
-            yield
-            return
-        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
-    except OSError as exc:  # a sandbox that refuses policies: the threads start under the caller's
-        log.debug("scheduling policy unchanged: %s", exc)
+    if not _to_batch():
         yield
         return
     try:
@@ -212,6 +201,20 @@ def batch_policy() -> Iterator[None]:
     finally:
         with contextlib.suppress(OSError):
             os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+
+
+def _to_batch() -> bool:
+    """Put this thread under ``SCHED_BATCH`` if it is under the default policy; whether it was."""
+    if not hasattr(os, "SCHED_BATCH"):
+        return False
+    try:
+        if os.sched_getscheduler(0) != os.SCHED_OTHER:  # real-time or idle: the caller's choice stands
+            return False
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+    except OSError as exc:  # a sandbox that refuses policies: the threads start under the caller's
+        log.debug("scheduling policy unchanged: %s", exc)
+        return False
+    return True
 
 
 def thread_ids() -> set[int]:

@@ -148,6 +148,8 @@ def test_where_policies_are_refused_clients_are_still_built(monkeypatch: pytest.
     monkeypatch.setattr(os, "sched_setscheduler", refused)
     with native_threads():  # the refusal is not the caller's problem: nothing raises
         assert os.sched_getscheduler(0) == os.SCHED_OTHER
+    with pytest.raises(OSError, match="the client's own"), native_threads():
+        raise OSError("the client's own")  # an error of the body passes through unchanged
 
 
 @needs_affinity
