@@ -874,23 +874,23 @@ class WorkerService(Component):
             )
         self._observer.measure(event, arrival.trace, result)
         if self._probe is not None:
-            value = self._with_features(event, result, value)
+            value = with_features(self._probe, event, result, value)
         self._producer.produce_raw(self._names.results, value, key=key, headers=head, on_delivery=durable)
 
-    def _with_features(self, event: Request, result: RequestFinished, value: bytes) -> bytes:
-        """The results copy of a terminal event (encoded as ``value``) with its drift features, or as it
-        was where they fail or would not fit in one record: they describe the request, they must never keep
-        it from ending."""
-        assert self._probe is not None
-        try:
-            described = encode(msgspec.structs.replace(result, features=self._probe.features(event, result)))
-        except Exception:
-            log.exception("drift features of %s failed", event.request_id)
-            return value
-        if not _fits(described):
-            log.warning("drift features of %s left out: the event would not fit one record", event.request_id)
-            return value
-        return described
+
+def with_features(probe: FeatureProbe, event: Request, result: RequestFinished, value: bytes) -> bytes:
+    """The results copy of a terminal event (encoded as ``value``) with its drift features, or as it was
+    where they fail or would not fit in one record: they describe the request, they must never keep it
+    from ending."""
+    try:
+        described = encode(msgspec.structs.replace(result, features=probe.features(event, result)))
+    except Exception:
+        log.exception("drift features of %s failed", event.request_id)
+        return value
+    if not _fits(described):
+        log.warning("drift features of %s left out: the event would not fit one record", event.request_id)
+        return value
+    return described
 
 
 def _end_trace(arrival: Arrival, status: str) -> None:
