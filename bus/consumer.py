@@ -7,6 +7,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol, TypeVar
 
@@ -74,8 +75,15 @@ class ConsumerThread(Component):
 
     Either ``subscribe`` to topics as a member of the consumer group in the config, or ``assign`` fixed
     partitions (with explicit start offsets, e.g. OFFSET_END). ``commit`` may be called from any thread:
-    commits are queued and performed synchronously by the polling thread between batches. The handler
-    must be quick (hand work to a queue); an exception in it stops the thread and is re-raised by ``stop``.
+    commits are queued and sent by the polling thread between batches, asynchronously (their outcome
+    comes back through a later poll), and synchronously only where the partitions are about to change
+    hands (a revocation, the stop). The handler must be quick (hand work to a queue); an exception in it
+    stops the thread and is re-raised by ``stop``.
+
+    Why not synchronously between batches: a commit that waits blocks the poll loop, and a group whose
+    session expired meanwhile (a broker stalled past ``session.timeout.ms``) waits for that loop to serve
+    its rebalance before it rejoins, so neither ever moved again: seen on a worker, which served nothing
+    until restarted (``tests/bus/test_broker_stall.py``).
 
     Lag: every ``stats_interval_ms`` (0: never) librdkafka's statistics give, per owned partition, the
     records between the end of the partition (its last stable offset under read-committed) and the
@@ -120,6 +128,8 @@ class ConsumerThread(Component):
         self._batch_size = batch_size
         self._linger_s = linger_s
         self._commits: queue.SimpleQueue[tuple[dict[TP, int], CommitFailed | None]] = queue.SimpleQueue()
+        self._sent: deque[tuple[dict[TP, int], list[tuple[dict[TP, int], CommitFailed | None]]]] = deque()
+        """Asynchronous commits sent and not yet answered, oldest first, with who asked (polling thread)."""
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._pause = threading.Event()
@@ -140,6 +150,7 @@ class ConsumerThread(Component):
         if self._stats_interval_ms > 0:
             config["statistics.interval.ms"] = self._stats_interval_ms
             config["stats_cb"] = self._on_stats
+        config["on_commit"] = self._committed
         with native_threads():  # librdkafka's threads: off a worker's model cores (bus.placement)
             self._consumer = Consumer(config)
         if self._subscribe:
@@ -180,8 +191,9 @@ class ConsumerThread(Component):
 
     def _revoked(self, consumer: Consumer, partitions: list[TopicPartition], *, lost: bool = False) -> None:
         """Partitions leave this consumer. Revoked (not lost): their owner may finish their work first and
-        return the offsets to commit, which are committed here, before the group hands them on."""
-        self._flush_commits()
+        return the offsets to commit, which are committed here, before the group hands them on. Lost:
+        what is queued goes out without waiting (the group refuses it; its owners are told)."""
+        self._flush_commits(wait=not lost)
         tps = [(tp.topic, tp.partition) for tp in partitions]
         self._disown(tps)
         if self._on_revoke is None:
@@ -242,7 +254,7 @@ class ConsumerThread(Component):
                 batch = [m for m in messages if not _benign_error(m)]
                 if batch:
                     self._handler(batch)
-            self._flush_commits()
+            self._flush_commits(wait=True)
         except BaseException as exc:  # surfaced by stop(); logging here too so it is never silent
             log.exception("%s stopped on an error", self.name)
             self.fail(exc)
@@ -276,7 +288,9 @@ class ConsumerThread(Component):
         if offsets:
             self._commits.put((dict(offsets), on_failure))
 
-    def _flush_commits(self) -> None:
+    def _flush_commits(self, *, wait: bool = False) -> None:
+        """Send what :meth:`commit` queued, as one commit: asynchronously (:meth:`_committed` hears the
+        outcome), or with ``wait`` synchronously, where the partitions are about to change hands."""
         merged: dict[TP, int] = {}
         callers: list[tuple[dict[TP, int], CommitFailed | None]] = []
         while True:
@@ -286,15 +300,40 @@ class ConsumerThread(Component):
                 break
             merged.update(offsets)
             callers.append((offsets, on_failure))
-        if merged and self._consumer is not None:
-            tps = [TopicPartition(topic, part, off) for (topic, part), off in merged.items()]
+        if not merged or self._consumer is None:
+            return
+        tps = [TopicPartition(topic, part, off) for (topic, part), off in merged.items()]
+        if not wait:
+            self._sent.append((merged, callers))
             try:
-                self._consumer.commit(offsets=tps, asynchronous=False)
-            except Exception:  # a revoked partition cannot be committed: its next owner redoes the work
-                log.warning("commit of %s failed", merged, exc_info=True)
-                for offsets, on_failure in callers:
-                    if on_failure is not None:
-                        on_failure(offsets)
+                self._consumer.commit(offsets=tps, asynchronous=True)
+            except KafkaException as exc:  # refused before it was sent
+                self._sent.pop()
+                _commit_failed(merged, callers, set(merged), exc)
+            return
+        try:
+            self._consumer.commit(offsets=tps, asynchronous=False)
+        except Exception as exc:  # a revoked partition cannot be committed: its next owner redoes the work
+            _commit_failed(merged, callers, set(merged), exc)
+
+    def _committed(self, err: KafkaError | None, partitions: list[TopicPartition]) -> None:
+        """librdkafka's answer to an asynchronous commit (inside a poll, on the polling thread)."""
+        answered = {(tp.topic, tp.partition): tp.offset for tp in partitions}
+        ours = (
+            i
+            for i, (sent, _) in enumerate(self._sent)
+            if sent == answered or (err is not None and not partitions)
+        )
+        index = next(ours, None)
+        if index is None:
+            return  # not one of ours (a synchronous commit's echo)
+        merged, callers = self._sent[index]
+        del self._sent[index]
+        failed = (
+            set(merged) if err is not None else {(tp.topic, tp.partition) for tp in partitions if tp.error}
+        )
+        if failed:
+            _commit_failed(merged, callers, failed, err)
 
     def stop(self) -> None:
         self._stop.set()
@@ -303,6 +342,20 @@ class ConsumerThread(Component):
             self._thread = None
         if self.failure is not None:
             raise BusError(f"{self.name} failed: {self.failure}") from self.failure
+
+
+def _commit_failed(
+    merged: dict[TP, int],
+    callers: list[tuple[dict[TP, int], CommitFailed | None]],
+    failed: set[TP],
+    why: object,
+) -> None:
+    """Tell each caller of a commit which of its offsets were not stored, so it can offer them again."""
+    log.warning("commit of %s failed: %s", merged, why)
+    for offsets, on_failure in callers:
+        refused = {tp: off for tp, off in offsets.items() if tp in failed}
+        if on_failure is not None and refused:
+            on_failure(refused)
 
 
 class _Source(Protocol):

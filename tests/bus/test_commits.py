@@ -1,0 +1,130 @@
+"""How the consumer thread commits, against a fake librdkafka consumer whose synchronous commit never
+returns (what a group whose session expired does while it waits for the poll loop to serve its
+rebalance): the loop must keep polling, and each commit's outcome must reach whoever asked for it."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from confluent_kafka import KafkaError, Message, TopicPartition
+
+import bus.consumer
+from bus.consumer import ConsumerThread
+
+
+class Record:
+    def __init__(self, offset: int) -> None:
+        self._offset = offset
+
+    def error(self) -> None:
+        return None
+
+    def offset(self) -> int:
+        return self._offset
+
+
+@dataclass
+class Answered:
+    """A partition in librdkafka's answer to a commit (its ``TopicPartition.error`` cannot be set here)."""
+
+    topic: str
+    partition: int
+    offset: int
+    error: KafkaError | None
+
+
+class StuckGroupConsumer:
+    """Serves ``records`` one per poll; a synchronous commit blocks until released, an asynchronous one
+    is answered by the next poll (refused when ``refuse`` names its partition)."""
+
+    made: list[StuckGroupConsumer] = []
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        self.on_commit = config.get("on_commit", lambda err, partitions: None)
+        self.records: queue.SimpleQueue[Record] = queue.SimpleQueue()
+        self.answers: list[tuple[KafkaError | None, list[Answered]]] = []
+        self.release = threading.Event()
+        self.sync_commits = 0
+        self.refuse: set[tuple[str, int]] = set()
+        StuckGroupConsumer.made.append(self)
+
+    def assign(self, partitions: list[TopicPartition]) -> None:
+        pass
+
+    def poll(self, timeout: float) -> Message | None:
+        while self.answers:
+            self.on_commit(*self.answers.pop(0))
+        try:
+            return self.records.get(timeout=timeout)  # type: ignore[return-value]
+        except queue.Empty:
+            return None
+
+    def consume(self, num_messages: int, timeout: float) -> list[Message]:
+        return []
+
+    def commit(self, offsets: list[TopicPartition], asynchronous: bool) -> None:
+        if not asynchronous:
+            self.sync_commits += 1
+            self.release.wait()
+            return
+        refused = KafkaError(KafkaError.ILLEGAL_GENERATION)
+        answered = [
+            Answered(
+                tp.topic,
+                tp.partition,
+                tp.offset,
+                refused if (tp.topic, tp.partition) in self.refuse else None,
+            )
+            for tp in offsets
+        ]
+        self.answers.append((None, answered))
+
+    def close(self) -> None:
+        self.release.set()
+
+
+@pytest.fixture
+def fake(monkeypatch: pytest.MonkeyPatch) -> type[StuckGroupConsumer]:
+    StuckGroupConsumer.made.clear()
+    monkeypatch.setattr(bus.consumer, "Consumer", StuckGroupConsumer)
+    return StuckGroupConsumer
+
+
+def test_a_commit_never_holds_up_the_poll_loop(fake: type[StuckGroupConsumer]) -> None:
+    handled: queue.SimpleQueue[int] = queue.SimpleQueue()
+
+    def handle(batch: list[Message]) -> None:
+        for message in batch:
+            offset = message.offset() or 0
+            handled.put(offset)
+            thread.commit({("t", 0): offset + 1})
+
+    thread = ConsumerThread({}, handle, assign=[TopicPartition("t", 0, 0)], stats_interval_ms=0)
+    with thread:
+        (consumer,) = fake.made
+        for offset in range(5):
+            consumer.records.put(Record(offset))
+        # each commit goes out between batches: a synchronous one would block here for good
+        assert [handled.get(timeout=5) for _ in range(5)] == list(range(5))
+        assert consumer.sync_commits == 0
+
+
+def test_a_refused_asynchronous_commit_reaches_its_callers_with_their_own_offsets(
+    fake: type[StuckGroupConsumer],
+) -> None:
+    refused: queue.SimpleQueue[dict[tuple[str, int], int]] = queue.SimpleQueue()
+    thread = ConsumerThread({}, lambda batch: None, assign=[TopicPartition("t", 0, 0)], stats_interval_ms=0)
+    with thread:
+        (consumer,) = fake.made
+        consumer.refuse = {("t", 1)}
+        thread.commit({("t", 0): 4, ("t", 1): 7}, on_failure=refused.put)
+        assert refused.get(timeout=5) == {("t", 1): 7}  # the partition stored is not offered again
+        thread.commit({("t", 0): 9}, on_failure=refused.put)
+        consumer.records.put(Record(0))  # a poll later: the answer to the second commit has come
+        with pytest.raises(queue.Empty):
+            refused.get(timeout=0.5)
+        consumer.release.set()  # the stop's final commit may wait: the partitions change hands
