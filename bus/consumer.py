@@ -17,7 +17,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Topic
 from bus.errors import BusError
 from bus.placement import native_threads
 from bus.producer import EventProducer
-from monitoring.metrics import CONSUMER_LAG, DEAD_LETTERS
+from monitoring.metrics import CONSUMER_LAG, CONSUMER_REPLACED, DEAD_LETTERS
 from schemas.codec import MAX_RECORD_BYTES, DecodeError, HeaderValue, decode
 from schemas.events import DeadLetter, Event
 from schemas.lifecycle import Component, Watcher
@@ -32,6 +32,14 @@ CommitFailed = Callable[[dict[tuple[str, int], int]], None]
 Handler = Callable[[list[Message]], None]
 Revoked = Callable[[list[TP], bool], dict[TP, int] | None]
 """Told the partitions leaving and whether they were lost; may return final offsets to commit (not lost)."""
+
+
+UNSETTLED_LIMIT_S = 60.0
+"""How long a group member may stay out of a settled membership (librdkafka's statistics: group state
+``up``, join state ``steady``) before :class:`ConsumerThread` replaces its consumer. A rebalance settles in
+seconds; after a broker stalled past the session (its controller's events took 20-30 s on a box whose
+cores were all taken) a client was seen to keep one request in its coordinator connection's queue for
+good, out of the group, while a new client joined at once."""
 
 
 FETCH_WAIT_MAX_MS = 500
@@ -92,6 +100,9 @@ class ConsumerThread(Component):
     like a reply listener) the lag counts from the position handed to ``handler`` instead. Partitions
     with neither are not reported. The value goes to ``sluice_consumer_lag`` and to ``lag()``; a
     partition's series is removed when it is revoked or the consumer stops.
+
+    Membership (``subscribe`` only, from the same statistics): a member whose group has not settled for
+    ``unsettled_limit_s`` is replaced, its partitions treated as lost (:data:`UNSETTLED_LIMIT_S`).
     """
 
     def __init__(
@@ -106,6 +117,7 @@ class ConsumerThread(Component):
         batch_size: int = 500,
         linger_s: float = 0.0,
         stats_interval_ms: int = 5_000,
+        unsettled_limit_s: float = UNSETTLED_LIMIT_S,
         on_failure: Watcher | None = None,
     ) -> None:
         """``on_failure(exc)`` is watched (:meth:`watch`): told on the polling thread when the thread dies of
@@ -142,28 +154,65 @@ class ConsumerThread(Component):
         self._lag_lock = threading.Lock()  # the polling thread writes, readiness checks read
         self._owned: set[TP] = set()
         self._lags: dict[TP, int] = {}
+        self._unsettled_limit_s = unsettled_limit_s
+        self._unsettled_since: float | None = None
+        """Since when the statistics have said the group is not settled (polling thread)."""
+        self._group_state = ""
 
     def _start(self) -> None:
         if self._thread is not None:
             return
-        config = dict(self._config)
-        if self._stats_interval_ms > 0:
-            config["statistics.interval.ms"] = self._stats_interval_ms
-            config["stats_cb"] = self._on_stats
-        config["on_commit"] = self._committed
-        with native_threads():  # librdkafka's threads: off a worker's model cores (bus.placement)
-            self._consumer = Consumer(config)
-        if self._subscribe:
-            self._consumer.subscribe(
-                self._subscribe, on_assign=self._assigned, on_revoke=self._revoked, on_lost=self._lost
-            )
-        else:
+        self._consumer = self._new_consumer()
+        if not self._subscribe:
             with self._lag_lock:
                 self._owned.update((tp.topic, tp.partition) for tp in self._assign)
             self._consumer.assign(self._assign)
             self._ready.set()
         self._thread = threading.Thread(target=self._serve, name=self.name, daemon=True)
         self._thread.start()
+
+    def _new_consumer(self) -> Consumer:
+        """A client for this thread, subscribed when it is a group member (``assign``: by the caller)."""
+        config = dict(self._config)
+        if self._stats_interval_ms > 0:
+            config["statistics.interval.ms"] = self._stats_interval_ms
+            config["stats_cb"] = self._on_stats
+        config["on_commit"] = self._committed
+        with native_threads():  # librdkafka's threads: off a worker's model cores (bus.placement)
+            consumer = Consumer(config)
+        if self._subscribe:
+            consumer.subscribe(
+                self._subscribe, on_assign=self._assigned, on_revoke=self._revoked, on_lost=self._lost
+            )
+        return consumer
+
+    def _replace_if_unsettled(self, consumer: Consumer) -> Consumer:
+        """``consumer``, or a new one in its place when its group has not settled for too long: what it
+        owned is lost (not committed), what it had sent is failed, and it is closed on a thread of its own
+        (closing a wedged client can wait on the very request that is stuck)."""
+        since = self._unsettled_since
+        if since is None or time.monotonic() - since < self._unsettled_limit_s:
+            return consumer
+        log.warning(
+            "%s: group %s not settled for %.0f s (%s): a new consumer takes over",
+            self.name,
+            self._group,
+            time.monotonic() - since,
+            self._group_state,
+        )
+        CONSUMER_REPLACED.labels(self._group).inc()
+        owned = self.assignment()
+        if owned:
+            self._revoked(consumer, [TopicPartition(t, p) for t, p in owned], lost=True)
+        while self._sent:
+            merged, callers = self._sent.popleft()
+            _commit_failed(merged, callers, set(merged), "its consumer was replaced")
+        self._unsettled_since = None
+        threading.Thread(
+            target=_close_quietly, args=(consumer,), name=f"{self.name}-close", daemon=True
+        ).start()
+        self._consumer = self._new_consumer()
+        return self._consumer
 
     def wait_assigned(self, timeout: float) -> bool:
         """True once the group gave this consumer its partitions (immediately for ``assign``)."""
@@ -185,6 +234,7 @@ class ConsumerThread(Component):
             return max(self._lags.values(), default=None)
 
     def _assigned(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._unsettled_since = None  # the group is moving
         with self._lag_lock:  # cooperative rebalancing: partitions are added to what is owned
             self._owned.update((tp.topic, tp.partition) for tp in partitions)
         self._ready.set()
@@ -193,6 +243,7 @@ class ConsumerThread(Component):
         """Partitions leave this consumer. Revoked (not lost): their owner may finish their work first and
         return the offsets to commit, which are committed here, before the group hands them on. Lost:
         what is queued goes out without waiting (the group refuses it; its owners are told)."""
+        self._unsettled_since = None  # the group is moving (and this callback may take a while)
         self._flush_commits(wait=not lost)
         tps = [(tp.topic, tp.partition) for tp in partitions]
         self._disown(tps)
@@ -223,9 +274,20 @@ class ConsumerThread(Component):
     def _on_stats(self, stats_json: str) -> None:
         # Called inside poll(): an exception here would stop the consumer, so none escapes.
         try:
-            self._record_lag(_STATS.decode(stats_json))
+            stats = _STATS.decode(stats_json)
+            self._record_lag(stats)
+            self._watch_group(stats.cgrp)
         except Exception:
             log.exception("%s: cannot read lag from librdkafka statistics", self.name)
+
+    def _watch_group(self, group: _GroupStats | None) -> None:
+        if group is None or not self._subscribe:
+            return
+        self._group_state = f"state {group.state}, join state {group.join_state}"
+        if group.state == "up" and group.join_state == "steady":
+            self._unsettled_since = None
+        elif self._unsettled_since is None:
+            self._unsettled_since = time.monotonic()
 
     def _record_lag(self, stats: _Stats) -> None:
         with self._lag_lock:
@@ -246,6 +308,7 @@ class ConsumerThread(Component):
             return
         try:
             while not self._stop.is_set():
+                consumer = self._replace_if_unsettled(consumer)
                 self._flush_commits()
                 if self._pause.is_set():
                     self._hold(consumer)
@@ -342,6 +405,13 @@ class ConsumerThread(Component):
             self._thread = None
         if self.failure is not None:
             raise BusError(f"{self.name} failed: {self.failure}") from self.failure
+
+
+def _close_quietly(consumer: Consumer) -> None:
+    try:
+        consumer.close()
+    except Exception:
+        log.debug("closing a replaced consumer failed", exc_info=True)
 
 
 def _commit_failed(
@@ -495,8 +565,17 @@ class _TopicStats(msgspec.Struct):
     partitions: dict[str, _PartitionStats] = msgspec.field(default_factory=dict)
 
 
+class _GroupStats(msgspec.Struct):
+    """librdkafka's consumer group statistics: ``state`` (``up`` once it has a coordinator) and
+    ``join_state`` (``steady`` once a rebalance is done)."""
+
+    state: str = ""
+    join_state: str = ""
+
+
 class _Stats(msgspec.Struct):
     topics: dict[str, _TopicStats] = msgspec.field(default_factory=dict)
+    cgrp: _GroupStats | None = None
 
 
 _STATS = msgspec.json.Decoder(_Stats)

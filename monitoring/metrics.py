@@ -277,6 +277,12 @@ CONSUMER_LAG = Gauge(
     "the position handed to the application), from librdkafka statistics every few seconds.",
     ("group", "topic", "partition"),
 )
+CONSUMER_REPLACED = Counter(
+    "sluice_consumer_replaced",
+    "Kafka consumers replaced because their group membership did not settle in time (a client wedged "
+    "after a broker stall), by group.",
+    ("group",),
+)
 DEAD_LETTERS = Counter(
     "sluice_dead_letters",
     "Records sent to the dead-letter topic, by source topic and reason.",
@@ -450,7 +456,7 @@ _ALL: tuple[Counter | Gauge | Histogram, ...] = (
     WORKER_RUNNING, WORKER_WAITING, TOKEN_BUDGET, BATCH_SIZE, STEP_SECONDS, QUEUE_WAIT, WORKER_TTFT,
     WORKER_E2E, WORKER_REQUESTS, WORKER_PROMPT_TOKENS, WORKER_GENERATION_TOKENS, WORKER_OUT_OF_MEMORY,
     WORKER_BATCH_LIMIT, WORKER_QUIET_BATCHES, WORKER_DRIFT_SKIPPED, MODEL_MEMORY, MODEL_INFO,
-    CONSUMER_LAG, DEAD_LETTERS, STREAMS_EVENTS, STREAMS_FRESHNESS, STREAMS_INSERT_SECONDS, STREAMS_BATCH_SIZE,
+    CONSUMER_LAG, CONSUMER_REPLACED, DEAD_LETTERS, STREAMS_EVENTS, STREAMS_FRESHNESS, STREAMS_INSERT_SECONDS, STREAMS_BATCH_SIZE,
     STREAMS_AUDIT_ENTRIES, STREAMS_AUDIT_HEALED, STREAMS_AUDIT_CONFLICTS, DRIFT_DETECTED, DRIFT_VERDICT, DRIFT_FEATURE_STATISTIC, DRIFT_FEATURE_DRIFTED,
     DRIFT_QUALITY_ISSUES, DRIFT_LAST_REPORT, DRIFT_REPORTS, DRIFT_EVALUATION_SECONDS, ROLLOUT_TRAFFIC_SHARE,
     ROLLOUT_GATE_STATE, ROLLOUT_DECISIONS,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,3 +129,50 @@ def test_a_refused_asynchronous_commit_reaches_its_callers_with_their_own_offset
         with pytest.raises(queue.Empty):
             refused.get(timeout=0.5)
         consumer.release.set()  # the stop's final commit may wait: the partitions change hands
+
+
+class WedgedMember(StuckGroupConsumer):
+    """A group member: the first one made never settles (its statistics say so every poll); the next one
+    is assigned partition 0 of ``t`` and settles."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        super().__init__(config)
+        self.stats = config["stats_cb"]
+        self.settled = len(WedgedMember.made) > 1
+        self.closed = threading.Event()
+        self.callbacks: dict[str, Any] = {}
+
+    def subscribe(self, topics: list[str], **callbacks: Any) -> None:
+        self.callbacks = callbacks
+
+    def poll(self, timeout: float) -> Message | None:
+        join = "steady" if self.settled else "wait-join"
+        self.stats(f'{{"cgrp": {{"state": "up", "join_state": "{join}"}}}}')
+        if self.settled and not self.callbacks.pop("assigned", None):
+            self.callbacks["on_assign"](self, [TopicPartition("t", 0)])
+            self.callbacks["assigned"] = True
+        return super().poll(min(timeout, 0.01))
+
+    def close(self) -> None:
+        self.closed.set()
+
+
+def test_a_member_whose_group_never_settles_is_replaced(monkeypatch: pytest.MonkeyPatch) -> None:
+    WedgedMember.made.clear()
+    monkeypatch.setattr(bus.consumer, "Consumer", WedgedMember)
+    handled: queue.SimpleQueue[int] = queue.SimpleQueue()
+
+    def handle(batch: list[Message]) -> None:
+        for message in batch:
+            handled.put(message.offset() or 0)
+
+    thread = ConsumerThread({"group.id": "g"}, handle, subscribe=["t"], unsettled_limit_s=0.2)
+    with thread:
+        assert thread.wait_assigned(5)  # only the second consumer is ever assigned anything
+        wedged, fresh = WedgedMember.made
+        assert isinstance(wedged, WedgedMember)
+        assert wedged.closed.wait(5)
+        fresh.records.put(Record(3))
+        assert handled.get(timeout=5) == 3
+        time.sleep(0.5)  # a settled member stays
+        assert len(WedgedMember.made) == 2
