@@ -100,7 +100,9 @@ import importlib.metadata as md, subprocess, sys
 names = ["confluent-kafka", "msgspec", "opentelemetry-api", "opentelemetry-sdk",
          "opentelemetry-semantic-conventions", "aiohttp", "yarl", "multidict", "propcache", "frozenlist",
          "aiosignal", "aiohappyeyeballs", "typer", "click", "rich", "shellingham", "annotated-doc",
-         "prometheus-client", "psutil"]
+         "prometheus-client", "psutil",
+         # typer's own needs (its option parsing imports pydantic): not in the device's image
+         "pydantic", "pydantic-core", "annotated-types", "typing-inspection", "typing-extensions"]
 pins = [f"{n}=={md.version(n)}" for n in names]
 plats = [f"--platform={p}" for p in ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
          "manylinux_2_12_x86_64", "manylinux2010_x86_64", "manylinux_2_5_x86_64", "manylinux1_x86_64")]

@@ -1,13 +1,18 @@
 """The one HTTP load generator every benchmark target gets: OpenAI-shaped requests (embeddings, completions,
 streamed time to first token), a closed loop of N clients, and a profile (throughput, p50/p99 latency) at 1
 and 64 clients. The platform, the naive peer and the Ray Serve peer are all measured with this, so their
-numbers differ only by the server."""
+numbers differ only by the server.
+
+Run as a script it is one client process of :func:`spread_rate` (several edges, one such process each)."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import json
 import math
 import statistics
+import sys
 import time
 from collections.abc import Awaitable, Callable
 
@@ -134,6 +139,58 @@ async def steady_rate(
     return counted / window_s
 
 
+SPREAD_START_S = 2.0
+"""How far ahead :func:`spread_rate` sets its client processes' common start: time for each to import
+aiohttp and open its session (~0.3 s here), so that their windows line up."""
+
+
+async def spread_rate(
+    urls: list[str], concurrency: int, workload: str, *, warm_s: float, window_s: float, tokens: int
+) -> float:
+    """:func:`steady_rate` of ``workload`` (``embeddings``, or ``generation`` of ``tokens`` a completion)
+    spread over several edges: ``concurrency`` clients shared out between ``urls``, each url's share in a
+    client process of its own (this module as a script), all starting at one wall-clock instant. The
+    units/s of all of them, summed.
+
+    One Python process drives ~1-2k requests/s; on a GPU the model outruns that (MiniLM at batch 64 on
+    an H200: 15k embeddings/s), so one client process, like one edge, would measure Python, not the
+    platform. With one url this is :func:`steady_rate` in this process."""
+    if len(urls) == 1:
+        async with client_session() as session:
+            return await steady_rate(
+                concurrency, job_for(session, urls[0], workload, tokens), warm_s=warm_s, window_s=window_s
+            )
+    start_at = time.time() + SPREAD_START_S
+    shares = [concurrency // len(urls) + (i < concurrency % len(urls)) for i in range(len(urls))]
+    procs = [
+        await asyncio.create_subprocess_exec(
+            sys.executable,
+            __file__,
+            *("--url", url, "--clients", str(share), "--workload", workload, "--tokens", str(tokens)),
+            *("--warm-s", str(warm_s), "--window-s", str(window_s), "--start-at", repr(start_at)),
+            *("--first", str(i << 40)),
+            stdout=asyncio.subprocess.PIPE,
+        )
+        for i, (url, share) in enumerate(zip(urls, shares, strict=True))
+        if share
+    ]
+    outs = [(await proc.communicate())[0] for proc in procs]
+    if failed := [proc.returncode for proc in procs if proc.returncode != 0]:
+        raise RuntimeError(f"{len(failed)} of {len(procs)} client processes failed (exit {failed[0]})")
+    return sum(float(json.loads(out)["per_s"]) for out in outs)
+
+
+def job_for(
+    session: aiohttp.ClientSession, url: str, workload: str, tokens: int, first: int = 0
+) -> Callable[[int], Awaitable[int]]:
+    """One request of ``workload`` at ``url`` (the ``n``-th, numbered from ``first``), returning its units."""
+    if workload == "embeddings":
+        return lambda n: embed(session, url, first + n)
+    if workload == "generation":
+        return lambda _n: completion(session, url, tokens)
+    raise ValueError(f"unknown workload {workload!r}: embeddings or generation")
+
+
 async def profile(clients: int, total: int, job: Callable[[int], Awaitable[int]]) -> Profile:
     """``total`` jobs by ``clients`` clients after a short untimed warm-up; ``job`` returns its units."""
     warm = min(clients, 8)
@@ -166,16 +223,13 @@ async def profile_all(session: aiohttp.ClientSession, url: str, quick: bool) -> 
     """Embeddings and generation (``NEW_TOKENS`` per completion, ``QUICK_TOKENS`` if ``quick``), each at
     every count in ``CLIENTS``: ``{workload: {str(clients): profile}}``."""
     tokens = QUICK_TOKENS if quick else NEW_TOKENS
-    jobs: dict[str, Callable[[int], Awaitable[int]]] = {
-        "embeddings": lambda n: embed(session, url, n),
-        "generation": lambda _n: completion(session, url, tokens),
-    }
     out: dict[str, dict[str, Profile]] = {}
     for workload in WORKLOADS:
         out[workload] = {}
         for clients in CLIENTS:
             total = requests_for(workload, clients, quick)
-            out[workload][str(clients)] = await profile(clients, total, jobs[workload])
+            job = job_for(session, url, workload, tokens)
+            out[workload][str(clients)] = await profile(clients, total, job)
     return out
 
 
@@ -201,3 +255,31 @@ async def until_ready(
             pass
         await asyncio.sleep(0.25)
     raise RuntimeError(f"{url} did not answer 200 within {within:.0f} s")
+
+
+async def _client_process(args: argparse.Namespace) -> dict[str, float]:
+    async with client_session() as session:
+        job = job_for(session, args.url, args.workload, args.tokens, args.first)
+        await asyncio.sleep(max(0.0, args.start_at - time.time()))
+        per_s = await steady_rate(args.clients, job, warm_s=args.warm_s, window_s=args.window_s)
+    return {"per_s": per_s}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description="One client process of spread_rate: --clients closed-loop clients of --workload "
+        "against --url from the wall-clock instant --start-at; prints {per_s} as JSON."
+    )
+    parser.add_argument("--url", required=True)
+    parser.add_argument("--clients", type=int, required=True)
+    parser.add_argument("--workload", choices=WORKLOADS, required=True)
+    parser.add_argument("--tokens", type=int, default=NEW_TOKENS)
+    parser.add_argument("--warm-s", type=float, required=True)
+    parser.add_argument("--window-s", type=float, required=True)
+    parser.add_argument("--start-at", type=float, default=0.0, help="a time.time() to start at")
+    parser.add_argument("--first", type=int, default=0, help="the first request's number")
+    print(json.dumps(asyncio.run(_client_process(parser.parse_args()))))
+
+
+if __name__ == "__main__":
+    main()

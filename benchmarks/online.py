@@ -4,13 +4,20 @@ and the same load (embeddings and generation at 1 and 64 clients) against a naiv
 Serve, with the ratios platform/raw, platform/Ray and platform/naive.
 
     python benchmarks/online.py [--quick] [--peers naive,ray] [--ray-python PATH] [--worker-cpus auto]
-                                [--out FILE]
+                                [--edges auto] [--out FILE]
 
 It starts its own Kafka (unless SLUICE_KAFKA_BOOTSTRAP is set) on free ports, one ``sluice worker`` per
-model and one ``sluice edge`` as separate processes, and drives them over HTTP from this process
-(``loadgen.py``). The raw baseline runs first, alone, in a child process (``raw_model.py``); after the
-platform has stopped, each peer runs alone (``peers/naive.py``, then ``peers/ray_serve.py``), with the
-same models, dtype and torch threads, driven by the same load generator.
+model and one or more ``sluice edge`` as separate processes, and drives them over HTTP (``loadgen.py``).
+The saturation phases below spread their clients over every edge, one client process per edge
+(``loadgen.spread_rate``): on a GPU the model outruns what one Python process serves or sends (MiniLM at
+batch 64 on an H200: 15k embeddings/s, one edge ~1.2k requests/s), as it does not on a few CPU cores
+(``--edges auto``: one edge per 4 cores left to the rest of the box, at least one; 1 on a 2-core box).
+Everything else, the peers' profiles included, runs from this process through the first edge: one server
+process against one, like the peers.
+
+The raw baseline runs first, alone, in a child process (``raw_model.py``); after the platform has stopped,
+each peer runs alone (``peers/naive.py``, then ``peers/ray_serve.py``), with the same models, dtype and
+torch threads, driven by the same load generator.
 
 Ray is optional (the ``bench`` extra). Without it the Ray columns say ``not installed`` and everything
 else runs (CI runs ``--quick`` that way). To include it, give it a venv of its own that sees the
@@ -76,13 +83,23 @@ import comparison
 import kafka_floor
 from floors import drift, floor_summary, mean_run, ttft_floor
 from harness import kafka, pct, service_env
-from loadgen import closed_loop, completion, embed, embed_stamped, profile_all, steady_rate, ttft_stamped
+from loadgen import (
+    closed_loop,
+    completion,
+    embed,
+    embed_stamped,
+    job_for,
+    profile_all,
+    spread_rate,
+    ttft_stamped,
+)
 from stages import BACK_SPLIT, RAW_IDLE_WORKER, STAGES, server_timing, where_time_goes
 
 from bus.placement import available_cpus, pin_process, place_box
 from gpu_workers.models import default_torch_threads
 from infra.kafka.broker import free_port
 from infra.topics import TopicSizing, apply_topics, make_admin, platform_topics
+from ingest.main import more_edge_ids
 from schemas.settings import PlatformSettings, load_settings
 from schemas.topics import TopicNames
 
@@ -167,7 +184,34 @@ async def until_ok(call: Callable[[], Awaitable[bool]], within: float = 180) -> 
     raise RuntimeError("the platform did not come up")
 
 
-async def measure(url: str, raw: dict[str, object], services: Services, quick: bool) -> dict[str, object]:
+FIRST_EDGE = "bench-edge"
+EDGES_PER_CORE = 1 / 4
+"""``--edges auto``: one edge (and one client process) per this many of the cores the workers do not get."""
+
+
+def edge_count(choice: str, rest: int) -> int:
+    """``--edges``: a number, or ``auto`` (:data:`EDGES_PER_CORE` of the ``rest`` cores, at least one)."""
+    if choice == "auto":
+        return max(1, int(rest * EDGES_PER_CORE))
+    if not choice.isdigit() or not 1 <= int(choice) <= 16:
+        raise SystemExit(f"--edges: auto or 1 to 16, not {choice!r}")
+    return int(choice)
+
+
+def start_edges(services: Services, count: int, first_port: int) -> list[str]:
+    """``count`` edges (``sluice edge``, each its own replies partition of ``count``); their urls."""
+    ports = [first_port, *(free_port() for _ in range(count - 1))]
+    ids = [FIRST_EDGE, *more_edge_ids(FIRST_EDGE, count, count)]
+    for index, (edge_id, port) in enumerate(zip(ids, ports, strict=True)):
+        name = "edge" if index == 0 else f"edge{index}"
+        services.start(name, ["edge"], {"SLUICE_EDGE_ID": edge_id, "SLUICE_EDGE_PORT": str(port)})
+    return [f"http://127.0.0.1:{port}" for port in ports]
+
+
+async def measure(
+    urls: list[str], raw: dict[str, object], services: Services, quick: bool
+) -> dict[str, object]:
+    url = urls[0]
     connector = aiohttp.TCPConnector(limit=256)
     async with aiohttp.ClientSession(
         connector=connector, timeout=aiohttp.ClientTimeout(total=600)
@@ -177,16 +221,20 @@ async def measure(url: str, raw: dict[str, object], services: Services, quick: b
             for name in ("gen", "embed"):
                 if not await services.ready(session, name, f"http://127.0.0.1:{services.ops[name]}/readyz"):
                     return False
-            if not await services.ready(session, "edge", f"{url}/readyz"):
-                return False
-            await completion(session, url, 2)
-            await embed(session, url, 0)
+            for index, edge in enumerate(urls):
+                if not await services.ready(
+                    session, "edge" if index == 0 else f"edge{index}", f"{edge}/readyz"
+                ):
+                    return False
+                await completion(session, edge, 2)
+                await embed(session, edge, 0)
             return True
 
         await until_ok(ready)
         # warm-up: every path once under load, so the measured phases see warm caches and connections
-        await closed_loop(32, 64, lambda _n: completion(session, url, 8))
-        await closed_loop(32, 128, lambda n: embed(session, url, n))
+        for edge in urls:
+            await closed_loop(32, 64, job_for(session, edge, "generation", 8))
+            await closed_loop(32, 128, job_for(session, edge, "embeddings", 0))
 
         raw_gen = {int(k): float(v) for k, v in raw["generation_tokens_per_s"].items()}  # type: ignore[attr-defined]
         best_batch = max(raw_gen, key=lambda b: raw_gen[b])
@@ -198,19 +246,12 @@ async def measure(url: str, raw: dict[str, object], services: Services, quick: b
         # Steady state, as every saturation phase here: a fixed number of requests would also time the
         # ramp-up and the drain (10-15 % of a few-second phase).
         warm_s, window_s = (0.5, 1.5) if quick else (2.0, 8.0)
-        gen_tps = await steady_rate(
-            concurrency,
-            lambda _n: completion(session, url, new_tokens),
-            warm_s=warm_s,
-            window_s=window_s,
+        gen_tps = await spread_rate(
+            urls, concurrency, "generation", warm_s=warm_s, window_s=window_s, tokens=new_tokens
         )
-
-        def emb_job(n: int) -> Awaitable[int]:
-            return embed(session, url, n)
-
         # Warmed at this concurrency first: batches of 33-64 are new shapes to torch after the warm-up above
         # (included in ``warm_s`` here).
-        dynamic = await steady_rate(64, emb_job, warm_s=2 * warm_s, window_s=window_s)
+        dynamic = await spread_rate(urls, 64, "embeddings", warm_s=2 * warm_s, window_s=window_s, tokens=0)
         # Time to first token at low load after the saturation phases: a fresh broker's JVM is still
         # compiling through its first few thousand requests (kafka_floor.py, 300 lone round trips at a time:
         # 2.7-5.0 ms p50 for the first, 1.3-1.9 once warm), and a serving platform's broker is warm.
@@ -230,7 +271,7 @@ async def measure(url: str, raw: dict[str, object], services: Services, quick: b
             "embed", ["worker", "--model", "all-minilm-l6-v2"], {"SLUICE_WORKER_EMBED_MAX_BATCH": "1"}
         )
         await until_ok(ready)
-        batch_one = await steady_rate(64, emb_job, warm_s=warm_s, window_s=window_s)
+        batch_one = await spread_rate(urls, 64, "embeddings", warm_s=warm_s, window_s=window_s, tokens=0)
 
     raw_emb = {int(k): float(v) for k, v in cast(dict[str, float], raw["embeddings_per_s"]).items()}
     raw_ttft = cast(dict[str, float], raw["ttft_ms"])
@@ -264,7 +305,14 @@ async def measure(url: str, raw: dict[str, object], services: Services, quick: b
             "dynamic_over_raw_best": dynamic / max(raw_emb.values()),
             "concurrency": 64,
         },
+        "edges": len(urls),
     }
+
+
+def edges_note(result: dict[str, Any]) -> str:
+    """ ", N edges" where the saturation phases were spread over more than one edge."""
+    edges = int(result.get("edges", 1))
+    return f", {edges} edges" if edges > 1 else ""
 
 
 def table(result: dict[str, Any]) -> str:
@@ -274,7 +322,7 @@ def table(result: dict[str, Any]) -> str:
         (
             "generation tok/s at saturation",
             f"{g['raw_tokens_per_s']:.0f} (batch {g['raw_best_batch']:.0f}, {m['raw_torch_threads']:.0f} thr)",
-            f"{g['platform_tokens_per_s']:.0f} (conc. {g['platform_concurrency']:.0f})",
+            f"{g['platform_tokens_per_s']:.0f} (conc. {g['platform_concurrency']:.0f}{edges_note(result)})",
             f"{g['ratio']:.2f}",
             "≥ 0.90",
         ),
@@ -307,7 +355,7 @@ def table(result: dict[str, Any]) -> str:
             "≤ +15 ms",
         ),
         (
-            "embeddings/s, conc. 64, dynamic",
+            f"embeddings/s, conc. 64{edges_note(result)}, dynamic",
             f"{e['raw_best_per_s']:.0f} (best batch, {m['raw_torch_threads']:.0f} thr)",
             f"{e['dynamic_per_s']:.0f}",
             f"{e['dynamic_over_raw_best']:.2f}",
@@ -423,6 +471,12 @@ def main() -> None:
         help="cores for the workers while the platform runs, as `sluice up --worker-cpus` (default auto: "
         "the upper half, this process with Kafka, the edge and the clients on the rest; 'off': no pinning)",
     )
+    parser.add_argument(
+        "--edges",
+        default="auto",
+        help="edges (and client processes) the saturation phases spread over: a number, or auto (one per 4 "
+        "cores the workers do not get, at least one)",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "online.json")
     args = parser.parse_args()
     settings = load_settings(PlatformSettings)
@@ -464,11 +518,12 @@ def main() -> None:
     own_cores = available_cpus()
     placed, worker_env = place_box(args.worker_cpus)
     print(placed or "no CPU placement", file=sys.stderr)
+    edges = edge_count(args.edges, len(available_cpus()))  # after place_box: the cores left to the rest
     with kafka(settings) as conn:
         prefix = f"bench{int(time.time())}"
         names = TopicNames(prefix)
         apply_topics(
-            make_admin(conn), platform_topics(names, settings.served_models(), TopicSizing(replies=1))
+            make_admin(conn), platform_topics(names, settings.served_models(), TopicSizing(replies=edges))
         )
         port = free_port()
         env = service_env(
@@ -482,9 +537,9 @@ def main() -> None:
         try:
             services.start("gen", ["worker", "--model", "demo-gpt"])
             services.start("embed", ["worker", "--model", "all-minilm-l6-v2"])
-            services.start("edge", ["edge"])
-            print("platform under load ...", file=sys.stderr)
-            result = asyncio.run(measure(f"http://127.0.0.1:{port}", raw, services, args.quick))
+            urls = start_edges(services, edges, port)
+            print(f"platform under load ({edges} edge(s)) ...", file=sys.stderr)
+            result = asyncio.run(measure(urls, raw, services, args.quick))
             raw_batch1_ms = 1000 / float(cast(dict[str, float], raw["embeddings_per_s"])["1"])
             stamped = cast(list[tuple[str, float, float, str]], result.pop("one_client_stamps"))
             returns = {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import zlib
 from pathlib import Path
 
@@ -26,6 +27,22 @@ from schemas.topics import TopicNames
 def reply_partition(edge_id: str, partitions: int) -> int:
     """The replies partition this edge owns: a stable function of its id, so a restart finds its replies."""
     return zlib.crc32(edge_id.encode()) % partitions
+
+
+def more_edge_ids(first_id: str, edges: int, partitions: int) -> list[str]:
+    """The ids of the edges after the first: ``<first_id>-1``, ``<first_id>-2``, …, each chosen so that
+    its replies partition (:func:`reply_partition`) is no other edge's while partitions last."""
+    used = {reply_partition(first_id, partitions)}
+    chosen: list[str] = []
+    serial = itertools.count(1)
+    for _ in range(1, edges):
+        for _ in range(64):
+            candidate = f"{first_id}-{next(serial)}"
+            if reply_partition(candidate, partitions) not in used or len(used) >= partitions:
+                break
+        used.add(reply_partition(candidate, partitions))
+        chosen.append(candidate)
+    return chosen
 
 
 def check_edge_exposure(platform: PlatformSettings, settings: EdgeSettings) -> None:

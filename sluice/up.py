@@ -32,7 +32,7 @@ from infra.errors import InfraError
 from infra.kafka.broker import free_port
 from infra.topics import apply_topics, make_admin, topics_of
 from ingest.auth import DEMO_KEY
-from ingest.main import build_edge, check_edge_exposure, reply_partition
+from ingest.main import build_edge, check_edge_exposure, more_edge_ids
 from ingest.settings import EdgeSettings
 from monitoring.tracing import shutdown_tracing
 from schemas.events import DeploymentChanged, Event, WorkersScaled, utc_now
@@ -496,21 +496,12 @@ async def _wait_workers(workers: list[tuple[str, int]], within_s: float, console
 
 
 def extra_edges(settings: EdgeSettings, edges: int, partitions: int) -> list[tuple[str, int]]:
-    """(id, port) of the edges after the first: ``<id>-1``, ``<id>-2``, … on the ports after the first
-    edge's, each id chosen so that its replies partition is no other edge's while partitions last."""
+    """(id, port) of the edges after the first: ids from :func:`more_edge_ids` (each its own replies
+    partition while partitions last), on the ports after the first edge's."""
     if edges > 1 and settings.edge_port == 0:
         raise SettingsError("several edges need a fixed SLUICE_EDGE_PORT (they take the ports after it)")
-    used = {reply_partition(settings.edge_id, partitions)}
-    chosen: list[tuple[str, int]] = []
-    serial = itertools.count(1)
-    for index in range(1, edges):
-        for _ in range(64):
-            candidate = f"{settings.edge_id}-{next(serial)}"
-            if reply_partition(candidate, partitions) not in used or len(used) >= partitions:
-                break
-        used.add(reply_partition(candidate, partitions))
-        chosen.append((candidate, settings.edge_port + index))
-    return chosen
+    ids = more_edge_ids(settings.edge_id, edges, partitions)
+    return [(edge_id, settings.edge_port + index) for index, edge_id in enumerate(ids, 1)]
 
 
 async def _serve(

@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # scripts, not a package
 
 from loadgen import EMBED_TEXTS, embed_text, steady_rate  # type: ignore[import-not-found]
@@ -42,3 +44,45 @@ def test_a_server_timing_header_reads_as_durations_by_name() -> None:
     header = 'edge;dur=0.74, queue;dur=0.98, cache;desc="hit", model;desc="x";dur=5.95, total;dur=9.5'
     assert server_timing(header) == {"edge": 0.74, "queue": 0.98, "model": 5.95, "total": 9.5}
     assert server_timing("") == {}
+
+
+async def test_spread_rate_shares_the_clients_between_edges_one_process_each() -> None:
+    """Two stand-in edges on two ports: each gets its share of the clients, from a client process of its
+    own (this module as a script), and the rates come back summed."""
+    from aiohttp import web
+    from loadgen import spread_rate
+
+    hits: dict[int, int] = {}
+
+    async def embeddings(request: web.Request) -> web.Response:
+        port = request.url.port or 0
+        hits[port] = hits.get(port, 0) + 1
+        await asyncio.sleep(0.005)
+        return web.json_response({"data": [{"embedding": [0.0]}]})
+
+    app = web.Application()
+    app.router.add_post("/v1/embeddings", embeddings)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    sites = [web.TCPSite(runner, "127.0.0.1", 0) for _ in range(2)]
+    for site in sites:
+        await site.start()
+    ports = [site._server.sockets[0].getsockname()[1] for site in sites]  # type: ignore[union-attr]
+    try:
+        urls = [f"http://127.0.0.1:{port}" for port in ports]
+        rate = await spread_rate(urls, 4, "embeddings", warm_s=0.2, window_s=0.5, tokens=0)
+    finally:
+        await runner.cleanup()
+    assert set(hits) == set(ports)  # both edges got load
+    # 2 clients an edge, one answer per ~5 ms each: well over 100/s summed, under 800/s
+    assert 100 < rate < 800, rate
+
+
+def test_edges_auto_is_one_per_four_spare_cores_at_least_one() -> None:
+    from online import edge_count  # type: ignore[import-not-found]
+
+    assert [edge_count("auto", cores) for cores in (1, 3, 4, 8, 12)] == [1, 1, 1, 2, 3]
+    assert edge_count("3", 1) == 3
+    for bad in ("0", "17", "many"):
+        with pytest.raises(SystemExit, match="--edges"):
+            edge_count(bad, 8)

@@ -26,6 +26,7 @@ def test_the_online_benchmark_runs_quick_and_writes_its_json(tmp_path: Path, kaf
     assert result["machine"]["quick"] is True
     assert result["generation"]["platform_tokens_per_s"] > 0
     assert result["embeddings"]["dynamic_per_s"] > 0
+    assert result["edges"] >= 1  # --edges auto: the saturation phases' edges, one client process each
     floor = result["floor"]  # the raw model again, on the threads a worker gets
     assert floor["threads"] == result["machine"]["worker_torch_threads"] >= 1
     # the raw model alone gets every core (the models' loader sizes torch for a worker: half of them)
