@@ -101,8 +101,9 @@ class ConsumerThread(Component):
     with neither are not reported. The value goes to ``sluice_consumer_lag`` and to ``lag()``; a
     partition's series is removed when it is revoked or the consumer stops.
 
-    Membership (``subscribe`` only, from the same statistics): a member whose group has not settled for
-    ``unsettled_limit_s`` is replaced, its partitions treated as lost (:data:`UNSETTLED_LIMIT_S`).
+    Membership (``subscribe`` only, from the same statistics): a member that was in its group and has not
+    settled back for ``unsettled_limit_s`` is replaced, its partitions treated as lost
+    (:data:`UNSETTLED_LIMIT_S`).
     """
 
     def __init__(
@@ -156,7 +157,9 @@ class ConsumerThread(Component):
         self._lags: dict[TP, int] = {}
         self._unsettled_limit_s = unsettled_limit_s
         self._unsettled_since: float | None = None
-        """Since when the statistics have said the group is not settled (polling thread)."""
+        """Since when the statistics have said the group is not settled, once it had been (polling thread):
+        a member that never joined (its topics not created yet, say) is left to keep trying."""
+        self._settled_once = False
         self._group_state = ""
 
     def _start(self) -> None:
@@ -208,6 +211,7 @@ class ConsumerThread(Component):
             merged, callers = self._sent.popleft()
             _commit_failed(merged, callers, set(merged), "its consumer was replaced")
         self._unsettled_since = None
+        self._settled_once = False
         threading.Thread(
             target=_close_quietly, args=(consumer,), name=f"{self.name}-close", daemon=True
         ).start()
@@ -286,7 +290,8 @@ class ConsumerThread(Component):
         self._group_state = f"state {group.state}, join state {group.join_state}"
         if group.state == "up" and group.join_state == "steady":
             self._unsettled_since = None
-        elif self._unsettled_since is None:
+            self._settled_once = True
+        elif self._settled_once and self._unsettled_since is None:
             self._unsettled_since = time.monotonic()
 
     def _record_lag(self, stats: _Stats) -> None:

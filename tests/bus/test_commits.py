@@ -132,8 +132,8 @@ def test_a_refused_asynchronous_commit_reaches_its_callers_with_their_own_offset
 
 
 class WedgedMember(StuckGroupConsumer):
-    """A group member: the first one made never settles (its statistics say so every poll); the next one
-    is assigned partition 0 of ``t`` and settles."""
+    """A group member: the first one made settles once, then never again (its statistics say so every
+    poll); the next one is assigned partition 0 of ``t`` and settles."""
 
     def __init__(self, config: dict[str, Any]) -> None:
         super().__init__(config)
@@ -141,12 +141,14 @@ class WedgedMember(StuckGroupConsumer):
         self.settled = len(WedgedMember.made) > 1
         self.closed = threading.Event()
         self.callbacks: dict[str, Any] = {}
+        self.polls = 0
 
     def subscribe(self, topics: list[str], **callbacks: Any) -> None:
         self.callbacks = callbacks
 
     def poll(self, timeout: float) -> Message | None:
-        join = "steady" if self.settled else "wait-join"
+        join = "steady" if self.settled or self.polls == 0 else "wait-join"
+        self.polls += 1
         self.stats(f'{{"cgrp": {{"state": "up", "join_state": "{join}"}}}}')
         if self.settled and not self.callbacks.pop("assigned", None):
             self.callbacks["on_assign"](self, [TopicPartition("t", 0)])
@@ -176,3 +178,19 @@ def test_a_member_whose_group_never_settles_is_replaced(monkeypatch: pytest.Monk
         assert handled.get(timeout=5) == 3
         time.sleep(0.5)  # a settled member stays
         assert len(WedgedMember.made) == 2
+
+
+class NeverJoined(WedgedMember):
+    """A member that never settles, not even once (its topics do not exist yet, say)."""
+
+    def poll(self, timeout: float) -> Message | None:
+        self.stats('{"cgrp": {"state": "up", "join_state": "init"}}')
+        return StuckGroupConsumer.poll(self, min(timeout, 0.01))
+
+
+def test_a_member_that_never_joined_is_left_to_keep_trying(monkeypatch: pytest.MonkeyPatch) -> None:
+    NeverJoined.made.clear()
+    monkeypatch.setattr(bus.consumer, "Consumer", NeverJoined)
+    with ConsumerThread({"group.id": "g"}, lambda batch: None, subscribe=["t"], unsettled_limit_s=0.1):
+        time.sleep(0.6)
+        assert len(NeverJoined.made) == 1
