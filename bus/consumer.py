@@ -222,6 +222,13 @@ class ConsumerThread(Component):
         """True once the group gave this consumer its partitions (immediately for ``assign``)."""
         return self._ready.wait(timeout)
 
+    def unsettled_for(self) -> float:
+        """Seconds since this member's group, settled before, last said it is not (0 while settled; any
+        thread): a rebalance takes a few, a member that fell out of its group more (:data:`UNSETTLED_LIMIT_S`
+        replaces it)."""
+        since = self._unsettled_since
+        return 0.0 if since is None else max(0.0, time.monotonic() - since)
+
     def assignment(self) -> set[TP]:
         """The partitions this consumer owns now."""
         with self._lag_lock:

@@ -322,14 +322,20 @@ class WorkerService(Component):
         """The request partitions this worker owns now."""
         return self._requests.assignment()
 
+    GROUP_GRACE_S = 15.0
+    """How long the request consumer's group may stay unsettled before ``/readyz`` says so: a rebalance
+    settles within a few seconds, a member that fell out of its group does not (its consumer is replaced
+    after ``bus.consumer.UNSETTLED_LIMIT_S``; until then this worker takes no requests)."""
+
     def readiness(self, max_lag: int | None = None) -> Readiness:
-        """Model loaded and serving, consuming its request topic, lag under ``max_lag`` (``/readyz``; by
-        default the worker's ``ready_max_lag``)."""
+        """Model loaded and serving, consuming its request topic as a settled member of its group, lag under
+        ``max_lag`` (``/readyz``; by default the worker's ``ready_max_lag``)."""
         max_lag = self._ready_max_lag if max_lag is None else max_lag
         lag = self._requests.max_lag() or 0
         return Readiness.of(
             model_loaded=self._ready.is_set() and self.failure is None,
             kafka=self.failure is None and self._requests.wait_assigned(0),
+            group=self._requests.unsettled_for() < self.GROUP_GRACE_S,
             lag_ok=lag <= max_lag,
             lag=lag,
         )

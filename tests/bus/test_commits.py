@@ -194,3 +194,18 @@ def test_a_member_that_never_joined_is_left_to_keep_trying(monkeypatch: pytest.M
     with ConsumerThread({"group.id": "g"}, lambda batch: None, subscribe=["t"], unsettled_limit_s=0.1):
         time.sleep(0.6)
         assert len(NeverJoined.made) == 1
+
+
+def test_how_long_a_member_has_been_out_of_its_group_is_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``unsettled_for`` (a worker's readiness reads it): 0 while settled, growing once the member falls
+    out of a group it was in."""
+    WedgedMember.made.clear()
+    monkeypatch.setattr(bus.consumer, "Consumer", WedgedMember)
+    with ConsumerThread(
+        {"group.id": "g"}, lambda batch: None, subscribe=["t"], unsettled_limit_s=60
+    ) as thread:
+        time.sleep(0.3)  # settled at the first poll, out of the group from the second
+        first = thread.unsettled_for()
+        time.sleep(0.2)
+        assert 0 < first < thread.unsettled_for() < 60
+        assert len(WedgedMember.made) == 1  # not replaced before its limit

@@ -801,6 +801,29 @@ async def test_a_dead_cancel_listener_fails_the_worker_and_its_readiness(
         worker.stop()  # the other threads still stop, the requests consumer commits and leaves
 
 
+async def test_a_worker_out_of_its_group_for_long_is_not_ready(
+    platform: PlatformSettings, demo_gpt_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker whose request consumer fell out of its group (a broker stalled past its session) takes no
+    requests: ``/readyz`` says so once the group has been unsettled longer than a rebalance takes."""
+    worker = make_worker(platform, WorkerSettings(worker_id="w-out"), "demo-gpt")
+    worker.start()
+    try:
+        assert worker.wait_assigned(30)
+        readiness = worker.readiness(100)
+        assert readiness.ready
+        assert readiness.checks["group"] is True
+        requests = worker._requests
+        monkeypatch.setattr(requests, "unsettled_for", lambda: WorkerService.GROUP_GRACE_S - 1)
+        assert worker.readiness(100).ready  # a rebalance in progress
+        monkeypatch.setattr(requests, "unsettled_for", lambda: WorkerService.GROUP_GRACE_S)
+        readiness = worker.readiness(100)
+        assert not readiness.ready
+        assert readiness.checks["group"] is False
+    finally:
+        worker.stop()
+
+
 async def test_a_light_tenant_is_served_while_a_flooding_tenant_waits(
     names: TopicNames, platform: PlatformSettings, demo_gpt_dir: Path, producer: EventProducer, results: Log
 ) -> None:
