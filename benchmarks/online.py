@@ -198,13 +198,19 @@ def edge_count(choice: str, rest: int) -> int:
     return int(choice)
 
 
+def edge_service(index: int) -> str:
+    """The name :class:`Services` knows the ``index``-th edge by (the first is ``edge``)."""
+    return "edge" if index == 0 else f"edge{index}"
+
+
 def start_edges(services: Services, count: int, first_port: int) -> list[str]:
     """``count`` edges (``sluice edge``, each its own replies partition of ``count``); their urls."""
     ports = [first_port, *(free_port() for _ in range(count - 1))]
     ids = [FIRST_EDGE, *more_edge_ids(FIRST_EDGE, count, count)]
     for index, (edge_id, port) in enumerate(zip(ids, ports, strict=True)):
-        name = "edge" if index == 0 else f"edge{index}"
-        services.start(name, ["edge"], {"SLUICE_EDGE_ID": edge_id, "SLUICE_EDGE_PORT": str(port)})
+        services.start(
+            edge_service(index), ["edge"], {"SLUICE_EDGE_ID": edge_id, "SLUICE_EDGE_PORT": str(port)}
+        )
     return [f"http://127.0.0.1:{port}" for port in ports]
 
 
@@ -222,9 +228,7 @@ async def measure(
                 if not await services.ready(session, name, f"http://127.0.0.1:{services.ops[name]}/readyz"):
                     return False
             for index, edge in enumerate(urls):
-                if not await services.ready(
-                    session, "edge" if index == 0 else f"edge{index}", f"{edge}/readyz"
-                ):
+                if not await services.ready(session, edge_service(index), f"{edge}/readyz"):
                     return False
                 await completion(session, edge, 2)
                 await embed(session, edge, 0)
