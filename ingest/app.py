@@ -72,7 +72,7 @@ async def traced(request: web.Request, handler: Handler) -> web.StreamResponse:
         return await handler(request)
     route = request.match_info.route.resource
     name = f"{request.method} {route.canonical if route is not None else request.path}"
-    with tracing.tracer().start_as_current_span(
+    with tracing.current_span(
         name,
         context=tracing.context_of_headers(request.headers),
         kind=SpanKind.SERVER,
@@ -80,9 +80,10 @@ async def traced(request: web.Request, handler: Handler) -> web.StreamResponse:
     ) as span:
         request[SERVER_SPAN_KEY] = span
         response = await handler(request)
-        span.set_attribute("http.response.status_code", response.status)
-        if response.status >= 500:
-            span.set_status(Status(StatusCode.ERROR))
+        if span.is_recording():
+            span.set_attribute("http.response.status_code", response.status)
+            if response.status >= 500:
+                span.set_status(Status(StatusCode.ERROR))
         return response
 
 

@@ -113,7 +113,7 @@ class Routes:
 
     async def _endpoint(self, request: web.Request, kind: Kind) -> web.StreamResponse:
         t0 = time.monotonic()
-        with tracing.tracer().start_as_current_span("sluice.admit"):
+        with tracing.current_span("sluice.admit"):
             tenant, prepared, key, last = await self._admit(request, kind)
         shape = prepared.shape
         ctx = self.ctx

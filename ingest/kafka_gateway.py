@@ -449,7 +449,7 @@ class KafkaGateway(AsyncComponent):
         self._own(event.request_id, event.tenant)
         self._streams[event.request_id] = stream  # registered first: no reply can be missed
         topic = self._names.requests(event.model)
-        with tracing.tracer().start_as_current_span(
+        with tracing.current_span(
             f"publish {topic}", kind=SpanKind.PRODUCER, attributes=tracing.messaging("publish", topic)
         ) as span:
             traceparent, tracestate = tracing.carrier_of(span)
@@ -462,7 +462,8 @@ class KafkaGateway(AsyncComponent):
             except BaseException:
                 self._streams.pop(event.request_id, None)
                 raise
-            span.set_attributes(tracing.messaging("publish", topic, where[0], where[1]))
+            if span.is_recording():
+                span.set_attributes(tracing.messaging("publish", topic, where[0], where[1]))
         return stream
 
     async def mirror(self, event: GenerationRequested | EmbeddingRequested) -> None:

@@ -26,6 +26,9 @@ from schemas.events import EmbeddingRequested, RequestFinished, TokenChunk
 
 log = logging.getLogger(__name__)
 
+_CHILDREN = metrics.Children()
+"""The edge's labelled series, remembered (its requests are watched on its event loop only)."""
+
 # aiohttp request keys: what the error middleware needs to label a refusal.
 TENANT_KEY = web.RequestKey("sluice.tenant", str)
 MODEL_KEY = web.RequestKey("sluice.model", str)
@@ -78,9 +81,7 @@ class RequestWatch:
         self._chunks = 0
         self._tokens = 0
         self._parent = trace.get_current_span()
-        self._span = tracing.tracer().start_span(
-            "sluice.respond", attributes={tracing.GEN_AI_REQUEST_STREAM: stream}
-        )
+        self._span = tracing.span("sluice.respond", attributes={tracing.GEN_AI_REQUEST_STREAM: stream})
 
     def wrap(self, stream: ReplyStream) -> Watched:
         return Watched(stream, self)
@@ -120,17 +121,30 @@ class RequestWatch:
         if not count or self._labels is None:
             return
         if self._last is None:
-            metrics.TTFT.labels(*self._labels).observe(now - self._t0)
+            _CHILDREN(metrics.TTFT, *self._labels).observe(now - self._t0)
             self._span.add_event("first_token")
         else:
             gap = (now - self._last) / count
-            itl = metrics.ITL.labels(*self._labels)
+            itl = _CHILDREN(metrics.ITL, *self._labels)
             for _ in range(count):
                 itl.observe(gap)
         self._last = now
 
     def _finished(self, finished: RequestFinished, now: float) -> None:
         self._received = now
+        if self._span.is_recording() or self._parent.is_recording():
+            self._trace_finished(finished)
+        if self._labels is None or self._outcome is not None:
+            return
+        self._outcome = finished.status
+        child = _CHILDREN
+        child(metrics.REQUESTS, *self._labels, finished.status).inc()
+        child(metrics.PROMPT_TOKENS, *self._labels).inc(finished.usage.prompt_tokens)
+        child(metrics.GENERATION_TOKENS, *self._labels).inc(finished.usage.completion_tokens)
+        if finished.status == "completed":
+            child(metrics.E2E, *self._labels).observe(now - self._t0)
+
+    def _trace_finished(self, finished: RequestFinished) -> None:
         self._record_receive(finished)
         attributes: dict[str, tracing.AttributeValue] = {
             tracing.GEN_AI_RESPONSE_MODEL: finished.model,
@@ -144,14 +158,6 @@ class RequestWatch:
             span.set_attributes(attributes)
             if finished.status == "failed":
                 span.set_status(Status(StatusCode.ERROR, finished.error.code if finished.error else "failed"))
-        if self._labels is None or self._outcome is not None:
-            return
-        self._outcome = finished.status
-        metrics.REQUESTS.labels(*self._labels, finished.status).inc()
-        metrics.PROMPT_TOKENS.labels(*self._labels).inc(finished.usage.prompt_tokens)
-        metrics.GENERATION_TOKENS.labels(*self._labels).inc(finished.usage.completion_tokens)
-        if finished.status == "completed":
-            metrics.E2E.labels(*self._labels).observe(now - self._t0)
 
     def server_timing(self, finished: RequestFinished) -> str | None:
         """Where a non-streamed request's time went, as a ``Server-Timing`` header (milliseconds): ``edge``
@@ -190,7 +196,7 @@ class RequestWatch:
         reply = self._event.reply if self._event is not None else None
         topic = reply.topic if reply is not None else "replies"
         links = [Link(self._parent.get_span_context())] if self._parent.get_span_context().is_valid else []
-        span = tracing.tracer().start_span(
+        span = tracing.span(
             f"receive {topic}",
             context=tracing.context_of(finished.traceparent, finished.tracestate),
             kind=SpanKind.CONSUMER,
@@ -203,7 +209,7 @@ class RequestWatch:
 def note_accepted(event: RequestEvent, span: Span | None) -> None:
     """Label the request's server span with what validation established, and log the acceptance (the
     prompt reaches the logs only for tenants that enabled content logging, see monitoring.logs)."""
-    if span is not None:
+    if span is not None and span.is_recording():
         span.set_attributes(tracing.request_attributes(event))
     prompt = "\n".join(event.texts or []) if isinstance(event, EmbeddingRequested) else event.prompt
     log.debug(
