@@ -9,7 +9,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import Any, ParamSpec, Protocol, TypeVar
 
 import msgspec
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
@@ -159,8 +159,13 @@ class ConsumerThread(Component):
         self._unsettled_since: float | None = None
         """Since when the statistics have said the group is not settled, once it had been (polling thread):
         a member that never joined (its topics not created yet, say) is left to keep trying."""
+        self._unsettled_seen: float | None = None
+        """When the statistics last said so: a replacement needs the group seen unsettled for the whole
+        limit, not only the time since (a handler that blocked through a rebalance polled no news)."""
         self._settled_once = False
         self._group_state = ""
+        self._live = _Live()
+        """The current client's: its callbacks reach this thread's state only while it is current."""
 
     def _start(self) -> None:
         if self._thread is not None:
@@ -175,26 +180,34 @@ class ConsumerThread(Component):
         self._thread.start()
 
     def _new_consumer(self) -> Consumer:
-        """A client for this thread, subscribed when it is a group member (``assign``: by the caller)."""
+        """A client for this thread, subscribed when it is a group member (``assign``: by the caller).
+        Its callbacks act only while it is this thread's client (:class:`_Live`)."""
+        live = self._live = _Live()
         config = dict(self._config)
         if self._stats_interval_ms > 0:
             config["statistics.interval.ms"] = self._stats_interval_ms
-            config["stats_cb"] = self._on_stats
-        config["on_commit"] = self._committed
+            config["stats_cb"] = live.only(self._on_stats)
+        config["on_commit"] = live.only(self._committed)
         with native_threads():  # librdkafka's threads: off a worker's model cores (bus.placement)
             consumer = Consumer(config)
         if self._subscribe:
             consumer.subscribe(
-                self._subscribe, on_assign=self._assigned, on_revoke=self._revoked, on_lost=self._lost
+                self._subscribe,
+                on_assign=live.only(self._assigned),
+                on_revoke=live.only(self._revoked),
+                on_lost=live.only(self._lost),
             )
         return consumer
 
     def _replace_if_unsettled(self, consumer: Consumer) -> Consumer:
-        """``consumer``, or a new one in its place when its group has not settled for too long: what it
-        owned is lost (not committed), what it had sent is failed, and it is closed on a thread of its own
-        (closing a wedged client can wait on the very request that is stuck)."""
-        since = self._unsettled_since
-        if since is None or time.monotonic() - since < self._unsettled_limit_s:
+        """``consumer``, or a new one in its place when its group has been seen unsettled for too long:
+        what it owned is lost (not committed), what it had sent is failed, and it is closed on a thread of
+        its own (closing a wedged client can wait on the very request that is stuck), retired first:
+        ``close()`` serves the client's late callbacks (a revoke of what it owned, commit answers,
+        statistics) on the thread that calls it, and those must not reach the new client's state. The new
+        client has the same limit to settle, or is replaced in turn."""
+        since, seen = self._unsettled_since, self._unsettled_seen
+        if since is None or seen is None or seen - since < self._unsettled_limit_s:
             return consumer
         log.warning(
             "%s: group %s not settled for %.0f s (%s): a new consumer takes over",
@@ -210,13 +223,13 @@ class ConsumerThread(Component):
         while self._sent:
             merged, callers = self._sent.popleft()
             _commit_failed(merged, callers, set(merged), "its consumer was replaced")
-        self._unsettled_since = None
-        self._settled_once = False
+        self._live.retire()
+        fresh = self._consumer = self._new_consumer()
+        self._unsettled_since, self._unsettled_seen = time.monotonic(), None  # a member: it must settle
         threading.Thread(
-            target=_close_quietly, args=(consumer,), name=f"{self.name}-close", daemon=True
+            target=_close_quietly, args=(consumer, self.name), name=f"{self.name}-close", daemon=True
         ).start()
-        self._consumer = self._new_consumer()
-        return self._consumer
+        return fresh
 
     def wait_assigned(self, timeout: float) -> bool:
         """True once the group gave this consumer its partitions (immediately for ``assign``)."""
@@ -245,7 +258,7 @@ class ConsumerThread(Component):
             return max(self._lags.values(), default=None)
 
     def _assigned(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        self._unsettled_since = None  # the group is moving
+        self._unsettled_since = self._unsettled_seen = None  # the group is moving
         with self._lag_lock:  # cooperative rebalancing: partitions are added to what is owned
             self._owned.update((tp.topic, tp.partition) for tp in partitions)
         self._ready.set()
@@ -254,13 +267,15 @@ class ConsumerThread(Component):
         """Partitions leave this consumer. Revoked (not lost): their owner may finish their work first and
         return the offsets to commit, which are committed here, before the group hands them on. Lost:
         what is queued goes out without waiting (the group refuses it; its owners are told)."""
-        self._unsettled_since = None  # the group is moving (and this callback may take a while)
+        self._unsettled_since = self._unsettled_seen = None  # the group is moving (this may take a while)
         self._flush_commits(wait=not lost)
         tps = [(tp.topic, tp.partition) for tp in partitions]
         self._disown(tps)
         if self._on_revoke is None:
             return
         final = self._on_revoke(tps, lost)
+        if not lost:  # what the owner committed while it finished the partitions' work goes out first
+            self._flush_commits(wait=True)
         if final and not lost:
             try:
                 consumer.commit(
@@ -296,10 +311,12 @@ class ConsumerThread(Component):
             return
         self._group_state = f"state {group.state}, join state {group.join_state}"
         if group.state == "up" and group.join_state == "steady":
-            self._unsettled_since = None
+            self._unsettled_since = self._unsettled_seen = None
             self._settled_once = True
-        elif self._settled_once and self._unsettled_since is None:
-            self._unsettled_since = time.monotonic()
+        elif self._settled_once:
+            self._unsettled_seen = time.monotonic()
+            if self._unsettled_since is None:
+                self._unsettled_since = self._unsettled_seen
 
     def _record_lag(self, stats: _Stats) -> None:
         with self._lag_lock:
@@ -419,11 +436,36 @@ class ConsumerThread(Component):
             raise BusError(f"{self.name} failed: {self.failure}") from self.failure
 
 
-def _close_quietly(consumer: Consumer) -> None:
+_P = ParamSpec("_P")
+
+
+class _Live:
+    """Whether one client is still its thread's: a replaced client is closed on another thread, where
+    librdkafka serves its late callbacks, and they then do nothing."""
+
+    __slots__ = ("current",)
+
+    def __init__(self) -> None:
+        self.current = True
+
+    def retire(self) -> None:
+        self.current = False
+
+    def only(self, callback: Callable[_P, None]) -> Callable[_P, None]:
+        """``callback``, called only while the client is current."""
+
+        def call(*args: _P.args, **kwargs: _P.kwargs) -> None:
+            if self.current:
+                callback(*args, **kwargs)
+
+        return call
+
+
+def _close_quietly(consumer: Consumer, name: str) -> None:
     try:
         consumer.close()
     except Exception:
-        log.debug("closing a replaced consumer failed", exc_info=True)
+        log.warning("%s: closing a replaced consumer failed", name, exc_info=True)
 
 
 def _commit_failed(

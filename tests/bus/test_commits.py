@@ -209,3 +209,181 @@ def test_how_long_a_member_has_been_out_of_its_group_is_told(monkeypatch: pytest
         time.sleep(0.2)
         assert 0 < first < thread.unsettled_for() < 60
         assert len(WedgedMember.made) == 1  # not replaced before its limit
+
+
+class LateCallbacks(StuckGroupConsumer):
+    """Every member is assigned partition 0 of ``t`` at its first poll. The first then falls out of its
+    group; closed, it serves its late callbacks, as librdkafka does on the thread that closes it: the
+    revoke of what it owned, and statistics saying it is still out of the group."""
+
+    go = threading.Event()
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        super().__init__(config)
+        self.stats = config["stats_cb"]
+        self.first = len(LateCallbacks.made) == 1
+        self.callbacks: dict[str, Any] = {}
+        self.polls = 0
+        self.closed = threading.Event()
+
+    def subscribe(self, topics: list[str], **callbacks: Any) -> None:
+        self.callbacks = callbacks
+
+    def poll(self, timeout: float) -> Message | None:
+        join = "wait-join" if self.first and self.polls else "steady"
+        self.stats(f'{{"cgrp": {{"state": "up", "join_state": "{join}"}}}}')
+        if self.polls == 0:
+            self.callbacks["on_assign"](self, [TopicPartition("t", 0)])
+        self.polls += 1
+        return super().poll(min(timeout, 0.01))
+
+    def close(self) -> None:
+        if self.first:
+            assert LateCallbacks.go.wait(5)
+            self.callbacks["on_revoke"](self, [TopicPartition("t", 0)])
+            self.stats('{"cgrp": {"state": "up", "join_state": "wait-join"}}')
+        self.closed.set()
+
+
+def test_a_replaced_clients_late_callbacks_do_not_reach_its_successor(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    LateCallbacks.made.clear()
+    LateCallbacks.go.clear()
+    monkeypatch.setattr(bus.consumer, "Consumer", LateCallbacks)
+    revoked: list[tuple[list[tuple[str, int]], bool]] = []
+
+    def on_revoke(tps: list[tuple[str, int]], lost: bool) -> dict[tuple[str, int], int]:
+        revoked.append((tps, lost))
+        return {}
+
+    with ConsumerThread(
+        {"group.id": "g"}, lambda batch: None, subscribe=["t"], on_revoke=on_revoke, unsettled_limit_s=0.2
+    ) as thread:
+        deadline = time.monotonic() + 5
+        while len(LateCallbacks.made) < 2 or getattr(LateCallbacks.made[1], "polls", 0) < 2:
+            assert time.monotonic() < deadline, "the member that fell out was not replaced"
+            time.sleep(0.01)
+        wedged = LateCallbacks.made[0]
+        assert isinstance(wedged, LateCallbacks)
+        assert revoked == [([("t", 0)], True)]  # lost at the replacement: nothing committed
+        LateCallbacks.go.set()  # now the old client's close serves its revoke and statistics
+        assert wedged.closed.wait(5)
+        time.sleep(0.1)
+        assert revoked == [([("t", 0)], True)]  # not revoked again, from the closing thread
+        assert thread.assignment() == {("t", 0)}  # the successor still owns it
+        assert thread.unsettled_for() == 0.0  # and the old client's statistics are not its own
+        assert len(LateCallbacks.made) == 2
+
+
+class NeverSettlesAgain(WedgedMember):
+    """The first member settles once and falls out; none made after it ever settles."""
+
+    def poll(self, timeout: float) -> Message | None:
+        join = "steady" if self is WedgedMember.made[0] and self.polls == 0 else "wait-join"
+        self.polls += 1
+        self.stats(f'{{"cgrp": {{"state": "up", "join_state": "{join}"}}}}')
+        return StuckGroupConsumer.poll(self, min(timeout, 0.01))
+
+
+def test_a_successor_that_never_settles_is_replaced_in_turn_and_says_so(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A replacement is a member that must settle: one that does not is no better than the client it
+    replaced, and its readiness must not read green meanwhile."""
+    WedgedMember.made.clear()
+    monkeypatch.setattr(bus.consumer, "Consumer", NeverSettlesAgain)
+    with ConsumerThread(
+        {"group.id": "g"}, lambda batch: None, subscribe=["t"], unsettled_limit_s=0.2
+    ) as thread:
+        deadline = time.monotonic() + 5
+        while len(WedgedMember.made) < 3:
+            assert time.monotonic() < deadline, f"replaced {len(WedgedMember.made) - 1} times, not twice"
+            time.sleep(0.01)
+        assert thread.unsettled_for() > 0
+
+
+class Revoking(StuckGroupConsumer):
+    """Assigned partition 0 of ``t`` at the first poll, revoked at the second (a rebalance); records every
+    commit it is asked for."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        super().__init__(config)
+        self.release.set()
+        self.callbacks: dict[str, Any] = {}
+        self.polls = 0
+        self.commits: list[tuple[list[tuple[str, int, int]], bool]] = []
+
+    def subscribe(self, topics: list[str], **callbacks: Any) -> None:
+        self.callbacks = callbacks
+
+    def poll(self, timeout: float) -> Message | None:
+        self.polls += 1
+        if self.polls == 1:
+            self.callbacks["on_assign"](self, [TopicPartition("t", 0)])
+        elif self.polls == 2:
+            self.callbacks["on_revoke"](self, [TopicPartition("t", 0)])
+        return super().poll(min(timeout, 0.01))
+
+    def commit(self, offsets: list[TopicPartition], asynchronous: bool) -> None:
+        self.commits.append(([(tp.topic, tp.partition, tp.offset) for tp in offsets], asynchronous))
+        super().commit(offsets, asynchronous)
+
+
+def test_what_an_owner_commits_while_it_finishes_a_revoked_partition_goes_out_before_the_hand_over(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A worker drains a revoked partition's requests in its revoke callback and commits their offsets as
+    they finish: those must be stored before the partition changes hands, or its next owner runs them
+    again."""
+    Revoking.made.clear()
+    monkeypatch.setattr(bus.consumer, "Consumer", Revoking)
+    done = threading.Event()
+
+    def on_revoke(tps: list[tuple[str, int]], lost: bool) -> dict[tuple[str, int], int]:
+        thread.commit({("t", 0): 5})  # the drain finished up to offset 4
+        done.set()
+        return {}
+
+    thread = ConsumerThread({"group.id": "g"}, lambda batch: None, subscribe=["t"], on_revoke=on_revoke)
+    with thread:
+        assert done.wait(5)
+        (consumer,) = Revoking.made
+        assert isinstance(consumer, Revoking)
+        deadline = time.monotonic() + 5
+        while not consumer.commits:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert consumer.commits[0] == ([("t", 0, 5)], False)  # synchronously, inside the revoke
+
+
+class RebalancesOnce(WedgedMember):
+    """Settled at the first poll; the second says a rebalance is under way and brings a record; settled
+    again from the third."""
+
+    def poll(self, timeout: float) -> Message | None:
+        self.polls += 1
+        join = "wait-join" if self.polls == 2 else "steady"
+        self.stats(f'{{"cgrp": {{"state": "up", "join_state": "{join}"}}}}')
+        if self.polls == 2:
+            self.records.put(Record(7))
+        return StuckGroupConsumer.poll(self, min(timeout, 0.01))
+
+
+def test_a_handler_that_blocks_through_a_rebalance_does_not_get_its_member_replaced(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The group was seen unsettled once, then the handler held the thread past the limit (a worker's full
+    inbox): no statistics came meanwhile, so nothing says the group is still unsettled."""
+    WedgedMember.made.clear()
+    monkeypatch.setattr(bus.consumer, "Consumer", RebalancesOnce)
+    handled = threading.Event()
+
+    def handle(batch: list[Message]) -> None:
+        time.sleep(0.4)
+        handled.set()
+
+    with ConsumerThread({"group.id": "g"}, handle, subscribe=["t"], unsettled_limit_s=0.2):
+        assert handled.wait(5)
+        time.sleep(0.3)
+        assert len(WedgedMember.made) == 1
