@@ -137,7 +137,7 @@ def current_span(
     """``tracer().start_as_current_span(...)`` where spans are recorded. Where they are not (no provider:
     the default), no span: the block runs in the caller's context (``context``'s span made current when it
     names one), which is what the events it publishes carry. A span through OpenTelemetry's no-op tracer
-    costs ~4 us, and an edge request opened three (docs/perf)."""
+    costs ~4 us, and an edge request opened three of them and two spans beside (docs/perf)."""
     if recording():
         return tracer().start_as_current_span(
             name, context=context, kind=kind, attributes=attributes, links=links
