@@ -137,12 +137,11 @@ class RequestWatch:
         if self._labels is None or self._outcome is not None:
             return
         self._outcome = finished.status
-        child = _CHILDREN
-        child(metrics.REQUESTS, *self._labels, finished.status).inc()
-        child(metrics.PROMPT_TOKENS, *self._labels).inc(finished.usage.prompt_tokens)
-        child(metrics.GENERATION_TOKENS, *self._labels).inc(finished.usage.completion_tokens)
+        _CHILDREN(metrics.REQUESTS, *self._labels, finished.status).inc()
+        _CHILDREN(metrics.PROMPT_TOKENS, *self._labels).inc(finished.usage.prompt_tokens)
+        _CHILDREN(metrics.GENERATION_TOKENS, *self._labels).inc(finished.usage.completion_tokens)
         if finished.status == "completed":
-            child(metrics.E2E, *self._labels).observe(now - self._t0)
+            _CHILDREN(metrics.E2E, *self._labels).observe(now - self._t0)
 
     def _trace_finished(self, finished: RequestFinished) -> None:
         self._record_receive(finished)

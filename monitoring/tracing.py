@@ -25,13 +25,10 @@ nothing. Attribute names follow the OpenTelemetry GenAI and messaging semantic c
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from contextlib import AbstractContextManager
-from contextvars import Token
+from contextlib import AbstractContextManager, nullcontext
 from datetime import datetime
-from types import TracebackType
 from typing import Literal
 
-from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.sdk.trace import TracerProvider
@@ -90,42 +87,6 @@ def recording() -> bool:
     return isinstance(trace.get_tracer_provider(), TracerProvider)
 
 
-class _Current(AbstractContextManager[Span]):
-    """Where nothing is recorded, what a span site enters instead of a span: the current span stays
-    current (the caller's context, or none), as under OpenTelemetry's no-op tracer, at no cost."""
-
-    def __enter__(self) -> Span:
-        return trace.get_current_span()
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        return None
-
-
-class _Parent(_Current):
-    """Where nothing is recorded, a span site with an explicit parent (a caller's ``traceparent``, or none):
-    that parent is current for the block, so what is published inside names it, as under the no-op
-    tracer."""
-
-    def __init__(self, parent: Span) -> None:
-        self._context = trace.set_span_in_context(parent)
-        self._token: Token[Context] | None = None
-
-    def __enter__(self) -> Span:
-        self._token = otel_context.attach(self._context)
-        return trace.get_current_span()
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        if self._token is not None:
-            otel_context.detach(self._token)
-
-
-_CURRENT = _Current()
-
-
 def current_span(
     name: str,
     *,
@@ -142,11 +103,12 @@ def current_span(
         return tracer().start_as_current_span(
             name, context=context, kind=kind, attributes=attributes, links=links
         )
+    current = trace.get_current_span()
     if context is not None:
         parent = trace.get_current_span(context)
-        if parent.get_span_context().is_valid or trace.get_current_span().get_span_context().is_valid:
-            return _Parent(parent)
-    return _CURRENT
+        if parent.get_span_context().is_valid or current.get_span_context().is_valid:
+            return trace.use_span(parent)  # made current, as the no-op tracer makes its parent
+    return nullcontext(current)
 
 
 def span(
