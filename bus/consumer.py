@@ -264,25 +264,17 @@ class ConsumerThread(Component):
         self._ready.set()
 
     def _revoked(self, consumer: Consumer, partitions: list[TopicPartition], *, lost: bool = False) -> None:
-        """Partitions leave this consumer. Revoked (not lost): their owner may finish their work first and
-        return the offsets to commit, which are committed here, before the group hands them on. Lost:
-        what is queued goes out without waiting (the group refuses it; its owners are told)."""
+        """Partitions leave this consumer. Revoked (not lost): their owner may finish their work first,
+        committing as it goes, and return the offsets to commit; all of it is committed here, in one
+        synchronous commit, before the group hands them on. Lost: what is queued goes out without waiting
+        (the group refuses it; its owners are told)."""
         self._unsettled_since = self._unsettled_seen = None  # the group is moving (this may take a while)
-        self._flush_commits(wait=not lost)
         tps = [(tp.topic, tp.partition) for tp in partitions]
         self._disown(tps)
-        if self._on_revoke is None:
-            return
-        final = self._on_revoke(tps, lost)
-        if not lost:  # what the owner committed while it finished the partitions' work goes out first
-            self._flush_commits(wait=True)
+        final = self._on_revoke(tps, lost) if self._on_revoke is not None else None
         if final and not lost:
-            try:
-                consumer.commit(
-                    offsets=[TopicPartition(t, p, o) for (t, p), o in final.items()], asynchronous=False
-                )
-            except KafkaException:
-                log.warning("final commit of revoked %s failed", final, exc_info=True)
+            self._commits.put((final, None))  # after what the owner queued: its offsets win
+        self._flush_commits(wait=not lost)
 
     def _lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         """Partitions taken without a revoke (this member missed its session): nothing may be committed."""
