@@ -114,29 +114,51 @@ async def closed_loop(
     return time.perf_counter() - started, results
 
 
-async def steady_rate(
-    concurrency: int, job: Callable[[int], Awaitable[int]], *, warm_s: float, window_s: float
-) -> float:
-    """Units per second at steady state: ``concurrency`` closed-loop clients run ``job`` (which returns its
-    units) without pause; what completes in ``window_s`` after ``warm_s`` of ramp-up counts.
+async def steady(
+    concurrency: int,
+    job: Callable[[int], Awaitable[int]],
+    *,
+    warm_s: float,
+    window_s: float,
+    warm_jobs: int = 0,
+) -> tuple[float, list[float]]:
+    """Units per second at steady state, and the latencies (ms) of the jobs counted: ``concurrency``
+    closed-loop clients run ``job`` (which returns its units) without pause; what completes in ``window_s``
+    counts. The window opens at the first completion after ``warm_s`` of ramp-up and ``warm_jobs`` jobs
+    done (``concurrency`` of them: every client's first request, which all arrived at once, is behind it).
 
     A fixed number of jobs would also time the ramp-up (every client arriving at once) and the drain (the
     last requests finishing with nobody behind them): over a phase of a few seconds that cost the platform
     10-15 % of its generation throughput against the same load measured at steady state."""
     numbers = iter(range(1 << 62))
     started = time.perf_counter()
-    opens, closes = started + warm_s, started + warm_s + window_s
-    counted = 0
+    window: list[float] = []  # [opens, closes] once open
+    done = counted = 0
+    latencies: list[float] = []
 
     async def client() -> None:
-        nonlocal counted
-        while time.perf_counter() < closes:
+        nonlocal done, counted
+        while not window or time.perf_counter() < window[1]:
+            sent = time.perf_counter()
             units = await job(next(numbers))
-            if opens <= time.perf_counter() < closes:
-                counted += units
+            now = time.perf_counter()
+            done += 1
+            if window:
+                if now < window[1]:
+                    counted += units
+                    latencies.append((now - sent) * 1000)
+            elif now - started >= warm_s and done >= warm_jobs:
+                window.extend((now, now + window_s))
 
     await asyncio.gather(*(client() for _ in range(concurrency)))
-    return counted / window_s
+    return counted / window_s, latencies
+
+
+async def steady_rate(
+    concurrency: int, job: Callable[[int], Awaitable[int]], *, warm_s: float, window_s: float
+) -> float:
+    """:func:`steady`'s units per second."""
+    return (await steady(concurrency, job, warm_s=warm_s, window_s=window_s))[0]
 
 
 SPREAD_START_S = 2.0
@@ -191,32 +213,44 @@ def job_for(
     raise ValueError(f"unknown workload {workload!r}: embeddings or generation")
 
 
-async def profile(clients: int, total: int, job: Callable[[int], Awaitable[int]]) -> Profile:
-    """``total`` jobs by ``clients`` clients after a short untimed warm-up; ``job`` returns its units."""
+PROFILE_WINDOW_S = {False: (1.0, 8.0), True: (0.5, 2.0)}
+"""``{quick: (warm_s, window_s)}`` of a profile at more than one client (:func:`steady`)."""
+ONE_CLIENT_REQUESTS = {"embeddings": (200, 32), "generation": (24, 6)}
+"""``{workload: (requests, quick run's)}`` of a profile at one client."""
+
+
+async def profile(clients: int, job: Callable[[int], Awaitable[int]], requests: int, quick: bool) -> Profile:
+    """``job`` (returning its units) by ``clients`` closed-loop clients, after a short untimed warm-up.
+
+    One client makes ``requests`` requests, one after another: its latency is the point. More clients are
+    measured at steady state (:func:`steady`, every peer alike): a fixed number of requests at 64 clients
+    times their arrival all at once and the drain with nobody behind it, which cost a batching server more
+    than a server that answers one request at a time."""
     warm = min(clients, 8)
     await closed_loop(warm, warm, job)
-    latencies: list[float] = []
+    if clients > 1:
+        warm_s, window_s = PROFILE_WINDOW_S[quick]
+        per_s, latencies = await steady(clients, job, warm_s=warm_s, window_s=window_s, warm_jobs=clients)
+        if not latencies:
+            raise RuntimeError(f"no request of {clients} clients ended inside the {window_s:.0f} s window")
+    else:
+        latencies = []
 
-    async def timed(n: int) -> int:
-        started = time.perf_counter()
-        units = await job(n)
-        latencies.append((time.perf_counter() - started) * 1000)
-        return units
+        async def timed(n: int) -> int:
+            started = time.perf_counter()
+            units = await job(n)
+            latencies.append((time.perf_counter() - started) * 1000)
+            return units
 
-    wall, done = await closed_loop(clients, total, timed)
+        wall, done = await closed_loop(clients, requests, timed)
+        per_s = sum(int(x) for x in done) / wall  # type: ignore[call-overload]
     return {
         "clients": clients,
-        "requests": total,
-        "per_s": sum(int(x) for x in done) / wall,  # type: ignore[call-overload]
+        "requests": len(latencies),
+        "per_s": per_s,
         "p50_ms": statistics.median(latencies),
         "p99_ms": pct(latencies, 99),
     }
-
-
-def requests_for(workload: str, clients: int, quick: bool) -> int:
-    if workload == "embeddings":
-        return (32 if quick else 200) if clients == 1 else (128 if quick else 1024)
-    return (6 if quick else 24) if clients == 1 else (64 if quick else 256)
 
 
 async def profile_all(session: aiohttp.ClientSession, url: str, quick: bool) -> dict[str, dict[str, Profile]]:
@@ -227,9 +261,9 @@ async def profile_all(session: aiohttp.ClientSession, url: str, quick: bool) -> 
     for workload in WORKLOADS:
         out[workload] = {}
         for clients in CLIENTS:
-            total = requests_for(workload, clients, quick)
+            requests = ONE_CLIENT_REQUESTS[workload][quick]
             job = job_for(session, url, workload, tokens)
-            out[workload][str(clients)] = await profile(clients, total, job)
+            out[workload][str(clients)] = await profile(clients, job, requests, quick)
     return out
 
 

@@ -12,7 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # scripts, not a package
 
-from loadgen import EMBED_TEXTS, embed_text, steady_rate  # type: ignore[import-not-found]
+from loadgen import EMBED_TEXTS, embed_text, profile, steady, steady_rate  # type: ignore[import-not-found]
 
 
 async def test_steady_rate_counts_only_what_completes_inside_the_window() -> None:
@@ -31,6 +31,46 @@ async def test_steady_rate_counts_only_what_completes_inside_the_window() -> Non
     assert 60 <= rate <= 210, rate
     assert len(set(calls)) == len(calls)  # every job has its own number
     assert elapsed < 0.5 + 0.2  # clients stop at the window's end, each after its job in flight
+
+
+async def test_the_window_opens_after_every_client_has_had_an_answer() -> None:
+    """``warm_jobs``: a batching server's first wave (every client's first request, all at once) ends after
+    ``warm_s``; the window must not open before it, nor count it."""
+    done = 0
+
+    async def job(n: int) -> int:
+        nonlocal done
+        await asyncio.sleep(0.3 if n < 4 else 0.01)  # the first wave is slow
+        done += 1
+        return 1_000_000 if n < 4 else 1
+
+    rate, latencies = await steady(4, job, warm_s=0.05, window_s=0.3, warm_jobs=4)
+    assert rate < 1_000, rate  # no unit of the first wave
+    assert latencies
+    assert max(latencies) < 100
+    assert len(latencies) == round(rate * 0.3)  # one latency for each job counted
+
+
+async def test_a_profile_at_many_clients_is_the_steady_window_and_at_one_a_count() -> None:
+    """Many clients: the rate and latencies of the steady window only, not the ramp-up. One client: exactly
+    the requests asked for."""
+    calls = 0
+
+    async def job(n: int) -> int:
+        nonlocal calls
+        calls += 1
+        await asyncio.sleep(0.002)
+        return 3
+
+    one = await profile(1, job, 10, True)
+    assert one["requests"] == 10
+    assert one["clients"] == 1
+    assert calls == 10 + 1  # the untimed warm-up, then the ten
+    assert 2 <= one["p50_ms"] < 50
+
+    many = await profile(8, job, 10, True)  # the quick window: 0.5 s of warm-up, 2 s counted
+    assert many["requests"] > 100  # ~8 clients x ~2 s / ~2-3 ms, far more than the 10 asked of one client
+    assert abs(many["per_s"] - 3 * many["requests"] / 2.0) < 1e-6  # units of the counted requests only
 
 
 def test_embedding_inputs_cycle_through_a_fixed_set() -> None:
