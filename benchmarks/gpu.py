@@ -62,7 +62,7 @@ from gpu_workers.models import (
     memory_bytes,
     prepare_models,
 )
-from gpu_workers.service import Arrival, Request, Runner
+from gpu_workers.runtime import Arrival, Request, Runner
 from gpu_workers.settings import WorkerSettings
 from monitoring.runtime import tune_gc
 from schemas.events import (

@@ -22,7 +22,7 @@ from gpu_workers.embedding import EmbeddingEngine
 from gpu_workers.generation import monotonic_deadline
 from gpu_workers.observe import RunnerLoad
 from gpu_workers.oom import OOM_CODE, MemoryBackoff, is_out_of_memory, release_memory
-from gpu_workers.service import Arrival, Emitter, Origin
+from gpu_workers.runtime import Arrival, Emitter, Origin
 from schemas.events import (
     FLOAT32_BYTES,
     EmbeddingRequested,

@@ -18,8 +18,9 @@ from pathlib import Path
 import msgspec
 
 from gpu_workers.main import runner_factory
-from gpu_workers.service import Arrival, Request, with_request
+from gpu_workers.runtime import Arrival, Request
 from gpu_workers.settings import WorkerSettings
+from gpu_workers.terminal import with_request
 from schemas.events import RequestFinished, TokenChunk, utc_now
 from schemas.ids import uuid7
 from schemas.manifest import read_manifest

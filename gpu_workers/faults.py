@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from gpu_workers.observe import RunnerLoad
-    from gpu_workers.service import Arrival, Emitter, Origin, Runner
+    from gpu_workers.runtime import Arrival, Emitter, Origin, Runner
 
 
 def fails(request_id: str, ratio: float) -> bool:

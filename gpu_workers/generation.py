@@ -22,8 +22,8 @@ from gpu_workers.engine import GenerationEngine, SeqRequest
 from gpu_workers.flush import ChunkCoalescer, Flush, FlushPolicy
 from gpu_workers.observe import RunnerLoad
 from gpu_workers.oom import OOM_CODE, MemoryBackoff, is_out_of_memory, release_memory
+from gpu_workers.runtime import Arrival, Emitter, Origin
 from gpu_workers.scheduler import GenerationScheduler, Pending, SchedulerConfig
-from gpu_workers.service import Arrival, Emitter, Origin
 from schemas.events import (
     DriftFeatures,
     ErrorInfo,

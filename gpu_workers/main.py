@@ -21,8 +21,9 @@ from bus.placement import (
 from gpu_workers.batching import BatcherConfig
 from gpu_workers.features import FeatureProbe
 from gpu_workers.flush import FlushPolicy
+from gpu_workers.runtime import Runner
 from gpu_workers.scheduler import SchedulerConfig
-from gpu_workers.service import Runner, WorkerService
+from gpu_workers.service import WorkerService
 from gpu_workers.settings import WorkerSettings
 from monitoring import metrics
 from monitoring.ops import OpsServer
@@ -83,7 +84,7 @@ def runner_factory(
         if not faulty or (worker.fault_versions and version not in worker.fault_versions):
             return runner
         from gpu_workers.faults import FaultyRunner
-        from gpu_workers.service import Origin
+        from gpu_workers.runtime import Origin
 
         log.warning(
             "worker %s: FAULT INJECTION on version %s (fail %.0f%%, +%d ms per step)",

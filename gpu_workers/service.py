@@ -3,7 +3,8 @@
 Threads: a consumer thread (the model's consumer group), a cancel listener (every partition of the cancel
 topic, no group: every worker hears every cancel), the producer's delivery thread, and exactly ONE model
 thread that owns the runner (scheduler + engine) and all bookkeeping. Everything reaches the model thread
-through one bounded inbox, so the runner is a plain synchronous object (see ``Runner``).
+through one bounded inbox, so the runner is a plain synchronous object (see :mod:`gpu_workers.runtime`; the terminal events'
+helpers are :mod:`gpu_workers.terminal`).
 
 Invariants kept here, for every runner:
 - each accepted request ends in exactly one terminal event (``RequestFinished``), published to the
@@ -20,9 +21,9 @@ import queue
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
 
 import msgspec
 from confluent_kafka import Consumer, Message, TopicPartition
@@ -35,7 +36,6 @@ from bus.consumer import (
     consumer_config,
     decode_or_dead_letter,
     read_to_end,
-    record_headers,
     watermarks,
 )
 from bus.control import control_start, latest_deployments
@@ -43,88 +43,31 @@ from bus.errors import BusError
 from bus.producer import EventProducer, Position
 from gpu_workers import GpuWorkerError
 from gpu_workers.features import FeatureProbe
-from gpu_workers.observe import RequestTrace, RunnerLoad, WorkerObserver, open_trace
+from gpu_workers.observe import WorkerObserver, open_trace
 from gpu_workers.offsets import OffsetTracker
+from gpu_workers.runtime import Arrival, Emitter, Request, Runner
+from gpu_workers.terminal import finished_by, fits, too_large, with_features, with_request
 from monitoring import tracing
 from monitoring.ops import Readiness
-from schemas.codec import MAX_RECORD_BYTES, DecodeError, ce_type, decode, encode, headers, kafka_key
+from schemas.codec import DecodeError, decode, encode, headers, kafka_key
 from schemas.deployments import Deployment
 from schemas.events import (
     BatchItemRequested,
     BatchRef,
     CancelRequested,
     DeploymentChanged,
-    DriftFeatures,
     EmbeddingRequested,
-    ErrorInfo,
-    FinishReason,
-    Float32Vectors,
     GenerationRequested,
     RequestFinished,
-    Timings,
     TokenChunk,
-    Usage,
     WorkerReady,
 )
-from schemas.events import Status as RequestStatus
 from schemas.lifecycle import Component
 from schemas.manifest import ManifestError
 from schemas.settings import KafkaConnection
 from schemas.topics import TopicNames, worker_group
 
 log = logging.getLogger(__name__)
-
-Request = GenerationRequested | EmbeddingRequested
-
-
-@dataclass(frozen=True)
-class Arrival:
-    """A request as consumed: the event and where it came from (for the commit)."""
-
-    event: Request
-    tp: TP
-    offset: int
-    received: float = field(default_factory=time.monotonic)
-    trace: RequestTrace | None = None
-    generation: int = 0
-    """The worker's assignment generation when the record was consumed (see ``WorkerService._stale``)."""
-    batch: BatchRef | None = None
-    """The batch line this request is (consumed as a :class:`BatchItemRequested`): its terminal event names it."""
-
-    @property
-    def traceparent(self) -> str | None:
-        """The trace context the events a runner builds for this request carry."""
-        return self.trace.traceparent if self.trace is not None else self.event.traceparent
-
-
-class Emitter(Protocol):
-    def chunk(self, arrival: Arrival, chunk: TokenChunk) -> None: ...
-    def finish(self, arrival: Arrival, result: RequestFinished) -> None: ...
-    def joined(self, arrival: Arrival, batch: int, budget_ratio: float) -> None:
-        """The request joined a batch of ``batch`` sequences (for its ``batch_formation`` span)."""
-
-
-class Runner(Protocol):
-    """The model-specific part, driven only from the model thread."""
-
-    def accept(self, arrival: Arrival, emit: Emitter) -> None:
-        """Take a new request (queue it, or finish it at once, e.g. rejected or expired)."""
-
-    def cancel(self, request_id: str, emit: Emitter) -> None:
-        """Drop the request wherever it is and emit its ``cancelled`` terminal event."""
-
-    def tick(self, emit: Emitter) -> None:
-        """Do one unit of work (one decode step, one embedding batch), emitting what it produced."""
-
-    def release(self, request_ids: Collection[str]) -> set[str]:
-        """Drop those of ``request_ids`` that have not started (no output yet) without a terminal event:
-        their partition moved to another worker, which runs them. Returns the ids dropped."""
-
-    def wait_hint(self) -> float | None:
-        """Seconds the loop may block waiting for input: 0 while there is work, None for "until input"."""
-
-    def load(self) -> RunnerLoad:
-        """How busy the runner is after the last tick (for the worker's gauges)."""
 
 
 @dataclass(frozen=True)
@@ -861,7 +804,7 @@ class WorkerService(Component):
                         span.end()
 
         value = encode(result)
-        if not _fits(value):
+        if not fits(value):
             # Too large for one record: end the request failed, not the model thread (which the produce
             # error used to kill, and again after every redelivery).
             log.error(
@@ -884,85 +827,11 @@ class WorkerService(Component):
         self._producer.produce_raw(self._names.results, value, key=key, headers=head, on_delivery=durable)
 
 
-def with_features(probe: FeatureProbe, event: Request, result: RequestFinished, value: bytes) -> bytes:
-    """The results copy of a terminal event (encoded as ``value``) with its drift features, or as it was
-    where they fail or would not fit in one record: they describe the request, they must never keep it
-    from ending."""
-    try:
-        described = encode(msgspec.structs.replace(result, features=probe.features(event, result)))
-    except Exception:
-        log.exception("drift features of %s failed", event.request_id)
-        return value
-    if not _fits(described):
-        log.warning("drift features of %s left out: the event would not fit one record", event.request_id)
-        return value
-    return described
-
-
 def _end_trace(arrival: Arrival, status: str) -> None:
     """End the span of a record that ends here without a terminal event of this worker's, with why."""
     if arrival.trace is not None:
         arrival.trace.span.set_attribute(tracing.STATUS, status)
         arrival.trace.span.end()
-
-
-_FINISHED_TYPE = ce_type(RequestFinished).encode()
-
-
-def finished_by(message: Message, model_id: str, *, skip_source: str | None = None) -> str | None:
-    """The request id of a terminal event of ``model_id`` on the results topic, else None.
-
-    Read from the record's CloudEvents headers (type, model, subject) without decoding the body: every
-    worker tails every result, and a body holds the whole text or every vector. A record without those
-    headers (written by another tool) is decoded. One whose ``ce_source`` is ``skip_source`` (this
-    worker's own results, remembered when it published them) is skipped."""
-    found = {
-        key: value.encode() if isinstance(value, str) else value
-        for key, value in record_headers(message)
-        if key.startswith("ce_") and value is not None
-    }
-    kind, model, subject = found.get("ce_type"), found.get("ce_model"), found.get("ce_subject")
-    if kind is not None and model is not None and subject is not None:
-        if kind != _FINISHED_TYPE or model != model_id.encode():
-            return None
-        if skip_source is not None and found.get("ce_source") == skip_source.encode():
-            return None
-        return subject.decode()
-    try:
-        event = decode(message.value() or b"")
-    except DecodeError:
-        return None
-    if not isinstance(event, RequestFinished) or event.model != model_id:
-        return None
-    return None if event.source == skip_source else event.request_id
-
-
-RECORD_HEADROOM_BYTES = 4096
-"""Room under :data:`~schemas.codec.MAX_RECORD_BYTES` for the key, headers and record framing."""
-
-
-def _fits(value: bytes) -> bool:
-    """Whether an encoded terminal event fits one log record with its key and headers."""
-    return len(value) <= MAX_RECORD_BYTES - RECORD_HEADROOM_BYTES
-
-
-def too_large(result: RequestFinished, size: int) -> RequestFinished:
-    """The ``failed`` terminal event that replaces one too large for the log: no text, no vectors,
-    nothing billed; the message says how large the result was and what to do."""
-    return msgspec.structs.replace(
-        result,
-        status="failed",
-        finish_reason="error",
-        text=None,
-        embeddings=None,
-        embeddings_f32=None,
-        usage=Usage(prompt_tokens=0, completion_tokens=0, total_tokens=0),
-        error=ErrorInfo(
-            code="result_too_large",
-            message=f"the result ({size:,} bytes) does not fit one {MAX_RECORD_BYTES:,}-byte record of the "
-            "event log; ask for fewer inputs or tokens per request",
-        ),
-    )
 
 
 class _KafkaEmitter:
@@ -1006,79 +875,3 @@ def _all_partitions_at_end(kafka: KafkaConnection, topic: str) -> list[TopicPart
         return [TopicPartition(topic, p, watermarks(consumer, topic, p)[1]) for p in meta.partitions]
     finally:
         consumer.close()
-
-
-def with_request(
-    result: RequestFinished,
-    event: Request,
-    context: tuple[str, str | None] | None = None,
-    version: str = "",
-) -> RequestFinished:
-    """The terminal event with what the request said copied in (alone, it is the request's fact row),
-    and the trace context of its ``publish`` span when there is one; one copy of the event. The model
-    version is the one that ran it (``version``), which differs from the routed one when it was adopted."""
-    kind: Literal["chat", "completion", "embedding"] = (
-        "embedding" if isinstance(event, EmbeddingRequested) else "chat" if event.chat else "completion"
-    )
-    traceparent, tracestate = context if context is not None else (result.traceparent, result.tracestate)
-    return msgspec.structs.replace(
-        result,
-        traceparent=traceparent,
-        tracestate=tracestate,
-        model_version=version or event.model_version,
-        shadow_of=event.shadow_of,
-        kind=kind,
-        stream=isinstance(event, GenerationRequested) and event.stream,
-        edge_id=event.reply.edge_id if event.reply is not None else "",
-        idempotency_key=event.idempotency_key,
-    )
-
-
-NO_USAGE = Usage(prompt_tokens=0, completion_tokens=0, total_tokens=0)
-
-
-@dataclass(frozen=True)
-class Origin:
-    """Who produces a runner's events: stamped on every terminal event it builds."""
-
-    source: str
-    worker_id: str
-
-    def finished(
-        self,
-        arrival: Arrival,
-        status: RequestStatus,
-        reason: FinishReason,
-        usage: Usage = NO_USAGE,
-        *,
-        text: str | None = None,
-        embeddings: Float32Vectors | None = None,
-        error: ErrorInfo | None = None,
-        timings: Timings | None = None,
-        max_inter_token_s: float | None = None,
-        features: DriftFeatures | None = None,
-    ) -> RequestFinished:
-        """The one builder of a runner's terminal events: the request's identity and trace context and this
-        origin are filled in here; what the request itself said is copied in at publish (``with_request``)."""
-        event = arrival.event
-        return RequestFinished(
-            tenant=event.tenant,
-            model=event.model,
-            request_id=event.request_id,
-            source=self.source,
-            traceparent=arrival.traceparent,
-            status=status,
-            finish_reason=reason,
-            usage=usage,
-            text=text,
-            embeddings_f32=embeddings,
-            error=error,
-            timings=timings if timings is not None else Timings(),
-            worker_id=self.worker_id,
-            max_inter_token_s=max_inter_token_s,
-            features=features,
-        )
-
-    def failed(self, arrival: Arrival, code: str, message: str) -> RequestFinished:
-        """A ``failed`` terminal event for a request that could not run."""
-        return self.finished(arrival, "failed", "error", error=ErrorInfo(code=code, message=message))

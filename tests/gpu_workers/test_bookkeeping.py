@@ -26,7 +26,8 @@ import pytest
 
 from bus.errors import BusError
 from gpu_workers.observe import RunnerLoad
-from gpu_workers.service import Arrival, Emitter, WorkerService, _Cancel
+from gpu_workers.runtime import Arrival, Emitter
+from gpu_workers.service import WorkerService, _Cancel
 from schemas.codec import decode
 from schemas.events import GenerationRequested, RequestFinished, TokenChunk, Usage
 from schemas.ids import uuid7

@@ -16,7 +16,7 @@ from gpu_workers.batching import BatcherConfig
 from gpu_workers.embedding import EmbeddingEngine, PendingVectors
 from gpu_workers.embedding_runner import EmbeddingRunner
 from gpu_workers.models import LoadedModel
-from gpu_workers.service import Arrival
+from gpu_workers.runtime import Arrival
 from schemas.events import utc_now
 from tests.gpu_workers.test_runners import Collected, embedding, embedding_runner
 

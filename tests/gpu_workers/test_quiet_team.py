@@ -26,7 +26,7 @@ from gpu_workers.models import (
     QuietTeam,
     configure_openmp,
 )
-from gpu_workers.service import Arrival
+from gpu_workers.runtime import Arrival
 from gpu_workers.settings import WorkerSettings
 from tests.gpu_workers.test_runners import Collected, embedding
 

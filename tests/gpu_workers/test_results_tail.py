@@ -6,7 +6,7 @@ from __future__ import annotations
 from confluent_kafka import Message
 from confluent_kafka._types import HeadersType
 
-from gpu_workers.service import finished_by
+from gpu_workers.terminal import finished_by
 from schemas.codec import encode, headers
 from schemas.events import CancelRequested, RequestFinished, Usage
 

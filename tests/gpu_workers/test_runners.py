@@ -18,8 +18,8 @@ from gpu_workers.engine import GenerationEngine
 from gpu_workers.flush import FlushPolicy
 from gpu_workers.generation import GenerationRunner
 from gpu_workers.models import LoadedModel
+from gpu_workers.runtime import Arrival, Request, Runner
 from gpu_workers.scheduler import SchedulerConfig
-from gpu_workers.service import Arrival, Request, Runner
 from schemas.events import (
     EmbeddingRequested,
     ErrorInfo,

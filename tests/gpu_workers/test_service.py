@@ -517,7 +517,7 @@ async def test_records_of_a_revoked_partition_still_in_the_inbox_are_dropped_not
 ) -> None:
     """A rebalance takes a partition away while some of its records wait in the inbox. Before, they ran
     anyway (the new owner runs them too) and re-created the revoked partition's offset tracking."""
-    from gpu_workers.service import Arrival
+    from gpu_workers.runtime import Arrival
 
     topic = names.requests("demo-gpt")
     gone = (topic, 99)  # a partition this test pretends the worker owned (the real ones keep working)

@@ -11,7 +11,8 @@ import pytest
 
 from bus.errors import BusError
 from gpu_workers.observe import WorkerObserver
-from gpu_workers.service import Arrival, WorkerService
+from gpu_workers.runtime import Arrival
+from gpu_workers.service import WorkerService
 from schemas.codec import decode
 from schemas.events import DriftFeatures, GenerationRequested, ReplyTo, RequestFinished, Usage
 from schemas.ids import uuid7

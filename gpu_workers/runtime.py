@@ -1,0 +1,130 @@
+"""The contract between the worker's I/O shell (:mod:`gpu_workers.service`) and a model's runner: a request
+as consumed (:class:`Arrival`), what a runner emits through (:class:`Emitter`), the runner itself
+(:class:`Runner`, driven only from the model thread) and the one builder of its terminal events
+(:class:`Origin`). A runner imports this, never the shell."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from bus.consumer import TP
+from gpu_workers.observe import RequestTrace, RunnerLoad
+from schemas.events import (
+    BatchRef,
+    DriftFeatures,
+    EmbeddingRequested,
+    ErrorInfo,
+    FinishReason,
+    Float32Vectors,
+    GenerationRequested,
+    RequestFinished,
+    Timings,
+    TokenChunk,
+    Usage,
+)
+from schemas.events import Status as RequestStatus
+
+Request = GenerationRequested | EmbeddingRequested
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """A request as consumed: the event and where it came from (for the commit)."""
+
+    event: Request
+    tp: TP
+    offset: int
+    received: float = field(default_factory=time.monotonic)
+    trace: RequestTrace | None = None
+    generation: int = 0
+    """The worker's assignment generation when the record was consumed (see ``WorkerService._stale``)."""
+    batch: BatchRef | None = None
+    """The batch line this request is (consumed as a :class:`BatchItemRequested`): its terminal event names it."""
+
+    @property
+    def traceparent(self) -> str | None:
+        """The trace context the events a runner builds for this request carry."""
+        return self.trace.traceparent if self.trace is not None else self.event.traceparent
+
+
+class Emitter(Protocol):
+    def chunk(self, arrival: Arrival, chunk: TokenChunk) -> None: ...
+    def finish(self, arrival: Arrival, result: RequestFinished) -> None: ...
+    def joined(self, arrival: Arrival, batch: int, budget_ratio: float) -> None:
+        """The request joined a batch of ``batch`` sequences (for its ``batch_formation`` span)."""
+
+
+class Runner(Protocol):
+    """The model-specific part, driven only from the model thread."""
+
+    def accept(self, arrival: Arrival, emit: Emitter) -> None:
+        """Take a new request (queue it, or finish it at once, e.g. rejected or expired)."""
+
+    def cancel(self, request_id: str, emit: Emitter) -> None:
+        """Drop the request wherever it is and emit its ``cancelled`` terminal event."""
+
+    def tick(self, emit: Emitter) -> None:
+        """Do one unit of work (one decode step, one embedding batch), emitting what it produced."""
+
+    def release(self, request_ids: Collection[str]) -> set[str]:
+        """Drop those of ``request_ids`` that have not started (no output yet) without a terminal event:
+        their partition moved to another worker, which runs them. Returns the ids dropped."""
+
+    def wait_hint(self) -> float | None:
+        """Seconds the loop may block waiting for input: 0 while there is work, None for "until input"."""
+
+    def load(self) -> RunnerLoad:
+        """How busy the runner is after the last tick (for the worker's gauges)."""
+
+
+NO_USAGE = Usage(prompt_tokens=0, completion_tokens=0, total_tokens=0)
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Who produces a runner's events: stamped on every terminal event it builds."""
+
+    source: str
+    worker_id: str
+
+    def finished(
+        self,
+        arrival: Arrival,
+        status: RequestStatus,
+        reason: FinishReason,
+        usage: Usage = NO_USAGE,
+        *,
+        text: str | None = None,
+        embeddings: Float32Vectors | None = None,
+        error: ErrorInfo | None = None,
+        timings: Timings | None = None,
+        max_inter_token_s: float | None = None,
+        features: DriftFeatures | None = None,
+    ) -> RequestFinished:
+        """The one builder of a runner's terminal events: the request's identity and trace context and this
+        origin are filled in here; what the request itself said is copied in at publish (``with_request``)."""
+        event = arrival.event
+        return RequestFinished(
+            tenant=event.tenant,
+            model=event.model,
+            request_id=event.request_id,
+            source=self.source,
+            traceparent=arrival.traceparent,
+            status=status,
+            finish_reason=reason,
+            usage=usage,
+            text=text,
+            embeddings_f32=embeddings,
+            error=error,
+            timings=timings if timings is not None else Timings(),
+            worker_id=self.worker_id,
+            max_inter_token_s=max_inter_token_s,
+            features=features,
+        )
+
+    def failed(self, arrival: Arrival, code: str, message: str) -> RequestFinished:
+        """A ``failed`` terminal event for a request that could not run."""
+        return self.finished(arrival, "failed", "error", error=ErrorInfo(code=code, message=message))
