@@ -166,13 +166,22 @@ def run_ray(
 
 
 def ratios(
-    profiles: dict[str, Outcome], base: Profiles | None = None, own_base: Profiles | None = None
+    profiles: dict[str, Outcome],
+    base: Profiles | None = None,
+    own_base: Profiles | None = None,
+    bare_embedding_ms: float | None = None,
 ) -> dict[str, Any]:
     """Per workload and client count: platform over each of raw/ray/naive in throughput (``per_s``), p99,
     and (where the peer is not raw) in latency added at p50 to the model as each server runs it: a peer's
     from ``base`` (the raw model on the threads the servers get; else ``profiles["raw"]``), the platform's
     from ``own_base`` where it runs its model otherwise (its quiet team at one client: both cores),
-    else ``base`` too. Counting the thread split (or the spare core) as serving overhead would skew it."""
+    else ``base`` too. Counting the thread split (or the spare core) as serving overhead would skew it.
+
+    ``bare_embedding_ms``: one embedding's round trip through two bare Kafka hops around the forward (on the
+    cores ``own_base``'s model had). With it and the naive peer, one client's embedding gets the floor under
+    what a server of this design adds (``floor_added_ms``): what the naive server adds (HTTP, JSON,
+    tokenising), plus what the bare hops add to the forward in a loop; ``ray_floor`` is that over what Ray
+    adds, the least ``ray_added_p50`` could be."""
     out: dict[str, Any] = {}
     platform, raw = profiles["platform"], profiles["raw"]
     if isinstance(platform, str) or isinstance(raw, str):
@@ -200,20 +209,37 @@ def ratios(
                     # below the raw model's (noise, or a raw run on a busy machine) counts as nothing added
                     ours = max(0.0, mine["p50_ms"] - own_row["p50_ms"])
                     row[f"{peer}_added_p50"] = ours / added if added > 0 else None
+                    row[f"{peer}_added_ms"] = added
+            naive_added, ray_added = row.get("naive_added_ms"), row.get("ray_added_ms")
+            one_embedding = workload == "embeddings" and clients == "1"
+            if one_embedding and bare_embedding_ms is not None and naive_added is not None:
+                bare_added = max(0.0, bare_embedding_ms - own_row["p50_ms"])
+                floor_added = max(0.0, naive_added) + bare_added
+                row["floor_added_ms"] = floor_added
+                if ray_added is not None and ray_added > 0:
+                    row["ray_floor"] = floor_added / ray_added
             out.setdefault(workload, {})[clients] = row
     return out
 
 
 def p6(row: dict[str, float | None], clients: str) -> str:
     """P6 (printed, not asserted): at 64 clients ≥ 3x Ray's throughput with a lower p99; at 1 client at
-    most 1/4 of the latency Ray adds to the raw model.
+    most 1/4 of the latency Ray adds to the raw model, or within 1.2x of ``ray_floor`` where that floor
+    (what any server of this design adds, over what Ray adds; one client's embedding) is above 1/4.
 
     Where 3x Ray is more than the model makes alone on the threads every server gets (``ray_ceiling``: that
     model's throughput over Ray's, measured in the same run), 3x is out of reach for any server of it on this
     box, and the issue's rule for such targets applies: within 1.2x of that ceiling."""
     if clients == "1":
-        added = row.get("ray_added_p50")
-        return "n/a" if added is None else f"{'met' if added <= 0.25 else 'missed'} (≤ 0.25)"
+        added, floor = row.get("ray_added_p50"), row.get("ray_floor")
+        if added is None:
+            return "n/a"
+        if floor is None:
+            return f"{'met' if added <= 0.25 else 'missed'} (≤ 0.25)"
+        if floor <= 0.25:
+            return f"{'met' if added <= 0.25 else 'missed'} (≤ 0.25; the floor {floor:.2f}x)"
+        target = 1.2 * floor
+        return f"{'met' if added <= target else 'missed'} (≤ {target:.2f}x: 1.2x the floor {floor:.2f}x)"
     per_s, p99, ceiling = row.get("ray_per_s"), row.get("ray_p99"), row.get("ray_ceiling")
     if per_s is None or p99 is None:
         return "n/a"

@@ -1,7 +1,7 @@
 """The floor under the platform's two Kafka hops: what a request costs when nothing else runs.
 
     python benchmarks/kafka_floor.py [--quick] [--fetch-wait-ms 500] [--acks all] [--idle-ms 20]
-        [--out benchmarks/results/kafka_floor.json]
+        [--around-forward] [--out benchmarks/results/kafka_floor.json]
 
 A request crosses Kafka twice: the edge publishes it (``requests``), a worker consumes it and publishes
 the reply (``replies``), the edge consumes that. This benchmark runs exactly that with no model, no HTTP
@@ -15,6 +15,11 @@ process (produce ``req``, consume ``rep``), both with the platform's own produce
    client leaves the broker and the cores idle while the model runs between its two hops, and an idle
    JVM on an idle vCPU answers slower (on the 2-core development box 1.3-1.8 ms back to back, 2.5-3.1 ms
    after 16-50 ms idle, with twice the broker CPU a round trip: docs/perf);
+   With ``--around-forward`` a third run puts MiniLM's forward of batch 1 (on every core, as
+   ``raw_model.py`` runs it) in the echo between its two hops, as one client's embedding meets them: the
+   forward leaves the cores to the next hop cold (``hops_around_forward``: each hop timed on the box's one
+   monotonic clock, and the round trip over the raw forward in a loop, the floor ``online.py`` sets beside
+   one client's embedding);
 2. throughput: 64 in flight for a few seconds; requests/s and CPU milliseconds per request of the broker
    JVM, the echo process and the driver (what every request costs on a shared box before any model runs).
 
@@ -29,10 +34,11 @@ import json
 import os
 import platform as host
 import statistics
+import struct
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
@@ -50,6 +56,9 @@ ROOT = Path(__file__).resolve().parent.parent
 RECORD = b"x" * 900
 """About a chat request's event (prompt tokens, sampling, trace context)."""
 IN_FLIGHT = 64
+STAMPS = struct.Struct("ddd")
+"""The head of an echo's reply around a forward: when it read the request, its forward (ms), when it produced
+the reply (``time.perf_counter``: CLOCK_MONOTONIC, one clock for every process on the box)."""
 
 
 def producer(conn: KafkaConnection, role: str, acks: str) -> Producer:
@@ -61,8 +70,36 @@ def consumer(conn: KafkaConnection, role: str, fetch_wait_ms: int) -> Consumer:
     return Consumer(consumer_config(conn, None, f"floor-{role}", **{"fetch.wait.max.ms": fetch_wait_ms}))
 
 
-def echo(bootstrap: str, fetch_wait_ms: int, acks: str, req: str, rep: str) -> None:
-    """The worker's half: every record of ``req`` goes back on ``rep``, until a record says ``stop``."""
+def minilm_forward() -> Callable[[], float]:
+    """MiniLM's forward of batch 1 on every core, as ``raw_model.py`` runs it (the load generator's inputs in
+    turn), warm: a call that returns its milliseconds."""
+    from loadgen import EMBED_TEXTS, embed_text
+
+    from gpu_workers.embedding import EmbeddingEngine
+    from gpu_workers.models import configure_torch_threads, load_embedding_model
+    from schemas.manifest import current_model_dir
+
+    configure_torch_threads(len(os.sched_getaffinity(0)))
+    settings = load_settings(PlatformSettings)
+    model = load_embedding_model(current_model_dir(settings.cache_dir, "all-minilm-l6-v2"), device="auto")
+    engine = EmbeddingEngine(model.model)
+    texts = [list(model.tokenizer(embed_text(n))["input_ids"]) for n in range(EMBED_TEXTS)]
+    for ids in texts:
+        engine.embed([ids])
+    turn = iter(range(1 << 62))
+
+    def forward() -> float:
+        began = time.perf_counter()
+        engine.embed([texts[next(turn) % len(texts)]])
+        return (time.perf_counter() - began) * 1000
+
+    return forward
+
+
+def echo(bootstrap: str, fetch_wait_ms: int, acks: str, req: str, rep: str, work: str = "none") -> None:
+    """The worker's half: every record of ``req`` goes back on ``rep``, until a record says ``stop``. With
+    ``work="forward"`` each runs :func:`minilm_forward` first and the reply starts with its :data:`STAMPS`."""
+    forward = minilm_forward() if work == "forward" else None
     conn = KafkaConnection(bootstrap)
     out, source = producer(conn, "echo", acks), consumer(conn, "echo", fetch_wait_ms)
     source.assign([TopicPartition(req, 0, 0)])
@@ -79,7 +116,12 @@ def echo(bootstrap: str, fetch_wait_ms: int, acks: str, req: str, rep: str) -> N
                 out.flush(10)
                 source.close()
                 return
-            out.produce(rep, message.value(), key=message.key())
+            if forward is None:
+                out.produce(rep, message.value(), key=message.key())
+                continue
+            read = time.perf_counter()
+            stamps = STAMPS.pack(read, forward(), time.perf_counter())
+            out.produce(rep, stamps + RECORD[len(stamps) :], key=message.key())
 
 
 class Driver:
@@ -112,11 +154,30 @@ class Driver:
             if idle_s:
                 time.sleep(idle_s)
             began = time.perf_counter()
-            key = str(self.send()).encode()
-            while not any(m.key() == key for m in self.received(5.0)):
-                if time.perf_counter() - began > 30:
-                    raise RuntimeError("the echo did not answer within 30 s")
+            self.answer(began)
             out.append((time.perf_counter() - began) * 1000)
+        return out
+
+    def answer(self, began: float) -> Message:
+        """Send one request and wait for its echo."""
+        key = str(self.send()).encode()
+        while True:
+            for message in self.received(5.0):
+                if message.key() == key:
+                    return message
+            if time.perf_counter() - began > 30:
+                raise RuntimeError("the echo did not answer within 30 s")
+
+    def around_forward(self, n: int) -> list[tuple[float, float, float, float]]:
+        """One request at a time through an echo with a forward (ms each): the round trip, the hop in (sent
+        to read by the echo), the forward, the hop back (the reply produced to read here)."""
+        out = []
+        for _ in range(n):
+            began = time.perf_counter()
+            reply = self.answer(began)
+            ended = time.perf_counter()
+            read, forward_ms, produced = STAMPS.unpack_from(reply.value() or b"")
+            out.append(((ended - began) * 1000, (read - began) * 1000, forward_ms, (ended - produced) * 1000))
         return out
 
     def saturate(self, seconds: float) -> int:
@@ -147,7 +208,7 @@ class Driver:
 
 @contextmanager
 def echo_pair(
-    conn: KafkaConnection, fetch_wait_ms: int, acks: str, warm_s: float
+    conn: KafkaConnection, fetch_wait_ms: int, acks: str, warm_s: float, work: str = "none"
 ) -> Iterator[tuple[Driver, subprocess.Popen[bytes]]]:
     """The driver here and the echo in a child process, on two topics of their own (deleted afterwards, so a
     shared cluster keeps nothing of the run), connected and warmed: ``warm_s`` at IN_FLIGHT, because a
@@ -162,14 +223,14 @@ def echo_pair(
     for future in admin.create_topics([NewTopic(req, 1, 1), NewTopic(rep, 1, 1)]).values():
         future.result()
     child = subprocess.Popen(
-        [sys.executable, __file__, "--echo", conn.bootstrap, str(fetch_wait_ms), acks, req, rep],
+        [sys.executable, __file__, "--echo", conn.bootstrap, str(fetch_wait_ms), acks, req, rep, work],
         stdout=subprocess.PIPE,
         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
     )
     driver: Driver | None = None
     try:
         assert child.stdout is not None
-        if child.stdout.readline().strip() != b"ready":
+        if child.stdout.readline().strip() != b"ready":  # (a forward's echo loads its model first)
             raise RuntimeError("the echo process did not start")
         driver = Driver(conn, fetch_wait_ms, acks, req, rep)
         driver.latency(20)  # connections, metadata
@@ -195,6 +256,25 @@ def hops_after_idle(conn: KafkaConnection, idle_ms: float, n: int) -> dict[str, 
         driver.latency(100)
         hops = driver.latency(n, idle_ms / 1000)
     return {**latency_summary(hops), "idle_ms": idle_ms}
+
+
+def hops_around_forward(conn: KafkaConnection, n: int) -> dict[str, float]:
+    """The floor's lone round trips through an echo that runs MiniLM's forward of batch 1 between its hops,
+    with the platform's settings, on ``conn``'s cluster (p50 ms): the round trip, the forward, the hops
+    (the round trip less the forward), the hop in and the hop back. The echo warms with the platform's
+    embeddings' forward at IN_FLIGHT as the other floors warm (each record a forward: fewer round trips)."""
+    with echo_pair(conn, FETCH_WAIT_MAX_MS, "all", warm_s=2.0, work="forward") as (driver, _):
+        driver.around_forward(50)
+        runs = driver.around_forward(n)
+    trip, hop_in, forward, hop_back = (statistics.median(column) for column in zip(*runs, strict=True))
+    return {
+        "round_trip": trip,
+        "forward": forward,
+        "hops": statistics.median(r[0] - r[2] for r in runs),
+        "hop_in": hop_in,
+        "hop_back": hop_back,
+        "samples": len(runs),
+    }
 
 
 def latency_summary(hops: list[float]) -> dict[str, float]:
@@ -275,13 +355,19 @@ def table(result: dict[str, Any]) -> str:
         *((f"CPU per request: {name}", f"{ms:.3f} ms") for name, ms in sat["cpu_ms_per_request"].items()),
         *((f"idle CPU: {name}", f"{cores:.3f} cores") for name, cores in result["idle_cpu_cores"].items()),
     ]
+    if around := result.get("around_forward_ms"):
+        rows += [
+            ("two hops around MiniLM's forward, p50", f"{around['hops']:.2f} ms"),
+            ("  the hop in / the hop back, p50", f"{around['hop_in']:.2f} / {around['hop_back']:.2f} ms"),
+            ("  the forward between them, p50", f"{around['forward']:.2f} ms"),
+        ]
     width = max(len(r[0]) for r in rows)
     return "\n".join(f"{name.ljust(width)} | {value}" for name, value in rows)
 
 
 def main() -> None:
-    if len(sys.argv) == 7 and sys.argv[1] == "--echo":
-        echo(sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5], sys.argv[6])
+    if len(sys.argv) == 8 and sys.argv[1] == "--echo":
+        echo(sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5], sys.argv[6], sys.argv[7])
         return
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -301,15 +387,24 @@ def main() -> None:
         help="idle time before each lone round trip of the second latency run, as one client leaves the "
         "broker while the model runs (default 20: about one client's MiniLM call on the 2-core box)",
     )
+    parser.add_argument(
+        "--around-forward",
+        action="store_true",
+        help="a third latency run with MiniLM's forward of batch 1 in the echo between the hops (loads the "
+        "model from the cache, as raw_model.py)",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "kafka_floor.json")
     args = parser.parse_args()
     settings = load_settings(PlatformSettings)
     with kafka(settings) as conn:
         result = run(conn, args)
+        if args.around_forward:
+            result["around_forward_ms"] = hops_around_forward(conn, 50 if args.quick else 300)
     result["settings"] = {
         "fetch_wait_max_ms": args.fetch_wait_ms,
         "acks": args.acks,
         "idle_ms": args.idle_ms,
+        "around_forward": args.around_forward,
         "quick": args.quick,
     }
     result["machine"] = {

@@ -59,6 +59,9 @@ and beside the TTFT the platform adds, its floor in the same run: the raw forwar
 worker's threads over the raw loop's, plus the two Kafka hops alone after 5 ms idle
 (``kafka_floor.hops_after_idle``, on this run's broker once the platform has stopped). P2's target for the
 p50 is +5 ms, or 1.2x that floor where the floor is above +5 ms (the issue's rule for targets out of reach).
+One client's embedding gets a floor the same way (``comparison.ratios``): what the naive peer adds (HTTP,
+JSON, tokenising) plus what two bare Kafka hops around MiniLM's forward add to that forward in a loop
+(``kafka_floor.hops_around_forward``: the forward leaves the cores cold for the hop back).
 """
 
 from __future__ import annotations
@@ -409,10 +412,13 @@ def run_peers(
     settings: PlatformSettings,
     env: dict[str, str],
     quiet_batches: float = 0.0,
+    bare_embedding_ms: float | None = None,
 ) -> dict[str, Any]:
     """The peers, one at a time, after the platform has stopped (this machine's cores are shared), with
     the workers' torch threads; their profiles beside the platform's and the raw model's, and the ratios.
-    ``quiet_batches``: the embedding worker's batches on its quiet team (one client's phase ran there)."""
+    ``quiet_batches``: the embedding worker's batches on its quiet team (one client's phase ran there).
+    ``bare_embedding_ms``: one embedding's round trip through two bare Kafka hops around the forward
+    (``kafka_floor.hops_around_forward``), for the floor under one client's added latency."""
     wanted = {p.strip() for p in args.peers.split(",") if p.strip()}
     logs = Path(tempfile.mkdtemp(prefix="sluice-bench-peers-"))
     peer_env = comparison.child_env(env.get("SLUICE_WORKER_TORCH_THREADS"))
@@ -447,7 +453,8 @@ def run_peers(
         # one client's embeddings ran on the worker's quiet team (both cores): its own overhead is measured
         # from the model on both cores, the peers' from the model on the workers' threads
         own = {**base, "embeddings": {**base["embeddings"], "1": profiles["raw"]["embeddings"]["1"]}}
-    return {"profiles": profiles, "ratios": comparison.ratios(profiles, base, own), "about": facts}
+    ratios = comparison.ratios(profiles, base, own, bare_embedding_ms)
+    return {"profiles": profiles, "ratios": ratios, "about": facts}
 
 
 def main() -> None:
@@ -574,6 +581,11 @@ def main() -> None:
             pin_process(own_cores)
         print(f"the two Kafka hops alone, each after {ttft_idle['idle_ms']:g} ms idle ...", file=sys.stderr)
         hops = kafka_floor.hops_after_idle(conn, ttft_idle["idle_ms"], 50 if args.quick else 200)
+        print("the two Kafka hops alone around MiniLM's forward ...", file=sys.stderr)
+        around = kafka_floor.hops_around_forward(conn, 50 if args.quick else 200)
+    cast(dict[str, float], result["embedding_one_client_ms"]).update(
+        {f"bare {key}": value for key, value in around.items() if key != "samples"}
+    )
     result["ttft_ms"] = ttft_floor(cast(dict[str, float], result["ttft_ms"]), ttft_idle["ms"], hops)
     print(
         f"raw model on {threads} thread(s) again, the floor after the platform (alone) ...", file=sys.stderr
@@ -598,6 +610,7 @@ def main() -> None:
         settings,
         env,
         cast(float, result["embedding_quiet_batches"]),
+        around["round_trip"],
     )
     result["machine"] = {
         "cpus": os.cpu_count(),
@@ -621,6 +634,8 @@ def main() -> None:
         + f" | raw batch 1 {where['raw batch 1']:.2f} in a loop, "
         f"{where['raw batch 1 after idle']:.2f} after {where['raw idle ms']:.0f} ms idle"
         f" ({where[RAW_IDLE_WORKER]:.2f} on the worker's {threads} thread(s))"
+        f" | bare: the two hops around that forward {where['bare hops']:.2f} (in {where['bare hop_in']:.2f},"
+        f" back {where['bare hop_back']:.2f}), round trip {where['bare round_trip']:.2f}"
     )
     first, ttft = (
         cast(dict[str, float], result["ttft_one_client_ms"]),

@@ -95,3 +95,14 @@ def test_the_online_benchmark_runs_quick_and_writes_its_json(tmp_path: Path, kaf
         assert profiles[peer]["generation"]["1"]["per_s"] > 0, (peer, profiles[peer])
     assert result["peers"]["ratios"]["generation"]["64"]["naive_per_s"] > 0
     assert "platform/naive" in stdout
+    # two bare Kafka hops around MiniLM's forward, and with the naive peer the floor under what one client's
+    # embedding can add (no Ray here: nothing to judge it against)
+    assert 0 < where["bare hop_in"] < where["bare round_trip"], where
+    assert 0 < where["bare hop_back"] < where["bare round_trip"], where
+    assert 0 < where["bare forward"] < where["bare round_trip"], where
+    assert where["bare hops"] > 0, where
+    one = result["peers"]["ratios"]["embeddings"]["1"]
+    naive_added = max(0.0, one["naive_added_ms"])
+    assert one["floor_added_ms"] >= naive_added, one
+    assert "ray_floor" not in one, one
+    assert "the two hops around that forward" in stdout
