@@ -170,6 +170,7 @@ def ratios(
     base: Profiles | None = None,
     own_base: Profiles | None = None,
     bare_embedding_ms: float | None = None,
+    idle_embedding_ms: float | None = None,
 ) -> dict[str, Any]:
     """Per workload and client count: platform over each of raw/ray/naive in throughput (``per_s``), p99,
     and (where the peer is not raw) in latency added at p50 to the model as each server runs it: a peer's
@@ -180,7 +181,9 @@ def ratios(
     ``bare_embedding_ms``: one embedding's round trip through two bare Kafka hops around the forward (on the
     cores ``own_base``'s model had). With it and the naive peer, one client's embedding gets the floor under
     what a server of this design adds (``floor_added_ms``): what the naive server adds (HTTP, JSON,
-    tokenising), plus what the bare hops add to the forward in a loop; ``ray_floor`` is that over what Ray
+    tokenising) less its forward's slowdown after idle (``idle_embedding_ms``: the forward after 5 ms idle
+    on the servers' threads, against ``base``'s in a loop; the bare round trip already holds one slowed
+    forward), plus what the bare hops add to the forward in a loop; ``ray_floor`` is that over what Ray
     adds, the least ``ray_added_p50`` could be."""
     out: dict[str, Any] = {}
     platform, raw = profiles["platform"], profiles["raw"]
@@ -214,7 +217,8 @@ def ratios(
             one_embedding = workload == "embeddings" and clients == "1"
             if one_embedding and bare_embedding_ms is not None and naive_added is not None:
                 bare_added = max(0.0, bare_embedding_ms - own_row["p50_ms"])
-                floor_added = max(0.0, naive_added) + bare_added
+                slowdown = max(0.0, (idle_embedding_ms or 0.0) - base_row["p50_ms"])
+                floor_added = max(0.0, naive_added - slowdown) + bare_added
                 row["floor_added_ms"] = floor_added
                 if ray_added is not None and ray_added > 0:
                     row["ray_floor"] = floor_added / ray_added

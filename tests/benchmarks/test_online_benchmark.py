@@ -102,7 +102,6 @@ def test_the_online_benchmark_runs_quick_and_writes_its_json(tmp_path: Path, kaf
     assert 0 < where["bare forward"] < where["bare round_trip"], where
     assert where["bare hops"] > 0, where
     one = result["peers"]["ratios"]["embeddings"]["1"]
-    naive_added = max(0.0, one["naive_added_ms"])
-    assert one["floor_added_ms"] >= naive_added, one
+    assert one["floor_added_ms"] > 0, one
     assert "ray_floor" not in one, one
     assert "the two hops around that forward" in stdout
