@@ -1,14 +1,14 @@
-"""A confluent-kafka consumer polled in its own thread, and dead-lettering of records nobody can decode."""
+"""A confluent-kafka consumer polled in its own thread (:class:`ConsumerThread`), and the platform's consumer
+settings. Dead-lettering is :mod:`bus.dead_letter`; reading the log by position, :mod:`bus.positions`."""
 
 from __future__ import annotations
 
-import base64
 import logging
 import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ParamSpec, Protocol, TypeVar
 
 import msgspec
@@ -16,10 +16,8 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Topic
 
 from bus.errors import BusError
 from bus.placement import native_threads
-from bus.producer import EventProducer
-from monitoring.metrics import CONSUMER_LAG, CONSUMER_REPLACED, DEAD_LETTERS
-from schemas.codec import MAX_RECORD_BYTES, DecodeError, HeaderValue, decode
-from schemas.events import DeadLetter, Event
+from monitoring.metrics import CONSUMER_LAG, CONSUMER_REPLACED
+from schemas.codec import HeaderValue
 from schemas.lifecycle import Component, Watcher
 from schemas.settings import KafkaConnection
 
@@ -515,80 +513,6 @@ def record_headers(message: Message) -> list[tuple[str, HeaderValue]]:
     return list(raw.items()) if isinstance(raw, dict) else list(raw)
 
 
-def decode_or_dead_letter(
-    message: Message, producer: EventProducer, deadletter_topic: str, source: str
-) -> Event | None:
-    """Decode a record into its event, or send it whole to the dead-letter topic (with the reason) and
-    return None so the caller moves on."""
-    value = message.value() or b""
-    header_list = record_headers(message)
-    try:
-        return decode(value, header_list)
-    except DecodeError as exc:
-        where = (message.topic() or "", message.partition() or 0, message.offset() or 0)
-        dead_letter(producer, deadletter_topic, source, where, value, exc, header_list)
-        return None
-
-
-DEAD_LETTER_KEEP_BYTES = MAX_RECORD_BYTES // 2
-"""The most of an undecodable record a dead letter keeps (its base64 and the rest stay under the limit)."""
-
-
-def dead_letter(
-    producer: EventProducer,
-    deadletter_topic: str,
-    source: str,
-    where: tuple[str, int, int],
-    value: bytes,
-    exc: DecodeError,
-    header_list: Sequence[tuple[str, str | bytes | None]] = (),
-) -> None:
-    """Send an undecodable record (topic, partition, offset) to the dead-letter topic, and count it.
-
-    The record goes whole unless its letter would pass the record limit (base64 grows it by a third): then
-    the letter keeps its first :data:`DEAD_LETTER_KEEP_BYTES` and the reason says so. A letter over the
-    limit failed to produce and stopped the worker that read the junk."""
-    topic, partition, offset = where
-    reason = str(exc)
-    kept = {k: _text(v) for k, v in header_list}
-    if len(value) > DEAD_LETTER_KEEP_BYTES:
-        reason += f" (payload cut to its first {DEAD_LETTER_KEEP_BYTES} of {len(value)} bytes)"
-    if sum(len(k) + len(v) for k, v in kept.items()) > DEAD_LETTER_KEEP_BYTES // 8:
-        reason += f" ({len(kept)} headers left out: too large)"
-        kept = {}
-    producer.produce(
-        deadletter_topic,
-        DeadLetter(
-            tenant="",
-            model="",
-            source=source,
-            source_topic=topic,
-            partition=partition,
-            offset=offset,
-            reason=reason,
-            payload_b64=base64.b64encode(value[:DEAD_LETTER_KEEP_BYTES]).decode(),
-            headers=kept,
-        ),
-    )
-    DEAD_LETTERS.labels(topic=topic, reason=dead_letter_reason(value, exc)).inc()
-    log.warning("dead-lettered %s[%s]@%s: %s", topic, partition, offset, exc)
-
-
-def dead_letter_reason(value: bytes, exc: DecodeError) -> str:
-    """A closed set for the ``reason`` label: ``empty``, ``bad_json``, ``invalid_event`` (unknown type,
-    missing or mistyped field), ``bad_headers`` (they disagree with the body) or ``other``."""
-    if not value:
-        return "empty"
-    cause = exc.__cause__
-    if isinstance(cause, msgspec.ValidationError):  # before DecodeError: it is a subclass
-        return "invalid_event"
-    if isinstance(cause, msgspec.DecodeError):
-        return "bad_json"
-    if str(exc).startswith("header "):  # schemas.codec._check_headers raises these without a cause
-        return "bad_headers"
-    return "other"
-
-
 class _PartitionStats(msgspec.Struct):
     """The fields of librdkafka's per-partition statistics used here (offsets are -1001 when unknown)."""
 
@@ -625,125 +549,3 @@ class _Stats(msgspec.Struct):
 
 
 _STATS = msgspec.json.Decoder(_Stats)
-
-
-def _text(value: str | bytes | None) -> str:
-    if value is None:
-        return ""
-    return value if isinstance(value, str) else value.decode("utf-8", "replace")
-
-
-# Errors a just-created partition answers until its leader is ready, and a group until its coordinator is
-# (a broker that just started), and what a request gets when the broker it went to dies under it (a
-# replicated cluster losing a node: the next try goes to the partition's new leader); librdkafka marks
-# some of them non-retriable.
-_SETTLING = frozenset(
-    {
-        KafkaError._DESTROY_BROKER,
-        KafkaError._TRANSPORT,
-        KafkaError.NOT_LEADER_FOR_PARTITION,
-        KafkaError.LEADER_NOT_AVAILABLE,
-        KafkaError.UNKNOWN_TOPIC_OR_PART,
-        KafkaError._TIMED_OUT,
-        KafkaError.NOT_COORDINATOR,
-        KafkaError.COORDINATOR_NOT_AVAILABLE,
-        KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
-    }
-)
-
-
-def watermarks(consumer: Consumer, topic: str, partition: int, timeout: float = 30.0) -> tuple[int, int]:
-    """(low, high) offsets of a partition, retrying while a new partition's leader settles in."""
-    low, high = settled(
-        lambda: consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=min(timeout, 10)),
-        f"the offsets of {topic}[{partition}]",
-        timeout,
-    )
-    return int(low), int(high)
-
-
-def offset_at(consumer: Consumer, topic: str, partition: int, unix_ms: int, timeout: float = 30.0) -> int:
-    """The first offset of a partition at or after ``unix_ms`` (its end when there is none), retrying
-    while a new partition's leader settles in."""
-    (found,) = settled(
-        lambda: consumer.offsets_for_times([TopicPartition(topic, partition, max(unix_ms, 0))], timeout=10),
-        f"the offset of {topic}[{partition}] at {unix_ms}",
-        timeout,
-    )
-    if found.offset < 0:  # nothing at or after that time
-        return watermarks(consumer, topic, partition, timeout)[1]
-    return int(found.offset)
-
-
-def settled(call: Callable[[], _T], what: str, timeout: float) -> _T:
-    """``call()``, retried while the cluster is still settling (a new group's coordinator, a partition's
-    leader being elected), for up to ``timeout`` seconds; :class:`BusError` past it or on any other error."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return call()
-        except KafkaException as exc:
-            err = exc.args[0]
-            settling = err.retriable() or err.code() in _SETTLING
-            if not settling or time.monotonic() > deadline:
-                raise BusError(f"cannot read {what}: {err}") from exc
-            time.sleep(0.1)
-
-
-def topic_extent(
-    kafka: KafkaConnection, topic: str, client_id: str
-) -> tuple[list[TopicPartition], dict[int, int]] | None:
-    """What a reader of a whole topic must read: every partition from its first retained offset (the low
-    watermark: retention may have deleted the start), and where each ends now (the high watermark), for
-    :func:`read_to_end`. None when the topic does not exist; :class:`BusError` when the cluster cannot say."""
-    consumer = Consumer(consumer_config(kafka, None, f"{client_id}-probe"))
-    try:
-        try:
-            meta = consumer.list_topics(topic, timeout=10).topics.get(topic)
-        except KafkaException as exc:
-            raise BusError(
-                f"cannot read the metadata of {topic} from {kafka.bootstrap}: {exc.args[0]}"
-            ) from exc
-        if meta is None or meta.error is not None:
-            return None
-        starts: list[TopicPartition] = []
-        ends: dict[int, int] = {}
-        for partition in sorted(meta.partitions):
-            low, high = watermarks(consumer, topic, partition)
-            starts.append(TopicPartition(topic, partition, low))
-            ends[partition] = high
-        return starts, ends
-    finally:
-        consumer.close()
-
-
-READ_TO_END_S = 120.0
-
-
-def read_to_end(
-    consumer: Consumer,
-    starts: Sequence[TopicPartition],
-    ends: dict[int, int],
-    timeout_s: float = READ_TO_END_S,
-) -> Iterator[Message]:
-    """Every record of ``starts`` (partitions of one topic with start offsets) up to ``ends`` (partition ->
-    the end offset to reach, e.g. the high watermark taken before), then stop. A partition already at its
-    end is not read. Raises :class:`BusError` when that takes longer than ``timeout_s``."""
-    todo = {tp.partition for tp in starts if 0 <= tp.offset < ends.get(tp.partition, 0)}
-    if not todo:
-        return
-    consumer.assign([tp for tp in starts if tp.partition in todo])
-    deadline = time.monotonic() + timeout_s
-    while todo:
-        if time.monotonic() > deadline:
-            topic = starts[0].topic
-            raise BusError(
-                f"reading {topic} to its end took over {timeout_s:.0f}s ({len(todo)} partitions left)"
-            )
-        for message in consumer.consume(500, timeout=0.5):
-            if message.error() is not None:
-                continue
-            part = message.partition() or 0
-            if (message.offset() or 0) + 1 >= ends.get(part, 0):
-                todo.discard(part)
-            yield message

@@ -11,7 +11,8 @@ from collections.abc import Iterable
 
 from confluent_kafka import Consumer, TopicPartition
 
-from bus.consumer import consumer_config, read_to_end, watermarks
+from bus.consumer import consumer_config
+from bus.positions import read_to_end, watermarks
 from bus.producer import Position
 from schemas.codec import DecodeError, decode
 from schemas.events import DeploymentChanged, Event

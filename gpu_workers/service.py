@@ -29,17 +29,11 @@ import msgspec
 from confluent_kafka import Consumer, Message, TopicPartition
 from opentelemetry.trace import Status, StatusCode
 
-from bus.consumer import (
-    BACKGROUND,
-    TP,
-    ConsumerThread,
-    consumer_config,
-    decode_or_dead_letter,
-    read_to_end,
-    watermarks,
-)
+from bus.consumer import BACKGROUND, TP, ConsumerThread, consumer_config
 from bus.control import control_start, latest_deployments
+from bus.dead_letter import decode_or_dead_letter
 from bus.errors import BusError
+from bus.positions import read_to_end, watermarks
 from bus.producer import EventProducer, Position
 from gpu_workers import GpuWorkerError
 from gpu_workers.features import FeatureProbe

@@ -26,8 +26,9 @@ from typing import Protocol
 
 from confluent_kafka import Consumer, Message, TopicPartition
 
-from bus.consumer import BACKGROUND, TP, ConsumerThread, consumer_config, settled, watermarks
+from bus.consumer import BACKGROUND, TP, ConsumerThread, consumer_config
 from bus.errors import BusError
+from bus.positions import settled, watermarks
 from bus.producer import EventProducer
 from schemas.codec import DecodeError, decode
 from schemas.events import BatchItemRequested, BatchStateChanged, CancelRequested, RequestFinished

@@ -23,17 +23,10 @@ import msgspec
 from confluent_kafka import Consumer, Message, TopicPartition
 from opentelemetry.trace import SpanKind
 
-from bus.consumer import (
-    BACKGROUND,
-    ConsumerThread,
-    consumer_config,
-    offset_at,
-    read_to_end,
-    record_headers,
-    watermarks,
-)
+from bus.consumer import BACKGROUND, ConsumerThread, consumer_config, record_headers
 from bus.control import control_start
 from bus.errors import BusError
+from bus.positions import offset_at, read_to_end, watermarks
 from bus.producer import EventProducer
 from ingest.errors import GatewayUnavailable
 from ingest.gateway import IdempotencyRecord

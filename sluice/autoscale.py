@@ -24,8 +24,9 @@ from typing import Annotated
 import msgspec
 from confluent_kafka import Consumer, TopicPartition
 
-from bus.consumer import consumer_config, watermarks
+from bus.consumer import consumer_config
 from bus.placement import parse_cpus
+from bus.positions import watermarks
 from schemas.settings import KafkaConnection, register
 from schemas.topics import worker_group
 

@@ -213,7 +213,8 @@ def read_batches(
     there is no such topic and ``bus.errors.BusError`` when Kafka cannot be read."""
     from confluent_kafka import Consumer
 
-    from bus.consumer import consumer_config, read_to_end, topic_extent
+    from bus.consumer import consumer_config
+    from bus.positions import read_to_end, topic_extent
 
     extent = topic_extent(kafka, topic, CLIENT_ID)
     if extent is None:

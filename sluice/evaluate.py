@@ -16,7 +16,8 @@ from datetime import datetime, timedelta
 
 from confluent_kafka import Consumer, TopicPartition
 
-from bus.consumer import consumer_config, read_to_end, watermarks
+from bus.consumer import consumer_config
+from bus.positions import read_to_end, watermarks
 from gpu_workers.settings import WorkerSettings
 from schemas.codec import DecodeError, decode
 from schemas.events import (

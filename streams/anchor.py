@@ -34,7 +34,8 @@ from dataclasses import dataclass
 import msgspec
 from confluent_kafka import Consumer, TopicPartition
 
-from bus.consumer import consumer_config, read_to_end, topic_extent
+from bus.consumer import consumer_config
+from bus.positions import read_to_end, topic_extent
 from bus.producer import Position
 from schemas.codec import DecodeError, decode
 from schemas.events import AuditEntry

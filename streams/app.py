@@ -48,8 +48,9 @@ from clickhouse_connect.driver.client import Client
 from confluent_kafka import Message
 from opentelemetry.trace import Span, SpanKind
 
-from bus.consumer import ConsumerThread, consumer_config, dead_letter
+from bus.consumer import ConsumerThread, consumer_config
 from bus.control import read_placed
+from bus.dead_letter import dead_letter
 from bus.errors import BusError
 from bus.producer import DeliveryCallback, EventProducer, Position
 from monitoring import metrics, tracing

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 from confluent_kafka import Consumer, TopicPartition
 
-from bus.consumer import consumer_config, watermarks
+from bus.consumer import consumer_config
+from bus.positions import watermarks
 from schemas.settings import PlatformSettings
 from schemas.topics import TopicNames
 from streams import StreamsError

@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 from confluent_kafka import Message, Producer
 
-from bus.consumer import ConsumerThread, consumer_config, decode_or_dead_letter
+from bus.consumer import ConsumerThread, consumer_config
+from bus.dead_letter import decode_or_dead_letter
 from bus.errors import BusError
 from bus.producer import EventProducer
 from infra.topics import TopicSpec, apply_topics, make_admin

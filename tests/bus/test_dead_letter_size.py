@@ -5,7 +5,7 @@ from __future__ import annotations
 import base64
 from typing import Any, cast
 
-from bus.consumer import DEAD_LETTER_KEEP_BYTES, dead_letter
+from bus.dead_letter import DEAD_LETTER_KEEP_BYTES, dead_letter
 from bus.producer import EventProducer
 from schemas.codec import MAX_RECORD_BYTES, DecodeError, encode
 from schemas.events import DeadLetter

@@ -10,7 +10,8 @@ import pytest
 from confluent_kafka import Message, Producer, TopicPartition
 from prometheus_client import REGISTRY
 
-from bus.consumer import ConsumerThread, consumer_config, decode_or_dead_letter
+from bus.consumer import ConsumerThread, consumer_config
+from bus.dead_letter import decode_or_dead_letter
 from bus.producer import EventProducer
 from infra.topics import TopicSpec, apply_topics, make_admin
 from monitoring.metrics import exposition

@@ -8,8 +8,8 @@ from collections.abc import Callable
 import pytest
 from confluent_kafka import KafkaError, KafkaException
 
-from bus.consumer import settled
 from bus.errors import BusError
+from bus.positions import settled
 
 
 def flaky(code: int, failures: int) -> tuple[list[int], Callable[[], str]]:

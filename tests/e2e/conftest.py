@@ -19,7 +19,8 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from bus.consumer import ConsumerThread, consumer_config, watermarks
+from bus.consumer import ConsumerThread, consumer_config
+from bus.positions import watermarks
 from gpu_workers.main import make_worker
 from gpu_workers.models import MINILM_ID, prepare_hf_dir
 from gpu_workers.service import WorkerService

@@ -35,7 +35,8 @@ import pytest
 from confluent_kafka import Consumer, TopicPartition
 from openai import AsyncOpenAI
 
-from bus.consumer import consumer_config, read_to_end, watermarks
+from bus.consumer import consumer_config
+from bus.positions import read_to_end, watermarks
 from infra.kafka.broker import free_port, pid_alive
 from ingest.auth import DEMO_KEY
 from schemas.codec import DecodeError, decode

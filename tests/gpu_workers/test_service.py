@@ -16,8 +16,9 @@ import msgspec
 import pytest
 from confluent_kafka import Consumer, Message, Producer, TopicPartition
 
-from bus.consumer import ConsumerThread, consumer_config, watermarks
+from bus.consumer import ConsumerThread, consumer_config
 from bus.control import read_control
+from bus.positions import watermarks
 from bus.producer import EventProducer
 from gpu_workers.main import make_worker
 from gpu_workers.service import WorkerService

@@ -1,0 +1,99 @@
+"""Records nobody can decode: sent whole (or cut to fit) to the dead-letter topic with why, counted, and the
+consumer moves on."""
+
+from __future__ import annotations
+
+import base64
+import logging
+from collections.abc import Sequence
+
+import msgspec
+from confluent_kafka import Message
+
+from bus.consumer import record_headers
+from bus.producer import EventProducer
+from monitoring.metrics import DEAD_LETTERS
+from schemas.codec import MAX_RECORD_BYTES, DecodeError, decode
+from schemas.events import DeadLetter, Event
+
+log = logging.getLogger(__name__)
+
+
+def decode_or_dead_letter(
+    message: Message, producer: EventProducer, deadletter_topic: str, source: str
+) -> Event | None:
+    """Decode a record into its event, or send it whole to the dead-letter topic (with the reason) and
+    return None so the caller moves on."""
+    value = message.value() or b""
+    header_list = record_headers(message)
+    try:
+        return decode(value, header_list)
+    except DecodeError as exc:
+        where = (message.topic() or "", message.partition() or 0, message.offset() or 0)
+        dead_letter(producer, deadletter_topic, source, where, value, exc, header_list)
+        return None
+
+
+DEAD_LETTER_KEEP_BYTES = MAX_RECORD_BYTES // 2
+"""The most of an undecodable record a dead letter keeps (its base64 and the rest stay under the limit)."""
+
+
+def dead_letter(
+    producer: EventProducer,
+    deadletter_topic: str,
+    source: str,
+    where: tuple[str, int, int],
+    value: bytes,
+    exc: DecodeError,
+    header_list: Sequence[tuple[str, str | bytes | None]] = (),
+) -> None:
+    """Send an undecodable record (topic, partition, offset) to the dead-letter topic, and count it.
+
+    The record goes whole unless its letter would pass the record limit (base64 grows it by a third): then
+    the letter keeps its first :data:`DEAD_LETTER_KEEP_BYTES` and the reason says so. A letter over the
+    limit failed to produce and stopped the worker that read the junk."""
+    topic, partition, offset = where
+    reason = str(exc)
+    kept = {k: _text(v) for k, v in header_list}
+    if len(value) > DEAD_LETTER_KEEP_BYTES:
+        reason += f" (payload cut to its first {DEAD_LETTER_KEEP_BYTES} of {len(value)} bytes)"
+    if sum(len(k) + len(v) for k, v in kept.items()) > DEAD_LETTER_KEEP_BYTES // 8:
+        reason += f" ({len(kept)} headers left out: too large)"
+        kept = {}
+    producer.produce(
+        deadletter_topic,
+        DeadLetter(
+            tenant="",
+            model="",
+            source=source,
+            source_topic=topic,
+            partition=partition,
+            offset=offset,
+            reason=reason,
+            payload_b64=base64.b64encode(value[:DEAD_LETTER_KEEP_BYTES]).decode(),
+            headers=kept,
+        ),
+    )
+    DEAD_LETTERS.labels(topic=topic, reason=dead_letter_reason(value, exc)).inc()
+    log.warning("dead-lettered %s[%s]@%s: %s", topic, partition, offset, exc)
+
+
+def dead_letter_reason(value: bytes, exc: DecodeError) -> str:
+    """A closed set for the ``reason`` label: ``empty``, ``bad_json``, ``invalid_event`` (unknown type,
+    missing or mistyped field), ``bad_headers`` (they disagree with the body) or ``other``."""
+    if not value:
+        return "empty"
+    cause = exc.__cause__
+    if isinstance(cause, msgspec.ValidationError):  # before DecodeError: it is a subclass
+        return "invalid_event"
+    if isinstance(cause, msgspec.DecodeError):
+        return "bad_json"
+    if str(exc).startswith("header "):  # schemas.codec._check_headers raises these without a cause
+        return "bad_headers"
+    return "other"
+
+
+def _text(value: str | bytes | None) -> str:
+    if value is None:
+        return ""
+    return value if isinstance(value, str) else value.decode("utf-8", "replace")

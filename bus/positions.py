@@ -1,0 +1,132 @@
+"""Reading the log by position: a partition's watermarks and its offset at a time, a whole topic's extent
+and reading it to that end, each retried while the cluster is still settling in."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import TypeVar
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
+
+from bus.consumer import consumer_config
+from bus.errors import BusError
+from schemas.settings import KafkaConnection
+
+_T = TypeVar("_T")
+
+
+# Errors a just-created partition answers until its leader is ready, and a group until its coordinator is
+# (a broker that just started), and what a request gets when the broker it went to dies under it (a
+# replicated cluster losing a node: the next try goes to the partition's new leader); librdkafka marks
+# some of them non-retriable.
+_SETTLING = frozenset(
+    {
+        KafkaError._DESTROY_BROKER,
+        KafkaError._TRANSPORT,
+        KafkaError.NOT_LEADER_FOR_PARTITION,
+        KafkaError.LEADER_NOT_AVAILABLE,
+        KafkaError.UNKNOWN_TOPIC_OR_PART,
+        KafkaError._TIMED_OUT,
+        KafkaError.NOT_COORDINATOR,
+        KafkaError.COORDINATOR_NOT_AVAILABLE,
+        KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+    }
+)
+
+
+def watermarks(consumer: Consumer, topic: str, partition: int, timeout: float = 30.0) -> tuple[int, int]:
+    """(low, high) offsets of a partition, retrying while a new partition's leader settles in."""
+    low, high = settled(
+        lambda: consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=min(timeout, 10)),
+        f"the offsets of {topic}[{partition}]",
+        timeout,
+    )
+    return int(low), int(high)
+
+
+def offset_at(consumer: Consumer, topic: str, partition: int, unix_ms: int, timeout: float = 30.0) -> int:
+    """The first offset of a partition at or after ``unix_ms`` (its end when there is none), retrying
+    while a new partition's leader settles in."""
+    (found,) = settled(
+        lambda: consumer.offsets_for_times([TopicPartition(topic, partition, max(unix_ms, 0))], timeout=10),
+        f"the offset of {topic}[{partition}] at {unix_ms}",
+        timeout,
+    )
+    if found.offset < 0:  # nothing at or after that time
+        return watermarks(consumer, topic, partition, timeout)[1]
+    return int(found.offset)
+
+
+def settled(call: Callable[[], _T], what: str, timeout: float) -> _T:
+    """``call()``, retried while the cluster is still settling (a new group's coordinator, a partition's
+    leader being elected), for up to ``timeout`` seconds; :class:`BusError` past it or on any other error."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return call()
+        except KafkaException as exc:
+            err = exc.args[0]
+            settling = err.retriable() or err.code() in _SETTLING
+            if not settling or time.monotonic() > deadline:
+                raise BusError(f"cannot read {what}: {err}") from exc
+            time.sleep(0.1)
+
+
+def topic_extent(
+    kafka: KafkaConnection, topic: str, client_id: str
+) -> tuple[list[TopicPartition], dict[int, int]] | None:
+    """What a reader of a whole topic must read: every partition from its first retained offset (the low
+    watermark: retention may have deleted the start), and where each ends now (the high watermark), for
+    :func:`read_to_end`. None when the topic does not exist; :class:`BusError` when the cluster cannot say."""
+    consumer = Consumer(consumer_config(kafka, None, f"{client_id}-probe"))
+    try:
+        try:
+            meta = consumer.list_topics(topic, timeout=10).topics.get(topic)
+        except KafkaException as exc:
+            raise BusError(
+                f"cannot read the metadata of {topic} from {kafka.bootstrap}: {exc.args[0]}"
+            ) from exc
+        if meta is None or meta.error is not None:
+            return None
+        starts: list[TopicPartition] = []
+        ends: dict[int, int] = {}
+        for partition in sorted(meta.partitions):
+            low, high = watermarks(consumer, topic, partition)
+            starts.append(TopicPartition(topic, partition, low))
+            ends[partition] = high
+        return starts, ends
+    finally:
+        consumer.close()
+
+
+READ_TO_END_S = 120.0
+
+
+def read_to_end(
+    consumer: Consumer,
+    starts: Sequence[TopicPartition],
+    ends: dict[int, int],
+    timeout_s: float = READ_TO_END_S,
+) -> Iterator[Message]:
+    """Every record of ``starts`` (partitions of one topic with start offsets) up to ``ends`` (partition ->
+    the end offset to reach, e.g. the high watermark taken before), then stop. A partition already at its
+    end is not read. Raises :class:`BusError` when that takes longer than ``timeout_s``."""
+    todo = {tp.partition for tp in starts if 0 <= tp.offset < ends.get(tp.partition, 0)}
+    if not todo:
+        return
+    consumer.assign([tp for tp in starts if tp.partition in todo])
+    deadline = time.monotonic() + timeout_s
+    while todo:
+        if time.monotonic() > deadline:
+            topic = starts[0].topic
+            raise BusError(
+                f"reading {topic} to its end took over {timeout_s:.0f}s ({len(todo)} partitions left)"
+            )
+        for message in consumer.consume(500, timeout=0.5):
+            if message.error() is not None:
+                continue
+            part = message.partition() or 0
+            if (message.offset() or 0) + 1 >= ends.get(part, 0):
+                todo.discard(part)
+            yield message
