@@ -132,23 +132,23 @@ async def steady(
     10-15 % of its generation throughput against the same load measured at steady state."""
     numbers = iter(range(1 << 62))
     started = time.perf_counter()
-    window: list[float] = []  # [opens, closes] once open
+    closes: float | None = None  # set when the window opens
     done = counted = 0
     latencies: list[float] = []
 
     async def client() -> None:
-        nonlocal done, counted
-        while not window or time.perf_counter() < window[1]:
+        nonlocal closes, done, counted
+        while closes is None or time.perf_counter() < closes:
             sent = time.perf_counter()
             units = await job(next(numbers))
             now = time.perf_counter()
             done += 1
-            if window:
-                if now < window[1]:
-                    counted += units
-                    latencies.append((now - sent) * 1000)
-            elif now - started >= warm_s and done >= warm_jobs:
-                window.extend((now, now + window_s))
+            if closes is None:
+                if now - started >= warm_s and done >= warm_jobs:
+                    closes = now + window_s
+            elif now < closes:
+                counted += units
+                latencies.append((now - sent) * 1000)
 
     await asyncio.gather(*(client() for _ in range(concurrency)))
     return counted / window_s, latencies
@@ -220,20 +220,19 @@ ONE_CLIENT_REQUESTS = {"embeddings": (200, 32), "generation": (24, 6)}
 
 
 async def profile(clients: int, job: Callable[[int], Awaitable[int]], requests: int, quick: bool) -> Profile:
-    """``job`` (returning its units) by ``clients`` closed-loop clients, after a short untimed warm-up.
+    """``job`` (returning its units) by ``clients`` closed-loop clients, after an untimed warm-up.
 
     One client makes ``requests`` requests, one after another: its latency is the point. More clients are
     measured at steady state (:func:`steady`, every peer alike): a fixed number of requests at 64 clients
     times their arrival all at once and the drain with nobody behind it, which cost a batching server more
     than a server that answers one request at a time."""
-    warm = min(clients, 8)
-    await closed_loop(warm, warm, job)
-    if clients > 1:
+    if clients > 1:  # steady() warms up itself
         warm_s, window_s = PROFILE_WINDOW_S[quick]
         per_s, latencies = await steady(clients, job, warm_s=warm_s, window_s=window_s, warm_jobs=clients)
         if not latencies:
             raise RuntimeError(f"no request of {clients} clients ended inside the {window_s:.0f} s window")
     else:
+        await job(0)  # untimed: the connection and the server's first call
         latencies = []
 
         async def timed(n: int) -> int:

@@ -587,9 +587,8 @@ def main() -> None:
         hops = kafka_floor.hops_after_idle(conn, ttft_idle["idle_ms"], 50 if args.quick else 200)
         print("the two Kafka hops alone around MiniLM's forward ...", file=sys.stderr)
         around = kafka_floor.hops_around_forward(conn, 50 if args.quick else 200)
-    cast(dict[str, float], result["embedding_one_client_ms"]).update(
-        {f"bare {key}": value for key, value in around.items() if key != "samples"}
-    )
+    one_client = cast(dict[str, float], result["embedding_one_client_ms"])
+    one_client.update({f"bare {key}": value for key, value in around.items() if key != "samples"})
     result["ttft_ms"] = ttft_floor(cast(dict[str, float], result["ttft_ms"]), ttft_idle["ms"], hops)
     print(
         f"raw model on {threads} thread(s) again, the floor after the platform (alone) ...", file=sys.stderr
@@ -615,7 +614,7 @@ def main() -> None:
         env,
         cast(float, result["embedding_quiet_batches"]),
         around["round_trip"],
-        cast(dict[str, float], result["embedding_one_client_ms"])[RAW_IDLE_WORKER],
+        one_client[RAW_IDLE_WORKER],
     )
     result["machine"] = {
         "cpus": os.cpu_count(),

@@ -9,7 +9,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any, ParamSpec, Protocol, TypeVar
+from typing import Any, ParamSpec, Protocol
 
 import msgspec
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
@@ -22,7 +22,6 @@ from schemas.lifecycle import Component, Watcher
 from schemas.settings import KafkaConnection
 
 log = logging.getLogger(__name__)
-_T = TypeVar("_T")
 
 TP = tuple[str, int]
 CommitFailed = Callable[[dict[tuple[str, int], int]], None]
