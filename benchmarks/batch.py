@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from harness import kafka, pct, service_env
+from harness import cpu_model, kafka, pct, service_env
 from loadgen import AUTH, client_session
 from online import Services, until_ok
 
@@ -281,6 +281,7 @@ def main() -> None:
     result["slo"] = {"threshold_ms": SLO.threshold_seconds * 1000, "target": SLO.target}
     result["machine"] = {
         "cpus": os.cpu_count(),
+        "cpu": cpu_model(),
         "python": host.python_version(),
         "quick": args.quick,
         "seconds_per_phase": seconds,

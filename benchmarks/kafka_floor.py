@@ -45,7 +45,7 @@ from typing import Any
 
 import psutil
 from confluent_kafka import Consumer, KafkaException, Message, Producer, TopicPartition
-from harness import broker_process, cpu_seconds, kafka, pct
+from harness import broker_process, cpu_model, cpu_seconds, kafka, pct
 
 from bus.consumer import FETCH_WAIT_MAX_MS, consumer_config
 from bus.producer import producer_config
@@ -409,6 +409,7 @@ def main() -> None:
     }
     result["machine"] = {
         "cpus": os.cpu_count(),
+        "cpu": cpu_model(),
         "python": host.python_version(),
         "load_avg_1m": os.getloadavg()[0],
     }

@@ -87,7 +87,7 @@ import aiohttp
 import comparison
 import kafka_floor
 from floors import drift, floor_summary, mean_run, ttft_floor
-from harness import kafka, pct, service_env
+from harness import cpu_model, kafka, pct, service_env
 from loadgen import (
     closed_loop,
     completion,
@@ -618,6 +618,7 @@ def main() -> None:
     )
     result["machine"] = {
         "cpus": os.cpu_count(),
+        "cpu": cpu_model(),
         "python": host.python_version(),
         "torch": raw["torch"],
         "device": raw["device"],
@@ -655,7 +656,10 @@ def main() -> None:
     print()
     print(comparison.table(peers["profiles"], peers["ratios"]))
     load = " / ".join(f"{a:.1f}" for a in load_before), " / ".join(f"{a:.1f}" for a in os.getloadavg())
-    print(f"\nload average (1/5/15 min) at start {load[0]}, at end {load[1]} on {os.cpu_count()} CPUs")
+    print(
+        f"\nload average (1/5/15 min) at start {load[0]}, at end {load[1]} on {os.cpu_count()} CPUs"
+        f" ({cpu_model()})"
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\nwrote {args.out}", file=sys.stderr)

@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
+from harness import cpu_model
 from prometheus_client.parser import text_string_to_metric_families
 
 from bus.producer import EventProducer
@@ -663,6 +664,7 @@ def write(
         },
         "machine": {
             "cpus": os.cpu_count(),
+            "cpu": cpu_model(),
             "python": host.python_version(),
             "platform": host.platform(),
             "faust": version("faust-streaming"),

@@ -24,6 +24,8 @@ def test_the_online_benchmark_runs_quick_and_writes_its_json(tmp_path: Path, kaf
         "online.py", out, "--quick", "--ray-python", "/nonexistent/python", timeout=600, kafka=kafka
     )
     assert result["machine"]["quick"] is True
+    assert result["machine"]["cpu"]  # which box's numbers these are, in the JSON and under the table
+    assert f"({result['machine']['cpu']})" in stdout
     assert result["generation"]["platform_tokens_per_s"] > 0
     assert result["embeddings"]["dynamic_per_s"] > 0
     assert result["edges"] >= 1  # --edges auto: the saturation phases' edges, one client process each
