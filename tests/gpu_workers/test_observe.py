@@ -63,6 +63,22 @@ def test_without_a_recording_provider_the_callers_context_passes_through(
     assert ended(observer, alone) == (None, None)
 
 
+def test_without_a_recording_provider_no_span_is_built_for_a_consumed_request(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def no_tracer() -> trace.Tracer:
+        raise AssertionError("a span was built that nothing records")
+
+    monkeypatch.setattr(tracing, "tracer", no_tracer)
+    monkeypatch.setattr(tracing, "recording", lambda: False)
+    event = msgspec.structs.replace(request(), tracestate="vendor=1")
+    opened = open_trace(event, "requests", 0, 7, "group")
+    assert (opened.traceparent, opened.tracestate) == (TRACEPARENT, "vendor=1")  # passed on as it came
+    assert not opened.span.is_recording()
+    opened.span.set_attribute(tracing.STATUS, "drained")  # what the worker does to a span it drops
+    opened.span.end()
+
+
 def test_a_recording_provider_gets_the_phases_and_the_publish_span(monkeypatch: pytest.MonkeyPatch) -> None:
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
