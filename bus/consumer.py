@@ -3,6 +3,8 @@ settings. Dead-lettering is :mod:`bus.dead_letter`; reading the log by position,
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -16,6 +18,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Topic
 
 from bus.errors import BusError
 from bus.placement import native_threads
+from bus.wakeup import QueueWakeup, queue_wakeup
 from monitoring.metrics import CONSUMER_LAG, CONSUMER_REPLACED
 from schemas.codec import HeaderValue
 from schemas.lifecycle import Component, Watcher
@@ -117,16 +120,33 @@ class ConsumerThread(Component):
         stats_interval_ms: int = 5_000,
         unsettled_limit_s: float = UNSETTLED_LIMIT_S,
         on_failure: Watcher | None = None,
+        serve_on: asyncio.AbstractEventLoop | None = None,
+        wake_loop: bool = True,
     ) -> None:
         """``on_failure(exc)`` is watched (:meth:`watch`): told on the polling thread when the thread dies of
         an error (the handler raised, or the client hit a fatal error), so owners fail what waits on it.
 
         A batch is what has arrived when the first record comes, up to ``batch_size``; with ``linger_s``
         the thread waits up to that long after the first record for the batch to fill (fewer, larger
-        batches: what a warehouse writer wants)."""
+        batches: what a warehouse writer wants).
+
+        ``serve_on`` (``assign`` only, no ``linger_s``): the handler runs on that event loop, woken by
+        librdkafka itself (:mod:`bus.wakeup`), with no polling thread: one wake-up a batch instead of
+        three, for a consumer a client waits on (an edge's replies). Where that cannot be set up (or with
+        ``wake_loop=False``), the thread polls and hands each batch to the loop. Commits then go out at the
+        next batch or the stop."""
         super().__init__()
         if bool(subscribe) == bool(assign):
             raise ValueError("give exactly one of subscribe= or assign=")
+        if serve_on is not None and (subscribe or linger_s):
+            raise ValueError("serve_on= reads assigned partitions without lingering")
+        self._loop = serve_on
+        self._wake_loop = wake_loop
+        self._on_loop: Handler | None = None
+        """``serve_on`` without a wake-up: the handler, which the polling thread's batches reach on the loop."""
+        self._wakeup: QueueWakeup | None = None
+        self._loop_thread: int | None = None
+        self._detached = threading.Event()
         self._config = config
         self._handler = handler
         self._subscribe = list(subscribe)
@@ -165,7 +185,7 @@ class ConsumerThread(Component):
         """The current client's: its callbacks reach this thread's state only while it is current."""
 
     def _start(self) -> None:
-        if self._thread is not None:
+        if self._thread is not None or self._wakeup is not None:
             return
         self._consumer = self._new_consumer()
         if not self._subscribe:
@@ -173,8 +193,94 @@ class ConsumerThread(Component):
                 self._owned.update((tp.topic, tp.partition) for tp in self._assign)
             self._consumer.assign(self._assign)
             self._ready.set()
+        if self._loop is not None:
+            if self._wake_loop:
+                self._wakeup = queue_wakeup(self._consumer, str(self._config.get("client.id", "")))
+            if self._wakeup is not None:
+                self._loop.call_soon_threadsafe(self._attach)
+                return
+            self._on_loop, self._handler = self._handler, self._hand_to_loop
         self._thread = threading.Thread(target=self._serve, name=self.name, daemon=True)
         self._thread.start()
+
+    # -------------------------------------------------------- served on an event loop (``serve_on``)
+
+    def _attach(self) -> None:
+        """Loop thread: watch the wake-up pipe, and read what arrived before it was watched."""
+        if self._wakeup is None or self._loop is None or self._stop.is_set():
+            self._detached.set()
+            return
+        self._loop_thread = threading.get_ident()
+        self._loop.add_reader(self._wakeup.fd, self._on_wakeup)
+        self._on_wakeup()
+
+    def _on_wakeup(self) -> None:
+        """Loop thread: librdkafka's queue got work. Everything queued is read (the pipe is written to again
+        only once the queue has been empty), records handed over a batch at a time."""
+        wakeup, consumer = self._wakeup, self._consumer
+        if wakeup is None or consumer is None or self._stop.is_set():
+            return
+        wakeup.drain()
+        try:
+            self._flush_commits()
+            while True:
+                messages = consumer.consume(self._batch_size, 0)
+                batch = [m for m in messages if not _benign_error(m)]
+                if batch:
+                    self._handler(batch)
+                if len(messages) < self._batch_size:
+                    return
+        except BaseException as exc:
+            log.exception("%s stopped on an error", self.name)
+            self._detach()
+            self.fail(exc)
+
+    def _detach(self) -> None:
+        """Loop thread: stop watching the pipe."""
+        if self._wakeup is not None and self._loop is not None and self._loop_thread is not None:
+            self._loop.remove_reader(self._wakeup.fd)
+            self._loop_thread = None
+        self._detached.set()
+
+    def _hand_to_loop(self, batch: list[Message]) -> None:
+        """Polling thread, where no wake-up could be set up: the batch goes to the loop."""
+        if self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody is left to hand it to
+                self._loop.call_soon_threadsafe(self._handle_on_loop, batch)
+
+    def _handle_on_loop(self, batch: list[Message]) -> None:
+        """Loop thread: a batch the polling thread handed over."""
+        if self.failure is not None or self._on_loop is None:
+            return
+        try:
+            self._on_loop(batch)
+        except BaseException as exc:
+            log.exception("%s stopped on an error", self.name)
+            self._stop.set()
+            self.fail(exc)
+
+    def _stop_on_loop(self) -> None:
+        """The stop of a consumer served on the loop (any thread): the loop lets go of the pipe first, then
+        the queue's reference goes and the client closes (its last commits sent)."""
+        wakeup, loop = self._wakeup, self._loop
+        if wakeup is None or loop is None:
+            return
+        if threading.get_ident() == self._loop_thread:
+            self._detach()
+        else:
+            with contextlib.suppress(RuntimeError):  # a closed loop watches nothing any more
+                loop.call_soon_threadsafe(self._detach)
+                if not self._detached.wait(5.0):
+                    log.warning("%s: its event loop did not let go of the consumer within 5 s", self.name)
+        self._wakeup = None
+        wakeup.close()
+        consumer, self._consumer = self._consumer, None
+        if consumer is not None:
+            try:
+                self._flush_commits(wait=True)
+            finally:
+                consumer.close()
+                self._disown()
 
     def _new_consumer(self) -> Consumer:
         """A client for this thread, subscribed when it is a group member (``assign``: by the caller).
@@ -418,6 +524,7 @@ class ConsumerThread(Component):
 
     def stop(self) -> None:
         self._stop.set()
+        self._stop_on_loop()
         if self._thread is not None:
             self._thread.join()
             self._thread = None

@@ -83,6 +83,7 @@ class KafkaGateway(AsyncComponent):
         idempotency_per_tenant: int = 10_000,
         resume_window_s: float = 3600.0,
         resume_index: int = 100_000,
+        replies_on_loop: bool = True,
     ) -> None:
         super().__init__()
         self._kafka = kafka
@@ -99,6 +100,7 @@ class KafkaGateway(AsyncComponent):
         self._owners_lock = threading.Lock()  # the reply listener writes, the event loop reads
         self._resume_window_s = resume_window_s
         self._resume_index = resume_index
+        self._replies_on_loop = replies_on_loop
         self._producer = EventProducer(kafka, f"ingest/{edge_id}")
         self._producer.watch(self.fail)
         self.watch(self._gateway_failed)
@@ -141,6 +143,8 @@ class KafkaGateway(AsyncComponent):
             assign=[TopicPartition(self._names.replies, self.reply_to.partition, start)],
             name=f"replies-{self.edge_id}",
             on_failure=self.fail,
+            serve_on=self._loop,  # the listener's batches are handled on the loop, woken by librdkafka
+            wake_loop=self._replies_on_loop,
         )
         self._listener.start()
         control, self._control_ends = await asyncio.to_thread(
@@ -523,7 +527,7 @@ class KafkaGateway(AsyncComponent):
     # ---------------------------------------------------------------- replies
 
     def _on_replies(self, batch: list[Message]) -> None:
-        """Listener thread: decode and hand to the loop in one hop per batch."""
+        """Event loop: decode a batch of this edge's replies and hand each to its stream."""
         decoded: list[tuple[int, Reply]] = []
         for message in batch:
             try:
@@ -534,11 +538,7 @@ class KafkaGateway(AsyncComponent):
             if isinstance(event, TokenChunk | RequestFinished):
                 decoded.append((message.offset() or 0, event))
                 self._own(event.request_id, event.tenant, message.offset())
-        if decoded and self._loop is not None:
-            self._loop.call_soon_threadsafe(self._dispatch, decoded)
-
-    def _dispatch(self, replies: list[tuple[int, Reply]]) -> None:
-        for offset, reply in replies:
+        for offset, reply in decoded:
             stream = self._streams.get(reply.request_id)
             if stream is not None:
                 stream.push(offset, reply)

@@ -74,6 +74,7 @@ def build_edge(
         detokenize=detokenize,
         resume_window_s=settings.edge_resume_window_s,
         idempotency_per_tenant=settings.edge_idempotency_keys_per_tenant,
+        replies_on_loop=settings.edge_replies_on_loop,
     )
     gateway.on_deploy = lambda model, deployment: catalogue.preload(model, deployment.serving)
     files = Path(settings.edge_files_dir) if settings.edge_files_dir else Path(platform.data_dir) / "files"
