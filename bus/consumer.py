@@ -452,7 +452,10 @@ class ConsumerThread(Component):
     def pause(self, timeout: float = 10.0) -> bool:
         """Stop handing records to the handler, staying in the group (commits still go out) until
         :meth:`stop`. Returns once the polling thread has paused: no handler call starts after that.
-        Records fetched but not handled are not committed, so the partitions' next owner reads them."""
+        Records fetched but not handled are not committed, so the partitions' next owner reads them.
+        (A group member's: not for a consumer served on an event loop.)"""
+        if self._loop is not None:
+            raise RuntimeError(f"{self.name} is served on an event loop: it has no polling thread to pause")
         self._pause.set()
         if self._thread is None or not self._thread.is_alive():
             return True

@@ -121,9 +121,8 @@ async def test_a_handler_that_raises_fails_the_consumer_and_its_owner_hears(
     await asyncio.to_thread(_produce, kafka, topic, range(3, 6))
     await asyncio.sleep(0.5)
     assert len(calls) == 1  # the loop no longer reads it
-    reader_stop = reader.stop  # stopped on the loop's own thread: no waiting for itself
     with pytest.raises(BusError, match="handler bug"):
-        reader_stop()
+        reader.stop()  # on the loop's own thread: it must not wait for the loop to let go
     assert reader._consumer is None
 
 
@@ -142,6 +141,8 @@ async def test_without_the_wake_up_a_thread_polls_and_the_loop_handles(
         await got.until(10)
         assert got.values == list(range(10))
         assert got.threads == {threading.get_ident()}  # handed to the loop, as with the wake-up
+        with pytest.raises(RuntimeError, match="served on an event loop"):
+            reader.pause()  # a group member's stop-reading, which a loop's consumer has no thread for
     finally:
         await asyncio.to_thread(reader.stop)
 
