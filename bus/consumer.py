@@ -265,7 +265,7 @@ class ConsumerThread(Component):
         wakeup, loop = self._wakeup, self._loop
         if wakeup is None or loop is None:
             return
-        if threading.get_ident() == self._loop_thread:
+        if threading.get_ident() == self._loop_thread or _running(loop):  # on the loop: nothing to wait for
             self._detach()
         else:
             with contextlib.suppress(RuntimeError):  # a closed loop watches nothing any more
@@ -558,6 +558,14 @@ class _Live:
                 callback(*args, **kwargs)
 
         return call
+
+
+def _running(loop: asyncio.AbstractEventLoop) -> bool:
+    """Whether ``loop`` runs on this thread (a stop there cannot wait for it)."""
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
 
 
 def _close_quietly(consumer: Consumer, name: str) -> None:

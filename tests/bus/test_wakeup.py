@@ -148,6 +148,21 @@ async def test_without_the_wake_up_a_thread_polls_and_the_loop_handles(
 
 
 @ON_LINUX
+async def test_a_stop_on_the_loop_right_after_the_start_does_not_wait_for_the_loop(
+    kafka: KafkaConnection, topic_prefix: str
+) -> None:
+    topic = f"{topic_prefix}.wake-quick"
+    _topic(kafka, topic)
+    reader = _reader(kafka, topic, OnLoop())
+    reader.start()  # the loop has not yet run the attach this schedules
+    began = time.monotonic()
+    reader.stop()  # on the loop's thread: it cannot wait for the loop to let go
+    assert time.monotonic() - began < 2.0
+    assert reader._consumer is None
+    await asyncio.sleep(0.05)  # the queued attach then finds the consumer stopped and watches nothing
+
+
+@ON_LINUX
 def test_the_wake_up_is_refused_for_a_handle_that_is_not_the_named_consumer(kafka: KafkaConnection) -> None:
     consumer = Consumer(consumer_config(kafka, None, "wakeup-named"))
     try:
