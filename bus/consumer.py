@@ -145,7 +145,8 @@ class ConsumerThread(Component):
         self._on_loop: Handler | None = None
         """``serve_on`` without a wake-up: the handler, which the polling thread's batches reach on the loop."""
         self._wakeup: QueueWakeup | None = None
-        self._loop_thread: int | None = None
+        self._attached = False
+        """Whether the loop watches the wake-up pipe (loop thread)."""
         self._detached = threading.Event()
         self._config = config
         self._handler = handler
@@ -210,7 +211,7 @@ class ConsumerThread(Component):
         if self._wakeup is None or self._loop is None or self._stop.is_set():
             self._detached.set()
             return
-        self._loop_thread = threading.get_ident()
+        self._attached = True
         self._loop.add_reader(self._wakeup.fd, self._on_wakeup)
         self._on_wakeup()
 
@@ -237,9 +238,9 @@ class ConsumerThread(Component):
 
     def _detach(self) -> None:
         """Loop thread: stop watching the pipe."""
-        if self._wakeup is not None and self._loop is not None and self._loop_thread is not None:
+        if self._attached and self._wakeup is not None and self._loop is not None:
             self._loop.remove_reader(self._wakeup.fd)
-            self._loop_thread = None
+            self._attached = False
         self._detached.set()
 
     def _hand_to_loop(self, batch: list[Message]) -> None:
@@ -265,7 +266,7 @@ class ConsumerThread(Component):
         wakeup, loop = self._wakeup, self._loop
         if wakeup is None or loop is None:
             return
-        if threading.get_ident() == self._loop_thread or _running(loop):  # on the loop: nothing to wait for
+        if _running(loop):  # on the loop's own thread: nothing to wait for
             self._detach()
         else:
             with contextlib.suppress(RuntimeError):  # a closed loop watches nothing any more

@@ -97,7 +97,7 @@ class KafkaGateway(AsyncComponent):
         """Request id -> (tenant, offset of its first reply on this edge's partition, when seen): which
         streams may be resumed here, by whom, from where. Filled by submits and the reply listener, and
         at start from the last ``resume_window_s`` of the partition (record headers only)."""
-        self._owners_lock = threading.Lock()  # the reply listener writes, the event loop reads
+        self._owners_lock = threading.Lock()  # the start's index writes on a thread, then only the event loop
         self._resume_window_s = resume_window_s
         self._resume_index = resume_index
         self._replies_on_loop = replies_on_loop
