@@ -50,6 +50,22 @@ def test_added_latency_is_measured_from_the_model_on_the_servers_threads_and_thr
     assert comparison.p6(comparison.ratios(everyone, floor)["generation"]["1"], "1") == "met (≤ 0.25)"
 
 
+def test_a_peer_below_the_raw_models_p50_adds_nothing_and_so_must_the_platform() -> None:
+    # one client's generation: a plain batch-1 generate can be slower than a serving engine
+    floor = profiles({"embeddings": 8.8, "generation": 129.0}, per_s=600.0)
+    ray = profiles({"embeddings": 23.9, "generation": 92.0}, per_s=200.0)
+    faster = profiles({"embeddings": 15.0, "generation": 70.0}, per_s=450.0)
+    row = comparison.ratios({"raw": floor, "platform": faster, "ray": ray, "naive": "not run"}, floor)
+    assert row["generation"]["1"]["ray_added_p50"] == 0.0
+    assert comparison.p6(row["generation"]["1"], "1") == "met (neither adds to the raw model's p50)"
+
+    slower = profiles({"embeddings": 15.0, "generation": 131.5}, per_s=450.0)
+    row = comparison.ratios({"raw": floor, "platform": slower, "ray": ray, "naive": "not run"}, floor)
+    assert row["generation"]["1"]["ray_added_p50"] is None
+    verdict = comparison.p6(row["generation"]["1"], "1")
+    assert verdict == "missed (Ray adds nothing to the raw model's p50, the platform 2.5 ms)"
+
+
 def test_the_platforms_own_overhead_is_measured_from_the_model_as_it_runs_it() -> None:
     raw = profiles({"embeddings": 4.6, "generation": 68.0}, per_s=1000.0)
     floor = profiles({"embeddings": 8.8, "generation": 72.0}, per_s=600.0)
