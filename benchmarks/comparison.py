@@ -196,6 +196,8 @@ def ratios(
             row: dict[str, float | None] = {}
             mine, base_row = platform[workload][clients], reference[workload][clients]
             own_row = mine_reference[workload][clients]
+            # below the raw model's (noise, or a raw run on a busy machine) counts as nothing added
+            ours = row["added_ms"] = max(0.0, mine["p50_ms"] - own_row["p50_ms"])
             for peer in ("raw", "ray", "naive"):
                 theirs = profiles.get(peer, "not run")
                 if isinstance(theirs, str):
@@ -209,9 +211,6 @@ def ratios(
                     row["ray_ceiling"] = base_row["per_s"] / other["per_s"]
                 if peer != "raw":
                     added = other["p50_ms"] - base_row["p50_ms"]
-                    # below the raw model's (noise, or a raw run on a busy machine) counts as nothing added
-                    ours = max(0.0, mine["p50_ms"] - own_row["p50_ms"])
-                    row["added_ms"] = ours
                     # a peer at or below the raw model's p50 (a serving engine can beat a plain generate)
                     # adds nothing: the platform's share of nothing is nothing only if it adds nothing too
                     row[f"{peer}_added_p50"] = ours / added if added > 0 else (0.0 if ours == 0 else None)

@@ -616,9 +616,10 @@ def main() -> None:
         around["round_trip"],
         one_client[RAW_IDLE_WORKER],
     )
+    cpu = cpu_model()
     result["machine"] = {
         "cpus": os.cpu_count(),
-        "cpu": cpu_model(),
+        "cpu": cpu,
         "python": host.python_version(),
         "torch": raw["torch"],
         "device": raw["device"],
@@ -657,8 +658,7 @@ def main() -> None:
     print(comparison.table(peers["profiles"], peers["ratios"]))
     load = " / ".join(f"{a:.1f}" for a in load_before), " / ".join(f"{a:.1f}" for a in os.getloadavg())
     print(
-        f"\nload average (1/5/15 min) at start {load[0]}, at end {load[1]} on {os.cpu_count()} CPUs"
-        f" ({cpu_model()})"
+        f"\nload average (1/5/15 min) at start {load[0]}, at end {load[1]} on {os.cpu_count()} CPUs ({cpu})"
     )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
