@@ -8,6 +8,9 @@ adds nothing but padding. Like the generation engine it is used from one dedicat
 from __future__ import annotations
 
 import logging
+import time
+import warnings
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -52,6 +55,89 @@ class _Graph:
     graph: torch.cuda.CUDAGraph
 
 
+TRACE_PROBES: tuple[tuple[tuple[int, ...], ...], ...] = (
+    ((1, 2, 3, 4, 5), (1, 2, 3)),
+    ((1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11),),
+    ((1, 2), (1, 2), (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18)),
+)
+"""Token-id batches (ids every vocabulary has) the CPU's traced forward is built from (the first, with
+padding) and checked against the eager forward on, each of them (one shape traced, three run: a trace that
+baked in a shape or the padding would differ on another)."""
+
+TRACE_ATOL = 1e-5
+"""How far a traced forward's unit vectors may be from the eager forward's on :data:`TRACE_PROBES`."""
+
+_TRACED: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+"""Model -> its traced forward (or None: it could not be traced), shared by every engine over the model."""
+
+
+def pooling_module(model: PreTrainedModel) -> torch.nn.Module:
+    """``model``'s forward with mean pooling over real tokens and L2 normalisation: ``(ids, mask)`` ->
+    ``[rows, dim]`` float32 unit vectors (what sentence-transformers does for all-MiniLM-L6-v2)."""
+    import torch
+
+    class Pooled(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.encoder = model
+
+        def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            out = self.encoder(
+                input_ids=ids, attention_mask=mask, token_type_ids=torch.zeros_like(ids), return_dict=False
+            )
+            hidden = out[0]
+            weights = mask.unsqueeze(-1).to(hidden.dtype)
+            summed = (hidden * weights).sum(dim=1)
+            pooled = summed / weights.sum(dim=1).clamp(min=1e-9)
+            return torch.nn.functional.normalize(pooled.float(), p=2, dim=1)
+
+    return Pooled()
+
+
+def traced_forward(model: PreTrainedModel, pad_id: int) -> Any:
+    """``model``'s pooled forward as a traced, frozen TorchScript graph for the CPU, or None where it cannot
+    be traced or the trace differs from the eager forward on :data:`TRACE_PROBES` (logged). Built once per
+    model, under ``inference_mode``.
+
+    The graph runs without Python between ops: MiniLM's batch of one 10-token sentence took 9.1 ms instead
+    of 11.0 on one core, a batch of 4 3.8 instead of 4.3 ms an item, 8 3.1 instead of 3.4; from 32 items on
+    the two are the same (the forward is its GEMMs there; docs/perf)."""
+    if model in _TRACED:
+        return _TRACED[model]
+    import torch
+
+    began = time.perf_counter()
+    traced: Any = None
+    if model.training:
+        log.warning("the embedding model is in training mode: it runs eagerly")
+    else:
+        eager = pooling_module(model)
+        probes = [pad_rows(batch, pad_id, torch.device("cpu")) for batch in TRACE_PROBES]
+        try:
+            with torch.inference_mode(), warnings.catch_warnings():
+                # torch.jit is deprecated in favour of torch.compile (a ~35 s compile per process here,
+                # docs/perf); the tracer warns of every Python condition it records, checked below instead
+                warnings.simplefilter("ignore")
+                traced = torch.jit.freeze(
+                    torch.jit.trace(eager, probes[0], check_trace=False).eval()  # type: ignore[no-untyped-call]
+                )
+                worst = max(float((traced(*p) - eager(*p)).abs().max()) for p in probes)
+        except Exception as exc:  # an architecture the tracer cannot follow
+            log.warning("the embedding model could not be traced (%s): it runs eagerly", exc)
+            traced = None
+        else:
+            if worst > TRACE_ATOL:
+                log.warning(
+                    "the embedding model's traced forward is %.2g away from its eager one: it runs eagerly",
+                    worst,
+                )
+                traced = None
+            else:
+                log.info("traced the embedding forward for the CPU in %.1f s", time.perf_counter() - began)
+    _TRACED[model] = traced
+    return traced
+
+
 class EmbeddingError(GpuWorkerError):
     """A batch the embedding engine cannot take (empty item, too long, ids outside the vocabulary)."""
 
@@ -91,6 +177,7 @@ class EmbeddingEngine:
         pad_token_id: int | None = None,
         max_length: int | None = None,
         cuda_graphs: bool = True,
+        traced: bool = True,
     ):
         config = model.config
         self._model = model
@@ -108,6 +195,9 @@ class EmbeddingEngine:
         small encoder is launch-bound (MiniLM on an H100 took ~3 ms a batch whatever its size), a graph
         replays all its kernels in one launch. None: eager (a CPU, or turned off, or a capture failed)."""
         self._pool: Any = None
+        self._module = pooling_module(model)
+        self._trace = traced and self._device.type == "cpu"
+        """On a CPU, run :func:`traced_forward`'s graph (built at the first batch) where it could be built."""
 
     @property
     def device(self) -> torch.device:
@@ -117,6 +207,11 @@ class EmbeddingEngine:
     def graphs(self) -> int:
         """CUDA graphs captured so far (0 where the forward runs eagerly)."""
         return len(self._graphs or ())
+
+    @property
+    def traced(self) -> bool:
+        """Whether the forward runs as a traced graph (a CPU, once the first batch has built it)."""
+        return self._trace and _TRACED.get(self._model) is not None
 
     @property
     def overlaps(self) -> bool:
@@ -162,14 +257,15 @@ class EmbeddingEngine:
         return _OnTheWay(host, copied)
 
     def _pooled(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Mean pooling over real tokens, then L2 normalisation (call under ``inference_mode``)."""
-        import torch
-
-        hidden = self._model(input_ids=ids, attention_mask=mask, token_type_ids=torch.zeros_like(ids))
-        weights = mask.unsqueeze(-1).to(hidden.last_hidden_state.dtype)
-        summed = (hidden.last_hidden_state * weights).sum(dim=1)
-        pooled = summed / weights.sum(dim=1).clamp(min=1e-9)
-        return torch.nn.functional.normalize(pooled.float(), p=2, dim=1)
+        """Mean pooling over real tokens, then L2 normalisation (call under ``inference_mode``): through the
+        traced graph where there is one, else eagerly."""
+        if self._trace:
+            graph = traced_forward(self._model, self._pad_id)
+            if graph is not None:
+                unit: torch.Tensor = graph(ids, mask)
+                return unit
+        out: torch.Tensor = self._module(ids, mask)
+        return out
 
     def _graph_for(self, rows: int, longest: int) -> _Graph | None:
         if self._graphs is None:

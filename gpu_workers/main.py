@@ -150,7 +150,10 @@ def runner_factory(
         loaded = load_embedding_model(model_dir, worker.worker_device)
         report_loaded(loaded, manifest.model_id, worker_id)
         embedder = EmbeddingEngine(
-            loaded.model, max_length=manifest.max_context, cuda_graphs=worker.worker_cuda_graphs
+            loaded.model,
+            max_length=manifest.max_context,
+            cuda_graphs=worker.worker_cuda_graphs,
+            traced=worker.worker_embed_traced,
         )
         began = time.perf_counter()
         graphs = embedder.warm_up(worker.worker_embed_max_batch)  # in this thread, the model's

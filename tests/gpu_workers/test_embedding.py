@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 import tokenizers
@@ -203,3 +204,95 @@ def test_warm_up_captures_the_common_shapes_up_to_the_batch_size(
     as_on_a_gpu(engine, CaptureLog(engine, torch.cuda.OutOfMemoryError("CUDA out of memory")), monkeypatch)
     assert engine.warm_up(64) == 0, "out of memory stops the warm-up, not the worker"
     assert "out of memory at 1 x 8" in caplog.text
+
+
+# --- on a CPU: the pooled forward as a traced, frozen TorchScript graph -------------------------------------
+
+
+def test_on_a_cpu_the_traced_forward_gives_the_eager_vectors_at_every_shape(
+    minilm: LoadedModel, ids: list[list[int]]
+) -> None:
+    """The graph is traced from one padded batch; batches of other heights, widths and padding run
+    through the same graph and must give what the eager forward gives."""
+    traced = EmbeddingEngine(minilm.model, cuda_graphs=False)
+    eager = EmbeddingEngine(minilm.model, cuda_graphs=False, traced=False)
+    rng = np.random.default_rng(7)
+    batches = [ids, [ids[4]], [ids[3]], ids[2:4], [[101, 102]], [ids[0]] * 33]
+    for rows, longest in ((1, 1), (2, 40), (5, 128), (3, 512)):
+        batches.append(
+            [
+                [int(t) for t in rng.integers(1000, 20000, int(rng.integers(1, longest + 1)))]
+                for _ in range(rows)
+            ]
+        )
+    for batch in batches:
+        np.testing.assert_allclose(traced.embed(batch), eager.embed(batch), atol=1e-5)
+    assert not eager.traced
+    assert traced.traced == (traced.device.type == "cpu"), "a GPU runs CUDA graphs or eagerly instead"
+
+
+@pytest.fixture
+def untraced(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No model traced yet in this test (the session's MiniLM is traced by the other tests)."""
+    import weakref
+
+    from gpu_workers import embedding
+
+    monkeypatch.setattr(embedding, "_TRACED", weakref.WeakKeyDictionary())
+
+
+def test_a_model_the_tracer_cannot_follow_runs_eagerly(
+    minilm: LoadedModel,
+    ids: list[list[int]],
+    untraced: None,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch
+
+    def trace(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("Tracer cannot infer type of output")
+
+    monkeypatch.setattr(torch.jit, "trace", trace)
+    engine = EmbeddingEngine(minilm.model, cuda_graphs=False)
+    expected = EmbeddingEngine(minilm.model, cuda_graphs=False, traced=False).embed(ids)
+    np.testing.assert_allclose(engine.embed(ids), expected, atol=1e-5)
+    if engine.device.type == "cpu":
+        assert "could not be traced (Tracer cannot infer type of output): it runs eagerly" in caplog.text
+    assert not engine.traced
+    np.testing.assert_allclose(engine.embed(ids[:2]), expected[:2], atol=1e-5)
+
+
+def test_a_trace_that_differs_from_the_eager_forward_is_not_used(
+    minilm: LoadedModel,
+    ids: list[list[int]],
+    untraced: None,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from gpu_workers import embedding
+
+    monkeypatch.setattr(embedding, "TRACE_ATOL", -1.0)  # any difference, even none, is too far
+    engine = EmbeddingEngine(minilm.model, cuda_graphs=False)
+    engine.embed(ids)
+    if engine.device.type == "cpu":
+        assert "traced forward is" in caplog.text
+        assert "away from its eager one: it runs eagerly" in caplog.text
+    assert not engine.traced
+
+
+def test_a_worker_traces_its_embedding_forward_unless_told_not_to(minilm: LoadedModel) -> None:
+    from gpu_workers.main import runner_factory
+    from gpu_workers.settings import WorkerSettings
+    from schemas.settings import load_settings
+
+    assert WorkerSettings().worker_embed_traced
+    off = load_settings(WorkerSettings, {"SLUICE_WORKER_EMBED_TRACED": "false"})
+    assert not off.worker_embed_traced
+    for worker, traced in ((WorkerSettings(worker_device="cpu"), True), (off, False)):
+        runner = runner_factory(
+            minilm.path, msgspec.structs.replace(worker, worker_device="cpu"), "test", "w"
+        )()
+        engine = runner._engine  # type: ignore[attr-defined]
+        assert isinstance(engine, EmbeddingEngine)
+        assert engine.traced is traced
