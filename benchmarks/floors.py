@@ -32,10 +32,22 @@ def floor_summary(
         "generation_ratio": gen_tps / gen,
         "embeddings_ratio": dynamic / emb,
         # what batching alone buys the model on these threads (beside P3's dynamic over batch-1 serving)
-        "embeddings_batching": emb / mean["embeddings_batch1_per_s"],
+        "embeddings_batching": (batching := emb / mean["embeddings_batch1_per_s"]),
+        "batching_target": batching_target(batching),
         "before": first,
         "after": second,
     }
+
+
+P3_DYNAMIC_OVER_BATCH1 = 4.0
+"""P3: dynamic batching at 64 clients over batch-1 serving."""
+
+
+def batching_target(model_gain: float) -> float:
+    """P3's target where the model's own batching gain on the worker's threads (its best batch over batch 1,
+    alone) is below 4x: no server's batching gives more than the model's, so 4x is out of reach and the
+    target is the issue's rule for those, within 1.2x of that floor."""
+    return P3_DYNAMIC_OVER_BATCH1 if model_gain >= P3_DYNAMIC_OVER_BATCH1 else model_gain / 1.2
 
 
 def mean_run(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:

@@ -169,13 +169,16 @@ def _hold(held: dict[str, T], key: str, value: T) -> None:
         del held[next(iter(held))]
 
 
-def minilm_embedder(model_dir: Path, device: str, max_tokens: int = 128) -> EmbedTexts:
-    """Load MiniLM from the model cache and return a batch embedder; call it on the model thread."""
+def minilm_embedder(
+    model_dir: Path, device: str, max_tokens: int = 128, *, traced: bool = True
+) -> EmbedTexts:
+    """Load MiniLM from the model cache and return a batch embedder; call it on the model thread. ``traced``:
+    on a CPU, through the engine's traced graph (``EmbeddingEngine``)."""
     from gpu_workers.embedding import EmbeddingEngine
     from gpu_workers.models import load_embedding_model
 
     loaded = load_embedding_model(model_dir, device)
-    engine = EmbeddingEngine(loaded.model, max_length=max_tokens)
+    engine = EmbeddingEngine(loaded.model, max_length=max_tokens, traced=traced)
     tokenizer = loaded.tokenizer
 
     def embed(texts: Sequence[str]) -> Sequence[Sequence[float]]:

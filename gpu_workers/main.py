@@ -229,7 +229,7 @@ def probe_factory(
         from gpu_workers.features import minilm_embedder
 
         try:
-            embed = minilm_embedder(embedder_dir, worker.worker_device)
+            embed = minilm_embedder(embedder_dir, worker.worker_device, traced=worker.worker_embed_traced)
         except Exception:  # optional: a worker serves without prompt embeddings rather than not at all
             log.exception("no prompt embeddings for drift: loading %s failed", embedder_id)
             return FeatureProbe(worker.drift_sample)

@@ -204,6 +204,10 @@ def test_the_floor_is_the_mean_of_its_runs_before_and_after_the_platform() -> No
     assert summary["generation_ratio"] == pytest.approx(0.9)
     assert summary["embeddings_ratio"] == pytest.approx(0.8)
     assert summary["embeddings_batching"] == pytest.approx(280.0 / 55.0)
+    assert summary["batching_target"] == 4.0, "the model's own gain (5.1x) leaves 4x in reach"
+    flat = floors.floor_summary(run(4000.0, 150.0, 60.0), run(3000.0, 130.0, 50.0), 32, 3150.0, 224.0)
+    assert flat["embeddings_batching"] == pytest.approx(140.0 / 55.0)
+    assert flat["batching_target"] == pytest.approx(140.0 / 55.0 / 1.2), "out of reach: 1.2x the model's gain"
     assert summary["before"]["generation_tokens_per_s"] == 4000.0  # both runs kept: the drift shows
     assert summary["after"]["embeddings_per_s"] == 260.0
     mean = floors.mean_run(before, after)
