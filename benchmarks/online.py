@@ -571,6 +571,8 @@ def main() -> None:
             after_idle = cast(dict[str, float], raw["embedding_batch1_after_idle"])
             where["raw batch 1 after idle"] = after_idle["ms"]
             where["raw idle ms"] = after_idle["idle_ms"]
+            if "embedding_batch1_eager_ms" in raw:  # the engine is traced on a CPU: the model's eager forward
+                where["raw batch 1, eager"] = cast(float, raw["embedding_batch1_eager_ms"])
             # the model stage runs on the worker's threads: the same forward there, alone, after idle
             where[RAW_IDLE_WORKER] = cast(dict[str, float], floor["embedding_batch1_after_idle"])["ms"]
             result["embedding_one_client_ms"] = where
@@ -642,7 +644,8 @@ def main() -> None:
         + f" | raw batch 1 {where['raw batch 1']:.2f} in a loop, "
         f"{where['raw batch 1 after idle']:.2f} after {where['raw idle ms']:.0f} ms idle"
         f" ({where[RAW_IDLE_WORKER]:.2f} on the worker's {threads} thread(s))"
-        f" | bare: the two hops around that forward {where['bare hops']:.2f} (in {where['bare hop_in']:.2f},"
+        + (f", {where['raw batch 1, eager']:.2f} eager in a loop" if "raw batch 1, eager" in where else "")
+        + f" | bare: the two hops around that forward {where['bare hops']:.2f} (in {where['bare hop_in']:.2f},"
         f" back {where['bare hop_back']:.2f}), round trip {where['bare round_trip']:.2f}"
     )
     first, ttft = (

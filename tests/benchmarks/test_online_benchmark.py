@@ -72,6 +72,7 @@ def test_the_online_benchmark_runs_quick_and_writes_its_json(tmp_path: Path, kaf
     assert where["raw batch 1"] > 0, where
     assert where["raw batch 1 after idle"] > 0, where
     assert where["raw batch 1 after idle, worker's threads"] > 0, where
+    assert where["raw batch 1, eager"] > 0, "the engine is traced on a CPU: the eager forward beside it"
     assert where["raw idle ms"] == 5, where
     assert "where the time goes" in stdout
     # and one client's time to first token, stage by stage, the same way (the model: prefill to first token)
