@@ -50,7 +50,12 @@ steady state: what completes in a window after a ramp-up (8 s after 2 s; 1.5 s a
 Time to first token at low load is measured after them, on a warm broker (a fresh JVM compiles through its
 first thousands of requests; ``kafka_floor.py`` measures its floor warm too).
 
-Where one client's embedding time goes: 200 more requests (30 with --quick), one at a time, each set beside
+Where one client's embedding time goes: 200 more requests (30 with --quick), one at a time, in 4 blocks (3)
+with the raw forward of batch 1 sampled alone before, between and after them (``raw_model.py --serve``, a
+child started before the box is split; in a loop on every core and on the worker's threads): the box's
+speed moves by more between minutes than the platform adds at one client, so P6's added latency for one
+client's embedding is these requests' p50 over the forward sampled beside them (the one against the raw run
+minutes before is kept as ``added_ms_apart``). Each request is also set beside
 the timings its terminal event carries (read back off the results topic, one machine, one clock): edge in,
 to the worker, model, back, total (p50 ms), with the raw forward of batch 1 in a loop and after 5 ms idle
 (``raw_model.py``): an idle core starts a forward slower, and one client's requests always meet one. The
@@ -221,8 +226,61 @@ def start_edges(services: Services, count: int, first_port: int) -> list[str]:
     return [f"http://127.0.0.1:{port}" for port in ports]
 
 
+class RawReference:
+    """MiniLM's batch 1 alone, beside one client's requests (``raw_model.py --serve``): a child started
+    before the box is split (on every core), sampled between blocks of a server's requests. The box drifts
+    by more within minutes than the platform adds at one client, so the platform's added latency there is
+    taken against the model run in the same seconds, not minutes before."""
+
+    def __init__(self, narrow: int, log: Path) -> None:
+        self._log = log.open("w")
+        self._proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "benchmarks" / "raw_model.py"), "--serve", str(narrow)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+        )
+        if self._readline() != "ready":
+            raise RuntimeError(f"the raw reference did not start (see {log})")
+
+    def _readline(self) -> str:
+        assert self._proc.stdout is not None
+        return self._proc.stdout.readline().strip()
+
+    def sample(self, n: int) -> dict[str, list[float]]:
+        """``n`` forwards of batch 1 in a loop on every core (``wide``) and on the worker's threads
+        (``narrow``), each in ms."""
+        assert self._proc.stdin is not None
+        self._proc.stdin.write(f"{n}\n")
+        self._proc.stdin.flush()
+        line = self._readline()
+        if not line:
+            raise RuntimeError("the raw reference exited")
+        return cast(dict[str, list[float]], json.loads(line))
+
+    def close(self) -> None:
+        if self._proc.stdin is not None:
+            self._proc.stdin.close()
+        try:
+            self._proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        self._log.close()
+
+
+ONE_CLIENT_BLOCKS = 4
+"""One client's stamped embeddings run in this many blocks, with the raw reference sampled before, between
+and after them (3 with --quick)."""
+
+
 async def measure(
-    urls: list[str], raw: dict[str, object], services: Services, quick: bool
+    urls: list[str],
+    raw: dict[str, object],
+    services: Services,
+    quick: bool,
+    reference: RawReference | None = None,
 ) -> dict[str, object]:
     url = urls[0]
     connector = aiohttp.TCPConnector(limit=256)
@@ -273,7 +331,21 @@ async def measure(
         profiles = await profile_all(session, url, quick)  # the load the peers get too
         # One client's embeddings once more, each request's id and wall-clock times kept: main() sets them
         # beside the timings of their terminal events (where_time_goes).
-        stamps = [await embed_stamped(session, url, n) for n in range(30 if quick else 200)]
+        # In blocks, the raw forward alone sampled before, between and after them (``reference``).
+        blocks = 3 if quick else ONE_CLIENT_BLOCKS
+        size = (30 if quick else 200) // blocks
+        beside: dict[str, list[float]] = {"wide": [], "narrow": []}
+
+        def sample() -> None:
+            if reference is not None:
+                for name, times in reference.sample(size).items():
+                    beside[name] += times
+
+        stamps: list[tuple[str, float, float, str]] = []
+        sample()
+        for block in range(blocks):
+            stamps += [await embed_stamped(session, url, block * size + n) for n in range(size)]
+            sample()
         # whether one client's embeddings ran on the worker's quiet team (both cores): ratios() needs it
         async with session.get(f"http://127.0.0.1:{services.ops['embed']}/metrics") as response:
             quiet = quiet_batch_count(await response.text())
@@ -289,6 +361,7 @@ async def measure(
     return {
         "platform_profiles": profiles,
         "one_client_stamps": stamps,
+        "one_client_beside": beside,
         "ttft_stamps": ttft_stamps,
         "embedding_quiet_batches": quiet,
         "generation": {
@@ -408,6 +481,21 @@ def quiet_batch_count(metrics: str) -> float:
     )
 
 
+BESIDE = "raw batch 1 beside"
+"""One client's embedding: the raw forward of batch 1 in a loop on every core, p50 of the samples taken
+between the platform's blocks (:class:`RawReference`)."""
+BESIDE_WORKER = "raw batch 1 beside, worker's threads"
+"""The same on the worker's threads."""
+
+
+def beside_platform(where: dict[str, float], quiet_batches: float) -> tuple[float, float] | None:
+    """One client's embedding p50 on the platform (its stamped blocks) and the raw forward's beside it, on
+    the threads the platform's model had (every core where the quiet team ran), or None (not sampled)."""
+    if BESIDE not in where:
+        return None
+    return where["total"], where[BESIDE if quiet_batches else BESIDE_WORKER]
+
+
 def run_peers(
     args: argparse.Namespace,
     raw: dict[str, object],
@@ -418,13 +506,15 @@ def run_peers(
     quiet_batches: float = 0.0,
     bare_embedding_ms: float | None = None,
     idle_embedding_ms: float | None = None,
+    beside_embedding_ms: tuple[float, float] | None = None,
 ) -> dict[str, Any]:
     """The peers, one at a time, after the platform has stopped (this machine's cores are shared), with
     the workers' torch threads; their profiles beside the platform's and the raw model's, and the ratios.
     ``quiet_batches``: the embedding worker's batches on its quiet team (one client's phase ran there).
     ``bare_embedding_ms``: one embedding's round trip through two bare Kafka hops around the forward
     (``kafka_floor.hops_around_forward``), and the forward after 5 ms idle on the workers' threads, for the
-    floor under one client's added latency (``comparison.ratios``)."""
+    floor under one client's added latency (``comparison.ratios``). ``beside_embedding_ms``: one client's
+    embedding p50 on the platform and the raw forward's sampled beside it (:func:`beside_platform`)."""
     wanted = {p.strip() for p in args.peers.split(",") if p.strip()}
     logs = Path(tempfile.mkdtemp(prefix="sluice-bench-peers-"))
     peer_env = comparison.child_env(env.get("SLUICE_WORKER_TORCH_THREADS"))
@@ -459,7 +549,7 @@ def run_peers(
         # one client's embeddings ran on the worker's quiet team (both cores): its own overhead is measured
         # from the model on both cores, the peers' from the model on the workers' threads
         own = {**base, "embeddings": {**base["embeddings"], "1": profiles["raw"]["embeddings"]["1"]}}
-    ratios = comparison.ratios(profiles, base, own, bare_embedding_ms, idle_embedding_ms)
+    ratios = comparison.ratios(profiles, base, own, bare_embedding_ms, idle_embedding_ms, beside_embedding_ms)
     return {"profiles": profiles, "ratios": ratios, "about": facts}
 
 
@@ -532,6 +622,8 @@ def main() -> None:
     ttft_idle = cast(dict[str, float], floor["ttft_after_idle"])
     # Placed as `sluice up` places it: the workers on their cores, this process (the clients) and what it
     # starts (Kafka, the edge) on the others; the peers afterwards run where the OS puts them.
+    # started before the box is split: the reference runs the model alone on every core, as the raw run did
+    reference = RawReference(threads, Path(tempfile.mkdtemp(prefix="sluice-bench-ref-")) / "reference.log")
     own_cores = available_cpus()
     placed, worker_env = place_box(args.worker_cpus)
     print(placed or "no CPU placement", file=sys.stderr)
@@ -556,7 +648,10 @@ def main() -> None:
             services.start("embed", ["worker", "--model", "all-minilm-l6-v2"])
             urls = start_edges(services, edges, port)
             print(f"platform under load ({edges} edge(s)) ...", file=sys.stderr)
-            result = asyncio.run(measure(urls, raw, services, args.quick))
+            try:
+                result = asyncio.run(measure(urls, raw, services, args.quick, reference))
+            finally:
+                reference.close()
             raw_batch1_ms = 1000 / float(cast(dict[str, float], raw["embeddings_per_s"])["1"])
             stamped = cast(list[tuple[str, float, float, str]], result.pop("one_client_stamps"))
             returns = {
@@ -575,6 +670,10 @@ def main() -> None:
                 where["raw batch 1, eager"] = cast(float, raw["embedding_batch1_eager_ms"])
             # the model stage runs on the worker's threads: the same forward there, alone, after idle
             where[RAW_IDLE_WORKER] = cast(dict[str, float], floor["embedding_batch1_after_idle"])["ms"]
+            beside = cast(dict[str, list[float]], result.pop("one_client_beside"))
+            if beside["wide"]:
+                where[BESIDE] = statistics.median(beside["wide"])
+                where[BESIDE_WORKER] = statistics.median(beside["narrow"])
             result["embedding_one_client_ms"] = where
             first = where_time_goes(conn, names.results, cast(Any, result.pop("ttft_stamps")), "first_token")
             first["raw"] = cast(dict[str, float], raw["ttft_ms"])["p50"]
@@ -619,6 +718,7 @@ def main() -> None:
         cast(float, result["embedding_quiet_batches"]),
         around["round_trip"],
         one_client[RAW_IDLE_WORKER],
+        beside_platform(one_client, cast(float, result["embedding_quiet_batches"])),
     )
     cpu = cpu_model()
     result["machine"] = {
@@ -645,6 +745,12 @@ def main() -> None:
         f"{where['raw batch 1 after idle']:.2f} after {where['raw idle ms']:.0f} ms idle"
         f" ({where[RAW_IDLE_WORKER]:.2f} on the worker's {threads} thread(s))"
         + (f", {where['raw batch 1, eager']:.2f} eager in a loop" if "raw batch 1, eager" in where else "")
+        + (
+            f" | beside the blocks: raw batch 1 {where[BESIDE]:.2f} in a loop"
+            f" ({where[BESIDE_WORKER]:.2f} on the worker's {threads} thread(s))"
+            if BESIDE in where
+            else ""
+        )
         + f" | bare: the two hops around that forward {where['bare hops']:.2f} (in {where['bare hop_in']:.2f},"
         f" back {where['bare hop_back']:.2f}), round trip {where['bare round_trip']:.2f}"
     )

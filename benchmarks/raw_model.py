@@ -3,7 +3,10 @@
 Prints one JSON object: generation tokens/s of plain batched ``model.generate`` per batch size, the
 prefill-to-first-token time of one request, and MiniLM embeddings/s per batch size. Run it alone (it is
 started as a child process by online.py so torch has the cores to itself); ``--threads N`` gives torch N
-threads (online.py's floor: the model on the threads a worker gets).
+threads (online.py's floor: the model on the threads a worker gets). ``--serve NARROW`` instead keeps
+MiniLM loaded and answers batch-1 reference samples on stdin/stdout (online.py takes them between blocks of
+one client's requests: the box drifts within minutes, so what a server adds is measured against the model
+run beside it).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
@@ -53,6 +57,33 @@ def after_idle(call: Callable[[int], object], n: int) -> dict[str, float]:
     return {"ms": statistics.median(timed_ms(call, n, IDLE_S)), "idle_ms": IDLE_S * 1000}
 
 
+def serve_reference(threads: tuple[int, int]) -> None:
+    """``--serve``: MiniLM's batch 1 as a reference beside a server's one-client phase. Prints ``ready``, then
+    for each line ``N`` read from stdin, runs the load's inputs in turn N times in a loop on each of
+    ``threads`` (wide: every core, as the raw baseline; narrow: the worker's threads) and prints one JSON
+    line with each forward's milliseconds: ``{"wide": [...], "narrow": [...]}``. Ends at end of input."""
+    settings = load_settings(PlatformSettings)
+    emb = load_embedding_model(current_model_dir(settings.cache_dir, "all-minilm-l6-v2"), device="auto")
+    engine = EmbeddingEngine(emb.model)
+    texts = [list(emb.tokenizer(embed_text(n))["input_ids"]) for n in range(EMBED_TEXTS)]
+    turn = iter(range(1 << 62))
+
+    def forward(_n: int) -> None:
+        engine.embed([texts[next(turn) % len(texts)]])
+
+    for count in threads:
+        configure_torch_threads(count)
+        timed_ms(forward, 20)  # warm, on each team
+    print("ready", flush=True)
+    for line in sys.stdin:
+        n = int(line)
+        out: dict[str, list[float]] = {}
+        for name, count in zip(("wide", "narrow"), threads, strict=True):
+            configure_torch_threads(count)
+            out[name] = timed_ms(forward, n)
+        print(json.dumps(out), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--batches", default="1,4,8,16,32")
@@ -62,7 +93,17 @@ def main() -> None:
     parser.add_argument(
         "--threads", type=int, default=None, help="torch intra-op threads (default: torch's, one per core)"
     )
+    parser.add_argument(
+        "--serve",
+        metavar="NARROW",
+        type=int,
+        default=None,
+        help="serve MiniLM batch-1 reference samples on stdin/stdout (every core and NARROW threads)",
+    )
     args = parser.parse_args()
+    if args.serve is not None:
+        serve_reference((len(os.sched_getaffinity(0)), args.serve))
+        return
     # the models' loader sizes torch's team for a worker (half the cores); the raw model alone gets them all
     configure_torch_threads(args.threads or len(os.sched_getaffinity(0)))
     settings = load_settings(PlatformSettings)

@@ -82,6 +82,32 @@ def test_the_platforms_own_overhead_is_measured_from_the_model_as_it_runs_it() -
     assert plain == pytest.approx((11.0 - 8.8) / (23.9 - 8.8)), "without it the spare core counts as a gain"
 
 
+def test_one_clients_embedding_added_latency_is_taken_against_the_raw_forward_beside_it() -> None:
+    """Where the raw forward was sampled between the platform's blocks, the platform's added latency at one
+    client's embedding is against that (the box's speed moves within minutes); the figure against the raw
+    run minutes away is kept beside it. Nothing else changes."""
+    raw = profiles({"embeddings": 4.6, "generation": 68.0}, per_s=1000.0)
+    floor = profiles({"embeddings": 8.8, "generation": 72.0}, per_s=600.0)
+    platform = profiles({"embeddings": 11.0, "generation": 79.0}, per_s=450.0)
+    ray = profiles({"embeddings": 23.9, "generation": 100.0}, per_s=200.0)
+    everyone = {"raw": raw, "platform": platform, "ray": ray, "naive": "not run"}
+    own = {**floor, "embeddings": {**floor["embeddings"], "1": raw["embeddings"]["1"]}}
+    apart = comparison.ratios(everyone, floor, own)
+    beside = comparison.ratios(everyone, floor, own, beside_embedding_ms=(12.0, 8.5))
+    one = beside["embeddings"]["1"]
+    assert one["added_ms"] == pytest.approx(3.5), "12 ms on the platform beside an 8.5 ms forward"
+    assert one["added_ms_apart"] == pytest.approx(11.0 - 4.6)
+    assert one["ray_added_p50"] == pytest.approx(3.5 / (23.9 - 8.8)), "Ray's own added latency unchanged"
+    assert comparison.p6(one, "1") == "met (≤ 0.25)"
+    assert comparison.p6(apart["embeddings"]["1"], "1") == "missed (≤ 0.25)"
+    assert "added_ms_apart" not in apart["embeddings"]["1"]
+    for workload, clients in (("embeddings", "64"), ("generation", "1"), ("generation", "64")):
+        assert beside[workload][clients] == apart[workload][clients], (workload, clients)
+    # a platform beside a slower forward adds nothing, not less than nothing
+    slow = comparison.ratios(everyone, floor, own, beside_embedding_ms=(12.5, 13.0))["embeddings"]["1"]
+    assert slow["added_ms"] == 0.0
+
+
 def test_one_clients_embedding_is_judged_against_the_floor_of_this_design_where_that_is_above_a_quarter() -> (
     None
 ):

@@ -73,6 +73,10 @@ def test_the_online_benchmark_runs_quick_and_writes_its_json(tmp_path: Path, kaf
     assert where["raw batch 1 after idle"] > 0, where
     assert where["raw batch 1 after idle, worker's threads"] > 0, where
     assert where["raw batch 1, eager"] > 0, "the engine is traced on a CPU: the eager forward beside it"
+    # the raw forward sampled alone between the blocks of one client's requests
+    assert where["raw batch 1 beside"] > 0, where
+    assert where["raw batch 1 beside, worker's threads"] > 0, where
+    assert "beside the blocks: raw batch 1" in stdout
     assert where["raw idle ms"] == 5, where
     assert "where the time goes" in stdout
     # and one client's time to first token, stage by stage, the same way (the model: prefill to first token)
@@ -106,5 +110,6 @@ def test_the_online_benchmark_runs_quick_and_writes_its_json(tmp_path: Path, kaf
     assert where["bare hops"] > 0, where
     one = result["peers"]["ratios"]["embeddings"]["1"]
     assert one["floor_added_ms"] > 0, one
+    assert one["added_ms_apart"] >= 0, "the platform's added latency is taken beside the raw forward"
     assert "ray_floor" not in one, one
     assert "the two hops around that forward" in stdout
