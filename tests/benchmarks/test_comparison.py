@@ -66,15 +66,24 @@ def test_a_peer_below_the_raw_models_p50_adds_nothing_and_so_must_the_platform()
     assert verdict == "missed (Ray adds nothing to the raw model's p50, the platform 2.5 ms)"
 
 
-def test_the_platforms_own_overhead_is_measured_from_the_model_as_it_runs_it() -> None:
+Profiles = dict[str, dict[str, dict[str, float]]]
+
+
+def quiet_team_run() -> tuple[dict[str, object], Profiles, Profiles]:
+    """A run whose one-client embeddings ran on the quiet team: (every server's profiles, the raw model on
+    the servers' threads, the platform's own reference: the same but batch-1 embeddings on both cores)."""
     raw = profiles({"embeddings": 4.6, "generation": 68.0}, per_s=1000.0)
     floor = profiles({"embeddings": 8.8, "generation": 72.0}, per_s=600.0)
     platform = profiles({"embeddings": 11.0, "generation": 79.0}, per_s=450.0)
     ray = profiles({"embeddings": 23.9, "generation": 100.0}, per_s=200.0)
-    everyone = {"raw": raw, "platform": platform, "ray": ray, "naive": "not run"}
+    own = {**floor, "embeddings": {**floor["embeddings"], "1": raw["embeddings"]["1"]}}
+    return {"raw": raw, "platform": platform, "ray": ray, "naive": "not run"}, floor, own
+
+
+def test_the_platforms_own_overhead_is_measured_from_the_model_as_it_runs_it() -> None:
     # one client's embeddings on the quiet team (both cores): the platform's from the two-thread call,
     # Ray's from the one-thread call it makes
-    own = {**floor, "embeddings": {**floor["embeddings"], "1": raw["embeddings"]["1"]}}
+    everyone, floor, own = quiet_team_run()
     quiet = comparison.ratios(everyone, floor, own)
     assert quiet["embeddings"]["1"]["ray_added_p50"] == pytest.approx((11.0 - 4.6) / (23.9 - 8.8))
     assert quiet["generation"]["1"] == comparison.ratios(everyone, floor)["generation"]["1"]
@@ -86,12 +95,7 @@ def test_one_clients_embedding_added_latency_is_taken_against_the_raw_forward_be
     """Where the raw forward was sampled between the platform's blocks, the platform's added latency at one
     client's embedding is against that (the box's speed moves within minutes); the figure against the raw
     run minutes away is kept beside it. Nothing else changes."""
-    raw = profiles({"embeddings": 4.6, "generation": 68.0}, per_s=1000.0)
-    floor = profiles({"embeddings": 8.8, "generation": 72.0}, per_s=600.0)
-    platform = profiles({"embeddings": 11.0, "generation": 79.0}, per_s=450.0)
-    ray = profiles({"embeddings": 23.9, "generation": 100.0}, per_s=200.0)
-    everyone = {"raw": raw, "platform": platform, "ray": ray, "naive": "not run"}
-    own = {**floor, "embeddings": {**floor["embeddings"], "1": raw["embeddings"]["1"]}}
+    everyone, floor, own = quiet_team_run()
     apart = comparison.ratios(everyone, floor, own)
     beside = comparison.ratios(everyone, floor, own, beside_embedding_ms=(12.0, 8.5))
     one = beside["embeddings"]["1"]

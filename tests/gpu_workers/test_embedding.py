@@ -241,44 +241,41 @@ def untraced(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(embedding, "_TRACED", weakref.WeakKeyDictionary())
 
 
-def test_a_model_the_tracer_cannot_follow_runs_eagerly(
+@pytest.mark.parametrize(
+    ("failure", "logged"),
+    [
+        ("cannot trace", "could not be traced (Tracer cannot infer type of output): it runs eagerly"),
+        ("differs", "away from its eager one: it runs eagerly"),
+    ],
+)
+def test_a_model_that_cannot_be_traced_or_whose_trace_differs_runs_eagerly(
     minilm: LoadedModel,
     ids: list[list[int]],
     untraced: None,
     caplog: pytest.LogCaptureFixture,
     monkeypatch: pytest.MonkeyPatch,
+    failure: str,
+    logged: str,
 ) -> None:
     import torch
 
-    def trace(*args: object, **kwargs: object) -> None:
-        raise RuntimeError("Tracer cannot infer type of output")
+    from gpu_workers import embedding
 
-    monkeypatch.setattr(torch.jit, "trace", trace)
+    if failure == "cannot trace":
+
+        def trace(*args: object, **kwargs: object) -> None:
+            raise RuntimeError("Tracer cannot infer type of output")
+
+        monkeypatch.setattr(torch.jit, "trace", trace)
+    else:
+        monkeypatch.setattr(embedding, "TRACE_ATOL", -1.0)  # any difference, even none, is too far
     engine = EmbeddingEngine(minilm.model, cuda_graphs=False)
     expected = EmbeddingEngine(minilm.model, cuda_graphs=False, traced=False).embed(ids)
     np.testing.assert_allclose(engine.embed(ids), expected, atol=1e-5)
     if engine.device.type == "cpu":
-        assert "could not be traced (Tracer cannot infer type of output): it runs eagerly" in caplog.text
+        assert logged in caplog.text
     assert not engine.traced
     np.testing.assert_allclose(engine.embed(ids[:2]), expected[:2], atol=1e-5)
-
-
-def test_a_trace_that_differs_from_the_eager_forward_is_not_used(
-    minilm: LoadedModel,
-    ids: list[list[int]],
-    untraced: None,
-    caplog: pytest.LogCaptureFixture,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    from gpu_workers import embedding
-
-    monkeypatch.setattr(embedding, "TRACE_ATOL", -1.0)  # any difference, even none, is too far
-    engine = EmbeddingEngine(minilm.model, cuda_graphs=False)
-    engine.embed(ids)
-    if engine.device.type == "cpu":
-        assert "traced forward is" in caplog.text
-        assert "away from its eager one: it runs eagerly" in caplog.text
-    assert not engine.traced
 
 
 def test_a_worker_traces_its_embedding_forward_unless_told_not_to(minilm: LoadedModel) -> None:
