@@ -57,30 +57,25 @@ def after_idle(call: Callable[[int], object], n: int) -> dict[str, float]:
     return {"ms": statistics.median(timed_ms(call, n, IDLE_S)), "idle_ms": IDLE_S * 1000}
 
 
-def serve_reference(threads: tuple[int, int]) -> None:
+def serve_reference(narrow: int) -> None:
     """``--serve``: MiniLM's batch 1 as a reference beside a server's one-client phase. Prints ``ready``, then
-    for each line ``N`` read from stdin, runs the load's inputs in turn N times in a loop on each of
-    ``threads`` (wide: every core, as the raw baseline; narrow: the worker's threads) and prints one JSON
-    line with each forward's milliseconds: ``{"wide": [...], "narrow": [...]}``. Ends at end of input."""
-    settings = load_settings(PlatformSettings)
-    emb = load_embedding_model(current_model_dir(settings.cache_dir, "all-minilm-l6-v2"), device="auto")
-    engine = EmbeddingEngine(emb.model)
-    texts = [list(emb.tokenizer(embed_text(n))["input_ids"]) for n in range(EMBED_TEXTS)]
-    turn = iter(range(1 << 62))
+    for each line ``N`` read from stdin, runs the load's inputs in turn N times in a loop on every core
+    (``wide``, as the raw baseline) and on ``narrow`` threads (the worker's), and prints one JSON line with
+    each forward's milliseconds: ``{"wide": [...], "narrow": [...]}``. Ends at end of input."""
+    from kafka_floor import minilm_forward
 
-    def forward(_n: int) -> None:
-        engine.embed([texts[next(turn) % len(texts)]])
-
-    for count in threads:
-        configure_torch_threads(count)
-        timed_ms(forward, 20)  # warm, on each team
+    forward = minilm_forward()  # on every core, warm
+    teams = {"wide": torch.get_num_threads(), "narrow": narrow}
+    configure_torch_threads(narrow)
+    for _ in range(20):  # warm the narrow team too
+        forward()
     print("ready", flush=True)
     for line in sys.stdin:
         n = int(line)
         out: dict[str, list[float]] = {}
-        for name, count in zip(("wide", "narrow"), threads, strict=True):
-            configure_torch_threads(count)
-            out[name] = timed_ms(forward, n)
+        for name, threads in teams.items():
+            configure_torch_threads(threads)
+            out[name] = [forward() for _ in range(n)]
         print(json.dumps(out), flush=True)
 
 
@@ -102,7 +97,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.serve is not None:
-        serve_reference((len(os.sched_getaffinity(0)), args.serve))
+        serve_reference(args.serve)
         return
     # the models' loader sizes torch's team for a worker (half the cores); the raw model alone gets them all
     configure_torch_threads(args.threads or len(os.sched_getaffinity(0)))
@@ -154,7 +149,6 @@ def main() -> None:
         lambda n: engine.embed([texts[n % len(texts)]]), 30 if args.quick else 100
     )
     # The engine (the worker's own) runs a traced graph on a CPU; the model's plain eager forward beside it
-    out["embedding_engine"] = "traced" if engine.traced else "eager"
     eager = EmbeddingEngine(emb.model, traced=False)
     eager.embed(texts[:1])
     out["embedding_batch1_eager_ms"] = statistics.median(
