@@ -6,6 +6,7 @@ consumers catch that one class and dead-letter the record.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import msgspec
@@ -60,6 +61,7 @@ class DecodeError(ValueError):
     disagree with its body."""
 
 
+@functools.cache
 def ce_type(cls: type[Envelope]) -> str:
     """The CloudEvents type of an event class, e.g. ``dev.sluicegate.token_chunk.v1``."""
     return f"{CE_TYPE_PREFIX}{event_type_name(cls)}.v{cls.schema_version}"

@@ -36,7 +36,6 @@ import asyncio
 import functools
 import json
 import logging
-import threading
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -52,7 +51,7 @@ from bus.consumer import ConsumerThread, consumer_config
 from bus.control import read_placed
 from bus.dead_letter import dead_letter
 from bus.errors import BusError
-from bus.producer import DeliveryCallback, EventProducer, Position
+from bus.producer import EventProducer, Position
 from monitoring import metrics, tracing
 from schemas.codec import decode, encode, headers, kafka_key
 from schemas.events import (
@@ -533,46 +532,10 @@ class StreamsApp(AsyncComponent):
     async def _publish(self, entries: Sequence[AuditEntry], values: Sequence[bytes]) -> list[Position]:
         """Produce every entry (``values``: their encoded form), then wait once for all of them to be
         durable (one wake-up per batch)."""
-        if not entries:
-            return []
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future[None] = loop.create_future()
-        where: list[Position] = [(0, 0)] * len(entries)
-        remaining = [len(entries)]
-        lock = threading.Lock()
-
-        def settle(error: BaseException | None) -> None:
-            if done.done():
-                return
-            if error is not None:
-                done.set_exception(error)
-            else:
-                done.set_result(None)
-
-        def delivered(index: int) -> DeliveryCallback:
-            def report(err: BusError | None, stored: Position | None) -> None:
-                if err is not None or stored is None:
-                    loop.call_soon_threadsafe(settle, err or BusError("audit entry not stored"))
-                    return
-                where[index] = stored
-                with lock:
-                    remaining[0] -= 1
-                    last = remaining[0] == 0
-                if last:
-                    loop.call_soon_threadsafe(settle, None)
-
-            return report
-
-        for index, (entry, value) in enumerate(zip(entries, values, strict=True)):
-            self._producer.produce_raw(
-                self.names.audit,
-                value,
-                key=kafka_key(entry),
-                headers=headers(entry),
-                on_delivery=delivered(index),
-            )
-        await done
-        return where
+        records = [
+            (value, kafka_key(entry), headers(entry)) for entry, value in zip(entries, values, strict=True)
+        ]
+        return await self._producer.publish_many(self.names.audit, records)
 
     def _audited(self, record: Consumed, event: Event) -> bool:
         """Terminal events from ``results`` and administrative state changes from ``control``."""

@@ -114,24 +114,44 @@ def append(
     if not tenant:
         raise ValueError("an audit entry needs a tenant")
     when = time if time is not None else utc_now()
-    fields: dict[str, Any] = {
-        "id": entry_id if entry_id is not None else uuid7(),
-        "time": when.replace(microsecond=when.microsecond // 1000 * 1000),
-        "tenant": tenant,
-        "model": model,
-        "request_id": request_id,
-        "source": source,
-        "actor": actor,
-        "action": action,
-        "resource": resource,
-        "decision": decision,
-        "details": dict(details),
-        "prev_hash": head.entry_hash if head is not None else GENESIS,
-        "seq": head.seq + 1 if head is not None else 0,
-        "model_version": model_version,
-    }
-    digest = hashlib.sha256(_canonical_form(fields)).hexdigest()
-    return AuditEntry(**fields, entry_hash=digest)
+    when = when.replace(microsecond=when.microsecond // 1000 * 1000)
+    entry_id = entry_id if entry_id is not None else uuid7()
+    prev_hash = head.entry_hash if head is not None else GENESIS
+    seq = head.seq + 1 if head is not None else 0
+    details = dict(details)
+    form = _Form(
+        action=action,
+        actor=actor,
+        decision=decision,
+        details=details,
+        entry_id=entry_id,
+        model=model,
+        model_version=model_version,
+        prev_hash=prev_hash,
+        request_id=request_id,
+        resource=resource,
+        seq=seq,
+        source=source,
+        tenant=tenant,
+        time=_canonical_time(when),
+    )
+    return AuditEntry(
+        id=entry_id,
+        time=when,
+        tenant=tenant,
+        model=model,
+        request_id=request_id,
+        source=source,
+        actor=actor,
+        action=action,
+        resource=resource,
+        decision=decision,
+        details=details,
+        prev_hash=prev_hash,
+        seq=seq,
+        model_version=model_version,
+        entry_hash=hashlib.sha256(_checked(form)).hexdigest(),
+    )
 
 
 def request_entry(
@@ -245,54 +265,50 @@ def audit_row(entry: AuditEntry) -> list[Any]:
 # ------------------------------------------------------------------------------------------ hashing
 
 
+class _Form(msgspec.Struct, frozen=True, kw_only=True):
+    """The canonical form: the ``audit_log`` row without ``entry_hash``, fields in sorted key order (msgspec
+    writes a struct's fields in declaration order; the encoder sorts ``details``' keys)."""
+
+    action: str
+    actor: str
+    decision: str
+    details: dict[str, str]
+    entry_id: str
+    model: str
+    model_version: str
+    prev_hash: str
+    request_id: str
+    resource: str
+    seq: int
+    source: str
+    tenant: str
+    time: str
+
+
+_FORM = msgspec.json.Encoder(order="sorted")
+_TIME = msgspec.json.Encoder()
+
+
 def canonical(entry: AuditEntry) -> bytes:
     """The bytes ``entry_hash`` is the SHA-256 of: the canonical form of the entry's row."""
-    return _canonical_form(
-        {
-            "id": entry.id,
-            "time": entry.time,
-            "tenant": entry.tenant,
-            "model": entry.model,
-            "request_id": entry.request_id,
-            "source": entry.source,
-            "actor": entry.actor,
-            "action": entry.action,
-            "resource": entry.resource,
-            "decision": entry.decision,
-            "details": entry.details,
-            "prev_hash": entry.prev_hash,
-            "seq": entry.seq,
-            "model_version": entry.model_version,
-        }
+    return _checked(
+        _Form(
+            action=entry.action,
+            actor=entry.actor,
+            decision=entry.decision,
+            details=entry.details,
+            entry_id=entry.id,
+            model=entry.model,
+            model_version=entry.model_version,
+            prev_hash=entry.prev_hash,
+            request_id=entry.request_id,
+            resource=entry.resource,
+            seq=entry.seq,
+            source=entry.source,
+            tenant=entry.tenant,
+            time=_canonical_time(entry.time),
+        )
     )
-
-
-def _canonical_form(fields: Mapping[str, Any]) -> bytes:
-    """The canonical form of an entry given by its :class:`AuditEntry` fields: what
-    :func:`row_canonical` makes of its row, without building the row (the sink hashes every entry)."""
-    details = fields["details"]
-    if not isinstance(details, dict):
-        raise TypeError(f"details must map strings to strings, got {details!r}")
-    for key, value in details.items():  # a loop, not all(...): the sink runs this once per request
-        if type(key) is not str or type(value) is not str:
-            raise TypeError(f"details must map strings to strings, got {details!r}")
-    form = {  # keys in sorted order already; the encoder sorts details' keys
-        "action": fields["action"],
-        "actor": fields["actor"],
-        "decision": fields["decision"],
-        "details": details,
-        "entry_id": fields["id"],
-        "model": fields["model"],
-        "model_version": fields["model_version"],
-        "prev_hash": fields["prev_hash"],
-        "request_id": fields["request_id"],
-        "resource": fields["resource"],
-        "seq": fields["seq"],
-        "source": fields["source"],
-        "tenant": fields["tenant"],
-        "time": _canonical_time(fields["time"]),
-    }
-    return _checked(form)
 
 
 def row_canonical(row: Mapping[str, Any]) -> bytes:
@@ -301,25 +317,51 @@ def row_canonical(row: Mapping[str, Any]) -> bytes:
     ``time`` may be a datetime (naive is read as UTC) or an ISO 8601 string; ``details`` JSON text or a
     dict. Raises ``KeyError``, ``ValueError`` or ``TypeError`` for a row that cannot be read.
     """
-    form = {column: row[column] for column in AUDIT_COLUMNS if column != "entry_hash"}
-    form["time"] = _canonical_time(row["time"])
     details = row["details"]
-    form["details"] = _DETAILS.decode(details) if isinstance(details, (str, bytes)) else dict(details)
-    return _checked(form)
+    return _checked(
+        _Form(
+            action=row["action"],
+            actor=row["actor"],
+            decision=row["decision"],
+            details=_DETAILS.decode(details) if isinstance(details, (str, bytes)) else dict(details),
+            entry_id=row["entry_id"],
+            model=row["model"],
+            model_version=row["model_version"],
+            prev_hash=row["prev_hash"],
+            request_id=row["request_id"],
+            resource=row["resource"],
+            seq=row["seq"],
+            source=row["source"],
+            tenant=row["tenant"],
+            time=_canonical_time(row["time"]),
+        )
+    )
 
 
-def _checked(form: dict[str, Any]) -> bytes:
-    """The sorted compact JSON of a canonical form, once its values have the types the form allows."""
-    seq = form["seq"]
+def _checked(form: _Form) -> bytes:
+    """The sorted compact JSON of a canonical form, once its values have the types the form allows
+    (a struct's fields are not checked when it is built; the sink builds one per request)."""
+    seq = form.seq
     if type(seq) is not int and (isinstance(seq, bool) or not isinstance(seq, int)):
         raise TypeError(f"seq must be an integer, got {seq!r}")
-    for column, value in form.items():
-        if type(value) is not str and column not in _NOT_STRINGS and not isinstance(value, str):
+    strings: tuple[object, ...] = (  # a struct's fields are whatever was passed: checked here
+        form.action, form.actor, form.decision, form.entry_id, form.model, form.model_version,
+        form.prev_hash, form.request_id, form.resource, form.source, form.tenant, form.time,
+    )  # fmt: skip
+    for value in strings:
+        if type(value) is not str and not isinstance(value, str):
+            column = next(name for name in _STRINGS if getattr(form, name) is value)
             raise TypeError(f"{column} must be a string, got {value!r}")
-    return msgspec.json.encode(form, order="sorted")
+    details = form.details
+    if not isinstance(details, dict):
+        raise TypeError(f"details must map strings to strings, got {details!r}")
+    for key, value in details.items():  # a loop, not all(...): the sink runs this once per request
+        if type(key) is not str or type(value) is not str:
+            raise TypeError(f"details must map strings to strings, got {details!r}")
+    return _FORM.encode(form)
 
 
-_NOT_STRINGS = frozenset({"seq", "details"})
+_STRINGS = tuple(name for name in _Form.__struct_fields__ if name not in ("seq", "details"))
 
 
 def _canonical_time(value: object) -> str:
@@ -331,8 +373,9 @@ def _canonical_time(value: object) -> str:
         if not isinstance(value, datetime):
             raise TypeError(f"time must be a datetime or an ISO 8601 string, got {value!r}")
         when = value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
-    if when.year >= 1000:  # isoformat pads the year to 4 digits, strftime's %Y does not below 1000
-        return when.isoformat(timespec="milliseconds")[:23] + "Z"
+    if when.year >= 1000:  # msgspec writes UTC as "YYYY-MM-DDTHH:MM:SS[.ffffff]Z", 20x faster than isoformat
+        text = _TIME.encode(when)
+        return f"{text[1:24].decode()}Z" if len(text) == 29 else f"{text[1:20].decode()}.000Z"
     return f"{when:%Y-%m-%dT%H:%M:%S}.{when.microsecond // 1000:03d}Z"
 
 

@@ -226,7 +226,14 @@ def batch_row(event: BatchStateChanged) -> list[Any]:
 
 
 class Inserter(Protocol):
-    def insert(self, table: str, data: Sequence[Sequence[Any]], column_names: Sequence[str]) -> object: ...
+    def raw_insert(
+        self,
+        table: str,
+        column_names: Sequence[str] | None = None,
+        insert_block: bytes | None = None,
+        settings: dict[str, Any] | None = None,
+        fmt: str | None = None,
+    ) -> object: ...
 
 
 def query_rows(client: Client, sql: str) -> list[dict[str, Any]]:
@@ -235,19 +242,37 @@ def query_rows(client: Client, sql: str) -> list[dict[str, Any]]:
     return [dict(zip(result.column_names, row, strict=True)) for row in result.result_rows]
 
 
+ROW_FORMAT = "JSONCompactEachRow"
+"""How the sink hands rows to ClickHouse: one JSON array per row, encoded by msgspec in C and parsed by
+the engine. clickhouse-connect's own ``insert`` builds the Native format column by column in Python,
+~60 us of GIL per terminal event that the sink's event loop needed (``docs/streams.md``, Benchmark)."""
+ROW_SETTINGS = {"date_time_input_format": "best_effort"}
+"""msgspec writes datetimes as RFC 3339 (``2026-11-29T12:28:07.591234Z``); the engine truncates them to
+the column's precision, as clickhouse-connect's Native encoding does. Every value in a row comes from an
+event decoded from JSON, so no float is NaN or infinite (which JSON cannot carry)."""
+_ROWS = msgspec.json.Encoder()
+
+
+def table_rows(batch: Batch) -> list[tuple[str, list[list[Any]], Sequence[str]]]:
+    """The batch's rows per table, with the table's columns, in the order they are inserted."""
+    return [
+        ("events_raw", batch.raw, RAW_COLUMNS),
+        ("request_facts", batch.facts, FACT_COLUMNS),
+        ("audit_log", batch.audit, AUDIT_COLUMNS),
+        ("drift_features", batch.drift, FEATURE_COLUMNS),
+        ("drift_reports", batch.reports, REPORT_COLUMNS),
+        ("deployments", batch.deployments, DEPLOYMENT_COLUMNS),
+        ("batches", batch.batches, BATCH_COLUMNS),
+    ]
+
+
+def insert_rows(client: Inserter, table: str, rows: Sequence[Sequence[Any]], columns: Sequence[str]) -> None:
+    """Insert ``rows`` (values in ``columns`` order) into ``table`` as :data:`ROW_FORMAT` (blocking)."""
+    client.raw_insert(table, columns, _ROWS.encode_lines(rows), settings=ROW_SETTINGS, fmt=ROW_FORMAT)
+
+
 def insert(client: Inserter, batch: Batch) -> None:
     """Write a batch's rows (blocking: call it from a thread when on an event loop)."""
-    if batch.raw:
-        client.insert("events_raw", batch.raw, column_names=RAW_COLUMNS)
-    if batch.facts:
-        client.insert("request_facts", batch.facts, column_names=FACT_COLUMNS)
-    if batch.audit:
-        client.insert("audit_log", batch.audit, column_names=AUDIT_COLUMNS)
-    if batch.drift:
-        client.insert("drift_features", batch.drift, column_names=FEATURE_COLUMNS)
-    if batch.reports:
-        client.insert("drift_reports", batch.reports, column_names=REPORT_COLUMNS)
-    if batch.deployments:
-        client.insert("deployments", batch.deployments, column_names=DEPLOYMENT_COLUMNS)
-    if batch.batches:
-        client.insert("batches", batch.batches, column_names=BATCH_COLUMNS)
+    for table, rows, columns in table_rows(batch):
+        if rows:
+            insert_rows(client, table, rows, columns)

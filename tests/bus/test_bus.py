@@ -13,7 +13,7 @@ from bus.dead_letter import decode_or_dead_letter
 from bus.errors import BusError
 from bus.producer import EventProducer
 from infra.topics import TopicSpec, apply_topics, make_admin
-from schemas.codec import decode
+from schemas.codec import MAX_RECORD_BYTES, decode, encode
 from schemas.events import DeadLetter, Event
 from schemas.examples import example_events
 from schemas.settings import KafkaConnection
@@ -118,6 +118,40 @@ def test_a_commit_the_broker_refuses_is_reported_to_its_owner(
     assert refused == [{(topic, 99): 3}]
 
 
+async def test_publish_many_returns_each_records_durable_position_in_order(
+    kafka: KafkaConnection, topic_prefix: str
+) -> None:
+    topic = f"{topic_prefix}.many"
+    _topics(kafka, topic)
+    records = [(f"value-{i}".encode(), f"key-{i % 7}".encode(), [("n", str(i).encode())]) for i in range(300)]
+    with EventProducer(kafka, "test") as producer:
+        assert await producer.publish_many(topic, []) == []
+        positions = await asyncio.wait_for(producer.publish_many(topic, records), timeout=30)
+        assert producer._pending == {}
+    assert len(set(positions)) == len(records)
+    assert {partition for partition, _ in positions} == {0, 1}  # keyed across both partitions
+    collector = Collector()
+    with ConsumerThread(consumer_config(kafka, f"{topic}-g", "test"), collector, subscribe=[topic]):
+        stored = {
+            (m.partition(), m.offset()): (m.value(), m.key(), m.headers())
+            for m in collector.wait_for(len(records))
+        }
+    assert [stored[where] for where in positions] == records
+
+
+async def test_publish_many_raises_for_a_record_it_cannot_produce_and_leaves_nothing_pending(
+    kafka: KafkaConnection, topic_prefix: str
+) -> None:
+    topic = f"{topic_prefix}.many-too-big"
+    _topics(kafka, topic)
+    with EventProducer(kafka, "test") as producer:
+        records = [(b"fine", None, None), (b"x" * (MAX_RECORD_BYTES + 1), None, None)]
+        with pytest.raises(BusError, match=f"cannot produce to {topic}"):
+            await producer.publish_many(topic, records)
+        assert producer._pending == {}
+        assert await producer.publish_many(topic, records[:1])  # the producer goes on
+
+
 async def test_a_failing_delivery_callback_does_not_stop_deliveries(
     kafka: KafkaConnection, topic_prefix: str
 ) -> None:
@@ -138,7 +172,7 @@ async def test_a_failing_delivery_callback_does_not_stop_deliveries(
 async def test_a_dead_delivery_thread_fails_every_waiting_publish(
     kafka: KafkaConnection, topic_prefix: str
 ) -> None:
-    """Before, a poll loop that raised left every pending ``publish`` waiting forever."""
+    """Before, a poll loop that raised left every pending ``publish`` waiting forever (and the batch form)."""
     topic = f"{topic_prefix}.dead-poll"
     _topics(kafka, topic)
     event = example_events()[0]
@@ -161,15 +195,22 @@ async def test_a_dead_delivery_thread_fails_every_waiting_publish(
             real.close()
 
     producer._producer = Broken()  # type: ignore[assignment]
-    waiting = asyncio.create_task(producer.publish(topic, event))
-    await asyncio.sleep(0)  # produced, and now waiting for its delivery report
-    assert not waiting.done()
+    value = encode(event)
+    waiting = [
+        asyncio.create_task(producer.publish(topic, event)),
+        asyncio.create_task(producer.publish_many(topic, [(value, None, None)] * 3)),
+    ]
+    await asyncio.sleep(0)  # produced, and now waiting for their delivery reports
+    assert not any(task.done() for task in waiting)
     producer.start()  # the delivery thread dies at its first poll
     try:
-        with pytest.raises(BusError, match="the producer failed"):
-            await asyncio.wait_for(waiting, timeout=30)
+        for task in waiting:
+            with pytest.raises(BusError, match="the producer failed"):
+                await asyncio.wait_for(task, timeout=30)
         with pytest.raises(BusError, match="the producer failed"):
             producer.produce(topic, event)
+        with pytest.raises(BusError, match="the producer failed"):
+            await producer.publish_many(topic, [(value, None, None)])
     finally:
         producer._running = False
         real.flush(10)

@@ -17,7 +17,8 @@ from clickhouse_connect.driver.client import Client
 from confluent_kafka import Message
 
 from bus.consumer import ConsumerThread
-from bus.producer import DeliveryCallback, EventProducer
+from bus.producer import EventProducer, Position
+from bus.producer import Record as Produced
 from schemas.codec import encode
 from schemas.events import DeadLetter
 from schemas.settings import KafkaConnection, PlatformSettings
@@ -253,19 +254,19 @@ class Producer:
     def produce(self, topic: str, event: object, **kwargs: object) -> None:
         self.records.append((topic, event))
 
-    def produce_raw(
-        self, topic: str, value: bytes, *, on_delivery: DeliveryCallback, **kwargs: object
-    ) -> None:
-        self.records.append((topic, value))
-        on_delivery(None, (0, len(self.records)))
+    async def publish_many(self, topic: str, records: Sequence[Produced]) -> list[Position]:
+        self.records += [(topic, value) for value, _, _ in records]
+        return [(0, len(self.records) - len(records) + i) for i in range(len(records))]
 
 
 class Warehouse:
     def __init__(self) -> None:
         self.rows: dict[str, int] = {}
 
-    def insert(self, table: str, data: Sequence[Sequence[object]], column_names: Sequence[str]) -> None:
-        self.rows[table] = self.rows.get(table, 0) + len(data)
+    def raw_insert(
+        self, table: str, column_names: Sequence[str], insert_block: bytes, **kwargs: object
+    ) -> None:
+        self.rows[table] = self.rows.get(table, 0) + len(insert_block.splitlines())
 
 
 async def test_an_undecodable_record_is_dead_lettered_and_the_rest_of_its_batch_written(

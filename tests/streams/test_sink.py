@@ -17,14 +17,19 @@ from schemas.events import (
     BatchItemRequested,
     BatchRef,
     BatchStateChanged,
+    DriftFeatures,
+    ErrorInfo,
     GenerationRequested,
     RequestFinished,
     SamplingParams,
+    Timings,
 )
+from schemas.ids import uuid7_from_parts
+from streams.audit import request_entry
 from streams.pricing import PriceTable
-from streams.sink import BATCH_COLUMNS, Batch, Consumed, Rows, batch_row, insert
+from streams.sink import BATCH_COLUMNS, Batch, Consumed, Rows, batch_row, insert, insert_rows, table_rows
 from tests.streams.test_audit import finished
-from tests.streams.test_queries import batch_state, migrated_warehouse, rows
+from tests.streams.test_queries import a_rollout, batch_state, drift_report, migrated_warehouse, rows
 
 T0 = datetime(2026, 11, 25, 12, 0, tzinfo=UTC)
 
@@ -155,3 +160,66 @@ def test_batch_rows_have_the_migrations_columns(warehouse: Client) -> None:
     assert got["in_progress_at"] == T0 + timedelta(seconds=1)
     assert got["expired_at"] is None
     assert got["error_count"] == 1
+
+
+TRICKY = 'naïve "quoted" \\ back\nnew\ttab \x01 \u2028 🚀 日本'
+
+
+def every_table(now: datetime) -> Batch:
+    """Rows for all seven tables from events as the sink and replay see them: content kept (so a payload
+    holds quotes, escapes, control and non-ASCII characters), times with sub-millisecond parts up to the
+    last microsecond, NULLs, float32 vectors, arrays, JSON text."""
+    late = now.replace(microsecond=999_999)
+    features = DriftFeatures(
+        prompt_chars=12, prompt_script="latin", prompt_non_ascii=0.1, mean_logprob=-1.0 / 3,
+        embedding=[0.1, -0.2, 1e-7, 3.4028234663852886e38, -0.0],
+    )  # fmt: skip
+    events: list[Any] = [
+        finished(time=late, text=TRICKY, idempotency_key=TRICKY, features=features),
+        finished(
+            time=now,
+            request_id=uuid7_from_parts(int(now.timestamp() * 1000), 9),
+            status="failed",
+            finish_reason="error",
+            error=ErrorInfo(code="worker_error", message=TRICKY),
+            timings=Timings(accepted=now, started=now + timedelta(microseconds=999), finished=late),
+            max_inter_token_s=0.0123456789,
+            batch=BatchRef(batch_id="batch_1", custom_id=TRICKY, index=3),
+        ),
+        request_entry(None, finished(time=late), source="streams/worker", extra={"note": TRICKY}),
+        drift_report(window_end=now, drifted=["prompt_tokens"], quality=[TRICKY]),
+        *a_rollout(now),
+        batch_state(3, "completed", completed=9, failed=1, errors=2, created_at=late),
+    ]
+    topics = ["p.results", "p.results", "p.audit", "p.drift", *["p.control"] * 4, "p.batches"]
+    consumed = [Consumed(t, 0, i, encode(e)) for i, (t, e) in enumerate(zip(topics, events, strict=True))]
+    return Rows(PriceTable(), store_content=True, decisions_from_topic=True).batch(consumed)
+
+
+@pytest.mark.integration
+def test_every_table_holds_what_clickhouse_connects_own_insert_writes(warehouse: Client) -> None:
+    """The sink's JSON rows (``insert_rows``) against clickhouse-connect's Native ``insert``, the oracle:
+    the same rows in two copies of each table, compared value for value in the engine."""
+    batch = every_table(datetime.now(UTC))
+    for table, table_rows_, columns in table_rows(batch):
+        assert table_rows_, f"no {table} rows to compare"
+        for copy in ("native", "json"):
+            warehouse.command(f"CREATE TABLE {copy}_{table} AS {table} ENGINE = MergeTree ORDER BY tuple()")
+        warehouse.insert(f"native_{table}", table_rows_, column_names=columns)
+        insert_rows(warehouse, f"json_{table}", table_rows_, columns)
+        for a, b in (("native", "json"), ("json", "native")):
+            (missing,) = warehouse.query(
+                f"SELECT count() FROM (SELECT * FROM {a}_{table} EXCEPT ALL SELECT * FROM {b}_{table})"
+            ).result_rows[0]
+            assert missing == 0, f"{table}: {missing} {a} rows differ in the {b} copy"
+        assert rows(warehouse, f"SELECT count() AS n FROM json_{table}")[0]["n"] == len(table_rows_)
+    (raw,) = rows(warehouse, "SELECT payload FROM json_events_raw WHERE type = 'request_finished' LIMIT 1")
+    assert TRICKY in decode(raw["payload"].encode()).text  # type: ignore[union-attr]
+
+
+@pytest.mark.integration
+def test_the_sink_writes_every_table(warehouse: Client) -> None:
+    batch = every_table(datetime.now(UTC))
+    insert(warehouse, batch)
+    for table, table_rows_, _ in table_rows(batch):
+        assert rows(warehouse, f"SELECT count() AS n FROM {table}")[0]["n"] == len(table_rows_), table
