@@ -27,6 +27,7 @@ from schemas.events import (
     DeadLetter,
     DeploymentChanged,
     DriftReport,
+    Envelope,
     GenerationRequested,
     TokenChunk,
     WorkerReady,
@@ -124,7 +125,7 @@ def test_headers_leave_out_an_empty_subject_and_absent_trace_context() -> None:
 
 
 @pytest.mark.parametrize("cls", EVENT_TYPES, ids=lambda cls: cls.__name__)
-def test_ce_type_names_the_tag_and_version(cls: type[Any]) -> None:
+def test_ce_type_names_the_tag_and_version(cls: type[Envelope]) -> None:
     assert ce_type(cls) == f"dev.sluicegate.{event_type_name(cls)}.v1"
 
 

@@ -214,7 +214,9 @@ def test_every_table_holds_what_clickhouse_connects_own_insert_writes(warehouse:
             assert missing == 0, f"{table}: {missing} {a} rows differ in the {b} copy"
         assert rows(warehouse, f"SELECT count() AS n FROM json_{table}")[0]["n"] == len(table_rows_)
     (raw,) = rows(warehouse, "SELECT payload FROM json_events_raw WHERE type = 'request_finished' LIMIT 1")
-    assert TRICKY in decode(raw["payload"].encode()).text  # type: ignore[union-attr]
+    stored = decode(raw["payload"].encode())
+    assert isinstance(stored, RequestFinished)
+    assert stored.text == TRICKY
 
 
 @pytest.mark.integration
