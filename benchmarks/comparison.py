@@ -16,6 +16,7 @@ import math
 import os
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, cast
 
@@ -171,7 +172,7 @@ def ratios(
     own_base: Profiles | None = None,
     bare_embedding_ms: float | None = None,
     idle_embedding_ms: float | None = None,
-    beside_embedding_ms: tuple[float, float] | None = None,
+    beside: Mapping[str, tuple[float, float]] | None = None,
 ) -> dict[str, Any]:
     """Per workload and client count: platform over each of raw/ray/naive in throughput (``per_s``), p99,
     and (where the peer is not raw) in latency added at p50 to the model as each server runs it: a peer's
@@ -187,10 +188,10 @@ def ratios(
     forward), plus what the bare hops add to the forward in a loop; ``ray_floor`` is that over what Ray
     adds, the least ``ray_added_p50`` could be.
 
-    ``beside_embedding_ms``: (the platform's p50, the raw forward's) for one client's embedding, the raw
-    forward sampled alone between blocks of the platform's requests. The platform's added latency there is
-    then taken from these (``added_ms``; ``added_ms_apart`` keeps the one against ``own_base``, measured
-    minutes away): on a shared box the model's speed moves by more between minutes than the platform adds."""
+    ``beside``: per workload, (the platform's p50, the raw model's) at one client, the raw model sampled
+    alone between blocks of the platform's requests. The platform's added latency there is then taken from
+    these (``added_ms``; ``added_ms_apart`` keeps the one against ``own_base``, measured minutes away): on a
+    shared box the model's speed moves by more between minutes than the platform adds."""
     out: dict[str, Any] = {}
     platform, raw = profiles["platform"], profiles["raw"]
     if isinstance(platform, str) or isinstance(raw, str):
@@ -205,9 +206,9 @@ def ratios(
             # below the raw model's (noise, or a raw run on a busy machine) counts as nothing added
             ours = row["added_ms"] = max(0.0, mine["p50_ms"] - own_row["p50_ms"])
             one_embedding = workload == "embeddings" and clients == "1"
-            if one_embedding and beside_embedding_ms is not None:
+            if clients == "1" and beside is not None and workload in beside:
                 row["added_ms_apart"] = ours
-                platform_ms, beside_ms = beside_embedding_ms
+                platform_ms, beside_ms = beside[workload]
                 ours = row["added_ms"] = max(0.0, platform_ms - beside_ms)
             for peer in ("raw", "ray", "naive"):
                 theirs = profiles.get(peer, "not run")

@@ -55,7 +55,10 @@ with the raw forward of batch 1 sampled alone before, between and after them (``
 child started before the box is split; in a loop on every core and on the worker's threads): the box's
 speed moves by more between minutes than the platform adds at one client, so P6's added latency for one
 client's embedding is these requests' p50 over the forward sampled beside them (the one against the raw run
-minutes before is kept as ``added_ms_apart``). Each request is also set beside
+minutes before is kept as ``added_ms_apart``). One client's completions likewise: 48 more (6), in the same
+number of blocks, with the raw ``generate`` of batch 1 (4 calls at each point; 1) sampled beside them on the
+worker's threads; P6's added latency for one client's generation is their p50 over that sample's (the
+profile the peers are compared on, 24 completions, stays as it was). Each embedding request is also set beside
 the timings its terminal event carries (read back off the results topic, one machine, one clock): edge in,
 to the worker, model, back, total (p50 ms), with the raw forward of batch 1 in a loop and after 5 ms idle
 (``raw_model.py``): an idle core starts a forward slower, and one client's requests always meet one. The
@@ -96,6 +99,8 @@ import kafka_floor
 from floors import drift, floor_summary, mean_run, ttft_floor
 from harness import cpu_model, kafka, pct, service_env
 from loadgen import (
+    NEW_TOKENS,
+    QUICK_TOKENS,
     closed_loop,
     completion,
     embed,
@@ -227,7 +232,7 @@ def start_edges(services: Services, count: int, first_port: int) -> list[str]:
 
 
 class RawReference:
-    """MiniLM's batch 1 alone, beside one client's requests (``raw_model.py --serve``): a child started
+    """The raw models' batch 1 alone, beside one client's requests (``raw_model.py --serve``): a child started
     before the box is split (on every core), sampled between blocks of a server's requests. The box drifts
     by more within minutes than the platform adds at one client, so the platform's added latency there is
     taken against the model run in the same seconds, not minutes before."""
@@ -249,10 +254,18 @@ class RawReference:
         return self._proc.stdout.readline().strip()
 
     def sample(self, n: int) -> dict[str, list[float]]:
-        """``n`` forwards of batch 1 in a loop on every core (``wide``) and on the worker's threads
+        """``n`` MiniLM forwards of batch 1 in a loop on every core (``wide``) and on the worker's threads
         (``narrow``), each in ms."""
+        return self._ask(str(n))
+
+    def sample_generation(self, n: int, tokens: int) -> list[float]:
+        """``n`` demo-gpt ``generate`` calls of batch 1 and ``tokens`` new tokens on the worker's threads,
+        each in ms."""
+        return self._ask(f"gen {n} {tokens}")["narrow"]
+
+    def _ask(self, request: str) -> dict[str, list[float]]:
         assert self._proc.stdin is not None
-        self._proc.stdin.write(f"{n}\n")
+        self._proc.stdin.write(f"{request}\n")
         self._proc.stdin.flush()
         line = self._readline()
         if not line:
@@ -271,8 +284,13 @@ class RawReference:
 
 
 ONE_CLIENT_BLOCKS = 4
-"""One client's stamped embeddings run in this many blocks, with the raw reference sampled before, between
-and after them (3 with --quick)."""
+"""One client's stamped embeddings, and its completions, run in this many blocks, with the raw reference
+sampled before, between and after them (3 with --quick)."""
+ONE_CLIENT_GENERATIONS = (48, 6)
+"""One client's completions in those blocks: a full run's, --quick's."""
+GENERATION_SAMPLES = (4, 1)
+"""The raw reference's ``generate`` calls at each point between one client's blocks of completions (full,
+--quick)."""
 
 
 async def measure(
@@ -346,6 +364,20 @@ async def measure(
         for block in range(blocks):
             stamps += [await embed_stamped(session, url, block * size + n) for n in range(size)]
             sample()
+        # One client's completions the same way, beside the raw generate on the worker's threads: the
+        # profile above (24 requests, minutes from the raw run) is what the peers are compared on.
+        tokens = QUICK_TOKENS if quick else NEW_TOKENS
+        requests, samples = ONE_CLIENT_GENERATIONS[quick], GENERATION_SAMPLES[quick]
+        generations: dict[str, list[float]] = {"platform": [], "beside": []}
+        if reference is not None:
+            generate = job_for(session, url, "generation", tokens)
+            generations["beside"] += reference.sample_generation(samples, tokens)
+            for _ in range(blocks):
+                for _ in range(requests // blocks):
+                    began = time.perf_counter()
+                    await generate(0)
+                    generations["platform"].append((time.perf_counter() - began) * 1000)
+                generations["beside"] += reference.sample_generation(samples, tokens)
         # whether one client's embeddings ran on the worker's quiet team (both cores): ratios() needs it
         async with session.get(f"http://127.0.0.1:{services.ops['embed']}/metrics") as response:
             quiet = quiet_batch_count(await response.text())
@@ -362,6 +394,7 @@ async def measure(
         "platform_profiles": profiles,
         "one_client_stamps": stamps,
         "one_client_beside": beside,
+        "one_client_generations": generations,
         "ttft_stamps": ttft_stamps,
         "embedding_quiet_batches": quiet,
         "generation": {
@@ -488,12 +521,32 @@ BESIDE_WORKER = "raw batch 1 beside, worker's threads"
 """The same on the worker's threads."""
 
 
-def beside_platform(where: dict[str, float], quiet_batches: float) -> tuple[float, float] | None:
-    """One client's embedding p50 on the platform (its stamped blocks) and the raw forward's beside it, on
-    the threads the platform's model had (every core where the quiet team ran), or None (not sampled)."""
-    if BESIDE not in where:
+def beside_platform(
+    where: dict[str, float], quiet_batches: float, generation: dict[str, float] | None = None
+) -> dict[str, tuple[float, float]]:
+    """Per workload, one client's p50 on the platform and the raw model's sampled beside it, on the threads
+    the platform's model had (every core where the embedding worker's quiet team ran): embeddings from the
+    stamped blocks (``where``), generation from its blocks (``generation``, :func:`one_client_generation`).
+    A workload whose reference was not sampled is left out."""
+    out: dict[str, tuple[float, float]] = {}
+    if BESIDE in where:
+        out["embeddings"] = (where["total"], where[BESIDE if quiet_batches else BESIDE_WORKER])
+    if generation is not None and "raw beside" in generation:
+        out["generation"] = (generation["platform"], generation["raw beside"])
+    return out
+
+
+def one_client_generation(samples: dict[str, list[float]]) -> dict[str, float] | None:
+    """One client's completions on the platform beside the raw ``generate`` (p50 ms of each, and counts), or
+    None when the reference was not sampled."""
+    if not samples["platform"] or not samples["beside"]:
         return None
-    return where["total"], where[BESIDE if quiet_batches else BESIDE_WORKER]
+    return {
+        "platform": statistics.median(samples["platform"]),
+        "raw beside": statistics.median(samples["beside"]),
+        "requests": float(len(samples["platform"])),
+        "samples": float(len(samples["beside"])),
+    }
 
 
 def run_peers(
@@ -506,15 +559,15 @@ def run_peers(
     quiet_batches: float = 0.0,
     bare_embedding_ms: float | None = None,
     idle_embedding_ms: float | None = None,
-    beside_embedding_ms: tuple[float, float] | None = None,
+    beside: dict[str, tuple[float, float]] | None = None,
 ) -> dict[str, Any]:
     """The peers, one at a time, after the platform has stopped (this machine's cores are shared), with
     the workers' torch threads; their profiles beside the platform's and the raw model's, and the ratios.
     ``quiet_batches``: the embedding worker's batches on its quiet team (one client's phase ran there).
     ``bare_embedding_ms``: one embedding's round trip through two bare Kafka hops around the forward
     (``kafka_floor.hops_around_forward``), and the forward after 5 ms idle on the workers' threads, for the
-    floor under one client's added latency (``comparison.ratios``). ``beside_embedding_ms``: one client's
-    embedding p50 on the platform and the raw forward's sampled beside it (:func:`beside_platform`)."""
+    floor under one client's added latency (``comparison.ratios``). ``beside``: per workload, one client's
+    p50 on the platform and the raw model's sampled beside it (:func:`beside_platform`)."""
     wanted = {p.strip() for p in args.peers.split(",") if p.strip()}
     logs = Path(tempfile.mkdtemp(prefix="sluice-bench-peers-"))
     peer_env = comparison.child_env(env.get("SLUICE_WORKER_TORCH_THREADS"))
@@ -549,7 +602,7 @@ def run_peers(
         # one client's embeddings ran on the worker's quiet team (both cores): its own overhead is measured
         # from the model on both cores, the peers' from the model on the workers' threads
         own = {**base, "embeddings": {**base["embeddings"], "1": profiles["raw"]["embeddings"]["1"]}}
-    ratios = comparison.ratios(profiles, base, own, bare_embedding_ms, idle_embedding_ms, beside_embedding_ms)
+    ratios = comparison.ratios(profiles, base, own, bare_embedding_ms, idle_embedding_ms, beside)
     return {"profiles": profiles, "ratios": ratios, "about": facts}
 
 
@@ -675,6 +728,8 @@ def main() -> None:
                 where[BESIDE] = statistics.median(beside["wide"])
                 where[BESIDE_WORKER] = statistics.median(beside["narrow"])
             result["embedding_one_client_ms"] = where
+            generations = cast(dict[str, list[float]], result.pop("one_client_generations"))
+            result["generation_one_client_ms"] = one_client_generation(generations)
             first = where_time_goes(conn, names.results, cast(Any, result.pop("ttft_stamps")), "first_token")
             first["raw"] = cast(dict[str, float], raw["ttft_ms"])["p50"]
             first["raw after idle"] = ttft_idle["ms"]
@@ -718,7 +773,11 @@ def main() -> None:
         cast(float, result["embedding_quiet_batches"]),
         around["round_trip"],
         one_client[RAW_IDLE_WORKER],
-        beside_platform(one_client, cast(float, result["embedding_quiet_batches"])),
+        beside_platform(
+            one_client,
+            cast(float, result["embedding_quiet_batches"]),
+            cast(dict[str, float] | None, result["generation_one_client_ms"]),
+        ),
     )
     cpu = cpu_model()
     result["machine"] = {
@@ -765,6 +824,14 @@ def main() -> None:
         + f" | raw TTFT {first['raw']:.2f} in a loop ({first['raw after idle']:.2f} after"
         f" {ttft['floor_idle_ms']:g} ms idle on the worker's {threads} thread(s))"
     )
+    completions = cast(dict[str, float] | None, result["generation_one_client_ms"])
+    if completions is not None:
+        print(
+            f"generation at 1 client beside the raw model (p50 ms, {completions['requests']:.0f} completions of"
+            f" {QUICK_TOKENS if args.quick else NEW_TOKENS} tokens in {ONE_CLIENT_BLOCKS} blocks): platform"
+            f" {completions['platform']:.1f} | raw generate beside them {completions['raw beside']:.1f}"
+            f" ({completions['samples']:.0f} calls on the worker's {threads} thread(s))"
+        )
     print()
     print(comparison.table(peers["profiles"], peers["ratios"]))
     load = " / ".join(f"{a:.1f}" for a in load_before), " / ".join(f"{a:.1f}" for a in os.getloadavg())

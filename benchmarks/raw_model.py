@@ -4,9 +4,9 @@ Prints one JSON object: generation tokens/s of plain batched ``model.generate`` 
 prefill-to-first-token time of one request, and MiniLM embeddings/s per batch size. Run it alone (it is
 started as a child process by online.py so torch has the cores to itself); ``--threads N`` gives torch N
 threads (online.py's floor: the model on the threads a worker gets). ``--serve NARROW`` instead keeps
-MiniLM loaded and answers batch-1 reference samples on stdin/stdout (online.py takes them between blocks of
-one client's requests: the box drifts within minutes, so what a server adds is measured against the model
-run beside it).
+MiniLM and demo-gpt loaded and answers batch-1 reference samples on stdin/stdout (online.py takes them
+between blocks of one client's requests: the box drifts within minutes, so what a server adds is measured
+against the model run beside it).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 from loadgen import EMBED_TEXTS, embed_text
 
 from gpu_workers.embedding import EmbeddingEngine
-from gpu_workers.engine import raw_generate_throughput
+from gpu_workers.engine import padded_generate, raw_generate_throughput
 from gpu_workers.models import configure_torch_threads, load_embedding_model, load_generation_model
 from schemas.manifest import current_model_dir
 from schemas.settings import PlatformSettings, load_settings
@@ -57,26 +57,47 @@ def after_idle(call: Callable[[int], object], n: int) -> dict[str, float]:
     return {"ms": statistics.median(timed_ms(call, n, IDLE_S)), "idle_ms": IDLE_S * 1000}
 
 
-def serve_reference(narrow: int) -> None:
-    """``--serve``: MiniLM's batch 1 as a reference beside a server's one-client phase. Prints ``ready``, then
-    for each line ``N`` read from stdin, runs the load's inputs in turn N times in a loop on every core
-    (``wide``, as the raw baseline) and on ``narrow`` threads (the worker's), and prints one JSON line with
-    each forward's milliseconds: ``{"wide": [...], "narrow": [...]}``. Ends at end of input."""
+def serve_reference(narrow: int, prompt: str) -> None:
+    """``--serve``: the raw models as a reference beside a server's one-client phases. Prints ``ready``, then
+    answers each line read from stdin with one JSON line of milliseconds, until end of input:
+
+    - ``N``: MiniLM's batch 1 over the load's inputs in turn, N times in a loop on every core (``wide``, as
+      the raw baseline) and on ``narrow`` threads (the worker's): ``{"wide": [...], "narrow": [...]}``;
+    - ``gen N T``: demo-gpt's batch-1 ``generate`` of ``prompt`` (the load's), T new tokens, greedy, as the
+      raw baseline runs it, N times on ``narrow`` threads (the generation worker has no wider team):
+      ``{"narrow": [...]}``."""
     from kafka_floor import minilm_forward
 
     forward = minilm_forward()  # on every core, warm
+    settings = load_settings(PlatformSettings)
+    gen = load_generation_model(current_model_dir(settings.cache_dir, "demo-gpt"), device="auto")
+    ids = [list(gen.tokenizer(prompt)["input_ids"])]
+
+    def generate(tokens: int) -> float:
+        started = time.perf_counter()
+        padded_generate(gen.model, ids, tokens, min_new_tokens=tokens)
+        return (time.perf_counter() - started) * 1000
+
     teams = {"wide": torch.get_num_threads(), "narrow": narrow}
     configure_torch_threads(narrow)
     for _ in range(20):  # warm the narrow team too
         forward()
+    for _ in range(3):
+        generate(8)
     print("ready", flush=True)
     for line in sys.stdin:
-        n = int(line)
-        out: dict[str, list[float]] = {}
-        for name, threads in teams.items():
-            configure_torch_threads(threads)
-            out[name] = [forward() for _ in range(n)]
-        print(json.dumps(out), flush=True)
+        match line.split():
+            case ["gen", n, tokens]:
+                configure_torch_threads(narrow)
+                print(json.dumps({"narrow": [generate(int(tokens)) for _ in range(int(n))]}), flush=True)
+            case [n]:
+                out: dict[str, list[float]] = {}
+                for name, threads in teams.items():
+                    configure_torch_threads(threads)
+                    out[name] = [forward() for _ in range(int(n))]
+                print(json.dumps(out), flush=True)
+            case _:
+                raise SystemExit(f"raw_model.py --serve: cannot read {line!r}")
 
 
 def main() -> None:
@@ -93,11 +114,12 @@ def main() -> None:
         metavar="NARROW",
         type=int,
         default=None,
-        help="serve MiniLM batch-1 reference samples on stdin/stdout (every core and NARROW threads)",
+        help="serve reference samples on stdin/stdout: MiniLM batch 1 (every core and NARROW threads), "
+        "demo-gpt batch 1 (NARROW threads)",
     )
     args = parser.parse_args()
     if args.serve is not None:
-        serve_reference(args.serve)
+        serve_reference(args.serve, args.prompt)
         return
     # the models' loader sizes torch's team for a worker (half the cores); the raw model alone gets them all
     configure_torch_threads(args.threads or len(os.sched_getaffinity(0)))

@@ -97,7 +97,7 @@ def test_one_clients_embedding_added_latency_is_taken_against_the_raw_forward_be
     run minutes away is kept beside it. Nothing else changes."""
     everyone, floor, own = quiet_team_run()
     apart = comparison.ratios(everyone, floor, own)
-    beside = comparison.ratios(everyone, floor, own, beside_embedding_ms=(12.0, 8.5))
+    beside = comparison.ratios(everyone, floor, own, beside={"embeddings": (12.0, 8.5)})
     one = beside["embeddings"]["1"]
     assert one["added_ms"] == pytest.approx(3.5), "12 ms on the platform beside an 8.5 ms forward"
     assert one["added_ms_apart"] == pytest.approx(11.0 - 4.6)
@@ -108,8 +108,29 @@ def test_one_clients_embedding_added_latency_is_taken_against_the_raw_forward_be
     for workload, clients in (("embeddings", "64"), ("generation", "1"), ("generation", "64")):
         assert beside[workload][clients] == apart[workload][clients], (workload, clients)
     # a platform beside a slower forward adds nothing, not less than nothing
-    slow = comparison.ratios(everyone, floor, own, beside_embedding_ms=(12.5, 13.0))["embeddings"]["1"]
+    slow = comparison.ratios(everyone, floor, own, beside={"embeddings": (12.5, 13.0)})["embeddings"]["1"]
     assert slow["added_ms"] == 0.0
+
+
+def test_one_clients_completions_added_latency_is_taken_against_the_raw_generate_beside_them() -> None:
+    """The same for one client's completions: against the raw ``generate`` sampled between the platform's
+    blocks (on the servers' threads), the one against the floor run minutes away kept; Ray's unchanged."""
+    everyone, floor, own = quiet_team_run()
+    apart = comparison.ratios(everyone, floor, own)["generation"]["1"]
+    assert apart["added_ms"] == pytest.approx(79.0 - 72.0), "against the floor run apart"
+    assert apart["ray_added_p50"] == pytest.approx(7.0 / 28.0)
+    slower = comparison.ratios(everyone, floor, own, beside={"generation": (80.0, 72.5)})["generation"]["1"]
+    assert slower["added_ms"] == pytest.approx(7.5)
+    assert comparison.p6(slower, "1") == "missed (≤ 0.25)"
+    beside = comparison.ratios(everyone, floor, own, beside={"generation": (80.0, 76.5)})
+    one = beside["generation"]["1"]
+    assert one["added_ms"] == pytest.approx(3.5), "80 ms on the platform beside a 76.5 ms generate"
+    assert one["added_ms_apart"] == pytest.approx(7.0)
+    assert one["ray_added_ms"] == pytest.approx(100.0 - 72.0)
+    assert one["ray_added_p50"] == pytest.approx(3.5 / 28.0)
+    assert comparison.p6(one, "1") == "met (≤ 0.25)"
+    for workload, clients in (("embeddings", "1"), ("embeddings", "64"), ("generation", "64")):
+        assert beside[workload][clients] == comparison.ratios(everyone, floor, own)[workload][clients]
 
 
 def test_one_clients_embedding_is_judged_against_the_floor_of_this_design_where_that_is_above_a_quarter() -> (
