@@ -8,7 +8,7 @@ import itertools
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import Any
 
 from confluent_kafka import KafkaError, Message, Producer
 
@@ -232,17 +232,14 @@ class EventProducer(Component):
         produce = self._producer.produce
         try:
             for index, (value, key, head) in enumerate(records):
+                kwargs: dict[str, Any] = {  # a dict: the stub wants str header values, librdkafka takes bytes
+                    "key": key,
+                    "headers": head,
+                    "on_delivery": functools.partial(report, index),
+                }
                 while True:
                     try:
-                        produce(
-                            topic,
-                            value,
-                            key=key,
-                            headers=cast(
-                                Any, head
-                            ),  # librdkafka takes bytes values; mypy's stub wants str too
-                            on_delivery=functools.partial(report, index),
-                        )
+                        produce(topic, value, **kwargs)
                     except BufferError:
                         self._producer.poll(0.05)  # local queue full: wait for deliveries, never drop
                         continue
