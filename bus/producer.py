@@ -150,6 +150,11 @@ class EventProducer(Component):
         kwargs: dict[str, Any] = {"key": key, "headers": headers, "on_delivery": report}
         if partition is not None:
             kwargs["partition"] = partition
+        self._produce(topic, value, kwargs, token)
+
+    def _produce(self, topic: str, value: bytes | None, kwargs: dict[str, Any], token: int) -> None:
+        """One ``produce`` call, waiting for deliveries while librdkafka's local queue is full (never
+        dropping); a record it refuses raises BusError and forgets ``token``'s pending callback."""
         while True:
             try:
                 self._producer.produce(topic, value, **kwargs)
@@ -229,25 +234,9 @@ class EventProducer(Component):
 
         with self._lock:
             self._pending[token] = failed
-        produce = self._producer.produce
-        try:
-            for index, (value, key, head) in enumerate(records):
-                kwargs: dict[str, Any] = {  # a dict: the stub wants str header values, librdkafka takes bytes
-                    "key": key,
-                    "headers": head,
-                    "on_delivery": functools.partial(report, index),
-                }
-                while True:
-                    try:
-                        produce(topic, value, **kwargs)
-                    except BufferError:
-                        self._producer.poll(0.05)  # local queue full: wait for deliveries, never drop
-                        continue
-                    break
-        except Exception as exc:  # KafkaException: unknown topic/partition, record too large, ...
-            with self._lock:
-                self._pending.pop(token, None)
-            raise BusError(f"cannot produce to {topic}: {exc}") from exc
+        for index, (value, key, head) in enumerate(records):
+            kwargs = {"key": key, "headers": head, "on_delivery": functools.partial(report, index)}
+            self._produce(topic, value, kwargs, token)
         await done
         return where
 
