@@ -283,9 +283,9 @@ class RawReference:
         self._log.close()
 
 
-ONE_CLIENT_BLOCKS = 4
+ONE_CLIENT_BLOCKS = (4, 3)
 """One client's stamped embeddings, and its completions, run in this many blocks, with the raw reference
-sampled before, between and after them (3 with --quick)."""
+sampled before, between and after them: a full run's, --quick's."""
 ONE_CLIENT_GENERATIONS = (48, 6)
 """One client's completions in those blocks: a full run's, --quick's."""
 GENERATION_SAMPLES = (4, 1)
@@ -298,7 +298,7 @@ async def measure(
     raw: dict[str, object],
     services: Services,
     quick: bool,
-    reference: RawReference | None = None,
+    reference: RawReference,
 ) -> dict[str, object]:
     url = urls[0]
     connector = aiohttp.TCPConnector(limit=256)
@@ -350,14 +350,13 @@ async def measure(
         # One client's embeddings once more, each request's id and wall-clock times kept: main() sets them
         # beside the timings of their terminal events (where_time_goes).
         # In blocks, the raw forward alone sampled before, between and after them (``reference``).
-        blocks = 3 if quick else ONE_CLIENT_BLOCKS
+        blocks = ONE_CLIENT_BLOCKS[quick]
         size = (30 if quick else 200) // blocks
         beside: dict[str, list[float]] = {"wide": [], "narrow": []}
 
         def sample() -> None:
-            if reference is not None:
-                for name, times in reference.sample(size).items():
-                    beside[name] += times
+            for name, times in reference.sample(size).items():
+                beside[name] += times
 
         stamps: list[tuple[str, float, float, str]] = []
         sample()
@@ -368,16 +367,14 @@ async def measure(
         # profile above (24 requests, minutes from the raw run) is what the peers are compared on.
         tokens = QUICK_TOKENS if quick else NEW_TOKENS
         requests, samples = ONE_CLIENT_GENERATIONS[quick], GENERATION_SAMPLES[quick]
-        generations: dict[str, list[float]] = {"platform": [], "beside": []}
-        if reference is not None:
-            generate = job_for(session, url, "generation", tokens)
+        generate = job_for(session, url, "generation", tokens)
+        generations = {"platform": [], "beside": reference.sample_generation(samples, tokens)}
+        for _ in range(blocks):
+            for _ in range(requests // blocks):
+                began = time.perf_counter()
+                await generate(0)
+                generations["platform"].append((time.perf_counter() - began) * 1000)
             generations["beside"] += reference.sample_generation(samples, tokens)
-            for _ in range(blocks):
-                for _ in range(requests // blocks):
-                    began = time.perf_counter()
-                    await generate(0)
-                    generations["platform"].append((time.perf_counter() - began) * 1000)
-                generations["beside"] += reference.sample_generation(samples, tokens)
         # whether one client's embeddings ran on the worker's quiet team (both cores): ratios() needs it
         async with session.get(f"http://127.0.0.1:{services.ops['embed']}/metrics") as response:
             quiet = quiet_batch_count(await response.text())
@@ -522,25 +519,19 @@ BESIDE_WORKER = "raw batch 1 beside, worker's threads"
 
 
 def beside_platform(
-    where: dict[str, float], quiet_batches: float, generation: dict[str, float] | None = None
+    where: dict[str, float], quiet_batches: float, generation: dict[str, float]
 ) -> dict[str, tuple[float, float]]:
     """Per workload, one client's p50 on the platform and the raw model's sampled beside it, on the threads
     the platform's model had (every core where the embedding worker's quiet team ran): embeddings from the
-    stamped blocks (``where``), generation from its blocks (``generation``, :func:`one_client_generation`).
-    A workload whose reference was not sampled is left out."""
-    out: dict[str, tuple[float, float]] = {}
-    if BESIDE in where:
-        out["embeddings"] = (where["total"], where[BESIDE if quiet_batches else BESIDE_WORKER])
-    if generation is not None and "raw beside" in generation:
-        out["generation"] = (generation["platform"], generation["raw beside"])
-    return out
+    stamped blocks (``where``), generation from its blocks (``generation``, :func:`one_client_generation`)."""
+    return {
+        "embeddings": (where["total"], where[BESIDE if quiet_batches else BESIDE_WORKER]),
+        "generation": (generation["platform"], generation["raw beside"]),
+    }
 
 
-def one_client_generation(samples: dict[str, list[float]]) -> dict[str, float] | None:
-    """One client's completions on the platform beside the raw ``generate`` (p50 ms of each, and counts), or
-    None when the reference was not sampled."""
-    if not samples["platform"] or not samples["beside"]:
-        return None
+def one_client_generation(samples: dict[str, list[float]]) -> dict[str, float]:
+    """One client's completions on the platform beside the raw ``generate``: p50 ms of each, and counts."""
     return {
         "platform": statistics.median(samples["platform"]),
         "raw beside": statistics.median(samples["beside"]),
@@ -719,14 +710,13 @@ def main() -> None:
             after_idle = cast(dict[str, float], raw["embedding_batch1_after_idle"])
             where["raw batch 1 after idle"] = after_idle["ms"]
             where["raw idle ms"] = after_idle["idle_ms"]
-            if "embedding_batch1_eager_ms" in raw:  # the engine is traced on a CPU: the model's eager forward
-                where["raw batch 1, eager"] = cast(float, raw["embedding_batch1_eager_ms"])
+            # the engine is traced on a CPU: the model's eager forward beside it
+            where["raw batch 1, eager"] = cast(float, raw["embedding_batch1_eager_ms"])
             # the model stage runs on the worker's threads: the same forward there, alone, after idle
             where[RAW_IDLE_WORKER] = cast(dict[str, float], floor["embedding_batch1_after_idle"])["ms"]
             beside = cast(dict[str, list[float]], result.pop("one_client_beside"))
-            if beside["wide"]:
-                where[BESIDE] = statistics.median(beside["wide"])
-                where[BESIDE_WORKER] = statistics.median(beside["narrow"])
+            where[BESIDE] = statistics.median(beside["wide"])
+            where[BESIDE_WORKER] = statistics.median(beside["narrow"])
             result["embedding_one_client_ms"] = where
             generations = cast(dict[str, list[float]], result.pop("one_client_generations"))
             result["generation_one_client_ms"] = one_client_generation(generations)
@@ -776,7 +766,7 @@ def main() -> None:
         beside_platform(
             one_client,
             cast(float, result["embedding_quiet_batches"]),
-            cast(dict[str, float] | None, result["generation_one_client_ms"]),
+            cast(dict[str, float], result["generation_one_client_ms"]),
         ),
     )
     cpu = cpu_model()
@@ -803,13 +793,9 @@ def main() -> None:
         + f" | raw batch 1 {where['raw batch 1']:.2f} in a loop, "
         f"{where['raw batch 1 after idle']:.2f} after {where['raw idle ms']:.0f} ms idle"
         f" ({where[RAW_IDLE_WORKER]:.2f} on the worker's {threads} thread(s))"
-        + (f", {where['raw batch 1, eager']:.2f} eager in a loop" if "raw batch 1, eager" in where else "")
-        + (
-            f" | beside the blocks: raw batch 1 {where[BESIDE]:.2f} in a loop"
-            f" ({where[BESIDE_WORKER]:.2f} on the worker's {threads} thread(s))"
-            if BESIDE in where
-            else ""
-        )
+        + f", {where['raw batch 1, eager']:.2f} eager in a loop"
+        + f" | beside the blocks: raw batch 1 {where[BESIDE]:.2f} in a loop"
+        f" ({where[BESIDE_WORKER]:.2f} on the worker's {threads} thread(s))"
         + f" | bare: the two hops around that forward {where['bare hops']:.2f} (in {where['bare hop_in']:.2f},"
         f" back {where['bare hop_back']:.2f}), round trip {where['bare round_trip']:.2f}"
     )
@@ -824,14 +810,13 @@ def main() -> None:
         + f" | raw TTFT {first['raw']:.2f} in a loop ({first['raw after idle']:.2f} after"
         f" {ttft['floor_idle_ms']:g} ms idle on the worker's {threads} thread(s))"
     )
-    completions = cast(dict[str, float] | None, result["generation_one_client_ms"])
-    if completions is not None:
-        print(
-            f"generation at 1 client beside the raw model (p50 ms, {completions['requests']:.0f} completions of"
-            f" {QUICK_TOKENS if args.quick else NEW_TOKENS} tokens in {ONE_CLIENT_BLOCKS} blocks): platform"
-            f" {completions['platform']:.1f} | raw generate beside them {completions['raw beside']:.1f}"
-            f" ({completions['samples']:.0f} calls on the worker's {threads} thread(s))"
-        )
+    completions = cast(dict[str, float], result["generation_one_client_ms"])
+    print(
+        f"generation at 1 client beside the raw model (p50 ms, {completions['requests']:.0f} completions of"
+        f" {QUICK_TOKENS if args.quick else NEW_TOKENS} tokens in {ONE_CLIENT_BLOCKS[args.quick]} blocks):"
+        f" platform {completions['platform']:.1f} | raw generate beside them {completions['raw beside']:.1f}"
+        f" ({completions['samples']:.0f} calls on the worker's {threads} thread(s))"
+    )
     print()
     print(comparison.table(peers["profiles"], peers["ratios"]))
     load = " / ".join(f"{a:.1f}" for a in load_before), " / ".join(f"{a:.1f}" for a in os.getloadavg())
