@@ -69,6 +69,7 @@ def serve_reference(narrow: int, prompt: str) -> None:
     from kafka_floor import minilm_forward
 
     forward = minilm_forward()  # on every core, warm
+    teams = {"wide": torch.get_num_threads(), "narrow": narrow}  # before another model's loader sizes them
     settings = load_settings(PlatformSettings)
     gen = load_generation_model(current_model_dir(settings.cache_dir, "demo-gpt"), device="auto")
     ids = [list(gen.tokenizer(prompt)["input_ids"])]
@@ -78,7 +79,6 @@ def serve_reference(narrow: int, prompt: str) -> None:
         padded_generate(gen.model, ids, tokens, min_new_tokens=tokens)
         return (time.perf_counter() - started) * 1000
 
-    teams = {"wide": torch.get_num_threads(), "narrow": narrow}
     configure_torch_threads(narrow)
     for _ in range(20):  # warm the narrow team too
         forward()
