@@ -16,6 +16,8 @@ steady window of ``--seconds``:
   runnable but waiting for a core, context switches a second (``/proc/<pid>/task/*/schedstat``); the
   worker's model thread and the edge's event loop are their busiest Python threads;
 - the worker's batch sizes over the window (its ``sluice_worker_batch_size`` histogram);
+- a generation worker's drift-sampled prompts embedded and left without over the window (its drift
+  embedder's counters);
 - with ``--flame DIR``: a py-spy flame graph of the edge and of the worker over the window
   (``DIR/<model>-edge.svg``, ``DIR/<model>-worker.svg``, one root per thread). py-spy is a tool of the
   profiling session, not a dependency of the project: ``pip install py-spy``.
@@ -42,7 +44,7 @@ import aiohttp
 import psutil
 from harness import broker_process, cpu_seconds, kafka, pct, service_env
 from loadgen import closed_loop, completion, embed
-from online import ROOT, Services, quiet_batch_count, until_ok
+from online import ROOT, Services, counter_total, until_ok
 
 from bus.placement import place_box
 from infra.kafka.broker import free_port
@@ -95,6 +97,13 @@ def batch_sizes(before: dict[float, float], after: dict[float, float]) -> dict[s
     cumulative = [after[b] - before.get(b, 0.0) for b in bounds]
     counts = [c - (cumulative[i - 1] if i else 0.0) for i, c in enumerate(cumulative)]
     return {("+Inf" if b == float("inf") else f"{b:g}"): n for b, n in zip(bounds, counts, strict=True) if n}
+
+
+DRIFT_COUNTERS = {
+    "embedded": "sluice_worker_drift_embeddings_total",
+    "skipped": "sluice_worker_drift_embeddings_skipped_total",
+}
+"""The worker's drift embedder over the window: prompts embedded and left without (a generation worker)."""
 
 
 async def profile(
@@ -175,7 +184,11 @@ async def profile(
         "cpu_ms_per_request": {k: c * wall / requests * 1000 for k, c in cores.items()},
         "threads": threads,
         "batches": batch_sizes(batch_histogram(metrics_before), batch_histogram(metrics_after)),
-        "quiet_batches": quiet_batch_count(metrics_after) - quiet_batch_count(metrics_before),
+        "quiet_batches": counter_total(metrics_after) - counter_total(metrics_before),
+        "drift_embeddings": {
+            key: counter_total(metrics_after, name) - counter_total(metrics_before, name)
+            for key, name in DRIFT_COUNTERS.items()
+        },
         "flame_graphs": [str(path) for path in flame_paths(args)],
         "load_average": os.getloadavg()[0],
     }
@@ -271,6 +284,11 @@ def table(result: dict[str, Any]) -> str:
         + ", ".join(f"{b}: {n:.0f}" for b, n in batches.items())
         + f"; on the quiet team: {result['quiet_batches']:.0f}"
     )
+    drift = result["drift_embeddings"]
+    if any(drift.values()):
+        rows.append(
+            f"drift-sampled prompts: {drift['embedded']:.0f} embedded, {drift['skipped']:.0f} skipped"
+        )
     for path in result["flame_graphs"]:
         rows.append(f"flame graph: {path}")
     return "\n".join(rows)

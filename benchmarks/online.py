@@ -326,7 +326,7 @@ async def measure(
             generations["beside"] += reference.sample_generation(samples, tokens)
         # whether one client's embeddings ran on the worker's quiet team (both cores): ratios() needs it
         async with session.get(f"http://127.0.0.1:{services.ops['embed']}/metrics") as response:
-            quiet = quiet_batch_count(await response.text())
+            quiet = counter_total(await response.text())
         services.stop("embed")
         services.start(
             "embed", ["worker", "--model", "all-minilm-l6-v2"], {"SLUICE_WORKER_EMBED_MAX_BATCH": "1"}
@@ -450,13 +450,13 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def quiet_batch_count(metrics: str) -> float:
-    """The batches a worker ran on its quiet team so far (``sluice_worker_quiet_batches_total`` in its
-    ``/metrics`` text)."""
+def counter_total(metrics: str, name: str = "sluice_worker_quiet_batches_total") -> float:
+    """A counter's total over its series in a ``/metrics`` text (by default the batches a worker ran on its
+    quiet team so far)."""
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in metrics.splitlines()
-        if line.startswith("sluice_worker_quiet_batches_total")
+        if line.startswith((f"{name} ", f"{name}{{"))
     )
 
 

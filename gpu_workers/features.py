@@ -1,24 +1,39 @@
-"""Drift features of a finished request, built on the model thread as its terminal event is published.
+"""Drift features of a finished request, built as its terminal event is published.
 
 Every terminal event gets :class:`~schemas.events.DriftFeatures`: a profile of the prompt and the output
 (lengths, writing system, a language guess, empty/refusal flags; :mod:`schemas.features`), the engine's
 mean log-probability and entropy when the runner measured them, and for 1 in ``SLUICE_DRIFT_SAMPLE``
 requests a MiniLM embedding of the prompt. An embedding request's own first vector is that embedding when
 the served model is MiniLM; a generation worker embeds the prompt with a small MiniLM it loads next to its
-model. A MiniLM forward of one short text costs ~8 ms on one thread here, most of it per call, not per
-text, and it stalls the whole running batch: so sampled prompts are queued when their request starts
-(:meth:`FeatureProbe.expect`) and embedded together when the first of them finishes; the others find
-their vectors ready. Under saturation a request runs ~0.5 s, long enough for a few sampled companions.
+model, on a thread of its own (:class:`DriftEmbedder`).
+
+That thread runs at idle priority (``SCHED_IDLE``) on any core the worker may use, and takes prompts only
+while the model thread idles: a MiniLM forward of one short text costs ~8-10 ms of a core here, and on the
+model thread it stalled the whole running batch and the next request to arrive. Measured on 2 cores
+(2026-11-29, docs/perf): of 400 streamed 2-token completions from one client, 1 in 20 sampled, 8-9 had
+their first token more than 5 ms after the worker read them with the embedding on the model thread, 1
+with it on this thread and 0-1 with no embedding at all (their p99 end to end 12.5-12.8 ms, 8.3-10.1
+and 8.5-11.2). Under load the model never idles and embeds what waited :data:`DRIFT_EMBED_HELP_AFTER_S`
+itself, between steps, within the same budget as before: an idle-priority thread gets almost no core
+there, and one preempted on the busy cores of the edge and Kafka while holding the GIL kept the model
+thread waiting (generation at 64 clients lost ~10 % when the thread took prompts under load). The
+request's ``results`` copy waits for its embedding (at most :data:`DRIFT_EMBED_MAX_WAIT_S`); its reply
+copy never does.
 
 None of this holds text: the streams worker turns the features into a ``drift_features`` row.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import logging
+import os
+import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, TypeVar
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -27,16 +42,16 @@ from schemas.features import is_refusal, profile, sampled
 
 if TYPE_CHECKING:
     from pathlib import Path
+    from types import TracebackType
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 EmbedTexts = Callable[[Sequence[str]], Sequence[Sequence[float]]]
-"""Prompts' texts to unit vectors (MiniLM), in one batch, run on the model thread."""
+"""Prompts' texts to unit vectors (MiniLM), in one batch."""
+Vector = Sequence[float]
 
-MAX_HELD = 256
-"""Prompts queued and vectors computed ahead, at most (a request that never ends here, e.g. its partition
-moved, must not leak): past it the oldest go."""
+MAX_QUEUED = 256
+"""Sampled prompts waiting for the embedder, at most: past it a sampled request goes without (counted)."""
 
 MAX_BATCH = 32
 """Prompts embedded in one call at most."""
@@ -44,54 +59,72 @@ MAX_BATCH = 32
 DRIFT_EMBED_BURST_S = 0.05
 """Embedding time the budget lets through at once after a quiet spell (a few calls)."""
 
+DRIFT_EMBED_HELP_AFTER_S = 0.25
+"""How long a sampled prompt waits for the embedder's thread before the model thread embeds it itself
+(:meth:`DriftEmbedder.help`): at saturation the idle-priority thread gets no core (generation at 64
+clients: none of 112 sampled prompts embedded in 15 s without the help)."""
+
+DRIFT_EMBED_MAX_WAIT_S = 1.0
+"""How long a sampled prompt may wait for the embedder before its request's ``results`` copy goes without
+its embedding (counted as skipped). A request's offset is committed once both copies are durable, so this
+also bounds how long a sampled request stays uncommitted, and a rebalance waits for it."""
+
 EMBEDDING_DECIMALS = 6
 """Embeddings travel rounded: ~9 characters a component instead of ~20, and no drift test can tell."""
 
 
 class FeatureProbe:
-    """``features(event, result)``: the drift features of one request (pure, apart from the embedder)."""
+    """``features(event, result, vector)``: the drift features of one request (pure). ``embedder``: where a
+    generation request's sampled prompt gets its vector (:meth:`embed_then`)."""
 
     def __init__(
         self,
         sample_one_in: int,
-        embed: EmbedTexts | None = None,
+        embedder: DriftEmbedder | None = None,
         *,
         own_vectors: bool = False,
-        budget: float = 1.0,
-        on_skip: Callable[[], None] | None = None,
-        clock: Callable[[], float] = time.monotonic,
     ):
-        """``budget``: the share of the (model thread's) time ``embed`` may take, 1 for no limit; a sampled
-        request past it goes without its embedding and ``on_skip()`` is called."""
         self._one_in = sample_one_in
-        self._embed = embed
-        self._budget = budget
-        self._on_skip = on_skip
-        self._clock = clock
-        self._credit = DRIFT_EMBED_BURST_S
-        """Seconds of embedding the budget allows now: it earns ``budget`` per second, spends what calls take."""
-        self._earned_at = clock()
-        self.skipped = 0
-        """Sampled requests left without their embedding by the budget."""
+        self.embedder = embedder
         self._own_vectors = own_vectors
         """The served model is the drift embedder itself: a request's first vector is its embedding."""
-        self._queued: dict[str, str] = {}
-        """Sampled prompts of requests that started, by request id, to embed together."""
-        self._ready: dict[str, Sequence[float]] = {}
-        """Vectors embedded with another request's, waiting for their own request to finish."""
-        self.calls = 0
-        """Embedder calls so far."""
+        self._idle = True
 
-    def expect(self, event: GenerationRequested | EmbeddingRequested) -> None:
-        """The request starts here: if it is sampled for an embedding, queue its prompt."""
-        if self._embed is None or self._own_vectors or not isinstance(event, GenerationRequested):
-            return
-        if event.prompt and sampled(event.request_id, self._one_in):
-            _hold(self._queued, event.request_id, event.prompt)
+    def embed_then(
+        self, event: GenerationRequested | EmbeddingRequested, then: Callable[[Vector | None], None]
+    ) -> None:
+        """Call ``then`` once with the vector of the request's prompt: on the embedder's thread when it is
+        sampled for one and this probe has an embedder, else here and now with None (the features have
+        the vector without an embedder: :meth:`features`)."""
+        prompt = event.prompt if isinstance(event, GenerationRequested) else None
+        if self.embedder is not None and prompt and sampled(event.request_id, self._one_in):
+            self.embedder.submit(prompt, then)
+        else:
+            then(None)
+
+    def help(self, idle: bool) -> None:
+        """The model thread, between steps: whether it is about to idle (:meth:`DriftEmbedder.model_idle`),
+        and the prompts it embeds itself (:meth:`DriftEmbedder.help`)."""
+        if self.embedder is not None:
+            if idle != self._idle:
+                self._idle = idle
+                self.embedder.model_idle(idle)
+            if not idle:
+                self.embedder.help()
+
+    def close(self) -> None:
+        """Stop the embedder, if any: every prompt it was given is answered first."""
+        if self.embedder is not None:
+            self.embedder.stop()
 
     def features(
-        self, event: GenerationRequested | EmbeddingRequested, result: RequestFinished
+        self,
+        event: GenerationRequested | EmbeddingRequested,
+        result: RequestFinished,
+        vector: Vector | None = None,
     ) -> DriftFeatures:
+        """The features; ``vector``: the prompt's embedding, for a sampled request (an embedding model's
+        own first vector is taken from ``result``)."""
         measured = result.features or DriftFeatures()
         if isinstance(event, EmbeddingRequested):
             prompt = event.texts[0] if event.texts else None
@@ -115,65 +148,255 @@ class FeatureProbe:
                 refusal=is_refusal(output),
             )
         if sampled(event.request_id, self._one_in):
-            vector = self._vector(event, result, prompt)
+            if self._own_vectors and isinstance(event, EmbeddingRequested):
+                vectors = result.vectors()
+                vector = vectors[0] if vectors else None
             if vector is not None:
                 fields["embedding"] = [round(float(x), EMBEDDING_DECIMALS) for x in vector]
         return msgspec.structs.replace(measured, **fields)
 
-    def _vector(
-        self, event: GenerationRequested | EmbeddingRequested, result: RequestFinished, prompt: str | None
-    ) -> Sequence[float] | None:
-        if self._own_vectors and isinstance(event, EmbeddingRequested):
-            vectors = result.vectors()
-            return vectors[0] if vectors else None
-        if self._embed is None or not prompt:
-            return None
-        request_id = event.request_id
-        ready = self._ready.pop(request_id, None)
-        if ready is not None:
-            return ready
-        self._queued.pop(request_id, None)
-        if not self._affordable():
-            self.skipped += 1
-            if self._on_skip is not None:
-                self._on_skip()
-            return None
-        ids = [request_id, *self._queued][:MAX_BATCH]
-        texts = [prompt, *(self._queued.pop(other) for other in ids[1:])]
-        self.calls += 1
-        started = self._clock()
-        try:
-            embedded = self._embed(texts)
-        except Exception:  # a feature must never fail the request it describes
-            log.exception("drift embedding of %s failed", request_id)
-            return None
-        finally:
-            self._credit -= self._clock() - started
-        for other, vector in zip(ids[1:], embedded[1:], strict=True):
-            _hold(self._ready, other, vector)
-        return embedded[0]
 
-    def _affordable(self) -> bool:
-        """Whether the budget allows an embedding call now (always, without a limit)."""
-        if self._budget >= 1.0:
+class EmbedBudget:
+    """The share of time the drift embeddings may take: credit earned at ``share`` per second, up to
+    :data:`DRIFT_EMBED_BURST_S`, spent by what the calls take (``share`` 1: no limit)."""
+
+    def __init__(self, share: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.share = share
+        self._clock = clock
+        self._credit = DRIFT_EMBED_BURST_S
+        self._earned_at = clock()
+
+    def affordable(self) -> bool:
+        """Whether a call may run now."""
+        if self.share >= 1.0:
             return True
         now = self._clock()
-        self._credit = min(DRIFT_EMBED_BURST_S, self._credit + (now - self._earned_at) * self._budget)
+        self._credit = min(DRIFT_EMBED_BURST_S, self._credit + (now - self._earned_at) * self.share)
         self._earned_at = now
         return self._credit > 0.0
 
+    def spend(self, seconds: float) -> None:
+        self._credit -= seconds
 
-def _hold(held: dict[str, T], key: str, value: T) -> None:
-    held[key] = value
-    while len(held) > MAX_HELD:
-        del held[next(iter(held))]
+
+@dataclass(frozen=True)
+class _Job:
+    prompt: str
+    then: Callable[[Vector | None], None]
+    queued: float
+
+
+class DriftEmbedder:
+    """Sampled prompts embedded off the model thread, on a thread of its own.
+
+    The thread asks the OS for idle priority (``SCHED_IDLE``, where the OS has it), runs on ``cores`` (every
+    core the worker may use) and takes prompts only while the model thread says it is idle
+    (:meth:`model_idle`): it runs when no other thread wants a core, and the model thread takes its core
+    back the moment a request arrives. Prompts that queue up meanwhile are embedded together in the
+    next call (a call costs mostly per call, not per text). Under load the model never idles and the thread
+    takes nothing: the model thread embeds what has waited :data:`DRIFT_EMBED_HELP_AFTER_S` itself
+    (:meth:`help`), within the budget, as it always did (a batch the thread took just before a burst of
+    load finishes in the model's gaps, beside it: the embedder may be called from both threads at once).
+
+    A prompt goes without its vector (``then(None)``, counted by ``on_skip``) when :data:`MAX_QUEUED` wait
+    already, when it waited past ``max_wait_s``, when the budget (``budget``: the share of time the calls
+    may take) is spent, or when the embedder has stopped; an embedder that fails gives None too (logged, not
+    counted). ``on_embedded(n)``: n prompts embedded. ``then`` runs exactly once per prompt: on the thread
+    that embedded it, or on the caller's where it was not queued; an error in it on the thread stops the
+    thread and goes to ``on_error`` (the worker fails, as it would on its model thread)."""
+
+    def __init__(
+        self,
+        embed: EmbedTexts,
+        *,
+        budget: float = 1.0,
+        on_skip: Callable[[], None] | None = None,
+        on_embedded: Callable[[int], None] | None = None,
+        on_error: Callable[[BaseException], object] | None = None,
+        max_wait_s: float = DRIFT_EMBED_MAX_WAIT_S,
+        help_after_s: float = DRIFT_EMBED_HELP_AFTER_S,
+        cores: Collection[int] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        name: str = "drift-embedder",
+    ) -> None:
+        self._embed = embed
+        self._budget = EmbedBudget(budget, clock)
+        self._on_skip = on_skip
+        self._on_embedded = on_embedded
+        self.on_error = on_error
+        self._max_wait_s = max_wait_s
+        self._help_after_s = help_after_s
+        self._cores = frozenset(cores) if cores else None
+        self._clock = clock
+        self._name = name
+        self._jobs: collections.deque[_Job] = collections.deque()
+        self._cond = threading.Condition()
+        """Guards the queue, the budget, the counters and the states below."""
+        self._model_idle = True
+        self._stopping = False
+        self._closed = False
+        """No prompt is queued any more: the thread has ended, or never started."""
+        self._thread: threading.Thread | None = None
+        self.calls = 0
+        """Embedder calls so far."""
+        self.embedded = 0
+        """Prompts embedded so far."""
+        self.skipped = 0
+        """Sampled prompts left without their vector (full, waited too long, over budget, stopped)."""
+        self.helped = 0
+        """Batches the model thread embedded itself (:meth:`help`)."""
+        self.idle_priority = False
+        """Whether the OS gave the thread idle priority."""
+
+    def start(self) -> None:
+        with self._cond:
+            if self._thread is not None or self._closed:
+                return
+            self._thread = threading.Thread(target=self._serve, name=self._name, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Answer every queued prompt (embedded, the budget and ``max_wait_s`` allowing), then end the
+        thread; prompts given after that are answered at once, without a vector."""
+        with self._cond:
+            self._stopping = True
+            if self._thread is None:
+                self._closed = True
+            self._cond.notify()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def __enter__(self) -> DriftEmbedder:
+        self.start()
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    @property
+    def waiting(self) -> int:
+        """Prompts queued, not yet taken."""
+        with self._cond:
+            return len(self._jobs)
+
+    def submit(self, prompt: str, then: Callable[[Vector | None], None]) -> None:
+        """Queue ``prompt``; ``then`` gets its vector (or None) once. Never blocks on the embedder."""
+        with self._cond:
+            queued = not self._closed and len(self._jobs) < MAX_QUEUED
+            if queued:
+                self._jobs.append(_Job(prompt, then, self._clock()))
+                self._cond.notify()
+            else:
+                self._count_skipped(1)
+        if not queued:
+            then(None)
+
+    def model_idle(self, idle: bool) -> None:
+        """The model thread: whether it is idle now (nothing running, waiting for requests); the thread
+        takes prompts only while it is."""
+        with self._cond:
+            self._model_idle = idle
+            if idle:
+                self._cond.notify()
+
+    def help(self) -> None:
+        """The model thread, between its steps: embed what is queued here and now when the oldest prompt
+        has waited :data:`DRIFT_EMBED_HELP_AFTER_S` (the model has not idled since), the budget allowing."""
+        if not self._jobs:  # (a deque's length, read without the lock: the common case costs nothing)
+            return
+        with self._cond:
+            if not self._jobs or self._clock() - self._jobs[0].queued < self._help_after_s:
+                return
+            batch = self._take()
+            self.helped += 1
+        self._run(batch)
+
+    def _take(self) -> list[_Job]:
+        return [self._jobs.popleft() for _ in range(min(MAX_BATCH, len(self._jobs)))]
+
+    def _count_skipped(self, n: int) -> None:
+        """Call with the lock held."""
+        self.skipped += n
+        if self._on_skip is not None:
+            for _ in range(n):
+                self._on_skip()
+
+    def _serve(self) -> None:
+        self._lower_priority()
+        while True:
+            with self._cond:
+                while not self._stopping and not (self._jobs and self._model_idle):
+                    self._cond.wait()
+                if not self._jobs:
+                    self._closed = True
+                    return
+                batch = self._take()
+            try:
+                self._run(batch)
+            except BaseException as exc:  # a ``then`` failed: what is left is answered without vectors
+                log.exception("%s stopped", self._name)
+                with self._cond:
+                    self._closed = True
+                    left = list(self._jobs)
+                    self._jobs.clear()
+                for job in left:
+                    with contextlib.suppress(Exception):
+                        job.then(None)
+                if self.on_error is not None:
+                    self.on_error(exc)
+                return
+
+    def _run(self, batch: list[_Job]) -> None:
+        """Embed the batch's prompts that did not wait too long, the budget allowing, in one call; answer
+        every prompt of it."""
+        with self._cond:
+            began = self._clock()
+            fresh = [job for job in batch if began - job.queued <= self._max_wait_s]
+            if fresh and not self._budget.affordable():
+                fresh = []
+            self._count_skipped(len(batch) - len(fresh))
+            if fresh:
+                self.calls += 1
+        vectors: Sequence[Vector | None] = [None] * len(fresh)
+        if fresh:
+            embedded = False
+            try:
+                vectors = self._embed([job.prompt for job in fresh])
+                embedded = True
+            except Exception:  # a feature must never fail the request it describes
+                log.exception("drift embedding of %d prompts failed", len(fresh))
+            with self._cond:
+                self._budget.spend(self._clock() - began)
+                if embedded:
+                    self.embedded += len(fresh)
+            if embedded and self._on_embedded is not None:
+                self._on_embedded(len(fresh))
+        for job, vector in zip(fresh, vectors, strict=True):
+            job.then(vector)
+        embedded_ids = {id(job) for job in fresh}
+        for job in batch:
+            if id(job) not in embedded_ids:
+                job.then(None)
+
+    def _lower_priority(self) -> None:
+        """This thread onto ``cores`` and at idle priority, where the OS allows (a thread may always lower
+        its own priority)."""
+        if self._cores is not None and hasattr(os, "sched_setaffinity"):
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(0, self._cores)
+        if hasattr(os, "SCHED_IDLE"):
+            with contextlib.suppress(OSError):
+                os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+                self.idle_priority = True
 
 
 def minilm_embedder(
     model_dir: Path, device: str, max_tokens: int = 128, *, traced: bool = True
 ) -> EmbedTexts:
-    """Load MiniLM from the model cache and return a batch embedder; call it on the model thread. ``traced``:
-    on a CPU, through the engine's traced graph (``EmbeddingEngine``)."""
+    """Load MiniLM from the model cache and return a batch embedder (for :class:`DriftEmbedder`'s thread:
+    one thread at a time). ``traced``: on a CPU, through the engine's traced graph (``EmbeddingEngine``)."""
     from gpu_workers.embedding import EmbeddingEngine
     from gpu_workers.models import load_embedding_model
 

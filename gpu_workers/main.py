@@ -207,7 +207,9 @@ def probe_factory(
     platform: PlatformSettings, worker: WorkerSettings, model_id: str
 ) -> Callable[[], FeatureProbe]:
     """The drift feature probe, built in the model thread after the runner (a generation worker loads
-    MiniLM there to embed sampled prompts; a MiniLM worker uses its own vectors)."""
+    MiniLM there to embed sampled prompts, on the CPU: its :class:`DriftEmbedder` runs it on a thread of its
+    own at idle priority, where a GPU's graphs captured on the model thread must not meet it; a MiniLM
+    worker uses its own vectors)."""
 
     def build() -> FeatureProbe:
         embedder_id = worker.drift_embedding_model
@@ -226,19 +228,22 @@ def probe_factory(
         if task != "embedding":
             log.warning("no prompt embeddings for drift: %s is not an embedding model", embedder_id)
             return FeatureProbe(worker.drift_sample)
-        from gpu_workers.features import minilm_embedder
+        from gpu_workers.features import DriftEmbedder, minilm_embedder
 
         try:
-            embed = minilm_embedder(embedder_dir, worker.worker_device, traced=worker.worker_embed_traced)
+            embed = minilm_embedder(embedder_dir, "cpu", traced=worker.worker_embed_traced)
         except Exception:  # optional: a worker serves without prompt embeddings rather than not at all
             log.exception("no prompt embeddings for drift: loading %s failed", embedder_id)
             return FeatureProbe(worker.drift_sample)
-        return FeatureProbe(
-            worker.drift_sample,
+        embedder = DriftEmbedder(
             embed,
             budget=worker.drift_embed_budget,
             on_skip=metrics.WORKER_DRIFT_SKIPPED.labels(model_id).inc,
+            on_embedded=metrics.WORKER_DRIFT_EMBEDDED.labels(model_id).inc,
+            cores=available_cpus() | (native_cores() or frozenset()),
+            name=f"drift-embedder-{model_id}",
         )
+        return FeatureProbe(worker.drift_sample, embedder)
 
     return build
 

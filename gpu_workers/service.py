@@ -36,7 +36,7 @@ from bus.errors import BusError
 from bus.positions import read_to_end, watermarks
 from bus.producer import EventProducer, Position
 from gpu_workers import GpuWorkerError
-from gpu_workers.features import FeatureProbe
+from gpu_workers.features import FeatureProbe, Vector
 from gpu_workers.observe import WorkerObserver, open_trace
 from gpu_workers.offsets import OffsetTracker
 from gpu_workers.runtime import Arrival, Emitter, Request, Runner
@@ -304,6 +304,8 @@ class WorkerService(Component):
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        if self._probe is not None:
+            self._probe.close()  # the results copies still waiting for a prompt's embedding go out
         for listener in (self._cancels, self._results_tail, self._control):
             if listener is not None:
                 try:
@@ -480,6 +482,9 @@ class WorkerService(Component):
         try:
             runner = self._runner_factory()
             self._probe = self._probe_factory() if self._probe_factory is not None else None
+            if self._probe is not None and self._probe.embedder is not None:
+                self._probe.embedder.on_error = self.fail  # a results copy it could not publish
+                self._probe.embedder.start()
         except BaseException as exc:
             self.fail(exc)
             self._ready.set()
@@ -489,6 +494,8 @@ class WorkerService(Component):
         try:
             while not self._stop.is_set():
                 hint = runner.wait_hint()
+                if self._probe is not None:  # idle or not: when the drift embedder's thread may embed
+                    self._probe.help(idle=hint is None)
                 self._drain(runner, emit, block=None if hint is None else hint)
                 began = time.perf_counter()
                 runner.tick(emit)
@@ -562,8 +569,6 @@ class WorkerService(Component):
         self._live[request_id] = item
         with self._offsets_lock:
             self._running[item.tp] += 1
-        if self._probe is not None:
-            self._probe.expect(item.event)
         runner.accept(item, emit)
         if self._early_cancels.pop(request_id, None) is not None:
             runner.cancel(request_id, emit)  # cancelled before it arrived: never runs
@@ -816,9 +821,16 @@ class WorkerService(Component):
                 reply.topic, value, key=key, headers=head, partition=reply.partition, on_delivery=durable
             )
         self._observer.measure(event, arrival.trace, result)
-        if self._probe is not None:
-            value = with_features(self._probe, event, result, value)
-        self._producer.produce_raw(self._names.results, value, key=key, headers=head, on_delivery=durable)
+        probe = self._probe
+
+        def publish_results(vector: Vector | None) -> None:
+            out = value if probe is None else with_features(probe, event, result, value, vector)
+            self._producer.produce_raw(self._names.results, out, key=key, headers=head, on_delivery=durable)
+
+        if probe is None:
+            publish_results(None)
+        else:  # a sampled prompt's embedding: the results copy follows from the embedder's thread
+            probe.embed_then(event, publish_results)
 
 
 def _end_trace(arrival: Arrival, status: str) -> None:

@@ -113,11 +113,13 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     """1 in N requests (by a hash of the request id) carry a MiniLM embedding of the prompt for drift
     detection; 1 embeds every request, 0 none. The other drift features are on every request."""
     drift_embed_budget: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.02
-    """Share of the model thread's time the prompt embeddings of the drift sample may take (a budget with
-    up to ``DRIFT_EMBED_BURST_S`` of credit): past it a sampled request goes without its embedding, counted
-    in ``sluice_worker_drift_embeddings_skipped_total``. 1: no limit. On a CPU a MiniLM call costs ~10 ms
-    of the thread that runs the model, with the whole batch waiting: at 1 in 20, demo-gpt at saturation
-    made 10.7k tok/s with every sampled prompt embedded and 11.8k with none (docs/perf)."""
+    """Share of the time the prompt embeddings of the drift sample may take (a budget with up to
+    ``DRIFT_EMBED_BURST_S`` of credit): past it a sampled request goes without its embedding, counted in
+    ``sluice_worker_drift_embeddings_skipped_total``. 1: no limit. They run on the drift embedder's
+    idle-priority thread while the model idles, and on the model thread itself under load
+    (``gpu_workers.features.DriftEmbedder``), where a MiniLM call on a CPU costs ~10 ms with the whole
+    batch waiting: at 1 in 20, demo-gpt at saturation made 10.7k tok/s with every sampled prompt embedded
+    and 11.8k with none (docs/perf)."""
     drift_embedding_model: str = "all-minilm-l6-v2"
     """The prepared model a generation worker loads to embed sampled prompts; empty: no prompt embeddings
     from generation workers."""

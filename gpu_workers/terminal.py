@@ -11,7 +11,7 @@ import msgspec
 from confluent_kafka import Message
 
 from bus.consumer import record_headers
-from gpu_workers.features import FeatureProbe
+from gpu_workers.features import FeatureProbe, Vector
 from gpu_workers.runtime import Request
 from schemas.codec import MAX_RECORD_BYTES, DecodeError, ce_type, decode, encode
 from schemas.events import EmbeddingRequested, ErrorInfo, GenerationRequested, RequestFinished, Usage
@@ -45,12 +45,14 @@ def with_request(
     )
 
 
-def with_features(probe: FeatureProbe, event: Request, result: RequestFinished, value: bytes) -> bytes:
-    """The results copy of a terminal event (encoded as ``value``) with its drift features, or as it was
-    where they fail or would not fit in one record: they describe the request, they must never keep it
-    from ending."""
+def with_features(
+    probe: FeatureProbe, event: Request, result: RequestFinished, value: bytes, vector: Vector | None = None
+) -> bytes:
+    """The results copy of a terminal event (encoded as ``value``) with its drift features (``vector``: its
+    sampled prompt's embedding), or as it was where they fail or would not fit in one record: they describe
+    the request, they must never keep it from ending."""
     try:
-        described = encode(msgspec.structs.replace(result, features=probe.features(event, result)))
+        described = encode(msgspec.structs.replace(result, features=probe.features(event, result, vector)))
     except Exception:
         log.exception("drift features of %s failed", event.request_id)
         return value

@@ -233,9 +233,15 @@ WORKER_OUT_OF_MEMORY = Counter(
     "Forward passes that ran out of memory (the batch ran in halves, or the step's sequences ended worker_oom).",
     ("model",),
 )
+WORKER_DRIFT_EMBEDDED = Counter(
+    "sluice_worker_drift_embeddings",
+    "Drift-sampled prompts embedded (a generation worker's drift embedder, off the model thread).",
+    ("model",),
+)
 WORKER_DRIFT_SKIPPED = Counter(
     "sluice_worker_drift_embeddings_skipped",
-    "Drift-sampled prompts left without their embedding: the model thread's embedding budget was spent.",
+    "Drift-sampled prompts left without their embedding: the embedder's budget was spent, its queue was full, "
+    "or the prompt waited past its limit.",
     ("model",),
 )
 WORKER_QUIET_BATCHES = Counter(
@@ -455,7 +461,7 @@ _ALL: tuple[Counter | Gauge | Histogram, ...] = (
     BATCHES, BATCH_LINES_IN_FLIGHT, BATCH_LINES,
     WORKER_RUNNING, WORKER_WAITING, TOKEN_BUDGET, BATCH_SIZE, STEP_SECONDS, QUEUE_WAIT, WORKER_TTFT,
     WORKER_E2E, WORKER_REQUESTS, WORKER_PROMPT_TOKENS, WORKER_GENERATION_TOKENS, WORKER_OUT_OF_MEMORY,
-    WORKER_BATCH_LIMIT, WORKER_QUIET_BATCHES, WORKER_DRIFT_SKIPPED, MODEL_MEMORY, MODEL_INFO,
+    WORKER_BATCH_LIMIT, WORKER_QUIET_BATCHES, WORKER_DRIFT_EMBEDDED, WORKER_DRIFT_SKIPPED, MODEL_MEMORY, MODEL_INFO,
     CONSUMER_LAG, CONSUMER_REPLACED, DEAD_LETTERS, STREAMS_EVENTS, STREAMS_FRESHNESS, STREAMS_INSERT_SECONDS, STREAMS_BATCH_SIZE,
     STREAMS_AUDIT_ENTRIES, STREAMS_AUDIT_HEALED, STREAMS_AUDIT_CONFLICTS, DRIFT_DETECTED, DRIFT_VERDICT, DRIFT_FEATURE_STATISTIC, DRIFT_FEATURE_DRIFTED,
     DRIFT_QUALITY_ISSUES, DRIFT_LAST_REPORT, DRIFT_REPORTS, DRIFT_EVALUATION_SECONDS, ROLLOUT_TRAFFIC_SHARE,

@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
 
 import msgspec
+import pytest
 
-from gpu_workers.features import DRIFT_EMBED_BURST_S, MAX_BATCH, MAX_HELD, FeatureProbe
+from gpu_workers.features import (
+    DRIFT_EMBED_BURST_S,
+    MAX_BATCH,
+    MAX_QUEUED,
+    DriftEmbedder,
+    EmbedBudget,
+    FeatureProbe,
+    Vector,
+)
 from schemas.events import (
     DriftFeatures,
     EmbeddingRequested,
@@ -65,50 +77,199 @@ def test_empty_and_refused_outputs_are_flagged_failed_ones_are_not_measured() ->
     assert probe.features(request(prompt=None), finished()).prompt_chars is None
 
 
-def test_sampled_prompts_are_embedded_others_not() -> None:
-    seen: list[list[str]] = []
+class Answers:
+    """What an embedder's ``then`` callbacks got, by prompt, with a wait for them."""
+
+    def __init__(self) -> None:
+        self.got: dict[str, Vector | None] = {}
+        self.threads: dict[str, int] = {}
+        self._cond = threading.Condition()
+
+    def then(self, prompt: str) -> Callable[[Vector | None], None]:
+        def answer(vector: Vector | None) -> None:
+            with self._cond:
+                assert prompt not in self.got, f"{prompt} answered twice"
+                self.got[prompt] = vector
+                self.threads[prompt] = threading.get_ident()
+                self._cond.notify_all()
+
+        return answer
+
+    def wait(self, count: int) -> dict[str, Vector | None]:
+        with self._cond:
+            assert self._cond.wait_for(lambda: len(self.got) >= count, timeout=10), self.got
+            return dict(self.got)
+
+
+class Gate:
+    """An embedder that blocks its first call until released, recording every call's texts."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[str]] = []
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def __call__(self, texts: Sequence[str]) -> Sequence[Sequence[float]]:
+        self.calls.append(list(texts))
+        if len(self.calls) == 1:
+            self.entered.set()
+            assert self.release.wait(10)
+        return [[float(len(text)), 0.5] for text in texts]
+
+
+def test_sampled_prompts_are_embedded_off_the_callers_thread_others_not() -> None:
+    seen: list[tuple[list[str], int]] = []
 
     def embed(texts: Sequence[str]) -> Sequence[Sequence[float]]:
-        seen.append(list(texts))
+        seen.append((list(texts), threading.get_ident()))
         return [[0.1234567891, -0.5] for _ in texts]
 
-    probe = FeatureProbe(4, embed)
-    assert probe.features(request(sampled_id()), finished()).embedding == [0.123457, -0.5]
-    assert probe.features(request(unsampled_id()), finished()).embedding is None
-    assert seen == [[PROMPT]]
+    answers = Answers()
+    with DriftEmbedder(embed) as embedder:
+        probe = FeatureProbe(4, embedder)
+        probe.embed_then(request(sampled_id()), answers.then("sampled"))
+        probe.embed_then(request(unsampled_id()), answers.then("unsampled"))
+        got = answers.wait(2)
+    assert got["unsampled"] is None
+    assert answers.threads["unsampled"] == threading.get_ident(), "nothing to wait for: answered at once"
+    assert seen == [([PROMPT], answers.threads["sampled"])]
+    assert answers.threads["sampled"] != threading.get_ident()
+    features = probe.features(request(sampled_id()), finished(), got["sampled"])
+    assert features.embedding == [0.123457, -0.5]
+    assert probe.features(request(unsampled_id()), finished(), None).embedding is None
 
 
-def test_prompts_sampled_while_others_run_are_embedded_in_one_call() -> None:
-    """A MiniLM call costs mostly per call: prompts queued at their requests' start are embedded together
-    when the first of them finishes, and the others find their vectors ready."""
-    seen: list[list[str]] = []
+def test_prompts_that_queue_while_one_embeds_are_embedded_together() -> None:
+    """A MiniLM call costs mostly per call: what queued during one call goes in the next, up to MAX_BATCH."""
+    gate, answers, counted = Gate(), Answers(), list[int]()
+    with DriftEmbedder(gate, on_embedded=counted.append) as embedder:
+        embedder.submit("first", answers.then("first"))
+        assert gate.entered.wait(10)
+        prompts = ["x" * (i + 1) for i in range(MAX_BATCH + 3)]
+        for prompt in prompts:
+            embedder.submit(prompt, answers.then(prompt))
+        assert embedder.waiting == len(prompts)
+        gate.release.set()
+        got = answers.wait(1 + len(prompts))
+    assert [len(call) for call in gate.calls] == [1, MAX_BATCH, 3]
+    assert got == {prompt: [float(len(prompt)), 0.5] for prompt in ["first", *prompts]}
+    assert embedder.skipped == 0
+    assert counted == [1, MAX_BATCH, 3]
+    assert embedder.embedded == 1 + len(prompts)
 
-    def embed(texts: Sequence[str]) -> Sequence[Sequence[float]]:
-        seen.append(list(texts))
-        return [[float(len(text)), 0.0] for text in texts]
 
-    probe = FeatureProbe(1, embed)
-    events = [request(f"r-{i}", prompt="x" * (i + 1)) for i in range(3)]
-    for event in events:
-        probe.expect(event)
-    probe.expect(request("never-ends", prompt="gone"))  # e.g. its partition moved: held, bounded
-    got = {e.request_id: probe.features(e, finished()).embedding for e in reversed(events)}
-    assert got == {"r-0": [1.0, 0.0], "r-1": [2.0, 0.0], "r-2": [3.0, 0.0]}
-    assert probe.calls == 1
-    assert sorted(seen[0]) == ["gone", "x", "xx", "xxx"]
-    for i in range(MAX_HELD + 10):  # bounded however many start and never finish here
-        probe.expect(request(f"q-{i}", prompt="p"))
-    assert probe.features(events[0], finished()).embedding == [1.0, 0.0]
-    assert len(seen[-1]) == MAX_BATCH
+def test_a_full_queue_answers_at_once_without_a_vector_counted() -> None:
+    gate, answers, skips = Gate(), Answers(), list[None]()
+    with DriftEmbedder(gate, on_skip=lambda: skips.append(None)) as embedder:
+        embedder.submit("first", answers.then("first"))
+        assert gate.entered.wait(10)
+        for i in range(MAX_QUEUED + 5):
+            embedder.submit(f"p{i}", answers.then(f"p{i}"))
+        over = [f"p{i}" for i in range(MAX_QUEUED, MAX_QUEUED + 5)]
+        assert {p: answers.got.get(p, "missing") for p in over} == dict.fromkeys(over), "answered at once"
+        assert all(answers.threads[p] == threading.get_ident() for p in over)
+        gate.release.set()
+        got = answers.wait(MAX_QUEUED + 6)
+    assert sum(vector is not None for vector in got.values()) == MAX_QUEUED + 1
+    assert embedder.skipped == len(skips) == 5
+
+
+def test_prompts_that_waited_too_long_go_without_counted() -> None:
+    clock, gate, answers, skips = Clock(), Gate(), Answers(), list[None]()
+    embedder = DriftEmbedder(gate, max_wait_s=1.0, clock=clock, on_skip=lambda: skips.append(None))
+    with embedder:
+        embedder.submit("first", answers.then("first"))
+        assert gate.entered.wait(10)
+        embedder.submit("stale", answers.then("stale"))
+        clock.now += 0.5
+        embedder.submit("fresh", answers.then("fresh"))
+        clock.now += 0.7  # "stale" waited 1.2 s, "fresh" 0.7 s when the thread takes them
+        gate.release.set()
+        got = answers.wait(3)
+    assert got == {"first": [5.0, 0.5], "stale": None, "fresh": [5.0, 0.5]}
+    assert gate.calls == [["first"], ["fresh"]]
+    assert len(skips) == embedder.skipped == 1
 
 
 def test_an_embedder_that_fails_costs_the_feature_not_the_request() -> None:
-    def broken(texts: Sequence[str]) -> Sequence[Sequence[float]]:
-        raise RuntimeError("out of memory")
+    calls: list[list[str]] = []
 
-    got = FeatureProbe(1, broken).features(request(), finished())
+    def flaky(texts: Sequence[str]) -> Sequence[Sequence[float]]:
+        calls.append(list(texts))
+        if len(calls) == 1:
+            raise RuntimeError("out of memory")
+        return [[1.0, 0.0] for _ in texts]
+
+    answers = Answers()
+    with DriftEmbedder(flaky) as embedder:
+        embedder.submit("a", answers.then("a"))
+        assert answers.wait(1) == {"a": None}
+        embedder.submit("b", answers.then("b"))
+        assert answers.wait(2)["b"] == [1.0, 0.0], "the thread goes on"
+    assert embedder.skipped == 0, "a failure is logged, not a skip"
+    assert embedder.embedded == 1
+    got = FeatureProbe(1).features(request(), finished(), None)
     assert got.embedding is None
     assert got.prompt_language == "en"
+
+
+def test_stop_answers_every_queued_prompt_then_later_ones_at_once() -> None:
+    gate, answers = Gate(), Answers()
+    embedder = DriftEmbedder(gate)
+    embedder.start()
+    embedder.submit("first", answers.then("first"))
+    assert gate.entered.wait(10)
+    for prompt in ("a", "b", "c"):
+        embedder.submit(prompt, answers.then(prompt))
+    stopping = threading.Thread(target=embedder.stop)
+    stopping.start()
+    gate.release.set()
+    stopping.join(10)
+    assert not stopping.is_alive()
+    assert answers.wait(4) == {"first": [5.0, 0.5], "a": [1.0, 0.5], "b": [1.0, 0.5], "c": [1.0, 0.5]}
+    embedder.submit("late", answers.then("late"))
+    assert answers.got["late"] is None
+    assert answers.threads["late"] == threading.get_ident()
+    never = DriftEmbedder(gate)
+    never.stop()
+    never.submit("unstarted", answers.then("unstarted"))
+    assert answers.got["unstarted"] is None
+
+
+def test_a_failing_callback_fails_the_owner_and_answers_the_rest() -> None:
+    gate, answers, errors = Gate(), Answers(), list[BaseException]()
+
+    def broken(vector: Vector | None) -> None:
+        raise RuntimeError("the producer failed")
+
+    with DriftEmbedder(gate, on_error=errors.append) as embedder:
+        embedder.submit("first", broken)
+        assert gate.entered.wait(10)
+        embedder.submit("queued", answers.then("queued"))
+        gate.release.set()
+        assert answers.wait(1) == {"queued": None}
+        embedder.submit("after", answers.then("after"))
+        assert answers.got["after"] is None
+    assert [str(e) for e in errors] == ["the producer failed"]
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="no SCHED_IDLE on this OS")
+def test_the_thread_runs_at_idle_priority_on_the_cores_it_is_given() -> None:
+    seen: dict[str, object] = {}
+    cores = sorted(os.sched_getaffinity(0))[:1]
+
+    def embed(texts: Sequence[str]) -> Sequence[Sequence[float]]:
+        seen["policy"] = os.sched_getscheduler(0)
+        seen["cores"] = sorted(os.sched_getaffinity(0))
+        return [[1.0] for _ in texts]
+
+    answers = Answers()
+    with DriftEmbedder(embed, cores=cores) as embedder:
+        embedder.submit("p", answers.then("p"))
+        answers.wait(1)
+    assert seen == {"policy": os.SCHED_IDLE, "cores": cores}
+    assert embedder.idle_priority
+    assert os.sched_getscheduler(0) != os.SCHED_IDLE, "the caller's thread keeps its priority"
 
 
 def test_an_embedding_model_uses_its_own_first_vector() -> None:
@@ -134,44 +295,103 @@ class Clock:
         return self.now
 
 
-def saturated(budget: float, requests: int = 2000) -> tuple[FeatureProbe, float, float]:
-    """Every request sampled, 5 ms of model work between them, 10 ms per embedding call (a MiniLM call on
-    one CPU thread): the probe, then the seconds spent embedding and in all."""
-    clock, spent = Clock(), [0.0]
-
-    def embed(texts: Sequence[str]) -> Sequence[Sequence[float]]:
-        clock.now += 0.010
-        spent[0] += 0.010
-        return [[1.0, 0.0] for _ in texts]
-
-    skips: list[None] = []
-    probe = FeatureProbe(1, embed, budget=budget, on_skip=lambda: skips.append(None), clock=clock)
-    for i in range(requests):
+def saturated(share: float, requests: int = 2000) -> tuple[int, float, float]:
+    """Every request sampled, 5 ms between them, 10 ms per embedding call (a MiniLM call on one CPU
+    thread), each call let through by the budget: the calls, the seconds spent embedding and in all."""
+    clock, spent, calls = Clock(), 0.0, 0
+    budget = EmbedBudget(share, clock)
+    for _ in range(requests):
         clock.now += 0.005
-        event = request(f"r-{i}")
-        probe.expect(event)
-        probe.features(event, finished())
-    assert len(skips) == probe.skipped
-    return probe, spent[0], clock.now
+        if budget.affordable():
+            calls += 1
+            clock.now += 0.010
+            spent += 0.010
+            budget.spend(0.010)
+    return calls, spent, clock.now
 
 
-def test_prompt_embeddings_keep_to_their_share_of_the_model_thread() -> None:
-    """Unbounded, a 10 ms embedding per 5 ms of work would take two thirds of the thread; with a budget of
-    5 % it takes 5 % (plus one burst), and the requests past it go without an embedding, counted."""
-    probe, spent, total = saturated(budget=0.05)
+def test_prompt_embeddings_keep_to_their_share_of_the_time() -> None:
+    """Unbounded, a 10 ms embedding per 5 ms of work would take two thirds of the time; with a budget of 5 %
+    it takes 5 % (plus one burst), and the calls past it are not made."""
+    calls, spent, total = saturated(share=0.05)
     assert spent <= 0.05 * total + DRIFT_EMBED_BURST_S + 0.010
     assert spent >= 0.05 * total - 0.010, "the budget is used, not left idle"
-    assert probe.skipped == 2000 - probe.calls > 0
-    unbounded, spent, total = saturated(budget=1.0)
-    assert unbounded.skipped == 0
-    assert unbounded.calls == 2000
+    assert 0 < calls < 2000
+    calls, spent, total = saturated(share=1.0)
+    assert calls == 2000
     assert spent > 0.6 * total
+
+
+def test_over_the_budget_queued_prompts_go_without_counted() -> None:
+    clock, answers, skips = Clock(), Answers(), list[None]()
+
+    def slow(texts: Sequence[str]) -> Sequence[Sequence[float]]:
+        clock.now += 0.2  # four bursts' worth
+        return [[0.5, 0.5] for _ in texts]
+
+    with DriftEmbedder(slow, budget=0.02, clock=clock, on_skip=lambda: skips.append(None)) as embedder:
+        embedder.submit("a", answers.then("a"))
+        answers.wait(1)
+        embedder.submit("b", answers.then("b"))  # 0.15 s in debt: ~7.5 s to earn it back
+        answers.wait(2)
+        clock.now += 10.0
+        embedder.submit("c", answers.then("c"))
+        got = answers.wait(3)
+    assert got == {"a": [0.5, 0.5], "b": None, "c": [0.5, 0.5]}
+    assert embedder.calls == 2
+    assert len(skips) == embedder.skipped == 1
 
 
 def test_under_the_budget_every_sampled_prompt_is_embedded() -> None:
     clock = Clock()
-    probe = FeatureProbe(1, lambda texts: [[0.5, 0.5] for _ in texts], budget=0.02, clock=clock)
-    for i in range(100):  # one request a second, embedding instantly: far under 2 %
+    budget = EmbedBudget(0.02, clock)
+    for _ in range(100):  # one request a second, embedding instantly: far under 2 %
         clock.now += 1.0
-        assert probe.features(request(f"r-{i}"), finished()).embedding == [0.5, 0.5]
-    assert probe.skipped == 0
+        assert budget.affordable()
+        budget.spend(0.0)
+
+
+def test_the_model_thread_embeds_what_waited_too_long_for_the_thread_itself() -> None:
+    """Where the model's cores never idle, the idle-priority thread never runs: prompts that waited
+    DRIFT_EMBED_HELP_AFTER_S are embedded on the model thread's call to help(), not left to expire."""
+    clock, answers, calls = Clock(), Answers(), list[tuple[list[str], int]]()
+
+    def embed(texts: Sequence[str]) -> Sequence[Sequence[float]]:
+        calls.append((list(texts), threading.get_ident()))
+        return [[2.0, 0.0] for _ in texts]
+
+    embedder = DriftEmbedder(embed, clock=clock, help_after_s=0.25)  # not started: a thread with no core
+    embedder.submit("a", answers.then("a"))
+    clock.now += 0.1
+    embedder.submit("b", answers.then("b"))
+    embedder.help()
+    assert answers.got == {}, "not waited long enough yet"
+    clock.now += 0.2
+    embedder.help()
+    assert answers.got == {"a": [2.0, 0.0], "b": [2.0, 0.0]}
+    assert calls == [(["a", "b"], threading.get_ident())]
+    assert answers.threads == {"a": threading.get_ident(), "b": threading.get_ident()}
+    assert (embedder.helped, embedder.embedded, embedder.skipped) == (1, 2, 0)
+
+
+def test_the_thread_takes_prompts_only_while_the_model_idles() -> None:
+    """Under load the model thread never idles: the thread leaves the queue to help(), so a prompt is not
+    taken by a thread that then gets no core for seconds."""
+    clock, answers = Clock(), Answers()
+    with DriftEmbedder(lambda texts: [[3.0] for _ in texts], clock=clock) as embedder:
+        embedder.model_idle(False)
+        embedder.submit("busy", answers.then("busy"))
+        time.sleep(0.2)
+        assert answers.got == {}
+        assert embedder.waiting == 1
+        embedder.model_idle(True)
+        assert answers.wait(1) == {"busy": [3.0]}
+        assert answers.threads["busy"] != threading.get_ident()
+        probe = FeatureProbe(1, embedder)
+        probe.help(idle=False)
+        probe.embed_then(request(), answers.then("loaded"))
+        clock.now += 0.3
+        probe.help(idle=False)  # the model thread embeds it itself, between steps
+        assert answers.got["loaded"] == [3.0]
+        assert answers.threads["loaded"] == threading.get_ident()
+        assert embedder.helped == 1

@@ -4,12 +4,15 @@ the drift features, and features that fail or do not fit never keep the request 
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
 import pytest
 
 from bus.errors import BusError
+from gpu_workers.features import DriftEmbedder, FeatureProbe
 from gpu_workers.observe import WorkerObserver
 from gpu_workers.runtime import Arrival
 from gpu_workers.service import WorkerService
@@ -48,21 +51,24 @@ class Probe:
         self._steps = steps
         self._features = features
 
-    def features(self, event: object, result: RequestFinished) -> DriftFeatures:
+    def embed_then(self, event: object, then: Any) -> None:
+        then(None)  # not sampled
+
+    def features(self, event: object, result: RequestFinished, vector: object = None) -> DriftFeatures:
         self._steps.done.append(("features", None))
         if isinstance(self._features, Exception):
             raise self._features
         return self._features
 
 
-def finish(features: DriftFeatures | Exception) -> tuple[WorkerService, Steps]:
+def finish(features: DriftFeatures | Exception | FeatureProbe) -> tuple[WorkerService, Steps]:
     steps = Steps()
     service = WorkerService(
         model_id="m", worker_id="w", kafka=KafkaConnection("127.0.0.1:9"), names=NAMES,
         runner_factory=lambda: None,  # type: ignore[arg-type,return-value]
     )  # fmt: skip
     service._producer = steps  # type: ignore[assignment]
-    service._probe = Probe(steps, features)  # type: ignore[assignment]
+    service._probe = features if isinstance(features, FeatureProbe) else Probe(steps, features)  # type: ignore[assignment]
     measure = WorkerObserver.measure
 
     def measured(observer: WorkerObserver, *args: Any) -> None:
@@ -108,6 +114,33 @@ def test_features_that_fail_or_do_not_fit_leave_the_result_without_them(
     assert "drift features of" in caplog.text
     for callback in steps.callbacks:  # both copies durable: the request's offset may be committed
         callback(None, (0, 0))
+    assert service._durable.qsize() == 1
+
+
+def test_a_sampled_prompt_is_embedded_after_the_reply_left_and_the_result_waits_for_it() -> None:
+    """The embedding runs on the embedder's thread: the model thread publishes the reply copy and returns;
+    the results copy, with the vector, follows from that thread, and the offset waits for both."""
+    release, calls = threading.Event(), list[list[str]]()
+
+    def embed(texts: Sequence[str]) -> Sequence[Sequence[float]]:
+        calls.append(list(texts))
+        assert release.wait(10)
+        return [[0.25, -0.5] for _ in texts]
+
+    with DriftEmbedder(embed) as embedder:
+        service, steps = finish(FeatureProbe(1, embedder))
+        assert steps.names() == [NAMES.replies, "measure"], "the model thread does not wait for it"
+        release.set()
+        embedder.stop()
+    assert calls == [["hi"]]
+    assert steps.names() == [NAMES.replies, "measure", NAMES.results]
+    features = steps.event(NAMES.results).features
+    assert features is not None
+    assert (features.embedding, features.prompt_chars, features.output_chars) == ([0.25, -0.5], 2, 5)
+    assert steps.event(NAMES.replies).features is None
+    steps.callbacks[0](None, (0, 0))
+    assert service._durable.qsize() == 0, "the reply alone is not the request's effect"
+    steps.callbacks[1](None, (0, 0))
     assert service._durable.qsize() == 1
 
 
