@@ -298,7 +298,7 @@ class DriftEmbedder:
         takes prompts only while it is."""
         with self._cond:
             self._model_idle = idle
-            if idle:
+            if idle and self._jobs:  # else nothing to wake the thread for
                 self._cond.notify()
 
     def help(self) -> None:
