@@ -33,16 +33,13 @@ import threading
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from pathlib import Path
 
 import msgspec
 
 from schemas.events import DriftFeatures, EmbeddingRequested, GenerationRequested, RequestFinished
 from schemas.features import is_refusal, profile, sampled
-
-if TYPE_CHECKING:
-    from pathlib import Path
-    from types import TracebackType
+from schemas.lifecycle import Component
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +65,10 @@ DRIFT_EMBED_MAX_WAIT_S = 1.0
 """How long a sampled prompt may wait for the embedder before its request's ``results`` copy goes without
 its embedding (counted as skipped). A request's offset is committed once both copies are durable, so this
 also bounds how long a sampled request stays uncommitted, and a rebalance waits for it."""
+
+DRIFT_THREAD_NAME = "drift:embed"
+"""The name the drift embedder's thread gets (what ``/proc/<pid>/task/<tid>/comm`` and ``top -H`` show): it
+runs on every core the worker may use, not only on the worker's own."""
 
 EMBEDDING_DECIMALS = 6
 """Embeddings travel rounded: ~9 characters a component instead of ~20, and no drift test can tell."""
@@ -186,7 +187,7 @@ class _Job:
     queued: float
 
 
-class DriftEmbedder:
+class DriftEmbedder(Component):
     """Sampled prompts embedded off the model thread, on a thread of its own.
 
     The thread asks the OS for idle priority (``SCHED_IDLE``, where the OS has it), runs on ``cores`` (every
@@ -203,7 +204,8 @@ class DriftEmbedder:
     may take) is spent, or when the embedder has stopped; an embedder that fails gives None too (logged, not
     counted). ``on_embedded(n)``: n prompts embedded. ``then`` runs exactly once per prompt: on the thread
     that embedded it, or on the caller's where it was not queued; an error in it on the thread stops the
-    thread and goes to ``on_error`` (the worker fails, as it would on its model thread)."""
+    thread and is the embedder's failure (:meth:`watch`: the worker fails, as it would on its model
+    thread)."""
 
     def __init__(
         self,
@@ -212,18 +214,17 @@ class DriftEmbedder:
         budget: float = 1.0,
         on_skip: Callable[[], None] | None = None,
         on_embedded: Callable[[int], None] | None = None,
-        on_error: Callable[[BaseException], object] | None = None,
         max_wait_s: float = DRIFT_EMBED_MAX_WAIT_S,
         help_after_s: float = DRIFT_EMBED_HELP_AFTER_S,
         cores: Collection[int] | None = None,
         clock: Callable[[], float] = time.monotonic,
         name: str = "drift-embedder",
     ) -> None:
+        super().__init__()
         self._embed = embed
         self._budget = EmbedBudget(budget, clock)
         self._on_skip = on_skip
         self._on_embedded = on_embedded
-        self.on_error = on_error
         self._max_wait_s = max_wait_s
         self._help_after_s = help_after_s
         self._cores = frozenset(cores) if cores else None
@@ -248,7 +249,7 @@ class DriftEmbedder:
         self.idle_priority = False
         """Whether the OS gave the thread idle priority."""
 
-    def start(self) -> None:
+    def _start(self) -> None:
         with self._cond:
             if self._thread is not None or self._closed:
                 return
@@ -265,15 +266,6 @@ class DriftEmbedder:
             self._cond.notify()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
-
-    def __enter__(self) -> DriftEmbedder:
-        self.start()
-        return self
-
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
 
     @property
     def waiting(self) -> int:
@@ -344,8 +336,7 @@ class DriftEmbedder:
                 for job in left:
                     with contextlib.suppress(Exception):
                         job.then(None)
-                if self.on_error is not None:
-                    self.on_error(exc)
+                self.fail(exc)
                 return
 
     def _run(self, batch: list[_Job]) -> None:
@@ -382,7 +373,9 @@ class DriftEmbedder:
 
     def _lower_priority(self) -> None:
         """This thread onto ``cores`` and at idle priority, where the OS allows (a thread may always lower
-        its own priority)."""
+        its own priority), named :data:`DRIFT_THREAD_NAME` for the OS."""
+        with contextlib.suppress(OSError):  # not Linux, or no /proc
+            Path(f"/proc/self/task/{threading.get_native_id()}/comm").write_text(DRIFT_THREAD_NAME)
         if self._cores is not None and hasattr(os, "sched_setaffinity"):
             with contextlib.suppress(OSError):
                 os.sched_setaffinity(0, self._cores)

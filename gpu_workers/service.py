@@ -483,7 +483,7 @@ class WorkerService(Component):
             runner = self._runner_factory()
             self._probe = self._probe_factory() if self._probe_factory is not None else None
             if self._probe is not None and self._probe.embedder is not None:
-                self._probe.embedder.on_error = self.fail  # a results copy it could not publish
+                self._probe.embedder.watch(self.fail)  # a results copy it could not publish
                 self._probe.embedder.start()
         except BaseException as exc:
             self.fail(exc)

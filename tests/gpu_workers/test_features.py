@@ -12,6 +12,7 @@ import pytest
 
 from gpu_workers.features import (
     DRIFT_EMBED_BURST_S,
+    DRIFT_THREAD_NAME,
     MAX_BATCH,
     MAX_QUEUED,
     DriftEmbedder,
@@ -242,7 +243,9 @@ def test_a_failing_callback_fails_the_owner_and_answers_the_rest() -> None:
     def broken(vector: Vector | None) -> None:
         raise RuntimeError("the producer failed")
 
-    with DriftEmbedder(gate, on_error=errors.append) as embedder:
+    embedder = DriftEmbedder(gate)
+    embedder.watch(errors.append)
+    with embedder:
         embedder.submit("first", broken)
         assert gate.entered.wait(10)
         embedder.submit("queued", answers.then("queued"))
@@ -251,6 +254,7 @@ def test_a_failing_callback_fails_the_owner_and_answers_the_rest() -> None:
         embedder.submit("after", answers.then("after"))
         assert answers.got["after"] is None
     assert [str(e) for e in errors] == ["the producer failed"]
+    assert str(embedder.failure) == "the producer failed"
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="no SCHED_IDLE on this OS")
@@ -261,13 +265,15 @@ def test_the_thread_runs_at_idle_priority_on_the_cores_it_is_given() -> None:
     def embed(texts: Sequence[str]) -> Sequence[Sequence[float]]:
         seen["policy"] = os.sched_getscheduler(0)
         seen["cores"] = sorted(os.sched_getaffinity(0))
+        with open(f"/proc/self/task/{threading.get_native_id()}/comm") as comm:
+            seen["name"] = comm.read().strip()
         return [[1.0] for _ in texts]
 
     answers = Answers()
     with DriftEmbedder(embed, cores=cores) as embedder:
         embedder.submit("p", answers.then("p"))
         answers.wait(1)
-    assert seen == {"policy": os.SCHED_IDLE, "cores": cores}
+    assert seen == {"policy": os.SCHED_IDLE, "cores": cores, "name": DRIFT_THREAD_NAME}
     assert embedder.idle_priority
     assert os.sched_getscheduler(0) != os.SCHED_IDLE, "the caller's thread keeps its priority"
 

@@ -19,6 +19,7 @@ import psutil
 import pytest
 
 from bus.placement import available_cpus, format_cpus, split_box
+from gpu_workers.features import DRIFT_THREAD_NAME
 from gpu_workers.models import QUIET_THREAD_NAME
 from infra.kafka.broker import free_port, port_open
 from infra.topics import make_admin
@@ -132,7 +133,7 @@ def _check_placement(up: int, lines: list[str]) -> None:
     others = [pid for pid in children if pid not in serving]
     assert others, "Kafka and the streams worker"
     assert all(os.sched_getaffinity(pid) == rest for pid in others)
-    helpers = 0
+    helpers = drift = 0
     for pid in serving:
         native = 0
         for task in os.listdir(f"/proc/{pid}/task"):
@@ -144,11 +145,15 @@ def _check_placement(up: int, lines: list[str]) -> None:
                 continue  # a thread that ended while we looked
             native += name.startswith("rdk:")
             helpers += name == QUIET_THREAD_NAME
-            # the embedding worker's quiet team: torch's helper threads on the rest too (gpu_workers.models)
+            drift += name == DRIFT_THREAD_NAME
+            # the embedding worker's quiet team: torch's helper threads on the rest too (gpu_workers.models);
+            # the generation worker's drift embedder, at idle priority, on all of them (gpu_workers.features)
             expected = rest if name.startswith("rdk:") or name == QUIET_THREAD_NAME else workers
+            expected = workers | rest if name == DRIFT_THREAD_NAME else expected
             assert affinity == expected, (pid, task, name)
         assert native, "the worker's Kafka clients run native threads"
     assert helpers, "the embedding worker's quiet team has a helper thread on the rest"
+    assert drift == 1, "the generation worker's drift embedder runs on every core it may use"
 
 
 def _drive(proc: subprocess.Popen[str], env: dict[str, str], port: int, edge_port: int) -> None:
