@@ -173,6 +173,7 @@ def ratios(
     bare_embedding_ms: float | None = None,
     idle_embedding_ms: float | None = None,
     beside: Mapping[str, tuple[float, float]] | None = None,
+    bare_hops_ms: float | None = None,
 ) -> dict[str, Any]:
     """Per workload and client count: platform over each of raw/ray/naive in throughput (``per_s``), p99,
     and (where the peer is not raw) in latency added at p50 to the model as each server runs it: a peer's
@@ -185,8 +186,10 @@ def ratios(
     what a server of this design adds (``floor_added_ms``): what the naive server adds (HTTP, JSON,
     tokenising) less its forward's slowdown after idle (``idle_embedding_ms``: the forward after 5 ms idle
     on the servers' threads, against ``base``'s in a loop; the bare round trip already holds one slowed
-    forward), plus what the bare hops add to the forward in a loop; ``ray_floor`` is that over what Ray
-    adds, the least ``ray_added_p50`` could be.
+    forward), plus what the bare hops add to the forward in a loop, and never less than ``bare_hops_ms``
+    (the same echo's round trip less its own forward: a loop run in a slower minute than the echo would
+    otherwise take the hops out of the floor, as in M16); ``ray_floor`` is that over what Ray adds, the
+    least ``ray_added_p50`` could be.
 
     ``beside``: per workload, (the platform's p50, the raw model's) at one client, the raw model sampled
     alone between blocks of the platform's requests. The platform's added latency there is then taken from
@@ -229,7 +232,7 @@ def ratios(
                     row[f"{peer}_added_ms"] = added
             naive_added, ray_added = row.get("naive_added_ms"), row.get("ray_added_ms")
             if one_embedding and bare_embedding_ms is not None and naive_added is not None:
-                bare_added = max(0.0, bare_embedding_ms - own_row["p50_ms"])
+                bare_added = max(bare_hops_ms or 0.0, bare_embedding_ms - own_row["p50_ms"])
                 slowdown = max(0.0, (idle_embedding_ms or 0.0) - base_row["p50_ms"])
                 floor_added = max(0.0, naive_added - slowdown) + bare_added
                 row["floor_added_ms"] = floor_added

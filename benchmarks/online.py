@@ -71,7 +71,7 @@ p50 is +5 ms, or 1.2x that floor where the floor is above +5 ms (the issue's rul
 One client's embedding gets a floor the same way (``comparison.ratios``): what the naive peer adds (HTTP,
 JSON, tokenising; less its forward's slowdown after idle) plus what two bare Kafka hops around MiniLM's
 forward add to that forward in a loop (``kafka_floor.hops_around_forward``: the forward leaves the cores
-cold for the hop back). P6 at one client is a quarter of what Ray adds, or 1.2x that floor where the floor
+cold for the hop back), never less than those hops as its own echo timed them. P6 at one client is a quarter of what Ray adds, or 1.2x that floor where the floor
 is above a quarter. P3 (dynamic batching at 64 clients over batch-1 serving, 4x) is within 1.2x of the
 model's own gain where that is under 4x (its best batch over batch 1 on the worker's threads, alone): no
 server's batching gives more than the model's (``floors.batching_target``).
@@ -478,13 +478,15 @@ def run_peers(
     bare_embedding_ms: float | None = None,
     idle_embedding_ms: float | None = None,
     beside: dict[str, tuple[float, float]] | None = None,
+    bare_hops_ms: float | None = None,
 ) -> dict[str, Any]:
     """The peers, one at a time, after the platform has stopped (this machine's cores are shared), with
     the workers' torch threads; their profiles beside the platform's and the raw model's, and the ratios.
     ``quiet_batches``: the embedding worker's batches on its quiet team (one client's phase ran there).
     ``bare_embedding_ms``: one embedding's round trip through two bare Kafka hops around the forward
     (``kafka_floor.hops_around_forward``), and the forward after 5 ms idle on the workers' threads, for the
-    floor under one client's added latency (``comparison.ratios``). ``beside``: per workload, one client's
+    floor under one client's added latency (``comparison.ratios``); ``bare_hops_ms``: that round trip less
+    its own forward, the least the floor counts for the hops. ``beside``: per workload, one client's
     p50 on the platform and the raw model's sampled beside it (:func:`beside_platform`)."""
     wanted = {p.strip() for p in args.peers.split(",") if p.strip()}
     logs = Path(tempfile.mkdtemp(prefix="sluice-bench-peers-"))
@@ -520,7 +522,9 @@ def run_peers(
         # one client's embeddings ran on the worker's quiet team (both cores): its own overhead is measured
         # from the model on both cores, the peers' from the model on the workers' threads
         own = {**base, "embeddings": {**base["embeddings"], "1": profiles["raw"]["embeddings"]["1"]}}
-    ratios = comparison.ratios(profiles, base, own, bare_embedding_ms, idle_embedding_ms, beside)
+    ratios = comparison.ratios(
+        profiles, base, own, bare_embedding_ms, idle_embedding_ms, beside, bare_hops_ms=bare_hops_ms
+    )
     return {"profiles": profiles, "ratios": ratios, "about": facts}
 
 
@@ -695,6 +699,7 @@ def main() -> None:
             cast(float, result["embedding_quiet_batches"]),
             cast(dict[str, float], result["generation_one_client_ms"]),
         ),
+        bare_hops_ms=around["hops"],
     )
     cpu = cpu_model()
     result["machine"] = {

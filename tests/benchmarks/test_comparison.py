@@ -145,10 +145,13 @@ def test_one_clients_embedding_is_judged_against_the_floor_of_this_design_where_
     ray = profiles({"embeddings": 22.0, "generation": 100.0}, per_s=200.0)  # adds 16 ms: 1/4 is 4 ms
     naive = profiles({"embeddings": 8.0, "generation": 75.0}, per_s=300.0)  # adds 2 ms
 
-    def row(platform_ms: float, bare_ms: float | None, idle_ms: float = 6.0) -> dict[str, float | None]:
+    def row(
+        platform_ms: float, bare_ms: float | None, idle_ms: float = 6.0, hops_ms: float | None = None
+    ) -> dict[str, float | None]:
         platform = profiles({"embeddings": platform_ms, "generation": 80.0}, per_s=450.0)
         everyone = {"raw": raw, "platform": platform, "ray": ray, "naive": naive}
-        return comparison.ratios(everyone, floor, own, bare_ms, idle_ms)["embeddings"]["1"]  # type: ignore[no-any-return]
+        out = comparison.ratios(everyone, floor, own, bare_ms, idle_ms, bare_hops_ms=hops_ms)
+        return out["embeddings"]["1"]  # type: ignore[no-any-return]
 
     # bare hops around the forward: a 7.2 ms round trip over the 4.0 ms loop adds 3.2; the floor is 5.2 ms
     out_of_reach = row(10.0, 7.2)  # adds 6.0 ms = 0.375x Ray; the floor 0.325x, 1.2x it 0.39x
@@ -162,6 +165,13 @@ def test_one_clients_embedding_is_judged_against_the_floor_of_this_design_where_
     # the naive server's forward after idle (6.5 ms against 6.0 in a loop) is not HTTP: the bare round trip
     # holds the one slowed forward the floor may count
     assert row(10.0, 7.2, idle_ms=6.5)["floor_added_ms"] == pytest.approx(2.0 - 0.5 + 3.2)
+    # the hops as the echo timed them (round trip less its own forward) are the least the floor counts: a loop
+    # run in a slower minute than the echo (M16: 8.77 ms against the echo's 8.73 round trip) took them out
+    assert row(10.0, 7.2, hops_ms=2.0)["floor_added_ms"] == pytest.approx(2.0 + 3.2), (
+        "over the hops: as before"
+    )
+    assert row(10.0, 3.9, hops_ms=2.0)["floor_added_ms"] == pytest.approx(2.0 + 2.0)
+    assert row(10.0, 3.9)["floor_added_ms"] == pytest.approx(2.0 + 0.0), "without them, drift wins"
     # without the bare run (or the naive peer) there is no floor: 1/4
     assert "ray_floor" not in row(10.0, None)
     assert comparison.p6(row(10.0, None), "1") == "missed (≤ 0.25)"
