@@ -44,7 +44,7 @@ import aiohttp
 import psutil
 from harness import broker_process, cpu_seconds, kafka, pct, service_env
 from loadgen import closed_loop, completion, embed
-from online import ROOT, Services, counter_total, until_ok
+from online import QUIET_BATCHES, ROOT, Services, counter_total, until_ok
 
 from bus.placement import place_box
 from infra.kafka.broker import free_port
@@ -184,7 +184,8 @@ async def profile(
         "cpu_ms_per_request": {k: c * wall / requests * 1000 for k, c in cores.items()},
         "threads": threads,
         "batches": batch_sizes(batch_histogram(metrics_before), batch_histogram(metrics_after)),
-        "quiet_batches": counter_total(metrics_after) - counter_total(metrics_before),
+        "quiet_batches": counter_total(metrics_after, QUIET_BATCHES)
+        - counter_total(metrics_before, QUIET_BATCHES),
         "drift_embeddings": {
             key: counter_total(metrics_after, name) - counter_total(metrics_before, name)
             for key, name in DRIFT_COUNTERS.items()

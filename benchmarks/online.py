@@ -333,7 +333,7 @@ async def measure(
             generations["beside"] += reference.sample_generation(samples, tokens)
         # whether one client's embeddings ran on the worker's quiet team (both cores): ratios() needs it
         async with session.get(f"http://127.0.0.1:{services.ops['embed']}/metrics") as response:
-            quiet = counter_total(await response.text())
+            quiet = counter_total(await response.text(), QUIET_BATCHES)
         services.stop("embed")
         services.start(
             "embed", ["worker", "--model", "all-minilm-l6-v2"], {"SLUICE_WORKER_EMBED_MAX_BATCH": "1"}
@@ -457,9 +457,12 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def counter_total(metrics: str, name: str = "sluice_worker_quiet_batches_total") -> float:
-    """A counter's total over its series in a ``/metrics`` text (by default the batches a worker ran on its
-    quiet team so far)."""
+QUIET_BATCHES = "sluice_worker_quiet_batches_total"
+"""The batches an embedding worker ran on its quiet team so far (its ``/metrics``)."""
+
+
+def counter_total(metrics: str, name: str) -> float:
+    """A counter's total over its series in a ``/metrics`` text."""
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in metrics.splitlines()

@@ -19,6 +19,7 @@ import contextlib
 import logging
 import os
 from collections.abc import Collection, Iterator
+from pathlib import Path
 
 from schemas.settings import SettingsError
 
@@ -217,6 +218,29 @@ def _to_batch() -> bool:
     return True
 
 
+def name_thread(tid: int, name: str) -> None:
+    """Name this process's thread ``tid`` for the OS (what ``top -H`` and ``/proc/<pid>/task/<tid>/comm``
+    show; up to 15 characters). Linux; elsewhere, or for a thread that ended, nothing happens."""
+    with contextlib.suppress(OSError):
+        Path(f"/proc/self/task/{tid}/comm").write_text(name)
+
+
+def idle_thread(cores: Collection[int] | None) -> bool:
+    """This thread onto ``cores`` (None: where it is) for good, under ``SCHED_IDLE``: it runs only where no
+    other thread wants a core, and any thread woken there takes the core from it. A thread may always lower
+    its own priority; whether the OS has the policy and gave it."""
+    if cores is not None and hasattr(os, "sched_setaffinity"):
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(0, cores)
+    if not hasattr(os, "SCHED_IDLE"):
+        return False
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except OSError:
+        return False
+    return True
+
+
 def thread_ids() -> set[int]:
     """This process's threads (Linux)."""
     return {int(task) for task in os.listdir("/proc/self/task")}
@@ -227,6 +251,8 @@ __all__ = [
     "available_cpus",
     "batch_policy",
     "format_cpus",
+    "idle_thread",
+    "name_thread",
     "native_cores",
     "native_threads",
     "on_cores",

@@ -28,7 +28,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Collection, Sequence
@@ -37,6 +36,7 @@ from pathlib import Path
 
 import msgspec
 
+from bus.placement import idle_thread, name_thread
 from schemas.events import DriftFeatures, EmbeddingRequested, GenerationRequested, RequestFinished
 from schemas.features import is_refusal, profile, sampled
 from schemas.lifecycle import Component
@@ -89,7 +89,6 @@ class FeatureProbe:
         self.embedder = embedder
         self._own_vectors = own_vectors
         """The served model is the drift embedder itself: a request's first vector is its embedding."""
-        self._idle = True
 
     def embed_then(
         self, event: GenerationRequested | EmbeddingRequested, then: Callable[[Vector | None], None]
@@ -107,9 +106,7 @@ class FeatureProbe:
         """The model thread, between steps: whether it is about to idle (:meth:`DriftEmbedder.model_idle`),
         and the prompts it embeds itself (:meth:`DriftEmbedder.help`)."""
         if self.embedder is not None:
-            if idle != self._idle:
-                self._idle = idle
-                self.embedder.model_idle(idle)
+            self.embedder.model_idle(idle)
             if not idle:
                 self.embedder.help()
 
@@ -288,6 +285,8 @@ class DriftEmbedder(Component):
     def model_idle(self, idle: bool) -> None:
         """The model thread: whether it is idle now (nothing running, waiting for requests); the thread
         takes prompts only while it is."""
+        if idle == self._model_idle:  # (written by the model thread alone: read without the lock)
+            return
         with self._cond:
             self._model_idle = idle
             if idle and self._jobs:  # else nothing to wake the thread for
@@ -316,7 +315,8 @@ class DriftEmbedder(Component):
                 self._on_skip()
 
     def _serve(self) -> None:
-        self._lower_priority()
+        name_thread(threading.get_native_id(), DRIFT_THREAD_NAME)
+        self.idle_priority = idle_thread(self._cores)
         while True:
             with self._cond:
                 while not self._stopping and not (self._jobs and self._model_idle):
@@ -364,32 +364,17 @@ class DriftEmbedder(Component):
                     self.embedded += len(fresh)
             if embedded and self._on_embedded is not None:
                 self._on_embedded(len(fresh))
-        for job, vector in zip(fresh, vectors, strict=True):
-            job.then(vector)
-        embedded_ids = {id(job) for job in fresh}
+        answers = {id(job): vector for job, vector in zip(fresh, vectors, strict=True)}
         for job in batch:
-            if id(job) not in embedded_ids:
-                job.then(None)
-
-    def _lower_priority(self) -> None:
-        """This thread onto ``cores`` and at idle priority, where the OS allows (a thread may always lower
-        its own priority), named :data:`DRIFT_THREAD_NAME` for the OS."""
-        with contextlib.suppress(OSError):  # not Linux, or no /proc
-            Path(f"/proc/self/task/{threading.get_native_id()}/comm").write_text(DRIFT_THREAD_NAME)
-        if self._cores is not None and hasattr(os, "sched_setaffinity"):
-            with contextlib.suppress(OSError):
-                os.sched_setaffinity(0, self._cores)
-        if hasattr(os, "SCHED_IDLE"):
-            with contextlib.suppress(OSError):
-                os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-                self.idle_priority = True
+            job.then(answers.get(id(job)))
 
 
 def minilm_embedder(
     model_dir: Path, device: str, max_tokens: int = 128, *, traced: bool = True
 ) -> EmbedTexts:
-    """Load MiniLM from the model cache and return a batch embedder (for :class:`DriftEmbedder`'s thread:
-    one thread at a time). ``traced``: on a CPU, through the engine's traced graph (``EmbeddingEngine``)."""
+    """Load MiniLM from the model cache and return a batch embedder (for :class:`DriftEmbedder`, whose thread
+    and the model thread may call it at once: a forward keeps no state between calls). ``traced``: on a
+    CPU, through the engine's traced graph (``EmbeddingEngine``)."""
     from gpu_workers.embedding import EmbeddingEngine
     from gpu_workers.models import load_embedding_model
 

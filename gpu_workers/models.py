@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bus.placement import threads_started_on
+from bus.placement import name_thread, threads_started_on
 from gpu_workers.demo_model import (
     DEMO_GPT_ID,
     EOS_TOKEN,
@@ -176,8 +176,7 @@ class QuietTeam:
             self._set(self.narrow)
             self._current = self.narrow
         for tid in started:
-            with contextlib.suppress(OSError):  # ended, or not this process's to name
-                Path(f"/proc/self/task/{tid}/comm").write_text(QUIET_THREAD_NAME)
+            name_thread(tid, QUIET_THREAD_NAME)
 
     def size_for(self, batch: int, waiting: int, idle_s: float) -> int:
         """The team for a batch of ``batch`` items with ``waiting`` more queued behind it, the model idle
