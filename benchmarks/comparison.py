@@ -186,10 +186,11 @@ def ratios(
     what a server of this design adds (``floor_added_ms``): what the naive server adds (HTTP, JSON,
     tokenising) less its forward's slowdown after idle (``idle_embedding_ms``: the forward after 5 ms idle
     on the servers' threads, against ``base``'s in a loop; the bare round trip already holds one slowed
-    forward), plus what the bare hops add to the forward in a loop, and never less than ``bare_hops_ms``
-    (the same echo's round trip less its own forward: a loop run in a slower minute than the echo would
-    otherwise take the hops out of the floor, as in M16); ``ray_floor`` is that over what Ray adds, the
-    least ``ray_added_p50`` could be.
+    forward), plus what the bare hops add to the forward in a loop (the one sampled ``beside`` the platform
+    where given, as the platform's own added latency is taken: the echo is sampled there too), and never
+    less than ``bare_hops_ms`` (the same echo's round trip less its own forward: a loop run in a slower
+    minute than the echo would otherwise take the hops out of the floor, as in M16); ``ray_floor`` is that
+    over what Ray adds, the least ``ray_added_p50`` could be.
 
     ``beside``: per workload, (the platform's p50, the raw model's) at one client, the raw model sampled
     alone between blocks of the platform's requests. The platform's added latency there is then taken from
@@ -232,7 +233,11 @@ def ratios(
                     row[f"{peer}_added_ms"] = added
             naive_added, ray_added = row.get("naive_added_ms"), row.get("ray_added_ms")
             if one_embedding and bare_embedding_ms is not None and naive_added is not None:
-                bare_added = max(bare_hops_ms or 0.0, bare_embedding_ms - own_row["p50_ms"])
+                # the bare round trip over the forward the platform's added latency is taken against
+                forward = (
+                    beside[workload][1] if beside is not None and workload in beside else own_row["p50_ms"]
+                )
+                bare_added = max(bare_hops_ms or 0.0, bare_embedding_ms - forward)
                 slowdown = max(0.0, (idle_embedding_ms or 0.0) - base_row["p50_ms"])
                 floor_added = max(0.0, naive_added - slowdown) + bare_added
                 row["floor_added_ms"] = floor_added

@@ -38,7 +38,7 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
@@ -48,6 +48,7 @@ from confluent_kafka import Consumer, KafkaException, Message, Producer, TopicPa
 from harness import broker_process, cpu_model, cpu_seconds, kafka, pct
 
 from bus.consumer import FETCH_WAIT_MAX_MS, consumer_config
+from bus.placement import format_cpus, parse_cpus
 from bus.producer import producer_config
 from infra.topics import make_admin
 from schemas.settings import KafkaConnection, PlatformSettings, load_settings
@@ -96,9 +97,14 @@ def minilm_forward() -> Callable[[], float]:
     return forward
 
 
-def echo(bootstrap: str, fetch_wait_ms: int, acks: str, req: str, rep: str, work: str = "none") -> None:
+def echo(
+    bootstrap: str, fetch_wait_ms: int, acks: str, req: str, rep: str, work: str = "none", cores: str = ""
+) -> None:
     """The worker's half: every record of ``req`` goes back on ``rep``, until a record says ``stop``. With
-    ``work="forward"`` each runs :func:`minilm_forward` first and the reply starts with its :data:`STAMPS`."""
+    ``work="forward"`` each runs :func:`minilm_forward` first and the reply starts with its :data:`STAMPS`.
+    ``cores`` (``0-1``, ...): this process there first, its threads to come with it (else where it started)."""
+    if cores:
+        os.sched_setaffinity(0, parse_cpus(cores))
     forward = minilm_forward() if work == "forward" else None
     conn = KafkaConnection(bootstrap)
     out, source = producer(conn, "echo", acks), consumer(conn, "echo", fetch_wait_ms)
@@ -208,13 +214,19 @@ class Driver:
 
 @contextmanager
 def echo_pair(
-    conn: KafkaConnection, fetch_wait_ms: int, acks: str, warm_s: float, work: str = "none"
+    conn: KafkaConnection,
+    fetch_wait_ms: int,
+    acks: str,
+    warm_s: float,
+    work: str = "none",
+    echo_cores: Collection[int] | None = None,
 ) -> Iterator[tuple[Driver, subprocess.Popen[bytes]]]:
     """The driver here and the echo in a child process, on two topics of their own (deleted afterwards, so a
     shared cluster keeps nothing of the run), connected and warmed: ``warm_s`` at IN_FLIGHT, because a
     fresh broker's JIT is still compiling through its first few thousand requests (300 lone round trips at
     a time on 2 cores: 2.7-5.0 ms p50 and 4-7 ms of broker CPU each for the first 300, 1.3-1.9 ms and
-    1.2-2.0 ms once warm), and the floor is what a running broker costs."""
+    1.2-2.0 ms once warm), and the floor is what a running broker costs. ``echo_cores``: the echo on these
+    cores (else on this process's): one set beside a placed platform runs where the raw model does."""
     from confluent_kafka.admin import NewTopic
 
     run_id = f"{os.getpid()}-{time.time_ns()}"
@@ -223,7 +235,8 @@ def echo_pair(
     for future in admin.create_topics([NewTopic(req, 1, 1), NewTopic(rep, 1, 1)]).values():
         future.result()
     child = subprocess.Popen(
-        [sys.executable, __file__, "--echo", conn.bootstrap, str(fetch_wait_ms), acks, req, rep, work],
+        [sys.executable, __file__, "--echo", conn.bootstrap, str(fetch_wait_ms), acks, req, rep, work]
+        + ([format_cpus(echo_cores)] if echo_cores else []),
         stdout=subprocess.PIPE,
         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
     )
@@ -263,9 +276,27 @@ def hops_around_forward(conn: KafkaConnection, n: int) -> dict[str, float]:
     with the platform's settings, on ``conn``'s cluster (p50 ms): the round trip, the forward, the hops
     (the round trip less the forward), the hop in and the hop back. The echo warms with the platform's
     embeddings' forward at IN_FLIGHT as the other floors warm (each record a forward: fewer round trips)."""
-    with echo_pair(conn, FETCH_WAIT_MAX_MS, "all", warm_s=2.0, work="forward") as (driver, _):
+    with around_forward_echo(conn) as driver:
+        return around_summary(driver.around_forward(n))
+
+
+@contextmanager
+def around_forward_echo(conn: KafkaConnection, echo_cores: Collection[int] | None = None) -> Iterator[Driver]:
+    """A driver of an echo with MiniLM's forward between its hops (``echo_cores``: :func:`echo_pair`), with
+    the platform's settings, on ``conn``'s cluster, warmed as the other floors warm (each record a forward:
+    fewer round trips) and by 50 lone round trips; its :meth:`Driver.around_forward` samples go to
+    :func:`around_summary`."""
+    with echo_pair(conn, FETCH_WAIT_MAX_MS, "all", warm_s=2.0, work="forward", echo_cores=echo_cores) as (
+        driver,
+        _,
+    ):
         driver.around_forward(50)
-        runs = driver.around_forward(n)
+        yield driver
+
+
+def around_summary(runs: list[tuple[float, float, float, float]]) -> dict[str, float]:
+    """:meth:`Driver.around_forward`'s samples as p50 ms: the round trip, the forward, the hops (the round
+    trip less the forward), the hop in and the hop back, and how many."""
     trip, hop_in, forward, hop_back = (statistics.median(column) for column in zip(*runs, strict=True))
     return {
         "round_trip": trip,
@@ -366,8 +397,8 @@ def table(result: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    if len(sys.argv) == 8 and sys.argv[1] == "--echo":
-        echo(sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5], sys.argv[6], sys.argv[7])
+    if len(sys.argv) in (8, 9) and sys.argv[1] == "--echo":
+        echo(sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5], sys.argv[6], *sys.argv[7:])
         return
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter

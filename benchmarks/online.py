@@ -70,8 +70,11 @@ worker's threads over the raw loop's, plus the two Kafka hops alone after 5 ms i
 p50 is +5 ms, or 1.2x that floor where the floor is above +5 ms (the issue's rule for targets out of reach).
 One client's embedding gets a floor the same way (``comparison.ratios``): what the naive peer adds (HTTP,
 JSON, tokenising; less its forward's slowdown after idle) plus what two bare Kafka hops around MiniLM's
-forward add to that forward in a loop (``kafka_floor.hops_around_forward``: the forward leaves the cores
-cold for the hop back), never less than those hops as its own echo timed them. P6 at one client is a quarter of what Ray adds, or 1.2x that floor where the floor
+forward add to that forward sampled beside the platform (``kafka_floor.around_forward_echo``: the forward
+leaves the cores cold for the hop back), never less than those hops as its own echo timed them. That echo
+runs beside the platform's one-client blocks as the raw forward does (between them, on this run's broker,
+the echo on every core, its driver here with the clients and the edge): run after the platform, minutes
+away, its hops drifted with the box by more than the margin judged (M16 and M18 in docs/perf). P6 at one client is a quarter of what Ray adds, or 1.2x that floor where the floor
 is above a quarter. P3 (dynamic batching at 64 clients over batch-1 serving, 4x) is within 1.2x of the
 model's own gain where that is under 4x (its best batch over batch 1 on the worker's threads, alone): no
 server's batching gives more than the model's (``floors.batching_target``).
@@ -253,7 +256,11 @@ async def measure(
     services: Services,
     quick: bool,
     reference: RawReference,
+    bare: kafka_floor.Driver,
 ) -> dict[str, object]:
+    """Every phase of the platform (see the module's text); ``reference`` and ``bare`` (an echo around the
+    forward, :func:`kafka_floor.around_forward_echo`) are sampled between the blocks of one client's
+    embeddings."""
     url = urls[0]
     connector = aiohttp.TCPConnector(limit=256)
     async with aiohttp.ClientSession(
@@ -309,10 +316,12 @@ async def measure(
         blocks = ONE_CLIENT_BLOCKS[quick]
         size = (30 if quick else 200) // blocks
         beside: dict[str, list[float]] = {"wide": [], "narrow": []}
+        bare_runs: list[tuple[float, float, float, float]] = []
 
         def sample() -> None:
             for name, times in reference.sample(size).items():
                 beside[name] += times
+            bare_runs.extend(bare.around_forward(size))
 
         stamps: list[tuple[str, float, float, str]] = []
         sample()
@@ -347,6 +356,7 @@ async def measure(
         "platform_profiles": profiles,
         "one_client_stamps": stamps,
         "one_client_beside": beside,
+        "one_client_bare": bare_runs,
         "one_client_generations": generations,
         "ttft_stamps": ttft_stamps,
         "embedding_quiet_batches": quiet,
@@ -487,7 +497,8 @@ def run_peers(
     the workers' torch threads; their profiles beside the platform's and the raw model's, and the ratios.
     ``quiet_batches``: the embedding worker's batches on its quiet team (one client's phase ran there).
     ``bare_embedding_ms``: one embedding's round trip through two bare Kafka hops around the forward
-    (``kafka_floor.hops_around_forward``), and the forward after 5 ms idle on the workers' threads, for the
+    (``kafka_floor.around_forward_echo``, beside the platform), and the forward after 5 ms idle on the
+    workers' threads, for the
     floor under one client's added latency (``comparison.ratios``); ``bare_hops_ms``: that round trip less
     its own forward, the least the floor counts for the hops. ``beside``: per workload, one client's
     p50 on the platform and the raw model's sampled beside it (:func:`beside_platform`)."""
@@ -627,7 +638,9 @@ def main() -> None:
             urls = start_edges(services, edges, port)
             print(f"platform under load ({edges} edge(s)) ...", file=sys.stderr)
             try:
-                result = asyncio.run(measure(urls, raw, services, args.quick, reference))
+                # the bare echo beside the platform as the raw forward is: both on every core
+                with kafka_floor.around_forward_echo(conn, own_cores or None) as bare:
+                    result = asyncio.run(measure(urls, raw, services, args.quick, reference, bare))
             finally:
                 reference.close()
             raw_batch1_ms = 1000 / float(cast(dict[str, float], raw["embeddings_per_s"])["1"])
@@ -648,6 +661,9 @@ def main() -> None:
             where["raw batch 1, eager"] = cast(float, raw["embedding_batch1_eager_ms"])
             # the model stage runs on the worker's threads: the same forward there, alone, after idle
             where[RAW_IDLE_WORKER] = cast(dict[str, float], floor["embedding_batch1_after_idle"])["ms"]
+            around = kafka_floor.around_summary(
+                cast(list[tuple[float, float, float, float]], result.pop("one_client_bare"))
+            )
             beside = cast(dict[str, list[float]], result.pop("one_client_beside"))
             where[BESIDE] = statistics.median(beside["wide"])
             where[BESIDE_WORKER] = statistics.median(beside["narrow"])
@@ -667,8 +683,6 @@ def main() -> None:
             pin_process(own_cores)
         print(f"the two Kafka hops alone, each after {ttft_idle['idle_ms']:g} ms idle ...", file=sys.stderr)
         hops = kafka_floor.hops_after_idle(conn, ttft_idle["idle_ms"], 50 if args.quick else 200)
-        print("the two Kafka hops alone around MiniLM's forward ...", file=sys.stderr)
-        around = kafka_floor.hops_around_forward(conn, 50 if args.quick else 200)
     one_client = cast(dict[str, float], result["embedding_one_client_ms"])
     one_client.update({f"bare {key}": value for key, value in around.items() if key != "samples"})
     result["ttft_ms"] = ttft_floor(cast(dict[str, float], result["ttft_ms"]), ttft_idle["ms"], hops)
@@ -731,7 +745,8 @@ def main() -> None:
         + f", {where['raw batch 1, eager']:.2f} eager in a loop"
         + f" | beside the blocks: raw batch 1 {where[BESIDE]:.2f} in a loop"
         f" ({where[BESIDE_WORKER]:.2f} on the worker's {threads} thread(s))"
-        + f" | bare: the two hops around that forward {where['bare hops']:.2f} (in {where['bare hop_in']:.2f},"
+        + f" | bare, beside them: the two hops around that forward {where['bare hops']:.2f}"
+        f" (in {where['bare hop_in']:.2f},"
         f" back {where['bare hop_back']:.2f}), round trip {where['bare round_trip']:.2f}"
     )
     first, ttft = (

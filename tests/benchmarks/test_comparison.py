@@ -179,6 +179,40 @@ def test_one_clients_embedding_is_judged_against_the_floor_of_this_design_where_
     assert "ray_floor" not in generation["generation"]["1"]  # the bare hops ran around MiniLM only
 
 
+def test_one_clients_embedding_floor_takes_the_bare_echo_over_the_forward_beside_the_platform() -> None:
+    """With the raw forward sampled beside the platform's blocks (and the bare echo sampled there too), the
+    echo's round trip adds what it adds over that forward, as the platform's own latency is taken: not over
+    the loop run minutes away. M18's echo ran apart, in a slower minute than its loop (a 12.16 ms round trip
+    over a 7.30 ms loop, with 2.43 ms of hops inside it), and took 4.9 ms of hops into the floor."""
+    raw = profiles({"embeddings": 4.0, "generation": 68.0}, per_s=1000.0)  # both cores, in a loop, apart
+    floor = profiles({"embeddings": 6.0, "generation": 72.0}, per_s=600.0)
+    own = {**floor, "embeddings": {**floor["embeddings"], "1": raw["embeddings"]["1"]}}
+    ray = profiles({"embeddings": 22.0, "generation": 100.0}, per_s=200.0)  # adds 16 ms
+    naive = profiles({"embeddings": 8.0, "generation": 75.0}, per_s=300.0)  # adds 2 ms
+    platform = profiles({"embeddings": 12.0, "generation": 80.0}, per_s=450.0)
+    everyone = {"raw": raw, "platform": platform, "ray": ray, "naive": naive}
+
+    def one(beside: dict[str, tuple[float, float]] | None) -> dict[str, float | None]:
+        out = comparison.ratios(everyone, floor, own, 8.0, 6.0, beside, bare_hops_ms=2.0)
+        return out["embeddings"]["1"]  # type: ignore[no-any-return]
+
+    apart = one(None)
+    assert apart["floor_added_ms"] == pytest.approx(2.0 + (8.0 - 4.0)), "over the loop run apart"
+    slow_minute = one({"embeddings": (11.5, 5.5)})  # the platform and the echo beside a 5.5 ms forward
+    assert slow_minute["added_ms"] == pytest.approx(6.0)
+    assert slow_minute["floor_added_ms"] == pytest.approx(2.0 + (8.0 - 5.5))
+    assert slow_minute["ray_floor"] == pytest.approx(4.5 / 16)
+    # the hops as the echo timed them stay the least it counts
+    assert one({"embeddings": (11.5, 7.5)})["floor_added_ms"] == pytest.approx(2.0 + 2.0)
+    # the other rows do not take the embedding's forward beside
+    beside_all = comparison.ratios(
+        everyone, floor, own, 8.0, 6.0, {"embeddings": (11.5, 5.5)}, bare_hops_ms=2.0
+    )
+    apart_all = comparison.ratios(everyone, floor, own, 8.0, 6.0, bare_hops_ms=2.0)
+    for workload, clients in (("embeddings", "64"), ("generation", "1"), ("generation", "64")):
+        assert beside_all[workload][clients] == apart_all[workload][clients], (workload, clients)
+
+
 def test_p6_at_64_clients_is_judged_against_the_model_alone_where_3x_ray_is_beyond_it() -> None:
     raw = profiles({"embeddings": 4.6, "generation": 68.0}, per_s=1000.0)
     floor = profiles(
