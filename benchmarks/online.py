@@ -74,10 +74,11 @@ forward add to that forward sampled beside the platform (``kafka_floor.around_fo
 leaves the cores cold for the hop back), never less than those hops as its own echo timed them. That echo
 runs beside the platform's one-client blocks as the raw forward does (between them, on this run's broker,
 the echo on every core, its driver here with the clients and the edge): run after the platform, minutes
-away, its hops drifted with the box by more than the margin judged (M16 and M18 in docs/perf). P6 at one client is a quarter of what Ray adds, or 1.2x that floor where the floor
-is above a quarter. P3 (dynamic batching at 64 clients over batch-1 serving, 4x) is within 1.2x of the
-model's own gain where that is under 4x (its best batch over batch 1 on the worker's threads, alone): no
-server's batching gives more than the model's (``floors.batching_target``).
+away, its hops drifted with the box by more than the margin judged (M16 and M18 in docs/perf). P6 at one
+client is a quarter of what Ray adds, or 1.2x that floor where the floor is above a quarter. P3 (dynamic
+batching at 64 clients over batch-1 serving, 4x) is within 1.2x of the model's own gain where that is under
+4x (its best batch over batch 1 on the worker's threads, alone): no server's batching gives more than the
+model's (``floors.batching_target``).
 """
 
 from __future__ import annotations

@@ -196,7 +196,7 @@ class DriftEmbedder(Component):
     (:meth:`help`), within the budget, as it always did (a batch the thread took just before a burst of
     load finishes in the model's gaps, beside it: the embedder may be called from both threads at once).
 
-    A prompt goes without its vector (``then(None)``, counted by ``on_skip``) when :data:`MAX_QUEUED` wait
+    A prompt goes without its vector (``then(None)``, counted by ``on_skip(n)``) when :data:`MAX_QUEUED` wait
     already, when it waited past ``max_wait_s``, when the budget (``budget``: the share of time the calls
     may take) is spent, or when the embedder has stopped; an embedder that fails gives None too (logged, not
     counted). ``on_embedded(n)``: n prompts embedded. ``then`` runs exactly once per prompt: on the thread
@@ -209,7 +209,7 @@ class DriftEmbedder(Component):
         embed: EmbedTexts,
         *,
         budget: float = 1.0,
-        on_skip: Callable[[], None] | None = None,
+        on_skip: Callable[[int], None] | None = None,
         on_embedded: Callable[[int], None] | None = None,
         max_wait_s: float = DRIFT_EMBED_MAX_WAIT_S,
         help_after_s: float = DRIFT_EMBED_HELP_AFTER_S,
@@ -310,9 +310,8 @@ class DriftEmbedder(Component):
     def _count_skipped(self, n: int) -> None:
         """Call with the lock held."""
         self.skipped += n
-        if self._on_skip is not None:
-            for _ in range(n):
-                self._on_skip()
+        if n and self._on_skip is not None:
+            self._on_skip(n)
 
     def _serve(self) -> None:
         name_thread(threading.get_native_id(), DRIFT_THREAD_NAME)

@@ -161,7 +161,7 @@ def test_prompts_that_queue_while_one_embeds_are_embedded_together() -> None:
 
 def test_a_full_queue_answers_at_once_without_a_vector_counted() -> None:
     gate, answers, skips = Gate(), Answers(), list[None]()
-    with DriftEmbedder(gate, on_skip=lambda: skips.append(None)) as embedder:
+    with DriftEmbedder(gate, on_skip=lambda n: skips.extend([None] * n)) as embedder:
         embedder.submit("first", answers.then("first"))
         assert gate.entered.wait(10)
         for i in range(MAX_QUEUED + 5):
@@ -177,7 +177,7 @@ def test_a_full_queue_answers_at_once_without_a_vector_counted() -> None:
 
 def test_prompts_that_waited_too_long_go_without_counted() -> None:
     clock, gate, answers, skips = Clock(), Gate(), Answers(), list[None]()
-    embedder = DriftEmbedder(gate, max_wait_s=1.0, clock=clock, on_skip=lambda: skips.append(None))
+    embedder = DriftEmbedder(gate, max_wait_s=1.0, clock=clock, on_skip=lambda n: skips.extend([None] * n))
     with embedder:
         embedder.submit("first", answers.then("first"))
         assert gate.entered.wait(10)
@@ -335,7 +335,9 @@ def test_over_the_budget_queued_prompts_go_without_counted() -> None:
         clock.now += 0.2  # four bursts' worth
         return [[0.5, 0.5] for _ in texts]
 
-    with DriftEmbedder(slow, budget=0.02, clock=clock, on_skip=lambda: skips.append(None)) as embedder:
+    with DriftEmbedder(
+        slow, budget=0.02, clock=clock, on_skip=lambda n: skips.extend([None] * n)
+    ) as embedder:
         embedder.submit("a", answers.then("a"))
         answers.wait(1)
         embedder.submit("b", answers.then("b"))  # 0.15 s in debt: ~7.5 s to earn it back
