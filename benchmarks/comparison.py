@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, cast
 
+import aiohttp
 import loadgen
 from loadgen import CLIENTS, NEW_TOKENS, QUICK_TOKENS, WORKLOADS, Profile
 
@@ -74,32 +75,58 @@ def raw_profiles(raw: dict[str, Any], quick: bool) -> Profiles:
 # ------------------------------------------------------------------------------------------ the naive peer
 
 
-async def _drive_naive(url: str, proc: subprocess.Popen[bytes], quick: bool) -> Profiles:
-    def alive() -> None:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the naive peer exited with {proc.returncode}")
+class NaivePeer:
+    """The naive peer's process (``peers/naive.py``) on a free loopback port, its output in ``log``, until
+    :meth:`close` (or the end of a ``with``). ``online.py`` also keeps one beside the platform: one client's
+    embeddings there are sampled between the platform's blocks, as the raw forward is."""
 
+    def __init__(self, log: Path, env: dict[str, str]) -> None:
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self._log = log.open("wb")
+        self._proc = subprocess.Popen(
+            [sys.executable, str(PEERS / "naive.py"), "--port", str(port)],
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+
+    def alive(self) -> None:
+        """Raise RuntimeError if the process has exited."""
+        if self._proc.poll() is not None:
+            raise RuntimeError(f"the naive peer exited with {self._proc.returncode}")
+
+    async def ready(self, session: aiohttp.ClientSession) -> None:
+        await loadgen.until_ready(session, f"{self.url}/readyz", alive=self.alive)
+
+    def close(self) -> None:
+        self._proc.terminate()
+        try:
+            self._proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        self._log.close()
+
+    def __enter__(self) -> NaivePeer:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+
+async def _drive_naive(peer: NaivePeer, quick: bool) -> Profiles:
     async with loadgen.client_session() as session:
-        await loadgen.until_ready(session, f"{url}/readyz", alive=alive)
-        return await loadgen.profile_all(session, url, quick)
+        await peer.ready(session)
+        return await loadgen.profile_all(session, peer.url, quick)
 
 
 def run_naive(quick: bool, log: Path, env: dict[str, str]) -> Outcome:
-    port = free_port()
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, str(PEERS / "naive.py"), "--port", str(port)],
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
     try:
-        return asyncio.run(_drive_naive(f"http://127.0.0.1:{port}", proc, quick))
+        with NaivePeer(log, env) as peer:
+            return asyncio.run(_drive_naive(peer, quick))
     except (RuntimeError, OSError) as exc:
         return f"failed: {exc} (log {log})"
-    finally:
-        proc.terminate()
-        proc.wait(30)
 
 
 # --------------------------------------------------------------------------------------------- Ray Serve
@@ -174,6 +201,7 @@ def ratios(
     idle_embedding_ms: float | None = None,
     beside: Mapping[str, tuple[float, float]] | None = None,
     bare_hops_ms: float | None = None,
+    naive_beside: tuple[float, float] | None = None,
 ) -> dict[str, Any]:
     """Per workload and client count: platform over each of raw/ray/naive in throughput (``per_s``), p99,
     and (where the peer is not raw) in latency added at p50 to the model as each server runs it: a peer's
@@ -190,7 +218,11 @@ def ratios(
     where given, as the platform's own added latency is taken: the echo is sampled there too), and never
     less than ``bare_hops_ms`` (the same echo's round trip less its own forward: a loop run in a slower
     minute than the echo would otherwise take the hops out of the floor, as in M16); ``ray_floor`` is that
-    over what Ray adds, the least ``ray_added_p50`` could be.
+    over what Ray adds, the least ``ray_added_p50`` could be. ``naive_beside``: (the naive server's p50 at
+    one client's embedding, the raw forward on the servers' threads in a loop), both sampled beside the
+    platform's one-client blocks; where given, what the naive server adds to the floor is taken from these
+    (``naive_added_ms_beside``), as the platform's own added latency and the bare hops are, not from its
+    profile run apart after the platform (that one stays the table's platform/naive).
 
     ``beside``: per workload, (the platform's p50, the raw model's) at one client, the raw model sampled
     alone between blocks of the platform's requests. The platform's added latency there is then taken from
@@ -238,6 +270,8 @@ def ratios(
                     beside[workload][1] if beside is not None and workload in beside else own_row["p50_ms"]
                 )
                 bare_added = max(bare_hops_ms or 0.0, bare_embedding_ms - forward)
+                if naive_beside is not None:
+                    naive_added = row["naive_added_ms_beside"] = naive_beside[0] - naive_beside[1]
                 slowdown = max(0.0, (idle_embedding_ms or 0.0) - base_row["p50_ms"])
                 floor_added = max(0.0, naive_added - slowdown) + bare_added
                 row["floor_added_ms"] = floor_added

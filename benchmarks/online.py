@@ -71,10 +71,13 @@ p50 is +5 ms, or 1.2x that floor where the floor is above +5 ms (the issue's rul
 One client's embedding gets a floor the same way (``comparison.ratios``): what the naive peer adds (HTTP,
 JSON, tokenising; less its forward's slowdown after idle) plus what two bare Kafka hops around MiniLM's
 forward add to that forward sampled beside the platform (``kafka_floor.around_forward_echo``: the forward
-leaves the cores cold for the hop back), never less than those hops as its own echo timed them. That echo
-runs beside the platform's one-client blocks as the raw forward does (between them, on this run's broker,
-the echo on every core, its driver here with the clients and the edge): run after the platform, minutes
-away, its hops drifted with the box by more than the margin judged (M16 and M18 in docs/perf). P6 at one
+leaves the cores cold for the hop back), never less than those hops as its own echo timed them. Both run
+beside the platform's one-client blocks as the raw forward does, between them: the echo on this run's
+broker (on every core, its driver here with the clients and the edge), the naive peer's one-client
+embeddings against a naive server started with the raw reference (its part: their p50 over the raw forward
+on the workers' threads sampled there). Run after the platform, minutes away, the hops drifted with the box
+by more than the margin judged (M16 and M18 in docs/perf); the naive peer's profile, the table's
+platform/naive, still runs apart. P6 at one
 client is a quarter of what Ray adds, or 1.2x that floor where the floor is above a quarter. P3 (dynamic
 batching at 64 clients over batch-1 serving, 4x) is within 1.2x of the model's own gain where that is under
 4x (its best batch over batch 1 on the worker's threads, alone): no server's batching gives more than the
@@ -115,7 +118,14 @@ from loadgen import (
     spread_rate,
     ttft_stamped,
 )
-from reference import BESIDE, BESIDE_WORKER, RawReference, beside_platform, one_client_generation
+from reference import (
+    BESIDE,
+    BESIDE_WORKER,
+    NAIVE_BESIDE,
+    RawReference,
+    beside_platform,
+    one_client_generation,
+)
 from stages import BACK_SPLIT, RAW_IDLE_WORKER, STAGES, server_timing, where_time_goes
 
 from bus.placement import available_cpus, pin_process, place_box
@@ -258,10 +268,11 @@ async def measure(
     quick: bool,
     reference: RawReference,
     bare: kafka_floor.Driver,
+    naive: comparison.NaivePeer | None = None,
 ) -> dict[str, object]:
-    """Every phase of the platform (see the module's text); ``reference`` and ``bare`` (an echo around the
-    forward, :func:`kafka_floor.around_forward_echo`) are sampled between the blocks of one client's
-    embeddings."""
+    """Every phase of the platform (see the module's text); ``reference``, ``bare`` (an echo around the
+    forward, :func:`kafka_floor.around_forward_echo`) and ``naive`` (the naive peer, one client's
+    embeddings) are sampled between the blocks of one client's embeddings."""
     url = urls[0]
     connector = aiohttp.TCPConnector(limit=256)
     async with aiohttp.ClientSession(
@@ -280,6 +291,10 @@ async def measure(
             return True
 
         await until_ok(ready)
+        if naive is not None:
+            await naive.ready(session)
+            for n in range(8):  # its connection and its model's first calls
+                await embed(session, naive.url, n)
         # warm-up: every path once under load, so the measured phases see warm caches and connections
         for edge in urls:
             await closed_loop(32, 64, job_for(session, edge, "generation", 8))
@@ -318,17 +333,24 @@ async def measure(
         size = (30 if quick else 200) // blocks
         beside: dict[str, list[float]] = {"wide": [], "narrow": []}
         bare_runs: list[tuple[float, float, float, float]] = []
+        naive_ms: list[float] = []
 
-        def sample() -> None:
+        async def sample() -> None:
             for name, times in reference.sample(size).items():
                 beside[name] += times
             bare_runs.extend(bare.around_forward(size))
+            if naive is None:
+                return
+            for n in range(size):
+                began = time.perf_counter()
+                await embed(session, naive.url, n)
+                naive_ms.append((time.perf_counter() - began) * 1000)
 
         stamps: list[tuple[str, float, float, str]] = []
-        sample()
+        await sample()
         for block in range(blocks):
             stamps += [await embed_stamped(session, url, block * size + n) for n in range(size)]
-            sample()
+            await sample()
         # One client's completions the same way, beside the raw generate on the worker's threads: the
         # profile above (24 requests, minutes from the raw run) is what the peers are compared on.
         tokens = QUICK_TOKENS if quick else NEW_TOKENS
@@ -358,6 +380,7 @@ async def measure(
         "one_client_stamps": stamps,
         "one_client_beside": beside,
         "one_client_bare": bare_runs,
+        "one_client_naive": naive_ms,
         "one_client_generations": generations,
         "ttft_stamps": ttft_stamps,
         "embedding_quiet_batches": quiet,
@@ -481,6 +504,10 @@ def counter_total(metrics: str, name: str) -> float:
     )
 
 
+def wanted_peers(args: argparse.Namespace) -> set[str]:
+    return {p.strip() for p in args.peers.split(",") if p.strip()}
+
+
 def run_peers(
     args: argparse.Namespace,
     raw: dict[str, object],
@@ -493,6 +520,7 @@ def run_peers(
     idle_embedding_ms: float | None = None,
     beside: dict[str, tuple[float, float]] | None = None,
     bare_hops_ms: float | None = None,
+    naive_beside: tuple[float, float] | None = None,
 ) -> dict[str, Any]:
     """The peers, one at a time, after the platform has stopped (this machine's cores are shared), with
     the workers' torch threads; their profiles beside the platform's and the raw model's, and the ratios.
@@ -502,8 +530,9 @@ def run_peers(
     workers' threads, for the
     floor under one client's added latency (``comparison.ratios``); ``bare_hops_ms``: that round trip less
     its own forward, the least the floor counts for the hops. ``beside``: per workload, one client's
-    p50 on the platform and the raw model's sampled beside it (:func:`beside_platform`)."""
-    wanted = {p.strip() for p in args.peers.split(",") if p.strip()}
+    p50 on the platform and the raw model's sampled beside it (:func:`beside_platform`); ``naive_beside``:
+    the naive peer's one-client embedding p50 sampled there and that raw forward on the workers' threads."""
+    wanted = wanted_peers(args)
     logs = Path(tempfile.mkdtemp(prefix="sluice-bench-peers-"))
     peer_env = comparison.child_env(env.get("SLUICE_WORKER_TORCH_THREADS"))
     profiles: dict[str, comparison.Outcome] = {
@@ -538,7 +567,14 @@ def run_peers(
         # from the model on both cores, the peers' from the model on the workers' threads
         own = {**base, "embeddings": {**base["embeddings"], "1": profiles["raw"]["embeddings"]["1"]}}
     ratios = comparison.ratios(
-        profiles, base, own, bare_embedding_ms, idle_embedding_ms, beside, bare_hops_ms=bare_hops_ms
+        profiles,
+        base,
+        own,
+        bare_embedding_ms,
+        idle_embedding_ms,
+        beside,
+        bare_hops_ms=bare_hops_ms,
+        naive_beside=naive_beside,
     )
     return {"profiles": profiles, "ratios": ratios, "about": facts}
 
@@ -614,6 +650,15 @@ def main() -> None:
     # starts (Kafka, the edge) on the others; the peers afterwards run where the OS puts them.
     # started before the box is split: the reference runs the model alone on every core, as the raw run did
     reference = RawReference(threads, Path(tempfile.mkdtemp(prefix="sluice-bench-ref-")) / "reference.log")
+    # and the naive peer, whose one-client embeddings are sampled with it (its profile still runs apart)
+    naive = (
+        comparison.NaivePeer(
+            Path(tempfile.mkdtemp(prefix="sluice-bench-naive-")) / "naive.log",
+            comparison.child_env(str(threads)),
+        )
+        if "naive" in wanted_peers(args)
+        else None
+    )
     own_cores = available_cpus()
     placed, worker_env = place_box(args.worker_cpus)
     print(placed or "no CPU placement", file=sys.stderr)
@@ -641,9 +686,11 @@ def main() -> None:
             try:
                 # the bare echo beside the platform as the raw forward is: both on every core
                 with kafka_floor.around_forward_echo(conn, own_cores or None) as bare:
-                    result = asyncio.run(measure(urls, raw, services, args.quick, reference, bare))
+                    result = asyncio.run(measure(urls, raw, services, args.quick, reference, bare, naive))
             finally:
                 reference.close()
+                if naive is not None:
+                    naive.close()
             raw_batch1_ms = 1000 / float(cast(dict[str, float], raw["embeddings_per_s"])["1"])
             stamped = cast(list[tuple[str, float, float, str]], result.pop("one_client_stamps"))
             returns = {
@@ -668,6 +715,8 @@ def main() -> None:
             beside = cast(dict[str, list[float]], result.pop("one_client_beside"))
             where[BESIDE] = statistics.median(beside["wide"])
             where[BESIDE_WORKER] = statistics.median(beside["narrow"])
+            if naive_ms := cast(list[float], result.pop("one_client_naive")):
+                where[NAIVE_BESIDE] = statistics.median(naive_ms)
             result["embedding_one_client_ms"] = where
             generations = cast(dict[str, list[float]], result.pop("one_client_generations"))
             result["generation_one_client_ms"] = one_client_generation(generations)
@@ -718,6 +767,9 @@ def main() -> None:
             cast(dict[str, float], result["generation_one_client_ms"]),
         ),
         bare_hops_ms=around["hops"],
+        naive_beside=(
+            (one_client[NAIVE_BESIDE], one_client[BESIDE_WORKER]) if NAIVE_BESIDE in one_client else None
+        ),
     )
     cpu = cpu_model()
     result["machine"] = {
@@ -749,6 +801,7 @@ def main() -> None:
         + f" | bare, beside them: the two hops around that forward {where['bare hops']:.2f}"
         f" (in {where['bare hop_in']:.2f},"
         f" back {where['bare hop_back']:.2f}), round trip {where['bare round_trip']:.2f}"
+        + (f" | the naive server beside them {where[NAIVE_BESIDE]:.2f}" if NAIVE_BESIDE in where else "")
     )
     first, ttft = (
         cast(dict[str, float], result["ttft_one_client_ms"]),

@@ -72,6 +72,9 @@ BESIDE = "raw batch 1 beside"
 between the platform's blocks (:class:`RawReference`)."""
 BESIDE_WORKER = "raw batch 1 beside, worker's threads"
 """The same on the worker's threads."""
+NAIVE_BESIDE = "naive beside"
+"""The naive peer's one-client embedding, p50 of the requests made between the platform's blocks with the
+raw forward (``comparison.NaivePeer``), on the same threads as :data:`BESIDE_WORKER`'s forward."""
 
 
 def beside_platform(

@@ -213,6 +213,43 @@ def test_one_clients_embedding_floor_takes_the_bare_echo_over_the_forward_beside
         assert beside_all[workload][clients] == apart_all[workload][clients], (workload, clients)
 
 
+def test_one_clients_embedding_floor_takes_the_naive_server_sampled_beside_the_platform() -> None:
+    """With the naive server's one-client embeddings sampled beside the platform's blocks (with the raw
+    forward on the servers' threads there), what it adds to the floor is taken from those, as the bare
+    hops and the platform's own latency are; its profile run apart, minutes later, stays the table's."""
+    raw = profiles({"embeddings": 4.0, "generation": 68.0}, per_s=1000.0)
+    floor = profiles({"embeddings": 6.0, "generation": 72.0}, per_s=600.0)
+    own = {**floor, "embeddings": {**floor["embeddings"], "1": raw["embeddings"]["1"]}}
+    ray = profiles({"embeddings": 22.0, "generation": 100.0}, per_s=200.0)  # adds 16 ms
+    naive = profiles({"embeddings": 8.0, "generation": 75.0}, per_s=300.0)  # adds 2 ms, apart
+    platform = profiles({"embeddings": 12.0, "generation": 80.0}, per_s=450.0)
+    everyone = {"raw": raw, "platform": platform, "ray": ray, "naive": naive}
+    beside = {"embeddings": (11.5, 5.5)}
+
+    def one(naive_beside: tuple[float, float] | None, idle_ms: float = 6.0) -> dict[str, float | None]:
+        out = comparison.ratios(
+            everyone, floor, own, 8.0, idle_ms, beside, bare_hops_ms=2.0, naive_beside=naive_beside
+        )
+        return out["embeddings"]["1"]  # type: ignore[no-any-return]
+
+    apart = one(None)
+    assert apart["floor_added_ms"] == pytest.approx(2.0 + 2.5)
+    assert "naive_added_ms_beside" not in apart
+    # in a fast minute the naive server added 1.2 ms over a 6.3 ms forward beside it, not the 2 ms apart
+    fast = one((7.5, 6.3))
+    assert fast["naive_added_ms_beside"] == pytest.approx(1.2)
+    assert fast["floor_added_ms"] == pytest.approx(1.2 + 2.5)
+    assert fast["ray_floor"] == pytest.approx(3.7 / 16)
+    assert fast["naive_added_ms"] == pytest.approx(2.0), "the table's platform/naive is still the profile's"
+    assert fast["naive_added_p50"] == apart["naive_added_p50"]
+    # the forward's slowdown after idle is still not HTTP; nothing below nothing
+    assert one((7.5, 6.3), idle_ms=6.5)["floor_added_ms"] == pytest.approx(0.7 + 2.5)
+    assert one((6.0, 6.3))["floor_added_ms"] == pytest.approx(0.0 + 2.5)
+    # no floor without the bare echo, beside or not
+    row = comparison.ratios(everyone, floor, own, None, 6.0, beside, naive_beside=(7.5, 6.3))
+    assert "floor_added_ms" not in row["embeddings"]["1"]
+
+
 def test_p6_at_64_clients_is_judged_against_the_model_alone_where_3x_ray_is_beyond_it() -> None:
     raw = profiles({"embeddings": 4.6, "generation": 68.0}, per_s=1000.0)
     floor = profiles(

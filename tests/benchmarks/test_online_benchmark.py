@@ -111,6 +111,12 @@ def test_the_online_benchmark_runs_quick_and_writes_its_json(tmp_path: Path, kaf
     one = result["peers"]["ratios"]["embeddings"]["1"]
     assert one["floor_added_ms"] > 0, one
     assert one["added_ms_apart"] >= 0, "the platform's added latency is taken beside the raw forward"
+    # the naive server's part of that floor from its requests sampled beside the platform's blocks too
+    assert where["naive beside"] > 0, where
+    assert one["naive_added_ms_beside"] == pytest.approx(
+        where["naive beside"] - where["raw batch 1 beside, worker's threads"]
+    )
+    assert "the naive server beside them" in stdout
     assert "ray_floor" not in one, one
     # one client's completions in blocks, beside the raw generate sampled between them
     completions = result["generation_one_client_ms"]
