@@ -22,6 +22,7 @@ from typing import Any, cast
 
 import aiohttp
 import loadgen
+from harness import reap
 from loadgen import CLIENTS, NEW_TOKENS, QUICK_TOKENS, WORKLOADS, Profile
 
 from infra.kafka.broker import free_port
@@ -101,11 +102,7 @@ class NaivePeer:
 
     def close(self) -> None:
         self._proc.terminate()
-        try:
-            self._proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait()
+        reap(self._proc)
         self._log.close()
 
     def __enter__(self) -> NaivePeer:

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import os
 import platform
+import subprocess
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -66,6 +68,16 @@ def service_env(conn: KafkaConnection, prefix: str, **extra: str) -> dict[str, s
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_") or k.startswith(keep)}
     env.update(SLUICE_KAFKA_BOOTSTRAP=conn.bootstrap, SLUICE_TOPIC_PREFIX=prefix, **extra)
     return env
+
+
+def reap(proc: subprocess.Popen[Any], within: float = 30) -> None:
+    """Wait for a child that was asked to end (SIGTERM, or its stdin closed) to exit; SIGKILL it after
+    ``within`` seconds."""
+    try:
+        proc.wait(within)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def cpu_seconds(*procs: psutil.Process) -> list[float]:

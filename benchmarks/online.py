@@ -105,7 +105,7 @@ import aiohttp
 import comparison
 import kafka_floor
 from floors import drift, floor_summary, mean_run, ttft_floor
-from harness import cpu_model, kafka, pct, service_env
+from harness import cpu_model, kafka, pct, reap, service_env
 from loadgen import (
     NEW_TOKENS,
     QUICK_TOKENS,
@@ -194,11 +194,7 @@ class Services:
     def stop(self, name: str) -> None:
         proc = self.procs.pop(name)
         proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        reap(proc)
 
     def stop_all(self) -> None:
         for name in list(self.procs):

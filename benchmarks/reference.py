@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 from typing import cast
 
+from harness import reap
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -59,11 +61,7 @@ class RawReference:
     def close(self) -> None:
         if self._proc.stdin is not None:
             self._proc.stdin.close()
-        try:
-            self._proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait()
+        reap(self._proc)
         self._log.close()
 
 

@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
-from harness import cpu_model
+from harness import cpu_model, reap
 from prometheus_client.parser import text_string_to_metric_families
 
 from bus.producer import EventProducer
@@ -234,11 +234,7 @@ def streams_process(env: dict[str, str], log: Path) -> Iterator[subprocess.Popen
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            reap(proc)
 
 
 def wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path, within: float = 120) -> None:
