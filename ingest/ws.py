@@ -151,6 +151,12 @@ class WsSession:
         except msgspec.DecodeError as exc:
             await self._error(_client_id(text), InvalidRequest(f"Invalid frame: {exc}", code="invalid_frame"))
             return
+        except RecursionError:  # balanced JSON nested ~1000 deep: msgspec's Raw capture recurses
+            await self._error(
+                _client_id(text),
+                InvalidRequest("Invalid frame: JSON nested too deeply.", code="invalid_frame"),
+            )
+            return
         match frame:
             case PingFrame():
                 await self._put({"type": "pong", "id": frame.id})
@@ -187,6 +193,9 @@ class WsSession:
                 await self._resume(frame)
         except IngestError as exc:
             await self._error(frame.id, exc)
+        except Exception:  # a bug must not leave the client waiting on an id that silently vanished
+            log.exception("unhandled error in a WebSocket request frame %r", frame.id)
+            await self._error(frame.id, IngestError("The server had an error while processing your request."))
         finally:
             work = self._work.get(frame.id)
             if work is not None and work.task is asyncio.current_task():

@@ -256,3 +256,46 @@ async def test_json_nested_too_deep_is_an_error_frame_and_the_socket_stays_open(
         assert error["error"]["code"] == "invalid_frame"
         await ws.send_str('{"type": "ping", "id": 1}')
         assert await ws.receive_json() == {"type": "pong", "id": 1}
+
+
+async def test_a_request_whose_body_is_nested_too_deep_is_an_error_frame_and_its_siblings_go_on(
+    client: Client, gateway: FakeGateway
+) -> None:
+    """Balanced JSON nested ~1000 deep inside a request's body made msgspec's raw capture recurse: the
+    RecursionError escaped the receive loop, the socket closed and its other requests were cancelled."""
+    gateway.hold_after = 1
+    async with client.ws_connect("/v1/ws", headers=AUTH) as ws:
+        await ws.send_json(request("keep", {**CHAT, "max_tokens": 5}))
+        assert (await ws.receive_json())["type"] == "accepted"
+        assert (await ws.receive_json())["type"] == "token"
+        depth = 1000
+        await ws.send_str(
+            '{"type": "request", "id": 1, "endpoint": "chat.completions", "body": '
+            + "[" * depth
+            + "]" * depth
+            + "}"
+        )
+        error = await ws.receive_json(timeout=5)  # its id is as deep to find as the body (msgspec recurses)
+        assert (error["type"], error["id"], error["error"]["code"]) == ("error", None, "invalid_frame")
+        await ws.send_json({"type": "ping", "id": 2})
+        assert await ws.receive_json(timeout=5) == {"type": "pong", "id": 2}
+    assert [c.reason for c in gateway.cancels] == ["client_disconnect"], "only when the client left"
+    assert len(gateway.submitted) == 1
+
+
+async def test_an_unexpected_failure_of_one_request_is_an_error_frame_not_silence(
+    client: Client, gateway: FakeGateway, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request frame whose handling raised anything but an IngestError vanished: no accepted, no error
+    frame, and a later cancel of its id answered unknown_id."""
+
+    async def broken(*_args: Any, **_kwargs: Any) -> Any:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(gateway, "submit", broken)
+    async with client.ws_connect("/v1/ws", headers=AUTH) as ws:
+        await ws.send_json(request("x"))
+        error = await ws.receive_json(timeout=5)
+        assert (error["type"], error["id"], error["error"]["type"]) == ("error", "x", "server_error")
+        await ws.send_json({"type": "ping", "id": 1})
+        assert await ws.receive_json(timeout=5) == {"type": "pong", "id": 1}
