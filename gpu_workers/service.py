@@ -40,10 +40,10 @@ from gpu_workers.features import FeatureProbe, Vector
 from gpu_workers.observe import WorkerObserver, open_trace
 from gpu_workers.offsets import OffsetTracker
 from gpu_workers.runtime import Arrival, Emitter, Request, Runner
-from gpu_workers.terminal import finished_by, fits, too_large, with_features, with_request
+from gpu_workers.terminal import finished_by, too_large, with_features, with_request
 from monitoring import tracing
 from monitoring.ops import Readiness
-from schemas.codec import DecodeError, decode, encode, headers, kafka_key
+from schemas.codec import DecodeError, decode, encode, fits_record, headers, kafka_key
 from schemas.deployments import Deployment
 from schemas.events import (
     BatchItemRequested,
@@ -803,7 +803,7 @@ class WorkerService(Component):
                         span.end()
 
         value = encode(result)
-        if not fits(value):
+        if not fits_record(value):
             # Too large for one record: end the request failed, not the model thread (which the produce
             # error used to kill, and again after every redelivery).
             log.error(

@@ -13,7 +13,7 @@ from confluent_kafka import Message
 from bus.consumer import record_headers
 from gpu_workers.features import FeatureProbe, Vector
 from gpu_workers.runtime import Request
-from schemas.codec import MAX_RECORD_BYTES, DecodeError, ce_type, decode, encode
+from schemas.codec import MAX_RECORD_BYTES, DecodeError, ce_type, decode, encode, fits_record
 from schemas.events import EmbeddingRequested, ErrorInfo, GenerationRequested, RequestFinished, Usage
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ def with_features(
     except Exception:
         log.exception("drift features of %s failed", event.request_id)
         return value
-    if not fits(described):
+    if not fits_record(described):
         log.warning("drift features of %s left out: the event would not fit one record", event.request_id)
         return value
     return described
@@ -91,15 +91,6 @@ def finished_by(message: Message, model_id: str, *, skip_source: str | None = No
     if not isinstance(event, RequestFinished) or event.model != model_id:
         return None
     return None if event.source == skip_source else event.request_id
-
-
-RECORD_HEADROOM_BYTES = 4096
-"""Room under :data:`~schemas.codec.MAX_RECORD_BYTES` for the key, headers and record framing."""
-
-
-def fits(value: bytes) -> bool:
-    """Whether an encoded terminal event fits one log record with its key and headers."""
-    return len(value) <= MAX_RECORD_BYTES - RECORD_HEADROOM_BYTES
 
 
 def too_large(result: RequestFinished, size: int) -> RequestFinished:

@@ -262,15 +262,22 @@ class KafkaGateway(AsyncComponent):
                 else:
                     self._exhausted.discard(event.tenant)
 
-    def _own(self, request_id: str, tenant: str, offset: int | None = None) -> None:
+    def _disown(self, request_id: str) -> None:
+        with self._owners_lock:
+            self._owners.pop(request_id, None)
+
+    def _own(self, request_id: str, tenant: str, offset: int | None = None) -> bool:
+        """Index the request as this edge's (with its first reply's offset once known); True if it was new."""
         with self._owners_lock:
             known = self._owners.get(request_id)
             if known is None:
                 self._owners[request_id] = (tenant, offset)
                 while len(self._owners) > self._resume_index:
                     self._owners.popitem(last=False)
-            elif known[1] is None and offset is not None:
+                return True
+            if known[1] is None and offset is not None:
                 self._owners[request_id] = (known[0], offset)
+            return False
 
     def owner(self, request_id: str) -> tuple[str, int | None] | None:
         """(tenant, first reply offset) of a request this edge may resume, else None."""
@@ -318,7 +325,7 @@ class KafkaGateway(AsyncComponent):
                 f"this edge lost its connection to the platform ({self.failure}); retry on another edge"
             )
         stream = ReplyStream(self, event.request_id, event.model, resume_after_seq, self._stream_buffer)
-        self._own(event.request_id, event.tenant)
+        new = self._own(event.request_id, event.tenant)
         self._streams[event.request_id] = stream  # registered first: no reply can be missed
         topic = self._names.requests(event.model)
         with tracing.current_span(
@@ -331,7 +338,12 @@ class KafkaGateway(AsyncComponent):
                 where = await self._producer.publish(
                     topic, event, key=self.partition_key(event.tenant, event.request_id)
                 )
-            except BaseException:
+            except BusError as exc:  # not durable: nothing to resume, and the caller may retry
+                self._streams.pop(event.request_id, None)
+                if new:
+                    self._disown(event.request_id)
+                raise GatewayUnavailable(f"the request could not be published: {exc}") from exc
+            except BaseException:  # cancelled while publishing: it may be on the log, resumable
                 self._streams.pop(event.request_id, None)
                 raise
             if span.is_recording():

@@ -16,11 +16,11 @@ from typing import Literal
 import msgspec
 
 from ingest.auth import Tenant
-from ingest.errors import CatalogueError, InvalidRequest, ModelNotFound, Unavailable
+from ingest.errors import CatalogueError, InvalidRequest, ModelNotFound, PayloadTooLarge, Unavailable
 from ingest.models import ModelCatalogue, ServedModel
 from ingest.openai import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, PromptInput, decode_body
 from ingest.settings import EdgeSettings
-from schemas.codec import MAX_RECORD_BYTES
+from schemas.codec import MAX_RECORD_BYTES, RECORD_HEADROOM_BYTES, encode, fits_record
 from schemas.deployments import Deployment, sticky_key
 from schemas.events import (
     FLOAT32_BYTES,
@@ -57,6 +57,11 @@ def embedding_inputs_that_fit(dim: int | None) -> int:
 
 # Bodies bigger than this are tokenised in a worker thread, off the event loop.
 _INLINE_TOKENISE_BYTES = 64 * 1024
+_CHECK_RECORD_BYTES = MAX_RECORD_BYTES // 8
+"""Bodies bigger than this have their request event's size checked before anything is published: the event
+carries the text and its token ids (a token id is a few characters for as few as one of text), so one
+under this is always far inside a record, and the check costs an encode only where it can fail."""
+_INPUT_PARAM: dict[Kind, str] = {"embedding": "input", "chat": "messages", "completion": "prompt"}
 
 
 @dataclass(frozen=True)
@@ -186,6 +191,15 @@ class Preparer:
             built = self._generation(kind, plain, tenant, header_timeout, idempotency_key, key)
         digest = body_hash(kind, raw) if idempotency_key is not None else ""
         event = built[0]
+        if len(raw) > _CHECK_RECORD_BYTES:
+            value = encode(event)
+            if not fits_record(value):
+                raise PayloadTooLarge(
+                    f"This request is {len(value):,} bytes as an event on the log (its text and token ids), over the "
+                    f"{MAX_RECORD_BYTES - RECORD_HEADROOM_BYTES:,} bytes one record holds; send fewer or shorter "
+                    "inputs per request.",
+                    param=_INPUT_PARAM[kind],
+                )
         return Prepared(
             event=event, shape=built[1], timeout_s=built[2], body_hash=digest, shadow=self._shadow(event, key)
         )

@@ -70,6 +70,14 @@ def ce_type(cls: type[Envelope]) -> str:
 MAX_RECORD_BYTES = 1_000_000
 """The most a producer writes in one record (librdkafka's ``message.max.bytes``, which
 :func:`bus.producer.producer_config` sets to this): what a terminal event must fit."""
+RECORD_HEADROOM_BYTES = 4096
+"""Room under :data:`MAX_RECORD_BYTES` for an encoded event's key, headers, record framing and what is
+added on its way out (a request's trace context)."""
+
+
+def fits_record(value: bytes) -> bool:
+    """Whether an encoded event fits one log record with its key and headers."""
+    return len(value) <= MAX_RECORD_BYTES - RECORD_HEADROOM_BYTES
 
 
 def encode(event: Event) -> bytes:

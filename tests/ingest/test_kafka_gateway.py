@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 import pytest
 from confluent_kafka import Message, Producer
 
@@ -65,6 +66,22 @@ async def test_a_dead_reply_listener_fails_open_streams_and_new_submits(
         assert not gateway.ready()
         with pytest.raises(GatewayUnavailable):
             await gateway.submit(_request(gateway))
+
+
+async def test_a_request_the_log_refuses_is_gateway_unavailable_and_leaves_nothing_to_resume(
+    gateway: KafkaGateway,
+) -> None:
+    """The contract: submit raises GatewayUnavailable when it cannot publish (so the edge answers 503 and
+    withdraws an idempotency claim). A record the producer refused (here: over the record limit, which
+    librdkafka checks itself) came out as a bare BusError, a 500 that left the claim behind."""
+    async with gateway:
+        event = msgspec.structs.replace(_request(gateway), input_ids=[123_456] * 200_000)  # ~1.4 MB
+        with pytest.raises(GatewayUnavailable, match="could not be published"):
+            await gateway.submit(event)
+        assert gateway.owner(event.request_id) is None, "never published: not resumable from this edge"
+        assert await gateway.resume("acme", event.request_id, -1) is None
+        stream = await gateway.submit(_request(gateway))  # the gateway itself is fine
+        await stream.aclose()
 
 
 async def test_a_start_that_fails_part_way_stops_what_it_started(

@@ -361,6 +361,29 @@ async def test_embeddings_whose_result_cannot_fit_one_record_are_refused_naming_
     assert len(gateway.submitted) == 1, "the refused request is never published"
 
 
+async def test_a_request_whose_event_would_not_fit_one_record_is_413_and_nothing_is_published(
+    client: Client, gateway: FakeGateway
+) -> None:
+    """A body under the edge's limit whose request event (its text and token ids) is over one record: the
+    producer refused it at publish, a 500 that left an Idempotency-Key pointing at nothing."""
+    from schemas.codec import MAX_RECORD_BYTES
+
+    text = " ".join(["z" * 99] * 5)  # five unknown words: one token id each
+    body = {"model": EMB, "input": [text] * 2040}
+    for headers in (AUTH, {**AUTH, "Idempotency-Key": "big-one"}):
+        response = await client.post(EMBEDDINGS, json=body, headers=headers)
+        assert response.status == 413, await response.text()
+        error = (await response.json())["error"]
+        assert (error["code"], error["param"]) == ("request_too_large", "input")
+        assert "one record" in error["message"]
+        assert int(error["message"].split(" bytes")[0].split()[-1].replace(",", "")) > MAX_RECORD_BYTES
+    assert gateway.submitted == []
+    assert gateway.idempotency == {}, "no claim is made for a request that is refused"
+    small = await client.post(EMBEDDINGS, json={**body, "input": [text] * 1000}, headers=AUTH)
+    assert small.status == 200, "half of it fits"
+    await assert_healthy(client, gateway)
+
+
 def test_a_minilm_result_fits_up_to_480_inputs() -> None:
     from ingest.prepare import RESULT_ENVELOPE_BYTES, embedding_inputs_that_fit
     from schemas.codec import MAX_RECORD_BYTES
