@@ -15,6 +15,7 @@ from ingest.errors import (
     DeadlineExceeded,
     GatewayUnavailable,
     IdempotencyInProgress,
+    IdempotencyKeyCancelled,
     IdempotencyKeyReused,
     InvalidRequest,
     NotFound,
@@ -74,6 +75,23 @@ def tenant_checked(stream: ReplyStream, tenant: str) -> Watched:
     def check(item: ReplyItem) -> None:
         if item.tenant != tenant:
             raise NotFound(f"No stream {item.request_id!r} to resume.", code="stream_not_found")
+
+    return Watched(stream, check)
+
+
+def replayed(stream: ReplyStream) -> Watched:
+    """An idempotent retry's replay of the key's request: a ``cancelled`` end is that key's final outcome, a
+    409 that says what to do, not the retriable 503 a client would retry into the same replay for the key's
+    lifetime."""
+
+    def check(item: ReplyItem) -> None:
+        if isinstance(item, RequestFinished) and item.status == "cancelled":
+            raise IdempotencyKeyCancelled(
+                f"The request this Idempotency-Key names ({item.request_id}) was cancelled before it finished "
+                "(its client left, or it was cancelled); a retry with this key replays that outcome. Send the "
+                "request again with a new key.",
+                param="Idempotency-Key",
+            )
 
     return Watched(stream, check)
 
@@ -155,13 +173,15 @@ class Dispatcher:
                 await self._gateway.forget_idempotent(event.tenant, idempotency_key, mine)
                 raise
         stream = await self._gateway.resume(event.tenant, record.request_id, -1)
-        stream = tenant_checked(stream, event.tenant) if stream is not None else None
         if stream is None:
             raise IdempotencyInProgress(
                 "A request with this Idempotency-Key is not readable yet; retry shortly.",
                 param="Idempotency-Key",
             )
-        return Opened(record.request_id, stream, owner=False)
+        # a retry after this edge's client left, within the grace, takes the request back as a resume does
+        owner = self._reclaim(record.request_id)
+        watched = replayed(tenant_checked(stream, event.tenant))
+        return Opened(record.request_id, watched, owner=owner)
 
     async def resume(self, tenant: str, request_id: str, after_seq: int) -> tuple[ReplyStream, bool]:
         """The request's replies after ``after_seq``, and whether the caller now owns the request: true when
@@ -169,11 +189,15 @@ class Dispatcher:
         found = await self._gateway.resume(tenant, request_id, after_seq)
         if found is None:
             raise NotFound(f"No stream {request_id!r} to resume.", code="stream_not_found")
-        stream = tenant_checked(found, tenant)
+        return tenant_checked(found, tenant), self._reclaim(request_id)
+
+    def _reclaim(self, request_id: str) -> bool:
+        """Drop the request's delayed disconnect cancel, if one is pending here: True when one was (the
+        caller owns the request again, and cancels it when it leaves)."""
         delayed = self._delayed.pop(request_id, None)
         if delayed is not None:
             delayed.cancel()
-        return stream, delayed is not None
+        return delayed is not None
 
     @contextlib.asynccontextmanager
     async def guard(self, flight: Flight, stream: ReplyStream, timeout_s: float) -> AsyncIterator[None]:

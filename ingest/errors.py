@@ -81,6 +81,15 @@ class IdempotencyInProgress(IngestError):
     retriable = True
 
 
+class IdempotencyKeyCancelled(IngestError):
+    """The key's request ended cancelled (its client left, past the disconnect grace): replaying that outcome
+    again and again would never get the client an answer, so it is final and says so."""
+
+    status = 409
+    error_type = "invalid_request_error"
+    default_code = "idempotency_key_cancelled"
+
+
 class PayloadTooLarge(IngestError):
     status = 413
     error_type = "invalid_request_error"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import msgspec
 
 from ingest.gateway import IdempotencyRecord
@@ -170,3 +172,50 @@ async def test_the_edge_rechecks_the_tenant_of_resumed_replies(client: Client, g
     )
     assert stolen.status == 404
     assert (await stolen.json())["error"]["code"] == "stream_not_found"
+
+
+async def test_a_keyed_retry_within_the_grace_takes_the_request_back_as_a_resume_does(
+    make_client: MakeClient, gateway: FakeGateway
+) -> None:
+    """A client whose connection dropped retries with its Idempotency-Key: the replay used to leave the
+    disconnect's delayed cancel pending, so the request was cancelled under the retry that was reading it."""
+    client, _ = await make_client(edge_disconnect_grace_s=0.5)
+    gateway.hold_after = 2
+    body = {**CHAT, "stream": True}
+    first = await client.post("/v1/chat/completions", json=body, headers=KEYED)
+    await first.content.readuntil(b" t1")
+    first.close()
+    await eventually(lambda: gateway.streams[0].closed)
+    retry = asyncio.create_task(client.post("/v1/chat/completions", json=body, headers=KEYED))
+    await asyncio.sleep(1.0)  # past the grace, while the retry reads the replay
+    gateway.release.set()
+    events = parse_sse(await (await retry).text())
+    assert events[-1][1] == "[DONE]"
+    assert all("error" not in data for _, data in events), events
+    assert gateway.cancels == []
+    assert len(gateway.submitted) == 1
+
+
+async def test_a_keyed_retry_of_a_cancelled_request_is_a_final_409_not_a_retriable_503(
+    client: Client, gateway: FakeGateway
+) -> None:
+    """With no grace (the default) a dropped client's request is cancelled at once; every retry with its key
+    replayed that as 503 ``x-should-retry: true``, for the key's 24 hours."""
+    gateway.hold_after = 1
+    task = asyncio.create_task(client.post("/v1/chat/completions", json=CHAT, headers=KEYED))
+    await eventually(lambda: len(gateway.submitted) == 1)
+    await asyncio.sleep(0.2)
+    task.cancel()  # the client's timeout
+    await asyncio.gather(task, return_exceptions=True)
+    await eventually(lambda: len(gateway.cancels) == 1)
+    for _ in range(2):
+        retry = await client.post("/v1/chat/completions", json=CHAT, headers=KEYED)
+        assert retry.status == 409, await retry.text()
+        assert retry.headers["x-should-retry"] == "false"
+        error = (await retry.json())["error"]
+        assert (error["code"], error["param"]) == ("idempotency_key_cancelled", "Idempotency-Key")
+        assert "new key" in error["message"]
+    gateway.hold_after = None
+    fresh = await client.post("/v1/chat/completions", json=CHAT, headers={**AUTH, "Idempotency-Key": "b"})
+    assert fresh.status == 200
+    assert len(gateway.submitted) == 2
