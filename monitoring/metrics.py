@@ -385,7 +385,7 @@ ROLLOUT_TRAFFIC_SHARE = Gauge(
 ROLLOUT_GATE_STATE = Gauge(
     "sluice_rollout_gate_state",
     "The rollout gate's state at the controller's last evaluation: 1 on the current state (pass, fail, "
-    "insufficient_data), 0 on the others.",
+    "insufficient_data, not_applicable), 0 on the others.",
     ("model", "gate", "state"),
 )
 ROLLOUT_DECISIONS = Counter(

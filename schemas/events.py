@@ -510,7 +510,13 @@ class AuditEntry(Envelope, frozen=True, kw_only=True, tag="audit_entry"):
 RolloutPhase = Literal["stable", "warming", "canary", "promoted", "rolled_back"]
 """``warming``: a rollout has started and the candidate's workers are loading; it has no traffic until one
 of them says it is ready (``WorkerReady``), then the rollout moves to ``canary`` at its first step."""
-GateState = Literal["pass", "fail", "insufficient_data"]
+GateState = Literal["pass", "fail", "insufficient_data", "not_applicable"]
+"""``pass`` and ``fail``: the candidate is within the gate's limit or not (one ``fail`` rolls back).
+``insufficient_data``: too few requests on either side (``min_requests``), or a metric one side has and the
+other has not yet; it blocks the step without failing it. ``not_applicable``: a latency gate whose metric
+neither version has at all although both have ``min_requests`` (an embeddings model has no inter-token
+gap): the metric does not exist for this model, so the gate counts as passed (added after the first
+rollouts: older readers of a ``DeploymentChanged`` whose evidence has it reject the event)."""
 
 
 class RolloutGates(FrozenStruct, frozen=True, kw_only=True):

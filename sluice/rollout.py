@@ -33,6 +33,8 @@ from streams.rollout import (
 CLIENT_ID = "sluice-cli-rollout"
 PHASE_COLOURS = {"rolled_back": "red", "warming": "cyan", "canary": "yellow", "promoted": "green"}
 """How the CLI and ``sluice up`` colour a deployment's phase."""
+GATE_STYLES = {"fail": "red", "insufficient_data": "dim", "not_applicable": "cyan", "pass": "green"}
+"""How the CLI colours a gate's state (``not_applicable``: counted as passed, but not measured)."""
 
 
 class RolloutError(ValueError):

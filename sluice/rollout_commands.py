@@ -168,7 +168,9 @@ def rollout_evaluate(
 ) -> None:
     """Before any live traffic: run the requests logged for MODEL through the stable version and VERSION in
     this process, and judge VERSION with the rollout gates (error ratio, TTFT and ITL p99, cost per 1k
-    tokens) plus how often both answer the same. Exit 0 when every gate passes, 1 when one does not."""
+    tokens) plus how often both answer the same. Exit 0 when every gate passes or does not apply to the model
+    (an embeddings model has no inter-token gap, and its TTFT gate judges end-to-end latency), 1 when one
+    does not."""
     import msgspec
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
@@ -177,7 +179,7 @@ def rollout_evaluate(
     from schemas.settings import load_settings
     from sluice.cli import _cell, console, out, settings
     from sluice.evaluate import evaluate, parse_duration
-    from sluice.rollout import RolloutError
+    from sluice.rollout import GATE_STYLES, RolloutError
 
     gates = _gates(
         min_requests, max_error_delta, max_ttft_ratio, max_itl_ratio, max_cost_ratio, drift=False, burn=False
@@ -212,15 +214,28 @@ def rollout_evaluate(
         f"{model}: {result.candidate} vs stable {result.stable} on {result.requests} logged requests "
         f"(stable {result.seconds['stable']:.1f}s, candidate {result.seconds['candidate']:.1f}s)"
     )
-    table = Table("gate", "state", "candidate", "stable", "limit", title=title)
+    table = Table("gate", "state", "candidate", "stable", "limit", "detail", title=title)
     for g in result.gates:
-        style = {"fail": "red", "insufficient_data": "dim"}.get(g.state, "green")
-        table.add_row(g.gate, g.state, _cell(g.candidate), _cell(g.baseline), _cell(g.limit), style=style)
+        table.add_row(
+            g.gate,
+            g.state,
+            _cell(g.candidate),
+            _cell(g.baseline),
+            _cell(g.limit),
+            g.detail,
+            style=GATE_STYLES.get(g.state, ""),
+        )
     out.print(table)
     out.print(f"same output as the stable version: {result.same_output:.1%}")
     if json_out is not None:
         json_out.write_bytes(msgspec.json.format(msgspec.json.encode(result), indent=2) + b"\n")
-    out.print("[green]every gate passed[/]" if result.passed else "[red]not every gate passed[/]")
+    skipped = [g.gate for g in result.gates if g.state == "not_applicable"]
+    if result.passed:
+        out.print(
+            "[green]every gate passed[/]" + (f" ({', '.join(skipped)}: not applicable)" if skipped else "")
+        )
+    else:
+        out.print("[red]not every gate passed[/]")
     raise typer.Exit(0 if result.passed else 1)
 
 
@@ -260,7 +275,7 @@ def rollout_status(
     from schemas.events import RolloutGates, utc_now
     from schemas.topics import TopicNames
     from sluice.cli import _cell, console, out, settings
-    from sluice.rollout import CLIENT_ID, PHASE_COLOURS, live_gates
+    from sluice.rollout import CLIENT_ID, GATE_STYLES, PHASE_COLOURS, live_gates
 
     platform = settings()
     try:
@@ -311,7 +326,6 @@ def rollout_status(
             "gate", "state", "candidate", "stable", "limit", "n (cand/stable)", "detail", title=title
         )
         for g in gates:
-            style = {"fail": "red", "insufficient_data": "dim"}.get(g.state, "green")
             gate_table.add_row(
                 g.gate,
                 g.state,
@@ -320,6 +334,6 @@ def rollout_status(
                 _cell(g.limit),
                 f"{g.candidate_n}/{g.baseline_n}",
                 g.detail,
-                style=style,
+                style=GATE_STYLES.get(g.state, ""),
             )
         out.print(gate_table)

@@ -12,11 +12,15 @@ model under rollout (or a burn-rate change for it) triggers an evaluation, at mo
 versions' requests accepted since the step began (``request_facts``), the candidate's drift verdicts in
 the step (``drift_reports``), and the model's firing fast burn alerts.
 
-Each gate is ``pass``, ``fail`` or ``insufficient_data`` (either side below ``min_requests``, or no
-latency samples): low traffic neither promotes nor aborts. One failed gate rolls back at once: the
-candidate's share goes to 0 and the ``DeploymentChanged`` carries the reason and every gate's numbers.
-All gates passing, for at least ``step_min_s``, moves to the next step; passing the last step before
-100 % promotes the candidate to stable.
+Each gate is ``pass``, ``fail`` or ``insufficient_data`` (either side below ``min_requests``, or a
+latency only one side has samples of yet): low traffic neither promotes nor aborts. A latency gate whose
+metric neither side has at all, both having ``min_requests``, is ``not_applicable`` and counts as passed:
+the model does not produce it (an embedding has no inter-token gap). An embedding has no first token
+either: its TTFT gate judges the end-to-end p99 of the completed embedding requests instead (said in the
+gate's ``detail``). One failed gate rolls back at once: the candidate's share goes to 0 and the
+``DeploymentChanged`` carries the reason and every gate's numbers. All gates passing (or not applicable),
+for at least ``step_min_s``, moves to the next step; passing the last step before 100 % promotes the
+candidate to stable.
 
 The controller keeps no state of its own beyond the latest deployment per model, which it reads from the
 control topic at start and follows through the sink: a restarted controller resumes exactly where the
@@ -26,9 +30,11 @@ follows the log's order (each deployment's place on the control topic), not the 
 An operator's decision outranks the controller's. Both are derived from the latest deployment the decider
 has read, so the two can race: the operator aborts, and before the sink has brought the abort here the
 controller publishes the next step it derived from the deployment before the abort. The log's last word
-would then silently undo the operator's. The controller notices (an operator's deployment placed between
-the one its decision came from and its decision) and publishes the operator's decision again, so the
-log ends with it; workers and edges follow the step for the moment that takes.
+would then silently undo the operator's. The controller notices (an operator's deployment placed after
+the one the earliest of its decisions the sink has not brought back yet came from, and before its latest
+decision: with the sink lagging, it may have derived a second step from its first before the abort came
+back) and publishes the operator's decision again, so the log ends with it; workers and edges follow the
+step for the moment that takes.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from types import MappingProxyType
-from typing import Any, TypedDict
+from typing import Any, TypedDict, get_args
 
 import msgspec
 
@@ -52,6 +58,7 @@ from schemas.events import (
     DeploymentChanged,
     Event,
     GateResult,
+    GateState,
     RequestFinished,
     RolloutGates,
     WorkerReady,
@@ -72,6 +79,15 @@ IN_PROGRESS = ("warming", "canary")
 """The phases of a rollout that has not ended."""
 READY_REMEMBERED = 1024
 """``WorkerReady`` announcements the controller keeps (by deployment and version), newest last."""
+GATE_STATES: tuple[GateState, ...] = get_args(GateState)
+"""Every state a gate can be in (the gate-state metric has one series per state)."""
+EMBEDDING_LATENCY = "embeddings: end-to-end p99 of completed requests (no first token)"
+"""The ``detail`` of a TTFT gate judged on :attr:`VersionStats.embedding_p99_ms`."""
+
+
+def passes(result: GateResult) -> bool:
+    """Whether ``result`` lets the step advance: it passed, or it does not apply to this model."""
+    return result.state in ("pass", "not_applicable")
 
 
 def in_progress(deployment: DeploymentChanged | None) -> bool:
@@ -89,6 +105,10 @@ class VersionStats:
     itl_p99_ms: float | None = None
     tokens: int = 0
     cost_nanos: int = 0
+    embedding_p99_ms: float | None = None
+    """p99 end-to-end latency (accepted to finished) of the completed embedding requests: an embedding has
+    no first token (``ttft_p99_ms`` is None), its whole answer is its first output, so this stands in for
+    TTFT (queue wait included, as in TTFT)."""
 
     @property
     def error_ratio(self) -> float:
@@ -107,7 +127,8 @@ def stats_sql(model: str, versions: Iterable[str], since: datetime) -> str:
     behind every live request (lowest priority), which measures the queue, not the candidate; a
     shadow-only step has nothing else to judge by. Lines of async batches count as requests and failures
     but in no latency (they wait in the batch lane by design) and not in the cost per token (they are
-    billed at the batch discount, so a version that served more of them would look cheaper)."""
+    billed at the batch discount, so a version that served more of them would look cheaper). Embeddings
+    have no first token: their end-to-end latency (completed ones, live first, like TTFT) stands in."""
     listed = ", ".join(sql_string(v) for v in sorted(set(versions)))
     since_ms = int(since.timestamp() * 1000)
     return f"""SELECT model_version,
@@ -119,6 +140,11 @@ def stats_sql(model: str, versions: Iterable[str], since: datetime) -> str:
     countIf(ttft_ms IS NOT NULL AND shadow_of = '' AND batch_id = '') AS ttft_live_n,
     quantileExactIf(0.99)(itl_max_ms, itl_max_ms IS NOT NULL AND batch_id = '') AS itl_p99,
     countIf(itl_max_ms IS NOT NULL AND batch_id = '') AS itl_n,
+    quantileExactIf(0.99)(e2e_ms, kind = 'embedding' AND status = 'completed' AND batch_id = '') AS embed_p99,
+    countIf(kind = 'embedding' AND status = 'completed' AND batch_id = '') AS embed_n,
+    quantileExactIf(0.99)(e2e_ms, kind = 'embedding' AND status = 'completed' AND shadow_of = ''
+        AND batch_id = '') AS embed_live_p99,
+    countIf(kind = 'embedding' AND status = 'completed' AND shadow_of = '' AND batch_id = '') AS embed_live_n,
     sumIf(prompt_tokens + completion_tokens, batch_id = '') AS tokens,
     sumIf(cost_nanos, batch_id = '') AS cost_nanos
 FROM request_facts FINAL
@@ -144,18 +170,20 @@ def parse_stats(rows: Sequence[dict[str, Any]]) -> dict[str, VersionStats]:
             return None
         return float(value)
 
+    def live_first(r: dict[str, Any], prefix: str) -> float | None:
+        if r.get(f"{prefix}_live_n"):
+            return number(r[f"{prefix}_live_p99"], r[f"{prefix}_live_n"])
+        return number(r.get(f"{prefix}_p99"), r.get(f"{prefix}_n"))
+
     return {
         str(r["model_version"]): VersionStats(
             n=int(r["n"]),
             errors=int(r["errors"]),
-            ttft_p99_ms=(
-                number(r["ttft_live_p99"], r["ttft_live_n"])
-                if r.get("ttft_live_n")
-                else number(r["ttft_p99"], r["ttft_n"])
-            ),
+            ttft_p99_ms=live_first(r, "ttft"),
             itl_p99_ms=number(r["itl_p99"], r["itl_n"]),
             tokens=int(r["tokens"]),
             cost_nanos=int(r["cost_nanos"]),
+            embedding_p99_ms=live_first(r, "embed"),
         )
         for r in rows
     }
@@ -183,6 +211,9 @@ def stats_of(results: Iterable[RequestFinished], prices: PriceTable) -> VersionS
             r["status"] == "expired" and not r["shadow_of"] and not r["batch_id"]
         )
 
+    def embedded(of: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [r for r in of if r["kind"] == "embedding" and r["status"] == "completed"]
+
     return VersionStats(
         n=len(rows),
         errors=sum(error(r) for r in rows),
@@ -192,6 +223,7 @@ def stats_of(results: Iterable[RequestFinished], prices: PriceTable) -> VersionS
         itl_p99_ms=p99("itl_max_ms", timed),
         tokens=sum(int(r["prompt_tokens"]) + int(r["completion_tokens"]) for r in timed),
         cost_nanos=sum(int(r["cost_nanos"]) for r in timed),
+        embedding_p99_ms=p99("e2e_ms", embedded(live) or embedded(timed)),
     )
 
 
@@ -220,20 +252,39 @@ def judge(
             **sizes,
         )
     )
-    for gate, cand, base, ratio, slack in (
-        ("ttft_p99_ms", candidate.ttft_p99_ms, baseline.ttft_p99_ms, gates.max_ttft_p99_ratio, True),
-        ("itl_p99_ms", candidate.itl_p99_ms, baseline.itl_p99_ms, gates.max_itl_p99_ratio, True),
+    ttft = (candidate.ttft_p99_ms, baseline.ttft_p99_ms, "")
+    if ttft[:2] == (None, None) and (candidate.embedding_p99_ms, baseline.embedding_p99_ms) != (None, None):
+        ttft = (candidate.embedding_p99_ms, baseline.embedding_p99_ms, EMBEDDING_LATENCY)
+    for gate, cand, base, ratio, slack, detail in (
+        ("ttft_p99_ms", *ttft[:2], gates.max_ttft_p99_ratio, True, ttft[2]),
+        ("itl_p99_ms", candidate.itl_p99_ms, baseline.itl_p99_ms, gates.max_itl_p99_ratio, True, ""),
         (
             "cost_per_1k_tokens",
             candidate.cost_per_1k_usd,
             baseline.cost_per_1k_usd,
             gates.max_cost_ratio,
             False,
+            "",
         ),
     ):
+        if enough and slack and cand is None and base is None:
+            # A latency neither version has at all, with enough requests on both sides: this model does not
+            # produce it (an embedding has no inter-token gap). Waiting for it would block the rollout for
+            # ever, so the gate does not apply (and counts as passed).
+            missing = "a first token" if gate == "ttft_p99_ms" else "an inter-token gap"
+            detail = f"not measured for this model: no request of either version has {missing}"
+            results.append(GateResult(gate=gate, state="not_applicable", detail=detail, **sizes))
+            continue
         if not enough or cand is None or base is None:
             results.append(
-                GateResult(gate=gate, state="insufficient_data", candidate=cand, baseline=base, **sizes)
+                GateResult(
+                    gate=gate,
+                    state="insufficient_data",
+                    candidate=cand,
+                    baseline=base,
+                    detail=detail,
+                    **sizes,
+                )
             )
             continue
         bound = base * ratio + (gates.latency_slack_ms if slack else 0.0)
@@ -244,6 +295,7 @@ def judge(
                 candidate=round(cand, 6),
                 baseline=round(base, 6),
                 limit=round(bound, 6),
+                detail=detail,
                 **sizes,
             )
         )
@@ -290,7 +342,8 @@ def decide(
     current: DeploymentChanged, results: Sequence[GateResult], now: datetime
 ) -> DeploymentChanged | None:
     """The next deployment for a canary whose gates gave ``results``: a rollback on any failure, the next
-    step (or promotion) when every gate passed and the step lasted ``step_min_s``; otherwise None."""
+    step (or promotion) when every gate passed (or is ``not_applicable`` to the model) and the step lasted
+    ``step_min_s``; otherwise None."""
     if current.phase != "canary" or current.candidate is None:
         return None
     failed = [r for r in results if r.state == "fail"]
@@ -301,9 +354,12 @@ def decide(
     gates = current.gates or RolloutGates()
     started = current.step_started or current.time
     young = gates.step_min_s > 0 and (now - started).total_seconds() < gates.step_min_s
-    if young or any(r.state != "pass" for r in results):
+    if young or not all(passes(r) for r in results):
         return None
-    summary = ", ".join(_describe(r) for r in results if r.candidate is not None)
+    summary = ", ".join(
+        [_describe(r) for r in results if r.candidate is not None]
+        + [f"{r.gate} not applicable" for r in results if r.state == "not_applicable"]
+    )
     return advance(current, now, f"gates passed ({summary})", results, "controller")
 
 
@@ -450,7 +506,7 @@ def _describe(result: GateResult) -> str:
         return f"{result.gate} {result.state}" + (f" ({result.detail})" if result.detail else "")
     return (
         f"{result.gate} {result.candidate:g} vs stable {result.baseline:g} (limit {result.limit:g}, "
-        f"n={result.candidate_n}/{result.baseline_n})"
+        f"n={result.candidate_n}/{result.baseline_n}" + (f"; {result.detail})" if result.detail else ")")
     )
 
 
@@ -498,6 +554,12 @@ class RolloutController:
         on the control topic (None: not known)."""
         self._mine: dict[str, tuple[DeploymentChanged, Position | None, Position]] = {}
         """model -> this controller's last decision, where the deployment it came from was, where it is."""
+        self._unread: dict[str, list[tuple[Position | None, Position]]] = {}
+        """model -> (where the deployment it came from was, where it is) for each decision of this
+        controller that the sink has not brought back yet, oldest first. None of them was derived from an
+        operator's deployment placed after the first one's source: when the controller decides twice before
+        the sink brings an abort back, the abort sits after the first decision's source but before the
+        second's, and the last decision's source alone would miss it."""
         self._outranked: dict[str, DeploymentChanged] = {}
         """model -> an operator's decision that a decision of this controller landed after (published
         again at the next evaluation)."""
@@ -542,10 +604,12 @@ class RolloutController:
             while len(self._ready) > READY_REMEMBERED:
                 self._ready.popitem(last=False)
 
-    def _follow(self, event: DeploymentChanged, at: Position | None) -> None:
-        """``event`` is the model's latest deployment unless the log has it before the one known."""
+    def _follow(self, event: DeploymentChanged, at: Position | None, *, read: bool = True) -> None:
+        """``event`` is the model's latest deployment unless the log has it before the one known
+        (``read``: it was read from the log, not just published by this controller)."""
         known, known_at = self._known(event.model)
-        self._check_outranked(event, at)
+        if read:
+            self._check_outranked(event, at)
         if at is not None and known_at is not None and at <= known_at:
             return  # earlier in the log (redelivered, or raced by a later decision): the state is past it
         if known is None or known.id != event.id:
@@ -558,17 +622,27 @@ class RolloutController:
             metrics.ROLLOUT_TRAFFIC_SHARE.labels(event.model, version).set(event.traffic.get(version, 0.0))
 
     def _check_outranked(self, event: DeploymentChanged, at: Position | None) -> None:
-        """Whether ``event`` is an operator's decision that this controller's last one landed after
-        (derived from the deployment before it): it is published again at the next evaluation."""
+        """Whether ``event`` is an operator's decision that this controller's decisions landed after
+        (placed after the deployment the earliest of them the sink has not brought back yet was derived
+        from, and before the last): it is published again at the next evaluation."""
         model = event.model
         mine = self._mine.get(model)
-        if mine is None or event.id == mine[0].id:
+        if mine is None:
             return
         decision, source, placed = mine
+        unread = self._unread.get(model, [])
+        if event.id == decision.id:
+            unread.clear()  # its last decision is back: the sink has brought everything before it
+            return
         if at is None or at > placed:
             self._outranked.pop(model, None)  # a later deployment than the controller's: it stands
             del self._mine[model]
-        elif event.actor == "operator" and (source is None or at > source):
+            self._unread.pop(model, None)
+            return
+        since = unread[0][0] if unread else source
+        while unread and unread[0][1] <= at:
+            unread.pop(0)  # the sink is past that decision: what came before it has been checked
+        if event.actor == "operator" and (since is None or at > since):
             self._outranked[model] = event
             self._due.add(model)
             log.warning(
@@ -637,7 +711,7 @@ class RolloutController:
                 continue
             self.last_results[model] = results
             for result in results:
-                for state in ("pass", "fail", "insufficient_data"):
+                for state in GATE_STATES:
                     metrics.ROLLOUT_GATE_STATE.labels(model, result.gate, state).set(state == result.state)
             latest, _ = self._known(model)
             if latest is None or latest.id != current.id:
@@ -673,10 +747,11 @@ class RolloutController:
             self._due.add(model)
             return False
         self._mine[model] = (decision, source, placed)
+        self._unread.setdefault(model, []).append((source, placed))
         latest, at = self._known(model)
         if latest is not None and latest is not before:
             self._check_outranked(latest, at)  # followed while this was published
-        self._follow(decision, placed)
+        self._follow(decision, placed, read=False)
         log.warning("rollout %s: %s", model, decision.reason)
         return True
 

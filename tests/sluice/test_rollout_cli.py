@@ -393,3 +393,51 @@ def test_status_of_a_warming_rollout_says_what_it_waits_for(
     waiting = next(line for line in result.output.splitlines() if line.startswith(f"{MODEL}: waiting"))
     assert waiting.startswith(f"{MODEL}: waiting for a worker of v2 to be ready (4")  # 42 s, give or take
     assert "s of 600s; no traffic until then, rolled back after)" in waiting
+
+
+def test_status_of_an_embeddings_canary_shows_the_gates_that_do_not_apply(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """An embeddings model has no first token and no inter-token gap: `status` shows its TTFT gate judged
+    on the end-to-end latency and its ITL gate as not applicable (not insufficient_data for ever)."""
+    import bus.control
+    from sluice.cli import app
+
+    current = rollout(now=datetime.now(UTC) - timedelta(minutes=5))
+    monkeypatch.setattr(bus.control, "latest_deployments", lambda kafka, topic, client_id: {MODEL: current})
+    columns = ["model_version", "n", "errors", "ttft_p99", "ttft_n", "itl_p99", "itl_n", "tokens"]
+    columns += ["cost_nanos", "embed_p99", "embed_n"]
+
+    def query(settings: PlatformSettings, sql: str) -> QueryResult:
+        if "FROM request_facts" not in sql:
+            return QueryResult(columns=["verdict", "windows", "features"], types=[], rows=[])
+        rows = [
+            [v, 100, 0, None, 0, None, 0, 1200, 24_000, e2e, 100] for v, e2e in (("v1", 40.0), ("v2", 45.0))
+        ]
+        return QueryResult(columns=columns, types=["String"] * len(columns), rows=rows)
+
+    monkeypatch.setattr(infra.warehouse, "query_warehouse", query)
+    result = CliRunner().invoke(
+        app, ["rollout", "status", MODEL], env={"COLUMNS": "250", "SLUICE_CACHE_DIR": str(tmp_path)}
+    )
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    itl = next(line for line in lines if "itl_p99_ms" in line)
+    assert "not_applicable" in itl
+    assert "no request of either version has an inter-token gap" in itl
+    ttft = next(line for line in lines if "ttft_p99_ms" in line)
+    assert "pass" in ttft
+    assert "embeddings: end-to-end p99" in ttft
+
+
+def test_an_evaluation_passes_with_gates_that_do_not_apply() -> None:
+    from schemas.events import GateResult
+    from sluice.evaluate import Evaluation
+
+    def evaluation(*states: str) -> Evaluation:
+        gates = [GateResult(gate=f"g{i}", state=state) for i, state in enumerate(states)]  # type: ignore[arg-type]
+        return Evaluation("m", "v1", "v2", 100, gates, 1.0, {})
+
+    assert evaluation("pass", "not_applicable", "pass").passed
+    assert not evaluation("pass", "not_applicable", "insufficient_data").passed
+    assert not evaluation("fail", "not_applicable").passed

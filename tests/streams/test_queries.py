@@ -57,7 +57,7 @@ from streams.queries import (
     saved_queries,
     sql_string,
 )
-from streams.rollout import advance, parse_stats, roll_back, start_rollout, stats_of, stats_sql
+from streams.rollout import advance, judge, parse_stats, roll_back, start_rollout, stats_of, stats_sql
 from streams.sink import Batch, batch_row, deployment_row, insert
 
 PRICES = PriceTable()
@@ -864,6 +864,39 @@ def test_rollout_gates_count_batch_lines_but_not_their_latency_nor_their_price(w
     assert found.itl_p99_ms == pytest.approx(12)  # the lines' 900 ms gaps are not the candidate's
     assert found.tokens == sum(e.usage.prompt_tokens + e.usage.completion_tokens for e in served)
     assert found.cost_per_1k_usd == stats_of(served, PRICES).cost_per_1k_usd
+
+
+@pytest.mark.integration
+def test_rollout_gates_of_an_embeddings_model_use_its_end_to_end_latency(warehouse: Client) -> None:
+    """An embedding has no first token and no inter-token gap: the warehouse's gate statistics and an
+    offline run's agree on the end-to-end p99 of the completed ones (live first), which the TTFT gate
+    judges instead, and on no ITL at all (that gate does not apply)."""
+    now = now_ms()
+
+    def embedded(i: int, status: Status = "completed", shadow_of: str | None = None) -> RequestFinished:
+        base = event(
+            finished=now - timedelta(seconds=i),
+            model="all-minilm-l6-v2",
+            version="v2",
+            ttft_ms=40 + i,
+            completion_tokens=0,
+            status=status,
+        )
+        return msgspec.structs.replace(base, kind="embedding", stream=False, shadow_of=shadow_of)
+
+    live = [embedded(i) for i in range(10)]
+    others = [embedded(50, "failed"), embedded(80, shadow_of=live[0].request_id)]
+    insert_facts(warehouse, [*live, *others])
+    sql = stats_sql("all-minilm-l6-v2", ["v2"], now - timedelta(hours=1))
+    found = parse_stats(rows(warehouse, sql))["v2"]
+    assert found == stats_of([*live, *others], PRICES)
+    assert (found.n, found.errors, found.ttft_p99_ms, found.itl_p99_ms) == (12, 1, None, None)
+    assert found.embedding_p99_ms == 49  # the live ones: not the failure, not the shadow copy
+    shadows = [embedded(60 + i, shadow_of=live[0].request_id) for i in range(3)]  # 100 to 102 ms
+    only_shadows = stats_of(shadows, PRICES)
+    assert only_shadows.embedding_p99_ms == 102  # a shadow-only step: its copies
+    gates = {g.gate: g for g in judge(RolloutGates(min_requests=10), found, found)}
+    assert (gates["ttft_p99_ms"].state, gates["itl_p99_ms"].state) == ("pass", "not_applicable")
 
 
 HOSTILE_TENANT = "it's <b>\\ acme"

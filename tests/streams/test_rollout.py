@@ -12,6 +12,7 @@ from typing import Any
 
 import msgspec
 import pytest
+from prometheus_client import REGISTRY
 
 from schemas.deployments import Deployment
 from schemas.events import (
@@ -27,7 +28,9 @@ from schemas.events import (
 from streams.pricing import PriceTable
 from streams.rollout import (
     BURN_MIN_ERRORS,
+    EMBEDDING_LATENCY,
     FAST_BURN,
+    GATE_STATES,
     SOURCE,
     RolloutController,
     VersionStats,
@@ -58,6 +61,7 @@ def stats(
     itl: float | None = 20.0,
     tokens: int = 100_000,
     cost_per_1k_usd: float = 1.0,
+    embedding: float | None = None,
 ) -> VersionStats:
     return VersionStats(
         n=n,
@@ -66,7 +70,13 @@ def stats(
         itl_p99_ms=itl,
         tokens=tokens,
         cost_nanos=round(cost_per_1k_usd * tokens / 1000 * 1e9),
+        embedding_p99_ms=embedding,
     )
+
+
+def embeddings(n: int = 1000, errors: int = 10, e2e: float | None = 40.0) -> VersionStats:
+    """An embeddings model's step: no first token, no inter-token gap; ``e2e``: its end-to-end p99."""
+    return stats(n=n, errors=errors, ttft=None, itl=None, embedding=e2e)
 
 
 def by_gate(results: Sequence[GateResult]) -> dict[str, GateResult]:
@@ -244,6 +254,62 @@ def test_missing_latency_or_cost_is_insufficient_data() -> None:
     assert no_tokens["cost_per_1k_tokens"].state == "insufficient_data"
 
 
+def test_an_embeddings_model_judges_ttft_on_end_to_end_latency_and_has_no_itl_gate() -> None:
+    """An embedding has no first token and no inter-token gap: both versions' TTFT and ITL are None
+    however many requests they serve. The TTFT gate judges their end-to-end p99 instead; the ITL gate
+    does not apply (it used to be insufficient_data for ever, so the rollout never advanced)."""
+    results = by_gate(judge(GATES, embeddings(e2e=60.0), embeddings(e2e=40.0)))
+    ttft = results["ttft_p99_ms"]
+    assert (ttft.state, ttft.candidate, ttft.baseline, ttft.limit) == ("pass", 60.0, 40.0, 85.0)
+    assert ttft.detail == EMBEDDING_LATENCY
+    itl = results["itl_p99_ms"]
+    assert (itl.state, itl.candidate, itl.baseline, itl.limit) == ("not_applicable", None, None, None)
+    assert itl.detail == "not measured for this model: no request of either version has an inter-token gap"
+    assert (itl.candidate_n, itl.baseline_n) == (1000, 1000)
+    assert {r.state for g, r in results.items() if g != "itl_p99_ms"} == {"pass"}
+    slower = by_gate(judge(GATES, embeddings(e2e=85.5), embeddings(e2e=40.0)))["ttft_p99_ms"]
+    assert (slower.state, slower.detail) == ("fail", EMBEDDING_LATENCY)
+
+
+@pytest.mark.parametrize(
+    ("candidate", "baseline"),
+    [
+        (embeddings(n=99), embeddings()),  # too few requests on one side
+        (embeddings(), embeddings(n=99)),
+        (embeddings(e2e=None), embeddings()),  # the candidate has no completed embedding yet
+        (embeddings(), embeddings(e2e=None)),
+    ],
+)
+def test_an_embeddings_ttft_gate_without_enough_data_still_waits(
+    candidate: VersionStats, baseline: VersionStats
+) -> None:
+    result = by_gate(judge(GATES, candidate, baseline))["ttft_p99_ms"]
+    assert (result.state, result.detail) == ("insufficient_data", EMBEDDING_LATENCY)
+
+
+def test_a_latency_neither_version_has_with_enough_requests_does_not_apply() -> None:
+    def without(n: int = 1000) -> VersionStats:
+        return stats(n=n, ttft=None, itl=None)
+
+    results = by_gate(judge(GATES, without(), without()))
+    assert (results["ttft_p99_ms"].state, results["itl_p99_ms"].state) == ("not_applicable", "not_applicable")
+    assert results["ttft_p99_ms"].detail == (
+        "not measured for this model: no request of either version has a first token"
+    )
+    # Too few requests, or samples on one side only: it may yet come, so the gate waits.
+    for candidate, baseline in [
+        (without(99), without()),
+        (without(), without(99)),
+        (without(), stats()),
+        (stats(), without()),
+    ]:
+        waiting = by_gate(judge(GATES, candidate, baseline))
+        assert waiting["ttft_p99_ms"].state == waiting["itl_p99_ms"].state == "insufficient_data"
+    # Only a latency the model does not produce is not applicable; the cost gate waits for tokens.
+    no_tokens = by_gate(judge(GATES, stats(tokens=0), stats(tokens=0)))
+    assert no_tokens["cost_per_1k_tokens"].state == "insufficient_data"
+
+
 def test_drift_gate_fails_with_the_drifted_features() -> None:
     result = by_gate(judge(GATES, stats(), stats(), drifted=["completion_tokens", "prompt_tokens"]))["drift"]
     assert result.state == "fail"
@@ -358,6 +424,18 @@ def test_a_failure_wins_over_insufficient_data() -> None:
 def test_insufficient_data_neither_promotes_nor_aborts() -> None:
     results = judge(GATES, stats(n=99), stats())
     assert decide(canary(), results, T0 + timedelta(days=1)) is None
+
+
+def test_a_gate_that_does_not_apply_counts_as_passed() -> None:
+    current = canary()
+    results = judge(GATES, embeddings(), embeddings())
+    assert "not_applicable" in {r.state for r in results}
+    decision = decide(current, results, T0 + timedelta(minutes=1))
+    assert decision is not None
+    assert (decision.action, decision.phase, decision.step) == ("promote", "canary", 1)
+    assert decision.reason.endswith(", itl_p99_ms not applicable)")
+    assert f"n=1000/1000; {EMBEDDING_LATENCY})" in decision.reason
+    assert decision.evidence == results
 
 
 def test_a_young_step_waits_for_step_min_s() -> None:
@@ -512,8 +590,10 @@ HOSTILE_VERSION = "v2' OR 1=1) --\\"
 HOSTILE_MODEL = "m\\'; DROP TABLE request_facts; --"
 
 
-STATS_FILTERS = [""] * 12
-"""The empty literals of ``stats_sql``'s filters: ``shadow_of = ''`` and ``batch_id = ''``."""
+EMBEDDING_FILTERS = [*["embedding", "completed", ""] * 2, *["embedding", "completed", "", ""] * 2]
+"""The literals of the end-to-end latency of completed embeddings (all, and live ones only)."""
+STATS_FILTERS = [*[""] * 10, *EMBEDDING_FILTERS, "", ""]
+"""The literals of ``stats_sql``'s filters: ``shadow_of = ''``, ``batch_id = ''`` and the embeddings'."""
 
 
 def test_stats_sql_quotes_hostile_names() -> None:
@@ -603,6 +683,46 @@ def test_parse_stats_accepts_numbers_as_text() -> None:
     }
     parsed = parse_stats([raw])["v1"]
     assert parsed == VersionStats(n=12, errors=3, ttft_p99_ms=9.0, itl_p99_ms=20.0, tokens=40, cost_nanos=41)
+
+
+def test_parse_stats_reads_the_embeddings_end_to_end_latency_live_first() -> None:
+    embedded = row("v2", ttft=None, itl=None) | {
+        "embed_p99": 900.0,
+        "embed_n": 50,
+        "embed_live_p99": 40.0,
+        "embed_live_n": 10,
+    }
+    parsed = parse_stats([embedded])["v2"]
+    assert (parsed.ttft_p99_ms, parsed.itl_p99_ms, parsed.embedding_p99_ms) == (None, None, 40.0)
+    shadow_only = embedded | {"embed_live_p99": float("nan"), "embed_live_n": 0}
+    assert parse_stats([shadow_only])["v2"].embedding_p99_ms == 900.0
+    no_samples = embedded | {"embed_n": 0, "embed_live_n": 0}
+    assert parse_stats([no_samples])["v2"].embedding_p99_ms is None
+    assert parse_stats([row("v2")])["v2"].embedding_p99_ms is None  # columns absent: none
+
+
+def test_stats_of_an_embeddings_run_has_only_the_end_to_end_latency() -> None:
+    def embedded(request_id: str, e2e_s: float, status: str = "completed") -> RequestFinished:
+        return msgspec.structs.replace(
+            finished(),
+            request_id=request_id,
+            kind="embedding",
+            status=status,
+            usage=Usage(prompt_tokens=12, completion_tokens=0, total_tokens=12),
+            timings=Timings(
+                accepted=T0,
+                started=T0,
+                first_token=T0 + timedelta(seconds=e2e_s),
+                finished=T0 + timedelta(seconds=e2e_s),
+            ),
+        )
+
+    results = [embedded("a", 0.03), embedded("b", 0.05), embedded("c", 9.0, "failed")]
+    found = stats_of(results, PriceTable())
+    assert (found.ttft_p99_ms, found.itl_p99_ms) == (None, None)
+    assert found.embedding_p99_ms == pytest.approx(50.0)  # the failed one is the error gate's
+    assert (found.n, found.errors) == (3, 1)
+    assert stats_of([finished()], PriceTable()).embedding_p99_ms is None
 
 
 def test_parse_stats_of_no_rows() -> None:
@@ -993,6 +1113,31 @@ async def test_its_own_decision_coming_back_through_the_sink_changes_nothing(har
     assert controller.deployments[MODEL] is decision
 
 
+def gate_state(model: str, gate: str, state: str) -> float | None:
+    return REGISTRY.get_sample_value(
+        "sluice_rollout_gate_state", {"model": model, "gate": gate, "state": state}
+    )
+
+
+async def test_the_controller_advances_an_embeddings_rollout(harness: Harness) -> None:
+    model = "all-minilm-l6-v2"
+    harness.warehouse.stats_of[model] = [
+        row(version, ttft=None, itl=None) | {"embed_p99": 40.0, "embed_n": 1000, "embed_live_n": 0}
+        for version in ("v1", "v2")
+    ]
+    current = msgspec.structs.replace(canary(), model=model)
+    controller = harness.controller()
+    controller.seed([current])
+    (decision,) = await controller.run_due()
+    assert (decision.model, decision.action, decision.phase, decision.step) == (model, "promote", "canary", 1)
+    assert [r.state for r in controller.last_results[model]] == [
+        "pass", "pass", "not_applicable", "pass", "pass", "pass"
+    ]  # fmt: skip
+    assert set(GATE_STATES) == {"pass", "fail", "insufficient_data", "not_applicable"}
+    for state in GATE_STATES:
+        assert gate_state(model, "itl_p99_ms", state) == (state == "not_applicable")
+
+
 async def test_a_drift_verdict_rolls_back_with_the_features(harness: Harness) -> None:
     harness.warehouse.drift = [
         {"verdict": "no_drift", "windows": 4, "features": []},
@@ -1285,6 +1430,38 @@ async def test_an_operator_decision_the_controller_landed_after_is_published_aga
     controller.observe([finished()])
     assert await controller.run_due() == []
     assert len(harness.published) == 2
+
+
+async def test_an_operator_decision_before_two_unread_decisions_of_the_controller_is_published_again(
+    harness: Harness,
+) -> None:
+    """The sink lags on the control topic: the controller has derived a second step from its first before
+    the operator's abort, placed before the first, comes back. The abort sits before the second step's
+    source but after the first's: it must still be the log's last word, not a promotion."""
+    current = canary(gates=RolloutGates(min_requests=100, step_min_s=0))
+    controller = harness.controller()
+    controller.seed([current], {current.id: (0, 7)})
+    (first,) = await controller.run_due()  # placed at 100, derived from the canary at 7
+    aborted = operator_abort(current)  # placed at 99
+    harness.later()
+    controller.observe([finished()])  # outcomes; the control records are not back yet
+    (second,) = await controller.run_due()  # placed at 101, derived from the first step at 100
+    assert (first.step, second.step) == (1, 2)
+    controller.observe(
+        [aborted, first, second], {aborted.id: (0, 99), first.id: (0, 100), second.id: (0, 101)}
+    )
+
+    harness.later()
+    (again,) = await controller.run_due()
+    assert harness.published == [first, second, again]
+    assert (again.action, again.phase, again.traffic) == ("rollback", "rolled_back", aborted.traffic)
+    assert "the operator's rollback again" in again.reason
+    assert controller.deployments[MODEL] is again
+    controller.observe([again], {again.id: (0, 102)})
+    controller.observe([aborted], {aborted.id: (0, 99)})  # redelivered: the sink is past it, done with
+    harness.later()
+    assert await controller.run_due() == []
+    assert harness.published == [first, second, again]
 
 
 async def test_an_operator_decision_read_while_the_controller_publishes_is_published_again(
