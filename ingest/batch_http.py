@@ -106,7 +106,7 @@ class BatchRoutes:
     async def delete_file(self, request: web.Request) -> web.Response:
         tenant, runner = self._caller(request)
         file_id = request.match_info["file_id"]
-        runner.store.delete(tenant.name, file_id)
+        runner.delete_file(tenant.name, file_id)  # 409 file_in_use while a batch reads it
         return json_response({"id": file_id, "object": "file", "deleted": True})
 
     async def content(self, request: web.Request) -> web.StreamResponse:

@@ -68,6 +68,8 @@ class Job:
         self.retries: list[tuple[float, int]] = []
         self.ending: Ending | None = None
         self.ending_since = 0.0
+        self.unready_rounds = 0
+        """Rounds in a row whose lines all waited (a retriable refusal): the next wait is longer."""
         self.published_seq = -1
         self._journal: BinaryIO | None = None
         self._input: BinaryIO | None = None
@@ -201,6 +203,11 @@ class Job:
                 return i, self.attempts[i]
         return None
 
+    def postpone(self, index: int, delay: float, now: float) -> None:
+        """Publish line ``index`` again (the same attempt: it did not run) ``delay`` seconds from ``now``."""
+        self.status[index] = RETRY
+        heapq.heappush(self.retries, (now + delay, index))
+
     def next_retry_due(self) -> float | None:
         return self.retries[0][0] if self.retries else None
 
@@ -209,6 +216,11 @@ class Job:
 
     def save_state(self, state: BatchStateChanged) -> None:
         self.state = state
+        self.write_state(state)
+
+    def write_state(self, state: BatchStateChanged) -> None:
+        """``state`` into ``state.json`` (the job's state is set apart: the runner sets it at once, and
+        writes it on a thread)."""
         write_atomic(self.folder / "state.json", encode(state))
 
     # ------------------------------------------------------------------ files

@@ -127,11 +127,15 @@ def line_request(
     source: str,
 ) -> BatchItemRequested:
     """The event that runs line ``index`` (its ``attempt``): validated and tokenised as a direct call of the
-    same body would be (:class:`LineError` where that call would get a 4xx)."""
+    same body would be (:class:`LineError` where that call would get a 4xx). An error that the same call
+    may not get a little later (its ``retriable``: the model is being redeployed, 503) is raised as it is:
+    the line is not wrong, it waits."""
     kind = KINDS[batch.endpoint]
     try:
         prepared = preparer.prepare_sync(kind, parsed.body, tenant, None, None)
     except IngestError as exc:
+        if exc.retriable:
+            raise
         raise LineError(exc.code or "invalid_request", exc.message, exc.param) from None
     if prepared.event.model != batch.model and batch.model:
         raise LineError(

@@ -48,12 +48,14 @@ from ingest.batch_job import (
 )
 from ingest.batch_lines import LineError, item_request_id, line_request, output_line, parse_line
 from ingest.batch_log import BatchLog
-from ingest.errors import InvalidRequest, NotFound
-from ingest.files import SWEEP_S, FileStore, new_file_id, read_lines, tenant_folder
+from ingest.errors import IngestError, InvalidRequest, NotFound
+from ingest.files import SWEEP_S, FileStore, new_file_id, read_lines, tenant_folder, write_atomic
 from ingest.prepare import Preparer
 from ingest.settings import EdgeSettings
 from monitoring import metrics
+from schemas.codec import encode
 from schemas.events import (
+    BatchCounts,
     BatchLineError,
     BatchStateChanged,
     BatchStatus,
@@ -76,6 +78,16 @@ finalised without them."""
 FOLLOW_IDLE_S = 60.0
 """With no batch unfinished for this long, the edge stops reading the results topic (``BatchLog.unfollow``)."""
 PROGRESS_EVERY_S = 1.0
+MAX_POSTPONE_S = 60.0
+"""The longest a line waits to be prepared again after a retriable refusal (its model being redeployed)."""
+
+
+class FileInUse(IngestError):
+    """A file that an unfinished batch still reads cannot be deleted."""
+
+    status = 409
+    error_type = "invalid_request_error"
+    default_code = "file_in_use"
 
 
 def batch_id_ok(batch_id: str) -> bool:
@@ -86,7 +98,8 @@ def parse_window(value: str) -> timedelta:
     """``24h`` (OpenAI's only value), or any ``<n>h`` / ``<n>m`` / ``<n>s`` from 1 s to 7 days."""
     units = {"h": 3600, "m": 60, "s": 1}
     number, unit = value[:-1], value[-1:]
-    if unit not in units or not number.isdigit() or not 1 <= int(number) * units[unit] <= 7 * 86400:
+    digits = number.isascii() and number.isdigit()  # str.isdigit alone takes '²', which int() refuses
+    if unit not in units or not digits or not 1 <= int(number) * units[unit] <= 7 * 86400:
         raise InvalidRequest(
             "completion_window must be '24h' (or '<n>h', '<n>m', '<n>s' up to 7 days).",
             param="completion_window",
@@ -139,6 +152,7 @@ class BatchRunner(AsyncComponent):
         self._tasks: set[asyncio.Task[None]] = set()
         self._started = False
         self._last_progress: dict[str, float] = {}
+        self._saving: dict[str, asyncio.Lock] = {}  # a batch's states are written and published in order
         self._idle_since: float | None = None  # no batch unfinished since (monotonic)
         self._resumed = False  # batches ran when this edge started: the first follow reads what they left
         self.follow_idle_s = FOLLOW_IDLE_S
@@ -149,7 +163,10 @@ class BatchRunner(AsyncComponent):
         await self._log.start()
         self._log.watch(self.fail)
         self._started = True
-        for job in await asyncio.to_thread(self._reload):
+        jobs, ended = await asyncio.to_thread(self._reload)
+        for state in ended:
+            await self._publish_state(state)
+        for job in jobs:
             self._jobs[job.state.batch_id] = job
             self._resumed = True
             tenant = self._tenants.named(job.state.tenant)
@@ -195,20 +212,26 @@ class BatchRunner(AsyncComponent):
                     log.info("removed %d expired files", removed)
             await asyncio.sleep(SWEEP_S)
 
-    def _reload(self) -> list[Job]:
-        """The unfinished batches this edge ran before it stopped."""
-        jobs = []
+    def _reload(self) -> tuple[list[Job], list[BatchStateChanged]]:
+        """The unfinished batches this edge ran before it stopped, and those that end here (saved, to be
+        published): cancelled before they were validated, or failed because their input file is gone."""
+        jobs, ended = [], []
         for path in self._root.glob("*/batch_*/state.json"):
             state = load_state(path)
             if state is None or state.terminal or state.edge_id != self._edge_id:
                 continue
+            if state.cancelling_at is not None and state.in_progress_at is None:  # no line ever ran
+                ended.append(self._ended_at_reload(path, state, status="cancelled", cancelled_at=utc_now()))
+                continue
             try:
                 input_path = self.store.data_path(state.tenant, state.input_file_id)
-            except NotFound:
-                log.warning("batch %s: its input file is gone; it cannot resume", state.batch_id)
+                job = Job(path.parent, state, input_path)
+                job.index_input()
+            except (NotFound, OSError):
+                log.warning("batch %s: its input file is gone; it cannot resume and fails", state.batch_id)
+                error = _input_gone(state.input_file_id)
+                ended.append(self._ended_at_reload(path, state, **_failure(state.counts, error)))
                 continue
-            job = Job(path.parent, state, input_path)
-            job.index_input()
             if state.status != "validating":
                 job.restore()
                 job.next_index = 0  # every line without a result is published again
@@ -218,7 +241,14 @@ class BatchRunner(AsyncComponent):
                 job.ending = "expired"
             jobs.append(job)
             log.info("batch %s resumes (%s, %d lines)", state.batch_id, state.status, job.total)
-        return jobs
+        return jobs, ended
+
+    @staticmethod
+    def _ended_at_reload(path: Path, state: BatchStateChanged, **changes: Any) -> BatchStateChanged:
+        ended = at_time(state, utc_now(), **changes)
+        write_atomic(path, encode(ended))
+        log.info("batch %s %s at the restart", state.batch_id, ended.status)
+        return ended
 
     # ------------------------------------------------------------------ API
 
@@ -260,7 +290,7 @@ class BatchRunner(AsyncComponent):
         job = Job(folder, state, self.store.data_path(tenant.name, body.input_file_id))
         job.save_state(state)
         self._jobs[batch_id] = job
-        await self._publish_state(job)
+        await self._publish_state(state)
         self._spawn(self._validate(job, tenant), f"batch-validate-{batch_id}")
         return state
 
@@ -282,9 +312,11 @@ class BatchRunner(AsyncComponent):
         return sorted(out.values(), key=lambda s: s.batch_id, reverse=True)
 
     async def cancel(self, tenant: str, batch_id: str) -> BatchStateChanged:
+        """Cancel a batch that is validating or in progress (one that is finalizing has run every line: it
+        ends as it is)."""
         state = self.get(tenant, batch_id)
         job = self._jobs.get(batch_id)
-        if state.terminal or state.status == "cancelling":
+        if state.terminal or state.status in ("cancelling", "finalizing"):
             if state.status in ("cancelled", "cancelling"):
                 return state
             raise InvalidRequest(
@@ -299,6 +331,19 @@ class BatchRunner(AsyncComponent):
             )
         await self._end(job, "cancelled")
         return job.state
+
+    def delete_file(self, tenant: str, file_id: str) -> None:
+        """Delete the tenant's file, unless a batch that has not ended reads it (:class:`FileInUse`): on any
+        edge sharing the files dir."""
+        self.store.get(tenant, file_id)  # 404 first: another tenant's file is not "in use"
+        for state in self.listing(tenant):
+            if state.input_file_id == file_id and not state.terminal:
+                raise FileInUse(
+                    f"File {file_id} is the input file of batch {state.batch_id}, which is {state.status}; "
+                    "delete it once the batch has ended (a cancel ends it sooner).",
+                    param="file_id",
+                )
+        self.store.delete(tenant, file_id)
 
     def partial_output(self, tenant: str, file_id: str) -> Iterator[bytes] | None:
         """The output lines so far of a running batch whose output file is ``file_id`` (None: no such)."""
@@ -315,6 +360,8 @@ class BatchRunner(AsyncComponent):
         except OSError as exc:  # the input file cannot be read: this batch fails, not the edge
             log.exception("batch %s: validation failed", job.state.batch_id)
             errors, total, model = [BatchLineError(code="unreadable_file", message=str(exc))], 0, ""
+        if job.ending is not None:  # cancelled meanwhile: the pump ended it (_step), nothing runs
+            return
         now = utc_now()
         if errors:
             await self._change(job, status="failed", failed_at=now, errors=errors)
@@ -359,6 +406,8 @@ class BatchRunner(AsyncComponent):
             except LineError as exc:
                 if len(errors) < MAX_REPORTED_ERRORS:
                     errors.append(exc.at(number))
+            except IngestError:  # retriable (its model is being redeployed): checked when it is published
+                pass
         if not offsets:
             errors.append(BatchLineError(code="empty_file", message="The input file has no lines."))
         job.set_index(offsets, flags)
@@ -418,6 +467,11 @@ class BatchRunner(AsyncComponent):
 
     async def _step(self, job: Job, now: float) -> None:
         state = job.state
+        if job.ending is not None and state.in_progress_at is None:  # cancelled while it was validating
+            await self._change(job, status="cancelled", cancelled_at=utc_now())  # no line ran: no files
+            self._drop(job)  # its validation, still running maybe, sees the cancel and leaves it (_validate)
+            log.info("batch %s cancelled before it ran", state.batch_id)
+            return
         if state.status == "finalizing":  # the edge stopped while it wrote the files: write them again
             await self._finish(job, job.ending)
             return
@@ -461,25 +515,47 @@ class BatchRunner(AsyncComponent):
         tenant = self._tenants.named(job.state.tenant)
         model = job.state.model
         room = min(limit, self._settings.edge_batch_max_in_flight - self._in_flight.get(model, 0), 64)
-        if tenant is None or room <= 0:
-            return
+        if tenant is None or room <= 0 or not _running(job):
+            return  # (or it ended in this round: its input file is gone)
         picked: list[tuple[int, int]] = []
         while len(picked) < room and (nxt := job.next_to_publish(now)) is not None:
             picked.append(nxt)
         if not picked:
             return
-        events = await asyncio.to_thread(self._line_events, job, tenant, picked)
+        try:
+            events = await asyncio.to_thread(self._line_events, job, tenant, picked)
+        except OSError as exc:  # its input file is gone (expired, or deleted from another edge)
+            log.warning("batch %s: its input file cannot be read", job.state.batch_id, exc_info=True)
+            await self._fail(job, _input_gone(job.state.input_file_id, exc))
+            return
+        if not _running(job):  # cancelled while they were prepared: they stay pending, never run
+            return
+        # a line refused for a retriable reason (its model is being redeployed) waits and is prepared again,
+        # later the more rounds in a row found nothing to publish
+        delay = min(MAX_POSTPONE_S, self._settings.edge_batch_retry_backoff_s * 2**job.unready_rounds)
+        published = waited = False
         for (index, attempt), event in zip(picked, events, strict=True):
             if isinstance(event, LineError):  # the model or the tenant changed since validation
                 self._refuse(job, index, attempt, event)
+                continue
+            if isinstance(event, IngestError):
+                job.postpone(index, delay, now)
+                waited = True
                 continue
             job.status[index] = IN_FLIGHT
             job.in_flight += 1
             self._in_flight[model] = self._in_flight.get(model, 0) + 1
             self._log.publish_line(event, functools.partial(self._undelivered, job, index))
-        self._wake.set()  # more may fit: go round again
+            published = True
+        if published or not waited:
+            job.unready_rounds = 0
+            self._wake.set()  # more may fit: go round again
+        else:  # nothing could be published: the next round when the first postponed line is due
+            job.unready_rounds = min(job.unready_rounds + 1, 16)
 
     def _line_events(self, job: Job, tenant: Tenant, picked: list[tuple[int, int]]) -> list[Any]:
+        """Each picked line's event, or the :class:`LineError` that fails it, or the retriable
+        :class:`IngestError` it must wait out; :class:`OSError` when the input file cannot be read."""
         out: list[Any] = []
         for index, attempt in picked:
             try:
@@ -487,7 +563,7 @@ class BatchRunner(AsyncComponent):
                 out.append(
                     line_request(self._preparer, tenant, job.state, parsed, index, attempt, self._source)
                 )
-            except LineError as exc:
+            except (LineError, IngestError) as exc:
                 out.append(exc)
         return out
 
@@ -559,28 +635,54 @@ class BatchRunner(AsyncComponent):
             return
         job.ending, job.ending_since = ending, time.monotonic()
         if ending == "cancelled":
+            ran = job.state.in_progress_at is not None  # else it is validating: no line was published
             await self._change(job, status="cancelling", cancelling_at=utc_now())
-            for index in range(job.total):
-                if job.status[index] == IN_FLIGHT:
-                    cancel = CancelRequested(
-                        tenant=job.state.tenant,
-                        model=job.state.model,
-                        request_id=item_request_id(job.state, index, job.attempts[index]),
-                        source=self._source,
-                        reason="client_cancel",
-                    )
-                    self._log.cancel(cancel)
-            for index in range(job.total):
-                if job.status[index] in (PENDING, RETRY):
-                    job.status[index] = PENDING  # never runs now
+            if ran:
+                self._cancel_running(job)
+                for index in range(job.total):
+                    if job.status[index] in (PENDING, RETRY):
+                        job.status[index] = PENDING  # never runs now
         self._wake.set()
+
+    def _cancel_running(self, job: Job) -> None:
+        for index in range(job.total):
+            if job.status[index] == IN_FLIGHT:
+                cancel = CancelRequested(
+                    tenant=job.state.tenant,
+                    model=job.state.model,
+                    request_id=item_request_id(job.state, index, job.attempts[index]),
+                    source=self._source,
+                    reason="client_cancel",
+                )
+                self._log.cancel(cancel)
+
+    async def _fail(self, job: Job, error: BatchLineError) -> None:
+        """End a batch that cannot go on as ``failed`` with ``error`` (OpenAI's ``errors``), and no files:
+        its lines still running are cancelled. Only this batch ends, never the edge."""
+        if job.state.terminal:
+            return
+        self._cancel_running(job)
+        counts = job.counts()
+        metrics.BATCH_LINES.labels(job.state.model, "failed").inc(
+            counts.total - counts.completed - counts.failed
+        )
+        await self._change(job, **_failure(counts, error))
+        self._drop(job)
+        log.warning("batch %s failed: %s", job.state.batch_id, error.message)
 
     async def _finish(self, job: Job, ending: Ending | None) -> None:
         """Write the output and error files (input order) and the final state."""
         await self._change(job, status="finalizing", finalizing_at=utc_now(), counts=job.counts())
         state = job.state
         out_id, err_id = state.output_file_id or new_file_id(), state.error_file_id or new_file_id()
-        errors = await asyncio.to_thread(self._write_files, job, ending, out_id, err_id)
+        try:
+            errors = await asyncio.to_thread(self._write_files, job, ending, out_id, err_id)
+        except Exception as exc:  # a full disk, say: this batch fails (for good: a restart would not help)
+            log.exception("batch %s: its output and error files cannot be written", state.batch_id)
+            await asyncio.to_thread(self._remove_files, state.tenant, out_id, err_id)
+            message = f"The batch's output and error files could not be written: {exc}"
+            await self._fail(job, BatchLineError(code="output_write_failed", message=message))
+            return
         now = utc_now()
         final: BatchStatus = ending or "completed"
         times = {"expired": {"expired_at": now}, "cancelled": {"cancelled_at": now}}.get(
@@ -605,12 +707,14 @@ class BatchRunner(AsyncComponent):
         )
 
     def _write_files(self, job: Job, ending: Ending | None, out_id: str, err_id: str) -> int:
+        """The output and error files (not bounded by the upload limit); how many error lines."""
         state = job.state
-        with self.store.writer(state.tenant, f"{state.batch_id}_output.jsonl", "batch_output", out_id) as out:
+        out_name, err_name = f"{state.batch_id}_output.jsonl", f"{state.batch_id}_error.jsonl"
+        with self.store.writer(state.tenant, out_name, "batch_output", out_id, bounded=False) as out:
             for line in job.lines(ok=True):
                 out.write(line + b"\n")
         errors = 0
-        with self.store.writer(state.tenant, f"{state.batch_id}_error.jsonl", "batch_output", err_id) as err:
+        with self.store.writer(state.tenant, err_name, "batch_output", err_id, bounded=False) as err:
             for line in job.lines(ok=False, ending=ending):
                 err.write(line + b"\n")
                 errors += 1
@@ -618,10 +722,17 @@ class BatchRunner(AsyncComponent):
             self.store.delete(state.tenant, err_id)
         return errors
 
+    def _remove_files(self, tenant: str, *file_ids: str) -> None:
+        """Remove what a failed write left (a file it finished), best effort."""
+        for file_id in file_ids:
+            with contextlib.suppress(NotFound, OSError):
+                self.store.delete(tenant, file_id)
+
     def _drop(self, job: Job) -> None:
         job.close()
         self._jobs.pop(job.state.batch_id, None)
         self._last_progress.pop(job.state.batch_id, None)
+        self._saving.pop(job.state.batch_id, None)
         for index in range(job.total):
             if job.status[index] == IN_FLIGHT:
                 self._in_flight[job.state.model] -= 1
@@ -629,15 +740,46 @@ class BatchRunner(AsyncComponent):
     # ------------------------------------------------------------------ state
 
     async def _change(self, job: Job, **changes: Any) -> None:
+        """The batch's next state: what every reader of the job sees at once (a cancel coming meanwhile
+        sees it ``finalizing``, say), then written and published, in order."""
         state = at_time(job.state, utc_now(), **changes)
-        await asyncio.to_thread(job.save_state, state)
-        await self._publish_state(job)
+        job.state = state
+        async with self._saving.setdefault(state.batch_id, asyncio.Lock()):
+            await asyncio.to_thread(job.write_state, state)
+            await self._publish_state(state)
 
-    async def _publish_state(self, job: Job) -> None:
+    async def _publish_state(self, state: BatchStateChanged) -> None:
         try:
-            await self._log.publish_state(job.state)
+            await self._log.publish_state(state)
         except BusError:  # state.json holds it; the next change publishes the whole state again
-            log.warning("batch %s: state not published", job.state.batch_id, exc_info=True)
+            log.warning("batch %s: state not published", state.batch_id, exc_info=True)
+
+
+def _running(job: Job) -> bool:
+    """Its lines may be published: in progress, not ending."""
+    return job.state.status == "in_progress" and job.ending is None
+
+
+def _input_gone(file_id: str, exc: OSError | None = None) -> BatchLineError:
+    why = f" ({exc.strerror or exc})" if exc is not None else ""
+    return BatchLineError(
+        code="input_file_missing",
+        message=f"The input file {file_id} is gone (deleted or expired) before the batch ended{why}.",
+        param="input_file_id",
+    )
+
+
+def _failure(counts: BatchCounts, error: BatchLineError) -> dict[str, Any]:
+    """The changes that end a batch ``failed`` after it started: ``error``, no files, the lines that did not
+    complete counted failed."""
+    return {
+        "status": "failed",
+        "failed_at": utc_now(),
+        "errors": [error],
+        "output_file_id": None,
+        "error_file_id": None,
+        "counts": msgspec.structs.replace(counts, failed=counts.total - counts.completed),
+    }
 
 
 def batch_object(state: BatchStateChanged) -> dict[str, Any]:

@@ -4,8 +4,9 @@ kept on disk under ``SLUICE_EDGE_FILES_DIR`` (default ``<data dir>/files``), one
 A tenant's folder is named by a hash of its name, and every lookup goes through it: a file id of another
 tenant is simply not there, so it reads as 404, like an id that never existed. File ids are checked
 against their pattern before any path is built from them. Uploads stream to a temporary file (bounded by
-``SLUICE_EDGE_FILE_MAX_BYTES``) that is renamed into place once complete and synced, so a reader never
-sees half a file. Several edges on one machine (or on a shared file system) share the store.
+``SLUICE_EDGE_FILE_MAX_BYTES``; the files batches write are not: their size follows from an input that
+passed that limit) that is renamed into place once complete and synced, so a reader never sees half a
+file. Several edges on one machine (or on a shared file system) share the store.
 
 Files expire as OpenAI's do: ``SLUICE_EDGE_FILE_TTL_S`` after creation (30 days; 0 never), or what an
 upload asks with ``expires_after[anchor]=created_at`` and ``expires_after[seconds]`` (1 hour to 30 days).
@@ -173,14 +174,22 @@ class FileStore:
 
     @contextlib.contextmanager
     def writer(
-        self, tenant: str, filename: str, purpose: Purpose, file_id: str | None = None
+        self,
+        tenant: str,
+        filename: str,
+        purpose: Purpose,
+        file_id: str | None = None,
+        *,
+        bounded: bool = True,
     ) -> Iterator[FileWriter]:
-        """Write a new file; it appears (metadata last) only if the block ends without an error."""
+        """Write a new file; it appears (metadata last) only if the block ends without an error. ``bounded``:
+        :class:`PayloadTooLarge` past ``max_bytes`` (an upload); a file the platform writes (a batch's
+        output) is not."""
         file_id = file_id or new_file_id()
         meta, data = self._paths(tenant, file_id)
         data.parent.mkdir(parents=True, exist_ok=True)
         tmp = data.with_name(f".{file_id}.{os.getpid()}.part")
-        out = FileWriter(tmp, self.max_bytes)
+        out = FileWriter(tmp, self.max_bytes if bounded else None)
         try:
             yield out
             out.close()
@@ -203,9 +212,9 @@ class FileStore:
 
 
 class FileWriter:
-    """Bytes into a file being made, counted against the limit, lines counted."""
+    """Bytes into a file being made, counted against the limit (None: no limit), lines counted."""
 
-    def __init__(self, path: Path, max_bytes: int) -> None:
+    def __init__(self, path: Path, max_bytes: int | None) -> None:
         self._file: BinaryIO | None = path.open("wb")
         self._max = max_bytes
         self.size = 0
@@ -217,7 +226,7 @@ class FileWriter:
         if self._file is None:
             raise ValueError("write to a closed file")
         self.size += len(chunk)
-        if self.size > self._max:
+        if self._max is not None and self.size > self._max:
             raise PayloadTooLarge(f"The file is larger than the limit of {self._max:,} bytes.", param="file")
         if chunk:
             self.lines += chunk.count(b"\n")

@@ -5,10 +5,13 @@ workers: ``tests/e2e/test_batches.py``."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import io
 import json
+import threading
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any, Final
 
 import openai
@@ -19,6 +22,10 @@ from prometheus_client import REGISTRY
 
 from ingest.auth import DEMO_KEY
 from ingest.batch_lines import BATCH_PRIORITY
+from ingest.batches import BatchRunner, parse_window
+from ingest.errors import InvalidRequest, Unavailable
+from ingest.files import FileStore, FileWriter
+from ingest.prepare import Preparer
 from schemas.events import BatchItemRequested, RequestFinished, Usage
 from tests.ingest.conftest import EMB, GEN, OTHER_KEY, Client, MakeClient
 from tests.ingest.fake_batch_log import FakeBatchLog, complete, failing, finished
@@ -495,3 +502,288 @@ async def test_a_big_batch_never_holds_another_tenants_small_one_back(
         assert done.request_counts.completed == 3
         assert (await big.batches.retrieve(first.id)).status == "in_progress"  # it goes on meanwhile
     await _eventually(lambda: len(held) == 4)  # and the window is its own again (the runner's next round)
+
+
+async def test_output_files_bigger_than_the_upload_limit_are_written_whole(
+    make_client: MakeClient, batch_log: FakeBatchLog
+) -> None:
+    """The upload limit bounds what a tenant sends, not the files a batch writes (an embeddings batch's
+    output is many times its input)."""
+    client, edge = await make_client(edge_file_max_bytes=8192)
+    async with AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=DEMO_KEY, max_retries=0) as sdk:
+        lines = [chat_line(i) for i in range(40)]
+        assert len(jsonl(lines)) < 8192
+        done = await until(sdk, (await run(sdk, lines)).id, "completed", "failed")
+        assert done.status == "completed", done.errors
+        assert done.output_file_id is not None
+        assert (await sdk.files.retrieve(done.output_file_id)).bytes > 8192
+        assert [line["custom_id"] for line in await lines_of(sdk, done.output_file_id)] == [
+            f"req-{i}" for i in range(40)
+        ]
+    assert edge.failure is None
+
+
+def _disk_full(_self: FileWriter, _chunk: bytes) -> None:
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+async def test_a_batch_whose_files_cannot_be_written_fails_alone(
+    make_client: MakeClient, batch_log: FakeBatchLog, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    held: list[BatchItemRequested] = []
+    batch_log.respond = lambda event: held.append(event)
+    client, edge = await make_client()
+    async with AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=DEMO_KEY, max_retries=0) as sdk:
+        created = await run(sdk, [chat_line(i) for i in range(3)])
+        await _eventually(lambda: len(held) == 3)
+        monkeypatch.setattr(FileWriter, "write", _disk_full)
+        for event in held:
+            batch_log.answer(complete(event))
+        failed = await until(sdk, created.id, "failed")
+        monkeypatch.undo()
+        assert failed.errors is not None
+        assert failed.errors.data is not None
+        assert [e.code for e in failed.errors.data] == ["output_write_failed"]
+        assert "No space left on device" in (failed.errors.data[0].message or "")
+        assert (failed.output_file_id, failed.error_file_id) == (None, None)
+        assert failed.request_counts is not None
+        assert (failed.request_counts.completed, failed.request_counts.failed) == (3, 0)
+        assert [f.id for f in (await sdk.files.list()).data] == [created.input_file_id]  # nothing half-made
+        assert edge.failure is None
+        batch_log.respond = complete
+        other = await until(sdk, (await run(sdk, [chat_line(0)])).id, "completed")  # the edge goes on
+        assert other.request_counts is not None
+        assert other.request_counts.completed == 1
+
+
+async def test_a_batch_left_finalizing_whose_files_cannot_be_written_fails_after_the_restart(
+    make_client: MakeClient, batch_log: FakeBatchLog, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The edge stopped while it wrote a batch's files, and they cannot be written after the restart either:
+    the batch fails, and the restarted edge stays up (it used to die again on every start)."""
+    writing = threading.Event()
+    release = threading.Event()
+
+    def stuck(_self: BatchRunner, *_args: Any) -> int:
+        writing.set()
+        release.wait(5)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(BatchRunner, "_write_files", stuck)
+    first, _ = await make_client()
+    async with AsyncOpenAI(base_url=str(first.make_url("/v1")), api_key=DEMO_KEY, max_retries=0) as sdk:
+        created = await run(sdk, [chat_line(i) for i in range(3)])
+        await until(sdk, created.id, "finalizing")
+        await _eventually(writing.is_set)
+    await first.close()  # stopped while it wrote the files
+    release.set()
+
+    monkeypatch.setattr(FileWriter, "write", _disk_full)
+    monkeypatch.setattr(BatchRunner, "_write_files", _WRITE_FILES)
+    second, edge = await make_client()
+    async with AsyncOpenAI(base_url=str(second.make_url("/v1")), api_key=DEMO_KEY, max_retries=0) as sdk:
+        failed = await until(sdk, created.id, "failed")
+        assert failed.errors is not None
+        assert failed.errors.data is not None
+        assert [e.code for e in failed.errors.data] == ["output_write_failed"]
+        await asyncio.sleep(0.2)
+        assert edge.failure is None
+    await second.close()
+    _, edge = await make_client()  # it is over: a later start finds nothing to do
+    await asyncio.sleep(0.2)
+    assert edge.failure is None
+    assert [s.status for s in batch_log.states if s.batch_id == created.id][-1] == "failed"
+
+
+_WRITE_FILES = BatchRunner._write_files
+
+
+async def test_the_input_file_of_a_batch_that_has_not_ended_cannot_be_deleted(
+    sdk: AsyncOpenAI, batch_log: FakeBatchLog, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    release = threading.Event()
+
+    def slow(self: BatchRunner, job: Any, tenant: Any) -> Any:
+        release.wait(5)  # a big file takes a while to validate
+        return _CHECK_FILE(self, job, tenant)
+
+    monkeypatch.setattr(BatchRunner, "_check_file", slow)
+    held: list[BatchItemRequested] = []
+    batch_log.respond = lambda event: held.append(event)
+    created = await run(sdk, [chat_line(i) for i in range(3)])
+    for status in ("validating", "in_progress"):
+        assert (await sdk.batches.retrieve(created.id)).status == status
+        with pytest.raises(openai.ConflictError) as refused:
+            await sdk.files.delete(created.input_file_id)
+        assert refused.value.code == "file_in_use"
+        assert created.id in refused.value.message
+        release.set()
+        await until(sdk, created.id, "in_progress")
+    await _eventually(lambda: len(held) == 3)
+    for event in held:
+        batch_log.answer(complete(event))
+    await until(sdk, created.id, "completed")
+    assert (await sdk.files.delete(created.input_file_id)).deleted
+    with pytest.raises(openai.NotFoundError):
+        await sdk.files.retrieve(created.input_file_id)
+
+
+_CHECK_FILE = BatchRunner._check_file
+
+
+async def test_a_batch_whose_input_file_is_gone_while_it_runs_fails_alone(
+    make_client: MakeClient, batch_log: FakeBatchLog, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The input file goes (it expired, or another edge sharing the files dir deleted it) after validation
+    read it and before a line was published: the batch fails with a clear error, the edge goes on."""
+
+    def check_then_lose_it(self: BatchRunner, job: Any, tenant: Any) -> Any:
+        checked = _CHECK_FILE(self, job, tenant)
+        self.store.delete(job.state.tenant, job.state.input_file_id)
+        return checked
+
+    monkeypatch.setattr(BatchRunner, "_check_file", check_then_lose_it)
+    client, edge = await make_client()
+    async with AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=DEMO_KEY, max_retries=0) as sdk:
+        created = await run(sdk, [chat_line(i) for i in range(5)])
+        failed = await until(sdk, created.id, "failed")
+        assert failed.errors is not None
+        assert failed.errors.data is not None
+        assert [(e.code, e.param) for e in failed.errors.data] == [("input_file_missing", "input_file_id")]
+        assert created.input_file_id in (failed.errors.data[0].message or "")
+        assert failed.request_counts is not None
+        assert (failed.request_counts.total, failed.request_counts.failed) == (5, 5)
+        assert failed.output_file_id is None
+        assert batch_log.lines == []
+        assert edge.failure is None
+        monkeypatch.undo()
+        other = await until(sdk, (await run(sdk, [chat_line(0)])).id, "completed")  # the edge goes on
+        assert other.request_counts is not None
+        assert other.request_counts.completed == 1
+    assert edge.failure is None
+
+
+async def test_a_batch_whose_input_file_is_gone_after_a_restart_fails(
+    make_client: MakeClient, batch_log: FakeBatchLog, tmp_path: Path
+) -> None:
+    held: list[BatchItemRequested] = []
+    batch_log.respond = lambda event: held.append(event)
+    first, _ = await make_client(edge_batch_max_in_flight=2)
+    async with AsyncOpenAI(base_url=str(first.make_url("/v1")), api_key=DEMO_KEY, max_retries=0) as sdk:
+        created = await run(sdk, [chat_line(i) for i in range(4)])
+        await _eventually(lambda: len(held) == 2)
+        batch_log.answer(complete(held[0]))
+        await _eventually_async(lambda: _counted(sdk, created.id, 1))
+        await _eventually(lambda: len(held) == 3)  # a slot freed: line 2 went out
+    await first.close()
+    published = len(batch_log.lines)
+    FileStore(tmp_path / "files", max_bytes=1).delete("demo", created.input_file_id)  # it expired, say
+
+    second, edge = await make_client(edge_batch_max_in_flight=2)
+    async with AsyncOpenAI(base_url=str(second.make_url("/v1")), api_key=DEMO_KEY, max_retries=0) as sdk:
+        failed = await until(sdk, created.id, "failed")
+        assert failed.errors is not None
+        assert failed.errors.data is not None
+        assert [e.code for e in failed.errors.data] == ["input_file_missing"]
+        assert failed.request_counts is not None
+        assert (failed.request_counts.total, failed.request_counts.completed) == (4, 1)
+        assert failed.request_counts.failed == 3
+    assert edge.failure is None
+    await _eventually(
+        lambda: [s.status for s in batch_log.states if s.batch_id == created.id][-1] == "failed"
+    )
+    assert len(batch_log.lines) == published  # nothing ran after the restart
+
+
+async def test_a_batch_cancelled_while_it_validates_ends_cancelled_and_nothing_runs(
+    sdk: AsyncOpenAI, batch_log: FakeBatchLog, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    release, validated = threading.Event(), threading.Event()
+
+    def slow(self: BatchRunner, job: Any, tenant: Any) -> Any:
+        release.wait(5)  # a big file takes a while to validate
+        checked = _CHECK_FILE(self, job, tenant)
+        validated.set()
+        return checked
+
+    monkeypatch.setattr(BatchRunner, "_check_file", slow)
+    created = await run(sdk, [chat_line(i) for i in range(5)])
+    assert (await sdk.batches.cancel(created.id)).status == "cancelling"
+    cancelled = await until(sdk, created.id, "cancelled")
+    release.set()
+    await _eventually(validated.is_set)
+    await asyncio.sleep(0.3)  # what validation found comes back meanwhile: it changes nothing
+    again = await sdk.batches.retrieve(created.id)
+    assert again.status == "cancelled"
+    assert again.cancelled_at == cancelled.cancelled_at
+    assert (again.output_file_id, again.error_file_id, again.in_progress_at) == (None, None, None)
+    assert again.request_counts is not None
+    assert (again.request_counts.total, again.request_counts.completed, again.request_counts.failed) == (
+        0,
+        0,
+        0,
+    )
+    assert batch_log.lines == []
+    states = [s.status for s in batch_log.states if s.batch_id == created.id]
+    assert states == ["validating", "cancelling", "cancelled"]
+
+
+async def test_a_finalizing_batch_cannot_be_cancelled(
+    sdk: AsyncOpenAI, batch_log: FakeBatchLog, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    release = threading.Event()
+
+    def slow(self: BatchRunner, *args: Any) -> int:
+        release.wait(5)  # writing a big batch's files takes a while
+        return _WRITE_FILES(self, *args)
+
+    monkeypatch.setattr(BatchRunner, "_write_files", slow)
+    created = await run(sdk, [chat_line(i) for i in range(3)])
+    await until(sdk, created.id, "finalizing")
+    with pytest.raises(openai.BadRequestError) as refused:
+        await sdk.batches.cancel(created.id)
+    assert refused.value.code == "batch_not_cancellable"
+    assert "finalizing" in refused.value.message
+    release.set()
+    done = await until(sdk, created.id, "completed", "cancelled")
+    assert (done.status, done.cancelling_at) == ("completed", None)
+    assert "cancelling" not in [s.status for s in batch_log.states if s.batch_id == created.id]
+
+
+@pytest.mark.parametrize("window", ["\u00b2h", "\u0661h", "0h", "169h", "8d", "h", "", "1.5h", "-1h", " 1h"])
+def test_a_bad_completion_window_is_refused_naming_it(window: str) -> None:
+    with pytest.raises(InvalidRequest) as refused:
+        parse_window(window)
+    assert refused.value.param == "completion_window"
+
+
+async def test_lines_wait_while_their_model_is_redeployed_and_run_after(
+    make_client: MakeClient, batch_log: FakeBatchLog, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 503 while a line is prepared (its model's new version is not loaded on this edge yet) is not the
+    line's fault: validation passes it, and the line waits and runs once the model is back, never failed."""
+    redeploying = threading.Event()
+    prepare_sync = Preparer.prepare_sync
+
+    def prepare(self: Preparer, *args: Any, **kwargs: Any) -> Any:
+        if redeploying.is_set():
+            raise Unavailable("The model is being redeployed; retry shortly.")
+        return prepare_sync(self, *args, **kwargs)
+
+    monkeypatch.setattr(Preparer, "prepare_sync", prepare)
+    client, _ = await make_client(edge_batch_retry_backoff_s=0.01)
+    async with AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=DEMO_KEY, max_retries=0) as sdk:
+        redeploying.set()
+        created = await run(sdk, [chat_line(i) for i in range(4)])
+        running = await until(sdk, created.id, "in_progress", "failed")
+        assert running.status == "in_progress", running.errors
+        await asyncio.sleep(0.3)
+        waiting = await sdk.batches.retrieve(created.id)
+        assert waiting.request_counts is not None
+        assert (waiting.status, waiting.request_counts.failed) == ("in_progress", 0)
+        assert batch_log.lines == []
+        redeploying.clear()
+        done = await until(sdk, created.id, "completed")
+        assert done.request_counts is not None
+        assert (done.request_counts.completed, done.request_counts.failed) == (4, 0)
+    assert sorted((e.index, e.attempt) for e in batch_log.lines) == [(i, 0) for i in range(4)]
