@@ -204,6 +204,11 @@ class EmbeddingEngine:
         return self._device
 
     @property
+    def vocab_size(self) -> int:
+        """Token ids ``launch`` takes are ``0 <= id < vocab_size``."""
+        return self._vocab_size
+
+    @property
     def graphs(self) -> int:
         """CUDA graphs captured so far (0 where the forward runs eagerly)."""
         return len(self._graphs or ())

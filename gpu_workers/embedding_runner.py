@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
@@ -22,7 +22,7 @@ from gpu_workers.embedding import EmbeddingEngine
 from gpu_workers.generation import monotonic_deadline
 from gpu_workers.observe import RunnerLoad
 from gpu_workers.oom import OOM_CODE, MemoryBackoff, is_out_of_memory, release_memory
-from gpu_workers.runtime import Arrival, Emitter, Origin
+from gpu_workers.runtime import ENGINE_ERROR_CODE, Arrival, Emitter, FailedSteps, Origin
 from schemas.events import (
     FLOAT32_BYTES,
     EmbeddingRequested,
@@ -59,9 +59,18 @@ class _Input:
     input_ids: list[int]
 
 
-_Flight = Callable[[], list[tuple[EmbedItem[_Input], "npt.NDArray[np.float32] | None"]]]
+@dataclass(frozen=True, slots=True)
+class _Failed:
+    """The batch an item was in failed with ``error`` (not out of memory); ``stop``: too many in a row."""
+
+    error: Exception
+    stop: bool
+
+
+_Outcome: TypeAlias = "npt.NDArray[np.float32] | _Failed | None"
+_Flight = Callable[[], list[tuple[EmbedItem[_Input], _Outcome]]]
 """A launched batch: called, it waits for the device and returns each item with its vector (None: the
-item does not fit in memory even alone)."""
+item does not fit in memory even alone; :class:`_Failed`: its batch failed)."""
 
 
 class EmbeddingRunner:
@@ -82,6 +91,7 @@ class EmbeddingRunner:
         self._origin = Origin(source, worker_id)
         self._batcher: DynamicBatcher[_Input] = DynamicBatcher(batching)
         self._backoff = MemoryBackoff(ceiling=batching.max_batch_tokens)
+        self._failed_batches = FailedSteps()
         self._clock = clock
         self._requests: dict[str, _Request] = {}
         self._last_batch = 0
@@ -108,18 +118,9 @@ class EmbeddingRunner:
             return
         if event.request_id in self._requests:
             return  # a duplicate delivery of a request still in flight
-        too_long = [i for i, ids in enumerate(event.inputs) if len(ids) > self._manifest.max_context]
-        if not event.inputs or too_long:
-            emit.finish(
-                arrival,
-                self._origin.failed(
-                    arrival,
-                    "invalid_input",
-                    f"inputs {too_long} exceed {self._manifest.max_context} tokens"
-                    if too_long
-                    else "no inputs",
-                ),
-            )
+        invalid = self._invalid(event)
+        if invalid is not None:
+            emit.finish(arrival, self._origin.failed(arrival, "invalid_input", invalid))
             return
         now, wall = self._clock(), utc_now()
         deadline = monotonic_deadline(event.deadline, wall, now)
@@ -147,6 +148,23 @@ class EmbeddingRunner:
                 )
                 return  # items already queued are skipped when their batch runs
             self._requests[event.request_id] = request
+
+    def _invalid(self, event: EmbeddingRequested) -> str | None:
+        """Why the engine could not embed ``event``'s inputs (the edge checks them, another producer may
+        not), or None: a batch with such an input would fail whole."""
+        if not event.inputs:
+            return "no inputs"
+        empty = [i for i, ids in enumerate(event.inputs) if not ids]
+        if empty:
+            return f"inputs {empty} are empty"
+        too_long = [i for i, ids in enumerate(event.inputs) if len(ids) > self._manifest.max_context]
+        if too_long:
+            return f"inputs {too_long} exceed {self._manifest.max_context} tokens"
+        vocab = self._engine.vocab_size
+        outside = [i for i, ids in enumerate(event.inputs) if min(ids) < 0 or max(ids) >= vocab]
+        if outside:
+            return f"inputs {outside} hold token ids outside the vocabulary of {vocab}"
+        return None
 
     def release(self, request_ids: Collection[str]) -> set[str]:
         # Whatever is still here has produced nothing yet (a batch in flight included: its vectors are
@@ -186,10 +204,11 @@ class EmbeddingRunner:
         if batch or previous is not None:
             self._idle_since = self._clock()
 
-    def _finish(
-        self, embedded: list[tuple[EmbedItem[_Input], npt.NDArray[np.float32] | None]], emit: Emitter
-    ) -> None:
+    def _finish(self, embedded: list[tuple[EmbedItem[_Input], _Outcome]], emit: Emitter) -> None:
+        stop: Exception | None = None
         for item, vector in embedded:
+            if isinstance(vector, _Failed) and vector.stop:
+                stop = vector.error
             request = self._requests.get(item.request_id)
             if request is None:
                 continue  # cancelled, expired or released while its batch ran
@@ -197,10 +216,16 @@ class EmbeddingRunner:
                 del self._requests[item.request_id]
                 emit.finish(request.arrival, self._out_of_memory(request, item))
                 continue
+            if isinstance(vector, _Failed):  # its batch failed: the request ends, its other items skipped
+                del self._requests[item.request_id]
+                emit.finish(request.arrival, self._batch_failed(request, vector.error))
+                continue
             request.vectors[item.payload.index] = vector.astype("<f4", copy=False).tobytes()
             if len(request.vectors) == len(request.event.inputs):
                 del self._requests[item.request_id]
                 emit.finish(request.arrival, self._terminal(request, "completed", "stop"))
+        if stop is not None:
+            raise stop  # every request of the batch has ended; the worker stops (FailedSteps)
 
     def _launch(self, batch: list[EmbedItem[_Input]]) -> _Flight:
         """Start ``batch``; the flight returns each item with its vector. A batch that does not fit in memory
@@ -210,7 +235,7 @@ class EmbeddingRunner:
             pending = self._engine.launch([item.payload.input_ids for item in batch])
         except Exception as exc:
             if not is_out_of_memory(exc):
-                raise
+                return self._failed(batch, exc)
             release_memory(self._engine.device)
             padded = len(batch) * max(item.n_tokens for item in batch)
             self._batcher.token_budget = self._backoff.failed(padded)
@@ -222,14 +247,38 @@ class EmbeddingRunner:
                 self._batcher.token_budget,
             )
             if len(batch) == 1:
-                embedded: list[tuple[EmbedItem[_Input], npt.NDArray[np.float32] | None]] = [(batch[0], None)]
+                embedded: list[tuple[EmbedItem[_Input], _Outcome]] = [(batch[0], None)]
             else:
                 half = len(batch) // 2
                 embedded = self._launch(batch[:half])() + self._launch(batch[half:])()
             return lambda: embedded
         if self._backoff.succeeded():
             self._batcher.token_budget = self._backoff.limit
-        return lambda: list(zip(batch, pending.result(), strict=True))
+
+        def landed() -> list[tuple[EmbedItem[_Input], _Outcome]]:
+            try:
+                vectors = pending.result()
+            except Exception as exc:
+                return self._failed(batch, exc)()
+            self._failed_batches.succeeded()
+            return list(zip(batch, vectors, strict=True))
+
+        return landed
+
+    def _failed(self, batch: list[EmbedItem[_Input]], exc: Exception) -> _Flight:
+        """``batch`` failed with something other than out of memory (a bug, or an input no check caught):
+        each of its requests ends ``failed`` with ``engine_error`` (not retriable) when the flight is
+        finished, and the worker keeps serving, unless batches keep failing (:class:`FailedSteps`)."""
+        stop = self._failed_batches.failed()
+        log.error(
+            "%s: a batch of %d items failed; its requests end %s",
+            self._manifest.model_id,
+            len(batch),
+            ENGINE_ERROR_CODE,
+            exc_info=exc,
+        )
+        failed = _Failed(exc, stop)
+        return lambda: [(item, failed) for item in batch]
 
     def _out_of_memory(self, request: _Request, item: EmbedItem[_Input]) -> RequestFinished:
         return self._origin.finished(
@@ -241,6 +290,20 @@ class EmbeddingRunner:
                 message=f"input {item.payload.index} ({item.n_tokens} tokens) does not fit in the memory of "
                 f"{self._engine.device} even alone; retry later or send it shorter",
                 retriable=True,
+            ),
+            timings=Timings(
+                accepted=request.event.time, started=request.started, first_token=None, finished=utc_now()
+            ),
+        )
+
+    def _batch_failed(self, request: _Request, exc: Exception) -> RequestFinished:
+        return self._origin.finished(
+            request.arrival,
+            "failed",
+            "error",
+            error=ErrorInfo(
+                code=ENGINE_ERROR_CODE,
+                message=f"the model failed on this request's batch ({type(exc).__name__})",
             ),
             timings=Timings(
                 accepted=request.event.time, started=request.started, first_token=None, finished=utc_now()

@@ -29,7 +29,7 @@ So every running sequence produces exactly one token per step. ``cancel()`` drop
 cancelled request never produces another token. The engine is not thread-safe: one dedicated thread owns
 it (and all torch work, see ``configure_torch_threads``).
 
-Sampling is greedy at temperature 0, otherwise temperature / top-k / top-p with a per-request
+Sampling is greedy at temperature 0 (below ``SAMPLING_EPS``), otherwise temperature / top-k / top-p with a per-request
 ``torch.Generator`` seeded by the request, so re-running a request reproduces its tokens (a retry after a
 worker crash streams the same text).
 """
@@ -63,6 +63,15 @@ FinishReason = Literal["stop", "length"]
 
 class EngineError(GpuWorkerError):
     """A request the engine cannot take (bad ids, too long, duplicate id)."""
+
+
+SAMPLING_EPS = 1e-5
+"""A temperature below this samples greedily (as vLLM's ``_SAMPLING_EPS``): dividing the logits by a tiny
+one overflows float32 (1e-40 makes them infinite, and the softmax NaN), and the distribution it means is
+the greedy one anyway."""
+
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+"""The seeds ``torch.Generator.manual_seed`` takes."""
 
 
 class SeqRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -100,7 +109,7 @@ class GenerationRuntime(Protocol):
 
     def has_work(self) -> bool: ...
 
-    def reset(self) -> list[str]: ...
+    def reset(self, *, keep_waiting: bool = False) -> list[str]: ...
 
 
 @dataclass(slots=True, eq=False)
@@ -173,6 +182,8 @@ class GenerationEngine:
         self._batch = _Batch()
         self._ids: set[str] = set()
         self._rebuilds = 0
+        self._lost: set[str] = set()
+        """Requests that finished inside a step that then raised: their last outputs went with it."""
         self._ring: RingCache | None = None
         """The KV cache in fixed ring columns (``gpu_workers.ring``), the decode a CUDA graph per batch
         height with ``cuda_graphs``: on a GPU by default (``static_cache=None``), where the decode of a
@@ -248,8 +259,10 @@ class GenerationEngine:
             raise EngineError(
                 f"request {req.request_id}: token ids outside the vocabulary of {self._vocab_size}"
             )
-        if req.temperature < 0 or not 0 < req.top_p <= 1 or req.top_k < 0:
+        if not req.temperature >= 0 or not 0 < req.top_p <= 1 or req.top_k < 0:
             raise EngineError(f"request {req.request_id}: invalid sampling parameters")
+        if not SEED_MIN <= req.seed <= SEED_MAX:
+            raise EngineError(f"request {req.request_id}: seed {req.seed} outside [{SEED_MIN}, {SEED_MAX}]")
         self._ids.add(req.request_id)
         self._pending.append(req)
 
@@ -271,16 +284,23 @@ class GenerationEngine:
                 break
         return True
 
-    def reset(self) -> list[str]:
+    def reset(self, *, keep_waiting: bool = False) -> list[str]:
         """Drop every request, running or waiting, and the batch with its cache: after a step that failed
-        part-way (out of memory), whose state is not to be trusted. Returns the ids dropped; the engine is
-        empty and ready for new requests."""
+        part-way (out of memory, or any other error), whose state is not to be trusted. Returns the ids
+        dropped, those that finished inside the failed step included (their last outputs were lost with
+        it); the engine is empty and ready for new requests. With ``keep_waiting`` the requests not yet
+        prefilled stay queued (the failed step never touched them) and are not among the ids."""
         dropped = [seq.req.request_id for seq in self._batch.seqs if seq is not None]
-        dropped += [req.request_id for req in self._pending]
-        dropped += sorted(self._ids - set(dropped))  # admitted by the failed step's prefill
+        waiting = {req.request_id for req in self._pending} if keep_waiting else set()
+        if not keep_waiting:
+            dropped += [req.request_id for req in self._pending]
+        # admitted by the failed step's prefill, or finished inside it (their last token lost with it)
+        dropped += sorted((self._ids | self._lost) - set(dropped) - waiting)
+        self._lost = set()
         self._batch = _Batch()  # the ring's rows too: the next rebuild clears the rows it hands out
-        self._pending.clear()
-        self._ids.clear()
+        self._ids = waiting
+        if not keep_waiting:
+            self._pending.clear()
         self._waited = 0
         return dropped
 
@@ -291,13 +311,19 @@ class GenerationEngine:
         import torch
 
         outputs: list[StepOutput] = []
-        with torch.inference_mode():
-            if self._batch.live:
-                self._decode(outputs)
-            joined = self._prefill(outputs, free=self.max_batch_size - self._batch.live)
-            if joined is not None:
-                self._place(*joined)
-            self._tidy()
+        ids = set(self._ids)
+        self._lost = set()
+        try:
+            with torch.inference_mode():
+                if self._batch.live:
+                    self._decode(outputs)
+                joined = self._prefill(outputs, free=self.max_batch_size - self._batch.live)
+                if joined is not None:
+                    self._place(*joined)
+                self._tidy()
+        except BaseException:
+            self._lost = ids - self._ids  # finished in this step: ``reset`` names them too
+            raise
         return outputs
 
     def _decode(self, outputs: list[StepOutput]) -> None:
@@ -564,8 +590,8 @@ class GenerationEngine:
     def _generator(self, req: SeqRequest) -> torch.Generator | None:
         import torch
 
-        if req.temperature == 0:
-            return None
+        if req.temperature < SAMPLING_EPS:
+            return None  # greedy
         return torch.Generator(device=self._device).manual_seed(req.seed)
 
     def _sample(
@@ -618,10 +644,13 @@ def token_stats(logits: torch.Tensor) -> torch.Tensor:
 
 
 def sample_token(logits: torch.Tensor, req: SeqRequest, generator: torch.Generator) -> int:
-    """Temperature, then top-k, then top-p (nucleus) filtering; one draw from ``generator``."""
+    """Temperature, then top-k, then top-p (nucleus) filtering; one draw from ``generator``. The best score
+    is subtracted before the division, so that a small temperature cannot overflow: the best is 0, the rest
+    at most -inf (no NaN)."""
     import torch
 
-    scores = logits.float() / req.temperature
+    scores = logits.float()
+    scores = (scores - scores.max()) / max(req.temperature, SAMPLING_EPS)
     if 0 < req.top_k < scores.shape[-1]:
         kth = torch.topk(scores, req.top_k).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))

@@ -22,7 +22,7 @@ from gpu_workers.engine import GenerationEngine, SeqRequest
 from gpu_workers.flush import ChunkCoalescer, Flush, FlushPolicy
 from gpu_workers.observe import RunnerLoad
 from gpu_workers.oom import OOM_CODE, MemoryBackoff, is_out_of_memory, release_memory
-from gpu_workers.runtime import Arrival, Emitter, Origin
+from gpu_workers.runtime import ENGINE_ERROR_CODE, Arrival, Emitter, FailedSteps, Origin
 from gpu_workers.scheduler import GenerationScheduler, Pending, SchedulerConfig
 from schemas.events import (
     DriftFeatures,
@@ -89,6 +89,7 @@ class GenerationRunner:
         self._clock = clock
         self._live: dict[str, _Live] = {}
         self._backoff = MemoryBackoff(ceiling=engine.max_batch_size)
+        self._failed_steps = FailedSteps()
 
     # ---------------------------------------------------------------- Runner protocol
 
@@ -188,10 +189,14 @@ class GenerationRunner:
             try:
                 outputs = self._engine.step()
             except Exception as exc:
-                if not is_out_of_memory(exc):
-                    raise
-                self._out_of_memory(emit)
+                if is_out_of_memory(exc):
+                    self._out_of_memory(emit)
+                else:
+                    self._step_failed(exc, emit)
+                    if self._failed_steps.failed():
+                        raise
                 return
+            self._failed_steps.succeeded()
             if self._backoff.succeeded():
                 self._engine.max_batch_size = self._backoff.limit
             self._last_batch = len(outputs)
@@ -253,6 +258,31 @@ class GenerationRunner:
             code=OOM_CODE,
             message=f"the batch did not fit in the memory of {self._engine.device}; retry the request",
             retriable=True,
+        )
+        for request_id in dropped:
+            live = self._live.get(request_id)
+            if live is None:
+                continue
+            self._scheduler.finish(request_id)
+            self._end(live, "failed", "error", emit, error)
+
+    def _step_failed(self, exc: Exception, emit: Emitter) -> None:
+        """The step raised something other than out of memory (a bug, or a request no check caught): the
+        sequences it ran end ``failed`` with ``engine_error`` (not retriable: the same request would fail
+        the same way), the engine drops them with the batch and its cache, and the worker keeps serving
+        (unless steps keep failing: :class:`~gpu_workers.runtime.FailedSteps`). Requests the step did not
+        prefill stay queued; the batch limit stays where it was."""
+        dropped = self._engine.reset(keep_waiting=True)
+        log.error(
+            "%s: a step failed; its %d requests end %s",
+            self._manifest.model_id,
+            len(dropped),
+            ENGINE_ERROR_CODE,
+            exc_info=exc,
+        )
+        error = ErrorInfo(
+            code=ENGINE_ERROR_CODE,
+            message=f"the model failed on a step of this request's batch ({type(exc).__name__})",
         )
         for request_id in dropped:
             live = self._live.get(request_id)

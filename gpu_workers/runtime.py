@@ -83,6 +83,30 @@ class Runner(Protocol):
 NO_USAGE = Usage(prompt_tokens=0, completion_tokens=0, total_tokens=0)
 
 
+ENGINE_ERROR_CODE = "engine_error"
+"""A forward pass or sampling step failed with something other than out of memory: the requests in it end
+``failed`` with this code (not retriable: the same request would fail the same way), never the worker."""
+
+
+class FailedSteps:
+    """Steps (or batches) in a row that failed with something other than out of memory. One is a request
+    no check caught, and ends only that step's requests; ``limit`` in a row, with no good step between, is
+    a device or model that no longer works (a CUDA error sticks to its context), and stops the worker so
+    that its supervisor starts a fresh one instead of failing every request it is given."""
+
+    def __init__(self, limit: int = 3) -> None:
+        self.limit = limit
+        self.in_a_row = 0
+
+    def succeeded(self) -> None:
+        self.in_a_row = 0
+
+    def failed(self) -> bool:
+        """Count a failure; True when the runner should stop (``limit`` in a row)."""
+        self.in_a_row += 1
+        return self.in_a_row >= self.limit
+
+
 @dataclass(frozen=True)
 class Origin:
     """Who produces a runner's events: stamped on every terminal event it builds."""

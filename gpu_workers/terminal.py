@@ -70,8 +70,8 @@ def finished_by(message: Message, model_id: str, *, skip_source: str | None = No
 
     Read from the record's CloudEvents headers (type, model, subject) without decoding the body: every
     worker tails every result, and a body holds the whole text or every vector. A record without those
-    headers (written by another tool) is decoded. One whose ``ce_source`` is ``skip_source`` (this
-    worker's own results, remembered when it published them) is skipped."""
+    headers (written by another tool), or whose subject is not UTF-8, is decoded. One whose ``ce_source``
+    is ``skip_source`` (this worker's own results, remembered when it published them) is skipped."""
     found = {
         key: value.encode() if isinstance(value, str) else value
         for key, value in record_headers(message)
@@ -83,7 +83,10 @@ def finished_by(message: Message, model_id: str, *, skip_source: str | None = No
             return None
         if skip_source is not None and found.get("ce_source") == skip_source.encode():
             return None
-        return subject.decode()
+        try:
+            return subject.decode()
+        except UnicodeDecodeError:
+            pass  # not a subject this platform wrote: the body says whose it is, if anyone's
     try:
         event = decode(message.value() or b"")
     except DecodeError:

@@ -77,7 +77,9 @@ class SamplingParams(FrozenStruct, frozen=True, kw_only=True):
     top_k: NonNegative = 0
     """0 disables top-k."""
     stop: tuple[str, ...] = ()
-    seed: int | None = None
+    seed: Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)] | None = None
+    """An int64, as the edge takes it (``torch.Generator.manual_seed`` takes no more than a uint64, and
+    msgspec bounds no wider than an int64): a record with another fails to decode and is dead-lettered."""
     ignore_eos: bool = False
     """Keep generating past the end-of-sequence token until ``max_tokens``."""
 

@@ -109,7 +109,7 @@ def feature_row(event: RequestFinished) -> list[Any]:
         f.mean_logprob if f else None,
         f.mean_entropy if f else None,
         list(f.embedding) if f is not None and f.embedding else [],
-        int(event.time.timestamp() * 1000),
+        max(0, int(event.time.timestamp() * 1000)),  # a UInt64 column: an event before 1970 versions 0
     ]
 
 
@@ -144,7 +144,7 @@ def report_row(event: DriftReport) -> list[Any]:
         [f.null_share for f in features],
         list(event.quality),
         event.source,
-        int(event.time.timestamp() * 1000),
+        max(0, int(event.time.timestamp() * 1000)),  # a UInt64 column: an event before 1970 versions 0
     ]
 
 

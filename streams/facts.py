@@ -88,7 +88,7 @@ def fact_row(event: RequestFinished, prices: PriceTable) -> list[Any]:
         prices.version,
         event.idempotency_key or "",
         trace_id(event.traceparent),
-        int(event.time.timestamp() * 1000),
+        max(0, int(event.time.timestamp() * 1000)),  # a UInt64 column: an event before 1970 versions 0
         event.shadow_of or "",
         line.batch_id if line is not None else "",
         line.custom_id if line is not None else "",

@@ -330,6 +330,12 @@ def test_add_rejects_bad_requests(demo_gpt: LoadedModel) -> None:
         SeqRequest(request_id="vocab", input_ids=[vocab], max_new_tokens=1),
         SeqRequest(request_id="zero", input_ids=[5], max_new_tokens=0),
         SeqRequest(request_id="temp", input_ids=[5], max_new_tokens=1, temperature=-1.0),
+        SeqRequest(request_id="nan", input_ids=[5], max_new_tokens=1, temperature=float("nan")),
+        # torch.Generator.manual_seed raised on these inside the step, stopping the worker
+        SeqRequest(request_id="big-seed", input_ids=[5], max_new_tokens=1, temperature=1.0, seed=2**64),
+        SeqRequest(
+            request_id="low-seed", input_ids=[5], max_new_tokens=1, temperature=1.0, seed=-(2**63) - 1
+        ),
     ]
     for req in bad:
         with pytest.raises(EngineError, match=req.request_id):
@@ -337,6 +343,42 @@ def test_add_rejects_bad_requests(demo_gpt: LoadedModel) -> None:
     engine.add(SeqRequest(request_id="dup", input_ids=[5], max_new_tokens=1))
     with pytest.raises(EngineError, match="already"):
         engine.add(SeqRequest(request_id="dup", input_ids=[5], max_new_tokens=1))
+    for seed in (2**64 - 1, -(2**63)):  # torch's own bounds
+        engine.add(
+            SeqRequest(request_id=str(seed), input_ids=[5], max_new_tokens=1, temperature=1.0, seed=seed)
+        )
+    while engine.has_work():
+        engine.step()
+
+
+def test_a_temperature_too_small_to_divide_by_samples_greedily(
+    demo_gpt: LoadedModel, static_cache: bool
+) -> None:
+    """1e-40 (the edge takes 0..2) made the logits infinite, the softmax NaN and ``torch.multinomial``
+    raise inside the step: a crash loop of every worker the record reached."""
+    engine = GenerationEngine(demo_gpt.model, max_batch_size=4, static_cache=static_cache)
+    prompts = {name: encode(demo_gpt, PROMPTS[name]) for name in ("story", "mid", "doc")}
+    joins = {
+        0: [
+            request(demo_gpt, "tiny", prompts["story"], 12, temperature=1e-40, seed=3),
+            request(demo_gpt, "denormal", prompts["mid"], 12, temperature=5e-324, top_k=5, top_p=0.5),
+            request(demo_gpt, "eps", prompts["doc"], 12, temperature=1e-6, seed=9),
+        ]
+    }
+    seen = run(engine, joins)
+    for rid, name in (("tiny", "story"), ("denormal", "mid"), ("eps", "doc")):
+        assert [o.token_id for o in seen[rid]] == generate_alone(demo_gpt, prompts[name], 12), rid
+
+
+def test_sample_token_never_overflows_whatever_the_temperature_or_logits() -> None:
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.tensor([0.0, 3.0, 2.9, -1.0])
+    for temperature in (1e-40, 5e-324, 1e-5):
+        req = SeqRequest(request_id="t", input_ids=[1], max_new_tokens=1, temperature=temperature)
+        assert {sample_token(logits, req, gen) for _ in range(20)} == {1}
+    huge = torch.tensor([-3e38, 3e38, 2.9e38, float("-inf")])  # divided first, these overflowed too
+    req = SeqRequest(request_id="h", input_ids=[1], max_new_tokens=1, temperature=0.5)
+    assert {sample_token(huge, req, gen) for _ in range(20)} == {1}
 
 
 def test_sample_token_filters() -> None:

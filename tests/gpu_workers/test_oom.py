@@ -18,6 +18,7 @@ from gpu_workers.engine import GenerationEngine
 from gpu_workers.models import LoadedModel
 from gpu_workers.observe import RunnerLoad, WorkerObserver
 from gpu_workers.oom import OOM_CODE, MemoryBackoff, is_out_of_memory
+from gpu_workers.runtime import ENGINE_ERROR_CODE
 from schemas.events import SamplingParams
 from tests.gpu_workers.test_engine import generate_alone
 from tests.gpu_workers.test_runners import embedding, embedding_runner, generation, generation_runner, run
@@ -148,17 +149,20 @@ def test_a_generation_step_that_does_not_fit_ends_its_sequences_and_the_engine_s
         )
 
 
-def test_other_failures_still_stop_the_runner(minilm: LoadedModel) -> None:
-    """Only memory is retried: any other exception is a bug and stops the worker (its supervisor restarts
-    it), as before."""
+def test_other_failures_are_not_out_of_memory(minilm: LoadedModel) -> None:
+    """Only memory is retried and backs the batch limit off: any other exception ends its batch's requests
+    ``engine_error``, not retriable (``tests/gpu_workers/test_bad_requests.py``), the limit where it was."""
 
     class Broken(EmbeddingEngine):
         def launch(self, batch: Sequence[Sequence[int]]) -> PendingVectors:
             raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
 
     runner = embedding_runner(minilm, Broken(minilm.model))
-    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
-        run(runner, [embedding()])
+    request = embedding()
+    error = run(runner, [request]).finished[request.request_id].error
+    assert error is not None
+    assert (error.code, error.retriable) == (ENGINE_ERROR_CODE, False)
+    assert (runner.load().out_of_memory, runner.load().limit_ratio) == (0, 1.0)
 
 
 def test_the_worker_counts_out_of_memory_and_shows_its_batch_limit() -> None:

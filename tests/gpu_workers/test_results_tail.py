@@ -67,3 +67,13 @@ def test_a_record_without_headers_is_decoded_and_junk_is_ignored() -> None:
     )
     assert finished_by(_record(cancel), "demo-gpt") is None  # not a terminal event
     assert finished_by(_record(cancel, with_headers=False), "demo-gpt") is None
+
+
+def test_a_subject_that_is_not_utf8_falls_back_to_the_body_and_never_raises() -> None:
+    """Such a record (another tool's) raised UnicodeDecodeError, which stopped the results tail, and with it
+    the worker, and kept every worker of the model from starting while the record was retained."""
+    event = _finished()
+    bad: HeadersType = [(k, b"\xff\xfe" if k == "ce_subject" else v) for k, v in headers(event)]
+    assert finished_by(Message(value=b"not json", headers=bad), "demo-gpt") is None
+    assert finished_by(Message(value=encode(event), headers=bad), "demo-gpt") == "req-1"
+    assert finished_by(Message(value=encode(_finished(model="x")), headers=bad), "demo-gpt") is None

@@ -13,7 +13,7 @@ import msgspec
 import pytest
 
 import schemas
-from schemas.codec import decode, encode
+from schemas.codec import DecodeError, decode, encode
 from schemas.events import (
     EVENT_TYPES,
     REQUEST_TYPES,
@@ -23,6 +23,7 @@ from schemas.events import (
     GenerationRequested,
     RequestCommon,
     RequestFinished,
+    SamplingParams,
     Timings,
     Usage,
     event_type_name,
@@ -168,6 +169,24 @@ def test_generation_defaults() -> None:
         None,
         0,
     )
+
+
+@pytest.mark.parametrize("seed", [2**63, 2**64, -(2**63) - 1, 10**30])
+def test_a_seed_outside_int64_fails_to_decode_so_the_record_is_dead_lettered(seed: int) -> None:
+    """As the edge bounds it: ``torch.Generator.manual_seed`` raised on such a seed inside a worker's step."""
+    event = GenerationRequested(
+        tenant="t",
+        model="m",
+        source="s",
+        model_version="m@1",
+        input_ids=[1],
+        sampling=SamplingParams(seed=seed),
+    )
+    with pytest.raises(DecodeError, match="seed"):
+        decode(encode(event))
+    for edge in (-(2**63), 2**63 - 1, 0, None):
+        fine = msgspec.structs.replace(event, sampling=SamplingParams(seed=edge))
+        assert decode(encode(fine)) == fine
 
 
 def test_events_are_frozen() -> None:

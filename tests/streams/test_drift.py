@@ -22,11 +22,14 @@ from schemas.ids import uuid7_from_parts
 from schemas.settings import PlatformSettings
 from streams.drift import (
     ALL,
+    FEATURE_COLUMNS,
+    REPORT_COLUMNS,
     DriftKey,
     DriftMonitor,
     StoredReport,
     Window,
     due_windows,
+    feature_row,
     latest_report_sql,
     report_row,
 )
@@ -295,6 +298,15 @@ def sample_report() -> DriftReport:
     from schemas.examples import example_events
 
     return next(e for e in example_events() if isinstance(e, DriftReport))
+
+
+def test_an_event_dated_before_1970_versions_0_not_a_negative_number() -> None:
+    """``version`` is a UInt64 column in both drift tables: a negative one fails the whole insert."""
+    early = datetime(1969, 12, 31, 23, 59, 59, tzinfo=UTC)
+    event = msgspec.structs.replace(window_events(T0, 1, seed=8)[0], time=early)
+    assert dict(zip(FEATURE_COLUMNS, feature_row(event), strict=True))["version"] == 0
+    report = msgspec.structs.replace(sample_report(), time=early)
+    assert dict(zip(REPORT_COLUMNS, report_row(report), strict=True))["version"] == 0
 
 
 def test_the_report_id_is_the_same_for_a_window_judged_twice() -> None:

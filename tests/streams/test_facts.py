@@ -78,3 +78,13 @@ def test_the_discount_is_read_from_the_price_file(tmp_path: Path) -> None:
     path.write_text('version = "v"\nbatch_discount_percent = 12.5\n')
     with pytest.raises(PricingError, match="batch_discount_percent"):
         load_prices(path)
+
+
+def test_an_event_dated_before_1970_versions_0_not_a_negative_number() -> None:
+    """``version`` is a UInt64 column: a negative one fails the sink's whole insert, on every retry."""
+    from datetime import UTC, datetime
+
+    early = row(finished(time=datetime(1969, 12, 31, 23, 59, 59, tzinfo=UTC)))
+    assert early["version"] == 0
+    epoch = row(finished(time=datetime(1970, 1, 1, 0, 0, 1, tzinfo=UTC)))
+    assert epoch["version"] == 1000

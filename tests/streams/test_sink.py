@@ -225,3 +225,20 @@ def test_the_sink_writes_every_table(warehouse: Client) -> None:
     insert(warehouse, batch)
     for table, table_rows_, _ in table_rows(batch):
         assert rows(warehouse, f"SELECT count() AS n FROM {table}")[0]["n"] == len(table_rows_), table
+
+
+@pytest.mark.integration
+def test_an_event_dated_before_1970_is_stored_and_does_not_stop_the_sink(warehouse: Client) -> None:
+    """A UInt64 ``version`` from a negative timestamp failed the whole insert, on every retry."""
+    from streams.drift import report_row
+
+    early = datetime(1969, 12, 31, 23, 59, 59, tzinfo=UTC)
+    event = finished(request_id=uuid7_from_parts(int(T0.timestamp() * 1000), 1), time=early)
+    batch = Rows(PriceTable()).batch(records(finished(), event, topic="p.results"))
+    assert len(batch.facts) == 2
+    assert len(batch.drift) == 2
+    batch.reports.append(report_row(drift_report(window_end=T0, published=early)))
+    insert(warehouse, batch)
+    assert rows(warehouse, "SELECT count() AS n FROM request_facts WHERE version = 0")[0]["n"] == 1
+    assert rows(warehouse, "SELECT count() AS n FROM drift_features WHERE version = 0")[0]["n"] == 1
+    assert rows(warehouse, "SELECT count() AS n FROM drift_reports WHERE version = 0")[0]["n"] == 1
