@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, replace
 from datetime import datetime
 
@@ -259,12 +259,7 @@ class GenerationRunner:
             message=f"the batch did not fit in the memory of {self._engine.device}; retry the request",
             retriable=True,
         )
-        for request_id in dropped:
-            live = self._live.get(request_id)
-            if live is None:
-                continue
-            self._scheduler.finish(request_id)
-            self._end(live, "failed", "error", emit, error)
+        self._fail_all(dropped, error, emit)
 
     def _step_failed(self, exc: Exception, emit: Emitter) -> None:
         """The step raised something other than out of memory (a bug, or a request no check caught): the
@@ -284,14 +279,18 @@ class GenerationRunner:
             code=ENGINE_ERROR_CODE,
             message=f"the model failed on a step of this request's batch ({type(exc).__name__})",
         )
-        for request_id in dropped:
+        self._fail_all(dropped, error, emit)
+
+    # ---------------------------------------------------------------- helpers
+
+    def _fail_all(self, request_ids: Iterable[str], error: ErrorInfo, emit: Emitter) -> None:
+        """End each of these requests still live ``failed`` with ``error``."""
+        for request_id in request_ids:
             live = self._live.get(request_id)
             if live is None:
                 continue
             self._scheduler.finish(request_id)
             self._end(live, "failed", "error", emit, error)
-
-    # ---------------------------------------------------------------- helpers
 
     def _start(self, live: _Live, started: datetime, emit: Emitter) -> None:
         live.started = started

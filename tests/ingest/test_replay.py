@@ -16,6 +16,20 @@ CHAT = {"model": GEN, "messages": [{"role": "user", "content": "hello"}]}
 KEYED = {**AUTH, "Idempotency-Key": "order-42"}
 
 
+async def dropped_after_a_token(
+    make_client: MakeClient, gateway: FakeGateway, grace_s: float, headers: dict[str, str]
+) -> Client:
+    """An edge with a disconnect grace of ``grace_s`` and a streamed chat whose client read a token and left
+    (the generation held after two tokens)."""
+    client, _ = await make_client(edge_disconnect_grace_s=grace_s)
+    gateway.hold_after = 2
+    first = await client.post("/v1/chat/completions", json={**CHAT, "stream": True}, headers=headers)
+    await first.content.readuntil(b" t1")
+    first.close()
+    await eventually(lambda: gateway.streams[0].closed)
+    return client
+
+
 async def test_same_key_same_body_replays_the_same_result(client: Client, gateway: FakeGateway) -> None:
     first = await client.post("/v1/chat/completions", json=CHAT, headers=KEYED)
     # the same body written differently (key order, spacing) is the same body
@@ -126,14 +140,9 @@ async def test_get_stream_replays_native_frames(client: Client, gateway: FakeGat
 async def test_reconnect_within_the_grace_keeps_the_generation(
     make_client: MakeClient, gateway: FakeGateway
 ) -> None:
-    client, _ = await make_client(edge_disconnect_grace_s=30.0)
-    gateway.hold_after = 2
+    client = await dropped_after_a_token(make_client, gateway, 30.0, AUTH)
     body = {**CHAT, "stream": True}
-    first = await client.post("/v1/chat/completions", json=body, headers=AUTH)
-    await first.content.readuntil(b" t1")
-    first.close()
     rid = gateway.submitted[0].request_id
-    await eventually(lambda: gateway.streams[0].closed)
     resumed = await client.post(
         "/v1/chat/completions", json=body, headers={**AUTH, "Last-Event-ID": f"{rid}:1"}
     )
@@ -179,13 +188,8 @@ async def test_a_keyed_retry_within_the_grace_takes_the_request_back_as_a_resume
 ) -> None:
     """A client whose connection dropped retries with its Idempotency-Key: the replay used to leave the
     disconnect's delayed cancel pending, so the request was cancelled under the retry that was reading it."""
-    client, _ = await make_client(edge_disconnect_grace_s=0.5)
-    gateway.hold_after = 2
+    client = await dropped_after_a_token(make_client, gateway, 0.5, KEYED)
     body = {**CHAT, "stream": True}
-    first = await client.post("/v1/chat/completions", json=body, headers=KEYED)
-    await first.content.readuntil(b" t1")
-    first.close()
-    await eventually(lambda: gateway.streams[0].closed)
     retry = asyncio.create_task(client.post("/v1/chat/completions", json=body, headers=KEYED))
     await asyncio.sleep(1.0)  # past the grace, while the retry reads the replay
     gateway.release.set()
