@@ -461,9 +461,12 @@ class InstantEngine(GenerationEngine):
     def cancel(self, request_id: str) -> bool:
         return self._live.pop(request_id, None) is not None
 
-    def reset(self) -> list[str]:
+    def reset(self, *, keep_waiting: bool = False) -> list[str]:
         dropped = list(self._live)
         self._live.clear()
+        if not keep_waiting:
+            dropped += [req.request_id for req in self._waiting]
+            self._waiting.clear()
         return dropped
 
     def step(self) -> list[StepOutput]:
