@@ -754,7 +754,11 @@ class WorkerService(Component):
         reply = arrival.event.reply
         if reply is not None:
             self._observer.chunk(arrival.event.request_id)
-            self._producer.produce(reply.topic, chunk, partition=reply.partition)
+            try:
+                self._producer.produce(reply.topic, chunk, partition=reply.partition)
+            except BusError:  # a reply partition that does not exist: nobody can be waiting there
+                if chunk.seq == 0:
+                    log.exception("the replies of %s cannot be produced", arrival.event.request_id)
 
     def _publish_finish(self, arrival: Arrival, result: RequestFinished) -> None:
         """Publish a request's terminal event: first the copy its edge waits for on the reply topic, then
@@ -817,9 +821,20 @@ class WorkerService(Component):
             value = encode(result)
         key, head = kafka_key(result), headers(result)
         if reply is not None:
-            self._producer.produce_raw(
-                reply.topic, value, key=key, headers=head, partition=reply.partition, on_delivery=durable
-            )
+            try:
+                self._producer.produce_raw(
+                    reply.topic, value, key=key, headers=head, partition=reply.partition, on_delivery=durable
+                )
+            except BusError:
+                # Refused at once (a request naming a reply partition that does not exist, from a producer
+                # other than an edge): no edge waits there. The results copy alone carries the outcome and
+                # commits the request, which must not take the model thread down (and again at every
+                # redelivery).
+                log.exception(
+                    "the reply of %s cannot be produced; its result goes to results only", request_id
+                )
+                with lock:
+                    remaining[0] -= 1
         self._observer.measure(event, arrival.trace, result)
         probe = self._probe
 

@@ -375,6 +375,30 @@ async def test_a_result_too_large_for_the_log_fails_that_request_and_the_worker_
         assert worker.failure is None
 
 
+async def test_a_request_naming_a_reply_partition_that_does_not_exist_ends_on_results_alone(
+    names: TopicNames,
+    gpt_worker: WorkerService,
+    producer: EventProducer,
+    replies: Log,
+    results: Log,
+) -> None:
+    """Poison pill from a producer other than an edge: the replies topic has 2 partitions and the request
+    names the 51st. librdkafka refuses that record at once, and the refusal killed the model thread (and
+    the restarted worker again at every redelivery). Now its result goes to the results topic only, which
+    commits it, and the worker keeps serving."""
+    stray = msgspec.structs.replace(
+        _generation(names, PROMPT, stream=True),
+        reply=ReplyTo(topic=names.replies, partition=50, edge_id="gone"),
+    )
+    fine = _generation(names, PROMPT)
+    await producer.publish(names.requests("demo-gpt"), stray)
+    await producer.publish(names.requests("demo-gpt"), fine)
+    assert results.finished(stray.request_id).status == "completed"
+    assert replies.finished(fine.request_id).status == "completed"
+    assert gpt_worker.failure is None
+    assert replies.of(stray.request_id) == []
+
+
 async def eventually(predicate: Callable[[], bool], within: float) -> None:
     """Poll ``predicate`` without blocking the loop until it holds or ``within`` seconds pass."""
     for _ in range(int(within / 0.02)):
