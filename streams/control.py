@@ -150,7 +150,9 @@ class Controller:
         return events
 
 
-SPEND_TODAY = "SELECT tenant, sum(cost_nanos) AS spent FROM spend_day WHERE day = today() GROUP BY tenant"
+SPEND_TODAY = (
+    "SELECT tenant, sum(cost_nanos) AS spent FROM spend_day WHERE day = toDate(now(), 'UTC') GROUP BY tenant"
+)
 
 
 def burn_sql(minutes: int) -> str:

@@ -156,7 +156,7 @@ _TOP_TENANTS = """SELECT
     sum(cost_nanos) AS cost_nanos,
     cost_nanos / 1e9 AS spend_usd
 FROM spend_day
-WHERE day > today() - 30
+WHERE day > toDate(now(), 'UTC') - 30
 GROUP BY tenant
 ORDER BY cost_nanos DESC, tenant
 LIMIT 20"""
@@ -339,7 +339,7 @@ _BATCH_SPEND = """SELECT
     sum(cost_nanos) AS cost_nanos,
     cost_nanos / 1e9 AS spend_usd
 FROM request_facts FINAL
-WHERE batch_id != '' AND shadow_of = '' AND finished >= today() - 30
+WHERE batch_id != '' AND shadow_of = '' AND finished >= toDate(now(), 'UTC') - 30
 GROUP BY day, tenant
 ORDER BY day DESC, cost_nanos DESC, tenant"""
 

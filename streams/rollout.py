@@ -563,7 +563,9 @@ class RolloutController:
         self._outranked: dict[str, DeploymentChanged] = {}
         """model -> an operator's decision that a decision of this controller landed after (published
         again at the next evaluation)."""
-        self._burning: dict[str, BurnRateCrossed] = {}
+        self._burning: dict[str, dict[tuple[str, str], BurnRateCrossed]] = {}
+        """model -> (SLO, window pair) -> its fast burn while it fires: a crossing of another pair (the
+        slow one resolving) says nothing of this one's."""
         self._ready: OrderedDict[tuple[str, str], WorkerReady] = OrderedDict()
         """(deployment id, version) -> a worker's announcement that it is ready (at most
         ``READY_REMEMBERED``): a warming rollout takes its first step once its own candidate's is here."""
@@ -667,10 +669,11 @@ class RolloutController:
                 self._remember_ready(event)
                 self._due.add(event.model)
             elif isinstance(event, BurnRateCrossed) and self._canary(event.model):
+                pair = (event.slo, event.window)
                 if event.firing and event.threshold >= FAST_BURN:
-                    self._burning[event.model] = event
+                    self._burning.setdefault(event.model, {})[pair] = event
                 elif not event.firing:
-                    self._burning.pop(event.model, None)
+                    self._burning.get(event.model, {}).pop(pair, None)
                 self._due.add(event.model)
 
     def _canary(self, model: str) -> bool:
@@ -766,9 +769,12 @@ class RolloutController:
             for row in await self._read(drift_sql(current.model, candidate, since)):
                 if row["verdict"] == "drift":
                     drifted = sorted(str(f) for f in row["features"])
-        burn = self._burning.get(current.model)
-        if burn is not None and burn.time < since:
-            burn = None  # fired before this step began
+        # the latest fast burn still firing that began in this step (one that fired before it is not its)
+        burn = max(
+            (b for b in self._burning.get(current.model, {}).values() if b.time >= since),
+            key=lambda b: b.time,
+            default=None,
+        )
         return judge(
             gates,
             stats.get(candidate, VersionStats()),

@@ -127,28 +127,44 @@ class Rows:
         ]
 
     def batch(self, records: Iterable[Consumed]) -> Batch:
+        """Each record's rows; a record that does not decode, or decodes into an event no row can hold (a
+        terminal event without a tenant: no audit chain is its), is set aside to be dead-lettered, never
+        left to stop the batch (and the sink at that offset on every restart)."""
         out = Batch()
         for record in records:
             try:
                 event = decode(record.value)
+                rows = self._rows_of(event)
             except DecodeError as exc:
                 out.undecodable.append((record, exc))
                 continue
+            except (ValueError, TypeError, OverflowError) as exc:
+                out.undecodable.append((record, DecodeError(f"decodes but cannot be stored: {exc}")))
+                continue
             out.events.append((record, event))
             out.raw.append(self.raw_row(event, record.topic, record.partition, record.offset))
-            if isinstance(event, RequestFinished):
-                out.facts.append(fact_row(event, self._prices))
-                if event.batch is None:  # an offline job's inputs say nothing of the live traffic's drift
-                    out.drift.append(feature_row(event))
-            elif isinstance(event, AuditEntry) and self._decisions_from_topic:
-                out.audit.append(audit_row(event))
-            elif isinstance(event, DriftReport) and self._decisions_from_topic:
-                out.reports.append(report_row(event))
-            elif isinstance(event, DeploymentChanged):
-                out.deployments.append(deployment_row(event))
-            elif isinstance(event, BatchStateChanged):
-                out.batches.append(batch_row(event))
+            for table, row in rows:
+                getattr(out, table).append(row)
         return out
+
+    def _rows_of(self, event: Event) -> list[tuple[str, list[Any]]]:
+        """(the :class:`Batch` field, its row) for each table row ``event`` makes, besides ``events_raw``."""
+        if isinstance(event, RequestFinished):
+            if not event.tenant:
+                raise ValueError("a terminal event needs a tenant")
+            rows = [("facts", fact_row(event, self._prices))]
+            if event.batch is None:  # an offline job's inputs say nothing of the live traffic's drift
+                rows.append(("drift", feature_row(event)))
+            return rows
+        if isinstance(event, AuditEntry) and self._decisions_from_topic:
+            return [("audit", audit_row(event))]
+        if isinstance(event, DriftReport) and self._decisions_from_topic:
+            return [("reports", report_row(event))]
+        if isinstance(event, DeploymentChanged):
+            return [("deployments", deployment_row(event))]
+        if isinstance(event, BatchStateChanged):
+            return [("batches", batch_row(event))]
+        return []
 
 
 DEPLOYMENT_COLUMNS = (

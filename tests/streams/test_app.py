@@ -269,9 +269,17 @@ class Warehouse:
         self.rows[table] = self.rows.get(table, 0) + len(insert_block.splitlines())
 
 
+@pytest.mark.parametrize(
+    "bad",
+    [b"{not json", encode(finished(tenant=""))],
+    ids=["undecodable", "a terminal event without a tenant"],
+)
 async def test_an_undecodable_record_is_dead_lettered_and_the_rest_of_its_batch_written(
-    tmp_path: Path,
+    tmp_path: Path, bad: bytes
 ) -> None:
+    """A record that decodes but no row can hold (a terminal event with an empty tenant: no audit chain is
+    its) raised building its audit entry: nothing of the batch was written or committed, and the sink
+    stopped at that offset on every restart."""
     producer, warehouse = Producer(), Warehouse()
     app = StreamsApp(
         PlatformSettings(kafka_bootstrap="127.0.0.1:1", topic_prefix="p", data_dir=str(tmp_path)),
@@ -283,9 +291,7 @@ async def test_an_undecodable_record_is_dead_lettered_and_the_rest_of_its_batch_
     )
     app._heads = {}  # anchored: no chain yet
     good = finished()
-    batch = await app.write(
-        [Consumed("p.results", 0, 7, b"{not json"), Consumed("p.results", 0, 8, encode(good))]
-    )
+    batch = await app.write([Consumed("p.results", 0, 7, bad), Consumed("p.results", 0, 8, encode(good))])
     assert [record.offset for record, _ in batch.undecodable] == [7]
     letters = [event for topic, event in producer.records if topic == "p.deadletter"]
     assert len(letters) == 1

@@ -1008,3 +1008,17 @@ def test_batch_spend_per_day_and_tenant(warehouse: Client) -> None:
     assert (hostile["batches"], hostile["lines"], hostile["cost_nanos"]) == (1, 5, spent[HOSTILE_BATCH])
     assert by_tenant["acme"]["cost_nanos"] == spent["batch_done"]
     assert sum(r["cost_nanos"] for r in found) == sum(v for k, v in spent.items() if k)  # no plain request
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("zone", ["Pacific/Kiritimati", "Pacific/Pago_Pago"])  # UTC+14, UTC-11
+def test_todays_spend_is_the_utc_days_whatever_the_warehouses_time_zone(warehouse: Client, zone: str) -> None:
+    """``spend_day.day`` is the UTC date of ``finished``; the budget query compared it with ``today()``, the
+    server's local date (embedded chDB takes the process's TZ): east of UTC every tenant's spend read 0
+    early in each UTC day, and over-budget tenants were let back in. At any hour one of these two zones is
+    on another date than UTC."""
+    served = [event(finished=now_ms() - timedelta(seconds=i)) for i in range(3)]
+    facts = insert_facts(warehouse, served)
+    spent = sum(row[FACT_COLUMNS.index("cost_nanos")] for row in facts)
+    result = warehouse.query(SPEND_TODAY, settings={"session_timezone": zone})
+    assert [row[1] for row in result.result_rows] == [spent]

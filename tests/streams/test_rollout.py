@@ -1223,6 +1223,27 @@ async def test_a_fast_burn_rolls_back_when_the_candidate_errs_more(harness: Harn
     assert "burn fail (availability 1h/5m burn 20.0)" in decision.reason
 
 
+async def test_the_slow_pair_resolving_does_not_clear_a_fast_burn_still_firing(harness: Harness) -> None:
+    """Any resolved crossing of the model (here the 6h/30m pair's) cleared its fast burn: the fast pair is
+    not announced again while it keeps firing, so the canary could promote during a page-level burn."""
+    candidate_errs_more(harness.warehouse)
+    controller = harness.controller()
+    controller.seed([canary()])
+    fast = burn_event(at=T0 + timedelta(seconds=10))
+    slow = msgspec.structs.replace(fast, window="6h/30m", threshold=6.0)
+    controller.observe([fast, slow])
+    controller.observe([msgspec.structs.replace(slow, time=T0 + timedelta(seconds=20), firing=False)])
+    (decision,) = await controller.run_due()
+    assert decision.action == "rollback"
+    assert by_gate(decision.evidence)["burn"].state == "fail"
+    # the fast pair resolving does clear it
+    controller = harness.controller()
+    controller.seed([canary()])
+    controller.observe([fast, msgspec.structs.replace(fast, time=T0 + timedelta(seconds=20), firing=False)])
+    (decision,) = await controller.run_due()
+    assert decision.action == "promote"
+
+
 async def test_without_a_burn_the_same_rows_advance(harness: Harness) -> None:
     candidate_errs_more(harness.warehouse)
     controller = harness.controller()
