@@ -281,10 +281,15 @@ class TokenChunk(Envelope, frozen=True, kw_only=True, tag="token_chunk"):
     """Set only on a request's last chunk (the terminal event follows it)."""
 
 
+TokenCount = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
+"""Tokens of one request: the warehouse's ``UInt32`` columns hold them (a larger count would wrap there, and
+its cost with it), so a record over it fails to decode and is dead-lettered."""
+
+
 class Usage(FrozenStruct, frozen=True, kw_only=True):
-    prompt_tokens: NonNegative
-    completion_tokens: NonNegative
-    total_tokens: NonNegative
+    prompt_tokens: TokenCount
+    completion_tokens: TokenCount
+    total_tokens: TokenCount
 
 
 class ErrorInfo(FrozenStruct, frozen=True, kw_only=True):

@@ -189,6 +189,26 @@ def test_a_seed_outside_int64_fails_to_decode_so_the_record_is_dead_lettered(see
         assert decode(encode(fine)) == fine
 
 
+@pytest.mark.parametrize("field", ["prompt_tokens", "completion_tokens", "total_tokens"])
+def test_a_token_count_past_the_warehouses_uint32_fails_to_decode(field: str) -> None:
+    """``request_facts`` keeps token counts as UInt32: 2**32 prompt tokens were stored as 0 (and a cost of
+    2**62 tokens modulo 2**64), silently, in the facts and the ledger."""
+    usage = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2, field: 2**32}
+    event = RequestFinished(
+        tenant="t",
+        model="m",
+        source="s",
+        request_id="r",
+        status="completed",
+        finish_reason="stop",
+        usage=Usage(**usage),
+    )
+    with pytest.raises(DecodeError, match=field):
+        decode(encode(event))
+    fine = msgspec.structs.replace(event, usage=Usage(**{**usage, field: 2**32 - 1}))
+    assert decode(encode(fine)) == fine
+
+
 def test_events_are_frozen() -> None:
     event = example_events()[0]
     with pytest.raises(AttributeError):
