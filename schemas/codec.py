@@ -158,7 +158,9 @@ def kafka_key(event: Event) -> bytes:
         case DeploymentChanged():
             return f"deployment:{event.model}".encode()
         case BurnRateCrossed():
-            return f"burn:{event.model}:{event.slo}".encode()
+            # one key per window pair: the compacted topic keeps each pair's latest crossing (the slow
+            # pair's resolving must not compact away the fast pair's firing)
+            return f"burn:{event.model}:{event.slo}:{event.window}".encode()
         case WorkersScaled():
             return f"scale:{event.model}".encode()
         case WorkerReady():

@@ -57,6 +57,7 @@ from schemas.codec import decode, encode, headers, kafka_key
 from schemas.events import (
     AuditEntry,
     BudgetStateChanged,
+    BurnRateCrossed,
     DeploymentChanged,
     DriftReport,
     Event,
@@ -222,7 +223,8 @@ class StreamsApp(AsyncComponent):
             # one yet (a process stopped right after announcing it), and a state the controller does not
             # know it announced is never announced back (a raised limit would leave the tenant refused).
             self._controller.seed(
-                {e.tenant: e.exhausted for e in control if isinstance(e, BudgetStateChanged)}
+                {e.tenant: e.exhausted for e in control if isinstance(e, BudgetStateChanged)},
+                {(e.model, e.window): e.firing for e in control if isinstance(e, BurnRateCrossed)},
             )
         await self.drift.prepare()
         self._loop = asyncio.get_running_loop()

@@ -82,10 +82,15 @@ class Controller:
         # The windows (minutes) burn() needs counts over: those of the page pairs, shortest first.
         self.windows = windows(slo, "page")
 
-    def seed(self, exhausted: Mapping[str, bool]) -> None:
-        """The budget states last announced (read back from the control topic at start), so a tenant that
-        was cut off and has since left the budgets file, or got a higher limit, is announced again."""
+    def seed(
+        self, exhausted: Mapping[str, bool], firing: Mapping[tuple[str, str], bool] | None = None
+    ) -> None:
+        """The states last announced (read back from the control topic at start): budgets, so a tenant that
+        was cut off and has since left the budgets file, or got a higher limit, is announced again; burn
+        alerts by (model, window pair), so a burn that stopped while this process was down is announced as
+        resolved, not left firing on the topic until the model crosses again."""
         self._exhausted.update(exhausted)
+        self._firing.update(firing or {})
 
     def budgets(self, spent_nanos: Mapping[str, int]) -> list[Event]:
         """``spent_nanos``: today's spend per tenant. A state is announced when it differs from the last

@@ -596,6 +596,8 @@ class RolloutController:
         for event in events:
             if isinstance(event, WorkerReady):
                 self._remember_ready(event)
+            elif isinstance(event, BurnRateCrossed) and self._canary(event.model):
+                self._note_burn(event)  # still firing: it is not announced again while it goes on
         self._due |= {m for m, (d, _) in self._latest.items() if in_progress(d)}
 
     def _remember_ready(self, event: WorkerReady) -> None:
@@ -669,12 +671,15 @@ class RolloutController:
                 self._remember_ready(event)
                 self._due.add(event.model)
             elif isinstance(event, BurnRateCrossed) and self._canary(event.model):
-                pair = (event.slo, event.window)
-                if event.firing and event.threshold >= FAST_BURN:
-                    self._burning.setdefault(event.model, {})[pair] = event
-                elif not event.firing:
-                    self._burning.get(event.model, {}).pop(pair, None)
+                self._note_burn(event)
                 self._due.add(event.model)
+
+    def _note_burn(self, event: BurnRateCrossed) -> None:
+        pair = (event.slo, event.window)
+        if event.firing and event.threshold >= FAST_BURN:
+            self._burning.setdefault(event.model, {})[pair] = event
+        elif not event.firing:
+            self._burning.get(event.model, {}).pop(pair, None)
 
     def _canary(self, model: str) -> bool:
         deployment, _ = self._known(model)

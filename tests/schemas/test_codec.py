@@ -238,7 +238,7 @@ def test_decode_rejects_headers_that_disagree_with_the_body(
         (CancelRequested, b"acme"),
         (BudgetStateChanged, b"budget:acme"),
         (DeploymentChanged, b"deployment:demo-gpt"),
-        (BurnRateCrossed, b"burn:demo-gpt:ttft-p99"),
+        (BurnRateCrossed, b"burn:demo-gpt:ttft-p99:1h"),
         (DriftReport, b"drift:demo-gpt"),
         (WorkerReady, b"ready:demo-gpt:530b56af490a"),
         (DeadLetter, b"sluice.requests.demo-gpt:2"),

@@ -38,6 +38,17 @@ def test_a_restarted_controller_clears_what_an_earlier_one_announced() -> None:
     ]
 
 
+def test_a_restarted_controller_resolves_a_burn_that_stopped_while_it_was_down() -> None:
+    """Only budget states were read back at start: a burn announced firing that stopped while the streams
+    worker was down stayed ``firing=True`` on the control topic until the model crossed again."""
+    controller = Controller(Budgets(), DEFAULT_CONFIG)
+    controller.seed({}, {("m", "1h/5m"): True, ("m", "6h/30m"): False})
+    quiet = {("m", minutes): WindowCounts(0, 100) for minutes in controller.windows}
+    events = [e for e in controller.burn(quiet) if isinstance(e, BurnRateCrossed)]
+    assert [(e.model, e.window, e.firing) for e in events] == [("m", "1h/5m", False)]
+    assert controller.burn(quiet) == []
+
+
 def test_burn_fires_on_both_windows_of_a_pair_and_clears() -> None:
     controller = Controller(Budgets(), DEFAULT_CONFIG)
     # interactive tier: 99.5% -> budget 0.005; 1h/5m pair fires above 14.4x = 7.2% errors in both windows

@@ -1244,6 +1244,19 @@ async def test_the_slow_pair_resolving_does_not_clear_a_fast_burn_still_firing(h
     assert decision.action == "promote"
 
 
+async def test_a_restarted_controller_still_sees_a_fast_burn_firing_on_the_control_topic(
+    harness: Harness,
+) -> None:
+    """A burn is announced once while it fires: a controller started during it read only the deployments
+    and readiness from the control topic, and promoted a canary under a page-level burn."""
+    candidate_errs_more(harness.warehouse)
+    controller = harness.controller()
+    controller.seed([canary(), burn_event(at=T0 + timedelta(seconds=10))])
+    (decision,) = await controller.run_due()
+    assert decision.action == "rollback"
+    assert by_gate(decision.evidence)["burn"].state == "fail"
+
+
 async def test_without_a_burn_the_same_rows_advance(harness: Harness) -> None:
     candidate_errs_more(harness.warehouse)
     controller = harness.controller()
