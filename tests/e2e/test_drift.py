@@ -28,7 +28,10 @@ from tests.e2e.test_streams import ROOT, Streams, _sluice, _wait_rows, running_s
 
 pytestmark = pytest.mark.integration
 AUTH = {"Authorization": f"Bearer {DEMO_KEY}"}
-WINDOW_S = 10.0
+WINDOW_S = 15.0
+"""Room for a window's requests to end inside it on a busy box: with 10 s, CI (two test workers on 2 cores)
+once saw the shifted mix's longer German prompts run past the boundary, 27 of 48 in the window (too few to
+judge); alone it passed with 10 s."""
 PER_WINDOW = 48
 SECRET = "Flussufer"  # in the shifted prompts: must never reach the warehouse
 
@@ -115,7 +118,7 @@ def _reports(log: TopicLog) -> list[DriftReport]:
 
 @pytest.mark.timeout(
     300
-)  # three 10 s windows, the monitor, a replay: ~100 s alone, more on a busy 2-core box
+)  # three 15 s windows, the monitor, a replay: ~115 s alone, more on a busy 2-core box
 async def test_drift_flips_on_a_shifted_mix_and_not_on_the_same_mix(
     platform: Platform, workers: list[WorkerService], streams: Streams, drift_log: TopicLog
 ) -> None:
