@@ -311,8 +311,6 @@ class GenerationEngine:
         import torch
 
         outputs: list[StepOutput] = []
-        ids = set(self._ids)
-        self._lost = set()
         try:
             with torch.inference_mode():
                 if self._batch.live:
@@ -322,7 +320,9 @@ class GenerationEngine:
                     self._place(*joined)
                 self._tidy()
         except BaseException:
-            self._lost = ids - self._ids  # finished in this step: ``reset`` names them too
+            # finished in this step (``_emit`` dropped them from the engine), their outputs lost with it:
+            # ``reset`` names them too
+            self._lost = {out.request_id for out in outputs if out.finish_reason is not None}
             raise
         return outputs
 
