@@ -26,10 +26,11 @@ import logging
 import time
 from array import array
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any, TypeVar, get_args
 
 import msgspec
 
@@ -68,6 +69,7 @@ from schemas.ids import uuid7
 from schemas.lifecycle import AsyncComponent
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 ENDPOINTS: tuple[Endpoint, ...] = get_args(Endpoint)
 RETRIABLE_CODES = frozenset({"queue_full", "worker_oom", "worker_error", "unavailable", "fault_injected"})
@@ -149,6 +151,7 @@ class BatchRunner(AsyncComponent):
         self._jobs: dict[str, Job] = {}
         self._in_flight: dict[str, int] = {}
         self._wake = asyncio.Event()
+        self._pool: ThreadPoolExecutor | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._started = False
         self._last_progress: dict[str, float] = {}
@@ -163,7 +166,8 @@ class BatchRunner(AsyncComponent):
         await self._log.start()
         self._log.watch(self.fail)
         self._started = True
-        jobs, ended = await asyncio.to_thread(self._reload)
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="batch-files")
+        jobs, ended = await self._blocking(self._reload)
         for state in ended:
             await self._publish_state(state)
         for job in jobs:
@@ -176,6 +180,12 @@ class BatchRunner(AsyncComponent):
         self._spawn(self._collect(), "batch-results")
         self._spawn(self._sweep(), "file-sweep")
         self._wake.set()  # resumed batches go on at once
+
+    async def _blocking(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on this runner's file threads, which :meth:`stop` waits for."""
+        if self._pool is None:
+            raise RuntimeError("the batch runner is not started")
+        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args))
 
     def _spawn(self, coro: Any, name: str) -> None:
         task = asyncio.create_task(coro, name=name)
@@ -194,6 +204,11 @@ class BatchRunner(AsyncComponent):
         for task in list(self._tasks):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        # A cancelled task's file work runs on in its thread: wait for it, so that nothing this runner
+        # started writes a batch's state after it stopped (a successor may be reading them by then).
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            await asyncio.to_thread(pool.shutdown, True, cancel_futures=True)
         for job in self._jobs.values():
             job.close()
         if self._started:
@@ -204,7 +219,7 @@ class BatchRunner(AsyncComponent):
         """Remove expired files (reads already treat them as gone) every ``SWEEP_S``."""
         while True:
             try:
-                removed = await asyncio.to_thread(self.store.sweep)
+                removed = await self._blocking(self.store.sweep)
             except OSError:
                 log.warning("sweeping expired files failed; next try in %.0fs", SWEEP_S, exc_info=True)
             else:
@@ -356,7 +371,7 @@ class BatchRunner(AsyncComponent):
 
     async def _validate(self, job: Job, tenant: Tenant) -> None:
         try:
-            errors, total, model = await asyncio.to_thread(self._check_file, job, tenant)
+            errors, total, model = await self._blocking(self._check_file, job, tenant)
         except OSError as exc:  # the input file cannot be read: this batch fails, not the edge
             log.exception("batch %s: validation failed", job.state.batch_id)
             errors, total, model = [BatchLineError(code="unreadable_file", message=str(exc))], 0, ""
@@ -523,7 +538,7 @@ class BatchRunner(AsyncComponent):
         if not picked:
             return
         try:
-            events = await asyncio.to_thread(self._line_events, job, tenant, picked)
+            events = await self._blocking(self._line_events, job, tenant, picked)
         except OSError as exc:  # its input file is gone (expired, or deleted from another edge)
             log.warning("batch %s: its input file cannot be read", job.state.batch_id, exc_info=True)
             await self._fail(job, _input_gone(job.state.input_file_id, exc))
@@ -605,7 +620,7 @@ class BatchRunner(AsyncComponent):
                     self._apply_result(job, finished, now)
                     touched.add(job.state.batch_id)
             for batch_id in touched:
-                await asyncio.to_thread(self._jobs[batch_id].sync)
+                await self._blocking(self._jobs[batch_id].sync)
             self._log.handled()
             if touched:
                 self._wake.set()
@@ -676,10 +691,10 @@ class BatchRunner(AsyncComponent):
         state = job.state
         out_id, err_id = state.output_file_id or new_file_id(), state.error_file_id or new_file_id()
         try:
-            errors = await asyncio.to_thread(self._write_files, job, ending, out_id, err_id)
+            errors = await self._blocking(self._write_files, job, ending, out_id, err_id)
         except Exception as exc:  # a full disk, say: this batch fails (for good: a restart would not help)
             log.exception("batch %s: its output and error files cannot be written", state.batch_id)
-            await asyncio.to_thread(self._remove_files, state.tenant, out_id, err_id)
+            await self._blocking(self._remove_files, state.tenant, out_id, err_id)
             message = f"The batch's output and error files could not be written: {exc}"
             await self._fail(job, BatchLineError(code="output_write_failed", message=message))
             return
@@ -745,7 +760,7 @@ class BatchRunner(AsyncComponent):
         state = at_time(job.state, utc_now(), **changes)
         job.state = state
         async with self._saving.setdefault(state.batch_id, asyncio.Lock()):
-            await asyncio.to_thread(job.write_state, state)
+            await self._blocking(job.write_state, state)
             await self._publish_state(state)
 
     async def _publish_state(self, state: BatchStateChanged) -> None:

@@ -20,6 +20,7 @@ import contextlib
 import hashlib
 import os
 import re
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -246,7 +247,7 @@ class FileWriter:
 
 def write_atomic(path: Path, data: bytes) -> None:
     """Replace ``path`` with ``data`` so that a reader sees the old or the new content, never a mix."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")  # one per writer
     with tmp.open("wb") as out:
         out.write(data)
         out.flush()

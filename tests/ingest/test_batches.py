@@ -21,6 +21,7 @@ from openai.types import Batch
 from prometheus_client import REGISTRY
 
 from ingest.auth import DEMO_KEY
+from ingest.batch_job import Job
 from ingest.batch_lines import BATCH_PRIORITY
 from ingest.batches import BatchRunner, parse_window
 from ingest.errors import InvalidRequest, Unavailable
@@ -388,6 +389,31 @@ async def test_a_restarted_edge_resumes_its_batch_and_each_line_ends_once(
     assert sorted(e.index for e in again) == list(range(3, 12))  # what had no result, nothing else
     first_ids = {e.index: e.request_id for e in batch_log.lines[:before]}
     assert all(first_ids[e.index] == e.request_id for e in again if e.index in first_ids)  # same requests
+
+
+async def test_a_stopped_runner_writes_nothing_after_its_stop_returns(
+    make_client: MakeClient, batch_log: FakeBatchLog, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stopping cancels the runner's tasks, but file work already on a thread runs on: ``stop`` waits for it,
+    so a batch's state is never written by an edge that stopped (its successor may be reading it by then;
+    CI saw the two writers' temporary files collide)."""
+    writing, written = threading.Event(), threading.Event()
+    original = Job.write_state
+
+    def slow_write(job: Job, state: Any) -> None:
+        writing.set()
+        time.sleep(0.5)
+        original(job, state)
+        written.set()
+
+    batch_log.respond = lambda event: None  # lines stay in flight
+    client, _ = await make_client()
+    async with AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=DEMO_KEY, max_retries=0) as sdk:
+        await run(sdk, [chat_line(i) for i in range(3)])
+        monkeypatch.setattr(Job, "write_state", slow_write)
+        await _eventually(writing.is_set)
+    await client.close()
+    assert written.is_set(), "the edge stopped while its runner was still writing a batch's state"
 
 
 async def test_the_edge_reads_results_only_while_a_batch_is_unfinished(
