@@ -18,17 +18,7 @@ from schemas.events import DeploymentChanged, GateResult, RolloutGates, utc_now
 from schemas.manifest import ManifestError, current_model_dir, models_root, read_manifest
 from schemas.settings import PlatformSettings
 from schemas.topics import TopicNames
-from streams.rollout import (
-    VersionStats,
-    advance,
-    drift_sql,
-    in_progress,
-    judge,
-    parse_stats,
-    roll_back,
-    start_rollout,
-    stats_sql,
-)
+from streams.rollout import advance, in_progress, roll_back, start_rollout, step_gates
 
 CLIENT_ID = "sluice-cli-rollout"
 PHASE_COLOURS = {"rolled_back": "red", "warming": "cyan", "canary": "yellow", "promoted": "green"}
@@ -151,26 +141,23 @@ def publish(platform: PlatformSettings, event: DeploymentChanged) -> None:
 def live_gates(platform: PlatformSettings, current: DeploymentChanged) -> list[GateResult]:
     """The gates of the current step as the controller computes them, from the warehouse."""
     from infra.warehouse import query_warehouse
+    from schemas.settings import load_settings
+    from streams.settings import StreamsSettings
 
-    candidate = current.candidate or current.version
-    since = current.step_started or current.time
-
-    def rows(sql: str) -> list[dict[str, object]]:
-        result = query_warehouse(platform, sql)
+    async def rows(sql: str) -> list[dict[str, object]]:
+        result = await asyncio.to_thread(query_warehouse, platform, sql)
         return [dict(zip(result.columns, row, strict=True)) for row in result.rows]
 
-    stats = parse_stats(rows(stats_sql(current.model, (current.stable, candidate), since)))
-    drifted: list[str] | None = None
-    for row in rows(drift_sql(current.model, candidate, since)):
-        features = row["features"]
-        if row["verdict"] == "drift" and isinstance(features, list | tuple):
-            drifted = sorted(str(f) for f in features)
+    streams = load_settings(StreamsSettings)
     # The burn gate needs the model's BurnRateCrossed events, which only the controller follows: shown as
     # of the last decision's evidence, not recomputed here.
     gates = msgspec.structs.replace(current.gates or RolloutGates(), burn=False)
-    return judge(
-        gates,
-        stats.get(candidate, VersionStats()),
-        stats.get(current.stable, VersionStats()),
-        drifted=drifted,
+    return asyncio.run(
+        step_gates(
+            rows,
+            msgspec.structs.replace(current, gates=gates),
+            utc_now(),
+            drift_alpha=streams.drift_alpha,
+            drift_null_tolerance=streams.drift_null_tolerance,
+        )
     )

@@ -107,7 +107,11 @@ def rollout_start(
         float, typer.Option("--step-min-s", min=0, help="seconds each step lasts at least")
     ] = 60.0,
     drift_gate: Annotated[
-        bool, typer.Option("--drift-gate/--no-drift-gate", help="fail on a drift verdict")
+        bool,
+        typer.Option(
+            "--drift-gate/--no-drift-gate",
+            help="fail when the candidate's outputs differ from the stable version's (matched by tenant)",
+        ),
     ] = True,
     burn_gate: Annotated[
         bool, typer.Option("--burn-gate/--no-burn-gate", help="fail on the model's fast burn")
@@ -145,6 +149,14 @@ def rollout_start(
         )
 
     _rollout_call(plan)
+    if drift_gate:
+        from sluice.cli import out
+
+        out.print(
+            "  drift gate: at each step, once the other gates pass, the candidate's outputs are compared with "
+            f"the stable version's for tenants both served ({min_requests} a side needed)"
+            + ("" if shadow else "; without --shadow that takes clients sending X-Session-Id")
+        )
 
 
 @rollout_app.command("evaluate")

@@ -199,7 +199,11 @@ class StreamsApp(AsyncComponent):
         """The latest ``finished`` time of a terminal event the sink has written (ms)."""
         self.drift = DriftMonitor(settings, self._read, self._publish_report, self.stored_until)
         self.rollout = RolloutController(
-            self._read, self._publish_deployment, interval_s=settings.rollout_eval_interval_s
+            self._read,
+            self._publish_deployment,
+            interval_s=settings.rollout_eval_interval_s,
+            drift_alpha=settings.drift_alpha,
+            drift_null_tolerance=settings.drift_null_tolerance,
         )
         # Evaluations are due after sink batches; the rollout timer only runs one a batch left waiting.
         self._every: list[tuple[float, Callable[[], Awaitable[None]]]] = [

@@ -9,8 +9,9 @@ moves the rollout to ``canary`` at its first step. A candidate with no ready wor
 The controller lives in the streams worker. Every sink batch that carries a terminal event of a
 model under rollout (or a burn-rate change for it) triggers an evaluation, at most once per
 ``rollout_eval_interval_s``, over the rows that batch has just made durable: the stable and candidate
-versions' requests accepted since the step began (``request_facts``), the candidate's drift verdicts in
-the step (``drift_reports``), and the model's firing fast burn alerts.
+versions' requests accepted since the step began (``request_facts``), their outputs matched by tenant for
+the drift gate (``drift_features``, :mod:`streams.rollout_drift`: tested once a step, when it alone
+decides), and the model's firing fast burn alerts.
 
 Each gate is ``pass``, ``fail`` or ``insufficient_data`` (either side below ``min_requests``, or a
 latency only one side has samples of yet): low traffic neither promotes nor aborts. A latency gate whose
@@ -67,6 +68,7 @@ from schemas.events import (
 from streams.facts import FACT_COLUMNS, fact_row
 from streams.pricing import PriceTable
 from streams.queries import sql_string
+from streams.rollout_drift import NOT_YET, drift_gate
 
 log = logging.getLogger(__name__)
 
@@ -153,17 +155,6 @@ WHERE model = {sql_string(model)} AND model_version IN ({listed})
 GROUP BY model_version"""  # noqa: S608 (quoted literals and an integer only)
 
 
-def drift_sql(model: str, version: str, since: datetime) -> str:
-    """The candidate's all-tenant drift verdicts for windows that started in the step."""
-    since_ms = int(since.timestamp() * 1000)
-    return f"""SELECT verdict, count() AS windows,
-    groupUniqArrayArray(arrayFilter((name, hit) -> hit, feature_names, feature_drifted)) AS features
-FROM drift_reports FINAL
-WHERE model = {sql_string(model)} AND model_version = {sql_string(version)} AND scope = '*'
-    AND window_start >= fromUnixTimestamp64Milli({since_ms})
-GROUP BY verdict"""  # noqa: S608
-
-
 def parse_stats(rows: Sequence[dict[str, Any]]) -> dict[str, VersionStats]:
     def number(value: Any, samples: Any) -> float | None:
         if not samples or value is None or not math.isfinite(float(value)):
@@ -232,11 +223,12 @@ def judge(
     candidate: VersionStats,
     baseline: VersionStats,
     *,
-    drifted: Sequence[str] | None = None,
+    drift: GateResult | None = None,
     burn: BurnRateCrossed | None = None,
 ) -> list[GateResult]:
-    """Every gate's result for one step. ``drifted``: the candidate's drifted features when a window in the
-    step said ``drift`` (None: no drift verdict); ``burn``: a firing fast-burn crossing for the model."""
+    """Every gate's result for one step. ``drift``: the drift gate's result when it was judged
+    (:mod:`streams.rollout_drift`; None: not yet, ``insufficient_data``); ``burn``: a firing fast-burn
+    crossing for the model."""
     sizes: _Sizes = {"candidate_n": candidate.n, "baseline_n": baseline.n}
     enough = candidate.n >= gates.min_requests and baseline.n >= gates.min_requests
     results: list[GateResult] = []
@@ -300,14 +292,7 @@ def judge(
             )
         )
     if gates.drift:
-        results.append(
-            GateResult(
-                gate="drift",
-                state="fail" if drifted is not None else "pass",
-                detail=f"drifted: {', '.join(drifted)}" if drifted else "",
-                **sizes,
-            )
-        )
+        results.append(drift or GateResult(gate="drift", state="insufficient_data", detail=NOT_YET, **sizes))
     if gates.burn:
         # The model's fast burn is the candidate's when the candidate fails more than the stable version
         # (and fails at all: a few errors, not one unlucky request). It acts before min_requests: a fast
@@ -351,16 +336,22 @@ def decide(
         reason = "; ".join(_describe(r) for r in failed)
         step = f"{current.step + 1}/{len(current.steps)}"
         return roll_back(current, now, f"automatic rollback at step {step}: {reason}", results, "controller")
-    gates = current.gates or RolloutGates()
-    started = current.step_started or current.time
-    young = gates.step_min_s > 0 and (now - started).total_seconds() < gates.step_min_s
-    if young or not all(passes(r) for r in results):
+    if not ripe(current, results, now):
         return None
     summary = ", ".join(
         [_describe(r) for r in results if r.candidate is not None]
         + [f"{r.gate} not applicable" for r in results if r.state == "not_applicable"]
     )
     return advance(current, now, f"gates passed ({summary})", results, "controller")
+
+
+def ripe(current: DeploymentChanged, results: Sequence[GateResult], now: datetime, *, but: str = "") -> bool:
+    """Whether ``current``'s step may advance: every gate (``but`` that one) passed or does not apply, and
+    the step lasted ``step_min_s``."""
+    gates = current.gates or RolloutGates()
+    started = current.step_started or current.time
+    young = gates.step_min_s > 0 and (now - started).total_seconds() < gates.step_min_s
+    return not young and all(passes(r) for r in results if r.gate != but)
 
 
 def start_rollout(
@@ -541,12 +532,15 @@ class RolloutController:
         interval_s: float = 1.0,
         clock: Callable[[], datetime] = utc_now,
         monotonic: Callable[[], float] | None = None,
+        drift_alpha: float = 0.01,
+        drift_null_tolerance: float = 0.2,
     ) -> None:
         import time
 
         self._read = read
         self._publish = publish
         self._interval_s = interval_s
+        self._drift_alpha, self._drift_null_tolerance = drift_alpha, drift_null_tolerance
         self._clock = clock
         self._monotonic = monotonic or time.monotonic
         self._latest: dict[str, tuple[DeploymentChanged, Position | None]] = {}
@@ -765,25 +759,51 @@ class RolloutController:
 
     async def evaluate(self, current: DeploymentChanged) -> list[GateResult]:
         """The gates of ``current``'s step, from the warehouse."""
-        candidate = current.candidate or current.version
         since = current.step_started or current.time
-        stats = parse_stats(await self._read(stats_sql(current.model, (current.stable, candidate), since)))
-        drifted: list[str] | None = None
-        gates = current.gates or RolloutGates()
-        if gates.drift:
-            for row in await self._read(drift_sql(current.model, candidate, since)):
-                if row["verdict"] == "drift":
-                    drifted = sorted(str(f) for f in row["features"])
         # the latest fast burn still firing that began in this step (one that fired before it is not its)
         burn = max(
             (b for b in self._burning.get(current.model, {}).values() if b.time >= since),
             key=lambda b: b.time,
             default=None,
         )
-        return judge(
-            gates,
-            stats.get(candidate, VersionStats()),
-            stats.get(current.stable, VersionStats()),
-            drifted=drifted,
+        return await step_gates(
+            self._read,
+            current,
+            self._clock(),
             burn=burn,
+            drift_alpha=self._drift_alpha,
+            drift_null_tolerance=self._drift_null_tolerance,
         )
+
+
+async def step_gates(
+    read: Reader,
+    current: DeploymentChanged,
+    now: datetime,
+    *,
+    burn: BurnRateCrossed | None = None,
+    drift_alpha: float,
+    drift_null_tolerance: float,
+) -> list[GateResult]:
+    """Every gate of ``current``'s step as the controller judges it at ``now``, from the warehouse. The
+    drift gate runs its one test of the step only when the others would let the step advance."""
+    candidate = current.candidate or current.version
+    since = current.step_started or current.time
+    gates = current.gates or RolloutGates()
+    stats = parse_stats(await read(stats_sql(current.model, (current.stable, candidate), since)))
+    results = judge(
+        gates, stats.get(candidate, VersionStats()), stats.get(current.stable, VersionStats()), burn=burn
+    )
+    if gates.drift and current.phase == "canary" and ripe(current, results, now, but="drift"):
+        drift = await drift_gate(
+            read,
+            model=current.model,
+            stable=current.stable,
+            candidate=candidate,
+            since=since,
+            min_requests=gates.min_requests,
+            alpha=drift_alpha,
+            null_tolerance=drift_null_tolerance,
+        )
+        results = [drift if r.gate == "drift" else r for r in results]
+    return results

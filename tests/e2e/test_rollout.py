@@ -119,6 +119,7 @@ def streams(e2e_settings: PlatformSettings, tmp_path_factory: pytest.TempPathFac
         e2e_settings,
         tmp_path_factory.mktemp("rollout") / "data",
         SLUICE_ROLLOUT_EVAL_INTERVAL_S="0.5",
+        SLUICE_DRIFT_ALPHA="0.001",  # the good candidate's drift gate tests twice: a false alarm <= 0.2 %
         SLUICE_CACHE_DIR=e2e_settings.cache_dir,
         SLUICE_MODELS=GPT,
     ) as running:
@@ -330,7 +331,7 @@ async def test_a_good_candidate_is_promoted_step_by_step_across_a_controller_res
     before = len(_deployments(control))
     started = _sluice(
         env, "rollout", "start", GPT, "--version", GOOD, "--canary", "20", "--steps", "50",
-        "--shadow", "50", "--min-requests", "15", "--step-min-s", "0", "--no-drift-gate", *LATENCY_SLACK,
+        "--shadow", "50", "--min-requests", "15", "--step-min-s", "0", *LATENCY_SLACK,
     )  # fmt: skip
     assert started.returncode == 0, started.stderr
     await _wait_edge(platform, "canary", GOOD)
@@ -364,6 +365,10 @@ async def test_a_good_candidate_is_promoted_step_by_step_across_a_controller_res
         ("promote", "promoted", 2, 1.0),
     ]
     assert [d.actor for d in promoted] == ["operator", "controller", "controller", "controller"]
+    # the drift gate compared its outputs with the stable version's (matched by tenant) at each step
+    drift = [next(g for g in d.evidence if g.gate == "drift") for d in promoted[2:]]
+    assert [g.state for g in drift] == ["pass", "pass"], [g.detail for g in drift]
+    assert all(g.candidate_n >= 15 and g.candidate_n == g.baseline_n for g in drift)
     ready = [e for e in control.all() if isinstance(e, WorkerReady) and e.deployment == promoted[0].id]
     assert [(e.version, e.worker) for e in ready] == [(GOOD, f"rollout-{GOOD}")]
     assert promoted[1].reason.endswith(f"{GOOD} is ready (worker rollout-{GOOD})")

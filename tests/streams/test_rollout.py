@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import random
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -36,7 +37,6 @@ from streams.rollout import (
     VersionStats,
     advance,
     decide,
-    drift_sql,
     judge,
     parse_stats,
     roll_back,
@@ -45,6 +45,7 @@ from streams.rollout import (
     stats_sql,
     warm,
 )
+from streams.rollout_drift import NOT_YET
 
 T0 = datetime(2025, 3, 1, 12, tzinfo=UTC)
 T0_MS = 1_740_830_400_000
@@ -140,8 +141,11 @@ def warming(
     )
 
 
+DRIFT_PASSED = GateResult(gate="drift", state="pass", detail="outputs alike")
+
+
 def passing(gates: RolloutGates = GATES) -> list[GateResult]:
-    return judge(gates, stats(), stats())
+    return judge(gates, stats(), stats(), drift=DRIFT_PASSED)
 
 
 def failing(gates: RolloutGates = GATES) -> list[GateResult]:
@@ -167,10 +171,10 @@ def test_cost_per_1k_tokens_in_usd() -> None:
 
 
 def test_healthy_candidate_passes_every_gate_in_order() -> None:
-    results = judge(GATES, stats(), stats())
+    results = judge(GATES, stats(), stats(), drift=DRIFT_PASSED)
     assert [r.gate for r in results] == ALL_GATES
     assert {r.state for r in results} == {"pass"}
-    assert all((r.candidate_n, r.baseline_n) == (1000, 1000) for r in results)
+    assert all((r.candidate_n, r.baseline_n) == (1000, 1000) for r in results if r is not DRIFT_PASSED)
 
 
 @pytest.mark.parametrize(
@@ -258,7 +262,7 @@ def test_an_embeddings_model_judges_ttft_on_end_to_end_latency_and_has_no_itl_ga
     """An embedding has no first token and no inter-token gap: both versions' TTFT and ITL are None
     however many requests they serve. The TTFT gate judges their end-to-end p99 instead; the ITL gate
     does not apply (it used to be insufficient_data for ever, so the rollout never advanced)."""
-    results = by_gate(judge(GATES, embeddings(e2e=60.0), embeddings(e2e=40.0)))
+    results = by_gate(judge(GATES, embeddings(e2e=60.0), embeddings(e2e=40.0), drift=DRIFT_PASSED))
     ttft = results["ttft_p99_ms"]
     assert (ttft.state, ttft.candidate, ttft.baseline, ttft.limit) == ("pass", 60.0, 40.0, 85.0)
     assert ttft.detail == EMBEDDING_LATENCY
@@ -310,19 +314,15 @@ def test_a_latency_neither_version_has_with_enough_requests_does_not_apply() -> 
     assert no_tokens["cost_per_1k_tokens"].state == "insufficient_data"
 
 
-def test_drift_gate_fails_with_the_drifted_features() -> None:
-    result = by_gate(judge(GATES, stats(), stats(), drifted=["completion_tokens", "prompt_tokens"]))["drift"]
-    assert result.state == "fail"
-    assert result.detail == "drifted: completion_tokens, prompt_tokens"
+DRIFT_FAILED = GateResult(
+    gate="drift", state="fail", detail="outputs differ from the stable version's in output_chars"
+)
 
 
-def test_drift_gate_fails_on_a_drift_verdict_without_named_features() -> None:
-    assert by_gate(judge(GATES, stats(), stats(), drifted=[]))["drift"].state == "fail"
-
-
-def test_drift_gate_passes_without_a_drift_verdict() -> None:
-    result = by_gate(judge(GATES, stats(), stats(), drifted=None))["drift"]
-    assert (result.state, result.detail) == ("pass", "")
+def test_the_drift_gate_waits_until_it_is_judged() -> None:
+    result = by_gate(judge(GATES, stats(), stats()))["drift"]
+    assert (result.state, result.detail) == ("insufficient_data", NOT_YET)
+    assert by_gate(judge(GATES, stats(), stats(), drift=DRIFT_FAILED))["drift"] == DRIFT_FAILED
 
 
 def test_burn_gate_fails_when_the_candidate_errs_more() -> None:
@@ -362,7 +362,7 @@ def test_burn_gate_passes_without_a_burn() -> None:
 
 def test_disabled_gates_are_absent() -> None:
     gates = RolloutGates(min_requests=100, drift=False, burn=False)
-    results = judge(gates, stats(errors=40), stats(), drifted=["x"], burn=burn_event(at=T0))
+    results = judge(gates, stats(errors=40), stats(), drift=DRIFT_FAILED, burn=burn_event(at=T0))
     assert [r.gate for r in results] == ALL_GATES[:4]
     assert {r.state for r in results} == {"pass"}
 
@@ -404,17 +404,17 @@ def test_a_failed_gate_rolls_back_at_once() -> None:
 
 
 def test_rollback_reason_names_every_failed_gate() -> None:
-    results = judge(GATES, stats(ttft=500.0), stats(), drifted=["prompt_tokens"])
+    results = judge(GATES, stats(ttft=500.0), stats(), drift=DRIFT_FAILED)
     decision = decide(canary(step=1), results, T0)
     assert decision is not None
     assert decision.reason.startswith("automatic rollback at step 2/4: ")
     assert "ttft_p99_ms 500 vs stable 100 (limit 175" in decision.reason
-    assert "drift fail (drifted: prompt_tokens)" in decision.reason
+    assert "drift fail (outputs differ from the stable version's in output_chars)" in decision.reason
     assert "error_ratio" not in decision.reason
 
 
 def test_a_failure_wins_over_insufficient_data() -> None:
-    results = judge(GATES, stats(n=10, errors=0), stats(n=10), drifted=["x"])
+    results = judge(GATES, stats(n=10, errors=0), stats(n=10), drift=DRIFT_FAILED)
     assert by_gate(results)["error_ratio"].state == "insufficient_data"
     decision = decide(canary(), results, T0)
     assert decision is not None
@@ -428,7 +428,7 @@ def test_insufficient_data_neither_promotes_nor_aborts() -> None:
 
 def test_a_gate_that_does_not_apply_counts_as_passed() -> None:
     current = canary()
-    results = judge(GATES, embeddings(), embeddings())
+    results = judge(GATES, embeddings(), embeddings(), drift=DRIFT_PASSED)
     assert "not_applicable" in {r.state for r in results}
     decision = decide(current, results, T0 + timedelta(minutes=1))
     assert decision is not None
@@ -612,16 +612,6 @@ def test_stats_sql_lists_each_version_once_and_starts_at_since() -> None:
     assert f"fromUnixTimestamp64Milli({T0_MS + 123})" in outside
 
 
-def test_drift_sql_quotes_hostile_names() -> None:
-    sql = drift_sql(HOSTILE_MODEL, HOSTILE_VERSION, T0)
-    found, outside = literals(sql)
-    assert found == [HOSTILE_MODEL, HOSTILE_VERSION, "*"]
-    assert "DROP" not in outside
-    assert "OR 1=1" not in outside
-    assert "FROM drift_reports" in outside
-    assert f"fromUnixTimestamp64Milli({T0_MS})" in outside
-
-
 # --- parse_stats ----------------------------------------------------------------------------------------
 
 
@@ -765,12 +755,35 @@ def test_stats_of_an_offline_run_judge_ttft_on_live_requests_too() -> None:
 # --- RolloutController ----------------------------------------------------------------------------------
 
 
+def outputs(version: str, n: int = 100, *, empty: bool = False) -> list[dict[str, Any]]:
+    """A version's rows of the drift gate's matched sample: short answers, or empty ones."""
+    rng = random.Random(version)
+    return [
+        {
+            "model_version": version,
+            "kind": "completion",
+            "completion_tokens": 1 if empty else 8 + i % 5,
+            "output_chars": 0 if empty else 30 + rng.randrange(20),
+            "mean_logprob": -2 + rng.gauss(0, 0.2),
+            "mean_entropy": 3 + rng.gauss(0, 0.2),
+            "output_script": "latin",
+            "finish_reason": "stop",
+            "status": "completed",
+            "empty_output": empty,
+            "refusal": False,
+        }
+        for i in range(n)
+    ]
+
+
 class Warehouse:
     """Canned rows per query kind; records every query."""
 
     def __init__(self) -> None:
         self.stats: list[dict[str, Any]] = [row("v1"), row("v2")]
-        self.drift: list[dict[str, Any]] = []
+        self.mix: list[dict[str, Any]] = [{"tenant": "acme", "candidate": 100, "stable": 100}]
+        self.outputs: list[dict[str, Any]] = [*outputs("v1"), *outputs("v2")]
+        """The drift gate's matched sample (what :func:`outputs` makes)."""
         self.stats_of: dict[str, list[dict[str, Any]]] = {}
         """Rows for a model other than the default one."""
         self.queries: list[str] = []
@@ -785,8 +798,8 @@ class Warehouse:
                 if f"model = '{model}'" in sql:
                     return list(rows)
             return list(self.stats)
-        if "FROM drift_reports" in sql:
-            return list(self.drift)
+        if "FROM drift_features" in sql:
+            return list(self.mix if "GROUP BY tenant" in sql else self.outputs)
         raise AssertionError(f"unexpected query: {sql}")
 
 
@@ -993,12 +1006,13 @@ async def test_the_controller_reads_the_step_since_it_began(harness: Harness) ->
     )
     controller.seed([current])
     await controller.run_due()
-    stats_query, drift_query = harness.warehouse.queries
+    stats_query, mix_query, sample_query = harness.warehouse.queries
     assert "FROM request_facts" in stats_query
     assert f"fromUnixTimestamp64Milli({T0_MS + 5})" in stats_query
     assert literals(stats_query)[0][2 + len(STATS_FILTERS) :] == [MODEL, "v1", "v2"]
-    assert "FROM drift_reports" in drift_query
-    assert literals(drift_query)[0] == [MODEL, "v2", "*"]
+    for drift_query in (mix_query, sample_query):
+        assert "FROM drift_features" in drift_query
+        assert f"fromUnixTimestamp64Milli({T0_MS + 5}, 'UTC')" in drift_query
 
 
 async def test_no_drift_query_when_the_drift_gate_is_off(harness: Harness) -> None:
@@ -1138,30 +1152,43 @@ async def test_the_controller_advances_an_embeddings_rollout(harness: Harness) -
         assert gate_state(model, "itl_p99_ms", state) == (state == "not_applicable")
 
 
-async def test_a_drift_verdict_rolls_back_with_the_features(harness: Harness) -> None:
-    harness.warehouse.drift = [
-        {"verdict": "no_drift", "windows": 4, "features": []},
-        {"verdict": "drift", "windows": 1, "features": ["prompt_tokens", "completion_tokens"]},
-    ]
+async def test_a_candidate_whose_outputs_differ_is_rolled_back_by_the_drift_gate(harness: Harness) -> None:
+    harness.warehouse.outputs = [*outputs("v1"), *outputs("v2", empty=True)]
     controller = harness.controller()
     controller.seed([canary()])
     (decision,) = await controller.run_due()
     assert decision.action == "rollback"
-    assert by_gate(decision.evidence)["drift"].detail == "drifted: completion_tokens, prompt_tokens"
-    assert "drift fail (drifted: completion_tokens, prompt_tokens)" in decision.reason
+    drift = by_gate(decision.evidence)["drift"]
+    assert (drift.state, drift.candidate_n, drift.baseline_n) == ("fail", 100, 100)
+    assert "output_chars" in drift.detail
+    assert "empty_output" in drift.detail
+    assert f"drift fail ({drift.detail})" in decision.reason
 
 
-async def test_other_drift_verdicts_do_not_fail_the_gate(harness: Harness) -> None:
-    harness.warehouse.drift = [
-        {"verdict": "no_drift", "windows": 4, "features": []},
-        {"verdict": "data_quality", "windows": 1, "features": ["prompt_tokens"]},
-        {"verdict": "insufficient_data", "windows": 2, "features": []},
-    ]
+async def test_the_drift_gate_tests_once_a_step_when_it_alone_decides(harness: Harness) -> None:
+    """Tested at each evaluation as the step's sample grows, it would raise false alarms far more often
+    than alpha: it runs only when the other gates pass and the step is old enough, so it decides."""
+    harness.warehouse.outputs = [*outputs("v1"), *outputs("v2", empty=True)]
     controller = harness.controller()
-    controller.seed([canary()])
+    controller.seed([canary(gates=RolloutGates(min_requests=100, step_min_s=60), now=harness.now)])
+    assert await controller.run_due() == []  # the step is young
+    assert by_gate(controller.last_results[MODEL])["drift"].detail == NOT_YET
+    harness.later(61)
+    harness.warehouse.stats = [row("v1"), row("v2", ttft=900.0)]  # another gate fails: rolled back by it
+    controller.observe([finished()])
+    (decision,) = await controller.run_due()
+    assert by_gate(decision.evidence)["drift"].state == "insufficient_data"
+    assert not any("FROM drift_features" in q for q in harness.warehouse.queries)
+
+
+async def test_a_candidate_whose_outputs_match_passes_and_promotes(harness: Harness) -> None:
+    controller = harness.controller()
+    controller.seed([canary(step=2)])
     (decision,) = await controller.run_due()
     assert decision.action == "promote"
-    assert by_gate(decision.evidence)["drift"].state == "pass"
+    drift = by_gate(decision.evidence)["drift"]
+    assert drift.state == "pass"
+    assert "outputs alike (100 requests per version of 1 tenant both served" in drift.detail
 
 
 async def test_no_traffic_is_no_decision(harness: Harness) -> None:
