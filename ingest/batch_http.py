@@ -100,8 +100,11 @@ class BatchRoutes:
         return json_response({"object": "list", "data": [f.openai() for f in listed], "has_more": False})
 
     async def file(self, request: web.Request) -> web.Response:
+        """A file's metadata; a running batch's output or error file's as written so far."""
         tenant, runner = self._caller(request)
-        return json_response(runner.store.get(tenant.name, request.match_info["file_id"]).openai())
+        file_id = request.match_info["file_id"]
+        partial = await asyncio.to_thread(runner.partial_file, tenant.name, file_id)
+        return json_response(partial or runner.store.get(tenant.name, file_id).openai())
 
     async def delete_file(self, request: web.Request) -> web.Response:
         tenant, runner = self._caller(request)
@@ -110,7 +113,8 @@ class BatchRoutes:
         return json_response({"id": file_id, "object": "file", "deleted": True})
 
     async def content(self, request: web.Request) -> web.StreamResponse:
-        """The file's bytes; for a running batch's output file, the lines settled so far, in input order."""
+        """The file's bytes; for a running batch's output or error file, the lines settled so far, in input
+        order."""
         tenant, runner = self._caller(request)
         file_id = request.match_info["file_id"]
         partial = runner.partial_output(tenant.name, file_id)

@@ -50,7 +50,15 @@ from ingest.batch_job import (
 from ingest.batch_lines import LineError, item_request_id, line_request, output_line, parse_line
 from ingest.batch_log import BatchLog
 from ingest.errors import IngestError, InvalidRequest, NotFound
-from ingest.files import SWEEP_S, FileStore, new_file_id, read_lines, tenant_folder, write_atomic
+from ingest.files import (
+    SWEEP_S,
+    FileStore,
+    StoredFile,
+    new_file_id,
+    read_lines,
+    tenant_folder,
+    write_atomic,
+)
 from ingest.prepare import Preparer
 from ingest.settings import EdgeSettings
 from monitoring import metrics
@@ -360,12 +368,46 @@ class BatchRunner(AsyncComponent):
                 )
         self.store.delete(tenant, file_id)
 
-    def partial_output(self, tenant: str, file_id: str) -> Iterator[bytes] | None:
-        """The output lines so far of a running batch whose output file is ``file_id`` (None: no such)."""
+    def _running_file(self, tenant: str, file_id: str) -> tuple[Job, bool] | None:
+        """The batch of this edge that has not ended whose output (True) or error file is ``file_id``."""
         for job in self._jobs.values():
-            if job.state.tenant == tenant and job.state.output_file_id == file_id and not job.state.terminal:
-                return job.lines(ok=True)
+            state = job.state
+            if (
+                state.tenant == tenant
+                and not state.terminal
+                and file_id in (state.output_file_id, state.error_file_id)
+            ):
+                return job, file_id == state.output_file_id
         return None
+
+    def partial_output(self, tenant: str, file_id: str) -> Iterator[bytes] | None:
+        """The lines so far of a running batch's output or error file ``file_id`` (None: no such), in input
+        order."""
+        running = self._running_file(tenant, file_id)
+        return None if running is None else running[0].lines(ok=running[1])
+
+    def partial_file(self, tenant: str, file_id: str) -> dict[str, Any] | None:
+        """OpenAI's file object of a running batch's output or error file, as written so far (None: no
+        such; blocking: it reads the lines settled so far)."""
+        running = self._running_file(tenant, file_id)
+        if running is None:
+            return None
+        job, ok = running
+        state, size, lines = job.state, 0, 0
+        for line in job.lines(ok=ok):
+            size, lines = size + len(line) + 1, lines + 1
+        began = state.in_progress_at or state.created_at
+        partial = StoredFile(
+            id=file_id,
+            tenant=tenant,
+            bytes=size,
+            created_at=int(began.timestamp()),
+            filename=file_name(state.batch_id, ok=ok),
+            purpose="batch_output",
+            lines=lines,
+        )
+        why = f"batch {state.batch_id} is {state.status}: {lines} lines so far; the content so far is served"
+        return {**partial.openai(), "status": "uploaded", "status_details": why}
 
     # ------------------------------------------------------------------ validating
 
@@ -724,7 +766,7 @@ class BatchRunner(AsyncComponent):
     def _write_files(self, job: Job, ending: Ending | None, out_id: str, err_id: str) -> int:
         """The output and error files (not bounded by the upload limit); how many error lines."""
         state = job.state
-        out_name, err_name = f"{state.batch_id}_output.jsonl", f"{state.batch_id}_error.jsonl"
+        out_name, err_name = file_name(state.batch_id, ok=True), file_name(state.batch_id, ok=False)
         with self.store.writer(state.tenant, out_name, "batch_output", out_id, bounded=False) as out:
             for line in job.lines(ok=True):
                 out.write(line + b"\n")
@@ -797,6 +839,11 @@ def _failure(counts: BatchCounts, error: BatchLineError) -> dict[str, Any]:
     }
 
 
+def file_name(batch_id: str, *, ok: bool) -> str:
+    """The name of a batch's output (``ok``) or error file."""
+    return f"{batch_id}_{'output' if ok else 'error'}.jsonl"
+
+
 def batch_object(state: BatchStateChanged) -> dict[str, Any]:
     """OpenAI's batch object."""
 
@@ -816,7 +863,8 @@ def batch_object(state: BatchStateChanged) -> dict[str, Any]:
         "completion_window": state.completion_window,
         "status": state.status,
         "output_file_id": state.output_file_id,
-        "error_file_id": state.error_file_id,
+        # a running batch names its error file once a line failed: one that ends without errors has none
+        "error_file_id": state.error_file_id if state.terminal or state.counts.failed else None,
         "created_at": ts(state.created_at),
         "in_progress_at": ts(state.in_progress_at),
         "expires_at": ts(state.expires_at),

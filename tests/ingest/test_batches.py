@@ -333,6 +333,70 @@ async def test_partial_output_is_readable_while_the_batch_runs(
         assert [line["custom_id"] for line in partial] == ["req-1", "req-3"]
 
 
+async def test_a_running_batchs_files_are_served_as_written_so_far(
+    make_client: MakeClient, batch_log: FakeBatchLog
+) -> None:
+    """The ids a running batch names are files: their metadata and content so far, the error file's too
+    (both answered 404 before)."""
+    batch_log.respond = lambda event: (
+        complete(event)
+        if event.index == 1
+        else failing("invalid_request")(event)
+        if event.index == 3
+        else None
+    )
+    client, _ = await make_client()
+    async with AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=DEMO_KEY, max_retries=0) as sdk:
+        created = await run(sdk, [chat_line(i) for i in range(5)])
+        await _eventually_async(lambda: _counted(sdk, created.id, 1))
+        running = await until(sdk, created.id, "in_progress")
+        assert running.request_counts is not None
+        assert running.request_counts.failed == 1
+        assert running.output_file_id is not None
+        assert running.error_file_id is not None
+        for file_id, kind, custom_ids in (
+            (running.output_file_id, "output", ["req-1"]),
+            (running.error_file_id, "error", ["req-3"]),
+        ):
+            meta = await sdk.files.retrieve(file_id)
+            content = (await sdk.files.content(file_id)).content
+            assert [json.loads(line)["custom_id"] for line in content.splitlines()] == custom_ids
+            assert (meta.id, meta.filename, meta.purpose) == (
+                file_id,
+                f"{created.id}_{kind}.jsonl",
+                "batch_output",
+            )
+            assert (meta.bytes, meta.status) == (len(content), "uploaded")
+            assert meta.status_details is not None
+            assert "1 lines so far" in meta.status_details
+    async with AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=OTHER_KEY, max_retries=0) as other:
+        for file_id in (running.output_file_id, running.error_file_id):
+            for call in (other.files.retrieve(file_id), other.files.content(file_id)):
+                with pytest.raises(openai.NotFoundError):
+                    await call
+
+
+async def test_a_batch_names_an_error_file_only_once_a_line_failed(
+    make_client: MakeClient, batch_log: FakeBatchLog
+) -> None:
+    """A batch that ends without errors has no error file: while it runs, it names none either (the id
+    used to turn into null at the end)."""
+    held: list[BatchItemRequested] = []
+    batch_log.respond = lambda event: complete(event) if event.index == 0 else held.append(event)
+    client, _ = await make_client()
+    async with AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=DEMO_KEY, max_retries=0) as sdk:
+        created = await run(sdk, [chat_line(i) for i in range(3)])
+        await _eventually_async(lambda: _counted(sdk, created.id, 1))
+        running = await sdk.batches.retrieve(created.id)
+        assert (running.status, running.error_file_id) == ("in_progress", None)
+        assert running.output_file_id is not None
+        await _eventually(lambda: len(held) == 2)
+        for event in held:
+            batch_log.answer(complete(event))
+        done = await until(sdk, created.id, "completed")
+    assert (done.error_file_id, done.output_file_id) == (None, running.output_file_id)
+
+
 def _lines_counted(outcome: str) -> float:
     return REGISTRY.get_sample_value("sluice_batch_lines_total", {"model": GEN, "outcome": outcome}) or 0.0
 
