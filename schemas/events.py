@@ -540,8 +540,8 @@ class RolloutGates(FrozenStruct, frozen=True, kw_only=True):
     max_cost_ratio: Annotated[float, msgspec.Meta(ge=1.0)] = 1.25
     """Cost per 1k tokens, candidate / stable."""
     drift: bool = True
-    """The candidate's outputs differing from the stable version's over the step (matched by tenant, see
-    ``streams.rollout_drift``) fails the gate."""
+    """The candidate's answers to its shadow copies differing from the stable version's answers to the
+    originals fails the gate (``streams.rollout_drift``; not applicable without shadow copies)."""
     burn: bool = True
     """A firing fast-burn ``BurnRateCrossed`` for the candidate fails the gate."""
     step_min_s: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0

@@ -110,7 +110,7 @@ def rollout_start(
         bool,
         typer.Option(
             "--drift-gate/--no-drift-gate",
-            help="fail when the candidate's outputs differ from the stable version's (matched by tenant)",
+            help="fail when the candidate answers its shadow copies unlike the stable version (needs --shadow)",
         ),
     ] = True,
     burn_gate: Annotated[
@@ -153,9 +153,11 @@ def rollout_start(
         from sluice.cli import out
 
         out.print(
-            "  drift gate: at each step, once the other gates pass, the candidate's outputs are compared with "
-            f"the stable version's for tenants both served ({min_requests} a side needed)"
-            + ("" if shadow else "; without --shadow that takes clients sending X-Session-Id")
+            "  drift gate: at each step, once the other gates pass, the candidate's answers to its shadow copies "
+            f"are compared with the stable version's answers to the originals ({min_requests} pairs needed)"
+            if shadow
+            else "  [yellow]drift gate: not applicable without --shadow[/] (it compares the candidate's answers to "
+            "shadow copies with the stable version's answers to the same requests)"
         )
 
 

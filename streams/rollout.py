@@ -9,9 +9,9 @@ moves the rollout to ``canary`` at its first step. A candidate with no ready wor
 The controller lives in the streams worker. Every sink batch that carries a terminal event of a
 model under rollout (or a burn-rate change for it) triggers an evaluation, at most once per
 ``rollout_eval_interval_s``, over the rows that batch has just made durable: the stable and candidate
-versions' requests accepted since the step began (``request_facts``), their outputs matched by tenant for
-the drift gate (``drift_features``, :mod:`streams.rollout_drift`: tested once a step, when it alone
-decides), and the model's firing fast burn alerts.
+versions' requests accepted since the step began (``request_facts``), the answers of the step's shadow
+pairs for the drift gate (``drift_features``, :mod:`streams.rollout_drift`: tested once a step, when it
+alone decides), and the model's firing fast burn alerts.
 
 Each gate is ``pass``, ``fail`` or ``insufficient_data`` (either side below ``min_requests``, or a
 latency only one side has samples of yet): low traffic neither promotes nor aborts. A latency gate whose
@@ -801,6 +801,8 @@ async def step_gates(
             stable=current.stable,
             candidate=candidate,
             since=since,
+            shadow=current.shadow,
+            embeddings=any(r.detail == EMBEDDING_LATENCY for r in results),
             min_requests=gates.min_requests,
             alpha=drift_alpha,
             null_tolerance=drift_null_tolerance,

@@ -45,7 +45,7 @@ from streams.rollout import (
     stats_sql,
     warm,
 )
-from streams.rollout_drift import NOT_YET
+from streams.rollout_drift import EMBEDDINGS, NO_SHADOW, NOT_YET
 
 T0 = datetime(2025, 3, 1, 12, tzinfo=UTC)
 T0_MS = 1_740_830_400_000
@@ -141,7 +141,7 @@ def warming(
     )
 
 
-DRIFT_PASSED = GateResult(gate="drift", state="pass", detail="outputs alike")
+DRIFT_PASSED = GateResult(gate="drift", state="pass", detail="answers alike")
 
 
 def passing(gates: RolloutGates = GATES) -> list[GateResult]:
@@ -315,7 +315,7 @@ def test_a_latency_neither_version_has_with_enough_requests_does_not_apply() -> 
 
 
 DRIFT_FAILED = GateResult(
-    gate="drift", state="fail", detail="outputs differ from the stable version's in output_chars"
+    gate="drift", state="fail", detail="answers to the same requests differ in output_chars"
 )
 
 
@@ -409,7 +409,7 @@ def test_rollback_reason_names_every_failed_gate() -> None:
     assert decision is not None
     assert decision.reason.startswith("automatic rollback at step 2/4: ")
     assert "ttft_p99_ms 500 vs stable 100 (limit 175" in decision.reason
-    assert "drift fail (outputs differ from the stable version's in output_chars)" in decision.reason
+    assert "drift fail (answers to the same requests differ in output_chars)" in decision.reason
     assert "error_ratio" not in decision.reason
 
 
@@ -756,7 +756,7 @@ def test_stats_of_an_offline_run_judge_ttft_on_live_requests_too() -> None:
 
 
 def outputs(version: str, n: int = 100, *, empty: bool = False) -> list[dict[str, Any]]:
-    """A version's rows of the drift gate's matched sample: short answers, or empty ones."""
+    """A version's side of the drift gate's shadow pairs: short answers, or empty ones."""
     rng = random.Random(version)
     return [
         {
@@ -781,9 +781,8 @@ class Warehouse:
 
     def __init__(self) -> None:
         self.stats: list[dict[str, Any]] = [row("v1"), row("v2")]
-        self.mix: list[dict[str, Any]] = [{"tenant": "acme", "candidate": 100, "stable": 100}]
         self.outputs: list[dict[str, Any]] = [*outputs("v1"), *outputs("v2")]
-        """The drift gate's matched sample (what :func:`outputs` makes)."""
+        """The answers of the drift gate's shadow pairs (what :func:`outputs` makes)."""
         self.stats_of: dict[str, list[dict[str, Any]]] = {}
         """Rows for a model other than the default one."""
         self.queries: list[str] = []
@@ -793,13 +792,13 @@ class Warehouse:
         self.queries.append(sql)
         if self.error is not None:
             raise self.error
+        if "FROM drift_features" in sql:  # the drift gate's pairs (its subqueries read request_facts)
+            return list(self.outputs)
         if "FROM request_facts" in sql:
             for model, rows in self.stats_of.items():
                 if f"model = '{model}'" in sql:
                     return list(rows)
             return list(self.stats)
-        if "FROM drift_features" in sql:
-            return list(self.mix if "GROUP BY tenant" in sql else self.outputs)
         raise AssertionError(f"unexpected query: {sql}")
 
 
@@ -1006,13 +1005,12 @@ async def test_the_controller_reads_the_step_since_it_began(harness: Harness) ->
     )
     controller.seed([current])
     await controller.run_due()
-    stats_query, mix_query, sample_query = harness.warehouse.queries
+    stats_query, pairs_query = harness.warehouse.queries
     assert "FROM request_facts" in stats_query
     assert f"fromUnixTimestamp64Milli({T0_MS + 5})" in stats_query
     assert literals(stats_query)[0][2 + len(STATS_FILTERS) :] == [MODEL, "v1", "v2"]
-    for drift_query in (mix_query, sample_query):
-        assert "FROM drift_features" in drift_query
-        assert f"fromUnixTimestamp64Milli({T0_MS + 5}, 'UTC')" in drift_query
+    assert "FROM drift_features" in pairs_query
+    assert f"fromUnixTimestamp64Milli({T0_MS + 5}, 'UTC')" in pairs_query
 
 
 async def test_no_drift_query_when_the_drift_gate_is_off(harness: Harness) -> None:
@@ -1145,8 +1143,10 @@ async def test_the_controller_advances_an_embeddings_rollout(harness: Harness) -
     (decision,) = await controller.run_due()
     assert (decision.model, decision.action, decision.phase, decision.step) == (model, "promote", "canary", 1)
     assert [r.state for r in controller.last_results[model]] == [
-        "pass", "pass", "not_applicable", "pass", "pass", "pass"
+        "pass", "pass", "not_applicable", "pass", "not_applicable", "pass"
     ]  # fmt: skip
+    assert by_gate(controller.last_results[model])["drift"].detail == EMBEDDINGS
+    assert not any("FROM drift_features" in q for q in harness.warehouse.queries)
     assert set(GATE_STATES) == {"pass", "fail", "insufficient_data", "not_applicable"}
     for state in GATE_STATES:
         assert gate_state(model, "itl_p99_ms", state) == (state == "not_applicable")
@@ -1162,6 +1162,7 @@ async def test_a_candidate_whose_outputs_differ_is_rolled_back_by_the_drift_gate
     assert (drift.state, drift.candidate_n, drift.baseline_n) == ("fail", 100, 100)
     assert "output_chars" in drift.detail
     assert "empty_output" in drift.detail
+    assert "100 shadow pairs" in drift.detail
     assert f"drift fail ({drift.detail})" in decision.reason
 
 
@@ -1188,7 +1189,19 @@ async def test_a_candidate_whose_outputs_match_passes_and_promotes(harness: Harn
     assert decision.action == "promote"
     drift = by_gate(decision.evidence)["drift"]
     assert drift.state == "pass"
-    assert "outputs alike (100 requests per version of 1 tenant both served" in drift.detail
+    assert drift.detail.startswith("answers alike (100 shadow pairs; tested completion_tokens, output_chars")
+
+
+async def test_without_shadow_copies_the_drift_gate_does_not_apply(harness: Harness) -> None:
+    controller = harness.controller()
+    controller.seed([canary(shadow=0.0)])
+    (decision,) = await controller.run_due()
+    assert decision.action == "promote"
+    assert by_gate(decision.evidence)["drift"] == GateResult(
+        gate="drift", state="not_applicable", detail=NO_SHADOW
+    )
+    assert "drift not applicable" in decision.reason
+    assert not any("FROM drift_features" in q for q in harness.warehouse.queries)
 
 
 async def test_no_traffic_is_no_decision(harness: Harness) -> None:

@@ -1,5 +1,5 @@
-"""The rollout's drift gate on real embedded ClickHouse: the candidate's outputs against the stable
-version's over the same step, matched by tenant (:mod:`streams.rollout_drift`)."""
+"""The rollout's drift gate on real embedded ClickHouse: the candidate's answers to shadow copies against
+the stable version's answers to the same requests (:mod:`streams.rollout_drift`)."""
 
 from __future__ import annotations
 
@@ -9,195 +9,181 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-import pytest
 
 from infra.warehouse.client import Client
-from schemas.events import RequestFinished
-from streams.rollout_drift import (
-    drift_gate,
-    judge_drift,
-    mix_sql,
-    quotas,
-    sample_sql,
-)
+from schemas.events import GateResult, RequestFinished
+from streams.rollout_drift import EMBEDDINGS, MAX_ROWS, NO_SHADOW, drift_gate, judge_drift, pairs_sql
 from streams.sink import insert, query_rows
 from tests.streams.test_drift import MODEL, T0, finished_event, rows_of, warehouse
 
 STABLE, CANDIDATE = "v1", "v2"
 HOSTILE = "x' OR 1=1 --"
+Answer = tuple[bool, bool]
+"""(long, empty): how a version answers one request."""
 
 
-def answered(
-    n: int, *, version: str, tenant: str, seed: int, long: bool = False, empty: bool = False
-) -> list[RequestFinished]:
-    """``n`` requests of ``tenant`` served by ``version`` in the step: long answers (``long``), or empty
-    ones (``empty``: a broken candidate), else short ones."""
-    rng = random.Random(seed)
-    events = []
-    for i in range(n):
-        event = finished_event(i, T0 + timedelta(seconds=1 + i * 0.01), tenant=tenant, seed=seed)
-        assert event.features is not None
-        chars = 0 if empty else (300 if long else 30) + rng.randrange(40)
-        features = msgspec.structs.replace(
-            event.features,
-            output_chars=chars,
-            empty_output=empty,
-            mean_logprob=-0.05 - abs(rng.gauss(0, 0.02)) if empty else -2.0 + rng.gauss(0, 0.2),
-        )
-        usage = msgspec.structs.replace(event.usage, completion_tokens=1 if empty else chars // 4)
-        events.append(
-            msgspec.structs.replace(
-                event, model_version=version, features=features, usage=usage, finish_reason="stop"
-            )
-        )
-    return events
+def answer(
+    i: int, *, version: str, seed: int, long: bool = False, empty: bool = False, tenant: str = "acme",
+    shadow_of: str | None = None, status: str = "completed",
+) -> RequestFinished:  # fmt: skip
+    """Request ``i`` of the step, answered by ``version``: long, empty (a broken candidate) or short."""
+    rng = random.Random(seed * 7919 + i)
+    event = finished_event(i, T0 + timedelta(seconds=1 + i * 0.01), tenant=tenant, seed=seed)
+    assert event.features is not None
+    chars = 0 if empty else (300 if long else 30) + rng.randrange(40)
+    features = msgspec.structs.replace(
+        event.features,
+        output_chars=chars,
+        empty_output=empty,
+        mean_logprob=-0.05 - abs(rng.gauss(0, 0.02)) if empty else -2.0 + rng.gauss(0, 0.2),
+    )
+    usage = msgspec.structs.replace(event.usage, completion_tokens=1 if empty else chars // 4)
+    return msgspec.structs.replace(
+        event, model_version=version, features=features, usage=usage, finish_reason="stop",
+        shadow_of=shadow_of, status=status,
+    )  # fmt: skip
+
+
+def originals(n: int, *, long: list[bool] | None = None, seed: int = 1, **kw: Any) -> list[RequestFinished]:
+    return [answer(i, version=STABLE, seed=seed, long=bool(long and long[i]), **kw) for i in range(n)]
+
+
+def copies(of: list[RequestFinished], *, seed: int = 2, **kw: Any) -> list[RequestFinished]:
+    """The candidate's shadow copies of ``of``, answered as their originals were unless ``kw`` says."""
+    made = []
+    for i, original in enumerate(of):
+        assert original.features is not None
+        long = (original.features.output_chars or 0) >= 300
+        made.append(answer(i, version=CANDIDATE, seed=seed, long=long, shadow_of=original.request_id, **kw))
+    return made
 
 
 def stored(client: Client, *groups: list[RequestFinished]) -> None:
     insert(client, rows_of([e for group in groups for e in group]))
 
 
-async def gate(client: Client, min_requests: int = 40) -> Any:
+async def gate(
+    client: Client, *, min_requests: int = 40, shadow: float = 0.2, embeddings: bool = False
+) -> GateResult:
     async def read(sql: str) -> list[dict[str, Any]]:
         return query_rows(client, sql)
 
     return await drift_gate(
-        read,
-        model=MODEL,
-        stable=STABLE,
-        candidate=CANDIDATE,
-        since=T0,
-        min_requests=min_requests,
-        alpha=0.01,
-        null_tolerance=0.2,
+        read, model=MODEL, stable=STABLE, candidate=CANDIDATE, since=T0, shadow=shadow, embeddings=embeddings,
+        min_requests=min_requests, alpha=0.01, null_tolerance=0.2,
+    )  # fmt: skip
+
+
+def whole_step(client: Client) -> GateResult:
+    """The same test on every completed request of the step, unpaired: what the pairing is for."""
+    rows = query_rows(client, "SELECT * FROM drift_features FINAL WHERE status = 'completed'")
+    return judge_drift(
+        rows, stable=STABLE, candidate=CANDIDATE, min_requests=40, alpha=0.01, null_tolerance=0.2
     )
 
 
 async def test_a_candidate_bad_from_its_first_request_fails(tmp_path: Path) -> None:
     """Empty answers from the start: its own drift reports would take them as its reference."""
+    served = originals(120)
     with warehouse(tmp_path) as client:
-        stored(
-            client,
-            answered(200, version=STABLE, tenant="acme", seed=1),
-            answered(60, version=CANDIDATE, tenant="acme", seed=2, empty=True),
-        )
+        stored(client, served, copies(served[:60], empty=True))
         result = await gate(client)
     assert result.state == "fail"
     assert (result.candidate_n, result.baseline_n) == (60, 60)
     assert "output_chars" in result.detail
     assert "empty_output" in result.detail
-    assert "1 tenant both served" in result.detail
+    assert "60 shadow pairs" in result.detail
 
 
-async def test_tenants_mixed_differently_on_the_two_versions_do_not_fail_a_good_candidate(
-    tmp_path: Path,
-) -> None:
-    """Sticky routing put acme (long answers) mostly on the stable version and globex (short ones) mostly on
-    the candidate, which answers exactly as the stable version does: matched by tenant, it passes; compared
-    whole, its outputs would look shorter."""
-    stable = [
-        *answered(300, version=STABLE, tenant="acme", seed=1, long=True),
-        *answered(60, version=STABLE, tenant="globex", seed=2),
-    ]
-    candidate = [
-        *answered(60, version=CANDIDATE, tenant="acme", seed=3, long=True),
-        *answered(300, version=CANDIDATE, tenant="globex", seed=4),
-    ]
+async def test_sessions_that_differ_on_the_two_sides_do_not_fail_a_good_candidate(tmp_path: Path) -> None:
+    """Sticky routing sent the sessions with long answers to the candidate and those with short ones to
+    the stable version, which answers its shadowed requests as the candidate does: the pairs pass; the
+    two versions' whole traffic would not."""
+    served = originals(150)
+    live = [answer(i, version=CANDIDATE, seed=3, long=True) for i in range(300)]
     with warehouse(tmp_path) as client:
-        stored(client, stable, candidate)
+        stored(client, served, copies(served[:100]), live)
         result = await gate(client)
-        whole = query_rows(client, "SELECT * FROM drift_features")
+        unpaired = whole_step(client)
     assert result.state == "pass", result.detail
-    assert (result.candidate_n, result.baseline_n) == (120, 120)
-    assert "2 tenants both served" in result.detail
+    assert (result.candidate_n, result.baseline_n) == (100, 100)
+    assert "100 shadow pairs" in result.detail
     assert "output_chars" in result.detail
-    # the same test on the unmatched step fails: what the matching is for
-    unmatched = judge_drift(
-        whole, stable=STABLE, candidate=CANDIDATE, tenants=2, min_requests=40, alpha=0.01, null_tolerance=0.2
-    )
-    assert unmatched.state == "fail"
-    assert "output_chars" in unmatched.detail
+    assert unpaired.state == "fail"
+    assert "output_chars" in unpaired.detail
 
 
-async def test_no_tenant_on_both_versions_is_insufficient_data_with_what_to_do(tmp_path: Path) -> None:
+async def test_copies_still_running_at_the_look_do_not_bias_it(tmp_path: Path) -> None:
+    """The candidate's copies of long answers have not finished yet: their originals are left out too."""
+    served = originals(200, long=[i % 2 == 0 for i in range(200)])
     with warehouse(tmp_path) as client:
-        stored(
-            client,
-            answered(100, version=STABLE, tenant="acme", seed=1),
-            answered(100, version=CANDIDATE, tenant="globex", seed=2),
-        )
+        stored(client, served, copies([e for i, e in enumerate(served) if i % 2]))
+        result = await gate(client)
+        unpaired = whole_step(client)
+    assert result.state == "pass", result.detail
+    assert (result.candidate_n, result.baseline_n) == (100, 100)
+    assert unpaired.state == "fail"
+
+
+async def test_copies_that_expired_or_failed_are_the_error_gates_not_drift(tmp_path: Path) -> None:
+    """A shadow copy waits at the lowest priority: one that expired is not a different answer."""
+    served = originals(120)
+    made = copies(served)
+    ended = [
+        msgspec.structs.replace(e, status="expired" if i % 3 == 0 else "failed", features=None)
+        if i % 3 != 1 else e
+        for i, e in enumerate(made)
+    ]  # fmt: skip
+    with warehouse(tmp_path) as client:
+        stored(client, served, ended)
+        result = await gate(client, min_requests=30)
+    assert result.state == "pass", result.detail
+    assert result.candidate_n == 40
+
+
+async def test_too_few_pairs_is_insufficient_data(tmp_path: Path) -> None:
+    served = originals(100)
+    with warehouse(tmp_path) as client:
+        stored(client, served, copies(served[:30], empty=True))
         result = await gate(client)
     assert result.state == "insufficient_data"
-    assert "0 tenants both served" in result.detail
-    assert "--shadow" in result.detail
-
-
-async def test_too_few_matched_requests_is_insufficient_data(tmp_path: Path) -> None:
-    with warehouse(tmp_path) as client:
-        stored(
-            client,
-            answered(100, version=STABLE, tenant="acme", seed=1),
-            answered(30, version=CANDIDATE, tenant="acme", seed=2, empty=True),
-        )
-        result = await gate(client)
-    assert result.state == "insufficient_data"
-    assert result.detail == "30 requests per version of 1 tenant both served, 40 needed"
+    assert result.detail == "30 shadow pairs that both completed, 40 needed"
 
 
 async def test_requests_accepted_before_the_step_are_not_its(tmp_path: Path) -> None:
+    served = originals(100)
     earlier = [
-        msgspec.structs.replace(e, request_id=e.request_id.replace(e.request_id[:8], "00000000", 1))
-        for e in answered(100, version=CANDIDATE, tenant="acme", seed=5, empty=True)
+        msgspec.structs.replace(e, request_id="00000000" + e.request_id[8:])
+        for e in copies(served, empty=True)
     ]
     with warehouse(tmp_path) as client:
-        stored(client, answered(100, version=STABLE, tenant="acme", seed=1), earlier)
+        stored(client, served, earlier)
         result = await gate(client)
     assert result.state == "insufficient_data"
     assert result.candidate_n == 0
 
 
-async def test_an_embeddings_model_has_no_output_to_compare(tmp_path: Path) -> None:
-    def embedded(events: list[RequestFinished]) -> list[RequestFinished]:
-        return [msgspec.structs.replace(e, kind="embedding", finish_reason=None) for e in events]
-
+async def test_pairs_are_capped_and_stay_pairs(tmp_path: Path) -> None:
+    served = originals(MAX_ROWS + 150)
     with warehouse(tmp_path) as client:
-        stored(
-            client,
-            embedded(answered(60, version=STABLE, tenant="acme", seed=1)),
-            embedded(answered(60, version=CANDIDATE, tenant="acme", seed=2)),
+        stored(client, served, copies(served))
+        rows = query_rows(client, pairs_sql(MODEL, STABLE, CANDIDATE, T0))
+    by_id = {r["request_id"]: r["model_version"] for r in rows}
+    assert sorted(by_id.values()).count(STABLE) == MAX_ROWS
+    assert sorted(by_id.values()).count(CANDIDATE) == MAX_ROWS
+    pairs = {e.request_id: e.shadow_of for e in copies(served)}
+    assert all(pairs[i] in by_id for i, version in by_id.items() if version == CANDIDATE)
+
+
+async def test_without_shadow_or_for_embeddings_the_gate_does_not_apply(tmp_path: Path) -> None:
+    with warehouse(tmp_path) as client:
+        assert (await gate(client, shadow=0.0)) == GateResult(
+            gate="drift", state="not_applicable", detail=NO_SHADOW
         )
-        result = await gate(client)
-    assert result.state == "not_applicable"
+        embedded = await gate(client, embeddings=True)
+    assert (embedded.state, embedded.detail) == ("not_applicable", EMBEDDINGS)
 
 
-def test_quotas_take_the_smaller_side_and_scale_down_together() -> None:
-    mix = [{"tenant": "a", "candidate": 10, "stable": 500}, {"tenant": "b", "candidate": 40, "stable": 20}]
-    assert quotas(mix) == {"a": 10, "b": 20}
-    big = [{"tenant": "a", "candidate": 3000, "stable": 3000}, {"tenant": "b", "candidate": 1, "stable": 9}]
-    assert quotas(big, total=1000) == {"a": 999, "b": 1}
-
-
-def test_the_queries_quote_hostile_names(tmp_path: Path) -> None:
+def test_the_query_quotes_hostile_names(tmp_path: Path) -> None:
     with warehouse(tmp_path) as client:
-        for sql in (
-            mix_sql(HOSTILE, HOSTILE, HOSTILE, T0),
-            sample_sql(HOSTILE, HOSTILE, HOSTILE, T0, {HOSTILE: 3}),
-        ):
-            assert query_rows(client, sql) == []
-
-
-@pytest.mark.parametrize("tenants", [1, 3])
-async def test_each_tenant_gives_the_same_count_from_each_side(tmp_path: Path, tenants: int) -> None:
-    groups = []
-    for t in range(tenants):
-        groups.append(answered(50 + 10 * t, version=STABLE, tenant=f"t{t}", seed=10 + t))
-        groups.append(answered(45, version=CANDIDATE, tenant=f"t{t}", seed=20 + t))
-    with warehouse(tmp_path) as client:
-        stored(client, *groups)
-        rows = query_rows(
-            client, sample_sql(MODEL, STABLE, CANDIDATE, T0, {f"t{t}": 45 for t in range(tenants)})
-        )
-    assert sum(r["model_version"] == STABLE for r in rows) == sum(
-        r["model_version"] == CANDIDATE for r in rows
-    )
-    assert len(rows) == 2 * 45 * tenants
+        assert query_rows(client, pairs_sql(HOSTILE, HOSTILE, HOSTILE, T0)) == []
