@@ -1,4 +1,5 @@
-"""Fault injection for rollout drills: a runner that fails a share of requests or slows every step.
+"""Fault injection for rollout drills: a runner that fails a share of requests, slows every step, or cuts
+every answer short.
 
 A deliberately bad candidate is what proves automated rollback works, so the faults are settings of the
 worker (``SLUICE_FAULT_*``), scoped to model versions, not code paths of the model. A failed request
@@ -7,10 +8,15 @@ still ends with exactly one terminal event (``failed``, code ``fault_injected``)
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import time
 from collections.abc import Collection
 from typing import TYPE_CHECKING
+
+import msgspec
+
+from schemas.events import GenerationRequested
 
 if TYPE_CHECKING:
     from gpu_workers.observe import RunnerLoad
@@ -24,18 +30,26 @@ def fails(request_id: str, ratio: float) -> bool:
 
 
 class FaultyRunner:
-    """Wraps a runner: fails ``fail_ratio`` of requests at once and sleeps ``delay_s`` before each step."""
+    """Wraps a runner: fails ``fail_ratio`` of requests at once, sleeps ``delay_s`` before each step, and
+    stops every generation after ``max_tokens`` tokens (0: as asked), a model that answers differently."""
 
-    def __init__(self, inner: Runner, origin: Origin, *, fail_ratio: float, delay_s: float) -> None:
+    def __init__(
+        self, inner: Runner, origin: Origin, *, fail_ratio: float, delay_s: float, max_tokens: int = 0
+    ) -> None:
         self._inner = inner
         self._origin = origin
         self._fail_ratio = fail_ratio
         self._delay_s = delay_s
+        self._max_tokens = max_tokens
 
     def accept(self, arrival: Arrival, emit: Emitter) -> None:
         if fails(arrival.event.request_id, self._fail_ratio):
             emit.finish(arrival, self._origin.failed(arrival, "fault_injected", "injected failure (drill)"))
             return
+        event = arrival.event
+        if isinstance(event, GenerationRequested) and 0 < self._max_tokens < event.sampling.max_tokens:
+            sampling = msgspec.structs.replace(event.sampling, max_tokens=self._max_tokens)
+            arrival = dataclasses.replace(arrival, event=msgspec.structs.replace(event, sampling=sampling))
         self._inner.accept(arrival, emit)
 
     def cancel(self, request_id: str, emit: Emitter) -> None:

@@ -107,6 +107,9 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     """Fault injection for rollout drills: this share of requests (by request-id hash) ends ``failed``."""
     fault_delay_ms: Annotated[int, msgspec.Meta(ge=0)] = 0
     """Fault injection: added to every model step (slower first token and inter-token gaps)."""
+    fault_max_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
+    """Fault injection: every generation stops after this many tokens (0: off), answers cut short (a drill
+    for the rollout's drift gate)."""
     fault_versions: tuple[str, ...] = ()
     """Model versions the faults apply to (empty: every version this worker serves)."""
     drift_sample: Annotated[int, msgspec.Meta(ge=0)] = 20

@@ -106,12 +106,13 @@ def judge_drift(
     empty = _no_embeddings()
     config = DriftConfig(alpha=alpha, min_samples=min_requests, null_tolerance=null_tolerance)
     result = evaluate(theirs, ours, empty, empty, config)
-    if result.verdict == "data_quality":
-        detail = f"answers not measured as the stable version's: {'; '.join(result.quality)} ({pairs} pairs)"
-        return GateResult(gate="drift", state="fail", detail=detail, **sizes)
+    # Both sides answered the same requests: a feature missing more often on one side (answers with no
+    # letters have no script) is a difference in the answers too, so the findings join the drifted features.
     drifted = [f.name for f in result.features if f.drifted]
-    if drifted:
-        detail = f"answers to the same requests differ in {', '.join(drifted)} ({pairs} shadow pairs)"
+    if drifted or result.quality:
+        differ = f"differ in {', '.join(drifted)}" if drifted else "differ"
+        notes = f"; {'; '.join(result.quality)}" if result.quality else ""
+        detail = f"answers to the same requests {differ} ({pairs} shadow pairs{notes})"
         return GateResult(gate="drift", state="fail", detail=detail, **sizes)
     tested = ", ".join(f.name for f in result.features) or "no feature measured on both"
     return GateResult(

@@ -40,6 +40,8 @@ pytestmark = pytest.mark.integration
 AUTH = {"Authorization": f"Bearer {DEMO_KEY}"}
 BAD = "bad000000001"
 GOOD = "good00000001"
+TERSE = "terse0000001"
+"""A candidate that answers every request with 2 tokens (fault injection): no error, only other answers."""
 LATENCY_SLACK = ("--max-ttft-ratio", "50", "--max-itl-ratio", "50")
 """The three versions' workers share this process and 2 cores, and the candidate also runs the shadow
 copies: its latencies say how the CPU was shared, not how the model is (with 4x, one stall of the box in a
@@ -59,7 +61,7 @@ def e2e_settings(
     candidate copies whose manifests name other versions."""
     stable_dir = build_demo_gpt(models_root(platform_settings.cache_dir))
     cache = tmp_path_factory.mktemp("rollout-cache")
-    versioned_cache(cache, GPT, stable_dir, BAD, GOOD)
+    versioned_cache(cache, GPT, stable_dir, BAD, GOOD, TERSE)
     prefix = f"e2e-rollout-{int(time.time())}"
     apply_topics(
         make_admin(kafka),
@@ -86,10 +88,12 @@ def stable(e2e_settings: PlatformSettings) -> str:
 
 @pytest.fixture(scope="module")
 def workers(e2e_settings: PlatformSettings, stable: str) -> Iterator[list[WorkerService]]:
-    """A worker per version; the bad candidate's fails 60 % of its requests (fault injection)."""
+    """A worker per version; the bad candidate's fails 60 % of its requests, the terse one's answers stop
+    after 2 tokens (fault injection)."""
     started: list[WorkerService] = []
     try:
-        for version in (stable, BAD, GOOD):
+        for version in (stable, BAD, GOOD, TERSE):
+            terse = version == TERSE
             settings = WorkerSettings(
                 worker_id=f"rollout-{version}",
                 worker_version=version,
@@ -99,8 +103,9 @@ def workers(e2e_settings: PlatformSettings, stable: str) -> Iterator[list[Worker
                 # hit once in CI with 2 s). The default is 10 s.
                 worker_adopt_grace_s=6.0,
                 drift_sample=0,
-                fault_fail_ratio=0.6,
-                fault_versions=(BAD,),
+                fault_fail_ratio=0.0 if terse else 0.6,
+                fault_max_tokens=2 if terse else 0,
+                fault_versions=(TERSE,) if terse else (BAD,),
             )
             worker = make_worker(e2e_settings, settings, GPT)
             worker.start()
@@ -318,6 +323,50 @@ async def test_a_bad_candidate_is_rolled_back_by_the_controller_and_nothing_is_l
     assert "rolled_back" in shown.stdout
 
 
+@pytest.mark.timeout(300)  # its own loop allows 120 s for the rollback, and the checks follow
+async def test_a_candidate_that_answers_differently_is_rolled_back_by_the_drift_gate(
+    platform: Platform,
+    workers: list[WorkerService],
+    streams: Streams,
+    control: TopicLog,
+) -> None:
+    """No error, no slower: only its answers differ (2 tokens where the stable version gives 6). Every
+    other gate passes; the drift gate compares its answers to shadow copies with the originals' and rolls
+    it back, naming the features."""
+    await streams.ready()
+    env = {**streams.env}
+    before = len(_deployments(control))
+    started = _sluice(
+        env, "rollout", "start", GPT, "--version", TERSE, "--canary", "10", "--steps", "50", "--shadow", "100",
+        "--min-requests", "15", "--step-min-s", "0", "--max-cost-ratio", "50", *LATENCY_SLACK,
+    )  # fmt: skip
+    assert started.returncode == 0, started.stderr
+    assert "drift gate: at each step" in started.stdout
+    await _wait_edge(platform, "canary", TERSE)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        began = time.monotonic()
+        ended: DeploymentChanged | None = None
+        while ended is None and time.monotonic() - began < 120:
+            outcomes = await _load(
+                session, platform.base_url, [f"t-{random.randrange(10**9)}" for _ in range(16)]
+            )
+            assert all(o.status == 200 for o in outcomes)
+            decided = [d for d in _deployments(control)[before:] if d.actor == "controller"]
+            ended = next((d for d in decided if d.phase in ("rolled_back", "promoted") or d.step > 0), None)
+            if ended is None:
+                await asyncio.sleep(0.3)
+        assert ended is not None, "the terse candidate was neither rolled back nor promoted"
+        await _wait_edge(platform, "rolled_back", TERSE)
+    assert (ended.action, ended.phase, ended.actor) == ("rollback", "rolled_back", "controller"), ended.reason
+    gates = {g.gate: g for g in ended.evidence}
+    assert {g for g, r in gates.items() if r.state == "fail"} == {"drift"}, ended.reason
+    assert {r.state for g, r in gates.items() if g not in ("drift", "itl_p99_ms")} == {"pass"}
+    drift = gates["drift"]
+    assert "completion_tokens" in drift.detail
+    assert drift.candidate_n == drift.baseline_n >= 15
+    assert "drift fail (answers to the same requests differ in" in ended.reason
+
+
 @pytest.mark.timeout(300)  # its own loop allows 180 s for the steps; the default 120 s would cut it first
 async def test_a_good_candidate_is_promoted_step_by_step_across_a_controller_restart(
     platform: Platform,
@@ -395,8 +444,9 @@ async def test_a_good_candidate_is_promoted_step_by_step_across_a_controller_res
     # shadow copies ran on the candidate, never reached a client, and were not billed
     finals = await _all_ended_once(platform)
     shadows = [
-        r for r in platform.requests.all() if isinstance(r, GenerationRequested) and r.shadow_of is not None
-    ]
+        r for r in platform.requests.all()
+        if isinstance(r, GenerationRequested) and r.shadow_of is not None and r.time >= promoted[0].time
+    ]  # fmt: skip
     assert shadows
     assert all(r.reply is None and r.model_version == GOOD for r in shadows)
     shadow_ids = {r.request_id for r in shadows}
@@ -407,7 +457,7 @@ async def test_a_good_candidate_is_promoted_step_by_step_across_a_controller_res
     billed = await streams.sql("SELECT sum(cost_nanos) AS spent FROM spend_day")
     charged = await streams.sql("SELECT sum(cost_nanos) AS c FROM request_facts FINAL WHERE shadow_of = ''")
     in_shadow = await streams.sql(
-        "SELECT count() AS n, sum(cost_nanos) AS c FROM request_facts FINAL WHERE shadow_of != ''"
+        f"SELECT count() AS n, sum(cost_nanos) AS c FROM request_facts FINAL WHERE shadow_of != '' AND model_version = '{GOOD}'"
     )
     assert in_shadow[0]["n"] == len(shadow_ids)
     assert in_shadow[0]["c"] > 0  # recorded for the cost gate ...

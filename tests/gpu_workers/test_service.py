@@ -725,7 +725,7 @@ async def test_a_rollout_started_while_a_worker_reads_the_control_topic_is_not_m
         log.wait(lambda: (CANDIDATE, warming.id) in _readiness(log, "wl"), timeout=30)
 
 
-async def test_fault_injection_fails_the_chosen_share_of_requests_with_a_terminal_event(
+async def test_fault_injection_fails_the_chosen_share_of_requests_and_cuts_the_rest_short(
     names: TopicNames,
     two_versions: tuple[PlatformSettings, str],
     producer: EventProducer,
@@ -735,11 +735,13 @@ async def test_fault_injection_fails_the_chosen_share_of_requests_with_a_termina
 
     platform, stable = two_versions
     settings = WorkerSettings(
-        worker_id="wf", drift_sample=0, fault_fail_ratio=0.5, fault_versions=(stable,), fault_delay_ms=5
-    )
+        worker_id="wf", drift_sample=0, fault_fail_ratio=0.5, fault_versions=(stable,), fault_delay_ms=5,
+        fault_max_tokens=2,
+    )  # fmt: skip
     with make_worker(platform, settings, "demo-gpt") as worker:
         assert worker.wait_assigned(30)
-        requests = [_generation(names, PROMPT, sampling=SamplingParams(max_tokens=4)) for _ in range(12)]
+        sampling = SamplingParams(max_tokens=4, ignore_eos=True)
+        requests = [_generation(names, PROMPT, sampling=sampling) for _ in range(12)]
         for request in requests:
             await producer.publish(names.requests("demo-gpt"), request)
         for request in requests:
@@ -750,6 +752,7 @@ async def test_fault_injection_fails_the_chosen_share_of_requests_with_a_termina
                 assert finished.error.code == "fault_injected"
             else:
                 assert finished.status == "completed"
+                assert (finished.usage.completion_tokens, finished.finish_reason) == (2, "length")  # cut at 2
         assert any(fails(r.request_id, 0.5) for r in requests)
         assert not all(fails(r.request_id, 0.5) for r in requests)
 
