@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Annotated, Literal
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from schemas.settings import PlatformSettings, SettingsError, describe, display, load_settings
@@ -67,7 +68,7 @@ def settings() -> PlatformSettings:
         try:
             _settings = load_settings(PlatformSettings)
         except SettingsError as exc:
-            console.print(f"[red]settings error:[/] {exc}")
+            console.print(f"[red]settings error:[/] {escape(str(exc))}")
             raise typer.Exit(2) from None
     return _settings
 
@@ -76,7 +77,8 @@ _settings: PlatformSettings | None = None
 
 
 def fail(message: str, code: int = 1) -> typer.Exit:
-    console.print(f"[red]error:[/] {message}")
+    """Print ``message`` (plain text, never markup) as an error; the exit to raise with ``code``."""
+    console.print(f"[red]error:[/] {escape(message)}")
     return typer.Exit(code)
 
 
@@ -116,7 +118,7 @@ def kafka_up(
                     "`sluice kafka down` stops it"
                 )
             if broker.running():
-                out.print(f"Kafka already running at {broker.bootstrap} ({_pids(broker)})")
+                out.print(f"Kafka already running at {escape(broker.bootstrap)} ({_pids(broker)})")
                 return
         else:
             broker = local_broker(s, console, wanted)
@@ -125,7 +127,8 @@ def kafka_up(
     except InfraError as exc:
         raise fail(str(exc)) from None
     out.print(
-        f"Kafka {s.kafka_version} up at {broker.bootstrap} ({_pids(broker)}), data in {broker.data_dir}"
+        f"Kafka {s.kafka_version} up at {escape(broker.bootstrap)} ({_pids(broker)}), "
+        f"data in {escape(str(broker.data_dir))}"
     )
     if wanted != s.kafka_brokers:
         console.print(
@@ -172,9 +175,9 @@ def kafka_status() -> None:
         pids = broker.pids()
         live = live_brokers(broker.connection) if any(pid is not None for pid in pids) else 0
         if live == 0:
-            out.print(f"Kafka (local) is down; `sluice kafka up` starts it at {broker.bootstrap}")
+            out.print(f"Kafka (local) is down; `sluice kafka up` starts it at {escape(broker.bootstrap)}")
             raise typer.Exit(1)
-        where = f"{broker.bootstrap}, {_pids(broker)}, data {broker.data_dir}"
+        where = escape(f"{broker.bootstrap}, {_pids(broker)}, data {broker.data_dir}")
         if live < len(broker.nodes) or None in pids:
             out.print(
                 f"Kafka (local, {s.kafka_version}) is degraded: {live} of {len(broker.nodes)} brokers "
@@ -183,9 +186,9 @@ def kafka_status() -> None:
             raise typer.Exit(1)
         out.print(f"Kafka (local, {s.kafka_version}) is up at {where}")
     elif broker_answers(s.kafka, timeout=5):
-        out.print(f"Kafka (external) answers at {s.bootstrap}")
+        out.print(f"Kafka (external) answers at {escape(s.bootstrap)}")
     else:
-        out.print(f"Kafka (external) does not answer at {s.bootstrap}")
+        out.print(f"Kafka (external) does not answer at {escape(s.bootstrap)}")
         raise typer.Exit(1)
 
 
@@ -204,7 +207,7 @@ def kafka_fetch() -> None:
             )
     except KafkaFetchError as exc:
         raise fail(str(exc)) from None
-    out.print(f"Kafka {s.kafka_version} jars in {home}")
+    out.print(f"Kafka {s.kafka_version} jars in {escape(str(home))}")
 
 
 # ---------------------------------------------------------------- topics
@@ -227,10 +230,10 @@ def topics_apply() -> None:
         changes = apply_topics(_admin(s), topics_of(s))
     except InfraError as exc:
         raise fail(str(exc)) from None
-    table = Table("topic", "action", "detail", title=f"topics on {s.bootstrap}")
+    table = Table("topic", "action", "detail", title=escape(f"topics on {s.bootstrap}"))
     for change in changes:
         style = "dim" if change.action == "unchanged" else "green"
-        table.add_row(change.name, f"[{style}]{change.action}[/]", change.detail)
+        table.add_row(escape(change.name), f"[{style}]{change.action}[/]", escape(change.detail))
     out.print(table)
 
 
@@ -241,7 +244,7 @@ def topics_list() -> None:
 
     s = settings()
     purposes = {t.name: t for t in topics_of(s)}
-    table = Table("topic", "partitions", "cleanup", "purpose", title=f"topics on {s.bootstrap}")
+    table = Table("topic", "partitions", "cleanup", "purpose", title=escape(f"topics on {s.bootstrap}"))
     for name, partitions in describe_topics(_admin(s), s.topic_prefix):
         spec = purposes.get(name)
         table.add_row(
@@ -262,7 +265,7 @@ def schemas_export(directory: Annotated[Path, typer.Argument(help="folder to wri
     from schemas.jsonschema import export_json_schemas
 
     paths = export_json_schemas(directory)
-    out.print(f"wrote {len(paths)} files to {directory}")
+    out.print(f"wrote {len(paths)} files to {escape(str(directory))}")
 
 
 # ---------------------------------------------------------------- warehouse
@@ -299,21 +302,25 @@ def sql(
     ] = None,
     list_saved: Annotated[bool, typer.Option("--list-saved", help="list the saved queries and exit")] = False,
 ) -> None:
-    """Run a read-only SQL query on the warehouse (through the running platform if it owns chDB).
+    """Run one read-only SQL statement on the warehouse (through the running platform if it owns chDB).
 
-    Tables: request_facts (one row per request; read with FINAL), batches (one row per async batch; read
-    with FINAL), audit_log, events_raw; views sli_minute, errors_minute, spend_minute, spend_day (see
-    docs/streams.md)."""
-    from infra.warehouse import WarehouseError, query_warehouse
+    One SELECT, WITH, SHOW, DESCRIBE, EXPLAIN or EXISTS statement; several statements and INTO OUTFILE
+    are refused. Tables: request_facts (one row per request; read with FINAL), batches (one row per async
+    batch; read with FINAL), audit_log, events_raw; views sli_minute, errors_minute, spend_minute,
+    spend_day (see docs/streams.md)."""
+    from infra.warehouse import WarehouseError, WarehouseQueryError, query_warehouse
+    from infra.warehouse.client import DEFAULT_MAX_RESULT_BYTES, check_query_text
     from streams.queries import SAVED
 
     if list_saved:
         listing = Table("name", "what it answers", title="saved queries (sluice sql --saved NAME)")
         for name, entry in SAVED.items():
-            listing.add_row(name, entry.description)
+            listing.add_row(escape(name), escape(entry.description))
         out.print(listing)
         return
     if saved is not None:
+        if query is not None:
+            raise fail("give either a query or --saved NAME, not both", 2)
         if saved not in SAVED:
             raise fail(f"no saved query {saved!r}; saved: {', '.join(SAVED)}", 2)
         query = SAVED[saved].sql
@@ -321,6 +328,10 @@ def sql(
         raise fail("give a query, or --saved NAME (--list-saved shows them)", 2)
     if fmt not in ("table", "json", "csv"):
         raise fail("--format must be table, json or csv", 2)
+    try:
+        check_query_text(query)
+    except WarehouseQueryError as exc:
+        raise fail(str(exc), 2) from None
     try:
         result = query_warehouse(settings(), query, max_rows=max_rows)
     except WarehouseError as exc:
@@ -332,15 +343,29 @@ def sql(
         import csv
 
         writer = csv.writer(sys.stdout)
-        writer.writerow(result.columns)
+        if result.columns:
+            writer.writerow(result.columns)
         writer.writerows(result.rows)
-    else:
-        table = Table(*result.columns)
+    elif result.columns:
+        table = Table(*(escape(column) for column in result.columns))
         for row in result.rows:
-            table.add_row(*(str(v) for v in row))
+            table.add_row(*(escape(str(v)) for v in row))
         out.print(table)
-    if result.truncated:
-        console.print(f"[yellow]result cut at {max_rows} rows[/] (--max-rows raises the limit)")
+    if not result.rows:
+        console.print("0 rows")
+    limit = result.row_limit or max_rows
+    if result.size_limited:
+        console.print(
+            f"[yellow]result stopped after {len(result.rows)} rows at the {DEFAULT_MAX_RESULT_BYTES >> 20} MiB "
+            "result size limit[/]; rows may be missing (select fewer or narrower columns, or add a LIMIT)"
+        )
+    elif result.truncated and limit < max_rows:
+        console.print(
+            f"[yellow]result cut at {limit} rows[/]: the running platform's query server returns at most "
+            f"{limit} rows per query (--max-rows {max_rows} cannot raise it; add a LIMIT/OFFSET to page)"
+        )
+    elif result.truncated:
+        console.print(f"[yellow]result cut at {limit} rows[/] (--max-rows raises the limit)")
 
 
 # ---------------------------------------------------------------- SLOs
@@ -411,7 +436,7 @@ def slo_rules(
         out_file.write_text(text)
     except OSError as exc:
         raise fail(f"cannot write {out_file}: {exc.strerror or exc}") from None
-    console.print(f"wrote {out_file}")
+    console.print(f"wrote {escape(str(out_file))}")
 
 
 @slo_app.command("show")
@@ -422,10 +447,10 @@ def slo_show(config: SloConfigOption = None) -> None:
     cfg, source = _slo_config(config)
     table = Table(
         "tier", "models", "availability", "time to first token", "inter-token latency", "budget window",
-        title=f"SLOs ({source})",
+        title=escape(f"SLOs ({source})"),
     )  # fmt: skip
     for tier in cfg.tiers:
-        models = ", ".join(tier.models)
+        models = escape(", ".join(tier.models))
         if tier.name == cfg.default_tier:
             models = f"{models}, any other model" if models else "every model"
         downtime = _minutes_text(budget_minutes(tier.availability, tier.window_days))
@@ -436,7 +461,7 @@ def slo_show(config: SloConfigOption = None) -> None:
             for o in (tier.ttft, tier.itl)
         ]
         table.add_row(
-            tier.name,
+            escape(tier.name),
             models or "[dim]none[/]",
             f"{_pct(tier.availability)}\n[dim]budget {_pct(1 - tier.availability)} = {downtime} down[/]",
             *latency,
@@ -524,11 +549,11 @@ def models_prepare() -> None:
     from gpu_workers.models import prepare_models
 
     try:
-        prepared = prepare_models(settings(), progress=lambda msg: console.print(f"  [dim]{msg}[/]"))
+        prepared = prepare_models(settings(), progress=lambda msg: console.print(f"  [dim]{escape(msg)}[/]"))
     except GpuWorkerError as exc:
         raise fail(str(exc)) from None
     for model_id, path in prepared.items():
-        out.print(f"{model_id}: {path}")
+        out.print(escape(f"{model_id}: {path}"))
 
 
 @models_app.command("add")
@@ -559,9 +584,9 @@ def models_add(
     except GpuWorkerError as exc:
         raise fail(str(exc)) from None
     version = read_manifest(added).version
-    out.print(f"{model}: version [bold]{version}[/] ({added})")
-    out.print(f"  next: sluice rollout evaluate {model} --version {version} --from-log 1h")
-    out.print(f"        sluice rollout start {model} --version {version} --canary 5")
+    out.print(f"{escape(model)}: version [bold]{escape(version)}[/] ({escape(str(added))})")
+    out.print(escape(f"  next: sluice rollout evaluate {model} --version {version} --from-log 1h"))
+    out.print(escape(f"        sluice rollout start {model} --version {version} --canary 5"))
 
 
 @models_app.command("list")
@@ -583,25 +608,27 @@ def models_list(
             continue
         versions = list_versions(models_root(s.cache_dir), model_id)
         if not versions:
-            table.add_row(model_id, "[yellow]not prepared[/] (sluice models prepare)", "", "", "", "", "")
+            table.add_row(
+                escape(model_id), "[yellow]not prepared[/] (sluice models prepare)", "", "", "", "", ""
+            )
             continue
         shares = live.get(model_id)
         for v in versions:
             share = (shares or {}).get(v.version, 0.0) if shares is not None else (1.0 if v.current else 0.0)
             registered = datetime.fromtimestamp(v.created, UTC).strftime("%Y-%m-%d %H:%M")
             table.add_row(
-                model_id,
-                v.version,
-                v.task,
+                escape(model_id),
+                escape(v.version),
+                escape(v.task),
                 registered,
                 "yes" if v.current else "",
                 f"{share:.0%}",
-                v.description,
+                escape(v.description),
                 style="bold" if share > 0 else "",
             )
     out.print(table)
     if note:
-        console.print(f"[dim]{note}[/]")
+        console.print(f"[dim]{escape(note)}[/]")
 
 
 def _live_shares(s: PlatformSettings) -> tuple[dict[str, dict[str, float]], str]:
@@ -668,12 +695,22 @@ def replay(
             help="embedded warehouse to rebuild (under DIR/warehouse); default SLUICE_DATA_DIR. Must be empty.",
         ),
     ] = None,
+    timeout: Annotated[
+        float,
+        typer.Option(
+            "--timeout",
+            min=1.0,
+            metavar="SECONDS",
+            help="give up when no new record has arrived for this long (a stall: Kafka gone, a partition "
+            "without a leader); the whole replay of a long log may take longer",
+        ),
+    ] = 600.0,
 ) -> None:
     """Rebuild the warehouse from the topics, from offset 0, into an empty warehouse (same rows as the
     live streams worker writes: compare them with `sluice sql`)."""
     from sluice.services import run_replay
 
-    raise typer.Exit(run_replay(settings(), console, data_dir))
+    raise typer.Exit(run_replay(settings(), console, data_dir, timeout))
 
 
 def _cell(value: object) -> str:
@@ -693,7 +730,9 @@ def show_settings() -> None:
         table = Table("variable", "type", "default", "in effect", title=cls.__name__)
         for name, type_name, default in describe(cls):
             field = name.removeprefix("SLUICE_").lower()
-            table.add_row(name, type_name, default, display(field, getattr(values, field)))
+            table.add_row(
+                name, escape(type_name), escape(default), escape(display(field, getattr(values, field)))
+            )
         out.print(table)
 
 

@@ -33,12 +33,14 @@ from infra.warehouse.owner import read_owner, warehouse_dir
 from schemas.settings import PlatformSettings
 
 __all__ = [
+    "DEFAULT_MAX_RESULT_BYTES",
     "DEFAULT_MAX_ROWS",
     "DEFAULT_QUERY_TIMEOUT_S",
     "Client",
     "JsonValue",
     "QueryResult",
     "ServerAddress",
+    "check_query_text",
     "open_warehouse",
     "parse_warehouse_url",
     "read_query",
@@ -47,6 +49,23 @@ __all__ = [
 
 DEFAULT_MAX_ROWS = 10_000
 DEFAULT_QUERY_TIMEOUT_S = 60.0
+DEFAULT_MAX_RESULT_BYTES = 64 << 20
+"""ClickHouse stops a result at about this size (``max_result_bytes``), whatever the row limit."""
+
+# ClickHouse stops a result at the block that crosses the row limit, and blocks default to 65,536 rows (of
+# wide rows: gigabytes, even for one row asked for), so blocks are cut to about the row limit. Not below 1,024 rows: tiny blocks
+# make scans crawl (a count() over 50M rows with 2-row blocks ran past a 60 s timeout; 0.4 s with 1,024).
+_MIN_BLOCK_ROWS = 1024
+_MAX_BLOCK_ROWS = 65_536
+
+_READ_STATEMENTS = frozenset({"SELECT", "WITH", "SHOW", "DESCRIBE", "EXPLAIN", "EXISTS"})
+"""What ``read_query`` runs, by the first word of the statement as ClickHouse formats it. ``readonly=1``
+alone lets ``USE`` (which would re-point the owner's shared client), ``KILL QUERY``, ``SYSTEM STOP
+MERGES`` and ``INTO OUTFILE`` through."""
+_INTO_OUTFILE = re.compile(r"\bINTO\s+OUTFILE\b", re.IGNORECASE)
+_ONE_STATEMENT = (
+    "one statement at a time: a read-only query is a single statement (remove the ';' and what follows)"
+)
 
 JsonValue: TypeAlias = bool | int | float | str | list["JsonValue"] | dict[str, "JsonValue"] | None
 
@@ -75,7 +94,14 @@ class QueryResult(msgspec.Struct, frozen=True, kw_only=True):
     rows: list[list[Any]]
     """Each value is a :data:`JsonValue` (msgspec cannot decode into the recursive alias itself)."""
     truncated: bool = False
-    """More rows existed than the row limit; ``rows`` holds the first ones."""
+    """Rows may be missing at the end: more rows existed than the row limit, or the result reached the size
+    limit (``size_limited``); ``rows`` holds the first ones."""
+    row_limit: int | None = None
+    """The row limit applied, which may be lower than the one asked for (a query server caps it); None
+    from an owner that predates this field."""
+    size_limited: bool = False
+    """The result reached the byte limit (:data:`DEFAULT_MAX_RESULT_BYTES`), so it may have been cut before
+    the row limit."""
 
 
 def parse_warehouse_url(url: str) -> ServerAddress:
@@ -132,7 +158,13 @@ _STATUS_PID = re.compile(r"^PID:\s*(\d+)", re.MULTILINE)
 
 def _open_embedded(settings: PlatformSettings) -> Client:
     path = warehouse_dir(settings)
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a file in the way, a missing or read-only parent ...
+        raise WarehouseError(
+            f"cannot create the embedded warehouse directory {path}: {exc.strerror or exc} "
+            f"(SLUICE_DATA_DIR or --data-dir must name a directory this user can write)"
+        ) from exc
     try:
         # path= rather than dsn="chdb://..." so that a directory name with '?', '#' or '%' survives.
         return clickhouse_connect.get_client(interface="chdb", path=str(path), tz_mode="aware")
@@ -178,37 +210,165 @@ def _status_pid(path: Path) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def check_query_text(sql: str) -> None:
+    """Refuse, before any engine sees it, a query that is empty or not UTF-8 text (:class:`WarehouseQueryError`)."""
+    try:
+        sql.encode("utf-8")
+    except UnicodeEncodeError:
+        raise WarehouseQueryError("the query is not valid UTF-8 text") from None
+    if not sql.strip():
+        raise WarehouseQueryError(
+            "the query is empty: give one SELECT (or SHOW, DESCRIBE, EXPLAIN) statement"
+        )
+
+
 def read_query(
     client: Client,
     sql: str,
     *,
     max_rows: int = DEFAULT_MAX_ROWS,
     timeout_s: float = DEFAULT_QUERY_TIMEOUT_S,
+    max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
 ) -> QueryResult:
-    """Run ``sql`` with ClickHouse's ``readonly=1`` (no writes, no DDL, no setting changes).
+    """Run one read statement of ``sql`` with ClickHouse's ``readonly=1`` (no writes, no DDL, no setting
+    changes).
 
-    At most ``max_rows`` rows come back (``truncated`` says whether there were more); the server stops
-    the query after ``timeout_s``. A refusal raises :class:`WarehouseQueryError` with ClickHouse's message.
+    ClickHouse's own parser (``formatQuerySingleLine``) first reads ``sql`` as exactly one statement; what
+    runs is its formatted text, which must be a SELECT, WITH, SHOW, DESCRIBE, EXPLAIN or EXISTS statement
+    without INTO OUTFILE (which writes a file even in read-only mode). Anything else, several statements,
+    an empty query, or one ClickHouse refuses raises :class:`WarehouseQueryError`.
+
+    At most ``max_rows`` rows come back (``truncated`` says whether there were more); ClickHouse also stops
+    after the block that crosses ``max_result_bytes`` (``size_limited``), and the query after ``timeout_s``.
     """
     if max_rows < 1:
         raise ValueError("max_rows must be at least 1")
+    if max_result_bytes < 1:
+        raise ValueError("max_result_bytes must be at least 1")
+    check_query_text(sql)
     settings: dict[str, Any] = {
         "max_result_rows": max_rows,
+        "max_result_bytes": max_result_bytes,
         "result_overflow_mode": "break",
+        "max_block_size": min(_MAX_BLOCK_ROWS, max(_MIN_BLOCK_ROWS, max_rows + 1)),
         "max_execution_time": max(1, math.ceil(timeout_s)),
         "readonly": 1,  # last: once read-only, no later setting may change
     }
+    statement = _read_statement(client, sql, settings)
     try:
-        result = client.query(sql, settings=settings)
+        result = client.query(statement, settings=settings)
+        rows = result.result_rows  # decoding can fail too (a stream error): inside the try
+        columns = list(result.column_names)
+        types = [column_type.name for column_type in result.column_types]
     except ClickHouseError as exc:
         raise WarehouseQueryError(str(exc)) from exc
-    rows = result.result_rows
+    if not columns:  # chDB sends nothing at all for an empty result, not even the header
+        columns, types = _describe(client, statement, settings)
+    values = [[to_json_value(value) for value in row] for row in rows[:max_rows]]
+    more_rows = len(rows) > max_rows
+    # ClickHouse keeps the block that crossed the byte limit, so a cut result is at least that big (its JSON
+    # is a close enough measure; a result that just reaches it is reported as possibly cut).
+    size_limited = not more_rows and bool(values) and len(msgspec.json.encode(values)) >= max_result_bytes
     return QueryResult(
-        columns=list(result.column_names),
-        types=[column_type.name for column_type in result.column_types],
-        rows=[[to_json_value(value) for value in row] for row in rows[:max_rows]],
-        truncated=len(rows) > max_rows,
+        columns=columns,
+        types=types,
+        rows=values,
+        truncated=more_rows or size_limited,
+        row_limit=max_rows,
+        size_limited=size_limited,
     )
+
+
+def _read_statement(client: Client, sql: str, settings: dict[str, Any]) -> str:
+    """``sql`` as ClickHouse's parser formats it (one line, no comments), once it is a single read statement.
+
+    The formatted text is what runs, so what is checked here is exactly what executes: nothing can hide
+    after a ';', in a comment, or behind the SETTINGS clause the client appends.
+    """
+    try:
+        result = client.query(
+            "SELECT formatQuerySingleLine({sql:String})", parameters={"sql": sql}, settings=settings
+        )
+        statement = str(result.result_rows[0][0])
+    except ClickHouseError as exc:
+        message = _parser_message(str(exc))
+        if "Multi-statements are not allowed" in message:
+            raise WarehouseQueryError(_ONE_STATEMENT) from exc
+        raise WarehouseQueryError(message) from exc
+    bare = _unquoted(statement)
+    if bare is None or ";" in bare:  # neither comes out of the formatter; refuse rather than guess
+        raise WarehouseQueryError(_ONE_STATEMENT)
+    if _INTO_OUTFILE.search(bare):
+        raise WarehouseQueryError(
+            "INTO OUTFILE is refused: queries here only read (for a file, redirect the output of "
+            "`sluice sql --format csv` or `--format json`)"
+        )
+    first = _first_word(bare)
+    if first not in _READ_STATEMENTS:
+        raise WarehouseQueryError(
+            f"{first or 'such'} statements are refused: read-only queries are SELECT, WITH, SHOW, DESCRIBE, "
+            "EXPLAIN or EXISTS statements"
+        )
+    return statement
+
+
+def _unquoted(text: str) -> str | None:
+    """``text`` with every quoted part ('string', `identifier`, "identifier") blanked out; None when a
+    quote is left open."""
+    kept: list[str] = []
+    quote: str | None = None
+    index = 0
+    while index < len(text):
+        char = text[index]
+        if quote is None:
+            if char in "'`\"":
+                quote = char
+                kept.append(" ")
+            else:
+                kept.append(char)
+        elif char == "\\":
+            index += 1  # the escaped character, whatever it is
+        elif char == quote:
+            if text[index + 1 : index + 2] == quote:
+                index += 1  # a doubled quote stands for itself
+            else:
+                quote = None
+                kept.append(" ")
+        index += 1
+    return None if quote is not None else "".join(kept)
+
+
+_FIRST_WORD = re.compile(r"[\s(]*([A-Za-z]*)")
+
+
+def _first_word(bare: str) -> str:
+    match = _FIRST_WORD.match(bare)
+    return match.group(1).upper() if match else ""
+
+
+_IN_SCOPE = " In scope SELECT formatQuerySingleLine("
+_ERROR_CODE = re.compile(r"(\([A-Z][A-Z0-9_]+\))[^()]*(?:\(version [^)]*\))?[.\s]*$")
+
+
+def _parser_message(message: str) -> str:
+    """ClickHouse's refusal of the format call, without the call itself (it quotes the whole query)."""
+    cut = message.find(_IN_SCOPE)
+    if cut < 0:
+        return message
+    code = _ERROR_CODE.search(message[cut:])
+    return message[:cut].rstrip(" :.") + (f". {code.group(1)}" if code else "")
+
+
+def _describe(client: Client, statement: str, settings: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """The columns a SELECT would have had, for a result without rows; none for other statements."""
+    bare = _unquoted(statement)
+    if bare is None or _first_word(bare) not in ("SELECT", "WITH"):
+        return [], []
+    try:
+        described = client.query(f"DESCRIBE TABLE ({statement})", settings=settings).result_rows
+    except ClickHouseError:
+        return [], []
+    return [str(row[0]) for row in described], [str(row[1]) for row in described]
 
 
 def to_json_value(value: object) -> JsonValue:

@@ -31,6 +31,7 @@ from infra.warehouse.client import (
     DEFAULT_QUERY_TIMEOUT_S,
     Client,
     QueryResult,
+    check_query_text,
     open_warehouse,
     read_query,
 )
@@ -173,6 +174,7 @@ def query_warehouse(
     when another process holds the directory without serving it. Call it from a thread, never from the
     owner's event loop (which has to answer it).
     """
+    check_query_text(sql)
     if settings.warehouse_url is None:
         owner = read_owner(settings)
         if owner is not None and pid_alive(owner.pid):

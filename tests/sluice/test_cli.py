@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -13,11 +15,13 @@ from typing import Any
 import jsonschema
 import pytest
 import typer
-from typer.testing import CliRunner
+from typer.testing import CliRunner, Result
 
 from infra.kafka.broker import free_port
 from infra.topics import make_admin
-from schemas.settings import KafkaConnection
+from infra.warehouse import open_warehouse
+from schemas.settings import KafkaConnection, PlatformSettings
+from sluice import cli as sluice_cli
 from sluice.cli import app
 
 
@@ -266,3 +270,103 @@ def test_a_worker_whose_model_cannot_load_says_what_to_do(cli_env: dict[str, str
     assert "Traceback" not in result.stderr
     assert "sha256" in result.stderr
     assert "run `sluice models prepare`" in result.stderr
+
+
+# ---------------------------------------------------------------- sql and replay on odd input
+
+
+@pytest.fixture
+def sql_settings(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> PlatformSettings:
+    """In-process `sluice sql` on an embedded warehouse of its own (created, then closed again)."""
+    settings = PlatformSettings(data_dir=str(tmp_path / "data"))
+    monkeypatch.setattr(sluice_cli, "_settings", settings)
+    open_warehouse(settings).close()
+    return settings
+
+
+def sql(*args: str) -> Result:
+    return CliRunner().invoke(app, ["sql", *args])
+
+
+@pytest.mark.integration
+def test_sql_prints_what_the_warehouse_holds_as_text_never_as_markup(sql_settings: PlatformSettings) -> None:
+    shown = sql("SELECT '[/x]' AS v, '[bold]b[/bold]' AS `[/c]`")
+    assert shown.exit_code == 0, shown.output
+    assert "[/x]" in shown.stdout
+    assert "[bold]b[/bold]" in shown.stdout
+    assert "[/c]" in shown.stdout
+    refused = sql("SELECT * FROM nosuch_[/x]")  # ClickHouse quotes the query back in its refusal
+    assert refused.exit_code == 1, refused.output
+    assert isinstance(refused.exception, SystemExit)
+    assert refused.stderr.startswith("error: ")
+    assert "[/x]" in refused.stderr
+
+
+@pytest.mark.integration
+def test_sql_refuses_into_outfile_and_several_statements(
+    sql_settings: PlatformSettings, tmp_path: Path
+) -> None:
+    target = tmp_path / "out.bin"
+    written = sql(f"SELECT 1 INTO OUTFILE '{target}' TRUNCATE")
+    assert written.exit_code == 1, written.output
+    assert "INTO OUTFILE is refused" in written.stderr
+    assert not target.exists()
+    several = sql("SELECT 1 AS a; SELECT 'x' AS b")
+    assert several.exit_code == 1, several.output
+    assert isinstance(several.exception, SystemExit)  # not a traceback
+    assert "one statement at a time" in several.stderr
+
+
+@pytest.mark.integration
+def test_sql_shows_the_header_of_an_empty_result(sql_settings: PlatformSettings) -> None:
+    csv = sql("-f", "csv", "SELECT 1 AS a, 'x' AS b WHERE 0")
+    assert csv.exit_code == 0, csv.output
+    assert csv.stdout.splitlines() == ["a,b"]
+    assert "0 rows" in csv.stderr
+    table = sql("SELECT 1 AS answer WHERE 0")
+    assert "answer" in table.stdout
+    assert "0 rows" in table.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["SELECT 42 AS answer", "--saved", "rollouts"], "either a query or --saved NAME, not both"),
+        ([""], "the query is empty"),
+        ([" \n "], "the query is empty"),
+        (["SELECT '\udcff'"], "not valid UTF-8"),  # what Python makes of a non-UTF-8 argument
+    ],
+    ids=["query-and-saved", "empty", "blank", "not-utf8"],
+)
+def test_sql_refuses_bad_input_before_asking_the_warehouse(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, args: list[str], says: str
+) -> None:
+    monkeypatch.setattr(sluice_cli, "_settings", PlatformSettings(data_dir=str(tmp_path / "none")))
+    result = sql(*args)
+    assert result.exit_code == 2, result.output
+    assert says in result.stderr
+    assert not (tmp_path / "none").exists()
+
+
+@pytest.mark.integration
+async def test_sql_names_the_row_limit_a_running_owner_applied(sql_settings: PlatformSettings) -> None:
+    from infra.warehouse import WarehouseQueryServer
+
+    with contextlib.closing(open_warehouse(sql_settings)) as client:
+        async with WarehouseQueryServer(client, sql_settings, max_rows=3):
+            cut = await asyncio.to_thread(
+                sql, "--max-rows", "100", "-f", "csv", "SELECT number FROM numbers(1000)"
+            )
+    assert cut.exit_code == 0, cut.output
+    assert cut.stdout.splitlines() == ["number", "0", "1", "2"]
+    assert "result cut at 3 rows" in cut.stderr
+    assert "--max-rows 100 cannot raise it" in cut.stderr
+
+
+@pytest.mark.parametrize("where", ["a-file", "a-file/deeper"])
+def test_replay_into_a_data_dir_that_cannot_hold_a_warehouse_says_so(tmp_path: Path, where: str) -> None:
+    (tmp_path / "a-file").write_text("not a directory")
+    result = sluice("replay", "--data-dir", str(tmp_path / where), timeout=60)
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("error: cannot create the embedded warehouse directory")

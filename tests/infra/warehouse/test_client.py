@@ -27,7 +27,7 @@ from infra.warehouse import (
     read_query,
     warehouse_dir,
 )
-from infra.warehouse.client import Client, to_json_value
+from infra.warehouse.client import Client, check_query_text, to_json_value
 from schemas.settings import PlatformSettings
 from tests.infra.warehouse import procs
 
@@ -136,13 +136,114 @@ def test_read_query_is_read_only_bounded_and_aware(warehouse: Client) -> None:
     exact = read_query(warehouse, "SELECT number FROM numbers(5)", max_rows=5)
     assert (len(exact.rows), exact.truncated) == (5, False)
 
-    writes = ["INSERT INTO events_raw (event_id) VALUES ('x')", "DROP TABLE events_raw", "SET readonly = 0"]
+    writes = [
+        "INSERT INTO events_raw (event_id) VALUES ('x')",
+        "DROP TABLE events_raw",
+        "SET readonly = 0",
+        "SELECT 1 SETTINGS readonly = 0",
+    ]
     for write in writes:
-        with pytest.raises(WarehouseQueryError, match="readonly"):
+        with pytest.raises(WarehouseQueryError, match=r"readonly|statements are refused"):
             read_query(warehouse, write)
     with pytest.raises(WarehouseQueryError, match="Syntax error"):
         read_query(warehouse, "SELEC 1")
     assert warehouse.query("SELECT count() FROM events_raw").result_rows == [(2,)]
+
+
+@pytest.mark.parametrize("sql", ["", "  \n\t", "SELECT '\udcff'"], ids=["empty", "blank", "not-utf8"])
+def test_an_empty_or_undecodable_query_is_refused_before_any_engine(
+    settings: PlatformSettings, sql: str
+) -> None:
+    with pytest.raises(WarehouseQueryError, match=r"empty|UTF-8"):
+        check_query_text(sql)
+    with pytest.raises(WarehouseQueryError, match=r"empty|UTF-8"):
+        query_warehouse(settings, sql)  # not "there is no embedded warehouse": the engine is never asked
+    assert not warehouse_dir(settings).exists()
+
+
+@pytest.mark.parametrize("kind", ["file", "under-a-file"])
+def test_a_data_dir_that_cannot_hold_the_warehouse_is_a_warehouse_error(tmp_path: Path, kind: str) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    data_dir = blocker if kind == "file" else blocker / "deeper"
+    with pytest.raises(WarehouseError, match="cannot create the embedded warehouse directory"):
+        open_warehouse(PlatformSettings(data_dir=str(data_dir)))
+
+
+@pytest.mark.integration
+def test_into_outfile_is_refused_and_writes_nothing(warehouse: Client, tmp_path: Path) -> None:
+    victim = tmp_path / "victim.sql"
+    victim.write_text("precious")
+    fresh = tmp_path / "fresh.bin"
+    attempts = [
+        f"SELECT 1 INTO OUTFILE '{victim}' TRUNCATE",
+        f"select 1 into   outfile '{victim}' truncate",
+        f"SELECT 1 INTO /* hidden */ OUTFILE '{victim}' TRUNCATE",
+        f"SELECT 1 INTO -- hidden\n OUTFILE '{fresh}'",
+        f"WITH 2 AS x SELECT x INTO OUTFILE '{fresh}' AND STDOUT FORMAT CSV",
+        f"SELECT 'a\\' INTO OUTFILE' AS s INTO OUTFILE '{fresh}'",
+        f"SELECT 1; SELECT 2 INTO OUTFILE '{fresh}'",
+    ]
+    for sql in attempts:
+        with pytest.raises(WarehouseQueryError, match=r"INTO OUTFILE is refused|one statement at a time"):
+            read_query(warehouse, sql)
+    assert victim.read_text() == "precious"
+    assert not fresh.exists()
+    # The words inside a string, or an alias named outfile, are no file.
+    quoted = read_query(warehouse, "SELECT 'x INTO OUTFILE y' AS outfile")
+    assert (quoted.columns, quoted.rows) == (["outfile"], [["x INTO OUTFILE y"]])
+
+
+@pytest.mark.integration
+def test_read_query_runs_exactly_one_read_statement(warehouse: Client) -> None:
+    for sql in ("SELECT 1 AS a; SELECT 'x' AS b", "SELECT 1;;SELECT 2", "SHOW TABLES; SELECT 1"):
+        with pytest.raises(WarehouseQueryError, match="one statement at a time"):
+            read_query(warehouse, sql)
+    # readonly=1 lets these through; USE would re-point the owner's shared client for every later reader.
+    for sql, word in (
+        ("USE system", "USE"),
+        ("KILL QUERY WHERE 1", "KILL"),
+        ("SYSTEM STOP MERGES", "SYSTEM"),
+    ):
+        with pytest.raises(WarehouseQueryError, match=f"{word} statements are refused"):
+            read_query(warehouse, sql)
+    assert warehouse.query("SELECT currentDatabase()").result_rows == [("default",)]
+    for sql in ("SELECT 1 AS a;", "-- a comment\nSELECT 1 AS a -- another", "(SELECT 1 AS a)"):
+        assert read_query(warehouse, sql).rows == [[1]]
+    assert read_query(warehouse, "EXPLAIN SELECT 1").rows
+    with pytest.raises(WarehouseQueryError, match="Syntax error") as caught:
+        read_query(warehouse, "SELEC 1")
+    assert "formatQuerySingleLine" not in str(caught.value)
+
+
+@pytest.mark.integration
+def test_an_empty_result_keeps_its_columns(warehouse: Client) -> None:
+    empty = read_query(warehouse, "SELECT 1 AS a, 'x' AS b WHERE 0")
+    assert (empty.columns, empty.types, empty.rows, empty.truncated) == (
+        ["a", "b"],
+        ["UInt8", "String"],
+        [],
+        False,
+    )
+
+
+@pytest.mark.integration
+def test_the_row_and_size_limits_bound_what_the_engine_sends(warehouse: Client) -> None:
+    # ClickHouse stops at the block that crosses the row limit; blocks of 65,536 wide rows cost gigabytes.
+    small = read_query(warehouse, "SELECT blockSize() AS rows_in_block FROM numbers(1000000)", max_rows=5)
+    assert (len(small.rows), small.truncated, small.row_limit) == (5, True, 5)
+    assert small.rows[0][0] <= 1024
+    # And at about max_result_bytes whatever the row limit, saying it may have cut.
+    wide = read_query(
+        warehouse,
+        "SELECT repeat(toString(number % 10), 10) FROM numbers(400000)",
+        max_rows=1_000_000,
+        max_result_bytes=1 << 16,
+    )
+    assert len(wide.rows) < 400_000
+    assert (wide.size_limited, wide.truncated) == (True, True)
+    whole = read_query(warehouse, "SELECT number FROM numbers(10)", max_result_bytes=1 << 16)
+    assert (len(whole.rows), whole.size_limited, whole.truncated) == (10, False, False)
 
 
 @pytest.mark.integration

@@ -75,7 +75,7 @@ async def test_another_process_queries_through_the_owner(
     assert count["ok"]["rows"][0][0] == 2
     assert count["ok"]["rows"][0][1].endswith("+00:00")
     assert insert == {"error": "WarehouseQueryError", "message": insert["message"]}
-    assert "readonly" in insert["message"]
+    assert "INSERT statements are refused" in insert["message"]
     assert bad["error"] == "WarehouseQueryError"
     assert "Syntax error" in bad["message"]
     assert missing["error"] == "WarehouseQueryError"
@@ -107,6 +107,31 @@ async def test_the_owner_checks_the_token_and_bounds_rows(
         )
         assert result.rows == [[0], [1], [2]]
         assert result.truncated
+        assert result.row_limit == 3  # the limit it applied, not the 100 asked for
+
+
+async def test_the_owner_refuses_into_outfile_and_several_statements(
+    settings: PlatformSettings, warehouse: Client, tmp_path: Path
+) -> None:
+    victim = tmp_path / "victim.sql"
+    victim.write_text("precious")
+    fresh = tmp_path / "fresh.bin"
+    async with WarehouseQueryServer(warehouse, settings):
+        # Another process asks, so the answer can only come from this owner.
+        outfile, trunc, several = await asyncio.to_thread(
+            procs.run_sql,
+            Path(settings.data_dir),
+            f"SELECT 42 INTO OUTFILE '{fresh}'",
+            f"SELECT 1 INTO OUTFILE '{victim}' TRUNCATE",
+            "SELECT 1 AS a; SELECT 'x' AS b",
+        )
+    for answer in (outfile, trunc):
+        assert answer["error"] == "WarehouseQueryError"
+        assert "INTO OUTFILE is refused" in answer["message"]
+    assert several["error"] == "WarehouseQueryError"
+    assert "one statement at a time" in several["message"]
+    assert not fresh.exists()
+    assert victim.read_text() == "precious"
 
 
 async def test_a_full_owner_answers_busy(settings: PlatformSettings, warehouse: Client) -> None:
@@ -138,8 +163,10 @@ def test_a_stale_owner_file_falls_back_to_opening_directly(settings: PlatformSet
     write_owner(settings, OwnerRecord(pid=pid, url=f"http://127.0.0.1:{closed_port()}", token="t"))
     result = query_warehouse(settings, "SELECT count() FROM events_raw")
     assert result.rows == [[1]]
-    with pytest.raises(WarehouseQueryError, match="readonly"):
+    with pytest.raises(WarehouseQueryError, match="INSERT statements are refused"):
         query_warehouse(settings, "INSERT INTO events_raw (event_id) VALUES ('x')")
+    with pytest.raises(WarehouseQueryError, match="readonly"):
+        query_warehouse(settings, "SELECT 1 SETTINGS readonly = 0")
 
 
 def test_sql_follows_a_live_owner_and_outlives_a_killed_one(settings: PlatformSettings) -> None:
