@@ -226,15 +226,21 @@ class StreamsFailed(RuntimeError):
     """A streams agent crashed: exit non-zero so the supervisor restarts the process."""
 
 
-def run_replay(platform: PlatformSettings, console: Console, data_dir: str | None) -> int:
-    """``sluice replay``: rebuild the warehouse from the log into an empty one; returns the exit code."""
+def run_replay(
+    platform: PlatformSettings, console: Console, data_dir: str | None, timeout_s: float | None = None
+) -> int:
+    """``sluice replay``: rebuild the warehouse from the log into an empty one; returns the exit code.
+
+    ``timeout_s``: how long to wait for the next record before giving up (default
+    :data:`~streams.replay.DEFAULT_STALL_TIMEOUT_S`)."""
     import msgspec
+    from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
     from infra.errors import InfraError
     from infra.warehouse import migrate, open_warehouse
     from streams.pricing import PricingError, load_prices
-    from streams.replay import TABLES, ReplayError, replay
+    from streams.replay import DEFAULT_STALL_TIMEOUT_S, TABLES, ReplayError, replay
     from streams.service import request_topics
 
     try:
@@ -243,7 +249,7 @@ def run_replay(platform: PlatformSettings, console: Console, data_dir: str | Non
         prices = load_prices(settings.streams_prices_file)
         client = open_warehouse(target)
     except (SettingsError, PricingError, InfraError) as exc:
-        console.print(f"[red]error:[/] {exc}")
+        console.print(f"[red]error:[/] {escape(str(exc))}")
         return 2
     try:
         migrate(client)
@@ -271,9 +277,10 @@ def run_replay(platform: PlatformSettings, console: Console, data_dir: str | Non
                 store_content=settings.streams_store_content,
                 batch_size=settings.streams_batch_size,
                 progress=lambda done, total: bar.update(task, completed=done, total=total),
+                timeout_s=DEFAULT_STALL_TIMEOUT_S if timeout_s is None else timeout_s,
             )
     except (ReplayError, InfraError, RuntimeError) as exc:
-        console.print(f"[red]error:[/] {exc}")
+        console.print(f"[red]error:[/] {escape(str(exc))}")
         return 1
     finally:
         client.close()

@@ -7,11 +7,11 @@ It reads every sink topic's partitions from their first offset up to their end a
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from time import monotonic
 
-from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from bus.consumer import consumer_config
 from bus.positions import watermarks
@@ -25,6 +25,10 @@ from streams.sink import Consumed, Inserter, Rows, insert
 TABLES = (
     "events_raw", "request_facts", "audit_log", "drift_features", "drift_reports", "deployments", "batches",
 )  # fmt: skip
+
+
+DEFAULT_STALL_TIMEOUT_S = 600.0
+"""How long a replay waits for the next record of the log before it gives up (``sluice replay --timeout``)."""
 
 
 class ReplayError(StreamsError, RuntimeError):
@@ -48,31 +52,39 @@ def replay(
     store_content: bool = False,
     batch_size: int = 5000,
     progress: Callable[[int, int], None] | None = None,
-    timeout_s: float = 600.0,
+    timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
 ) -> ReplayReport:
-    """Read the sink topics from the start to their current end into ``writer``; ``progress(done, total)``."""
-    began = time.monotonic()
+    """Read the sink topics from the start to their current end into ``writer``; ``progress(done, total)``.
+
+    ``timeout_s`` bounds a stall, not the replay: it fails with :class:`ReplayError` once ``timeout_s``
+    pass without a record it still needs (a long log that keeps coming takes as long as it takes), and
+    when Kafka cannot be asked for the topics' ends.
+    """
+    if not timeout_s > 0:
+        raise ValueError("timeout_s must be positive")
+    began = monotonic()
     names = TopicNames(platform.topic_prefix)
     consumer = Consumer(consumer_config(platform.kafka, None, "sluice-replay"))
     rows = Rows(prices, store_content=store_content, decisions_from_topic=True)
     try:
-        ends: dict[tuple[str, int], int] = {}
-        for topic in sink_topics(names, request_topics):
-            meta = consumer.list_topics(topic, timeout=10).topics[topic]
-            if meta.error is not None:
-                continue  # a topic that does not exist has nothing to replay
-            for partition in meta.partitions:
-                low, high = watermarks(consumer, topic, partition)
-                if high > low:
-                    ends[(topic, partition)] = high
+        try:
+            ends = _ends(consumer, sink_topics(names, request_topics))
+        except KafkaException as exc:
+            reason = exc.args[0].str() if exc.args and isinstance(exc.args[0], KafkaError) else str(exc)
+            raise ReplayError(
+                f"cannot read the topics' ends on Kafka at {platform.bootstrap}: {reason}"
+            ) from exc
         total = sum(ends.values())
         consumer.assign([TopicPartition(t, p, 0) for t, p in ends])
         remaining = dict(ends)
         done = undecodable = 0
-        deadline = time.monotonic() + timeout_s
+        last_record = monotonic()
         while remaining:
-            if time.monotonic() > deadline:
-                raise ReplayError(f"replay did not reach the end of {sorted(remaining)} in {timeout_s:.0f}s")
+            if monotonic() - last_record > timeout_s:
+                raise ReplayError(
+                    f"no record arrived for {timeout_s:g}s with {done} of {total} read; still to come: "
+                    f"{_partitions(remaining)} (`sluice replay --timeout` waits longer)"
+                )
             records = []
             for message in consumer.consume(batch_size, timeout=1.0):
                 if message.error() is not None:
@@ -92,6 +104,26 @@ def replay(
                 undecodable += len(batch.undecodable)
                 if progress is not None:
                     progress(done, total)
-        return ReplayReport(done, undecodable, len(ends), time.monotonic() - began)
+                last_record = monotonic()  # after the insert: only the wait for Kafka counts
+        return ReplayReport(done, undecodable, len(ends), monotonic() - began)
     finally:
         consumer.close()
+
+
+def _ends(consumer: Consumer, topics: list[str]) -> dict[tuple[str, int], int]:
+    """(topic, partition) -> the end offset this replay reads up to, of each partition holding records."""
+    ends: dict[tuple[str, int], int] = {}
+    for topic in topics:
+        meta = consumer.list_topics(topic, timeout=10).topics[topic]
+        if meta.error is not None:
+            continue  # a topic that does not exist has nothing to replay
+        for partition in meta.partitions:
+            low, high = watermarks(consumer, topic, partition)
+            if high > low:
+                ends[(topic, partition)] = high
+    return ends
+
+
+def _partitions(remaining: dict[tuple[str, int], int]) -> str:
+    listed = sorted(f"{topic}[{partition}]" for topic, partition in remaining)
+    return ", ".join(listed[:5]) + (f" and {len(listed) - 5} more" if len(listed) > 5 else "")

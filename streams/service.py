@@ -17,8 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from clickhouse_connect.driver.client import Client
+from confluent_kafka import KafkaError, KafkaException
 
 from bus.producer import EventProducer
+from infra.errors import InfraError
 from infra.topics import make_admin
 from infra.warehouse import WarehouseQueryServer, migrate, open_warehouse
 from monitoring import metrics
@@ -41,9 +43,18 @@ log = logging.getLogger(__name__)
 
 
 def request_topics(platform: PlatformSettings) -> list[str]:
-    """The existing request topics (every model ever served); the results topic must exist."""
+    """The existing request topics (every model ever served); the results topic must exist.
+
+    Raises :class:`~infra.errors.InfraError` when Kafka does not answer."""
     names = TopicNames(platform.topic_prefix)
-    topics = make_admin(platform.kafka).list_topics(timeout=10).topics
+    try:
+        topics = make_admin(platform.kafka).list_topics(timeout=10).topics
+    except KafkaException as exc:
+        reason = exc.args[0].str() if exc.args and isinstance(exc.args[0], KafkaError) else str(exc)
+        raise InfraError(
+            f"cannot list the topics on Kafka at {platform.bootstrap}: {reason} "
+            "(is it running? `sluice kafka status` says)"
+        ) from exc
     results = topics.get(names.results)
     if results is None or results.error is not None:
         raise RuntimeError(f"topic {names.results} does not exist: run `sluice topics apply`")

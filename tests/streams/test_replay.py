@@ -1,14 +1,19 @@
 """``sluice replay`` reads the ``batches`` topic: from the log alone it rebuilds the same ``batches`` table
-and batch-line facts the live sink wrote (a real broker and chDB)."""
+and batch-line facts the live sink wrote (a real broker and chDB); its timeout bounds a stall, not the
+replay (a fake broker on a fake clock)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
+import streams.replay
 from bus.producer import EventProducer
 from infra.topics import TopicSizing, apply_topics, make_admin, platform_topics
 from infra.warehouse.client import Client
@@ -17,11 +22,9 @@ from schemas.events import BatchStateChanged, RequestFinished
 from schemas.settings import PlatformSettings
 from schemas.topics import TopicNames
 from streams.pricing import PriceTable
-from streams.replay import replay
+from streams.replay import ReplayError, replay
 from streams.sink import Consumed, Rows, insert
 from tests.streams.test_queries import batch_line, batch_state, event, migrated_warehouse, now_ms, rows
-
-pytestmark = pytest.mark.integration
 
 PRICES = PriceTable()
 CHECKSUMS = {
@@ -34,6 +37,7 @@ def checksums(client: Client) -> dict[str, Any]:
     return {table: rows(client, sql)[0] for table, sql in CHECKSUMS.items()}
 
 
+@pytest.mark.integration
 def test_a_replay_rebuilds_the_batches_table_and_the_batch_lines_facts(
     kafka_bootstrap: str, topic_prefix: str, tmp_path: Path
 ) -> None:
@@ -84,3 +88,97 @@ def test_a_replay_rebuilds_the_batches_table_and_the_batch_lines_facts(
         for e in lines
     )
     assert spent["c"] < full
+
+
+# --- the timeout, on a fake broker and a fake clock ---------------------------------------------------------
+
+
+class FakeLog:
+    """One partition of the results topic holding ``records`` records, handed out ``per_poll`` per poll
+    (each poll a second on the fake clock) until ``stall_after`` records, and then nothing."""
+
+    def __init__(
+        self,
+        monkeypatch: pytest.MonkeyPatch,
+        records: int,
+        *,
+        per_poll: int = 1,
+        stall_after: int | None = None,
+    ) -> None:
+        self.records, self.per_poll = records, per_poll
+        self.stall_after = records if stall_after is None else stall_after
+        self.clock = 0.0
+        self.next: dict[str, int] = {}
+        self.unreachable = False
+        self.value = encode(event(finished=now_ms()))
+        monkeypatch.setattr(streams.replay, "Consumer", lambda config: self)
+        monkeypatch.setattr(
+            streams.replay, "watermarks", lambda consumer, topic, partition: (0, self.records)
+        )
+        monkeypatch.setattr(streams.replay, "monotonic", lambda: self.clock)
+
+    def list_topics(self, topic: str, timeout: float) -> Any:
+        if self.unreachable:
+            raise KafkaException(
+                KafkaError(KafkaError._TRANSPORT, "Failed to get metadata: transport failure")
+            )
+        error = None if topic.endswith(".results") else "unknown topic"
+        return SimpleNamespace(topics={topic: SimpleNamespace(error=error, partitions={0: None})})
+
+    def assign(self, partitions: Sequence[TopicPartition]) -> None:
+        self.next = {tp.topic: 0 for tp in partitions}
+
+    def consume(self, count: int, timeout: float) -> list[Any]:
+        self.clock += 1.0
+        batch = []
+        for topic, offset in self.next.items():
+            upto = min(offset + self.per_poll, self.stall_after)
+            batch += [self.message(topic, o) for o in range(offset, upto)]
+            self.next[topic] = max(offset, upto)
+        return batch
+
+    def message(self, topic: str, offset: int) -> Any:
+        return SimpleNamespace(
+            error=lambda: None,
+            topic=lambda: topic,
+            partition=lambda: 0,
+            offset=lambda: offset,
+            value=lambda: self.value,
+        )
+
+    def close(self) -> None:
+        pass
+
+
+class NullWriter:
+    def raw_insert(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+def test_a_long_replay_that_keeps_moving_outlasts_the_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    log = FakeLog(monkeypatch, 700)  # one record a second: 700 s in all, past a 600 s timeout
+    done: list[int] = []
+    report = replay(PlatformSettings(), NullWriter(), PRICES, [], progress=lambda d, t: done.append(d))
+    assert report.events == 700
+    assert done[-1] == 700
+    assert log.clock >= 700
+
+
+def test_a_stalled_replay_gives_up_after_the_timeout_since_the_last_record(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    log = FakeLog(monkeypatch, 100, per_poll=10, stall_after=40)
+    with pytest.raises(ReplayError, match=r"no record arrived for 30s with 40 of 100 read") as caught:
+        replay(PlatformSettings(topic_prefix="p"), NullWriter(), PRICES, [], timeout_s=30)
+    assert "p.results[0]" in str(caught.value)
+    assert "--timeout" in str(caught.value)
+    assert 34 <= log.clock <= 36  # 4 polls brought records, then 30 s of nothing
+
+
+def test_kafka_that_cannot_say_where_the_log_ends_is_a_replay_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    log = FakeLog(monkeypatch, 10)
+    log.unreachable = True
+    with pytest.raises(
+        ReplayError, match=r"cannot read the topics' ends on Kafka at 127.0.0.1:1: .*transport failure"
+    ):
+        replay(PlatformSettings(kafka_bootstrap="127.0.0.1:1"), NullWriter(), PRICES, [])
