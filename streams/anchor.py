@@ -25,7 +25,6 @@ and healing inserts in chunks as it reads.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
@@ -77,6 +76,9 @@ AUDIT_HEADS = (
     "argMax(details, seq) AS head_details FROM audit_log FINAL GROUP BY tenant"
 )
 """Each chain's last row in the warehouse."""
+
+_DETAILS = msgspec.json.Decoder(dict[str, str])
+"""An ``audit_log`` row's ``details``: a JSON object of strings."""
 
 Placed = tuple[AuditEntry, int, int]
 """An entry read from the topic, with the partition and offset it is stored at."""
@@ -265,10 +267,16 @@ def anchor_chains(
     time. A chain the topic does not hold (older than its retention) goes on from the warehouse's head.
     """
     stored: dict[str, tuple[AuditHead, str]] = {}
+    malformed: dict[str, str] = {}
     for row in warehouse_heads:
-        details = json.loads(str(row["head_details"] or "{}"))
+        name = str(row["tenant"])
         head = AuditHead(seq=_int(row["head_seq"]), entry_hash=str(row["head_hash"]))
-        stored[str(row["tenant"])] = (head, str(details.get(ORIGIN, "")))
+        try:
+            details = _DETAILS.decode(str(row["head_details"] or "{}"))
+        except msgspec.DecodeError as exc:  # not JSON, or not an object of strings: an edited row
+            details = {}
+            malformed[name] = f"the warehouse's seq {head.seq} is a malformed row (details: {exc})"
+        stored[name] = (head, details.get(ORIGIN, ""))
     chains, read = read_chains(records(), probes={name: head.seq for name, (head, _) in stored.items()})
     heads: dict[str, AuditHead] = {}
     offsets: dict[str, Position] = {}
@@ -278,10 +286,12 @@ def anchor_chains(
         logged = chains.get(name)
         if logged is None or logged.head is None:
             heads[name], origin = stored[name]
+            if name in malformed:
+                conflicts[name] = malformed[name]
         else:
             heads[name], origin = logged.head, logged.origin
             last = stored[name][0] if name in stored else None
-            reason = _disagreement(last, logged)
+            reason = malformed.get(name) or _disagreement(last, logged)
             if reason is not None:
                 conflicts[name] = reason
             elif logged.head.seq > (last.seq if last is not None else -1):

@@ -180,6 +180,25 @@ def test_anchoring_withholds_a_chain_the_warehouse_disagrees_with() -> None:
     assert (anchored.healed, heal.calls) == ({}, [])
 
 
+@pytest.mark.parametrize("details", ["not json", "[1, 2]", '"x"', '{"results_offset": 7}'])
+def test_a_head_row_with_malformed_details_is_a_conflict_not_a_crash(details: str) -> None:
+    acme, globex, old = chain("acme", 6), chain("globex", 3), chain("admin:budget:x", 2)
+    tampered = {**head_row(acme[5]), "head_details": details}  # only the details column edited
+    heal = Healer()
+    anchored = anchor_chains(
+        [tampered, head_row(globex[2]), {**head_row(old[1]), "head_details": details}],
+        lambda: placed([*acme, *globex]),  # the admin chain is older than the topic's retention
+        heal,
+    )
+    assert anchored.heads["acme"] == AuditHead(seq=5, entry_hash=acme[5].entry_hash)
+    assert anchored.heads["admin:budget:x"] == AuditHead(seq=1, entry_hash=old[1].entry_hash)
+    assert set(anchored.conflicts) == {"acme", "admin:budget:x"}  # globex goes on untouched
+    assert anchored.conflicts["acme"].startswith("the warehouse's seq 5 is a malformed row (details: ")
+    assert anchored.conflicts["admin:budget:x"].startswith("the warehouse's seq 1 is a malformed row")
+    assert "admin:budget:x" not in anchored.offsets
+    assert (anchored.healed, heal.calls) == ({}, [])
+
+
 # ------------------------------------------------------------------------------------------ on Kafka
 
 
