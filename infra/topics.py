@@ -254,9 +254,17 @@ def _partition_counts(admin: AdminClient, timeout: float, *, led: bool = False) 
     """name -> partitions; with ``led``, only topics whose every partition has a leader (usable now)."""
     return {
         name: len(meta.partitions)
-        for name, meta in admin.list_topics(timeout=timeout).topics.items()
+        for name, meta in _listed(admin, timeout).items()
         if not led or all(p.leader >= 0 for p in meta.partitions.values())
     }
+
+
+def _listed(admin: AdminClient, timeout: float) -> dict[str, Any]:
+    """The cluster's topics' metadata (:class:`InfraError` when the cluster does not answer)."""
+    try:
+        return dict(admin.list_topics(timeout=timeout).topics)
+    except KafkaException as exc:
+        raise InfraError(f"listing the topics failed: {exc.args[0]}") from exc
 
 
 def _wait_visible(admin: AdminClient, names: Sequence[str], timeout: float) -> dict[str, int]:
@@ -302,8 +310,9 @@ def _result(future: object, what: str) -> dict[str, ConfigEntry]:
 
 
 def describe_topics(admin: AdminClient, prefix: str, timeout: float = 10.0) -> list[tuple[str, int]]:
-    """(name, partitions) of the cluster's topics under ``prefix``."""
-    topics = admin.list_topics(timeout=timeout).topics
+    """(name, partitions) of the cluster's topics under ``prefix`` (:class:`InfraError` when the cluster
+    does not answer)."""
+    topics = _listed(admin, timeout)
     return sorted(
         (name, len(meta.partitions)) for name, meta in topics.items() if name.startswith(prefix + ".")
     )

@@ -214,9 +214,16 @@ def kafka_fetch() -> None:
 
 
 def _admin(s: PlatformSettings) -> AdminClient:
+    """An admin client whose librdkafka log lines stay out of the terminal: a Kafka that does not answer
+    is one clear error from the command, not a connection failure printed every 50 ms until it gives up."""
+    import logging
+
     from infra.topics import make_admin
 
-    return make_admin(s.kafka)
+    quiet = logging.getLogger("sluice.cli.librdkafka")
+    quiet.setLevel(logging.CRITICAL)
+    quiet.propagate = False
+    return make_admin(s.kafka, logger=quiet)
 
 
 @topics_app.command("apply")
@@ -229,7 +236,7 @@ def topics_apply() -> None:
     try:
         changes = apply_topics(_admin(s), topics_of(s))
     except InfraError as exc:
-        raise fail(str(exc)) from None
+        raise fail(f"{exc} (is Kafka running at {s.bootstrap}? `sluice up` or `sluice kafka up`)") from None
     table = Table("topic", "action", "detail", title=escape(f"topics on {s.bootstrap}"))
     for change in changes:
         style = "dim" if change.action == "unchanged" else "green"
@@ -240,15 +247,20 @@ def topics_apply() -> None:
 @topics_app.command("list")
 def topics_list() -> None:
     """List the cluster's platform topics with partitions, and the spec's purpose of each."""
+    from infra.errors import InfraError
     from infra.topics import describe_topics, topics_of
 
     s = settings()
     purposes = {t.name: t for t in topics_of(s)}
+    try:
+        listed = describe_topics(_admin(s), s.topic_prefix)
+    except InfraError as exc:
+        raise fail(f"{exc} (is Kafka running at {s.bootstrap}? `sluice up` or `sluice kafka up`)") from None
     table = Table("topic", "partitions", "cleanup", "purpose", title=escape(f"topics on {s.bootstrap}"))
-    for name, partitions in describe_topics(_admin(s), s.topic_prefix):
+    for name, partitions in listed:
         spec = purposes.get(name)
         table.add_row(
-            name,
+            escape(name),
             str(partitions),
             spec.config.get("cleanup.policy", "") if spec else "",
             spec.purpose if spec else "[yellow]not in spec[/]",

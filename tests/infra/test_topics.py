@@ -12,6 +12,7 @@ from infra.topics import (
     TopicSpec,
     TopicSpecError,
     apply_topics,
+    describe_topics,
     make_admin,
     platform_topics,
     topics_of,
@@ -165,3 +166,12 @@ def test_under_replicated_asks_again_while_a_new_topic_is_unknown_where_it_asks(
     with pytest.raises(InfraError, match="describing t failed"):  # any other error at once
         under_replicated(other, ["t"], timeout=5)  # type: ignore[arg-type]
     assert other.calls == 1
+
+
+def test_a_cluster_that_does_not_answer_is_an_infra_error_naming_it() -> None:
+    """`sluice topics list` / `apply` against no Kafka printed a KafkaException traceback."""
+    admin = make_admin(KafkaConnection(bootstrap="127.0.0.1:1"))
+    with pytest.raises(InfraError, match="listing the topics failed"):
+        describe_topics(admin, "sluice", timeout=0.5)
+    with pytest.raises(InfraError, match="listing the topics failed"):
+        apply_topics(admin, platform_topics(TopicNames("sluice"), ["demo-gpt"]), timeout=0.5)
