@@ -74,6 +74,13 @@ async def gate(
     )  # fmt: skip
 
 
+async def judged(tmp_path: Path, *groups: list[RequestFinished], **gate_kw: Any) -> GateResult:
+    """The gate over a warehouse holding ``groups``."""
+    with warehouse(tmp_path) as client:
+        stored(client, *groups)
+        return await gate(client, **gate_kw)
+
+
 def whole_step(client: Client) -> GateResult:
     """The same test on every completed request of the step, unpaired: what the pairing is for."""
     rows = query_rows(client, "SELECT * FROM drift_features FINAL WHERE status = 'completed'")
@@ -85,9 +92,7 @@ def whole_step(client: Client) -> GateResult:
 async def test_a_candidate_bad_from_its_first_request_fails(tmp_path: Path) -> None:
     """Empty answers from the start: its own drift reports would take them as its reference."""
     served = originals(120)
-    with warehouse(tmp_path) as client:
-        stored(client, served, copies(served[:60], empty=True))
-        result = await gate(client)
+    result = await judged(tmp_path, served, copies(served[:60], empty=True))
     assert result.state == "fail"
     assert (result.candidate_n, result.baseline_n) == (60, 60)
     assert "output_chars" in result.detail
@@ -134,18 +139,14 @@ async def test_copies_that_expired_or_failed_are_the_error_gates_not_drift(tmp_p
         if i % 3 != 1 else e
         for i, e in enumerate(made)
     ]  # fmt: skip
-    with warehouse(tmp_path) as client:
-        stored(client, served, ended)
-        result = await gate(client, min_requests=30)
+    result = await judged(tmp_path, served, ended, min_requests=30)
     assert result.state == "pass", result.detail
     assert result.candidate_n == 40
 
 
 async def test_too_few_pairs_is_insufficient_data(tmp_path: Path) -> None:
     served = originals(100)
-    with warehouse(tmp_path) as client:
-        stored(client, served, copies(served[:30], empty=True))
-        result = await gate(client)
+    result = await judged(tmp_path, served, copies(served[:30], empty=True))
     assert result.state == "insufficient_data"
     assert result.detail == "30 shadow pairs that both completed, 40 needed"
 
@@ -156,9 +157,7 @@ async def test_requests_accepted_before_the_step_are_not_its(tmp_path: Path) -> 
         msgspec.structs.replace(e, request_id="00000000" + e.request_id[8:])
         for e in copies(served, empty=True)
     ]
-    with warehouse(tmp_path) as client:
-        stored(client, served, earlier)
-        result = await gate(client)
+    result = await judged(tmp_path, served, earlier)
     assert result.state == "insufficient_data"
     assert result.candidate_n == 0
 
