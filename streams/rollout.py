@@ -541,6 +541,8 @@ class RolloutController:
         self._publish = publish
         self._interval_s = interval_s
         self._drift_alpha, self._drift_null_tolerance = drift_alpha, drift_null_tolerance
+        self._drift_judged: dict[str, tuple[str, GateResult]] = {}
+        """model -> the deployment (step) whose drift gate was tested, and its verdict: one test a step."""
         self._clock = clock
         self._monotonic = monotonic or time.monotonic
         self._latest: dict[str, tuple[DeploymentChanged, Position | None]] = {}
@@ -773,6 +775,7 @@ class RolloutController:
             burn=burn,
             drift_alpha=self._drift_alpha,
             drift_null_tolerance=self._drift_null_tolerance,
+            judged=self._drift_judged,
         )
 
 
@@ -784,9 +787,12 @@ async def step_gates(
     burn: BurnRateCrossed | None = None,
     drift_alpha: float,
     drift_null_tolerance: float,
+    judged: dict[str, tuple[str, GateResult]] | None = None,
 ) -> list[GateResult]:
     """Every gate of ``current``'s step as the controller judges it at ``now``, from the warehouse. The
-    drift gate runs its one test of the step only when the others would let the step advance."""
+    drift gate runs its one test of the step only when the others would let the step advance; ``judged``
+    (model -> the deployment it judged, and its verdict) keeps that verdict, so that a decision whose
+    publish failed is decided again on the same test, not on a second look at a larger sample."""
     candidate = current.candidate or current.version
     since = current.step_started or current.time
     gates = current.gates or RolloutGates()
@@ -795,6 +801,9 @@ async def step_gates(
         gates, stats.get(candidate, VersionStats()), stats.get(current.stable, VersionStats()), burn=burn
     )
     if gates.drift and current.phase == "canary" and ripe(current, results, now, but="drift"):
+        kept = (judged or {}).get(current.model)
+        if kept is not None and kept[0] == current.id:
+            return [kept[1] if r.gate == "drift" else r for r in results]
         drift = await drift_gate(
             read,
             model=current.model,
@@ -807,5 +816,7 @@ async def step_gates(
             alpha=drift_alpha,
             null_tolerance=drift_null_tolerance,
         )
+        if judged is not None and drift.state in ("pass", "fail"):
+            judged[current.model] = (current.id, drift)
         results = [drift if r.gate == "drift" else r for r in results]
     return results

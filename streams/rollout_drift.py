@@ -48,6 +48,7 @@ OUTPUT_FEATURES = (
 )  # fmt: skip
 """The drift features the answer determines (see :class:`schemas.events.DriftFeatures`); the status is the
 error gate's."""
+CATEGORICAL = ("output_script", "finish_reason", "empty_output", "refusal")
 MAX_ROWS = 1000
 """Pairs at most (the evaluator's own cap per side, :data:`drift.evaluate.MAX_ROWS`)."""
 NOT_YET = "judged once every other gate passes and the step has lasted step_min_s (one test per step)"
@@ -58,10 +59,14 @@ Reader = Callable[[str], Awaitable[list[dict[str, Any]]]]
 
 
 def _facts(model: str, version: str, since: datetime, *, shadow: bool) -> str:
+    """The version's completed requests of the step (its shadow copies, or the clients' own) whose drift
+    features were measured (a pair with one side unmeasured says nothing of the answers)."""
+    since_ms = int(since.timestamp() * 1000)
+    step = f"model = {sql_string(model)} AND accepted >= fromUnixTimestamp64Milli({since_ms}, 'UTC')"
     return f"""SELECT request_id{", shadow_of" if shadow else ""} FROM request_facts FINAL
-        WHERE model = {sql_string(model)} AND model_version = {sql_string(version)}
+        WHERE {step} AND model_version = {sql_string(version)}
             AND shadow_of {"!=" if shadow else "="} '' AND status = 'completed'
-            AND accepted >= fromUnixTimestamp64Milli({int(since.timestamp() * 1000)}, 'UTC')"""  # noqa: S608
+            AND request_id IN (SELECT request_id FROM drift_features FINAL WHERE {step} AND has_features)"""  # noqa: S608
 
 
 def pairs_sql(model: str, stable: str, candidate: str, since: datetime) -> str:
@@ -95,6 +100,8 @@ def judge_drift(
 
     columns = ["model_version", "kind", *OUTPUT_FEATURES]
     frame = pd.DataFrame(list(rows), columns=columns)
+    for name in CATEGORICAL:  # an answer with no letters has no script: "none" is a category of its own,
+        frame[name] = frame[name].astype(object).where(frame[name].notna(), "none")  # tested, not a finding
     ours, theirs = (frame[frame["model_version"] == v][list(OUTPUT_FEATURES)] for v in (candidate, stable))
     sizes = {"candidate_n": len(ours), "baseline_n": len(theirs)}
     if len(frame) and (frame["kind"] == "embedding").all():
@@ -106,13 +113,12 @@ def judge_drift(
     empty = _no_embeddings()
     config = DriftConfig(alpha=alpha, min_samples=min_requests, null_tolerance=null_tolerance)
     result = evaluate(theirs, ours, empty, empty, config)
-    # Both sides answered the same requests: a feature missing more often on one side (answers with no
-    # letters have no script) is a difference in the answers too, so the findings join the drifted features.
+    if result.quality:  # a numerical feature one side measures less often (an engine without logprobs)
+        detail = f"answers not measured as the stable version's: {'; '.join(result.quality)} ({pairs} pairs)"
+        return GateResult(gate="drift", state="fail", detail=detail, **sizes)
     drifted = [f.name for f in result.features if f.drifted]
-    if drifted or result.quality:
-        differ = f"differ in {', '.join(drifted)}" if drifted else "differ"
-        notes = f"; {'; '.join(result.quality)}" if result.quality else ""
-        detail = f"answers to the same requests {differ} ({pairs} shadow pairs{notes})"
+    if drifted:
+        detail = f"answers to the same requests differ in {', '.join(drifted)} ({pairs} shadow pairs)"
         return GateResult(gate="drift", state="fail", detail=detail, **sizes)
     tested = ", ".join(f.name for f in result.features) or "no feature measured on both"
     return GateResult(

@@ -15,6 +15,7 @@ import msgspec
 import pytest
 from prometheus_client import REGISTRY
 
+from bus.errors import BusError
 from schemas.deployments import Deployment
 from schemas.events import (
     BurnRateCrossed,
@@ -1180,6 +1181,31 @@ async def test_the_drift_gate_tests_once_a_step_when_it_alone_decides(harness: H
     (decision,) = await controller.run_due()
     assert by_gate(decision.evidence)["drift"].state == "insufficient_data"
     assert not any("FROM drift_features" in q for q in harness.warehouse.queries)
+
+
+async def test_a_decision_whose_publish_failed_is_decided_again_on_the_same_drift_test(
+    harness: Harness,
+) -> None:
+    """A second look at the step's larger sample could turn the rollback into a promotion (and each look
+    adds its own false alarms): the verdict is kept for the step."""
+    harness.warehouse.outputs = [*outputs("v1"), *outputs("v2", empty=True)]
+    controller = harness.controller()
+    controller.seed([canary()])
+    publish = harness.publish
+
+    async def refused(event: DeploymentChanged) -> tuple[int, int]:
+        raise BusError("the broker is away")
+
+    controller._publish = refused
+    assert await controller.run_due() == []
+    assert sum("FROM drift_features" in q for q in harness.warehouse.queries) == 1
+    harness.warehouse.outputs = [*outputs("v1", 1000), *outputs("v2", 1000)]  # more pairs, all alike
+    controller._publish = publish
+    harness.later()
+    (decision,) = await controller.run_due()
+    assert decision.action == "rollback"
+    assert "empty_output" in by_gate(decision.evidence)["drift"].detail
+    assert sum("FROM drift_features" in q for q in harness.warehouse.queries) == 1
 
 
 async def test_a_candidate_whose_outputs_match_passes_and_promotes(harness: Harness) -> None:

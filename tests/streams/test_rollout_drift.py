@@ -144,6 +144,40 @@ async def test_copies_that_expired_or_failed_are_the_error_gates_not_drift(tmp_p
     assert result.candidate_n == 40
 
 
+def letterless(events: list[RequestFinished], every: int) -> list[RequestFinished]:
+    """Every ``every``-th answer with no letters (no script measured), by position."""
+    made = []
+    for i, e in enumerate(events):
+        assert e.features is not None
+        features = msgspec.structs.replace(e.features, output_script=None) if i % every == 0 else e.features
+        made.append(msgspec.structs.replace(e, features=features))
+    return made
+
+
+async def test_answers_without_letters_are_a_category_tested_not_a_finding(tmp_path: Path) -> None:
+    """Half the answers of both versions have no script: a missing share that differs by chance at 50 pairs
+    used to be a fixed-tolerance "finding" (about 2 % of identical steps failed); it is a category of the
+    chi-square, inside Bonferroni. And one version with many more of them is a difference."""
+    served = letterless(originals(60), 2)
+    alike = await judged(tmp_path / "alike", served, letterless(copies(served), 2))
+    assert alike.state == "pass", alike.detail
+    served = letterless(originals(400), 5)  # 20 % without letters
+    more = await judged(tmp_path / "more", served, letterless(copies(served), 2))  # 50 %
+    assert more.state == "fail"
+    assert more.detail.startswith("answers to the same requests differ in output_script")
+
+
+async def test_a_pair_with_one_side_unmeasured_is_left_out(tmp_path: Path) -> None:
+    """A copy whose features were not measured (an event too big to carry them) is not a different answer."""
+    served = originals(120)
+    made = [
+        msgspec.structs.replace(e, features=None) if i % 4 == 0 else e for i, e in enumerate(copies(served))
+    ]
+    result = await judged(tmp_path, served, made)
+    assert result.state == "pass", result.detail
+    assert (result.candidate_n, result.baseline_n) == (90, 90)
+
+
 async def test_too_few_pairs_is_insufficient_data(tmp_path: Path) -> None:
     served = originals(100)
     result = await judged(tmp_path, served, copies(served[:30], empty=True))
