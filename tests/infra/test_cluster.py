@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -272,11 +273,21 @@ def test_replicated_topics_on_three_brokers(cluster: LocalKafkaCluster, topic_pr
     changes = apply_topics(admin, specs)
     assert [c.action for c in changes] == ["created"] * len(specs)
     names = [spec.name for spec in specs]
-    # created by the controller; the broker answering the metadata request may learn of them a moment later
-    _wait_for(
-        "every topic in the metadata", lambda: set(names) <= set(admin.list_topics(timeout=10).topics), 30
-    )
-    metadata = admin.list_topics(timeout=10)
+    # Created by the controller; the broker answering a metadata request may learn of them a moment later,
+    # and the next request may go to another broker that has not yet (CI saw a topic listed, then not):
+    # the checks read the one answer that listed them all, each partition with its leader.
+    seen: list[Any] = []
+
+    def listed() -> bool:
+        answer = admin.list_topics(timeout=10)
+        topics = [answer.topics.get(name) for name in names]
+        if any(t is None or any(p.leader < 0 for p in t.partitions.values()) for t in topics):
+            return False
+        seen.append(answer)
+        return True
+
+    _wait_for("every topic in the metadata, with its leaders", listed, 30)
+    metadata = seen[-1]
     for spec in specs:
         partitions = metadata.topics[spec.name].partitions
         assert len(partitions) == spec.partitions
