@@ -127,9 +127,8 @@ def run_worker_process(platform: PlatformSettings, model_id: str, console: Conso
         console.print(f"[red]error:[/] {model_id} is not served (SLUICE_MODELS / SLUICE_MODEL_PATHS)")
         return 2
     stop, join = threading.Event(), threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    signal.signal(signal.SIGUSR1, lambda *_: join.set())  # a warm standby (SLUICE_WORKER_STANDBY) joins
+    set_on_signals(stop, signal.SIGINT, signal.SIGTERM)
+    set_on_signals(join, signal.SIGUSR1)  # a warm standby (SLUICE_WORKER_STANDBY) joins
     try:
         run_worker(platform, worker, model_id, stop, join)
     except (GpuWorkerError, ManifestError) as exc:
@@ -141,6 +140,28 @@ def run_worker_process(platform: PlatformSettings, model_id: str, console: Conso
     finally:
         shutdown_tracing(provider)
     return 0
+
+
+def set_on_signals(event: threading.Event, *signals: signal.Signals) -> None:
+    """``event`` is set when one of ``signals`` arrives. A handler runs on the main thread between two
+    bytecodes, so a second signal can arrive while the first handler is inside ``Event.set`` holding the
+    event's (non-reentrant) lock: a handler calling ``set`` again there waits for itself for ever (a burst
+    of SIGTERMs left workers hung, outliving ``sluice up``). The nested handler sees the first one at work
+    and returns."""
+    busy = False
+
+    def handler(signum: int, frame: object) -> None:
+        nonlocal busy
+        if busy or event.is_set():
+            return
+        busy = True
+        try:
+            event.set()
+        finally:
+            busy = False
+
+    for sig in signals:
+        signal.signal(sig, handler)
 
 
 def replies_partitions(platform: PlatformSettings) -> int:

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import itertools
 import os
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +27,7 @@ from rich.console import Console
 from bus.placement import place_box
 from bus.producer import EventProducer
 from gpu_workers.settings import WorkerSettings
+from infra.children import die_with_parent
 from infra.errors import InfraError
 from infra.kafka.broker import free_port
 from infra.topics import apply_topics, make_admin, topics_of
@@ -36,7 +36,7 @@ from ingest.main import build_edge, check_edge_exposure, more_edge_ids
 from ingest.settings import EdgeSettings
 from monitoring.tracing import shutdown_tracing
 from schemas.events import DeploymentChanged, Event, WorkersScaled, utc_now
-from schemas.settings import PlatformSettings, SettingsError, load_settings
+from schemas.settings import PlatformSettings, SettingsError, load_settings, local_kafka_ports
 from schemas.topics import TopicNames
 from sluice.autoscale import FleetSettings, GroupLag, ScalePolicy
 from sluice.services import (
@@ -78,7 +78,8 @@ def run_platform(
     if port is not None:
         edge_settings = msgspec.structs.replace(edge_settings, edge_port=port)
     try:
-        extra_edges(edge_settings, fleet_settings.fleet_edges, 1)  # before anything starts
+        # before anything starts
+        extra_edges(edge_settings, fleet_settings.fleet_edges, 1, platform_ports(settings, worker_settings))
         # this process and what it starts onto the cores the workers do not get
         placed, worker_env = place_box(fleet_settings.fleet_worker_cpus, worker_settings.worker_cpus)
     except SettingsError as exc:
@@ -169,6 +170,10 @@ class ServiceProcess:
         if self._proc is not None and self._proc.returncode is None:
             self._proc.send_signal(sig)
 
+    def serve(self) -> None:
+        """A warm standby joined: if it exits, it restarts as a serving worker (it was counted as one)."""
+        self._env.pop("SLUICE_WORKER_STANDBY", None)
+
     async def stop(self) -> None:
         self._stopping = True
         self._stop_requested.set()
@@ -183,15 +188,6 @@ class ServiceProcess:
                 await proc.wait()
         if self._task is not None:
             await self._task
-
-
-def die_with_parent() -> None:
-    """In a child, before it runs: on Linux it gets SIGTERM when ``sluice up`` dies, however that dies
-    (a ``kill -9`` or a crash too), so no worker or streams process is left behind holding ports, the
-    warehouse lock and a consumer group's partitions. Elsewhere nothing happens."""
-    if sys.platform.startswith("linux"):
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 async def _unless_stopped(stop: asyncio.Event, waiting: Awaitable[object]) -> bool:
@@ -331,6 +327,7 @@ class Fleet:
         for worker in list(pool):
             if await _answers(worker.port):
                 pool.remove(worker)
+                worker.process.serve()  # a restart after this starts it serving, not warm again
                 worker.process.send_signal(signal.SIGUSR1)
                 self._console.print(
                     f"worker for {worker.model} version {worker.version} joins from the warm pool (#{worker.serial})"
@@ -495,13 +492,39 @@ async def _wait_workers(workers: list[tuple[str, int]], within_s: float, console
     await asyncio.gather(*(one(name, port) for name, port in workers))
 
 
-def extra_edges(settings: EdgeSettings, edges: int, partitions: int) -> list[tuple[str, int]]:
+def extra_edges(
+    settings: EdgeSettings, edges: int, partitions: int, taken: Mapping[int, str] | None = None
+) -> list[tuple[str, int]]:
     """(id, port) of the edges after the first: ids from :func:`more_edge_ids` (each its own replies
-    partition while partitions last), on the ports after the first edge's."""
+    partition while partitions last), on the ports after the first edge's. ``taken``: port -> what else
+    of the platform listens there (an edge there would crash-loop while another service answered its
+    readiness check)."""
     if edges > 1 and settings.edge_port == 0:
         raise SettingsError("several edges need a fixed SLUICE_EDGE_PORT (they take the ports after it)")
     ids = more_edge_ids(settings.edge_id, edges, partitions)
-    return [(edge_id, settings.edge_port + index) for index, edge_id in enumerate(ids, 1)]
+    placed = [(edge_id, settings.edge_port + index) for index, edge_id in enumerate(ids, 1)]
+    last = settings.edge_port + len(placed)
+    if last > 65535:
+        raise SettingsError(f"{edges} edges need ports {settings.edge_port} to {last}; lower --port")
+    for _, port in placed:
+        if port in (taken or {}):
+            raise SettingsError(
+                f"edge port {port} (--edges {edges} from --port {settings.edge_port}) is {(taken or {})[port]}'s; "
+                "pick another --port"
+            )
+    return placed
+
+
+def platform_ports(settings: PlatformSettings, worker: WorkerSettings) -> dict[int, str]:
+    """The fixed ports ``sluice up``'s other services listen on: port -> which."""
+    taken = {load_settings(StreamsSettings).streams_port: "the streams worker"}
+    if worker.worker_ops_port:
+        for index, model in enumerate(settings.served_models()):
+            taken[worker.worker_ops_port + index] = f"the {model} worker"
+    if settings.local_kafka:
+        for port, controller in local_kafka_ports(settings.kafka_port, settings.kafka_brokers):
+            taken[port] = taken[controller] = "Kafka"
+    return taken
 
 
 async def _serve(
@@ -521,6 +544,8 @@ async def _serve(
             if broker.running():
                 console.print(f"using the Kafka already running at {broker.bootstrap} (left running on exit)")
             else:
+                for node in broker.nodes:
+                    node.die_with_parent = True  # a `kill -9` of sluice up leaves no JVM behind
                 with console.status(f"starting Kafka {settings.kafka_version} at {broker.bootstrap}"):
                     await asyncio.to_thread(broker.start)
                 stack.callback(broker.stop)
@@ -584,10 +609,14 @@ async def _serve(
                 ["edge"],
                 console,
                 {"SLUICE_EDGE_ID": edge_id, "SLUICE_EDGE_PORT": str(port)},
+                halt=stop,
             )
             await child.start()
             stack.push_async_callback(child.stop)
-            await _wait_ready(edge_settings.edge_host, port, 120, what=f"edge {edge_id}")
+            ready = _wait_ready(edge_settings.edge_host, port, 120, what=f"edge {edge_id}")
+            if not await _unless_stopped(stop, ready):
+                console.print("stopping...")
+                return
             edges.append(f"http://{edge_settings.edge_host}:{port}")
 
         # "up" means a first request is served, not queued behind a model still loading

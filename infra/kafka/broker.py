@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from infra.children import die_with_parent
 from infra.errors import InfraError
 from infra.kafka.dist import fetch_kafka
 from schemas.lifecycle import Component
@@ -249,6 +250,9 @@ class LocalKafka(Component):
                 f"node {node_id} on ports {self.port}/{self.controller_port} is not in {cluster}"
             )
         self._proc: subprocess.Popen[bytes] | None = None
+        self.die_with_parent = False
+        """The JVM gets SIGTERM when the process (thread) that launched it dies, a ``kill -9`` included:
+        ``sluice up``'s broker; not ``sluice kafka up``'s, which outlives the command by design."""
 
     @property
     def bootstrap(self) -> str:
@@ -372,6 +376,7 @@ class LocalKafka(Component):
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,  # Ctrl-C in a terminal reaches us, and we stop it cleanly
+                preexec_fn=die_with_parent if self.die_with_parent else None,
             )
         self.pid_file.write_text(str(self._proc.pid))
 

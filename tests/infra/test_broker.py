@@ -1,6 +1,9 @@
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -98,3 +101,39 @@ def test_stop_reaches_a_node_another_process_started_after_a_crash(tmp_path: Pat
         if again.poll() is None:
             again.kill()
             again.wait()
+
+
+@pytest.mark.integration
+def test_sluice_ups_broker_dies_with_it_even_after_a_kill_9(
+    platform_settings: PlatformSettings, tmp_path: Path
+) -> None:
+    """Before, a `kill -9` of `sluice up` left its Kafka JVM running, and the next `sluice up` took it for
+    one `sluice kafka up` started ("left running on exit"). A broker launched with ``die_with_parent``
+    gets SIGTERM when its launcher dies; `sluice kafka up`'s does not (it outlives the command)."""
+    script = (
+        "import sys\n"
+        "from infra.kafka.broker import LocalKafka, free_port\n"
+        "broker = LocalKafka(sys.argv[1], sys.argv[2], sys.argv[3], port=free_port(), controller_port=free_port())\n"
+        "broker.die_with_parent = True\n"
+        "broker.launch()\n"
+        "print(broker._proc.pid, flush=True)\n"
+        "import time; time.sleep(120)\n"
+    )
+    args = [str(tmp_path), platform_settings.cache_dir, platform_settings.kafka_version]
+    with subprocess.Popen([sys.executable, "-c", script, *args], stdout=subprocess.PIPE, text=True) as parent:
+        assert parent.stdout is not None
+        jvm = int(parent.stdout.readline())
+        assert _alive(jvm)
+        parent.kill()
+    deadline = time.monotonic() + 20
+    while _alive(jvm) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(jvm), "the JVM outlived the process that launched it"
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie waiting for its new parent to reap it counts as dead)."""
+    try:
+        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False

@@ -5,11 +5,12 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from gpu_workers.settings import WorkerSettings
 from ingest.main import reply_partition
 from ingest.settings import EdgeSettings
-from schemas.settings import SettingsError, load_settings
+from schemas.settings import PlatformSettings, SettingsError, load_settings
 from sluice.autoscale import FleetSettings, ScalePolicy
-from sluice.up import extra_edges
+from sluice.up import extra_edges, platform_ports
 
 
 def _policy(**overrides: float) -> ScalePolicy:
@@ -102,3 +103,22 @@ def test_extra_edges_take_the_next_ports_and_their_own_replies_partitions() -> N
     assert len(crowded) == 3
     with pytest.raises(SettingsError, match="fixed SLUICE_EDGE_PORT"):
         extra_edges(EdgeSettings(edge_port=0), 2, 8)
+
+
+def test_extra_edges_refuse_ports_past_65535_and_ports_another_service_listens_on() -> None:
+    """Before, `--port 65534 --edges 3` started an edge on 65536 that crash-looped, and an edge on the
+    streams worker's port crash-looped while the streams worker answered its readiness check."""
+    with pytest.raises(SettingsError, match="65534 to 65536"):
+        extra_edges(EdgeSettings(edge_port=65534), 3, 8)
+    taken = {8082: "the streams worker"}
+    with pytest.raises(SettingsError, match=r"edge port 8082 .* is the streams worker's"):
+        extra_edges(EdgeSettings(edge_port=8080), 3, 8, taken)
+    assert [port for _, port in extra_edges(EdgeSettings(edge_port=8080), 2, 8, taken)] == [8081]
+
+
+def test_the_platform_ports_name_the_streams_worker_the_workers_and_kafka() -> None:
+    settings = PlatformSettings(kafka_port=19092, models=("demo-gpt", "all-minilm-l6-v2"))
+    taken = platform_ports(settings, WorkerSettings(worker_ops_port=9400))
+    assert taken[8090] == "the streams worker"
+    assert (taken[9400], taken[9401]) == ("the demo-gpt worker", "the all-minilm-l6-v2 worker")
+    assert taken[19092] == taken[19093] == "Kafka"

@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+import pytest
 from rich.console import Console
 
+import sluice.up as up
+from schemas.settings import PlatformSettings
+from sluice.autoscale import FleetSettings
+from sluice.services import set_on_signals
 from sluice.up import ServiceProcess
 
 
@@ -76,3 +83,79 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0] != "Z"
     except (FileNotFoundError, IndexError):
         return False
+
+
+def test_a_second_signal_inside_the_handler_does_not_hang_the_worker() -> None:
+    """A worker's SIGTERM handler set an Event; a second signal (a Ctrl-C to the group, then the
+    supervisor's SIGTERM) landing while the first handler held the Event's lock made the handler wait for
+    itself: the worker hung for ever, outliving ``sluice up``. Here the second signal lands exactly there."""
+    stop = threading.Event()
+    previous = signal.getsignal(signal.SIGUSR2)
+    set_on_signals(stop, signal.SIGUSR2)
+    handler = signal.getsignal(signal.SIGUSR2)
+    assert callable(handler)
+    notify_all = stop._cond.notify_all  # type: ignore[attr-defined]
+
+    def notify_with_a_second_signal() -> None:
+        handler(signal.SIGUSR2, None)  # the nested signal, while set() holds the lock
+        notify_all()
+
+    stop._cond.notify_all = notify_with_a_second_signal  # type: ignore[attr-defined]
+    try:
+        first = threading.Thread(target=handler, args=(signal.SIGUSR2, None), daemon=True)
+        first.start()
+        first.join(timeout=5)
+        assert not first.is_alive(), "the handler waits for itself"
+        assert stop.is_set()
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+
+
+_STANDBY_CHILD = r"""
+import os, signal, sys, time
+log = open(sys.argv[1], "a")
+log.write(f"start standby={os.environ.get('SLUICE_WORKER_STANDBY')}\n"); log.flush()
+joined = []
+signal.signal(signal.SIGUSR1, lambda *_: joined.append(1))
+deadline = time.time() + 20
+while time.time() < deadline and not joined:
+    time.sleep(0.05)
+sys.exit(1)  # joined, then crashed
+"""
+
+
+async def test_a_warm_standby_that_joined_restarts_as_a_serving_worker(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Before, the restarted process was a standby again (SLUICE_WORKER_STANDBY stayed in its
+    environment), waiting for a SIGUSR1 that never came while the fleet counted it as serving."""
+    log = tmp_path / "starts.txt"
+    log.write_text("")
+    spawn = asyncio.create_subprocess_exec
+
+    async def child(*_args: object, env: dict[str, str] | None = None, **kw: object) -> object:
+        return await spawn(sys.executable, "-c", _STANDBY_CHILD, str(log), env=env)
+
+    async def answers(port: int) -> bool:
+        return True
+
+    monkeypatch.setattr(asyncio, "create_subprocess_exec", child)
+    monkeypatch.setattr(up, "_answers", answers)
+    fleet = up.Fleet(
+        PlatformSettings(), FleetSettings(fleet_autoscale=True, fleet_warm_workers=1), Console(quiet=True), 0,
+        asyncio.Event(),
+    )  # fmt: skip
+    key = ("demo-gpt", "v1")
+    fleet.standby[key] = [await fleet._spawn(key, standby=True)]
+    for _ in range(200):
+        if "start" in log.read_text():
+            break
+        await asyncio.sleep(0.05)
+    worker = await fleet._add(key)  # a scale-out: the standby joins
+    fleet.workers[key] = [worker]
+    for _ in range(200):
+        if log.read_text().count("start") >= 2:
+            break
+        await asyncio.sleep(0.05)
+    await worker.process.stop()
+    assert log.read_text().splitlines()[:2] == ["start standby=true", "start standby=None"]
