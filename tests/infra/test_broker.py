@@ -12,6 +12,7 @@ from confluent_kafka import Consumer, Producer
 from infra.kafka.broker import BrokerError, LocalKafka, _ephemeral_low, free_port
 from infra.topics import TopicSpec, apply_topics, make_admin
 from schemas.settings import PlatformSettings
+from tests.processes import dies_with_killed_parent
 
 
 def _broker(settings: PlatformSettings, data_dir: Path, port: int) -> LocalKafka:
@@ -81,9 +82,6 @@ def test_stop_reaches_a_node_another_process_started_after_a_crash(tmp_path: Pat
     """``sluice up`` started the node; it was killed with -9 and ``sluice kafka up`` started it again (a new
     pid in its pid file). Before, stopping ``sluice up`` signalled only the dead process it had started,
     and the new JVM outlived the platform (CI leaked one per failure test)."""
-    import subprocess
-    import sys
-    import time
 
     node = LocalKafka(tmp_path, tmp_path / "cache", "4.3.1", port=19192, controller_port=19193)
     first = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -120,20 +118,6 @@ def test_sluice_ups_broker_dies_with_it_even_after_a_kill_9(
         "import time; time.sleep(120)\n"
     )
     args = [str(tmp_path), platform_settings.cache_dir, platform_settings.kafka_version]
-    with subprocess.Popen([sys.executable, "-c", script, *args], stdout=subprocess.PIPE, text=True) as parent:
-        assert parent.stdout is not None
-        jvm = int(parent.stdout.readline())
-        assert _alive(jvm)
-        parent.kill()
-    deadline = time.monotonic() + 20
-    while _alive(jvm) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not _alive(jvm), "the JVM outlived the process that launched it"
-
-
-def _alive(pid: int) -> bool:
-    """Running (a zombie waiting for its new parent to reap it counts as dead)."""
-    try:
-        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0] != "Z"
-    except (FileNotFoundError, IndexError):
-        return False
+    assert dies_with_killed_parent(script, *args, within_s=20), (
+        "the JVM outlived the process that launched it"
+    )

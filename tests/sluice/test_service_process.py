@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +16,7 @@ from schemas.settings import PlatformSettings
 from sluice.autoscale import FleetSettings
 from sluice.services import set_on_signals
 from sluice.up import ServiceProcess
+from tests.processes import dies_with_killed_parent
 
 
 async def test_stop_during_a_restart_back_off_returns_at_once() -> None:
@@ -66,23 +65,7 @@ def test_a_child_dies_with_sluice_up_even_after_a_kill_9() -> None:
         "print(child.pid, flush=True)\n"
         "time.sleep(120)\n"
     )
-    with subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True) as parent:
-        assert parent.stdout is not None
-        child = int(parent.stdout.readline())
-        assert _alive(child)
-        parent.kill()
-    deadline = time.monotonic() + 10
-    while _alive(child) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not _alive(child), "the child outlived its killed parent"
-
-
-def _alive(pid: int) -> bool:
-    """Running (a zombie waiting for its new parent to reap it counts as dead)."""
-    try:
-        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0] != "Z"
-    except (FileNotFoundError, IndexError):
-        return False
+    assert dies_with_killed_parent(script), "the child outlived its killed parent"
 
 
 def test_a_second_signal_inside_the_handler_does_not_hang_the_worker() -> None:
