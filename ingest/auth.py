@@ -102,7 +102,9 @@ def require_tenants_file(settings: EdgeSettings) -> None:
 
 
 def hash_key(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()
+    # surrogateescape: a header byte that is not UTF-8 arrives as a lone surrogate; it hashes to no key
+    # (a 401) instead of raising (a 500 anyone could cause without a key)
+    return hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()
 
 
 class TenantDirectory:

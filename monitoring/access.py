@@ -26,6 +26,7 @@ import hashlib
 import hmac
 import logging
 from collections.abc import Awaitable, Callable, Sequence
+from urllib.parse import urlencode
 
 from aiohttp import web
 from aiohttp.typedefs import Middleware
@@ -82,7 +83,8 @@ class OpsAccess:
 
     def matches(self, token: str) -> bool:
         """True when ``token`` is the ops token (compared in constant time)."""
-        return self._token is not None and hmac.compare_digest(token.encode(), self._token)
+        presented = token.encode("utf-8", "surrogateescape")  # a non-UTF-8 header byte: no match, not a 500
+        return self._token is not None and hmac.compare_digest(presented, self._token)
 
     def session(self) -> str:
         """The dashboard cookie's value: derived from the token, so it cannot be used as one."""
@@ -93,7 +95,8 @@ class OpsAccess:
     def allows_session(self, cookie: str | None) -> bool:
         if self._token is None:
             return True
-        return cookie is not None and hmac.compare_digest(cookie.encode(), self.session().encode())
+        presented = cookie.encode("utf-8", "surrogateescape") if cookie is not None else None
+        return presented is not None and hmac.compare_digest(presented, self.session().encode())
 
 
 def host_name(value: str) -> str:
@@ -182,8 +185,9 @@ def ops_middleware(
 def _open_session(request: web.Request, access: OpsAccess, path: str) -> web.StreamResponse:
     if not access.matches(request.query["token"]):
         return _refuse(401, f"wrong token: open {path}?token=<{TOKEN_VARIABLE}>")
-    query = {k: v for k, v in request.query.items() if k != "token"}
-    response = web.Response(status=303, headers={"Location": request.rel_url.with_query(query).path_qs})
+    query = urlencode([(k, v) for k, v in request.query.items() if k != "token"])  # CR/LF stay encoded
+    location = request.rel_url.raw_path + (f"?{query}" if query else "")
+    response = web.Response(status=303, headers={"Location": location})
     response.set_cookie(
         SESSION_COOKIE,
         access.session(),

@@ -128,7 +128,8 @@ class WarehouseQueryServer(AsyncComponent):
         if record is None or executor is None:
             return _error(503, "the warehouse query server is stopping")
         presented = request.headers.get("Authorization", "")
-        if not secrets.compare_digest(presented.encode(), f"Bearer {record.token}".encode()):
+        presented_bytes = presented.encode("utf-8", "surrogateescape")  # a non-UTF-8 byte: refused, not a 500
+        if not secrets.compare_digest(presented_bytes, f"Bearer {record.token}".encode()):
             return _error(401, "missing or wrong token (see the owner file)")
         try:
             body = msgspec.json.decode(await request.read(), type=QueryRequest)

@@ -10,6 +10,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
+from ingest.auth import hash_key
 from monitoring.access import SESSION_COOKIE, HostAllowList, OpsAccess
 from monitoring.ops import Readiness
 from schemas.settings import PlatformSettings, SettingsError
@@ -92,6 +93,25 @@ async def test_a_browser_opens_the_dashboard_once_with_the_token(make_client: Ma
     for path in ("/dashboard", "/dashboard/app.js", "/dashboard/data?minutes=5"):
         assert (await client.get(path)).status == 200, path
     assert (await client.get("/metrics")).status == 401  # the session opens the dashboard only
+
+
+async def test_the_session_redirect_keeps_query_values_encoded(make_client: MakeClient) -> None:
+    """A CR/LF in a query value went into the Location header decoded (aiohttp then refused the response
+    and the browser got an empty reply): it stays percent-encoded."""
+    client = await make_client(TOKEN)
+    opened = await client.get(f"/dashboard?token={TOKEN}&x=%0d%0aSet-Cookie:a=b", allow_redirects=False)
+    assert opened.status == 303
+    assert opened.headers["Location"] == "/dashboard?x=%0D%0ASet-Cookie%3Aa%3Db"
+    assert "a=b" not in opened.headers.getall("Set-Cookie", [""])[0]
+
+
+def test_a_token_or_key_that_is_not_utf8_is_refused_not_a_server_error() -> None:
+    """aiohttp reads header bytes that are not UTF-8 as lone surrogates; encoding them raised, a 500 (and
+    a logged traceback) anyone could cause without a token or an API key."""
+    access = OpsAccess(TOKEN, host="127.0.0.1", variable="SLUICE_OPS_TOKEN", service="test")
+    assert access.matches("\udcff\udcfe") is False
+    assert access.allows_session("\udcff") is False
+    assert hash_key("sk-\udcff\udcfe") != hash_key("sk-")  # an unknown key: a 401
 
 
 async def test_a_foreign_host_is_refused_but_probes_answer(make_client: MakeClient) -> None:
