@@ -26,6 +26,14 @@ _LIST_LIMIT = 100
 _STREAM_LINES = 512
 
 
+_DOWNLOAD = {
+    "Content-Type": "application/octet-stream",
+    "Content-Disposition": "attachment",
+    "X-Content-Type-Options": "nosniff",
+}
+"""A file's content is data to save, never a page a browser renders (its bytes are the client's)."""
+
+
 def _checked_form(stored: StoredFile | None, purpose: str | None) -> StoredFile:
     if stored is None:
         raise InvalidRequest("The form has no 'file' part.", param="file")
@@ -120,8 +128,8 @@ class BatchRoutes:
         partial = runner.partial_output(tenant.name, file_id)
         if partial is None:
             path = runner.store.data_path(tenant.name, file_id)
-            return web.FileResponse(path, headers={"Content-Type": "application/octet-stream"})
-        response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+            return web.FileResponse(path, headers=_DOWNLOAD)
+        response = web.StreamResponse(headers=_DOWNLOAD)
         await response.prepare(request)
         while lines := await asyncio.to_thread(lambda: list(itertools.islice(partial, _STREAM_LINES))):
             await response.write(b"".join(line + b"\n" for line in lines))

@@ -331,6 +331,12 @@ async def test_partial_output_is_readable_while_the_batch_runs(
         await _eventually_async(lambda: _counted(sdk, created.id, 2))
         partial = await lines_of(sdk, running.output_file_id)
         assert [line["custom_id"] for line in partial] == ["req-1", "req-3"]
+        for file_id in (running.input_file_id, running.output_file_id or ""):  # whole, and so far
+            headers = (await sdk.files.content(file_id)).response.headers
+            assert (headers["content-disposition"], headers["x-content-type-options"]) == (
+                "attachment",
+                "nosniff",
+            )
 
 
 async def test_a_running_batchs_files_are_served_as_written_so_far(
