@@ -69,7 +69,8 @@ def run_platform(
         # Every service it starts would refuse an exposed address without its credentials: say so now,
         # not after Kafka, the warehouse and the models are up (or a child in a restart loop).
         check_edge_exposure(settings, edge_settings)
-        check_streams_exposure(settings, load_settings(StreamsSettings))
+        streams_settings = load_settings(StreamsSettings)
+        check_streams_exposure(settings, streams_settings)
         worker_settings = load_settings(WorkerSettings)
         check_worker_exposure(settings, worker_settings)
     except (SettingsError, msgspec.ValidationError) as exc:
@@ -79,7 +80,8 @@ def run_platform(
         edge_settings = msgspec.structs.replace(edge_settings, edge_port=port)
     try:
         # before anything starts
-        extra_edges(edge_settings, fleet_settings.fleet_edges, 1, platform_ports(settings, worker_settings))
+        taken = platform_ports(settings, worker_settings, streams_settings)
+        extra_edges(edge_settings, fleet_settings.fleet_edges, 1, taken)
         # this process and what it starts onto the cores the workers do not get
         placed, worker_env = place_box(fleet_settings.fleet_worker_cpus, worker_settings.worker_cpus)
     except SettingsError as exc:
@@ -90,7 +92,16 @@ def run_platform(
     try:
         provider = observe("up", settings)
         asyncio.run(
-            _serve(settings, edge_settings, fleet_settings, out, console, worker_settings, worker_env)
+            _serve(
+                settings,
+                edge_settings,
+                fleet_settings,
+                streams_settings,
+                out,
+                console,
+                worker_settings,
+                worker_env,
+            )
         )
     except (InfraError, SettingsError) as exc:
         console.print(f"[red]error:[/] {exc}")
@@ -515,9 +526,11 @@ def extra_edges(
     return placed
 
 
-def platform_ports(settings: PlatformSettings, worker: WorkerSettings) -> dict[int, str]:
+def platform_ports(
+    settings: PlatformSettings, worker: WorkerSettings, streams: StreamsSettings
+) -> dict[int, str]:
     """The fixed ports ``sluice up``'s other services listen on: port -> which."""
-    taken = {load_settings(StreamsSettings).streams_port: "the streams worker"}
+    taken = {streams.streams_port: "the streams worker"}
     if worker.worker_ops_port:
         for index, model in enumerate(settings.served_models()):
             taken[worker.worker_ops_port + index] = f"the {model} worker"
@@ -531,6 +544,7 @@ async def _serve(
     settings: PlatformSettings,
     edge_settings: EdgeSettings,
     fleet_settings: FleetSettings,
+    streams_settings: StreamsSettings,
     out: Console,
     console: Console,
     worker_settings: WorkerSettings,
@@ -556,7 +570,6 @@ async def _serve(
 
         # The streams worker owns the embedded warehouse (migrates it, serves reads to other processes)
         # and the dashboard; it can be killed and restarted without losing or double counting anything.
-        streams_settings = load_settings(StreamsSettings)
         streams = ServiceProcess("streams", ["streams"], console, {}, halt=stop)
         await streams.start()
         stack.push_async_callback(streams.stop)

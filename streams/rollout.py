@@ -68,7 +68,7 @@ from schemas.events import (
 from streams.facts import FACT_COLUMNS, fact_row
 from streams.pricing import PriceTable
 from streams.queries import sql_string
-from streams.rollout_drift import NOT_YET, drift_gate
+from streams.rollout_drift import NOT_YET, Reader, drift_gate
 
 log = logging.getLogger(__name__)
 
@@ -501,7 +501,6 @@ def _describe(result: GateResult) -> str:
     )
 
 
-Reader = Callable[[str], Awaitable[list[dict[str, Any]]]]
 Publisher = Callable[[DeploymentChanged], Awaitable[Position]]
 Places = Mapping[str, Position]
 """Event id -> where it is on the control topic (an event not in it: taken as after everything known)."""
@@ -802,21 +801,23 @@ async def step_gates(
     )
     if gates.drift and current.phase == "canary" and ripe(current, results, now, but="drift"):
         kept = (judged or {}).get(current.model)
-        if kept is not None and kept[0] == current.id:
-            return [kept[1] if r.gate == "drift" else r for r in results]
-        drift = await drift_gate(
-            read,
-            model=current.model,
-            stable=current.stable,
-            candidate=candidate,
-            since=since,
-            shadow=current.shadow,
-            embeddings=any(r.detail == EMBEDDING_LATENCY for r in results),
-            min_requests=gates.min_requests,
-            alpha=drift_alpha,
-            null_tolerance=drift_null_tolerance,
+        drift = (
+            kept[1]
+            if kept is not None and kept[0] == current.id
+            else await drift_gate(
+                read,
+                model=current.model,
+                stable=current.stable,
+                candidate=candidate,
+                since=since,
+                shadow=current.shadow,
+                embeddings=any(r.detail == EMBEDDING_LATENCY for r in results),
+                min_requests=gates.min_requests,
+                alpha=drift_alpha,
+                null_tolerance=drift_null_tolerance,
+            )
         )
         if judged is not None and drift.state in ("pass", "fail"):
-            judged[current.model] = (current.id, drift)
+            judged[current.model] = (current.id, drift)  # the same verdict again when it was kept
         results = [drift if r.gate == "drift" else r for r in results]
     return results

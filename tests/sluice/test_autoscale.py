@@ -11,6 +11,7 @@ from ingest.settings import EdgeSettings
 from schemas.settings import PlatformSettings, SettingsError, load_settings
 from sluice.autoscale import FleetSettings, ScalePolicy
 from sluice.up import extra_edges, platform_ports
+from streams.settings import StreamsSettings
 
 
 def _policy(**overrides: float) -> ScalePolicy:
@@ -118,7 +119,7 @@ def test_extra_edges_refuse_ports_past_65535_and_ports_another_service_listens_o
 
 def test_the_platform_ports_name_the_streams_worker_the_workers_and_kafka() -> None:
     settings = PlatformSettings(kafka_port=19092, models=("demo-gpt", "all-minilm-l6-v2"))
-    taken = platform_ports(settings, WorkerSettings(worker_ops_port=9400))
+    taken = platform_ports(settings, WorkerSettings(worker_ops_port=9400), StreamsSettings())
     assert taken[8090] == "the streams worker"
     assert (taken[9400], taken[9401]) == ("the demo-gpt worker", "the all-minilm-l6-v2 worker")
     assert taken[19092] == taken[19093] == "Kafka"
