@@ -585,8 +585,9 @@ class WorkerService(Component):
     def _placement(self, event: Request) -> Placement:
         """What this worker does with a record routed to ``event.model_version``: run it (its own
         version, or any before the first deployment), hold it (another serving version runs it), adopt it
-        after a grace period (its version stopped serving and this is the stable version), or drop it (a
-        shadow copy whose candidate stopped serving: nobody waits for it)."""
+        after a grace period (its version stopped serving and this is the stable version), or drop it after
+        the same grace (a shadow copy whose candidate stopped serving: nobody waits for it, it ends
+        ``cancelled``)."""
         deployment, version = self._deployment, event.model_version
         if deployment is None or not self.version:
             return "run"
@@ -631,15 +632,31 @@ class WorkerService(Component):
             elif placement == "run":
                 del self._held[request_id]
                 self._run(runner, item, emit)
-            elif placement == "drop":
-                del self._held[request_id]
-                self._release(item, "shadow_dropped")
-            elif placement == "adopt":
+            elif placement in ("adopt", "drop"):
                 left = self._left_serving.setdefault(item.event.model_version, now)
-                if now - left >= self._adopt_grace_s:
-                    del self._held[request_id]
+                if now - left < self._adopt_grace_s:
+                    continue  # the retiring version may still finish it
+                del self._held[request_id]
+                if placement == "adopt":
                     log.info("adopting %s: version %s no longer serves", request_id, item.event.model_version)
                     self._run(runner, item, emit)
+                else:
+                    self._drop_shadow(runner, item, emit)
+
+    def _drop_shadow(self, runner: Runner, item: Arrival, emit: Emitter) -> None:
+        """End a shadow copy whose candidate stopped serving without running it: nobody waits for its answer,
+        but every request on the log ends once, so it gets its ``cancelled`` terminal event (named after this
+        version, the one that ended it) and its offset is committed once that is durable, as for a request
+        cancelled before it ran."""
+        log.info(
+            "dropping shadow copy %s: version %s no longer serves",
+            item.event.request_id,
+            item.event.model_version,
+        )
+        if item.trace is not None:
+            item.trace.span.set_attribute(tracing.STATUS, "shadow_dropped")
+        self._run(runner, item, emit)
+        runner.cancel(item.event.request_id, emit)
 
     @property
     def held(self) -> int:

@@ -197,11 +197,11 @@ async def _wait_edge(platform: Platform, phase: str, candidate: str | None) -> N
 
 
 async def _all_ended_once(platform: Platform, within: float = 60) -> list[RequestFinished]:
-    """Every request on the log has exactly one terminal event on ``results`` (shadows included), but a
-    shadow copy of the terse candidate, which was rolled back with copies queued: docs/rollout.md, shadow
-    copies of a version that stopped serving are dropped (nobody waits for them); they end at most once."""
+    """Every request on the log has exactly one terminal event on ``results``, shadow copies included: a
+    shadow copy still queued when its candidate was rolled back ends ``cancelled`` by the stable version
+    after the adopt grace (docs/rollout.md)."""
     requests = [e for e in platform.requests.all() if isinstance(e, GenerationRequested)]
-    ids = {r.request_id for r in requests if not (r.shadow_of is not None and r.model_version == TERSE)}
+    ids = {r.request_id for r in requests}
 
     def ended() -> bool:
         done = {e.request_id for e in platform.results.all() if isinstance(e, RequestFinished)}
@@ -332,6 +332,7 @@ async def test_a_candidate_that_answers_differently_is_rolled_back_by_the_drift_
     workers: list[WorkerService],
     streams: Streams,
     control: TopicLog,
+    stable: str,
 ) -> None:
     """No error, no slower: only its answers differ (2 tokens where the stable version gives 6). Every
     other gate passes; the drift gate compares its answers to shadow copies with the originals' and rolls
@@ -368,7 +369,16 @@ async def test_a_candidate_that_answers_differently_is_rolled_back_by_the_drift_
     assert "completion_tokens" in drift.detail
     assert drift.candidate_n == drift.baseline_n >= 15
     assert "drift fail (answers to the same requests differ in" in ended.reason
-    await _all_ended_once(platform)  # clients' requests, its live ones included, ended once each
+    finals = await _all_ended_once(platform)  # clients' requests, its live ones included, ended once each
+    # its shadow copies ended too: answered by the candidate, or (queued at the rollback) dropped unrun by
+    # the stable version
+    copies = {
+        r.request_id for r in platform.requests.all()
+        if isinstance(r, GenerationRequested) and r.shadow_of is not None and r.model_version == TERSE
+    }  # fmt: skip
+    ends = {(f.model_version, f.status) for f in finals if f.request_id in copies}
+    assert copies
+    assert ends <= {(TERSE, "completed"), (stable, "cancelled")}, ends
 
 
 @pytest.mark.timeout(300)  # its own loop allows 180 s for the steps; the default 120 s would cut it first
