@@ -97,7 +97,7 @@ class FeatureProbe:
         sampled for one and this probe has an embedder, else here and now with None (the features have
         the vector without an embedder: :meth:`features`)."""
         prompt = event.prompt if isinstance(event, GenerationRequested) else None
-        if self.embedder is not None and prompt and sampled(event.request_id, self._one_in):
+        if self.embedder is not None and prompt and sampled(sample_key(event), self._one_in):
             self.embedder.submit(prompt, then)
         else:
             then(None)
@@ -145,13 +145,21 @@ class FeatureProbe:
                 empty_output=not output.strip(),
                 refusal=is_refusal(output),
             )
-        if sampled(event.request_id, self._one_in):
+        if sampled(sample_key(event), self._one_in):
             if self._own_vectors and isinstance(event, EmbeddingRequested):
                 vectors = result.vectors()
                 vector = vectors[0] if vectors else None
             if vector is not None:
                 fields["embedding"] = [round(float(x), EMBEDDING_DECIMALS) for x in vector]
         return msgspec.structs.replace(measured, **fields)
+
+
+def sample_key(event: GenerationRequested | EmbeddingRequested) -> str:
+    """What decides whether a request is in the drift sample: its id, or for a shadow copy its original's,
+    so a shadow pair is sampled (and carries its vectors) on both sides or on neither: the rollout's drift
+    gate compares an embeddings candidate's vector with the stable version's for the same input
+    (:mod:`streams.rollout_drift`)."""
+    return event.shadow_of or event.request_id
 
 
 class EmbedBudget:

@@ -79,7 +79,12 @@ def runner_factory(
 
     def build() -> Runner:
         runner = build_runner()
-        faulty = worker.fault_fail_ratio > 0 or worker.fault_delay_ms > 0 or worker.fault_max_tokens > 0
+        faulty = (
+            worker.fault_fail_ratio > 0
+            or worker.fault_delay_ms > 0
+            or worker.fault_max_tokens > 0
+            or worker.fault_vector_noise > 0
+        )
         version = read_manifest(model_dir).version
         if not faulty or (worker.fault_versions and version not in worker.fault_versions):
             return runner
@@ -87,12 +92,14 @@ def runner_factory(
         from gpu_workers.runtime import Origin
 
         log.warning(
-            "worker %s: FAULT INJECTION on version %s (fail %.0f%%, +%d ms per step, answers cut at %s tokens)",
+            "worker %s: FAULT INJECTION on version %s (fail %.0f%%, +%d ms per step, answers cut at %s tokens, "
+            "vector noise %g)",
             worker_id,
             version,
             100 * worker.fault_fail_ratio,
             worker.fault_delay_ms,
             worker.fault_max_tokens or "no",
+            worker.fault_vector_noise,
         )
         return FaultyRunner(
             runner,
@@ -100,6 +107,7 @@ def runner_factory(
             fail_ratio=worker.fault_fail_ratio,
             delay_s=worker.fault_delay_ms / 1000,
             max_tokens=worker.fault_max_tokens,
+            vector_noise=worker.fault_vector_noise,
         )
 
     def build_runner() -> Runner:

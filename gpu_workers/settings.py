@@ -110,6 +110,10 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     fault_max_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
     """Fault injection: every generation stops after this many tokens (0: off), answers cut short (a drill
     for the rollout's drift gate)."""
+    fault_vector_noise: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
+    """Fault injection: Gaussian noise of this size is added to every component of every embedding (norm
+    kept; 0: off), vectors unlike the stable version's (a drill for an embeddings rollout's drift gate;
+    0.05 moves MiniLM's to a cosine of ~0.7)."""
     fault_versions: tuple[str, ...] = ()
     """Model versions the faults apply to (empty: every version this worker serves)."""
     drift_sample: Annotated[int, msgspec.Meta(ge=0)] = 20

@@ -541,9 +541,13 @@ class RolloutGates(FrozenStruct, frozen=True, kw_only=True):
     """Cost per 1k tokens, candidate / stable."""
     drift: bool = True
     """The candidate's answers to its shadow copies differing from the stable version's answers to the
-    originals fails the gate (``streams.rollout_drift``; not applicable without shadow copies)."""
+    originals (an embeddings model's vectors: ``min_cosine``) fails the gate (``streams.rollout_drift``; not
+    applicable without shadow copies)."""
     burn: bool = True
     """A firing fast-burn ``BurnRateCrossed`` for the candidate fails the gate."""
+    min_cosine: Annotated[float, msgspec.Meta(ge=-1.0, le=1.0)] = 0.99
+    """An embeddings model's drift gate: the cosine between the candidate's vector and the stable version's
+    for the same input (a shadow pair) that at least 95 % of the pairs reach."""
     step_min_s: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
     """Seconds each step lasts at least, however many requests it saw."""
     ready_timeout_s: Annotated[float, msgspec.Meta(gt=0.0)] = 600.0

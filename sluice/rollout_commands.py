@@ -113,6 +113,16 @@ def rollout_start(
             help="fail when the candidate answers its shadow copies unlike the stable version (needs --shadow)",
         ),
     ] = True,
+    min_cosine: Annotated[
+        float,
+        typer.Option(
+            "--min-cosine",
+            min=-1,
+            max=1,
+            help="embeddings models' drift gate: the cosine to the stable version's vector for the same input "
+            "that 95 % of the shadow pairs must reach",
+        ),
+    ] = 0.99,
     burn_gate: Annotated[
         bool, typer.Option("--burn-gate/--no-burn-gate", help="fail on the model's fast burn")
     ] = True,
@@ -138,6 +148,7 @@ def rollout_start(
         max_itl_ratio,
         max_cost_ratio,
         drift=drift_gate,
+        min_cosine=min_cosine,
         burn=burn_gate,
         step_min_s=step_min_s,
         ready_timeout_s=ready_timeout_s,
@@ -154,7 +165,9 @@ def rollout_start(
 
         out.print(
             "  drift gate: at each step, once the other gates pass, the candidate's answers to its shadow copies "
-            f"are compared with the stable version's answers to the originals ({min_requests} pairs needed)"
+            f"are compared with the stable version's answers to the originals ({min_requests} pairs needed; "
+            f"an embeddings model's vectors: 95 % of the pairs at cosine >= {min_cosine:g}, 1 in "
+            "SLUICE_DRIFT_SAMPLE pairs carries them)"
             if shadow
             else "  [yellow]drift gate: not applicable without --shadow[/] (it compares the candidate's answers to "
             "shadow copies with the stable version's answers to the same requests)"

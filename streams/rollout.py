@@ -815,6 +815,7 @@ async def step_gates(
                 min_requests=gates.min_requests,
                 alpha=drift_alpha,
                 null_tolerance=drift_null_tolerance,
+                min_cosine=gates.min_cosine,
             )
         )
         if judged is not None and drift.state in ("pass", "fail"):

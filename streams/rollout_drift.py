@@ -19,8 +19,15 @@ look: both sides lose the same requests. A rollout without shadow copies has no 
 **Outputs only, completed only.** The gate tests the output features (:data:`OUTPUT_FEATURES`) with the
 drift evaluator's tests (:func:`drift.evaluate.evaluate`: KS, chi-square homogeneity, Bonferroni at the
 drift alpha). Failures and expiries are the error gate's (with its ``max_error_delta``, and a shadow copy
-that expired at its low priority is not the candidate's fault): the gate never sees them. An embeddings
-model has no output feature to compare: ``not_applicable``.
+that expired at its low priority is not the candidate's fault): the gate never sees them.
+
+**Embeddings: the vectors of each pair.** An embeddings model's answer is a vector, and a candidate is a
+drop-in replacement only if it puts the same input where the stable version does (an index built from the
+stable version's vectors must still find it). So each pair's two vectors (of the first input) are compared
+directly, no distribution test: the cosine of each pair, and at most :data:`DISAGREE_SHARE` of the pairs
+may fall below the gates' ``min_cosine`` (0.99: float16 or another kernel stays above 0.999; a retrained
+or different model falls far below). Vectors of another dimension fail at once. The vectors are those of
+the drift sample (1 in ``SLUICE_DRIFT_SAMPLE``), which a pair shares (:func:`gpu_workers.features.sample_key`).
 
 **One look per step.** Tested again and again as a step's sample grows, a test at alpha would raise false
 alarms far more often than alpha. The controller judges drift only once every other gate passes and the
@@ -53,35 +60,62 @@ MAX_ROWS = 1000
 """Pairs at most (the evaluator's own cap per side, :data:`drift.evaluate.MAX_ROWS`)."""
 NOT_YET = "judged once every other gate passes and the step has lasted step_min_s (one test per step)"
 NO_SHADOW = "compares the candidate's shadow copies with their originals: this step has no shadow (--shadow)"
-EMBEDDINGS = "embeddings: no output feature to compare (the error and latency gates judge them)"
+DISAGREE_SHARE = 0.05
+"""An embeddings candidate passes when at most this share of its shadow pairs is below ``min_cosine``."""
 
 Reader = Callable[[str], Awaitable[list[dict[str, Any]]]]
 
 
-def _facts(model: str, version: str, since: datetime, *, shadow: bool) -> str:
-    """The version's completed requests of the step (its shadow copies, or the clients' own) whose drift
-    features were measured (a pair with one side unmeasured says nothing of the answers)."""
+def _step(model: str, since: datetime) -> str:
     since_ms = int(since.timestamp() * 1000)
-    step = f"model = {sql_string(model)} AND accepted >= fromUnixTimestamp64Milli({since_ms}, 'UTC')"
+    return f"model = {sql_string(model)} AND accepted >= fromUnixTimestamp64Milli({since_ms}, 'UTC')"
+
+
+def _facts(model: str, version: str, since: datetime, *, shadow: bool, vectors: bool = False) -> str:
+    """The version's completed requests of the step (its shadow copies, or the clients' own) whose drift
+    features were measured (a pair with one side unmeasured says nothing of the answers); ``vectors``: and
+    whose features carry a vector."""
+    step = _step(model, since)
+    measured = "notEmpty(embedding)" if vectors else "has_features"
     return f"""SELECT request_id{", shadow_of" if shadow else ""} FROM request_facts FINAL
         WHERE {step} AND model_version = {sql_string(version)}
             AND shadow_of {"!=" if shadow else "="} '' AND status = 'completed'
-            AND request_id IN (SELECT request_id FROM drift_features FINAL WHERE {step} AND has_features)"""  # noqa: S608
+            AND request_id IN (SELECT request_id FROM drift_features FINAL WHERE {step} AND {measured})"""  # noqa: S608
+
+
+def _pairs(model: str, stable: str, candidate: str, since: datetime, *, vectors: bool = False) -> str:
+    """(request_id, shadow_of) of the candidate's side of the step's pairs that both completed, the
+    :data:`MAX_ROWS` with the smallest hash of the original's id."""
+    return f"""SELECT request_id, shadow_of FROM (
+            {_facts(model, candidate, since, shadow=True, vectors=vectors)}
+        ) WHERE shadow_of IN ({_facts(model, stable, since, shadow=False, vectors=vectors)})
+        ORDER BY cityHash64(shadow_of), shadow_of LIMIT {MAX_ROWS}"""  # noqa: S608
 
 
 def pairs_sql(model: str, stable: str, candidate: str, since: datetime) -> str:
-    """The step's shadow pairs (copy on the candidate, original on the stable version) that both completed,
-    the :data:`MAX_ROWS` with the smallest hash of the original's id; each row is one side's answer."""
+    """The step's shadow pairs (copy on the candidate, original on the stable version) that both completed;
+    each row is one side's answer."""
     columns = ", ".join(OUTPUT_FEATURES)
     return f"""SELECT request_id, model_version, kind, {columns} FROM drift_features FINAL
 WHERE model = {sql_string(model)} AND request_id IN (
-    SELECT arrayJoin([request_id, shadow_of]) FROM (
-        SELECT request_id, shadow_of FROM (
-            {_facts(model, candidate, since, shadow=True)}
-        ) WHERE shadow_of IN ({_facts(model, stable, since, shadow=False)})
-        ORDER BY cityHash64(shadow_of), shadow_of LIMIT {MAX_ROWS}
-    )
+    SELECT arrayJoin([request_id, shadow_of]) FROM ({_pairs(model, stable, candidate, since)})
 )"""  # noqa: S608 (quoted literals and integers only)
+
+
+def vector_pairs_sql(model: str, stable: str, candidate: str, since: datetime) -> str:
+    """The step's shadow pairs whose two sides completed with a vector: a row per side, ``original`` naming
+    the pair (the original's id), ``embedding`` that side's vector of the first input."""
+    return f"""SELECT sides.original AS original, f.model_version AS model_version, f.embedding AS embedding
+FROM (
+    SELECT request_id, model_version, embedding FROM drift_features FINAL
+    WHERE {_step(model, since)} AND notEmpty(embedding)
+) AS f
+INNER JOIN (
+    SELECT tupleElement(side, 1) AS request_id, tupleElement(side, 2) AS original FROM (
+        SELECT arrayJoin([(request_id, shadow_of), (shadow_of, shadow_of)]) AS side
+        FROM ({_pairs(model, stable, candidate, since, vectors=True)})
+    )
+) AS sides ON f.request_id = sides.request_id"""  # noqa: S608 (quoted literals and integers only)
 
 
 def judge_drift(
@@ -104,8 +138,6 @@ def judge_drift(
         frame[name] = frame[name].astype(object).where(frame[name].notna(), "none")  # tested, not a finding
     ours, theirs = (frame[frame["model_version"] == v][list(OUTPUT_FEATURES)] for v in (candidate, stable))
     sizes = {"candidate_n": len(ours), "baseline_n": len(theirs)}
-    if len(frame) and (frame["kind"] == "embedding").all():
-        return GateResult(gate="drift", state="not_applicable", detail=EMBEDDINGS, **sizes)
     pairs = min(len(ours), len(theirs))
     if pairs < min_requests:
         detail = f"{pairs} shadow pairs that both completed, {min_requests} needed"
@@ -126,6 +158,60 @@ def judge_drift(
     )
 
 
+def judge_vectors(
+    rows: Sequence[Mapping[str, Any]], *, stable: str, candidate: str, min_requests: int, min_cosine: float
+) -> GateResult:
+    """An embeddings candidate's gate: each shadow pair's cosine between the candidate's vector and the
+    stable version's for the same input; at most :data:`DISAGREE_SHARE` of the pairs below ``min_cosine``."""
+    import numpy as np
+
+    sides: dict[str, dict[str, Sequence[float]]] = {}
+    for row in rows:
+        sides.setdefault(row["original"], {})[row["model_version"]] = row["embedding"]
+    pairs = [(two[candidate], two[stable]) for two in sides.values() if candidate in two and stable in two]
+    sizes = {"candidate_n": len(pairs), "baseline_n": len(pairs)}
+    if len(pairs) < min_requests:
+        detail = (
+            f"{len(pairs)} shadow pairs that both completed with a vector, {min_requests} needed "
+            "(1 in SLUICE_DRIFT_SAMPLE pairs carries them)"
+        )
+        return GateResult(gate="drift", state="insufficient_data", detail=detail, **sizes)
+    dims = {(len(ours), len(theirs)) for ours, theirs in pairs}
+    if any(a != b for a, b in dims):
+        ours_dim, theirs_dim = next((a, b) for a, b in sorted(dims) if a != b)
+        detail = f"vectors of {ours_dim} dimensions where the stable version's have {theirs_dim} ({len(pairs)} shadow pairs)"
+        return GateResult(gate="drift", state="fail", limit=min_cosine, detail=detail, **sizes)
+    cosines = np.sort(np.array([_cosine(np.asarray(a), np.asarray(b)) for a, b in pairs]))
+    allowed = int(DISAGREE_SHARE * len(pairs))
+    below = int((cosines < min_cosine).sum())
+    tail = float(cosines[allowed])  # the lowest cosine once the allowed share is set aside (p05)
+    shape = (
+        f"cosine median {float(np.median(cosines)):.4f}, p05 {tail:.4f}, min {float(cosines[0]):.4f}; "
+        f"{below} of {len(pairs)} shadow pairs below {min_cosine:g}"
+    )
+    differ = below > allowed
+    return GateResult(
+        gate="drift",
+        state="fail" if differ else "pass",
+        candidate=round(tail, 6),
+        limit=min_cosine,
+        detail=f"vectors for the same inputs differ ({shape}, at most {allowed} may be)"
+        if differ
+        else f"vectors alike ({shape})",
+        **sizes,
+    )
+
+
+def _cosine(a: Any, b: Any) -> float:
+    """Cosine of two vectors; 1 when both are zero, 0 when one is."""
+    import numpy as np
+
+    norms = float(np.linalg.norm(a)) * float(np.linalg.norm(b))
+    if norms == 0.0:
+        return 1.0 if not a.any() and not b.any() else 0.0
+    return float(np.dot(a, b)) / norms
+
+
 def _no_embeddings() -> Any:
     import numpy as np
 
@@ -144,13 +230,22 @@ async def drift_gate(
     min_requests: int,
     alpha: float,
     null_tolerance: float,
+    min_cosine: float,
 ) -> GateResult:
     """Read the step's shadow pairs and judge them (on a thread: the evaluator blocks). ``shadow``: the
-    step's shadow share; ``embeddings``: the model serves embeddings (nothing to compare)."""
-    if embeddings:
-        return GateResult(gate="drift", state="not_applicable", detail=EMBEDDINGS)
+    step's shadow share; ``embeddings``: the model serves embeddings (its pairs' vectors are compared)."""
     if shadow <= 0:
         return GateResult(gate="drift", state="not_applicable", detail=NO_SHADOW)
+    if embeddings:
+        rows = await read(vector_pairs_sql(model, stable, candidate, since))
+        return await asyncio.to_thread(
+            judge_vectors,
+            rows,
+            stable=stable,
+            candidate=candidate,
+            min_requests=min_requests,
+            min_cosine=min_cosine,
+        )
     rows = await read(pairs_sql(model, stable, candidate, since))
     return await asyncio.to_thread(
         judge_drift,

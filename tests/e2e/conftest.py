@@ -167,12 +167,20 @@ def workers(e2e_settings: PlatformSettings, prepared_models: None) -> Iterator[l
 
 
 @pytest.fixture(scope="module")
-async def platform(e2e_settings: PlatformSettings, prepared_models: None) -> AsyncIterator[Platform]:
+def requests_of() -> str:
+    """The model whose request topic ``Platform.requests`` follows (a module may override it)."""
+    return GPT
+
+
+@pytest.fixture(scope="module")
+async def platform(
+    e2e_settings: PlatformSettings, prepared_models: None, requests_of: str
+) -> AsyncIterator[Platform]:
     names = TopicNames(e2e_settings.topic_prefix)
     edge, gateway = build_edge(e2e_settings, EdgeSettings(edge_port=0, edge_id="e2e-edge"), 2)
     logs = [
         TopicLog(e2e_settings.kafka, t)
-        for t in (names.replies, names.results, names.requests(GPT), names.cancels)
+        for t in (names.replies, names.results, names.requests(requests_of), names.cancels)
     ]
     for log in logs:
         log._thread.start()

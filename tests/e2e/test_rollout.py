@@ -176,14 +176,14 @@ async def _load(
     return [o for outcomes in await asyncio.gather(*(conversation(u) for u in users)) for o in outcomes]
 
 
-def _deployments(control: TopicLog) -> list[DeploymentChanged]:
-    return [e for e in control.all() if isinstance(e, DeploymentChanged) and e.model == GPT]
+def _deployments(control: TopicLog, model: str = GPT) -> list[DeploymentChanged]:
+    return [e for e in control.all() if isinstance(e, DeploymentChanged) and e.model == model]
 
 
-async def _wait_edge(platform: Platform, phase: str, candidate: str | None) -> None:
+async def _wait_edge(platform: Platform, phase: str, candidate: str | None, model: str = GPT) -> None:
     gateway = platform.edge.ctx.gateway
     for _ in range(300):
-        deployment = gateway.deployment(GPT)
+        deployment = gateway.deployment(model)
         # A rolled-back deployment still names its candidate, with no traffic: the canary one, which also
         # names it, must not pass for it (the load after a rollback was sent on the canary split once).
         if (

@@ -293,6 +293,22 @@ def test_an_embedding_model_uses_its_own_first_vector() -> None:
     assert got.output_chars is None, "embeddings have no text output"
 
 
+def test_a_shadow_copy_is_sampled_with_its_original() -> None:
+    """A shadow pair carries vectors on both sides or on neither (the rollout's drift gate compares an
+    embeddings candidate's vector with the stable version's for the same input), whatever the copy's id."""
+    packed = Float32Vectors.pack([[0.5, 0.25]], 2)
+    result = msgspec.structs.replace(finished(text=None), embeddings_f32=packed)
+    probe = FeatureProbe(4, own_vectors=True)
+    for original, copy in ((sampled_id(), unsampled_id()), (unsampled_id(), sampled_id())):
+        event = EmbeddingRequested(
+            tenant="acme", model="all-minilm-l6-v2", request_id=original, source="test", model_version="v1",
+            inputs=[[101, 102]], texts=["ein Fluss"],
+        )  # fmt: skip
+        shadow = msgspec.structs.replace(event, request_id=copy, model_version="v2", shadow_of=original)
+        sides = [probe.features(e, result).embedding for e in (event, shadow)]
+        assert sides == ([[0.5, 0.25]] * 2 if sampled(original, 4) else [None, None])
+
+
 class Clock:
     def __init__(self) -> None:
         self.now = 0.0

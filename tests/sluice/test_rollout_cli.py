@@ -404,6 +404,9 @@ def test_status_of_an_embeddings_canary_shows_the_gates_that_do_not_apply(
     columns += ["cost_nanos", "embed_p99", "embed_n"]
 
     def query(settings: PlatformSettings, sql: str) -> QueryResult:
+        if "AS embedding" in sql:  # the drift gate's shadow pairs: 100, alike
+            pairs = [[f"r{i}", v, [1.0, float(i)]] for i in range(100) for v in ("v1", "v2")]
+            return QueryResult(columns=["original", "model_version", "embedding"], types=[], rows=pairs)
         if "FROM request_facts" not in sql:
             return QueryResult(columns=["verdict", "windows", "features"], types=[], rows=[])
         rows = [
@@ -423,6 +426,9 @@ def test_status_of_an_embeddings_canary_shows_the_gates_that_do_not_apply(
     ttft = next(line for line in lines if "ttft_p99_ms" in line)
     assert "pass" in ttft
     assert "embeddings: end-to-end p99" in ttft
+    drift = next(line for line in lines if line.lstrip("│ ").startswith("drift"))
+    assert "pass" in drift
+    assert "vectors alike (cosine median 1.0000" in drift
 
 
 def test_an_evaluation_passes_with_gates_that_do_not_apply() -> None:

@@ -46,7 +46,7 @@ from streams.rollout import (
     stats_sql,
     warm,
 )
-from streams.rollout_drift import EMBEDDINGS, NO_SHADOW, NOT_YET
+from streams.rollout_drift import NO_SHADOW, NOT_YET
 
 T0 = datetime(2025, 3, 1, 12, tzinfo=UTC)
 T0_MS = 1_740_830_400_000
@@ -777,6 +777,21 @@ def outputs(version: str, n: int = 100, *, empty: bool = False) -> list[dict[str
     ]
 
 
+def vectors(n: int = 100, *, turned: int = 0) -> list[dict[str, Any]]:
+    """An embeddings model's shadow pairs, a row per side: the same vector on both, or for the first
+    ``turned`` pairs a candidate vector at a right angle to the stable version's."""
+    rows = []
+    for i in range(n):
+        stable, candidate = [1.0, 0.0, float(i)], [1.0, 0.0, float(i)]
+        if i < turned:
+            candidate = [-float(i), 0.0, 1.0]
+        rows += [
+            {"original": f"r{i}", "model_version": "v1", "embedding": stable},
+            {"original": f"r{i}", "model_version": "v2", "embedding": candidate},
+        ]
+    return rows
+
+
 class Warehouse:
     """Canned rows per query kind; records every query."""
 
@@ -784,6 +799,8 @@ class Warehouse:
         self.stats: list[dict[str, Any]] = [row("v1"), row("v2")]
         self.outputs: list[dict[str, Any]] = [*outputs("v1"), *outputs("v2")]
         """The answers of the drift gate's shadow pairs (what :func:`outputs` makes)."""
+        self.vectors: list[dict[str, Any]] = vectors()
+        """An embeddings model's shadow pairs (what :func:`vectors` makes)."""
         self.stats_of: dict[str, list[dict[str, Any]]] = {}
         """Rows for a model other than the default one."""
         self.queries: list[str] = []
@@ -793,6 +810,8 @@ class Warehouse:
         self.queries.append(sql)
         if self.error is not None:
             raise self.error
+        if "AS embedding" in sql:  # an embeddings model's drift gate: its pairs' vectors
+            return list(self.vectors)
         if "FROM drift_features" in sql:  # the drift gate's pairs (its subqueries read request_facts)
             return list(self.outputs)
         if "FROM request_facts" in sql:
@@ -1132,25 +1151,48 @@ def gate_state(model: str, gate: str, state: str) -> float | None:
     )
 
 
-async def test_the_controller_advances_an_embeddings_rollout(harness: Harness) -> None:
-    model = "all-minilm-l6-v2"
+def embeddings_rollout(harness: Harness, model: str = "all-minilm-l6-v2") -> DeploymentChanged:
     harness.warehouse.stats_of[model] = [
         row(version, ttft=None, itl=None) | {"embed_p99": 40.0, "embed_n": 1000, "embed_live_n": 0}
         for version in ("v1", "v2")
     ]
-    current = msgspec.structs.replace(canary(), model=model)
+    return msgspec.structs.replace(canary(), model=model)
+
+
+async def test_the_controller_advances_an_embeddings_rollout(harness: Harness) -> None:
+    current = embeddings_rollout(harness)
     controller = harness.controller()
     controller.seed([current])
     (decision,) = await controller.run_due()
-    assert (decision.model, decision.action, decision.phase, decision.step) == (model, "promote", "canary", 1)
-    assert [r.state for r in controller.last_results[model]] == [
-        "pass", "pass", "not_applicable", "pass", "not_applicable", "pass"
+    assert (decision.model, decision.action, decision.phase, decision.step) == (
+        current.model,
+        "promote",
+        "canary",
+        1,
+    )
+    assert [r.state for r in controller.last_results[current.model]] == [
+        "pass", "pass", "not_applicable", "pass", "pass", "pass"
     ]  # fmt: skip
-    assert by_gate(controller.last_results[model])["drift"].detail == EMBEDDINGS
-    assert not any("FROM drift_features" in q for q in harness.warehouse.queries)
+    drift = by_gate(controller.last_results[current.model])["drift"]
+    assert drift.detail.startswith("vectors alike (cosine median 1.0000")
+    assert (drift.candidate_n, drift.limit) == (100, 0.99)
+    assert any("AS embedding" in q for q in harness.warehouse.queries)
     assert set(GATE_STATES) == {"pass", "fail", "insufficient_data", "not_applicable"}
     for state in GATE_STATES:
-        assert gate_state(model, "itl_p99_ms", state) == (state == "not_applicable")
+        assert gate_state(current.model, "itl_p99_ms", state) == (state == "not_applicable")
+
+
+async def test_an_embeddings_candidate_whose_vectors_differ_is_rolled_back(harness: Harness) -> None:
+    """Every other gate passes; 6 of 100 pairs at a right angle (more than 5 %) roll it back."""
+    current = embeddings_rollout(harness)
+    harness.warehouse.vectors = vectors(turned=6)
+    controller = harness.controller()
+    controller.seed([current])
+    (decision,) = await controller.run_due()
+    assert (decision.action, decision.phase) == ("rollback", "rolled_back")
+    assert "6 of 100 shadow pairs below 0.99" in decision.reason
+    failing = [r.gate for r in decision.evidence if r.state == "fail"]
+    assert failing == ["drift"]
 
 
 async def test_a_candidate_whose_outputs_differ_is_rolled_back_by_the_drift_gate(harness: Harness) -> None:

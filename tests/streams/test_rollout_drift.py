@@ -10,9 +10,17 @@ from typing import Any
 
 import msgspec
 
+from gpu_workers.faults import noisy
 from infra.warehouse.client import Client
 from schemas.events import GateResult, RequestFinished
-from streams.rollout_drift import EMBEDDINGS, MAX_ROWS, NO_SHADOW, drift_gate, judge_drift, pairs_sql
+from streams.rollout_drift import (
+    MAX_ROWS,
+    NO_SHADOW,
+    drift_gate,
+    judge_drift,
+    pairs_sql,
+    vector_pairs_sql,
+)
 from streams.sink import insert, query_rows
 from tests.streams.test_drift import MODEL, T0, finished_event, rows_of, warehouse
 
@@ -63,14 +71,15 @@ def stored(client: Client, *groups: list[RequestFinished]) -> None:
 
 
 async def gate(
-    client: Client, *, min_requests: int = 40, shadow: float = 0.2, embeddings: bool = False
-) -> GateResult:
+    client: Client, *, min_requests: int = 40, shadow: float = 0.2, embeddings: bool = False,
+    min_cosine: float = 0.99,
+) -> GateResult:  # fmt: skip
     async def read(sql: str) -> list[dict[str, Any]]:
         return query_rows(client, sql)
 
     return await drift_gate(
         read, model=MODEL, stable=STABLE, candidate=CANDIDATE, since=T0, shadow=shadow, embeddings=embeddings,
-        min_requests=min_requests, alpha=0.01, null_tolerance=0.2,
+        min_requests=min_requests, alpha=0.01, null_tolerance=0.2, min_cosine=min_cosine,
     )  # fmt: skip
 
 
@@ -208,15 +217,109 @@ async def test_pairs_are_capped_and_stay_pairs(tmp_path: Path) -> None:
     assert all(pairs[i] in by_id for i, version in by_id.items() if version == CANDIDATE)
 
 
-async def test_without_shadow_or_for_embeddings_the_gate_does_not_apply(tmp_path: Path) -> None:
+async def test_without_shadow_the_gate_does_not_apply(tmp_path: Path) -> None:
     with warehouse(tmp_path) as client:
-        assert (await gate(client, shadow=0.0)) == GateResult(
-            gate="drift", state="not_applicable", detail=NO_SHADOW
+        for embeddings in (False, True):
+            assert (await gate(client, shadow=0.0, embeddings=embeddings)) == GateResult(
+                gate="drift", state="not_applicable", detail=NO_SHADOW
+            )
+
+
+DIM = 384
+
+
+def embedded(
+    n: int, *, version: str, seed: int, noise: float = 0.0, dim: int = DIM, of: list[RequestFinished] | None = None,
+    vectors: bool = True,
+) -> list[RequestFinished]:  # fmt: skip
+    """An embeddings model's answers to inputs 0..n-1 (the same vector for the same input on either side),
+    ``noise`` added as the fault injection adds it; ``of``: shadow copies of those originals."""
+    made = []
+    for i in range(n):
+        rng = random.Random(i)
+        vector = [rng.gauss(0, 1) for _ in range(dim)]
+        norm = sum(x * x for x in vector) ** 0.5
+        vector = [x / norm for x in vector]
+        if noise:
+            vector = noisy(vector, noise, random.Random(seed * 7919 + i))
+        event = finished_event(
+            i, T0 + timedelta(seconds=1 + i * 0.01), seed=seed, embed=vector if vectors else None
         )
-        embedded = await gate(client, embeddings=True)
-    assert (embedded.state, embedded.detail) == ("not_applicable", EMBEDDINGS)
+        shadow_of = of[i].request_id if of is not None else None
+        made.append(
+            msgspec.structs.replace(event, kind="embedding", model_version=version, shadow_of=shadow_of)
+        )
+    return made
+
+
+async def test_an_embeddings_candidate_is_judged_on_each_pairs_vectors(tmp_path: Path) -> None:
+    """The same vectors up to float noise pass; vectors moved as a retrained model moves them fail, with
+    the numbers; the gate's statistic is the pairs' cosine, so 60 pairs decide."""
+    served = embedded(120, version=STABLE, seed=1)
+    alike = await judged(
+        tmp_path / "alike",
+        served,
+        embedded(60, version=CANDIDATE, seed=2, noise=0.002, of=served),
+        embeddings=True,
+    )
+    assert alike.state == "pass", alike.detail
+    assert (alike.candidate_n, alike.baseline_n) == (60, 60)
+    assert alike.candidate is not None
+    assert alike.candidate > 0.99
+    assert alike.detail.startswith("vectors alike (cosine median 0.999")
+    assert "0 of 60 shadow pairs below 0.99" in alike.detail
+    moved = await judged(
+        tmp_path / "moved",
+        served,
+        embedded(60, version=CANDIDATE, seed=2, noise=0.05, of=served),
+        embeddings=True,
+    )
+    assert moved.state == "fail"
+    assert moved.candidate is not None
+    assert 0.6 < moved.candidate < 0.8  # 1 / sqrt(1 + 384 * 0.05**2) = 0.71
+    assert moved.limit == 0.99
+    assert "vectors for the same inputs differ" in moved.detail
+    assert "60 of 60 shadow pairs below 0.99, at most 3 may be" in moved.detail
+
+
+async def test_an_embeddings_candidate_wrong_on_a_few_inputs_fails_past_five_percent(tmp_path: Path) -> None:
+    served = embedded(100, version=STABLE, seed=1)
+    good = embedded(100, version=CANDIDATE, seed=2, of=served)
+    bad = embedded(100, version=CANDIDATE, seed=2, noise=0.05, of=served)
+    few = [bad[i] if i < 5 else good[i] for i in range(100)]
+    more = [bad[i] if i < 6 else good[i] for i in range(100)]
+    assert (await judged(tmp_path / "few", served, few, embeddings=True)).state == "pass"
+    failed = await judged(tmp_path / "more", served, more, embeddings=True)
+    assert failed.state == "fail"
+    assert "6 of 100 shadow pairs below 0.99, at most 5 may be" in failed.detail
+
+
+async def test_an_embeddings_candidate_of_another_dimension_fails(tmp_path: Path) -> None:
+    served = embedded(60, version=STABLE, seed=1)
+    result = await judged(
+        tmp_path, served, embedded(60, version=CANDIDATE, seed=2, dim=768, of=served), embeddings=True
+    )
+    assert result.state == "fail"
+    assert result.detail == "vectors of 768 dimensions where the stable version's have 384 (60 shadow pairs)"
+
+
+async def test_embeddings_pairs_need_vectors_on_both_sides(tmp_path: Path) -> None:
+    """Pairs outside the drift sample carry no vector; the generation gate's pairs do not count either."""
+    served = embedded(100, version=STABLE, seed=1)
+    sampled = embedded(100, version=CANDIDATE, seed=2, of=served)
+    unsampled = [msgspec.structs.replace(e, features=msgspec.structs.replace(e.features, embedding=None))
+                 if e.features is not None and i % 4 else e for i, e in enumerate(sampled)]  # fmt: skip
+    with warehouse(tmp_path) as client:
+        stored(client, served, unsampled)
+        result = await gate(client, embeddings=True, min_requests=30)
+        rows = query_rows(client, vector_pairs_sql(MODEL, STABLE, CANDIDATE, T0))
+    assert result.state == "insufficient_data"
+    assert result.detail.startswith("25 shadow pairs that both completed with a vector, 30 needed")
+    assert len(rows) == 50
+    assert {r["original"] for r in rows} == {served[i].request_id for i in range(0, 100, 4)}
 
 
 def test_the_query_quotes_hostile_names(tmp_path: Path) -> None:
     with warehouse(tmp_path) as client:
         assert query_rows(client, pairs_sql(HOSTILE, HOSTILE, HOSTILE, T0)) == []
+        assert query_rows(client, vector_pairs_sql(HOSTILE, HOSTILE, HOSTILE, T0)) == []
