@@ -39,6 +39,7 @@ step at once and a fail rolls back, so each step runs one test with enough data.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from datetime import datetime
@@ -236,23 +237,12 @@ async def drift_gate(
     step's shadow share; ``embeddings``: the model serves embeddings (its pairs' vectors are compared)."""
     if shadow <= 0:
         return GateResult(gate="drift", state="not_applicable", detail=NO_SHADOW)
+    judge: Callable[..., GateResult]
     if embeddings:
-        rows = await read(vector_pairs_sql(model, stable, candidate, since))
-        return await asyncio.to_thread(
-            judge_vectors,
-            rows,
-            stable=stable,
-            candidate=candidate,
-            min_requests=min_requests,
-            min_cosine=min_cosine,
-        )
-    rows = await read(pairs_sql(model, stable, candidate, since))
-    return await asyncio.to_thread(
-        judge_drift,
-        rows,
-        stable=stable,
-        candidate=candidate,
-        min_requests=min_requests,
-        alpha=alpha,
-        null_tolerance=null_tolerance,
-    )
+        sql = vector_pairs_sql(model, stable, candidate, since)
+        judge = functools.partial(judge_vectors, min_cosine=min_cosine)
+    else:
+        sql = pairs_sql(model, stable, candidate, since)
+        judge = functools.partial(judge_drift, alpha=alpha, null_tolerance=null_tolerance)
+    rows = await read(sql)
+    return await asyncio.to_thread(judge, rows, stable=stable, candidate=candidate, min_requests=min_requests)

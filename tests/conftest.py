@@ -119,6 +119,25 @@ def versioned_cache(cache: Path, model: str, stable_dir: Path, *candidates: str)
     return version
 
 
+def versioned_platform(
+    settings: PlatformSettings, kafka: KafkaConnection, prefix: str, cache: Path, model: str, stable_dir: Path,
+    *candidates: str,
+) -> PlatformSettings:  # fmt: skip
+    """``settings`` serving ``model`` alone from a :func:`versioned_cache` under ``cache`` (its stable version
+    and ``candidates``), on Kafka topics of ``prefix`` (created here)."""
+    from infra.topics import TopicSizing, apply_topics, make_admin, platform_topics
+    from schemas.topics import TopicNames
+
+    versioned_cache(cache, model, stable_dir, *candidates)
+    apply_topics(
+        make_admin(kafka),
+        platform_topics(TopicNames(prefix), [model], TopicSizing(requests=2, replies=2, events=2)),
+    )
+    return msgspec.structs.replace(
+        settings, kafka_bootstrap=kafka.bootstrap, topic_prefix=prefix, cache_dir=str(cache), models=(model,)
+    )
+
+
 def add_candidate(model_root: Path, stable_dir: Path, version: str) -> str:
     """A copy of ``stable_dir`` in ``model_root`` as ``version`` (kept when it is there already); returns
     the stable version."""

@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -140,14 +140,14 @@ def shared_models_root_e2e(platform_settings: PlatformSettings) -> Path:
 
 
 @contextlib.contextmanager
-def running_workers(
-    settings: PlatformSettings, worker_settings: Callable[[str], WorkerSettings]
+def started_workers(
+    settings: PlatformSettings, specs: Iterable[tuple[str, WorkerSettings]]
 ) -> Iterator[list[WorkerService]]:
-    """One in-process worker per model, assigned their partitions; stopped afterwards."""
+    """An in-process worker per (model, its settings), assigned their partitions; stopped afterwards."""
     started: list[WorkerService] = []
     try:
-        for model in MODELS:
-            worker = make_worker(settings, worker_settings(model), model)
+        for model, worker_settings in specs:
+            worker = make_worker(settings, worker_settings, model)
             worker.start()
             started.append(worker)
         for worker in started:
@@ -156,6 +156,13 @@ def running_workers(
     finally:
         for worker in reversed(started):
             worker.stop()
+
+
+def running_workers(
+    settings: PlatformSettings, worker_settings: Callable[[str], WorkerSettings]
+) -> contextlib.AbstractContextManager[list[WorkerService]]:
+    """One in-process worker per model (:func:`started_workers`)."""
+    return started_workers(settings, [(model, worker_settings(model)) for model in MODELS])
 
 
 @pytest.fixture(scope="module")

@@ -22,18 +22,15 @@ import aiohttp
 import msgspec
 import pytest
 
-from gpu_workers.main import make_worker
 from gpu_workers.models import build_demo_gpt
 from gpu_workers.service import WorkerService
 from gpu_workers.settings import WorkerSettings
-from infra.topics import TopicSizing, apply_topics, make_admin, platform_topics
 from ingest.auth import DEMO_KEY
 from schemas.events import DeploymentChanged, GenerationRequested, RequestFinished, TokenChunk, WorkerReady
 from schemas.manifest import models_root, read_manifest
 from schemas.settings import KafkaConnection, PlatformSettings
-from schemas.topics import TopicNames
-from tests.conftest import versioned_cache
-from tests.e2e.conftest import GPT, Platform, TopicLog
+from tests.conftest import versioned_platform
+from tests.e2e.conftest import GPT, Platform, TopicLog, started_workers
 from tests.e2e.test_streams import Streams, _sluice, running_streams
 
 pytestmark = pytest.mark.integration
@@ -61,19 +58,8 @@ def e2e_settings(
     candidate copies whose manifests name other versions."""
     stable_dir = build_demo_gpt(models_root(platform_settings.cache_dir))
     cache = tmp_path_factory.mktemp("rollout-cache")
-    versioned_cache(cache, GPT, stable_dir, BAD, GOOD, TERSE)
     prefix = f"e2e-rollout-{int(time.time())}"
-    apply_topics(
-        make_admin(kafka),
-        platform_topics(TopicNames(prefix), [GPT], TopicSizing(requests=2, replies=2, events=2)),
-    )
-    return msgspec.structs.replace(
-        platform_settings,
-        kafka_bootstrap=kafka.bootstrap,
-        topic_prefix=prefix,
-        cache_dir=str(cache),
-        models=(GPT,),
-    )
+    return versioned_platform(platform_settings, kafka, prefix, cache, GPT, stable_dir, BAD, GOOD, TERSE)
 
 
 @pytest.fixture(scope="module")
@@ -90,32 +76,25 @@ def stable(e2e_settings: PlatformSettings) -> str:
 def workers(e2e_settings: PlatformSettings, stable: str) -> Iterator[list[WorkerService]]:
     """A worker per version; the bad candidate's fails 60 % of its requests, the terse one's answers stop
     after 2 tokens (fault injection)."""
-    started: list[WorkerService] = []
-    try:
-        for version in (stable, BAD, GOOD, TERSE):
-            terse = version == TERSE
-            settings = WorkerSettings(
-                worker_id=f"rollout-{version}",
-                worker_version=version,
-                worker_flush_tokens=4,
-                # Longer than any request here, even on a loaded CI box: a retiring version's request
-                # still running after the grace would end twice (the residual risk in docs/rollout.md,
-                # hit once in CI with 2 s). The default is 10 s.
-                worker_adopt_grace_s=6.0,
-                drift_sample=0,
-                fault_fail_ratio=0.0 if terse else 0.6,
-                fault_max_tokens=2 if terse else 0,
-                fault_versions=(TERSE,) if terse else (BAD,),
-            )
-            worker = make_worker(e2e_settings, settings, GPT)
-            worker.start()
-            started.append(worker)
-        for worker in started:
-            assert worker.wait_assigned(30)
+    specs = []
+    for version in (stable, BAD, GOOD, TERSE):
+        terse = version == TERSE
+        settings = WorkerSettings(
+            worker_id=f"rollout-{version}",
+            worker_version=version,
+            worker_flush_tokens=4,
+            # Longer than any request here, even on a loaded CI box: a retiring version's request still
+            # running after the grace would end twice (the residual risk in docs/rollout.md, hit once in
+            # CI with 2 s). The default is 10 s.
+            worker_adopt_grace_s=6.0,
+            drift_sample=0,
+            fault_fail_ratio=0.0 if terse else 0.6,
+            fault_max_tokens=2 if terse else 0,
+            fault_versions=(TERSE,) if terse else (BAD,),
+        )
+        specs.append((GPT, settings))
+    with started_workers(e2e_settings, specs) as started:
         yield started
-    finally:
-        for worker in reversed(started):
-            worker.stop()
 
 
 @pytest.fixture(scope="module")

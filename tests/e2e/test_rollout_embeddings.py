@@ -16,21 +16,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
-import msgspec
 import pytest
 
-from gpu_workers.main import make_worker
 from gpu_workers.models import MINILM_ID, prepare_hf_dir
 from gpu_workers.service import WorkerService
 from gpu_workers.settings import WorkerSettings
-from infra.topics import TopicSizing, apply_topics, make_admin, platform_topics
 from ingest.auth import DEMO_KEY
 from schemas.events import DeploymentChanged, EmbeddingRequested, RequestFinished
 from schemas.manifest import models_root, read_manifest
 from schemas.settings import KafkaConnection, PlatformSettings
-from schemas.topics import TopicNames
-from tests.conftest import versioned_cache
-from tests.e2e.conftest import Platform, TopicLog
+from tests.conftest import versioned_platform
+from tests.e2e.conftest import Platform, TopicLog, started_workers
 from tests.e2e.test_rollout import _deployments, _wait_edge
 from tests.e2e.test_streams import Streams, _sluice, running_streams
 
@@ -56,19 +52,8 @@ def e2e_settings(
         task="embedding",
     )  # fmt: skip
     cache = tmp_path_factory.mktemp("rollout-embeddings-cache")
-    versioned_cache(cache, MINILM_ID, stable_dir, MOVED)
     prefix = f"e2e-rollout-emb-{int(time.time())}"
-    apply_topics(
-        make_admin(kafka),
-        platform_topics(TopicNames(prefix), [MINILM_ID], TopicSizing(requests=2, replies=2, events=2)),
-    )
-    return msgspec.structs.replace(
-        platform_settings,
-        kafka_bootstrap=kafka.bootstrap,
-        topic_prefix=prefix,
-        cache_dir=str(cache),
-        models=(MINILM_ID,),
-    )
+    return versioned_platform(platform_settings, kafka, prefix, cache, MINILM_ID, stable_dir, MOVED)
 
 
 @pytest.fixture(scope="module")
@@ -89,26 +74,22 @@ def stable(e2e_settings: PlatformSettings) -> str:
 @pytest.fixture(scope="module")
 def workers(e2e_settings: PlatformSettings, stable: str) -> Iterator[list[WorkerService]]:
     """A worker per version; every request carries its vector in its drift features (sample 1 in 1)."""
-    started: list[WorkerService] = []
-    try:
-        for version in (stable, MOVED):
-            settings = WorkerSettings(
+    specs = [
+        (
+            MINILM_ID,
+            WorkerSettings(
                 worker_id=f"rollout-emb-{version}",
                 worker_version=version,
                 worker_adopt_grace_s=6.0,
                 drift_sample=1,
                 fault_vector_noise=0.05,
                 fault_versions=(MOVED,),
-            )
-            worker = make_worker(e2e_settings, settings, MINILM_ID)
-            worker.start()
-            started.append(worker)
-        for worker in started:
-            assert worker.wait_assigned(30)
+            ),
+        )
+        for version in (stable, MOVED)
+    ]
+    with started_workers(e2e_settings, specs) as started:
         yield started
-    finally:
-        for worker in reversed(started):
-            worker.stop()
 
 
 @pytest.fixture(scope="module")

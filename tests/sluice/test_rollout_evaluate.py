@@ -13,7 +13,6 @@ import pytest
 from bus.producer import EventProducer
 from gpu_workers.models import build_demo_gpt
 from gpu_workers.settings import WorkerSettings
-from infra.topics import TopicSizing, apply_topics, make_admin, platform_topics
 from schemas.events import GenerationRequested, ReplyTo, RolloutGates, SamplingParams
 from schemas.ids import uuid7
 from schemas.manifest import models_root
@@ -21,7 +20,7 @@ from schemas.settings import KafkaConnection, PlatformSettings
 from schemas.topics import TopicNames
 from sluice.evaluate import evaluate, logged_requests, parse_duration
 from sluice.rollout import RolloutError
-from tests.conftest import versioned_cache
+from tests.conftest import versioned_platform
 
 pytestmark = pytest.mark.integration
 GPT = "demo-gpt"
@@ -34,17 +33,8 @@ def platform(
 ) -> PlatformSettings:
     """demo-gpt's stable version plus a candidate copy in a cache of the test's own; its topics."""
     stable_dir = build_demo_gpt(models_root(platform_settings.cache_dir))
-    versioned_cache(tmp_path / "cache", GPT, stable_dir, CANDIDATE)
-    apply_topics(
-        make_admin(kafka),
-        platform_topics(TopicNames(topic_prefix), [GPT], TopicSizing(requests=2, replies=2, events=2)),
-    )
-    return msgspec.structs.replace(
-        platform_settings,
-        kafka_bootstrap=kafka.bootstrap,
-        topic_prefix=topic_prefix,
-        cache_dir=str(tmp_path / "cache"),
-        models=(GPT,),
+    return versioned_platform(
+        platform_settings, kafka, topic_prefix, tmp_path / "cache", GPT, stable_dir, CANDIDATE
     )
 
 
