@@ -218,17 +218,19 @@ def probe_factory(
 ) -> Callable[[], FeatureProbe]:
     """The drift feature probe, built in the model thread after the runner (a generation worker loads
     MiniLM there to embed sampled prompts, on the CPU: its :class:`DriftEmbedder` runs it on a thread of its
-    own at idle priority, where a GPU's graphs captured on the model thread must not meet it; a MiniLM
-    worker uses its own vectors)."""
+    own at idle priority, where a GPU's graphs captured on the model thread must not meet it; an
+    embeddings worker uses its own vectors)."""
 
     def build() -> FeatureProbe:
         embedder_id = worker.drift_embedding_model
-        if worker.drift_sample == 0 or not embedder_id:
-            return FeatureProbe(worker.drift_sample)
-        if embedder_id == model_id:
-            return FeatureProbe(worker.drift_sample, own_vectors=True)
+        if worker.drift_sample == 0:
+            return FeatureProbe(0)
         if read_manifest(current_model_dir(platform.cache_dir, model_id)).task != "generation":
-            return FeatureProbe(worker.drift_sample)  # another embedding model: its vectors are not MiniLM's
+            # An embeddings model (MiniLM or any other): its own first vector, free, is what its drift
+            # windows compare and what its rollout's drift gate compares with the stable version's.
+            return FeatureProbe(worker.drift_sample, own_vectors=True)
+        if not embedder_id:
+            return FeatureProbe(worker.drift_sample)
         embedder_dir = current_model_dir(platform.cache_dir, embedder_id)
         try:
             task = read_manifest(embedder_dir).task

@@ -39,7 +39,7 @@ from gpu_workers import GpuWorkerError
 from gpu_workers.features import FeatureProbe, Vector
 from gpu_workers.observe import WorkerObserver, open_trace
 from gpu_workers.offsets import OffsetTracker
-from gpu_workers.runtime import Arrival, Emitter, Request, Runner
+from gpu_workers.runtime import Arrival, Emitter, Origin, Request, Runner
 from gpu_workers.terminal import finished_by, too_large, with_features, with_request
 from monitoring import tracing
 from monitoring.ops import Readiness
@@ -53,8 +53,10 @@ from schemas.events import (
     EmbeddingRequested,
     GenerationRequested,
     RequestFinished,
+    Timings,
     TokenChunk,
     WorkerReady,
+    utc_now,
 )
 from schemas.lifecycle import Component
 from schemas.manifest import ManifestError
@@ -561,7 +563,7 @@ class WorkerService(Component):
                             self._offsets.started(item.tp, item.offset)
                             self._offsets.done(item.tp, item.offset)
                 case _Deploy():
-                    self._deploy(item.deployment, item.event_id)
+                    self._deploy(runner, item.deployment, item.event_id)
         self._sweep(runner, emit)
 
     def _run(self, runner: Runner, item: Arrival, emit: Emitter) -> None:
@@ -599,7 +601,7 @@ class WorkerService(Component):
             return "drop" if event.shadow_of else "adopt"
         return "hold"
 
-    def _deploy(self, deployment: Deployment, event_id: str) -> None:
+    def _deploy(self, runner: Runner, deployment: Deployment, event_id: str) -> None:
         old = self._deployment.serving if self._deployment is not None else frozenset()
         self._deployment_id = event_id
         if deployment.warming and deployment.candidate == self.version:
@@ -613,6 +615,26 @@ class WorkerService(Component):
             log.info("worker %s (%s): deployment %s", self.worker_id, self.version, deployment)
         self._deployment = deployment
         self._next_sweep = 0.0
+        if self.version and self.version in old and self.version not in deployment.serving:
+            self._retire(runner)
+
+    def _retire(self, runner: Runner) -> None:
+        """This version stopped serving: what it has not started goes back to being held, for the stable
+        version to adopt (or drop) after the grace. Only what already runs here finishes here, so the grace
+        covers every request it might still end: one left queued behind a backlog would otherwise end here
+        and on the stable version both."""
+        for request_id in runner.release(list(self._live)):
+            arrival = self._live.pop(request_id)
+            with self._offsets_lock:
+                self._settled(arrival.tp)
+            self._held[request_id] = arrival
+        if self._held:
+            log.info(
+                "worker %s (%s): no longer serving; %d requests held",
+                self.worker_id,
+                self.version,
+                len(self._held),
+            )
 
     SWEEP_EVERY_S = 0.5
 
@@ -641,22 +663,26 @@ class WorkerService(Component):
                     log.info("adopting %s: version %s no longer serves", request_id, item.event.model_version)
                     self._run(runner, item, emit)
                 else:
-                    self._drop_shadow(runner, item, emit)
+                    self._drop_shadow(item)
 
-    def _drop_shadow(self, runner: Runner, item: Arrival, emit: Emitter) -> None:
+    def _drop_shadow(self, item: Arrival) -> None:
         """End a shadow copy whose candidate stopped serving without running it: nobody waits for its answer,
         but every request on the log ends once, so it gets its ``cancelled`` terminal event (named after this
-        version, the one that ended it) and its offset is committed once that is durable, as for a request
-        cancelled before it ran."""
+        version, the one that ended it), built here, not by the runner (whose queues it must not take a
+        place in), and its offset is committed once that is durable."""
+        event = item.event
         log.info(
-            "dropping shadow copy %s: version %s no longer serves",
-            item.event.request_id,
-            item.event.model_version,
+            "dropping shadow copy %s: version %s no longer serves", event.request_id, event.model_version
         )
         if item.trace is not None:
             item.trace.span.set_attribute(tracing.STATUS, "shadow_dropped")
-        self._run(runner, item, emit)
-        runner.cancel(item.event.request_id, emit)
+        self._live[event.request_id] = item
+        with self._offsets_lock:
+            self._running[item.tp] += 1
+        origin = Origin(self.source, self.worker_id)
+        self._publish_finish(
+            item, origin.finished(item, "cancelled", "cancelled", timings=Timings(finished=utc_now()))
+        )
 
     @property
     def held(self) -> int:

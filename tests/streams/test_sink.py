@@ -102,6 +102,23 @@ def test_a_batch_lines_terminal_event_is_a_fact_with_its_line() -> None:
     assert len(Rows(PriceTable()).batch(records(finished(), topic="p.results")).drift) == 1
 
 
+def test_a_shadow_copy_ended_unrun_is_a_fact_but_no_drift_row() -> None:
+    """A shadow copy whose candidate stopped serving ends cancelled, named after the stable version: its
+    fact is kept (it ended), but it says nothing of either version's answers (a review saw 2 % of them in a
+    window report the stable version drifted in status and finish reason)."""
+    dropped = msgspec.structs.replace(
+        finished(),
+        shadow_of="0190b3f4-0000-7000-8000-000000000001",
+        status="cancelled",
+        finish_reason="cancelled",
+    )
+    out = Rows(PriceTable()).batch(records(dropped, topic="p.results"))
+    assert len(out.facts) == 1
+    assert out.drift == []
+    answered = msgspec.structs.replace(dropped, status="completed", finish_reason="stop")
+    assert len(Rows(PriceTable()).batch(records(answered, topic="p.results")).drift) == 1
+
+
 # ---------------------------------------------------------------- in a warehouse
 
 
