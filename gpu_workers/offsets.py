@@ -72,6 +72,17 @@ class OffsetTracker:
                 out[tp] = point
         return out
 
+    def points(self, tps: Iterable[TopicPartition]) -> dict[TopicPartition, int]:
+        """Each of ``tps``'s commit point, whether or not it was marked committed: a revoke commits them
+        all at once (a commit marked but still queued would go out only after the partitions moved)."""
+        out: dict[TopicPartition, int] = {}
+        for tp in tps:
+            part = self._partitions.get(tp)
+            point = part.commit_point() if part is not None else None
+            if point is not None:
+                out[tp] = point
+        return out
+
     def mark_committed(self, offsets: Mapping[TopicPartition, int]) -> None:
         """Record a successful commit. Partitions no longer assigned are ignored; commits never go back."""
         for tp, offset in offsets.items():

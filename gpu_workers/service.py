@@ -68,16 +68,23 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class _Durable:
+    """A request's terminal event is durable (or it ended on another worker): its record, and every
+    duplicate record of it that waited for it (``_followers``), may be committed."""
+
+    request_id: str
     tp: TP
     offset: int
+    generation: int
 
 
 @dataclass(frozen=True)
 class _Undelivered:
-    """A terminal event Kafka did not take: its request is not finished, and runs again if redelivered."""
+    """A terminal event whose results copy Kafka did not take: its request is not finished (the worker
+    fails; its next start runs it again unless the copy was written after all)."""
 
     request_id: str
     tp: TP
+    generation: int
 
 
 @dataclass(frozen=True)
@@ -181,10 +188,25 @@ class WorkerService(Component):
         """Bumped on every revocation (consumer thread, under the offsets lock); records carry it."""
         self._revoked_at: dict[TP, int] = {}
         """Per partition, the generation it was last revoked at."""
-        self._releases: queue.SimpleQueue[frozenset[TP]] = queue.SimpleQueue()
-        """Partitions being revoked, for the model thread to give back their requests not yet started."""
-        self._running: Counter[TP] = Counter()
-        """Per partition, requests handed to the runner whose terminal event is not settled (offsets lock)."""
+        self._releases: queue.SimpleQueue[tuple[frozenset[TP], int]] = queue.SimpleQueue()
+        """Partitions being revoked and the generation of that revoke, for the model thread to give back
+        their requests (consumed before it) not yet started."""
+        self._release_acked = 0
+        """The latest revoke generation whose release the model thread has done (offsets lock)."""
+        self._drained = False
+        """The model thread has taken records: a revoke waits for it to see the revoke (model thread)."""
+        self._running: Counter[tuple[TP, int]] = Counter()
+        """Per (partition, generation), records whose request runs here (or waits for one that does, a
+        follower) and whose terminal event is not settled (offsets lock). Keyed by the generation they
+        were consumed in, so a run outliving its partition's loss never settles a later assignment's."""
+        self._followers: dict[str, list[Arrival]] = {}
+        """Request id -> records of the same request consumed while it ran here or its terminal event was
+        on its way (a lost partition given back to this worker redelivers what still runs): each is
+        committed once that terminal event is durable, never before (model thread)."""
+        self._publishing: set[str] = set()
+        """Requests whose terminal event is produced and not yet durable (model thread)."""
+        self._again: list[_Inbox] = []
+        """Records to take again (followers of a request given back): before the inbox (model thread)."""
         self._pending_writes: dict[str, int] = {}
         self._producer = EventProducer(kafka, self.source)
         self._observer = WorkerObserver(model_id, worker_id)
@@ -396,19 +418,25 @@ class WorkerService(Component):
         a second time. Lost partitions (already someone else's) are dropped without waiting."""
         with self._offsets_lock:
             self._generation += 1
+            revoked = self._generation
             for tp in tps:
-                self._revoked_at[tp] = self._generation
-        self._releases.put(frozenset(tps))  # the model thread gives back what has not started
+                self._revoked_at[tp] = revoked
+        self._releases.put((frozenset(tps), revoked))  # the model thread gives back what has not started
         deadline = time.monotonic() + self.REVOKE_DRAIN_S
         while True:
             with self._offsets_lock:
-                busy = sum(self._running[tp] for tp in tps)
+                busy = sum(n for (tp, _), n in self._running.items() if tp in tps)
+                # The model thread may be between taking a record and counting it running: once it has
+                # done this revoke's release, every record it took before the revoke is counted.
+                seen = self._release_acked >= revoked or not self._drained
                 quit_waiting = lost or self._stop.is_set() or self.failure is not None
-                if busy == 0 or quit_waiting or time.monotonic() > deadline:
-                    final = {tp: offset for tp, offset in self._offsets.committable().items() if tp in tps}
+                if (busy == 0 and seen) or quit_waiting or time.monotonic() > deadline:
+                    # Every revoked partition's point, even one marked committed: that commit may still be
+                    # queued, and would go out only after the partitions moved.
+                    final = self._offsets.points(tps)
                     self._offsets.revoke(tps)
-                    for tp in tps:
-                        self._running.pop(tp, None)
+                    for key in [key for key in self._running if key[0] in tps]:
+                        del self._running[key]
                     break
             time.sleep(0.01)
         if busy:
@@ -510,8 +538,12 @@ class WorkerService(Component):
             self.fail(exc)
 
     def _drain(self, runner: Runner, emit: Emitter, block: float | None) -> None:
+        self._drained = True
         self._learn_from_tail(runner)
         self._release_revoked(runner)
+        again, self._again = self._again, []
+        for item in again:
+            self._take(runner, emit, item)
         timeout = 0.1 if block is None else block
         first = True
         while True:
@@ -520,57 +552,77 @@ class WorkerService(Component):
             except queue.Empty:
                 break
             first = False
-            match item:
-                case Arrival() if self._draining.is_set():
-                    if item.trace is not None:  # left for the partition's next owner, never started
-                        item.trace.span.set_attribute(tracing.STATUS, "drained")
-                        item.trace.span.end()
-                case _Skip() if self._draining.is_set():
-                    pass  # not marked done: an earlier record of its partition may have been dropped
-                case Arrival():
-                    self._learn_from_tail(runner)  # it may have seen this very request finish elsewhere
-                    with self._offsets_lock:
-                        stale = self._stale(item.tp, item.generation)
-                        if not stale:
-                            self._offsets.started(item.tp, item.offset)
-                    if stale:
-                        log.info("dropping %s: its partition was revoked", item.event.request_id)
-                        if item.trace is not None:
-                            item.trace.span.set_attribute(tracing.STATUS, "revoked")
-                            item.trace.span.end()
-                        continue
-                    if item.event.request_id in self._finished:
-                        log.info("skipping %s: already finished", item.event.request_id)
-                        self._release(item, "skipped_finished")
-                    elif item.event.request_id in self._live or item.event.request_id in self._held:
-                        # The same request published twice (a batch line re-published after its edge
-                        # restarted): the copy already here ends it, once.
-                        log.info("skipping %s: already running here", item.event.request_id)
-                        self._release(item, "skipped_duplicate")
-                    elif self._placement(item.event) == "run":
-                        self._run(runner, item, emit)
-                    else:
-                        self._held[item.event.request_id] = item
-                        self._next_sweep = 0.0  # an adoptable or droppable record goes at once
-                case _Cancel():
-                    if item.request_id in self._live:
-                        runner.cancel(item.request_id, emit)
-                    elif item.request_id not in self._finished:
-                        self._remember_early_cancel(item.request_id)
-                case _Skip():
-                    with self._offsets_lock:
-                        if not self._stale(item.tp, item.generation):
-                            self._offsets.started(item.tp, item.offset)
-                            self._offsets.done(item.tp, item.offset)
-                case _Deploy():
-                    self._deploy(runner, item.deployment, item.event_id)
+            self._take(runner, emit, item)
+            if not self._releases.empty():  # a revoke waits for it (``_on_revoke``)
+                self._release_revoked(runner)
         self._sweep(runner, emit)
+
+    def _take(self, runner: Runner, emit: Emitter, item: _Inbox) -> None:
+        match item:
+            case Arrival() if self._draining.is_set():
+                if item.trace is not None:  # left for the partition's next owner, never started
+                    item.trace.span.set_attribute(tracing.STATUS, "drained")
+                    item.trace.span.end()
+            case _Skip() if self._draining.is_set():
+                pass  # not marked done: an earlier record of its partition may have been dropped
+            case Arrival():
+                self._learn_from_tail(runner)  # it may have seen this very request finish elsewhere
+                with self._offsets_lock:
+                    stale = self._stale(item.tp, item.generation)
+                    if not stale:
+                        self._offsets.started(item.tp, item.offset)
+                if stale:
+                    log.info("dropping %s: its partition was revoked", item.event.request_id)
+                    if item.trace is not None:
+                        item.trace.span.set_attribute(tracing.STATUS, "revoked")
+                        item.trace.span.end()
+                    return
+                request_id = item.event.request_id
+                if request_id in self._live or request_id in self._publishing:
+                    # The same request runs here, or its terminal event is on its way (a lost partition
+                    # handed back to this worker redelivers it; a batch line re-published): this record
+                    # is committed once that event is durable, not before, and never runs twice.
+                    log.info("%s: already running here; its record ends with it", request_id)
+                    with self._offsets_lock:
+                        self._running[(item.tp, item.generation)] += 1
+                    self._followers.setdefault(request_id, []).append(item)
+                    _end_trace(item, "skipped_duplicate")
+                elif request_id in self._finished:
+                    log.info("skipping %s: already finished", request_id)
+                    self._release(item, "skipped_finished")
+                elif request_id in self._held:
+                    held = self._held[request_id]
+                    with self._offsets_lock:
+                        held_stale = self._stale(held.tp, held.generation)
+                    if held_stale:  # the held record's partition moved and came back: hold this one
+                        _end_trace(held, "revoked")
+                        self._held[request_id] = item
+                    else:
+                        log.info("skipping %s: already held here", request_id)
+                        self._release(item, "skipped_duplicate")
+                elif self._placement(item.event) == "run":
+                    self._run(runner, item, emit)
+                else:
+                    self._held[request_id] = item
+                    self._next_sweep = 0.0  # an adoptable or droppable record goes at once
+            case _Cancel():
+                if item.request_id in self._live:
+                    runner.cancel(item.request_id, emit)
+                elif item.request_id not in self._finished:
+                    self._remember_early_cancel(item.request_id)
+            case _Skip():
+                with self._offsets_lock:
+                    if not self._stale(item.tp, item.generation):
+                        self._offsets.started(item.tp, item.offset)
+                        self._offsets.done(item.tp, item.offset)
+            case _Deploy():
+                self._deploy(runner, item.deployment, item.event_id)
 
     def _run(self, runner: Runner, item: Arrival, emit: Emitter) -> None:
         request_id = item.event.request_id
         self._live[request_id] = item
         with self._offsets_lock:
-            self._running[item.tp] += 1
+            self._running[(item.tp, item.generation)] += 1
         runner.accept(item, emit)
         if self._early_cancels.pop(request_id, None) is not None:
             runner.cancel(request_id, emit)  # cancelled before it arrived: never runs
@@ -626,8 +678,9 @@ class WorkerService(Component):
         for request_id in runner.release(list(self._live)):
             arrival = self._live.pop(request_id)
             with self._offsets_lock:
-                self._settled(arrival.tp)
+                self._settled(arrival.tp, arrival.generation)
             self._held[request_id] = arrival
+            self._take_followers_again(request_id)
         if self._held:
             log.info(
                 "worker %s (%s): no longer serving; %d requests held",
@@ -678,7 +731,7 @@ class WorkerService(Component):
             item.trace.span.set_attribute(tracing.STATUS, "shadow_dropped")
         self._live[event.request_id] = item
         with self._offsets_lock:
-            self._running[item.tp] += 1
+            self._running[(item.tp, item.generation)] += 1
         origin = Origin(self.source, self.worker_id)
         self._publish_finish(
             item, origin.finished(item, "cancelled", "cancelled", timings=Timings(finished=utc_now()))
@@ -690,25 +743,51 @@ class WorkerService(Component):
         return len(self._held)
 
     def _release_revoked(self, runner: Runner) -> None:
-        """Give back the not yet started requests of partitions being revoked (``_on_revoke`` waits)."""
+        """Give back the not yet started requests of partitions being revoked (``_on_revoke`` waits),
+        consumed before that revoke (a partition handed back since is another assignment's)."""
         while True:
             try:
-                tps = self._releases.get_nowait()
+                tps, revoked = self._releases.get_nowait()
             except queue.Empty:
                 return
-            mine = [request_id for request_id, arrival in self._live.items() if arrival.tp in tps]
+            mine = [
+                request_id
+                for request_id, arrival in self._live.items()
+                if arrival.tp in tps and arrival.generation < revoked
+            ]
             for request_id in runner.release(mine):
                 arrival = self._live.pop(request_id)
                 if arrival.trace is not None:
                     arrival.trace.span.set_attribute(tracing.STATUS, "released")
                     arrival.trace.span.end()
                 with self._offsets_lock:
-                    self._settled(arrival.tp)
+                    self._settled(arrival.tp, arrival.generation)
+                self._take_followers_again(request_id)
+            with self._offsets_lock:
+                self._release_acked = max(self._release_acked, revoked)
 
-    def _settled(self, tp: TP) -> None:
+    def _take_followers_again(self, request_id: str) -> None:
+        """A request given back unrun: the records that waited for it are taken again (the first of them
+        still assigned runs it)."""
+        followers = self._followers.pop(request_id, [])
+        with self._offsets_lock:
+            for follower in followers:
+                self._settled(follower.tp, follower.generation)
+        self._again.extend(followers)
+
+    def _settled(self, tp: TP, generation: int) -> None:
         """A running request's terminal event was delivered or refused (offsets lock held)."""
-        if self._running.get(tp, 0) > 0:
-            self._running[tp] -= 1
+        key = (tp, generation)
+        if self._running.get(key, 0) > 0:
+            self._running[key] -= 1
+
+    def _ended(self, request_id: str) -> None:
+        """The request's terminal event is durable: the records that waited for it are done (offsets lock
+        held)."""
+        self._publishing.discard(request_id)
+        for follower in self._followers.pop(request_id, []):
+            self._offsets.done(follower.tp, follower.offset)
+            self._settled(follower.tp, follower.generation)
 
     def _learn_from_tail(self, runner: Runner) -> None:
         while True:
@@ -739,7 +818,7 @@ class WorkerService(Component):
         self._remember_finished(request_id)
         self._observer.forget(request_id)
         _end_trace(arrival, "finished_elsewhere")
-        self._durable.put(_Durable(arrival.tp, arrival.offset))
+        self._durable.put(_Durable(request_id, arrival.tp, arrival.offset, arrival.generation))
 
     EARLY_CANCEL_TTL_S = 120.0
     EARLY_CANCELS = 10_000
@@ -772,13 +851,17 @@ class WorkerService(Component):
                     break
                 if isinstance(durable, _Undelivered):
                     self._finished.pop(durable.request_id, None)  # a redelivery must run it again
-                    self._settled(durable.tp)
+                    self._publishing.discard(durable.request_id)
+                    self._settled(durable.tp, durable.generation)
                     continue
                 if isinstance(durable, _Uncommitted):
                     self._offsets.uncommit(durable.offsets)
                     continue
+                # The record's own offset, whatever its generation: a partition lost and handed back
+                # redelivers the same record, whose offset is the one pending now.
                 self._offsets.done(durable.tp, durable.offset)
-                self._settled(durable.tp)
+                self._settled(durable.tp, durable.generation)
+                self._ended(durable.request_id)
             offsets: dict[TP, int] = {}
             now = time.monotonic()
             if now >= self._next_commit:  # at most one commit per interval (a revoke commits at once)
@@ -814,6 +897,7 @@ class WorkerService(Component):
         if request_id in self._finished:
             return  # exactly one terminal event per request
         self._remember_finished(request_id)
+        self._publishing.add(request_id)
         self._live.pop(request_id, None)
         event, reply = arrival.event, arrival.event.reply
         span, context = self._observer.finishing(
@@ -828,26 +912,40 @@ class WorkerService(Component):
             result = msgspec.structs.replace(result, batch=arrival.batch)
         remaining = [2 if reply is not None else 1]
         lock = threading.Lock()
-
         failed = [False]
+        where = (request_id, arrival.tp, arrival.offset, arrival.generation)
 
-        def durable(err: BusError | None, _where: Position | None) -> None:
-            if err is not None:
-                log.error("terminal event of %s not durable: %s", request_id, err)
-                with lock:
-                    first_failure, failed[0] = not failed[0], True
-                if first_failure:
-                    self._durable.put(_Undelivered(request_id, arrival.tp))
-                    if span is not None:
-                        span.set_status(Status(StatusCode.ERROR, str(err)))
-                        span.end()
-                return  # not committed: redelivered to the group, and then run again
+        def settle_one() -> None:
             with lock:
                 remaining[0] -= 1
                 if remaining[0] == 0:
-                    self._durable.put(_Durable(arrival.tp, arrival.offset))
+                    self._durable.put(_Durable(*where))
                     if span is not None:
                         span.end()
+
+        def reply_delivered(err: BusError | None, _where: Position | None) -> None:
+            if err is not None:  # the edge waits no more; the results copy carries the outcome
+                log.warning(
+                    "the reply copy of %s was not delivered (%s); its results copy decides", request_id, err
+                )
+            settle_one()
+
+        def results_delivered(err: BusError | None, _where: Position | None) -> None:
+            if err is None:
+                settle_one()
+                return
+            # Whether the log has it is unknown (a timed-out produce may be written after all): not
+            # committed, and the worker fails, so that its next start reads the results topic to its end
+            # and runs the request again only if it is not there (a retry here could end it twice).
+            log.error("terminal event of %s not durable: %s", request_id, err)
+            with lock:
+                first_failure, failed[0] = not failed[0], True
+            if first_failure:
+                self._durable.put(_Undelivered(request_id, arrival.tp, arrival.generation))
+                if span is not None:
+                    span.set_status(Status(StatusCode.ERROR, str(err)))
+                    span.end()
+                self.fail(BusError(f"the terminal event of {request_id} could not be written: {err}"))
 
         value = encode(result)
         if not fits_record(value):
@@ -866,7 +964,12 @@ class WorkerService(Component):
         if reply is not None:
             try:
                 self._producer.produce_raw(
-                    reply.topic, value, key=key, headers=head, partition=reply.partition, on_delivery=durable
+                    reply.topic,
+                    value,
+                    key=key,
+                    headers=head,
+                    partition=reply.partition,
+                    on_delivery=reply_delivered,
                 )
             except BusError:
                 # Refused at once (a request naming a reply partition that does not exist, from a producer
@@ -876,14 +979,15 @@ class WorkerService(Component):
                 log.exception(
                     "the reply of %s cannot be produced; its result goes to results only", request_id
                 )
-                with lock:
-                    remaining[0] -= 1
+                settle_one()
         self._observer.measure(event, arrival.trace, result)
         probe = self._probe
 
         def publish_results(vector: Vector | None) -> None:
             out = value if probe is None else with_features(probe, event, result, value, vector)
-            self._producer.produce_raw(self._names.results, out, key=key, headers=head, on_delivery=durable)
+            self._producer.produce_raw(
+                self._names.results, out, key=key, headers=head, on_delivery=results_delivered
+            )
 
         if probe is None:
             publish_results(None)

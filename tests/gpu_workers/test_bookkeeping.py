@@ -29,7 +29,7 @@ from gpu_workers.observe import RunnerLoad
 from gpu_workers.runtime import Arrival, Emitter
 from gpu_workers.service import WorkerService, _Cancel
 from schemas.codec import decode
-from schemas.events import GenerationRequested, RequestFinished, TokenChunk, Usage
+from schemas.events import GenerationRequested, ReplyTo, RequestFinished, TokenChunk, Usage
 from schemas.ids import uuid7
 from schemas.settings import KafkaConnection
 from schemas.topics import TopicNames
@@ -192,6 +192,13 @@ class Harness:
             self.check_commit(p, offset)
             self.model.committed[p] = max(self.model.committed[p], offset)
 
+    def lose(self, part: int) -> None:
+        """The partition is lost (a missed session, a replaced consumer): no wait, nothing committed; the
+        requests of it running here run on."""
+        self.model.assigned.discard(part)
+        self.model.revoked_at[part] = len(self.runner.accepted)
+        assert self.service._on_revoke([(TOPIC, part)], True) is None
+
     def assign(self, part: int) -> None:
         self.model.assigned.add(part)
         self.model.next_offset[part] = self.model.committed[part]  # redelivered from the last commit
@@ -249,8 +256,8 @@ def test_random_interleavings_end_every_request_exactly_once(seed: int) -> None:
     for _ in range(400):
         action = rng.choices(
             ["consume", "drain", "start", "finish", "deliver", "fail", "commit", "revoke", "assign", "cancel",
-             "refuse"],
-            weights=[20, 15, 10, 10, 15, 2, 8, 2, 3, 2, 1],
+             "refuse", "lose"],
+            weights=[20, 15, 10, 10, 15, 2, 8, 2, 3, 2, 1, 1],
         )[0]  # fmt: skip
         if action == "consume" and h.model.assigned:
             h.consume(rng.choice(sorted(h.model.assigned)), fresh=True)
@@ -266,6 +273,8 @@ def test_random_interleavings_end_every_request_exactly_once(seed: int) -> None:
             h.service._commit()
         elif action == "revoke" and h.model.assigned:
             h.revoke(rng.choice(sorted(h.model.assigned)))
+        elif action == "lose" and h.model.assigned:
+            h.lose(rng.choice(sorted(h.model.assigned)))
         elif action == "assign":
             for part in sorted(set(PARTITIONS) - h.model.assigned):
                 h.assign(part)
@@ -300,3 +309,115 @@ def test_random_interleavings_end_every_request_exactly_once(seed: int) -> None:
     assert all(n == 1 for n in h.model.durable.values())
     ends = {part: max((o for p, o in h.model.records if p == part), default=-1) + 1 for part in PARTITIONS}
     assert h.model.committed == ends
+
+
+def request_on(h: Harness, part: int, *, reply: bool = False) -> str:
+    """A fresh record on ``part`` (with a reply partition: two copies of its terminal event)."""
+    offset = h.model.next_offset[part]
+    request_id = h.model.records.setdefault((part, offset), uuid7())
+    event = GenerationRequested(
+        tenant="t", model="m", request_id=request_id, source="edge", model_version="v", input_ids=[1],
+        reply=ReplyTo(topic="p.replies", partition=0, edge_id="e") if reply else None,
+    )  # fmt: skip
+    h.service._inbox.put_nowait(Arrival(event, (TOPIC, part), offset, generation=h.service._generation))
+    h.model.next_offset[part] = offset + 1
+    return request_id
+
+
+def redeliver(h: Harness, part: int) -> None:
+    while (part, h.model.next_offset[part]) in h.model.records:
+        h.consume(part, fresh=False)
+
+
+@pytest.mark.parametrize("produced", [False, True])
+def test_a_lost_partition_handed_back_never_commits_past_its_running_request(produced: bool) -> None:
+    """The group loses the partition while a request of it runs here, then hands it back to this worker,
+    which is given the same record again: it waits for the running request (or its terminal event on its
+    way) and is committed with it, never before (a review saw the group's offset pass a running request,
+    which a crash then lost)."""
+    h = Harness(0)
+    h.service.COMMIT_INTERVAL_S = 0.0
+    request_id = request_on(h, 0)
+    h.model_thread_step()
+    h.runner.start(request_id)
+    if produced:
+        h.runner.finish(request_id, h.emit)  # its terminal event is on its way
+    h.lose(0)
+    h.assign(0)
+    redeliver(h, 0)
+    h.model_thread_step()
+    h.service._commit()  # checks: nothing committed past a request not ended durably
+    assert h.model.committed[0] == 0
+    assert len(h.runner.accepted) == 1, "the redelivered record ran a second time"
+    if not produced:
+        h.runner.finish(request_id, h.emit)
+    while h.producer.pending:
+        h.deliver(0, ok=True)
+    h.service._commit()
+    assert h.model.committed[0] == 1
+    assert h.service._running == Counter()
+
+
+def test_a_revoke_waits_for_a_record_the_model_thread_is_taking() -> None:
+    """A revoke landing after the model thread took a record but before it counted it running used to
+    see nothing busy and hand the partition over at once, and the record then ran here too: the revoke
+    now waits until the model thread has seen it (and given the record back, unstarted)."""
+    h = Harness(1)
+    real = h.service._placement
+    finals: list[dict[tuple[str, int], int] | None] = []
+    revoker: list[threading.Thread] = []
+
+    def placement(event: Any) -> Any:  # on the model thread, after the record was taken, before it runs
+        if not revoker:
+            h.model.assigned.discard(0)
+            thread = threading.Thread(target=lambda: finals.append(h.service._on_revoke([(TOPIC, 0)], False)))
+            revoker.append(thread)
+            thread.start()
+            while h.service._generation == 0:  # the revoke is under way, waiting
+                pass
+        return real(event)
+
+    h.service._placement = placement  # type: ignore[method-assign]
+    request_id = request_on(h, 0)
+    h.model_thread_step()
+    revoker[0].join(5)
+    assert not revoker[0].is_alive(), "the revoke never returned"
+    assert finals == [{}] or finals == [None] or (finals[0] or {}).get((TOPIC, 0), 0) == 0, finals
+    assert request_id not in h.runner.waiting
+    assert request_id not in h.runner.running
+
+
+def test_a_reply_copy_lost_with_the_results_copy_durable_ends_the_request() -> None:
+    """The edge's copy of the terminal event was not delivered but the results copy was: the request
+    ended on the log. It used to be un-finished, and run (and ended) again when redelivered here."""
+    h = Harness(2)
+    h.service.COMMIT_INTERVAL_S = 0.0
+    request_id = request_on(h, 0, reply=True)
+    h.model_thread_step()
+    h.runner.start(request_id)
+    h.runner.finish(request_id, h.emit)
+    topics = [topic for topic, _, _ in h.producer.pending]
+    h.deliver(topics.index("p.replies"), ok=False)
+    h.deliver(0, ok=True)
+    h.service._commit()
+    assert h.model.committed[0] == 1
+    h.revoke(0)
+    h.assign(0)
+    redeliver(h, 0)
+    h.model_thread_step()
+    assert len(h.runner.accepted) == 1
+    assert h.service.failure is None
+
+
+def test_a_results_copy_not_written_fails_the_worker_and_commits_nothing_past_it() -> None:
+    """Whether the log has it is unknown: the worker fails (its next start reads the results topic and
+    runs the request again only if it is not there), and its offset is never committed here."""
+    h = Harness(3)
+    request_id = request_on(h, 0)
+    h.model_thread_step()
+    h.runner.start(request_id)
+    h.runner.finish(request_id, h.emit)
+    h.deliver(0, ok=False)
+    h.service._commit()
+    assert h.service.failure is not None
+    assert h.model.committed[0] == 0
