@@ -138,6 +138,7 @@ class EmbeddingRunner:
             )
             if not self._batcher.add(item, now):
                 self._requests.pop(event.request_id, None)
+                self._batcher.cancel(event.request_id)  # its inputs queued before this one
                 emit.finish(
                     arrival,
                     self._origin.failed(
@@ -146,7 +147,7 @@ class EmbeddingRunner:
                         "the embedding queue is full; retry later",
                     ),
                 )
-                return  # items already queued are skipped when their batch runs
+                return
             self._requests[event.request_id] = request
 
     def _invalid(self, event: EmbeddingRequested) -> str | None:
@@ -168,12 +169,16 @@ class EmbeddingRunner:
 
     def release(self, request_ids: Collection[str]) -> set[str]:
         # Whatever is still here has produced nothing yet (a batch in flight included: its vectors are
-        # skipped when it lands).
-        return {r for r in request_ids if self._requests.pop(r, None) is not None}
+        # skipped when it lands). Its queued inputs leave the batcher: they would hold places in it.
+        released = {r for r in request_ids if self._requests.pop(r, None) is not None}
+        for request_id in released:
+            self._batcher.cancel(request_id)
+        return released
 
     def cancel(self, request_id: str, emit: Emitter) -> None:
         request = self._requests.pop(request_id, None)
         if request is not None:
+            self._batcher.cancel(request_id)  # its inputs would hold places in the queue until batched
             emit.finish(request.arrival, self._terminal(request, "cancelled", "cancelled"))
 
     def tick(self, emit: Emitter) -> None:

@@ -164,3 +164,19 @@ def test_a_deadline_that_passes_while_part_of_a_request_is_in_flight_ends_it_exp
     runner.tick(out)
     assert runner.wait_hint() is None
     assert len(out.finished) == 1
+
+
+def test_a_cancelled_or_released_request_leaves_the_queue(minilm: LoadedModel, engine: Recording) -> None:
+    """Its inputs used to stay queued until their batch formed, holding places a client's request then
+    found full (a review: 400 inputs of a cancelled request refused the next one ``queue_full``)."""
+    runner = embedding_runner(minilm, engine)
+    out = Collected()
+    cancelled, released = embedding(inputs=TEXTS[:3]), embedding(inputs=TEXTS[3:5])
+    for offset, request in enumerate([cancelled, released]):
+        runner.accept(Arrival(request, ("requests", 0), offset), out)
+    assert len(runner._batcher) == 5
+    runner.cancel(cancelled.request_id, out)
+    assert len(runner._batcher) == 2
+    assert runner.release([released.request_id]) == {released.request_id}
+    assert len(runner._batcher) == 0
+    assert runner.wait_hint() is None
