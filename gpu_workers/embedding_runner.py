@@ -225,6 +225,11 @@ class EmbeddingRunner:
                 del self._requests[item.request_id]
                 emit.finish(request.arrival, self._batch_failed(request, vector.error))
                 continue
+            if not np.isfinite(vector).all():  # a client must never get nulls for numbers, nor the log
+                del self._requests[item.request_id]  # an event no consumer can read
+                log.error("%s: NaN or inf in the vector of %s", self._manifest.model_id, item.request_id)
+                emit.finish(request.arrival, self._non_finite(request, item.payload.index))
+                continue
             request.vectors[item.payload.index] = vector.astype("<f4", copy=False).tobytes()
             if len(request.vectors) == len(request.event.inputs):
                 del self._requests[item.request_id]
@@ -302,14 +307,17 @@ class EmbeddingRunner:
         )
 
     def _batch_failed(self, request: _Request, exc: Exception) -> RequestFinished:
+        return self._engine_error(request, f"the model failed on this request's batch ({type(exc).__name__})")
+
+    def _non_finite(self, request: _Request, index: int) -> RequestFinished:
+        return self._engine_error(request, f"the model's vector for input {index} holds NaN or inf")
+
+    def _engine_error(self, request: _Request, message: str) -> RequestFinished:
         return self._origin.finished(
             request.arrival,
             "failed",
             "error",
-            error=ErrorInfo(
-                code=ENGINE_ERROR_CODE,
-                message=f"the model failed on this request's batch ({type(exc).__name__})",
-            ),
+            error=ErrorInfo(code=ENGINE_ERROR_CODE, message=message),
             timings=Timings(
                 accepted=request.event.time, started=request.started, first_token=None, finished=utc_now()
             ),

@@ -180,3 +180,34 @@ def test_a_cancelled_or_released_request_leaves_the_queue(minilm: LoadedModel, e
     assert runner.release([released.request_id]) == {released.request_id}
     assert len(runner._batcher) == 0
     assert runner.wait_hint() is None
+
+
+def test_a_vector_with_nan_ends_its_request_failed_not_the_others(minilm: LoadedModel) -> None:
+    """NaN travels in JSON as null: a client would read nulls for numbers and the results copy would be an
+    event no consumer can decode (a review: dead-lettered by the streams sink). The request ends failed."""
+
+    class Broken(EmbeddingEngine):
+        def launch(self, batch: Sequence[Sequence[int]]) -> PendingVectors:
+            pending = super().launch(batch)
+
+            class Read:
+                def result(self) -> npt.NDArray[np.float32]:
+                    vectors = pending.result().copy()
+                    vectors[0, 3] = np.nan
+                    return vectors
+
+            return Read()
+
+    runner = embedding_runner(minilm, Broken(minilm.model, max_length=minilm.manifest.max_context))
+    out = Collected()
+    bad, good = embedding(inputs=[TEXTS[0]]), embedding(inputs=[TEXTS[1]])
+    for offset, request in enumerate([bad, good]):
+        runner.accept(Arrival(request, ("requests", 0), offset), out)
+    while runner.wait_hint() is not None:
+        runner.tick(out)
+    failed = out.finished[bad.request_id]
+    assert failed.status == "failed"
+    assert failed.error is not None
+    assert failed.error.code == "engine_error"
+    assert "NaN or inf" in failed.error.message
+    assert out.finished[good.request_id].status == "completed"
