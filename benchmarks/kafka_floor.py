@@ -257,6 +257,9 @@ def echo_pair(
             child.kill()
         if driver is not None:
             driver.consumer.close()
+            # The producer too, now: kept by the caller's reference, it outlived the broker and logged a
+            # refused connection twice a second into the benchmark's output.
+            del driver.producer
         for future in admin.delete_topics([req, rep]).values():
             with suppress(KafkaException):
                 future.result()
