@@ -172,6 +172,8 @@ class ConsumerThread(Component):
         self._read_committed = config.get("isolation.level", "read_committed") == "read_committed"
         self._lag_lock = threading.Lock()  # the polling thread writes, readiness checks read
         self._owned: set[TP] = set()
+        self._revoking: set[TP] = set()
+        """Partitions being handed over: their owner's commits still go out, in the revoke's flush."""
         self._lags: dict[TP, int] = {}
         self._unsettled_limit_s = unsettled_limit_s
         self._unsettled_since: float | None = None
@@ -374,11 +376,17 @@ class ConsumerThread(Component):
         (the group refuses it; its owners are told)."""
         self._unsettled_since = self._unsettled_seen = None  # the group is moving (this may take a while)
         tps = [(tp.topic, tp.partition) for tp in partitions]
+        with self._lag_lock:
+            self._revoking = set(tps)  # its owner may still commit them, until the flush below
         self._disown(tps)
-        final = self._on_revoke(tps, lost) if self._on_revoke is not None else None
-        if final and not lost:
-            self._commits.put((final, None))  # after what the owner queued: its offsets win
-        self._flush_commits(wait=not lost)
+        try:
+            final = self._on_revoke(tps, lost) if self._on_revoke is not None else None
+            if final and not lost:
+                self._commits.put((final, None))  # after what the owner queued: its offsets win
+            self._flush_commits(wait=not lost)
+        finally:
+            with self._lag_lock:
+                self._revoking = set()
 
     def _lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         """Partitions taken without a revoke (this member missed its session): nothing may be committed."""
@@ -475,7 +483,13 @@ class ConsumerThread(Component):
 
     def commit(self, offsets: dict[TP, int], on_failure: CommitFailed | None = None) -> None:
         """Commit ``{(topic, partition): next offset to read}`` (thread-safe, asynchronous to the caller).
-        ``on_failure(offsets)`` is called (on the polling thread) if the broker refuses it."""
+        ``on_failure(offsets)`` is called (on the polling thread) if the broker refuses it. A group
+        member's offsets of partitions it no longer owns (nor is handing over) are left out: their revoke
+        committed what they reached, and sent later they would land after the hand-over, over what the
+        partition's next owner committed."""
+        if self._subscribe:
+            with self._lag_lock:
+                offsets = {tp: o for tp, o in offsets.items() if tp in self._owned or tp in self._revoking}
         if offsets:
             self._commits.put((dict(offsets), on_failure))
 

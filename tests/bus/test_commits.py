@@ -357,6 +357,31 @@ def test_what_an_owner_commits_while_it_finishes_a_revoked_partition_goes_out_be
         assert consumer.commits[0] == ([("t", 0, 5)], False)  # synchronously, inside the revoke
 
 
+def test_a_commit_of_a_partition_already_handed_over_is_left_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker marks offsets committed, then queues them: a revoke in between commits every point
+    itself, and the queued commit, sent after the hand-over, would land over the next owner's."""
+    Revoking.made.clear()
+    monkeypatch.setattr(bus.consumer, "Consumer", Revoking)
+    revoked = threading.Event()
+
+    def on_revoke(tps: list[tuple[str, int]], lost: bool) -> dict[tuple[str, int], int]:
+        revoked.set()
+        return {("t", 0): 3}
+
+    thread = ConsumerThread({"group.id": "g"}, lambda batch: None, subscribe=["t"], on_revoke=on_revoke)
+    with thread:
+        assert revoked.wait(5)
+        (consumer,) = Revoking.made
+        assert isinstance(consumer, Revoking)
+        deadline = time.monotonic() + 5
+        while not consumer.commits:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        thread.commit({("t", 0): 2, ("u", 1): 9})  # late: "t" 0 is someone else's now, "u" 1 never ours
+        time.sleep(0.2)
+        assert consumer.commits == [([("t", 0, 3)], False)]
+
+
 class RebalancesOnce(WedgedMember):
     """Settled at the first poll; the second says a rebalance is under way and brings a record; settled
     again from the third."""
