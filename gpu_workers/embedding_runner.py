@@ -217,16 +217,19 @@ class EmbeddingRunner:
             request = self._requests.get(item.request_id)
             if request is None:
                 continue  # cancelled, expired or released while its batch ran
-            if vector is None:  # alone it did not fit: the request ends, its other items are skipped
+            if vector is None:  # alone it did not fit: the request ends, its other items leave the queue
                 del self._requests[item.request_id]
+                self._batcher.cancel(item.request_id)
                 emit.finish(request.arrival, self._out_of_memory(request, item))
                 continue
-            if isinstance(vector, _Failed):  # its batch failed: the request ends, its other items skipped
+            if isinstance(vector, _Failed):  # its batch failed: the request ends, its other items leave
                 del self._requests[item.request_id]
+                self._batcher.cancel(item.request_id)
                 emit.finish(request.arrival, self._batch_failed(request, vector.error))
                 continue
             if not np.isfinite(vector).all():  # a client must never get nulls for numbers, nor the log
                 del self._requests[item.request_id]  # an event no consumer can read
+                self._batcher.cancel(item.request_id)
                 log.error("%s: NaN or inf in the vector of %s", self._manifest.model_id, item.request_id)
                 emit.finish(request.arrival, self._non_finite(request, item.payload.index))
                 continue

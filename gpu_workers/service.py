@@ -79,8 +79,8 @@ class _Durable:
 
 @dataclass(frozen=True)
 class _Undelivered:
-    """A terminal event whose results copy Kafka did not take: its request is not finished (the worker
-    fails; its next start runs it again unless the copy was written after all)."""
+    """A terminal event whose results copy Kafka did not take: never committed; the worker fails, and its
+    next start runs the request again unless the copy was written after all."""
 
     request_id: str
     tp: TP
@@ -193,18 +193,22 @@ class WorkerService(Component):
         their requests (consumed before it) not yet started."""
         self._release_acked = 0
         """The latest revoke generation whose release the model thread has done (offsets lock)."""
-        self._drained = False
-        """The model thread has taken records: a revoke waits for it to see the revoke (model thread)."""
+        self._taking = False
+        """The model thread is between a record's stale check and counting it running (offsets lock): a
+        revoke landing there waits for it."""
         self._running: Counter[tuple[TP, int]] = Counter()
         """Per (partition, generation), records whose request runs here (or waits for one that does, a
         follower) and whose terminal event is not settled (offsets lock). Keyed by the generation they
         were consumed in, so a run outliving its partition's loss never settles a later assignment's."""
         self._followers: dict[str, list[Arrival]] = {}
-        """Request id -> records of the same request consumed while it ran here or its terminal event was
-        on its way (a lost partition given back to this worker redelivers what still runs): each is
-        committed once that terminal event is durable, never before (model thread)."""
-        self._publishing: set[str] = set()
-        """Requests whose terminal event is produced and not yet durable (model thread)."""
+        """Request id -> the same record of a request consumed again while it ran here or its terminal
+        event was on its way (a lost partition given back to this worker redelivers what still runs):
+        committed once that terminal event is durable, never before (model thread). Another record of the
+        same request (a re-published line, maybe on another partition) is released at once: its request's
+        own record holds that record's partition back, and following it would tie two partitions' revokes
+        together (a review: a duplicate on another partition ended twice or stalled a revoke)."""
+        self._publishing: dict[str, tuple[TP, int]] = {}
+        """Requests whose terminal event is produced and not yet durable -> their record (model thread)."""
         self._again: list[_Inbox] = []
         """Records to take again (followers of a request given back): before the inbox (model thread)."""
         self._pending_writes: dict[str, int] = {}
@@ -426,9 +430,9 @@ class WorkerService(Component):
         while True:
             with self._offsets_lock:
                 busy = sum(n for (tp, _), n in self._running.items() if tp in tps)
-                # The model thread may be between taking a record and counting it running: once it has
-                # done this revoke's release, every record it took before the revoke is counted.
-                seen = self._release_acked >= revoked or not self._drained
+                # The model thread may be between taking a record and counting it running: once it is
+                # not (or it has done this revoke's release), every record it took before is counted.
+                seen = not self._taking or self._release_acked >= revoked
                 quit_waiting = lost or self._stop.is_set() or self.failure is not None
                 if (busy == 0 and seen) or quit_waiting or time.monotonic() > deadline:
                     # Every revoked partition's point, even one marked committed: that commit may still be
@@ -538,7 +542,6 @@ class WorkerService(Component):
             self.fail(exc)
 
     def _drain(self, runner: Runner, emit: Emitter, block: float | None) -> None:
-        self._drained = True
         self._learn_from_tail(runner)
         self._release_revoked(runner)
         again, self._again = self._again, []
@@ -571,40 +574,12 @@ class WorkerService(Component):
                     stale = self._stale(item.tp, item.generation)
                     if not stale:
                         self._offsets.started(item.tp, item.offset)
-                if stale:
-                    log.info("dropping %s: its partition was revoked", item.event.request_id)
-                    if item.trace is not None:
-                        item.trace.span.set_attribute(tracing.STATUS, "revoked")
-                        item.trace.span.end()
-                    return
-                request_id = item.event.request_id
-                if request_id in self._live or request_id in self._publishing:
-                    # The same request runs here, or its terminal event is on its way (a lost partition
-                    # handed back to this worker redelivers it; a batch line re-published): this record
-                    # is committed once that event is durable, not before, and never runs twice.
-                    log.info("%s: already running here; its record ends with it", request_id)
+                        self._taking = True
+                try:
+                    self._take_arrival(runner, emit, item, stale)
+                finally:
                     with self._offsets_lock:
-                        self._running[(item.tp, item.generation)] += 1
-                    self._followers.setdefault(request_id, []).append(item)
-                    _end_trace(item, "skipped_duplicate")
-                elif request_id in self._finished:
-                    log.info("skipping %s: already finished", request_id)
-                    self._release(item, "skipped_finished")
-                elif request_id in self._held:
-                    held = self._held[request_id]
-                    with self._offsets_lock:
-                        held_stale = self._stale(held.tp, held.generation)
-                    if held_stale:  # the held record's partition moved and came back: hold this one
-                        _end_trace(held, "revoked")
-                        self._held[request_id] = item
-                    else:
-                        log.info("skipping %s: already held here", request_id)
-                        self._release(item, "skipped_duplicate")
-                elif self._placement(item.event) == "run":
-                    self._run(runner, item, emit)
-                else:
-                    self._held[request_id] = item
-                    self._next_sweep = 0.0  # an adoptable or droppable record goes at once
+                        self._taking = False
             case _Cancel():
                 if item.request_id in self._live:
                     runner.cancel(item.request_id, emit)
@@ -617,6 +592,50 @@ class WorkerService(Component):
                         self._offsets.done(item.tp, item.offset)
             case _Deploy():
                 self._deploy(runner, item.deployment, item.event_id)
+
+    def _take_arrival(self, runner: Runner, emit: Emitter, item: Arrival, stale: bool) -> None:
+        """A request's record, its stale check done (and its offset started if not stale)."""
+        if stale:
+            log.info("dropping %s: its partition was revoked", item.event.request_id)
+            if item.trace is not None:
+                item.trace.span.set_attribute(tracing.STATUS, "revoked")
+                item.trace.span.end()
+            return
+        request_id = item.event.request_id
+        ran = self._live.get(request_id)
+        where = (ran.tp, ran.offset) if ran is not None else self._publishing.get(request_id)
+        if where is not None and where != (item.tp, item.offset):
+            # Another record of a request that runs here (a re-published batch line): that
+            # request's own record keeps its partition's commit back until it ends.
+            log.info("skipping %s: already running here", request_id)
+            self._release(item, "skipped_duplicate")
+        elif where is not None:
+            # The same request runs here, or its terminal event is on its way (a lost partition
+            # handed back to this worker redelivers it; a batch line re-published): this record
+            # is committed once that event is durable, not before, and never runs twice.
+            log.info("%s: already running here; its record ends with it", request_id)
+            with self._offsets_lock:
+                self._running[(item.tp, item.generation)] += 1
+            self._followers.setdefault(request_id, []).append(item)
+            _end_trace(item, "skipped_duplicate")
+        elif request_id in self._finished:
+            log.info("skipping %s: already finished", request_id)
+            self._release(item, "skipped_finished")
+        elif request_id in self._held:
+            held = self._held[request_id]
+            with self._offsets_lock:
+                held_stale = self._stale(held.tp, held.generation)
+            if held_stale:  # the held record's partition moved and came back: hold this one
+                _end_trace(held, "revoked")
+                self._held[request_id] = item
+            else:
+                log.info("skipping %s: already held here", request_id)
+                self._release(item, "skipped_duplicate")
+        elif self._placement(item.event) == "run":
+            self._run(runner, item, emit)
+        else:
+            self._held[request_id] = item
+            self._next_sweep = 0.0  # an adoptable or droppable record goes at once
 
     def _run(self, runner: Runner, item: Arrival, emit: Emitter) -> None:
         request_id = item.event.request_id
@@ -700,23 +719,34 @@ class WorkerService(Component):
         for request_id, item in list(self._held.items()):
             with self._offsets_lock:
                 stale = self._stale(item.tp, item.generation)
-            placement = self._placement(item.event)
-            if stale:
-                del self._held[request_id]
-                self._release(item, "revoked")
-            elif placement == "run":
-                del self._held[request_id]
+                self._taking = not stale  # a revoke now waits until it runs (counted) or stays held
+            try:
+                self._sweep_one(runner, emit, request_id, item, stale, now)
+            finally:
+                with self._offsets_lock:
+                    self._taking = False
+
+    def _sweep_one(
+        self, runner: Runner, emit: Emitter, request_id: str, item: Arrival, stale: bool, now: float
+    ) -> None:
+        """Run, adopt, drop or keep one held record (its stale check done)."""
+        placement = self._placement(item.event)
+        if stale:
+            del self._held[request_id]
+            self._release(item, "revoked")
+        elif placement == "run":
+            del self._held[request_id]
+            self._run(runner, item, emit)
+        elif placement in ("adopt", "drop"):
+            left = self._left_serving.setdefault(item.event.model_version, now)
+            if now - left < self._adopt_grace_s:
+                return  # the retiring version may still finish it
+            del self._held[request_id]
+            if placement == "adopt":
+                log.info("adopting %s: version %s no longer serves", request_id, item.event.model_version)
                 self._run(runner, item, emit)
-            elif placement in ("adopt", "drop"):
-                left = self._left_serving.setdefault(item.event.model_version, now)
-                if now - left < self._adopt_grace_s:
-                    continue  # the retiring version may still finish it
-                del self._held[request_id]
-                if placement == "adopt":
-                    log.info("adopting %s: version %s no longer serves", request_id, item.event.model_version)
-                    self._run(runner, item, emit)
-                else:
-                    self._drop_shadow(item)
+            else:
+                self._drop_shadow(item)
 
     def _drop_shadow(self, item: Arrival) -> None:
         """End a shadow copy whose candidate stopped serving without running it: nobody waits for its answer,
@@ -784,7 +814,7 @@ class WorkerService(Component):
     def _ended(self, request_id: str) -> None:
         """The request's terminal event is durable: the records that waited for it are done (offsets lock
         held)."""
-        self._publishing.discard(request_id)
+        self._publishing.pop(request_id, None)
         for follower in self._followers.pop(request_id, []):
             self._offsets.done(follower.tp, follower.offset)
             self._settled(follower.tp, follower.generation)
@@ -850,8 +880,9 @@ class WorkerService(Component):
                 except queue.Empty:
                     break
                 if isinstance(durable, _Undelivered):
-                    self._finished.pop(durable.request_id, None)  # a redelivery must run it again
-                    self._publishing.discard(durable.request_id)
+                    # Whether the log has it is unknown, and the worker has failed: it stays finished and
+                    # publishing here, so no record of it runs again or is committed before the next
+                    # start reads the results topic (which runs it again only if it is not there).
                     self._settled(durable.tp, durable.generation)
                     continue
                 if isinstance(durable, _Uncommitted):
@@ -897,7 +928,7 @@ class WorkerService(Component):
         if request_id in self._finished:
             return  # exactly one terminal event per request
         self._remember_finished(request_id)
-        self._publishing.add(request_id)
+        self._publishing[request_id] = (arrival.tp, arrival.offset)
         self._live.pop(request_id, None)
         event, reply = arrival.event, arrival.event.reply
         span, context = self._observer.finishing(

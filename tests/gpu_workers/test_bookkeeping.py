@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
@@ -128,21 +129,43 @@ class Model:
 class Harness:
     def __init__(self, seed: int) -> None:
         self.rng = random.Random(seed)
+        self.producer = FakeProducer()
+        self.commits: list[dict[tuple[str, int], int]] = []
+        self.model = Model()
+        self.refuse_commits = False
+        self._start_worker()
+
+    def _start_worker(self) -> None:
         self.runner = FakeRunner()
+        runner = self.runner
         self.service = WorkerService(
             model_id="m",
             worker_id="w",
             kafka=KafkaConnection("127.0.0.1:9"),
             names=TopicNames("p"),
-            runner_factory=lambda: self.runner,
+            runner_factory=lambda: runner,
         )
-        self.producer = FakeProducer()
         self.service._producer = self.producer  # type: ignore[assignment]
-        self.commits: list[dict[tuple[str, int], int]] = []
         self.service._requests.commit = self._commit  # type: ignore[method-assign]
         self.emit = _Emit(self.service)
-        self.model = Model()
-        self.refuse_commits = False
+
+    def restart(self) -> None:
+        """The worker failed (a results copy Kafka did not take): it stops, its producer flushing what it
+        holds and its last commit going out, and its supervisor starts a fresh one, which learns every
+        request ended on the results topic; the group redelivers every partition from its last commit."""
+        assert self.service.failure is not None
+        while self.producer.pending:
+            self.deliver(0, ok=True)
+        self.service._next_commit = 0.0
+        self.service._commit()
+        self._start_worker()
+        for request_id, n in self.model.durable.items():
+            if n:
+                self.service._remember_finished(request_id)
+        self.model.revoked_at = {}
+        for part in PARTITIONS:
+            self.model.assigned.add(part)
+            self.assign(part)
 
     # --- Kafka's side --------------------------------------------------------------------------------
 
@@ -220,11 +243,18 @@ class Harness:
     # --- invariants ----------------------------------------------------------------------------------
 
     def check_commit(self, part: int, offset: int) -> None:
-        """Never past a record whose request has not ended durably."""
+        """Never past a record whose request has not ended durably, unless another record of that request
+        is still uncommitted (a crash redelivers that one: the request is not lost)."""
         for o in range(offset):
             request_id = self.model.records.get((part, o))
-            if request_id is not None:
-                assert self.model.durable[request_id] >= 1, f"committed {part}@{offset} past unfinished {o}"
+            if request_id is not None and self.model.durable[request_id] == 0:
+                elsewhere = [
+                    (p, q)
+                    for (p, q), r in self.model.records.items()
+                    if r == request_id and (p, q) != (part, o)
+                ]
+                kept = any(q >= self.model.committed[p] for p, q in elsewhere)
+                assert kept, f"committed {part}@{offset} past unfinished {o}"
 
     def check_no_stale_run(self) -> None:
         """A record consumed before its partition was revoked is never handed to the runner after."""
@@ -269,6 +299,8 @@ def test_random_interleavings_end_every_request_exactly_once(seed: int) -> None:
             h.runner.finish(rng.choice(sorted(h.runner.running)), h.emit)
         elif action in ("deliver", "fail") and h.producer.pending:
             h.deliver(rng.randrange(len(h.producer.pending)), ok=action == "deliver")
+            if h.service.failure is not None:
+                h.restart()
         elif action == "commit":
             h.service._commit()
         elif action == "revoke" and h.model.assigned:
@@ -420,4 +452,71 @@ def test_a_results_copy_not_written_fails_the_worker_and_commits_nothing_past_it
     h.deliver(0, ok=False)
     h.service._commit()
     assert h.service.failure is not None
+    assert h.model.committed[0] == 0
+
+
+class SlowTick(FakeRunner):
+    def __init__(self, tick_s: float) -> None:
+        super().__init__()
+        self.tick_s = tick_s
+
+    def tick(self, emit: Emitter) -> None:  # one long step (a CPU embedding batch, a first graph capture)
+        time.sleep(self.tick_s)
+
+
+def test_a_revoke_of_an_idle_partition_does_not_wait_for_a_model_step() -> None:
+    """The revoke waits for the model thread only while it is between taking a record and counting it
+    (a review: waiting for its next step held every rebalance for up to a whole batch)."""
+    h = Harness(0)
+    runner = SlowTick(2.0)
+    h.service._runner_factory = lambda: runner
+    thread = threading.Thread(target=h.service._serve, daemon=True)
+    thread.start()
+    time.sleep(0.3)  # the model thread is in its first (2 s) step
+    began = time.monotonic()
+    h.service._on_revoke([(TOPIC, 2)], False)  # nothing of partition 2 was ever consumed
+    took = time.monotonic() - began
+    h.service._stop.set()
+    thread.join(5)
+    assert took < 0.5, f"a revoke of a partition with nothing running waited {took:.2f}s for a model step"
+
+
+def test_another_record_of_a_running_request_is_released_at_once() -> None:
+    """A re-published record of a request running here, on another partition: its request's own record
+    holds its partition back, so this one is committed at once; following it tied the two partitions'
+    revokes together (a review: a revoke waited for a request queued elsewhere, and a duplicate taken
+    again ended its request twice)."""
+    h = Harness(4)
+    h.service.COMMIT_INTERVAL_S = 0.0
+    request_id = request_on(h, 0)
+    h.model_thread_step()
+    h.model.records[(1, 0)] = request_id
+    redeliver(h, 1)
+    h.model_thread_step()
+    assert request_id not in h.service._followers
+    h.service.REVOKE_DRAIN_S = 1.0
+    began = time.monotonic()
+    h.revoke(1)
+    assert time.monotonic() - began < 0.9, "the revoke of the duplicate's partition waited for its request"
+    assert [a.tp for a in h.runner.accepted] == [(TOPIC, 0)]
+    assert h.model.committed[0] == 0
+
+
+def test_a_failed_worker_does_not_run_again_a_request_whose_results_copy_may_be_written() -> None:
+    """Until its supervisor stops it, a failed worker may still take records: one of a request whose
+    results copy timed out must not run (the copy may be on the log after all), nor be committed."""
+    h = Harness(5)
+    h.service.COMMIT_INTERVAL_S = 0.0
+    request_id = request_on(h, 0)
+    h.model_thread_step()
+    h.runner.start(request_id)
+    h.runner.finish(request_id, h.emit)
+    h.deliver(0, ok=False)
+    h.service._commit()
+    assert h.service.failure is not None
+    h.model.records[(0, 1)] = request_id  # the same request again (a re-published line)
+    redeliver(h, 0)
+    h.model_thread_step()
+    h.service._commit()
+    assert len(h.runner.accepted) == 1
     assert h.model.committed[0] == 0

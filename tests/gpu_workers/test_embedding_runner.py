@@ -211,3 +211,30 @@ def test_a_vector_with_nan_ends_its_request_failed_not_the_others(minilm: Loaded
     assert failed.error.code == "engine_error"
     assert "NaN or inf" in failed.error.message
     assert out.finished[good.request_id].status == "completed"
+    assert len(runner._batcher) == 0
+
+
+def test_a_request_ended_by_one_input_leaves_its_other_inputs_nowhere_queued(minilm: LoadedModel) -> None:
+    """A NaN (or a failed batch, or an input too large alone) ends the request at its first input: the
+    others left the batcher too (they held places in it until batched)."""
+
+    class NaNFirst(EmbeddingEngine):
+        def launch(self, batch: Sequence[Sequence[int]]) -> PendingVectors:
+            pending = super().launch(batch)
+
+            class Bad:
+                def result(self) -> npt.NDArray[np.float32]:
+                    out = np.array(pending.result(), copy=True)
+                    out[0, 0] = np.nan
+                    return out
+
+            return Bad()
+
+    engine = NaNFirst(minilm.model, max_length=minilm.manifest.max_context)
+    runner = embedding_runner(minilm, engine, max_batch_size=1, overlap=False)
+    request = embedding(inputs=[[101, 7592, 102], [101, 2088, 2088, 102], [101, 2000, 2000, 2000, 102]])
+    out = Collected()
+    runner.accept(Arrival(request, ("requests", 0), 0), out)
+    runner.tick(out)
+    assert out.finished[request.request_id].status == "failed"
+    assert len(runner._batcher) == 0

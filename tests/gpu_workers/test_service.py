@@ -436,15 +436,18 @@ async def test_a_cancel_that_arrives_before_its_request_still_cancels_it(
     assert gpt_worker.early_cancels == held
 
 
-async def test_a_terminal_event_kafka_did_not_take_lets_a_redelivery_run_again(
+async def test_a_results_copy_kafka_did_not_take_fails_the_worker_and_its_successor_runs_it_once(
     names: TopicNames,
+    platform: PlatformSettings,
     gpt_worker: WorkerService,
     producer: EventProducer,
     results: Log,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Before, the request was marked finished when its terminal event was produced, so a redelivery
-    after a failed delivery was skipped as "already finished" and the request never ended."""
+    """Whether the log has a terminal event whose results copy timed out is unknown: a retry could end its
+    request twice, and un-finishing it to wait for a redelivery left it unended until some rebalance. The
+    worker fails and commits nothing past it; the worker started in its place reads the results topic and
+    runs it (the group redelivers it from the last commit), once."""
     from bus.errors import BusError
 
     worker_producer = gpt_worker._producer
@@ -462,11 +465,17 @@ async def test_a_terminal_event_kafka_did_not_take_lets_a_redelivery_run_again(
     monkeypatch.setattr(worker_producer, "produce_raw", flaky)
     request = _generation(names, PROMPT)
     await producer.publish(names.requests("demo-gpt"), request)
-    await eventually(lambda: bool(dropped), within=30)
-    assert dropped == [request.request_id]  # reported on the model thread, handled in the same tick
-    await producer.publish(names.requests("demo-gpt"), request)  # what the group redelivers
-    finished = results.finished(request.request_id)
-    assert finished.status == "completed"
+    await eventually(lambda: gpt_worker.failure is not None, within=30)
+    assert dropped == [request.request_id]
+    gpt_worker.stop()
+    successor = make_worker(platform, WorkerSettings(worker_id="w2", worker_flush_tokens=4), "demo-gpt")
+    with successor:
+        assert successor.wait_assigned(30)
+        finished = results.finished(request.request_id)
+        assert finished.status == "completed"
+        assert finished.worker_id == "w2"
+        await asyncio.sleep(1.0)
+        assert len([e for e in results.of(request.request_id) if isinstance(e, RequestFinished)]) == 1
 
 
 def _finished_elsewhere(request_id: str, completion_tokens: int) -> RequestFinished:

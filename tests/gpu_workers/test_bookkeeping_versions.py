@@ -1,0 +1,226 @@
+"""The bookkeeping harness (``test_bookkeeping.py``) with versions: rollouts, rollbacks and promotions reach the worker
+through its inbox (``_Deploy``), records are routed to either version (and shadow copies to the candidate),
+and the other version's worker is modelled: it ends what is routed to it while its version serves, finishes
+what it started when its version stops (before the grace), and, once stable, adopts or drops what the
+retiring worker gives back (never what that worker runs or publishes)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from gpu_workers.runtime import Arrival
+from gpu_workers.service import _Cancel, _Deploy
+from schemas.deployments import Deployment
+from schemas.events import GenerationRequested
+from schemas.ids import uuid7
+from tests.gpu_workers.test_bookkeeping import PARTITIONS, TOPIC, Harness
+
+STALL_S = 0.25
+D0 = Deployment("m", "v")
+D1 = Deployment("m", "v", "c", share=0.5, shadow=0.5)
+DP = Deployment("m", "c")
+NEXT = {D0: [D1], D1: [D0, DP], DP: [D0]}
+
+
+class HV(Harness):
+    def __init__(self, seed: int, own: str) -> None:
+        super().__init__(seed)
+        self.service.version = own
+        self.service._adopt_grace_s = 0.0
+        self.service.REVOKE_DRAIN_S = STALL_S
+        self.service._deployment = D0
+        self.own, self.peer = own, ("c" if own == "v" else "v")
+        self.deployment = D0  # what the peer knows (at once)
+        self.routed: dict[str, str] = {}  # request id -> version routed to
+        self.stalls: list[str] = []
+
+    def serving(self, version: str) -> bool:
+        return version in self.deployment.serving
+
+    def consume(self, part: int, fresh: bool) -> None:
+        offset = self.model.next_offset[part]
+        if (part, offset) not in self.model.records:
+            if not fresh:
+                return
+            request_id = uuid7()
+            self.model.records[(part, offset)] = request_id
+            serving = sorted(self.deployment.serving)
+            self.routed[request_id] = self.rng.choice(serving)
+            shadow = (
+                self.deployment.candidate is not None
+                and self.deployment.shadow > 0
+                and self.rng.random() < 0.3
+            )
+            if shadow:
+                self.routed[request_id] = self.deployment.candidate  # type: ignore[assignment]
+                self.shadows.add(request_id)
+        request_id = self.model.records[(part, offset)]
+        event = GenerationRequested(
+            tenant="t", model="m", request_id=request_id, source="edge",
+            model_version=self.routed[request_id], input_ids=[1],
+            shadow_of="x" if request_id in self.shadows else None,
+        )  # fmt: skip
+        self.service._inbox.put_nowait(
+            Arrival(event, (TOPIC, part), offset, generation=self.service._generation)
+        )
+        self.model.next_offset[part] = offset + 1
+
+    shadows: set[str]
+
+    def busy_here(self, request_id: str) -> bool:
+        return (
+            request_id in self.runner.running
+            or request_id in self.runner.waiting
+            or request_id in self.service._publishing
+            or any(isinstance(a, Arrival) and a.event.request_id == request_id for a in self.service._again)
+            or request_id in self.service._live
+        )
+
+    def peer_end(self, request_id: str) -> None:
+        self.model.durable[request_id] += 1
+        assert self.model.durable[request_id] == 1, f"{request_id} ended twice (by the peer)"
+        self.service._finished_elsewhere.put(request_id)
+
+    def peer_candidates(self) -> list[str]:
+        """What the peer may end now: routed to its version while it serves; or, when the own version no
+        longer serves (the peer is stable) and this worker has learned it, what this worker does not run."""
+        out = []
+        own_retired = not self.serving(self.own) and self.service._deployment == self.deployment
+        for request_id, version in self.routed.items():
+            if self.model.durable[request_id]:
+                continue
+            if not any(r == request_id for r in self.model.records.values()):
+                continue
+            if (version == self.peer and self.serving(self.peer) and not self.busy_here(request_id)) or (
+                version == self.own and own_retired and not self.busy_here(request_id)
+            ):
+                out.append(request_id)
+        return sorted(out)
+
+    def deploy(self) -> None:
+        new = self.rng.choice(NEXT[self.deployment])
+        peer_was = self.serving(self.peer)
+        self.deployment = new
+        if peer_was and not self.serving(self.peer):
+            # the peer finishes (some of) what it had started before this worker's grace runs out
+            for request_id in self.peer_candidates_raw():
+                if self.rng.random() < 0.5:
+                    self.peer_end(request_id)
+        self.service._inbox.put_nowait(_Deploy(new, uuid7()))
+
+    def peer_candidates_raw(self) -> list[str]:
+        return sorted(
+            r for r, v in self.routed.items()
+            if v == self.peer and not self.model.durable[r] and not self.busy_here(r)
+            and any(x == r for x in self.model.records.values())
+        )  # fmt: skip
+
+    def revoke(self, part: int) -> None:
+        began = time.monotonic()
+        super().revoke(part)
+        if time.monotonic() - began >= STALL_S:
+            self.stalls.append(f"revoke of {part} ran to its drain limit")
+
+
+@pytest.mark.parametrize("own", ["v", "c"])
+@pytest.mark.parametrize("seed", range(int(os.environ.get("SLUICE_TEST_SEEDS", "100"))))
+def test_versions(seed: int, own: str) -> None:
+    h = HV(seed, own)
+    h.shadows = set()
+    rng = h.rng
+    for _ in range(400):
+        action = rng.choices(
+            ["consume", "drain", "start", "finish", "deliver", "commit", "revoke", "assign", "cancel", "lose",
+             "deploy", "peer", "refuse", "steal", "dup"],
+            weights=[20, 15, 10, 10, 15, 8, 2, 3, 2, 2, 3, 6, 1, 1, 5],
+        )[0]  # fmt: skip
+        if action == "consume" and h.model.assigned:
+            h.consume(rng.choice(sorted(h.model.assigned)), fresh=True)
+        elif action == "drain":
+            h.service._next_sweep = 0.0
+            h.model_thread_step()
+        elif action == "start" and h.runner.waiting:
+            h.runner.start(rng.choice(sorted(h.runner.waiting)))
+        elif action == "finish" and h.runner.running:
+            h.runner.finish(rng.choice(sorted(h.runner.running)), h.emit)
+        elif action == "deliver" and h.producer.pending:
+            h.deliver(rng.randrange(len(h.producer.pending)), ok=True)
+        elif action == "commit":
+            h.service._commit()
+        elif action == "revoke" and h.model.assigned:
+            h.revoke(rng.choice(sorted(h.model.assigned)))
+        elif action == "lose" and h.model.assigned:
+            h.lose(rng.choice(sorted(h.model.assigned)))
+        elif action == "assign":
+            for part in sorted(set(PARTITIONS) - h.model.assigned):
+                h.assign(part)
+        elif action == "cancel" and h.model.records:
+            h.service._inbox.put_nowait(_Cancel(rng.choice(sorted(h.model.records.values()))))
+        elif action == "deploy":
+            h.deploy()
+        elif action == "peer":
+            candidates = h.peer_candidates()
+            if candidates:
+                h.peer_end(rng.choice(candidates))
+                h.model_thread_step()  # its tail (before this worker could finish it: see busy_here)
+        elif action == "refuse":
+            h.refuse_commits = not h.refuse_commits
+        elif action == "steal":
+            candidates = sorted(r for r in h.service._live if h.model.durable[r] == 0)
+            if candidates:
+                h.peer_end(rng.choice(candidates))
+                h.model_thread_step()
+        elif action == "dup" and h.model.assigned:
+            pool = sorted(set(h.service._live) | set(h.service._publishing) | set(h.service._held))
+            if pool:
+                request_id = rng.choice(pool)
+                homes = [
+                    p for (p, _), r in h.model.records.items() if r == request_id and p in h.model.assigned
+                ]
+                if homes:
+                    part = rng.choice(homes)
+                    offset = h.model.next_offset[part]
+                    if (part, offset) not in h.model.records:
+                        h.model.records[(part, offset)] = request_id
+                        h.consume(part, fresh=False)
+
+    # Quiesce: the peer ends what is its own, this worker everything else.
+    h.refuse_commits = False
+    for part in sorted(set(PARTITIONS) - h.model.assigned):
+        h.assign(part)
+    for round_ in range(60):
+        if round_ % 10 == 9:
+            for part in PARTITIONS:
+                h.revoke(part)
+                h.assign(part)
+        for part in PARTITIONS:
+            while (part, h.model.next_offset[part]) in h.model.records:
+                h.consume(part, fresh=False)
+        h.service._next_sweep = 0.0
+        h.model_thread_step()
+        for request_id in h.peer_candidates():
+            h.peer_end(request_id)
+        h.service._next_sweep = 0.0
+        h.model_thread_step()
+        for request_id in sorted(h.runner.waiting):
+            h.runner.start(request_id)
+        for request_id in sorted(h.runner.running):
+            h.runner.finish(request_id, h.emit)
+        while h.producer.pending:
+            h.deliver(0, ok=True)
+        h.service._commit()
+    ended = {request_id for request_id, n in h.model.durable.items() if n}
+    never = set(h.model.records.values()) - ended
+    assert not never, (
+        f"{len(never)} never ended; deployment {h.deployment}, held {h.service.held}, "
+        f"live {len(h.service._live)}, followers {len(h.service._followers)}"
+    )
+    ends = {part: max((o for p, o in h.model.records if p == part), default=-1) + 1 for part in PARTITIONS}
+    assert h.model.committed == ends
+    assert not h.service._followers
+    assert not h.service._publishing
+    assert sum(h.service._running.values()) == 0, h.service._running
+    assert not h.stalls, h.stalls
