@@ -330,6 +330,17 @@ class Revoking(StuckGroupConsumer):
         super().commit(offsets, asynchronous)
 
 
+def first_commit() -> Revoking:
+    """The one :class:`Revoking` client made, once it has been asked for a commit."""
+    (consumer,) = Revoking.made
+    assert isinstance(consumer, Revoking)
+    deadline = time.monotonic() + 5
+    while not consumer.commits:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    return consumer
+
+
 def test_what_an_owner_commits_while_it_finishes_a_revoked_partition_goes_out_before_the_hand_over(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -348,12 +359,7 @@ def test_what_an_owner_commits_while_it_finishes_a_revoked_partition_goes_out_be
     thread = ConsumerThread({"group.id": "g"}, lambda batch: None, subscribe=["t"], on_revoke=on_revoke)
     with thread:
         assert done.wait(5)
-        (consumer,) = Revoking.made
-        assert isinstance(consumer, Revoking)
-        deadline = time.monotonic() + 5
-        while not consumer.commits:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        consumer = first_commit()
         assert consumer.commits[0] == ([("t", 0, 5)], False)  # synchronously, inside the revoke
 
 
@@ -371,12 +377,7 @@ def test_a_commit_of_a_partition_already_handed_over_is_left_out(monkeypatch: py
     thread = ConsumerThread({"group.id": "g"}, lambda batch: None, subscribe=["t"], on_revoke=on_revoke)
     with thread:
         assert revoked.wait(5)
-        (consumer,) = Revoking.made
-        assert isinstance(consumer, Revoking)
-        deadline = time.monotonic() + 5
-        while not consumer.commits:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        consumer = first_commit()
         thread.commit({("t", 0): 2, ("u", 1): 9})  # late: "t" 0 is someone else's now, "u" 1 never ours
         time.sleep(0.2)
         assert consumer.commits == [([("t", 0, 3)], False)]

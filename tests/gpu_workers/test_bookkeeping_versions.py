@@ -12,11 +12,11 @@ import time
 import pytest
 
 from gpu_workers.runtime import Arrival
-from gpu_workers.service import _Cancel, _Deploy
+from gpu_workers.service import _Deploy
 from schemas.deployments import Deployment
 from schemas.events import GenerationRequested
 from schemas.ids import uuid7
-from tests.gpu_workers.test_bookkeeping import PARTITIONS, TOPIC, Harness
+from tests.gpu_workers.test_bookkeeping import TOPIC, Harness, assert_quiet, quiesce, step
 
 STALL_S = 0.25
 D0 = Deployment("m", "v")
@@ -137,37 +137,15 @@ def test_versions(seed: int, own: str) -> None:
              "deploy", "peer", "refuse", "steal", "dup"],
             weights=[20, 15, 10, 10, 15, 8, 2, 3, 2, 2, 3, 6, 1, 1, 5],
         )[0]  # fmt: skip
-        if action == "consume" and h.model.assigned:
-            h.consume(rng.choice(sorted(h.model.assigned)), fresh=True)
-        elif action == "drain":
-            h.service._next_sweep = 0.0
-            h.model_thread_step()
-        elif action == "start" and h.runner.waiting:
-            h.runner.start(rng.choice(sorted(h.runner.waiting)))
-        elif action == "finish" and h.runner.running:
-            h.runner.finish(rng.choice(sorted(h.runner.running)), h.emit)
-        elif action == "deliver" and h.producer.pending:
-            h.deliver(rng.randrange(len(h.producer.pending)), ok=True)
-        elif action == "commit":
-            h.service._commit()
-        elif action == "revoke" and h.model.assigned:
-            h.revoke(rng.choice(sorted(h.model.assigned)))
-        elif action == "lose" and h.model.assigned:
-            h.lose(rng.choice(sorted(h.model.assigned)))
-        elif action == "assign":
-            for part in sorted(set(PARTITIONS) - h.model.assigned):
-                h.assign(part)
-        elif action == "cancel" and h.model.records:
-            h.service._inbox.put_nowait(_Cancel(rng.choice(sorted(h.model.records.values()))))
-        elif action == "deploy":
+        if step(h, action):
+            continue
+        if action == "deploy":
             h.deploy()
         elif action == "peer":
             candidates = h.peer_candidates()
             if candidates:
                 h.peer_end(rng.choice(candidates))
                 h.model_thread_step()  # its tail (before this worker could finish it: see busy_here)
-        elif action == "refuse":
-            h.refuse_commits = not h.refuse_commits
         elif action == "steal":
             candidates = sorted(r for r in h.service._live if h.model.durable[r] == 0)
             if candidates:
@@ -188,39 +166,13 @@ def test_versions(seed: int, own: str) -> None:
                         h.consume(part, fresh=False)
 
     # Quiesce: the peer ends what is its own, this worker everything else.
-    h.refuse_commits = False
-    for part in sorted(set(PARTITIONS) - h.model.assigned):
-        h.assign(part)
-    for round_ in range(60):
-        if round_ % 10 == 9:
-            for part in PARTITIONS:
-                h.revoke(part)
-                h.assign(part)
-        for part in PARTITIONS:
-            while (part, h.model.next_offset[part]) in h.model.records:
-                h.consume(part, fresh=False)
+    def peer_round() -> None:
         h.service._next_sweep = 0.0
         h.model_thread_step()
         for request_id in h.peer_candidates():
             h.peer_end(request_id)
         h.service._next_sweep = 0.0
-        h.model_thread_step()
-        for request_id in sorted(h.runner.waiting):
-            h.runner.start(request_id)
-        for request_id in sorted(h.runner.running):
-            h.runner.finish(request_id, h.emit)
-        while h.producer.pending:
-            h.deliver(0, ok=True)
-        h.service._commit()
-    ended = {request_id for request_id, n in h.model.durable.items() if n}
-    never = set(h.model.records.values()) - ended
-    assert not never, (
-        f"{len(never)} never ended; deployment {h.deployment}, held {h.service.held}, "
-        f"live {len(h.service._live)}, followers {len(h.service._followers)}"
-    )
-    ends = {part: max((o for p, o in h.model.records if p == part), default=-1) + 1 for part in PARTITIONS}
-    assert h.model.committed == ends
-    assert not h.service._followers
-    assert not h.service._publishing
-    assert sum(h.service._running.values()) == 0, h.service._running
+
+    quiesce(h, rounds=60, each=peer_round)
+    assert_quiet(h)
     assert not h.stalls, h.stalls
