@@ -21,7 +21,8 @@ import queue
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
@@ -570,16 +571,8 @@ class WorkerService(Component):
                 pass  # not marked done: an earlier record of its partition may have been dropped
             case Arrival():
                 self._learn_from_tail(runner)  # it may have seen this very request finish elsewhere
-                with self._offsets_lock:
-                    stale = self._stale(item.tp, item.generation)
-                    if not stale:
-                        self._offsets.started(item.tp, item.offset)
-                        self._taking = True
-                try:
+                with self._taken(item, start=True) as stale:
                     self._take_arrival(runner, emit, item, stale)
-                finally:
-                    with self._offsets_lock:
-                        self._taking = False
             case _Cancel():
                 if item.request_id in self._live:
                     runner.cancel(item.request_id, emit)
@@ -592,6 +585,22 @@ class WorkerService(Component):
                         self._offsets.done(item.tp, item.offset)
             case _Deploy():
                 self._deploy(runner, item.deployment, item.event_id)
+
+    @contextmanager
+    def _taken(self, item: Arrival, *, start: bool) -> Iterator[bool]:
+        """Whether ``item`` is stale; if not, while the block places it (and counts it running, or not) a
+        revoke landing meanwhile waits for it (``_taking``). ``start``: its offset is started first."""
+        with self._offsets_lock:
+            stale = self._stale(item.tp, item.generation)
+            if not stale:
+                if start:
+                    self._offsets.started(item.tp, item.offset)
+                self._taking = True
+        try:
+            yield stale
+        finally:
+            with self._offsets_lock:
+                self._taking = False
 
     def _take_arrival(self, runner: Runner, emit: Emitter, item: Arrival, stale: bool) -> None:
         """A request's record, its stale check done (and its offset started if not stale)."""
@@ -637,11 +646,15 @@ class WorkerService(Component):
             self._held[request_id] = item
             self._next_sweep = 0.0  # an adoptable or droppable record goes at once
 
-    def _run(self, runner: Runner, item: Arrival, emit: Emitter) -> None:
-        request_id = item.event.request_id
-        self._live[request_id] = item
+    def _live_here(self, item: Arrival) -> None:
+        """``item``'s request now ends here: live, and counted running until its terminal event settles."""
+        self._live[item.event.request_id] = item
         with self._offsets_lock:
             self._running[(item.tp, item.generation)] += 1
+
+    def _run(self, runner: Runner, item: Arrival, emit: Emitter) -> None:
+        request_id = item.event.request_id
+        self._live_here(item)
         runner.accept(item, emit)
         if self._early_cancels.pop(request_id, None) is not None:
             runner.cancel(request_id, emit)  # cancelled before it arrived: never runs
@@ -717,14 +730,8 @@ class WorkerService(Component):
             return
         self._next_sweep = now + self.SWEEP_EVERY_S
         for request_id, item in list(self._held.items()):
-            with self._offsets_lock:
-                stale = self._stale(item.tp, item.generation)
-                self._taking = not stale  # a revoke now waits until it runs (counted) or stays held
-            try:
+            with self._taken(item, start=False) as stale:  # its offset was started when it was held
                 self._sweep_one(runner, emit, request_id, item, stale, now)
-            finally:
-                with self._offsets_lock:
-                    self._taking = False
 
     def _sweep_one(
         self, runner: Runner, emit: Emitter, request_id: str, item: Arrival, stale: bool, now: float
@@ -759,9 +766,7 @@ class WorkerService(Component):
         )
         if item.trace is not None:
             item.trace.span.set_attribute(tracing.STATUS, "shadow_dropped")
-        self._live[event.request_id] = item
-        with self._offsets_lock:
-            self._running[(item.tp, item.generation)] += 1
+        self._live_here(item)
         origin = Origin(self.source, self.worker_id)
         self._publish_finish(
             item, origin.finished(item, "cancelled", "cancelled", timings=Timings(finished=utc_now()))
@@ -943,7 +948,6 @@ class WorkerService(Component):
             result = msgspec.structs.replace(result, batch=arrival.batch)
         remaining = [2 if reply is not None else 1]
         lock = threading.Lock()
-        failed = [False]
         where = (request_id, arrival.tp, arrival.offset, arrival.generation)
 
         def settle_one() -> None:
@@ -969,14 +973,11 @@ class WorkerService(Component):
             # committed, and the worker fails, so that its next start reads the results topic to its end
             # and runs the request again only if it is not there (a retry here could end it twice).
             log.error("terminal event of %s not durable: %s", request_id, err)
-            with lock:
-                first_failure, failed[0] = not failed[0], True
-            if first_failure:
-                self._durable.put(_Undelivered(request_id, arrival.tp, arrival.generation))
-                if span is not None:
-                    span.set_status(Status(StatusCode.ERROR, str(err)))
-                    span.end()
-                self.fail(BusError(f"the terminal event of {request_id} could not be written: {err}"))
+            self._durable.put(_Undelivered(request_id, arrival.tp, arrival.generation))
+            if span is not None:
+                span.set_status(Status(StatusCode.ERROR, str(err)))
+                span.end()
+            self.fail(BusError(f"the terminal event of {request_id} could not be written: {err}"))
 
         value = encode(result)
         if not fits_record(value):
