@@ -253,7 +253,8 @@ class BatchRunner(AsyncComponent):
             except (NotFound, OSError):
                 log.warning("batch %s: its input file is gone; it cannot resume and fails", state.batch_id)
                 error = _input_gone(state.input_file_id)
-                ended.append(self._ended_at_reload(path, state, **_failure(state.counts, error)))
+                counts = _journal_counts(path.parent, state)
+                ended.append(self._ended_at_reload(path, state, **_failure(counts, error)))
                 continue
             if state.status != "validating":
                 job.restore()
@@ -815,6 +816,18 @@ class BatchRunner(AsyncComponent):
 def _running(job: Job) -> bool:
     """Its lines may be published: in progress, not ending."""
     return job.state.status == "in_progress" and job.ending is None
+
+
+def _journal_counts(folder: Path, state: BatchStateChanged) -> BatchCounts:
+    """A batch's counts as its journal has them, without its input file: ``state.counts`` is only as new as
+    the last state written, and lines may have settled since (the journal is synced before their offsets
+    are committed, so it is the truth)."""
+    total = state.counts.total
+    job = Job(folder, state, folder / "input-gone")
+    job.set_index(array("q", [0]) * total, bytearray(total))
+    job.restore()
+    job.close()
+    return job.counts()
 
 
 def _input_gone(file_id: str, exc: OSError | None = None) -> BatchLineError:
