@@ -32,12 +32,18 @@ it (and all torch work, see ``configure_torch_threads``).
 Sampling is greedy at temperature 0 (below ``SAMPLING_EPS``), otherwise temperature / top-k / top-p with a per-request
 ``torch.Generator`` seeded by the request, so re-running a request reproduces its tokens (a retry after a
 worker crash streams the same text).
+
+A row whose next-token scores hold NaN or inf (a numeric blow-up in that sequence: an fp16 overflow, bad
+weights) ends that sequence with ``error`` and no token, the others untouched; its keys and values are
+zeroed as it is freed, since masked columns still enter attention (NaN plus the mask's lowest value is NaN)
+and would poison whatever sequence takes the row next.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -58,7 +64,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "error"]
+"""``error``: the row's next-token scores held NaN or inf; the output's token is none of the model's."""
 
 
 class EngineError(GpuWorkerError):
@@ -352,12 +359,12 @@ class GenerationEngine:
             batch.cache = out.past_key_values
             logits = out.logits[:, -1, :]
             stats = token_stats(logits)
-        tokens, logprobs, entropies = self._sample(logits, stats, running, live)
+        tokens, logprobs, entropies, broken = self._sample(logits, stats, running, live)
         for j, row in enumerate(live):
             seq = running[j]
             seq.position += 1
-            if self._emit(seq, tokens[j], outputs, logprobs[j], entropies[j]) is not None:
-                self._free(row)
+            if self._emit(seq, tokens[j], outputs, logprobs[j], entropies[j], broken[j]) is not None:
+                self._free(row, scrub=broken[j])
 
     def _defer_prefill(self) -> bool:
         """Let joiners gather for a batched prefill while a large batch decodes (TGI's ``waiting_served_ratio``
@@ -404,23 +411,27 @@ class GenerationEngine:
             _Seq(req=req, generator=self._generator(req), position=len(req.input_ids)) for req in admitted
         ]
         logits = out.logits[:, -1, :]
-        tokens, logprobs, entropies = self._sample(logits, token_stats(logits), seqs, range(len(seqs)))
-        keep_rows = [
+        tokens, logprobs, entropies, broken = self._sample(
+            logits, token_stats(logits), seqs, range(len(seqs))
+        )
+        keep_rows = [  # a broken row is not kept: its keys and values never reach the batch's cache
             row
             for row, s in enumerate(seqs)
-            if self._emit(s, tokens[row], outputs, logprobs[row], entropies[row]) is None
+            if self._emit(s, tokens[row], outputs, logprobs[row], entropies[row], broken[row]) is None
         ]
         if not keep_rows:
             return None
         return [seqs[r] for r in keep_rows], _select(out.past_key_values, keep_rows), mask[keep_rows]
 
     def _emit(
-        self, seq: _Seq, token: int, outputs: list[StepOutput], logprob: float, entropy: float
+        self, seq: _Seq, token: int, outputs: list[StepOutput], logprob: float, entropy: float, broken: bool
     ) -> FinishReason | None:
         seq.generated += 1
         seq.last_token = token
         reason: FinishReason | None = None
-        if token in seq.req.stop_token_ids:
+        if broken:  # no token, and no NaN for the drift features
+            reason, logprob, entropy = "error", 0.0, 0.0
+        elif token in seq.req.stop_token_ids:
             reason = "stop"
         elif (
             seq.generated >= seq.req.max_new_tokens
@@ -434,13 +445,19 @@ class GenerationEngine:
 
     # -------------------------------------------------------------------------------------- batch surgery
 
-    def _free(self, row: int) -> None:
-        """The row's sequence is gone: from now on the row attends only to its own new columns."""
+    def _free(self, row: int, *, scrub: bool = False) -> None:
+        """The row's sequence is gone: from now on the row attends only to its own new columns. ``scrub``:
+        its keys and values are zeroed too (they hold NaN or inf)."""
         batch = self._batch
         batch.seqs[row] = None
         if self._ring is not None:
-            self._ring.free(row)
-        elif batch.mask is not None:
+            self._ring.free(row, scrub=scrub)
+            return
+        if scrub:
+            for keys, values in _layers(batch.cache):
+                keys[row].zero_()
+                values[row].zero_()
+        if batch.mask is not None:
             batch.mask[row] = 0
             batch.mask[row, -1] = 1  # never an all-masked row (a softmax over nothing)
             batch.freed = True
@@ -596,23 +613,25 @@ class GenerationEngine:
 
     def _sample(
         self, logits: torch.Tensor, stats: torch.Tensor, seqs: Sequence[_Seq], rows: Sequence[int]
-    ) -> tuple[list[int], list[float], list[float]]:
-        """Each sequence's next token, with its log-probability and the distribution's entropy; ``seqs[i]``
-        is row ``rows[i]`` of ``logits`` and of ``stats`` (:func:`token_stats`). All greedy: one copy
-        back (one device sync) a step, and no other work on the device."""
+    ) -> tuple[list[int], list[float], list[float], list[bool]]:
+        """Each sequence's next token, with its log-probability, the distribution's entropy, and whether
+        its scores were broken (NaN or inf: :func:`token_stats`'s log-probability of the best token is
+        finite for every other row); ``seqs[i]`` is row ``rows[i]`` of ``logits`` and of ``stats``. All
+        greedy: one copy back (one device sync) a step, and no other work on the device."""
         import torch
 
         argmax, greedy_logprob, entropy = stats.tolist()
         entropies = [entropy[r] for r in rows]
-        if all(seq.generator is None for seq in seqs):
-            return [int(argmax[r]) for r in rows], [greedy_logprob[r] for r in rows], entropies
+        broken = [not math.isfinite(greedy_logprob[r]) for r in rows]
         tokens = [int(argmax[r]) for r in rows]
+        if all(seq.generator is None for seq in seqs):
+            return tokens, [greedy_logprob[r] for r in rows], entropies, broken
         for i, seq in enumerate(seqs):
-            if seq.generator is not None:
+            if seq.generator is not None and not broken[i]:  # ``multinomial`` raises on a NaN distribution
                 tokens[i] = sample_token(logits[rows[i]], seq.req, seq.generator)
         scores = logits[list(rows)].float()
         chosen = scores.gather(1, torch.tensor(tokens, device=scores.device).unsqueeze(1)).squeeze(1)
-        return tokens, (chosen - torch.logsumexp(scores, dim=-1)).tolist(), entropies
+        return tokens, (chosen - torch.logsumexp(scores, dim=-1)).tolist(), entropies, broken
 
 
 def token_stats(logits: torch.Tensor) -> torch.Tensor:

@@ -206,6 +206,9 @@ class GenerationRunner:
                 live = self._live.get(out.request_id)
                 if live is None:
                     continue
+                if out.finish_reason == "error":  # NaN or inf scores: the engine dropped it, no token came
+                    self._non_finite(live, emit)
+                    continue
                 self._scheduler.produced(out.request_id)
                 live.first_token = live.first_token or stamp
                 live.logprob_sum += out.logprob
@@ -280,6 +283,19 @@ class GenerationRunner:
             message=f"the model failed on a step of this request's batch ({type(exc).__name__})",
         )
         self._fail_all(dropped, error, emit)
+
+    def _non_finite(self, live: _Live, emit: Emitter) -> None:
+        """The model's next-token scores for this request held NaN or inf: it ends ``failed`` with
+        ``engine_error`` (not retriable: the same request would blow up the same way), alone; the rest of
+        its batch goes on. A version whose every request does this (bad weights) fails its rollout's
+        error-rate gate instead of answering with made-up tokens."""
+        request_id = live.event.request_id
+        log.error("%s: NaN or inf in the next-token scores of %s", self._manifest.model_id, request_id)
+        self._scheduler.finish(request_id)
+        error = ErrorInfo(
+            code=ENGINE_ERROR_CODE, message="the model's next-token scores for this request hold NaN or inf"
+        )
+        self._end(live, "failed", "error", emit, error)
 
     # ---------------------------------------------------------------- helpers
 

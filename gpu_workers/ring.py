@@ -145,9 +145,13 @@ class RingCache:
         self.mask[row] = False
         self.mask[row, column] = True
 
-    def free(self, row: int) -> None:
-        """The row's sequence is gone: from now on it attends only to its own new columns."""
+    def free(self, row: int, *, scrub: bool = False) -> None:
+        """The row's sequence is gone: from now on it attends only to its own new columns. ``scrub``: its
+        keys and values are zeroed too (they hold NaN or inf, which masked columns still pass on)."""
         self.mask[row] = False
+        if scrub:
+            for buf in (*self.keys, *self.values):
+                buf[row].zero_()
 
     def gather(self, keep: list[int], height: int) -> None:
         """Rows ``keep`` move to the top, in order; the rows after them, up to ``height``, are free."""

@@ -495,3 +495,66 @@ def test_the_growing_cache_layer_matches_concatenation_through_growth_and_trims(
         assert torch.equal(out_v, ref_v)
         assert cache.get_seq_length() == ref_k.shape[-2]
     assert layer.kbuf.shape[2] > 64, "the buffer grew (moved) on the way"
+
+
+def poison_row_once(lm: LoadedModel, engine: GenerationEngine, request_id: str) -> Callable[[], None]:
+    """At the next decode forward, the first block's output of ``request_id``'s row becomes NaN: a numeric
+    blow-up in one sequence (an fp16 overflow, say), which reaches its logits and its keys and values in
+    every later layer. Returns the hook's remover."""
+    fired: list[bool] = []
+
+    def hook(_module: torch.nn.Module, _args: object, output: object) -> object:
+        hidden = output[0] if isinstance(output, tuple) else output
+        assert isinstance(hidden, torch.Tensor)
+        if not fired and hidden.shape[1] == 1:  # a decode (one token a row), not a prefill
+            rows = [i for i, seq in enumerate(engine._batch.seqs) if seq and seq.req.request_id == request_id]
+            assert len(rows) == 1
+            hidden[rows[0]] = float("nan")
+            fired.append(True)
+        return output
+
+    first_block = lm.model.get_submodule("transformer.h.0")
+    handle = first_block.register_forward_hook(hook)
+    return lambda: handle.remove()
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_a_sequence_whose_scores_turn_nan_ends_alone_and_its_row_serves_the_next_one_cleanly(
+    demo_gpt: LoadedModel, static_cache: bool, sampled: bool
+) -> None:
+    """Non-finite next-token scores in one row end that sequence with ``error`` (no token from them), while
+    the others in its batch go on untouched (a sampled one too: ``multinomial`` raises on a NaN
+    distribution, which failed the whole step), and the row's NaN keys and values are not left for the
+    sequence that takes the row next: masked columns still enter attention (NaN + the mask's lowest value is
+    NaN), so they poisoned every later tenant of the row."""
+    lm = demo_gpt
+    ids = {name: encode(lm, PROMPTS[name]) for name in ("story", "mid", "short")}
+    engine = GenerationEngine(lm.model, max_batch_size=2, static_cache=static_cache)
+    extra = {"temperature": 0.9, "seed": 5} if sampled else {}
+    keep = request(lm, "keep", ids["story"], 40, **extra)
+    reference = {0: [keep]}
+    expected_keep = [o.token_id for o in run(GenerationEngine(lm.model, max_batch_size=2), reference)["keep"]]
+    expected_next = generate_alone(lm, ids["short"], 12)
+    engine.add(keep)
+    engine.add(request(lm, "bad", ids["mid"], 30, **extra))
+    seen: dict[str, list[StepOutput]] = {}
+    for out in engine.step() + engine.step():  # both prefilled, then one decode each
+        seen.setdefault(out.request_id, []).append(out)
+    remove = poison_row_once(lm, engine, "bad")
+    try:
+        for out in engine.step():
+            seen.setdefault(out.request_id, []).append(out)
+    finally:
+        remove()
+    assert seen["bad"][-1].finish_reason == "error"
+    assert (seen["bad"][-1].logprob, seen["bad"][-1].entropy) == (0.0, 0.0), "no NaN for the drift features"
+    assert engine.running == 1
+    for _ in range(3):  # the row's NaN columns now older than the next prompt: masked, not overwritten
+        for out in engine.step():
+            seen.setdefault(out.request_id, []).append(out)
+    engine.add(request(lm, "next", ids["short"], 12))  # takes the bad sequence's row
+    for step, outs in run(engine, {}).items():
+        seen.setdefault(step, []).extend(outs)
+    assert [o.token_id for o in seen["keep"]] == expected_keep
+    assert [o.token_id for o in seen["next"]] == expected_next
+    assert all(o.finish_reason != "error" for name in ("keep", "next") for o in seen[name])

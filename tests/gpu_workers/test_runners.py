@@ -3,6 +3,7 @@ the seed a request without one samples with."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -32,6 +33,7 @@ from schemas.events import (
     utc_now,
 )
 from schemas.ids import derive_seed, uuid7
+from tests.gpu_workers.test_engine import poison_row_once
 
 SOURCE = "gpu_workers/test"
 WORKER = "worker-1"
@@ -381,3 +383,44 @@ def test_a_flooding_tenant_waits_its_turn_and_pays_for_the_full_queue(demo_gpt: 
     assert second.timings.started is not None
     assert first.timings.finished <= quick.timings.started  # the light tenant took the first free slot
     assert quick.timings.finished <= second.timings.started
+
+
+def test_a_generation_whose_scores_turn_nan_fails_alone_and_the_worker_serves_on(
+    demo_gpt: LoadedModel,
+) -> None:
+    """One streamed request's next-token scores turn NaN mid-way: it ends ``failed`` with ``engine_error``
+    (once, its tokens so far streamed, no made-up token after them, no NaN in its drift features), its
+    batch-mate completes as it would alone, and the runner serves the next request."""
+    engine = GenerationEngine(demo_gpt.model, max_batch_size=4, max_context=demo_gpt.manifest.max_context)
+    runner = generation_runner(demo_gpt, engine, max_running=4, max_waiting=8)
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=12, temperature=0.8, seed=3, ignore_eos=True)
+    alone = run(runner, [generation(sampled)]).finished
+    mate, bad = generation(sampled, stream=True), generation(greedy, stream=True)
+    out = Collected()
+    for offset, request in enumerate((mate, bad)):
+        runner.accept(Arrival(request, ("requests", 0), offset), out)
+    for _ in range(3):
+        runner.tick(out)
+    remove = poison_row_once(demo_gpt, engine, bad.request_id)
+    try:
+        runner.tick(out)
+    finally:
+        remove()
+    for _ in range(200):
+        if len(out.finished) == 2:
+            break
+        runner.tick(out)
+    failed = out.finished[bad.request_id]
+    assert (failed.status, failed.finish_reason) == ("failed", "error")
+    assert failed.error == ErrorInfo(
+        code="engine_error", message="the model's next-token scores for this request hold NaN or inf"
+    )
+    streamed = [t for c in out.chunks if c.request_id == bad.request_id for t in c.token_ids]
+    assert failed.usage.completion_tokens == len(streamed) == 3, "the tokens before the NaN, none after"
+    assert failed.features is not None
+    assert math.isfinite(failed.features.mean_logprob or 0.0), "the NaN step is not scored"
+    done = out.finished[mate.request_id]
+    assert (done.status, done.text) == ("completed", next(iter(alone.values())).text)
+    after = run(runner, [generation(greedy)]).finished
+    assert next(iter(after.values())).status == "completed"
