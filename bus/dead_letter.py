@@ -1,5 +1,5 @@
 """Records nobody can decode: sent whole (or cut to fit) to the dead-letter topic with why, counted, and the
-consumer moves on."""
+consumer moves on, committing such a record only once its letter is durable."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import msgspec
 from confluent_kafka import Message
 
 from bus.consumer import record_headers
-from bus.producer import EventProducer
+from bus.producer import Delivery, EventProducer
 from monitoring.metrics import DEAD_LETTERS
 from schemas.codec import MAX_RECORD_BYTES, DecodeError, decode
 from schemas.events import DeadLetter, Event
@@ -21,33 +21,35 @@ log = logging.getLogger(__name__)
 
 def decode_or_dead_letter(
     message: Message, producer: EventProducer, deadletter_topic: str, source: str
-) -> Event | None:
+) -> Event | Delivery:
     """Decode a record into its event, or send it whole to the dead-letter topic (with the reason) and
-    return None so the caller moves on."""
+    return the letter's :class:`~bus.producer.Delivery`: the record may count as handled (its offset
+    committed) only once the letter is durable, or a crash in between loses it from the dead letters."""
     value = message.value() or b""
     header_list = record_headers(message)
     try:
         return decode(value, header_list)
     except DecodeError as exc:
         where = (message.topic() or "", message.partition() or 0, message.offset() or 0)
-        dead_letter(producer, deadletter_topic, source, where, value, exc, header_list)
-        return None
+        delivery = Delivery()
+        letter = dead_letter_event(source, where, value, exc, header_list)
+        producer.produce(deadletter_topic, letter, on_delivery=delivery.settle)
+        return delivery
 
 
 DEAD_LETTER_KEEP_BYTES = MAX_RECORD_BYTES // 2
 """The most of an undecodable record a dead letter keeps (its base64 and the rest stay under the limit)."""
 
 
-def dead_letter(
-    producer: EventProducer,
-    deadletter_topic: str,
+def dead_letter_event(
     source: str,
     where: tuple[str, int, int],
     value: bytes,
     exc: DecodeError,
     header_list: Sequence[tuple[str, str | bytes | None]] = (),
-) -> None:
-    """Send an undecodable record (topic, partition, offset) to the dead-letter topic, and count it.
+) -> DeadLetter:
+    """The dead letter of an undecodable record (topic, partition, offset), counted and logged as sent: its
+    sender produces it, and commits the record only once it is durable.
 
     The record goes whole unless its letter would pass the record limit (base64 grows it by a third): then
     the letter keeps its first :data:`DEAD_LETTER_KEEP_BYTES` and the reason says so. A letter over the
@@ -60,22 +62,19 @@ def dead_letter(
     if sum(len(k) + len(v) for k, v in kept.items()) > DEAD_LETTER_KEEP_BYTES // 8:
         reason += f" ({len(kept)} headers left out: too large)"
         kept = {}
-    producer.produce(
-        deadletter_topic,
-        DeadLetter(
-            tenant="",
-            model="",
-            source=source,
-            source_topic=topic,
-            partition=partition,
-            offset=offset,
-            reason=reason,
-            payload_b64=base64.b64encode(value[:DEAD_LETTER_KEEP_BYTES]).decode(),
-            headers=kept,
-        ),
-    )
     DEAD_LETTERS.labels(topic=topic, reason=dead_letter_reason(value, exc)).inc()
     log.warning("dead-lettered %s[%s]@%s: %s", topic, partition, offset, exc)
+    return DeadLetter(
+        tenant="",
+        model="",
+        source=source,
+        source_topic=topic,
+        partition=partition,
+        offset=offset,
+        reason=reason,
+        payload_b64=base64.b64encode(value[:DEAD_LETTER_KEEP_BYTES]).decode(),
+        headers=kept,
+    )
 
 
 def dead_letter_reason(value: bytes, exc: DecodeError) -> str:

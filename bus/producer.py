@@ -28,6 +28,34 @@ Record = tuple[bytes, bytes | None, list[tuple[str, bytes]] | None]
 """A record to produce: its value, key and headers."""
 
 
+class Delivery:
+    """One record's delivery report for whoever asks, before or after it lands: ``settle`` is the record's
+    ``on_delivery``, and each :meth:`then` callback gets the outcome once (at once where it is known). Any
+    thread; callbacks run on the thread that settles, or on the caller's if it already has."""
+
+    __slots__ = ("_error", "_lock", "_settled", "_waiting")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._settled = False
+        self._error: BusError | None = None
+        self._waiting: list[Callable[[BusError | None], None]] = []
+
+    def settle(self, err: BusError | None, _where: Position | None = None) -> None:
+        with self._lock:
+            self._settled, self._error = True, err
+            waiting, self._waiting = self._waiting, []
+        for callback in waiting:
+            callback(err)
+
+    def then(self, callback: Callable[[BusError | None], None]) -> None:
+        with self._lock:
+            if not self._settled:
+                self._waiting.append(callback)
+                return
+        callback(self._error)
+
+
 def producer_config(kafka: KafkaConnection, client_id: str, **overrides: Any) -> dict[str, Any]:
     """Durable and quick: every record is on all in-sync replicas before it counts as sent, retries do not
     duplicate, and nothing waits for batch-mates (``linger.ms=0``: librdkafka still batches what queues up while a request is in flight)."""

@@ -35,7 +35,7 @@ from bus.control import control_start, latest_deployments
 from bus.dead_letter import decode_or_dead_letter
 from bus.errors import BusError
 from bus.positions import read_to_end, watermarks
-from bus.producer import EventProducer, Position
+from bus.producer import Delivery, EventProducer, Position
 from gpu_workers import GpuWorkerError
 from gpu_workers.features import FeatureProbe, Vector
 from gpu_workers.observe import WorkerObserver, open_trace
@@ -97,9 +97,22 @@ class _Uncommitted:
 
 @dataclass(frozen=True)
 class _Skip:
+    """A record with nothing to run. ``letter``: it was dead-lettered, and is done once the letter is
+    durable (``_Lettered``), not before: a crash in between would lose it from the dead letters."""
+
     tp: TP
     offset: int
     generation: int = 0
+    letter: Delivery | None = None
+
+
+@dataclass(frozen=True)
+class _Lettered:
+    """A dead-lettered record's letter landed (``error`` None) or did not (the worker fails)."""
+
+    tp: TP
+    offset: int
+    error: BusError | None
 
 
 @dataclass(frozen=True)
@@ -175,7 +188,9 @@ class WorkerService(Component):
         self._probe: FeatureProbe | None = None
         self._inbox: queue.Queue[_Inbox] = queue.Queue(maxsize=inbox_size)
         # Unbounded but holds at most one entry per request in flight; filled by the producer's thread.
-        self._durable: queue.SimpleQueue[_Durable | _Undelivered | _Uncommitted] = queue.SimpleQueue()
+        self._durable: queue.SimpleQueue[_Durable | _Undelivered | _Uncommitted | _Lettered] = (
+            queue.SimpleQueue()
+        )
         self._finished: OrderedDict[str, None] = OrderedDict()
         self._live: dict[str, Arrival] = {}
         """Requests handed to the runner and not yet ended (model thread only)."""
@@ -353,6 +368,9 @@ class WorkerService(Component):
             tp = (message.topic() or "", message.partition() or 0)
             offset = message.offset() or 0
             event = decode_or_dead_letter(message, self._producer, self._names.deadletter, self.source)
+            if isinstance(event, Delivery):
+                self._put(_Skip(tp, offset, self._generation, letter=event))
+                continue
             line: BatchRef | None = None
             if isinstance(event, BatchItemRequested):  # a batch line runs as the request it carries
                 line, event = event.ref, event.as_request()
@@ -580,9 +598,14 @@ class WorkerService(Component):
                     self._remember_early_cancel(item.request_id)
             case _Skip():
                 with self._offsets_lock:
-                    if not self._stale(item.tp, item.generation):
-                        self._offsets.started(item.tp, item.offset)
+                    if self._stale(item.tp, item.generation):
+                        return
+                    self._offsets.started(item.tp, item.offset)
+                    if item.letter is None:
                         self._offsets.done(item.tp, item.offset)
+                        return
+                tp, offset = item.tp, item.offset
+                item.letter.then(lambda error: self._durable.put(_Lettered(tp, offset, error)))
             case _Deploy():
                 self._deploy(runner, item.deployment, item.event_id)
 
@@ -892,6 +915,13 @@ class WorkerService(Component):
                     continue
                 if isinstance(durable, _Uncommitted):
                     self._offsets.uncommit(durable.offsets)
+                    continue
+                if isinstance(durable, _Lettered):
+                    if durable.error is None:  # the record's own offset, whatever its generation (below)
+                        self._offsets.done(durable.tp, durable.offset)
+                    else:  # left uncommitted: the next start reads the record and letters it again
+                        log.error("the dead letter of %s@%s was not written: %s", *durable.tp, durable.error)
+                        self.fail(BusError(f"a dead letter could not be written: {durable.error}"))
                     continue
                 # The record's own offset, whatever its generation: a partition lost and handed back
                 # redelivers the same record, whose offset is the one pending now.

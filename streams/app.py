@@ -49,7 +49,7 @@ from opentelemetry.trace import Span, SpanKind
 
 from bus.consumer import ConsumerThread, consumer_config
 from bus.control import read_placed
-from bus.dead_letter import dead_letter
+from bus.dead_letter import dead_letter_event
 from bus.errors import BusError
 from bus.producer import EventProducer, Position
 from monitoring import metrics, tracing
@@ -344,15 +344,18 @@ class StreamsApp(AsyncComponent):
         self._stored_until_ms = latest
         for (topic, kind), count in kinds.items():
             metrics.STREAMS_EVENTS.labels(topic, kind).inc(count)
-        for record, exc in batch.undecodable:
-            dead_letter(
-                self._producer,
-                self.names.deadletter,
-                SOURCE,
-                (record.topic, record.partition, record.offset),
-                record.value,
-                exc,
+        # durable before the batch's offsets are committed (a crash in between would lose them)
+        await asyncio.gather(
+            *(
+                self._producer.publish(
+                    self.names.deadletter,
+                    dead_letter_event(
+                        SOURCE, (record.topic, record.partition, record.offset), record.value, exc
+                    ),
+                )
+                for record, exc in batch.undecodable
             )
+        )
         if self._on_batch is not None:
             self._on_batch(batch)
         places = {

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import queue
 import threading
 import time
 from typing import Any
@@ -11,7 +12,7 @@ from confluent_kafka import Message, Producer
 from bus.consumer import ConsumerThread, consumer_config
 from bus.dead_letter import decode_or_dead_letter
 from bus.errors import BusError
-from bus.producer import EventProducer
+from bus.producer import Delivery, EventProducer
 from infra.topics import TopicSpec, apply_topics, make_admin
 from schemas.codec import MAX_RECORD_BYTES, decode, encode
 from schemas.events import DeadLetter, Event
@@ -81,8 +82,14 @@ def test_undecodable_records_go_to_the_dead_letter_topic(kafka: KafkaConnection,
     with ConsumerThread(consumer_config(kafka, f"{topic}-g", "t"), seen, subscribe=[topic]):
         (message,) = seen.wait_for(1)
     producer = EventProducer(kafka, "t")
+    outcomes: queue.SimpleQueue[BusError | None] = queue.SimpleQueue()
     with producer:
-        assert decode_or_dead_letter(message, producer, dlq, "test/worker") is None
+        delivery = decode_or_dead_letter(message, producer, dlq, "test/worker")
+        assert isinstance(delivery, Delivery)
+        delivery.then(outcomes.put)
+        assert outcomes.get(timeout=10) is None, "the letter is durable: the record may be committed"
+    delivery.then(outcomes.put)  # asked after it landed: answered at once
+    assert outcomes.get_nowait() is None
     dead = Collector()
     with ConsumerThread(consumer_config(kafka, f"{dlq}-g", "t"), dead, subscribe=[dlq]):
         (letter,) = dead.wait_for(1)

@@ -3,30 +3,14 @@
 from __future__ import annotations
 
 import base64
-from typing import Any, cast
 
-from bus.dead_letter import DEAD_LETTER_KEEP_BYTES, dead_letter
-from bus.producer import EventProducer
+from bus.dead_letter import DEAD_LETTER_KEEP_BYTES, dead_letter_event
 from schemas.codec import MAX_RECORD_BYTES, DecodeError, encode
 from schemas.events import DeadLetter
 
 
-class _Capture:
-    def __init__(self) -> None:
-        self.letters: list[DeadLetter] = []
-
-    def produce(self, topic: str, event: Any) -> None:
-        self.letters.append(event)
-
-
 def _letter(value: bytes, header_list: list[tuple[str, str | bytes | None]]) -> DeadLetter:
-    capture = _Capture()
-    where = ("t.requests.m", 0, 7)
-    dead_letter(
-        cast(EventProducer, capture), "t.deadletter", "test", where, value, DecodeError("bad"), header_list
-    )
-    (letter,) = capture.letters
-    return letter
+    return dead_letter_event("test", ("t.requests.m", 0, 7), value, DecodeError("bad"), header_list)
 
 
 def test_a_small_record_goes_whole() -> None:

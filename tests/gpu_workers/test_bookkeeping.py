@@ -24,13 +24,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from confluent_kafka import Message
 
 from bus.errors import BusError
 from gpu_workers.observe import RunnerLoad
 from gpu_workers.runtime import Arrival, Emitter
 from gpu_workers.service import WorkerService, _Cancel
-from schemas.codec import decode
-from schemas.events import GenerationRequested, ReplyTo, RequestFinished, TokenChunk, Usage
+from schemas.codec import decode, encode
+from schemas.events import DeadLetter, GenerationRequested, ReplyTo, RequestFinished, TokenChunk, Usage
 from schemas.ids import uuid7
 from schemas.settings import KafkaConnection
 from schemas.topics import TopicNames
@@ -100,8 +101,9 @@ class FakeProducer:
         with self.lock:
             self.pending.append((topic, value, on_delivery))
 
-    def produce(self, topic: str, event: Any, **_: Any) -> None:
-        pass  # token chunks: not part of the bookkeeping
+    def produce(self, topic: str, event: Any, *, on_delivery: Any = None, **_: Any) -> None:
+        if on_delivery is not None:  # a dead letter (token chunks are not part of the bookkeeping)
+            self.produce_raw(topic, encode(event), on_delivery=on_delivery)
 
     def settle(self, index: int, ok: bool) -> tuple[str, bytes, bool]:
         with self.lock:
@@ -119,6 +121,10 @@ class Model:
     committed: dict[int, int] = field(default_factory=lambda: dict.fromkeys(PARTITIONS, 0))
     records: dict[tuple[int, int], str] = field(default_factory=dict)
     """(partition, offset) -> request id: the log."""
+    junk: set[tuple[int, int]] = field(default_factory=set)
+    """(partition, offset) of the log's records that do not decode."""
+    lettered: Counter[tuple[int, int]] = field(default_factory=Counter)
+    """(partition, offset) -> its dead letters durable."""
     assigned: set[int] = field(default_factory=lambda: set(PARTITIONS))
     durable: Counter[str] = field(default_factory=Counter)
     """Request id -> terminal events durable on the results topic."""
@@ -180,6 +186,9 @@ class Harness:
 
     def consume(self, part: int, fresh: bool) -> None:
         offset = self.model.next_offset[part]
+        if (part, offset) in self.model.junk:
+            self.consume_junk(part)
+            return
         if (part, offset) not in self.model.records:
             if not fresh:
                 return
@@ -191,6 +200,13 @@ class Harness:
         self.service._inbox.put_nowait(
             Arrival(event, (TOPIC, part), offset, generation=self.service._generation)
         )
+        self.model.next_offset[part] = offset + 1
+
+    def consume_junk(self, part: int) -> None:
+        """A record that does not decode (fresh, or the log's again), through the consumer thread's code."""
+        offset = self.model.next_offset[part]
+        self.model.junk.add((part, offset))
+        self.service._on_requests([Message(topic=TOPIC, partition=part, offset=offset, value=b"{junk")])
         self.model.next_offset[part] = offset + 1
 
     def revoke(self, part: int) -> None:
@@ -233,6 +249,10 @@ class Harness:
             assert isinstance(event, RequestFinished)
             self.model.durable[event.request_id] += 1
             assert self.model.durable[event.request_id] == 1, f"{event.request_id} ended twice"
+        if delivered and topic == self.service._names.deadletter:
+            letter = decode(value)
+            assert isinstance(letter, DeadLetter)
+            self.model.lettered[(letter.partition, letter.offset)] += 1
 
     # --- the model thread ----------------------------------------------------------------------------
 
@@ -244,8 +264,11 @@ class Harness:
 
     def check_commit(self, part: int, offset: int) -> None:
         """Never past a record whose request has not ended durably, unless another record of that request
-        is still uncommitted (a crash redelivers that one: the request is not lost)."""
+        is still uncommitted (a crash redelivers that one: the request is not lost), nor past one that does
+        not decode before its dead letter is durable."""
         for o in range(offset):
+            if (part, o) in self.model.junk:
+                assert self.model.lettered[(part, o)], f"committed {part}@{offset} past {o}, never lettered"
             request_id = self.model.records.get((part, o))
             if request_id is not None and self.model.durable[request_id] == 0:
                 elsewhere = [
@@ -312,6 +335,13 @@ def step(h: Harness, action: str) -> bool:
     elif action == "cancel":
         if h.model.records:
             h.service._inbox.put_nowait(_Cancel(rng.choice(sorted(h.model.records.values()))))
+    elif action == "junk":  # at the log's end (else what is there is redelivered)
+        if h.model.assigned:
+            part = rng.choice(sorted(h.model.assigned))
+            if (part, h.model.next_offset[part]) in h.model.records:
+                h.consume(part, fresh=False)
+            else:
+                h.consume_junk(part)
     elif action == "refuse":
         h.refuse_commits = not h.refuse_commits
     else:
@@ -331,8 +361,7 @@ def quiesce(h: Harness, rounds: int = 50, each: Callable[[], None] | None = None
                 h.revoke(part)
                 h.assign(part)
         for part in PARTITIONS:
-            while (part, h.model.next_offset[part]) in h.model.records:
-                h.consume(part, fresh=False)
+            redeliver(h, part)
         if each is not None:
             each()
         h.model_thread_step()
@@ -351,7 +380,9 @@ def assert_quiet(h: Harness) -> None:
     never = set(h.model.records.values()) - {request_id for request_id, n in h.model.durable.items() if n}
     assert not never, f"{len(never)} requests never ended"
     assert all(n == 1 for n in h.model.durable.values())
-    ends = {part: max((o for p, o in h.model.records if p == part), default=-1) + 1 for part in PARTITIONS}
+    assert all(h.model.lettered[where] for where in h.model.junk), "a record that does not decode unlettered"
+    logged = set(h.model.records) | h.model.junk
+    ends = {part: max((o for p, o in logged if p == part), default=-1) + 1 for part in PARTITIONS}
     assert h.model.committed == ends
     assert not h.service._followers
     assert not h.service._publishing
@@ -364,8 +395,8 @@ def test_random_interleavings_end_every_request_exactly_once(seed: int) -> None:
     for _ in range(400):
         action = h.rng.choices(
             ["consume", "drain", "start", "finish", "deliver", "fail", "commit", "revoke", "assign", "cancel",
-             "refuse", "lose"],
-            weights=[20, 15, 10, 10, 15, 2, 8, 2, 3, 2, 1, 1],
+             "refuse", "lose", "junk"],
+            weights=[20, 15, 10, 10, 15, 2, 8, 2, 3, 2, 1, 1, 2],
         )[0]  # fmt: skip
         step(h, action)
     quiesce(h)
@@ -386,7 +417,7 @@ def request_on(h: Harness, part: int, *, reply: bool = False) -> str:
 
 
 def redeliver(h: Harness, part: int) -> None:
-    while (part, h.model.next_offset[part]) in h.model.records:
+    while (part, h.model.next_offset[part]) in h.model.records.keys() | h.model.junk:
         h.consume(part, fresh=False)
 
 
@@ -537,3 +568,38 @@ def test_a_failed_worker_does_not_run_again_a_request_whose_results_copy_may_be_
     h.service._commit()
     assert len(h.runner.accepted) == 1
     assert h.model.committed[0] == 0
+
+
+@pytest.mark.parametrize("delivered", [True, False])
+def test_a_record_that_does_not_decode_is_committed_only_once_its_dead_letter_is_durable(
+    delivered: bool,
+) -> None:
+    """The junk's offset, and the requests after it, wait for its dead letter: committed once it lands; if
+    Kafka does not take it, the worker fails and commits nothing past it, and its next start reads the
+    record again and letters it (a review found the offset marked done at once: a crash in between lost
+    the record from the dead letters)."""
+    h = Harness(3)
+    h.service.COMMIT_INTERVAL_S = 0.0
+    h.consume_junk(0)
+    after = request_on(h, 0)
+    h.model_thread_step()
+    h.runner.start(after)
+    h.runner.finish(after, h.emit)
+    (letter,) = [
+        i for i, (topic, _, _) in enumerate(h.producer.pending) if topic == h.service._names.deadletter
+    ]
+    h.deliver(1 - letter, ok=True)  # the request's terminal event first
+    h.service._commit()
+    assert h.model.committed[0] == 0, "committed past a dead letter not yet durable"
+    h.deliver(0, ok=delivered)
+    h.service._commit()
+    if delivered:
+        assert h.service.failure is None
+        assert h.model.committed[0] == 2
+    else:
+        assert h.service.failure is not None
+        assert h.model.committed[0] == 0
+        h.restart()
+        quiesce(h)
+        assert h.model.lettered[(0, 0)] == 1
+    assert_quiet(h)

@@ -17,6 +17,7 @@ from clickhouse_connect.driver.client import Client
 from confluent_kafka import Message
 
 from bus.consumer import ConsumerThread
+from bus.errors import BusError
 from bus.producer import EventProducer, Position
 from bus.producer import Record as Produced
 from schemas.codec import encode
@@ -246,13 +247,20 @@ async def test_stopping_an_app_that_never_started_leaves_the_working_directory_a
 
 
 class Producer:
-    """Records what the app produces; every record is durable at once."""
+    """Records what the app produces; every record is durable at once, but on ``refused`` topics."""
 
-    def __init__(self) -> None:
+    def __init__(self, refused: Sequence[str] = ()) -> None:
         self.records: list[tuple[str, object]] = []
+        self.refused = set(refused)
 
     def produce(self, topic: str, event: object, **kwargs: object) -> None:
         self.records.append((topic, event))
+
+    async def publish(self, topic: str, event: object, **kwargs: object) -> Position:
+        if topic in self.refused:
+            raise BusError(f"delivery to {topic} failed: broker down")
+        self.records.append((topic, event))
+        return (0, len(self.records) - 1)
 
     async def publish_many(self, topic: str, records: Sequence[Produced]) -> list[Position]:
         self.records += [(topic, value) for value, _, _ in records]
@@ -299,3 +307,23 @@ async def test_an_undecodable_record_is_dead_lettered_and_the_rest_of_its_batch_
     assert (letters[0].source_topic, letters[0].offset) == ("p.results", 7)
     assert [topic for topic, _ in producer.records if topic != "p.deadletter"] == ["p.audit"]
     assert warehouse.rows == {"events_raw": 2, "request_facts": 1, "audit_log": 1, "drift_features": 1}
+
+
+async def test_a_batch_whose_dead_letter_kafka_refuses_is_not_stored(tmp_path: Path) -> None:
+    """The batch counts as stored (its offsets committed) only once its dead letters are durable: one Kafka
+    refuses fails the write, so the batch is read again and the junk lettered then (before, the letter was
+    produced and not waited for: a crash in between lost it)."""
+    producer = Producer(refused=["p.deadletter"])
+    app = StreamsApp(
+        PlatformSettings(kafka_bootstrap="127.0.0.1:1", topic_prefix="p", data_dir=str(tmp_path)),
+        StreamsSettings(),
+        cast(Client, Warehouse()),
+        PriceTable(),
+        cast(EventProducer, producer),
+        request_topics=["p.requests.demo-gpt"],
+    )
+    app._heads = {}
+    with pytest.raises(BusError, match=r"p\.deadletter"):
+        await app.write(
+            [Consumed("p.results", 0, 7, b"{not json"), Consumed("p.results", 0, 8, encode(finished()))]
+        )
