@@ -167,9 +167,10 @@ class EmbeddingRunner:
             return f"inputs {outside} hold token ids outside the vocabulary of {vocab}"
         return None
 
-    def release(self, request_ids: Collection[str]) -> set[str]:
+    def release(self, request_ids: Collection[str], *, running: bool = False) -> set[str]:
         # Whatever is still here has produced nothing yet (a batch in flight included: its vectors are
-        # skipped when it lands). Its queued inputs leave the batcher: they would hold places in it.
+        # skipped when it lands), running or not. Its queued inputs leave the batcher: they would hold
+        # places in it.
         released = {r for r in request_ids if self._requests.pop(r, None) is not None}
         for request_id in released:
             self._batcher.cancel(request_id)

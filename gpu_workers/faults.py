@@ -68,8 +68,8 @@ class FaultyRunner:
     def cancel(self, request_id: str, emit: Emitter) -> None:
         self._inner.cancel(request_id, self._emit(emit))
 
-    def release(self, request_ids: Collection[str]) -> set[str]:
-        return self._inner.release(request_ids)
+    def release(self, request_ids: Collection[str], *, running: bool = False) -> set[str]:
+        return self._inner.release(request_ids, running=running)
 
     def tick(self, emit: Emitter) -> None:
         if self._delay_s and self._inner.wait_hint() == 0:

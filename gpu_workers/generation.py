@@ -146,10 +146,19 @@ class GenerationRunner:
         self._scheduler.submit(item)
         self._live[event.request_id] = live
 
-    def release(self, request_ids: Collection[str]) -> set[str]:
-        released = {r for r in request_ids if r in self._live and self._scheduler.withdraw(r)}
+    def release(self, request_ids: Collection[str], *, running: bool = False) -> set[str]:
+        released: set[str] = set()
+        for request_id in request_ids:
+            if request_id not in self._live:
+                continue
+            if self._scheduler.withdraw(request_id):
+                released.add(request_id)
+            elif running and self._scheduler.finish(request_id):
+                self._engine.cancel(request_id)
+                released.add(request_id)
         for request_id in released:
             del self._live[request_id]
+            self._coalescer.drop(request_id)  # tokens not yet streamed: the next run makes them again
         return released
 
     def cancel(self, request_id: str, emit: Emitter) -> None:

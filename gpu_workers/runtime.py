@@ -69,9 +69,11 @@ class Runner(Protocol):
     def tick(self, emit: Emitter) -> None:
         """Do one unit of work (one decode step, one embedding batch), emitting what it produced."""
 
-    def release(self, request_ids: Collection[str]) -> set[str]:
+    def release(self, request_ids: Collection[str], *, running: bool = False) -> set[str]:
         """Drop those of ``request_ids`` that have not started (no output yet) without a terminal event:
-        their partition moved to another worker, which runs them. Returns the ids dropped."""
+        their partition moved to another worker, which runs them. ``running``: those already running too
+        (a retiring version cuts what it could not finish in time); what they streamed stays on the log,
+        whoever runs them again repeats it, and the edge keeps each token once. Returns the ids dropped."""
 
     def wait_hint(self) -> float | None:
         """Seconds the loop may block waiting for input: 0 while there is work, None for "until input"."""

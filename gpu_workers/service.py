@@ -166,6 +166,9 @@ class WorkerService(Component):
         self.version = version
         """The model version this worker runs ("" : any, and no deployment is followed)."""
         self._adopt_grace_s = adopt_grace_s
+        self._retired_at: float | None = None
+        """When this worker saw its version stop serving (model thread): what still runs here half the
+        adopt grace later is cut (``_cut_retired``)."""
         self._deployment: Deployment | None = None
         """The model's latest deployment (model thread); None before any rollout: run every record."""
         self._deployment_id = ""
@@ -577,6 +580,7 @@ class WorkerService(Component):
             self._take(runner, emit, item)
             if not self._releases.empty():  # a revoke waits for it (``_on_revoke``)
                 self._release_revoked(runner)
+        self._cut_retired(runner)
         self._sweep(runner, emit)
 
     def _take(self, runner: Runner, emit: Emitter, item: _Inbox) -> None:
@@ -718,6 +722,8 @@ class WorkerService(Component):
             self._left_serving.setdefault(version, now)
         for version in deployment.serving:
             self._left_serving.pop(version, None)  # serving again (a rollout started anew)
+        if self.version in deployment.serving:
+            self._retired_at = None
         if deployment != self._deployment:
             log.info("worker %s (%s): deployment %s", self.worker_id, self.version, deployment)
         self._deployment = deployment
@@ -727,15 +733,12 @@ class WorkerService(Component):
 
     def _retire(self, runner: Runner) -> None:
         """This version stopped serving: what it has not started goes back to being held, for the stable
-        version to adopt (or drop) after the grace. Only what already runs here finishes here, so the grace
-        covers every request it might still end: one left queued behind a backlog would otherwise end here
+        version to adopt (or drop) after the grace. Only what already runs here may finish here, and only
+        within half the grace (``_cut_retired``), so no request this worker could still end is adopted:
+        one left queued behind a backlog, or a generation longer than the grace, would otherwise end here
         and on the stable version both."""
-        for request_id in runner.release(list(self._live)):
-            arrival = self._live.pop(request_id)
-            with self._offsets_lock:
-                self._settled(arrival.tp, arrival.generation)
-            self._held[request_id] = arrival
-            self._take_followers_again(request_id)
+        self._retired_at = time.monotonic()
+        self._give_back(runner, running=False)
         if self._held:
             log.info(
                 "worker %s (%s): no longer serving; %d requests held",
@@ -743,6 +746,38 @@ class WorkerService(Component):
                 self.version,
                 len(self._held),
             )
+
+    def _cut_retired(self, runner: Runner) -> None:
+        """Half the adopt grace after this version stopped serving, what still runs here is cut and held
+        too (no terminal event: the stable version runs it again from the start once the grace is over,
+        and the edge keeps each streamed token once). The other half is the margin for the two workers
+        seeing the deployment change at different times; with a drain (a retiring worker is stopped)
+        longer than the grace, a long generation used to end on both versions."""
+        retired = self._retired_at
+        if retired is None or not self._live or time.monotonic() - retired < self._adopt_grace_s / 2:
+            return
+        cut = self._give_back(runner, running=True)
+        if cut:
+            log.warning(
+                "worker %s (%s): %d requests still running %.1f s after the version stopped serving were "
+                "cut; the stable version runs them again",
+                self.worker_id,
+                self.version,
+                len(cut),
+                self._adopt_grace_s / 2,
+            )
+
+    def _give_back(self, runner: Runner, *, running: bool) -> set[str]:
+        """What the runner gives back of this worker's live requests (``running``: those started too) is
+        held, as another version's records are; returns their ids."""
+        released = runner.release(list(self._live), running=running)
+        for request_id in released:
+            arrival = self._live.pop(request_id)
+            with self._offsets_lock:
+                self._settled(arrival.tp, arrival.generation)
+            self._held[request_id] = arrival
+            self._take_followers_again(request_id)
+        return released
 
     SWEEP_EVERY_S = 0.5
 

@@ -102,7 +102,8 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     """The model version to serve (a directory under the model's cache folder); default: ``current``."""
     worker_adopt_grace_s: Annotated[float, msgspec.Meta(ge=0.0)] = 10.0
     """How long after a version stops serving the stable version's workers wait before running the
-    requests still routed to it (its own workers finish what they started in the meantime)."""
+    requests still routed to it. Its own workers may finish what they started for half of it, then cut
+    what still runs (the stable version runs it again): no request ends on both."""
     fault_fail_ratio: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
     """Fault injection for rollout drills: this share of requests (by request-id hash) ends ``failed``."""
     fault_delay_ms: Annotated[int, msgspec.Meta(ge=0)] = 0

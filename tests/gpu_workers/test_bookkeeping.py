@@ -74,10 +74,11 @@ class FakeRunner:
         if request_id in self.running or request_id in self.waiting:
             self.finish(request_id, emit, "cancelled")
 
-    def release(self, request_ids: Collection[str]) -> set[str]:
-        released = {r for r in request_ids if r in self.waiting}
+    def release(self, request_ids: Collection[str], *, running: bool = False) -> set[str]:
+        released = {r for r in request_ids if r in self.waiting or (running and r in self.running)}
         for request_id in released:
-            del self.waiting[request_id]
+            self.waiting.pop(request_id, None)
+            self.running.pop(request_id, None)
         return released
 
     def tick(self, emit: Emitter) -> None:

@@ -176,3 +176,44 @@ def test_versions(seed: int, own: str) -> None:
     quiesce(h, rounds=60, each=peer_round)
     assert_quiet(h)
     assert not h.stalls, h.stalls
+
+
+def test_what_still_runs_half_the_grace_after_a_rollback_is_cut_and_held() -> None:
+    """The candidate's worker, rolled back while a request of it runs: the request may still end here for
+    half the adopt grace, then it is cut (no terminal event) and held, so that the stable version, which
+    adopts it once the grace is over, is the only one that can end it. Before, a generation longer than the
+    grace (or a retiring worker's drain, 20 s by default) ran on here after the adoption, and the two runs
+    ending within the results tail's lag ended the request twice."""
+    h = HV(0, "c")
+    h.service._adopt_grace_s = 10.0
+    h.service.COMMIT_INTERVAL_S = 0.0
+    h.deployment = D1
+    h.service._inbox.put_nowait(_Deploy(D1, uuid7()))
+    h.model_thread_step()
+    request_id = uuid7()
+    h.model.records[(0, 0)] = request_id
+    event = GenerationRequested(
+        tenant="t", model="m", request_id=request_id, source="edge", model_version="c", input_ids=[1]
+    )
+    h.service._inbox.put_nowait(Arrival(event, (TOPIC, 0), 0, generation=h.service._generation))
+    h.model.next_offset[0] = 1
+    h.model_thread_step()
+    h.runner.start(request_id)
+    h.deployment = D0  # rolled back
+    h.service._inbox.put_nowait(_Deploy(D0, uuid7()))
+    h.model_thread_step()
+    h.model_thread_step()
+    assert request_id in h.runner.running, "within half the grace it may still finish here"
+    assert h.service._retired_at is not None
+    h.service._retired_at -= 5.0  # half the grace has passed
+    h.model_thread_step()
+    assert request_id not in h.runner.running, "still running past half the grace: it could end twice"
+    assert h.service.held == 1
+    assert not h.producer.pending, "cut without a terminal event"
+    h.service._commit()
+    assert h.model.committed[0] == 0
+    h.peer_end(request_id)  # the stable version adopted it and ended it
+    h.model_thread_step()
+    h.service._commit()
+    assert h.service.held == 0
+    assert h.model.committed[0] == 1

@@ -38,7 +38,7 @@ class Embedder:
             emit.finish(arrival, ORIGIN.finished(arrival, "completed", "stop", usage, embeddings=packed))
         self.waiting = []
 
-    def release(self, request_ids: Collection[str]) -> set[str]:
+    def release(self, request_ids: Collection[str], *, running: bool = False) -> set[str]:
         return set()
 
     def wait_hint(self) -> float | None:

@@ -424,3 +424,34 @@ def test_a_generation_whose_scores_turn_nan_fails_alone_and_the_worker_serves_on
     assert (done.status, done.text) == ("completed", next(iter(alone.values())).text)
     after = run(runner, [generation(greedy)]).finished
     assert next(iter(after.values())).status == "completed"
+
+
+def test_a_running_generation_given_back_ends_nowhere_and_its_batch_mate_goes_on(
+    demo_gpt: LoadedModel,
+) -> None:
+    """``release(running=True)`` (a retiring version cutting what it could not finish in time): the running
+    request leaves the engine and the scheduler without a terminal event or another chunk, and its
+    batch-mate completes as it would alone; without ``running`` a started request stays."""
+    engine = GenerationEngine(demo_gpt.model, max_batch_size=4, max_context=demo_gpt.manifest.max_context)
+    runner = generation_runner(demo_gpt, engine, max_running=4, max_waiting=8)
+    greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    alone = next(iter(run(runner, [generation(greedy)]).finished.values()))
+    mate, cut = generation(greedy, stream=True), generation(greedy, stream=True)
+    out = Collected()
+    for offset, request in enumerate((mate, cut)):
+        runner.accept(Arrival(request, ("requests", 0), offset), out)
+    for _ in range(3):
+        runner.tick(out)
+    assert runner.release([cut.request_id]) == set(), "started: not given back without running=True"
+    assert runner.release([cut.request_id], running=True) == {cut.request_id}
+    chunks = len([c for c in out.chunks if c.request_id == cut.request_id])
+    assert engine.running == 1
+    for _ in range(100):
+        if mate.request_id in out.finished:
+            break
+        runner.tick(out)
+    assert out.finished[mate.request_id].text == alone.text
+    assert cut.request_id not in out.finished
+    assert len([c for c in out.chunks if c.request_id == cut.request_id]) == chunks
+    assert runner.load().running == 0
+    assert runner.release([cut.request_id], running=True) == set()
