@@ -304,7 +304,12 @@ class GenerationEngine:
         # admitted by the failed step's prefill, or finished inside it (their last token lost with it)
         dropped += sorted((self._ids | self._lost) - set(dropped) - waiting)
         self._lost = set()
-        self._batch = _Batch()  # the ring's rows too: the next rebuild clears the rows it hands out
+        self._batch = _Batch()
+        if self._ring is not None:  # its rows hold what the failed step left: NaN, maybe (``_free``)
+            import torch
+
+            with torch.inference_mode():
+                self._ring.clear()
         self._ids = waiting
         if not keep_waiting:
             self._pending.clear()

@@ -153,6 +153,11 @@ class RingCache:
             for buf in (*self.keys, *self.values):
                 buf[row].zero_()
 
+    def clear(self) -> None:
+        """Every row free, its keys and values zeroed (after a failed step, whose state is not trusted)."""
+        for buf in (*self.keys, *self.values, self.mask):
+            buf.zero_()
+
     def gather(self, keep: list[int], height: int) -> None:
         """Rows ``keep`` move to the top, in order; the rows after them, up to ``height``, are free."""
         import torch

@@ -14,6 +14,7 @@ from gpu_workers.engine import (
     SeqRequest,
     StepOutput,
     _growing_cache,
+    _layers,
     engine_throughput,
     raw_generate_throughput,
     sample_token,
@@ -497,25 +498,18 @@ def test_the_growing_cache_layer_matches_concatenation_through_growth_and_trims(
     assert layer.kbuf.shape[2] > 64, "the buffer grew (moved) on the way"
 
 
-def poison_row_once(lm: LoadedModel, engine: GenerationEngine, request_id: str) -> Callable[[], None]:
-    """At the next decode forward, the first block's output of ``request_id``'s row becomes NaN: a numeric
-    blow-up in one sequence (an fp16 overflow, say), which reaches its logits and its keys and values in
-    every later layer. Returns the hook's remover."""
-    fired: list[bool] = []
-
-    def hook(_module: torch.nn.Module, _args: object, output: object) -> object:
-        hidden = output[0] if isinstance(output, tuple) else output
-        assert isinstance(hidden, torch.Tensor)
-        if not fired and hidden.shape[1] == 1:  # a decode (one token a row), not a prefill
-            rows = [i for i, seq in enumerate(engine._batch.seqs) if seq and seq.req.request_id == request_id]
-            assert len(rows) == 1
-            hidden[rows[0]] = float("nan")
-            fired.append(True)
-        return output
-
-    first_block = lm.model.get_submodule("transformer.h.0")
-    handle = first_block.register_forward_hook(hook)
-    return lambda: handle.remove()
+def poison_row(engine: GenerationEngine, request_id: str) -> None:
+    """``request_id``'s row's values in the first layer become NaN: a numeric blow-up in one sequence (an
+    fp16 overflow, say). Its next decode reads them: its scores turn NaN, and so do the keys and values it
+    writes in every later layer. Written into the cache itself, so a decode replayed as a CUDA graph reads
+    them too (a forward hook would not run there)."""
+    rows = [i for i, seq in enumerate(engine._batch.seqs) if seq and seq.req.request_id == request_id]
+    assert len(rows) == 1
+    with torch.inference_mode():
+        if engine._ring is not None:
+            engine._ring.values[0][rows[0]] = float("nan")
+        else:
+            _layers(engine._batch.cache)[0][1][rows[0]] = float("nan")
 
 
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
@@ -540,12 +534,9 @@ def test_a_sequence_whose_scores_turn_nan_ends_alone_and_its_row_serves_the_next
     seen: dict[str, list[StepOutput]] = {}
     for out in engine.step() + engine.step():  # both prefilled, then one decode each
         seen.setdefault(out.request_id, []).append(out)
-    remove = poison_row_once(lm, engine, "bad")
-    try:
-        for out in engine.step():
-            seen.setdefault(out.request_id, []).append(out)
-    finally:
-        remove()
+    poison_row(engine, "bad")
+    for out in engine.step():
+        seen.setdefault(out.request_id, []).append(out)
     assert seen["bad"][-1].finish_reason == "error"
     assert (seen["bad"][-1].logprob, seen["bad"][-1].entropy) == (0.0, 0.0), "no NaN for the drift features"
     assert engine.running == 1
@@ -558,3 +549,32 @@ def test_a_sequence_whose_scores_turn_nan_ends_alone_and_its_row_serves_the_next
     assert [o.token_id for o in seen["keep"]] == expected_keep
     assert [o.token_id for o in seen["next"]] == expected_next
     assert all(o.finish_reason != "error" for name in ("keep", "next") for o in seen[name])
+
+
+def test_a_step_that_fails_after_a_nan_leaves_no_nan_for_the_next_sequences(
+    demo_gpt: LoadedModel, static_cache: bool
+) -> None:
+    """A step failing part-way after a row's scores turned NaN (before the row was freed and scrubbed: an
+    out-of-memory while sampling the others, say) is reset: the ring kept its rows' keys and values, so a
+    later sequence placed in that row read the NaN and failed (found by a review)."""
+    lm = demo_gpt
+    ids = {name: encode(lm, PROMPTS[name]) for name in ("story", "mid", "short", "doc")}
+    engine = GenerationEngine(lm.model, max_batch_size=2, static_cache=static_cache)
+    engine.add(request(lm, "keep", ids["story"], 40))
+    engine.add(request(lm, "bad", ids["mid"], 40))
+    engine.step()
+    engine.step()
+    poison_row(engine, "bad")
+    sample = engine._sample
+
+    def failing(*args: object, **kwargs: object) -> object:
+        raise RuntimeError("out of memory, say")
+
+    engine._sample = failing  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError):
+        engine.step()
+    engine._sample = sample  # type: ignore[method-assign]
+    assert sorted(engine.reset(keep_waiting=True)) == ["bad", "keep"]
+    outputs = run(engine, {0: [request(lm, "a", ids["doc"], 12)], 5: [request(lm, "b", ids["short"], 12)]})
+    assert [o.token_id for o in outputs["a"]] == generate_alone(lm, ids["doc"], 12)
+    assert [o.token_id for o in outputs["b"]] == generate_alone(lm, ids["short"], 12)
