@@ -570,7 +570,7 @@ def test_a_step_that_fails_after_a_nan_leaves_no_nan_for_the_next_sequences(
     def failing(*args: object, **kwargs: object) -> object:
         raise RuntimeError("out of memory, say")
 
-    engine._sample = failing  # type: ignore[method-assign]
+    engine._sample = failing  # type: ignore[method-assign,assignment]
     with pytest.raises(RuntimeError):
         engine.step()
     engine._sample = sample  # type: ignore[method-assign]
