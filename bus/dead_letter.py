@@ -19,22 +19,32 @@ from schemas.events import DeadLetter, Event
 log = logging.getLogger(__name__)
 
 
+class Letter:
+    """A dead letter sent: its :attr:`delivery`, and :meth:`again` to send it once more where Kafka did not
+    take it."""
+
+    def __init__(self, producer: EventProducer, topic: str, event: DeadLetter) -> None:
+        self._producer, self._topic, self.event = producer, topic, event
+        self.delivery = Delivery()
+        producer.produce(topic, event, on_delivery=self.delivery.settle)
+
+    def again(self) -> Letter:
+        return Letter(self._producer, self._topic, self.event)
+
+
 def decode_or_dead_letter(
     message: Message, producer: EventProducer, deadletter_topic: str, source: str
-) -> Event | Delivery:
+) -> Event | Letter:
     """Decode a record into its event, or send it whole to the dead-letter topic (with the reason) and
-    return the letter's :class:`~bus.producer.Delivery`: the record may count as handled (its offset
-    committed) only once the letter is durable, or a crash in between loses it from the dead letters."""
+    return the :class:`Letter`: the record may count as handled (its offset committed) only once the
+    letter is durable, or a crash in between loses it from the dead letters."""
     value = message.value() or b""
     header_list = record_headers(message)
     try:
         return decode(value, header_list)
     except DecodeError as exc:
         where = (message.topic() or "", message.partition() or 0, message.offset() or 0)
-        delivery = Delivery()
-        letter = dead_letter_event(source, where, value, exc, header_list)
-        producer.produce(deadletter_topic, letter, on_delivery=delivery.settle)
-        return delivery
+        return Letter(producer, deadletter_topic, dead_letter_event(source, where, value, exc, header_list))
 
 
 DEAD_LETTER_KEEP_BYTES = MAX_RECORD_BYTES // 2

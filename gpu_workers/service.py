@@ -23,7 +23,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import msgspec
@@ -32,10 +32,10 @@ from opentelemetry.trace import Status, StatusCode
 
 from bus.consumer import BACKGROUND, TP, ConsumerThread, consumer_config
 from bus.control import control_start, latest_deployments
-from bus.dead_letter import decode_or_dead_letter
+from bus.dead_letter import Letter, decode_or_dead_letter
 from bus.errors import BusError
 from bus.positions import read_to_end, watermarks
-from bus.producer import Delivery, EventProducer, Position
+from bus.producer import EventProducer, Position
 from gpu_workers import GpuWorkerError
 from gpu_workers.features import FeatureProbe, Vector
 from gpu_workers.observe import WorkerObserver, open_trace
@@ -103,15 +103,14 @@ class _Skip:
     tp: TP
     offset: int
     generation: int = 0
-    letter: Delivery | None = None
+    letter: Letter | None = None
 
 
 @dataclass(frozen=True)
 class _Lettered:
-    """A dead-lettered record's letter landed (``error`` None) or did not (the worker fails)."""
+    """A dead-lettered record's letter landed (``error`` None) or did not (sent again, the record held)."""
 
-    tp: TP
-    offset: int
+    skip: _Skip
     error: BusError | None
 
 
@@ -166,6 +165,8 @@ class WorkerService(Component):
         self.version = version
         """The model version this worker runs ("" : any, and no deployment is followed)."""
         self._adopt_grace_s = adopt_grace_s
+        self._letters_again: list[tuple[float, _Skip]] = []
+        """Dead-lettered records whose letter Kafka did not take, and when to send it again (model thread)."""
         self._retired_at: float | None = None
         """When this worker saw its version stop serving (model thread): what still runs here half the
         adopt grace later is cut (``_cut_retired``)."""
@@ -371,7 +372,7 @@ class WorkerService(Component):
             tp = (message.topic() or "", message.partition() or 0)
             offset = message.offset() or 0
             event = decode_or_dead_letter(message, self._producer, self._names.deadletter, self.source)
-            if isinstance(event, Delivery):
+            if isinstance(event, Letter):
                 self._put(_Skip(tp, offset, self._generation, letter=event))
                 continue
             line: BatchRef | None = None
@@ -582,6 +583,34 @@ class WorkerService(Component):
                 self._release_revoked(runner)
         self._cut_retired(runner)
         self._sweep(runner, emit)
+        self._send_letters_again()
+
+    LETTER_RETRY_S = 2.0
+    """How long a dead letter Kafka did not take waits before it is sent again."""
+
+    def _await_letter(self, skip: _Skip) -> None:
+        """Its letter's outcome comes back as a ``_Lettered`` (from the producer's thread, or at once)."""
+        if skip.letter is not None:
+            skip.letter.delivery.then(lambda error: self._durable.put(_Lettered(skip, error)))
+
+    def _send_letters_again(self) -> None:
+        """Dead letters Kafka did not take, sent again once due, while their partition is still this
+        worker's: a dead-letter topic missing or refusing holds those partitions' commits back (their lag
+        shows it), rather than failing the worker on every start (before, a lost letter was dropped)."""
+        if not self._letters_again:
+            return
+        now = time.monotonic()
+        due = [skip for when, skip in self._letters_again if when <= now]
+        if not due:
+            return
+        self._letters_again = [(when, skip) for when, skip in self._letters_again if when > now]
+        for skip in due:
+            with self._offsets_lock:
+                stale = self._stale(skip.tp, skip.generation)
+                if stale:
+                    self._settled(skip.tp, skip.generation)  # the next owner reads and letters it
+            if not stale and skip.letter is not None:
+                self._await_letter(replace(skip, letter=skip.letter.again()))
 
     def _take(self, runner: Runner, emit: Emitter, item: _Inbox) -> None:
         match item:
@@ -608,8 +637,8 @@ class WorkerService(Component):
                     if item.letter is None:
                         self._offsets.done(item.tp, item.offset)
                         return
-                tp, offset = item.tp, item.offset
-                item.letter.then(lambda error: self._durable.put(_Lettered(tp, offset, error)))
+                    self._running[(item.tp, item.generation)] += 1  # a revoke waits for its letter too
+                self._await_letter(item)
             case _Deploy():
                 self._deploy(runner, item.deployment, item.event_id)
 
@@ -952,11 +981,19 @@ class WorkerService(Component):
                     self._offsets.uncommit(durable.offsets)
                     continue
                 if isinstance(durable, _Lettered):
+                    skip = durable.skip
                     if durable.error is None:  # the record's own offset, whatever its generation (below)
-                        self._offsets.done(durable.tp, durable.offset)
-                    else:  # left uncommitted: the next start reads the record and letters it again
-                        log.error("the dead letter of %s@%s was not written: %s", *durable.tp, durable.error)
-                        self.fail(BusError(f"a dead letter could not be written: {durable.error}"))
+                        self._offsets.done(skip.tp, skip.offset)
+                        self._settled(skip.tp, skip.generation)
+                    else:  # held (its partition's commit point with it) and sent again, the worker serving on
+                        log.error(
+                            "the dead letter of %s[%s]@%s was not written (%s); sent again in %.0f s",
+                            *skip.tp,
+                            skip.offset,
+                            durable.error,
+                            self.LETTER_RETRY_S,
+                        )
+                        self._letters_again.append((time.monotonic() + self.LETTER_RETRY_S, skip))
                     continue
                 # The record's own offset, whatever its generation: a partition lost and handed back
                 # redelivers the same record, whose offset is the one pending now.

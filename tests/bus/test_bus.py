@@ -10,9 +10,9 @@ import pytest
 from confluent_kafka import Message, Producer
 
 from bus.consumer import ConsumerThread, consumer_config
-from bus.dead_letter import decode_or_dead_letter
+from bus.dead_letter import Letter, decode_or_dead_letter
 from bus.errors import BusError
-from bus.producer import Delivery, EventProducer
+from bus.producer import EventProducer
 from infra.topics import TopicSpec, apply_topics, make_admin
 from schemas.codec import MAX_RECORD_BYTES, decode, encode
 from schemas.events import DeadLetter, Event
@@ -84,11 +84,11 @@ def test_undecodable_records_go_to_the_dead_letter_topic(kafka: KafkaConnection,
     producer = EventProducer(kafka, "t")
     outcomes: queue.SimpleQueue[BusError | None] = queue.SimpleQueue()
     with producer:
-        delivery = decode_or_dead_letter(message, producer, dlq, "test/worker")
-        assert isinstance(delivery, Delivery)
-        delivery.then(outcomes.put)
+        sent = decode_or_dead_letter(message, producer, dlq, "test/worker")
+        assert isinstance(sent, Letter)
+        sent.delivery.then(outcomes.put)
         assert outcomes.get(timeout=10) is None, "the letter is durable: the record may be committed"
-    delivery.then(outcomes.put)  # asked after it landed: answered at once
+    sent.delivery.then(outcomes.put)  # asked after it landed: answered at once
     assert outcomes.get_nowait() is None
     dead = Collector()
     with ConsumerThread(consumer_config(kafka, f"{dlq}-g", "t"), dead, subscribe=[dlq]):

@@ -11,8 +11,8 @@ from confluent_kafka import Message, Producer, TopicPartition
 from prometheus_client import REGISTRY
 
 from bus.consumer import ConsumerThread, consumer_config
-from bus.dead_letter import decode_or_dead_letter
-from bus.producer import Delivery, EventProducer
+from bus.dead_letter import Letter, decode_or_dead_letter
+from bus.producer import EventProducer
 from infra.topics import TopicSpec, apply_topics, make_admin
 from monitoring.metrics import exposition
 from schemas.codec import encode, headers
@@ -200,7 +200,7 @@ def test_dead_letters_are_counted_by_source_topic_and_reason(
     with EventProducer(kafka, "t") as producer:
         decoded = [decode_or_dead_letter(m, producer, dlq, "test/worker") for m in seen.all()]
     assert decoded[0] == event
-    assert all(isinstance(letter, Delivery) for letter in decoded[1:])
+    assert all(isinstance(letter, Letter) for letter in decoded[1:])
     after = {reason: dead_letters(topic, reason) - before[reason] for reason in reasons}
     assert after == {"bad_json": 1, "invalid_event": 1, "empty": 2, "bad_headers": 1, "other": 0}
     assert dead_letters(dlq, "bad_json") == 0  # labelled with the source topic, not the dead-letter one
