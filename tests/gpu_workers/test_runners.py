@@ -385,23 +385,32 @@ def test_a_flooding_tenant_waits_its_turn_and_pays_for_the_full_queue(demo_gpt: 
     assert quick.timings.finished <= second.timings.started
 
 
+def two_streamed(
+    lm: LoadedModel, first: SamplingParams, second: SamplingParams
+) -> tuple[GenerationEngine, GenerationRunner, Collected, RequestFinished, tuple[GenerationRequested, ...]]:
+    """A fresh runner of demo-gpt with two streamed requests in one batch, three tokens in, and the first
+    one's terminal event as it ends alone."""
+    engine = GenerationEngine(lm.model, max_batch_size=4, max_context=lm.manifest.max_context)
+    runner = generation_runner(lm, engine, max_running=4, max_waiting=8)
+    alone = next(iter(run(runner, [generation(first)]).finished.values()))
+    requests = generation(first, stream=True), generation(second, stream=True)
+    out = Collected()
+    for offset, request in enumerate(requests):
+        runner.accept(Arrival(request, ("requests", 0), offset), out)
+    for _ in range(3):
+        runner.tick(out)
+    return engine, runner, out, alone, requests
+
+
 def test_a_generation_whose_scores_turn_nan_fails_alone_and_the_worker_serves_on(
     demo_gpt: LoadedModel,
 ) -> None:
     """One streamed request's next-token scores turn NaN mid-way: it ends ``failed`` with ``engine_error``
     (once, its tokens so far streamed, no made-up token after them, no NaN in its drift features), its
     batch-mate completes as it would alone, and the runner serves the next request."""
-    engine = GenerationEngine(demo_gpt.model, max_batch_size=4, max_context=demo_gpt.manifest.max_context)
-    runner = generation_runner(demo_gpt, engine, max_running=4, max_waiting=8)
     greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     sampled = SamplingParams(max_tokens=12, temperature=0.8, seed=3, ignore_eos=True)
-    alone = run(runner, [generation(sampled)]).finished
-    mate, bad = generation(sampled, stream=True), generation(greedy, stream=True)
-    out = Collected()
-    for offset, request in enumerate((mate, bad)):
-        runner.accept(Arrival(request, ("requests", 0), offset), out)
-    for _ in range(3):
-        runner.tick(out)
+    engine, runner, out, alone, (mate, bad) = two_streamed(demo_gpt, sampled, greedy)
     poison_row(engine, bad.request_id)
     runner.tick(out)
     for _ in range(200):
@@ -418,7 +427,7 @@ def test_a_generation_whose_scores_turn_nan_fails_alone_and_the_worker_serves_on
     assert failed.features is not None
     assert math.isfinite(failed.features.mean_logprob or 0.0), "the NaN step is not scored"
     done = out.finished[mate.request_id]
-    assert (done.status, done.text) == ("completed", next(iter(alone.values())).text)
+    assert (done.status, done.text) == ("completed", alone.text)
     after = run(runner, [generation(greedy)]).finished
     assert next(iter(after.values())).status == "completed"
 
@@ -429,16 +438,8 @@ def test_a_running_generation_given_back_ends_nowhere_and_its_batch_mate_goes_on
     """``release(running=True)`` (a retiring version cutting what it could not finish in time): the running
     request leaves the engine and the scheduler without a terminal event or another chunk, and its
     batch-mate completes as it would alone; without ``running`` a started request stays."""
-    engine = GenerationEngine(demo_gpt.model, max_batch_size=4, max_context=demo_gpt.manifest.max_context)
-    runner = generation_runner(demo_gpt, engine, max_running=4, max_waiting=8)
     greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    alone = next(iter(run(runner, [generation(greedy)]).finished.values()))
-    mate, cut = generation(greedy, stream=True), generation(greedy, stream=True)
-    out = Collected()
-    for offset, request in enumerate((mate, cut)):
-        runner.accept(Arrival(request, ("requests", 0), offset), out)
-    for _ in range(3):
-        runner.tick(out)
+    engine, runner, out, alone, (mate, cut) = two_streamed(demo_gpt, greedy, greedy)
     assert runner.release([cut.request_id]) == set(), "started: not given back without running=True"
     assert runner.release([cut.request_id], running=True) == {cut.request_id}
     chunks = len([c for c in out.chunks if c.request_id == cut.request_id])
