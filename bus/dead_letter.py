@@ -11,6 +11,7 @@ import msgspec
 from confluent_kafka import Message
 
 from bus.consumer import record_headers
+from bus.errors import BusError
 from bus.producer import Delivery, EventProducer
 from monitoring.metrics import DEAD_LETTERS
 from schemas.codec import MAX_RECORD_BYTES, DecodeError, decode
@@ -26,7 +27,12 @@ class Letter:
     def __init__(self, producer: EventProducer, topic: str, event: DeadLetter) -> None:
         self._producer, self._topic, self.event = producer, topic, event
         self.delivery = Delivery()
-        producer.produce(topic, event, on_delivery=self.delivery.settle)
+        try:
+            producer.produce(topic, event, on_delivery=self.delivery.settle)
+        except BusError as exc:  # refused at once (a topic librdkafka knows is missing): not delivered
+            if producer.failure is not None:
+                raise  # the producer itself is gone: its owner fails
+            self.delivery.settle(exc)
 
     def again(self) -> Letter:
         return Letter(self._producer, self._topic, self.event)

@@ -108,6 +108,11 @@ class WorkerObserver:
     def chunk(self, request_id: str) -> None:
         self._stays.setdefault(request_id, _Stay()).chunks += 1
 
+    def streamed(self, request_id: str) -> bool:
+        """Whether a chunk of the request's answer was published here."""
+        stay = self._stays.get(request_id)
+        return stay is not None and stay.chunks > 0
+
     def forget(self, request_id: str) -> None:
         """A request that ends here without a terminal event (another worker's is on the log)."""
         self._stays.pop(request_id, None)

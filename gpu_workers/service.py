@@ -52,6 +52,7 @@ from schemas.events import (
     CancelRequested,
     DeploymentChanged,
     EmbeddingRequested,
+    ErrorInfo,
     GenerationRequested,
     RequestFinished,
     Timings,
@@ -65,6 +66,9 @@ from schemas.settings import KafkaConnection
 from schemas.topics import TopicNames, worker_group
 
 log = logging.getLogger(__name__)
+
+VERSION_RETIRED_CODE = "version_retired"
+"""A streamed request cut part-way when its version stopped serving (retriable)."""
 
 
 @dataclass(frozen=True)
@@ -777,11 +781,13 @@ class WorkerService(Component):
             )
 
     def _cut_retired(self, runner: Runner) -> None:
-        """Half the adopt grace after this version stopped serving, what still runs here is cut and held
-        too (no terminal event: the stable version runs it again from the start once the grace is over,
-        and the edge keeps each streamed token once). The other half is the margin for the two workers
-        seeing the deployment change at different times; with a drain (a retiring worker is stopped)
-        longer than the grace, a long generation used to end on both versions."""
+        """Half the adopt grace after this version stopped serving, what still runs here is cut: held too
+        (no terminal event: the stable version runs it again from the start once the grace is over), or,
+        where part of its answer was already streamed, ended here ``failed`` with ``version_retired``
+        (retriable), since the stable version's run would go on from another model's text. The other half
+        of the grace is the margin for the two workers seeing the deployment change at different times;
+        with a drain (a retiring worker is stopped) longer than the grace, a long generation used to end
+        on both versions."""
         retired = self._retired_at
         if retired is None or not self._live or time.monotonic() - retired < self._adopt_grace_s / 2:
             return
@@ -798,15 +804,36 @@ class WorkerService(Component):
 
     def _give_back(self, runner: Runner, *, running: bool) -> set[str]:
         """What the runner gives back of this worker's live requests (``running``: those started too) is
-        held, as another version's records are; returns their ids."""
+        held, as another version's records are, but for what it streamed part of (``_cut_retired``);
+        returns their ids."""
         released = runner.release(list(self._live), running=running)
         for request_id in released:
-            arrival = self._live.pop(request_id)
+            arrival = self._live[request_id]
+            if self._observer.streamed(request_id):
+                self._end_retired(arrival)
+                continue
+            del self._live[request_id]
+            self._observer.forget(request_id)
             with self._offsets_lock:
                 self._settled(arrival.tp, arrival.generation)
             self._held[request_id] = arrival
             self._take_followers_again(request_id)
         return released
+
+    def _end_retired(self, arrival: Arrival) -> None:
+        """End a request cut part-way through its streamed answer: retriable, so the client (or a batch)
+        asks again and gets one version's answer whole."""
+        origin = Origin(self.source, self.worker_id)
+        error = ErrorInfo(
+            code=VERSION_RETIRED_CODE,
+            message=f"model version {self.version} stopped serving while this answer streamed; retry the "
+            "request",
+            retriable=True,
+        )
+        self._publish_finish(
+            arrival,
+            origin.finished(arrival, "failed", "error", error=error, timings=Timings(finished=utc_now())),
+        )
 
     SWEEP_EVERY_S = 0.5
 

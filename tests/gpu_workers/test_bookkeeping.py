@@ -97,8 +97,13 @@ class FakeProducer:
 
     pending: list[tuple[str, bytes, Callable[..., None] | None]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    refused: set[str] = field(default_factory=set)
+    """Topics whose records are refused at once (librdkafka knows them missing)."""
+    failure: BaseException | None = None
 
     def produce_raw(self, topic: str, value: bytes, *, on_delivery: Any = None, **_: Any) -> None:
+        if topic in self.refused:
+            raise BusError(f"cannot produce to {topic}: unknown topic")
         with self.lock:
             self.pending.append((topic, value, on_delivery))
 
@@ -620,4 +625,34 @@ def test_a_revoke_waits_for_a_dead_letter_on_its_way() -> None:
     assert h.service._running[((TOPIC, 0), h.service._generation)] == 1
     h.revoke(0)  # plays the model thread and delivers what is pending while the revoke waits
     assert h.model.committed[0] == 1
+    assert h.model.lettered[(0, 0)] == 1
+
+
+def test_a_dead_letter_refused_at_once_is_sent_again_and_the_worker_serves_on() -> None:
+    """Once librdkafka knows the dead-letter topic missing, ``produce`` raises instead of reporting a failed
+    delivery: the worker's consumer and model threads used to die of it (found by review). Now the letter
+    counts as not delivered and is sent again until the topic is back; the requests around it run."""
+    h = Harness(6)
+    h.service.COMMIT_INTERVAL_S = 0.0
+    deadletter = h.service._names.deadletter
+    h.producer.refused.add(deadletter)
+    h.consume_junk(0)
+    after = request_on(h, 0)
+    for _ in range(3):
+        h.model_thread_step()
+    assert h.service.failure is None
+    h.runner.start(after)
+    h.runner.finish(after, h.emit)
+    while h.producer.pending:
+        h.deliver(0, ok=True)
+    h.service._commit()
+    assert h.model.durable[after] == 1
+    assert h.model.committed[0] == 0, "committed past a record never lettered"
+    h.producer.refused.clear()  # the topic is back
+    h.model_thread_step()
+    ((topic, _, _),) = h.producer.pending
+    assert topic == deadletter
+    h.deliver(0, ok=True)
+    h.service._commit()
+    assert h.model.committed[0] == 2
     assert h.model.lettered[(0, 0)] == 1

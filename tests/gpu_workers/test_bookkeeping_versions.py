@@ -13,8 +13,9 @@ import pytest
 
 from gpu_workers.runtime import Arrival
 from gpu_workers.service import _Deploy
+from schemas.codec import decode
 from schemas.deployments import Deployment
-from schemas.events import GenerationRequested
+from schemas.events import GenerationRequested, ReplyTo, RequestFinished, TokenChunk
 from schemas.ids import uuid7
 from tests.gpu_workers.test_bookkeeping import TOPIC, Harness, assert_quiet, quiesce, step
 
@@ -178,12 +179,15 @@ def test_versions(seed: int, own: str) -> None:
     assert not h.stalls, h.stalls
 
 
-def test_what_still_runs_half_the_grace_after_a_rollback_is_cut_and_held() -> None:
+@pytest.mark.parametrize("streamed", [False, True], ids=["held", "streamed"])
+def test_what_still_runs_half_the_grace_after_a_rollback_is_cut(streamed: bool) -> None:
     """The candidate's worker, rolled back while a request of it runs: the request may still end here for
-    half the adopt grace, then it is cut (no terminal event) and held, so that the stable version, which
-    adopts it once the grace is over, is the only one that can end it. Before, a generation longer than the
-    grace (or a retiring worker's drain, 20 s by default) ran on here after the adoption, and the two runs
-    ending within the results tail's lag ended the request twice."""
+    half the adopt grace, then it is cut, so that it cannot end here and on the stable version both (a
+    generation longer than the grace, or one finishing in a retiring worker's 20 s drain, used to run on
+    here after the adoption, and the two runs ending within the results tail's lag ended it twice). Cut
+    without a terminal event and held for the stable version to run again; or, where part of its answer
+    was already streamed (the stable version's run would go on from another model's text), ended here
+    ``failed`` with ``version_retired``, retriable."""
     h = HV(0, "c")
     h.service._adopt_grace_s = 10.0
     h.service.COMMIT_INTERVAL_S = 0.0
@@ -193,12 +197,19 @@ def test_what_still_runs_half_the_grace_after_a_rollback_is_cut_and_held() -> No
     request_id = uuid7()
     h.model.records[(0, 0)] = request_id
     event = GenerationRequested(
-        tenant="t", model="m", request_id=request_id, source="edge", model_version="c", input_ids=[1]
-    )
-    h.service._inbox.put_nowait(Arrival(event, (TOPIC, 0), 0, generation=h.service._generation))
+        tenant="t", model="m", request_id=request_id, source="edge", model_version="c", input_ids=[1],
+        stream=streamed, reply=ReplyTo(topic="p.replies", partition=0, edge_id="e") if streamed else None,
+    )  # fmt: skip
+    arrival = Arrival(event, (TOPIC, 0), 0, generation=h.service._generation)
+    h.service._inbox.put_nowait(arrival)
     h.model.next_offset[0] = 1
     h.model_thread_step()
     h.runner.start(request_id)
+    if streamed:
+        chunk = TokenChunk(
+            tenant="t", model="m", request_id=request_id, source="w", seq=0, offset=0, token_ids=[7], text="x"
+        )
+        h.service._publish_chunk(arrival, chunk)
     h.deployment = D0  # rolled back
     h.service._inbox.put_nowait(_Deploy(D0, uuid7()))
     h.model_thread_step()
@@ -208,12 +219,28 @@ def test_what_still_runs_half_the_grace_after_a_rollback_is_cut_and_held() -> No
     h.service._retired_at -= 5.0  # half the grace has passed
     h.model_thread_step()
     assert request_id not in h.runner.running, "still running past half the grace: it could end twice"
-    assert h.service.held == 1
-    assert not h.producer.pending, "cut without a terminal event"
-    h.service._commit()
-    assert h.model.committed[0] == 0
-    h.peer_end(request_id)  # the stable version adopted it and ended it
-    h.model_thread_step()
+    if streamed:
+        assert h.service.held == 0
+        (index,) = [
+            i for i, (topic, _, _) in enumerate(h.producer.pending) if topic == h.service._names.results
+        ]
+        _, value, _ = h.producer.pending[index]
+        ended = decode(value)
+        assert isinstance(ended, RequestFinished)
+        assert ended.status == "failed"
+        assert ended.error is not None
+        assert (ended.error.code, ended.error.retriable) == ("version_retired", True)
+        while h.producer.pending:
+            h.deliver(0, ok=True)
+    else:
+        assert h.service.held == 1
+        assert not h.producer.pending, "cut without a terminal event"
+        h.service._commit()
+        assert h.model.committed[0] == 0
+        h.peer_end(request_id)  # the stable version adopted it and ended it
+        h.model_thread_step()
     h.service._commit()
     assert h.service.held == 0
     assert h.model.committed[0] == 1
+    assert h.model.durable[request_id] == 1
+    assert not h.service._observer._stays, "nothing left of it in the worker's per-request bookkeeping"
