@@ -791,26 +791,32 @@ class WorkerService(Component):
         retired = self._retired_at
         if retired is None or not self._live or time.monotonic() - retired < self._adopt_grace_s / 2:
             return
-        cut = self._give_back(runner, running=True)
-        if cut:
+        held, ended = self._give_back(runner, running=True)
+        if held or ended:
             log.warning(
                 "worker %s (%s): %d requests still running %.1f s after the version stopped serving were "
-                "cut; the stable version runs them again",
+                "cut: %d held for the stable version to run again, %d ended %s (part of their answer "
+                "was streamed)",
                 self.worker_id,
                 self.version,
-                len(cut),
+                held + ended,
                 self._adopt_grace_s / 2,
+                held,
+                ended,
+                VERSION_RETIRED_CODE,
             )
 
-    def _give_back(self, runner: Runner, *, running: bool) -> set[str]:
+    def _give_back(self, runner: Runner, *, running: bool) -> tuple[int, int]:
         """What the runner gives back of this worker's live requests (``running``: those started too) is
-        held, as another version's records are, but for what it streamed part of (``_cut_retired``);
-        returns their ids."""
+        held, as another version's records are, but for what it streamed part of, which ends here
+        (``_cut_retired``); returns how many were held and how many ended."""
         released = runner.release(list(self._live), running=running)
+        ended = 0
         for request_id in released:
             arrival = self._live[request_id]
             if self._observer.streamed(request_id):
                 self._end_retired(arrival)
+                ended += 1
                 continue
             del self._live[request_id]
             self._observer.forget(request_id)
@@ -818,7 +824,7 @@ class WorkerService(Component):
                 self._settled(arrival.tp, arrival.generation)
             self._held[request_id] = arrival
             self._take_followers_again(request_id)
-        return released
+        return len(released) - ended, ended
 
     def _end_retired(self, arrival: Arrival) -> None:
         """End a request cut part-way through its streamed answer: retriable, so the client (or a batch)
