@@ -1272,6 +1272,21 @@ async def test_without_shadow_copies_the_drift_gate_does_not_apply(harness: Harn
     assert not any("FROM drift_features" in q for q in harness.warehouse.queries)
 
 
+async def test_without_shadow_copies_the_drift_gate_says_so_from_the_start_of_the_step(
+    harness: Harness,
+) -> None:
+    """``rollout status`` showed a step without shadow copies its drift gate as waiting ("judged once every
+    other gate passes"), while ``rollout start`` had said it does not apply: it is ``not_applicable`` from
+    the step's first look."""
+    controller = harness.controller()
+    controller.seed(
+        [canary(shadow=0.0, gates=RolloutGates(min_requests=100, step_min_s=60), now=harness.now)]
+    )
+    assert await controller.run_due() == []  # the step is young
+    drift = by_gate(controller.last_results[MODEL])["drift"]
+    assert (drift.state, drift.detail) == ("not_applicable", NO_SHADOW)
+
+
 async def test_no_traffic_is_no_decision(harness: Harness) -> None:
     harness.warehouse.stats = []
     controller = harness.controller()
