@@ -16,9 +16,11 @@ from ingest.errors import (
     GatewayUnavailable,
     IdempotencyInProgress,
     IdempotencyKeyCancelled,
+    IdempotencyKeyFailed,
     IdempotencyKeyReused,
     InvalidRequest,
     NotFound,
+    from_finished,
 )
 from ingest.gateway import Gateway, IdempotencyRecord, ReplyItem, ReplyStream, RequestEvent
 from ingest.prepare import Prepared
@@ -80,16 +82,26 @@ def tenant_checked(stream: ReplyStream, tenant: str) -> Watched:
 
 
 def replayed(stream: ReplyStream) -> Watched:
-    """An idempotent retry's replay of the key's request: a ``cancelled`` end is that key's final outcome, a
-    409 that says what to do, not the retriable 503 a client would retry into the same replay for the key's
-    lifetime."""
+    """An idempotent retry's replay of the key's request: a ``cancelled`` end, or a failure worth retrying,
+    is that key's final outcome, a 409 that says what to do, not the retriable 503 a client would retry into
+    the same replay for the key's lifetime."""
 
     def check(item: ReplyItem) -> None:
-        if isinstance(item, RequestFinished) and item.status == "cancelled":
+        if not isinstance(item, RequestFinished):
+            return
+        if item.status == "cancelled":
             raise IdempotencyKeyCancelled(
                 f"The request this Idempotency-Key names ({item.request_id}) was cancelled before it finished "
                 "(its client left, or it was cancelled); a retry with this key replays that outcome. Send the "
                 "request again with a new key.",
+                param="Idempotency-Key",
+            )
+        error = from_finished(item)
+        if error is not None and error.retriable:
+            raise IdempotencyKeyFailed(
+                f"The request this Idempotency-Key names ({item.request_id}) failed for a reason worth "
+                f"retrying ({item.error.code if item.error else item.status}: {error}); a retry with this key "
+                "replays that outcome. Send the request again with a new key.",
                 param="Idempotency-Key",
             )
 

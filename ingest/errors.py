@@ -90,6 +90,16 @@ class IdempotencyKeyCancelled(IngestError):
     default_code = "idempotency_key_cancelled"
 
 
+class IdempotencyKeyFailed(IngestError):
+    """The key's request failed for a reason worth retrying (out of memory, a full queue, its model version
+    retired mid-answer): the 503 told the client to retry, but a retry with the same key replays that
+    failure for the key's lifetime, so the replay is final and says to use a new key."""
+
+    status = 409
+    error_type = "invalid_request_error"
+    default_code = "idempotency_key_failed"
+
+
 class PayloadTooLarge(IngestError):
     status = 413
     error_type = "invalid_request_error"

@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 
 import msgspec
+import pytest
 
 from ingest.gateway import IdempotencyRecord
 from ingest.prepare import body_hash
+from schemas.events import ErrorInfo
 from schemas.ids import uuid7
 from tests.ingest.conftest import AUTH, GEN, OTHER_AUTH, Client, MakeClient, eventually, parse_sse
 from tests.ingest.fake_gateway import FakeGateway, FakeStream
@@ -223,3 +225,49 @@ async def test_a_keyed_retry_of_a_cancelled_request_is_a_final_409_not_a_retriab
     fresh = await client.post("/v1/chat/completions", json=CHAT, headers={**AUTH, "Idempotency-Key": "b"})
     assert fresh.status == 200
     assert len(gateway.submitted) == 2
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+async def test_a_keyed_retry_of_a_request_that_failed_retriably_is_a_final_409(
+    client: Client, gateway: FakeGateway, stream: bool
+) -> None:
+    """A request that failed for a reason worth retrying (out of memory, a full queue, its model version
+    retired mid-answer) is answered 503 ``x-should-retry: true``; a retry with the same key (the OpenAI SDK's
+    own retries reuse theirs) replayed that same 503 for the key's 24 hours. It is a final 409 that says to
+    use a new key, and a new key runs the request again."""
+    gateway.fail_with = ErrorInfo(code="version_retired", message="retired", retriable=True)
+    body = {**CHAT, "stream": stream}
+    first = await client.post("/v1/chat/completions", json=body, headers=KEYED)
+    if stream:
+        assert "version_retired" in await first.text()
+    else:
+        assert first.status == 503
+        assert first.headers["x-should-retry"] == "true"
+    for _ in range(2):
+        retry = await client.post("/v1/chat/completions", json=body, headers=KEYED)
+        if stream:
+            assert "idempotency_key_failed" in await retry.text()
+        else:
+            assert retry.status == 409, await retry.text()
+            assert retry.headers["x-should-retry"] == "false"
+            error = (await retry.json())["error"]
+            assert (error["code"], error["param"]) == ("idempotency_key_failed", "Idempotency-Key")
+            assert "new key" in error["message"]
+            assert "version_retired" in error["message"]
+    assert len(gateway.submitted) == 1
+    gateway.fail_with = None
+    fresh = await client.post("/v1/chat/completions", json=CHAT, headers={**AUTH, "Idempotency-Key": "b"})
+    assert fresh.status == 200
+    assert len(gateway.submitted) == 2
+
+
+async def test_a_keyed_retry_of_a_request_that_failed_for_good_replays_its_failure(
+    client: Client, gateway: FakeGateway
+) -> None:
+    """A failure not worth retrying is the key's outcome as it was: replayed as it was answered."""
+    gateway.fail_with = ErrorInfo(code="engine_error", message="the model failed")
+    first = await client.post("/v1/chat/completions", json=CHAT, headers=KEYED)
+    retry = await client.post("/v1/chat/completions", json=CHAT, headers=KEYED)
+    assert first.status == retry.status == 500
+    assert (await retry.json())["error"]["code"] == "engine_error"
+    assert len(gateway.submitted) == 1
