@@ -8,7 +8,7 @@ import logging
 from collections.abc import Sequence
 
 import msgspec
-from confluent_kafka import Message
+from confluent_kafka import KafkaError, KafkaException, Message
 
 from bus.consumer import record_headers
 from bus.errors import BusError
@@ -29,13 +29,26 @@ class Letter:
         self.delivery = Delivery()
         try:
             producer.produce(topic, event, on_delivery=self.delivery.settle)
-        except BusError as exc:  # refused at once (a topic librdkafka knows is missing): not delivered
-            if producer.failure is not None:
-                raise  # the producer itself is gone: its owner fails
+        except BusError as exc:  # a topic librdkafka knows is missing or forbidden: not delivered
+            if _refused_code(exc) not in TOPIC_REFUSED:
+                raise  # anything else (a closed producer, a fatal error) is its owner's failure
             self.delivery.settle(exc)
 
     def again(self) -> Letter:
         return Letter(self._producer, self._topic, self.event)
+
+
+TOPIC_REFUSED = frozenset(
+    {KafkaError._UNKNOWN_TOPIC, KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError.TOPIC_AUTHORIZATION_FAILED}
+)
+"""librdkafka's codes for a record refused at once because of its topic: a letter sent again later may land."""
+
+
+def _refused_code(exc: BusError) -> int | None:
+    cause = exc.__cause__
+    if isinstance(cause, KafkaException) and cause.args and isinstance(cause.args[0], KafkaError):
+        return int(cause.args[0].code())
+    return None
 
 
 def decode_or_dead_letter(

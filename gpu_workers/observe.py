@@ -87,6 +87,7 @@ class _Stay:
     batch: int = 0
     budget_ratio: float = 0.0
     chunks: int = 0
+    tokens: int = 0
 
 
 class WorkerObserver:
@@ -105,13 +106,15 @@ class WorkerObserver:
         if stay.joined_ns is None:
             stay.joined_ns, stay.batch, stay.budget_ratio = time.time_ns(), batch, budget_ratio
 
-    def chunk(self, request_id: str) -> None:
-        self._stays.setdefault(request_id, _Stay()).chunks += 1
+    def chunk(self, request_id: str, tokens: int = 0) -> None:
+        stay = self._stays.setdefault(request_id, _Stay())
+        stay.chunks += 1
+        stay.tokens += tokens
 
-    def streamed(self, request_id: str) -> bool:
-        """Whether a chunk of the request's answer was published here."""
+    def streamed(self, request_id: str) -> int | None:
+        """How many tokens of the request's answer were published here, or None where no chunk was."""
         stay = self._stays.get(request_id)
-        return stay is not None and stay.chunks > 0
+        return stay.tokens if stay is not None and stay.chunks > 0 else None
 
     def forget(self, request_id: str) -> None:
         """A request that ends here without a terminal event (another worker's is on the log)."""

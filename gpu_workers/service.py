@@ -57,6 +57,7 @@ from schemas.events import (
     RequestFinished,
     Timings,
     TokenChunk,
+    Usage,
     WorkerReady,
     utc_now,
 )
@@ -814,8 +815,9 @@ class WorkerService(Component):
         ended = 0
         for request_id in released:
             arrival = self._live[request_id]
-            if self._observer.streamed(request_id):
-                self._end_retired(arrival)
+            streamed = self._observer.streamed(request_id)
+            if streamed is not None:
+                self._end_retired(arrival, streamed)
                 ended += 1
                 continue
             del self._live[request_id]
@@ -826,19 +828,22 @@ class WorkerService(Component):
             self._take_followers_again(request_id)
         return len(released) - ended, ended
 
-    def _end_retired(self, arrival: Arrival) -> None:
-        """End a request cut part-way through its streamed answer: retriable, so the client (or a batch)
-        asks again and gets one version's answer whole."""
+    def _end_retired(self, arrival: Arrival, tokens: int) -> None:
+        """End a request cut part-way through its streamed answer (``tokens`` of it, which the tenant is
+        charged for): retriable, so the client asks again and gets one version's answer whole."""
         origin = Origin(self.source, self.worker_id)
+        event = arrival.event
+        prompt = len(event.input_ids) if isinstance(event, GenerationRequested) else 0
         error = ErrorInfo(
             code=VERSION_RETIRED_CODE,
             message=f"model version {self.version} stopped serving while this answer streamed; retry the "
             "request",
             retriable=True,
         )
+        usage = Usage(prompt_tokens=prompt, completion_tokens=tokens, total_tokens=prompt + tokens)
+        timings = Timings(accepted=event.time, finished=utc_now())
         self._publish_finish(
-            arrival,
-            origin.finished(arrival, "failed", "error", error=error, timings=Timings(finished=utc_now())),
+            arrival, origin.finished(arrival, "failed", "error", usage, error=error, timings=timings)
         )
 
     SWEEP_EVERY_S = 0.5
@@ -998,6 +1003,7 @@ class WorkerService(Component):
     requests whose terminal events are durable; the results tail (or the start-up read) skips them."""
 
     def _commit(self) -> None:
+        unlettered: list[_Lettered] = []
         with self._offsets_lock:
             while True:
                 try:
@@ -1019,13 +1025,7 @@ class WorkerService(Component):
                         self._offsets.done(skip.tp, skip.offset)
                         self._settled(skip.tp, skip.generation)
                     else:  # held (its partition's commit point with it) and sent again, the worker serving on
-                        log.error(
-                            "the dead letter of %s[%s]@%s was not written (%s); sent again in %.0f s",
-                            *skip.tp,
-                            skip.offset,
-                            durable.error,
-                            self.LETTER_RETRY_S,
-                        )
+                        unlettered.append(durable)
                         self._letters_again.append((time.monotonic() + self.LETTER_RETRY_S, skip))
                     continue
                 # The record's own offset, whatever its generation: a partition lost and handed back
@@ -1040,6 +1040,17 @@ class WorkerService(Component):
                 self._offsets.mark_committed(offsets)
                 if offsets:
                     self._next_commit = now + self.COMMIT_INTERVAL_S
+        if unlettered:  # one line a round, however much junk waits
+            first = unlettered[0]
+            log.error(
+                "%d dead letters not written (the first, of %s[%s]@%s: %s); sent again in %.0f s, their "
+                "partitions' commits held",
+                len(unlettered),
+                *first.skip.tp,
+                first.skip.offset,
+                first.error,
+                self.LETTER_RETRY_S,
+            )
         if offsets:
             self._requests.commit(
                 offsets, on_failure=lambda refused: self._durable.put(_Uncommitted(refused))
@@ -1050,7 +1061,7 @@ class WorkerService(Component):
     def _publish_chunk(self, arrival: Arrival, chunk: TokenChunk) -> None:
         reply = arrival.event.reply
         if reply is not None:
-            self._observer.chunk(arrival.event.request_id)
+            self._observer.chunk(arrival.event.request_id, len(chunk.token_ids))
             try:
                 self._producer.produce(reply.topic, chunk, partition=reply.partition)
             except BusError:  # a reply partition that does not exist: nobody can be waiting there

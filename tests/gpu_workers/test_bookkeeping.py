@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from confluent_kafka import Message
+from confluent_kafka import KafkaError, KafkaException, Message
 
 from bus.errors import BusError
 from gpu_workers.observe import RunnerLoad
@@ -99,11 +99,11 @@ class FakeProducer:
     lock: threading.Lock = field(default_factory=threading.Lock)
     refused: set[str] = field(default_factory=set)
     """Topics whose records are refused at once (librdkafka knows them missing)."""
-    failure: BaseException | None = None
 
     def produce_raw(self, topic: str, value: bytes, *, on_delivery: Any = None, **_: Any) -> None:
         if topic in self.refused:
-            raise BusError(f"cannot produce to {topic}: unknown topic")
+            unknown = KafkaException(KafkaError(KafkaError._UNKNOWN_TOPIC))  # as librdkafka refuses it
+            raise BusError(f"cannot produce to {topic}: unknown topic") from unknown
         with self.lock:
             self.pending.append((topic, value, on_delivery))
 

@@ -230,6 +230,10 @@ def test_what_still_runs_half_the_grace_after_a_rollback_is_cut(streamed: bool) 
         assert ended.status == "failed"
         assert ended.error is not None
         assert (ended.error.code, ended.error.retriable) == ("version_retired", True)
+        assert (ended.usage.prompt_tokens, ended.usage.completion_tokens) == (1, 1), (
+            "what it streamed is paid for"
+        )
+        assert ended.timings.accepted == event.time
         while h.producer.pending:
             h.deliver(0, ok=True)
     else:
