@@ -29,22 +29,20 @@ class Letter:
         self.delivery = Delivery()
         try:
             producer.produce(topic, event, on_delivery=self.delivery.settle)
-        except BusError as exc:  # a topic librdkafka knows is missing or forbidden: not delivered
-            if _refused_code(exc) not in TOPIC_REFUSED:
-                raise  # anything else (a closed producer, a fatal error) is its owner's failure
+        except BusError as exc:  # refused at once (a topic librdkafka knows is missing, say): not delivered
+            code = _refused_code(exc)
+            if code is None or code == KafkaError._FATAL:
+                raise  # the producer itself is gone (closed, or a fatal error): its owner's failure
             self.delivery.settle(exc)
 
     def again(self) -> Letter:
         return Letter(self._producer, self._topic, self.event)
 
 
-TOPIC_REFUSED = frozenset(
-    {KafkaError._UNKNOWN_TOPIC, KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError.TOPIC_AUTHORIZATION_FAILED}
-)
-"""librdkafka's codes for a record refused at once because of its topic: a letter sent again later may land."""
-
-
 def _refused_code(exc: BusError) -> int | None:
+    """librdkafka's code for a record it refused at once (a topic it knows missing or forbidden, one whose
+    leader is not known yet: a letter sent again later may land), or None where the producer itself
+    refused (closed)."""
     cause = exc.__cause__
     if isinstance(cause, KafkaException) and cause.args and isinstance(cause.args[0], KafkaError):
         return int(cause.args[0].code())
@@ -68,6 +66,8 @@ def decode_or_dead_letter(
 
 DEAD_LETTER_KEEP_BYTES = MAX_RECORD_BYTES // 2
 """The most of an undecodable record a dead letter keeps (its base64 and the rest stay under the limit)."""
+REASON_CHARS = 2000
+"""The most of a decode error's message a dead letter keeps (a header check quotes the header whole)."""
 
 
 def dead_letter_event(
@@ -81,18 +81,22 @@ def dead_letter_event(
     sender produces it, and commits the record only once it is durable.
 
     The record goes whole unless its letter would pass the record limit (base64 grows it by a third): then
-    the letter keeps its first :data:`DEAD_LETTER_KEEP_BYTES` and the reason says so. A letter over the
-    limit failed to produce and stopped the worker that read the junk."""
+    the letter keeps its first :data:`DEAD_LETTER_KEEP_BYTES` and the reason says so; its headers go only
+    while they encode to an eighth of that, and the reason (which may quote a header) is cut to
+    :data:`REASON_CHARS`. So every letter fits one record: one over the limit failed to produce and stopped
+    the worker that read the junk, on every start."""
     topic, partition, offset = where
     reason = str(exc)
+    if len(reason) > REASON_CHARS:
+        reason = f"{reason[:REASON_CHARS]}... (the reason cut to its first {REASON_CHARS} of {len(reason)} characters)"
     kept = {k: _text(v) for k, v in header_list}
     if len(value) > DEAD_LETTER_KEEP_BYTES:
         reason += f" (payload cut to its first {DEAD_LETTER_KEEP_BYTES} of {len(value)} bytes)"
-    if sum(len(k) + len(v) for k, v in kept.items()) > DEAD_LETTER_KEEP_BYTES // 8:
+    if len(msgspec.json.encode(kept)) > DEAD_LETTER_KEEP_BYTES // 8:  # as written: an escape is 6 bytes
         reason += f" ({len(kept)} headers left out: too large)"
         kept = {}
     DEAD_LETTERS.labels(topic=topic, reason=dead_letter_reason(value, exc)).inc()
-    log.warning("dead-lettered %s[%s]@%s: %s", topic, partition, offset, exc)
+    log.warning("dead-lettered %s[%s]@%s: %s", topic, partition, offset, reason[:REASON_CHARS])
     return DeadLetter(
         tenant="",
         model="",

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
@@ -115,6 +115,13 @@ class WorkerObserver:
         """How many tokens of the request's answer were published here, or None where no chunk was."""
         stay = self._stays.get(request_id)
         return stay.tokens if stay is not None and stay.chunks > 0 else None
+
+    def joined_at(self, request_id: str) -> datetime | None:
+        """When the request joined its first batch here (None: it did not)."""
+        stay = self._stays.get(request_id)
+        if stay is None or stay.joined_ns is None:
+            return None
+        return datetime.fromtimestamp(stay.joined_ns / 1e9, UTC)
 
     def forget(self, request_id: str) -> None:
         """A request that ends here without a terminal event (another worker's is on the log)."""

@@ -86,6 +86,8 @@ NO_USAGE = Usage(prompt_tokens=0, completion_tokens=0, total_tokens=0)
 
 
 ENGINE_ERROR_CODE = "engine_error"
+RETRIABLE_REFUSALS = frozenset({"queue_full"})
+"""Refusals a later try may not meet: a full queue (it answered 500, its message saying to retry later)."""
 """A forward pass or sampling step failed with something other than out of memory: the requests in it end
 ``failed`` with this code (not retriable: the same request would fail the same way), never the worker."""
 
@@ -152,5 +154,7 @@ class Origin:
         )
 
     def failed(self, arrival: Arrival, code: str, message: str) -> RequestFinished:
-        """A ``failed`` terminal event for a request that could not run."""
-        return self.finished(arrival, "failed", "error", error=ErrorInfo(code=code, message=message))
+        """A ``failed`` terminal event for a request that could not run (retriable where the refusal is
+        :data:`RETRIABLE_REFUSALS`': the edge answers 503, a keyed retry is told to use a new key)."""
+        error = ErrorInfo(code=code, message=message, retriable=code in RETRIABLE_REFUSALS)
+        return self.finished(arrival, "failed", "error", error=error)

@@ -841,7 +841,9 @@ class WorkerService(Component):
             retriable=True,
         )
         usage = Usage(prompt_tokens=prompt, completion_tokens=tokens, total_tokens=prompt + tokens)
-        timings = Timings(accepted=event.time, finished=utc_now())
+        timings = Timings(
+            accepted=event.time, started=self._observer.joined_at(event.request_id), finished=utc_now()
+        )
         self._publish_finish(
             arrival, origin.finished(arrival, "failed", "error", usage, error=error, timings=timings)
         )

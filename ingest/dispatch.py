@@ -39,6 +39,8 @@ class Opened:
     stream: ReplyStream
     owner: bool
     """False when the stream replays a request submitted earlier (idempotent retry)."""
+    replay: bool = False
+    """An idempotent retry's replay (:func:`replayed` is applied last, over the settling)."""
 
 
 def check_idempotency_key(key: str | None) -> str | None:
@@ -146,10 +148,15 @@ class Dispatcher:
             self.cancel(flight, "client_disconnect")
             raise
         flight.request_id, flight.owner = opened.request_id, opened.owner
+        stream = opened.stream
         if self._settle is not None and opened.owner:
             settle = self._settle
-            opened = dataclasses.replace(opened, stream=settling(opened.stream, lambda f: settle(flight, f)))
-        return opened
+            stream = settling(stream, lambda f: settle(flight, f))
+        if (
+            opened.replay
+        ):  # after the settling: a final 409 still settles the reservation of a request taken back
+            stream = replayed(stream)
+        return dataclasses.replace(opened, stream=stream)
 
     async def _open(self, prepared: Prepared, idempotency_key: str | None) -> Opened:
         opened = await self._submit_or_replay(prepared, idempotency_key)
@@ -192,8 +199,7 @@ class Dispatcher:
             )
         # a retry after this edge's client left, within the grace, takes the request back as a resume does
         owner = self._reclaim(record.request_id)
-        watched = replayed(tenant_checked(stream, event.tenant))
-        return Opened(record.request_id, watched, owner=owner)
+        return Opened(record.request_id, tenant_checked(stream, event.tenant), owner=owner, replay=True)
 
     async def resume(self, tenant: str, request_id: str, after_seq: int) -> tuple[ReplyStream, bool]:
         """The request's replies after ``after_seq``, and whether the caller now owns the request: true when

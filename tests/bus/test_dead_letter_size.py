@@ -29,3 +29,21 @@ def test_a_record_near_the_limit_is_cut_so_its_letter_fits() -> None:
     assert base64.b64decode(letter.payload_b64) == value[:DEAD_LETTER_KEEP_BYTES]
     assert f"of {len(value)} bytes" in letter.reason
     assert letter.headers == {}
+
+
+def test_a_letter_fits_whatever_its_reason_quotes_and_its_headers_escape_to() -> None:
+    """Found by review: a header check's reason quotes the header whole (``\\x01`` as four characters), and
+    JSON writes a control character as a six-byte escape, so a 300 kB header made a 1.5 MB letter, which
+    Kafka refused: the worker failed on it at every start."""
+    control = b"\x01" * 300_000
+    reason = DecodeError(f"header ce_type: expected 'x', got {control!r}")
+    letter = dead_letter_event("test", ("t.requests.m", 0, 7), b"{}", reason, [("ce_type", control)])
+    assert len(encode(letter)) < MAX_RECORD_BYTES
+    assert "reason cut" in letter.reason
+    assert letter.headers == {}
+    big = b"x" * 600_000
+    letter = dead_letter_event(
+        "test", ("t.requests.m", 0, 7), big, DecodeError("bad"), [("h", b"\x01" * 62_000)]
+    )
+    assert len(encode(letter)) < MAX_RECORD_BYTES
+    assert "headers left out" in letter.reason

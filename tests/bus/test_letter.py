@@ -41,7 +41,14 @@ def test_a_letter_its_topic_refuses_at_once_is_not_delivered_and_can_go_again(co
     assert producer.sent == 2
 
 
-def test_any_other_refusal_is_the_producers_owners_failure() -> None:
-    """A closed producer or a fatal error is not the letter's to retry: it is raised."""
+def test_the_producers_own_failure_is_its_owners() -> None:
+    """A fatal error, or a closed producer (no Kafka code), is not the letter's to retry: it is raised."""
     with pytest.raises(BusError):
         Letter(cast(EventProducer, _Refusing(KafkaError._FATAL)), "t.deadletter", LETTER)
+
+    class Closed:
+        def produce(self, topic: str, event: Any, **_: Any) -> None:
+            raise BusError(f"cannot produce to {topic}") from RuntimeError("Producer has been closed")
+
+    with pytest.raises(BusError):
+        Letter(cast(EventProducer, Closed()), "t.deadletter", LETTER)

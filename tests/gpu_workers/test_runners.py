@@ -374,6 +374,8 @@ def test_a_flooding_tenant_waits_its_turn_and_pays_for_the_full_queue(demo_gpt: 
     assert refused.error.code == "queue_full"  # the flood already held the whole queue
     assert shed.error is not None
     assert shed.error.code == "queue_full"  # pushed out to make room for the light tenant
+    assert refused.error.retriable, "a full queue is worth a retry: 503, not 500"
+    assert shed.error.retriable
     assert "'flood' held the most of it" in shed.error.message
     first, second, quick = done[flood[0].request_id], done[flood[1].request_id], done[light.request_id]
     assert (first.status, second.status, quick.status) == ("completed", "completed", "completed")
