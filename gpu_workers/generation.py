@@ -300,11 +300,10 @@ class GenerationRunner:
         error-rate gate instead of answering with made-up tokens."""
         request_id = live.event.request_id
         log.error("%s: NaN or inf in the next-token scores of %s", self._manifest.model_id, request_id)
-        self._scheduler.finish(request_id)
         error = ErrorInfo(
             code=ENGINE_ERROR_CODE, message="the model's next-token scores for this request hold NaN or inf"
         )
-        self._end(live, "failed", "error", emit, error)
+        self._fail_all([request_id], error, emit)
 
     # ---------------------------------------------------------------- helpers
 

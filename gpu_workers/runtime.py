@@ -155,6 +155,6 @@ class Origin:
 
     def failed(self, arrival: Arrival, code: str, message: str) -> RequestFinished:
         """A ``failed`` terminal event for a request that could not run (retriable where the refusal is
-        :data:`RETRIABLE_REFUSALS`': the edge answers 503, a keyed retry is told to use a new key)."""
+        :data:`RETRIABLE_REFUSALS`: the edge answers 503, a keyed retry is told to use a new key)."""
         error = ErrorInfo(code=code, message=message, retriable=code in RETRIABLE_REFUSALS)
         return self.finished(arrival, "failed", "error", error=error)

@@ -172,9 +172,6 @@ class WorkerService(Component):
         self._adopt_grace_s = adopt_grace_s
         self._letters_again: list[tuple[float, _Skip]] = []
         """Dead-lettered records whose letter Kafka did not take, and when to send it again (model thread)."""
-        self._retired_at: float | None = None
-        """When this worker saw its version stop serving (model thread): what still runs here half the
-        adopt grace later is cut (``_cut_retired``)."""
         self._deployment: Deployment | None = None
         """The model's latest deployment (model thread); None before any rollout: run every record."""
         self._deployment_id = ""
@@ -186,7 +183,8 @@ class WorkerService(Component):
         """Records routed to another version still serving: not run here, their offsets kept open until
         the results tail shows them finished, or their version stops serving (model thread)."""
         self._left_serving: dict[str, float] = {}
-        """Version -> when this worker learned it no longer serves (its records are adopted after grace)."""
+        """Version -> when this worker learned it no longer serves (its records are adopted after the grace;
+        this worker's own: what still runs here is cut at half of it)."""
         self._next_sweep = 0.0
         self.worker_id = worker_id
         self.source = f"gpu_workers/{worker_id}"
@@ -756,8 +754,6 @@ class WorkerService(Component):
             self._left_serving.setdefault(version, now)
         for version in deployment.serving:
             self._left_serving.pop(version, None)  # serving again (a rollout started anew)
-        if self.version in deployment.serving:
-            self._retired_at = None
         if deployment != self._deployment:
             log.info("worker %s (%s): deployment %s", self.worker_id, self.version, deployment)
         self._deployment = deployment
@@ -771,7 +767,6 @@ class WorkerService(Component):
         within half the grace (``_cut_retired``), so no request this worker could still end is adopted:
         one left queued behind a backlog, or a generation longer than the grace, would otherwise end here
         and on the stable version both."""
-        self._retired_at = time.monotonic()
         self._give_back(runner, running=False)
         if self._held:
             log.info(
@@ -789,7 +784,7 @@ class WorkerService(Component):
         of the grace is the margin for the two workers seeing the deployment change at different times;
         with a drain (a retiring worker is stopped) longer than the grace, a long generation used to end
         on both versions."""
-        retired = self._retired_at
+        retired = self._left_serving.get(self.version)  # when this worker saw its version stop serving
         if retired is None or not self._live or time.monotonic() - retired < self._adopt_grace_s / 2:
             return
         held, ended = self._give_back(runner, running=True)

@@ -102,7 +102,7 @@ def replayed(stream: ReplyStream) -> Watched:
         if error is not None and error.retriable:
             raise IdempotencyKeyFailed(
                 f"The request this Idempotency-Key names ({item.request_id}) failed for a reason worth "
-                f"retrying ({item.error.code if item.error else item.status}: {error}); a retry with this key "
+                f"retrying ({error.code}: {error}); a retry with this key "
                 "replays that outcome. Send the request again with a new key.",
                 param="Idempotency-Key",
             )
@@ -152,9 +152,8 @@ class Dispatcher:
         if self._settle is not None and opened.owner:
             settle = self._settle
             stream = settling(stream, lambda f: settle(flight, f))
-        if (
-            opened.replay
-        ):  # after the settling: a final 409 still settles the reservation of a request taken back
+        # the replay's check over the settling: a final 409 still settles a taken-back request's reservation
+        if opened.replay:
             stream = replayed(stream)
         return dataclasses.replace(opened, stream=stream)
 

@@ -68,7 +68,7 @@ from schemas.events import (
 from streams.facts import FACT_COLUMNS, fact_row
 from streams.pricing import PriceTable
 from streams.queries import sql_string
-from streams.rollout_drift import NO_SHADOW, NOT_YET, Reader, drift_gate
+from streams.rollout_drift import NOT_YET, Reader, drift_gate
 
 log = logging.getLogger(__name__)
 
@@ -799,10 +799,9 @@ async def step_gates(
     results = judge(
         gates, stats.get(candidate, VersionStats()), stats.get(current.stable, VersionStats()), burn=burn
     )
-    if gates.drift and current.shadow <= 0:  # no pairs to judge, now or at the step's end
-        drift_result = GateResult(gate="drift", state="not_applicable", detail=NO_SHADOW)
-        results = [drift_result if r.gate == "drift" else r for r in results]
-    elif gates.drift and current.phase == "canary" and ripe(current, results, now, but="drift"):
+    # without shadow copies there is nothing to wait for: the gate says so from the step's first look
+    no_pairs = current.shadow <= 0
+    if gates.drift and (no_pairs or (current.phase == "canary" and ripe(current, results, now, but="drift"))):
         kept = (judged or {}).get(current.model)
         drift = (
             kept[1]

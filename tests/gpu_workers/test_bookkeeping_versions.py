@@ -215,8 +215,8 @@ def test_what_still_runs_half_the_grace_after_a_rollback_is_cut(streamed: bool) 
     h.model_thread_step()
     h.model_thread_step()
     assert request_id in h.runner.running, "within half the grace it may still finish here"
-    assert h.service._retired_at is not None
-    h.service._retired_at -= 5.0  # half the grace has passed
+    assert h.service._left_serving.get("c") is not None
+    h.service._left_serving["c"] -= 5.0  # half the grace has passed
     h.model_thread_step()
     assert request_id not in h.runner.running, "still running past half the grace: it could end twice"
     if streamed:
