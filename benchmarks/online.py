@@ -719,6 +719,7 @@ def main() -> None:
             first = where_time_goes(conn, names.results, cast(Any, result.pop("ttft_stamps")), "first_token")
             first["raw"] = cast(dict[str, float], raw["ttft_ms"])["p50"]
             first["raw after idle"] = ttft_idle["ms"]
+            first["raw eager"] = cast(float, raw["ttft_eager_ms"])
             result["ttft_one_client_ms"] = first
         except BaseException:
             services.print_tails()
@@ -808,7 +809,8 @@ def main() -> None:
         f"{first['requests']:.0f} requests; model: prefill to the first token): "
         + " | ".join(f"{stage} {first[stage]:.2f}" for stage in STAGES if stage in first)
         + f" | raw TTFT {first['raw']:.2f} in a loop ({first['raw after idle']:.2f} after"
-        f" {ttft['floor_idle_ms']:g} ms idle on the worker's {threads} thread(s))"
+        f" {ttft['floor_idle_ms']:g} ms idle on the worker's {threads} thread(s); the prefill as the worker"
+        f" runs it, a plain eager forward {first['raw eager']:.2f})"
     )
     completions = cast(dict[str, float], result["generation_one_client_ms"])
     print(

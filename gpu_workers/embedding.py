@@ -8,8 +8,6 @@ adds nothing but padding. Like the generation engine it is used from one dedicat
 from __future__ import annotations
 
 import logging
-import time
-import warnings
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,6 +20,7 @@ from gpu_workers import GpuWorkerError
 from gpu_workers.graphs import GRAPH_ROWS, capture, captured_or_eager, rows_bucket
 from gpu_workers.oom import out_of_memory_in
 from gpu_workers.padding import pad_rows
+from gpu_workers.traced import trace_checked
 
 if TYPE_CHECKING:
     import torch
@@ -106,34 +105,20 @@ def traced_forward(model: PreTrainedModel, pad_id: int) -> Any:
         return _TRACED[model]
     import torch
 
-    began = time.perf_counter()
     traced: Any = None
     if model.training:
         log.warning("the embedding model is in training mode: it runs eagerly")
     else:
         eager = pooling_module(model)
         probes = [pad_rows(batch, pad_id, torch.device("cpu")) for batch in TRACE_PROBES]
-        try:
-            with torch.inference_mode(), warnings.catch_warnings():
-                # torch.jit is deprecated in favour of torch.compile (a ~35 s compile per process here,
-                # docs/perf); the tracer warns of every Python condition it records, checked below instead
-                warnings.simplefilter("ignore")
-                traced = torch.jit.freeze(
-                    torch.jit.trace(eager, probes[0], check_trace=False).eval()  # type: ignore[no-untyped-call]
-                )
-                worst = max(float((traced(*p) - eager(*p)).abs().max()) for p in probes)
-        except Exception as exc:  # an architecture the tracer cannot follow
-            log.warning("the embedding model could not be traced (%s): it runs eagerly", exc)
-            traced = None
-        else:
-            if worst > TRACE_ATOL:
-                log.warning(
-                    "the embedding model's traced forward is %.2g away from its eager one: it runs eagerly",
-                    worst,
-                )
-                traced = None
-            else:
-                log.info("traced the embedding forward for the CPU in %.1f s", time.perf_counter() - began)
+        with torch.inference_mode():
+            traced = trace_checked(
+                "the embedding forward",
+                eager,
+                probes[0],
+                lambda graph: max(float((graph(*p) - eager(*p)).abs().max()) for p in probes),
+                TRACE_ATOL,
+            )
     _TRACED[model] = traced
     return traced
 

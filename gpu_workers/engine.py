@@ -55,6 +55,7 @@ import msgspec
 from gpu_workers import GpuWorkerError
 from gpu_workers.graphs import GRAPH_ROWS, rows_bucket
 from gpu_workers.padding import decode_bias, pad_rows
+from gpu_workers.prefill import eager_prefill, positions_of, prefill_graph
 
 if TYPE_CHECKING:
     import torch
@@ -170,6 +171,7 @@ class GenerationEngine:
         max_prefill_wait: int = 8,
         static_cache: bool | None = None,
         cuda_graphs: bool = True,
+        traced: bool = True,
     ) -> None:
         if max_batch_size < 1:
             raise EngineError("max_batch_size must be >= 1")
@@ -197,6 +199,9 @@ class GenerationEngine:
         small model is host-bound; elsewhere the growing cache, whose attention spans only live columns."""
         if static_cache or (static_cache is None and self._device.type == "cuda"):
             self._ring = self._make_ring(cuda_graphs)
+        self._graph = prefill_graph(model, token_stats) if traced and self._device.type == "cpu" else None
+        """The prefill as a traced graph (``gpu_workers.prefill``): on a CPU unless ``traced`` is off or the
+        model cannot be traced; on a GPU the prefill runs eagerly (and the decode as CUDA graphs)."""
 
     # ------------------------------------------------------------------------------------------- commands
 
@@ -226,6 +231,11 @@ class GenerationEngine:
     def static_cache(self) -> bool:
         """Whether the KV cache is the fixed ring (``gpu_workers.ring``) rather than the growing one."""
         return self._ring is not None
+
+    @property
+    def traced(self) -> bool:
+        """Whether the prefill runs as a traced graph (``gpu_workers.prefill``)."""
+        return self._graph is not None
 
     @property
     def graphs(self) -> int:
@@ -385,7 +395,6 @@ class GenerationEngine:
 
     def _prefill(self, outputs: list[StepOutput], free: int) -> tuple[list[_Seq], Any, torch.Tensor] | None:
         """Run waiting requests that fit through one padded forward; return the still-running ones."""
-        from transformers import DynamicCache
 
         if not self._pending or self._defer_prefill():
             return None
@@ -403,22 +412,16 @@ class GenerationEngine:
         if not admitted:
             return None
         ids, mask = pad_rows([req.input_ids for req in admitted], 0, self._device, left=True)
-        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
-        out = self._model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=positions,
-            past_key_values=DynamicCache(config=self._model.config),
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        positions = positions_of(mask)
+        if self._graph is not None:
+            logits, stats, cache = self._graph.run(ids, mask, positions)
+        else:
+            logits, cache = eager_prefill(self._model, ids, mask, positions)
+            stats = token_stats(logits)
         seqs = [
             _Seq(req=req, generator=self._generator(req), position=len(req.input_ids)) for req in admitted
         ]
-        logits = out.logits[:, -1, :]
-        tokens, logprobs, entropies, broken = self._sample(
-            logits, token_stats(logits), seqs, range(len(seqs))
-        )
+        tokens, logprobs, entropies, broken = self._sample(logits, stats, seqs, range(len(seqs)))
         keep_rows = [  # a broken row is not kept: its keys and values never reach the batch's cache
             row
             for row, s in enumerate(seqs)
@@ -426,7 +429,7 @@ class GenerationEngine:
         ]
         if not keep_rows:
             return None
-        return [seqs[r] for r in keep_rows], _select(out.past_key_values, keep_rows), mask[keep_rows]
+        return [seqs[r] for r in keep_rows], _select(cache, keep_rows), mask[keep_rows]
 
     def _emit(
         self, seq: _Seq, token: int, outputs: list[StepOutput], logprob: float, entropy: float, broken: bool

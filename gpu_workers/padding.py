@@ -57,3 +57,17 @@ def decode_bias(attend: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     rows, columns = attend.shape
     bias = torch.zeros((rows, 1, 1, columns), dtype=dtype, device=attend.device)
     return bias.masked_fill_(attend[:, None, None, :] == 0, torch.finfo(dtype).min)
+
+
+def prefill_bias(attend: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[rows, 1, columns, columns]`` of ``dtype``: a prefill's causal attention mask over left-padded
+    rows (``attend``, ``[rows, columns]``, 0/1): 0 where a token may attend (itself, and the real tokens
+    before it), the dtype's lowest value elsewhere. A padding token attends to nothing: its scores are all
+    that lowest value, so its softmax is even, never NaN, and nothing reads what it computes."""
+    import torch
+
+    columns = attend.shape[1]
+    causal = torch.ones((columns, columns), dtype=torch.bool, device=attend.device).tril_()
+    allowed = causal[None, None] & (attend[:, None, None, :] != 0)
+    bias = torch.zeros(allowed.shape, dtype=dtype, device=attend.device)
+    return bias.masked_fill_(~allowed, torch.finfo(dtype).min)

@@ -86,15 +86,18 @@ def run(
     raise AssertionError("engine did not drain")
 
 
+@pytest.mark.parametrize("traced", [True, False], ids=["traced", "eager"])
 def test_greedy_tokens_equal_generate_alone_while_requests_join_finish_and_cancel(
-    demo_gpt: LoadedModel, static_cache: bool
+    demo_gpt: LoadedModel, static_cache: bool, traced: bool
 ) -> None:
+    """With the prefill traced (a CPU's default) and eager (a GPU's)."""
     lm = demo_gpt
     budgets = {"chat": 24, "short": 6, "story": 30, "system": 18, "doc": 12, "mid": 40}
     ids = {name: encode(lm, text) for name, text in PROMPTS.items()}
     assert len({len(v) for v in ids.values()}) >= 5, "prompts should differ in length"
     expected = {name: generate_alone(lm, ids[name], n) for name, n in budgets.items()}
-    engine: GenerationRuntime = GenerationEngine(lm.model, max_batch_size=4, static_cache=static_cache)
+    engine = GenerationEngine(lm.model, max_batch_size=4, static_cache=static_cache, traced=traced)
+    assert engine.traced == (traced and lm.device.type == "cpu")
     joins = {
         0: [request(lm, name, ids[name], budgets[name]) for name in ("chat", "short")],
         2: [request(lm, "story", ids["story"], budgets["story"]), request(lm, "victim", ids["mid"], 50)],
