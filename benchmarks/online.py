@@ -816,7 +816,7 @@ def main() -> None:
     print(
         f"generation at 1 client beside the raw model (p50 ms, {completions['requests']:.0f} completions of"
         f" {QUICK_TOKENS if args.quick else NEW_TOKENS} tokens in {ONE_CLIENT_BLOCKS[args.quick]} blocks):"
-        f" platform {completions['platform']:.1f} | raw generate beside them {completions['raw beside']:.1f}"
+        f" platform {completions['platform']:.1f} | the raw model beside them {completions['raw beside']:.1f}"
         f" ({completions['samples']:.0f} calls on the worker's {threads} thread(s))"
     )
     print()

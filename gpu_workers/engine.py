@@ -55,7 +55,7 @@ import msgspec
 from gpu_workers import GpuWorkerError
 from gpu_workers.graphs import GRAPH_ROWS, rows_bucket
 from gpu_workers.padding import decode_bias, pad_rows
-from gpu_workers.prefill import eager_prefill, positions_of, prefill_graph
+from gpu_workers.step_graphs import StepGraphs, eager_prefill, positions_of, step_graphs
 
 if TYPE_CHECKING:
     import torch
@@ -199,9 +199,14 @@ class GenerationEngine:
         small model is host-bound; elsewhere the growing cache, whose attention spans only live columns."""
         if static_cache or (static_cache is None and self._device.type == "cuda"):
             self._ring = self._make_ring(cuda_graphs)
-        self._graph = prefill_graph(model, token_stats) if traced and self._device.type == "cpu" else None
-        """The prefill as a traced graph (``gpu_workers.prefill``): on a CPU unless ``traced`` is off or the
-        model cannot be traced; on a GPU the prefill runs eagerly (and the decode as CUDA graphs)."""
+        self._graphs = (
+            step_graphs(model, token_stats)
+            if traced and self._device.type == "cpu"
+            else StepGraphs(prefill=None, decode=None)
+        )
+        """The prefill and the growing cache's decode as traced graphs (``gpu_workers.step_graphs``): on a
+        CPU unless ``traced`` is off or the model cannot be traced; on a GPU the prefill runs eagerly and
+        the decode over the ring as CUDA graphs."""
 
     # ------------------------------------------------------------------------------------------- commands
 
@@ -233,9 +238,10 @@ class GenerationEngine:
         return self._ring is not None
 
     @property
-    def traced(self) -> bool:
-        """Whether the prefill runs as a traced graph (``gpu_workers.prefill``)."""
-        return self._graph is not None
+    def traced(self) -> tuple[bool, bool]:
+        """Whether the prefill and the decode over the growing cache run as traced graphs
+        (``gpu_workers.step_graphs``)."""
+        return self._graphs.prefill is not None, self._graphs.decode is not None and self._ring is None
 
     @property
     def graphs(self) -> int:
@@ -364,16 +370,25 @@ class GenerationEngine:
                 raise EngineError("engine batch has no mask")  # unreachable: rows always come with a mask
             device = self._device
             batch.mask = torch.cat([batch.mask, batch.mask.new_ones((len(seqs), 1))], dim=1)
-            out = self._model(
-                input_ids=torch.tensor(last, dtype=torch.long, device=device)[:, None],
-                attention_mask=decode_bias(batch.mask, self._dtype),
-                position_ids=torch.tensor(position, dtype=torch.long, device=device)[:, None],
-                past_key_values=batch.cache,
-                use_cache=True,
-            )
-            batch.cache = out.past_key_values
-            logits = out.logits[:, -1, :]
-            stats = token_stats(logits)
+            ids = torch.tensor(last, dtype=torch.long, device=device)[:, None]
+            positions = torch.tensor(position, dtype=torch.long, device=device)[:, None]
+            bias = decode_bias(batch.mask, self._dtype)
+            if self._graphs.decode is not None:
+                layers = batch.cache.layers
+                slots = [slot for layer in layers for slot in layer.reserve(1)]
+                logits, stats = self._graphs.decode.run(ids, positions, bias, slots)
+                for layer in layers:
+                    layer.commit(1)
+            else:
+                out = self._model(
+                    input_ids=ids,
+                    attention_mask=bias,
+                    position_ids=positions,
+                    past_key_values=batch.cache,
+                    use_cache=True,
+                )
+                logits = out.logits[:, -1, :]
+                stats = token_stats(logits)
         tokens, logprobs, entropies, broken = self._sample(logits, stats, running, live)
         for j, row in enumerate(live):
             seq = running[j]
@@ -413,8 +428,8 @@ class GenerationEngine:
             return None
         ids, mask = pad_rows([req.input_ids for req in admitted], 0, self._device, left=True)
         positions = positions_of(mask)
-        if self._graph is not None:
-            logits, stats, cache = self._graph.run(ids, mask, positions)
+        if self._graphs.prefill is not None:
+            logits, stats, cache = self._graphs.prefill.run(ids, mask, positions)
         else:
             logits, cache = eager_prefill(self._model, ids, mask, positions)
             stats = token_stats(logits)
@@ -734,16 +749,26 @@ def _growing_layer_class() -> type:
             self.keys, self.values = keys, values
             return keys, values
 
+        def reserve(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+            """Views of the live columns and ``n`` more after them, for the step to write into; ``commit``
+            makes them live."""
+            if self.end + n > self.kbuf.shape[2]:
+                self._move(*self._live(), room=n)
+            end = self.end + n
+            return self.kbuf[:, :, self.start : end], self.vbuf[:, :, self.start : end]
+
+        def commit(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+            self.end += n
+            return self._live()
+
         def update(
             self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
         ) -> tuple[torch.Tensor, torch.Tensor]:
             n = key_states.shape[-2]
-            if self.end + n > self.kbuf.shape[2]:
-                self._move(*self._live(), room=n)
-            self.kbuf[:, :, self.end : self.end + n] = key_states
-            self.vbuf[:, :, self.end : self.end + n] = value_states
-            self.end += n
-            return self._live()
+            keys, values = self.reserve(n)
+            keys[:, :, -n:] = key_states
+            values[:, :, -n:] = value_states
+            return self.commit(n)
 
         def trim(self, columns: int) -> None:
             self.start += columns

@@ -143,7 +143,7 @@ def runner_factory(
                 max_batch_size=worker.worker_max_running,
                 max_context=manifest.max_context,
                 cuda_graphs=worker.worker_cuda_graphs,
-                traced=worker.worker_prefill_traced,
+                traced=worker.worker_generation_traced,
             )
             began = time.perf_counter()
             if graphs := engine.warm_up():  # in this thread, the model's

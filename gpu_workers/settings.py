@@ -83,12 +83,12 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     the eager forward at start-up; a model it cannot follow runs eagerly, logged): no Python between ops.
     MiniLM's one 10-token sentence took 9.1 ms instead of 11.0 on one core, the same from 32 items a batch
     on (docs/perf). Off: every forward runs eagerly."""
-    worker_prefill_traced: bool = True
-    """On a CPU, run a generation model's prefill (a request's first token) as a traced, frozen TorchScript
-    graph (built and checked against the eager forward at start-up; a model it cannot follow runs eagerly,
-    logged). demo-gpt's first token after an idle moment took ~1.5 ms instead of ~2.5 on one core, and
-    under load the worker made ~10-20 % more tokens a second (docs/perf). Off: the prefill runs eagerly.
-    The decode runs eagerly on a CPU either way."""
+    worker_generation_traced: bool = True
+    """On a CPU, run a generation model's prefill (a request's first token) and its decode step as traced,
+    frozen TorchScript graphs (built and checked against the eager forward at start-up; a model they cannot
+    follow runs eagerly, logged): no Python between ops. demo-gpt's first token after an idle moment took
+    ~1.5 ms instead of ~2.5 on one core, and a decode step of one row 0.3 ms instead of 0.8 (docs/perf).
+    Off: both run eagerly."""
     worker_ops_host: str = "127.0.0.1"
     worker_ops_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 9400
     """``/metrics``, ``/healthz`` and ``/readyz`` of this worker; 0 picks a free port. ``sluice up`` gives

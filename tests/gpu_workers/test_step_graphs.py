@@ -1,19 +1,21 @@
-"""A generation model's prefill as a traced graph on a CPU (``gpu_workers.prefill``): the eager forward's
-scores and keys and values at every shape, or, where it cannot be traced or differs, the eager forward."""
+"""A generation step's prefill and decode as traced graphs on a CPU (``gpu_workers.step_graphs``): the
+eager forward's scores and keys and values at every shape, or, where they cannot be traced or differ, the
+eager forward."""
 
 from __future__ import annotations
 
 import weakref
+from typing import Any
 
 import msgspec
 import pytest
 import torch
 
-from gpu_workers import prefill
+from gpu_workers import step_graphs as graphs_module
 from gpu_workers.engine import GenerationEngine, SeqRequest, token_stats
 from gpu_workers.models import LoadedModel
-from gpu_workers.padding import pad_rows, prefill_bias
-from gpu_workers.prefill import eager_prefill, positions_of, prefill_graph
+from gpu_workers.padding import decode_bias, pad_rows, prefill_bias
+from gpu_workers.step_graphs import eager_prefill, positions_of, step_graphs
 
 BATCHES = [
     [[7]],
@@ -38,14 +40,14 @@ def cpu_only(demo_gpt: LoadedModel) -> None:
 @pytest.fixture
 def untraced(monkeypatch: pytest.MonkeyPatch) -> None:
     """No model traced yet in this test (the session's demo-gpt is traced by the engine tests)."""
-    monkeypatch.setattr(prefill, "_GRAPHS", weakref.WeakKeyDictionary())
+    monkeypatch.setattr(graphs_module, "_GRAPHS", weakref.WeakKeyDictionary())
 
 
 @pytest.mark.parametrize("rows", BATCHES, ids=lambda rows: f"{len(rows)}x{max(map(len, rows))}")
 def test_the_traced_prefill_gives_the_eager_scores_and_every_real_tokens_keys_and_values(
     demo_gpt: LoadedModel, cpu_only: None, rows: list[list[int]]
 ) -> None:
-    graph = prefill_graph(demo_gpt.model, token_stats)
+    graph = step_graphs(demo_gpt.model, token_stats).prefill
     assert graph is not None, "demo-gpt's prefill should trace"
     ids, mask = pad_rows(rows, 0, demo_gpt.device, left=True)
     positions = positions_of(mask)
@@ -62,6 +64,55 @@ def test_the_traced_prefill_gives_the_eager_scores_and_every_real_tokens_keys_an
             assert torch.isfinite(got).all(), "a padding token's keys and values must not be NaN either"
             for row in range(len(rows)):
                 torch.testing.assert_close(got[row][:, real[row]], want[row][:, real[row]], atol=1e-4, rtol=0)
+
+
+DECODES = [(1, 1), (1, 63), (4, 10), (7, 129), (32, 70)]
+"""(rows, cached columns) of decode steps the graph was not traced on."""
+
+
+@pytest.mark.parametrize(("rows", "columns"), DECODES, ids=lambda v: str(v))
+def test_the_traced_decode_gives_the_eager_scores_and_writes_the_new_keys_and_values_in_place(
+    demo_gpt: LoadedModel, cpu_only: None, rows: int, columns: int
+) -> None:
+    """The step's slots are views of a bigger buffer, as the growing cache reserves them; the graph writes
+    the new token's keys and values into their last column and leaves the others alone."""
+    from transformers import DynamicCache
+
+    model = demo_gpt.model
+    config = model.config
+    graph = step_graphs(model, token_stats).decode
+    assert graph is not None, "demo-gpt's decode should trace"
+    heads, width = config.num_attention_heads, config.hidden_size // config.num_attention_heads
+    g = torch.Generator().manual_seed(rows * 1000 + columns)
+    buffers = [
+        torch.randn(rows, heads, columns + 9, width, generator=g) for _ in range(2 * config.num_hidden_layers)
+    ]
+    before = [b.clone() for b in buffers]
+    slots = [b[:, :, 3 : 3 + columns + 1] for b in buffers]  # live columns 3.., one reserved after them
+    mask = torch.ones(rows, columns + 1, dtype=torch.long)
+    mask[0, : columns // 2] = 0
+    ids = torch.randint(1, 100, (rows, 1), generator=g)
+    positions = torch.randint(columns, columns + 5, (rows, 1), generator=g)
+    bias = decode_bias(mask, torch.float32)
+    with torch.inference_mode():
+        scores, stats = graph.run(ids, positions, bias, slots)
+        cache = DynamicCache(config=config)
+        for layer in range(config.num_hidden_layers):
+            cache.update(
+                before[2 * layer][:, :, 3 : 3 + columns], before[2 * layer + 1][:, :, 3 : 3 + columns], layer
+            )
+        eager = model(input_ids=ids, attention_mask=bias, position_ids=positions, past_key_values=cache)
+    torch.testing.assert_close(scores, eager.logits[:, -1, :], atol=1e-4, rtol=0)
+    torch.testing.assert_close(stats, token_stats(eager.logits[:, -1, :]), atol=1e-4, rtol=0)
+    layers: list[Any] = list(cache.layers)
+    eager_kv = [t for layer in layers for t in (layer.keys, layer.values)]
+    for buffer, old, new in zip(buffers, before, eager_kv, strict=True):
+        torch.testing.assert_close(buffer[:, :, 3 + columns], new[:, :, -1], atol=1e-5, rtol=0)
+        untouched = torch.ones(columns + 9, dtype=torch.bool)
+        untouched[3 + columns] = False
+        assert torch.equal(buffer[:, :, untouched], old[:, :, untouched]), (
+            "only the reserved column is written"
+        )
 
 
 def test_the_prefill_mask_lets_a_token_see_itself_and_the_real_tokens_before_it() -> None:
@@ -83,11 +134,11 @@ def test_the_prefill_mask_lets_a_token_see_itself_and_the_real_tokens_before_it(
 @pytest.mark.parametrize(
     ("failure", "logged"),
     [
-        ("cannot trace", "prefill could not be traced (Tracer cannot infer type of output): it runs eagerly"),
-        ("differs", "prefill traced is "),
+        ("cannot trace", "could not be traced (Tracer cannot infer type of output): it runs eagerly"),
+        ("differs", "traced is "),
     ],
 )
-def test_a_model_whose_prefill_cannot_be_traced_or_differs_runs_eagerly(
+def test_a_model_whose_step_cannot_be_traced_or_differs_runs_eagerly(
     demo_gpt: LoadedModel,
     cpu_only: None,
     untraced: None,
@@ -103,35 +154,36 @@ def test_a_model_whose_prefill_cannot_be_traced_or_differs_runs_eagerly(
 
         monkeypatch.setattr(torch.jit, "trace", trace)
     else:
-        monkeypatch.setattr(prefill, "ATOL", -1.0)  # any difference, even none, is too far
+        monkeypatch.setattr(graphs_module, "ATOL", -1.0)  # any difference, even none, is too far
     engine = GenerationEngine(demo_gpt.model, max_batch_size=4)
-    assert logged in caplog.text
+    for forward in ("prefill", "decode"):
+        assert f"GPT2LMHeadModel's {forward} {logged}" in caplog.text
     assert "it runs eagerly" in caplog.text
-    assert not engine.traced
+    assert engine.traced == (False, False)
     reference = GenerationEngine(demo_gpt.model, max_batch_size=4, traced=False)
     tokens = {}
     for name, e in (("fallback", engine), ("eager", reference)):
-        e.add(SeqRequest(request_id=name, input_ids=[3, 4, 5, 6], max_new_tokens=6))
+        e.add(SeqRequest(request_id=name, input_ids=[3, 4, 5, 6], max_new_tokens=12))
         out = []
         while e.has_work():
             out += [o.token_id for o in e.step()]
         tokens[name] = out
     assert tokens["fallback"] == tokens["eager"]
-    assert len(tokens["eager"]) == 6
+    assert len(tokens["eager"]) == 12
 
 
-def test_a_worker_traces_its_prefill_on_a_cpu_unless_told_not_to(demo_gpt: LoadedModel) -> None:
+def test_a_worker_traces_its_generation_steps_on_a_cpu_unless_told_not_to(demo_gpt: LoadedModel) -> None:
     from gpu_workers.main import runner_factory
     from gpu_workers.settings import WorkerSettings
     from schemas.settings import load_settings
 
-    assert WorkerSettings().worker_prefill_traced
-    off = load_settings(WorkerSettings, {"SLUICE_WORKER_PREFILL_TRACED": "false"})
-    assert not off.worker_prefill_traced
+    assert WorkerSettings().worker_generation_traced
+    off = load_settings(WorkerSettings, {"SLUICE_WORKER_GENERATION_TRACED": "false"})
+    assert not off.worker_generation_traced
     for worker, traced in ((WorkerSettings(), True), (off, False)):
         runner = runner_factory(
             demo_gpt.path, msgspec.structs.replace(worker, worker_device="cpu"), "test", "w"
         )()
         engine = runner._engine  # type: ignore[attr-defined]
         assert isinstance(engine, GenerationEngine)
-        assert engine.traced is traced
+        assert engine.traced == (traced, traced)
