@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -61,3 +62,27 @@ def minilm_source() -> Path:
 def minilm(minilm_source: Path, tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
     prepared = prepare_hf_dir("all-minilm-l6-v2", minilm_source, tmp_path_factory.mktemp("models"))
     return load_embedding_model(prepared, device=TEST_DEVICE)
+
+
+BreakTracing = Callable[[str, object, str], None]
+
+
+@pytest.fixture
+def break_tracing(monkeypatch: pytest.MonkeyPatch) -> BreakTracing:
+    """``break_tracing(failure, module, atol)``: the CPU's traced forwards fail as ``failure`` says.
+    ``cannot trace``: ``torch.jit.trace`` raises, as for an architecture the tracer cannot follow;
+    ``differs``: ``module``'s tolerance ``atol`` is below any difference, even none."""
+
+    def apply(failure: str, module: object, atol: str) -> None:
+        import torch
+
+        if failure == "cannot trace":
+
+            def trace(*args: object, **kwargs: object) -> None:
+                raise RuntimeError("Tracer cannot infer type of output")
+
+            monkeypatch.setattr(torch.jit, "trace", trace)
+        else:
+            monkeypatch.setattr(module, atol, -1.0)
+
+    return apply

@@ -10,6 +10,7 @@ import tokenizers
 from gpu_workers.embedding import GRAPH_MAX_TOKENS, EmbeddingEngine, EmbeddingError, _Graph, graph_shape
 from gpu_workers.models import LoadedModel
 from gpu_workers.padding import pad_rows
+from tests.gpu_workers.conftest import BreakTracing
 
 SENTENCES = [
     "A man is playing a guitar on stage.",
@@ -253,22 +254,13 @@ def test_a_model_that_cannot_be_traced_or_whose_trace_differs_runs_eagerly(
     ids: list[list[int]],
     untraced: None,
     caplog: pytest.LogCaptureFixture,
-    monkeypatch: pytest.MonkeyPatch,
+    break_tracing: BreakTracing,
     failure: str,
     logged: str,
 ) -> None:
-    import torch
-
     from gpu_workers import embedding
 
-    if failure == "cannot trace":
-
-        def trace(*args: object, **kwargs: object) -> None:
-            raise RuntimeError("Tracer cannot infer type of output")
-
-        monkeypatch.setattr(torch.jit, "trace", trace)
-    else:
-        monkeypatch.setattr(embedding, "TRACE_ATOL", -1.0)  # any difference, even none, is too far
+    break_tracing(failure, embedding, "TRACE_ATOL")
     engine = EmbeddingEngine(minilm.model, cuda_graphs=False)
     expected = EmbeddingEngine(minilm.model, cuda_graphs=False, traced=False).embed(ids)
     np.testing.assert_allclose(engine.embed(ids), expected, atol=1e-5)

@@ -16,6 +16,7 @@ from gpu_workers.engine import GenerationEngine, SeqRequest, token_stats
 from gpu_workers.models import LoadedModel
 from gpu_workers.padding import decode_bias, pad_rows, prefill_bias
 from gpu_workers.step_graphs import eager_prefill, positions_of, step_graphs
+from tests.gpu_workers.conftest import BreakTracing
 
 BATCHES = [
     [[7]],
@@ -143,18 +144,11 @@ def test_a_model_whose_step_cannot_be_traced_or_differs_runs_eagerly(
     cpu_only: None,
     untraced: None,
     caplog: pytest.LogCaptureFixture,
-    monkeypatch: pytest.MonkeyPatch,
+    break_tracing: BreakTracing,
     failure: str,
     logged: str,
 ) -> None:
-    if failure == "cannot trace":
-
-        def trace(*args: object, **kwargs: object) -> None:
-            raise RuntimeError("Tracer cannot infer type of output")
-
-        monkeypatch.setattr(torch.jit, "trace", trace)
-    else:
-        monkeypatch.setattr(graphs_module, "ATOL", -1.0)  # any difference, even none, is too far
+    break_tracing(failure, graphs_module, "ATOL")
     engine = GenerationEngine(demo_gpt.model, max_batch_size=4)
     for forward in ("prefill", "decode"):
         assert f"GPT2LMHeadModel's {forward} {logged}" in caplog.text
