@@ -55,7 +55,7 @@ import msgspec
 from gpu_workers import GpuWorkerError
 from gpu_workers.graphs import GRAPH_ROWS, rows_bucket
 from gpu_workers.padding import decode_bias, pad_rows
-from gpu_workers.step_graphs import StepGraphs, eager_prefill, positions_of, step_graphs
+from gpu_workers.step_graphs import StepGraphs, attention_span, eager_prefill, positions_of, step_graphs
 
 if TYPE_CHECKING:
     import torch
@@ -181,6 +181,17 @@ class GenerationEngine:
         config = model.config
         limit = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
         self.max_context: int = max_context or int(limit or 2048)
+        span = attention_span(config)
+        if span is not None and self.max_context > span:
+            # the engine hands transformers a ready 4D mask, which it uses as it is: no window applied
+            log.warning(
+                "%s attends to at most %d tokens at a time (a sliding window or chunks): this engine serves "
+                "contexts of up to %d tokens",
+                type(model).__name__,
+                span,
+                span,
+            )
+            self.max_context = span
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
         self.prefill_ratio = prefill_ratio

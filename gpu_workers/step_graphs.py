@@ -18,6 +18,7 @@ every real token. Where it cannot be traced or differs, that forward runs eagerl
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -28,6 +29,8 @@ from gpu_workers.traced import trace_checked
 if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel
+
+log = logging.getLogger(__name__)
 
 Head = Callable[["torch.Tensor"], "torch.Tensor"]
 
@@ -44,6 +47,10 @@ on each; a trace that baked in a shape, the padding or the causal mask would dif
 DECODE_PROBES: tuple[tuple[int, int], ...] = ((3, 20), (1, 1), (1, 40), (5, 7), (32, 100), (2, 300))
 """(rows, cached columns) of the decode's probes (random keys and values, the first row's first third
 padding): traced on the first, checked on each."""
+
+LONGEST_PROBE = 1024
+"""Besides those, each step is also checked at the model's last position (up to this many tokens): a
+branch taken by position (an embedding table's end, a rotary cache) shows there."""
 
 ATOL = 1e-4
 """How far a graph's scores and keys and values may be from the eager forward's on its probes (scores of
@@ -86,7 +93,7 @@ class PrefillGraph:
     statistics of the scores, from one graph call."""
 
     def __init__(self, model: PreTrainedModel, graph: Any) -> None:
-        self._model = model
+        self._config = model.config  # not the model: the cache of graphs must not keep it alive
         self._graph = graph
         self._dtype = next(model.parameters()).dtype
 
@@ -96,7 +103,7 @@ class PrefillGraph:
         from transformers import DynamicCache
 
         scores, stats, *kv = self._graph(ids, prefill_bias(mask, self._dtype), positions)
-        cache = DynamicCache(config=self._model.config)
+        cache = DynamicCache(config=self._config)
         for layer in range(len(kv) // 2):
             cache.update(kv[2 * layer], kv[2 * layer + 1], layer)
         return scores, stats, cache
@@ -124,9 +131,14 @@ def step_graphs(model: PreTrainedModel, head: Head) -> StepGraphs:
         return _GRAPHS[model]
     import torch
 
+    name = type(model).__name__
+    if model.training:  # not remembered: the same model in eval mode later is traced then
+        log.warning("%s is in training mode: its steps run eagerly", name)
+        return StepGraphs(None, None)
     graphs = StepGraphs(None, None)
-    if not model.training:
-        name = type(model).__name__
+    if (why := untraceable(model.config)) is not None:
+        log.warning("%s's steps run eagerly: %s", name, why)
+    else:
         with torch.inference_mode():
             prefill = _trace_prefill(model, head, name)
             decode = _trace_decode(model, head, name)
@@ -138,10 +150,45 @@ def step_graphs(model: PreTrainedModel, head: Head) -> StepGraphs:
     return graphs
 
 
+def attention_span(config: Any) -> int | None:
+    """The most tokens a layer of this model attends to when that is less than its whole context
+    (sliding-window or chunked attention, in any layer); None for full attention everywhere. The engine
+    passes transformers a ready 4D mask, which transformers uses as it is, so such a window would not be
+    applied: the engine serves no longer a context than this."""
+    spans = [
+        int(value)
+        for key in ("sliding_window", "attention_chunk_size")
+        if isinstance(value := getattr(config, key, None), int) and value > 0
+    ]
+    types = getattr(config, "layer_types", None) or ()
+    if not spans or (types and all(kind == "full_attention" for kind in types)):
+        return None
+    return min(spans)
+
+
+def untraceable(config: Any) -> str | None:
+    """Why this model's steps must not be traced (None: they may): a trace records the branches its probes
+    took, and these pick theirs by the position or the length the probes cannot all reach."""
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    kind = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
+    if kind in ("dynamic", "longrope"):
+        return f"its rotary embedding's scaling ({kind}) depends on the sequence's length"
+    if attention_span(config) is not None:
+        return "it attends to a sliding window or in chunks"
+    return None
+
+
+def _position_limit(config: Any) -> int:
+    limit = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+    return int(limit or 2048)
+
+
 def _trace_prefill(model: PreTrainedModel, head: Head, name: str) -> Any:
     device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
+    longest = min(_position_limit(model.config), LONGEST_PROBE) - 1
     probes = []
-    for prompts in PREFILL_PROBES:
+    for prompts in (*PREFILL_PROBES, ((1,) * longest,)):
+        prompts = tuple(prompt[:longest] for prompt in prompts)
         ids, mask = pad_rows(prompts, 0, device, left=True)
         probes.append((ids, mask, prefill_bias(mask, dtype), positions_of(mask)))
 
@@ -169,9 +216,10 @@ def _trace_decode(model: PreTrainedModel, head: Head, name: str) -> Any:
     from transformers import DynamicCache
 
     config, param = model.config, next(model.parameters())
-    heads = int(config.num_attention_heads)
-    width = int(config.hidden_size) // heads
+    heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+    width = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
     generator = torch.Generator().manual_seed(0)
+    longest = min(_position_limit(config), LONGEST_PROBE) - 2  # the cached columns, the new one at the limit
 
     def probe(rows: int, columns: int) -> tuple[torch.Tensor, ...]:
         ids = torch.randint(1, 3, (rows, 1), generator=generator).to(param.device)
@@ -184,7 +232,7 @@ def _trace_decode(model: PreTrainedModel, head: Head, name: str) -> Any:
         ]
         return (ids, positions, mask, decode_bias(mask, param.dtype), *slots)
 
-    probes = [probe(rows, columns) for rows, columns in DECODE_PROBES]
+    probes = [probe(rows, min(columns, longest)) for rows, columns in (*DECODE_PROBES, (1, longest))]
 
     def distance(traced: Any) -> float:
         worst = 0.0

@@ -42,12 +42,21 @@ def trace_checked(
             graph = torch.jit.freeze(
                 torch.jit.trace(module.eval(), probe, check_trace=False).eval()  # type: ignore[no-untyped-call]
             )
-            worst = distance(graph)
     except Exception as exc:  # an architecture the tracer cannot follow
-        log.warning("%s could not be traced (%s): it runs eagerly", what, exc)
+        log.warning("%s could not be traced (%s): it runs eagerly", what, _first_line(exc))
+        return None
+    try:
+        worst = distance(graph)
+    except Exception as exc:  # the graph (or the eager forward) refused one of the check's inputs
+        log.warning("%s traced failed its check (%s): it runs eagerly", what, _first_line(exc))
         return None
     if not worst <= atol:  # NaN too
         log.warning("%s traced is %.2g away from its eager one: it runs eagerly", what, worst)
         return None
     log.info("traced %s for the CPU in %.1f s", what, time.perf_counter() - began)
     return graph
+
+
+def _first_line(exc: Exception) -> str:
+    """An exception's first line: a TorchScript error carries the graph's whole traceback after it."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]

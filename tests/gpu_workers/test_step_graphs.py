@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from gpu_workers import step_graphs as graphs_module
-from gpu_workers.engine import GenerationEngine, SeqRequest, token_stats
+from gpu_workers.engine import EngineError, GenerationEngine, SeqRequest, token_stats
 from gpu_workers.models import LoadedModel
 from gpu_workers.padding import decode_bias, pad_rows, prefill_bias
 from gpu_workers.step_graphs import eager_prefill, positions_of, step_graphs
@@ -181,3 +181,105 @@ def test_a_worker_traces_its_generation_steps_on_a_cpu_unless_told_not_to(demo_g
         engine = runner._engine  # type: ignore[attr-defined]
         assert isinstance(engine, GenerationEngine)
         assert engine.traced == (traced, traced)
+
+
+# --- other architectures: tiny random models built from transformers' own configs ----------------------
+
+
+def tiny_model(kind: str, **overrides: Any) -> Any:
+    """A 2-layer, 32-wide causal LM of ``kind`` (llama, mistral, gpt2) with random weights and no end token
+    (so ``generate`` makes every token asked for), in eval mode."""
+    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig
+
+    common: dict[str, Any] = {"vocab_size": 100, "eos_token_id": None, "bos_token_id": None}
+    if kind == "gpt2":
+        config: Any = GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=128, **common, **overrides)
+    else:
+        cls = LlamaConfig if kind == "llama" else MistralConfig
+        sizes: dict[str, Any] = {
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+        }
+        sizes |= {"num_key_value_heads": 4, "max_position_embeddings": 128} | overrides
+        config = cls(**sizes, **common)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()  # type: ignore[no-untyped-call]
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def greedy(model: Any, prompt: list[int], n: int, engine: GenerationEngine) -> tuple[list[int], list[int]]:
+    """(the engine's tokens, ``generate``'s) for ``prompt`` and ``n`` new tokens, greedy."""
+    engine.add(SeqRequest(request_id=f"r{len(prompt)}-{n}", input_ids=prompt, max_new_tokens=n))
+    tokens: list[int] = []
+    while engine.has_work():
+        tokens += [out.token_id for out in engine.step()]
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n)
+    return tokens, out[0, len(prompt) :].tolist()
+
+
+def test_a_grouped_query_model_with_its_own_head_width_is_traced_and_equals_generate(cpu_only: None) -> None:
+    """The decode's probes are shaped as the model's cache is: key/value heads, not query heads, and the
+    model's own head width where it names one."""
+    model = tiny_model("llama", num_key_value_heads=2, head_dim=16)
+    engine = GenerationEngine(model, max_batch_size=4)
+    assert engine.traced == (True, True)
+    for prompt, n in (([5], 12), (list(range(1, 31)), 20), ([7] * 90, 30)):
+        mine, theirs = greedy(model, prompt, n, engine)
+        assert mine == theirs
+
+
+def test_a_model_whose_rotary_scaling_depends_on_the_length_runs_eagerly(
+    cpu_only: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A trace keeps the branch its probes took, and dynamic rope scaling picks one by the sequence's
+    length: such a model is not traced."""
+    model = tiny_model("llama", rope_parameters={"rope_type": "dynamic", "factor": 2.0})
+    engine = GenerationEngine(model, max_batch_size=2)
+    assert engine.traced == (False, False)
+    assert "rotary embedding's scaling (dynamic) depends on the sequence's length" in caplog.text
+    mine, theirs = greedy(model, list(range(1, 20)), 10, engine)
+    assert mine == theirs
+
+
+def test_a_sliding_window_model_runs_eagerly_and_only_within_its_window(
+    cpu_only: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The engine gives transformers a ready mask, which it uses as it is, so a window would not be applied:
+    the engine serves no longer a context than the window, where full attention is the same thing."""
+    model = tiny_model("mistral", sliding_window=16)
+    engine = GenerationEngine(model, max_batch_size=2)
+    assert engine.max_context == 16
+    assert engine.traced == (False, False)
+    assert "attends to at most 16 tokens at a time" in caplog.text
+    assert "attends to a sliding window or in chunks" in caplog.text
+    mine, theirs = greedy(model, list(range(1, 7)), 9, engine)
+    assert mine == theirs
+    with pytest.raises(EngineError):
+        engine.add(SeqRequest(request_id="long", input_ids=list(range(1, 17)), max_new_tokens=1))
+
+
+def test_the_graphs_do_not_keep_their_model_alive(cpu_only: None) -> None:
+    import gc
+
+    model = tiny_model("gpt2")
+    assert step_graphs(model, token_stats).prefill is not None
+    ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert ref() is None
+
+
+def test_a_model_in_training_mode_runs_eagerly_until_it_is_not(
+    cpu_only: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = tiny_model("gpt2")
+    model.train()
+    assert GenerationEngine(model).traced == (False, False)
+    assert "is in training mode: its steps run eagerly" in caplog.text
+    model.eval()
+    assert GenerationEngine(model).traced == (True, True)
