@@ -387,6 +387,9 @@ async def measure(
             "platform_tokens_per_s": gen_tps,
             "ratio": gen_tps / raw_gen[best_batch],
             "raw_by_batch": raw_gen,
+            # the raw figure at each batch is the faster of these two (raw_model.py)
+            "raw_generate_by_batch": raw.get("generate_tokens_per_s"),
+            "raw_engine_by_batch": raw.get("engine_tokens_per_s"),
         },
         "ttft_ms": {
             "raw_p50": raw_ttft["p50"],
