@@ -55,7 +55,14 @@ import msgspec
 from gpu_workers import GpuWorkerError
 from gpu_workers.graphs import GRAPH_ROWS, rows_bucket
 from gpu_workers.padding import decode_bias, pad_rows
-from gpu_workers.step_graphs import StepGraphs, attention_span, eager_prefill, positions_of, step_graphs
+from gpu_workers.step_graphs import (
+    StepGraphs,
+    attention_span,
+    eager_prefill,
+    position_limit,
+    positions_of,
+    step_graphs,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -179,8 +186,7 @@ class GenerationEngine:
         self._device = next(model.parameters()).device
         self._dtype = next(model.parameters()).dtype
         config = model.config
-        limit = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
-        self.max_context: int = max_context or int(limit or 2048)
+        self.max_context: int = max_context or position_limit(config)
         span = attention_span(config)
         if span is not None and self.max_context > span:
             # the engine hands transformers a ready 4D mask, which it uses as it is: no window applied

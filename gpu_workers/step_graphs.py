@@ -178,14 +178,27 @@ def untraceable(config: Any) -> str | None:
     return None
 
 
-def _position_limit(config: Any) -> int:
+def position_limit(config: Any) -> int:
+    """The most positions the model has embeddings for (2,048 where its config names none)."""
     limit = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
     return int(limit or 2048)
 
 
+def _gap(
+    scores: torch.Tensor, eager_scores: torch.Tensor, kv: Any, eager_kv: Any, mask: torch.Tensor
+) -> float:
+    """How far a graph's scores and keys and values are from the eager forward's; a padding column's keys
+    and values are never read, so only real tokens' count."""
+    real = mask.bool()[:, None, :, None]
+    return max(
+        float((scores - eager_scores).abs().max()),
+        *(float(((a - b).abs() * real).max()) for a, b in zip(kv, eager_kv, strict=True)),
+    )
+
+
 def _trace_prefill(model: PreTrainedModel, head: Head, name: str) -> Any:
     device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
-    longest = min(_position_limit(model.config), LONGEST_PROBE) - 1
+    longest = min(position_limit(model.config), LONGEST_PROBE) - 1
     probes = []
     for prompts in (*PREFILL_PROBES, ((1,) * longest,)):
         prompts = tuple(prompt[:longest] for prompt in prompts)
@@ -197,12 +210,7 @@ def _trace_prefill(model: PreTrainedModel, head: Head, name: str) -> Any:
         for ids, mask, bias, positions in probes:
             scores, _, *kv = traced(ids, bias, positions)
             eager_scores, cache = eager_prefill(model, ids, mask, positions)
-            real = mask.bool()[:, None, :, None]  # a padding column's keys and values are never read
-            worst = max(
-                worst,
-                float((scores - eager_scores).abs().max()),
-                *(float(((a - b).abs() * real).max()) for a, b in zip(kv, _flat(cache), strict=True)),
-            )
+            worst = max(worst, _gap(scores, eager_scores, kv, _flat(cache), mask))
         return worst
 
     ids, _, bias, positions = probes[0]
@@ -219,7 +227,7 @@ def _trace_decode(model: PreTrainedModel, head: Head, name: str) -> Any:
     heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
     width = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
     generator = torch.Generator().manual_seed(0)
-    longest = min(_position_limit(config), LONGEST_PROBE) - 2  # the cached columns, the new one at the limit
+    longest = min(position_limit(config), LONGEST_PROBE) - 2  # the cached columns, the new one at the limit
 
     def probe(rows: int, columns: int) -> tuple[torch.Tensor, ...]:
         ids = torch.randint(1, 3, (rows, 1), generator=generator).to(param.device)
@@ -243,12 +251,7 @@ def _trace_decode(model: PreTrainedModel, head: Head, name: str) -> Any:
             for layer in range(len(slots) // 2):
                 cache.update(slots[2 * layer][:, :, :-1], slots[2 * layer + 1][:, :, :-1], layer)
             out = model(input_ids=ids, attention_mask=bias, position_ids=positions, past_key_values=cache)
-            real = mask.bool()[:, None, :, None]
-            worst = max(
-                worst,
-                float((scores - out.logits[:, -1, :]).abs().max()),
-                *(float(((a - b).abs() * real).max()) for a, b in zip(mine, _flat(cache), strict=True)),
-            )
+            worst = max(worst, _gap(scores, out.logits[:, -1, :], mine, _flat(cache), mask))
         return worst
 
     ids, positions, _, bias, *slots = probes[0]
@@ -264,7 +267,6 @@ def _flat(cache: Any) -> list[torch.Tensor]:
 def _prefill_module(model: PreTrainedModel, head: Head) -> torch.nn.Module:
     """``(ids, 4D mask, positions)`` -> ``(scores, head(scores), keys 0, values 0, keys 1, ...)``."""
     import torch
-    from transformers import DynamicCache
 
     class Prefill(torch.nn.Module):
         def __init__(self) -> None:
@@ -274,16 +276,8 @@ def _prefill_module(model: PreTrainedModel, head: Head) -> torch.nn.Module:
         def forward(
             self, ids: torch.Tensor, bias: torch.Tensor, positions: torch.Tensor
         ) -> tuple[torch.Tensor, ...]:
-            out = self.model(
-                input_ids=ids,
-                attention_mask=bias,
-                position_ids=positions,
-                past_key_values=DynamicCache(config=self.model.config),
-                use_cache=True,
-                logits_to_keep=1,
-            )
-            scores = out.logits[:, -1, :]
-            return (scores, head(scores), *_flat(out.past_key_values))
+            scores, cache = eager_prefill(self.model, ids, bias, positions)  # a 4D mask is used as it is
+            return (scores, head(scores), *_flat(cache))
 
     return Prefill()
 
