@@ -9,11 +9,19 @@ from typing import Any
 
 
 def floor_summary(
-    before: dict[str, Any], after: dict[str, Any], best_batch: int, gen_tps: float, dynamic: float
+    before: dict[str, Any],
+    after: dict[str, Any],
+    best_batch: int,
+    gen_tps: float,
+    dynamic: float,
+    beside: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The floor's figures and the platform's ratios to it. The floor runs twice, alone, just before the
-    platform and just after it: a shared box drifts by ±20 % within minutes, so each ratio is to the mean
-    of the two runs (what the model did around the platform's phases), and both are kept to show the drift."""
+    platform and just after it, minutes apart; both are kept to show the drift. ``beside``: the same floor
+    sampled seconds before and after each saturation phase (``generation``: two ``{"generate", "engine"}``
+    rates, ``embeddings``: two rates). A shared box drifts by a third within minutes, so the ratios are to
+    the mean of the samples beside the phase where there are any (``*_ratio``), and to the mean of the runs
+    minutes apart otherwise; those are kept too (``*_ratio_apart``)."""
 
     def figures(run: dict[str, Any]) -> dict[str, float]:
         return {
@@ -31,12 +39,23 @@ def floor_summary(
     first, second = figures(before), figures(after)
     mean = {key: statistics.mean([first[key], second[key]]) for key in first}
     gen, emb = mean["generation_tokens_per_s"], mean["embeddings_per_s"]
+    near: dict[str, Any] = {}
+    if beside is not None:
+        near = {
+            # the faster of ``generate`` and the engine, as the runs apart take it
+            "generation_tokens_per_s": statistics.mean(max(run.values()) for run in beside["generation"]),
+            "embeddings_per_s": statistics.mean(beside["embeddings"]),
+            **beside,
+        }
     return {
         "threads": before["threads"],
         "generation_tokens_per_s": gen,
         "embeddings_per_s": emb,
-        "generation_ratio": gen_tps / gen,
-        "embeddings_ratio": dynamic / emb,
+        "generation_ratio": gen_tps / near.get("generation_tokens_per_s", gen),
+        "embeddings_ratio": dynamic / near.get("embeddings_per_s", emb),
+        "generation_ratio_apart": gen_tps / gen,
+        "embeddings_ratio_apart": dynamic / emb,
+        "beside": near or None,
         # what batching alone buys the model on these threads (beside P3's dynamic over batch-1 serving)
         "embeddings_batching": (batching := emb / mean["embeddings_batch1_per_s"]),
         "batching_target": batching_target(batching),
@@ -86,6 +105,17 @@ def ttft_floor(
         "floor_added_p50": floor,
         "target_added_p50": 5.0 if floor <= 5.0 else 1.2 * floor,
     }
+
+
+def beside(floor: dict[str, Any], key: str) -> str:
+    """The floor beside the phase (the mean of its samples just before and after it), with each, or the
+    figure minutes apart where none was sampled."""
+    near = floor.get("beside")
+    if not near:
+        return drift(floor, key)
+    runs = near["generation"] if key == "generation_tokens_per_s" else near["embeddings"]
+    each = [max(run.values()) if isinstance(run, dict) else run for run in runs]
+    return f"{near[key]:.0f} (just before {each[0]:.0f}, just after {each[-1]:.0f})"
 
 
 def drift(floor: dict[str, Any], key: str) -> str:

@@ -13,6 +13,7 @@ against the model run beside it).
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import os
@@ -20,6 +21,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from loadgen import EMBED_TEXTS, embed_text
@@ -44,6 +46,9 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
+FLOOR_ROUNDS = 4
+"""Batches of prompts a generation rate runs at each batch size (2 with ``--quick``)."""
+
 IDLE_S = 0.005
 """The pause before each call of the batch-1-after-idle measurement: about what one client's request spends
 outside the model on the platform (its way in and out)."""
@@ -67,6 +72,44 @@ def after_idle(call: Callable[[int], object], n: int) -> dict[str, float]:
     return {"ms": statistics.median(timed_ms(call, n, IDLE_S)), "idle_ms": IDLE_S * 1000}
 
 
+def generation_rates(model: Any, prompt: list[int], batch: int, tokens: int, rounds: int) -> dict[str, float]:
+    """demo-gpt's tokens/s at ``batch`` rows over ``rounds`` batches of ``prompt`` (``tokens`` each, greedy):
+    plain batched ``generate`` and the worker's engine alone; the raw figure is the faster (like for like)."""
+    prompts = [prompt] * (batch * rounds)
+    return {
+        "generate": raw_generate_throughput(model, prompts, tokens, batch),
+        "engine": engine_throughput(model, prompts, tokens, batch),
+    }
+
+
+def embedding_rate(engine: EmbeddingEngine, texts: list[list[int]], batch: int, rounds: int) -> float:
+    """MiniLM's embeddings/s at ``batch`` over ``rounds`` batches of the load's inputs in turn."""
+    started = time.perf_counter()
+    for r in range(rounds):
+        first = (r * batch) % len(texts)
+        engine.embed([texts[(first + i) % len(texts)] for i in range(batch)])
+    return rounds * batch / (time.perf_counter() - started)
+
+
+def embedding_rates(engine: EmbeddingEngine, texts: list[list[int]], batch: int) -> dict[str, float]:
+    """``embedding_rate`` at ``batch`` over 256 inputs (2 batches at least), as the floor run takes it."""
+    return {"embed": embedding_rate(engine, texts, batch, max(2, 256 // batch))}
+
+
+def load_texts(tokenizer: Any) -> list[list[int]]:
+    """Exactly the load generator's embedding inputs, tokenised: the comparison is like for like."""
+    return [list(tokenizer(embed_text(n))["input_ids"]) for n in range(EMBED_TEXTS)]
+
+
+def rate_for(seconds: float, measure: Callable[[], dict[str, float]]) -> dict[str, float]:
+    """``measure``'s figures, each the mean of as many calls as fit in ``seconds`` (one at least)."""
+    runs: list[dict[str, float]] = []
+    started = time.perf_counter()
+    while not runs or time.perf_counter() - started < seconds:
+        runs.append(measure())
+    return {key: statistics.mean(run[key] for run in runs) for key in runs[0]}
+
+
 def serve_reference(narrow: int, prompt: str) -> None:
     """``--serve``: the raw models as a reference beside a server's one-client phases. Prints ``ready``, then
     answers each line read from stdin with one JSON line of milliseconds, until end of input:
@@ -75,7 +118,14 @@ def serve_reference(narrow: int, prompt: str) -> None:
       the raw baseline) and on ``narrow`` threads (the worker's): ``{"wide": [...], "narrow": [...]}``;
     - ``gen N T``: demo-gpt's batch 1 of ``prompt`` (the load's), T new tokens, greedy, the faster of
       ``generate`` and the worker's engine alone, as the raw baseline runs it, N times on ``narrow`` threads (the generation worker has no wider team):
-      ``{"narrow": [...]}``."""
+      ``{"narrow": [...]}``;
+    - ``rate gen S B T``: the generation floor beside a server's saturation phase, on ``narrow`` threads as
+      the floor run measures it (``generation_rates`` at batch B, T new tokens), repeated for S seconds:
+      ``{"generate": tok/s, "engine": tok/s}``;
+    - ``rate emb S B``: the embedding floor likewise (``embedding_rate`` at batch B): ``{"embed": per s}``.
+
+    A floor run minutes before or after a phase drifts with the box by a third (docs/perf); one beside it,
+    seconds away, drifts with it."""
     from kafka_floor import minilm_forward
 
     forward = minilm_forward()  # on every core, warm
@@ -86,6 +136,8 @@ def serve_reference(narrow: int, prompt: str) -> None:
 
     engine = GenerationEngine(gen.model, max_batch_size=1)  # traced on a CPU, as the worker runs it
     requests = itertools.count()
+    emb = load_embedding_model(current_model_dir(settings.cache_dir, "all-minilm-l6-v2"), device="auto")
+    embedder, texts = EmbeddingEngine(emb.model), load_texts(emb.tokenizer)
 
     def with_engine(tokens: int) -> None:
         engine.add(SeqRequest(request_id=str(next(requests)), input_ids=ids[0], max_new_tokens=tokens))
@@ -105,6 +157,7 @@ def serve_reference(narrow: int, prompt: str) -> None:
     configure_torch_threads(narrow)
     for _ in range(20):  # warm the narrow team too
         forward()
+    embedding_rate(embedder, texts, 8, 2)
     # the faster of ``generate`` and the engine alone, chosen once (like for like, as the raw baseline)
     timings = {}
     for way in (with_generate, with_engine):
@@ -117,6 +170,19 @@ def serve_reference(narrow: int, prompt: str) -> None:
             case ["gen", n, tokens]:
                 configure_torch_threads(narrow)
                 print(json.dumps({"narrow": [generate(int(tokens)) for _ in range(int(n))]}), flush=True)
+            case ["rate", "gen", seconds, batch, tokens]:
+                configure_torch_threads(narrow)
+                rates = rate_for(
+                    float(seconds),
+                    lambda: generation_rates(gen.model, ids[0], int(batch), int(tokens), FLOOR_ROUNDS),
+                )
+                print(json.dumps(rates), flush=True)
+            case ["rate", "emb", seconds, batch]:
+                configure_torch_threads(narrow)
+                rates = rate_for(
+                    float(seconds), functools.partial(embedding_rates, embedder, texts, int(batch))
+                )
+                print(json.dumps(rates), flush=True)
             case [n]:
                 out: dict[str, list[float]] = {}
                 for name, threads in teams.items():
@@ -164,9 +230,8 @@ def main() -> None:
     engine_tps: dict[int, float] = {}
     raw_generate_throughput(gen.model, [prompt] * 4, 8, 4)  # warm-up
     for batch in batches:
-        prompts = [prompt] * (batch * (2 if args.quick else 4))
-        generate_tps[batch] = raw_generate_throughput(gen.model, prompts, args.new_tokens, batch)
-        engine_tps[batch] = engine_throughput(gen.model, prompts, args.new_tokens, batch)
+        rates = generation_rates(gen.model, prompt, batch, args.new_tokens, 2 if args.quick else FLOOR_ROUNDS)
+        generate_tps[batch], engine_tps[batch] = rates["generate"], rates["engine"]
     # The model at its best at each batch: transformers' ``generate``, or the worker's engine alone (in
     # process, no platform) where it is faster: on a CPU its prefill and decode are traced graphs, ~1.4x
     # ``generate`` at 32 rows. The platform's ratios are to the faster, like for like (as the embeddings'
@@ -201,17 +266,11 @@ def main() -> None:
 
     emb = load_embedding_model(current_model_dir(settings.cache_dir, "all-minilm-l6-v2"), device="auto")
     engine = EmbeddingEngine(emb.model)
-    # Exactly the load generator's inputs, so the comparison is like for like.
-    texts = [list(emb.tokenizer(embed_text(n))["input_ids"]) for n in range(EMBED_TEXTS)]
+    texts = load_texts(emb.tokenizer)
     emb_rate: dict[int, float] = {}
     engine.embed(texts[:1])
     for batch in (1, 8, 32, 64):
-        rounds = max(2, (64 if args.quick else 256) // batch)
-        started = time.perf_counter()
-        for r in range(rounds):
-            first = (r * batch) % len(texts)
-            engine.embed([texts[(first + i) % len(texts)] for i in range(batch)])
-        emb_rate[batch] = rounds * batch / (time.perf_counter() - started)
+        emb_rate[batch] = embedding_rate(engine, texts, batch, max(2, (64 if args.quick else 256) // batch))
     out["embeddings_per_s"] = emb_rate
     # Batch 1 as one client meets it: the core idles between calls (the request's way in and out), and an
     # idle core here starts a forward slower than the loop above, which never lets it idle (docs/perf).

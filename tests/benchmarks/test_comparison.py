@@ -346,3 +346,30 @@ def test_the_floor_is_the_mean_of_its_runs_before_and_after_the_platform() -> No
     assert mean["generation_tokens_per_s"] == {"1": 500.0, "32": 3500.0}
     assert mean["embeddings_per_s"]["1"] == pytest.approx(55.0)
     assert floors.drift(summary, "generation_tokens_per_s") == "3500 (before 4000, after 3000)"
+    assert summary["beside"] is None
+    assert floors.beside(summary, "embeddings_per_s") == "280 (before 300, after 260)"
+
+
+def test_the_ratios_are_to_the_floor_sampled_beside_the_phase_where_there_is_one() -> None:
+    """The runs minutes apart drift by a third on a shared box: the samples seconds away count, the faster
+    of ``generate`` and the engine in each, and the ratios to the runs apart are kept."""
+    floors = importlib.import_module("floors")
+    run = {
+        "threads": 1,
+        "generation_tokens_per_s": {"1": 500.0, "32": 4000.0},
+        "embeddings_per_s": {"1": 60.0, "32": 300.0},
+    }
+    near = {
+        "generation": [{"generate": 2000.0, "engine": 3000.0}, {"generate": 4000.0, "engine": 3000.0}],
+        "embeddings": [200.0, 240.0],
+        "seconds": 4.0,
+    }
+    summary = floors.floor_summary(run, run, 32, gen_tps=3150.0, dynamic=198.0, beside=near)
+    assert summary["beside"]["generation_tokens_per_s"] == pytest.approx(3500.0)  # (3000 + 4000) / 2
+    assert summary["generation_ratio"] == pytest.approx(0.9)
+    assert summary["embeddings_ratio"] == pytest.approx(0.9)
+    assert summary["generation_ratio_apart"] == pytest.approx(3150.0 / 4000.0)
+    assert summary["embeddings_ratio_apart"] == pytest.approx(198.0 / 300.0)
+    assert summary["generation_tokens_per_s"] == 4000.0  # the runs apart, as the peers' reference
+    assert floors.beside(summary, "generation_tokens_per_s") == "3500 (just before 3000, just after 4000)"
+    assert floors.beside(summary, "embeddings_per_s") == "220 (just before 200, just after 240)"

@@ -46,10 +46,27 @@ def test_the_online_benchmark_runs_quick_and_writes_its_json(tmp_path: Path, kaf
         / ((floor["before"]["embeddings_batch1_per_s"] + floor["after"]["embeddings_batch1_per_s"]) / 2)
     )
     assert "best/b1 " in stdout
+    # the ratios are to the floor sampled just before and just after each saturation phase, the platform
+    # idle: two generation rates (``generate`` and the engine alone; the faster counts) and two embeddings'
+    near = floor["beside"]
+    assert len(near["generation"]) == len(near["embeddings"]) == 2, near
+    assert all(min(run.values()) > 0 for run in near["generation"]), near
+    assert min(near["embeddings"]) > 0, near
+    assert near["generation_tokens_per_s"] == pytest.approx(
+        sum(max(run.values()) for run in near["generation"]) / 2
+    )
     assert floor["generation_ratio"] == pytest.approx(
+        result["generation"]["platform_tokens_per_s"] / near["generation_tokens_per_s"]
+    )
+    assert floor["embeddings_ratio"] == pytest.approx(
+        result["embeddings"]["dynamic_per_s"] / near["embeddings_per_s"]
+    )
+    # and to the runs minutes apart, kept beside them
+    assert floor["generation_ratio_apart"] == pytest.approx(
         result["generation"]["platform_tokens_per_s"] / floor["generation_tokens_per_s"]
     )
     assert "(before " in stdout
+    assert "(just before " in stdout
     assert result["generation"]["platform_concurrency"] == 2 * result["generation"]["raw_best_batch"]
     # placed as `sluice up` places it: on 2+ cores the workers get the upper half (bus/placement.py)
     split = split_box(available_cpus())
