@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import msgspec
 from confluent_kafka import KafkaError, KafkaException, Message
@@ -14,7 +15,7 @@ from bus.consumer import record_headers
 from bus.errors import BusError
 from bus.producer import Delivery, EventProducer
 from monitoring.metrics import DEAD_LETTERS
-from schemas.codec import MAX_RECORD_BYTES, DecodeError, decode
+from schemas.codec import MAX_RECORD_BYTES, DecodeError, HeaderValue, decode
 from schemas.events import DeadLetter, Event
 
 log = logging.getLogger(__name__)
@@ -49,19 +50,43 @@ def _refused_code(exc: BusError) -> int | None:
     return None
 
 
-def decode_or_dead_letter(
-    message: Message, producer: EventProducer, deadletter_topic: str, source: str
-) -> Event | Letter:
-    """Decode a record into its event, or send it whole to the dead-letter topic (with the reason) and
-    return the :class:`Letter`: the record may count as handled (its offset committed) only once the
-    letter is durable, or a crash in between loses it from the dead letters."""
+@dataclass(frozen=True)
+class Junk:
+    """A record that does not decode, not dead-lettered yet: its reader letters it (:meth:`letter`) once it
+    knows the record is still its own to handle. A worker's inbox can outlive the record's partition, whose
+    next owner reads and letters it again (the letter sent on the way in went twice)."""
+
+    where: tuple[str, int, int]
+    """Its topic, partition and offset."""
+    value: bytes
+    error: DecodeError
+    headers: list[tuple[str, HeaderValue]]
+
+    def letter(self, producer: EventProducer, deadletter_topic: str, source: str) -> Letter:
+        """Sent whole to the dead-letter topic with the reason (counted and logged)."""
+        event = dead_letter_event(source, self.where, self.value, self.error, self.headers)
+        return Letter(producer, deadletter_topic, event)
+
+
+def decode_or_junk(message: Message) -> Event | Junk:
+    """A record's event, or the :class:`Junk` it is when it does not decode."""
     value = message.value() or b""
     header_list = record_headers(message)
     try:
         return decode(value, header_list)
     except DecodeError as exc:
         where = (message.topic() or "", message.partition() or 0, message.offset() or 0)
-        return Letter(producer, deadletter_topic, dead_letter_event(source, where, value, exc, header_list))
+        return Junk(where, value, exc, header_list)
+
+
+def decode_or_dead_letter(
+    message: Message, producer: EventProducer, deadletter_topic: str, source: str
+) -> Event | Letter:
+    """Decode a record into its event, or send it whole to the dead-letter topic (with the reason) and
+    return the :class:`Letter`: the record may count as handled (its offset committed) only once the
+    letter is durable, or a crash in between loses it from the dead letters."""
+    event = decode_or_junk(message)
+    return event.letter(producer, deadletter_topic, source) if isinstance(event, Junk) else event
 
 
 DEAD_LETTER_KEEP_BYTES = MAX_RECORD_BYTES // 2

@@ -32,7 +32,7 @@ from opentelemetry.trace import Status, StatusCode
 
 from bus.consumer import BACKGROUND, TP, ConsumerThread, consumer_config
 from bus.control import control_start, latest_deployments
-from bus.dead_letter import Letter, decode_or_dead_letter
+from bus.dead_letter import Junk, Letter, decode_or_junk
 from bus.errors import BusError
 from bus.positions import read_to_end, watermarks
 from bus.producer import EventProducer, Position
@@ -102,12 +102,16 @@ class _Uncommitted:
 
 @dataclass(frozen=True)
 class _Skip:
-    """A record with nothing to run. ``letter``: it was dead-lettered, and is done once the letter is
-    durable (``_Lettered``), not before: a crash in between would lose it from the dead letters."""
+    """A record with nothing to run. ``junk``: it does not decode, and is dead-lettered when the model thread
+    takes it, if its partition is still this worker's (a letter sent on the way in, for a record whose
+    partition then went, was sent again by the next owner); ``letter``: that letter, and the record is
+    done once it is durable (``_Lettered``), not before: a crash in between would lose it from the dead
+    letters."""
 
     tp: TP
     offset: int
     generation: int = 0
+    junk: Junk | None = None
     letter: Letter | None = None
 
 
@@ -374,9 +378,9 @@ class WorkerService(Component):
         for message in batch:
             tp = (message.topic() or "", message.partition() or 0)
             offset = message.offset() or 0
-            event = decode_or_dead_letter(message, self._producer, self._names.deadletter, self.source)
-            if isinstance(event, Letter):
-                self._put(_Skip(tp, offset, self._generation, letter=event))
+            event = decode_or_junk(message)
+            if isinstance(event, Junk):
+                self._put(_Skip(tp, offset, self._generation, junk=event))
                 continue
             line: BatchRef | None = None
             if isinstance(event, BatchItemRequested):  # a batch line runs as the request it carries
@@ -637,11 +641,12 @@ class WorkerService(Component):
                     if self._stale(item.tp, item.generation):
                         return
                     self._offsets.started(item.tp, item.offset)
-                    if item.letter is None:
+                    if item.junk is None:
                         self._offsets.done(item.tp, item.offset)
                         return
                     self._running[(item.tp, item.generation)] += 1  # a revoke waits for its letter too
-                self._await_letter(item)
+                letter = item.junk.letter(self._producer, self._names.deadletter, self.source)
+                self._await_letter(replace(item, letter=letter))
             case _Deploy():
                 self._deploy(runner, item.deployment, item.event_id)
 

@@ -628,6 +628,35 @@ def test_a_revoke_waits_for_a_dead_letter_on_its_way() -> None:
     assert h.model.lettered[(0, 0)] == 1
 
 
+@pytest.mark.parametrize("lost", [False, True])
+def test_junk_whose_partition_goes_while_it_waits_in_the_inbox_is_lettered_by_the_next_owner_only(
+    lost: bool,
+) -> None:
+    """A record that does not decode is lettered when the model thread takes it, not on its way into the
+    inbox: one whose partition was revoked (or lost) while it waited there is stale, and its next owner
+    letters it. It used to be lettered on the way in too: two letters of one record."""
+    h = Harness(8)
+    h.service.COMMIT_INTERVAL_S = 0.0
+    h.consume_junk(0)  # in the inbox, not taken yet
+    if lost:
+        h.lose(0)
+    else:  # nothing of the partition runs here: the revoke does not wait for the model thread
+        h.model.assigned.discard(0)
+        h.model.revoked_at[0] = len(h.runner.accepted)
+        for (_, part), offset in (h.service._on_revoke([(TOPIC, 0)], False) or {}).items():
+            h.check_commit(part, offset)
+            h.model.committed[part] = max(h.model.committed[part], offset)
+    h.model_thread_step()  # finds it stale
+    while h.producer.pending:
+        h.deliver(0, ok=True)
+    assert h.model.lettered[(0, 0)] == 0, "lettered by the worker whose partition it no longer was"
+    assert h.model.committed[0] == 0
+    h.assign(0)  # handed back: read again from the last commit, as a next owner reads it
+    quiesce(h)
+    assert_quiet(h)
+    assert h.model.lettered[(0, 0)] == 1
+
+
 def test_a_dead_letter_refused_at_once_is_sent_again_and_the_worker_serves_on() -> None:
     """Once librdkafka knows the dead-letter topic missing, ``produce`` raises instead of reporting a failed
     delivery: the worker's consumer and model threads used to die of it (found by review). Now the letter
