@@ -40,8 +40,9 @@ share of the box the platform can give the model while Kafka, the edge and the c
 While the platform runs, the box is split as ``sluice up`` splits it (``--worker-cpus``, default ``auto``):
 the workers on the upper half of the cores, this process (the clients), Kafka and the edge on the rest.
 The floor runs twice, alone, just before the platform and just after it (minutes apart), and again
-beside each saturation phase: for 4 s just before it and 4 s just after it (``raw_model.py --serve``'s
-``rate``, the platform idle). The platform's ratios to the floor are to the mean of the two samples beside
+beside each saturation phase: for 3 s just before it and 3 s just after it (``raw_model.py --serve``'s
+``rate``), the platform's processes and the broker stopped meanwhile (SIGSTOP, then SIGCONT), so it runs
+alone as the runs apart do. The platform's ratios to the floor are to the mean of the two samples beside
 the phase: a shared box drifts by a third within minutes (docs/perf, M26 and M29), and a sample seconds away
 drifts with it. The table also shows the ratios to the mean of the runs minutes apart.
 
@@ -100,15 +101,17 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, cast
 
 import aiohttp
 import comparison
 import kafka_floor
+import psutil
 from floors import beside, drift, floor_summary, mean_run, ttft_floor
-from harness import cpu_model, kafka, pct, reap, service_env
+from harness import broker_process, cpu_model, kafka, pct, reap, service_env
 from loadgen import (
     NEW_TOKENS,
     QUICK_TOKENS,
@@ -194,6 +197,24 @@ class Services:
         except (aiohttp.ClientError, TimeoutError):
             return False
 
+    @contextmanager
+    def paused(self, *others: psutil.Process | None) -> Iterator[None]:
+        """Every process of the platform stopped (SIGSTOP; ``others`` too: the broker), then continued: the
+        floor sampled beside a phase runs alone on the box, as the runs minutes apart do (idle, the platform
+        takes ~10 % of a core and wakes the cores up often, which slowed that floor by up to a sixth). A few
+        seconds: well inside the consumers' session timeout (10 s) and the broker's own (9 s)."""
+        stopped: list[psutil.Process] = []
+        try:
+            for proc in [*(psutil.Process(p.pid) for p in self.procs.values()), *filter(None, others)]:
+                for each in [proc, *proc.children(recursive=True)]:
+                    each.suspend()
+                    stopped.append(each)
+            yield
+        finally:
+            for each in reversed(stopped):
+                with suppress(psutil.NoSuchProcess):
+                    each.resume()
+
     def stop(self, name: str) -> None:
         proc = self.procs.pop(name)
         proc.send_signal(signal.SIGTERM)
@@ -250,7 +271,7 @@ def start_edges(services: Services, count: int, first_port: int) -> list[str]:
     return [f"http://127.0.0.1:{port}" for port in ports]
 
 
-FLOOR_BESIDE_S = {False: 4.0, True: 0.5}
+FLOOR_BESIDE_S = {False: 3.0, True: 0.5}
 """Seconds of the floor (the model alone on the worker's threads) sampled just before and just after each
 saturation phase (``--quick``: one round at least)."""
 
@@ -272,13 +293,14 @@ async def measure(
     reference: RawReference,
     bare: kafka_floor.Driver,
     emb_floor_batch: int,
+    broker: psutil.Process | None,
     naive: comparison.NaivePeer | None = None,
 ) -> dict[str, object]:
     """Every phase of the platform (see the module's text); ``reference``, ``bare`` (an echo around the
     forward, :func:`kafka_floor.around_forward_echo`) and ``naive`` (the naive peer, one client's
     embeddings) are sampled between the blocks of one client's embeddings, and the floors (the model alone
     on the worker's threads; embeddings at ``emb_floor_batch``) just before and after each saturation
-    phase."""
+    phase, the platform and ``broker`` (the local broker's JVM, None for a remote one) stopped meanwhile."""
     url = urls[0]
     connector = aiohttp.TCPConnector(limit=256)
     async with aiohttp.ClientSession(
@@ -316,18 +338,28 @@ async def measure(
         # Steady state, as every saturation phase here: a fixed number of requests would also time the
         # ramp-up and the drain (10-15 % of a few-second phase).
         warm_s, window_s = (0.5, 1.5) if quick else (2.0, 8.0)
-        # The floor beside each phase, seconds before and after it: the runs minutes apart drift by a third
+        # The floor beside each phase, seconds before and after it, the platform stopped meanwhile: the runs
+        # minutes apart drift by a third
         beside_s = FLOOR_BESIDE_S[quick]
-        gen_floor = [reference.generation_floor(beside_s, best_batch, new_tokens)]
+
+        def gen_floor_now() -> dict[str, float]:
+            with services.paused(broker):
+                return reference.generation_floor(beside_s, best_batch, new_tokens)
+
+        def emb_floor_now() -> float:
+            with services.paused(broker):
+                return reference.embedding_floor(beside_s, emb_floor_batch)
+
+        gen_floor = [gen_floor_now()]
         gen_tps = await spread_rate(
             urls, concurrency, "generation", warm_s=warm_s, window_s=window_s, tokens=new_tokens
         )
-        gen_floor.append(reference.generation_floor(beside_s, best_batch, new_tokens))
-        emb_floor = [reference.embedding_floor(beside_s, emb_floor_batch)]
+        gen_floor.append(gen_floor_now())
+        emb_floor = [emb_floor_now()]
         # Warmed at this concurrency first: batches of 33-64 are new shapes to torch after the warm-up above
         # (included in ``warm_s`` here).
         dynamic = await spread_rate(urls, 64, "embeddings", warm_s=2 * warm_s, window_s=window_s, tokens=0)
-        emb_floor.append(reference.embedding_floor(beside_s, emb_floor_batch))
+        emb_floor.append(emb_floor_now())
         # Time to first token at low load after the saturation phases: a fresh broker's JVM is still
         # compiling through its first few thousand requests (kafka_floor.py, 300 lone round trips at a time:
         # 2.7-5.0 ms p50 for the first, 1.3-1.9 once warm), and a serving platform's broker is warm.
@@ -719,7 +751,17 @@ def main() -> None:
                 # the bare echo beside the platform as the raw forward is: both on every core
                 with kafka_floor.around_forward_echo(conn, own_cores or None) as bare:
                     result = asyncio.run(
-                        measure(urls, raw, services, args.quick, reference, bare, emb_floor_batch, naive)
+                        measure(
+                            urls,
+                            raw,
+                            services,
+                            args.quick,
+                            reference,
+                            bare,
+                            emb_floor_batch,
+                            broker_process(conn),
+                            naive,
+                        )
                     )
             finally:
                 reference.close()
