@@ -91,9 +91,11 @@ def embedding_rate(engine: EmbeddingEngine, texts: list[list[int]], batch: int, 
     return rounds * batch / (time.perf_counter() - started)
 
 
-def embedding_rates(engine: EmbeddingEngine, texts: list[list[int]], batch: int) -> dict[str, float]:
-    """``embedding_rate`` at ``batch`` over 256 inputs (2 batches at least), as the floor run takes it."""
-    return {"embed": embedding_rate(engine, texts, batch, max(2, 256 // batch))}
+def embedding_rates(
+    engine: EmbeddingEngine, texts: list[list[int]], batch: int, inputs: int = 256
+) -> dict[str, float]:
+    """``embedding_rate`` at ``batch`` over ``inputs`` inputs (2 batches at least), as the floor run takes it."""
+    return {"embed": embedding_rate(engine, texts, batch, max(2, inputs // batch))}
 
 
 def load_texts(tokenizer: Any) -> list[list[int]]:
@@ -200,6 +202,13 @@ def main() -> None:
     parser.add_argument("--prompt", default="Tell me about the river and the stone wall.")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument(
+        "--seconds",
+        type=float,
+        default=2.0,
+        help="each rate (a batch size of generation or embeddings) runs whole rounds for at least this long, "
+        "the mean of them taken (default 2; --quick: one round)",
+    )
+    parser.add_argument(
         "--threads", type=int, default=None, help="torch intra-op threads (default: torch's, one per core)"
     )
     parser.add_argument(
@@ -229,8 +238,16 @@ def main() -> None:
     generate_tps: dict[int, float] = {}
     engine_tps: dict[int, float] = {}
     raw_generate_throughput(gen.model, [prompt] * 4, 8, 4)  # warm-up
+    # each batch for ``--seconds`` at least: one round of the smaller ones is a few tenths of a second, and
+    # the box's drift over that picked batch 16 over 32 once (M30), which then sized the platform's batch
+    least = 0.0 if args.quick else args.seconds
     for batch in batches:
-        rates = generation_rates(gen.model, prompt, batch, args.new_tokens, 2 if args.quick else FLOOR_ROUNDS)
+        rates = rate_for(
+            least,
+            functools.partial(
+                generation_rates, gen.model, prompt, batch, args.new_tokens, 2 if args.quick else FLOOR_ROUNDS
+            ),
+        )
         generate_tps[batch], engine_tps[batch] = rates["generate"], rates["engine"]
     # The model at its best at each batch: transformers' ``generate``, or the worker's engine alone (in
     # process, no platform) where it is faster: on a CPU its prefill and decode are traced graphs, ~1.4x
@@ -270,7 +287,10 @@ def main() -> None:
     emb_rate: dict[int, float] = {}
     engine.embed(texts[:1])
     for batch in (1, 8, 32, 64):
-        emb_rate[batch] = embedding_rate(engine, texts, batch, max(2, (64 if args.quick else 256) // batch))
+        inputs = 64 if args.quick else 256
+        emb_rate[batch] = rate_for(least, functools.partial(embedding_rates, engine, texts, batch, inputs))[
+            "embed"
+        ]
     out["embeddings_per_s"] = emb_rate
     # Batch 1 as one client meets it: the core idles between calls (the request's way in and out), and an
     # idle core here starts a forward slower than the loop above, which never lets it idle (docs/perf).
