@@ -13,6 +13,12 @@ from schemas.settings import register
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 
 
+ADOPT_GRACE_MIN_S = 1.0
+"""The least ``SLUICE_WORKER_ADOPT_GRACE_S``: half of it is the margin for a retiring version's workers seeing
+their version leave serving later than the stable version's do (each reads the control topic, a fetch
+waiting up to 100 ms: ``bus.consumer.BACKGROUND``)."""
+
+
 @register
 class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     worker_id: str | None = None
@@ -106,10 +112,12 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     Keep it under the supervisor's grace (``sluice up``: 30 s; Kubernetes: terminationGracePeriodSeconds)."""
     worker_version: str | None = None
     """The model version to serve (a directory under the model's cache folder); default: ``current``."""
-    worker_adopt_grace_s: Annotated[float, msgspec.Meta(ge=0.0)] = 10.0
+    worker_adopt_grace_s: Annotated[float, msgspec.Meta(ge=ADOPT_GRACE_MIN_S)] = 10.0
     """How long after a version stops serving the stable version's workers wait before running the
     requests still routed to it. Its own workers may finish what they started for half of it, then cut
-    what still runs (the stable version runs it again): no request ends on both."""
+    what still runs (the stable version runs it again): no request ends on both. The other half is the
+    margin for the two versions' workers seeing the change at different times, so it is at least
+    :data:`ADOPT_GRACE_MIN_S` (a grace of 0 let a request end on both versions)."""
     fault_fail_ratio: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
     """Fault injection for rollout drills: this share of requests (by request-id hash) ends ``failed``."""
     fault_delay_ms: Annotated[int, msgspec.Meta(ge=0)] = 0

@@ -248,3 +248,16 @@ def test_what_still_runs_half_the_grace_after_a_rollback_is_cut(streamed: bool) 
     assert h.model.committed[0] == 1
     assert h.model.durable[request_id] == 1
     assert not h.service._observer._stays, "nothing left of it in the worker's per-request bookkeeping"
+
+
+def test_an_adopt_grace_under_its_least_is_refused_at_start() -> None:
+    """Half the grace is the margin for the two versions' workers seeing the change at different times: a
+    grace of 0 let the retiring version finish a request the stable version had adopted (it ended on both)."""
+    from gpu_workers.settings import ADOPT_GRACE_MIN_S, WorkerSettings
+    from schemas.settings import SettingsError, load_settings
+
+    for grace in ("0", "0.5"):
+        with pytest.raises(SettingsError, match="worker_adopt_grace_s"):
+            load_settings(WorkerSettings, {"SLUICE_WORKER_ADOPT_GRACE_S": grace})
+    least = load_settings(WorkerSettings, {"SLUICE_WORKER_ADOPT_GRACE_S": str(ADOPT_GRACE_MIN_S)})
+    assert least.worker_adopt_grace_s == ADOPT_GRACE_MIN_S == 1.0
