@@ -59,13 +59,27 @@ class Junk:
     where: tuple[str, int, int]
     """Its topic, partition and offset."""
     value: bytes
-    error: DecodeError
+    why: Why
+    """Not the error itself: its traceback would keep the consumer's whole batch of records alive."""
     headers: list[tuple[str, HeaderValue]]
 
     def letter(self, producer: EventProducer, deadletter_topic: str, source: str) -> Letter:
         """Sent whole to the dead-letter topic with the reason (counted and logged)."""
-        event = dead_letter_event(source, self.where, self.value, self.error, self.headers)
+        event = dead_letter_event(source, self.where, self.value, self.why, self.headers)
         return Letter(producer, deadletter_topic, event)
+
+
+@dataclass(frozen=True)
+class Why:
+    """Why a record did not decode: the error's message and the ``reason`` label it counts under
+    (:func:`dead_letter_reason`)."""
+
+    message: str
+    label: str
+
+    @classmethod
+    def of(cls, value: bytes, exc: DecodeError) -> Why:
+        return cls(str(exc), dead_letter_reason(value, exc))
 
 
 def decode_or_junk(message: Message) -> Event | Junk:
@@ -76,7 +90,7 @@ def decode_or_junk(message: Message) -> Event | Junk:
         return decode(value, header_list)
     except DecodeError as exc:
         where = (message.topic() or "", message.partition() or 0, message.offset() or 0)
-        return Junk(where, value, exc, header_list)
+        return Junk(where, value, Why.of(value, exc), header_list)
 
 
 def decode_or_dead_letter(
@@ -99,7 +113,7 @@ def dead_letter_event(
     source: str,
     where: tuple[str, int, int],
     value: bytes,
-    exc: DecodeError,
+    exc: DecodeError | Why,
     header_list: Sequence[tuple[str, str | bytes | None]] = (),
 ) -> DeadLetter:
     """The dead letter of an undecodable record (topic, partition, offset), counted and logged as sent: its
@@ -111,7 +125,8 @@ def dead_letter_event(
     :data:`REASON_CHARS`. So every letter fits one record: one over the limit failed to produce and stopped
     the worker that read the junk, on every start."""
     topic, partition, offset = where
-    reason = str(exc)
+    why = exc if isinstance(exc, Why) else Why.of(value, exc)
+    reason = why.message
     if len(reason) > REASON_CHARS:
         reason = f"{reason[:REASON_CHARS]}... (the reason cut to its first {REASON_CHARS} of {len(reason)} characters)"
     kept = {k: _text(v) for k, v in header_list}
@@ -120,7 +135,7 @@ def dead_letter_event(
     if len(msgspec.json.encode(kept)) > DEAD_LETTER_KEEP_BYTES // 8:  # as written: an escape is 6 bytes
         reason += f" ({len(kept)} headers left out: too large)"
         kept = {}
-    DEAD_LETTERS.labels(topic=topic, reason=dead_letter_reason(value, exc)).inc()
+    DEAD_LETTERS.labels(topic=topic, reason=why.label).inc()
     log.warning("dead-lettered %s[%s]@%s: %s", topic, partition, offset, reason[:REASON_CHARS])
     return DeadLetter(
         tenant="",

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import gc
 import queue
+import weakref
 from typing import Any, cast
 
 import pytest
-from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka import KafkaError, KafkaException, Message
 
-from bus.dead_letter import Letter, dead_letter_event
+from bus.dead_letter import Junk, Letter, dead_letter_event, decode_or_junk
 from bus.errors import BusError
 from bus.producer import EventProducer
 from schemas.codec import DecodeError
+from schemas.events import Event
 
 
 class _Refusing:
@@ -52,3 +55,27 @@ def test_the_producers_own_failure_is_its_owners() -> None:
 
     with pytest.raises(BusError):
         Letter(cast(EventProducer, Closed()), "t.deadletter", LETTER)
+
+
+def test_junk_keeps_nothing_of_its_reader_alive() -> None:
+    """A record that does not decode waits in a worker's inbox (and, while the dead-letter topic refuses,
+    for a letter that lands) as :class:`Junk`. It kept its decode error, whose traceback kept the reader's
+    frame alive, and with it the whole batch of records that reader was going through (up to 500 of up to
+    1 MB each; found by review)."""
+
+    class Batch:
+        pass
+
+    def read() -> tuple[Junk | Event, weakref.ref[Batch]]:
+        batch = Batch()  # the consumer thread's batch, a local of the reader's frame
+        return decode_or_junk(
+            Message(topic="t.requests.m", partition=0, offset=7, value=b"{junk")
+        ), weakref.ref(batch)
+
+    junk, batch = read()
+    gc.collect()
+    assert isinstance(junk, Junk)
+    assert batch() is None, "the reader's batch outlived it"
+    assert junk.why.label == "bad_json"
+    letter = dead_letter_event("test", junk.where, junk.value, junk.why)
+    assert (letter.offset, letter.reason) == (7, junk.why.message)
