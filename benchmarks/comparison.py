@@ -92,6 +92,10 @@ class NaivePeer:
             stderr=subprocess.STDOUT,
         )
 
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
     def alive(self) -> None:
         """Raise RuntimeError if the process has exited."""
         if self._proc.poll() is not None:

@@ -47,12 +47,17 @@ def floor_summary(
             "embeddings_per_s": statistics.mean(beside["embeddings"]),
             **beside,
         }
+    judged_gen, judged_emb = near.get("generation_tokens_per_s", gen), near.get("embeddings_per_s", emb)
     return {
         "threads": before["threads"],
+        # the runs apart (the peers' reference); the ratios are to ``judged_*``
         "generation_tokens_per_s": gen,
         "embeddings_per_s": emb,
-        "generation_ratio": gen_tps / near.get("generation_tokens_per_s", gen),
-        "embeddings_ratio": dynamic / near.get("embeddings_per_s", emb),
+        "judged_against": "beside" if near else "apart",
+        "judged_generation_tokens_per_s": judged_gen,
+        "judged_embeddings_per_s": judged_emb,
+        "generation_ratio": gen_tps / judged_gen,
+        "embeddings_ratio": dynamic / judged_emb,
         "generation_ratio_apart": gen_tps / gen,
         "embeddings_ratio_apart": dynamic / emb,
         "beside": near or None,

@@ -40,9 +40,10 @@ share of the box the platform can give the model while Kafka, the edge and the c
 While the platform runs, the box is split as ``sluice up`` splits it (``--worker-cpus``, default ``auto``):
 the workers on the upper half of the cores, this process (the clients), Kafka and the edge on the rest.
 The floor runs twice, alone, just before the platform and just after it (minutes apart), and again
-beside each saturation phase: for 3 s just before it and 3 s just after it (``raw_model.py --serve``'s
-``rate``), the platform's processes and the broker stopped meanwhile (SIGSTOP, then SIGCONT), so it runs
-alone as the runs apart do. The platform's ratios to the floor are to the mean of the two samples beside
+beside each saturation phase: for up to 3 s just before it and just after it (``raw_model.py --serve``'s
+``rate``, whole rounds), the platform's processes, the broker this run started and the naive peer stopped
+meanwhile (SIGSTOP, then SIGCONT; their lengths are in the JSON), so it runs nearly alone, as the runs
+apart do (the bare echo's child stays up, idle). The platform's ratios to the floor are to the mean of the two samples beside
 the phase: a shared box drifts by a third within minutes (docs/perf, M26 and M29), and a sample seconds away
 drifts with it. The table also shows the ratios to the mean of the runs minutes apart.
 
@@ -198,22 +199,33 @@ class Services:
             return False
 
     @contextmanager
-    def paused(self, *others: psutil.Process | None) -> Iterator[None]:
-        """Every process of the platform stopped (SIGSTOP; ``others`` too: the broker), then continued: the
-        floor sampled beside a phase runs alone on the box, as the runs minutes apart do (idle, the platform
-        takes ~10 % of a core and wakes the cores up often, which slowed that floor by up to a sixth). A few
-        seconds: well inside the consumers' session timeout (10 s) and the broker's own (9 s)."""
+    def paused(self, paused_s: list[float], *others: int | None) -> Iterator[None]:
+        """Every process of the platform stopped (SIGSTOP; ``others`` too: the pids of the broker this run
+        started and the naive peer), then continued, the pause's length appended to ``paused_s``: the floor
+        sampled beside a phase runs alone on the box, as the runs minutes apart do (idle, the platform
+        takes ~10 % of a core and wakes the cores up often, which slowed that floor by up to a sixth). A
+        few seconds: inside the consumers' session timeout (10 s) and the broker's own (9 s). A watchdog
+        continues them all after :data:`PAUSE_WATCHDOG_S` even if this process is killed meanwhile."""
         stopped: list[psutil.Process] = []
+        pids = [p.pid for p in self.procs.values()] + [pid for pid in others if pid is not None]
+        for proc in map(psutil.Process, pids):
+            stopped += [proc, *proc.children(recursive=True)]
+        watchdog = subprocess.Popen(
+            ["sh", "-c", f"sleep {PAUSE_WATCHDOG_S:g}; kill -CONT {' '.join(str(p.pid) for p in stopped)}"],
+            start_new_session=True,
+        )
+        began = time.perf_counter()
         try:
-            for proc in [*(psutil.Process(p.pid) for p in self.procs.values()), *filter(None, others)]:
-                for each in [proc, *proc.children(recursive=True)]:
-                    each.suspend()
-                    stopped.append(each)
+            for each in stopped:
+                each.suspend()
             yield
         finally:
             for each in reversed(stopped):
                 with suppress(psutil.NoSuchProcess):
                     each.resume()
+            paused_s.append(time.perf_counter() - began)
+            watchdog.kill()
+            watchdog.wait()
 
     def stop(self, name: str) -> None:
         proc = self.procs.pop(name)
@@ -271,9 +283,16 @@ def start_edges(services: Services, count: int, first_port: int) -> list[str]:
     return [f"http://127.0.0.1:{port}" for port in ports]
 
 
+PAUSE_WATCHDOG_S = 20.0
+"""A pause of the platform (:meth:`Services.paused`) ends after this long whatever happens to this process."""
+
+RESUMED_S = 2.0
+"""The platform runs at least this long between two pauses (its consumers' heartbeats are every second)."""
+
 FLOOR_BESIDE_S = {False: 3.0, True: 0.5}
 """Seconds of the floor (the model alone on the worker's threads) sampled just before and just after each
-saturation phase (``--quick``: one round at least)."""
+saturation phase: as many whole rounds as fit, one at least (a round of generation at batch 32 is ~1.4 s
+here, so a sample can pass this by up to one round; the pauses' real lengths go to the JSON)."""
 
 ONE_CLIENT_BLOCKS = (4, 3)
 """One client's stamped embeddings, and its completions, run in this many blocks, with the raw reference
@@ -293,14 +312,15 @@ async def measure(
     reference: RawReference,
     bare: kafka_floor.Driver,
     emb_floor_batch: int,
-    broker: psutil.Process | None,
+    broker: int | None,
     naive: comparison.NaivePeer | None = None,
 ) -> dict[str, object]:
     """Every phase of the platform (see the module's text); ``reference``, ``bare`` (an echo around the
     forward, :func:`kafka_floor.around_forward_echo`) and ``naive`` (the naive peer, one client's
     embeddings) are sampled between the blocks of one client's embeddings, and the floors (the model alone
     on the worker's threads; embeddings at ``emb_floor_batch``) just before and after each saturation
-    phase, the platform and ``broker`` (the local broker's JVM, None for a remote one) stopped meanwhile."""
+    phase, the platform, ``broker`` (the pid of the broker this run started, or None) and the naive peer
+    stopped meanwhile."""
     url = urls[0]
     connector = aiohttp.TCPConnector(limit=256)
     async with aiohttp.ClientSession(
@@ -341,20 +361,23 @@ async def measure(
         # The floor beside each phase, seconds before and after it, the platform stopped meanwhile: the runs
         # minutes apart drift by a third
         beside_s = FLOOR_BESIDE_S[quick]
+        paused_s: list[float] = []
+        others = (broker, None if naive is None else naive.pid)
 
         def gen_floor_now() -> dict[str, float]:
-            with services.paused(broker):
-                return reference.generation_floor(beside_s, best_batch, new_tokens)
+            with services.paused(paused_s, *others):
+                return reference.generation_floor(beside_s, best_batch, new_tokens, quick)
 
         def emb_floor_now() -> float:
-            with services.paused(broker):
-                return reference.embedding_floor(beside_s, emb_floor_batch)
+            with services.paused(paused_s, *others):
+                return reference.embedding_floor(beside_s, emb_floor_batch, quick)
 
         gen_floor = [gen_floor_now()]
         gen_tps = await spread_rate(
             urls, concurrency, "generation", warm_s=warm_s, window_s=window_s, tokens=new_tokens
         )
         gen_floor.append(gen_floor_now())
+        await asyncio.sleep(RESUMED_S)  # the consumers' heartbeats between two pauses
         emb_floor = [emb_floor_now()]
         # Warmed at this concurrency first: batches of 33-64 are new shapes to torch after the warm-up above
         # (included in ``warm_s`` here).
@@ -428,7 +451,12 @@ async def measure(
         "one_client_generations": generations,
         "ttft_stamps": ttft_stamps,
         "embedding_quiet_batches": quiet,
-        "floor_beside": {"generation": gen_floor, "embeddings": emb_floor, "seconds": beside_s},
+        "floor_beside": {
+            "generation": gen_floor,
+            "embeddings": emb_floor,
+            "seconds": beside_s,
+            "paused_s": paused_s,
+        },
         "generation": {
             "raw_best_batch": best_batch,
             "raw_tokens_per_s": raw_gen[best_batch],
@@ -759,7 +787,8 @@ def main() -> None:
                             reference,
                             bare,
                             emb_floor_batch,
-                            broker_process(conn),
+                            # only a broker this run started (a configured cluster's is not this run's)
+                            broker.pid if settings.local_kafka and (broker := broker_process(conn)) else None,
                             naive,
                         )
                     )

@@ -46,8 +46,15 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
-FLOOR_ROUNDS = 4
-"""Batches of prompts a generation rate runs at each batch size (2 with ``--quick``)."""
+def generation_rounds(quick: bool) -> int:
+    """Batches of prompts a generation rate runs at each batch size."""
+    return 2 if quick else 4
+
+
+def embedding_inputs(quick: bool) -> int:
+    """Inputs an embedding rate embeds at each batch size (2 batches at least)."""
+    return 64 if quick else 256
+
 
 IDLE_S = 0.005
 """The pause before each call of the batch-1-after-idle measurement: about what one client's request spends
@@ -103,13 +110,20 @@ def load_texts(tokenizer: Any) -> list[list[int]]:
     return [list(tokenizer(embed_text(n))["input_ids"]) for n in range(EMBED_TEXTS)]
 
 
-def rate_for(seconds: float, measure: Callable[[], dict[str, float]]) -> dict[str, float]:
-    """``measure``'s figures, each the mean of as many calls as fit in ``seconds`` (one at least)."""
+def rate_for(
+    seconds: float, measure: Callable[[], dict[str, float]], *, within: bool = False
+) -> dict[str, float]:
+    """``measure``'s figures, each the mean of its calls over ``seconds`` at least (one call at least);
+    ``within``: over ``seconds`` at most instead (no call started that the last one says would end past
+    it), for a sample the platform is stopped for."""
     runs: list[dict[str, float]] = []
     started = time.perf_counter()
-    while not runs or time.perf_counter() - started < seconds:
+    while True:
+        began = time.perf_counter()
         runs.append(measure())
-    return {key: statistics.mean(run[key] for run in runs) for key in runs[0]}
+        now = time.perf_counter()
+        if now - started >= seconds or (within and now - started + (now - began) > seconds):
+            return {key: statistics.mean(run[key] for run in runs) for key in runs[0]}
 
 
 def serve_reference(narrow: int, prompt: str) -> None:
@@ -121,10 +135,11 @@ def serve_reference(narrow: int, prompt: str) -> None:
     - ``gen N T``: demo-gpt's batch 1 of ``prompt`` (the load's), T new tokens, greedy, the faster of
       ``generate`` and the worker's engine alone, as the raw baseline runs it, N times on ``narrow`` threads (the generation worker has no wider team):
       ``{"narrow": [...]}``;
-    - ``rate gen S B T``: the generation floor beside a server's saturation phase, on ``narrow`` threads as
-      the floor run measures it (``generation_rates`` at batch B, T new tokens), repeated for S seconds:
-      ``{"generate": tok/s, "engine": tok/s}``;
-    - ``rate emb S B``: the embedding floor likewise (``embedding_rate`` at batch B): ``{"embed": per s}``.
+    - ``rate gen S B T quick|full``: the generation floor beside a server's saturation phase, on ``narrow``
+      threads as the floor run (``--quick`` or not) measures it (``generation_rates`` at batch B, T new
+      tokens), repeated within S seconds (one call at least): ``{"generate": tok/s, "engine": tok/s}``;
+    - ``rate emb S B quick|full``: the embedding floor likewise (``embedding_rates`` at batch B):
+      ``{"embed": per s}``.
 
     A floor run minutes before or after a phase drifts with the box by a third (docs/perf); one beside it,
     seconds away, drifts with it."""
@@ -172,19 +187,22 @@ def serve_reference(narrow: int, prompt: str) -> None:
             case ["gen", n, tokens]:
                 configure_torch_threads(narrow)
                 print(json.dumps({"narrow": [generate(int(tokens)) for _ in range(int(n))]}), flush=True)
-            case ["rate", "gen", seconds, batch, tokens]:
+            case ["rate", "gen", seconds, batch, tokens, ("quick" | "full") as size]:
                 configure_torch_threads(narrow)
-                rates = rate_for(
-                    float(seconds),
-                    lambda: generation_rates(gen.model, ids[0], int(batch), int(tokens), FLOOR_ROUNDS),
+                measure = functools.partial(
+                    generation_rates,
+                    gen.model,
+                    ids[0],
+                    int(batch),
+                    int(tokens),
+                    generation_rounds(size == "quick"),
                 )
-                print(json.dumps(rates), flush=True)
-            case ["rate", "emb", seconds, batch]:
+                print(json.dumps(rate_for(float(seconds), measure, within=True)), flush=True)
+            case ["rate", "emb", seconds, batch, ("quick" | "full") as size]:
                 configure_torch_threads(narrow)
-                rates = rate_for(
-                    float(seconds), functools.partial(embedding_rates, embedder, texts, int(batch))
-                )
-                print(json.dumps(rates), flush=True)
+                inputs = embedding_inputs(size == "quick")
+                measure = functools.partial(embedding_rates, embedder, texts, int(batch), inputs)
+                print(json.dumps(rate_for(float(seconds), measure, within=True)), flush=True)
             case [n]:
                 out: dict[str, list[float]] = {}
                 for name, threads in teams.items():
@@ -245,7 +263,7 @@ def main() -> None:
         rates = rate_for(
             least,
             functools.partial(
-                generation_rates, gen.model, prompt, batch, args.new_tokens, 2 if args.quick else FLOOR_ROUNDS
+                generation_rates, gen.model, prompt, batch, args.new_tokens, generation_rounds(args.quick)
             ),
         )
         generate_tps[batch], engine_tps[batch] = rates["generate"], rates["engine"]
@@ -287,7 +305,7 @@ def main() -> None:
     emb_rate: dict[int, float] = {}
     engine.embed(texts[:1])
     for batch in (1, 8, 32, 64):
-        inputs = 64 if args.quick else 256
+        inputs = embedding_inputs(args.quick)
         emb_rate[batch] = rate_for(least, functools.partial(embedding_rates, engine, texts, batch, inputs))[
             "embed"
         ]

@@ -49,14 +49,17 @@ class RawReference:
         each in ms."""
         return self._ask(f"gen {n} {tokens}")["narrow"]
 
-    def generation_floor(self, seconds: float, batch: int, tokens: int) -> dict[str, float]:
-        """demo-gpt's tokens/s at ``batch`` rows on the worker's threads, as the floor run measures it, for
-        ``seconds``: ``{"generate": ..., "engine": ...}`` (the floor is the faster)."""
-        return cast(dict[str, float], self._ask(f"rate gen {seconds:g} {batch} {tokens}"))
+    def generation_floor(self, seconds: float, batch: int, tokens: int, quick: bool) -> dict[str, float]:
+        """demo-gpt's tokens/s at ``batch`` rows on the worker's threads, as the floor run (``--quick`` or
+        not) measures it, within ``seconds``: ``{"generate": ..., "engine": ...}`` (the floor is the faster)."""
+        size = "quick" if quick else "full"
+        return cast(dict[str, float], self._ask(f"rate gen {seconds:g} {batch} {tokens} {size}"))
 
-    def embedding_floor(self, seconds: float, batch: int) -> float:
-        """MiniLM's embeddings/s at ``batch`` on the worker's threads over the load's inputs, for ``seconds``."""
-        return cast(dict[str, float], self._ask(f"rate emb {seconds:g} {batch}"))["embed"]
+    def embedding_floor(self, seconds: float, batch: int, quick: bool) -> float:
+        """MiniLM's embeddings/s at ``batch`` on the worker's threads over the load's inputs, as the floor run
+        measures it, within ``seconds``."""
+        size = "quick" if quick else "full"
+        return cast(dict[str, float], self._ask(f"rate emb {seconds:g} {batch} {size}"))["embed"]
 
     def _ask(self, request: str) -> dict[str, list[float]]:
         assert self._proc.stdin is not None

@@ -347,6 +347,8 @@ def test_the_floor_is_the_mean_of_its_runs_before_and_after_the_platform() -> No
     assert mean["embeddings_per_s"]["1"] == pytest.approx(55.0)
     assert floors.drift(summary, "generation_tokens_per_s") == "3500 (before 4000, after 3000)"
     assert summary["beside"] is None
+    assert summary["judged_against"] == "apart"
+    assert summary["judged_generation_tokens_per_s"] == summary["generation_tokens_per_s"]
     assert floors.beside(summary, "embeddings_per_s") == "280 (before 300, after 260)"
 
 
@@ -369,6 +371,9 @@ def test_the_ratios_are_to_the_floor_sampled_beside_the_phase_where_there_is_one
     assert summary["generation_ratio"] == pytest.approx(0.9)
     assert summary["embeddings_ratio"] == pytest.approx(0.9)
     assert summary["generation_ratio_apart"] == pytest.approx(3150.0 / 4000.0)
+    assert summary["judged_against"] == "beside"
+    assert summary["judged_generation_tokens_per_s"] == pytest.approx(3500.0)
+    assert summary["judged_embeddings_per_s"] == pytest.approx(220.0)
     assert summary["embeddings_ratio_apart"] == pytest.approx(198.0 / 300.0)
     assert summary["generation_tokens_per_s"] == 4000.0  # the runs apart, as the peers' reference
     assert floors.beside(summary, "generation_tokens_per_s") == "3500 (just before 3000, just after 4000)"

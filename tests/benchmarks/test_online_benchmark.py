@@ -49,7 +49,11 @@ def test_the_online_benchmark_runs_quick_and_writes_its_json(tmp_path: Path, kaf
     # the ratios are to the floor sampled just before and just after each saturation phase, the platform
     # idle: two generation rates (``generate`` and the engine alone; the faster counts) and two embeddings'
     near = floor["beside"]
+    assert floor["judged_against"] == "beside"
     assert len(near["generation"]) == len(near["embeddings"]) == 2, near
+    # the platform stopped for each sample, a few seconds at most (a quick run's one round)
+    assert len(near["paused_s"]) == 4, near
+    assert all(0 < s < 10 for s in near["paused_s"]), near
     assert all(min(run.values()) > 0 for run in near["generation"]), near
     assert min(near["embeddings"]) > 0, near
     assert near["generation_tokens_per_s"] == pytest.approx(
