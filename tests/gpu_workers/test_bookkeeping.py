@@ -657,6 +657,20 @@ def test_junk_whose_partition_goes_while_it_waits_in_the_inbox_is_lettered_by_th
     assert h.model.lettered[(0, 0)] == 1
 
 
+def test_a_draining_worker_letters_no_junk_it_leaves_to_the_next_owner() -> None:
+    """A worker draining (stopping, its partitions about to move) takes nothing new from its inbox: a record
+    that does not decode waiting there is neither lettered nor committed; the partition's next owner letters
+    it (it was lettered on the way in, then again by that owner)."""
+    h = Harness(9)
+    h.service.COMMIT_INTERVAL_S = 0.0
+    h.consume_junk(0)
+    h.service._draining.set()
+    h.model_thread_step()
+    assert not h.producer.pending, "lettered by a worker that left the record to the next owner"
+    h.service._commit()
+    assert h.model.committed[0] == 0
+
+
 def test_a_dead_letter_refused_at_once_is_sent_again_and_the_worker_serves_on() -> None:
     """Once librdkafka knows the dead-letter topic missing, ``produce`` raises instead of reporting a failed
     delivery: the worker's consumer and model threads used to die of it (found by review). Now the letter
