@@ -212,19 +212,23 @@ class Services:
             stopped += [proc, *proc.children(recursive=True)]
         watchdog = subprocess.Popen(
             ["sh", "-c", f"sleep {PAUSE_WATCHDOG_S:g}; kill -CONT {' '.join(str(p.pid) for p in stopped)}"],
-            start_new_session=True,
+            start_new_session=True,  # its own group: killed whole below, its `sleep` with it
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         began = time.perf_counter()
         try:
             for each in stopped:
-                each.suspend()
+                with suppress(psutil.NoSuchProcess):  # a child that exited meanwhile
+                    each.suspend()
             yield
         finally:
             for each in reversed(stopped):
                 with suppress(psutil.NoSuchProcess):
                     each.resume()
             paused_s.append(time.perf_counter() - began)
-            watchdog.kill()
+            os.killpg(watchdog.pid, signal.SIGKILL)
             watchdog.wait()
 
     def stop(self, name: str) -> None:
@@ -291,8 +295,8 @@ RESUMED_S = 2.0
 
 FLOOR_BESIDE_S = {False: 3.0, True: 0.5}
 """Seconds of the floor (the model alone on the worker's threads) sampled just before and just after each
-saturation phase: as many whole rounds as fit, one at least (a round of generation at batch 32 is ~1.4 s
-here, so a sample can pass this by up to one round; the pauses' real lengths go to the JSON)."""
+saturation phase: as many whole measurements as fit, one at least (one of generation at batch 32 is ~1.4 s
+here, so a sample can pass this by up to one; the pauses' real lengths go to the JSON)."""
 
 ONE_CLIENT_BLOCKS = (4, 3)
 """One client's stamped embeddings, and its completions, run in this many blocks, with the raw reference

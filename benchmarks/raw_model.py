@@ -223,8 +223,8 @@ def main() -> None:
         "--seconds",
         type=float,
         default=2.0,
-        help="each rate (a batch size of generation or embeddings) runs whole rounds for at least this long, "
-        "the mean of them taken (default 2; --quick: one round)",
+        help="each rate (a batch size of generation or embeddings) is measured again and again for at least "
+        "this long, the mean taken (default 2; --quick: once)",
     )
     parser.add_argument(
         "--threads", type=int, default=None, help="torch intra-op threads (default: torch's, one per core)"
