@@ -671,6 +671,32 @@ def test_a_draining_worker_letters_no_junk_it_leaves_to_the_next_owner() -> None
     assert h.model.committed[0] == 0
 
 
+def test_a_producer_gone_as_junk_is_lettered_fails_the_worker_and_its_successor_letters_it_once() -> None:
+    """The model thread letters a record that does not decode when it takes it: a producer that is gone by
+    then (closed, or a fatal error) raises there, and the worker fails. Nothing of the partition is committed
+    past the record, and the worker that takes over letters it once and runs the request after it."""
+    h = Harness(10)
+    h.service.COMMIT_INTERVAL_S = 0.0
+    h.consume_junk(0)
+    after = request_on(h, 0)
+
+    def gone(topic: str, value: bytes, **_: Any) -> None:
+        raise BusError(f"cannot produce to {topic}: the producer is closed")  # no Kafka error: not a refusal
+
+    h.producer.produce_raw = gone  # type: ignore[method-assign]
+    with pytest.raises(BusError, match="closed"):
+        h.model_thread_step()
+    h.service.fail(BusError("the producer is closed"))  # what the model thread's loop does with it
+    h.service._commit()
+    assert h.model.committed[0] == 0
+    del h.producer.produce_raw  # the fake's own method again, for the worker that takes over
+    h.restart()
+    quiesce(h)
+    assert_quiet(h)
+    assert h.model.lettered[(0, 0)] == 1
+    assert h.model.durable[after] == 1
+
+
 def test_a_dead_letter_refused_at_once_is_sent_again_and_the_worker_serves_on() -> None:
     """Once librdkafka knows the dead-letter topic missing, ``produce`` raises instead of reporting a failed
     delivery: the worker's consumer and model threads used to die of it (found by review). Now the letter
