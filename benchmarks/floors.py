@@ -41,12 +41,11 @@ def floor_summary(
     gen, emb = mean["generation_tokens_per_s"], mean["embeddings_per_s"]
     near: dict[str, Any] = {}
     if beside is not None:
-        near = {
-            # the faster of ``generate`` and the engine, as the runs apart take it
-            "generation_tokens_per_s": statistics.mean(max(run.values()) for run in beside["generation"]),
-            "embeddings_per_s": statistics.mean(beside["embeddings"]),
-            **beside,
+        each = {  # each sample's floor; generation's the faster of ``generate`` and the engine, as apart
+            "generation_tokens_per_s": [max(run.values()) for run in beside["generation"]],
+            "embeddings_per_s": list(beside["embeddings"]),
         }
+        near = {**{key: statistics.mean(values) for key, values in each.items()}, "each": each, **beside}
     judged_gen, judged_emb = near.get("generation_tokens_per_s", gen), near.get("embeddings_per_s", emb)
     return {
         "threads": before["threads"],
@@ -118,9 +117,8 @@ def beside(floor: dict[str, Any], key: str) -> str:
     near = floor.get("beside")
     if not near:
         return drift(floor, key)
-    runs = near["generation"] if key == "generation_tokens_per_s" else near["embeddings"]
-    each = [max(run.values()) if isinstance(run, dict) else run for run in runs]
-    return f"{near[key]:.0f} (just before {each[0]:.0f}, just after {each[-1]:.0f})"
+    first, *_, last = near["each"][key]
+    return f"{near[key]:.0f} (just before {first:.0f}, just after {last:.0f})"
 
 
 def drift(floor: dict[str, Any], key: str) -> str:

@@ -93,16 +93,6 @@ def decode_or_junk(message: Message) -> Event | Junk:
         return Junk(where, value, Why.of(value, exc), header_list)
 
 
-def decode_or_dead_letter(
-    message: Message, producer: EventProducer, deadletter_topic: str, source: str
-) -> Event | Letter:
-    """Decode a record into its event, or send it whole to the dead-letter topic (with the reason) and
-    return the :class:`Letter`: the record may count as handled (its offset committed) only once the
-    letter is durable, or a crash in between loses it from the dead letters."""
-    event = decode_or_junk(message)
-    return event.letter(producer, deadletter_topic, source) if isinstance(event, Junk) else event
-
-
 DEAD_LETTER_KEEP_BYTES = MAX_RECORD_BYTES // 2
 """The most of an undecodable record a dead letter keeps (its base64 and the rest stay under the limit)."""
 REASON_CHARS = 2000

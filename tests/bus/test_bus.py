@@ -10,7 +10,7 @@ import pytest
 from confluent_kafka import Message, Producer
 
 from bus.consumer import ConsumerThread, consumer_config
-from bus.dead_letter import Letter, decode_or_dead_letter
+from bus.dead_letter import Junk, Letter, decode_or_junk
 from bus.errors import BusError
 from bus.producer import EventProducer
 from infra.topics import TopicSpec, apply_topics, make_admin
@@ -84,7 +84,9 @@ def test_undecodable_records_go_to_the_dead_letter_topic(kafka: KafkaConnection,
     producer = EventProducer(kafka, "t")
     outcomes: queue.SimpleQueue[BusError | None] = queue.SimpleQueue()
     with producer:
-        sent = decode_or_dead_letter(message, producer, dlq, "test/worker")
+        junk = decode_or_junk(message)
+        assert isinstance(junk, Junk)
+        sent = junk.letter(producer, dlq, "test/worker")
         assert isinstance(sent, Letter)
         sent.delivery.then(outcomes.put)
         assert outcomes.get(timeout=10) is None, "the letter is durable: the record may be committed"

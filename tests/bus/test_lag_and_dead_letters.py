@@ -11,7 +11,7 @@ from confluent_kafka import Message, Producer, TopicPartition
 from prometheus_client import REGISTRY
 
 from bus.consumer import ConsumerThread, consumer_config
-from bus.dead_letter import Letter, decode_or_dead_letter
+from bus.dead_letter import Junk, Letter, decode_or_junk
 from bus.producer import EventProducer
 from infra.topics import TopicSpec, apply_topics, make_admin
 from monitoring.metrics import exposition
@@ -198,7 +198,10 @@ def test_dead_letters_are_counted_by_source_topic_and_reason(
     reasons = ("bad_json", "invalid_event", "empty", "bad_headers", "other")
     before = {reason: dead_letters(topic, reason) for reason in reasons}
     with EventProducer(kafka, "t") as producer:
-        decoded = [decode_or_dead_letter(m, producer, dlq, "test/worker") for m in seen.all()]
+        decoded = [
+            junk.letter(producer, dlq, "test/worker") if isinstance(junk := decode_or_junk(m), Junk) else junk
+            for m in seen.all()
+        ]
     assert decoded[0] == event
     assert all(isinstance(letter, Letter) for letter in decoded[1:])
     after = {reason: dead_letters(topic, reason) - before[reason] for reason in reasons}

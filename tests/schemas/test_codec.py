@@ -279,7 +279,7 @@ def test_json_schema_export_is_deterministic(tmp_path: Path) -> None:
 
 
 def test_an_unknown_field_nested_too_deep_is_a_decode_error() -> None:
-    """Found by the fuzz suite: msgspec's RecursionError skipping the field escaped decode_or_dead_letter
+    """Found by the fuzz suite: msgspec's RecursionError skipping the field escaped decode_or_junk
     and stopped the worker's consumer instead of dead-lettering the record."""
     valid = encode(example_events()[0])
     for junk in (b"[" * 100_000, b"[" * 100_000 + b"]" * 100_000):
