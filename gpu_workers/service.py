@@ -20,9 +20,8 @@ import logging
 import queue
 import threading
 import time
-from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -38,8 +37,8 @@ from bus.positions import read_to_end, watermarks
 from bus.producer import EventProducer, Position
 from gpu_workers import GpuWorkerError
 from gpu_workers.features import FeatureProbe, Vector
+from gpu_workers.ledger import RecordLedger
 from gpu_workers.observe import WorkerObserver, open_trace
-from gpu_workers.offsets import OffsetTracker
 from gpu_workers.runtime import Arrival, Emitter, Origin, Request, Runner
 from gpu_workers.terminal import finished_by, too_large, with_features, with_request
 from monitoring import tracing
@@ -208,25 +207,11 @@ class WorkerService(Component):
         self._early_cancels: OrderedDict[str, float] = OrderedDict()
         """Cancels that arrived before their request (another consumer thread): id -> when, bounded."""
         self._remember = remember_finished
-        self._offsets = OffsetTracker()
-        self._next_commit = 0.0
-        self._offsets_lock = threading.Lock()  # the model thread and the consumer's revoke callback
-        self._generation = 0
-        """Bumped on every revocation (consumer thread, under the offsets lock); records carry it."""
-        self._revoked_at: dict[TP, int] = {}
-        """Per partition, the generation it was last revoked at."""
+        self._ledger = RecordLedger()
+        """Which records are stale, running or done, and so what may be committed (every thread)."""
         self._releases: queue.SimpleQueue[tuple[frozenset[TP], int]] = queue.SimpleQueue()
         """Partitions being revoked and the generation of that revoke, for the model thread to give back
         their requests (consumed before it) not yet started."""
-        self._release_acked = 0
-        """The latest revoke generation whose release the model thread has done (offsets lock)."""
-        self._taking = False
-        """The model thread is between a record's stale check and counting it running (offsets lock): a
-        revoke landing there waits for it."""
-        self._running: Counter[tuple[TP, int]] = Counter()
-        """Per (partition, generation), records whose request runs here (or waits for one that does, a
-        follower) and whose terminal event is not settled (offsets lock). Keyed by the generation they
-        were consumed in, so a run outliving its partition's loss never settles a later assignment's."""
         self._followers: dict[str, list[Arrival]] = {}
         """Request id -> the same record of a request consumed again while it ran here or its terminal
         event was on its way (a lost partition given back to this worker redelivers what still runs):
@@ -380,7 +365,7 @@ class WorkerService(Component):
             offset = message.offset() or 0
             event = decode_or_junk(message)
             if isinstance(event, Junk):
-                self._put(_Skip(tp, offset, self._generation, junk=event))
+                self._put(_Skip(tp, offset, self._ledger.generation, junk=event))
                 continue
             line: BatchRef | None = None
             if isinstance(event, BatchItemRequested):  # a batch line runs as the request it carries
@@ -388,10 +373,12 @@ class WorkerService(Component):
             if not isinstance(event, GenerationRequested | EmbeddingRequested):
                 if event is not None:
                     log.warning("ignoring %s on a request topic", type(event).__name__)
-                self._put(_Skip(tp, offset, self._generation))  # nothing to run: its offset may be committed
+                self._put(
+                    _Skip(tp, offset, self._ledger.generation)
+                )  # nothing to run: its offset may be committed
                 continue
             trace = open_trace(event, *tp, offset, self.group)
-            self._put(Arrival(event, tp, offset, trace=trace, generation=self._generation, batch=line))
+            self._put(Arrival(event, tp, offset, trace=trace, generation=self._ledger.generation, batch=line))
 
     def _put(self, item: _Inbox) -> None:
         """Blocks while the inbox is full (backpressure: the consumer stops fetching), until stopped."""
@@ -450,36 +437,17 @@ class WorkerService(Component):
         finished first (up to ``REVOKE_DRAIN_S``) and the offsets they reach are returned, to be committed
         before the partitions move: otherwise the next owner, reading from the last commit, would run them
         a second time. Lost partitions (already someone else's) are dropped without waiting."""
-        with self._offsets_lock:
-            self._generation += 1
-            revoked = self._generation
-            for tp in tps:
-                self._revoked_at[tp] = revoked
+        revoked = self._ledger.revoke(tps)
         self._releases.put((frozenset(tps), revoked))  # the model thread gives back what has not started
-        deadline = time.monotonic() + self.REVOKE_DRAIN_S
-        while True:
-            with self._offsets_lock:
-                busy = sum(n for (tp, _), n in self._running.items() if tp in tps)
-                # The model thread may be between taking a record and counting it running: once it is
-                # not (or it has done this revoke's release), every record it took before is counted.
-                seen = not self._taking or self._release_acked >= revoked
-                quit_waiting = lost or self._stop.is_set() or self.failure is not None
-                if (busy == 0 and seen) or quit_waiting or time.monotonic() > deadline:
-                    # Every revoked partition's point, even one marked committed: that commit may still be
-                    # queued, and would go out only after the partitions moved.
-                    final = self._offsets.points(tps)
-                    self._offsets.revoke(tps)
-                    for key in [key for key in self._running if key[0] in tps]:
-                        del self._running[key]
-                    break
-            time.sleep(0.01)
+        busy, final = self._ledger.hand_over(
+            tps,
+            revoked,
+            give_up=lambda: lost or self._stop.is_set() or self.failure is not None,
+            within_s=self.REVOKE_DRAIN_S,
+        )
         if busy:
             log.warning("%d requests of revoked partitions %s still running: they may run twice", busy, tps)
         return None if lost else final
-
-    def _stale(self, tp: TP, generation: int) -> bool:
-        """Consumed before ``tp`` was last revoked (call with the offsets lock held)."""
-        return self._revoked_at.get(tp, -1) > generation
 
     def _on_results(self, batch: list[Message]) -> None:
         for message in batch:
@@ -612,10 +580,7 @@ class WorkerService(Component):
             return
         self._letters_again = [(when, skip) for when, skip in self._letters_again if when > now]
         for skip in due:
-            with self._offsets_lock:
-                stale = self._stale(skip.tp, skip.generation)
-                if stale:
-                    self._settled(skip.tp, skip.generation)  # the next owner reads and letters it
+            stale = self._ledger.settle_if_stale(skip.tp, skip.generation)  # if so, the next owner letters it
             if not stale and skip.letter is not None:
                 self._await_letter(replace(skip, letter=skip.letter.again()))
 
@@ -629,7 +594,7 @@ class WorkerService(Component):
                 pass  # not marked done: an earlier record of its partition may have been dropped
             case Arrival():
                 self._learn_from_tail(runner)  # it may have seen this very request finish elsewhere
-                with self._taken(item, start=True) as stale:
+                with self._ledger.taking(item.tp, item.generation, item.offset) as stale:
                     self._take_arrival(runner, emit, item, stale)
             case _Cancel():
                 if item.request_id in self._live:
@@ -637,34 +602,13 @@ class WorkerService(Component):
                 elif item.request_id not in self._finished:
                     self._remember_early_cancel(item.request_id)
             case _Skip():
-                with self._offsets_lock:
-                    if self._stale(item.tp, item.generation):
-                        return
-                    self._offsets.started(item.tp, item.offset)
-                    if item.junk is None:
-                        self._offsets.done(item.tp, item.offset)
-                        return
-                    self._running[(item.tp, item.generation)] += 1  # a revoke waits for its letter too
-                letter = item.junk.letter(self._producer, self._names.deadletter, self.source)
-                self._await_letter(replace(item, letter=letter))
+                junk = item.junk
+                taken = self._ledger.take_skip(item.tp, item.generation, item.offset, letter=junk is not None)
+                if taken and junk is not None:
+                    letter = junk.letter(self._producer, self._names.deadletter, self.source)
+                    self._await_letter(replace(item, letter=letter))
             case _Deploy():
                 self._deploy(runner, item.deployment, item.event_id)
-
-    @contextmanager
-    def _taken(self, item: Arrival, *, start: bool) -> Iterator[bool]:
-        """Whether ``item`` is stale; if not, while the block places it (and counts it running, or not) a
-        revoke landing meanwhile waits for it (``_taking``). ``start``: its offset is started first."""
-        with self._offsets_lock:
-            stale = self._stale(item.tp, item.generation)
-            if not stale:
-                if start:
-                    self._offsets.started(item.tp, item.offset)
-                self._taking = True
-        try:
-            yield stale
-        finally:
-            with self._offsets_lock:
-                self._taking = False
 
     def _take_arrival(self, runner: Runner, emit: Emitter, item: Arrival, stale: bool) -> None:
         """A request's record, its stale check done (and its offset started if not stale)."""
@@ -687,8 +631,7 @@ class WorkerService(Component):
             # handed back to this worker redelivers it; a batch line re-published): this record
             # is committed once that event is durable, not before, and never runs twice.
             log.info("%s: already running here; its record ends with it", request_id)
-            with self._offsets_lock:
-                self._running[(item.tp, item.generation)] += 1
+            self._ledger.run(item.tp, item.generation)
             self._followers.setdefault(request_id, []).append(item)
             _end_trace(item, "skipped_duplicate")
         elif request_id in self._finished:
@@ -696,9 +639,9 @@ class WorkerService(Component):
             self._release(item, "skipped_finished")
         elif request_id in self._held:
             held = self._held[request_id]
-            with self._offsets_lock:
-                held_stale = self._stale(held.tp, held.generation)
-            if held_stale:  # the held record's partition moved and came back: hold this one
+            if self._ledger.stale(
+                held.tp, held.generation
+            ):  # the held record's partition moved and came back: hold this one
                 _end_trace(held, "revoked")
                 self._held[request_id] = item
             else:
@@ -713,8 +656,7 @@ class WorkerService(Component):
     def _live_here(self, item: Arrival) -> None:
         """``item``'s request now ends here: live, and counted running until its terminal event settles."""
         self._live[item.event.request_id] = item
-        with self._offsets_lock:
-            self._running[(item.tp, item.generation)] += 1
+        self._ledger.run(item.tp, item.generation)
 
     def _run(self, runner: Runner, item: Arrival, emit: Emitter) -> None:
         request_id = item.event.request_id
@@ -726,9 +668,7 @@ class WorkerService(Component):
     def _release(self, item: Arrival, status: str) -> None:
         """Done with a record this worker does not run: its offset may be committed."""
         _end_trace(item, status)
-        with self._offsets_lock:
-            if not self._stale(item.tp, item.generation):
-                self._offsets.done(item.tp, item.offset)
+        self._ledger.release(item.tp, item.generation, item.offset)
 
     # ---------------------------------------------------------------- versions (model thread)
 
@@ -822,8 +762,7 @@ class WorkerService(Component):
                 continue
             del self._live[request_id]
             self._observer.forget(request_id)
-            with self._offsets_lock:
-                self._settled(arrival.tp, arrival.generation)
+            self._ledger.settle(arrival.tp, arrival.generation)
             self._held[request_id] = arrival
             self._take_followers_again(request_id)
         return len(released) - ended, ended
@@ -857,7 +796,7 @@ class WorkerService(Component):
             return
         self._next_sweep = now + self.SWEEP_EVERY_S
         for request_id, item in list(self._held.items()):
-            with self._taken(item, start=False) as stale:  # its offset was started when it was held
+            with self._ledger.taking(item.tp, item.generation, None) as stale:  # started when it was held
                 self._sweep_one(runner, emit, request_id, item, stale, now)
 
     def _sweep_one(
@@ -922,34 +861,23 @@ class WorkerService(Component):
                 if arrival.trace is not None:
                     arrival.trace.span.set_attribute(tracing.STATUS, "released")
                     arrival.trace.span.end()
-                with self._offsets_lock:
-                    self._settled(arrival.tp, arrival.generation)
+                self._ledger.settle(arrival.tp, arrival.generation)
                 self._take_followers_again(request_id)
-            with self._offsets_lock:
-                self._release_acked = max(self._release_acked, revoked)
+            self._ledger.released(revoked)
 
     def _take_followers_again(self, request_id: str) -> None:
         """A request given back unrun: the records that waited for it are taken again (the first of them
         still assigned runs it)."""
         followers = self._followers.pop(request_id, [])
-        with self._offsets_lock:
-            for follower in followers:
-                self._settled(follower.tp, follower.generation)
+        for follower in followers:
+            self._ledger.settle(follower.tp, follower.generation)
         self._again.extend(followers)
 
-    def _settled(self, tp: TP, generation: int) -> None:
-        """A running request's terminal event was delivered or refused (offsets lock held)."""
-        key = (tp, generation)
-        if self._running.get(key, 0) > 0:
-            self._running[key] -= 1
-
     def _ended(self, request_id: str) -> None:
-        """The request's terminal event is durable: the records that waited for it are done (offsets lock
-        held)."""
+        """The request's terminal event is durable: the records that waited for it are done."""
         self._publishing.pop(request_id, None)
         for follower in self._followers.pop(request_id, []):
-            self._offsets.done(follower.tp, follower.offset)
-            self._settled(follower.tp, follower.generation)
+            self._ledger.done(follower.tp, follower.offset, follower.generation)
 
     def _learn_from_tail(self, runner: Runner) -> None:
         while True:
@@ -1006,42 +934,29 @@ class WorkerService(Component):
 
     def _commit(self) -> None:
         unlettered: list[_Lettered] = []
-        with self._offsets_lock:
-            while True:
-                try:
-                    durable = self._durable.get_nowait()
-                except queue.Empty:
-                    break
-                if isinstance(durable, _Undelivered):
-                    # Whether the log has it is unknown, and the worker has failed: it stays finished and
-                    # publishing here, so no record of it runs again or is committed before the next
-                    # start reads the results topic (which runs it again only if it is not there).
-                    self._settled(durable.tp, durable.generation)
-                    continue
-                if isinstance(durable, _Uncommitted):
-                    self._offsets.uncommit(durable.offsets)
-                    continue
-                if isinstance(durable, _Lettered):
-                    skip = durable.skip
-                    if durable.error is None:  # the record's own offset, whatever its generation (below)
-                        self._offsets.done(skip.tp, skip.offset)
-                        self._settled(skip.tp, skip.generation)
-                    else:  # held (its partition's commit point with it) and sent again, the worker serving on
-                        unlettered.append(durable)
-                        self._letters_again.append((time.monotonic() + self.LETTER_RETRY_S, skip))
-                    continue
-                # The record's own offset, whatever its generation: a partition lost and handed back
-                # redelivers the same record, whose offset is the one pending now.
-                self._offsets.done(durable.tp, durable.offset)
-                self._settled(durable.tp, durable.generation)
+        while True:
+            try:
+                durable = self._durable.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(durable, _Undelivered):
+                # Whether the log has it is unknown, and the worker has failed: it stays finished and
+                # publishing here, so no record of it runs again or is committed before the next start
+                # reads the results topic (which runs it again only if it is not there).
+                self._ledger.settle(durable.tp, durable.generation)
+            elif isinstance(durable, _Uncommitted):
+                self._ledger.uncommit(durable.offsets)
+            elif isinstance(durable, _Lettered):
+                skip = durable.skip
+                if durable.error is None:
+                    self._ledger.done(skip.tp, skip.offset, skip.generation)
+                else:  # held (its partition's commit point with it) and sent again, the worker serving on
+                    unlettered.append(durable)
+                    self._letters_again.append((time.monotonic() + self.LETTER_RETRY_S, skip))
+            else:
+                self._ledger.done(durable.tp, durable.offset, durable.generation)
                 self._ended(durable.request_id)
-            offsets: dict[TP, int] = {}
-            now = time.monotonic()
-            if now >= self._next_commit:  # at most one commit per interval (a revoke commits at once)
-                offsets = self._offsets.committable()
-                self._offsets.mark_committed(offsets)
-                if offsets:
-                    self._next_commit = now + self.COMMIT_INTERVAL_S
+        offsets = self._ledger.due(time.monotonic(), self.COMMIT_INTERVAL_S)
         if unlettered:  # one line a round, however much junk waits
             first = unlettered[0]
             log.error(

@@ -169,7 +169,7 @@ class Harness:
         assert self.service.failure is not None
         while self.producer.pending:
             self.deliver(0, ok=True)
-        self.service._next_commit = 0.0
+        self.service._ledger.commit_now()
         self.service._commit()
         self._start_worker()
         for request_id, n in self.model.durable.items():
@@ -205,7 +205,7 @@ class Harness:
             tenant="t", model="m", request_id=request_id, source="edge", model_version="v", input_ids=[1]
         )
         self.service._inbox.put_nowait(
-            Arrival(event, (TOPIC, part), offset, generation=self.service._generation)
+            Arrival(event, (TOPIC, part), offset, generation=self.service._ledger.generation)
         )
         self.model.next_offset[part] = offset + 1
 
@@ -291,8 +291,8 @@ class Harness:
         for part, accepted_before in self.model.revoked_at.items():
             for arrival in self.runner.accepted[accepted_before:]:
                 if arrival.tp == (TOPIC, part):
-                    revoked_gen = self.service._revoked_at.get((TOPIC, part), -1)
-                    assert arrival.generation >= revoked_gen, f"a revoked record of {part} ran"
+                    stale = self.service._ledger.stale((TOPIC, part), arrival.generation)
+                    assert not stale, f"a revoked record of {part} ran"
 
 
 class _Emit:
@@ -393,7 +393,7 @@ def assert_quiet(h: Harness) -> None:
     assert h.model.committed == ends
     assert not h.service._followers
     assert not h.service._publishing
-    assert sum(h.service._running.values()) == 0, h.service._running
+    assert sum(h.service._ledger.running().values()) == 0, h.service._ledger.running()
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -418,7 +418,9 @@ def request_on(h: Harness, part: int, *, reply: bool = False) -> str:
         tenant="t", model="m", request_id=request_id, source="edge", model_version="v", input_ids=[1],
         reply=ReplyTo(topic="p.replies", partition=0, edge_id="e") if reply else None,
     )  # fmt: skip
-    h.service._inbox.put_nowait(Arrival(event, (TOPIC, part), offset, generation=h.service._generation))
+    h.service._inbox.put_nowait(
+        Arrival(event, (TOPIC, part), offset, generation=h.service._ledger.generation)
+    )
     h.model.next_offset[part] = offset + 1
     return request_id
 
@@ -454,7 +456,7 @@ def test_a_lost_partition_handed_back_never_commits_past_its_running_request(pro
         h.deliver(0, ok=True)
     h.service._commit()
     assert h.model.committed[0] == 1
-    assert h.service._running == Counter()
+    assert h.service._ledger.running() == Counter()
 
 
 def test_a_revoke_waits_for_a_record_the_model_thread_is_taking() -> None:
@@ -472,8 +474,9 @@ def test_a_revoke_waits_for_a_record_the_model_thread_is_taking() -> None:
             thread = threading.Thread(target=lambda: finals.append(h.service._on_revoke([(TOPIC, 0)], False)))
             revoker.append(thread)
             thread.start()
-            while h.service._generation == 0:  # the revoke is under way, waiting
-                pass
+            deadline = time.monotonic() + 10
+            while h.service._ledger.generation == 0:  # the revoke is under way, waiting
+                assert time.monotonic() < deadline, "the revoke never started"
         return real(event)
 
     h.service._placement = placement  # type: ignore[method-assign]
@@ -509,29 +512,35 @@ def test_a_reply_copy_lost_with_the_results_copy_durable_ends_the_request() -> N
 
 
 class SlowTick(FakeRunner):
-    def __init__(self, tick_s: float) -> None:
-        super().__init__()
-        self.tick_s = tick_s
+    """Its first step lasts until released (a CPU embedding batch, a first graph capture)."""
 
-    def tick(self, emit: Emitter) -> None:  # one long step (a CPU embedding batch, a first graph capture)
-        time.sleep(self.tick_s)
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered = threading.Event()
+        self.let_go = threading.Event()
+
+    def tick(self, emit: Emitter) -> None:
+        self.entered.set()
+        self.let_go.wait(10)
 
 
 def test_a_revoke_of_an_idle_partition_does_not_wait_for_a_model_step() -> None:
     """The revoke waits for the model thread only while it is between taking a record and counting it
     (a review: waiting for its next step held every rebalance for up to a whole batch)."""
     h = Harness(0)
-    runner = SlowTick(2.0)
+    runner = SlowTick()
     h.service._runner_factory = lambda: runner
     thread = threading.Thread(target=h.service._serve, daemon=True)
     thread.start()
-    time.sleep(0.3)  # the model thread is in its first (2 s) step
+    assert runner.entered.wait(10), "the model thread never stepped"
     began = time.monotonic()
     h.service._on_revoke([(TOPIC, 2)], False)  # nothing of partition 2 was ever consumed
     took = time.monotonic() - began
+    runner.let_go.set()
     h.service._stop.set()
     thread.join(5)
-    assert took < 0.5, f"a revoke of a partition with nothing running waited {took:.2f}s for a model step"
+    # the step lasts 10 s unless released after the revoke: a revoke waiting for it takes that long
+    assert took < 5, f"a revoke of a partition with nothing running waited {took:.2f}s for a model step"
 
 
 def test_another_record_of_a_running_request_is_released_at_once() -> None:
@@ -547,10 +556,10 @@ def test_another_record_of_a_running_request_is_released_at_once() -> None:
     redeliver(h, 1)
     h.model_thread_step()
     assert request_id not in h.service._followers
-    h.service.REVOKE_DRAIN_S = 1.0
+    h.service.REVOKE_DRAIN_S = 10.0  # the request never ends: a revoke waiting for it takes this long
     began = time.monotonic()
     h.revoke(1)
-    assert time.monotonic() - began < 0.9, "the revoke of the duplicate's partition waited for its request"
+    assert time.monotonic() - began < 5, "the revoke of the duplicate's partition waited for its request"
     assert [a.tp for a in h.runner.accepted] == [(TOPIC, 0)]
     assert h.model.committed[0] == 0
 
@@ -622,7 +631,7 @@ def test_a_revoke_waits_for_a_dead_letter_on_its_way() -> None:
     h.service.COMMIT_INTERVAL_S = 0.0
     h.consume_junk(0)
     h.model_thread_step()
-    assert h.service._running[((TOPIC, 0), h.service._generation)] == 1
+    assert h.service._ledger.running()[((TOPIC, 0), h.service._ledger.generation)] == 1
     h.revoke(0)  # plays the model thread and delivers what is pending while the revoke waits
     assert h.model.committed[0] == 1
     assert h.model.lettered[(0, 0)] == 1

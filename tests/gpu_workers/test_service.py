@@ -556,14 +556,14 @@ async def test_records_of_a_revoked_partition_still_in_the_inbox_are_dropped_not
     topic = names.requests("demo-gpt")
     gone = (topic, 99)  # a partition this test pretends the worker owned (the real ones keep working)
     stale = _generation(names, PROMPT)
-    consumed_at = gpt_worker._generation
+    consumed_at = gpt_worker._ledger.generation
     gpt_worker._on_revoke([gone], False)  # the rebalance happens after the record was consumed...
     gpt_worker._put(Arrival(stale, gone, 7, generation=consumed_at))  # ...and before the model thread took it
     after = _generation(names, PROMPT)
     await producer.publish(topic, after)
     assert replies.finished(after.request_id).status == "completed"
     assert replies.of(stale.request_id) == [], "the revoked partition's record did not run here"
-    assert gone not in gpt_worker._offsets.partitions, "no tracking (or commit) of a partition not owned"
+    assert gone not in gpt_worker._ledger.partitions, "no tracking (or commit) of a partition not owned"
 
 
 # ------------------------------------------------------------------------------- versions and deployments
