@@ -204,8 +204,10 @@ def test_how_long_a_member_has_been_out_of_its_group_is_told(monkeypatch: pytest
     with ConsumerThread(
         {"group.id": "g"}, lambda batch: None, subscribe=["t"], unsettled_limit_s=60
     ) as thread:
-        time.sleep(0.3)  # settled at the first poll, out of the group from the second
-        first = thread.unsettled_for()
+        deadline = time.monotonic() + 10  # settled at the first poll, out of the group from the second
+        while (first := thread.unsettled_for()) == 0:  # (0.3 s of sleep was not two polls on a stalled box)
+            assert time.monotonic() < deadline, "never told it was out of its group"
+            time.sleep(0.01)
         time.sleep(0.2)
         assert 0 < first < thread.unsettled_for() < 60
         assert len(WedgedMember.made) == 1  # not replaced before its limit

@@ -13,7 +13,7 @@ import time
 
 import msgspec
 import pytest
-from confluent_kafka import Consumer, Message, Producer
+from confluent_kafka import Consumer, Message, Producer, TopicPartition
 
 from bus.consumer import ConsumerThread, _GroupStats, consumer_config
 from infra.topics import TopicSpec, apply_topics, make_admin
@@ -48,6 +48,15 @@ def test_a_member_out_of_its_group_past_the_limit_is_replaced_and_its_successor_
         with arrived:
             return arrived.wait_for(lambda: set(numbers) <= set(seen), within)
 
+    def committed() -> int:
+        """The offsets the group has stored on the broker, summed over the topic's partitions."""
+        reader = Consumer(consumer_config(kafka, group, "replaced-check"))  # asks, never joins
+        try:
+            stored = reader.committed([TopicPartition(topic, p) for p in (0, 1)], timeout=10)
+        finally:
+            reader.close()
+        return sum(max(tp.offset, 0) for tp in stored)
+
     thread = ConsumerThread(
         consumer_config(kafka, group, "replaced-test"),
         handle,
@@ -78,7 +87,12 @@ def test_a_member_out_of_its_group_past_the_limit_is_replaced_and_its_successor_
         assert thread.wait_assigned(30)
         produce(range(100))
         assert wait_seen(range(100), 30), sorted(set(range(100)) - set(seen))
-        time.sleep(1.0)  # the last commits answered (asynchronous), and a settled group seen in statistics
+        # the last commits answered (asynchronous: 1 s of sleep was not always enough on a loaded box), and a
+        # settled group seen in statistics
+        deadline = time.monotonic() + 30
+        while committed() < 100 or thread.unsettled_for() > 0:
+            assert time.monotonic() < deadline, f"{committed()} of 100 committed"
+            time.sleep(0.2)
 
         wedged.set()
         deadline = time.monotonic() + LIMIT_S + 20

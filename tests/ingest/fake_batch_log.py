@@ -82,6 +82,9 @@ class FakeBatchLog:
         self.unfollows = 0
         self.unfollow_takes_s = 0.0
         """How long ``unfollow`` takes (the real one stops a consumer thread): the runner goes on meanwhile."""
+        self.unfollow_gate: asyncio.Event | None = None
+        """Set: ``unfollow`` also waits for it, for as long as a test needs (a time would be a race with a
+        loaded box's stalls)."""
         self.unfollowing = False
         self._following = False
         self._results: asyncio.Queue[RequestFinished] = asyncio.Queue()
@@ -111,6 +114,8 @@ class FakeBatchLog:
             self.unfollows += 1
             self.unfollowing = True
             await asyncio.sleep(self.unfollow_takes_s)
+            if self.unfollow_gate is not None:
+                await self.unfollow_gate.wait()
             self.unfollowing = False
 
     def watch(self, watcher: Callable[[BaseException], object]) -> None:

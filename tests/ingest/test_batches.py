@@ -299,8 +299,9 @@ async def test_a_batch_expires_at_its_window_with_what_completed(
     batch_log.respond = lambda event: complete(event) if event.index < 2 else held.append(event)
     client, _ = await make_client(edge_batch_max_in_flight=1)
     async with AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=DEMO_KEY, max_retries=0) as sdk:
-        # long enough for three lines' rounds (each fsyncs its journal) on a slow disk before it expires
-        created = await run(sdk, [chat_line(i) for i in range(5)], window="3s")
+        # long enough for three lines' rounds (each fsyncs its journal) on a slow disk before it expires, and
+        # for a stall of a loaded box (CI) on top
+        created = await run(sdk, [chat_line(i) for i in range(5)], window="5s")
         await _eventually(lambda: len(held) == 1)
         deadline = held[0].deadline
         assert deadline is not None
@@ -494,7 +495,7 @@ async def test_the_edge_reads_results_only_while_a_batch_is_unfinished(
     stops ``follow_idle_s`` after the last batch ended; the next batch starts it again, from the end."""
     client, edge = await make_client()
     assert edge.batches is not None
-    edge.batches.follow_idle_s = 0.3
+    edge.batches.follow_idle_s = 1.0  # it still reads when the test sees the batch completed, stalls and all
     await asyncio.sleep(0.2)
     assert (batch_log.following, batch_log.follows) == (False, [])
     async with AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=DEMO_KEY, max_retries=0) as sdk:
@@ -519,7 +520,8 @@ async def test_a_batch_created_while_the_edge_stops_reading_results_still_comple
     client, edge = await make_client()
     assert edge.batches is not None
     edge.batches.follow_idle_s = 0.2
-    batch_log.unfollow_takes_s = 1.5
+    stopped = asyncio.Event()  # the stop lasts until the batch is created (1.5 s of it lost that race)
+    batch_log.unfollow_gate = stopped
     async with AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=DEMO_KEY, max_retries=0) as sdk:
         await until(sdk, (await run(sdk, [chat_line(0)])).id, "completed")
         lines = io.BytesIO(jsonl([chat_line(i) for i in range(5)]))
@@ -527,6 +529,9 @@ async def test_a_batch_created_while_the_edge_stops_reading_results_still_comple
         await _eventually(lambda: batch_log.unfollowing)
         second = await sdk.batches.create(input_file_id=uploaded.id, endpoint=CHAT, completion_window="24h")
         assert batch_log.unfollowing, "created while the log stops"
+        await until(sdk, second.id, "in_progress")  # validated meanwhile,
+        assert len(batch_log.lines) == 1  # and none of its lines out before the edge reads results again
+        stopped.set()
         done = await until(sdk, second.id, "completed")
         assert done.request_counts is not None
         assert (done.request_counts.completed, done.request_counts.failed) == (5, 0)

@@ -4,6 +4,7 @@ gateway, in memory here; the same contract runs on Kafka in ``tests/e2e/test_ove
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import AsyncIterator
 
 import pytest
@@ -18,6 +19,9 @@ from tests.ingest.fake_gateway import FakeGateway
 KEY = "sk-shared"
 CHAT = {"model": GEN, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 HEADERS = {"Authorization": f"Bearer {KEY}"}
+STALL_S = 0.25
+"""A gap between two 20 ms samples this long is the box stalling the loop, not the edges' pace: a peer drops
+out of the live edges after 1 s unheard, and each edge publishes every third of that."""
 
 
 async def _edges(
@@ -76,15 +80,29 @@ async def test_idle_edges_stay_among_each_others_live_edges(catalogue: ModelCata
     """An idle edge publishes a snapshot at its start and then a few times in the time its peers keep it
     live (it used to publish once per that time, a little late, and drop out for a moment every cycle)."""
     edges: list[Edge] = []
+    loop = asyncio.get_running_loop()
     async for _ in _edges(catalogue, Tenant(key_sha256=[hash_key(KEY)]), into=edges):
         ledgers = [edge.ctx.admission.ledger for edge in edges]
         await asyncio.sleep(0.2)
         seen: list[tuple[int, int]] = []
+        held_up: list[int] = []
+        last, resumed = loop.time(), -math.inf
         for _ in range(125):  # 2.5 s: more than two peer lifetimes
             seen.append((len(ledgers[0].peers), len(ledgers[1].peers)))
+            now = loop.time()  # after the sample: a stall before it shows here
+            if now - last > STALL_S:  # the loop itself was held up (the box stalled), the edges' timers too
+                resumed = now
+            if now - resumed < 0.1:  # the edges, as late as this sample, had not published again yet
+                held_up.append(len(seen) - 1)
+            last = now
             await asyncio.sleep(0.02)
         assert ledgers[0].peer_ttl_s == 1.0
-        assert set(seen) == {(1, 1)}, [i for i, s in enumerate(seen) if s != (1, 1)]
+        # An edge that publishes too seldom drops out for a moment every peer lifetime with nothing held up
+        # (what this test is for). A stall of the whole box (CI: 2 cores, loaded) holds both edges' snapshots
+        # back as long as it lasts: samples right after one say nothing of how often the edges publish.
+        kept = [s for i, s in enumerate(seen) if i not in held_up]
+        assert len(kept) >= 100, f"{len(held_up)} of {len(seen)} samples taken right after a stall"
+        assert set(kept) == {(1, 1)}, [i for i, s in enumerate(seen) if s != (1, 1) and i not in held_up]
 
 
 async def test_concurrency_holds_across_two_edges(catalogue: ModelCatalogue) -> None:

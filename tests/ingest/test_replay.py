@@ -190,10 +190,12 @@ async def test_a_keyed_retry_within_the_grace_takes_the_request_back_as_a_resume
 ) -> None:
     """A client whose connection dropped retries with its Idempotency-Key: the replay used to leave the
     disconnect's delayed cancel pending, so the request was cancelled under the retry that was reading it."""
-    client = await dropped_after_a_token(make_client, gateway, 0.5, KEYED)
+    # the retry must reach the edge within the grace: 0.5 s of it lost that race to a loaded box's stall
+    grace_s = 3.0
+    client = await dropped_after_a_token(make_client, gateway, grace_s, KEYED)
     body = {**CHAT, "stream": True}
     retry = asyncio.create_task(client.post("/v1/chat/completions", json=body, headers=KEYED))
-    await asyncio.sleep(1.0)  # past the grace, while the retry reads the replay
+    await asyncio.sleep(grace_s + 0.5)  # past the grace, while the retry reads the replay
     gateway.release.set()
     events = parse_sse(await (await retry).text())
     assert events[-1][1] == "[DONE]"

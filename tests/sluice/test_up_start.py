@@ -81,7 +81,9 @@ async def test_up_waits_for_each_workers_readyz_and_names_one_that_is_not_ready(
         silent = free_port()  # a worker that never answers
         await _wait_workers(
             [("demo-gpt@v1", loading_port), ("all-minilm-l6-v2@v1", silent), ("free@v1", 0)],
-            1.5,
+            # the loading worker is ready at its fourth poll, ~0.75 s in (a poll every 0.25 s): with 1.5 s
+            # for both, a stall of the loaded box (CI) past the margin named it not ready too
+            4.0,
             Console(file=out, width=200),
         )
     finally:
