@@ -14,8 +14,10 @@ thread later. The ledger is the one place that state lives, behind one lock:
   (otherwise their next owner, reading from the last commit, would run them a second time). Keyed by the
   generation consumed in, so a run outliving its partition's loss never settles a later assignment's.
 
-Every method takes the lock itself, and each does one whole step, so no caller can leave a record started
-and uncounted, or done and still counted, where a revoke could see it.
+Every method takes the lock itself and does one whole step (a record done is settled in the same step, a
+skipped one started and done or counted in the same step). A record between its stale check and its count
+is taken inside :meth:`RecordLedger.taking`, whose block a revoke waits for: otherwise the revoke could hand
+its partition over while the record still runs here, and the next owner would run it too.
 """
 
 from __future__ import annotations
@@ -112,7 +114,7 @@ class RecordLedger:
             if not self._stale(tp, generation):
                 self._offsets.done(tp, offset)
 
-    def done(self, tp: TP, offset: int, generation: int) -> None:
+    def done(self, tp: TP, generation: int, offset: int) -> None:
         """A running record's effect is durable. The record's own offset, whatever its generation: a
         partition lost and handed back redelivers the same record, whose offset is the one pending now."""
         with self._lock:
@@ -137,7 +139,8 @@ class RecordLedger:
             return offsets
 
     def commit_now(self) -> None:
-        """The next :meth:`due` commits whatever it may, however soon (a stopping worker's last commit)."""
+        """The next :meth:`due` commits whatever it may, however soon after the last (a stopping worker's
+        last commit)."""
         with self._lock:
             self._next_commit = 0.0
 

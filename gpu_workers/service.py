@@ -354,8 +354,14 @@ class WorkerService(Component):
                     log.warning("stopping %s: it had failed", listener.name, exc_info=True)
         self._cancels = self._results_tail = self._control = None
         self._producer.stop()  # the last delivery reports land in self._durable
-        self._commit()
+        self._last_commit()
         self._requests.stop()  # performs the queued commit, then leaves the group
+
+    def _last_commit(self) -> None:
+        """What is durable now is committed, however soon after the previous commit (at the interval a
+        stop would leave up to ``COMMIT_INTERVAL_S`` of finished requests for the next owner to skip)."""
+        self._ledger.commit_now()
+        self._commit()
 
     # ---------------------------------------------------------------- consumer threads
 
@@ -373,9 +379,8 @@ class WorkerService(Component):
             if not isinstance(event, GenerationRequested | EmbeddingRequested):
                 if event is not None:
                     log.warning("ignoring %s on a request topic", type(event).__name__)
-                self._put(
-                    _Skip(tp, offset, self._ledger.generation)
-                )  # nothing to run: its offset may be committed
+                # nothing to run: its offset may be committed
+                self._put(_Skip(tp, offset, self._ledger.generation))
                 continue
             trace = open_trace(event, *tp, offset, self.group)
             self._put(Arrival(event, tp, offset, trace=trace, generation=self._ledger.generation, batch=line))
@@ -639,9 +644,8 @@ class WorkerService(Component):
             self._release(item, "skipped_finished")
         elif request_id in self._held:
             held = self._held[request_id]
-            if self._ledger.stale(
-                held.tp, held.generation
-            ):  # the held record's partition moved and came back: hold this one
+            # the held record's partition moved and came back: hold this one
+            if self._ledger.stale(held.tp, held.generation):
                 _end_trace(held, "revoked")
                 self._held[request_id] = item
             else:
@@ -877,7 +881,7 @@ class WorkerService(Component):
         """The request's terminal event is durable: the records that waited for it are done."""
         self._publishing.pop(request_id, None)
         for follower in self._followers.pop(request_id, []):
-            self._ledger.done(follower.tp, follower.offset, follower.generation)
+            self._ledger.done(follower.tp, follower.generation, follower.offset)
 
     def _learn_from_tail(self, runner: Runner) -> None:
         while True:
@@ -949,12 +953,12 @@ class WorkerService(Component):
             elif isinstance(durable, _Lettered):
                 skip = durable.skip
                 if durable.error is None:
-                    self._ledger.done(skip.tp, skip.offset, skip.generation)
+                    self._ledger.done(skip.tp, skip.generation, skip.offset)
                 else:  # held (its partition's commit point with it) and sent again, the worker serving on
                     unlettered.append(durable)
                     self._letters_again.append((time.monotonic() + self.LETTER_RETRY_S, skip))
             else:
-                self._ledger.done(durable.tp, durable.offset, durable.generation)
+                self._ledger.done(durable.tp, durable.generation, durable.offset)
                 self._ended(durable.request_id)
         offsets = self._ledger.due(time.monotonic(), self.COMMIT_INTERVAL_S)
         if unlettered:  # one line a round, however much junk waits

@@ -11,6 +11,22 @@ A = ("requests.m", 0)
 B = ("requests.m", 1)
 
 
+class Waiting:
+    """A revoke's ``give_up``: never, and it tells when the revoke has looked and kept waiting (it is asked
+    only then), so a test need not guess how long a thread takes to get there."""
+
+    def __init__(self) -> None:
+        self.looked = threading.Event()
+
+    def __call__(self) -> bool:
+        self.looked.set()
+        return False
+
+    def wait(self) -> None:
+        assert self.looked.wait(10), "the revoke never looked"
+        self.looked.clear()
+
+
 def _take(ledger: RecordLedger, tp: tuple[str, int], offset: int) -> None:
     """The model thread takes a record of the current generation and runs it."""
     generation = ledger.generation
@@ -23,7 +39,7 @@ def test_a_record_holds_its_partition_back_until_its_effect_is_durable() -> None
     ledger = RecordLedger()
     _take(ledger, A, 0)
     _take(ledger, A, 1)
-    ledger.done(A, 1, 0)  # the later one ends first
+    ledger.done(A, 0, 1)  # the later one ends first
     assert ledger.due(0.0, 0.0) == {A: 0}
     ledger.done(A, 0, 0)
     assert ledger.due(1.0, 0.0) == {A: 2}
@@ -36,7 +52,7 @@ def test_commits_go_out_at_most_once_an_interval_and_a_refused_one_is_offered_ag
     ledger.done(A, 0, 0)
     assert ledger.due(10.0, 1.0) == {A: 1}
     _take(ledger, A, 1)
-    ledger.done(A, 1, 0)
+    ledger.done(A, 0, 1)
     assert ledger.due(10.5, 1.0) == {}, "inside the interval"
     assert ledger.due(11.0, 1.0) == {A: 2}
     ledger.uncommit({A: 2})
@@ -67,7 +83,7 @@ def test_a_skipped_record_is_done_at_once_a_dead_lettered_one_when_its_letter_la
     assert ledger.take_skip(A, 0, 1, letter=True)
     assert ledger.due(0.0, 0.0) == {A: 1}, "held at the letter"
     assert ledger.running() == {(A, 0): 1}
-    ledger.done(A, 1, 0)
+    ledger.done(A, 0, 1)
     assert ledger.due(1.0, 0.0) == {A: 2}
     assert ledger.running() == {}
 
@@ -95,18 +111,19 @@ def test_a_revoke_hands_over_once_what_runs_there_settles_and_commits_every_poin
     handed: list[tuple[int, dict[tuple[str, int], int]]] = []
     revoked = ledger.revoke([A])
     ledger.released(revoked)
+    waiting = Waiting()
     waiter = threading.Thread(
-        target=lambda: handed.append(ledger.hand_over([A], revoked, give_up=lambda: False, within_s=30))
+        target=lambda: handed.append(ledger.hand_over([A], revoked, give_up=waiting, within_s=30))
     )
     waiter.start()
-    time.sleep(0.05)
+    waiting.wait()
     assert handed == [], "A@1 still runs: the revoke waits for it"
-    ledger.done(A, 1, 0)
+    ledger.done(A, 0, 1)
     waiter.join(10)
     assert handed == [(0, {A: 2})]
     assert A not in ledger.partitions
     assert B in ledger.partitions
-    ledger.done(A, 1, 0)  # a late effect of a partition gone changes nothing
+    ledger.done(A, 0, 1)  # a late effect of a partition gone changes nothing
     assert ledger.running() == {(B, 0): 1}
 
 
@@ -114,19 +131,21 @@ def test_a_revoke_waits_for_a_record_between_its_stale_check_and_being_counted()
     ledger = RecordLedger()
     handed: list[tuple[int, dict[tuple[str, int], int]]] = []
     generation = ledger.generation
+    waiting = Waiting()
     with ledger.taking(A, generation, 0) as stale:
         assert not stale
         revoked = ledger.revoke([A])
         waiter = threading.Thread(
-            target=lambda: handed.append(ledger.hand_over([A], revoked, give_up=lambda: False, within_s=30))
+            target=lambda: handed.append(ledger.hand_over([A], revoked, give_up=waiting, within_s=30))
         )
         waiter.start()
-        time.sleep(0.05)
+        waiting.wait()
         assert handed == [], "the record is not counted yet: the revoke must not take the point"
         ledger.run(A, generation)
-    time.sleep(0.05)
+    waiting.looked.clear()
+    waiting.wait()  # it looked again after the block
     assert handed == [], "counted running now"
-    ledger.done(A, 0, generation)
+    ledger.done(A, generation, 0)
     waiter.join(10)
     assert handed == [(0, {A: 1})]
 
@@ -135,8 +154,10 @@ def test_a_revoke_whose_release_is_done_does_not_wait_for_a_later_take() -> None
     ledger = RecordLedger()
     revoked = ledger.revoke([A])
     ledger.released(revoked)
+    waiting = Waiting()
     with ledger.taking(B, ledger.generation, 0):  # the model thread takes another partition's record
-        assert ledger.hand_over([A], revoked, give_up=lambda: False, within_s=30) == (0, {})
+        assert ledger.hand_over([A], revoked, give_up=waiting, within_s=30) == (0, {})
+    assert not waiting.looked.is_set(), "the revoke waited for the take"
 
 
 def test_a_revoke_gives_up_when_told_and_says_how_many_still_ran() -> None:
