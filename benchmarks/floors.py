@@ -18,10 +18,16 @@ def floor_summary(
 ) -> dict[str, Any]:
     """The floor's figures and the platform's ratios to it. The floor runs twice, alone, just before the
     platform and just after it, minutes apart; both are kept to show the drift. ``beside``: the same floor
-    sampled seconds before and after each saturation phase (``generation``: two ``{"generate", "engine"}``
-    rates, ``embeddings``: two rates). A shared box drifts by a third within minutes, so the ratios are to
-    the mean of the samples beside the phase where there are any (``*_ratio``), and to the mean of the runs
-    minutes apart otherwise; those are kept too (``*_ratio_apart``)."""
+    sampled seconds before and after each saturation phase (``generation``: ``{"generate", "engine"}``
+    rates, ``embeddings``: rates). A shared box drifts by a third within minutes, so the ratios are to the
+    samples beside the phase where there are any (``*_ratio``), and to the mean of the runs minutes apart
+    otherwise; those are kept too (``*_ratio_apart``).
+
+    A phase may run in rounds, each between two samples (``beside``'s ``generation_platform`` and
+    ``embeddings_platform``: each round's rate, one fewer than the samples; absent: one round, at
+    ``gen_tps`` and ``dynamic``): each round is judged against the mean of the two samples around it, and
+    the ratio is the median round's (``beside["rounds"]``), which one slow minute of the box does not
+    decide. ``gen_tps`` and ``dynamic`` are then the rounds' median rates."""
 
     def figures(run: dict[str, Any]) -> dict[str, float]:
         return {
@@ -40,12 +46,23 @@ def floor_summary(
     mean = {key: statistics.mean([first[key], second[key]]) for key in first}
     gen, emb = mean["generation_tokens_per_s"], mean["embeddings_per_s"]
     near: dict[str, Any] = {}
+    gen_ratio, emb_ratio = gen_tps / gen, dynamic / emb
     if beside is not None:
         each = {  # each sample's floor; generation's the faster of ``generate`` and the engine, as apart
             "generation_tokens_per_s": [max(run.values()) for run in beside["generation"]],
             "embeddings_per_s": list(beside["embeddings"]),
         }
         near = {**{key: statistics.mean(values) for key, values in each.items()}, "each": each, **beside}
+        judged = {
+            key: rounds_judged(each[key], beside.get(f"{workload}_platform", [rate]))
+            for key, workload, rate in (
+                ("generation_tokens_per_s", "generation", gen_tps),
+                ("embeddings_per_s", "embeddings", dynamic),
+            )
+        }
+        near["rounds"] = judged
+        gen_ratio = statistics.median(r["ratio"] for r in judged["generation_tokens_per_s"])
+        emb_ratio = statistics.median(r["ratio"] for r in judged["embeddings_per_s"])
     judged_gen, judged_emb = near.get("generation_tokens_per_s", gen), near.get("embeddings_per_s", emb)
     return {
         "threads": before["threads"],
@@ -55,8 +72,8 @@ def floor_summary(
         "judged_against": "beside" if near else "apart",
         "judged_generation_tokens_per_s": judged_gen,
         "judged_embeddings_per_s": judged_emb,
-        "generation_ratio": gen_tps / judged_gen,
-        "embeddings_ratio": dynamic / judged_emb,
+        "generation_ratio": gen_ratio,
+        "embeddings_ratio": emb_ratio,
         "generation_ratio_apart": gen_tps / gen,
         "embeddings_ratio_apart": dynamic / emb,
         "beside": near or None,
@@ -66,6 +83,28 @@ def floor_summary(
         "before": first,
         "after": second,
     }
+
+
+def rounds_judged(samples: list[float], platform: list[float]) -> list[dict[str, float]]:
+    """Each round's rate against the floor sampled just before and just after it (``samples``: one more
+    than ``platform``, in the order they ran)."""
+    if len(samples) != len(platform) + 1:
+        raise ValueError(f"{len(platform)} rounds need {len(platform) + 1} floor samples, not {len(samples)}")
+    out = []
+    for i, rate in enumerate(platform):
+        floor = statistics.mean(samples[i : i + 2])
+        out.append({"platform": rate, "floor": floor, "ratio": rate / floor})
+    return out
+
+
+def rounds_note(floor: dict[str, Any], key: str) -> str:
+    """Each round's ratio to the floor around it, where the phase ran in more than one ("" otherwise)."""
+    near = floor.get("beside") or {}
+    rounds = near.get("rounds", {}).get(key, [])
+    if len(rounds) < 2:
+        return ""
+    ratios = " / ".join(f"{r['ratio']:.2f}" for r in rounds)
+    return f"{len(rounds)} rounds: {ratios}, the median"
 
 
 P3_DYNAMIC_OVER_BATCH1 = 4.0

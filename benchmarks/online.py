@@ -45,7 +45,10 @@ beside each saturation phase: for up to 3 s just before it and just after it (``
 meanwhile (SIGSTOP, then SIGCONT; their lengths are in the JSON), so it runs nearly alone, as the runs
 apart do (the bare echo's child stays up, idle). The platform's ratios to the floor are to the mean of the two samples beside
 the phase: a shared box drifts by a third within minutes (docs/perf, M26 and M29), and a sample seconds away
-drifts with it. The table also shows the ratios to the mean of the runs minutes apart.
+drifts with it. The table also shows the ratios to the mean of the runs minutes apart. With ``--rounds N``
+each saturation phase runs N times, a floor sample between each two: each round is judged against the two
+samples around it and the ratio is the median round's (the box's speed moves by a quarter within a minute,
+so one round is one draw).
 
 Generation throughput at saturation is measured with twice as many clients as the worker's batch (the raw
 model's best): a closed-loop client holds its slot empty for its own round trip, so as many clients as
@@ -111,7 +114,7 @@ import aiohttp
 import comparison
 import kafka_floor
 import psutil
-from floors import beside, drift, floor_summary, mean_run, ttft_floor
+from floors import beside, drift, floor_summary, mean_run, rounds_note, ttft_floor
 from harness import broker_process, cpu_model, kafka, pct, reap, service_env
 from loadgen import (
     NEW_TOKENS,
@@ -318,13 +321,16 @@ async def measure(
     emb_floor_batch: int,
     broker: int | None,
     naive: comparison.NaivePeer | None = None,
+    rounds: int = 1,
 ) -> dict[str, object]:
     """Every phase of the platform (see the module's text); ``reference``, ``bare`` (an echo around the
     forward, :func:`kafka_floor.around_forward_echo`) and ``naive`` (the naive peer, one client's
     embeddings) are sampled between the blocks of one client's embeddings, and the floors (the model alone
     on the worker's threads; embeddings at ``emb_floor_batch``) just before and after each saturation
     phase, the platform, ``broker`` (the pid of the broker this run started, or None) and the naive peer
-    stopped meanwhile."""
+    stopped meanwhile. Each saturation phase runs ``rounds`` times, a floor sample between each two (its
+    rate is the rounds' median; :func:`floors.floor_summary` judges each round against the samples around
+    it)."""
     url = urls[0]
     connector = aiohttp.TCPConnector(limit=256)
     async with aiohttp.ClientSession(
@@ -376,17 +382,25 @@ async def measure(
             with services.paused(paused_s, *others):
                 return reference.embedding_floor(beside_s, emb_floor_batch, quick)
 
-        gen_floor = [gen_floor_now()]
-        gen_tps = await spread_rate(
-            urls, concurrency, "generation", warm_s=warm_s, window_s=window_s, tokens=new_tokens
-        )
-        gen_floor.append(gen_floor_now())
+        gen_floor, gen_rounds = [gen_floor_now()], []
+        for _ in range(rounds):
+            gen_rounds.append(
+                await spread_rate(
+                    urls, concurrency, "generation", warm_s=warm_s, window_s=window_s, tokens=new_tokens
+                )
+            )
+            gen_floor.append(gen_floor_now())
+        gen_tps = statistics.median(gen_rounds)
         await asyncio.sleep(RESUMED_S)  # the consumers' heartbeats between two pauses
-        emb_floor = [emb_floor_now()]
-        # Warmed at this concurrency first: batches of 33-64 are new shapes to torch after the warm-up above
-        # (included in ``warm_s`` here).
-        dynamic = await spread_rate(urls, 64, "embeddings", warm_s=2 * warm_s, window_s=window_s, tokens=0)
-        emb_floor.append(emb_floor_now())
+        emb_floor, emb_rounds = [emb_floor_now()], []
+        for _ in range(rounds):
+            # Warmed at this concurrency first: batches of 33-64 are new shapes to torch after the warm-up
+            # above (included in ``warm_s`` here; each round warms again after the pause before it).
+            emb_rounds.append(
+                await spread_rate(urls, 64, "embeddings", warm_s=2 * warm_s, window_s=window_s, tokens=0)
+            )
+            emb_floor.append(emb_floor_now())
+        dynamic = statistics.median(emb_rounds)
         # Time to first token at low load after the saturation phases: a fresh broker's JVM is still
         # compiling through its first few thousand requests (kafka_floor.py, 300 lone round trips at a time:
         # 2.7-5.0 ms p50 for the first, 1.3-1.9 once warm), and a serving platform's broker is warm.
@@ -458,6 +472,8 @@ async def measure(
         "floor_beside": {
             "generation": gen_floor,
             "embeddings": emb_floor,
+            "generation_platform": gen_rounds,
+            "embeddings_platform": emb_rounds,
             "seconds": beside_s,
             "paused_s": paused_s,
         },
@@ -574,6 +590,11 @@ def table(result: dict[str, Any]) -> str:
             "≥ 4x" if f["batching_target"] >= 4 else f"≥ {f['batching_target']:.1f}x (best/b1, /1.2)",
         ),
     ]
+    for key, label in (("embeddings_per_s", "embeddings/s"), ("generation_tokens_per_s", "generation tok/s")):
+        note = rounds_note(f, key)
+        if note:  # under the phase's line beside its floor
+            at = next(i for i, r in enumerate(rows) if r[0].startswith(label)) + 2
+            rows.insert(at, (f"    {note}", "", "", "", ""))
     widths = [
         max(len(str(r[i])) for r in [("metric", "raw model", "platform", "ratio", "target"), *rows])
         for i in range(5)
@@ -704,8 +725,18 @@ def main() -> None:
         help="edges (and client processes) the saturation phases spread over: a number, or auto (one per 4 "
         "cores the workers do not get, at least one)",
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run each saturation phase this many times, the floor sampled between each two; the platform's "
+        "ratio to the floor is the median round's (default 1; ~15 s a round). A shared box's speed moves by "
+        "a quarter within a minute: more rounds decide P1 where one cannot",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "online.json")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     settings = load_settings(PlatformSettings)
     load_before = os.getloadavg()
     subprocess.run(
@@ -794,6 +825,7 @@ def main() -> None:
                             # only a broker this run started (a configured cluster's is not this run's)
                             broker.pid if settings.local_kafka and (broker := broker_process(conn)) else None,
                             naive,
+                            args.rounds,
                         )
                     )
             finally:

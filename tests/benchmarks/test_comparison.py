@@ -378,3 +378,51 @@ def test_the_ratios_are_to_the_floor_sampled_beside_the_phase_where_there_is_one
     assert summary["generation_tokens_per_s"] == 4000.0  # the runs apart, as the peers' reference
     assert floors.beside(summary, "generation_tokens_per_s") == "3500 (just before 3000, just after 4000)"
     assert floors.beside(summary, "embeddings_per_s") == "220 (just before 200, just after 240)"
+
+
+def test_a_phase_in_rounds_is_judged_round_by_round_against_the_floor_around_each() -> None:
+    """Three rounds, four floor samples: each round over the mean of the two around it, the ratio the
+    median round's (one slow minute of the box moves one round, not the figure)."""
+    floors = importlib.import_module("floors")
+    run = {
+        "threads": 1,
+        "generation_tokens_per_s": {"1": 500.0, "32": 4000.0},
+        "embeddings_per_s": {"1": 60.0, "32": 300.0},
+    }
+    near = {
+        "generation": [
+            {"generate": 1000.0, "engine": 1000.0},
+            {"generate": 3000.0, "engine": 0.0},
+            {"generate": 0.0, "engine": 3000.0},
+            {"generate": 1000.0, "engine": 1000.0},
+        ],
+        "embeddings": [100.0, 100.0, 300.0, 100.0],
+        "generation_platform": [1800.0, 2700.0, 1000.0],  # of 2000, 3000, 2000: 0.9, 0.9, 0.5
+        "embeddings_platform": [80.0, 160.0, 100.0],  # of 100, 200, 200: 0.8, 0.8, 0.5
+        "seconds": 3.0,
+    }
+    summary = floors.floor_summary(run, run, 32, gen_tps=1800.0, dynamic=100.0, beside=near)
+    assert summary["generation_ratio"] == pytest.approx(0.9)
+    assert summary["embeddings_ratio"] == pytest.approx(0.8)
+    rounds = summary["beside"]["rounds"]["generation_tokens_per_s"]
+    assert [r["floor"] for r in rounds] == [2000.0, 3000.0, 2000.0]
+    assert [r["ratio"] for r in rounds] == pytest.approx([0.9, 0.9, 0.5])
+    assert summary["judged_generation_tokens_per_s"] == pytest.approx(2000.0)  # the samples' mean
+    assert floors.rounds_note(summary, "embeddings_per_s") == "3 rounds: 0.80 / 0.80 / 0.50, the median"
+    with pytest.raises(ValueError, match="1 rounds need 2 floor samples, not 4"):
+        floors.floor_summary(run, run, 32, 1800.0, 100.0, beside={**near, "generation_platform": [1.0]})
+
+
+def test_rounds_need_one_floor_sample_more_than_rounds_and_one_round_has_no_note() -> None:
+    floors = importlib.import_module("floors")
+    with pytest.raises(ValueError, match="3 rounds need 4 floor samples, not 3"):
+        floors.rounds_judged([1.0, 2.0, 3.0], [1.0, 1.0, 1.0])
+    assert floors.rounds_judged([2.0, 4.0], [2.7]) == [{"platform": 2.7, "floor": 3.0, "ratio": 0.9}]
+    run = {
+        "threads": 1,
+        "generation_tokens_per_s": {"32": 4000.0},
+        "embeddings_per_s": {"1": 60.0, "32": 300.0},
+    }
+    near = {"generation": [{"engine": 3000.0}, {"engine": 4000.0}], "embeddings": [200.0, 240.0]}
+    summary = floors.floor_summary(run, run, 32, gen_tps=3150.0, dynamic=198.0, beside=near)
+    assert floors.rounds_note(summary, "generation_tokens_per_s") == ""
