@@ -27,7 +27,11 @@ def floor_summary(
     ``embeddings_platform``: each round's rate, one fewer than the samples; absent: one round, at
     ``gen_tps`` and ``dynamic``): each round is judged against the mean of the two samples around it, and
     the ratio is the median round's (``beside["rounds"]``), which one slow minute of the box does not
-    decide. ``gen_tps`` and ``dynamic`` are then the rounds' median rates."""
+    decide. ``gen_tps`` and ``dynamic`` are then the rounds' median rates.
+
+    ``beside["generation_churn"]``, where sampled with each generation sample: the same engine alone under
+    a serving load's churn (``gpu_workers.engine.churn_throughput``), the floor of continuous batching that
+    a static batch does not pay; the rounds are judged against it too (``generation_churn_ratio``)."""
 
     def figures(run: dict[str, Any]) -> dict[str, float]:
         return {
@@ -53,12 +57,17 @@ def floor_summary(
             "embeddings_per_s": list(beside["embeddings"]),
         }
         near = {**{key: statistics.mean(values) for key, values in each.items()}, "each": each, **beside}
+        if beside.get("generation_churn"):
+            each["generation_churn_tokens_per_s"] = list(beside["generation_churn"])
+            near["generation_churn_tokens_per_s"] = statistics.mean(beside["generation_churn"])
         judged = {
             key: rounds_judged(each[key], beside.get(f"{workload}_platform", [rate]))
             for key, workload, rate in (
                 ("generation_tokens_per_s", "generation", gen_tps),
+                ("generation_churn_tokens_per_s", "generation", gen_tps),
                 ("embeddings_per_s", "embeddings", dynamic),
             )
+            if key in each
         }
         near["rounds"] = judged
         gen_ratio = statistics.median(r["ratio"] for r in judged["generation_tokens_per_s"])
@@ -73,6 +82,10 @@ def floor_summary(
         "judged_generation_tokens_per_s": judged_gen,
         "judged_embeddings_per_s": judged_emb,
         "generation_ratio": gen_ratio,
+        # to the engine alone under the same churn (continuous batching's floor), where it was sampled
+        "generation_churn_ratio": statistics.median(r["ratio"] for r in churn)
+        if (churn := near.get("rounds", {}).get("generation_churn_tokens_per_s"))
+        else None,
         "embeddings_ratio": emb_ratio,
         "generation_ratio_apart": gen_tps / gen,
         "embeddings_ratio_apart": dynamic / emb,

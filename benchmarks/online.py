@@ -374,9 +374,14 @@ async def measure(
         paused_s: list[float] = []
         others = (broker, None if naive is None else naive.pid)
 
+        gen_churn: list[float] = []
+
         def gen_floor_now() -> dict[str, float]:
             with services.paused(paused_s, *others):
-                return reference.generation_floor(beside_s, best_batch, new_tokens, quick)
+                floor = reference.generation_floor(beside_s, best_batch, new_tokens, quick)
+                # and the same engine under the load's churn: what continuous batching costs it alone
+                gen_churn.append(reference.churn_floor(beside_s, best_batch, new_tokens))
+                return floor
 
         def emb_floor_now() -> float:
             with services.paused(paused_s, *others):
@@ -473,6 +478,7 @@ async def measure(
             "generation": gen_floor,
             "embeddings": emb_floor,
             "generation_platform": gen_rounds,
+            "generation_churn": gen_churn,
             "embeddings_platform": emb_rounds,
             "seconds": beside_s,
             "paused_s": paused_s,
@@ -590,6 +596,20 @@ def table(result: dict[str, Any]) -> str:
             "≥ 4x" if f["batching_target"] >= 4 else f"≥ {f['batching_target']:.1f}x (best/b1, /1.2)",
         ),
     ]
+    if f.get("generation_churn_ratio") is not None:  # continuous batching's floor, under the one apart
+        at = next(i for i, r in enumerate(rows) if r[0].startswith("  (the same floor minutes apart)")) + 1
+        churn = [
+            (
+                "  same, the engine alone under the load's churn beside it",
+                beside(f, "generation_churn_tokens_per_s"),
+                "",
+                f"{f['generation_churn_ratio']:.2f}",
+                "(continuous batching's floor)",
+            )
+        ]
+        if note := rounds_note(f, "generation_churn_tokens_per_s"):
+            churn.append((f"    {note}", "", "", "", ""))
+        rows[at:at] = churn
     for key, label in (("embeddings_per_s", "embeddings/s"), ("generation_tokens_per_s", "generation tok/s")):
         note = rounds_note(f, key)
         if note:  # under the phase's line beside its floor

@@ -30,6 +30,7 @@ from gpu_workers.embedding import EmbeddingEngine
 from gpu_workers.engine import (
     GenerationEngine,
     SeqRequest,
+    churn_throughput,
     engine_throughput,
     padded_generate,
     raw_generate_throughput,
@@ -138,6 +139,9 @@ def serve_reference(narrow: int, prompt: str) -> None:
     - ``rate gen S B T quick|full``: the generation floor beside a server's saturation phase, on ``narrow``
       threads as the floor run (``--quick`` or not) measures it (``generation_rates`` at batch B, T new
       tokens), repeated within S seconds (one call at least): ``{"generate": tok/s, "engine": tok/s}``;
+    - ``rate churn S B T``: the engine alone at batch B under a serving load's churn (a request joining as
+      one ends, T new tokens each; ``churn_throughput``) for S seconds, on ``narrow`` threads:
+      ``{"churn": tok/s}``, what continuous batching costs the engine that a static batch does not;
     - ``rate emb S B quick|full``: the embedding floor likewise (``embedding_rates`` at batch B):
       ``{"embed": per s}``.
 
@@ -198,6 +202,10 @@ def serve_reference(narrow: int, prompt: str) -> None:
                     generation_rounds(size == "quick"),
                 )
                 print(json.dumps(rate_for(float(seconds), measure, within=True)), flush=True)
+            case ["rate", "churn", seconds, batch, tokens]:
+                configure_torch_threads(narrow)
+                churn = churn_throughput(gen.model, ids[0], int(tokens), int(batch), float(seconds))
+                print(json.dumps({"churn": churn}), flush=True)
             case ["rate", "emb", seconds, batch, ("quick" | "full") as size]:
                 configure_torch_threads(narrow)
                 inputs = embedding_inputs(size == "quick")

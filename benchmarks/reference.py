@@ -55,6 +55,11 @@ class RawReference:
         size = "quick" if quick else "full"
         return cast(dict[str, float], self._ask(f"rate gen {seconds:g} {batch} {tokens} {size}"))
 
+    def churn_floor(self, seconds: float, batch: int, tokens: int) -> float:
+        """The engine alone at ``batch`` rows under a serving load's churn (``rate churn``) for ``seconds``,
+        on the worker's threads: tokens/s."""
+        return cast(dict[str, float], self._ask(f"rate churn {seconds:g} {batch} {tokens}"))["churn"]
+
     def embedding_floor(self, seconds: float, batch: int, quick: bool) -> float:
         """MiniLM's embeddings/s at ``batch`` on the worker's threads over the load's inputs, as the floor run
         measures it, within ``seconds``."""

@@ -42,6 +42,7 @@ and would poison whatever sequence takes the row next.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import math
 import time
@@ -866,3 +867,41 @@ def engine_throughput(
     while engine.has_work():
         produced += len(engine.step())
     return produced / (time.perf_counter() - started)
+
+
+def churn_throughput(
+    model: PreTrainedModel, prompt: Sequence[int], max_new_tokens: int, batch_size: int, seconds: float
+) -> float:
+    """Tokens/s of :class:`GenerationEngine` with ``batch_size`` slots under a serving load's churn, as a
+    continuous-batching server at saturation meets it: a request joins as soon as one ends (more offered
+    than there are slots, each admitted as a slot frees, as the worker's scheduler admits them), the first
+    wave's lengths staggered so that the ends spread over the steps as a closed loop's do. Counted over
+    ``seconds`` (one step at least) after ``max_new_tokens`` steps of it.
+
+    What a static batch (:func:`engine_throughput`, every row starting and ending together) does not pay:
+    each decode step attends over its oldest row's columns (a static batch's widths average half of that),
+    and joiners need prefills of their own (gathered a few at a time, rows idle meanwhile)."""
+    engine = GenerationEngine(model, max_batch_size=batch_size)
+    engine.warm_up()
+    numbers = itertools.count()
+
+    def join(tokens: int) -> None:
+        engine.add(SeqRequest(request_id=str(next(numbers)), input_ids=list(prompt), max_new_tokens=tokens))
+
+    for row in range(batch_size):
+        join(1 + row * max_new_tokens // batch_size)
+    for _ in range(max_new_tokens):  # the churn settles: every row has joined since the first wave
+        for out in engine.step():
+            if out.finish_reason is not None:
+                join(max_new_tokens)
+    produced = 0
+    started = time.perf_counter()
+    while True:
+        outputs = engine.step()
+        produced += len(outputs)
+        for out in outputs:
+            if out.finish_reason is not None:
+                join(max_new_tokens)
+        elapsed = time.perf_counter() - started
+        if elapsed >= seconds:
+            return produced / elapsed

@@ -426,3 +426,30 @@ def test_rounds_need_one_floor_sample_more_than_rounds_and_one_round_has_no_note
     near = {"generation": [{"engine": 3000.0}, {"engine": 4000.0}], "embeddings": [200.0, 240.0]}
     summary = floors.floor_summary(run, run, 32, gen_tps=3150.0, dynamic=198.0, beside=near)
     assert floors.rounds_note(summary, "generation_tokens_per_s") == ""
+
+
+def test_generation_is_also_judged_against_the_engine_alone_under_the_loads_churn() -> None:
+    """Continuous batching's floor, sampled with each generation sample: the rounds are judged against it as
+    against the static batch, and the table shows it."""
+    floors = importlib.import_module("floors")
+    run = {
+        "threads": 1,
+        "generation_tokens_per_s": {"32": 4000.0},
+        "embeddings_per_s": {"1": 60.0, "32": 300.0},
+    }
+    near = {
+        "generation": [{"engine": 4000.0}, {"engine": 4000.0}, {"engine": 4000.0}],
+        "generation_churn": [3000.0, 2000.0, 4000.0],
+        "generation_platform": [2700.0, 2700.0],  # of 2500 and 3000: 1.08, 0.9
+        "embeddings": [200.0, 240.0],
+        "embeddings_platform": [198.0],
+    }
+    summary = floors.floor_summary(run, run, 32, gen_tps=2700.0, dynamic=198.0, beside=near)
+    assert summary["generation_ratio"] == pytest.approx(2700.0 / 4000.0)
+    assert summary["generation_churn_ratio"] == pytest.approx((2700 / 2500 + 2700 / 3000) / 2)
+    assert summary["beside"]["generation_churn_tokens_per_s"] == pytest.approx(3000.0)
+    assert (
+        floors.beside(summary, "generation_churn_tokens_per_s") == "3000 (just before 3000, just after 4000)"
+    )
+    without = floors.floor_summary(run, run, 32, 2700.0, 198.0, beside={**near, "generation_churn": []})
+    assert without["generation_churn_ratio"] is None

@@ -56,6 +56,11 @@ def test_the_online_benchmark_runs_quick_and_writes_its_json(tmp_path: Path, kaf
     assert all(0 < s < 10 for s in near["paused_s"]), near
     assert all(min(run.values()) > 0 for run in near["generation"]), near
     assert min(near["embeddings"]) > 0, near
+    # continuous batching's floor, sampled with each generation sample and judged against in the table
+    assert len(near["generation_churn"]) == 2, near
+    assert min(near["generation_churn"]) > 0, near
+    assert floor["generation_churn_ratio"] > 0
+    assert "the engine alone under the load's churn beside it" in stdout
     assert near["generation_tokens_per_s"] == pytest.approx(
         sum(max(run.values()) for run in near["generation"]) / 2
     )

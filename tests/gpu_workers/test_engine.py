@@ -15,6 +15,7 @@ from gpu_workers.engine import (
     StepOutput,
     _growing_cache,
     _layers,
+    churn_throughput,
     engine_throughput,
     raw_generate_throughput,
     sample_token,
@@ -457,6 +458,27 @@ def test_throughput_helpers_measure(demo_gpt: LoadedModel) -> None:
     prompts = [encode(demo_gpt, PROMPTS[name]) for name in ("chat", "story", "short")]
     assert raw_generate_throughput(demo_gpt.model, prompts, max_new_tokens=4, batch_size=2) > 0
     assert engine_throughput(demo_gpt.model, prompts, max_new_tokens=4, batch_size=2) > 0
+
+
+def test_churn_throughput_keeps_every_slot_busy_joining_a_request_as_one_ends(
+    demo_gpt: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The continuous-batching floor: a first wave of staggered lengths, then a full-length joiner for
+    every request that ends, for as long as it measures."""
+    added: list[int] = []
+    add = GenerationEngine.add
+
+    def counted(self: GenerationEngine, req: SeqRequest) -> None:
+        if req.request_id.isdigit():  # not the warm-up's
+            added.append(req.max_new_tokens)
+        add(self, req)
+
+    monkeypatch.setattr(GenerationEngine, "add", counted)
+    prompt = encode(demo_gpt, PROMPTS["chat"])
+    assert churn_throughput(demo_gpt.model, prompt, max_new_tokens=8, batch_size=4, seconds=0.05) > 0
+    assert added[:4] == [1, 3, 5, 7]  # ends spread over the steps
+    assert set(added[4:]) == {8}
+    assert len(added) >= 4 + 4 + 1, "joiners through the settling steps and the window"
 
 
 def test_leading_columns_go_once_the_rows_that_attended_to_them_are_freed(demo_gpt: LoadedModel) -> None:
