@@ -26,8 +26,9 @@ def floor_summary(
     A phase may run in rounds, each between two samples (``beside``'s ``generation_platform`` and
     ``embeddings_platform``: each round's rate, one fewer than the samples; absent: one round, at
     ``gen_tps`` and ``dynamic``): each round is judged against the mean of the two samples around it, and
-    the ratio is the median round's (``beside["rounds"]``), which one slow minute of the box does not
-    decide. ``gen_tps`` and ``dynamic`` are then the rounds' median rates.
+    the ratio is the median of the rounds' ratios (``beside["rounds"]``), which one slow minute of the box
+    does not decide. ``gen_tps`` and ``dynamic`` are then the rounds' median rates, and ``judged_*`` the
+    floor each ratio stands for (the rate over the ratio).
 
     ``beside["generation_churn"]``, where sampled with each generation sample: the same engine alone under
     a serving load's churn (``gpu_workers.engine.churn_throughput``), the floor of continuous batching that
@@ -72,20 +73,27 @@ def floor_summary(
         near["rounds"] = judged
         gen_ratio = statistics.median(r["ratio"] for r in judged["generation_tokens_per_s"])
         emb_ratio = statistics.median(r["ratio"] for r in judged["embeddings_per_s"])
-    judged_gen, judged_emb = near.get("generation_tokens_per_s", gen), near.get("embeddings_per_s", emb)
+        churn_ratio = (
+            statistics.median(r["ratio"] for r in judged["generation_churn_tokens_per_s"])
+            if "generation_churn_tokens_per_s" in judged
+            else None
+        )
+    else:
+        churn_ratio = None
     return {
         "threads": before["threads"],
         # the runs apart (the peers' reference); the ratios are to ``judged_*``
         "generation_tokens_per_s": gen,
         "embeddings_per_s": emb,
         "judged_against": "beside" if near else "apart",
-        "judged_generation_tokens_per_s": judged_gen,
-        "judged_embeddings_per_s": judged_emb,
+        # the floor each ratio stands for: the phase's rate over its ratio (one round: the mean of the two
+        # samples around it; more: the median of the rounds' ratios need not be any one round's)
+        "judged_generation_tokens_per_s": gen_tps / gen_ratio,
+        "judged_embeddings_per_s": dynamic / emb_ratio,
         "generation_ratio": gen_ratio,
         # to the engine alone under the same churn (continuous batching's floor), where it was sampled
-        "generation_churn_ratio": statistics.median(r["ratio"] for r in churn)
-        if (churn := near.get("rounds", {}).get("generation_churn_tokens_per_s"))
-        else None,
+        "generation_churn_ratio": churn_ratio,
+        "judged_generation_churn_tokens_per_s": None if churn_ratio is None else gen_tps / churn_ratio,
         "embeddings_ratio": emb_ratio,
         "generation_ratio_apart": gen_tps / gen,
         "embeddings_ratio_apart": dynamic / emb,
@@ -117,7 +125,7 @@ def rounds_note(floor: dict[str, Any], key: str) -> str:
     if len(rounds) < 2:
         return ""
     ratios = " / ".join(f"{r['ratio']:.2f}" for r in rounds)
-    return f"{len(rounds)} rounds: {ratios}, the median"
+    return f"{len(rounds)} rounds: {ratios}; their median"
 
 
 P3_DYNAMIC_OVER_BATCH1 = 4.0
@@ -164,13 +172,14 @@ def ttft_floor(
 
 
 def beside(floor: dict[str, Any], key: str) -> str:
-    """The floor beside the phase (the mean of its samples just before and after it), with each, or the
-    figure minutes apart where none was sampled."""
+    """The floor beside the phase that its ratio stands for (one round: the mean of the samples just before
+    and after it), with the first and last sample, or the figure minutes apart where none was sampled."""
     near = floor.get("beside")
     if not near:
         return drift(floor, key)
     first, *_, last = near["each"][key]
-    return f"{near[key]:.0f} (just before {first:.0f}, just after {last:.0f})"
+    judged = floor.get(f"judged_{key}") or near[key]
+    return f"{judged:.0f} (just before {first:.0f}, just after {last:.0f})"
 
 
 def drift(floor: dict[str, Any], key: str) -> str:

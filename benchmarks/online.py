@@ -47,8 +47,10 @@ apart do (the bare echo's child stays up, idle). The platform's ratios to the fl
 the phase: a shared box drifts by a third within minutes (docs/perf, M26 and M29), and a sample seconds away
 drifts with it. The table also shows the ratios to the mean of the runs minutes apart. With ``--rounds N``
 each saturation phase runs N times, a floor sample between each two: each round is judged against the two
-samples around it and the ratio is the median round's (the box's speed moves by a quarter within a minute,
-so one round is one draw).
+samples around it and the ratio is the median of the rounds' ratios (the box's speed moves by a quarter
+within a minute, so one round is one draw). Generation is also judged against the engine alone under the
+load's churn (a request joining as one ends; ``gpu_workers.engine.churn_throughput``), sampled in the same
+pauses for half as long: continuous batching's own floor, which a static batch does not pay.
 
 Generation throughput at saturation is measured with twice as many clients as the worker's batch (the raw
 model's best): a closed-loop client holds its slot empty for its own round trip, so as many clients as
@@ -207,7 +209,8 @@ class Services:
         started and the naive peer), then continued, the pause's length appended to ``paused_s``: the floor
         sampled beside a phase runs alone on the box, as the runs minutes apart do (idle, the platform
         takes ~10 % of a core and wakes the cores up often, which slowed that floor by up to a sixth). A
-        few seconds: inside the consumers' session timeout (10 s) and the broker's own (9 s). A watchdog
+        few seconds (a generation sample ~5 s with its churn sample, an embedding one ~3 s): inside the
+        consumers' session timeout (10 s) and the broker's own (9 s). A watchdog
         continues them all after :data:`PAUSE_WATCHDOG_S` even if this process is killed meanwhile."""
         stopped: list[psutil.Process] = []
         pids = [p.pid for p in self.procs.values()] + [pid for pid in others if pid is not None]
@@ -379,8 +382,9 @@ async def measure(
         def gen_floor_now() -> dict[str, float]:
             with services.paused(paused_s, *others):
                 floor = reference.generation_floor(beside_s, best_batch, new_tokens, quick)
-                # and the same engine under the load's churn: what continuous batching costs it alone
-                gen_churn.append(reference.churn_floor(beside_s, best_batch, new_tokens))
+                # and the same engine under the load's churn: what continuous batching costs it alone (for
+                # half as long: the pause stays well inside the consumers' session timeout)
+                gen_churn.append(reference.churn_floor(beside_s / 2, best_batch, new_tokens))
                 return floor
 
         def emb_floor_now() -> float:
@@ -750,7 +754,7 @@ def main() -> None:
         type=int,
         default=1,
         help="run each saturation phase this many times, the floor sampled between each two; the platform's "
-        "ratio to the floor is the median round's (default 1; ~15 s a round). A shared box's speed moves by "
+        "ratio to the floor is the median of the rounds' ratios (default 1; ~15 s a round). A shared box's speed moves by "
         "a quarter within a minute: more rounds decide P1 where one cannot",
     )
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "online.json")
@@ -821,7 +825,7 @@ def main() -> None:
             conn,
             prefix,
             SLUICE_EDGE_PORT=str(port),
-            SLUICE_WORKER_MAX_RUNNING=str(max(int(b) for b in raw["generation_tokens_per_s"])),
+            SLUICE_WORKER_MAX_RUNNING=str(best),  # raw's best batch: the saturation phase offers twice it
         )
         env["SLUICE_WORKER_TORCH_THREADS"] = str(threads)  # the peers get the same
         services = Services(env, Path(tempfile.mkdtemp(prefix="sluice-bench-logs-")), worker_env)

@@ -156,6 +156,7 @@ def serve_reference(narrow: int, prompt: str) -> None:
     ids = [list(gen.tokenizer(prompt)["input_ids"])]
 
     engine = GenerationEngine(gen.model, max_batch_size=1)  # traced on a CPU, as the worker runs it
+    churners: dict[int, GenerationEngine] = {}
     requests = itertools.count()
     emb = load_embedding_model(current_model_dir(settings.cache_dir, "all-minilm-l6-v2"), device="auto")
     embedder, texts = EmbeddingEngine(emb.model), load_texts(emb.tokenizer)
@@ -204,7 +205,12 @@ def serve_reference(narrow: int, prompt: str) -> None:
                 print(json.dumps(rate_for(float(seconds), measure, within=True)), flush=True)
             case ["rate", "churn", seconds, batch, tokens]:
                 configure_torch_threads(narrow)
-                churn = churn_throughput(gen.model, ids[0], int(tokens), int(batch), float(seconds))
+                if int(batch) not in churners:  # one engine a batch, idle between samples
+                    churners[int(batch)] = GenerationEngine(gen.model, max_batch_size=int(batch))
+                    churners[int(batch)].warm_up()
+                churn = churn_throughput(
+                    gen.model, ids[0], int(tokens), int(batch), float(seconds), churners[int(batch)]
+                )
                 print(json.dumps({"churn": churn}), flush=True)
             case ["rate", "emb", seconds, batch, ("quick" | "full") as size]:
                 configure_torch_threads(narrow)

@@ -870,7 +870,12 @@ def engine_throughput(
 
 
 def churn_throughput(
-    model: PreTrainedModel, prompt: Sequence[int], max_new_tokens: int, batch_size: int, seconds: float
+    model: PreTrainedModel,
+    prompt: Sequence[int],
+    max_new_tokens: int,
+    batch_size: int,
+    seconds: float,
+    engine: GenerationEngine | None = None,
 ) -> float:
     """Tokens/s of :class:`GenerationEngine` with ``batch_size`` slots under a serving load's churn, as a
     continuous-batching server at saturation meets it: a request joins as soon as one ends (more offered
@@ -880,28 +885,43 @@ def churn_throughput(
 
     What a static batch (:func:`engine_throughput`, every row starting and ending together) does not pay:
     each decode step attends over its oldest row's columns (a static batch's widths average half of that),
-    and joiners need prefills of their own (gathered a few at a time, rows idle meanwhile)."""
-    engine = GenerationEngine(model, max_batch_size=batch_size)
-    engine.warm_up()
+    and joiners need prefills of their own (gathered a few at a time, rows idle meanwhile).
+
+    ``engine``: an idle one of ``batch_size`` slots to use again (on a GPU a new one captures its graphs
+    first), left idle (what still runs at the end is cancelled)."""
+    if engine is None:
+        engine = GenerationEngine(model, max_batch_size=batch_size)
+        engine.warm_up()
+    elif engine.has_work() or engine.max_batch_size != batch_size:
+        raise EngineError(f"churn_throughput needs an idle engine of {batch_size} slots")
     numbers = itertools.count()
+    live: set[str] = set()
 
     def join(tokens: int) -> None:
-        engine.add(SeqRequest(request_id=str(next(numbers)), input_ids=list(prompt), max_new_tokens=tokens))
+        request_id = f"churn-{next(numbers)}"
+        engine.add(SeqRequest(request_id=request_id, input_ids=list(prompt), max_new_tokens=tokens))
+        live.add(request_id)
+
+    def step() -> int:
+        outputs = engine.step()
+        for out in outputs:
+            if out.finish_reason is not None:
+                live.discard(out.request_id)
+                join(max_new_tokens)
+        return len(outputs)
 
     for row in range(batch_size):
         join(1 + row * max_new_tokens // batch_size)
-    for _ in range(max_new_tokens):  # the churn settles: every row has joined since the first wave
-        for out in engine.step():
-            if out.finish_reason is not None:
-                join(max_new_tokens)
-    produced = 0
-    started = time.perf_counter()
-    while True:
-        outputs = engine.step()
-        produced += len(outputs)
-        for out in outputs:
-            if out.finish_reason is not None:
-                join(max_new_tokens)
-        elapsed = time.perf_counter() - started
-        if elapsed >= seconds:
-            return produced / elapsed
+    try:
+        for _ in range(max_new_tokens):  # the churn settles: every row has joined since the first wave
+            step()
+        produced = 0
+        started = time.perf_counter()
+        while True:
+            produced += step()
+            elapsed = time.perf_counter() - started
+            if elapsed >= seconds:
+                return produced / elapsed
+    finally:
+        for request_id in live:
+            engine.cancel(request_id)

@@ -348,19 +348,23 @@ def test_the_floor_is_the_mean_of_its_runs_before_and_after_the_platform() -> No
     assert floors.drift(summary, "generation_tokens_per_s") == "3500 (before 4000, after 3000)"
     assert summary["beside"] is None
     assert summary["judged_against"] == "apart"
-    assert summary["judged_generation_tokens_per_s"] == summary["generation_tokens_per_s"]
+    assert summary["judged_generation_tokens_per_s"] == pytest.approx(summary["generation_tokens_per_s"])
     assert floors.beside(summary, "embeddings_per_s") == "280 (before 300, after 260)"
+
+
+FLOOR_RUN = {
+    "threads": 1,
+    "generation_tokens_per_s": {"1": 500.0, "32": 4000.0},
+    "embeddings_per_s": {"1": 60.0, "32": 300.0},
+}
+"""A floor run apart (raw_model.py's JSON) for the tests of the floor sampled beside the phases."""
 
 
 def test_the_ratios_are_to_the_floor_sampled_beside_the_phase_where_there_is_one() -> None:
     """The runs minutes apart drift by a third on a shared box: the samples seconds away count, the faster
     of ``generate`` and the engine in each, and the ratios to the runs apart are kept."""
     floors = importlib.import_module("floors")
-    run = {
-        "threads": 1,
-        "generation_tokens_per_s": {"1": 500.0, "32": 4000.0},
-        "embeddings_per_s": {"1": 60.0, "32": 300.0},
-    }
+    run = FLOOR_RUN
     near = {
         "generation": [{"generate": 2000.0, "engine": 3000.0}, {"generate": 4000.0, "engine": 3000.0}],
         "embeddings": [200.0, 240.0],
@@ -384,11 +388,7 @@ def test_a_phase_in_rounds_is_judged_round_by_round_against_the_floor_around_eac
     """Three rounds, four floor samples: each round over the mean of the two around it, the ratio the
     median round's (one slow minute of the box moves one round, not the figure)."""
     floors = importlib.import_module("floors")
-    run = {
-        "threads": 1,
-        "generation_tokens_per_s": {"1": 500.0, "32": 4000.0},
-        "embeddings_per_s": {"1": 60.0, "32": 300.0},
-    }
+    run = FLOOR_RUN
     near = {
         "generation": [
             {"generate": 1000.0, "engine": 1000.0},
@@ -407,8 +407,10 @@ def test_a_phase_in_rounds_is_judged_round_by_round_against_the_floor_around_eac
     rounds = summary["beside"]["rounds"]["generation_tokens_per_s"]
     assert [r["floor"] for r in rounds] == [2000.0, 3000.0, 2000.0]
     assert [r["ratio"] for r in rounds] == pytest.approx([0.9, 0.9, 0.5])
-    assert summary["judged_generation_tokens_per_s"] == pytest.approx(2000.0)  # the samples' mean
-    assert floors.rounds_note(summary, "embeddings_per_s") == "3 rounds: 0.80 / 0.80 / 0.50, the median"
+    # the floor the ratio stands for; the samples' mean is kept beside it
+    assert summary["judged_generation_tokens_per_s"] == pytest.approx(1800.0 / 0.9)
+    assert summary["beside"]["generation_tokens_per_s"] == pytest.approx(2000.0)
+    assert floors.rounds_note(summary, "embeddings_per_s") == "3 rounds: 0.80 / 0.80 / 0.50; their median"
     with pytest.raises(ValueError, match="1 rounds need 2 floor samples, not 4"):
         floors.floor_summary(run, run, 32, 1800.0, 100.0, beside={**near, "generation_platform": [1.0]})
 
@@ -418,11 +420,7 @@ def test_rounds_need_one_floor_sample_more_than_rounds_and_one_round_has_no_note
     with pytest.raises(ValueError, match="3 rounds need 4 floor samples, not 3"):
         floors.rounds_judged([1.0, 2.0, 3.0], [1.0, 1.0, 1.0])
     assert floors.rounds_judged([2.0, 4.0], [2.7]) == [{"platform": 2.7, "floor": 3.0, "ratio": 0.9}]
-    run = {
-        "threads": 1,
-        "generation_tokens_per_s": {"32": 4000.0},
-        "embeddings_per_s": {"1": 60.0, "32": 300.0},
-    }
+    run = FLOOR_RUN
     near = {"generation": [{"engine": 3000.0}, {"engine": 4000.0}], "embeddings": [200.0, 240.0]}
     summary = floors.floor_summary(run, run, 32, gen_tps=3150.0, dynamic=198.0, beside=near)
     assert floors.rounds_note(summary, "generation_tokens_per_s") == ""
@@ -432,11 +430,7 @@ def test_generation_is_also_judged_against_the_engine_alone_under_the_loads_chur
     """Continuous batching's floor, sampled with each generation sample: the rounds are judged against it as
     against the static batch, and the table shows it."""
     floors = importlib.import_module("floors")
-    run = {
-        "threads": 1,
-        "generation_tokens_per_s": {"32": 4000.0},
-        "embeddings_per_s": {"1": 60.0, "32": 300.0},
-    }
+    run = FLOOR_RUN
     near = {
         "generation": [{"engine": 4000.0}, {"engine": 4000.0}, {"engine": 4000.0}],
         "generation_churn": [3000.0, 2000.0, 4000.0],
@@ -448,8 +442,9 @@ def test_generation_is_also_judged_against_the_engine_alone_under_the_loads_chur
     assert summary["generation_ratio"] == pytest.approx(2700.0 / 4000.0)
     assert summary["generation_churn_ratio"] == pytest.approx((2700 / 2500 + 2700 / 3000) / 2)
     assert summary["beside"]["generation_churn_tokens_per_s"] == pytest.approx(3000.0)
-    assert (
-        floors.beside(summary, "generation_churn_tokens_per_s") == "3000 (just before 3000, just after 4000)"
-    )
+    judged = 2700.0 / summary["generation_churn_ratio"]
+    assert summary["judged_generation_churn_tokens_per_s"] == pytest.approx(judged)
+    shown = floors.beside(summary, "generation_churn_tokens_per_s")
+    assert shown == f"{judged:.0f} (just before 3000, just after 4000)"
     without = floors.floor_summary(run, run, 32, 2700.0, 198.0, beside={**near, "generation_churn": []})
     assert without["generation_churn_ratio"] is None

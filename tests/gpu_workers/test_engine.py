@@ -469,7 +469,7 @@ def test_churn_throughput_keeps_every_slot_busy_joining_a_request_as_one_ends(
     add = GenerationEngine.add
 
     def counted(self: GenerationEngine, req: SeqRequest) -> None:
-        if req.request_id.isdigit():  # not the warm-up's
+        if req.request_id.startswith("churn-"):  # not the warm-up's
             added.append(req.max_new_tokens)
         add(self, req)
 
@@ -479,6 +479,13 @@ def test_churn_throughput_keeps_every_slot_busy_joining_a_request_as_one_ends(
     assert added[:4] == [1, 3, 5, 7]  # ends spread over the steps
     assert set(added[4:]) == {8}
     assert len(added) >= 4 + 4 + 1, "joiners through the settling steps and the window"
+    engine = GenerationEngine(demo_gpt.model, max_batch_size=4)
+    engine.warm_up()
+    for _ in range(2):  # the same engine again: left idle each time
+        assert churn_throughput(demo_gpt.model, prompt, 8, 4, 0.05, engine) > 0
+        assert not engine.has_work()
+    with pytest.raises(EngineError, match="an idle engine of 2 slots"):
+        churn_throughput(demo_gpt.model, prompt, 8, 2, 0.05, engine)
 
 
 def test_leading_columns_go_once_the_rows_that_attended_to_them_are_freed(demo_gpt: LoadedModel) -> None:
