@@ -23,7 +23,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from gpu_workers.engine import GenerationEngine, SeqRequest, StepOutput, churn_throughput  # noqa: E402
+from gpu_workers.engine import GenerationEngine, StepOutput, churn_throughput, engine_throughput  # noqa: E402
 from gpu_workers.models import configure_torch_threads, load_generation_model, prepare_models  # noqa: E402
 from schemas.manifest import current_model_dir  # noqa: E402
 from schemas.settings import PlatformSettings, load_settings  # noqa: E402
@@ -61,18 +61,6 @@ class TimedEngine(GenerationEngine):
     def forget(self) -> None:
         self.decodes.clear()
         self.prefills.clear()
-
-
-def static_rate(engine: TimedEngine, prompt: list[int], tokens: int, batches: int) -> float:
-    """Tokens/s of ``batches`` static batches in turn (every row starting and ending together)."""
-    produced = 0
-    started = time.perf_counter()
-    for b in range(batches):
-        for row in range(engine.max_batch_size):
-            engine.add(SeqRequest(request_id=f"static-{b}-{row}", input_ids=prompt, max_new_tokens=tokens))
-        while engine.has_work():
-            produced += len(engine.step())
-    return produced / (time.perf_counter() - started)
 
 
 def summary(engine: TimedEngine, rates: list[float]) -> dict[str, Any]:
@@ -119,11 +107,17 @@ def main() -> None:
     static, churn = (TimedEngine(gen.model, max_batch_size=args.batch) for _ in range(2))
     for engine in (static, churn):
         engine.warm_up()
-    static_rate(static, prompt, args.tokens, 1)  # every width's shapes once
+
+    # static batches in turn (every row starting and ending together), as the raw baseline runs them
+    def static_rate(batches: int) -> float:
+        prompts = [prompt] * args.batch * batches
+        return engine_throughput(gen.model, prompts, args.tokens, args.batch, engine=static)
+
+    static_rate(1)  # every width's shapes once
     static.forget()
     rates: dict[str, list[float]] = {"static": [], "churn": []}
     for _ in range(rounds):
-        rates["static"].append(static_rate(static, prompt, args.tokens, batches))
+        rates["static"].append(static_rate(batches))
         churn.skip = args.tokens  # churn_throughput's settling steps
         rates["churn"].append(churn_throughput(gen.model, prompt, args.tokens, args.batch, seconds, churn))
     out = {

@@ -51,35 +51,31 @@ def floor_summary(
     mean = {key: statistics.mean([first[key], second[key]]) for key in first}
     gen, emb = mean["generation_tokens_per_s"], mean["embeddings_per_s"]
     near: dict[str, Any] = {}
-    gen_ratio, emb_ratio = gen_tps / gen, dynamic / emb
+    ratios: dict[str, float] = {"generation_tokens_per_s": gen_tps / gen, "embeddings_per_s": dynamic / emb}
     if beside is not None:
         each = {  # each sample's floor; generation's the faster of ``generate`` and the engine, as apart
             "generation_tokens_per_s": [max(run.values()) for run in beside["generation"]],
             "embeddings_per_s": list(beside["embeddings"]),
         }
-        near = {**{key: statistics.mean(values) for key, values in each.items()}, "each": each, **beside}
         if beside.get("generation_churn"):
             each["generation_churn_tokens_per_s"] = list(beside["generation_churn"])
-            near["generation_churn_tokens_per_s"] = statistics.mean(beside["generation_churn"])
-        judged = {
-            key: rounds_judged(each[key], beside.get(f"{workload}_platform", [rate]))
-            for key, workload, rate in (
-                ("generation_tokens_per_s", "generation", gen_tps),
-                ("generation_churn_tokens_per_s", "generation", gen_tps),
-                ("embeddings_per_s", "embeddings", dynamic),
-            )
-            if key in each
+        # each round's rate, one fewer than the samples (absent: one round, at the phase's rate)
+        gen_rounds = beside.get("generation_platform", [gen_tps])
+        platform = {
+            "generation_tokens_per_s": gen_rounds,
+            "generation_churn_tokens_per_s": gen_rounds,
+            "embeddings_per_s": beside.get("embeddings_platform", [dynamic]),
         }
-        near["rounds"] = judged
-        gen_ratio = statistics.median(r["ratio"] for r in judged["generation_tokens_per_s"])
-        emb_ratio = statistics.median(r["ratio"] for r in judged["embeddings_per_s"])
-        churn_ratio = (
-            statistics.median(r["ratio"] for r in judged["generation_churn_tokens_per_s"])
-            if "generation_churn_tokens_per_s" in judged
-            else None
-        )
-    else:
-        churn_ratio = None
+        judged = {key: rounds_judged(values, platform[key]) for key, values in each.items()}
+        ratios = {key: statistics.median(r["ratio"] for r in rounds) for key, rounds in judged.items()}
+        near = {
+            **{key: statistics.mean(values) for key, values in each.items()},
+            "each": each,
+            **beside,
+            "rounds": judged,
+        }
+    gen_ratio, emb_ratio = ratios["generation_tokens_per_s"], ratios["embeddings_per_s"]
+    churn_ratio = ratios.get("generation_churn_tokens_per_s")
     return {
         "threads": before["threads"],
         # the runs apart (the peers' reference); the ratios are to ``judged_*``
@@ -178,7 +174,7 @@ def beside(floor: dict[str, Any], key: str) -> str:
     if not near:
         return drift(floor, key)
     first, *_, last = near["each"][key]
-    judged = floor.get(f"judged_{key}") or near[key]
+    judged = floor[f"judged_{key}"]
     return f"{judged:.0f} (just before {first:.0f}, just after {last:.0f})"
 
 

@@ -855,11 +855,12 @@ def engine_throughput(
     max_new_tokens: int,
     batch_size: int,
     static_cache: bool | None = None,
+    engine: GenerationEngine | None = None,
 ) -> float:
     """Tokens/s of :class:`GenerationEngine` with ``batch_size`` slots, greedy, no stop tokens (its KV
-    cache the device's default, or the one ``static_cache`` names; CUDA graphs captured before timing)."""
-    engine = GenerationEngine(model, max_batch_size=batch_size, static_cache=static_cache)
-    engine.warm_up()
+    cache the device's default, or the one ``static_cache`` names; CUDA graphs captured before timing).
+    ``engine``: an idle one of ``batch_size`` slots to use instead, left idle."""
+    engine = _idle_engine(model, batch_size, engine, static_cache)
     for i, prompt in enumerate(prompts):
         engine.add(SeqRequest(request_id=str(i), input_ids=list(prompt), max_new_tokens=max_new_tokens))
     produced = 0
@@ -889,11 +890,7 @@ def churn_throughput(
 
     ``engine``: an idle one of ``batch_size`` slots to use again (on a GPU a new one captures its graphs
     first), left idle (what still runs at the end is cancelled)."""
-    if engine is None:
-        engine = GenerationEngine(model, max_batch_size=batch_size)
-        engine.warm_up()
-    elif engine.has_work() or engine.max_batch_size != batch_size:
-        raise EngineError(f"churn_throughput needs an idle engine of {batch_size} slots")
+    engine = _idle_engine(model, batch_size, engine)
     numbers = itertools.count()
     live: set[str] = set()
 
@@ -925,3 +922,16 @@ def churn_throughput(
     finally:
         for request_id in live:
             engine.cancel(request_id)
+
+
+def _idle_engine(
+    model: PreTrainedModel, batch_size: int, engine: GenerationEngine | None, static_cache: bool | None = None
+) -> GenerationEngine:
+    """``engine`` if it is idle with ``batch_size`` slots (a throughput helper's to use again), else a new
+    one, warmed up (its graphs traced or captured before anything is timed)."""
+    if engine is None:
+        engine = GenerationEngine(model, max_batch_size=batch_size, static_cache=static_cache)
+        engine.warm_up()
+    elif engine.has_work() or engine.max_batch_size != batch_size:
+        raise EngineError(f"the throughput helpers need an idle engine of {batch_size} slots")
+    return engine
