@@ -95,6 +95,12 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
     except IngestError as exc:
         note_refusal(request, exc)
         return error_response(exc)
+    except web.RequestPayloadError as exc:  # a body that cannot be read as sent (bad gzip, say)
+        refusal = InvalidRequest(f"The request body could not be read: {exc}", code="invalid_body")
+        note_refusal(request, refusal)
+        response = error_response(refusal)
+        response.force_close()  # the rest of the body cannot be read either: no keep-alive after it
+        return response
     except web.HTTPException as exc:
         if exc.status == 404:
             return error_response(NotFound(f"Unknown route {request.method} {request.path}."))

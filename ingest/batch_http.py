@@ -78,9 +78,9 @@ class BatchRoutes:
                 if not isinstance(part, BodyPartReader):
                     continue
                 if part.name == "purpose":
-                    purpose = (await part.text())[:64]
+                    purpose = (await _field(part))[:64]
                 elif part.name in ("expires_after[anchor]", "expires_after[seconds]"):
-                    expiry[part.name] = (await part.text())[:32]
+                    expiry[part.name] = (await _field(part))[:32]
                 elif part.name == "file" and stored is None:
                     filename = (part.filename or "upload.jsonl")[:255]
                     stored = await runner.store.upload(
@@ -173,3 +173,14 @@ class BatchRoutes:
         tenant, runner = self._caller(request)
         state = await runner.cancel(tenant.name, request.match_info["batch_id"])
         return json_response(batch_object(state))
+
+
+async def _field(part: BodyPartReader) -> str:
+    """A form field's text; one in a charset or a transfer encoding aiohttp does not know is the client's
+    error (aiohttp raises ``LookupError`` for the one and ``RuntimeError`` for the other)."""
+    try:
+        return await part.text()
+    except (LookupError, RuntimeError) as exc:
+        raise InvalidRequest(
+            f"The form field {part.name!r} could not be read: {exc}", code="invalid_form"
+        ) from None

@@ -19,6 +19,7 @@ from ingest.auth import Tenant
 from ingest.errors import IngestError, from_finished
 from ingest.prepare import ENDPOINTS, Kind, Preparer, Shape
 from ingest.render import final_body
+from schemas.codec import UNREADABLE_JSON, unreadable_json
 from schemas.events import (
     BatchItemRequested,
     BatchLineError,
@@ -82,8 +83,10 @@ def parse_line(raw: bytes, endpoint: Endpoint) -> Parsed:
         line = _LINE.decode(raw)
     except msgspec.ValidationError as exc:
         raise LineError("invalid_request", f"Invalid line: {exc}.") from None
-    except msgspec.DecodeError:
-        raise LineError("invalid_json_line", "This line is not valid JSON.") from None
+    except UNREADABLE_JSON as exc:
+        raise LineError(
+            "invalid_json_line", f"This line is not valid JSON: {unreadable_json(exc)}."
+        ) from None
     if not line.custom_id or len(line.custom_id) > MAX_CUSTOM_ID:
         raise LineError(
             "invalid_custom_id", f"custom_id must be 1 to {MAX_CUSTOM_ID} characters.", "custom_id"
@@ -99,7 +102,7 @@ def parse_line(raw: bytes, endpoint: Endpoint) -> Parsed:
     body = bytes(line.body)
     try:
         hints = _HINTS.decode(body)
-    except (msgspec.ValidationError, msgspec.DecodeError):
+    except UNREADABLE_JSON:  # a ValidationError too
         raise LineError(
             "invalid_request", "body must be a JSON object of the endpoint's request.", "body"
         ) from None

@@ -104,11 +104,16 @@ def batch_id_ok(batch_id: str) -> bool:
     return batch_id.startswith("batch_") and len(batch_id) == 38 and batch_id[6:].isalnum()
 
 
+_UNCHECKABLE = LineError("invalid_request", "This line could not be read as a request.")
+"""A line that raised what no check expected (the edge's own error, logged): it fails alone."""
+
+
 def parse_window(value: str) -> timedelta:
     """``24h`` (OpenAI's only value), or any ``<n>h`` / ``<n>m`` / ``<n>s`` from 1 s to 7 days."""
     units = {"h": 3600, "m": 60, "s": 1}
     number, unit = value[:-1], value[-1:]
-    digits = number.isascii() and number.isdigit()  # str.isdigit alone takes '²', which int() refuses
+    # str.isdigit alone takes '²', which int() refuses; and int() refuses over 4,300 digits (7 days is 6)
+    digits = number.isascii() and number.isdigit() and len(number) <= 7
     if unit not in units or not digits or not 1 <= int(number) * units[unit] <= 7 * 86400:
         raise InvalidRequest(
             "completion_window must be '24h' (or '<n>h', '<n>m', '<n>s' up to 7 days).",
@@ -466,6 +471,12 @@ class BatchRunner(AsyncComponent):
                     errors.append(exc.at(number))
             except IngestError:  # retriable (its model is being redeployed): checked when it is published
                 pass
+            except (
+                Exception
+            ):  # a line nothing above expected fails as a line, not the edge (and every restart)
+                log.exception("batch %s: line %d could not be checked", job.state.batch_id, number)
+                if len(errors) < MAX_REPORTED_ERRORS:
+                    errors.append(_UNCHECKABLE.at(number))
         if not offsets:
             errors.append(BatchLineError(code="empty_file", message="The input file has no lines."))
         job.set_index(offsets, flags)
@@ -623,6 +634,11 @@ class BatchRunner(AsyncComponent):
                 )
             except (LineError, IngestError) as exc:
                 out.append(exc)
+            except OSError:  # the input file: the caller fails the batch
+                raise
+            except Exception:  # as in _check_file: the line fails, not the edge
+                log.exception("batch %s: line %d could not be prepared", job.state.batch_id, index + 1)
+                out.append(_UNCHECKABLE)
         return out
 
     def _undelivered(self, job: Job, index: int, err: BusError) -> None:

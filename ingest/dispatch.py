@@ -72,12 +72,21 @@ class Watched:
         await self._stream.aclose()
 
 
-def tenant_checked(stream: ReplyStream, tenant: str) -> Watched:
+def tenant_checked(
+    stream: ReplyStream, tenant: str, model: str | None = None, kind: str | None = None
+) -> Watched:
     """A resumed stream that ends with ``stream_not_found`` at the first reply of another tenant: the gateway
-    already checks, and this edge checks again (one tenant must never read another's stream)."""
+    already checks, and this edge checks again (one tenant must never read another's stream). With ``model``
+    and ``kind`` (a resume through an endpoint, whose body names them), also at a reply of another model or
+    a terminal event of another kind of request: a chat body resuming an embedding's stream must not get it
+    rendered as an empty chat completion."""
 
     def check(item: ReplyItem) -> None:
-        if item.tenant != tenant:
+        if (
+            item.tenant != tenant
+            or (model is not None and item.model != model)
+            or (kind is not None and isinstance(item, RequestFinished) and item.kind not in ("", kind))
+        ):
             raise NotFound(f"No stream {item.request_id!r} to resume.", code="stream_not_found")
 
     return Watched(stream, check)
@@ -200,13 +209,19 @@ class Dispatcher:
         owner = self._reclaim(record.request_id)
         return Opened(record.request_id, tenant_checked(stream, event.tenant), owner=owner, replay=True)
 
-    async def resume(self, tenant: str, request_id: str, after_seq: int) -> tuple[ReplyStream, bool]:
+    async def resume(
+        self, tenant: str, request_id: str, after_seq: int, expect: Prepared | None = None
+    ) -> tuple[ReplyStream, bool]:
         """The request's replies after ``after_seq``, and whether the caller now owns the request: true when
-        it came back within the disconnect grace (its delayed cancel is dropped; it cancels on leaving)."""
+        it came back within the disconnect grace (its delayed cancel is dropped; it cancels on leaving).
+        ``expect``: the body of an endpoint's resume, whose model and kind the stream must be of."""
         found = await self._gateway.resume(tenant, request_id, after_seq)
         if found is None:
             raise NotFound(f"No stream {request_id!r} to resume.", code="stream_not_found")
-        return tenant_checked(found, tenant), self._reclaim(request_id)
+        if expect is None:
+            return tenant_checked(found, tenant), self._reclaim(request_id)
+        model, kind = expect.event.model, expect.shape.kind
+        return tenant_checked(found, tenant, model, kind), self._reclaim(request_id)
 
     def _reclaim(self, request_id: str) -> bool:
         """Drop the request's delayed disconnect cancel, if one is pending here: True when one was (the

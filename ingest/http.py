@@ -122,7 +122,9 @@ class Routes:
             after_seq = after_seq if shape.stream else -1  # one JSON body needs the whole stream
             shape = dataclasses.replace(shape, request_id=request_id)
             with ctx.admission.flight(tenant, shape.model, request_id, owner=False) as flight:
-                stream, flight.owner = await ctx.dispatcher.resume(tenant.name, request_id, after_seq)
+                stream, flight.owner = await ctx.dispatcher.resume(
+                    tenant.name, request_id, after_seq, expect=prepared
+                )
                 request[SUBMITTED_KEY] = True
                 watch = RequestWatch(None, stream=shape.stream, t0=t0)
                 return await self._serve(

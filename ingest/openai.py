@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal, TypeVar
 import msgspec
 
 from ingest.errors import InvalidRequest
+from schemas.codec import UNREADABLE_JSON, unreadable_json
 from schemas.events import FinishReason, Float32Vectors, Usage
 
 T = TypeVar("T")
@@ -154,9 +155,9 @@ def decode_body(raw: bytes, cls: type[T]) -> T:
         raise InvalidRequest(
             f"Invalid request body: {exc}", param=_param(str(exc)), code="invalid_value"
         ) from exc
-    except msgspec.DecodeError as exc:
+    except UNREADABLE_JSON as exc:
         raise InvalidRequest(
-            f"We could not parse the JSON body of your request: {exc}", code="invalid_json"
+            f"We could not parse the JSON body of your request: {unreadable_json(exc)}", code="invalid_json"
         ) from exc
 
 

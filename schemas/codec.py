@@ -31,6 +31,7 @@ from schemas.events import (
 __all__ = [
     "CE_TYPE_PREFIX",
     "EVENT_TYPES",
+    "UNREADABLE_JSON",
     "DecodeError",
     "Event",
     "HeaderValue",
@@ -40,6 +41,7 @@ __all__ = [
     "event_type_name",
     "headers",
     "kafka_key",
+    "unreadable_json",
 ]
 
 CE_TYPE_PREFIX = "dev.sluicegate."
@@ -59,6 +61,22 @@ _DECODER: msgspec.json.Decoder[Event] = msgspec.json.Decoder(Event)
 class DecodeError(ValueError):
     """A record is not a valid event: bad JSON, unknown type, missing or mistyped field, or its headers
     disagree with its body."""
+
+
+UNREADABLE_JSON: tuple[type[Exception], ...] = (msgspec.DecodeError, UnicodeDecodeError, RecursionError)
+"""What msgspec raises for bytes it cannot read as JSON, besides a well-formed value of the wrong shape
+(``msgspec.ValidationError``, a ``DecodeError`` subclass: catch it first where it means something else):
+malformed JSON, a string that is not UTF-8 (``UnicodeDecodeError``, which is not a ``DecodeError``), and
+nesting deeper than its decoder recurses (``RecursionError``, even inside a field it skips)."""
+
+
+def unreadable_json(exc: Exception) -> str:
+    """Why msgspec could not read some JSON (one of :data:`UNREADABLE_JSON`), for an error message."""
+    if isinstance(exc, UnicodeDecodeError):
+        return "a string in it is not UTF-8"
+    if isinstance(exc, RecursionError):
+        return "it is nested too deeply"
+    return str(exc)
 
 
 @functools.cache
@@ -124,10 +142,8 @@ def decode(
         event = _DECODER.decode(value)
     except msgspec.ValidationError as exc:
         raise DecodeError(f"invalid event: {exc}") from exc
-    except msgspec.DecodeError as exc:
-        raise DecodeError(f"malformed event JSON: {exc}") from exc
-    except RecursionError as exc:  # an unknown field nested too deep to skip: junk, not a worker's death
-        raise DecodeError("malformed event JSON: nested too deep") from exc
+    except UNREADABLE_JSON as exc:  # junk, not a consumer's death (a record is redelivered until it ends)
+        raise DecodeError(f"malformed event JSON: {unreadable_json(exc)}") from exc
     if headers is not None:
         _check_headers(event, headers)
     return event

@@ -260,6 +260,7 @@ def _finished(
         error=error,
         worker_id="fake-worker",
         timings=Timings(accepted=event.time, started=utc_now(), finished=utc_now()),
+        kind="embedding" if isinstance(event, EmbeddingRequested) else "chat" if event.chat else "completion",
     )
 
 

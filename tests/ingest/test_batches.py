@@ -167,6 +167,89 @@ async def test_an_invalid_file_fails_validation_with_every_bad_line_and_nothing_
     assert failed.failed_at is not None
 
 
+async def test_lines_msgspec_cannot_read_fail_their_batch_not_the_edge(
+    make_client: MakeClient, batch_log: FakeBatchLog
+) -> None:
+    """msgspec raises ``UnicodeDecodeError`` and ``RecursionError`` for these, not its ``DecodeError``: each
+    used to escape validation, stop the edge, and stop it again at every restart (the batch validates
+    again)."""
+    client, edge = await make_client()
+    not_utf8 = json.dumps(chat_line(1)).encode().replace(b"tell me", b"tell\xff me")
+    deep = (
+        json.dumps({**chat_line(2), "x": "HERE"}).encode().replace(b'"HERE"', b"[" * 100_000 + b"]" * 100_000)
+    )
+    bad_id = json.dumps(chat_line(3, custom_id="id-HERE")).encode().replace(b"HERE", b"\xff")
+    async with AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=DEMO_KEY, max_retries=0) as sdk:
+        failed = await until(sdk, (await run(sdk, [chat_line(0), not_utf8, deep, bad_id])).id, "failed")
+        assert failed.errors is not None
+        assert failed.errors.data is not None
+        assert [(e.line, e.code, e.message) for e in failed.errors.data] == [
+            (
+                2,
+                "invalid_json",
+                "We could not parse the JSON body of your request: a string in it is not UTF-8",
+            ),
+            (3, "invalid_json_line", "This line is not valid JSON: it is nested too deeply."),
+            (4, "invalid_json_line", "This line is not valid JSON: a string in it is not UTF-8."),
+        ]
+    assert edge.failure is None
+    assert batch_log.lines == []
+
+
+async def test_a_line_that_breaks_its_check_fails_alone_and_the_edge_keeps_serving(
+    make_client: MakeClient, batch_log: FakeBatchLog, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever a line raises that no check expected (an edge bug) fails that line, logged: it must not
+    stop the edge (a restart validates the batch again, and would stop again)."""
+    from ingest import batches
+
+    real = batches.parse_line
+
+    def parse(raw: bytes, endpoint: Any) -> Any:
+        if b"req-1" in raw:
+            raise RuntimeError("a bug")
+        return real(raw, endpoint)
+
+    monkeypatch.setattr(batches, "parse_line", parse)
+    client, edge = await make_client()
+    async with AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=DEMO_KEY, max_retries=0) as sdk:
+        failed = await until(sdk, (await run(sdk, [chat_line(0), chat_line(1)])).id, "failed")
+        assert failed.errors is not None
+        assert failed.errors.data is not None
+        assert [(e.line, e.code) for e in failed.errors.data] == [(2, "invalid_request")]
+        done = await until(sdk, (await run(sdk, [chat_line(0)])).id, "completed")
+        assert done.request_counts is not None
+        assert done.request_counts.completed == 1
+    assert edge.failure is None
+
+
+async def test_a_line_that_breaks_when_it_is_published_fails_alone(
+    make_client: MakeClient, batch_log: FakeBatchLog, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same when a line validated and breaks as it is prepared to run: that line goes to the error
+    file, the others run, the edge keeps serving."""
+    from ingest import batches
+
+    real, seen = batches.parse_line, [0]
+
+    def parse(raw: bytes, endpoint: Any) -> Any:
+        if b"req-1" in raw:
+            seen[0] += 1
+            if seen[0] > 1:  # validated once, then breaks
+                raise RuntimeError("a bug")
+        return real(raw, endpoint)
+
+    monkeypatch.setattr(batches, "parse_line", parse)
+    client, edge = await make_client()
+    async with AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=DEMO_KEY, max_retries=0) as sdk:
+        done = await until(sdk, (await run(sdk, [chat_line(i) for i in range(3)])).id, "completed")
+        assert done.request_counts is not None
+        assert (done.request_counts.completed, done.request_counts.failed) == (2, 1)
+        errors = await lines_of(sdk, done.error_file_id)
+        assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [("req-1", "invalid_request")]
+    assert edge.failure is None
+
+
 async def test_limits_on_lines_files_and_fields_are_clear_4xx(
     make_client: MakeClient, batch_log: FakeBatchLog
 ) -> None:
@@ -851,7 +934,9 @@ async def test_a_finalizing_batch_cannot_be_cancelled(
     assert "cancelling" not in [s.status for s in batch_log.states if s.batch_id == created.id]
 
 
-@pytest.mark.parametrize("window", ["\u00b2h", "\u0661h", "0h", "169h", "8d", "h", "", "1.5h", "-1h", " 1h"])
+@pytest.mark.parametrize(
+    "window", ["\u00b2h", "\u0661h", "0h", "169h", "8d", "h", "", "1.5h", "-1h", " 1h", "9" * 5000 + "h"]
+)
 def test_a_bad_completion_window_is_refused_naming_it(window: str) -> None:
     with pytest.raises(InvalidRequest) as refused:
         parse_window(window)

@@ -91,3 +91,36 @@ async def test_an_upload_through_the_sdk_sets_its_expiry_and_a_bad_one_keeps_not
             )
         assert refused.value.code == "invalid_expires_after"
         assert sorted(f.id for f in (await sdk.files.list()).data) == sorted([default.id, hour.id])
+
+
+def _form(parts: list[tuple[bytes, bytes]], boundary: bytes = b"XyZ") -> bytes:
+    out = b"".join(b"--" + boundary + b"\r\n" + head + b"\r\n" + body + b"\r\n" for head, body in parts)
+    return out + b"--" + boundary + b"--\r\n"
+
+
+_PURPOSE = b'Content-Disposition: form-data; name="purpose"\r\n'
+_FILE = b'Content-Disposition: form-data; name="file"; filename="a.jsonl"\r\n'
+
+
+@pytest.mark.parametrize(
+    "field_headers",
+    [b"Content-Type: text/plain; charset=bogus\r\n", b"Content-Transfer-Encoding: bogus\r\n"],
+    ids=["unknown charset", "unknown transfer encoding"],
+)
+async def test_a_form_field_aiohttp_cannot_decode_is_a_400_and_keeps_nothing(
+    make_client: MakeClient, field_headers: bytes
+) -> None:
+    """Found by a fuzz audit: aiohttp raises ``LookupError`` and ``RuntimeError`` for these (500s)."""
+    client, _ = await make_client()
+    body = _form([(_PURPOSE + field_headers, b"batch"), (_FILE, b'{"a": 1}\n')])
+    response = await client.post(
+        "/v1/files",
+        data=body,
+        headers={"Authorization": f"Bearer {DEMO_KEY}", "Content-Type": "multipart/form-data; boundary=XyZ"},
+    )
+    assert response.status == 400, await response.text()
+    error = (await response.json())["error"]
+    assert error["code"] == "invalid_form"
+    assert "'purpose'" in error["message"]
+    listed = await client.get("/v1/files", headers={"Authorization": f"Bearer {DEMO_KEY}"})
+    assert (await listed.json())["data"] == []

@@ -11,7 +11,7 @@ from ingest.gateway import IdempotencyRecord
 from ingest.prepare import body_hash
 from schemas.events import ErrorInfo
 from schemas.ids import uuid7
-from tests.ingest.conftest import AUTH, GEN, OTHER_AUTH, Client, MakeClient, eventually, parse_sse
+from tests.ingest.conftest import AUTH, EMB, GEN, OTHER_AUTH, Client, MakeClient, eventually, parse_sse
 from tests.ingest.fake_gateway import FakeGateway, FakeStream
 
 CHAT = {"model": GEN, "messages": [{"role": "user", "content": "hello"}]}
@@ -183,6 +183,39 @@ async def test_the_edge_rechecks_the_tenant_of_resumed_replies(client: Client, g
     )
     assert stolen.status == 404
     assert (await stolen.json())["error"]["code"] == "stream_not_found"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_resume_through_another_endpoint_or_model_finds_no_stream(
+    client: Client, gateway: FakeGateway, stream: bool
+) -> None:
+    """Found by a fuzz audit: a chat body resuming an embedding's request got it rendered as an empty chat
+    completion (200); so did a completions body resuming a chat."""
+    await client.post("/v1/embeddings", json={"model": EMB, "input": "a river"}, headers=AUTH)
+    await client.post("/v1/chat/completions", json=CHAT, headers=AUTH)
+    embedding, chat = (event.request_id for event in gateway.submitted)
+    completion = {"model": GEN, "prompt": "hello", "stream": stream}
+    for path, body, rid in (
+        ("/v1/chat/completions", {**CHAT, "stream": stream}, embedding),
+        ("/v1/completions", completion, chat),
+    ):
+        resumed = await client.post(path, json=body, headers={**AUTH, "Last-Event-ID": f"{rid}:-1"})
+        text = await resumed.text()
+        if stream:  # the stream was open before the first reply was seen: its error ends it
+            assert resumed.status == 200
+            assert '"code":"stream_not_found"' in text
+            assert '"content":"' not in text.replace('"content":""', "")  # no text of another's stream
+        else:
+            assert resumed.status == 404, text
+            assert (await resumed.json())["error"]["code"] == "stream_not_found"
+    same = await client.post(
+        "/v1/chat/completions",
+        json={**CHAT, "stream": stream},
+        headers={**AUTH, "Last-Event-ID": f"{chat}:-1"},
+    )
+    assert same.status == 200
+    assert "stream_not_found" not in await same.text()
+    assert len(gateway.submitted) == 2
 
 
 async def test_a_keyed_retry_within_the_grace_takes_the_request_back_as_a_resume_does(

@@ -302,6 +302,45 @@ async def test_bad_raw_request_is_rejected(
     await assert_healthy(client, gateway)
 
 
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS, EMBEDDINGS])
+async def test_a_string_that_is_not_utf8_is_a_400(client: Client, gateway: FakeGateway, path: str) -> None:
+    """msgspec raises ``UnicodeDecodeError`` for it, not its ``DecodeError``: it was a 500. (JSON nested
+    deeper than msgspec recurses, its ``RecursionError``, cannot reach it here: these bodies refuse unknown
+    fields, and every known one is refused at its first wrong level; batch lines are another matter.)"""
+    model = (EMB if path == EMBEDDINGS else GEN).encode()
+    text = b'"x\xffy"'
+    body = {
+        CHAT: b'"messages": [{"role": "user", "content": ' + text + b"}]",
+        COMPLETIONS: b'"prompt": ' + text,
+        EMBEDDINGS: b'"input": ' + text,
+    }[path]
+    raw = b'{"model": "' + model + b'", ' + body + b"}"
+    response = await client.post(path, data=raw, headers={**AUTH, "Content-Type": "application/json"})
+    assert response.status == 400, await response.text()
+    error = (await response.json())["error"]
+    assert error["code"] == "invalid_json"
+    assert error["message"].endswith("a string in it is not UTF-8")
+    assert gateway.submitted == []
+    await assert_healthy(client, gateway)
+
+
+@pytest.mark.parametrize("path", [CHAT, EMBEDDINGS, "/v1/batches"])
+async def test_a_body_that_cannot_be_decompressed_is_a_400(
+    client: Client, gateway: FakeGateway, path: str
+) -> None:
+    response = await client.post(
+        path,
+        data=b"not gzip at all",
+        headers={**AUTH, "Content-Type": "application/json", "Content-Encoding": "gzip"},
+        skip_auto_headers=["Content-Encoding"],
+    )
+    assert response.status == 400, await response.text()
+    assert (await response.json())["error"]["code"] == "invalid_body"
+    assert response.headers.get("Connection", "").lower() == "close"  # what is left of it cannot be read
+    assert gateway.submitted == []
+    await assert_healthy(client, gateway)
+
+
 async def test_body_over_the_limit_is_413(make_client: MakeClient, gateway: FakeGateway) -> None:
     client, _ = await make_client(edge_max_body_bytes=2048)
     body = {"model": GEN, "messages": [{"role": "user", "content": "x" * 4096}]}

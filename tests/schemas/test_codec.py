@@ -176,6 +176,12 @@ BAD_VALUES: list[tuple[str, bytes, str]] = [
     ("empty", b"", "malformed"),
     ("binary-junk", b"\xff\xfe\x00\x01\x9c", "malformed"),
     ("trailing-garbage", encode(_example(TokenChunk)) + b"}", "malformed"),
+    # msgspec raises UnicodeDecodeError for it, not its DecodeError: it stopped every consumer of the record
+    (
+        "string-not-utf8",
+        encode(_example(CancelRequested)).replace(b'"tenant":"', b'"tenant":"\xff'),
+        "not UTF-8",
+    ),
     ("json-null", b"null", "Expected `object`"),
     ("json-array", b"[1, 2]", "Expected `object`"),
 ]
