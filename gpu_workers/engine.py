@@ -669,7 +669,11 @@ class GenerationEngine:
             return tokens, [greedy_logprob[r] for r in rows], entropies, broken
         for i, seq in enumerate(seqs):
             if seq.generator is not None and not broken[i]:  # ``multinomial`` raises on a NaN distribution
-                tokens[i] = sample_token(logits[rows[i]], seq.req, seq.generator)
+                try:
+                    tokens[i] = sample_token(logits[rows[i]], seq.req, seq.generator)
+                except RuntimeError:  # what one request's sampling raises ends that request, not the batch
+                    log.exception("sampling for %s failed; it ends with an error", seq.req.request_id)
+                    broken[i] = True
         scores = logits[list(rows)].float()
         chosen = scores.gather(1, torch.tensor(tokens, device=scores.device).unsqueeze(1)).squeeze(1)
         return tokens, (chosen - torch.logsumexp(scores, dim=-1)).tolist(), entropies, broken
@@ -718,6 +722,7 @@ def sample_token(logits: torch.Tensor, req: SeqRequest, generator: torch.Generat
         sorted_scores, order = torch.sort(scores, descending=True)
         cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
         drop = cumulative - sorted_scores.softmax(dim=-1) >= req.top_p  # keep the smallest set reaching top_p
+        drop[0] = False  # the best always stays: a top_p that is 0 in float32 (1e-300) dropped every token
         scores = scores.scatter(0, order[drop], float("-inf"))
     probs = scores.softmax(dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator).item())

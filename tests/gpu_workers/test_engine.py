@@ -400,6 +400,47 @@ def test_sample_token_filters() -> None:
     assert {sample_token(logits, two, gen) for _ in range(200)} == {1, 2}
 
 
+def test_a_top_p_that_is_zero_in_float32_keeps_the_best_token() -> None:
+    """Found by a fuzz audit: 1e-300 passes every check (> 0) but is 0.0 in float32, and the nucleus then
+    dropped every token: ``multinomial`` raised and the step failed for the whole batch."""
+    logits = torch.tensor([0.0, 3.0, 2.9, -1.0])
+    gen = torch.Generator().manual_seed(0)
+    for top_p in (1e-300, 5e-324, 1e-45):
+        req = SeqRequest(request_id="p", input_ids=[1], max_new_tokens=1, temperature=1.0, top_p=top_p)
+        assert {sample_token(logits, req, gen) for _ in range(20)} == {1}
+
+
+def test_a_request_whose_sampling_raises_ends_alone_and_the_batch_goes_on(
+    demo_gpt: LoadedModel, static_cache: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever one request's sampling raises ends that request with ``error``; the others in its batch
+    are untouched (it failed the whole step, and three such steps the model thread)."""
+    from gpu_workers import engine as engine_module
+
+    real = engine_module.sample_token
+
+    def sample(logits: torch.Tensor, req: SeqRequest, generator: torch.Generator) -> int:
+        if req.request_id == "bad":
+            raise RuntimeError("invalid multinomial distribution")
+        return real(logits, req, generator)
+
+    monkeypatch.setattr(engine_module, "sample_token", sample)
+    lm = demo_gpt
+    ids = {name: encode(lm, PROMPTS[name]) for name in ("story", "mid")}
+    engine = GenerationEngine(lm.model, max_batch_size=2, static_cache=static_cache)
+    seen = run(
+        engine,
+        {
+            0: [
+                request(lm, "keep", ids["story"], 12),
+                request(lm, "bad", ids["mid"], 12, temperature=0.9, seed=1),
+            ]
+        },
+    )
+    assert [o.finish_reason for o in seen["bad"]] == ["error"]
+    assert [o.token_id for o in seen["keep"]] == generate_alone(lm, ids["story"], 12)
+
+
 def reference_stats(logits: torch.Tensor) -> list[tuple[int, float, float]]:
     """Each row's first best column, its log-probability and the entropy, in float64 from the definitions."""
     out = []
