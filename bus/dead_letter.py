@@ -89,8 +89,14 @@ def decode_or_junk(message: Message) -> Event | Junk:
     try:
         return decode(value, header_list)
     except DecodeError as exc:
-        where = (message.topic() or "", message.partition() or 0, message.offset() or 0)
-        return Junk(where, value, Why.of(value, exc), header_list)
+        return junk_of(message, Why.of(value, exc))
+
+
+def junk_of(message: Message, why: Why) -> Junk:
+    """The record as :class:`Junk`, for ``why``: one that does not decode, or an event its topic must not
+    carry (``misplaced``)."""
+    where = (message.topic() or "", message.partition() or 0, message.offset() or 0)
+    return Junk(where, message.value() or b"", why, record_headers(message))
 
 
 DEAD_LETTER_KEEP_BYTES = MAX_RECORD_BYTES // 2
@@ -142,7 +148,8 @@ def dead_letter_event(
 
 def dead_letter_reason(value: bytes, exc: DecodeError) -> str:
     """A closed set for the ``reason`` label: ``empty``, ``bad_json``, ``invalid_event`` (unknown type,
-    missing or mistyped field), ``bad_headers`` (they disagree with the body) or ``other``."""
+    missing or mistyped field), ``bad_headers`` (they disagree with the body) or ``other``; and
+    ``misplaced`` (a valid event its topic must not carry, :func:`junk_of`)."""
     if not value:
         return "empty"
     cause = exc.__cause__

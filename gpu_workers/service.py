@@ -31,7 +31,7 @@ from opentelemetry.trace import Status, StatusCode
 
 from bus.consumer import BACKGROUND, TP, ConsumerThread, consumer_config
 from bus.control import control_start, latest_deployments
-from bus.dead_letter import Junk, Letter, decode_or_junk
+from bus.dead_letter import Junk, Letter, Why, decode_or_junk, junk_of
 from bus.errors import BusError
 from bus.positions import read_to_end, watermarks
 from bus.producer import EventProducer, Position
@@ -381,6 +381,15 @@ class WorkerService(Component):
                     log.warning("ignoring %s on a request topic", type(event).__name__)
                 # nothing to run: its offset may be committed
                 self._put(_Skip(tp, offset, self._ledger.generation))
+                continue
+            if event.model != self.model_id:  # a producer's mistake: lettered, not run
+                # run here, its terminal event would name the other model, whose results no tail of this
+                # model reads: a redelivery ran it a second time (a fuzz audit)
+                why = Why(
+                    f"a request for model {event.model!r} on the request topic of {self.model_id!r}",
+                    "misplaced",
+                )
+                self._put(_Skip(tp, offset, self._ledger.generation, junk=junk_of(message, why)))
                 continue
             trace = open_trace(event, *tp, offset, self.group)
             self._put(Arrival(event, tp, offset, trace=trace, generation=self._ledger.generation, batch=line))

@@ -25,6 +25,14 @@ UtcDatetime = Annotated[datetime, msgspec.Meta(tz=True)]
 """Decoding rejects naive times; ``__post_init__`` rejects offsets other than UTC."""
 EventId = Annotated[str, msgspec.Meta(pattern=UUID7_PATTERN)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+Name = Annotated[str, msgspec.Meta(max_length=256)]
+"""A tenant, model, request id or producer. Each is copied into its record's key or CloudEvents headers,
+which count against the record limit beside the value (``schemas.codec.RECORD_HEADROOM_BYTES``): a
+340 KB tenant made a terminal event no broker takes, and the worker producing it died (a fuzz audit).
+Far longer than any the platform makes: a tenant name is at most 64 characters, an id 36."""
+TraceHeader = Annotated[str, msgspec.Meta(max_length=1024)]
+"""W3C trace context, headers too: a ``traceparent`` is 55 characters, a ``tracestate`` should stay
+under 512."""
 Endpoint = Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]
 FinishReason = Literal["stop", "length", "cancelled", "deadline", "error"]
 Status = Literal["completed", "failed", "cancelled", "expired"]
@@ -54,14 +62,14 @@ class Envelope(FrozenStruct, frozen=True, kw_only=True, tag_field="type"):
 
     id: EventId = msgspec.field(default_factory=uuid7)
     time: UtcDatetime = msgspec.field(default_factory=utc_now)
-    tenant: str
-    model: str
-    request_id: str = ""
+    tenant: Name
+    model: Name
+    request_id: Name = ""
     """Empty for events that belong to no request (control state, drift reports)."""
-    source: str
+    source: Name
     """The producer, e.g. ``ingest/edge-1``."""
-    traceparent: str | None = None
-    tracestate: str | None = None
+    traceparent: TraceHeader | None = None
+    tracestate: TraceHeader | None = None
 
     def __post_init__(self) -> None:
         _require_utc("time", self.time)

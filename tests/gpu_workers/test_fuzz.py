@@ -63,6 +63,12 @@ def _junk(rng: random.Random, names: TopicNames) -> list[Record]:
         records.append((b'{"type":"generation_requested","pad":"' + b"x" * size + b'"', []))
     records.append((request[:-1] + b',"zz":' + b"[" * 50_000 + b"}", []))  # nested too deep
     records.append((b"", []))  # empty
+    # msgspec raises UnicodeDecodeError for this, not its DecodeError: it stopped the requests consumer
+    records.append((request.replace(b'"tenant":"', b'"tenant":"\xff', 1), []))
+    # over the envelope's bound: its terminal event's key and headers would not fit a record
+    records.append((encode(msgspec.structs.replace(_generation(names, PROMPT), tenant="t" * 300_000)), []))
+    for model in ("other-model", "Demo-GPT"):  # another model's request: run here, it could run twice
+        records.append((encode(msgspec.structs.replace(_generation(names, PROMPT), model=model)), []))
     for _ in range(20):  # a valid body under another event's headers
         records.append((encode(_generation(names, PROMPT)), [(k, v) for k, v in headers(cancel)]))
     return records

@@ -10,6 +10,7 @@ import pytest
 
 from schemas.codec import (
     EVENT_TYPES,
+    RECORD_HEADROOM_BYTES,
     DecodeError,
     Event,
     HeaderValue,
@@ -182,6 +183,8 @@ BAD_VALUES: list[tuple[str, bytes, str]] = [
         encode(_example(CancelRequested)).replace(b'"tenant":"', b'"tenant":"\xff'),
         "not UTF-8",
     ),
+    ("tenant-too-long", _with(CancelRequested, ["tenant"], "t" * 257), "$.tenant"),
+    ("tracestate-too-long", _with(CancelRequested, ["tracestate"], "a=" + "b" * 1023), "$.tracestate"),
     ("json-null", b"null", "Expected `object`"),
     ("json-array", b"[1, 2]", "Expected `object`"),
 ]
@@ -291,3 +294,19 @@ def test_an_unknown_field_nested_too_deep_is_a_decode_error() -> None:
     for junk in (b"[" * 100_000, b"[" * 100_000 + b"]" * 100_000):
         with pytest.raises(DecodeError, match="nested too deep"):
             decode(valid[:-1] + b',"zz":' + junk + b"}")
+
+
+@pytest.mark.parametrize("event", example_events(), ids=_ids)
+def test_a_records_key_and_headers_fit_the_room_beside_its_value_whatever_its_envelope_holds(
+    event: Event,
+) -> None:
+    """The envelope's strings are bounded so that what a record carries besides its value always fits the
+    room the record limit leaves (``fits_record`` measures the value alone): a worker copies a request's
+    tenant, model, id and trace context into its terminal event's key and headers. A 340 KB tenant made
+    a terminal event no broker takes, and the worker died producing it (a fuzz audit)."""
+    longest = {"tenant": "t" * 256, "model": "m" * 256, "request_id": "r" * 256, "source": "s" * 256}
+    traces = {"traceparent": "p" * 1024, "tracestate": "s" * 1024}
+    widest = msgspec.structs.replace(event, **longest, **traces)
+    assert decode(encode(widest)) == widest  # the bounds admit it
+    extra = len(kafka_key(widest)) + sum(len(name) + len(value or b"") for name, value in headers(widest))
+    assert extra <= RECORD_HEADROOM_BYTES - 512, extra  # and leave room for the record's framing
