@@ -202,8 +202,7 @@ async def test_a_line_that_breaks_its_check_fails_alone_and_the_edge_keeps_servi
     """Whatever a line raises that no check expected (an edge bug) fails that line, logged: it must not
     stop the edge (a restart validates the batch again, and would stop again)."""
     from ingest import batches
-
-    real = batches.parse_line
+    from ingest.batch_lines import parse_line as real
 
     def parse(raw: bytes, endpoint: Any) -> Any:
         if b"req-1" in raw:
@@ -229,8 +228,9 @@ async def test_a_line_that_breaks_when_it_is_published_fails_alone(
     """The same when a line validated and breaks as it is prepared to run: that line goes to the error
     file, the others run, the edge keeps serving."""
     from ingest import batches
+    from ingest.batch_lines import parse_line as real
 
-    real, seen = batches.parse_line, [0]
+    seen = [0]
 
     def parse(raw: bytes, endpoint: Any) -> Any:
         if b"req-1" in raw:
