@@ -695,35 +695,45 @@ class RolloutController:
         self._last_run = now_mono
         due, self._due = self._due, set()
         for model in sorted(due):
-            current, _ = self._known(model)
-            if current is None or not in_progress(current):
-                continue
-            if current.phase == "warming":
-                ready = self._ready.get((current.id, current.candidate or ""))
-                decision = warm(current, ready, self._clock())
-                if decision is None:
-                    self._due.add(model)  # still loading: the timer looks again (the ready timeout)
-                elif await self._act(model, decision):
-                    decisions.append(decision)
-                continue
             try:
-                results = await self.evaluate(current)
-            except Exception:
-                log.exception("rollout: evaluating %s failed; trying again", model)
+                decision = await self._judge(model)
+            except Exception:  # one model's deployment this cannot judge must not cost the others theirs
+                log.exception("rollout: judging %s failed; trying again", model)
                 self._due.add(model)
                 continue
-            self.last_results[model] = results
-            for result in results:
-                for state in GATE_STATES:
-                    metrics.ROLLOUT_GATE_STATE.labels(model, result.gate, state).set(state == result.state)
-            latest, _ = self._known(model)
-            if latest is None or latest.id != current.id:
-                self._due.add(model)  # an operator's change arrived meanwhile: judge that one instead
-                continue
-            decision = decide(current, results, self._clock())
-            if decision is not None and await self._act(model, decision):
+            if decision is not None:
                 decisions.append(decision)
         return decisions
+
+    async def _judge(self, model: str) -> DeploymentChanged | None:
+        """The decision on ``model``'s deployment in progress, published; None when there is none (or it
+        could not be published, or must wait: due again)."""
+        current, _ = self._known(model)
+        if current is None or not in_progress(current):
+            return None
+        if current.phase == "warming":
+            ready = self._ready.get((current.id, current.candidate or ""))
+            decision = warm(current, ready, self._clock())
+            if decision is None:
+                self._due.add(model)  # still loading: the timer looks again (the ready timeout)
+                return None
+            return decision if await self._act(model, decision) else None
+        try:
+            results = await self.evaluate(current)
+        except Exception:
+            log.exception("rollout: evaluating %s failed; trying again", model)
+            self._due.add(model)
+            return None
+        self.last_results[model] = results
+        for result in results:
+            for state in GATE_STATES:
+                metrics.ROLLOUT_GATE_STATE.labels(model, result.gate, state).set(state == result.state)
+        latest, _ = self._known(model)
+        if latest is None or latest.id != current.id:
+            self._due.add(model)  # an operator's change arrived meanwhile: judge that one instead
+            return None
+        decision = decide(current, results, self._clock())
+        return decision if decision is not None and await self._act(model, decision) else None
 
     async def _reapply(self) -> list[DeploymentChanged]:
         """Publish again each operator's decision that one of this controller's landed after."""

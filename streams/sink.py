@@ -264,10 +264,12 @@ ROW_FORMAT = "JSONCompactEachRow"
 """How the sink hands rows to ClickHouse: one JSON array per row, encoded by msgspec in C and parsed by
 the engine. clickhouse-connect's own ``insert`` builds the Native format column by column in Python,
 ~60 us of GIL per terminal event that the sink's event loop needed (``docs/streams.md``, Benchmark)."""
-ROW_SETTINGS = {"date_time_input_format": "best_effort"}
+ROW_SETTINGS = {"date_time_input_format": "best_effort", "max_partitions_per_insert_block": 0}
 """msgspec writes datetimes as RFC 3339 (``2026-11-29T12:28:07.591234Z``); the engine truncates them to
 the column's precision, as clickhouse-connect's Native encoding does. Every value in a row comes from an
-event decoded from JSON, so no float is NaN or infinite (which JSON cannot carry)."""
+event decoded from JSON, so no float is NaN or infinite (which JSON cannot carry). The tables are
+partitioned by month, and one insert spanning more than 100 of them (ClickHouse's default limit; a replay
+of years, or events dated anywhere) failed the whole batch, again at every redelivery: no limit."""
 _ROWS = msgspec.json.Encoder()
 
 

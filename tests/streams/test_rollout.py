@@ -1010,6 +1010,27 @@ async def test_the_controller_rolls_back_a_candidate_never_ready(harness: Harnes
     assert harness.published == [back]
 
 
+async def test_a_deployment_the_controller_cannot_judge_costs_no_other_model_its_decision(
+    harness: Harness,
+) -> None:
+    """Found by an audit: a deployment timed 9999-12-31T23:59:59.999Z decodes, but a decision after it
+    overflows; that raised out of the run, which had already taken every model off the due set, so another
+    model's rollback never happened."""
+    controller = harness.controller()
+    poisoned = msgspec.structs.replace(
+        warming(now=harness.now), model="a-model", time=datetime(9999, 12, 31, 23, 59, 59, 999000, tzinfo=UTC)
+    )
+    begun = warming(now=harness.now, gates=RolloutGates(ready_timeout_s=30))
+    controller.seed([poisoned, begun])
+    harness.later(31)
+    controller.observe([ready(poisoned)])  # the poisoned one is ready: its decision is what overflows
+    (back,) = await controller.run_due()
+    assert (back.model, back.phase) == (MODEL, "rolled_back")
+    harness.later(1)
+    assert await controller.run_due() == []  # it is still tried (and still fails), the others still judged
+    assert harness.published == [back]
+
+
 async def test_a_seeded_stable_deployment_is_not_due(harness: Harness) -> None:
     controller = harness.controller()
     controller.seed([msgspec.structs.replace(canary(), phase="stable", candidate=None)])

@@ -259,3 +259,17 @@ def test_an_event_dated_before_1970_is_stored_and_does_not_stop_the_sink(warehou
     assert rows(warehouse, "SELECT count() AS n FROM request_facts WHERE version = 0")[0]["n"] == 1
     assert rows(warehouse, "SELECT count() AS n FROM drift_features WHERE version = 0")[0]["n"] == 1
     assert rows(warehouse, "SELECT count() AS n FROM drift_reports WHERE version = 0")[0]["n"] == 1
+
+
+@pytest.mark.integration
+def test_a_batch_spanning_more_than_a_hundred_months_is_stored(warehouse: Client) -> None:
+    """Found by an audit: the tables are partitioned by month, and ClickHouse refuses an insert into more
+    than 100 partitions by default; the whole batch failed, again at every redelivery (a replay of years
+    does it too)."""
+    months = [datetime(1990 + i // 12, i % 12 + 1, 1, tzinfo=UTC) for i in range(101)]
+    events = [
+        finished(request_id=uuid7_from_parts(int(T0.timestamp() * 1000), i), time=at)
+        for i, at in enumerate(months)
+    ]
+    insert(warehouse, Rows(PriceTable()).batch(records(*events, topic="p.results")))
+    assert rows(warehouse, "SELECT count() AS n FROM events_raw")[0]["n"] == 101
