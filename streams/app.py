@@ -336,9 +336,11 @@ class StreamsApp(AsyncComponent):
         kinds: Counter[tuple[str, str | int | None]] = Counter()
         freshness = metrics.STREAMS_FRESHNESS.observe
         latest = self._stored_until_ms
-        for record, event in batch.events:
+        now_ms = int(written * 1000)  # a finish dated later (a wrong clock, or hostile) counts as now:
+        for record, event in batch.events:  # it pinned the drift watermark at its date
             if isinstance(event, RequestFinished):
-                latest = max(latest, int((event.timings.finished or event.time).timestamp() * 1000))
+                finished_ms = int((event.timings.finished or event.time).timestamp() * 1000)
+                latest = max(latest, min(finished_ms, now_ms))
             kinds[(record.topic, type(event).__struct_config__.tag)] += 1
             freshness(max(0.0, written - event.time.timestamp()))
         self._stored_until_ms = latest

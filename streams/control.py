@@ -166,6 +166,7 @@ def burn_sql(minutes: int) -> str:
     return (
         f"SELECT model, {int(minutes)} AS minutes, countIf(status IN ('failed', 'expired')) AS bad, "  # noqa: S608
         "countIf(status IN ('completed', 'failed', 'expired')) AS total FROM request_facts FINAL "
-        f"WHERE finished >= now64(3) - INTERVAL {int(minutes)} MINUTE AND shadow_of = '' AND batch_id = '' "
+        f"WHERE finished >= now64(3) - INTERVAL {int(minutes)} MINUTE AND finished <= now64(3) "
+        "AND shadow_of = '' AND batch_id = '' "
         "GROUP BY model"
     )

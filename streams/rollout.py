@@ -151,7 +151,7 @@ def stats_sql(model: str, versions: Iterable[str], since: datetime) -> str:
     sumIf(cost_nanos, batch_id = '') AS cost_nanos
 FROM request_facts FINAL
 WHERE model = {sql_string(model)} AND model_version IN ({listed})
-    AND accepted >= fromUnixTimestamp64Milli({since_ms})
+    AND accepted >= fromUnixTimestamp64Milli({since_ms}) AND accepted <= now64(3)
 GROUP BY model_version"""  # noqa: S608 (quoted literals and an integer only)
 
 

@@ -69,7 +69,11 @@ Reader = Callable[[str], Awaitable[list[dict[str, Any]]]]
 
 def _step(model: str, since: datetime) -> str:
     since_ms = int(since.timestamp() * 1000)
-    return f"model = {sql_string(model)} AND accepted >= fromUnixTimestamp64Milli({since_ms}, 'UTC')"
+    # not after now: a few events dated in the future (a wrong clock, or hostile) were in every step
+    return (
+        f"model = {sql_string(model)} AND accepted >= fromUnixTimestamp64Milli({since_ms}, 'UTC') "
+        "AND accepted <= now64(3)"
+    )
 
 
 def _facts(model: str, version: str, since: datetime, *, shadow: bool, vectors: bool = False) -> str:

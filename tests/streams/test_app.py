@@ -309,6 +309,32 @@ async def test_an_undecodable_record_is_dead_lettered_and_the_rest_of_its_batch_
     assert warehouse.rows == {"events_raw": 2, "request_facts": 1, "audit_log": 1, "drift_features": 1}
 
 
+async def test_a_finish_dated_in_the_future_holds_the_drift_watermark_at_now(tmp_path: Path) -> None:
+    """Found by an audit: the watermark (the latest finish written) took a finish dated 9999 as it was,
+    and drift windows stopped waiting for their rows."""
+    from datetime import UTC, datetime
+
+    from schemas.events import Timings
+
+    producer, warehouse = Producer(), Warehouse()
+    app = StreamsApp(
+        PlatformSettings(kafka_bootstrap="127.0.0.1:1", topic_prefix="p", data_dir=str(tmp_path)),
+        StreamsSettings(),
+        cast(Client, warehouse),
+        PriceTable(),
+        cast(EventProducer, producer),
+        request_topics=["p.requests.demo-gpt"],
+    )
+    app._heads = {}
+    future = datetime(9999, 1, 1, tzinfo=UTC)
+    before = time.time()
+    await app.write([Consumed("p.results", 0, 0, encode(finished(timings=Timings(finished=future))))])
+    app._last_batch_full = True  # behind the log: the watermark holds windows back
+    watermark = app.stored_until()
+    assert watermark is not None
+    assert before * 1000 - 1 <= watermark <= time.time() * 1000 + 1
+
+
 async def test_a_batch_whose_dead_letter_kafka_refuses_is_not_stored(tmp_path: Path) -> None:
     """The batch counts as stored (its offsets committed) only once its dead letters are durable: one Kafka
     refuses fails the write, so the batch is read again and the junk lettered then (before, the letter was

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -124,3 +125,42 @@ def test_budgets_file(tmp_path: Path) -> None:
 
 def test_burn_sql_names_its_window() -> None:
     assert "INTERVAL 60 MINUTE" in burn_sql(60)
+
+
+@pytest.mark.integration
+def test_events_dated_in_the_future_count_in_no_window_until_their_time(tmp_path: Path) -> None:
+    """Found by an audit: three failures dated 9999 sat inside every burn window (and every rollout step,
+    whose stats have the same bound) until then: the 6h/30m alert fired and never cleared, and every
+    candidate failed its error gate."""
+    from datetime import UTC, datetime, timedelta
+
+    from schemas.events import Timings
+    from schemas.ids import uuid7_from_parts
+    from streams.pricing import PriceTable
+    from streams.rollout import parse_stats, stats_sql
+    from streams.sink import Rows, insert
+    from tests.streams.test_audit import finished
+    from tests.streams.test_queries import migrated_warehouse, rows
+    from tests.streams.test_sink import records
+
+    future, now = datetime(9999, 1, 1, tzinfo=UTC), datetime.now(UTC)
+
+    def ended(i: int, at: datetime, status: str) -> Any:
+        return finished(
+            request_id=uuid7_from_parts(int(at.timestamp() * 1000), i),
+            time=at,
+            timings=Timings(accepted=at, finished=at),
+            status=status,
+            finish_reason="error" if status == "failed" else "stop",
+            model_version="v2",
+        )
+
+    events = [ended(i, future, "failed") for i in range(3)]
+    events += [ended(10 + i, now - timedelta(seconds=i), "completed") for i in range(20)]
+    with migrated_warehouse(tmp_path / "data") as client:
+        insert(client, Rows(PriceTable()).batch(records(*events, topic="p.results")))
+        for minutes in (5, 30, 360):
+            (window,) = rows(client, burn_sql(minutes))
+            assert (window["bad"], window["total"]) == (0, 20), minutes
+        stats = parse_stats(rows(client, stats_sql("demo-gpt", ["v2"], now - timedelta(minutes=5))))
+        assert (stats["v2"].n, stats["v2"].errors) == (20, 0)
