@@ -24,7 +24,12 @@ from schemas.ids import UUID7_PATTERN, uuid7
 UtcDatetime = Annotated[datetime, msgspec.Meta(tz=True)]
 """Decoding rejects naive times; ``__post_init__`` rejects offsets other than UTC."""
 EventId = Annotated[str, msgspec.Meta(pattern=UUID7_PATTERN)]
-NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+NonNegative = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+"""Up to an Int64's largest: the warehouse keeps such counts in ``Int64``/``UInt64`` columns, where a
+larger one wrapped silently (a batch line's index 2**64 + 1 was stored as line 1). A record with one is
+dead-lettered."""
+UInt32 = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
+"""A count the warehouse keeps in a ``UInt32`` column (retry attempts, characters, sample sizes)."""
 Name = Annotated[str, msgspec.Meta(max_length=256)]
 """A tenant, model, request id or producer. Each is copied into its record's key or CloudEvents headers,
 which count against the record limit beside the value (``schemas.codec.RECORD_HEADROOM_BYTES``): a
@@ -141,7 +146,7 @@ class BatchRef(FrozenStruct, frozen=True, kw_only=True):
     batch_id: str
     custom_id: str
     index: NonNegative
-    attempt: NonNegative = 0
+    attempt: UInt32 = 0
 
 
 BATCH_KEY_SPREAD = 8
@@ -167,7 +172,7 @@ class BatchItemRequested(RequestCommon, frozen=True, kw_only=True, tag="batch_it
     """The prompt's token ids (generation); empty for ``/v1/embeddings`` items."""
     sampling: SamplingParams | None = None
     """None for ``/v1/embeddings`` items."""
-    attempt: NonNegative = 0
+    attempt: UInt32 = 0
     """0 for the first run; a retry of a retriable failure is a new request with ``attempt + 1``."""
     prompt: str | None = None
     chat: bool = False
@@ -289,7 +294,7 @@ class TokenChunk(Envelope, frozen=True, kw_only=True, tag="token_chunk"):
     """Set only on a request's last chunk (the terminal event follows it)."""
 
 
-TokenCount = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
+TokenCount = UInt32
 """Tokens of one request: the warehouse's ``UInt32`` columns hold them (a larger count would wrap there, and
 its cost with it), so a record over it fails to decode and is dead-lettered."""
 
@@ -323,14 +328,14 @@ class DriftFeatures(FrozenStruct, frozen=True, kw_only=True):
     because the client sent token ids, or an engine without log-probabilities); a rising share of ``None``
     is itself a data-quality signal."""
 
-    prompt_chars: NonNegative | None = None
+    prompt_chars: UInt32 | None = None
     prompt_script: str | None = None
     """Dominant writing system of the prompt's letters: latin, cyrillic, greek, arabic, hebrew, cjk, other."""
     prompt_language: str | None = None
     """A stop-word guess (en, de, fr, es, it, pt, nl) for latin-script text, else the script, or ``other``."""
     prompt_non_ascii: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None = None
     """Share of the prompt's letters outside ASCII."""
-    output_chars: NonNegative | None = None
+    output_chars: UInt32 | None = None
     output_script: str | None = None
     empty_output: bool | None = None
     refusal: bool | None = None
@@ -595,7 +600,8 @@ class DeploymentChanged(Envelope, frozen=True, kw_only=True, tag="deployment_cha
     phase: RolloutPhase = "stable"
     steps: list[float] = msgspec.field(default_factory=list)
     """The candidate's share at each step, ending at 1.0."""
-    step: NonNegative = 0
+    step: Annotated[int, msgspec.Meta(ge=0, le=2**16 - 1)] = 0
+    """An index into ``steps`` (the warehouse's ``UInt16``)."""
     step_started: UtcDatetime | None = None
     """When the current step began: gates compare requests accepted since then."""
     shadow: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
@@ -702,8 +708,8 @@ class DriftReport(Envelope, frozen=True, kw_only=True, tag="drift_report"):
     reference_end: UtcDatetime | None = None
     requests: NonNegative = 0
     """Terminal events in the current window (before sampling)."""
-    n_reference: NonNegative = 0
-    n_current: NonNegative = 0
+    n_reference: UInt32 = 0
+    n_current: UInt32 = 0
     """Rows each window's sample held (bounded by the reservoir size)."""
     alpha: float | None = None
     """Family-wise false-alarm rate per window; each of the m features is tested at alpha / m."""

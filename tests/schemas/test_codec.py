@@ -22,6 +22,7 @@ from schemas.codec import (
     kafka_key,
 )
 from schemas.events import (
+    BatchItemRequested,
     BudgetStateChanged,
     BurnRateCrossed,
     CancelRequested,
@@ -185,6 +186,10 @@ BAD_VALUES: list[tuple[str, bytes, str]] = [
     ),
     ("tenant-too-long", _with(CancelRequested, ["tenant"], "t" * 257), "$.tenant"),
     ("tracestate-too-long", _with(CancelRequested, ["tracestate"], "a=" + "b" * 1023), "$.tracestate"),
+    # over what its warehouse column holds: it wrapped there (an index 2**64 + 1 stored as line 1)
+    ("index-over-int64", _with(BatchItemRequested, ["index"], 2**64 + 1), "$.index"),
+    ("attempt-over-uint32", _with(BatchItemRequested, ["attempt"], 2**32), "$.attempt"),
+    ("step-over-uint16", _with(DeploymentChanged, ["step"], 70_000), "$.step"),
     ("json-null", b"null", "Expected `object`"),
     ("json-array", b"[1, 2]", "Expected `object`"),
 ]
