@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import json
 import logging
 import time
@@ -53,7 +54,7 @@ from bus.dead_letter import dead_letter_event
 from bus.errors import BusError
 from bus.producer import EventProducer, Position
 from monitoring import metrics, tracing
-from schemas.codec import decode, encode, headers, kafka_key
+from schemas.codec import decode, encode, fits_record, headers, kafka_key
 from schemas.events import (
     AuditEntry,
     BudgetStateChanged,
@@ -594,16 +595,36 @@ def admin_action(head: AuditHead | None, chain: str, event: Event, origin: dict[
         }
     else:
         raise TypeError(f"{type(event).__name__} is not an administrative change")
-    return admin_entry(
-        head,
-        tenant=chain,
-        actor=event.source,
-        action=action,
-        resource=resource,
-        decision=decision,
-        details={**details, **origin},
-        source=SOURCE,
-        model=event.model,
-        time=event.time,
-        entry_id=event.id,
-    )
+
+    def entry(details: dict[str, str]) -> AuditEntry:
+        return admin_entry(
+            head,
+            tenant=chain,
+            actor=event.source,
+            action=action,
+            resource=resource,
+            decision=decision,
+            details=details,
+            source=SOURCE,
+            model=event.model,
+            time=event.time,
+            entry_id=event.id,
+        )
+
+    made = entry({**details, **origin})
+    if fits_record(encode(made)):
+        return made
+    # An entry escapes what it quotes again (a JSON detail in JSON): a change that fit one record could
+    # make an entry that does not, which the audit topic refused, again at every redelivery.
+    return entry({key: _cut(value) for key, value in {**details, **origin}.items()})
+
+
+DETAIL_CHARS = 4096
+"""What an audit entry keeps of one detail when the whole entry would not fit a record."""
+
+
+def _cut(value: str) -> str:
+    if len(value) <= DETAIL_CHARS:
+        return value
+    digest = hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()
+    return f"{value[:DETAIL_CHARS]}... (cut to {DETAIL_CHARS} of {len(value)} characters; sha256 {digest})"

@@ -534,3 +534,33 @@ def test_a_scaling_decision_is_an_admin_entry_on_its_models_chain() -> None:
     assert entry.details["bounds"] == "1..4"
     assert entry.details["reason"] == "lag 140 over 1 worker x 50"
     assert entry.id == event.id  # a re-read of the same event is the same entry
+
+
+def test_a_change_whose_entry_would_not_fit_a_record_keeps_its_details_cut_and_hashed() -> None:
+    """Found by an audit: an entry quotes a change's evidence and traffic as JSON inside JSON, escaped
+    again; a 990 KB change (it fits a record) made a 1.98 MB entry, which the audit topic refused, again at
+    every redelivery: the streams worker stopped there."""
+    import hashlib
+
+    import msgspec
+
+    from schemas.codec import encode, fits_record
+    from schemas.events import DeploymentChanged, GateResult
+    from schemas.examples import example_events
+    from streams.app import DETAIL_CHARS, admin_action, chain_of
+
+    (event,) = [e for e in example_events() if isinstance(e, DeploymentChanged)]
+    quoted = '"' * 495_000
+    change = msgspec.structs.replace(
+        event, evidence=[GateResult(gate="error_ratio", state="pass", detail=quoted)]
+    )
+    assert fits_record(encode(change))
+    entry = admin_action(None, chain_of(change), change, {"topic": "control"})
+    assert fits_record(encode(entry))
+    evidence = msgspec.json.encode(change.evidence).decode()
+    kept = entry.details["evidence"]
+    assert kept.startswith(evidence[:DETAIL_CHARS])
+    assert f"of {len(evidence)} characters; sha256 {hashlib.sha256(evidence.encode()).hexdigest()}" in kept
+    assert entry.details["phase"] == change.phase  # the short ones whole
+    small = admin_action(None, chain_of(event), event, {"topic": "control"})
+    assert small.details["evidence"] == msgspec.json.encode(event.evidence).decode()  # as before
