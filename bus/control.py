@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka import Consumer, KafkaException, TopicPartition
 
 from bus.consumer import consumer_config
+from bus.errors import BusError
 from bus.positions import read_to_end, watermarks
 from bus.producer import Position
 from schemas.codec import DecodeError, decode
@@ -31,6 +32,8 @@ def control_start(
             return [], {}
         ends = {p: watermarks(consumer, topic, p)[1] for p in meta.partitions}
         return [TopicPartition(topic, p, 0) for p in meta.partitions], ends
+    except KafkaException as exc:  # no broker within the timeout: the platform's own error, as elsewhere
+        raise BusError(f"cannot read {topic}: {exc}") from exc
     finally:
         consumer.close()
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import difflib
 import ipaddress
+import math
 import os
+import re
 import types
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
@@ -70,9 +72,12 @@ def _parse(raw: str, annotation: Any, name: str) -> Any:
         raise SettingsError(f"{name}={raw!r}: expected true/false")
     if annotation in (int, float):
         try:
-            return annotation(raw)
+            value = annotation(raw)
         except ValueError:
             raise SettingsError(f"{name}={raw!r}: expected {annotation.__name__}") from None
+        if not math.isfinite(value):  # no setting means "no limit" by inf; one overflowed where it was used
+            raise SettingsError(f"{name}={raw!r}: expected a finite number")
+        return value
     return raw
 
 
@@ -97,7 +102,9 @@ def load_settings(cls: type[S], env: Mapping[str, str] | None = None) -> S:
     try:
         return msgspec.convert(values, cls, strict=False)
     except msgspec.ValidationError as exc:
-        raise SettingsError(f"{cls.__name__}: {exc}") from None
+        field = re.search(r"at `\$\.(\w+)", str(exc))  # name the variable, not the struct's field
+        named = f" {env_name(field.group(1))}" if field is not None else ""
+        raise SettingsError(f"{cls.__name__}{named}: {exc}") from None
 
 
 def describe(cls: type[msgspec.Struct]) -> list[tuple[str, str, str]]:

@@ -21,6 +21,7 @@ from typing import Annotated, Literal
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 Task = Literal["generation", "embeddings"]
@@ -104,14 +105,16 @@ def load_measured(path: Path, task: Task) -> Measured:
         raise CapacityError(
             f"no benchmark result at {path}: run `python benchmarks/online.py` on the machine to plan for"
         ) from None
+    except OSError as exc:  # a directory, no permission
+        raise CapacityError(f"cannot read {path}: {exc.strerror or exc}") from None
     except (KeyError, TypeError, ValueError) as exc:
         raise CapacityError(f"{path} is not an online benchmark result ({exc!r} missing or wrong)") from None
 
 
 def plan(measured: Measured, profile: Profile) -> Plan:
     """Workers for ``profile`` on workers like the measured one."""
-    if profile.rps <= 0:
-        raise CapacityError("--rps must be above 0")
+    if not 0 < profile.rps < math.inf:  # nan fails both
+        raise CapacityError("--rps must be a number above 0")
     if not 0 <= profile.headroom < 1:
         raise CapacityError("--headroom is the fraction of each worker kept free: from 0 up to (not) 1")
     if profile.zones < 1:
@@ -191,9 +194,9 @@ def capacity(
 ) -> None:
     """Workers needed for a traffic profile, from the throughput `benchmarks/online.py` measured: with
     headroom for bursts, and spread over zones so that losing one still holds the load."""
-    console = Console()
+    console, errors = Console(emoji=False), Console(stderr=True, emoji=False)
     if task not in ("generation", "embeddings"):
-        console.print(f"[red]error:[/] --task must be generation or embeddings, not {task!r}")
+        errors.print(f"[red]error:[/] --task must be generation or embeddings, not {escape(repr(task))}")
         raise typer.Exit(2)
     try:
         measured = load_measured(bench, task)  # type: ignore[arg-type]
@@ -202,7 +205,7 @@ def capacity(
         )
         result = plan(measured, profile)
     except CapacityError as exc:
-        console.print(f"[red]error:[/] {exc}")
+        errors.print(f"[red]error:[/] {escape(str(exc))}")
         raise typer.Exit(2) from None
     if as_json:
         typer.echo(

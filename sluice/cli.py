@@ -29,9 +29,10 @@ if TYPE_CHECKING:
     from infra.kafka.broker import LocalKafkaCluster
     from monitoring.slo import SloConfig
 
-# Piped output (scripts, tests) gets wide lines instead of rich's 80-column default.
-console = Console(stderr=True, soft_wrap=True, width=None if sys.stderr.isatty() else 200)
-out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 200)
+# Piped output (scripts, tests) gets wide lines instead of rich's 80-column default. No emoji codes: rich
+# turned the data ``root:x:0:0`` into ``root❌0:0`` (``escape`` covers markup only).
+console = Console(stderr=True, soft_wrap=True, width=None if sys.stderr.isatty() else 200, emoji=False)
+out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 200, emoji=False)
 
 app = command_group(
     help="sluicegate: event-sourced, observability-first online model serving on Kafka.",
@@ -819,4 +820,14 @@ def up(
 
 
 def main() -> None:
-    app()
+    """The CLI; what a command's environment or files get wrong is one line and a non-zero exit, never a
+    traceback: its service's settings (``SLUICE_EDGE_PORT=abc``: 2), a path that is a directory or a file
+    where the other is wanted (1)."""
+    try:
+        app()
+    except SettingsError as exc:
+        console.print(f"[red]settings error:[/] {escape(str(exc))}")
+        raise SystemExit(2) from None
+    except OSError as exc:
+        console.print(f"[red]error:[/] {escape(str(exc))}")
+        raise SystemExit(1) from None

@@ -63,6 +63,16 @@ _READ_STATEMENTS = frozenset({"SELECT", "WITH", "SHOW", "DESCRIBE", "EXPLAIN", "
 alone lets ``USE`` (which would re-point the owner's shared client), ``KILL QUERY``, ``SYSTEM STOP
 MERGES`` and ``INTO OUTFILE`` through."""
 _INTO_OUTFILE = re.compile(r"\bINTO\s+OUTFILE\b", re.IGNORECASE)
+_OUTSIDE = re.compile(
+    r"\b(file|fileCluster|url|urlCluster|s3|s3Cluster|gcs|azureBlobStorage|azureBlobStorageCluster|hdfs|"
+    r"hdfsCluster|iceberg|icebergS3|icebergAzure|icebergHDFS|deltaLake|hudi|sqlite|mysql|postgresql|mongodb|"
+    r"redis|jdbc|odbc|remote|remoteSecure|cluster|clusterAllReplicas|executable|input|python)\s*\(",
+    re.IGNORECASE,
+)
+"""Functions that reach past the warehouse: files, URLs, object stores, other databases, other servers,
+programs. ``readonly=1`` refuses them in a SELECT, but a DESCRIBE still opened what they name (a local
+file's first line came back in the error, a URL was fetched, an unreachable one held the query for
+minutes), and sqlite() created its file before the refusal."""
 _ONE_STATEMENT = (
     "one statement at a time: a read-only query is a single statement (remove the ';' and what follows)"
 )
@@ -302,6 +312,11 @@ def _read_statement(client: Client, sql: str, settings: dict[str, Any]) -> str:
         raise WarehouseQueryError(
             "INTO OUTFILE is refused: queries here only read (for a file, redirect the output of "
             "`sluice sql --format csv` or `--format json`)"
+        )
+    if outside := _OUTSIDE.search(bare):
+        raise WarehouseQueryError(
+            f"{outside.group(1)}() is refused: queries here read the warehouse's own tables, not files, URLs "
+            "or other databases"
         )
     first = _first_word(bare)
     if first not in _READ_STATEMENTS:

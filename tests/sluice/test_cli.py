@@ -84,6 +84,38 @@ def test_unknown_setting_is_refused_with_a_hint() -> None:
     assert "SLUICE_KAFKA_BOOTSTAP (did you mean SLUICE_KAFKA_BOOTSTRAP?)" in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("variable", "value", "args"),
+    [
+        ("SLUICE_EDGE_PORT", "abc", ["settings"]),
+        ("SLUICE_EDGE_PORT", "70000", ["settings"]),
+        ("SLUICE_DRIFT_WINDOW_S", "inf", ["slo", "rules"]),
+        ("SLUICE_DRIFT_WINDOW_S", "nan", ["settings"]),
+    ],
+)
+def test_a_services_bad_setting_is_one_line_never_a_traceback(
+    variable: str, value: str, args: list[str]
+) -> None:
+    """Found by an audit: the services' own settings (not the platform's) raised out of `sluice settings`
+    and `sluice slo rules` as tracebacks; an infinite window overflowed where it was used."""
+    result = sluice(*args, env={**os.environ, variable: value})
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("settings error: ")
+    assert variable in result.stderr
+
+
+def test_paths_of_the_wrong_kind_are_one_line_never_a_traceback(tmp_path: Path) -> None:
+    """A file where a directory is wanted, or one that exists where a new one is (an audit)."""
+    existing = tmp_path / "exists.txt"
+    existing.write_text("x")
+    for args in (["schemas", "export", str(existing)], ["capacity", "--rps", "5", "--bench", str(tmp_path)]):
+        result = sluice(*args)
+        assert result.returncode in (1, 2), (args, result.stderr)
+        assert "Traceback" not in result.stderr, args
+        assert result.stderr.startswith("error: "), (args, result.stderr)
+
+
 def test_settings_lists_variables_in_effect() -> None:
     env = {**os.environ, "SLUICE_TOPIC_PREFIX": "acme"}
     result = sluice("settings", env=env)
@@ -295,6 +327,11 @@ def test_sql_prints_what_the_warehouse_holds_as_text_never_as_markup(sql_setting
     assert "[/x]" in shown.stdout
     assert "[bold]b[/bold]" in shown.stdout
     assert "[/c]" in shown.stdout
+    emoji = sql("SELECT 'root:x:0:0' AS s, ':thumbs_up:' AS `:x:`")  # no emoji codes either (an audit)
+    assert emoji.exit_code == 0, emoji.output
+    assert "root:x:0:0" in emoji.stdout
+    assert ":thumbs_up:" in emoji.stdout
+    assert ":x:" in emoji.stdout
     refused = sql("SELECT * FROM nosuch_[/x]")  # ClickHouse quotes the query back in its refusal
     assert refused.exit_code == 1, refused.output
     assert isinstance(refused.exception, SystemExit)

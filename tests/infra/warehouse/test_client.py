@@ -195,6 +195,37 @@ def test_into_outfile_is_refused_and_writes_nothing(warehouse: Client, tmp_path:
 
 
 @pytest.mark.integration
+def test_functions_that_reach_past_the_warehouse_are_refused_and_touch_nothing(
+    warehouse: Client, tmp_path: Path
+) -> None:
+    """Found by an audit: ``readonly=1`` refuses these in a SELECT, but a DESCRIBE opened what they named
+    (a local file's first line came back in the error; a URL was fetched) and sqlite() created its file
+    before the refusal."""
+    secret = tmp_path / "secret.txt"
+    secret.write_text("root:x:0:0:precious\n")
+    created = tmp_path / "created.db"
+    attempts = [
+        f"DESCRIBE file('{secret}', 'Values')",
+        f"DESCRIBE TABLE file('{secret}', 'CSVWithNames')",
+        f"SELECT * FROM sqlite('{created}', 't')",
+        "DESCRIBE url('http://127.0.0.1:9/data.csv', 'CSVWithNames')",
+        "SELECT * FROM s3 ('http://127.0.0.1:9/bucket/x.csv', 'CSV')",
+        f"SELECT file('{secret}')",
+        f"WITH x AS (SELECT * FROM FILE('{secret}', 'LineAsString')) SELECT * FROM x",
+        "SELECT * FROM executable('cat /etc/passwd', 'TSV', 'line String')",
+        "SELECT * FROM remote('127.0.0.1:9', system.one)",
+    ]
+    for sql in attempts:
+        with pytest.raises(WarehouseQueryError, match=r"\(\) is refused") as refused:
+            read_query(warehouse, sql)
+        assert "precious" not in str(refused.value)
+    assert not created.exists()
+    # the names as words, in strings, or as columns are no call
+    fine = read_query(warehouse, "SELECT 'file(x)' AS url, 1 AS file")
+    assert (fine.columns, fine.rows) == (["url", "file"], [["file(x)", 1]])
+
+
+@pytest.mark.integration
 def test_read_query_runs_exactly_one_read_statement(warehouse: Client) -> None:
     for sql in ("SELECT 1 AS a; SELECT 'x' AS b", "SELECT 1;;SELECT 2", "SHOW TABLES; SELECT 1"):
         with pytest.raises(WarehouseQueryError, match="one statement at a time"):
