@@ -15,7 +15,7 @@ from bus.consumer import record_headers
 from bus.errors import BusError
 from bus.producer import Delivery, EventProducer
 from monitoring.metrics import DEAD_LETTERS
-from schemas.codec import MAX_RECORD_BYTES, DecodeError, HeaderValue, decode
+from schemas.codec import MAX_RECORD_BYTES, UNREADABLE_JSON, DecodeError, HeaderValue, decode
 from schemas.events import DeadLetter, Event
 
 log = logging.getLogger(__name__)
@@ -155,7 +155,7 @@ def dead_letter_reason(value: bytes, exc: DecodeError) -> str:
     cause = exc.__cause__
     if isinstance(cause, msgspec.ValidationError):  # before DecodeError: it is a subclass
         return "invalid_event"
-    if isinstance(cause, msgspec.DecodeError):
+    if isinstance(cause, UNREADABLE_JSON):  # not JSON, not UTF-8, or nested too deep
         return "bad_json"
     if str(exc).startswith("header "):  # schemas.codec._check_headers raises these without a cause
         return "bad_headers"

@@ -21,8 +21,9 @@ waiting up to 100 ms: ``bus.consumer.BACKGROUND``)."""
 
 @register
 class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
-    worker_id: str | None = None
-    """Defaults to ``<model>-<pid>``."""
+    worker_id: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.-]{1,128}$")] | None = None
+    """Defaults to ``<model>-<pid>``. Letters, digits, ``_.-``, at most 128: it names the worker in every
+    event it produces, whose envelope holds no longer a producer (``schemas.events.Name``)."""
     worker_device: str = "auto"
     """``auto`` (CUDA if present, else CPU), ``cpu``, ``cuda``, ``cuda:1`` …"""
     worker_torch_threads: Annotated[int, msgspec.Meta(ge=1)] | None = None

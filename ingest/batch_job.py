@@ -24,7 +24,7 @@ import msgspec
 
 from ingest.batch_lines import BASE64, parse_line, unrun_line
 from ingest.files import read_lines, write_atomic
-from schemas.codec import decode, encode
+from schemas.codec import UNREADABLE_JSON, decode, encode
 from schemas.events import BatchCounts, BatchStateChanged
 from schemas.ids import uuid7
 
@@ -132,7 +132,7 @@ class Job:
             for raw in journal:
                 try:
                     entry = _ENTRY.decode(raw)
-                except (msgspec.ValidationError, msgspec.DecodeError):
+                except UNREADABLE_JSON:  # a ValidationError too
                     break  # a torn last write: everything after it is re-learned from the results topic
                 self._apply(entry, offset, backoff=0.0, now=0.0)
                 offset += len(raw)

@@ -29,6 +29,7 @@ from typing import Any, BinaryIO, Literal
 import msgspec
 
 from ingest.errors import InvalidRequest, NotFound, PayloadTooLarge
+from schemas.codec import UNREADABLE_JSON
 from schemas.ids import uuid7
 
 Purpose = Literal["batch", "batch_output"]
@@ -109,7 +110,7 @@ class FileStore:
         meta, _ = self._paths(tenant, file_id)
         try:
             stored = _META.decode(meta.read_bytes())
-        except (FileNotFoundError, msgspec.DecodeError):
+        except (FileNotFoundError, *UNREADABLE_JSON):
             raise not_found(file_id) from None
         if stored.tenant != tenant:  # a hash collision of two tenants' names, however unlikely
             raise not_found(file_id)
@@ -128,7 +129,7 @@ class FileStore:
         for meta in self._dir(tenant).glob("file-*.json"):
             try:
                 stored = _META.decode(meta.read_bytes())
-            except (OSError, msgspec.DecodeError):
+            except (OSError, *UNREADABLE_JSON):
                 continue
             if stored.tenant == tenant and not stored.expired() and purpose in (None, stored.purpose):
                 out.append(stored)
@@ -157,7 +158,7 @@ class FileStore:
         for meta in self.root.glob("*/file-*.json"):
             try:
                 stored = _META.decode(meta.read_bytes())
-            except (OSError, msgspec.DecodeError):
+            except (OSError, *UNREADABLE_JSON):
                 continue
             if stored.expired(now) and meta.parent.name == tenant_folder(stored.tenant):
                 self._remove(stored.tenant, stored.id)

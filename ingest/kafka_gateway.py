@@ -34,7 +34,7 @@ from ingest.idempotency import ClaimTable
 from ingest.quota import WINDOW_S
 from ingest.reply_stream import Reply, ReplyStream
 from monitoring import tracing
-from schemas.codec import DecodeError, decode
+from schemas.codec import UNREADABLE_JSON, DecodeError, decode
 from schemas.coordination import (
     IdempotencyClaim,
     QuotaSync,
@@ -429,7 +429,7 @@ class KafkaGateway(AsyncComponent):
         for message in batch:
             try:
                 sync = decode_quota(message.value() or b"")
-            except msgspec.DecodeError:
+            except UNREADABLE_JSON:
                 log.warning("undecodable quota snapshot at offset %s", message.offset())
                 continue
             syncs.append((sync, max(0.0, (now_ms - sync.time_ms) / 1000)))
@@ -507,7 +507,7 @@ class KafkaGateway(AsyncComponent):
             if value is not None:
                 try:
                     claim = decode_claim(value)
-                except msgspec.DecodeError:
+                except UNREADABLE_JSON:
                     log.warning("undecodable idempotency claim at offset %s", message.offset())
             read.append((message.partition() or 0, message.offset() or 0, message.key(), claim))
         loop = self._loop

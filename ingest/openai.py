@@ -61,7 +61,7 @@ class _GenerationBody(_Strict, kw_only=True, forbid_unknown_fields=True, frozen=
     max_tokens: MaxTokens | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
-    top_k: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    top_k: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] | None = None
     n: Annotated[int, msgspec.Meta(ge=1, le=128)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -157,7 +157,27 @@ def carrier_of(span: Span) -> tuple[str | None, str | None]:
     ``(None, None)`` for a span that is not recording and has no valid context."""
     carrier: dict[str, str] = {}
     _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(span))
-    return carrier.get("traceparent"), carrier.get("tracestate")
+    return carrier.get("traceparent"), _forwarded(carrier.get("tracestate"))
+
+
+TRACESTATE_CHARS = 512
+"""The most of a ``tracestate`` an event carries: what W3C trace context asks every vendor to forward. A
+client's header is up to ~8 KB (OpenTelemetry takes 8,192 characters), over what an event's envelope holds
+(``schemas.events.TraceHeader``): its request was dead-lettered after the edge had taken it."""
+
+
+def _forwarded(tracestate: str | None) -> str | None:
+    """``tracestate`` as forwarded: whole up to :data:`TRACESTATE_CHARS`, else its first list members that
+    fit (W3C: a vendor may drop members from the end), None when not even one does."""
+    if tracestate is None or len(tracestate) <= TRACESTATE_CHARS:
+        return tracestate
+    kept = ""
+    for member in tracestate.split(","):
+        joined = f"{kept},{member}" if kept else member
+        if len(joined) > TRACESTATE_CHARS:
+            break
+        kept = joined
+    return kept or None
 
 
 def context_of(traceparent: str | None, tracestate: str | None = None) -> Context:

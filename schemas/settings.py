@@ -75,7 +75,7 @@ def _parse(raw: str, annotation: Any, name: str) -> Any:
             value = annotation(raw)
         except ValueError:
             raise SettingsError(f"{name}={raw!r}: expected {annotation.__name__}") from None
-        if not math.isfinite(value):  # no setting means "no limit" by inf; one overflowed where it was used
+        if annotation is float and not math.isfinite(value):  # none means "no limit" by inf (it overflowed)
             raise SettingsError(f"{name}={raw!r}: expected a finite number")
         return value
     return raw

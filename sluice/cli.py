@@ -822,12 +822,12 @@ def up(
 def main() -> None:
     """The CLI; what a command's environment or files get wrong is one line and a non-zero exit, never a
     traceback: its service's settings (``SLUICE_EDGE_PORT=abc``: 2), a path that is a directory or a file
-    where the other is wanted (1)."""
+    where the other is wanted, or one it may not use (1)."""
     try:
         app()
     except SettingsError as exc:
         console.print(f"[red]settings error:[/] {escape(str(exc))}")
         raise SystemExit(2) from None
-    except OSError as exc:
+    except (FileExistsError, IsADirectoryError, NotADirectoryError, PermissionError) as exc:
         console.print(f"[red]error:[/] {escape(str(exc))}")
         raise SystemExit(1) from None

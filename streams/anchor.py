@@ -36,7 +36,7 @@ from confluent_kafka import Consumer, TopicPartition
 from bus.consumer import consumer_config
 from bus.positions import read_to_end, topic_extent
 from bus.producer import Position
-from schemas.codec import DecodeError, decode
+from schemas.codec import UNREADABLE_JSON, DecodeError, decode
 from schemas.events import AuditEntry
 from schemas.settings import KafkaConnection, PlatformSettings
 from schemas.topics import TopicNames
@@ -273,7 +273,7 @@ def anchor_chains(
         head = AuditHead(seq=_int(row["head_seq"]), entry_hash=str(row["head_hash"]))
         try:
             details = _DETAILS.decode(str(row["head_details"] or "{}"))
-        except msgspec.DecodeError as exc:  # not JSON, or not an object of strings: an edited row
+        except UNREADABLE_JSON as exc:  # not JSON, or not an object of strings: an edited row
             details = {}
             malformed[name] = f"the warehouse's seq {head.seq} is a malformed row (details: {exc})"
         stored[name] = (head, details.get(ORIGIN, ""))

@@ -63,16 +63,37 @@ _READ_STATEMENTS = frozenset({"SELECT", "WITH", "SHOW", "DESCRIBE", "EXPLAIN", "
 alone lets ``USE`` (which would re-point the owner's shared client), ``KILL QUERY``, ``SYSTEM STOP
 MERGES`` and ``INTO OUTFILE`` through."""
 _INTO_OUTFILE = re.compile(r"\bINTO\s+OUTFILE\b", re.IGNORECASE)
-_OUTSIDE = re.compile(
-    r"\b(file|fileCluster|url|urlCluster|s3|s3Cluster|gcs|azureBlobStorage|azureBlobStorageCluster|hdfs|"
-    r"hdfsCluster|iceberg|icebergS3|icebergAzure|icebergHDFS|deltaLake|hudi|sqlite|mysql|postgresql|mongodb|"
-    r"redis|jdbc|odbc|remote|remoteSecure|cluster|clusterAllReplicas|executable|input|python)\s*\(",
-    re.IGNORECASE,
-)
-"""Functions that reach past the warehouse: files, URLs, object stores, other databases, other servers,
-programs. ``readonly=1`` refuses them in a SELECT, but a DESCRIBE still opened what they name (a local
-file's first line came back in the error, a URL was fetched, an unreachable one held the query for
-minutes), and sqlite() created its file before the refusal."""
+_LOCAL_TABLE_FUNCTIONS = frozenset(
+    {
+        "numbers", "numbers_mt", "zeros", "zeros_mt", "generate_series", "generateSeries", "generateRandom",
+        "values", "view", "merge", "null", "loop", "format", "dictionary",
+    }
+)  # fmt: skip
+"""The table functions a read may call: they read the warehouse's own tables or make rows up."""
+_OUTSIDE_ALWAYS = frozenset({"file", "url", "s3", "remote", "remoteSecure", "sqlite", "executable", "input"})
+"""Refused even where ``system.table_functions`` cannot be read (``file`` is a plain function too)."""
+_outside: re.Pattern[str] | None = None
+
+
+def _outside_pattern(client: Client, settings: dict[str, Any]) -> re.Pattern[str]:
+    """A call of any table function but :data:`_LOCAL_TABLE_FUNCTIONS`, from the engine's own list (read
+    once a process): files, URLs, object stores, lakes, other databases and servers, programs, and any
+    such this build adds. ``readonly=1`` refuses them in a SELECT, but a DESCRIBE still opened what they
+    named (an audit: a local file's first line came back in the error, a URL was fetched, one that never
+    answered held the query for minutes), and ``sqlite()`` created its file before the refusal. A deny
+    list by name missed the build's other names for some (``oss``, ``cosn``, ``paimon``...)."""
+    global _outside
+    if _outside is None:
+        try:
+            listed = client.query("SELECT name FROM system.table_functions", settings=settings).result_rows
+            names = {str(row[0]) for row in listed}
+        except ClickHouseError:
+            names = set()
+        refused = sorted((names | _OUTSIDE_ALWAYS) - _LOCAL_TABLE_FUNCTIONS, key=len, reverse=True)
+        _outside = re.compile(r"\b(" + "|".join(map(re.escape, refused)) + r")\s*\(", re.IGNORECASE)
+    return _outside
+
+
 _ONE_STATEMENT = (
     "one statement at a time: a read-only query is a single statement (remove the ';' and what follows)"
 )
@@ -313,7 +334,7 @@ def _read_statement(client: Client, sql: str, settings: dict[str, Any]) -> str:
             "INTO OUTFILE is refused: queries here only read (for a file, redirect the output of "
             "`sluice sql --format csv` or `--format json`)"
         )
-    if outside := _OUTSIDE.search(bare):
+    if outside := _outside_pattern(client, settings).search(bare):
         raise WarehouseQueryError(
             f"{outside.group(1)}() is refused: queries here read the warehouse's own tables, not files, URLs "
             "or other databases"

@@ -37,6 +37,7 @@ from infra.warehouse.client import (
 )
 from infra.warehouse.errors import WarehouseError, WarehouseQueryError
 from infra.warehouse.owner import OwnerRecord, pid_alive, read_owner, remove_owner, warehouse_dir, write_owner
+from schemas.codec import UNREADABLE_JSON
 from schemas.lifecycle import AsyncComponent
 from schemas.settings import PlatformSettings
 
@@ -133,7 +134,7 @@ class WarehouseQueryServer(AsyncComponent):
             return _error(401, "missing or wrong token (see the owner file)")
         try:
             body = msgspec.json.decode(await request.read(), type=QueryRequest)
-        except msgspec.DecodeError as exc:
+        except UNREADABLE_JSON as exc:
             return _error(400, f"bad request body: {exc}")
         if self._pending >= self._max_pending:
             return _error(503, f"{self._pending} queries are already waiting; try again")

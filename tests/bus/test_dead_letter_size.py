@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import base64
 
-from bus.dead_letter import DEAD_LETTER_KEEP_BYTES, dead_letter_event
-from schemas.codec import MAX_RECORD_BYTES, DecodeError, encode
+import pytest
+
+from bus.dead_letter import DEAD_LETTER_KEEP_BYTES, dead_letter_event, dead_letter_reason
+from schemas.codec import MAX_RECORD_BYTES, DecodeError, decode, encode
 from schemas.events import DeadLetter
+from schemas.examples import example_events
 
 
 def _letter(value: bytes, header_list: list[tuple[str, str | bytes | None]]) -> DeadLetter:
@@ -47,3 +50,17 @@ def test_a_letter_fits_whatever_its_reason_quotes_and_its_headers_escape_to() ->
     )
     assert len(encode(letter)) < MAX_RECORD_BYTES
     assert "headers left out" in letter.reason
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        encode(example_events()[0]).replace(b'"tenant":"', b'"tenant":"\xff', 1),
+        encode(example_events()[0])[:-1] + b',"zz":' + b"[" * 100_000 + b"}",
+    ],
+    ids=["a string that is not UTF-8", "nested too deep"],
+)
+def test_json_msgspec_cannot_read_is_counted_as_bad_json(value: bytes) -> None:
+    with pytest.raises(DecodeError) as caught:
+        decode(value)
+    assert dead_letter_reason(value, caught.value) == "bad_json"

@@ -127,3 +127,38 @@ async def test_a_dead_control_listener_fails_the_gateway_so_budgets_never_go_sta
         assert not gateway.ready()
         with pytest.raises(GatewayUnavailable, match="control bug"):
             await gateway.submit(_request(gateway))
+
+
+class _Record:
+    """What the gateway's listeners read of a record."""
+
+    def __init__(self, value: bytes | None, offset: int = 0) -> None:
+        self._value, self._offset = value, offset
+
+    def value(self) -> bytes | None:
+        return self._value
+
+    def offset(self) -> int:
+        return self._offset
+
+    def partition(self) -> int:
+        return 0
+
+    def key(self) -> bytes | None:
+        return b"k"
+
+
+@pytest.mark.parametrize(
+    "value",
+    [b'{"tenant": "ac\xffme"}', b'{"x": ' + b"[" * 100_000 + b"}"],
+    ids=["a string that is not UTF-8", "nested too deep"],
+)
+def test_the_quota_and_claims_listeners_skip_what_msgspec_cannot_read(value: bytes) -> None:
+    """Found by a review: these raise ``UnicodeDecodeError`` and ``RecursionError`` (not msgspec's
+    ``DecodeError``), which stopped the listener's thread: one such record on the quota or idempotency
+    topic and the edge stopped reading it. (The listeners alone: no loop to hand anything to.)"""
+    gateway = KafkaGateway.__new__(KafkaGateway)
+    gateway._quota_apply, gateway._loop = None, None
+    records = [_Record(value, 7)]
+    gateway._on_quota(records)  # type: ignore[arg-type]  # logged and skipped: no exception
+    gateway._on_claims(records)  # type: ignore[arg-type]

@@ -231,6 +231,15 @@ CASES: list[tuple[str, str, Any, int, str | None, str | None]] = [
         "unsupported_model_task",
     ),
     ("body is an array", CHAT, [1, 2], 400, None, "invalid_value"),
+    # the event holds an int64: a larger one was taken (200), then dead-lettered by the worker (a review)
+    (
+        "top_k over int64",
+        CHAT,
+        {"model": GEN, "messages": [{"role": "user", "content": "x"}], "top_k": 2**63},
+        400,
+        "top_k",
+        "invalid_value",
+    ),
 ]
 
 

@@ -100,3 +100,21 @@ def test_where_spans_are_recorded_each_site_records_one_under_the_caller(
     assert spans["sluice.admit"].parent.span_id == server.context.span_id
     assert spans["sluice.respond"].parent is not None
     assert spans["sluice.respond"].parent.span_id == server.context.span_id
+
+
+@pytest.mark.usefixtures("not_recording")
+def test_a_callers_long_tracestate_is_forwarded_cut_to_its_first_whole_members() -> None:
+    """Found by a review: an event holds at most 1,024 characters of ``tracestate`` (its key and headers
+    must fit beside its value), and a client's header may hold ~8 KB: its request was taken (200) and then
+    dead-lettered. W3C: forward at least 512, dropping members from the end."""
+    members = [f"v{i}=" + "x" * 60 for i in range(20)]  # 1.3 KB
+    with tracing.current_span("edge", context=tracing.context_of(CALLER, ",".join(members))) as span:
+        parent, state = tracing.carrier_of(span)
+    assert parent == CALLER
+    assert state is not None
+    assert len(state) <= tracing.TRACESTATE_CHARS
+    assert state.split(",") == members[: len(state.split(","))]
+    assert len(state) + 1 + len(members[0]) > tracing.TRACESTATE_CHARS  # as many as fit
+    short = "v0=abc,v1=def"
+    with tracing.current_span("edge", context=tracing.context_of(CALLER, short)) as span:
+        assert tracing.carrier_of(span) == (CALLER, short)  # whole when it fits
