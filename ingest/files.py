@@ -32,6 +32,10 @@ from ingest.errors import InvalidRequest, NotFound, PayloadTooLarge
 from schemas.codec import UNREADABLE_JSON
 from schemas.ids import uuid7
 
+_MISSING_OR_UNREADABLE: tuple[type[Exception], ...] = (FileNotFoundError, *UNREADABLE_JSON)
+_GONE_OR_UNREADABLE: tuple[type[Exception], ...] = (OSError, *UNREADABLE_JSON)
+"""A metadata file that is gone, or that is not JSON msgspec can read (an edited or torn file)."""
+
 Purpose = Literal["batch", "batch_output"]
 FILE_ID = re.compile(r"^file-[0-9a-f]{32}$")
 _CHUNK = 1 << 16
@@ -110,7 +114,7 @@ class FileStore:
         meta, _ = self._paths(tenant, file_id)
         try:
             stored = _META.decode(meta.read_bytes())
-        except (FileNotFoundError, *UNREADABLE_JSON):
+        except _MISSING_OR_UNREADABLE:
             raise not_found(file_id) from None
         if stored.tenant != tenant:  # a hash collision of two tenants' names, however unlikely
             raise not_found(file_id)
@@ -129,7 +133,7 @@ class FileStore:
         for meta in self._dir(tenant).glob("file-*.json"):
             try:
                 stored = _META.decode(meta.read_bytes())
-            except (OSError, *UNREADABLE_JSON):
+            except _GONE_OR_UNREADABLE:
                 continue
             if stored.tenant == tenant and not stored.expired() and purpose in (None, stored.purpose):
                 out.append(stored)
@@ -158,7 +162,7 @@ class FileStore:
         for meta in self.root.glob("*/file-*.json"):
             try:
                 stored = _META.decode(meta.read_bytes())
-            except (OSError, *UNREADABLE_JSON):
+            except _GONE_OR_UNREADABLE:
                 continue
             if stored.expired(now) and meta.parent.name == tenant_folder(stored.tenant):
                 self._remove(stored.tenant, stored.id)
