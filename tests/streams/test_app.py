@@ -10,7 +10,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import pytest
 from clickhouse_connect.driver.client import Client
@@ -69,13 +69,15 @@ def test_a_batch_commits_the_offset_after_each_partitions_last_record() -> None:
     assert tombstone == [Consumed("r", 0, 1, b"")]  # undecodable: dead-lettered by the sink
 
 
-def make_app(tmp_path: Path) -> StreamsApp:
+def make_app(tmp_path: Path, warehouse: Any = None, producer: Any = None) -> StreamsApp:
+    """The app without a broker: the warehouse (None: never used unless the app runs) and the producer
+    (a real one that reaches nothing, unless given) as the test says."""
     return StreamsApp(
         PlatformSettings(kafka_bootstrap="127.0.0.1:1", topic_prefix="p", data_dir=str(tmp_path)),
         StreamsSettings(),
-        cast(Client, None),  # never used unless the app runs
+        cast(Client, warehouse),
         PriceTable(),
-        EventProducer(KafkaConnection("127.0.0.1:1"), "test"),
+        producer if producer is not None else EventProducer(KafkaConnection("127.0.0.1:1"), "test"),
         request_topics=["p.requests.demo-gpt"],
     )
 
@@ -289,14 +291,7 @@ async def test_an_undecodable_record_is_dead_lettered_and_the_rest_of_its_batch_
     its) raised building its audit entry: nothing of the batch was written or committed, and the sink
     stopped at that offset on every restart."""
     producer, warehouse = Producer(), Warehouse()
-    app = StreamsApp(
-        PlatformSettings(kafka_bootstrap="127.0.0.1:1", topic_prefix="p", data_dir=str(tmp_path)),
-        StreamsSettings(),
-        cast(Client, warehouse),
-        PriceTable(),
-        cast(EventProducer, producer),
-        request_topics=["p.requests.demo-gpt"],
-    )
+    app = make_app(tmp_path, warehouse, producer)
     app._heads = {}  # anchored: no chain yet
     good = finished()
     batch = await app.write([Consumed("p.results", 0, 7, bad), Consumed("p.results", 0, 8, encode(good))])
@@ -317,14 +312,7 @@ async def test_a_finish_dated_in_the_future_holds_the_drift_watermark_at_now(tmp
     from schemas.events import Timings
 
     producer, warehouse = Producer(), Warehouse()
-    app = StreamsApp(
-        PlatformSettings(kafka_bootstrap="127.0.0.1:1", topic_prefix="p", data_dir=str(tmp_path)),
-        StreamsSettings(),
-        cast(Client, warehouse),
-        PriceTable(),
-        cast(EventProducer, producer),
-        request_topics=["p.requests.demo-gpt"],
-    )
+    app = make_app(tmp_path, warehouse, producer)
     app._heads = {}
     future = datetime(9999, 1, 1, tzinfo=UTC)
     before = time.time()
@@ -340,14 +328,7 @@ async def test_a_batch_whose_dead_letter_kafka_refuses_is_not_stored(tmp_path: P
     refuses fails the write, so the batch is read again and the junk lettered then (before, the letter was
     produced and not waited for: a crash in between lost it)."""
     producer = Producer(refused=["p.deadletter"])
-    app = StreamsApp(
-        PlatformSettings(kafka_bootstrap="127.0.0.1:1", topic_prefix="p", data_dir=str(tmp_path)),
-        StreamsSettings(),
-        cast(Client, Warehouse()),
-        PriceTable(),
-        cast(EventProducer, producer),
-        request_topics=["p.requests.demo-gpt"],
-    )
+    app = make_app(tmp_path, Warehouse(), producer)
     app._heads = {}
     with pytest.raises(BusError, match=r"p\.deadletter"):
         await app.write(
