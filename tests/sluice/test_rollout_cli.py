@@ -447,18 +447,10 @@ def test_an_evaluation_passes_with_gates_that_do_not_apply() -> None:
 def test_rollout_status_without_a_broker_is_one_line(tmp_path: Path) -> None:
     """Found by an audit: reading the control topic with no broker raised confluent_kafka's own
     KafkaException, which the command (catching the platform's BusError) let out as a traceback."""
-    import subprocess
-    import sys
+    from tests.sluice.test_cli import sluice
 
     env = {**os.environ, "SLUICE_KAFKA_BOOTSTRAP": "127.0.0.1:1", "SLUICE_DATA_DIR": str(tmp_path)}
-    result = subprocess.run(
-        [sys.executable, "-m", "sluice", "rollout", "status"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-        check=False,
-    )
+    result = sluice("rollout", "status", env=env)
     assert result.returncode == 1, result.stderr
     assert "Traceback" not in result.stderr
     assert "error: cannot read the control topic" in result.stderr
