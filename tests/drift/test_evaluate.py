@@ -321,3 +321,61 @@ def test_a_small_window_without_embeddings_by_chance_is_not_a_finding() -> None:
     assert _embedding_findings(reference, nothing, 100, 1000, level) == [
         "embedding: not sampled (0 of 1000 requests; reference 5.0%)"
     ]
+
+
+@pytest.mark.parametrize("where", ["current", "reference"])
+def test_values_too_large_to_be_measurements_are_a_finding_not_a_crash(where: str) -> None:
+    """Found by an audit: a few values near 1e308 (in range for ``mean_logprob``: any negative) made
+    evidently's histograms raise; the window failed, and with such a reference every later window of
+    its model. They are a data-quality finding and left out of the tests."""
+    rng = np.random.default_rng(16)
+    reference, current = _window(rng), _window(rng)
+    hostile = current if where == "current" else reference
+    hostile.loc[:5, "mean_logprob"] = -1e308
+    hostile.loc[:1, "mean_entropy"] = 1.7e308
+    result = evaluate(reference, current, _none(), _none())
+    if where == "current":
+        assert result.verdict == "data_quality"
+        assert result.quality == [
+            "mean_logprob: 6 of 1000 values beyond 1e+12 across",
+            "mean_entropy: 2 of 1000 values beyond 1e+12 across",
+        ]
+    else:  # the reference's are left out of its tests
+        assert result.verdict == "no_drift"
+    assert all(np.isfinite(f.statistic) for f in result.features)
+
+
+@pytest.mark.parametrize(
+    "vectors", ["zero", "identical", "near float32's largest"], ids=["zero", "identical", "huge"]
+)
+def test_an_html_report_of_degenerate_embeddings_has_no_plot_and_does_not_crash(vectors: str) -> None:
+    """Found by an audit: evidently's t-SNE plot of identical vectors (all zero, say), or of vectors near
+    3e38, killed the process (SIGSEGV in scikit-learn): `sluice drift report --html` exited 139. Run in a
+    child process, so that such a crash fails this test instead of the test run."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        f"""
+        import numpy as np
+        from drift.evaluate import DriftConfig, html_report
+        from tests.drift.test_evaluate import _embeddings, _centre, _window, DIM
+        rng = np.random.default_rng(17)
+        kind = {vectors!r}
+        if kind == "zero":
+            ref = cur = np.zeros((120, DIM), dtype=np.float32)
+        elif kind == "identical":
+            ref = cur = np.ones((120, DIM), dtype=np.float32)
+        else:
+            ref, cur = _embeddings(rng, _centre(rng), 120), np.full((120, DIM), 3e38, dtype=np.float32)
+        html = html_report(_window(rng, 300), _window(rng, 300), ref, cur, DriftConfig(min_samples=40))
+        assert "<html" in html
+        print("ok")
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().endswith("ok")
