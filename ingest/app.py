@@ -259,7 +259,11 @@ class Edge(AsyncComponent):
     async def _start(self) -> None:
         settings = self.ctx.settings
         self._runner = web.AppRunner(
-            self.app, handler_cancellation=True, shutdown_timeout=1.0, access_log=None
+            self.app,
+            handler_cancellation=True,
+            shutdown_timeout=1.0,
+            access_log=None,
+            keepalive_timeout=settings.edge_idle_timeout_s,
         )
         await self._runner.setup()
         self._site = web.TCPSite(self._runner, settings.edge_host, settings.edge_port)

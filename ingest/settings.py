@@ -49,6 +49,10 @@ class EdgeSettings(msgspec.Struct, frozen=True, kw_only=True):
     """Open WebSockets one tenant may hold on this edge; one more is refused with 429."""
     edge_heartbeat_s: Seconds = 15.0
     """WebSocket ping interval; a peer that misses a pong is closed."""
+    edge_idle_timeout_s: Seconds = 75.0
+    """A connection with no request in progress (idle between requests, or still sending a request's
+    headers) is closed after this long. aiohttp's default is an hour: 500 connections sending their headers
+    a byte at a time were all kept open (an audit)."""
     edge_shutdown_grace_s: Annotated[float, msgspec.Meta(ge=0.0)] = 10.0
     """On stop, in-flight streams get this long to finish before they are cancelled (reason ``shutdown``)."""
     edge_hot_tenants: tuple[str, ...] = ()

@@ -173,3 +173,19 @@ async def test_disconnect_grace_then_cancel(make_client: MakeClient, gateway: Fa
     assert gateway.cancels[0].reason == "client_disconnect"
     # the grace runs from when the edge saw the client go, after ``left_at``: a stall only adds to this
     assert sent_at[0] - left_at >= grace_s - 0.01, f"cancelled {sent_at[0] - left_at:.3f}s after it left"
+
+
+async def test_a_connection_idle_or_still_sending_its_headers_is_closed(
+    catalogue: ModelCatalogue, gateway: FakeGateway
+) -> None:
+    """Found by an audit: aiohttp keeps such a connection an hour by default, and 500 connections sending
+    their headers a byte at a time were all kept open. ``SLUICE_EDGE_IDLE_TIMEOUT_S`` closes them."""
+    edge = Edge(settings(edge_idle_timeout_s=0.5), gateway, catalogue, TenantDirectory.demo())
+    async with edge:
+        host, port = edge.ctx.settings.edge_host, edge.port
+        for sent in (b"", b"GET /healthz HT"):
+            reader, writer = await asyncio.open_connection(host, port)
+            writer.write(sent)
+            await writer.drain()
+            assert await asyncio.wait_for(reader.read(), timeout=5.0) == b""  # closed by the edge
+            writer.close()
