@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import struct
+import time
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -14,7 +15,7 @@ from aiohttp import web
 from ingest.models import ModelCatalogue
 from schemas.events import EmbeddingRequested, GenerationRequested
 from schemas.ids import derive_seed, uuid7_unix_ms
-from tests.ingest.conftest import AUTH, EMB, GEN, Client, MakeClient, parse_sse
+from tests.ingest.conftest import AUTH, EMB, GEN, Client, MakeClient, eventually, parse_sse
 from tests.ingest.fake_gateway import FakeGateway
 
 CHAT = {
@@ -318,3 +319,35 @@ async def test_json_nested_too_deep_is_a_400(client: Client) -> None:
                 path, data=body, headers={**AUTH, "Content-Type": "application/json"}
             )
             assert response.status == 400, (path, body[:20], await response.text())
+
+
+async def test_a_whole_answer_its_client_does_not_read_frees_its_slot_after_the_deadline(
+    make_client: MakeClient, gateway: FakeGateway
+) -> None:
+    """Found by an audit: a large non-streamed answer its client never read held the request's
+    concurrency slot for good (the edge waited to send it, outside the deadline's guard). It now gets the
+    deadline again, at least a second, and then the connection is dropped."""
+    import socket
+
+    client, edge = await make_client(edge_default_timeout_s=1.0)
+    gateway.tokens, gateway.text_size = 16, 1_000_000  # a 16 MB answer: more than both sockets' buffers hold
+    body = msgspec.json.encode(
+        {"model": GEN, "messages": [{"role": "user", "content": "x"}], "max_tokens": 16}
+    )
+    port = client.server.port
+    assert port is not None
+    stalled = socket.socket()
+    stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    stalled.connect(("127.0.0.1", port))
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: {AUTH['Authorization']}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    stalled.sendall(head.encode() + body)  # and never read
+    try:
+        await eventually(lambda: len(gateway.submitted) == 1 and len(edge.ctx.admission.flights) == 1)
+        began = time.monotonic()
+        await eventually(lambda: not edge.ctx.admission.flights, within_s=10.0)
+        assert time.monotonic() - began < 5.0
+    finally:
+        stalled.close()
