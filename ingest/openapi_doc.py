@@ -77,7 +77,20 @@ class Operation:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-_STREAMING = {JSON: {"schema": _OBJECT}, SSE: {"schema": {"type": "string"}}}
+_SSE_EVENT: dict[str, Any] = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {
+        "data": {"type": "string"},
+        "event": {"type": "string"},
+        "id": {"type": "string"},
+        "retry": {"type": "integer"},
+    },
+}
+"""One event of a text/event-stream (each ``data`` a JSON chunk, or ``[DONE]``), as tools validate a stream
+event by event: a whole stream as a string failed schemathesis' SSE check once its fuzzing reached a 200
+stream."""
+_STREAMING = {JSON: {"schema": _OBJECT}, SSE: {"schema": _SSE_EVENT}}
 _GENERATION_HEADERS = (_IDEMPOTENCY, _LAST_EVENT_ID, _TIMEOUT, _SESSION)
 
 OPERATIONS: dict[tuple[str, str], Operation] = {
@@ -93,7 +106,7 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("GET", "/v1/models"): Operation("List the models this key may use"),
     ("GET", "/v1/streams/{request_id}"): Operation(
         "Replay a request's replies as native SSE frames",
-        ok={SSE: {"schema": {"type": "string"}}},
+        ok={SSE: {"schema": _SSE_EVENT}},
         headers=(_LAST_EVENT_ID, _TIMEOUT),
     ),
     ("GET", "/v1/ws"): Operation(
