@@ -98,6 +98,10 @@ def _client_id(text: str | bytes) -> Any:
     return None
 
 
+class PeerNotReading(ConnectionResetError):
+    """The peer has taken no frame for two heartbeats: its socket is closed as gone."""
+
+
 class WsSession:
     def __init__(self, ctx: EdgeContext, tenant: Tenant, send: Callable[[str], Awaitable[None]]) -> None:
         self._ctx = ctx
@@ -127,14 +131,21 @@ class WsSession:
             log.debug("websocket peer went away while sending")
 
     async def _put(self, frame: dict[str, Any]) -> None:
+        """Queue ``frame`` for sending, waiting for room (the socket's backpressure). A peer that takes
+        nothing for two heartbeats is gone (:class:`PeerNotReading`): a wait without end held the socket's
+        requests, their slots and the reader (which a heartbeat's close could not then end) for good."""
         data = msgspec.json.encode(frame)
         limit = self._ctx.settings.edge_ws_send_queue_bytes
-        async with self._room:  # wait for room; an oversized frame waits until the queue is empty
-            await self._room.wait_for(
-                lambda: self._queued_bytes == 0 or self._queued_bytes + len(data) <= limit
-            )
-            self._queued_bytes += len(data)
-        await self._queue.put(data)
+        try:
+            async with asyncio.timeout(2 * self._ctx.settings.edge_heartbeat_s):
+                async with self._room:  # wait for room; an oversized frame waits until the queue is empty
+                    await self._room.wait_for(
+                        lambda: self._queued_bytes == 0 or self._queued_bytes + len(data) <= limit
+                    )
+                    self._queued_bytes += len(data)
+                await self._queue.put(data)
+        except TimeoutError:
+            raise PeerNotReading("the WebSocket peer took no frame for two heartbeats") from None
 
     async def _error(self, client_id: Any, exc: IngestError) -> None:
         frame = {"type": "error", "id": client_id, **error_body(exc)}
@@ -193,6 +204,8 @@ class WsSession:
                 await self._resume(frame)
         except IngestError as exc:
             await self._error(frame.id, exc)
+        except ConnectionResetError:
+            pass  # the peer is gone (its requests' guards published their cancels): nobody to tell
         except Exception:  # a bug must not leave the client waiting on an id that silently vanished
             log.exception("unhandled error in a WebSocket request frame %r", frame.id)
             await self._error(frame.id, IngestError("The server had an error while processing your request."))
@@ -228,10 +241,11 @@ class WsSession:
             ) as flight:
                 self._work[frame.id].flight = flight
                 opened = await ctx.dispatcher.open(prepared, None, flight)
-                await self._put({"type": "accepted", "id": frame.id, "request_id": opened.request_id})
+                accepted = {"type": "accepted", "id": frame.id, "request_id": opened.request_id}
                 watch = RequestWatch(prepared.event if opened.owner else None, stream=True, t0=t0)
                 with watch:
-                    await self._pump(frame.id, shape, watch.wrap(opened.stream), flight, prepared.timeout_s)
+                    stream = watch.wrap(opened.stream)
+                    await self._pump(frame.id, shape, stream, flight, prepared.timeout_s, accepted)
 
     async def _resume(self, frame: ResumeFrame) -> None:
         ctx = self._ctx
@@ -241,14 +255,24 @@ class WsSession:
             stream, flight.owner = await ctx.dispatcher.resume(
                 self._tenant.name, frame.request_id, frame.after_seq
             )
-            await self._put({"type": "accepted", "id": frame.id, "request_id": frame.request_id})
+            accepted = {"type": "accepted", "id": frame.id, "request_id": frame.request_id}
             with RequestWatch(None, stream=True, t0=time.monotonic()) as watch:
-                await self._pump(frame.id, None, watch.wrap(stream), flight, timeout)
+                await self._pump(frame.id, None, watch.wrap(stream), flight, timeout, accepted)
 
     async def _pump(
-        self, client_id: str | int, shape: Shape | None, stream: ReplyStream, flight: Flight, timeout_s: float
+        self,
+        client_id: str | int,
+        shape: Shape | None,
+        stream: ReplyStream,
+        flight: Flight,
+        timeout_s: float,
+        accepted: dict[str, Any],
     ) -> None:
+        """``accepted``, then the stream's frames, within the request's guard: its deadline bounds the wait
+        for room in the send queue, and leaving early cancels the request and closes its stream (the
+        ``accepted`` frame used to wait outside it, with the request's slot held and nothing cancelled)."""
         async with self._ctx.dispatcher.guard(flight, stream, timeout_s):
+            await self._put(accepted)
             async for item in stream:
                 flight.model = item.model
                 await self._put({**native(item, shape), "id": client_id})
@@ -306,6 +330,8 @@ async def websocket(ctx: EdgeContext, request: web.Request) -> web.StreamRespons
                 await session.handle_text(message.data)
             elif message.type == WSMsgType.BINARY:
                 await session.handle_binary()
+    except PeerNotReading:
+        log.info("closing a WebSocket of %s whose peer reads nothing", tenant.name)
     finally:
         ctx.sockets.discard(ws)
         left = ctx.sockets_of.get(tenant.name, 1) - 1

@@ -212,6 +212,45 @@ async def test_a_slow_reader_stops_the_gateway_stream(make_client: MakeClient, g
     await session.close()
 
 
+async def test_a_socket_closed_while_its_accepted_frames_wait_cancels_every_request(
+    make_client: MakeClient, gateway: FakeGateway
+) -> None:
+    """Found by an audit: a request's ``accepted`` frame waited for room in the send queue outside the
+    request's guard, its concurrency slot held: closing the socket then cancelled the wait, but published no
+    cancel and left the reply stream open (1 cancel of 32 requests)."""
+    _, edge = await make_client(edge_ws_send_queue=1)
+    gateway.tokens = 1000
+    session, _, _ = blocked_session(edge)
+    for i in range(6):
+        await session.handle_text(msgspec.json.encode(request(i, {**CHAT, "max_tokens": 16})).decode())
+    await eventually(lambda: len(gateway.submitted) == 6)
+    await session.close()
+    assert {c.request_id for c in gateway.cancels} == {e.request_id for e in gateway.submitted}
+    assert all(stream.closed for stream in gateway.streams)
+    assert not edge.ctx.admission.flights
+
+
+async def test_a_peer_that_takes_no_frame_for_two_heartbeats_is_gone(
+    make_client: MakeClient, gateway: FakeGateway
+) -> None:
+    """Found by an audit: the waits for room in the send queue had no end. A peer that stopped reading
+    (its TCP window full) held the socket's requests and their slots past every deadline, and its reader
+    blocked in a reply it could not queue, where a heartbeat's close could not end it either."""
+    from ingest.ws import PeerNotReading
+
+    _, edge = await make_client(edge_ws_send_queue=1, edge_heartbeat_s=0.2)
+    gateway.tokens = 1000
+    session, _, _ = blocked_session(edge)
+    for i in range(3):
+        await session.handle_text(msgspec.json.encode(request(i, {**CHAT, "max_tokens": 16})).decode())
+    await eventually(lambda: len(gateway.submitted) == 3)
+    await eventually(lambda: not edge.ctx.admission.flights, within_s=3.0)
+    assert {c.request_id for c in gateway.cancels} == {e.request_id for e in gateway.submitted}
+    with pytest.raises(PeerNotReading):  # the reader too: what it must answer cannot be queued
+        await session.handle_text(msgspec.json.encode({"type": "ping", "id": "p"}).decode())
+    await session.close()
+
+
 async def test_the_send_queue_is_bounded_in_bytes_not_only_frames(
     make_client: MakeClient, gateway: FakeGateway
 ) -> None:
