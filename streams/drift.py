@@ -394,6 +394,16 @@ def judge(
             "rows now; this window replaces it"
         )
         reference = None
+    elif reference is not None and _measured(reference[1]) < config.min_samples <= _measured(current):
+        # A window without the workers' features (sampling off, or an older worker) compared every later
+        # one on token counts and status alone: a shift to German, refusals and Cyrillic output was
+        # ``no_drift`` (an audit). The first window that has them replaces it.
+        gone = reference[0]
+        notes.append(
+            f"reference window {gone.start:%Y-%m-%d %H:%M:%S} - {gone.end:%H:%M:%S} has "
+            f"{_measured(reference[1])} rows with measured features; this window replaces it"
+        )
+        reference = None
     if reference is None:
         verdict: DriftVerdict = "reference" if len(current) >= config.min_samples else "insufficient_data"
         return build_report(
@@ -410,6 +420,12 @@ def judge(
         requests=current.requests, n_reference=len(ref), n_current=len(current), alpha=config.alpha,
         method=result.method, features=result.features, quality=result.quality,
     )  # fmt: skip
+
+
+def _measured(sample: Sample) -> int:
+    """Rows of ``sample`` with the workers' measured features (all of them come together; ``prompt_chars``
+    is in every set)."""
+    return int(sample.frame["prompt_chars"].notna().sum())
 
 
 Publish = Callable[[DriftReport], Awaitable[None]]

@@ -432,3 +432,31 @@ async def test_a_reference_whose_rows_are_gone_is_replaced_not_an_endless_insuff
         assert verdicts(done) == ["reference"]
         assert done[0].reference_start == w2
         assert "replaces it" in done[0].quality[0]
+
+
+@pytest.mark.integration
+async def test_a_reference_without_measured_features_gives_way_to_a_window_with_them(tmp_path: Path) -> None:
+    """Found by an audit: a first window whose rows had no features (sampling off, an older worker)
+    became the reference, and every later window was compared on token counts and status alone: a shift
+    to German, refusals and Cyrillic output was ``no_drift``."""
+    w2, w3 = T0 + timedelta(seconds=WINDOW_S), T0 + timedelta(seconds=2 * WINDOW_S)
+    unmeasured = [msgspec.structs.replace(e, features=None) for e in window_events(T0, 120, seed=1)]
+    shifted = [
+        msgspec.structs.replace(
+            e,
+            features=msgspec.structs.replace(
+                e.features, prompt_language="de", refusal=True, output_script="cyrillic"
+            ),
+        )
+        for e in window_events(w3, 120, seed=3)
+        if e.features is not None
+    ]
+    with warehouse(tmp_path) as client:
+        insert(client, rows_of(unmeasured + window_events(w2, 120, seed=2) + shifted))
+        done = await monitor(client, Published(client), drift_max_tenants=0).run_once(
+            w3 + timedelta(seconds=WINDOW_S + 6)
+        )
+    verdicts = [(r.window_start, r.effective_verdict) for r in done]
+    assert verdicts == [(T0, "reference"), (w2, "reference"), (w3, "drift")]
+    assert "has 0 rows with measured features; this window replaces it" in done[1].quality[0]
+    assert {"prompt_language", "output_script", "refusal"} <= {f.name for f in done[2].features if f.drifted}
