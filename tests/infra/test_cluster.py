@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import ConfigResource
 
 from bus.consumer import consumer_config
@@ -295,8 +295,20 @@ def test_replicated_topics_on_three_brokers(cluster: LocalKafkaCluster, topic_pr
         assert {p.leader for p in partitions.values()} <= {1, 2, 3}
     assert under_replicated(admin, names) == []
     resources = [ConfigResource(ConfigResource.Type.TOPIC, name) for name in names]
-    for resource, future in admin.describe_configs(resources, request_timeout=10).items():
-        config = future.result()
+    configs: dict[Any, Any] = {}
+
+    def described() -> bool:  # the broker asked may not know a new topic yet either (CI saw it once)
+        for resource, future in admin.describe_configs(resources, request_timeout=10).items():
+            try:
+                configs[resource] = future.result()
+            except KafkaException as exc:
+                if exc.args[0].code() != KafkaError.UNKNOWN_TOPIC_OR_PART:
+                    raise
+                return False
+        return True
+
+    _wait_for("every topic's configuration", described, 30)
+    for resource, config in configs.items():
         assert config["min.insync.replicas"].value == "2", resource
         assert config["unclean.leader.election.enable"].value == "false", resource
     # Leadership is spread: one broker's loss moves some partitions, not all of them.
