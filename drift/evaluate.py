@@ -227,11 +227,17 @@ def _missing_findings(reference: dict[str, float], current: dict[str, float], to
     ]
 
 
-def _valid(values: npt.NDArray[Any], low: float, high: float) -> npt.NDArray[np.bool_]:
+def _within(values: npt.NDArray[Any], low: float, high: float) -> npt.NDArray[np.bool_]:
+    """Finite and within ``[low, high]``."""
     with np.errstate(invalid="ignore"):
-        valid: npt.NDArray[np.bool_] = (
-            np.isfinite(values) & (values >= low) & (values <= high) & (np.abs(values) <= MAGNITUDE)
-        )
+        within: npt.NDArray[np.bool_] = np.isfinite(values) & (values >= low) & (values <= high)
+    return within
+
+
+def _valid(values: npt.NDArray[Any], low: float, high: float) -> npt.NDArray[np.bool_]:
+    """Within ``[low, high]`` and at most :data:`MAGNITUDE` across."""
+    with np.errstate(invalid="ignore"):
+        valid: npt.NDArray[np.bool_] = _within(values, low, high) & (np.abs(values) <= MAGNITUDE)
     return valid
 
 
@@ -239,10 +245,10 @@ def _range_findings(current: pd.DataFrame) -> list[str]:
     findings = []
     for name, (low, high) in RANGES.items():
         values = current[name].dropna().to_numpy(dtype=np.float64)
-        valid = _valid(values, low, high)
+        within = _within(values, low, high)
         with np.errstate(invalid="ignore"):
-            huge = ~valid & np.isfinite(values) & (values >= low) & (values <= high)  # in range, but huge
-        if bad := int((~valid & ~huge).sum()):
+            huge = within & (np.abs(values) > MAGNITUDE)  # in range, but no measurement
+        if bad := int((~within).sum()):
             findings.append(f"{name}: {bad} of {len(values)} values out of range {_range_text(low, high)}")
         if many := int(huge.sum()):
             findings.append(f"{name}: {many} of {len(values)} values beyond {MAGNITUDE:g} across")

@@ -471,9 +471,8 @@ class BatchRunner(AsyncComponent):
                     errors.append(exc.at(number))
             except IngestError:  # retriable (its model is being redeployed): checked when it is published
                 pass
-            except (
-                Exception
-            ):  # a line nothing above expected fails as a line, not the edge (and every restart)
+            # a line nothing above expected fails as a line, not the edge (and every restart)
+            except Exception:
                 log.exception("batch %s: line %d could not be checked", job.state.batch_id, number)
                 if len(errors) < MAX_REPORTED_ERRORS:
                     errors.append(_UNCHECKABLE.at(number))

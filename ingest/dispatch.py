@@ -218,9 +218,7 @@ class Dispatcher:
         found = await self._gateway.resume(tenant, request_id, after_seq)
         if found is None:
             raise NotFound(f"No stream {request_id!r} to resume.", code="stream_not_found")
-        if expect is None:
-            return tenant_checked(found, tenant), self._reclaim(request_id)
-        model, kind = expect.event.model, expect.shape.kind
+        model, kind = (expect.event.model, expect.shape.kind) if expect is not None else (None, None)
         return tenant_checked(found, tenant, model, kind), self._reclaim(request_id)
 
     def _reclaim(self, request_id: str) -> bool:

@@ -611,12 +611,13 @@ def admin_action(head: AuditHead | None, chain: str, event: Event, origin: dict[
             entry_id=event.id,
         )
 
-    made = entry({**details, **origin})
+    details |= origin
+    made = entry(details)
     if fits_record(encode(made)):
         return made
     # An entry escapes what it quotes again (a JSON detail in JSON): a change that fit one record could
     # make an entry that does not, which the audit topic refused, again at every redelivery.
-    return entry({key: _cut(value) for key, value in {**details, **origin}.items()})
+    return entry({key: _cut(value) for key, value in details.items()})
 
 
 DETAIL_CHARS = 4096

@@ -83,15 +83,20 @@ def _outside_pattern(client: Client, settings: dict[str, Any]) -> re.Pattern[str
     answered held the query for minutes), and ``sqlite()`` created its file before the refusal. A deny
     list by name missed the build's other names for some (``oss``, ``cosn``, ``paimon``...)."""
     global _outside
-    if _outside is None:
-        try:
-            listed = client.query("SELECT name FROM system.table_functions", settings=settings).result_rows
-            names = {str(row[0]) for row in listed}
-        except ClickHouseError:
-            names = set()
-        refused = sorted((names | _OUTSIDE_ALWAYS) - _LOCAL_TABLE_FUNCTIONS, key=len, reverse=True)
-        _outside = re.compile(r"\b(" + "|".join(map(re.escape, refused)) + r")\s*\(", re.IGNORECASE)
+    if _outside is not None:
+        return _outside
+    try:
+        listed = client.query("SELECT name FROM system.table_functions", settings=settings).result_rows
+    except ClickHouseError:  # refuse the usual ones this time; the engine's list is read again next time
+        return _calls_of(_OUTSIDE_ALWAYS)
+    _outside = _calls_of({str(row[0]) for row in listed} | _OUTSIDE_ALWAYS)
     return _outside
+
+
+def _calls_of(names: set[str] | frozenset[str]) -> re.Pattern[str]:
+    """A call of any of ``names`` but the local table functions."""
+    refused = sorted(names - _LOCAL_TABLE_FUNCTIONS, key=len, reverse=True)
+    return re.compile(r"\b(" + "|".join(map(re.escape, refused)) + r")\s*\(", re.IGNORECASE)
 
 
 _ONE_STATEMENT = (
