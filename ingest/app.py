@@ -51,6 +51,7 @@ from ingest.http import Routes
 from ingest.models import ModelCatalogue
 from ingest.observe import SERVER_SPAN_KEY, note_refusal
 from ingest.prepare import Preparer
+from ingest.protocol import EdgeRunner, ensure_descriptors
 from ingest.quota import QuotaLedger
 from ingest.settings import EdgeSettings
 from ingest.ws import websocket
@@ -199,7 +200,7 @@ class Edge(AsyncComponent):
             self.app.cleanup_ctx.append(self._run_batches)
         self.app.cleanup_ctx.append(self._share_quota)
         self.app.router.add_get("/v1/ws", self._websocket)
-        self._runner: web.AppRunner | None = None
+        self._runner: EdgeRunner | None = None
         self._site: web.TCPSite | None = None
         self._stopped = False
 
@@ -258,8 +259,10 @@ class Edge(AsyncComponent):
 
     async def _start(self) -> None:
         settings = self.ctx.settings
-        self._runner = web.AppRunner(
+        ensure_descriptors(settings.edge_max_connections)
+        self._runner = EdgeRunner(
             self.app,
+            max_connections=settings.edge_max_connections,
             handler_cancellation=True,
             shutdown_timeout=1.0,
             access_log=None,

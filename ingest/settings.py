@@ -53,6 +53,9 @@ class EdgeSettings(msgspec.Struct, frozen=True, kw_only=True):
     """A connection with no request in progress (idle between requests, or still sending a request's
     headers) is closed after this long. aiohttp's default is an hour: 500 connections sending their headers
     a byte at a time were all kept open (an audit)."""
+    edge_max_connections: Count = 4096
+    """Client connections one edge holds at once (HTTP keep-alive and WebSockets alike); one more is answered
+    503 ``too_many_connections`` and closed. The edge raises its own open-file limit to fit when it may."""
     edge_shutdown_grace_s: Annotated[float, msgspec.Meta(ge=0.0)] = 10.0
     """On stop, in-flight streams get this long to finish before they are cancelled (reason ``shutdown``)."""
     edge_hot_tenants: tuple[str, ...] = ()
