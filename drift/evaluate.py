@@ -279,6 +279,15 @@ def _embedding_findings(
     return []
 
 
+def _unusable_findings(given: npt.NDArray[Any], finite: FloatArray) -> list[str]:
+    """Vectors left out of the test for a value that is not finite (a NaN, or past float32's range once
+    stored): with all of them left out the window read "not sampled" (an audit). This finding stands for
+    the window's embeddings; the others (not sampled, another dimension) are about the vectors kept."""
+    if dropped := len(given) - len(finite):
+        return [f"{EMBEDDING}: {dropped} of {len(given)} vectors with values that are not finite"]
+    return []
+
+
 # ------------------------------------------------------------------------------------- categorical test
 
 
@@ -510,8 +519,11 @@ def _plan(
     quality = [
         *_missing_findings(ref_nulls, cur_nulls, config.null_tolerance),
         *_range_findings(cur),
-        *_embedding_findings(
-            ref_emb, cur_emb, len(ref), len(cur), config.alpha / (len(NUMERICAL) + len(CATEGORICAL) + 1)
+        *(
+            _unusable_findings(current_embeddings, cur_emb)
+            or _embedding_findings(
+                ref_emb, cur_emb, len(ref), len(cur), config.alpha / (len(NUMERICAL) + len(CATEGORICAL) + 1)
+            )
         ),
     ]
     ref_sample, cur_sample = (_in_range(_capped(frame, MAX_ROWS, config.seed)) for frame in (ref, cur))

@@ -30,7 +30,7 @@ import json
 import logging
 import math
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -265,24 +265,30 @@ class Sample:
     frame: pd.DataFrame
     embeddings: npt.NDArray[np.float32]
     requests: int
+    quality: tuple[str, ...] = ()
+    """What the sample itself shows wrong (embeddings of another dimension than the window's)."""
 
     def __len__(self) -> int:
         return len(self.frame)
 
 
 def sample_of(rows: Rows, embedding_rows: Rows, requests: int) -> Sample:
+    """A window's sample. Its embeddings are those of the window's most common dimension: a window that
+    mixed dimensions had none and was reported "not sampled" (an audit); the others are a finding."""
     import numpy as np
     import pandas as pd
 
     frame = pd.DataFrame(rows, columns=list(SAMPLE_COLUMNS))
     vectors = [row["embedding"] for row in embedding_rows]
-    dims = {len(v) for v in vectors}
-    embeddings = (
-        np.asarray(vectors, dtype=np.float32)
-        if vectors and len(dims) == 1
-        else np.zeros((0, max(dims, default=0)), dtype=np.float32)
-    )
-    return Sample(frame, embeddings, requests)
+    dims = Counter(len(v) for v in vectors)
+    dim = max(dims, key=lambda d: (dims[d], d), default=0)
+    kept = [v for v in vectors if len(v) == dim]
+    embeddings = np.asarray(kept, dtype=np.float32) if kept else np.zeros((0, dim), dtype=np.float32)
+    quality: tuple[str, ...] = ()
+    if odd := len(vectors) - len(kept):
+        others = ", ".join(str(d) for d in sorted(dims) if d != dim)
+        quality = (f"embedding: {odd} of {len(vectors)} vectors of dimension {others} (the window's: {dim})",)
+    return Sample(frame, embeddings, requests, quality)
 
 
 async def load_sample(query: Query, key: DriftKey, window: Window, reservoir: int, embeddings: int) -> Sample:
@@ -409,16 +415,17 @@ def judge(
         return build_report(
             key, window, window if verdict == "reference" else None, verdict,
             requests=current.requests, n_reference=len(current) if verdict == "reference" else 0,
-            n_current=len(current), alpha=config.alpha, method="baseline", quality=notes,
+            n_current=len(current), alpha=config.alpha, method="baseline", quality=[*notes, *current.quality],
         )  # fmt: skip
     from drift.evaluate import evaluate
 
     ref_window, ref = reference
     result = evaluate(ref.frame, current.frame, ref.embeddings, current.embeddings, config)
+    quality = [*current.quality, *result.quality]
     return build_report(
-        key, window, ref_window, result.verdict,
+        key, window, ref_window, "data_quality" if quality else result.verdict,
         requests=current.requests, n_reference=len(ref), n_current=len(current), alpha=config.alpha,
-        method=result.method, features=result.features, quality=result.quality,
+        method=result.method, features=result.features, quality=quality,
     )  # fmt: skip
 
 

@@ -263,6 +263,23 @@ def test_embeddings_that_stopped_being_sampled_are_a_data_quality_finding() -> N
     assert "embedding" not in _by_name(result)
 
 
+@pytest.mark.parametrize("bad", [1.0, 0.5])
+def test_embeddings_that_are_not_finite_are_named_not_called_unsampled(bad: float) -> None:
+    """Found by an audit: vectors with a NaN, or past float32's range once stored (inf), were left out
+    silently; all of them left out read "not sampled", which sent the operator to the sampler."""
+    rng = np.random.default_rng(20)
+    centre = _centre(rng)
+    current = _embeddings(rng, centre).astype(np.float32)
+    current[: int(len(current) * bad), 0] = np.float32(np.inf)
+    current[0, 1] = np.nan
+    result = evaluate(_window(rng), _window(rng), _embeddings(rng, centre), current)
+    assert result.verdict == "data_quality"
+    assert result.quality == [
+        f"embedding: {int(len(current) * bad)} of {len(current)} vectors with values that are not finite"
+    ]
+    assert ("embedding" in _by_name(result)) is (bad < 1.0)  # the finite rest is still tested
+
+
 def test_data_quality_takes_precedence_over_drift() -> None:
     rng = np.random.default_rng(17)
     reference, current = _window(rng), _window(rng, token_scale=2.0)

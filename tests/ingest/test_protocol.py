@@ -27,7 +27,9 @@ MALFORMED = {
     "no_host": "GET /v1/models HTTP/1.1\r\n\r\n",
     "header_over_8k": f"GET /v1/models HTTP/1.1\r\n{HOST}X-A: {'a' * 9000}\r\n\r\n",
     "url_over_8k": f"GET /{'a' * 9000} HTTP/1.1\r\n{HOST}\r\n",
-    "too_many_headers": f"GET /v1/models HTTP/1.1\r\n{HOST}" + "".join(f"X-{i}: 1\r\n" for i in range(200)) + "\r\n",
+    "too_many_headers": f"GET /v1/models HTTP/1.1\r\n{HOST}"
+    + "".join(f"X-{i}: 1\r\n" for i in range(200))
+    + "\r\n",
     "brotli_body": f"POST /v1/embeddings HTTP/1.1\r\n{HOST}Content-Encoding: br\r\nContent-Length: 2\r\n\r\n{{}}",
     "bad_method": f"G@T /v1/models HTTP/1.1\r\n{HOST}\r\n",
     "bad_version": f"GET /v1/models HTTP/9.9\r\n{HOST}\r\n",
@@ -81,12 +83,16 @@ async def test_a_request_aiohttp_cannot_parse_is_a_400_in_openai_shape(
     assert status == 400
     assert headers["content-type"].startswith("application/json")
     error = msgspec.json.decode(body)["error"]
-    assert error["type"] == "invalid_request_error" and error["code"] == "malformed_http"
+    assert error["type"] == "invalid_request_error"
+    assert error["code"] == "malformed_http"
     assert error["message"].startswith("The request could not be parsed as HTTP: ")
-    assert "b'" not in error["message"] and "Please install" not in error["message"]
+    assert "b'" not in error["message"]
+    assert "Please install" not in error["message"]
     assert len(error["message"]) < 300
     assert rejections("malformed_http") == before + 1
-    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info], "a traceback was logged"
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info], (
+        "a traceback was logged"
+    )
     assert gateway.submitted == []
 
 
@@ -98,8 +104,11 @@ async def test_a_body_left_unread_that_does_not_decode_logs_no_traceback(
     raw = f"POST /v1/embeddings HTTP/1.1\r\n{HOST}Content-Encoding: zstd\r\nContent-Length: 2\r\n\r\n{{}}"
     with caplog.at_level(logging.INFO):
         status, _, body = await exchange(edge, raw.encode())
-    assert status == 401 and msgspec.json.decode(body)["error"]["code"] == "invalid_api_key"
-    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info], "a traceback was logged"
+    assert status == 401
+    assert msgspec.json.decode(body)["error"]["code"] == "invalid_api_key"
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info], (
+        "a traceback was logged"
+    )
 
 
 async def test_connections_past_the_cap_are_answered_503_and_closed(edge: Edge, gateway: FakeGateway) -> None:
@@ -116,9 +125,11 @@ async def test_connections_past_the_cap_are_answered_503_and_closed(edge: Edge, 
                 assert response.status == 200
         status, headers, answer = await exchange(edge, f"GET /v1/models HTTP/1.1\r\n{HOST}\r\n".encode())
         assert status == 503
-        assert headers["retry-after"] == "1" and headers["connection"] == "close"
+        assert headers["retry-after"] == "1"
+        assert headers["connection"] == "close"
         error = msgspec.json.decode(answer)["error"]
-        assert error["code"] == "too_many_connections" and error["type"] == "server_error"
+        assert error["code"] == "too_many_connections"
+        assert error["type"] == "server_error"
         assert rejections("too_many_connections") == before + 1
         for session in sessions:  # the three are still served on their own connections
             async with session.post(url, json=body, headers=AUTH) as response:

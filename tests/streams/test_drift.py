@@ -460,3 +460,35 @@ async def test_a_reference_without_measured_features_gives_way_to_a_window_with_
     assert verdicts == [(T0, "reference"), (w2, "reference"), (w3, "drift")]
     assert "has 0 rows with measured features; this window replaces it" in done[1].quality[0]
     assert {"prompt_language", "output_script", "refusal"} <= {f.name for f in done[2].features if f.drifted}
+
+
+def test_a_window_mixing_embedding_dimensions_keeps_its_own_and_names_the_others() -> None:
+    """Found by an audit: a window whose embeddings had two dimensions kept none of them, and its report
+    read "embedding: not sampled", which hid the cause."""
+    from streams.drift import sample_of
+
+    vectors = [{"embedding": [0.5] * 16}] * 5 + [{"embedding": [0.5] * 8}] * 2 + [{"embedding": [0.5] * 4}]
+    sample = sample_of([], vectors, 8)
+    assert sample.embeddings.shape == (5, 16)
+    assert sample.quality == ("embedding: 3 of 8 vectors of dimension 4, 8 (the window's: 16)",)
+    assert sample_of([], vectors[:5], 5).quality == ()
+    assert sample_of([], [], 0).embeddings.shape == (0, 0)
+
+
+@pytest.mark.integration
+async def test_a_window_mixing_embedding_dimensions_is_a_data_quality_verdict(tmp_path: Path) -> None:
+    w2 = T0 + timedelta(seconds=WINDOW_S)
+    mixed = window_events(w2, 120, seed=22)
+    for i in (0, 2, 4):  # three of its sixty embeddings cut to 8 dimensions
+        assert mixed[i].features is not None
+        assert mixed[i].features.embedding is not None
+        features = msgspec.structs.replace(mixed[i].features, embedding=mixed[i].features.embedding[:8])
+        mixed[i] = msgspec.structs.replace(mixed[i], features=features)
+    with warehouse(tmp_path) as client:
+        insert(client, rows_of(window_events(T0, 120, seed=21) + mixed))
+        done = await monitor(client, Published(client), drift_max_tenants=0).run_once(
+            w2 + timedelta(seconds=WINDOW_S + 6)
+        )
+    assert verdicts(done) == ["reference", "data_quality"]
+    assert done[1].quality[0] == "embedding: 3 of 60 vectors of dimension 8 (the window's: 16)"
+    assert "embedding" in {f.name for f in done[1].features}  # the rest is still tested
