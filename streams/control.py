@@ -39,10 +39,19 @@ class BudgetError(StreamsError, ValueError):
     """The budgets file cannot be read."""
 
 
+MAX_DAILY_USD = 9e12
+"""The largest limit a ``BudgetStateChanged`` can carry (``limit_micros`` is an int64). An audit: ``inf``
+(meant as "no limit") raised out of every control run and stopped the streams worker, and ``1e13``
+announced a state no edge could decode, so a tenant cut off stayed refused after its limit was raised. A
+tenant with no limit is one the file does not name."""
+
+
 class Budgets(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Daily spend limits per tenant in USD (TOML: ``[daily_usd]`` then ``acme = 25.0``)."""
 
-    daily_usd: dict[str, Annotated[float, msgspec.Meta(ge=0.0)]] = msgspec.field(default_factory=dict)
+    daily_usd: dict[str, Annotated[float, msgspec.Meta(ge=0.0, le=MAX_DAILY_USD)]] = msgspec.field(
+        default_factory=dict
+    )
 
     def limit_micros(self, tenant: str) -> int | None:
         limit = self.daily_usd.get(tenant)
@@ -56,8 +65,11 @@ def load_budgets(path: str | Path | None) -> Budgets:
         return msgspec.convert(tomllib.loads(Path(path).read_text()), Budgets)
     except FileNotFoundError:
         raise BudgetError(f"budgets file {path} does not exist") from None
-    except (tomllib.TOMLDecodeError, msgspec.ValidationError) as exc:
+    except (tomllib.TOMLDecodeError, OSError) as exc:
         raise BudgetError(f"budgets file {path}: {exc}") from exc
+    except msgspec.ValidationError as exc:
+        hint = " (a tenant without a limit is one the file does not name)" if "<=" in str(exc) else ""
+        raise BudgetError(f"budgets file {path}: {exc}{hint}") from exc
 
 
 @dataclass(frozen=True)

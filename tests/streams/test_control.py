@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from monitoring.slo import DEFAULT_CONFIG, AlertSettings, BurnAlert, SloConfig
+from schemas.codec import decode, encode
 from schemas.events import BudgetStateChanged, BurnRateCrossed
 from streams.control import BudgetError, Budgets, Controller, WindowCounts, burn_sql, load_budgets
 
@@ -121,6 +122,23 @@ def test_budgets_file(tmp_path: Path) -> None:
         load_budgets(path)
     with pytest.raises(BudgetError, match="does not exist"):
         load_budgets(tmp_path / "missing.toml")
+
+
+@pytest.mark.parametrize("limit", ["inf", "nan", "1e13", "-0.5"])
+def test_a_limit_no_budget_state_can_carry_is_refused_at_start(tmp_path: Path, limit: str) -> None:
+    """Found by an audit: ``acme = inf`` (meant as "no limit") raised OverflowError out of every control
+    run, which stopped the streams worker at each restart; ``1e13`` announced a state no edge could decode
+    (``limit_micros`` past int64), so a tenant cut off stayed refused after its limit was raised."""
+    path = tmp_path / "budgets.toml"
+    path.write_text(f"[daily_usd]\nacme = {limit}\n")
+    with pytest.raises(BudgetError, match="budgets file"):
+        load_budgets(path)
+    path.write_text("[daily_usd]\nacme = 9e12\n")
+    controller = Controller(load_budgets(path), SloConfig())
+    controller.seed({"acme": True})
+    (event,) = controller.budgets({"acme": 5_000_000_000})
+    assert decode(encode(event)) == event
+    assert not event.exhausted
 
 
 def test_burn_sql_names_its_window() -> None:
