@@ -30,6 +30,11 @@ def bucket(model: str, key: str, salt: str = "route") -> int:
     return int.from_bytes(digest, "big") % BUCKETS
 
 
+def buckets_of(share: float) -> int:
+    """The buckets a share of traffic takes: a share under half a bucket (0.005 %) takes none."""
+    return round(share * BUCKETS)
+
+
 def sticky_key(tenant: str, session: str | None) -> str:
     """The routing key: the tenant, and its session (``user`` field or ``X-Session-Id``) when given."""
     return f"{tenant}\0{session}" if session else tenant
@@ -57,7 +62,7 @@ class Deployment:
 
     def route(self, key: str) -> str:
         """The version serving ``key``."""
-        if self.candidate is not None and bucket(self.model, key) < round(self.share * BUCKETS):
+        if self.candidate is not None and bucket(self.model, key) < buckets_of(self.share):
             return self.candidate
         return self.stable
 
@@ -65,7 +70,7 @@ class Deployment:
         """The candidate, when a request of ``key`` routed to the stable version is also to be mirrored."""
         if self.candidate is None or self.shadow <= 0 or self.route(key) != self.stable:
             return None
-        return self.candidate if bucket(self.model, key, "shadow") < round(self.shadow * BUCKETS) else None
+        return self.candidate if bucket(self.model, key, "shadow") < buckets_of(self.shadow) else None
 
     @property
     def serving(self) -> frozenset[str]:

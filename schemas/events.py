@@ -539,18 +539,26 @@ gap): the metric does not exist for this model, so the gate counts as passed (ad
 rollouts: older readers of a ``DeploymentChanged`` whose evidence has it reject the event)."""
 
 
+MAX_GATE_REQUESTS = 1_000_000
+MAX_GATE_RATIO = 1000.0
+MAX_GATE_SECONDS = 7 * 86_400.0
+"""A rollout's gates are bounded, and so finite: an unbounded ``inf`` is written ``null`` in JSON, and a
+decision carrying one was published (the CLI said "rollout started") but no consumer could decode it (an
+audit)."""
+
+
 class RolloutGates(FrozenStruct, frozen=True, kw_only=True):
     """What a candidate must show at each step, compared with the stable version over the same window."""
 
-    min_requests: Annotated[int, msgspec.Meta(ge=1)] = 50
+    min_requests: Annotated[int, msgspec.Meta(ge=1, le=MAX_GATE_REQUESTS)] = 50
     """Terminal requests per version in the step before any gate decides (``insufficient_data`` before)."""
     max_error_delta: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.05
     """The candidate's error ratio may exceed the stable version's by at most this."""
-    max_ttft_p99_ratio: Annotated[float, msgspec.Meta(ge=1.0)] = 1.5
-    max_itl_p99_ratio: Annotated[float, msgspec.Meta(ge=1.0)] = 1.5
-    latency_slack_ms: Annotated[float, msgspec.Meta(ge=0.0)] = 25.0
+    max_ttft_p99_ratio: Annotated[float, msgspec.Meta(ge=1.0, le=MAX_GATE_RATIO)] = 1.5
+    max_itl_p99_ratio: Annotated[float, msgspec.Meta(ge=1.0, le=MAX_GATE_RATIO)] = 1.5
+    latency_slack_ms: Annotated[float, msgspec.Meta(ge=0.0, le=MAX_GATE_SECONDS * 1000)] = 25.0
     """Added to the latency limits, so a few ms of noise on a fast baseline is not a failure."""
-    max_cost_ratio: Annotated[float, msgspec.Meta(ge=1.0)] = 1.25
+    max_cost_ratio: Annotated[float, msgspec.Meta(ge=1.0, le=MAX_GATE_RATIO)] = 1.25
     """Cost per 1k tokens, candidate / stable."""
     drift: bool = True
     """The candidate's answers to its shadow copies differing from the stable version's answers to the
@@ -561,9 +569,9 @@ class RolloutGates(FrozenStruct, frozen=True, kw_only=True):
     min_cosine: Annotated[float, msgspec.Meta(ge=-1.0, le=1.0)] = 0.99
     """An embeddings model's drift gate: the cosine between the candidate's vector and the stable version's
     for the same input (a shadow pair) that at least 95 % of the pairs reach."""
-    step_min_s: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
+    step_min_s: Annotated[float, msgspec.Meta(ge=0.0, le=MAX_GATE_SECONDS)] = 0.0
     """Seconds each step lasts at least, however many requests it saw."""
-    ready_timeout_s: Annotated[float, msgspec.Meta(gt=0.0)] = 600.0
+    ready_timeout_s: Annotated[float, msgspec.Meta(gt=0.0, le=MAX_GATE_SECONDS)] = 600.0
     """Seconds a warming candidate may take to have a ready worker before the rollout is rolled back."""
 
 

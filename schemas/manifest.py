@@ -77,6 +77,21 @@ def models_root(cache_dir: str | Path) -> Path:
     return Path(cache_dir).expanduser() / "models"
 
 
+def version_dir(cache_dir: str | Path, model_id: str, version: str) -> Path:
+    """The registered directory of ``version`` of ``model_id``. A rollout of ``""``, ``current``, ``v2/`` or
+    ``../m/v2`` was published (an audit): a path that exists is not a version, and a worker of it could never
+    announce that version, so the rollout waited out its ready timeout."""
+    if not version or version in (".", "..", "current") or "/" in version or "\\" in version:
+        raise ManifestError(f"{version!r} is not a version name (`sluice models list` shows {model_id}'s)")
+    directory = models_root(cache_dir) / model_id / version
+    if not directory.is_dir():
+        raise ManifestError(f"{model_id} has no version {version}: register it with `sluice models add`")
+    found = read_manifest(directory).version
+    if found != version:
+        raise ManifestError(f"{directory} holds version {found}, not {version}")
+    return directory
+
+
 def current_model_dir(cache_dir: str | Path, model_id: str) -> Path:
     """The prepared directory in use for ``model_id`` (a symlink to its content-addressed version)."""
     return models_root(cache_dir) / model_id / "current"

@@ -31,7 +31,7 @@ from schemas.events import (
 from schemas.manifest import models_root
 from schemas.settings import PlatformSettings
 from schemas.topics import TopicNames
-from sluice.rollout import RolloutError, current_version, deployment_of
+from sluice.rollout import RolloutError, current_version, deployment_of, registered
 
 Logged = GenerationRequested | EmbeddingRequested
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
@@ -113,9 +113,7 @@ def evaluate(
     from streams.rollout import judge, stats_of
     from streams.settings import StreamsSettings
 
-    candidate_dir = models_root(platform.cache_dir) / model / version
-    if not candidate_dir.is_dir():
-        raise RolloutError(f"{model} has no version {version}: register it with `sluice models add`")
+    candidate_dir = registered(platform, model, version)
     deployment = deployment_of(platform, model)
     stable = (
         deployment.stable

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import asyncio
 from datetime import datetime
+from pathlib import Path
 
 import msgspec
 
 from bus.control import latest_deployments
 from bus.producer import EventProducer
+from schemas import codec
+from schemas.deployments import BUCKETS, buckets_of
 from schemas.events import DeploymentChanged, GateResult, RolloutGates, utc_now
-from schemas.manifest import ManifestError, current_model_dir, models_root, read_manifest
+from schemas.manifest import ManifestError, current_model_dir, read_manifest, version_dir
 from schemas.settings import PlatformSettings
 from schemas.topics import TopicNames
 from streams.rollout import advance, in_progress, roll_back, start_rollout, step_gates
@@ -41,8 +44,12 @@ def parse_steps(canary: float, steps: str) -> list[float]:
         ) from None
     if not 0 <= canary < 100:
         raise RolloutError(f"--canary {canary:g}: expected a percentage from 0 (shadow only) to below 100")
-    if any(not 0 < p <= 100 for p in listed):
-        raise RolloutError(f"--steps {steps!r}: every step must be above 0 and at most 100")
+    if canary > 0 and not buckets_of(canary / 100):
+        raise RolloutError(f"--canary {canary:g}: routes nothing (traffic is split in {BUCKETS:,} buckets); "
+                           "at least 0.01, or 0 for shadow only")  # fmt: skip
+    if any(not (0 < p <= 100 and buckets_of(p / 100)) for p in listed):
+        raise RolloutError(f"--steps {steps!r}: every step must be at least 0.01 (traffic is split in "
+                           f"{BUCKETS:,} buckets) and at most 100")  # fmt: skip
     shares = [canary, *sorted(p for p in set(listed) if p > canary)]
     if round(canary / 100, 6) >= 1.0:
         raise RolloutError(f"--canary {canary:g}: expected a percentage below 100")
@@ -56,6 +63,14 @@ def current_version(platform: PlatformSettings, model: str) -> str:
         return read_manifest(current_model_dir(platform.cache_dir, model)).version
     except ManifestError as exc:
         raise RolloutError(f"{model}: {exc} (run `sluice models prepare`)") from None
+
+
+def registered(platform: PlatformSettings, model: str, version: str) -> Path:
+    """The directory of a registered ``version`` of ``model`` (:func:`schemas.manifest.version_dir`)."""
+    try:
+        return version_dir(platform.cache_dir, model, version)
+    except ManifestError as exc:
+        raise RolloutError(str(exc)) from None
 
 
 def deployment_of(platform: PlatformSettings, model: str) -> DeploymentChanged | None:
@@ -75,8 +90,7 @@ def plan_start(
     """The ``deploy`` event that starts a rollout of ``version``, after checking it can start."""
     if model not in platform.served_models():
         raise RolloutError(f"{model} is not served (SLUICE_MODELS / SLUICE_MODEL_PATHS)")
-    if not (models_root(platform.cache_dir) / model / version).is_dir():
-        raise RolloutError(f"{model} has no version {version}: register it with `sluice models add`")
+    registered(platform, model, version)
     latest = deployment_of(platform, model)
     if latest is not None and in_progress(latest):
         where = "warming up" if latest.phase == "warming" else f"step {latest.step + 1}/{len(latest.steps)}"
@@ -87,7 +101,10 @@ def plan_start(
     stable = latest.stable if latest is not None and latest.stable else current_version(platform, model)
     if version == stable:
         raise RolloutError(f"{version} is already the stable version of {model}")
-    if steps[0] <= 0 and shadow <= 0:
+    if shadow > 0 and not buckets_of(shadow):
+        raise RolloutError(f"--shadow {shadow * 100:g}: mirrors nothing (requests are split in {BUCKETS:,} "
+                           "buckets); at least 0.01, or 0 for none")  # fmt: skip
+    if not buckets_of(steps[0]) and not buckets_of(shadow):
         raise RolloutError(
             "--canary 0 without --shadow sends the candidate nothing: it could never pass a gate; "
             "give it a share (--canary 5) or shadow traffic (--shadow 20)"
@@ -125,7 +142,13 @@ def _active(platform: PlatformSettings, model: str) -> DeploymentChanged:
 
 
 def publish(platform: PlatformSettings, event: DeploymentChanged) -> None:
-    """Durable on the control topic before returning."""
+    """Durable on the control topic before returning; refused when its consumers could not read it back (a
+    decision with an ``inf`` gate was written with ``null`` there, said "rollout started", and every
+    consumer skipped it: an audit)."""
+    try:
+        codec.decode(codec.encode(event))
+    except codec.DecodeError as exc:
+        raise RolloutError(f"this decision could not be read back by the platform: {exc}") from None
 
     async def send() -> None:
         producer = EventProducer(platform.kafka, "sluice/cli")

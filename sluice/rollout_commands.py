@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.table import Table
 
+from schemas.events import MAX_GATE_RATIO, MAX_GATE_REQUESTS, MAX_GATE_SECONDS
 from sluice.groups import command_group
 
 if TYPE_CHECKING:
@@ -30,10 +31,15 @@ rollout_app = command_group(
 MaxErrorDelta = Annotated[
     float, typer.Option("--max-error-delta", min=0, max=1, help="allowed error-ratio excess over stable")
 ]
-MaxTtftRatio = Annotated[float, typer.Option("--max-ttft-ratio", min=1, help="TTFT p99 limit, x stable's")]
-MaxItlRatio = Annotated[float, typer.Option("--max-itl-ratio", min=1, help="ITL p99 limit, x stable's")]
+MaxTtftRatio = Annotated[
+    float, typer.Option("--max-ttft-ratio", min=1, max=MAX_GATE_RATIO, help="TTFT p99 limit, x stable's")
+]
+MaxItlRatio = Annotated[
+    float, typer.Option("--max-itl-ratio", min=1, max=MAX_GATE_RATIO, help="ITL p99 limit, x stable's")
+]
 MaxCostRatio = Annotated[
-    float, typer.Option("--max-cost-ratio", min=1, help="cost per 1k tokens limit, x stable's")
+    float,
+    typer.Option("--max-cost-ratio", min=1, max=MAX_GATE_RATIO, help="cost per 1k tokens limit, x stable's"),
 ]
 
 
@@ -97,14 +103,22 @@ def rollout_start(
         float, typer.Option("--shadow", min=0, max=100, help="% of the stable version's requests mirrored")
     ] = 0.0,
     min_requests: Annotated[
-        int, typer.Option("--min-requests", min=1, help="requests per version per step before gates decide")
+        int,
+        typer.Option(
+            "--min-requests",
+            min=1,
+            max=MAX_GATE_REQUESTS,
+            help="requests per version per step before gates decide (the drift gate reads at most 1,000 "
+            "shadow pairs, and needs no more)",
+        ),
     ] = 50,
     max_error_delta: MaxErrorDelta = 0.05,
     max_ttft_ratio: MaxTtftRatio = 1.5,
     max_itl_ratio: MaxItlRatio = 1.5,
     max_cost_ratio: MaxCostRatio = 1.25,
     step_min_s: Annotated[
-        float, typer.Option("--step-min-s", min=0, help="seconds each step lasts at least")
+        float,
+        typer.Option("--step-min-s", min=0, max=MAX_GATE_SECONDS, help="seconds each step lasts at least"),
     ] = 60.0,
     drift_gate: Annotated[
         bool,
@@ -131,6 +145,7 @@ def rollout_start(
         typer.Option(
             "--ready-timeout-s",
             min=1,
+            max=MAX_GATE_SECONDS,
             help="seconds the candidate's workers may take to load; then rolled back",
         ),
     ] = 600.0,
@@ -165,7 +180,8 @@ def rollout_start(
 
         out.print(
             "  drift gate: at each step, once the other gates pass, the candidate's answers to its shadow copies "
-            f"are compared with the stable version's answers to the originals ({min_requests} pairs needed; "
+            f"are compared with the stable version's answers to the originals ({min(min_requests, 1000)} pairs "
+            "needed; "
             f"an embeddings model's vectors: 95 % of the pairs at cosine >= {min_cosine:g}, 1 in "
             "SLUICE_DRIFT_SAMPLE pairs carries them)"
             if shadow
@@ -185,7 +201,10 @@ def rollout_evaluate(
         int, typer.Option("--limit", min=1, help="at most this many requests (oldest first)")
     ] = 500,
     min_requests: Annotated[
-        int, typer.Option("--min-requests", min=1, help="fewer logged requests: insufficient_data")
+        int,
+        typer.Option(
+            "--min-requests", min=1, max=MAX_GATE_REQUESTS, help="fewer logged requests: insufficient_data"
+        ),
     ] = 20,
     max_error_delta: MaxErrorDelta = 0.05,
     max_ttft_ratio: MaxTtftRatio = 1.5,

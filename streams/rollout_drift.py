@@ -252,4 +252,6 @@ async def drift_gate(
         sql = pairs_sql(model, stable, candidate, since)
         judge = functools.partial(judge_drift, alpha=alpha, null_tolerance=null_tolerance)
     rows = await read(sql)
-    return await asyncio.to_thread(judge, rows, stable=stable, candidate=candidate, min_requests=min_requests)
+    # At most MAX_ROWS pairs are read: a step asking for more (--min-requests 1001) waited for ever (an audit).
+    needed = min(min_requests, MAX_ROWS)
+    return await asyncio.to_thread(judge, rows, stable=stable, candidate=candidate, min_requests=needed)

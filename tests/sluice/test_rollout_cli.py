@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
+import shutil
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -62,11 +64,17 @@ def test_parse_steps(canary: float, steps: str, shares: list[float]) -> None:
         (100, "", "--canary 100: expected a percentage from 0 (shadow only) to below 100"),
         (-1, "25", "--canary -1: expected a percentage"),
         (float("nan"), "25", "--canary nan"),
-        (5, "0,50", "--steps '0,50': every step must be above 0 and at most 100"),
-        (5, "50,150", "every step must be above 0 and at most 100"),
-        (5, "-5", "every step must be above 0"),
-        (5, "nan", "every step must be above 0"),
-        (5, "inf", "every step must be above 0"),
+        (5, "0,50", "--steps '0,50': every step must be at least 0.01"),
+        (
+            5,
+            "50,150",
+            "every step must be at least 0.01 (traffic is split in 10,000 buckets) and at most 100",
+        ),
+        (5, "-5", "every step must be at least 0.01"),
+        (5, "nan", "every step must be at least 0.01"),
+        (5, "inf", "every step must be at least 0.01"),
+        (0, "0.001,50", "every step must be at least 0.01"),  # an audit: a step that routes nothing
+        (0.001, "50", "--canary 0.001: routes nothing (traffic is split in 10,000 buckets)"),
     ],
 )
 def test_parse_steps_rejects(canary: float, steps: str, message: str) -> None:
@@ -85,13 +93,13 @@ def platform(tmp_path: Path) -> PlatformSettings:
         PlatformSettings, {"SLUICE_CACHE_DIR": str(tmp_path), "SLUICE_MODEL_PATHS": "extra-model=/nowhere"}
     )
     root = models_root(settings.cache_dir) / MODEL
-    for version in ("v1", "v2", "v3"):
-        (root / version).mkdir(parents=True)
-    write_manifest(
-        root / "v1", ModelManifest(model_id=MODEL, task="generation", version="v1", max_context=128)
-    )
+    for model, version in ((MODEL, "v1"), (MODEL, "v2"), (MODEL, "v3"), ("extra-model", "e2")):
+        directory = models_root(settings.cache_dir) / model / version
+        directory.mkdir(parents=True)
+        write_manifest(
+            directory, ModelManifest(model_id=model, task="generation", version=version, max_context=128)
+        )
     os.symlink(root / "v1", current_model_dir(settings.cache_dir, MODEL))
-    (models_root(settings.cache_dir) / "extra-model" / "e2").mkdir(parents=True)
     return settings
 
 
@@ -248,6 +256,37 @@ def test_start_refuses_a_version_file_that_is_no_directory(platform: PlatformSet
     (models_root(platform.cache_dir) / MODEL / "v4").write_text("not a model")
     with pytest.raises(RolloutError, match="has no version v4"):
         start(platform, "v4")
+
+
+@pytest.mark.parametrize(
+    ("version", "message"),
+    [
+        ("", "'' is not a version name"),
+        ("current", "'current' is not a version name"),
+        (".", "'.' is not a version name"),
+        ("v2/", "'v2/' is not a version name"),
+        ("../demo-gpt/v2", "is not a version name"),
+        ("v5", "holds version v2, not v5"),
+    ],
+)
+def test_start_refuses_a_path_that_is_not_a_registered_version(
+    platform: PlatformSettings, log: Log, version: str, message: str
+) -> None:
+    """Found by an audit: any path that existed was taken (the model folder itself, the ``current`` link,
+    ``v2/``), and a rollout published whose candidate no worker could ever announce."""
+    shutil.copytree(
+        models_root(platform.cache_dir) / MODEL / "v2", models_root(platform.cache_dir) / MODEL / "v5"
+    )
+    with pytest.raises(RolloutError, match=re.escape(message)):
+        start(platform, version)
+
+
+@pytest.mark.parametrize("shadow", [0.00001, 0.00004])
+def test_start_refuses_a_shadow_share_that_mirrors_nothing(
+    platform: PlatformSettings, log: Log, shadow: float
+) -> None:
+    with pytest.raises(RolloutError, match="mirrors nothing"):
+        plan_start(platform, MODEL, "v2", steps=STEPS, shadow=shadow, gates=GATES, now=T0)
 
 
 def test_start_refuses_an_unserved_model(platform: PlatformSettings, log: Log) -> None:
@@ -454,3 +493,32 @@ def test_rollout_status_without_a_broker_is_one_line(tmp_path: Path) -> None:
     assert result.returncode == 1, result.stderr
     assert "Traceback" not in result.stderr
     assert "error: cannot read the control topic" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "option", ["--step-min-s", "--ready-timeout-s", "--max-ttft-ratio", "--max-itl-ratio", "--max-cost-ratio"]
+)
+def test_a_gate_no_consumer_could_read_is_a_usage_error(option: str, tmp_path: Path) -> None:
+    """Found by an audit: ``inf`` for these passed, the decision was written with ``null`` in its place,
+    the CLI said "rollout started", and every consumer skipped the record it could not decode."""
+    from sluice.cli import app
+
+    result = CliRunner().invoke(
+        app,
+        ["rollout", "start", MODEL, "--version", "v2", option, "inf"],
+        env={"COLUMNS": "200", "SLUICE_CACHE_DIR": str(tmp_path)},
+    )
+    assert result.exit_code == 2, result.output
+    assert "rollout started" not in result.output
+
+
+def test_a_decision_that_would_not_read_back_is_not_published(
+    platform: PlatformSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever a check upstream lets through, ``publish`` reads the decision back first."""
+    monkeypatch.setattr(sluice.rollout, "EventProducer", lambda *a, **k: pytest.fail("published"))
+    unreadable = msgspec.structs.replace(
+        warming(), gates=msgspec.structs.replace(GATES, step_min_s=float("inf"))
+    )
+    with pytest.raises(RolloutError, match="could not be read back"):
+        sluice.rollout.publish(platform, unreadable)

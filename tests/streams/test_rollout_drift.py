@@ -218,6 +218,17 @@ async def test_pairs_are_capped_and_stay_pairs(tmp_path: Path) -> None:
     assert all(pairs[i] in by_id for i, version in by_id.items() if version == CANDIDATE)
 
 
+async def test_a_step_asking_for_more_pairs_than_are_read_is_judged_on_those_read(tmp_path: Path) -> None:
+    """Found by an audit: at most MAX_ROWS pairs are read, so ``--min-requests 1001`` with ``--shadow``
+    left the gate at "1000 shadow pairs that both completed, 1001 needed" for ever, and the rollout with it."""
+    served = originals(MAX_ROWS + 150)
+    with warehouse(tmp_path) as client:
+        stored(client, served, copies(served))
+        result = await gate(client, min_requests=MAX_ROWS + 1)
+    assert result.state == "pass", result.detail
+    assert result.candidate_n == MAX_ROWS
+
+
 async def test_without_shadow_the_gate_does_not_apply(tmp_path: Path) -> None:
     with warehouse(tmp_path) as client:
         for embeddings in (False, True):
