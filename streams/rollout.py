@@ -26,7 +26,8 @@ candidate to stable.
 The controller keeps no state of its own beyond the latest deployment per model, which it reads from the
 control topic at start and follows through the sink: a restarted controller resumes exactly where the
 log says the rollout is, and recomputes the gates from the warehouse. Like the edges and workers, it
-follows the log's order (each deployment's place on the control topic), not the deciders' clocks.
+follows the log's order (each deployment's place on the control topic), not the deciders' clocks, and
+times each step from when it saw it start (a decision's ``step_started`` is its decider's clock).
 
 An operator's decision outranks the controller's. Both are derived from the latest deployment the decider
 has read, so the two can race: the operator aborts, and before the sink has brought the abort here the
@@ -544,6 +545,12 @@ class RolloutController:
         """model -> the deployment (step) whose drift gate was tested, and its verdict: one test a step."""
         self._clock = clock
         self._monotonic = monotonic or time.monotonic
+        self._started: dict[str, tuple[str, datetime]] = {}
+        """model -> (deployment id, when its step started on this controller's clock): when the controller
+        followed it, or its ``step_started`` when seeded from the log at start. A decision carries the
+        clock of whoever made it: an operator's 15 minutes behind rolled a warming rollout back at the first
+        look, and one an hour behind (its time then only just after the previous decision's) let a promoted
+        step advance at once on the previous step's requests (an audit)."""
         self._latest: dict[str, tuple[DeploymentChanged, Position | None]] = {}
         """model -> its latest deployment (the log's, or this controller's own decision) and where it is
         on the control topic (None: not known)."""
@@ -587,7 +594,9 @@ class RolloutController:
         events = list(control)
         latest = {e.model: e for e in events if isinstance(e, DeploymentChanged)}
         for deployment in latest.values():
-            self._follow(deployment, places.get(deployment.id))
+            self._follow(
+                deployment, places.get(deployment.id), started=deployment.step_started or deployment.time
+            )
         for event in events:
             if isinstance(event, WorkerReady):
                 self._remember_ready(event)
@@ -603,9 +612,17 @@ class RolloutController:
             while len(self._ready) > READY_REMEMBERED:
                 self._ready.popitem(last=False)
 
-    def _follow(self, event: DeploymentChanged, at: Position | None, *, read: bool = True) -> None:
+    def _follow(
+        self,
+        event: DeploymentChanged,
+        at: Position | None,
+        *,
+        read: bool = True,
+        started: datetime | None = None,
+    ) -> None:
         """``event`` is the model's latest deployment unless the log has it before the one known
-        (``read``: it was read from the log, not just published by this controller)."""
+        (``read``: it was read from the log, not just published by this controller; ``started``: when its
+        step started, if not now)."""
         known, known_at = self._known(event.model)
         if read:
             self._check_outranked(event, at)
@@ -613,6 +630,8 @@ class RolloutController:
             return  # earlier in the log (redelivered, or raced by a later decision): the state is past it
         if known is None or known.id != event.id:
             metrics.ROLLOUT_DECISIONS.labels(event.model, event.action, event.actor or "operator").inc()
+        if self._started.get(event.model, ("", None))[0] != event.id:
+            self._started[event.model] = (event.id, started or self._clock())
         self._latest[event.model] = (event, at)
         if event.phase != "canary":
             self._burning.pop(event.model, None)
@@ -711,6 +730,7 @@ class RolloutController:
         current, _ = self._known(model)
         if current is None or not in_progress(current):
             return None
+        current = self._as_started(current)
         if current.phase == "warming":
             ready = self._ready.get((current.id, current.candidate or ""))
             decision = warm(current, ready, self._clock())
@@ -734,6 +754,13 @@ class RolloutController:
             return None
         decision = decide(current, results, self._clock())
         return decision if decision is not None and await self._act(model, decision) else None
+
+    def _as_started(self, current: DeploymentChanged) -> DeploymentChanged:
+        """``current`` with its step started when this controller saw it start (``_started``)."""
+        known_id, started = self._started.get(current.model, ("", None))
+        if known_id != current.id or started is None or started == current.step_started:
+            return current
+        return msgspec.structs.replace(current, step_started=started)
 
     async def _reapply(self) -> list[DeploymentChanged]:
         """Publish again each operator's decision that one of this controller's landed after."""

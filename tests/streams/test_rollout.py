@@ -993,6 +993,47 @@ async def test_a_restarted_controller_resumes_a_warming_rollout_from_the_log(har
     assert (step.phase, step.traffic) == ("canary", {"v1": 0.95, "v2": 0.05})
 
 
+async def test_a_rollout_started_on_a_clock_behind_still_gets_its_ready_timeout(harness: Harness) -> None:
+    """Found by an audit: the ready timeout counted from the start's own time, on the operator's clock: one
+    15 minutes behind rolled the rollout back at the controller's first look, 1 s after the start."""
+    controller = harness.controller()
+    controller.seed([])
+    begun = warming(now=harness.now - timedelta(minutes=15), gates=RolloutGates(ready_timeout_s=600))
+    controller.observe([begun])
+    harness.later(1)
+    assert await controller.run_due() == []
+    harness.later(590)
+    assert await controller.run_due() == []
+    controller.observe([ready(begun)])
+    harness.later(1)
+    (step,) = await controller.run_due()
+    assert step.phase == "canary"
+
+
+async def test_a_step_promoted_on_a_clock_behind_still_lasts_step_min_s(harness: Harness) -> None:
+    """Found by an audit: an operator's promotion an hour behind the controller is dated just after the
+    decision before it (``after``), so the new step looked an hour old: it advanced 1 s later, judged on the
+    previous step's requests. The controller times a step from when it saw it start."""
+    gates = RolloutGates(min_requests=100, step_min_s=600)
+    controller = harness.controller()
+    current = canary(now=harness.now - timedelta(minutes=20), gates=gates)
+    controller.seed([current])
+    promoted = advance(current, harness.now - timedelta(hours=1), "promoted by the operator", [], "operator")
+    assert promoted.step_started is not None
+    assert promoted.step_started < current.time + timedelta(seconds=1)
+    controller.observe([promoted])
+    harness.later(1)
+    assert await controller.run_due() == []
+    assert (
+        f"fromUnixTimestamp64Milli({int(harness.now.timestamp() * 1000) - 1000}"
+        in harness.warehouse.queries[-1]
+    )
+    harness.later(600)
+    controller.observe([finished()])
+    (step,) = await controller.run_due()
+    assert (step.step, step.traffic) == (2, {"v1": 0.5, "v2": 0.5})
+
+
 async def test_the_controller_rolls_back_a_candidate_never_ready(harness: Harness) -> None:
     controller = harness.controller()
     begun = warming(now=harness.now, gates=RolloutGates(ready_timeout_s=30))
