@@ -46,7 +46,7 @@ class FleetSettings(msgspec.Struct, frozen=True, kw_only=True):
     """Scale each model's workers on its queue in Kafka between ``workers_per_model`` and ``max_workers``."""
     fleet_max_workers: Count = 4
     """The most workers per model autoscaling starts."""
-    fleet_target_lag: Annotated[int, msgspec.Meta(ge=1)] = 50
+    fleet_target_lag: Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)] = 50
     """Requests waiting or running that one worker is sized for (KEDA's ``lagThreshold`` in infra/k8s)."""
     fleet_scale_in_after_s: Annotated[float, msgspec.Meta(ge=0.0)] = 60.0
     """How long the queue must call for fewer workers before one stops (and again before the next)."""
@@ -90,12 +90,18 @@ class ScalePolicy:
     scale_in_after_s: float
     _below_since: dict[str, float] = field(default_factory=dict)
 
-    def wanted(self, lag: int) -> int:
-        return min(self.max_workers, max(self.min_workers, math.ceil(lag / self.target_lag)))
+    def wanted(self, lag: int, partitions: int | None = None) -> int:
+        """Workers for ``lag``, within the bounds and, past ``min_workers``, no more than the topic's
+        ``partitions``: a worker past them gets none, and holds its model in memory doing nothing (an audit:
+        a lag of 2,000 started 12 workers on 6 partitions)."""
+        ceiling = self.max_workers if partitions is None else min(self.max_workers, partitions)
+        return min(max(ceiling, self.min_workers), max(self.min_workers, math.ceil(lag / self.target_lag)))
 
-    def decide(self, model: str, current: int, lag: int, now: float) -> Decision | None:
-        """The new worker count when it changes now, else None."""
-        wanted = self.wanted(lag)
+    def decide(
+        self, model: str, current: int, lag: int, now: float, partitions: int | None = None
+    ) -> Decision | None:
+        """The new worker count when it changes now, else None (``partitions``: the request topic's)."""
+        wanted = self.wanted(lag, partitions)
         if current < self.min_workers or current > self.max_workers:  # bounds changed since the last run
             self._below_since.pop(model, None)
             bounded = min(self.max_workers, max(self.min_workers, current))
@@ -124,6 +130,8 @@ class GroupLag:
     def __init__(self, kafka: KafkaConnection) -> None:
         self._kafka = kafka
         self._consumers: dict[str, Consumer] = {}
+        self.partitions: dict[str, int] = {}
+        """topic -> its partitions, as of the last read of its lag."""
 
     def __call__(self, topic: str, model: str, version: str | None) -> int:
         """Records of ``topic`` not yet committed by the worker group of ``model``'s ``version``: queued and
@@ -134,6 +142,7 @@ class GroupLag:
             consumer = Consumer(consumer_config(self._kafka, group, "sluice-autoscaler"))
             self._consumers[group] = consumer
         meta = consumer.list_topics(topic, timeout=10).topics[topic]
+        self.partitions[topic] = len(meta.partitions)
         tps = [TopicPartition(topic, p) for p in meta.partitions]
         committed = {tp.partition: tp.offset for tp in consumer.committed(tps, timeout=10)}
         lag = 0

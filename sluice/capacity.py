@@ -107,7 +107,7 @@ def load_measured(path: Path, task: Task) -> Measured:
         ) from None
     except OSError as exc:  # a directory, no permission
         raise CapacityError(f"cannot read {path}: {exc.strerror or exc}") from None
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, RecursionError) as exc:
         raise CapacityError(f"{path} is not an online benchmark result ({exc!r} missing or wrong)") from None
 
 
@@ -119,7 +119,12 @@ def plan(measured: Measured, profile: Profile) -> Plan:
         raise CapacityError("--headroom is the fraction of each worker kept free: from 0 up to (not) 1")
     if profile.zones < 1:
         raise CapacityError("--zones must be at least 1")
-    if measured.per_worker <= 0 or measured.single_stream <= 0:
+    if not 0 < profile.slo_ms < math.inf:
+        raise CapacityError("--slo-ms must be a number of milliseconds above 0")
+    if not 0 <= profile.prompt_token_cost < math.inf:
+        raise CapacityError("--prompt-token-cost must be a number from 0")
+    measures = (measured.per_worker, measured.single_stream, measured.alone_p99_ms)
+    if not all(0 < value < math.inf for value in measures):  # NaN fails too
         raise CapacityError(f"{measured.source} measured no throughput for {measured.task}")
     if measured.task == "generation":
         if profile.output_tokens < 1:
@@ -132,6 +137,8 @@ def plan(measured: Measured, profile: Profile) -> Plan:
         request_ms = 1000 * profile.inputs_per_request / measured.single_stream
         first_ms = measured.alone_p99_ms
     demand = profile.rps * per_request
+    if not demand < math.inf:
+        raise CapacityError(f"a demand of {profile.rps:g} rps x {per_request:g} is past any plan")
     load = demand / measured.per_worker
     needed = max(1, math.ceil(load / (1 - profile.headroom) - 1e-9))
     zones = profile.zones
@@ -195,6 +202,7 @@ def capacity(
     """Workers needed for a traffic profile, from the throughput `benchmarks/online.py` measured: with
     headroom for bursts, and spread over zones so that losing one still holds the load."""
     console, errors = Console(emoji=False), Console(stderr=True, emoji=False)
+    task = task.lower()
     if task not in ("generation", "embeddings"):
         errors.print(f"[red]error:[/] --task must be generation or embeddings, not {escape(repr(task))}")
         raise typer.Exit(2)

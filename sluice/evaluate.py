@@ -36,6 +36,9 @@ from sluice.rollout import RolloutError, current_version, deployment_of, registe
 Logged = GenerationRequested | EmbeddingRequested
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+MAX_WINDOW = timedelta(days=3650)
+"""The longest ``--from-log`` window: a request topic keeps days of log, and a start a few thousand
+years back is past what ``datetime`` holds."""
 
 
 def parse_duration(text: str) -> timedelta:
@@ -43,7 +46,10 @@ def parse_duration(text: str) -> timedelta:
     match = _DURATION.match(text.strip())
     if match is None:
         raise RolloutError(f"--from-log {text!r}: expected a duration such as 30m, 1h or 2d")
-    return timedelta(seconds=float(match.group(1)) * _UNITS[match.group(2)])
+    seconds = float(match.group(1)) * _UNITS[match.group(2)]
+    if seconds > MAX_WINDOW.total_seconds():  # an audit: 1000000000d was an OverflowError's traceback
+        raise RolloutError(f"--from-log {text!r}: at most {MAX_WINDOW.days} days (the log keeps less)")
+    return timedelta(seconds=seconds)
 
 
 def logged_requests(

@@ -382,8 +382,11 @@ class Fleet:
         """Decide each model's worker count from its lag; a change is published before it is acted on."""
         for model, version in sorted(stable.items()):
             current = len(self.workers.get((model, version), []))
-            lag = await asyncio.to_thread(self._lag, self._names.requests(model), model, version)
-            decision = self.policy.decide(model, current, lag, time.monotonic())
+            topic = self._names.requests(model)
+            lag = await asyncio.to_thread(self._lag, topic, model, version)
+            decision = self.policy.decide(
+                model, current, lag, time.monotonic(), self._lag.partitions.get(topic)
+            )
             if decision is None:
                 continue
             event = WorkersScaled(

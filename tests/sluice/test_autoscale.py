@@ -33,6 +33,17 @@ def test_out_at_once_and_straight_to_what_the_lag_needs_within_bounds() -> None:
     assert policy.decide("m", 4, 10_000, now=3) is None
 
 
+def test_no_more_workers_than_the_topic_has_partitions() -> None:
+    """Found by an audit: a lag of 2,000 with up to 12 workers started 12 on a 6-partition topic; six got no
+    partition and held their models in memory doing nothing. The operator's own minimum still stands."""
+    policy = _policy(max_workers=12)
+    out = policy.decide("m", 1, 2_000, now=0, partitions=6)
+    assert out is not None
+    assert out.replicas == 6
+    assert policy.decide("m", 6, 2_000, now=1, partitions=6) is None
+    assert _policy(min_workers=8, max_workers=12).wanted(2_000, partitions=6) == 8
+
+
 def test_in_slowly_one_at_a_time_after_the_lag_stayed_low() -> None:
     policy = _policy(scale_in_after_s=30)
     assert policy.decide("m", 3, 0, now=100) is None  # the low lag starts the clock
@@ -86,6 +97,10 @@ def test_fleet_settings_from_env_and_their_limits() -> None:
         load_settings(FleetSettings, {**env, "SLUICE_FLEET_MAX_WORKERS": "1"})
     with pytest.raises(SettingsError):
         load_settings(FleetSettings, {"SLUICE_FLEET_EDGES": "0"})
+    with pytest.raises(
+        SettingsError, match="SLUICE_FLEET_TARGET_LAG"
+    ):  # an audit: no decision could carry it
+        load_settings(FleetSettings, {"SLUICE_FLEET_TARGET_LAG": str(2**63)})
     with pytest.raises(msgspec.ValidationError, match="SLUICE_FLEET_MAX_WORKERS"):  # the CLI's flags path
         msgspec.convert(
             {"fleet_autoscale": True, "fleet_workers_per_model": 3, "fleet_max_workers": 2}, FleetSettings

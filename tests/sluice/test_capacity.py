@@ -62,6 +62,11 @@ def test_embeddings_count_inputs() -> None:
         (Profile(rps=1, output_tokens=1, headroom=1.0), "--headroom"),
         (Profile(rps=1, output_tokens=1, zones=0), "--zones"),
         (Profile(rps=1, output_tokens=0), "--output-tokens"),
+        # an audit: these raised OverflowError, or planned against a NaN SLO
+        (Profile(rps=1e308, output_tokens=1, prompt_tokens=200), "past any plan"),
+        (Profile(rps=1, output_tokens=1, prompt_token_cost=float("inf")), "--prompt-token-cost"),
+        (Profile(rps=1, output_tokens=1, slo_ms=float("nan")), "--slo-ms"),
+        (Profile(rps=1, output_tokens=1, slo_ms=-5), "--slo-ms"),
     ],
 )
 def test_bad_profiles_are_clear_errors(profile: Profile, message: str) -> None:
@@ -83,6 +88,27 @@ def test_missing_or_foreign_results_are_clear_errors(tmp_path: Path) -> None:
     (tmp_path / "other.json").write_text('{"machine": {"quick": false}}')
     with pytest.raises(CapacityError, match="is not an online benchmark result"):
         load_measured(tmp_path / "other.json", "generation")
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -1.0])
+def test_a_result_with_a_throughput_that_is_no_number_is_a_clear_error(value: float) -> None:
+    measured = Measured(
+        "generation", per_worker=value, single_stream=100.0, alone_p99_ms=20.0, quick=False, source="t"
+    )
+    with pytest.raises(CapacityError, match="measured no throughput"):
+        plan(measured, Profile(rps=1, output_tokens=1))
+
+
+def test_a_result_nested_too_deep_is_a_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(CapacityError, match="is not an online benchmark result"):
+        load_measured(tmp_path / "deep.json", "generation")
+
+
+def test_the_task_is_case_insensitive(tmp_path: Path) -> None:
+    result = CliRunner().invoke(app, ["capacity", "--task", "Embeddings", "--bench", str(_bench(tmp_path))])
+    assert result.exit_code == 0, result.output
+    assert "capacity for embeddings" in result.output
 
 
 def _bench(tmp_path: Path, *, quick: bool = False, ttft_p99: float = 10.0) -> Path:

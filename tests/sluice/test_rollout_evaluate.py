@@ -144,3 +144,7 @@ def test_durations() -> None:
     assert parse_duration("1.5h").total_seconds() == 5400
     with pytest.raises(RolloutError, match="expected a duration"):
         parse_duration("1 hour")
+    for huge in ("1000000000d", "800000d", "1e400s"):  # an audit: an OverflowError's traceback, exit 1
+        with pytest.raises(RolloutError, match=r"at most 3650 days|expected a duration"):
+            parse_duration(huge)
+    assert parse_duration("3650d").days == 3650
