@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import math
 import secrets
@@ -44,6 +45,7 @@ from ingest.errors import (
     MethodNotAllowed,
     NotFound,
     PayloadTooLarge,
+    StorageFull,
     error_response,
 )
 from ingest.gateway import Gateway
@@ -114,6 +116,15 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
             response.set_status(exc.status, exc.reason)
             return response
         raise
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            log.exception("unhandled error in %s %s", request.method, request.path)
+            return error_response(IngestError("The server had an error while processing your request."))
+        # no traceback: the cause is known
+        log.error("%s %s: the files disk is full (%s)", request.method, request.path, exc.strerror)  # noqa: TRY400
+        full = StorageFull("The server has no room left to store this; retry later.")
+        note_refusal(request, full)
+        return error_response(full)
     except Exception:
         log.exception("unhandled error in %s %s", request.method, request.path)
         return error_response(IngestError("The server had an error while processing your request."))

@@ -117,7 +117,7 @@ class BatchRoutes:
     async def delete_file(self, request: web.Request) -> web.Response:
         tenant, runner = self._caller(request)
         file_id = request.match_info["file_id"]
-        runner.delete_file(tenant.name, file_id)  # 409 file_in_use while a batch reads it
+        await runner.delete_file(tenant.name, file_id)  # 409 file_in_use while a batch reads it
         return json_response({"id": file_id, "object": "file", "deleted": True})
 
     async def content(self, request: web.Request) -> web.StreamResponse:
@@ -152,7 +152,7 @@ class BatchRoutes:
         except ValueError:
             raise InvalidRequest("limit must be a whole number from 1 to 100.", param="limit") from None
         after = request.query.get("after")
-        states = runner.listing(tenant.name)
+        states = await runner.listing(tenant.name)
         if after:
             states = [s for s in states if s.batch_id < after]
         page = states[:limit]

@@ -10,10 +10,12 @@ edge rebuilds the job from them and goes on.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import io
 import os
 import random
+import threading
 from array import array
 from collections.abc import Iterator
 from datetime import datetime
@@ -34,6 +36,8 @@ published again (attempt + 1) after a retriable failure."""
 
 
 NO_LINE_BYTES = b"null"
+MAX_ATTEMPT = 256
+"""A line's attempts are counted in a byte."""
 
 
 class JournalEntry(msgspec.Struct, frozen=True, array_like=True):
@@ -71,9 +75,12 @@ class Job:
         self.unready_rounds = 0
         """Rounds in a row whose lines all waited (a retriable refusal): the next wait is longer."""
         self.published_seq = -1
+        self.saved_seq = -1
+        """The ``seq`` of the last state written to ``state.json`` (a full disk can leave it behind)."""
         self._journal: BinaryIO | None = None
         self._input: BinaryIO | None = None
         self._dirty_journal = False
+        self._syncing = threading.Lock()
 
     @property
     def total(self) -> int:
@@ -134,6 +141,9 @@ class Job:
                     entry = _ENTRY.decode(raw)
                 except UNREADABLE_JSON:  # a ValidationError too
                     break  # a torn last write: everything after it is re-learned from the results topic
+                if not (0 <= entry.index < self.total and 0 <= entry.attempt < MAX_ATTEMPT):
+                    break  # no entry this edge writes: the journal is damaged from here, read as torn (an
+                    # audit: an index past the end stopped every restart of the edge)
                 self._apply(entry, offset, backoff=0.0, now=0.0)
                 offset += len(raw)
         with self.journal_path.open("r+b") as journal:
@@ -167,18 +177,30 @@ class Job:
             heapq.heappush(self.retries, (now + delay, i))
 
     def sync(self) -> None:
-        """Make the journal durable (before the offsets of what it records are committed)."""
-        if self._journal is not None and self._dirty_journal:
-            self._journal.flush()
-            os.fsync(self._journal.fileno())
-            self._dirty_journal = False
+        """Make the journal durable (before the offsets of what it records are committed). A reader of the
+        files (on a thread) syncs too: the flag is cleared before the flush, under a lock, so a result
+        recorded meanwhile is never taken as synced, and the runner's sync waits for one in progress."""
+        with self._syncing:
+            journal = self._journal
+            if journal is not None and self._dirty_journal:
+                self._dirty_journal = False
+                try:
+                    journal.flush()
+                    os.fsync(journal.fileno())
+                except BaseException:
+                    self._dirty_journal = True
+                    raise
 
     def close(self) -> None:
-        self.sync()
-        for handle in (self._journal, self._input):
-            if handle is not None:
-                handle.close()
-        self._journal = self._input = None
+        """Sync the journal and close the job's files (closed even when the sync fails: a full disk)."""
+        try:
+            self.sync()
+        finally:
+            for handle in (self._journal, self._input):
+                if handle is not None:
+                    with contextlib.suppress(OSError):  # its buffer cannot be written either
+                        handle.close()
+            self._journal = self._input = None
 
     # ------------------------------------------------------------------ progress
 
@@ -222,6 +244,7 @@ class Job:
         """``state`` into ``state.json`` (the job's state is set apart: the runner sets it at once, and
         writes it on a thread)."""
         write_atomic(self.folder / "state.json", encode(state))
+        self.saved_seq = max(self.saved_seq, state.seq)
 
     # ------------------------------------------------------------------ files
 
@@ -237,8 +260,11 @@ class Job:
     def lines(self, *, ok: bool, ending: Ending | None = None) -> Iterator[bytes]:
         """The output (``ok``) or error lines in input order, of what has settled by now; with ``ending``,
         the error lines of what never settled too (the batch expired or was cancelled first)."""
+        # What has settled now, then synced: every result in this snapshot was written before it, so the
+        # sync puts it in the file. (Synced first, a result recorded in between was read past the file's
+        # end: a 500, or a download cut short; an audit.)
+        status, result_at = bytes(self.status), array("q", self.result_at)
         self.sync()
-        status, result_at = bytes(self.status), array("q", self.result_at)  # later results are not synced
         want = DONE if ok else FAILED
         journal = self.journal_path.open("rb") if self.journal_path.exists() else io.BytesIO()
         with journal:

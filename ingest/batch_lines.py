@@ -77,6 +77,18 @@ class Parsed(msgspec.Struct, frozen=True):
     flags: int
 
 
+ECHO_CHARS = 100
+"""The most of a line's own value an error message quotes: a 100 KB ``url`` was quoted whole, in each of a
+batch's reported errors, into its state (10 MB, past what a record may carry: an audit)."""
+
+
+def echo(value: str) -> str:
+    """``value`` quoted for an error message, cut to :data:`ECHO_CHARS`."""
+    if len(value) <= ECHO_CHARS:
+        return repr(value)
+    return f"{value[:ECHO_CHARS]!r}... ({len(value):,} characters)"
+
+
 def parse_line(raw: bytes, endpoint: Endpoint) -> Parsed:
     """The line's parts, checked as far as they can be without the model (:class:`LineError` otherwise)."""
     try:
@@ -92,11 +104,11 @@ def parse_line(raw: bytes, endpoint: Endpoint) -> Parsed:
             "invalid_custom_id", f"custom_id must be 1 to {MAX_CUSTOM_ID} characters.", "custom_id"
         )
     if line.method.upper() != "POST":
-        raise LineError("invalid_method", f"method must be POST, not {line.method!r}.", "method")
+        raise LineError("invalid_method", f"method must be POST, not {echo(line.method)}.", "method")
     if line.url != endpoint:
         raise LineError(
             "mismatched_endpoint",
-            f"The url {line.url!r} does not match the batch's endpoint {endpoint!r}.",
+            f"The url {echo(line.url)} does not match the batch's endpoint {endpoint!r}.",
             "url",
         )
     body = bytes(line.body)
@@ -143,7 +155,7 @@ def line_request(
     if prepared.event.model != batch.model and batch.model:
         raise LineError(
             "mismatched_model",
-            f"Every line of a batch names one model; this one names {parsed.model!r}.",
+            f"Every line of a batch names one model; this one names {echo(parsed.model)}.",
             "body.model",
         )
     request_id = item_request_id(batch, index, attempt)

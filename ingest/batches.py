@@ -23,6 +23,7 @@ import contextlib
 import functools
 import hashlib
 import logging
+import shutil
 import time
 from array import array
 from collections import Counter
@@ -47,7 +48,7 @@ from ingest.batch_job import (
     at_time,
     load_state,
 )
-from ingest.batch_lines import LineError, item_request_id, line_request, output_line, parse_line
+from ingest.batch_lines import LineError, echo, item_request_id, line_request, output_line, parse_line
 from ingest.batch_log import BatchLog
 from ingest.errors import IngestError, InvalidRequest, NotFound
 from ingest.files import (
@@ -82,6 +83,8 @@ T = TypeVar("T")
 ENDPOINTS: tuple[Endpoint, ...] = get_args(Endpoint)
 RETRIABLE_CODES = frozenset({"queue_full", "worker_oom", "worker_error", "unavailable", "fault_injected"})
 MAX_REPORTED_ERRORS = 100
+VALIDATIONS = 2
+"""Batches validated at once, one per tenant at most."""
 ENDING_GRACE_S = 30.0
 """After a cancel or the expiry, how long lines already running may take to end before the batch is
 finalised without them."""
@@ -145,6 +148,25 @@ class CreateBatch(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     metadata: dict[str, str] | None = None
 
 
+METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
+"""OpenAI's limits on a batch's ``metadata``. Unbounded, 16 values of 63 KB made every state of the batch
+larger than a record may be (an audit)."""
+
+
+def check_metadata(metadata: dict[str, str]) -> None:
+    if len(metadata) > METADATA_PAIRS:
+        raise InvalidRequest(f"metadata holds at most {METADATA_PAIRS} pairs.", param="metadata")
+    for key, value in metadata.items():
+        if len(key) > METADATA_KEY_CHARS or len(value) > METADATA_VALUE_CHARS:
+            raise InvalidRequest(
+                f"metadata keys are at most {METADATA_KEY_CHARS} characters and values at most "
+                f"{METADATA_VALUE_CHARS} (key {echo(key)} has a {len(key)}-character key and a "
+                f"{len(value)}-character value).",
+                param="metadata",
+                code="invalid_metadata",
+            )
+
+
 class BatchRunner(AsyncComponent):
     def __init__(
         self,
@@ -165,6 +187,11 @@ class BatchRunner(AsyncComponent):
         self._in_flight: dict[str, int] = {}
         self._wake = asyncio.Event()
         self._pool: ThreadPoolExecutor | None = None
+        self._checks: ThreadPoolExecutor | None = None
+        """Validation's own threads: on the file threads, 8 big batches of one tenant held every other
+        tenant's batches (and cancels, state writes, journal syncs) behind them for 20 s (an audit)."""
+        self._checking: dict[str, asyncio.Semaphore] = {}
+        """tenant -> one validation at a time: a tenant's batches take turns, others' go beside them."""
         self._tasks: set[asyncio.Task[None]] = set()
         self._started = False
         self._last_progress: dict[str, float] = {}
@@ -180,6 +207,7 @@ class BatchRunner(AsyncComponent):
         self._log.watch(self.fail)
         self._started = True
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="batch-files")
+        self._checks = ThreadPoolExecutor(max_workers=VALIDATIONS, thread_name_prefix="batch-validate")
         jobs, ended = await self._blocking(self._reload)
         for state in ended:
             await self._publish_state(state)
@@ -219,58 +247,92 @@ class BatchRunner(AsyncComponent):
                 await task
         # A cancelled task's file work runs on in its thread: wait for it, so that nothing this runner
         # started writes a batch's state after it stopped (a successor may be reading them by then).
-        pool, self._pool = self._pool, None
-        if pool is not None:
-            await asyncio.to_thread(pool.shutdown, True, cancel_futures=True)
+        for pool in (self._pool, self._checks):
+            if pool is not None:
+                await asyncio.to_thread(pool.shutdown, True, cancel_futures=True)
+        self._pool = self._checks = None
         for job in self._jobs.values():
-            job.close()
+            _close(job)
         if self._started:
             self._started = False
             await self._log.stop()
 
     async def _sweep(self) -> None:
-        """Remove expired files (reads already treat them as gone) every ``SWEEP_S``."""
+        """Remove expired files (reads already treat them as gone) and the folders of batches that ended
+        longer ago than files live, every ``SWEEP_S``."""
         while True:
             try:
                 removed = await self._blocking(self.store.sweep)
+                batches = await self._blocking(self.sweep_batches)
             except OSError:
                 log.warning("sweeping expired files failed; next try in %.0fs", SWEEP_S, exc_info=True)
             else:
-                if removed:
-                    log.info("removed %d expired files", removed)
+                if removed or batches:
+                    log.info("removed %d expired files and %d ended batches", removed, batches)
             await asyncio.sleep(SWEEP_S)
+
+    def sweep_batches(self, now: datetime | None = None) -> int:
+        """Remove the folders (state, journal) of batches that ended more than ``ttl_s`` of the file store
+        ago, when their output and error files have expired too (0: kept); returns how many. An audit
+        found every batch's folder kept for good, its journal holding every output line."""
+        ttl = self.store.ttl_s
+        if not ttl:
+            return 0
+        cutoff = (now or utc_now()) - timedelta(seconds=ttl)
+        removed = 0
+        for path in self._root.glob("*/batch_*/state.json"):
+            state = load_state(path)
+            if state is None or not state.terminal or state.batch_id in self._jobs or state.time >= cutoff:
+                continue
+            shutil.rmtree(path.parent, ignore_errors=True)
+            removed += 1
+        return removed
 
     def _reload(self) -> tuple[list[Job], list[BatchStateChanged]]:
         """The unfinished batches this edge ran before it stopped, and those that end here (saved, to be
         published): cancelled before they were validated, or failed because their input file is gone."""
-        jobs, ended = [], []
+        jobs: list[Job] = []
+        ended: list[BatchStateChanged] = []
         for path in self._root.glob("*/batch_*/state.json"):
             state = load_state(path)
             if state is None or state.terminal or state.edge_id != self._edge_id:
                 continue
-            if state.cancelling_at is not None and state.in_progress_at is None:  # no line ever ran
-                ended.append(self._ended_at_reload(path, state, status="cancelled", cancelled_at=utc_now()))
-                continue
             try:
-                input_path = self.store.data_path(state.tenant, state.input_file_id)
-                job = Job(path.parent, state, input_path)
-                job.index_input()
-            except (NotFound, OSError):
-                log.warning("batch %s: its input file is gone; it cannot resume and fails", state.batch_id)
-                error = _input_gone(state.input_file_id)
-                counts = _journal_counts(path.parent, state)
-                ended.append(self._ended_at_reload(path, state, **_failure(counts, error)))
-                continue
-            if state.status != "validating":
-                job.restore()
-                job.next_index = 0  # every line without a result is published again
-            if state.cancelling_at is not None:
-                job.ending = "cancelled"  # its cancels went out before the stop: it only needs to end
-            elif state.status == "finalizing" and not job.settled():
-                job.ending = "expired"
-            jobs.append(job)
-            log.info("batch %s resumes (%s, %d lines)", state.batch_id, state.status, job.total)
+                self._reload_one(path, state, jobs, ended)
+            except Exception as exc:  # one batch this cannot resume fails; the edge starts (an audit: a bad
+                # journal entry stopped every start of the edge)
+                log.exception("batch %s cannot resume; it fails", state.batch_id)
+                error = BatchLineError(code="batch_unreadable", message=f"The batch could not resume: {exc}")
+                with contextlib.suppress(OSError):
+                    ended.append(self._ended_at_reload(path, state, **_failure(state.counts, error)))
         return jobs, ended
+
+    def _reload_one(
+        self, path: Path, state: BatchStateChanged, jobs: list[Job], ended: list[BatchStateChanged]
+    ) -> None:
+        """Resume one unfinished batch of this edge into ``jobs``, or end it into ``ended``."""
+        if state.cancelling_at is not None and state.in_progress_at is None:  # no line ever ran
+            ended.append(self._ended_at_reload(path, state, status="cancelled", cancelled_at=utc_now()))
+            return
+        try:
+            input_path = self.store.data_path(state.tenant, state.input_file_id)
+            job = Job(path.parent, state, input_path)
+            job.index_input()
+        except (NotFound, OSError):
+            log.warning("batch %s: its input file is gone; it cannot resume and fails", state.batch_id)
+            error = _input_gone(state.input_file_id)
+            counts = _journal_counts(path.parent, state)
+            ended.append(self._ended_at_reload(path, state, **_failure(counts, error)))
+            return
+        if state.status != "validating":
+            job.restore()
+            job.next_index = 0  # every line without a result is published again
+        if state.cancelling_at is not None:
+            job.ending = "cancelled"  # its cancels went out before the stop: it only needs to end
+        elif state.status == "finalizing" and not job.settled():
+            job.ending = "expired"
+        jobs.append(job)
+        log.info("batch %s resumes (%s, %d lines)", state.batch_id, state.status, job.total)
 
     @staticmethod
     def _ended_at_reload(path: Path, state: BatchStateChanged, **changes: Any) -> BatchStateChanged:
@@ -296,8 +358,7 @@ class BatchRunner(AsyncComponent):
             raise InvalidRequest(
                 "input_file_id must name a file uploaded with purpose 'batch'.", param="input_file_id"
             )
-        if len(body.metadata or {}) > 16:
-            raise InvalidRequest("metadata holds at most 16 pairs.", param="metadata")
+        check_metadata(body.metadata or {})
         now = utc_now()
         batch_id = "batch_" + uuid7().replace("-", "")
         state = BatchStateChanged(
@@ -332,12 +393,16 @@ class BatchRunner(AsyncComponent):
             raise NotFound(f"No such Batch object: {batch_id}", param="batch_id")
         return state
 
-    def listing(self, tenant: str) -> list[BatchStateChanged]:
-        """The tenant's batches, newest first (from every edge sharing the files dir)."""
+    async def listing(self, tenant: str) -> list[BatchStateChanged]:
+        """The tenant's batches, newest first (from every edge sharing the files dir). Their states are
+        read on a thread: 3,000 of them stalled the event loop 0.2 s a listing (an audit)."""
+        running = {j.state.batch_id: j.state for j in list(self._jobs.values()) if j.state.tenant == tenant}
         folder = self._root / tenant_folder(tenant)
-        states = [load_state(path) for path in folder.glob("batch_*/state.json")]
+        states = await asyncio.to_thread(
+            lambda: [load_state(path) for path in folder.glob("batch_*/state.json")]
+        )
         out = {s.batch_id: s for s in states if s is not None and s.tenant == tenant}
-        out.update({j.state.batch_id: j.state for j in self._jobs.values() if j.state.tenant == tenant})
+        out.update(running)
         return sorted(out.values(), key=lambda s: s.batch_id, reverse=True)
 
     async def cancel(self, tenant: str, batch_id: str) -> BatchStateChanged:
@@ -358,14 +423,21 @@ class BatchRunner(AsyncComponent):
                 f"Batch {batch_id} runs on edge {state.edge_id}, which is not running; cancel it there.",
                 code="batch_not_here",
             )
+        if job.ending == "expired":  # its window has passed: it ends expired (a 200 said nothing of it)
+            raise InvalidRequest(
+                f"Cannot cancel batch {batch_id}: its completion window has passed, and it is ending as "
+                "expired.",
+                code="batch_not_cancellable",
+                param="batch_id",
+            )
         await self._end(job, "cancelled")
         return job.state
 
-    def delete_file(self, tenant: str, file_id: str) -> None:
+    async def delete_file(self, tenant: str, file_id: str) -> None:
         """Delete the tenant's file, unless a batch that has not ended reads it (:class:`FileInUse`): on any
         edge sharing the files dir."""
         self.store.get(tenant, file_id)  # 404 first: another tenant's file is not "in use"
-        for state in self.listing(tenant):
+        for state in await self.listing(tenant):
             if state.input_file_id == file_id and not state.terminal:
                 raise FileInUse(
                     f"File {file_id} is the input file of batch {state.batch_id}, which is {state.status}; "
@@ -419,7 +491,13 @@ class BatchRunner(AsyncComponent):
 
     async def _validate(self, job: Job, tenant: Tenant) -> None:
         try:
-            errors, total, model = await self._blocking(self._check_file, job, tenant)
+            async with self._checking.setdefault(tenant.name, asyncio.Semaphore(1)):
+                if self._checks is None:
+                    raise RuntimeError("the batch runner is not started")
+                if job.ending is not None:  # cancelled while it waited its turn
+                    return
+                check = functools.partial(self._check_file, job, tenant)
+                errors, total, model = await asyncio.get_running_loop().run_in_executor(self._checks, check)
         except OSError as exc:  # the input file cannot be read: this batch fails, not the edge
             log.exception("batch %s: validation failed", job.state.batch_id)
             errors, total, model = [BatchLineError(code="unreadable_file", message=str(exc))], 0, ""
@@ -451,6 +529,8 @@ class BatchRunner(AsyncComponent):
         limit = self._settings.edge_batch_max_lines
         checked = job.state
         for number, (offset, raw) in enumerate(read_lines(job.input_path), start=1):
+            if job.ending is not None:  # cancelled: _validate leaves it (a cancel answered in 15 s, and
+                break  # the rest of the file was checked for nothing)
             if not raw.strip():
                 continue
             if len(offsets) == limit:
@@ -641,6 +721,8 @@ class BatchRunner(AsyncComponent):
         return out
 
     def _undelivered(self, job: Job, index: int, err: BusError) -> None:
+        if self._jobs.get(job.state.batch_id) is not job:  # it ended meanwhile: its lines were counted out
+            return  # (an audit: counted out twice, the model's window went negative and over-admitted)
         log.warning("batch %s line %d not published (%s); publishing again", job.state.batch_id, index, err)
         if job.status[index] == IN_FLIGHT:
             job.status[index] = PENDING
@@ -667,18 +749,35 @@ class BatchRunner(AsyncComponent):
     # ------------------------------------------------------------------ results
 
     async def _collect(self) -> None:
-        """Apply the lines' results; commit their offsets once the journals holding them are synced."""
+        """Apply the lines' results; commit their offsets once the journals holding them are synced. A
+        journal that cannot be written (a full disk) fails its batch, not the edge: an audit found the
+        edge failed, and again at every restart while the disk stayed full."""
         while True:
             found = await self._log.results(0.5)
             touched: set[str] = set()
+            broken: dict[str, OSError] = {}
             now = time.monotonic()
             for finished in found:
                 job = self._jobs.get(finished.batch.batch_id) if finished.batch is not None else None
-                if job is not None and job.state.status in ("in_progress", "cancelling"):
+                if job is None or job.state.status not in ("in_progress", "cancelling"):
+                    continue
+                batch_id = job.state.batch_id
+                if batch_id in broken:
+                    continue
+                try:
                     self._apply_result(job, finished, now)
-                    touched.add(job.state.batch_id)
-            for batch_id in touched:
-                await self._blocking(self._jobs[batch_id].sync)
+                except OSError as exc:
+                    broken[batch_id] = exc
+                    continue
+                touched.add(batch_id)
+            for batch_id in touched - broken.keys():
+                try:
+                    await self._blocking(self._jobs[batch_id].sync)
+                except OSError as exc:
+                    broken[batch_id] = exc
+            for batch_id, error in broken.items():
+                log.error("batch %s: its journal cannot be written (%s); it fails", batch_id, error)
+                await self._fail(self._jobs[batch_id], _write_failed("its results could not be kept", error))
             self._log.handled()
             if touched:
                 self._wake.set()
@@ -802,7 +901,13 @@ class BatchRunner(AsyncComponent):
                 self.store.delete(tenant, file_id)
 
     def _drop(self, job: Job) -> None:
-        job.close()
+        _close(job)
+        if job.state.terminal and job.saved_seq == job.state.seq:
+            # its results are in its files now (or it failed): an audit found every ended batch's journal
+            # kept for good, output lines and all, after its files were deleted or expired. Kept while the
+            # final state is not on disk: a restart reading the state before it resumes from the journal.
+            with contextlib.suppress(OSError):
+                job.journal_path.unlink(missing_ok=True)
         self._jobs.pop(job.state.batch_id, None)
         self._last_progress.pop(job.state.batch_id, None)
         self._saving.pop(job.state.batch_id, None)
@@ -818,7 +923,11 @@ class BatchRunner(AsyncComponent):
         state = at_time(job.state, utc_now(), **changes)
         job.state = state
         async with self._saving.setdefault(state.batch_id, asyncio.Lock()):
-            await self._blocking(job.write_state, state)
+            try:
+                await self._blocking(job.write_state, state)
+            except OSError as exc:  # a full disk: the state still goes on the log, and the next one is
+                # written whole (an audit: this failed the edge, and a cancel answered 500)
+                log.warning("batch %s: its %s state was not written (%s)", state.batch_id, state.status, exc)
             await self._publish_state(state)
 
     async def _publish_state(self, state: BatchStateChanged) -> None:
@@ -826,6 +935,21 @@ class BatchRunner(AsyncComponent):
             await self._log.publish_state(state)
         except BusError:  # state.json holds it; the next change publishes the whole state again
             log.warning("batch %s: state not published", state.batch_id, exc_info=True)
+
+
+def _close(job: Job) -> None:
+    """Close a job's files; one that cannot be synced (a full disk) is logged, not raised: whatever closes
+    it (its end, the runner's stop) must go on."""
+    try:
+        job.close()
+    except OSError as exc:
+        log.warning("batch %s: its journal could not be synced at close (%s)", job.state.batch_id, exc)
+
+
+def _write_failed(what: str, exc: OSError) -> BatchLineError:
+    return BatchLineError(
+        code="output_write_failed", message=f"The batch failed: {what} ({exc.strerror or exc})."
+    )
 
 
 def _running(job: Job) -> bool:

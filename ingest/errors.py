@@ -106,6 +106,21 @@ class PayloadTooLarge(IngestError):
     default_code = "request_too_large"
 
 
+class StorageQuotaExceeded(PayloadTooLarge):
+    """A tenant's stored files would pass ``SLUICE_EDGE_FILES_MAX_BYTES_PER_TENANT``."""
+
+    default_code = "storage_quota_exceeded"
+
+
+class StorageFull(IngestError):
+    """The edge's files disk is full (``ENOSPC``, ``EDQUOT``): nothing could be stored."""
+
+    status = 507
+    error_type = "server_error"
+    default_code = "storage_full"
+    retriable = True
+
+
 class IdempotencyKeyReused(IngestError):
     status = 422
     error_type = "invalid_request_error"

@@ -28,7 +28,7 @@ from typing import Any, BinaryIO, Literal
 
 import msgspec
 
-from ingest.errors import InvalidRequest, NotFound, PayloadTooLarge
+from ingest.errors import InvalidRequest, NotFound, PayloadTooLarge, StorageQuotaExceeded
 from schemas.codec import UNREADABLE_JSON
 from schemas.ids import uuid7
 
@@ -94,11 +94,20 @@ def not_found(file_id: str) -> NotFound:
 
 
 class FileStore:
-    def __init__(self, root: Path, *, max_bytes: int, ttl_s: int = 30 * DAY_S) -> None:
-        """``ttl_s``: how long a new file lives unless its upload says otherwise (0: until deleted)."""
+    def __init__(
+        self, root: Path, *, max_bytes: int, ttl_s: int = 30 * DAY_S, max_tenant_bytes: int = 0
+    ) -> None:
+        """``ttl_s``: how long a new file lives unless its upload says otherwise (0: until deleted);
+        ``max_tenant_bytes``: what one tenant's files may hold together, uploads and the files its batches
+        wrote (0: no limit)."""
         self.root = root
         self.max_bytes = max_bytes
         self.ttl_s = ttl_s
+        self.max_tenant_bytes = max_tenant_bytes
+
+    def usage(self, tenant: str) -> int:
+        """Bytes the tenant's files hold (blocking: it reads their metadata)."""
+        return sum(stored.bytes for stored in self.list(tenant))
 
     def _dir(self, tenant: str) -> Path:
         return self.root / tenant_folder(tenant)
@@ -172,11 +181,30 @@ class FileStore:
     async def upload(
         self, tenant: str, filename: str, purpose: Purpose, chunks: AsyncIterator[bytes]
     ) -> StoredFile:
-        """Stream ``chunks`` into a new file; :class:`PayloadTooLarge` past the size limit (nothing kept)."""
+        """Stream ``chunks`` into a new file; :class:`PayloadTooLarge` past the size limit, and
+        :class:`StorageQuotaExceeded` past what the tenant may store (nothing kept). Uploads of one tenant
+        running at once may together pass its quota by what they carry: each sees what was stored before
+        it began. (An audit: any tenant could fill the edge's disk, 200 MB a file, kept 30 days, and a full
+        disk failed every batch.)"""
+        room = None
+        if self.max_tenant_bytes:
+            used = self.usage(tenant)
+            room = self.max_tenant_bytes - used
+            if room <= 0:
+                raise self._over_quota(used)
         with self.writer(tenant, filename, purpose) as out:
             async for chunk in chunks:
+                if room is not None and out.size + len(chunk) > room:
+                    raise self._over_quota(self.max_tenant_bytes - room + out.size + len(chunk))
                 out.write(chunk)
         return out.stored
+
+    def _over_quota(self, used: int) -> StorageQuotaExceeded:
+        return StorageQuotaExceeded(
+            f"This upload would take the files you store past {self.max_tenant_bytes:,} bytes ({used:,} with "
+            "it): delete files you no longer need (DELETE /v1/files/{file_id}), or wait for them to expire.",
+            param="file",
+        )
 
     @contextlib.contextmanager
     def writer(

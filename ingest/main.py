@@ -78,7 +78,12 @@ def build_edge(
     )
     gateway.on_deploy = lambda model, deployment: catalogue.preload(model, deployment.serving)
     files = Path(settings.edge_files_dir) if settings.edge_files_dir else Path(platform.data_dir) / "files"
-    store = FileStore(files, max_bytes=settings.edge_file_max_bytes, ttl_s=settings.edge_file_ttl_s)
+    store = FileStore(
+        files,
+        max_bytes=settings.edge_file_max_bytes,
+        ttl_s=settings.edge_file_ttl_s,
+        max_tenant_bytes=settings.edge_files_max_bytes_per_tenant,
+    )
 
     def batches(ctx: EdgeContext) -> BatchRunner:
         return BatchRunner(

@@ -13,6 +13,7 @@ import typer
 from rich.table import Table
 
 from sluice.groups import command_group
+from sluice.printable import printable
 
 audit_app = command_group(
     help="The tamper-evident audit log: one hash chain per tenant in the warehouse's audit_log table, "
@@ -125,7 +126,9 @@ def audit_show(
         time_text = row["time"].replace("T", " ").removesuffix("+00:00").removesuffix("000")
         cells = [time_text, *(row[column] for column in columns), details]
         table.add_row(
-            *(Text(cell) for cell in cells), f"{row['prev_hash'][:12]}…", f"{row['entry_hash'][:12]}…"
+            *(Text(printable(cell)) for cell in cells),
+            f"{row['prev_hash'][:12]}…",
+            f"{row['entry_hash'][:12]}…",
         )
     out.print(table)
     if not result.rows:

@@ -28,6 +28,7 @@ from rich.text import Text
 
 from schemas.events import BatchStateChanged, BatchStatus
 from sluice.groups import command_group
+from sluice.printable import printable
 
 if TYPE_CHECKING:
     from confluent_kafka import Message
@@ -372,16 +373,16 @@ def render_state(state: BatchStateChanged) -> RenderableType:
     if state.metadata:
         rows.append(("metadata", ", ".join(f"{k}={v}" for k, v in sorted(state.metadata.items()))))
     for name, value in rows:
-        table.add_row(name, value if isinstance(value, Text) else Text(value))
+        table.add_row(name, value if isinstance(value, Text) else Text(printable(value)))
     parts: list[RenderableType] = [table, progress_bar(state)]
     if state.errors:
         errors = Table("line", "code", "param", "message", title="errors", title_justify="left")
         for error in state.errors:
             errors.add_row(
                 "" if error.line is None else str(error.line),
-                error.code,
-                error.param or "",
-                Text(error.message),
+                printable(error.code),
+                printable(error.param or ""),
+                Text(printable(error.message)),
                 style="red",
             )
         parts.append(errors)

@@ -20,6 +20,7 @@ from sluice.capacity import capacity
 from sluice.drift_commands import drift_app
 from sluice.grafana import grafana_app
 from sluice.groups import command_group
+from sluice.printable import printable
 from sluice.rollout_commands import rollout_app
 from sluice.services import SERVICE_SETTINGS, local_broker, started_broker
 
@@ -362,7 +363,7 @@ def sql(
     elif result.columns:
         table = Table(*(escape(column) for column in result.columns))
         for row in result.rows:
-            table.add_row(*(escape(str(v)) for v in row))
+            table.add_row(*(escape(printable(str(v))) for v in row))
         out.print(table)
     if not result.rows:
         console.print("0 rows")
@@ -728,8 +729,8 @@ def replay(
 
 def _cell(value: object) -> str:
     if isinstance(value, list):
-        return ", ".join(str(v) for v in value) or "-"
-    return str(value)
+        return printable(", ".join(str(v) for v in value)) or "-"
+    return printable(str(value))
 
 
 # ---------------------------------------------------------------- settings and up

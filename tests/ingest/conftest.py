@@ -158,7 +158,11 @@ async def make_client(
         edge_settings = settings(**overrides)
 
         def batches(ctx: EdgeContext) -> BatchRunner:
-            store = FileStore(tmp_path / "files", max_bytes=edge_settings.edge_file_max_bytes)
+            store = FileStore(
+                tmp_path / "files",
+                max_bytes=edge_settings.edge_file_max_bytes,
+                max_tenant_bytes=edge_settings.edge_files_max_bytes_per_tenant,
+            )
             return BatchRunner(
                 log=batch_log, settings=edge_settings, store=store, preparer=ctx.preparer, tenants=ctx.tenants
             )

@@ -13,6 +13,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from confluent_kafka import Message
 from rich.console import Console
@@ -210,6 +211,29 @@ def rendered(renderable: Any) -> str:
     console = Console(record=True, width=200, force_terminal=False, color_system=None)
     console.print(renderable)
     return console.export_text()
+
+
+def test_a_tenants_escape_sequences_never_reach_the_operators_terminal() -> None:
+    """Found by an audit: a batch's metadata and its errors' messages (a line's url) went to the terminal
+    as they were: ``\x1b[2J`` cleared the operator's screen, an OSC sequence set the window's title."""
+    from schemas.events import BatchLineError
+
+    evil = "\x1b]0;PWNED\x07\x1b[2J\x9b31m\rtext"
+    s = state(status="failed", metadata={"note": evil})
+    s = msgspec.structs.replace(s, errors=[BatchLineError(code="mismatched_endpoint", message=evil, line=1)])
+    console = Console(file=io.StringIO(), width=300, force_terminal=True)
+    console.print(render_state(s))
+    shown = console.file.getvalue()  # type: ignore[attr-defined]
+    for raw in ("\x1b]", "\x07", "\x1b[2J", "\x9b", "\r"):
+        assert raw not in shown
+    assert "\\x1b]0;PWNED\\x07\\x1b[2J\\x9b31m\\x0dtext" in shown
+
+
+def test_printable_keeps_text_tabs_and_newlines() -> None:
+    from sluice.printable import printable
+
+    assert printable("héllo\tworld\n日本") == "héllo\tworld\n日本"
+    assert printable("\x00\x1b\x7f\x9f") == "\\x00\\x1b\\x7f\\x9f"
 
 
 def test_render_state_shows_the_batch_and_its_progress() -> None:

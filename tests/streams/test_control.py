@@ -137,6 +137,7 @@ def test_a_limit_no_budget_state_can_carry_is_refused_at_start(tmp_path: Path, l
     controller = Controller(load_budgets(path), SloConfig())
     controller.seed({"acme": True})
     (event,) = controller.budgets({"acme": 5_000_000_000})
+    assert isinstance(event, BudgetStateChanged)
     assert decode(encode(event)) == event
     assert not event.exhausted
 

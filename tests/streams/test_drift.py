@@ -480,9 +480,10 @@ async def test_a_window_mixing_embedding_dimensions_is_a_data_quality_verdict(tm
     w2 = T0 + timedelta(seconds=WINDOW_S)
     mixed = window_events(w2, 120, seed=22)
     for i in (0, 2, 4):  # three of its sixty embeddings cut to 8 dimensions
-        assert mixed[i].features is not None
-        assert mixed[i].features.embedding is not None
-        features = msgspec.structs.replace(mixed[i].features, embedding=mixed[i].features.embedding[:8])
+        measured = mixed[i].features
+        assert measured is not None
+        assert measured.embedding is not None
+        features = msgspec.structs.replace(measured, embedding=measured.embedding[:8])
         mixed[i] = msgspec.structs.replace(mixed[i], features=features)
     with warehouse(tmp_path) as client:
         insert(client, rows_of(window_events(T0, 120, seed=21) + mixed))

@@ -1,0 +1,346 @@
+"""The Batch and Files APIs under faults and hostile input an audit found (2026-11-30): a full disk, state
+that grows with what a tenant sends, one tenant's validations holding the others', files kept for good, a
+damaged journal, races between a reader of a running batch's files and its results."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import io
+import json
+import os
+import threading
+import time
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from openai import AsyncOpenAI
+
+from bus.errors import BusError
+from ingest.auth import DEMO_KEY
+from ingest.batch_job import Job
+from ingest.batches import BatchRunner
+from ingest.files import FileStore, FileWriter
+from schemas.events import BatchItemRequested, BatchLineError
+from tests.ingest.conftest import AUTH, OTHER_KEY, Client, MakeClient
+from tests.ingest.fake_batch_log import FakeBatchLog, complete
+from tests.ingest.test_batch_job import job_of, result
+from tests.ingest.test_batches import CHAT, chat_line, jsonl, run, until
+
+
+def _no_space(*_args: Any, **_kwargs: Any) -> None:
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+async def _eventually(check: Any, within_s: float = 5.0) -> None:
+    deadline = time.monotonic() + within_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met")
+        await asyncio.sleep(0.02)
+
+
+def _sdk(client: Client, key: str = DEMO_KEY) -> AsyncOpenAI:
+    return AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=key, max_retries=0)
+
+
+# --- a full disk ---------------------------------------------------------------------------------------------
+
+
+async def test_a_journal_that_cannot_be_synced_fails_its_batch_not_the_edge(
+    make_client: MakeClient, batch_log: FakeBatchLog, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Results came back after the disk filled up: the journal's sync raised ENOSPC out of the results loop,
+    which failed the edge (interactive traffic included), and again at every restart while the disk stayed
+    full; stopping that edge raised too."""
+    held: list[BatchItemRequested] = []
+    batch_log.respond = lambda event: held.append(event)
+    client, edge = await make_client()
+    async with _sdk(client) as sdk:
+        created = await run(sdk, [chat_line(i) for i in range(3)])
+        await _eventually(lambda: len(held) == 3)
+        monkeypatch.setattr(Job, "sync", _no_space)
+        monkeypatch.setattr(Job, "write_state", _no_space)
+        for event in held:
+            batch_log.answer(complete(event))
+        await _eventually(lambda: batch_log.states[-1].status == "failed")
+        failed = batch_log.states[-1]
+        assert failed.batch_id == created.id
+        assert [e.code for e in failed.errors] == ["output_write_failed"]
+        assert "No space left on device" in failed.errors[0].message
+        assert edge.failure is None
+        response = await client.get("/healthz")
+        assert response.status == 200
+        monkeypatch.undo()
+        batch_log.respond = complete
+        other = await until(sdk, (await run(sdk, [chat_line(0)])).id, "completed")  # the edge goes on
+        assert other.request_counts is not None
+        assert other.request_counts.completed == 1
+    await edge.stop()  # closing a job whose journal cannot be synced does not stop the stop
+
+
+async def test_a_cancel_with_the_disk_full_is_answered(
+    make_client: MakeClient, batch_log: FakeBatchLog, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    held: list[BatchItemRequested] = []
+    batch_log.respond = lambda event: held.append(event)
+    client, edge = await make_client()
+    async with _sdk(client) as sdk:
+        created = await run(sdk, [chat_line(i) for i in range(3)])
+        await _eventually(lambda: len(held) == 3)
+        monkeypatch.setattr(Job, "write_state", _no_space)
+        cancelling = await sdk.batches.cancel(created.id)
+        assert cancelling.status == "cancelling"
+        assert edge.failure is None
+
+
+async def test_an_upload_on_a_full_disk_is_a_507_in_openai_shape(
+    client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(FileWriter, "write", _no_space)
+    response = await client.post(
+        "/v1/files", data={"purpose": "batch", "file": io.BytesIO(b"{}\n")}, headers=AUTH
+    )
+    assert response.status == 507
+    error = (await response.json())["error"]
+    assert (error["code"], error["type"]) == ("storage_full", "server_error")
+    assert response.headers["x-should-retry"] == "true"
+
+
+async def test_a_tenant_stores_no_more_than_its_quota(make_client: MakeClient, tmp_path: Path) -> None:
+    """Any tenant could fill the disk: 200 MB a file, no limit on files, kept 30 days."""
+    client, edge = await make_client(edge_files_max_bytes_per_tenant=2048)
+    assert edge.ctx is not None
+    async with _sdk(client) as sdk, _sdk(client, OTHER_KEY) as other:
+        first = await sdk.files.create(file=("a.jsonl", io.BytesIO(b"x" * 1500 + b"\n")), purpose="batch")
+        response = await client.post(
+            "/v1/files", data={"purpose": "batch", "file": io.BytesIO(b"y" * 1000 + b"\n")}, headers=AUTH
+        )
+        assert response.status == 413
+        error = (await response.json())["error"]
+        assert error["code"] == "storage_quota_exceeded"
+        assert "2,048 bytes" in error["message"]
+        assert [f.id for f in (await sdk.files.list()).data] == [first.id]  # nothing half-kept
+        await other.files.create(
+            file=("b.jsonl", io.BytesIO(b"z" * 1500 + b"\n")), purpose="batch"
+        )  # its own
+        await sdk.files.delete(first.id)
+        await sdk.files.create(file=("c.jsonl", io.BytesIO(b"y" * 1000 + b"\n")), purpose="batch")
+
+
+# --- what a tenant's input makes the batch's state hold ------------------------------------------------------
+
+
+async def test_an_echoed_value_is_cut_and_the_state_stays_small(
+    client: Client, batch_log: FakeBatchLog
+) -> None:
+    """100 lines whose url was 100 KB each made a failed batch's state 10 MB: over a record's limit, so it was
+    never published, and the batch read ``validating`` everywhere but this edge."""
+    lines = [{**chat_line(i), "url": "/v1/" + "x" * 100_000} for i in range(100)]
+    async with _sdk(client) as sdk:
+        failed = await until(sdk, (await run(sdk, lines)).id, "failed")
+    assert failed.errors is not None
+    assert failed.errors.data is not None
+    message = failed.errors.data[0].message or ""
+    assert len(message) < 300
+    assert "(100,004 characters)" in message
+    assert len(msgspec.json.encode(batch_log.states[-1])) < 100_000
+
+
+@pytest.mark.parametrize("metadata", [{"k" * 65: "v"}, {"key": "v" * 513}, {f"k{i}": "v" for i in range(17)}])
+async def test_metadata_past_openais_limits_is_a_400(client: Client, metadata: dict[str, str]) -> None:
+    async with _sdk(client) as sdk:
+        uploaded = await sdk.files.create(
+            file=("in.jsonl", io.BytesIO(jsonl([chat_line(0)]))), purpose="batch"
+        )
+    response = await client.post(
+        "/v1/batches",
+        json={"input_file_id": uploaded.id, "endpoint": CHAT, "metadata": metadata},
+        headers=AUTH,
+    )
+    assert response.status == 400
+    assert (await response.json())["error"]["param"] == "metadata"
+
+
+# --- one tenant's validations and the others' ----------------------------------------------------------------
+
+
+async def test_one_tenants_validations_do_not_hold_anothers(
+    make_client: MakeClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """8 big batches of one tenant held another tenant's 1-line batch 22 s, and a cancel 15 s: validation
+    shared the runner's file threads with state writes and journal syncs, with no limit per tenant."""
+    release = threading.Event()
+    checking: list[str] = []
+    check = BatchRunner._check_file
+
+    def slow(self: BatchRunner, job: Job, tenant: Any) -> Any:
+        checking.append(tenant.name)
+        if tenant.name == "demo":
+            release.wait(10)
+        return check(self, job, tenant)
+
+    monkeypatch.setattr(BatchRunner, "_check_file", slow)
+    client, _ = await make_client()
+    try:
+        async with _sdk(client) as sdk, _sdk(client, OTHER_KEY) as other:
+            big = [await run(sdk, [chat_line(i) for i in range(3)]) for _ in range(4)]
+            await _eventually(lambda: checking.count("demo") == 1)  # one of its validations at a time
+            small = await run(other, [chat_line(0)])
+            done = await until(other, small.id, "completed", within_s=5)
+            assert done.status == "completed"
+            assert checking.count("demo") == 1
+            cancelled = await sdk.batches.cancel(big[-1].id)  # waiting its turn: answered at once
+            assert cancelled.status in ("cancelling", "cancelled")
+    finally:
+        release.set()
+
+
+# --- files kept for good ---------------------------------------------------------------------------------------
+
+
+async def test_an_ended_batch_keeps_no_journal_and_its_folder_goes_after_the_file_ttl(
+    make_client: MakeClient, tmp_path: Path
+) -> None:
+    client, edge = await make_client()
+    async with _sdk(client) as sdk:
+        done = await until(sdk, (await run(sdk, [chat_line(i) for i in range(3)])).id, "completed")
+    runner = edge.batches
+    assert runner is not None
+    (folder,) = [p.parent for p in (tmp_path / "files" / "batches").glob("*/batch_*/state.json")]
+    assert folder.name == done.id
+    assert not (folder / "journal.jsonl").exists()  # its output lines are in its output file
+    assert runner.sweep_batches() == 0
+    assert runner.sweep_batches(now=done_at(done) + timedelta(days=29)) == 0
+    assert runner.sweep_batches(now=done_at(done) + timedelta(days=31)) == 1
+    assert not folder.exists()
+
+
+def done_at(batch: Any) -> datetime:
+    return datetime.fromtimestamp(batch.completed_at, UTC)
+
+
+# --- a damaged journal -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "entry", [[99, 0, True, True, None], [-1, 0, True, True, None], [1, 4096, False, False, None]]
+)
+def test_a_journal_entry_no_edge_writes_is_read_as_torn(tmp_path: Path, entry: list[Any]) -> None:
+    """An entry that is JSON but not one this edge writes (an index past the end, a negative one, an attempt
+    past a byte) stopped every start of the edge (IndexError, OverflowError), or was applied to the last line."""
+    job = job_of(tmp_path, 3)
+    good = msgspec.json.encode(result(0))
+    job.journal_path.write_bytes(
+        good + b"\n" + json.dumps(entry).encode() + b"\n" + msgspec.json.encode(result(2)) + b"\n"
+    )
+    job.restore()
+    job.close()
+    assert job.counts().completed == 1
+    assert job.journal_path.read_bytes() == good + b"\n"  # cut where it stops being readable
+
+
+async def test_a_batch_that_cannot_resume_fails_and_the_edge_starts(
+    make_client: MakeClient, batch_log: FakeBatchLog, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    held: list[BatchItemRequested] = []
+    batch_log.respond = lambda event: held.append(event)
+    first, _ = await make_client()
+    async with _sdk(first) as sdk:
+        created = await run(sdk, [chat_line(i) for i in range(3)])
+        await _eventually(lambda: len(held) == 3)
+    await first.close()
+    monkeypatch.setattr(Job, "restore", lambda self: (_ for _ in ()).throw(ValueError("what no edge wrote")))
+    second, edge = await make_client()
+    async with _sdk(second) as sdk:
+        failed = await until(sdk, created.id, "failed")
+    assert failed.errors is not None
+    assert failed.errors.data is not None
+    assert failed.errors.data[0].code == "batch_unreadable"
+    assert edge.failure is None
+
+
+# --- a reader of a running batch's files -------------------------------------------------------------------
+
+
+def test_a_result_recorded_while_a_reader_syncs_is_synced_before_its_offsets_commit(tmp_path: Path) -> None:
+    """A result recorded while a reader of the running batch's files synced the journal had its flag
+    cleared by that reader after the fsync: the runner's own sync skipped it, and its offset was committed
+    with the entry not on disk."""
+    job = job_of(tmp_path, 2)
+    job.record(result(0), backoff=0.0, now=0.0)
+    in_fsync, go_on = threading.Event(), threading.Event()
+    real_fsync = os.fsync
+
+    def slow_fsync(fd: int) -> None:
+        in_fsync.set()
+        go_on.wait(5)
+        real_fsync(fd)
+
+    reader = threading.Thread(target=job.sync)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(os, "fsync", slow_fsync)
+        reader.start()
+        assert in_fsync.wait(5)
+        job.record(result(1), backoff=0.0, now=0.0)
+        go_on.set()
+        reader.join(5)
+    synced: list[int] = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(os, "fsync", lambda fd: synced.append(fd))
+        job.sync()  # the runner's, before it commits the second result's offset
+    job.close()
+    assert synced, "the second result was taken as synced"
+
+
+# --- cancels and windows ---------------------------------------------------------------------------------------
+
+
+async def test_a_cancel_of_a_batch_ending_expired_says_so(
+    make_client: MakeClient, batch_log: FakeBatchLog
+) -> None:
+    held: list[BatchItemRequested] = []
+    batch_log.respond = lambda event: held.append(event)
+    client, edge = await make_client()
+    async with _sdk(client) as sdk:
+        created = await run(sdk, [chat_line(i) for i in range(2)])
+        await _eventually(lambda: len(held) == 2)
+        runner = edge.batches
+        assert runner is not None
+        job = runner._jobs[created.id]
+        job.ending = "expired"  # its window passed: it waits for its lines' deadlines
+        response = await client.post(f"/v1/batches/{created.id}/cancel", headers=AUTH)
+        assert response.status == 400
+        assert (await response.json())["error"]["code"] == "batch_not_cancellable"
+
+
+async def test_a_delivery_failure_after_its_batch_ended_is_not_counted_out_twice(
+    make_client: MakeClient, batch_log: FakeBatchLog
+) -> None:
+    held: list[BatchItemRequested] = []
+    batch_log.respond = lambda event: held.append(event)
+    client, edge = await make_client()
+    async with _sdk(client) as sdk:
+        created = await run(sdk, [chat_line(i) for i in range(4)])
+        await _eventually(lambda: len(held) == 4)
+        runner = edge.batches
+        assert runner is not None
+        job = runner._jobs[created.id]
+        await runner._fail(job, BatchLineError(code="output_write_failed", message="the disk"))
+        model = job.state.model
+        assert runner._in_flight[model] == 0
+        runner._undelivered(job, 0, BusError("late"))
+        assert runner._in_flight[model] == 0
+
+
+def test_a_tenants_usage_counts_its_files_only(tmp_path: Path) -> None:
+    store = FileStore(tmp_path, max_bytes=1 << 20)
+    assert store.usage("demo") == 0
+    with store.writer("demo", "a", "batch") as out:
+        out.write(b"x" * 100)
+    with store.writer("other", "b", "batch") as out:
+        out.write(b"y" * 10)
+    assert (store.usage("demo"), store.usage("other")) == (100, 10)
