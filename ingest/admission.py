@@ -72,6 +72,12 @@ class Admission:
         if flight.reservation is not None and finished.usage is not None:
             self.ledger.reconcile(flight.reservation, finished.usage.total_tokens)
 
+    def refund(self, flight: Flight, *, request: bool) -> None:
+        """What the flight reserved, taken back: its request was never published (``request``: its count
+        too), or it replays a request that ran before (its tokens)."""
+        if flight.reservation is not None:
+            self.ledger.refund(flight.reservation, request=request)
+
     @contextmanager
     def flight(
         self, tenant: Tenant, model: str, request_id: str, *, owner: bool, tokens: int = 0

@@ -194,6 +194,7 @@ class Edge(AsyncComponent):
                 source=source,
                 disconnect_grace_s=settings.edge_disconnect_grace_s,
                 settle=admission.settle,
+                refund=admission.refund,
             ),
             preparer=Preparer(
                 catalogue, settings, gateway.reply_to, clock=clock, deployments=gateway.deployment

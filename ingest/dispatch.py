@@ -8,7 +8,7 @@ import dataclasses
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 from ingest.admission import Flight
 from ingest.errors import (
@@ -18,6 +18,7 @@ from ingest.errors import (
     IdempotencyKeyCancelled,
     IdempotencyKeyFailed,
     IdempotencyKeyReused,
+    IngestError,
     InvalidRequest,
     NotFound,
     from_finished,
@@ -130,6 +131,12 @@ def settling(stream: ReplyStream, settle: Callable[[RequestFinished], None]) -> 
     return Watched(stream, see)
 
 
+class Refund(Protocol):
+    """Takes back what a flight reserved (:meth:`ingest.admission.Admission.refund`)."""
+
+    def __call__(self, flight: Flight, *, request: bool) -> None: ...
+
+
 class Dispatcher:
     def __init__(
         self,
@@ -138,8 +145,10 @@ class Dispatcher:
         source: str,
         disconnect_grace_s: float = 0.0,
         settle: Callable[[Flight, RequestFinished], None] | None = None,
+        refund: Refund | None = None,
     ) -> None:
         self._settle = settle
+        self._refund = refund
         self._gateway = gateway
         self._source = source
         self._grace = disconnect_grace_s
@@ -156,6 +165,12 @@ class Dispatcher:
         except asyncio.CancelledError:
             self.cancel(flight, "client_disconnect")
             raise
+        except IngestError:  # never on the log (refused, its key in use or reused): it used nothing
+            if self._refund is not None:
+                self._refund(flight, request=True)
+            raise
+        if not opened.owner and self._refund is not None:  # a replay: nothing generated for it here
+            self._refund(flight, request=False)
         flight.request_id, flight.owner = opened.request_id, opened.owner
         stream = opened.stream
         if self._settle is not None and opened.owner:

@@ -113,6 +113,10 @@ class KafkaGateway(AsyncComponent):
         self._claims_read: dict[int, int] = {}
         """Per partition of the idempotency topic, the next offset the reader will apply."""
         self._claims_waiting: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._abandoned: list[tuple[int, int, str, str, IdempotencyRecord]] = []
+        """(partition, offset, tenant, key, record) of claims published whose read-back was not waited
+        out (it timed out, or the client left): once read, each is withdrawn if it won its key."""
+        self._withdrawing: set[asyncio.Task[None]] = set()
         self._claims_caught_up = asyncio.Event()
         self._claims_ends: dict[int, int] = {}
         self._control: ConsumerThread | None = None
@@ -471,7 +475,14 @@ class KafkaGateway(AsyncComponent):
             )
         except BusError as exc:
             raise GatewayUnavailable(f"cannot record the idempotency key: {exc}") from exc
-        await self._claims_passed(partition, offset)
+        try:
+            await self._claims_passed(partition, offset)
+        except BaseException:
+            # The claim is on the log but no request will follow it here (the read-back timed out, or the
+            # client left): once read, it is withdrawn if it won. Held, every retry with the key was a 409
+            # for the claim's 24 hours, for a request never published (an audit).
+            self._abandoned.append((partition, offset, tenant, key, record))
+            raise
         won = self._claims.get(tenant, claim.key_sha256, time.time() * 1000)
         if won is None:  # withdrawn meanwhile by its winner's failed publish: ours was after it
             raise GatewayUnavailable("the idempotency key was released by a failed request; retry")
@@ -527,6 +538,7 @@ class KafkaGateway(AsyncComponent):
                 self._claims_ends.pop(partition, None)
         if not self._claims_ends:
             self._claims_caught_up.set()
+        self._withdraw_abandoned()
         waiting = []
         for partition, offset, future in self._claims_waiting:
             if self._claims_read.get(partition, 0) > offset:
@@ -535,6 +547,19 @@ class KafkaGateway(AsyncComponent):
             elif not future.done():
                 waiting.append((partition, offset, future))
         self._claims_waiting = waiting
+
+    def _withdraw_abandoned(self) -> None:
+        """Withdraw each abandoned claim the reader has passed (:meth:`forget_idempotent` withdraws only a
+        claim that won its key)."""
+        left = []
+        for partition, offset, tenant, key, record in self._abandoned:
+            if self._claims_read.get(partition, 0) > offset:
+                task = asyncio.get_running_loop().create_task(self.forget_idempotent(tenant, key, record))
+                self._withdrawing.add(task)
+                task.add_done_callback(self._withdrawing.discard)
+            else:
+                left.append((partition, offset, tenant, key, record))
+        self._abandoned = left
 
     # ---------------------------------------------------------------- replies
 

@@ -174,6 +174,23 @@ class QuotaLedger:
                 bucket[1] = max(0, bucket[1] + delta)
         reservation.tokens = actual_tokens
 
+    def refund(self, reservation: Reservation, *, request: bool) -> None:
+        """Take back the tokens reserved (and with ``request`` the request itself) for a request that used
+        none: one never published (the log refused it, a key in use), or a replay that generates nothing
+        here. An audit: four retries in a broker outage used 92 of 100 tokens a minute with nothing on the
+        log, and each idempotent replay reserved its prompt and ``max_tokens`` for good."""
+        for key in reservation.keys:
+            own = self._own.get(key)
+            if own is None:
+                continue
+            bucket = own.buckets.get(reservation.second)
+            if bucket is not None:
+                bucket[0] = max(0, bucket[0] - int(request))
+                bucket[1] = max(0, bucket[1] - reservation.tokens)
+            own.since_sync[0] = max(0, own.since_sync[0] - int(request))
+            own.since_sync[1] = max(0, own.since_sync[1] - reservation.tokens)
+        reservation.tokens = 0
+
     def release(self, reservation: Reservation) -> None:
         """The request is no longer in flight (idempotent)."""
         if reservation.released:

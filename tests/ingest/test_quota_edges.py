@@ -147,3 +147,26 @@ async def test_token_reservations_are_reconciled_so_short_answers_leave_room(
         assert huge.status == 400  # it could never fit: a request to change, not a rate limit to wait out
         assert (await huge.json())["error"]["code"] == "tokens_exceed_limit"
         assert gateway.submitted == []
+
+
+async def test_what_never_reached_the_log_or_replays_a_request_costs_no_tokens(
+    catalogue: ModelCatalogue,
+) -> None:
+    """Found by an audit: each request reserved prompt + max_tokens (23 here) whether or not it was ever
+    published. Four retries while the log refused them (503, retry) used 92 of 100 tokens a minute with
+    nothing on the log, and the next request got a 429 for a minute; each idempotent replay reserved its 23
+    for good, and the third replay of one request was refused."""
+    tenant = Tenant(key_sha256=[hash_key(KEY)], tokens_per_min=100)
+    body = {**CHAT, "max_tokens": 16}
+    async for edges in _edges(catalogue, tenant):
+        (a, gateway), _ = edges
+        gateway.fail_submit = True
+        for _ in range(4):
+            refused = await a.post("/v1/chat/completions", json=body, headers=HEADERS)
+            assert refused.status == 503
+        gateway.fail_submit = False
+        assert (await a.post("/v1/chat/completions", json=body, headers=HEADERS)).status == 200
+        keyed = {**HEADERS, "Idempotency-Key": "pay-1"}
+        statuses = [(await a.post("/v1/chat/completions", json=body, headers=keyed)).status for _ in range(6)]
+        assert statuses == [200] * 6  # one request, five replays: ~20 tokens used in all
+        assert len(gateway.submitted) == 2

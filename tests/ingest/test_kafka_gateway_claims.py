@@ -1,0 +1,101 @@
+"""The Kafka gateway's idempotency claims, in process: the producer and the claims reader stood in for, the
+claim table and its read-back the gateway's own (``tests/ingest/test_idempotency.py`` runs them on a
+broker)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from ingest.errors import GatewayUnavailable
+from ingest.gateway import IdempotencyRecord
+from ingest.kafka_gateway import KafkaGateway
+from schemas.coordination import decode_claim
+from schemas.settings import KafkaConnection
+from schemas.topics import TopicNames
+
+TENANT, KEY = "acme", "pay-42"
+
+
+class Log:
+    """The idempotency topic as the gateway's producer writes it: (key, value) at each offset."""
+
+    def __init__(self) -> None:
+        self.records: list[tuple[bytes, bytes | None]] = []
+
+    async def publish_raw(self, topic: str, value: bytes | None, *, key: bytes) -> tuple[int, int]:
+        self.records.append((key, value))
+        return 0, len(self.records) - 1
+
+
+@pytest.fixture
+async def gateway() -> tuple[KafkaGateway, Log]:
+    made = KafkaGateway(
+        kafka=KafkaConnection(bootstrap="127.0.0.1:1"), names=TopicNames("t"), edge_id="e", reply_partition=0
+    )
+    made._producer.stop()
+    log = Log()
+    made._producer = log  # type: ignore[assignment]
+    made._claims_reader = object()  # type: ignore[assignment]  # read by hand below
+    made.CLAIM_WAIT_S = 0.2
+    return made, log
+
+
+def read(gateway: KafkaGateway, log: Log) -> None:
+    """The claims reader passes every record on the log."""
+    gateway._apply_claims(
+        [
+            (0, offset, key, None if value is None else decode_claim(value))
+            for offset, (key, value) in enumerate(log.records)
+        ]
+    )
+
+
+MINE = IdempotencyRecord(request_id="req-1", body_hash="h")
+
+
+async def test_a_claim_whose_read_back_timed_out_is_withdrawn_once_read(
+    gateway: tuple[KafkaGateway, Log],
+) -> None:
+    """Found by an audit: the claim was on the log, the read-back timed out (a 503, retry), and the claim
+    held the key for 24 hours for a request never published: every retry was a 409 in progress."""
+    edge, log = gateway
+    with pytest.raises(GatewayUnavailable):
+        await edge.remember_idempotent(TENANT, KEY, MINE)
+    read(edge, log)
+    await asyncio.sleep(0.05)
+    assert log.records[-1][1] is None  # a tombstone: the key is free again
+    read(edge, log)
+    assert await edge.lookup_idempotent(TENANT, KEY) is None
+
+
+async def test_a_claim_its_client_left_is_withdrawn_once_read(gateway: tuple[KafkaGateway, Log]) -> None:
+    edge, log = gateway
+    task = asyncio.create_task(edge.remember_idempotent(TENANT, KEY, MINE))
+    await asyncio.sleep(0.05)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    read(edge, log)
+    await asyncio.sleep(0.05)
+    read(edge, log)
+    assert await edge.lookup_idempotent(TENANT, KEY) is None
+
+
+async def test_an_abandoned_claim_another_request_won_is_left_alone(
+    gateway: tuple[KafkaGateway, Log],
+) -> None:
+    edge, log = gateway
+    theirs = IdempotencyRecord(request_id="req-0", body_hash="h")
+    read(edge, log)
+    task = asyncio.create_task(edge.remember_idempotent(TENANT, KEY, theirs))
+    await asyncio.sleep(0)
+    read(edge, log)
+    assert await task == theirs  # the first claim of the key: it won
+    with pytest.raises(GatewayUnavailable):
+        await edge.remember_idempotent(TENANT, KEY, MINE)  # a later claim, its read-back timed out
+    read(edge, log)
+    await asyncio.sleep(0.05)
+    assert all(value is not None for _, value in log.records)  # no tombstone: the winner's claim stands
+    assert await edge.lookup_idempotent(TENANT, KEY) == theirs
