@@ -128,6 +128,8 @@ class KafkaGateway(AsyncComponent):
         budgets and deployments reflect the log (``ready()``)."""
         self._quota: ConsumerThread | None = None
         self._quota_apply: Callable[[QuotaSync, float], None] | None = None
+        self._quota_live_from = 0
+        """The quota topic's end when this edge started: snapshots from there on are live."""
         self.on_deploy: Callable[[str, Deployment], None] | None = None
         """Told of every deployment before edges route by it (the catalogue preloads its versions)."""
 
@@ -422,6 +424,7 @@ class KafkaGateway(AsyncComponent):
             if topic is None or topic.error is not None or not topic.partitions:
                 return None
             since = int((time.time() - WINDOW_S) * 1000)
+            self._quota_live_from = watermarks(consumer, self._names.quota, 0)[1]
             return TopicPartition(self._names.quota, 0, offset_at(consumer, self._names.quota, 0, since))
         finally:
             consumer.close()
@@ -436,7 +439,11 @@ class KafkaGateway(AsyncComponent):
             except UNREADABLE_JSON:
                 log.warning("undecodable quota snapshot at offset %s", message.offset())
                 continue
-            syncs.append((sync, max(0.0, (now_ms - sync.time_ms) / 1000)))
+            # A snapshot published since this edge started is live: heard now. Its age by the publisher's
+            # clock made a peer whose clock is a second behind not live, and one a minute behind not counted
+            # at all (an audit). Only the window read back at start is dated by the snapshot's own time.
+            live = (message.offset() or 0) >= self._quota_live_from
+            syncs.append((sync, 0.0 if live else min(WINDOW_S, max(0.0, (now_ms - sync.time_ms) / 1000))))
         apply, loop = self._quota_apply, self._loop
         if syncs and apply is not None and loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(_apply_all, apply, syncs)

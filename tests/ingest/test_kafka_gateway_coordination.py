@@ -1,17 +1,18 @@
-"""The Kafka gateway's idempotency claims, in process: the producer and the claims reader stood in for, the
-claim table and its read-back the gateway's own (``tests/ingest/test_idempotency.py`` runs them on a
-broker)."""
+"""The Kafka gateway's coordination with the other edges, in process: idempotency claims and quota
+snapshots, the producer and the readers stood in for, the rest the gateway's own
+(``tests/ingest/test_idempotency.py`` and ``tests/e2e/test_overload.py`` run them on a broker)."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
 from ingest.errors import GatewayUnavailable
 from ingest.gateway import IdempotencyRecord
 from ingest.kafka_gateway import KafkaGateway
-from schemas.coordination import decode_claim
+from schemas.coordination import QuotaSync, decode_claim, encode_coordination
 from schemas.settings import KafkaConnection
 from schemas.topics import TopicNames
 
@@ -99,3 +100,49 @@ async def test_an_abandoned_claim_another_request_won_is_left_alone(
     await asyncio.sleep(0.05)
     assert all(value is not None for _, value in log.records)  # no tombstone: the winner's claim stands
     assert await edge.lookup_idempotent(TENANT, KEY) == theirs
+
+
+class _Record:
+    def __init__(self, value: bytes, offset: int) -> None:
+        self._value, self._offset = value, offset
+
+    def value(self) -> bytes:
+        return self._value
+
+    def offset(self) -> int:
+        return self._offset
+
+
+async def test_a_live_quota_snapshot_is_heard_now_whatever_its_publishers_clock(
+    gateway: tuple[KafkaGateway, Log],
+) -> None:
+    """Found by an audit: a snapshot's age was taken from its publisher's clock, so a peer a second behind
+    was not live (its requests in flight not counted, its share not taken) and one a minute behind was not
+    counted at all. Only the window read back at start is dated by the snapshots' own times."""
+    edge, _ = gateway
+    heard: list[tuple[str, float]] = []
+    edge._loop = asyncio.get_running_loop()
+    edge.follow_quota(lambda sync, age: heard.append((sync.edge, age)))
+    edge._quota_live_from = 10
+    now_ms = int(time.time() * 1000)
+    records = [
+        _Record(
+            encode_coordination(QuotaSync(edge="before", time_ms=now_ms - 2_000, window_s=60, usage=())), 4
+        ),
+        _Record(
+            encode_coordination(QuotaSync(edge="ancient", time_ms=now_ms - 3_600_000, window_s=60, usage=())),
+            5,
+        ),
+        _Record(
+            encode_coordination(QuotaSync(edge="behind", time_ms=now_ms - 65_000, window_s=60, usage=())), 10
+        ),
+        _Record(
+            encode_coordination(QuotaSync(edge="ahead", time_ms=now_ms + 5_000, window_s=60, usage=())), 11
+        ),
+    ]
+    edge._on_quota(records)  # type: ignore[arg-type]
+    await asyncio.sleep(0.01)
+    ages = dict(heard)
+    assert 1.5 < ages["before"] < 5
+    assert ages["ancient"] == 60  # older than the window: counted as leaving it
+    assert ages["behind"] == ages["ahead"] == 0.0
