@@ -79,6 +79,9 @@ class _Own:
     in_flight: int = 0
     since_sync: list[int] = field(default_factory=lambda: [0, 0])
     """[requests, tokens] admitted since this edge last published (its share is checked against it)."""
+    in_flight_at_sync: int = 0
+    """``in_flight`` when this edge last published: what it has in flight beyond that is its share of the
+    concurrency left then."""
 
     def totals(self, oldest: int) -> tuple[int, int]:
         requests = tokens = 0
@@ -131,6 +134,8 @@ class QuotaLedger:
         self._left_at_sync: dict[Key, tuple[int, int]] = {}
         """Per key, the (requests, tokens) left under the limit when this edge last published; its share
         until the next sync is a part of that."""
+        self._flights_left_at_sync: dict[Key, int] = {}
+        """Per key, the places in flight left under ``max_concurrency`` when this edge last published."""
 
     # ---------------------------------------------------------------- admission
 
@@ -213,6 +218,17 @@ class QuotaLedger:
                 f"Too many concurrent requests for {scope} (limit {limits.max_concurrency}).",
                 1.0,
             )
+        if limits.max_concurrency is not None and edges > 1:
+            # Between two syncs each edge takes its share of the places left at the last one, as for the
+            # per-minute limits: a burst through E edges held E x the limit in flight (an audit).
+            places = self._flights_left_at_sync.get(key, limits.max_concurrency)
+            if max(0, own.in_flight - own.in_flight_at_sync) + 1 > max(1, math.ceil(places / edges)):
+                return Refusal(
+                    "concurrency_limit_exceeded",
+                    f"Too many concurrent requests for {scope} (limit {limits.max_concurrency}, shared by "
+                    f"{edges} edges).",
+                    1.0,
+                )
         for index, limit, need, used, unit in (
             (0, limits.requests_per_min, 1, requests, "requests"),
             (1, limits.tokens_per_min, tokens, used_tokens, "tokens"),
@@ -288,8 +304,10 @@ class QuotaLedger:
             if own.idle:
                 del self._own[key]
                 self._left_at_sync.pop(key, None)
+                self._flights_left_at_sync.pop(key, None)
                 continue
             own.since_sync = [0, 0]
+            own.in_flight_at_sync = own.in_flight
             requests, tokens = own.totals(oldest)
             usage.append(
                 QuotaUsage(
@@ -300,7 +318,9 @@ class QuotaLedger:
             limits = limits_of(key)
             if limits is None:
                 continue
-            requests, tokens, _ = self.used(key, now)
+            requests, tokens, in_flight = self.used(key, now)
+            if limits.max_concurrency is not None:
+                self._flights_left_at_sync[key] = max(0, limits.max_concurrency - in_flight)
             self._left_at_sync[key] = (
                 max(0, (limits.requests_per_min or 0) - requests),
                 max(0, (limits.tokens_per_min or 0) - tokens),

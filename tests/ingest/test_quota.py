@@ -110,6 +110,32 @@ def test_two_edges_together_hold_the_limit_through_snapshots_and_shares() -> Non
     assert a.peers == ["edge-b"]
 
 
+def test_a_burst_over_two_edges_holds_concurrency_to_the_limit() -> None:
+    """Found by an audit: in flight was checked against the limit alone, so between two syncs each edge
+    admitted up to the whole limit: 16 streams over 2 edges with max_concurrency=4 left 8 open. Each edge now
+    takes its share of the places left at its last sync, as for the per-minute limits."""
+    clock = Clock()
+    a, b = ledger(clock, "edge-a"), ledger(clock, "edge-b")
+    limit = Limits(max_concurrency=4)
+    limits_of = {T: limit}.get
+    b.apply(a.snapshot(limits_of))
+    a.apply(b.snapshot(limits_of))  # each knows the other is live, neither has anything in flight
+    held, refused = [], set()
+    for _ in range(8):  # a burst: eight streams on each edge before the next sync
+        for quota in (a, b):
+            try:
+                held.append((quota, quota.admit([(T, limit)], 0)))
+            except QuotaExceeded as exc:
+                refused.add(exc.refusal.code)
+    assert len(held) == 4
+    assert refused == {"concurrency_limit_exceeded"}
+    quota, first = held[0]
+    quota.release(first)  # one ends: its edge may take its place again
+    quota.admit([(T, limit)], 0)
+    with pytest.raises(QuotaExceeded):
+        quota.admit([(T, limit)], 0)
+
+
 def test_a_single_edge_never_passes_the_limit() -> None:
     clock = Clock()
     quota = ledger(clock)
