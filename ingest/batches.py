@@ -176,8 +176,11 @@ class BatchRunner(AsyncComponent):
         store: FileStore,
         preparer: Preparer,
         tenants: TenantDirectory,
+        exhausted: Callable[[str], bool] = lambda tenant: False,
     ) -> None:
+        """``exhausted``: whether a tenant's spending budget is used up (its lines wait until it is not)."""
         super().__init__()
+        self._exhausted = exhausted
         self._log, self._settings = log, settings
         self.store, self._preparer, self._tenants = store, preparer, tenants
         self._edge_id = settings.edge_id
@@ -665,6 +668,10 @@ class BatchRunner(AsyncComponent):
         room = min(limit, self._settings.edge_batch_max_in_flight - self._in_flight.get(model, 0), 64)
         if tenant is None or room <= 0 or not _running(job):
             return  # (or it ended in this round: its input file is gone)
+        if self._exhausted(tenant.name):
+            # its budget is used up: its lines wait (the pump looks again every second), as its interactive
+            # requests get 402; a running batch went on spending (an audit)
+            return
         picked: list[tuple[int, int]] = []
         while len(picked) < room and (nxt := job.next_to_publish(now)) is not None:
             picked.append(nxt)

@@ -92,6 +92,7 @@ def build_edge(
             store=store,
             preparer=ctx.preparer,
             tenants=ctx.tenants,
+            exhausted=ctx.gateway.budget_exhausted,
         )
 
     edge = Edge(settings, gateway, catalogue, ops_token=platform.ops_token, batches=batches)

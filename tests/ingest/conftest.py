@@ -164,7 +164,12 @@ async def make_client(
                 max_tenant_bytes=edge_settings.edge_files_max_bytes_per_tenant,
             )
             return BatchRunner(
-                log=batch_log, settings=edge_settings, store=store, preparer=ctx.preparer, tenants=ctx.tenants
+                log=batch_log,
+                settings=edge_settings,
+                store=store,
+                preparer=ctx.preparer,
+                tenants=ctx.tenants,
+                exhausted=ctx.gateway.budget_exhausted,
             )
 
         edge = Edge(edge_settings, gateway, catalogue, tenants, batches=batches)

@@ -27,6 +27,7 @@ from ingest.files import FileStore, FileWriter
 from schemas.events import BatchItemRequested, BatchLineError
 from tests.ingest.conftest import AUTH, OTHER_KEY, Client, MakeClient
 from tests.ingest.fake_batch_log import FakeBatchLog, complete
+from tests.ingest.fake_gateway import FakeGateway
 from tests.ingest.test_batch_job import job_of, result
 from tests.ingest.test_batches import CHAT, chat_line, jsonl, run, until
 
@@ -344,3 +345,28 @@ def test_a_tenants_usage_counts_its_files_only(tmp_path: Path) -> None:
     with store.writer("other", "b", "batch") as out:
         out.write(b"y" * 10)
     assert (store.usage("demo"), store.usage("other")) == (100, 10)
+
+
+async def test_a_running_batch_waits_while_its_tenants_budget_is_used_up(
+    make_client: MakeClient, batch_log: FakeBatchLog, gateway: FakeGateway
+) -> None:
+    """Found by an audit: once the tenant's budget was exhausted its interactive requests got 402, but its
+    running batch published every line left and completed. Its lines now wait, and go on when the budget
+    allows again."""
+    client, _ = await make_client(edge_batch_max_in_flight=2)
+    held: list[BatchItemRequested] = []
+    batch_log.respond = lambda event: held.append(event)
+    async with _sdk(client) as sdk:
+        created = await run(sdk, [chat_line(i) for i in range(6)])
+        await _eventually(lambda: len(held) == 2)
+        gateway.exhausted.add("demo")
+        for event in held:
+            batch_log.answer(complete(event))
+        await asyncio.sleep(1.5)  # the pump looks again every second
+        assert len(batch_log.lines) == 2
+        assert (await sdk.batches.retrieve(created.id)).status == "in_progress"
+        gateway.exhausted.discard("demo")
+        batch_log.respond = complete
+        done = await until(sdk, created.id, "completed")
+        assert done.request_counts is not None
+        assert done.request_counts.completed == 6
