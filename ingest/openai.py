@@ -24,7 +24,10 @@ Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
 Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
 Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
-Timeout = Annotated[float, msgspec.Meta(gt=0.0, le=86_400.0)]
+MIN_TIMEOUT_S = 0.001
+"""The shortest deadline a request may ask for: one that has passed before its event is written was
+published, answered 504 and cancelled (an audit)."""
+Timeout = Annotated[float, msgspec.Meta(ge=MIN_TIMEOUT_S, le=86_400.0)]
 MAX_STOP_CHARS = 256
 """A stop string longer than this is refused: it rides in every request event and terminal event."""
 StopWord = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_STOP_CHARS)]

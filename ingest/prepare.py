@@ -18,7 +18,14 @@ import msgspec
 from ingest.auth import Tenant
 from ingest.errors import CatalogueError, InvalidRequest, ModelNotFound, PayloadTooLarge, Unavailable
 from ingest.models import ModelCatalogue, ServedModel
-from ingest.openai import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, PromptInput, decode_body
+from ingest.openai import (
+    MIN_TIMEOUT_S,
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    PromptInput,
+    decode_body,
+)
 from ingest.settings import EdgeSettings
 from schemas.codec import MAX_RECORD_BYTES, RECORD_HEADROOM_BYTES, encode, fits_record
 from schemas.deployments import Deployment, sticky_key
@@ -107,9 +114,10 @@ def parse_timeout(header: str | None) -> float | None:
         value = float(header)
     except ValueError:
         value = math.nan
-    if not (math.isfinite(value) and value > 0):
+    if not (math.isfinite(value) and value >= MIN_TIMEOUT_S):
         raise InvalidRequest(
-            "X-Request-Timeout must be a positive number of seconds.", param="X-Request-Timeout"
+            f"X-Request-Timeout must be a number of seconds from {MIN_TIMEOUT_S:g}.",
+            param="X-Request-Timeout",
         )
     return value
 

@@ -277,6 +277,20 @@ RAW_CASES = [
         400,
         None,
     ),
+    (  # an audit: published with a deadline already past, then a 504 and a cancel
+        "timeout header under a millisecond",
+        b'{"model":"tiny-gpt","messages":[{"role":"user","content":"x"}]}',
+        {"X-Request-Timeout": "1e-320"},
+        400,
+        None,
+    ),
+    (
+        "timeout field under a millisecond",
+        b'{"model":"tiny-gpt","messages":[{"role":"user","content":"x"}],"timeout":1e-9}',
+        {},
+        400,
+        None,
+    ),
     (
         "bad idempotency key",
         b'{"model":"tiny-gpt","messages":[{"role":"user","content":"x"}]}',
