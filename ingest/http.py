@@ -159,11 +159,13 @@ class Routes:
         ctx = self.ctx
         tenant = self._tenant(request)
         request[TENANT_KEY] = metrics.tenant_label(tenant.name)
-        ctx.admission.check_budget(tenant, ctx.gateway.budget_exhausted(tenant.name))
+        last = parse_last_event_id(request.headers.get("Last-Event-ID")) if kind != "embedding" else None
+        if last is None:  # a resume is work admitted before: a 402 lost the client its stream (an audit), and
+            # a WebSocket resume or GET /v1/streams/{id} of the same stream was served
+            ctx.admission.check_budget(tenant, ctx.gateway.budget_exhausted(tenant.name))
         ctx.admission.check_rate(tenant)  # before any work on the body
         raw = await self._body(request)
         key = check_idempotency_key(request.headers.get("Idempotency-Key"))
-        last = parse_last_event_id(request.headers.get("Last-Event-ID")) if kind != "embedding" else None
         prepared = await ctx.preparer.prepare(
             kind,
             raw,

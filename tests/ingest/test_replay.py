@@ -108,6 +108,25 @@ async def test_last_event_id_resumes_after_that_seq(client: Client, gateway: Fak
     assert gateway.resumes == [("demo", rid, 2)]
 
 
+async def test_a_resume_of_a_stream_admitted_before_the_budget_ran_out_is_served(
+    client: Client, gateway: FakeGateway
+) -> None:
+    """Found by an audit: a reconnect with Last-Event-ID was refused 402 once the budget ran out, and the
+    client lost a stream it had been admitted for (a WebSocket resume of the same stream was served). New
+    work is still refused."""
+    body = {**CHAT, "stream": True}
+    await (await client.post("/v1/chat/completions", json=body, headers=AUTH)).text()
+    rid = gateway.submitted[0].request_id
+    gateway.exhausted.add("demo")
+    resumed = await client.post(
+        "/v1/chat/completions", json=body, headers={**AUTH, "Last-Event-ID": f"{rid}:2"}
+    )
+    assert resumed.status == 200
+    assert len(parse_sse(await resumed.text())) == 4
+    fresh = await client.post("/v1/chat/completions", json=body, headers=AUTH)
+    assert fresh.status == 402
+
+
 async def test_resume_is_per_tenant(client: Client, gateway: FakeGateway) -> None:
     await client.post("/v1/chat/completions", json=CHAT, headers=AUTH)
     rid = gateway.submitted[0].request_id
