@@ -5,12 +5,14 @@ damaged journal, races between a reader of a running batch's files and its resul
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import io
 import json
 import os
 import threading
-import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -18,8 +20,10 @@ from typing import Any
 import msgspec
 import pytest
 from openai import AsyncOpenAI
+from openai.types import Batch
 
 from bus.errors import BusError
+from ingest.app import Edge
 from ingest.auth import DEMO_KEY
 from ingest.batch_job import Job
 from ingest.batches import BatchRunner
@@ -29,23 +33,50 @@ from tests.ingest.conftest import AUTH, OTHER_KEY, Client, MakeClient
 from tests.ingest.fake_batch_log import FakeBatchLog, complete
 from tests.ingest.fake_gateway import FakeGateway
 from tests.ingest.test_batch_job import job_of, result
-from tests.ingest.test_batches import CHAT, chat_line, jsonl, run, until
+from tests.ingest.test_batches import CHAT, _eventually, chat_line, jsonl, run, until
 
 
 def _no_space(*_args: Any, **_kwargs: Any) -> None:
     raise OSError(errno.ENOSPC, "No space left on device")
 
 
-async def _eventually(check: Any, within_s: float = 5.0) -> None:
-    deadline = time.monotonic() + within_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met")
-        await asyncio.sleep(0.02)
-
-
 def _sdk(client: Client, key: str = DEMO_KEY) -> AsyncOpenAI:
     return AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=key, max_retries=0)
+
+
+@dataclass
+class Held:
+    """A batch whose published lines the workers hold (answer them with ``batch_log.answer``)."""
+
+    client: Client
+    edge: Edge
+    sdk: AsyncOpenAI
+    batch: Batch
+    lines: list[BatchItemRequested]
+
+    @property
+    def runner(self) -> BatchRunner:
+        assert self.edge.batches is not None
+        return self.edge.batches
+
+
+@contextlib.asynccontextmanager
+async def held_batch(
+    make_client: MakeClient,
+    batch_log: FakeBatchLog,
+    lines: int,
+    *,
+    published: int | None = None,
+    **settings: Any,
+) -> AsyncIterator[Held]:
+    """An edge running a batch of ``lines`` chat lines, once ``published`` of them (all) are out and held."""
+    held: list[BatchItemRequested] = []
+    batch_log.respond = lambda event: held.append(event)
+    client, edge = await make_client(**settings)
+    async with _sdk(client) as sdk:
+        created = await run(sdk, [chat_line(i) for i in range(lines)])
+        await _eventually(lambda: len(held) == (lines if published is None else published))
+        yield Held(client, edge, sdk, created, held)
 
 
 # --- a full disk ---------------------------------------------------------------------------------------------
@@ -57,45 +88,35 @@ async def test_a_journal_that_cannot_be_synced_fails_its_batch_not_the_edge(
     """Results came back after the disk filled up: the journal's sync raised ENOSPC out of the results loop,
     which failed the edge (interactive traffic included), and again at every restart while the disk stayed
     full; stopping that edge raised too."""
-    held: list[BatchItemRequested] = []
-    batch_log.respond = lambda event: held.append(event)
-    client, edge = await make_client()
-    async with _sdk(client) as sdk:
-        created = await run(sdk, [chat_line(i) for i in range(3)])
-        await _eventually(lambda: len(held) == 3)
+    async with held_batch(make_client, batch_log, 3) as held:
         monkeypatch.setattr(Job, "sync", _no_space)
         monkeypatch.setattr(Job, "write_state", _no_space)
-        for event in held:
+        for event in held.lines:
             batch_log.answer(complete(event))
         await _eventually(lambda: batch_log.states[-1].status == "failed")
         failed = batch_log.states[-1]
-        assert failed.batch_id == created.id
+        assert failed.batch_id == held.batch.id
         assert [e.code for e in failed.errors] == ["output_write_failed"]
         assert "No space left on device" in failed.errors[0].message
-        assert edge.failure is None
-        response = await client.get("/healthz")
+        assert held.edge.failure is None
+        response = await held.client.get("/healthz")
         assert response.status == 200
         monkeypatch.undo()
         batch_log.respond = complete
-        other = await until(sdk, (await run(sdk, [chat_line(0)])).id, "completed")  # the edge goes on
+        other = await until(held.sdk, (await run(held.sdk, [chat_line(0)])).id, "completed")  # it goes on
         assert other.request_counts is not None
         assert other.request_counts.completed == 1
-    await edge.stop()  # closing a job whose journal cannot be synced does not stop the stop
+    await held.edge.stop()  # closing a job whose journal cannot be synced does not stop the stop
 
 
 async def test_a_cancel_with_the_disk_full_is_answered(
     make_client: MakeClient, batch_log: FakeBatchLog, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    held: list[BatchItemRequested] = []
-    batch_log.respond = lambda event: held.append(event)
-    client, edge = await make_client()
-    async with _sdk(client) as sdk:
-        created = await run(sdk, [chat_line(i) for i in range(3)])
-        await _eventually(lambda: len(held) == 3)
+    async with held_batch(make_client, batch_log, 3) as held:
         monkeypatch.setattr(Job, "write_state", _no_space)
-        cancelling = await sdk.batches.cancel(created.id)
+        cancelling = await held.sdk.batches.cancel(held.batch.id)
         assert cancelling.status == "cancelling"
-        assert edge.failure is None
+        assert held.edge.failure is None
 
 
 async def test_an_upload_on_a_full_disk_is_a_507_in_openai_shape(
@@ -249,13 +270,9 @@ def test_a_journal_entry_no_edge_writes_is_read_as_torn(tmp_path: Path, entry: l
 async def test_a_batch_that_cannot_resume_fails_and_the_edge_starts(
     make_client: MakeClient, batch_log: FakeBatchLog, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    held: list[BatchItemRequested] = []
-    batch_log.respond = lambda event: held.append(event)
-    first, _ = await make_client()
-    async with _sdk(first) as sdk:
-        created = await run(sdk, [chat_line(i) for i in range(3)])
-        await _eventually(lambda: len(held) == 3)
-    await first.close()
+    async with held_batch(make_client, batch_log, 3) as held:
+        created = held.batch
+    await held.client.close()
     monkeypatch.setattr(Job, "restore", lambda self: (_ for _ in ()).throw(ValueError("what no edge wrote")))
     second, edge = await make_client()
     async with _sdk(second) as sdk:
@@ -305,17 +322,9 @@ def test_a_result_recorded_while_a_reader_syncs_is_synced_before_its_offsets_com
 async def test_a_cancel_of_a_batch_ending_expired_says_so(
     make_client: MakeClient, batch_log: FakeBatchLog
 ) -> None:
-    held: list[BatchItemRequested] = []
-    batch_log.respond = lambda event: held.append(event)
-    client, edge = await make_client()
-    async with _sdk(client) as sdk:
-        created = await run(sdk, [chat_line(i) for i in range(2)])
-        await _eventually(lambda: len(held) == 2)
-        runner = edge.batches
-        assert runner is not None
-        job = runner._jobs[created.id]
-        job.ending = "expired"  # its window passed: it waits for its lines' deadlines
-        response = await client.post(f"/v1/batches/{created.id}/cancel", headers=AUTH)
+    async with held_batch(make_client, batch_log, 2) as held:
+        held.runner._jobs[held.batch.id].ending = "expired"  # its window passed: it waits for its lines
+        response = await held.client.post(f"/v1/batches/{held.batch.id}/cancel", headers=AUTH)
         assert response.status == 400
         assert (await response.json())["error"]["code"] == "batch_not_cancellable"
 
@@ -323,15 +332,9 @@ async def test_a_cancel_of_a_batch_ending_expired_says_so(
 async def test_a_delivery_failure_after_its_batch_ended_is_not_counted_out_twice(
     make_client: MakeClient, batch_log: FakeBatchLog
 ) -> None:
-    held: list[BatchItemRequested] = []
-    batch_log.respond = lambda event: held.append(event)
-    client, edge = await make_client()
-    async with _sdk(client) as sdk:
-        created = await run(sdk, [chat_line(i) for i in range(4)])
-        await _eventually(lambda: len(held) == 4)
-        runner = edge.batches
-        assert runner is not None
-        job = runner._jobs[created.id]
+    async with held_batch(make_client, batch_log, 4) as held:
+        runner = held.runner
+        job = runner._jobs[held.batch.id]
         await runner._fail(job, BatchLineError(code="output_write_failed", message="the disk"))
         model = job.state.model
         assert runner._in_flight[model] == 0
@@ -355,20 +358,15 @@ async def test_a_running_batch_waits_while_its_tenants_budget_is_used_up(
     """Found by an audit: once the tenant's budget was exhausted its interactive requests got 402, but its
     running batch published every line left and completed. Its lines now wait, and go on when the budget
     allows again."""
-    client, _ = await make_client(edge_batch_max_in_flight=2)
-    held: list[BatchItemRequested] = []
-    batch_log.respond = lambda event: held.append(event)
-    async with _sdk(client) as sdk:
-        created = await run(sdk, [chat_line(i) for i in range(6)])
-        await _eventually(lambda: len(held) == 2)
+    async with held_batch(make_client, batch_log, 6, published=2, edge_batch_max_in_flight=2) as held:
         gateway.exhausted.add("demo")
-        for event in held:
+        for event in held.lines:
             batch_log.answer(complete(event))
         await asyncio.sleep(1.5)  # the pump looks again every second
         assert len(batch_log.lines) == 2
-        assert (await sdk.batches.retrieve(created.id)).status == "in_progress"
+        assert (await held.sdk.batches.retrieve(held.batch.id)).status == "in_progress"
         gateway.exhausted.discard("demo")
         batch_log.respond = complete
-        done = await until(sdk, created.id, "completed")
+        done = await until(held.sdk, held.batch.id, "completed")
         assert done.request_counts is not None
         assert done.request_counts.completed == 6
