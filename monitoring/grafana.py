@@ -530,7 +530,9 @@ def _templating() -> dict[str, Any]:
                 "definition": "label_values(sluice_model_info, model)",
                 "includeAll": True,
                 "multi": True,
-                "allValue": ".*",
+                # No custom "allValue": Grafana does not format one, so All reached the warehouse panel's
+                # SQL as a bare ".*" (a syntax error on every fresh load: an audit). Without it All is
+                # every value, as a regex alternation for PromQL and a quoted list for the SQL.
                 "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
                 "refresh": 2,
                 "sort": 1,

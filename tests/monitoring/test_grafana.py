@@ -173,6 +173,15 @@ def test_cli_writes_the_committed_file(tmp_path: Path) -> None:
     assert json.loads(stdout.stdout)["uid"] == "sluicegate-overview"
 
 
+def test_all_models_reach_every_query_as_the_models_themselves() -> None:
+    """Found by an audit: the model variable's custom "allValue" (".*") is inserted as it is, unformatted
+    (Grafana formats only the values it chose): the warehouse panel read ``model IN (.*)``, a syntax error,
+    in the dashboard's default state. Without it, All is every model, formatted for each query."""
+    (model,) = [v for v in build_dashboard()["templating"]["list"] if v["name"] == "model"]
+    assert model["includeAll"]
+    assert model.get("allValue") in (None, "")
+
+
 def test_clickhouse_panels_run_against_the_warehouse_schema(tmp_path: Path) -> None:
     """The SQL panels' queries, with the plugin's macros expanded, run on a migrated (empty) warehouse."""
     sqls = [t["rawSql"] for t in _targets(build_dashboard(), CLICKHOUSE_PLUGIN)]
