@@ -241,7 +241,7 @@ class Routes:
                 async with ctx.dispatcher.guard(flight, stream, timeout):
                     await response.prepare(request)
                     async for item in stream:
-                        flight.model = item.model
+                        flight.name_model(item.model)
                         event_id = f"{request_id}:{item.seq}" if isinstance(item, TokenChunk) else None
                         await response.write(sse(native(item), event_id))
                     await response.write(DONE)

@@ -274,7 +274,7 @@ class WsSession:
         async with self._ctx.dispatcher.guard(flight, stream, timeout_s):
             await self._put(accepted)
             async for item in stream:
-                flight.model = item.model
+                flight.name_model(item.model)
                 await self._put({**native(item, shape), "id": client_id})
 
     async def _cancel(self, client_id: str | int) -> None:

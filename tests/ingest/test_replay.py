@@ -6,6 +6,7 @@ import asyncio
 
 import msgspec
 import pytest
+from prometheus_client import REGISTRY
 
 from ingest.gateway import IdempotencyRecord
 from ingest.prepare import body_hash
@@ -325,3 +326,29 @@ async def test_a_keyed_retry_of_a_request_that_failed_for_good_replays_its_failu
     assert first.status == retry.status == 500
     assert (await retry.json())["error"]["code"] == "engine_error"
     assert len(gateway.submitted) == 1
+
+
+async def test_a_resumed_stream_is_counted_in_flight_under_its_model(
+    client: Client, gateway: FakeGateway
+) -> None:
+    """Found by an audit: ``GET /v1/streams/{id}`` (and a WebSocket resume) opened its flight before the
+    stream named its model and stayed counted under ``model=""``: Grafana showed resumed streams with a
+    blank legend, under no model."""
+
+    def in_flight(model: str) -> float:
+        return REGISTRY.get_sample_value("sluice_edge_requests_in_flight", {"model": model}) or 0.0
+
+    before = in_flight(GEN), in_flight("")
+    gateway.hold_after = 1
+    first = await client.post("/v1/chat/completions", json={**CHAT, "stream": True}, headers=AUTH)
+    await first.content.readuntil(b"\n\n")
+    rid = gateway.submitted[0].request_id
+    resumed = await client.get(f"/v1/streams/{rid}", headers=AUTH)
+    await resumed.content.readuntil(b"\n\n")  # its first reply named the model
+    await eventually(lambda: in_flight(GEN) == before[0] + 2)  # the request and its second reader
+    assert in_flight("") == before[1]
+    gateway.release.set()
+    await first.read()
+    await resumed.read()
+    await eventually(lambda: in_flight(GEN) == before[0])
+    assert in_flight("") == before[1]
