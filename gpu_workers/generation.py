@@ -52,6 +52,8 @@ class _Live:
     first_token: datetime | None = None
     stop_hit: bool = False
     stop_cut: int | None = None  # text length to keep when a stop string matched
+    sent: int = 0
+    """Characters of the text streamed so far (a request with stop strings holds back what may begin one)."""
     next_seq: int = 0
     next_offset: int = 0
     last_token_at: float | None = None
@@ -59,6 +61,28 @@ class _Live:
     logprob_sum: float = 0.0
     entropy_sum: float = 0.0
     scored: int = 0
+
+
+def _held(text: str, live: _Live) -> int:
+    """Characters at the end of ``text`` (past what was streamed) that begin one of the request's stop
+    strings: the longest such end, held back until a later token shows whether the stop string follows.
+    Only the beginnings that end with the text's last character are tried (a token's work stays a few
+    string compares, not one per length of a 256-character stop string)."""
+    unsent = len(text) - live.sent
+    if not unsent:
+        return 0
+    last, best = text[-1], 0
+    for stop in live.event.sampling.stop:
+        size = min(len(stop) - 1, unsent)
+        while size > best:
+            size = stop.rfind(last, 0, size) + 1  # the longest beginning up to ``size`` ending with ``last``
+            if size <= best:
+                break
+            if text.endswith(stop[:size]):
+                best = size
+                break
+            size -= 1
+    return best
 
 
 def monotonic_deadline(deadline: datetime | None, now_wall: datetime, now: float) -> float | None:
@@ -360,14 +384,20 @@ class GenerationRunner:
                     self._emit_chunk(live, flush, None, emit)
             return
         delta = live.detok.push(token_id)
+        text = live.detok.text
         for stop in live.event.sampling.stop:
-            cut = live.detok.text.find(stop, max(0, len(live.detok.text) - len(delta) - len(stop)))
+            cut = text.find(stop, max(0, len(text) - len(delta) - len(stop)))
             if cut >= 0:
                 live.stop_hit, live.stop_cut = True, cut
-                delta = delta[: max(0, len(delta) - (len(live.detok.text) - cut))]
                 break
         if live.event.stream:
-            flush = self._coalescer.push(live.event.request_id, token_id, delta, now)
+            # Streamed text never shows a stop string's beginning: what may still grow into one is held
+            # back until a later token rules it out (a stop string spanning tokens leaked its first tokens
+            # into the stream, where the whole answer left it out: an audit; vLLM holds back the same way).
+            end = live.stop_cut if live.stop_cut is not None else len(text) - _held(text, live)
+            released = text[live.sent : max(live.sent, end)]
+            live.sent += len(released)
+            flush = self._coalescer.push(live.event.request_id, token_id, released, now)
             if flush is not None:
                 self._emit_chunk(live, flush, None, emit)
 
@@ -396,7 +426,9 @@ class GenerationRunner:
     ) -> None:
         request_id = live.event.request_id
         self._live.pop(request_id, None)
-        tail = "" if live.stop_hit else live.detok.flush()  # text held back for an incomplete character
+        # what was held back: text that might have begun a stop string, and an incomplete character's
+        held = live.detok.text[live.sent :] if live.event.sampling.stop else ""  # others stream by chunk
+        tail = "" if live.stop_hit else held + live.detok.flush()
         if live.event.stream:
             last = self._coalescer.finish(request_id, self._clock())
             if last is None and tail:

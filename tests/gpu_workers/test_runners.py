@@ -4,6 +4,7 @@ the seed a request without one samples with."""
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -182,8 +183,8 @@ def test_streamed_chunks_carry_the_text_decode_gives_their_tokens(
 ) -> None:
     """A streamed request without stop strings has its text decoded once a chunk; with them, token by token
     (a stop string is looked for as the text grows). Either way each chunk carries all the text its
-    tokens complete (none held back unless the tokens so far end inside a character), and the chunks add up
-    to the terminal event's text."""
+    tokens complete (none held back unless the tokens so far end inside a character, or, with stop strings,
+    in what may begin one), and the chunks add up to the terminal event's text."""
     sampling = SamplingParams(max_tokens=40, temperature=0.9, ignore_eos=True, stop=stop)
     requests = [generation(sampling, stream=True) for _ in range(3)]
     engine = GenerationEngine(demo_gpt.model, max_batch_size=8, max_context=demo_gpt.manifest.max_context)
@@ -202,7 +203,8 @@ def test_streamed_chunks_carry_the_text_decode_gives_their_tokens(
             text += chunk.text
             so_far = str(tokenizer.decode(ids, skip_special_tokens=True))
             assert so_far.startswith(text)
-            if chunk.finish_reason is None and not so_far.endswith("\ufffd"):
+            may_begin_a_stop = any(so_far.endswith(s[:n]) for s in stop for n in range(1, len(s)))
+            if chunk.finish_reason is None and not so_far.endswith("\ufffd") and not may_begin_a_stop:
                 assert text == so_far, "a chunk's text was held back"
                 compared += 1
         assert [len(c.token_ids) for c in chunks] == [1] + [3] * 13, "the first token alone, then 3 a chunk"
@@ -210,6 +212,31 @@ def test_streamed_chunks_carry_the_text_decode_gives_their_tokens(
             text == out.finished[request.request_id].text == tokenizer.decode(ids, skip_special_tokens=True)
         )
     assert compared >= 10
+
+
+@pytest.mark.parametrize("span", [(6, 14), (0, 5), (3, 4)], ids=["mid-text", "from-the-start", "one-char"])
+def test_a_stop_string_spanning_tokens_never_shows_in_the_stream(
+    gpt_runner: GenerationRunner, demo_gpt: LoadedModel, span: tuple[int, int]
+) -> None:
+    """Found by an audit: each token's text went to the stream as it was decoded, and a stop string was cut
+    only from the token that completed it: the tokens before it leaked their part ("The lock keeper" streamed
+    where the whole answer was "The lock "). The stream now holds back what may begin a stop string, and
+    its text is the whole answer's, token for token."""
+    sampling = SamplingParams(max_tokens=24, temperature=0.8, ignore_eos=True, seed=7)
+    plain = run(gpt_runner, [generation(sampling)]).finished
+    text = next(iter(plain.values())).text or ""
+    stop = text[span[0] : span[1]]
+    assert len(stop) == span[1] - span[0], text
+    tokenizer = demo_gpt.tokenizer
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) > 1
+    with_stop = msgspec.structs.replace(sampling, stop=(stop,))
+    whole, streamed = generation(with_stop), generation(with_stop, stream=True)
+    out = run(gpt_runner, [whole, streamed])
+    expected = text[: text.find(stop)]
+    assert out.finished[whole.request_id].text == expected
+    chunks = "".join(c.text for c in out.chunks if c.request_id == streamed.request_id)
+    assert chunks == expected == out.finished[streamed.request_id].text
 
 
 def test_generation_terminal_events(gpt_runner: GenerationRunner) -> None:
@@ -455,3 +482,27 @@ def test_a_running_generation_given_back_ends_nowhere_and_its_batch_mate_goes_on
     assert len([c for c in out.chunks if c.request_id == cut.request_id]) == chunks
     assert runner.load().running == 0
     assert runner.release([cut.request_id], running=True) == set()
+
+
+def test_what_is_held_back_is_the_longest_end_that_begins_a_stop_string() -> None:
+    """``_held`` tries only the beginnings that end with the text's last character; against trying every
+    length, on random texts and stop strings of two letters (and a third only the text has)."""
+    from types import SimpleNamespace
+
+    from gpu_workers.generation import _held
+
+    def every_length(text: str, sent: int, stops: tuple[str, ...]) -> int:
+        for size in range(min(len(text) - sent, max(map(len, stops)) - 1), 0, -1):
+            if any(len(s) > size and s.startswith(text[len(text) - size :]) for s in stops):
+                return size
+        return 0
+
+    rng = random.Random(11)
+    for _ in range(5000):
+        stops = tuple(
+            "".join(rng.choice("ab") for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(1, 3))
+        )
+        text = "".join(rng.choice("abc") for _ in range(rng.randint(1, 10)))
+        sent = rng.randint(0, len(text))
+        live = SimpleNamespace(sent=sent, event=SimpleNamespace(sampling=SimpleNamespace(stop=stops)))
+        assert _held(text, live) == every_length(text, sent, stops), (text, sent, stops)  # type: ignore[arg-type]
