@@ -51,7 +51,7 @@ from ingest.errors import (
 from ingest.gateway import Gateway
 from ingest.http import Routes
 from ingest.models import ModelCatalogue
-from ingest.observe import SERVER_SPAN_KEY, note_refusal
+from ingest.observe import REQUEST_ID_KEY, SERVER_SPAN_KEY, note_refusal
 from ingest.prepare import Preparer
 from ingest.protocol import EdgeRunner, ensure_descriptors
 from ingest.quota import QuotaLedger
@@ -97,7 +97,7 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
         return await handler(request)
     except IngestError as exc:
         note_refusal(request, exc)
-        return error_response(exc)
+        return error_response(exc, request_id=request.get(REQUEST_ID_KEY))
     except web.RequestPayloadError as exc:  # a body that cannot be read as sent (bad gzip, say)
         refusal = InvalidRequest(f"The request body could not be read: {exc}", code="invalid_body")
         note_refusal(request, refusal)

@@ -18,10 +18,11 @@ from ingest.admission import Flight, reserved_tokens
 from ingest.auth import Tenant
 from ingest.context import EdgeContext
 from ingest.dispatch import check_idempotency_key
-from ingest.errors import IngestError, InvalidRequest, PayloadTooLarge
+from ingest.errors import IngestError, InvalidRequest, ModelNotFound, PayloadTooLarge
 from ingest.gateway import ReplyStream
 from ingest.observe import (
     MODEL_KEY,
+    REQUEST_ID_KEY,
     SERVER_SPAN_KEY,
     SUBMITTED_KEY,
     TENANT_KEY,
@@ -96,6 +97,7 @@ class Routes:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/embeddings", self.embeddings)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model}", self.model)
         app.router.add_get("/v1/streams/{request_id}", self.stream)
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/readyz", self.readyz)
@@ -140,6 +142,7 @@ class Routes:
                     tenant.name, request_id, after_seq, expect=prepared
                 )
                 request[SUBMITTED_KEY] = True
+                request[REQUEST_ID_KEY] = request_id
                 watch = RequestWatch(None, stream=shape.stream, t0=t0)
                 return await self._serve(
                     request, shape, stream, flight, prepared.timeout_s, watch, after_seq >= 0
@@ -148,6 +151,7 @@ class Routes:
         with ctx.admission.flight(tenant, shape.model, shape.request_id, owner=True, tokens=tokens) as flight:
             opened = await ctx.dispatcher.open(prepared, key, flight)
             request[SUBMITTED_KEY] = True
+            request[REQUEST_ID_KEY] = opened.request_id
             shape = dataclasses.replace(shape, request_id=opened.request_id)
             watch = RequestWatch(prepared.event if opened.owner else None, stream=shape.stream, t0=t0)
             return await self._serve(request, shape, opened.stream, flight, prepared.timeout_s, watch, False)
@@ -255,8 +259,19 @@ class Routes:
 
     async def models(self, request: web.Request) -> web.Response:
         tenant = self._tenant(request)
-        listed = [(m.model_id, 0) for m in self.ctx.catalogue if tenant.may_use(m.model_id)]
+        listed = [(m.model_id, m.created) for m in self.ctx.catalogue if tenant.may_use(m.model_id)]
         return json_response(openai.model_list(listed))
+
+    async def model(self, request: web.Request) -> web.Response:
+        """One model the tenant may use (OpenAI's "Retrieve model"; it was a 404 for every id: an audit)."""
+        tenant = self._tenant(request)
+        model_id = request.match_info["model"]
+        if not tenant.may_use(model_id):  # as an unknown id: a model the tenant may not use is not there
+            raise ModelNotFound(
+                f"The model '{model_id}' does not exist or you do not have access to it.", param="model"
+            )
+        served = self.ctx.catalogue.get(model_id)  # ModelNotFound for an unknown id
+        return json_response(openai.model_object(served.model_id, served.created))
 
     async def openapi(self, request: web.Request) -> web.Response:
         """The OpenAPI document of the routes this app serves (written once, on first request)."""

@@ -18,7 +18,14 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from ingest.errors import CatalogueError, ContextLengthExceeded, InvalidRequest, ModelNotFound
-from schemas.manifest import ManifestError, ModelManifest, current_model_dir, models_root, read_manifest
+from schemas.manifest import (
+    MANIFEST_FILE,
+    ManifestError,
+    ModelManifest,
+    current_model_dir,
+    models_root,
+    read_manifest,
+)
 
 TOKENIZER_FILE = "tokenizer.json"
 
@@ -30,6 +37,8 @@ class ServedModel:
     model_id: str
     manifest: ModelManifest
     tokenizer: Tokenizer
+    created: int = 0
+    """When its version was prepared (its manifest's mtime, Unix seconds): OpenAI's model ``created``."""
 
     @classmethod
     def load(cls, model_id: str, model_dir: Path) -> ServedModel:
@@ -48,7 +57,8 @@ class ServedModel:
             manifest.chat.turn.format(role="user", content="")
         except (KeyError, IndexError, ValueError) as exc:
             raise CatalogueError(f"model {model_id}: bad chat turn template {manifest.chat.turn!r}") from exc
-        return cls(model_id=model_id, manifest=manifest, tokenizer=tokenizer)
+        created = int((model_dir / MANIFEST_FILE).stat().st_mtime)
+        return cls(model_id=model_id, manifest=manifest, tokenizer=tokenizer, created=created)
 
     @property
     def vocab_size(self) -> int:

@@ -34,6 +34,9 @@ TENANT_KEY = web.RequestKey("sluice.tenant", str)
 MODEL_KEY = web.RequestKey("sluice.model", str)
 VERSION_KEY = web.RequestKey("sluice.version", str)
 SUBMITTED_KEY = web.RequestKey("sluice.submitted", bool)
+REQUEST_ID_KEY = web.RequestKey("sluice.request_id", str)
+"""The request's id once it is on the log (or resumed): an error answered after that names it in
+``x-request-id``, as OpenAI's do (the SDK's ``APIStatusError.request_id``)."""
 SERVER_SPAN_KEY = web.RequestKey("sluice.span", Span)
 
 

@@ -66,7 +66,8 @@ class _GenerationBody(_Strict, kw_only=True, forbid_unknown_fields=True, frozen=
     top_p: TopP | None = None
     top_k: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] | None = None
     n: Annotated[int, msgspec.Meta(ge=1, le=128)] | None = None
-    stream: bool = False
+    stream: bool | None = None
+    """``null`` is ``false``, as OpenAI documents it ("boolean or null"): read it through :attr:`streams`."""
     stream_options: StreamOptions | None = None
     stop: StopWord | StopWords | None = None
     seed: Seed | None = None
@@ -83,7 +84,7 @@ class _GenerationBody(_Strict, kw_only=True, forbid_unknown_fields=True, frozen=
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) not in (None, 0.0):
                 raise InvalidRequest(f"{name} is not supported.", param=name, code="unsupported_parameter")
-        if self.stream_options is not None and not self.stream:
+        if self.stream_options is not None and not self.streams:
             raise InvalidRequest(
                 "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
                 param="stream_options",
@@ -98,6 +99,10 @@ class _GenerationBody(_Strict, kw_only=True, forbid_unknown_fields=True, frozen=
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def streams(self) -> bool:
+        return bool(self.stream)
 
 
 class ChatCompletionRequest(_GenerationBody, kw_only=True, forbid_unknown_fields=True, frozen=True):
@@ -115,7 +120,7 @@ class ChatCompletionRequest(_GenerationBody, kw_only=True, forbid_unknown_fields
 
 class CompletionRequest(_GenerationBody, kw_only=True, forbid_unknown_fields=True, frozen=True):
     prompt: PromptInput
-    echo: bool = False
+    echo: bool | None = None
     best_of: Annotated[int, msgspec.Meta(ge=1)] | None = None
     logprobs: Annotated[int, msgspec.Meta(ge=0, le=5)] | None = None
     suffix: str | None = None
@@ -124,7 +129,7 @@ class CompletionRequest(_GenerationBody, kw_only=True, forbid_unknown_fields=Tru
         super().check_unsupported()
         for name, off in (("echo", False), ("best_of", 1), ("logprobs", None), ("suffix", None)):
             value = getattr(self, name)
-            if value is not None and value != off:
+            if value is not None and value != off:  # null is the default, as OpenAI documents it
                 raise InvalidRequest(f"{name} is not supported.", param=name, code="unsupported_parameter")
 
 
@@ -317,11 +322,9 @@ def embeddings(model: str, vectors: Float32Vectors, prompt_tokens: int, encoding
     }
 
 
+def model_object(model_id: str, created: int) -> Body:
+    return {"id": model_id, "object": "model", "created": created, "owned_by": "sluicegate"}
+
+
 def model_list(models: list[tuple[str, int]]) -> Body:
-    return {
-        "object": "list",
-        "data": [
-            {"id": model_id, "object": "model", "created": created, "owned_by": "sluicegate"}
-            for model_id, created in models
-        ],
-    }
+    return {"object": "list", "data": [model_object(model_id, created) for model_id, created in models]}

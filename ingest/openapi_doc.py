@@ -104,6 +104,7 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         "Create embeddings", EmbeddingRequest, headers=(_IDEMPOTENCY, _TIMEOUT, _SESSION)
     ),
     ("GET", "/v1/models"): Operation("List the models this key may use"),
+    ("GET", "/v1/models/{model}"): Operation("A model this key may use (404 model_not_found otherwise)"),
     ("GET", "/v1/streams/{request_id}"): Operation(
         "Replay a request's replies as native SSE frames",
         ok={SSE: {"schema": _SSE_EVENT}},

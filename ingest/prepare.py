@@ -107,6 +107,13 @@ def body_hash(kind: Kind, raw: bytes) -> str:
     return hashlib.sha256(canonical).hexdigest()
 
 
+def _role(role: str) -> str:
+    """A message's role in the model's chat format: OpenAI's ``developer`` messages are its system
+    instructions (they replace ``system`` for newer models). Passed as it was, a demo-gpt prompt got
+    ``<|developer|>``, six plain tokens it never saw in training (an audit)."""
+    return "system" if role == "developer" else role
+
+
 def parse_timeout(header: str | None) -> float | None:
     if header is None:
         return None
@@ -286,7 +293,7 @@ class Preparer:
         manifest = model.manifest
         if isinstance(body, ChatCompletionRequest):
             param = "messages"
-            chat_text = model.chat_prompt((m.role, m.text) for m in body.messages)
+            chat_text = model.chat_prompt((_role(m.role), m.text) for m in body.messages)
             prompt: str | None = chat_text
             input_ids = model.encode([chat_text])[0]
             requested = body.max_completion_tokens or body.max_tokens
@@ -334,7 +341,7 @@ class Preparer:
             input_ids=input_ids,
             prompt=prompt,
             sampling=sampling,
-            stream=body.stream,
+            stream=body.streams,
             chat=kind == "chat",
         )
         shape = Shape(
@@ -342,7 +349,7 @@ class Preparer:
             model=model.model_id,
             request_id=request_id,
             fingerprint=manifest.version,
-            stream=body.stream,
+            stream=body.streams,
             include_usage=body.include_usage,
         )
         return event, shape, timeout

@@ -270,6 +270,8 @@ async def test_failed_request_maps_to_openai_error(client: Client, gateway: Fake
     response = await client.post("/v1/chat/completions", json=CHAT, headers=AUTH)
     assert response.status == 500
     assert (await response.json())["error"]["code"] == "worker_oom"
+    # the request ran: its error names it, as OpenAI's do (an audit: the SDK's request_id was None)
+    assert response.headers["x-request-id"] == gateway.submitted[-1].request_id
     streamed = await client.post("/v1/chat/completions", json={**CHAT, "stream": True}, headers=AUTH)
     events = parse_sse(await streamed.text())
     assert msgspec.json.decode(events[-2][1])["error"]["code"] == "worker_oom"

@@ -7,7 +7,8 @@ import pytest
 from openai import AsyncOpenAI
 
 from ingest.auth import DEMO_KEY
-from tests.ingest.conftest import EMB, GEN, MakeClient
+from schemas.events import GenerationRequested
+from tests.ingest.conftest import AUTH, EMB, GEN, MakeClient
 from tests.ingest.fake_gateway import FakeGateway
 
 
@@ -59,3 +60,50 @@ async def test_openai_sdk_sees_bad_keys(make_client: MakeClient) -> None:
     async with AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="sk-wrong", max_retries=0) as sdk:
         with pytest.raises(openai.AuthenticationError):
             await sdk.models.list()
+
+
+async def test_the_sdk_retrieves_a_model_and_sees_when_it_was_prepared(make_client: MakeClient) -> None:
+    """Found by an audit: ``models.retrieve`` was a 404 for every model (no route), and every model's
+    ``created`` was 0."""
+    client, _ = await make_client()
+    async with AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=DEMO_KEY, max_retries=0) as sdk:
+        model = await sdk.models.retrieve(GEN)
+        assert (model.id, model.object, model.owned_by) == (GEN, "model", "sluicegate")
+        assert model.created > 1_700_000_000
+        assert [m.created for m in (await sdk.models.list()).data if m.id == GEN] == [model.created]
+        with pytest.raises(openai.NotFoundError) as caught:
+            await sdk.models.retrieve("no-such-model")
+        assert caught.value.code == "model_not_found"
+
+
+async def test_null_stream_and_echo_are_their_defaults(make_client: MakeClient, gateway: FakeGateway) -> None:
+    """OpenAI documents ``stream`` and ``echo`` as "boolean or null"; null was a 400."""
+    client, _ = await make_client()
+    chat = {"model": GEN, "messages": [{"role": "user", "content": "hi"}], "stream": None}
+    assert (await client.post("/v1/chat/completions", json=chat, headers=AUTH)).status == 200
+    completion = {"model": GEN, "prompt": "hi", "stream": None, "echo": None}
+    response = await client.post("/v1/completions", json=completion, headers=AUTH)
+    assert response.status == 200
+    assert (await response.json())["object"] == "text_completion"
+    last = gateway.submitted[-1]
+    assert isinstance(last, GenerationRequested)
+    assert not last.stream
+
+
+async def test_a_developer_message_is_the_models_system_instruction(
+    make_client: MakeClient, gateway: FakeGateway
+) -> None:
+    """OpenAI's ``developer`` role replaces ``system``: it reached the prompt as ``<|developer|>``, a turn the
+    model's chat format does not have (six plain tokens to demo-gpt)."""
+    client, _ = await make_client()
+    for role in ("developer", "system"):
+        body = {
+            "model": GEN,
+            "messages": [{"role": role, "content": "be brief"}, {"role": "user", "content": "hi"}],
+        }
+        assert (await client.post("/v1/chat/completions", json=body, headers=AUTH)).status == 200
+    developer, system = gateway.submitted[-2:]
+    assert isinstance(developer, GenerationRequested)
+    assert isinstance(system, GenerationRequested)
+    assert developer.prompt == system.prompt
+    assert developer.input_ids == system.input_ids
