@@ -385,11 +385,15 @@ class GenerationRunner:
             return
         delta = live.detok.push(token_id)
         text = live.detok.text
-        for stop in live.event.sampling.stop:
-            cut = text.find(stop, max(0, len(text) - len(delta) - len(stop)))
-            if cut >= 0:
-                live.stop_hit, live.stop_cut = True, cut
-                break
+        # the earliest match of any stop string, not the first listed that matches: a token completing two
+        # cut at the later one, and the answer held the other (an audit: stop=("s", "w") gave " wait")
+        cuts = [
+            cut
+            for stop in live.event.sampling.stop
+            if (cut := text.find(stop, max(0, len(text) - len(delta) - len(stop)))) >= 0
+        ]
+        if cuts:
+            live.stop_hit, live.stop_cut = True, min(cuts)
         if live.event.stream:
             # Streamed text never shows a stop string's beginning: what may still grow into one is held
             # back until a later token rules it out (a stop string spanning tokens leaked its first tokens

@@ -57,8 +57,16 @@ def fact_row(event: RequestFinished, prices: PriceTable) -> list[Any]:
     decode_ms = _ms(finished, first_token)
     worker_ms = round(_ms(finished, timings.started) or 0.0)
     line = event.batch
-    cost = prices.cost_nanos(
-        event.model, event.usage.prompt_tokens, completion, worker_ms, batch=line is not None
+    # A request that failed (the platform's failure: out of memory, a retired version, an engine error) is
+    # not billed, as OpenAI bills no 5xx; its tokens are still counted. A batch line retried after such a
+    # failure was billed for each attempt, where the docs promised once a line (an audit). A cancelled or
+    # expired request is billed for what it used.
+    cost = (
+        0
+        if event.status == "failed"
+        else prices.cost_nanos(
+            event.model, event.usage.prompt_tokens, completion, worker_ms, batch=line is not None
+        )
     )
     return [
         event.request_id,

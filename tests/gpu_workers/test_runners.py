@@ -506,3 +506,25 @@ def test_what_is_held_back_is_the_longest_end_that_begins_a_stop_string() -> Non
         sent = rng.randint(0, len(text))
         live = SimpleNamespace(sent=sent, event=SimpleNamespace(sampling=SimpleNamespace(stop=stops)))
         assert _held(text, live) == every_length(text, sent, stops), (text, sent, stops)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_the_earliest_stop_string_in_the_text_ends_it_whatever_their_order(
+    gpt_runner: GenerationRunner, stream: bool
+) -> None:
+    """Found by an audit: when one token completed two stop strings, the text was cut at the first one
+    listed, not the earliest in the text: ``stop=("s", "w")`` gave " wait", which holds "w", and the order
+    of the list changed the answer."""
+    sampling = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    text = next(iter(run(gpt_runner, [generation(sampling)]).finished.values())).text or ""
+    chars = sorted(set(text))
+    pairs = [(a, b) for a in chars for b in chars if a != b and a.strip() and b.strip()]
+    assert pairs, text
+    for first, second in pairs[:6]:
+        expected = text[: min(text.find(first), text.find(second))]
+        for stop in ((first, second), (second, first)):
+            request = generation(msgspec.structs.replace(sampling, stop=stop), stream=stream)
+            out = run(gpt_runner, [request])
+            assert out.finished[request.request_id].text == expected, (text, stop)
+            if stream:
+                assert "".join(c.text for c in out.chunks if c.request_id == request.request_id) == expected

@@ -50,6 +50,21 @@ def test_a_batch_line_names_its_line_and_is_billed_at_the_batch_price() -> None:
     }
 
 
+@pytest.mark.parametrize(
+    ("status", "cost"), [("completed", 4657), ("cancelled", 4657), ("expired", 4657), ("failed", 0)]
+)
+def test_a_failed_request_is_billed_nothing_and_keeps_its_tokens(status: str, cost: int) -> None:
+    """Found by an audit: a batch line that failed out of memory and completed on its retry was billed for
+    both runs, where the docs promise a line once; an interactive failure (a 5xx to its client) was billed
+    too. A failure is the platform's: nothing billed, as OpenAI bills no 5xx. A cancelled or expired
+    request used what it used."""
+    usage = Usage(prompt_tokens=3, completion_tokens=7, total_tokens=10)
+    for line in (None, LINE):
+        fact = row(finished(usage=usage, status=status, batch=line))
+        assert fact["cost_nanos"] == (cost if line is None else cost // 2)
+        assert (fact["prompt_tokens"], fact["completion_tokens"]) == (3, 7)
+
+
 @pytest.mark.parametrize(("percent", "cost"), [(0, 4657), (25, 3492), (50, 2328), (100, 0)])
 def test_the_discount_comes_from_the_price_table(percent: int, cost: int) -> None:
     prices = msgspec.structs.replace(PRICES, batch_discount_percent=percent)

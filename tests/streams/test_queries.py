@@ -705,7 +705,8 @@ def test_shadow_copies_are_recorded_but_never_billed_nor_counted_as_service(ware
     facts = insert_facts(warehouse, [*served, *shadows])
     cost = dict(zip((r[0] for r in facts), (r[FACT_COLUMNS.index("cost_nanos")] for r in facts), strict=True))
     served_cost = sum(cost[e.request_id] for e in served)
-    assert all(cost[e.request_id] > 0 for e in shadows)  # priced, for the rollout's cost gate
+    # priced, for the rollout's cost gate (a failure is billed nothing, a shadow copy's too)
+    assert all((cost[e.request_id] > 0) is (e.status != "failed") for e in shadows)
 
     (recorded,) = rows(warehouse, "SELECT count() AS n FROM request_facts FINAL WHERE shadow_of != ''")
     assert recorded["n"] == 6
@@ -801,7 +802,11 @@ def test_batch_lines_are_billed_at_the_batch_price_but_left_out_of_the_slis(ware
     cost = dict(zip((r[0] for r in facts), (r[FACT_COLUMNS.index("cost_nanos")] for r in facts), strict=True))
     served_cost = sum(cost[e.request_id] for e in served)
     lines_cost = sum(cost[e.request_id] for e in lines)
-    full = sum(PRICES.cost_nanos(e.model, e.usage.prompt_tokens, e.usage.completion_tokens) for e in lines)
+    full = sum(
+        PRICES.cost_nanos(e.model, e.usage.prompt_tokens, e.usage.completion_tokens)
+        for e in lines
+        if e.status != "failed"  # a failure is billed nothing
+    )
     assert lines_cost == full // 2 > 0  # 50 % off, exact
 
     # The ledger bills them.
