@@ -394,10 +394,11 @@ def rows() -> list[Row]:
             (
                 SqlPanel(
                     "Requests per minute by status (warehouse)",
-                    "Terminal requests per minute from request_facts (batch lines included).",
+                    "Terminal requests per minute from request_facts (batch lines included, a rollout's shadow "
+                    "copies not: they are no client's requests).",
                     "SELECT toStartOfMinute(finished) AS time, status, count() AS requests\n"
                     "FROM request_facts FINAL\n"
-                    "WHERE $__timeFilter(finished) AND model IN (${model:singlequote})\n"
+                    "WHERE $__timeFilter(finished) AND model IN (${model:singlequote}) AND shadow_of = ''\n"
                     "GROUP BY time, status\n"
                     "ORDER BY time",
                     "timeseries",
@@ -405,12 +406,12 @@ def rows() -> list[Row]:
                 SqlPanel(
                     "Latest batches",
                     "The newest async batches and their progress, from the batches table.",
-                    "SELECT batch_id, tenant, model, argMax(status, seq) AS status,\n"
+                    "SELECT batch_id, tenant, argMax(model, seq) AS model, argMax(status, seq) AS status,\n"
                     "       argMax(completed, seq) AS completed, argMax(failed, seq) AS failed,\n"
                     "       max(total) AS total, min(created_at) AS created\n"
                     "FROM batches\n"
                     "WHERE $__timeFilter(created_at)\n"
-                    "GROUP BY batch_id, tenant, model\n"
+                    "GROUP BY batch_id, tenant\n"
                     "ORDER BY created DESC\n"
                     "LIMIT 50",
                     "table",

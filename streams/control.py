@@ -140,7 +140,10 @@ class Controller:
         of :attr:`windows`."""
         events: list[Event] = []
         empty = WindowCounts(0, 0)
-        for model in sorted({model for model, _ in counts}):
+        # the models with requests in a window, and those last announced firing: one that has had none
+        # since (after a restart, say) is announced resolved, not left firing on the topic (an audit)
+        announced = {model for (model, _), fires in self._firing.items() if fires}
+        for model in sorted({model for model, _ in counts} | announced):
             tier = self._slo.tier_of(model)
             budget = 1.0 - tier.availability
             for alert in self._pairs:

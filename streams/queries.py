@@ -319,7 +319,7 @@ FROM
 ) AS shown
 LEFT JOIN
 (
-    SELECT tenant, batch_id, count() AS lines_finished, sum(cost_nanos) AS cost_nanos
+    SELECT tenant, batch_id, uniqExact(batch_index) AS lines_finished, sum(cost_nanos) AS cost_nanos
     FROM request_facts FINAL
     WHERE batch_id IN (SELECT batch_id FROM ({shown})) AND shadow_of = ''
     GROUP BY tenant, batch_id
@@ -333,13 +333,14 @@ _BATCH_SPEND = """SELECT
     toDate(finished) AS day,
     tenant,
     uniqExact(batch_id) AS batches,
-    count() AS lines,
+    uniqExact(batch_id, batch_index) AS lines,
+    count() AS attempts,
     sum(prompt_tokens) AS prompt_tokens,
     sum(completion_tokens) AS completion_tokens,
     sum(cost_nanos) AS cost_nanos,
     cost_nanos / 1e9 AS spend_usd
 FROM request_facts FINAL
-WHERE batch_id != '' AND shadow_of = '' AND finished >= toDate(now(), 'UTC') - 30
+WHERE batch_id != '' AND shadow_of = '' AND toDate(finished) > toDate(now(), 'UTC') - 30
 GROUP BY day, tenant
 ORDER BY day DESC, cost_nanos DESC, tenant"""
 

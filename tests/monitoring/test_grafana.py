@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -195,5 +196,40 @@ def test_clickhouse_panels_run_against_the_warehouse_schema(tmp_path: Path) -> N
             ).replace("${model:singlequote}", "'demo-gpt','all-minilm-l6-v2'")
             assert "$" not in expanded, expanded
             client.query(expanded)
+    finally:
+        client.close()
+
+
+def test_the_warehouse_panels_count_clients_requests_and_one_row_a_batch(tmp_path: Path) -> None:
+    """Found by an audit: the requests panel counted a rollout's shadow copies (4 completed and 4 failed
+    where clients sent 4 that completed), and the batches panel grouped by model, so a batch's first state
+    (model not known yet) showed as a second, ghost row until the table's parts merged."""
+    import msgspec
+
+    from tests.streams.test_queries import batch_state, event, insert_batches, insert_facts, now_ms
+
+    requests_sql, batches_sql = (
+        re.sub(
+            r"\$__timeFilter\((\w+)\)", r"\1 >= now() - INTERVAL 1 HOUR AND \1 <= now()", t["rawSql"]
+        ).replace("${model:singlequote}", "'demo-gpt'")
+        for t in _targets(build_dashboard(), CLICKHOUSE_PLUGIN)
+    )
+    client = open_warehouse(PlatformSettings(data_dir=str(tmp_path / "data")))
+    try:
+        migrate(client)
+        now = now_ms() - timedelta(seconds=2)  # within the panel's range (its end is now(), in seconds)
+        served = [event(finished=now) for _ in range(4)]
+        shadows = [
+            msgspec.structs.replace(event(finished=now, status="failed"), shadow_of=s.request_id)
+            for s in served
+        ]
+        insert_facts(client, [*served, *shadows])
+        counted = client.query(requests_sql).result_rows
+        assert [(status, n) for _, status, n in counted] == [("completed", 4)]
+        created = now.replace(second=0, microsecond=0)
+        insert_batches(client, [batch_state(0, "validating", created_at=created)])
+        insert_batches(client, [batch_state(1, "in_progress", created_at=created)])  # another part
+        (row,) = client.query(batches_sql).named_results()
+        assert (row["model"], row["status"]) == ("demo-gpt", "in_progress")
     finally:
         client.close()

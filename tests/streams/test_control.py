@@ -51,6 +51,19 @@ def test_a_restarted_controller_resolves_a_burn_that_stopped_while_it_was_down()
     assert controller.burn(quiet) == []
 
 
+def test_a_burn_of_a_model_with_no_requests_since_is_resolved() -> None:
+    """Found by an audit: only models with rows in a window were judged, so a model announced firing that
+    has had no requests since (traffic moved away, the model was removed) stayed firing on the topic."""
+    controller = Controller(Budgets(), DEFAULT_CONFIG)
+    controller.seed({}, {("gone-model", "1h/5m"): True})
+    others = {("m", minutes): WindowCounts(0, 100) for minutes in controller.windows}
+    for counts in (others, {}):
+        events = [e for e in controller.burn(counts) if isinstance(e, BurnRateCrossed)]
+        assert [(e.model, e.window, e.firing) for e in events] == (
+            [("gone-model", "1h/5m", False)] if counts else []
+        )
+
+
 def test_burn_fires_on_both_windows_of_a_pair_and_clears() -> None:
     controller = Controller(Budgets(), DEFAULT_CONFIG)
     # interactive tier: 99.5% -> budget 0.005; 1h/5m pair fires above 14.4x = 7.2% errors in both windows
