@@ -30,7 +30,11 @@ import msgspec
 
 from streams import StreamsError
 
-Micros = Annotated[int, msgspec.Meta(ge=0)]
+MAX_MICROS = 10**9
+"""The highest price (1,000 USD per 1,000 tokens, or per worker second): with token counts bounded by the
+events' schema, a request's cost stays within the warehouse's UInt64 (an audit: a price of 1e23 loaded,
+and a cost past UInt64 was stored wrapped)."""
+Micros = Annotated[int, msgspec.Meta(ge=0, le=MAX_MICROS)]
 Percent = Annotated[int, msgspec.Meta(ge=0, le=100)]
 
 

@@ -95,6 +95,17 @@ def test_the_discount_is_read_from_the_price_file(tmp_path: Path) -> None:
         load_prices(path)
 
 
+def test_a_price_past_what_a_cost_can_hold_is_refused(tmp_path: Path) -> None:
+    """Found by an audit: a price of 1e23 micro-USD loaded, and a cost past UInt64 was stored wrapped."""
+    path = tmp_path / "prices.toml"
+    path.write_text('version = "v"\n[default]\nprompt = 99999999999999999999999\ncompletion = 400\n')
+    with pytest.raises(PricingError, match="prompt"):
+        load_prices(path)
+    path.write_text('version = "v"\n[default]\nprompt = 1000000000\ncompletion = 400\n')
+    biggest = load_prices(path)
+    assert biggest.cost_nanos("m", 2**32 - 1, 2**32 - 1, 86_400_000) < 2**64
+
+
 def test_an_event_dated_before_1970_versions_0_not_a_negative_number() -> None:
     """``version`` is a UInt64 column: a negative one fails the sink's whole insert, on every retry."""
     from datetime import UTC, datetime
