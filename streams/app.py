@@ -82,7 +82,7 @@ from streams.audit import AuditHead, admin_entry, audit_row, request_entry
 from streams.control import SPEND_TODAY, Controller, WindowCounts, burn_sql
 from streams.drift import DriftMonitor, report_row
 from streams.pricing import PriceTable
-from streams.rollout import RolloutController
+from streams.rollout import FAST_WINDOWS, RolloutController
 from streams.settings import StreamsSettings
 from streams.sink import Batch, Consumed, Rows, insert, query_rows
 
@@ -205,6 +205,7 @@ class StreamsApp(AsyncComponent):
             interval_s=settings.rollout_eval_interval_s,
             drift_alpha=settings.drift_alpha,
             drift_null_tolerance=settings.drift_null_tolerance,
+            fast_windows=controller.fast_windows if controller is not None else FAST_WINDOWS,
         )
         # Evaluations are due after sink batches; the rollout timer only runs one a batch left waiting.
         self._every: list[tuple[float, Callable[[], Awaitable[None]]]] = [

@@ -93,6 +93,12 @@ class Controller:
         self._pairs = burn_alerts(slo, "page")
         # The windows (minutes) burn() needs counts over: those of the page pairs, shortest first.
         self.windows = windows(slo, "page")
+        shortest = min((a.long_minutes for a in self._pairs), default=0)
+        self.fast_windows = frozenset(
+            f"{a.long}/{a.short}" for a in self._pairs if a.long_minutes == shortest
+        )
+        """The fast burn's pairs (the page pairs with the shortest long window: 1h/5m by default), which the
+        rollout's burn gate acts on."""
 
     def seed(
         self, exhausted: Mapping[str, bool], firing: Mapping[tuple[str, str], bool] | None = None

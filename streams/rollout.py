@@ -77,7 +77,11 @@ SOURCE = "streams/rollout"
 BURN_MIN_ERRORS = 3
 """Failed candidate requests in the step before a fast burn is blamed on it."""
 FAST_BURN = 14.4
-"""The page-level burn rate (2 % of a 30-day budget in an hour): a firing crossing at or above it counts."""
+"""The fast burn's rate on a 30-day budget (2 % of it in an hour), as the gate's limit reads."""
+FAST_WINDOWS = frozenset({"1h/5m"})
+"""The burn-rate pairs whose firing fails a candidate, by default (the SLO config's fastest page pair). By
+window, not by a rate: the rate of one pair depends on the model's tier (1h/5m is 3.36 for a 7-day
+budget, which a fixed 14.4 never counted; 6h/30m is 18 for a 90-day one, which it counted: an audit)."""
 IN_PROGRESS = ("warming", "canary")
 """The phases of a rollout that has not ended."""
 READY_REMEMBERED = 1024
@@ -534,9 +538,11 @@ class RolloutController:
         monotonic: Callable[[], float] | None = None,
         drift_alpha: float = 0.01,
         drift_null_tolerance: float = 0.2,
+        fast_windows: frozenset[str] = FAST_WINDOWS,
     ) -> None:
         import time
 
+        self._fast_windows = fast_windows
         self._read = read
         self._publish = publish
         self._interval_s = interval_s
@@ -690,7 +696,7 @@ class RolloutController:
 
     def _note_burn(self, event: BurnRateCrossed) -> None:
         pair = (event.slo, event.window)
-        if event.firing and event.threshold >= FAST_BURN:
+        if event.firing and event.window in self._fast_windows:
             self._burning.setdefault(event.model, {})[pair] = event
         elif not event.firing:
             self._burning.get(event.model, {}).pop(pair, None)

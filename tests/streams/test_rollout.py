@@ -92,6 +92,7 @@ def burn_event(
     threshold: float = FAST_BURN,
     model: str = MODEL,
     rate: float = 20.0,
+    window: str = "1h/5m",
 ) -> BurnRateCrossed:
     return BurnRateCrossed(
         tenant="",
@@ -99,7 +100,7 @@ def burn_event(
         source="streams/slo",
         time=at,
         slo="availability",
-        window="1h/5m",
+        window=window,
         burn_rate=rate,
         threshold=threshold,
         firing=firing,
@@ -1429,6 +1430,17 @@ async def test_the_slow_pair_resolving_does_not_clear_a_fast_burn_still_firing(h
     assert decision.action == "promote"
 
 
+async def test_the_fast_pair_of_a_7_day_budget_counts_though_its_rate_is_lower(harness: Harness) -> None:
+    """Found by an audit: a firing crossing counted only at a rate of 14.4 or more, which is the fast pair's
+    on a 30-day budget only: on a 7-day tier the 1h/5m pair fires at 3.36, and never failed a candidate."""
+    candidate_errs_more(harness.warehouse)
+    controller = harness.controller()
+    controller.seed([canary(), burn_event(at=T0 + timedelta(seconds=10), threshold=3.36, rate=5.0)])
+    (decision,) = await controller.run_due()
+    assert decision.action == "rollback"
+    assert by_gate(decision.evidence)["burn"].state == "fail"
+
+
 async def test_a_restarted_controller_still_sees_a_fast_burn_firing_on_the_control_topic(
     harness: Harness,
 ) -> None:
@@ -1453,11 +1465,13 @@ async def test_without_a_burn_the_same_rows_advance(harness: Harness) -> None:
 @pytest.mark.parametrize(
     "burn",
     [
-        burn_event(at=T0 + timedelta(seconds=10), threshold=6.0),  # a slow burn
+        burn_event(at=T0 + timedelta(seconds=10), threshold=6.0, window="6h/30m"),  # a slow burn
+        # the slow pair of a 90-day budget: a rate above 14.4, counted as fast by its rate (an audit)
+        burn_event(at=T0 + timedelta(seconds=10), threshold=18.0, window="6h/30m"),
         burn_event(at=T0 - timedelta(seconds=1)),  # fired before the step began
         burn_event(at=T0 + timedelta(seconds=10), model="all-minilm-l6-v2"),  # another model
     ],
-    ids=["slow", "before-step", "other-model"],
+    ids=["slow", "slow-on-a-90-day-budget", "before-step", "other-model"],
 )
 async def test_burns_that_do_not_count(harness: Harness, burn: BurnRateCrossed) -> None:
     candidate_errs_more(harness.warehouse)
