@@ -102,6 +102,12 @@ def publish(
     else:
         write_manifest(staging, manifest_for(version, files))
         staging.chmod(0o755)  # mkdtemp made it private
+        for path in staging.rglob("*"):
+            # readable by any user that serves the model: save_pretrained writes its weights 0600, so an
+            # image prepared as root failed to load demo-gpt as its non-root user (an audit). A link (to a
+            # package's files) is left alone: its target is not ours to change.
+            if not path.is_symlink():
+                path.chmod(0o755 if path.is_dir() else 0o644)
         os.replace(staging, target)
     if point or not (model_root / CURRENT).exists():
         point_current(model_root, version)

@@ -5,6 +5,15 @@
 # of requirements/lock.txt, the Python version and the uv version, so every clone and every CI run with the
 # same lock reuses it instead of reinstalling gigabytes. A torch CPU wheel found in $SLUICEGATE_WHEEL_DIR
 # (default /opt/wheels) replaces the CUDA build from PyPI.
+# The caller's -e, -u and pipefail, restored at the end ($- here, not `set +o` in a subshell: errexit is
+# not inherited there, and scripts/test would lose its -e).
+_bootstrap_flags="$-"
+_bootstrap_pipefail="$(shopt -po pipefail)"
+_bootstrap_restore() {
+  case "$_bootstrap_flags" in *e*) set -e ;; *) set +e ;; esac
+  case "$_bootstrap_flags" in *u*) set -u ;; *) set +u ;; esac
+  eval "$_bootstrap_pipefail"
+}
 set -euo pipefail
 
 _root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -13,6 +22,7 @@ _uv_version="0.13.9"
 _python="$(command -v python3.11 || command -v python3)"
 if ! "$_python" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
   echo "sluicegate needs Python 3.11 (found $("$_python" --version))" >&2
+  _bootstrap_restore
   return 1 2>/dev/null || exit 1
 fi
 
@@ -61,3 +71,7 @@ fi
 export PATH="$SLUICEGATE_VENV/bin:$PATH"
 export VIRTUAL_ENV="$SLUICEGATE_VENV"
 unset _root _cache _uv_version _python _uv _wheel_dir _torch_wheel _hash
+# Sourced from an interactive shell, `set -e` would close it at its next failing command (an audit).
+_bootstrap_restore
+unset -f _bootstrap_restore
+unset _bootstrap_flags _bootstrap_pipefail

@@ -88,6 +88,16 @@ def test_demo_build_is_deterministic(tmp_path: Path) -> None:
     assert read_manifest(first).files == read_manifest(second).files
 
 
+def test_a_prepared_model_is_readable_by_any_user_that_serves_it(tmp_path: Path) -> None:
+    """Found by an audit: ``save_pretrained`` writes the weights 0600, so the image, whose models are
+    prepared as root and served as uid 10001, could not load demo-gpt."""
+    built = build_demo_gpt(tmp_path / "models", recipe=TINY)
+    modes = {path.name: path.stat().st_mode & 0o777 for path in built.rglob("*")}
+    assert modes
+    assert all(mode & 0o444 == 0o444 for mode in modes.values()), modes
+    assert built.stat().st_mode & 0o555 == 0o555
+
+
 def test_prepare_hf_dir_links_without_writing_the_source(minilm_source: Path, tmp_path: Path) -> None:
     before = sorted(p.name for p in minilm_source.iterdir())
     prepared = prepare_hf_dir("all-minilm-l6-v2", minilm_source, tmp_path)

@@ -386,8 +386,18 @@ def test_kafka_cluster() -> None:
     assert headless["spec"]["clusterIP"] == "None"
     voters = env["KAFKA_CONTROLLER_QUORUM_VOTERS"].split(",")
     assert voters == [f"{i}@kafka-{i}.{headless['metadata']['name']}:9093" for i in range(3)]
+    # Namespace-qualified names everywhere a client is sent: KEDA's scaler runs in its own namespace and
+    # resolved the short ones there (an audit: worker autoscaling never ran).
+    namespace = yaml.safe_load((K8S / "kustomization.yaml").read_text())["namespace"]
     bootstrap = named("ConfigMap", "sluice-config")["data"]["SLUICE_KAFKA_BOOTSTRAP"]
-    assert bootstrap.split(",") == [f"kafka-{i}.{headless['metadata']['name']}:9092" for i in range(3)]
+    host = f"{headless['metadata']['name']}.{namespace}.svc"
+    assert bootstrap.split(",") == [f"kafka-{i}.{host}:9092" for i in range(3)]
+    advertised = dict(item.split("://", 1) for item in env["KAFKA_ADVERTISED_LISTENERS"].split(","))
+    assert advertised["CLIENT"] == f"$(POD_NAME).{headless['metadata']['name']}.$(POD_NAMESPACE).svc:9092"
+    assert {
+        "name": "POD_NAMESPACE",
+        "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}},
+    } in container["env"]
     listeners = dict(item.split(":", 1) for item in env["KAFKA_LISTENER_SECURITY_PROTOCOL_MAP"].split(","))
     platform = load_settings(
         PlatformSettings, named("ConfigMap", "sluice-config")["data"] | {"SLUICE_KAFKA_SASL_PASSWORD": "x"}

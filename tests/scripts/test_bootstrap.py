@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 
@@ -26,3 +27,31 @@ def test_the_bootstrapped_venv_has_bytecode_for_what_the_services_import() -> No
         if not Path(importlib.util.cache_from_source(spec.origin)).is_file():
             missing.append(name)
     assert not missing, f"no bytecode for {missing}: every process would compile them as it starts"
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("caller", ["", "set -euo pipefail"], ids=["interactive", "strict"])
+def test_sourcing_the_bootstrap_leaves_the_callers_shell_options_as_they_were(
+    tmp_path: Path, caller: str
+) -> None:
+    """Found by an audit: sourced from an interactive shell (as the README says), it left ``set -euo
+    pipefail`` on, and the shell closed at its next failing command; scripts/test must keep its own. Run on
+    the early return (a Python that is not 3.11), which restores them the way the end does."""
+    fake = tmp_path / "python3.11"
+    fake.write_text('#!/bin/sh\n[ "$1" = "--version" ] && echo "Python 3.10.0"\nexit 1\n')
+    fake.chmod(0o755)
+    script = f'{caller}\nsource scripts/bootstrap.sh 2>/dev/null || true\necho "$-"\nshopt -o pipefail || true\n'
+    out = subprocess.run(
+        ["bash", "-c", script],
+        cwd=ROOT,
+        env={"PATH": f"{tmp_path}:/usr/bin:/bin", "HOME": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    ).stdout.split()
+    flags, pipefail = out[0], out[-1]
+    strict = bool(caller)
+    assert ("e" in flags, "u" in flags, pipefail == "on") == (strict, strict, strict), out
