@@ -53,7 +53,10 @@ class _Live:
     stop_hit: bool = False
     stop_cut: int | None = None  # text length to keep when a stop string matched
     sent: int = 0
-    """Characters of the text streamed so far (a request with stop strings holds back what may begin one)."""
+    """Characters of the text released to the stream so far (a request with stop strings holds back what
+    may begin one)."""
+    chars: int = 0
+    """Characters of the text in the chunks emitted so far (a chunk's ``chars``)."""
     next_seq: int = 0
     next_offset: int = 0
     last_token_at: float | None = None
@@ -409,6 +412,7 @@ class GenerationRunner:
         event = live.event
         live.next_seq, live.next_offset = flush.seq + 1, flush.offset + len(flush.token_ids)
         text = flush.text if event.sampling.stop else flush.text + live.detok.catch_up()
+        chars, live.chars = live.chars, live.chars + len(text)
         emit.chunk(
             live.arrival,
             TokenChunk(
@@ -422,6 +426,7 @@ class GenerationRunner:
                 token_ids=list(flush.token_ids),
                 text=text,
                 finish_reason=reason,
+                chars=chars,
             ),
         )
 

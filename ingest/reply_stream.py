@@ -9,6 +9,8 @@ import collections
 from collections.abc import AsyncIterator
 from typing import Protocol
 
+import msgspec
+
 from schemas.events import RequestFinished, TokenChunk
 
 Reply = TokenChunk | RequestFinished
@@ -57,6 +59,7 @@ class ReplyStream:
         self._lagging_from = from_log  # set: read the log from there (after an overflow, or to resume)
         self._skip_seq = -1 if after_seq is None else after_seq
         self._delivered_tokens = 0
+        self._delivered_chars = 0
         self._tokens: list[int] = []
         self._done = False
         self._error: Exception | None = None
@@ -120,6 +123,8 @@ class ReplyStream:
         if isinstance(reply, RequestFinished):
             self._done = True
             return [reply]
+        if reply.chars is not None:
+            return self._accept_chunk(reply)
         end = reply.offset + len(reply.token_ids)
         if end <= self._delivered_tokens:
             return []  # a re-run repeating tokens already delivered
@@ -149,3 +154,32 @@ class ReplyStream:
         self._delivered_tokens = reply.offset + len(reply.token_ids)
         self._tokens += reply.token_ids
         return [reply]
+
+    def _accept_chunk(self, chunk: TokenChunk) -> list[Reply]:
+        """A chunk that says where its text starts (``chars``): what it adds beyond the tokens and the text
+        delivered, each by its own offset. A re-run of the request (its first worker died) streams the same
+        tokens and text, chunked differently: by tokens alone, a chunk whose text lagged its tokens (held
+        back for a stop string's possible start, or an unfinished character) lost that text, and text
+        recomputed from tokens showed what the stream holds back (an audit)."""
+        assert chunk.chars is not None
+        end, text_end = chunk.offset + len(chunk.token_ids), chunk.chars + len(chunk.text)
+        if end <= self._delivered_tokens and text_end <= self._delivered_chars:
+            return []  # a re-run repeating what was delivered
+        if chunk.seq <= self._skip_seq and chunk.offset >= self._delivered_tokens:
+            self._delivered_tokens, self._delivered_chars = end, text_end  # the client has it (a resume)
+            self._tokens += chunk.token_ids
+            return []
+        tokens = chunk.token_ids[max(0, self._delivered_tokens - chunk.offset) :]
+        text = chunk.text[max(0, self._delivered_chars - chunk.chars) :]
+        if len(tokens) != len(chunk.token_ids) or len(text) != len(chunk.text):
+            chunk = msgspec.structs.replace(
+                chunk,
+                offset=max(chunk.offset, self._delivered_tokens),
+                token_ids=tokens,
+                text=text,
+                chars=max(chunk.chars, self._delivered_chars),
+            )
+        self._delivered_tokens = max(self._delivered_tokens, end)
+        self._delivered_chars = max(self._delivered_chars, text_end)
+        self._tokens += tokens
+        return [chunk]

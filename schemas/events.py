@@ -292,6 +292,10 @@ class TokenChunk(Envelope, frozen=True, kw_only=True, tag="token_chunk"):
     text: str
     finish_reason: FinishReason | None = None
     """Set only on a request's last chunk (the terminal event follows it)."""
+    chars: NonNegative | None = None
+    """Characters of the streamed text before this chunk's ``text``. A chunk's text need not be its tokens'
+    (a streamed request holds back what may begin a stop string, or an unfinished character): a re-run's
+    chunks are matched to what was delivered by it. None from a worker before it existed (then by tokens)."""
 
 
 TokenCount = UInt32

@@ -147,6 +147,7 @@ def example_events() -> list[Event]:
             token_ids=[262, 995],
             text=" the world",
             finish_reason="stop",
+            chars=5,
         ),
         RequestFinished(
             **_env(5, "gpu/worker-0"),
