@@ -207,7 +207,12 @@ def test_streamed_chunks_carry_the_text_decode_gives_their_tokens(
             if chunk.finish_reason is None and not so_far.endswith("\ufffd") and not may_begin_a_stop:
                 assert text == so_far, "a chunk's text was held back"
                 compared += 1
-        assert [len(c.token_ids) for c in chunks] == [1] + [3] * 13, "the first token alone, then 3 a chunk"
+        sizes = [len(c.token_ids) for c in chunks]
+        if sizes[-1] == 0:  # the text held back at the end (it might have begun a stop string) goes last
+            assert stop
+            assert chunks[-1].text
+            sizes.pop()
+        assert sizes == [1] + [3] * 13, "the first token alone, then 3 a chunk"
         assert (
             text == out.finished[request.request_id].text == tokenizer.decode(ids, skip_special_tokens=True)
         )

@@ -42,7 +42,9 @@ def test_sourcing_the_bootstrap_leaves_the_callers_shell_options_as_they_were(
     fake = tmp_path / "python3.11"
     fake.write_text('#!/bin/sh\n[ "$1" = "--version" ] && echo "Python 3.10.0"\nexit 1\n')
     fake.chmod(0o755)
-    script = f'{caller}\nsource scripts/bootstrap.sh 2>/dev/null || true\necho "$-"\nshopt -o pipefail || true\n'
+    script = (
+        f'{caller}\nsource scripts/bootstrap.sh 2>/dev/null || true\necho "$-"\nshopt -o pipefail || true\n'
+    )
     out = subprocess.run(
         ["bash", "-c", script],
         cwd=ROOT,
