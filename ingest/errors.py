@@ -37,6 +37,12 @@ class InvalidRequest(IngestError):
     error_type = "invalid_request_error"
 
 
+class MalformedHttp(InvalidRequest):
+    """A request that cannot be parsed as HTTP (``ingest/protocol.py``)."""
+
+    default_code = "malformed_http"
+
+
 class ContextLengthExceeded(InvalidRequest):
     default_code = "context_length_exceeded"
 
@@ -161,6 +167,12 @@ class Unavailable(IngestError):
     error_type = "server_error"
     default_code = "unavailable"
     retriable = True
+
+
+class TooManyConnections(Unavailable):
+    """The edge holds ``SLUICE_EDGE_MAX_CONNECTIONS`` connections (``ingest/protocol.py``)."""
+
+    default_code = "too_many_connections"
 
 
 class GatewayUnavailable(Unavailable):

@@ -25,8 +25,8 @@ from aiohttp.web_protocol import RequestHandler
 from ingest.errors import (
     DeadlineExceeded,
     IngestError,
-    InvalidRequest,
-    Unavailable,
+    MalformedHttp,
+    TooManyConnections,
     error_body,
     error_response,
 )
@@ -46,14 +46,6 @@ answer before the client reads it."""
 FD_SPARE = 256
 """File descriptors the edge keeps for itself (Kafka's sockets, files, the batch runner) beyond its
 connections when it raises its own soft limit."""
-
-
-class MalformedHttp(InvalidRequest):
-    default_code = "malformed_http"
-
-
-class TooManyConnections(Unavailable):
-    default_code = "too_many_connections"
 
 
 def parse_message(exc: BaseException | None, message: str | None, status: int) -> str:
