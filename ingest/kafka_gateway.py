@@ -476,10 +476,18 @@ class KafkaGateway(AsyncComponent):
             reply_partition=self.reply_to.partition,
             time_ms=int(time.time() * 1000),
         )
-        try:
-            partition, offset = await self._producer.publish_raw(
+        published = asyncio.ensure_future(
+            self._producer.publish_raw(
                 self._names.idempotency, encode_coordination(claim), key=claim_key(tenant, key)
             )
+        )
+        try:
+            partition, offset = await asyncio.shield(published)
+        except asyncio.CancelledError:
+            # the client left while the claim was on its way: it lands all the same, and is withdrawn once
+            # read if it won (as below), or it would hold the key for a request never published
+            published.add_done_callback(lambda done: self._abandon(done, tenant, key, record))
+            raise
         except BusError as exc:
             raise GatewayUnavailable(f"cannot record the idempotency key: {exc}") from exc
         try:
@@ -554,6 +562,16 @@ class KafkaGateway(AsyncComponent):
             elif not future.done():
                 waiting.append((partition, offset, future))
         self._claims_waiting = waiting
+
+    def _abandon(
+        self, published: asyncio.Future[tuple[int, int]], tenant: str, key: str, record: IdempotencyRecord
+    ) -> None:
+        """A claim whose publish outlived its client: withdrawn once read, if it won (when it landed)."""
+        if published.cancelled() or published.exception() is not None:
+            return
+        partition, offset = published.result()
+        self._abandoned.append((partition, offset, tenant, key, record))
+        self._withdraw_abandoned()
 
     def _withdraw_abandoned(self) -> None:
         """Withdraw each abandoned claim the reader has passed (:meth:`forget_idempotent` withdraws only a

@@ -130,6 +130,7 @@ class ReplyStream:
             return []  # a re-run repeating tokens already delivered
         if reply.seq <= self._skip_seq and reply.offset >= self._delivered_tokens:
             self._delivered_tokens = end  # the client already has this chunk (resume)
+            self._delivered_chars += len(reply.text)
             self._tokens += reply.token_ids
             return []
         if reply.offset < self._delivered_tokens:
@@ -152,6 +153,7 @@ class ReplyStream:
                 finish_reason=reply.finish_reason,
             )
         self._delivered_tokens = reply.offset + len(reply.token_ids)
+        self._delivered_chars += len(reply.text)  # a re-run by a worker that says ``chars`` goes on from here
         self._tokens += reply.token_ids
         return [reply]
 

@@ -8,7 +8,7 @@
 # The caller's -e, -u and pipefail, restored at the end ($- here, not `set +o` in a subshell: errexit is
 # not inherited there, and scripts/test would lose its -e).
 _bootstrap_flags="$-"
-_bootstrap_pipefail="$(shopt -po pipefail)"
+_bootstrap_pipefail="$(shopt -po pipefail || true)"  # its status is 1 when off: a caller's -e would exit
 _bootstrap_restore() {
   case "$_bootstrap_flags" in *e*) set -e ;; *) set +e ;; esac
   case "$_bootstrap_flags" in *u*) set -u ;; *) set +u ;; esac

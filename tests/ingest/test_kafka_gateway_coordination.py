@@ -84,6 +84,35 @@ async def test_a_claim_its_client_left_is_withdrawn_once_read(gateway: tuple[Kaf
     assert await edge.lookup_idempotent(TENANT, KEY) is None
 
 
+async def test_a_claim_its_client_left_while_it_was_published_is_withdrawn_once_read(
+    gateway: tuple[KafkaGateway, Log],
+) -> None:
+    """Found by a review: only the read-back was covered; a client leaving while the claim was published
+    left it to land (a cancelled await does not stop the produce) and hold the key."""
+    edge, log = gateway
+    landed = asyncio.Event()
+    publish = log.publish_raw
+
+    async def slow(topic: str, value: bytes | None, *, key: bytes) -> tuple[int, int]:
+        await landed.wait()
+        return await publish(topic, value, key=key)
+
+    log.publish_raw = slow  # type: ignore[method-assign]
+    task = asyncio.create_task(edge.remember_idempotent(TENANT, KEY, MINE))
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    landed.set()  # the produce goes on and the claim lands
+    await asyncio.sleep(0.01)
+    assert len(log.records) == 1
+    read(edge, log)
+    await asyncio.sleep(0.05)
+    assert log.records[-1][1] is None  # withdrawn
+    read(edge, log)
+    assert await edge.lookup_idempotent(TENANT, KEY) is None
+
+
 async def test_an_abandoned_claim_another_request_won_is_left_alone(
     gateway: tuple[KafkaGateway, Log],
 ) -> None:
@@ -91,7 +120,10 @@ async def test_an_abandoned_claim_another_request_won_is_left_alone(
     theirs = IdempotencyRecord(request_id="req-0", body_hash="h")
     read(edge, log)
     task = asyncio.create_task(edge.remember_idempotent(TENANT, KEY, theirs))
-    await asyncio.sleep(0)
+    for _ in range(100):  # until its claim is on the log (a few loop turns)
+        if log.records:
+            break
+        await asyncio.sleep(0)
     read(edge, log)
     assert await task == theirs  # the first claim of the key: it won
     with pytest.raises(GatewayUnavailable):

@@ -65,6 +65,15 @@ def test_a_re_run_chunked_otherwise_adds_exactly_what_was_not_delivered() -> Non
     assert (text, tokens) == ("The lock", [1, 2, 3])  # "lo" came with no new token; not lost
 
 
+def test_a_re_run_by_a_newer_worker_goes_on_from_an_older_ones_chunks() -> None:
+    """Found by a review: chunks without ``chars`` (a worker from before it, in a rolling upgrade) counted no
+    text delivered, so a newer worker's re-run repeated the whole prefix ("The loThe lock keeper")."""
+    older = chunk(0, 0, [1, 2], "The lo", None)
+    rerun = [chunk(0, 0, [1, 2, 3], "The lock", 0), chunk(1, 3, [4], " keeper", 8)]
+    text, tokens = delivered([older, *rerun, FINISHED])
+    assert (text, tokens) == ("The lock keeper", [1, 2, 3, 4])
+
+
 def test_chunks_of_a_worker_that_says_no_text_offset_are_cut_by_tokens() -> None:
     text, tokens = delivered([chunk(0, 0, [1, 2], "ab", None), chunk(0, 0, [1, 2, 3], "abc", None), FINISHED])
     assert tokens == [1, 2, 3]
