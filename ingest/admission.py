@@ -28,17 +28,14 @@ class Flight:
     task: asyncio.Task[object] | None = None
     cancel_sent: bool = False
     reservation: Reservation | None = None
-    counted: bool = False
-    """Counted in ``sluice_edge_requests_in_flight`` under ``model``."""
 
     def name_model(self, model: str) -> None:
         """The model of a resumed stream, once its replies name it: counted under it from here on (it was
         counted under ``model=""`` for good: an audit)."""
         if model == self.model:
             return
-        if self.counted:
-            metrics.IN_FLIGHT.labels(self.model).dec()
-            metrics.IN_FLIGHT.labels(model).inc()
+        metrics.IN_FLIGHT.labels(self.model).dec()  # a flight is counted from its start (Admission.flight)
+        metrics.IN_FLIGHT.labels(model).inc()
         self.model = model
 
 
@@ -116,7 +113,6 @@ class Admission:
         self._flights.add(entry)
         self._idle.clear()
         metrics.IN_FLIGHT.labels(model).inc()
-        entry.counted = True
         try:
             yield entry
         finally:

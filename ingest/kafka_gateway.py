@@ -486,7 +486,7 @@ class KafkaGateway(AsyncComponent):
         except asyncio.CancelledError:
             # the client left while the claim was on its way: it lands all the same, and is withdrawn once
             # read if it won (as below), or it would hold the key for a request never published
-            published.add_done_callback(lambda done: self._abandon(done, tenant, key, record))
+            published.add_done_callback(lambda done: self._abandon_landed(done, tenant, key, record))
             raise
         except BusError as exc:
             raise GatewayUnavailable(f"cannot record the idempotency key: {exc}") from exc
@@ -496,7 +496,7 @@ class KafkaGateway(AsyncComponent):
             # The claim is on the log but no request will follow it here (the read-back timed out, or the
             # client left): once read, it is withdrawn if it won. Held, every retry with the key was a 409
             # for the claim's 24 hours, for a request never published (an audit).
-            self._abandoned.append((partition, offset, tenant, key, record))
+            self._abandon(partition, offset, tenant, key, record)
             raise
         won = self._claims.get(tenant, claim.key_sha256, time.time() * 1000)
         if won is None:  # withdrawn meanwhile by its winner's failed publish: ours was after it
@@ -563,13 +563,15 @@ class KafkaGateway(AsyncComponent):
                 waiting.append((partition, offset, future))
         self._claims_waiting = waiting
 
-    def _abandon(
+    def _abandon_landed(
         self, published: asyncio.Future[tuple[int, int]], tenant: str, key: str, record: IdempotencyRecord
     ) -> None:
-        """A claim whose publish outlived its client: withdrawn once read, if it won (when it landed)."""
-        if published.cancelled() or published.exception() is not None:
-            return
-        partition, offset = published.result()
+        """A claim whose publish outlived its client, abandoned where it landed (if it did)."""
+        if not published.cancelled() and published.exception() is None:
+            self._abandon(*published.result(), tenant, key, record)
+
+    def _abandon(self, partition: int, offset: int, tenant: str, key: str, record: IdempotencyRecord) -> None:
+        """No request follows the claim at ``offset``: withdrawn once read (at once if it was), if it won."""
         self._abandoned.append((partition, offset, tenant, key, record))
         self._withdraw_abandoned()
 

@@ -76,8 +76,6 @@ log = logging.getLogger(__name__)
 SOURCE = "streams/rollout"
 BURN_MIN_ERRORS = 3
 """Failed candidate requests in the step before a fast burn is blamed on it."""
-FAST_BURN = 14.4
-"""The fast burn's rate on a 30-day budget (2 % of it in an hour), as the gate's limit reads."""
 FAST_WINDOWS = frozenset({"1h/5m"})
 """The burn-rate pairs whose firing fails a candidate, by default (the SLO config's fastest page pair). By
 window, not by a rate: the rate of one pair depends on the model's tier (1h/5m is 3.36 for a 7-day
