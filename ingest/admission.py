@@ -28,6 +28,12 @@ class Flight:
     task: asyncio.Task[object] | None = None
     cancel_sent: bool = False
     reservation: Reservation | None = None
+    idempotency_key: str | None = None
+    held_until: asyncio.Future[None] | None = None
+    """Set while the request runs on after its client left (a cancel delayed by the disconnect grace): its
+    place in flight is kept until this is done (the cancel sent, or the request taken back), not given
+    back as the client leaves. An audit: with a grace, a client that opened streams and left at once had
+    any number running past its ``max_concurrency``."""
 
     def name_model(self, model: str) -> None:
         """The model of a resumed stream, once its replies name it: counted under it from here on (it was
@@ -54,6 +60,10 @@ class Admission:
     """The tenants seen (name -> its limits), for the sync to know every key's limits."""
     _flights: set[Flight] = field(default_factory=set)
     _idle: asyncio.Event = field(default_factory=asyncio.Event)
+    _held: dict[tuple[str, str, str], Reservation] = field(default_factory=dict)
+    """The places of requests running on after their clients left (:attr:`Flight.held_until`), by
+    ``("request", tenant, request id)`` and ``("key", tenant, Idempotency-Key)``: a client coming back for
+    one (a resume, or a retry with its key) takes its place over instead of needing a second."""
 
     def __post_init__(self) -> None:
         self._idle.set()
@@ -65,8 +75,15 @@ class Admission:
                 "the budget is raised or renewed."
             )
 
-    def check_rate(self, tenant: Tenant) -> None:
-        """Refuse before any work on the body when the tenant is already at one of its limits."""
+    def check_rate(
+        self, tenant: Tenant, *, request_id: str | None = None, idempotency_key: str | None = None
+    ) -> None:
+        """Refuse before any work on the body when the tenant is already at one of its limits; not a client
+        coming back for a request that holds its place (by ``request_id`` or ``idempotency_key``): its
+        flight takes that place over."""
+        held = [("request", tenant.name, request_id), ("key", tenant.name, idempotency_key)]
+        if any(key in self._held for key in held):
+            return
         try:
             self.ledger.precheck((tenant.name, ALL_MODELS), tenant.total)
         except QuotaExceeded as exc:
@@ -89,14 +106,25 @@ class Admission:
 
     @contextmanager
     def flight(
-        self, tenant: Tenant, model: str, request_id: str, *, owner: bool, tokens: int = 0
+        self,
+        tenant: Tenant,
+        model: str,
+        request_id: str,
+        *,
+        owner: bool,
+        tokens: int = 0,
+        idempotency_key: str | None = None,
     ) -> Iterator[Flight]:
         """Register a request for its lifetime, reserving one request, ``tokens`` tokens and one place in
         flight under the tenant's limits (a resume reserves no tokens, but counts); refuse it when shutting
-        down or over a limit (429 with ``Retry-After``)."""
+        down or over a limit (429 with ``Retry-After``). The place is given back when the flight ends, or,
+        when its request runs on after its client left, once that ends (:attr:`Flight.held_until`)."""
         if not self.accepting:
             raise Unavailable("The server is shutting down; retry on another instance.", code="shutting_down")
         self.tenants[tenant.name] = tenant
+        self._take_over(("request", tenant.name, request_id))
+        if idempotency_key is not None:
+            self._take_over(("key", tenant.name, idempotency_key))
         try:
             reservation = self.ledger.admit(tenant.checks(model), tokens)
         except QuotaExceeded as exc:
@@ -109,6 +137,7 @@ class Admission:
             owner=owner,
             task=current,
             reservation=reservation,
+            idempotency_key=idempotency_key,
         )
         self._flights.add(entry)
         self._idle.clear()
@@ -117,10 +146,36 @@ class Admission:
             yield entry
         finally:
             metrics.IN_FLIGHT.labels(entry.model).dec()
-            self.ledger.release(reservation)
+            if entry.held_until is None or entry.held_until.done():
+                self.ledger.release(reservation)
+            else:
+                self._hold(entry, reservation, entry.held_until)
             self._flights.discard(entry)
             if not self._flights:
                 self._idle.set()
+
+    def _hold(self, flight: Flight, reservation: Reservation, until: asyncio.Future[None]) -> None:
+        keys = [("request", flight.tenant, flight.request_id)]
+        if flight.idempotency_key is not None:
+            keys.append(("key", flight.tenant, flight.idempotency_key))
+        for key in keys:
+            self._held[key] = reservation
+
+        def ended(_: object) -> None:
+            self.ledger.release(reservation)
+            for key in keys:
+                if self._held.get(key) is reservation:
+                    del self._held[key]
+
+        until.add_done_callback(ended)
+
+    def _take_over(self, key: tuple[str, str, str]) -> None:
+        """A held place given back for the flight coming back for its request (which then holds one)."""
+        held = self._held.pop(key, None)
+        if held is not None:
+            self.ledger.release(held)
+            for other in [k for k, r in self._held.items() if r is held]:
+                del self._held[other]
 
     @property
     def flights(self) -> list[Flight]:

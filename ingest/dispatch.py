@@ -280,6 +280,7 @@ class Dispatcher:
         task.add_done_callback(self._tasks.discard)
         if delay:
             self._delayed[flight.request_id] = task
+            flight.held_until = task  # its place in flight is kept until the cancel is sent or taken back
             task.add_done_callback(lambda _: self._delayed.pop(flight.request_id, None))
 
     async def _send(self, event: CancelRequested, delay: float) -> None:

@@ -148,7 +148,9 @@ class Routes:
                     request, shape, stream, flight, prepared.timeout_s, watch, after_seq >= 0
                 )
         tokens = reserved_tokens(prepared.event)
-        with ctx.admission.flight(tenant, shape.model, shape.request_id, owner=True, tokens=tokens) as flight:
+        with ctx.admission.flight(
+            tenant, shape.model, shape.request_id, owner=True, tokens=tokens, idempotency_key=key
+        ) as flight:
             opened = await ctx.dispatcher.open(prepared, key, flight)
             request[SUBMITTED_KEY] = True
             request[REQUEST_ID_KEY] = opened.request_id
@@ -167,9 +169,11 @@ class Routes:
         if last is None:  # a resume is work admitted before: a 402 lost the client its stream (an audit), and
             # a WebSocket resume or GET /v1/streams/{id} of the same stream was served
             ctx.admission.check_budget(tenant, ctx.gateway.budget_exhausted(tenant.name))
-        ctx.admission.check_rate(tenant)  # before any work on the body
-        raw = await self._body(request)
         key = check_idempotency_key(request.headers.get("Idempotency-Key"))
+        ctx.admission.check_rate(  # before any work on the body
+            tenant, request_id=last[0] if last is not None else None, idempotency_key=key
+        )
+        raw = await self._body(request)
         prepared = await ctx.preparer.prepare(
             kind,
             raw,

@@ -76,7 +76,8 @@ class EdgeSettings(msgspec.Struct, frozen=True, kw_only=True):
     edges; between two syncs the edges together can pass a limit by at most (edges - 1) requests."""
     edge_disconnect_grace_s: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
     """Wait this long after a client disconnects before cancelling its request, so that a reconnect with
-    ``Last-Event-ID`` to this edge keeps the generation. 0: cancel at once."""
+    ``Last-Event-ID`` to this edge keeps the generation. 0: cancel at once. The request keeps its place
+    under the tenant's ``max_concurrency`` meanwhile; the client coming back takes it over."""
 
     edge_files_dir: str | None = None
     """Where uploaded files and batches' files and journals live. Unset: ``<SLUICE_DATA_DIR>/files``. Edges

@@ -1,0 +1,93 @@
+"""A request whose client left runs on for the disconnect grace: it keeps its place under the tenant's
+``max_concurrency`` until its cancel goes out, and a client coming back for it takes that place over.
+
+Found by an audit: the place was given back as the client left, so with a grace a client that opened
+streams and closed them at once had any number running past its limit."""
+
+from __future__ import annotations
+
+import pytest
+
+from ingest.auth import Tenant, TenantDirectory, hash_key
+from tests.ingest.conftest import AUTH, DEMO_KEY, GEN, Client, MakeClient, eventually, parse_sse
+from tests.ingest.fake_gateway import FakeGateway
+
+CHAT = {"model": GEN, "messages": [{"role": "user", "content": "hello"}], "stream": True}
+GRACE_S = 30.0  # never runs out within a test; each ends by the edge's shutdown sending the cancel
+
+
+@pytest.fixture
+def tenants() -> TenantDirectory:
+    return TenantDirectory(
+        {"demo": Tenant(key_sha256=[hash_key(DEMO_KEY)], allow_ignore_eos=True, max_concurrency=1)}
+    )
+
+
+async def left_after_a_token(client: Client, gateway: FakeGateway, headers: dict[str, str]) -> str:
+    """A streamed chat whose client read a token and left; its request id."""
+    response = await client.post("/v1/chat/completions", json=CHAT, headers=headers)
+    assert response.status == 200
+    await response.content.readuntil(b" t1")
+    response.close()
+    await eventually(lambda: all(stream.closed for stream in gateway.streams))
+    return gateway.submitted[-1].request_id
+
+
+async def refused(client: Client) -> bool:
+    response = await client.post("/v1/chat/completions", json={**CHAT, "stream": False}, headers=AUTH)
+    if response.status == 429:
+        assert (await response.json())["error"]["code"] == "concurrency_limit_exceeded"
+        return True
+    assert response.status == 200
+    return False
+
+
+async def test_a_request_running_on_after_its_client_left_keeps_its_place(
+    make_client: MakeClient, gateway: FakeGateway
+) -> None:
+    client, edge = await make_client(edge_disconnect_grace_s=GRACE_S)
+    gateway.hold_after = 2
+    await left_after_a_token(client, gateway, AUTH)
+    assert gateway.cancels == []  # it runs on, within the grace
+    assert await refused(client)  # ... in the tenant's one place
+    await edge.ctx.dispatcher.drain()  # the delayed cancel goes out now: the place is free
+    assert [c.reason for c in gateway.cancels] == ["client_disconnect"]
+    gateway.hold_after = None
+    assert not await refused(client)
+
+
+@pytest.mark.parametrize("how", ["last_event_id", "stream_get"])
+async def test_a_client_coming_back_takes_its_place_over(
+    make_client: MakeClient, gateway: FakeGateway, how: str
+) -> None:
+    client, _ = await make_client(edge_disconnect_grace_s=GRACE_S)
+    gateway.hold_after = 2
+    rid = await left_after_a_token(client, gateway, AUTH)
+    resume = {**AUTH, "Last-Event-ID": f"{rid}:1"}
+    if how == "last_event_id":
+        response = await client.post("/v1/chat/completions", json=CHAT, headers=resume)
+    else:
+        response = await client.get(f"/v1/streams/{rid}", headers=resume)
+    assert response.status == 200  # not 429: the place it held is its own
+    gateway.release.set()
+    events = parse_sse(await response.text())
+    assert events[-1][1] == "[DONE]"
+    assert gateway.cancels == []  # taken back: no cancel, and its place free once it ended
+    assert not await refused(client)
+
+
+async def test_a_retry_with_the_idempotency_key_takes_its_place_over(
+    make_client: MakeClient, gateway: FakeGateway
+) -> None:
+    client, _ = await make_client(edge_disconnect_grace_s=GRACE_S)
+    gateway.hold_after = 2
+    keyed = {**AUTH, "Idempotency-Key": "order-7"}
+    rid = await left_after_a_token(client, gateway, keyed)
+    retry = await client.post("/v1/chat/completions", json=CHAT, headers=keyed)
+    assert retry.status == 200
+    assert retry.headers["x-request-id"] == rid
+    gateway.release.set()
+    assert parse_sse(await retry.text())[-1][1] == "[DONE]"
+    assert len(gateway.submitted) == 1
+    assert gateway.cancels == []
+    assert not await refused(client)
