@@ -132,7 +132,8 @@ def stats_sql(model: str, versions: Iterable[str], since: datetime) -> str:
     behind every live request (lowest priority), which measures the queue, not the candidate; a
     shadow-only step has nothing else to judge by. Lines of async batches count as requests and failures
     but in no latency (they wait in the batch lane by design) and not in the cost per token (they are
-    billed at the batch discount, so a version that served more of them would look cheaper). Embeddings
+    billed at the batch discount, so a version that served more of them would look cheaper), nor do a
+    failed request's tokens (a failure is billed nothing: a version failing more would look cheaper). Embeddings
     have no first token: their end-to-end latency (completed ones, live first, like TTFT) stands in."""
     listed = ", ".join(sql_string(v) for v in sorted(set(versions)))
     since_ms = int(since.timestamp() * 1000)
@@ -150,7 +151,7 @@ def stats_sql(model: str, versions: Iterable[str], since: datetime) -> str:
     quantileExactIf(0.99)(e2e_ms, kind = 'embedding' AND status = 'completed' AND shadow_of = ''
         AND batch_id = '') AS embed_live_p99,
     countIf(kind = 'embedding' AND status = 'completed' AND shadow_of = '' AND batch_id = '') AS embed_live_n,
-    sumIf(prompt_tokens + completion_tokens, batch_id = '') AS tokens,
+    sumIf(prompt_tokens + completion_tokens, batch_id = '' AND status != 'failed') AS tokens,
     sumIf(cost_nanos, batch_id = '') AS cost_nanos
 FROM request_facts FINAL
 WHERE model = {sql_string(model)} AND model_version IN ({listed})
@@ -199,6 +200,7 @@ def stats_of(results: Iterable[RequestFinished], prices: PriceTable) -> VersionS
 
     timed = [r for r in rows if not r["batch_id"]]  # batch lines: no latency, no cost per token
     live = [r for r in timed if not r["shadow_of"]]
+    billed = [r for r in timed if r["status"] != "failed"]  # a failure is billed nothing: not free tokens
 
     def error(r: dict[str, Any]) -> bool:
         return r["status"] == "failed" or (
@@ -215,7 +217,7 @@ def stats_of(results: Iterable[RequestFinished], prices: PriceTable) -> VersionS
             p99("ttft_ms", live) if any(r["ttft_ms"] is not None for r in live) else p99("ttft_ms", timed)
         ),
         itl_p99_ms=p99("itl_max_ms", timed),
-        tokens=sum(int(r["prompt_tokens"]) + int(r["completion_tokens"]) for r in timed),
+        tokens=sum(int(r["prompt_tokens"]) + int(r["completion_tokens"]) for r in billed),
         cost_nanos=sum(int(r["cost_nanos"]) for r in timed),
         embedding_p99_ms=p99("e2e_ms", embedded(live) or embedded(timed)),
     )

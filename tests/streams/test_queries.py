@@ -872,6 +872,24 @@ def test_rollout_gates_count_batch_lines_but_not_their_latency_nor_their_price(w
 
 
 @pytest.mark.integration
+def test_the_cost_gate_leaves_out_the_tokens_of_failed_requests(warehouse: Client) -> None:
+    """Found by an audit: a failure is billed nothing, but its tokens still counted in the cost per 1k
+    tokens, so a candidate failing half its requests looked half as expensive to the cost gate."""
+    now = now_ms()
+    served = [event(finished=now - timedelta(seconds=i), version="v2", ttft_ms=100) for i in range(4)]
+    failed = [
+        event(finished=now - timedelta(seconds=10 + i), version="v2", ttft_ms=100, status="failed")
+        for i in range(4)
+    ]
+    insert_facts(warehouse, [*served, *failed])
+    found = parse_stats(rows(warehouse, stats_sql("demo-gpt", ["v2"], now - timedelta(hours=1))))["v2"]
+    assert found == stats_of([*served, *failed], PRICES)
+    assert (found.n, found.errors) == (8, 4)
+    assert found.cost_per_1k_usd == pytest.approx(stats_of(served, PRICES).cost_per_1k_usd)
+    assert found.tokens == sum(e.usage.prompt_tokens + e.usage.completion_tokens for e in served)
+
+
+@pytest.mark.integration
 def test_rollout_gates_of_an_embeddings_model_use_its_end_to_end_latency(warehouse: Client) -> None:
     """An embedding has no first token and no inter-token gap: the warehouse's gate statistics and an
     offline run's agree on the end-to-end p99 of the completed ones (live first), which the TTFT gate

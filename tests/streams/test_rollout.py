@@ -595,8 +595,9 @@ HOSTILE_MODEL = "m\\'; DROP TABLE request_facts; --"
 
 EMBEDDING_FILTERS = [*["embedding", "completed", ""] * 2, *["embedding", "completed", "", ""] * 2]
 """The literals of the end-to-end latency of completed embeddings (all, and live ones only)."""
-STATS_FILTERS = [*[""] * 10, *EMBEDDING_FILTERS, "", ""]
-"""The literals of ``stats_sql``'s filters: ``shadow_of = ''``, ``batch_id = ''`` and the embeddings'."""
+STATS_FILTERS = [*[""] * 10, *EMBEDDING_FILTERS, "", "failed", ""]
+"""The literals of ``stats_sql``'s filters: ``shadow_of = ''``, ``batch_id = ''``, the embeddings', and the
+tokens' and cost's (a failure's tokens are not billed)."""
 
 
 def test_stats_sql_quotes_hostile_names() -> None:
