@@ -6,6 +6,7 @@ the gateway. Shared by the HTTP routes and the WebSocket.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import math
 from collections.abc import Callable
@@ -97,6 +98,27 @@ class Prepared:
     body_hash: str
     shadow: GenerationRequested | EmbeddingRequested | None = None
     """A copy for the candidate version, published after the request and never answered."""
+
+    def streamed(self) -> Prepared:
+        """This request as streamed, whatever its body said (a WebSocket's generations always are: its
+        frames are tokens). An audit: a WebSocket request without ``"stream": true`` was published not
+        streamed, its worker sent no token, and the ``done`` frame carried no text: billed, nothing read."""
+
+        def stream(
+            event: GenerationRequested | EmbeddingRequested,
+        ) -> GenerationRequested | EmbeddingRequested:
+            if isinstance(event, GenerationRequested) and not event.stream:
+                return msgspec.structs.replace(event, stream=True)
+            return event
+
+        if stream(self.event) is self.event:
+            return self
+        return dataclasses.replace(
+            self,
+            event=stream(self.event),
+            shape=dataclasses.replace(self.shape, stream=True),
+            shadow=stream(self.shadow) if self.shadow is not None else None,
+        )
 
 
 def body_hash(kind: Kind, raw: bytes) -> str:

@@ -110,6 +110,8 @@ def native(item: ReplyItem, shape: Shape | None = None) -> dict[str, Any]:
         "finish_reason": item.finish_reason,
         "usage": openai.usage_body(item.usage),
     }
+    if item.text is not None and not item.stream:  # no token carried it (a request not streamed)
+        frame["text"] = item.text
     vectors = item.packed_vectors()
     if vectors is not None:
         frame["result"] = openai.embeddings(

@@ -13,7 +13,9 @@ Client frames::
 
 Server frames: ``accepted`` (id, request_id), ``token`` (id, request_id, seq, offset, text, token_ids),
 ``done`` (id, request_id, status, finish_reason, usage; ``result`` = the OpenAI embeddings body for
-embeddings), ``error`` (id or null, error: OpenAI error object), ``pong``. Liveness is WebSocket ping/pong
+embeddings; ``text`` = the whole text of a generation that was not streamed, as a ``resume`` of an HTTP
+request without ``stream`` reads it), ``error`` (id or null, error: OpenAI error object), ``pong``. A
+generation asked for here is always streamed (its body's ``stream`` is not needed, and ``false`` is ignored). Liveness is WebSocket ping/pong
 every ``SLUICE_EDGE_HEARTBEAT_S`` (a peer that misses a pong is closed). Bad frames (binary, junk JSON,
 unknown type, invalid body) get an ``error`` frame and the socket stays open; nothing is submitted.
 
@@ -227,9 +229,11 @@ class WsSession:
                 try:
                     ctx.admission.check_budget(self._tenant, ctx.gateway.budget_exhausted(self._tenant.name))
                     ctx.admission.check_rate(self._tenant)
-                    prepared = await ctx.preparer.prepare(
-                        WS_KINDS[frame.endpoint], bytes(frame.body), tenant=self._tenant
-                    )
+                    prepared = (
+                        await ctx.preparer.prepare(
+                            WS_KINDS[frame.endpoint], bytes(frame.body), tenant=self._tenant
+                        )
+                    ).streamed()
                 except IngestError as exc:
                     count_refusal(metrics.tenant_label(self._tenant.name), "", "", exc)
                     raise

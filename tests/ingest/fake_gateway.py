@@ -1,7 +1,8 @@
 """An in-memory :class:`ingest.gateway.Gateway`: a log per request, deterministic replies, full recording.
 
 Generation: chunk ``i`` is ``" t{i}"`` with token id ``i``, up to ``min(tokens, max_tokens)`` chunks
-(``finish_reason`` "length" when max_tokens cut it, else "stop"). Embeddings: input ``k`` becomes
+(``finish_reason`` "length" when max_tokens cut it, else "stop"), as chunks on the log for a streamed
+request and as the terminal event's ``text`` alone for one not streamed, as a worker sends them. Embeddings: input ``k`` becomes
 ``[len(ids), sum(ids) % 97, k]``. ``hold_after=n`` stops each producer after ``n`` chunks until
 ``release`` is set or the request is cancelled. Replies are read from the log like Kafka would serve them:
 a submit stream and any number of resumes read the same records.
@@ -210,6 +211,7 @@ class FakeGateway:
         count = min(self.tokens, event.sampling.max_tokens)
         reason: FinishReason = "length" if count == event.sampling.max_tokens else "stop"
         done = 0
+        texts: list[str] = []
         for i in range(count):
             if self.hold_after is not None and i >= self.hold_after:
                 await _first(self.release, log.cancelled)
@@ -226,16 +228,19 @@ class FakeGateway:
                 text=f" t{i}" + "x" * self.text_size,
                 finish_reason=reason if i == count - 1 else None,
             )
-            await log.append(chunk)
+            if event.stream:  # as a worker does: a request not streamed gets its text in the terminal event
+                await log.append(chunk)
+            texts.append(chunk.text)
             done += 1
         prompt = len(event.input_ids)
         usage = Usage(prompt_tokens=prompt, completion_tokens=done, total_tokens=prompt + done)
+        text = "".join(texts)
         if log.cancelled.is_set():
-            final = _finished(event, "cancelled", "cancelled", usage)
+            final = _finished(event, "cancelled", "cancelled", usage, text=text or None)
         elif self.fail_with is not None:
-            final = _finished(event, "failed", "error", usage, error=self.fail_with)
+            final = _finished(event, "failed", "error", usage, error=self.fail_with, text=text or None)
         else:
-            final = _finished(event, "completed", reason, usage)
+            final = _finished(event, "completed", reason, usage, text=text)
         await log.append(final)
 
 
@@ -247,6 +252,7 @@ def _finished(
     *,
     embeddings: Float32Vectors | None = None,
     error: ErrorInfo | None = None,
+    text: str | None = None,
 ) -> RequestFinished:
     return RequestFinished(
         tenant=event.tenant,
@@ -257,8 +263,10 @@ def _finished(
         finish_reason=reason,
         usage=usage,
         embeddings_f32=embeddings,
+        text=text,
         error=error,
         worker_id="fake-worker",
+        stream=isinstance(event, GenerationRequested) and event.stream,
         timings=Timings(accepted=event.time, started=utc_now(), finished=utc_now()),
         kind="embedding" if isinstance(event, EmbeddingRequested) else "chat" if event.chat else "completion",
     )

@@ -145,7 +145,7 @@ async def test_resume_is_per_tenant(client: Client, gateway: FakeGateway) -> Non
 
 
 async def test_get_stream_replays_native_frames(client: Client, gateway: FakeGateway) -> None:
-    await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 3}, headers=AUTH)
+    await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 3, "stream": True}, headers=AUTH)
     rid = gateway.submitted[0].request_id
     response = await client.get(f"/v1/streams/{rid}", headers={**AUTH, "Last-Event-ID": f"{rid}:0"})
     events = parse_sse(await response.text())
@@ -157,6 +157,30 @@ async def test_get_stream_replays_native_frames(client: Client, gateway: FakeGat
     assert frames[-1]["usage"]["completion_tokens"] == 3
     mismatched = await client.get(f"/v1/streams/{rid}", headers={**AUTH, "Last-Event-ID": f"{uuid7()}:0"})
     assert mismatched.status == 400
+
+
+async def test_a_replay_of_a_request_not_streamed_has_its_text_in_the_done_frame(
+    client: Client, gateway: FakeGateway
+) -> None:
+    """Found by an audit: such a request's worker sends no token (its text is in the terminal event
+    alone), and the ``done`` frame had no text: ``GET /v1/streams/{id}`` replayed it without its answer."""
+    answer = await (
+        await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 3}, headers=AUTH)
+    ).json()
+    rid = gateway.submitted[0].request_id
+    events = parse_sse(await (await client.get(f"/v1/streams/{rid}", headers=AUTH)).text())
+    frames = [msgspec.json.decode(d) for _, d in events[:-1]]
+    assert [f["type"] for f in frames] == ["done"]
+    assert frames[0]["text"] == answer["choices"][0]["message"]["content"] == " t0 t1 t2"
+    streamed = await client.post(
+        "/v1/chat/completions", json={**CHAT, "max_tokens": 2, "stream": True}, headers=AUTH
+    )
+    await streamed.text()
+    rid = gateway.submitted[1].request_id
+    events = parse_sse(await (await client.get(f"/v1/streams/{rid}", headers=AUTH)).text())
+    frames = [msgspec.json.decode(d) for _, d in events[:-1]]
+    assert [f["type"] for f in frames] == ["token", "token", "done"]
+    assert "text" not in frames[-1]  # its tokens carried it
 
 
 async def test_reconnect_within_the_grace_keeps_the_generation(

@@ -57,10 +57,28 @@ async def test_two_requests_multiplexed(client: Client, gateway: FakeGateway) ->
     }
     assert chat[-1]["finish_reason"] == "length"
     assert chat[-1]["usage"]["completion_tokens"] == 2
+    assert "text" not in chat[-1]  # its tokens carried it
     assert [f["type"] for f in emb] == ["accepted", "done"]
     assert emb[-1]["result"]["object"] == "list"
     assert isinstance(emb[-1]["result"]["data"][0]["embedding"], str)
     assert len(gateway.submitted) == 2
+
+
+@pytest.mark.parametrize("stream", [None, False])
+async def test_a_generation_is_streamed_whatever_its_body_says(
+    client: Client, gateway: FakeGateway, stream: bool | None
+) -> None:
+    """Found by an audit: a body without ``"stream": true`` (as this module's own tests sent them, passing
+    only because the fake gateway streamed every request) was published not streamed: its worker sent no
+    token and the ``done`` frame had no text, the answer billed and never read."""
+    body = {**CHAT, "max_tokens": 2} | ({} if stream is None else {"stream": stream})
+    async with client.ws_connect("/v1/ws", headers=AUTH) as ws:
+        await ws.send_json(request("a", body))
+        frames = await frames_until(ws, 1)
+    assert [f["type"] for f in frames] == ["accepted", "token", "token", "done"]
+    assert "".join(f["text"] for f in frames if f["type"] == "token") == " t0 t1"
+    (event,) = gateway.submitted
+    assert event.stream
 
 
 async def test_ping_cancel_and_resume(client: Client, gateway: FakeGateway) -> None:
