@@ -84,6 +84,8 @@ class Why:
 
 def decode_or_junk(message: Message) -> Event | Junk:
     """A record's event, or the :class:`Junk` it is when it does not decode."""
+    if message.value() is None:  # said as what it is (it read "Input data was truncated": an audit)
+        return junk_of(message, Why("a tombstone (a record without a value)", "empty"))
     value = message.value() or b""
     header_list = record_headers(message)
     try:

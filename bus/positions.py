@@ -1,5 +1,6 @@
 """Reading the log by position: a partition's watermarks and its offset at a time, a whole topic's extent
-and reading it to that end, each retried while the cluster is still settling in."""
+and reading it to that end, each retried while the cluster is still settling in; where a consumer group
+stands (the oldest record it could still be handed, its members)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,15 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
+from confluent_kafka import (
+    TIMESTAMP_NOT_AVAILABLE,
+    Consumer,
+    KafkaError,
+    KafkaException,
+    Message,
+    TopicPartition,
+)
+from confluent_kafka.admin import AdminClient
 
 from bus.consumer import consumer_config
 from bus.errors import BusError
@@ -111,11 +120,26 @@ def read_to_end(
 ) -> Iterator[Message]:
     """Every record of ``starts`` (partitions of one topic with start offsets) up to ``ends`` (partition ->
     the end offset to reach, e.g. the high watermark taken before), then stop. A partition already at its
-    end is not read. Raises :class:`BusError` when that takes longer than ``timeout_s``."""
+    end is not read, nor one whose retained records all come before ``starts`` or were all deleted (its
+    first retained offset, the low watermark, at or past its end: an audit found a worker that could not
+    start once retention had emptied a partition of the results topic, waiting for a record that would
+    never come). Raises :class:`BusError` when that takes longer than ``timeout_s``."""
     todo = {tp.partition for tp in starts if 0 <= tp.offset < ends.get(tp.partition, 0)}
     if not todo:
         return
-    consumer.assign([tp for tp in starts if tp.partition in todo])
+    firsts = {
+        tp.partition: watermarks(consumer, tp.topic, tp.partition)[0] for tp in starts if tp.partition in todo
+    }
+    todo = {part for part in todo if firsts[part] < ends[part]}
+    if not todo:
+        return
+    consumer.assign(
+        [
+            TopicPartition(tp.topic, tp.partition, max(tp.offset, firsts[tp.partition]))
+            for tp in starts
+            if tp.partition in todo
+        ]
+    )
     deadline = time.monotonic() + timeout_s
     while todo:
         if time.monotonic() > deadline:
@@ -130,3 +154,60 @@ def read_to_end(
             if (message.offset() or 0) + 1 >= ends.get(part, 0):
                 todo.discard(part)
             yield message
+
+
+def timestamp_at(
+    consumer: Consumer, topic: str, partition: int, offset: int, timeout_s: float = 10.0
+) -> int | None:
+    """The timestamp (unix ms) of the first record of a partition at or after ``offset``; None when there
+    is none within ``timeout_s`` (``consumer`` is reassigned)."""
+    consumer.assign([TopicPartition(topic, partition, offset)])
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for message in consumer.consume(1, timeout=0.5):
+            if message.error() is None and message.partition() == partition:
+                kind, ms = message.timestamp()
+                return int(ms) if kind != TIMESTAMP_NOT_AVAILABLE else None
+    return None
+
+
+def uncommitted_since(
+    kafka: KafkaConnection, group: str, topic: str, client_id: str, timeout_s: float = 30.0
+) -> int | None:
+    """The time (unix ms) of the oldest record ``group`` could still be handed on ``topic``: the first one
+    past its committed offset on each partition (the time of now when every partition is committed to its
+    end). None when that is unknown: a partition the group never committed (it starts at the partition's
+    first record), or one the cluster cannot say. A record's time is its producer's clock: allow for skew."""
+    consumer = Consumer(consumer_config(kafka, group, f"{client_id}-probe"))
+    try:
+        meta = consumer.list_topics(topic, timeout=10).topics.get(topic)
+        if meta is None or meta.error is not None:
+            return None
+        committed = consumer.committed([TopicPartition(topic, p) for p in meta.partitions], timeout=timeout_s)
+        oldest = int(time.time() * 1000)
+        for tp in committed:
+            if tp.offset < 0:
+                return None
+            low, high = watermarks(consumer, topic, tp.partition, timeout_s)
+            start = max(tp.offset, low)
+            if start >= high:
+                continue
+            at = timestamp_at(consumer, topic, tp.partition, start)
+            if at is None:
+                return None
+            oldest = min(oldest, at)
+        return oldest
+    except (KafkaException, BusError):
+        return None
+    finally:
+        consumer.close()
+
+
+def group_members(admin: AdminClient, group: str, timeout_s: float = 10.0) -> int | None:
+    """How many members consumer group ``group`` has now (0 when it is empty or does not exist); None when
+    the cluster cannot say within ``timeout_s``."""
+    try:
+        (future,) = admin.describe_consumer_groups([group], request_timeout=timeout_s).values()
+        return len(future.result(timeout=timeout_s).members)
+    except (KafkaException, TimeoutError, ValueError):
+        return None

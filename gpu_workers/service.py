@@ -16,6 +16,7 @@ Invariants kept here, for every runner:
 
 from __future__ import annotations
 
+import heapq
 import logging
 import queue
 import threading
@@ -33,7 +34,7 @@ from bus.consumer import BACKGROUND, TP, ConsumerThread, consumer_config
 from bus.control import control_start, latest_deployments
 from bus.dead_letter import Junk, Letter, Why, decode_or_junk, junk_of
 from bus.errors import BusError
-from bus.positions import read_to_end, watermarks
+from bus.positions import offset_at, read_to_end, uncommitted_since, watermarks
 from bus.producer import EventProducer, Position
 from gpu_workers import GpuWorkerError
 from gpu_workers.features import FeatureProbe, Vector
@@ -377,10 +378,9 @@ class WorkerService(Component):
             if isinstance(event, BatchItemRequested):  # a batch line runs as the request it carries
                 line, event = event.ref, event.as_request()
             if not isinstance(event, GenerationRequested | EmbeddingRequested):
-                if event is not None:
-                    log.warning("ignoring %s on a request topic", type(event).__name__)
-                # nothing to run: its offset may be committed
-                self._put(_Skip(tp, offset, self._ledger.generation))
+                # nothing to run: lettered (an audit: a valid event of another kind was committed silently)
+                why = Why(f"a {type(event).__name__} on the request topic of {self.model_id!r}", "misplaced")
+                self._put(_Skip(tp, offset, self._ledger.generation, junk=junk_of(message, why)))
                 continue
             if event.model != self.model_id:  # a producer's mistake: lettered, not run
                 # run here, its terminal event would name the other model, whose results no tail of this
@@ -444,6 +444,9 @@ class WorkerService(Component):
                 self._put(_Deploy(Deployment.of(event), event.id))
 
     REVOKE_DRAIN_S = 30.0
+    CLOCK_SKEW_S = 600.0
+    """How far the clocks of the edges (which time request records) and the workers (results) may differ:
+    a worker learns finished requests from this long before the oldest request it could be handed."""
 
     def _on_revoke(self, tps: list[TP], lost: bool) -> dict[TP, int] | None:
         """Partitions taken away in a rebalance (consumer thread). Every record of theirs still in the inbox
@@ -474,19 +477,43 @@ class WorkerService(Component):
         return request_id in self._finished
 
     def _learn_finished(self) -> dict[int, int]:
-        """Read the results topic up to now: those requests must not run again if redelivered. Returns
-        where each partition ended, for the tail that keeps learning from there."""
+        """Read the results topic up to now, from the time of the oldest request record this worker's group
+        could still be handed (:func:`uncommitted_since`, less :attr:`CLOCK_SKEW_S`): those requests must
+        not run again if redelivered, and no older result can be one of theirs. Keeps the newest
+        ``remember_finished`` of them by record time, whichever partition holds them. Returns where each
+        partition ended, for the tail that keeps learning from there.
+
+        An audit: it read the whole topic (7 days of every model's results) from offset 0 and kept the
+        last 100,000 ids in the order it read them, so a hot tenant's partition, read last, pushed out a
+        quiet partition's recent results and a redelivered finished request ran again; and the whole read
+        had to fit in 120 s (about 1-8 requests/s over a week)."""
+        since = uncommitted_since(self._kafka, self.group, self._names.requests(self.model_id), self.source)
+        topic = self._names.results
         consumer = Consumer(consumer_config(self._kafka, None, f"{self.source}-results"))
         try:
-            meta = consumer.list_topics(self._names.results, timeout=10).topics[self._names.results]
-            tps = [TopicPartition(self._names.results, p, 0) for p in meta.partitions]
-            ends = {tp.partition: watermarks(consumer, tp.topic, tp.partition)[1] for tp in tps}
-            for message in read_to_end(consumer, tps, ends):
+            meta = consumer.list_topics(topic, timeout=10).topics[topic]
+            starts, ends = [], {}
+            for p in meta.partitions:
+                low, ends[p] = watermarks(consumer, topic, p)
+                first = (
+                    low
+                    if since is None
+                    else offset_at(consumer, topic, p, since - int(1000 * self.CLOCK_SKEW_S))
+                )
+                starts.append(TopicPartition(topic, p, max(low, first)))
+            newest: list[tuple[int, int, str]] = []  # a heap of (record time, order, id): the newest kept
+            for order, message in enumerate(read_to_end(consumer, starts, ends)):
                 request_id = finished_by(message, self.model_id)
                 if request_id is not None:
-                    self._remember_finished(request_id)
+                    item = (message.timestamp()[1], order, request_id)
+                    if len(newest) < self._remember:
+                        heapq.heappush(newest, item)
+                    else:
+                        heapq.heappushpop(newest, item)
         finally:
             consumer.close()
+        for _, _, request_id in sorted(newest):
+            self._remember_finished(request_id)
         return ends
 
     def _remember_finished(self, request_id: str) -> None:

@@ -24,7 +24,7 @@ from gpu_workers.main import make_worker
 from gpu_workers.service import WorkerService
 from gpu_workers.settings import WorkerSettings
 from infra.topics import TopicSizing, apply_topics, make_admin, platform_topics
-from schemas.codec import decode, kafka_key
+from schemas.codec import decode, encode, headers, kafka_key
 from schemas.events import (
     CancelRequested,
     DeadLetter,
@@ -287,6 +287,35 @@ async def test_redelivered_finished_request_is_not_run_again_and_junk_is_dead_le
     assert letter.source_topic == names.requests("demo-gpt")
 
 
+async def test_an_event_of_another_kind_on_the_request_topic_is_dead_lettered(
+    names: TopicNames,
+    gpt_worker: WorkerService,
+    producer: EventProducer,
+    replies: Log,
+    kafka: KafkaConnection,
+) -> None:
+    """Found by an audit: a valid event that is not a request (a cancel, a result) was committed with a log
+    line and no dead letter, unlike every other record the worker cannot run; and a tombstone's letter
+    said "Input data was truncated"."""
+    topic = names.requests("demo-gpt")
+    await producer.publish(topic, _finished_elsewhere(uuid7(), 3), partition=0)
+    raw = Producer(kafka.client_config())
+    raw.produce(topic, None, b"acme", partition=0)
+    assert raw.flush(10) == 0
+    after = _generation(names, PROMPT)
+    await producer.publish(topic, after, partition=0)
+    assert replies.finished(after.request_id).status == "completed"
+    dead = Log()
+    with ConsumerThread(
+        consumer_config(kafka, None, "t"), dead, assign=[TopicPartition(names.deadletter, 0, 0)]
+    ):
+        dead.wait(lambda: len(dead.events) >= 2)
+    letters = [e for e in dead.events if isinstance(e, DeadLetter)]
+    assert [letter.source_topic for letter in letters] == [topic, topic]
+    assert "RequestFinished on the request topic" in letters[0].reason
+    assert "tombstone" in letters[1].reason
+
+
 async def test_embeddings_are_batched_and_returned(
     names: TopicNames,
     platform: PlatformSettings,
@@ -510,6 +539,64 @@ async def test_a_request_another_worker_finished_is_not_run_again_when_handed_ov
     await producer.publish(names.requests("demo-gpt"), after)
     assert replies.finished(after.request_id).status == "completed"
     assert replies.of(handed_over.request_id) == [], "not run a second time"
+
+
+def _put_results(kafka: KafkaConnection, topic: str, timed: list[tuple[RequestFinished, int]]) -> None:
+    """Terminal events on results partition 1, in this order, each with its record time (unix ms)."""
+    raw = Producer(kafka.client_config())
+    for event, at in timed:
+        raw.produce(topic, encode(event), kafka_key(event), headers=headers(event), partition=1, timestamp=at)
+    assert raw.flush(10) == 0
+
+
+async def test_a_restarted_worker_remembers_the_newest_results_whatever_order_it_reads_them_in(
+    platform: PlatformSettings,
+    demo_gpt_dir: Path,
+    names: TopicNames,
+    kafka: KafkaConnection,
+    producer: EventProducer,
+    replies: Log,
+) -> None:
+    """Found by an audit: a worker learning finished requests at start kept the last ``remember_finished``
+    ids in the order it read them, so older results read after a newer one (a hot tenant's partition read
+    last) pushed it out, and that request, finished by a worker that died before committing its record,
+    ran again when redelivered: two terminal events. It keeps the newest by record time."""
+    request = _generation(names, PROMPT)
+    now = int(time.time() * 1000)
+    older = [(_finished_elsewhere(uuid7(), 24), now - 60_000 + i) for i in range(300)]
+    _put_results(kafka, names.results, [(_finished_elsewhere(request.request_id, 24), now), *older])
+    worker = make_worker(platform, WorkerSettings(worker_id="w-restarted"), "demo-gpt")
+    worker._remember = 100
+    with worker:
+        assert worker.knows_finished(request.request_id)
+        assert worker.wait_assigned(30)
+        after = _generation(names, PROMPT)
+        await producer.publish(names.requests("demo-gpt"), request)  # its record, handed to this worker again
+        await producer.publish(names.requests("demo-gpt"), after)
+        assert replies.finished(after.request_id).status == "completed"
+        assert replies.of(request.request_id) == [], "not run a second time"
+
+
+async def test_a_worker_learns_results_from_the_oldest_request_it_could_be_handed(
+    platform: PlatformSettings, demo_gpt_dir: Path, names: TopicNames, kafka: KafkaConnection
+) -> None:
+    """Found by an audit: a worker read the whole results topic at start (a week of every model's
+    results, text and vectors), and the read had to end within 120 s: past ~1-8 requests a second no
+    worker could start. It reads from the time of the oldest request record its group could still be
+    handed, less the clocks' skew: nothing older can be a redelivered request's result."""
+    now = int(time.time() * 1000)
+    old, recent = _finished_elsewhere(uuid7(), 24), _finished_elsewhere(uuid7(), 24)
+    _put_results(kafka, names.results, [(old, now - 3_600_000), (recent, now - 1_000)])
+    worker = make_worker(platform, WorkerSettings(worker_id="w-bounded"), "demo-gpt")
+    topic = names.requests("demo-gpt")
+    committer = Consumer(consumer_config(kafka, worker.group, "test-committer"))
+    try:  # the group has every request record of both partitions done: nothing older than now to hand
+        committer.commit(offsets=[TopicPartition(topic, p, 0) for p in (0, 1)], asynchronous=False)
+    finally:
+        committer.close()
+    with worker:
+        assert worker.knows_finished(recent.request_id)
+        assert not worker.knows_finished(old.request_id)  # an hour before anything it could be handed
 
 
 async def test_a_request_finished_elsewhere_while_it_runs_here_ends_there_alone(

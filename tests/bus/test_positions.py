@@ -1,0 +1,77 @@
+"""Reading the log by position on the real broker: a topic read to its end whatever retention left of it,
+and the oldest record a group could still be handed."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient
+
+from bus.consumer import consumer_config
+from bus.positions import read_to_end, uncommitted_since, watermarks
+from infra.topics import TopicSpec, apply_topics, make_admin
+from schemas.settings import KafkaConnection
+
+pytestmark = pytest.mark.integration
+
+
+def _topic(kafka: KafkaConnection, name: str) -> None:
+    apply_topics(make_admin(kafka), [TopicSpec(name=name, partitions=2, config={}, purpose="")])
+
+
+def _produce(kafka: KafkaConnection, topic: str, partition: int, n: int, timestamp_ms: int = 0) -> None:
+    producer = Producer(kafka.client_config())
+    for i in range(n):
+        producer.produce(topic, f"r{i}".encode(), partition=partition, timestamp=timestamp_ms or 0)
+    assert producer.flush(10) == 0
+
+
+def test_a_partition_retention_emptied_is_read_to_its_end_at_once(
+    kafka: KafkaConnection, topic_prefix: str
+) -> None:
+    """Found by an audit: once retention had deleted every record of a partition (its first retained
+    offset at its end), a reader from offset 0 waited for a record that never came, and a worker reading
+    the results topic at start failed after 120 s, at every restart."""
+    topic = f"{topic_prefix}.emptied"
+    _topic(kafka, topic)
+    _produce(kafka, topic, 0, 3)
+    _produce(kafka, topic, 1, 2)
+    admin = AdminClient(kafka.client_config())
+    for future in admin.delete_records([TopicPartition(topic, 0, 3)]).values():
+        future.result(10)  # what retention does to an idle partition
+    consumer = Consumer(consumer_config(kafka, None, "test-read-to-end"))
+    try:
+        assert watermarks(consumer, topic, 0) == (3, 3)
+        ends = {0: 3, 1: 2}
+        began = time.monotonic()
+        read = list(read_to_end(consumer, [TopicPartition(topic, p, 0) for p in (0, 1)], ends, timeout_s=10))
+        assert time.monotonic() - began < 5
+        assert [(m.partition(), m.value()) for m in read] == [(1, b"r0"), (1, b"r1")]
+    finally:
+        consumer.close()
+
+
+def test_the_oldest_record_a_group_could_be_handed(kafka: KafkaConnection, topic_prefix: str) -> None:
+    topic, group = f"{topic_prefix}.handed", f"{topic_prefix}-group"
+    _topic(kafka, topic)
+    hour_ago = int(time.time() * 1000) - 3_600_000
+    _produce(kafka, topic, 0, 2, hour_ago)
+    _produce(kafka, topic, 1, 1, hour_ago + 60_000)
+    assert uncommitted_since(kafka, group, topic, "test") is None  # never committed: from the start
+    committer = Consumer(consumer_config(kafka, group, "test-committer"))
+    try:
+        committer.commit(
+            offsets=[TopicPartition(topic, 0, 1), TopicPartition(topic, 1, 0)], asynchronous=False
+        )
+        assert uncommitted_since(kafka, group, topic, "test") == hour_ago  # partition 0's second record
+        committer.commit(offsets=[TopicPartition(topic, 0, 2)], asynchronous=False)
+        assert uncommitted_since(kafka, group, topic, "test") == hour_ago + 60_000
+        committer.commit(offsets=[TopicPartition(topic, 1, 1)], asynchronous=False)
+        now = int(time.time() * 1000)
+        since = uncommitted_since(kafka, group, topic, "test")  # all committed: nothing older than now
+        assert since is not None
+        assert now - 1000 <= since <= int(time.time() * 1000)
+    finally:
+        committer.close()
