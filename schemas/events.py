@@ -583,7 +583,8 @@ class GateResult(FrozenStruct, frozen=True, kw_only=True):
     """One gate's evidence at a decision: both sides' values, the limit, and the sample sizes."""
 
     gate: str
-    """``error_ratio``, ``ttft_p99_ms``, ``itl_p99_ms``, ``cost_per_1k_tokens``, ``drift`` or ``burn``."""
+    """``error_ratio``, ``ttft_p99_ms``, ``itl_p99_ms``, ``cost_per_1k_tokens``, ``drift``, ``burn`` or
+    ``serving``."""
     state: GateState
     candidate: float | None = None
     baseline: float | None = None

@@ -20,7 +20,7 @@ from schemas.deployments import BUCKETS, buckets_of
 from schemas.events import DeploymentChanged, GateResult, RolloutGates, utc_now
 from schemas.manifest import ManifestError, current_model_dir, read_manifest, version_dir
 from schemas.settings import PlatformSettings
-from schemas.topics import TopicNames
+from schemas.topics import TopicNames, worker_group
 from streams.rollout import advance, in_progress, roll_back, start_rollout, step_gates
 
 CLIENT_ID = "sluice-cli-rollout"
@@ -173,9 +173,9 @@ def live_gates(platform: PlatformSettings, current: DeploymentChanged) -> list[G
 
     streams = load_settings(StreamsSettings)
     # The burn gate needs the model's BurnRateCrossed events, which only the controller follows: shown as
-    # of the last decision's evidence, not recomputed here.
+    # of the last decision's evidence (when it had one), not recomputed here.
     gates = msgspec.structs.replace(current.gates or RolloutGates(), burn=False)
-    return asyncio.run(
+    results = asyncio.run(
         step_gates(
             rows,
             msgspec.structs.replace(current, gates=gates),
@@ -184,3 +184,22 @@ def live_gates(platform: PlatformSettings, current: DeploymentChanged) -> list[G
             drift_null_tolerance=streams.drift_null_tolerance,
         )
     )
+    burn = [r for r in current.evidence if r.gate == "burn"] if (current.gates or RolloutGates()).burn else []
+    return [*results, *burn, serving_now(platform, current)]
+
+
+def serving_now(platform: PlatformSettings, current: DeploymentChanged) -> GateResult:
+    """The ``serving`` gate as it stands: the candidate's workers in its group now (how long it has had
+    none, which the controller's verdict depends on, only the controller knows)."""
+    from bus.positions import group_members
+    from infra.topics import make_admin
+
+    candidate = current.candidate or current.version
+    count = group_members(make_admin(platform.kafka), worker_group(current.model, candidate))
+    if count is None:
+        return GateResult(gate="serving", state="insufficient_data", detail="its workers' group is unknown")
+    if count == 0:
+        return GateResult(
+            gate="serving", state="insufficient_data", candidate=0.0, detail=f"no worker of {candidate} now"
+        )
+    return GateResult(gate="serving", state="pass", candidate=float(count), detail=f"{count} worker(s)")

@@ -46,13 +46,16 @@ from typing import Any, NamedTuple, ParamSpec
 import msgspec
 from clickhouse_connect.driver.client import Client
 from confluent_kafka import Message
+from confluent_kafka.admin import AdminClient
 from opentelemetry.trace import Span, SpanKind
 
 from bus.consumer import ConsumerThread, consumer_config
 from bus.control import read_placed
 from bus.dead_letter import dead_letter_event
 from bus.errors import BusError
+from bus.positions import group_members
 from bus.producer import EventProducer, Position
+from infra.topics import make_admin
 from monitoring import metrics, tracing
 from schemas.codec import decode, encode, fits_record, headers, kafka_key
 from schemas.events import (
@@ -67,7 +70,7 @@ from schemas.events import (
 )
 from schemas.lifecycle import AsyncComponent
 from schemas.settings import PlatformSettings
-from schemas.topics import TopicNames
+from schemas.topics import TopicNames, worker_group
 from streams.anchor import (
     AUDIT_HEADS,
     ORIGIN,
@@ -206,6 +209,8 @@ class StreamsApp(AsyncComponent):
             drift_alpha=settings.drift_alpha,
             drift_null_tolerance=settings.drift_null_tolerance,
             fast_windows=controller.fast_windows if controller is not None else FAST_WINDOWS,
+            members=self._members,
+            may_decide=self._owns_control,
         )
         # Evaluations are due after sink batches; the rollout timer only runs one a batch left waiting.
         self._every: list[tuple[float, Callable[[], Awaitable[None]]]] = [
@@ -215,6 +220,7 @@ class StreamsApp(AsyncComponent):
         if controller is not None:
             self._every.append((settings.streams_control_interval_s, self._control))
         self._kafka = platform.kafka
+        self._admin: AdminClient | None = None
         self._batch_size = settings.streams_batch_size
         self._within = settings.streams_batch_ms / 1000
 
@@ -267,6 +273,18 @@ class StreamsApp(AsyncComponent):
     @property
     def assigned(self) -> bool:
         return self._sink is not None and bool(self._sink.assignment())
+
+    def _owns_control(self) -> bool:
+        """Whether this streams worker's sink reads the control topic (one partition) now: only that one
+        decides rollouts. An audit: a second streams worker (two replicas in an overlap, two processes)
+        decided too, double-published steps, and undid an operator's abort it never read."""
+        sink = self._sink
+        return sink is not None and any(topic == self.names.control for topic, _ in sink.assignment())
+
+    async def _members(self, model: str, version: str) -> int | None:
+        if self._admin is None:
+            self._admin = make_admin(self._kafka)
+        return await asyncio.to_thread(group_members, self._admin, worker_group(model, version))
 
     # ---------------------------------------------------------------- the sink
 

@@ -498,7 +498,7 @@ def _decision(
 
 
 def _describe(result: GateResult) -> str:
-    if result.gate in ("drift", "burn"):
+    if result.gate in ("drift", "burn", "serving"):
         return f"{result.gate} {result.state}" + (f" ({result.detail})" if result.detail else "")
     return (
         f"{result.gate} {result.candidate:g} vs stable {result.baseline:g} (limit {result.limit:g}, "
@@ -507,6 +507,11 @@ def _describe(result: GateResult) -> str:
 
 
 Publisher = Callable[[DeploymentChanged], Awaitable[Position]]
+Members = Callable[[str, str], Awaitable[int | None]]
+"""(model, version) -> how many workers of that version are in its consumer group now (None: unknown)."""
+SERVING_GRACE_S = 60.0
+"""How long a canary's candidate may have no worker in its group before it is rolled back (a worker
+restarting, or a group's session timing a dead one out, takes some of this)."""
 Places = Mapping[str, Position]
 """Event id -> where it is on the control topic (an event not in it: taken as after everything known)."""
 NOWHERE: Places = MappingProxyType({})
@@ -539,10 +544,19 @@ class RolloutController:
         drift_alpha: float = 0.01,
         drift_null_tolerance: float = 0.2,
         fast_windows: frozenset[str] = FAST_WINDOWS,
+        members: Members | None = None,
+        may_decide: Callable[[], bool] = lambda: True,
     ) -> None:
+        """``members``: the ``serving`` gate's count of the candidate's workers (no such gate without it).
+        ``may_decide``: whether this controller may publish now (the streams worker: while its sink owns
+        the control topic's partition, so that two of them never both decide)."""
         import time
 
         self._fast_windows = fast_windows
+        self._members = members
+        self._may_decide = may_decide
+        self._unserved: dict[str, float] = {}
+        """model -> since when (monotonic) its canary's candidate has had no worker in its group."""
         self._read = read
         self._publish = publish
         self._interval_s = interval_s
@@ -641,6 +655,7 @@ class RolloutController:
         self._latest[event.model] = (event, at)
         if event.phase != "canary":
             self._burning.pop(event.model, None)
+            self._unserved.pop(event.model, None)
         versions = set(event.traffic) | ({known.stable, *known.traffic} if known is not None else set())
         for version in versions:
             metrics.ROLLOUT_TRAFFIC_SHARE.labels(event.model, version).set(event.traffic.get(version, 0.0))
@@ -713,6 +728,8 @@ class RolloutController:
             return await self._run_due()
 
     async def _run_due(self) -> list[DeploymentChanged]:
+        if not self._may_decide():
+            return []  # another controller decides (what is due stays due, for when this one may again)
         decisions = await self._reapply()  # at once: it reads nothing, and the log is wrong until then
         now_mono = self._monotonic()
         if not self._due or now_mono - self._last_run < self._interval_s:
@@ -750,6 +767,11 @@ class RolloutController:
             log.exception("rollout: evaluating %s failed; trying again", model)
             self._due.add(model)
             return None
+        serving = await self._serving(current)
+        if serving is not None:
+            results = [*results, serving]
+            if serving.state != "pass":
+                self._due.add(model)  # no worker: the timer looks again, outcomes or not
         self.last_results[model] = results
         for result in results:
             for state in GATE_STATES:
@@ -760,6 +782,40 @@ class RolloutController:
             return None
         decision = decide(current, results, self._clock())
         return decision if decision is not None and await self._act(model, decision) else None
+
+    async def _serving(self, current: DeploymentChanged) -> GateResult | None:
+        """The ``serving`` gate: the candidate has a worker in its group, or has had none for less than
+        :data:`SERVING_GRACE_S` (``insufficient_data`` meanwhile: the step does not advance). An audit: a
+        candidate whose only worker stopped was promoted on the samples of its step's first seconds (its
+        share of requests, never answered, made no rows to judge), and every request after it timed out."""
+        if self._members is None:
+            return None
+        model, candidate = current.model, current.candidate or current.version
+        try:
+            count = await self._members(model, candidate)
+        except Exception:
+            log.exception("rollout: counting the workers of %s %s failed", model, candidate)
+            count = None
+        if count is None:
+            return GateResult(
+                gate="serving", state="insufficient_data", detail="its workers' group is unknown"
+            )
+        if count > 0:
+            self._unserved.pop(model, None)
+            return GateResult(
+                gate="serving", state="pass", candidate=float(count), detail=f"{count} worker(s)"
+            )
+        gone = self._monotonic() - self._unserved.setdefault(model, self._monotonic())
+        detail = f"no worker of {candidate} for {gone:.0f}s"
+        if gone < SERVING_GRACE_S:
+            return GateResult(gate="serving", state="insufficient_data", candidate=0.0, detail=detail)
+        return GateResult(
+            gate="serving",
+            state="fail",
+            candidate=0.0,
+            limit=SERVING_GRACE_S,
+            detail=f"{detail}: its share of the traffic goes unanswered",
+        )
 
     def _as_started(self, current: DeploymentChanged) -> DeploymentChanged:
         """``current`` with its step started when this controller saw it start (``_started``)."""

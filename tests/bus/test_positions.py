@@ -75,3 +75,25 @@ def test_the_oldest_record_a_group_could_be_handed(kafka: KafkaConnection, topic
         assert now - 1000 <= since <= int(time.time() * 1000)
     finally:
         committer.close()
+
+
+def test_a_groups_members_are_counted(kafka: KafkaConnection, topic_prefix: str) -> None:
+    """What the rollout's ``serving`` gate reads: a group's members now (0 once its last one left)."""
+    from bus.consumer import ConsumerThread
+    from bus.positions import group_members
+    from infra.topics import make_admin
+
+    topic, group = f"{topic_prefix}.members", f"{topic_prefix}-members"
+    _topic(kafka, topic)
+    admin = make_admin(kafka)
+    assert group_members(admin, group) == 0  # no such group yet
+    member = ConsumerThread(
+        consumer_config(kafka, group, "test-member"), lambda batch: None, subscribe=[topic]
+    )
+    with member:
+        assert member.wait_assigned(30)
+        assert group_members(admin, group) == 1
+    deadline = time.monotonic() + 30
+    while group_members(admin, group) != 0:  # a member that stops leaves its group
+        assert time.monotonic() < deadline, "the stopped member is still counted"
+        time.sleep(0.2)

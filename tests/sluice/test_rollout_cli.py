@@ -12,12 +12,14 @@ import msgspec
 import pytest
 from typer.testing import CliRunner
 
+import bus.positions
 import infra.warehouse
 import sluice.rollout
 from infra.warehouse import QueryResult
-from schemas.events import DeploymentChanged, RolloutGates
+from schemas.events import DeploymentChanged, GateResult, RolloutGates
 from schemas.manifest import ModelManifest, current_model_dir, models_root, write_manifest
 from schemas.settings import PlatformSettings, load_settings
+from schemas.topics import worker_group
 from sluice.rollout import (
     RolloutError,
     current_version,
@@ -393,6 +395,13 @@ def test_live_gates_compute_what_the_controller_computes(
         raise AssertionError(f"unexpected query: {sql}")
 
     monkeypatch.setattr(infra.warehouse, "query_warehouse", query)
+    groups: list[str] = []
+
+    def members(admin: object, group: str) -> int:
+        groups.append(group)
+        return 2
+
+    monkeypatch.setattr(bus.positions, "group_members", members)
     results = live_gates(platform, current)
     assert len(queries) == 1  # the TTFT gate fails: the drift gate is not tested (it would not decide)
     assert "burn" not in {r.gate for r in results}
@@ -401,8 +410,23 @@ def test_live_gates_compute_what_the_controller_computes(
         VersionStats(n=100, errors=2, ttft_p99_ms=300.0, itl_p99_ms=None, tokens=1000, cost_nanos=10**9),
         VersionStats(n=100, errors=1, ttft_p99_ms=100.0, itl_p99_ms=20.0, tokens=1000, cost_nanos=10**9),
     )
-    assert results == expected
-    assert [r.state for r in results] == ["pass", "fail", "insufficient_data", "pass", "insufficient_data"]
+    serving = GateResult(gate="serving", state="pass", candidate=2.0, detail="2 worker(s)")
+    assert results == [*expected, serving]
+    assert [r.state for r in results] == [
+        "pass",
+        "fail",
+        "insufficient_data",
+        "pass",
+        "insufficient_data",
+        "pass",
+    ]
+    assert groups == [worker_group(MODEL, "v2")]
+    # the burn gate as the controller's last decision judged it (an audit: it was never shown)
+    burn = GateResult(
+        gate="burn", state="pass", candidate=15.2, limit=14.4, detail="availability 1h/5m burn 15.2"
+    )
+    judged = msgspec.structs.replace(current, evidence=[burn])
+    assert live_gates(platform, judged)[-2:] == [burn, serving]
 
 
 # --- sluice rollout status --------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ from streams.rollout import (
     BURN_MIN_ERRORS,
     EMBEDDING_LATENCY,
     GATE_STATES,
+    SERVING_GRACE_S,
     SOURCE,
     RolloutController,
     VersionStats,
@@ -1392,6 +1393,89 @@ async def test_a_controller_restarted_after_a_rollback_does_nothing(harness: Har
     assert published == []
     assert len(harness.warehouse.queries) == asked
     assert restarted.deployments[MODEL] == rollback
+
+
+# --- the candidate's workers: a canary whose candidate has none left is rolled back ------------------------
+
+
+def with_members(harness: Harness, counts: dict[str, int | None]) -> RolloutController:
+    """A controller whose ``serving`` gate reads ``counts`` (version -> workers in its group; None: unknown)."""
+
+    async def members(model: str, version: str) -> int | None:
+        assert model == MODEL
+        return counts[version]
+
+    return RolloutController(
+        harness.warehouse.read,
+        harness.publish,
+        interval_s=1.0,
+        clock=lambda: harness.now,
+        monotonic=lambda: harness.mono,
+        members=members,
+    )
+
+
+async def test_a_candidate_whose_workers_are_gone_is_rolled_back_not_promoted(harness: Harness) -> None:
+    """Found by an audit: a candidate whose only worker stopped in its step was promoted on the samples of
+    the step's first seconds (the requests routed to it were never answered: no rows to judge), and every
+    request after the promotion timed out."""
+    counts: dict[str, int | None] = {"v2": 1}
+    controller = with_members(harness, counts)
+    controller.seed([canary(steps=[0.5])])
+    counts["v2"] = 0  # its worker stopped: the gates still pass on what it answered before
+    assert await controller.run_due() == []  # not promoted: it has had no worker for 0 s
+    assert controller.last_results[MODEL][-1].state == "insufficient_data"
+    harness.later(SERVING_GRACE_S / 2)
+    assert await controller.run_due() == []
+    harness.later(SERVING_GRACE_S / 2 + 1)
+    (back,) = await controller.run_due()
+    assert (back.action, back.phase, back.traffic) == ("rollback", "rolled_back", {"v1": 1.0, "v2": 0.0})
+    assert "serving fail (no worker of v2 for 61s: its share of the traffic goes unanswered)" in back.reason
+    assert [r.gate for r in back.evidence][-1] == "serving"
+
+
+async def test_a_candidate_worker_back_within_the_grace_keeps_its_rollout(harness: Harness) -> None:
+    counts: dict[str, int | None] = {"v2": 0}
+    controller = with_members(harness, counts)
+    controller.seed([canary(steps=[0.5])])
+    assert await controller.run_due() == []
+    harness.later(SERVING_GRACE_S - 1)
+    counts["v2"] = 2  # its worker restarted
+    (promoted,) = await controller.run_due()
+    assert promoted.phase == "promoted"
+    assert controller.last_results[MODEL][-1] == GateResult(
+        gate="serving", state="pass", candidate=2.0, detail="2 worker(s)"
+    )
+
+
+async def test_a_candidate_whose_workers_cannot_be_counted_does_not_advance(harness: Harness) -> None:
+    controller = with_members(harness, {"v2": None})
+    controller.seed([canary(steps=[0.5])])
+    harness.later(SERVING_GRACE_S * 2)
+    assert await controller.run_due() == []
+    assert controller.last_results[MODEL][-1].state == "insufficient_data"
+
+
+async def test_a_controller_that_may_not_decide_publishes_nothing_until_it_may(harness: Harness) -> None:
+    """Found by an audit: two streams workers both decided (a steps published twice, and one that never
+    read the operator's abort undid it). Only the one whose sink reads the control topic decides."""
+    owns = False
+    controller = RolloutController(
+        harness.warehouse.read,
+        harness.publish,
+        interval_s=1.0,
+        clock=lambda: harness.now,
+        monotonic=lambda: harness.mono,
+        may_decide=lambda: owns,
+    )
+    controller.seed([canary()])
+    assert await controller.run_due() == []
+    assert harness.published == []
+    assert harness.warehouse.queries == []
+    owns = True
+    harness.later(1)
+    (step,) = await controller.run_due()  # what was due stayed due
+    assert step.step == 1
 
 
 def candidate_errs_more(warehouse: Warehouse) -> None:
