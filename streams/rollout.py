@@ -27,7 +27,8 @@ The controller keeps no state of its own beyond the latest deployment per model,
 control topic at start and follows through the sink: a restarted controller resumes exactly where the
 log says the rollout is, and recomputes the gates from the warehouse. Like the edges and workers, it
 follows the log's order (each deployment's place on the control topic), not the deciders' clocks, and
-times each step from when it saw it start (a decision's ``step_started`` is its decider's clock).
+times each step from when it saw it start (a decision's ``step_started`` is its decider's clock); a
+restarted controller times the step in progress from its restart (a step may so last longer, never less).
 
 An operator's decision outranks the controller's. Both are derived from the latest deployment the decider
 has read, so the two can race: the operator aborts, and before the sink has brought the abort here the
@@ -614,9 +615,12 @@ class RolloutController:
         events = list(control)
         latest = {e.model: e for e in events if isinstance(e, DeploymentChanged)}
         for deployment in latest.values():
-            self._follow(
-                deployment, places.get(deployment.id), started=deployment.step_started or deployment.time
-            )
+            # Its step is timed from now: when it began on this clock is not in the log (its
+            # ``step_started`` is its decider's clock, maybe an operator's an hour off). An audit: a
+            # restart took an operator's step an hour behind for an hour old (promoted at once, on the
+            # previous step's requests too), one an hour ahead for not yet begun (an hour of no samples
+            # and no burn seen), and rolled a warming rollout started 15 min behind back at once.
+            self._follow(deployment, places.get(deployment.id))
         for event in events:
             if isinstance(event, WorkerReady):
                 self._remember_ready(event)
@@ -860,6 +864,11 @@ class RolloutController:
     async def evaluate(self, current: DeploymentChanged) -> list[GateResult]:
         """The gates of ``current``'s step, from the warehouse."""
         since = current.step_started or current.time
+        logged, _ = self._known(current.model)
+        if logged is not None and logged.id == current.id:
+            # a burn may have begun in the step before this controller saw it begin (it restarted since):
+            # from the earlier of that and the decider's own time (the blame rule judges whose it is)
+            since = min(since, logged.step_started or logged.time)
         # the latest fast burn still firing that began in this step (one that fired before it is not its)
         burn = max(
             (b for b in self._burning.get(current.model, {}).values() if b.time >= since),

@@ -1083,20 +1083,62 @@ async def test_a_seeded_stable_deployment_is_not_due(harness: Harness) -> None:
     assert harness.warehouse.queries == []
 
 
-async def test_the_controller_reads_the_step_since_it_began(harness: Harness) -> None:
+async def test_the_controller_reads_the_step_since_it_saw_it_begin(harness: Harness) -> None:
     controller = harness.controller()
-    # The step began after the event was written: the step, not the event, bounds the window.
+    controller.seed([])
+    # The step began (on its decider's clock) before the event was written, and before this controller
+    # read it: the step as this controller saw it begin, not the event, bounds the window.
     current = msgspec.structs.replace(
         canary(now=T0 + timedelta(milliseconds=5)), time=T0 + timedelta(minutes=1)
     )
-    controller.seed([current])
+    controller.observe([current])
     await controller.run_due()
     stats_query, pairs_query = harness.warehouse.queries
+    seen = int(harness.now.timestamp() * 1000)
     assert "FROM request_facts" in stats_query
-    assert f"fromUnixTimestamp64Milli({T0_MS + 5})" in stats_query
+    assert f"fromUnixTimestamp64Milli({seen})" in stats_query
     assert literals(stats_query)[0][2 + len(STATS_FILTERS) :] == [MODEL, "v1", "v2"]
     assert "FROM drift_features" in pairs_query
-    assert f"fromUnixTimestamp64Milli({T0_MS + 5}, 'UTC')" in pairs_query
+    assert f"fromUnixTimestamp64Milli({seen}, 'UTC')" in pairs_query
+
+
+@pytest.mark.parametrize("off", [timedelta(hours=-1), timedelta(hours=1)])
+async def test_a_restarted_controller_times_the_step_from_its_restart(
+    harness: Harness, off: timedelta
+) -> None:
+    """Found by an audit: a restarted controller took the step's ``step_started`` (its decider's clock) as
+    when it began. An operator an hour behind: the step looked an hour old and was promoted at once, judged
+    on the previous step's requests too; an hour ahead: no samples for an hour, and a fast burn of the
+    candidate's ignored."""
+    gates = RolloutGates(min_requests=100, step_min_s=600)
+    step = canary(now=harness.now + off, gates=gates, step=1)
+    assert step.step_started is not None
+    assert abs(step.step_started - (harness.now + off)) < timedelta(seconds=1)  # its decider's clock
+    controller = harness.controller()
+    controller.seed([step])
+    assert await controller.run_due() == []  # not a step 600 s old
+    now_ms = int(harness.now.timestamp() * 1000)
+    assert f"fromUnixTimestamp64Milli({now_ms})" in harness.warehouse.queries[0]
+    candidate_errs_more(harness.warehouse)
+    controller.observe([burn_event(at=harness.now + timedelta(seconds=1))])
+    harness.later(1)
+    (back,) = await controller.run_due()  # the candidate's fast burn is seen whichever way the clock is off
+    assert back.action == "rollback"
+
+
+async def test_a_restarted_controller_gives_a_warming_rollout_its_ready_timeout(harness: Harness) -> None:
+    """Found by an audit: a warming rollout started on a clock 15 min behind was rolled back by a
+    controller restarted a minute later, at its first look (the ready timeout timed from the start's
+    own time)."""
+    begun = warming(now=harness.now - timedelta(minutes=15), gates=RolloutGates(ready_timeout_s=600))
+    controller = harness.controller()
+    controller.seed([begun])
+    assert await controller.run_due() == []
+    harness.later(599)
+    assert await controller.run_due() == []
+    harness.later(2)
+    (back,) = await controller.run_due()
+    assert back.reason == "automatic rollback: no worker of v2 was ready within 600s"
 
 
 async def test_no_drift_query_when_the_drift_gate_is_off(harness: Harness) -> None:
