@@ -175,11 +175,13 @@ def live_gates(platform: PlatformSettings, current: DeploymentChanged) -> list[G
     # The burn gate needs the model's BurnRateCrossed events, which only the controller follows: shown as
     # of the last decision's evidence (when it had one), not recomputed here.
     gates = msgspec.structs.replace(current.gates or RolloutGates(), burn=False)
+    now = utc_now()
+    began = min(current.step_started or current.time, now)  # a decider's clock ahead: not a step to come
     results = asyncio.run(
         step_gates(
             rows,
-            msgspec.structs.replace(current, gates=gates),
-            utc_now(),
+            msgspec.structs.replace(current, gates=gates, step_started=began),
+            now,
             drift_alpha=streams.drift_alpha,
             drift_null_tolerance=streams.drift_null_tolerance,
         )
