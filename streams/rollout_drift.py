@@ -45,7 +45,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
-from schemas.events import GateResult
+from schemas.events import FeatureDrift, GateResult
 from streams.queries import sql_string
 
 log = logging.getLogger(__name__)
@@ -153,14 +153,32 @@ def judge_drift(
     if result.quality:  # a numerical feature one side measures less often (an engine without logprobs)
         detail = f"answers not measured as the stable version's: {'; '.join(result.quality)} ({pairs} pairs)"
         return GateResult(gate="drift", state="fail", detail=detail, **sizes)
-    drifted = [f.name for f in result.features if f.drifted]
+    drifted = [f for f in result.features if f.drifted]
+    # each test's numbers in the evidence (an audit: a decision said which features differed, not by how
+    # much, nor at which level, and the level is a streams setting that may change before anyone asks)
+    level = f"alpha {alpha:g} over {len(result.features)} features"
     if drifted:
-        detail = f"answers to the same requests differ in {', '.join(drifted)} ({pairs} shadow pairs)"
-        return GateResult(gate="drift", state="fail", detail=detail, **sizes)
-    tested = ", ".join(f.name for f in result.features) or "no feature measured on both"
+        detail = f"answers to the same requests differ in {_tests(drifted)} ({pairs} shadow pairs; {level})"
+        return GateResult(gate="drift", state="fail", detail=detail, limit=alpha, **sizes)
+    tested = _tests(result.features) or "no feature measured on both"
     return GateResult(
-        gate="drift", state="pass", detail=f"answers alike ({pairs} shadow pairs; tested {tested})", **sizes
+        gate="drift",
+        state="pass",
+        detail=f"answers alike ({pairs} shadow pairs; tested {tested}; {level})",
+        limit=alpha,
+        **sizes,
     )
+
+
+def _tests(features: Sequence[FeatureDrift]) -> str:
+    """Each test as ``name (method p=... < threshold)``, or its statistic against its threshold."""
+
+    def one(f: FeatureDrift) -> str:
+        if f.p_value is not None:
+            return f"{f.name} ({f.method} p={f.p_value:.3g} {'<' if f.drifted else '>='} {f.threshold:.3g})"
+        return f"{f.name} ({f.method} {f.statistic:.3g} {'>' if f.drifted else '<='} {f.threshold:.3g})"
+
+    return ", ".join(one(f) for f in features)
 
 
 def judge_vectors(

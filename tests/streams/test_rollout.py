@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import logging
 import random
+import re
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -1365,7 +1366,11 @@ async def test_a_candidate_whose_outputs_match_passes_and_promotes(harness: Harn
     assert decision.action == "promote"
     drift = by_gate(decision.evidence)["drift"]
     assert drift.state == "pass"
-    assert drift.detail.startswith("answers alike (100 shadow pairs; tested completion_tokens, output_chars")
+    assert drift.detail.startswith("answers alike (100 shadow pairs; tested completion_tokens (ks p=")
+    # each test's numbers and the level, in the evidence (an audit: a decision said none of them)
+    assert re.search(r"output_chars \(ks p=[0-9.e-]+ >= 0\.00125\)", drift.detail)
+    assert drift.detail.endswith("; alpha 0.01 over 8 features)")
+    assert drift.limit == 0.01
 
 
 async def test_without_shadow_copies_the_drift_gate_does_not_apply(harness: Harness) -> None:
