@@ -34,6 +34,18 @@ class Flight:
     place in flight is kept until this is done (the cancel sent, or the request taken back), not given
     back as the client leaves. An audit: with a grace, a client that opened streams and left at once had
     any number running past its ``max_concurrency``."""
+    stopping: bool = False
+    """Cut by the edge's shutdown (:meth:`stop`)."""
+    deadline: asyncio.Timeout | None = None
+    """The deadline of the guard the request waits in (:meth:`ingest.dispatch.Dispatcher.guard`), if any."""
+
+    def stop(self) -> None:
+        """Cut the request for the edge's shutdown: its guard ends it with :class:`ShuttingDown` now (or as
+        it enters one), which its handler tells the client (an SSE error event, a WebSocket error frame, a
+        503). Its task cancelled instead, a stream just broke off: no error event, no ``[DONE]`` (an audit)."""
+        self.stopping = True
+        if self.deadline is not None and not self.deadline.expired():
+            self.deadline.reschedule(asyncio.get_running_loop().time())
 
     def name_model(self, model: str) -> None:
         """The model of a resumed stream, once its replies name it: counted under it from here on (it was

@@ -3,8 +3,12 @@
 ``Edge(settings, gateway, catalogue)`` builds the app (``edge.app``, usable with aiohttp's test server);
 ``start()`` serves it on ``edge_host:edge_port`` and ``stop()`` shuts down gracefully: it stops accepting
 (listeners closed, new requests 503, ``/readyz`` 503), lets in-flight requests finish for up to
-``edge_shutdown_grace_s``, then publishes ``CancelRequested(reason="shutdown")`` for the rest, ends their
-streams (clients can resume elsewhere with ``Last-Event-ID``) and closes WebSockets with 1001.
+``edge_shutdown_grace_s``, then publishes ``CancelRequested(reason="shutdown")`` for the rest and ends each
+with an error, code ``shutting_down``: an SSE stream's last events are an error event and ``data: [DONE]``,
+a WebSocket's in-flight ids get an ``error`` frame (then the socket closes with 1001), a request not
+streamed gets a 503. Those requests are cancelled, not moved: a resume on another edge reads only
+``request_cancelled``, and a retry with the same ``Idempotency-Key`` replays that cancel (409); the client
+sends the request again, to another edge, with a new key if it used one.
 The gateway's own lifecycle belongs to whoever made it.
 
 Handlers run with ``handler_cancellation=True`` (also under aiohttp's test server), so a client that
@@ -27,7 +31,7 @@ import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import datetime
 
-from aiohttp import WSCloseCode, web
+from aiohttp import web
 from aiohttp.typedefs import Middleware
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
@@ -285,6 +289,10 @@ class Edge(AsyncComponent):
         await self._site.start()
         log.info("edge %s listening on %s", settings.edge_id, self.url)
 
+    SHUTDOWN_NOTICE_S = 1.0
+    """On stop, after the grace: how long the requests cut get to tell their clients (an SSE error event, a
+    WebSocket error frame) before their tasks are cancelled and the WebSockets closed."""
+
     async def stop(self) -> None:
         if self._stopped:
             return
@@ -298,11 +306,12 @@ class Edge(AsyncComponent):
             log.info("edge stopping: cancelling %d requests still in flight", len(flights))
             for flight in flights:
                 ctx.dispatcher.cancel(flight, "shutdown")
-            for flight in flights:
-                if flight.task is not None:
-                    flight.task.cancel()
-        for ws in list(ctx.sockets):
-            await ws.close(code=WSCloseCode.GOING_AWAY, message=b"server shutting down")
+                flight.stop()
+            if not await ctx.admission.wait_idle(self.SHUTDOWN_NOTICE_S):  # a client that does not read
+                for flight in ctx.admission.flights:
+                    if flight.task is not None:
+                        flight.task.cancel()
+        await asyncio.gather(*(session.shut_down(self.SHUTDOWN_NOTICE_S) for session in list(ctx.sockets)))
         await ctx.dispatcher.drain()
         if self._runner is not None:
             await self._runner.cleanup()

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-from aiohttp import web
+from typing import TYPE_CHECKING
 
 from ingest.admission import Admission
 from ingest.auth import TenantDirectory
@@ -13,6 +12,9 @@ from ingest.gateway import Gateway
 from ingest.models import ModelCatalogue
 from ingest.prepare import Preparer
 from ingest.settings import EdgeSettings
+
+if TYPE_CHECKING:
+    from ingest.ws import WsSession
 
 
 @dataclass
@@ -24,6 +26,7 @@ class EdgeContext:
     admission: Admission
     dispatcher: Dispatcher
     preparer: Preparer
-    sockets: set[web.WebSocketResponse] = field(default_factory=set)
+    sockets: set[WsSession] = field(default_factory=set)
+    """The open WebSockets' sessions (shutdown closes them)."""
     sockets_of: dict[str, int] = field(default_factory=dict)
     """Open WebSockets per tenant (``edge_ws_max_per_tenant``)."""

@@ -21,6 +21,7 @@ from ingest.errors import (
     IngestError,
     InvalidRequest,
     NotFound,
+    ShuttingDown,
     from_finished,
 )
 from ingest.gateway import Gateway, IdempotencyRecord, ReplyItem, ReplyStream, RequestEvent
@@ -51,6 +52,10 @@ def check_idempotency_key(key: str | None) -> str | None:
             param="Idempotency-Key",
         )
     return key
+
+
+def shutting_down() -> ShuttingDown:
+    return ShuttingDown("The server is shutting down and cancelled this request; send it again.")
 
 
 class Watched:
@@ -247,17 +252,24 @@ class Dispatcher:
     @contextlib.asynccontextmanager
     async def guard(self, flight: Flight, stream: ReplyStream, timeout_s: float) -> AsyncIterator[None]:
         """Bound the wait by the deadline, cancel an owned request when the client leaves or the deadline
-        passes, and always close the stream."""
+        passes, end it with :class:`ShuttingDown` when the edge stops (:meth:`Flight.stop`), and always close
+        the stream."""
         try:
-            async with asyncio.timeout(timeout_s):
+            async with asyncio.timeout(timeout_s) as deadline:
+                if flight.stopping:
+                    raise shutting_down()
+                flight.deadline = deadline
                 yield
         except TimeoutError:
+            if flight.stopping:
+                raise shutting_down() from None
             self.cancel(flight, "client_cancel", why="deadline")
             raise DeadlineExceeded("The request did not finish before its deadline.") from None
         except (asyncio.CancelledError, ConnectionResetError):
             self.cancel(flight, "client_disconnect")
             raise
         finally:
+            flight.deadline = None
             await stream.aclose()
 
     def cancel(self, flight: Flight, reason: CancelReason, *, why: str | None = None) -> None:

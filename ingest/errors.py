@@ -175,6 +175,13 @@ class TooManyConnections(Unavailable):
     default_code = "too_many_connections"
 
 
+class ShuttingDown(Unavailable):
+    """The edge is stopping: a request it cut was cancelled (``CancelRequested(reason="shutdown")``), so a
+    resume elsewhere reads only ``request_cancelled``; the client sends it again to another edge."""
+
+    default_code = "shutting_down"
+
+
 class GatewayUnavailable(Unavailable):
     default_code = "gateway_unavailable"
 

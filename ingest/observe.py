@@ -19,7 +19,7 @@ from aiohttp import web
 from opentelemetry import trace
 from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode
 
-from ingest.errors import DeadlineExceeded, IngestError
+from ingest.errors import DeadlineExceeded, IngestError, ShuttingDown
 from ingest.gateway import ReplyItem, ReplyStream, RequestEvent
 from monitoring import metrics, tracing
 from schemas.events import EmbeddingRequested, RequestFinished, TokenChunk
@@ -99,6 +99,8 @@ class RequestWatch:
             # The client saw no terminal event: it left, its deadline passed, or the stream broke.
             if isinstance(exc, DeadlineExceeded):
                 outcome = "expired"
+            elif isinstance(exc, ShuttingDown):  # cut by the edge's shutdown: cancelled, as it was
+                outcome = "cancelled"
             elif exc is None or isinstance(exc, IngestError):
                 outcome = "failed"
             else:  # cancelled (the client went away), connection reset

@@ -22,7 +22,13 @@ unknown type, invalid body) get an ``error`` frame and the socket stays open; no
 Backpressure: every outgoing frame goes through one bounded queue per socket (``SLUICE_EDGE_WS_SEND_QUEUE``)
 drained by one writer that waits for the transport to drain. When it is full, the request tasks block on
 ``put`` and so stop pulling their gateway reply streams: a slow reader holds at most the queue, the kernel
-buffers and one frame per request in memory. Control replies (pong, error) wait in the same queue.
+buffers and one frame per request in memory. Control replies (pong, error) wait in the same queue. A peer
+that takes no frame for two heartbeats is gone: whichever wait for room runs out first (the reader's or a
+request's) closes the socket with 1008 (policy violation), and every request on it is cancelled as on any
+close.
+
+Shutdown: when the edge stops, each request it cuts gets an ``error`` frame with code ``shutting_down`` (its
+request was cancelled: send it again to another edge), then the socket closes with 1001 (going away).
 """
 
 from __future__ import annotations
@@ -101,14 +107,29 @@ def _client_id(text: str | bytes) -> Any:
 
 
 class PeerNotReading(ConnectionResetError):
-    """The peer has taken no frame for two heartbeats: its socket is closed as gone."""
+    """The peer has taken no frame for two heartbeats: its socket is closed as gone (:data:`NOT_READING`)."""
+
+
+NOT_READING = WSCloseCode.POLICY_VIOLATION
+NOT_READING_REASON = b"no frame taken for two heartbeats"
+"""The close code of a socket whose peer took no frame for two heartbeats, and its reason."""
+
+CloseSocket = Callable[[WSCloseCode, bytes], Awaitable[object]]
+"""Closes the session's socket with a code and a reason (the handler's ``WebSocketResponse.close``)."""
 
 
 class WsSession:
-    def __init__(self, ctx: EdgeContext, tenant: Tenant, send: Callable[[str], Awaitable[None]]) -> None:
+    def __init__(
+        self,
+        ctx: EdgeContext,
+        tenant: Tenant,
+        send: Callable[[str], Awaitable[None]],
+        close_socket: CloseSocket,
+    ) -> None:
         self._ctx = ctx
         self._tenant = tenant
         self._send = send
+        self._close_socket = close_socket
         self._queue: asyncio.Queue[bytes] = asyncio.Queue(maxsize=ctx.settings.edge_ws_send_queue)
         self._queued_bytes = 0
         self._room = asyncio.Condition()
@@ -129,6 +150,7 @@ class WsSession:
                     self._queued_bytes -= len(frame)
                     self._room.notify_all()
                 await self._send(frame.decode())
+                self._queue.task_done()
         except ConnectionResetError:
             log.debug("websocket peer went away while sending")
 
@@ -145,7 +167,13 @@ class WsSession:
                         lambda: self._queued_bytes == 0 or self._queued_bytes + len(data) <= limit
                     )
                     self._queued_bytes += len(data)
-                await self._queue.put(data)
+                try:
+                    await self._queue.put(data)
+                except BaseException:  # not queued (cancelled, or out of time): give its bytes back
+                    self._queued_bytes -= len(data)
+                    async with self._room:
+                        self._room.notify_all()
+                    raise
         except TimeoutError:
             raise PeerNotReading("the WebSocket peer took no frame for two heartbeats") from None
 
@@ -200,6 +228,22 @@ class WsSession:
 
     async def _run(self, frame: RequestFrame | ResumeFrame) -> None:
         try:
+            await self._answer(frame)
+        except PeerNotReading:  # a frame of this request (its error frame too) could not be queued
+            log.info("closing a WebSocket of %s whose peer reads nothing", self._tenant.name)
+            await self._close_socket(NOT_READING, NOT_READING_REASON)
+        except ConnectionResetError:
+            pass  # the peer is gone (its requests' guards published their cancels): nobody to tell
+        finally:
+            work = self._work.get(frame.id)
+            if work is not None and work.task is asyncio.current_task():
+                del self._work[frame.id]
+
+    async def _answer(self, frame: RequestFrame | ResumeFrame) -> None:
+        """The request or resume, and an ``error`` frame for any error that ended it. A peer not reading
+        (:class:`PeerNotReading`, here or in sending the error frame) was swallowed with the peer gone: the
+        request vanished without a terminal frame and its socket stayed open (an audit)."""
+        try:
             if isinstance(frame, RequestFrame):
                 await self._request(frame)
             else:
@@ -207,14 +251,10 @@ class WsSession:
         except IngestError as exc:
             await self._error(frame.id, exc)
         except ConnectionResetError:
-            pass  # the peer is gone (its requests' guards published their cancels): nobody to tell
+            raise
         except Exception:  # a bug must not leave the client waiting on an id that silently vanished
             log.exception("unhandled error in a WebSocket request frame %r", frame.id)
             await self._error(frame.id, IngestError("The server had an error while processing your request."))
-        finally:
-            work = self._work.get(frame.id)
-            if work is not None and work.task is asyncio.current_task():
-                del self._work[frame.id]
 
     async def _request(self, frame: RequestFrame) -> None:
         """One request frame: its own trace (linked to the socket's span: a socket lives for hours)."""
@@ -297,6 +337,18 @@ class WsSession:
         frame = {"type": "done", "id": client_id, "request_id": request_id, "status": "cancelled"}
         await self._put({**frame, "finish_reason": "cancelled", "usage": None})
 
+    async def shut_down(self, within_s: float) -> None:
+        """The edge stops: once the requests in flight have ended (those it cut by an ``error`` frame,
+        ``shutting_down``) and the queue is sent, or after ``within_s``, close the socket with 1001. Closed at
+        once, it cut their last frames: a client saw the socket close without a word for its ids."""
+        tasks = [work.task for work in self._work.values()]
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(within_s):
+                if tasks:
+                    await asyncio.wait(tasks)
+                await self._queue.join()
+        await self._close_socket(WSCloseCode.GOING_AWAY, b"server shutting down")
+
     async def close(self) -> None:
         """Cancel what is in flight (published as ``client_disconnect`` unless already cancelled) and stop."""
         tasks = [work.task for work in self._work.values()]
@@ -324,10 +376,15 @@ async def websocket(ctx: EdgeContext, request: web.Request) -> web.StreamRespons
         heartbeat=ctx.settings.edge_heartbeat_s, max_msg_size=ctx.settings.edge_max_body_bytes
     )
     await ws.prepare(request)
-    session = WsSession(ctx, tenant, ws.send_str)
+
+    async def close_socket(code: WSCloseCode, message: bytes) -> None:
+        await ws.close(code=code, message=message, drain=False)  # a peer not reading would hold a drain
+
+    session = WsSession(ctx, tenant, ws.send_str, close_socket)
     session.start()
-    ctx.sockets.add(ws)
+    ctx.sockets.add(session)
     ctx.sockets_of[tenant.name] = ctx.sockets_of.get(tenant.name, 0) + 1
+    code, reason = WSCloseCode.GOING_AWAY, b""
     try:
         async for message in ws:
             if message.type == WSMsgType.TEXT:
@@ -336,8 +393,9 @@ async def websocket(ctx: EdgeContext, request: web.Request) -> web.StreamRespons
                 await session.handle_binary()
     except PeerNotReading:
         log.info("closing a WebSocket of %s whose peer reads nothing", tenant.name)
+        code, reason = NOT_READING, NOT_READING_REASON
     finally:
-        ctx.sockets.discard(ws)
+        ctx.sockets.discard(session)
         left = ctx.sockets_of.get(tenant.name, 1) - 1
         if left:
             ctx.sockets_of[tenant.name] = left
@@ -345,5 +403,5 @@ async def websocket(ctx: EdgeContext, request: web.Request) -> web.StreamRespons
             ctx.sockets_of.pop(tenant.name, None)
         await session.close()
         if not ws.closed:
-            await ws.close(code=WSCloseCode.GOING_AWAY)
+            await close_socket(code, reason)
     return ws

@@ -117,23 +117,40 @@ async def test_shutdown_drains_in_flight_streams(catalogue: ModelCatalogue, gate
     assert gateway.cancels == []
 
 
-async def test_shutdown_cancels_what_outlives_the_grace(
+async def test_shutdown_cancels_what_outlives_the_grace_and_tells_each_client(
     catalogue: ModelCatalogue, gateway: FakeGateway
 ) -> None:
+    """Found by an audit: the requests cut by shutdown had their tasks cancelled. An SSE client read a
+    truncated body (no error event, no ``[DONE]``), a WebSocket client a 1001 close with no frame for its
+    ids, and a client waiting for a JSON body a dropped connection. Each now reads ``shutting_down``: the
+    request was cancelled (``CancelRequested(reason="shutdown")``), so it sends it again elsewhere."""
     gateway.hold_after = 1
     edge = Edge(settings(edge_shutdown_grace_s=0.1), gateway, catalogue, TenantDirectory.demo())
     async with aiohttp.ClientSession() as session:
         async with edge:
             response = await _open_stream(session, edge.url)
             ws = await session.ws_connect(f"{edge.url}/v1/ws", headers=AUTH)
-        assert [c.reason for c in gateway.cancels] == ["shutdown"]
-        assert gateway.cancels[0].request_id == gateway.submitted[0].request_id
-        with pytest.raises(aiohttp.ClientPayloadError):
-            await response.content.read()
-        response.close()
-        message = await ws.receive()
-        assert message.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED)
+            await ws.send_json({"type": "request", "id": "w", "endpoint": "chat.completions", "body": CHAT})
+            assert (await ws.receive_json(timeout=5))["type"] == "accepted"
+            assert (await ws.receive_json(timeout=5))["type"] == "token"
+            waiting = asyncio.create_task(
+                session.post(f"{edge.url}/v1/chat/completions", json=CHAT, headers=AUTH)
+            )
+            await eventually(lambda: len(gateway.submitted) == 3)
+        assert [c.reason for c in gateway.cancels] == ["shutdown"] * 3
+        assert {c.request_id for c in gateway.cancels} == {e.request_id for e in gateway.submitted}
+        events = parse_sse((await response.content.read()).decode())
+        assert msgspec.json.decode(events[-2][1])["error"]["code"] == "shutting_down"
+        assert events[-1][1] == "[DONE]"
+        error = await ws.receive_json(timeout=5)
+        assert (error["type"], error["id"], error["error"]["code"]) == ("error", "w", "shutting_down")
+        message = await ws.receive(timeout=5)
+        assert (message.type, message.data) == (aiohttp.WSMsgType.CLOSE, aiohttp.WSCloseCode.GOING_AWAY)
         await ws.close()
+        answer = await waiting
+        assert answer.status == 503
+        assert answer.headers["x-should-retry"] == "true"
+        assert (await answer.json())["error"]["code"] == "shutting_down"
 
 
 async def test_new_requests_are_refused_while_stopping(make_client: MakeClient, gateway: FakeGateway) -> None:

@@ -8,10 +8,11 @@ from typing import Any
 import aiohttp
 import msgspec
 import pytest
+from aiohttp import WSCloseCode, web
 
 from ingest.app import Edge
 from ingest.auth import DEMO_KEY, TenantDirectory
-from ingest.ws import WsSession
+from ingest.ws import NOT_READING, WsSession
 from tests.ingest.conftest import AUTH, EMB, GEN, OTHER_AUTH, Client, MakeClient, assert_healthy, eventually
 from tests.ingest.fake_gateway import FakeGateway
 
@@ -196,9 +197,12 @@ async def test_socket_close_cancels_in_flight(client: Client, gateway: FakeGatew
     assert gateway.cancels[0].reason == "client_disconnect"
 
 
-def blocked_session(edge: Edge) -> tuple[WsSession, list[str], asyncio.Event]:
+def blocked_session(
+    edge: Edge, closed: list[int] | None = None
+) -> tuple[WsSession, list[str], asyncio.Event]:
     """A demo tenant's socket session whose sends wait until the event is set: a reader that fell behind.
-    Returns the session (started), what it sent so far, and the event that lets sends go on."""
+    Returns the session (started), what it sent so far, and the event that lets sends go on; ``closed``
+    gets the code of each close of its socket."""
     unblock = asyncio.Event()
     sent: list[str] = []
 
@@ -206,7 +210,12 @@ def blocked_session(edge: Edge) -> tuple[WsSession, list[str], asyncio.Event]:
         await unblock.wait()
         sent.append(text)
 
-    session = WsSession(edge.ctx, TenantDirectory.demo().authenticate(f"Bearer {DEMO_KEY}"), send)
+    async def close_socket(code: WSCloseCode, _reason: bytes) -> None:
+        if closed is not None:
+            closed.append(code)
+
+    tenant = TenantDirectory.demo().authenticate(f"Bearer {DEMO_KEY}")
+    session = WsSession(edge.ctx, tenant, send, close_socket)
     session.start()
     return session, sent, unblock
 
@@ -362,3 +371,88 @@ async def test_an_unexpected_failure_of_one_request_is_an_error_frame_not_silenc
         assert (error["type"], error["id"], error["error"]["type"]) == ("error", "x", "server_error")
         await ws.send_json({"type": "ping", "id": 1})
         assert await ws.receive_json(timeout=5) == {"type": "pong", "id": 1}
+
+
+async def test_a_frame_whose_wait_for_room_is_cancelled_gives_its_bytes_back(
+    make_client: MakeClient, gateway: FakeGateway
+) -> None:
+    """Found by an audit: a frame counted its bytes against the socket's bound before it waited for a place
+    in the full queue, and a cancel of that wait (a client cancel, the deadline, the peer not reading) never
+    gave them back. The bound shrank for good: a later frame of more than what was left waited for a queue
+    that never emptied, and its request got only ``accepted``."""
+    _, edge = await make_client(edge_ws_send_queue=2, edge_ws_send_queue_bytes=4096)
+    gateway.tokens = 1000
+    gateway.text_size = 900  # token frames of ~1 KB: two fill the queue by frames, far from 4 KB
+    session, sent, unblock = blocked_session(edge)
+    await session.handle_text(msgspec.json.encode(request("slow", {**CHAT, "max_tokens": 16})).decode())
+    await eventually(lambda: bool(gateway.submitted))
+    rid = gateway.submitted[0].request_id
+    # accepted in the blocked writer, t0 and t1 queued, t2 waiting for a place with its bytes counted
+    await eventually(lambda: gateway.pulled[rid] == 3)
+    for _ in range(100):
+        await asyncio.sleep(0)
+    cancel = asyncio.create_task(
+        session.handle_text(msgspec.json.encode({"type": "cancel", "id": "slow"}).decode())
+    )
+    await eventually(lambda: len(gateway.cancels) == 1)
+    unblock.set()
+    await cancel
+    await eventually(lambda: len(sent) == 4)  # accepted, t0, t1, done (cancelled)
+    assert msgspec.json.decode(sent[-1])["status"] == "cancelled"
+    gateway.text_size = 3500  # one token frame of ~3.6 KB: fits 4 KB only if nothing was left counted
+    await session.handle_text(msgspec.json.encode(request("big", {**CHAT, "max_tokens": 1})).decode())
+    await eventually(lambda: len(sent) == 7)  # accepted, t0, done
+    assert [msgspec.json.decode(f)["type"] for f in sent[4:]] == ["accepted", "token", "done"]
+    await session.close()
+
+
+async def test_a_request_whose_frames_wait_two_heartbeats_closes_its_socket(
+    make_client: MakeClient, gateway: FakeGateway, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by an audit: a request whose own wait for room ran out (``PeerNotReading``) was taken for a peer
+    already gone. It ended with no frame, and its socket stayed open with its other requests held; only the
+    reader's wait running out closed it. Here the peer's window is full from the first token frame on
+    (the peer reads nothing more but the heartbeat's pings), and the reader has nothing to answer."""
+    client, edge = await make_client(edge_ws_send_queue=1, edge_heartbeat_s=1.0)
+    send_str = web.WebSocketResponse.send_str
+
+    async def send(self: web.WebSocketResponse, data: str, compress: int | None = None) -> None:
+        if '"type":"token"' in data:
+            await asyncio.Event().wait()  # never sent: the transport does not drain
+        await send_str(self, data, compress)
+
+    monkeypatch.setattr(web.WebSocketResponse, "send_str", send)
+    gateway.tokens = 1000
+    async with client.ws_connect("/v1/ws", headers=AUTH) as ws:
+        gateway.hold_after = 0  # "held" waits for its first token
+        await ws.send_json(request("held"))
+        assert (await ws.receive_json(timeout=5))["type"] == "accepted"
+        gateway.hold_after = None
+        await ws.send_json(request("big", {**CHAT, "max_tokens": 16}))
+        assert (await ws.receive_json(timeout=5))["type"] == "accepted"
+        async with asyncio.timeout(5):  # not receive's own: the heartbeat's pings renew it
+            closing = await ws.receive()  # once its token frames waited for room two heartbeats (2 s)
+    assert (closing.type, closing.data) == (aiohttp.WSMsgType.CLOSE, NOT_READING)
+    submitted = {e.request_id for e in gateway.submitted}
+    await eventually(lambda: {c.request_id for c in gateway.cancels} == submitted)
+    assert {c.reason for c in gateway.cancels} == {"client_disconnect"}
+    assert not edge.ctx.admission.flights
+
+
+async def test_a_peer_not_reading_the_error_frame_of_a_request_closes_its_socket(
+    make_client: MakeClient, gateway: FakeGateway
+) -> None:
+    """A request whose deadline passed while its frame waited for room, and whose error frame then waited
+    two heartbeats too: the ``PeerNotReading`` of that wait escaped the request's task ("Task exception was
+    never retrieved") and the socket stayed open."""
+    _, edge = await make_client(edge_ws_send_queue=1, edge_heartbeat_s=0.2)
+    gateway.tokens = 1000
+    closed: list[int] = []
+    session, _, _ = blocked_session(edge, closed)
+    body = {**CHAT, "max_tokens": 16, "timeout": 0.1}
+    await session.handle_text(msgspec.json.encode(request("late", body)).decode())
+    task = session._work["late"].task
+    (outcome,) = await asyncio.wait_for(asyncio.gather(task, return_exceptions=True), timeout=5)
+    assert outcome is None
+    assert closed == [NOT_READING]
+    await session.close()
