@@ -10,7 +10,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ParamSpec, Protocol
 
 import msgspec
@@ -184,6 +184,8 @@ class ConsumerThread(Component):
         limit, not only the time since (a handler that blocked through a rebalance polled no news)."""
         self._settled_once = False
         self._group_state = ""
+        self._brokers_down_since: float | None = None
+        """Since when the statistics have said no broker is connected (polling thread)."""
         self._live = _Live()
         """The current client's: its callbacks reach this thread's state only while it is current."""
 
@@ -407,8 +409,25 @@ class ConsumerThread(Component):
             stats = _STATS.decode(stats_json)
             self._record_lag(stats)
             self._watch_group(stats.cgrp)
+            self._watch_brokers(stats.brokers)
         except Exception:
             log.exception("%s: cannot read lag from librdkafka statistics", self.name)
+
+    def _watch_brokers(self, brokers: Mapping[str, _BrokerStats]) -> None:
+        if not brokers:
+            return
+        if any(broker.state == "UP" for broker in brokers.values()):
+            self._brokers_down_since = None
+        elif self._brokers_down_since is None:
+            self._brokers_down_since = time.monotonic()
+
+    def brokers_down_for(self) -> float:
+        """Seconds this consumer's statistics have said no broker is connected (0 while one is, or before
+        any statistics; any thread): a readiness check's view of the cluster, which an error on every
+        connection attempt alone says only in the log. An audit: the broker killed under ``sluice up``, the
+        edge and the workers kept answering ``/readyz`` 200 with ``kafka: true``."""
+        since = self._brokers_down_since
+        return 0.0 if since is None else max(0.0, time.monotonic() - since)
 
     def _watch_group(self, group: _GroupStats | None) -> None:
         if group is None or not self._subscribe:
@@ -675,9 +694,16 @@ class _GroupStats(msgspec.Struct):
     join_state: str = ""
 
 
+class _BrokerStats(msgspec.Struct):
+    """librdkafka's statistics of one broker connection: ``state`` is ``UP`` while it is connected."""
+
+    state: str = ""
+
+
 class _Stats(msgspec.Struct):
     topics: dict[str, _TopicStats] = msgspec.field(default_factory=dict)
     cgrp: _GroupStats | None = None
+    brokers: dict[str, _BrokerStats] = msgspec.field(default_factory=dict)
 
 
 _STATS = msgspec.json.Decoder(_Stats)

@@ -300,6 +300,8 @@ class WorkerService(Component):
         """The request partitions this worker owns now."""
         return self._requests.assignment()
 
+    BROKERS_DOWN_S = 10.0
+    """How long the request consumer may see no broker before ``/readyz`` says ``kafka: false``."""
     GROUP_GRACE_S = 15.0
     """How long the request consumer's group may stay unsettled before ``/readyz`` says so: a rebalance
     settles within a few seconds, a member that fell out of its group does not (its consumer is replaced
@@ -312,7 +314,9 @@ class WorkerService(Component):
         lag = self._requests.max_lag() or 0
         return Readiness.of(
             model_loaded=self._ready.is_set() and self.failure is None,
-            kafka=self.failure is None and self._requests.wait_assigned(0),
+            kafka=self.failure is None
+            and self._requests.wait_assigned(0)
+            and self._requests.brokers_down_for() < self.BROKERS_DOWN_S,
             group=self._requests.unsettled_for() < self.GROUP_GRACE_S,
             lag_ok=lag <= max_lag,
             lag=lag,

@@ -249,9 +249,18 @@ class KafkaGateway(AsyncComponent):
 
     CONTROL_CATCH_UP_S = 30.0
 
+    BROKERS_DOWN_S = 10.0
+    """How long the reply listener may see no broker before the edge is not ready (``/readyz``)."""
+
     def ready(self) -> bool:
         control_ok = self._control is None or self._control_seen.is_set()
-        return self._listener is not None and self.failure is None and control_ok
+        listener = self._listener
+        return (
+            listener is not None
+            and self.failure is None
+            and control_ok
+            and listener.brokers_down_for() < self.BROKERS_DOWN_S
+        )
 
     def deployment(self, model: str) -> Deployment | None:
         return self._deployments.get(model)
