@@ -34,6 +34,9 @@ class Flight:
     place in flight is kept until this is done (the cancel sent, or the request taken back), not given
     back as the client leaves. An audit: with a grace, a client that opened streams and left at once had
     any number running past its ``max_concurrency``."""
+    resumed: bool = False
+    """A reader of a request submitted before (a resume): its deadline is the reader's own, not the
+    request's, so passing it ends the reading alone, even when the reader took the request back."""
     stopping: bool = False
     """Cut by the edge's shutdown (:meth:`stop`)."""
     deadline: asyncio.Timeout | None = None
@@ -126,6 +129,7 @@ class Admission:
         owner: bool,
         tokens: int = 0,
         idempotency_key: str | None = None,
+        resumed: bool = False,
     ) -> Iterator[Flight]:
         """Register a request for its lifetime, reserving one request, ``tokens`` tokens and one place in
         flight under the tenant's limits (a resume reserves no tokens, but counts); refuse it when shutting
@@ -150,6 +154,7 @@ class Admission:
             task=current,
             reservation=reservation,
             idempotency_key=idempotency_key,
+            resumed=resumed,
         )
         self._flights.add(entry)
         self._idle.clear()

@@ -263,7 +263,12 @@ class Dispatcher:
         except TimeoutError:
             if flight.stopping:
                 raise shutting_down() from None
-            self.cancel(flight, "client_cancel", why="deadline")
+            if flight.resumed:  # the reader's deadline, not the request's: the reader left, as on a
+                # disconnect (an audit: a request taken back within the grace was cancelled at once by its
+                # resume's 60 s default deadline, its own 600 s)
+                self.cancel(flight, "client_disconnect")
+            else:
+                self.cancel(flight, "client_cancel", why="deadline")
             raise DeadlineExceeded("The request did not finish before its deadline.") from None
         except (asyncio.CancelledError, ConnectionResetError):
             self.cancel(flight, "client_disconnect")

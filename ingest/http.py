@@ -137,7 +137,7 @@ class Routes:
             request_id, after_seq = last
             after_seq = after_seq if shape.stream else -1  # one JSON body needs the whole stream
             shape = dataclasses.replace(shape, request_id=request_id)
-            with ctx.admission.flight(tenant, shape.model, request_id, owner=False) as flight:
+            with ctx.admission.flight(tenant, shape.model, request_id, owner=False, resumed=True) as flight:
                 stream, flight.owner = await ctx.dispatcher.resume(
                     tenant.name, request_id, after_seq, expect=prepared
                 )
@@ -242,7 +242,7 @@ class Routes:
             raise InvalidRequest("Last-Event-ID names another request.", param="Last-Event-ID")
         after_seq = last[1] if last is not None else -1
         timeout = ctx.preparer.timeout(None, request.headers.get("X-Request-Timeout"))
-        with ctx.admission.flight(tenant, "", request_id, owner=False) as flight:
+        with ctx.admission.flight(tenant, "", request_id, owner=False, resumed=True) as flight:
             stream, flight.owner = await ctx.dispatcher.resume(tenant.name, request_id, after_seq)
             response = web.StreamResponse(headers={**SSE_HEADERS, "x-request-id": request_id})
             try:

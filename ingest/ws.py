@@ -294,7 +294,7 @@ class WsSession:
     async def _resume(self, frame: ResumeFrame) -> None:
         ctx = self._ctx
         timeout = ctx.preparer.timeout(None, None)
-        with ctx.admission.flight(self._tenant, "", frame.request_id, owner=False) as flight:
+        with ctx.admission.flight(self._tenant, "", frame.request_id, owner=False, resumed=True) as flight:
             self._work[frame.id].flight = flight
             stream, flight.owner = await ctx.dispatcher.resume(
                 self._tenant.name, frame.request_id, frame.after_seq

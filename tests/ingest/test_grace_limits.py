@@ -91,3 +91,20 @@ async def test_a_retry_with_the_idempotency_key_takes_its_place_over(
     assert len(gateway.submitted) == 1
     assert gateway.cancels == []
     assert not await refused(client)
+
+
+async def test_a_resume_whose_own_deadline_passes_leaves_the_request_as_a_disconnect_does(
+    make_client: MakeClient, gateway: FakeGateway
+) -> None:
+    """Found by an audit: a request taken back within the grace by a resume was cancelled at once when the
+    resume's deadline passed (the 60 s default of a resume, whatever the request's own deadline was)."""
+    client, edge = await make_client(edge_disconnect_grace_s=GRACE_S)
+    gateway.hold_after = 2
+    rid = await left_after_a_token(client, gateway, AUTH)
+    resume = {**AUTH, "Last-Event-ID": f"{rid}:1", "X-Request-Timeout": "0.2"}
+    response = await client.post("/v1/chat/completions", json=CHAT, headers=resume)
+    events = parse_sse(await response.text())
+    assert "timeout" in events[-2][1]  # the reader's deadline: an error event, then [DONE]
+    assert gateway.cancels == []  # the request runs on through the grace, as after a disconnect
+    await edge.ctx.dispatcher.drain()
+    assert [(c.request_id, c.reason) for c in gateway.cancels] == [(rid, "client_disconnect")]
