@@ -545,7 +545,8 @@ def _put_results(kafka: KafkaConnection, topic: str, timed: list[tuple[RequestFi
     """Terminal events on results partition 1, in this order, each with its record time (unix ms)."""
     raw = Producer(kafka.client_config())
     for event, at in timed:
-        raw.produce(topic, encode(event), kafka_key(event), headers=headers(event), partition=1, timestamp=at)
+        record_headers: list[tuple[str, str | bytes | None]] = [*headers(event)]
+        raw.produce(topic, encode(event), kafka_key(event), headers=record_headers, partition=1, timestamp=at)
     assert raw.flush(10) == 0
 
 

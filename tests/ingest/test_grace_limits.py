@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from ingest.auth import Tenant, TenantDirectory, hash_key
-from tests.ingest.conftest import AUTH, DEMO_KEY, GEN, Client, MakeClient, eventually, parse_sse
+from ingest.auth import DEMO_KEY, Tenant, TenantDirectory, hash_key
+from tests.ingest.conftest import AUTH, GEN, Client, MakeClient, eventually, parse_sse
 from tests.ingest.fake_gateway import FakeGateway
 
 CHAT = {"model": GEN, "messages": [{"role": "user", "content": "hello"}], "stream": True}

@@ -13,6 +13,7 @@ from aiohttp import WSCloseCode, web
 from ingest.app import Edge
 from ingest.auth import DEMO_KEY, TenantDirectory
 from ingest.ws import NOT_READING, WsSession
+from schemas.events import GenerationRequested
 from tests.ingest.conftest import AUTH, EMB, GEN, OTHER_AUTH, Client, MakeClient, assert_healthy, eventually
 from tests.ingest.fake_gateway import FakeGateway
 
@@ -79,6 +80,7 @@ async def test_a_generation_is_streamed_whatever_its_body_says(
     assert [f["type"] for f in frames] == ["accepted", "token", "token", "done"]
     assert "".join(f["text"] for f in frames if f["type"] == "token") == " t0 t1"
     (event,) = gateway.submitted
+    assert isinstance(event, GenerationRequested)
     assert event.stream
 
 
