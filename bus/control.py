@@ -13,7 +13,7 @@ from confluent_kafka import Consumer, KafkaException, TopicPartition
 
 from bus.consumer import consumer_config
 from bus.errors import BusError
-from bus.positions import read_to_end, watermarks
+from bus.positions import probe_config, read_to_end, watermarks
 from bus.producer import Position
 from schemas.codec import DecodeError, decode
 from schemas.events import DeploymentChanged, Event
@@ -25,7 +25,7 @@ def control_start(
 ) -> tuple[list[TopicPartition], dict[int, int]]:
     """Every partition of the control topic from offset 0, and where each ends now (what a reader must
     have seen before it knows the current state). No topic: nothing to read."""
-    consumer = Consumer(consumer_config(kafka, None, f"{client_id}-probe"))
+    consumer = Consumer(probe_config(kafka, client_id))
     try:
         meta = consumer.list_topics(topic, timeout=10).topics.get(topic)
         if meta is None or meta.error is not None:

@@ -4,9 +4,10 @@ stands (the oldest record it could still be handed, its members)."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from confluent_kafka import (
     TIMESTAMP_NOT_AVAILABLE,
@@ -82,13 +83,25 @@ def settled(call: Callable[[], _T], what: str, timeout: float) -> _T:
             time.sleep(0.1)
 
 
+def probe_config(kafka: KafkaConnection, client_id: str) -> dict[str, Any]:
+    """The config of a short-lived probe consumer (``<client_id>-probe``) whose failure is its caller's one
+    error (:class:`BusError`): its librdkafka log lines stay out of the terminal, not a connection failure
+    printed every 50 ms while a Kafka that does not answer keeps it waiting."""
+    return consumer_config(kafka, None, f"{client_id}-probe", logger=_PROBE_LOG)
+
+
+_PROBE_LOG = logging.getLogger("sluice.bus.probe")
+_PROBE_LOG.setLevel(logging.CRITICAL)
+_PROBE_LOG.propagate = False
+
+
 def topic_extent(
     kafka: KafkaConnection, topic: str, client_id: str
 ) -> tuple[list[TopicPartition], dict[int, int]] | None:
     """What a reader of a whole topic must read: every partition from its first retained offset (the low
     watermark: retention may have deleted the start), and where each ends now (the high watermark), for
     :func:`read_to_end`. None when the topic does not exist; :class:`BusError` when the cluster cannot say."""
-    consumer = Consumer(consumer_config(kafka, None, f"{client_id}-probe"))
+    consumer = Consumer(probe_config(kafka, client_id))
     try:
         try:
             meta = consumer.list_topics(topic, timeout=10).topics.get(topic)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import sys
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -172,6 +173,10 @@ class _Server(ThreadingHTTPServer):
     ops: OpsServer
 
     def handle_error(self, request: Any, client_address: Any) -> None:
+        exc = sys.exc_info()[1]
+        if isinstance(exc, BrokenPipeError | ConnectionResetError):  # a scrape or probe that timed out
+            log.debug("ops client %s went away: %s", client_address, exc)
+            return
         log.exception("ops request from %s failed", client_address)
 
 

@@ -216,16 +216,10 @@ def kafka_fetch() -> None:
 
 
 def _admin(s: PlatformSettings) -> AdminClient:
-    """An admin client whose librdkafka log lines stay out of the terminal: a Kafka that does not answer
-    is one clear error from the command, not a connection failure printed every 50 ms until it gives up."""
-    import logging
+    """An admin client whose librdkafka log lines stay out of the terminal (:func:`quiet_admin`)."""
+    from sluice.services import quiet_admin
 
-    from infra.topics import make_admin
-
-    quiet = logging.getLogger("sluice.cli.librdkafka")
-    quiet.setLevel(logging.CRITICAL)
-    quiet.propagate = False
-    return make_admin(s.kafka, logger=quiet)
+    return quiet_admin(s.kafka)
 
 
 @topics_app.command("apply")
@@ -823,12 +817,20 @@ def up(
 def main() -> None:
     """The CLI; what a command's environment or files get wrong is one line and a non-zero exit, never a
     traceback: its service's settings (``SLUICE_EDGE_PORT=abc``: 2), a path that is a directory or a file
-    where the other is wanted, or one it may not use (1)."""
+    where the other is wanted, one it may not use or cannot create (1)."""
     try:
         app()
     except SettingsError as exc:
         console.print(f"[red]settings error:[/] {escape(str(exc))}")
         raise SystemExit(2) from None
-    except (FileExistsError, IsADirectoryError, NotADirectoryError, PermissionError) as exc:
-        console.print(f"[red]error:[/] {escape(str(exc))}")
+    except OSError as exc:
+        console.print(f"[red]error:[/] {escape(_os_error(exc))}")
         raise SystemExit(1) from None
+
+
+def _os_error(exc: OSError) -> str:
+    """``<path>: <the OS's reason>`` (both paths of a rename or link), else the error as Python says it."""
+    if exc.filename is None or exc.strerror is None:
+        return str(exc)
+    paths = " -> ".join(str(p) for p in (exc.filename, exc.filename2) if p is not None)
+    return f"{paths}: {exc.strerror}"

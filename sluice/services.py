@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 import threading
@@ -19,11 +20,18 @@ from monitoring.logs import MIN_SECRET_CHARS, configure_logging, register_secret
 from monitoring.metrics import bound_tenants
 from monitoring.settings import ObservabilitySettings
 from monitoring.tracing import configure_tracing, shutdown_tracing
-from schemas.settings import PlatformSettings, SettingsError, load_settings, local_kafka_ports
+from schemas.settings import (
+    KafkaConnection,
+    PlatformSettings,
+    SettingsError,
+    load_settings,
+    local_kafka_ports,
+)
 from sluice.autoscale import FleetSettings
 from streams.settings import StreamsSettings
 
 if TYPE_CHECKING:
+    from confluent_kafka.admin import AdminClient
     from opentelemetry.sdk.trace import TracerProvider
 
     from infra.kafka.broker import LocalKafkaCluster
@@ -69,11 +77,15 @@ def _local_kafka(
     )
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+"""What stops a service cleanly: Ctrl-C, ``kill``, and its terminal closing (SIGHUP, to the whole group)."""
+
+
 def stop_on_signals() -> asyncio.Event:
-    """An event set by SIGINT or SIGTERM (call on the running loop)."""
+    """An event set by one of :data:`STOP_SIGNALS` (call on the running loop)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, stop.set)
     return stop
 
@@ -127,7 +139,7 @@ def run_worker_process(platform: PlatformSettings, model_id: str, console: Conso
         console.print(f"[red]error:[/] {model_id} is not served (SLUICE_MODELS / SLUICE_MODEL_PATHS)")
         return 2
     stop, join = threading.Event(), threading.Event()
-    set_on_signals(stop, signal.SIGINT, signal.SIGTERM)
+    set_on_signals(stop, *STOP_SIGNALS)
     set_on_signals(join, signal.SIGUSR1)  # a warm standby (SLUICE_WORKER_STANDBY) joins
     try:
         run_worker(platform, worker, model_id, stop, join)
@@ -162,6 +174,20 @@ def set_on_signals(event: threading.Event, *signals: signal.Signals) -> None:
 
     for sig in signals:
         signal.signal(sig, handler)
+
+
+def quiet_admin(kafka: KafkaConnection) -> AdminClient:
+    """An admin client for a command's short-lived questions, whose librdkafka log lines stay out of the
+    terminal: a Kafka that does not answer is one clear error from the command, not a connection failure
+    printed every 50 ms until it gives up."""
+    from infra.topics import make_admin
+
+    return make_admin(kafka, logger=_QUIET)
+
+
+_QUIET = logging.getLogger("sluice.cli.librdkafka")
+_QUIET.setLevel(logging.CRITICAL)
+_QUIET.propagate = False
 
 
 def replies_partitions(platform: PlatformSettings) -> int:
@@ -206,7 +232,7 @@ def run_edge_process(platform: PlatformSettings, console: Console, port: int | N
 
 
 def run_streams_process(platform: PlatformSettings, console: Console) -> int:
-    """``sluice streams``: the streams worker until SIGINT/SIGTERM."""
+    """``sluice streams``: the streams worker until SIGINT, SIGTERM or SIGHUP."""
     from infra.errors import InfraError
     from monitoring.runtime import tune_gc
     from monitoring.slo import SloConfigError

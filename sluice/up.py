@@ -15,10 +15,10 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import msgspec
@@ -29,8 +29,8 @@ from bus.producer import EventProducer
 from gpu_workers.settings import WorkerSettings
 from infra.children import die_with_parent
 from infra.errors import InfraError
-from infra.kafka.broker import free_port
-from infra.topics import apply_topics, make_admin, topics_of
+from infra.kafka.broker import free_port, port_free
+from infra.topics import apply_topics, topics_of
 from ingest.auth import DEMO_KEY
 from ingest.main import build_edge, check_edge_exposure, more_edge_ids
 from ingest.settings import EdgeSettings
@@ -43,11 +43,16 @@ from sluice.services import (
     check_streams_exposure,
     check_worker_exposure,
     observe,
+    quiet_admin,
     replies_partitions,
     started_broker,
     stop_on_signals,
 )
 from streams.settings import StreamsSettings
+
+if TYPE_CHECKING:
+    from infra.kafka.broker import LocalKafka
+    from schemas.lifecycle import AsyncComponent
 
 
 def run_platform(
@@ -57,7 +62,7 @@ def run_platform(
     port: int | None = None,
     fleet_overrides: dict[str, object] | None = None,
 ) -> int:
-    """Run until SIGINT/SIGTERM; returns the process exit code. ``fleet_overrides`` (the command's flags)
+    """Run until SIGINT, SIGTERM or SIGHUP; returns the process exit code. ``fleet_overrides`` (the command's flags)
     win over ``SLUICE_FLEET_*``."""
     try:
         edge_settings = load_settings(EdgeSettings)
@@ -79,14 +84,19 @@ def run_platform(
     if port is not None:
         edge_settings = msgspec.structs.replace(edge_settings, edge_port=port)
     try:
-        # before anything starts
+        # before anything starts: each port it listens on is one service's, and free
         taken = platform_ports(settings, worker_settings, streams_settings)
-        extra_edges(edge_settings, fleet_settings.fleet_edges, 1, taken)
+        edges = extra_edges(edge_settings, fleet_settings.fleet_edges, 1, taken)
+        kafka = kafka_to_start(settings, console)
+        check_free(listeners(settings, edge_settings, edges, worker_settings, streams_settings, kafka))
         # this process and what it starts onto the cores the workers do not get
         placed, worker_env = place_box(fleet_settings.fleet_worker_cpus, worker_settings.worker_cpus)
     except SettingsError as exc:
         console.print(f"[red]settings error:[/] {exc}")
         return 2
+    except InfraError as exc:  # the local Kafka's recorded layout
+        console.print(f"[red]error:[/] {exc}")
+        return 1
     if placed:
         console.print(f"{placed} (the edge, Kafka, the streams worker; --worker-cpus)")
     try:
@@ -451,6 +461,81 @@ class Fleet:
         self.standby.clear()
 
 
+class KafkaWatch:
+    """``sluice up``'s local Kafka nodes, supervised as its child processes are: a node whose JVM exits on
+    its own (a crash, the OOM killer, a ``kill``) is named, with its exit code and its log, and started again
+    after a back-off (its data stays; clients reconnect by themselves). ``halt`` is the platform's stop:
+    nothing is restarted once it is set."""
+
+    def __init__(
+        self,
+        nodes: Sequence[LocalKafka],
+        console: Console,
+        halt: asyncio.Event,
+        *,
+        backoff_s: float = 1.0,
+        poll_s: float = 1.0,
+    ) -> None:
+        self._nodes = list(nodes)
+        self._console = console
+        self._halt = halt
+        self._backoff_s = backoff_s
+        self._poll_s = poll_s
+        self._stopping = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        self._tasks = [
+            asyncio.create_task(self._watch(n), name=f"kafka node {n.node_id}") for n in self._nodes
+        ]
+
+    async def stop(self) -> None:
+        """Stop watching (a start under way finishes first, so the nodes' stop reaches it)."""
+        self._stopping.set()
+        await asyncio.gather(*self._tasks)
+
+    async def _watch(self, node: LocalKafka) -> None:
+        backoff = self._backoff_s
+        while not await self._ended_within(self._poll_s):
+            code = node.exit_code()
+            if code is None:
+                continue
+            self._console.print(
+                f"[yellow]Kafka node {node.node_id} exited with {code} (its log: {node.log_file}); "
+                f"restarting in {backoff:.0f}s[/]"
+            )
+            while True:
+                if await self._ended_within(backoff):
+                    return
+                backoff = min(backoff * 2, 30.0)
+                try:
+                    await asyncio.to_thread(node.launch)
+                    break
+                except (InfraError, OSError) as exc:
+                    self._console.print(
+                        f"[yellow]Kafka node {node.node_id} did not start again: {exc}; retrying in {backoff:.0f}s[/]"
+                    )
+            self._console.print(f"Kafka node {node.node_id} started again")
+
+    async def _ended_within(self, seconds: float) -> bool:
+        """Wait ``seconds`` unless the watch stops first; whether it stopped (or the platform halts)."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(seconds):
+                await self._stopping.wait()
+        return self._stopping.is_set() or self._halt.is_set()
+
+
+async def _listen(edge: AsyncComponent, settings: EdgeSettings) -> None:
+    """Start the edge; a port taken since the check at start-up is one line, not a traceback."""
+    try:
+        await edge.start()
+    except OSError as exc:
+        raise InfraError(
+            f"the edge cannot listen on {settings.edge_host}:{settings.edge_port}: {exc.strerror or exc}; "
+            "pick another --port"
+        ) from exc
+
+
 async def _answers(port: int) -> bool:
     """Whether a child's ops server answers ``/healthz`` (so it runs and has its signal handlers)."""
     if port == 0:
@@ -520,12 +605,14 @@ def extra_edges(
     last = settings.edge_port + len(placed)
     if last > 65535:
         raise SettingsError(f"{edges} edges need ports {settings.edge_port} to {last}; lower --port")
-    for _, port in placed:
-        if port in (taken or {}):
-            raise SettingsError(
-                f"edge port {port} (--edges {edges} from --port {settings.edge_port}) is {(taken or {})[port]}'s; "
-                "pick another --port"
+    for port in (settings.edge_port, *(port for _, port in placed)):
+        if port and port in (taken or {}):
+            given = (
+                "--port or SLUICE_EDGE_PORT"
+                if port == settings.edge_port
+                else f"--edges {edges} from --port {settings.edge_port}"
             )
+            raise SettingsError(f"edge port {port} ({given}) is {(taken or {})[port]}'s; pick another --port")
     return placed
 
 
@@ -541,6 +628,61 @@ def platform_ports(
         for port, controller in local_kafka_ports(settings.kafka_port, settings.kafka_brokers):
             taken[port] = taken[controller] = "Kafka"
     return taken
+
+
+Listener = tuple[str, int, str, str]
+"""(host, port, who listens there, what to change when another program holds the port)."""
+
+
+def listeners(
+    settings: PlatformSettings,
+    edge: EdgeSettings,
+    more_edges: Sequence[tuple[str, int]],
+    worker: WorkerSettings,
+    streams: StreamsSettings,
+    kafka: Sequence[LocalKafka],
+) -> list[Listener]:
+    """Every fixed port ``sluice up`` will listen on: the edges (``more_edges``: :func:`extra_edges`), the
+    streams worker, each model's first worker, and the local Kafka nodes it starts (``kafka``)."""
+    found: list[Listener] = [
+        (edge.edge_host, edge.edge_port, "the edge", "pick another --port (SLUICE_EDGE_PORT)")
+    ]
+    found += [
+        (edge.edge_host, port, f"edge {edge_id}", "pick another --port or fewer --edges")
+        for edge_id, port in more_edges
+    ]
+    found.append(
+        (streams.streams_host, streams.streams_port, "the streams worker", "set SLUICE_STREAMS_PORT")
+    )
+    if worker.worker_ops_port:
+        found += [
+            (worker.worker_ops_host, worker.worker_ops_port + index, f"the {model} worker's /metrics",
+             "set SLUICE_WORKER_OPS_PORT (model i's first worker listens on it + i; 0: free ports)")
+            for index, model in enumerate(settings.served_models())
+        ]  # fmt: skip
+    for node in kafka:
+        found.append(("127.0.0.1", node.port, f"Kafka node {node.node_id}", "set SLUICE_KAFKA_PORT"))
+        found.append(
+            ("127.0.0.1", node.controller_port, f"Kafka node {node.node_id}'s controller",
+             "set SLUICE_KAFKA_PORT (its controller listens on the port after it)")
+        )  # fmt: skip
+    return found
+
+
+def kafka_to_start(settings: PlatformSettings, console: Console) -> list[LocalKafka]:
+    """The local Kafka nodes ``sluice up`` will start: none with an external cluster, else those of the local
+    one that do not run (a running one is left as it is)."""
+    if not settings.local_kafka:
+        return []
+    return [node for node in started_broker(settings, console).nodes if not node.running()]
+
+
+def check_free(wanted: Sequence[Listener]) -> None:
+    """:class:`SettingsError` naming the first of ``wanted`` whose port another program holds (0: a port the
+    service picks itself)."""
+    for host, port, who, fix in wanted:
+        if port and not port_free(port, host):
+            raise SettingsError(f"port {port} ({who}) is taken by another program; {fix}")
 
 
 async def _serve(
@@ -564,10 +706,20 @@ async def _serve(
                 for node in broker.nodes:
                     node.die_with_parent = True  # a `kill -9` of sluice up leaves no JVM behind
                 with console.status(f"starting Kafka {settings.kafka_version} at {broker.bootstrap}"):
-                    await asyncio.to_thread(broker.start)
+                    try:
+                        await asyncio.to_thread(broker.start)
+                    except InfraError:
+                        if not stop.is_set():
+                            raise
+                        # a Ctrl-C reaches the whole group: the first run's storage format fails with it
+                        console.print("stopping...")
+                        return
                 stack.callback(broker.stop)
+                watch = KafkaWatch(broker.nodes, console, stop)
+                await watch.start()
+                stack.push_async_callback(watch.stop)  # before the nodes stop: that is no crash
         specs = topics_of(settings)
-        changes = await asyncio.to_thread(apply_topics, make_admin(settings.kafka), specs)
+        changes = await asyncio.to_thread(apply_topics, quiet_admin(settings.kafka), specs)
         created = sum(c.action != "unchanged" for c in changes)
         console.print(f"topics: {len(changes)} in spec, {created} created or changed")
 
@@ -615,7 +767,7 @@ async def _serve(
         partitions = await asyncio.to_thread(replies_partitions, settings)
         edge, gateway = build_edge(settings, edge_settings, partitions)
         await stack.enter_async_context(gateway)
-        await edge.start()
+        await _listen(edge, edge_settings)
         stack.push_async_callback(edge.stop)
         # More edges: `sluice edge` children on the next ports, each with its own replies partition.
         edges = [edge.url]

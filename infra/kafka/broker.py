@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import errno
 import logging
 import os
 import random
@@ -114,6 +115,25 @@ def port_open(port: int, host: str = "127.0.0.1") -> bool:
     with socket.socket() as sock:
         sock.settimeout(0.5)
         return sock.connect_ex((host, port)) == 0
+
+
+def port_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether a server could listen on ``host:port`` now (bound as servers bind: with ``SO_REUSEADDR``, so
+    a port left in TIME_WAIT counts as free). A host this machine cannot bind at all is not this check's to
+    report: the server says so."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except (socket.gaierror, IndexError):
+        return True
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            return exc.errno != errno.EADDRINUSE
+    return True
 
 
 def pid_alive(pid: int) -> bool:
@@ -272,11 +292,29 @@ class LocalKafka(Component):
         return self.data_dir / "broker.pid"
 
     def pid(self) -> int | None:
+        """The pid of this node's running JVM, from its pid file. A file naming a live process that is not
+        this node's JVM (a reboot or a crash left it, and the pid went to another program) is stale: it is
+        removed, so nothing signals that program."""
         try:
             pid = int(self.pid_file.read_text().strip())
         except (FileNotFoundError, ValueError):
             return None
-        return pid if pid_alive(pid) else None
+        if not pid_alive(pid):
+            return None
+        if not self._runs_this_node(pid):
+            self.pid_file.unlink(missing_ok=True)
+            return None
+        return pid
+
+    def _runs_this_node(self, pid: int) -> bool:
+        """Whether process ``pid`` was started with this node's ``server.properties`` (see :meth:`launch`)."""
+        try:
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except FileNotFoundError:
+            return not Path("/proc/self").exists()  # no procfs to ask: trust the pid file
+        except OSError:
+            return False
+        return os.fsencode(self.data_dir / "server.properties") in args
 
     def running(self) -> bool:
         return self.pid() is not None and port_open(self.port)
@@ -354,6 +392,11 @@ class LocalKafka(Component):
         of a cluster all start before any can serve (its controllers need a majority)."""
         if port_open(self.port):
             raise BrokerError(f"port {self.port} is taken by another program; set SLUICE_KAFKA_PORT")
+        if port_open(self.controller_port):
+            raise BrokerError(
+                f"port {self.controller_port} (Kafka's controller, after its client port {self.port}) is taken "
+                "by another program; set SLUICE_KAFKA_PORT"
+            )
         home = fetch_kafka(self.cache_dir, self.version, self.progress)
         props = self.write_config()
         self._format(home, props)
@@ -379,6 +422,11 @@ class LocalKafka(Component):
                 preexec_fn=die_with_parent if self.die_with_parent else None,
             )
         self.pid_file.write_text(str(self._proc.pid))
+
+    def exit_code(self) -> int | None:
+        """The exit status of the JVM this object started, once it has exited; None while it runs, or when
+        this object started none."""
+        return None if self._proc is None else self._proc.poll()
 
     def raise_if_exited(self) -> None:
         """Raise BrokerError (with the log's tail) if the JVM this object started has exited."""

@@ -87,7 +87,9 @@ def test_stop_reaches_a_node_another_process_started_after_a_crash(tmp_path: Pat
     first = subprocess.Popen([sys.executable, "-c", "pass"])
     first.wait()
     node._proc = first  # what this object started: gone
-    again = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    again = subprocess.Popen(  # named like the node's JVM: by its server.properties
+        [sys.executable, "-c", "import time; time.sleep(60)", str(tmp_path / "server.properties")]
+    )
     try:
         node.pid_file.write_text(str(again.pid))  # what the other process started
         began = time.monotonic()

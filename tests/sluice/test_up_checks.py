@@ -1,0 +1,266 @@
+"""``sluice up`` refuses what would fail late before anything starts (a port another service or program
+holds), says plainly what went wrong while it runs (its Kafka dying, a port taken since), and a Ctrl-C
+during Kafka's first start is a stop, not an error. Found by an audit."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import io
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from confluent_kafka import KafkaException
+from confluent_kafka.admin import AdminClient
+from rich.console import Console
+
+from gpu_workers.settings import WorkerSettings
+from infra.errors import InfraError
+from infra.kafka.broker import BrokerError, LocalKafka, free_port
+from infra.topics import TopicChange
+from ingest.settings import EdgeSettings
+from schemas.lifecycle import AsyncComponent
+from schemas.settings import PlatformSettings
+from sluice import up
+from sluice.autoscale import FleetSettings
+from streams.settings import StreamsSettings
+
+
+@contextmanager
+def held(port: int | None = None) -> Iterator[int]:
+    """A port another program listens on."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", free_port() if port is None else port))
+        sock.listen()
+        yield int(sock.getsockname()[1])
+
+
+@pytest.fixture
+def started(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """``run_platform`` with the platform itself replaced: what it got as far as starting."""
+    for name in [k for k in os.environ if k.startswith("SLUICE_") and k != "SLUICE_CACHE_DIR"]:
+        monkeypatch.delenv(name)
+    began: list[str] = []
+
+    async def serve(*_args: object) -> None:
+        began.append("the platform")
+
+    monkeypatch.setattr(up, "place_box", lambda *_args: ("", {}))
+    monkeypatch.setattr(up, "observe", lambda *_args: None)
+    monkeypatch.setattr(up, "_serve", serve)
+    return began
+
+
+def _run(settings: PlatformSettings, port: int | None = None) -> tuple[int, list[str]]:
+    screen = io.StringIO()
+    code = up.run_platform(settings, Console(file=screen, width=300), Console(file=screen, width=300), port)
+    return code, screen.getvalue().splitlines()
+
+
+def _free_pair() -> int:
+    """A port whose next port is free too (a Kafka node's client and controller)."""
+    while True:
+        port = free_port()
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+
+
+@pytest.mark.parametrize("other", ["SLUICE_STREAMS_PORT", "SLUICE_WORKER_OPS_PORT", "kafka"])
+def test_an_edge_port_another_service_of_the_platform_listens_on_is_refused(
+    started: list[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path, other: str
+) -> None:
+    """Before, with --port = the worker ops port the edge bound first, the worker crash-looped, and up's
+    readiness poll of that port got the edge's answer and said "sluicegate is up"."""
+    kafka = _free_pair()
+    port = kafka if other == "kafka" else free_port()
+    if other != "kafka":
+        monkeypatch.setenv(other, str(port))
+    code, lines = _run(PlatformSettings(data_dir=str(tmp_path), kafka_port=kafka), port)
+    assert code == 2
+    assert lines == [lines[0]]
+    assert lines[0].startswith(f"settings error: edge port {port} (--port or SLUICE_EDGE_PORT) is ")
+    assert started == []
+
+
+@pytest.mark.parametrize(
+    "holder",
+    ["--port", "SLUICE_STREAMS_PORT", "SLUICE_WORKER_OPS_PORT", "SLUICE_KAFKA_PORT", "controller"],
+)
+def test_a_port_another_program_holds_is_refused_before_anything_starts(
+    started: list[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path, holder: str
+) -> None:
+    """Before, everything started and then the edge died with a 60-line traceback, or `sluice streams`
+    crash-looped for 120 s, or Kafka's controller printed a Java stack trace."""
+    kafka = _free_pair()
+    with held(kafka + 1 if holder == "controller" else None) as port:
+        if holder.startswith("SLUICE_") and holder != "SLUICE_KAFKA_PORT":
+            monkeypatch.setenv(holder, str(port))
+        if holder == "SLUICE_KAFKA_PORT":
+            kafka = port
+        code, lines = _run(
+            PlatformSettings(data_dir=str(tmp_path), kafka_port=kafka),
+            port if holder == "--port" else free_port(),
+        )
+    assert code == 2
+    assert lines == [lines[0]]
+    assert lines[0].startswith(f"settings error: port {port} (")
+    assert "is taken by another program" in lines[0]
+    assert ("SLUICE_KAFKA_PORT" if holder == "controller" else holder) in lines[0]
+    assert started == []
+    assert not (tmp_path / "kafka").exists()
+
+
+class _TakenEdge(AsyncComponent):
+    async def _start(self) -> None:
+        raise OSError(errno.EADDRINUSE, "Address already in use")
+
+    async def stop(self) -> None:
+        pass
+
+
+async def test_an_edge_port_taken_since_the_check_is_one_line() -> None:
+    with pytest.raises(InfraError) as raised:
+        await up._listen(_TakenEdge(), EdgeSettings(edge_port=48080))
+    assert str(raised.value) == (
+        "the edge cannot listen on 127.0.0.1:48080: Address already in use; pick another --port"
+    )
+
+
+# ---------------------------------------------------------------- _serve, as far as Kafka and topics
+
+
+class _Broker:
+    """What ``sluice up`` sees of the local Kafka it starts."""
+
+    def __init__(self, nodes: list[LocalKafka], start: object = None) -> None:
+        self.nodes = nodes
+        self.bootstrap = "127.0.0.1:1"
+        self.start = start or (lambda: None)
+        self.stopped = False
+
+    def running(self) -> bool:
+        return False
+
+    def stop(self) -> None:
+        self.stopped = True
+
+
+@pytest.fixture
+def stop(monkeypatch: pytest.MonkeyPatch) -> asyncio.Event:
+    """The platform's stop (a Ctrl-C), without signal handlers on the tests' loop."""
+    event = asyncio.Event()
+    monkeypatch.setattr(up, "stop_on_signals", lambda: event)
+    return event
+
+
+async def _serve(settings: PlatformSettings, screen: io.StringIO) -> None:
+    console = Console(file=screen, width=300)
+    await up._serve(
+        settings, EdgeSettings(), FleetSettings(), StreamsSettings(), console, console, WorkerSettings(), {}
+    )
+
+
+async def test_a_ctrl_c_during_kafkas_first_format_is_a_stop_not_an_error(
+    stop: asyncio.Event, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    loop = asyncio.get_running_loop()
+
+    def start() -> None:  # the Ctrl-C reaches the format tool too: it fails with an empty reason
+        loop.call_soon_threadsafe(stop.set)
+        time.sleep(0.2)
+        raise BrokerError(f"formatting KRaft storage in {tmp_path} failed:\n")
+
+    monkeypatch.setattr(up, "started_broker", lambda *_args: _Broker([], start))
+    screen = io.StringIO()
+    await _serve(PlatformSettings(data_dir=str(tmp_path)), screen)
+    assert screen.getvalue().splitlines()[-1] == "stopping..."
+
+
+def _exited(code: int) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen([sys.executable, "-c", f"raise SystemExit({code})"])
+    proc.wait()
+    return proc
+
+
+async def test_up_restarts_its_kafka_node_when_the_jvm_dies_and_says_so(
+    stop: asyncio.Event, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Before, Kafka dying while `sluice up` ran went unnoticed: every service lost its broker for good."""
+    node = LocalKafka(tmp_path, tmp_path / "cache", "4.3.1", port=free_port(), controller_port=free_port())
+    node._proc = _exited(3)  # the JVM it started, dead
+    again: list[subprocess.Popen[bytes]] = []
+
+    def launch() -> None:
+        node._proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+        again.append(node._proc)
+
+    monkeypatch.setattr(node, "launch", launch)
+    broker = _Broker([node])
+    monkeypatch.setattr(up, "started_broker", lambda *_args: broker)
+    screen = io.StringIO()
+
+    def apply_topics(*_args: object) -> list[TopicChange]:  # the platform runs on while Kafka restarts
+        deadline = time.monotonic() + 6
+        while time.monotonic() < deadline and not again:
+            time.sleep(0.05)
+        raise InfraError("done")
+
+    monkeypatch.setattr(up, "apply_topics", apply_topics)
+    try:
+        with pytest.raises(InfraError, match="done"):
+            await _serve(PlatformSettings(data_dir=str(tmp_path)), screen)
+    finally:
+        for proc in again:
+            proc.kill()
+            proc.wait()
+    lines = screen.getvalue().splitlines()
+    assert f"Kafka node 1 exited with 3 (its log: {tmp_path / 'broker.log'}); restarting in 1s" in lines
+    assert "Kafka node 1 started again" in lines
+    assert len(again) == 1
+    assert broker.stopped
+
+
+async def test_kafka_is_not_restarted_once_the_platform_stops(tmp_path: Path) -> None:
+    node = LocalKafka(tmp_path, tmp_path / "cache", "4.3.1", port=free_port(), controller_port=free_port())
+    node._proc = _exited(0)
+    launched: list[bool] = []
+    node.launch = lambda: launched.append(True)  # type: ignore[method-assign]
+    halt = asyncio.Event()
+    screen = io.StringIO()
+    watch = up.KafkaWatch([node], Console(file=screen), halt, backoff_s=0.05, poll_s=0.05)
+    halt.set()  # a Ctrl-C: the nodes are stopped next, on purpose
+    await watch.start()
+    await asyncio.sleep(0.3)
+    await asyncio.wait_for(watch.stop(), 5)
+    assert launched == []
+    assert screen.getvalue() == ""
+
+
+async def test_up_keeps_librdkafkas_log_out_of_the_terminal_when_kafka_does_not_answer(
+    stop: asyncio.Event, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Before, `sluice up` with an unreachable SLUICE_KAFKA_BOOTSTRAP printed ~580 connection failures before
+    its one-line error."""
+
+    def apply_topics(admin: AdminClient, *_args: object) -> list[TopicChange]:
+        try:
+            admin.list_topics(timeout=2)
+        except KafkaException as exc:
+            raise InfraError(f"listing the topics failed: {exc}") from exc
+        raise AssertionError("a Kafka answered at 127.0.0.1:1")
+
+    monkeypatch.setattr(up, "apply_topics", apply_topics)
+    with pytest.raises(InfraError, match="listing the topics failed"):
+        await _serve(PlatformSettings(kafka_bootstrap="127.0.0.1:1"), io.StringIO())
+    assert "|FAIL|" not in capfd.readouterr().err
