@@ -292,6 +292,8 @@ class StreamsApp(AsyncComponent):
         """On the polling thread: hand a batch to the loop (:meth:`_pipelined`) and wait until it is
         prepared; its offsets are committed once it is written."""
         loop, sink = self._loop, self._sink
+        if loop is not None and sink is None:
+            return  # stopping: left uncommitted, for the next owner (it raised, and logged a traceback)
         if loop is None or sink is None:
             raise RuntimeError("the sink consumes before the app started")
         records, offsets = consumed(messages)
