@@ -137,16 +137,22 @@ class ServiceProcess:
         *,
         backoff_s: float = 1.0,
         halt: asyncio.Event | None = None,
+        healthy_s: float = 60.0,
     ) -> None:
         """``halt`` is the whole platform's stop: a child that exits once it is set (a Ctrl-C reaches the
         whole process group, so children exit on their own as ``sluice up`` starts stopping) is not
-        restarted."""
+        restarted. A child that ran ``healthy_s`` before it exited is restarted after the first back-off
+        again, not the last one (an audit: a worker that crashed twice at start waited 30 s to come back
+        from a crash days later)."""
         self.name = name
         self._backoff_s = backoff_s
+        self._healthy_s = healthy_s
         self._halt = halt
         self._stop_requested = asyncio.Event()
         self.exits = 0
         """How often the child exited on its own (each one is followed by a restart after a back-off)."""
+        self.backoffs: list[float] = []
+        """The back-off before each restart, in order."""
         self._args = args
         self._env = env
         self._console = console
@@ -164,6 +170,7 @@ class ServiceProcess:
     async def _supervise(self) -> None:
         backoff = self._backoff_s
         while not self._stopping:
+            began = time.monotonic()
             self._proc = await asyncio.create_subprocess_exec(
                 sys.executable,
                 "-m",
@@ -176,6 +183,9 @@ class ServiceProcess:
             if self.stopping or self._halting():
                 return
             self.exits += 1
+            if time.monotonic() - began >= self._healthy_s:
+                backoff = self._backoff_s
+            self.backoffs.append(backoff)
             self._console.print(f"[yellow]{self.name} exited with {code}; restarting in {backoff:.0f}s[/]")
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(backoff):  # a stop during the back-off ends it at once

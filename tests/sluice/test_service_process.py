@@ -142,3 +142,36 @@ async def test_a_warm_standby_that_joined_restarts_as_a_serving_worker(
         await asyncio.sleep(0.05)
     await worker.process.stop()
     assert log.read_text().splitlines()[:2] == ["start standby=true", "start standby=None"]
+
+
+_EXITS_AFTER = r"""
+import pathlib, sys, time
+runs = pathlib.Path(sys.argv[1])
+n = len(runs.read_text().splitlines()) if runs.exists() else 0
+with runs.open("a") as f:
+    f.write("run\n")
+time.sleep(0.6 if n == 2 else 0.0)  # the third run is a healthy one, then it crashes too
+sys.exit(1)
+"""
+
+
+async def test_a_child_that_ran_healthily_restarts_after_the_first_back_off_again(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Found by an audit: the back-off only grew, so a worker that crashed twice at start waited up to 30 s
+    to come back from a crash days later."""
+    runs = tmp_path / "runs.txt"
+    spawn = asyncio.create_subprocess_exec
+
+    async def child(*_args: object, env: dict[str, str] | None = None, **kw: object) -> object:
+        return await spawn(sys.executable, "-c", _EXITS_AFTER, str(runs), env=env)
+
+    monkeypatch.setattr(asyncio, "create_subprocess_exec", child)
+    supervised = ServiceProcess("flaky", [], Console(quiet=True), {}, backoff_s=0.05, healthy_s=0.5)
+    await supervised.start()
+    for _ in range(400):
+        if supervised.exits >= 4:
+            break
+        await asyncio.sleep(0.05)
+    await supervised.stop()
+    assert supervised.backoffs[:4] == [0.05, 0.1, 0.05, 0.1]  # reset after the healthy third run
