@@ -28,7 +28,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 from confluent_kafka import Consumer, TopicPartition
@@ -147,6 +147,9 @@ class TopicChain:
     """The last entry read: where the chain goes on."""
     origin: str = ""
     """The head's ``details[ORIGIN]``."""
+    origins: dict[int, int] = field(default_factory=dict)
+    """The last offset each source partition of its entries reached (``details[ORIGIN]``): a chain whose
+    tenant moved partition (the ``results`` topic grew) has entries from two."""
     entries: int = 0
     problem: Problem | None = None
     """The first inconsistency of the topic's own chain: a fork, a gap, an entry that does not hash."""
@@ -178,6 +181,9 @@ class TopicChain:
         self.first = seq if self.first < 0 else min(self.first, seq)
         self.head = AuditHead(seq=seq, entry_hash=digest)
         self.origin = entry.details.get(ORIGIN, "")
+        place = origin_of(self.origin)
+        if place is not None:
+            self.origins[place[0]] = max(place[1], self.origins.get(place[0], -1))
         self.entries += 1
         if seq == self.probe:
             self.probed = digest
@@ -201,6 +207,14 @@ class TopicChain:
     def _flag(self, seq: int, reason: str) -> None:
         if self.problem is None:
             self.problem = Problem(self.chain, seq, f"on the audit topic: {reason}")
+
+
+def origin_of(origin: str) -> Position | None:
+    """The (partition, offset) an entry's ``details[ORIGIN]`` names (``"3:41"``), if it names one."""
+    partition, sep, offset = origin.partition(":")
+    if sep and partition.isdigit() and offset.isdigit():
+        return int(partition), int(offset)
+    return None
 
 
 def read_chains(
@@ -237,9 +251,11 @@ class Anchored:
     """Where each chain goes on, and what the worker found at start."""
 
     heads: dict[str, AuditHead]
-    offsets: dict[str, Position]
-    """Per chain: the (partition, offset) its head entry was built from; redelivered events up to it are
-    skipped."""
+    offsets: dict[str, dict[int, int]]
+    """Per chain, per source partition: the last offset its entries were built from; redelivered events up
+    to it are skipped. Per partition: after the ``results`` topic grew, a tenant's chain goes on from
+    another partition, and a crash then redelivered the first one's records, chained again (an audit:
+    duplicate entries that verified)."""
     healed: dict[str, tuple[int, int]]
     """Per chain the warehouse was behind on: the first and last seq inserted from the topic."""
     conflicts: dict[str, str]
@@ -279,26 +295,30 @@ def anchor_chains(
         stored[name] = (head, details.get(ORIGIN, ""))
     chains, read = read_chains(records(), probes={name: head.seq for name, (head, _) in stored.items()})
     heads: dict[str, AuditHead] = {}
-    offsets: dict[str, Position] = {}
+    offsets: dict[str, dict[int, int]] = {}
     conflicts: dict[str, str] = {}
     behind: dict[str, int] = {}
     for name in sorted(stored.keys() | chains.keys()):
         logged = chains.get(name)
+        origins: dict[int, int] = {}
         if logged is None or logged.head is None:
             heads[name], origin = stored[name]
             if name in malformed:
                 conflicts[name] = malformed[name]
         else:
             heads[name], origin = logged.head, logged.origin
+            origins = dict(logged.origins)
             last = stored[name][0] if name in stored else None
             reason = malformed.get(name) or _disagreement(last, logged)
             if reason is not None:
                 conflicts[name] = reason
             elif logged.head.seq > (last.seq if last is not None else -1):
                 behind[name] = last.seq if last is not None else -1
-        partition, sep, offset = origin.partition(":")
-        if sep and partition.isdigit() and offset.isdigit():
-            offsets[name] = (int(partition), int(offset))
+        place = origin_of(origin)
+        if place is not None:
+            origins[place[0]] = max(place[1], origins.get(place[0], -1))
+        if origins:
+            offsets[name] = origins
     healed = _heal(records(), behind, heal, chunk) if behind else {}
     problems = [c.problem for c in chains.values() if c.problem is not None]
     return Anchored(heads, offsets, healed, conflicts, problems, read)

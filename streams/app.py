@@ -191,8 +191,8 @@ class StreamsApp(AsyncComponent):
         self._storing: asyncio.Task[Batch] | None = None
         """The insert of the batch before the one being prepared."""
         self._heads: dict[str, AuditHead] | None = None
-        self._offsets: dict[str, Position] = {}
-        """Per chain: the (partition, offset) its last audit entry came from."""
+        self._offsets: dict[str, dict[int, int]] = {}
+        """Per chain, per source partition: the offset its last audit entry from there came from."""
         self.audit_conflicts: dict[str, str] = {}
         """Chains whose warehouse rows disagree with the audit topic (why): their rows are withheld."""
         self._anchor_timeout_s = settings.streams_audit_anchor_timeout_s
@@ -493,8 +493,8 @@ class StreamsApp(AsyncComponent):
         entries: list[AuditEntry] = []
         for record, event in todo:
             chain = chain_of(event)
-            last = self._offsets.get(chain)
-            if last is not None and last[0] == record.partition and record.offset <= last[1]:
+            reached = self._offsets.setdefault(chain, {})
+            if record.offset <= reached.get(record.partition, -1):
                 continue  # delivered again after its entry was stored
             origin = {ORIGIN: f"{record.partition}:{record.offset}"}
             entry = (
@@ -503,7 +503,7 @@ class StreamsApp(AsyncComponent):
                 else admin_action(heads.get(chain), chain, event, origin)
             )
             heads[chain] = AuditHead(seq=entry.seq, entry_hash=entry.entry_hash)
-            self._offsets[chain] = (record.partition, record.offset)
+            reached[record.partition] = record.offset
             entries.append(entry)
         values = [encode(entry) for entry in entries]
         return list(zip(entries, values, await self._publish(entries, values), strict=True))
@@ -513,7 +513,8 @@ class StreamsApp(AsyncComponent):
         (:func:`streams.anchor.anchor_chains`); on the writer's thread. Called at start."""
         loop = asyncio.get_running_loop()
         anchored = await loop.run_in_executor(self._executor, self._anchor)
-        self._heads, self._offsets = dict(anchored.heads), dict(anchored.offsets)
+        self._heads = dict(anchored.heads)
+        self._offsets = {chain: dict(reached) for chain, reached in anchored.offsets.items()}
         self.audit_conflicts = dict(anchored.conflicts)
         metrics.STREAMS_AUDIT_CONFLICTS.set(len(anchored.conflicts))
         for chain, (first, last) in anchored.healed.items():

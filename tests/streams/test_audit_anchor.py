@@ -123,6 +123,23 @@ def test_the_topic_view_names_a_gap_a_broken_link_and_an_entry_that_does_not_has
     assert unhashed.reason == "on the audit topic: the entry does not hash to its entry_hash"
 
 
+def test_a_chain_from_two_source_partitions_skips_redeliveries_of_both() -> None:
+    """Found by an audit: the results topic grew, a tenant's chain went on from a new partition, and a
+    crash redelivered the old partition's records: the worker kept only the head's (partition, offset),
+    chained them again (and the new partition's after them), and the duplicates verified."""
+    head: AuditHead | None = None
+    entries: list[AuditEntry] = []
+    for origin in ("1:5", "1:6", "2:0", "2:1"):
+        entry = admin_entry(
+            head, tenant="acme", actor="a", action="budget.update", resource="budget:acme",
+            decision="allowed", details={ORIGIN: origin}, source="test",
+        )  # fmt: skip
+        entries.append(entry)
+        head = AuditHead(seq=entry.seq, entry_hash=entry.entry_hash)
+    anchored = anchor_chains([], lambda: placed(entries), Healer())
+    assert anchored.offsets == {"acme": {1: 6, 2: 1}}
+
+
 def test_anchoring_goes_on_from_the_topic_and_heals_a_warehouse_behind_it() -> None:
     acme, globex = chain("acme", 6), chain("globex", 3)
     old = admin_entry(
@@ -146,7 +163,7 @@ def test_anchoring_goes_on_from_the_topic_and_heals_a_warehouse_behind_it() -> N
         "globex": AuditHead(seq=2, entry_hash=globex[2].entry_hash),
         "admin:budget:x": AuditHead(seq=0, entry_hash=old.entry_hash),
     }
-    assert anchored.offsets == {"admin:budget:x": (0, 41)}
+    assert anchored.offsets == {"admin:budget:x": {0: 41}}
     assert anchored.healed == {"acme": (3, 5), "globex": (0, 2)}
     assert heal.calls == [
         [("globex", 0), ("globex", 1)],
