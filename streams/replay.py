@@ -65,7 +65,7 @@ def replay(
     began = monotonic()
     names = TopicNames(platform.topic_prefix)
     consumer = Consumer(consumer_config(platform.kafka, None, "sluice-replay"))
-    rows = Rows(prices, store_content=store_content, decisions_from_topic=True)
+    rows = Rows(prices, store_content=store_content, decisions_from_topic=True, results_topic=names.results)
     try:
         try:
             ends = _ends(consumer, sink_topics(names, request_topics))

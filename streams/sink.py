@@ -99,11 +99,21 @@ class Rows:
     ``drift_reports`` rows (replay). The live worker makes those decisions itself and adds their rows."""
 
     def __init__(
-        self, prices: PriceTable, *, store_content: bool = False, decisions_from_topic: bool = False
+        self,
+        prices: PriceTable,
+        *,
+        store_content: bool = False,
+        decisions_from_topic: bool = False,
+        results_topic: str | None = None,
     ) -> None:
+        """``results_topic``: the only topic whose terminal events are billed (``request_facts``) and
+        audited; one read from another is set aside to be dead-lettered (an audit: a ``RequestFinished``
+        produced by mistake to ``usage``, ``cancels`` or a request topic was billed, and in no audit
+        chain). None: from any (a test's)."""
         self._prices = prices
         self._store_content = store_content
         self._decisions_from_topic = decisions_from_topic
+        self._results_topic = results_topic
 
     def raw_row(
         self, event: Event, topic: str, partition: int, offset: int, *, encoded: bytes | None = None
@@ -134,7 +144,7 @@ class Rows:
         for record in records:
             try:
                 event = decode(record.value)
-                rows = self._rows_of(event)
+                rows = self._rows_of(event, record.topic)
             except DecodeError as exc:
                 out.undecodable.append((record, exc))
                 continue
@@ -147,11 +157,14 @@ class Rows:
                 getattr(out, table).append(row)
         return out
 
-    def _rows_of(self, event: Event) -> list[tuple[str, list[Any]]]:
-        """(the :class:`Batch` field, its row) for each table row ``event`` makes, besides ``events_raw``."""
+    def _rows_of(self, event: Event, topic: str) -> list[tuple[str, list[Any]]]:
+        """(the :class:`Batch` field, its row) for each table row ``event`` (read from ``topic``) makes,
+        besides ``events_raw``."""
         if isinstance(event, RequestFinished):
             if not event.tenant:
                 raise ValueError("a terminal event needs a tenant")
+            if self._results_topic is not None and topic != self._results_topic:
+                raise DecodeError(f"a terminal event on {topic}: only {self._results_topic} carries them")
             rows = [("facts", fact_row(event, self._prices))]
             # An offline job's inputs say nothing of the live traffic's drift, nor does a shadow copy
             # ended unrun (its candidate stopped serving: cancelled, named after the stable version).

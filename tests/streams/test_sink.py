@@ -236,6 +236,19 @@ def test_every_table_holds_what_clickhouse_connects_own_insert_writes(warehouse:
     assert stored.text == TRICKY
 
 
+def test_a_terminal_event_read_off_another_topic_is_set_aside_not_billed() -> None:
+    """Found by an audit: a ``RequestFinished`` produced by mistake to ``usage``, ``cancels`` or a request
+    topic was billed (its ``request_facts`` row counted in the tenant's spend and budget) and audited
+    nowhere (only ``results`` feeds the audit chains)."""
+    sink = Rows(PriceTable(), results_topic="p.results")
+    for topic in ("p.usage", "p.cancels", "p.requests.demo-gpt"):
+        out = sink.batch(records(finished(), topic=topic))
+        assert (out.facts, out.drift, out.events) == ([], [], [])
+        ((_, why),) = out.undecodable  # dead-lettered by the sink
+        assert f"a terminal event on {topic}: only p.results carries them" in str(why)
+    assert len(sink.batch(records(finished(), topic="p.results")).facts) == 1
+
+
 @pytest.mark.integration
 def test_the_sink_writes_every_table(warehouse: Client) -> None:
     batch = every_table(datetime.now(UTC))
