@@ -29,6 +29,7 @@ import logging
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 
 import msgspec
 from confluent_kafka import Consumer, TopicPartition
@@ -47,6 +48,7 @@ from streams.audit import (
     Problem,
     VerifyReport,
     canonical,
+    newest_times,
     row_canonical,
     rows_at,
     verify_warehouse,
@@ -419,8 +421,16 @@ def verify_anchored(
     probes = {name: head.seq for name, head in report.heads.items()}
     suspects = {problem.tenant for problem in report.problems}
 
+    oldest: list[datetime] = []  # the oldest entry the topic still holds (every chain's)
+
+    def timed(records: Iterable[Placed]) -> Iterator[Placed]:
+        for placed in records:
+            if not oldest or placed[0].time < oldest[0]:
+                oldest[:] = [placed[0].time]
+            yield placed
+
     def scan(keep: Collection[str], *, check: bool) -> tuple[dict[str, TopicChain], int]:
-        records = audit_records(settings.kafka, extent, VERIFY_CLIENT, timeout_s=timeout_s)
+        records = timed(audit_records(settings.kafka, extent, VERIFY_CLIENT, timeout_s=timeout_s))
         return read_chains(records, tenant=tenant, probes=probes, keep_hashes=keep, check_hashes=check)
 
     chains, read = scan(suspects, check=True)
@@ -449,6 +459,8 @@ def verify_anchored(
             compare.add(name)
         if stored is not None and logged.probed is not None and logged.probed != stored.entry_hash:
             compare.add(name)  # the rows differ from the topic's at or before the warehouse's last seq
+    problems += _added_chains(settings, report, unanchored, oldest[0] if oldest else None)
+    unanchored = [name for name in unanchored if name not in {p.tenant for p in problems}]
     for name in _settle(settings, cut, settle_s):
         problems.append(_cut_tail(name, report.heads.get(name), cut[name]))
     later = {name for name in compare - suspects if name in chains}
@@ -462,6 +474,37 @@ def verify_anchored(
     return AnchoredReport(
         warehouse=report, problems=problems, topic_entries=read, anchored=len(chains), unanchored=unanchored
     )
+
+
+def _added_chains(
+    settings: PlatformSettings, report: VerifyReport, unanchored: Sequence[str], oldest: datetime | None
+) -> list[Problem]:
+    """The chains with no entry on the topic whose rows are no older than the oldest entry it holds: not
+    aged out by its retention, so never on it (an audit: a chain fabricated in ``audit_log`` with valid
+    hashes, dated now, verified as "older than its retention")."""
+    if oldest is None or not unanchored:
+        return []  # nothing on the topic to date its retention by
+    problems: list[Problem] = []
+    for name, newest_ms in sorted(newest_times(settings, unanchored).items()):
+        newest = datetime.fromtimestamp(newest_ms / 1000, UTC)
+        if newest >= _utc(oldest):
+            head = report.heads.get(name)
+            problems.append(
+                Problem(
+                    name,
+                    head.seq if head is not None else 0,
+                    f"the chain has no entry on the audit topic, yet its newest row ({newest:{STAMP}}) "
+                    f"is no older than the topic's oldest entry ({_utc(oldest):{STAMP}}): rows added",
+                )
+            )
+    return problems
+
+
+STAMP = "%Y-%m-%d %H:%M:%S"
+
+
+def _utc(moment: datetime) -> datetime:
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
 
 
 def _settle(settings: PlatformSettings, cut: Mapping[str, TopicChain], settle_s: float) -> list[str]:

@@ -502,6 +502,22 @@ def warehouse_rows(
         after = (str(last["tenant"]), int(last["seq"]))
 
 
+def newest_times(settings: PlatformSettings, tenants: Collection[str]) -> dict[str, int]:
+    """Each chain's newest entry time in ``audit_log`` (unix ms; those with any), for ``tenants``."""
+    found: dict[str, int] = {}
+    ordered = sorted(set(tenants))
+    for start in range(0, len(ordered), 500):
+        chunk = ordered[start : start + 500]
+        sql = (
+            f"SELECT tenant, toUnixTimestamp64Milli(max(time)) AS newest FROM audit_log FINAL "  # noqa: S608
+            f"WHERE tenant IN ({', '.join(map(_literal, chunk))}) GROUP BY tenant"
+        )
+        result = query_warehouse(settings, sql, max_rows=len(chunk))
+        for tenant, newest in result.rows:
+            found[str(tenant)] = int(str(newest))
+    return found
+
+
 def rows_at(
     settings: PlatformSettings, keys: Collection[tuple[str, int]]
 ) -> dict[tuple[str, int], dict[str, Any]]:

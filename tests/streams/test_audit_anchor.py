@@ -290,6 +290,27 @@ def test_verify_names_a_cut_tail_and_a_deleted_chain_the_warehouse_alone_cannot_
 
 
 @pytest.mark.integration
+def test_verify_flags_a_chain_added_to_the_warehouse_alone(anchored_settings: PlatformSettings) -> None:
+    """Found by an audit: a chain fabricated in ``audit_log`` (valid hashes, dated now) with no entry on the
+    topic verified, said to be "older than its retention". A chain with no entry on the topic is that only
+    when its rows are older than the oldest entry the topic holds."""
+    settings = anchored_settings
+    publish_chains(settings, {"acme": 2})
+    with warehouse(settings) as client:  # a chain in the table alone, as new as the topic's
+        client.insert(
+            "audit_log", [audit_row(entry) for entry in chain("ghost", 2)], column_names=AUDIT_COLUMNS
+        )
+    failed = verify(settings)
+    assert failed.returncode == 1, failed.stdout + failed.stderr
+    assert (
+        "tenant 'ghost' seq 1: the chain has no entry on the audit topic, yet its newest row ("
+        in failed.stdout
+    )
+    assert "rows added" in failed.stdout
+    assert "acme" not in failed.stdout.split("FAILED")[0]
+
+
+@pytest.mark.integration
 def test_verify_flags_rows_that_differ_from_the_topic_and_missing_middle_rows(
     anchored_settings: PlatformSettings,
 ) -> None:
