@@ -198,8 +198,24 @@ def _testable(reference: pd.DataFrame, current: pd.DataFrame, min_samples: int) 
     ]
 
 
+PER_ANSWER: frozenset[str] = frozenset(
+    {"output_chars", "output_script", "empty_output", "refusal", "mean_logprob", "mean_entropy"}
+)
+"""Features of a request's answer: a worker measures them on completed requests only, so their share not
+measured is taken over those. An audit: over every request, a model failing 30 % of its requests (or all
+of them, an outage) had these "30 % missing", a ``data_quality`` verdict ("the feature pipeline changed")
+that outranks ``drift``: the failures reported as a broken pipeline, not as the drift they are."""
+
+
 def _null_shares(frame: pd.DataFrame) -> dict[str, float]:
-    return {name: float(frame[name].isna().mean()) for name in frame.columns}
+    completed = frame["status"] == "completed" if "status" in frame.columns else None
+    shares: dict[str, float] = {}
+    for name in frame.columns:
+        column = frame[name]
+        if name in PER_ANSWER and completed is not None:
+            column = column[completed]
+        shares[name] = float(column.isna().mean()) if len(column) else 0.0
+    return shares
 
 
 # --------------------------------------------------------------------------------------------- quality

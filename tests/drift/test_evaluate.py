@@ -240,6 +240,27 @@ def test_a_feature_that_went_missing_is_a_data_quality_finding() -> None:
     assert entropy.reference_null_share == 0.0
 
 
+@pytest.mark.parametrize("failed", [300, 1000])
+def test_failures_are_drift_not_a_broken_feature_pipeline(failed: int) -> None:
+    """Found by an audit: a failed request has no answer to measure, and its answer's features counted as
+    missing over every request: 30 % failing (or an outage) read as a broken feature pipeline
+    (``data_quality``, which outranks drift), while 15 % read as drift."""
+    rng = np.random.default_rng(21)
+    reference, current = _window(rng), _window(rng)
+    current.loc[: failed - 1, "status"] = "failed"
+    current.loc[: failed - 1, "finish_reason"] = "error"
+    for name in ("output_chars", "mean_logprob", "mean_entropy"):
+        current[name] = current[name].astype(float)
+        current.loc[: failed - 1, name] = np.nan
+    for name in ("output_script", "empty_output", "refusal"):
+        current[name] = current[name].astype(object)
+        current.loc[: failed - 1, name] = None
+    result = evaluate(reference, current, _none(), _none())
+    assert result.quality == []
+    assert result.verdict == "drift"
+    assert {"status", "finish_reason"} <= _drifted(result)
+
+
 def test_values_out_of_range_are_a_data_quality_finding() -> None:
     rng = np.random.default_rng(15)
     reference, current = _window(rng), _window(rng)
