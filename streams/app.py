@@ -41,6 +41,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
 from typing import Any, NamedTuple, ParamSpec
 
 import msgspec
@@ -201,7 +202,9 @@ class StreamsApp(AsyncComponent):
         self._last_batch_full = False
         self._stored_until_ms = 0
         """The latest ``finished`` time of a terminal event the sink has written (ms)."""
-        self.drift = DriftMonitor(settings, self._read, self._publish_report, self.stored_until)
+        self.drift = DriftMonitor(
+            settings, self._read, self._publish_report, self.stored_until, self._promoted
+        )
         self.rollout = RolloutController(
             self._read,
             self._publish_deployment,
@@ -273,6 +276,13 @@ class StreamsApp(AsyncComponent):
     @property
     def assigned(self) -> bool:
         return self._sink is not None and bool(self._sink.assignment())
+
+    def _promoted(self, model: str, version: str) -> datetime | None:
+        """When ``version`` was promoted to all of ``model``'s traffic, if it was and still serves it."""
+        deployment = self.rollout.deployments.get(model)
+        if deployment is None or deployment.phase != "promoted" or deployment.stable != version:
+            return None
+        return deployment.step_started or deployment.time
 
     def _owns_control(self) -> bool:
         """Whether this streams worker's sink reads the control topic (one partition) now: only that one

@@ -389,10 +389,12 @@ def judge(
     reference: tuple[Window, Sample] | None,
     current: Sample,
     config: DriftConfig,
+    notes: Sequence[str] = (),
 ) -> DriftReport:
     """The verdict on ``current`` against ``reference`` (blocking: evidently runs here). A reference whose
-    rows are gone (retention, a rebuilt warehouse) is replaced by this window, and the report says so."""
-    notes: list[str] = []
+    rows are gone (retention, a rebuilt warehouse) is replaced by this window, and the report says so
+    (``notes``: why a reference was dropped before, said the same way)."""
+    notes = list(notes)
     if reference is not None and len(reference[1]) < config.min_samples:
         gone = reference[0]
         notes.append(
@@ -458,8 +460,16 @@ class DriftMonitor:
     MAX_FAILURES = 3
 
     def __init__(
-        self, settings: StreamsSettings, query: Query, publish: Publish, watermark: Watermark | None = None
+        self,
+        settings: StreamsSettings,
+        query: Query,
+        publish: Publish,
+        watermark: Watermark | None = None,
+        promoted: Callable[[str, str], datetime | None] = lambda model, version: None,
     ) -> None:
+        """``promoted(model, version)``: when that version was promoted to all of the model's traffic, if it
+        was by a rollout (a reference taken before is replaced by the first window after)."""
+        self._promoted = promoted
         self._settings = settings
         self._query = query
         self._publish = publish
@@ -587,13 +597,25 @@ class DriftMonitor:
             raise RuntimeError("drift monitor not loaded")
         current = await self._sample(key, window, cache=False)
         reference_window = self._references.get(key)
+        notes: list[str] = []
+        promoted = self._promoted(key.model, key.model_version)
+        if reference_window is not None and promoted is not None and reference_window.start < promoted:
+            # Taken while the version served the rollout's share of the traffic (the tenants and sessions
+            # routed to it, the shadow copies): every window of the whole traffic after its promotion read
+            # as drift against it, for good (an audit). The first window after the promotion replaces it.
+            notes.append(
+                f"reference window {reference_window.start:%Y-%m-%d %H:%M:%S} - {reference_window.end:%H:%M:%S} "
+                f"was taken during the rollout of {key.model_version}, promoted at {promoted:%Y-%m-%d %H:%M:%S}; "
+                "this window replaces it"
+            )
+            reference_window = None
         reference = (
             (reference_window, await self._sample(key, reference_window, cache=True))
             if reference_window is not None and reference_window != window
             else None
         )
         began = time.perf_counter()
-        report = await asyncio.to_thread(judge, key, window, reference, current, config)
+        report = await asyncio.to_thread(judge, key, window, reference, current, config, notes)
         metrics.DRIFT_EVALUATION_SECONDS.observe(time.perf_counter() - began)
         return report
 

@@ -221,6 +221,45 @@ async def test_reference_then_no_drift_then_drift_then_a_restart_resumes(tmp_pat
 
 
 @pytest.mark.integration
+async def test_a_version_promoted_by_a_rollout_takes_its_reference_from_its_whole_traffic(
+    tmp_path: Path,
+) -> None:
+    """Found by an audit: a candidate's reference was its first window, during its canary (the tenants
+    routed to it); after its promotion the whole traffic read as drift against it in every window, for
+    good. A reference taken before the promotion is replaced by the first window after it."""
+    with warehouse(tmp_path) as client:
+        w1, w2, w3 = T0, T0 + timedelta(seconds=WINDOW_S), T0 + timedelta(seconds=2 * WINDOW_S)
+        canary, whole = window_events(w1, 120, seed=1), window_events(w2, 120, seed=2, shifted=True)
+        insert(client, rows_of(canary + whole + window_events(w3, 120, seed=3, shifted=True)))
+        published = Published(client)
+
+        async def query(sql: str) -> list[dict[str, Any]]:
+            return query_rows(client, sql)
+
+        promoted_at = w1 + timedelta(seconds=WINDOW_S - 1)  # promoted at the end of its canary window
+        promoted = DriftMonitor(settings(), query, published, promoted=lambda model, version: promoted_at)
+        done = await promoted.run_once(w3 + timedelta(seconds=WINDOW_S + 6))
+        assert verdicts(done) == ["reference", "reference", "no_drift"]
+        replaced = [r for r in done if r.tenant == ALL][1]
+        assert replaced.reference_start == w2
+        assert any("was taken during the rollout of v1" in note for note in replaced.quality)
+        # without the promotion (another version, the same traffic), it is drift against the canary window
+        again = [msgspec.structs.replace(e, model_version="v9") for e in canary + whole]
+        insert(client, rows_of(again))
+        other = Published(client)
+        done = await DriftMonitor(
+            settings(),
+            query,
+            other,
+            promoted=lambda model, version: promoted_at if version == VERSION else None,
+        ).run_once(w3 + timedelta(seconds=6))
+        assert [r.effective_verdict for r in done if r.tenant == ALL and r.model_version == "v9"] == [
+            "reference",
+            "drift",
+        ]
+
+
+@pytest.mark.integration
 async def test_too_few_samples_is_insufficient_data_never_an_alarm(tmp_path: Path) -> None:
     with warehouse(tmp_path) as client:
         insert(client, rows_of(window_events(T0, 10, seed=4, shifted=True)))
