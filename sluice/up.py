@@ -472,24 +472,19 @@ class Fleet:
 
 
 class KafkaWatch:
-    """``sluice up``'s local Kafka nodes, supervised as its child processes are: a node whose JVM exits on
-    its own (a crash, the OOM killer, a ``kill``) is named, with its exit code and its log, and started again
-    after a back-off (its data stays; clients reconnect by themselves). ``halt`` is the platform's stop:
-    nothing is restarted once it is set."""
+    """``sluice up``'s local Kafka nodes, watched: a node whose JVM exits on its own (a crash, the OOM
+    killer, a ``kill``) is named, with its exit code and its log, and how to start it again (``sluice kafka
+    up``, on its data; clients reconnect by themselves, and ``/readyz`` of the edges and workers says
+    ``kafka: false`` meanwhile). Not restarted here: a node restarted by this watch and by the operator's
+    ``sluice kafka up`` at once ran two JVMs on one node's data, and the cluster's start stopped the other
+    nodes (seen in the scale-out test). ``halt`` is the platform's stop: nothing is reported once it is set."""
 
     def __init__(
-        self,
-        nodes: Sequence[LocalKafka],
-        console: Console,
-        halt: asyncio.Event,
-        *,
-        backoff_s: float = 1.0,
-        poll_s: float = 1.0,
+        self, nodes: Sequence[LocalKafka], console: Console, halt: asyncio.Event, *, poll_s: float = 1.0
     ) -> None:
         self._nodes = list(nodes)
         self._console = console
         self._halt = halt
-        self._backoff_s = backoff_s
         self._poll_s = poll_s
         self._stopping = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -500,32 +495,19 @@ class KafkaWatch:
         ]
 
     async def stop(self) -> None:
-        """Stop watching (a start under way finishes first, so the nodes' stop reaches it)."""
         self._stopping.set()
         await asyncio.gather(*self._tasks)
 
     async def _watch(self, node: LocalKafka) -> None:
-        backoff = self._backoff_s
         while not await self._ended_within(self._poll_s):
             code = node.exit_code()
             if code is None:
                 continue
             self._console.print(
                 f"[yellow]Kafka node {node.node_id} exited with {code} (its log: {node.log_file}); "
-                f"restarting in {backoff:.0f}s[/]"
+                "`sluice kafka up` starts it again on its data[/]"
             )
-            while True:
-                if await self._ended_within(backoff):
-                    return
-                backoff = min(backoff * 2, 30.0)
-                try:
-                    await asyncio.to_thread(node.launch)
-                    break
-                except (InfraError, OSError) as exc:
-                    self._console.print(
-                        f"[yellow]Kafka node {node.node_id} did not start again: {exc}; retrying in {backoff:.0f}s[/]"
-                    )
-            self._console.print(f"Kafka node {node.node_id} started again")
+            return
 
     async def _ended_within(self, seconds: float) -> bool:
         """Wait ``seconds`` unless the watch stops first; whether it stopped (or the platform halts)."""

@@ -206,7 +206,7 @@ CLIENT_CLASSES = {
     "AIOKafkaClient",
     "AIOKafkaAdminClient",
 }
-BUILDERS = {"consumer_config", "producer_config", "client_config"}
+BUILDERS = {"consumer_config", "producer_config", "client_config", "probe_config"}
 ALLOWED = {
     # ConsumerThread is handed a consumer_config(...) (checked below) and adds only its statistics callback.
     ("bus/consumer.py", "Consumer"),

@@ -193,57 +193,47 @@ def _exited(code: int) -> subprocess.Popen[bytes]:
     return proc
 
 
-async def test_up_restarts_its_kafka_node_when_the_jvm_dies_and_says_so(
+async def test_up_says_when_its_kafka_node_dies_and_how_to_start_it_again(
     stop: asyncio.Event, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """Before, Kafka dying while `sluice up` ran went unnoticed: every service lost its broker for good."""
+    """Before, Kafka dying while `sluice up` ran went unnoticed (an audit). It is said, with the way back:
+    a restart here raced the operator's `sluice kafka up` (two JVMs on one node's data)."""
     node = LocalKafka(tmp_path, tmp_path / "cache", "4.3.1", port=free_port(), controller_port=free_port())
     node._proc = _exited(3)  # the JVM it started, dead
-    again: list[subprocess.Popen[bytes]] = []
-
-    def launch() -> None:
-        node._proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
-        again.append(node._proc)
-
-    monkeypatch.setattr(node, "launch", launch)
+    launched: list[bool] = []
+    monkeypatch.setattr(node, "launch", lambda: launched.append(True))
     broker = _Broker([node])
     monkeypatch.setattr(up, "started_broker", lambda *_args: broker)
     screen = io.StringIO()
 
-    def apply_topics(*_args: object) -> list[TopicChange]:  # the platform runs on while Kafka restarts
+    def apply_topics(*_args: object) -> list[TopicChange]:  # the platform runs on meanwhile
         deadline = time.monotonic() + 6
-        while time.monotonic() < deadline and not again:
+        while time.monotonic() < deadline and "exited" not in screen.getvalue():
             time.sleep(0.05)
         raise InfraError("done")
 
     monkeypatch.setattr(up, "apply_topics", apply_topics)
-    try:
-        with pytest.raises(InfraError, match="done"):
-            await _serve(PlatformSettings(data_dir=str(tmp_path)), screen)
-    finally:
-        for proc in again:
-            proc.kill()
-            proc.wait()
+    with pytest.raises(InfraError, match="done"):
+        await _serve(PlatformSettings(data_dir=str(tmp_path)), screen)
     lines = screen.getvalue().splitlines()
-    assert f"Kafka node 1 exited with 3 (its log: {tmp_path / 'broker.log'}); restarting in 1s" in lines
-    assert "Kafka node 1 started again" in lines
-    assert len(again) == 1
+    assert (
+        f"Kafka node 1 exited with 3 (its log: {tmp_path / 'broker.log'}); `sluice kafka up` starts it again "
+        "on its data"
+    ) in lines
+    assert launched == []
     assert broker.stopped
 
 
-async def test_kafka_is_not_restarted_once_the_platform_stops(tmp_path: Path) -> None:
+async def test_kafka_is_not_reported_once_the_platform_stops(tmp_path: Path) -> None:
     node = LocalKafka(tmp_path, tmp_path / "cache", "4.3.1", port=free_port(), controller_port=free_port())
     node._proc = _exited(0)
-    launched: list[bool] = []
-    node.launch = lambda: launched.append(True)  # type: ignore[method-assign]
     halt = asyncio.Event()
     screen = io.StringIO()
-    watch = up.KafkaWatch([node], Console(file=screen), halt, backoff_s=0.05, poll_s=0.05)
+    watch = up.KafkaWatch([node], Console(file=screen), halt, poll_s=0.05)
     halt.set()  # a Ctrl-C: the nodes are stopped next, on purpose
     await watch.start()
     await asyncio.sleep(0.3)
     await asyncio.wait_for(watch.stop(), 5)
-    assert launched == []
     assert screen.getvalue() == ""
 
 
