@@ -59,18 +59,26 @@ def kafka(
     if not platform_settings.local_kafka:
         yield platform_settings.kafka
         return
-    broker = LocalKafka(
-        data_dir=tmp_path_factory.mktemp("kafka"),
-        cache_dir=platform_settings.cache_dir,
-        version=platform_settings.kafka_version,
-        port=free_port(),
-        controller_port=free_port(),
-    )
+    broker = own_broker(platform_settings, tmp_path_factory.mktemp("kafka"))
     broker.start()
     try:
         yield broker.connection
     finally:
         broker.stop()
+
+
+def own_broker(platform_settings: PlatformSettings, data_dir: Path) -> LocalKafka:
+    """A local broker of a test's own on free ports (not started), for tests that stop or stall it; skips
+    the test where ``SLUICE_KAFKA_BOOTSTRAP`` names an external cluster."""
+    if not platform_settings.local_kafka:
+        pytest.skip("SLUICE_KAFKA_BOOTSTRAP points at an external cluster: no local broker of the test's own")
+    return LocalKafka(
+        data_dir=data_dir,
+        cache_dir=platform_settings.cache_dir,
+        version=platform_settings.kafka_version,
+        port=free_port(),
+        controller_port=free_port(),
+    )
 
 
 @pytest.fixture(scope="session")

@@ -16,9 +16,9 @@ import pytest
 from confluent_kafka import Message, Producer
 
 from bus.consumer import ConsumerThread, consumer_config
-from infra.kafka.broker import LocalKafka, free_port
 from infra.topics import TopicSpec, apply_topics, make_admin
 from schemas.settings import PlatformSettings
+from tests.conftest import own_broker
 
 TOPIC = "stall"
 STALL_S = 25
@@ -28,15 +28,7 @@ STALL_S = 25
 def test_a_consumer_comes_back_after_the_broker_stalls_past_its_session(
     platform_settings: PlatformSettings, tmp_path: Path
 ) -> None:
-    if not platform_settings.local_kafka:
-        pytest.skip("SLUICE_KAFKA_BOOTSTRAP points at an external cluster: no local broker to stall")
-    broker = LocalKafka(
-        data_dir=tmp_path,
-        cache_dir=platform_settings.cache_dir,
-        version=platform_settings.kafka_version,
-        port=free_port(),
-        controller_port=free_port(),
-    )
+    broker = own_broker(platform_settings, tmp_path)
     with broker:
         conn = broker.connection
         apply_topics(make_admin(conn), [TopicSpec(name=TOPIC, partitions=1, config={}, purpose="")])

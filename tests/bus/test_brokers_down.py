@@ -12,9 +12,9 @@ import pytest
 from confluent_kafka import TopicPartition
 
 from bus.consumer import ConsumerThread, consumer_config
-from infra.kafka.broker import LocalKafka, free_port
 from infra.topics import TopicSpec, apply_topics, make_admin
 from schemas.settings import PlatformSettings
+from tests.conftest import own_broker
 
 pytestmark = pytest.mark.integration
 
@@ -31,15 +31,7 @@ async def _until(check: object, within_s: float) -> None:
 async def test_a_consumer_says_how_long_it_has_seen_no_broker(
     platform_settings: PlatformSettings, tmp_path: Path
 ) -> None:
-    if not platform_settings.local_kafka:
-        pytest.skip("SLUICE_KAFKA_BOOTSTRAP points at an external cluster: no local broker to stop")
-    broker = LocalKafka(
-        data_dir=tmp_path,
-        cache_dir=platform_settings.cache_dir,
-        version=platform_settings.kafka_version,
-        port=free_port(),
-        controller_port=free_port(),
-    )
+    broker = own_broker(platform_settings, tmp_path)
     broker.start()
     try:
         conn = broker.connection

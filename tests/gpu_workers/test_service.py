@@ -277,14 +277,20 @@ async def test_redelivered_finished_request_is_not_run_again_and_junk_is_dead_le
     await producer.publish(names.requests("demo-gpt"), after, partition=0)
     replies.finished(after.request_id)  # the worker kept going past the junk and the duplicate
     assert len([e for e in replies.of(request.request_id) if isinstance(e, RequestFinished)]) == 1
+    (letter,) = _dead_letters(kafka, names, 1)
+    assert letter.source_topic == names.requests("demo-gpt")
+
+
+def _dead_letters(kafka: KafkaConnection, names: TopicNames, n: int) -> list[DeadLetter]:
+    """The first ``n`` dead letters (waited for)."""
     dead = Log()
     with ConsumerThread(
         consumer_config(kafka, None, "t"), dead, assign=[TopicPartition(names.deadletter, 0, 0)]
     ):
-        dead.wait(lambda: len(dead.events) >= 1)
-    (letter,) = dead.events
-    assert isinstance(letter, DeadLetter)
-    assert letter.source_topic == names.requests("demo-gpt")
+        dead.wait(lambda: len(dead.events) >= n)
+    letters = [e for e in dead.events if isinstance(e, DeadLetter)]
+    assert len(letters) == len(dead.events)
+    return letters
 
 
 async def test_an_event_of_another_kind_on_the_request_topic_is_dead_lettered(
@@ -305,12 +311,7 @@ async def test_an_event_of_another_kind_on_the_request_topic_is_dead_lettered(
     after = _generation(names, PROMPT)
     await producer.publish(topic, after, partition=0)
     assert replies.finished(after.request_id).status == "completed"
-    dead = Log()
-    with ConsumerThread(
-        consumer_config(kafka, None, "t"), dead, assign=[TopicPartition(names.deadletter, 0, 0)]
-    ):
-        dead.wait(lambda: len(dead.events) >= 2)
-    letters = [e for e in dead.events if isinstance(e, DeadLetter)]
+    letters = _dead_letters(kafka, names, 2)
     assert [letter.source_topic for letter in letters] == [topic, topic]
     assert "RequestFinished on the request topic" in letters[0].reason
     assert "tombstone" in letters[1].reason
