@@ -346,8 +346,14 @@ class Fleet:
         warm = {(m, v) for m, v in stable.items()} if self._fleet.fleet_autoscale else set()
         for key in sorted(warm):
             pool = self.standby.setdefault(key, [])
-            while len(pool) < self._fleet.fleet_warm_workers:
+            # none past --max-workers: such a standby could never join, and held a model's memory (and a
+            # worker core while it loaded) for nothing (an audit)
+            room = max(0, self.policy.max_workers - len(self.workers.get(key, [])))
+            wanted_warm = min(self._fleet.fleet_warm_workers, room)
+            while len(pool) < wanted_warm:
                 pool.append(await self._spawn(key, standby=True))
+            while len(pool) > wanted_warm:
+                self._retire(key, pool.pop(), "a standby past --max-workers")
         for key in sorted(self.standby.keys() - warm):
             for worker in self.standby.pop(key):
                 self._retire(key, worker, "standby of a version no longer stable")

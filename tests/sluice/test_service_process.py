@@ -6,6 +6,7 @@ import asyncio
 import signal
 import sys
 import threading
+import types
 from pathlib import Path
 
 import pytest
@@ -175,3 +176,36 @@ async def test_a_child_that_ran_healthily_restarts_after_the_first_back_off_agai
         await asyncio.sleep(0.05)
     await supervised.stop()
     assert supervised.backoffs[:4] == [0.05, 0.1, 0.05, 0.1]  # reset after the healthy third run
+
+
+async def test_no_warm_standby_is_kept_past_the_most_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by an audit: at --max-workers a new standby was started anyway; it could never join, and held
+    a model's memory (and the worker core while it loaded) for nothing."""
+    fleet = up.Fleet(
+        PlatformSettings(),
+        FleetSettings(fleet_autoscale=True, fleet_max_workers=2, fleet_warm_workers=1),
+        Console(quiet=True),
+        0,
+        asyncio.Event(),
+    )
+    started: list[bool] = []
+    retired: list[str] = []
+
+    async def spawn(key: tuple[str, str], *, standby: bool) -> object:
+        started.append(standby)
+        return types.SimpleNamespace(port=0, model=key[0], version=key[1], serial=len(started))
+
+    async def never_answers(port: int) -> bool:
+        return False
+
+    monkeypatch.setattr(fleet, "_spawn", spawn)
+    monkeypatch.setattr(fleet, "_retire", lambda key, worker, why: retired.append(why))
+    monkeypatch.setattr(up, "_answers", never_answers)
+    key, stable = ("demo-gpt", "v1"), {"demo-gpt": "v1"}
+    await fleet.reconcile({key: 1}, stable)
+    assert (len(fleet.workers[key]), len(fleet.standby[key])) == (1, 1)  # room for one more: one warm
+    await fleet.reconcile({key: 2}, stable)
+    assert (len(fleet.workers[key]), len(fleet.standby[key])) == (2, 0)
+    assert retired == ["a standby past --max-workers"]
+    await fleet.reconcile({key: 1}, stable)  # scaled in: room again, a standby again
+    assert len(fleet.standby[key]) == 1
