@@ -52,7 +52,11 @@ def drift_status(
 def drift_report(
     model: Annotated[str, typer.Argument(help="the model id, e.g. demo-gpt")],
     version: Annotated[
-        str | None, typer.Option("--version", help="model version (default: newest report)")
+        str | None,
+        typer.Option(
+            "--version",
+            help="model version (default: the newest window's, of the version with the most requests in it)",
+        ),
     ] = None,
     tenant: Annotated[str, typer.Option("--tenant", help="a tenant's own report; '*' = all tenants")] = "*",
     window: Annotated[

@@ -649,7 +649,9 @@ def _ms(value: Any) -> int:
 
 
 def latest_report_sql(model: str, version: str | None, scope: str, window_start: datetime | None) -> str:
-    """The newest report of a key (or the one of a given window), every column."""
+    """The newest report of a key (or the one of a given window), every column; without ``version``, of
+    the version that served the most requests in that window (during a rollout, the stable one: it was the
+    alphabetically first)."""
     where = [f"model = {sql_string(model)}", f"scope = {sql_string(scope)}"]
     if version is not None:
         where.append(f"model_version = {sql_string(version)}")
@@ -659,7 +661,7 @@ def latest_report_sql(model: str, version: str | None, scope: str, window_start:
         )
     return (
         f"SELECT {', '.join(REPORT_COLUMNS)} FROM drift_reports FINAL WHERE {' AND '.join(where)} "  # noqa: S608
-        "ORDER BY window_start DESC, model_version LIMIT 1"
+        "ORDER BY window_start DESC, requests DESC, model_version LIMIT 1"
     )
 
 

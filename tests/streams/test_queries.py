@@ -46,7 +46,7 @@ from schemas.events import (
 from schemas.ids import uuid7_from_parts
 from schemas.settings import PlatformSettings
 from streams.control import SPEND_TODAY, burn_sql
-from streams.drift import REPORT_COLUMNS, report_row
+from streams.drift import REPORT_COLUMNS, latest_report_sql, report_row
 from streams.facts import FACT_COLUMNS, fact_row
 from streams.pricing import PriceTable
 from streams.queries import (
@@ -514,6 +514,22 @@ def test_drift_status_is_the_latest_verdict_per_key(warehouse: Client) -> None:
     assert drift["quality"] == "embedding: not sampled (0 of 412 requests; reference 5.1%)"
     assert (found[1]["requests"], found[1]["drifted_features"], found[1]["quality"]) == (12, "", "")
     assert found[3]["quality"] == "prompt_language: 40% missing (reference 0%)"
+
+
+@pytest.mark.integration
+def test_drift_report_without_a_version_is_the_busiest_versions(warehouse: Client) -> None:
+    """Found by an audit: during a rollout ``sluice drift report MODEL`` showed the alphabetically first
+    version of the newest window, whichever served the traffic."""
+    end = now_ms().replace(microsecond=0)
+    insert_drift_reports(
+        warehouse,
+        [
+            drift_report(window_end=end, version="a-canary", requests=40),
+            drift_report(window_end=end, version="v1"),
+        ],
+    )
+    (newest,) = rows(warehouse, latest_report_sql("demo-gpt", None, "*", None))
+    assert (newest["model_version"], newest["requests"]) == ("v1", 400)
 
 
 @pytest.mark.integration
