@@ -429,6 +429,26 @@ def test_live_gates_compute_what_the_controller_computes(
     assert live_gates(platform, judged)[-2:] == [burn, serving]
 
 
+def test_live_gates_of_a_step_dated_ahead_read_from_now(
+    platform: PlatformSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by an audit: a step whose decider's clock was an hour ahead showed 0/0 samples for an hour
+    (its window began in the future) while the controller judged the step's real requests."""
+    ahead = rollout(now=datetime.now(UTC) + timedelta(hours=1))
+    queries: list[str] = []
+
+    def query(settings: PlatformSettings, sql: str) -> QueryResult:
+        queries.append(sql)
+        return QueryResult(columns=["model_version"], types=["String"], rows=[])
+
+    monkeypatch.setattr(infra.warehouse, "query_warehouse", query)
+    monkeypatch.setattr(bus.positions, "group_members", lambda admin, group: 1)
+    before = int(datetime.now(UTC).timestamp() * 1000)
+    live_gates(platform, ahead)
+    (since,) = (int(m) for m in re.findall(r"accepted >= fromUnixTimestamp64Milli\((\d+)\)", queries[0]))
+    assert before <= since <= int(datetime.now(UTC).timestamp() * 1000)
+
+
 # --- sluice rollout status --------------------------------------------------------------------------------
 
 
