@@ -21,7 +21,7 @@ from schemas.events import DeploymentChanged, GateResult, RolloutGates, utc_now
 from schemas.manifest import ManifestError, current_model_dir, read_manifest, version_dir
 from schemas.settings import PlatformSettings
 from schemas.topics import TopicNames, worker_group
-from streams.rollout import advance, in_progress, roll_back, start_rollout, step_gates
+from streams.rollout import advance, in_progress, roll_back, serving_gate, start_rollout, step_gates
 
 CLIENT_ID = "sluice-cli-rollout"
 PHASE_COLOURS = {"rolled_back": "red", "warming": "cyan", "canary": "yellow", "promoted": "green"}
@@ -197,11 +197,6 @@ def serving_now(platform: PlatformSettings, current: DeploymentChanged) -> GateR
     from infra.topics import make_admin
 
     candidate = current.candidate or current.version
-    count = group_members(make_admin(platform.kafka), worker_group(current.model, candidate))
-    if count is None:
-        return GateResult(gate="serving", state="insufficient_data", detail="its workers' group is unknown")
-    if count == 0:
-        return GateResult(
-            gate="serving", state="insufficient_data", candidate=0.0, detail=f"no worker of {candidate} now"
-        )
-    return GateResult(gate="serving", state="pass", candidate=float(count), detail=f"{count} worker(s)")
+    return serving_gate(
+        group_members(make_admin(platform.kafka), worker_group(current.model, candidate)), candidate
+    )

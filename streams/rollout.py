@@ -513,6 +513,31 @@ Members = Callable[[str, str], Awaitable[int | None]]
 SERVING_GRACE_S = 60.0
 """How long a canary's candidate may have no worker in its group before it is rolled back (a worker
 restarting, or a group's session timing a dead one out, takes some of this)."""
+
+
+def serving_gate(count: int | None, candidate: str, gone_s: float | None = None) -> GateResult:
+    """The ``serving`` gate for ``count`` workers of ``candidate`` in its group (None: unknown) that has
+    had none for ``gone_s`` (None: not known how long, as ``sluice rollout status`` sees it)."""
+    if count is None:
+        return GateResult(gate="serving", state="insufficient_data", detail="its workers' group is unknown")
+    if count > 0:
+        return GateResult(gate="serving", state="pass", candidate=float(count), detail=f"{count} worker(s)")
+    if gone_s is None:
+        return GateResult(
+            gate="serving", state="insufficient_data", candidate=0.0, detail=f"no worker of {candidate} now"
+        )
+    detail = f"no worker of {candidate} for {gone_s:.0f}s"
+    if gone_s < SERVING_GRACE_S:
+        return GateResult(gate="serving", state="insufficient_data", candidate=0.0, detail=detail)
+    return GateResult(
+        gate="serving",
+        state="fail",
+        candidate=0.0,
+        limit=SERVING_GRACE_S,
+        detail=f"{detail}: its share of the traffic goes unanswered",
+    )
+
+
 Places = Mapping[str, Position]
 """Event id -> where it is on the control topic (an event not in it: taken as after everything known)."""
 NOWHERE: Places = MappingProxyType({})
@@ -800,26 +825,13 @@ class RolloutController:
         except Exception:
             log.exception("rollout: counting the workers of %s %s failed", model, candidate)
             count = None
-        if count is None:
-            return GateResult(
-                gate="serving", state="insufficient_data", detail="its workers' group is unknown"
+        if count == 0:
+            return serving_gate(
+                0, candidate, self._monotonic() - self._unserved.setdefault(model, self._monotonic())
             )
-        if count > 0:
+        if count is not None:
             self._unserved.pop(model, None)
-            return GateResult(
-                gate="serving", state="pass", candidate=float(count), detail=f"{count} worker(s)"
-            )
-        gone = self._monotonic() - self._unserved.setdefault(model, self._monotonic())
-        detail = f"no worker of {candidate} for {gone:.0f}s"
-        if gone < SERVING_GRACE_S:
-            return GateResult(gate="serving", state="insufficient_data", candidate=0.0, detail=detail)
-        return GateResult(
-            gate="serving",
-            state="fail",
-            candidate=0.0,
-            limit=SERVING_GRACE_S,
-            detail=f"{detail}: its share of the traffic goes unanswered",
-        )
+        return serving_gate(count, candidate)
 
     def _as_started(self, current: DeploymentChanged) -> DeploymentChanged:
         """``current`` with its step started when this controller saw it start (``_started``)."""
