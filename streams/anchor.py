@@ -147,8 +147,6 @@ class TopicChain:
     """The lowest seq read (retention deletes the oldest entries)."""
     head: AuditHead | None = None
     """The last entry read: where the chain goes on."""
-    origin: str = ""
-    """The head's ``details[ORIGIN]``."""
     origins: dict[int, int] = field(default_factory=dict)
     """The last offset each source partition of its entries reached (``details[ORIGIN]``): a chain whose
     tenant moved partition (the ``results`` topic grew) has entries from two."""
@@ -182,8 +180,7 @@ class TopicChain:
                 self._mark = None
         self.first = seq if self.first < 0 else min(self.first, seq)
         self.head = AuditHead(seq=seq, entry_hash=digest)
-        self.origin = entry.details.get(ORIGIN, "")
-        place = origin_of(self.origin)
+        place = origin_of(entry.details.get(ORIGIN, ""))
         if place is not None:
             self.origins[place[0]] = max(place[1], self.origins.get(place[0], -1))
         self.entries += 1
@@ -302,23 +299,20 @@ def anchor_chains(
     behind: dict[str, int] = {}
     for name in sorted(stored.keys() | chains.keys()):
         logged = chains.get(name)
-        origins: dict[int, int] = {}
         if logged is None or logged.head is None:
             heads[name], origin = stored[name]
+            place = origin_of(origin)
+            origins = {place[0]: place[1]} if place is not None else {}
             if name in malformed:
                 conflicts[name] = malformed[name]
         else:
-            heads[name], origin = logged.head, logged.origin
-            origins = dict(logged.origins)
+            heads[name], origins = logged.head, dict(logged.origins)
             last = stored[name][0] if name in stored else None
             reason = malformed.get(name) or _disagreement(last, logged)
             if reason is not None:
                 conflicts[name] = reason
             elif logged.head.seq > (last.seq if last is not None else -1):
                 behind[name] = last.seq if last is not None else -1
-        place = origin_of(origin)
-        if place is not None:
-            origins[place[0]] = max(place[1], origins.get(place[0], -1))
         if origins:
             offsets[name] = origins
     healed = _heal(records(), behind, heal, chunk) if behind else {}
