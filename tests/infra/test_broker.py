@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -91,6 +92,13 @@ def test_stop_reaches_a_node_another_process_started_after_a_crash(tmp_path: Pat
         [sys.executable, "-c", "import time; time.sleep(60)", str(tmp_path / "server.properties")]
     )
     try:
+        named = os.fsencode(tmp_path / "server.properties")
+        deadline = (
+            time.monotonic() + 10
+        )  # exec'd: a process just forked still shows its parent's command line
+        while named not in Path(f"/proc/{again.pid}/cmdline").read_bytes().split(b"\0"):
+            assert time.monotonic() < deadline, "the stand-in JVM did not start"
+            time.sleep(0.01)
         node.pid_file.write_text(str(again.pid))  # what the other process started
         began = time.monotonic()
         node.stop(stop_timeout=10)
