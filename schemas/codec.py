@@ -20,6 +20,7 @@ from schemas.events import (
     BurnRateCrossed,
     DeadLetter,
     DeploymentChanged,
+    DriftRebaselined,
     DriftReport,
     Envelope,
     Event,
@@ -181,6 +182,8 @@ def kafka_key(event: Event) -> bytes:
             return f"scale:{event.model}".encode()
         case WorkerReady():
             return f"ready:{event.model}:{event.version}".encode()
+        case DriftRebaselined():
+            return f"rebaseline:{event.model}:{event.version}".encode()
         case DriftReport():
             return f"drift:{event.model}".encode()
         case DeadLetter():

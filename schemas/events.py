@@ -666,6 +666,18 @@ class WorkersScaled(Envelope, frozen=True, kw_only=True, tag="workers_scaled"):
     actor: str = ""
 
 
+class DriftRebaselined(Envelope, frozen=True, kw_only=True, tag="drift_rebaselined"):
+    """An operator accepted a shift in one model version's traffic as its new normal (``sluice drift
+    rebaseline``; key ``rebaseline:<model>:<version>`` on the compacted control topic: the latest is what
+    holds). The drift monitor drops every reference of that version (all tenants and each tenant's) taken
+    before ``time``; the first window after becomes the reference. Audited in ``admin:<key>``."""
+
+    version: str
+    reason: str
+    """Why, in the operator's words (e.g. ``new tenant onboarded: French prompts are expected``)."""
+    actor: str = ""
+
+
 class WorkerReady(Envelope, frozen=True, kw_only=True, tag="worker_ready"):
     """A worker of one model version has loaded its model and owns request partitions: it can serve now
     (key ``ready:<model>:<version>`` on the compacted control topic). A worker says so when it first
@@ -772,6 +784,7 @@ Event: TypeAlias = (
     | BatchStateChanged
     | WorkersScaled
     | WorkerReady
+    | DriftRebaselined
 )
 
 EVENT_TYPES: tuple[type[Envelope], ...] = (
@@ -791,6 +804,7 @@ EVENT_TYPES: tuple[type[Envelope], ...] = (
     BatchStateChanged,
     WorkersScaled,
     WorkerReady,
+    DriftRebaselined,
 )
 
 REQUEST_TYPES: tuple[type[RequestCommon], ...] = (GenerationRequested, EmbeddingRequested, BatchItemRequested)

@@ -22,6 +22,7 @@ from schemas.events import (
     DeadLetter,
     DeploymentChanged,
     DriftFeatures,
+    DriftRebaselined,
     DriftReport,
     EmbeddingRequested,
     ErrorInfo,
@@ -333,5 +334,11 @@ def example_events() -> list[Event]:
             version="530b56af490a",
             worker="demo-gpt-0",
             deployment=_id(8),
+        ),
+        DriftRebaselined(
+            **_env(16, "sluice/cli", ""),
+            version="530b56af490a",
+            reason="a new tenant onboarded: French prompts are expected from now on",
+            actor="operator",
         ),
     ]

@@ -1,4 +1,5 @@
-"""``sluice drift ...``: the latest drift verdicts, and one report feature by feature (docs/drift.md).
+"""``sluice drift ...``: the latest drift verdicts, one report feature by feature, and an operator's
+acceptance of a shift as the new normal (``rebaseline``; docs/drift.md).
 
 The detection lives in :mod:`streams.drift` and :mod:`drift`; this module is only the command line, and
 imports them when a command runs, so ``sluice --help`` stays quick.
@@ -6,13 +7,17 @@ imports them when a command runs, so ``sluice --help`` stays quick.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.table import Table
 
 from sluice.groups import command_group
+
+if TYPE_CHECKING:
+    from schemas.events import DeploymentChanged
 
 drift_app = command_group(
     help="Drift detection: per model version and window, evidently tests of request features against a "
@@ -144,4 +149,82 @@ def drift_report(
     html.write_text(made.html, encoding="utf-8")
     out.print(
         f"wrote {html} (evidently report: {made.n_reference} reference vs {made.n_current} current rows)"
+    )
+
+
+class DriftError(ValueError):
+    """An operator request that cannot be carried out (the message says why and what to do)."""
+
+
+def rebaseline_version(
+    model: str, requested: str | None, known: Sequence[str], deployment: DeploymentChanged | None
+) -> str:
+    """The version ``sluice drift rebaseline`` moves: the one asked for, which must have drift reports or
+    serve ``model``; by default the one the deployment calls stable, else the only one with reports."""
+    serving = sorted(v for v, share in deployment.traffic.items() if share > 0) if deployment else []
+    candidates = sorted({*known, *serving})
+    if not candidates:
+        raise DriftError(f"{model} has no drift reports and no deployment: nothing to rebaseline "
+                         "(`sluice drift status` lists what is monitored)")  # fmt: skip
+    if requested is not None:
+        if requested not in candidates:
+            raise DriftError(f"{model} has no version {requested!r} with drift reports or traffic; "
+                             f"known: {', '.join(candidates)}")  # fmt: skip
+        return requested
+    if deployment is not None and deployment.stable in candidates:
+        return deployment.stable
+    if len(candidates) == 1:
+        return candidates[0]
+    raise DriftError(f"{model} has several versions ({', '.join(candidates)}): pass --version")
+
+
+@drift_app.command("rebaseline")
+def drift_rebaseline(
+    model: Annotated[str, typer.Argument(help="the model id, e.g. demo-gpt")],
+    reason: Annotated[
+        str, typer.Option("--reason", help="why the shift is expected (kept in the audit log)")
+    ],
+    version: Annotated[
+        str | None,
+        typer.Option("--version", help="model version (default: the stable one the deployment serves)"),
+    ] = None,
+) -> None:
+    """Accept a shift in a model version's traffic as its new normal: its drift references (all tenants'
+    and each tenant's) taken before now are dropped, and the first window after now becomes the reference
+    later windows are compared with. Published as a DriftRebaselined on the control topic (audited); the
+    streams worker acts on it at its next drift evaluation."""
+    from bus.errors import BusError
+    from infra.warehouse import WarehouseError, query_warehouse
+    from schemas.events import DriftRebaselined
+    from sluice.cli import fail, out, settings, warehouse_failure
+    from sluice.rollout import RolloutError, deployment_of, publish
+    from streams.drift import versions_sql
+
+    if not reason.strip():
+        raise fail("--reason must say why the shift is expected", 2)
+    platform = settings()
+    try:
+        result = query_warehouse(platform, versions_sql(model))
+        known = [str(row[0]) for row in result.rows]
+    except WarehouseError as exc:
+        raise warehouse_failure(exc) from None
+    try:
+        chosen = rebaseline_version(model, version, known, deployment_of(platform, model))
+        event = DriftRebaselined(
+            tenant="",
+            model=model,
+            source="sluice/cli",
+            version=chosen,
+            reason=reason.strip(),
+            actor="operator",
+        )
+        publish(platform, event)
+    except (DriftError, RolloutError) as exc:
+        raise fail(str(exc), 2) from None
+    except BusError as exc:
+        raise fail(f"cannot reach Kafka at {platform.bootstrap}: {exc} (is `sluice up` running?)") from None
+    out.print(
+        f"[bold]{model}[/] {chosen}: rebaselined at {event.time:%Y-%m-%d %H:%M:%S} UTC; the first drift window "
+        "that starts after it becomes the reference (the windows before are reported as `reference` too, "
+        "with a note). `sluice drift status` shows the verdicts."
     )

@@ -17,7 +17,7 @@ from bus.control import latest_deployments
 from bus.producer import EventProducer
 from schemas import codec
 from schemas.deployments import BUCKETS, buckets_of
-from schemas.events import DeploymentChanged, GateResult, RolloutGates, utc_now
+from schemas.events import DeploymentChanged, Event, GateResult, RolloutGates, utc_now
 from schemas.manifest import ManifestError, current_model_dir, read_manifest, version_dir
 from schemas.settings import PlatformSettings
 from schemas.topics import TopicNames, worker_group
@@ -141,7 +141,7 @@ def _active(platform: PlatformSettings, model: str) -> DeploymentChanged:
     return current
 
 
-def publish(platform: PlatformSettings, event: DeploymentChanged) -> None:
+def publish(platform: PlatformSettings, event: Event) -> None:
     """Durable on the control topic before returning; refused when its consumers could not read it back (a
     decision with an ``inf`` gate was written with ``null`` there, said "rollout started", and every
     consumer skipped it: an audit)."""

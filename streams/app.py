@@ -39,9 +39,8 @@ import json
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime
 from typing import Any, NamedTuple, ParamSpec
 
 import msgspec
@@ -64,6 +63,7 @@ from schemas.events import (
     BudgetStateChanged,
     BurnRateCrossed,
     DeploymentChanged,
+    DriftRebaselined,
     DriftReport,
     Event,
     RequestFinished,
@@ -84,7 +84,7 @@ from streams.anchor import (
 )
 from streams.audit import AuditHead, admin_entry, audit_row, request_entry
 from streams.control import SPEND_TODAY, Controller, WindowCounts, burn_sql
-from streams.drift import DriftMonitor, report_row
+from streams.drift import Baseline, DriftMonitor, report_row
 from streams.pricing import PriceTable
 from streams.rollout import FAST_WINDOWS, RolloutController
 from streams.settings import StreamsSettings
@@ -202,8 +202,10 @@ class StreamsApp(AsyncComponent):
         self._last_batch_full = False
         self._stored_until_ms = 0
         """The latest ``finished`` time of a terminal event the sink has written (ms)."""
+        self._rebaselined: dict[tuple[str, str], DriftRebaselined] = {}
+        """The latest operator's rebaseline of each (model, version), from the control topic."""
         self.drift = DriftMonitor(
-            settings, self._read, self._publish_report, self.stored_until, self._promoted
+            settings, self._read, self._publish_report, self.stored_until, self._baseline
         )
         self.rollout = RolloutController(
             self._read,
@@ -233,6 +235,7 @@ class StreamsApp(AsyncComponent):
         control = [event for event, _ in placed]
         places = {event.id: at for event, at in placed}
         self.rollout.seed(control, places)  # resume where the log says
+        self._observe_rebaselines(control)
         if self._controller is not None:
             # The budget states last announced, from the log itself: the warehouse may not hold the last
             # one yet (a process stopped right after announcing it), and a state the controller does not
@@ -277,12 +280,23 @@ class StreamsApp(AsyncComponent):
     def assigned(self) -> bool:
         return self._sink is not None and bool(self._sink.assignment())
 
-    def _promoted(self, model: str, version: str) -> datetime | None:
-        """When ``version`` was promoted to all of ``model``'s traffic, if it was and still serves it."""
+    def _baseline(self, model: str, version: str) -> Baseline | None:
+        """Since when ``version``'s drift references must date: its promotion to all of ``model``'s
+        traffic (if a rollout promoted it and it still serves it), or an operator's rebaseline, the later."""
         deployment = self.rollout.deployments.get(model)
-        if deployment is None or deployment.phase != "promoted" or deployment.stable != version:
-            return None
-        return deployment.step_started or deployment.time
+        promoted = (
+            Baseline.promoted(version, deployment.step_started or deployment.time)
+            if deployment is not None and deployment.phase == "promoted" and deployment.stable == version
+            else None
+        )
+        rebaselined = self._rebaselined.get((model, version))
+        return Baseline.latest(promoted, Baseline.rebaselined(rebaselined) if rebaselined else None)
+
+    def _observe_rebaselines(self, events: Iterable[Event]) -> None:
+        """Follow ``DriftRebaselined`` on the control topic (the log's order: the latest of a key holds)."""
+        for event in events:
+            if isinstance(event, DriftRebaselined):
+                self._rebaselined[(event.model, event.version)] = event
 
     def _owns_control(self) -> bool:
         """Whether this streams worker's sink reads the control topic (one partition) now: only that one
@@ -398,6 +412,7 @@ class StreamsApp(AsyncComponent):
             if isinstance(e, DeploymentChanged) and r.topic == self.names.control
         }
         self.rollout.observe((event for _, event in batch.events), places)
+        self._observe_rebaselines(e for r, e in batch.events if r.topic == self.names.control)
         await self._rollout()
         return batch
 
@@ -586,7 +601,7 @@ class StreamsApp(AsyncComponent):
         if record.topic == self.names.results:
             return isinstance(event, RequestFinished)
         return record.topic == self.names.control and isinstance(
-            event, BudgetStateChanged | DeploymentChanged | WorkersScaled
+            event, BudgetStateChanged | DeploymentChanged | WorkersScaled | DriftRebaselined
         )
 
 
@@ -625,6 +640,9 @@ def admin_action(head: AuditHead | None, chain: str, event: Event, origin: dict[
             "bounds": f"{event.bounds[0]}..{event.bounds[1]}",
             "actor": event.actor,
         }
+    elif isinstance(event, DriftRebaselined):
+        action, resource, decision = "drift.rebaseline", f"model:{event.model}", event.version
+        details = {"reason": event.reason, "actor": event.actor}
     else:
         raise TypeError(f"{type(event).__name__} is not an administrative change")
 

@@ -14,7 +14,10 @@ Per (model, version) the all-tenant scope ``*`` is evaluated every window; each 
 ``SLUICE_DRIFT_MAX_TENANTS`` busiest tenants with at least ``SLUICE_DRIFT_MIN_SAMPLES`` requests in the
 window gets its own report too. A key's first window with enough samples becomes its **reference**
 (verdict ``reference``); later windows are compared with it (:func:`drift.evaluate.evaluate`). Too few
-samples is ``insufficient_data``, never an alarm.
+samples is ``insufficient_data``, never an alarm. A reference dated before a version's **baseline** moved
+(:class:`Baseline`: a rollout promoted the version to all of its model's traffic, or an operator accepted
+a shift with ``sluice drift rebaseline``, a ``DriftRebaselined`` on the control topic) is replaced the same
+way, by the next window judged, until one that starts after the move.
 
 Each verdict is published on the ``drift`` topic (durable first), then inserted into ``drift_reports``
 (and ``events_raw``) by the same row function :mod:`streams.sink` uses when ``sluice replay`` reads the
@@ -34,12 +37,12 @@ from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
 
 from monitoring import metrics
-from schemas.events import DriftReport, DriftVerdict, FeatureDrift, RequestFinished
+from schemas.events import DriftRebaselined, DriftReport, DriftVerdict, FeatureDrift, RequestFinished
 from schemas.ids import uuid7_from_parts
 from streams.facts import accepted_at
 from streams.queries import sql_string
@@ -441,6 +444,36 @@ Publish = Callable[[DriftReport], Awaitable[None]]
 """Make a report durable on the drift topic, then store its row (the monitor's only effect)."""
 
 
+class Baseline(NamedTuple):
+    """Since when a model version's drift references must date, and why (the end of a sentence that
+    begins "reference window A - B")."""
+
+    since: datetime
+    why: str
+
+    @classmethod
+    def promoted(cls, version: str, at: datetime) -> Baseline:
+        """A version a rollout promoted: its reference was taken while it served the rollout's share of the
+        traffic (the tenants and sessions routed to it, the shadow copies), and every window of the whole
+        traffic after its promotion read as drift against it, for good (an audit)."""
+        return cls(at, f"was taken during the rollout of {version}, promoted at {at:%Y-%m-%d %H:%M:%S}")
+
+    @classmethod
+    def rebaselined(cls, event: DriftRebaselined) -> Baseline:
+        """A version whose shift an operator accepted (``sluice drift rebaseline``)."""
+        who = event.actor or event.source or "an operator"
+        return cls(
+            event.time,
+            f"predates the rebaseline of {event.version} at {event.time:%Y-%m-%d %H:%M:%S} by {who}: "
+            f"{event.reason}",
+        )
+
+    @staticmethod
+    def latest(*baselines: Baseline | None) -> Baseline | None:
+        """The most recent of ``baselines`` (None when there is none)."""
+        return max((b for b in baselines if b is not None), key=lambda b: b.since, default=None)
+
+
 Watermark = Callable[[], int | None]
 """How far the sink has stored the log: None when it has caught up (the wall clock rules), else the
 latest ``finished`` time (ms) it has written, so no window is judged before its rows are in."""
@@ -465,11 +498,12 @@ class DriftMonitor:
         query: Query,
         publish: Publish,
         watermark: Watermark | None = None,
-        promoted: Callable[[str, str], datetime | None] = lambda model, version: None,
+        baseline: Callable[[str, str], Baseline | None] = lambda model, version: None,
     ) -> None:
-        """``promoted(model, version)``: when that version was promoted to all of the model's traffic, if it
-        was by a rollout (a reference taken before is replaced by the first window after)."""
-        self._promoted = promoted
+        """``baseline(model, version)``: since when that version's references must date, if something
+        moved its baseline (a rollout promoted it to all of the model's traffic, an operator rebaselined
+        it): a reference taken before is replaced by the first window after."""
+        self._baseline = baseline
         self._settings = settings
         self._query = query
         self._publish = publish
@@ -598,15 +632,11 @@ class DriftMonitor:
         current = await self._sample(key, window, cache=False)
         reference_window = self._references.get(key)
         notes: list[str] = []
-        promoted = self._promoted(key.model, key.model_version)
-        if reference_window is not None and promoted is not None and reference_window.start < promoted:
-            # Taken while the version served the rollout's share of the traffic (the tenants and sessions
-            # routed to it, the shadow copies): every window of the whole traffic after its promotion read
-            # as drift against it, for good (an audit). The first window after the promotion replaces it.
+        baseline = self._baseline(key.model, key.model_version)
+        if reference_window is not None and baseline is not None and reference_window.start < baseline.since:
             notes.append(
                 f"reference window {reference_window.start:%Y-%m-%d %H:%M:%S} - {reference_window.end:%H:%M:%S} "
-                f"was taken during the rollout of {key.model_version}, promoted at {promoted:%Y-%m-%d %H:%M:%S}; "
-                "this window replaces it"
+                f"{baseline.why}; this window replaces it"
             )
             reference_window = None
         reference = (
@@ -663,6 +693,11 @@ def latest_report_sql(model: str, version: str | None, scope: str, window_start:
         f"SELECT {', '.join(REPORT_COLUMNS)} FROM drift_reports FINAL WHERE {' AND '.join(where)} "  # noqa: S608
         "ORDER BY window_start DESC, requests DESC, model_version LIMIT 1"
     )
+
+
+def versions_sql(model: str) -> str:
+    """The versions of ``model`` with drift reports (column ``model_version``)."""
+    return f"SELECT DISTINCT model_version FROM drift_reports WHERE model = {sql_string(model)} ORDER BY 1"  # noqa: S608
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from bus.consumer import ConsumerThread
 from bus.errors import BusError
 from bus.producer import EventProducer, Position
 from bus.producer import Record as Produced
-from schemas.codec import encode
+from schemas.codec import decode, encode
 from schemas.events import DeadLetter
 from schemas.settings import KafkaConnection, PlatformSettings
 from streams.app import Prepared, StreamsApp, consumed, every
@@ -302,6 +302,46 @@ async def test_an_undecodable_record_is_dead_lettered_and_the_rest_of_its_batch_
     assert (letters[0].source_topic, letters[0].offset) == ("p.results", 7)
     assert [topic for topic, _ in producer.records if topic != "p.deadletter"] == ["p.audit"]
     assert warehouse.rows == {"events_raw": 2, "request_facts": 1, "audit_log": 1, "drift_features": 1}
+
+
+async def test_an_operators_rebaseline_on_the_control_topic_moves_the_drift_baseline(tmp_path: Path) -> None:
+    """``sluice drift rebaseline`` publishes a ``DriftRebaselined`` on the control topic; the sink follows
+    it into the drift monitor's baseline (the latest of a version's holds) and chains it in the audit."""
+    from datetime import UTC, datetime, timedelta
+
+    from schemas.events import AuditEntry, DriftRebaselined
+    from streams.drift import Baseline
+
+    producer, warehouse = Producer(), Warehouse()
+    app = make_app(tmp_path, warehouse, producer)
+    app._heads = {}
+    at = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
+
+    def rebaseline(minutes: int, reason: str, topic: str = "p.control") -> Consumed:
+        event = DriftRebaselined(
+            time=at + timedelta(minutes=minutes), tenant="", model="demo-gpt", source="sluice/cli",
+            version="v1", reason=reason, actor="operator",
+        )  # fmt: skip
+        return Consumed(topic, 0, minutes, encode(event))
+
+    assert app._baseline("demo-gpt", "v1") is None
+    await app.write(
+        [rebaseline(0, "first"), rebaseline(5, "second"), rebaseline(9, "not control", "p.usage")]
+    )
+    baseline = app._baseline("demo-gpt", "v1")
+    assert baseline is not None
+    assert baseline.since == at + timedelta(minutes=5)
+    assert "by operator: second" in baseline.why
+    assert app._baseline("demo-gpt", "v2") is None
+    entries = [decode(cast(bytes, value)) for topic, value in producer.records if topic == "p.audit"]
+    assert [(e.tenant, e.action, e.details["reason"]) for e in entries if isinstance(e, AuditEntry)] == [
+        ("admin:rebaseline:demo-gpt:v1", "drift.rebaseline", "first"),
+        ("admin:rebaseline:demo-gpt:v1", "drift.rebaseline", "second"),
+    ], "both rebaselines read from the control topic are audited, not the stray one"
+    # a promotion after the rebaseline moves the baseline again; one before it does not
+    later = Baseline.promoted("v1", at + timedelta(minutes=7))
+    assert Baseline.latest(baseline, later) == later
+    assert Baseline.latest(Baseline.promoted("v1", at), baseline) == baseline
 
 
 async def test_a_finish_dated_in_the_future_holds_the_drift_watermark_at_now(tmp_path: Path) -> None:

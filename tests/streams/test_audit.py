@@ -536,6 +536,25 @@ def test_a_scaling_decision_is_an_admin_entry_on_its_models_chain() -> None:
     assert entry.id == event.id  # a re-read of the same event is the same entry
 
 
+def test_an_operators_drift_rebaseline_is_an_admin_entry_on_its_versions_chain() -> None:
+    from schemas.events import DriftRebaselined
+    from schemas.examples import example_events
+    from streams.app import admin_action, chain_of
+
+    (event,) = [e for e in example_events() if isinstance(e, DriftRebaselined)]
+    chain = chain_of(event)
+    assert chain == "admin:rebaseline:demo-gpt:530b56af490a"
+    entry = admin_action(None, chain, event, {"topic": "control"})
+    assert (entry.action, entry.resource, entry.decision) == (
+        "drift.rebaseline",
+        "model:demo-gpt",
+        "530b56af490a",
+    )
+    assert entry.details["reason"] == event.reason
+    assert entry.details["actor"] == "operator"
+    assert entry.id == event.id
+
+
 def test_a_change_whose_entry_would_not_fit_a_record_keeps_its_details_cut_and_hashed() -> None:
     """Found by an audit: an entry quotes a change's evidence and traffic as JSON inside JSON, escaped
     again; a 990 KB change (it fits a record) made a 1.98 MB entry, which the audit topic refused, again at

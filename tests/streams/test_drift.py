@@ -17,13 +17,22 @@ import pytest
 from infra.warehouse import migrate, open_warehouse
 from infra.warehouse.client import Client
 from schemas.codec import decode, encode
-from schemas.events import DriftFeatures, DriftReport, Float32Vectors, RequestFinished, Timings, Usage
+from schemas.events import (
+    DriftFeatures,
+    DriftRebaselined,
+    DriftReport,
+    Float32Vectors,
+    RequestFinished,
+    Timings,
+    Usage,
+)
 from schemas.ids import uuid7_from_parts
 from schemas.settings import PlatformSettings
 from streams.drift import (
     ALL,
     FEATURE_COLUMNS,
     REPORT_COLUMNS,
+    Baseline,
     DriftKey,
     DriftMonitor,
     StoredReport,
@@ -237,7 +246,12 @@ async def test_a_version_promoted_by_a_rollout_takes_its_reference_from_its_whol
             return query_rows(client, sql)
 
         promoted_at = w1 + timedelta(seconds=WINDOW_S - 1)  # promoted at the end of its canary window
-        promoted = DriftMonitor(settings(), query, published, promoted=lambda model, version: promoted_at)
+        promoted = DriftMonitor(
+            settings(),
+            query,
+            published,
+            baseline=lambda model, version: Baseline.promoted(version, promoted_at),
+        )
         done = await promoted.run_once(w3 + timedelta(seconds=WINDOW_S + 6))
         assert verdicts(done) == ["reference", "reference", "no_drift"]
         replaced = [r for r in done if r.tenant == ALL][1]
@@ -251,11 +265,73 @@ async def test_a_version_promoted_by_a_rollout_takes_its_reference_from_its_whol
             settings(),
             query,
             other,
-            promoted=lambda model, version: promoted_at if version == VERSION else None,
+            baseline=lambda model, version: (
+                Baseline.promoted(version, promoted_at) if version == VERSION else None
+            ),
         ).run_once(w3 + timedelta(seconds=6))
         assert [r.effective_verdict for r in done if r.tenant == ALL and r.model_version == "v9"] == [
             "reference",
             "drift",
+        ]
+
+
+@pytest.mark.integration
+async def test_a_shift_an_operator_accepts_becomes_the_reference_and_is_no_longer_drift(
+    tmp_path: Path,
+) -> None:
+    """``sluice drift rebaseline``: a genuine shift (a new tenant's language) read as drift in every window
+    for good. References dated before the rebaseline are replaced, window by window, until one that starts
+    after it; then the shifted traffic is the normal it is compared with."""
+    with warehouse(tmp_path) as client:
+        w = [T0 + timedelta(seconds=i * WINDOW_S) for i in range(5)]
+        events = window_events(w[0], 120, seed=1)
+        for i in range(1, 5):
+            events += window_events(w[i], 120, seed=10 + i, shifted=True)
+        insert(client, rows_of(events))
+        published = Published(client)
+        rebaselined: list[DriftRebaselined] = []
+
+        async def query(sql: str) -> list[dict[str, Any]]:
+            return query_rows(client, sql)
+
+        def baseline(model: str, version: str) -> Baseline | None:
+            return next(
+                (Baseline.rebaselined(e) for e in rebaselined if (e.model, e.version) == (model, version)),
+                None,
+            )
+
+        drift = DriftMonitor(settings(), query, published, baseline=baseline)
+        assert verdicts(await drift.run_once(w[1] + timedelta(seconds=WINDOW_S + 6))) == [
+            "reference",
+            "drift",
+        ]
+        at = w[2] + timedelta(seconds=WINDOW_S / 2)  # while the third window is open
+        rebaselined.append(
+            DriftRebaselined(
+                time=at,
+                tenant="",
+                model=MODEL,
+                source="sluice/cli",
+                version=VERSION,
+                reason="German is expected",
+            )
+        )
+        done = await drift.run_once(w[4] + timedelta(seconds=WINDOW_S + 6))
+        assert verdicts(done) == ["reference", "reference", "no_drift"]
+        third, fourth, fifth = (r for r in done if r.tenant == ALL)
+        assert any(
+            "predates the rebaseline of v1" in note and "German is expected" in note for note in third.quality
+        )
+        assert fourth.reference_start == w[3], "the first window that starts after the rebaseline"
+        assert fifth.reference_start == w[3]
+        # another version, the same traffic, no rebaseline: still drift
+        insert(client, rows_of([msgspec.structs.replace(e, model_version="v9") for e in events]))
+        done = await DriftMonitor(settings(), query, Published(client), baseline=baseline).run_once(
+            w[4] + timedelta(seconds=WINDOW_S + 6)
+        )
+        assert [r.effective_verdict for r in done if r.tenant == ALL and r.model_version == "v9"] == [
+            "reference",
+            *["drift"] * 4,
         ]
 
 
