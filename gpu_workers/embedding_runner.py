@@ -250,6 +250,8 @@ class EmbeddingRunner:
         except Exception as exc:
             if not is_out_of_memory(exc):
                 return self._failed(batch, exc)
+            pending = None
+        if pending is None:  # out of memory; the halves run outside the handler, with no error in hand
             release_memory(self._engine.device)
             padded = len(batch) * max(item.n_tokens for item in batch)
             self._batcher.token_budget = self._backoff.failed(padded)

@@ -9,6 +9,7 @@ are static tensors, and a batch is copied into them.
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -35,15 +36,16 @@ def captured_or_eager(make: Callable[[], T], fallback: str) -> T | None:
     """``make()`` (a capture), or None where it failed for any reason but memory: logged, and the caller
     runs eagerly from then on (``fallback`` says what). Out of memory is raised as itself, also when the
     capture's teardown raised it wrapped, so the caller backs off as after an eager pass."""
+    outside = sys.exc_info()[1]  # what the caller is handling, if anything: not this capture's doing
     try:
         return make()
     except Exception as exc:
-        oom = out_of_memory_in(exc)
+        oom = out_of_memory_in(exc, outside)
         if oom is exc:
             raise
         if oom is not None:
             raise oom from exc
-        log.warning("CUDA graph capture failed (%s): %s from now on", exc, fallback)
+        log.warning("CUDA graph capture failed (%s): %s from now on", exc, fallback, exc_info=exc)
         return None
 
 

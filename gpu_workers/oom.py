@@ -30,11 +30,13 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return "out of memory" in message or "can't allocate memory" in message
 
 
-def out_of_memory_in(exc: BaseException) -> BaseException | None:
+def out_of_memory_in(exc: BaseException, outside: BaseException | None = None) -> BaseException | None:
     """``exc`` if it is running out of memory, or the one it was raised from or while handling (a CUDA
-    graph capture that runs out of memory can end in another error when the capture is torn down)."""
+    graph capture that runs out of memory can end in another error when the capture is torn down), up to
+    ``outside``: the exception being handled where the failing work began, which is no part of its failure
+    (a capture begun while an earlier batch's out of memory was handled is not out of memory itself)."""
     seen: BaseException | None = exc
-    while seen is not None:
+    while seen is not None and seen is not outside:
         if is_out_of_memory(seen):
             return seen
         seen = seen.__cause__ or seen.__context__

@@ -100,6 +100,36 @@ def test_an_embedding_batch_that_does_not_fit_runs_in_halves_and_only_an_input_t
     assert all(padded <= engine.fits for padded in engine.calls[calls_before:]), "no failed forward now"
 
 
+def test_a_capture_that_fails_after_a_batch_ran_out_of_memory_runs_eagerly_and_fails_no_request(
+    minilm: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Seen on an H200: the runner split a batch that ran out of memory and ran its halves while it still
+    handled that error, so a graph capture that then failed for another reason carried it as its context,
+    was taken for out of memory, and split again, down to single short inputs that failed ``worker_oom``
+    (13 warnings, every request of the test failed). A capture's failure is now judged on its own: the
+    engine runs eagerly and the halves complete."""
+    from tests.gpu_workers.test_embedding import CaptureLog, as_on_a_gpu
+
+    engine = SmallCardEmbedder(minilm.model, max_length=minilm.manifest.max_context)
+    engine.calls = []
+    broken = RuntimeError("CUDA error: operation failed due to a previous error during capture")
+    as_on_a_gpu(engine, CaptureLog(engine, broken), monkeypatch)
+    runner = embedding_runner(minilm, engine, overlap=False)
+    short = [[101, 7592 + i, 2088, 102] for i in range(7)]  # 28 padded tokens together: more than fits
+    requests = [embedding(inputs=[ids]) for ids in short]
+    done = run(runner, requests).finished
+    alone = EmbeddingEngine(minilm.model, cuda_graphs=False).embed(short)
+    for request, expected in zip(requests, alone, strict=True):
+        result = done[request.request_id]
+        assert (result.status, result.error) == ("completed", None)
+        vectors = result.vectors()
+        assert vectors is not None
+        np.testing.assert_allclose(vectors[0], expected, atol=1e-5)
+    assert engine.calls[:3] == [28, 12, 16], "one split: the halves fit"
+    assert engine.graphs == 0, "the capture failed: eager from then on"
+    assert runner.load().out_of_memory == 1
+
+
 class SmallCardGenerator(GenerationEngine):
     """demo-gpt that runs out of memory in a decode step of ``fits`` + 1 rows or more, once, after it has
     already changed the batch (as a forward that fails part-way does)."""
