@@ -9,3 +9,8 @@ from __future__ import annotations
 
 class GpuWorkerError(Exception):
     """Root of every error raised by ``gpu_workers``."""
+
+
+class StartCancelled(GpuWorkerError):
+    """A worker was told to stop while it was still starting (loading its model): it stops without
+    waiting for the load, which cannot be interrupted and has taken nothing from Kafka."""

@@ -18,6 +18,7 @@ from bus.placement import (
     pin_process,
     place_native_threads,
 )
+from gpu_workers import StartCancelled
 from gpu_workers.batching import BatcherConfig
 from gpu_workers.features import FeatureProbe
 from gpu_workers.flush import FlushPolicy
@@ -328,7 +329,12 @@ def run_worker(
     with ops:
         log.info("worker %s: metrics and health on %s", service.worker_id, ops.url)
         service.watch(lambda _: stop.set())  # the first failure of any of its threads ends the wait
-        service.start()  # returns once the model is loaded
+        service.start_cancelled = stop  # a stop signal while the model loads ends the start at once
+        try:
+            service.start()  # returns once the model is loaded
+        except StartCancelled:
+            log.info("worker %s: stopped while loading its model", service.worker_id)
+            return
         tune_gc()  # the model and what start-up built: out of the collector's sight (monitoring.runtime)
         try:
             if service.standby and join is not None:

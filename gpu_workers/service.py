@@ -36,7 +36,7 @@ from bus.dead_letter import Junk, Letter, Why, decode_or_junk, junk_of
 from bus.errors import BusError
 from bus.positions import offset_at, read_to_end, uncommitted_since, watermarks
 from bus.producer import EventProducer, Position
-from gpu_workers import GpuWorkerError
+from gpu_workers import GpuWorkerError, StartCancelled
 from gpu_workers.features import FeatureProbe, Vector
 from gpu_workers.ledger import RecordLedger
 from gpu_workers.observe import WorkerObserver, open_trace
@@ -248,6 +248,8 @@ class WorkerService(Component):
         """Set by :meth:`drain`: records not yet started are left for the partitions' next owner."""
         self._ready = threading.Event()
         self._thread: threading.Thread | None = None
+        self.start_cancelled = threading.Event()
+        """Set (a stop signal) to give up a :meth:`start` still waiting for the model to load."""
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -278,8 +280,12 @@ class WorkerService(Component):
             self._follow_deployments()
         self._thread = threading.Thread(target=self._serve, name=f"model-{self.model_id}", daemon=True)
         self._thread.start()
-        if not self._ready.wait(timeout):
-            raise BusError(f"worker for {self.model_id} did not load within {timeout:.0f}s")
+        deadline = time.monotonic() + timeout
+        while not self._ready.wait(self.START_POLL_S):
+            if self.start_cancelled.is_set():
+                raise StartCancelled(f"worker for {self.model_id} stopped while loading its model")
+            if time.monotonic() >= deadline:
+                raise BusError(f"worker for {self.model_id} did not load within {timeout:.0f}s")
         if isinstance(self.failure, GpuWorkerError | ManifestError):
             raise self.failure  # the model cannot load: the caller says how to fix it, not a traceback
         if self.failure is not None:
@@ -299,6 +305,9 @@ class WorkerService(Component):
     def assignment(self) -> set[TP]:
         """The request partitions this worker owns now."""
         return self._requests.assignment()
+
+    START_POLL_S = 0.1
+    """How often a start waiting for the model looks at :attr:`start_cancelled`."""
 
     BROKERS_DOWN_S = 10.0
     """How long the request consumer may see no broker before ``/readyz`` says ``kafka: false``."""
@@ -346,9 +355,11 @@ class WorkerService(Component):
         offsets committed; requests without one are redelivered to the group's other members (or to
         this worker's next start)."""
         self._stop.set()
-        if self._thread is not None:
+        if self._thread is not None and self._ready.is_set():
             self._thread.join()
             self._thread = None
+        # else the model thread is still loading (a start given up): it serves nothing, sees the stop once
+        # loaded and returns; a daemon, it does not hold the process either
         if self._probe is not None:
             self._probe.close()  # the results copies still waiting for a prompt's embedding go out
         for listener in (self._cancels, self._results_tail, self._control):

@@ -1096,3 +1096,61 @@ async def test_a_draining_worker_finishes_what_runs_takes_nothing_new_and_nothin
         ran.setdefault(next(iter(sources)), set()).add(request.request_id)
     assert set(ran) == {"gpu_workers/d1", "gpu_workers/d2"}, "one worker ran everything: nothing was drained"
     assert drained_in < 30
+
+
+_SLOW_LOADING_WORKER = """
+import sys, time
+import gpu_workers.models as models
+from rich.console import Console
+from schemas.settings import PlatformSettings, load_settings
+from sluice.services import run_worker_process
+
+def load_for_ever(*args, **kwargs):
+    print("loading", flush=True)
+    time.sleep(120)  # as a model load does, it cannot be interrupted
+    raise AssertionError("the load was waited for")
+
+models.load_generation_model = load_for_ever
+sys.exit(run_worker_process(load_settings(PlatformSettings), "demo-gpt", Console(stderr=True)))
+"""
+
+
+@pytest.mark.integration
+def test_a_worker_told_to_stop_while_it_loads_its_model_stops_at_once(
+    platform: PlatformSettings, demo_gpt_dir: Path
+) -> None:
+    """Found by an audit: SIGTERM (Ctrl-C in ``sluice up``, a scale-in) while a worker loaded its model was
+    only seen once the load had finished, 20 s and more here; ``sluice up`` waited, or killed it after its
+    grace. The start is given up at once: nothing was taken from Kafka yet."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_") or k == "SLUICE_CACHE_DIR"}
+    env.update(
+        SLUICE_KAFKA_BOOTSTRAP=platform.kafka.bootstrap,
+        SLUICE_TOPIC_PREFIX=platform.topic_prefix,
+        SLUICE_WORKER_OPS_PORT="0",
+        SLUICE_CACHE_DIR=platform.cache_dir,
+    )
+    with subprocess.Popen(
+        [sys.executable, "-c", _SLOW_LOADING_WORKER],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    ) as proc:
+        try:
+            assert proc.stdout is not None
+            assert proc.stderr is not None
+            assert proc.stdout.readline().strip() == "loading"
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=15) == 0, proc.stderr.read()
+            errors = proc.stderr.read()
+            assert "Traceback" not in errors, errors
+            assert "Fatal" not in errors, errors
+            assert "stopped while loading its model" in errors  # its log line (JSON logs on stderr)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
