@@ -6,7 +6,7 @@ leaves the process usable) above a size stands in for a card that is too small."
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import pytest
@@ -19,7 +19,7 @@ from gpu_workers.models import LoadedModel
 from gpu_workers.observe import RunnerLoad, WorkerObserver
 from gpu_workers.oom import OOM_CODE, MemoryBackoff, is_out_of_memory
 from gpu_workers.runtime import ENGINE_ERROR_CODE
-from schemas.events import SamplingParams
+from schemas.events import EmbeddingRequested, RequestFinished, SamplingParams
 from tests.gpu_workers.test_engine import generate_alone
 from tests.gpu_workers.test_runners import embedding, embedding_runner, generation, generation_runner, run
 
@@ -61,6 +61,18 @@ class SmallCardEmbedder(EmbeddingEngine):
         return super().launch(batch)
 
 
+def assert_embedded(
+    done: Mapping[str, RequestFinished], requests: Sequence[EmbeddingRequested], expected: np.ndarray
+) -> None:
+    """Each request completed with the vector of its one input, as the model gives it alone."""
+    for request, vector in zip(requests, expected, strict=True):
+        result = done[request.request_id]
+        assert (result.status, result.error) == ("completed", None)
+        vectors = result.vectors()
+        assert vectors is not None
+        np.testing.assert_allclose(vectors[0], vector, atol=1e-5)
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_an_embedding_batch_that_does_not_fit_runs_in_halves_and_only_an_input_too_big_alone_fails(
     minilm: LoadedModel, overlap: bool
@@ -74,13 +86,7 @@ def test_an_embedding_batch_that_does_not_fit_runs_in_halves_and_only_an_input_t
     doomed = embedding(inputs=[short[0], huge])
     done = run(runner, [*requests, doomed]).finished  # the runner never raised
 
-    alone = EmbeddingEngine(minilm.model).embed(short)
-    for request, expected in zip(requests, alone, strict=True):
-        result = done[request.request_id]
-        assert (result.status, result.error) == ("completed", None)
-        vectors = result.vectors()
-        assert vectors is not None
-        np.testing.assert_allclose(vectors[0], expected, atol=1e-5)
+    assert_embedded(done, requests, EmbeddingEngine(minilm.model).embed(short))
     failed = done[doomed.request_id]
     assert (failed.status, failed.finish_reason) == ("failed", "error")
     assert failed.error is not None
@@ -118,13 +124,7 @@ def test_a_capture_that_fails_after_a_batch_ran_out_of_memory_runs_eagerly_and_f
     short = [[101, 7592 + i, 2088, 102] for i in range(7)]  # 28 padded tokens together: more than fits
     requests = [embedding(inputs=[ids]) for ids in short]
     done = run(runner, requests).finished
-    alone = EmbeddingEngine(minilm.model, cuda_graphs=False).embed(short)
-    for request, expected in zip(requests, alone, strict=True):
-        result = done[request.request_id]
-        assert (result.status, result.error) == ("completed", None)
-        vectors = result.vectors()
-        assert vectors is not None
-        np.testing.assert_allclose(vectors[0], expected, atol=1e-5)
+    assert_embedded(done, requests, EmbeddingEngine(minilm.model, cuda_graphs=False).embed(short))
     assert engine.calls[:3] == [28, 12, 16], "one split: the halves fit"
     assert engine.graphs == 0, "the capture failed: eager from then on"
     assert runner.load().out_of_memory == 1
