@@ -62,10 +62,12 @@ __all__ = [
     "Anchored",
     "AnchoredReport",
     "TopicChain",
+    "advance",
     "anchor_chains",
     "audit_extent",
     "audit_records",
     "read_chains",
+    "resumed",
     "verify_anchored",
 ]
 
@@ -104,6 +106,20 @@ def audit_extent(kafka: KafkaConnection, topic: str, client_id: str) -> Extent:
             f"the audit topic {topic} does not exist at {kafka.bootstrap}: run `sluice topics apply`"
         )
     return extent
+
+
+def resumed(extent: Extent, read: Mapping[int, int]) -> Extent:
+    """``extent`` from where an earlier read stopped (``read``: per partition, the end it reached): only
+    what was appended since. A partition not read before, or one whose end is now before the end read (the
+    topic was made again), is read from its first retained offset, as is one whose records up to there were
+    deleted by retention."""
+    starts, ends = extent
+    since: list[TopicPartition] = []
+    for start in starts:
+        reached = read.get(start.partition, -1)
+        offset = reached if start.offset <= reached <= ends.get(start.partition, 0) else start.offset
+        since.append(TopicPartition(start.topic, start.partition, offset))
+    return since, ends
 
 
 def audit_records(
@@ -318,6 +334,23 @@ def anchor_chains(
     healed = _heal(records(), behind, heal, chunk) if behind else {}
     problems = [c.problem for c in chains.values() if c.problem is not None]
     return Anchored(heads, offsets, healed, conflicts, problems, read)
+
+
+def advance(
+    heads: dict[str, AuditHead], offsets: dict[str, dict[int, int]], chains: Mapping[str, TopicChain]
+) -> None:
+    """Move ``heads`` and ``offsets`` (the worker's, as of an earlier read of the topic) on to what a read of
+    the entries appended since found (:func:`read_chains` over :func:`resumed`): each chain read goes on
+    from its last entry there, and its source partitions' offsets reach at least what those entries came
+    from. The topic is read to an end taken after everything this worker published was durable, so a
+    chain's last entry read is its head, whoever appended it."""
+    for name, chain in chains.items():
+        if chain.head is None:
+            continue
+        heads[name] = chain.head
+        reached = offsets.setdefault(name, {})
+        for partition, offset in chain.origins.items():
+            reached[partition] = max(offset, reached.get(partition, -1))
 
 
 def _disagreement(stored: AuditHead | None, logged: TopicChain) -> str | None:

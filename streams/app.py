@@ -15,7 +15,9 @@ counts nothing. The chain heads are anchored on the ``audit`` topic (:mod:`strea
 the worker reads the topic to its end and goes on from each chain's last entry there, re-inserting into
 ``audit_log`` what the warehouse lacks (a crash between publishing and inserting, or a cut tail) and
 withholding the rows of a chain the warehouse disagrees with. Each entry records the results offset it
-came from, so an event delivered again after its entry was published is skipped.
+came from, so an event delivered again after its entry was published is skipped. When a rebalance gives
+the worker a ``results`` or ``control`` partition (two workers share the group in a rolling update), it
+first reads what was appended to the topic since its last read: the other worker extended those chains.
 
 Why not Faust tables and ``exactly_once``: we built the chain that way first. On Kafka 4.3.1 with
 faust-streaming 0.15.3, after a ``kill -9`` the restarted worker repeated entries (offsets of a topic two
@@ -49,7 +51,7 @@ from confluent_kafka import Message
 from confluent_kafka.admin import AdminClient
 from opentelemetry.trace import Span, SpanKind
 
-from bus.consumer import ConsumerThread, consumer_config
+from bus.consumer import TP, ConsumerThread, consumer_config
 from bus.control import read_placed
 from bus.dead_letter import dead_letter_event
 from bus.errors import BusError
@@ -78,9 +80,13 @@ from streams.anchor import (
     Anchored,
     AnchorError,
     Placed,
+    TopicChain,
+    advance,
     anchor_chains,
     audit_extent,
     audit_records,
+    read_chains,
+    resumed,
 )
 from streams.audit import AuditHead, admin_entry, audit_row, request_entry
 from streams.control import SPEND_TODAY, Controller, WindowCounts, burn_sql
@@ -93,6 +99,9 @@ from streams.sink import Batch, Consumed, Rows, insert, query_rows
 log = logging.getLogger(__name__)
 
 SOURCE = "streams/worker"
+
+REVOKE_WAIT_S = 30.0
+"""How long a revoke waits for the insert in flight, so the batch's offsets go out with it."""
 
 
 def sink_topics(names: TopicNames, request_topics: Sequence[str], *, decisions: bool = True) -> list[str]:
@@ -194,6 +203,12 @@ class StreamsApp(AsyncComponent):
         self._heads: dict[str, AuditHead] | None = None
         self._offsets: dict[str, dict[int, int]] = {}
         """Per chain, per source partition: the offset its last audit entry from there came from."""
+        self._audit_read: dict[int, int] = {}
+        """Per partition of the audit topic, the end up to which ``_heads`` and ``_offsets`` were read from it
+        (entries this worker published since are in them too)."""
+        self._anchored: set[TP] = set()
+        """The ``results`` and ``control`` partitions whose chains' heads were read after this worker was last
+        given them (polling thread): another worker may have extended those chains while it owned them."""
         self.audit_conflicts: dict[str, str] = {}
         """Chains whose warehouse rows disagree with the audit topic (why): their rows are withheld."""
         self._anchor_timeout_s = settings.streams_audit_anchor_timeout_s
@@ -256,6 +271,7 @@ class StreamsApp(AsyncComponent):
             name="streams-sink",
             batch_size=self._batch_size,
             linger_s=self._within,
+            on_revoke=self._revoked,
             on_failure=self.fail,
         )
         await asyncio.to_thread(self._sink.start)
@@ -268,7 +284,7 @@ class StreamsApp(AsyncComponent):
             except BusError:
                 log.warning("streams: the sink had failed", exc_info=True)  # already told (fail)
         storing, self._storing = self._storing, None
-        if storing is not None:  # the last batch's insert (its offsets stay uncommitted: redelivered)
+        if storing is not None:  # an insert the sink's last revoke did not wait for: left uncommitted
             await asyncio.gather(storing, return_exceptions=True)
         timers, self._timers = self._timers, []
         for task in timers:
@@ -321,14 +337,62 @@ class StreamsApp(AsyncComponent):
         if loop is None or sink is None:
             raise RuntimeError("the sink consumes before the app started")
         records, offsets = consumed(messages)
+        gained = self._gained(sink.assignment())
         stored = functools.partial(sink.commit, offsets)  # by the polling thread before its next batch
-        asyncio.run_coroutine_threadsafe(self._pipelined(records, stored), loop).result()
+        pipelined = self._pipelined(records, stored, reanchor=bool(gained))
+        asyncio.run_coroutine_threadsafe(pipelined, loop).result()
+        self._anchored |= gained
 
-    async def _pipelined(self, records: Sequence[Consumed], on_stored: Callable[[], object]) -> None:
+    def _gained(self, owned: set[TP]) -> set[TP]:
+        """The ``results`` and ``control`` partitions among ``owned`` whose chains' heads have not been read
+        since this worker was given them (polling thread)."""
+        fed = (self.names.results, self.names.control)
+        return {tp for tp in owned if tp[0] in fed} - self._anchored
+
+    def _revoked(self, partitions: list[TP], lost: bool) -> None:
+        """On the polling thread, before the group hands ``partitions`` on (or, ``lost``, after it did).
+
+        Their chains' heads are read again if they come back (another worker may extend the chains
+        meanwhile). Every batch handed to the loop has its audit entries durable on the topic already
+        (:meth:`_consume` waits for that, and records fetched before the revoke are not handed over:
+        :class:`~bus.consumer.ConsumerThread`), so nothing of these partitions is published after this
+        returns; the next owner reads the topic after it. What waits is the last batch's insert: waited
+        for here (up to :data:`REVOKE_WAIT_S`), so its offsets are committed with the revoke and the next
+        owner starts after it. Past that, or when lost, they are left uncommitted: the next owner reads
+        the batch again, and skips the events whose entries it finds on the topic."""
+        self._anchored.difference_update(partitions)
+        loop = self._loop
+        if lost or loop is None or not loop.is_running():
+            return
+        try:
+            asyncio.run_coroutine_threadsafe(self._inserted(), loop).result(timeout=REVOKE_WAIT_S)
+        except TimeoutError:
+            log.warning(
+                "streams: the last batch was not written within %.0f s of the revoke of %s; "
+                "its offsets are left for the partitions' next owner",
+                REVOKE_WAIT_S,
+                sorted(partitions),
+            )
+        except RuntimeError:
+            log.debug("streams: the event loop closed during a revoke", exc_info=True)
+
+    async def _inserted(self) -> None:
+        """Once the insert in flight (if any) has ended; its commit is queued by then (a failed one failed
+        the app)."""
+        storing = self._storing
+        if storing is not None:
+            await asyncio.wait([storing])
+
+    async def _pipelined(
+        self, records: Sequence[Consumed], on_stored: Callable[[], object], *, reanchor: bool = False
+    ) -> None:
         """Prepare ``records`` (rows, audit entries durable on the topic) while the previous batch is
         still being inserted, wait for that insert, then start this batch's; ``on_stored`` runs once
         it is written. One insert at a time, in order, so offsets are committed in order, each after
-        its batch's rows. A failed insert fails the app (nothing after it is committed)."""
+        its batch's rows. A failed insert fails the app (nothing after it is committed). With
+        ``reanchor``, the chain heads are read again first (:meth:`reanchor`)."""
+        if reanchor:
+            await self.reanchor()
         prepared = await self._prepare(records)
         previous = self._storing
         if previous is not None:
@@ -514,7 +578,11 @@ class StreamsApp(AsyncComponent):
         todo = [(record, event) for record, event in batch.events if self._audited(record, event)]
         if not todo:
             return []
-        heads = self._heads if self._heads is not None else (await self.anchor()).heads
+        if self._heads is None:
+            await self.anchor()
+        heads = self._heads
+        if heads is None:
+            raise RuntimeError("the audit chains were anchored, yet have no heads")
         entries: list[AuditEntry] = []
         for record, event in todo:
             chain = chain_of(event)
@@ -537,7 +605,7 @@ class StreamsApp(AsyncComponent):
         """Load every chain's head from the audit topic and heal ``audit_log`` where it is behind
         (:func:`streams.anchor.anchor_chains`); on the writer's thread. Called at start."""
         loop = asyncio.get_running_loop()
-        anchored = await loop.run_in_executor(self._executor, self._anchor)
+        anchored, self._audit_read = await loop.run_in_executor(self._executor, self._anchor)
         self._heads = dict(anchored.heads)
         self._offsets = {chain: dict(reached) for chain, reached in anchored.offsets.items()}
         self.audit_conflicts = dict(anchored.conflicts)
@@ -567,18 +635,59 @@ class StreamsApp(AsyncComponent):
         )
         return anchored
 
-    def _anchor(self) -> Anchored:
+    def _anchor(self) -> tuple[Anchored, dict[int, int]]:
+        """The chains anchored, and the end of the audit topic they were read to."""
         rows = query_rows(self._writer, AUDIT_HEADS)
         try:
             extent = audit_extent(self._kafka, self.names.audit, f"{SOURCE}-anchor")
         except AnchorError:
             log.warning("audit: no %s topic: the chains go on from the warehouse's heads", self.names.audit)
-            return anchor_chains(rows, lambda: (), self._heal)
+            return anchor_chains(rows, lambda: (), self._heal), {}
 
         def records() -> Iterator[Placed]:
             return audit_records(self._kafka, extent, f"{SOURCE}-anchor", timeout_s=self._anchor_timeout_s)
 
-        return anchor_chains(rows, records, self._heal)
+        return anchor_chains(rows, records, self._heal), dict(extent[1])
+
+    async def reanchor(self) -> None:
+        """Bring every chain's head up to the audit topic's end now, before records of partitions this
+        worker was just given are chained: while another worker owned them it extended their chains, and
+        going on from heads read earlier forked them (an audit: two streams workers in one group, as in a
+        rolling update). Reads only what was appended since the last read (:func:`~streams.anchor.resumed`);
+        it runs after the assignment, so after the previous owner's revoke, whose entries are durable by
+        then (:meth:`_revoked`). The warehouse is not compared again: the previous owner inserts its
+        entries, and the next start heals what a crash left out (``anchor``)."""
+        if self._heads is None:
+            await self.anchor()
+            return
+        began = time.perf_counter()
+        chains, read, ends = await asyncio.to_thread(self._catch_up, dict(self._audit_read))
+        moved = sum(1 for name, chain in chains.items() if chain.head != self._heads.get(name))
+        advance(self._heads, self._offsets, chains)
+        self._audit_read = ends
+        for chain in chains.values():
+            if chain.problem is not None:
+                log.error("audit: chain %r: seq %d: %s", chain.chain, chain.problem.seq, chain.problem.reason)
+        log.info(
+            "audit: heads read again on %s for partitions gained: %d entries appended since, %d chains moved "
+            "on (%.0f ms)",
+            self.names.audit,
+            read,
+            moved,
+            (time.perf_counter() - began) * 1000,
+        )
+
+    def _catch_up(self, read: dict[int, int]) -> tuple[dict[str, TopicChain], int, dict[int, int]]:
+        """The chains as the audit topic's entries past ``read`` (per partition) leave them, how many entries
+        that was, and the topic's end now."""
+        try:
+            extent = audit_extent(self._kafka, self.names.audit, f"{SOURCE}-anchor")
+        except AnchorError:
+            return {}, 0, read
+        since = resumed(extent, read)
+        records = audit_records(self._kafka, since, f"{SOURCE}-anchor", timeout_s=self._anchor_timeout_s)
+        chains, count = read_chains(records)
+        return chains, count, dict(extent[1])
 
     def _heal(self, placed: Sequence[Placed]) -> None:
         """Insert entries read from the audit topic: their ``audit_log`` and ``events_raw`` rows."""

@@ -99,9 +99,13 @@ def test_the_sink_reads_what_the_warehouse_keeps_as_the_streams_group(tmp_path: 
 class Sink:
     def __init__(self) -> None:
         self.commits: list[dict[tuple[str, int], int]] = []
+        self.owned: set[tuple[str, int]] = set()
 
     def commit(self, offsets: dict[tuple[str, int], int]) -> None:
         self.commits.append(offsets)
+
+    def assignment(self) -> set[tuple[str, int]]:
+        return set(self.owned)
 
 
 @pytest.fixture
@@ -171,6 +175,86 @@ def test_offsets_are_committed_only_once_the_batch_is_written(
     assert len(sink.commits) == 2  # the failed batch is not committed, nor anything after it
     assert "prepare 10" in steps
     assert "insert 10" not in steps
+
+
+def test_the_chain_heads_are_read_again_before_the_first_batch_after_gaining_results_or_control(
+    tmp_path: Path, loop: asyncio.AbstractEventLoop
+) -> None:
+    """Another streams worker may have extended the chains of a partition while it owned it: the heads
+    this worker read before are stale once it is given the partition (again)."""
+    app = make_app(tmp_path)
+    sink = Sink()
+    app._loop, app._sink = loop, cast(ConsumerThread, sink)
+    steps: list[str] = []
+
+    async def reanchor() -> None:
+        steps.append("read heads")
+
+    async def prepare(records: Sequence[Consumed]) -> Prepared:
+        steps.append(f"{records[0].topic}:{records[0].offset}")
+        return Prepared(Batch(), [], 0)
+
+    async def store(prepared: Prepared) -> Batch:
+        return prepared.batch
+
+    app.reanchor = reanchor  # type: ignore[method-assign]
+    app._prepare = prepare  # type: ignore[method-assign]
+    app._store = store  # type: ignore[method-assign]
+    sink.owned = {("p.requests.demo-gpt", 0), ("p.usage", 0)}
+    app._consume(messages(("p.usage", 0, 0)))  # no chain is fed from these
+    sink.owned |= {("p.results", 0), ("p.control", 0)}
+    app._consume(messages(("p.usage", 0, 1)))  # read before any batch once they are owned
+    app._consume(messages(("p.results", 0, 0)))
+    sink.owned.discard(("p.results", 0))
+    app._revoked([("p.results", 0)], True)
+    app._consume(messages(("p.control", 0, 0)))
+    sink.owned.add(("p.results", 0))  # back, after another worker had it
+    app._consume(messages(("p.results", 0, 5)))
+    assert steps == [
+        "p.usage:0",
+        "read heads",
+        "p.usage:1",
+        "p.results:0",
+        "p.control:0",
+        "read heads",
+        "p.results:5",
+    ]
+
+
+def test_a_revoke_waits_for_the_insert_in_flight_so_its_offsets_go_out_with_the_hand_over(
+    tmp_path: Path, loop: asyncio.AbstractEventLoop
+) -> None:
+    app = make_app(tmp_path)
+    sink = Sink()
+    app._loop, app._sink = loop, cast(ConsumerThread, sink)
+    release = threading.Event()
+
+    async def prepare(records: Sequence[Consumed]) -> Prepared:
+        return Prepared(Batch(), [], 0)
+
+    async def store(prepared: Prepared) -> Batch:
+        await asyncio.to_thread(release.wait)
+        return prepared.batch
+
+    app._prepare = prepare  # type: ignore[method-assign]
+    app._store = store  # type: ignore[method-assign]
+    app._consume(messages(("r", 0, 3)))  # prepared: its insert goes on after the hand-over to the loop
+    app._revoked([("r", 0)], True)  # lost: nothing may be committed, so nothing is waited for
+    assert sink.commits == []
+
+    seen: list[list[dict[tuple[str, int], int]]] = []
+
+    def hand_over() -> None:
+        app._revoked([("r", 0)], False)
+        seen.append(list(sink.commits))
+
+    revoke = threading.Thread(target=hand_over)
+    revoke.start()
+    revoke.join(0.2)
+    assert revoke.is_alive()  # waiting for the insert
+    release.set()
+    revoke.join(10)
+    assert seen == [[{("r", 0): 4}]]  # queued before the revoke returned: its flush sends it
 
 
 class Polling:

@@ -19,6 +19,7 @@ from typing import Any
 import aiohttp
 import msgspec
 import pytest
+from confluent_kafka import TopicPartition
 
 from bus.producer import EventProducer
 from infra.kafka.broker import free_port
@@ -27,7 +28,7 @@ from infra.warehouse import migrate, query_warehouse
 from schemas.events import AuditEntry
 from schemas.settings import PlatformSettings
 from schemas.topics import TopicNames
-from streams.anchor import ORIGIN, Placed, TopicChain, anchor_chains, read_chains
+from streams.anchor import ORIGIN, Placed, TopicChain, advance, anchor_chains, read_chains, resumed
 from streams.audit import AUDIT_COLUMNS, AuditHead, admin_entry, audit_row, row_canonical
 from tests.streams.test_audit import REPO_ROOT, chain, finished, sluice, warehouse
 
@@ -214,6 +215,56 @@ def test_a_head_row_with_malformed_details_is_a_conflict_not_a_crash(details: st
     assert anchored.conflicts["admin:budget:x"].startswith("the warehouse's seq 1 is a malformed row")
     assert "admin:budget:x" not in anchored.offsets
     assert (anchored.healed, heal.calls) == ({}, [])
+
+
+def from_partition(head: AuditHead | None, tenant: str, origins: Sequence[str]) -> list[AuditEntry]:
+    """Entries that go on from ``head``, each from the source record ``origins`` names."""
+    made: list[AuditEntry] = []
+    for origin in origins:
+        entry = admin_entry(
+            head, tenant=tenant, actor="a", action="budget.update", resource=f"budget:{tenant}",
+            decision="allowed", details={ORIGIN: origin}, source="test",
+        )  # fmt: skip
+        made.append(entry)
+        head = AuditHead(seq=entry.seq, entry_hash=entry.entry_hash)
+    return made
+
+
+def test_a_worker_given_a_partition_goes_on_from_what_another_worker_appended_meanwhile() -> None:
+    """Found by an audit: two streams workers in one group (a rolling update); the one that gained the
+    results partition went on from the heads it had read at its start, and the chains forked."""
+    acme = from_partition(None, "acme", ["0:0", "0:1"])
+    globex = from_partition(None, "globex", ["1:0"])
+    anchored = anchor_chains([], lambda: placed([*acme, *globex]), Healer())
+    heads, offsets = dict(anchored.heads), {k: dict(v) for k, v in anchored.offsets.items()}
+    # Meanwhile the other worker, owning partition 0, extended acme and began initech.
+    tail = AuditHead(seq=acme[-1].seq, entry_hash=acme[-1].entry_hash)
+    later = [*from_partition(tail, "acme", ["0:2", "0:3"]), *from_partition(None, "initech", ["0:4"])]
+    chains, read = read_chains(placed(later))
+    advance(heads, offsets, chains)
+    assert read == 3
+    assert heads == {
+        "acme": AuditHead(seq=3, entry_hash=later[1].entry_hash),
+        "globex": anchored.heads["globex"],  # not appended to: as it was
+        "initech": AuditHead(seq=0, entry_hash=later[2].entry_hash),
+    }
+    assert offsets == {"acme": {0: 3}, "globex": {1: 0}, "initech": {0: 4}}
+    own = {"acme": {0: 9, 1: 2}}  # a partition's offsets never go back
+    advance({}, own, chains)
+    assert own["acme"] == {0: 9, 1: 2}
+
+
+def test_reading_the_audit_topic_again_starts_where_the_last_read_ended() -> None:
+    starts = [TopicPartition("audit", p, low) for p, low in enumerate([0, 5, 0, 0])]
+    ends = {0: 10, 1: 20, 2: 4, 3: 7}
+    since, until = resumed((starts, ends), {0: 7, 1: 3, 2: 9})
+    assert [(tp.topic, tp.partition, tp.offset) for tp in since] == [
+        ("audit", 0, 7),  # appended since the last read
+        ("audit", 1, 5),  # retention deleted past the last read: from the first retained
+        ("audit", 2, 0),  # ends before the last read: the topic was made again
+        ("audit", 3, 0),  # not read before (the topic grew)
+    ]
+    assert until == ends
 
 
 # ------------------------------------------------------------------------------------------ on Kafka
