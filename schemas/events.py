@@ -577,6 +577,10 @@ class RolloutGates(FrozenStruct, frozen=True, kw_only=True):
     """Seconds each step lasts at least, however many requests it saw."""
     ready_timeout_s: Annotated[float, msgspec.Meta(gt=0.0, le=MAX_GATE_SECONDS)] = 600.0
     """Seconds a warming candidate may take to have a ready worker before the rollout is rolled back."""
+    step_max_s: Annotated[float, msgspec.Meta(ge=0.0, le=MAX_GATE_SECONDS)] = 0.0
+    """Seconds a step may wait for its gates' data (0: as long as it takes): a step still inconclusive
+    then (a gate at ``insufficient_data``: too little traffic, shadow copies expiring on a saturated box) is
+    rolled back, not left stalled for good. Added after the first rollouts: older readers ignore it."""
 
 
 class GateResult(FrozenStruct, frozen=True, kw_only=True):

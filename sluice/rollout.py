@@ -90,6 +90,11 @@ def plan_start(
     """The ``deploy`` event that starts a rollout of ``version``, after checking it can start."""
     if model not in platform.served_models():
         raise RolloutError(f"{model} is not served (SLUICE_MODELS / SLUICE_MODEL_PATHS)")
+    if 0 < gates.step_max_s < gates.step_min_s:
+        raise RolloutError(
+            f"--step-max-s {gates.step_max_s:g} is shorter than --step-min-s {gates.step_min_s:g}: every step "
+            "would be rolled back before it could pass (0 waits as long as it takes)"
+        )
     registered(platform, model, version)
     latest = deployment_of(platform, model)
     if latest is not None and in_progress(latest):

@@ -120,6 +120,16 @@ def rollout_start(
         float,
         typer.Option("--step-min-s", min=0, max=MAX_GATE_SECONDS, help="seconds each step lasts at least"),
     ] = 60.0,
+    step_max_s: Annotated[
+        float,
+        typer.Option(
+            "--step-max-s",
+            min=0,
+            max=MAX_GATE_SECONDS,
+            help="seconds a step may wait for its gates' data; still inconclusive then, it is rolled back "
+            "(0: as long as it takes)",
+        ),
+    ] = 0.0,
     drift_gate: Annotated[
         bool,
         typer.Option(
@@ -166,6 +176,7 @@ def rollout_start(
         min_cosine=min_cosine,
         burn=burn_gate,
         step_min_s=step_min_s,
+        step_max_s=step_max_s,
         ready_timeout_s=ready_timeout_s,
     )
 

@@ -343,7 +343,7 @@ def decide(
         step = f"{current.step + 1}/{len(current.steps)}"
         return roll_back(current, now, f"automatic rollback at step {step}: {reason}", results, "controller")
     if not ripe(current, results, now):
-        return None
+        return overdue(current, results, now)
     summary = ", ".join(
         [_describe(r) for r in results if r.candidate is not None]
         + [f"{r.gate} not applicable" for r in results if r.state == "not_applicable"]
@@ -358,6 +358,28 @@ def ripe(current: DeploymentChanged, results: Sequence[GateResult], now: datetim
     started = current.step_started or current.time
     young = gates.step_min_s > 0 and (now - started).total_seconds() < gates.step_min_s
     return not young and all(passes(r) for r in results if r.gate != but)
+
+
+def overdue(
+    current: DeploymentChanged, results: Sequence[GateResult], now: datetime
+) -> DeploymentChanged | None:
+    """A rollback of a step that waited ``step_max_s`` for its gates' data and is still inconclusive (a
+    gate at ``insufficient_data``); otherwise None. Low traffic stalled a rollout at a step for good: the
+    gates need ``min_requests`` of each version, which a quiet model may never send (Argo and Flagger users
+    report the same)."""
+    gates = current.gates or RolloutGates()
+    waiting = [r for r in results if r.state == "insufficient_data"]
+    started = current.step_started or current.time
+    if gates.step_max_s <= 0 or not waiting or (now - started).total_seconds() <= gates.step_max_s:
+        return None
+    step = f"{current.step + 1}/{len(current.steps)}"
+    seen = max(((r.candidate_n, r.baseline_n) for r in waiting), default=(0, 0))
+    why = (
+        f"automatic rollback at step {step}: still inconclusive after {gates.step_max_s:g}s "
+        f"({', '.join(r.gate for r in waiting)} waiting for data; {seen[0]} candidate and {seen[1]} stable "
+        f"requests in the step, {gates.min_requests} needed of each)"
+    )
+    return roll_back(current, now, why, results, "controller")
 
 
 def start_rollout(
@@ -810,6 +832,8 @@ class RolloutController:
             self._due.add(model)  # an operator's change arrived meanwhile: judge that one instead
             return None
         decision = decide(current, results, self._clock())
+        if decision is None and (current.gates or RolloutGates()).step_max_s > 0:
+            self._due.add(model)  # the timer looks again: the step's deadline passes with no outcome too
         return decision if decision is not None and await self._act(model, decision) else None
 
     async def _serving(self, current: DeploymentChanged) -> GateResult | None:

@@ -291,6 +291,16 @@ def test_start_refuses_a_shadow_share_that_mirrors_nothing(
         plan_start(platform, MODEL, "v2", steps=STEPS, shadow=shadow, gates=GATES, now=T0)
 
 
+def test_start_refuses_a_step_deadline_shorter_than_a_step(platform: PlatformSettings, log: Log) -> None:
+    short = RolloutGates(min_requests=100, step_min_s=60, step_max_s=30)
+    with pytest.raises(RolloutError, match=r"--step-max-s 30 is shorter than --step-min-s 60"):
+        plan_start(platform, MODEL, "v2", steps=STEPS, shadow=0.1, gates=short, now=T0)
+    for step_max_s in (0.0, 60.0):  # none, or as long as the shortest step
+        gates = RolloutGates(min_requests=100, step_min_s=60, step_max_s=step_max_s)
+        started = plan_start(platform, MODEL, "v2", steps=STEPS, shadow=0.1, gates=gates, now=T0)
+        assert started.gates == gates
+
+
 def test_start_refuses_an_unserved_model(platform: PlatformSettings, log: Log) -> None:
     with pytest.raises(
         RolloutError, match=r"gone-model is not served \(SLUICE_MODELS / SLUICE_MODEL_PATHS\)"

@@ -431,6 +431,26 @@ def test_insufficient_data_neither_promotes_nor_aborts() -> None:
     assert decide(canary(), results, T0 + timedelta(days=1)) is None
 
 
+def test_a_step_still_inconclusive_past_step_max_s_is_rolled_back() -> None:
+    """Low traffic stalled a rollout at its step for good (its gates need ``min_requests`` of each version);
+    with ``step_max_s`` a step still waiting for data then is rolled back, with what it lacked."""
+    current = canary(gates=RolloutGates(min_requests=100, step_max_s=600))
+    results = judge(current.gates or GATES, stats(n=10), stats())
+    assert decide(current, results, T0 + timedelta(seconds=600)) is None
+    back = decide(current, results, T0 + timedelta(seconds=601))
+    assert back is not None
+    assert (back.action, back.phase, back.actor) == ("rollback", "rolled_back", "controller")
+    assert back.reason == (
+        "automatic rollback at step 1/4: still inconclusive after 600s (error_ratio, ttft_p99_ms, itl_p99_ms, "
+        "cost_per_1k_tokens, drift waiting for data; 10 candidate and 1000 stable requests in the step, 100 "
+        "needed of each)"
+    )
+    assert back.evidence == results
+    # passing gates by then promote as before; without a deadline it waits as long as it takes
+    assert decide(current, passing(), T0 + timedelta(seconds=601)).action == "promote"  # type: ignore[union-attr]
+    assert decide(canary(), results, T0 + timedelta(days=30)) is None
+
+
 def test_a_gate_that_does_not_apply_counts_as_passed() -> None:
     current = canary()
     results = judge(GATES, embeddings(), embeddings(), drift=DRIFT_PASSED)
@@ -1054,6 +1074,20 @@ async def test_the_controller_rolls_back_a_candidate_never_ready(harness: Harnes
     controller.observe([ready(begun)])  # too late: the rollout has ended
     assert await controller.run_due() == []
     assert harness.published == [back]
+
+
+async def test_the_controller_rolls_back_a_step_with_no_traffic_at_its_deadline(harness: Harness) -> None:
+    """No outcome arrives to make the model due: the timer looks again until the step's deadline."""
+    harness.warehouse.stats = [row("v1", n=5), row("v2", n=0)]
+    controller = harness.controller()
+    controller.seed([canary(now=harness.now, gates=RolloutGates(min_requests=100, step_max_s=30))])
+    for _ in range(3):
+        assert await controller.run_due() == []
+        harness.later(10)
+    harness.later(1)
+    (back,) = await controller.run_due()
+    assert (back.phase, back.actor) == ("rolled_back", "controller")
+    assert "still inconclusive after 30s" in back.reason
 
 
 async def test_a_deployment_the_controller_cannot_judge_costs_no_other_model_its_decision(
