@@ -370,6 +370,13 @@ def rollout_status(
                 f"{d.model}: waiting for a worker of {d.candidate} to be ready ({waited:.0f}s of {limit:g}s; "
                 "no traffic until then, rolled back after)"
             )
+        deadline = (d.gates or RolloutGates()).step_max_s
+        if d.phase == "canary" and deadline > 0:
+            waited = max(0.0, (utc_now() - (d.step_started or d.time)).total_seconds())
+            out.print(
+                f"{d.model}: step {d.step + 1} has run {waited:.0f}s of its {deadline:g}s deadline "
+                "(still inconclusive then: rolled back)"
+            )
         gates = d.evidence
         title = f"{d.model}: gates of the last decision"
         if d.phase == "canary":

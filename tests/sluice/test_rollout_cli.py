@@ -524,6 +524,30 @@ def test_status_of_an_embeddings_canary_shows_the_gates_that_do_not_apply(
     assert "vectors alike (cosine median 1.0000" in drift
 
 
+def test_status_of_a_canary_with_a_deadline_says_how_long_its_step_has_run(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import bus.control
+    from infra.warehouse import WarehouseError
+    from sluice.cli import app
+
+    current = rollout(now=datetime.now(UTC) - timedelta(seconds=120))
+    current = msgspec.structs.replace(current, gates=msgspec.structs.replace(GATES, step_max_s=900))
+    monkeypatch.setattr(bus.control, "latest_deployments", lambda kafka, topic, client_id: {MODEL: current})
+
+    def down(settings: PlatformSettings, sql: str) -> QueryResult:
+        raise WarehouseError("the warehouse is down")
+
+    monkeypatch.setattr(infra.warehouse, "query_warehouse", down)
+    result = CliRunner().invoke(
+        app, ["rollout", "status", MODEL], env={"COLUMNS": "200", "SLUICE_CACHE_DIR": str(tmp_path)}
+    )
+    assert result.exit_code == 0, result.output
+    line = next(line for line in result.output.splitlines() if "deadline" in line)
+    assert line.startswith(f"{MODEL}: step 1 has run 12")  # 120 s, give or take
+    assert line.endswith("s of its 900s deadline (still inconclusive then: rolled back)")
+
+
 def test_an_evaluation_passes_with_gates_that_do_not_apply() -> None:
     from schemas.events import GateResult
     from sluice.evaluate import Evaluation
