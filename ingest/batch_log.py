@@ -9,7 +9,10 @@
   their offsets may be committed;
 - ``follow`` starts reading ``results`` (the runner calls it before it publishes a line), ``unfollow``
   stops: every terminal event of every request passes through ``results``, and an edge that tails it with
-  no batch running spent ~15 % of its CPU a request doing so (``docs/perf/``).
+  no batch running spent ~15 % of its CPU a request doing so (``docs/perf/``);
+- ``caught_up`` says whether what was written to ``results`` before the last ``follow`` from the group's
+  committed offsets (an edge restarted with batches running) has all been read: until then a line with
+  no result may have one waiting there, and its batch must not end without it.
 
 The in-memory fake in ``tests/ingest`` implements the same port.
 """
@@ -61,6 +64,9 @@ class BatchLog(Protocol):
     @property
     def following(self) -> bool: ...
 
+    @property
+    def caught_up(self) -> bool: ...
+
 
 class KafkaBatchLog(AsyncComponent):
     def __init__(self, kafka: KafkaConnection, names: TopicNames, edge_id: str) -> None:
@@ -75,6 +81,9 @@ class KafkaBatchLog(AsyncComponent):
         self._consumer: ConsumerThread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._generation = 0  # counts follows and unfollows: what an earlier consumer read is stale
+        self._backlog: dict[TP, int] = {}
+        """Partitions with results written before the last follow from committed offsets, and the offset
+        up to which they must be read (``caught_up``)."""
 
     async def _start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -86,6 +95,10 @@ class KafkaBatchLog(AsyncComponent):
     def following(self) -> bool:
         return self._consumer is not None
 
+    @property
+    def caught_up(self) -> bool:
+        return not self._backlog
+
     async def follow(self, *, from_end: bool) -> None:
         """Read batch lines' results from now on (no-op while following). ``from_end``: no line of this
         edge is in flight, so what was written while it did not follow is skipped (the group's offsets move
@@ -93,7 +106,7 @@ class KafkaBatchLog(AsyncComponent):
         batches running: their lines' results may have landed while it was down)."""
         if self._consumer is not None:
             return
-        await asyncio.to_thread(self._seed_group, from_end)
+        self._backlog = await asyncio.to_thread(self._seed_group, from_end)
         self._generation += 1
         self._stopping.clear()
         consumer = ConsumerThread(
@@ -118,6 +131,7 @@ class KafkaBatchLog(AsyncComponent):
         with contextlib.suppress(BusError):  # already reported through fail()
             await asyncio.to_thread(consumer.stop)
         self._pending = {}  # what it still holds is dropped by ``results`` (an earlier generation)
+        self._backlog = {}
 
     async def stop(self) -> None:
         await self.unfollow()
@@ -125,10 +139,11 @@ class KafkaBatchLog(AsyncComponent):
             producer, self._producer = self._producer, None
             await asyncio.to_thread(producer.stop)
 
-    def _seed_group(self, from_end: bool) -> None:
+    def _seed_group(self, from_end: bool) -> dict[TP, int]:
         """Before subscribing: a new group starts at the end of ``results``, not at its whole history (the
         current end is committed for each partition the group has no offset on yet); with ``from_end``,
-        every partition does."""
+        every partition does. Returns the backlog: each other partition's end now, where the group's
+        offset is behind it."""
         consumer = Consumer(consumer_config(self._kafka, self._group, f"{self._edge_id}-batch-seed"))
         try:
             topic = self._names.results
@@ -144,6 +159,13 @@ class KafkaBatchLog(AsyncComponent):
                 settled(
                     lambda: consumer.commit(offsets=ends, asynchronous=False), f"{self._group}'s start", 60
                 )
+            backlog: dict[TP, int] = {}
+            for tp in committed:
+                if tp.partition not in missing and tp.offset < (
+                    end := watermarks(consumer, topic, tp.partition)[1]
+                ):
+                    backlog[(topic, tp.partition)] = end
+            return backlog
         finally:
             consumer.close()
 
@@ -197,6 +219,9 @@ class KafkaBatchLog(AsyncComponent):
         if generation != self._generation:
             return []  # read by a consumer since stopped (no line was in flight): its offsets are stale
         self._pending.update(ends)
+        for tp, reached in ends.items():
+            if reached >= self._backlog.get(tp, reached + 1):
+                del self._backlog[tp]
         return found
 
     def handled(self) -> None:

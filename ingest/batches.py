@@ -632,7 +632,14 @@ class BatchRunner(AsyncComponent):
             if job.settled():
                 await self._finish(job, None)
                 return
-        elif job.ending is not None and (job.in_flight == 0 or now - job.ending_since > ENDING_GRACE_S):
+        elif (
+            job.ending is not None
+            and self._log.caught_up
+            and (job.in_flight == 0 or now - job.ending_since > ENDING_GRACE_S)
+        ):
+            # caught up: an edge restarted with the batch running first reads the results written while it
+            # was down (an audit: a batch whose window passed meanwhile ended at once, its lines that had
+            # completed, and were billed, reported batch_expired)
             await self._finish(job, job.ending)
             return
         if (

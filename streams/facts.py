@@ -60,10 +60,12 @@ def fact_row(event: RequestFinished, prices: PriceTable) -> list[Any]:
     # A request that failed (the platform's failure: out of memory, a retired version, an engine error) is
     # not billed, as OpenAI bills no 5xx; its tokens are still counted. A batch line retried after such a
     # failure was billed for each attempt, where the docs promised once a line (an audit). A cancelled or
-    # expired request is billed for what it used.
+    # expired request is billed for what it used: nothing if no model ever took it (its prompt tokens are
+    # counted, not processed; an audit found a cancelled batch's queued lines billed for them).
+    unrun = event.status in ("cancelled", "expired") and timings.started is None
     cost = (
         0
-        if event.status == "failed"
+        if event.status == "failed" or unrun
         else prices.cost_nanos(
             event.model, event.usage.prompt_tokens, completion, worker_ms, batch=line is not None
         )

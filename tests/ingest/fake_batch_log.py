@@ -87,6 +87,8 @@ class FakeBatchLog:
         loaded box's stalls)."""
         self.unfollowing = False
         self._following = False
+        self._backlog = 0
+        """Results queued before the last follow from committed offsets, not yet returned (``caught_up``)."""
         self._results: asyncio.Queue[RequestFinished] = asyncio.Queue()
         self._watchers: list[Callable[[BaseException], object]] = []
 
@@ -100,17 +102,23 @@ class FakeBatchLog:
     def following(self) -> bool:
         return self._following
 
+    @property
+    def caught_up(self) -> bool:
+        return self._backlog == 0
+
     async def follow(self, *, from_end: bool) -> None:
         if not self._following:
             if from_end:  # what was written while it did not follow is skipped, as on Kafka
                 while not self._results.empty():
                     self._results.get_nowait()
+            self._backlog = self._results.qsize()
             self._following = True
             self.follows.append(from_end)
 
     async def unfollow(self) -> None:
         if self._following:
             self._following = False
+            self._backlog = 0
             self.unfollows += 1
             self.unfollowing = True
             await asyncio.sleep(self.unfollow_takes_s)
@@ -152,6 +160,7 @@ class FakeBatchLog:
         out = [first]
         while not self._results.empty():
             out.append(self._results.get_nowait())
+        self._backlog = max(0, self._backlog - len(out))
         return out
 
     def handled(self) -> None:

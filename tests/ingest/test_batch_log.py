@@ -63,6 +63,7 @@ async def test_results_are_read_only_while_following(kafka: KafkaConnection, top
             assert not following(log)
             await log.follow(from_end=True)
             assert following(log)
+            assert log.caught_up  # from the end: nothing written before is its
             await publish(1, 2)
             assert sorted(await read(log, 2)) == [1, 2]  # partitions apart: in any order
 
@@ -80,5 +81,7 @@ async def test_results_are_read_only_while_following(kafka: KafkaConnection, top
         # a restarted edge with batches running goes on from the committed offsets: 5 is read
         async with KafkaBatchLog(kafka, names, "edge-f") as log:
             await log.follow(from_end=False)
+            assert not log.caught_up, "5 was written before: not read yet"
             await publish(6)
             assert sorted(await read(log, 2)) == [5, 6]
+            assert log.caught_up

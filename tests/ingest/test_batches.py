@@ -545,6 +545,33 @@ async def test_a_restarted_edge_resumes_its_batch_and_each_line_ends_once(
     assert all(first_ids[e.index] == e.request_id for e in again if e.index in first_ids)  # same requests
 
 
+async def test_a_batch_that_expired_while_its_edge_was_down_keeps_the_results_written_meanwhile(
+    make_client: MakeClient, batch_log: FakeBatchLog
+) -> None:
+    """Found by an audit: an edge killed mid-batch and back after the batch's window had passed ended the
+    batch at once, before it had read the results its lines wrote while it was down: lines that had
+    completed (and were billed) were reported ``batch_expired``. The batch now ends once those are read."""
+    held: list[BatchItemRequested] = []
+    batch_log.respond = held.append  # type: ignore[assignment]
+    first, _ = await make_client(edge_batch_max_in_flight=5)
+    async with AsyncOpenAI(base_url=str(first.make_url("/v1")), api_key=DEMO_KEY, max_retries=0) as sdk:
+        created = await run(sdk, [chat_line(i) for i in range(5)], window="2s")
+        await _eventually(lambda: len(held) == 5)
+    await first.close()
+    for event in held:  # the lines complete while the edge is down
+        batch_log.answer(complete(event))
+    await asyncio.sleep(2.2)  # and the window passes
+
+    second, _ = await make_client(edge_batch_max_in_flight=5)
+    async with AsyncOpenAI(base_url=str(second.make_url("/v1")), api_key=DEMO_KEY, max_retries=0) as sdk:
+        done = await until(sdk, created.id, "expired", "completed")
+        assert done.request_counts is not None
+        assert (done.request_counts.completed, done.request_counts.failed) == (5, 0)
+        out = await lines_of(sdk, done.output_file_id)
+    assert [line["custom_id"] for line in out] == [f"req-{i}" for i in range(5)]
+    assert len(batch_log.lines) == 5, "nothing ran again"
+
+
 async def test_a_stopped_runner_writes_nothing_after_its_stop_returns(
     make_client: MakeClient, batch_log: FakeBatchLog, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -3,12 +3,13 @@ every other request's row is what it was."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from pathlib import Path
 
 import msgspec
 import pytest
 
-from schemas.events import BatchRef, RequestFinished, Usage
+from schemas.events import BatchRef, RequestFinished, Timings, Usage
 from streams.facts import FACT_COLUMNS, fact_row
 from streams.pricing import ModelPrice, PriceTable, PricingError, load_prices
 from tests.streams.test_audit import finished
@@ -59,10 +60,23 @@ def test_a_failed_request_is_billed_nothing_and_keeps_its_tokens(status: str, co
     too. A failure is the platform's: nothing billed, as OpenAI bills no 5xx. A cancelled or expired
     request used what it used."""
     usage = Usage(prompt_tokens=3, completion_tokens=7, total_tokens=10)
+    ran = Timings(started=datetime(2026, 11, 30, 12, 0, tzinfo=UTC))
     for line in (None, LINE):
-        fact = row(finished(usage=usage, status=status, batch=line))
+        fact = row(finished(usage=usage, status=status, batch=line, timings=ran))
         assert fact["cost_nanos"] == (cost if line is None else cost // 2)
         assert (fact["prompt_tokens"], fact["completion_tokens"]) == (3, 7)
+
+
+@pytest.mark.parametrize("status", ["cancelled", "expired"])
+def test_a_request_no_model_ever_took_is_billed_nothing(status: str) -> None:
+    """Found by an audit: a cancelled batch's queued lines (and an expired batch's) were billed for their
+    prompt tokens, which the worker counts but no model processed; the docs say lines not yet run never
+    run, and a cancelled request is billed for what it used."""
+    usage = Usage(prompt_tokens=3, completion_tokens=0, total_tokens=3)
+    for line in (None, LINE):
+        fact = row(finished(usage=usage, status=status, batch=line))  # no started time: never run
+        assert fact["cost_nanos"] == 0
+        assert fact["prompt_tokens"] == 3
 
 
 @pytest.mark.parametrize(("percent", "cost"), [(0, 4657), (25, 3492), (50, 2328), (100, 0)])
