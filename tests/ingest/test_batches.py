@@ -552,7 +552,7 @@ async def test_a_batch_that_expired_while_its_edge_was_down_keeps_the_results_wr
     batch at once, before it had read the results its lines wrote while it was down: lines that had
     completed (and were billed) were reported ``batch_expired``. The batch now ends once those are read."""
     held: list[BatchItemRequested] = []
-    batch_log.respond = held.append  # type: ignore[assignment]
+    batch_log.respond = held.append
     first, _ = await make_client(edge_batch_max_in_flight=5)
     async with AsyncOpenAI(base_url=str(first.make_url("/v1")), api_key=DEMO_KEY, max_retries=0) as sdk:
         created = await run(sdk, [chat_line(i) for i in range(5)], window="2s")
