@@ -572,6 +572,36 @@ async def test_a_batch_that_expired_while_its_edge_was_down_keeps_the_results_wr
     assert len(batch_log.lines) == 5, "nothing ran again"
 
 
+async def test_a_retry_that_cannot_be_published_does_not_keep_the_pump_awake(
+    make_client: MakeClient, batch_log: FakeBatchLog
+) -> None:
+    """Found by an audit: with its model's window full, a line's retry that was due woke the pump every
+    10 ms (80-90 rounds a second) until a result made room; so did one whose tenant was out of budget, or
+    whose batch was cancelled. Such a retry waits for the result that makes room (or the next progress
+    round); one due that could be published still wakes the pump on time."""
+    batch_log.respond = lambda event: (
+        failing("queue_full")(event) if event.index == 0 and event.ref.attempt == 0 else None
+    )  # line 0 fails once (retriable), every other line is held: the window stays full
+    client, edge = await make_client(edge_batch_max_in_flight=2, edge_batch_retry_backoff_s=0.05)
+    runner = edge.batches
+    assert runner is not None
+    async with AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=DEMO_KEY, max_retries=0) as sdk:
+        created = await run(sdk, [chat_line(i) for i in range(10)])
+        await until(sdk, created.id, "in_progress")
+        await _eventually(lambda: len(batch_log.lines) == 3)  # 0, its failure made room for 1 and 2
+        (job,) = runner._jobs.values()
+        assert job.next_retry_due() is not None
+        await asyncio.sleep(0.1)  # the retry is due now; the window holds lines 1 and 2
+        assert runner._next_wake() > 0.5
+        job.retries[0] = (time.monotonic() - 1, job.retries[0][1])
+        runner._in_flight[GEN] -= 1  # room: the due retry wakes the pump at once
+        assert runner._next_wake() == pytest.approx(0.01)
+        runner._in_flight[GEN] += 1
+        await sdk.batches.cancel(created.id)
+        await until(sdk, created.id, "cancelling", "cancelled")
+        assert job.retries == [], "a cancelled batch's retries never run"
+
+
 async def test_a_stopped_runner_writes_nothing_after_its_stop_returns(
     make_client: MakeClient, batch_log: FakeBatchLog, monkeypatch: pytest.MonkeyPatch
 ) -> None:
