@@ -137,7 +137,7 @@ def decode(
     headers: Sequence[tuple[str, HeaderValue]] | None = None,
 ) -> Event:
     """The event in a record value, checked against the record's headers when given."""
-    if value is None:
+    if not value:  # None, or b"" where a reader keeps bytes (the streams sink and replay): no event
         raise DecodeError("record has no value (a tombstone?)")
     try:
         event = _DECODER.decode(value)

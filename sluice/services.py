@@ -292,7 +292,13 @@ def run_replay(
 
     try:
         settings = load_settings(StreamsSettings)
-        target = platform if data_dir is None else msgspec.structs.replace(platform, data_dir=data_dir)
+        # --data-dir names the embedded warehouse to fill: a configured server URL (SLUICE_WAREHOUSE_URL) took
+        # precedence over it, and a scratch rebuild went to the production database (an audit)
+        target = (
+            platform
+            if data_dir is None
+            else msgspec.structs.replace(platform, data_dir=data_dir, warehouse_url=None)
+        )
         prices = load_prices(settings.streams_prices_file)
         client = open_warehouse(target)
     except (SettingsError, PricingError, InfraError) as exc:
@@ -335,4 +341,9 @@ def run_replay(
         f"replayed {report.events} events from {report.partitions} partitions in {report.seconds:.1f}s"
         + (f" ({report.undecodable} undecodable, skipped)" if report.undecodable else "")
     )
+    for topic, records in sorted(report.gone.items()):
+        console.print(
+            f"[yellow]warning:[/] {escape(topic)} no longer holds its first {records:,} records (retention or "
+            "compaction): what they made is not in the rebuilt warehouse"
+        )
     return 0

@@ -188,7 +188,7 @@ class StreamsApp(AsyncComponent):
         names = TopicNames(platform.topic_prefix)
         self.names = names
         self._writer = writer
-        self._rows = Rows(prices, store_content=settings.streams_store_content, results_topic=names.results)
+        self._rows = Rows(prices, store_content=settings.streams_store_content, topics=names)
         self._producer = producer
         self._on_batch = on_batch
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="warehouse-writer")

@@ -8,7 +8,7 @@ It reads every sink topic's partitions from their first offset up to their end a
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from time import monotonic
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
@@ -41,6 +41,9 @@ class ReplayReport:
     undecodable: int
     partitions: int
     seconds: float
+    gone: dict[str, int] = field(default_factory=dict)
+    """Per topic, the records its retention (or compaction) has removed from the start of its partitions:
+    history this replay could not rebuild."""
 
 
 def replay(
@@ -65,17 +68,25 @@ def replay(
     began = monotonic()
     names = TopicNames(platform.topic_prefix)
     consumer = Consumer(consumer_config(platform.kafka, None, "sluice-replay"))
-    rows = Rows(prices, store_content=store_content, decisions_from_topic=True, results_topic=names.results)
+    rows = Rows(prices, store_content=store_content, decisions_from_topic=True, topics=names)
     try:
         try:
-            ends = _ends(consumer, sink_topics(names, request_topics))
+            extents = _extents(consumer, sink_topics(names, request_topics))
         except KafkaException as exc:
             reason = exc.args[0].str() if exc.args and isinstance(exc.args[0], KafkaError) else str(exc)
             raise ReplayError(
                 f"cannot read the topics' ends on Kafka at {platform.bootstrap}: {reason}"
             ) from exc
-        total = sum(ends.values())
-        consumer.assign([TopicPartition(t, p, 0) for t, p in ends])
+        ends, starts = (
+            {tp: high for tp, (_, high) in extents.items()},
+            {tp: low for tp, (low, _) in extents.items()},
+        )
+        gone: dict[str, int] = {}
+        for (topic, _), low in starts.items():
+            if low > 0:
+                gone[topic] = gone.get(topic, 0) + low
+        total = sum(ends[tp] - starts[tp] for tp in ends)
+        consumer.assign([TopicPartition(t, p, starts[(t, p)]) for t, p in ends])
         remaining = dict(ends)
         done = undecodable = 0
         last_record = monotonic()
@@ -105,14 +116,15 @@ def replay(
                 if progress is not None:
                     progress(done, total)
                 last_record = monotonic()  # after the insert: only the wait for Kafka counts
-        return ReplayReport(done, undecodable, len(ends), monotonic() - began)
+        return ReplayReport(done, undecodable, len(ends), monotonic() - began, gone)
     finally:
         consumer.close()
 
 
-def _ends(consumer: Consumer, topics: list[str]) -> dict[tuple[str, int], int]:
-    """(topic, partition) -> the end offset this replay reads up to, of each partition holding records."""
-    ends: dict[tuple[str, int], int] = {}
+def _extents(consumer: Consumer, topics: list[str]) -> dict[tuple[str, int], tuple[int, int]]:
+    """(topic, partition) -> (its first offset still held, the end offset this replay reads up to), of each
+    partition holding records."""
+    extents: dict[tuple[str, int], tuple[int, int]] = {}
     for topic in topics:
         meta = consumer.list_topics(topic, timeout=10).topics[topic]
         if meta.error is not None:
@@ -120,8 +132,8 @@ def _ends(consumer: Consumer, topics: list[str]) -> dict[tuple[str, int], int]:
         for partition in meta.partitions:
             low, high = watermarks(consumer, topic, partition)
             if high > low:
-                ends[(topic, partition)] = high
-    return ends
+                extents[(topic, partition)] = (low, high)
+    return extents
 
 
 def _partitions(remaining: dict[tuple[str, int], int]) -> str:

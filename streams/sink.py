@@ -32,6 +32,7 @@ from schemas.events import (
     RequestFinished,
     TokenChunk,
 )
+from schemas.topics import TopicNames
 from streams.audit import AUDIT_COLUMNS, audit_row
 from streams.drift import FEATURE_COLUMNS, REPORT_COLUMNS, feature_row, report_row
 from streams.facts import FACT_COLUMNS, fact_row
@@ -104,16 +105,29 @@ class Rows:
         *,
         store_content: bool = False,
         decisions_from_topic: bool = False,
-        results_topic: str | None = None,
+        topics: TopicNames | None = None,
     ) -> None:
-        """``results_topic``: the only topic whose terminal events are billed (``request_facts``) and
-        audited; one read from another is set aside to be dead-lettered (an audit: a ``RequestFinished``
-        produced by mistake to ``usage``, ``cancels`` or a request topic was billed, and in no audit
-        chain). None: from any (a test's)."""
+        """``topics``: the platform's topics; an event makes its table's row only when read from the topic
+        that carries it (terminal events from ``results``, billed and audited; audit entries from
+        ``audit``, drift reports from ``drift``, deployments from ``control``, batch states from
+        ``batches``); one read from another is set aside to be dead-lettered. Audits: a ``RequestFinished``
+        produced by mistake to ``usage``, ``cancels`` or a request topic was billed, and in no audit chain;
+        a replay wrote an audit entry found on ``usage`` into ``audit_log``, where the live worker never
+        does. None: from any (a test's)."""
         self._prices = prices
         self._store_content = store_content
         self._decisions_from_topic = decisions_from_topic
-        self._results_topic = results_topic
+        self._carriers: dict[type[Event], str] = (
+            {}
+            if topics is None
+            else {
+                RequestFinished: topics.results,
+                AuditEntry: topics.audit,
+                DriftReport: topics.drift,
+                DeploymentChanged: topics.control,
+                BatchStateChanged: topics.batches,
+            }
+        )
 
     def raw_row(
         self, event: Event, topic: str, partition: int, offset: int, *, encoded: bytes | None = None
@@ -160,11 +174,13 @@ class Rows:
     def _rows_of(self, event: Event, topic: str) -> list[tuple[str, list[Any]]]:
         """(the :class:`Batch` field, its row) for each table row ``event`` (read from ``topic``) makes,
         besides ``events_raw``."""
+        carrier = self._carriers.get(type(event))
+        if carrier is not None and topic != carrier:
+            kind = "a terminal event" if isinstance(event, RequestFinished) else f"a {type(event).__name__}"
+            raise DecodeError(f"{kind} on {topic}: only {carrier} carries them")
         if isinstance(event, RequestFinished):
             if not event.tenant:
                 raise ValueError("a terminal event needs a tenant")
-            if self._results_topic is not None and topic != self._results_topic:
-                raise DecodeError(f"a terminal event on {topic}: only {self._results_topic} carries them")
             rows = [("facts", fact_row(event, self._prices))]
             # An offline job's inputs say nothing of the live traffic's drift, nor does a shadow copy
             # ended unrun (its candidate stopped serving: cancelled, named after the stable version).

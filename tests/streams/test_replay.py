@@ -104,7 +104,9 @@ class FakeLog:
         *,
         per_poll: int = 1,
         stall_after: int | None = None,
+        first: int = 0,
     ) -> None:
+        """``first``: the partition's first offset still held (retention removed those before it)."""
         self.records, self.per_poll = records, per_poll
         self.stall_after = records if stall_after is None else stall_after
         self.clock = 0.0
@@ -113,7 +115,7 @@ class FakeLog:
         self.value = encode(event(finished=now_ms()))
         monkeypatch.setattr(streams.replay, "Consumer", lambda config: self)
         monkeypatch.setattr(
-            streams.replay, "watermarks", lambda consumer, topic, partition: (0, self.records)
+            streams.replay, "watermarks", lambda consumer, topic, partition: (first, self.records)
         )
         monkeypatch.setattr(streams.replay, "monotonic", lambda: self.clock)
 
@@ -126,7 +128,7 @@ class FakeLog:
         return SimpleNamespace(topics={topic: SimpleNamespace(error=error, partitions={0: None})})
 
     def assign(self, partitions: Sequence[TopicPartition]) -> None:
-        self.next = {tp.topic: 0 for tp in partitions}
+        self.next = {tp.topic: tp.offset for tp in partitions}
 
     def consume(self, count: int, timeout: float) -> list[Any]:
         self.clock += 1.0
@@ -182,3 +184,61 @@ def test_kafka_that_cannot_say_where_the_log_ends_is_a_replay_error(monkeypatch:
         ReplayError, match=r"cannot read the topics' ends on Kafka at 127.0.0.1:1: .*transport failure"
     ):
         replay(PlatformSettings(kafka_bootstrap="127.0.0.1:1"), NullWriter(), PRICES, [])
+
+
+def test_a_replay_says_what_history_retention_took_and_counts_only_what_is_held(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by an audit: after retention had removed the start of ``results``, a replay exited 0 with no
+    word of the history it could not rebuild, and its progress bar stopped short of a total that counted
+    the records gone."""
+    FakeLog(monkeypatch, 100, first=40, per_poll=100)
+    totals: list[tuple[int, int]] = []
+    report = replay(
+        PlatformSettings(topic_prefix="p"),
+        NullWriter(),
+        PRICES,
+        [],
+        progress=lambda d, t: totals.append((d, t)),
+    )
+    assert report.events == 60
+    assert totals[-1] == (60, 60)
+    assert report.gone == {"p.results": 40}
+
+
+def test_replay_into_a_data_dir_fills_that_directory_whatever_server_is_configured(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Found by an audit: with ``SLUICE_WAREHOUSE_URL`` set, ``sluice replay --data-dir DIR`` ignored DIR and
+    rebuilt into the configured server's database (a scratch rebuild aimed at production). The gone
+    history is said too."""
+    import io
+
+    from rich.console import Console
+
+    import infra.warehouse
+    import streams.service
+    from sluice.services import run_replay
+    from streams.replay import ReplayReport
+
+    targets: list[PlatformSettings] = []
+
+    def fake_replay(platform: PlatformSettings, writer: Any, *args: Any, **kwargs: Any) -> ReplayReport:
+        return ReplayReport(3, 0, 1, 0.1, {"p.results": 40})
+
+    real_open = infra.warehouse.open_warehouse
+
+    def opened(platform: PlatformSettings) -> Any:
+        targets.append(platform)
+        return real_open(platform)
+
+    monkeypatch.setattr(streams.replay, "replay", fake_replay)
+    monkeypatch.setattr(streams.service, "request_topics", lambda platform: [])
+    monkeypatch.setattr(infra.warehouse, "open_warehouse", opened)
+    printed = io.StringIO()
+    configured = PlatformSettings(warehouse_url="http://127.0.0.1:1/prod", topic_prefix="p")
+    code = run_replay(configured, Console(file=printed, width=200), str(tmp_path / "scratch"))
+    assert code == 0, printed.getvalue()
+    (target,) = targets
+    assert (target.warehouse_url, target.data_dir) == (None, str(tmp_path / "scratch"))
+    assert "p.results no longer holds its first 40 records" in printed.getvalue()

@@ -25,6 +25,7 @@ from schemas.events import (
     Timings,
 )
 from schemas.ids import uuid7_from_parts
+from schemas.topics import TopicNames
 from streams.audit import request_entry
 from streams.pricing import PriceTable
 from streams.sink import BATCH_COLUMNS, Batch, Consumed, Rows, batch_row, insert, insert_rows, table_rows
@@ -240,13 +241,34 @@ def test_a_terminal_event_read_off_another_topic_is_set_aside_not_billed() -> No
     """Found by an audit: a ``RequestFinished`` produced by mistake to ``usage``, ``cancels`` or a request
     topic was billed (its ``request_facts`` row counted in the tenant's spend and budget) and audited
     nowhere (only ``results`` feeds the audit chains)."""
-    sink = Rows(PriceTable(), results_topic="p.results")
+    sink = Rows(PriceTable(), topics=TopicNames("p"))
     for topic in ("p.usage", "p.cancels", "p.requests.demo-gpt"):
         out = sink.batch(records(finished(), topic=topic))
         assert (out.facts, out.drift, out.events) == ([], [], [])
         ((_, why),) = out.undecodable  # dead-lettered by the sink
         assert f"a terminal event on {topic}: only p.results carries them" in str(why)
     assert len(sink.batch(records(finished(), topic="p.results")).facts) == 1
+
+
+def test_a_decision_read_off_another_topic_makes_no_row_of_its_table() -> None:
+    """Found by an audit: a replay wrote an audit entry found on ``usage`` (misrouted, or forged) into
+    ``audit_log``, where the live worker never does, and ``sluice audit verify`` failed on the rebuilt
+    warehouse; drift reports, deployments and batch states were taken from any topic too."""
+    when = datetime.now(UTC)
+    entry = request_entry(None, finished(), source="streams/worker")
+    carried = [
+        (entry, "p.audit", "audit"),
+        (drift_report(window_end=when), "p.drift", "reports"),
+        (a_rollout(when)[0], "p.control", "deployments"),
+        (batch_state(1, "in_progress"), "p.batches", "batches"),
+    ]
+    sink = Rows(PriceTable(), decisions_from_topic=True, topics=TopicNames("p"))
+    for event, home, table in carried:
+        out = sink.batch(records(event, topic="p.usage"))
+        assert (getattr(out, table), out.events) == ([], []), type(event).__name__
+        ((_, why),) = out.undecodable
+        assert f"a {type(event).__name__} on p.usage: only {home} carries them" in str(why)
+        assert len(getattr(sink.batch(records(event, topic=home)), table)) == 1, type(event).__name__
 
 
 @pytest.mark.integration

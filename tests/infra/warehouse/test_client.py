@@ -135,6 +135,13 @@ def test_read_query_is_read_only_bounded_and_aware(warehouse: Client) -> None:
     assert (big.rows, big.truncated) == ([[0], [1], [2], [3], [4]], True)
     exact = read_query(warehouse, "SELECT number FROM numbers(5)", max_rows=5)
     assert (len(exact.rows), exact.truncated) == (5, False)
+    # one query's memory is bounded (embedded, it lives in the streams worker): an audit's groupArray of
+    # 150 M numbers grew that process by 4.3 GB
+    assert read_query(warehouse, "SELECT getSetting('max_memory_usage') AS m").rows == [[2 << 30]]
+    with pytest.raises(WarehouseQueryError, match=r"MEMORY_LIMIT_EXCEEDED|memory limit"):
+        read_query(
+            warehouse, "SELECT length(groupArray(number)) FROM numbers(10000000)", max_memory_bytes=32 << 20
+        )
 
     writes = [
         "INSERT INTO events_raw (event_id) VALUES ('x')",
