@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 from aiohttp import BodyPartReader, web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -22,8 +23,36 @@ from ingest.files import StoredFile, check_purpose, chunks_of, expires_after
 from ingest.http import json_response
 from ingest.openai import decode_body
 
-_LIST_LIMIT = 100
 _STREAM_LINES = 512
+
+T = TypeVar("T")
+
+
+def _page(
+    request: web.Request, items: Sequence[T], key: Callable[[T], str], *, default: int, most: int
+) -> dict[str, Any]:
+    """One page of ``items`` as OpenAI lists them (``limit``, ``after`` an id, ``order`` by id, newest first
+    by default): ``data`` (the items), ``first_id``, ``last_id`` and ``has_more``."""
+    try:
+        limit = int(request.query.get("limit", str(default)))
+    except ValueError:
+        raise InvalidRequest(f"limit must be a whole number from 1 to {most}.", param="limit") from None
+    limit = max(1, min(most, limit))
+    order = request.query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise InvalidRequest("order must be 'asc' or 'desc'.", param="order")
+    ordered = sorted(items, key=key, reverse=order == "desc")
+    after = request.query.get("after")
+    if after:
+        ordered = [i for i in ordered if (key(i) < after if order == "desc" else key(i) > after)]
+    page = ordered[:limit]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": key(page[0]) if page else None,
+        "last_id": key(page[-1]) if page else None,
+        "has_more": len(ordered) > limit,
+    }
 
 
 _DOWNLOAD = {
@@ -105,7 +134,8 @@ class BatchRoutes:
     async def files(self, request: web.Request) -> web.Response:
         tenant, runner = self._caller(request)
         listed = runner.store.list(tenant.name, request.query.get("purpose"))
-        return json_response({"object": "list", "data": [f.openai() for f in listed], "has_more": False})
+        page = _page(request, listed, lambda f: f.id, default=10_000, most=10_000)  # OpenAI's bounds
+        return json_response({**page, "data": [f.openai() for f in page["data"]]})
 
     async def file(self, request: web.Request) -> web.Response:
         """A file's metadata; a running batch's output or error file's as written so far."""
@@ -147,23 +177,9 @@ class BatchRoutes:
 
     async def batches(self, request: web.Request) -> web.Response:
         tenant, runner = self._caller(request)
-        try:
-            limit = max(1, min(_LIST_LIMIT, int(request.query.get("limit", "20"))))
-        except ValueError:
-            raise InvalidRequest("limit must be a whole number from 1 to 100.", param="limit") from None
-        after = request.query.get("after")
         states = await runner.listing(tenant.name)
-        if after:
-            states = [s for s in states if s.batch_id < after]
-        page = states[:limit]
-        body: dict[str, Any] = {
-            "object": "list",
-            "data": [batch_object(s) for s in page],
-            "first_id": page[0].batch_id if page else None,
-            "last_id": page[-1].batch_id if page else None,
-            "has_more": len(states) > limit,
-        }
-        return json_response(body)
+        page = _page(request, states, lambda s: s.batch_id, default=20, most=100)  # OpenAI's bounds
+        return json_response({**page, "data": [batch_object(s) for s in page["data"]]})
 
     async def batch(self, request: web.Request) -> web.Response:
         tenant, runner = self._caller(request)

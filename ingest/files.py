@@ -313,16 +313,14 @@ async def chunks_of(read: Any) -> AsyncIterator[bytes]:
         yield chunk
 
 
-def expires_after(anchor: str | None, seconds: str | None) -> int | None:
-    """An upload's ``expires_after[anchor]`` and ``expires_after[seconds]`` form fields, checked: the
-    seconds, or None when neither was given."""
+def expires_after(anchor: str | None, seconds: str | None, field: str = "expires_after") -> int | None:
+    """An upload's ``expires_after[anchor]`` and ``expires_after[seconds]`` form fields (or a batch's
+    ``output_expires_after``, ``field``), checked: the seconds, or None when neither was given."""
     if anchor is None and seconds is None:
         return None
     if anchor != "created_at":
         raise InvalidRequest(
-            "expires_after[anchor] must be 'created_at'.",
-            param="expires_after.anchor",
-            code="invalid_expires_after",
+            f"{field}[anchor] must be 'created_at'.", param=f"{field}.anchor", code="invalid_expires_after"
         )
     low, high = EXPIRES_AFTER_S
     try:
@@ -331,8 +329,8 @@ def expires_after(anchor: str | None, seconds: str | None) -> int | None:
         value = -1
     if not low <= value <= high:
         raise InvalidRequest(
-            f"expires_after[seconds] must be a whole number from {low} (1 hour) to {high} (30 days).",
-            param="expires_after.seconds",
+            f"{field}[seconds] must be a whole number from {low} (1 hour) to {high} (30 days).",
+            param=f"{field}.seconds",
             code="invalid_expires_after",
         )
     return value

@@ -506,6 +506,9 @@ class BatchStateChanged(Envelope, frozen=True, kw_only=True, tag="batch_state_ch
     cancelled_at: UtcDatetime | None = None
     errors: list[BatchLineError] = msgspec.field(default_factory=list)
     metadata: dict[str, str] = msgspec.field(default_factory=dict)
+    output_expires_after_s: Annotated[int, msgspec.Meta(ge=3600, le=30 * 86400)] | None = None
+    """Seconds after their creation the batch's output and error files expire (the create request's
+    ``output_expires_after``); None: the files' default lifetime."""
 
     @property
     def terminal(self) -> bool:

@@ -317,6 +317,7 @@ def example_events() -> list[Event]:
             cancelled_at=_at(4),
             errors=[BatchLineError(code="duplicate_custom_id", message="custom_id 'a' repeats", line=2)],
             metadata={"job": "nightly-eval"},
+            output_expires_after_s=7 * 86400,
         ),
         WorkersScaled(
             **_env(14, "sluice/autoscaler", ""),

@@ -602,6 +602,33 @@ async def test_a_retry_that_cannot_be_published_does_not_keep_the_pump_awake(
         assert job.retries == [], "a cancelled batch's retries never run"
 
 
+async def test_a_batch_says_when_its_output_files_expire(make_client: MakeClient) -> None:
+    """OpenAI's ``output_expires_after`` (an audit found the SDK's parameter refused as an unknown field)."""
+    client, _ = await make_client()
+    async with AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=DEMO_KEY, max_retries=0) as sdk:
+        uploaded = await sdk.files.create(
+            file=("in.jsonl", io.BytesIO(jsonl([chat_line(0)]))), purpose="batch"
+        )
+        created = await sdk.batches.create(
+            input_file_id=uploaded.id,
+            endpoint=CHAT,
+            completion_window="24h",
+            output_expires_after={"anchor": "created_at", "seconds": 7200},
+        )
+        done = await until(sdk, created.id, "completed")
+        assert done.output_file_id is not None
+        output = await sdk.files.retrieve(done.output_file_id)
+        assert output.expires_at == output.created_at + 7200
+        with pytest.raises(openai.BadRequestError) as refused:
+            await sdk.batches.create(
+                input_file_id=uploaded.id,
+                endpoint=CHAT,
+                completion_window="24h",
+                output_expires_after={"anchor": "created_at", "seconds": 60},
+            )
+        assert refused.value.code == "invalid_expires_after"
+
+
 async def test_a_stopped_runner_writes_nothing_after_its_stop_returns(
     make_client: MakeClient, batch_log: FakeBatchLog, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -93,6 +93,27 @@ async def test_an_upload_through_the_sdk_sets_its_expiry_and_a_bad_one_keeps_not
         assert sorted(f.id for f in (await sdk.files.list()).data) == sorted([default.id, hour.id])
 
 
+async def test_the_file_list_pages_as_openais_does(make_client: MakeClient) -> None:
+    """Found by an audit: ``files.list(limit=1)`` returned every file with ``has_more: false``; ``limit``,
+    ``after`` and ``order`` were ignored."""
+    client, _ = await make_client()
+    async with AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=DEMO_KEY, max_retries=0) as sdk:
+        made = [
+            (await sdk.files.create(file=(f"{i}.jsonl", io.BytesIO(b"{}\n")), purpose="batch")).id
+            for i in range(5)
+        ]
+        newest_first = sorted(made, reverse=True)
+        first = await sdk.files.list(limit=2)
+        assert ([f.id for f in first.data], first.has_more) == (newest_first[:2], True)
+        rest = await sdk.files.list(limit=2, after=newest_first[1])
+        assert [f.id for f in rest.data] == newest_first[2:4]
+        oldest = await sdk.files.list(limit=10, order="asc")
+        assert ([f.id for f in oldest.data], oldest.has_more) == (sorted(made), False)
+        assert [f.id async for f in sdk.files.list(limit=2)] == newest_first  # the SDK's paging walks it all
+        with pytest.raises(openai.BadRequestError):
+            await sdk.files.list(order="sideways")  # type: ignore[arg-type]
+
+
 def _form(parts: list[tuple[bytes, bytes]], boundary: bytes = b"XyZ") -> bytes:
     out = b"".join(b"--" + boundary + b"\r\n" + head + b"\r\n" + body + b"\r\n" for head, body in parts)
     return out + b"--" + boundary + b"--\r\n"
