@@ -288,7 +288,7 @@ def run_replay(
     from infra.warehouse import migrate, open_warehouse
     from streams.pricing import PricingError, load_prices
     from streams.replay import DEFAULT_STALL_TIMEOUT_S, TABLES, ReplayError, replay
-    from streams.service import request_topics
+    from streams.service import apply_retention, request_topics
 
     try:
         settings = load_settings(StreamsSettings)
@@ -306,6 +306,7 @@ def run_replay(
         return 2
     try:
         migrate(client)
+        apply_retention(client, settings.streams_raw_retention_days)  # as the live worker's (an audit)
         filled = {t: int(client.query(f"SELECT count() FROM {t}").result_rows[0][0]) for t in TABLES}  # noqa: S608
         if any(filled.values()):
             counts = ", ".join(f"{t}: {n}" for t, n in filled.items() if n)

@@ -4,6 +4,7 @@ replay (a fake broker on a fake clock)."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -242,3 +243,8 @@ def test_replay_into_a_data_dir_fills_that_directory_whatever_server_is_configur
     (target,) = targets
     assert (target.warehouse_url, target.data_dir) == (None, str(tmp_path / "scratch"))
     assert "p.results no longer holds its first 40 records" in printed.getvalue()
+    with contextlib.closing(real_open(target)) as client:  # events_raw keeps its days, as the live one
+        (engine,) = client.query(
+            "SELECT engine_full FROM system.tables WHERE name = 'events_raw'"
+        ).result_rows[0]
+    assert "TTL toDateTime(time) + toIntervalDay(30)" in engine
