@@ -67,6 +67,8 @@ _READ_STATEMENTS = frozenset({"SELECT", "WITH", "SHOW", "DESCRIBE", "EXPLAIN", "
 alone lets ``USE`` (which would re-point the owner's shared client), ``KILL QUERY``, ``SYSTEM STOP
 MERGES`` and ``INTO OUTFILE`` through."""
 _INTO_OUTFILE = re.compile(r"\bINTO\s+OUTFILE\b", re.IGNORECASE)
+_SETTINGS_ECHO = re.compile(r" SETTINGS (?:\w+ = '[^']*'(?:, )?)+")
+"""The limits this module sets, as ClickHouse quotes them back in an error's query: not the caller's."""
 _LOCAL_TABLE_FUNCTIONS = frozenset(
     {
         "numbers", "numbers_mt", "zeros", "zeros_mt", "generate_series", "generateSeries", "generateRandom",
@@ -304,7 +306,7 @@ def read_query(
         columns = list(result.column_names)
         types = [column_type.name for column_type in result.column_types]
     except ClickHouseError as exc:
-        raise WarehouseQueryError(str(exc)) from exc
+        raise WarehouseQueryError(_SETTINGS_ECHO.sub("", str(exc))) from exc
     if not columns:  # chDB sends nothing at all for an empty result, not even the header
         columns, types = _describe(client, statement, settings)
     values = [[to_json_value(value) for value in row] for row in rows[:max_rows]]

@@ -135,6 +135,12 @@ def test_read_query_is_read_only_bounded_and_aware(warehouse: Client) -> None:
     assert (big.rows, big.truncated) == ([[0], [1], [2], [3], [4]], True)
     exact = read_query(warehouse, "SELECT number FROM numbers(5)", max_rows=5)
     assert (len(exact.rows), exact.truncated) == (5, False)
+    # an error quotes the query, without the limits this module appended to it
+    with pytest.raises(WarehouseQueryError) as unknown:
+        read_query(warehouse, "SELECT * FROM nosuch")
+    assert "nosuch" in str(unknown.value)
+    assert "SETTINGS" not in str(unknown.value)
+    assert "readonly" not in str(unknown.value)
     # one query's memory is bounded (embedded, it lives in the streams worker): an audit's groupArray of
     # 150 M numbers grew that process by 4.3 GB
     assert read_query(warehouse, "SELECT getSetting('max_memory_usage') AS m").rows == [[2 << 30]]
