@@ -161,10 +161,11 @@ class KafkaBatchLog(AsyncComponent):
                 )
             backlog: dict[TP, int] = {}
             for tp in committed:
-                if tp.partition not in missing and tp.offset < (
-                    end := watermarks(consumer, topic, tp.partition)[1]
-                ):
-                    backlog[(topic, tp.partition)] = end
+                if tp.partition in missing:
+                    continue
+                low, high = watermarks(consumer, topic, tp.partition)
+                if max(tp.offset, low) < high:  # records past the group's offset that retention kept
+                    backlog[(topic, tp.partition)] = high
             return backlog
         finally:
             consumer.close()

@@ -89,6 +89,9 @@ VALIDATIONS = 2
 ENDING_GRACE_S = 30.0
 """After a cancel or the expiry, how long lines already running may take to end before the batch is
 finalised without them."""
+CATCH_UP_LIMIT_S = 300.0
+"""How long an ending batch waits for a restarted edge to read the results written while it was down
+(``BatchLog.caught_up``) before it ends without them: a log that cannot be read must not hold it for good."""
 FOLLOW_IDLE_S = 60.0
 """With no batch unfinished for this long, the edge stops reading the results topic (``BatchLog.unfollow``)."""
 PROGRESS_EVERY_S = 1.0
@@ -664,14 +667,13 @@ class BatchRunner(AsyncComponent):
             if job.settled():
                 await self._finish(job, None)
                 return
-        elif (
-            job.ending is not None
-            and self._log.caught_up
-            and (job.in_flight == 0 or now - job.ending_since > ENDING_GRACE_S)
+        elif job.ending is not None and (
+            (self._log.caught_up and (job.in_flight == 0 or now - job.ending_since > ENDING_GRACE_S))
+            or now - job.ending_since > CATCH_UP_LIMIT_S
         ):
             # caught up: an edge restarted with the batch running first reads the results written while it
             # was down (an audit: a batch whose window passed meanwhile ended at once, its lines that had
-            # completed, and were billed, reported batch_expired)
+            # completed, and were billed, reported batch_expired); a log it cannot read holds it only so long
             await self._finish(job, job.ending)
             return
         if (

@@ -77,14 +77,15 @@ def replay(
             raise ReplayError(
                 f"cannot read the topics' ends on Kafka at {platform.bootstrap}: {reason}"
             ) from exc
-        ends, starts = (
-            {tp: high for tp, (_, high) in extents.items()},
-            {tp: low for tp, (low, _) in extents.items()},
-        )
         gone: dict[str, int] = {}
-        for (topic, _), low in starts.items():
-            if low > 0:
+        for (topic, _), (low, _) in extents.items():
+            if low > 0:  # a partition retention emptied too (low = high): its whole history is gone
                 gone[topic] = gone.get(topic, 0) + low
+        held = {tp: (low, high) for tp, (low, high) in extents.items() if high > low}
+        ends, starts = (
+            {tp: high for tp, (_, high) in held.items()},
+            {tp: low for tp, (low, _) in held.items()},
+        )
         total = sum(ends[tp] - starts[tp] for tp in ends)
         consumer.assign([TopicPartition(t, p, starts[(t, p)]) for t, p in ends])
         remaining = dict(ends)
@@ -123,7 +124,7 @@ def replay(
 
 def _extents(consumer: Consumer, topics: list[str]) -> dict[tuple[str, int], tuple[int, int]]:
     """(topic, partition) -> (its first offset still held, the end offset this replay reads up to), of each
-    partition holding records."""
+    partition that ever held records."""
     extents: dict[tuple[str, int], tuple[int, int]] = {}
     for topic in topics:
         meta = consumer.list_topics(topic, timeout=10).topics[topic]
@@ -131,7 +132,7 @@ def _extents(consumer: Consumer, topics: list[str]) -> dict[tuple[str, int], tup
             continue  # a topic that does not exist has nothing to replay
         for partition in meta.partitions:
             low, high = watermarks(consumer, topic, partition)
-            if high > low:
+            if high > 0:
                 extents[(topic, partition)] = (low, high)
     return extents
 

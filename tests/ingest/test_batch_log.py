@@ -85,3 +85,32 @@ async def test_results_are_read_only_while_following(kafka: KafkaConnection, top
             await publish(6)
             assert sorted(await read(log, 2)) == [5, 6]
             assert log.caught_up
+
+
+async def test_a_backlog_retention_removed_is_not_waited_for(
+    kafka: KafkaConnection, topic_prefix: str
+) -> None:
+    """Found by a review: a restarted edge whose group's offset was behind a partition that retention had
+    emptied counted it as unread for good (no record would ever come to read), and its ending batches
+    never ended."""
+    from confluent_kafka import TopicPartition
+    from confluent_kafka.admin import AdminClient
+
+    names = TopicNames(topic_prefix)
+    apply_topics(make_admin(kafka), platform_topics(names, ["demo-gpt"], TopicSizing(replies=1)))
+    async with KafkaBatchLog(kafka, names, "edge-r") as log:
+        await log.follow(from_end=True)
+        await log.unfollow()
+    with EventProducer(kafka, "worker") as worker:
+        for index in range(3):
+            await worker.publish(names.results, result(index))
+    admin = AdminClient(kafka.client_config())
+    consumer_meta = make_admin(kafka).list_topics(names.results, timeout=10).topics[names.results]
+    ends = []
+    for partition in consumer_meta.partitions:
+        ends.append(TopicPartition(names.results, partition, -1))  # -1: up to the end (what retention does)
+    for future in admin.delete_records(ends).values():
+        future.result(10)
+    async with KafkaBatchLog(kafka, names, "edge-r") as log:
+        await log.follow(from_end=False)
+        assert log.caught_up, "nothing is left to read behind the group's offsets"

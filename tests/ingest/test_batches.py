@@ -572,6 +572,26 @@ async def test_a_batch_that_expired_while_its_edge_was_down_keeps_the_results_wr
     assert len(batch_log.lines) == 5, "nothing ran again"
 
 
+async def test_a_batch_ends_even_when_the_results_log_never_catches_up(
+    make_client: MakeClient, batch_log: FakeBatchLog, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Waiting for the results written while the edge was down is bounded: a log that cannot be read
+    (found by a review: a partition retention had emptied, before the fix) must not hold a batch for good."""
+    import ingest.batches
+
+    monkeypatch.setattr(ingest.batches, "CATCH_UP_LIMIT_S", 0.3)
+    batch_log.respond = lambda event: None  # held
+    client, _ = await make_client()
+    async with AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=DEMO_KEY, max_retries=0) as sdk:
+        created = await run(sdk, [chat_line(i) for i in range(3)])
+        await _eventually(lambda: len(batch_log.lines) == 3)
+        batch_log._backlog = 10**9  # as if a backlog never read stood behind the group's offsets
+        await sdk.batches.cancel(created.id)
+        done = await until(sdk, created.id, "cancelled", within_s=5)
+    assert done.request_counts is not None
+    assert done.request_counts.failed == 3
+
+
 async def test_a_retry_that_cannot_be_published_does_not_keep_the_pump_awake(
     make_client: MakeClient, batch_log: FakeBatchLog
 ) -> None:

@@ -205,6 +205,9 @@ def test_a_replay_says_what_history_retention_took_and_counts_only_what_is_held(
     assert report.events == 60
     assert totals[-1] == (60, 60)
     assert report.gone == {"p.results": 40}
+    FakeLog(monkeypatch, 100, first=100)  # retention emptied the partition: all of it is gone
+    emptied = replay(PlatformSettings(topic_prefix="p"), NullWriter(), PRICES, [])
+    assert (emptied.events, emptied.gone) == (0, {"p.results": 100})
 
 
 def test_replay_into_a_data_dir_fills_that_directory_whatever_server_is_configured(
