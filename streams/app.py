@@ -339,7 +339,8 @@ class StreamsApp(AsyncComponent):
         records, offsets = consumed(messages)
         gained = self._gained(sink.assignment())
         stored = functools.partial(sink.commit, offsets)  # by the polling thread before its next batch
-        pipelined = self._pipelined(records, stored, reanchor=bool(gained))
+        control = any(topic == self.names.control for topic, _ in gained)
+        pipelined = self._pipelined(records, stored, reanchor=bool(gained), reseed=control)
         asyncio.run_coroutine_threadsafe(pipelined, loop).result()
         self._anchored |= gained
 
@@ -384,13 +385,21 @@ class StreamsApp(AsyncComponent):
             await asyncio.wait([storing])
 
     async def _pipelined(
-        self, records: Sequence[Consumed], on_stored: Callable[[], object], *, reanchor: bool = False
+        self,
+        records: Sequence[Consumed],
+        on_stored: Callable[[], object],
+        *,
+        reanchor: bool = False,
+        reseed: bool = False,
     ) -> None:
         """Prepare ``records`` (rows, audit entries durable on the topic) while the previous batch is
         still being inserted, wait for that insert, then start this batch's; ``on_stored`` runs once
         it is written. One insert at a time, in order, so offsets are committed in order, each after
         its batch's rows. A failed insert fails the app (nothing after it is committed). With
-        ``reanchor``, the chain heads are read again first (:meth:`reanchor`)."""
+        ``reanchor``, the chain heads are read again first (:meth:`reanchor`); with ``reseed``, the
+        control topic's state too (:meth:`reseed`)."""
+        if reseed:
+            await self.reseed()
         if reanchor:
             await self.reanchor()
         prepared = await self._prepare(records)
@@ -648,6 +657,17 @@ class StreamsApp(AsyncComponent):
             return audit_records(self._kafka, extent, f"{SOURCE}-anchor", timeout_s=self._anchor_timeout_s)
 
         return anchor_chains(rows, records, self._heal), dict(extent[1])
+
+    async def reseed(self) -> None:
+        """Read the control topic to its end again and follow what this worker missed: given the control
+        partition, it reads on from where its previous owner committed, and what that one read since this
+        worker started (a deployment, an operator's drift rebaseline) was never this worker's (a review:
+        the rebaseline was lost in a rolling update). Positions make it idempotent (the rollout controller
+        keeps the later of two places; a rebaseline's key keeps the latest)."""
+        placed = await asyncio.to_thread(read_placed, self._kafka, self.names.control, f"{SOURCE}-reseed")
+        control = [event for event, _ in placed]
+        self.rollout.seed(control, {event.id: at for event, at in placed})
+        self._observe_rebaselines(control)
 
     async def reanchor(self) -> None:
         """Bring every chain's head up to the audit topic's end now, before records of partitions this

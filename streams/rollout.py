@@ -368,7 +368,11 @@ def overdue(
     gates need ``min_requests`` of each version, which a quiet model may never send (Argo and Flagger users
     report the same)."""
     gates = current.gates or RolloutGates()
-    waiting = [r for r in results if r.state == "insufficient_data"]
+    # The serving gate's wait is its own grace (it rolls back by itself when no worker comes back), and
+    # the drift gate waits for the others: named only when nothing else does.
+    waiting = [r for r in results if r.state == "insufficient_data" and r.gate != "serving"]
+    if any(r.gate != "drift" for r in waiting):
+        waiting = [r for r in waiting if r.gate != "drift"]
     started = current.step_started or current.time
     if gates.step_max_s <= 0 or not waiting or (now - started).total_seconds() <= gates.step_max_s:
         return None

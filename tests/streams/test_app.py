@@ -190,6 +190,9 @@ def test_the_chain_heads_are_read_again_before_the_first_batch_after_gaining_res
     async def reanchor() -> None:
         steps.append("read heads")
 
+    async def reseed() -> None:
+        steps.append("read control")
+
     async def prepare(records: Sequence[Consumed]) -> Prepared:
         steps.append(f"{records[0].topic}:{records[0].offset}")
         return Prepared(Batch(), [], 0)
@@ -198,6 +201,7 @@ def test_the_chain_heads_are_read_again_before_the_first_batch_after_gaining_res
         return prepared.batch
 
     app.reanchor = reanchor  # type: ignore[method-assign]
+    app.reseed = reseed  # type: ignore[method-assign]
     app._prepare = prepare  # type: ignore[method-assign]
     app._store = store  # type: ignore[method-assign]
     sink.owned = {("p.requests.demo-gpt", 0), ("p.usage", 0)}
@@ -212,6 +216,7 @@ def test_the_chain_heads_are_read_again_before_the_first_batch_after_gaining_res
     app._consume(messages(("p.results", 0, 5)))
     assert steps == [
         "p.usage:0",
+        "read control",  # given the control partition: what its previous owner read is read again
         "read heads",
         "p.usage:1",
         "p.results:0",
@@ -426,6 +431,36 @@ async def test_an_operators_rebaseline_on_the_control_topic_moves_the_drift_base
     later = Baseline.promoted("v1", at + timedelta(minutes=7))
     assert Baseline.latest(baseline, later) == later
     assert Baseline.latest(Baseline.promoted("v1", at), baseline) == baseline
+
+
+async def test_a_worker_given_the_control_partition_follows_what_its_previous_owner_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a review: in a rolling update the worker that takes the control partition over reads on from
+    its previous owner's committed offset, so a rebaseline (or a deployment) that one read after this worker
+    started was never this worker's. ``reseed`` reads the control topic again."""
+    from datetime import UTC, datetime
+
+    import streams.app
+    from schemas.events import DriftRebaselined
+    from tests.streams.test_rollout import canary
+
+    at = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
+    rebaseline = DriftRebaselined(
+        time=at, tenant="", model="demo-gpt", source="sluice/cli", version="v1", reason="expected", actor="op"
+    )
+    deployment = canary()
+    placed = [(deployment, (0, 3)), (rebaseline, (0, 7))]
+    monkeypatch.setattr(streams.app, "read_placed", lambda kafka, topic, client_id: placed)
+    app = make_app(tmp_path)
+    assert app._baseline("demo-gpt", "v1") is None
+    await app.reseed()
+    baseline = app._baseline("demo-gpt", "v1")
+    assert baseline is not None
+    assert baseline.since == at
+    assert app.rollout.deployments[deployment.model].id == deployment.id
+    await app.reseed()  # again: nothing changes
+    assert app._baseline("demo-gpt", "v1") == baseline
 
 
 async def test_a_finish_dated_in_the_future_holds_the_drift_watermark_at_now(tmp_path: Path) -> None:

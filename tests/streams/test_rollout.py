@@ -442,13 +442,16 @@ def test_a_step_still_inconclusive_past_step_max_s_is_rolled_back() -> None:
     assert (back.action, back.phase, back.actor) == ("rollback", "rolled_back", "controller")
     assert back.reason == (
         "automatic rollback at step 1/4: still inconclusive after 600s (error_ratio, ttft_p99_ms, itl_p99_ms, "
-        "cost_per_1k_tokens, drift waiting for data; 10 candidate and 1000 stable requests in the step, 100 "
+        "cost_per_1k_tokens waiting for data; 10 candidate and 1000 stable requests in the step, 100 "
         "needed of each)"
     )
     assert back.evidence == results
     # passing gates by then promote as before; without a deadline it waits as long as it takes
     assert decide(current, passing(), T0 + timedelta(seconds=601)).action == "promote"  # type: ignore[union-attr]
     assert decide(canary(), results, T0 + timedelta(days=30)) is None
+    # a candidate's worker restarting (the serving gate's own grace) is no missing data: no rollback here
+    restarting = [*passing(), GateResult(gate="serving", state="insufficient_data", candidate=0.0)]
+    assert decide(current, restarting, T0 + timedelta(seconds=601)) is None
 
 
 def test_a_gate_that_does_not_apply_counts_as_passed() -> None:
