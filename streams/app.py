@@ -575,7 +575,12 @@ class StreamsApp(AsyncComponent):
             log.exception("rollout: publishing a decision failed; trying again")
 
     async def _drift(self) -> None:
-        """Evaluate the drift windows that closed; a failure is logged and retried next interval."""
+        """Evaluate the drift windows that closed; a failure is logged and retried next interval. Only the
+        worker whose sink reads the control topic judges (as only it decides rollouts): it follows the
+        promotions and rebaselines a verdict depends on, and two workers' reports of one window share an
+        id, so a second judge with older state made one of two verdicts win at random (a review)."""
+        if not self._owns_control():
+            return
         try:
             await self.drift.run_once()
         except Exception:

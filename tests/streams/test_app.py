@@ -463,6 +463,28 @@ async def test_a_worker_given_the_control_partition_follows_what_its_previous_ow
     assert app._baseline("demo-gpt", "v1") == baseline
 
 
+async def test_only_the_worker_reading_the_control_topic_judges_drift(tmp_path: Path) -> None:
+    """Two workers' reports of one window share an id: a second judge with older promotions and rebaselines
+    made one of two verdicts win at random (a review). As for rollouts, the control partition's owner
+    judges."""
+    app = make_app(tmp_path)
+    runs: list[int] = []
+
+    async def run_once() -> list[object]:
+        runs.append(1)
+        return []
+
+    app.drift.run_once = run_once  # type: ignore[method-assign,assignment]
+    sink = Sink()
+    app._sink = cast(ConsumerThread, sink)
+    sink.owned = {("p.results", 0)}
+    await app._drift()
+    assert runs == []
+    sink.owned.add(("p.control", 0))
+    await app._drift()
+    assert runs == [1]
+
+
 async def test_a_finish_dated_in_the_future_holds_the_drift_watermark_at_now(tmp_path: Path) -> None:
     """Found by an audit: the watermark (the latest finish written) took a finish dated 9999 as it was,
     and drift windows stopped waiting for their rows."""
