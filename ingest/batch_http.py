@@ -155,7 +155,8 @@ class BatchRoutes:
         order."""
         tenant, runner = self._caller(request)
         file_id = request.match_info["file_id"]
-        partial = runner.partial_output(tenant.name, file_id)
+        # on a thread: it syncs the batch's journal and opens it (the lines are then read from what is open)
+        partial = await asyncio.to_thread(runner.partial_output, tenant.name, file_id)
         if partial is None:
             path = runner.store.data_path(tenant.name, file_id)
             return web.FileResponse(path, headers=_DOWNLOAD)

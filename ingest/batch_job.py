@@ -265,8 +265,21 @@ class Job:
         # end: a 500, or a download cut short; an audit.)
         status, result_at = bytes(self.status), array("q", self.result_at)
         self.sync()
-        want = DONE if ok else FAILED
+        # Opened now, not at the first line: a batch ending meanwhile removes its journal (``_drop``), and a
+        # download that had begun read an empty file past its headers (a review). Open, it stays readable.
         journal = self.journal_path.open("rb") if self.journal_path.exists() else io.BytesIO()
+        return self._settled(journal, status, result_at, ok=ok, ending=ending)
+
+    def _settled(
+        self,
+        journal: BinaryIO,
+        status: bytes,
+        result_at: array[int],
+        *,
+        ok: bool,
+        ending: Ending | None,
+    ) -> Iterator[bytes]:
+        want = DONE if ok else FAILED
         with journal:
             for i in range(len(status)):
                 if status[i] == want:

@@ -467,7 +467,7 @@ class BatchRunner(AsyncComponent):
 
     def _running_file(self, tenant: str, file_id: str) -> tuple[Job, bool] | None:
         """The batch of this edge that has not ended whose output (True) or error file is ``file_id``."""
-        for job in self._jobs.values():
+        for job in list(self._jobs.values()):  # read from a thread too (downloads): a copy
             state = job.state
             if (
                 state.tenant == tenant

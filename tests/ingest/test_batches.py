@@ -20,7 +20,7 @@ from openai import AsyncOpenAI
 from openai.types import Batch
 from prometheus_client import REGISTRY
 
-from ingest.auth import DEMO_KEY
+from ingest.auth import DEMO_KEY, DEMO_TENANT
 from ingest.batch_job import Job
 from ingest.batch_lines import BATCH_PRIORITY
 from ingest.batches import BatchRunner, parse_window
@@ -421,6 +421,28 @@ async def test_partial_output_is_readable_while_the_batch_runs(
                 "attachment",
                 "nosniff",
             )
+
+
+async def test_a_download_begun_as_its_batch_ends_reads_the_lines_settled(
+    make_client: MakeClient, batch_log: FakeBatchLog
+) -> None:
+    """Found by a review: the lines of a running batch's output were read from its journal only at the first
+    line, after the response's headers; a batch ending in between removes its journal, and the download
+    then read an empty file (a 500 past the headers, or a cut download). The journal is opened at once."""
+    batch_log.respond = lambda event: complete(event) if event.index in (1, 3) else None
+    client, edge = await make_client()
+    runner = edge.batches
+    assert runner is not None
+    async with AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=DEMO_KEY, max_retries=0) as sdk:
+        created = await run(sdk, [chat_line(i) for i in range(5)])
+        running = await until(sdk, created.id, "in_progress")
+        await _eventually_async(lambda: _counted(sdk, created.id, 2))
+        assert running.output_file_id is not None
+        partial = runner.partial_output(DEMO_TENANT, running.output_file_id)
+        assert partial is not None
+        (job,) = runner._jobs.values()
+        job.journal_path.unlink()  # the batch ended meanwhile (what _drop does)
+        assert [json.loads(line)["custom_id"] for line in partial] == ["req-1", "req-3"]
 
 
 async def test_a_running_batchs_files_are_served_as_written_so_far(
