@@ -931,19 +931,21 @@ class BatchRunner(AsyncComponent):
         """The output and error files (not bounded by the upload limit); how many error lines."""
         state = job.state
         out_name, err_name = file_name(state.batch_id, ok=True), file_name(state.batch_id, ok=False)
-        with self.store.writer(state.tenant, out_name, "batch_output", out_id, bounded=False) as out:
+        ttl = state.output_expires_after_s
+        with self.store.writer(
+            state.tenant, out_name, "batch_output", out_id, bounded=False, ttl_s=ttl
+        ) as out:
             for line in job.lines(ok=True):
                 out.write(line + b"\n")
         errors = 0
-        with self.store.writer(state.tenant, err_name, "batch_output", err_id, bounded=False) as err:
+        with self.store.writer(
+            state.tenant, err_name, "batch_output", err_id, bounded=False, ttl_s=ttl
+        ) as err:
             for line in job.lines(ok=False, ending=ending):
                 err.write(line + b"\n")
                 errors += 1
         if not errors:
             self.store.delete(state.tenant, err_id)
-        if state.output_expires_after_s is not None:
-            for file_id in (out_id, err_id) if errors else (out_id,):
-                self.store.expire_after(state.tenant, file_id, state.output_expires_after_s)
         return errors
 
     def _remove_files(self, tenant: str, *file_ids: str) -> None:

@@ -215,10 +215,11 @@ class FileStore:
         file_id: str | None = None,
         *,
         bounded: bool = True,
+        ttl_s: int | None = None,
     ) -> Iterator[FileWriter]:
         """Write a new file; it appears (metadata last) only if the block ends without an error. ``bounded``:
         :class:`PayloadTooLarge` past ``max_bytes`` (an upload); a file the platform writes (a batch's
-        output) is not."""
+        output) is not. ``ttl_s``: its lifetime, if not the store's."""
         file_id = file_id or new_file_id()
         meta, data = self._paths(tenant, file_id)
         data.parent.mkdir(parents=True, exist_ok=True)
@@ -229,6 +230,7 @@ class FileStore:
             out.close()
             os.replace(tmp, data)
             created = int(time.time())
+            ttl = self.ttl_s if ttl_s is None else ttl_s
             out.stored = StoredFile(
                 id=file_id,
                 tenant=tenant,
@@ -237,7 +239,7 @@ class FileStore:
                 filename=filename,
                 purpose=purpose,
                 lines=out.lines,
-                expires_at=created + self.ttl_s if self.ttl_s else None,
+                expires_at=created + ttl if ttl else None,
             )
             write_atomic(meta, msgspec.json.encode(out.stored))
         finally:

@@ -333,6 +333,7 @@ def rollout_status(
     from schemas.topics import TopicNames
     from sluice.cli import _cell, console, out, settings
     from sluice.rollout import CLIENT_ID, GATE_STYLES, PHASE_COLOURS, live_gates
+    from streams.rollout import step_age
 
     platform = settings()
     try:
@@ -364,7 +365,7 @@ def rollout_status(
     out.print(table)
     for d in shown:
         if d.phase == "warming":
-            waited = (utc_now() - (d.step_started or d.time)).total_seconds()
+            waited = step_age(d, utc_now())
             limit = (d.gates or RolloutGates()).ready_timeout_s
             out.print(
                 f"{d.model}: waiting for a worker of {d.candidate} to be ready ({waited:.0f}s of {limit:g}s; "
@@ -372,7 +373,7 @@ def rollout_status(
             )
         deadline = (d.gates or RolloutGates()).step_max_s
         if d.phase == "canary" and deadline > 0:
-            waited = max(0.0, (utc_now() - (d.step_started or d.time)).total_seconds())
+            waited = max(0.0, step_age(d, utc_now()))
             out.print(
                 f"{d.model}: step {d.step + 1} has run {waited:.0f}s of its {deadline:g}s deadline "
                 "(still inconclusive then: rolled back)"

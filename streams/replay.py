@@ -82,13 +82,9 @@ def replay(
             if low > 0:  # a partition retention emptied too (low = high): its whole history is gone
                 gone[topic] = gone.get(topic, 0) + low
         held = {tp: (low, high) for tp, (low, high) in extents.items() if high > low}
-        ends, starts = (
-            {tp: high for tp, (_, high) in held.items()},
-            {tp: low for tp, (low, _) in held.items()},
-        )
-        total = sum(ends[tp] - starts[tp] for tp in ends)
-        consumer.assign([TopicPartition(t, p, starts[(t, p)]) for t, p in ends])
-        remaining = dict(ends)
+        total = sum(high - low for low, high in held.values())
+        consumer.assign([TopicPartition(t, p, low) for (t, p), (low, _) in held.items()])
+        remaining = {tp: high for tp, (_, high) in held.items()}
         done = undecodable = 0
         last_record = monotonic()
         while remaining:
@@ -117,7 +113,7 @@ def replay(
                 if progress is not None:
                     progress(done, total)
                 last_record = monotonic()  # after the insert: only the wait for Kafka counts
-        return ReplayReport(done, undecodable, len(ends), monotonic() - began, gone)
+        return ReplayReport(done, undecodable, len(held), monotonic() - began, gone)
     finally:
         consumer.close()
 

@@ -351,12 +351,17 @@ def decide(
     return advance(current, now, f"gates passed ({summary})", results, "controller")
 
 
+def step_age(current: DeploymentChanged, now: datetime) -> float:
+    """Seconds ``current``'s step (or its warming) has lasted at ``now`` (from its event time without
+    ``step_started``)."""
+    return (now - (current.step_started or current.time)).total_seconds()
+
+
 def ripe(current: DeploymentChanged, results: Sequence[GateResult], now: datetime, *, but: str = "") -> bool:
     """Whether ``current``'s step may advance: every gate (``but`` that one) passed or does not apply, and
     the step lasted ``step_min_s``."""
     gates = current.gates or RolloutGates()
-    started = current.step_started or current.time
-    young = gates.step_min_s > 0 and (now - started).total_seconds() < gates.step_min_s
+    young = gates.step_min_s > 0 and step_age(current, now) < gates.step_min_s
     return not young and all(passes(r) for r in results if r.gate != but)
 
 
@@ -373,8 +378,7 @@ def overdue(
     waiting = [r for r in results if r.state == "insufficient_data" and r.gate != "serving"]
     if any(r.gate != "drift" for r in waiting):
         waiting = [r for r in waiting if r.gate != "drift"]
-    started = current.step_started or current.time
-    if gates.step_max_s <= 0 or not waiting or (now - started).total_seconds() <= gates.step_max_s:
+    if gates.step_max_s <= 0 or not waiting or step_age(current, now) <= gates.step_max_s:
         return None
     step = f"{current.step + 1}/{len(current.steps)}"
     seen = max(((r.candidate_n, r.baseline_n) for r in waiting), default=(0, 0))
@@ -434,8 +438,7 @@ def warm(current: DeploymentChanged, ready: WorkerReady | None, now: datetime) -
         why = f"{current.candidate} is ready (worker {ready.worker})"
         return advance(current, now, why, [], "controller")
     gates = current.gates or RolloutGates()
-    waited = (now - (current.step_started or current.time)).total_seconds()
-    if waited <= gates.ready_timeout_s:
+    if step_age(current, now) <= gates.ready_timeout_s:
         return None
     why = f"automatic rollback: no worker of {current.candidate} was ready within {gates.ready_timeout_s:g}s"
     return roll_back(current, now, why, [], "controller")
