@@ -15,7 +15,7 @@ from bus.consumer import record_headers
 from bus.errors import BusError
 from bus.producer import Delivery, EventProducer
 from monitoring.metrics import DEAD_LETTERS
-from schemas.codec import MAX_RECORD_BYTES, UNREADABLE_JSON, DecodeError, HeaderValue, decode
+from schemas.codec import UNREADABLE_JSON, DecodeError, HeaderValue, decode
 from schemas.events import DeadLetter, Event
 
 log = logging.getLogger(__name__)
@@ -101,8 +101,9 @@ def junk_of(message: Message, why: Why) -> Junk:
     return Junk(where, message.value() or b"", why, record_headers(message))
 
 
-DEAD_LETTER_KEEP_BYTES = MAX_RECORD_BYTES // 2
-"""The most of an undecodable record a dead letter keeps (its base64 and the rest stay under the limit)."""
+DEAD_LETTER_KEEP_BYTES = 500_000
+"""The most of an undecodable record a dead letter keeps: enough to see what it was, and with its base64 and
+the rest far under the record limit (every letter also becomes a warehouse row)."""
 REASON_CHARS = 2000
 """The most of a decode error's message a dead letter keeps (a header check quotes the header whole)."""
 

@@ -50,7 +50,9 @@ class BatcherConfig:
     max_batch_tokens: int
     """Budget of padded tokens per batch: ``len(batch) * longest item``."""
     buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512)
-    max_queued: int = 1024
+    max_queued: int = 4096
+    """Inputs waiting at most. A request is queued whole or refused (``queue_full``), so this is also the
+    most inputs one request may carry: the default holds two of the largest an edge takes (2,048)."""
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_batch_tokens", "max_queued"):
@@ -86,6 +88,10 @@ class DynamicBatcher(Generic[P]):
     def __len__(self) -> int:
         """Items queued for a batch (expired items awaiting ``take_expired`` not included)."""
         return len(self._live)
+
+    def room(self) -> int:
+        """Items ``add`` takes before it answers False."""
+        return max(0, self.config.max_queued - len(self._live))
 
     def bucket_of(self, n_tokens: int) -> int:
         return bisect.bisect_left(self.config.buckets, n_tokens)

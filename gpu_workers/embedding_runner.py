@@ -128,6 +128,19 @@ class EmbeddingRunner:
         if deadline is not None and deadline <= now:
             emit.finish(arrival, self._terminal(request, "expired", "deadline"))
             return
+        room = self._batcher.room()
+        if len(event.inputs) > room:  # a request is queued whole or not at all
+            emit.finish(
+                arrival,
+                self._origin.failed(
+                    arrival,
+                    "queue_full",
+                    f"the embedding queue is full (room for {room} of this request's {len(event.inputs)} "
+                    "inputs); retry later",
+                ),
+            )
+            return
+        self._requests[event.request_id] = request
         for index, ids in enumerate(event.inputs):
             item = EmbedItem(
                 request_id=event.request_id,
@@ -137,24 +150,18 @@ class EmbeddingRunner:
                 deadline=deadline,
             )
             if not self._batcher.add(item, now):
-                self._requests.pop(event.request_id, None)
-                self._batcher.cancel(event.request_id)  # its inputs queued before this one
-                emit.finish(
-                    arrival,
-                    self._origin.failed(
-                        arrival,
-                        "queue_full",
-                        "the embedding queue is full; retry later",
-                    ),
-                )
-                return
-            self._requests[event.request_id] = request
+                raise RuntimeError(f"the batcher refused an input of {event.request_id} it had room for")
 
     def _invalid(self, event: EmbeddingRequested) -> str | None:
         """Why the engine could not embed ``event``'s inputs (the edge checks them, another producer may
         not), or None: a batch with such an input would fail whole."""
         if not event.inputs:
             return "no inputs"
+        if len(event.inputs) > self._batcher.config.max_queued:
+            return (
+                f"{len(event.inputs)} inputs, more than this worker queues "
+                f"({self._batcher.config.max_queued}, SLUICE_WORKER_EMBED_MAX_QUEUED)"
+            )
         empty = [i for i, ids in enumerate(event.inputs) if not ids]
         if empty:
             return f"inputs {empty} are empty"

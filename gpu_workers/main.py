@@ -197,6 +197,7 @@ def runner_factory(
                 max_batch_size=worker.worker_embed_max_batch,
                 max_wait_s=worker.worker_embed_max_wait_ms / 1000,
                 max_batch_tokens=worker.worker_embed_max_batch_tokens,
+                max_queued=worker.worker_embed_max_queued,
             ),
             team=team,
         )

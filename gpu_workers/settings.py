@@ -78,6 +78,10 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     throughput was the same as with 4 ms; at 1 client p50 fell from 42 to 31 ms). Raise it only for
     traffic that arrives in bursts just apart."""
     worker_embed_max_batch_tokens: Positive = 16_384
+    worker_embed_max_queued: Positive = 4096
+    """Embeddings: inputs waiting for a batch at most. A request is queued whole, or refused ``queue_full``
+    (retriable) while the queue has no room for it; one with more inputs than this fails ``invalid_input``.
+    The default holds two requests of the most inputs an edge takes (2,048, OpenAI's limit)."""
     worker_cuda_graphs: bool = True
     """On a GPU, run the forwards as CUDA graphs. Embeddings: one per batch shape bucket (the common ones
     captured at start-up, others at their first batch; a capture synchronises the device and runs the

@@ -18,6 +18,7 @@ from confluent_kafka.admin import (
 )
 
 from infra.errors import InfraError
+from schemas.codec import TOPIC_MAX_MESSAGE_BYTES
 from schemas.settings import KafkaConnection, PlatformSettings
 from schemas.topics import TopicNames
 
@@ -143,11 +144,13 @@ def platform_topics(
             purpose="latest state of every async batch (status, progress, files); key = batch:<id>",
         ),
     ]
-    if size.replication == 1:
-        return specs
-    insync = {"min.insync.replicas": str(size.replication - 1)}
+    # One record limit on every topic, above the broker's default (1 MB): a terminal event of 2,048 vectors,
+    # or a request of that many inputs, is one record (schemas.codec.TOPIC_MAX_MESSAGE_BYTES).
+    sized = {"max.message.bytes": str(TOPIC_MAX_MESSAGE_BYTES)}
+    if size.replication > 1:
+        sized["min.insync.replicas"] = str(size.replication - 1)
     return [
-        msgspec.structs.replace(spec, replication=size.replication, config={**spec.config, **insync})
+        msgspec.structs.replace(spec, replication=size.replication, config={**spec.config, **sized})
         for spec in specs
     ]
 

@@ -86,9 +86,15 @@ def ce_type(cls: type[Envelope]) -> str:
     return f"{CE_TYPE_PREFIX}{event_type_name(cls)}.v{cls.schema_version}"
 
 
-MAX_RECORD_BYTES = 1_000_000
+TOPIC_MAX_MESSAGE_BYTES = 8 * 1024 * 1024
+"""Every platform topic's ``max.message.bytes`` (:func:`infra.topics.platform_topics`): the largest record
+batch a broker takes for it. 8 MiB is the ceiling managed clusters allow (Confluent Cloud's standard and basic
+clusters), and holds a terminal event of 2,048 MiniLM vectors (4.2 MB as packed float32): the most inputs an
+OpenAI embeddings request may carry. Kafka's default (1 MB) held 480."""
+MAX_RECORD_BYTES = TOPIC_MAX_MESSAGE_BYTES - 64 * 1024
 """The most a producer writes in one record (librdkafka's ``message.max.bytes``, which
-:func:`bus.producer.producer_config` sets to this): what a terminal event must fit."""
+:func:`bus.producer.producer_config` sets to this): what a terminal event must fit. Under the topics' limit by
+the record batch's framing, so a record the producer takes is one the broker takes."""
 RECORD_HEADROOM_BYTES = 4096
 """Room under :data:`MAX_RECORD_BYTES` for an encoded event's key, headers, record framing and what is
 added on its way out (a request's trace context)."""

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 
 import aiohttp
+import numpy as np
 import pytest
 from openai import AsyncOpenAI
 
@@ -61,6 +63,35 @@ async def test_openai_sdk_streams_completes_and_embeds(
         near = sum(a * b for a, b in zip(vectors[0], vectors[1], strict=True))
         far = sum(a * b for a, b in zip(vectors[0], vectors[2], strict=True))
         assert near > far
+
+
+async def test_as_many_embedding_inputs_as_openai_allows_come_back_in_one_answer(
+    platform: Platform, workers: list[WorkerService]
+) -> None:
+    """2,048 inputs (OpenAI's limit; LangChain sends 1,000 at a time): their terminal event, 4.2 MB of packed
+    vectors, is one record of the real broker's topics (480 fitted Kafka's default 1 MB), and the answer
+    carries every vector in order, as floats and as base64."""
+    texts = [f"river number {i}" for i in range(2048)]
+    async with AsyncOpenAI(base_url=platform.base_url, api_key=DEMO_KEY, max_retries=0, timeout=120) as sdk:
+        floats = await sdk.embeddings.create(model=MINILM_ID, input=texts)
+        packed = await sdk.embeddings.create(model=MINILM_ID, input=texts, encoding_format="base64")
+    assert [d.index for d in floats.data] == list(range(2048))
+    assert all(len(d.embedding) == 384 for d in floats.data)
+    assert floats.usage.prompt_tokens > 2048
+    for a, b in zip(floats.data, packed.data, strict=True):  # asked for by name, the SDK leaves base64 as is
+        text: object = b.embedding  # typed list[float]; the SDK passes the base64 string through
+        assert isinstance(text, str)
+        decoded = np.frombuffer(base64.b64decode(text), dtype="<f4")
+        assert np.abs(decoded - np.asarray(a.embedding)).max() < 1e-6
+    assert floats.data[0].embedding != floats.data[1].embedding
+    async with aiohttp.ClientSession() as http:
+        too_many = await http.post(
+            f"{platform.base_url}/embeddings",
+            json={"model": MINILM_ID, "input": [*texts, "one more"]},
+            headers=AUTH,
+        )
+        assert too_many.status == 400
+        assert "2048" in (await too_many.json())["error"]["message"]
 
 
 async def test_websocket_multiplexes_ten_requests_and_cancels_one(

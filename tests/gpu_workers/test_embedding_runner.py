@@ -182,6 +182,47 @@ def test_a_cancelled_or_released_request_leaves_the_queue(minilm: LoadedModel, e
     assert runner.wait_hint() is None
 
 
+def test_a_request_is_queued_whole_or_refused_and_one_larger_than_the_queue_is_invalid(
+    minilm: LoadedModel, engine: Recording
+) -> None:
+    """The queue held 1,024 inputs and took a request's inputs one by one: a request of 2,048 (what an edge
+    takes) was refused ``queue_full``, a retriable 503, on every try. Now a request fits the queue whole or
+    waits for room (retriable), and one that could never fit fails ``invalid_input``."""
+    runner = EmbeddingRunner(
+        engine,
+        minilm.manifest,
+        source="test",
+        worker_id="w",
+        batching=BatcherConfig(max_batch_size=8, max_wait_s=0.0, max_batch_tokens=4096, max_queued=6),
+    )
+    out = Collected()
+    first, crowded, whole, huge = (embedding(inputs=TEXTS[:n]) for n in (4, 3, 6, 7))
+    for offset, request in enumerate([first, crowded]):
+        runner.accept(Arrival(request, ("requests", 0), offset), out)
+    assert len(runner._batcher) == 4, "none of the request that did not fit was queued"
+    refused = out.finished[crowded.request_id]
+    assert (refused.status, refused.error and refused.error.code) == ("failed", "queue_full")
+    assert refused.error is not None
+    assert refused.error.retriable
+    assert "room for 2 of this request's 3 inputs" in refused.error.message
+    runner.accept(Arrival(huge, ("requests", 0), 2), out)
+    invalid = out.finished[huge.request_id]
+    assert invalid.error is not None
+    assert invalid.error.code == "invalid_input"
+    assert not invalid.error.retriable
+    assert "7 inputs, more than this worker queues (6" in invalid.error.message
+    while first.request_id not in out.finished:
+        runner.tick(out)
+    runner.accept(Arrival(whole, ("requests", 0), 3), out)  # the queue is empty again: six fit
+    while whole.request_id not in out.finished:
+        runner.tick(out)
+    done = out.finished[whole.request_id]
+    assert done.status == "completed"
+    vectors = done.vectors()
+    assert vectors is not None
+    assert len(vectors) == 6
+
+
 def test_a_vector_with_nan_ends_its_request_failed_not_the_others(minilm: LoadedModel) -> None:
     """NaN travels in JSON as null: a client would read nulls for numbers and the results copy would be an
     event no consumer can decode (a review: dead-lettered by the streams sink). The request ends failed."""

@@ -367,15 +367,17 @@ async def test_a_result_too_large_for_the_log_fails_that_request_and_the_worker_
     shared_models_root: Path,
     minilm_source: Path,
 ) -> None:
-    """Poison pill: 600 inputs make a terminal event of ~1.2 MB (2,048 base64 characters per 384-dim
-    float32 vector), over the producer's 1 MB record limit; the edge refuses more than 480.
+    """Poison pill: 4,100 inputs make a terminal event of ~8.4 MB (2,048 base64 characters per 384-dim
+    float32 vector), over the producer's record limit (8 MiB less the batch framing), which holds 4,055;
+    the edge refuses more than 2,048 (when the limit was Kafka's default 1 MB: 600 inputs, over 480).
     Before, the publish error killed the model thread (and the redelivered request killed the restarted
     worker again); now that request fails with a reason and the next one is served."""
     from gpu_workers.models import MINILM_ID, prepare_hf_dir
 
     prepare_hf_dir(MINILM_ID, minilm_source, shared_models_root, task="embedding")
     manifest = read_manifest(shared_models_root / MINILM_ID / "current")
-    worker = make_worker(platform, WorkerSettings(worker_id="big", drift_sample=0), MINILM_ID)
+    settings = WorkerSettings(worker_id="big", drift_sample=0, worker_embed_max_queued=8192)
+    worker = make_worker(platform, settings, MINILM_ID)
     with worker:
         assert worker.wait_assigned(30)
 
@@ -390,7 +392,7 @@ async def test_a_result_too_large_for_the_log_fails_that_request_and_the_worker_
                 reply=ReplyTo(topic=names.replies, partition=0, edge_id="e1"),
             )
 
-        big, small = request(600), request(1)
+        big, small = request(4100), request(1)
         await producer.publish(names.requests(MINILM_ID), big)
         await producer.publish(names.requests(MINILM_ID), small)
         failed = replies.finished(big.request_id)

@@ -18,6 +18,7 @@ from infra.topics import (
     topics_of,
     under_replicated,
 )
+from schemas.codec import MAX_RECORD_BYTES, TOPIC_MAX_MESSAGE_BYTES
 from schemas.settings import KafkaConnection, PlatformSettings
 from schemas.topics import TopicNames
 
@@ -68,6 +69,60 @@ def test_replication_comes_from_the_settings_with_min_insync_one_less() -> None:
     assert {s.replication for s in three} == {3}
     assert {s.config["min.insync.replicas"] for s in three} == {"2"}  # acks=all survives one broker
     assert all(s.config.items() >= t.config.items() for s, t in zip(three, single, strict=True))
+
+
+def test_every_topic_takes_a_record_as_large_as_a_producer_writes() -> None:
+    """The broker's default (1 MB) held a terminal event of 480 MiniLM vectors; every topic now takes what
+    the platform's producers write (``message.max.bytes``) with room for the record batch's framing."""
+    specs = platform_topics(TopicNames("sg"), ["m"], TopicSizing(replication=3))
+    assert {s.config["max.message.bytes"] for s in specs} == {str(TOPIC_MAX_MESSAGE_BYTES)}
+    assert 0 < TOPIC_MAX_MESSAGE_BYTES - MAX_RECORD_BYTES <= 64 * 1024
+    assert TOPIC_MAX_MESSAGE_BYTES <= 8 * 1024 * 1024, "managed clusters (Confluent Cloud) allow no more"
+
+
+@pytest.mark.integration
+def test_a_record_at_the_producers_limit_is_written_and_read_back(
+    kafka: KafkaConnection, topic_prefix: str
+) -> None:
+    """A record as large as the producer takes is accepted by a platform topic on the real broker (whose own
+    default is 1 MB) and read back by the platform's consumer settings (whose fetch size is 1 MB)."""
+    from confluent_kafka import Consumer, Producer, TopicPartition
+
+    from bus.consumer import consumer_config
+    from bus.producer import producer_config
+    from schemas.codec import RECORD_HEADROOM_BYTES
+
+    admin = _admin(kafka)
+    (spec,) = [s for s in platform_topics(TopicNames(topic_prefix), []) if s.name.endswith(".results")]
+    apply_topics(admin, [spec])
+    value = bytes(range(256)) * ((MAX_RECORD_BYTES - RECORD_HEADROOM_BYTES) // 256)
+    producer = Producer(producer_config(kafka, "big-record"))
+    errors: list[object] = []
+    producer.produce(spec.name, value, key=b"k", partition=0, on_delivery=lambda err, _m: errors.append(err))
+    assert producer.flush(30) == 0
+    assert errors == [None]
+    over = Producer(producer_config(kafka, "over", **{"message.max.bytes": TOPIC_MAX_MESSAGE_BYTES * 2}))
+    over.produce(
+        spec.name,
+        b"x" * (TOPIC_MAX_MESSAGE_BYTES + 1),
+        partition=0,
+        on_delivery=lambda err, _m: errors.append(err),
+    )
+    assert over.flush(30) == 0
+    assert errors[1] is not None, "the topic's own limit holds: a larger record is refused by the broker"
+    consumer = Consumer(consumer_config(kafka, None, f"{topic_prefix}-big"))
+    try:
+        consumer.assign([TopicPartition(spec.name, 0, 0)])
+        message = None
+        for _ in range(40):
+            message = consumer.poll(0.5)
+            if message is not None and message.error() is None:
+                break
+        assert message is not None
+        assert message.error() is None
+        assert message.value() == value
+    finally:
+        consumer.close()
 
 
 @pytest.mark.integration

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import io
+import json
+from collections.abc import Mapping
 from typing import Any
 
 import pytest
@@ -424,16 +427,23 @@ async def test_embeddings_whose_result_cannot_fit_one_record_are_refused_naming_
 
 
 async def test_a_request_whose_event_would_not_fit_one_record_is_413_and_nothing_is_published(
-    client: Client, gateway: FakeGateway
+    make_client: MakeClient, gateway: FakeGateway
 ) -> None:
     """A body under the edge's limit whose request event (its text and token ids) is over one record: the
     producer refused it at publish, a 500 that left an Idempotency-Key pointing at nothing."""
     from schemas.codec import MAX_RECORD_BYTES
 
-    text = " ".join(["z" * 99] * 5)  # five unknown words: one token id each
+    client, _ = await make_client(edge_max_body_bytes=2 * MAX_RECORD_BYTES)
+    text = " ".join(["z" * 700] * 6)  # six unknown words, one token id each: 4,205 characters
     body = {"model": EMB, "input": [text] * 2040}
+
+    def post(payload: Mapping[str, object], headers: dict[str, str]) -> Any:
+        # a body this large goes as a stream (aiohttp warns that raw bytes would hold the event loop)
+        data = io.BytesIO(json.dumps(payload).encode())
+        return client.post(EMBEDDINGS, data=data, headers={**headers, "Content-Type": "application/json"})
+
     for headers in (AUTH, {**AUTH, "Idempotency-Key": "big-one"}):
-        response = await client.post(EMBEDDINGS, json=body, headers=headers)
+        response = await post(body, headers)
         assert response.status == 413, await response.text()
         error = (await response.json())["error"]
         assert (error["code"], error["param"]) == ("request_too_large", "input")
@@ -441,21 +451,23 @@ async def test_a_request_whose_event_would_not_fit_one_record_is_413_and_nothing
         assert int(error["message"].split(" bytes")[0].split()[-1].replace(",", "")) > MAX_RECORD_BYTES
     assert gateway.submitted == []
     assert gateway.idempotency == {}, "no claim is made for a request that is refused"
-    small = await client.post(EMBEDDINGS, json={**body, "input": [text] * 1000}, headers=AUTH)
+    small = await post({**body, "input": [text] * 1000}, AUTH)
     assert small.status == 200, "half of it fits"
     await assert_healthy(client, gateway)
 
 
-def test_a_minilm_result_fits_up_to_480_inputs() -> None:
-    from ingest.prepare import RESULT_ENVELOPE_BYTES, embedding_inputs_that_fit
+def test_a_minilm_result_fits_every_input_a_request_may_carry() -> None:
+    from ingest.prepare import MAX_EMBEDDING_INPUTS, RESULT_ENVELOPE_BYTES, embedding_inputs_that_fit
     from schemas.codec import MAX_RECORD_BYTES
 
-    # (1_000_000 - 16_384 - 2 quotes) // 4 * 3 bytes of base64 // (384 dims * 4 bytes): 480 vectors, where
-    # JSON floats (24 bytes each) fit 106.
-    assert embedding_inputs_that_fit(384) == 480
+    # (8 MiB - 64 KiB - 16_384 - 2 quotes) // 4 * 3 bytes of base64 // (384 dims * 4 bytes): 4,055 vectors,
+    # over the 2,048 inputs OpenAI's API (and the edge) allow; at Kafka's default 1 MB record, 480.
+    assert embedding_inputs_that_fit(384) == 4055 > MAX_EMBEDDING_INPUTS == 2048
+    assert embedding_inputs_that_fit(768) == 2027
+    assert embedding_inputs_that_fit(1536) == 1013  # OpenAI's text-embedding-3-small size
     assert embedding_inputs_that_fit(None) == 2048
     budget = MAX_RECORD_BYTES - RESULT_ENVELOPE_BYTES
-    for dim in (3, 384, 768, 1024):
+    for dim in (3, 384, 768, 1024, 1536):
         fit = embedding_inputs_that_fit(dim)
         assert packed_json_bytes(fit, dim) <= budget < packed_json_bytes(fit + 1, dim), dim
 
