@@ -674,7 +674,7 @@ class RolloutController:
             # restart took an operator's step an hour behind for an hour old (promoted at once, on the
             # previous step's requests too), one an hour ahead for not yet begun (an hour of no samples
             # and no burn seen), and rolled a warming rollout started 15 min behind back at once.
-            self._follow(deployment, places.get(deployment.id))
+            self._follow(deployment, places.get(deployment.id), counted=False)
         for event in events:
             if isinstance(event, WorkerReady):
                 self._remember_ready(event)
@@ -697,17 +697,24 @@ class RolloutController:
         *,
         read: bool = True,
         started: datetime | None = None,
+        counted: bool = True,
     ) -> None:
         """``event`` is the model's latest deployment unless the log has it before the one known
         (``read``: it was read from the log, not just published by this controller; ``started``: when its
-        step started, if not now)."""
+        step started, if not now; ``counted``: a decision taken now, counted in
+        ``sluice_rollout_decisions_total``, not one the log had at start, counted when it was taken)."""
         known, known_at = self._known(event.model)
         if read:
             self._check_outranked(event, at)
         if at is not None and known_at is not None and at <= known_at:
             return  # earlier in the log (redelivered, or raced by a later decision): the state is past it
         if known is None or known.id != event.id:
-            metrics.ROLLOUT_DECISIONS.labels(event.model, event.action, event.actor or "operator").inc()
+            # The series the rollback alert watches exists from the model's first deployment on, at 0:
+            # Prometheus' increase() sees nothing in a series born at 1 (an audit: a model's first
+            # automatic rollback never fired SluiceRolloutRolledBack), nor in a restart's re-count.
+            metrics.ROLLOUT_DECISIONS.labels(event.model, "rollback", "controller")
+            if counted:
+                metrics.ROLLOUT_DECISIONS.labels(event.model, event.action, event.actor or "operator").inc()
         if self._started.get(event.model, ("", None))[0] != event.id:
             self._started[event.model] = (event.id, started or self._clock())
         self._latest[event.model] = (event, at)

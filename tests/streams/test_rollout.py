@@ -1291,6 +1291,33 @@ async def test_its_own_decision_coming_back_through_the_sink_changes_nothing(har
     assert controller.deployments[MODEL] is decision
 
 
+def decisions(model: str, action: str, actor: str) -> float | None:
+    return REGISTRY.get_sample_value(
+        "sluice_rollout_decisions_total", {"model": model, "action": action, "actor": actor}
+    )
+
+
+async def test_the_rollback_series_exists_at_zero_and_a_restart_counts_nothing_again(
+    harness: Harness,
+) -> None:
+    """An audit: the rollback alert is ``increase(...) > 0``, which sees nothing in a series born at 1, so a
+    model's first automatic rollback never fired; and each start counted the log's latest deployments
+    again (a restart after a rollback would have fired it anew)."""
+    model = "rolled-model"
+    bad_candidate(harness.warehouse)
+    current = msgspec.structs.replace(canary(), model=model)
+    controller = harness.controller()
+    controller.seed([current])
+    assert decisions(model, "rollback", "controller") == 0.0, "there to be increased, before any rollback"
+    assert decisions(model, current.action, current.actor or "operator") is None, "seeded: not counted"
+    (decision,) = await controller.run_due()
+    assert (decision.action, decision.actor) == ("rollback", "controller")
+    assert decisions(model, "rollback", "controller") == 1.0
+    restarted = harness.controller()
+    restarted.seed([decision])
+    assert decisions(model, "rollback", "controller") == 1.0, "the log's rollback is not counted again"
+
+
 def gate_state(model: str, gate: str, state: str) -> float | None:
     return REGISTRY.get_sample_value(
         "sluice_rollout_gate_state", {"model": model, "gate": gate, "state": state}
