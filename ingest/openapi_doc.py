@@ -74,6 +74,8 @@ class Operation:
     headers: tuple[dict[str, Any], ...] = ()
     public: bool = False
     """Served without an API key."""
+    ops: bool = False
+    """Wants the ops token (``SLUICE_OPS_TOKEN``) where the edge has one, not an API key."""
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -160,7 +162,9 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         extra={"responses": {"503": {"description": "Not ready", "content": {JSON: {"schema": _OBJECT}}}}},
     ),
     ("GET", "/metrics"): Operation(
-        "Prometheus metrics", ok={"text/plain": {"schema": {"type": "string"}}}, public=True
+        "Prometheus metrics (the ops token where SLUICE_OPS_TOKEN is set)",
+        ok={"text/plain": {"schema": {"type": "string"}}},
+        ops=True,
     ),
     ("GET", "/openapi.json"): Operation("This document", public=True),
     ("GET", "/v1/openapi.json"): Operation("This document", public=True),
@@ -194,6 +198,8 @@ def _operation(
     }
     if op.public:
         spec["security"] = []
+    elif op.ops:
+        spec["security"] = [{"opsToken": []}, {}]  # {}: open where the edge has no ops token
     if op.body is not None:
         spec["requestBody"] = {"required": True, "content": {JSON: {"schema": refs[op.body]}}}
     for key, value in op.extra.items():
@@ -223,7 +229,15 @@ def document(
         "paths": paths,
         "components": {
             "schemas": {**components, "Error": ERROR_SCHEMA},
-            "securitySchemes": {"bearerAuth": {"type": "http", "scheme": "bearer"}},
+            "securitySchemes": {
+                "bearerAuth": {"type": "http", "scheme": "bearer"},
+                "opsToken": {
+                    "type": "http",
+                    "scheme": "bearer",
+                    "description": "SLUICE_OPS_TOKEN: /metrics (and the other services' ops endpoints) "
+                    "want it where it is set",
+                },
+            },
         },
         "security": [{"bearerAuth": []}],
     }

@@ -31,12 +31,9 @@ from ingest.errors import (
     error_response,
 )
 from ingest.observe import count_refusal
+from monitoring.ops import QuietServer, parse_message
 
 log = logging.getLogger(__name__)
-
-MESSAGE_CHARS = 200
-"""aiohttp's messages quote what it could not parse after the first line (the bytes and a caret), and a
-line too long in full: the answer keeps the first line, cut to this."""
 
 REFUSED_LINGER_S = 1.0
 """A connection refused at the cap is closed this long after its 503 went out: closed at once, a request
@@ -46,15 +43,6 @@ answer before the client reads it."""
 FD_SPARE = 256
 """File descriptors the edge keeps for itself (Kafka's sockets, files, the batch runner) beyond its
 connections when it raises its own soft limit."""
-
-
-def parse_message(exc: BaseException | None, message: str | None, status: int) -> str:
-    """The first line of what aiohttp says of a request it could not parse, without the bytes it quotes."""
-    text = message or (exc.message if isinstance(exc, HttpProcessingError) else str(exc or ""))
-    line = text.strip().splitlines()[0] if text.strip() else f"HTTP {status}"
-    for quote in (": b'", ': b"', ": bytearray(", ". Please install"):  # the last: advice for the server
-        line = line.split(quote, 1)[0]
-    return line.rstrip(": ")[:MESSAGE_CHARS]
 
 
 def _busy_response() -> bytes:
@@ -143,14 +131,14 @@ class EdgeConnection(RequestHandler):
         super().log_exception(*args, **kw)
 
 
-class EdgeServer(web.Server):
+class EdgeServer(QuietServer):
     """aiohttp's server for one app, making :class:`EdgeConnection` s and holding at most
     ``max_connections`` of them."""
 
     WARN_EVERY_S = 10.0
 
     def __init__(self, made: web.Server, *, max_connections: int) -> None:
-        self.__dict__.update(vars(made))  # the app's server as aiohttp made it (handler, factory, options)
+        super().__init__(made)
         self.max_connections = max_connections
         self._warned_at = -self.WARN_EVERY_S
 

@@ -17,6 +17,8 @@ from urllib.parse import urlsplit
 
 import msgspec
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestHandler
 
 from monitoring import MonitoringError
 from monitoring.access import PROBES, TOKEN_VARIABLE, HostAllowList, OpsAccess
@@ -46,6 +48,58 @@ class Readiness(msgspec.Struct, frozen=True, kw_only=True):
 
 
 ReadinessProbe = Callable[[], Readiness]
+
+
+MESSAGE_CHARS = 200
+"""aiohttp's messages quote what it could not parse after the first line (the bytes and a caret), and a
+line too long in full: an answer or a log line keeps the first line, cut to this."""
+
+
+def parse_message(exc: BaseException | None, message: str | None, status: int) -> str:
+    """The first line of what aiohttp says of a request it could not parse, without the bytes it quotes."""
+    text = message or (exc.message if isinstance(exc, HttpProcessingError) else str(exc or ""))
+    line = text.strip().splitlines()[0] if text.strip() else f"HTTP {status}"
+    for quote in (": b'", ': b"', ": bytearray(", ". Please install"):  # the last: advice for the server
+        line = line.split(quote, 1)[0]
+    return line.rstrip(": ")[:MESSAGE_CHARS]
+
+
+class QuietConnection(RequestHandler):
+    """aiohttp's connection, but a request it cannot parse (no ``Host``, a bad ``Content-Length``, a header
+    over 8 KB) is logged in one line at INFO, not with a traceback at ERROR: anyone who can connect could
+    otherwise fill the log. The edge answers those in OpenAI's shape (``ingest.protocol``)."""
+
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        if not 400 <= status < 500 or request.writer.output_size > 0:
+            return super().handle_error(request, status, exc, message)
+        reason = parse_message(exc, message, status)
+        log.info("refused a malformed request from %s: %s", request.remote, reason)
+        response = web.Response(status=status, text=f"{status} Bad Request: {reason}\n")
+        response.force_close()
+        return response
+
+
+class QuietServer(web.Server):
+    """aiohttp's server for one app, as aiohttp made it, making :class:`QuietConnection` s."""
+
+    def __init__(self, made: web.Server) -> None:
+        self.__dict__.update(vars(made))  # its handler, request factory and options
+
+    def __call__(self) -> RequestHandler:
+        return QuietConnection(self, loop=self._loop, **self._kwargs)
+
+
+class QuietRunner(web.AppRunner):
+    """``web.AppRunner`` serving through :class:`QuietServer` (the streams worker's dashboard and ops)."""
+
+    async def _make_server(self) -> web.Server:
+        return QuietServer(await super()._make_server())
 
 
 def bound_port(runner: web.AppRunner | None, what: str) -> int:

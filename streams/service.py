@@ -25,7 +25,7 @@ from infra.topics import make_admin
 from infra.warehouse import WarehouseQueryServer, migrate, open_warehouse
 from monitoring import metrics
 from monitoring.access import HostAllowList, OpsAccess, ops_middleware
-from monitoring.ops import Readiness, bound_port
+from monitoring.ops import QuietRunner, Readiness, bound_port
 from monitoring.slo import load_slo_config
 from schemas.lifecycle import AsyncComponent
 from schemas.settings import PlatformSettings
@@ -147,7 +147,7 @@ class StreamsService(AsyncComponent):
         from streams.dashboard import Dashboard
 
         app = http_app(Dashboard(self.query, slo=slo), self.readiness, self._access, self._hosts)
-        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
+        self._runner = QuietRunner(app, access_log=None, shutdown_timeout=2.0)
         await self._runner.setup()
         await web.TCPSite(self._runner, settings.streams_host, settings.streams_port).start()
         log.info("streams: dashboard and metrics on %s", self.url)

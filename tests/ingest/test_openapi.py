@@ -70,8 +70,11 @@ async def test_errors_auth_and_public_routes(client: Client) -> None:
     doc = await _doc(client)
     assert doc["components"]["securitySchemes"]["bearerAuth"] == {"type": "http", "scheme": "bearer"}
     assert doc["security"] == [{"bearerAuth": []}]
-    for path in ("/healthz", "/readyz", "/metrics", "/openapi.json"):
+    for path in ("/healthz", "/readyz", "/openapi.json"):
         assert doc["paths"][path]["get"]["security"] == []
+    # an audit: it said /metrics needs nothing, where SLUICE_OPS_TOKEN makes it answer 401 without the token
+    assert doc["paths"]["/metrics"]["get"]["security"] == [{"opsToken": []}, {}]
+    assert doc["components"]["securitySchemes"]["opsToken"]["scheme"] == "bearer"
     chat = doc["paths"]["/v1/chat/completions"]["post"]
     assert "security" not in chat
     error = {"$ref": "#/components/schemas/Error"}

@@ -15,8 +15,9 @@ import pytest
 from ingest.app import Edge
 from ingest.auth import TenantDirectory
 from ingest.models import ModelCatalogue
-from ingest.protocol import ensure_descriptors, parse_message
+from ingest.protocol import ensure_descriptors
 from monitoring import metrics
+from monitoring.ops import parse_message
 from tests.ingest.conftest import AUTH, EMB, settings
 from tests.ingest.fake_gateway import FakeGateway
 

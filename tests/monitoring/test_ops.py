@@ -178,3 +178,44 @@ def test_an_exposed_ops_port_without_a_token_does_not_start(probe: Probe) -> Non
     with pytest.raises(SettingsError, match=r"SLUICE_WORKER_OPS_HOST='0\.0\.0\.0'.*SLUICE_OPS_TOKEN"):
         OpsServer("0.0.0.0", 0, probe, service="worker-test")
     OpsServer("0.0.0.0", 0, probe, service="worker-test", token=TOKEN)
+
+
+async def test_the_quiet_runner_answers_a_malformed_request_with_one_info_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An audit: the streams worker's server logged aiohttp's traceback at ERROR for every request it could
+    not parse (``curl -H 'Host:'``), so anyone who could connect could fill its log."""
+    import asyncio
+    import logging
+
+    from aiohttp import web
+
+    from monitoring.ops import QuietRunner
+
+    async def ok(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_get("/", ok)
+    runner = QuietRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        with caplog.at_level(logging.INFO):
+            for request in (b"GET / HTTP/1.1\r\n\r\n", b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"):
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.write(request)
+                await writer.drain()
+                answer = await asyncio.wait_for(reader.read(4096), 5)
+                writer.close()
+                status = answer.split(b"\r\n", 1)[0]
+                assert status.split(b" ")[1] == (b"400" if b"Host" not in request else b"200"), answer
+    finally:
+        await runner.cleanup()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    refused = [r for r in caplog.records if "refused a malformed request" in r.getMessage()]
+    assert len(refused) == 1
+    assert "Host" in refused[0].getMessage()
+    assert refused[0].exc_info is None
