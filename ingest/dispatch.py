@@ -26,6 +26,7 @@ from ingest.errors import (
 )
 from ingest.gateway import Gateway, IdempotencyRecord, ReplyItem, ReplyStream, RequestEvent
 from ingest.prepare import Prepared
+from ingest.reply_stream import WHOLE, After
 from monitoring import metrics
 from schemas.events import CancelRequested, RequestFinished
 
@@ -219,7 +220,7 @@ class Dispatcher:
             except GatewayUnavailable:  # never published: the key must not point at a request that is not
                 await self._gateway.forget_idempotent(event.tenant, idempotency_key, mine)
                 raise
-        stream = await self._gateway.resume(event.tenant, record.request_id, -1)
+        stream = await self._gateway.resume(event.tenant, record.request_id, WHOLE)
         if stream is None:
             raise IdempotencyInProgress(
                 "A request with this Idempotency-Key is not readable yet; retry shortly.",
@@ -230,12 +231,12 @@ class Dispatcher:
         return Opened(record.request_id, tenant_checked(stream, event.tenant), owner=owner, replay=True)
 
     async def resume(
-        self, tenant: str, request_id: str, after_seq: int, expect: Prepared | None = None
+        self, tenant: str, request_id: str, after: After, expect: Prepared | None = None
     ) -> tuple[ReplyStream, bool]:
-        """The request's replies after ``after_seq``, and whether the caller now owns the request: true when
+        """The request's replies after ``after``, and whether the caller now owns the request: true when
         it came back within the disconnect grace (its delayed cancel is dropped; it cancels on leaving).
         ``expect``: the body of an endpoint's resume, whose model and kind the stream must be of."""
-        found = await self._gateway.resume(tenant, request_id, after_seq)
+        found = await self._gateway.resume(tenant, request_id, after)
         if found is None:
             raise NotFound(f"No stream {request_id!r} to resume.", code="stream_not_found")
         model, kind = (expect.event.model, expect.shape.kind) if expect is not None else (None, None)

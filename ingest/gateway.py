@@ -5,13 +5,13 @@ implementation lives beside it. Its contract:
 
 - :meth:`Gateway.submit` returns only once the request event is durably published (``acks=all``); it raises
   :class:`ingest.errors.GatewayUnavailable` when it cannot publish. Its reply stream yields the request's
-  :class:`TokenChunk` s in ``seq`` order, without duplicates, skipping ``seq <= resume_after_seq`` when
-  given, then exactly one :class:`RequestFinished`, and ends.
+  :class:`TokenChunk` s in order, without duplicates (each says where its text starts, ``chars``), then
+  exactly one :class:`RequestFinished`, and ends.
 - A reply stream is pulled by the edge at the client's pace; the gateway must buffer a bounded amount per
   stream (and pause its consumer or drop-and-replay from the log beyond that), never grow without bound.
   ``aclose()`` releases the stream early (client gone); it is always called, also after the end.
-- :meth:`Gateway.resume` replays a request's replies from the log after ``after_seq`` (``-1``: all of them)
-  and then follows it live. It returns None when the request is unknown **or belongs to another tenant**:
+- :meth:`Gateway.resume` replays a request's replies from the log after ``after`` (a position,
+  :class:`ingest.reply_stream.After`; ``WHOLE``: all of them) and then follows it live. It returns None when the request is unknown **or belongs to another tenant**:
   the two must look the same to the caller.
 - :meth:`Gateway.publish_quota` shares this edge's admissions with the other edges (best effort: each
   snapshot replaces the one before, so a lost one costs nothing); :meth:`Gateway.follow_quota` hands every
@@ -28,6 +28,7 @@ from typing import Protocol, TypeAlias
 
 import msgspec
 
+from ingest.reply_stream import After
 from schemas.coordination import QuotaSync
 from schemas.deployments import Deployment
 from schemas.events import (
@@ -71,9 +72,9 @@ class Gateway(Protocol):
     def budget_exhausted(self, tenant: str) -> bool:
         """The latest budget state on the control topic says ``tenant`` may not start new work."""
 
-    async def submit(self, event: RequestEvent, *, resume_after_seq: int | None = None) -> ReplyStream: ...
+    async def submit(self, event: RequestEvent) -> ReplyStream: ...
 
-    async def resume(self, tenant: str, request_id: str, after_seq: int) -> ReplyStream | None: ...
+    async def resume(self, tenant: str, request_id: str, after: After) -> ReplyStream | None: ...
 
     def deployment(self, model: str) -> Deployment | None:
         """The model's latest deployment on the control topic (None: no rollout ever; serve ``current``)."""

@@ -32,6 +32,7 @@ from ingest.observe import (
 )
 from ingest.prepare import Kind, Prepared, Shape
 from ingest.render import DONE, SseEncoder, collect, final_body, native, sse, sse_error
+from ingest.reply_stream import WHOLE, After, cursor
 from monitoring import metrics, tracing
 from monitoring.ops import Readiness
 from schemas.events import TokenChunk
@@ -39,17 +40,22 @@ from schemas.ids import UUID7_PATTERN
 
 log = logging.getLogger(__name__)
 
-_LAST_EVENT_ID = re.compile(r"^(?P<rid>" + UUID7_PATTERN.strip("^$") + r"):(?P<seq>-1|\d{1,9})$")
+_LAST_EVENT_ID = re.compile(r"^(?P<rid>" + UUID7_PATTERN.strip("^$") + r"):(?P<at>[-.0-9]{1,24})$")
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def parse_last_event_id(value: str | None) -> tuple[str, int] | None:
+def parse_last_event_id(value: str | None) -> tuple[str, After] | None:
+    """``<request id>:<tokens>.<chars>`` (an SSE id this edge gave), or an older edge's ``<request id>:<seq>``."""
     if value is None:
         return None
     match = _LAST_EVENT_ID.match(value.strip())
-    if match is None:
-        raise InvalidRequest("Last-Event-ID must be '<request id>:<seq>'.", param="Last-Event-ID")
-    return match["rid"], int(match["seq"])
+    after = After.parse(match["at"]) if match is not None else None
+    if match is None or after is None:
+        raise InvalidRequest(
+            "Last-Event-ID must be '<request id>:<tokens>.<chars>', the id of an event of the stream.",
+            param="Last-Event-ID",
+        )
+    return match["rid"], after
 
 
 def json_response(
@@ -134,18 +140,18 @@ class Routes:
         shape = prepared.shape
         ctx = self.ctx
         if last is not None:  # an SSE reconnect: replay after the last event seen, generate nothing
-            request_id, after_seq = last
-            after_seq = after_seq if shape.stream else -1  # one JSON body needs the whole stream
+            request_id, after = last
+            after = after if shape.stream else WHOLE  # one JSON body needs the whole stream
             shape = dataclasses.replace(shape, request_id=request_id)
             with ctx.admission.flight(tenant, shape.model, request_id, owner=False, resumed=True) as flight:
                 stream, flight.owner = await ctx.dispatcher.resume(
-                    tenant.name, request_id, after_seq, expect=prepared
+                    tenant.name, request_id, after, expect=prepared
                 )
                 request[SUBMITTED_KEY] = True
                 request[REQUEST_ID_KEY] = request_id
                 watch = RequestWatch(None, stream=shape.stream, t0=t0)
                 return await self._serve(
-                    request, shape, stream, flight, prepared.timeout_s, watch, after_seq >= 0
+                    request, shape, stream, flight, prepared.timeout_s, watch, after.resumed
                 )
         tokens = reserved_tokens(prepared.event)
         with ctx.admission.flight(
@@ -160,7 +166,7 @@ class Routes:
 
     async def _admit(
         self, request: web.Request, kind: Kind
-    ) -> tuple[Tenant, Prepared, str | None, tuple[str, int] | None]:
+    ) -> tuple[Tenant, Prepared, str | None, tuple[str, After] | None]:
         """Authenticate, rate-limit, read, validate and tokenise: everything before the log sees it."""
         ctx = self.ctx
         tenant = self._tenant(request)
@@ -240,17 +246,17 @@ class Routes:
         last = parse_last_event_id(request.headers.get("Last-Event-ID"))
         if last is not None and last[0] != request_id:
             raise InvalidRequest("Last-Event-ID names another request.", param="Last-Event-ID")
-        after_seq = last[1] if last is not None else -1
+        after = last[1] if last is not None else WHOLE
         timeout = ctx.preparer.timeout(None, request.headers.get("X-Request-Timeout"))
         with ctx.admission.flight(tenant, "", request_id, owner=False, resumed=True) as flight:
-            stream, flight.owner = await ctx.dispatcher.resume(tenant.name, request_id, after_seq)
+            stream, flight.owner = await ctx.dispatcher.resume(tenant.name, request_id, after)
             response = web.StreamResponse(headers={**SSE_HEADERS, "x-request-id": request_id})
             try:
                 async with ctx.dispatcher.guard(flight, stream, timeout):
                     await response.prepare(request)
                     async for item in stream:
                         flight.name_model(item.model)
-                        event_id = f"{request_id}:{item.seq}" if isinstance(item, TokenChunk) else None
+                        event_id = f"{request_id}:{cursor(item)}" if isinstance(item, TokenChunk) else None
                         await response.write(sse(native(item), event_id))
                     await response.write(DONE)
             except IngestError as exc:

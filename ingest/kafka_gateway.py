@@ -35,7 +35,7 @@ from ingest.errors import GatewayUnavailable
 from ingest.gateway import IdempotencyRecord
 from ingest.idempotency import ClaimTable
 from ingest.quota import WINDOW_S
-from ingest.reply_stream import Reply, ReplyStream
+from ingest.reply_stream import WHOLE, After, Reply, ReplyStream
 from monitoring import tracing
 from schemas.codec import UNREADABLE_JSON, DecodeError, decode
 from schemas.coordination import (
@@ -348,15 +348,13 @@ class KafkaGateway(AsyncComponent):
         salt = int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=4).digest(), "big") % salts
         return f"{tenant}#{salt}".encode()
 
-    async def submit(
-        self, event: GenerationRequested | EmbeddingRequested, *, resume_after_seq: int | None = None
-    ) -> ReplyStream:
+    async def submit(self, event: GenerationRequested | EmbeddingRequested) -> ReplyStream:
         """Publish durably, then return the stream its replies will arrive on."""
         if self._listener is None or self.failure is not None:
             raise GatewayUnavailable(
                 f"this edge lost its connection to the platform ({self.failure}); retry on another edge"
             )
-        stream = ReplyStream(self, event.request_id, event.model, resume_after_seq, self._stream_buffer)
+        stream = ReplyStream(self, event.request_id, event.model, WHOLE, self._stream_buffer)
         new = self._own(event.request_id, event.tenant)
         self._streams[event.request_id] = stream  # registered first: no reply can be missed
         topic = self._names.requests(event.model)
@@ -396,8 +394,8 @@ class KafkaGateway(AsyncComponent):
         except BusError as exc:
             raise GatewayUnavailable(f"the cancel could not be sent: {exc}") from exc
 
-    async def resume(self, tenant: str, request_id: str, after_seq: int) -> ReplyStream | None:
-        """The request's replies after ``after_seq``, read from the log; None (404) unless the index says
+    async def resume(self, tenant: str, request_id: str, after: After) -> ReplyStream | None:
+        """The request's replies after ``after``, read from the log; None (404) unless the index says
         this edge holds the request for this tenant: an unknown or foreign id costs a lookup, never a
         scan of the log."""
         owner = self.owner(request_id)
@@ -416,7 +414,7 @@ class KafkaGateway(AsyncComponent):
             self,
             request_id,
             "",
-            after_seq,
+            after,
             self._stream_buffer,
             tenant=tenant,
             from_log=start,

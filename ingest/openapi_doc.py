@@ -61,7 +61,9 @@ def _header(name: str, description: str) -> dict[str, Any]:
 
 _TIMEOUT = _header("X-Request-Timeout", "Seconds the request may take (at most the edge's maximum).")
 _IDEMPOTENCY = _header("Idempotency-Key", "Replays the first request sent with the same key and body.")
-_LAST_EVENT_ID = _header("Last-Event-ID", "'<request id>:<seq>': resume a stream after that chunk.")
+_LAST_EVENT_ID = _header(
+    "Last-Event-ID", "'<request id>:<tokens>.<chars>', an event's id: resume a stream after that chunk."
+)
 _SESSION = _header("X-Session-Id", "Routes a conversation's requests to the same worker.")
 
 

@@ -1,8 +1,9 @@
 """Replies -> what the client reads: OpenAI JSON bodies, SSE events, and the edge's native frames (used by
 the WebSocket and ``GET /v1/streams/{id}``).
 
-SSE events that carry a token chunk have ``id: <request_id>:<seq>``; a client that reconnects with that as
-``Last-Event-ID`` gets what came after it. The closing events (finish reason, usage, ``[DONE]``) carry no id,
+SSE events that carry a token chunk have ``id: <request_id>:<tokens>.<chars>`` (where the stream stands after
+it, :func:`ingest.reply_stream.cursor`); a client that reconnects with that as ``Last-Event-ID`` gets what came
+after it. The closing events (finish reason, usage, ``[DONE]``) carry no id,
 so a resume after the last chunk still ends properly.
 """
 
@@ -16,6 +17,7 @@ from ingest import openai
 from ingest.errors import IngestError, error_body, from_finished
 from ingest.gateway import ReplyItem, ReplyStream
 from ingest.prepare import Shape
+from ingest.reply_stream import cursor
 from schemas.events import Float32Vectors, RequestFinished, TokenChunk
 
 DONE = b"data: [DONE]\n\n"
@@ -54,7 +56,7 @@ class SseEncoder:
     def item(self, item: ReplyItem) -> bytes:
         if isinstance(item, TokenChunk):
             body = self._chunk(item.text, delta={"content": item.text})
-            return sse(body, f"{item.request_id}:{item.seq}")
+            return sse(body, f"{item.request_id}:{cursor(item)}")
         error = from_finished(item)
         if error is not None:
             return sse_error(error)
@@ -96,6 +98,7 @@ def native(item: ReplyItem, shape: Shape | None = None) -> dict[str, Any]:
             "type": "token",
             "request_id": item.request_id,
             "seq": item.seq,
+            "cursor": cursor(item),
             "offset": item.offset,
             "text": item.text,
             "token_ids": item.token_ids,

@@ -6,14 +6,54 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import re
 from collections.abc import AsyncIterator
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import msgspec
 
 from schemas.events import RequestFinished, TokenChunk
 
 Reply = TokenChunk | RequestFinished
+
+
+class After(NamedTuple):
+    """Where a client's copy of a stream ends, to resume after it: the tokens and the characters of text it
+    has, which every chunk the edge sends names (:func:`cursor`, the SSE id's ``<tokens>.<chars>``). A
+    position, not a chunk's ``seq``: a request re-run by another worker (its first died) numbers its chunks
+    from 0 again and cuts them elsewhere, so its ids repeated (``:11, :12, :11, :12, :13``) and a resume
+    after ``:12`` skipped or repeated text, depending on which ``:12`` the client had (an audit). ``seq``:
+    an id an older edge gave (``<request id>:<seq>``), skipped by ``seq`` as then; -1 for a position."""
+
+    tokens: int = 0
+    chars: int = 0
+    seq: int = -1
+
+    @property
+    def resumed(self) -> bool:
+        """Whether the client has part of the stream (not the whole of it from the start)."""
+        return self != WHOLE
+
+    @classmethod
+    def parse(cls, text: str) -> After | None:
+        """``<tokens>.<chars>``, or an older edge's ``<seq>`` (-1: none); None if neither."""
+        match = _AFTER.fullmatch(text)
+        if match is None:
+            return None
+        if match["seq"] is not None:
+            return cls(seq=int(match["seq"]))
+        return cls(int(match["tokens"]), int(match["chars"]))
+
+
+WHOLE = After()
+"""The whole stream, from its first chunk."""
+_AFTER = re.compile(r"(?P<seq>-1|\d{1,9})|(?P<tokens>\d{1,9})\.(?P<chars>\d{1,10})")
+
+
+def cursor(chunk: TokenChunk) -> str:
+    """Where the stream stands after ``chunk`` as :class:`ReplyStream` sends it (its ``chars`` always set):
+    ``<tokens>.<chars>``, what a client resumes after (``After.parse``)."""
+    return f"{chunk.offset + len(chunk.token_ids)}.{(chunk.chars or 0) + len(chunk.text)}"
 
 
 class ReplySource(Protocol):
@@ -32,7 +72,9 @@ class ReplyStream:
     """The replies of one request, in order, ending with its ``RequestFinished``.
 
     Tokens are delivered exactly once even if a worker died and another re-ran the request from the start
-    (sampling is seeded, so the re-run reproduces them): chunks are cut by token offset.
+    (sampling is seeded, so the re-run reproduces them): chunks are cut by token offset and text position,
+    and every chunk sent says where its text starts (``chars``), so :func:`cursor` names the position after
+    it whichever run it came from.
     """
 
     def __init__(
@@ -40,7 +82,7 @@ class ReplyStream:
         gateway: ReplySource,
         request_id: str,
         model: str,
-        after_seq: int | None,
+        after: After,
         buffer: int,
         *,
         tenant: str | None = None,
@@ -57,10 +99,12 @@ class ReplyStream:
         self._wakeup = asyncio.Event()
         self._tenant = tenant
         self._lagging_from = from_log  # set: read the log from there (after an overflow, or to resume)
-        self._skip_seq = -1 if after_seq is None else after_seq
-        self._delivered_tokens = 0
-        self._delivered_chars = 0
+        self._skip_seq = after.seq
+        self._delivered_tokens = after.tokens
+        self._delivered_chars = after.chars
         self._tokens: list[int] = []
+        """The request's token ids from its first, as far as the chunks read have told them (delivered or
+        not: a resume takes in what the client has)."""
         self._done = False
         self._error: Exception | None = None
 
@@ -126,36 +170,30 @@ class ReplyStream:
         if reply.chars is not None:
             return self._accept_chunk(reply)
         end = reply.offset + len(reply.token_ids)
+        self._learn(reply.offset, reply.token_ids)
         if end <= self._delivered_tokens:
-            return []  # a re-run repeating tokens already delivered
+            return []  # a re-run repeating tokens already delivered, or a resume's client has them
         if reply.seq <= self._skip_seq and reply.offset >= self._delivered_tokens:
-            self._delivered_tokens = end  # the client already has this chunk (resume)
+            self._delivered_tokens = end  # the client already has this chunk (an older edge's resume)
             self._delivered_chars += len(reply.text)
-            self._tokens += reply.token_ids
             return []
         if reply.offset < self._delivered_tokens:
             fresh = reply.token_ids[self._delivered_tokens - reply.offset :]
-            before = self._gateway.detokenize(self._model, self._tokens)
-            after = self._gateway.detokenize(self._model, self._tokens + fresh)
-            reply = TokenChunk(
-                id=reply.id,
-                time=reply.time,
-                tenant=reply.tenant,
-                model=reply.model,
-                request_id=reply.request_id,
-                source=reply.source,
-                traceparent=reply.traceparent,
-                tracestate=reply.tracestate,
-                seq=reply.seq,
-                offset=self._delivered_tokens,
-                token_ids=fresh,
-                text=after[len(before) :],
-                finish_reason=reply.finish_reason,
+            before = self._gateway.detokenize(self._model, self._tokens[: self._delivered_tokens])
+            after = self._gateway.detokenize(self._model, self._tokens[:end])
+            reply = msgspec.structs.replace(
+                reply, offset=self._delivered_tokens, token_ids=fresh, text=after[len(before) :]
             )
-        self._delivered_tokens = reply.offset + len(reply.token_ids)
+        reply = msgspec.structs.replace(reply, chars=self._delivered_chars)  # where its text starts
+        self._delivered_tokens = end
         self._delivered_chars += len(reply.text)  # a re-run by a worker that says ``chars`` goes on from here
-        self._tokens += reply.token_ids
         return [reply]
+
+    def _learn(self, offset: int, token_ids: list[int]) -> None:
+        """Remember the token ids a chunk tells beyond those known (to detokenise a chunk cut short)."""
+        known = len(self._tokens)
+        if offset <= known < offset + len(token_ids):
+            self._tokens += token_ids[known - offset :]
 
     def _accept_chunk(self, chunk: TokenChunk) -> list[Reply]:
         """A chunk that says where its text starts (``chars``): what it adds beyond the tokens and the text
@@ -165,11 +203,12 @@ class ReplyStream:
         recomputed from tokens showed what the stream holds back (an audit)."""
         assert chunk.chars is not None
         end, text_end = chunk.offset + len(chunk.token_ids), chunk.chars + len(chunk.text)
+        self._learn(chunk.offset, chunk.token_ids)
         if end <= self._delivered_tokens and text_end <= self._delivered_chars:
-            return []  # a re-run repeating what was delivered
+            return []  # a re-run repeating what was delivered, or a resume's client has it
         if chunk.seq <= self._skip_seq and chunk.offset >= self._delivered_tokens:
-            self._delivered_tokens, self._delivered_chars = end, text_end  # the client has it (a resume)
-            self._tokens += chunk.token_ids
+            # the client has it (an older edge's resume, by seq)
+            self._delivered_tokens, self._delivered_chars = end, text_end
             return []
         tokens = chunk.token_ids[max(0, self._delivered_tokens - chunk.offset) :]
         text = chunk.text[max(0, self._delivered_chars - chunk.chars) :]
@@ -183,5 +222,4 @@ class ReplyStream:
             )
         self._delivered_tokens = max(self._delivered_tokens, end)
         self._delivered_chars = max(self._delivered_chars, text_end)
-        self._tokens += tokens
         return [chunk]

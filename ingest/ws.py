@@ -8,10 +8,11 @@ Client frames::
     {"type": "request", "id": <str|int, client-chosen>, "endpoint": "chat.completions"|"completions"|"embeddings",
      "body": {...the HTTP body...}}
     {"type": "cancel", "id": ...}
-    {"type": "resume", "id": ..., "request_id": "<uuid7>", "after_seq": -1}
+    {"type": "resume", "id": ..., "request_id": "<uuid7>", "after"?: "<a token frame's cursor>"}
     {"type": "ping", "id"?: ...}
 
-Server frames: ``accepted`` (id, request_id), ``token`` (id, request_id, seq, offset, text, token_ids),
+Server frames: ``accepted`` (id, request_id), ``token`` (id, request_id, seq, cursor, offset, text, token_ids;
+``cursor``, ``<tokens>.<chars>``, is where the stream stands after it: a ``resume`` frame's ``after``),
 ``done`` (id, request_id, status, finish_reason, usage; ``result`` = the OpenAI embeddings body for
 embeddings; ``text`` = the whole text of a generation that was not streamed, as a ``resume`` of an HTTP
 request without ``stream`` reads it), ``error`` (id or null, error: OpenAI error object), ``pong``. A
@@ -55,6 +56,7 @@ from ingest.gateway import ReplyStream
 from ingest.observe import RequestWatch, count_refusal, note_accepted
 from ingest.prepare import Kind, Shape
 from ingest.render import native
+from ingest.reply_stream import After
 from monitoring import metrics, tracing
 
 log = logging.getLogger(__name__)
@@ -80,7 +82,11 @@ class CancelFrame(msgspec.Struct, tag="cancel", tag_field="type", forbid_unknown
 class ResumeFrame(msgspec.Struct, tag="resume", tag_field="type", forbid_unknown_fields=True, frozen=True):
     id: ClientId
     request_id: str
+    after: str | None = None
+    """A token frame's ``cursor`` (``<tokens>.<chars>``): what the client has; unset, the whole stream."""
     after_seq: Annotated[int, msgspec.Meta(ge=-1)] = -1
+    """An older edge's resume point: a token frame's ``seq`` (a request re-run after its worker died numbers
+    its chunks from 0 again, so ``after`` is the one that holds then)."""
 
 
 class PingFrame(msgspec.Struct, tag="ping", tag_field="type", forbid_unknown_fields=True, frozen=True):
@@ -296,9 +302,12 @@ class WsSession:
         timeout = ctx.preparer.timeout(None, None)
         with ctx.admission.flight(self._tenant, "", frame.request_id, owner=False, resumed=True) as flight:
             self._work[frame.id].flight = flight
-            stream, flight.owner = await ctx.dispatcher.resume(
-                self._tenant.name, frame.request_id, frame.after_seq
-            )
+            after = After(seq=frame.after_seq) if frame.after is None else After.parse(frame.after)
+            if after is None:
+                raise InvalidRequest(
+                    "'after' must be a token frame's 'cursor', '<tokens>.<chars>'.", param="after"
+                )
+            stream, flight.owner = await ctx.dispatcher.resume(self._tenant.name, frame.request_id, after)
             accepted = {"type": "accepted", "id": frame.id, "request_id": frame.request_id}
             with RequestWatch(None, stream=True, t0=time.monotonic()) as watch:
                 await self._pump(frame.id, None, watch.wrap(stream), flight, timeout, accepted)

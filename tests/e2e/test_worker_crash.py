@@ -59,9 +59,8 @@ def worker_processes(
                 proc.wait()
 
 
-async def _stream(session: aiohttp.ClientSession, url: str, n: int) -> tuple[str, str, str]:
-    """(request id, streamed text, finish reason) of one streamed completion."""
-    body = {
+def _body(n: int) -> dict[str, object]:
+    return {
         "model": GPT,
         "prompt": f"Story number {n}:",
         "max_tokens": 200,
@@ -69,17 +68,32 @@ async def _stream(session: aiohttp.ClientSession, url: str, n: int) -> tuple[str
         "ignore_eos": True,
         "stream": True,
     }
+
+
+async def _stream(
+    session: aiohttp.ClientSession, url: str, n: int, headers: dict[str, str] | None = None
+) -> tuple[str, str, str, list[tuple[str, str]]]:
+    """(request id, streamed text, finish reason, (event id, the text up to it) of each event with an id)
+    of one streamed completion (``headers``: a resume's ``Last-Event-ID``)."""
     request_id, text, reason = "", "", ""
-    async with session.post(f"{url}/completions", headers=AUTH, json=body) as response:
+    ids: list[tuple[str, str]] = []
+    event_id = None
+    async with session.post(
+        f"{url}/completions", headers={**AUTH, **(headers or {})}, json=_body(n)
+    ) as response:
         assert response.status == 200
         async for line in response.content:
-            if line.startswith(b"id: ") and not request_id:
-                request_id = line[4:].decode().split(":")[0]
+            if line.startswith(b"id: "):
+                event_id = line[4:].decode().strip()
+                request_id = request_id or event_id.split(":")[0]
             if line.startswith(b"data: {"):
                 choice = json.loads(line[6:])["choices"][0]
                 text += choice["text"]
                 reason = choice["finish_reason"] or reason
-    return request_id, text, reason
+                if event_id is not None:
+                    ids.append((event_id, text))
+                event_id = None
+    return request_id, text, reason, ids
 
 
 async def test_kill_9_mid_stream_still_finishes_every_request(
@@ -106,10 +120,10 @@ async def test_kill_9_mid_stream_still_finishes_every_request(
         async with asyncio.timeout(150):
             outcomes = await asyncio.gather(*streams)
 
-    for request_id, _, _ in outcomes:
+    for request_id, *_ in outcomes:
         await platform.results.wait(lambda rid=request_id: bool(platform.results.of(rid)))  # type: ignore[misc]
     await platform.results.caught_up()  # a late second terminal event would be in the log by now
-    for request_id, text, reason in outcomes:
+    for request_id, text, reason, _ in outcomes:
         finals = [e for e in platform.results.of(request_id) if isinstance(e, RequestFinished)]
         assert len(finals) == 1, f"{request_id} ended {len(finals)} times"
         assert finals[0].status == "completed"
@@ -117,9 +131,19 @@ async def test_kill_9_mid_stream_still_finishes_every_request(
         assert text == finals[0].text
     # at least one request was cut mid-stream on the victim and re-run from the log by the survivor
     rerun = [
-        rid
-        for rid, _, _ in outcomes
+        n
+        for n, (rid, *_) in enumerate(outcomes)
         if {e.source for e in platform.replies.of(rid) if isinstance(e, TokenChunk)}
         == {"gpu_workers/crash-a", "gpu_workers/crash-b"}
     ]
     assert rerun
+    # An audit: the SSE ids were the chunks' seq, which the re-run numbered from 0 again, so they repeated,
+    # and a resume after one skipped or repeated text. Each id is unique, and a resume after any of them
+    # (read back from the log) gets exactly the rest of the text.
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        for n in rerun:
+            _, text, _, ids = outcomes[n]
+            assert len({event_id for event_id, _ in ids}) == len(ids), ids
+            for event_id, had in ids[:: max(1, len(ids) // 8)]:
+                _, rest, _, _ = await _stream(session, platform.base_url, n, {"Last-Event-ID": event_id})
+                assert had + rest == text, event_id

@@ -15,8 +15,11 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import msgspec
+
 from ingest.errors import GatewayUnavailable
 from ingest.gateway import IdempotencyRecord, ReplyItem, RequestEvent
+from ingest.reply_stream import WHOLE, After
 from schemas.coordination import QuotaSync
 from schemas.deployments import Deployment
 from schemas.events import (
@@ -50,10 +53,13 @@ class _Log:
 
 
 class FakeStream:
-    def __init__(self, gateway: FakeGateway, log: _Log, after_seq: int) -> None:
+    def __init__(self, gateway: FakeGateway, log: _Log, after: After) -> None:
         self._gateway = gateway
         self._log = log
-        self._after = after_seq
+        self._after = after
+        self._chars = 0
+        """Characters of text before the next chunk (each chunk sent says where its text starts, as
+        ``ReplyStream``'s do)."""
         self._index = 0
         self._ended = False
         self.closed = False
@@ -70,7 +76,12 @@ class FakeStream:
                 await log.changed.wait_for(lambda: len(log.items) > self._index)
             item = log.items[self._index]
             self._index += 1
-            if not (isinstance(item, TokenChunk) and item.seq <= self._after):
+            if not isinstance(item, TokenChunk):
+                break
+            item = msgspec.structs.replace(item, chars=self._chars)
+            self._chars += len(item.text)
+            had = self._after.seq >= 0 and item.seq <= self._after.seq
+            if not (had or item.offset + len(item.token_ids) <= self._after.tokens):
                 break
         self._ended = isinstance(item, RequestFinished)
         self._gateway.pulled[item.request_id] += 1
@@ -97,7 +108,7 @@ class FakeGateway:
         self.deployments: dict[str, Deployment] = {}
         self.mirrored: list[RequestEvent] = []
         self.cancels: list[CancelRequested] = []
-        self.resumes: list[tuple[str, str, int]] = []
+        self.resumes: list[tuple[str, str, After]] = []
         self.streams: list[FakeStream] = []
         self.pulled: Counter[str] = Counter()
         self.idempotency: dict[tuple[str, str], IdempotencyRecord] = {}
@@ -134,7 +145,7 @@ class FakeGateway:
     async def mirror(self, event: RequestEvent) -> None:
         self.mirrored.append(event)
 
-    async def submit(self, event: RequestEvent, *, resume_after_seq: int | None = None) -> FakeStream:
+    async def submit(self, event: RequestEvent) -> FakeStream:
         if self.fail_submit:
             raise GatewayUnavailable("fake broker is down")
         self.submitted.append(event)
@@ -142,14 +153,14 @@ class FakeGateway:
         task = asyncio.create_task(self._produce(log))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        return self._stream(log, -1 if resume_after_seq is None else resume_after_seq)
+        return self._stream(log, WHOLE)
 
-    async def resume(self, tenant: str, request_id: str, after_seq: int) -> FakeStream | None:
-        self.resumes.append((tenant, request_id, after_seq))
+    async def resume(self, tenant: str, request_id: str, after: After) -> FakeStream | None:
+        self.resumes.append((tenant, request_id, after))
         log = self._logs.get(request_id)
         if log is None or log.event.tenant != tenant:
             return None
-        return self._stream(log, after_seq)
+        return self._stream(log, after)
 
     async def cancel(self, event: CancelRequested) -> None:
         self.cancels.append(event)
@@ -182,8 +193,8 @@ class FakeGateway:
 
     # --- helpers for tests ------------------------------------------------------------------------------
 
-    def _stream(self, log: _Log, after_seq: int) -> FakeStream:
-        stream = FakeStream(self, log, after_seq)
+    def _stream(self, log: _Log, after: After) -> FakeStream:
+        stream = FakeStream(self, log, after)
         self.streams.append(stream)
         return stream
 

@@ -16,6 +16,7 @@ from bus.producer import EventProducer
 from infra.topics import TopicSizing, apply_topics, make_admin, platform_topics
 from ingest.gateway import Gateway
 from ingest.kafka_gateway import KafkaGateway
+from ingest.reply_stream import WHOLE
 from schemas.events import GenerationRequested, TokenChunk
 from schemas.ids import uuid7
 from schemas.settings import KafkaConnection
@@ -64,8 +65,8 @@ class TestResume:
     async def test_a_made_up_id_is_none_at_once(self, opened: Opened) -> None:
         async with opened() as gateway:
             began = time.monotonic()
-            assert await gateway.resume("acme", uuid7(), -1) is None
-            assert await gateway.resume("acme", "not-a-uuid", -1) is None
+            assert await gateway.resume("acme", uuid7(), WHOLE) is None
+            assert await gateway.resume("acme", "not-a-uuid", WHOLE) is None
             assert time.monotonic() - began < 1.0  # a lookup, not a scan of the log
 
     async def test_only_the_owning_tenant_resumes(self, opened: Opened) -> None:
@@ -73,8 +74,8 @@ class TestResume:
             request = _request(gateway)
             stream = await gateway.submit(request)
             try:
-                assert await gateway.resume("intruder", request.request_id, -1) is None
-                resumed = await gateway.resume("acme", request.request_id, -1)
+                assert await gateway.resume("intruder", request.request_id, WHOLE) is None
+                resumed = await gateway.resume("acme", request.request_id, WHOLE)
                 assert resumed is not None
                 await resumed.aclose()
             finally:
@@ -96,8 +97,8 @@ async def test_a_restarted_kafka_edge_still_resumes_the_streams_it_answered(
         await producer.publish(names.replies, chunk, partition=0)
     async with KafkaGateway(kafka=kafka, names=names, edge_id="edge-r", reply_partition=0) as gateway:
         assert gateway.owner(request_id) == ("acme", 0)
-        assert await gateway.resume("intruder", request_id, -1) is None
-        stream = await gateway.resume("acme", request_id, -1)
+        assert await gateway.resume("intruder", request_id, WHOLE) is None
+        stream = await gateway.resume("acme", request_id, WHOLE)
         assert stream is not None
         first = await asyncio.wait_for(anext(aiter(stream)), 10)
         assert first.request_id == request_id

@@ -107,7 +107,8 @@ async def test_streamed_chat_is_sse_with_resumable_ids(client: Client, gateway: 
     rid = event.request_id
     assert events[-1] == (None, "[DONE]")
     chunks = [msgspec.json.decode(data) for _, data in events[:-1]]
-    assert [eid for eid, _ in events[:-1]] == [None, *(f"{rid}:{i}" for i in range(5)), None]
+    # each id: the tokens and characters the client has after that event (" t0" ... " t4": one token, 3 chars)
+    assert [eid for eid, _ in events[:-1]] == [None, *(f"{rid}:{i}.{3 * i}" for i in range(1, 6)), None]
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == " t0 t1 t2 t3 t4"
     assert all(c["object"] == "chat.completion.chunk" and c["id"] == f"chatcmpl-{rid}" for c in chunks)
@@ -147,7 +148,7 @@ async def test_completions_stream_and_not(client: Client, gateway: FakeGateway) 
     assert [c["choices"][0]["text"] for c in chunks] == [" t0", " t1", " t2", " t3", " t4", ""]
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
     assert events[0][0] is not None
-    assert events[0][0].endswith(":0")
+    assert events[0][0].endswith(":1.3")  # one token and " t0" delivered
 
 
 async def test_completion_from_token_ids(client: Client, gateway: FakeGateway) -> None:

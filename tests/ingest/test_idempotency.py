@@ -18,6 +18,7 @@ from infra.topics import TopicSizing, apply_topics, make_admin, platform_topics
 from ingest.gateway import IdempotencyRecord
 from ingest.idempotency import ClaimTable
 from ingest.kafka_gateway import KafkaGateway
+from ingest.reply_stream import WHOLE
 from schemas.coordination import IdempotencyClaim, key_digest
 from schemas.events import RequestFinished, TokenChunk, Usage
 from schemas.ids import uuid7
@@ -136,8 +137,8 @@ async def test_the_other_edge_replays_the_winners_stream_and_a_restarted_edge_kn
             break
         await asyncio.sleep(0.05)
     assert await b.lookup_idempotent("acme", "pay-1") == record
-    assert await b.resume("intruder", rid, -1) is None
-    stream = await b.resume("acme", rid, -1)
+    assert await b.resume("intruder", rid, WHOLE) is None
+    stream = await b.resume("acme", rid, WHOLE)
     assert stream is not None
     items = [item async for item in stream]
     assert [type(i).__name__ for i in items] == ["TokenChunk", "RequestFinished"]

@@ -13,6 +13,7 @@ from confluent_kafka import Message, Producer
 from infra.topics import TopicSizing, apply_topics, make_admin, platform_topics
 from ingest.errors import GatewayUnavailable
 from ingest.kafka_gateway import KafkaGateway
+from ingest.reply_stream import WHOLE
 from schemas.events import GenerationRequested
 from schemas.ids import uuid7
 from schemas.settings import KafkaConnection
@@ -75,11 +76,11 @@ async def test_a_request_the_log_refuses_is_gateway_unavailable_and_leaves_nothi
     withdraws an idempotency claim). A record the producer refused (here: over the record limit, which
     librdkafka checks itself) came out as a bare BusError, a 500 that left the claim behind."""
     async with gateway:
-        event = msgspec.structs.replace(_request(gateway), input_ids=[123_456] * 200_000)  # ~1.4 MB
+        event = msgspec.structs.replace(_request(gateway), input_ids=[123_456] * 1_300_000)  # ~9.1 MB
         with pytest.raises(GatewayUnavailable, match="could not be published"):
             await gateway.submit(event)
         assert gateway.owner(event.request_id) is None, "never published: not resumable from this edge"
-        assert await gateway.resume("acme", event.request_id, -1) is None
+        assert await gateway.resume("acme", event.request_id, WHOLE) is None
         stream = await gateway.submit(_request(gateway))  # the gateway itself is fine
         await stream.aclose()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import msgspec
 import pytest
@@ -10,6 +11,7 @@ from prometheus_client import REGISTRY
 
 from ingest.gateway import IdempotencyRecord
 from ingest.prepare import body_hash
+from ingest.reply_stream import WHOLE, After
 from schemas.events import ErrorInfo
 from schemas.ids import uuid7
 from tests.ingest.conftest import AUTH, EMB, GEN, OTHER_AUTH, Client, MakeClient, eventually, parse_sse
@@ -42,7 +44,7 @@ async def test_same_key_same_body_replays_the_same_result(client: Client, gatewa
     assert await first.json() == await second.json()
     (event,) = gateway.submitted
     assert event.idempotency_key == "order-42"
-    assert gateway.resumes == [("demo", event.request_id, -1)]
+    assert gateway.resumes == [("demo", event.request_id, WHOLE)]
     assert second.headers["x-request-id"] == event.request_id
 
 
@@ -94,19 +96,32 @@ async def test_a_key_whose_request_cannot_be_read_is_409(client: Client, gateway
     assert gateway.submitted == []
 
 
-async def test_last_event_id_resumes_after_that_seq(client: Client, gateway: FakeGateway) -> None:
+async def test_last_event_id_resumes_after_that_event(client: Client, gateway: FakeGateway) -> None:
+    """An event's id is where the stream stands after it (``<tokens>.<chars>``), not its chunk's ``seq``,
+    which a request re-run after its worker died numbers from 0 again."""
     body = {**CHAT, "stream": True}
     full = parse_sse(await (await client.post("/v1/chat/completions", json=body, headers=AUTH)).text())
     rid = gateway.submitted[0].request_id
-    resumed = await client.post(
-        "/v1/chat/completions", json=body, headers={**AUTH, "Last-Event-ID": f"{rid}:2"}
+    ids = [eid for eid, _ in full if eid is not None]
+    texts = [json.loads(data)["choices"][0]["delta"]["content"] for eid, data in full if eid is not None]
+    assert ids == [f"{rid}:{n + 1}.{len(''.join(texts[: n + 1]))}" for n in range(len(ids))], (
+        "one token a chunk here"
     )
+    resumed = await client.post("/v1/chat/completions", json=body, headers={**AUTH, "Last-Event-ID": ids[2]})
     assert resumed.status == 200
     events = parse_sse(await resumed.text())
-    assert [eid for eid, _ in events] == [f"{rid}:3", f"{rid}:4", None, None]
+    assert [eid for eid, _ in events] == [*ids[3:], None, None]
     assert events == full[4:]  # chunks 3, 4, the finish chunk and [DONE]; no role chunk again
     assert len(gateway.submitted) == 1
-    assert gateway.resumes == [("demo", rid, 2)]
+    tokens, chars = ids[2].split(":")[1].split(".")
+    assert gateway.resumes == [("demo", rid, After(int(tokens), int(chars)))]
+    older = await client.post(  # an id an older edge gave: the chunk's seq
+        "/v1/chat/completions", json=body, headers={**AUTH, "Last-Event-ID": f"{rid}:2"}
+    )
+    assert parse_sse(await older.text()) == full[4:]
+    for bad in (f"{rid}:1.", f"{rid}:.5", f"{rid}:1.2.3", f"{rid}:-2", f"{rid}:x"):
+        refused = await client.post("/v1/chat/completions", json=body, headers={**AUTH, "Last-Event-ID": bad})
+        assert refused.status == 400, bad
 
 
 async def test_a_resume_of_a_stream_admitted_before_the_budget_ran_out_is_served(
@@ -147,12 +162,13 @@ async def test_resume_is_per_tenant(client: Client, gateway: FakeGateway) -> Non
 async def test_get_stream_replays_native_frames(client: Client, gateway: FakeGateway) -> None:
     await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 3, "stream": True}, headers=AUTH)
     rid = gateway.submitted[0].request_id
-    response = await client.get(f"/v1/streams/{rid}", headers={**AUTH, "Last-Event-ID": f"{rid}:0"})
+    response = await client.get(f"/v1/streams/{rid}", headers={**AUTH, "Last-Event-ID": f"{rid}:1.3"})
     events = parse_sse(await response.text())
     frames = [msgspec.json.decode(d) for _, d in events[:-1]]
     assert [f["type"] for f in frames] == ["token", "token", "done"]
     assert [f.get("seq") for f in frames] == [1, 2, None]
-    assert [eid for eid, _ in events] == [f"{rid}:1", f"{rid}:2", None, None]
+    assert [eid for eid, _ in events] == [f"{rid}:2.6", f"{rid}:3.9", None, None]
+    assert [f.get("cursor") for f in frames] == ["2.6", "3.9", None]
     assert frames[-1]["finish_reason"] == "length"
     assert frames[-1]["usage"]["completion_tokens"] == 3
     mismatched = await client.get(f"/v1/streams/{rid}", headers={**AUTH, "Last-Event-ID": f"{uuid7()}:0"})
@@ -190,11 +206,11 @@ async def test_reconnect_within_the_grace_keeps_the_generation(
     body = {**CHAT, "stream": True}
     rid = gateway.submitted[0].request_id
     resumed = await client.post(
-        "/v1/chat/completions", json=body, headers={**AUTH, "Last-Event-ID": f"{rid}:1"}
+        "/v1/chat/completions", json=body, headers={**AUTH, "Last-Event-ID": f"{rid}:2.6"}
     )
     gateway.release.set()
     events = parse_sse(await resumed.text())
-    assert [eid for eid, _ in events][:3] == [f"{rid}:2", f"{rid}:3", f"{rid}:4"]
+    assert [eid for eid, _ in events][:3] == [f"{rid}:3.9", f"{rid}:4.12", f"{rid}:5.15"]
     assert events[-1][1] == "[DONE]"
     assert gateway.cancels == []
     assert len(gateway.submitted) == 1
@@ -218,8 +234,8 @@ async def test_the_edge_rechecks_the_tenant_of_resumed_replies(client: Client, g
     rid = gateway.submitted[0].request_id
     original = gateway.resume
 
-    async def careless(tenant: str, request_id: str, after_seq: int) -> FakeStream | None:
-        return await original("demo", request_id, after_seq)
+    async def careless(tenant: str, request_id: str, after: After) -> FakeStream | None:
+        return await original("demo", request_id, after)
 
     gateway.resume = careless  # type: ignore[method-assign]
     stolen = await client.post(

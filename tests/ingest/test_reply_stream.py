@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ingest.reply_stream import Reply, ReplyStream
+from ingest.reply_stream import WHOLE, After, Reply, ReplyStream, cursor
 from schemas.events import RequestFinished, TokenChunk, Usage
 
 RID = "0190a6e4-0000-7000-8000-000000000000"
@@ -30,7 +30,7 @@ def chunk(seq: int, offset: int, tokens: list[int], text: str, chars: int | None
 
 
 def delivered(replies: list[Reply]) -> tuple[str, list[int]]:
-    stream = ReplyStream(_Source(), RID, "m", None, 64)
+    stream = ReplyStream(_Source(), RID, "m", WHOLE, 64)
     out = [r for reply in replies for r in stream._accept(reply)]
     chunks = [r for r in out if isinstance(r, TokenChunk)]
     return "".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids]
@@ -78,3 +78,50 @@ def test_chunks_of_a_worker_that_says_no_text_offset_are_cut_by_tokens() -> None
     text, tokens = delivered([chunk(0, 0, [1, 2], "ab", None), chunk(0, 0, [1, 2, 3], "abc", None), FINISHED])
     assert tokens == [1, 2, 3]
     assert text == "ab<3>"  # the fresh token's text, decoded at the edge
+
+
+def test_a_resume_after_any_chunk_of_a_re_run_stream_gets_exactly_the_rest() -> None:
+    """Found by an audit (a worker killed mid-stream under ``sluice up``): the SSE id was the chunk's
+    ``seq``, which the re-run numbered from 0 again (ids ``:9, :10, :11, :12, :11, :12, :13``), and a
+    resume after ``:12`` skipped 40 characters or repeated " keeper moves in the", depending on which
+    ``:12`` the client had. The id is now where the stream stands after the chunk: unique, increasing,
+    and a resume after any of them gets the rest exactly, whichever run its chunks come from."""
+    first = [
+        chunk(0, 0, [1], "The", 0),
+        chunk(1, 1, [2, 3], " ", 3),  # "lo" held back
+        chunk(2, 3, [4], "lock", 4),
+    ]  # the worker died here
+    rerun = [
+        chunk(0, 0, [1, 2], "The ", 0),
+        chunk(1, 2, [3, 4, 5], "lock kee", 4),
+        chunk(2, 5, [6], "per", 12),
+        chunk(3, 6, [7], " moves", 15),
+    ]
+    log: list[Reply] = [*first, *rerun, FINISHED]
+    stream = ReplyStream(_Source(), RID, "m", WHOLE, 64)
+    sent = [r for reply in log for r in stream._accept(reply) if isinstance(r, TokenChunk)]
+    ids = [cursor(c) for c in sent]
+    assert ids == ["1.3", "3.4", "4.8", "5.12", "6.15", "7.21"]
+    whole = "".join(c.text for c in sent)
+    assert whole == "The lock keeper moves"
+    for n, at in enumerate(ids):
+        after = After.parse(at)
+        assert after is not None
+        resumed = ReplyStream(_Source(), RID, "m", after, 64)
+        rest = [r for reply in log for r in resumed._accept(reply) if isinstance(r, TokenChunk)]
+        had = "".join(c.text for c in sent[: n + 1])
+        assert had + "".join(c.text for c in rest) == whole, at
+        tokens = [t for c in sent[: n + 1] for t in c.token_ids] + [t for c in rest for t in c.token_ids]
+        assert tokens == [1, 2, 3, 4, 5, 6, 7], at
+        assert [cursor(c) for c in rest] == ids[n + 1 :], "the same ids on every resume"
+
+
+def test_after_reads_a_position_or_an_older_edges_seq() -> None:
+    assert After.parse("12.40") == After(12, 40)
+    assert After.parse("7") == After(seq=7)
+    assert After.parse("-1") == WHOLE
+    assert not WHOLE.resumed
+    assert After(0, 0, 3).resumed
+    assert After(1, 1).resumed
+    for bad in ("", "1.", ".2", "1.2.3", "-2", "x", "1e3", "1234567890.1"):
+        assert After.parse(bad) is None, bad

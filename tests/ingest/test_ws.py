@@ -53,6 +53,7 @@ async def test_two_requests_multiplexed(client: Client, gateway: FakeGateway) ->
         "id": "a",
         "request_id": rid,
         "seq": 0,
+        "cursor": "1.3",
         "offset": 0,
         "text": " t0",
         "token_ids": [0],
