@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -12,6 +13,7 @@ from ingest.gateway import Gateway
 from ingest.models import ModelCatalogue
 from ingest.prepare import Preparer
 from ingest.settings import EdgeSettings
+from monitoring.access import HostAllowList
 
 if TYPE_CHECKING:
     from ingest.ws import WsSession
@@ -30,3 +32,9 @@ class EdgeContext:
     """The open WebSockets' sessions (shutdown closes them)."""
     sockets_of: dict[str, int] = field(default_factory=dict)
     """Open WebSockets per tenant (``edge_ws_max_per_tenant``)."""
+
+    @functools.cached_property
+    def origins(self) -> HostAllowList:
+        """The sites whose pages may open a WebSocket (``edge_allowed_origins``, else the allowed hosts)."""
+        s = self.settings
+        return HostAllowList(s.edge_allowed_origins or s.edge_allowed_hosts, s.edge_host)

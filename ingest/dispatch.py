@@ -46,13 +46,20 @@ class Opened:
     """An idempotent retry's replay (:func:`replayed` is applied last, over the settling)."""
 
 
+MAX_SESSION_ID = 255
+
+
+def check_header(value: str | None, header: str, most: int) -> str | None:
+    """A client's key in a header (``Idempotency-Key``, ``X-Session-Id``): 1 to ``most`` printable
+    characters, else a 400. A byte that is not UTF-8 arrives as a lone surrogate, which is not printable (an
+    audit: ``X-Session-Id: \xff`` during a rollout was a 500 where the key is hashed)."""
+    if value is not None and not (0 < len(value) <= most and value.isprintable()):
+        raise InvalidRequest(f"{header} must be 1 to {most} printable characters.", param=header)
+    return value
+
+
 def check_idempotency_key(key: str | None) -> str | None:
-    if key is not None and not (0 < len(key) <= MAX_IDEMPOTENCY_KEY and key.isprintable()):
-        raise InvalidRequest(
-            f"Idempotency-Key must be 1 to {MAX_IDEMPOTENCY_KEY} printable characters.",
-            param="Idempotency-Key",
-        )
-    return key
+    return check_header(key, "Idempotency-Key", MAX_IDEMPOTENCY_KEY)
 
 
 def shutting_down() -> ShuttingDown:

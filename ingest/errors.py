@@ -72,6 +72,15 @@ class HostNotAllowed(IngestError):
     default_code = "host_not_allowed"
 
 
+class OriginNotAllowed(IngestError):
+    """A browser page of another site opened the WebSocket (``SLUICE_EDGE_ALLOWED_ORIGINS``): browsers apply
+    no same-origin rule to WebSockets, and the request carries the edge's own ``Host``."""
+
+    status = 403
+    error_type = "invalid_request_error"
+    default_code = "origin_not_allowed"
+
+
 class MethodNotAllowed(IngestError):
     status = 405
     error_type = "invalid_request_error"

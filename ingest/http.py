@@ -17,7 +17,7 @@ from ingest import openai, openapi_doc
 from ingest.admission import Flight, reserved_tokens
 from ingest.auth import Tenant
 from ingest.context import EdgeContext
-from ingest.dispatch import check_idempotency_key
+from ingest.dispatch import MAX_SESSION_ID, check_header, check_idempotency_key
 from ingest.errors import IngestError, InvalidRequest, ModelNotFound, PayloadTooLarge
 from ingest.gateway import ReplyStream
 from ingest.observe import (
@@ -186,7 +186,7 @@ class Routes:
             tenant=tenant,
             timeout_header=request.headers.get("X-Request-Timeout"),
             idempotency_key=key,
-            session=request.headers.get("X-Session-Id"),
+            session=check_header(request.headers.get("X-Session-Id"), "X-Session-Id", MAX_SESSION_ID),
         )
         request[MODEL_KEY] = prepared.event.model
         request[VERSION_KEY] = prepared.event.model_version

@@ -23,6 +23,12 @@ class EdgeSettings(msgspec.Struct, frozen=True, kw_only=True):
     """``Host`` names the edge answers (ports ignored; ``*`` any, ``.example.com`` a domain and its
     subdomains); others get 421. Unset: ``127.0.0.1,localhost,[::1]`` and ``edge_host`` (any name when
     ``edge_host`` is ``0.0.0.0`` or ``::``). ``/healthz`` and ``/readyz`` answer any name."""
+    edge_allowed_origins: tuple[str, ...] = ()
+    """Sites whose browser pages may open the WebSocket (the host of the upgrade's ``Origin``, ports ignored;
+    ``*`` any, ``.example.com`` a domain and its subdomains); others get 403. Unset: the names
+    ``edge_allowed_hosts`` allows. A client that sends no ``Origin`` (not a browser) is not concerned. A
+    browser applies no same-origin rule to a WebSocket and sends the edge's own ``Host``, so without this
+    any page a developer visits could use a local edge with the public demo key (an audit)."""
     edge_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8080
     """0 picks a free port (tests)."""
     edge_id: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")] = "edge-0"

@@ -41,6 +41,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 import msgspec
 from aiohttp import WSCloseCode, WSMsgType, web
@@ -51,7 +52,7 @@ from opentelemetry.trace import Link, SpanKind
 from ingest.admission import Flight, reserved_tokens
 from ingest.auth import Tenant
 from ingest.context import EdgeContext
-from ingest.errors import IngestError, InvalidRequest, RateLimited, Unavailable, error_body
+from ingest.errors import IngestError, InvalidRequest, OriginNotAllowed, RateLimited, Unavailable, error_body
 from ingest.gateway import ReplyStream
 from ingest.observe import RequestWatch, count_refusal, note_accepted
 from ingest.prepare import Kind, Shape
@@ -370,6 +371,11 @@ class WsSession:
 
 
 async def websocket(ctx: EdgeContext, request: web.Request) -> web.StreamResponse:
+    origin = request.headers.get("Origin")
+    if origin is not None and not ctx.origins.allows(urlsplit(origin).netloc or None):
+        raise OriginNotAllowed(
+            f"WebSockets from pages of {origin!r} are not allowed here (SLUICE_EDGE_ALLOWED_ORIGINS)."
+        )
     tenant = ctx.tenants.authenticate(request.headers.get("Authorization"), request.query.get("api_key"))
     if not ctx.admission.accepting:
         raise Unavailable("The server is shutting down.", code="shutting_down")

@@ -509,3 +509,45 @@ async def test_a_stop_string_longer_than_the_limit_is_refused(client: Client, ga
     assert gateway.submitted == []
     fine = {"model": GEN, "messages": [{"role": "user", "content": "hi"}], "stop": "z" * MAX_STOP_CHARS}
     assert (await client.post("/v1/chat/completions", json=fine, headers=AUTH)).status == 200
+
+
+async def test_a_session_id_that_is_not_printable_is_a_400_during_a_rollout_too(
+    client: Client, gateway: FakeGateway, catalogue: Any
+) -> None:
+    """An audit: ``X-Session-Id: \\xff`` (not UTF-8, a lone surrogate once decoded) was a 500 while a rollout
+    ran, where the session is hashed to pick a version (and a 200 otherwise)."""
+    import asyncio
+
+    from schemas.deployments import Deployment, bucket
+
+    stable = catalogue.get(GEN).manifest.version
+    gateway.deployments[GEN] = Deployment(model=GEN, stable=stable, candidate="v-candidate", warming=True)
+    body = json.dumps(
+        {"model": GEN, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    ).encode()
+    assert client.server is not None
+
+    async def post(session: bytes) -> tuple[bytes, bytes]:
+        reader, writer = await asyncio.open_connection("127.0.0.1", client.server.port)
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer "
+            + AUTH["Authorization"].split()[1].encode()
+            + b"\r\nContent-Type: application/json\r\nConnection: close\r\nX-Session-Id: "
+            + session
+            + b"\r\nContent-Length: %d\r\n\r\n" % len(body)
+            + body
+        )
+        await writer.drain()
+        answer = await reader.read()
+        writer.close()
+        head, _, rest = answer.partition(b"\r\n\r\n")
+        return head.split(b"\r\n")[0], rest
+
+    for bad in (b"\xff", b"x" * 256):
+        status, rest = await post(bad)
+        assert b" 400 " in status, (bad, status, rest)
+        assert b'"param":"X-Session-Id"' in rest
+    assert gateway.submitted == []
+    status, _ = await post(b"conversation-7")
+    assert b" 200 " in status
+    assert 0 <= bucket(GEN, "\udcff") < 10_000, "a key with a lone surrogate hashes, whatever its source"

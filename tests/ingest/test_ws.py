@@ -459,3 +459,25 @@ async def test_a_peer_not_reading_the_error_frame_of_a_request_closes_its_socket
     assert outcome is None
     assert closed == [NOT_READING]
     await session.close()
+
+
+async def test_a_page_of_another_site_cannot_open_a_websocket(make_client: MakeClient) -> None:
+    """An audit: browsers apply no same-origin rule to WebSockets and send the edge's own Host, so any page a
+    developer visited could stream from a local edge with the public demo key. A browser's upgrade says its
+    page's Origin; one not allowed (``SLUICE_EDGE_ALLOWED_ORIGINS``, else the allowed hosts) is a 403."""
+    client, _ = await make_client()
+    for origin in ("https://evil.example", "null", "http://127.0.0.1.evil.example:8080"):
+        with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
+            await client.ws_connect(f"/v1/ws?api_key={DEMO_KEY}", headers={"Origin": origin})
+        assert refused.value.status == 403, origin
+    for maybe in (None, "http://localhost:3000", "http://127.0.0.1:8080"):  # no Origin: not a browser
+        headers = {"Origin": maybe} if maybe else {}
+        ws = await client.ws_connect(f"/v1/ws?api_key={DEMO_KEY}", headers=headers)
+        await ws.send_json({"type": "ping", "id": 1})
+        assert (await ws.receive_json())["type"] == "pong"
+        await ws.close()
+    allowed, _ = await make_client(edge_allowed_origins=("app.example.com",))
+    ws = await allowed.ws_connect(f"/v1/ws?api_key={DEMO_KEY}", headers={"Origin": "https://app.example.com"})
+    await ws.close()
+    with pytest.raises(aiohttp.WSServerHandshakeError):
+        await allowed.ws_connect(f"/v1/ws?api_key={DEMO_KEY}", headers={"Origin": "http://localhost:3000"})
