@@ -91,16 +91,19 @@ class ScalePolicy:
     _below_since: dict[str, float] = field(default_factory=dict)
 
     def wanted(self, lag: int, partitions: int | None = None) -> int:
-        """Workers for ``lag``, within the bounds and, past ``min_workers``, no more than the topic's
-        ``partitions``: a worker past them gets none, and holds its model in memory doing nothing (an audit:
-        a lag of 2,000 started 12 workers on 6 partitions)."""
+        """Workers for ``lag``, within the bounds and, past ``min_workers``, no more than ``partitions``, the
+        topic's partitions that hold the lag: a worker past them gets no queued request, and holds its model
+        in memory doing nothing (audits: a lag of 2,000 started 12 workers on 6 partitions; one tenant's lag,
+        all on one partition since requests are keyed by tenant, started a second worker that only took
+        that partition over). KEDA's ``limitToPartitionsWithLag``."""
         ceiling = self.max_workers if partitions is None else min(self.max_workers, partitions)
         return min(max(ceiling, self.min_workers), max(self.min_workers, math.ceil(lag / self.target_lag)))
 
     def decide(
         self, model: str, current: int, lag: int, now: float, partitions: int | None = None
     ) -> Decision | None:
-        """The new worker count when it changes now, else None (``partitions``: the request topic's)."""
+        """The new worker count when it changes now, else None (``partitions``: the request topic's that
+        hold the lag)."""
         wanted = self.wanted(lag, partitions)
         if current < self.min_workers or current > self.max_workers:  # bounds changed since the last run
             self._below_since.pop(model, None)
@@ -130,8 +133,8 @@ class GroupLag:
     def __init__(self, kafka: KafkaConnection) -> None:
         self._kafka = kafka
         self._consumers: dict[str, Consumer] = {}
-        self.partitions: dict[str, int] = {}
-        """topic -> its partitions, as of the last read of its lag."""
+        self.lagging: dict[str, int] = {}
+        """topic -> its partitions that had lag, as of the last read of its lag."""
 
     def __call__(self, topic: str, model: str, version: str | None) -> int:
         """Records of ``topic`` not yet committed by the worker group of ``model``'s ``version``: queued and
@@ -142,15 +145,15 @@ class GroupLag:
             consumer = Consumer(consumer_config(self._kafka, group, "sluice-autoscaler"))
             self._consumers[group] = consumer
         meta = consumer.list_topics(topic, timeout=10).topics[topic]
-        self.partitions[topic] = len(meta.partitions)
         tps = [TopicPartition(topic, p) for p in meta.partitions]
         committed = {tp.partition: tp.offset for tp in consumer.committed(tps, timeout=10)}
-        lag = 0
+        lags = []
         for partition in meta.partitions:
             low, high = watermarks(consumer, topic, partition)
             at = committed.get(partition, -1)
-            lag += max(0, high - (at if at >= 0 else low))
-        return lag
+            lags.append(max(0, high - (at if at >= 0 else low)))
+        self.lagging[topic] = sum(1 for lag in lags if lag > 0)
+        return sum(lags)
 
     def close(self) -> None:
         for consumer in self._consumers.values():

@@ -411,7 +411,7 @@ class Fleet:
             topic = self._names.requests(model)
             lag = await asyncio.to_thread(self._lag, topic, model, version)
             decision = self.policy.decide(
-                model, current, lag, time.monotonic(), self._lag.partitions.get(topic)
+                model, current, lag, time.monotonic(), self._lag.lagging.get(topic)
             )
             if decision is None:
                 continue

@@ -201,6 +201,7 @@ SCALED_OBJECT_SCHEMA: dict[str, Any] = {
                                     "activationLagThreshold": {"type": "string", "pattern": r"^[0-9]+$"},
                                     "offsetResetPolicy": {"enum": ["earliest", "latest"]},
                                     "allowIdleConsumers": {"enum": ["true", "false"]},
+                                    "limitToPartitionsWithLag": {"const": "true"},
                                 },
                             },
                         },

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import time
+
 import msgspec
 import pytest
 
 from gpu_workers.settings import WorkerSettings
 from ingest.main import reply_partition
 from ingest.settings import EdgeSettings
-from schemas.settings import PlatformSettings, SettingsError, load_settings
+from schemas.settings import KafkaConnection, PlatformSettings, SettingsError, load_settings
 from sluice.autoscale import FleetSettings, ScalePolicy
 from sluice.up import extra_edges, platform_ports
 from streams.settings import StreamsSettings
@@ -42,6 +44,47 @@ def test_no_more_workers_than_the_topic_has_partitions() -> None:
     assert out.replicas == 6
     assert policy.decide("m", 6, 2_000, now=1, partitions=6) is None
     assert _policy(min_workers=8, max_workers=12).wanted(2_000, partitions=6) == 8
+
+
+def test_no_more_workers_than_partitions_holding_lag() -> None:
+    """Found by an audit: one tenant's load (all on one partition: requests are keyed by tenant) scaled a
+    model to a second worker, which only took that partition over; the first sat idle. The cap is the
+    partitions holding lag (KEDA's ``limitToPartitionsWithLag``)."""
+    policy = _policy(max_workers=4, target_lag=3)
+    assert policy.decide("m", 1, 11, now=0, partitions=1) is None, "one partition with lag: one worker"
+    out = policy.decide("m", 1, 11, now=1, partitions=2)
+    assert out is not None
+    assert out.replicas == 2
+    assert policy.wanted(0, partitions=0) == 1, "never under min"
+
+
+@pytest.mark.integration
+def test_group_lag_counts_the_partitions_holding_it(kafka: KafkaConnection, topic_prefix: str) -> None:
+    from confluent_kafka import KafkaException, Producer
+    from confluent_kafka.admin import NewTopic
+
+    from infra.topics import make_admin
+    from sluice.autoscale import GroupLag
+
+    topic = f"{topic_prefix}.requests.m"
+    admin = make_admin(kafka)
+    admin.create_topics([NewTopic(topic, num_partitions=3)])[topic].result(10)
+    producer = Producer(kafka.client_config())
+    for n in range(5):
+        producer.produce(topic, b"r", partition=0 if n < 4 else 2)
+    assert producer.flush(10) == 0
+    lag = GroupLag(kafka)
+    try:
+        for _ in range(40):  # a new group's coordinator may not be there yet (the fleet asks every round)
+            try:
+                queued = lag(topic, "m", "v1")
+                break
+            except KafkaException:
+                time.sleep(0.25)
+        assert queued == 5, "nothing committed: every record is queued"
+        assert lag.lagging[topic] == 2
+    finally:
+        lag.close()
 
 
 def test_in_slowly_one_at_a_time_after_the_lag_stayed_low() -> None:
