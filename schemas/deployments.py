@@ -27,7 +27,9 @@ BUCKETS = 10_000
 def bucket(model: str, key: str, salt: str = "route") -> int:
     """The key's bucket in ``[0, BUCKETS)`` (blake2b: the same in every process and every release)."""
     # surrogatepass: a key from a header that was not UTF-8 holds lone surrogates, and must not raise here
-    digest = hashlib.blake2b(f"{salt}\0{model}\0{key}".encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    digest = hashlib.blake2b(
+        f"{salt}\0{model}\0{key}".encode("utf-8", "surrogatepass"), digest_size=8
+    ).digest()
     return int.from_bytes(digest, "big") % BUCKETS
 
 

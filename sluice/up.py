@@ -410,9 +410,7 @@ class Fleet:
             current = len(self.workers.get((model, version), []))
             topic = self._names.requests(model)
             lag = await asyncio.to_thread(self._lag, topic, model, version)
-            decision = self.policy.decide(
-                model, current, lag, time.monotonic(), self._lag.lagging.get(topic)
-            )
+            decision = self.policy.decide(model, current, lag, time.monotonic(), self._lag.lagging.get(topic))
             if decision is None:
                 continue
             event = WorkersScaled(
