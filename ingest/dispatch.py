@@ -22,6 +22,7 @@ from ingest.errors import (
     InvalidRequest,
     NotFound,
     ShuttingDown,
+    StreamEnded,
     from_finished,
 )
 from ingest.gateway import Gateway, IdempotencyRecord, ReplyItem, ReplyStream, RequestEvent
@@ -106,14 +107,23 @@ def tenant_checked(
     return Watched(stream, check)
 
 
-def replayed(stream: ReplyStream) -> Watched:
-    """An idempotent retry's replay of the key's request: a ``cancelled`` end, or a failure worth retrying,
-    is that key's final outcome, a 409 that says what to do, not the retriable 503 a client would retry into
-    the same replay for the key's lifetime."""
+def replayed(stream: ReplyStream, *, resumed: bool = False) -> Watched:
+    """An idempotent retry's replay of the key's request (``resumed``: a client's resume of a stream): a
+    ``cancelled`` end, or a failure worth retrying, is that key's (that stream's) final outcome, a 409 that
+    says what to do, not the retriable 503 a client would retry into the same replay for the key's lifetime
+    (for ever: an audit of resumes)."""
 
     def check(item: ReplyItem) -> None:
         if not isinstance(item, RequestFinished):
             return
+        error = from_finished(item)
+        if resumed and (item.status == "cancelled" or (error is not None and error.retriable)):
+            how = "was cancelled before it finished" if item.status == "cancelled" else f"failed ({error})"
+            raise StreamEnded(
+                f"The request of this stream ({item.request_id}) {how}; a resume replays that end. Send the "
+                "request again, without Last-Event-ID.",
+                code="stream_cancelled" if item.status == "cancelled" else "stream_failed",
+            )
         if item.status == "cancelled":
             raise IdempotencyKeyCancelled(
                 f"The request this Idempotency-Key names ({item.request_id}) was cancelled before it finished "
@@ -121,7 +131,6 @@ def replayed(stream: ReplyStream) -> Watched:
                 "request again with a new key.",
                 param="Idempotency-Key",
             )
-        error = from_finished(item)
         if error is not None and error.retriable:
             raise IdempotencyKeyFailed(
                 f"The request this Idempotency-Key names ({item.request_id}) failed for a reason worth "
@@ -247,7 +256,7 @@ class Dispatcher:
         if found is None:
             raise NotFound(f"No stream {request_id!r} to resume.", code="stream_not_found")
         model, kind = (expect.event.model, expect.shape.kind) if expect is not None else (None, None)
-        return tenant_checked(found, tenant, model, kind), self._reclaim(request_id)
+        return replayed(tenant_checked(found, tenant, model, kind), resumed=True), self._reclaim(request_id)
 
     def _reclaim(self, request_id: str) -> bool:
         """Drop the request's delayed disconnect cancel, if one is pending here: True when one was (the

@@ -105,6 +105,16 @@ class IdempotencyKeyCancelled(IngestError):
     default_code = "idempotency_key_cancelled"
 
 
+class StreamEnded(IngestError):
+    """A resumed stream (``Last-Event-ID``, ``GET /v1/streams/{id}``, a WebSocket ``resume``) whose request
+    ended cancelled, or failed for a reason worth retrying: a resume replays that end every time, so it is
+    final (409, not the retriable 503 an SDK would retry into the same replay); send the request again."""
+
+    status = 409
+    error_type = "invalid_request_error"
+    default_code = "stream_ended"
+
+
 class IdempotencyKeyFailed(IngestError):
     """The key's request failed for a reason worth retrying (out of memory, a full queue, its model version
     retired mid-answer): the 503 told the client to retry, but a retry with the same key replays that

@@ -322,6 +322,33 @@ async def test_a_keyed_retry_of_a_cancelled_request_is_a_final_409_not_a_retriab
     assert len(gateway.submitted) == 2
 
 
+async def test_a_resume_of_a_cancelled_stream_is_a_final_409_not_a_retriable_503(
+    make_client: MakeClient, gateway: FakeGateway
+) -> None:
+    """An audit: a resume (``Last-Event-ID``) of a stream whose request was cancelled (its client left, no
+    grace) answered 503 ``x-should-retry: true`` and an SDK retried into the same replay for ever."""
+    client = await dropped_after_a_token(make_client, gateway, 0.0, AUTH)
+    await eventually(lambda: len(gateway.cancels) == 1)
+    rid = gateway.submitted[0].request_id
+    for stream in (False, True):
+        body = {**CHAT, "stream": stream}
+        resumed = await client.post(
+            "/v1/chat/completions", json=body, headers={**AUTH, "Last-Event-ID": f"{rid}:1.3"}
+        )
+        if stream:  # the stream had begun: the end comes as an error event
+            assert resumed.status == 200
+            text = await resumed.text()
+            assert '"code":"stream_cancelled"' in text, text
+            continue
+        assert resumed.status == 409, await resumed.text()
+        assert resumed.headers["x-should-retry"] == "false"
+        error = (await resumed.json())["error"]
+        assert error["code"] == "stream_cancelled"
+        assert "without Last-Event-ID" in error["message"]
+    frames = await client.get(f"/v1/streams/{rid}", headers=AUTH)
+    assert '"code":"stream_cancelled"' in await frames.text()
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 async def test_a_keyed_retry_of_a_request_that_failed_retriably_is_a_final_409(
     client: Client, gateway: FakeGateway, stream: bool

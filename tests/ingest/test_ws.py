@@ -104,8 +104,18 @@ async def test_ping_cancel_and_resume(client: Client, gateway: FakeGateway) -> N
             {"type": "resume", "id": "again", "request_id": accepted["request_id"], "after_seq": -1}
         )
         replay = await frames_until(ws, 1)
+        await ws.send_json(  # after the token frame's cursor: only the end is left
+            {"type": "resume", "id": "after", "request_id": accepted["request_id"], "after": "1.3"}
+        )
+        rest = await frames_until(ws, 1)
+        await ws.send_json(
+            {"type": "resume", "id": "bad", "request_id": accepted["request_id"], "after": "1.x"}
+        )
+        refused = await ws.receive_json()
     assert [f["type"] for f in replay] == ["accepted", "token", "error"]
-    assert replay[-1]["error"]["code"] == "request_cancelled"
+    assert replay[-1]["error"]["code"] == "stream_cancelled"  # final: a resume replays that end every time
+    assert [f["type"] for f in rest] == ["accepted", "error"]
+    assert (refused["type"], refused["error"]["param"]) == ("error", "after")
     assert len(gateway.submitted) == 1
 
 
