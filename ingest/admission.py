@@ -130,10 +130,11 @@ class Admission:
         tokens: int = 0,
         idempotency_key: str | None = None,
         resumed: bool = False,
+        embedding: bool = False,
     ) -> Iterator[Flight]:
         """Register a request for its lifetime, reserving one request, ``tokens`` tokens and one place in
         flight under the tenant's limits (a resume reserves no tokens, but counts); refuse it when shutting
-        down or over a limit (429 with ``Retry-After``). The place is given back when the flight ends, or,
+        down or over a limit (429 with ``Retry-After``; ``embedding``: its tokens are its inputs', no ``max_tokens``). The place is given back when the flight ends, or,
         when its request runs on after its client left, once that ends (:attr:`Flight.held_until`)."""
         if not self.accepting:
             raise Unavailable("The server is shutting down; retry on another instance.", code="shutting_down")
@@ -144,7 +145,7 @@ class Admission:
         try:
             reservation = self.ledger.admit(tenant.checks(model), tokens)
         except QuotaExceeded as exc:
-            raise _refused(exc) from None
+            raise _refused(exc, embedding) from None
         current = asyncio.current_task()
         entry = Flight(
             tenant=tenant.name,
@@ -208,8 +209,14 @@ class Admission:
         return True
 
 
-def _refused(exc: QuotaExceeded) -> RateLimited | InvalidRequest:
+def _refused(exc: QuotaExceeded, embedding: bool = False) -> RateLimited | InvalidRequest:
     refusal = exc.refusal
     if refusal.code == "tokens_exceed_limit":  # can never fit: not a rate limit, a request to change
-        return InvalidRequest(refusal.message, code=refusal.code, param="max_tokens")
+        if embedding:  # an audit: it named max_tokens, which the embeddings endpoint does not have
+            return InvalidRequest(
+                f"{refusal.message} Send fewer or shorter inputs.", code=refusal.code, param="input"
+            )
+        return InvalidRequest(
+            f"{refusal.message} Lower max_tokens or the prompt.", code=refusal.code, param="max_tokens"
+        )
     return RateLimited(refusal.message, code=refusal.code, retry_after_s=refusal.retry_after_s)

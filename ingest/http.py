@@ -155,7 +155,13 @@ class Routes:
                 )
         tokens = reserved_tokens(prepared.event)
         with ctx.admission.flight(
-            tenant, shape.model, shape.request_id, owner=True, tokens=tokens, idempotency_key=key
+            tenant,
+            shape.model,
+            shape.request_id,
+            owner=True,
+            tokens=tokens,
+            idempotency_key=key,
+            embedding=kind == "embedding",
         ) as flight:
             opened = await ctx.dispatcher.open(prepared, key, flight)
             request[SUBMITTED_KEY] = True

@@ -6,7 +6,6 @@ the gateway. Shared by the HTTP routes and the WebSocket.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import hashlib
 import math
 from collections.abc import Callable
@@ -99,27 +98,6 @@ class Prepared:
     shadow: GenerationRequested | EmbeddingRequested | None = None
     """A copy for the candidate version, published after the request and never answered."""
 
-    def streamed(self) -> Prepared:
-        """This request as streamed, whatever its body said (a WebSocket's generations always are: its
-        frames are tokens). An audit: a WebSocket request without ``"stream": true`` was published not
-        streamed, its worker sent no token, and the ``done`` frame carried no text: billed, nothing read."""
-
-        def stream(
-            event: GenerationRequested | EmbeddingRequested,
-        ) -> GenerationRequested | EmbeddingRequested:
-            if isinstance(event, GenerationRequested) and not event.stream:
-                return msgspec.structs.replace(event, stream=True)
-            return event
-
-        if stream(self.event) is self.event:
-            return self
-        return dataclasses.replace(
-            self,
-            event=stream(self.event),
-            shape=dataclasses.replace(self.shape, stream=True),
-            shadow=stream(self.shadow) if self.shadow is not None else None,
-        )
-
 
 def body_hash(kind: Kind, raw: bytes) -> str:
     """sha256 hex of the endpoint and the body's canonical JSON (keys sorted, no whitespace)."""
@@ -195,12 +173,13 @@ class Preparer:
         timeout_header: str | None = None,
         idempotency_key: str | None = None,
         session: str | None = None,
+        streamed: bool = False,
     ) -> Prepared:
         if len(raw) > _INLINE_TOKENISE_BYTES:
             return await asyncio.to_thread(
-                self.prepare_sync, kind, raw, tenant, timeout_header, idempotency_key, session
+                self.prepare_sync, kind, raw, tenant, timeout_header, idempotency_key, session, streamed
             )
-        return self.prepare_sync(kind, raw, tenant, timeout_header, idempotency_key, session)
+        return self.prepare_sync(kind, raw, tenant, timeout_header, idempotency_key, session, streamed)
 
     def prepare_sync(
         self,
@@ -210,8 +189,13 @@ class Preparer:
         timeout_header: str | None,
         idempotency_key: str | None,
         session: str | None = None,
+        streamed: bool = False,
     ) -> Prepared:
-        """``session`` (``X-Session-Id``, else the body's ``user``) keeps a conversation on one version."""
+        """``session`` (``X-Session-Id``, else the body's ``user``) keeps a conversation on one version.
+        ``streamed``: a generation is streamed whatever its body says (a WebSocket's always are: its frames
+        are tokens). Audits: a WebSocket request without ``"stream": true`` was published not streamed, its
+        worker sent no token and the ``done`` frame carried no text; with ``stream_options`` and no
+        ``stream`` it was refused, as an HTTP body without ``stream`` is."""
         header_timeout = parse_timeout(timeout_header)
         built: tuple[GenerationRequested | EmbeddingRequested, Shape, float]
         if kind == "embedding":
@@ -220,10 +204,14 @@ class Preparer:
             built = self._embedding(body, tenant, header_timeout, idempotency_key, key)
         elif kind == "chat":
             chat = decode_body(raw, ChatCompletionRequest)
+            if streamed and not chat.stream:
+                chat = msgspec.structs.replace(chat, stream=True)
             key = sticky_key(tenant.name, session or chat.user)
             built = self._generation(kind, chat, tenant, header_timeout, idempotency_key, key)
         else:
             plain = decode_body(raw, CompletionRequest)
+            if streamed and not plain.stream:
+                plain = msgspec.structs.replace(plain, stream=True)
             key = sticky_key(tenant.name, session or plain.user)
             built = self._generation(kind, plain, tenant, header_timeout, idempotency_key, key)
         digest = body_hash(kind, raw) if idempotency_key is not None else ""

@@ -238,8 +238,7 @@ class QuotaLedger:
             if need > limit:
                 return Refusal(
                     "tokens_exceed_limit",
-                    f"This request needs {need} tokens, more than the {limit} per minute allowed for {scope}: "
-                    "lower max_tokens or the prompt.",
+                    f"This request needs {need} tokens, more than the {limit} per minute allowed for {scope}.",
                     float(self.window_s),
                 )
             if used + need > limit:

@@ -276,11 +276,9 @@ class WsSession:
                 try:
                     ctx.admission.check_budget(self._tenant, ctx.gateway.budget_exhausted(self._tenant.name))
                     ctx.admission.check_rate(self._tenant)
-                    prepared = (
-                        await ctx.preparer.prepare(
-                            WS_KINDS[frame.endpoint], bytes(frame.body), tenant=self._tenant
-                        )
-                    ).streamed()
+                    prepared = await ctx.preparer.prepare(
+                        WS_KINDS[frame.endpoint], bytes(frame.body), tenant=self._tenant, streamed=True
+                    )
                 except IngestError as exc:
                     count_refusal(metrics.tenant_label(self._tenant.name), "", "", exc)
                     raise
@@ -288,7 +286,12 @@ class WsSession:
             shape = prepared.shape
             tokens = reserved_tokens(prepared.event)
             with ctx.admission.flight(
-                self._tenant, shape.model, shape.request_id, owner=True, tokens=tokens
+                self._tenant,
+                shape.model,
+                shape.request_id,
+                owner=True,
+                tokens=tokens,
+                embedding=shape.kind == "embedding",
             ) as flight:
                 self._work[frame.id].flight = flight
                 opened = await ctx.dispatcher.open(prepared, None, flight)

@@ -13,7 +13,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from ingest.app import Edge
 from ingest.auth import Tenant, TenantDirectory, hash_key
 from ingest.models import ModelCatalogue
-from tests.ingest.conftest import GEN, Client, settings
+from tests.ingest.conftest import EMB, GEN, Client, settings
 from tests.ingest.fake_gateway import FakeGateway
 
 KEY = "sk-shared"
@@ -145,7 +145,15 @@ async def test_token_reservations_are_reconciled_so_short_answers_leave_room(
         (a, gateway), _ = edges
         huge = await a.post("/v1/chat/completions", json={**CHAT, "max_tokens": 16}, headers=HEADERS)
         assert huge.status == 400  # it could never fit: a request to change, not a rate limit to wait out
-        assert (await huge.json())["error"]["code"] == "tokens_exceed_limit"
+        error = (await huge.json())["error"]
+        assert (error["code"], error["param"]) == ("tokens_exceed_limit", "max_tokens")
+        assert "Lower max_tokens" in error["message"]
+        # an audit: an embedding's named max_tokens, which that endpoint does not have
+        words = await a.post("/v1/embeddings", json={"model": EMB, "input": ["fox fox"] * 6}, headers=HEADERS)
+        assert words.status == 400
+        error = (await words.json())["error"]
+        assert (error["code"], error["param"]) == ("tokens_exceed_limit", "input")
+        assert "fewer or shorter inputs" in error["message"]
         assert gateway.submitted == []
 
 

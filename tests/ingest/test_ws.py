@@ -75,10 +75,12 @@ async def test_a_generation_is_streamed_whatever_its_body_says(
     only because the fake gateway streamed every request) was published not streamed: its worker sent no
     token and the ``done`` frame had no text, the answer billed and never read."""
     body = {**CHAT, "max_tokens": 2} | ({} if stream is None else {"stream": stream})
+    # another audit: stream_options without stream was refused, as an HTTP body without stream is
+    body["stream_options"] = {"include_usage": True}
     async with client.ws_connect("/v1/ws", headers=AUTH) as ws:
         await ws.send_json(request("a", body))
         frames = await frames_until(ws, 1)
-    assert [f["type"] for f in frames] == ["accepted", "token", "token", "done"]
+    assert [f["type"] for f in frames] == ["accepted", "token", "token", "done"], frames
     assert "".join(f["text"] for f in frames if f["type"] == "token") == " t0 t1"
     (event,) = gateway.submitted
     assert isinstance(event, GenerationRequested)
