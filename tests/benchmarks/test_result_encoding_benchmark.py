@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ingest.prepare import embedding_inputs_that_fit
 from tests.benchmarks.runner import run_benchmark
 
 
@@ -12,5 +13,5 @@ def test_the_result_encoding_benchmark_runs_and_writes_its_json(tmp_path: Path) 
     stdout, result = run_benchmark("result_encoding.py", out, "--repeat", "3", timeout=60)
     forms = result["forms"]
     assert forms["packed_float32"]["event_bytes"] * 3 < forms["json_floats"]["event_bytes"]
-    assert forms["packed_float32"]["inputs_that_fit"] == 480
+    assert forms["packed_float32"]["inputs_that_fit"] == embedding_inputs_that_fit(384) == 4055
     assert "packed_float32" in stdout

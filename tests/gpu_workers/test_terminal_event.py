@@ -100,7 +100,7 @@ def test_the_reply_leaves_before_the_bookkeeping_and_the_result_carries_the_feat
 
 @pytest.mark.parametrize(
     "features",
-    [RuntimeError("probe broke"), DriftFeatures(embedding=[0.123456] * 150_000)],
+    [RuntimeError("probe broke"), DriftFeatures(embedding=[0.123456] * 1_000_000)],  # ~9 MB: over a record
     ids=["failing", "too-large"],
 )
 def test_features_that_fail_or_do_not_fit_leave_the_result_without_them(

@@ -557,19 +557,19 @@ def test_an_operators_drift_rebaseline_is_an_admin_entry_on_its_versions_chain()
 
 def test_a_change_whose_entry_would_not_fit_a_record_keeps_its_details_cut_and_hashed() -> None:
     """Found by an audit: an entry quotes a change's evidence and traffic as JSON inside JSON, escaped
-    again; a 990 KB change (it fits a record) made a 1.98 MB entry, which the audit topic refused, again at
-    every redelivery: the streams worker stopped there."""
+    again; a 990 KB change (it fitted a 1 MB record) made a 1.98 MB entry, which the audit topic refused,
+    again at every redelivery: the streams worker stopped there. (Here: a change just under the limit.)"""
     import hashlib
 
     import msgspec
 
-    from schemas.codec import encode, fits_record
+    from schemas.codec import MAX_RECORD_BYTES, encode, fits_record
     from schemas.events import DeploymentChanged, GateResult
     from schemas.examples import example_events
     from streams.app import DETAIL_CHARS, admin_action, chain_of
 
     (event,) = [e for e in example_events() if isinstance(e, DeploymentChanged)]
-    quoted = '"' * 495_000
+    quoted = '"' * (MAX_RECORD_BYTES // 2 - 10_000)  # each written as two characters
     change = msgspec.structs.replace(
         event, evidence=[GateResult(gate="error_ratio", state="pass", detail=quoted)]
     )
