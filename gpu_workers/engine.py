@@ -42,6 +42,7 @@ and would poison whatever sequence takes the row next.
 from __future__ import annotations
 
 import functools
+import hashlib
 import itertools
 import logging
 import math
@@ -88,6 +89,18 @@ the greedy one anyway."""
 
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 """The seeds ``torch.Generator.manual_seed`` takes."""
+
+
+def cpu_seed(seed: int) -> int:
+    """``seed`` for torch's CPU generator, which keeps only its low 32 bits (mt19937): seeds that differ only
+    above them drew the same numbers (an audit: 7 and 2**32 + 7 wrote one text). A seed within 32 bits,
+    or a small negative one, is given as it is (so its text is what it was); the high part of any other is
+    hashed into the low 32 bits. A CUDA generator (Philox) keeps all 64 and is given the seed itself."""
+    if -(2**31) <= seed < 2**32:
+        return seed
+    high = seed >> 32
+    mix = int.from_bytes(hashlib.blake2b(high.to_bytes(8, "big", signed=True), digest_size=4).digest(), "big")
+    return (seed & 0xFFFF_FFFF) ^ mix
 
 
 class SeqRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -650,7 +663,8 @@ class GenerationEngine:
 
         if req.temperature < SAMPLING_EPS:
             return None  # greedy
-        return torch.Generator(device=self._device).manual_seed(req.seed)
+        seed = req.seed if self._device.type == "cuda" else cpu_seed(req.seed)
+        return torch.Generator(device=self._device).manual_seed(seed)
 
     def _sample(
         self, logits: torch.Tensor, stats: torch.Tensor, seqs: Sequence[_Seq], rows: Sequence[int]

@@ -654,3 +654,26 @@ def test_a_step_that_fails_after_a_nan_leaves_no_nan_for_the_next_sequences(
     outputs = run(engine, {0: [request(lm, "a", ids["doc"], 12)], 5: [request(lm, "b", ids["short"], 12)]})
     assert [o.token_id for o in outputs["a"]] == generate_alone(lm, ids["doc"], 12)
     assert [o.token_id for o in outputs["b"]] == generate_alone(lm, ids["short"], 12)
+
+
+def test_seeds_that_differ_above_32_bits_sample_differently_on_a_cpu(demo_gpt: LoadedModel) -> None:
+    """An audit: torch's CPU generator keeps a seed's low 32 bits, so 7, 2**32 + 7 and -(2**32) + 7 wrote
+    the same text at temperature 2. Seeds within 32 bits (and small negative ones) draw what they did."""
+    from gpu_workers.engine import cpu_seed
+
+    assert [cpu_seed(s) for s in (0, 7, 2**32 - 1, -1, -(2**31))] == [0, 7, 2**32 - 1, -1, -(2**31)]
+    folded = {cpu_seed(s) for s in (2**32 + 7, -(2**32) + 7, 2**40 + 7, 2**64 - 1, -(2**63))}
+    assert len(folded) == 5
+    assert all(0 <= s < 2**32 for s in folded)
+    engine = GenerationEngine(demo_gpt.model, max_batch_size=4)
+    ids = encode(demo_gpt, PROMPTS["story"])
+    seeds = (7, 2**32 + 7, -(2**32) + 7)
+    joins = {
+        0: [
+            SeqRequest(request_id=str(s), input_ids=ids, max_new_tokens=24, temperature=2.0, seed=s)
+            for s in seeds
+        ]
+    }
+    out = run(engine, joins)
+    texts = {s: [o.token_id for o in out[str(s)]] for s in seeds}
+    assert len({tuple(t) for t in texts.values()}) == 3, texts
