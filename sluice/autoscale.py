@@ -66,6 +66,12 @@ class FleetSettings(msgspec.Struct, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         if self.fleet_worker_cpus not in ("auto", "off"):
             parse_cpus(self.fleet_worker_cpus)
+        if not self.fleet_autoscale and self.fleet_warm_workers:
+            # an audit: accepted and silently unused (a standby joins only on a scale-out)
+            raise ValueError(
+                f"SLUICE_FLEET_WARM_WORKERS ({self.fleet_warm_workers}) needs SLUICE_FLEET_AUTOSCALE "
+                "(--autoscale): a standby joins only when autoscaling adds a worker"
+            )
         if self.fleet_autoscale and self.fleet_max_workers < self.fleet_workers_per_model:
             raise ValueError(
                 f"SLUICE_FLEET_MAX_WORKERS ({self.fleet_max_workers}) is below SLUICE_FLEET_WORKERS_PER_MODEL "

@@ -336,6 +336,9 @@ def rollout_status(
     from streams.rollout import step_age
 
     platform = settings()
+    if model is not None and model not in platform.served_models():
+        console.print(f"[red]error:[/] {model} is not served (SLUICE_MODELS / SLUICE_MODEL_PATHS)")
+        raise typer.Exit(2)
     try:
         latest = latest_deployments(platform.kafka, TopicNames(platform.topic_prefix).control, CLIENT_ID)
     except BusError as exc:

@@ -71,6 +71,11 @@ def run_platform(
             fleet_settings = msgspec.convert(
                 {**msgspec.structs.asdict(fleet_settings), **fleet_overrides}, FleetSettings
             )
+            if "fleet_max_workers" in fleet_overrides and not fleet_settings.fleet_autoscale:
+                console.print(
+                    "[yellow]warning:[/] --max-workers bounds autoscaling, which is off (--autoscale): "
+                    f"{fleet_settings.fleet_workers_per_model} worker(s) per model"
+                )
         # Every service it starts would refuse an exposed address without its credentials: say so now,
         # not after Kafka, the warehouse and the models are up (or a child in a restart loop).
         check_edge_exposure(settings, edge_settings)

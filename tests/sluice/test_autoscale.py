@@ -148,6 +148,11 @@ def test_fleet_settings_from_env_and_their_limits() -> None:
         msgspec.convert(
             {"fleet_autoscale": True, "fleet_workers_per_model": 3, "fleet_max_workers": 2}, FleetSettings
         )
+    # an audit: standbys without autoscaling were accepted and never used
+    with pytest.raises(SettingsError, match=r"SLUICE_FLEET_WARM_WORKERS .* needs SLUICE_FLEET_AUTOSCALE"):
+        load_settings(FleetSettings, {**env, "SLUICE_FLEET_AUTOSCALE": "false"})
+    with pytest.raises(msgspec.ValidationError, match="--autoscale"):
+        msgspec.convert({"fleet_warm_workers": 1}, FleetSettings)
 
 
 def test_extra_edges_take_the_next_ports_and_their_own_replies_partitions() -> None:
