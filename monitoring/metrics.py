@@ -15,7 +15,7 @@ drift features' fixed set.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar, cast, get_args
 
@@ -30,6 +30,7 @@ from prometheus_client import (
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.metrics_core import Metric
 
 from schemas.events import DriftVerdict
 
@@ -431,9 +432,35 @@ def record_drift(
         DRIFT_REPORTS.labels(model, verdict).inc()
 
 
-def exposition(registry: CollectorRegistry = REGISTRY) -> bytes:
-    """The text exposition format of every metric in the registry (what ``/metrics`` serves)."""
-    return generate_latest(registry)
+STREAMS_ONLY = frozenset(
+    metric._name
+    for metric in (
+        STREAMS_EVENTS, STREAMS_FRESHNESS, STREAMS_INSERT_SECONDS, STREAMS_BATCH_SIZE, STREAMS_AUDIT_ENTRIES,
+        STREAMS_AUDIT_HEALED, STREAMS_AUDIT_CONFLICTS, DRIFT_DETECTED, DRIFT_VERDICT, DRIFT_FEATURE_STATISTIC,
+        DRIFT_FEATURE_DRIFTED, DRIFT_QUALITY_ISSUES, DRIFT_LAST_REPORT, DRIFT_REPORTS, DRIFT_EVALUATION_SECONDS,
+        ROLLOUT_TRAFFIC_SHARE, ROLLOUT_GATE_STATE, ROLLOUT_DECISIONS,
+    )
+)  # fmt: skip
+"""Families only the streams worker records. Every process registers every metric (one catalogue), and an
+unlabelled one is exported at 0 where nothing records it: the edges and workers served the streams'
+``sluice_streams_audit_conflicts 0`` and the like, a Grafana line per target (NaN for a ratio) and an
+``absent()`` that could never fire (an audit). Their ``/metrics`` leave these out."""
+
+
+class _Without:
+    """A registry's metrics but the families named (what ``generate_latest`` reads: ``collect``)."""
+
+    def __init__(self, registry: CollectorRegistry, names: frozenset[str]) -> None:
+        self._registry, self._names = registry, names
+
+    def collect(self) -> Iterator[Metric]:
+        return (family for family in self._registry.collect() if family.name not in self._names)
+
+
+def exposition(registry: CollectorRegistry = REGISTRY, *, streams: bool = False) -> bytes:
+    """The text exposition format of the registry's metrics (what ``/metrics`` serves): the streams
+    worker's (``streams``) every one, another service's all but :data:`STREAMS_ONLY`."""
+    return generate_latest(registry if streams else _Without(registry, STREAMS_ONLY))
 
 
 @dataclass(frozen=True)

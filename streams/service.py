@@ -73,7 +73,9 @@ def http_app(
     and the open probes ``/healthz`` and ``/readyz``."""
 
     async def metrics_route(request: web.Request) -> web.Response:
-        return web.Response(body=metrics.exposition(), headers={"Content-Type": metrics.CONTENT_TYPE})
+        return web.Response(
+            body=metrics.exposition(streams=True), headers={"Content-Type": metrics.CONTENT_TYPE}
+        )
 
     async def healthz(request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "service": "streams"})

@@ -103,10 +103,32 @@ def test_an_unknown_verdict_is_an_error_and_records_nothing(model: str) -> None:
 def test_drift_metrics_are_in_the_exposition(model: str) -> None:
     metrics.record_drift(model, "v1", "no_drift", [("output_chars", 0.2, False)], 1, 900.0)
     metrics.DRIFT_EVALUATION_SECONDS.observe(0.3)
-    text = metrics.exposition().decode()
+    text = metrics.exposition(streams=True).decode()
     assert f'sluice_drift_verdict{{model="{model}",verdict="no_drift",version="v1"}} 1.0' in text
     assert f'sluice_drift_feature_statistic{{feature="output_chars",model="{model}"}} 0.2' in text
     assert 'sluice_drift_evaluation_seconds_bucket{le="0.5"}' in text
+
+
+def test_another_service_leaves_the_streams_metrics_out() -> None:
+    """An audit: every process registers every metric, and the edges and workers exported the streams
+    worker's unlabelled ones at 0 (a Grafana line per target, an ``absent()`` that never fires)."""
+    metrics.DRIFT_EVALUATION_SECONDS.observe(0.3)
+    streams = metrics.exposition(streams=True).decode()
+    other = metrics.exposition().decode()
+    for name in (
+        "sluice_streams_audit_conflicts",
+        "sluice_streams_freshness_seconds_count",
+        "sluice_drift_evaluation",
+    ):
+        assert name in streams
+        assert name not in other
+    assert "sluice_consumer_lag" in other, "what every service records stays"
+    assert "sluice_requests_total" in other
+    known = {m._name for m in metrics._ALL}
+    assert known >= metrics.STREAMS_ONLY
+    assert {n for n in known if n.startswith(("sluice_streams_", "sluice_drift_", "sluice_rollout_"))} == (
+        metrics.STREAMS_ONLY
+    )
 
 
 def test_children_remember_labelled_series_and_count_into_the_registry(model: str) -> None:
