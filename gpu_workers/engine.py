@@ -93,10 +93,12 @@ SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 def cpu_seed(seed: int) -> int:
     """``seed`` for torch's CPU generator, which keeps only its low 32 bits (mt19937): seeds that differ only
-    above them drew the same numbers (an audit: 7 and 2**32 + 7 wrote one text). A seed within 32 bits,
-    or a small negative one, is given as it is (so its text is what it was); the high part of any other is
-    hashed into the low 32 bits. A CUDA generator (Philox) keeps all 64 and is given the seed itself."""
-    if -(2**31) <= seed < 2**32:
+    above them drew the same numbers (an audit: 7 and 2**32 + 7 wrote one text; a review: -1 and 2**32 - 1).
+    A seed in [0, 2**32) is given as it is (so its text is what it was); the high part of any other, a
+    negative one's included, is hashed into the low 32 bits (32 bits of state cannot keep every seed apart,
+    but no longer do seeds that differ only above them collide by construction). A CUDA generator (Philox)
+    keeps all 64 and is given the seed itself."""
+    if 0 <= seed < 2**32:
         return seed
     high = seed >> 32
     mix = int.from_bytes(hashlib.blake2b(high.to_bytes(8, "big", signed=True), digest_size=4).digest(), "big")

@@ -81,7 +81,9 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     worker_embed_max_queued: Positive = 4096
     """Embeddings: inputs waiting for a batch at most. A request is queued whole, or refused ``queue_full``
     (retriable) while the queue has no room for it; one with more inputs than this fails ``invalid_input``.
-    The default holds two requests of the most inputs an edge takes (2,048, OpenAI's limit)."""
+    The default holds two requests of the most inputs an edge takes (2,048, OpenAI's limit). Under a steady
+    load of small requests a large one may find no room for a while: it is refused ``queue_full`` (503,
+    retriable) until the queue drains below it; no room is reserved for it."""
     worker_cuda_graphs: bool = True
     """On a GPU, run the forwards as CUDA graphs. Embeddings: one per batch shape bucket (the common ones
     captured at start-up, others at their first batch; a capture synchronises the device and runs the

@@ -192,7 +192,8 @@ class Routes:
             tenant=tenant,
             timeout_header=request.headers.get("X-Request-Timeout"),
             idempotency_key=key,
-            session=check_header(request.headers.get("X-Session-Id"), "X-Session-Id", MAX_SESSION_ID),
+            # empty: none (the body's ``user`` then), as before the header was checked (a review)
+            session=check_header(request.headers.get("X-Session-Id") or None, "X-Session-Id", MAX_SESSION_ID),
         )
         request[MODEL_KEY] = prepared.event.model
         request[VERSION_KEY] = prepared.event.model_version

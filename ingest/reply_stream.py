@@ -212,7 +212,9 @@ class ReplyStream:
             return []
         tokens = chunk.token_ids[max(0, self._delivered_tokens - chunk.offset) :]
         text = chunk.text[max(0, self._delivered_chars - chunk.chars) :]
-        if len(tokens) != len(chunk.token_ids) or len(text) != len(chunk.text):
+        if chunk.offset < self._delivered_tokens or chunk.chars < self._delivered_chars:
+            # cut to what is new, and starting where the client's copy ends: a chunk with no tokens behind
+            # those delivered kept its offset, and its cursor went backwards (a review)
             chunk = msgspec.structs.replace(
                 chunk,
                 offset=max(chunk.offset, self._delivered_tokens),

@@ -35,8 +35,10 @@ class EdgeSettings(msgspec.Struct, frozen=True, kw_only=True):
     """This edge's name: events carry ``source=ingest/<edge_id>`` and replies are routed to it."""
     edge_tenants_file: str | None = None
     """JSON or TOML tenants file (see ``ingest/auth.py``). Unset: only the demo tenant, key ``sk-sluice-demo``."""
-    edge_max_body_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 1 << 20
-    """Largest HTTP body and WebSocket message; larger bodies get 413."""
+    edge_max_body_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 8 << 20
+    """Largest HTTP body and WebSocket message; larger bodies get 413. 8 MiB, what one request event may
+    hold (``schemas.codec.MAX_RECORD_BYTES``): at 1 MiB, 2,048 embedding inputs had to average under 500
+    bytes (a review). A body is read only once its key is known, within the tenant's limits."""
     edge_server_timing: bool = True
     """A non-streamed answer carries a ``Server-Timing`` header: where its time went (the edge, the queue, the
     model, the way back; ingest/README.md). Off: no header (the timings stay in the logs and traces)."""

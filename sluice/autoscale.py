@@ -18,6 +18,8 @@ The loop is the platform's own: observe → decide → act, with the decision on
 from __future__ import annotations
 
 import math
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Annotated
 
@@ -27,7 +29,7 @@ from confluent_kafka import Consumer, TopicPartition
 from bus.consumer import consumer_config
 from bus.placement import parse_cpus
 from bus.positions import watermarks
-from schemas.settings import KafkaConnection, register
+from schemas.settings import KafkaConnection, load_settings, register
 from schemas.topics import worker_group
 
 Count = Annotated[int, msgspec.Meta(ge=1, le=64)]
@@ -77,6 +79,15 @@ class FleetSettings(msgspec.Struct, frozen=True, kw_only=True):
                 f"SLUICE_FLEET_MAX_WORKERS ({self.fleet_max_workers}) is below SLUICE_FLEET_WORKERS_PER_MODEL "
                 f"({self.fleet_workers_per_model}), the fewest workers autoscaling keeps"
             )
+
+
+def fleet_of(flags: Mapping[str, object], env: Mapping[str, str] | None = None) -> FleetSettings:
+    """``sluice up``'s fleet: its flags (``fleet_*`` fields) over ``SLUICE_FLEET_*``, checked once, together.
+    Checked before the flags were merged, the environment alone was judged: ``SLUICE_FLEET_WARM_WORKERS=2``
+    with ``--autoscale`` was refused (a review)."""
+    merged = {**(os.environ if env is None else env)}
+    merged.update({f"SLUICE_{name.upper()}": str(value).lower() for name, value in flags.items()})
+    return load_settings(FleetSettings, merged)
 
 
 @dataclass(frozen=True, slots=True)

@@ -336,15 +336,16 @@ def rollout_status(
     from streams.rollout import step_age
 
     platform = settings()
-    if model is not None and model not in platform.served_models():
-        console.print(f"[red]error:[/] {model} is not served (SLUICE_MODELS / SLUICE_MODEL_PATHS)")
-        raise typer.Exit(2)
     try:
         latest = latest_deployments(platform.kafka, TopicNames(platform.topic_prefix).control, CLIENT_ID)
     except BusError as exc:
         console.print(f"[red]error:[/] cannot read the control topic: {exc} (is `sluice up` running?)")
         raise typer.Exit(1) from None
     shown = [d for m, d in sorted(latest.items()) if model is None or m == model]
+    if not shown and model is not None and model not in platform.served_models():
+        # neither served here nor deployed on the cluster (the CLI's SLUICE_MODELS may not be the cluster's)
+        console.print(f"[red]error:[/] {model} is not served (SLUICE_MODELS / SLUICE_MODEL_PATHS)")
+        raise typer.Exit(2)
     if not shown:
         out.print("no rollouts yet" + (f" for {model}" if model else "") + " (`sluice rollout start --help`)")
         return

@@ -38,7 +38,7 @@ from monitoring.tracing import shutdown_tracing
 from schemas.events import DeploymentChanged, Event, WorkersScaled, utc_now
 from schemas.settings import PlatformSettings, SettingsError, load_settings, local_kafka_ports
 from schemas.topics import TopicNames
-from sluice.autoscale import FleetSettings, GroupLag, ScalePolicy
+from sluice.autoscale import FleetSettings, GroupLag, ScalePolicy, fleet_of
 from sluice.services import (
     check_streams_exposure,
     check_worker_exposure,
@@ -66,16 +66,12 @@ def run_platform(
     win over ``SLUICE_FLEET_*``."""
     try:
         edge_settings = load_settings(EdgeSettings)
-        fleet_settings = load_settings(FleetSettings)
-        if fleet_overrides:
-            fleet_settings = msgspec.convert(
-                {**msgspec.structs.asdict(fleet_settings), **fleet_overrides}, FleetSettings
+        fleet_settings = fleet_of(fleet_overrides or {})
+        if "fleet_max_workers" in (fleet_overrides or {}) and not fleet_settings.fleet_autoscale:
+            console.print(
+                "[yellow]warning:[/] --max-workers bounds autoscaling, which is off (--autoscale): "
+                f"{fleet_settings.fleet_workers_per_model} worker(s) per model"
             )
-            if "fleet_max_workers" in fleet_overrides and not fleet_settings.fleet_autoscale:
-                console.print(
-                    "[yellow]warning:[/] --max-workers bounds autoscaling, which is off (--autoscale): "
-                    f"{fleet_settings.fleet_workers_per_model} worker(s) per model"
-                )
         # Every service it starts would refuse an exposed address without its credentials: say so now,
         # not after Kafka, the warehouse and the models are up (or a child in a restart loop).
         check_edge_exposure(settings, edge_settings)

@@ -125,3 +125,19 @@ def test_after_reads_a_position_or_an_older_edges_seq() -> None:
     assert After(1, 1).resumed
     for bad in ("", "1.", ".2", "1.2.3", "-2", "x", "1e3", "1234567890.1"):
         assert After.parse(bad) is None, bad
+
+
+def test_a_chunk_behind_the_delivered_tokens_says_where_the_stream_stands() -> None:
+    """Found by a review: a re-run's token-less tail chunk (an early end) behind the tokens delivered went
+    out with its own offset, so its cursor went backwards and a resume after it sent a token again."""
+    log: list[Reply] = [
+        chunk(0, 0, [1, 2, 3], "ab", 0),  # the first run: "c" of token 3 held back; then it died
+        chunk(0, 0, [1, 2], "ab", 0),  # the re-run, ending early
+        chunk(1, 2, [], "c", 2),
+        FINISHED,
+    ]
+    stream = ReplyStream(_Source(), RID, "m", WHOLE, 64)
+    sent = [r for reply in log for r in stream._accept(reply) if isinstance(r, TokenChunk)]
+    assert [cursor(c) for c in sent] == ["3.2", "3.3"]
+    resumed = ReplyStream(_Source(), RID, "m", After(3, 3), 64)
+    assert [r for reply in log for r in resumed._accept(reply) if isinstance(r, TokenChunk)] == []

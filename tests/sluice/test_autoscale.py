@@ -11,7 +11,7 @@ from gpu_workers.settings import WorkerSettings
 from ingest.main import reply_partition
 from ingest.settings import EdgeSettings
 from schemas.settings import KafkaConnection, PlatformSettings, SettingsError, load_settings
-from sluice.autoscale import FleetSettings, ScalePolicy
+from sluice.autoscale import FleetSettings, ScalePolicy, fleet_of
 from sluice.up import extra_edges, platform_ports
 from streams.settings import StreamsSettings
 
@@ -153,6 +153,18 @@ def test_fleet_settings_from_env_and_their_limits() -> None:
         load_settings(FleetSettings, {**env, "SLUICE_FLEET_AUTOSCALE": "false"})
     with pytest.raises(msgspec.ValidationError, match="--autoscale"):
         msgspec.convert({"fleet_warm_workers": 1}, FleetSettings)
+    # sluice up's flags over the environment, checked together (a review: the environment was judged alone)
+    warm = {"SLUICE_FLEET_WARM_WORKERS": "2"}
+    assert fleet_of({"fleet_autoscale": True}, warm).fleet_warm_workers == 2
+    with pytest.raises(SettingsError, match="WARM_WORKERS"):
+        fleet_of({}, warm)
+    fewer = {
+        "SLUICE_FLEET_AUTOSCALE": "true",
+        "SLUICE_FLEET_WORKERS_PER_MODEL": "3",
+        "SLUICE_FLEET_MAX_WORKERS": "2",
+    }
+    assert fleet_of({"fleet_max_workers": 4}, fewer).fleet_max_workers == 4
+    assert fleet_of({"fleet_worker_cpus": "1", "fleet_edges": 2}, {}).fleet_worker_cpus == "1"
 
 
 def test_extra_edges_take_the_next_ports_and_their_own_replies_partitions() -> None:

@@ -600,3 +600,26 @@ def test_a_decision_that_would_not_read_back_is_not_published(
     )
     with pytest.raises(RolloutError, match="could not be read back"):
         sluice.rollout.publish(platform, unreadable)
+
+
+def test_status_of_a_model_neither_served_nor_deployed_is_an_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """An audit: ``rollout status nosuch`` said "no rollouts yet" and exited 0. A review: a model the CLI's
+    own SLUICE_MODELS does not list but the cluster deploys (its control topic says) is shown, not refused."""
+    import bus.control
+    from sluice.cli import app
+
+    deployed = msgspec.structs.replace(warming(now=datetime.now(UTC)), model="their-model")
+    monkeypatch.setattr(
+        bus.control, "latest_deployments", lambda kafka, topic, client_id: {"their-model": deployed}
+    )
+    env = {"COLUMNS": "200", "SLUICE_CACHE_DIR": str(tmp_path), "SLUICE_MODELS": "demo-gpt"}
+    unknown = CliRunner().invoke(app, ["rollout", "status", "nosuch"], env=env)
+    assert unknown.exit_code == 2, unknown.output
+    assert "nosuch is not served" in unknown.output
+    theirs = CliRunner().invoke(app, ["rollout", "status", "their-model"], env=env)
+    assert theirs.exit_code == 0, theirs.output
+    assert "their-model" in theirs.output
+    served = CliRunner().invoke(app, ["rollout", "status", "demo-gpt"], env=env)
+    assert (served.exit_code, "no rollouts yet for demo-gpt" in served.output) == (0, True)
