@@ -31,7 +31,7 @@ from ingest.errors import (
     error_response,
 )
 from ingest.observe import count_refusal
-from monitoring.ops import QuietServer, parse_message
+from monitoring.ops import QuietConnection, QuietServer, parse_message
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ def _busy_response() -> bytes:
 BUSY = _busy_response()
 
 
-class EdgeConnection(RequestHandler):
+class EdgeConnection(QuietConnection):
     """One client connection: aiohttp's, with its own refusals in OpenAI's shape."""
 
     def __init__(self, manager: EdgeServer, **kwargs: Any) -> None:
@@ -94,30 +94,18 @@ class EdgeConnection(RequestHandler):
             return  # read and dropped until the close: only the 503 is answered
         super().data_received(data)
 
-    def handle_error(
-        self,
-        request: web.BaseRequest,
-        status: int = 500,
-        exc: BaseException | None = None,
-        message: str | None = None,
-    ) -> web.StreamResponse:
-        if request.writer.output_size > 0:  # as aiohttp: a response started cannot be replaced
-            raise ConnectionError("Response is sent already, cannot send another response with the error")
+    def answer(self, status: int, reason: str | None) -> web.Response:
+        """In OpenAI's shape, counted like every other refusal (code ``malformed_http`` for a 4xx)."""
         refusal: IngestError
         if status == 504:
             refusal = DeadlineExceeded("The request timed out.")
-        elif 400 <= status < 500:
-            refusal = MalformedHttp(
-                f"The request could not be parsed as HTTP: {parse_message(exc, message, status)}"
-            )
-            log.info("refused a malformed request from %s: %s", request.remote, refusal.message)
+        elif reason is not None:
+            refusal = MalformedHttp(f"The request could not be parsed as HTTP: {reason}")
         else:
             refusal = IngestError("The server had an error while processing your request.")
-            log.error("error handling a request from %s", request.remote, exc_info=exc)
         count_refusal("unknown", "", "", refusal)
         response = error_response(refusal)
         response.set_status(status)
-        response.force_close()
         return response
 
     def log_exception(self, *args: Any, **kw: Any) -> None:

@@ -76,13 +76,22 @@ class QuietConnection(RequestHandler):
         exc: BaseException | None = None,
         message: str | None = None,
     ) -> web.StreamResponse:
-        if not 400 <= status < 500 or request.writer.output_size > 0:
-            return super().handle_error(request, status, exc, message)
-        reason = parse_message(exc, message, status)
-        log.info("refused a malformed request from %s: %s", request.remote, reason)
-        response = web.Response(status=status, text=f"{status} Bad Request: {reason}\n")
+        if request.writer.output_size > 0:  # as aiohttp: a response started cannot be replaced
+            raise ConnectionError("Response is sent already, cannot send another response with the error")
+        reason = None
+        if 400 <= status < 500:
+            reason = parse_message(exc, message, status)
+            log.info("refused a malformed request from %s: %s", request.remote, reason)
+        elif status != 504:  # 504: the request timed out, nothing went wrong here
+            log.error("error handling a request from %s", request.remote, exc_info=exc)
+        response = self.answer(status, reason)
         response.force_close()
         return response
+
+    def answer(self, status: int, reason: str | None) -> web.Response:
+        """What a request aiohttp could not handle gets: ``reason``, why it could not be parsed (a 4xx), or
+        None (a timeout, an error here)."""
+        return web.Response(status=status, text=f"{status}: {reason or 'the request could not be handled'}\n")
 
 
 class QuietServer(web.Server):
