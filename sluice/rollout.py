@@ -128,10 +128,9 @@ def plan_start(
 
 def plan_promote(platform: PlatformSettings, model: str, *, to_end: bool) -> DeploymentChanged:
     current = _active(platform, model)
-    decision = advance(current, utc_now(), "promoted by the operator", [], "operator")
-    while to_end and in_progress(decision):
-        decision = advance(decision, decision.time, "promoted by the operator", [], "operator")
-    return decision
+    # --all: one decision from the step that runs (stepping through the rest named a step that never ran:
+    # "promoted to 100% after step 2" from step 1; an audit)
+    return advance(current, utc_now(), "promoted by the operator", [], "operator", to_end=to_end)
 
 
 def plan_abort(platform: PlatformSettings, model: str, why: str) -> DeploymentChanged:

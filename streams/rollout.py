@@ -344,8 +344,10 @@ def decide(
         return roll_back(current, now, f"automatic rollback at step {step}: {reason}", results, "controller")
     if not ripe(current, results, now):
         return overdue(current, results, now)
+    # every gate that passed, the drift and burn gates too (they carry no values: an audit read a reason
+    # without the drift gate as a step whose drift was never checked), then those that do not apply
     summary = ", ".join(
-        [_describe(r) for r in results if r.candidate is not None]
+        [_describe(r) for r in results if r.state != "not_applicable"]
         + [f"{r.gate} not applicable" for r in results if r.state == "not_applicable"]
     )
     return advance(current, now, f"gates passed ({summary})", results, "controller")
@@ -445,13 +447,19 @@ def warm(current: DeploymentChanged, ready: WorkerReady | None, now: datetime) -
 
 
 def advance(
-    current: DeploymentChanged, now: datetime, why: str, evidence: Sequence[GateResult], actor: str
+    current: DeploymentChanged,
+    now: datetime,
+    why: str,
+    evidence: Sequence[GateResult],
+    actor: str,
+    *,
+    to_end: bool = False,
 ) -> DeploymentChanged:
     """The next step of ``current``'s rollout (the first when it is warming up), or promotion when the
-    next share is 100 %."""
+    next share is 100 % (``to_end``: promotion at once, an operator's ``promote --all``)."""
     candidate = current.candidate or current.version
     warming = current.phase == "warming"
-    step = current.step if warming else current.step + 1
+    step = len(current.steps) if to_end else current.step if warming else current.step + 1
     share = current.steps[step] if step < len(current.steps) else 1.0
     now = after(current, now)
     common = _decision(current, now, evidence, actor)
@@ -466,7 +474,7 @@ def advance(
             step=min(step, max(len(current.steps) - 1, 0)),
             step_started=now,
             shadow=0.0,
-            reason=f"promoted to 100% after step {current.step + 1}: {why}",
+            reason=f"promoted to 100% {'while warming up' if warming else f'after step {current.step + 1}'}: {why}",
         )
     return msgspec.structs.replace(
         current,

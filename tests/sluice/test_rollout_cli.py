@@ -345,6 +345,15 @@ def test_promote_all_reaches_promoted(platform: PlatformSettings, log: Log, step
     assert event.shadow == 0.0
     assert event.step == len(STEPS) - 1
     assert event.actor == "operator"
+    # an audit: from step 1 it said "after step 2", a step that never ran
+    assert event.reason == f"promoted to 100% after step {step + 1}: promoted by the operator"
+
+
+def test_promote_all_while_warming_says_so(platform: PlatformSettings, log: Log) -> None:
+    log.latest[MODEL] = warming("v1", "v2", now=T0)
+    assert plan_promote(platform, MODEL, to_end=True).reason == (
+        "promoted to 100% while warming up: promoted by the operator"
+    )
 
 
 def test_abort_rolls_back_with_the_reason(platform: PlatformSettings, log: Log) -> None:

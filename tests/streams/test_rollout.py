@@ -496,6 +496,9 @@ def test_passing_gates_move_to_the_next_step() -> None:
     assert decision.evidence == results
     assert decision.reason.startswith("step 2/4, 25% of traffic: gates passed (")
     assert "error_ratio 0.01 vs stable 0.01" in decision.reason
+    # an audit: the drift and burn gates, which carry no values, were left out of the reason
+    assert "drift pass" in decision.reason
+    assert "burn pass" in decision.reason
 
 
 def test_each_step_takes_its_share() -> None:
