@@ -125,6 +125,26 @@ class VersionStats:
         return self.cost_nanos / 1e9 / self.tokens * 1000 if self.tokens else None
 
 
+OUTLIERS_LEFT_OUT = 3
+"""A latency gate's p99 leaves out up to this many of a side's slowest samples (never more than a tenth).
+Over fewer than 100 samples a p99 is the slowest one: a candidate's fresh worker compiling its kernels in
+its first batches (486 and 549 ms where the rest took 7-25) rolled an identical candidate back in 3 of 4
+tries at the default ``--min-requests 50`` (an audit). From ~300 samples on this is the plain p99."""
+
+
+def robust_p99_rank(n: int) -> int:
+    """The 1-based rank, in ascending order, of the value a latency gate takes as ``n`` samples' p99:
+    ``quantileExact``'s (floor(0.99 n) + 1), but never among the :data:`OUTLIERS_LEFT_OUT` slowest."""
+    return max(1, min(int(0.99 * n) + 1, n - min(OUTLIERS_LEFT_OUT, n // 10)))
+
+
+def _p99_sql(column: str, where: str, n: str) -> str:
+    """:func:`robust_p99_rank`'s value of ``column`` over the rows matching ``where``, of which the column
+    ``n`` of the same SELECT counts (0 with none)."""
+    rank = f"greatest(1, least(toInt64(floor(0.99 * {n})) + 1, toInt64({n}) - least({OUTLIERS_LEFT_OUT}, intDiv({n}, 10))))"
+    return f"arrayElement(arraySort(groupArrayIf({column}, {where})), {rank})"
+
+
 def stats_sql(model: str, versions: Iterable[str], since: datetime) -> str:
     """Per version: terminal requests accepted since ``since``, errors (failed, or expired: a shadow copy
     or a batch line that expired waited at a low priority, which is not the candidate's fault), p99 TTFT
@@ -141,16 +161,16 @@ def stats_sql(model: str, versions: Iterable[str], since: datetime) -> str:
     return f"""SELECT model_version,
     count() AS n,
     countIf(status = 'failed' OR (status = 'expired' AND shadow_of = '' AND batch_id = '')) AS errors,
-    quantileExactIf(0.99)(ttft_ms, ttft_ms IS NOT NULL AND batch_id = '') AS ttft_p99,
+    {_p99_sql("ttft_ms", "ttft_ms IS NOT NULL AND batch_id = ''", "ttft_n")} AS ttft_p99,
     countIf(ttft_ms IS NOT NULL AND batch_id = '') AS ttft_n,
-    quantileExactIf(0.99)(ttft_ms, ttft_ms IS NOT NULL AND shadow_of = '' AND batch_id = '') AS ttft_live_p99,
+    {_p99_sql("ttft_ms", "ttft_ms IS NOT NULL AND shadow_of = '' AND batch_id = ''", "ttft_live_n")} AS ttft_live_p99,
     countIf(ttft_ms IS NOT NULL AND shadow_of = '' AND batch_id = '') AS ttft_live_n,
-    quantileExactIf(0.99)(itl_max_ms, itl_max_ms IS NOT NULL AND batch_id = '') AS itl_p99,
+    {_p99_sql("itl_max_ms", "itl_max_ms IS NOT NULL AND batch_id = ''", "itl_n")} AS itl_p99,
     countIf(itl_max_ms IS NOT NULL AND batch_id = '') AS itl_n,
-    quantileExactIf(0.99)(e2e_ms, kind = 'embedding' AND status = 'completed' AND batch_id = '') AS embed_p99,
+    {_p99_sql("e2e_ms", "kind = 'embedding' AND status = 'completed' AND batch_id = ''", "embed_n")} AS embed_p99,
     countIf(kind = 'embedding' AND status = 'completed' AND batch_id = '') AS embed_n,
-    quantileExactIf(0.99)(e2e_ms, kind = 'embedding' AND status = 'completed' AND shadow_of = ''
-        AND batch_id = '') AS embed_live_p99,
+    {_p99_sql("e2e_ms", "kind = 'embedding' AND status = 'completed' AND shadow_of = '' AND batch_id = ''", "embed_live_n")}
+        AS embed_live_p99,
     countIf(kind = 'embedding' AND status = 'completed' AND shadow_of = '' AND batch_id = '') AS embed_live_n,
     sumIf(prompt_tokens + completion_tokens, batch_id = '' AND status != 'failed') AS tokens,
     sumIf(cost_nanos, batch_id = '') AS cost_nanos
@@ -197,7 +217,7 @@ def stats_of(results: Iterable[RequestFinished], prices: PriceTable) -> VersionS
 
     def p99(column: str, of: list[dict[str, Any]] = rows) -> float | None:
         values = sorted(float(r[column]) for r in of if r[column] is not None)
-        return values[min(len(values) - 1, math.ceil(0.99 * len(values)) - 1)] if values else None
+        return values[robust_p99_rank(len(values)) - 1] if values else None
 
     timed = [r for r in rows if not r["batch_id"]]  # batch lines: no latency, no cost per token
     live = [r for r in timed if not r["shadow_of"]]

@@ -10,6 +10,7 @@ import random
 import re
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -1945,3 +1946,46 @@ async def test_a_decision_of_another_controller_before_its_own_is_not_published_
     assert await controller.run_due() == []
     assert harness.published == [rollback]
     assert controller.deployments[MODEL] is rollback
+
+
+def test_a_latency_gate_leaves_a_fresh_workers_first_slow_requests_out(tmp_path: Path) -> None:
+    """An audit: over fewer than 100 requests a p99 is the slowest one, and a candidate's fresh worker
+    compiling its kernels in its first batches (486 and 549 ms, the rest 7-25) rolled an identical candidate
+    back on ``ttft_p99_ms`` in 3 of 4 tries. The gate's p99 leaves out up to 3 of each side's slowest (never
+    more than a tenth); the warehouse's (``stats_sql``) and ``sluice rollout evaluate``'s (``stats_of``)
+    agree, and a candidate slow throughout still fails."""
+    from schemas.ids import uuid7_from_parts
+    from streams.rollout import robust_p99_rank
+    from streams.sink import Rows, insert
+    from tests.streams.test_audit import finished
+    from tests.streams.test_queries import migrated_warehouse, rows
+    from tests.streams.test_sink import records
+
+    now = datetime.now(UTC).replace(microsecond=0)
+
+    def ended(version: str, i: int, ttft_ms: float) -> RequestFinished:
+        at = now - timedelta(seconds=30) + timedelta(milliseconds=100 * i)
+        return finished(
+            request_id=uuid7_from_parts(int(at.timestamp() * 1000), i + 1000 * int(version[1:])),
+            time=at,
+            timings=Timings(accepted=at, first_token=at + timedelta(milliseconds=ttft_ms), finished=at),
+            model_version=version,
+        )
+
+    assert [robust_p99_rank(n) for n in (1, 9, 10, 56, 100, 300, 1000)] == [1, 9, 9, 53, 97, 297, 991]
+    stable = [ended("v1", i, 10.0 + i % 15) for i in range(71)]
+    cold = [ended("v2", i, (486.0, 549.0, 300.0)[i] if i < 3 else 10.0 + i % 15) for i in range(56)]
+    slow = [ended("v3", i, 80.0 + i % 15) for i in range(56)]  # over 1.5 x 24 + 25 ms throughout
+    with migrated_warehouse(tmp_path / "data") as client:
+        insert(client, Rows(PriceTable()).batch(records(*stable, *cold, *slow, topic="p.results")))
+        found = parse_stats(
+            rows(client, stats_sql("demo-gpt", ["v1", "v2", "v3"], now - timedelta(minutes=5)))
+        )
+    for version, events in (("v1", stable), ("v2", cold), ("v3", slow)):
+        assert found[version].ttft_p99_ms == stats_of(events, PriceTable()).ttft_p99_ms, version
+    assert found["v2"].ttft_p99_ms == 24.0, "the three cold requests left out"
+    gates = RolloutGates(min_requests=50)
+    passed = by_gate(judge(gates, found["v2"], found["v1"]))["ttft_p99_ms"]
+    assert passed.state == "pass", passed
+    failed = by_gate(judge(gates, found["v3"], found["v1"]))["ttft_p99_ms"]
+    assert failed.state == "fail", failed
