@@ -68,11 +68,15 @@ def _rollout_call(action: Callable[[], DeploymentChanged]) -> None:
     """Plan a decision, publish it, say what changed; operator errors are one red line."""
     from bus.errors import BusError
     from sluice.cli import console, out, settings
-    from sluice.rollout import RolloutError, publish
+    from sluice.rollout import RolloutError, deployment_of, publish
 
     try:
         decision = action()
         publish(settings(), decision)
+        # Another decision may have landed after the one this was derived from (two operators, or the
+        # controller): the log's order is what serves. An audit: an abort and a promote raced, both said
+        # done, and the promote was behind the abort in the log.
+        latest = deployment_of(settings(), decision.model)
     except RolloutError as exc:
         console.print(f"[red]error:[/] {exc}")
         raise typer.Exit(2) from None
@@ -82,6 +86,13 @@ def _rollout_call(action: Callable[[], DeploymentChanged]) -> None:
         )
         raise typer.Exit(1) from None
     traffic = ", ".join(f"{v} {share:.0%}" for v, share in decision.traffic.items())
+    if latest is not None and latest.id != decision.id:
+        console.print(
+            f"[yellow]superseded:[/] {decision.model}'s {decision.action} -> {decision.phase} was written, but "
+            f"a later decision is behind it on the control topic and serves: {latest.action} -> "
+            f"{latest.phase} by {latest.actor or 'an operator'} ({latest.reason}). See `sluice rollout status`."
+        )
+        raise typer.Exit(1)
     out.print(f"[bold]{decision.model}[/]: {decision.action} -> {decision.phase}; traffic {traffic}")
     out.print(f"  {decision.reason}")
 

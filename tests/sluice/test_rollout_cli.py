@@ -632,3 +632,38 @@ def test_status_of_a_model_neither_served_nor_deployed_is_an_error(
     assert "their-model" in theirs.output
     served = CliRunner().invoke(app, ["rollout", "status", "demo-gpt"], env=env)
     assert (served.exit_code, "no rollouts yet for demo-gpt" in served.output) == (0, True)
+
+
+def test_a_decision_a_later_one_overtook_on_the_log_says_so_and_fails(
+    monkeypatch: pytest.MonkeyPatch, log: Log, tmp_path: Path
+) -> None:
+    """An audit: ``rollout abort`` and ``rollout promote --all`` run together both said done; the promote
+    was written first, the abort after it, and the abort is what served. The one overtaken now says so."""
+    from sluice.cli import app
+
+    published: list[DeploymentChanged] = []
+    abort = roll_back(rollout(), T0, "aborted by the operator: race", [], "operator")
+
+    def publish(platform: PlatformSettings, event: DeploymentChanged) -> None:
+        published.append(event)
+        log.latest[MODEL] = abort  # another operator's abort lands after this one
+
+    monkeypatch.setattr(sluice.rollout, "publish", publish)
+    log.latest[MODEL] = rollout()
+    env = {"COLUMNS": "250", "SLUICE_CACHE_DIR": str(tmp_path)}
+    result = CliRunner().invoke(app, ["rollout", "promote", MODEL, "--all"], env=env)
+    assert result.exit_code == 1, result.output
+    assert "superseded" in result.output
+    assert "rollback -> rolled_back by operator (aborted by the operator: race)" in " ".join(
+        result.output.split()
+    )
+    assert published[0].phase == "promoted"
+
+    def publish_alone(platform: PlatformSettings, event: DeploymentChanged) -> None:
+        log.latest[MODEL] = event
+
+    monkeypatch.setattr(sluice.rollout, "publish", publish_alone)
+    log.latest[MODEL] = rollout()
+    alone = CliRunner().invoke(app, ["rollout", "promote", MODEL], env=env)
+    assert alone.exit_code == 0, alone.output
+    assert "superseded" not in alone.output
