@@ -124,9 +124,16 @@ class Dashboard:
     async def data(self, minutes: int, *, now: datetime | None = None) -> dict[str, Any]:
         """What ``/dashboard/data?minutes=`` answers: every series of the last ``minutes`` minutes."""
         probe = dashboard_sql(minutes, self._slo)
-        rollouts_present = bool((await self._query(probe.rollouts_exist))[0]["present"])
+        (rollouts_probe,) = await self._query(probe.rollouts_exist)
+        rollouts_present = bool(rollouts_probe["present"])
         batches_present = bool((await self._query(probe.batches_exist))[0]["present"])
-        sql = dashboard_sql(minutes, self._slo, shadows=rollouts_present, batch_lines=batches_present)
+        sql = dashboard_sql(
+            minutes,
+            self._slo,
+            shadows=rollouts_present,
+            batch_lines=batches_present,
+            positioned=bool(rollouts_probe.get("positioned")),
+        )
         latency = await self._rows(sql.latency)
         traffic = await self._rows(sql.traffic)
         spend = await self._rows(sql.spend)

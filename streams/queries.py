@@ -261,7 +261,7 @@ _ROLLOUTS = """SELECT
     reason,
     time
 FROM deployments FINAL
-ORDER BY model, time DESC, event_id DESC
+ORDER BY model, log_offset DESC, time DESC, event_id DESC
 LIMIT 1 BY model"""
 
 _ROLLOUT_TIMELINE = """SELECT
@@ -276,7 +276,7 @@ _ROLLOUT_TIMELINE = """SELECT
     evidence
 FROM deployments FINAL
 WHERE time >= now64(3) - INTERVAL 7 DAY
-ORDER BY model, time, event_id"""
+ORDER BY model, log_offset, time, event_id"""
 
 
 # Async batches: each batch's latest state, with what its lines cost so far (the facts of every attempt of
@@ -456,12 +456,13 @@ class DashboardSql:
 
 
 ROLLOUT_HISTORY = 20
-_ROLLOUTS_EXIST = (
-    "SELECT count() > 0 AS present FROM system.tables "
-    "WHERE database = currentDatabase() AND name = 'deployments'"
-)
+_ROLLOUTS_EXIST = """SELECT
+    (SELECT count() > 0 FROM system.tables WHERE database = currentDatabase() AND name = 'deployments')
+        AS present,
+    (SELECT count() > 0 FROM system.columns
+        WHERE database = currentDatabase() AND table = 'deployments' AND name = 'log_offset') AS positioned"""
 # Like drift, the rollout timeline does not follow the dashboard's window: a rollout lasts hours.
-_DASHBOARD_ROLLOUTS = f"""SELECT
+_DASHBOARD_ROLLOUTS = """SELECT
     formatDateTime(time, '%Y-%m-%d %H:%i:%S') AS time,
     model,
     action,
@@ -475,8 +476,9 @@ _DASHBOARD_ROLLOUTS = f"""SELECT
     reason,
     evidence
 FROM deployments FINAL
-ORDER BY model, deployments.time DESC, event_id DESC
-LIMIT {ROLLOUT_HISTORY} BY model"""  # noqa: S608 (an integer constant)
+ORDER BY model, {order} DESC, event_id DESC
+LIMIT {limit} BY model"""
+"""``order``: the control topic's offset, then the decider's time (``log_offset`` is from migration 0006)."""
 
 _BATCHES_EXIST = (
     "SELECT count() > 0 AS present FROM system.tables WHERE database = currentDatabase() AND name = 'batches'"
@@ -539,11 +541,17 @@ LIMIT {DRIFT_MODEL_VERSIONS * DRIFT_HISTORY_WINDOWS}"""  # noqa: S608
 
 
 def dashboard_sql(
-    minutes: int, config: SloConfig = DEFAULT_CONFIG, *, shadows: bool = True, batch_lines: bool = True
+    minutes: int,
+    config: SloConfig = DEFAULT_CONFIG,
+    *,
+    shadows: bool = True,
+    batch_lines: bool = True,
+    positioned: bool = True,
 ) -> DashboardSql:
     """``shadows``: the warehouse has rollout shadow rows to leave out (``request_facts.shadow_of``, from
     migration 0004); ``batch_lines``: it has batch lines to leave out of the latencies
-    (``request_facts.batch_id``, from migration 0005); False for a warehouse migrated by older code."""
+    (``request_facts.batch_id``, from migration 0005); ``positioned``: its deployments say where they are
+    on the control topic (``log_offset``, from 0006); False for a warehouse migrated by older code."""
     if not 1 <= minutes <= MAX_MINUTES:
         raise ValueError(f"minutes must be between 1 and {MAX_MINUTES}, got {minutes}")
     since = f"toStartOfMinute(now()) - toIntervalMinute({int(minutes) - 1})"
@@ -600,7 +608,10 @@ LIMIT 25""",  # noqa: S608
         drift_status=_DASHBOARD_DRIFT_STATUS,
         drift_history=_DASHBOARD_DRIFT_HISTORY,
         rollouts_exist=_ROLLOUTS_EXIST,
-        rollouts=_DASHBOARD_ROLLOUTS,
+        rollouts=_DASHBOARD_ROLLOUTS.format(
+            order="log_offset DESC, deployments.time" if positioned else "deployments.time",
+            limit=ROLLOUT_HISTORY,
+        ),
         batches_exist=_BATCHES_EXIST,
         batches=_DASHBOARD_BATCHES,
     )

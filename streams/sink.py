@@ -158,7 +158,7 @@ class Rows:
         for record in records:
             try:
                 event = decode(record.value)
-                rows = self._rows_of(event, record.topic)
+                rows = self._rows_of(event, record.topic, record.offset)
             except DecodeError as exc:
                 out.undecodable.append((record, exc))
                 continue
@@ -171,7 +171,7 @@ class Rows:
                 getattr(out, table).append(row)
         return out
 
-    def _rows_of(self, event: Event, topic: str) -> list[tuple[str, list[Any]]]:
+    def _rows_of(self, event: Event, topic: str, offset: int) -> list[tuple[str, list[Any]]]:
         """(the :class:`Batch` field, its row) for each table row ``event`` (read from ``topic``) makes,
         besides ``events_raw``."""
         carrier = self._carriers.get(type(event))
@@ -192,7 +192,7 @@ class Rows:
         if isinstance(event, DriftReport) and self._decisions_from_topic:
             return [("reports", report_row(event))]
         if isinstance(event, DeploymentChanged):
-            return [("deployments", deployment_row(event))]
+            return [("deployments", deployment_row(event, offset))]
         if isinstance(event, BatchStateChanged):
             return [("batches", batch_row(event))]
         return []
@@ -200,12 +200,13 @@ class Rows:
 
 DEPLOYMENT_COLUMNS = (
     "event_id", "time", "model", "version", "action", "phase", "stable", "candidate", "traffic", "steps",
-    "step", "step_started", "shadow", "reason", "evidence", "actor", "rollout_id", "source",
+    "step", "step_started", "shadow", "reason", "evidence", "actor", "rollout_id", "source", "log_offset",
 )  # fmt: skip
 
 
-def deployment_row(event: DeploymentChanged) -> list[Any]:
-    """The ``deployments`` row of a deployment change: traffic, steps and the gate evidence as JSON."""
+def deployment_row(event: DeploymentChanged, offset: int = -1) -> list[Any]:
+    """The ``deployments`` row of a deployment change: traffic, steps and the gate evidence as JSON, and
+    its ``offset`` on the control topic (-1: not known), which orders a model's decisions."""
     return [
         event.id,
         event.time,
@@ -225,6 +226,7 @@ def deployment_row(event: DeploymentChanged) -> list[Any]:
         event.actor,
         event.rollout_id,
         event.source,
+        offset,
     ]
 
 

@@ -205,10 +205,16 @@ async def test_metrics_scrape_after_real_traffic(platform: Platform, workers: li
         assert response.headers["Content-Type"].startswith("text/plain; version=")
         after = _samples(await response.text())
 
-    # Every documented metric is exposed under its name, with exactly its documented labels.
+    # Every documented metric is exposed under its name, with exactly its documented labels: the edge's
+    # all but the streams worker's own (which that worker's /metrics serves: metrics.STREAMS_ONLY).
     families = {f.name: f for f in text_string_to_metric_families(await _scrape(platform))}
+    streams = {f.name: f for f in text_string_to_metric_families(metrics.exposition(streams=True).decode())}
     for info in metrics.catalogue():
         base = info.name.removesuffix("_total") if info.kind == "counter" else info.name
+        if base in metrics.STREAMS_ONLY:
+            assert base not in families, f"{info.name} is the streams worker's, not the edge's"
+            assert base in streams, f"{info.name} is not exposed by the streams worker"
+            continue
         assert base in families, f"{info.name} is not exposed"
         for sample in families[base].samples:
             assert set(sample.labels) - {"le"} == set(info.labels), (sample.name, sample.labels)

@@ -302,6 +302,9 @@ def env(tmp_path: Path) -> dict[str, str]:
         SLUICE_FLEET_TARGET_LAG="6",
         SLUICE_FLEET_SCALE_IN_AFTER_S="6",
         SLUICE_FLEET_SCALE_INTERVAL_S="1",
+        # The load is one tenant's: keyed over 6 salts it spreads over the request partitions (unsalted, it
+        # sits on one, which one worker serves: the autoscaler adds none past the partitions holding lag)
+        SLUICE_EDGE_HOT_TENANTS="demo=6",
         # Three brokers, two edges and up to three workers on 2 cores: this test is about losing nothing
         # through kills and scaling, not throughput, and split in halves the box took 30 s longer.
         SLUICE_FLEET_WORKER_CPUS="off",

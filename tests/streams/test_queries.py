@@ -676,6 +676,25 @@ def insert_deployments(client: Client, events: Iterable[DeploymentChanged]) -> N
 
 
 @pytest.mark.integration
+def test_the_latest_deployment_is_the_logs_not_the_deciders_clocks(warehouse: Client) -> None:
+    """An audit: an operator's promote (its clock .477) and another's abort (.326) raced; the log has the
+    promote first and the abort after it, and the abort serves. By time the warehouse showed the promote;
+    by the control topic's offset it shows the abort. Rows from before the offset (-1) come first."""
+    now = now_ms()
+    started, ready, stepped, _ = a_rollout(now)
+    promote = advance(
+        stepped, now - timedelta(seconds=5), "promoted by the operator", [], "operator", to_end=True
+    )
+    abort = roll_back(stepped, now - timedelta(seconds=6), "aborted by the operator: race", [], "operator")
+    placed = [(started, -1), (ready, -1), (stepped, 40), (promote, 41), (abort, 42)]
+    insert(warehouse, Batch(deployments=[deployment_row(e, at) for e, at in placed]))
+    (latest,) = rows(warehouse, SAVED["rollouts"].sql)
+    assert (latest["phase"], latest["actor"]) == ("rolled_back", "operator")
+    timeline = rows(warehouse, SAVED["rollout-timeline"].sql)
+    assert [r["phase"] for r in timeline] == ["warming", "canary", "canary", "promoted", "rolled_back"]
+
+
+@pytest.mark.integration
 def test_rollout_queries_show_the_latest_deployment_and_the_timeline(warehouse: Client) -> None:
     now = now_ms()
     history = a_rollout(now)
@@ -881,7 +900,7 @@ def test_rollout_gates_count_batch_lines_but_not_their_latency_nor_their_price(w
     offline = stats_of([*served, *lines], PRICES)
     assert found == offline
     assert (found.n, found.errors) == (30, 5)  # the 5 failed lines; the 5 expired ones waited by design
-    assert found.ttft_p99_ms == 109
+    assert found.ttft_p99_ms == 108  # of 10 (100 to 109 ms) the slowest left out: streams.rollout.robust_p99_rank
     assert found.itl_p99_ms == pytest.approx(12)  # the lines' 900 ms gaps are not the candidate's
     assert found.tokens == sum(e.usage.prompt_tokens + e.usage.completion_tokens for e in served)
     assert found.cost_per_1k_usd == stats_of(served, PRICES).cost_per_1k_usd
@@ -930,7 +949,7 @@ def test_rollout_gates_of_an_embeddings_model_use_its_end_to_end_latency(warehou
     found = parse_stats(rows(warehouse, sql))["v2"]
     assert found == stats_of([*live, *others], PRICES)
     assert (found.n, found.errors, found.ttft_p99_ms, found.itl_p99_ms) == (12, 1, None, None)
-    assert found.embedding_p99_ms == 49  # the live ones: not the failure, not the shadow copy
+    assert found.embedding_p99_ms == 48  # the live ones (of 10, the slowest left out): not the failure, nor a shadow
     shadows = [embedded(60 + i, shadow_of=live[0].request_id) for i in range(3)]  # 100 to 102 ms
     only_shadows = stats_of(shadows, PRICES)
     assert only_shadows.embedding_p99_ms == 102  # a shadow-only step: its copies
