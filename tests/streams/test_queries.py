@@ -900,7 +900,9 @@ def test_rollout_gates_count_batch_lines_but_not_their_latency_nor_their_price(w
     offline = stats_of([*served, *lines], PRICES)
     assert found == offline
     assert (found.n, found.errors) == (30, 5)  # the 5 failed lines; the 5 expired ones waited by design
-    assert found.ttft_p99_ms == 108  # of 10 (100 to 109 ms) the slowest left out: streams.rollout.robust_p99_rank
+    assert (
+        found.ttft_p99_ms == 108
+    )  # of 10 (100 to 109 ms) the slowest left out: streams.rollout.robust_p99_rank
     assert found.itl_p99_ms == pytest.approx(12)  # the lines' 900 ms gaps are not the candidate's
     assert found.tokens == sum(e.usage.prompt_tokens + e.usage.completion_tokens for e in served)
     assert found.cost_per_1k_usd == stats_of(served, PRICES).cost_per_1k_usd
@@ -949,7 +951,9 @@ def test_rollout_gates_of_an_embeddings_model_use_its_end_to_end_latency(warehou
     found = parse_stats(rows(warehouse, sql))["v2"]
     assert found == stats_of([*live, *others], PRICES)
     assert (found.n, found.errors, found.ttft_p99_ms, found.itl_p99_ms) == (12, 1, None, None)
-    assert found.embedding_p99_ms == 48  # the live ones (of 10, the slowest left out): not the failure, nor a shadow
+    assert (
+        found.embedding_p99_ms == 48
+    )  # the live ones (of 10, the slowest left out): not the failure, nor a shadow
     shadows = [embedded(60 + i, shadow_of=live[0].request_id) for i in range(3)]  # 100 to 102 ms
     only_shadows = stats_of(shadows, PRICES)
     assert only_shadows.embedding_p99_ms == 102  # a shadow-only step: its copies
