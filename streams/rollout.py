@@ -127,9 +127,9 @@ class VersionStats:
 
 OUTLIERS_LEFT_OUT = 3
 """A latency gate's p99 leaves out up to this many of a side's slowest samples (never more than a tenth).
-Over fewer than 100 samples a p99 is the slowest one: a candidate's fresh worker compiling its kernels in
-its first batches (486 and 549 ms where the rest took 7-25) rolled an identical candidate back in 3 of 4
-tries at the default ``--min-requests 50`` (an audit). From ~300 samples on this is the plain p99."""
+Over fewer than 100 samples a p99 is the slowest one: a candidate's freshly started worker's first requests
+(486 and 549 ms where the rest took 7-25) rolled an identical candidate back in 3 of 4 tries at the default
+``--min-requests 50`` (an audit). From ~300 samples on this is the plain p99."""
 
 
 def robust_p99_rank(n: int) -> int:

@@ -1949,9 +1949,9 @@ async def test_a_decision_of_another_controller_before_its_own_is_not_published_
 
 
 def test_a_latency_gate_leaves_a_fresh_workers_first_slow_requests_out(tmp_path: Path) -> None:
-    """An audit: over fewer than 100 requests a p99 is the slowest one, and a candidate's fresh worker
-    compiling its kernels in its first batches (486 and 549 ms, the rest 7-25) rolled an identical candidate
-    back on ``ttft_p99_ms`` in 3 of 4 tries. The gate's p99 leaves out up to 3 of each side's slowest (never
+    """An audit: over fewer than 100 requests a p99 is the slowest one, and a candidate's freshly started
+    worker's first requests (486 and 549 ms, the rest 7-25) rolled an identical candidate back on
+    ``ttft_p99_ms`` in 3 of 4 tries. The gate's p99 leaves out up to 3 of each side's slowest (never
     more than a tenth); the warehouse's (``stats_sql``) and ``sluice rollout evaluate``'s (``stats_of``)
     agree, and a candidate slow throughout still fails."""
     from schemas.ids import uuid7_from_parts
