@@ -25,6 +25,7 @@ from __future__ import annotations
 import bisect
 import heapq
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -108,6 +109,14 @@ class DynamicBatcher(Generic[P]):
         self._live[self._seq] = (index, entry)
         if item.deadline is not None:
             heapq.heappush(self._deadlines, (item.deadline, self._seq))
+        return True
+
+    def add_all(self, items: Sequence[EmbedItem[P]], now: float) -> bool:
+        """Queue every one of ``items`` (one request's inputs), or none of them (False: no room for all)."""
+        if len(items) > self.room():
+            return False
+        for item in items:
+            self.add(item, now)
         return True
 
     def next_batch(self, now: float) -> list[EmbedItem[P]] | None:

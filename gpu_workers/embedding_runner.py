@@ -128,29 +128,29 @@ class EmbeddingRunner:
         if deadline is not None and deadline <= now:
             emit.finish(arrival, self._terminal(request, "expired", "deadline"))
             return
-        room = self._batcher.room()
-        if len(event.inputs) > room:  # a request is queued whole or not at all
-            emit.finish(
-                arrival,
-                self._origin.failed(
-                    arrival,
-                    "queue_full",
-                    f"the embedding queue is full (room for {room} of this request's {len(event.inputs)} "
-                    "inputs); retry later",
-                ),
-            )
-            return
-        self._requests[event.request_id] = request
-        for index, ids in enumerate(event.inputs):
-            item = EmbedItem(
+        items = [
+            EmbedItem(
                 request_id=event.request_id,
                 n_tokens=len(ids),
                 arrival=now,
                 payload=_Input(event.request_id, index, ids),
                 deadline=deadline,
             )
-            if not self._batcher.add(item, now):
-                raise RuntimeError(f"the batcher refused an input of {event.request_id} it had room for")
+            for index, ids in enumerate(event.inputs)
+        ]
+        if not self._batcher.add_all(items, now):  # a request is queued whole or not at all
+            emit.finish(
+                arrival,
+                self._origin.failed(
+                    arrival,
+                    "queue_full",
+                    f"the embedding queue is full (room for {self._batcher.room()} of this request's "
+                    f"{len(items)} inputs); "
+                    "retry later",
+                ),
+            )
+            return
+        self._requests[event.request_id] = request
 
     def _invalid(self, event: EmbeddingRequested) -> str | None:
         """Why the engine could not embed ``event``'s inputs (the edge checks them, another producer may

@@ -117,27 +117,30 @@ def replayed(stream: ReplyStream, *, resumed: bool = False) -> Watched:
         if not isinstance(item, RequestFinished):
             return
         error = from_finished(item)
-        if resumed and (item.status == "cancelled" or (error is not None and error.retriable)):
-            how = "was cancelled before it finished" if item.status == "cancelled" else f"failed ({error})"
+        cancelled = item.status == "cancelled"
+        if not cancelled and (error is None or not error.retriable):
+            return  # an end a replay may give again
+        if resumed:
+            how = "was cancelled before it finished" if cancelled else f"failed ({error})"
             raise StreamEnded(
                 f"The request of this stream ({item.request_id}) {how}; a resume replays that end. Send the "
                 "request again, without Last-Event-ID.",
-                code="stream_cancelled" if item.status == "cancelled" else "stream_failed",
+                code="stream_cancelled" if cancelled else "stream_failed",
             )
-        if item.status == "cancelled":
+        if cancelled:
             raise IdempotencyKeyCancelled(
                 f"The request this Idempotency-Key names ({item.request_id}) was cancelled before it finished "
                 "(its client left, or it was cancelled); a retry with this key replays that outcome. Send the "
                 "request again with a new key.",
                 param="Idempotency-Key",
             )
-        if error is not None and error.retriable:
-            raise IdempotencyKeyFailed(
-                f"The request this Idempotency-Key names ({item.request_id}) failed for a reason worth "
-                f"retrying ({error.code}: {error}); a retry with this key "
-                "replays that outcome. Send the request again with a new key.",
-                param="Idempotency-Key",
-            )
+        assert error is not None  # not cancelled, so a failure worth retrying
+        raise IdempotencyKeyFailed(
+            f"The request this Idempotency-Key names ({item.request_id}) failed for a reason worth "
+            f"retrying ({error.code}: {error}); a retry with this key "
+            "replays that outcome. Send the request again with a new key.",
+            param="Idempotency-Key",
+        )
 
     return Watched(stream, check)
 

@@ -31,8 +31,8 @@ from ingest.observe import (
     note_accepted,
 )
 from ingest.prepare import Kind, Prepared, Shape
-from ingest.render import DONE, SseEncoder, collect, final_body, native, sse, sse_error
-from ingest.reply_stream import WHOLE, After, cursor
+from ingest.render import DONE, SseEncoder, collect, event_id, final_body, native, sse, sse_error
+from ingest.reply_stream import WHOLE, After
 from monitoring import metrics, tracing
 from monitoring.ops import Readiness
 from schemas.events import TokenChunk
@@ -263,8 +263,8 @@ class Routes:
                     await response.prepare(request)
                     async for item in stream:
                         flight.name_model(item.model)
-                        event_id = f"{request_id}:{cursor(item)}" if isinstance(item, TokenChunk) else None
-                        await response.write(sse(native(item), event_id))
+                        chunk_id = event_id(item) if isinstance(item, TokenChunk) else None
+                        await response.write(sse(native(item), chunk_id))
                     await response.write(DONE)
             except IngestError as exc:
                 if not response.prepared:

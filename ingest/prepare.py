@@ -202,18 +202,16 @@ class Preparer:
             body = decode_body(raw, EmbeddingRequest)
             key = sticky_key(tenant.name, session or body.user)
             built = self._embedding(body, tenant, header_timeout, idempotency_key, key)
-        elif kind == "chat":
-            chat = decode_body(raw, ChatCompletionRequest)
-            if streamed and not chat.stream:
-                chat = msgspec.structs.replace(chat, stream=True)
-            key = sticky_key(tenant.name, session or chat.user)
-            built = self._generation(kind, chat, tenant, header_timeout, idempotency_key, key)
         else:
-            plain = decode_body(raw, CompletionRequest)
-            if streamed and not plain.stream:
-                plain = msgspec.structs.replace(plain, stream=True)
-            key = sticky_key(tenant.name, session or plain.user)
-            built = self._generation(kind, plain, tenant, header_timeout, idempotency_key, key)
+            generation: ChatCompletionRequest | CompletionRequest = (
+                decode_body(raw, ChatCompletionRequest)
+                if kind == "chat"
+                else decode_body(raw, CompletionRequest)
+            )
+            if streamed and not generation.stream:
+                generation = msgspec.structs.replace(generation, stream=True)
+            key = sticky_key(tenant.name, session or generation.user)
+            built = self._generation(kind, generation, tenant, header_timeout, idempotency_key, key)
         digest = body_hash(kind, raw) if idempotency_key is not None else ""
         event = built[0]
         if len(raw) > _CHECK_RECORD_BYTES:

@@ -21,6 +21,13 @@ from ingest.reply_stream import cursor
 from schemas.events import Float32Vectors, RequestFinished, TokenChunk
 
 DONE = b"data: [DONE]\n\n"
+
+
+def event_id(chunk: TokenChunk) -> str:
+    """The SSE id of a token chunk's event: ``<request id>:<tokens>.<chars>``, what ``Last-Event-ID`` takes."""
+    return f"{chunk.request_id}:{cursor(chunk)}"
+
+
 _encode = msgspec.json.encode
 
 
@@ -56,7 +63,7 @@ class SseEncoder:
     def item(self, item: ReplyItem) -> bytes:
         if isinstance(item, TokenChunk):
             body = self._chunk(item.text, delta={"content": item.text})
-            return sse(body, f"{item.request_id}:{cursor(item)}")
+            return sse(body, event_id(item))
         error = from_finished(item)
         if error is not None:
             return sse_error(error)

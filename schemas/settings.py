@@ -337,6 +337,12 @@ class PlatformSettings(msgspec.Struct, frozen=True, kw_only=True):
         extra = (entry.partition("=")[0].strip() for entry in self.model_paths)
         return tuple(dict.fromkeys((*self.models, *(e for e in extra if e))))
 
+    def unserved(self, model: str) -> str | None:
+        """Why a command naming ``model`` cannot act on it here (it is not served), or None."""
+        if model in self.served_models():
+            return None
+        return f"{model} is not served (SLUICE_MODELS / SLUICE_MODEL_PATHS)"
+
     @property
     def local_kafka(self) -> bool:
         return self.kafka_bootstrap is None

@@ -609,8 +609,8 @@ def models_list(
     from schemas.manifest import models_root
 
     s = settings()
-    if model is not None and model not in s.served_models():  # an audit: an empty table and exit 0
-        raise fail(f"{model} is not served (SLUICE_MODELS / SLUICE_MODEL_PATHS)", 2)
+    if model is not None and (why := s.unserved(model)):  # an audit: an empty table and exit 0
+        raise fail(why, 2)
     live, note = _live_shares(s)
     table = Table("model", "version", "task", "registered (UTC)", "current", "live", "description")
     for model_id in s.served_models():

@@ -88,8 +88,8 @@ def plan_start(
     now: datetime | None = None,
 ) -> DeploymentChanged:
     """The ``deploy`` event that starts a rollout of ``version``, after checking it can start."""
-    if model not in platform.served_models():
-        raise RolloutError(f"{model} is not served (SLUICE_MODELS / SLUICE_MODEL_PATHS)")
+    if why := platform.unserved(model):
+        raise RolloutError(why)
     if 0 < gates.step_max_s < gates.step_min_s:
         raise RolloutError(
             f"--step-max-s {gates.step_max_s:g} is shorter than --step-min-s {gates.step_min_s:g}: every step "

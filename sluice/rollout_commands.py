@@ -70,19 +70,20 @@ def _rollout_call(action: Callable[[], DeploymentChanged]) -> None:
     from sluice.cli import console, out, settings
     from sluice.rollout import RolloutError, deployment_of, publish
 
+    platform = settings()
     try:
         decision = action()
-        publish(settings(), decision)
+        publish(platform, decision)
         # Another decision may have landed after the one this was derived from (two operators, or the
         # controller): the log's order is what serves. An audit: an abort and a promote raced, both said
-        # done, and the promote was behind the abort in the log.
-        latest = deployment_of(settings(), decision.model)
+        # done, and the abort, behind the promote on the log, served.
+        latest = deployment_of(platform, decision.model)
     except RolloutError as exc:
         console.print(f"[red]error:[/] {exc}")
         raise typer.Exit(2) from None
     except BusError as exc:
         console.print(
-            f"[red]error:[/] cannot reach Kafka at {settings().bootstrap}: {exc} (is `sluice up` running?)"
+            f"[red]error:[/] cannot reach Kafka at {platform.bootstrap}: {exc} (is `sluice up` running?)"
         )
         raise typer.Exit(1) from None
     traffic = ", ".join(f"{v} {share:.0%}" for v, share in decision.traffic.items())
@@ -353,9 +354,9 @@ def rollout_status(
         console.print(f"[red]error:[/] cannot read the control topic: {exc} (is `sluice up` running?)")
         raise typer.Exit(1) from None
     shown = [d for m, d in sorted(latest.items()) if model is None or m == model]
-    if not shown and model is not None and model not in platform.served_models():
+    if not shown and model is not None and (why := platform.unserved(model)):
         # neither served here nor deployed on the cluster (the CLI's SLUICE_MODELS may not be the cluster's)
-        console.print(f"[red]error:[/] {model} is not served (SLUICE_MODELS / SLUICE_MODEL_PATHS)")
+        console.print(f"[red]error:[/] {why}")
         raise typer.Exit(2)
     if not shown:
         out.print("no rollouts yet" + (f" for {model}" if model else "") + " (`sluice rollout start --help`)")

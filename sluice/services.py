@@ -135,8 +135,8 @@ def run_worker_process(platform: PlatformSettings, model_id: str, console: Conso
     except SettingsError as exc:
         console.print(f"[red]settings error:[/] {exc}")
         return 2
-    if model_id not in platform.served_models():
-        console.print(f"[red]error:[/] {model_id} is not served (SLUICE_MODELS / SLUICE_MODEL_PATHS)")
+    if why := platform.unserved(model_id):
+        console.print(f"[red]error:[/] {why}")
         return 2
     stop, join = threading.Event(), threading.Event()
     set_on_signals(stop, *STOP_SIGNALS)

@@ -138,11 +138,12 @@ def robust_p99_rank(n: int) -> int:
     return max(1, min(int(0.99 * n) + 1, n - min(OUTLIERS_LEFT_OUT, n // 10)))
 
 
-def _p99_sql(column: str, where: str, n: str) -> str:
-    """:func:`robust_p99_rank`'s value of ``column`` over the rows matching ``where``, of which the column
-    ``n`` of the same SELECT counts (0 with none)."""
+def _p99_sql(name: str, column: str, where: str) -> str:
+    """Two columns: ``<name>_p99``, :func:`robust_p99_rank`'s value of ``column`` over the rows matching
+    ``where`` (0 with none), and ``<name>_n``, how many rows match."""
+    n = f"{name}_n"
     rank = f"greatest(1, least(toInt64(floor(0.99 * {n})) + 1, toInt64({n}) - least({OUTLIERS_LEFT_OUT}, intDiv({n}, 10))))"
-    return f"arrayElement(arraySort(groupArrayIf({column}, {where})), {rank})"
+    return f"arrayElement(arraySort(groupArrayIf({column}, {where})), {rank}) AS {name}_p99,\n    countIf({where}) AS {n}"
 
 
 def stats_sql(model: str, versions: Iterable[str], since: datetime) -> str:
@@ -161,17 +162,11 @@ def stats_sql(model: str, versions: Iterable[str], since: datetime) -> str:
     return f"""SELECT model_version,
     count() AS n,
     countIf(status = 'failed' OR (status = 'expired' AND shadow_of = '' AND batch_id = '')) AS errors,
-    {_p99_sql("ttft_ms", "ttft_ms IS NOT NULL AND batch_id = ''", "ttft_n")} AS ttft_p99,
-    countIf(ttft_ms IS NOT NULL AND batch_id = '') AS ttft_n,
-    {_p99_sql("ttft_ms", "ttft_ms IS NOT NULL AND shadow_of = '' AND batch_id = ''", "ttft_live_n")} AS ttft_live_p99,
-    countIf(ttft_ms IS NOT NULL AND shadow_of = '' AND batch_id = '') AS ttft_live_n,
-    {_p99_sql("itl_max_ms", "itl_max_ms IS NOT NULL AND batch_id = ''", "itl_n")} AS itl_p99,
-    countIf(itl_max_ms IS NOT NULL AND batch_id = '') AS itl_n,
-    {_p99_sql("e2e_ms", "kind = 'embedding' AND status = 'completed' AND batch_id = ''", "embed_n")} AS embed_p99,
-    countIf(kind = 'embedding' AND status = 'completed' AND batch_id = '') AS embed_n,
-    {_p99_sql("e2e_ms", "kind = 'embedding' AND status = 'completed' AND shadow_of = '' AND batch_id = ''", "embed_live_n")}
-        AS embed_live_p99,
-    countIf(kind = 'embedding' AND status = 'completed' AND shadow_of = '' AND batch_id = '') AS embed_live_n,
+    {_p99_sql("ttft", "ttft_ms", "ttft_ms IS NOT NULL AND batch_id = ''")},
+    {_p99_sql("ttft_live", "ttft_ms", "ttft_ms IS NOT NULL AND shadow_of = '' AND batch_id = ''")},
+    {_p99_sql("itl", "itl_max_ms", "itl_max_ms IS NOT NULL AND batch_id = ''")},
+    {_p99_sql("embed", "e2e_ms", "kind = 'embedding' AND status = 'completed' AND batch_id = ''")},
+    {_p99_sql("embed_live", "e2e_ms", "kind = 'embedding' AND status = 'completed' AND shadow_of = '' AND batch_id = ''")},
     sumIf(prompt_tokens + completion_tokens, batch_id = '' AND status != 'failed') AS tokens,
     sumIf(cost_nanos, batch_id = '') AS cost_nanos
 FROM request_facts FINAL
