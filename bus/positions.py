@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 from confluent_kafka import (
@@ -24,6 +24,8 @@ from bus.errors import BusError
 from schemas.settings import KafkaConnection
 
 _T = TypeVar("_T")
+
+log = logging.getLogger(__name__)
 
 
 # Errors a just-created partition answers until its leader is ready, and a group until its coordinator is
@@ -234,3 +236,66 @@ def group_members(admin: AdminClient, group: str, timeout_s: float = 10.0) -> in
         return len(future.result(timeout=timeout_s).members)
     except (KafkaException, TimeoutError, ValueError):
         return None
+
+
+def behind_peers(own: Mapping[int, int], peers: Sequence[Mapping[int, int]]) -> dict[int, int]:
+    """Where a group moves up to, from its committed offsets ``own`` and those of its ``peers`` (partition →
+    offset; a partition missing or negative has none): on each partition where every peer has committed
+    and the group has not, or is behind them all, the lowest of the peers' offsets. Nothing without peers,
+    and nothing on a partition a peer has not committed (it may still be handed anything there)."""
+    if not peers:
+        return {}
+    moved: dict[int, int] = {}
+    for partition in set().union(*peers):
+        offsets = [peer.get(partition, -1) for peer in peers]
+        lowest = min(offsets)
+        if lowest >= 0 and own.get(partition, -1) < lowest:
+            moved[partition] = lowest
+    return moved
+
+
+def start_at_peers(
+    kafka: KafkaConnection,
+    group: str,
+    topic: str,
+    peers: Sequence[str],
+    client_id: str,
+    timeout_s: float = 30.0,
+) -> dict[int, int]:
+    """Before ``group`` first subscribes to ``topic``: move it up to where all of ``peers`` (other groups
+    reading the same records) have committed, where it has no offset yet or is behind them
+    (:func:`behind_peers`). For groups whose commits pass a record only once it has ended, whoever ended it:
+    what is behind all of them needs nobody any more, and a new group would otherwise start at the topic's
+    first retained record. Returns what was committed; nothing when the group already has members (Kafka
+    takes commits from outside a group only while it is empty: its members' own positions stand)."""
+    consumer = Consumer(consumer_config(kafka, group, f"{client_id}-seed"))
+    try:
+        meta = consumer.list_topics(topic, timeout=10).topics.get(topic)
+        if meta is None or meta.error is not None:
+            return {}
+        tps = [TopicPartition(topic, p) for p in meta.partitions]
+
+        def committed_by(name: str) -> dict[int, int]:
+            probe = consumer if name == group else Consumer(consumer_config(kafka, name, f"{client_id}-seed"))
+            try:
+                found = settled(lambda: probe.committed(tps, timeout=10), f"{name}'s offsets", timeout_s)
+            finally:
+                if probe is not consumer:
+                    probe.close()
+            return {tp.partition: tp.offset for tp in found}
+
+        moved = behind_peers(committed_by(group), [committed_by(peer) for peer in peers])
+        if moved:
+            offsets = [TopicPartition(topic, p, offset) for p, offset in sorted(moved.items())]
+            try:
+                settled(
+                    lambda: consumer.commit(offsets=offsets, asynchronous=False),
+                    f"{group}'s start",
+                    timeout_s,
+                )
+            except BusError as exc:  # it has members now: they read from their own positions
+                log.info("%s keeps its own positions on %s: %s", group, topic, exc)
+                return {}
+        return moved
+    finally:
+        consumer.close()

@@ -34,7 +34,7 @@ from bus.consumer import BACKGROUND, TP, ConsumerThread, consumer_config
 from bus.control import control_start, latest_deployments
 from bus.dead_letter import Junk, Letter, Why, decode_or_junk, junk_of
 from bus.errors import BusError
-from bus.positions import offset_at, read_to_end, uncommitted_since, watermarks
+from bus.positions import offset_at, read_to_end, start_at_peers, uncommitted_since, watermarks
 from bus.producer import EventProducer, Position
 from gpu_workers import GpuWorkerError, StartCancelled
 from gpu_workers.features import FeatureProbe, Vector
@@ -257,6 +257,9 @@ class WorkerService(Component):
         """Load the model, learn which requests already finished, then start consuming."""
         timeout = self._start_timeout_s
         self._producer.start()
+        if self.version:
+            self._follow_deployments()
+            self._start_at_peers()  # first here: where it starts bounds the results it learns from
         ends = self._learn_finished()
         # Then keep learning: another worker may finish a request whose record this one is handed after a
         # rebalance (its offset was not committed yet); without the tail it would run a second time.
@@ -276,8 +279,6 @@ class WorkerService(Component):
             on_failure=self.fail,
         )
         self._cancels.start()
-        if self.version:
-            self._follow_deployments()
         self._thread = threading.Thread(target=self._serve, name=f"model-{self.model_id}", daemon=True)
         self._thread.start()
         deadline = time.monotonic() + timeout
@@ -291,13 +292,18 @@ class WorkerService(Component):
         if self.failure is not None:
             raise BusError(f"worker for {self.model_id} failed to start: {self.failure}") from self.failure
         if not self.standby:
-            self._requests.start()
+            self._subscribe()
 
     def join(self) -> None:
         """A standby worker joins its group and takes requests (nothing to load: it is warm)."""
         if self.standby:
             self.standby = False
-            self._requests.start()
+            self._subscribe()
+
+    def _subscribe(self) -> None:
+        if self.version:  # again: the serving versions went on while the model loaded (or it stood by)
+            self._start_at_peers()
+        self._requests.start()
 
     def wait_assigned(self, timeout: float) -> bool:
         return self._requests.wait_assigned(timeout)
@@ -448,6 +454,31 @@ class WorkerService(Component):
             on_failure=self.fail,
         )
         self._control.start()
+
+    def _start_at_peers(self) -> None:
+        """A version's group that never read its request topic (a candidate's first worker), or stopped
+        reading it long ago (a version rolled out again), starts where the other serving versions' groups
+        have all committed. Their commits pass a record only once it has ended, whoever ended it (a record
+        routed to another version is held until its terminal event is seen), so nothing behind them is
+        this version's to run or hold. Before, a candidate's new group started at the topic's first
+        retained record and read the whole history before the requests routed to it (a rollout's first
+        ones waited 330 ms behind 15 s of traffic under `sluice up`; behind days of retention, for good)."""
+        deployment = self._deployment
+        if deployment is None:
+            return  # no rollout yet: every record is this group's to run, from the first one
+        peers = [worker_group(self.model_id, v) for v in sorted(deployment.serving) if v != self.version]
+        topic = self._names.requests(self.model_id)
+        moved = start_at_peers(self._kafka, self.group, topic, peers, self.source)
+        if moved:
+            log.info(
+                "worker %s (%s): %s starts where %s have committed on %d partitions of %s",
+                self.worker_id,
+                self.version,
+                self.group,
+                ", ".join(peers),
+                len(moved),
+                topic,
+            )
 
     def _on_control(self, batch: list[Message]) -> None:
         for message in batch:

@@ -97,3 +97,69 @@ def test_a_groups_members_are_counted(kafka: KafkaConnection, topic_prefix: str)
     while group_members(admin, group) != 0:  # a member that stops leaves its group
         assert time.monotonic() < deadline, "the stopped member is still counted"
         time.sleep(0.2)
+
+
+def _commit(kafka: KafkaConnection, group: str, topic: str, offsets: dict[int, int]) -> None:
+    committer = Consumer(consumer_config(kafka, group, "test-committer"))
+    try:
+        committer.commit(
+            offsets=[TopicPartition(topic, p, offset) for p, offset in offsets.items()], asynchronous=False
+        )
+    finally:
+        committer.close()
+
+
+def _committed(kafka: KafkaConnection, group: str, topic: str) -> dict[int, int]:
+    probe = Consumer(consumer_config(kafka, group, "test-committed"))
+    try:
+        found = probe.committed([TopicPartition(topic, p) for p in (0, 1)], timeout=10)
+        return {tp.partition: tp.offset for tp in found}
+    finally:
+        probe.close()
+
+
+@pytest.mark.parametrize(
+    ("own", "peers", "moved"),
+    [
+        ({}, [], {}),  # no peers: the group starts at the topic's first record, as a new group does
+        ({}, [{0: 5, 1: 2}], {0: 5, 1: 2}),
+        ({0: 7, 1: 1}, [{0: 5, 1: 2}], {1: 2}),  # ahead stays; behind moves up
+        ({}, [{0: 5, 1: 2}, {0: 3, 1: -1001}], {0: 3}),  # the lowest of them; a peer without one: none
+        ({}, [{0: 5}, {1: 4}], {}),
+    ],
+)
+def test_where_a_group_moves_up_to_behind_its_peers(
+    own: dict[int, int], peers: list[dict[int, int]], moved: dict[int, int]
+) -> None:
+    from bus.positions import behind_peers
+
+    assert behind_peers(own, peers) == moved
+
+
+def test_a_new_group_starts_where_its_peers_have_committed(kafka: KafkaConnection, topic_prefix: str) -> None:
+    """A rollout candidate's first worker: its group starts where the serving versions' groups have all
+    committed, not at the topic's first record; a group with members keeps its own positions."""
+    from bus.consumer import ConsumerThread
+    from bus.positions import start_at_peers
+
+    topic = f"{topic_prefix}.peers"
+    _topic(kafka, topic)
+    _produce(kafka, topic, 0, 6)
+    _produce(kafka, topic, 1, 3)
+    stable, other, new = (f"{topic_prefix}-{name}" for name in ("stable", "other", "new"))
+    _commit(kafka, stable, topic, {0: 6, 1: 3})
+    _commit(kafka, other, topic, {0: 4, 1: 3})
+    assert start_at_peers(kafka, new, topic, [stable, other], "test") == {0: 4, 1: 3}
+    assert _committed(kafka, new, topic) == {0: 4, 1: 3}
+    assert start_at_peers(kafka, new, topic, [stable], "test") == {0: 6}  # behind on 0 only
+    assert start_at_peers(kafka, new, topic, [], "test") == {}
+
+    busy = f"{topic_prefix}-busy"
+    member = ConsumerThread(
+        consumer_config(kafka, busy, "test-member"), lambda batch: None, subscribe=[topic]
+    )
+    with member:
+        assert member.wait_assigned(30)
+        began = time.monotonic()
+        assert start_at_peers(kafka, busy, topic, [stable], "test", timeout_s=10) == {}
+        assert time.monotonic() - began < 5, "a refused commit is an answer, not a cluster settling"

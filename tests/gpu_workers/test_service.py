@@ -4,6 +4,8 @@ after durability, cancels, deadlines, redelivery and dead letters."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -433,9 +435,9 @@ async def test_a_request_naming_a_reply_partition_that_does_not_exist_ends_on_re
 
 async def eventually(predicate: Callable[[], bool], within: float) -> None:
     """Poll ``predicate`` without blocking the loop until it holds or ``within`` seconds pass."""
-    for _ in range(int(within / 0.02)):
-        if predicate():
-            return
+    deadline = time.monotonic() + within
+    while not predicate():
+        assert time.monotonic() < deadline, f"not within {within} s"
         await asyncio.sleep(0.02)
 
 
@@ -719,6 +721,79 @@ async def test_each_version_runs_what_is_routed_to_it_and_holds_the_rest_until_i
         await asyncio.sleep(1.0)
         for request in (on_stable, on_candidate):  # exactly one terminal event each
             assert len([e for e in results.of(request.request_id) if isinstance(e, RequestFinished)]) == 1
+
+
+def _committed(kafka: KafkaConnection, group: str, topic: str) -> dict[int, int]:
+    probe = Consumer(consumer_config(kafka, group, "test-committed"))
+    try:
+        partitions = probe.list_topics(topic, timeout=10).topics[topic].partitions
+        found = probe.committed([TopicPartition(topic, p) for p in partitions], timeout=10)
+        return {tp.partition: tp.offset for tp in found}
+    finally:
+        probe.close()
+
+
+def _ends(kafka: KafkaConnection, topic: str) -> dict[int, int]:
+    probe = Consumer(consumer_config(kafka, None, "test-ends"))
+    try:
+        partitions = probe.list_topics(topic, timeout=10).topics[topic].partitions
+        return {p: watermarks(probe, topic, p)[1] for p in partitions}
+    finally:
+        probe.close()
+
+
+@pytest.mark.parametrize("joins", [False, True], ids=["at-start", "warm-standby-joining"])
+async def test_a_candidates_first_worker_starts_where_the_stable_version_committed_not_at_the_start(
+    names: TopicNames,
+    two_versions: tuple[PlatformSettings, str],
+    producer: EventProducer,
+    results: Log,
+    kafka: KafkaConnection,
+    caplog: pytest.LogCaptureFixture,
+    joins: bool,
+) -> None:
+    """Found under `sluice up`: a candidate's first worker has a new consumer group, which started at the
+    request topic's first retained record, so it read the whole history (every record held or skipped)
+    before the rollout's first requests routed to it: they waited 330 ms behind 15 s of traffic, and
+    would behind a week of retention for good. The new group starts where the stable version's has
+    committed (what is behind that has ended), when the worker starts and again when it subscribes: a
+    warm standby joins minutes after it loaded."""
+    platform, stable = two_versions
+    topic = names.requests("demo-gpt")
+    await producer.publish(names.control, msgspec.structs.replace(_deployment(stable, 0.0), phase="warming"))
+    with contextlib.ExitStack() as stack, caplog.at_level(logging.INFO, logger="gpu_workers.service"):
+        ws = stack.enter_context(_version_worker(platform, stable, "ws"))
+        if joins:  # loaded and waiting before any of the history was written
+            wc = stack.enter_context(_version_worker(platform, CANDIDATE, "wc", worker_standby=True))
+        assert ws.wait_assigned(30)
+        history = [
+            msgspec.structs.replace(_generation(names, PROMPT), model_version=stable) for _ in range(8)
+        ]
+        for request in history:
+            await producer.publish(topic, request)
+        for request in history:
+            results.finished(request.request_id)
+        ends = {p: end for p, end in _ends(kafka, topic).items() if end > 0}
+
+        def done() -> dict[int, int]:  # the stable version's commits (none on a partition it never read)
+            committed = _committed(kafka, ws.group, topic)
+            return {p: committed[p] for p in ends}
+
+        await eventually(lambda: done() == ends, within=20)
+        stable_at = _committed(kafka, ws.group, topic)
+        if joins:
+            wc.join()
+        else:
+            wc = stack.enter_context(_version_worker(platform, CANDIDATE, "wc"))
+        assert _committed(kafka, wc.group, topic) == stable_at, "the new group starts where the stable's is"
+        assert wc.wait_assigned(30)
+        await producer.publish(names.control, _deployment(stable, 0.5))
+        routed = msgspec.structs.replace(_generation(names, PROMPT), model_version=CANDIDATE)
+        await producer.publish(topic, routed)
+        assert results.finished(routed.request_id).model_version == CANDIDATE
+    said = "\n".join(record.getMessage() for record in caplog.records)
+    read = [r.request_id for r in history if r.request_id in said]
+    assert read == [], "the candidate read records the stable version had ended"
 
 
 async def test_after_a_rollback_the_stable_version_runs_what_was_routed_to_the_candidate_once(
