@@ -344,7 +344,8 @@ def run_worker(
                     pass
                 if not stop.is_set():
                     service.join()
-            log.info("worker %s serving %s", service.worker_id, model_id)
+            if not service.standby:  # a standby stopped before it joined has served nothing
+                log.info("worker %s serving %s", service.worker_id, model_id)
             stop.wait()
             if service.failure is not None:
                 raise service.failure
