@@ -48,6 +48,15 @@ _ERRORS = {
     },
 }
 
+_RATE_LIMITED = {
+    "description": "Over a limit (a tenant's rate, tokens, concurrency or sockets): retry after the time given",
+    "headers": {
+        "Retry-After": {"description": "Seconds to wait (at least 1)", "schema": {"type": "integer"}},
+        "retry-after-ms": {"description": "The same in milliseconds", "schema": {"type": "integer"}},
+    },
+    "content": {JSON: {"schema": {"$ref": REF.format(name="Error")}}},
+}
+
 
 def _header(name: str, description: str) -> dict[str, Any]:
     return {
@@ -115,9 +124,14 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         headers=(_LAST_EVENT_ID, _TIMEOUT),
     ),
     ("GET", "/v1/ws"): Operation(
-        "Multiplex requests over one WebSocket (JSON text frames; see ingest/ws.py)",
+        "Multiplex requests over one WebSocket (JSON text frames; see ingest/ws.py). A browser, which cannot "
+        "set headers on a WebSocket, passes its key as the api_key query parameter; an upgrade from a page "
+        "of another site (its Origin) is refused 403 origin_not_allowed (SLUICE_EDGE_ALLOWED_ORIGINS)",
         ok={},
-        extra={"responses": {"101": {"description": "Switching protocols to a WebSocket"}}},
+        extra={
+            "responses": {"101": {"description": "Switching protocols to a WebSocket"}},
+            "security": [{"bearerAuth": []}, {"queryKey": []}],
+        },
     ),
     ("POST", "/v1/files"): Operation(
         "Upload a file (multipart/form-data: 'file', and 'purpose' = 'batch'; JSONL, one request per line); "
@@ -202,10 +216,12 @@ def _operation(
         spec["security"] = []
     elif op.ops:
         spec["security"] = [{"opsToken": []}, {}]  # {}: open where the edge has no ops token
+    else:  # a key's limits: 429 with when to retry (ingest.errors.error_response)
+        spec["responses"]["429"] = _RATE_LIMITED
     if op.body is not None:
         spec["requestBody"] = {"required": True, "content": {JSON: {"schema": refs[op.body]}}}
     for key, value in op.extra.items():
-        spec[key] = {**spec.get(key, {}), **value}
+        spec[key] = {**spec.get(key, {}), **value} if isinstance(value, dict) else value
     if not op.ok:
         del spec["responses"]["200"]
     return spec
@@ -233,6 +249,13 @@ def document(
             "schemas": {**components, "Error": ERROR_SCHEMA},
             "securitySchemes": {
                 "bearerAuth": {"type": "http", "scheme": "bearer"},
+                "queryKey": {
+                    "type": "apiKey",
+                    "in": "query",
+                    "name": "api_key",
+                    "description": "The API key as a query parameter: /v1/ws only (browsers cannot set "
+                    "a WebSocket's headers); it can end up in proxy logs, so prefer the header",
+                },
                 "opsToken": {
                     "type": "http",
                     "scheme": "bearer",

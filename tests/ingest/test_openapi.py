@@ -82,3 +82,20 @@ async def test_errors_auth_and_public_routes(client: Client) -> None:
     assert chat["responses"]["5XX"]["content"]["application/json"]["schema"] == error
     refused = await client.post("/v1/chat/completions", json={})
     jsonschema.validate(await refused.json(), doc["components"]["schemas"]["Error"])
+
+
+async def test_the_websockets_query_key_and_when_to_retry_are_documented(client: Client) -> None:
+    """An audit: the document said nothing of ``/v1/ws``'s ``api_key`` query parameter (a browser's only
+    way to pass a key) nor of the ``Retry-After`` a 429 carries."""
+    doc = await _doc(client)
+    assert doc["components"]["securitySchemes"]["queryKey"] == {
+        **doc["components"]["securitySchemes"]["queryKey"],
+        "type": "apiKey",
+        "in": "query",
+        "name": "api_key",
+    }
+    assert doc["paths"]["/v1/ws"]["get"]["security"] == [{"bearerAuth": []}, {"queryKey": []}]
+    for path, method in (("/v1/chat/completions", "post"), ("/v1/embeddings", "post"), ("/v1/ws", "get")):
+        limited = doc["paths"][path][method]["responses"]["429"]
+        assert set(limited["headers"]) == {"Retry-After", "retry-after-ms"}
+    assert "429" not in doc["paths"]["/healthz"]["get"]["responses"]
