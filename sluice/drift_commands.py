@@ -87,6 +87,10 @@ def drift_report(
     from streams.drift import StoredReport, latest_report_sql, recompute_html
     from streams.settings import StreamsSettings
 
+    if html is not None and not html.parent.is_dir():  # before evidently's minute of work, not after
+        raise fail(f"--html {html}: the directory {html.parent} does not exist", 2)
+    if html is not None and html.is_dir():
+        raise fail(f"--html {html} is a directory: name the file to write", 2)
     start = None
     if window is not None:
         try:
@@ -146,7 +150,10 @@ def drift_report(
             )
         except (WarehouseError, ValueError) as exc:
             raise fail(str(exc)) from None
-    html.write_text(made.html, encoding="utf-8")
+    try:
+        html.write_text(made.html, encoding="utf-8")
+    except OSError as exc:
+        raise fail(f"cannot write {html}: {exc.strerror or exc}") from None
     out.print(
         f"wrote {html} (evidently report: {made.n_reference} reference vs {made.n_current} current rows)"
     )

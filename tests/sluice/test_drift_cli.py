@@ -152,3 +152,21 @@ def test_the_rebaseline_is_on_the_control_topic_under_its_versions_key(
     (event,) = [e for e in read_control(kafka, names.control, "test") if isinstance(e, DriftRebaselined)]
     assert (event.model, event.version, event.reason) == (MODEL, "v1", "a new tenant")
     assert kafka_key(event) == b"rebaseline:demo-gpt:v1"
+
+
+@pytest.mark.parametrize("where", ["missing-dir", "a-directory"])
+def test_an_html_path_that_cannot_be_written_is_refused_before_anything_runs(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any, where: str
+) -> None:
+    """An audit: `drift report --html` into a directory that does not exist failed only after the
+    warehouse was sampled and evidently had run (a minute), with a traceback."""
+    stand = Stand(monkeypatch, ["v1"], PlatformSettings())
+    target = tmp_path / "nowhere" / "report.html" if where == "missing-dir" else tmp_path
+    result = CliRunner().invoke(
+        sluice_cli.app, ["drift", "report", MODEL, "--html", str(target)], env={"COLUMNS": "200"}
+    )
+    assert result.exit_code == 2, result.output
+    assert ("does not exist" if where == "missing-dir" else "is a directory") in " ".join(
+        result.output.split()
+    )
+    assert stand.queries == [], "the warehouse was asked before the path was checked"
