@@ -18,6 +18,8 @@ Policies:
 * **Deadlines.** An item is expired when ``now >= deadline``. ``next_batch`` never returns one: expired
   items are moved aside and handed out by ``take_expired`` (the worker ends them ``expired``).
 * **Bounded.** ``add`` answers False when ``max_queued`` items are queued; the caller sheds the request.
+  ``add_all`` queues one request's items whole while fewer than ``max_queued`` wait, so the queue holds
+  at most ``max_queued - 1`` plus one request's items.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import heapq
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 P = TypeVar("P")
 
@@ -52,8 +54,10 @@ class BatcherConfig:
     """Budget of padded tokens per batch: ``len(batch) * longest item``."""
     buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512)
     max_queued: int = 4096
-    """Inputs waiting at most. A request is queued whole or refused (``queue_full``), so this is also the
-    most inputs one request may carry: the default holds two of the largest an edge takes (2,048)."""
+    """Inputs waiting before requests are refused (``queue_full``). A request is queued whole while fewer
+    wait, however many inputs it carries (so a large one gets in as often as a small one: refused only
+    where the queue had room for all of it, a 2,048-input request starved behind a steady load of small
+    ones, an audit); the most inputs one request may carry (the default: twice what an edge takes)."""
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_batch_tokens", "max_queued"):
@@ -65,6 +69,11 @@ class BatcherConfig:
             raise ValueError(f"buckets must be positive lengths, got {self.buckets}")
         if any(a >= b for a, b in zip(self.buckets, self.buckets[1:], strict=False)):
             raise ValueError(f"buckets must be strictly increasing, got {self.buckets}")
+
+
+def _check(item: EmbedItem[Any]) -> None:
+    if item.n_tokens < 0:
+        raise ValueError(f"n_tokens must be >= 0, got {item.n_tokens}")
 
 
 @dataclass(slots=True, eq=False)
@@ -90,18 +99,21 @@ class DynamicBatcher(Generic[P]):
         """Items queued for a batch (expired items awaiting ``take_expired`` not included)."""
         return len(self._live)
 
-    def room(self) -> int:
-        """Items ``add`` takes before it answers False."""
-        return max(0, self.config.max_queued - len(self._live))
+    def full(self) -> bool:
+        """``add`` and ``add_all`` answer False."""
+        return len(self._live) >= self.config.max_queued
 
     def bucket_of(self, n_tokens: int) -> int:
         return bisect.bisect_left(self.config.buckets, n_tokens)
 
     def add(self, item: EmbedItem[P], now: float) -> bool:
-        if item.n_tokens < 0:
-            raise ValueError(f"n_tokens must be >= 0, got {item.n_tokens}")
-        if len(self._live) >= self.config.max_queued:
+        _check(item)
+        if self.full():
             return False
+        self._put(item, now)
+        return True
+
+    def _put(self, item: EmbedItem[P], now: float) -> None:
         self._seq += 1
         index = self.bucket_of(item.n_tokens)
         entry = _Entry(self._seq, now + self.config.max_wait_s, item)
@@ -109,14 +121,16 @@ class DynamicBatcher(Generic[P]):
         self._live[self._seq] = (index, entry)
         if item.deadline is not None:
             heapq.heappush(self._deadlines, (item.deadline, self._seq))
-        return True
 
     def add_all(self, items: Sequence[EmbedItem[P]], now: float) -> bool:
-        """Queue every one of ``items`` (one request's inputs), or none of them (False: no room for all)."""
-        if len(items) > self.room():
+        """Queue every one of ``items`` (one request's inputs) while the queue is not full, or none of them
+        (False)."""
+        if self.full():
             return False
         for item in items:
-            self.add(item, now)
+            _check(item)
+        for item in items:
+            self._put(item, now)
         return True
 
     def next_batch(self, now: float) -> list[EmbedItem[P]] | None:

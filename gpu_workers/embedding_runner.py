@@ -144,9 +144,8 @@ class EmbeddingRunner:
                 self._origin.failed(
                     arrival,
                     "queue_full",
-                    f"the embedding queue is full (room for {self._batcher.room()} of this request's "
-                    f"{len(items)} inputs); "
-                    "retry later",
+                    f"the embedding queue is full ({len(self._batcher)} inputs waiting, "
+                    f"SLUICE_WORKER_EMBED_MAX_QUEUED={self._batcher.config.max_queued}); retry later",
                 ),
             )
             return

@@ -79,11 +79,12 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     traffic that arrives in bursts just apart."""
     worker_embed_max_batch_tokens: Positive = 16_384
     worker_embed_max_queued: Positive = 4096
-    """Embeddings: inputs waiting for a batch at most. A request is queued whole, or refused ``queue_full``
-    (retriable) while the queue has no room for it; one with more inputs than this fails ``invalid_input``.
-    The default holds two requests of the most inputs an edge takes (2,048, OpenAI's limit). Under a steady
-    load of small requests a large one may find no room for a while: it is refused ``queue_full`` (503,
-    retriable) until the queue drains below it; no room is reserved for it."""
+    """Embeddings: inputs waiting for a batch before requests are refused ``queue_full`` (retriable). A
+    request is queued whole while fewer wait, whatever its size (so the queue holds at most this, less one,
+    plus one request's inputs): a large request is refused no more often than a small one (before, one
+    needing room for all its inputs starved behind a steady load of small ones). One with more inputs than
+    this fails ``invalid_input``. The default is twice the most inputs an edge takes (2,048, OpenAI's
+    limit)."""
     worker_cuda_graphs: bool = True
     """On a GPU, run the forwards as CUDA graphs. Embeddings: one per batch shape bucket (the common ones
     captured at start-up, others at their first batch; a capture synchronises the device and runs the

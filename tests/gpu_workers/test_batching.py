@@ -247,3 +247,17 @@ def test_deadline_bookkeeping_stays_bounded_and_correct_as_items_leave() -> None
     assert len(b._deadlines) <= 2 * len(b) + 64
     assert b.time_until_ready(0.0) == pytest.approx(50.0)
     assert [it.payload for it in b.take_expired(50.0)] == [100]
+
+
+def test_a_requests_items_are_queued_whole_while_the_queue_is_under_its_limit() -> None:
+    b = batcher(max_queued=5)
+    assert b.add_all([item("a") for _ in range(3)], now=0.0)
+    assert b.add_all([item("big") for _ in range(5)], now=0.0), "under the limit: whole, whatever its size"
+    assert len(b) == 8
+    assert b.full()
+    assert not b.add_all([item("late")], now=0.0)
+    assert not b.add(item("late"), now=0.0)
+    checked = batcher()
+    with pytest.raises(ValueError, match="n_tokens"):
+        checked.add_all([item("x"), item("x", n_tokens=-1)], now=0.0)
+    assert len(checked) == 0, "none of a request with a bad item was queued"

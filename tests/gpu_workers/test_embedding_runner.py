@@ -186,8 +186,10 @@ def test_a_request_is_queued_whole_or_refused_and_one_larger_than_the_queue_is_i
     minilm: LoadedModel, engine: Recording
 ) -> None:
     """The queue held 1,024 inputs and took a request's inputs one by one: a request of 2,048 (what an edge
-    takes) was refused ``queue_full``, a retriable 503, on every try. Now a request fits the queue whole or
-    waits for room (retriable), and one that could never fit fails ``invalid_input``."""
+    takes) was refused ``queue_full``, a retriable 503, on every try. Then a request had to find room for
+    all its inputs, so under a steady load of small requests a large one was refused where they got in (an
+    audit). Now a request is queued whole while the queue is under its limit, whatever its size, refused
+    (retriable) while it is full, and one that could never fit fails ``invalid_input``."""
     runner = EmbeddingRunner(
         engine,
         minilm.manifest,
@@ -196,24 +198,28 @@ def test_a_request_is_queued_whole_or_refused_and_one_larger_than_the_queue_is_i
         batching=BatcherConfig(max_batch_size=8, max_wait_s=0.0, max_batch_tokens=4096, max_queued=6),
     )
     out = Collected()
-    first, crowded, whole, huge = (embedding(inputs=TEXTS[:n]) for n in (4, 3, 6, 7))
-    for offset, request in enumerate([first, crowded]):
+    first, large, small, whole, huge = (embedding(inputs=TEXTS[:n]) for n in (4, 6, 1, 6, 7))
+    for offset, request in enumerate([first, large]):  # 4 wait: the large one gets in whole
         runner.accept(Arrival(request, ("requests", 0), offset), out)
-    assert len(runner._batcher) == 4, "none of the request that did not fit was queued"
-    refused = out.finished[crowded.request_id]
+    assert len(runner._batcher) == 10, "a request under the limit is queued whole, whatever its size"
+    runner.accept(Arrival(small, ("requests", 0), 2), out)  # 10 wait, the limit is 6: full
+    assert len(runner._batcher) == 10
+    refused = out.finished[small.request_id]
     assert (refused.status, refused.error and refused.error.code) == ("failed", "queue_full")
     assert refused.error is not None
     assert refused.error.retriable
-    assert "room for 2 of this request's 3 inputs" in refused.error.message
-    runner.accept(Arrival(huge, ("requests", 0), 2), out)
+    assert "10 inputs waiting, SLUICE_WORKER_EMBED_MAX_QUEUED=6" in refused.error.message
+    runner.accept(Arrival(huge, ("requests", 0), 3), out)
     invalid = out.finished[huge.request_id]
     assert invalid.error is not None
     assert invalid.error.code == "invalid_input"
     assert not invalid.error.retriable
     assert "7 inputs, more than this worker queues (6" in invalid.error.message
-    while first.request_id not in out.finished:
+    while large.request_id not in out.finished:
         runner.tick(out)
-    runner.accept(Arrival(whole, ("requests", 0), 3), out)  # the queue is empty again: six fit
+    for request in (first, large):
+        assert out.finished[request.request_id].status == "completed"
+    runner.accept(Arrival(whole, ("requests", 0), 4), out)  # the queue is empty again: six fit
     while whole.request_id not in out.finished:
         runner.tick(out)
     done = out.finished[whole.request_id]
