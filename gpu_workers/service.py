@@ -21,7 +21,7 @@ import logging
 import queue
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Literal
@@ -190,6 +190,9 @@ class WorkerService(Component):
         """Version -> when this worker learned it no longer serves (its records are adopted after the grace;
         this worker's own: what still runs here is cut at half of it)."""
         self._next_sweep = 0.0
+        self._skipped: Counter[str] = Counter()
+        """Records not run since the last summary, by why (model thread; :meth:`_say_skipped`)."""
+        self._skipped_since = 0.0
         self.worker_id = worker_id
         self.source = f"gpu_workers/{worker_id}"
         self._names = names
@@ -364,6 +367,7 @@ class WorkerService(Component):
         if self._thread is not None and self._ready.is_set():
             self._thread.join()
             self._thread = None
+            self._say_skipped(now=True)
         # else the model thread is still loading (a start given up): it serves nothing, sees the stop once
         # loaded and returns; a daemon, it does not hold the process either
         if self._probe is not None:
@@ -646,6 +650,7 @@ class WorkerService(Component):
         self._cut_retired(runner)
         self._sweep(runner, emit)
         self._send_letters_again()
+        self._say_skipped()
 
     LETTER_RETRY_S = 2.0
     """How long a dead letter Kafka did not take waits before it is sent again."""
@@ -700,7 +705,7 @@ class WorkerService(Component):
     def _take_arrival(self, runner: Runner, emit: Emitter, item: Arrival, stale: bool) -> None:
         """A request's record, its stale check done (and its offset started if not stale)."""
         if stale:
-            log.info("dropping %s: its partition was revoked", item.event.request_id)
+            self._skip("revoked", item.event.request_id)
             if item.trace is not None:
                 item.trace.span.set_attribute(tracing.STATUS, "revoked")
                 item.trace.span.end()
@@ -711,18 +716,18 @@ class WorkerService(Component):
         if where is not None and where != (item.tp, item.offset):
             # Another record of a request that runs here (a re-published batch line): that
             # request's own record keeps its partition's commit back until it ends.
-            log.info("skipping %s: already running here", request_id)
+            self._skip("already running here", request_id)
             self._release(item, "skipped_duplicate")
         elif where is not None:
             # The same request runs here, or its terminal event is on its way (a lost partition
             # handed back to this worker redelivers it; a batch line re-published): this record
             # is committed once that event is durable, not before, and never runs twice.
-            log.info("%s: already running here; its record ends with it", request_id)
+            self._skip("already running here", request_id)
             self._ledger.run(item.tp, item.generation)
             self._followers.setdefault(request_id, []).append(item)
             _end_trace(item, "skipped_duplicate")
         elif request_id in self._finished:
-            log.info("skipping %s: already finished", request_id)
+            self._skip("already finished", request_id)
             self._release(item, "skipped_finished")
         elif request_id in self._held:
             held = self._held[request_id]
@@ -731,13 +736,36 @@ class WorkerService(Component):
                 _end_trace(held, "revoked")
                 self._held[request_id] = item
             else:
-                log.info("skipping %s: already held here", request_id)
+                self._skip("already held here", request_id)
                 self._release(item, "skipped_duplicate")
         elif self._placement(item.event) == "run":
             self._run(runner, item, emit)
         else:
             self._held[request_id] = item
             self._next_sweep = 0.0  # an adoptable or droppable record goes at once
+
+    SKIPPED_EVERY_S = 10.0
+    """How often the records not run are summed up in the log (each is a debug line): a redelivery after a
+    rebalance or a restart skips a record per request already finished, a line each at info before."""
+
+    def _skip(self, why: str, request_id: str) -> None:
+        log.debug("skipping %s: %s", request_id, why)
+        if not self._skipped:
+            self._skipped_since = time.monotonic()
+        self._skipped[why] += 1
+
+    def _say_skipped(self, *, now: bool = False) -> None:
+        if not self._skipped or (not now and time.monotonic() - self._skipped_since < self.SKIPPED_EVERY_S):
+            return
+        log.info(
+            "worker %s (%s): %d records skipped in %.0f s: %s",
+            self.worker_id,
+            self.version,
+            sum(self._skipped.values()),
+            time.monotonic() - self._skipped_since,
+            ", ".join(f"{n} {why}" for why, n in sorted(self._skipped.items())),
+        )
+        self._skipped.clear()
 
     def _live_here(self, item: Arrival) -> None:
         """``item``'s request now ends here: live, and counted running until its terminal event settles."""

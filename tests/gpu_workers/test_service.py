@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -562,6 +563,7 @@ async def test_a_restarted_worker_remembers_the_newest_results_whatever_order_it
     kafka: KafkaConnection,
     producer: EventProducer,
     replies: Log,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Found by an audit: a worker learning finished requests at start kept the last ``remember_finished``
     ids in the order it read them, so older results read after a newer one (a hot tenant's partition read
@@ -573,7 +575,7 @@ async def test_a_restarted_worker_remembers_the_newest_results_whatever_order_it
     _put_results(kafka, names.results, [(_finished_elsewhere(request.request_id, 24), now), *older])
     worker = make_worker(platform, WorkerSettings(worker_id="w-restarted"), "demo-gpt")
     worker._remember = 100
-    with worker:
+    with caplog.at_level(logging.INFO, logger="gpu_workers.service"), worker:
         assert worker.knows_finished(request.request_id)
         assert worker.wait_assigned(30)
         after = _generation(names, PROMPT)
@@ -581,6 +583,11 @@ async def test_a_restarted_worker_remembers_the_newest_results_whatever_order_it
         await producer.publish(names.requests("demo-gpt"), after)
         assert replies.finished(after.request_id).status == "completed"
         assert replies.of(request.request_id) == [], "not run a second time"
+    said = [r.getMessage() for r in caplog.records]
+    # a redelivery skips a record per request: summed up (by the stop here), not a line each at info
+    assert [line for line in said if request.request_id in line] == []
+    (summed,) = [line for line in said if "records skipped" in line]
+    assert re.fullmatch(r"worker w-restarted \(\w+\): 1 records skipped in \d+ s: 1 already finished", summed)
 
 
 async def test_a_worker_learns_results_from_the_oldest_request_it_could_be_handed(
@@ -761,7 +768,7 @@ async def test_a_candidates_first_worker_starts_where_the_stable_version_committ
     platform, stable = two_versions
     topic = names.requests("demo-gpt")
     await producer.publish(names.control, msgspec.structs.replace(_deployment(stable, 0.0), phase="warming"))
-    with contextlib.ExitStack() as stack, caplog.at_level(logging.INFO, logger="gpu_workers.service"):
+    with contextlib.ExitStack() as stack, caplog.at_level(logging.DEBUG, logger="gpu_workers.service"):
         ws = stack.enter_context(_version_worker(platform, stable, "ws"))
         if joins:  # loaded and waiting before any of the history was written
             wc = stack.enter_context(_version_worker(platform, CANDIDATE, "wc", worker_standby=True))
