@@ -308,6 +308,7 @@ def test_a_result_recorded_while_a_reader_syncs_is_synced_before_its_offsets_com
         job.record(result(1), backoff=0.0, now=0.0)
         go_on.set()
         reader.join(5)
+        assert not reader.is_alive(), "the reader's sync never returned"
     synced: list[int] = []
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(os, "fsync", lambda fd: synced.append(fd))

@@ -124,6 +124,7 @@ async def test_an_abandoned_claim_another_request_won_is_left_alone(
         if log.records:
             break
         await asyncio.sleep(0)
+    assert log.records, "the claim never reached the log"
     read(edge, log)
     assert await task == theirs  # the first claim of the key: it won
     with pytest.raises(GatewayUnavailable):
