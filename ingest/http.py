@@ -31,7 +31,7 @@ from ingest.observe import (
     note_accepted,
 )
 from ingest.prepare import Kind, Prepared, Shape
-from ingest.render import DONE, SseEncoder, collect, event_id, final_body, native, sse, sse_error
+from ingest.render import DONE, SseEncoder, collect, event_id, final_json, native, sse, sse_error
 from ingest.reply_stream import WHOLE, After
 from monitoring import metrics, tracing
 from monitoring.ops import Readiness
@@ -61,12 +61,12 @@ def parse_last_event_id(value: str | None) -> tuple[str, After] | None:
 def json_response(
     body: Any, *, status: int = 200, request_id: str | None = None, timing: str | None = None
 ) -> web.Response:
+    """``body`` as JSON (``bytes``: already JSON)."""
     headers = {"x-request-id": request_id} if request_id else {}
     if timing:
         headers["Server-Timing"] = timing
-    return web.Response(
-        status=status, body=msgspec.json.encode(body), content_type="application/json", headers=headers
-    )
+    encoded = body if isinstance(body, bytes) else msgspec.json.encode(body)
+    return web.Response(status=status, body=encoded, content_type="application/json", headers=headers)
 
 
 SEND_GRACE_S = 1.0
@@ -218,7 +218,7 @@ class Routes:
                     text, finished = await collect(stream)
                 timing = watch.server_timing(finished) if self.ctx.settings.edge_server_timing else None
                 answer = json_response(
-                    final_body(shape, text, finished), request_id=shape.request_id, timing=timing
+                    await final_json(shape, text, finished), request_id=shape.request_id, timing=timing
                 )
                 await send_now(request, answer, within_s=timeout_s)  # its deadline again, at most
                 return answer

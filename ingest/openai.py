@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import base64
 import re
+from collections.abc import Iterator
 from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
 from ingest.errors import InvalidRequest
 from schemas.codec import UNREADABLE_JSON, unreadable_json
-from schemas.events import FinishReason, Float32Vectors, Usage
+from schemas.events import FLOAT32_BYTES, FinishReason, Float32Vectors, Usage
 
 T = TypeVar("T")
 
@@ -303,9 +304,11 @@ def completion_chunk(
     return body
 
 
-def embeddings(model: str, vectors: Float32Vectors, prompt_tokens: int, encoding_format: str) -> Body:
+def embeddings(
+    model: str, vectors: Float32Vectors, prompt_tokens: int, encoding_format: str, first_index: int = 0
+) -> Body:
     """``base64`` passes each vector's float32 bytes through as they came in the event; ``float`` lists
-    the floats."""
+    the floats. The vectors are numbered from ``first_index``."""
     rendered: list[str] | list[list[float]] = (
         [base64.b64encode(row).decode() for row in vectors.rows()]
         if encoding_format == "base64"
@@ -315,11 +318,34 @@ def embeddings(model: str, vectors: Float32Vectors, prompt_tokens: int, encoding
         "object": "list",
         "data": [
             {"object": "embedding", "index": index, "embedding": vector}
-            for index, vector in enumerate(rendered)
+            for index, vector in enumerate(rendered, first_index)
         ],
         "model": model,
         "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
     }
+
+
+EMBEDDINGS_PER_PART = 128
+"""Vectors rendered at a time by :func:`embeddings_json` (~7 ms as floats of 384 on the development box)."""
+
+
+def embeddings_json(
+    model: str, vectors: Float32Vectors, prompt_tokens: int, encoding_format: str
+) -> Iterator[bytes]:
+    """:func:`embeddings`' JSON, byte for byte, in parts of :data:`EMBEDDINGS_PER_PART` vectors: 2,048
+    vectors as floats are ~15 MB of JSON and took ~100 ms to render in one go, every other request on the
+    edge's loop waiting (an audit); its caller lets the loop run between parts."""
+    nothing = Float32Vectors(dim=vectors.dim, data=b"")
+    head, tail = msgspec.json.encode(embeddings(model, nothing, prompt_tokens, encoding_format)).split(
+        b'"data":[]', 1
+    )
+    yield head + b'"data":['
+    step = FLOAT32_BYTES * vectors.dim * EMBEDDINGS_PER_PART
+    for first, start in enumerate(range(0, len(vectors.data), step)):
+        part = Float32Vectors(dim=vectors.dim, data=vectors.data[start : start + step])
+        items = embeddings(model, part, prompt_tokens, encoding_format, first * EMBEDDINGS_PER_PART)["data"]
+        yield (b"," if first else b"") + msgspec.json.encode(items)[1:-1]
+    yield b"]" + tail
 
 
 def model_object(model_id: str, created: int) -> Body:

@@ -9,6 +9,7 @@ so a resume after the last chunk still ends properly.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import msgspec
@@ -85,6 +86,21 @@ async def collect(stream: ReplyStream) -> tuple[str, RequestFinished]:
             raise error
         return (item.text if item.text is not None else "".join(parts)), item
     raise IngestError("the reply stream ended without a terminal event", code="incomplete_stream")
+
+
+async def final_json(shape: Shape, text: str, finished: RequestFinished) -> bytes:
+    """:func:`final_body` as JSON. Many vectors render part by part, the event loop serving other requests
+    between parts (``openai.embeddings_json``); a few at once, at no cost to one client's answer."""
+    vectors = finished.packed_vectors() if shape.kind == "embedding" else None
+    if vectors is None or len(vectors) <= openai.EMBEDDINGS_PER_PART:
+        return msgspec.json.encode(final_body(shape, text, finished))
+    parts = []
+    for part in openai.embeddings_json(
+        shape.model, vectors, finished.usage.prompt_tokens, shape.encoding_format
+    ):
+        parts.append(part)
+        await asyncio.sleep(0)
+    return b"".join(parts)
 
 
 def final_body(shape: Shape, text: str, finished: RequestFinished) -> dict[str, Any]:

@@ -137,3 +137,41 @@ def test_usage_chunk_shape() -> None:
     plain = openai.completion_chunk("r", "m", 1, "f", text="x")
     assert "usage" not in plain
     assert plain["choices"][0]["finish_reason"] is None
+
+
+@pytest.mark.parametrize("encoding_format", ["float", "base64"])
+@pytest.mark.parametrize("n", [1, openai.EMBEDDINGS_PER_PART, openai.EMBEDDINGS_PER_PART + 1, 1000])
+async def test_many_vectors_render_in_parts_to_the_same_json_with_the_loop_served_between(
+    encoding_format: str, n: int
+) -> None:
+    """An audit: 2,048 vectors as floats (~15 MB of JSON) rendered in one go on the edge's loop, ~100 ms
+    with every other request waiting. Many render part by part, byte for byte the same answer."""
+    import asyncio
+    import random
+
+    rng = random.Random(n)
+    packed = Float32Vectors.pack([[rng.uniform(-1, 1) for _ in range(8)] for _ in range(n)], 8)
+    usage = Usage(prompt_tokens=n, completion_tokens=0, total_tokens=n)
+    finished = RequestFinished(
+        tenant="t", model="m", request_id="r", source="s", status="completed", finish_reason="stop",
+        usage=usage, embeddings_f32=packed,
+    )  # fmt: skip
+    shape = Shape("embedding", "m", uuid7(), "fp", encoding_format=encoding_format)
+    whole = msgspec.json.encode(render.final_body(shape, "", finished))
+    assert b"".join(openai.embeddings_json("m", packed, n, encoding_format)) == whole
+    turns = 0
+
+    async def other() -> None:  # another request's work on the same loop
+        nonlocal turns
+        while True:
+            turns += 1
+            await asyncio.sleep(0)
+
+    beside = asyncio.create_task(other())
+    await asyncio.sleep(0)
+    turns = 0
+    assert await render.final_json(shape, "", finished) == whole
+    beside.cancel()
+    parts = -(-n // openai.EMBEDDINGS_PER_PART)
+    assert turns == (parts + 2 if n > openai.EMBEDDINGS_PER_PART else 0)
+    assert [item["index"] for item in msgspec.json.decode(whole)["data"]] == list(range(n))
