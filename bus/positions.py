@@ -200,9 +200,11 @@ def uncommitted_since(
     kafka: KafkaConnection, group: str, topic: str, client_id: str, timeout_s: float = 30.0
 ) -> int | None:
     """The time (unix ms) of the oldest record ``group`` could still be handed on ``topic``: the first one
-    past its committed offset on each partition (the time of now when every partition is committed to its
-    end). None when that is unknown: a partition the group never committed (it starts at the partition's
-    first record), or one the cluster cannot say. A record's time is its producer's clock: allow for skew."""
+    past its committed offset on each partition, or its first retained record where the group never
+    committed (the time of now when there is none: every partition committed to its end, or empty). None
+    when the cluster cannot say. A record's time is its producer's clock: allow for skew. (A partition
+    never committed made this None, so a worker read the whole results topic: a partition that never held
+    a record is never committed, a review.)"""
     consumer = Consumer(consumer_config(kafka, group, f"{client_id}-probe"))
     try:
         meta = consumer.list_topics(topic, timeout=10).topics.get(topic)
@@ -211,10 +213,8 @@ def uncommitted_since(
         committed = consumer.committed([TopicPartition(topic, p) for p in meta.partitions], timeout=timeout_s)
         oldest = int(time.time() * 1000)
         for tp in committed:
-            if tp.offset < 0:
-                return None
             low, high = watermarks(consumer, topic, tp.partition, timeout_s)
-            start = max(tp.offset, low)
+            start = max(tp.offset, low)  # a negative offset: never committed, from the first record
             if start >= high:
                 continue
             at = timestamp_at(consumer, topic, tp.partition, start)
@@ -242,16 +242,22 @@ def behind_peers(own: Mapping[int, int], peers: Sequence[Mapping[int, int]]) -> 
     """Where a group moves up to, from its committed offsets ``own`` and those of its ``peers`` (partition →
     offset; a partition missing or negative has none): on each partition where every peer has committed
     and the group has not, or is behind them all, the lowest of the peers' offsets. Nothing without peers,
-    and nothing on a partition a peer has not committed (it may still be handed anything there)."""
+    nothing on a partition a peer has not committed (it may still be handed anything there), and nothing at
+    all where the group is ahead of them on any partition: positions are taken whole, the peers' or its
+    own, never mixed. A group may release a record of a request whose other record it keeps open on
+    another partition (a re-published batch line); the peers may keep the other one, and a mix of the two
+    would pass both (a review)."""
     if not peers:
         return {}
-    moved: dict[int, int] = {}
-    for partition in set().union(*peers):
-        offsets = [peer.get(partition, -1) for peer in peers]
-        lowest = min(offsets)
-        if lowest >= 0 and own.get(partition, -1) < lowest:
-            moved[partition] = lowest
-    return moved
+
+    def at(offsets: Mapping[int, int], partition: int) -> int:
+        return max(offsets.get(partition, -1), -1)  # none: -1 (librdkafka says -1001)
+
+    partitions = set(own).union(*peers)
+    lowest = {p: min(at(peer, p) for peer in peers) for p in partitions}
+    if any(at(own, p) > lowest[p] for p in partitions):
+        return {}
+    return {p: low for p, low in lowest.items() if low >= 0 and at(own, p) < low}
 
 
 def start_at_peers(
@@ -284,18 +290,24 @@ def start_at_peers(
                     probe.close()
             return {tp.partition: tp.offset for tp in found}
 
-        moved = behind_peers(committed_by(group), [committed_by(peer) for peer in peers])
-        if moved:
-            offsets = [TopicPartition(topic, p, offset) for p, offset in sorted(moved.items())]
-            try:
-                settled(
-                    lambda: consumer.commit(offsets=offsets, asynchronous=False),
-                    f"{group}'s start",
-                    timeout_s,
-                )
-            except BusError as exc:  # it has members now: they read from their own positions
-                log.info("%s keeps its own positions on %s: %s", group, topic, exc)
-                return {}
-        return moved
+        theirs = [committed_by(peer) for peer in peers]
+        if not behind_peers(committed_by(group), theirs):
+            return {}
+        # Its own again, just before the commit: a last member leaving meanwhile may have committed further
+        # (the commit below would move it back).
+        moved = behind_peers(committed_by(group), theirs)
+        if not moved:
+            return {}
+        offsets = [TopicPartition(topic, p, offset) for p, offset in sorted(moved.items())]
+        try:
+            done = settled(
+                lambda: consumer.commit(offsets=offsets, asynchronous=False), f"{group}'s start", timeout_s
+            )
+        except BusError as exc:  # the group has members (UNKNOWN_MEMBER_ID): their positions stand
+            log.info(
+                "%s starts from its own positions on %s (its start was not moved: %s)", group, topic, exc
+            )
+            return {}
+        return {tp.partition: tp.offset for tp in done or () if tp.error is None}
     finally:
         consumer.close()

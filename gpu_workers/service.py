@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 import msgspec
-from confluent_kafka import Consumer, Message, TopicPartition
+from confluent_kafka import Consumer, KafkaException, Message, TopicPartition
 from opentelemetry.trace import Status, StatusCode
 
 from bus.consumer import BACKGROUND, TP, ConsumerThread, consumer_config
@@ -463,16 +463,31 @@ class WorkerService(Component):
         """A version's group that never read its request topic (a candidate's first worker), or stopped
         reading it long ago (a version rolled out again), starts where the other serving versions' groups
         have all committed. Their commits pass a record only once it has ended, whoever ended it (a record
-        routed to another version is held until its terminal event is seen), so nothing behind them is
-        this version's to run or hold. Before, a candidate's new group started at the topic's first
-        retained record and read the whole history before the requests routed to it (a rollout's first
-        ones waited 330 ms behind 15 s of traffic under `sluice up`; behind days of retention, for good)."""
+        routed to another version is held until its terminal event is seen), or while another record of
+        its request stays open in that group (so positions are taken whole, theirs or its own:
+        :func:`bus.positions.behind_peers`); nothing behind them is this version's to run or hold. Before, a
+        candidate's new group started at the topic's first retained record and read the whole history
+        before the requests routed to it (a rollout's first ones waited 330 ms behind 15 s of traffic under
+        `sluice up`; behind days of retention, for good). Best effort: where the cluster cannot say, the
+        group starts from its own positions, as before (a warm standby joining during a broker's outage
+        would otherwise fail)."""
         deployment = self._deployment
         if deployment is None:
             return  # no rollout yet: every record is this group's to run, from the first one
         peers = [worker_group(self.model_id, v) for v in sorted(deployment.serving) if v != self.version]
         topic = self._names.requests(self.model_id)
-        moved = start_at_peers(self._kafka, self.group, topic, peers, self.source)
+        try:
+            moved = start_at_peers(self._kafka, self.group, topic, peers, self.source)
+        except (KafkaException, BusError) as exc:
+            log.warning(
+                "worker %s (%s): %s starts from its own positions (where %s stand cannot be read: %s)",
+                self.worker_id,
+                self.version,
+                self.group,
+                ", ".join(peers),
+                exc,
+            )
+            return
         if moved:
             log.info(
                 "worker %s (%s): %s starts where %s have committed on %d partitions of %s",

@@ -217,7 +217,7 @@ def _operation(
     elif op.ops:
         spec["security"] = [{"opsToken": []}, {}]  # {}: open where the edge has no ops token
     else:  # a key's limits: 429 with when to retry (ingest.errors.error_response)
-        spec["responses"]["429"] = _RATE_LIMITED
+        spec["responses"]["429"] = {**_RATE_LIMITED}
     if op.body is not None:
         spec["requestBody"] = {"required": True, "content": {JSON: {"schema": refs[op.body]}}}
     for key, value in op.extra.items():

@@ -88,7 +88,8 @@ def drift_report(
     from streams.settings import StreamsSettings
 
     if html is not None and not html.parent.is_dir():  # before evidently's minute of work, not after
-        raise fail(f"--html {html}: the directory {html.parent} does not exist", 2)
+        what = "is not a directory" if html.parent.exists() else "does not exist"
+        raise fail(f"--html {html}: {html.parent} {what}", 2)
     if html is not None and html.is_dir():
         raise fail(f"--html {html} is a directory: name the file to write", 2)
     start = None

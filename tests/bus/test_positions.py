@@ -59,7 +59,14 @@ def test_the_oldest_record_a_group_could_be_handed(kafka: KafkaConnection, topic
     hour_ago = int(time.time() * 1000) - 3_600_000
     _produce(kafka, topic, 0, 2, hour_ago)
     _produce(kafka, topic, 1, 1, hour_ago + 60_000)
-    assert uncommitted_since(kafka, group, topic, "test") is None  # never committed: from the start
+    # never committed: from the first record (before, None: the whole results topic was read)
+    assert uncommitted_since(kafka, group, topic, "test") == hour_ago
+    empty = f"{topic_prefix}.empty"
+    _topic(kafka, empty)
+    now = int(time.time() * 1000)
+    since = uncommitted_since(kafka, group, empty, "test")  # nothing to hand at all: now
+    assert since is not None
+    assert now - 1000 <= since <= int(time.time() * 1000)
     committer = Consumer(consumer_config(kafka, group, "test-committer"))
     try:
         committer.commit(
@@ -123,7 +130,11 @@ def _committed(kafka: KafkaConnection, group: str, topic: str) -> dict[int, int]
     [
         ({}, [], {}),  # no peers: the group starts at the topic's first record, as a new group does
         ({}, [{0: 5, 1: 2}], {0: 5, 1: 2}),
-        ({0: 7, 1: 1}, [{0: 5, 1: 2}], {1: 2}),  # ahead stays; behind moves up
+        ({0: 5, 1: 1}, [{0: 5, 1: 2}], {1: 2}),  # level stays; behind moves up
+        ({0: 7, 1: 1}, [{0: 5, 1: 2}], {}),  # ahead anywhere: its own positions, never a mix of the two
+        ({0: 0, 1: 1}, [{0: 1, 1: 0}], {}),  # (each keeps a request's record open on another partition)
+        ({0: 3}, [{0: 5, 1: 2}], {0: 5, 1: 2}),
+        ({0: 3, 1: 1}, [{0: 5}], {}),  # a partition it committed and the peers did not: ahead of them
         ({}, [{0: 5, 1: 2}, {0: 3, 1: -1001}], {0: 3}),  # the lowest of them; a peer without one: none
         ({}, [{0: 5}, {1: 4}], {}),
     ],

@@ -803,6 +803,35 @@ async def test_a_candidates_first_worker_starts_where_the_stable_version_committ
     assert read == [], "the candidate read records the stable version had ended"
 
 
+async def test_a_standby_joins_from_its_own_positions_where_its_peers_cannot_be_read(
+    names: TopicNames,
+    two_versions: tuple[PlatformSettings, str],
+    producer: EventProducer,
+    results: Log,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A review: where the serving versions' positions could not be read (a broker's outage as a warm
+    standby joins), ``join`` raised and the worker's process ended, losing the warm worker a scale-out
+    wanted. It joins from its group's own positions, as before the group was ever moved."""
+    from confluent_kafka import KafkaError, KafkaException
+
+    import gpu_workers.service as service
+
+    platform, stable = two_versions
+    await producer.publish(names.control, _deployment(stable, 0.5))
+    with _version_worker(platform, CANDIDATE, "wc", worker_standby=True) as wc:
+
+        def unreadable(*args: Any, **kwargs: Any) -> dict[int, int]:
+            raise KafkaException(KafkaError(KafkaError._TRANSPORT))
+
+        monkeypatch.setattr(service, "start_at_peers", unreadable)
+        wc.join()
+        assert wc.wait_assigned(30)
+        routed = msgspec.structs.replace(_generation(names, PROMPT), model_version=CANDIDATE)
+        await producer.publish(names.requests("demo-gpt"), routed)
+        assert results.finished(routed.request_id).model_version == CANDIDATE
+
+
 async def test_after_a_rollback_the_stable_version_runs_what_was_routed_to_the_candidate_once(
     names: TopicNames,
     two_versions: tuple[PlatformSettings, str],
