@@ -737,7 +737,7 @@ class WorkerService(Component):
             # The same request runs here, or its terminal event is on its way (a lost partition
             # handed back to this worker redelivers it; a batch line re-published): this record
             # is committed once that event is durable, not before, and never runs twice.
-            self._skip("already running here", request_id)
+            self._skip("redelivered while running here (ends with it)", request_id)
             self._ledger.run(item.tp, item.generation)
             self._followers.setdefault(request_id, []).append(item)
             _end_trace(item, "skipped_duplicate")
