@@ -115,6 +115,13 @@ class VersionStats:
     """p99 end-to-end latency (accepted to finished) of the completed embedding requests: an embedding has
     no first token (``ttft_p99_ms`` is None), its whole answer is its first output, so this stands in for
     TTFT (queue wait included, as in TTFT)."""
+    ttft_n: int = 0
+    """How many samples ``ttft_p99_ms`` is taken over (the clients' requests when there are any), and the
+    same for the others: a latency gate judges only when both sides have ``--min-requests`` samples of
+    it. With ``--shadow`` most of a canary's requests can be shadow copies, whose latencies the gate leaves
+    out: counted by ``n``, a step judged a p99 over 19 requests at ``--min-requests 50`` (an audit)."""
+    itl_n: int = 0
+    embedding_n: int = 0
 
     @property
     def error_ratio(self) -> float:
@@ -181,23 +188,28 @@ def parse_stats(rows: Sequence[dict[str, Any]]) -> dict[str, VersionStats]:
             return None
         return float(value)
 
-    def live_first(r: dict[str, Any], prefix: str) -> float | None:
-        if r.get(f"{prefix}_live_n"):
-            return number(r[f"{prefix}_live_p99"], r[f"{prefix}_live_n"])
-        return number(r.get(f"{prefix}_p99"), r.get(f"{prefix}_n"))
+    def live_first(r: dict[str, Any], prefix: str) -> tuple[float | None, int]:
+        """The p99 and its samples' count, the live requests' where there are any."""
+        scope = f"{prefix}_live" if r.get(f"{prefix}_live_n") else prefix
+        samples = int(r.get(f"{scope}_n") or 0)
+        return number(r.get(f"{scope}_p99"), samples), samples
 
-    return {
-        str(r["model_version"]): VersionStats(
+    def stats(r: dict[str, Any]) -> VersionStats:
+        (ttft, ttft_n), (embedding, embedding_n) = live_first(r, "ttft"), live_first(r, "embed")
+        return VersionStats(
             n=int(r["n"]),
             errors=int(r["errors"]),
-            ttft_p99_ms=live_first(r, "ttft"),
+            ttft_p99_ms=ttft,
             itl_p99_ms=number(r["itl_p99"], r["itl_n"]),
             tokens=int(r["tokens"]),
             cost_nanos=int(r["cost_nanos"]),
-            embedding_p99_ms=live_first(r, "embed"),
+            embedding_p99_ms=embedding,
+            ttft_n=ttft_n,
+            itl_n=int(r["itl_n"] or 0),
+            embedding_n=embedding_n,
         )
-        for r in rows
-    }
+
+    return {str(r["model_version"]): stats(r) for r in rows}
 
 
 class _Sizes(TypedDict):
@@ -210,9 +222,9 @@ def stats_of(results: Iterable[RequestFinished], prices: PriceTable) -> VersionS
     runs that never reach the warehouse: ``sluice rollout evaluate``)."""
     rows = [dict(zip(FACT_COLUMNS, fact_row(event, prices), strict=True)) for event in results]
 
-    def p99(column: str, of: list[dict[str, Any]] = rows) -> float | None:
+    def p99(column: str, of: list[dict[str, Any]] = rows) -> tuple[float | None, int]:
         values = sorted(float(r[column]) for r in of if r[column] is not None)
-        return values[robust_p99_rank(len(values)) - 1] if values else None
+        return (values[robust_p99_rank(len(values)) - 1] if values else None), len(values)
 
     timed = [r for r in rows if not r["batch_id"]]  # batch lines: no latency, no cost per token
     live = [r for r in timed if not r["shadow_of"]]
@@ -226,16 +238,19 @@ def stats_of(results: Iterable[RequestFinished], prices: PriceTable) -> VersionS
     def embedded(of: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return [r for r in of if r["kind"] == "embedding" and r["status"] == "completed"]
 
+    ttft = p99("ttft_ms", live) if any(r["ttft_ms"] is not None for r in live) else p99("ttft_ms", timed)
+    itl, embedding = p99("itl_max_ms", timed), p99("e2e_ms", embedded(live) or embedded(timed))
     return VersionStats(
         n=len(rows),
         errors=sum(error(r) for r in rows),
-        ttft_p99_ms=(
-            p99("ttft_ms", live) if any(r["ttft_ms"] is not None for r in live) else p99("ttft_ms", timed)
-        ),
-        itl_p99_ms=p99("itl_max_ms", timed),
+        ttft_p99_ms=ttft[0],
+        itl_p99_ms=itl[0],
         tokens=sum(int(r["prompt_tokens"]) + int(r["completion_tokens"]) for r in billed),
         cost_nanos=sum(int(r["cost_nanos"]) for r in timed),
-        embedding_p99_ms=p99("e2e_ms", embedded(live) or embedded(timed)),
+        embedding_p99_ms=embedding[0],
+        ttft_n=ttft[1],
+        itl_n=itl[1],
+        embedding_n=embedding[1],
     )
 
 
@@ -265,22 +280,23 @@ def judge(
             **sizes,
         )
     )
-    ttft = (candidate.ttft_p99_ms, baseline.ttft_p99_ms, "")
+    ttft = (candidate.ttft_p99_ms, baseline.ttft_p99_ms, "", candidate.ttft_n, baseline.ttft_n)
     if ttft[:2] == (None, None) and (candidate.embedding_p99_ms, baseline.embedding_p99_ms) != (None, None):
-        ttft = (candidate.embedding_p99_ms, baseline.embedding_p99_ms, EMBEDDING_LATENCY)
-    for gate, cand, base, ratio, slack, detail in (
-        ("ttft_p99_ms", *ttft[:2], gates.max_ttft_p99_ratio, True, ttft[2]),
-        ("itl_p99_ms", candidate.itl_p99_ms, baseline.itl_p99_ms, gates.max_itl_p99_ratio, True, ""),
-        (
-            "cost_per_1k_tokens",
-            candidate.cost_per_1k_usd,
-            baseline.cost_per_1k_usd,
-            gates.max_cost_ratio,
-            False,
-            "",
-        ),
+        ttft = (
+            candidate.embedding_p99_ms,
+            baseline.embedding_p99_ms,
+            EMBEDDING_LATENCY,
+            candidate.embedding_n,
+            baseline.embedding_n,
+        )
+    itl = (candidate.itl_p99_ms, baseline.itl_p99_ms, "", candidate.itl_n, baseline.itl_n)
+    cost = (candidate.cost_per_1k_usd, baseline.cost_per_1k_usd, "", candidate.n, baseline.n)
+    for gate, (cand, base, detail, cand_n, base_n), ratio, slack in (
+        ("ttft_p99_ms", ttft, gates.max_ttft_p99_ratio, True),
+        ("itl_p99_ms", itl, gates.max_itl_p99_ratio, True),
+        ("cost_per_1k_tokens", cost, gates.max_cost_ratio, False),
     ):
-        if enough and slack and cand is None and base is None:
+        if slack and enough and cand is None and base is None:
             # A latency neither version has at all, with enough requests on both sides: this model does not
             # produce it (an embedding has no inter-token gap). Waiting for it would block the rollout for
             # ever, so the gate does not apply (and counts as passed).
@@ -288,15 +304,17 @@ def judge(
             detail = f"not measured for this model: no request of either version has {missing}"
             results.append(GateResult(gate=gate, state="not_applicable", detail=detail, **sizes))
             continue
-        if not enough or cand is None or base is None:
+        samples: _Sizes = {"candidate_n": cand_n, "baseline_n": base_n}
+        judged = enough and min(cand_n, base_n) >= gates.min_requests  # its own samples, not every request
+        if not judged or cand is None or base is None:
             results.append(
                 GateResult(
                     gate=gate,
                     state="insufficient_data",
-                    candidate=cand,
-                    baseline=base,
+                    candidate=None if cand is None else round(cand, 6),
+                    baseline=None if base is None else round(base, 6),
                     detail=detail,
-                    **sizes,
+                    **samples,
                 )
             )
             continue
@@ -309,7 +327,7 @@ def judge(
                 baseline=round(base, 6),
                 limit=round(bound, 6),
                 detail=detail,
-                **sizes,
+                **samples,
             )
         )
     if gates.drift:

@@ -426,8 +426,19 @@ def test_live_gates_compute_what_the_controller_computes(
     assert "burn" not in {r.gate for r in results}
     expected = judge(
         msgspec.structs.replace(GATES, burn=False),  # the burn gate is the controller's alone
-        VersionStats(n=100, errors=2, ttft_p99_ms=300.0, itl_p99_ms=None, tokens=1000, cost_nanos=10**9),
-        VersionStats(n=100, errors=1, ttft_p99_ms=100.0, itl_p99_ms=20.0, tokens=1000, cost_nanos=10**9),
+        VersionStats(
+            n=100, errors=2, ttft_p99_ms=300.0, itl_p99_ms=None, tokens=1000, cost_nanos=10**9, ttft_n=100
+        ),
+        VersionStats(
+            n=100,
+            errors=1,
+            ttft_p99_ms=100.0,
+            itl_p99_ms=20.0,
+            tokens=1000,
+            cost_nanos=10**9,
+            ttft_n=100,
+            itl_n=100,
+        ),
     )
     serving = GateResult(gate="serving", state="pass", candidate=2.0, detail="2 worker(s)")
     assert results == [*expected, serving]

@@ -68,7 +68,10 @@ def stats(
     tokens: int = 100_000,
     cost_per_1k_usd: float = 1.0,
     embedding: float | None = None,
+    samples: int | None = None,
 ) -> VersionStats:
+    """``samples``: of each latency (default: every request's)."""
+    timed = n if samples is None else samples
     return VersionStats(
         n=n,
         errors=errors,
@@ -77,6 +80,9 @@ def stats(
         tokens=tokens,
         cost_nanos=round(cost_per_1k_usd * tokens / 1000 * 1e9),
         embedding_p99_ms=embedding,
+        ttft_n=timed if ttft is not None else 0,
+        itl_n=timed if itl is not None else 0,
+        embedding_n=timed if embedding is not None else 0,
     )
 
 
@@ -675,9 +681,18 @@ def test_parse_stats_maps_rows_by_version() -> None:
     parsed = parse_stats([row("v1"), row("v2", n=200, errors=7, ttft=80.5, itl=12.0, tokens=5, cost_nanos=9)])
     assert parsed == {
         "v1": VersionStats(
-            n=1000, errors=10, ttft_p99_ms=100.0, itl_p99_ms=20.0, tokens=100_000, cost_nanos=10**11
+            n=1000,
+            errors=10,
+            ttft_p99_ms=100.0,
+            itl_p99_ms=20.0,
+            tokens=100_000,
+            cost_nanos=10**11,
+            ttft_n=1000,
+            itl_n=1000,
         ),
-        "v2": VersionStats(n=200, errors=7, ttft_p99_ms=80.5, itl_p99_ms=12.0, tokens=5, cost_nanos=9),
+        "v2": VersionStats(
+            n=200, errors=7, ttft_p99_ms=80.5, itl_p99_ms=12.0, tokens=5, cost_nanos=9, ttft_n=200, itl_n=200
+        ),
     }
 
 
@@ -705,7 +720,9 @@ def test_parse_stats_accepts_numbers_as_text() -> None:
         "ttft_p99": 9,
     }
     parsed = parse_stats([raw])["v1"]
-    assert parsed == VersionStats(n=12, errors=3, ttft_p99_ms=9.0, itl_p99_ms=20.0, tokens=40, cost_nanos=41)
+    assert parsed == VersionStats(
+        n=12, errors=3, ttft_p99_ms=9.0, itl_p99_ms=20.0, tokens=40, cost_nanos=41, ttft_n=12, itl_n=1000
+    )
 
 
 def test_parse_stats_reads_the_embeddings_end_to_end_latency_live_first() -> None:
@@ -782,7 +799,21 @@ def test_stats_of_an_offline_run_judge_ttft_on_live_requests_too() -> None:
 
     results = [timed("a", 0.1, None), timed("b", 0.2, None), timed("c", 5.0, "a")]
     assert stats_of(results, PriceTable()).ttft_p99_ms == pytest.approx(200.0)
+    assert (stats_of(results, PriceTable()).ttft_n, stats_of(results, PriceTable()).n) == (2, 3)
     assert stats_of(results[2:], PriceTable()).ttft_p99_ms == pytest.approx(5000.0)
+
+
+def test_a_latency_gate_waits_for_samples_of_its_own_not_for_requests() -> None:
+    """An audit: with ``--canary 5 --shadow 100`` a step's 330 candidate requests were 19 of clients' and
+    311 shadow copies, and the TTFT gate (which leaves shadow copies out) judged a p99 over 19 at
+    ``--min-requests 50``, showing n=330. A latency gate now waits for that many samples of its own."""
+    gates = RolloutGates(min_requests=50)
+    few = by_gate(judge(gates, stats(n=330, samples=19), stats(n=314)))
+    assert few["error_ratio"].state == "pass"
+    assert (few["ttft_p99_ms"].state, few["ttft_p99_ms"].candidate_n) == ("insufficient_data", 19)
+    assert (few["error_ratio"].candidate_n, few["error_ratio"].baseline_n) == (330, 314)
+    enough = by_gate(judge(gates, stats(n=330, samples=50), stats(n=314)))
+    assert enough["ttft_p99_ms"].state == "pass"
 
 
 # --- RolloutController ----------------------------------------------------------------------------------
@@ -1983,6 +2014,7 @@ def test_a_latency_gate_leaves_a_fresh_workers_first_slow_requests_out(tmp_path:
         )
     for version, events in (("v1", stable), ("v2", cold), ("v3", slow)):
         assert found[version].ttft_p99_ms == stats_of(events, PriceTable()).ttft_p99_ms, version
+        assert found[version].ttft_n == stats_of(events, PriceTable()).ttft_n == len(events), version
     assert found["v2"].ttft_p99_ms == 24.0, "the three cold requests left out"
     gates = RolloutGates(min_requests=50)
     passed = by_gate(judge(gates, found["v2"], found["v1"]))["ttft_p99_ms"]
