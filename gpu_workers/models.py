@@ -332,7 +332,31 @@ def add_version(model_id: str, source: Path, root: Path, task: Task | None = Non
                 "requests with one tokenizer per model id, so a version must keep it; register a model "
                 "with another tokenizer under a new model id"
             )
+    for weights in sorted(source.glob("*.safetensors")):
+        check_safetensors(weights)
     return prepare_hf_dir(model_id, source, root, task, point=False)
+
+
+def check_safetensors(path: Path) -> None:
+    """A ``.safetensors`` file whole, as its header describes it (``ModelError`` if not): an audit registered
+    a truncated file without a word, and the candidate's workers then failed to load it at every restart
+    while the rollout waited for one to be ready."""
+    size = path.stat().st_size
+    with path.open("rb") as file:
+        prefix = file.read(8)
+        length = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+        header = file.read(length) if 0 < length <= size - 8 else b""
+    try:
+        tensors: dict[str, Any] = json.loads(header)
+        ends = [int(t["data_offsets"][1]) for name, t in tensors.items() if name != "__metadata__"]
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+        raise ModelError(f"{path} is not a safetensors file (its header cannot be read)") from None
+    expected = 8 + length + max(ends, default=0)
+    if size != expected:
+        raise ModelError(
+            f"{path} is {size} bytes where its header describes {expected}: "
+            f"{'truncated' if size < expected else 'more than its tensors'}, copy it again"
+        )
 
 
 @dataclass(frozen=True)

@@ -292,6 +292,29 @@ def test_add_version_refuses_another_tokenizer_or_task(minilm_source: Path, tmp_
     assert len(list_versions(root, "all-minilm-l6-v2")) == 1  # nothing was registered
 
 
+def test_add_version_refuses_a_truncated_or_unreadable_weights_file(
+    minilm_source: Path, tmp_path: Path
+) -> None:
+    """An operator audit: a version whose model.safetensors was cut short registered without a word; its
+    workers then failed to load it at every restart, while the rollout waited for one to be ready."""
+    root = tmp_path / "models"
+    prepare_hf_dir("all-minilm-l6-v2", minilm_source, root)
+    cut = _variant(minilm_source, tmp_path, "cut", "f")
+    (weights,) = cut.glob("*.safetensors")
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) - 1000])
+    with pytest.raises(
+        ModelError, match=r"model\.safetensors is \d+ bytes where its header describes \d+: truncated"
+    ):
+        add_version("all-minilm-l6-v2", cut, root)
+    weights.write_bytes(b"not a safetensors file at all")
+    with pytest.raises(ModelError, match="not a safetensors file"):
+        add_version("all-minilm-l6-v2", cut, root)
+    weights.write_bytes(data)
+    assert add_version("all-minilm-l6-v2", cut, root).is_dir()  # whole again: it registers
+    assert len(list_versions(root, "all-minilm-l6-v2")) == 2
+
+
 def test_configure_openmp_sets_the_policy_before_torch_loads(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.delitem(sys.modules, "torch", raising=False)
