@@ -88,6 +88,7 @@ class _Stay:
     budget_ratio: float = 0.0
     chunks: int = 0
     tokens: int = 0
+    first_token_ns: int | None = None
 
 
 class WorkerObserver:
@@ -110,6 +111,8 @@ class WorkerObserver:
         stay = self._stays.setdefault(request_id, _Stay())
         stay.chunks += 1
         stay.tokens += tokens
+        if tokens and stay.first_token_ns is None:
+            stay.first_token_ns = time.time_ns()
 
     def streamed(self, request_id: str) -> int | None:
         """How many tokens of the request's answer were published here, or None where no chunk was."""
@@ -122,6 +125,13 @@ class WorkerObserver:
         if stay is None or stay.joined_ns is None:
             return None
         return datetime.fromtimestamp(stay.joined_ns / 1e9, UTC)
+
+    def first_token_at(self, request_id: str) -> datetime | None:
+        """When the first chunk with a token of the request's answer was published here (None: none was)."""
+        stay = self._stays.get(request_id)
+        if stay is None or stay.first_token_ns is None:
+            return None
+        return datetime.fromtimestamp(stay.first_token_ns / 1e9, UTC)
 
     def forget(self, request_id: str) -> None:
         """A request that ends here without a terminal event (another worker's is on the log)."""

@@ -897,8 +897,9 @@ class WorkerService(Component):
         return len(released) - ended, ended
 
     def _end_retired(self, arrival: Arrival, tokens: int) -> None:
-        """End a request cut part-way through its streamed answer (``tokens`` of it, which the tenant is
-        charged for): retriable, so the client asks again and gets one version's answer whole."""
+        """End a request cut part-way through its streamed answer (``tokens`` of it: a failure, billed
+        nothing): retriable, so the client asks again and gets one version's answer whole. Its timings
+        carry the first token the client had (an audit found its row without one)."""
         origin = Origin(self.source, self.worker_id)
         event = arrival.event
         prompt = len(event.input_ids) if isinstance(event, GenerationRequested) else 0
@@ -910,7 +911,10 @@ class WorkerService(Component):
         )
         usage = Usage(prompt_tokens=prompt, completion_tokens=tokens, total_tokens=prompt + tokens)
         timings = Timings(
-            accepted=event.time, started=self._observer.joined_at(event.request_id), finished=utc_now()
+            accepted=event.time,
+            started=self._observer.joined_at(event.request_id),
+            first_token=self._observer.first_token_at(event.request_id),
+            finished=utc_now(),
         )
         self._publish_finish(
             arrival, origin.finished(arrival, "failed", "error", usage, error=error, timings=timings)

@@ -246,9 +246,10 @@ def test_what_still_runs_half_the_grace_after_a_rollback_is_cut(streamed: bool) 
         assert ended.error is not None
         assert (ended.error.code, ended.error.retriable) == ("version_retired", True)
         assert (ended.usage.prompt_tokens, ended.usage.completion_tokens) == (1, 1), (
-            "what it streamed is paid for"
+            "what it streamed is counted"
         )
         assert ended.timings.accepted == event.time
+        assert ended.timings.first_token is not None, "the client had a first token (an audit: none)"
         while h.producer.pending:
             h.deliver(0, ok=True)
     else:
