@@ -291,6 +291,7 @@ class WorkerService(Component):
             if time.monotonic() >= deadline:
                 raise BusError(f"worker for {self.model_id} did not load within {timeout:.0f}s")
         if isinstance(self.failure, GpuWorkerError | ManifestError):
+            self._say_unloadable(self.failure)
             raise self.failure  # the model cannot load: the caller says how to fix it, not a traceback
         if self.failure is not None:
             raise BusError(f"worker for {self.model_id} failed to start: {self.failure}") from self.failure
@@ -615,6 +616,27 @@ class WorkerService(Component):
         self._producer.produce(self._names.control, event, on_delivery=delivered)
         after = f" (deployment {event.deployment})" if event.deployment else " (no deployment yet)"
         log.info("worker %s (%s): ready%s", self.worker_id, self.version, after)
+
+    SAY_UNLOADABLE_S = 5.0
+
+    def _say_unloadable(self, failure: BaseException) -> None:
+        """A version's worker that cannot load its model says why on the control topic before it fails
+        (``WorkerReady.error``): a rollout warming the version is rolled back with that reason at once."""
+        if not self.version:
+            return
+        event = WorkerReady(
+            tenant="",
+            model=self.model_id,
+            source=self.source,
+            version=self.version,
+            worker=self.worker_id,
+            deployment=self._deployment_id,
+            error=str(failure)[:2000] or type(failure).__name__,
+        )
+        said = threading.Event()
+        self._producer.produce(self._names.control, event, on_delivery=lambda err, _where: said.set())
+        if not said.wait(self.SAY_UNLOADABLE_S):
+            log.warning("worker %s: could not say on the control topic that it cannot load", self.worker_id)
 
     def _serve(self) -> None:
         try:

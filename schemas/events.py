@@ -696,6 +696,11 @@ class WorkerReady(Envelope, frozen=True, kw_only=True, tag="worker_ready"):
     """The worker's id (``SLUICE_WORKER_ID``)."""
     deployment: str = ""
     """The id of the model's latest ``DeploymentChanged`` this worker had read ("" before any)."""
+    error: str = ""
+    """Not ready, ever: why this worker could not load the version (its files are missing, cut short or
+    not a model this platform serves), said before it exits. A rollout warming the version is rolled back
+    at once with it, where it waited for its ready timeout while the worker restarted and failed again
+    (an operator audit)."""
 
 
 DriftVerdict = Literal["reference", "no_drift", "drift", "insufficient_data", "data_quality"]

@@ -465,11 +465,14 @@ def start_rollout(
 
 def warm(current: DeploymentChanged, ready: WorkerReady | None, now: datetime) -> DeploymentChanged | None:
     """The next deployment of a warming rollout: its first step once a worker of the candidate said it is
-    ready for this deployment (``ready``), a rollback once ``ready_timeout_s`` passed without one;
-    otherwise None."""
+    ready for this deployment (``ready``), a rollback once one said it cannot load the candidate
+    (``ready.error``) or ``ready_timeout_s`` passed without either; otherwise None."""
     if current.phase != "warming" or current.candidate is None:
         return None
     if ready is not None and (ready.deployment, ready.version) == (current.id, current.candidate):
+        if ready.error:
+            why = f"automatic rollback: a worker of {current.candidate} cannot load it: {ready.error}"
+            return roll_back(current, now, why, [], "controller")
         why = f"{current.candidate} is ready (worker {ready.worker})"
         return advance(current, now, why, [], "controller")
     gates = current.gates or RolloutGates()

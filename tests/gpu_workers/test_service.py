@@ -23,6 +23,7 @@ from bus.consumer import ConsumerThread, consumer_config
 from bus.control import read_control
 from bus.positions import watermarks
 from bus.producer import EventProducer
+from gpu_workers import GpuWorkerError
 from gpu_workers.main import make_worker
 from gpu_workers.service import WorkerService
 from gpu_workers.settings import WorkerSettings
@@ -44,7 +45,7 @@ from schemas.events import (
     utc_now,
 )
 from schemas.ids import uuid7
-from schemas.manifest import read_manifest
+from schemas.manifest import ManifestError, read_manifest
 from schemas.settings import KafkaConnection, PlatformSettings
 from schemas.topics import TopicNames
 from tests.conftest import versioned_cache
@@ -964,6 +965,38 @@ async def test_a_worker_says_it_is_ready_at_start_and_for_each_rollout_warming_i
             await producer.publish(names.control, _deployment(stable, 0.1))
             await asyncio.sleep(1.0)
             assert len(ready("wc")) == 2
+
+
+async def test_a_worker_that_cannot_load_its_version_says_why_before_it_fails(
+    kafka: KafkaConnection,
+    names: TopicNames,
+    two_versions: tuple[PlatformSettings, str],
+    producer: EventProducer,
+    tmp_path: Path,
+) -> None:
+    """An operator audit: a candidate whose weights were cut short crash-looped its workers until the
+    rollout's ready timeout, and nothing said why. Its worker says so on the control topic
+    (``WorkerReady.error``, for the deployment it read) and fails."""
+    platform, stable = two_versions
+    warming = msgspec.structs.replace(_deployment(stable, 0.0), phase="warming")
+    await producer.publish(names.control, warming)
+    (weights,) = (tmp_path / "cache").glob(f"models/demo-gpt/{CANDIDATE}/*.safetensors")
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with contextmanager(_listen)(kafka, names.control) as log:
+        worker = _version_worker(platform, CANDIDATE, "wc")
+        with pytest.raises((GpuWorkerError, ManifestError)) as failed:
+            worker.start()
+        worker.stop()
+        log.wait(lambda: bool(_unloadable(log)), timeout=30)
+        (said,) = _unloadable(log)
+        assert (said.version, said.worker, said.deployment) == (CANDIDATE, "wc", warming.id)
+        assert said.error
+        assert said.error in str(failed.value)
+
+
+def _unloadable(log: Log) -> list[WorkerReady]:
+    with log.lock:
+        return [e for e in log.events if isinstance(e, WorkerReady) and e.error]
 
 
 async def test_a_rollout_started_while_a_worker_reads_the_control_topic_is_not_missed(

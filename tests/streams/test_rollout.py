@@ -998,6 +998,25 @@ def test_a_warming_rollout_waits_for_its_ready_timeout_then_rolls_back() -> None
     assert Deployment.of(back).serving == frozenset({"v1"})
 
 
+def test_a_candidate_a_worker_cannot_load_is_rolled_back_at_once_with_why() -> None:
+    """An operator audit: a candidate whose weights were cut short crash-looped its workers for the whole
+    ready timeout (10 minutes by default) while `rollout status` said only that it waited. A worker that
+    cannot load the version says why (``WorkerReady.error``), and the rollout is rolled back with it."""
+    begun = warming(gates=RolloutGates(ready_timeout_s=600))
+    failed = msgspec.structs.replace(ready(begun), error="model.safetensors: incomplete metadata")
+    back = warm(begun, failed, T0 + timedelta(seconds=5))
+    assert back is not None
+    assert (back.phase, back.action, back.actor) == ("rolled_back", "rollback", "controller")
+    assert (
+        back.reason
+        == "automatic rollback: a worker of v2 cannot load it: model.safetensors: incomplete metadata"
+    )
+    older = msgspec.structs.replace(failed, deployment="an-older-deployment")
+    assert warm(begun, older, T0 + timedelta(seconds=5)) is None, (
+        "another rollout's failure is not this one's"
+    )
+
+
 def test_only_the_candidates_readiness_for_this_deployment_counts() -> None:
     begun = warming()
     other = msgspec.structs.replace(begun, id="an-older-deployment")
