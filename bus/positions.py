@@ -304,9 +304,7 @@ def start_at_peers(
                 lambda: consumer.commit(offsets=offsets, asynchronous=False), f"{group}'s start", timeout_s
             )
         except BusError as exc:  # the group has members (UNKNOWN_MEMBER_ID): their positions stand
-            log.info(
-                "%s starts from its own positions on %s (its start was not moved: %s)", group, topic, exc
-            )
+            log.debug("%s is not moved on %s: it has members, or the commit failed (%s)", group, topic, exc)
             return {}
         return {tp.partition: tp.offset for tp in done or () if tp.error is None}
     finally:

@@ -952,7 +952,9 @@ class RolloutController:
         if latest is not None and latest is not before:
             self._check_outranked(latest, at)  # followed while this was published
         self._follow(decision, placed, read=False)
-        log.warning("rollout %s: %s", model, decision.reason)
+        # a rollback is what an operator must look at; a step or a promotion is the rollout going well
+        level = logging.WARNING if decision.action == "rollback" else logging.INFO
+        log.log(level, "rollout %s: %s", model, decision.reason)
         return True
 
     async def evaluate(self, current: DeploymentChanged) -> list[GateResult]:
