@@ -343,7 +343,7 @@ def rollout_status(
     from infra.warehouse import WarehouseError
     from schemas.events import RolloutGates, utc_now
     from schemas.topics import TopicNames
-    from sluice.cli import _cell, console, out, settings
+    from sluice.cli import console, out, settings
     from sluice.rollout import CLIENT_ID, GATE_STYLES, PHASE_COLOURS, live_gates
     from streams.rollout import step_age
 
@@ -363,14 +363,16 @@ def rollout_status(
         return
     table = Table("model", "phase", "stable", "candidate", "traffic", "step", "shadow", "since", "reason")
     for d in shown:
-        traffic = ", ".join(f"{v} {s:.0%}" for v, s in d.traffic.items())
+        # the stable version first; a promoted candidate is the stable version now, not a candidate
+        ordered = sorted(d.traffic.items(), key=lambda item: (item[0] != d.stable, item[0]))
+        traffic = ", ".join(f"{v} {s:.0%}" for v, s in ordered)
         step = f"{d.step + 1}/{len(d.steps)}" if d.steps else ""
         colour = PHASE_COLOURS.get(d.phase, "")
         table.add_row(
             d.model,
             d.phase,
             d.stable,
-            d.candidate or "",
+            d.candidate if d.candidate and d.candidate != d.stable else "-",
             traffic,
             step,
             f"{d.shadow:.0%}",
@@ -410,11 +412,16 @@ def rollout_status(
             gate_table.add_row(
                 g.gate,
                 g.state,
-                _cell(g.candidate),
-                _cell(g.baseline),
-                _cell(g.limit),
+                _gate_value(g.candidate),
+                _gate_value(g.baseline),
+                _gate_value(g.limit),
                 f"{g.candidate_n}/{g.baseline_n}",
                 g.detail,
                 style=GATE_STYLES.get(g.state, ""),
             )
         out.print(gate_table)
+
+
+def _gate_value(value: float | None) -> str:
+    """A gate's number as a person reads it: six significant digits, ``-`` for none."""
+    return "-" if value is None else f"{value:.6g}"

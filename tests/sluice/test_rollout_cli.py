@@ -536,6 +536,7 @@ def test_status_of_an_embeddings_canary_shows_the_gates_that_do_not_apply(
     itl = next(line for line in lines if "itl_p99_ms" in line)
     assert "not_applicable" in itl
     assert "no request of either version has an inter-token gap" in itl
+    assert "None" not in itl, "a value a gate does not have is '-' (an audit read None)"
     ttft = next(line for line in lines if "ttft_p99_ms" in line)
     assert "pass" in ttft
     assert "embeddings: end-to-end p99" in ttft
