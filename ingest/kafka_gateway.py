@@ -275,18 +275,23 @@ class KafkaGateway(AsyncComponent):
                 event = decode(message.value() or b"")
             except DecodeError:
                 continue
-            if not self._control_seen.is_set():
+            caught_up = self._control_seen.is_set()
+            if not caught_up:
                 part, offset = message.partition() or 0, message.offset() or 0
                 if offset + 1 >= self._control_ends.get(part, 0):
                     self._control_ends[part] = 0
                 if not any(self._control_ends.values()):
                     self._control_seen.set()
+                    for model, latest in sorted(self._deployments.items()):  # the history read: its end
+                        if not (isinstance(event, DeploymentChanged) and event.model == model):
+                            log.info("deployment of %s: %s", model, latest)
             if isinstance(event, DeploymentChanged):
                 deployment = Deployment.of(event)
                 if self.on_deploy is not None:
                     self.on_deploy(event.model, deployment)
                 self._deployments[event.model] = deployment
-                log.info("deployment of %s: %s", event.model, deployment)
+                if self._control_seen.is_set():  # not each of the history's (a line per rollout ever)
+                    log.info("deployment of %s: %s", event.model, deployment)
             elif isinstance(event, BudgetStateChanged):
                 if event.exhausted:
                     self._exhausted.add(event.tenant)

@@ -163,3 +163,49 @@ def test_the_quota_and_claims_listeners_skip_what_msgspec_cannot_read(value: byt
     records = [_Record(value, 7)]
     gateway._on_quota(records)  # type: ignore[arg-type]  # logged and skipped: no exception
     gateway._on_claims(records)  # type: ignore[arg-type]
+
+
+async def test_the_deployments_read_at_start_are_logged_once_each_then_every_change(
+    gateway: KafkaGateway, kafka: KafkaConnection, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An operator audit: an edge logged every deployment the control topic still held at start, a line
+    per rollout ever (20 at its third start). It logs where the history ends, then each change."""
+    import logging
+
+    from schemas.codec import encode, kafka_key
+    from schemas.events import DeploymentChanged
+
+    def deployed(share: float) -> DeploymentChanged:
+        traffic = {"v1": 1.0 - share, "v2": share}
+        return DeploymentChanged(
+            tenant="", model="demo-gpt", source="test", version="v2", action="deploy", traffic=traffic,
+            reason="", stable="v1", candidate="v2", phase="canary", steps=[share, 1.0],
+        )  # fmt: skip
+
+    producer = Producer(kafka.client_config())
+    for share in (0.1, 0.2, 0.3, 0.4):
+        event = deployed(share)
+        producer.produce(gateway._names.control, encode(event), kafka_key(event))
+    assert producer.flush(10) == 0
+    with caplog.at_level(logging.INFO, logger="ingest.kafka_gateway"):
+        async with gateway:
+
+            def said() -> list[str]:
+                return [r.getMessage() for r in caplog.records if "deployment of demo-gpt" in r.getMessage()]
+
+            for _ in range(500):
+                if said():
+                    break
+                await asyncio.sleep(0.02)
+            assert gateway.ready()
+            (start,) = said()
+            assert "share=0.4" in start
+            event = deployed(0.5)
+            producer.produce(gateway._names.control, encode(event), kafka_key(event))
+            assert producer.flush(10) == 0
+            for _ in range(500):
+                if len(said()) == 2:
+                    break
+                await asyncio.sleep(0.02)
+            assert len(said()) == 2
+            assert "share=0.5" in said()[1]
