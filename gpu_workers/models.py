@@ -478,7 +478,12 @@ def _load(model_dir: Path, device: str, task: Task) -> LoadedModel:
         # thread): make it the model's, e.g. cuda:1
         torch.cuda.set_device(target.index)
     loader = AutoModelForCausalLM if task == "generation" else AutoModel
-    model = loader.from_pretrained(str(model_dir), local_files_only=True, dtype=torch.float32)
+    try:
+        model = loader.from_pretrained(str(model_dir), local_files_only=True, dtype=torch.float32)
+    except (OSError, ValueError, TypeError, KeyError, RuntimeError) as exc:  # its files, not this worker
+        # a ModelError: the worker says why on the control topic, and a rollout of it is rolled back at
+        # once (an operator audit: a config transformers refuses crash-looped the candidate's workers)
+        raise ModelError(f"{model_dir} does not load as a {task} model: {exc}") from exc
     model.to(target)  # type: ignore[arg-type]
     model.eval()
     model.requires_grad_(False)

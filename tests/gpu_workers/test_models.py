@@ -377,3 +377,18 @@ def test_a_worker_loads_its_model_without_importing_scikit_learn(demo_gpt_dir: P
         check=True,
     )
     assert control.stdout.strip().splitlines()[-1] == "True"
+
+
+def test_a_version_transformers_cannot_build_fails_to_load_as_a_model_error(
+    demo_gpt_dir: Path, tmp_path: Path
+) -> None:
+    """Found under `sluice up`: a version whose config transformers refuses (its width not divisible by its
+    heads) failed its worker with a ValueError, which is no load error the worker names on the control
+    topic, so the rollout waited its whole ready timeout. It is a ``ModelError`` that says which files."""
+    source = tmp_path / "bad"
+    shutil.copytree(demo_gpt_dir, source, ignore=shutil.ignore_patterns(MANIFEST_FILE, ".*"))
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "n_embd": config["n_embd"] + 2}))
+    added = add_version(DEMO_GPT_ID, source, tmp_path / "models", "generation")
+    with pytest.raises(ModelError, match=r"does not load as a generation model: .*divisible"):
+        load_generation_model(added, "cpu")
