@@ -599,14 +599,7 @@ class WorkerService(Component):
         """``WorkerReady`` for the latest deployment this worker read, on the control topic. An
         announcement Kafka did not take is made again."""
         self._announce = False
-        event = WorkerReady(
-            tenant="",
-            model=self.model_id,
-            source=self.source,
-            version=self.version,
-            worker=self.worker_id,
-            deployment=self._deployment_id,
-        )
+        event = self._announcement()
 
         def delivered(err: BusError | None, _where: Position | None) -> None:
             if err is not None:
@@ -617,6 +610,19 @@ class WorkerService(Component):
         after = f" (deployment {event.deployment})" if event.deployment else " (no deployment yet)"
         log.info("worker %s (%s): ready%s", self.worker_id, self.version, after)
 
+    def _announcement(self, error: str = "") -> WorkerReady:
+        """This worker's readiness announcement for the latest deployment it read (``error``: it cannot
+        load its version)."""
+        return WorkerReady(
+            tenant="",
+            model=self.model_id,
+            source=self.source,
+            version=self.version,
+            worker=self.worker_id,
+            deployment=self._deployment_id,
+            error=error,
+        )
+
     SAY_UNLOADABLE_S = 5.0
 
     def _say_unloadable(self, failure: BaseException) -> None:
@@ -624,15 +630,7 @@ class WorkerService(Component):
         (``WorkerReady.error``): a rollout warming the version is rolled back with that reason at once."""
         if not self.version:
             return
-        event = WorkerReady(
-            tenant="",
-            model=self.model_id,
-            source=self.source,
-            version=self.version,
-            worker=self.worker_id,
-            deployment=self._deployment_id,
-            error=str(failure)[:2000] or type(failure).__name__,
-        )
+        event = self._announcement(error=str(failure)[:2000] or type(failure).__name__)
         said = threading.Event()
         self._producer.produce(self._names.control, event, on_delivery=lambda err, _where: said.set())
         if not said.wait(self.SAY_UNLOADABLE_S):
