@@ -291,9 +291,7 @@ def start_at_peers(
             return {tp.partition: tp.offset for tp in found}
 
         theirs = [committed_by(peer) for peer in peers]
-        if not behind_peers(committed_by(group), theirs):
-            return {}
-        # Its own again, just before the commit: a last member leaving meanwhile may have committed further
+        # Its own last, just before the commit: a last member leaving meanwhile may have committed further
         # (the commit below would move it back).
         moved = behind_peers(committed_by(group), theirs)
         if not moved:

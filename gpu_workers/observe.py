@@ -91,6 +91,10 @@ class _Stay:
     first_token_ns: int | None = None
 
 
+def _utc(ns: int | None) -> datetime | None:
+    return None if ns is None else datetime.fromtimestamp(ns / 1e9, UTC)
+
+
 class WorkerObserver:
     """Per-request bookkeeping for metrics and spans (model thread)."""
 
@@ -122,16 +126,12 @@ class WorkerObserver:
     def joined_at(self, request_id: str) -> datetime | None:
         """When the request joined its first batch here (None: it did not)."""
         stay = self._stays.get(request_id)
-        if stay is None or stay.joined_ns is None:
-            return None
-        return datetime.fromtimestamp(stay.joined_ns / 1e9, UTC)
+        return _utc(stay.joined_ns if stay is not None else None)
 
     def first_token_at(self, request_id: str) -> datetime | None:
         """When the first chunk with a token of the request's answer was published here (None: none was)."""
         stay = self._stays.get(request_id)
-        if stay is None or stay.first_token_ns is None:
-            return None
-        return datetime.fromtimestamp(stay.first_token_ns / 1e9, UTC)
+        return _utc(stay.first_token_ns if stay is not None else None)
 
     def forget(self, request_id: str) -> None:
         """A request that ends here without a terminal event (another worker's is on the log)."""
