@@ -24,6 +24,7 @@ from schemas.events import (
     DriftReport,
     Envelope,
     Event,
+    PricesChanged,
     WorkerReady,
     WorkersScaled,
     event_type_name,
@@ -190,6 +191,8 @@ def kafka_key(event: Event) -> bytes:
             return f"ready:{event.model}:{event.version}".encode()
         case DriftRebaselined():
             return f"rebaseline:{event.model}:{event.version}".encode()
+        case PricesChanged():  # a key per version: compaction keeps every table ever published
+            return f"prices:{event.prices.version}".encode()
         case DriftReport():
             return f"drift:{event.model}".encode()
         case DeadLetter():

@@ -20,6 +20,7 @@ from typing import Annotated, ClassVar, Literal, TypeAlias, TypedDict
 import msgspec
 
 from schemas.ids import UUID7_PATTERN, uuid7
+from schemas.prices import PriceTable
 
 UtcDatetime = Annotated[datetime, msgspec.Meta(tz=True)]
 """Decoding rejects naive times; ``__post_init__`` rejects offsets other than UTC."""
@@ -685,6 +686,23 @@ class DriftRebaselined(Envelope, frozen=True, kw_only=True, tag="drift_rebaselin
     actor: str = ""
 
 
+class PricesChanged(Envelope, frozen=True, kw_only=True, tag="prices_changed"):
+    """A price table in force from ``effective`` on (key ``prices:<version>`` on the compacted control
+    topic: every version ever published stays, so the log holds the whole price history). A request is
+    priced by the table in force when it was accepted, live and in ``sluice replay`` alike. The streams
+    worker publishes its price file's table when the log does not hold that version yet; a version is
+    never changed once published. Audited in ``admin:<key>``."""
+
+    prices: PriceTable
+    effective: UtcDatetime
+    """Requests accepted from this moment on are priced by ``prices`` (until a later table's)."""
+    actor: str = ""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _require_utc("effective", self.effective)
+
+
 class WorkerReady(Envelope, frozen=True, kw_only=True, tag="worker_ready"):
     """A worker of one model version has loaded its model and owns request partitions: it can serve now
     (key ``ready:<model>:<version>`` on the compacted control topic). A worker says so when it first
@@ -797,6 +815,7 @@ Event: TypeAlias = (
     | WorkersScaled
     | WorkerReady
     | DriftRebaselined
+    | PricesChanged
 )
 
 EVENT_TYPES: tuple[type[Envelope], ...] = (
@@ -817,6 +836,7 @@ EVENT_TYPES: tuple[type[Envelope], ...] = (
     WorkersScaled,
     WorkerReady,
     DriftRebaselined,
+    PricesChanged,
 )
 
 REQUEST_TYPES: tuple[type[RequestCommon], ...] = (GenerationRequested, EmbeddingRequested, BatchItemRequested)

@@ -31,6 +31,7 @@ from schemas.events import (
     Float32Vectors,
     GateResult,
     GenerationRequested,
+    PricesChanged,
     ReplyTo,
     RequestFinished,
     RolloutGates,
@@ -43,6 +44,7 @@ from schemas.events import (
     WorkersScaled,
 )
 from schemas.ids import uuid7_from_parts
+from schemas.prices import ModelPrice, PriceTable
 
 T0 = datetime(2026, 11, 22, 9, 30, 0, 125000, tzinfo=UTC)
 TENANT = "acme"
@@ -341,5 +343,16 @@ def example_events() -> list[Event]:
             version="530b56af490a",
             reason="a new tenant onboarded: French prompts are expected from now on",
             actor="operator",
+        ),
+        PricesChanged(
+            **(_env(17, "streams", "") | {"tenant": "", "model": ""}),
+            prices=PriceTable(
+                version="2026-12",
+                batch_discount_percent=50,
+                default=ModelPrice(prompt=100, completion=400),
+                models={"demo-gpt": ModelPrice(prompt=150, completion=600, worker_second=2)},
+            ),
+            effective=_at(17),
+            actor="streams",
         ),
     ]

@@ -287,7 +287,7 @@ def run_replay(
     from infra.errors import InfraError
     from infra.warehouse import migrate, open_warehouse
     from streams.pricing import PricingError, load_prices
-    from streams.replay import DEFAULT_STALL_TIMEOUT_S, TABLES, ReplayError, replay
+    from streams.replay import DEFAULT_STALL_TIMEOUT_S, TABLES, ReplayError, price_history, replay
     from streams.service import apply_retention, request_topics
 
     try:
@@ -315,6 +315,15 @@ def run_replay(
             )
             return 1
         topics = request_topics(platform)
+        history = price_history(platform, prices)
+        published = ", ".join(
+            f"{escape(t.version)} from {at.isoformat(timespec='seconds')}" for at, t in history.tables()
+        )
+        console.print(
+            f"prices: as the log's history says ({published})"
+            if published
+            else f"prices: the log holds no price table; every request is priced by {escape(prices.version)}"
+        )
         with Progress(
             "[progress.description]{task.description}",
             BarColumn(),
@@ -326,7 +335,7 @@ def run_replay(
             report = replay(
                 platform,
                 client,
-                prices,
+                history,
                 topics,
                 store_content=settings.streams_store_content,
                 batch_size=settings.streams_batch_size,

@@ -68,8 +68,10 @@ from schemas.events import (
     DriftRebaselined,
     DriftReport,
     Event,
+    PricesChanged,
     RequestFinished,
     WorkersScaled,
+    utc_now,
 )
 from schemas.lifecycle import AsyncComponent
 from schemas.settings import PlatformSettings
@@ -91,7 +93,7 @@ from streams.anchor import (
 from streams.audit import AuditHead, admin_entry, audit_row, request_entry
 from streams.control import SPEND_TODAY, Controller, WindowCounts, burn_sql
 from streams.drift import Baseline, DriftMonitor, report_row
-from streams.pricing import PriceTable
+from streams.pricing import PriceHistory, PriceTable, PricingError
 from streams.rollout import FAST_WINDOWS, RolloutController
 from streams.settings import StreamsSettings
 from streams.sink import Batch, Consumed, Rows, insert, query_rows
@@ -188,7 +190,10 @@ class StreamsApp(AsyncComponent):
         names = TopicNames(platform.topic_prefix)
         self.names = names
         self._writer = writer
-        self._rows = Rows(prices, store_content=settings.streams_store_content, topics=names)
+        self._file_prices = prices
+        self.prices = PriceHistory(prices)
+        """The price tables on the log (the file's is published at start when the log lacks its version)."""
+        self._rows = Rows(self.prices, store_content=settings.streams_store_content, topics=names)
         self._producer = producer
         self._on_batch = on_batch
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="warehouse-writer")
@@ -251,6 +256,8 @@ class StreamsApp(AsyncComponent):
         places = {event.id: at for event, at in placed}
         self.rollout.seed(control, places)  # resume where the log says
         self._observe_rebaselines(control)
+        self.prices.observe(control)
+        await self._publish_prices()
         if self._controller is not None:
             # The budget states last announced, from the log itself: the warehouse may not hold the last
             # one yet (a process stopped right after announcing it), and a state the controller does not
@@ -275,6 +282,32 @@ class StreamsApp(AsyncComponent):
             on_failure=self.fail,
         )
         await asyncio.to_thread(self._sink.start)
+
+    async def _publish_prices(self) -> None:
+        """Put the price file's table on the log, in force from now, unless the log holds its version: a
+        published version never changes (a file that changed its prices but not its version is refused,
+        or a rebuild could not tell which prices a row was priced by)."""
+        table, now = self._file_prices, utc_now()
+        published = self.prices.published(table.version)
+        if published is not None and published != table:
+            raise PricingError(
+                f"price table {table.version!r} is on the log with other prices: a published table never "
+                "changes; give the new prices a new version (the file's `version`)"
+            )
+        if published is not None:
+            if (current := self.prices.at(now)).version != table.version:
+                # publishing it again would compact away when it was first in force
+                raise PricingError(
+                    f"price table {table.version!r} was replaced by {current.version!r}: to price by it "
+                    "again, publish its prices under a new version (the file's `version`)"
+                )
+            return
+        event = PricesChanged(
+            tenant="", model="", source=SOURCE, time=now, prices=table, effective=now, actor="streams"
+        )
+        await self._producer.publish(self.names.control, event)
+        self.prices.add(event)
+        log.info("prices: %s published on %s, in force from %s", table.version, self.names.control, now)
 
     async def stop(self) -> None:
         sink, self._sink = self._sink, None
@@ -673,6 +706,7 @@ class StreamsApp(AsyncComponent):
         control = [event for event, _ in placed]
         self.rollout.seed(control, {event.id: at for event, at in placed})
         self._observe_rebaselines(control)
+        self.prices.observe(control)
 
     async def reanchor(self) -> None:
         """Bring every chain's head up to the audit topic's end now, before records of partitions this
@@ -735,7 +769,7 @@ class StreamsApp(AsyncComponent):
         if record.topic == self.names.results:
             return isinstance(event, RequestFinished)
         return record.topic == self.names.control and isinstance(
-            event, BudgetStateChanged | DeploymentChanged | WorkersScaled | DriftRebaselined
+            event, BudgetStateChanged | DeploymentChanged | WorkersScaled | DriftRebaselined | PricesChanged
         )
 
 
@@ -777,6 +811,13 @@ def admin_action(head: AuditHead | None, chain: str, event: Event, origin: dict[
     elif isinstance(event, DriftRebaselined):
         action, resource, decision = "drift.rebaseline", f"model:{event.model}", event.version
         details = {"reason": event.reason, "actor": event.actor}
+    elif isinstance(event, PricesChanged):
+        action, resource, decision = "prices.publish", f"prices:{event.prices.version}", event.prices.version
+        details = {
+            "effective": event.effective.isoformat(),
+            "prices": msgspec.json.encode(event.prices, order="sorted").decode(),
+            "actor": event.actor,
+        }
     else:
         raise TypeError(f"{type(event).__name__} is not an administrative change")
 

@@ -1,8 +1,9 @@
 """A terminal event becomes its request's row in ``request_facts``: timings, tokens, cost, ids.
 
 ``RequestFinished`` carries everything (the worker copies what the request said into it), so a fact is a
-pure function of one event and the price table: a redelivered event gives the same row, and a replay of
-the log gives the same table.
+pure function of one event and the prices (the table in force when the request was accepted, from the
+price history on the log: :class:`streams.pricing.PriceHistory`): a redelivered event gives the same row,
+and a replay of the log gives the same table.
 
 A batch line's terminal event names its line (``RequestFinished.batch``): its row carries the batch id,
 custom id, index and attempt, and its cost is the batch price (:meth:`PriceTable.cost_nanos`, ``batch``).
@@ -16,7 +17,7 @@ from typing import Any
 
 from schemas.events import RequestFinished
 from schemas.ids import uuid7_unix_ms
-from streams.pricing import PriceTable
+from streams.pricing import Prices
 
 FACT_COLUMNS = (
     "request_id", "tenant", "model", "model_version", "kind", "stream", "edge_id", "worker_id", "status",
@@ -46,10 +47,12 @@ def trace_id(traceparent: str | None) -> str:
     return parts[1] if len(parts) == 4 else ""
 
 
-def fact_row(event: RequestFinished, prices: PriceTable) -> list[Any]:
-    """The ``request_facts`` row of a terminal event, in :data:`FACT_COLUMNS` order."""
+def fact_row(event: RequestFinished, prices: Prices) -> list[Any]:
+    """The ``request_facts`` row of a terminal event, in :data:`FACT_COLUMNS` order, priced by the table in
+    force when the request was accepted."""
     timings = event.timings
     accepted = accepted_at(event)
+    table = prices.at(accepted)
     finished = timings.finished or event.time
     generation = event.kind != "embedding"
     first_token = timings.first_token if generation else None
@@ -66,7 +69,7 @@ def fact_row(event: RequestFinished, prices: PriceTable) -> list[Any]:
     cost = (
         0
         if event.status == "failed" or unrun
-        else prices.cost_nanos(
+        else table.cost_nanos(
             event.model, event.usage.prompt_tokens, completion, worker_ms, batch=line is not None
         )
     )
@@ -95,7 +98,7 @@ def fact_row(event: RequestFinished, prices: PriceTable) -> list[Any]:
         completion,
         float(worker_ms),
         cost,
-        prices.version,
+        table.version,
         event.idempotency_key or "",
         trace_id(event.traceparent),
         max(0, int(event.time.timestamp() * 1000)),  # a UInt64 column: an event before 1970 versions 0

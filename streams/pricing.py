@@ -1,86 +1,49 @@
-"""The price table: what a request costs, exactly, in integer nano-USD.
+"""Prices: the price file the streams worker reads, and the price history on the log.
 
-Prices are integers in micro-USD per 1,000 tokens (and per worker-second), so a request's cost
-``prompt_tokens x prompt_price + completion_tokens x completion_price + worker_ms x worker_price`` is an
-integer number of nano-USD: no rounding anywhere, and any sum over the ledger is exact.
-
-Lines of an async batch (the Batch API) are billed at a discount, ``batch_discount_percent`` of the table
-(50 by default, as OpenAI's): a line's cost is ``full x (100 - percent) // 100``, rounded down to the
-nano-USD (in the client's favour, at most 1 nano-USD per line), so it stays an integer and sums stay exact.
-A TOML file::
-
-    version = "2026-11"
-    batch_discount_percent = 50
-    [default]
-    prompt = 100          # micro-USD per 1k prompt tokens ($0.10 per million)
-    completion = 400
-    [models.demo-gpt]
-    prompt = 150
-    completion = 600
-    worker_second = 0     # micro-USD per worker-second
+The table itself (exact integer prices, the batch discount) is a contract, :mod:`schemas.prices`, since it
+travels on the control topic: the streams worker publishes its file's table there (``PricesChanged``, key
+``prices:<version>``) when the log does not hold that version yet, and every request is priced by the
+table in force when it was accepted (:class:`PriceHistory`), live and in ``sluice replay`` alike. Before
+(2026-12-01), a rebuild priced every request with whatever file it ran with.
 """
 
 from __future__ import annotations
 
+import bisect
+import logging
 import tomllib
+from collections.abc import Iterable, Mapping
+from datetime import datetime
 from pathlib import Path
-from typing import Annotated
+from typing import Any, Protocol
 
 import msgspec
 
+from schemas.events import Event, PricesChanged
+from schemas.prices import MAX_MICROS, ModelPrice, PriceTable
 from streams import StreamsError
 
-MAX_MICROS = 10**9
-"""The highest price (1,000 USD per 1,000 tokens, or per worker second): with token counts bounded by the
-events' schema, a request's cost stays within the warehouse's UInt64 (an audit: a price of 1e23 loaded,
-and a cost past UInt64 was stored wrapped)."""
-Micros = Annotated[int, msgspec.Meta(ge=0, le=MAX_MICROS)]
-Percent = Annotated[int, msgspec.Meta(ge=0, le=100)]
+__all__ = [
+    "MAX_MICROS",
+    "ModelPrice",
+    "PriceHistory",
+    "PriceTable",
+    "Prices",
+    "PricingError",
+    "load_prices",
+]
+
+log = logging.getLogger(__name__)
 
 
 class PricingError(StreamsError, ValueError):
-    """The price table cannot be read."""
+    """The price table cannot be read, or contradicts the one the log holds under its version."""
 
 
-class ModelPrice(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    prompt: Micros = 100
-    """micro-USD per 1,000 prompt tokens"""
-    completion: Micros = 400
-    """micro-USD per 1,000 completion tokens"""
-    worker_second: Micros = 0
-    """micro-USD per second a worker held the request in a batch"""
+class Prices(Protocol):
+    """What prices a request: one table, or a history of them."""
 
-
-class PriceTable(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    version: str = "demo-2026-11"
-    batch_discount_percent: Percent = 50
-    """Taken off the price of a batch line (0: batch lines cost what requests do)."""
-    default: ModelPrice = msgspec.field(default_factory=ModelPrice)
-    models: dict[str, ModelPrice] = msgspec.field(
-        default_factory=lambda: {"all-minilm-l6-v2": ModelPrice(prompt=20, completion=0)}
-    )
-
-    def price(self, model: str) -> ModelPrice:
-        return self.models.get(model, self.default)
-
-    def cost_nanos(
-        self,
-        model: str,
-        prompt_tokens: int,
-        completion_tokens: int,
-        worker_ms: int = 0,
-        *,
-        batch: bool = False,
-    ) -> int:
-        """Exact cost in nano-USD (micro-USD per 1k tokens x tokens = nano-USD); ``batch``: the cost of a batch
-        line, with :attr:`batch_discount_percent` taken off and rounded down to the nano-USD."""
-        price = self.price(model)
-        full = (
-            prompt_tokens * price.prompt
-            + completion_tokens * price.completion
-            + worker_ms * price.worker_second
-        )
-        return full * (100 - self.batch_discount_percent) // 100 if batch else full
+    def at(self, when: datetime) -> PriceTable: ...
 
 
 def load_prices(path: str | Path | None) -> PriceTable:
@@ -88,8 +51,74 @@ def load_prices(path: str | Path | None) -> PriceTable:
         return PriceTable()
     try:
         raw = tomllib.loads(Path(path).read_text())
+        if unknown := _unknown_keys(raw):  # a typo would price at the defaults
+            raise PricingError(f"price table {path}: unknown field(s) {', '.join(unknown)}")
         return msgspec.convert(raw, PriceTable)
     except FileNotFoundError:
         raise PricingError(f"price table {path} does not exist") from None
     except (tomllib.TOMLDecodeError, msgspec.ValidationError) as exc:
         raise PricingError(f"price table {path}: {exc}") from exc
+
+
+def _unknown_keys(raw: Mapping[str, Any]) -> list[str]:
+    """Keys of a price file that name no field (as ``$.path``); what is not a table is left to msgspec."""
+    table = {f.encode_name for f in msgspec.structs.fields(PriceTable)}
+    price = {f.encode_name for f in msgspec.structs.fields(ModelPrice)}
+    unknown = [f"$.{key}" for key in raw if key not in table]
+    parts = [("default", raw.get("default"))]
+    models = raw.get("models")
+    if isinstance(models, Mapping):
+        parts += [(f"models.{name}", value) for name, value in models.items()]
+    for where, part in parts:
+        if isinstance(part, Mapping):
+            unknown += [f"$.{where}.{key}" for key in part if key not in price]
+    return unknown
+
+
+class PriceHistory:
+    """The tables published on the log, each in force from its ``effective`` time until the next one's.
+    A request accepted before the first is priced by the first (the log's history starts there); with none
+    published, by ``fallback``. A version is published once: a later event reusing it with another table
+    is ignored (logged), so every reader agrees on what a version means."""
+
+    def __init__(self, fallback: PriceTable, events: Iterable[Event] = ()) -> None:
+        self._fallback = fallback
+        self._times: list[datetime] = []
+        self._tables: list[PriceTable] = []
+        self._versions: dict[str, PriceTable] = {}
+        self.observe(events)
+
+    def observe(self, events: Iterable[Event]) -> None:
+        """Take the ``PricesChanged`` among ``events`` (others are skipped)."""
+        for event in events:
+            if isinstance(event, PricesChanged):
+                self.add(event)
+
+    def add(self, event: PricesChanged) -> None:
+        table = event.prices
+        known = self._versions.get(table.version)
+        if known is not None:
+            if known != table:
+                log.warning(
+                    "prices: %s was published again with other prices (event %s); the first holds",
+                    table.version,
+                    event.id,
+                )
+            return
+        self._versions[table.version] = table
+        at = bisect.bisect_right(self._times, event.effective)
+        self._times.insert(at, event.effective)
+        self._tables.insert(at, table)
+
+    def tables(self) -> list[tuple[datetime, PriceTable]]:
+        """Each published table with the moment it came into force, oldest first."""
+        return list(zip(self._times, self._tables, strict=True))
+
+    def published(self, version: str) -> PriceTable | None:
+        """The table the log holds under ``version``, if any."""
+        return self._versions.get(version)
+
+    def at(self, when: datetime) -> PriceTable:
+        if not self._tables:
+            return self._fallback
+        return self._tables[max(0, bisect.bisect_right(self._times, when) - 1)]

@@ -329,6 +329,16 @@ ORDER BY {_BATCH_ACTIVE} DESC, shown.created_at DESC, batch_id"""  # noqa: S608 
 
 _BATCHES = _batches_sql(f"{_BATCH_ACTIVE} OR created_at >= now64(3) - INTERVAL 7 DAY", None)
 
+_PRICES = """SELECT
+    decision AS version,
+    parseDateTime64BestEffort(JSONExtractString(details, 'effective'), 3, 'UTC') AS effective,
+    time AS published,
+    actor AS published_by,
+    JSONExtractString(details, 'prices') AS prices
+FROM audit_log FINAL
+WHERE tenant LIKE 'admin:prices:%'
+ORDER BY effective"""
+
 _BATCH_SPEND = """SELECT
     toDate(finished) AS day,
     tenant,
@@ -410,6 +420,13 @@ def saved_queries(config: SloConfig = DEFAULT_CONFIG) -> dict[str, SavedQuery]:
             "Spend on async batch lines per UTC day and tenant over the last 30 days, newest day first: "
             "batches, lines, tokens and exact cost (at the batch price) in nano-USD and USD.",
             _BATCH_SPEND,
+        ),
+        "prices": SavedQuery(
+            "Every price table published on the log, in the order they came into force: version, "
+            "from when (UTC), when and by whom it was published, and the table (JSON: micro-USD per 1k "
+            "prompt and completion tokens and per worker-second, per model and the default; the batch "
+            "discount). A request is priced by the table in force when it was accepted.",
+            _PRICES,
         ),
     }
 

@@ -14,12 +14,14 @@ from time import monotonic
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from bus.consumer import consumer_config
+from bus.control import read_control
+from bus.errors import BusError
 from bus.positions import watermarks
 from schemas.settings import PlatformSettings
 from schemas.topics import TopicNames
 from streams import StreamsError
 from streams.app import sink_topics
-from streams.pricing import PriceTable
+from streams.pricing import PriceHistory, PriceTable
 from streams.sink import Consumed, Inserter, Rows, insert
 
 TABLES = (
@@ -49,7 +51,7 @@ class ReplayReport:
 def replay(
     platform: PlatformSettings,
     writer: Inserter,
-    prices: PriceTable,
+    prices: PriceTable | PriceHistory,
     request_topics: list[str],
     *,
     store_content: bool = False,
@@ -62,13 +64,18 @@ def replay(
     ``timeout_s`` bounds a stall, not the replay: it fails with :class:`ReplayError` once ``timeout_s``
     pass without a record it still needs (a long log that keeps coming takes as long as it takes), and
     when Kafka cannot be asked for the topics' ends.
+
+    Requests are priced as the live worker priced them: by the table in force when each was accepted, from
+    the price history on the control topic (:func:`price_history`); ``prices`` (a table) only where the log
+    holds none.
     """
     if not timeout_s > 0:
         raise ValueError("timeout_s must be positive")
     began = monotonic()
     names = TopicNames(platform.topic_prefix)
     consumer = Consumer(consumer_config(platform.kafka, None, "sluice-replay"))
-    rows = Rows(prices, store_content=store_content, decisions_from_topic=True, topics=names)
+    history = prices if isinstance(prices, PriceHistory) else price_history(platform, prices)
+    rows = Rows(history, store_content=store_content, decisions_from_topic=True, topics=names)
     try:
         try:
             extents = _extents(consumer, sink_topics(names, request_topics))
@@ -116,6 +123,15 @@ def replay(
         return ReplayReport(done, undecodable, len(held), monotonic() - began, gone)
     finally:
         consumer.close()
+
+
+def price_history(platform: PlatformSettings, fallback: PriceTable) -> PriceHistory:
+    """The price tables published on the control topic (``fallback`` where it holds none)."""
+    topic = TopicNames(platform.topic_prefix).control
+    try:
+        return PriceHistory(fallback, read_control(platform.kafka, topic, "sluice-replay-prices"))
+    except BusError as exc:
+        raise ReplayError(f"cannot read the price history on {topic}: {exc}") from exc
 
 
 def _extents(consumer: Consumer, topics: list[str]) -> dict[tuple[str, int], tuple[int, int]]:

@@ -29,6 +29,7 @@ from schemas.events import (
     EmbeddingRequested,
     Event,
     GenerationRequested,
+    PricesChanged,
     RequestFinished,
     TokenChunk,
 )
@@ -36,7 +37,7 @@ from schemas.topics import TopicNames
 from streams.audit import AUDIT_COLUMNS, audit_row
 from streams.drift import FEATURE_COLUMNS, REPORT_COLUMNS, feature_row, report_row
 from streams.facts import FACT_COLUMNS, fact_row
-from streams.pricing import PriceTable
+from streams.pricing import PriceHistory, Prices
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +102,7 @@ class Rows:
 
     def __init__(
         self,
-        prices: PriceTable,
+        prices: Prices,
         *,
         store_content: bool = False,
         decisions_from_topic: bool = False,
@@ -113,8 +114,10 @@ class Rows:
         ``batches``); one read from another is set aside to be dead-lettered. Audits: a ``RequestFinished``
         produced by mistake to ``usage``, ``cancels`` or a request topic was billed, and in no audit chain;
         a replay wrote an audit entry found on ``usage`` into ``audit_log``, where the live worker never
-        does. None: from any (a test's)."""
+        does. None: from any (a test's). ``prices``: a :class:`PriceHistory` follows the tables published on
+        ``control``, each taken before the batch it arrives in is priced."""
         self._prices = prices
+        self._history = prices if isinstance(prices, PriceHistory) else None
         self._store_content = store_content
         self._decisions_from_topic = decisions_from_topic
         self._carriers: dict[type[Event], str] = (
@@ -126,6 +129,7 @@ class Rows:
                 DriftReport: topics.drift,
                 DeploymentChanged: topics.control,
                 BatchStateChanged: topics.batches,
+                PricesChanged: topics.control,
             }
         )
 
@@ -155,9 +159,17 @@ class Rows:
         terminal event without a tenant: no audit chain is its), is set aside to be dead-lettered, never
         left to stop the batch (and the sink at that offset on every restart)."""
         out = Batch()
+        decoded: list[tuple[Consumed, Event]] = []
         for record in records:
             try:
-                event = decode(record.value)
+                decoded.append((record, decode(record.value)))
+            except DecodeError as exc:
+                out.undecodable.append((record, exc))
+        if self._history is not None:  # a table published in this batch prices what it accepted since
+            carrier = self._carriers.get(PricesChanged)
+            self._history.observe(e for r, e in decoded if carrier in (None, r.topic))
+        for record, event in decoded:
+            try:
                 rows = self._rows_of(event, record.topic, record.offset)
             except DecodeError as exc:
                 out.undecodable.append((record, exc))

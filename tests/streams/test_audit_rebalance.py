@@ -31,6 +31,10 @@ MODEL = "demo-gpt"
 TENANTS = ("acme", "globex", "initech", "umbrella")
 
 
+PRICES = "admin:prices:demo-2026-11"
+"""The chain of the price table each worker's start publishes unless the log holds it."""
+
+
 def topic_chains(settings: PlatformSettings) -> tuple[dict[str, TopicChain], int]:
     """Every chain on the audit topic now (hashes checked), and how many entries it holds."""
     extent = audit_extent(settings.kafka, TopicNames(settings.topic_prefix).audit, "test-rebalance")
@@ -119,7 +123,7 @@ async def test_a_worker_that_gains_the_results_partition_goes_on_from_the_topics
                 event = finished(tenant=tenant, request_id=f"req-{tenant}-{n}", text=None, embeddings=None)
                 await feeder.publish(names.results, event)
         made += count
-        await until(lambda: topic_chains(settings)[1] >= made * len(TENANTS), f"{made} entries a tenant")
+        await until(lambda: topic_chains(settings)[1] >= made * len(TENANTS) + 1, f"{made} entries a tenant")
 
     try:
         async with worker(settings, "a") as first:
@@ -138,11 +142,12 @@ async def test_a_worker_that_gains_the_results_partition_goes_on_from_the_topics
         feeder.stop()
 
     chains, entries = topic_chains(settings)
-    assert entries == made * len(TENANTS)
-    assert {name: chain.problem for name, chain in chains.items()} == dict.fromkeys(TENANTS)
+    # and the price table the first worker published at start (the second found it on the log)
+    assert entries == made * len(TENANTS) + 1
+    assert {name: chain.problem for name, chain in chains.items()} == dict.fromkeys([*TENANTS, PRICES])
     assert {
         name: (chain.first, chain.head.seq if chain.head else None) for name, chain in chains.items()
-    } == (dict.fromkeys(TENANTS, (0, made - 1)))
+    } == (dict.fromkeys(TENANTS, (0, made - 1)) | {PRICES: (0, 0)})
     report = await asyncio.to_thread(verify_anchored, settings)
     assert report.problems == []
-    assert report.warehouse.entries == made * len(TENANTS)
+    assert report.warehouse.entries == made * len(TENANTS) + 1

@@ -331,6 +331,7 @@ def test_saved_queries_on_facts(warehouse: Client) -> None:
     insert_deployments(warehouse, a_rollout(now))
     insert_facts(warehouse, slow_batch_lines(now))  # in no SLI below
     insert_batches(warehouse, [batch_state(1, "in_progress", created_at=now)])
+    insert_prices(warehouse, now)
     for name, saved in SAVED.items():
         assert rows(warehouse, saved.sql), name
 
@@ -669,6 +670,36 @@ def a_rollout(now: datetime) -> list[DeploymentChanged]:
         stepped,
         roll_back(stepped, now - timedelta(minutes=10), "error_ratio", evidence, "controller"),
     ]
+
+
+def insert_prices(client: Client, now: datetime) -> None:
+    """Two price tables' audit entries, as the sink chains them, the later one inserted first."""
+    from schemas.events import PricesChanged
+    from streams.app import admin_action, chain_of
+    from streams.audit import audit_row
+    from streams.pricing import ModelPrice, PriceTable
+
+    def published(version: str, prompt: int, ago: timedelta) -> PricesChanged:
+        table = PriceTable(version=version, default=ModelPrice(prompt=prompt, completion=400), models={})
+        return PricesChanged(
+            tenant="", model="", source="streams/worker", time=now - ago, prices=table, effective=now - ago
+        )
+
+    events = [published("2026-12", 300, timedelta(hours=1)), published("2026-11", 100, timedelta(days=30))]
+    insert(client, Batch(audit=[audit_row(admin_action(None, chain_of(e), e, {})) for e in events]))
+
+
+@pytest.mark.integration
+def test_the_price_history_lists_each_table_in_the_order_it_came_into_force(warehouse: Client) -> None:
+    now = now_ms()
+    insert_prices(warehouse, now)
+    found = rows(warehouse, SAVED["prices"].sql)
+    assert [(r["version"], r["effective"]) for r in found] == [
+        ("2026-11", now - timedelta(days=30)),
+        ("2026-12", now - timedelta(hours=1)),
+    ]
+    assert json.loads(found[1]["prices"])["default"] == {"completion": 400, "prompt": 300, "worker_second": 0}
+    assert found[1]["published_by"] == "streams/worker"
 
 
 def insert_deployments(client: Client, events: Iterable[DeploymentChanged]) -> None:

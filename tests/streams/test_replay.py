@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -19,15 +19,18 @@ from bus.producer import EventProducer
 from infra.topics import TopicSizing, apply_topics, make_admin, platform_topics
 from infra.warehouse.client import Client
 from schemas.codec import encode
-from schemas.events import BatchStateChanged, RequestFinished
+from schemas.events import BatchStateChanged, Event, PricesChanged, RequestFinished
 from schemas.settings import PlatformSettings
 from schemas.topics import TopicNames
-from streams.pricing import PriceTable
+from streams.facts import FACT_COLUMNS
+from streams.pricing import ModelPrice, PriceHistory, PriceTable
 from streams.replay import ReplayError, replay
 from streams.sink import Consumed, Rows, insert
 from tests.streams.test_queries import batch_line, batch_state, event, migrated_warehouse, now_ms, rows
 
 PRICES = PriceTable()
+FROM_LOG = PriceHistory(PRICES)
+"""A fake broker has no control topic to read the price history from: given, as ``run_replay`` gives it."""
 CHECKSUMS = {
     table: f"SELECT count() AS n, sum(cityHash64(*)) AS h FROM (SELECT * FROM {table})"
     for table in ("batches FINAL", "request_facts FINAL", "spend_day", "sli_minute")
@@ -89,6 +92,55 @@ def test_a_replay_rebuilds_the_batches_table_and_the_batch_lines_facts(
         for e in lines
     )
     assert spent["c"] < full
+
+
+@pytest.mark.integration
+def test_a_replay_prices_each_request_by_the_table_in_force_when_it_was_accepted(
+    kafka_bootstrap: str, topic_prefix: str, tmp_path: Path
+) -> None:
+    """The live worker priced the requests before a price change by the old table and those after by the
+    new one; a replay run with yet another price file gives the same facts and spend, from the history on
+    the control topic. Before (2026-12-01), a rebuild priced every request by its own file's table."""
+    settings = PlatformSettings(kafka_bootstrap=kafka_bootstrap, topic_prefix=topic_prefix)
+    names = TopicNames(topic_prefix)
+    apply_topics(
+        make_admin(settings.kafka),
+        platform_topics(names, ["demo-gpt"], TopicSizing(requests=1, replies=1, events=2)),
+    )
+    old = PriceTable(version="2026-11", default=ModelPrice(prompt=100, completion=400), models={})
+    new = PriceTable(version="2026-12", default=ModelPrice(prompt=300, completion=900), models={})
+    now = now_ms()
+    change = now - timedelta(minutes=1)
+
+    def table(prices: PriceTable, effective: datetime) -> PricesChanged:
+        return PricesChanged(
+            tenant="", model="", source="streams/worker", time=effective, prices=prices, effective=effective
+        )
+
+    log: list[tuple[str, Event]] = [
+        (names.control, table(old, now - timedelta(hours=1))),
+        *((names.results, event(finished=change - timedelta(seconds=10 + i))) for i in range(3)),
+        (names.control, table(new, change)),
+        *((names.results, event(finished=change + timedelta(seconds=5 + i))) for i in range(4)),
+    ]
+    with EventProducer(settings.kafka, "test-replay") as producer:
+        for topic, item in log:
+            producer.produce(topic, item)
+
+    with migrated_warehouse(tmp_path / "live") as client:  # the live sink: a record at a time, as it came
+        live_rows = Rows(PriceHistory(old), topics=names)
+        for offset, (topic, item) in enumerate(log):
+            insert(client, live_rows.batch([Consumed(topic, 0, offset, encode(item))]))
+        live = checksums(client)
+        versions = rows(
+            client, "SELECT price_version AS v, count() AS n FROM request_facts GROUP BY v ORDER BY v"
+        )
+    assert versions == [{"v": "2026-11", "n": 3}, {"v": "2026-12", "n": 4}]
+
+    elsewhere = PriceTable(version="the file today", default=ModelPrice(prompt=7, completion=7), models={})
+    with migrated_warehouse(tmp_path / "replay") as client:
+        replay(settings, client, elsewhere, [names.requests("demo-gpt")], timeout_s=120)
+        assert checksums(client) == live
 
 
 # --- the timeout, on a fake broker and a fake clock ---------------------------------------------------------
@@ -161,7 +213,7 @@ class NullWriter:
 def test_a_long_replay_that_keeps_moving_outlasts_the_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
     log = FakeLog(monkeypatch, 700)  # one record a second: 700 s in all, past a 600 s timeout
     done: list[int] = []
-    report = replay(PlatformSettings(), NullWriter(), PRICES, [], progress=lambda d, t: done.append(d))
+    report = replay(PlatformSettings(), NullWriter(), FROM_LOG, [], progress=lambda d, t: done.append(d))
     assert report.events == 700
     assert done[-1] == 700
     assert log.clock >= 700
@@ -172,7 +224,7 @@ def test_a_stalled_replay_gives_up_after_the_timeout_since_the_last_record(
 ) -> None:
     log = FakeLog(monkeypatch, 100, per_poll=10, stall_after=40)
     with pytest.raises(ReplayError, match=r"no record arrived for 30s with 40 of 100 read") as caught:
-        replay(PlatformSettings(topic_prefix="p"), NullWriter(), PRICES, [], timeout_s=30)
+        replay(PlatformSettings(topic_prefix="p"), NullWriter(), FROM_LOG, [], timeout_s=30)
     assert "p.results[0]" in str(caught.value)
     assert "--timeout" in str(caught.value)
     assert 34 <= log.clock <= 36  # 4 polls brought records, then 30 s of nothing
@@ -184,7 +236,7 @@ def test_kafka_that_cannot_say_where_the_log_ends_is_a_replay_error(monkeypatch:
     with pytest.raises(
         ReplayError, match=r"cannot read the topics' ends on Kafka at 127.0.0.1:1: .*transport failure"
     ):
-        replay(PlatformSettings(kafka_bootstrap="127.0.0.1:1"), NullWriter(), PRICES, [])
+        replay(PlatformSettings(kafka_bootstrap="127.0.0.1:1"), NullWriter(), FROM_LOG, [])
 
 
 def test_a_replay_says_what_history_retention_took_and_counts_only_what_is_held(
@@ -198,7 +250,7 @@ def test_a_replay_says_what_history_retention_took_and_counts_only_what_is_held(
     report = replay(
         PlatformSettings(topic_prefix="p"),
         NullWriter(),
-        PRICES,
+        FROM_LOG,
         [],
         progress=lambda d, t: totals.append((d, t)),
     )
@@ -206,8 +258,33 @@ def test_a_replay_says_what_history_retention_took_and_counts_only_what_is_held(
     assert totals[-1] == (60, 60)
     assert report.gone == {"p.results": 40}
     FakeLog(monkeypatch, 100, first=100)  # retention emptied the partition: all of it is gone
-    emptied = replay(PlatformSettings(topic_prefix="p"), NullWriter(), PRICES, [])
+    emptied = replay(PlatformSettings(topic_prefix="p"), NullWriter(), FROM_LOG, [])
     assert (emptied.events, emptied.gone) == (0, {"p.results": 100})
+
+
+def test_a_replay_reads_the_price_history_before_the_first_request_it_prices(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Whatever order the partitions come in: here every terminal event before any control record."""
+    FakeLog(monkeypatch, 5, per_poll=5)
+    effective = now_ms() - timedelta(days=1)
+    table = PriceTable(version="2026-12", default=ModelPrice(prompt=300, completion=900), models={})
+    on_log = PricesChanged(
+        tenant="", model="", source="streams/worker", time=effective, prices=table, effective=effective
+    )
+    read: list[str] = []
+
+    def read_control(kafka: Any, topic: str, client_id: str) -> list[Event]:
+        read.append(topic)
+        return [on_log]
+
+    batches: list[Any] = []
+    monkeypatch.setattr(streams.replay, "read_control", read_control)
+    monkeypatch.setattr(streams.replay, "insert", lambda writer, batch: batches.append(batch))
+    replay(PlatformSettings(topic_prefix="p"), NullWriter(), PRICES, [])
+    assert read == ["p.control"]
+    facts = [dict(zip(FACT_COLUMNS, row, strict=True)) for batch in batches for row in batch.facts]
+    assert [f["price_version"] for f in facts] == ["2026-12"] * 5
 
 
 def test_replay_into_a_data_dir_fills_that_directory_whatever_server_is_configured(
@@ -237,6 +314,7 @@ def test_replay_into_a_data_dir_fills_that_directory_whatever_server_is_configur
         return real_open(platform)
 
     monkeypatch.setattr(streams.replay, "replay", fake_replay)
+    monkeypatch.setattr(streams.replay, "price_history", lambda platform, fallback: PriceHistory(fallback))
     monkeypatch.setattr(streams.service, "request_topics", lambda platform: [])
     monkeypatch.setattr(infra.warehouse, "open_warehouse", opened)
     printed = io.StringIO()

@@ -1,0 +1,201 @@
+"""The price history on the log: a request is priced by the table in force when it was accepted, the
+streams worker puts its price file's table on the control topic once (a published version never changes),
+and a table that arrives in a batch prices that batch's later requests. Before (2026-12-01) a rebuild priced
+every request by whatever file it ran with."""
+
+from __future__ import annotations
+
+import logging
+import re
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import streams.app
+from schemas.codec import decode, encode
+from schemas.events import AuditEntry, Event, PricesChanged, RequestFinished, Usage
+from schemas.ids import uuid7_from_parts
+from streams.facts import FACT_COLUMNS, fact_row
+from streams.pricing import ModelPrice, PriceHistory, PriceTable, PricingError, load_prices
+from streams.sink import Consumed, Rows
+from tests.streams.test_app import Producer, Warehouse, make_app
+from tests.streams.test_audit import finished
+
+T0 = datetime(2026, 12, 1, 8, 0, tzinfo=UTC)
+OLD = PriceTable(version="2026-11", default=ModelPrice(prompt=100, completion=400), models={})
+NEW = PriceTable(version="2026-12", default=ModelPrice(prompt=300, completion=900), models={})
+USAGE = Usage(prompt_tokens=10, completion_tokens=20, total_tokens=30)
+
+
+def published(table: PriceTable, effective: datetime) -> PricesChanged:
+    return PricesChanged(
+        tenant="", model="", source="streams/worker", time=effective, prices=table, effective=effective
+    )
+
+
+def accepted(at: datetime) -> RequestFinished:
+    """A terminal event whose request the edge accepted at ``at`` (its id's UUIDv7 time)."""
+    rid = uuid7_from_parts(int(at.timestamp() * 1000), 7)
+    return finished(request_id=rid, time=at + timedelta(seconds=1), usage=USAGE)
+
+
+def cost(event: RequestFinished, prices: Any) -> tuple[int, str]:
+    fact = dict(zip(FACT_COLUMNS, fact_row(event, prices), strict=True))
+    return fact["cost_nanos"], fact["price_version"]
+
+
+def test_a_request_is_priced_by_the_table_in_force_when_it_was_accepted() -> None:
+    history = PriceHistory(OLD, [published(NEW, T0 + timedelta(hours=1)), published(OLD, T0)])
+    before = cost(accepted(T0 + timedelta(minutes=59, seconds=59)), history)
+    at = cost(accepted(T0 + timedelta(hours=1)), history)
+    assert before == (10 * 100 + 20 * 400, "2026-11")
+    assert at == (10 * 300 + 20 * 900, "2026-12")
+    # before the first table on the log: the first (the log's history starts there), not the fallback
+    fallback = PriceTable(version="file", default=ModelPrice(prompt=1, completion=1), models={})
+    assert (
+        cost(accepted(T0 - timedelta(days=3)), PriceHistory(fallback, [published(NEW, T0)]))[1] == "2026-12"
+    )
+    assert cost(accepted(T0), PriceHistory(fallback)) == (30, "file")
+    assert [t.version for _, t in history.tables()] == ["2026-11", "2026-12"]
+
+
+def test_a_finish_after_a_change_is_priced_by_the_table_its_request_was_accepted_under() -> None:
+    history = PriceHistory(OLD, [published(OLD, T0), published(NEW, T0 + timedelta(hours=1))])
+    long_one = accepted(T0 + timedelta(minutes=59))
+    assert long_one.time < T0 + timedelta(hours=1) < long_one.time + timedelta(minutes=5)
+    late = finished(request_id=long_one.request_id, time=T0 + timedelta(hours=2), usage=USAGE)
+    assert cost(late, history)[1] == "2026-11"
+
+
+def test_a_version_published_again_with_other_prices_keeps_the_first(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    forged = PriceTable(version="2026-11", default=ModelPrice(prompt=1, completion=1), models={})
+    with caplog.at_level(logging.WARNING, logger="streams.pricing"):
+        history = PriceHistory(OLD, [published(OLD, T0), published(forged, T0 + timedelta(hours=1))])
+    assert history.published("2026-11") == OLD
+    assert cost(accepted(T0 + timedelta(hours=2)), history)[0] == 10 * 100 + 20 * 400
+    assert "2026-11 was published again with other prices" in caplog.text
+    assert len(history.tables()) == 1
+
+
+def test_a_table_arriving_in_a_batch_prices_that_batch_s_requests_accepted_since() -> None:
+    """The terminal event comes first in the batch (another partition), its request accepted after the
+    table's ``effective``: priced by it, as a replay that read the table first prices it. A table on a
+    topic that does not carry them is set aside to be dead-lettered, and prices nothing."""
+    from schemas.topics import TopicNames
+
+    history = PriceHistory(OLD, [published(OLD, T0)])
+    rows = Rows(history, topics=TopicNames("p"))
+    effective = T0 + timedelta(hours=1)
+    after = accepted(effective + timedelta(seconds=1))
+    stray = published(PriceTable(version="stray", models={}), effective)
+    batch = rows.batch(
+        [
+            Consumed("p.results", 0, 5, encode(after)),
+            Consumed("p.control", 0, 9, encode(published(NEW, effective))),
+            Consumed("p.usage", 0, 3, encode(stray)),
+        ]
+    )
+    (fact,) = batch.facts
+    assert dict(zip(FACT_COLUMNS, fact, strict=True))["price_version"] == "2026-12"
+    assert [(r.topic, r.offset) for r, _ in batch.undecodable] == [("p.usage", 3)]
+    assert history.published("stray") is None
+
+
+@pytest.mark.parametrize(
+    ("text", "named"),
+    [
+        ('version = "v"\nbatch_discount = 40\n', "$.batch_discount"),
+        ('version = "v"\n[default]\nprompt = 1\ncompletions = 4\n', "$.default.completions"),
+        ('version = "v"\n[models.demo-gpt]\nworker_seconds = 2\n', "$.models.demo-gpt.worker_seconds"),
+    ],
+)
+def test_a_price_file_with_a_misspelt_field_is_refused(tmp_path: Path, text: str, named: str) -> None:
+    """Unknown fields in an event's table are ignored (a newer writer's); in a file they are a typo that
+    would price at the defaults."""
+    path = tmp_path / "prices.toml"
+    path.write_text(text)
+    with pytest.raises(PricingError, match=re.escape(f"unknown field(s) {named}")):
+        load_prices(path)
+
+
+def test_a_table_on_the_log_ignores_fields_it_does_not_know() -> None:
+    value = encode(published(NEW, T0)).replace(b'"worker_second":0', b'"worker_second":0,"per_image":7', 1)
+    event = decode(value)
+    assert isinstance(event, PricesChanged)
+    assert event.prices == NEW
+
+
+# --- the streams worker puts its file's table on the log -------------------------------------------------
+
+
+def started(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, file: PriceTable, log: list[Event]) -> Any:
+    producer = Producer()
+    app = make_app(tmp_path, Warehouse(), producer)
+    app._file_prices = file
+    app.prices = PriceHistory(file, log)
+    monkeypatch.setattr(streams.app, "utc_now", lambda: T0 + timedelta(days=1))
+    return app, producer
+
+
+async def test_the_file_s_table_is_published_once_in_force_from_the_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    app, producer = started(tmp_path, monkeypatch, NEW, [published(OLD, T0)])
+    await app._publish_prices()
+    ((topic, event),) = producer.records
+    assert topic == "p.control"
+    assert isinstance(event, PricesChanged)
+    assert (event.prices, event.effective, event.model, event.tenant) == (NEW, T0 + timedelta(days=1), "", "")
+    assert app.prices.at(T0 + timedelta(days=2)) == NEW
+    assert app.prices.at(T0 + timedelta(hours=23)) == OLD
+    # the next start finds it on the log: nothing published again
+    again, producer = started(tmp_path, monkeypatch, NEW, [published(OLD, T0), event])
+    await again._publish_prices()
+    assert producer.records == []
+
+
+async def test_a_file_that_changed_prices_but_not_its_version_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    changed = PriceTable(version="2026-11", default=ModelPrice(prompt=1, completion=1), models={})
+    app, producer = started(tmp_path, monkeypatch, changed, [published(OLD, T0)])
+    with pytest.raises(PricingError, match=r"'2026-11' is on the log with other prices.*new version"):
+        await app._publish_prices()
+    assert producer.records == []
+
+
+async def test_going_back_to_a_replaced_version_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Publishing it again would compact away when it was first in force (one key per version)."""
+    log: list[Event] = [published(OLD, T0), published(NEW, T0 + timedelta(hours=1))]
+    app, producer = started(tmp_path, monkeypatch, OLD, log)
+    with pytest.raises(PricingError, match="'2026-11' was replaced by '2026-12'"):
+        await app._publish_prices()
+    assert producer.records == []
+
+
+async def test_a_worker_given_the_control_partition_follows_the_tables_published_meanwhile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    app, _ = started(tmp_path, monkeypatch, OLD, [published(OLD, T0)])
+    later = published(NEW, T0 + timedelta(hours=1))
+    monkeypatch.setattr(streams.app, "read_placed", lambda kafka, topic, client_id: [(later, (0, 4))])
+    await app.reseed()
+    assert app.prices.at(T0 + timedelta(hours=2)) == NEW
+
+
+async def test_a_published_table_is_audited_in_its_own_chain(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    app, producer = started(tmp_path, monkeypatch, OLD, [])
+    app._heads = {}
+    await app.write([Consumed("p.control", 0, 0, encode(published(NEW, T0)))])
+    entries = [decode(value) for topic, value in producer.records if topic == "p.audit"]
+    assert [(e.tenant, e.action, e.decision) for e in entries if isinstance(e, AuditEntry)] == [
+        ("admin:prices:2026-12", "prices.publish", "2026-12")
+    ]
