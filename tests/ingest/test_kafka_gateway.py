@@ -14,6 +14,7 @@ from infra.topics import TopicSizing, apply_topics, make_admin, platform_topics
 from ingest.errors import GatewayUnavailable
 from ingest.kafka_gateway import KafkaGateway
 from ingest.reply_stream import WHOLE
+from schemas.codec import encode
 from schemas.events import GenerationRequested
 from schemas.ids import uuid7
 from schemas.settings import KafkaConnection
@@ -128,6 +129,33 @@ async def test_a_dead_control_listener_fails_the_gateway_so_budgets_never_go_sta
         assert not gateway.ready()
         with pytest.raises(GatewayUnavailable, match="control bug"):
             await gateway.submit(_request(gateway))
+
+
+@pytest.mark.parametrize(
+    "last", [b'{"type":"a_type_from_a_newer_release"}', None], ids=["newer", "tombstone"]
+)
+async def test_a_control_topic_ending_in_a_record_the_edge_cannot_decode_is_still_read_to_its_end(
+    gateway: KafkaGateway, kafka: KafkaConnection, last: bytes | None
+) -> None:
+    """Found by a review (2026-12-01): the catch-up bookkeeping came after the decode, so a control topic
+    whose last record the edge could not decode (an event type of a newer release, as the streams worker's
+    first ``PricesChanged`` was to an edge of the release before, or a tombstone) kept the edge unready
+    until the next control record, however long that took."""
+    from schemas.events import BudgetStateChanged
+
+    producer = Producer(kafka.client_config())
+    budget = BudgetStateChanged(
+        tenant="acme", model="", source="test", limit_micros=1, spent_micros=2, exhausted=True
+    )
+    producer.produce(gateway._names.control, encode(budget), key=b"budget:acme")
+    producer.produce(gateway._names.control, last, key=b"future:x")
+    producer.flush(10)
+    del producer
+    gateway.CONTROL_CATCH_UP_S = 10.0
+    async with gateway:
+        assert gateway._control_seen.is_set()
+        assert gateway.ready()
+        assert gateway.budget_exhausted("acme")  # what came before it was followed
 
 
 class _Record:
