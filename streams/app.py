@@ -43,6 +43,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 from typing import Any, NamedTuple, ParamSpec
 
 import msgspec
@@ -256,8 +257,7 @@ class StreamsApp(AsyncComponent):
         places = {event.id: at for event, at in placed}
         self.rollout.seed(control, places)  # resume where the log says
         self._observe_rebaselines(control)
-        self.prices.observe(control)
-        await self._publish_prices()
+        await self._follow_prices(control)
         if self._controller is not None:
             # The budget states last announced, from the log itself: the warehouse may not hold the last
             # one yet (a process stopped right after announcing it), and a state the controller does not
@@ -283,10 +283,18 @@ class StreamsApp(AsyncComponent):
         )
         await asyncio.to_thread(self._sink.start)
 
+    async def _follow_prices(self, control: Iterable[Event]) -> None:
+        """The price history from the control topic as read at start; the file's table published on it
+        unless the log holds its version (:meth:`_publish_prices`)."""
+        self.prices.observe(control)
+        await self._publish_prices()
+
     async def _publish_prices(self) -> None:
         """Put the price file's table on the log, in force from now, unless the log holds its version: a
         published version never changes (a file that changed its prices but not its version is refused,
-        or a rebuild could not tell which prices a row was priced by)."""
+        or a rebuild could not tell which prices a row was priced by). Only a worker that runs alone
+        publishes one: another streams worker would price by its old history until its sink read the new
+        table, and the rows it wrote meanwhile would differ from a rebuild's (a review)."""
         table, now = self._file_prices, utc_now()
         published = self.prices.published(table.version)
         if published is not None and published != table:
@@ -295,19 +303,33 @@ class StreamsApp(AsyncComponent):
                 "changes; give the new prices a new version (the file's `version`)"
             )
         if published is not None:
-            if (current := self.prices.at(now)).version != table.version:
+            if (current := self.prices.tables()[-1][1]).version != table.version:
                 # publishing it again would compact away when it was first in force
                 raise PricingError(
                     f"price table {table.version!r} was replaced by {current.version!r}: to price by it "
                     "again, publish its prices under a new version (the file's `version`)"
                 )
             return
+        if self._admin is None:
+            self._admin = make_admin(self._kafka)
+        others = await asyncio.to_thread(group_members, self._admin, self.group)
+        if others:  # None: the cluster cannot say; publishing will tell
+            raise PricingError(
+                f"price table {table.version!r} is new, and a new table is published only by a streams "
+                f"worker that runs alone: group {self.group} has {others} member(s) now. Stop the other "
+                "streams worker first (one killed without a clean stop leaves the group within its session "
+                "timeout, ~45s: `sluice up` starts this one again meanwhile)"
+            )
+        # after every table on the log, whatever this host's clock says: a table dated before the one in
+        # force would be sorted behind it and never priced by (a review)
+        latest = max((at for at, _ in self.prices.tables()), default=None)
+        effective = now if latest is None else max(now, latest + timedelta(milliseconds=1))
         event = PricesChanged(
-            tenant="", model="", source=SOURCE, time=now, prices=table, effective=now, actor="streams"
+            tenant="", model="", source=SOURCE, time=now, prices=table, effective=effective, actor="streams"
         )
         await self._producer.publish(self.names.control, event)
         self.prices.add(event)
-        log.info("prices: %s published on %s, in force from %s", table.version, self.names.control, now)
+        log.info("prices: %s published on %s, in force from %s", table.version, self.names.control, effective)
 
     async def stop(self) -> None:
         sink, self._sink = self._sink, None

@@ -9,7 +9,7 @@ import logging
 import re
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -20,7 +20,7 @@ from schemas.ids import uuid7_from_parts
 from streams.facts import FACT_COLUMNS, fact_row
 from streams.pricing import ModelPrice, PriceHistory, PriceTable, PricingError, load_prices
 from streams.sink import Consumed, Rows
-from tests.streams.test_app import Producer, Warehouse, make_app
+from tests.streams.test_app import Producer, Warehouse
 from tests.streams.test_audit import finished
 
 T0 = datetime(2026, 12, 1, 8, 0, tzinfo=UTC)
@@ -131,71 +131,143 @@ def test_a_table_on_the_log_ignores_fields_it_does_not_know() -> None:
 
 # --- the streams worker puts its file's table on the log -------------------------------------------------
 
-
-def started(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, file: PriceTable, log: list[Event]) -> Any:
-    producer = Producer()
-    app = make_app(tmp_path, Warehouse(), producer)
-    app._file_prices = file
-    app.prices = PriceHistory(file, log)
-    monkeypatch.setattr(streams.app, "utc_now", lambda: T0 + timedelta(days=1))
-    return app, producer
+NOW = T0 + timedelta(days=1)
 
 
-async def test_the_file_s_table_is_published_once_in_force_from_the_start(
+class Worker:
+    """A streams app (no broker) whose price file holds ``file``, started on a control topic holding ``log``
+    with ``others`` other members in its group; what it publishes is in ``producer.records``."""
+
+    def __init__(
+        self,
+        tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch,
+        file: PriceTable,
+        *,
+        others: int | None = 0,
+        now: datetime = NOW,
+    ) -> None:
+        from schemas.settings import PlatformSettings
+        from streams.app import StreamsApp
+        from streams.settings import StreamsSettings
+
+        self.producer = Producer()
+        self.app = StreamsApp(
+            PlatformSettings(kafka_bootstrap="127.0.0.1:1", topic_prefix="p", data_dir=str(tmp_path)),
+            StreamsSettings(),
+            Warehouse(),  # type: ignore[arg-type]
+            file,
+            self.producer,  # type: ignore[arg-type]
+            request_topics=["p.requests.demo-gpt"],
+        )
+        self.app._heads = {}  # anchored: no chain yet
+        monkeypatch.setattr(streams.app, "utc_now", lambda: now)
+        monkeypatch.setattr(streams.app, "group_members", lambda admin, group: others)
+
+    async def start(self, log: list[Event]) -> list[PricesChanged]:
+        """What the app's start does with the control topic's history; the tables it published."""
+        await self.app._follow_prices(log)
+        return [
+            e for topic, e in self.producer.records if topic == "p.control" and isinstance(e, PricesChanged)
+        ]
+
+    async def priced(self, at: datetime) -> str:
+        """The price version of the fact the sink writes for a request accepted at ``at``."""
+        batch = await self.app.write([Consumed("p.results", 0, 0, encode(accepted(at)))])
+        (fact,) = batch.facts
+        return str(dict(zip(FACT_COLUMNS, fact, strict=True))["price_version"])
+
+
+async def test_the_file_s_table_is_published_once_and_prices_what_is_accepted_from_then_on(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    app, producer = started(tmp_path, monkeypatch, NEW, [published(OLD, T0)])
-    await app._publish_prices()
-    ((topic, event),) = producer.records
-    assert topic == "p.control"
-    assert isinstance(event, PricesChanged)
-    assert (event.prices, event.effective, event.model, event.tenant) == (NEW, T0 + timedelta(days=1), "", "")
-    assert app.prices.at(T0 + timedelta(days=2)) == NEW
-    assert app.prices.at(T0 + timedelta(hours=23)) == OLD
+    worker = Worker(tmp_path, monkeypatch, NEW)
+    (event,) = await worker.start([published(OLD, T0)])
+    assert (event.prices, event.effective, event.model, event.tenant) == (NEW, NOW, "", "")
+    assert await worker.priced(NOW) == "2026-12"
+    assert await worker.priced(NOW - timedelta(seconds=1)) == "2026-11"  # a backlog keeps its prices
     # the next start finds it on the log: nothing published again
-    again, producer = started(tmp_path, monkeypatch, NEW, [published(OLD, T0), event])
-    await again._publish_prices()
-    assert producer.records == []
+    again = Worker(tmp_path, monkeypatch, NEW)
+    assert await again.start([published(OLD, T0), event]) == []
+    assert await again.priced(NOW - timedelta(seconds=1)) == "2026-11"
+
+
+async def test_a_start_with_no_table_on_the_log_prices_its_backlog_by_its_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first start after the upgrade: requests from before are priced by the file's table, as before."""
+    worker = Worker(tmp_path, monkeypatch, OLD)
+    (event,) = await worker.start([])
+    assert event.effective == NOW
+    assert await worker.priced(T0 - timedelta(days=30)) == "2026-11"
+
+
+async def test_a_table_is_dated_after_the_one_in_force_whatever_this_host_s_clock_says(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a review: a host whose clock was behind the current table's ``effective`` dated the new
+    one before it, where it was never in force, and its next start was refused as "replaced"."""
+    ahead = T0 + timedelta(days=2)  # published by a host whose clock ran ahead
+    worker = Worker(tmp_path, monkeypatch, NEW, now=NOW)
+    (event,) = await worker.start([published(OLD, ahead)])
+    assert event.effective == ahead + timedelta(milliseconds=1)
+    assert await worker.priced(ahead + timedelta(seconds=1)) == "2026-12"
+    again = Worker(tmp_path, monkeypatch, NEW, now=NOW)
+    assert await again.start([published(OLD, ahead), event]) == []
+
+
+async def test_a_new_table_is_published_only_by_a_worker_that_runs_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a review: another streams worker prices by the history it has until its sink reads the
+    new table, so the rows it wrote meanwhile would differ from a rebuild's. A version already on the log
+    needs no publishing, so that start goes on beside the other worker."""
+    worker = Worker(tmp_path, monkeypatch, NEW, others=1)
+    with pytest.raises(PricingError, match="runs alone: group p-streams has 1 member"):
+        await worker.start([published(OLD, T0)])
+    assert worker.producer.records == []
+    beside = Worker(tmp_path, monkeypatch, OLD, others=1)
+    assert await beside.start([published(OLD, T0)]) == []
 
 
 async def test_a_file_that_changed_prices_but_not_its_version_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     changed = PriceTable(version="2026-11", default=ModelPrice(prompt=1, completion=1), models={})
-    app, producer = started(tmp_path, monkeypatch, changed, [published(OLD, T0)])
+    worker = Worker(tmp_path, monkeypatch, changed)
     with pytest.raises(PricingError, match=r"'2026-11' is on the log with other prices.*new version"):
-        await app._publish_prices()
-    assert producer.records == []
+        await worker.start([published(OLD, T0)])
+    assert worker.producer.records == []
 
 
 async def test_going_back_to_a_replaced_version_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Publishing it again would compact away when it was first in force (one key per version)."""
-    log: list[Event] = [published(OLD, T0), published(NEW, T0 + timedelta(hours=1))]
-    app, producer = started(tmp_path, monkeypatch, OLD, log)
+    worker = Worker(tmp_path, monkeypatch, OLD)
     with pytest.raises(PricingError, match="'2026-11' was replaced by '2026-12'"):
-        await app._publish_prices()
-    assert producer.records == []
+        await worker.start([published(OLD, T0), published(NEW, T0 + timedelta(hours=1))])
+    assert worker.producer.records == []
 
 
 async def test_a_worker_given_the_control_partition_follows_the_tables_published_meanwhile(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    app, _ = started(tmp_path, monkeypatch, OLD, [published(OLD, T0)])
+    worker = Worker(tmp_path, monkeypatch, OLD)
+    assert await worker.start([published(OLD, T0)]) == []
     later = published(NEW, T0 + timedelta(hours=1))
     monkeypatch.setattr(streams.app, "read_placed", lambda kafka, topic, client_id: [(later, (0, 4))])
-    await app.reseed()
-    assert app.prices.at(T0 + timedelta(hours=2)) == NEW
+    await worker.app.reseed()
+    assert await worker.priced(T0 + timedelta(hours=2)) == "2026-12"
 
 
 async def test_a_published_table_is_audited_in_its_own_chain(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    app, producer = started(tmp_path, monkeypatch, OLD, [])
-    app._heads = {}
-    await app.write([Consumed("p.control", 0, 0, encode(published(NEW, T0)))])
-    entries = [decode(value) for topic, value in producer.records if topic == "p.audit"]
+    worker = Worker(tmp_path, monkeypatch, OLD)
+    await worker.app.write([Consumed("p.control", 0, 0, encode(published(NEW, T0)))])
+    entries = [decode(cast(bytes, value)) for topic, value in worker.producer.records if topic == "p.audit"]
     assert [(e.tenant, e.action, e.decision) for e in entries if isinstance(e, AuditEntry)] == [
         ("admin:prices:2026-12", "prices.publish", "2026-12")
     ]
+    assert await worker.priced(T0 + timedelta(hours=1)) == "2026-12"

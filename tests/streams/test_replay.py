@@ -265,7 +265,9 @@ def test_a_replay_says_what_history_retention_took_and_counts_only_what_is_held(
 def test_a_replay_reads_the_price_history_before_the_first_request_it_prices(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Whatever order the partitions come in: here every terminal event before any control record."""
+    """The history is read from the control topic before the first record is priced: here the log's
+    records are all terminal events, priced by the table on the control topic, not by the file's. (The
+    integration test above, with a real broker, has the order the partitions come in decide nothing.)"""
     FakeLog(monkeypatch, 5, per_poll=5)
     effective = now_ms() - timedelta(days=1)
     table = PriceTable(version="2026-12", default=ModelPrice(prompt=300, completion=900), models={})
