@@ -731,6 +731,11 @@ class BatchRunner(AsyncComponent):
         delay = min(MAX_POSTPONE_S, self._settings.edge_batch_retry_backoff_s * 2**job.unready_rounds)
         published = waited = False
         for (index, attempt), event in zip(picked, events, strict=True):
+            if job.status[index] not in (PENDING, RETRY) or job.attempts[index] != attempt:
+                # its result was read while it was prepared (a restarted edge reads the results written
+                # since its last commit): done, or retried as a later attempt. Marked in flight over done
+                # and published again, it waited for a result no worker sends twice (an audit)
+                continue
             if isinstance(event, LineError):  # the model or the tenant changed since validation
                 self._refuse(job, index, attempt, event)
                 continue

@@ -567,6 +567,41 @@ async def test_a_restarted_edge_resumes_its_batch_and_each_line_ends_once(
     assert all(first_ids[e.index] == e.request_id for e in again if e.index in first_ids)  # same requests
 
 
+async def test_a_line_whose_result_is_read_while_it_is_prepared_again_stays_done(
+    make_client: MakeClient, batch_log: FakeBatchLog, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by an audit (2026-12-01, under ``sluice up``, 2 of 2 restarts): a restarted edge puts every
+    line without a result back to pending and reads the results written since its last commit; a line
+    being prepared for publishing again when its result was read was marked in flight over done, and
+    published. The workers skip a request already finished, so no result came again: the batch stayed
+    ``in_progress`` with 64 completed, billed lines unreported until its window ran out."""
+    held: list[BatchItemRequested] = []
+    batch_log.respond = held.append
+    first, _ = await make_client(edge_batch_max_in_flight=5)
+    async with AsyncOpenAI(base_url=str(first.make_url("/v1")), api_key=DEMO_KEY, max_retries=0) as sdk:
+        created = await run(sdk, [chat_line(i) for i in range(5)])
+        await _eventually(lambda: len(held) == 5)
+    await first.close()
+    for event in held:  # the lines complete while the edge is down
+        batch_log.answer(complete(event))
+
+    prepare = BatchRunner._line_events
+
+    def slowly(self: BatchRunner, *args: Any) -> list[Any]:
+        time.sleep(0.5)  # the results written meanwhile are read while the lines are prepared again
+        return prepare(self, *args)
+
+    monkeypatch.setattr(BatchRunner, "_line_events", slowly)
+    batch_log.respond = lambda event: None  # as the workers: a request already finished is not run again
+    second, _ = await make_client(edge_batch_max_in_flight=5)
+    async with AsyncOpenAI(base_url=str(second.make_url("/v1")), api_key=DEMO_KEY, max_retries=0) as sdk:
+        done = await until(sdk, created.id, "completed")
+        assert done.request_counts is not None
+        assert (done.request_counts.completed, done.request_counts.failed) == (5, 0)
+        out = await lines_of(sdk, done.output_file_id)
+    assert [line["custom_id"] for line in out] == [f"req-{i}" for i in range(5)]
+
+
 async def test_a_batch_that_expired_while_its_edge_was_down_keeps_the_results_written_meanwhile(
     make_client: MakeClient, batch_log: FakeBatchLog
 ) -> None:
