@@ -303,7 +303,7 @@ class Preparer:
             param = "messages"
             chat_text = model.chat_prompt((_role(m.role), m.text) for m in body.messages)
             prompt: str | None = chat_text
-            input_ids = model.encode([chat_text])[0]
+            input_ids = model.encode([chat_text], param)[0]
             requested = body.max_completion_tokens or body.max_tokens
         else:
             param = "prompt"
@@ -313,7 +313,7 @@ class Preparer:
                     "Only one prompt per request is supported.", param=param, code="unsupported_parameter"
                 )
             if texts:
-                prompt, input_ids = texts[0], model.encode(texts)[0]
+                prompt, input_ids = texts[0], model.encode(texts, param)[0]
             else:
                 prompt, input_ids = None, token_lists[0]
                 model.check_ids(input_ids, param)
@@ -391,7 +391,7 @@ class Preparer:
         if any(not text for text in texts) or any(not ids for ids in inputs):
             raise InvalidRequest("Inputs must not be empty.", param="input")
         if texts:
-            inputs = model.encode(texts)
+            inputs = model.encode(texts, "input")
         for ids in inputs:
             model.check_ids(ids, "input")
             model.check_context(len(ids), "input")

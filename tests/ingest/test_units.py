@@ -58,7 +58,7 @@ def test_catalogue(catalogue: ModelCatalogue) -> None:
     gen = catalogue.get(GEN)
     assert gen.chat_prompt([("user", "{x}")]) == "<|user|>\n{x}\n<|assistant|>\n"
     emb = catalogue.get(EMB)
-    (ids,) = emb.encode(["the quick brown fox jumps"])
+    (ids,) = emb.encode(["the quick brown fox jumps"], "input")
     assert ids[0] == 2
     assert ids[-1] == 3
     assert len(ids) == 7

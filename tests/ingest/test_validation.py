@@ -404,6 +404,41 @@ async def test_big_bodies_are_tokenised_off_the_loop_and_still_checked(
     assert gateway.submitted == []
 
 
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        (CHAT, {"model": GEN, "messages": [{"role": "user", "content": "a" * 2_000_000}]}, "messages"),
+        (COMPLETIONS, {"model": GEN, "prompt": "a" * 2_000_000}, "prompt"),
+        (EMBEDDINGS, {"model": EMB, "input": ["fox", "a" * 2_000_000]}, "input"),
+    ],
+    ids=["chat", "completion", "embeddings"],
+)
+async def test_an_input_longer_than_any_that_fits_the_context_is_refused_before_it_is_tokenised(
+    client: Client, gateway: FakeGateway, path: str, body: dict[str, Any], param: str
+) -> None:
+    """Found by an audit (2026-12-01): 7 MB of one letter held the edge for 17 s of tokenising before its
+    ``context_length_exceeded``, four at once past a minute, other clients' requests waiting seconds."""
+    data = io.BytesIO(json.dumps(body).encode())  # as a stream: raw bytes this large hold the loop
+    response = await client.post(path, data=data, headers={**AUTH, "Content-Type": "application/json"})
+    assert response.status == 400
+    error = (await response.json())["error"]
+    assert (error["code"], error["param"]) == ("context_length_exceeded", param)
+    assert "an input of 2,000,0" in error["message"]  # said from its length: the tokeniser never saw it
+    assert gateway.submitted == []
+
+
+def test_an_input_at_the_character_bound_is_still_tokenised(catalogue: Any) -> None:
+    from ingest.errors import ContextLengthExceeded
+    from ingest.models import MAX_CHARS_PER_TOKEN
+
+    model = catalogue.get(GEN)
+    most = model.manifest.max_context * MAX_CHARS_PER_TOKEN
+    (ids,) = model.encode(["a " * (most // 2)], "prompt")  # tokenised (and then too long: prepare says so)
+    assert len(ids) > model.manifest.max_context
+    with pytest.raises(ContextLengthExceeded, match="characters"):
+        model.encode(["a " * (most // 2) + "a"], "prompt")
+
+
 async def test_embeddings_whose_result_cannot_fit_one_record_are_refused_naming_the_limit(
     client: Client, gateway: FakeGateway, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -427,12 +462,15 @@ async def test_embeddings_whose_result_cannot_fit_one_record_are_refused_naming_
 
 
 async def test_a_request_whose_event_would_not_fit_one_record_is_413_and_nothing_is_published(
-    make_client: MakeClient, gateway: FakeGateway
+    make_client: MakeClient, gateway: FakeGateway, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A body under the edge's limit whose request event (its text and token ids) is over one record: the
     producer refused it at publish, a 500 that left an Idempotency-Key pointing at nothing."""
+    import ingest.models
     from schemas.codec import MAX_RECORD_BYTES
 
+    # the test's embedding model has a context of 8 tokens: its inputs' character bound (256) made longer
+    monkeypatch.setattr(ingest.models, "MAX_CHARS_PER_TOKEN", 1000)
     client, _ = await make_client(edge_max_body_bytes=2 * MAX_RECORD_BYTES)
     text = " ".join(["z" * 700] * 6)  # six unknown words, one token id each: 4,205 characters
     body = {"model": EMB, "input": [text] * 2040}
