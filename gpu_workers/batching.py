@@ -14,7 +14,10 @@ Policies:
   is always taken, so an item over the budget on its own runs alone instead of blocking its bucket.
 * **Ready.** A bucket is ready when its batch is full (``max_batch_size`` items, more items waiting than
   fit the budget, or no further item could fit) or its oldest item has waited ``max_wait_s`` since
-  ``add``. Among ready buckets the one with the oldest item goes first.
+  ``add``. Among ready buckets the one whose first item's request has had the fewest of its items run
+  goes first, then the one with the oldest item: a request that has had none run is not held behind the
+  rest of a large one (before 2026-12-01 the oldest item always went first, so a one-word request waited
+  30 s behind another tenant's 100 long inputs in another bucket, an audit). Within a bucket, oldest first.
 * **Deadlines.** An item is expired when ``now >= deadline``. ``next_batch`` never returns one: expired
   items are moved aside and handed out by ``take_expired`` (the worker ends them ``expired``).
 * **Bounded.** ``add`` answers False when ``max_queued`` items are queued; the caller sheds the request.
@@ -90,6 +93,10 @@ class DynamicBatcher(Generic[P]):
         self._live: dict[int, tuple[int, _Entry[P]]] = {}  # seq → (bucket index, entry)
         self._deadlines: list[tuple[float, int]] = []  # heap of (deadline, seq); stale entries skipped
         self._expired: list[EmbedItem[P]] = []
+        self._waiting: dict[str, int] = {}
+        """Items queued per request; its entry in ``_served`` goes with its last."""
+        self._served: dict[str, int] = {}
+        """Items of each request still waiting that ``next_batch`` has already handed out."""
         self._seq = 0
         self.token_budget = config.max_batch_tokens
         """Padded tokens a batch may hold now: the configured budget, lower after an out-of-memory
@@ -119,6 +126,7 @@ class DynamicBatcher(Generic[P]):
         entry = _Entry(self._seq, now + self.config.max_wait_s, item)
         self._buckets[index].append(entry)
         self._live[self._seq] = (index, entry)
+        self._waiting[item.request_id] = self._waiting.get(item.request_id, 0) + 1
         if item.deadline is not None:
             heapq.heappush(self._deadlines, (item.deadline, self._seq))
 
@@ -136,24 +144,42 @@ class DynamicBatcher(Generic[P]):
     def next_batch(self, now: float) -> list[EmbedItem[P]] | None:
         """The next batch to run, or None if no bucket is ready. Never contains an expired item."""
         self._sweep(now)
-        best: tuple[float, int, int] | None = None  # (oldest item's ready_at, bucket index, batch length)
+        # (items of the first item's request already run, its ready_at, bucket index, batch length)
+        best: tuple[int, float, int, int] | None = None
         for index, queue in enumerate(self._buckets):
             if not queue:
                 continue
             fit = self._fit(queue)
-            if self._ready(queue, fit, now) and (best is None or queue[0].ready_at < best[0]):
-                best = (queue[0].ready_at, index, fit[0])
+            if not self._ready(queue, fit, now):
+                continue
+            head = queue[0]
+            rank = (self._served.get(head.item.request_id, 0), head.ready_at, index, fit[0])
+            if best is None or rank[:2] < best[:2]:
+                best = rank
         if best is None:
             return None
-        _, index, size = best
+        _, _, index, size = best
         queue = self._buckets[index]
         batch: list[EmbedItem[P]] = []
         for _ in range(size):
             entry = queue.popleft()
             del self._live[entry.seq]
             batch.append(entry.item)
+            rid = entry.item.request_id
+            self._gone(rid)
+            if rid in self._waiting:
+                self._served[rid] = self._served.get(rid, 0) + 1
         self._compact_deadlines()
         return batch
+
+    def _gone(self, request_id: str) -> None:
+        """One item of ``request_id`` left the queue; its counts go with its last."""
+        left = self._waiting.get(request_id, 0) - 1
+        if left > 0:
+            self._waiting[request_id] = left
+        else:
+            self._waiting.pop(request_id, None)
+            self._served.pop(request_id, None)
 
     def take_expired(self, now: float) -> list[EmbedItem[P]]:
         """Remove and return every queued item past its deadline (and any ``next_batch`` set aside)."""
@@ -198,6 +224,8 @@ class DynamicBatcher(Generic[P]):
         self._live.clear()
         self._deadlines.clear()
         self._expired = []
+        self._waiting.clear()
+        self._served.clear()
         return items
 
     def _fit(self, queue: deque[_Entry[P]]) -> tuple[int, int]:
@@ -230,6 +258,7 @@ class DynamicBatcher(Generic[P]):
     def _remove(self, seq: int) -> EmbedItem[P]:
         index, entry = self._live.pop(seq)
         self._buckets[index].remove(entry)
+        self._gone(entry.item.request_id)
         return entry.item
 
     def _compact_deadlines(self) -> None:

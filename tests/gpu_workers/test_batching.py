@@ -96,6 +96,26 @@ def test_lengths_are_batched_apart_and_the_oldest_ready_bucket_goes_first() -> N
     assert rids(b.next_batch(0.02)) == ["short-1", "short-2"]
 
 
+def test_a_request_with_nothing_run_yet_goes_before_the_rest_of_a_large_one() -> None:
+    """Found by an audit (2026-12-01): a one-word embedding of one tenant waited 29.6 s while another
+    tenant's 100 inputs of ~500 tokens ran, batch after batch, because the oldest item always went first.
+    Once one batch of the large request has run, a request with none run goes next; then the large one
+    again, oldest first."""
+    b = batcher(max_batch_size=8, max_wait_s=0.0)
+    b.add_all([item("large", 500, payload=i) for i in range(24)], 0.0)
+    b.add(item("small", 2), 0.5)
+    assert rids(b.next_batch(1.0)) == ["large"] * 8  # the oldest, nothing of either run yet
+    assert rids(b.next_batch(1.0)) == ["small"]
+    assert rids(b.next_batch(1.0)) == ["large"] * 8
+    b.add(item("later", 3), 1.5)
+    b.add(item("second-large", 500), 1.5)
+    assert rids(b.next_batch(2.0)) == ["later"]  # none run, and the oldest of those with none run
+    assert rids(b.next_batch(2.0)) == ["large"] * 8  # in its bucket, oldest first: before second-large
+    assert rids(b.next_batch(2.0)) == ["second-large"]
+    assert b.next_batch(2.0) is None
+    assert (b._waiting, b._served) == ({}, {})
+
+
 def test_expired_items_are_set_aside_never_batched() -> None:
     b = batcher(max_batch_size=2)
     b.add(item("dead", deadline=1.0), 0.0)
@@ -234,8 +254,12 @@ def test_random_traffic_keeps_invariants(seed: int) -> None:
             else:
                 assert len(b) == config.max_queued
         assert len(b) <= config.max_queued
+        queued = {entry.item.request_id for _, entry in b._live.values()}
+        assert set(b._waiting) == queued, "counts only of requests queued"
+        assert set(b._served) <= queued
     out(b.drain(), "drained")
     assert set(seen) == set(accepted)
+    assert (b._waiting, b._served) == ({}, {})
 
 
 def test_deadline_bookkeeping_stays_bounded_and_correct_as_items_leave() -> None:
