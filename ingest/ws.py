@@ -367,10 +367,14 @@ class WsSession:
         tasks = [work.task for work in self._work.values()]
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        if self._writer is not None:
-            self._writer.cancel()
-            await asyncio.gather(self._writer, return_exceptions=True)
+        try:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        finally:  # also when the handler is cancelled meanwhile (its connection lost): a writer never
+            # cancelled waited on a queue nobody held, and was destroyed pending, an ERROR in the log
+            # at each dropped socket (an audit, 2026-12-01)
+            if self._writer is not None:
+                self._writer.cancel()
+                await asyncio.gather(self._writer, return_exceptions=True)
 
 
 async def websocket(ctx: EdgeContext, request: web.Request) -> web.StreamResponse:

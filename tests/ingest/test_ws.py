@@ -493,3 +493,34 @@ async def test_a_page_of_another_site_cannot_open_a_websocket(make_client: MakeC
     await ws.close()
     with pytest.raises(aiohttp.WSServerHandshakeError):
         await allowed.ws_connect(f"/v1/ws?api_key={DEMO_KEY}", headers={"Origin": "http://localhost:3000"})
+
+
+async def test_a_close_cancelled_while_its_requests_end_still_stops_the_writer(
+    make_client: MakeClient,
+) -> None:
+    """Found by an audit (2026-12-01): a socket dropped at the TCP level mid-stream logged "Task was
+    destroyed but it is pending" for the session's writer: the handler was cancelled while ``close`` waited
+    for the requests to end, and the writer, never cancelled, was left waiting on a queue nobody held."""
+    _, edge = await make_client()
+    session, _, _ = blocked_session(edge)
+    ending = asyncio.Event()
+
+    async def slow_to_end() -> None:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            await ending.wait()  # its cancellation takes a while (it publishes its cancel)
+            raise
+
+    from ingest.ws import _Work
+
+    session._work["r"] = _Work(task=asyncio.create_task(slow_to_end()))
+    await asyncio.sleep(0)
+    closing = asyncio.create_task(session.close())
+    await asyncio.sleep(0.05)
+    closing.cancel()  # the handler's connection is lost meanwhile
+    with pytest.raises(asyncio.CancelledError):
+        await closing
+    assert session._writer is not None
+    assert session._writer.done()
+    ending.set()
