@@ -97,7 +97,7 @@ def parse_line(raw: bytes, endpoint: Endpoint) -> Parsed:
         raise LineError("invalid_request", f"Invalid line: {exc}.") from None
     except UNREADABLE_JSON as exc:
         raise LineError(
-            "invalid_json_line", f"This line is not valid JSON: {unreadable_json(exc)}."
+            "invalid_json_line", f"This line is not valid JSON: {unreadable_json(exc, raw)}."
         ) from None
     if not line.custom_id or len(line.custom_id) > MAX_CUSTOM_ID:
         raise LineError(

@@ -59,6 +59,7 @@ from ingest.prepare import Kind, Shape
 from ingest.render import native
 from ingest.reply_stream import After
 from monitoring import metrics, tracing
+from schemas.codec import unreadable_json
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +198,8 @@ class WsSession:
         try:
             frame = _DECODER.decode(text)
         except msgspec.DecodeError as exc:
-            await self._error(_client_id(text), InvalidRequest(f"Invalid frame: {exc}", code="invalid_frame"))
+            why = unreadable_json(exc, text)
+            await self._error(_client_id(text), InvalidRequest(f"Invalid frame: {why}", code="invalid_frame"))
             return
         except RecursionError:  # balanced JSON nested ~1000 deep: msgspec's Raw capture recurses
             await self._error(

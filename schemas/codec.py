@@ -7,6 +7,7 @@ consumers catch that one class and dead-letter the record.
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Sequence
 
 import msgspec
@@ -72,12 +73,23 @@ malformed JSON, a string that is not UTF-8 (``UnicodeDecodeError``, which is not
 nesting deeper than its decoder recurses (``RecursionError``, even inside a field it skips)."""
 
 
-def unreadable_json(exc: Exception) -> str:
-    """Why msgspec could not read some JSON (one of :data:`UNREADABLE_JSON`), for an error message."""
+_LONE_SURROGATE = re.compile(
+    r"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})"
+    r"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}"
+)
+
+
+def unreadable_json(exc: Exception, data: bytes | str | None = None) -> str:
+    """Why msgspec could not read some JSON (one of :data:`UNREADABLE_JSON`), for an error message;
+    ``data``, the JSON, names a lone surrogate escape, which msgspec calls "Input data was truncated"."""
     if isinstance(exc, UnicodeDecodeError):
         return "a string in it is not UTF-8"
     if isinstance(exc, RecursionError):
         return "it is nested too deeply"
+    if data is not None and str(exc) == "Input data was truncated":
+        text = data if isinstance(data, str) else data.decode("utf-8", "replace")
+        if found := _LONE_SURROGATE.search(text):
+            return f"a string in it has {found.group()}, half of a surrogate pair: not a character"
     return str(exc)
 
 

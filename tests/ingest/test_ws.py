@@ -524,3 +524,21 @@ async def test_a_close_cancelled_while_its_requests_end_still_stops_the_writer(
     assert session._writer is not None
     assert session._writer.done()
     ending.set()
+
+
+async def test_a_frame_with_a_lone_surrogate_is_named_as_such(client: Client, gateway: FakeGateway) -> None:
+    """msgspec calls a lone surrogate escape "Input data was truncated" (an audit: a WebSocket client was
+    told its whole frame was cut short)."""
+    async with client.ws_connect("/v1/ws", headers=AUTH) as ws:
+        await ws.send_str('{"type":"ping","id":"\\ud800"}')
+        error = await ws.receive_json(timeout=5)
+        assert error["error"]["code"] == "invalid_frame"
+        assert "\\ud800, half of a surrogate pair" in error["error"]["message"]
+    response = await client.post(
+        "/v1/completions",
+        data=b'{"model":"%s","prompt":"a\\ud83d"}' % GEN.encode(),
+        headers={**AUTH, "Content-Type": "application/json"},
+    )
+    assert response.status == 400
+    assert "\\ud83d, half of a surrogate pair" in (await response.json())["error"]["message"]
+    assert gateway.submitted == []
