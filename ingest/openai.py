@@ -166,7 +166,8 @@ def decode_body(raw: bytes, cls: type[T]) -> T:
         ) from exc
     except UNREADABLE_JSON as exc:
         raise InvalidRequest(
-            f"We could not parse the JSON body of your request: {unreadable_json(exc, raw)}", code="invalid_json"
+            f"We could not parse the JSON body of your request: {unreadable_json(exc, raw)}",
+            code="invalid_json",
         ) from exc
 
 

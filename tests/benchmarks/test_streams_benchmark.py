@@ -34,7 +34,9 @@ def test_the_streams_benchmark_runs_small_and_writes_its_json(tmp_path: Path) ->
     )
     run = result["runs"]["run 1"]
     assert run["catch_up"]["complete"] is True
-    assert run["catch_up"]["warehouse_events"] == 40_000  # each RequestFinished and its audit entry
+    # each RequestFinished and its audit entry, and the price table the worker publishes at start with its
+    # own entry (both on the control topic, which the worker reads too)
+    assert run["catch_up"]["warehouse_events"] == 40_000 + 2
     assert run["at_rate"]["all_written"] is True
     assert run["at_rate"]["probes_missing"] == 0
     assert "catch-up: warehouse events/s" in stdout
