@@ -196,13 +196,25 @@ def runner_factory(
             batching=BatcherConfig(
                 max_batch_size=worker.worker_embed_max_batch,
                 max_wait_s=worker.worker_embed_max_wait_ms / 1000,
-                max_batch_tokens=worker.worker_embed_max_batch_tokens,
+                max_batch_tokens=embed_batch_tokens(worker, embedder.device.type),
                 max_queued=worker.worker_embed_max_queued,
             ),
             team=team,
         )
 
     return build
+
+
+EMBED_BATCH_TOKENS = {"cpu": 2_048}
+"""``SLUICE_WORKER_EMBED_MAX_BATCH_TOKENS`` unset, by device type (others: :data:`EMBED_BATCH_TOKENS_GPU`)."""
+EMBED_BATCH_TOKENS_GPU = 16_384
+
+
+def embed_batch_tokens(worker: WorkerSettings, device_type: str) -> int:
+    """The padded tokens an embedding batch may hold: the setting, else the device's default."""
+    if worker.worker_embed_max_batch_tokens is not None:
+        return worker.worker_embed_max_batch_tokens
+    return EMBED_BATCH_TOKENS.get(device_type, EMBED_BATCH_TOKENS_GPU)
 
 
 def quiet_threads(worker: WorkerSettings, task: str) -> int:

@@ -77,7 +77,11 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     there at once, and batches fill with what arrives while the previous one runs (at 64 clients the
     throughput was the same as with 4 ms; at 1 client p50 fell from 42 to 31 ms). Raise it only for
     traffic that arrives in bursts just apart."""
-    worker_embed_max_batch_tokens: Positive = 16_384
+    worker_embed_max_batch_tokens: Positive | None = None
+    """Embeddings: padded tokens a batch may hold (its inputs times the longest). Unset: 16,384 on a GPU,
+    2,048 on a CPU. On a CPU a batch gains nothing from long inputs (MiniLM at 512 tokens, one thread:
+    244-265 ms an input at every batch size from 1 to 32) and a batch of 32 of them ran 7.8 s, which every
+    other request waited out; 2,048 still takes 64 short inputs (up to 32 tokens) at once."""
     worker_embed_max_queued: Positive = 4096
     """Embeddings: inputs waiting for a batch before requests are refused ``queue_full`` (retriable). A
     request is queued whole while fewer wait, whatever its size (so the queue holds at most this, less one,

@@ -285,3 +285,25 @@ def test_a_requests_items_are_queued_whole_while_the_queue_is_under_its_limit() 
     with pytest.raises(ValueError, match="n_tokens"):
         checked.add_all([item("x"), item("x", n_tokens=-1)], now=0.0)
     assert len(checked) == 0, "none of a request with a bad item was queued"
+
+
+@pytest.mark.parametrize(
+    ("setting", "device", "budget"),
+    [(None, "cpu", 2_048), (None, "cuda", 16_384), (8_192, "cpu", 8_192), (1_000, "cuda", 1_000)],
+)
+def test_an_embedding_batch_s_token_budget_follows_the_device_unless_set(
+    setting: int | None, device: str, budget: int
+) -> None:
+    """On a CPU a batch of 32 MiniLM inputs of 512 tokens ran 7.8 s (every other request waited it out),
+    and long inputs gain nothing from batching there; short inputs still batch 64 at a time."""
+    from gpu_workers.main import embed_batch_tokens
+    from gpu_workers.settings import WorkerSettings
+
+    assert embed_batch_tokens(WorkerSettings(worker_embed_max_batch_tokens=setting), device) == budget
+    b = batcher(
+        max_batch_size=64, max_wait_s=0.0, max_batch_tokens=embed_batch_tokens(WorkerSettings(), "cpu")
+    )
+    b.add_all([item("short", 32, payload=i) for i in range(64)], 0.0)
+    assert len(rids(b.next_batch(0.0))) == 64
+    b.add_all([item("long", 512, payload=i) for i in range(8)], 0.0)
+    assert len(rids(b.next_batch(0.0))) == 4
