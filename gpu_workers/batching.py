@@ -144,8 +144,8 @@ class DynamicBatcher(Generic[P]):
     def next_batch(self, now: float) -> list[EmbedItem[P]] | None:
         """The next batch to run, or None if no bucket is ready. Never contains an expired item."""
         self._sweep(now)
-        # (items of the first item's request already run, its ready_at, bucket index, batch length)
-        best: tuple[int, float, int, int] | None = None
+        # ((items of the first item's request already run, its ready_at), bucket index, batch length)
+        best: tuple[tuple[int, float], int, int] | None = None
         for index, queue in enumerate(self._buckets):
             if not queue:
                 continue
@@ -153,12 +153,12 @@ class DynamicBatcher(Generic[P]):
             if not self._ready(queue, fit, now):
                 continue
             head = queue[0]
-            rank = (self._served.get(head.item.request_id, 0), head.ready_at, index, fit[0])
-            if best is None or rank[:2] < best[:2]:
-                best = rank
+            rank = (self._served.get(head.item.request_id, 0), head.ready_at)
+            if best is None or rank < best[0]:
+                best = (rank, index, fit[0])
         if best is None:
             return None
-        _, _, index, size = best
+        _, index, size = best
         queue = self._buckets[index]
         batch: list[EmbedItem[P]] = []
         for _ in range(size):

@@ -205,16 +205,15 @@ def runner_factory(
     return build
 
 
-EMBED_BATCH_TOKENS = {"cpu": 2_048}
-"""``SLUICE_WORKER_EMBED_MAX_BATCH_TOKENS`` unset, by device type (others: :data:`EMBED_BATCH_TOKENS_GPU`)."""
-EMBED_BATCH_TOKENS_GPU = 16_384
+EMBED_BATCH_TOKENS_CPU, EMBED_BATCH_TOKENS_GPU = 2_048, 16_384
+"""``SLUICE_WORKER_EMBED_MAX_BATCH_TOKENS`` unset: on a CPU, on any other device."""
 
 
 def embed_batch_tokens(worker: WorkerSettings, device_type: str) -> int:
     """The padded tokens an embedding batch may hold: the setting, else the device's default."""
     if worker.worker_embed_max_batch_tokens is not None:
         return worker.worker_embed_max_batch_tokens
-    return EMBED_BATCH_TOKENS.get(device_type, EMBED_BATCH_TOKENS_GPU)
+    return EMBED_BATCH_TOKENS_CPU if device_type == "cpu" else EMBED_BATCH_TOKENS_GPU
 
 
 def quiet_threads(worker: WorkerSettings, task: str) -> int:

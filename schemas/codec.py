@@ -73,10 +73,9 @@ malformed JSON, a string that is not UTF-8 (``UnicodeDecodeError``, which is not
 nesting deeper than its decoder recurses (``RecursionError``, even inside a field it skips)."""
 
 
-_LONE_SURROGATE = re.compile(
-    r"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})"
-    r"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}"
-)
+_LONE_SURROGATE = re.compile(r"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})")
+"""A high surrogate escape with no low one after it: what msgspec reports as "Input data was truncated" (a
+lone low one it names itself)."""
 
 
 def unreadable_json(exc: Exception, data: bytes | str | None = None) -> str:

@@ -290,29 +290,28 @@ class StreamsApp(AsyncComponent):
         await self._publish_prices()
 
     async def _publish_prices(self) -> None:
-        """Put the price file's table on the log, in force from now, unless the log holds its version: a
-        published version never changes (a file that changed its prices but not its version is refused,
-        or a rebuild could not tell which prices a row was priced by). Only a worker that runs alone
+        """Put the price file's table on the log, in force from now (or just after the latest table there),
+        unless the log holds its version: a published version never changes (a file that changed its
+        prices but not its version is refused, or a rebuild could not tell which prices a row was priced
+        by). Only a worker that runs alone
         publishes one: another streams worker would price by its old history until its sink read the new
         table, and the rows it wrote meanwhile would differ from a rebuild's (a review)."""
-        table, now = self._file_prices, utc_now()
+        table, now, latest = self._file_prices, utc_now(), self.prices.latest()
         published = self.prices.published(table.version)
         if published is not None and published != table:
             raise PricingError(
                 f"price table {table.version!r} is on the log with other prices: a published table never "
                 "changes; give the new prices a new version (the file's `version`)"
             )
-        if published is not None:
-            if (current := self.prices.tables()[-1][1]).version != table.version:
+        if published is not None and latest is not None:
+            if (current := latest[1]).version != table.version:
                 # publishing it again would compact away when it was first in force
                 raise PricingError(
                     f"price table {table.version!r} was replaced by {current.version!r}: to price by it "
                     "again, publish its prices under a new version (the file's `version`)"
                 )
             return
-        if self._admin is None:
-            self._admin = make_admin(self._kafka)
-        others = await asyncio.to_thread(group_members, self._admin, self.group)
+        others = await self._group_members(self.group)
         if others:  # None: the cluster cannot say; publishing will tell
             raise PricingError(
                 f"price table {table.version!r} is new, and a new table is published only by a streams "
@@ -322,8 +321,7 @@ class StreamsApp(AsyncComponent):
             )
         # after every table on the log, whatever this host's clock says: a table dated before the one in
         # force would be sorted behind it and never priced by (a review)
-        latest = max((at for at, _ in self.prices.tables()), default=None)
-        effective = now if latest is None else max(now, latest + timedelta(milliseconds=1))
+        effective = now if latest is None else max(now, latest[0] + timedelta(milliseconds=1))
         event = PricesChanged(
             tenant="", model="", source=SOURCE, time=now, prices=table, effective=effective, actor="streams"
         )
@@ -377,9 +375,13 @@ class StreamsApp(AsyncComponent):
         return sink is not None and any(topic == self.names.control for topic, _ in sink.assignment())
 
     async def _members(self, model: str, version: str) -> int | None:
+        return await self._group_members(worker_group(model, version))
+
+    async def _group_members(self, group: str) -> int | None:
+        """How many members consumer group ``group`` has now (None: the cluster cannot say)."""
         if self._admin is None:
             self._admin = make_admin(self._kafka)
-        return await asyncio.to_thread(group_members, self._admin, worker_group(model, version))
+        return await asyncio.to_thread(group_members, self._admin, group)
 
     # ---------------------------------------------------------------- the sink
 

@@ -110,6 +110,10 @@ class PriceHistory:
         self._times.insert(at, event.effective)
         self._tables.insert(at, table)
 
+    def latest(self) -> tuple[datetime, PriceTable] | None:
+        """The table in force last, and from when (None: none published)."""
+        return (self._times[-1], self._tables[-1]) if self._tables else None
+
     def tables(self) -> list[tuple[datetime, PriceTable]]:
         """Each published table with the moment it came into force, oldest first."""
         return list(zip(self._times, self._tables, strict=True))

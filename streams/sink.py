@@ -160,14 +160,17 @@ class Rows:
         left to stop the batch (and the sink at that offset on every restart)."""
         out = Batch()
         decoded: list[tuple[Consumed, Event]] = []
+        history, carrier = self._history, self._carriers.get(PricesChanged)
         for record in records:
             try:
-                decoded.append((record, decode(record.value)))
+                event = decode(record.value)
             except DecodeError as exc:
                 out.undecodable.append((record, exc))
-        if self._history is not None:  # a table published in this batch prices what it accepted since
-            carrier = self._carriers.get(PricesChanged)
-            self._history.observe(e for r, e in decoded if carrier in (None, r.topic))
+                continue
+            decoded.append((record, event))
+            # a table published in this batch prices what it accepted since: taken before any is priced
+            if history is not None and type(event) is PricesChanged and carrier in (None, record.topic):
+                history.add(event)
         for record, event in decoded:
             try:
                 rows = self._rows_of(event, record.topic, record.offset)
