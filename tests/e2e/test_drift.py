@@ -28,10 +28,11 @@ from tests.e2e.test_streams import ROOT, Streams, _sluice, _wait_rows, running_s
 
 pytestmark = pytest.mark.integration
 AUTH = {"Authorization": f"Bearer {DEMO_KEY}"}
-WINDOW_S = 15.0
+WINDOW_S = 20.0
 """Room for a window's requests to end inside it on a busy box: with 10 s, CI (two test workers on 2 cores)
 once saw the shifted mix's longer German prompts run past the boundary, 27 of 48 in the window (too few to
-judge); alone it passed with 10 s."""
+judge); alone it passed with 10 s. With 15 s and a lateness of 8 s, CI on a slower box (2026-12-01, the
+online benchmark running beside it) counted 32 of them."""
 PER_WINDOW = 48
 SECRET = "Flussufer"  # in the shifted prompts: must never reach the warehouse
 
@@ -75,7 +76,7 @@ def streams(e2e_settings: PlatformSettings, tmp_path_factory: pytest.TempPathFac
         # a window is judged this long after its end: a row the sink has not stored by then is not counted.
         # With 3 s, CI (two test workers on 2 cores) once counted 32 of the shifted window's 48 requests
         # (alone, 48): room for a loaded box's sink
-        SLUICE_DRIFT_LATENESS_S="8",
+        SLUICE_DRIFT_LATENESS_S="12",
         SLUICE_DRIFT_INTERVAL_S="0.5",
         SLUICE_DRIFT_MIN_SAMPLES="30",
         SLUICE_DRIFT_MAX_TENANTS="0",
@@ -121,7 +122,7 @@ def _reports(log: TopicLog) -> list[DriftReport]:
 
 @pytest.mark.timeout(
     300
-)  # three 15 s windows, the monitor, a replay: ~115 s alone, more on a busy 2-core box
+)  # three 20 s windows, the monitor, a replay: ~135 s alone, more on a busy 2-core box
 async def test_drift_flips_on_a_shifted_mix_and_not_on_the_same_mix(
     platform: Platform, workers: list[WorkerService], streams: Streams, drift_log: TopicLog
 ) -> None:
