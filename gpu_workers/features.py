@@ -103,12 +103,11 @@ class FeatureProbe:
             then(None)
 
     def help(self, idle: bool) -> None:
-        """The model thread, between steps: whether it is about to idle (:meth:`DriftEmbedder.model_idle`),
-        and the prompts it embeds itself (:meth:`DriftEmbedder.help`)."""
+        """The model thread, between steps and while it idles: whether it is about to idle
+        (:meth:`DriftEmbedder.model_idle`), and the prompts it embeds itself (:meth:`DriftEmbedder.help`)."""
         if self.embedder is not None:
             self.embedder.model_idle(idle)
-            if not idle:
-                self.embedder.help()
+            self.embedder.help()
 
     def close(self) -> None:
         """Stop the embedder, if any: every prompt it was given is answered first."""
@@ -185,11 +184,13 @@ class EmbedBudget:
         self._credit -= seconds
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class _Job:
     prompt: str
     then: Callable[[Vector | None], None]
     queued: float
+    answered: bool = False
+    """``then`` is called (or about to be): set under the embedder's lock, by whoever answers first."""
 
 
 class DriftEmbedder(Component):
@@ -203,6 +204,12 @@ class DriftEmbedder(Component):
     takes nothing: the model thread embeds what has waited :data:`DRIFT_EMBED_HELP_AFTER_S` itself
     (:meth:`help`), within the budget, as it always did (a batch the thread took just before a burst of
     load finishes in the model's gaps, beside it: the embedder may be called from both threads at once).
+    It does so while it idles too: an idle model whose cores other processes keep busy (the edge, Kafka,
+    the streams worker on one box) leaves the thread no core either, and before, a prompt queued then
+    waited for one without bound, and with it its request's ``results`` copy and offset commit (a loaded
+    2-core box: 12 of 48 requests' copies missing after a minute). For the same reason a batch the thread
+    took and is starved in is answered without vectors by the model thread once it waited ``max_wait_s``
+    (the thread's late answer is dropped).
 
     A prompt goes without its vector (``then(None)``, counted by ``on_skip(n)``) when :data:`MAX_QUEUED` wait
     already, when it waited past ``max_wait_s``, when the budget (``budget``: the share of time the calls
@@ -236,6 +243,8 @@ class DriftEmbedder(Component):
         self._clock = clock
         self._name = name
         self._jobs: collections.deque[_Job] = collections.deque()
+        self._taken: list[_Job] = []
+        """The batch the thread is embedding, if any."""
         self._cond = threading.Condition()
         """Guards the queue, the budget, the counters and the states below."""
         self._model_idle = True
@@ -301,19 +310,33 @@ class DriftEmbedder(Component):
                 self._cond.notify()
 
     def help(self) -> None:
-        """The model thread, between its steps: embed what is queued here and now when the oldest prompt
-        has waited :data:`DRIFT_EMBED_HELP_AFTER_S` (the model has not idled since), the budget allowing."""
-        if not self._jobs:  # (a deque's length, read without the lock: the common case costs nothing)
+        """The model thread, between its steps or while it idles: embed what is queued here and now when
+        the oldest prompt has waited :data:`DRIFT_EMBED_HELP_AFTER_S` (the thread did not take it: the model
+        has not idled since, or the thread got no core), the budget allowing; answer without vectors the
+        prompts of a batch the thread took that waited past ``max_wait_s``."""
+        if not self._jobs and not self._taken:  # (read without the lock: the common case costs nothing)
             return
         with self._cond:
-            if not self._jobs or self._clock() - self._jobs[0].queued < self._help_after_s:
-                return
-            batch = self._take()
-            self.helped += 1
-        self._run(batch)
+            now = self._clock()
+            late = self._claim([job for job in self._taken if now - job.queued > self._max_wait_s])
+            self._count_skipped(len(late))
+            batch = self._take() if self._jobs and now - self._jobs[0].queued >= self._help_after_s else []
+            self.helped += bool(batch)
+        for job in late:
+            job.then(None)
+        if batch:
+            self._run(batch)
 
     def _take(self) -> list[_Job]:
         return [self._jobs.popleft() for _ in range(min(MAX_BATCH, len(self._jobs)))]
+
+    @staticmethod
+    def _claim(jobs: list[_Job]) -> list[_Job]:
+        """The jobs nobody answered yet, now this caller's to answer. Call with the lock held."""
+        mine = [job for job in jobs if not job.answered]
+        for job in mine:
+            job.answered = True
+        return mine
 
     def _count_skipped(self, n: int) -> None:
         """Call with the lock held."""
@@ -331,48 +354,54 @@ class DriftEmbedder(Component):
                 if not self._jobs:
                     self._closed = True
                     return
-                batch = self._take()
+                batch = self._taken = self._take()
             try:
                 self._run(batch)
             except BaseException as exc:  # a ``then`` failed: what is left is answered without vectors
                 log.exception("%s stopped", self._name)
                 with self._cond:
                     self._closed = True
-                    left = list(self._jobs)
+                    left = self._claim([*self._taken, *self._jobs])
                     self._jobs.clear()
+                    self._taken = []
                 for job in left:
                     with contextlib.suppress(Exception):
                         job.then(None)
                 self.fail(exc)
                 return
+            with self._cond:
+                self._taken = []
 
     def _run(self, batch: list[_Job]) -> None:
         """Embed the batch's prompts that did not wait too long, the budget allowing, in one call; answer
-        every prompt of it."""
+        every prompt of it nobody answered meanwhile (:meth:`help`)."""
         with self._cond:
             began = self._clock()
-            fresh = [job for job in batch if began - job.queued <= self._max_wait_s]
+            unanswered = [job for job in batch if not job.answered]
+            fresh = [job for job in unanswered if began - job.queued <= self._max_wait_s]
             if fresh and not self._budget.affordable():
                 fresh = []
-            self._count_skipped(len(batch) - len(fresh))
+            self._count_skipped(len(unanswered) - len(fresh))
             if fresh:
                 self.calls += 1
         vectors: Sequence[Vector | None] = [None] * len(fresh)
+        embedded = False
         if fresh:
-            embedded = False
             try:
                 vectors = self._embed([job.prompt for job in fresh])
                 embedded = True
             except Exception:  # a feature must never fail the request it describes
                 log.exception("drift embedding of %d prompts failed", len(fresh))
-            with self._cond:
-                self._budget.spend(self._clock() - began)
-                if embedded:
-                    self.embedded += len(fresh)
-            if embedded and self._on_embedded is not None:
-                self._on_embedded(len(fresh))
         answers = {id(job): vector for job, vector in zip(fresh, vectors, strict=True)}
-        for job in batch:
+        with self._cond:
+            if fresh:
+                self._budget.spend(self._clock() - began)
+            mine = self._claim(batch)
+            delivered = sum(id(job) in answers for job in mine) if embedded else 0
+            self.embedded += delivered
+        if delivered and self._on_embedded is not None:
+            self._on_embedded(delivered)
+        for job in mine:
             job.then(answers.get(id(job)))
 
 

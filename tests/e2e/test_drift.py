@@ -12,6 +12,7 @@ import json
 import random
 import time
 from collections.abc import AsyncIterator, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +32,7 @@ AUTH = {"Authorization": f"Bearer {DEMO_KEY}"}
 WINDOW_S = 20.0
 """Room for a window's requests to end inside it on a busy box: with 10 s, CI (two test workers on 2 cores)
 once saw the shifted mix's longer German prompts run past the boundary, 27 of 48 in the window (too few to
-judge); alone it passed with 10 s. With 15 s and a lateness of 8 s, CI on a slower box (2026-12-01, the
-online benchmark running beside it) counted 32 of them."""
+judge); alone it passed with 10 s."""
 PER_WINDOW = 48
 SECRET = "Flussufer"  # in the shifted prompts: must never reach the warehouse
 
@@ -99,10 +99,14 @@ async def _complete(session: aiohttp.ClientSession, url: str, prompt: str) -> st
         return response.headers["x-request-id"]
 
 
-async def _window_of_traffic(session: aiohttp.ClientSession, url: str, prompts: list[str], seed: int) -> None:
-    """Wait for the next window boundary, then send PER_WINDOW requests well inside that window."""
+async def _window_of_traffic(
+    session: aiohttp.ClientSession, url: str, prompts: list[str], seed: int
+) -> tuple[datetime, float]:
+    """Wait for the next window boundary, then send PER_WINDOW requests inside that window: its start, and
+    how long after it the last one was answered."""
     now = time.time()
-    await asyncio.sleep(WINDOW_S - now % WINDOW_S + 0.3)
+    start = now - now % WINDOW_S + WINDOW_S
+    await asyncio.sleep(start - now + 0.3)
     rng = random.Random(seed)
     chosen = [
         rng.choice(prompts).format(secret=SECRET) + f" ({rng.randrange(1000)})" for _ in range(PER_WINDOW)
@@ -113,11 +117,27 @@ async def _window_of_traffic(session: aiohttp.ClientSession, url: str, prompts: 
         async with gate:
             return await _complete(session, url, prompt)
 
-    await asyncio.gather(*(one(p) for p in chosen))  # each report's request count shows it stayed inside
+    await asyncio.gather(*(one(p) for p in chosen))
+    return datetime.fromtimestamp(start, UTC), time.time() - start
 
 
 def _reports(log: TopicLog) -> list[DriftReport]:
     return [e for e in log.all() if isinstance(e, DriftReport) and e.model == GPT and e.tenant == "*"]
+
+
+async def _rows_per_window(streams: Streams) -> dict[datetime, int]:
+    """demo-gpt's ``drift_features`` rows per window, once every request the test sent is stored (or a
+    minute passed)."""
+    sql = (
+        f"SELECT intDiv(toUnixTimestamp64Milli(finished), {int(WINDOW_S * 1000)}) AS window, count() AS n "
+        f"FROM drift_features FINAL WHERE model = '{GPT}' GROUP BY window ORDER BY window"
+    )
+    deadline = time.monotonic() + 60
+    while True:
+        rows = await streams.sql(sql)
+        if sum(r["n"] for r in rows) >= 3 * PER_WINDOW or time.monotonic() > deadline:
+            return {datetime.fromtimestamp(r["window"] * WINDOW_S, UTC): int(r["n"]) for r in rows}
+        await asyncio.sleep(0.3)
 
 
 @pytest.mark.timeout(
@@ -129,17 +149,30 @@ async def test_drift_flips_on_a_shifted_mix_and_not_on_the_same_mix(
     url = platform.base_url
     await streams.ready()
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
-        await _window_of_traffic(session, url, ENGLISH, seed=1)
-        await _window_of_traffic(session, url, ENGLISH, seed=2)
-        await _window_of_traffic(session, url, GERMAN, seed=3)
+        sent = [
+            await _window_of_traffic(session, url, ENGLISH, seed=1),
+            await _window_of_traffic(session, url, ENGLISH, seed=2),
+            await _window_of_traffic(session, url, GERMAN, seed=3),
+        ]
+    starts = [start for start, _took in sent]
 
-    await drift_log.wait(lambda: len(_reports(drift_log)) >= 3, within=60)
-    reports = _reports(drift_log)
+    def judged() -> list[DriftReport]:
+        by_start = {r.window_start: r for r in _reports(drift_log)}
+        return [by_start[start] for start in starts if start in by_start]
+
+    await drift_log.wait(lambda: len(judged()) == 3, within=60)
+    reports = judged()
     assert [r.effective_verdict for r in reports] == ["reference", "no_drift", "drift"], [
         (r.effective_verdict, r.requests, r.quality) for r in reports
     ]
     reference, same, shifted = reports
-    assert reference.requests == same.requests == shifted.requests == PER_WINDOW
+    # Each report counted its window's every request: CI (2026-12-01, a loaded box) judged the shifted
+    # window on 32 of its 48 twice, though they were answered in its first seconds; their results copies
+    # waited for drift embeddings on a thread that got no core (gpu_workers/features.py).
+    counts = [r.requests for r in reports]
+    if counts != [PER_WINDOW] * 3:
+        stored = await _rows_per_window(streams)
+        pytest.fail(f"reports counted {counts}; the warehouse now holds {stored}; the answers took {sent}")
     assert same.reference_start == shifted.reference_start == reference.window_start
     assert not [f.name for f in same.features if f.drifted], "the same mix must not alarm"
     drifted = {f.name for f in shifted.features if f.drifted}
@@ -153,7 +186,10 @@ async def test_drift_flips_on_a_shifted_mix_and_not_on_the_same_mix(
         "SELECT report_id, verdict, feature_names, feature_drifted FROM drift_reports FINAL "
         f"WHERE model = '{GPT}' AND scope = '*' ORDER BY window_start"
     )
-    assert [(r["report_id"], r["verdict"]) for r in rows] == [(r.id, r.effective_verdict) for r in reports]
+    ids = {r.id for r in reports}
+    assert [(r["report_id"], r["verdict"]) for r in rows if r["report_id"] in ids] == [
+        (r.id, r.effective_verdict) for r in reports
+    ]
 
     # the CLI: status and the evidently HTML of the latest window
     status = _sluice(streams.env, "drift", "status", "--model", GPT)
@@ -165,7 +201,7 @@ async def test_drift_flips_on_a_shifted_mix_and_not_on_the_same_mix(
     html = Path(streams.env["SLUICE_DATA_DIR"]).parent / "drift.html"
     made = _sluice(streams.env, "drift", "report", GPT, "--html", str(html))
     assert made.returncode == 0, made.stdout + made.stderr
-    assert ": drift (48 requests" in made.stdout, made.stdout
+    assert f": drift ({shifted.requests} requests" in made.stdout, made.stdout
     assert "<html" in html.read_text()[:2000].lower()
 
     # the dashboard in a real browser shows the verdict and the drifted features

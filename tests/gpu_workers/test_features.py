@@ -422,6 +422,49 @@ def test_the_thread_takes_prompts_only_while_the_model_idles() -> None:
         assert embedder.helped == 1
 
 
+def test_an_idle_model_embeds_what_the_starved_thread_did_not_take() -> None:
+    """An idle model on a box whose cores other processes keep busy: the idle-priority thread gets no core,
+    so the model thread's idle ticks embed what waited DRIFT_EMBED_HELP_AFTER_S. Before, such a prompt
+    (and its request's results copy) waited without bound: on a loaded 2-core box 12 of 48 copies were
+    still missing after a minute."""
+    clock, answers = Clock(), Answers()
+    embedder = DriftEmbedder(lambda texts: [[4.0] for _ in texts], clock=clock, help_after_s=0.25)
+    probe = FeatureProbe(1, embedder)  # not started: a thread that gets no core
+    probe.help(idle=True)
+    probe.embed_then(request(), answers.then("idle"))
+    probe.help(idle=True)
+    assert answers.got == {}, "the thread may still take it"
+    clock.now += 0.3
+    probe.help(idle=True)
+    assert answers.got == {"idle": [4.0]}
+    assert answers.threads["idle"] == threading.get_ident()
+    assert (embedder.helped, embedder.embedded, embedder.skipped) == (1, 1, 0)
+
+
+def test_a_batch_the_thread_is_starved_in_is_answered_once_without_vectors() -> None:
+    """The thread took a batch and then got no core: once its prompts waited max_wait_s the model thread
+    answers them without vectors, and the thread's late answer is dropped (each ``then`` runs once)."""
+    clock, gate, answers, skips, counted = Clock(), Gate(), Answers(), list[int](), list[int]()
+    embedder = DriftEmbedder(
+        gate, max_wait_s=1.0, clock=clock, on_skip=skips.append, on_embedded=counted.append
+    )
+    with embedder:
+        embedder.submit("starved", answers.then("starved"))
+        assert gate.entered.wait(10)
+        embedder.help()
+        assert answers.got == {}, "not waited max_wait_s yet"
+        clock.now += 1.5
+        embedder.help()
+        assert answers.got == {"starved": None}
+        assert answers.threads["starved"] == threading.get_ident()
+        embedder.submit("next", answers.then("next"))
+        gate.release.set()
+        got = answers.wait(2)
+    assert got == {"starved": None, "next": [4.0, 0.5]}, "answered once: Answers fails a second answer"
+    assert (embedder.embedded, embedder.skipped) == (1, 1)
+    assert (counted, skips) == ([1], [1])
+
+
 def test_every_embeddings_model_keeps_its_own_vectors_for_drift(tmp_path: Path) -> None:
     """Not only the drift embedder's model: an embeddings rollout's drift gate compares each model's own
     vectors, and with none it would wait for ever (a review: a bge-small rollout stuck at 0 pairs)."""
