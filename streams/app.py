@@ -192,6 +192,12 @@ class StreamsApp(AsyncComponent):
         self.names = names
         self._writer = writer
         self._file_prices = prices
+        self._prices_from = (
+            f"SLUICE_STREAMS_PRICES_FILE={settings.streams_prices_file}"
+            if settings.streams_prices_file
+            else "the built-in demo prices (SLUICE_STREAMS_PRICES_FILE unset)"
+        )
+        """Where the file's table came from, for the messages that refuse it."""
         self.prices = PriceHistory(prices)
         """The price tables on the log (the file's is published at start when the log lacks its version)."""
         self._rows = Rows(self.prices, store_content=settings.streams_store_content, topics=names)
@@ -300,21 +306,22 @@ class StreamsApp(AsyncComponent):
         published = self.prices.published(table.version)
         if published is not None and published != table:
             raise PricingError(
-                f"price table {table.version!r} is on the log with other prices: a published table never "
-                "changes; give the new prices a new version (the file's `version`)"
+                f"price table {table.version!r} of {self._prices_from} is on the log with other prices: a "
+                "published table never changes; give the new prices a new version (the file's `version`)"
             )
         if published is not None and latest is not None:
             if (current := latest[1]).version != table.version:
                 # publishing it again would compact away when it was first in force
                 raise PricingError(
-                    f"price table {table.version!r} was replaced by {current.version!r}: to price by it "
-                    "again, publish its prices under a new version (the file's `version`)"
+                    f"price table {table.version!r} of {self._prices_from} was replaced by "
+                    f"{current.version!r}: to price by it again, publish its prices under a new version (the "
+                    "file's `version`)"
                 )
             return
         others = await self._group_members(self.group)
         if others:  # None: the cluster cannot say; publishing will tell
             raise PricingError(
-                f"price table {table.version!r} is new, and a new table is published only by a streams "
+                f"price table {table.version!r} of {self._prices_from} is new, and a new table is published only by a streams "
                 f"worker that runs alone: group {self.group} has {others} member(s) now. Stop the other "
                 "streams worker first (one killed without a clean stop leaves the group within its session "
                 "timeout, ~45s: `sluice up` starts this one again meanwhile)"

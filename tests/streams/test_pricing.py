@@ -146,6 +146,7 @@ class Worker:
         *,
         others: int | None = 0,
         now: datetime = NOW,
+        path: str | None = None,
     ) -> None:
         from schemas.settings import PlatformSettings
         from streams.app import StreamsApp
@@ -154,7 +155,7 @@ class Worker:
         self.producer = Producer()
         self.app = StreamsApp(
             PlatformSettings(kafka_bootstrap="127.0.0.1:1", topic_prefix="p", data_dir=str(tmp_path)),
-            StreamsSettings(),
+            StreamsSettings(streams_prices_file=path),
             Warehouse(),  # type: ignore[arg-type]
             file,
             self.producer,  # type: ignore[arg-type]
@@ -234,8 +235,12 @@ async def test_a_file_that_changed_prices_but_not_its_version_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     changed = PriceTable(version="2026-11", default=ModelPrice(prompt=1, completion=1), models={})
-    worker = Worker(tmp_path, monkeypatch, changed)
-    with pytest.raises(PricingError, match=r"'2026-11' is on the log with other prices.*new version"):
+    worker = Worker(tmp_path, monkeypatch, changed, path="/etc/sluice/prices.toml")
+    with pytest.raises(
+        PricingError,
+        match=r"'2026-11' of SLUICE_STREAMS_PRICES_FILE=/etc/sluice/prices.toml is on the log with other "
+        r"prices.*new version",
+    ):
         await worker.start([published(OLD, T0)])
     assert worker.producer.records == []
 
@@ -245,7 +250,11 @@ async def test_going_back_to_a_replaced_version_is_refused(
 ) -> None:
     """Publishing it again would compact away when it was first in force (one key per version)."""
     worker = Worker(tmp_path, monkeypatch, OLD)
-    with pytest.raises(PricingError, match="'2026-11' was replaced by '2026-12'"):
+    with pytest.raises(
+        PricingError,
+        match=r"'2026-11' of the built-in demo prices \(SLUICE_STREAMS_PRICES_FILE unset\) was "
+        "replaced by '2026-12'",
+    ):
         await worker.start([published(OLD, T0), published(NEW, T0 + timedelta(hours=1))])
     assert worker.producer.records == []
 
