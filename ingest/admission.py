@@ -75,6 +75,8 @@ class Admission:
     """The tenants seen (name -> its limits), for the sync to know every key's limits."""
     _flights: set[Flight] = field(default_factory=set)
     _idle: asyncio.Event = field(default_factory=asyncio.Event)
+    _preparing: dict[str, int] = field(default_factory=dict)
+    """Per tenant, its requests this edge is reading and tokenising (:meth:`preparing`)."""
     _held: dict[tuple[str, str, str], Reservation] = field(default_factory=dict)
     """The places of requests running on after their clients left (:attr:`Flight.held_until`), by
     ``("request", tenant, request id)`` and ``("key", tenant, Idempotency-Key)``: a client coming back for
@@ -90,19 +92,33 @@ class Admission:
                 "the budget is raised or renewed."
             )
 
-    def check_rate(
+    @contextmanager
+    def preparing(
         self, tenant: Tenant, *, request_id: str | None = None, idempotency_key: str | None = None
-    ) -> None:
-        """Refuse before any work on the body when the tenant is already at one of its limits; not a client
-        coming back for a request that holds its place (by ``request_id`` or ``idempotency_key``): its
-        flight takes that place over."""
+    ) -> Iterator[None]:
+        """Around reading, validating and tokenising a request's body: refuse it first when the tenant is
+        already at one of its limits (429), counting the tenant's requests this edge is still preparing as
+        admitted ones, in flight and in its requests per minute; not a client coming back for a request
+        that holds its place (by ``request_id`` or ``idempotency_key``): its flight takes that place over.
+        The preparation counts until the block ends; the request's :meth:`flight` then takes its place
+        (with no await between the two, nothing else is admitted in the gap). Before: a tenant with
+        ``max_concurrency`` 1 that sent 12 requests at once had all 12 bodies read and tokenised (those under
+        64 KiB on the event loop every tenant shares) before 11 were refused (the test of this)."""
         held = [("request", tenant.name, request_id), ("key", tenant.name, idempotency_key)]
-        if any(key in self._held for key in held):
+        if any(key in self._held for key in held):  # its place is counted already
+            yield
             return
         try:
-            self.ledger.precheck((tenant.name, ALL_MODELS), tenant.total)
+            self.ledger.precheck((tenant.name, ALL_MODELS), tenant.total, self._preparing.get(tenant.name, 0))
         except QuotaExceeded as exc:
             raise _refused(exc) from None
+        self._preparing[tenant.name] = self._preparing.get(tenant.name, 0) + 1
+        try:
+            yield
+        finally:
+            left = self._preparing.pop(tenant.name) - 1
+            if left:
+                self._preparing[tenant.name] = left
 
     def limits_of(self, key: Key) -> Limits | None:
         tenant = self.tenants.get(key[0])

@@ -182,19 +182,21 @@ class Routes:
             # a WebSocket resume or GET /v1/streams/{id} of the same stream was served
             ctx.admission.check_budget(tenant, ctx.gateway.budget_exhausted(tenant.name))
         key = check_idempotency_key(request.headers.get("Idempotency-Key"))
-        ctx.admission.check_rate(  # before any work on the body
+        with ctx.admission.preparing(  # refused before any work on the body when at a limit
             tenant, request_id=last[0] if last is not None else None, idempotency_key=key
-        )
-        raw = await self._body(request)
-        prepared = await ctx.preparer.prepare(
-            kind,
-            raw,
-            tenant=tenant,
-            timeout_header=request.headers.get("X-Request-Timeout"),
-            idempotency_key=key,
-            # empty: none (the body's ``user`` then), as before the header was checked (a review)
-            session=check_header(request.headers.get("X-Session-Id") or None, "X-Session-Id", MAX_SESSION_ID),
-        )
+        ):
+            raw = await self._body(request)
+            prepared = await ctx.preparer.prepare(
+                kind,
+                raw,
+                tenant=tenant,
+                timeout_header=request.headers.get("X-Request-Timeout"),
+                idempotency_key=key,
+                # empty: none (the body's ``user`` then), as before the header was checked (a review)
+                session=check_header(
+                    request.headers.get("X-Session-Id") or None, "X-Session-Id", MAX_SESSION_ID
+                ),
+            )
         request[MODEL_KEY] = prepared.event.model
         request[VERSION_KEY] = prepared.event.model_version
         note_accepted(prepared.event, request.get(SERVER_SPAN_KEY))

@@ -160,10 +160,13 @@ class QuotaLedger:
             own.since_sync[1] += tokens
         return Reservation(keys=keys, second=second, tokens=tokens)
 
-    def precheck(self, key: Key, limits: Limits) -> None:
-        """Refuse before any work on the body when the tenant is already at a limit (nothing reserved)."""
+    def precheck(self, key: Key, limits: Limits, pending: int = 0) -> None:
+        """Refuse before any work on the body when the tenant is already at a limit (nothing reserved).
+        ``pending``: this edge's requests under ``key`` still being read and tokenised, counted as
+        admitted (in flight and in the per-minute request count), so that a burst's bodies are not all
+        read and tokenised for every request past the limit to be refused afterwards."""
         if not limits.unlimited:
-            refusal = self._refusal(key, limits, 0, self._clock())
+            refusal = self._refusal(key, limits, 0, self._clock(), pending)
             if refusal is not None:
                 raise QuotaExceeded(refusal)
 
@@ -206,10 +209,12 @@ class QuotaLedger:
             if own is not None and own.in_flight > 0:
                 own.in_flight -= 1
 
-    def _refusal(self, key: Key, limits: Limits, tokens: int, now: float) -> Refusal | None:
+    def _refusal(self, key: Key, limits: Limits, tokens: int, now: float, pending: int = 0) -> Refusal | None:
         tenant, model = key
         scope = f"tenant {tenant}" if model == ALL_MODELS else f"tenant {tenant} on model {model}"
         requests, used_tokens, in_flight = self.used(key, now)
+        requests += pending
+        in_flight += pending
         own = self._own.get(key) or _Own()
         edges = 1 + self._live_peers(now)
         if limits.max_concurrency is not None and in_flight + 1 > limits.max_concurrency:
@@ -222,7 +227,8 @@ class QuotaLedger:
             # Between two syncs each edge takes its share of the places left at the last one, as for the
             # per-minute limits: a burst through E edges held E x the limit in flight (an audit).
             places = self._flights_left_at_sync.get(key, limits.max_concurrency)
-            if max(0, own.in_flight - own.in_flight_at_sync) + 1 > max(1, math.ceil(places / edges)):
+            taken = max(0, own.in_flight - own.in_flight_at_sync) + pending
+            if taken + 1 > max(1, math.ceil(places / edges)):
                 return Refusal(
                     "concurrency_limit_exceeded",
                     f"Too many concurrent requests for {scope} (limit {limits.max_concurrency}, shared by "
@@ -241,16 +247,18 @@ class QuotaLedger:
                     f"This request needs {need} tokens, more than the {limit} per minute allowed for {scope}.",
                     float(self.window_s),
                 )
+            preparing = pending if index == 0 else 0
             if used + need > limit:
+                over = used - preparing + need - limit  # past the limit without the requests in preparation
                 return Refusal(
                     "rate_limit_exceeded",
                     f"Rate limit reached for {scope}: {limit} {unit} per minute.",
-                    self._frees_in(key, index, used + need - limit, now),
+                    self._frees_in(key, index, over, now) if over > 0 else 1.0,
                 )
             if edges == 1:
                 continue
             left = self._left_at_sync.get(key, (limits.requests_per_min or 0, limits.tokens_per_min or 0))
-            if own.since_sync[index] + need > max(need, math.ceil(left[index] / edges)):
+            if own.since_sync[index] + preparing + need > max(need, math.ceil(left[index] / edges)):
                 return Refusal(
                     "rate_limit_exceeded",
                     f"Rate limit reached for {scope}: {limit} {unit} per minute, shared by {edges} edges.",

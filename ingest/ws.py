@@ -277,10 +277,10 @@ class WsSession:
             with tracer.start_as_current_span("sluice.admit"):
                 try:
                     ctx.admission.check_budget(self._tenant, ctx.gateway.budget_exhausted(self._tenant.name))
-                    ctx.admission.check_rate(self._tenant)
-                    prepared = await ctx.preparer.prepare(
-                        WS_KINDS[frame.endpoint], bytes(frame.body), tenant=self._tenant, streamed=True
-                    )
+                    with ctx.admission.preparing(self._tenant):
+                        prepared = await ctx.preparer.prepare(
+                            WS_KINDS[frame.endpoint], bytes(frame.body), tenant=self._tenant, streamed=True
+                        )
                 except IngestError as exc:
                     count_refusal(metrics.tenant_label(self._tenant.name), "", "", exc)
                     raise

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -148,4 +149,66 @@ async def test_rate_and_concurrency_limits_are_429(catalogue: ModelCatalogue, ga
         await first.read()
         third = await client.post("/v1/chat/completions", json=CHAT, headers=narrow)
         assert third.status == 200
+    await edge.stop()
+
+
+async def test_a_burst_past_the_limits_is_refused_before_its_bodies_are_tokenised(
+    catalogue: ModelCatalogue, gateway: FakeGateway
+) -> None:
+    """Requests still being read and tokenised count against the tenant's limits: of a burst of 12 at a
+    tenant with ``max_concurrency`` 1, one body is prepared and 11 are refused before theirs are read."""
+    import asyncio
+
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from ingest.app import Edge
+
+    tenants = TenantDirectory(
+        {
+            "narrow": Tenant(key_sha256=[hash_key("sk-narrow")], max_concurrency=1),
+            "slow": Tenant(key_sha256=[hash_key("sk-slow")], requests_per_min=1),
+        }
+    )
+    edge = Edge(settings(), gateway, catalogue, tenants)
+    preparer = edge.ctx.preparer
+    original = preparer.prepare
+    gate = asyncio.Event()
+    prepared: list[str] = []
+
+    async def slow_prepare(*args: Any, **kwargs: Any) -> Any:
+        prepared.append(kwargs["tenant"].name)
+        await gate.wait()  # a large body's tokenising, off the event loop
+        return await original(*args, **kwargs)
+
+    preparer.prepare = slow_prepare  # type: ignore[method-assign]
+    async with TestClient(TestServer(edge.app)) as client:
+        for key, limit_code in (
+            ("sk-narrow", "concurrency_limit_exceeded"),
+            ("sk-slow", "rate_limit_exceeded"),
+        ):
+            gate.clear()
+            prepared.clear()
+            headers = {"Authorization": f"Bearer {key}"}
+            burst = [
+                asyncio.ensure_future(client.post("/v1/chat/completions", json=CHAT, headers=headers))
+                for _ in range(12)
+            ]
+            done, pending = await asyncio.wait(burst, timeout=10, return_when=asyncio.FIRST_COMPLETED)
+            while len(done) < 11:  # every request but the one in preparation is answered
+                more, pending = await asyncio.wait(pending, timeout=10, return_when=asyncio.FIRST_COMPLETED)
+                assert more, "the burst was not refused while one request was being prepared"
+                done |= more
+            refused = [task.result() for task in done]
+            assert [r.status for r in refused] == [429] * 11
+            assert {(await r.json())["error"]["code"] for r in refused} == {limit_code}
+            assert len(prepared) == 1
+            gate.set()
+            (last,) = await asyncio.gather(*pending)
+            assert last.status == 200
+        # a preparation that fails gives its place back: the next request is prepared and served
+        narrow = {"Authorization": "Bearer sk-narrow"}
+        bad = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": -1}, headers=narrow)
+        assert bad.status == 400
+        assert (await client.post("/v1/chat/completions", json=CHAT, headers=narrow)).status == 200
+        assert edge.ctx.admission._preparing == {}
     await edge.stop()

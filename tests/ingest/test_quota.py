@@ -71,6 +71,33 @@ def test_concurrency_counts_until_release_and_release_is_idempotent() -> None:
     quota.admit(limits, 0)
 
 
+def test_requests_still_being_prepared_count_as_admitted_in_the_precheck() -> None:
+    clock = Clock()
+    quota = ledger(clock)
+    narrow, slow = Limits(max_concurrency=2), Limits(requests_per_min=3)
+    quota.precheck(T, narrow, pending=1)
+    with pytest.raises(QuotaExceeded) as caught:
+        quota.precheck(T, narrow, pending=2)
+    assert caught.value.refusal.code == "concurrency_limit_exceeded"
+    quota.admit([(T, narrow)], 0)
+    with pytest.raises(QuotaExceeded):  # one in flight and one in preparation
+        quota.precheck(T, narrow, pending=1)
+
+    other: Key = ("globex", ALL_MODELS)
+    quota.admit([(other, slow)], 0)
+    quota.precheck(other, slow, pending=1)
+    with pytest.raises(QuotaExceeded) as caught:
+        quota.precheck(other, slow, pending=2)
+    assert caught.value.refusal.code == "rate_limit_exceeded"
+    assert caught.value.refusal.retry_after_s == 1.0  # the preparations decide soon; no admission leaves yet
+    quota.admit([(other, slow)], 0)
+    quota.admit([(other, slow)], 0)
+    clock.now += 20
+    with pytest.raises(QuotaExceeded) as caught:  # over without the preparation: when the oldest leaves
+        quota.precheck(other, slow, pending=1)
+    assert caught.value.refusal.retry_after_s == pytest.approx(40.0)
+
+
 def test_a_refusal_by_the_model_limit_reserves_nothing_under_the_tenant_total() -> None:
     quota = ledger(Clock())
     checks = [(T, Limits(requests_per_min=10)), (M, Limits(requests_per_min=1))]
