@@ -542,3 +542,39 @@ async def test_a_frame_with_a_lone_surrogate_is_named_as_such(client: Client, ga
     assert response.status == 400
     assert "\\ud83d, half of a surrogate pair" in (await response.json())["error"]["message"]
     assert gateway.submitted == []
+
+
+async def test_frames_past_the_concurrency_limit_are_refused_before_their_bodies_are_tokenised(
+    catalogue: Any, gateway: FakeGateway
+) -> None:
+    """A WebSocket's requests still being tokenised count against the tenant's ``max_concurrency``: of 6
+    frames sent at once, one body is prepared and 5 get an error frame without theirs being read."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from ingest.auth import Tenant, hash_key
+    from tests.ingest.conftest import settings
+
+    edge = Edge(
+        settings(),
+        gateway,
+        catalogue,
+        TenantDirectory({"narrow": Tenant(key_sha256=[hash_key(DEMO_KEY)], max_concurrency=1)}),
+    )
+    original, gate, prepared = edge.ctx.preparer.prepare, asyncio.Event(), []
+
+    async def slow_prepare(*args: Any, **kwargs: Any) -> Any:
+        prepared.append(args[0])
+        await gate.wait()
+        return await original(*args, **kwargs)
+
+    edge.ctx.preparer.prepare = slow_prepare  # type: ignore[method-assign]
+    async with TestClient(TestServer(edge.app)) as client, client.ws_connect("/v1/ws", headers=AUTH) as ws:
+        for n in range(6):
+            await ws.send_json(request(n, {**CHAT, "max_tokens": 1}))
+        refused = [await ws.receive_json(timeout=5) for _ in range(5)]
+        assert {(f["type"], f["error"]["code"]) for f in refused} == {("error", "concurrency_limit_exceeded")}
+        assert len(prepared) == 1
+        gate.set()
+        served = await frames_until(ws, 1)
+        assert [f["type"] for f in served] == ["accepted", "token", "done"]
+    await edge.stop()
