@@ -366,7 +366,8 @@ def rollout_status(
         # the stable version first; a promoted candidate is the stable version now, not a candidate
         ordered = sorted(d.traffic.items(), key=lambda item: (item[0] != d.stable, item[0]))
         traffic = ", ".join(f"{v} {s:.0%}" for v, s in ordered)
-        step = f"{d.step + 1}/{len(d.steps)}" if d.steps else ""
+        # warming: no step has begun (it read "1/3", as if the first step's traffic were going: a review)
+        step = f"{d.step + 1}/{len(d.steps)}" if d.steps and d.phase != "warming" else "-"
         colour = PHASE_COLOURS.get(d.phase, "")
         table.add_row(
             d.model,

@@ -497,7 +497,8 @@ def test_status_of_a_warming_rollout_says_what_it_waits_for(
         app, ["rollout", "status", MODEL], env={"COLUMNS": "200", "SLUICE_CACHE_DIR": str(tmp_path)}
     )
     assert result.exit_code == 0, result.output
-    assert "warming" in result.output
+    row = next(line for line in result.output.splitlines() if "warming" in line)
+    assert "1/" not in row  # no step has begun
     waiting = next(line for line in result.output.splitlines() if line.startswith(f"{MODEL}: waiting"))
     assert waiting.startswith(f"{MODEL}: waiting for a worker of v2 to be ready (4")  # 42 s, give or take
     assert "s of 600s; no traffic until then, rolled back after)" in waiting
