@@ -213,7 +213,6 @@ class QuotaLedger:
         tenant, model = key
         scope = f"tenant {tenant}" if model == ALL_MODELS else f"tenant {tenant} on model {model}"
         requests, used_tokens, in_flight = self.used(key, now)
-        requests += pending
         in_flight += pending
         own = self._own.get(key) or _Own()
         edges = 1 + self._live_peers(now)
@@ -248,8 +247,8 @@ class QuotaLedger:
                     float(self.window_s),
                 )
             preparing = pending if index == 0 else 0
-            if used + need > limit:
-                over = used - preparing + need - limit  # past the limit without the requests in preparation
+            if used + preparing + need > limit:
+                over = used + need - limit  # past the limit without the requests in preparation
                 return Refusal(
                     "rate_limit_exceeded",
                     f"Rate limit reached for {scope}: {limit} {unit} per minute.",

@@ -367,7 +367,7 @@ def rollout_status(
         ordered = sorted(d.traffic.items(), key=lambda item: (item[0] != d.stable, item[0]))
         traffic = ", ".join(f"{v} {s:.0%}" for v, s in ordered)
         # warming: no step has begun (it read "1/3", as if the first step's traffic were going: a review)
-        step = f"{d.step + 1}/{len(d.steps)}" if d.steps and d.phase != "warming" else "-"
+        step = "" if not d.steps else "-" if d.phase == "warming" else f"{d.step + 1}/{len(d.steps)}"
         colour = PHASE_COLOURS.get(d.phase, "")
         table.add_row(
             d.model,
