@@ -417,6 +417,16 @@ class WorkerService(Component):
                 )
                 self._put(_Skip(tp, offset, self._ledger.generation, junk=junk_of(message, why)))
                 continue
+            if event.reply is not None and event.reply.topic != self._names.replies:
+                # replies go to the replies topic only: written where a request says, a chunk and a second
+                # terminal event landed on the results topic, or on the compacted control topic under a
+                # tenant's key (an audit); a producer's mistake or worse, lettered, not run
+                why = Why(
+                    f"replies asked on {event.reply.topic!r}, not the replies topic {self._names.replies!r}",
+                    "misplaced",
+                )
+                self._put(_Skip(tp, offset, self._ledger.generation, junk=junk_of(message, why)))
+                continue
             trace = open_trace(event, *tp, offset, self.group)
             self._put(Arrival(event, tp, offset, trace=trace, generation=self._ledger.generation, batch=line))
 
@@ -1195,8 +1205,8 @@ class WorkerService(Component):
                 span.end()
             self.fail(BusError(f"the terminal event of {request_id} could not be written: {err}"))
 
-        value = encode(result)
-        if not fits_record(value):
+        value, key, head = encode(result), kafka_key(result), headers(result)
+        if not fits_record(value, key, head):
             # Too large for one record: end the request failed, not the model thread (which the produce
             # error used to kill, and again after every redelivery).
             log.error(
@@ -1208,7 +1218,6 @@ class WorkerService(Component):
                 span.set_status(Status(StatusCode.ERROR, "result_too_large"))
             result = too_large(result, len(value))
             value = encode(result)
-        key, head = kafka_key(result), headers(result)
         if reply is not None:
             try:
                 self._producer.produce_raw(
@@ -1232,10 +1241,22 @@ class WorkerService(Component):
         probe = self._probe
 
         def publish_results(vector: Vector | None) -> None:
-            out = value if probe is None else with_features(probe, event, result, value, vector)
-            self._producer.produce_raw(
-                self._names.results, out, key=key, headers=head, on_delivery=results_delivered
-            )
+            out = value if probe is None else with_features(probe, event, result, value, key, head, vector)
+            try:
+                self._producer.produce_raw(
+                    self._names.results, out, key=key, headers=head, on_delivery=results_delivered
+                )
+            except BusError as exc:
+                # Refused at once although it was sized to fit (librdkafka's own framing or limits): the
+                # request ends failed rather than the model thread, which a redelivery would end again.
+                log.exception("the results copy of %s was refused; it ends failed", request_id)
+                failed = encode(too_large(result, len(out) + len(key) + sum(len(v) for _, v in head)))
+                try:
+                    self._producer.produce_raw(
+                        self._names.results, failed, key=key, headers=head, on_delivery=results_delivered
+                    )
+                except BusError:
+                    results_delivered(BusError(f"the results copy was refused: {exc}"), None)
 
         if probe is None:
             publish_results(None)

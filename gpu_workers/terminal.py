@@ -5,6 +5,7 @@ of whose terminal event a record is without decoding it."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Literal
 
 import msgspec
@@ -46,7 +47,13 @@ def with_request(
 
 
 def with_features(
-    probe: FeatureProbe, event: Request, result: RequestFinished, value: bytes, vector: Vector | None = None
+    probe: FeatureProbe,
+    event: Request,
+    result: RequestFinished,
+    value: bytes,
+    key: bytes = b"",
+    head: Sequence[tuple[str, bytes]] = (),
+    vector: Vector | None = None,
 ) -> bytes:
     """The results copy of a terminal event (encoded as ``value``) with its drift features (``vector``: its
     sampled prompt's embedding), or as it was where they fail or would not fit in one record: they describe
@@ -56,7 +63,7 @@ def with_features(
     except Exception:
         log.exception("drift features of %s failed", event.request_id)
         return value
-    if not fits_record(described):
+    if not fits_record(described, key, head):
         log.warning("drift features of %s left out: the event would not fit one record", event.request_id)
         return value
     return described

@@ -27,7 +27,7 @@ from ingest.openai import (
     decode_body,
 )
 from ingest.settings import EdgeSettings
-from schemas.codec import MAX_RECORD_BYTES, RECORD_HEADROOM_BYTES, encode, fits_record
+from schemas.codec import MAX_RECORD_BYTES, RECORD_HEADROOM_BYTES, encode, fits_record, headers, kafka_key
 from schemas.deployments import Deployment, sticky_key
 from schemas.events import (
     FLOAT32_BYTES,
@@ -216,7 +216,7 @@ class Preparer:
         event = built[0]
         if len(raw) > _CHECK_RECORD_BYTES:
             value = encode(event)
-            if not fits_record(value):
+            if not fits_record(value, kafka_key(event), headers(event)):
                 raise PayloadTooLarge(
                     f"This request is {len(value):,} bytes as an event on the log (its text and token ids), over the "
                     f"{MAX_RECORD_BYTES - RECORD_HEADROOM_BYTES:,} bytes one record holds; send fewer or shorter "

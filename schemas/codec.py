@@ -112,9 +112,12 @@ RECORD_HEADROOM_BYTES = 4096
 added on its way out (a request's trace context)."""
 
 
-def fits_record(value: bytes) -> bool:
-    """Whether an encoded event fits one log record with its key and headers."""
-    return len(value) <= MAX_RECORD_BYTES - RECORD_HEADROOM_BYTES
+def fits_record(value: bytes, key: bytes = b"", head: Sequence[tuple[str, bytes]] = ()) -> bool:
+    """Whether an encoded event fits one log record with its key and headers (``key`` and ``head``: those
+    it is written with, counted whole; the event's tenant, request id and trace context may each be long
+    enough together to push a value just under the limit over it, which the producer then refused)."""
+    size = len(value) + len(key) + sum(len(name) + len(data) for name, data in head)
+    return size <= MAX_RECORD_BYTES - RECORD_HEADROOM_BYTES
 
 
 def encode(event: Event) -> bytes:

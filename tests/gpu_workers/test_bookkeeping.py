@@ -755,3 +755,49 @@ def test_a_stopping_worker_commits_what_is_durable_however_soon_after_the_last_c
     assert h.model.committed[0] == 1, "within the interval"
     h.service._last_commit()
     assert h.model.committed[0] == 2
+
+
+def test_a_results_copy_refused_at_once_ends_its_request_failed_and_the_worker_serves_on() -> None:
+    """librdkafka refuses a record at ``produce`` when it is over its size limit with its key and headers.
+    A terminal event sized to fit by its value alone, whose tenant and trace context took ~10 KB of headers
+    beside it, was refused there: the model thread died of it, and every worker after it at the record's
+    redelivery (an audit). Now the request ends ``failed`` with ``result_too_large`` on the results topic,
+    once, and is committed."""
+    h = Harness(7)
+    h.service.COMMIT_INTERVAL_S = 0.0
+    results = h.service._names.results
+    refusals = [0]
+    take = h.producer.produce_raw
+
+    def refuse_first(topic: str, value: bytes, **kw: Any) -> None:
+        if topic == results and not refusals[0]:
+            refusals[0] += 1
+            too_large = KafkaException(KafkaError(KafkaError.MSG_SIZE_TOO_LARGE))
+            raise BusError(f"cannot produce to {topic}: too large") from too_large
+        take(topic, value, **kw)
+
+    h.producer.produce_raw = refuse_first  # type: ignore[method-assign]
+    request = request_on(h, 0, reply=True)
+    after = request_on(h, 0)
+    h.model_thread_step()
+    for request_id in (request, after):
+        h.runner.start(request_id)
+        h.runner.finish(request_id, h.emit)
+    assert h.service.failure is None
+    assert refusals[0] == 1
+    ended: dict[str, RequestFinished] = {}
+    for topic, value, _ in list(h.producer.pending):
+        event = decode(value)
+        if topic == results and isinstance(event, RequestFinished):
+            ended[event.request_id] = event
+    assert ended[request].status == "failed"
+    error = ended[request].error
+    assert error is not None
+    assert error.code == "result_too_large"
+    assert ended[after].status == "completed"
+    while h.producer.pending:
+        h.deliver(0, ok=True)
+    h.model_thread_step()
+    h.service._commit()
+    assert h.model.durable[request] == h.model.durable[after] == 1
+    assert h.model.committed[0] == 2

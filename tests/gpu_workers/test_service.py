@@ -321,6 +321,31 @@ async def test_an_event_of_another_kind_on_the_request_topic_is_dead_lettered(
     assert "tombstone" in letters[1].reason
 
 
+async def test_a_request_asking_for_its_replies_on_another_topic_is_dead_lettered(
+    names: TopicNames,
+    gpt_worker: WorkerService,
+    producer: EventProducer,
+    replies: Log,
+    kafka: KafkaConnection,
+) -> None:
+    """Found by an audit: the worker wrote chunks and the terminal event to whatever topic a request named
+    for its replies: the results topic got the terminal event twice (one terminal event per request, broken
+    for every reader of it), the compacted control topic a record under a tenant's key. Only an edge writes
+    request events, and it names the replies topic; one that names another is lettered, not run."""
+    topic = names.requests("demo-gpt")
+    hijack = msgspec.structs.replace(
+        _generation(names, PROMPT), reply=ReplyTo(topic=names.results, partition=0, edge_id="e1")
+    )
+    await producer.publish(topic, hijack, partition=0)
+    after = _generation(names, PROMPT)
+    await producer.publish(topic, after, partition=0)
+    assert replies.finished(after.request_id).status == "completed"  # the worker went on past it
+    (letter,) = _dead_letters(kafka, names, 1)
+    assert letter.source_topic == topic
+    assert f"replies asked on {names.results!r}" in letter.reason
+    assert replies.of(hijack.request_id) == []
+
+
 async def test_embeddings_are_batched_and_returned(
     names: TopicNames,
     platform: PlatformSettings,

@@ -10,6 +10,7 @@ import pytest
 
 from schemas.codec import (
     EVENT_TYPES,
+    MAX_RECORD_BYTES,
     RECORD_HEADROOM_BYTES,
     DecodeError,
     Event,
@@ -18,6 +19,7 @@ from schemas.codec import (
     decode,
     encode,
     event_type_name,
+    fits_record,
     headers,
     kafka_key,
 )
@@ -304,16 +306,25 @@ def test_an_unknown_field_nested_too_deep_is_a_decode_error() -> None:
 
 
 @pytest.mark.parametrize("event", example_events(), ids=_ids)
-def test_a_records_key_and_headers_fit_the_room_beside_its_value_whatever_its_envelope_holds(
+def test_a_records_key_and_headers_count_against_the_record_limit_whatever_its_envelope_holds(
     event: Event,
 ) -> None:
-    """The envelope's strings are bounded so that what a record carries besides its value always fits the
-    room the record limit leaves (``fits_record`` measures the value alone): a worker copies a request's
-    tenant, model, id and trace context into its terminal event's key and headers. A 340 KB tenant made
-    a terminal event no broker takes, and the worker died producing it (a fuzz audit)."""
-    longest = {"tenant": "t" * 256, "model": "m" * 256, "request_id": "r" * 256, "source": "s" * 256}
-    traces = {"traceparent": "p" * 1024, "tracestate": "s" * 1024}
+    """A worker copies a request's tenant, model, id and trace context into its terminal event's key and
+    headers. A 340 KB tenant made a terminal event no broker takes, and the worker died producing it (a
+    fuzz audit): the envelope's strings are bounded since. Bounded in characters, not bytes: at 4 bytes a
+    character they took ~11 KB beside the value, over the room the limit used to leave for them, and a
+    terminal event just under the limit was refused by the producer (the worker died again, at each
+    redelivery; an audit). ``fits_record`` counts the key and headers it is given."""
+    wide = "\U0001d531"  # 4 bytes in UTF-8
+    longest = {name: wide * 256 for name in ("tenant", "model", "request_id", "source")}
+    traces = {"traceparent": wide * 1024, "tracestate": wide * 1024}
     widest = msgspec.structs.replace(event, **longest, **traces)
     assert decode(encode(widest)) == widest  # the bounds admit it
-    extra = len(kafka_key(widest)) + sum(len(name) + len(value or b"") for name, value in headers(widest))
-    assert extra <= RECORD_HEADROOM_BYTES - 512, extra  # and leave room for the record's framing
+    key, head = kafka_key(widest), headers(widest)
+    extra = len(key) + sum(len(name) + len(value or b"") for name, value in head)
+    assert extra > RECORD_HEADROOM_BYTES  # what the value alone was once checked against
+    value = b"x" * (MAX_RECORD_BYTES - RECORD_HEADROOM_BYTES)
+    assert fits_record(value)
+    assert not fits_record(value, key, head)
+    assert fits_record(value[:-extra], key, head)
+    assert not fits_record(value[: -extra + 1], key, head)
