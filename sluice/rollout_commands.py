@@ -87,7 +87,13 @@ def _rollout_call(action: Callable[[], DeploymentChanged]) -> None:
         )
         raise typer.Exit(1) from None
     traffic = ", ".join(f"{v} {share:.0%}" for v, share in decision.traffic.items())
-    if latest is not None and latest.id != decision.id:
+    carried = (  # the controller took the rollout this started on (its first step, often within a second)
+        latest is not None
+        and decision.phase == "warming"
+        and latest.actor == "controller"
+        and latest.rollout_id == decision.rollout_id
+    )
+    if latest is not None and latest.id != decision.id and not carried:
         console.print(
             f"[yellow]superseded:[/] {decision.model}'s {decision.action} -> {decision.phase} was written, but "
             f"a later decision is behind it on the control topic and serves: {latest.action} -> "
@@ -96,6 +102,8 @@ def _rollout_call(action: Callable[[], DeploymentChanged]) -> None:
         raise typer.Exit(1)
     out.print(f"[bold]{decision.model}[/]: {decision.action} -> {decision.phase}; traffic {traffic}")
     out.print(f"  {decision.reason}")
+    if carried and latest is not None and latest.id != decision.id:
+        out.print(f"  since then, by the controller: {latest.action} -> {latest.phase} ({latest.reason})")
 
 
 @rollout_app.command("start")

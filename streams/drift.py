@@ -604,8 +604,11 @@ class DriftMonitor:
             )
         ]
         judged = [(scoped, await self._judge(scoped, window)) for scoped in keys]
-        for _, report in judged:
-            await self._publish(report)  # the same ids if a failure here has this window judged again
+        # The all-tenant report last: a restart resumes after the window of the last one durable, so a
+        # crash between reports must leave that window to judge again (the same ids: a tenant's report
+        # already published is published again, not a second time in the warehouse).
+        for _, report in sorted(judged, key=lambda pair: pair[0].scope == ALL):
+            await self._publish(report)
         for scoped, report in judged:
             if report.effective_verdict == "reference":
                 self._references[scoped] = window

@@ -162,19 +162,24 @@ def stats_sql(model: str, versions: Iterable[str], since: datetime) -> str:
     shadow-only step has nothing else to judge by. Lines of async batches count as requests and failures
     but in no latency (they wait in the batch lane by design) and not in the cost per token (they are
     billed at the batch discount, so a version that served more of them would look cheaper), nor do a
-    failed request's tokens (a failure is billed nothing: a version failing more would look cheaper). Embeddings
+    failed request's tokens (a failure is billed nothing: a version failing more would look cheaper) nor
+    those of a request cancelled or expired before any model took it (billed nothing either: a version
+    whose queue was cancelled more would look cheaper). An expired shadow copy or batch line is not counted
+    in ``n`` either: it is not an error of the version, and counted it would dilute the errors that are
+    and fill ``--min-requests`` with requests the version never answered. Embeddings
     have no first token: their end-to-end latency (completed ones, live first, like TTFT) stands in."""
     listed = ", ".join(sql_string(v) for v in sorted(set(versions)))
     since_ms = int(since.timestamp() * 1000)
     return f"""SELECT model_version,
-    count() AS n,
+    countIf(NOT (status = 'expired' AND (shadow_of != '' OR batch_id != ''))) AS n,
     countIf(status = 'failed' OR (status = 'expired' AND shadow_of = '' AND batch_id = '')) AS errors,
     {_p99_sql("ttft", "ttft_ms", "ttft_ms IS NOT NULL AND batch_id = ''")},
     {_p99_sql("ttft_live", "ttft_ms", "ttft_ms IS NOT NULL AND shadow_of = '' AND batch_id = ''")},
     {_p99_sql("itl", "itl_max_ms", "itl_max_ms IS NOT NULL AND batch_id = ''")},
     {_p99_sql("embed", "e2e_ms", "kind = 'embedding' AND status = 'completed' AND batch_id = ''")},
     {_p99_sql("embed_live", "e2e_ms", "kind = 'embedding' AND status = 'completed' AND shadow_of = '' AND batch_id = ''")},
-    sumIf(prompt_tokens + completion_tokens, batch_id = '' AND status != 'failed') AS tokens,
+    sumIf(prompt_tokens + completion_tokens, batch_id = '' AND status != 'failed'
+        AND NOT (status IN ('cancelled', 'expired') AND started IS NULL)) AS tokens,
     sumIf(cost_nanos, batch_id = '') AS cost_nanos
 FROM request_facts FINAL
 WHERE model = {sql_string(model)} AND model_version IN ({listed})
@@ -226,14 +231,19 @@ def stats_of(results: Iterable[RequestFinished], prices: PriceTable) -> VersionS
         values = sorted(float(r[column]) for r in of if r[column] is not None)
         return (values[robust_p99_rank(len(values)) - 1] if values else None), len(values)
 
+    # an expired shadow copy or batch line waited at a low priority: neither an outcome nor an error
+    rows = [r for r in rows if not (r["status"] == "expired" and (r["shadow_of"] or r["batch_id"]))]
     timed = [r for r in rows if not r["batch_id"]]  # batch lines: no latency, no cost per token
+
+    def unrun(r: dict[str, Any]) -> bool:
+        return r["status"] in ("cancelled", "expired") and r["started"] is None
+
     live = [r for r in timed if not r["shadow_of"]]
-    billed = [r for r in timed if r["status"] != "failed"]  # a failure is billed nothing: not free tokens
+    # a failure, or a request no model took, is billed nothing: not free tokens
+    billed = [r for r in timed if r["status"] != "failed" and not unrun(r)]
 
     def error(r: dict[str, Any]) -> bool:
-        return r["status"] == "failed" or (
-            r["status"] == "expired" and not r["shadow_of"] and not r["batch_id"]
-        )
+        return r["status"] == "failed" or (r["status"] == "expired" and not r["shadow_of"])
 
     def embedded(of: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return [r for r in of if r["kind"] == "embedding" and r["status"] == "completed"]
@@ -889,9 +899,14 @@ class RolloutController:
         if latest is None or latest.id != current.id:
             self._due.add(model)  # an operator's change arrived meanwhile: judge that one instead
             return None
-        decision = decide(current, results, self._clock())
-        if decision is None and (current.gates or RolloutGates()).step_max_s > 0:
-            self._due.add(model)  # the timer looks again: the step's deadline passes with no outcome too
+        now = self._clock()
+        decision = decide(current, results, now)
+        gates = current.gates or RolloutGates()
+        if decision is None and (gates.step_max_s > 0 or step_age(current, now) < gates.step_min_s):
+            # the timer looks again: the step's deadline, or the end of its minimum, passes with no
+            # outcome too (a step whose gates passed while it was young advances once it is old enough,
+            # traffic or not)
+            self._due.add(model)
         return decision if decision is not None and await self._act(model, decision) else None
 
     async def _serving(self, current: DeploymentChanged) -> GateResult | None:

@@ -144,11 +144,12 @@ def judge_drift(
     ours, theirs = (frame[frame["model_version"] == v][list(OUTPUT_FEATURES)] for v in (candidate, stable))
     sizes = {"candidate_n": len(ours), "baseline_n": len(theirs)}
     pairs = min(len(ours), len(theirs))
-    if pairs < min_requests:
-        detail = f"{pairs} shadow pairs that both completed, {min_requests} needed"
+    needed = max(min_requests, 2)  # a two-sample test needs two of each, whatever --min-requests allows
+    if pairs < needed:
+        detail = f"{pairs} shadow pairs that both completed, {needed} needed"
         return GateResult(gate="drift", state="insufficient_data", detail=detail, **sizes)
     empty = _no_embeddings()
-    config = DriftConfig(alpha=alpha, min_samples=min_requests, null_tolerance=null_tolerance)
+    config = DriftConfig(alpha=alpha, min_samples=needed, null_tolerance=null_tolerance)
     result = evaluate(theirs, ours, empty, empty, config)
     if result.quality:  # a numerical feature one side measures less often (an engine without logprobs)
         detail = f"answers not measured as the stable version's: {'; '.join(result.quality)} ({pairs} pairs)"

@@ -70,13 +70,18 @@ def test_parse_steps(canary: float, steps: str, shares: list[float]) -> None:
         (
             5,
             "50,150",
-            "every step must be at least 0.01 (traffic is split in 10,000 buckets) and at most 100",
+            "every step must be at least 0.01 and at most 100 (short of 100, at most 99.99: traffic is split in "
+            "10,000 buckets)",
         ),
         (5, "-5", "every step must be at least 0.01"),
         (5, "nan", "every step must be at least 0.01"),
         (5, "inf", "every step must be at least 0.01"),
         (0, "0.001,50", "every step must be at least 0.01"),  # an audit: a step that routes nothing
         (0.001, "50", "--canary 0.001: routes nothing (traffic is split in 10,000 buckets)"),
+        # found by review: a step short of 100 that rounds to every bucket left the stable version no
+        # request to compare with, and the rollout waited at that step for good
+        (5, "50,99.996", "--steps '50,99.996': every step must be at least 0.01 and at most 100"),
+        (99.996, "", "--canary 99.996: routes every request"),
     ],
 )
 def test_parse_steps_rejects(canary: float, steps: str, message: str) -> None:
@@ -680,3 +685,36 @@ def test_a_decision_a_later_one_overtook_on_the_log_says_so_and_fails(
     alone = CliRunner().invoke(app, ["rollout", "promote", MODEL], env=env)
     assert alone.exit_code == 0, alone.output
     assert "superseded" not in alone.output
+
+
+def test_a_start_the_controller_took_on_at_once_is_not_superseded(
+    monkeypatch: pytest.MonkeyPatch, log: Log, platform: PlatformSettings
+) -> None:
+    """Found by review: with a worker of the candidate already running, the controller's first step
+    follows the start within a second; read back after it, the start said "superseded" and exited 1,
+    though the rollout had started and was going on. A later decision of another rollout, or an
+    operator's, still is what it says."""
+    import sluice.cli
+    from sluice.cli import app
+
+    monkeypatch.setattr(sluice.cli, "_settings", platform)  # read once per process: this test's
+
+    def publish(platform: PlatformSettings, event: DeploymentChanged) -> None:
+        log.latest[event.model] = advance(event, event.time, "v2 is ready (worker w-1)", [], "controller")
+
+    monkeypatch.setattr(sluice.rollout, "publish", publish)
+    env = {"COLUMNS": "250", "SLUICE_CACHE_DIR": platform.cache_dir}
+    argv = ["rollout", "start", MODEL, "--version", "v2", "--canary", "5"]
+    result = CliRunner().invoke(app, argv, env=env)
+    assert result.exit_code == 0, result.output
+    assert "superseded" not in result.output
+    assert "since then, by the controller: deploy -> canary" in " ".join(result.output.split())
+
+    def overtaken(platform: PlatformSettings, event: DeploymentChanged) -> None:
+        log.latest[event.model] = roll_back(rollout(), T0, "aborted by the operator: race", [], "operator")
+
+    monkeypatch.setattr(sluice.rollout, "publish", overtaken)
+    log.latest.pop(MODEL)
+    other = CliRunner().invoke(app, argv, env=env)
+    assert other.exit_code == 1, other.output
+    assert "superseded" in other.output

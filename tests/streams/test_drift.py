@@ -456,7 +456,7 @@ class FailingOnce(Published):
 async def test_a_publish_failure_part_way_rejudges_the_window_from_the_same_state(tmp_path: Path) -> None:
     with warehouse(tmp_path) as client:
         insert(client, rows_of(window_events(T0, 120, seed=11)))
-        published = FailingOnce(client, fail_at=2)  # the all-tenant report goes out, the tenant's fails
+        published = FailingOnce(client, fail_at=2)  # the tenant's report goes out, the all-tenant one fails
         watched = monitor(client, published)
         at = T0 + timedelta(seconds=WINDOW_S + 6)
         assert await watched.run_once(at) == []
@@ -467,6 +467,41 @@ async def test_a_publish_failure_part_way_rejudges_the_window_from_the_same_stat
         ]
         ids = [r.id for r in published.reports]
         assert ids[0] == ids[1], "the report published before the failure is published again, same id"
+        stored = query_rows(client, "SELECT scope, verdict FROM drift_reports FINAL ORDER BY scope")
+        assert stored == [{"scope": "*", "verdict": "reference"}, {"scope": "acme", "verdict": "reference"}]
+
+
+class DiesAt(Published):
+    """The process dies at the n-th report (not an error the monitor handles: it is gone)."""
+
+    def __init__(self, client: Client, at: int) -> None:
+        super().__init__(client)
+        self.calls = 0
+        self.at = at
+
+    async def __call__(self, report: DriftReport) -> None:
+        self.calls += 1
+        if self.calls == self.at:
+            raise SystemExit("killed")
+        await super().__call__(report)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("at", [1, 2])
+async def test_a_crash_between_a_windows_reports_loses_none_of_them(tmp_path: Path, at: int) -> None:
+    """Found by review: the all-tenant report went out first, and a restart resumes after the last window
+    it has; a crash before a tenant's report left that tenant's report of the window (a reference here,
+    an alarm elsewhere) never published. It goes out last now."""
+    with warehouse(tmp_path) as client:
+        insert(client, rows_of(window_events(T0, 120, seed=11)))
+        at_time = T0 + timedelta(seconds=WINDOW_S + 6)
+        with pytest.raises(SystemExit):
+            await monitor(client, DiesAt(client, at)).run_once(at_time)
+        restarted = await monitor(client, Published(client)).run_once(at_time)
+        assert {(r.tenant, r.effective_verdict) for r in restarted} == {
+            (ALL, "reference"),
+            ("acme", "reference"),
+        }
         stored = query_rows(client, "SELECT scope, verdict FROM drift_reports FINAL ORDER BY scope")
         assert stored == [{"scope": "*", "verdict": "reference"}, {"scope": "acme", "verdict": "reference"}]
 

@@ -930,7 +930,8 @@ def test_rollout_gates_count_batch_lines_but_not_their_latency_nor_their_price(w
     found = parse_stats(rows(warehouse, stats_sql("demo-gpt", ["v2"], now - timedelta(hours=1))))["v2"]
     offline = stats_of([*served, *lines], PRICES)
     assert found == offline
-    assert (found.n, found.errors) == (30, 5)  # the 5 failed lines; the 5 expired ones waited by design
+    # the 5 failed lines are errors; the 5 expired ones waited by design: neither errors nor requests
+    assert (found.n, found.errors) == (25, 5)
     assert (
         found.ttft_p99_ms == 108
     )  # of 10 (100 to 109 ms) the slowest left out: streams.rollout.robust_p99_rank
@@ -955,6 +956,50 @@ def test_the_cost_gate_leaves_out_the_tokens_of_failed_requests(warehouse: Clien
     assert (found.n, found.errors) == (8, 4)
     assert found.cost_per_1k_usd == pytest.approx(stats_of(served, PRICES).cost_per_1k_usd)
     assert found.tokens == sum(e.usage.prompt_tokens + e.usage.completion_tokens for e in served)
+
+
+@pytest.mark.integration
+def test_the_gates_count_neither_expired_shadow_copies_nor_the_tokens_of_requests_never_run(
+    warehouse: Client,
+) -> None:
+    """Found by review, in the warehouse's statistics and an offline run's alike: an expired shadow copy (it
+    waited at the lowest priority) was no error of the candidate's but still one of its requests, so 300 of
+    them took a candidate failing a fifth of its clients' requests under the error gate's limit; and a
+    request cancelled before any model took it is billed nothing, but its prompt counted in the cost per 1k
+    tokens, so the version whose queue was cancelled more looked cheaper (an identical candidate failed)."""
+    now = now_ms()
+    live = [
+        event(
+            finished=now - timedelta(seconds=i), version="v2", status="failed" if i % 5 == 0 else "completed"
+        )
+        for i in range(10)
+    ]
+    shadows = [
+        msgspec.structs.replace(
+            event(finished=now - timedelta(seconds=20 + i), version="v2", status="expired", ttft_ms=None),
+            shadow_of=live[0].request_id,
+            timings=Timings(
+                accepted=now - timedelta(seconds=30 + i), finished=now - timedelta(seconds=20 + i)
+            ),
+        )
+        for i in range(30)
+    ]
+    queued = [
+        msgspec.structs.replace(
+            event(finished=now - timedelta(seconds=60 + i), version="v2", status="cancelled", ttft_ms=None),
+            timings=Timings(
+                accepted=now - timedelta(seconds=61 + i), finished=now - timedelta(seconds=60 + i)
+            ),
+        )
+        for i in range(10)
+    ]
+    insert_facts(warehouse, [*live, *shadows, *queued])
+    found = parse_stats(rows(warehouse, stats_sql("demo-gpt", ["v2"], now - timedelta(hours=1))))["v2"]
+    assert found == stats_of([*live, *shadows, *queued], PRICES)
+    assert (found.n, found.errors) == (20, 2)  # the live ones and the cancelled ones; 2 live failures
+    ran = [e for e in live if e.status != "failed"]
+    assert found.tokens == sum(e.usage.prompt_tokens + e.usage.completion_tokens for e in ran)
+    assert found.cost_per_1k_usd == pytest.approx(stats_of(live, PRICES).cost_per_1k_usd)
 
 
 @pytest.mark.integration

@@ -630,15 +630,17 @@ HOSTILE_MODEL = "m\\'; DROP TABLE request_facts; --"
 
 EMBEDDING_FILTERS = [*["embedding", "completed", ""] * 2, *["embedding", "completed", "", ""] * 2]
 """The literals of the end-to-end latency of completed embeddings (all, and live ones only)."""
-STATS_FILTERS = [*[""] * 10, *EMBEDDING_FILTERS, "", "failed", ""]
+STATS_FILTERS = [*[""] * 10, *EMBEDDING_FILTERS, "", "failed", "cancelled", "expired", ""]
 """The literals of ``stats_sql``'s filters: ``shadow_of = ''``, ``batch_id = ''``, the embeddings', and the
-tokens' and cost's (a failure's tokens are not billed)."""
+tokens' and cost's (neither a failure's tokens nor those of a request no model took are billed)."""
+COUNTED = ["expired", "", ""]
+"""The literals of the requests counted: not an expired shadow copy or batch line."""
 
 
 def test_stats_sql_quotes_hostile_names() -> None:
     sql = stats_sql(HOSTILE_MODEL, [HOSTILE_VERSION, "v1"], T0)
     found, outside = literals(sql)
-    assert found == ["failed", "expired", *STATS_FILTERS, HOSTILE_MODEL, "v1", HOSTILE_VERSION]
+    assert found == [*COUNTED, "failed", "expired", *STATS_FILTERS, HOSTILE_MODEL, "v1", HOSTILE_VERSION]
     assert "DROP" not in outside
     assert "OR 1=1" not in outside
     assert "FROM request_facts" in outside
@@ -647,7 +649,7 @@ def test_stats_sql_quotes_hostile_names() -> None:
 def test_stats_sql_lists_each_version_once_and_starts_at_since() -> None:
     sql = stats_sql(MODEL, ["v2", "v1", "v2"], T0 + timedelta(milliseconds=123))
     found, outside = literals(sql)
-    assert found == ["failed", "expired", *STATS_FILTERS, MODEL, "v1", "v2"]
+    assert found == [*COUNTED, "failed", "expired", *STATS_FILTERS, MODEL, "v1", "v2"]
     assert f"fromUnixTimestamp64Milli({T0_MS + 123})" in outside
 
 
@@ -1147,6 +1149,29 @@ async def test_the_controller_rolls_back_a_step_with_no_traffic_at_its_deadline(
     assert "still inconclusive after 30s" in back.reason
 
 
+async def test_a_step_whose_gates_passed_while_young_advances_at_step_min_s_without_more_traffic(
+    harness: Harness,
+) -> None:
+    """Found by review: a step's gates all passed before ``--step-min-s``, then traffic stopped; the model
+    was due again only with a new outcome, so the step stayed put (ten minutes in the repro), where the
+    docs promise the next step once the gates have passed for that long."""
+    controller = harness.controller()
+    controller.seed([canary(now=harness.now, gates=RolloutGates(min_requests=100, step_min_s=60))])
+    harness.later(30)
+    assert await controller.run_due() == []  # every gate passes; the step is 30 s old
+    states = {r.gate: r.state for r in controller.last_results[MODEL]}
+    assert states.pop("drift") == "insufficient_data"  # judged once the step may advance (it is costly)
+    assert set(states.values()) == {"pass"}
+    for _ in range(29):
+        harness.later(1)
+        assert await controller.run_due() == []  # no outcome arrives; the timer looks again
+    harness.later(1.5)
+    (decision,) = await controller.run_due()
+    assert (decision.step, decision.actor) == (1, "controller")
+    harness.later(1)
+    assert await controller.run_due() == []  # the next step is young again: not due without outcomes
+
+
 async def test_a_deployment_the_controller_cannot_judge_costs_no_other_model_its_decision(
     harness: Harness,
 ) -> None:
@@ -1189,7 +1214,7 @@ async def test_the_controller_reads_the_step_since_it_saw_it_begin(harness: Harn
     seen = int(harness.now.timestamp() * 1000)
     assert "FROM request_facts" in stats_query
     assert f"fromUnixTimestamp64Milli({seen})" in stats_query
-    assert literals(stats_query)[0][2 + len(STATS_FILTERS) :] == [MODEL, "v1", "v2"]
+    assert literals(stats_query)[0][len(COUNTED) + 2 + len(STATS_FILTERS) :] == [MODEL, "v1", "v2"]
     assert "FROM drift_features" in pairs_query
     assert f"fromUnixTimestamp64Milli({seen}, 'UTC')" in pairs_query
 

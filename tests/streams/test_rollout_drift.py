@@ -195,6 +195,18 @@ async def test_too_few_pairs_is_insufficient_data(tmp_path: Path) -> None:
     assert result.detail == "30 shadow pairs that both completed, 40 needed"
 
 
+async def test_min_requests_below_two_still_needs_two_pairs(tmp_path: Path) -> None:
+    """Found by review: ``--min-requests 1`` (the CLI's least) made the drift gate raise once a pair had
+    completed (a two-sample test needs two of each): the controller retried it forever, deciding nothing,
+    not even at ``--step-max-s``, and ``sluice rollout status`` printed a traceback."""
+    served = originals(3)
+    one = await judged(tmp_path / "one", served, copies(served[:1]), min_requests=1)
+    assert one.state == "insufficient_data"
+    assert one.detail == "1 shadow pairs that both completed, 2 needed"
+    three = await judged(tmp_path / "three", served, copies(served), min_requests=1)
+    assert three.state == "pass", three.detail
+
+
 async def test_requests_accepted_before_the_step_are_not_its(tmp_path: Path) -> None:
     served = originals(100)
     earlier = [
