@@ -77,7 +77,7 @@ class Admission:
     _idle: asyncio.Event = field(default_factory=asyncio.Event)
     _preparing: dict[str, int] = field(default_factory=dict)
     """Per tenant, its requests this edge is reading and tokenising (:meth:`preparing`)."""
-    _held: dict[tuple[str, str, str], Reservation] = field(default_factory=dict)
+    _held: dict[tuple[str, str, str], _Held] = field(default_factory=dict)
     """The places of requests running on after their clients left (:attr:`Flight.held_until`), by
     ``("request", tenant, request id)`` and ``("key", tenant, Idempotency-Key)``: a client coming back for
     one (a resume, or a retry with its key) takes its place over instead of needing a second."""
@@ -155,12 +155,13 @@ class Admission:
         if not self.accepting:
             raise Unavailable("The server is shutting down; retry on another instance.", code="shutting_down")
         self.tenants[tenant.name] = tenant
-        self._take_over(("request", tenant.name, request_id))
-        if idempotency_key is not None:
-            self._take_over(("key", tenant.name, idempotency_key))
+        taken = self._take_over(("request", tenant.name, request_id))
+        if taken is None and idempotency_key is not None:
+            taken = self._take_over(("key", tenant.name, idempotency_key))
         try:
             reservation = self.ledger.admit(tenant.checks(model), tokens)
         except QuotaExceeded as exc:
+            self._give_back(taken)
             raise _refused(exc, embedding) from None
         current = asyncio.current_task()
         entry = Flight(
@@ -184,6 +185,7 @@ class Admission:
                 self.ledger.release(reservation)
             else:
                 self._hold(entry, reservation, entry.held_until)
+            self._give_back(taken)
             self._flights.discard(entry)
             if not self._flights:
                 self._idle.set()
@@ -192,24 +194,38 @@ class Admission:
         keys = [("request", flight.tenant, flight.request_id)]
         if flight.idempotency_key is not None:
             keys.append(("key", flight.tenant, flight.idempotency_key))
+        held = _Held(reservation, tuple(keys), until)
         for key in keys:
-            self._held[key] = reservation
+            self._held[key] = held
 
         def ended(_: object) -> None:
             self.ledger.release(reservation)
             for key in keys:
-                if self._held.get(key) is reservation:
+                if self._held.get(key) is held:
                     del self._held[key]
 
         until.add_done_callback(ended)
 
-    def _take_over(self, key: tuple[str, str, str]) -> None:
-        """A held place given back for the flight coming back for its request (which then holds one)."""
+    def _take_over(self, key: tuple[str, str, str]) -> _Held | None:
+        """A held place given back for the flight coming back for its request (which then holds one of
+        its own); returned, for :meth:`_give_back` when the flight ends without the request."""
         held = self._held.pop(key, None)
         if held is not None:
-            self.ledger.release(held)
-            for other in [k for k, r in self._held.items() if r is held]:
-                del self._held[other]
+            self.ledger.release(held.reservation)
+            for other in held.keys:
+                self._held.pop(other, None)
+        return held
+
+    def _give_back(self, taken: _Held | None) -> None:
+        """The place a flight took over, held again when the flight ended without taking its request back
+        (its delayed cancel still pending): a resume refused for a bad cursor, a retry with the key and
+        another body (422), one over another limit. An audit: each of those freed the place of a request
+        still running, and the tenant ran that many more past its ``max_concurrency``."""
+        if taken is None or taken.until.done() or _cancelling(taken.until):
+            return  # ended meanwhile, or taken back (its cancel dropped): the flight's place is the one
+        self.ledger.reacquire(taken.reservation)
+        for key in taken.keys:
+            self._held[key] = taken
 
     @property
     def flights(self) -> list[Flight]:
@@ -223,6 +239,21 @@ class Admission:
         except TimeoutError:
             return False
         return True
+
+
+@dataclass(frozen=True)
+class _Held:
+    """The place of a request that runs on after its client left, until ``until`` is done."""
+
+    reservation: Reservation
+    keys: tuple[tuple[str, str, str], ...]
+    until: asyncio.Future[None]
+
+
+def _cancelling(until: asyncio.Future[None]) -> bool:
+    """Whether a delayed cancel was dropped (:meth:`ingest.dispatch.Dispatcher._reclaim` cancels its task;
+    the task is done only once it has run again)."""
+    return isinstance(until, asyncio.Task) and until.cancelling() > 0
 
 
 def _refused(exc: QuotaExceeded, embedding: bool = False) -> RateLimited | InvalidRequest:

@@ -293,6 +293,13 @@ class Dispatcher:
         except (asyncio.CancelledError, ConnectionResetError):
             self.cancel(flight, "client_disconnect")
             raise
+        except NotFound:
+            # A resume of another model's or kind's stream (its body's) took the request back before its
+            # replies said so: it is left as it was found, its client gone (an audit: its delayed cancel
+            # was dropped for good, the request ran to its end unread, and its place was free).
+            if flight.resumed:
+                self.cancel(flight, "client_disconnect")
+            raise
         finally:
             flight.deadline = None
             await stream.aclose()

@@ -10,12 +10,13 @@ the tokenizer's post-processor says (``[CLS] … [SEP]`` for a BERT tokenizer, n
 from __future__ import annotations
 
 import logging
+import string
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokenizers import Tokenizer
+from tokenizers import Encoding, Tokenizer
 
 from ingest.errors import CatalogueError, ContextLengthExceeded, InvalidRequest, ModelNotFound
 from schemas.manifest import (
@@ -44,6 +45,11 @@ class ServedModel:
     tokenizer: Tokenizer
     created: int = 0
     """When its version was prepared (its manifest's mtime, Unix seconds): OpenAI's model ``created``."""
+    plain: Tokenizer | None = None
+    """The same tokenizer reading special tokens as text: for what a chat message says (its content), which
+    must not open a turn of another role (:meth:`encode_chat`)."""
+    specials: tuple[str, ...] = ()
+    """The special tokens' texts (``<|system|>``, ``[CLS]``)."""
 
     @classmethod
     def load(cls, model_id: str, model_dir: Path) -> ServedModel:
@@ -63,7 +69,17 @@ class ServedModel:
         except (KeyError, IndexError, ValueError) as exc:
             raise CatalogueError(f"model {model_id}: bad chat turn template {manifest.chat.turn!r}") from exc
         created = int((model_dir / MANIFEST_FILE).stat().st_mtime)
-        return cls(model_id=model_id, manifest=manifest, tokenizer=tokenizer, created=created)
+        plain = Tokenizer.from_str(tokenizer.to_str())
+        plain.encode_special_tokens = True
+        specials = tuple(t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special)
+        return cls(
+            model_id=model_id,
+            manifest=manifest,
+            tokenizer=tokenizer,
+            created=created,
+            plain=plain,
+            specials=specials,
+        )
 
     @property
     def vocab_size(self) -> int:
@@ -76,19 +92,61 @@ class ServedModel:
             chat.assistant_prefix
         )
 
+    def encode_chat(self, messages: Sequence[tuple[str, str]], param: str) -> tuple[str, list[int]]:
+        """The prompt text of (role, content) messages and its token ids, the template's special tokens
+        read as such and the messages' contents as text: a user who typed ``<|system|>`` in a message
+        opened a system turn of their own (a review; the edge tokenised the whole prompt as one text)."""
+        text = self.chat_prompt(messages)
+        self._check_length(text, param)
+        if not any(self._names_a_special(content) for _, content in messages):
+            # the prompt as one text, as the model saw its training text (tokenised in pieces, a content's
+            # edges would not merge with the template's newlines)
+            return text, list(self.tokenizer.encode(text, add_special_tokens=True).ids)
+        chat = self.manifest.chat
+        formatter = string.Formatter()
+        template: list[str] = [""]  # the template's text before each content, and after the last
+        contents: list[str] = []
+        for role, content in messages:
+            for literal, field, spec, conversion in formatter.parse(chat.turn):
+                template[-1] += literal
+                if field == "content":
+                    contents.append(content)
+                    template.append("")
+                elif field is not None:  # the role (a template naming anything else fails at load)
+                    template[-1] += formatter.format_field(
+                        formatter.convert_field(role, conversion), spec or ""
+                    )
+        template[-1] += chat.assistant_prefix
+        plain = self.plain or self.tokenizer
+        framing = self.tokenizer.encode_batch(template, add_special_tokens=False)
+        said = plain.encode_batch(contents, add_special_tokens=False)
+        pieces: list[Encoding] = [framing[0]]
+        for spoken, after in zip(said, framing[1:], strict=True):
+            pieces += [spoken, after]
+        merged = self.tokenizer.post_process(Encoding.merge(pieces, growing_offsets=True))
+        return text, list(merged.ids)
+
+    def _names_a_special(self, content: str) -> bool:
+        normalizer = self.tokenizer.normalizer
+        seen = normalizer.normalize_str(content) if normalizer is not None else content
+        return any(special in content or special in seen for special in self.specials)
+
+    def _check_length(self, text: str, param: str) -> None:
+        context = self.manifest.max_context
+        most = context * MAX_CHARS_PER_TOKEN
+        if len(text) > most:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {context} tokens, and an input of "
+                f"{len(text):,} characters is longer than any that fits it (at most {most:,} characters "
+                f"for {self.model_id}). Please reduce the length of the input.",
+                param=param,
+            )
+
     def encode(self, texts: Sequence[str], param: str) -> list[list[int]]:
         """Each text's token ids; :class:`ContextLengthExceeded` at once for a text longer than any that
         fits the context could be (:data:`MAX_CHARS_PER_TOKEN`), without tokenising it."""
-        context = self.manifest.max_context
-        most = context * MAX_CHARS_PER_TOKEN
         for text in texts:
-            if len(text) > most:
-                raise ContextLengthExceeded(
-                    f"This model's maximum context length is {context} tokens, and an input of "
-                    f"{len(text):,} characters is longer than any that fits it (at most {most:,} characters "
-                    f"for {self.model_id}). Please reduce the length of the input.",
-                    param=param,
-                )
+            self._check_length(text, param)
         return [list(enc.ids) for enc in self.tokenizer.encode_batch(list(texts), add_special_tokens=True)]
 
     def check_ids(self, ids: Sequence[int], param: str) -> None:

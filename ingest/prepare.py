@@ -301,9 +301,8 @@ class Preparer:
         manifest = model.manifest
         if isinstance(body, ChatCompletionRequest):
             param = "messages"
-            chat_text = model.chat_prompt((_role(m.role), m.text) for m in body.messages)
+            chat_text, input_ids = model.encode_chat([(_role(m.role), m.text) for m in body.messages], param)
             prompt: str | None = chat_text
-            input_ids = model.encode([chat_text], param)[0]
             requested = body.max_completion_tokens or body.max_tokens
         else:
             param = "prompt"

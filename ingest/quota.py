@@ -199,6 +199,15 @@ class QuotaLedger:
             own.since_sync[1] = max(0, own.since_sync[1] - reservation.tokens)
         reservation.tokens = 0
 
+    def reacquire(self, reservation: Reservation) -> None:
+        """A released request in flight again (the place of a request still running, given back by a
+        flight that took it over and then did not take the request: :class:`ingest.admission.Admission`)."""
+        if not reservation.released:
+            return
+        reservation.released = False
+        for key in reservation.keys:
+            self._own.setdefault(key, _Own()).in_flight += 1
+
     def release(self, reservation: Reservation) -> None:
         """The request is no longer in flight (idempotent)."""
         if reservation.released:

@@ -6,14 +6,40 @@ streams and closed them at once had any number running past its limit."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from ingest.auth import DEMO_KEY, Tenant, TenantDirectory, hash_key
-from tests.ingest.conftest import AUTH, GEN, Client, MakeClient, eventually, parse_sse
+from ingest.models import ModelCatalogue
+from schemas.manifest import ModelManifest, SamplingDefaults, current_model_dir, write_manifest
+from tests.ingest.conftest import AUTH, EMB, GEN, Client, MakeClient, eventually, parse_sse
 from tests.ingest.fake_gateway import FakeGateway
 
 CHAT = {"model": GEN, "messages": [{"role": "user", "content": "hello"}], "stream": True}
 GRACE_S = 30.0  # never runs out within a test; each ends by the edge's shutdown sending the cancel
+OTHER_GEN = "tiny-gpt-b"
+"""A second generation model, for a resume whose body names another model than its stream's."""
+
+
+@pytest.fixture
+def catalogue(model_cache: Path, tmp_path: Path) -> ModelCatalogue:
+    other = tmp_path / OTHER_GEN
+    other.mkdir()
+    (other / "tokenizer.json").write_bytes(
+        (current_model_dir(model_cache, GEN) / "tokenizer.json").read_bytes()
+    )
+    manifest = ModelManifest(
+        model_id=OTHER_GEN,
+        task="generation",
+        version="bbbbbbbbbbbb",
+        max_context=64,
+        max_output_tokens=16,
+        eos_token_id=0,
+        sampling=SamplingDefaults(max_tokens=8),
+    )
+    write_manifest(other, manifest)
+    return ModelCatalogue.from_cache(model_cache, [GEN, EMB], [f"{OTHER_GEN}={other}"])
 
 
 @pytest.fixture
@@ -106,5 +132,58 @@ async def test_a_resume_whose_own_deadline_passes_leaves_the_request_as_a_discon
     events = parse_sse(await response.text())
     assert "timeout" in events[-2][1]  # the reader's deadline: an error event, then [DONE]
     assert gateway.cancels == []  # the request runs on through the grace, as after a disconnect
+    await edge.ctx.dispatcher.drain()
+    assert [(c.request_id, c.reason) for c in gateway.cancels] == [(rid, "client_disconnect")]
+
+
+async def test_a_resume_refused_for_its_cursor_leaves_the_place_held(
+    make_client: MakeClient, gateway: FakeGateway
+) -> None:
+    """Found by review: a WebSocket resume of a held request took its place over, then was refused for a
+    malformed ``after`` (400): the request ran on, its cancel still delayed, in no place, and the tenant
+    got another request past its ``max_concurrency``."""
+    client, edge = await make_client(edge_disconnect_grace_s=GRACE_S)
+    gateway.hold_after = 2
+    rid = await left_after_a_token(client, gateway, AUTH)
+    async with client.ws_connect("/v1/ws", headers=AUTH) as ws:
+        await ws.send_json({"type": "resume", "id": 1, "request_id": rid, "after": "not-a-cursor"})
+        frame = await ws.receive_json(timeout=5)
+        assert (frame["type"], frame["error"]["param"]) == ("error", "after")
+    assert gateway.cancels == []
+    assert await refused(client)  # still the held request's place
+    await edge.ctx.dispatcher.drain()
+    assert [(c.request_id, c.reason) for c in gateway.cancels] == [(rid, "client_disconnect")]
+    gateway.hold_after = None
+    assert not await refused(client)
+
+
+async def test_a_retry_with_the_key_and_another_body_leaves_the_place_held(
+    make_client: MakeClient, gateway: FakeGateway
+) -> None:
+    """Found by review, as above: the 422 for a key reused with another body came after its flight took
+    the held request's place over by the key."""
+    client, _ = await make_client(edge_disconnect_grace_s=GRACE_S)
+    gateway.hold_after = 2
+    keyed = {**AUTH, "Idempotency-Key": "order-8"}
+    await left_after_a_token(client, gateway, keyed)
+    other = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 3}, headers=keyed)
+    assert other.status == 422
+    assert (await other.json())["error"]["code"] == "idempotency_key_reused"
+    assert await refused(client)
+
+
+async def test_a_resume_naming_another_model_leaves_the_request_as_it_found_it(
+    make_client: MakeClient, gateway: FakeGateway
+) -> None:
+    """Found by review: a resume whose body named another model took the held request back (its delayed
+    cancel dropped) before its replies showed the mismatch (404 ``stream_not_found``); no cancel was ever
+    sent, the request ran to its end unread, and its place was free for another past the limit."""
+    client, edge = await make_client(edge_disconnect_grace_s=GRACE_S)
+    gateway.hold_after = 2
+    rid = await left_after_a_token(client, gateway, AUTH)
+    resume = {**AUTH, "Last-Event-ID": f"{rid}:0"}
+    response = await client.post("/v1/chat/completions", json={**CHAT, "model": OTHER_GEN}, headers=resume)
+    assert "stream_not_found" in await response.text()
+    assert await refused(client)  # the request still holds its place
     await edge.ctx.dispatcher.drain()
     assert [(c.request_id, c.reason) for c in gateway.cancels] == [(rid, "client_disconnect")]
