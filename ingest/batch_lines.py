@@ -17,6 +17,7 @@ import msgspec
 
 from ingest.auth import Tenant
 from ingest.errors import IngestError, from_finished
+from ingest.openai import error_param
 from ingest.prepare import ENDPOINTS, Kind, Preparer, Shape
 from ingest.render import final_body
 from schemas.codec import UNREADABLE_JSON, unreadable_json
@@ -114,7 +115,15 @@ def parse_line(raw: bytes, endpoint: Endpoint) -> Parsed:
     body = bytes(line.body)
     try:
         hints = _HINTS.decode(body)
-    except UNREADABLE_JSON:  # a ValidationError too
+    except msgspec.ValidationError as exc:
+        field = error_param(str(exc))
+        if field is None:  # not an object at all
+            raise LineError(
+                "invalid_request", "body must be a JSON object of the endpoint's request.", "body"
+            ) from None
+        # a field of the wrong type, said as the endpoint says it (it said "not a JSON object": a review)
+        raise LineError("invalid_value", f"Invalid request body: {exc}", field) from None
+    except UNREADABLE_JSON:
         raise LineError(
             "invalid_request", "body must be a JSON object of the endpoint's request.", "body"
         ) from None

@@ -231,6 +231,14 @@ class BatchRunner(AsyncComponent):
             tenant = self._tenants.named(job.state.tenant)
             if job.state.status == "validating" and tenant is not None:
                 self._spawn(self._validate(job, tenant), f"batch-validate-{job.state.batch_id}")
+            elif job.state.status == "validating":
+                # nobody may run its lines now: it stayed validating for good, past its window, and held
+                # the edge reading results (a review)
+                gone = BatchLineError(
+                    code="tenant_unknown",
+                    message=f"The batch failed: its tenant {job.state.tenant!r} is no longer configured.",
+                )
+                await self._fail(job, gone)
         self._spawn(self._pump(), "batch-pump")
         self._spawn(self._collect(), "batch-results")
         self._spawn(self._sweep(), "file-sweep")
@@ -841,10 +849,13 @@ class BatchRunner(AsyncComponent):
             return
         was = job.status[ref.index]
         ok, line = output_line(finished, ref, job.state.endpoint, job.base64(ref.index))
+        if not ok and ref.attempt < job.attempts[ref.index]:
+            # An older attempt's failure, already retried (read again after a restart, or delivered
+            # twice): before, its "last attempt?" test read the line's current attempt and failed the line
+            # for good, the retry's outcome thrown away (a review).
+            return
         final = ok or job.ending is not None or not retriable(finished)
-        final = final or job.attempts[ref.index] + 1 >= self._settings.edge_batch_max_attempts
-        if not ok and not final and ref.attempt < job.attempts[ref.index]:
-            return  # an older attempt's failure, already retried
+        final = final or ref.attempt + 1 >= self._settings.edge_batch_max_attempts
         entry = JournalEntry(ref.index, ref.attempt, ok, final, msgspec.Raw(line) if final else NO_LINE)
         if job.record(entry, backoff=self._settings.edge_batch_retry_backoff_s, now=now):
             outcome = "completed" if ok else "failed" if final else "retried"

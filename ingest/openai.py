@@ -147,7 +147,8 @@ _AT = re.compile(r"^(?P<what>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.DOTALL)
 _FIELD = re.compile(r"(?:missing required|contains unknown) field `(?P<field>[^`]+)`")
 
 
-def _param(message: str) -> str | None:
+def error_param(message: str) -> str | None:
+    """The field a msgspec validation message names (``seed``, ``messages[0].role``), if any."""
     match = _AT.match(message)
     path = (match.group("path") if match else "") or ""
     field = _FIELD.search(message)
@@ -162,7 +163,7 @@ def decode_body(raw: bytes, cls: type[T]) -> T:
         return msgspec.json.decode(raw, type=cls)
     except msgspec.ValidationError as exc:
         raise InvalidRequest(
-            f"Invalid request body: {exc}", param=_param(str(exc)), code="invalid_value"
+            f"Invalid request body: {exc}", param=error_param(str(exc)), code="invalid_value"
         ) from exc
     except UNREADABLE_JSON as exc:
         raise InvalidRequest(

@@ -551,7 +551,7 @@ def batch_list(
         f" {name} {value}" for name, value in (("tenant", tenant), ("status", status)) if value is not None
     )
     if not states:
-        out.print(f"no batches{filters} on {escape(topic)}")
+        out.print(escape(f"no batches{filters} on {topic}"))  # a tenant '[/x]' is not markup (a review)
         return
     shown = states[:limit]
     title = f"batches{filters} on {topic}: {len(shown)} of {len(states)}, newest first"

@@ -1134,3 +1134,21 @@ async def test_lines_wait_while_their_model_is_redeployed_and_run_after(
         assert done.request_counts is not None
         assert (done.request_counts.completed, done.request_counts.failed) == (4, 0)
     assert sorted((e.index, e.attempt) for e in batch_log.lines) == [(i, 0) for i in range(4)]
+
+
+async def test_a_line_whose_body_has_a_field_of_the_wrong_type_is_refused_as_the_endpoint_refuses_it(
+    client: Client,
+) -> None:
+    """Found by review: a body with ``"seed": "7"`` was refused as "not a JSON object" (param ``body``),
+    where the endpoint says which field is wrong and how."""
+    line = chat_line(0, seed="7")
+    direct = await client.post(CHAT, json=line["body"], headers={"Authorization": f"Bearer {DEMO_KEY}"})
+    said = (await direct.json())["error"]
+    assert (direct.status, said["param"]) == (400, "seed")
+    async with AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=DEMO_KEY, max_retries=0) as sdk:
+        failed = await until(sdk, (await run(sdk, [line])).id, "failed")
+    assert failed.errors is not None
+    (error,) = failed.errors.data
+    assert (error.code, error.param) == ("invalid_value", "seed")
+    assert error.message is not None
+    assert "Expected `int | null`, got `str`" in error.message

@@ -24,13 +24,13 @@ from openai.types import Batch
 
 from bus.errors import BusError
 from ingest.app import Edge
-from ingest.auth import DEMO_KEY
+from ingest.auth import DEMO_KEY, TenantDirectory
 from ingest.batch_job import Job
 from ingest.batches import BatchRunner
 from ingest.files import FileStore, FileWriter
-from schemas.events import BatchItemRequested, BatchLineError
+from schemas.events import BatchItemRequested, BatchLineError, RequestFinished
 from tests.ingest.conftest import AUTH, OTHER_KEY, Client, MakeClient
-from tests.ingest.fake_batch_log import FakeBatchLog, complete
+from tests.ingest.fake_batch_log import FakeBatchLog, complete, failing
 from tests.ingest.fake_gateway import FakeGateway
 from tests.ingest.test_batch_job import job_of, result
 from tests.ingest.test_batches import CHAT, _eventually, chat_line, jsonl, run, until
@@ -371,3 +371,56 @@ async def test_a_running_batch_waits_while_its_tenants_budget_is_used_up(
         done = await until(held.sdk, held.batch.id, "completed")
         assert done.request_counts is not None
         assert done.request_counts.completed == 6
+
+
+async def test_a_retried_lines_failure_read_again_does_not_end_it(
+    make_client: MakeClient, batch_log: FakeBatchLog
+) -> None:
+    """Found by review: an older attempt's retriable failure read a second time (results are read at least
+    once: an edge restart reads again what it had not committed) was taken as the line's last attempt's,
+    the line failed for good and its next attempt's success thrown away."""
+
+    def respond(event: BatchItemRequested) -> RequestFinished | None:
+        if event.attempt == 1:
+            again = failing("queue_full")(event)
+            batch_log.answer(again)  # delivered twice
+            return again
+        return failing("queue_full")(event) if event.attempt == 0 else complete(event)
+
+    batch_log.respond = respond
+    client, _ = await make_client(edge_batch_retry_backoff_s=0.01, edge_batch_max_attempts=3)
+    async with AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=DEMO_KEY, max_retries=0) as sdk:
+        done = await until(sdk, (await run(sdk, [chat_line(0)])).id, "completed")
+    assert sorted(e.attempt for e in batch_log.lines) == [0, 1, 2]
+    assert done.request_counts is not None
+    assert (done.request_counts.completed, done.request_counts.failed) == (1, 0)
+
+
+async def test_a_validating_batch_whose_tenant_is_gone_at_a_restart_fails(
+    make_client: MakeClient,
+    batch_log: FakeBatchLog,
+    tenants: TenantDirectory,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by review: reloaded by a restarted edge after its tenant left the tenants file, a batch still
+    validating was never validated nor expired (only a running batch expires), and kept the edge reading
+    results for good."""
+    release = threading.Event()
+    check = BatchRunner._check_file
+
+    def held(self: BatchRunner, job: Job, tenant: Any) -> Any:
+        release.wait(10)
+        return check(self, job, tenant)
+
+    monkeypatch.setattr(BatchRunner, "_check_file", held)
+    one, _ = await make_client()
+    async with AsyncOpenAI(base_url=str(one.make_url("/v1")), api_key=DEMO_KEY, max_retries=0) as sdk:
+        created = await run(sdk, [chat_line(0)], window="1s")
+    asyncio.get_running_loop().call_later(0.3, release.set)
+    await one.close()  # stopped while validating
+    monkeypatch.setattr(BatchRunner, "_check_file", check)
+    monkeypatch.delitem(tenants._by_name, "demo")  # gone from the tenants file meanwhile
+    await make_client()
+    (last,) = [s for s in batch_log.states if s.batch_id == created.id][-1:]
+    assert last.status == "failed"
+    assert [e.code for e in last.errors] == ["tenant_unknown"]

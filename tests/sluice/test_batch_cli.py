@@ -700,3 +700,11 @@ def test_status_list_and_watch_against_kafka(
     assert "total 2, completed 2, failed 0" in out1  # the final state's table
     assert code2 == 3, (out2, err2)
     assert "batch_w2 cancelled: 1/2 lines answered (50%)" in out2
+
+
+def test_listing_no_batch_of_a_tenant_named_like_markup_says_so(topic: FakeTopic) -> None:
+    """Found by review: ``--tenant '[/x]'`` with no batch of it printed a rich MarkupError traceback."""
+    topic.records = [record(0, state())]
+    result = invoke("list", "--tenant", "[/x]")
+    assert result.exit_code == 0, result.output
+    assert "no batches tenant [/x] on" in result.output
