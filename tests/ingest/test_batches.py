@@ -1148,6 +1148,7 @@ async def test_a_line_whose_body_has_a_field_of_the_wrong_type_is_refused_as_the
     async with AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=DEMO_KEY, max_retries=0) as sdk:
         failed = await until(sdk, (await run(sdk, [line])).id, "failed")
     assert failed.errors is not None
+    assert failed.errors.data is not None
     (error,) = failed.errors.data
     assert (error.code, error.param) == ("invalid_value", "seed")
     assert error.message is not None

@@ -383,6 +383,7 @@ async def test_a_retried_lines_failure_read_again_does_not_end_it(
     def respond(event: BatchItemRequested) -> RequestFinished | None:
         if event.attempt == 1:
             again = failing("queue_full")(event)
+            assert again is not None
             batch_log.answer(again)  # delivered twice
             return again
         return failing("queue_full")(event) if event.attempt == 0 else complete(event)
