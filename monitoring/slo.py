@@ -299,7 +299,7 @@ def load_slo_config(path: Path | None = None) -> SloConfig:
             data = tomllib.load(f)
     except OSError as exc:
         raise SloConfigError(f"{path}: cannot read: {exc.strerror or exc}") from exc
-    except tomllib.TOMLDecodeError as exc:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:  # TOML is UTF-8
         raise SloConfigError(f"{path}: not valid TOML: {exc}") from exc
     return parse_slo_config(data, source=str(path))
 

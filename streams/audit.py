@@ -30,6 +30,7 @@ else a read-only open of the directory, or a ClickHouse server).
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Collection, Iterable, Iterator, Mapping
 from datetime import UTC, datetime
 from typing import Any, NamedTuple
@@ -323,7 +324,7 @@ def row_canonical(row: Mapping[str, Any]) -> bytes:
             action=row["action"],
             actor=row["actor"],
             decision=row["decision"],
-            details=_DETAILS.decode(details) if isinstance(details, (str, bytes)) else dict(details),
+            details=_details(details) if isinstance(details, (str, bytes)) else dict(details),
             entry_id=row["entry_id"],
             model=row["model"],
             model_version=row["model_version"],
@@ -336,6 +337,17 @@ def row_canonical(row: Mapping[str, Any]) -> bytes:
             time=_canonical_time(row["time"]),
         )
     )
+
+
+def _details(text: str | bytes) -> dict[str, str]:
+    """A row's ``details`` text as the hash reads it, refusing a key given twice: the hash reads the last
+    copy, ClickHouse's ``JSONExtract*`` the first, so a copy prepended to a row (a forged price table in
+    the ``prices`` saved query) left its hash intact (a review)."""
+    decoded = _DETAILS.decode(text)
+    keys = json.loads(text, object_pairs_hook=lambda pairs: [key for key, _ in pairs])
+    if len(keys) != len(decoded):
+        raise ValueError("details give a key twice (the row was altered)")
+    return decoded
 
 
 def _checked(form: _Form) -> bytes:

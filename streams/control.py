@@ -62,10 +62,10 @@ def load_budgets(path: str | Path | None) -> Budgets:
     if path is None:
         return Budgets()
     try:
-        return msgspec.convert(tomllib.loads(Path(path).read_text()), Budgets)
+        return msgspec.convert(tomllib.loads(Path(path).read_text(encoding="utf-8")), Budgets)
     except FileNotFoundError:
         raise BudgetError(f"budgets file {path} does not exist") from None
-    except (tomllib.TOMLDecodeError, OSError) as exc:
+    except (tomllib.TOMLDecodeError, OSError, UnicodeDecodeError) as exc:
         raise BudgetError(f"budgets file {path}: {exc}") from exc
     except msgspec.ValidationError as exc:
         hint = " (a tenant without a limit is one the file does not name)" if "<=" in str(exc) else ""
@@ -173,6 +173,24 @@ class Controller:
                         firing=firing,
                     )
                 )
+            # a pair the SLO file no longer has is evaluated no more: one it left firing is resolved, not
+            # left firing on the compacted topic for good (a review)
+            current = {f"{alert.long}/{alert.short}" for alert in self._pairs}
+            for (of, window), fires in list(self._firing.items()):
+                if of == model and fires and window not in current:
+                    self._firing[(of, window)] = False
+                    events.append(
+                        BurnRateCrossed(
+                            tenant="",
+                            model=model,
+                            source=SOURCE,
+                            slo="availability",
+                            window=window,
+                            burn_rate=0.0,
+                            threshold=0.0,
+                            firing=False,
+                        )
+                    )
         return events
 
 

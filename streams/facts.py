@@ -47,6 +47,11 @@ def trace_id(traceparent: str | None) -> str:
     return parts[1] if len(parts) == 4 else ""
 
 
+MAX_WORKER_MS = 7 * 86_400 * 1000
+"""The most worker time a request is priced for (the longest batch window): with the prices' and the
+token counts' bounds, its cost stays within ``request_facts.cost_nanos`` (UInt64)."""
+
+
 def fact_row(event: RequestFinished, prices: Prices) -> list[Any]:
     """The ``request_facts`` row of a terminal event, in :data:`FACT_COLUMNS` order, priced by the table in
     force when the request was accepted."""
@@ -58,7 +63,9 @@ def fact_row(event: RequestFinished, prices: Prices) -> list[Any]:
     first_token = timings.first_token if generation else None
     completion = event.usage.completion_tokens
     decode_ms = _ms(finished, first_token)
-    worker_ms = round(_ms(finished, timings.started) or 0.0)
+    # Never past a week: read off the worker's clock, a start stamped in 1970 priced a request past UInt64,
+    # stored wrapped (a review).
+    worker_ms = round(min(_ms(finished, timings.started) or 0.0, MAX_WORKER_MS))
     line = event.batch
     # A request that failed (the platform's failure: out of memory, a retired version, an engine error) is
     # not billed, as OpenAI bills no 5xx; its tokens are still counted. A batch line retried after such a

@@ -50,13 +50,13 @@ def load_prices(path: str | Path | None) -> PriceTable:
     if path is None:
         return PriceTable()
     try:
-        raw = tomllib.loads(Path(path).read_text())
+        raw = tomllib.loads(Path(path).read_text(encoding="utf-8"))  # TOML is UTF-8, whatever the locale
         if unknown := _unknown_keys(raw):  # a typo would price at the defaults
             raise PricingError(f"price table {path}: unknown field(s) {', '.join(unknown)}")
         return msgspec.convert(raw, PriceTable)
     except FileNotFoundError:
         raise PricingError(f"price table {path} does not exist") from None
-    except (tomllib.TOMLDecodeError, msgspec.ValidationError) as exc:
+    except (tomllib.TOMLDecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
         raise PricingError(f"price table {path}: {exc}") from exc
 
 

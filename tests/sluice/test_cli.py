@@ -451,3 +451,56 @@ def test_models_list_marks_the_deployments_stable_version_not_the_first_register
     assert "yes" in rows[second]
     assert "100%" in rows[second]
     assert "yes" not in rows[first]
+
+
+def test_saved_queries_take_the_slo_file_the_streams_worker_uses(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: ``--saved error-budget-left`` used the built-in SLO tiers whatever
+    ``SLUICE_STREAMS_SLO_FILE`` said, which the dashboard, the burn events and ``sluice slo`` follow."""
+    import infra.warehouse
+    from infra.warehouse import QueryResult
+    from monitoring.slo import load_slo_config
+    from streams.queries import saved_queries
+
+    slo = tmp_path / "slo.toml"
+    slo.write_text(
+        'default_tier = "relaxed"\n[[tiers]]\nname = "relaxed"\navailability = 0.9\nwindow_days = 7\n'
+    )
+    monkeypatch.setenv("SLUICE_STREAMS_SLO_FILE", str(slo))
+    monkeypatch.setattr(sluice_cli, "_settings", PlatformSettings(data_dir=str(tmp_path / "data")))
+    ran: list[str] = []
+
+    def query(settings: Any, sql: str, **_: Any) -> QueryResult:
+        ran.append(sql)
+        return QueryResult(columns=["x"], types=["String"], rows=[])
+
+    monkeypatch.setattr(infra.warehouse, "query_warehouse", query)
+    shown = CliRunner().invoke(app, ["sql", "--saved", "error-budget-left"])
+    assert shown.exit_code == 0, shown.output
+    assert ran == [saved_queries(load_slo_config(slo))["error-budget-left"].sql]
+    assert ran != [saved_queries()["error-budget-left"].sql]
+
+
+@pytest.mark.parametrize(
+    ("args", "env"),
+    [
+        (["slo", "show", "--config", "{file}"], {}),
+        (["replay", "--data-dir", "{scratch}"], {"SLUICE_STREAMS_PRICES_FILE": "{file}"}),
+    ],
+    ids=["slo-config", "prices-file"],
+)
+def test_a_config_file_that_is_not_utf8_is_one_line(
+    tmp_path: Path, args: list[str], env: dict[str, str]
+) -> None:
+    """Found by review: a Latin-1 TOML file raised UnicodeDecodeError, a traceback, from the SLO, price and
+    budget loaders (TOML is UTF-8; the price and budget files were also read in the locale's encoding)."""
+    latin1 = tmp_path / "latin1.toml"
+    latin1.write_bytes(b'# \xe9t\xe9\nversion = "v1"\n')
+    fill = {"file": str(latin1), "scratch": str(tmp_path / "scratch")}
+    environ = {**os.environ, "SLUICE_DATA_DIR": str(tmp_path / "data")}
+    environ |= {name: value.format(**fill) for name, value in env.items()}
+    done = sluice(*(arg.format(**fill) for arg in args), env=environ)
+    assert "Traceback" not in done.stderr, done.stderr[-600:]
+    assert done.returncode == 2, done.stderr
+    assert "latin1.toml" in done.stderr

@@ -389,6 +389,20 @@ def test_a_rewritten_or_cut_tail_is_only_visible_against_a_head_kept_elsewhere()
     assert reforged.heads["acme"] != kept
 
 
+def test_verify_catches_details_that_give_a_key_twice() -> None:
+    """Found by review: a copy of a key prepended to a row's ``details`` kept its hash (the hash reads the
+    last copy) while ClickHouse's ``JSONExtract*`` reads the first: a forged price table in the ``prices``
+    saved query, and a chain that verified."""
+    good = rows(chain("acme", 3))
+    forged = list(good)
+    details = str(good[1]["details"])
+    (key, *_) = json.loads(details)
+    forged[1] = {**good[1], "details": "{" + json.dumps(key) + ':"forged",' + details[1:]}
+    (problem,) = verify(forged).problems
+    assert (problem.tenant, problem.seq) == ("acme", 1)
+    assert "details give a key twice" in problem.reason
+
+
 def test_verify_reports_an_unreadable_row_instead_of_failing() -> None:
     good = rows(chain("acme", 3))
     broken = list(good)

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from monitoring.slo import DEFAULT_CONFIG, AlertSettings, BurnAlert, SloConfig
+from monitoring.slo import DEFAULT_CONFIG, AlertSettings, BurnAlert, SloConfig, parse_slo_config
 from schemas.codec import decode, encode
 from schemas.events import BudgetStateChanged, BurnRateCrossed
 from streams.control import BudgetError, Budgets, Controller, WindowCounts, burn_sql, load_budgets
@@ -48,6 +48,24 @@ def test_a_restarted_controller_resolves_a_burn_that_stopped_while_it_was_down()
     quiet = {("m", minutes): WindowCounts(0, 100) for minutes in controller.windows}
     events = [e for e in controller.burn(quiet) if isinstance(e, BurnRateCrossed)]
     assert [(e.model, e.window, e.firing) for e in events] == [("m", "1h/5m", False)]
+    assert controller.burn(quiet) == []
+
+
+def test_a_burn_firing_under_a_pair_the_slo_file_no_longer_has_is_resolved() -> None:
+    """Found by review: a restart read a burn back firing under 1h/5m, but the SLO file now pages on 2h/10m
+    only: nothing evaluated the old pair again, and it stayed firing on the compacted topic for good."""
+    replaced = parse_slo_config(
+        {
+            "alerts": {
+                "burn": [{"long_minutes": 120, "short_minutes": 10, "budget_share": 0.03, "severity": "page"}]
+            }
+        }
+    )
+    controller = Controller(Budgets(), replaced)
+    controller.seed({}, {("m", "1h/5m"): True})
+    quiet = {("m", minutes): WindowCounts(0, 100) for minutes in controller.windows}
+    events = [e for e in controller.burn(quiet) if isinstance(e, BurnRateCrossed)]
+    assert ("m", "1h/5m", False) in [(e.model, e.window, e.firing) for e in events]
     assert controller.burn(quiet) == []
 
 

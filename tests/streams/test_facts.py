@@ -128,3 +128,21 @@ def test_an_event_dated_before_1970_versions_0_not_a_negative_number() -> None:
     assert early["version"] == 0
     epoch = row(finished(time=datetime(1970, 1, 1, 0, 0, 1, tzinfo=UTC)))
     assert epoch["version"] == 1000
+
+
+def test_a_worker_time_off_a_wrong_clock_cannot_price_past_what_a_cost_can_hold() -> None:
+    """Found by review: worker time is read off the worker's clock; a start stamped in 1970 at the highest
+    price made a cost of ~1.8e21 nano-USD, stored wrapped in the UInt64 column. It is priced for a week at
+    most (``MAX_WORKER_MS``)."""
+    from schemas.prices import MAX_MICROS
+    from streams.facts import MAX_WORKER_MS
+
+    prices = PriceTable(default=ModelPrice(worker_second=MAX_MICROS), models={})
+    now = datetime(2026, 11, 22, 9, 30, tzinfo=UTC)
+    wrong = finished(timings=Timings(started=datetime(1970, 1, 1, tzinfo=UTC), finished=now))
+    fact = row(wrong, prices)
+    assert fact["worker_ms"] == MAX_WORKER_MS
+    assert isinstance(fact["cost_nanos"], int)
+    assert fact["cost_nanos"] < 2**64
+    biggest = prices.cost_nanos("m", 2**32 - 1, 2**32 - 1, MAX_WORKER_MS)
+    assert biggest < 2**64
