@@ -549,6 +549,12 @@ class ConsumerThread(Component):
                 break
             merged.update(offsets)
             callers.append((offsets, on_failure))
+        if self._subscribe and merged:
+            # Owned when queued is not enough: a commit queued while a revoke's own synchronous commit was
+            # on its way went out after it, after the hand-over, over the next owner's (a review). What
+            # this member no longer owns nor is handing over is not sent; its revoke committed it.
+            with self._lag_lock:
+                merged = {tp: o for tp, o in merged.items() if tp in self._owned or tp in self._revoking}
         if not merged or self._consumer is None:
             return
         tps = [TopicPartition(topic, part, off) for (topic, part), off in merged.items()]

@@ -385,6 +385,47 @@ def test_a_commit_of_a_partition_already_handed_over_is_left_out(monkeypatch: py
         assert consumer.commits == [([("t", 0, 3)], False)]
 
 
+class CommitsDuringTheHandOver(Revoking):
+    """While the revoke's synchronous commit waits on the broker, the owner's model thread commits an
+    offset it computed before the revoke (the GIL is free then, and the partition is still being handed
+    over)."""
+
+    late: ConsumerThread | None = None
+
+    def commit(self, offsets: list[TopicPartition], asynchronous: bool) -> None:
+        super().commit(offsets, asynchronous)
+        if not asynchronous and self.late is not None:
+            late = threading.Thread(target=self.late.commit, args=({("t", 0): 2},))
+            late.start()
+            late.join()
+
+
+def test_a_commit_queued_while_the_hand_over_commits_is_not_sent_after_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by review: a commit queued while the revoke's own synchronous commit was on its way passed the
+    ownership check (the partition was still being handed over), stayed queued, and went out at the next
+    poll, after the hand-over, below the offset the revoke had committed: over the next owner's."""
+    CommitsDuringTheHandOver.made.clear()
+    monkeypatch.setattr(bus.consumer, "Consumer", CommitsDuringTheHandOver)
+    revoked = threading.Event()
+
+    def on_revoke(tps: list[tuple[str, int]], lost: bool) -> dict[tuple[str, int], int]:
+        revoked.set()
+        return {("t", 0): 3}
+
+    thread = ConsumerThread({"group.id": "g"}, lambda batch: None, subscribe=["t"], on_revoke=on_revoke)
+    CommitsDuringTheHandOver.late = thread
+    try:
+        with thread:
+            assert revoked.wait(5)
+            consumer = first_commit()
+            time.sleep(0.2)  # the poll loop's later rounds
+            assert consumer.commits == [([("t", 0, 3)], False)]
+    finally:
+        CommitsDuringTheHandOver.late = None
+
+
 class RebalancesOnce(WedgedMember):
     """Settled at the first poll; the second says a rebalance is under way and brings a record; settled
     again from the third."""
