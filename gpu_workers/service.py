@@ -1021,6 +1021,9 @@ class WorkerService(Component):
             ]
             for request_id in runner.release(mine):
                 arrival = self._live.pop(request_id)
+                # an embedding's batch may have taken it already: what was observed of it here goes too (it
+                # stayed, and a request handed back later started from the old join; a review)
+                self._observer.forget(request_id)
                 if arrival.trace is not None:
                     arrival.trace.span.set_attribute(tracing.STATUS, "released")
                     arrival.trace.span.end()

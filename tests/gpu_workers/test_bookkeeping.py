@@ -801,3 +801,17 @@ def test_a_results_copy_refused_at_once_ends_its_request_failed_and_the_worker_s
     h.service._commit()
     assert h.model.durable[request] == h.model.durable[after] == 1
     assert h.model.committed[0] == 2
+
+
+def test_a_request_released_at_a_revoke_leaves_nothing_observed_behind() -> None:
+    """Found by review: a request given back at a revoke (an embedding's batch may have taken it already)
+    kept what the worker had observed of it, its join time among it: held for good, and the start of a
+    request handed back to this worker later."""
+    h = Harness(8)
+    request = request_on(h, 1)
+    h.model_thread_step()
+    h.service._observer.joined(request, batch=4, budget_ratio=0.5)  # a batch took it
+    assert h.service._observer.joined_at(request) is not None
+    h.revoke(1)
+    assert request not in h.runner.waiting
+    assert h.service._observer.joined_at(request) is None
