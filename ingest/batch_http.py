@@ -36,8 +36,9 @@ def _page(
     try:
         limit = int(request.query.get("limit", str(default)))
     except ValueError:
-        raise InvalidRequest(f"limit must be a whole number from 1 to {most}.", param="limit") from None
-    limit = max(1, min(most, limit))
+        limit = 0
+    if not 1 <= limit <= most:  # as it says (0, -5 and 10**6 were taken as 1 and the most: a review)
+        raise InvalidRequest(f"limit must be a whole number from 1 to {most}.", param="limit")
     order = request.query.get("order", "desc")
     if order not in ("asc", "desc"):
         raise InvalidRequest("order must be 'asc' or 'desc'.", param="order")

@@ -109,8 +109,8 @@ def _client_id(text: str | bytes) -> Any:
     to decode: that raised RecursionError out of the socket's loop and closed it)."""
     with contextlib.suppress(msgspec.DecodeError, RecursionError):
         frame = msgspec.json.decode(text)
-        if isinstance(frame, dict) and isinstance(frame.get("id"), str | int):
-            return frame["id"]
+        if isinstance(frame, dict):  # only an id a frame may have: not true, nor "" (a review)
+            return msgspec.convert(frame.get("id"), ClientId)
     return None
 
 

@@ -112,6 +112,9 @@ async def test_the_file_list_pages_as_openais_does(make_client: MakeClient) -> N
         assert [f.id async for f in sdk.files.list(limit=2)] == newest_first  # the SDK's paging walks it all
         with pytest.raises(openai.BadRequestError):
             await sdk.files.list(order="sideways")  # type: ignore[arg-type]
+        for limit in (0, -5, 1_000_000):  # a review: taken as 1 and the most, where the error says 1 to N
+            with pytest.raises(openai.BadRequestError, match="limit must be a whole number from 1 to"):
+                await sdk.files.list(limit=limit)
 
 
 def _form(parts: list[tuple[bytes, bytes]], boundary: bytes = b"XyZ") -> bytes:

@@ -168,6 +168,9 @@ BAD_FRAMES: list[tuple[str, str | bytes, Any, str]] = [
         "invalid_request_error",
     ),
     ("cancel unknown", '{"type": "cancel", "id": "zz"}', "zz", "invalid_request_error"),
+    # a review: the error frame echoed ids no frame may have
+    ("boolean id", '{"type": "request", "id": true, "endpoint": "chat"}', None, "invalid_request_error"),
+    ("empty id", '{"type": "request", "id": "", "endpoint": "chat"}', None, "invalid_request_error"),
 ]
 
 
