@@ -48,6 +48,13 @@ async def _edges(
             await gateway.close()
 
 
+async def synced() -> None:
+    """Time for an edge's quota sync to run (every 0.05 s here): between two, an edge takes only its share of
+    what was left at the last one, half with two edges, whatever the other one uses. Sequential requests
+    that outran the syncs (a loaded box delays them) were refused at that share (a CI run under load)."""
+    await asyncio.sleep(0.15)
+
+
 @pytest.fixture
 async def rpm_edges(catalogue: ModelCatalogue) -> AsyncIterator[list[tuple[Client, FakeGateway]]]:
     async for edges in _edges(catalogue, Tenant(key_sha256=[hash_key(KEY)], requests_per_min=12)):
@@ -137,9 +144,10 @@ async def test_token_reservations_are_reconciled_so_short_answers_leave_room(
     async for edges in _edges(catalogue, tenant):
         (a, _), _ = edges
         body = {**CHAT, "max_tokens": 16}
-        statuses = [
-            (await a.post("/v1/chat/completions", json=body, headers=HEADERS)).status for _ in range(8)
-        ]
+        statuses = []
+        for _ in range(8):
+            statuses.append((await a.post("/v1/chat/completions", json=body, headers=HEADERS)).status)
+            await synced()
         assert statuses == [200] * 8  # each settles to ~10 tokens before the next one
     async for edges in _edges(catalogue, Tenant(key_sha256=[hash_key(KEY)], tokens_per_min=10)):
         (a, gateway), _ = edges
@@ -172,9 +180,14 @@ async def test_what_never_reached_the_log_or_replays_a_request_costs_no_tokens(
         for _ in range(4):
             refused = await a.post("/v1/chat/completions", json=body, headers=HEADERS)
             assert refused.status == 503
+            await synced()
         gateway.fail_submit = False
         assert (await a.post("/v1/chat/completions", json=body, headers=HEADERS)).status == 200
+        await synced()
         keyed = {**HEADERS, "Idempotency-Key": "pay-1"}
-        statuses = [(await a.post("/v1/chat/completions", json=body, headers=keyed)).status for _ in range(6)]
+        statuses = []
+        for _ in range(6):
+            statuses.append((await a.post("/v1/chat/completions", json=body, headers=keyed)).status)
+            await synced()
         assert statuses == [200] * 6  # one request, five replays: ~20 tokens used in all
         assert len(gateway.submitted) == 2
