@@ -162,16 +162,7 @@ class Controller:
                     continue
                 self._firing[key] = firing
                 events.append(
-                    BurnRateCrossed(
-                        tenant="",
-                        model=model,
-                        source=SOURCE,
-                        slo="availability",
-                        window=key[1],
-                        burn_rate=round(min(long_rate, short_rate), 3),
-                        threshold=threshold,
-                        firing=firing,
-                    )
+                    _crossing(model, key[1], round(min(long_rate, short_rate), 3), threshold, firing)
                 )
             # a pair the SLO file no longer has is evaluated no more: one it left firing is resolved, not
             # left firing on the compacted topic for good (a review)
@@ -179,19 +170,21 @@ class Controller:
             for (of, window), fires in list(self._firing.items()):
                 if of == model and fires and window not in current:
                     self._firing[(of, window)] = False
-                    events.append(
-                        BurnRateCrossed(
-                            tenant="",
-                            model=model,
-                            source=SOURCE,
-                            slo="availability",
-                            window=window,
-                            burn_rate=0.0,
-                            threshold=0.0,
-                            firing=False,
-                        )
-                    )
+                    events.append(_crossing(model, window, 0.0, 0.0, False))
         return events
+
+
+def _crossing(model: str, window: str, burn_rate: float, threshold: float, firing: bool) -> BurnRateCrossed:
+    return BurnRateCrossed(
+        tenant="",
+        model=model,
+        source=SOURCE,
+        slo="availability",
+        window=window,
+        burn_rate=burn_rate,
+        threshold=threshold,
+        firing=firing,
+    )
 
 
 SPEND_TODAY = (

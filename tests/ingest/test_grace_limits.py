@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from ingest.auth import DEMO_KEY, Tenant, TenantDirectory, hash_key
 from ingest.models import ModelCatalogue
-from schemas.manifest import ModelManifest, SamplingDefaults, current_model_dir, write_manifest
+from schemas.manifest import current_model_dir, read_manifest, write_manifest
 from tests.ingest.conftest import AUTH, EMB, GEN, Client, MakeClient, eventually, parse_sse
 from tests.ingest.fake_gateway import FakeGateway
 
@@ -26,18 +27,9 @@ OTHER_GEN = "tiny-gpt-b"
 def catalogue(model_cache: Path, tmp_path: Path) -> ModelCatalogue:
     other = tmp_path / OTHER_GEN
     other.mkdir()
-    (other / "tokenizer.json").write_bytes(
-        (current_model_dir(model_cache, GEN) / "tokenizer.json").read_bytes()
-    )
-    manifest = ModelManifest(
-        model_id=OTHER_GEN,
-        task="generation",
-        version="bbbbbbbbbbbb",
-        max_context=64,
-        max_output_tokens=16,
-        eos_token_id=0,
-        sampling=SamplingDefaults(max_tokens=8),
-    )
+    gen = current_model_dir(model_cache, GEN)
+    manifest = msgspec.structs.replace(read_manifest(gen), model_id=OTHER_GEN, version="bbbbbbbbbbbb")
+    (other / "tokenizer.json").write_bytes((gen / "tokenizer.json").read_bytes())
     write_manifest(other, manifest)
     return ModelCatalogue.from_cache(model_cache, [GEN, EMB], [f"{OTHER_GEN}={other}"])
 

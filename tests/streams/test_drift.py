@@ -440,6 +440,8 @@ def test_the_report_id_is_the_same_for_a_window_judged_twice() -> None:
 class FailingOnce(Published):
     """Publishing fails for the n-th report, once (a broker blip part-way through a window)."""
 
+    failure: type[BaseException] = RuntimeError
+
     def __init__(self, client: Client, fail_at: int) -> None:
         super().__init__(client)
         self.calls = 0
@@ -448,7 +450,7 @@ class FailingOnce(Published):
     async def __call__(self, report: DriftReport) -> None:
         self.calls += 1
         if self.calls == self.fail_at:
-            raise RuntimeError("broker went away")
+            raise self.failure("broker went away")
         await super().__call__(report)
 
 
@@ -471,19 +473,10 @@ async def test_a_publish_failure_part_way_rejudges_the_window_from_the_same_stat
         assert stored == [{"scope": "*", "verdict": "reference"}, {"scope": "acme", "verdict": "reference"}]
 
 
-class DiesAt(Published):
+class DiesAt(FailingOnce):
     """The process dies at the n-th report (not an error the monitor handles: it is gone)."""
 
-    def __init__(self, client: Client, at: int) -> None:
-        super().__init__(client)
-        self.calls = 0
-        self.at = at
-
-    async def __call__(self, report: DriftReport) -> None:
-        self.calls += 1
-        if self.calls == self.at:
-            raise SystemExit("killed")
-        await super().__call__(report)
+    failure: type[BaseException] = SystemExit
 
 
 @pytest.mark.integration
