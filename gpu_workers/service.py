@@ -44,7 +44,7 @@ from gpu_workers.runtime import Arrival, Emitter, Origin, Request, Runner
 from gpu_workers.terminal import finished_by, too_large, with_features, with_request
 from monitoring import tracing
 from monitoring.ops import Readiness
-from schemas.codec import DecodeError, decode, encode, fits_record, headers, kafka_key
+from schemas.codec import DecodeError, Event, decode, encode, fits_record, headers, kafka_key, record_size
 from schemas.deployments import Deployment
 from schemas.events import (
     BatchItemRequested,
@@ -403,32 +403,31 @@ class WorkerService(Component):
             line: BatchRef | None = None
             if isinstance(event, BatchItemRequested):  # a batch line runs as the request it carries
                 line, event = event.ref, event.as_request()
-            if not isinstance(event, GenerationRequested | EmbeddingRequested):
-                # nothing to run: lettered (an audit: a valid event of another kind was committed silently)
-                why = Why(f"a {type(event).__name__} on the request topic of {self.model_id!r}", "misplaced")
-                self._put(_Skip(tp, offset, self._ledger.generation, junk=junk_of(message, why)))
+            request = self._runnable(event)
+            if isinstance(request, Why):  # a producer's mistake, or worse: lettered, not run
+                self._put(_Skip(tp, offset, self._ledger.generation, junk=junk_of(message, request)))
                 continue
-            if event.model != self.model_id:  # a producer's mistake: lettered, not run
-                # run here, its terminal event would name the other model, whose results no tail of this
-                # model reads: a redelivery ran it a second time (a fuzz audit)
-                why = Why(
-                    f"a request for model {event.model!r} on the request topic of {self.model_id!r}",
-                    "misplaced",
-                )
-                self._put(_Skip(tp, offset, self._ledger.generation, junk=junk_of(message, why)))
-                continue
-            if event.reply is not None and event.reply.topic != self._names.replies:
-                # replies go to the replies topic only: written where a request says, a chunk and a second
-                # terminal event landed on the results topic, or on the compacted control topic under a
-                # tenant's key (an audit); a producer's mistake or worse, lettered, not run
-                why = Why(
-                    f"replies asked on {event.reply.topic!r}, not the replies topic {self._names.replies!r}",
-                    "misplaced",
-                )
-                self._put(_Skip(tp, offset, self._ledger.generation, junk=junk_of(message, why)))
-                continue
-            trace = open_trace(event, *tp, offset, self.group)
-            self._put(Arrival(event, tp, offset, trace=trace, generation=self._ledger.generation, batch=line))
+            trace = open_trace(request, *tp, offset, self.group)
+            self._put(
+                Arrival(request, tp, offset, trace=trace, generation=self._ledger.generation, batch=line)
+            )
+
+    def _runnable(self, event: Event) -> Request | Why:
+        """A valid event on this model's request topic as the request to run here, or why it is not one."""
+        if not isinstance(event, GenerationRequested | EmbeddingRequested):
+            # nothing to run (an audit: a valid event of another kind was committed silently)
+            return Why(f"a {type(event).__name__} on the request topic of {self.model_id!r}", "misplaced")
+        if event.model != self.model_id:
+            # run here, its terminal event would name the other model, whose results no tail of this model
+            # reads: a redelivery ran it a second time (a fuzz audit)
+            why = f"a request for model {event.model!r} on the request topic of {self.model_id!r}"
+            return Why(why, "misplaced")
+        if event.reply is not None and event.reply.topic != self._names.replies:
+            # written where a request said, a chunk and a second terminal event landed on the results topic,
+            # or on the compacted control topic under a tenant's key (a review)
+            why = f"replies asked on {event.reply.topic!r}, not the replies topic {self._names.replies!r}"
+            return Why(why, "misplaced")
+        return event
 
     def _put(self, item: _Inbox) -> None:
         """Blocks while the inbox is full (backpressure: the consumer stops fetching), until stopped."""
@@ -1253,7 +1252,7 @@ class WorkerService(Component):
                 # Refused at once although it was sized to fit (librdkafka's own framing or limits): the
                 # request ends failed rather than the model thread, which a redelivery would end again.
                 log.exception("the results copy of %s was refused; it ends failed", request_id)
-                failed = encode(too_large(result, len(out) + len(key) + sum(len(v) for _, v in head)))
+                failed = encode(too_large(result, record_size(out, key, head)))
                 try:
                     self._producer.produce_raw(
                         self._names.results, failed, key=key, headers=head, on_delivery=results_delivered

@@ -43,13 +43,13 @@ class ServedModel:
     model_id: str
     manifest: ModelManifest
     tokenizer: Tokenizer
-    created: int = 0
-    """When its version was prepared (its manifest's mtime, Unix seconds): OpenAI's model ``created``."""
-    plain: Tokenizer | None = None
+    plain: Tokenizer
     """The same tokenizer reading special tokens as text: for what a chat message says (its content), which
     must not open a turn of another role (:meth:`encode_chat`)."""
-    specials: tuple[str, ...] = ()
+    specials: tuple[str, ...]
     """The special tokens' texts (``<|system|>``, ``[CLS]``)."""
+    created: int = 0
+    """When its version was prepared (its manifest's mtime, Unix seconds): OpenAI's model ``created``."""
 
     @classmethod
     def load(cls, model_id: str, model_dir: Path) -> ServedModel:
@@ -117,9 +117,8 @@ class ServedModel:
                         formatter.convert_field(role, conversion), spec or ""
                     )
         template[-1] += chat.assistant_prefix
-        plain = self.plain or self.tokenizer
         framing = self.tokenizer.encode_batch(template, add_special_tokens=False)
-        said = plain.encode_batch(contents, add_special_tokens=False)
+        said = self.plain.encode_batch(contents, add_special_tokens=False)
         pieces: list[Encoding] = [framing[0]]
         for spoken, after in zip(said, framing[1:], strict=True):
             pieces += [spoken, after]

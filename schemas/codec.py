@@ -112,12 +112,16 @@ RECORD_HEADROOM_BYTES = 4096
 added on its way out (a request's trace context)."""
 
 
+def record_size(value: bytes, key: bytes = b"", head: Sequence[tuple[str, bytes]] = ()) -> int:
+    """An encoded event's bytes in a record with its key and headers (the event's tenant, request id and
+    trace context may be long enough together to push a value just under the limit over it, which the
+    producer then refused)."""
+    return len(value) + len(key) + sum(len(name) + len(data) for name, data in head)
+
+
 def fits_record(value: bytes, key: bytes = b"", head: Sequence[tuple[str, bytes]] = ()) -> bool:
-    """Whether an encoded event fits one log record with its key and headers (``key`` and ``head``: those
-    it is written with, counted whole; the event's tenant, request id and trace context may each be long
-    enough together to push a value just under the limit over it, which the producer then refused)."""
-    size = len(value) + len(key) + sum(len(name) + len(data) for name, data in head)
-    return size <= MAX_RECORD_BYTES - RECORD_HEADROOM_BYTES
+    """Whether an encoded event fits one log record with the key and headers it is written with."""
+    return record_size(value, key, head) <= MAX_RECORD_BYTES - RECORD_HEADROOM_BYTES
 
 
 def encode(event: Event) -> bytes:

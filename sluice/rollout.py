@@ -52,13 +52,10 @@ def parse_steps(canary: float, steps: str) -> list[float]:
                            "buckets); at most 99.99")  # fmt: skip
     # A step short of 100 must leave the stable version a bucket: one that rounds to all of them is no
     # promotion (it is still a canary step), and its gates would wait for stable samples that never come.
-    if any(not (0 < p <= 100 and buckets_of(p / 100) and (p == 100 or buckets_of(p / 100) < BUCKETS))
-           for p in listed):  # fmt: skip
+    if any(not (0 < p <= 100 and (p == 100 or 0 < buckets_of(p / 100) < BUCKETS)) for p in listed):
         raise RolloutError(f"--steps {steps!r}: every step must be at least 0.01 and at most 100 (short of "
                            f"100, at most 99.99: traffic is split in {BUCKETS:,} buckets)")  # fmt: skip
     shares = [canary, *sorted(p for p in set(listed) if p > canary)]
-    if round(canary / 100, 6) >= 1.0:
-        raise RolloutError(f"--canary {canary:g}: expected a percentage below 100")
     if shares[-1] != 100:
         shares.append(100.0)
     return [round(p / 100, 6) for p in shares]

@@ -78,7 +78,6 @@ _ACTIONS = {
     "embedding": "embeddings.create",
     "": "request",
 }
-_DETAILS = msgspec.json.Decoder(dict[str, str])
 
 
 class AuditHead(msgspec.Struct, frozen=True):
@@ -343,11 +342,14 @@ def _details(text: str | bytes) -> dict[str, str]:
     """A row's ``details`` text as the hash reads it, refusing a key given twice: the hash reads the last
     copy, ClickHouse's ``JSONExtract*`` the first, so a copy prepended to a row (a forged price table in
     the ``prices`` saved query) left its hash intact (a review)."""
-    decoded = _DETAILS.decode(text)
-    keys = json.loads(text, object_pairs_hook=lambda pairs: [key for key, _ in pairs])
-    if len(keys) != len(decoded):
+    return msgspec.convert(json.loads(text, object_pairs_hook=_unique), dict[str, str])
+
+
+def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    made = dict(pairs)
+    if len(made) != len(pairs):
         raise ValueError("details give a key twice (the row was altered)")
-    return decoded
+    return made
 
 
 def _checked(form: _Form) -> bytes:

@@ -149,6 +149,7 @@ class Controller:
         # the models with requests in a window, and those last announced firing: one that has had none
         # since (after a restart, say) is announced resolved, not left firing on the topic (an audit)
         announced = {model for (model, _), fires in self._firing.items() if fires}
+        current = {f"{alert.long}/{alert.short}" for alert in self._pairs}
         for model in sorted({model for model, _ in counts} | announced):
             tier = self._slo.tier_of(model)
             budget = 1.0 - tier.availability
@@ -166,7 +167,6 @@ class Controller:
                 )
             # a pair the SLO file no longer has is evaluated no more: one it left firing is resolved, not
             # left firing on the compacted topic for good (a review)
-            current = {f"{alert.long}/{alert.short}" for alert in self._pairs}
             for (of, window), fires in list(self._firing.items()):
                 if of == model and fires and window not in current:
                     self._firing[(of, window)] = False
