@@ -264,14 +264,7 @@ class StreamsApp(AsyncComponent):
         self.rollout.seed(control, places)  # resume where the log says
         self._observe_rebaselines(control)
         await self._follow_prices(control)
-        if self._controller is not None:
-            # The budget states last announced, from the log itself: the warehouse may not hold the last
-            # one yet (a process stopped right after announcing it), and a state the controller does not
-            # know it announced is never announced back (a raised limit would leave the tenant refused).
-            self._controller.seed(
-                {e.tenant: e.exhausted for e in control if isinstance(e, BudgetStateChanged)},
-                {(e.model, e.window): e.firing for e in control if isinstance(e, BurnRateCrossed)},
-            )
+        self._seed_control(control)
         await self.drift.prepare()
         self._loop = asyncio.get_running_loop()
         for interval, work in self._every:
@@ -576,9 +569,12 @@ class StreamsApp(AsyncComponent):
         return spans
 
     async def _control(self) -> None:
-        """Evaluate budgets and burn rates on the warehouse; publish what changed on ``control``."""
+        """Evaluate budgets and burn rates on the warehouse; publish what changed on ``control``. Only the
+        worker whose sink reads the control topic announces (as only it decides rollouts): two workers in
+        an overlap each announced a crossing (two audit entries), and a retiring replica's word, under the
+        budgets file it was started with, stayed last on the log (a review: a raised limit undone)."""
         controller = self._controller
-        if controller is None:
+        if controller is None or not self._owns_control():
             return
         try:
             spend = await self._read(SPEND_TODAY)
@@ -727,6 +723,16 @@ class StreamsApp(AsyncComponent):
 
         return anchor_chains(rows, records, self._heal), dict(extent[1])
 
+    def _seed_control(self, control: list[Event]) -> None:
+        """The budget and burn states last announced, from the log itself: the warehouse may not hold the
+        last one yet (a process stopped right after announcing it), and a state the controller does not
+        know was announced is never announced back (a raised limit would leave the tenant refused)."""
+        if self._controller is not None:
+            self._controller.seed(
+                {e.tenant: e.exhausted for e in control if isinstance(e, BudgetStateChanged)},
+                {(e.model, e.window): e.firing for e in control if isinstance(e, BurnRateCrossed)},
+            )
+
     async def reseed(self) -> None:
         """Read the control topic to its end again and follow what this worker missed: given the control
         partition, it reads on from where its previous owner committed, and what that one read since this
@@ -738,6 +744,7 @@ class StreamsApp(AsyncComponent):
         self.rollout.seed(control, {event.id: at for event, at in placed})
         self._observe_rebaselines(control)
         self.prices.observe(control)
+        self._seed_control(control)  # announced by the previous owner since: compared with the log's word
 
     async def reanchor(self) -> None:
         """Bring every chain's head up to the audit topic's end now, before records of partitions this

@@ -485,6 +485,59 @@ async def test_only_the_worker_reading_the_control_topic_judges_drift(tmp_path: 
     assert runs == [1]
 
 
+def control_app(tmp_path: Path, producer: Producer, daily_usd: float, spent: list[float]) -> StreamsApp:
+    """A worker with a budgets file of one tenant's ``daily_usd``, on a warehouse whose spend today is
+    ``spent[0]`` (shared by every worker made with the same list)."""
+    from monitoring.slo import DEFAULT_CONFIG
+    from streams.control import Budgets, Controller
+
+    app = make_app(tmp_path, None, producer)
+    app._controller = Controller(Budgets(daily_usd={"acme": daily_usd}), DEFAULT_CONFIG)
+
+    async def read(sql: str) -> list[dict[str, Any]]:
+        return [{"tenant": "acme", "spent": int(spent[0] * 1e9)}] if "spend_day" in sql else []
+
+    app._read = read  # type: ignore[method-assign]
+    return app
+
+
+async def test_only_the_worker_reading_the_control_topic_announces_budgets(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a review: every streams worker announced budget and burn states. Two in an overlap (a
+    rolling update) chained one crossing twice in the audit log, and when the operator raised a limit the
+    retiring replica, on the old budgets file, left "exhausted" last on the log for the rest of the day.
+    Only the control partition's owner announces, and one given the partition compares with the log."""
+    import streams.app
+    from schemas.events import BudgetStateChanged
+
+    producer = Producer()
+    spent = [11.0]
+    old = control_app(tmp_path / "old", producer, 10.0, spent)  # the old budgets file
+    new = control_app(tmp_path / "new", producer, 20.0, spent)  # the limit raised
+    old_sink, new_sink = Sink(), Sink()
+    old._sink, new._sink = cast(ConsumerThread, old_sink), cast(ConsumerThread, new_sink)
+
+    def announced() -> list[tuple[str, bool]]:
+        return [(e.tenant, e.exhausted) for _, e in producer.records if isinstance(e, BudgetStateChanged)]
+
+    old_sink.owned, new_sink.owned = {("p.control", 0)}, {("p.results", 0)}
+    await old._control()
+    await new._control()
+    assert announced() == [("acme", True)]  # by the owner, under its file
+    # the rolling update: the new worker is given the control partition and reads the log again
+    old_sink.owned, new_sink.owned = {("p.results", 0)}, {("p.control", 0)}
+    log = [(e, (0, i)) for i, (_, e) in enumerate(producer.records)]
+    monkeypatch.setattr(streams.app, "read_placed", lambda kafka, topic, client_id: log)
+    await new.reseed()
+    await new._control()
+    assert announced() == [("acme", True), ("acme", False)]  # its limit is higher than the log's word
+    spent[0] = 0.0  # a new UTC day, while the old replica still runs
+    await old._control()
+    await new._control()
+    assert announced() == [("acme", True), ("acme", False)]
+
+
 async def test_a_finish_dated_in_the_future_holds_the_drift_watermark_at_now(tmp_path: Path) -> None:
     """Found by an audit: the watermark (the latest finish written) took a finish dated 9999 as it was,
     and drift windows stopped waiting for their rows."""
