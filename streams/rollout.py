@@ -732,7 +732,7 @@ class RolloutController:
         for event in events:
             if isinstance(event, WorkerReady):
                 self._remember_ready(event)
-            elif isinstance(event, BurnRateCrossed) and self._canary(event.model):
+            elif isinstance(event, BurnRateCrossed):
                 self._note_burn(event)  # still firing: it is not announced again while it goes on
         self._due |= {m for m, (d, _) in self._latest.items() if in_progress(d)}
 
@@ -773,7 +773,6 @@ class RolloutController:
             self._started[event.model] = (event.id, started or self._clock())
         self._latest[event.model] = (event, at)
         if event.phase != "canary":
-            self._burning.pop(event.model, None)
             self._unserved.pop(event.model, None)
         versions = set(event.traffic) | ({known.stable, *known.traffic} if known is not None else set())
         for version in versions:
@@ -824,9 +823,10 @@ class RolloutController:
             elif isinstance(event, WorkerReady):
                 self._remember_ready(event)
                 self._due.add(event.model)
-            elif isinstance(event, BurnRateCrossed) and self._canary(event.model):
-                self._note_burn(event)
-                self._due.add(event.model)
+            elif isinstance(event, BurnRateCrossed):
+                self._note_burn(event)  # whatever the phase: a burn goes on until it is resolved
+                if self._canary(event.model):
+                    self._due.add(event.model)
 
     def _note_burn(self, event: BurnRateCrossed) -> None:
         pair = (event.slo, event.window)
@@ -974,18 +974,11 @@ class RolloutController:
 
     async def evaluate(self, current: DeploymentChanged) -> list[GateResult]:
         """The gates of ``current``'s step, from the warehouse."""
-        since = current.step_started or current.time
-        logged, _ = self._known(current.model)
-        if logged is not None and logged.id == current.id:
-            # a burn may have begun in the step before this controller saw it begin (it restarted since):
-            # from the earlier of that and the decider's own time (the blame rule judges whose it is)
-            since = min(since, logged.step_started or logged.time)
-        # the latest fast burn still firing that began in this step (one that fired before it is not its)
-        burn = max(
-            (b for b in self._burning.get(current.model, {}).values() if b.time >= since),
-            key=lambda b: b.time,
-            default=None,
-        )
+        # The latest fast burn still firing, whenever it began: a burn is announced once, when it crosses,
+        # so one that began in an earlier step (or before the rollout, or was read just after a step was
+        # taken) and goes on was never seen again (a review: a candidate failing 5x the stable version's
+        # ratio under a firing page was promoted). The blame rule judges whose it is on this step's numbers.
+        burn = max(self._burning.get(current.model, {}).values(), key=lambda b: b.time, default=None)
         return await step_gates(
             self._read,
             current,
