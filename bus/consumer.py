@@ -689,9 +689,23 @@ def _benign_error(message: Message) -> bool:
     return True
 
 
+class UnreadableHeaders(ValueError):
+    """A record's headers confluent-kafka cannot read: a key that is not UTF-8 (only Java clients always
+    write UTF-8 keys; librdkafka's C API, Go and aiokafka write any bytes)."""
+
+
 def record_headers(message: Message) -> list[tuple[str, HeaderValue]]:
-    """A record's headers as ``(key, value)`` pairs (confluent-kafka may give a list or a dict)."""
-    raw = message.headers() or []
+    """A record's headers as ``(key, value)`` pairs (confluent-kafka may give a list or a dict).
+
+    Raises :class:`UnreadableHeaders` for a key that is not UTF-8 (confluent-kafka raises ``SystemError``
+    over a ``UnicodeDecodeError``: it escaped the handlers and stopped the consumer, on every restart, a
+    review). Do not read that record's headers again: confluent-kafka then hands back a NULL key, which
+    crashed the process."""
+    try:
+        raw = message.headers() or []
+    except (SystemError, UnicodeDecodeError) as exc:
+        cause = exc.__cause__ or exc.__context__ or exc
+        raise UnreadableHeaders(f"a header key is not UTF-8 ({cause})") from None
     return list(raw.items()) if isinstance(raw, dict) else list(raw)
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import msgspec
 from confluent_kafka import KafkaError, KafkaException, Message
 
-from bus.consumer import record_headers
+from bus.consumer import UnreadableHeaders, record_headers
 from bus.errors import BusError
 from bus.producer import Delivery, EventProducer
 from monitoring.metrics import DEAD_LETTERS
@@ -87,18 +87,26 @@ def decode_or_junk(message: Message) -> Event | Junk:
     if message.value() is None:  # said as what it is (it read "Input data was truncated": an audit)
         return junk_of(message, Why("a tombstone (a record without a value)", "empty"))
     value = message.value() or b""
-    header_list = record_headers(message)
+    try:
+        header_list = record_headers(message)
+    except UnreadableHeaders as exc:  # lettered without them: they cannot be read again (see there)
+        return junk_of(message, Why(str(exc), "bad_headers"), [])
     try:
         return decode(value, header_list)
     except DecodeError as exc:
-        return junk_of(message, Why.of(value, exc))
+        return junk_of(message, Why.of(value, exc), header_list)
 
 
-def junk_of(message: Message, why: Why) -> Junk:
+def junk_of(message: Message, why: Why, header_list: list[tuple[str, HeaderValue]] | None = None) -> Junk:
     """The record as :class:`Junk`, for ``why``: one that does not decode, or an event its topic must not
-    carry (``misplaced``)."""
+    carry (``misplaced``); ``header_list``: its headers, if read already (None: read here)."""
     where = (message.topic() or "", message.partition() or 0, message.offset() or 0)
-    return Junk(where, message.value() or b"", why, record_headers(message))
+    if header_list is None:
+        try:
+            header_list = record_headers(message)
+        except UnreadableHeaders:
+            header_list = []
+    return Junk(where, message.value() or b"", why, header_list)
 
 
 DEAD_LETTER_KEEP_BYTES = 500_000
@@ -151,7 +159,7 @@ def dead_letter_event(
 
 def dead_letter_reason(value: bytes, exc: DecodeError) -> str:
     """A closed set for the ``reason`` label: ``empty``, ``bad_json``, ``invalid_event`` (unknown type,
-    missing or mistyped field), ``bad_headers`` (they disagree with the body) or ``other``; and
+    missing or mistyped field), ``bad_headers`` (they disagree with the body, or a key is not UTF-8) or ``other``; and
     ``misplaced`` (a valid event its topic must not carry, :func:`junk_of`)."""
     if not value:
         return "empty"

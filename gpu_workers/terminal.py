@@ -11,7 +11,7 @@ from typing import Literal
 import msgspec
 from confluent_kafka import Message
 
-from bus.consumer import record_headers
+from bus.consumer import UnreadableHeaders, record_headers
 from gpu_workers.features import FeatureProbe, Vector
 from gpu_workers.runtime import Request
 from schemas.codec import MAX_RECORD_BYTES, DecodeError, ce_type, decode, encode, fits_record
@@ -77,11 +77,15 @@ def finished_by(message: Message, model_id: str, *, skip_source: str | None = No
 
     Read from the record's CloudEvents headers (type, model, subject) without decoding the body: every
     worker tails every result, and a body holds the whole text or every vector. A record without those
-    headers (written by another tool), or whose subject is not UTF-8, is decoded. One whose ``ce_source``
+    headers (written by another tool), or whose subject or a header key is not UTF-8, is decoded. One whose ``ce_source``
     is ``skip_source`` (this worker's own results, remembered when it published them) is skipped."""
+    try:
+        head = record_headers(message)
+    except UnreadableHeaders:
+        head = []  # not headers this platform wrote: the body says whose it is (a review: it stopped the tail)
     found = {
         key: value.encode() if isinstance(value, str) else value
-        for key, value in record_headers(message)
+        for key, value in head
         if key.startswith("ce_") and value is not None
     }
     kind, model, subject = found.get("ce_type"), found.get("ce_model"), found.get("ce_subject")

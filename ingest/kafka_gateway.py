@@ -26,7 +26,7 @@ import msgspec
 from confluent_kafka import Consumer, Message, TopicPartition
 from opentelemetry.trace import SpanKind
 
-from bus.consumer import BACKGROUND, ConsumerThread, consumer_config, record_headers
+from bus.consumer import BACKGROUND, ConsumerThread, UnreadableHeaders, consumer_config, record_headers
 from bus.control import control_start
 from bus.errors import BusError
 from bus.positions import offset_at, read_to_end, watermarks
@@ -331,10 +331,15 @@ class KafkaGateway(AsyncComponent):
         tp = TopicPartition(self._names.replies, self.reply_to.partition, begin)
         try:
             for message in read_to_end(consumer, [tp], {tp.partition: end}):
-                head = dict(record_headers(message))
-                subject, tenant = head.get("ce_subject"), head.get("ce_tenant")
-                if isinstance(subject, bytes) and isinstance(tenant, bytes):
-                    self._own(subject.decode(), tenant.decode(), message.offset())
+                # A record that is not this platform's (a header key or value not UTF-8) is skipped, not
+                # the edge's failure: it failed the start while it was in the window (a review).
+                try:
+                    head = dict(record_headers(message))
+                    subject, tenant = head.get("ce_subject"), head.get("ce_tenant")
+                    if isinstance(subject, bytes) and isinstance(tenant, bytes):
+                        self._own(subject.decode(), tenant.decode(), message.offset())
+                except (UnreadableHeaders, UnicodeDecodeError):
+                    continue
         finally:
             consumer.close()
 

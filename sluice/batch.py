@@ -177,14 +177,15 @@ class BatchLog:
     skipped: int = 0
 
     def add(self, message: Message) -> None:
-        from bus.consumer import record_headers
+        from bus.consumer import UnreadableHeaders, record_headers
 
+        try:
+            head = record_headers(message)
+        except UnreadableHeaders:  # not a record this platform wrote
+            self.skipped += 1
+            return
         record = to_record(
-            message.partition() or 0,
-            message.offset() or 0,
-            message.key(),
-            message.value(),
-            record_headers(message),
+            message.partition() or 0, message.offset() or 0, message.key(), message.value(), head
         )
         if record is None:
             self.skipped += 1

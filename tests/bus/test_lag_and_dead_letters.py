@@ -207,3 +207,77 @@ def test_dead_letters_are_counted_by_source_topic_and_reason(
     after = {reason: dead_letters(topic, reason) - before[reason] for reason in reasons}
     assert after == {"bad_json": 1, "invalid_event": 1, "empty": 2, "bad_headers": 1, "other": 0}
     assert dead_letters(dlq, "bad_json") == 0  # labelled with the source topic, not the dead-letter one
+
+
+RAW_HEADER_KEY = r"""
+import asyncio, os, sys
+os.environ["AIOKAFKA_NO_EXTENSIONS"] = "1"  # the pure-Python record builder writes a key's bytes as given
+from aiokafka import AIOKafkaProducer
+
+class RawKey(str):
+    def encode(self, *args, **kwargs):
+        return b"k\xff\xfe"
+
+async def main():
+    producer = AIOKafkaProducer(bootstrap_servers=sys.argv[1])
+    await producer.start()
+    try:
+        await producer.send_and_wait(sys.argv[2], b"not json", partition=0, headers=[(RawKey("x"), b"v")])
+    finally:
+        await producer.stop()
+
+asyncio.run(main())
+"""
+
+
+def test_a_header_key_that_is_not_utf8_is_dead_lettered_and_the_consumer_goes_on(
+    kafka: KafkaConnection, topic_prefix: str
+) -> None:
+    """Found by a review: confluent-kafka raises SystemError reading a header key that is not UTF-8 (any
+    client but Java's can write one). It escaped the handler and stopped the consumer, on every restart;
+    every worker tails ``results``, so one such record there stopped them all. Read once, it is junk
+    (``bad_headers``), lettered without its headers; the record after it is read as usual."""
+    import subprocess
+    import sys
+
+    from gpu_workers.terminal import finished_by
+
+    topic = _topic(kafka, f"{topic_prefix}.in")
+    dlq = _topic(kafka, f"{topic_prefix}.dlq")
+    subprocess.run([sys.executable, "-c", RAW_HEADER_KEY, kafka.bootstrap, topic], check=True, timeout=60)
+    event = example_events()[0]
+    raw = Producer(kafka.client_config())
+    raw.produce(topic, encode(event), partition=0, headers=list(headers(event)))
+    assert raw.flush(10) == 0
+    before = dead_letters(topic, "bad_headers")
+    read: list[object] = []
+    tailed: list[str | None] = []
+
+    def junk_or_event(batch: list[Message]) -> None:
+        read.extend(map(decode_or_junk, batch))
+
+    def tail(batch: list[Message]) -> None:
+        tailed.extend(finished_by(m, "demo-gpt") for m in batch)
+
+    # On the consumer's thread, as a worker's handlers run. A message is read by one reader only, as in a
+    # worker: a second read of headers that failed is what crashes (bus.consumer.record_headers).
+    for reader, got in ((junk_or_event, read), (tail, tailed)):
+        consumer = ConsumerThread(
+            consumer_config(kafka, None, "t"), reader, assign=[TopicPartition(topic, 0, 0)]
+        )
+        with consumer:
+            eventually(lambda got=got: len(got), 2)  # type: ignore[misc]
+            assert consumer.failure is None
+    assert tailed == [None, None]  # neither is a terminal event: the tail reads on
+    junk, decoded = read[0], read[1]
+    assert isinstance(junk, Junk)
+    assert (junk.why.label, junk.headers) == ("bad_headers", [])
+    assert "not UTF-8" in junk.why.message
+    assert decoded == event
+    outcome: list[object] = []
+    with EventProducer(kafka, "t") as producer:
+        letter = junk.letter(producer, dlq, "test/worker")
+        letter.delivery.then(outcome.append)
+    assert outcome == [None]  # durable
+    assert letter.event.headers == {}
+    assert dead_letters(topic, "bad_headers") - before == 1

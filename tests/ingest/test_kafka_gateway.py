@@ -193,6 +193,46 @@ def test_the_quota_and_claims_listeners_skip_what_msgspec_cannot_read(value: byt
     gateway._on_claims(records)  # type: ignore[arg-type]
 
 
+class _Reply:
+    """A record of the edge's reply partition, as ``_index_recent`` reads it."""
+
+    def __init__(self, offset: int, subject: bytes | None) -> None:
+        self._offset, self._subject = offset, subject
+
+    def headers(self) -> list[tuple[str, bytes]]:
+        if self._subject is None:  # what confluent-kafka does with a header key that is not UTF-8
+            raise SystemError("<method 'headers'> returned a result with an exception set")
+        return [("ce_subject", self._subject), ("ce_tenant", b"acme")]
+
+    def offset(self) -> int:
+        return self._offset
+
+
+def test_an_edge_indexing_its_replies_skips_records_it_cannot_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by a review: a record on the edge's reply partition whose subject (or a header key) is not
+    UTF-8 raised out of the index read at start: the edge could not start while it was in the resume
+    window (an hour). It is not this platform's record: skipped, and the ones around it indexed."""
+    import ingest.kafka_gateway
+
+    class Consumer:
+        def __init__(self, config: object) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+    records = [_Reply(0, b"req-1"), _Reply(1, b"req-\xff"), _Reply(2, None), _Reply(3, b"req-4")]
+    monkeypatch.setattr(ingest.kafka_gateway, "Consumer", Consumer)
+    monkeypatch.setattr(ingest.kafka_gateway, "read_to_end", lambda consumer, tps, ends: iter(records))
+    gateway = KafkaGateway(
+        kafka=KafkaConnection(bootstrap="127.0.0.1:1"), names=TopicNames("p"), edge_id="e", reply_partition=0
+    )
+    monkeypatch.setattr(gateway, "_offset_at", lambda unix_ms, partition=None: 0)
+    gateway._index_recent(4)
+    assert gateway.owner("req-1") == ("acme", 0)
+    assert gateway.owner("req-4") == ("acme", 3)
+
+
 async def test_the_deployments_read_at_start_are_logged_once_each_then_every_change(
     gateway: KafkaGateway, kafka: KafkaConnection, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import pytest
@@ -202,6 +202,32 @@ def test_the_log_counts_what_it_skips_and_keeps_only_what_it_is_asked_for() -> N
     assert sorted(only.latest) == ["batch_b"]
     only.add(message(None, b"batch:batch_b", offset=5))
     assert only.latest == {}
+
+
+class _UnreadableHeaders:
+    """A record with a header key that is not UTF-8: confluent-kafka raises reading its headers."""
+
+    def partition(self) -> int:
+        return 1
+
+    def offset(self) -> int:
+        return 6
+
+    def key(self) -> bytes:
+        return b"batch:batch_a"
+
+    def value(self) -> bytes:
+        return encode(state("batch_a"))
+
+    def headers(self) -> list[tuple[str, bytes]]:
+        raise SystemError("<method 'headers'> returned a result with an exception set")
+
+
+def test_a_record_whose_headers_cannot_be_read_is_skipped() -> None:
+    """Found by a review: it raised out of ``sluice batch`` (it is not a record this platform wrote)."""
+    log = BatchLog()
+    log.add(cast(Message, _UnreadableHeaders()))
+    assert (log.skipped, log.latest) == (1, {})
 
 
 # --- rendering --------------------------------------------------------------------------------------------
