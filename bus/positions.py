@@ -142,7 +142,8 @@ def read_to_end(
     end is not read, nor one whose retained records all come before ``starts`` or were all deleted (its
     first retained offset, the low watermark, at or past its end: an audit found a worker that could not
     start once retention had emptied a partition of the results topic, waiting for a record that would
-    never come). Raises :class:`BusError` when that takes longer than ``timeout_s``."""
+    never come), nor one whose end is past its last record (a transaction's marker). Raises
+    :class:`BusError` when that takes longer than ``timeout_s``."""
     todo = {tp.partition for tp in starts if 0 <= tp.offset < ends.get(tp.partition, 0)}
     if not todo:
         return
@@ -179,6 +180,15 @@ def read_to_end(
             if at[part] >= ends.get(part, 0):
                 todo.discard(part)
             yield message
+        if todo:
+            # A transaction's commit or abort marker (or an aborted record) at a partition's end is never
+            # handed over, but the consumer's position moves past it: a control topic a transactional tool
+            # wrote (MirrorMaker 2, Kafka Connect exactly-once) was never read to its end, so no worker, CLI
+            # or streams worker could start (a review).
+            topic = starts[0].topic
+            for tp in consumer.position([TopicPartition(topic, part) for part in todo]):
+                if tp.offset >= 0 and tp.offset >= ends[tp.partition]:
+                    todo.discard(tp.partition)
 
 
 def timestamp_at(

@@ -53,6 +53,35 @@ def test_a_partition_retention_emptied_is_read_to_its_end_at_once(
         consumer.close()
 
 
+def test_a_partition_ending_in_a_transaction_marker_is_read_to_its_end(
+    kafka: KafkaConnection, topic_prefix: str
+) -> None:
+    """Found by a review: a transaction's marker at a partition's end (a tool writing transactionally, say
+    MirrorMaker 2) is never handed over, and the read waited for it until it failed: workers, the CLI and
+    streams could not read the control topic at start."""
+    topic = f"{topic_prefix}.txn"
+    _topic(kafka, topic)
+    _produce(kafka, topic, 1, 1)
+    producer = Producer({**kafka.client_config(), "transactional.id": f"{topic}-tx"})
+    producer.init_transactions(30)
+    producer.begin_transaction()
+    producer.produce(topic, b"in a transaction", partition=0)
+    producer.commit_transaction(30)
+    consumer = Consumer(consumer_config(kafka, None, "test-read-to-end"))
+    try:
+        deadline = time.monotonic() + 10
+        while watermarks(consumer, topic, 0)[1] < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)  # the marker is written after the commit returns
+        ends = {0: watermarks(consumer, topic, 0)[1], 1: 1}
+        assert ends[0] == 2  # the record and the marker
+        began = time.monotonic()
+        read = list(read_to_end(consumer, [TopicPartition(topic, p, 0) for p in (0, 1)], ends, timeout_s=10))
+        assert time.monotonic() - began < 5
+        assert sorted((m.partition(), m.value()) for m in read) == [(0, b"in a transaction"), (1, b"r0")]
+    finally:
+        consumer.close()
+
+
 def test_the_oldest_record_a_group_could_be_handed(kafka: KafkaConnection, topic_prefix: str) -> None:
     topic, group = f"{topic_prefix}.handed", f"{topic_prefix}-group"
     _topic(kafka, topic)

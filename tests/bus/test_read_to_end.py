@@ -35,6 +35,9 @@ class _Log:
     def assign(self, tps: list[TopicPartition]) -> None:
         self._next = {tp.partition: tp.offset for tp in tps}
 
+    def position(self, tps: list[TopicPartition]) -> list[TopicPartition]:
+        return [TopicPartition(tp.topic, tp.partition, self._next[tp.partition]) for tp in tps]
+
     def consume(self, num_messages: int, timeout: float) -> list[_Record]:
         self.asked.append(num_messages)
         out: list[_Record] = []
