@@ -567,6 +567,9 @@ class WorkerService(Component):
         consumer = Consumer(consumer_config(self._kafka, None, f"{self.source}-results"))
         try:
             meta = consumer.list_topics(topic, timeout=10).topics[topic]
+            if meta.error is not None or not meta.partitions:
+                # said as what to do (it was "give exactly one of subscribe= or assign=", a review)
+                raise BusError(f"topic {topic} is missing: run `sluice topics apply`")
             starts, ends = [], {}
             for p in meta.partitions:
                 low, ends[p] = watermarks(consumer, topic, p)

@@ -1325,3 +1325,18 @@ def test_a_worker_told_to_stop_while_it_loads_its_model_stops_at_once(
         finally:
             if proc.poll() is None:
                 proc.kill()
+
+
+def test_a_worker_whose_topics_were_never_applied_says_what_to_run(
+    platform: PlatformSettings, demo_gpt_dir: Path, kafka: KafkaConnection
+) -> None:
+    """Found by a review: a worker started before ``sluice topics apply`` failed with "give exactly one of
+    subscribe= or assign=" (the results topic had no partitions to read)."""
+    import msgspec
+
+    from bus.errors import BusError
+
+    bare = msgspec.structs.replace(platform, topic_prefix=f"{platform.topic_prefix}-bare")
+    worker = make_worker(bare, WorkerSettings(worker_id="w-bare"), "demo-gpt")
+    with pytest.raises(BusError, match=r"topic .*-bare\.results is missing: run `sluice topics apply`"):
+        worker._learn_finished()
