@@ -134,7 +134,8 @@ class BatchRoutes:
 
     async def files(self, request: web.Request) -> web.Response:
         tenant, runner = self._caller(request)
-        listed = runner.store.list(tenant.name, request.query.get("purpose"))
+        # on a thread: it reads every metadata file of the tenant (3,000 stalled the event loop 0.2 s: a review)
+        listed = await asyncio.to_thread(runner.store.list, tenant.name, request.query.get("purpose"))
         page = _page(request, listed, lambda f: f.id, default=10_000, most=10_000)  # OpenAI's bounds
         return json_response({**page, "data": [f.openai() for f in page["data"]]})
 

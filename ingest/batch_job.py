@@ -70,8 +70,9 @@ class Job:
         self.next_index = 0
         self.in_flight = 0
         self.retries: list[tuple[float, int]] = []
-        self.ending: Ending | None = None
+        self._ending: Ending | None = None
         self.ending_since = 0.0
+        """When it began to end (monotonic): set with the ending by :meth:`end_as`, never apart from it."""
         self.unready_rounds = 0
         """Rounds in a row whose lines all waited (a retriable refusal): the next wait is longer."""
         self.published_seq = -1
@@ -85,6 +86,19 @@ class Job:
     @property
     def total(self) -> int:
         return len(self.offsets)
+
+    @property
+    def ending(self) -> Ending | None:
+        """How the batch ends (None: it runs on); set by :meth:`end_as`."""
+        return self._ending
+
+    def end_as(self, ending: Ending, now: float) -> None:
+        """The batch ends as ``ending``, from ``now`` (monotonic): how long it waits for its running lines
+        and for a restarted edge to read the results written while it was down is counted from there. One
+        call sets both: a restarted edge set only the ending of a batch that was cancelling, so it waited
+        from 0.0 (the machine's boot), not at all, and lines that had completed, billed, while it was down
+        were reported batch_cancelled (a review)."""
+        self._ending, self.ending_since = ending, now
 
     # ------------------------------------------------------------------ lines
 

@@ -40,6 +40,8 @@ shadow copies (:data:`ingest.prepare.SHADOW_PRIORITY`)."""
 MAX_CUSTOM_ID = 512
 BASE64 = 1
 """A line's flag: its embeddings are wanted as base64 (``encoding_format``)."""
+UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")
+"""How a UTF-16 file begins (little- and big-endian): its lines are said to be UTF-16, not "not JSON"."""
 
 
 class InputLine(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
@@ -97,6 +99,12 @@ def parse_line(raw: bytes, endpoint: Endpoint) -> Parsed:
     except msgspec.ValidationError as exc:
         raise LineError("invalid_request", f"Invalid line: {exc}.") from None
     except UNREADABLE_JSON as exc:
+        if raw.startswith(UTF16_BOMS):  # the file's first line, and every other line unreadable too
+            raise LineError(
+                "invalid_json_line",
+                "This line is not valid JSON: the file is UTF-16 (it begins with a UTF-16 byte-order mark), "
+                "which is not supported; save it as UTF-8.",
+            ) from None
         raise LineError(
             "invalid_json_line", f"This line is not valid JSON: {unreadable_json(exc, raw)}."
         ) from None

@@ -350,9 +350,9 @@ class BatchRunner(AsyncComponent):
             job.restore()
             job.next_index = 0  # every line without a result is published again
         if state.cancelling_at is not None:
-            job.ending = "cancelled"  # its cancels went out before the stop: it only needs to end
+            job.end_as("cancelled", time.monotonic())  # its cancels went out before the stop: it only ends
         elif state.status == "finalizing" and not job.settled():
-            job.ending = "expired"
+            job.end_as("expired", time.monotonic())
         jobs.append(job)
         log.info("batch %s resumes (%s, %d lines)", state.batch_id, state.status, job.total)
 
@@ -457,8 +457,11 @@ class BatchRunner(AsyncComponent):
                 code="batch_not_cancellable",
                 param="batch_id",
             )
-        await self._end(job, "cancelled")
-        return job.state
+        cancelling = await self._end(job, "cancelled")
+        # The state this cancel made, unless the batch ended meanwhile: while ``cancelling`` was written and
+        # published, the pump could finalise the batch (its last running lines ended), and the 200 said
+        # ``finalizing``, as if the cancel had come too late (a review).
+        return job.state if job.state.terminal else cancelling
 
     async def delete_file(self, tenant: str, file_id: str) -> None:
         """Delete the tenant's file, unless a batch that has not ended reads it (:class:`FileInUse`): on any
@@ -865,14 +868,16 @@ class BatchRunner(AsyncComponent):
 
     # ------------------------------------------------------------------ ending
 
-    async def _end(self, job: Job, ending: Ending) -> None:
-        """Stop publishing; a cancel also cancels the lines running now (an expiry lets their deadline)."""
+    async def _end(self, job: Job, ending: Ending) -> BatchStateChanged:
+        """Stop publishing; a cancel also cancels the lines running now (an expiry lets their deadline).
+        Returns the state this made (``cancelling``), or the job's as it was (an expiry changes none)."""
         if job.ending is not None:
-            return
-        job.ending, job.ending_since = ending, time.monotonic()
+            return job.state
+        job.end_as(ending, time.monotonic())
+        made = job.state
         if ending == "cancelled":
             ran = job.state.in_progress_at is not None  # else it is validating: no line was published
-            await self._change(job, status="cancelling", cancelling_at=utc_now())
+            made = await self._change(job, status="cancelling", cancelling_at=utc_now())
             if ran:
                 self._cancel_running(job)
                 for index in range(job.total):
@@ -880,6 +885,7 @@ class BatchRunner(AsyncComponent):
                         job.status[index] = PENDING  # never runs now
                 job.retries.clear()
         self._wake.set()
+        return made
 
     def _cancel_running(self, job: Job) -> None:
         for index in range(job.total):
@@ -987,9 +993,10 @@ class BatchRunner(AsyncComponent):
 
     # ------------------------------------------------------------------ state
 
-    async def _change(self, job: Job, **changes: Any) -> None:
+    async def _change(self, job: Job, **changes: Any) -> BatchStateChanged:
         """The batch's next state: what every reader of the job sees at once (a cancel coming meanwhile
-        sees it ``finalizing``, say), then written and published, in order."""
+        sees it ``finalizing``, say), then written and published, in order. Returns it (the job's may be a
+        later one by then)."""
         state = at_time(job.state, utc_now(), **changes)
         job.state = state
         async with self._saving.setdefault(state.batch_id, asyncio.Lock()):
@@ -999,6 +1006,7 @@ class BatchRunner(AsyncComponent):
                 # written whole (an audit: this failed the edge, and a cancel answered 500)
                 log.warning("batch %s: its %s state was not written (%s)", state.batch_id, state.status, exc)
             await self._publish_state(state)
+        return state
 
     async def _publish_state(self, state: BatchStateChanged) -> None:
         try:

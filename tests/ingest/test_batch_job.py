@@ -159,3 +159,19 @@ def test_an_unrun_line_names_its_custom_id_in_the_error_file(tmp_path: Path) -> 
     assert error["error"]["code"] == "batch_cancelled"
     assert parse_line(job.raw_line(1), "/v1/embeddings").custom_id == "line-1"
     job.close()
+
+
+def test_a_restarted_edge_reads_the_first_line_of_a_file_that_begins_with_a_bom(tmp_path: Path) -> None:
+    """Found by a review: a UTF-8 byte-order mark begins no line. The restarted edge's index (offsets in the
+    file, which it seeks to) finds the first line after it, whole."""
+    job = job_of(tmp_path, 3)
+    plain = list(job.offsets)
+    job.close()
+    data = (tmp_path / "in.jsonl").read_bytes()
+    (tmp_path / "in.jsonl").write_bytes(b"\xef\xbb\xbf" + data)
+    again = Job(tmp_path / "job", state(), tmp_path / "in.jsonl")
+    again.index_input()
+    assert list(again.offsets) == [offset + 3 for offset in plain]
+    assert [again.custom_id(i) for i in range(3)] == ["line-0", "line-1", "line-2"]
+    assert again.raw_line(0) == data.splitlines()[0]
+    again.close()

@@ -167,6 +167,30 @@ async def test_an_invalid_file_fails_validation_with_every_bad_line_and_nothing_
     assert failed.failed_at is not None
 
 
+async def test_a_file_that_begins_with_a_utf8_bom_runs_and_a_utf16_one_is_named(sdk: AsyncOpenAI) -> None:
+    """Found by a review: a JSONL file saved by a Windows editor begins with a UTF-8 byte-order mark, which
+    was read as part of the first line: the batch failed, line 1 "not valid JSON". A UTF-16 file (its lines
+    cannot be read either) is said to be one."""
+    data = b"\xef\xbb\xbf" + jsonl([chat_line(0), chat_line(1)])
+    uploaded = await sdk.files.create(file=("in.jsonl", io.BytesIO(data)), purpose="batch")
+    created = await sdk.batches.create(input_file_id=uploaded.id, endpoint=CHAT, completion_window="24h")
+    done = await until(sdk, created.id, "completed", "failed")
+    assert done.status == "completed", done.errors
+    out = await lines_of(sdk, done.output_file_id)
+    assert [line["custom_id"] for line in out] == ["req-0", "req-1"]
+
+    utf16 = jsonl([chat_line(0)]).decode().encode("utf-16")  # with its byte-order mark, as Windows saves it
+    uploaded = await sdk.files.create(file=("in.jsonl", io.BytesIO(utf16)), purpose="batch")
+    created = await sdk.batches.create(input_file_id=uploaded.id, endpoint=CHAT, completion_window="24h")
+    failed = await until(sdk, created.id, "failed")
+    assert failed.errors is not None
+    assert failed.errors.data
+    first = failed.errors.data[0]
+    assert (first.line, first.code) == (1, "invalid_json_line")
+    assert "UTF-16" in (first.message or "")
+    assert "save it as UTF-8" in (first.message or "")
+
+
 async def test_lines_msgspec_cannot_read_fail_their_batch_not_the_edge(
     make_client: MakeClient, batch_log: FakeBatchLog
 ) -> None:
@@ -622,6 +646,39 @@ async def test_a_batch_that_expired_while_its_edge_was_down_keeps_the_results_wr
     second, _ = await make_client(edge_batch_max_in_flight=5)
     async with AsyncOpenAI(base_url=str(second.make_url("/v1")), api_key=DEMO_KEY, max_retries=0) as sdk:
         done = await until(sdk, created.id, "expired", "completed")
+        assert done.request_counts is not None
+        assert (done.request_counts.completed, done.request_counts.failed) == (5, 0)
+        out = await lines_of(sdk, done.output_file_id)
+    assert [line["custom_id"] for line in out] == [f"req-{i}" for i in range(5)]
+    assert len(batch_log.lines) == 5, "nothing ran again"
+
+
+async def test_a_batch_cancelling_while_its_edge_was_down_keeps_the_results_written_meanwhile(
+    make_client: MakeClient, batch_log: FakeBatchLog, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a review: the twin of the expiry above with a cancel. A batch reloaded ``cancelling`` had
+    its ending set without the time it began, 0.0, so its wait for the results written while the edge was
+    down ran from the machine's boot and was over at once: lines that had completed (and were billed)
+    were reported ``batch_cancelled``. The limit is made 5 s so that the bug shows whatever the machine's
+    uptime (with the default, 300 s, it showed only on a box up for longer than that)."""
+    import ingest.batches
+
+    monkeypatch.setattr(ingest.batches, "CATCH_UP_LIMIT_S", 5.0)
+    held: list[BatchItemRequested] = []
+    batch_log.respond = held.append
+    first, _ = await make_client(edge_batch_max_in_flight=5)
+    async with AsyncOpenAI(base_url=str(first.make_url("/v1")), api_key=DEMO_KEY, max_retries=0) as sdk:
+        created = await run(sdk, [chat_line(i) for i in range(5)])
+        await _eventually(lambda: len(held) == 5)
+        assert (await sdk.batches.cancel(created.id)).status == "cancelling"
+    await first.close()  # stopped while its 5 running lines had not reported yet
+    for event in held:  # they had completed on the workers before the cancel reached them
+        batch_log.answer(complete(event))
+
+    second, _ = await make_client(edge_batch_max_in_flight=5)
+    async with AsyncOpenAI(base_url=str(second.make_url("/v1")), api_key=DEMO_KEY, max_retries=0) as sdk:
+        done = await until(sdk, created.id, "cancelled", "completed")
+        assert done.status == "cancelled"
         assert done.request_counts is not None
         assert (done.request_counts.completed, done.request_counts.failed) == (5, 0)
         out = await lines_of(sdk, done.output_file_id)

@@ -11,6 +11,7 @@ import io
 import json
 import os
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -28,7 +29,7 @@ from ingest.auth import DEMO_KEY, TenantDirectory
 from ingest.batch_job import Job
 from ingest.batches import BatchRunner
 from ingest.files import FileStore, FileWriter
-from schemas.events import BatchItemRequested, BatchLineError, RequestFinished
+from schemas.events import BatchItemRequested, BatchLineError, BatchStateChanged, RequestFinished
 from tests.ingest.conftest import AUTH, OTHER_KEY, Client, MakeClient
 from tests.ingest.fake_batch_log import FakeBatchLog, complete, failing
 from tests.ingest.fake_gateway import FakeGateway
@@ -324,10 +325,42 @@ async def test_a_cancel_of_a_batch_ending_expired_says_so(
     make_client: MakeClient, batch_log: FakeBatchLog
 ) -> None:
     async with held_batch(make_client, batch_log, 2) as held:
-        held.runner._jobs[held.batch.id].ending = "expired"  # its window passed: it waits for its lines
+        # its window passed: it waits for its lines
+        held.runner._jobs[held.batch.id].end_as("expired", time.monotonic())
         response = await held.client.post(f"/v1/batches/{held.batch.id}/cancel", headers=AUTH)
         assert response.status == 400
         assert (await response.json())["error"]["code"] == "batch_not_cancellable"
+
+
+async def test_a_cancel_racing_its_batchs_last_results_answers_cancelling(
+    make_client: MakeClient, batch_log: FakeBatchLog, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a review: while the ``cancelling`` state was published (acks=all on Kafka: a round trip),
+    the lines still running ended and the pump finalised the batch; the cancel's 200 read the job's state
+    after that, ``finalizing``, as if the cancel had been refused. It answers the state it made."""
+    publishing, release = asyncio.Event(), asyncio.Event()
+    plain = batch_log.publish_state
+
+    async def held_cancelling(state: BatchStateChanged) -> None:
+        if state.status == "cancelling":
+            publishing.set()
+            await release.wait()  # the broker's round trip
+        await plain(state)
+
+    monkeypatch.setattr(batch_log, "publish_state", held_cancelling)
+    async with held_batch(make_client, batch_log, 4) as held:
+        cancel = asyncio.create_task(held.sdk.batches.cancel(held.batch.id))
+        await asyncio.wait_for(publishing.wait(), 5)
+        for event in held.lines:  # the running lines end while the cancel is on its way
+            batch_log.answer(complete(event))
+        job = held.runner._jobs[held.batch.id]
+        await _eventually(lambda: job.state.status == "finalizing")
+        release.set()
+        assert (await cancel).status == "cancelling"
+        done = await until(held.sdk, held.batch.id, "cancelled", "completed")
+    assert done.status == "cancelled"
+    assert done.request_counts is not None
+    assert (done.request_counts.completed, done.request_counts.failed) == (4, 0)
 
 
 async def test_a_delivery_failure_after_its_batch_ended_is_not_counted_out_twice(

@@ -4,7 +4,9 @@ an expired file is gone for every read at once, and a sweep removes its bytes.""
 from __future__ import annotations
 
 import io
+import threading
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -148,3 +150,28 @@ async def test_a_form_field_aiohttp_cannot_decode_is_a_400_and_keeps_nothing(
     assert "'purpose'" in error["message"]
     listed = await client.get("/v1/files", headers={"Authorization": f"Bearer {DEMO_KEY}"})
     assert (await listed.json())["data"] == []
+
+
+async def test_an_upload_and_a_listing_read_the_tenants_files_off_the_event_loop(
+    make_client: MakeClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a review: an upload (the tenant's usage, for its quota) and a listing read every metadata
+    file of the tenant on the event loop's thread: with 3,000 files, each stalled every request of the edge
+    0.2 s. Both read them on a thread."""
+    client, _ = await make_client(edge_files_max_bytes_per_tenant=1 << 30)
+    loop_thread = threading.get_ident()
+    read_on: dict[str, list[bool]] = {"usage": [], "list": []}
+    for name, calls in read_on.items():
+        plain = getattr(FileStore, name)
+
+        def recorded(self: FileStore, *args: Any, _plain: Any = plain, _calls: list[bool] = calls) -> Any:
+            _calls.append(threading.get_ident() == loop_thread)
+            return _plain(self, *args)
+
+        monkeypatch.setattr(FileStore, name, recorded)
+    async with AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=DEMO_KEY, max_retries=0) as sdk:
+        uploaded = await sdk.files.create(file=("a.jsonl", io.BytesIO(b"{}\n")), purpose="batch")
+        assert [f.id for f in (await sdk.files.list()).data] == [uploaded.id]
+    assert read_on["usage"] == [False], "the upload's usage was read on the event loop"
+    # the usage's own read, and the listing's
+    assert read_on["list"] == [False, False], "a listing was read on the event loop"
