@@ -28,9 +28,12 @@ is replaced by ``<name>_chars``, the number of characters of text it held.
 Secrets: every string written (message, extra fields, content, traceback) goes through :func:`scrub`,
 which replaces OpenAI-style keys (``sk-`` + 8 or more of ``[A-Za-z0-9_-]``), ``Bearer <token>``, the
 value of ``Authorization: …`` and of ``api_key=…`` / ``"api_key": "…"`` (also ``api-key``, ``apikey``),
-and every exact value given to :func:`register_secret`, with ``[REDACTED]``. Scrubbing is a safety net
-for mistakes, not a licence to log secrets: content written into the *message* (``log.info("%s",
-prompt)``) is not recognised as content, only secrets are.
+the password of a URL (``scheme://user:password@host``), and every exact value given to
+:func:`register_secret`, with ``[REDACTED]``. A field, dict key or ``(name, value)`` tuple whose name says
+it holds a secret (:func:`secret_name`: ``authorization``, ``x-api-key``, ``password``, ``ops_token``,
+``cookie`` …) has its whole value replaced. Scrubbing is a safety net for mistakes, not a licence to log
+secrets: content written into the *message* (``log.info("%s", prompt)``) is not recognised as content,
+only secrets are.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ __all__ = [
     "make_formatter",
     "register_secret",
     "scrub",
+    "secret_name",
 ]
 
 REDACTED = "[REDACTED]"
@@ -86,7 +90,18 @@ _PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(r"""(?i)(api[_-]?key["']?\s*[:=]\s*["']?)[^\s"',;}&]+"""), rf"\g<1>{REDACTED}"),
     (re.compile(r"(?i)\b(bearer\s+)[A-Za-z0-9._~+/=-]+"), rf"\g<1>{REDACTED}"),
     (re.compile(r"(?<![A-Za-z0-9])sk-[A-Za-z0-9_-]{8,}"), REDACTED),
+    # a URL's password (user-info after the first ':', up to its last '@'): a review found
+    # SLUICE_WAREHOUSE_URL's written whole. The user part may hold '@' as the URL parser reads it.
+    (re.compile(r"""(?i)\b([a-z][a-z0-9+.-]*://[^\s/?#:"'<>]*:)[^\s/?#"<>\\]*@"""), rf"\g<1>{REDACTED}@"),
 )
+# Field and key names whose whole value is a secret, matched on the name in snake case ("X-Api-Key",
+# "apiKey" -> x_api_key, api_key): by its last word, so ``ops_token`` is one and ``max_tokens`` is not.
+_SECRET_NAME = re.compile(
+    r"(?:^|_)(?:authorization|api_?key|(?:secret|private|access)_?key|passw(?:or)?d|token|secrets?|cookies?"
+    r"|credentials?)$"
+)
+_CAMEL_HUMP = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
+_NAME_SEPARATORS = re.compile(r"[-.\s]+")
 _registered: set[str] = set()
 _registered_pattern: re.Pattern[str] | None = None
 _registered_lock = threading.Lock()
@@ -117,6 +132,18 @@ def scrub(text: str) -> str:
     for pattern, replacement in _PATTERNS:
         text = pattern.sub(replacement, text)
     return text
+
+
+def secret_name(name: object) -> bool:
+    """Whether a field, dict key or header called ``name`` (str or bytes) holds a secret, whatever its
+    value looks like. :func:`scrub` sees a key and its value apart, so a review found
+    ``extra={"headers": {"Authorization": "Basic …"}}`` and ``extra={"api_key": "…"}`` written as they were."""
+    if isinstance(name, bytes):
+        name = name.decode("latin-1")
+    if not isinstance(name, str):
+        return False
+    snake = _NAME_SEPARATORS.sub("_", _CAMEL_HUMP.sub("_", name)).lower()
+    return _SECRET_NAME.search(snake) is not None
 
 
 # --- request context -----------------------------------------------------------------------------------
@@ -155,17 +182,28 @@ def _trace_ids(traceparent: object) -> tuple[str, str] | None:
 
 
 def _jsonable(value: object, depth: int = 0) -> object:
-    """``value`` as JSON-able data with every string scrubbed; anything else as its scrubbed ``repr``."""
+    """``value`` as JSON-able data with every string scrubbed, and the value of every key (or ``(name,
+    value)`` pair, as headers come) named like a secret withheld; anything else as its scrubbed ``repr``."""
     if isinstance(value, str):
         return scrub(value)
     if value is None or isinstance(value, bool | int | float):
         return value
     if depth < _MAX_DEPTH:
+        if isinstance(value, tuple) and len(value) == 2 and secret_name(value[0]):
+            return [_jsonable(value[0], depth + 1), _withheld(value[1])]
         if isinstance(value, list | tuple):
             return [_jsonable(v, depth + 1) for v in value]
         if isinstance(value, dict):
-            return {scrub(str(k)): _jsonable(v, depth + 1) for k, v in value.items()}
+            return {
+                scrub(str(k)): _withheld(v) if secret_name(k) else _jsonable(v, depth + 1)
+                for k, v in value.items()
+            }
     return scrub(repr(value))
+
+
+def _withheld(value: object) -> object:
+    """A secret-named field's value: ``[REDACTED]``, unless there is nothing to hide (None)."""
+    return None if value is None else REDACTED
 
 
 def _chars(value: object, depth: int = 0) -> int:
@@ -212,6 +250,8 @@ class JsonFormatter(logging.Formatter):
             value = context[key]
             if key in CONTENT_FIELDS and not show_content:
                 out[f"{key}_chars"] = _chars(value)
+            elif secret_name(key):
+                out[f"extra_{key}" if key in _FIXED else key] = _withheld(value)
             else:
                 out[f"extra_{key}" if key in _FIXED else key] = _jsonable(value)
         if record.exc_info:

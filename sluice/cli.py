@@ -426,7 +426,8 @@ def slo_rules(
     By default pages when the 1h and 5m burn rates exceed 14.4x or 6h and 30m exceed 6x; tickets at 1d/2h
     3x, 3d/6h 1x ([[alerts.burn]] in the config changes the pairs).
     Drift tickets: a drift verdict persisting, a broken feature pipeline, reports gone stale
-    (SLUICE_DRIFT_WINDOW_S, when set, gives the window length).
+    (SLUICE_DRIFT_WINDOW_S, SLUICE_DRIFT_LATENESS_S and SLUICE_DRIFT_INTERVAL_S, when set, give the
+    streams worker's window length, lateness and interval).
 
     Point Prometheus' rule_files at the output (example: infra/prometheus/prometheus.yml, docs/slo.md).
     """
@@ -436,10 +437,16 @@ def slo_rules(
     from schemas.settings import load_settings
     from streams.settings import StreamsSettings
 
-    # The drift window the streams worker runs with, when set, wins over the config's [alerts.drift].
-    window = load_settings(StreamsSettings).drift_window_s if "SLUICE_DRIFT_WINDOW_S" in os.environ else None
+    # The drift window, lateness and interval the streams worker runs with, when set, win over the
+    # config's [alerts.drift] (a report's age when healthy is a window plus the lateness and an interval).
+    streams = load_settings(StreamsSettings)
+    window = streams.drift_window_s if "SLUICE_DRIFT_WINDOW_S" in os.environ else None
+    lateness = streams.drift_lateness_s if "SLUICE_DRIFT_LATENESS_S" in os.environ else None
+    interval = streams.drift_interval_s if "SLUICE_DRIFT_INTERVAL_S" in os.environ else None
     cfg, source = _slo_config(config)
-    text = render_rules(cfg, source=source, drift_window_s=window)
+    text = render_rules(
+        cfg, source=source, drift_window_s=window, drift_lateness_s=lateness, drift_interval_s=interval
+    )
     if out_file is None:
         sys.stdout.write(text)
         return

@@ -10,6 +10,7 @@ import signal
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
+from urllib.parse import unquote, urlsplit
 
 from rich.console import Console
 
@@ -99,11 +100,24 @@ def observe(service: str, platform: PlatformSettings) -> TracerProvider | None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     settings = load_settings(ObservabilitySettings)
     configure_logging(settings, service)
-    for secret in (platform.ops_token, platform.kafka_sasl_password):
+    for secret in (platform.ops_token, platform.kafka_sasl_password, *_url_passwords(platform.warehouse_url)):
         if secret and len(secret) >= MIN_SECRET_CHARS:
             register_secret(secret)
     bound_tenants(settings.metrics_max_tenants)
     return configure_tracing(settings, service)
+
+
+def _url_passwords(url: str | None) -> tuple[str, ...]:
+    """The password in ``url``'s user-info (``SLUICE_WAREHOUSE_URL``'s), as written and percent-decoded:
+    either form may reach a log line. A review found the warehouse password unregistered, so a line that
+    quoted the URL, or the password alone, kept it."""
+    if not url:
+        return ()
+    try:
+        password = urlsplit(url).password
+    except ValueError:  # not a URL: the warehouse refuses it, and the log scrubber still knows URL passwords
+        return ()
+    return (password, unquote(password)) if password else ()
 
 
 def check_worker_exposure(platform: PlatformSettings, worker: WorkerSettings) -> None:

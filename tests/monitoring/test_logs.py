@@ -192,10 +192,74 @@ def test_the_traceback_is_kept_but_scrubbed(capture: Capture) -> None:
         ('{"api_key": "hunter22", "n": 1}', f'{{"api_key": "{REDACTED}", "n": 1}}'),
         ("X-Api-Key: hunter22", f"X-Api-Key: {REDACTED}"),
         ("task-abcdefghijkl and sk-short", "task-abcdefghijkl and sk-short"),
+        # a URL's password (a review found SLUICE_WAREHOUSE_URL's written whole)
+        (
+            "warehouse url 'http://default:hunter2@ch.internal:abc': the port",
+            f"warehouse url 'http://default:{REDACTED}@ch.internal:abc': the port",
+        ),
+        ("clickhouse://u:p%40ss:w@h:8123/db", f"clickhouse://u:{REDACTED}@h:8123/db"),
+        ('{"dsn": "https://an@alyst:pw@h"}', f'{{"dsn": "https://an@alyst:{REDACTED}@h"}}'),
+        ("redis://:hunter2@h", f"redis://:{REDACTED}@h"),
+        (
+            "http://u@h:8123/x and https://h:8443/a@b, x:y@z",
+            "http://u@h:8123/x and https://h:8443/a@b, x:y@z",
+        ),
     ],
 )
 def test_scrub_recognises_the_usual_forms(text: str, expected: str) -> None:
     assert scrub(text) == expected
+
+
+BASIC = "Basic dXNlcjpwYXNzd29yZA=="
+TENANT_KEY = "tenant-key-123456"
+
+
+@pytest.mark.parametrize("log_format", ["json", "text"])
+def test_secrets_in_keyed_fields_are_withheld_by_their_name(log_format: str) -> None:
+    """Found by a review: a dict's keys and values were scrubbed apart, and an extra's name apart from its
+    value, so ``Authorization`` / ``api_key`` / a password given as a keyed field was written whole."""
+    cap = Capture(ObservabilitySettings(log_format=log_format))  # type: ignore[arg-type]
+    try:
+        cap.log.warning(
+            "headers",
+            extra={
+                "headers": {"Authorization": BASIC, "X-Api-Key": TENANT_KEY, "Accept": "text/plain"},
+                "raw_headers": [(b"proxy-authorization", BASIC.encode()), (b"cookie", b"sid=s3ss10n-c00kie")],
+                "api_key": TENANT_KEY,
+                "authorization": "Token abc123secret",
+                "config": {"db": {"password": "pa55w0rd-db", "user": "bob"}, "opsToken": "ops-t0ken-value"},
+                "max_tokens": 512,
+                "token_count": 3,
+                "note": None,
+            },
+        )
+        with log_context(kafka_sasl_password="sasl-pa55-word"):
+            cap.log.warning("context")
+    finally:
+        cap.close()
+    for secret in (
+        "dXNlcjpwYXNzd29yZA",
+        TENANT_KEY,
+        "abc123secret",
+        "pa55w0rd-db",
+        "ops-t0ken-value",
+        "s3ss10n",
+    ):
+        assert secret not in cap.text
+    assert "sasl-pa55-word" not in cap.text
+    if log_format == "json":
+        headers, context = cap.lines()
+        assert headers["headers"] == {
+            "Authorization": REDACTED,
+            "X-Api-Key": REDACTED,
+            "Accept": "text/plain",
+        }
+        assert headers["raw_headers"] == [["b'proxy-authorization'", REDACTED], ["b'cookie'", REDACTED]]
+        assert (headers["api_key"], headers["authorization"]) == (REDACTED, REDACTED)
+        assert headers["config"] == {"db": {"password": REDACTED, "user": "bob"}, "opsToken": REDACTED}
+        # names that merely contain a secret's word keep their values
+        assert (headers["max_tokens"], headers["token_count"], headers["note"]) == (512, 3, None)
+        assert context["kafka_sasl_password"] == REDACTED
 
 
 def test_a_registered_secret_is_scrubbed_anywhere(capture: Capture) -> None:

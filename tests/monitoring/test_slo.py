@@ -44,6 +44,7 @@ from monitoring.slo import (
     windows,
 )
 from sluice.cli import app
+from streams.settings import StreamsSettings
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "slo.md"
 
@@ -331,8 +332,9 @@ def test_drift_alerts() -> None:
     assert detected["for"] == "6m"  # a minute into the second window in a row that says drift
     assert pipeline["for"] == "1m"
     assert stale["alert"] == "SluiceDriftReportsStale"
+    # three 300 s windows, the 30 s lateness and the 10 s interval (SLUICE_DRIFT_LATENESS_S, _INTERVAL_S)
     assert stale["expr"] == (
-        "time() - max by (model) (max_over_time(sluice_drift_last_report_timestamp_seconds[1d])) > 900\n"
+        "time() - max by (model) (max_over_time(sluice_drift_last_report_timestamp_seconds[1d])) > 940\n"
         'and on (model)\nsum by (model) (rate(sluice_requests_total{outcome="completed"}[15m])) > 0\n'
     )
     assert "for" not in stale  # the threshold is the wait
@@ -357,7 +359,7 @@ def test_the_drift_window_comes_from_the_config_or_the_caller(tmp_path: Path) ->
         'severity = "page"\n'
     )
     config = load_slo_config(write(tmp_path, text))
-    assert "> 2400\n" in stale(config)
+    assert "> 2440\n" in stale(config)
     assert "[40m]" in stale(config)
     rules = drift_rules(config)
     assert {r["labels"]["severity"] for r in rules} == {"page"}
@@ -369,12 +371,56 @@ def test_the_drift_window_comes_from_the_config_or_the_caller(tmp_path: Path) ->
     assert drift_rules(once)[0]["for"] == "1m"
     assert "says drift: some" in drift_rules(once)[0]["annotations"]["description"]
     # the caller's window (the streams worker's SLUICE_DRIFT_WINDOW_S) wins over the file's
-    assert "> 240\n" in stale(config, 60)
+    assert "> 280\n" in stale(config, 60)
     assert "[5m]" in stale(config, 60)  # the traffic window never goes under 5 minutes
-    assert "> 22.5\n" in stale(DEFAULT_CONFIG, 7.5)
-    assert render_rules(DEFAULT_CONFIG, drift_window_s=600).count("> 1800\n") == 1
+    assert "> 62.5\n" in stale(DEFAULT_CONFIG, 7.5)
+    assert render_rules(DEFAULT_CONFIG, drift_window_s=600).count("> 1840\n") == 1
     with pytest.raises(SloConfigError, match=re.escape("drift window 0.5 s: must be at least 1 s")):
         rule_groups(DEFAULT_CONFIG, drift_window_s=0.5)
+
+
+def test_the_stale_threshold_counts_the_drift_monitors_lateness_and_interval(tmp_path: Path) -> None:
+    """A healthy report is up to a window, the lateness and an interval old (the window's end is reported
+    ``SLUICE_DRIFT_LATENESS_S`` after it, by a monitor that looks every ``SLUICE_DRIFT_INTERVAL_S``): a
+    review found the stale alert firing on a healthy monitor with 10 s windows (3 x 10 s < 10 + 30 + 10)."""
+
+    def stale(config: SloConfig = DEFAULT_CONFIG, **streams: float) -> str:
+        doc = rule_groups(config, **streams)
+        return str(next(g["rules"] for g in doc["groups"] if g["name"] == "sluice-drift")[2]["expr"])
+
+    # the defaults are the streams worker's
+    assert (DriftAlert().lateness_s, DriftAlert().interval_s) == (
+        StreamsSettings().drift_lateness_s,
+        StreamsSettings().drift_interval_s,
+    )
+    assert "> 70\n" in stale(drift_window_s=10)
+    assert "> 95\n" in stale(drift_window_s=10, drift_lateness_s=60, drift_interval_s=5)
+    config = load_slo_config(
+        write(tmp_path, "[alerts.drift]\nwindow_s = 60\nlateness_s = 0\ninterval_s = 1\n")
+    )
+    assert "> 181\n" in stale(config)
+    assert "> 280\n" in stale(config, drift_lateness_s=90, drift_interval_s=10)  # the caller's win
+    # the traffic window stays the windows' span: a model that stopped serving must not alert
+    assert "[5m]" in stale(drift_window_s=10)
+    with pytest.raises(SloConfigError, match=re.escape("drift lateness -1 s: must be at least 0 s")):
+        rule_groups(DEFAULT_CONFIG, drift_lateness_s=-1)
+    with pytest.raises(SloConfigError, match=re.escape("drift interval 0 s: must be more than 0 s")):
+        rule_groups(DEFAULT_CONFIG, drift_interval_s=0)
+
+
+def test_cli_rules_take_the_streams_workers_drift_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``sluice slo rules`` reads the drift window, lateness and interval the streams worker runs with, each
+    when set (else the config's)."""
+    monkeypatch.setenv("SLUICE_DRIFT_WINDOW_S", "10")
+    result = CliRunner().invoke(app, ["slo", "rules"])
+    assert result.exit_code == 0, result.output
+    assert yaml.safe_load(result.stdout) == rule_groups(DEFAULT_CONFIG, drift_window_s=10)
+    assert "[1d])) > 70\n" in result.stdout
+    monkeypatch.setenv("SLUICE_DRIFT_LATENESS_S", "60")
+    monkeypatch.setenv("SLUICE_DRIFT_INTERVAL_S", "5")
+    result = CliRunner().invoke(app, ["slo", "rules"])
+    assert result.exit_code == 0, result.output
+    assert "[1d])) > 95\n" in result.stdout
 
 
 def test_seconds_duration() -> None:

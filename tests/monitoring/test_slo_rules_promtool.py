@@ -530,7 +530,8 @@ def test_drift_reports_that_stop_arriving_fire_while_the_model_serves(tmp_path: 
         inputs,
         [
             *no_alerts("10m", "20m"),
-            # 3 windows of 300 s after the last window's end (900 s): 1800 s is not past it, 1860 s is
+            # 3 windows of 300 s, the lateness and an interval (940 s) after the last window's end (900 s):
+            # 1800 s is not past it, 1860 s is
             alert(STALE, "30m"),
             alert(STALE, "31m", *stale),
             alert(STALE, "59m", *stale),
@@ -539,7 +540,7 @@ def test_drift_reports_that_stop_arriving_fire_while_the_model_serves(tmp_path: 
 
 
 def test_the_drift_window_sets_the_stale_threshold(tmp_path: Path) -> None:
-    # 60 s windows: stale after 180 s without a report
+    # 60 s windows: stale after 180 s (and the 40 s of lateness and interval) without a report
     inputs = [
         series(
             "sluice_drift_last_report_timestamp_seconds",
@@ -552,11 +553,41 @@ def test_the_drift_window_sets_the_stale_threshold(tmp_path: Path) -> None:
         tmp_path,
         inputs,
         [
-            alert(STALE, "12m"),  # the last window ended at 540 s: 720 s is not past 540 + 180
+            alert(STALE, "12m"),  # the last window ended at 540 s: 720 s is not past 540 + 220
             alert(STALE, "13m", {"severity": "ticket", "model": "demo-gpt"}),
             alert(DRIFT, "13m"),
         ],
         drift_window_s=60,
+    )
+
+
+def test_a_healthy_drift_monitor_with_short_windows_is_not_stale(tmp_path: Path) -> None:
+    """A report is a window, the lateness (30 s) and up to an interval (10 s) old when the next one comes:
+    with 10 s windows that is 50 s, past three windows (30 s). A review found the alert firing on a healthy
+    monitor when the threshold counted windows only; it is 3 x 10 + 30 + 10 = 70 s."""
+
+    def reported(values: Sequence[float | str | None], model: str) -> dict[str, str]:
+        return series("sluice_drift_last_report_timestamp_seconds", values, model=model)
+
+    # each report as late as a healthy monitor makes it: 49 s after its window's end, so 50 s old at worst
+    frozen = last_report(
+        21, window_s=10, lag_s=49
+    )  # the last one, at minute 20, for the window ending 1150 s
+    inputs = [
+        reported(last_report(31, window_s=10, lag_s=49), "healthy"),
+        reported(frozen + [frozen[-1]] * 10, "stuck"),
+        serving("healthy", (30, 100)),
+        serving("stuck", (30, 100)),
+    ]
+    promtool_test(
+        tmp_path,
+        inputs,
+        [
+            *[alert(STALE, f"{m}m") for m in (5, 10, 15, 20)],
+            alert(STALE, "21m", {"severity": "ticket", "model": "stuck"}),  # 110 s since 1150 s: past 70
+            alert(STALE, "29m", {"severity": "ticket", "model": "stuck"}),
+        ],
+        drift_window_s=10,
     )
 
 
@@ -598,9 +629,10 @@ def test_drift_annotations_render(tmp_path: Path) -> None:
             "summary": "No drift report for demo-gpt for 16m 0s",
             "description": (
                 "The latest drift report of demo-gpt covers a window that ended 16m 0s ago, more than 3 "
-                "drift windows of 300 s, while the model still completes requests: the streams worker's "
-                "drift monitor is down or stuck (or cannot read the warehouse). Check the streams worker "
-                "and its logs; `sluice drift status` shows each model's last report."
+                "drift windows of 300 s and the monitor's lateness (30 s) and interval (10 s), while the "
+                "model still completes requests: the streams worker's drift monitor is down or stuck (or "
+                "cannot read the warehouse). Check the streams worker and its logs; `sluice drift status` "
+                "shows each model's last report."
             ),
         },
     }

@@ -90,6 +90,8 @@ def test_unknown_setting_is_refused_with_a_hint() -> None:
         ("SLUICE_EDGE_PORT", "abc", ["settings"]),
         ("SLUICE_EDGE_PORT", "70000", ["settings"]),
         ("SLUICE_DRIFT_WINDOW_S", "inf", ["slo", "rules"]),
+        ("SLUICE_DRIFT_LATENESS_S", "-1", ["slo", "rules"]),
+        ("SLUICE_DRIFT_INTERVAL_S", "0", ["slo", "rules"]),
         ("SLUICE_DRIFT_WINDOW_S", "nan", ["settings"]),
     ],
 )

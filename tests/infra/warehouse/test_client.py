@@ -6,6 +6,7 @@ import datetime as dt
 import decimal
 import ipaddress
 import os
+import re
 import stat
 import uuid
 from pathlib import Path
@@ -67,6 +68,27 @@ def test_server_urls_parse(url: str, expected: ServerAddress) -> None:
 def test_bad_server_urls_are_refused(url: str, problem: str) -> None:
     with pytest.raises(WarehouseError, match=problem):
         parse_warehouse_url(url)
+
+
+@pytest.mark.parametrize(
+    ("url", "problem", "shown"),
+    [
+        ("http://default:hunter2secret@ch:abc", "port", "'http://default:[REDACTED]@ch:abc'"),
+        ("clickhouse://u:hunter2secret@ch:8123", "expected http", "'clickhouse://u:[REDACTED]@ch:8123'"),
+        ("//u:hunter2secret@ch:8123", "expected http", "'//u:[REDACTED]@ch:8123'"),
+        ("http://u:hunter2secret@:8123", "no host", "'http://u:[REDACTED]@:8123'"),
+        ("http://u:hunter2secret@ch/a/b", "single", "'http://u:[REDACTED]@ch/a/b'"),
+        ("http://u:pw@hunter2secret@ch:x", "port", "'http://u:[REDACTED]@ch:x'"),  # '@' in the password
+        ("http://u:hunter2secret@[ch:8123", "not a valid URL", "warehouse url:"),  # urlsplit refuses it
+    ],
+)
+def test_a_bad_server_url_is_quoted_without_its_password(url: str, problem: str, shown: str) -> None:
+    """Found by a review: every one of these errors quoted the whole ``SLUICE_WAREHOUSE_URL``, password
+    and all, and ``sluice streams`` / ``sluice sql`` print them."""
+    with pytest.raises(WarehouseError, match=re.escape(problem)) as caught:
+        parse_warehouse_url(url)
+    assert "hunter2secret" not in str(caught.value)
+    assert shown in str(caught.value)
 
 
 def test_a_server_url_opens_a_clickhouse_connect_client(monkeypatch: pytest.MonkeyPatch) -> None:
