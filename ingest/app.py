@@ -63,7 +63,7 @@ from ingest.settings import EdgeSettings
 from ingest.ws import websocket
 from monitoring import tracing
 from monitoring.access import PROBES, TOKEN_VARIABLE, HostAllowList, OpsAccess, route_of
-from monitoring.ops import bound_port
+from monitoring.ops import bound_port, http_url
 from schemas.events import utc_now
 from schemas.lifecycle import AsyncComponent
 
@@ -271,7 +271,7 @@ class Edge(AsyncComponent):
 
     @property
     def url(self) -> str:
-        return f"http://{self.ctx.settings.edge_host}:{self.port}"
+        return http_url(self.ctx.settings.edge_host, self.port)
 
     async def _start(self) -> None:
         settings = self.ctx.settings

@@ -111,6 +111,19 @@ class QuietRunner(web.AppRunner):
         return QuietServer(await super()._make_server())
 
 
+def url_host(host: str) -> str:
+    """``host`` as a URL's authority wants it: an IPv6 address in brackets (``::1`` -> ``[::1]``), anything
+    else as it is. Every URL the platform builds from a bind host goes through here (a review found
+    ``http://::1:8090/readyz``, which no client can reach, polled until ``sluice up`` gave up)."""
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    return f"[{bare}]" if ":" in bare else bare
+
+
+def http_url(host: str, port: int) -> str:
+    """``http://host:port`` with ``host`` as :func:`url_host` writes it."""
+    return f"http://{url_host(host)}:{port}"
+
+
 def bound_port(runner: web.AppRunner | None, what: str) -> int:
     """The port an aiohttp runner listens on once started (its config may have said 0)."""
     if runner is None or not runner.addresses:
@@ -161,8 +174,7 @@ class OpsServer(Component):
 
     @property
     def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return http_url(self.host, self.port)
 
     def _start(self) -> None:
         with self._lock:

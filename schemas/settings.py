@@ -20,6 +20,8 @@ from urllib.parse import urlsplit
 
 import msgspec
 
+from schemas.topics import TopicNames
+
 PREFIX = "SLUICE_"
 
 S = TypeVar("S", bound=msgspec.Struct)
@@ -299,6 +301,23 @@ class PlatformSettings(msgspec.Struct, frozen=True, kw_only=True):
                 f"SLUICE_KAFKA_BROKERS={self.kafka_brokers} nodes need ports {self.kafka_port} to "
                 f"{self.kafka_port + 2 * self.kafka_brokers - 1}; lower SLUICE_KAFKA_PORT"
             )
+        self._check_model_ids()
+
+    def _check_model_ids(self) -> None:
+        """Each served id names a request topic: one it cannot name is refused here, naming the variable,
+        so every command exits 2 with one line (a review: ``SLUICE_MODELS='demo gpt'`` passed ``sluice
+        settings``, then ``sluice topics`` failed with a traceback and ``sluice up`` after starting Kafka)."""
+        names = TopicNames(self.topic_prefix)
+        extra = tuple(entry.partition("=")[0].strip() for entry in self.model_paths)
+        for variable, ids, hint in (
+            ("SLUICE_MODELS", self.models, ""),
+            ("SLUICE_MODEL_PATHS", extra, " (its entries are id=/path)"),
+        ):
+            for model in ids:
+                try:
+                    names.requests(model)
+                except ValueError as exc:
+                    raise ValueError(f"{variable}: {exc}{hint}") from None
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{f}={display(f, getattr(self, f))}" for f in self.__struct_fields__)

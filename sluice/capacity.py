@@ -74,8 +74,11 @@ class Plan:
     utilisation_zone_lost: float
     request_ms: float
     """One request's expected time at low load (TTFT + its output at the single-stream rate)."""
+    judged_ms: float
+    """The low-load latency judged against the SLO: TTFT p99 (generation); one request's p99 with its inputs
+    (embeddings): the measured p99 of one input, plus its other inputs at the single-stream rate."""
     slo_met_alone: bool
-    """Whether the measured low-load latency is within the SLO at all: no worker count fixes it if not."""
+    """Whether ``judged_ms`` is within the SLO at all: no worker count fixes it if not."""
 
 
 def load_measured(path: Path, task: Task) -> Measured:
@@ -131,11 +134,13 @@ def plan(measured: Measured, profile: Profile) -> Plan:
             raise CapacityError("generation needs --output-tokens of at least 1")
         per_request = profile.output_tokens + profile.prompt_tokens * profile.prompt_token_cost
         request_ms = measured.alone_p99_ms + 1000 * profile.output_tokens / measured.single_stream
-        first_ms = measured.alone_p99_ms
+        judged_ms = measured.alone_p99_ms
     else:
         per_request = float(profile.inputs_per_request)
         request_ms = 1000 * profile.inputs_per_request / measured.single_stream
-        first_ms = measured.alone_p99_ms
+        # The SLO is the whole request's p99: its inputs count (a review found 32 inputs, expected at 497 ms,
+        # judged "within a 50 ms SLO" on one input's p99 and exit 0).
+        judged_ms = measured.alone_p99_ms + 1000 * (profile.inputs_per_request - 1) / measured.single_stream
     demand = profile.rps * per_request
     if not demand < math.inf:
         raise CapacityError(f"a demand of {profile.rps:g} rps x {per_request:g} is past any plan")
@@ -159,7 +164,8 @@ def plan(measured: Measured, profile: Profile) -> Plan:
         utilisation=load / workers,
         utilisation_zone_lost=load / survivors,
         request_ms=request_ms,
-        slo_met_alone=first_ms <= profile.slo_ms,
+        judged_ms=judged_ms,
+        slo_met_alone=judged_ms <= profile.slo_ms,
     )
 
 
@@ -253,13 +259,22 @@ def _print(console: Console, measured: Measured, profile: Profile, result: Plan)
         table.add_row("utilisation with one zone lost", f"{result.utilisation_zone_lost:.0%}")
     table.add_row("one request alone, expected ms", f"{result.request_ms:,.0f}")
     console.print(table)
-    what = "TTFT p99" if measured.task == "generation" else "request p99"
-    if result.slo_met_alone:
-        console.print(
-            f"{what} alone was {measured.alone_p99_ms:.1f} ms, within the {profile.slo_ms:g} ms SLO"
+    if measured.task == "generation":
+        latency = f"TTFT p99 alone was {result.judged_ms:.1f} ms"
+        remedy = "a faster worker (device, model) is needed"
+    elif profile.inputs_per_request == 1:
+        latency = f"request p99 alone was {result.judged_ms:.1f} ms"
+        remedy = "a faster worker (device, model) is needed"
+    else:
+        latency = (
+            f"request p99 alone with {profile.inputs_per_request} inputs is expected at {result.judged_ms:,.1f} ms "
+            f"({measured.alone_p99_ms:.1f} ms measured for one, the rest at {measured.single_stream:,.0f} "
+            f"{unit})"
         )
+        remedy = "fewer inputs per request or a faster worker (device, model) is needed"
+    if result.slo_met_alone:
+        console.print(f"{latency}, within the {profile.slo_ms:g} ms SLO")
     else:
         console.print(
-            f"[red]{what} alone was {measured.alone_p99_ms:.1f} ms, over the {profile.slo_ms:g} ms SLO: "
-            "no number of workers meets it; a faster worker (device, model) is needed[/]"
+            f"[red]{latency}, over the {profile.slo_ms:g} ms SLO: no number of workers meets it; {remedy}[/]"
         )

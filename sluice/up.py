@@ -34,9 +34,16 @@ from infra.topics import apply_topics, topics_of
 from ingest.auth import DEMO_KEY
 from ingest.main import build_edge, check_edge_exposure, more_edge_ids
 from ingest.settings import EdgeSettings
+from monitoring.ops import http_url
 from monitoring.tracing import shutdown_tracing
 from schemas.events import DeploymentChanged, Event, WorkersScaled, utc_now
-from schemas.settings import PlatformSettings, SettingsError, load_settings, local_kafka_ports
+from schemas.settings import (
+    PlatformSettings,
+    SettingsError,
+    is_wildcard,
+    load_settings,
+    local_kafka_ports,
+)
 from schemas.topics import TopicNames
 from sluice.autoscale import FleetSettings, GroupLag, ScalePolicy, fleet_of
 from sluice.services import (
@@ -270,8 +277,10 @@ class Fleet:
         base_port: int,
         halt: asyncio.Event | None = None,
         worker_env: dict[str, str] | None = None,
+        ops_host: str = "127.0.0.1",
     ) -> None:
         self._settings = settings
+        self._ops_host = ops_host  # SLUICE_WORKER_OPS_HOST: where a warm standby is asked /healthz
         self._worker_env = worker_env or {}
         self._halt = halt
         self._fleet = fleet
@@ -363,7 +372,7 @@ class Fleet:
         """A warm standby joins at once when one is up; otherwise a new worker starts (and loads)."""
         pool = self.standby.get(key, [])
         for worker in list(pool):
-            if await _answers(worker.port):
+            if await _answers(worker.port, self._ops_host):
                 pool.remove(worker)
                 worker.process.serve()  # a restart after this starts it serving, not warm again
                 worker.process.send_signal(signal.SIGUSR1)
@@ -533,14 +542,23 @@ async def _listen(edge: AsyncComponent, settings: EdgeSettings) -> None:
         ) from exc
 
 
-async def _answers(port: int) -> bool:
-    """Whether a child's ops server answers ``/healthz`` (so it runs and has its signal handlers)."""
+def reachable(host: str) -> str:
+    """Where this machine reaches a service bound on ``host``: itself, or for a wildcard bind (``0.0.0.0``,
+    ``::``, empty) the loopback address of that family."""
+    if is_wildcard(host):
+        return "::1" if ":" in host else "127.0.0.1"
+    return host
+
+
+async def _answers(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether a child's ops server on ``host`` (its bind host) answers ``/healthz`` (so it runs and has its
+    signal handlers)."""
     if port == 0:
         return False
     try:
         async with (
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1)) as session,
-            session.get(f"http://127.0.0.1:{port}/healthz") as response,
+            session.get(f"{http_url(reachable(host), port)}/healthz") as response,
         ):
             return response.status == 200
     except (aiohttp.ClientError, TimeoutError):
@@ -553,10 +571,11 @@ box) is polled again, not taken for dead."""
 
 
 async def _wait_ready(host: str, port: int, within_s: float, what: str = "the streams worker") -> None:
-    """Wait for a child's ``/readyz`` (so "up" means up: e.g. ``sluice sql`` finds the migrated warehouse)."""
+    """Wait for a child's ``/readyz`` (so "up" means up: e.g. ``sluice sql`` finds the migrated warehouse).
+    ``host`` is the child's bind host (an IPv6 one is bracketed, a wildcard polled at loopback)."""
     if port == 0:
         return  # a free port picked by the child: nothing to poll
-    url = f"http://{host}:{port}/readyz"
+    url = f"{http_url(reachable(host), port)}/readyz"
     deadline = asyncio.get_running_loop().time() + within_s
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=READY_POLL_S)) as session:
         while asyncio.get_running_loop().time() < deadline:
@@ -574,14 +593,17 @@ WORKERS_READY_S = 300.0
 """How long ``sluice up`` waits for its workers' ``/readyz`` before it says "up" anyway, with a warning."""
 
 
-async def _wait_workers(workers: list[tuple[str, int]], within_s: float, console: Console) -> None:
-    """Wait for each worker's ``/readyz`` (model loaded, consuming, caught up). One not ready in time is
-    named and left to come up (its requests wait on its topic meanwhile); a worker on a port it picked
-    itself (0) cannot be polled."""
+async def _wait_workers(
+    workers: list[tuple[str, int]], within_s: float, console: Console, host: str = "127.0.0.1"
+) -> None:
+    """Wait for each worker's ``/readyz`` (model loaded, consuming, caught up) on ``host``, their
+    ``SLUICE_WORKER_OPS_HOST`` (a review found them always polled at 127.0.0.1, never ready when bound on
+    ``::1``). One not ready in time is named and left to come up (its requests wait on its topic
+    meanwhile); a worker on a port it picked itself (0) cannot be polled."""
 
     async def one(name: str, port: int) -> None:
         try:
-            await _wait_ready("127.0.0.1", port, within_s, what=f"the worker for {name}")
+            await _wait_ready(host, port, within_s, what=f"the worker for {name}")
         except InfraError as exc:
             console.print(f"[yellow]{exc}; its requests wait for it[/]")
 
@@ -616,14 +638,36 @@ def extra_edges(
 def platform_ports(
     settings: PlatformSettings, worker: WorkerSettings, streams: StreamsSettings
 ) -> dict[int, str]:
-    """The fixed ports ``sluice up``'s other services listen on: port -> which."""
-    taken = {streams.streams_port: "the streams worker"}
+    """The fixed ports ``sluice up``'s other services listen on: port -> which. :class:`SettingsError` when
+    two of them would share one: the second to bind would crash-loop while the first answered its
+    readiness poll, and ``sluice up`` said "up" (a review: a model's worker ops port on the streams port,
+    or on Kafka's)."""
+    taken: dict[int, str] = {}
+    setting: dict[int, str] = {}
+
+    def claim(port: int, who: str, variable: str) -> None:
+        if port > 65535:
+            raise SettingsError(f"{who} would listen on port {port} ({variable}), past 65535; lower it")
+        if port in taken:
+            raise SettingsError(
+                f"port {port} would be both {taken[port]}'s ({setting[port]}) and {who}'s ({variable}); "
+                "change one of them"
+            )
+        taken[port], setting[port] = who, variable
+
+    if streams.streams_port:
+        claim(streams.streams_port, "the streams worker", "SLUICE_STREAMS_PORT")
     if worker.worker_ops_port:
         for index, model in enumerate(settings.served_models()):
-            taken[worker.worker_ops_port + index] = f"the {model} worker"
+            offset = f" + {index}" if index else ""
+            claim(worker.worker_ops_port + index, f"the {model} worker", f"SLUICE_WORKER_OPS_PORT{offset}")
     if settings.local_kafka:
-        for port, controller in local_kafka_ports(settings.kafka_port, settings.kafka_brokers):
-            taken[port] = taken[controller] = "Kafka"
+        for node, (port, controller) in enumerate(
+            local_kafka_ports(settings.kafka_port, settings.kafka_brokers)
+        ):
+            client = f"SLUICE_KAFKA_PORT + {2 * node}" if node else "SLUICE_KAFKA_PORT"
+            claim(port, "Kafka", client)
+            claim(controller, "Kafka", f"its controller, SLUICE_KAFKA_PORT + {2 * node + 1}")
     return taken
 
 
@@ -754,6 +798,7 @@ async def _serve(
             worker_settings.worker_ops_port,
             stop,
             worker_env,
+            ops_host=worker_settings.worker_ops_host,
         )
         stack.push_async_callback(fleet.stop)
         await fleet.reconcile(*await asyncio.to_thread(fleet.desired))
@@ -782,11 +827,12 @@ async def _serve(
             if not await _unless_stopped(stop, ready):
                 console.print("stopping...")
                 return
-            edges.append(f"http://{edge_settings.edge_host}:{port}")
+            edges.append(http_url(edge_settings.edge_host, port))
 
         # "up" means a first request is served, not queued behind a model still loading
         with console.status("loading models: waiting for the workers' /readyz"):
-            if not await _unless_stopped(stop, _wait_workers(workers, WORKERS_READY_S, console)):
+            waiting = _wait_workers(workers, WORKERS_READY_S, console, worker_settings.worker_ops_host)
+            if not await _unless_stopped(stop, waiting):
                 console.print("stopping...")
                 return
 
@@ -801,8 +847,11 @@ async def _serve(
                 f"(target {policy.target_lag} per worker, {fleet_settings.fleet_warm_workers} warm)"
             )
         out.print(f"  Kafka {settings.bootstrap}   models: {', '.join(settings.served_models())}")
-        ops = ", ".join(f"{model} http://127.0.0.1:{port or '<free port>'}" for model, port in workers)
-        dashboard = f"http://{streams_settings.streams_host}:{streams_settings.streams_port}"
+        ops_host = worker_settings.worker_ops_host
+        ops = ", ".join(
+            f"{model} {http_url(ops_host, port) if port else 'on a free port'}" for model, port in workers
+        )
+        dashboard = http_url(streams_settings.streams_host, streams_settings.streams_port)
         out.print(f"  dashboard {dashboard}/dashboard   (streams metrics on {dashboard}/metrics)")
         out.print(f"  metrics: edge {edge.url}/metrics; workers {ops} (/metrics /healthz /readyz)")
         if settings.ops_token:

@@ -25,7 +25,7 @@ from infra.topics import make_admin
 from infra.warehouse import WarehouseQueryServer, migrate, open_warehouse
 from monitoring import metrics
 from monitoring.access import HostAllowList, OpsAccess, ops_middleware
-from monitoring.ops import QuietRunner, Readiness, bound_port
+from monitoring.ops import QuietRunner, Readiness, bound_port, http_url
 from monitoring.slo import load_slo_config
 from schemas.lifecycle import AsyncComponent
 from schemas.settings import PlatformSettings
@@ -168,7 +168,7 @@ class StreamsService(AsyncComponent):
 
     @property
     def url(self) -> str:
-        return f"http://{self.settings.streams_host}:{self.port}"
+        return http_url(self.settings.streams_host, self.port)
 
     def readiness(self) -> Readiness:
         streams = self.streams

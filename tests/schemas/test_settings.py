@@ -7,7 +7,7 @@ import pytest
 
 from gpu_workers.settings import WorkerSettings
 from ingest.settings import EdgeSettings
-from schemas.settings import SettingsError, load_settings
+from schemas.settings import PlatformSettings, SettingsError, load_settings
 from streams.settings import StreamsSettings
 
 
@@ -36,3 +36,28 @@ def test_a_worker_id_no_event_could_carry_is_refused(worker_id: str) -> None:
     with pytest.raises(SettingsError, match="SLUICE_WORKER_ID"):
         load_settings(WorkerSettings, {"SLUICE_WORKER_ID": worker_id})
     assert load_settings(WorkerSettings, {"SLUICE_WORKER_ID": "demo-gpt-1.a_b"}).worker_id == "demo-gpt-1.a_b"
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "message"),
+    [
+        ("SLUICE_MODELS", "demo gpt", r"SLUICE_MODELS: model id 'demo gpt' may contain only letters"),
+        ("SLUICE_MODELS", "a/b", r"SLUICE_MODELS: model id 'a/b' may contain only letters"),
+        ("SLUICE_MODELS", "m" * 240, r"SLUICE_MODELS: topic name longer than 249 characters"),
+        (
+            "SLUICE_MODEL_PATHS",
+            "my model=/models/x",
+            r"SLUICE_MODEL_PATHS: model id 'my model' may .* \(its entries are id=/path\)",
+        ),
+        ("SLUICE_MODEL_PATHS", "/models/x", r"SLUICE_MODEL_PATHS: model id '/models/x' may .*id=/path"),
+    ],
+)
+def test_a_model_id_no_topic_could_be_named_for_is_refused(variable: str, value: str, message: str) -> None:
+    """Each served id names its request topic. A review found `SLUICE_MODELS='demo gpt'` accepted by
+    `sluice settings`, then a traceback from `sluice topics`, and from `sluice up` after it started Kafka."""
+    with pytest.raises(SettingsError, match=f"^PlatformSettings: {message}"):
+        load_settings(PlatformSettings, {variable: value})
+    with pytest.raises(ValueError, match=message):  # built in code, too
+        PlatformSettings(**{variable.removeprefix("SLUICE_").lower(): (value,)})  # type: ignore[arg-type]
+    good = load_settings(PlatformSettings, {"SLUICE_MODELS": "demo-gpt,v1.2_x", "SLUICE_MODEL_PATHS": "m=/x"})
+    assert good.served_models() == ("demo-gpt", "v1.2_x", "m")

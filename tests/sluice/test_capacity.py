@@ -55,6 +55,36 @@ def test_embeddings_count_inputs() -> None:
     assert not result.slo_met_alone  # 30 ms alone is over a 25 ms SLO whatever the count
 
 
+def test_embeddings_judge_the_whole_requests_latency_against_the_slo() -> None:
+    """A review found the verdict on one input's p99 whatever --inputs-per-request: 32 inputs expected at
+    ~500 ms were "within the 50 ms SLO", exit 0."""
+    one = plan(EMB, Profile(rps=10, inputs_per_request=1, slo_ms=50))
+    assert one.judged_ms == pytest.approx(30.0)  # one input: its measured p99
+    assert one.slo_met_alone
+    many = plan(EMB, Profile(rps=10, inputs_per_request=32, slo_ms=50))
+    assert many.judged_ms == pytest.approx(30 + 1000 * 31 / 50)  # the other 31 at 50 inputs/s
+    assert not many.slo_met_alone
+    assert plan(EMB, Profile(rps=10, inputs_per_request=2, slo_ms=50)).slo_met_alone  # 30 + 20 ms
+
+
+def test_the_embeddings_command_prints_the_figure_it_judged_and_exits_1_when_over(tmp_path: Path) -> None:
+    args = ["capacity", "--task", "embeddings", "--bench", str(_bench(tmp_path)), "--slo-ms", "50"]
+    over = CliRunner().invoke(app, [*args, "--inputs-per-request", "32"], env={"COLUMNS": "300"})
+    assert over.exit_code == 1, over.output
+    assert over.output.splitlines()[-1] == (
+        "request p99 alone with 32 inputs is expected at 322.0 ms (12.0 ms measured for one, the rest at 100 "
+        "inputs/s), over the 50 ms SLO: no number of workers meets it; fewer inputs per request or a faster "
+        "worker (device, model) is needed"
+    )
+    within = CliRunner().invoke(app, [*args, "--inputs-per-request", "2"], env={"COLUMNS": "300"})
+    assert within.exit_code == 0, within.output
+    assert "with 2 inputs is expected at 22.0 ms" in within.output
+    assert "within the 50 ms SLO" in within.output
+    as_json = CliRunner().invoke(app, [*args, "--inputs-per-request", "32", "--json"])
+    assert as_json.exit_code == 1
+    assert json.loads(as_json.output)["plan"]["judged_ms"] == pytest.approx(322.0)
+
+
 @pytest.mark.parametrize(
     ("profile", "message"),
     [

@@ -120,14 +120,17 @@ async def test_a_warm_standby_that_joined_restarts_as_a_serving_worker(
     async def child(*_args: object, env: dict[str, str] | None = None, **kw: object) -> object:
         return await spawn(sys.executable, "-c", _STANDBY_CHILD, str(log), env=env)
 
-    async def answers(port: int) -> bool:
+    asked: list[str] = []
+
+    async def answers(port: int, host: str) -> bool:
+        asked.append(host)
         return True
 
     monkeypatch.setattr(asyncio, "create_subprocess_exec", child)
     monkeypatch.setattr(up, "_answers", answers)
     fleet = up.Fleet(
         PlatformSettings(), FleetSettings(fleet_autoscale=True, fleet_warm_workers=1), Console(quiet=True), 0,
-        asyncio.Event(),
+        asyncio.Event(), ops_host="::1",
     )  # fmt: skip
     key = ("demo-gpt", "v1")
     fleet.standby[key] = [await fleet._spawn(key, standby=True)]
@@ -143,6 +146,7 @@ async def test_a_warm_standby_that_joined_restarts_as_a_serving_worker(
         await asyncio.sleep(0.05)
     await worker.process.stop()
     assert log.read_text().splitlines()[:2] == ["start standby=true", "start standby=None"]
+    assert asked == ["::1"]  # on its SLUICE_WORKER_OPS_HOST, not 127.0.0.1 (a review)
 
 
 _EXITS_AFTER = r"""
@@ -195,7 +199,7 @@ async def test_no_warm_standby_is_kept_past_the_most_workers(monkeypatch: pytest
         started.append(standby)
         return types.SimpleNamespace(port=0, model=key[0], version=key[1], serial=len(started))
 
-    async def never_answers(port: int) -> bool:
+    async def never_answers(port: int, host: str) -> bool:
         return False
 
     monkeypatch.setattr(fleet, "_spawn", spawn)

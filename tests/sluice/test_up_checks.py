@@ -28,7 +28,7 @@ from infra.kafka.broker import BrokerError, LocalKafka, free_port
 from infra.topics import TopicChange
 from ingest.settings import EdgeSettings
 from schemas.lifecycle import AsyncComponent
-from schemas.settings import PlatformSettings
+from schemas.settings import PlatformSettings, SettingsError, load_settings
 from sluice import up
 from sluice.autoscale import FleetSettings
 from streams.settings import StreamsSettings
@@ -118,6 +118,89 @@ def test_a_port_another_program_holds_is_refused_before_anything_starts(
     assert lines[0].startswith(f"settings error: port {port} (")
     assert "is taken by another program" in lines[0]
     assert ("SLUICE_KAFKA_PORT" if holder == "controller" else holder) in lines[0]
+    assert started == []
+    assert not (tmp_path / "kafka").exists()
+
+
+_SHARED = {
+    "a worker's ops port on the streams port": (
+        {"SLUICE_WORKER_OPS_PORT": "28089", "SLUICE_STREAMS_PORT": "28090"},
+        "port 28090 would be both the streams worker's (SLUICE_STREAMS_PORT) and the all-minilm-l6-v2 "
+        "worker's (SLUICE_WORKER_OPS_PORT + 1); change one of them",
+    ),
+    "Kafka's controller on the streams port": (
+        {"SLUICE_KAFKA_PORT": "28089", "SLUICE_STREAMS_PORT": "28090"},
+        "port 28090 would be both the streams worker's (SLUICE_STREAMS_PORT) and Kafka's (its controller, "
+        "SLUICE_KAFKA_PORT + 1); change one of them",
+    ),
+    "a worker's ops port on Kafka's": (
+        {"SLUICE_WORKER_OPS_PORT": "28092", "SLUICE_KAFKA_PORT": "28092"},
+        "port 28092 would be both the demo-gpt worker's (SLUICE_WORKER_OPS_PORT) and Kafka's "
+        "(SLUICE_KAFKA_PORT); change one of them",
+    ),
+    "a second Kafka node on a worker's ops port": (
+        {"SLUICE_WORKER_OPS_PORT": "28094", "SLUICE_KAFKA_PORT": "28092", "SLUICE_KAFKA_BROKERS": "2"},
+        "port 28094 would be both the demo-gpt worker's (SLUICE_WORKER_OPS_PORT) and Kafka's "
+        "(SLUICE_KAFKA_PORT + 2); change one of them",
+    ),
+    "a worker's ops port past 65535": (
+        {"SLUICE_WORKER_OPS_PORT": "65535"},
+        "the all-minilm-l6-v2 worker would listen on port 65536 (SLUICE_WORKER_OPS_PORT + 1), past 65535; "
+        "lower it",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(_SHARED))
+def test_two_services_of_the_platform_on_one_port_are_refused(case: str) -> None:
+    """A review found them accepted: the second to bind crash-looped while the first answered its readiness
+    poll, and `sluice up` said "up". Only the ports are looked at: nothing runs."""
+    env, message = _SHARED[case]
+    env = {
+        "SLUICE_STREAMS_PORT": "28090",
+        "SLUICE_WORKER_OPS_PORT": "28400",
+        "SLUICE_KAFKA_PORT": "28192",
+        **env,
+    }
+    platform = load_settings(PlatformSettings, env)
+    worker, streams = load_settings(WorkerSettings, env), load_settings(StreamsSettings, env)
+    with pytest.raises(SettingsError) as raised:
+        up.platform_ports(platform, worker, streams)
+    assert str(raised.value) == message
+
+
+def test_the_platform_ports_of_services_apart_are_named() -> None:
+    platform = PlatformSettings(kafka_port=28092, kafka_brokers=2)
+    taken = up.platform_ports(
+        platform, WorkerSettings(worker_ops_port=28400), StreamsSettings(streams_port=28090)
+    )
+    assert taken == {
+        28090: "the streams worker",
+        28400: "the demo-gpt worker",
+        28401: "the all-minilm-l6-v2 worker",
+        28092: "Kafka",
+        28093: "Kafka",
+        28094: "Kafka",
+        28095: "Kafka",
+    }
+    # free ports (0) are no one's; an external Kafka takes none here
+    external = PlatformSettings(kafka_bootstrap="kafka:9092")
+    assert (
+        up.platform_ports(external, WorkerSettings(worker_ops_port=0), StreamsSettings(streams_port=0)) == {}
+    )
+
+
+def test_up_refuses_its_own_services_on_one_port_before_anything_starts(
+    started: list[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    kafka = _free_pair()
+    monkeypatch.setenv("SLUICE_STREAMS_PORT", str(kafka + 1))  # Kafka's controller port
+    code, lines = _run(PlatformSettings(data_dir=str(tmp_path), kafka_port=kafka), free_port())
+    assert code == 2
+    assert lines == [
+        f"settings error: port {kafka + 1} would be both the streams worker's (SLUICE_STREAMS_PORT) and Kafka's "
+        "(its controller, SLUICE_KAFKA_PORT + 1); change one of them"
+    ]
     assert started == []
     assert not (tmp_path / "kafka").exists()
 

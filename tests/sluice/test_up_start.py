@@ -53,9 +53,11 @@ async def test_a_start_up_wait_that_ends_first_goes_on_and_its_error_is_raised()
         await _unless_stopped(stop, broken())
 
 
-async def _worker(ready_after: int, first_answer_s: float = 0.0) -> tuple[web.AppRunner, int, list[int]]:
-    """An ops server whose /readyz answers 503 ``ready_after`` times, then 200 (its first answer after
-    ``first_answer_s``); the statuses it gave."""
+async def _worker(
+    ready_after: int, first_answer_s: float = 0.0, host: str = "127.0.0.1"
+) -> tuple[web.AppRunner, int, list[int]]:
+    """An ops server on ``host`` whose /readyz answers 503 ``ready_after`` times, then 200 (its first answer
+    after ``first_answer_s``), and whose /healthz answers 200; the statuses /readyz gave."""
     given: list[int] = []
 
     async def readyz(_: web.Request) -> web.Response:
@@ -65,13 +67,40 @@ async def _worker(ready_after: int, first_answer_s: float = 0.0) -> tuple[web.Ap
         given.append(status)
         return web.Response(status=status)
 
+    async def healthz(_: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
     app = web.Application()
     app.router.add_get("/readyz", readyz)
+    app.router.add_get("/healthz", healthz)
     runner = web.AppRunner(app)
     await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    return runner, port, given
+    await web.TCPSite(runner, host, 0).start()
+    return runner, int(runner.addresses[0][1]), given
+
+
+@pytest.mark.parametrize(("bind", "asked"), [("::1", "::1"), ("::", "::1"), ("0.0.0.0", "127.0.0.1")])
+async def test_workers_are_polled_on_their_ops_host_an_ipv6_one_in_brackets(bind: str, asked: str) -> None:
+    """A review found ``http://::1:PORT/readyz`` polled (no client reaches it), and the workers always
+    polled at 127.0.0.1: with ``SLUICE_WORKER_OPS_HOST=::1`` none was ever seen ready. A wildcard bind is
+    polled at the loopback address of its family."""
+    assert up.reachable(bind) == asked
+    worker, port, given = await _worker(ready_after=1, host=asked)
+    try:
+        out = io.StringIO()
+        await _wait_workers([("demo-gpt@v1", port)], 5, Console(file=out, width=200), bind)
+        assert await up._answers(port, bind)  # a warm standby asked whether it runs
+        await up._wait_ready(bind, port, 5)  # the streams worker and the edges: the same poll
+    finally:
+        await worker.cleanup()
+    assert given[-1] == 200
+    assert out.getvalue() == ""
+
+
+async def test_a_poll_that_fails_names_the_url_it_polled_in_brackets() -> None:
+    with pytest.raises(InfraError) as raised:
+        await up._wait_ready("::1", free_port(), 0.3, what="the streams worker")
+    assert "at http://[::1]:" in str(raised.value)
 
 
 async def test_up_waits_for_each_workers_readyz_and_names_one_that_is_not_ready() -> None:

@@ -1,0 +1,23 @@
+"""A served model id no request topic could be named for is a settings error in every command."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from sluice.cli import app
+
+
+@pytest.mark.parametrize("command", [["settings"], ["topics", "list"], ["topics", "apply"]])
+def test_every_command_refuses_a_model_id_in_one_line(tmp_path: Path, command: list[str]) -> None:
+    """Before, `sluice settings` accepted `SLUICE_MODELS='demo gpt'` and `sluice topics` failed with a
+    traceback (and `sluice up` too, after it started Kafka): found by a review."""
+    env = {"SLUICE_MODELS": "demo gpt", "SLUICE_DATA_DIR": str(tmp_path), "COLUMNS": "300"}
+    result = CliRunner().invoke(app, command, env=env)
+    assert result.exit_code == 2, result.output
+    assert result.output.splitlines() == [
+        "settings error: PlatformSettings: SLUICE_MODELS: model id 'demo gpt' may contain only letters, "
+        "digits, '.', '_' and '-'"
+    ]
