@@ -14,6 +14,7 @@ from urllib.parse import unquote, urlsplit
 
 from rich.console import Console
 
+from bus.errors import BusError
 from gpu_workers.settings import WorkerSettings
 from ingest.settings import EdgeSettings
 from monitoring.access import check_exposure
@@ -163,6 +164,9 @@ def run_worker_process(platform: PlatformSettings, model_id: str, console: Conso
     except OpsServerError as exc:
         console.print(f"[red]error:[/] {exc}: set SLUICE_WORKER_OPS_PORT (0 picks a free port)")
         return 2
+    except BusError as exc:  # Kafka unreachable, the topics not applied: one line (a review: a traceback)
+        console.print(f"[red]error:[/] {exc}")
+        return 1
     finally:
         shutdown_tracing(provider)
     return 0
@@ -205,11 +209,17 @@ _QUIET.propagate = False
 
 
 def replies_partitions(platform: PlatformSettings) -> int:
-    from infra.topics import make_admin
+    from confluent_kafka import KafkaException
+
     from schemas.topics import TopicNames
 
     topic = TopicNames(platform.topic_prefix).replies
-    meta = make_admin(platform.kafka).list_topics(topic, timeout=10).topics[topic]
+    try:
+        meta = quiet_admin(platform.kafka).list_topics(topic, timeout=10).topics[topic]
+    except KafkaException as exc:  # one line, not a traceback under 200 of librdkafka's (a review)
+        raise BusError(
+            f"cannot reach Kafka at {platform.bootstrap}: {exc.args[0]} (is it running?)"
+        ) from None
     if meta.error is not None:
         raise SettingsError(f"topic {topic} does not exist: run `sluice topics apply`")
     return len(meta.partitions)
@@ -230,6 +240,9 @@ def run_edge_process(platform: PlatformSettings, console: Console, port: int | N
     except (SettingsError, ValueError) as exc:
         console.print(f"[red]error:[/] {exc}")
         return 2
+    except BusError as exc:
+        console.print(f"[red]error:[/] {exc}")
+        return 1
 
     async def main() -> None:
         stop = stop_on_signals()
@@ -237,7 +250,7 @@ def run_edge_process(platform: PlatformSettings, console: Console, port: int | N
 
     try:
         asyncio.run(main())
-    except EdgeFailed as exc:
+    except (EdgeFailed, BusError) as exc:
         console.print(f"[red]error:[/] {exc}")
         return 1
     finally:
@@ -275,7 +288,7 @@ def run_streams_process(platform: PlatformSettings, console: Console) -> int:
 
     try:
         asyncio.run(main())
-    except (InfraError, PricingError, BudgetError, SloConfigError, StreamsFailed) as exc:
+    except (InfraError, PricingError, BudgetError, SloConfigError, StreamsFailed, BusError) as exc:
         console.print(f"[red]error:[/] {exc}")
         return 1
     finally:
