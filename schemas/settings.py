@@ -16,7 +16,6 @@ import re
 import types
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
-from urllib.parse import urlsplit
 
 import msgspec
 
@@ -150,11 +149,29 @@ def redacted(field: str, value: object) -> object:
     if value is not None and field in SECRET_FIELDS:
         return REDACTED
     if isinstance(value, str) and "@" in value and "://" in value:
-        parts = urlsplit(value)
-        if parts.password is not None:
-            netloc = parts.netloc.replace(f":{parts.password}@", f":{REDACTED}@", 1)
-            return parts._replace(netloc=netloc).geturl()
+        return url_without_password(value)
     return value
+
+
+def url_password_span(url: str) -> tuple[int, int] | None:
+    """Where the password of ``url``'s user-info is in the string as written (``//user:password@``): from
+    the first ``:`` after ``//`` to the last ``@``. Read from the raw string, not parsed: an unencoded
+    ``#``, ``/`` or ``?`` in a password cuts a URL parser's host part short, and it printed the password
+    whole (a review; ``[`` made the parser raise). A path holding ``@`` after a port may be taken for
+    one: more is hidden, never less."""
+    start = url.find("//")
+    if start < 0:
+        return None
+    start += 2
+    at = url.rfind("@", start)
+    colon = url.find(":", start, at) if at >= 0 else -1
+    return None if colon < 0 else (colon + 1, at)
+
+
+def url_without_password(url: str) -> str:
+    """``url`` fit to print: its password (:func:`url_password_span`) as ``[REDACTED]``."""
+    span = url_password_span(url)
+    return url if span is None else f"{url[: span[0]]}{REDACTED}{url[span[1] :]}"
 
 
 def display(field: str, value: object) -> str:

@@ -10,7 +10,7 @@ import signal
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
-from urllib.parse import unquote, urlsplit
+from urllib.parse import unquote
 
 from rich.console import Console
 
@@ -28,6 +28,7 @@ from schemas.settings import (
     SettingsError,
     load_settings,
     local_kafka_ports,
+    url_password_span,
 )
 from sluice.autoscale import FleetSettings
 from streams.settings import StreamsSettings
@@ -112,13 +113,11 @@ def _url_passwords(url: str | None) -> tuple[str, ...]:
     """The password in ``url``'s user-info (``SLUICE_WAREHOUSE_URL``'s), as written and percent-decoded:
     either form may reach a log line. A review found the warehouse password unregistered, so a line that
     quoted the URL, or the password alone, kept it."""
-    if not url:
+    span = url_password_span(url) if url else None
+    if url is None or span is None:
         return ()
-    try:
-        password = urlsplit(url).password
-    except ValueError:  # not a URL: the warehouse refuses it, and the log scrubber still knows URL passwords
-        return ()
-    return (password, unquote(password)) if password else ()
+    password = url[span[0] : span[1]]
+    return (password, unquote(password))
 
 
 def check_worker_exposure(platform: PlatformSettings, worker: WorkerSettings) -> None:

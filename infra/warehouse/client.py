@@ -21,7 +21,7 @@ import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeAlias
-from urllib.parse import SplitResult, unquote, urlsplit
+from urllib.parse import unquote, urlsplit
 
 import clickhouse_connect
 import msgspec
@@ -30,7 +30,7 @@ from clickhouse_connect.driver.exceptions import ClickHouseError
 
 from infra.warehouse.errors import WarehouseError, WarehouseLockedError, WarehouseQueryError
 from infra.warehouse.owner import read_owner, warehouse_dir
-from schemas.settings import REDACTED, PlatformSettings
+from schemas.settings import PlatformSettings, url_without_password
 
 __all__ = [
     "DEFAULT_MAX_RESULT_BYTES",
@@ -148,14 +148,14 @@ class QueryResult(msgspec.Struct, frozen=True, kw_only=True):
 
 def parse_warehouse_url(url: str) -> ServerAddress:
     """``url`` (``SLUICE_WAREHOUSE_URL``) as a server address; :class:`WarehouseError` says what is wrong
-    with it, quoting it without its password (:func:`_shown`)."""
+    with it, quoting it without its password (:func:`~schemas.settings.url_without_password`)."""
     try:
         parts = urlsplit(url)
     except ValueError:  # its message may quote the netloc, password and all
         raise WarehouseError(
             "warehouse url: not a valid URL (expected http://host:8123 or https://host:8443)"
         ) from None
-    shown = _shown(parts)
+    shown = url_without_password(url)
     if parts.scheme not in ("http", "https"):
         raise WarehouseError(f"warehouse url {shown!r}: expected http://host:8123 or https://host:8443")
     try:
@@ -176,18 +176,6 @@ def parse_warehouse_url(url: str) -> ServerAddress:
         database=database,
         secure=secure,
     )
-
-
-def _shown(parts: SplitResult) -> str:
-    """The URL fit to print: its password (user-info after the first ``:``) as ``[REDACTED]``. A review
-    found each error of :func:`parse_warehouse_url` quoting the whole ``SLUICE_WAREHOUSE_URL``, password
-    and all, on stderr and in the logs. Unlike :func:`schemas.settings.redacted` it needs no ``://``:
-    ``//user:pw@host`` has a password too."""
-    if parts.password is None:
-        return parts.geturl()
-    # ":<password>@" first occurs where the password starts: the user-info ends at the netloc's last "@"
-    netloc = parts.netloc.replace(f":{parts.password}@", f":{REDACTED}@", 1)
-    return parts._replace(netloc=netloc).geturl()
 
 
 def open_warehouse(settings: PlatformSettings) -> Client:

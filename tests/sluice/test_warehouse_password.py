@@ -48,3 +48,30 @@ def test_sql_with_a_bad_warehouse_url_does_not_print_its_password(
     assert result.exit_code == 1, result.output
     assert "warehouse url" in result.output
     assert "hunter2secret" not in result.output
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://sluice:s3cr#tPassw0rd@clickhouse:8123/sluice",
+        "http://sluice:s3cr/tPassw0rd@clickhouse:8123",
+        "http://sluice:s3cr?tPassw0rd@clickhouse:8123",
+        "http://sluice:s3cr[tPassw0rd@clickhouse:8123",
+    ],
+)
+def test_a_password_holding_what_a_url_parser_splits_at_is_never_shown(
+    monkeypatch: pytest.MonkeyPatch, url: str
+) -> None:
+    """Found by a review: an unencoded '#', '/' or '?' in the password cut the parser's host part short, so
+    ``sluice settings`` and the errors printed the password, and '[' made ``sluice settings`` raise."""
+    from schemas.settings import display
+
+    assert "tPassw0rd" not in display("warehouse_url", url)
+    result = CliRunner().invoke(app, ["settings"], env={"SLUICE_WAREHOUSE_URL": url, "COLUMNS": "300"})
+    assert result.exit_code == 0, result.output
+    assert "tPassw0rd" not in result.output
+    configured: list[str] = []
+    monkeypatch.setattr(services, "configure_logging", lambda settings, service: configured.append(service))
+    monkeypatch.delenv("SLUICE_OTLP_ENDPOINT", raising=False)
+    services.observe("streams", PlatformSettings(warehouse_url=url))
+    assert "tPassw0rd" not in scrub(f"connecting with {url[url.index('s3cr') : url.index('@')]}")

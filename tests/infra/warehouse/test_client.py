@@ -80,6 +80,10 @@ def test_bad_server_urls_are_refused(url: str, problem: str) -> None:
         ("http://u:hunter2secret@ch/a/b", "single", "'http://u:[REDACTED]@ch/a/b'"),
         ("http://u:pw@hunter2secret@ch:x", "port", "'http://u:[REDACTED]@ch:x'"),  # '@' in the password
         ("http://u:hunter2secret@[ch:8123", "not a valid URL", "warehouse url:"),  # urlsplit refuses it
+        # unencoded '#', '/', '?' in the password cut the parser's host part short: it printed the rest
+        ("http://u:hunter#2secret@ch:8123/db", "port", "'http://u:[REDACTED]@ch:8123/db'"),
+        ("http://u:hunter/2secret@ch:8123", "port", "'http://u:[REDACTED]@ch:8123'"),
+        ("http://u:hun?ter2secret@ch:8123", "port", "'http://u:[REDACTED]@ch:8123'"),
     ],
 )
 def test_a_bad_server_url_is_quoted_without_its_password(url: str, problem: str, shown: str) -> None:
