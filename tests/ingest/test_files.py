@@ -14,7 +14,7 @@ from openai import AsyncOpenAI
 
 from ingest.auth import DEMO_KEY
 from ingest.errors import InvalidRequest, NotFound
-from ingest.files import DAY_S, FileStore, expires_after
+from ingest.files import DAY_S, FileStore, FileWriter, expires_after
 from tests.ingest.conftest import MakeClient
 
 
@@ -160,18 +160,22 @@ async def test_an_upload_and_a_listing_read_the_tenants_files_off_the_event_loop
     0.2 s. Both read them on a thread."""
     client, _ = await make_client(edge_files_max_bytes_per_tenant=1 << 30)
     loop_thread = threading.get_ident()
-    read_on: dict[str, list[bool]] = {"usage": [], "list": []}
+    read_on: dict[str, list[bool]] = {"usage": [], "list": [], "sync": []}
     for name, calls in read_on.items():
-        plain = getattr(FileStore, name)
+        owner: Any = FileWriter if name == "sync" else FileStore
+        plain = getattr(owner, name)
 
-        def recorded(self: FileStore, *args: Any, _plain: Any = plain, _calls: list[bool] = calls) -> Any:
+        def recorded(self: Any, *args: Any, _plain: Any = plain, _calls: list[bool] = calls) -> Any:
             _calls.append(threading.get_ident() == loop_thread)
             return _plain(self, *args)
 
-        monkeypatch.setattr(FileStore, name, recorded)
+        monkeypatch.setattr(owner, name, recorded)
     async with AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=DEMO_KEY, max_retries=0) as sdk:
         uploaded = await sdk.files.create(file=("a.jsonl", io.BytesIO(b"{}\n")), purpose="batch")
         assert [f.id for f in (await sdk.files.list()).data] == [uploaded.id]
     assert read_on["usage"] == [False], "the upload's usage was read on the event loop"
+    # the data's fsync too (a 200 MB upload's held the loop as long as the disk took): the close's
+    # own, after it, has nothing left to write
+    assert read_on["sync"][:1] == [False], "the upload was made durable on the event loop"
     # the usage's own read, and the listing's
     assert read_on["list"] == [False, False], "a listing was read on the event loop"
