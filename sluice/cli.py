@@ -431,18 +431,9 @@ def slo_rules(
 
     Point Prometheus' rule_files at the output (example: infra/prometheus/prometheus.yml, docs/slo.md).
     """
-    import os
-
     from monitoring.slo import render_rules
-    from schemas.settings import load_settings
-    from streams.settings import StreamsSettings
 
-    # The drift window, lateness and interval the streams worker runs with, when set, win over the
-    # config's [alerts.drift] (a report's age when healthy is a window plus the lateness and an interval).
-    streams = load_settings(StreamsSettings)
-    window = streams.drift_window_s if "SLUICE_DRIFT_WINDOW_S" in os.environ else None
-    lateness = streams.drift_lateness_s if "SLUICE_DRIFT_LATENESS_S" in os.environ else None
-    interval = streams.drift_interval_s if "SLUICE_DRIFT_INTERVAL_S" in os.environ else None
+    window, lateness, interval = _streams_drift()
     cfg, source = _slo_config(config)
     text = render_rules(
         cfg, source=source, drift_window_s=window, drift_lateness_s=lateness, drift_interval_s=interval
@@ -457,10 +448,27 @@ def slo_rules(
     console.print(f"wrote {escape(str(out_file))}")
 
 
+def _streams_drift() -> tuple[float | None, float | None, float | None]:
+    """The drift window, lateness and interval the streams worker runs with, each where its variable is
+    set (None: the SLO config's ``[alerts.drift]`` holds): they win over the config, for the rules and for
+    what ``slo show`` says of them (a report's age when healthy is a window, the lateness and an interval)."""
+    import os
+
+    from schemas.settings import load_settings
+    from streams.settings import StreamsSettings
+
+    streams = load_settings(StreamsSettings)
+    return (
+        streams.drift_window_s if "SLUICE_DRIFT_WINDOW_S" in os.environ else None,
+        streams.drift_lateness_s if "SLUICE_DRIFT_LATENESS_S" in os.environ else None,
+        streams.drift_interval_s if "SLUICE_DRIFT_INTERVAL_S" in os.environ else None,
+    )
+
+
 @slo_app.command("show")
 def slo_show(config: SloConfigOption = None) -> None:
     """Show the tiers with their models, objectives and error budgets, and the alerts' thresholds."""
-    from monitoring.slo import budget_minutes, burn_alerts
+    from monitoring.slo import SloConfigError, budget_minutes, burn_alerts, drift_settings
 
     cfg, source = _slo_config(config)
     table = Table(
@@ -514,7 +522,11 @@ def slo_show(config: SloConfigOption = None) -> None:
         "any forward pass out of memory (per model)",
         "",
     )
-    drift = cfg.alerts.drift
+    window_s, lateness_s, interval_s = _streams_drift()
+    try:
+        drift = drift_settings(cfg, window_s, lateness_s=lateness_s, interval_s=interval_s)
+    except SloConfigError as exc:
+        raise fail(str(exc)) from None
     window = f"{drift.window_s:g} s drift windows"
     alerts.add_row(
         "SluiceDriftDetected", drift.severity, window, f"{drift.drift_windows} windows in a row say drift", ""
@@ -530,7 +542,8 @@ def slo_show(config: SloConfigOption = None) -> None:
         "SluiceDriftReportsStale",
         drift.severity,
         window,
-        f"no report for {drift.stale_after_windows} windows while serving",
+        f"no report for {drift.stale_after_windows} windows and the monitor's {drift.lateness_s:g} s lateness "
+        f"and {drift.interval_s:g} s interval ({drift.stale_after_s:g} s) while serving",
         "",
     )
     alerts.add_row("SluiceRolloutRolledBack", "ticket", "30m", "the rollout controller rolled back", "")

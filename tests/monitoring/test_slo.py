@@ -421,6 +421,12 @@ def test_cli_rules_take_the_streams_workers_drift_settings(monkeypatch: pytest.M
     result = CliRunner().invoke(app, ["slo", "rules"])
     assert result.exit_code == 0, result.output
     assert "[1d])) > 95\n" in result.stdout
+    # and `slo show` says what the rules do (it showed the config's window alone, and windows only)
+    result = CliRunner().invoke(app, ["slo", "show"], env={"COLUMNS": "300"})
+    assert result.exit_code == 0, result.output
+    (stale,) = [line for line in result.stdout.splitlines() if "SluiceDriftReportsStale" in line]
+    assert "10 s drift windows" in stale
+    assert "60 s lateness and 5 s interval (95 s)" in stale
 
 
 def test_seconds_duration() -> None:
