@@ -591,6 +591,25 @@ async def test_a_restarted_edge_resumes_its_batch_and_each_line_ends_once(
     assert all(first_ids[e.index] == e.request_id for e in again if e.index in first_ids)  # same requests
 
 
+async def completed_while_down(
+    make_client: MakeClient, batch_log: FakeBatchLog, *, cancel: bool = False
+) -> Any:
+    """A batch of 5 lines running on an edge that stops (after a cancel answered ``cancelling``, if
+    ``cancel``), whose lines complete while it is down: the batch as created."""
+    held: list[BatchItemRequested] = []
+    batch_log.respond = held.append
+    first, _ = await make_client(edge_batch_max_in_flight=5)
+    async with AsyncOpenAI(base_url=str(first.make_url("/v1")), api_key=DEMO_KEY, max_retries=0) as sdk:
+        created = await run(sdk, [chat_line(i) for i in range(5)])
+        await _eventually(lambda: len(held) == 5)
+        if cancel:
+            assert (await sdk.batches.cancel(created.id)).status == "cancelling"
+    await first.close()
+    for event in held:
+        batch_log.answer(complete(event))
+    return created
+
+
 async def test_a_line_whose_result_is_read_while_it_is_prepared_again_stays_done(
     make_client: MakeClient, batch_log: FakeBatchLog, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -599,16 +618,7 @@ async def test_a_line_whose_result_is_read_while_it_is_prepared_again_stays_done
     being prepared for publishing again when its result was read was marked in flight over done, and
     published. The workers skip a request already finished, so no result came again: the batch stayed
     ``in_progress`` with 64 completed, billed lines unreported until its window ran out."""
-    held: list[BatchItemRequested] = []
-    batch_log.respond = held.append
-    first, _ = await make_client(edge_batch_max_in_flight=5)
-    async with AsyncOpenAI(base_url=str(first.make_url("/v1")), api_key=DEMO_KEY, max_retries=0) as sdk:
-        created = await run(sdk, [chat_line(i) for i in range(5)])
-        await _eventually(lambda: len(held) == 5)
-    await first.close()
-    for event in held:  # the lines complete while the edge is down
-        batch_log.answer(complete(event))
-
+    created = await completed_while_down(make_client, batch_log)
     prepare = BatchRunner._line_events
 
     def slowly(self: BatchRunner, *args: Any) -> list[Any]:
@@ -664,16 +674,9 @@ async def test_a_batch_cancelling_while_its_edge_was_down_keeps_the_results_writ
     import ingest.batches
 
     monkeypatch.setattr(ingest.batches, "CATCH_UP_LIMIT_S", 5.0)
-    held: list[BatchItemRequested] = []
-    batch_log.respond = held.append
-    first, _ = await make_client(edge_batch_max_in_flight=5)
-    async with AsyncOpenAI(base_url=str(first.make_url("/v1")), api_key=DEMO_KEY, max_retries=0) as sdk:
-        created = await run(sdk, [chat_line(i) for i in range(5)])
-        await _eventually(lambda: len(held) == 5)
-        assert (await sdk.batches.cancel(created.id)).status == "cancelling"
-    await first.close()  # stopped while its 5 running lines had not reported yet
-    for event in held:  # they had completed on the workers before the cancel reached them
-        batch_log.answer(complete(event))
+    # stopped while its 5 running lines had not reported yet; they had completed on the workers before
+    # the cancel reached them
+    created = await completed_while_down(make_client, batch_log, cancel=True)
 
     second, _ = await make_client(edge_batch_max_in_flight=5)
     async with AsyncOpenAI(base_url=str(second.make_url("/v1")), api_key=DEMO_KEY, max_retries=0) as sdk:
