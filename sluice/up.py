@@ -146,13 +146,16 @@ class ServiceProcess:
         backoff_s: float = 1.0,
         halt: asyncio.Event | None = None,
         healthy_s: float = 60.0,
+        stop_grace_s: float = STOP_GRACE_S,
     ) -> None:
         """``halt`` is the whole platform's stop: a child that exits once it is set (a Ctrl-C reaches the
         whole process group, so children exit on their own as ``sluice up`` starts stopping) is not
         restarted. A child that ran ``healthy_s`` before it exited is restarted after the first back-off
         again, not the last one (an audit: a worker that crashed twice at start waited 30 s to come back
-        from a crash days later)."""
+        from a crash days later). ``stop_grace_s``: how long :meth:`stop` waits after SIGTERM before it
+        kills (a worker's covers its drain)."""
         self.name = name
+        self._stop_grace_s = stop_grace_s
         self._backoff_s = backoff_s
         self._healthy_s = healthy_s
         self._halt = halt
@@ -187,6 +190,12 @@ class ServiceProcess:
                 env={**os.environ, **self._env},
                 preexec_fn=die_with_parent,
             )
+            if self.stopping:
+                # stopped while this child was being spawned: ``stop`` signalled the one before it, or
+                # none, and waited for this task for good (a review: a worker retired while it restarted
+                # hung its retirement and served on, uncounted)
+                await self._end(self._proc)
+                return
             code = await self._proc.wait()
             if self.stopping or self._halting():
                 return
@@ -217,16 +226,22 @@ class ServiceProcess:
         self._stopping = True
         self._stop_requested.set()
         proc = self._proc
-        if proc is not None and proc.returncode is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                async with asyncio.timeout(STOP_GRACE_S):
-                    await proc.wait()
-            except TimeoutError:
-                proc.kill()
-                await proc.wait()
+        if proc is not None:
+            await self._end(proc)
         if self._task is not None:
             await self._task
+
+    async def _end(self, proc: asyncio.subprocess.Process) -> None:
+        """SIGTERM, then SIGKILL past the grace."""
+        if proc.returncode is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            async with asyncio.timeout(self._stop_grace_s):
+                await proc.wait()
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
 
 
 async def _unless_stopped(stop: asyncio.Event, waiting: Awaitable[object]) -> bool:
@@ -278,8 +293,12 @@ class Fleet:
         halt: asyncio.Event | None = None,
         worker_env: dict[str, str] | None = None,
         ops_host: str = "127.0.0.1",
+        worker_drain_s: float = 0.0,
     ) -> None:
         self._settings = settings
+        # A worker stopped drains first (SLUICE_WORKER_DRAIN_S), then flushes and commits: killed at a fixed
+        # 30 s, one given a longer drain lost its flush and commits at every scale-in (a review).
+        self._stop_grace_s = max(STOP_GRACE_S, worker_drain_s + 15.0)
         self._ops_host = ops_host  # SLUICE_WORKER_OPS_HOST: where a warm standby is asked /healthz
         self._worker_env = worker_env or {}
         self._halt = halt
@@ -304,6 +323,8 @@ class Fleet:
         self._told: set[str] = set()
         """Ids of the deployment changes this fleet printed."""
         self._stopping: set[asyncio.Task[None]] = set()
+        self._retiring: dict[asyncio.Task[None], _Worker] = {}
+        """Workers being stopped, until they have exited (they hold their ops ports while they drain)."""
         self._serial = itertools.count(1)
         self._lag = GroupLag(settings.kafka)
 
@@ -385,7 +406,10 @@ class Fleet:
     async def _spawn(self, key: tuple[str, str], *, standby: bool) -> _Worker:
         model, version = key
         fixed = self._base_port + self._settings.served_models().index(model) if self._base_port else 0
-        taken = {w.port for running in self.workers.values() for w in running}
+        # A retiring worker holds its port while it drains (a review: after a promotion the next scale-out
+        # was given the fixed port the old version's worker still held, and crash-looped until it left).
+        held = [*self._retiring.values(), *(w for pool in self.standby.values() for w in pool)]
+        taken = {w.port for running in self.workers.values() for w in running} | {w.port for w in held}
         if standby:
             port = free_port()  # polled for /healthz before it is told to join
         elif fixed and fixed not in taken:
@@ -399,7 +423,12 @@ class Fleet:
         if standby:
             env["SLUICE_WORKER_STANDBY"] = "true"
         process = ServiceProcess(
-            name, ["worker", "--model", model, "--version", version], self._console, env, halt=self._halt
+            name,
+            ["worker", "--model", model, "--version", version],
+            self._console,
+            env,
+            halt=self._halt,
+            stop_grace_s=self._stop_grace_s,
         )
         await process.start()
         self._console.print(f"{what} started (#{serial})")
@@ -412,7 +441,9 @@ class Fleet:
         )
         task = asyncio.create_task(worker.process.stop(), name=f"stop {worker.process.name}")
         self._stopping.add(task)
+        self._retiring[task] = worker
         task.add_done_callback(self._stopping.discard)
+        task.add_done_callback(lambda done: self._retiring.pop(done, None))
 
     async def autoscale(self, stable: dict[str, str], publish: Publish) -> None:
         """Decide each model's worker count from its lag; a change is published before it is acted on."""
@@ -799,6 +830,7 @@ async def _serve(
             stop,
             worker_env,
             ops_host=worker_settings.worker_ops_host,
+            worker_drain_s=worker_settings.worker_drain_s,
         )
         stack.push_async_callback(fleet.stop)
         await fleet.reconcile(*await asyncio.to_thread(fleet.desired))

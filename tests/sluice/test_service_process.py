@@ -213,3 +213,78 @@ async def test_no_warm_standby_is_kept_past_the_most_workers(monkeypatch: pytest
     assert retired == ["a standby past --max-workers"]
     await fleet.reconcile({key: 1}, stable)  # scaled in: room again, a standby again
     assert len(fleet.standby[key]) == 1
+
+
+async def test_a_stop_while_its_child_is_being_spawned_ends_that_child(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by a review: a stop that came while the supervisor awaited the spawn (a worker crashed and was
+    being restarted when a scale-in retired it) signalled the dead child, or none, and waited for good
+    while the new one served on, counted nowhere."""
+    spawning, spawned = asyncio.Event(), asyncio.Event()
+    real = asyncio.create_subprocess_exec
+
+    async def slow_exec(*args: object, **kwargs: object) -> asyncio.subprocess.Process:
+        spawning.set()
+        await spawned.wait()  # the stop comes now
+        return await real("sleep", "300", **kwargs)  # type: ignore[arg-type]  # runs until signalled
+
+    monkeypatch.setattr(asyncio, "create_subprocess_exec", slow_exec)
+    child = ServiceProcess("worker #1", ["worker"], Console(quiet=True), {}, stop_grace_s=5.0)
+    await child.start()
+    await spawning.wait()
+    stopping = asyncio.create_task(child.stop())
+    await asyncio.sleep(0.05)
+    spawned.set()
+    await asyncio.wait_for(stopping, timeout=10)
+    assert child._proc is not None
+    assert child._proc.returncode == -signal.SIGTERM
+
+
+async def test_a_worker_is_given_its_drain_before_it_is_killed() -> None:
+    """Found by a review: ``sluice up`` killed a stopping worker after a fixed 30 s, so one given a longer
+    ``SLUICE_WORKER_DRAIN_S`` lost its flush and its commits at every scale-in."""
+    assert up.STOP_GRACE_S == 30.0
+    fleet = up.Fleet(PlatformSettings(), FleetSettings(), Console(quiet=True), 0, worker_drain_s=60.0)
+    assert fleet._stop_grace_s == 75.0
+    assert up.Fleet(PlatformSettings(), FleetSettings(), Console(quiet=True), 0)._stop_grace_s == 30.0
+    child = ServiceProcess("stubborn", ["worker"], Console(quiet=True), {}, stop_grace_s=0.5)
+    child._proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)",
+    )
+    await asyncio.sleep(0.5)  # its handler is set
+    await asyncio.wait_for(child.stop(), timeout=10)  # killed after its grace, not 30 s
+    assert child._proc.returncode == -signal.SIGKILL
+
+
+async def test_a_port_is_not_given_again_while_a_retiring_worker_still_holds_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by a review: a retiring worker left the fleet's list at once but held its ops port while it
+    drained; after a promotion the new version's next worker was given the model's fixed port, and
+    crash-looped until the old one left."""
+    draining = asyncio.Event()
+
+    class Draining:
+        def __init__(self, name: str, args: list[str], console: Console, env: dict[str, str], **_: object):
+            self.name, self.env = name, env
+
+        async def start(self) -> None:
+            pass
+
+        async def stop(self) -> None:
+            await draining.wait()
+
+    monkeypatch.setattr(up, "ServiceProcess", Draining)
+    fleet = up.Fleet(PlatformSettings(), FleetSettings(), Console(quiet=True), 9400, asyncio.Event())
+    old = await fleet._spawn(("demo-gpt", "v1"), standby=False)
+    assert old.port == 9400
+    fleet._retire(("demo-gpt", "v1"), old, "promoted")
+    new = await fleet._spawn(("demo-gpt", "v2"), standby=False)
+    assert new.port == 0  # picks a free one
+    draining.set()
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)  # the retirement's task ends: the port is free again
+    assert (await fleet._spawn(("demo-gpt", "v2"), standby=False)).port == 9400
