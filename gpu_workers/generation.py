@@ -140,7 +140,10 @@ class GenerationRunner:
             detok=self._detokenizer(),
             max_new_tokens=max(0, min(event.sampling.max_tokens, room, self._manifest.max_output_tokens)),
         )
-        if live.max_new_tokens == 0 or not event.input_ids:
+        if not event.input_ids:  # the edge refuses one; another producer may not (it read "no room")
+            emit.finish(arrival, self._origin.failed(arrival, "invalid_request", "the prompt is empty"))
+            return
+        if live.max_new_tokens == 0:
             emit.finish(
                 arrival,
                 self._origin.failed(

@@ -16,7 +16,7 @@ import msgspec
 
 from ingest.errors import InvalidRequest
 from schemas.codec import UNREADABLE_JSON, unreadable_json
-from schemas.events import FLOAT32_BYTES, FinishReason, Float32Vectors, Usage
+from schemas.events import FLOAT32_BYTES, MAX_STOPS, FinishReason, Float32Vectors, StopString, Usage
 
 T = TypeVar("T")
 
@@ -29,10 +29,7 @@ MIN_TIMEOUT_S = 0.001
 """The shortest deadline a request may ask for: one that has passed before its event is written was
 published, answered 504 and cancelled (an audit)."""
 Timeout = Annotated[float, msgspec.Meta(ge=MIN_TIMEOUT_S, le=86_400.0)]
-MAX_STOP_CHARS = 256
-"""A stop string longer than this is refused: it rides in every request event and terminal event."""
-StopWord = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_STOP_CHARS)]
-StopWords = Annotated[list[StopWord], msgspec.Meta(max_length=4)]
+StopWords = Annotated[list[StopString], msgspec.Meta(max_length=MAX_STOPS)]
 # Token-or-text inputs: str | list[str] | list[int] | list[list[int]]; mixing is rejected after decoding.
 PromptInput = str | list[str | int | list[int]]
 
@@ -70,7 +67,7 @@ class _GenerationBody(_Strict, kw_only=True, forbid_unknown_fields=True, frozen=
     stream: bool | None = None
     """``null`` is ``false``, as OpenAI documents it ("boolean or null"): read it through :attr:`streams`."""
     stream_options: StreamOptions | None = None
-    stop: StopWord | StopWords | None = None
+    stop: StopString | StopWords | None = None
     seed: Seed | None = None
     ignore_eos: bool = False
     """vLLM's extension: keep generating past the end-of-sequence token (benchmarks, load tests)."""

@@ -84,13 +84,24 @@ class Envelope(FrozenStruct, frozen=True, kw_only=True, tag_field="type"):
 # --- requests ---------------------------------------------------------------------------------------------
 
 
+MAX_STOPS = 4
+"""The most stop strings a request may give (OpenAI's)."""
+MAX_STOP_CHARS = 256
+"""A stop string longer than this is refused: it rides in every request event and terminal event."""
+StopString = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_STOP_CHARS)]
+"""A stop string: an empty one would stop every completion before its first character."""
+
+
 class SamplingParams(FrozenStruct, frozen=True, kw_only=True):
     max_tokens: Annotated[int, msgspec.Meta(ge=1)] = 16
     temperature: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0
     top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
     top_k: NonNegative = 0
     """0 disables top-k."""
-    stop: tuple[str, ...] = ()
+    stop: Annotated[tuple[StopString, ...], msgspec.Meta(max_length=MAX_STOPS)] = ()
+    """Bounded as the edge bounds them: the worker looks for each at every token on the model's thread, and
+    800,000 of them in one record slowed every request of a worker to 1 s a token (a review). A record
+    with more is dead-lettered."""
     seed: Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)] | None = None
     """An int64, as the edge takes it (``torch.Generator.manual_seed`` takes no more than a uint64, and
     msgspec bounds no wider than an int64): a record with another fails to decode and is dead-lettered."""

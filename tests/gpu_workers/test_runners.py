@@ -249,11 +249,12 @@ def test_generation_terminal_events(gpt_runner: GenerationRunner) -> None:
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     completed = generation(greedy, **common)
     expired = generation(greedy, deadline=utc_now() - timedelta(seconds=1), **common)
-    no_room = generation(greedy, input_ids=[], **common)
+    no_room = generation(greedy, input_ids=[1] * gpt_runner._manifest.max_context, **common)
+    empty = generation(greedy, input_ids=[], **common)  # the edge refuses one; another producer may not
     wrong_kind = embedding(**common)
     began = utc_now()
-    done = run(gpt_runner, [completed, expired, no_room, wrong_kind]).finished
-    for request in (completed, expired, no_room, wrong_kind):
+    done = run(gpt_runner, [completed, expired, no_room, empty, wrong_kind]).finished
+    for request in (completed, expired, no_room, empty, wrong_kind):
         assert_envelope(done[request.request_id], request)
 
     result = done[completed.request_id]
@@ -290,6 +291,7 @@ def test_generation_terminal_events(gpt_runner: GenerationRunner) -> None:
             no_room,
             ErrorInfo(code="context_length_exceeded", message="the prompt leaves no room for a completion"),
         ),
+        (empty, ErrorInfo(code="invalid_request", message="the prompt is empty")),
         (
             wrong_kind,
             ErrorInfo(

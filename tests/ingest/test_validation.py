@@ -9,8 +9,7 @@ from typing import Any
 
 import pytest
 
-from ingest.openai import MAX_STOP_CHARS
-from schemas.events import GenerationRequested
+from schemas.events import MAX_STOP_CHARS, GenerationRequested
 from tests.ingest.conftest import AUTH, EMB, GEN, OTHER_AUTH, Client, MakeClient, assert_healthy
 from tests.ingest.fake_gateway import FakeGateway
 

@@ -189,6 +189,29 @@ def test_a_seed_outside_int64_fails_to_decode_so_the_record_is_dead_lettered(see
         assert decode(encode(fine)) == fine
 
 
+@pytest.mark.parametrize(
+    "stop", [("a",) * 5, ("",), ("x" * 257,), ("s",) * 800_000], ids=["five", "empty", "long", "800k"]
+)
+def test_stop_strings_past_the_edges_bounds_fail_to_decode_so_the_record_is_dead_lettered(
+    stop: tuple[str, ...],
+) -> None:
+    """Found by a review: the worker looks for every stop string at every token on the model's thread, and
+    one record of 800,000 (8 MB, under the record limit) slowed every request of the worker to 1 s a token;
+    an empty one stopped every completion at once. Bounded as the edge bounds them."""
+    event = GenerationRequested(
+        tenant="t",
+        model="m",
+        source="s",
+        model_version="m@1",
+        input_ids=[1],
+        sampling=SamplingParams(stop=stop),
+    )
+    with pytest.raises(DecodeError, match="stop"):
+        decode(encode(event))
+    fine = msgspec.structs.replace(event, sampling=SamplingParams(stop=("a", "b" * 256, "c", "d")))
+    assert decode(encode(fine)) == fine
+
+
 @pytest.mark.parametrize("field", ["prompt_tokens", "completion_tokens", "total_tokens"])
 def test_a_token_count_past_the_warehouses_uint32_fails_to_decode(field: str) -> None:
     """``request_facts`` keeps token counts as UInt32: 2**32 prompt tokens were stored as 0 (and a cost of
