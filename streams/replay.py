@@ -16,7 +16,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from bus.consumer import consumer_config
 from bus.control import read_control
 from bus.errors import BusError
-from bus.positions import watermarks
+from bus.positions import past_ends, watermarks
 from schemas.settings import PlatformSettings
 from schemas.topics import TopicNames
 from streams import StreamsError
@@ -97,7 +97,7 @@ def replay(
         while remaining:
             if monotonic() - last_record > timeout_s:
                 raise ReplayError(
-                    f"no record arrived for {timeout_s:g}s with {done} of {total} read; still to come: "
+                    f"no record arrived for {timeout_s:g}s with {done} of up to {total} read; still to come: "
                     f"{_partitions(remaining)} (`sluice replay --timeout` waits longer)"
                 )
             records = []
@@ -112,6 +112,8 @@ def replay(
                 records.append(Consumed(key[0], key[1], offset, message.value() or b""))
                 if offset + 1 >= end:
                     del remaining[key]
+            for key in past_ends(consumer, remaining):  # ending in a transaction's marker
+                del remaining[key]
             if records:
                 batch = rows.batch(records)
                 insert(writer, batch)

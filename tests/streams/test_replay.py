@@ -37,6 +37,33 @@ CHECKSUMS = {
 }
 
 
+@pytest.mark.integration
+def test_a_replay_of_a_topic_ending_in_a_transactions_marker_ends(
+    kafka_bootstrap: str, topic_prefix: str, tmp_path: Path
+) -> None:
+    """Found by a review: a replay waited for a record at a partition's last offset, and a transaction's
+    commit marker there (a topic a transactional tool wrote) is never handed over: it failed after its
+    timeout, saying "1 of 2 read"."""
+    from confluent_kafka import Producer
+
+    settings = PlatformSettings(kafka_bootstrap=kafka_bootstrap, topic_prefix=topic_prefix)
+    names = TopicNames(topic_prefix)
+    apply_topics(
+        make_admin(settings.kafka),
+        platform_topics(names, ["demo-gpt"], TopicSizing(requests=1, replies=1, events=1)),
+    )
+    producer = Producer({**settings.kafka.client_config(), "transactional.id": f"{topic_prefix}-tx"})
+    producer.init_transactions(30)
+    producer.begin_transaction()
+    producer.produce(names.results, encode(event(finished=now_ms())), partition=0)
+    producer.commit_transaction(30)
+    with migrated_warehouse(tmp_path / "replay") as client:
+        report = replay(
+            settings, client, PriceHistory(PriceTable()), [names.requests("demo-gpt")], timeout_s=20
+        )
+    assert (report.events, report.undecodable) == (1, 0)
+
+
 def checksums(client: Client) -> dict[str, Any]:
     return {table: rows(client, sql)[0] for table, sql in CHECKSUMS.items()}
 
@@ -192,6 +219,9 @@ class FakeLog:
             self.next[topic] = max(offset, upto)
         return batch
 
+    def position(self, partitions: Sequence[TopicPartition]) -> list[TopicPartition]:
+        return [TopicPartition(tp.topic, tp.partition, self.next[tp.topic]) for tp in partitions]
+
     def message(self, topic: str, offset: int) -> Any:
         return SimpleNamespace(
             error=lambda: None,
@@ -223,7 +253,7 @@ def test_a_stalled_replay_gives_up_after_the_timeout_since_the_last_record(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     log = FakeLog(monkeypatch, 100, per_poll=10, stall_after=40)
-    with pytest.raises(ReplayError, match=r"no record arrived for 30s with 40 of 100 read") as caught:
+    with pytest.raises(ReplayError, match=r"no record arrived for 30s with 40 of up to 100 read") as caught:
         replay(PlatformSettings(topic_prefix="p"), NullWriter(), FROM_LOG, [], timeout_s=30)
     assert "p.results[0]" in str(caught.value)
     assert "--timeout" in str(caught.value)
