@@ -572,6 +572,9 @@ def dashboard_sql(
     if not 1 <= minutes <= MAX_MINUTES:
         raise ValueError(f"minutes must be between 1 and {MAX_MINUTES}, got {minutes}")
     since = f"toStartOfMinute(now()) - toIntervalMinute({int(minutes) - 1})"
+    # and no later than this minute: a worker whose clock ran a day ahead had its requests in every
+    # window's tiles until that day came, while the charts (clipped to the window) left them out (a review)
+    until = "toStartOfMinute(now()) + toIntervalMinute(1)"
     minute = "formatDateTime(toStartOfMinute(finished), '%Y-%m-%d %H:%i:%S')"
     budget = _by_tier(config, _availability_budget)
     interactive = (" AND shadow_of = ''" if shadows else "") + (" AND batch_id = ''" if batch_lines else "")
@@ -586,7 +589,7 @@ def dashboard_sql(
     quantileExactIf(0.5)(itl_mean_ms, itl_mean_ms IS NOT NULL) AS itl_p50_ms,
     quantileExactIf(0.99)(itl_mean_ms, itl_mean_ms IS NOT NULL) AS itl_p99_ms
 FROM request_facts FINAL
-WHERE finished >= {since}{interactive}
+WHERE finished >= {since} AND finished < {until}{interactive}
 GROUP BY t, model
 ORDER BY model, t""",  # noqa: S608 (an int and expressions built from the config)
         traffic=f"""SELECT
@@ -601,7 +604,7 @@ ORDER BY model, t""",  # noqa: S608 (an int and expressions built from the confi
     if(completed + errors = 0, 0, errors / (completed + errors)) AS error_rate,
     error_rate / {budget} AS burn_rate
 FROM sli_minute
-WHERE minute >= {since}
+WHERE minute >= {since} AND minute < {until}
 GROUP BY t, model
 ORDER BY model, t""",  # noqa: S608
         spend=f"""SELECT
@@ -616,7 +619,7 @@ FROM
     SELECT tenant, sum(requests) AS requests, sum(completion_tokens) AS completion_tokens,
         sum(cost_nanos) AS cost_nanos
     FROM spend_minute
-    WHERE minute >= {since}
+    WHERE minute >= {since} AND minute < {until}
     GROUP BY tenant
 )
 ORDER BY cost_nanos DESC, tenant

@@ -1162,3 +1162,41 @@ def test_todays_spend_is_the_utc_days_whatever_the_warehouses_time_zone(warehous
     spent = sum(row[FACT_COLUMNS.index("cost_nanos")] for row in facts)
     result = warehouse.query(SPEND_TODAY, settings={"session_timezone": zone})
     assert [row[1] for row in result.result_rows] == [spent]
+
+
+def test_the_dashboard_leaves_out_requests_finished_after_this_minute(warehouse: Client) -> None:
+    """Found by a review: a worker whose clock ran a day ahead had its requests counted in every window's
+    tiles (requests, tokens, spend) until that day came, while the charts, clipped to the window, left them
+    out. The window ends with this minute."""
+    import uuid
+
+    from schemas.codec import encode
+    from schemas.events import Timings, Usage
+    from streams.pricing import PriceTable
+    from streams.sink import Consumed, Rows, insert
+    from tests.streams.test_audit import finished
+
+    now = datetime.now(UTC)
+    ahead = now + timedelta(days=1)
+    events = [
+        finished(
+            request_id=str(uuid.uuid4()), time=now, timings=Timings(accepted=now, started=now, finished=now)
+        )
+        for _ in range(3)
+    ]
+    events.append(
+        finished(
+            request_id=str(uuid.uuid4()),
+            time=ahead,
+            usage=Usage(prompt_tokens=1, completion_tokens=1_000_000, total_tokens=1_000_001),
+            timings=Timings(accepted=now, started=now, finished=ahead),
+        )
+    )
+    insert(
+        warehouse,
+        Rows(PriceTable()).batch([Consumed("p.results", 0, i, encode(e)) for i, e in enumerate(events)]),
+    )
+    sql = dashboard_sql(1)
+    assert sum(r["requests"] for r in rows(warehouse, sql.traffic)) == 3
+    assert sum(r["requests"] for r in rows(warehouse, sql.latency)) == 3
+    assert sum(r["completion_tokens"] for r in rows(warehouse, sql.spend)) < 1_000_000
