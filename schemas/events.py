@@ -338,6 +338,11 @@ class Timings(FrozenStruct, frozen=True, kw_only=True):
             _require_utc(name, getattr(self, name))
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+Float32 = Annotated[float, msgspec.Meta(ge=-FLOAT32_MAX, le=FLOAT32_MAX)]
+"""A float the warehouse keeps as Float32: 1e300 decoded and was stored as inf (a review)."""
+
+
 class DriftFeatures(FrozenStruct, frozen=True, kw_only=True):
     """What drift detection sees of one request: numbers and labels derived from the prompt and the output,
     never their text (see :mod:`schemas.features`). ``None`` means "not measured" (e.g. no prompt text
@@ -359,7 +364,7 @@ class DriftFeatures(FrozenStruct, frozen=True, kw_only=True):
     """Mean log-probability of the generated tokens under the model (generation engines that expose it)."""
     mean_entropy: Annotated[float, msgspec.Meta(ge=0.0)] | None = None
     """Mean entropy (nats) of the next-token distributions the generated tokens were drawn from."""
-    embedding: list[float] | None = None
+    embedding: list[Float32] | None = None
     """A MiniLM sentence embedding of the prompt, for 1 in ``SLUICE_DRIFT_SAMPLE`` requests."""
 
 

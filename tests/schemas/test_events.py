@@ -353,3 +353,21 @@ def test_packed_vectors_take_a_quarter_of_json_floats() -> None:
     exact = Float32Vectors.pack(vectors, 384).tolist()  # what a float32 model produces
     as_floats, packed = finished(embeddings=exact), finished(embeddings_f32=Float32Vectors.pack(exact, 384))
     assert len(encode(packed)) * 3.5 < len(encode(as_floats))
+
+
+def test_a_drift_embedding_past_float32_fails_to_decode_so_the_record_is_dead_lettered() -> None:
+    """Found by a review: 1e300 is a finite float64 that decoded, and the warehouse's Float32 column stored
+    it as inf, which drift math then met."""
+    from schemas.events import FLOAT32_MAX, DriftFeatures
+
+    def with_embedding(vector: list[float]) -> RequestFinished:
+        return RequestFinished(
+            tenant="t", model="m", source="s", request_id="r", status="completed", finish_reason="stop",
+            usage=Usage(prompt_tokens=1, completion_tokens=1, total_tokens=2),
+            features=DriftFeatures(embedding=vector),
+        )  # fmt: skip
+
+    with pytest.raises(DecodeError, match="embedding"):
+        decode(encode(with_embedding([1e300, 0.25])))
+    fine = with_embedding([FLOAT32_MAX, -FLOAT32_MAX, 0.25])
+    assert decode(encode(fine)) == fine
