@@ -272,6 +272,9 @@ def check_query_text(sql: str) -> None:
         )
 
 
+_STRINGS_AS_BYTES = {"String": "bytes", "FixedString": "bytes"}
+
+
 def read_query(
     client: Client,
     sql: str,
@@ -309,7 +312,9 @@ def read_query(
     }
     statement = _read_statement(client, sql, settings)
     try:
-        result = client.query(statement, settings=settings)
+        # Strings as bytes: clickhouse-connect turns one that is not UTF-8 into its hex digits, which
+        # read the same as text ('41ff'); as bytes it is escaped (a review)
+        result = client.query(statement, settings=settings, query_formats=_STRINGS_AS_BYTES)
         rows = result.result_rows  # decoding can fail too (a stream error): inside the try
         columns = list(result.column_names)
         types = [column_type.name for column_type in result.column_types]
@@ -448,7 +453,12 @@ def to_json_value(value: object) -> JsonValue:
     if isinstance(value, (list, tuple, set, frozenset)):
         return [to_json_value(item) for item in value]
     if isinstance(value, Mapping):
-        return {str(key): to_json_value(item) for key, item in value.items()}
+        return {
+            bytes(key).decode("utf-8", errors="backslashreplace")
+            if isinstance(key, (bytes, bytearray))
+            else str(key): to_json_value(item)
+            for key, item in value.items()
+        }
     if isinstance(value, dt.timedelta):
         return value.total_seconds()
     return str(value)

@@ -147,6 +147,18 @@ def test_sql_before_any_warehouse_exists_says_so(settings: PlatformSettings) -> 
 
 
 @pytest.mark.integration
+def test_read_query_shows_a_string_that_is_not_utf8_escaped_not_as_hex(warehouse: Client) -> None:
+    """Found by a review: clickhouse-connect gave a String that is not UTF-8 as its hex digits, which read
+    the same as text: ``unhex('41ff')`` and ``'41ff'`` printed alike."""
+    result = read_query(
+        warehouse,
+        "SELECT unhex('41ff') AS binary, '41ff' AS text, 'héllo' AS u, map('k', unhex('ff')) AS m, "
+        "[unhex('ff'), 'ok'] AS a, toFixedString('ab', 2) AS f",
+    )
+    assert result.rows == [["A\\xff", "41ff", "héllo", {"k": "\\xff"}, ["\\xff", "ok"], "ab"]]
+
+
+@pytest.mark.integration
 def test_read_query_is_read_only_bounded_and_aware(warehouse: Client) -> None:
     migrate(warehouse)
     procs.insert_events(warehouse, 2)
