@@ -230,17 +230,55 @@ asyncio.run(main())
 """
 
 
+READ_ONCE = r"""
+import json, sys, time
+from confluent_kafka import TopicPartition
+from bus.consumer import ConsumerThread, consumer_config
+from bus.dead_letter import Junk, decode_or_junk
+from bus.producer import EventProducer
+from gpu_workers.terminal import finished_by
+from schemas.settings import KafkaConnection
+
+bootstrap, topic, dlq, reader = sys.argv[1:5]
+kafka = KafkaConnection(bootstrap=bootstrap)
+read = []
+handle = {
+    "junk": lambda batch: read.extend(map(decode_or_junk, batch)),
+    "tail": lambda batch: read.extend(finished_by(m, "demo-gpt") for m in batch),
+}[reader]
+consumer = ConsumerThread(consumer_config(kafka, None, "t"), handle, assign=[TopicPartition(topic, 0, 0)])
+with consumer:
+    deadline = time.monotonic() + 30
+    while len(read) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    failure = repr(consumer.failure) if consumer.failure is not None else None
+said = {"failure": failure, "read": [type(r).__name__ for r in read]}
+if reader == "junk" and read and isinstance(read[0], Junk):
+    junk = read[0]
+    said.update(label=junk.why.label, message=junk.why.message, headers=junk.headers)
+    outcome = []
+    with EventProducer(kafka, "t") as producer:
+        letter = junk.letter(producer, dlq, "test/worker")
+        letter.delivery.then(outcome.append)
+    said.update(durable=outcome == [None], letter_headers=letter.event.headers)
+print(json.dumps(said))
+"""
+
+
 def test_a_header_key_that_is_not_utf8_is_dead_lettered_and_the_consumer_goes_on(
     kafka: KafkaConnection, topic_prefix: str
 ) -> None:
     """Found by a review: confluent-kafka raises SystemError reading a header key that is not UTF-8 (any
     client but Java's can write one). It escaped the handler and stopped the consumer, on every restart;
     every worker tails ``results``, so one such record there stopped them all. Read once, it is junk
-    (``bad_headers``), lettered without its headers; the record after it is read as usual."""
+    (``bad_headers``), lettered without its headers; the record after it is read as usual.
+
+    Each reader runs in a process of its own, reading the record once: confluent-kafka 2.16 leaves such a
+    record's headers broken, and a second read in one process can hand back a NULL key and crash it (it
+    crashed this test's worker in CI; left open in docs/architecture.md)."""
+    import json
     import subprocess
     import sys
-
-    from gpu_workers.terminal import finished_by
 
     topic = _topic(kafka, f"{topic_prefix}.in")
     dlq = _topic(kafka, f"{topic_prefix}.dlq")
@@ -249,35 +287,24 @@ def test_a_header_key_that_is_not_utf8_is_dead_lettered_and_the_consumer_goes_on
     raw = Producer(kafka.client_config())
     raw.produce(topic, encode(event), partition=0, headers=list(headers(event)))
     assert raw.flush(10) == 0
-    before = dead_letters(topic, "bad_headers")
-    read: list[object] = []
-    tailed: list[str | None] = []
+    import os
+    from pathlib import Path
 
-    def junk_or_event(batch: list[Message]) -> None:
-        read.extend(map(decode_or_junk, batch))
-
-    def tail(batch: list[Message]) -> None:
-        tailed.extend(finished_by(m, "demo-gpt") for m in batch)
-
-    # On the consumer's thread, as a worker's handlers run. A message is read by one reader only, as in a
-    # worker: a second read of headers that failed is what crashes (bus.consumer.record_headers).
-    for reader, got in ((junk_or_event, read), (tail, tailed)):
-        consumer = ConsumerThread(
-            consumer_config(kafka, None, "t"), reader, assign=[TopicPartition(topic, 0, 0)]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    said = {}
+    for reader in ("junk", "tail"):
+        done = subprocess.run(
+            [sys.executable, "-c", READ_ONCE, kafka.bootstrap, topic, dlq, reader],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
         )
-        with consumer:
-            eventually(lambda got=got: len(got), 2)  # type: ignore[misc]
-            assert consumer.failure is None
-    assert tailed == [None, None]  # neither is a terminal event: the tail reads on
-    junk, decoded = read[0], read[1]
-    assert isinstance(junk, Junk)
-    assert (junk.why.label, junk.headers) == ("bad_headers", [])
-    assert "not UTF-8" in junk.why.message
-    assert decoded == event
-    outcome: list[object] = []
-    with EventProducer(kafka, "t") as producer:
-        letter = junk.letter(producer, dlq, "test/worker")
-        letter.delivery.then(outcome.append)
-    assert outcome == [None]  # durable
-    assert letter.event.headers == {}
-    assert dead_letters(topic, "bad_headers") - before == 1
+        assert done.returncode == 0, done.stderr[-2000:]
+        said[reader] = json.loads(done.stdout.strip().splitlines()[-1])
+    assert said["tail"] == {"failure": None, "read": ["NoneType", "NoneType"]}  # neither is a terminal event
+    junk = said["junk"]
+    assert (junk["failure"], junk["read"]) == (None, ["Junk", type(event).__name__])
+    assert (junk["label"], junk["headers"]) == ("bad_headers", [])
+    assert "not UTF-8" in junk["message"]
+    assert (junk["durable"], junk["letter_headers"]) == (True, {})
