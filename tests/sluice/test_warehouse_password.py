@@ -67,8 +67,10 @@ def test_a_password_holding_what_a_url_parser_splits_at_is_never_shown(
     from schemas.settings import display
 
     assert "tPassw0rd" not in display("warehouse_url", url)
+    monkeypatch.setattr(sluice_cli, "_settings", None)  # read once per process: read them with this URL
     result = CliRunner().invoke(app, ["settings"], env={"SLUICE_WAREHOUSE_URL": url, "COLUMNS": "300"})
     assert result.exit_code == 0, result.output
+    assert "sluice:[REDACTED]@clickhouse" in result.output
     assert "tPassw0rd" not in result.output
     configured: list[str] = []
     monkeypatch.setattr(services, "configure_logging", lambda settings, service: configured.append(service))
