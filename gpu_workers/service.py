@@ -566,12 +566,8 @@ class WorkerService(Component):
         topic = self._names.results
         consumer = Consumer(consumer_config(self._kafka, None, f"{self.source}-results"))
         try:
-            meta = consumer.list_topics(topic, timeout=10).topics[topic]
-            if meta.error is not None or not meta.partitions:
-                # said as what to do (it was "give exactly one of subscribe= or assign=", a review)
-                raise BusError(f"topic {topic} is missing: run `sluice topics apply`")
             starts, ends = [], {}
-            for p in meta.partitions:
+            for p in _partitions(consumer, topic):
                 low, ends[p] = watermarks(consumer, topic, p)
                 first = (
                     low
@@ -1306,14 +1302,22 @@ class _QuietEmitter:
         pass
 
 
+def _partitions(consumer: Consumer, topic: str) -> list[int]:
+    """The topic's partitions; :class:`BusError` saying what to run where it has none (a worker started
+    before the topics were applied failed with "give exactly one of subscribe= or assign=", a review)."""
+    meta = consumer.list_topics(topic, timeout=10).topics[topic]
+    if meta.error is not None or not meta.partitions:
+        raise BusError(f"topic {topic} is missing: run `sluice topics apply`")
+    return list(meta.partitions)
+
+
 def _all_partitions_at_end(kafka: KafkaConnection, topic: str) -> list[TopicPartition]:
     consumer = Consumer(consumer_config(kafka, None, "sluice-probe"))
     try:
-        meta = consumer.list_topics(topic, timeout=10).topics[topic]
-        if meta.error is not None:
-            raise BusError(f"topic {topic} is missing: run `sluice topics apply`")
         # Explicit offsets, not OFFSET_END: a lazily resolved "end" could land after a cancel sent in the
         # meantime (a new partition's leader takes a moment), and that cancel would be missed.
-        return [TopicPartition(topic, p, watermarks(consumer, topic, p)[1]) for p in meta.partitions]
+        return [
+            TopicPartition(topic, p, watermarks(consumer, topic, p)[1]) for p in _partitions(consumer, topic)
+        ]
     finally:
         consumer.close()

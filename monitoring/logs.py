@@ -250,10 +250,9 @@ class JsonFormatter(logging.Formatter):
             value = context[key]
             if key in CONTENT_FIELDS and not show_content:
                 out[f"{key}_chars"] = _chars(value)
-            elif secret_name(key):
-                out[f"extra_{key}" if key in _FIXED else key] = _withheld(value)
             else:
-                out[f"extra_{key}" if key in _FIXED else key] = _jsonable(value)
+                shown = _withheld(value) if secret_name(key) else _jsonable(value)
+                out[f"extra_{key}" if key in _FIXED else key] = shown
         if record.exc_info:
             out["exc"] = scrub(self.formatException(record.exc_info))
         elif record.exc_text:

@@ -434,6 +434,11 @@ def _describe(client: Client, statement: str, settings: dict[str, Any]) -> tuple
     return [str(row[0]) for row in described], [str(row[1]) for row in described]
 
 
+def _text(value: bytes | bytearray) -> str:
+    """Bytes as text, what is not UTF-8 escaped."""
+    return bytes(value).decode("utf-8", errors="backslashreplace")
+
+
 def to_json_value(value: object) -> JsonValue:
     """A value decoded by clickhouse-connect, as JSON can carry it.
 
@@ -449,14 +454,12 @@ def to_json_value(value: object) -> JsonValue:
     if isinstance(value, (decimal.Decimal, uuid.UUID, ipaddress.IPv4Address, ipaddress.IPv6Address)):
         return str(value)
     if isinstance(value, (bytes, bytearray)):
-        return bytes(value).decode("utf-8", errors="backslashreplace")
+        return _text(value)
     if isinstance(value, (list, tuple, set, frozenset)):
         return [to_json_value(item) for item in value]
     if isinstance(value, Mapping):
         return {
-            bytes(key).decode("utf-8", errors="backslashreplace")
-            if isinstance(key, (bytes, bytearray))
-            else str(key): to_json_value(item)
+            _text(key) if isinstance(key, (bytes, bytearray)) else str(key): to_json_value(item)
             for key, item in value.items()
         }
     if isinstance(value, dt.timedelta):

@@ -171,17 +171,17 @@ def test_generation_defaults() -> None:
     )
 
 
+def sampled(sampling: SamplingParams) -> GenerationRequested:
+    """A request with ``sampling``, as another producer than the edge may write one."""
+    return GenerationRequested(
+        tenant="t", model="m", source="s", model_version="m@1", input_ids=[1], sampling=sampling
+    )
+
+
 @pytest.mark.parametrize("seed", [2**63, 2**64, -(2**63) - 1, 10**30])
 def test_a_seed_outside_int64_fails_to_decode_so_the_record_is_dead_lettered(seed: int) -> None:
     """As the edge bounds it: ``torch.Generator.manual_seed`` raised on such a seed inside a worker's step."""
-    event = GenerationRequested(
-        tenant="t",
-        model="m",
-        source="s",
-        model_version="m@1",
-        input_ids=[1],
-        sampling=SamplingParams(seed=seed),
-    )
+    event = sampled(SamplingParams(seed=seed))
     with pytest.raises(DecodeError, match="seed"):
         decode(encode(event))
     for edge in (-(2**63), 2**63 - 1, 0, None):
@@ -198,14 +198,7 @@ def test_stop_strings_past_the_edges_bounds_fail_to_decode_so_the_record_is_dead
     """Found by a review: the worker looks for every stop string at every token on the model's thread, and
     one record of 800,000 (8 MB, under the record limit) slowed every request of the worker to 1 s a token;
     an empty one stopped every completion at once. Bounded as the edge bounds them."""
-    event = GenerationRequested(
-        tenant="t",
-        model="m",
-        source="s",
-        model_version="m@1",
-        input_ids=[1],
-        sampling=SamplingParams(stop=stop),
-    )
+    event = sampled(SamplingParams(stop=stop))
     with pytest.raises(DecodeError, match="stop"):
         decode(encode(event))
     fine = msgspec.structs.replace(event, sampling=SamplingParams(stop=("a", "b" * 256, "c", "d")))
