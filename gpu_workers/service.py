@@ -230,6 +230,7 @@ class WorkerService(Component):
         self._pending_writes: dict[str, int] = {}
         self._producer = EventProducer(kafka, self.source)
         self._observer = WorkerObserver(model_id, worker_id)
+        self._chunks_lost, self._chunks_lost_told = 0, -self.CHUNK_WARNING_EVERY_S
         # One consumer group per version: each reads the whole topic and runs what is routed to it.
         self.group = worker_group(model_id, version)
         overrides = dict(consumer_overrides or {})
@@ -1144,10 +1145,30 @@ class WorkerService(Component):
         if reply is not None:
             self._observer.chunk(arrival.event.request_id, len(chunk.token_ids))
             try:
-                self._producer.produce(reply.topic, chunk, partition=reply.partition)
+                self._producer.produce(
+                    reply.topic, chunk, partition=reply.partition, on_delivery=self._chunk_delivered
+                )
             except BusError:  # a reply partition that does not exist: nobody can be waiting there
                 if chunk.seq == 0:
                     log.exception("the replies of %s cannot be produced", arrival.event.request_id)
+
+    CHUNK_WARNING_EVERY_S = 10.0
+
+    def _chunk_delivered(self, err: BusError | None, _where: Position | None) -> None:
+        """Producer thread: a chunk that did not reach the log is told, at most once per
+        :attr:`CHUNK_WARNING_EVERY_S` with how many: its edge holds what follows it and fills its text in
+        from the terminal event (``ingest.reply_stream``), so its client's stream stalls until the end."""
+        if err is None:
+            return
+        self._chunks_lost += 1
+        now = time.monotonic()
+        if now - self._chunks_lost_told >= self.CHUNK_WARNING_EVERY_S:
+            log.warning(
+                "%d token chunk(s) not delivered (last: %s); their streams' text comes with the terminal event",
+                self._chunks_lost,
+                err,
+            )
+            self._chunks_lost, self._chunks_lost_told = 0, now
 
     def _publish_finish(self, arrival: Arrival, result: RequestFinished) -> None:
         """Publish a request's terminal event: first the copy its edge waits for on the reply topic, then

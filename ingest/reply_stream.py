@@ -50,6 +50,10 @@ WHOLE = After()
 _AFTER = re.compile(r"(?P<seq>-1|\d{1,9})|(?P<tokens>\d{1,9})\.(?P<chars>\d{1,10})")
 
 
+def _chars(chunk: TokenChunk) -> int:
+    return chunk.chars or 0
+
+
 def cursor(chunk: TokenChunk) -> str:
     """Where the stream stands after ``chunk`` as :class:`ReplyStream` sends it (its ``chars`` always set):
     ``<tokens>.<chars>``, what a client resumes after (``After.parse``)."""
@@ -75,7 +79,16 @@ class ReplyStream:
     (sampling is seeded, so the re-run reproduces them): chunks are cut by token offset and text position,
     and every chunk sent says where its text starts (``chars``), so :func:`cursor` names the position after
     it whichever run it came from.
+
+    Text is never skipped: a chunk whose text starts past what was delivered (the chunk before it is not on
+    the log: its delivery failed, or the log was read from after it) is held back until the missing text
+    comes (a re-sent chunk, or a re-run's), or at the end from the terminal event's text, which is the whole
+    completion. Passing it on made the client's text a hole short of the request's (a CI run: a resumed
+    stream without its first word).
     """
+
+    HELD = 1024
+    """Chunks held behind a hole at most; past it the terminal event's text fills in for the rest."""
 
     def __init__(
         self,
@@ -102,6 +115,10 @@ class ReplyStream:
         self._skip_seq = after.seq
         self._delivered_tokens = after.tokens
         self._delivered_chars = after.chars
+        self._held: list[TokenChunk] = []
+        """Chunks whose text starts past what was delivered (a hole before them), until it is filled."""
+        self._seq = -1
+        """The highest ``seq`` delivered."""
         self._tokens: list[int] = []
         """The request's token ids from its first, as far as the chunks read have told them (delivered or
         not: a resume takes in what the client has)."""
@@ -166,9 +183,16 @@ class ReplyStream:
             self._model = reply.model
         if isinstance(reply, RequestFinished):
             self._done = True
-            return [reply]
+            return [*self._fill(reply), reply]
         if reply.chars is not None:
-            return self._accept_chunk(reply)
+            out = self._accept_chunk(reply)
+            while out and self._held:  # what waited behind a hole this chunk filled
+                ready = sorted((c for c in self._held if _chars(c) <= self._delivered_chars), key=_chars)
+                if not ready:
+                    break
+                self._held = [c for c in self._held if _chars(c) > self._delivered_chars]
+                out += [sent for held in ready for sent in self._accept_chunk(held)]
+            return out
         end = reply.offset + len(reply.token_ids)
         self._learn(reply.offset, reply.token_ids)
         if end <= self._delivered_tokens:
@@ -185,6 +209,7 @@ class ReplyStream:
                 reply, offset=self._delivered_tokens, token_ids=fresh, text=after[len(before) :]
             )
         reply = msgspec.structs.replace(reply, chars=self._delivered_chars)  # where its text starts
+        self._seq = max(self._seq, reply.seq)
         self._delivered_tokens = end
         self._delivered_chars += len(reply.text)  # a re-run by a worker that says ``chars`` goes on from here
         return [reply]
@@ -210,6 +235,10 @@ class ReplyStream:
             # the client has it (an older edge's resume, by seq)
             self._delivered_tokens, self._delivered_chars = end, text_end
             return []
+        if chunk.chars > self._delivered_chars:  # the text before it is missing: wait for it
+            if len(self._held) < self.HELD:
+                self._held.append(chunk)
+            return []
         tokens = chunk.token_ids[max(0, self._delivered_tokens - chunk.offset) :]
         text = chunk.text[max(0, self._delivered_chars - chunk.chars) :]
         if chunk.offset < self._delivered_tokens or chunk.chars < self._delivered_chars:
@@ -222,6 +251,36 @@ class ReplyStream:
                 text=text,
                 chars=max(chunk.chars, self._delivered_chars),
             )
+        self._seq = max(self._seq, chunk.seq)
         self._delivered_tokens = max(self._delivered_tokens, end)
         self._delivered_chars = max(self._delivered_chars, text_end)
         return [chunk]
+
+    def _fill(self, finished: RequestFinished) -> list[Reply]:
+        """The text the chunks left out, from the terminal event (whose text is the whole completion): a
+        chunk missing on the log, the last one included, or one held behind a hole that was never filled.
+        Only for a completed request (another end is an error the client gets instead), and not for an
+        older edge's resume by ``seq``, whose client's text position is not known."""
+        self._held = []
+        text = finished.text
+        if (
+            finished.status != "completed"
+            or text is None
+            or len(text) <= self._delivered_chars
+            or self._skip_seq >= 0
+        ):
+            return []
+        return [
+            TokenChunk(
+                tenant=finished.tenant,
+                model=finished.model,
+                request_id=finished.request_id,
+                source=finished.source,
+                seq=self._seq + 1,
+                # where the stream stands after it: all the tokens (a resume after it gets nothing again)
+                offset=max(self._delivered_tokens, finished.usage.completion_tokens),
+                token_ids=[],
+                text=text[self._delivered_chars :],
+                chars=self._delivered_chars,
+            )
+        ]

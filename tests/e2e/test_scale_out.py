@@ -103,6 +103,9 @@ class Ledger:
     """Streams through the second edge that broke after their first tokens (the edge's kill)."""
     done_at: dict[str, list[float]] = field(default_factory=dict)
     """Client kind -> when each of its requests finished (to see each edge serving through the kills)."""
+    trail: dict[str, list[str]] = field(default_factory=dict)
+    """A resumer's request id -> each connection of its stream: the edge, the ids it went from and to, and
+    how much text it brought (what a failure shows)."""
 
     def finish(self, kind: str, request_id: str, text: str) -> None:
         self.texts[request_id] = text
@@ -229,6 +232,8 @@ async def _resuming_client(
             await asyncio.sleep(0.2)
             continue
         request_id = event_id.split(":")[0]
+        trail = ledger.trail.setdefault(request_id, [])
+        trail.append(f"edge 1: {event_id} +{len(text)} chars{' (done)' if done else ''}")
         for _ in range(60):  # the edge died mid-stream: the same stream from another edge, after what we have
             if done:
                 ledger.finish("resumer", request_id, text)
@@ -236,6 +241,7 @@ async def _resuming_client(
                     ledger.done_at.setdefault("resumed", []).append(time.monotonic())
                 break
             ledger.resumed.append(request_id)
+            event_id_before = event_id
             event_id, more, done = await _sse(
                 session,
                 "POST",
@@ -244,6 +250,9 @@ async def _resuming_client(
                 json_body=body,
                 last=event_id,
                 key=key,
+            )
+            trail.append(
+                f"edge 0 after {event_id_before}: {event_id} +{len(more)} chars{' (done)' if done else ''}"
             )
             text += more
             if not done:
@@ -443,7 +452,10 @@ async def _run(proc: subprocess.Popen[str], out: Output, env: dict[str, str]) ->
     for request_id, text in ledger.texts.items():
         (final,) = finished[request_id]
         assert final.status == "completed", (request_id, final.status, final.error)
-        assert text == final.text, f"{request_id}: the client's text is not the text it ended with"
+        assert text == final.text, (
+            f"{request_id}: the client's text is not the text it ended with; its stream: "
+            f"{ledger.trail.get(request_id, 'one connection (an SDK client)')}"
+        )
 
     # One row per request as the warehouse's readers see it (FINAL, as every view reads it): a sink that
     # re-does the batches it had in flight when a broker or a rebalance cut its commit inserts their rows

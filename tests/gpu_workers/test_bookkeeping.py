@@ -108,7 +108,8 @@ class FakeProducer:
             self.pending.append((topic, value, on_delivery))
 
     def produce(self, topic: str, event: Any, *, on_delivery: Any = None, **_: Any) -> None:
-        if on_delivery is not None:  # a dead letter (token chunks are not part of the bookkeeping)
+        # a dead letter: token chunks (told of a delivery only to warn) are not part of the bookkeeping
+        if on_delivery is not None and not isinstance(event, TokenChunk):
             self.produce_raw(topic, encode(event), on_delivery=on_delivery)
 
     def settle(self, index: int, ok: bool) -> tuple[str, bytes, bool]:
@@ -815,3 +816,27 @@ def test_a_request_released_at_a_revoke_leaves_nothing_observed_behind() -> None
     h.revoke(1)
     assert request not in h.runner.waiting
     assert h.service._observer.joined_at(request) is None
+
+
+def test_a_token_chunk_that_is_not_delivered_is_told_with_a_count_not_once_each(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A chunk that does not reach the log leaves its stream's text short until the terminal event fills it
+    in at the edge (``ingest.reply_stream``): it was not told at all; in an outage, one line per chunk would
+    flood the log."""
+    h = Harness(9)
+    lost = BusError("delivery to p.replies failed: Local: Message timed out")
+    with caplog.at_level("WARNING", logger="gpu_workers.service"):
+        for _ in range(3):
+            h.service._chunk_delivered(lost, None)
+        h.service._chunk_delivered(None, (0, 7))
+    told = [r.getMessage() for r in caplog.records if "token chunk" in r.getMessage()]
+    assert told == [
+        "1 token chunk(s) not delivered (last: delivery to p.replies failed: Local: Message timed out); "
+        "their streams' text comes with the terminal event"
+    ]
+    h.service._chunks_lost_told -= h.service.CHUNK_WARNING_EVERY_S  # the interval has passed
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="gpu_workers.service"):
+        h.service._chunk_delivered(lost, None)
+    assert [r.getMessage()[:2] for r in caplog.records if "token chunk" in r.getMessage()] == ["3 "]

@@ -141,3 +141,60 @@ def test_a_chunk_behind_the_delivered_tokens_says_where_the_stream_stands() -> N
     assert [cursor(c) for c in sent] == ["3.2", "3.3"]
     resumed = ReplyStream(_Source(), RID, "m", After(3, 3), 64)
     assert [r for reply in log for r in resumed._accept(reply) if isinstance(r, TokenChunk)] == []
+
+
+def _finished(text: str, tokens: int, status: str = "completed") -> RequestFinished:
+    return RequestFinished(
+        tenant="acme", model="m", request_id=RID, source="w", status=status, finish_reason="length",  # type: ignore[arg-type]
+        usage=Usage(prompt_tokens=1, completion_tokens=tokens, total_tokens=tokens + 1), text=text,
+    )  # fmt: skip
+
+
+def test_a_chunk_missing_on_the_log_is_not_a_hole_in_the_clients_text() -> None:
+    """Found by CI (the scale-out run: kills of an edge, a worker and a broker under load): a resumed
+    stream's text lacked its first word, which the request's terminal event had. A chunk whose text starts
+    past what was delivered was passed on as if it followed; now it waits for the missing text: a chunk
+    that brings it (re-sent late, or a re-run's), else the terminal event's text at the end."""
+    first, second, third = (
+        chunk(0, 0, [1], "If", 0),
+        chunk(1, 1, [2, 3], " the value", 2),
+        chunk(2, 3, [4], ",", 12),
+    )
+    done = _finished("If the value,", 4)
+    # the first chunk never reached the log: the rest waits, and the end brings the missing text
+    stream = ReplyStream(_Source(), RID, "m", WHOLE, 64)
+    sent = [r for reply in (second, third, done) for r in stream._accept(reply)]
+    chunks = [r for r in sent if isinstance(r, TokenChunk)]
+    assert "".join(c.text for c in chunks) == "If the value,"
+    assert sent[-1] is done
+    assert [cursor(c) for c in chunks] == ["4.13"]  # one chunk, standing after every token
+    # a resume after it gets nothing again, before the end
+    resumed = ReplyStream(_Source(), RID, "m", After.parse("4.13") or WHOLE, 64)
+    again = [r for reply in (first, second, third, done) for r in resumed._accept(reply)]
+    assert again == [done]
+
+    # the missing chunk comes late (re-sent): what waited behind it follows it, in order, at once
+    stream = ReplyStream(_Source(), RID, "m", WHOLE, 64)
+    assert stream._accept(third) == []
+    assert stream._accept(second) == []
+    late = stream._accept(first)
+    assert [c.text for c in late if isinstance(c, TokenChunk)] == ["If", " the value", ","]
+    assert [cursor(c) for c in late if isinstance(c, TokenChunk)] == ["1.2", "3.12", "4.13"]
+    assert stream._accept(done) == [done]  # nothing left to fill
+
+    # the last chunk missing: the end brings its text
+    stream = ReplyStream(_Source(), RID, "m", WHOLE, 64)
+    sent = [r for reply in (first, second, done) for r in stream._accept(reply)]
+    assert "".join(r.text for r in sent if isinstance(r, TokenChunk)) == "If the value,"
+
+
+def test_only_a_completed_request_has_its_missing_text_filled_in() -> None:
+    """A failed end is an error for the client, not more text; a resume by an older edge's ``seq`` does not
+    say how much text the client has, so nothing is filled in for it."""
+    second = chunk(1, 1, [2, 3], " the value", 2)
+    failed = _finished("If the value", 3, status="failed")
+    stream = ReplyStream(_Source(), RID, "m", WHOLE, 64)
+    assert [r for reply in (second, failed) for r in stream._accept(reply)] == [failed]
+    done = _finished("If the value, said", 5)
+    older = ReplyStream(_Source(), RID, "m", After(seq=5), 64)
+    assert [r for reply in (second, done) for r in older._accept(reply)] == [done]
