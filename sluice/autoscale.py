@@ -172,6 +172,12 @@ class GroupLag:
         self.lagging[topic] = sum(1 for lag in lags if lag > 0)
         return sum(lags)
 
+    def keep(self, groups: set[str]) -> None:
+        """Close the clients of groups not in ``groups`` (a version no longer stable): one client was kept
+        per version ever stable, for as long as the fleet ran (a review)."""
+        for group in [group for group in self._consumers if group not in groups]:
+            self._consumers.pop(group).close()
+
     def close(self) -> None:
         for consumer in self._consumers.values():
             consumer.close()

@@ -22,8 +22,10 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import msgspec
+from confluent_kafka import KafkaException
 from rich.console import Console
 
+from bus.errors import BusError
 from bus.placement import place_box
 from bus.producer import EventProducer
 from gpu_workers.settings import WorkerSettings
@@ -44,7 +46,7 @@ from schemas.settings import (
     load_settings,
     local_kafka_ports,
 )
-from schemas.topics import TopicNames
+from schemas.topics import TopicNames, worker_group
 from sluice.autoscale import FleetSettings, GroupLag, ScalePolicy, fleet_of
 from sluice.services import (
     check_streams_exposure,
@@ -447,10 +449,18 @@ class Fleet:
 
     async def autoscale(self, stable: dict[str, str], publish: Publish) -> None:
         """Decide each model's worker count from its lag; a change is published before it is acted on."""
+        await asyncio.to_thread(self._lag.keep, {worker_group(m, v) for m, v in stable.items()})
         for model, version in sorted(stable.items()):
             current = len(self.workers.get((model, version), []))
             topic = self._names.requests(model)
-            lag = await asyncio.to_thread(self._lag, topic, model, version)
+            try:
+                lag = await asyncio.to_thread(self._lag, topic, model, version)
+            except (KafkaException, BusError) as exc:  # this model waits for the next round, not every model
+                self._console.print(
+                    f"[yellow]autoscaler: no lag for {model}@{version} this round ({exc}); "
+                    "its workers stay as they are[/]"
+                )
+                continue
             decision = self.policy.decide(model, current, lag, time.monotonic(), self._lag.lagging.get(topic))
             if decision is None:
                 continue

@@ -11,6 +11,7 @@ from gpu_workers.settings import WorkerSettings
 from ingest.main import reply_partition
 from ingest.settings import EdgeSettings
 from schemas.settings import KafkaConnection, PlatformSettings, SettingsError, load_settings
+from schemas.topics import worker_group
 from sluice.autoscale import FleetSettings, ScalePolicy, fleet_of
 from sluice.up import extra_edges, platform_ports
 from streams.settings import StreamsSettings
@@ -83,6 +84,10 @@ def test_group_lag_counts_the_partitions_holding_it(kafka: KafkaConnection, topi
                 time.sleep(0.25)
         assert queued == 5, "nothing committed: every record is queued"
         assert lag.lagging[topic] == 2
+        lag.keep({worker_group("m", "v1")})
+        assert len(lag._consumers) == 1, "the stable version's client stays"
+        lag.keep({worker_group("m", "v2")})  # v1 is no longer stable: its client goes
+        assert lag._consumers == {}
     finally:
         lag.close()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import signal
 import sys
 import threading
@@ -10,10 +11,12 @@ import types
 from pathlib import Path
 
 import pytest
+from confluent_kafka import KafkaError, KafkaException
 from rich.console import Console
 
 import sluice.up as up
 from schemas.settings import PlatformSettings
+from schemas.topics import worker_group
 from sluice.autoscale import FleetSettings
 from sluice.services import set_on_signals
 from sluice.up import ServiceProcess
@@ -288,3 +291,44 @@ async def test_a_port_is_not_given_again_while_a_retiring_worker_still_holds_it(
     await asyncio.sleep(0)
     await asyncio.sleep(0)  # the retirement's task ends: the port is free again
     assert (await fleet._spawn(("demo-gpt", "v2"), standby=False)).port == 9400
+
+
+class _Lag:
+    """GroupLag's part the fleet uses: one model's lag read fails, and the groups kept."""
+
+    def __init__(self) -> None:
+        self.lagging: dict[str, int] = {}
+        self.kept: list[set[str]] = []
+
+    def __call__(self, topic: str, model: str, version: str | None) -> int:
+        if model == "a":
+            raise KafkaException(KafkaError(KafkaError._TIMED_OUT, "committed offsets timed out"))
+        self.lagging[topic] = 1
+        return 500
+
+    def keep(self, groups: set[str]) -> None:
+        self.kept.append(groups)
+
+
+async def test_one_models_lag_read_failing_leaves_the_others_autoscaled() -> None:
+    """Found by a review: one model's lag read raising ended the whole round (its caller catches it), so
+    no model was scaled, nor any deployment reconciled, while that read kept failing. And the fleet kept a
+    lag client for every version ever stable; now only the stable ones'."""
+    screen = io.StringIO()
+    fleet = up.Fleet(
+        PlatformSettings(),
+        FleetSettings(fleet_autoscale=True, fleet_max_workers=3),
+        Console(file=screen, width=300),
+        0,
+        asyncio.Event(),
+    )
+    fleet._lag = _Lag()  # type: ignore[assignment]
+    published: list[object] = []
+
+    async def publish(topic: str, event: object) -> None:
+        published.append(event)
+
+    await fleet.autoscale({"a": "v1", "b": "v2"}, publish)
+    assert [(e.model, e.replicas) for e in published] == [("b", 1)]  # type: ignore[attr-defined]
+    assert "no lag for a@v1 this round" in screen.getvalue()
+    assert fleet._lag.kept == [{worker_group("a", "v1"), worker_group("b", "v2")}]  # type: ignore[attr-defined]
