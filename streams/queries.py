@@ -101,7 +101,9 @@ def _error_budget_left(config: SloConfig) -> str:
     """
     tier = _by_tier(config, lambda t: sql_string(t.name))
     window = _by_tier(config, lambda t: str(t.window_days))
-    in_window = f"finished >= now64(3) - toIntervalDay({window})"
+    # and not after now: a worker whose clock ran ahead had its requests counted until that time came (a
+    # review; the dashboard and the burn gate were bounded before)
+    in_window = f"finished >= now64(3) - toIntervalDay({window}) AND finished <= now64(3)"
     availability = f"""SELECT model, {tier} AS tier, 'availability' AS slo,
         {_by_tier(config, lambda t: _num(t.availability))} AS target,
         {_by_tier(config, _availability_budget)} AS budget, {window} AS window_days,
@@ -156,7 +158,7 @@ _TOP_TENANTS = """SELECT
     sum(cost_nanos) AS cost_nanos,
     cost_nanos / 1e9 AS spend_usd
 FROM spend_day
-WHERE day > toDate(now(), 'UTC') - 30
+WHERE day > toDate(now(), 'UTC') - 30 AND day <= toDate(now(), 'UTC')
 GROUP BY tenant
 ORDER BY cost_nanos DESC, tenant
 LIMIT 20"""
@@ -172,7 +174,8 @@ _P99_TTFT = """SELECT
     min(finished) AS first_seen,
     max(finished) AS last_seen
 FROM request_facts FINAL
-WHERE ttft_ms IS NOT NULL AND finished >= now64(3) - INTERVAL 1 DAY AND shadow_of = '' AND batch_id = ''
+WHERE ttft_ms IS NOT NULL AND finished >= now64(3) - INTERVAL 1 DAY AND finished <= now64(3)
+    AND shadow_of = '' AND batch_id = ''
 GROUP BY model, model_version
 ORDER BY model, ttft_p99_ms DESC, model_version"""
 
@@ -183,7 +186,7 @@ _ERRORS_BY_REASON = """SELECT
     uniqExact(tenant) AS tenants,
     max(minute) AS last_seen
 FROM errors_minute
-WHERE minute >= now() - INTERVAL 1 DAY
+WHERE minute >= now() - INTERVAL 1 DAY AND minute <= now()
 GROUP BY model, reason
 ORDER BY requests DESC, model, reason"""
 
@@ -196,7 +199,7 @@ _SLIS_LAST_HOUR = """SELECT
     if(completed + errors = 0, 1.0, completed / (completed + errors)) AS availability,
     sum(completion_tokens) / 3600 AS tokens_per_s
 FROM sli_minute
-WHERE minute >= now() - INTERVAL 1 HOUR
+WHERE minute >= now() - INTERVAL 1 HOUR AND minute <= now()
 GROUP BY model
 ORDER BY model"""
 

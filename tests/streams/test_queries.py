@@ -1200,3 +1200,8 @@ def test_the_dashboard_leaves_out_requests_finished_after_this_minute(warehouse:
     assert sum(r["requests"] for r in rows(warehouse, sql.traffic)) == 3
     assert sum(r["requests"] for r in rows(warehouse, sql.latency)) == 3
     assert sum(r["completion_tokens"] for r in rows(warehouse, sql.spend)) < 1_000_000
+    # the saved queries over a window up to now too (a review: they still counted it)
+    assert sum(r["requests"] for r in rows(warehouse, SAVED["slis-last-hour"].sql)) == 3
+    assert sum(r["completion_tokens"] for r in rows(warehouse, SAVED["top-tenants-by-spend"].sql)) < 1_000_000
+    budget = [r for r in rows(warehouse, SAVED["error-budget-left"].sql) if r["slo"] == "availability"]
+    assert sum(r["events"] for r in budget) == 3
