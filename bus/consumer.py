@@ -122,6 +122,8 @@ class ConsumerThread(Component):
         on_failure: Watcher | None = None,
         serve_on: asyncio.AbstractEventLoop | None = None,
         wake_loop: bool = True,
+        ends: Mapping[TP, int] | None = None,
+        on_ends: Callable[[list[TP]], None] | None = None,
     ) -> None:
         """``on_failure(exc)`` is watched (:meth:`watch`): told on the polling thread when the thread dies of
         an error (the handler raised, or the client hit a fatal error), so owners fail what waits on it.
@@ -134,7 +136,13 @@ class ConsumerThread(Component):
         librdkafka itself (:mod:`bus.wakeup`), with no polling thread: one wake-up a batch instead of
         three, for a consumer a client waits on (an edge's replies). Where that cannot be set up (or with
         ``wake_loop=False``), the thread polls and hands each batch to the loop. Commits then go out at the
-        next batch or the stop."""
+        next batch or the stop.
+
+        ``ends`` (a polling thread's): ``on_ends(partitions)`` is told on the polling thread, after the
+        handler has had every record before it, when the position reaches a partition's end there, whether
+        or not a record sits at ``end - 1``: a transaction's marker there is never handed over, and a
+        reader waiting for a record at ``end - 1`` to know it had caught up waited for the next record (an
+        edge stayed unready behind a control or idempotency topic a transactional tool wrote, a review)."""
         super().__init__()
         if bool(subscribe) == bool(assign):
             raise ValueError("give exactly one of subscribe= or assign=")
@@ -191,6 +199,9 @@ class ConsumerThread(Component):
         """Since when the statistics have said no broker is connected (polling thread)."""
         self._live = _Live()
         """The current client's: its callbacks reach this thread's state only while it is current."""
+        self._ends = {tp: end for tp, end in (ends or {}).items() if end > 0}
+        """Ends not yet reached, told to ``on_ends`` once they are (polling thread)."""
+        self._on_ends = on_ends
 
     def _start(self) -> None:
         if self._thread is not None or self._wakeup is not None:
@@ -476,6 +487,8 @@ class ConsumerThread(Component):
                     batch = self._still_owned(batch)
                 if batch:
                     self._handler(batch)
+                if self._ends:
+                    self._reach_ends(consumer)
             self._flush_commits(wait=True)
         except BaseException as exc:  # surfaced by stop(); logging here too so it is never silent
             log.exception("%s stopped on an error", self.name)
@@ -483,6 +496,14 @@ class ConsumerThread(Component):
         finally:
             consumer.close()
             self._disown()
+
+    def _reach_ends(self, consumer: Consumer) -> None:
+        """Polling thread, after a round: tell ``on_ends`` of the ends the position has reached."""
+        reached = past_ends(consumer, self._ends)
+        for tp in reached:
+            del self._ends[tp]
+        if reached and self._on_ends is not None:
+            self._on_ends(reached)
 
     def _still_owned(self, batch: list[Message]) -> list[Message]:
         """The records of ``batch`` whose partitions this member still owns. A batch is taken over several
@@ -657,6 +678,21 @@ def _commit_failed(
 class _Source(Protocol):
     def poll(self, timeout: float) -> Message | None: ...
     def consume(self, num_messages: int, timeout: float) -> list[Message]: ...
+
+
+def past_ends(consumer: Consumer, ends: Mapping[tuple[str, int], int]) -> list[tuple[str, int]]:
+    """The partitions of ``ends`` (topic, partition -> an end offset) the consumer's position has reached
+    the end of. A transaction's commit or abort marker (or an aborted record) at a partition's end is never
+    handed over, but the position moves past it: a reader waiting for a record at ``end - 1`` waited for
+    good on a topic a transactional tool wrote (MirrorMaker 2, Kafka Connect exactly-once), and no worker,
+    CLI or streams worker could start, nor a replay end (reviews)."""
+    if not ends:
+        return []
+    return [
+        (tp.topic, tp.partition)
+        for tp in consumer.position([TopicPartition(topic, part) for topic, part in ends])
+        if tp.offset >= 0 and tp.offset >= ends[(tp.topic, tp.partition)]
+    ]
 
 
 def take_batch(consumer: _Source, size: int, linger_s: float, wait_s: float = 0.05) -> list[Message]:

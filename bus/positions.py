@@ -19,7 +19,7 @@ from confluent_kafka import (
 )
 from confluent_kafka.admin import AdminClient
 
-from bus.consumer import consumer_config
+from bus.consumer import consumer_config, past_ends
 from bus.errors import BusError
 from schemas.settings import KafkaConnection
 
@@ -183,21 +183,6 @@ def read_to_end(
         if todo:
             topic = starts[0].topic
             todo -= {part for _, part in past_ends(consumer, {(topic, part): ends[part] for part in todo})}
-
-
-def past_ends(consumer: Consumer, ends: Mapping[tuple[str, int], int]) -> list[tuple[str, int]]:
-    """The partitions of ``ends`` (topic, partition -> an end offset) the consumer's position has reached
-    the end of. A transaction's commit or abort marker (or an aborted record) at a partition's end is never
-    handed over, but the position moves past it: a reader waiting for a record at ``end - 1`` waited for
-    good on a topic a transactional tool wrote (MirrorMaker 2, Kafka Connect exactly-once), and no worker,
-    CLI or streams worker could start, nor a replay end (reviews)."""
-    if not ends:
-        return []
-    return [
-        (tp.topic, tp.partition)
-        for tp in consumer.position([TopicPartition(topic, part) for topic, part in ends])
-        if tp.offset >= 0 and tp.offset >= ends[(tp.topic, tp.partition)]
-    ]
 
 
 def timestamp_at(

@@ -176,6 +176,8 @@ class KafkaGateway(AsyncComponent):
                 assign=control,
                 name=f"control-{self.edge_id}",
                 on_failure=self.fail,
+                ends={(self._names.control, p): end for p, end in self._control_ends.items()},
+                on_ends=lambda reached: self._control_reached([part for _, part in reached]),
             )
             self._control.start()
             # Route by the current deployments from the first request: wait until they are read.
@@ -208,6 +210,8 @@ class KafkaGateway(AsyncComponent):
                 assign=claims,
                 name=f"claims-{self.edge_id}",
                 on_failure=self.fail,
+                ends={(self._names.idempotency, p): end for p, end in self._claims_ends.items()},
+                on_ends=self._claims_ends_reached,
             )
             self._claims_reader.start()
             try:  # every key claimed in the last day, by any edge, before the first request
@@ -269,6 +273,20 @@ class KafkaGateway(AsyncComponent):
     def budget_exhausted(self, tenant: str) -> bool:
         return tenant in self._exhausted
 
+    def _control_reached(self, parts: list[int], *, but: str | None = None) -> None:
+        """Control listener thread: these partitions are read to where they ended at the start (by a record
+        at the end, or by the position past a transaction's marker there); once all are, the edge knows the
+        current deployments and budgets. ``but``: a model whose deployment the record being read logs."""
+        if self._control_seen.is_set():
+            return
+        for part in parts:
+            self._control_ends[part] = 0
+        if not any(self._control_ends.values()):
+            self._control_seen.set()
+            for model, latest in sorted(self._deployments.items()):  # the history read: its end
+                if model != but:
+                    log.info("deployment of %s: %s", model, latest)
+
     def _on_control(self, batch: list[Message]) -> None:
         """Control listener thread: the latest budget state per tenant (a set swap is atomic enough)."""
         for message in batch:
@@ -281,12 +299,9 @@ class KafkaGateway(AsyncComponent):
             if not self._control_seen.is_set():
                 part, offset = message.partition() or 0, message.offset() or 0
                 if offset + 1 >= self._control_ends.get(part, 0):
-                    self._control_ends[part] = 0
-                if not any(self._control_ends.values()):
-                    self._control_seen.set()
-                    for model, latest in sorted(self._deployments.items()):  # the history read: its end
-                        if not (isinstance(event, DeploymentChanged) and event.model == model):
-                            log.info("deployment of %s: %s", model, latest)
+                    self._control_reached(
+                        [part], but=event.model if isinstance(event, DeploymentChanged) else None
+                    )
             if isinstance(event, DeploymentChanged):
                 deployment = Deployment.of(event)
                 if self.on_deploy is not None:
@@ -587,8 +602,7 @@ class KafkaGateway(AsyncComponent):
             self._claims_read[partition] = offset + 1
             if offset + 1 >= self._claims_ends.get(partition, 0):
                 self._claims_ends.pop(partition, None)
-        if not self._claims_ends:
-            self._claims_caught_up.set()
+        self._claims_reached([])
         self._withdraw_abandoned()
         waiting = []
         for partition, offset, future in self._claims_waiting:
@@ -598,6 +612,22 @@ class KafkaGateway(AsyncComponent):
             elif not future.done():
                 waiting.append((partition, offset, future))
         self._claims_waiting = waiting
+
+    def _claims_ends_reached(self, reached: list[tuple[str, int]]) -> None:
+        """Claims reader thread: partitions read to their ends, told to the loop after the batches before
+        them (which reach it the same way)."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._claims_reached, [part for _, part in reached])
+
+    def _claims_reached(self, parts: list[int]) -> None:
+        """Event loop: these partitions are read to where they ended at the start (by a record at the end,
+        or by the position past a transaction's marker there); once all are, every key claimed before
+        this edge started is known."""
+        for part in parts:
+            self._claims_ends.pop(part, None)
+        if not self._claims_ends:
+            self._claims_caught_up.set()
 
     def _abandon_landed(
         self, published: asyncio.Future[tuple[int, int]], tenant: str, key: str, record: IdempotencyRecord

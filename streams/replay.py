@@ -13,10 +13,10 @@ from time import monotonic
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
-from bus.consumer import consumer_config
+from bus.consumer import consumer_config, past_ends
 from bus.control import read_control
 from bus.errors import BusError
-from bus.positions import past_ends, watermarks
+from bus.positions import watermarks
 from schemas.settings import PlatformSettings
 from schemas.topics import TopicNames
 from streams import StreamsError

@@ -158,6 +158,38 @@ async def test_a_control_topic_ending_in_a_record_the_edge_cannot_decode_is_stil
         assert gateway.budget_exhausted("acme")  # what came before it was followed
 
 
+async def test_control_and_claims_ending_in_a_transactions_marker_are_read_to_their_ends(
+    gateway: KafkaGateway, kafka: KafkaConnection
+) -> None:
+    """Found by a review: an edge knew it had read the control and idempotency topics to their ends by a
+    record at ``end - 1``; a transaction's marker there (a topic a transactional tool wrote, MirrorMaker 2
+    say) is never handed over, so the edge waited out its catch-up (30 s) and then stayed unready until the
+    next control record, however long that took. The position past the marker tells it now."""
+    import time
+
+    from schemas.events import BudgetStateChanged
+
+    budget = BudgetStateChanged(
+        tenant="acme", model="", source="test", limit_micros=1, spent_micros=2, exhausted=True
+    )
+    producer = Producer({**kafka.client_config(), "transactional.id": f"{gateway._names.control}-tx"})
+    producer.init_transactions(30)
+    producer.begin_transaction()
+    producer.produce(gateway._names.control, encode(budget), key=b"budget:acme")
+    producer.produce(gateway._names.idempotency, b"not a claim", key=b"acme\x00k", partition=0)
+    producer.commit_transaction(30)
+    await asyncio.sleep(1.0)  # the markers are written after the commit returns
+    gateway.CONTROL_CATCH_UP_S = 20.0
+    began = time.monotonic()
+    async with gateway:
+        took = time.monotonic() - began
+        assert gateway._control_seen.is_set()
+        assert gateway._claims_caught_up.is_set()
+        assert gateway.ready()
+        assert took < 10, f"the start waited {took:.1f}s for a record past the marker"
+        assert gateway.budget_exhausted("acme")  # what came before it was followed
+
+
 class _Record:
     """What the gateway's listeners read of a record."""
 
