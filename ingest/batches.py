@@ -351,7 +351,9 @@ class BatchRunner(AsyncComponent):
             job.next_index = 0  # every line without a result is published again
         if state.cancelling_at is not None:
             job.end_as("cancelled", time.monotonic())  # its cancels went out before the stop: it only ends
-        elif state.status == "finalizing" and not job.settled():
+        elif state.status == "finalizing" and (state.expired_at is not None or not job.settled()):
+            # it was ending expired (or lines never ran): every line settled during the expiry's grace
+            # made it end ``completed`` at the restart (a review)
             job.end_as("expired", time.monotonic())
         jobs.append(job)
         log.info("batch %s resumes (%s, %d lines)", state.batch_id, state.status, job.total)
@@ -573,9 +575,19 @@ class BatchRunner(AsyncComponent):
                 parsed = parse_line(raw, checked.endpoint)
                 flags[-1] = parsed.flags
                 _first_time(seen, parsed.custom_id)
-                if not checked.model:  # the first line names the batch's model
-                    checked = msgspec.structs.replace(checked, model=parsed.model)
-                line_request(self._preparer, tenant, checked, parsed, len(offsets) - 1, 0, self._source)
+                # The first line naming a model that serves this endpoint names the batch's model: a first
+                # line with a typo in it fails as itself, not every later line as naming another model.
+                named = checked if checked.model else msgspec.structs.replace(checked, model=parsed.model)
+                try:
+                    line_request(self._preparer, tenant, named, parsed, len(offsets) - 1, 0, self._source)
+                except LineError as exc:
+                    if exc.param != "model":
+                        checked = named
+                    raise
+                except IngestError:
+                    checked = named
+                    raise
+                checked = named
             except LineError as exc:
                 if len(errors) < MAX_REPORTED_ERRORS:
                     errors.append(exc.at(number))
@@ -915,7 +927,10 @@ class BatchRunner(AsyncComponent):
 
     async def _finish(self, job: Job, ending: Ending | None) -> None:
         """Write the output and error files (input order) and the final state."""
-        await self._change(job, status="finalizing", finalizing_at=utc_now(), counts=job.counts())
+        now = utc_now()
+        expired = {"expired_at": job.state.expired_at or now} if ending == "expired" else {}
+        # an expiry is kept with the state (``expired_at``): a restart while finalizing ends it so
+        await self._change(job, status="finalizing", finalizing_at=now, counts=job.counts(), **expired)
         state = job.state
         out_id, err_id = state.output_file_id or new_file_id(), state.error_file_id or new_file_id()
         try:
@@ -928,7 +943,7 @@ class BatchRunner(AsyncComponent):
             return
         now = utc_now()
         final: BatchStatus = ending or "completed"
-        times = {"expired": {"expired_at": now}, "cancelled": {"cancelled_at": now}}.get(
+        times = {"expired": {"expired_at": state.expired_at or now}, "cancelled": {"cancelled_at": now}}.get(
             final, {"completed_at": now}
         )
         counts = job.counts()

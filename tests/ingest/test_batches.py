@@ -167,6 +167,25 @@ async def test_an_invalid_file_fails_validation_with_every_bad_line_and_nothing_
     assert failed.failed_at is not None
 
 
+async def test_a_first_line_naming_a_wrong_model_fails_alone(sdk: AsyncOpenAI) -> None:
+    """Found by a review: the first line named the batch's model whatever it named, so a typo in line 1
+    failed every later line as ``mismatched_model``, hiding the one line to fix. The first line naming a
+    model that serves the endpoint names it."""
+    wrong = [{"role": "user", "content": "x"}]
+    lines: list[Any] = [
+        chat_line(0) | {"body": {"model": "no-such-model", "messages": wrong}},
+        chat_line(1) | {"body": {"model": EMB, "messages": wrong}},  # an embedding model: not this endpoint
+        chat_line(2),
+        chat_line(3),
+    ]
+    created = await run(sdk, lines)
+    failed = await until(sdk, created.id, "failed")
+    assert failed.errors is not None
+    assert failed.errors.data is not None
+    found = [(e.line, e.code) for e in failed.errors.data]
+    assert found == [(1, "model_not_found"), (2, "unsupported_model_task")]
+
+
 async def test_a_file_that_begins_with_a_utf8_bom_runs_and_a_utf16_one_is_named(sdk: AsyncOpenAI) -> None:
     """Found by a review: a JSONL file saved by a Windows editor begins with a UTF-8 byte-order mark, which
     was read as part of the first line: the batch failed, line 1 "not valid JSON". A UTF-16 file (its lines
@@ -1001,6 +1020,51 @@ async def test_a_batch_left_finalizing_whose_files_cannot_be_written_fails_after
 
 
 _WRITE_FILES = BatchRunner._write_files
+
+
+async def test_a_batch_left_finalizing_as_it_expired_ends_expired_after_the_restart(
+    make_client: MakeClient, batch_log: FakeBatchLog, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a review: a batch whose window passed with every line settled in the expiry's grace (they
+    ran to their deadline) was stopped while it wrote its files; the restarted edge saw no line unsettled
+    and ended it ``completed``. The expiry is kept with the ``finalizing`` state."""
+    held: list[BatchItemRequested] = []
+    batch_log.respond = held.append
+    writing = threading.Event()
+    release = threading.Event()
+
+    def stuck(_self: BatchRunner, *_args: Any) -> int:
+        writing.set()
+        release.wait(5)
+        raise OSError(errno.EIO, "stopped")
+
+    monkeypatch.setattr(BatchRunner, "_write_files", stuck)
+    first, _ = await make_client(edge_batch_max_in_flight=3)
+    async with AsyncOpenAI(base_url=str(first.make_url("/v1")), api_key=DEMO_KEY, max_retries=0) as sdk:
+        created = await run(sdk, [chat_line(i) for i in range(3)], window="2s")
+        await _eventually(lambda: len(held) == 3)
+        deadline = held[0].deadline
+        assert deadline is not None
+        await asyncio.sleep(max(0.0, deadline.timestamp() - time.time()) + 0.05)
+        usage = Usage(prompt_tokens=0, completion_tokens=0, total_tokens=0)
+        for event in held:  # what a worker does at the lines' deadline
+            batch_log.answer(finished(event, "expired", usage))
+        finalizing = await until(sdk, created.id, "finalizing")
+        await _eventually(writing.is_set)
+    assert finalizing.expired_at is not None
+    await first.close()  # stopped while it wrote the files
+    release.set()
+
+    monkeypatch.setattr(BatchRunner, "_write_files", _WRITE_FILES)
+    second, _ = await make_client(edge_batch_max_in_flight=3)
+    async with AsyncOpenAI(base_url=str(second.make_url("/v1")), api_key=DEMO_KEY, max_retries=0) as sdk:
+        done = await until(sdk, created.id, "expired", "completed", "failed")
+        assert done.status == "expired"
+        assert done.expired_at == finalizing.expired_at
+        assert done.request_counts is not None
+        assert (done.request_counts.completed, done.request_counts.failed) == (0, 3)
+        errors = await lines_of(sdk, done.error_file_id)
+    assert [e["response"]["body"]["error"]["code"] for e in errors] == ["timeout"] * 3
 
 
 async def test_the_input_file_of_a_batch_that_has_not_ended_cannot_be_deleted(
