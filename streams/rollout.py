@@ -685,6 +685,11 @@ class RolloutController:
         on the control topic (None: not known)."""
         self._mine: dict[str, tuple[DeploymentChanged, Position | None, Position]] = {}
         """model -> this controller's last decision, where the deployment it came from was, where it is."""
+        self._publishing: dict[str, list[tuple[DeploymentChanged, Position | None]]] = {}
+        """model -> the deployments read while this controller's decision on it is being published: the
+        sink can bring that decision back, and an operator's placed just before it, before the delivery
+        report comes (a slow ack); they are checked in log order once it has (a review: an abort read
+        then was taken for a later deployment than the controller's, and the step undid it for good)."""
         self._unread: dict[str, list[tuple[Position | None, Position]]] = {}
         """model -> (where the deployment it came from was, where it is) for each decision of this
         controller that the sink has not brought back yet, oldest first. None of them was derived from an
@@ -759,7 +764,11 @@ class RolloutController:
         ``sluice_rollout_decisions_total``, not one the log had at start, counted when it was taken)."""
         known, known_at = self._known(event.model)
         if read:
-            self._check_outranked(event, at)
+            publishing = self._publishing.get(event.model)
+            if publishing is not None:
+                publishing.append((event, at))
+            else:
+                self._check_outranked(event, at)
         if at is not None and known_at is not None and at <= known_at:
             return  # earlier in the log (redelivered, or raced by a later decision): the state is past it
         if known is None or known.id != event.id:
@@ -954,18 +963,28 @@ class RolloutController:
 
     async def _act(self, model: str, decision: DeploymentChanged) -> bool:
         """Publish ``decision`` (durable before the state moves); False when that failed (due again)."""
-        before, source = self._known(model)
+        if not self._may_decide():
+            # the control partition went to another streams worker while this one evaluated (the
+            # warehouse, the drift test): that one decides now, from the same deployment (a review: both
+            # published their step)
+            self._due.add(model)
+            return False
+        _, source = self._known(model)
+        read = self._publishing[model] = []
         try:
             placed = await self._publish(decision)
         except Exception:
             log.exception("rollout: publishing the decision for %s failed; trying again", model)
             self._due.add(model)
+            for event, at in read:
+                self._check_outranked(event, at)
             return False
+        finally:
+            del self._publishing[model]
         self._mine[model] = (decision, source, placed)
         self._unread.setdefault(model, []).append((source, placed))
-        latest, at = self._known(model)
-        if latest is not None and latest is not before:
-            self._check_outranked(latest, at)  # followed while this was published
+        for event, at in sorted(read, key=lambda r: (r[1] is None, r[1] or (0, 0))):
+            self._check_outranked(event, at)  # followed while this was published, in log order
         self._follow(decision, placed, read=False)
         # a rollback is what an operator must look at; a step or a promotion is the rollout going well
         level = logging.WARNING if decision.action == "rollback" else logging.INFO

@@ -1668,6 +1668,66 @@ async def test_a_controller_that_may_not_decide_publishes_nothing_until_it_may(h
     assert step.step == 1
 
 
+async def test_a_controller_that_loses_the_control_partition_mid_evaluation_publishes_nothing(
+    harness: Harness,
+) -> None:
+    """Found by a review: may it decide was asked once, before an evaluation that waits on the warehouse
+    and the drift test; a rebalance meanwhile gave the control partition to another streams worker, which
+    decided from the same deployment, and both published their step."""
+    owns = True
+    release = asyncio.Event()
+
+    async def read(sql: str) -> Any:
+        await release.wait()  # the warehouse answers after the rebalance
+        return await harness.warehouse.read(sql)
+
+    controller = RolloutController(
+        read,
+        harness.publish,
+        interval_s=1.0,
+        clock=lambda: harness.now,
+        monotonic=lambda: harness.mono,
+        may_decide=lambda: owns,
+    )
+    controller.seed([canary()])
+    running = asyncio.create_task(controller.run_due())
+    await asyncio.sleep(0)
+    owns = False  # the control partition is revoked and handed to another streams worker
+    release.set()
+    assert await running == []
+    assert harness.published == []
+    owns = True  # handed back: what was due is due still
+    harness.later(1)
+    (step,) = await controller.run_due()
+    assert step.step == 1
+
+
+async def test_an_abort_read_back_with_the_controllers_step_before_its_ack_is_published_again(
+    harness: Harness,
+) -> None:
+    """Found by a review: an operator's abort placed just before the controller's step, both brought back
+    by the sink before the step's delivery report came (a slow ack), was taken for a deployment later
+    than the controller's last: the step stood as the log's last word and the abort was undone for good."""
+    current = canary()
+    controller = harness.controller()
+    controller.seed([current], {current.id: (0, 7)})
+    aborted = roll_back(current, T0 + timedelta(seconds=1), "aborted by the operator: test", [], "operator")
+
+    async def slow_ack(event: DeploymentChanged) -> tuple[int, int]:
+        where = await harness.publish(event)  # on the log at 100, after the abort at 99
+        controller.observe([aborted, event], {aborted.id: (0, 99), event.id: where})
+        return where
+
+    controller._publish = slow_ack
+    (step,) = await controller.run_due()
+    assert (step.phase, step.actor) == ("canary", "controller")
+    controller._publish = harness.publish
+    harness.later()
+    (again,) = await controller.run_due()
+    assert (again.phase, again.actor) == ("rolled_back", "controller")
+    assert controller.deployments[MODEL].phase == "rolled_back"
+
+
 def candidate_errs_more(warehouse: Warehouse) -> None:
     # 5 % vs 1 %: within max_error_delta, so only the burn gate can fail.
     warehouse.stats = [row("v1", errors=10), row("v2", errors=50)]
