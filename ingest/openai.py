@@ -51,6 +51,9 @@ class ChatMessage(_Strict, kw_only=True, forbid_unknown_fields=True, frozen=True
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
     name: str | None = None
+    refusal: str | None = None
+    """What an answer gives back (``"refusal": null``): the SDK's ``messages.append(choice.message)`` sends
+    it with the next turn, which was a 400 (a review). A refusal the model wrote is not part of the prompt."""
 
     @property
     def text(self) -> str:

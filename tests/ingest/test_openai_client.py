@@ -107,3 +107,17 @@ async def test_a_developer_message_is_the_models_system_instruction(
     assert isinstance(system, GenerationRequested)
     assert developer.prompt == system.prompt
     assert developer.input_ids == system.input_ids
+
+
+async def test_the_sdks_multi_turn_idiom_is_accepted(make_client: MakeClient, gateway: FakeGateway) -> None:
+    """Found by a review: ``messages.append(response.choices[0].message)`` sends the answer back as the edge
+    rendered it, ``"refusal": null`` with it; a message had no such field, so every second turn of a
+    conversation through the SDK was a 400."""
+    client, _ = await make_client()
+    async with AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=DEMO_KEY, max_retries=0) as sdk:
+        history: list[object] = [{"role": "user", "content": "hello"}]
+        first = await sdk.chat.completions.create(model=GEN, messages=history, max_tokens=2)  # type: ignore[arg-type]
+        history += [first.choices[0].message, {"role": "user", "content": "more"}]
+        second = await sdk.chat.completions.create(model=GEN, messages=history, max_tokens=2)  # type: ignore[arg-type]
+    assert second.choices[0].message.content == " t0 t1"
+    assert len(gateway.submitted) == 2
