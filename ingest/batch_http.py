@@ -112,7 +112,7 @@ class BatchRoutes:
                 elif part.name in ("expires_after[anchor]", "expires_after[seconds]"):
                     expiry[part.name] = (await _field(part))[:32]
                 elif part.name == "file" and stored is None:
-                    filename = (part.filename or "upload.jsonl")[:255]
+                    filename = _printable_name(part.filename or "upload.jsonl")[:255]
                     stored = await runner.store.upload(
                         tenant.name, filename, "batch", chunks_of(part.read_chunk)
                     )
@@ -203,3 +203,10 @@ async def _field(part: BodyPartReader) -> str:
         raise InvalidRequest(
             f"The form field {part.name!r} could not be read: {exc}", code="invalid_form"
         ) from None
+
+
+def _printable_name(name: str) -> str:
+    """``name`` with what is not UTF-8 (aiohttp hands a filename's Latin-1 bytes over as lone surrogates)
+    as U+FFFD: stored as sent, near enough, not refused (a review found it kept the bytes of an upload it
+    then refused as a 400)."""
+    return "".join("\ufffd" if "\ud800" <= c <= "\udfff" else c for c in name)

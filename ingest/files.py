@@ -235,7 +235,6 @@ class FileStore:
         try:
             yield out
             out.close()
-            os.replace(tmp, data)
             created = int(time.time())
             ttl = self.ttl_s if ttl_s is None else ttl_s
             out.stored = StoredFile(
@@ -248,7 +247,13 @@ class FileStore:
                 lines=out.lines,
                 expires_at=created + ttl if ttl else None,
             )
-            write_atomic(meta, msgspec.json.encode(out.stored))
+            encoded = msgspec.json.encode(out.stored)  # before the data is in place: it can fail (a review)
+            os.replace(tmp, data)
+            try:
+                write_atomic(meta, encoded)
+            except BaseException:  # bytes without metadata are never listed, counted, swept nor deleted
+                data.unlink(missing_ok=True)
+                raise
         finally:
             out.close()
             tmp.unlink(missing_ok=True)

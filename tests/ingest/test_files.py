@@ -152,6 +152,47 @@ async def test_a_form_field_aiohttp_cannot_decode_is_a_400_and_keeps_nothing(
     assert (await listed.json())["data"] == []
 
 
+async def test_a_filename_that_is_not_utf8_is_stored_and_no_bytes_outlive_a_refused_upload(
+    make_client: MakeClient, tmp_path: Path
+) -> None:
+    """Found by a review: a Latin-1 filename reached the store as lone surrogates; the data was moved into
+    place, then its metadata could not be encoded: a 400, and the bytes stayed on disk with no metadata,
+    never listed, counted against the tenant's quota, swept nor deleted (three of them passed a 100 KB
+    quota). The name is stored with U+FFFD for what is not UTF-8."""
+    client, _ = await make_client(edge_files_max_bytes_per_tenant=100_000)
+    latin1 = b'Content-Disposition: form-data; name="file"; filename="r\xe9sum\xe9.jsonl"\r\n'
+    auth = {"Authorization": f"Bearer {DEMO_KEY}", "Content-Type": "multipart/form-data; boundary=XyZ"}
+    statuses = []
+    for _ in range(3):  # 3 x 60 KB against a 100 KB quota
+        response = await client.post(
+            "/v1/files", data=_form([(_PURPOSE, b"batch"), (latin1, b"{}\n" * 20_000)]), headers=auth
+        )
+        statuses.append(response.status)
+        if response.status == 200:
+            assert (await response.json())["filename"] == "r\ufffdsum\ufffd.jsonl"
+    assert statuses[0] == 200
+    assert statuses[1:] == [413, 413]  # counted against the quota
+    listed = await client.get("/v1/files", headers={"Authorization": f"Bearer {DEMO_KEY}"})
+    kept = {f["id"] for f in (await listed.json())["data"]}
+    on_disk = {p.name.removesuffix(".data") for p in (tmp_path / "files").glob("*/file-*.data")}
+    assert on_disk == kept
+
+
+def test_a_file_whose_metadata_cannot_be_written_leaves_no_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import ingest.files
+
+    def full(path: Path, data: bytes) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ingest.files, "write_atomic", full)
+    store = _store(tmp_path)
+    with pytest.raises(OSError, match="No space"):
+        _write(store)
+    assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
+
+
 async def test_an_upload_and_a_listing_read_the_tenants_files_off_the_event_loop(
     make_client: MakeClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
