@@ -150,9 +150,7 @@ class Routes:
                 request[SUBMITTED_KEY] = True
                 request[REQUEST_ID_KEY] = request_id
                 watch = RequestWatch(None, stream=shape.stream, t0=t0)
-                return await self._serve(
-                    request, shape, stream, flight, prepared.timeout_s, watch, after.resumed
-                )
+                return await self._serve(request, shape, stream, flight, prepared.timeout_s, watch, after)
         tokens = reserved_tokens(prepared.event)
         with ctx.admission.flight(
             tenant,
@@ -168,7 +166,7 @@ class Routes:
             request[REQUEST_ID_KEY] = opened.request_id
             shape = dataclasses.replace(shape, request_id=opened.request_id)
             watch = RequestWatch(prepared.event if opened.owner else None, stream=shape.stream, t0=t0)
-            return await self._serve(request, shape, opened.stream, flight, prepared.timeout_s, watch, False)
+            return await self._serve(request, shape, opened.stream, flight, prepared.timeout_s, watch, WHOLE)
 
     async def _admit(
         self, request: web.Request, kind: Kind
@@ -210,7 +208,7 @@ class Routes:
         flight: Flight,
         timeout_s: float,
         watch: RequestWatch,
-        resumed: bool,
+        after: After,
     ) -> web.StreamResponse:
         with watch:
             stream = watch.wrap(stream)
@@ -224,7 +222,7 @@ class Routes:
                 )
                 await send_now(request, answer, within_s=timeout_s)  # its deadline again, at most
                 return answer
-            encoder = SseEncoder(shape, resumed=resumed)
+            encoder = SseEncoder(shape, after)
             response = web.StreamResponse(headers={**SSE_HEADERS, "x-request-id": shape.request_id})
             ended = False
             try:

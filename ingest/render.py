@@ -18,7 +18,7 @@ from ingest import openai
 from ingest.errors import IngestError, error_body, from_finished
 from ingest.gateway import ReplyItem, ReplyStream
 from ingest.prepare import Shape
-from ingest.reply_stream import cursor
+from ingest.reply_stream import WHOLE, After, cursor, filled_in
 from schemas.events import Float32Vectors, RequestFinished, TokenChunk
 
 DONE = b"data: [DONE]\n\n"
@@ -44,9 +44,10 @@ def sse_error(exc: IngestError) -> bytes:
 class SseEncoder:
     """Token chunks and the terminal event of one request as OpenAI streaming chunks."""
 
-    def __init__(self, shape: Shape, *, resumed: bool = False) -> None:
+    def __init__(self, shape: Shape, after: After = WHOLE) -> None:
+        """``after``: what the client has of the stream already (a resume)."""
         self._shape = shape
-        self._resumed = resumed
+        self._after = after
 
     def _chunk(self, text: str | None, *, delta: dict[str, Any] | None = None, **kw: Any) -> dict[str, Any]:
         s = self._shape
@@ -57,7 +58,7 @@ class SseEncoder:
 
     def opening(self) -> bytes:
         """The chat stream's first chunk (the assistant role), not repeated on a resume."""
-        if self._shape.kind != "chat" or self._resumed:
+        if self._shape.kind != "chat" or self._after.resumed:
             return b""
         return sse(self._chunk("", delta={"role": "assistant", "content": ""}))
 
@@ -68,7 +69,13 @@ class SseEncoder:
         error = from_finished(item)
         if error is not None:
             return sse_error(error)
-        out = sse(self._chunk("", delta={}, reason=item.finish_reason))
+        out = b""
+        # a request that was not streamed has no chunks, its text in the terminal event alone (a stream
+        # resumed from one ended "completed" with no text, a review)
+        filler = None if item.stream else filled_in(item, self._after._replace(seq=-1), 0)
+        if filler is not None:
+            out += self.item(filler)
+        out += sse(self._chunk("", delta={}, reason=item.finish_reason))
         if self._shape.include_usage:
             out += sse(self._chunk(None, delta=None, usage=item.usage))
         return out + DONE

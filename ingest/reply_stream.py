@@ -259,28 +259,31 @@ class ReplyStream:
     def _fill(self, finished: RequestFinished) -> list[Reply]:
         """The text the chunks left out, from the terminal event (whose text is the whole completion): a
         chunk missing on the log, the last one included, or one held behind a hole that was never filled.
-        Only for a completed request (another end is an error the client gets instead), and not for an
-        older edge's resume by ``seq``, whose client's text position is not known."""
+        Only for a streamed request (one not streamed has no chunks: its text is rendered from the terminal
+        event, :class:`~ingest.render.SseEncoder`), and not for an older edge's resume by ``seq``, whose
+        client's text position is not known."""
         self._held = []
-        text = finished.text
-        if (
-            finished.status != "completed"
-            or text is None
-            or len(text) <= self._delivered_chars
-            or self._skip_seq >= 0
-        ):
+        if not finished.stream or self._skip_seq >= 0:
             return []
-        return [
-            TokenChunk(
-                tenant=finished.tenant,
-                model=finished.model,
-                request_id=finished.request_id,
-                source=finished.source,
-                seq=self._seq + 1,
-                # where the stream stands after it: all the tokens (a resume after it gets nothing again)
-                offset=max(self._delivered_tokens, finished.usage.completion_tokens),
-                token_ids=[],
-                text=text[self._delivered_chars :],
-                chars=self._delivered_chars,
-            )
-        ]
+        filler = filled_in(finished, After(self._delivered_tokens, self._delivered_chars), self._seq + 1)
+        return [] if filler is None else [filler]
+
+
+def filled_in(finished: RequestFinished, after: After, seq: int) -> TokenChunk | None:
+    """The chunk of a completed request's text past ``after`` (None: nothing past it, or another end,
+    which is an error the client gets instead), standing after all of its tokens: a resume after it gets
+    nothing again."""
+    text = finished.text
+    if finished.status != "completed" or text is None or len(text) <= after.chars:
+        return None
+    return TokenChunk(
+        tenant=finished.tenant,
+        model=finished.model,
+        request_id=finished.request_id,
+        source=finished.source,
+        seq=seq,
+        offset=max(after.tokens, finished.usage.completion_tokens),
+        token_ids=[],
+        text=text[after.chars :],
+        chars=after.chars,
+    )

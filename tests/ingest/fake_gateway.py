@@ -19,7 +19,7 @@ import msgspec
 
 from ingest.errors import GatewayUnavailable
 from ingest.gateway import IdempotencyRecord, ReplyItem, RequestEvent
-from ingest.reply_stream import WHOLE, After
+from ingest.reply_stream import WHOLE, After, filled_in
 from schemas.coordination import QuotaSync
 from schemas.deployments import Deployment
 from schemas.events import (
@@ -62,6 +62,8 @@ class FakeStream:
         ``ReplyStream``'s do)."""
         self._index = 0
         self._ended = False
+        self._end: RequestFinished | None = None
+        """The terminal event, after the chunk that fills in its text (as ``ReplyStream._fill`` does)."""
         self.closed = False
 
     def __aiter__(self) -> FakeStream:
@@ -70,6 +72,9 @@ class FakeStream:
     async def __anext__(self) -> ReplyItem:
         if self._ended or self.closed:
             raise StopAsyncIteration
+        if self._end is not None:
+            self._ended = True
+            return self._end
         log = self._log
         while True:
             async with log.changed:
@@ -83,9 +88,20 @@ class FakeStream:
             had = self._after.seq >= 0 and item.seq <= self._after.seq
             if not (had or item.offset + len(item.token_ids) <= self._after.tokens):
                 break
-        self._ended = isinstance(item, RequestFinished)
         self._gateway.pulled[item.request_id] += 1
+        if isinstance(item, RequestFinished):
+            filler = self._filler(item)
+            if filler is not None:
+                self._end = item
+                return filler
+            self._ended = True
         return item
+
+    def _filler(self, end: RequestFinished) -> TokenChunk | None:
+        """The text of a streamed request the chunks did not bring, as ``ReplyStream._fill`` gives it."""
+        if not end.stream or self._after.seq >= 0:
+            return None
+        return filled_in(end, After(self._after.tokens, max(self._after.chars, self._chars)), self._index)
 
     async def aclose(self) -> None:
         self.closed = True

@@ -199,6 +199,27 @@ async def test_a_replay_of_a_request_not_streamed_has_its_text_in_the_done_frame
     assert "text" not in frames[-1]  # its tokens carried it
 
 
+async def test_a_stream_resumed_from_a_request_not_streamed_carries_its_text(
+    client: Client, gateway: FakeGateway
+) -> None:
+    """Found by a review: such a request's answer is on the log as its terminal event's text alone; resumed
+    through its endpoint as a stream it ended "completed" with no content."""
+    body = {**CHAT, "max_tokens": 3}
+    answer = await (await client.post("/v1/chat/completions", json=body, headers=AUTH)).json()
+    rid = gateway.submitted[0].request_id
+    for at, text in (("0.0", " t0 t1 t2"), ("1.3", " t1 t2"), ("3.9", "")):
+        resumed = await client.post(
+            "/v1/chat/completions",
+            json={**body, "stream": True},
+            headers={**AUTH, "Last-Event-ID": f"{rid}:{at}"},
+        )
+        events = [msgspec.json.decode(d) for _, d in parse_sse(await resumed.text()) if d != "[DONE]"]
+        got = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+        assert got == text
+    assert answer["choices"][0]["message"]["content"] == " t0 t1 t2"
+    assert len(gateway.submitted) == 1
+
+
 async def test_reconnect_within_the_grace_keeps_the_generation(
     make_client: MakeClient, gateway: FakeGateway
 ) -> None:

@@ -5,8 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
+
+from ingest.prepare import Shape
+from ingest.render import SseEncoder
 from ingest.reply_stream import WHOLE, After, Reply, ReplyStream, cursor
 from schemas.events import RequestFinished, TokenChunk, Usage
+from tests.ingest.conftest import parse_sse
 
 RID = "0190a6e4-0000-7000-8000-000000000000"
 
@@ -143,10 +148,11 @@ def test_a_chunk_behind_the_delivered_tokens_says_where_the_stream_stands() -> N
     assert [r for reply in log for r in resumed._accept(reply) if isinstance(r, TokenChunk)] == []
 
 
-def _finished(text: str, tokens: int, status: str = "completed") -> RequestFinished:
+def _finished(text: str, tokens: int, status: str = "completed", *, stream: bool = True) -> RequestFinished:
     return RequestFinished(
         tenant="acme", model="m", request_id=RID, source="w", status=status, finish_reason="length",  # type: ignore[arg-type]
         usage=Usage(prompt_tokens=1, completion_tokens=tokens, total_tokens=tokens + 1), text=text,
+        stream=stream,
     )  # fmt: skip
 
 
@@ -198,3 +204,19 @@ def test_only_a_completed_request_has_its_missing_text_filled_in() -> None:
     done = _finished("If the value, said", 5)
     older = ReplyStream(_Source(), RID, "m", After(seq=5), 64)
     assert [r for reply in (second, done) for r in older._accept(reply)] == [done]
+
+
+def test_a_stream_resumed_from_a_request_that_was_not_streamed_gets_its_text() -> None:
+    """A request not streamed has no chunks on the log, only its terminal event's text: the stream hands
+    that event on alone (the native ``done`` frame carries the text), and a resume of it as an SSE stream
+    (``Last-Event-ID: <id>:0.0``, or past part of the text) renders the text as a chunk before the end (a
+    review: it ended "completed" with no text)."""
+    done = _finished(" t0 t1 t2", 3, stream=False)
+    assert ReplyStream(_Source(), RID, "m", WHOLE, 64)._accept(done) == [done]
+    shape = Shape(kind="completion", model="m", request_id=RID, fingerprint="")
+    for after, text in ((WHOLE, " t0 t1 t2"), (After(1, 3), " t1 t2"), (After(3, 9), None)):
+        events = parse_sse(SseEncoder(shape, after).item(done).decode())
+        chunks = [msgspec.json.decode(data) for _, data in events if data != "[DONE]"]
+        assert [c["choices"][0]["text"] for c in chunks] == ([text] if text else []) + [""]
+        if text:
+            assert events[0][0] == f"{RID}:3.9"  # a resume after it gets nothing again
