@@ -43,7 +43,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any, NamedTuple, ParamSpec
 
 import msgspec
@@ -231,6 +231,9 @@ class StreamsApp(AsyncComponent):
         """The latest ``finished`` time of a terminal event the sink has written (ms)."""
         self._rebaselined: dict[tuple[str, str], DriftRebaselined] = {}
         """The latest operator's rebaseline of each (model, version), from the control topic."""
+        self._promoted: dict[tuple[str, str], datetime] = {}
+        """When a rollout last promoted each (model, version) to all of its traffic, from the control topic:
+        the version's baseline while it is the stable one, through the next rollout too."""
         self.drift = DriftMonitor(
             settings, self._read, self._publish_report, self.stored_until, self._baseline
         )
@@ -353,19 +356,28 @@ class StreamsApp(AsyncComponent):
         """Since when ``version``'s drift references must date: its promotion to all of ``model``'s
         traffic (if a rollout promoted it and it still serves it), or an operator's rebaseline, the later."""
         deployment = self.rollout.deployments.get(model)
-        promoted = (
-            Baseline.promoted(version, deployment.step_started or deployment.time)
-            if deployment is not None and deployment.phase == "promoted" and deployment.stable == version
-            else None
-        )
+        since = None
+        if deployment is not None and deployment.stable == version:
+            # while the next rollout runs (or after it rolled back) the promotion still holds: its
+            # references taken during its own canary (a share of the tenants) were kept for good, and every
+            # window of the whole traffic was judged against them (a review)
+            since = (
+                deployment.step_started or deployment.time
+                if deployment.phase == "promoted"
+                else self._promoted.get((model, version))
+            )
+        promoted = Baseline.promoted(version, since) if since is not None else None
         rebaselined = self._rebaselined.get((model, version))
         return Baseline.latest(promoted, Baseline.rebaselined(rebaselined) if rebaselined else None)
 
     def _observe_rebaselines(self, events: Iterable[Event]) -> None:
-        """Follow ``DriftRebaselined`` on the control topic (the log's order: the latest of a key holds)."""
+        """Follow ``DriftRebaselined`` and promotions on the control topic (the log's order: the latest of
+        a key holds)."""
         for event in events:
             if isinstance(event, DriftRebaselined):
                 self._rebaselined[(event.model, event.version)] = event
+            elif isinstance(event, DeploymentChanged) and event.phase == "promoted":
+                self._promoted[(event.model, event.stable)] = event.step_started or event.time
 
     def _owns_control(self) -> bool:
         """Whether this streams worker's sink reads the control topic (one partition) now: only that one

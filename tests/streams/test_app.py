@@ -433,6 +433,42 @@ async def test_an_operators_rebaseline_on_the_control_topic_moves_the_drift_base
     assert Baseline.latest(Baseline.promoted("v1", at), baseline) == baseline
 
 
+async def test_a_promotion_stays_the_versions_drift_baseline_through_the_next_rollout(tmp_path: Path) -> None:
+    """Found by a review: the promotion was the baseline only while the model's latest deployment was the
+    promotion; the next rollout started (or rolled back) before the version's first window after it was
+    judged, and its references from its own canary (a share of the tenants) were kept for good."""
+    from datetime import timedelta
+
+    from streams.rollout import advance, roll_back, start_rollout
+    from tests.streams.test_rollout import GATES, T0
+
+    producer, warehouse = Producer(), Warehouse()
+    app = make_app(tmp_path, warehouse, producer)
+    app._heads = {}
+    model = "demo-gpt"
+
+    def rollout(stable: str, candidate: str, minutes: int) -> Any:
+        return start_rollout(
+            model, stable=stable, candidate=candidate, steps=[0.05, 1.0], shadow=0.0, gates=GATES,
+            now=T0 + timedelta(minutes=minutes), source="sluice/cli",
+        )  # fmt: skip
+
+    v2 = rollout("v1", "v2", 0)
+    canary = advance(v2, T0 + timedelta(seconds=5), "ready", [], "controller")
+    promoted = advance(canary, T0 + timedelta(minutes=10), "gates passed", [], "controller")
+    assert (promoted.phase, promoted.stable) == ("promoted", "v2")
+    v3 = rollout("v2", "v3", 11)
+    rolled_back = roll_back(v3, T0 + timedelta(minutes=12), "aborted", [], "operator")
+    events = [v2, canary, promoted, v3, rolled_back]
+    await app.write([Consumed("p.control", 0, i, encode(e)) for i, e in enumerate(events[:4])])
+    baseline = app._baseline(model, "v2")
+    assert baseline is not None
+    assert baseline.since == promoted.step_started  # while v3's rollout runs
+    await app.write([Consumed("p.control", 0, 4, encode(rolled_back))])
+    assert app._baseline(model, "v2") == baseline  # and after it rolled back
+    assert app._baseline(model, "v3") is None
+
+
 async def test_a_worker_given_the_control_partition_follows_what_its_previous_owner_read(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
