@@ -87,11 +87,14 @@ def _rollout_call(action: Callable[[], DeploymentChanged]) -> None:
         )
         raise typer.Exit(1) from None
     traffic = ", ".join(f"{v} {share:.0%}" for v, share in decision.traffic.items())
-    carried = (  # the controller took the rollout this started on (its first step, often within a second)
-        latest is not None
-        and decision.phase == "warming"
-        and latest.actor == "controller"
-        and latest.rollout_id == decision.rollout_id
+    by_controller = (
+        latest is not None and latest.actor == "controller" and latest.rollout_id == decision.rollout_id
+    )
+    carried = by_controller and (
+        # the controller took the rollout this started on (its first step, often within a second), or
+        # published this decision again, its own step having landed after it (a review: "superseded", exit
+        # 1, for the very decision that serves)
+        decision.phase == "warming" or (latest is not None and _same_routing(latest, decision))
     )
     if latest is not None and latest.id != decision.id and not carried:
         console.print(
@@ -434,3 +437,7 @@ def rollout_status(
 def _gate_value(value: float | None) -> str:
     """A gate's number as a person reads it: six significant digits, ``-`` for none."""
     return "-" if value is None else f"{value:.6g}"
+
+
+def _same_routing(a: DeploymentChanged, b: DeploymentChanged) -> bool:
+    return (a.phase, a.stable, a.traffic, a.shadow) == (b.phase, b.stable, b.traffic, b.shadow)

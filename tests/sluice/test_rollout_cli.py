@@ -29,7 +29,7 @@ from sluice.rollout import (
     plan_promote,
     plan_start,
 )
-from streams.rollout import VersionStats, advance, judge, roll_back, start_rollout
+from streams.rollout import VersionStats, advance, judge, reapply, roll_back, start_rollout
 
 MODEL = "demo-gpt"
 T0 = datetime(2025, 3, 1, 12, tzinfo=UTC)
@@ -718,3 +718,37 @@ def test_a_start_the_controller_took_on_at_once_is_not_superseded(
     other = CliRunner().invoke(app, argv, env=env)
     assert other.exit_code == 1, other.output
     assert "superseded" in other.output
+
+
+def test_an_abort_the_controller_published_again_is_not_superseded(
+    monkeypatch: pytest.MonkeyPatch, log: Log, platform: PlatformSettings
+) -> None:
+    """Found by a review: the controller's step derived from the deployment before an abort landed after
+    it, and the controller published the abort again (its actor, a new id); read back, the abort said
+    "superseded" and exited 1, though it is what serves. A step that does overtake it still says so."""
+    import sluice.cli
+    from sluice.cli import app
+
+    monkeypatch.setattr(sluice.cli, "_settings", platform)
+    current = rollout()
+    step = advance(current, T0 + timedelta(seconds=2), "gates passed", [], "controller")
+
+    def publish(platform: PlatformSettings, event: DeploymentChanged) -> None:
+        log.latest[MODEL] = reapply(event, step, T0 + timedelta(seconds=3))
+
+    monkeypatch.setattr(sluice.rollout, "publish", publish)
+    env = {"COLUMNS": "250", "SLUICE_CACHE_DIR": platform.cache_dir}
+    log.latest[MODEL] = current
+    result = CliRunner().invoke(app, ["rollout", "abort", MODEL, "--reason", "bad"], env=env)
+    assert log.latest[MODEL].phase == "rolled_back"
+    assert result.exit_code == 0, result.output
+    assert "since then, by the controller: rollback -> rolled_back" in " ".join(result.output.split())
+
+    def overtaken(platform: PlatformSettings, event: DeploymentChanged) -> None:
+        log.latest[MODEL] = step  # the step landed after the abort, not yet published again
+
+    monkeypatch.setattr(sluice.rollout, "publish", overtaken)
+    log.latest[MODEL] = current
+    raced = CliRunner().invoke(app, ["rollout", "abort", MODEL, "--reason", "bad"], env=env)
+    assert raced.exit_code == 1, raced.output
+    assert "superseded" in raced.output
