@@ -49,7 +49,8 @@ class TextPart(_Strict, kw_only=True, forbid_unknown_fields=True, frozen=True):
 
 class ChatMessage(_Strict, kw_only=True, forbid_unknown_fields=True, frozen=True):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    content: str | Annotated[list[TextPart], msgspec.Meta(min_length=1)]
+    """Text, or its parts: at least one (OpenAI refuses an empty list; it was published as an empty turn)."""
     name: str | None = None
     refusal: str | None = None
     """What an answer gives back (``"refusal": null``): the SDK's ``messages.append(choice.message)`` sends

@@ -40,6 +40,14 @@ CASES: list[tuple[str, str, Any, int, str | None, str | None]] = [
         "messages[0].content[0].type",
         "invalid_value",
     ),
+    (
+        "empty content parts",  # a review: published as an empty turn; OpenAI refuses it
+        CHAT,
+        {"model": GEN, "messages": [{"role": "user", "content": []}]},
+        400,
+        "messages[0].content",
+        "invalid_value",
+    ),
     ("unknown field", CHAT, {"model": GEN, "messages": MSG, "tools": []}, 400, "tools", "invalid_value"),
     (
         "temperature type",
