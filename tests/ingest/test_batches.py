@@ -418,6 +418,16 @@ async def test_cancel_stops_what_has_not_run_and_cancels_what_runs(
     assert len(batch_log.lines) == 5  # nothing was published after the cancel
 
 
+async def _expire(batch_log: FakeBatchLog, held: list[BatchItemRequested]) -> None:
+    """Past the lines' deadline (the batch's expiry), each held line ends ``expired``, as a worker ends it."""
+    deadline = held[0].deadline
+    assert deadline is not None
+    await asyncio.sleep(max(0.0, deadline.timestamp() - time.time()) + 0.05)
+    usage = Usage(prompt_tokens=0, completion_tokens=0, total_tokens=0)
+    for event in held:
+        batch_log.answer(finished(event, "expired", usage))
+
+
 async def test_a_batch_expires_at_its_window_with_what_completed(
     make_client: MakeClient, batch_log: FakeBatchLog
 ) -> None:
@@ -429,11 +439,7 @@ async def test_a_batch_expires_at_its_window_with_what_completed(
         # for a stall of a loaded box (CI) on top
         created = await run(sdk, [chat_line(i) for i in range(5)], window="5s")
         await _eventually(lambda: len(held) == 1)
-        deadline = held[0].deadline
-        assert deadline is not None
-        await asyncio.sleep(max(0.0, deadline.timestamp() - time.time()) + 0.05)
-        usage = Usage(prompt_tokens=0, completion_tokens=0, total_tokens=0)
-        batch_log.answer(finished(held[0], "expired", usage))  # what a worker does at the line's deadline
+        await _expire(batch_log, held)
         done = await until(sdk, created.id, "expired")
         assert done.expired_at is not None
         assert done.request_counts is not None
@@ -980,13 +986,10 @@ async def test_a_batch_whose_files_cannot_be_written_fails_alone(
         assert other.request_counts.completed == 1
 
 
-async def test_a_batch_left_finalizing_whose_files_cannot_be_written_fails_after_the_restart(
-    make_client: MakeClient, batch_log: FakeBatchLog, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The edge stopped while it wrote a batch's files, and they cannot be written after the restart either:
-    the batch fails, and the restarted edge stays up (it used to die again on every start)."""
-    writing = threading.Event()
-    release = threading.Event()
+def _files_stuck(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
+    """A batch's files being written until ``release`` (the edge stops meanwhile), then failing: (set once
+    the writing began, release)."""
+    writing, release = threading.Event(), threading.Event()
 
     def stuck(_self: BatchRunner, *_args: Any) -> int:
         writing.set()
@@ -994,6 +997,15 @@ async def test_a_batch_left_finalizing_whose_files_cannot_be_written_fails_after
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(BatchRunner, "_write_files", stuck)
+    return writing, release
+
+
+async def test_a_batch_left_finalizing_whose_files_cannot_be_written_fails_after_the_restart(
+    make_client: MakeClient, batch_log: FakeBatchLog, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The edge stopped while it wrote a batch's files, and they cannot be written after the restart either:
+    the batch fails, and the restarted edge stays up (it used to die again on every start)."""
+    writing, release = _files_stuck(monkeypatch)
     first, _ = await make_client()
     async with AsyncOpenAI(base_url=str(first.make_url("/v1")), api_key=DEMO_KEY, max_retries=0) as sdk:
         created = await run(sdk, [chat_line(i) for i in range(3)])
@@ -1030,25 +1042,12 @@ async def test_a_batch_left_finalizing_as_it_expired_ends_expired_after_the_rest
     and ended it ``completed``. The expiry is kept with the ``finalizing`` state."""
     held: list[BatchItemRequested] = []
     batch_log.respond = held.append
-    writing = threading.Event()
-    release = threading.Event()
-
-    def stuck(_self: BatchRunner, *_args: Any) -> int:
-        writing.set()
-        release.wait(5)
-        raise OSError(errno.EIO, "stopped")
-
-    monkeypatch.setattr(BatchRunner, "_write_files", stuck)
+    writing, release = _files_stuck(monkeypatch)
     first, _ = await make_client(edge_batch_max_in_flight=3)
     async with AsyncOpenAI(base_url=str(first.make_url("/v1")), api_key=DEMO_KEY, max_retries=0) as sdk:
         created = await run(sdk, [chat_line(i) for i in range(3)], window="2s")
         await _eventually(lambda: len(held) == 3)
-        deadline = held[0].deadline
-        assert deadline is not None
-        await asyncio.sleep(max(0.0, deadline.timestamp() - time.time()) + 0.05)
-        usage = Usage(prompt_tokens=0, completion_tokens=0, total_tokens=0)
-        for event in held:  # what a worker does at the lines' deadline
-            batch_log.answer(finished(event, "expired", usage))
+        await _expire(batch_log, held)
         finalizing = await until(sdk, created.id, "finalizing")
         await _eventually(writing.is_set)
     assert finalizing.expired_at is not None

@@ -8,7 +8,7 @@ import dataclasses
 import logging
 import random
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -902,8 +902,15 @@ class Harness:
         self.end += 1
         return (0, self.end - 1)
 
-    def controller(self, interval_s: float = 1.0, *, held: asyncio.Event | None = None) -> RolloutController:
-        """``held``: every warehouse read waits until the event is set (an evaluation in progress)."""
+    def controller(
+        self,
+        interval_s: float = 1.0,
+        *,
+        held: asyncio.Event | None = None,
+        may_decide: Callable[[], bool] = lambda: True,
+    ) -> RolloutController:
+        """``held``: every warehouse read waits until the event is set (an evaluation in progress);
+        ``may_decide``: whether the controller's sink reads the control topic now."""
 
         async def read(sql: str) -> list[dict[str, Any]]:
             if held is not None:
@@ -916,6 +923,7 @@ class Harness:
             interval_s=interval_s,
             clock=lambda: self.now,
             monotonic=lambda: self.mono,
+            may_decide=may_decide,
         )
 
     def later(self, seconds: float = 10.0) -> None:
@@ -1650,14 +1658,7 @@ async def test_a_controller_that_may_not_decide_publishes_nothing_until_it_may(h
     """Found by an audit: two streams workers both decided (a steps published twice, and one that never
     read the operator's abort undid it). Only the one whose sink reads the control topic decides."""
     owns = False
-    controller = RolloutController(
-        harness.warehouse.read,
-        harness.publish,
-        interval_s=1.0,
-        clock=lambda: harness.now,
-        monotonic=lambda: harness.mono,
-        may_decide=lambda: owns,
-    )
+    controller = harness.controller(may_decide=lambda: owns)
     controller.seed([canary()])
     assert await controller.run_due() == []
     assert harness.published == []
@@ -1675,20 +1676,8 @@ async def test_a_controller_that_loses_the_control_partition_mid_evaluation_publ
     and the drift test; a rebalance meanwhile gave the control partition to another streams worker, which
     decided from the same deployment, and both published their step."""
     owns = True
-    release = asyncio.Event()
-
-    async def read(sql: str) -> Any:
-        await release.wait()  # the warehouse answers after the rebalance
-        return await harness.warehouse.read(sql)
-
-    controller = RolloutController(
-        read,
-        harness.publish,
-        interval_s=1.0,
-        clock=lambda: harness.now,
-        monotonic=lambda: harness.mono,
-        may_decide=lambda: owns,
-    )
+    release = asyncio.Event()  # the warehouse answers after the rebalance
+    controller = harness.controller(held=release, may_decide=lambda: owns)
     controller.seed([canary()])
     running = asyncio.create_task(controller.run_due())
     await asyncio.sleep(0)
