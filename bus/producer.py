@@ -7,10 +7,11 @@ import functools
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from confluent_kafka import KafkaError, Message, Producer
+from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
 from bus.errors import BusError
 from bus.placement import native_threads
@@ -76,6 +77,17 @@ def producer_config(kafka: KafkaConnection, client_id: str, **overrides: Any) ->
     return config
 
 
+REFRESH_EVERY_S = 5.0
+"""How often a producer asks for a topic's metadata again when a partition is refused (see
+``EventProducer._refresh``): a partition that does not exist costs one metadata request a while."""
+REFRESH_TIMEOUT_S = 2.0
+
+
+def _unknown_partition(exc: KafkaException) -> bool:
+    err = exc.args[0] if exc.args else None
+    return isinstance(err, KafkaError) and err.code() == KafkaError._UNKNOWN_PARTITION
+
+
 class EventProducer(Component):
     """Produce events from any thread; await durability from asyncio.
 
@@ -94,6 +106,8 @@ class EventProducer(Component):
         """Delivery callbacks not yet called, so a dead poll thread can fail them all (none waits forever)."""
         self._tokens = itertools.count()
         self._lock = threading.Lock()
+        self._refreshed: dict[str, float] = {}
+        """When each topic's metadata was last asked for after a partition was refused (monotonic)."""
 
     def _start(self) -> None:
         if self._running:
@@ -189,11 +203,35 @@ class EventProducer(Component):
             except BufferError:
                 self._producer.poll(0.05)  # local queue full: wait for deliveries, never drop
                 continue
-            except Exception as exc:  # KafkaException: unknown topic/partition, record too large, ...
-                with self._lock:
-                    self._pending.pop(token, None)
+            except KafkaException as exc:
+                if _unknown_partition(exc) and self._refresh(topic):
+                    continue
+                self._forget(token)
+                raise BusError(f"cannot produce to {topic}: {exc}") from exc
+            except Exception as exc:  # record too large, ...
+                self._forget(token)
                 raise BusError(f"cannot produce to {topic}: {exc}") from exc
             return
+
+    def _forget(self, token: int) -> None:
+        with self._lock:
+            self._pending.pop(token, None)
+
+    def _refresh(self, topic: str) -> bool:
+        """Ask for ``topic``'s metadata again, at most once every :data:`REFRESH_EVERY_S` (True: asked).
+        A partition added since this producer last read it (a replies topic grown for more edges) is
+        refused from librdkafka's cache until its periodic refresh, 5 min: a worker dropped every reply
+        for the new edges meanwhile, and their clients waited out their deadlines (a review)."""
+        now = time.monotonic()
+        with self._lock:
+            if now - self._refreshed.get(topic, -REFRESH_EVERY_S) < REFRESH_EVERY_S:
+                return False
+            self._refreshed[topic] = now
+        try:
+            self._producer.list_topics(topic, timeout=REFRESH_TIMEOUT_S)
+        except KafkaException:
+            return False
+        return True
 
     async def publish(
         self, topic: str, event: Event, *, partition: int | None = None, key: bytes | None = None

@@ -277,3 +277,32 @@ def test_a_fatal_client_error_stops_the_consumer_instead_of_being_skipped() -> N
     assert _benign_error(Fake(KafkaError(KafkaError._TRANSPORT))) is True  # type: ignore[arg-type]
     with pytest.raises(KafkaException):
         _benign_error(Fake(KafkaError(KafkaError._FATAL, fatal=True)))  # type: ignore[arg-type]
+
+
+async def test_a_producer_reaches_a_partition_added_after_it_learnt_the_topic(
+    kafka: KafkaConnection, topic_prefix: str
+) -> None:
+    """Found by a review: a replies topic grown for more edges (``sluice topics apply``) had its new
+    partitions refused by a worker's long-lived producer until librdkafka's periodic metadata refresh
+    (5 min): every reply for the new edges was dropped meanwhile. A refused partition makes the producer
+    ask for the topic's metadata again (at most every few seconds); one that does not exist is refused."""
+    from confluent_kafka.admin import NewPartitions, NewTopic
+
+    admin = make_admin(kafka)
+    topic = f"{topic_prefix}.grown"
+    for future in admin.create_topics([NewTopic(topic, 1, 1)]).values():
+        future.result(30)
+    with EventProducer(kafka, "worker-like") as producer:
+        assert await producer.publish_raw(topic, b"first", partition=0) == (0, 0)  # one partition known
+        for future in admin.create_partitions([NewPartitions(topic, 2)]).values():
+            future.result(30)
+        deadline = time.monotonic() + 10
+        while True:  # the broker's own metadata may lag the admin's answer a moment
+            try:
+                assert await producer.publish_raw(topic, b"reply", partition=1) == (1, 0)
+                break
+            except BusError:
+                assert time.monotonic() < deadline, "the added partition stayed refused"
+                await asyncio.sleep(0.2)
+        with pytest.raises(BusError, match="Unknown partition"):
+            await producer.publish_raw(topic, b"nowhere", partition=7)
