@@ -353,7 +353,8 @@ _BATCH_SPEND = """SELECT
     sum(cost_nanos) AS cost_nanos,
     cost_nanos / 1e9 AS spend_usd
 FROM request_facts FINAL
-WHERE batch_id != '' AND shadow_of = '' AND toDate(finished) > toDate(now(), 'UTC') - 30
+WHERE batch_id != '' AND shadow_of = ''
+    AND toDate(finished) > toDate(now(), 'UTC') - 30 AND toDate(finished) <= toDate(now(), 'UTC')
 GROUP BY day, tenant
 ORDER BY day DESC, cost_nanos DESC, tenant"""
 

@@ -1171,7 +1171,7 @@ def test_the_dashboard_leaves_out_requests_finished_after_this_minute(warehouse:
     import uuid
 
     from schemas.codec import encode
-    from schemas.events import Timings, Usage
+    from schemas.events import BatchRef, Timings, Usage
     from streams.pricing import PriceTable
     from streams.sink import Consumed, Rows, insert
     from tests.streams.test_audit import finished
@@ -1205,3 +1205,12 @@ def test_the_dashboard_leaves_out_requests_finished_after_this_minute(warehouse:
     assert sum(r["completion_tokens"] for r in rows(warehouse, SAVED["top-tenants-by-spend"].sql)) < 1_000_000
     budget = [r for r in rows(warehouse, SAVED["error-budget-left"].sql) if r["slo"] == "availability"]
     assert sum(r["events"] for r in budget) == 3
+    # and batch-spend, by day (a later review: it billed a line two days ahead under that day, today)
+    line = finished(
+        request_id=str(uuid.uuid4()),
+        time=ahead + timedelta(days=1),
+        batch=BatchRef(batch_id="batch_1", custom_id="c", index=0),
+        timings=Timings(accepted=now, started=now, finished=ahead + timedelta(days=1)),
+    )
+    insert(warehouse, Rows(PriceTable()).batch([Consumed("p.results", 0, 9, encode(line))]))
+    assert rows(warehouse, SAVED["batch-spend"].sql) == []
