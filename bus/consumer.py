@@ -42,6 +42,22 @@ cores were all taken) a client was seen to keep one request in its coordinator c
 good, out of the group, while a new client joined at once."""
 
 
+UNREADABLE = frozenset(
+    {
+        KafkaError.TOPIC_AUTHORIZATION_FAILED,
+        KafkaError.GROUP_AUTHORIZATION_FAILED,
+        KafkaError.UNKNOWN_TOPIC_OR_PART,
+        KafkaError._UNKNOWN_TOPIC,
+        KafkaError._UNKNOWN_PARTITION,
+    }
+)
+"""Consumer errors that say a topic or the group cannot be read (an ACL refused or removed, a topic that is
+not there): librdkafka reports them, fetch after fetch, as errors it goes on from. The component must say it
+is not ready while they go on (:meth:`ConsumerThread.unreadable_for`), not only log them."""
+
+UNREADABLE_QUIET_S = 30.0
+"""How long after the last such error the consumer counts as readable again."""
+
 FETCH_WAIT_MAX_MS = 500
 """Kafka's default. The longest an empty fetch waits on the broker; a record ends the wait at once."""
 
@@ -196,6 +212,9 @@ class ConsumerThread(Component):
         self._settled_once = False
         self._group_state = ""
         self._brokers_down_since: float | None = None
+        self._unreadable: tuple[float, float, str] | None = None
+        """(first, last, what) of the errors in :data:`UNREADABLE` going on now (polling thread)."""
+        self._unreadable_logged = 0.0
         """Since when the statistics have said no broker is connected (polling thread)."""
         self._live = _Live()
         """The current client's: its callbacks reach this thread's state only while it is current."""
@@ -244,7 +263,7 @@ class ConsumerThread(Component):
             self._flush_commits()
             while True:
                 messages = consumer.consume(self._batch_size, 0)
-                batch = [m for m in messages if not _benign_error(m)]
+                batch = [m for m in messages if not self._skipped(m)]
                 if batch:
                     self._handler(batch)
                 if len(messages) < self._batch_size:
@@ -436,6 +455,31 @@ class ConsumerThread(Component):
         elif self._brokers_down_since is None:
             self._brokers_down_since = time.monotonic()
 
+    def _skipped(self, message: Message) -> bool:
+        """:func:`_benign_error`, noting the errors that say a topic or the group cannot be read."""
+        err = message.error()
+        if err is None or err.code() not in UNREADABLE:
+            return _benign_error(message)
+        now = time.monotonic()
+        going = self._unreadable
+        first = going[0] if going is not None and now - going[1] < UNREADABLE_QUIET_S else now
+        self._unreadable = (first, now, err.str())
+        if now - self._unreadable_logged >= 10.0:  # every fetch brings one: hundreds a minute
+            self._unreadable_logged = now
+            log.warning("%s cannot read %s: %s", self.name, message.topic() or "its group", err.str())
+        return True
+
+    def unreadable_for(self) -> tuple[float, str]:
+        """How long (seconds) errors saying a topic or the group cannot be read (authorization refused, a
+        topic unknown) have kept coming, and the last one's text; (0, "") once none came for
+        :data:`UNREADABLE_QUIET_S` (any thread). One such error alone (a topic being created) counts 0. A
+        review: with its ACL on the replies topic removed, an edge logged every refused fetch and went on
+        answering ``/readyz`` 200, admitting requests no reply could reach."""
+        going = self._unreadable
+        if going is None or time.monotonic() - going[1] >= UNREADABLE_QUIET_S:
+            return 0.0, ""
+        return going[1] - going[0], going[2]
+
     def brokers_down_for(self) -> float:
         """Seconds this consumer's statistics have said no broker is connected (0 while one is, or before
         any statistics; any thread): a readiness check's view of the cluster, which an error on every
@@ -482,7 +526,7 @@ class ConsumerThread(Component):
                     continue
                 revocations = self._revocations
                 messages = take_batch(consumer, self._batch_size, self._linger_s)
-                batch = [m for m in messages if not _benign_error(m)]
+                batch = [m for m in messages if not self._skipped(m)]
                 if batch and self._revocations != revocations:
                     batch = self._still_owned(batch)
                 if batch:
@@ -543,7 +587,7 @@ class ConsumerThread(Component):
             consumer.pause(assignment)
         self._paused.set()
         dropped = consumer.consume(self._batch_size, 0.1)
-        if any(not _benign_error(m) for m in dropped):
+        if any(not self._skipped(m) for m in dropped):
             log.debug("%s: paused; %d records left for the partitions' next owner", self.name, len(dropped))
 
     def commit(self, offsets: dict[TP, int], on_failure: CommitFailed | None = None) -> None:

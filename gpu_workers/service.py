@@ -336,7 +336,12 @@ class WorkerService(Component):
             model_loaded=self._ready.is_set() and self.failure is None,
             kafka=self.failure is None
             and self._requests.wait_assigned(0)
-            and self._requests.brokers_down_for() < self.BROKERS_DOWN_S,
+            and self._requests.brokers_down_for() < self.BROKERS_DOWN_S
+            and all(
+                reader.unreadable_for()[0] < self.BROKERS_DOWN_S
+                for reader in (self._requests, self._results_tail, self._cancels, self._control)
+                if reader is not None
+            ),
             group=self._requests.unsettled_for() < self.GROUP_GRACE_S,
             lag_ok=lag <= max_lag,
             lag=lag,

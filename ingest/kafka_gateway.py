@@ -265,6 +265,11 @@ class KafkaGateway(AsyncComponent):
             and self.failure is None
             and control_ok
             and listener.brokers_down_for() < self.BROKERS_DOWN_S
+            and all(
+                reader.unreadable_for()[0] < self.BROKERS_DOWN_S
+                for reader in (listener, self._control, self._quota, self._claims_reader)
+                if reader is not None
+            )
         )
 
     def deployment(self, model: str) -> Deployment | None:

@@ -1157,6 +1157,26 @@ async def test_a_dead_cancel_listener_fails_the_worker_and_its_readiness(
         worker.stop()  # the other threads still stop, the requests consumer commits and leaves
 
 
+def test_a_worker_whose_topic_cannot_be_read_is_not_ready(
+    platform: PlatformSettings, demo_gpt_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a review: errors saying a topic cannot be read (an ACL removed, a topic gone) were logged,
+    fetch after fetch, and the worker stayed ready. Any of its consumers told so for long makes it not."""
+    worker = make_worker(platform, WorkerSettings(worker_id="w-refused"), "demo-gpt")
+    worker.start()
+    try:
+        assert worker.wait_assigned(30)
+        assert worker.readiness(100).ready
+        cancels = worker._cancels
+        assert cancels is not None
+        monkeypatch.setattr(cancels, "unreadable_for", lambda: (worker.BROKERS_DOWN_S + 1, "refused"))
+        readiness = worker.readiness(100)
+        assert not readiness.ready
+        assert readiness.checks["kafka"] is False
+    finally:
+        worker.stop()
+
+
 async def test_a_worker_out_of_its_group_for_long_is_not_ready(
     platform: PlatformSettings, demo_gpt_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

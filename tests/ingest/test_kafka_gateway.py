@@ -309,3 +309,62 @@ async def test_the_deployments_read_at_start_are_logged_once_each_then_every_cha
                 await asyncio.sleep(0.02)
             assert len(said()) == 2
             assert "share=0.5" in said()[1]
+
+
+async def test_an_edge_refused_its_reply_partition_is_not_ready(
+    kafka: KafkaConnection, topic_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a review: with its ACL on the replies topic removed, every fetch of the reply listener came
+    back ``TOPIC_AUTHORIZATION_FAILED``, an error librdkafka goes on from: the edge logged each one and
+    stayed ready, admitting requests no reply could reach. A real client here, its fetches refused as
+    librdkafka hands refusals over (one error message each)."""
+    from typing import Any
+
+    from confluent_kafka import Consumer, KafkaError
+
+    import bus.consumer
+
+    class Refused:
+        def error(self) -> KafkaError:
+            return KafkaError(KafkaError.TOPIC_AUTHORIZATION_FAILED, "Broker: Topic authorization failed")
+
+        def topic(self) -> str:
+            return names.replies
+
+    class RefusedFetches:
+        def __init__(self, real: Any) -> None:
+            self._real = real
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._real, name)
+
+        def poll(self, timeout: float = -1) -> Any:
+            self._real.consume(100, 0.1)  # its callbacks and statistics served; no record comes
+            return Refused()
+
+        def consume(self, num_messages: int = 1, timeout: float = -1) -> list[Any]:
+            return [self.poll(timeout)]
+
+    names = TopicNames(topic_prefix)
+    apply_topics(make_admin(kafka), platform_topics(names, ["demo-gpt"], TopicSizing(replies=1)))
+    real = Consumer
+
+    def made(config: dict[str, Any]) -> Any:
+        client = real(config)
+        return RefusedFetches(client) if "-replies" in str(config.get("client.id")) else client
+
+    monkeypatch.setattr(bus.consumer, "Consumer", made)
+    monkeypatch.setattr(KafkaGateway, "BROKERS_DOWN_S", 2.0)
+    gateway = KafkaGateway(
+        kafka=kafka, names=names, edge_id="edge-u", reply_partition=0, replies_on_loop=False
+    )
+    async with gateway:
+        deadline = asyncio.get_running_loop().time() + 30
+        while gateway.ready():
+            assert asyncio.get_running_loop().time() < deadline, (
+                f"refused fetch after fetch, and still ready: {gateway._listener.unreadable_for()}"  # type: ignore[union-attr]
+            )
+            await asyncio.sleep(0.2)
+        span, why = gateway._listener.unreadable_for() if gateway._listener is not None else (0.0, "")
+        assert span >= 2.0
+        assert "authorization" in why.lower()
