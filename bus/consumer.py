@@ -55,8 +55,9 @@ UNREADABLE = frozenset(
 not there): librdkafka reports them, fetch after fetch, as errors it goes on from. The component must say it
 is not ready while they go on (:meth:`ConsumerThread.unreadable_for`), not only log them."""
 
-UNREADABLE_QUIET_S = 30.0
-"""How long after the last such error the consumer counts as readable again."""
+UNREADABLE_QUIET_S = 15.0
+"""How long after the last such error the consumer counts as readable again (at once: a record of the
+topic that error named)."""
 
 FETCH_WAIT_MAX_MS = 500
 """Kafka's default. The longest an empty fetch waits on the broker; a record ends the wait at once."""
@@ -212,8 +213,8 @@ class ConsumerThread(Component):
         self._settled_once = False
         self._group_state = ""
         self._brokers_down_since: float | None = None
-        self._unreadable: tuple[float, float, str] | None = None
-        """(first, last, what) of the errors in :data:`UNREADABLE` going on now (polling thread)."""
+        self._unreadable: tuple[float, float, str, str | None] | None = None
+        """(first, last, what, topic) of the errors in :data:`UNREADABLE` going on now (polling thread)."""
         self._unreadable_logged = 0.0
         """Since when the statistics have said no broker is connected (polling thread)."""
         self._live = _Live()
@@ -459,11 +460,14 @@ class ConsumerThread(Component):
         """:func:`_benign_error`, noting the errors that say a topic or the group cannot be read."""
         err = message.error()
         if err is None or err.code() not in UNREADABLE:
+            going = self._unreadable
+            if err is None and going is not None and going[3] == message.topic():
+                self._unreadable = None  # a record of it: it can be read again
             return _benign_error(message)
         now = time.monotonic()
         going = self._unreadable
         first = going[0] if going is not None and now - going[1] < UNREADABLE_QUIET_S else now
-        self._unreadable = (first, now, err.str())
+        self._unreadable = (first, now, err.str(), message.topic())
         if now - self._unreadable_logged >= 10.0:  # every fetch brings one: hundreds a minute
             self._unreadable_logged = now
             log.warning("%s cannot read %s: %s", self.name, message.topic() or "its group", err.str())

@@ -22,14 +22,15 @@ class Clock:
 
 
 class Refused:
-    def __init__(self, code: int) -> None:
-        self._err = KafkaError(code, "Broker: Topic authorization failed")
+    def __init__(self, code: int | None, topic: str = "p.replies") -> None:
+        self._err = None if code is None else KafkaError(code, "Broker: Topic authorization failed")
+        self._topic = topic
 
-    def error(self) -> KafkaError:
+    def error(self) -> KafkaError | None:
         return self._err
 
     def topic(self) -> str:
-        return "p.replies"
+        return self._topic
 
 
 @pytest.fixture
@@ -59,6 +60,13 @@ def test_errors_that_say_a_topic_cannot_be_read_count_while_they_go_on(
     assert consumer.unreadable_for() == (0.0, "")
     assert consumer._skipped(refused)  # type: ignore[arg-type]
     assert consumer.unreadable_for()[0] == 0.0  # a new run of errors counts from its own first
+    clock.now += 12.0
+    assert consumer._skipped(refused)  # type: ignore[arg-type]
+    assert consumer.unreadable_for()[0] == pytest.approx(12.0)
+    assert not consumer._skipped(Refused(None, "p.other"))  # type: ignore[arg-type]
+    assert consumer.unreadable_for()[0] == pytest.approx(12.0)  # another topic's record says nothing
+    assert not consumer._skipped(Refused(None))  # type: ignore[arg-type]
+    assert consumer.unreadable_for() == (0.0, "")  # one of its own: it is read again
 
 
 def test_other_errors_are_skipped_without_counting(clock: Clock) -> None:
