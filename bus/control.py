@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from confluent_kafka import Consumer, KafkaException, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from bus.consumer import consumer_config
 from bus.errors import BusError
@@ -33,7 +33,10 @@ def control_start(
         ends = {p: watermarks(consumer, topic, p)[1] for p in meta.partitions}
         return [TopicPartition(topic, p, 0) for p in meta.partitions], ends
     except KafkaException as exc:  # no broker within the timeout: the platform's own error, as elsewhere
-        raise BusError(f"cannot read {topic}: {exc}") from exc
+        reason = exc.args[0].str() if exc.args and isinstance(exc.args[0], KafkaError) else str(exc)
+        raise BusError(
+            f"cannot read {topic} from Kafka at {kafka.bootstrap}: {reason} (is it running?)"
+        ) from exc
     finally:
         consumer.close()
 

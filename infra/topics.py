@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal
@@ -348,3 +349,15 @@ def under_replicated(
 def make_admin(kafka: KafkaConnection, **overrides: Any) -> AdminClient:
     """The one way an AdminClient is made: with the connection's security keys."""
     return AdminClient(kafka.client_config(**overrides))
+
+
+def quiet_admin(kafka: KafkaConnection) -> AdminClient:
+    """An admin client for short-lived questions, whose librdkafka log lines stay out of the terminal: a
+    Kafka that does not answer is one clear error from the caller, not a connection failure printed every
+    50 ms until it gives up."""
+    return make_admin(kafka, logger=_QUIET)
+
+
+_QUIET = logging.getLogger("sluice.librdkafka.quiet")
+_QUIET.setLevel(logging.CRITICAL)
+_QUIET.propagate = False

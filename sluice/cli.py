@@ -217,7 +217,7 @@ def kafka_fetch() -> None:
 
 def _admin(s: PlatformSettings) -> AdminClient:
     """An admin client whose librdkafka log lines stay out of the terminal (:func:`quiet_admin`)."""
-    from sluice.services import quiet_admin
+    from infra.topics import quiet_admin
 
     return quiet_admin(s.kafka)
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import os
 import signal
 import threading
@@ -23,7 +22,6 @@ from monitoring.metrics import bound_tenants
 from monitoring.settings import ObservabilitySettings
 from monitoring.tracing import configure_tracing, shutdown_tracing
 from schemas.settings import (
-    KafkaConnection,
     PlatformSettings,
     SettingsError,
     load_settings,
@@ -34,7 +32,6 @@ from sluice.autoscale import FleetSettings
 from streams.settings import StreamsSettings
 
 if TYPE_CHECKING:
-    from confluent_kafka.admin import AdminClient
     from opentelemetry.sdk.trace import TracerProvider
 
     from infra.kafka.broker import LocalKafkaCluster
@@ -193,23 +190,10 @@ def set_on_signals(event: threading.Event, *signals: signal.Signals) -> None:
         signal.signal(sig, handler)
 
 
-def quiet_admin(kafka: KafkaConnection) -> AdminClient:
-    """An admin client for a command's short-lived questions, whose librdkafka log lines stay out of the
-    terminal: a Kafka that does not answer is one clear error from the command, not a connection failure
-    printed every 50 ms until it gives up."""
-    from infra.topics import make_admin
-
-    return make_admin(kafka, logger=_QUIET)
-
-
-_QUIET = logging.getLogger("sluice.cli.librdkafka")
-_QUIET.setLevel(logging.CRITICAL)
-_QUIET.propagate = False
-
-
 def replies_partitions(platform: PlatformSettings) -> int:
     from confluent_kafka import KafkaException
 
+    from infra.topics import quiet_admin
     from schemas.topics import TopicNames
 
     topic = TopicNames(platform.topic_prefix).replies

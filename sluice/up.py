@@ -32,7 +32,7 @@ from gpu_workers.settings import WorkerSettings
 from infra.children import die_with_parent
 from infra.errors import InfraError
 from infra.kafka.broker import free_port, port_free
-from infra.topics import apply_topics, topics_of
+from infra.topics import apply_topics, quiet_admin, topics_of
 from ingest.auth import DEMO_KEY
 from ingest.main import build_edge, check_edge_exposure, more_edge_ids
 from ingest.settings import EdgeSettings
@@ -52,7 +52,6 @@ from sluice.services import (
     check_streams_exposure,
     check_worker_exposure,
     observe,
-    quiet_admin,
     replies_partitions,
     started_broker,
     stop_on_signals,

@@ -21,7 +21,7 @@ from confluent_kafka import KafkaError, KafkaException
 
 from bus.producer import EventProducer
 from infra.errors import InfraError
-from infra.topics import make_admin
+from infra.topics import quiet_admin
 from infra.warehouse import WarehouseQueryServer, migrate, open_warehouse
 from monitoring import metrics
 from monitoring.access import HostAllowList, OpsAccess, ops_middleware
@@ -48,7 +48,7 @@ def request_topics(platform: PlatformSettings) -> list[str]:
     Raises :class:`~infra.errors.InfraError` when Kafka does not answer."""
     names = TopicNames(platform.topic_prefix)
     try:
-        topics = make_admin(platform.kafka).list_topics(timeout=10).topics
+        topics = quiet_admin(platform.kafka).list_topics(timeout=10).topics
     except KafkaException as exc:
         reason = exc.args[0].str() if exc.args and isinstance(exc.args[0], KafkaError) else str(exc)
         raise InfraError(
@@ -57,7 +57,8 @@ def request_topics(platform: PlatformSettings) -> list[str]:
         ) from exc
     results = topics.get(names.results)
     if results is None or results.error is not None:
-        raise RuntimeError(f"topic {names.results} does not exist: run `sluice topics apply`")
+        # one line, not a traceback, for `sluice streams` started before `sluice topics apply` (a review)
+        raise InfraError(f"topic {names.results} does not exist: run `sluice topics apply`")
     return sorted(t for t in topics if t.startswith(names.requests_prefix))
 
 
