@@ -610,6 +610,8 @@ def models_add(
     }
     if task not in tasks:
         raise fail(f"--task {task!r}: expected generation or embedding", 2)
+    if why := settings().unserved(model):  # a review: a typo registered an orphan model and exited 0
+        raise fail(f"{why}: add it there first, or check the id", 2)
     try:
         added = add_version(model, path, models_root(settings().cache_dir), tasks[task])
     except GpuWorkerError as exc:
@@ -747,6 +749,8 @@ def replay(
     live streams worker writes: compare them with `sluice sql`)."""
     from sluice.services import run_replay
 
+    if data_dir is not None and not data_dir.strip():  # an unset shell variable: not this directory
+        raise fail("--data-dir is empty: name a directory, or leave it out for SLUICE_DATA_DIR", 2)
     raise typer.Exit(run_replay(settings(), console, data_dir, timeout))
 
 

@@ -134,7 +134,7 @@ def check_streams_exposure(platform: PlatformSettings, streams: StreamsSettings)
 
 def run_worker_process(platform: PlatformSettings, model_id: str, console: Console) -> int:
     from gpu_workers import GpuWorkerError
-    from gpu_workers.main import place_worker, run_worker
+    from gpu_workers.main import model_dir_of, place_worker, run_worker
     from monitoring.ops import OpsServerError
     from schemas.manifest import ManifestError
 
@@ -149,6 +149,12 @@ def run_worker_process(platform: PlatformSettings, model_id: str, console: Conso
     if why := platform.unserved(model_id):
         console.print(f"[red]error:[/] {why}")
         return 2
+    if worker.worker_version:
+        try:  # a version not registered is the caller's mistake (a review: exit 1, "run models prepare")
+            model_dir_of(platform, model_id, worker.worker_version)
+        except ManifestError as exc:
+            console.print(f"[red]error:[/] {exc}")
+            return 2
     stop, join = threading.Event(), threading.Event()
     set_on_signals(stop, *STOP_SIGNALS)
     set_on_signals(join, signal.SIGUSR1)  # a warm standby (SLUICE_WORKER_STANDBY) joins

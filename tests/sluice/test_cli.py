@@ -268,10 +268,15 @@ def test_models_add_registers_a_version_and_list_shows_it_without_a_broker(tmp_p
     assert version in rows[1]
     assert "0%" in rows[1]
     assert "Kafka is not running" in listed.stderr
-    for command in (("models", "list", "nosuch"),):  # an audit: exit 0 (rollout status: test_rollout_cli)
+    typo = ("models", "add", "nosuch", "--path", str(copy))  # a review: registered an orphan, exit 0
+    for command in (
+        ("models", "list", "nosuch"),
+        typo,
+    ):  # an audit: exit 0 (rollout status: test_rollout_cli)
         unknown = sluice(*command, env=env, timeout=30)
         assert unknown.returncode == 2, (command, unknown.stdout, unknown.stderr)
         assert "nosuch is not served" in unknown.stderr
+    assert not (tmp_path / "cache" / "models" / "nosuch").exists()
     bad = sluice("models", "add", "all-minilm-l6-v2", "--path", str(copy), "--task", "chat", env=env)
     assert bad.returncode == 2
     assert "expected generation or embedding" in bad.stderr
@@ -413,6 +418,32 @@ def test_replay_into_a_data_dir_that_cannot_hold_a_warehouse_says_so(tmp_path: P
     assert result.returncode == 2, result.stderr
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith("error: cannot create the embedded warehouse directory")
+
+
+def test_replay_into_an_empty_data_dir_argument_is_refused(tmp_path: Path) -> None:
+    """Found by a review: ``--data-dir "$UNSET"`` rebuilt a warehouse in the current directory."""
+    done = subprocess.run(
+        [sys.executable, "-m", "sluice", "replay", "--data-dir", ""],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "--data-dir is empty" in done.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_worker_asked_for_a_version_never_registered_says_so(tmp_path: Path) -> None:
+    """Found by a review: exit 1, and "run `sluice models prepare`", which registers no version."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
+    env.update(SLUICE_CACHE_DIR=str(tmp_path / "cache"), SLUICE_DATA_DIR=str(tmp_path / "data"))
+    done = sluice("worker", "-m", "demo-gpt", "--version", "bogus", env=env, timeout=60)
+    assert done.returncode == 2, done.stdout + done.stderr
+    (line,) = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert line == "error: demo-gpt has no version bogus (see `sluice models list`)"
 
 
 def test_models_list_marks_the_deployments_stable_version_not_the_first_registered(
