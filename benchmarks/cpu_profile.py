@@ -2,7 +2,7 @@
 clients, and what each process and each of the worker's threads spent per request while it ran.
 
     python benchmarks/cpu_profile.py [--model embeddings|generation] [--clients 64] [--seconds 15]
-                                 [--flame DIR] [--rate 50] [--worker-cpus auto] [--set NAME=VALUE]
+                                 [--flame DIR] [--rate 20] [--worker-cpus auto] [--set NAME=VALUE]
                                  [--quick] [--out FILE]
 
 It starts its own Kafka (unless SLUICE_KAFKA_BOOTSTRAP is set), one ``sluice worker`` for the model and one

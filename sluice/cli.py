@@ -314,8 +314,8 @@ def sql(
 
     One SELECT, WITH, SHOW, DESCRIBE, EXPLAIN or EXISTS statement; several statements and INTO OUTFILE
     are refused. Tables: request_facts (one row per request; read with FINAL), batches (one row per async
-    batch; read with FINAL), audit_log, events_raw; views sli_minute, errors_minute, spend_minute,
-    spend_day (see docs/streams.md)."""
+    batch; read with FINAL), audit_log, events_raw, drift_features, drift_reports, deployments,
+    schema_migrations; views sli_minute, errors_minute, spend_minute, spend_day (see docs/streams.md)."""
     from infra.warehouse import WarehouseError, WarehouseQueryError, query_warehouse
     from infra.warehouse.client import DEFAULT_MAX_RESULT_BYTES, check_query_text
     from streams.queries import saved_queries
