@@ -169,13 +169,23 @@ def apply_topics(admin: AdminClient, specs: Iterable[TopicSpec], timeout: float 
     Kafka cannot shrink a topic.
     """
     specs = list(specs)
-    counts = _partition_counts(admin, timeout)
+    listed = _listed(admin, timeout)
+    counts = {name: len(meta.partitions) for name, meta in listed.items()}
     for spec in specs:
         if counts.get(spec.name, 0) > spec.partitions:
             raise TopicSpecError(
                 f"topic {spec.name} has {counts[spec.name]} partitions but the spec asks for "
                 f"{spec.partitions}; Kafka cannot remove partitions. Raise the spec to at least "
                 f"{counts[spec.name]}, or delete and recreate the topic."
+            )
+        replicas = _replication(listed.get(spec.name))
+        if replicas is not None and replicas < spec.replication:
+            # A review: apply set min.insync.replicas for the new factor on topics still at the old one
+            # (every acks=all produce refused), and said the cluster matched the spec.
+            raise TopicSpecError(
+                f"topic {spec.name} has {replicas} replica(s) but the spec asks for {spec.replication} "
+                "(SLUICE_KAFKA_REPLICATION_FACTOR); apply does not move partitions between brokers: raise it "
+                "with Kafka's partition reassignment (kafka-reassign-partitions.sh), then apply again"
             )
     missing = [s for s in specs if s.name not in counts]
     created = _create(admin, missing, timeout)
@@ -223,7 +233,13 @@ def _create(admin: AdminClient, specs: Sequence[TopicSpec], timeout: float) -> d
         try:
             futures[spec.name].result()
         except KafkaException as exc:
-            if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
+            code = exc.args[0].code()
+            if code == KafkaError.INVALID_REPLICATION_FACTOR:  # the cluster answered: fewer brokers
+                raise TopicSpecError(
+                    f"creating {spec.name} failed: {exc.args[0].str()}: the cluster has fewer brokers than "
+                    f"its {spec.replication} replicas (SLUICE_KAFKA_REPLICATION_FACTOR)"
+                ) from exc
+            if code != KafkaError.TOPIC_ALREADY_EXISTS:
                 raise InfraError(f"creating {spec.name} failed: {exc.args[0]}") from exc
             continue  # the broker's metadata lagged a creation: reconciled as present below
         created[spec.name] = f"{spec.partitions} partitions"
@@ -261,6 +277,13 @@ def _partition_counts(admin: AdminClient, timeout: float, *, led: bool = False) 
         for name, meta in _listed(admin, timeout).items()
         if not led or all(p.leader >= 0 for p in meta.partitions.values())
     }
+
+
+def _replication(meta: Any) -> int | None:
+    """A listed topic's replication factor (its least replicated partition's), None when not listed."""
+    if meta is None or not meta.partitions:
+        return None
+    return min(len(p.replicas) for p in meta.partitions.values())
 
 
 def _listed(admin: AdminClient, timeout: float) -> dict[str, Any]:

@@ -226,11 +226,13 @@ def _admin(s: PlatformSettings) -> AdminClient:
 def topics_apply() -> None:
     """Create or update every platform topic to match the spec; idempotent. Reports each change."""
     from infra.errors import InfraError
-    from infra.topics import apply_topics, topics_of
+    from infra.topics import TopicSpecError, apply_topics, topics_of
 
     s = settings()
     try:
         changes = apply_topics(_admin(s), topics_of(s))
+    except TopicSpecError as exc:  # the cluster answered: no "is Kafka running?"
+        raise fail(str(exc)) from None
     except InfraError as exc:
         raise fail(f"{exc} (is Kafka running at {s.bootstrap}? `sluice up` or `sluice kafka up`)") from None
     table = Table("topic", "action", "detail", title=escape(f"topics on {s.bootstrap}"))

@@ -185,6 +185,27 @@ def test_fewer_partitions_than_exist_is_a_clear_error(kafka: KafkaConnection, to
         apply_topics(admin, [TopicSpec(name=name, partitions=2, config={}, purpose="test")])
 
 
+@pytest.mark.integration
+def test_a_replication_factor_above_the_topics_is_refused_before_anything_changes(
+    kafka: KafkaConnection, topic_prefix: str
+) -> None:
+    """Found by a review: apply with a raised SLUICE_KAFKA_REPLICATION_FACTOR set ``min.insync.replicas``
+    for it on topics still at one replica (every acks=all produce then refused) and said they matched. A
+    new topic the cluster cannot replicate so widely is a clear spec error, not "is Kafka running?"."""
+    admin = _admin(kafka)
+    name = f"{topic_prefix}.replicated"
+    apply_topics(admin, [TopicSpec(name=name, partitions=2, config={}, purpose="test")])
+    insync = {"min.insync.replicas": "2"}
+    wider = TopicSpec(name=name, partitions=2, config=insync, purpose="test", replication=3)
+    with pytest.raises(TopicSpecError, match="has 1 replica\\(s\\) but the spec asks for 3"):
+        apply_topics(admin, [wider])
+    resource = ConfigResource(ConfigResource.Type.TOPIC, name)
+    assert admin.describe_configs([resource])[resource].result()["min.insync.replicas"].value == "1"
+    fresh = TopicSpec(name=f"{topic_prefix}.fresh", partitions=1, config={}, purpose="test", replication=3)
+    with pytest.raises(TopicSpecError, match="fewer brokers"):
+        apply_topics(admin, [fresh])
+
+
 class _Answer:
     def __init__(self, value: object) -> None:
         self._value = value
