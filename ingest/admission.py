@@ -158,11 +158,17 @@ class Admission:
         taken = self._take_over(("request", tenant.name, request_id))
         if taken is None and idempotency_key is not None:
             taken = self._take_over(("key", tenant.name, idempotency_key))
-        try:
-            reservation = self.ledger.admit(tenant.checks(model), tokens)
-        except QuotaExceeded as exc:
-            self._give_back(taken)
-            raise _refused(exc, embedding) from None
+        if taken is not None:
+            # The request's own place, taken over: it still runs, counted once under the keys it was
+            # admitted under. A review: admitted afresh, a resume (model "") held the place outside the
+            # model's limits (its max_concurrency passed), and a keyed retry's tokens were charged twice.
+            reservation = taken.reservation
+            self.ledger.reacquire(reservation)
+        else:
+            try:
+                reservation = self.ledger.admit(tenant.checks(model), tokens)
+            except QuotaExceeded as exc:
+                raise _refused(exc, embedding) from None
         current = asyncio.current_task()
         entry = Flight(
             tenant=tenant.name,
@@ -199,6 +205,8 @@ class Admission:
             self._held[key] = held
 
         def ended(_: object) -> None:
+            if self._held.get(keys[0]) is not held:
+                return  # taken over: the flight that took it holds the reservation now
             self.ledger.release(reservation)
             for key in keys:
                 if self._held.get(key) is held:
