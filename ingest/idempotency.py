@@ -26,12 +26,14 @@ class ClaimTable:
         self._tenants: dict[str, OrderedDict[str, IdempotencyClaim]] = {}
         self._by_request: dict[str, IdempotencyClaim] = {}
 
-    def apply(self, claim: IdempotencyClaim, now_ms: float) -> IdempotencyClaim:
-        """A claim read from the log: it wins unless an unexpired claim of the key came before it.
-        Returns the claim that holds the key now."""
+    def apply(self, claim: IdempotencyClaim) -> IdempotencyClaim:
+        """A claim read from the log: it wins unless a claim of the key came before it and had not expired
+        when this one was made (judged by the claims' times, so every reader of the log decides alike: by
+        the time of reading, an edge started a day later handed the key to a claim that had lost, a
+        review). Returns the claim that holds the key now."""
         claims = self._tenants.setdefault(claim.tenant, OrderedDict())
         held = claims.get(claim.key_sha256)
-        if held is not None and not self._expired(held, now_ms):
+        if held is not None and not self._expired(held, claim.time_ms):
             return held
         if held is not None:  # expired: the key is free again
             del claims[claim.key_sha256]

@@ -597,10 +597,9 @@ class KafkaGateway(AsyncComponent):
             loop.call_soon_threadsafe(self._apply_claims, read)
 
     def _apply_claims(self, read: list[tuple[int, int, bytes | None, IdempotencyClaim | None]]) -> None:
-        now_ms = time.time() * 1000
         for partition, offset, key, claim in read:
             if claim is not None:
-                self._claims.apply(claim, now_ms)
+                self._claims.apply(claim)
             elif key is not None:  # a tombstone: the key's winner withdrew it
                 tenant, _, digest = key.decode(errors="replace").partition("\x00")
                 self._claims.withdraw(tenant, digest)

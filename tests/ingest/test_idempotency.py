@@ -41,25 +41,42 @@ def _claim(tenant: str, key: str, request_id: str, time_ms: int = 1_000) -> Idem
 def test_the_first_claim_of_a_key_wins_until_it_expires_or_is_withdrawn() -> None:
     table = ClaimTable(ttl_s=60)
     first, second = _claim("acme", "k", "r1"), _claim("acme", "k", "r2")
-    assert table.apply(first, 1_000) is first
-    assert table.apply(second, 2_000) is first
+    assert table.apply(first) is first
+    assert table.apply(second) is first
     assert table.get("acme", key_digest("k"), 2_000) is first
     assert table.get("other", key_digest("k"), 2_000) is None  # keys are per tenant
     assert table.by_request("acme", "r1") is first
     assert table.by_request("intruder", "r1") is None
     assert table.get("acme", key_digest("k"), 62_000) is None  # expired
     late = _claim("acme", "k", "r3", time_ms=62_000)
-    assert table.apply(late, 62_000) is late
+    assert table.apply(late) is late
     table.withdraw("acme", key_digest("k"))
     assert table.get("acme", key_digest("k"), 62_000) is None
     assert table.by_request("acme", "r3") is None
 
 
+def test_every_reader_of_the_log_decides_a_key_alike_whenever_it_reads() -> None:
+    """Found by a review: a held claim's expiry was judged by the time an edge read the record, so an
+    edge started a day later handed the key to a retry that had lost (never published: its retries replayed
+    a request that never ran) while the live edges held it free. Claims are judged by their own times."""
+    hour = 3600 * 1000
+    log = [
+        _claim("acme", "k", "winner", time_ms=0),
+        _claim("acme", "k", "loser", time_ms=23 * hour),  # a retry within the day: replays the winner
+        _claim("acme", "k", "fresh", time_ms=25 * hour),  # after the day: a new request
+    ]
+    live, later = ClaimTable(ttl_s=24 * 3600), ClaimTable(ttl_s=24 * 3600)
+    assert [live.apply(c).request_id for c in log[:2]] == ["winner", "winner"]
+    assert [later.apply(c).request_id for c in log[:2]] == ["winner", "winner"]  # read back a day later
+    assert later.get("acme", key_digest("k"), 24 * hour + 60_000) is None  # free again, on every edge
+    assert live.apply(log[2]).request_id == later.apply(log[2]).request_id == "fresh"
+
+
 def test_one_tenant_flooding_keys_only_pushes_out_its_own() -> None:
     table = ClaimTable(per_tenant=100)
-    quiet = table.apply(_claim("quiet", "k", "q1"), 1_000)
+    quiet = table.apply(_claim("quiet", "k", "q1"))
     for i in range(1_000):
-        table.apply(_claim("flood", f"k{i}", f"f{i}"), 1_000)
+        table.apply(_claim("flood", f"k{i}", f"f{i}"))
     assert table.get("quiet", key_digest("k"), 1_000) is quiet
     assert len(table) == 101
     assert table.get("flood", key_digest("k0"), 1_000) is None
