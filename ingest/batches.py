@@ -830,8 +830,10 @@ class BatchRunner(AsyncComponent):
         edge failed, and again at every restart while the disk stayed full."""
         while True:
             found = await self._log.results(0.5)
-            touched: set[str] = set()
-            broken: dict[str, OSError] = {}
+            # The jobs themselves, not their ids: while one journal syncs, the pump can finish another
+            # batch of this poll and drop it from ``_jobs`` (a review: a KeyError stopped the edge).
+            touched: dict[str, Job] = {}
+            broken: dict[str, tuple[Job, OSError]] = {}
             now = time.monotonic()
             for finished in found:
                 job = self._jobs.get(finished.batch.batch_id) if finished.batch is not None else None
@@ -843,17 +845,19 @@ class BatchRunner(AsyncComponent):
                 try:
                     self._apply_result(job, finished, now)
                 except OSError as exc:
-                    broken[batch_id] = exc
+                    broken[batch_id] = (job, exc)
                     continue
-                touched.add(batch_id)
-            for batch_id in touched - broken.keys():
+                touched[batch_id] = job
+            for batch_id, job in touched.items():
+                if batch_id in broken:
+                    continue
                 try:
-                    await self._blocking(self._jobs[batch_id].sync)
+                    await self._blocking(job.sync)
                 except OSError as exc:
-                    broken[batch_id] = exc
-            for batch_id, error in broken.items():
+                    broken[batch_id] = (job, exc)
+            for batch_id, (job, error) in broken.items():
                 log.error("batch %s: its journal cannot be written (%s); it fails", batch_id, error)
-                await self._fail(self._jobs[batch_id], _write_failed("its results could not be kept", error))
+                await self._fail(job, _write_failed("its results could not be kept", error))
             self._log.handled()
             if touched:
                 self._wake.set()

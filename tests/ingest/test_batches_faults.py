@@ -458,3 +458,44 @@ async def test_a_validating_batch_whose_tenant_is_gone_at_a_restart_fails(
     (last,) = [s for s in batch_log.states if s.batch_id == created.id][-1:]
     assert last.status == "failed"
     assert [e.code for e in last.errors] == ["tenant_unknown"]
+
+
+async def test_two_batches_settling_in_one_results_poll_do_not_kill_the_edge(
+    make_client: MakeClient, batch_log: FakeBatchLog, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a review: after a results poll the runner synced each touched batch's journal and looked
+    each up again by id; while one synced, the pump finished the other (its lines settled) and dropped it:
+    a KeyError stopped the runner, and with it the edge."""
+    held: list[BatchItemRequested] = []
+    batch_log.respond = held.append
+    client, edge = await make_client()
+    runner = edge.batches
+    assert runner is not None
+    async with AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=DEMO_KEY, max_retries=0) as sdk:
+        a = await run(sdk, [chat_line(0)])
+        b = await run(sdk, [chat_line(0)])
+        await _eventually(lambda: len(held) == 2)
+
+        # The first journal sync of the results loop takes a while (a slow disk, a loaded box): long
+        # enough for the pump's next round (at most 1 s away) to finish the other, settled, batch.
+        original = Job.sync
+        first = threading.Event()
+
+        def slow_sync(self: Job) -> None:
+            if not first.is_set() and threading.current_thread().name.startswith("batch-files"):
+                first.set()
+                others = {a.id, b.id} - {self.state.batch_id}
+                deadline = time.monotonic() + 5
+                while time.monotonic() < deadline and others & set(runner._jobs):
+                    time.sleep(0.01)
+            original(self)
+
+        monkeypatch.setattr(Job, "sync", slow_sync)
+        for event in held:  # both lines' results come back in one poll
+            batch_log.answer(complete(event))
+        for batch in (a, b):
+            done = await until(sdk, batch.id, "completed", "failed")
+            assert done.status == "completed"
+        await asyncio.sleep(0.3)
+    assert runner.failure is None, f"the batch runner died: {runner.failure!r}"
+    assert edge.failure is None, f"the edge failed: {edge.failure!r}"
