@@ -931,6 +931,13 @@ class BatchRunner(AsyncComponent):
 
     async def _finish(self, job: Job, ending: Ending | None) -> None:
         """Write the output and error files (input order) and the final state."""
+        try:  # the results it ends with durable before "finalizing" is: a review found "finalizing" on
+            # disk with the last result still in the journal's buffer, which a restart took for a line
+            # never run (and ended the batch expired, hours early)
+            await self._blocking(job.sync)
+        except OSError as exc:
+            await self._fail(job, _write_failed("its results could not be kept", exc))
+            return
         now = utc_now()
         expired = {"expired_at": job.state.expired_at or now} if ending == "expired" else {}
         # an expiry is kept with the state (``expired_at``): a restart while finalizing ends it so

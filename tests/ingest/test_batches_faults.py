@@ -499,3 +499,33 @@ async def test_two_batches_settling_in_one_results_poll_do_not_kill_the_edge(
         await asyncio.sleep(0.3)
     assert runner.failure is None, f"the batch runner died: {runner.failure!r}"
     assert edge.failure is None, f"the edge failed: {edge.failure!r}"
+
+
+async def test_the_finalizing_state_is_never_on_disk_before_the_results_that_settled_it(
+    make_client: MakeClient, batch_log: FakeBatchLog, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a review: with the results loop's journal sync slow (a slow disk, busy file threads), the
+    pump wrote ``finalizing`` while the journal still held the results that settled the batch; an edge
+    killed then resumed it with a line unsettled, took it for never run, and ended the batch expired."""
+    original_sync, original_write = Job.sync, Job.write_state
+    first = threading.Event()
+    unsynced_at_finalizing: list[bool] = []
+
+    def slow_sync(self: Job) -> None:
+        if self._dirty_journal and not first.is_set():  # the results loop's sync of the last results
+            first.set()
+            time.sleep(1.5)  # the pump's next round (at most 1 s away) comes first
+        original_sync(self)
+
+    def write_state(self: Job, state: Any) -> None:
+        if state.status == "finalizing":
+            unsynced_at_finalizing.append(self._dirty_journal)
+        original_write(self, state)
+
+    monkeypatch.setattr(Job, "sync", slow_sync)
+    monkeypatch.setattr(Job, "write_state", write_state)
+    client, _ = await make_client()
+    async with AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=DEMO_KEY, max_retries=0) as sdk:
+        created = await run(sdk, [chat_line(i) for i in range(3)])
+        await until(sdk, created.id, "completed")
+    assert unsynced_at_finalizing == [False], "finalizing was made durable before the results that settled it"
