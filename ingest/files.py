@@ -178,6 +178,14 @@ class FileStore:
             if stored.expired(now) and meta.parent.name == tenant_folder(stored.tenant):
                 self._remove(stored.tenant, stored.id)
                 removed += 1
+        # What a writer killed mid-file left (an upload, a batch's output: the bytes so far), never listed
+        # nor counted: untouched for an hour, no writer is at it any more (a review found them kept for good)
+        for pattern in (".file-*.part", ".file-*.tmp"):
+            for left in self.root.glob(f"*/{pattern}"):
+                with contextlib.suppress(OSError):
+                    if now - left.stat().st_mtime > LEFTOVER_S:
+                        left.unlink()
+                        removed += 1
         return removed
 
     async def upload(
@@ -257,6 +265,10 @@ class FileStore:
         finally:
             out.close()
             tmp.unlink(missing_ok=True)
+
+
+LEFTOVER_S = 3600.0
+"""How long a file being written may go untouched before the sweep takes it for one a killed writer left."""
 
 
 class FileWriter:

@@ -220,3 +220,29 @@ async def test_an_upload_and_a_listing_read_the_tenants_files_off_the_event_loop
     assert read_on["sync"][:1] == [False], "the upload was made durable on the event loop"
     # the usage's own read, and the listing's
     assert read_on["list"] == [False, False], "a listing was read on the event loop"
+
+
+def test_the_sweep_removes_what_a_killed_writer_left_once_untouched_for_an_hour(tmp_path: Path) -> None:
+    """Found by a review: an edge killed while it wrote an upload or a batch's output left the bytes so far
+    (``.file-<id>.<pid>.part``), never listed, counted, swept nor deleted; a restart wrote the file again
+    under its own pid."""
+    import os
+
+    from ingest.files import LEFTOVER_S
+
+    store = _store(tmp_path)
+    kept = store.get("acme", _write(store))
+    folder = next(tmp_path.glob("*/file-*.json")).parent
+    now = 1_000_000_000.0
+    old_part, old_tmp = folder / ".file-old.4458.part", folder / ".file-old.json.4458.1.tmp"
+    writing = folder / ".file-new.4459.part"  # a writer at it now
+    for path in (old_part, old_tmp, writing):
+        path.write_bytes(b"x" * 1024)
+    for path in (old_part, old_tmp):
+        os.utime(path, (now - LEFTOVER_S - 1, now - LEFTOVER_S - 1))
+    os.utime(writing, (now - 60, now - 60))
+    assert store.sweep(now) == 2
+    assert not old_part.exists()
+    assert not old_tmp.exists()
+    assert writing.exists()
+    assert store.get("acme", kept.id) == kept  # a file not expired stays
