@@ -21,10 +21,10 @@ class UnreachableAdmin:
 
 
 def test_kafka_that_does_not_answer_is_an_infra_error_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    def make_admin(kafka: KafkaConnection, **overrides: Any) -> UnreachableAdmin:
+    def quiet_admin(kafka: KafkaConnection) -> UnreachableAdmin:
         return UnreachableAdmin()
 
-    monkeypatch.setattr(streams.service, "make_admin", make_admin)
+    monkeypatch.setattr(streams.service, "quiet_admin", quiet_admin)
     with pytest.raises(InfraError) as caught:
         request_topics(PlatformSettings(kafka_bootstrap="127.0.0.1:1"))
     message = str(caught.value)
