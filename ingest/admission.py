@@ -39,6 +39,9 @@ class Flight:
     request's, so passing it ends the reading alone, even when the reader took the request back."""
     stopping: bool = False
     """Cut by the edge's shutdown (:meth:`stop`)."""
+    took_over: bool = False
+    """Its reservation is the held place of the request it came back for, not one of its own: a refund
+    (a replay, a key reused with another body) takes nothing back from it."""
     deadline: asyncio.Timeout | None = None
     """The deadline of the guard the request waits in (:meth:`ingest.dispatch.Dispatcher.guard`), if any."""
 
@@ -132,7 +135,7 @@ class Admission:
     def refund(self, flight: Flight, *, request: bool) -> None:
         """What the flight reserved, taken back: its request was never published (``request``: its count
         too), or it replays a request that ran before (its tokens)."""
-        if flight.reservation is not None:
+        if flight.reservation is not None and not flight.took_over:
             self.ledger.refund(flight.reservation, request=request)
 
     @contextmanager
@@ -179,6 +182,7 @@ class Admission:
             reservation=reservation,
             idempotency_key=idempotency_key,
             resumed=resumed,
+            took_over=taken is not None,
         )
         self._flights.add(entry)
         self._idle.clear()

@@ -105,3 +105,17 @@ async def test_a_keyed_retry_taking_the_request_back_is_charged_once(
     replay = await client.post("/v1/chat/completions", json=CHAT, headers=KEYED)  # after its end: a replay
     assert parse_sse(await replay.text())[-1][1] == "[DONE]"
     assert _used_tokens(edge) == _actual(gateway, rid)  # refunded: nothing generated for it
+
+
+async def test_a_keyed_retry_refused_takes_nothing_from_the_requests_reservation(
+    make_client: MakeClient, gateway: FakeGateway
+) -> None:
+    """A retry with the key and another body (422) took the held place over, then was refunded: the
+    refund must not take back what the request running on had reserved (it is not the retry's own)."""
+    client, edge = await make_client(edge_disconnect_grace_s=GRACE_S)
+    await left_after_a_token(client, gateway, KEYED)
+    before = edge.ctx.admission.ledger.used(("demo", "*"))
+    other = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 3}, headers=KEYED)
+    assert other.status == 422
+    assert edge.ctx.admission.ledger.used(("demo", "*")) == before
+    assert await second_status(client) == 429  # the request still holds its place under the model's limit
