@@ -208,7 +208,10 @@ that outranks ``drift``: the failures reported as a broken pipeline, not as the 
 
 
 def _null_shares(frame: pd.DataFrame) -> dict[str, float]:
-    completed = frame["status"] == "completed" if "status" in frame.columns else None
+    # no status measured (the rollout gate's frames: completed pairs only): every answer counts; filtered
+    # by a status of None, none did, and a candidate with no log-probabilities passed the gate (a review)
+    measured = "status" in frame.columns and bool(frame["status"].notna().any())
+    completed = frame["status"] == "completed" if measured else None
     shares: dict[str, float] = {}
     for name in frame.columns:
         column = frame[name]

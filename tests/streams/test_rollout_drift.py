@@ -360,3 +360,38 @@ def test_the_query_quotes_hostile_names(tmp_path: Path) -> None:
     with warehouse(tmp_path) as client:
         assert query_rows(client, pairs_sql(HOSTILE, HOSTILE, HOSTILE, T0)) == []
         assert query_rows(client, vector_pairs_sql(HOSTILE, HOSTILE, HOSTILE, T0)) == []
+
+
+def test_a_candidate_answering_without_log_probabilities_fails() -> None:
+    """Found by a review: the missing share of an answer feature was taken over completed answers only, and
+    the gate's pairs carry no status: none counted, so a candidate with no log-probabilities on any answer
+    passed ("answers alike") where the docs say it fails."""
+    from streams.rollout_drift import judge_drift
+
+    def row(version: str, i: int, *, logprobs: bool) -> dict[str, Any]:
+        rng = random.Random(i)
+        return {
+            "model_version": version,
+            "kind": "completion",
+            "completion_tokens": 8 + rng.randrange(4),
+            "output_chars": 30 + rng.randrange(10),
+            "mean_logprob": -2.0 + rng.gauss(0, 0.2) if logprobs else None,
+            "mean_entropy": 3.0 + rng.gauss(0, 0.2) if logprobs else None,
+            "output_script": "latin",
+            "finish_reason": "stop",
+            "empty_output": False,
+            "refusal": False,
+        }
+
+    rows = [row("v1", i, logprobs=True) for i in range(200)] + [
+        row("v2", i, logprobs=False) for i in range(200)
+    ]
+    result = judge_drift(rows, stable="v1", candidate="v2", min_requests=50, alpha=0.01, null_tolerance=0.2)
+    assert result.state == "fail"
+    assert "answers not measured as the stable version's" in result.detail
+    assert "mean_logprob" in result.detail
+    same = [row("v2", i + 1000, logprobs=True) for i in range(200)]
+    alike = judge_drift(
+        rows[:200] + same, stable="v1", candidate="v2", min_requests=50, alpha=0.01, null_tolerance=0.2
+    )
+    assert alike.state == "pass", alike.detail
