@@ -130,6 +130,18 @@ def run_platform(
 
 
 STOP_GRACE_S = 30.0
+
+
+def edge_stop_grace_s(edge_settings: EdgeSettings) -> float:
+    """How long an edge child may take to stop after SIGTERM before it is killed: its shutdown grace for
+    requests in flight, the notice to clients, and room to drain its cancels. A review: edges 2..N were
+    killed 30 s after SIGTERM whatever ``SLUICE_EDGE_SHUTDOWN_GRACE_S`` said (streams cut by a reset, no
+    ``shutdown`` cancels published), where edge 1 honoured it."""
+    from ingest.app import Edge
+
+    return max(STOP_GRACE_S, edge_settings.edge_shutdown_grace_s + Edge.SHUTDOWN_NOTICE_S + 15.0)
+
+
 Publish = Callable[[str, Event], Awaitable[object]]
 
 
@@ -183,28 +195,36 @@ class ServiceProcess:
         backoff = self._backoff_s
         while not self._stopping:
             began = time.monotonic()
-            self._proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "sluice",
-                *self._args,
-                env={**os.environ, **self._env},
-                preexec_fn=die_with_parent,
-            )
-            if self.stopping:
-                # stopped while this child was being spawned: ``stop`` signalled the one before it, or
-                # none, and waited for this task for good (a review: a worker retired while it restarted
-                # hung its retirement and served on, uncounted)
-                await self._end(self._proc)
-                return
-            code = await self._proc.wait()
+            try:
+                self._proc = await asyncio.create_subprocess_exec(
+                    sys.executable,
+                    "-m",
+                    "sluice",
+                    *self._args,
+                    env={**os.environ, **self._env},
+                    preexec_fn=die_with_parent,
+                )
+            except OSError as exc:
+                # a fork refused (a pids limit, memory, descriptors): tried again after the back-off like
+                # an exit (a review: the supervisor ended on it, the child was never started again, the
+                # fleet still counted it, and the stop re-raised it)
+                self._proc = None
+                why = f"could not start ({exc.strerror or exc})"
+            else:
+                if self.stopping:
+                    # stopped while this child was being spawned: ``stop`` signalled the one before it, or
+                    # none, and waited for this task for good (a review: a worker retired while it
+                    # restarted hung its retirement and served on, uncounted)
+                    await self._end(self._proc)
+                    return
+                why = f"exited with {await self._proc.wait()}"
             if self.stopping or self._halting():
                 return
             self.exits += 1
             if time.monotonic() - began >= self._healthy_s:
                 backoff = self._backoff_s
             self.backoffs.append(backoff)
-            self._console.print(f"[yellow]{self.name} exited with {code}; restarting in {backoff:.0f}s[/]")
+            self._console.print(f"[yellow]{self.name} {why}; restarting in {backoff:.0f}s[/]")
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(backoff):  # a stop during the back-off ends it at once
                     await self._stop_requested.wait()
@@ -861,6 +881,7 @@ async def _serve(
                 console,
                 {"SLUICE_EDGE_ID": edge_id, "SLUICE_EDGE_PORT": str(port)},
                 halt=stop,
+                stop_grace_s=edge_stop_grace_s(edge_settings),
             )
             await child.start()
             stack.push_async_callback(child.stop)

@@ -332,3 +332,46 @@ async def test_one_models_lag_read_failing_leaves_the_others_autoscaled() -> Non
     assert [(e.model, e.replicas) for e in published] == [("b", 1)]  # type: ignore[attr-defined]
     assert "no lag for a@v1 this round" in screen.getvalue()
     assert fleet._lag.kept == [{worker_group("a", "v1"), worker_group("b", "v2")}]  # type: ignore[attr-defined]
+
+
+async def test_a_child_whose_start_is_refused_is_started_again_after_the_back_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by a review: a fork refused once (EAGAIN at a pids limit, ENOMEM, EMFILE) ended the supervisor:
+    the child was never started again (the fleet still counted it) and the stop re-raised the error."""
+    import errno
+
+    real = asyncio.create_subprocess_exec
+    calls: list[int] = []
+
+    async def flaky(*args: object, **kwargs: object) -> asyncio.subprocess.Process:
+        calls.append(1)
+        if len(calls) == 1:
+            raise BlockingIOError(errno.EAGAIN, "Resource temporarily unavailable")
+        return await real(sys.executable, "-c", "import time; time.sleep(30)", **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(asyncio, "create_subprocess_exec", flaky)
+    said = io.StringIO()
+    child = ServiceProcess("worker #1", ["worker"], Console(file=said), {}, backoff_s=0.05, stop_grace_s=2)
+    await child.start()
+    for _ in range(100):
+        if len(calls) >= 2:
+            break
+        await asyncio.sleep(0.05)
+    await asyncio.wait_for(child.stop(), 10)  # raised the EAGAIN before
+    assert len(calls) == 2
+    assert child.exits == 1
+    assert "worker #1 could not start (Resource temporarily unavailable); restarting in 0s" in said.getvalue()
+
+
+def test_an_edge_child_is_given_its_shutdown_grace_before_it_is_killed() -> None:
+    """Found by a review: edges 2..N were killed 30 s after SIGTERM whatever SLUICE_EDGE_SHUTDOWN_GRACE_S said;
+    edge 1, in process, honoured it."""
+    import msgspec
+
+    from ingest.settings import EdgeSettings
+    from schemas.settings import load_settings
+
+    edge = load_settings(EdgeSettings, {})
+    assert up.edge_stop_grace_s(msgspec.structs.replace(edge, edge_shutdown_grace_s=60.0)) > 61.0
+    assert up.edge_stop_grace_s(msgspec.structs.replace(edge, edge_shutdown_grace_s=1.0)) == up.STOP_GRACE_S
