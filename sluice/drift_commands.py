@@ -84,7 +84,7 @@ def drift_report(
     from infra.warehouse import WarehouseError, query_warehouse
     from schemas.settings import load_settings
     from sluice.cli import console, fail, out, settings, warehouse_failure
-    from streams.drift import StoredReport, latest_report_sql, recompute_html
+    from streams.drift import StoredReport, findings, latest_report_sql, recompute_html
     from streams.settings import StreamsSettings
 
     if html is not None and not html.parent.is_dir():  # before evidently's minute of work, not after
@@ -136,8 +136,9 @@ def drift_report(
         )
     if report.features:
         out.print(table)
-    for finding in report.quality:
-        out.print(f"[yellow]data quality:[/] {escape(finding)}")
+    real = findings(report.quality)
+    for line in report.quality:
+        out.print(f"[yellow]data quality:[/] {escape(line)}" if line in real else f"note: {escape(line)}")
     if html is None:
         return
 

@@ -386,6 +386,18 @@ def drift_config(settings: StreamsSettings) -> DriftConfig:
     )
 
 
+REFERENCE_NOTE = "reference window "
+"""How a report's ``quality`` line that says why its reference was replaced begins (a promotion, a
+rebaseline, a reference gone): a note, not a finding (:func:`findings`)."""
+
+
+def findings(quality: Sequence[str]) -> list[str]:
+    """A report's data-quality findings, its notes left out. A review: every promotion and rebaseline
+    counted its note in ``sluice_drift_quality_issues``, and SluiceDriftFeaturePipeline fired on a healthy
+    new version."""
+    return [line for line in quality if not line.startswith(REFERENCE_NOTE)]
+
+
 def judge(
     key: DriftKey,
     window: Window,
@@ -401,7 +413,7 @@ def judge(
     if reference is not None and len(reference[1]) < config.min_samples:
         gone = reference[0]
         notes.append(
-            f"reference window {gone.start:%Y-%m-%d %H:%M:%S} - {gone.end:%H:%M:%S} holds {len(reference[1])} "
+            f"{REFERENCE_NOTE}{gone.start:%Y-%m-%d %H:%M:%S} - {gone.end:%H:%M:%S} holds {len(reference[1])} "
             "rows now; this window replaces it"
         )
         reference = None
@@ -411,7 +423,7 @@ def judge(
         # ``no_drift`` (an audit). The first window that has them replaces it.
         gone = reference[0]
         notes.append(
-            f"reference window {gone.start:%Y-%m-%d %H:%M:%S} - {gone.end:%H:%M:%S} has "
+            f"{REFERENCE_NOTE}{gone.start:%Y-%m-%d %H:%M:%S} - {gone.end:%H:%M:%S} has "
             f"{_measured(reference[1])} rows with measured features; this window replaces it"
         )
         reference = None
@@ -618,7 +630,7 @@ class DriftMonitor:
                     report.model_version,
                     report.effective_verdict,
                     [(f.name, f.statistic, f.drifted) for f in report.features],
-                    len(report.quality),
+                    len(findings(report.quality)),
                     window.end_ms / 1000,
                 )
             log.info(
@@ -638,7 +650,7 @@ class DriftMonitor:
         baseline = self._baseline(key.model, key.model_version)
         if reference_window is not None and baseline is not None and reference_window.start < baseline.since:
             notes.append(
-                f"reference window {reference_window.start:%Y-%m-%d %H:%M:%S} - {reference_window.end:%H:%M:%S} "
+                f"{REFERENCE_NOTE}{reference_window.start:%Y-%m-%d %H:%M:%S} - {reference_window.end:%H:%M:%S} "
                 f"{baseline.why}; this window replaces it"
             )
             reference_window = None
