@@ -67,6 +67,13 @@ class StreamsSettings(msgspec.Struct, frozen=True, kw_only=True):
     drift_lookback_windows: Annotated[int, msgspec.Meta(ge=1)] = 288
     """On a first start, how many past windows the monitor may still evaluate."""
 
+    def __post_init__(self) -> None:
+        if self.drift_min_samples > self.drift_reservoir:  # the sample is what is counted (a review)
+            raise ValueError(
+                f"SLUICE_DRIFT_MIN_SAMPLES={self.drift_min_samples} is above SLUICE_DRIFT_RESERVOIR="
+                f"{self.drift_reservoir}, the rows a window's sample holds: no window could ever be judged"
+            )
+
     @property
     def slo_path(self) -> Path | None:
         """``streams_slo_file`` as a path; None when unset (or empty): the built-in SLO defaults."""

@@ -61,3 +61,13 @@ def test_a_model_id_no_topic_could_be_named_for_is_refused(variable: str, value:
         PlatformSettings(**{variable.removeprefix("SLUICE_").lower(): (value,)})  # type: ignore[arg-type]
     good = load_settings(PlatformSettings, {"SLUICE_MODELS": "demo-gpt,v1.2_x", "SLUICE_MODEL_PATHS": "m=/x"})
     assert good.served_models() == ("demo-gpt", "v1.2_x", "m")
+
+
+def test_a_drift_minimum_above_the_windows_sample_is_refused() -> None:
+    """Found by a review: the minimum is counted on a window's sample (at most SLUICE_DRIFT_RESERVOIR rows),
+    so a minimum above it judged no window ever, silently: no reference, no alarm."""
+    with pytest.raises(
+        SettingsError, match="SLUICE_DRIFT_MIN_SAMPLES=2000 is above SLUICE_DRIFT_RESERVOIR=1000"
+    ):
+        load_settings(StreamsSettings, {"SLUICE_DRIFT_MIN_SAMPLES": "2000"})
+    assert load_settings(StreamsSettings, {"SLUICE_DRIFT_MIN_SAMPLES": "1000"}).drift_min_samples == 1000
