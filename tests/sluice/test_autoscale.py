@@ -84,6 +84,20 @@ def test_group_lag_counts_the_partitions_holding_it(kafka: KafkaConnection, topi
                 time.sleep(0.25)
         assert queued == 5, "nothing committed: every record is queued"
         assert lag.lagging[topic] == 2
+        # the group committed 1 on partition 0, then retention removed its first three records: one left
+        from confluent_kafka import Consumer, TopicPartition
+
+        from bus.consumer import consumer_config
+
+        group = Consumer(consumer_config(kafka, worker_group("m", "v1"), "test-committer"))
+        try:
+            group.commit(offsets=[TopicPartition(topic, 0, 1)], asynchronous=False)
+        finally:
+            group.close()
+        deleted = admin.delete_records([TopicPartition(topic, 0, 3)])
+        for future in deleted.values():
+            future.result(10)
+        assert lag(topic, "m", "v1") == 2, "records retention removed are no lag"
         lag.keep({worker_group("m", "v1")})
         assert len(lag._consumers) == 1, "the stable version's client stays"
         lag.keep({worker_group("m", "v2")})  # v1 is no longer stable: its client goes
