@@ -804,7 +804,15 @@ async def _serve(
             if broker.running():
                 console.print(f"using the Kafka already running at {broker.bootstrap} (left running on exit)")
             else:
-                for node in broker.nodes:
+                # Only the nodes this run starts are its own to stop: a cluster `sluice kafka up` started
+                # and found with a node down had its running nodes stopped on exit too (a review)
+                launched = [node for node in broker.nodes if not node.running()]
+                if len(launched) < len(broker.nodes):
+                    console.print(
+                        f"starting Kafka node(s) {', '.join(str(n.node_id) for n in launched)} of the cluster "
+                        f"at {broker.bootstrap}; the nodes already running are left running on exit"
+                    )
+                for node in launched:
                     node.die_with_parent = True  # a `kill -9` of sluice up leaves no JVM behind
                 with console.status(f"starting Kafka {settings.kafka_version} at {broker.bootstrap}"):
                     try:
@@ -815,7 +823,7 @@ async def _serve(
                         # a Ctrl-C reaches the whole group: the first run's storage format fails with it
                         console.print("stopping...")
                         return
-                stack.callback(broker.stop)
+                stack.callback(broker.stop, 30.0, launched)
                 watch = KafkaWatch(broker.nodes, console, stop)
                 await watch.start()
                 stack.push_async_callback(watch.stop)  # before the nodes stop: that is no crash

@@ -635,12 +635,14 @@ class LocalKafkaCluster(Component):
             f"{timeout:.0f}s:\n{tails}"
         )
 
-    def stop(self, stop_timeout: float = 30.0) -> None:
-        # All at once: a node stopped last, alone, would wait on a controller quorum that is gone.
-        for node in self.nodes:
+    def stop(self, stop_timeout: float = 30.0, nodes: Sequence[LocalKafka] | None = None) -> None:
+        """Stop ``nodes`` (default: every node). All at once: a node stopped last, alone, would wait on a
+        controller quorum that is gone."""
+        nodes = self.nodes if nodes is None else nodes
+        for node in nodes:
             node.terminate()
         deadline = time.monotonic() + stop_timeout
-        for node in self.nodes:
+        for node in nodes:
             node.wait_stopped(max(0.0, deadline - time.monotonic()))
 
     def kill(self, node_id: int) -> None:
