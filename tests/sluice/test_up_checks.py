@@ -13,7 +13,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -236,7 +236,7 @@ class _Broker:
     def running(self) -> bool:
         return False
 
-    def stop(self) -> None:
+    def stop(self, stop_timeout: float = 30.0, nodes: Sequence[LocalKafka] | None = None) -> None:
         self.stopped = True
 
 
