@@ -16,8 +16,9 @@ import pytest
 from ingest.auth import DEMO_KEY, Tenant, TenantDirectory, hash_key
 from ingest.quota import Limits
 from schemas.events import RequestFinished
-from tests.ingest.conftest import AUTH, GEN, Client, MakeClient, eventually, parse_sse
+from tests.ingest.conftest import AUTH, GEN, Client, MakeClient, parse_sse
 from tests.ingest.fake_gateway import FakeGateway
+from tests.ingest.test_grace_limits import left_after_a_token as left
 
 CHAT = {"model": GEN, "messages": [{"role": "user", "content": "hello"}], "stream": True}
 KEYED = {**AUTH, "Idempotency-Key": "order-1"}
@@ -33,13 +34,9 @@ def tenants() -> TenantDirectory:
 
 
 async def left_after_a_token(client: Client, gateway: FakeGateway, headers: dict[str, str] = AUTH) -> str:
+    """A streamed chat whose client read a token and left while its request runs on; its request id."""
     gateway.hold_after = 2
-    response = await client.post("/v1/chat/completions", json=CHAT, headers=headers)
-    assert response.status == 200
-    await response.content.readuntil(b" t1")
-    response.close()
-    await eventually(lambda: all(stream.closed for stream in gateway.streams))
-    return gateway.submitted[-1].request_id
+    return await left(client, gateway, headers)
 
 
 async def second_status(client: Client) -> int:
