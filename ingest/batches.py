@@ -300,11 +300,17 @@ class BatchRunner(AsyncComponent):
         ttl = self.store.ttl_s
         if not ttl:
             return 0
-        cutoff = (now or utc_now()) - timedelta(seconds=ttl)
+        now = now or utc_now()
+        cutoff = now - timedelta(seconds=ttl)
         removed = 0
         for path in self._root.glob("*/batch_*/state.json"):
             state = load_state(path)
             if state is None or not state.terminal or state.batch_id in self._jobs or state.time >= cutoff:
+                continue
+            files = (state.output_file_id, state.error_file_id)
+            if any(f and self.store.kept(state.tenant, f, now.timestamp()) for f in files):
+                # its files live longer than the store's TTL (``output_expires_after``): the batch stays
+                # readable while they are served (a review: GET /v1/batches/{id} was a 404 meanwhile)
                 continue
             shutil.rmtree(path.parent, ignore_errors=True)
             removed += 1

@@ -159,6 +159,15 @@ class FileStore:
         meta.unlink(missing_ok=True)  # metadata first: from here on no reader finds the file
         data.unlink(missing_ok=True)
 
+    def kept(self, tenant: str, file_id: str, now: float) -> bool:
+        """Whether the tenant's file ``file_id`` is there and not expired at ``now`` (nothing removed)."""
+        meta, _ = self._paths(tenant, file_id)
+        try:
+            stored = _META.decode(meta.read_bytes())
+        except _MISSING_OR_UNREADABLE:
+            return False
+        return stored.tenant == tenant and not stored.expired(now)
+
     def expire_after(self, tenant: str, file_id: str, seconds: int) -> StoredFile:
         """Make the tenant's file expire ``seconds`` after it was created (an upload's ``expires_after``)."""
         stored = self.get(tenant, file_id)

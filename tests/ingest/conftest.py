@@ -161,6 +161,7 @@ async def make_client(
             store = FileStore(
                 tmp_path / "files",
                 max_bytes=edge_settings.edge_file_max_bytes,
+                ttl_s=edge_settings.edge_file_ttl_s,
                 max_tenant_bytes=edge_settings.edge_files_max_bytes_per_tenant,
             )
             return BatchRunner(

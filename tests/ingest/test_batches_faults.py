@@ -244,6 +244,32 @@ async def test_an_ended_batch_keeps_no_journal_and_its_folder_goes_after_the_fil
     assert not folder.exists()
 
 
+async def test_an_ended_batch_stays_while_its_output_file_outlives_the_file_ttl(
+    make_client: MakeClient, tmp_path: Path
+) -> None:
+    """Found by a review: the folder went once the store's TTL passed, while the batch's own
+    ``output_expires_after`` kept its output file served: ``GET /v1/batches/{id}`` was a 404 meanwhile."""
+    client, edge = await make_client(edge_file_ttl_s=3600)
+    async with _sdk(client) as sdk:
+        uploaded = await sdk.files.create(
+            file=("in.jsonl", io.BytesIO(jsonl([chat_line(0)]))), purpose="batch"
+        )
+        created = await sdk.batches.create(
+            input_file_id=uploaded.id,
+            endpoint=CHAT,
+            completion_window="24h",
+            output_expires_after={"anchor": "created_at", "seconds": 7 * 86_400},
+        )
+        done = await until(sdk, created.id, "completed")
+    runner = edge.batches
+    assert runner is not None
+    (folder,) = [p.parent for p in (tmp_path / "files" / "batches").glob("*/batch_*/state.json")]
+    assert runner.sweep_batches(now=done_at(done) + timedelta(days=2)) == 0  # its output still served
+    assert folder.exists()
+    assert runner.sweep_batches(now=done_at(done) + timedelta(days=8)) == 1
+    assert not folder.exists()
+
+
 def done_at(batch: Any) -> datetime:
     return datetime.fromtimestamp(batch.completed_at, UTC)
 
