@@ -55,12 +55,26 @@ async def sdk(client: Client) -> AsyncIterator[AsyncOpenAI]:
         yield made
 
 
-async def run(sdk: AsyncOpenAI, lines: list[Any], endpoint: str = CHAT, window: str = "24h") -> Batch:
+async def run(
+    sdk: AsyncOpenAI,
+    lines: list[Any],
+    endpoint: str = CHAT,
+    window: str = "24h",
+    output_expires_s: int | None = None,
+) -> Batch:
+    """A batch of ``lines`` (``output_expires_s``: its output files' ``output_expires_after``)."""
     uploaded = await sdk.files.create(file=("in.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
+    if output_expires_s is None:
+        return await sdk.batches.create(
+            input_file_id=uploaded.id,
+            endpoint=endpoint,  # type: ignore[arg-type]
+            completion_window=window,  # type: ignore[arg-type]
+        )
     return await sdk.batches.create(
         input_file_id=uploaded.id,
         endpoint=endpoint,  # type: ignore[arg-type]
         completion_window=window,  # type: ignore[arg-type]
+        output_expires_after={"anchor": "created_at", "seconds": output_expires_s},
     )
 
 
@@ -768,26 +782,13 @@ async def test_a_batch_says_when_its_output_files_expire(make_client: MakeClient
     """OpenAI's ``output_expires_after`` (an audit found the SDK's parameter refused as an unknown field)."""
     client, _ = await make_client()
     async with AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=DEMO_KEY, max_retries=0) as sdk:
-        uploaded = await sdk.files.create(
-            file=("in.jsonl", io.BytesIO(jsonl([chat_line(0)]))), purpose="batch"
-        )
-        created = await sdk.batches.create(
-            input_file_id=uploaded.id,
-            endpoint=CHAT,
-            completion_window="24h",
-            output_expires_after={"anchor": "created_at", "seconds": 7200},
-        )
+        created = await run(sdk, [chat_line(0)], output_expires_s=7200)
         done = await until(sdk, created.id, "completed")
         assert done.output_file_id is not None
         output = await sdk.files.retrieve(done.output_file_id)
         assert output.expires_at == output.created_at + 7200
         with pytest.raises(openai.BadRequestError) as refused:
-            await sdk.batches.create(
-                input_file_id=uploaded.id,
-                endpoint=CHAT,
-                completion_window="24h",
-                output_expires_after={"anchor": "created_at", "seconds": 60},
-            )
+            await run(sdk, [chat_line(0)], output_expires_s=60)
         assert refused.value.code == "invalid_expires_after"
 
 

@@ -251,15 +251,7 @@ async def test_an_ended_batch_stays_while_its_output_file_outlives_the_file_ttl(
     ``output_expires_after`` kept its output file served: ``GET /v1/batches/{id}`` was a 404 meanwhile."""
     client, edge = await make_client(edge_file_ttl_s=3600)
     async with _sdk(client) as sdk:
-        uploaded = await sdk.files.create(
-            file=("in.jsonl", io.BytesIO(jsonl([chat_line(0)]))), purpose="batch"
-        )
-        created = await sdk.batches.create(
-            input_file_id=uploaded.id,
-            endpoint=CHAT,
-            completion_window="24h",
-            output_expires_after={"anchor": "created_at", "seconds": 7 * 86_400},
-        )
+        created = await run(sdk, [chat_line(0)], output_expires_s=7 * 86_400)
         done = await until(sdk, created.id, "completed")
     runner = edge.batches
     assert runner is not None
