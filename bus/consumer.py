@@ -213,10 +213,10 @@ class ConsumerThread(Component):
         self._settled_once = False
         self._group_state = ""
         self._brokers_down_since: float | None = None
+        """Since when the statistics have said no broker is connected (polling thread)."""
         self._unreadable: tuple[float, float, str, str | None] | None = None
         """(first, last, what, topic) of the errors in :data:`UNREADABLE` going on now (polling thread)."""
         self._unreadable_logged = 0.0
-        """Since when the statistics have said no broker is connected (polling thread)."""
         self._live = _Live()
         """The current client's: its callbacks reach this thread's state only while it is current."""
         self._ends = {tp: end for tp, end in (ends or {}).items() if end > 0}
@@ -459,10 +459,12 @@ class ConsumerThread(Component):
     def _skipped(self, message: Message) -> bool:
         """:func:`_benign_error`, noting the errors that say a topic or the group cannot be read."""
         err = message.error()
-        if err is None or err.code() not in UNREADABLE:
+        if err is None:
             going = self._unreadable
-            if err is None and going is not None and going[3] == message.topic():
+            if going is not None and going[3] == message.topic():
                 self._unreadable = None  # a record of it: it can be read again
+            return False
+        if err.code() not in UNREADABLE:
             return _benign_error(message)
         now = time.monotonic()
         going = self._unreadable

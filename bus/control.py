@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka import Consumer, KafkaException, TopicPartition
 
 from bus.consumer import consumer_config
-from bus.errors import BusError
+from bus.errors import BusError, kafka_reason
 from bus.positions import probe_config, read_to_end, watermarks
 from bus.producer import Position
 from schemas.codec import DecodeError, decode
@@ -33,7 +33,7 @@ def control_start(
         ends = {p: watermarks(consumer, topic, p)[1] for p in meta.partitions}
         return [TopicPartition(topic, p, 0) for p in meta.partitions], ends
     except KafkaException as exc:  # no broker within the timeout: the platform's own error, as elsewhere
-        reason = exc.args[0].str() if exc.args and isinstance(exc.args[0], KafkaError) else str(exc)
+        reason = kafka_reason(exc)
         raise BusError(
             f"cannot read {topic} from Kafka at {kafka.bootstrap}: {reason} (is it running?)"
         ) from exc

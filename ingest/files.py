@@ -120,14 +120,20 @@ class FileStore:
         folder = self._dir(tenant)
         return folder / f"{file_id}.json", folder / f"{file_id}.data"
 
-    def get(self, tenant: str, file_id: str) -> StoredFile:
-        """The tenant's file ``file_id``; :class:`NotFound` for another tenant's or an unknown id."""
+    def _read(self, tenant: str, file_id: str) -> StoredFile | None:
+        """The metadata of the tenant's file ``file_id``, expired or not; None for another tenant's (a hash
+        collision of two tenants' names, however unlikely) or an unknown id."""
         meta, _ = self._paths(tenant, file_id)
         try:
             stored = _META.decode(meta.read_bytes())
         except _MISSING_OR_UNREADABLE:
-            raise not_found(file_id) from None
-        if stored.tenant != tenant:  # a hash collision of two tenants' names, however unlikely
+            return None
+        return stored if stored.tenant == tenant else None
+
+    def get(self, tenant: str, file_id: str) -> StoredFile:
+        """The tenant's file ``file_id``; :class:`NotFound` for another tenant's or an unknown id."""
+        stored = self._read(tenant, file_id)
+        if stored is None:
             raise not_found(file_id)
         if stored.expired():
             self._remove(tenant, file_id)
@@ -161,12 +167,8 @@ class FileStore:
 
     def kept(self, tenant: str, file_id: str, now: float) -> bool:
         """Whether the tenant's file ``file_id`` is there and not expired at ``now`` (nothing removed)."""
-        meta, _ = self._paths(tenant, file_id)
-        try:
-            stored = _META.decode(meta.read_bytes())
-        except _MISSING_OR_UNREADABLE:
-            return False
-        return stored.tenant == tenant and not stored.expired(now)
+        stored = self._read(tenant, file_id)
+        return stored is not None and not stored.expired(now)
 
     def expire_after(self, tenant: str, file_id: str, seconds: int) -> StoredFile:
         """Make the tenant's file expire ``seconds`` after it was created (an upload's ``expires_after``)."""

@@ -11,11 +11,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from time import monotonic
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka import Consumer, KafkaException, TopicPartition
 
 from bus.consumer import consumer_config, past_ends
 from bus.control import read_control
-from bus.errors import BusError
+from bus.errors import BusError, kafka_reason
 from bus.positions import watermarks
 from schemas.settings import PlatformSettings
 from schemas.topics import TopicNames
@@ -80,7 +80,7 @@ def replay(
         try:
             extents = _extents(consumer, sink_topics(names, request_topics))
         except KafkaException as exc:
-            reason = exc.args[0].str() if exc.args and isinstance(exc.args[0], KafkaError) else str(exc)
+            reason = kafka_reason(exc)
             raise ReplayError(
                 f"cannot read the topics' ends on Kafka at {platform.bootstrap}: {reason}"
             ) from exc

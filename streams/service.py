@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from clickhouse_connect.driver.client import Client
-from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka import KafkaException
 
+from bus.errors import kafka_reason
 from bus.producer import EventProducer
 from infra.errors import InfraError
 from infra.topics import quiet_admin
@@ -50,7 +51,7 @@ def request_topics(platform: PlatformSettings) -> list[str]:
     try:
         topics = quiet_admin(platform.kafka).list_topics(timeout=10).topics
     except KafkaException as exc:
-        reason = exc.args[0].str() if exc.args and isinstance(exc.args[0], KafkaError) else str(exc)
+        reason = kafka_reason(exc)
         raise InfraError(
             f"cannot list the topics on Kafka at {platform.bootstrap}: {reason} "
             "(is it running? `sluice kafka status` says)"
