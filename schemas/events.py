@@ -36,6 +36,8 @@ Name = Annotated[str, msgspec.Meta(max_length=256)]
 which count against the record limit beside the value (``schemas.codec.RECORD_HEADROOM_BYTES``): a
 340 KB tenant made a terminal event no broker takes, and the worker producing it died (a fuzz audit).
 Far longer than any the platform makes: a tenant name is at most 64 characters, an id 36."""
+CustomId = Annotated[str, msgspec.Meta(max_length=512)]
+"""A batch line's ``custom_id``: the edge takes 1 to 512 characters (``ingest.batch_lines.MAX_CUSTOM_ID``)."""
 TraceHeader = Annotated[str, msgspec.Meta(max_length=1024)]
 """W3C trace context, headers too: a ``traceparent`` is 55 characters, a ``tracestate`` should stay
 under 512."""
@@ -112,22 +114,22 @@ class SamplingParams(FrozenStruct, frozen=True, kw_only=True):
 class ReplyTo(FrozenStruct, frozen=True, kw_only=True):
     """Where the edge holding the client listens for this request's chunks and terminal event."""
 
-    topic: str
+    topic: Name
     partition: NonNegative
-    edge_id: str
+    edge_id: Name
 
 
 class RequestCommon(Envelope, frozen=True, kw_only=True):
     """What every request kind carries (not an event by itself)."""
 
-    model_version: str
+    model_version: Name
     deadline: UtcDatetime | None = None
     """Work not finished by then is dropped and the request ends ``expired``."""
     reply: ReplyTo | None = None
     """None: no edge waits; the terminal event goes to the results topic only."""
-    idempotency_key: str | None = None
+    idempotency_key: Name | None = None
     priority: int = 0
-    shadow_of: str | None = None
+    shadow_of: Name | None = None
     """Set on a shadow copy: the id of the request it mirrors. A shadow request runs on a candidate version
     at the lowest priority, has no ``reply`` (no client ever sees it) and is never billed."""
 
@@ -155,8 +157,8 @@ class EmbeddingRequested(RequestCommon, frozen=True, kw_only=True, tag="embeddin
 class BatchRef(FrozenStruct, frozen=True, kw_only=True):
     """Which line of which batch a request or result is (``attempt`` counts retries from 0)."""
 
-    batch_id: str
-    custom_id: str
+    batch_id: Name
+    custom_id: CustomId
     index: NonNegative
     attempt: UInt32 = 0
 
@@ -175,8 +177,8 @@ class BatchItemRequested(RequestCommon, frozen=True, kw_only=True, tag="batch_it
     derived from the batch id, index and attempt, so a re-publication after an edge restart is the same
     request and runs once."""
 
-    batch_id: str
-    custom_id: str
+    batch_id: Name
+    custom_id: CustomId
     index: NonNegative
     total: Annotated[int, msgspec.Meta(ge=1)]
     endpoint: Endpoint
@@ -322,7 +324,7 @@ class Usage(FrozenStruct, frozen=True, kw_only=True):
 
 
 class ErrorInfo(FrozenStruct, frozen=True, kw_only=True):
-    code: str
+    code: Name
     message: str
     retriable: bool = False
 
@@ -429,20 +431,22 @@ class RequestFinished(Envelope, frozen=True, kw_only=True, tag="request_finished
     """The vectors, packed: what workers write."""
     error: ErrorInfo | None = None
     timings: Timings = msgspec.field(default_factory=Timings)
-    worker_id: str = ""
+    worker_id: Name = ""
     """Empty when no worker touched the request (e.g. expired at the edge)."""
     # What the request said, copied by the worker, so this one event is the request's whole fact row.
-    model_version: str = ""
+    # Bounded like the ids it copies: each is also a detail of the request's audit entry, and a foreign
+    # producer's 7 MB ``worker_id`` made an entry no broker takes, which stopped the sink (a review).
+    model_version: Name = ""
     kind: Literal["chat", "completion", "embedding", ""] = ""
     stream: bool = False
-    edge_id: str = ""
+    edge_id: Name = ""
     """The edge that held the client (``reply.edge_id``); empty when nobody waited."""
-    idempotency_key: str | None = None
+    idempotency_key: Name | None = None
     max_inter_token_s: Annotated[float, msgspec.Meta(ge=0.0)] | None = None
     """Longest gap between two generated tokens (generation with 2+ tokens)."""
     features: DriftFeatures | None = None
     """Drift features of the request, set by the worker (absent in events from before drift detection)."""
-    shadow_of: str | None = None
+    shadow_of: Name | None = None
     """Copied from a shadow request: the id of the request it mirrored (not billed, never answered)."""
     batch: BatchRef | None = None
     """Copied from a batch line (:class:`BatchItemRequested`): which batch and line this result answers."""

@@ -17,11 +17,14 @@ from schemas.codec import DecodeError, decode, encode
 from schemas.events import (
     EVENT_TYPES,
     REQUEST_TYPES,
+    BatchRef,
     CancelRequested,
+    ErrorInfo,
     Event,
     Float32Vectors,
     GenerationRequested,
     RequestCommon,
+    ReplyTo,
     RequestFinished,
     SamplingParams,
     Timings,
@@ -223,6 +226,60 @@ def test_a_token_count_past_the_warehouses_uint32_fails_to_decode(field: str) ->
         decode(encode(event))
     fine = msgspec.structs.replace(event, usage=Usage(**{**usage, field: 2**32 - 1}))
     assert decode(encode(fine)) == fine
+
+
+_LONG = "w" * 7_000_000
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"worker_id": _LONG},
+        {"edge_id": _LONG},
+        {"model_version": _LONG},
+        {"idempotency_key": _LONG},
+        {"shadow_of": _LONG},
+        {"error": ErrorInfo(code=_LONG, message="m")},
+        {"batch": BatchRef(batch_id=_LONG, custom_id="c", index=0)},
+        {"batch": BatchRef(batch_id="b", custom_id="c" * 513, index=0)},
+    ],
+    ids=["worker", "edge", "version", "key", "shadow", "error-code", "batch-id", "custom-id"],
+)
+def test_a_terminal_event_with_an_id_past_its_bound_fails_to_decode(change: dict[str, object]) -> None:
+    """Each id is a detail of the request's audit entry: a 7 MB ``worker_id`` from another producer made
+    an entry no broker takes, and the streams sink stopped on it (a review). The platform makes none over
+    256 characters (a custom id: 512, as the edge bounds it); a record with one is dead-lettered."""
+    event = RequestFinished(
+        tenant="t",
+        model="m",
+        source="s",
+        request_id="r",
+        status="failed",
+        finish_reason="error",
+        usage=Usage(prompt_tokens=1, completion_tokens=0, total_tokens=1),
+    )
+    with pytest.raises(DecodeError):
+        decode(encode(msgspec.structs.replace(event, **change)))
+    fine = msgspec.structs.replace(
+        event,
+        worker_id="w" * 256,
+        edge_id="e" * 256,
+        model_version="v" * 255,
+        error=ErrorInfo(code="c" * 256, message="m" * 10_000),
+        batch=BatchRef(batch_id="b" * 256, custom_id="c" * 512, index=0),
+    )
+    assert decode(encode(fine)) == fine
+
+
+@pytest.mark.parametrize("field", ["model_version", "idempotency_key", "shadow_of"])
+def test_a_request_with_an_id_past_its_bound_fails_to_decode(field: str) -> None:
+    """The worker copies these into the terminal event: bounded where they enter the log."""
+    event = msgspec.structs.replace(sampled(SamplingParams()), **{field: "x" * 257})
+    with pytest.raises(DecodeError, match=field):
+        decode(encode(event))
+    reply = ReplyTo(topic="replies", partition=0, edge_id="e" * 257)
+    with pytest.raises(DecodeError, match="edge_id"):
+        decode(encode(msgspec.structs.replace(sampled(SamplingParams()), reply=reply)))
 
 
 def test_events_are_frozen() -> None:
