@@ -138,7 +138,8 @@ class CompletionRequest(_GenerationBody, kw_only=True, forbid_unknown_fields=Tru
 class EmbeddingRequest(_Strict, kw_only=True, forbid_unknown_fields=True, frozen=True):
     model: str
     input: PromptInput
-    encoding_format: Literal["float", "base64"] = "float"
+    encoding_format: Literal["float", "base64"] | None = None
+    """None (an explicit null, as LiteLLM sends one when its caller set none): ``"float"``, as OpenAI."""
     dimensions: Annotated[int, msgspec.Meta(ge=1)] | None = None
     user: str | None = None
     timeout: Timeout | None = None

@@ -413,6 +413,6 @@ class Preparer:
             model=model.model_id,
             request_id=request_id,
             fingerprint=model.manifest.version,
-            encoding_format=body.encoding_format,
+            encoding_format=body.encoding_format or "float",
         )
         return event, shape, timeout

@@ -188,6 +188,12 @@ async def test_embeddings_float_and_base64(
     data = (await encoded.json())["data"][0]["embedding"]
     assert struct.unpack("<3f", base64.b64decode(data)) == (2.0, 9.0, 0.0)
     assert gateway.submitted[1].inputs == [[4, 5]]  # type: ignore[union-attr]
+    # OpenAI takes an explicit null as the default; LiteLLM sends one whenever its caller set none
+    # (BerriAI/litellm#19174), and every such client had a 400 (a review).
+    null = await client.post(
+        "/v1/embeddings", json={"model": EMB, "input": [[4, 5]], "encoding_format": None}, headers=AUTH
+    )
+    assert (await null.json())["data"][0]["embedding"] == [2.0, 9.0, 0.0]
 
 
 def _server_timing(header: str) -> dict[str, float]:
