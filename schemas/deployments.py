@@ -34,8 +34,12 @@ def bucket(model: str, key: str, salt: str = "route") -> int:
 
 
 def buckets_of(share: float) -> int:
-    """The buckets a share of traffic takes: a share under half a bucket (0.005 %) takes none."""
-    return round(share * BUCKETS)
+    """The buckets a share of traffic takes: a share under half a bucket (0.005 %) takes none.
+
+    Clamped to ``[0, 1]`` (the contract bounds it; a deployment built in code may not be decoded)."""
+    if not share > 0:  # NaN too
+        return 0
+    return round(min(share, 1.0) * BUCKETS)
 
 
 def sticky_key(tenant: str, session: str | None) -> str:

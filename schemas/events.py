@@ -36,6 +36,10 @@ Name = Annotated[str, msgspec.Meta(max_length=256)]
 which count against the record limit beside the value (``schemas.codec.RECORD_HEADROOM_BYTES``): a
 340 KB tenant made a terminal event no broker takes, and the worker producing it died (a fuzz audit).
 Far longer than any the platform makes: a tenant name is at most 64 characters, an id 36."""
+Share = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+"""A share of traffic: a candidate's share of 1e308 decoded, and every routing of its model raised on
+``round(inf)``, a 500 for each of its requests on every edge, for as long as the compacted control topic
+kept the record (a review). A record with another is dead-lettered."""
 CustomId = Annotated[str, msgspec.Meta(max_length=512)]
 """A batch line's ``custom_id``: the edge takes 1 to 512 characters (``ingest.batch_lines.MAX_CUSTOM_ID``)."""
 TraceHeader = Annotated[str, msgspec.Meta(max_length=1024)]
@@ -630,7 +634,7 @@ class DeploymentChanged(Envelope, frozen=True, kw_only=True, tag="deployment_cha
     version: str
     """The version this change is about (the candidate, or the version deployed)."""
     action: Literal["deploy", "promote", "rollback", "retire"]
-    traffic: dict[str, float]
+    traffic: dict[Name, Share]
     """Model version -> share of traffic."""
     reason: str
     stable: str = ""
@@ -639,13 +643,13 @@ class DeploymentChanged(Envelope, frozen=True, kw_only=True, tag="deployment_cha
     candidate: str | None = None
     """The version under rollout; None when none is."""
     phase: RolloutPhase = "stable"
-    steps: list[float] = msgspec.field(default_factory=list)
+    steps: list[Share] = msgspec.field(default_factory=list)
     """The candidate's share at each step, ending at 1.0."""
     step: Annotated[int, msgspec.Meta(ge=0, le=2**16 - 1)] = 0
     """An index into ``steps`` (the warehouse's ``UInt16``)."""
     step_started: UtcDatetime | None = None
     """When the current step began: gates compare requests accepted since then."""
-    shadow: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
+    shadow: Share = 0.0
     """Share of the stable version's requests mirrored to the candidate (never answered, not billed)."""
     gates: RolloutGates | None = None
     evidence: list[GateResult] = msgspec.field(default_factory=list)

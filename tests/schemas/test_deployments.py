@@ -7,6 +7,7 @@ from datetime import UTC, datetime
 import msgspec
 import pytest
 
+from schemas.codec import DecodeError, decode, encode
 from schemas.deployments import BUCKETS, Deployment, bucket, sticky_key
 from schemas.events import DeploymentChanged
 
@@ -152,6 +153,21 @@ def test_share_zero_routes_everything_to_stable() -> None:
 def test_share_one_routes_everything_to_the_candidate() -> None:
     d = Deployment(MODEL, "v1", "v2", share=1.0)
     assert {d.route(key) for key in KEYS} == {"v2"}
+
+
+@pytest.mark.parametrize("share", [1e308, -1e308, 1.5, -0.5, float("nan"), float("inf")])
+def test_a_share_outside_zero_to_one_is_dead_lettered_and_clamped_in_code(share: float) -> None:
+    """A candidate share of 1e308 decoded, and every routing of its model raised (``round(inf)``): a 500
+    for each of its requests on every edge while the compacted control topic kept it (a review)."""
+    for bad in (changed({"v1": 0.0, "v2": share}, stable="v1", candidate="v2"),):
+        with pytest.raises(DecodeError, match="traffic"):
+            decode(encode(bad))
+    event = changed({"v1": 0.0, "v2": 0.5}, stable="v1", candidate="v2")
+    with pytest.raises(DecodeError, match="steps"):
+        decode(encode(msgspec.structs.replace(event, steps=[0.1, share])))
+    clamped = Deployment(MODEL, "v1", "v2", share=share)
+    expected = {"v2"} if share > 0 else {"v1"}
+    assert {clamped.route(key) for key in KEYS[:500]} == expected
 
 
 def test_without_candidate_everything_is_stable_whatever_the_share() -> None:
