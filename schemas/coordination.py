@@ -12,7 +12,11 @@ from typing import Annotated
 
 import msgspec
 
-NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+NonNegative = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+TimeMs = Annotated[int, msgspec.Meta(ge=0, le=2**53)]
+"""Unix milliseconds, exact as a float: ``10**400`` decoded, and the edge's float arithmetic on it raised
+in the quota reader (the edge failed, again at each start within the minute) and for every request with
+the claimed key (a 500): a review. A record with another is skipped like one that is not JSON."""
 
 
 class QuotaUsage(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
@@ -33,8 +37,8 @@ class QuotaSync(msgspec.Struct, frozen=True, kw_only=True):
 
     edge: str
     """The edge's instance: its id plus a per-process nonce (a restarted edge is another instance)."""
-    time_ms: int
-    window_s: float
+    time_ms: TimeMs
+    window_s: Annotated[float, msgspec.Meta(gt=0.0, le=86_400.0 * 366)]
     usage: tuple[QuotaUsage, ...] = ()
 
 
@@ -46,9 +50,9 @@ class IdempotencyClaim(msgspec.Struct, frozen=True, kw_only=True):
     request_id: str
     body_hash: str
     edge: str
-    reply_partition: int
+    reply_partition: Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
     """The replies partition of the edge that submitted it: where any edge can replay its stream from."""
-    time_ms: int
+    time_ms: TimeMs
 
 
 _QUOTA = msgspec.json.Decoder(QuotaSync)
