@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import ast
+import base64
+import math
 import random
 import struct
 import sys
@@ -421,3 +423,33 @@ def test_a_drift_embedding_past_float32_fails_to_decode_so_the_record_is_dead_le
         decode(encode(with_embedding([1e300, 0.25])))
     fine = with_embedding([FLOAT32_MAX, -FLOAT32_MAX, 0.25])
     assert decode(encode(fine)) == fine
+
+
+@pytest.mark.parametrize(
+    "vectors",
+    [
+        {"embeddings_f32": {"dim": 2, "data": base64.b64encode(struct.pack("<2f", 1.0, math.nan)).decode()}},
+        {"embeddings_f32": {"dim": 1, "data": base64.b64encode(struct.pack("<2f", 0.5, -math.inf)).decode()}},
+        {"embeddings": [[1e300, 1.0]]},
+        {"embeddings": [[]]},
+        {"embeddings": [[0.5, 0.25], [0.5]]},
+    ],
+    ids=["f32-nan", "f32-inf", "json-past-float32", "empty-row", "ragged"],
+)
+def test_result_vectors_the_edge_cannot_render_fail_to_decode(vectors: dict[str, object]) -> None:
+    """Another producer's NaN or infinity reached the client as ``null`` for a number, and an empty or
+    ragged row of the old JSON form was a 500 (a review): such a record is dead-lettered."""
+    value = msgspec.json.encode({**msgspec.to_builtins(finished()), **vectors})
+    with pytest.raises(DecodeError, match="embeddings"):
+        decode(value)
+
+
+def test_finite_extremes_and_empty_results_still_decode() -> None:
+    extremes = [3.4028234663852886e38, -3.4028234663852886e38, 1e-45, -0.0]
+    for event in (
+        finished(embeddings_f32=Float32Vectors.pack([extremes], 4)),
+        finished(embeddings=[extremes, extremes]),
+        finished(embeddings=[]),
+        finished(embeddings_f32=Float32Vectors(dim=4, data=b"")),
+    ):
+        assert decode(encode(event)) == event
