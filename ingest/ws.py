@@ -274,34 +274,41 @@ class WsSession:
         with tracer.start_as_current_span(
             f"WS /v1/ws {frame.endpoint}", context=Context(), kind=SpanKind.SERVER, links=links
         ) as span:
-            with tracer.start_as_current_span("sluice.admit"):
-                try:
+            # Every refusal before the request is submitted is counted, as over HTTP (``note_refusal``): a
+            # 503 from admission or from a log that could not take the request was not, so a WebSocket-only
+            # tenant's outage never moved the availability SLI nor paged (a review).
+            model = version = ""
+            submitted = False
+            try:
+                with tracer.start_as_current_span("sluice.admit"):
                     ctx.admission.check_budget(self._tenant, ctx.gateway.budget_exhausted(self._tenant.name))
                     with ctx.admission.preparing(self._tenant):
                         prepared = await ctx.preparer.prepare(
                             WS_KINDS[frame.endpoint], bytes(frame.body), tenant=self._tenant, streamed=True
                         )
-                except IngestError as exc:
-                    count_refusal(metrics.tenant_label(self._tenant.name), "", "", exc)
-                    raise
-                note_accepted(prepared.event, span)
-            shape = prepared.shape
-            tokens = reserved_tokens(prepared.event)
-            with ctx.admission.flight(
-                self._tenant,
-                shape.model,
-                shape.request_id,
-                owner=True,
-                tokens=tokens,
-                embedding=shape.kind == "embedding",
-            ) as flight:
-                self._work[frame.id].flight = flight
-                opened = await ctx.dispatcher.open(prepared, None, flight)
-                accepted = {"type": "accepted", "id": frame.id, "request_id": opened.request_id}
-                watch = RequestWatch(prepared.event if opened.owner else None, stream=True, t0=t0)
-                with watch:
-                    stream = watch.wrap(opened.stream)
-                    await self._pump(frame.id, shape, stream, flight, prepared.timeout_s, accepted)
+                    note_accepted(prepared.event, span)
+                model, version = prepared.event.model, prepared.event.model_version
+                shape = prepared.shape
+                with ctx.admission.flight(
+                    self._tenant,
+                    shape.model,
+                    shape.request_id,
+                    owner=True,
+                    tokens=reserved_tokens(prepared.event),
+                    embedding=shape.kind == "embedding",
+                ) as flight:
+                    self._work[frame.id].flight = flight
+                    opened = await ctx.dispatcher.open(prepared, None, flight)
+                    submitted = True  # from here the request's watch counts its outcome
+                    accepted = {"type": "accepted", "id": frame.id, "request_id": opened.request_id}
+                    watch = RequestWatch(prepared.event if opened.owner else None, stream=True, t0=t0)
+                    with watch:
+                        stream = watch.wrap(opened.stream)
+                        await self._pump(frame.id, shape, stream, flight, prepared.timeout_s, accepted)
+            except IngestError as exc:
+                if not submitted:
+                    count_refusal(metrics.tenant_label(self._tenant.name), model, version, exc)
+                raise
 
     async def _resume(self, frame: ResumeFrame) -> None:
         ctx = self._ctx

@@ -581,3 +581,37 @@ async def test_frames_past_the_concurrency_limit_are_refused_before_their_bodies
         served = await frames_until(ws, 1)
         assert [f["type"] for f in served] == ["accepted", "token", "done"]
     await edge.stop()
+
+
+def _counted(family: Any, **labels: str) -> float:
+    return sum(
+        s.value
+        for metric in family.collect()
+        for s in metric.samples
+        if s.name.endswith("_total") and all(s.labels[k] == v for k, v in labels.items())
+    )
+
+
+@pytest.mark.parametrize("transport", ["http", "ws"])
+async def test_a_request_shed_because_the_log_cannot_take_it_counts_against_availability(
+    client: Client, gateway: FakeGateway, transport: str
+) -> None:
+    """Over the WebSocket, a 503 from admission or from a log that could not take the request was counted
+    nowhere, so a WebSocket-only tenant's outage never moved the availability SLI nor paged (a review)."""
+    from monitoring import metrics
+
+    gateway.fail_submit = True
+    shed = _counted(metrics.REQUESTS, model=GEN, outcome="shed")
+    refused = _counted(metrics.REJECTIONS, model=GEN, status="503")
+    body = {**CHAT, "stream": True}
+    if transport == "http":
+        response = await client.post("/v1/chat/completions", json=body, headers=AUTH)
+        assert response.status == 503
+    else:
+        async with client.ws_connect("/v1/ws", headers=AUTH) as ws:
+            await ws.send_json(request("a", body))
+            (frame,) = await frames_until(ws, 1)
+        assert (frame["type"], frame["error"]["type"]) == ("error", "server_error"), frame
+    assert _counted(metrics.REQUESTS, model=GEN, outcome="shed") == shed + 1
+    assert _counted(metrics.REJECTIONS, model=GEN, status="503") == refused + 1
+    assert gateway.submitted == []
