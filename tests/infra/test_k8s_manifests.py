@@ -407,6 +407,25 @@ def test_kafka_cluster() -> None:
     assert env["KAFKA_SASL_ENABLED_MECHANISMS"] == platform.kafka_sasl_mechanism
     assert f"user_{platform.kafka_sasl_username}=" in env["KAFKA_LISTENER_NAME_CLIENT_PLAIN_SASL_JAAS_CONFIG"]
     assert named("PodDisruptionBudget", "kafka")["spec"]["maxUnavailable"] == 1
+    # Not the volume's root: an ext4 volume (EKS, GKE, AKS, ceph-block) has lost+found there, which the
+    # broker takes for a partition folder it cannot read, and refuses to start (a review).
+    claims = {template["metadata"]["name"] for template in kafka["spec"]["volumeClaimTemplates"]}
+    roots = {m["mountPath"].rstrip("/") for m in container["volumeMounts"] if m["name"] in claims}
+    for log_dir in env["KAFKA_LOG_DIRS"].split(","):
+        assert log_dir.rstrip("/") not in roots, f"KAFKA_LOG_DIRS {log_dir} is a volume's root"
+        assert any(log_dir.startswith(f"{root}/") for root in roots), f"{log_dir} is on no volume"
+
+
+def test_autoscaled_workloads_leave_their_replica_count_to_the_autoscaler() -> None:
+    """``kubectl apply`` sets every field the manifest names: a Deployment naming ``replicas`` was taken
+    back to it at every apply the operations guide asks for (an upgrade, a config change), under load its
+    N workers to 1 until KEDA scaled out again (a review)."""
+    owned = [hpa["spec"]["scaleTargetRef"] for hpa in of_kind("HorizontalPodAutoscaler")]
+    owned += [scaled["spec"]["scaleTargetRef"] for scaled in of_kind("ScaledObject")]
+    assert len(owned) >= 3
+    for target in owned:
+        workload = named(target.get("kind", "Deployment"), target["name"])
+        assert "replicas" not in workload["spec"], target["name"]
 
 
 def test_worker_autoscaling_follows_the_workers_consumer_group() -> None:
