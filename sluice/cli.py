@@ -550,6 +550,9 @@ def slo_show(config: SloConfigOption = None) -> None:
     )
     alerts.add_row("SluiceRolloutRolledBack", "ticket", "30m", "the rollout controller rolled back", "")
     out.print(alerts)
+    # an objective whose budget caps its burn rate under a pair's threshold: the pair alerts lower for it
+    for lowered in cfg.lowered_thresholds():
+        out.print(f"[yellow]lowered:[/] {escape(lowered.text)}")
 
 
 def _pct(share: float) -> str:

@@ -9,8 +9,9 @@ the burn-rate windows, and :class:`Controller` turns them into events *when a st
 - ``BurnRateCrossed`` (key ``burn:<model>:<slo>``) when a model's availability error budget burns faster
   than one of the SLO configuration's page pairs allows (by default the SRE workbook's fast pair, 1h and
   5m above 14.4, and slow pair, 6h and 30m above 6), and when it stops. These are the pairs and
-  thresholds Prometheus pages on (``sluice slo rules`` with the same file). The rollout work acts on
-  these.
+  thresholds Prometheus pages on (``sluice slo rules`` with the same file), including a threshold lowered
+  to ``0.9 / budget`` where a low target puts the pair's own out of reach (``monitoring.slo.burn_threshold``).
+  The rollout work acts on these.
 
 The control topic is compacted, so its latest event per key is the state; a restarted controller reads
 the budget states back from it (:meth:`Controller.seed`) and may announce a burn-rate state again, which
@@ -19,6 +20,7 @@ consumers treat as idempotent.
 
 from __future__ import annotations
 
+import logging
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -27,11 +29,12 @@ from typing import Annotated
 
 import msgspec
 
-from monitoring.slo import SloConfig, burn_alerts, windows
+from monitoring.slo import SloConfig, burn_alerts, burn_threshold, windows
 from schemas.events import BudgetStateChanged, BurnRateCrossed, Event
 from streams import StreamsError
 
 SOURCE = "streams/control"
+log = logging.getLogger(__name__)
 NANOS_PER_MICRO = 1000
 
 
@@ -99,6 +102,10 @@ class Controller:
         )
         """The fast burn's pairs (the page pairs with the shortest long window: 1h/5m by default), which the
         rollout's burn gate acts on."""
+        for lowered in slo.lowered_thresholds():
+            if lowered.slo == "availability" and lowered.alert in self._pairs:
+                # a low target: the pair's own threshold is out of reach, and it announces above a lower one
+                log.warning("BurnRateCrossed: %s", lowered.text)
 
     def seed(
         self, exhausted: Mapping[str, bool], firing: Mapping[tuple[str, str], bool] | None = None
@@ -154,7 +161,8 @@ class Controller:
             tier = self._slo.tier_of(model)
             budget = 1.0 - tier.availability
             for alert in self._pairs:
-                threshold = alert.threshold(tier.window_days)
+                # as Prometheus' rule: lowered where the budget caps the burn rate under the pair's
+                threshold = burn_threshold(alert, tier.window_days, budget)
                 long_rate = counts.get((model, alert.long_minutes), empty).ratio / budget
                 short_rate = counts.get((model, alert.short_minutes), empty).ratio / budget
                 firing = long_rate > threshold and short_rate > threshold

@@ -76,6 +76,13 @@ def test_defaults() -> None:
     assert DEFAULT_CONFIG.tier_of("demo-gpt") is interactive
     assert DEFAULT_CONFIG.alerts.tickets
     assert budget_minutes(0.995, 30) == pytest.approx(216)  # 3h 36m
+    # 95%, not 90%: a 90% objective's burn rate cannot reach the fast page's 14.4x (a review)
+    batch = DEFAULT_CONFIG.tier("batch")
+    assert (batch.ttft, batch.itl) == (
+        LatencyObjective(threshold_seconds=5.0, target=0.95),
+        LatencyObjective(threshold_seconds=0.3, target=0.95),
+    )
+    assert DEFAULT_CONFIG.lowered_thresholds() == []
 
 
 def test_the_documented_example_loads(tmp_path: Path) -> None:
@@ -86,6 +93,7 @@ def test_the_documented_example_loads(tmp_path: Path) -> None:
     assert config.tier_of("all-minilm-l6-v2").name == "batch"
     assert config.tier_of("unlisted").name == "interactive"
     assert config.tier("batch").itl is None
+    assert config.lowered_thresholds() == []  # every documented pair can fire for every objective
     assert config.alerts.consumer_lag.max_records == 1000
     assert config.alerts.burn == PAGE_ALERTS + TICKET_ALERTS
     assert config.alerts.drift == DriftAlert(
@@ -247,6 +255,51 @@ def test_burn_thresholds_are_the_workbooks_for_30_days() -> None:
         ("3d", "6h"),
     ]
     assert round(PAGE_ALERTS[0].threshold(28), 6) == 13.44
+
+
+def thresholds(rule: dict[str, Any]) -> set[float]:
+    return {float(t) for t in re.findall(r"> ([0-9.e+-]+)\n", rule["expr"])}
+
+
+def test_a_pair_out_of_an_objectives_reach_alerts_below_one_over_its_budget(tmp_path: Path) -> None:
+    """Found by review: the burn rate cannot pass 1 / budget (10 for a 90% target), so a pair above it
+    (the fast page's 14.4x) was a rule that could never fire, loaded without a word. Such a pair alerts
+    above 0.9 / budget for that objective, and the rules file, the alert and ``slo show`` say so."""
+    config = load_slo_config(
+        write(
+            tmp_path,
+            'default_tier = "batch"\n[[tiers]]\nname = "batch"\navailability = 0.99\n'
+            "ttft = { threshold_seconds = 5.0, target = 0.9 }\nitl = { threshold_seconds = 0.3, target = 0.5 }\n",
+        )
+    )
+    lowered = {(x.slo, x.alert.alert): round(x.threshold, 6) for x in config.lowered_thresholds()}
+    assert lowered == {
+        ("ttft", "SluiceErrorBudgetBurn1h"): 9,  # 90%: burns at most 10x
+        ("itl", "SluiceErrorBudgetBurn1h"): 1.8,  # 50%: at most 2x
+        ("itl", "SluiceErrorBudgetBurn6h"): 1.8,
+        ("itl", "SluiceErrorBudgetBurn1d"): 1.8,  # 3d's 1x stays
+    }
+    budgets = {"availability": 0.01, "ttft": 0.1, "itl": 0.5}
+    alerts = [r for r in rules_of(config) if r.get("alert", "").startswith("SluiceErrorBudgetBurn")]
+    assert len(alerts) == 4 * 3
+    for rule in alerts:
+        (threshold,) = thresholds(rule)
+        budget = budgets[rule["labels"]["slo"]]
+        assert threshold * budget <= 0.9 + 1e-9, rule["expr"]  # reachable: at most 90% bad events
+        said = (rule["labels"]["slo"], rule["alert"]) in lowered
+        assert ("out of reach or nearly" in rule["annotations"]["description"]) is said
+    fast_ttft = next(
+        r for r in alerts if r["alert"] == "SluiceErrorBudgetBurn1h" and r["labels"]["slo"] == "ttft"
+    )
+    assert thresholds(fast_ttft) == {9.0}
+    assert "page above 9x" in fast_ttft["annotations"]["summary"]
+    assert "1.25% of the budget goes in 1h" in fast_ttft["annotations"]["description"]
+    header = [line for line in render_rules(config).splitlines() if line.startswith("# Lowered: ")]
+    assert len(header) == 4
+    assert header[0] == (
+        "# Lowered: tier 'batch' ttft (target 90%): SluiceErrorBudgetBurn1h (1h/5m) alerts above 9x, not "
+        "14.4x: its burn rate cannot pass 10x, so the pair fires when more than 90% of its events are bad."
+    )
 
 
 def test_default_rules_structure() -> None:
@@ -625,6 +678,16 @@ def test_cli_show_lists_tiers_and_alerts() -> None:
         "SluiceDriftReportsStale",
     ):
         assert text in result.stdout
+
+
+def test_cli_show_names_a_lowered_threshold(tmp_path: Path) -> None:
+    config = write(tmp_path, 'default_tier = "x"\n[[tiers]]\nname = "x"\navailability = 0.9\n')
+    result = CliRunner().invoke(app, ["slo", "show", "--config", str(config)])
+    assert result.exit_code == 0, result.output
+    assert "lowered: tier 'x' availability (target 90%): SluiceErrorBudgetBurn1h (1h/5m) alerts above 9x" in (
+        " ".join(result.stdout.split())
+    )
+    assert "lowered" not in CliRunner().invoke(app, ["slo", "show"]).stdout
 
 
 @pytest.mark.parametrize("args", [["slo"], ["slo", "rules"], ["slo", "show"]], ids=" ".join)

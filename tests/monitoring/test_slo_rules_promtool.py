@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import yaml
 
@@ -312,7 +313,7 @@ def test_latency_breach_pages_with_the_tier_threshold(tmp_path: Path) -> None:
         # 90% of first tokens slower than 0.5 s: burn 0.9 / 0.05 = 18x > 14.4x
         *ttft("demo-gpt", 30, 100, fast_share=0.1, le="0.5"),
         # every first token of batch-model slower than its 5 s (prometheus_client writes le="5.0"):
-        # burn 1 / 0.1 = 10x, a slow page but not a fast one
+        # burn 1 / 0.1 = 10x, under the fast pair's 14.4x, which the 90% objective lowers to 9x: both page
         *ttft("batch-model", 30, 10, fast_share=0.0, le="5.0"),
         # the same as Prometheus 3 stores it (le="5"), for the other batch model
         *ttft("batch.v3", 30, 10, fast_share=0.0, le="5"),
@@ -328,11 +329,87 @@ def test_latency_breach_pages_with_the_tier_threshold(tmp_path: Path) -> None:
         tmp_path,
         inputs,
         [
-            alert(FAST, "10m", fast),
-            alert(FAST, "25m", fast),
+            alert(FAST, "10m", *slow_batch, fast),
+            alert(FAST, "25m", *slow_batch, fast),
             alert(SLOW, "25m", *slow_batch, fast),  # 18x is above 6x too
         ],
     )
+
+
+def ttft_breach(model: str, healthy_minutes: int, breach_minutes: int) -> list[dict[str, str]]:
+    """TTFT series of ``model``: ``healthy_minutes`` with every first token within 5 s, then
+    ``breach_minutes`` with every one slower (a total breach after a healthy history)."""
+    labels = {"tenant": "t1", "model": model, "version": "1"}
+    name = "sluice_time_to_first_token_seconds"
+    fast = counter((healthy_minutes, 10), (breach_minutes, 0))
+    total = counter((healthy_minutes + breach_minutes, 10))
+    return [
+        series(f"{name}_bucket", fast, le="5.0", **labels),
+        series(f"{name}_bucket", total, le="+Inf", **labels),
+        series(f"{name}_count", total, **labels),
+    ]
+
+
+def test_a_total_breach_of_a_90_percent_objective_pages_within_the_hour(tmp_path: Path) -> None:
+    """Found by review: a 90% objective burns at most 10x, so the fast pair's 14.4x could never fire; after
+    a healthy history a total TTFT breach paged through the 6h pair only, about 3.5 hours in. The fast
+    pair now alerts above 0.9 / budget (9x) for it: more than 90% of the last hour's first tokens slow."""
+    page = {"severity": "page", "slo": "ttft", "tier": "batch", "model": "batch-model"}
+    promtool_test(
+        tmp_path,
+        ttft_breach("batch-model", 420, 180),  # 7 h healthy, then every first token over 5 s
+        [
+            alert(FAST, "470m"),  # 50 minutes in: 83% of the hour's first tokens slow, under 90%
+            alert(FAST, "480m", page),  # 60 minutes in: all of them
+            alert(SLOW, "480m"),  # the 6h pair (6x: 60% of six hours) is still far off
+            alert(FAST, "599m", page),
+        ],
+    )
+
+
+def test_the_default_batch_tier_pages_fast_on_a_total_ttft_breach(tmp_path: Path) -> None:
+    """The shipped batch tier's latency objectives are 95% (burn at most 20x, over the fast pair's 14.4x):
+    a total breach after a healthy history pages through the 1h pair once 72% of the hour is bad, 43
+    minutes in, without any threshold lowered."""
+    interactive, batch = SloConfig().tiers
+    config = SloConfig(tiers=(interactive, msgspec.structs.replace(batch, models=("batch-model",))))
+    assert config.lowered_thresholds() == []
+    page = {"severity": "page", "slo": "ttft", "tier": "batch", "model": "batch-model"}
+    promtool_test(
+        tmp_path,
+        ttft_breach("batch-model", 420, 180),
+        [alert(FAST, "455m"), alert(FAST, "465m", page), alert(SLOW, "465m")],
+        config=config,
+    )
+
+
+def test_no_page_waits_for_more_bad_events_than_there_are(tmp_path: Path) -> None:
+    """Whatever the target, every page's threshold is under 1 / budget: an objective whose events all go
+    bad fires both page pairs, the fast one included (at 50%, 90%, 93% and 99% targets)."""
+    targets = (0.5, 0.9, 0.93, 0.99)
+    tiers = tuple(
+        Tier(
+            name=f"t{i}",
+            availability=0.995,
+            ttft=LatencyObjective(threshold_seconds=5.0, target=target),
+            models=(f"m{i}",),
+        )
+        for i, target in enumerate(targets)
+    )
+    config = SloConfig(
+        tiers=(Tier(name="other", availability=0.995), *tiers),
+        default_tier="other",
+        alerts=AlertSettings(tickets=False),  # the pages only: days of series are slow in promtool
+    )
+    assert {(x.tier, x.alert.alert) for x in config.lowered_thresholds()} == {
+        ("t0", FAST),  # 50%: burns at most 2x
+        ("t0", SLOW),
+        ("t1", FAST),  # 90%: at most 10x
+        ("t2", FAST),  # 93%: at most 14.29x, just under 14.4x
+    }
+    inputs = [s for i in range(len(targets)) for s in ttft_breach(f"m{i}", 0, 370)]
+    page = [{"severity": "page", "slo": "ttft", "tier": f"t{i}", "model": f"m{i}"} for i in range(4)]
+    promtool_test(tmp_path, inputs, [alert(FAST, "61m", *page), alert(SLOW, "361m", *page)], config=config)
 
 
 def test_consumer_lag_over_threshold_for_its_duration_fires(tmp_path: Path) -> None:

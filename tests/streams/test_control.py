@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +100,34 @@ def test_burn_fires_on_both_windows_of_a_pair_and_clears() -> None:
     (cleared,) = controller.burn(healed)
     assert isinstance(cleared, BurnRateCrossed)
     assert not cleared.firing
+
+
+def test_a_low_targets_fast_burn_is_announced_above_the_rules_lowered_threshold(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Found by review: a 90% availability target burns at most 10x, so the fast pair's 14.4x never
+    crossed, and a total outage was announced only by the 6h pair. The pair announces above 0.9 / budget
+    (9x), as Prometheus' rule for the same objective pages, and the controller says so at start."""
+    config = parse_slo_config({"tiers": [{"name": "low", "availability": 0.9}], "default_tier": "low"})
+    with caplog.at_level(logging.WARNING, logger="streams.control"):
+        controller = Controller(Budgets(), config)
+    assert [r.getMessage() for r in caplog.records] == [
+        "BurnRateCrossed: tier 'low' availability (target 90%): SluiceErrorBudgetBurn1h (1h/5m) alerts above "
+        "9x, not 14.4x: its burn rate cannot pass 10x, so the pair fires when more than 90% of its events "
+        "are bad"
+    ]
+    total = {
+        ("m", 5): WindowCounts(100, 100),
+        ("m", 60): WindowCounts(1000, 1000),
+        ("m", 30): WindowCounts(0, 10),
+    }
+    (event,) = controller.burn(total)
+    assert isinstance(event, BurnRateCrossed)
+    assert (event.window, event.firing, event.burn_rate) == ("1h/5m", True, 10.0)
+    assert event.threshold == pytest.approx(9)
+    # 85% of the hour bad: 8.5x, under the lowered 9x
+    controller = Controller(Budgets(), config)
+    assert controller.burn({("m", 5): WindowCounts(100, 100), ("m", 60): WindowCounts(850, 1000)}) == []
 
 
 def test_the_burn_windows_and_pairs_come_from_the_slo_config() -> None:
