@@ -70,6 +70,11 @@ __all__ = [
 REDACTED = "[REDACTED]"
 CONTENT_FIELDS = frozenset({"prompt", "completion", "messages", "input"})
 NOISY_LOGGERS = ("aiokafka", "faust", "mode", "urllib3", "httpx", "httpcore", "asyncio")
+ERRORS_ONLY_LOGGERS = ("opentelemetry",)
+"""Loggers held at ERROR. OpenTelemetry warns about what others send: each malformed ``tracestate`` member
+of a caller's header or an event, whole (``monitoring.tracing`` drops those before they are parsed, and
+this is the safety net), a tracestate too long or with too many members. Anyone who can connect could
+otherwise fill the log (a review: 7 KB per unauthenticated request)."""
 MIN_SECRET_CHARS = 4
 
 _FIXED = ("time", "level", "logger", "message", "service")
@@ -309,7 +314,8 @@ class _SluiceHandler(logging.StreamHandler[TextIO]):
 
 
 def configure_logging(settings: ObservabilitySettings, service: str) -> None:
-    """Log to stderr through :func:`make_formatter` at ``settings.log_level``; quiet chatty libraries.
+    """Log to stderr through :func:`make_formatter` at ``settings.log_level``; quiet chatty libraries
+    (``NOISY_LOGGERS`` to WARNING, ``ERRORS_ONLY_LOGGERS`` to ERROR).
 
     Idempotent: a second call replaces the formatter and level of the handler the first one installed.
     Handlers others put on the root logger are left alone (so do not combine this with
@@ -324,3 +330,5 @@ def configure_logging(settings: ObservabilitySettings, service: str) -> None:
     root.setLevel(settings.log_level.upper())
     for name in NOISY_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
+    for name in ERRORS_ONLY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)

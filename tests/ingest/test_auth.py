@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +87,25 @@ async def test_http_requires_a_known_key(
     assert (await client.get("/v1/models", headers=headers)).status == 401
     assert gateway.submitted == []
     await assert_healthy(client, gateway)
+
+
+async def test_an_unauthenticated_callers_bad_tracestate_writes_nothing_to_the_log(
+    make_client: MakeClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found by review: the edge parses a caller's ``tracestate`` before authenticating, tracing on or off,
+    and OpenTelemetry logged each malformed member whole at WARNING: 20 requests without an API key wrote
+    141 KB of the caller's bytes. The header is now dropped unparsed (and OpenTelemetry's loggers are held
+    at ERROR, which this test undoes: the edge alone must not log it)."""
+    client, _ = await make_client()
+    caplog.set_level(logging.DEBUG, logger="opentelemetry")
+    caplog.set_level(logging.INFO)
+    traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    for junk in ("A" * 7000, "a=1,B" * 50, "x" * 300):  # one long member; a bad one among good; short
+        response = await client.post(
+            "/v1/chat/completions", json=CHAT, headers={"traceparent": traceparent, "tracestate": junk}
+        )
+        assert response.status == 401
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING], junk[:20]
 
 
 async def test_tenant_sees_only_its_models(catalogue: ModelCatalogue, gateway: FakeGateway) -> None:
