@@ -19,9 +19,33 @@ def schema_file_name(cls: type[Envelope]) -> str:
     return f"{event_type_name(cls)}.schema.json"
 
 
+UTC_OFFSET = r"(?:[Zz]|[+-]00:00)$"
+"""What ends a time the codec takes: it refuses offsets other than UTC (``schemas.events._require_utc``)."""
+INTEGERS = (
+    "Integers are written without a fraction or an exponent: 16, never 16.0 or 1.6e1, which JSON Schema "
+    "counts as integers and the codec refuses."
+)
+
+
+def _utc_only(node: object) -> None:
+    """Every ``date-time`` in ``node`` must end in UTC: a bare ``format: date-time`` let any RFC 3339
+    offset through, and a producer validating against the schema and writing local time had every event
+    dead-lettered (a review)."""
+    if isinstance(node, dict):
+        if node.get("format") == "date-time":
+            node["pattern"] = UTC_OFFSET
+        for value in node.values():
+            _utc_only(value)
+    elif isinstance(node, list):
+        for value in node:
+            _utc_only(value)
+
+
 def event_schema(cls: type[Envelope]) -> dict[str, Any]:
-    """The JSON Schema of one event type, with ``$schema``, ``$id`` and ``title`` set."""
+    """The JSON Schema of one event type, with ``$schema``, ``$id`` and ``title`` set, times UTC only."""
     schema: dict[str, Any] = msgspec.json.schema(cls)
+    _utc_only(schema)
+    schema["$comment"] = INTEGERS
     schema["$schema"] = DIALECT
     schema["$id"] = f"{ID_BASE}{event_type_name(cls)}/v{cls.schema_version}.schema.json"
     schema["title"] = ce_type(cls)

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+from datetime import timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,7 @@ from schemas.events import (
     WorkerReady,
 )
 from schemas.examples import example_events
-from schemas.jsonschema import export_json_schemas, schema_file_name
+from schemas.jsonschema import event_schema, export_json_schemas, schema_file_name
 
 
 def _example(cls: type[Any]) -> Any:
@@ -288,6 +289,24 @@ def test_exported_json_schemas_validate_the_encoded_examples(tmp_path: Path) -> 
         del broken["source"]
         assert not validator.is_valid(broken)
         assert not validator.is_valid(broken | {"source": "s", "type": "something_else"})
+
+
+@pytest.mark.parametrize("event", example_events(), ids=_ids)
+def test_a_time_the_exported_schema_accepts_is_one_the_codec_accepts(event: Event) -> None:
+    """Every time was a bare ``format: date-time``, which any RFC 3339 offset meets, while the codec refuses
+    all but UTC: a producer validating against the schema and writing local time had every event
+    dead-lettered (a review)."""
+    validator = jsonschema.Draft202012Validator(
+        event_schema(type(event)), format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER
+    )
+    body = json.loads(encode(event))
+    local = event.time.astimezone(timezone(timedelta(hours=1))).isoformat()
+    assert not validator.is_valid(body | {"time": local})
+    with pytest.raises(DecodeError):
+        decode(json.dumps(body | {"time": local}).encode())
+    for utc in (event.time.isoformat(), event.time.isoformat().replace("+00:00", "Z")):
+        validator.validate(body | {"time": utc})
+        assert decode(json.dumps(body | {"time": utc}).encode()) == event
 
 
 def test_json_schema_export_is_deterministic(tmp_path: Path) -> None:
