@@ -221,6 +221,13 @@ class StreamsApp(AsyncComponent):
         self._anchored: set[TP] = set()
         """The ``results`` and ``control`` partitions whose chains' heads were read after this worker was last
         given them (polling thread): another worker may have extended those chains while it owned them."""
+        self._control_losses = 0
+        """How many times the sink has let go of the control partition (revoked or lost; polling thread)."""
+        self._control_read: int | None = None
+        """``_control_losses`` when the control topic was last read again while this worker held its
+        partition (:meth:`reseed`): equal to it, that read came after the partition was last gained."""
+        self._reseeding = asyncio.Lock()
+        """One read of the control topic at a time (a timer and the sink may both find it due)."""
         self.audit_conflicts: dict[str, str] = {}
         """Chains whose warehouse rows disagree with the audit topic (why): their rows are withheld."""
         self._anchor_timeout_s = settings.streams_audit_anchor_timeout_s
@@ -379,12 +386,31 @@ class StreamsApp(AsyncComponent):
             elif isinstance(event, DeploymentChanged) and event.phase == "promoted":
                 self._promoted[(event.model, event.stable)] = event.step_started or event.time
 
-    def _owns_control(self) -> bool:
-        """Whether this streams worker's sink reads the control topic (one partition) now: only that one
-        decides rollouts. An audit: a second streams worker (two replicas in an overlap, two processes)
-        decided too, double-published steps, and undid an operator's abort it never read."""
+    def _holds_control(self) -> bool:
+        """Whether this streams worker's sink reads the control topic (one partition) now."""
         sink = self._sink
         return sink is not None and any(topic == self.names.control for topic, _ in sink.assignment())
+
+    def _owns_control(self) -> bool:
+        """Whether this worker holds the control partition and has read the control topic again since it
+        was given it (:meth:`take_control`): only that one decides rollouts, judges drift and announces
+        budgets. An audit: a second streams worker (two replicas in an overlap, two processes) decided too,
+        double-published steps, and undid an operator's abort it never read. A review: the new owner
+        decided from what it read at its own start until a record reached its sink (the only reader
+        again then), so it announced a crossing its previous owner had announced, and never let in a
+        tenant that owner had refused under a lower limit."""
+        return self._holds_control() and self._control_read == self._control_losses
+
+    async def take_control(self) -> bool:
+        """:meth:`_owns_control`, reading the control topic again first when this worker holds its partition
+        but has not read it since it was given it (:meth:`reseed`; a failed read raises). Every decision
+        the partition's owner alone makes awaits this: the sink's timers fire whether records arrive or
+        not, and on a quiet platform (a refused tenant sends nothing) none might come for good."""
+        if self._holds_control() and self._control_read != self._control_losses:
+            async with self._reseeding:
+                if self._holds_control() and self._control_read != self._control_losses:
+                    await self.reseed()
+        return self._owns_control()
 
     async def _members(self, model: str, version: str) -> int | None:
         return await self._group_members(worker_group(model, version))
@@ -429,8 +455,13 @@ class StreamsApp(AsyncComponent):
         returns; the next owner reads the topic after it. What waits is the last batch's insert: waited
         for here (up to :data:`REVOKE_WAIT_S`), so its offsets are committed with the revoke and the next
         owner starts after it. Past that, or when lost, they are left uncommitted: the next owner reads
-        the batch again, and skips the events whose entries it finds on the topic."""
+        the batch again, and skips the events whose entries it finds on the topic.
+
+        Losing the control partition ends this worker's reading of the control topic as its owner: given
+        it again, it reads the topic again before it decides (:meth:`take_control`)."""
         self._anchored.difference_update(partitions)
+        if any(topic == self.names.control for topic, _ in partitions):
+            self._control_losses += 1
         loop = self._loop
         if lost or loop is None or not loop.is_running():
             return
@@ -466,9 +497,10 @@ class StreamsApp(AsyncComponent):
         it is written. One insert at a time, in order, so offsets are committed in order, each after
         its batch's rows. A failed insert fails the app (nothing after it is committed). With
         ``reanchor``, the chain heads are read again first (:meth:`reanchor`); with ``reseed``, the
-        control topic's state too (:meth:`reseed`)."""
+        control topic's state too, unless a timer already did since the partition was gained
+        (:meth:`take_control`)."""
         if reseed:
-            await self.reseed()
+            await self.take_control()
         if reanchor:
             await self.reanchor()
         prepared = await self._prepare(records)
@@ -584,9 +616,11 @@ class StreamsApp(AsyncComponent):
         """Evaluate budgets and burn rates on the warehouse; publish what changed on ``control``. Only the
         worker whose sink reads the control topic announces (as only it decides rollouts): two workers in
         an overlap each announced a crossing (two audit entries), and a retiring replica's word, under the
-        budgets file it was started with, stayed last on the log (a review: a raised limit undone)."""
+        budgets file it was started with, stayed last on the log (a review: a raised limit undone). A worker
+        just given the partition reads the control topic first (:meth:`take_control`): the budget and burn
+        states its previous owner announced are compared, not those this worker read at its start."""
         controller = self._controller
-        if controller is None or not self._owns_control():
+        if controller is None or not await self._taken("control"):
             return
         try:
             spend = await self._read(SPEND_TODAY)
@@ -640,7 +674,20 @@ class StreamsApp(AsyncComponent):
         """A rollout decision, durable on the control topic (the sink then stores and chains it); where."""
         return await self._producer.publish(self.names.control, event)
 
+    async def _taken(self, timer: str) -> bool:
+        """:meth:`take_control` for a timer: a failed read of the control topic is logged, and the timer
+        skips this round (it is tried again at the next)."""
+        try:
+            return await self.take_control()
+        except Exception:
+            log.exception("%s: reading the control topic again failed; trying again next interval", timer)
+            return False
+
     async def _rollout(self) -> None:
+        """Run the rollout decisions that are due; only the control partition's owner decides
+        (``may_decide``), once it has read the control topic since it was given it."""
+        if not await self._taken("rollout"):
+            return
         try:
             await self.rollout.run_due()
         except Exception:
@@ -651,7 +698,7 @@ class StreamsApp(AsyncComponent):
         worker whose sink reads the control topic judges (as only it decides rollouts): it follows the
         promotions and rebaselines a verdict depends on, and two workers' reports of one window share an
         id, so a second judge with older state made one of two verdicts win at random (a review)."""
-        if not self._owns_control():
+        if not await self._taken("drift"):
             return
         try:
             await self.drift.run_once()
@@ -750,13 +797,19 @@ class StreamsApp(AsyncComponent):
         partition, it reads on from where its previous owner committed, and what that one read since this
         worker started (a deployment, an operator's drift rebaseline) was never this worker's (a review:
         the rebaseline was lost in a rolling update). Positions make it idempotent (the rollout controller
-        keeps the later of two places; a rebaseline's key keeps the latest)."""
+        keeps the later of two places; a rebaseline's key keeps the latest). Begun while this worker holds
+        the control partition, it makes the worker its owner (:meth:`_owns_control`), unless the partition
+        was let go of meanwhile."""
+        losses = self._control_losses  # before the partition is looked at: a loss after it counts
+        held = self._holds_control()
         placed = await asyncio.to_thread(read_placed, self._kafka, self.names.control, f"{SOURCE}-reseed")
         control = [event for event, _ in placed]
         self.rollout.seed(control, {event.id: at for event, at in placed})
         self._observe_rebaselines(control)
         self.prices.observe(control)
         self._seed_control(control)  # announced by the previous owner since: compared with the log's word
+        if held:
+            self._control_read = losses
 
     async def reanchor(self) -> None:
         """Bring every chain's head up to the audit topic's end now, before records of partitions this

@@ -499,10 +499,29 @@ async def test_a_worker_given_the_control_partition_follows_what_its_previous_ow
     assert app._baseline("demo-gpt", "v1") == baseline
 
 
-async def test_only_the_worker_reading_the_control_topic_judges_drift(tmp_path: Path) -> None:
+def control_log(monkeypatch: pytest.MonkeyPatch, producer: Producer | None = None) -> list[str]:
+    """The control topic as a worker reads it again (``reseed``): what ``producer`` published on it so far
+    (nothing without one), read at each call; the names of the readers, one a read."""
+    import streams.app
+
+    reads: list[str] = []
+
+    def read_placed(kafka: object, topic: str, client_id: str) -> list[tuple[object, tuple[int, int]]]:
+        reads.append(client_id)
+        records = producer.records if producer is not None else []
+        return [(event, (0, i)) for i, (where, event) in enumerate(records) if where == topic]
+
+    monkeypatch.setattr(streams.app, "read_placed", read_placed)
+    return reads
+
+
+async def test_only_the_worker_reading_the_control_topic_judges_drift(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Two workers' reports of one window share an id: a second judge with older promotions and rebaselines
     made one of two verdicts win at random (a review). As for rollouts, the control partition's owner
-    judges."""
+    judges, once it has read the control topic since it was given the partition."""
+    reads = control_log(monkeypatch)
     app = make_app(tmp_path)
     runs: list[int] = []
 
@@ -515,10 +534,43 @@ async def test_only_the_worker_reading_the_control_topic_judges_drift(tmp_path: 
     app._sink = cast(ConsumerThread, sink)
     sink.owned = {("p.results", 0)}
     await app._drift()
-    assert runs == []
+    assert (runs, reads) == ([], [])
     sink.owned.add(("p.control", 0))
     await app._drift()
-    assert runs == [1]
+    assert (runs, reads) == ([1], ["streams/worker-reseed"])
+    await app._drift()
+    assert (runs, reads) == ([1, 1], ["streams/worker-reseed"])  # read once a gain
+    sink.owned.discard(("p.control", 0))
+    app._revoked([("p.control", 0)], True)
+    sink.owned.add(("p.control", 0))  # back, after another worker had it
+    await app._drift()
+    assert (runs, reads) == ([1, 1, 1], ["streams/worker-reseed"] * 2)
+
+
+async def test_a_worker_given_the_control_partition_decides_rollouts_only_once_it_read_the_log(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a review: the rollout controller may decide as soon as the sink holds the control partition,
+    before anything made it read what its previous owner read (an operator's abort). The rollout timer
+    reads the control topic first; the sink's first batch after the gain does not read it again."""
+    reads = control_log(monkeypatch)
+    app = make_app(tmp_path)
+    asked: list[bool] = []
+
+    async def run_due() -> list[object]:
+        asked.append(app._owns_control())  # what ``may_decide`` says
+        return []
+
+    app.rollout.run_due = run_due  # type: ignore[method-assign,assignment]
+    sink = Sink()
+    app._sink = cast(ConsumerThread, sink)
+    sink.owned = {("p.control", 0)}
+    assert not app._owns_control()  # held, not yet read: ``may_decide`` refuses
+    await app._rollout()
+    assert (asked, reads) == ([True], ["streams/worker-reseed"])
+    await app._pipelined([], lambda: None, reseed=True)  # the sink's first batch since the gain
+    await app._inserted()
+    assert (asked, reads) == ([True, True], ["streams/worker-reseed"])
 
 
 def control_app(tmp_path: Path, producer: Producer, daily_usd: float, spent: list[float]) -> StreamsApp:
@@ -544,10 +596,10 @@ async def test_only_the_worker_reading_the_control_topic_announces_budgets(
     rolling update) chained one crossing twice in the audit log, and when the operator raised a limit the
     retiring replica, on the old budgets file, left "exhausted" last on the log for the rest of the day.
     Only the control partition's owner announces, and one given the partition compares with the log."""
-    import streams.app
     from schemas.events import BudgetStateChanged
 
     producer = Producer()
+    control_log(monkeypatch, producer)
     spent = [11.0]
     old = control_app(tmp_path / "old", producer, 10.0, spent)  # the old budgets file
     new = control_app(tmp_path / "new", producer, 20.0, spent)  # the limit raised
@@ -563,15 +615,62 @@ async def test_only_the_worker_reading_the_control_topic_announces_budgets(
     assert announced() == [("acme", True)]  # by the owner, under its file
     # the rolling update: the new worker is given the control partition and reads the log again
     old_sink.owned, new_sink.owned = {("p.results", 0)}, {("p.control", 0)}
-    log = [(e, (0, i)) for i, (_, e) in enumerate(producer.records)]
-    monkeypatch.setattr(streams.app, "read_placed", lambda kafka, topic, client_id: log)
-    await new.reseed()
+    old._revoked([("p.control", 0)], False)
     await new._control()
     assert announced() == [("acme", True), ("acme", False)]  # its limit is higher than the log's word
     spent[0] = 0.0  # a new UTC day, while the old replica still runs
     await old._control()
     await new._control()
     assert announced() == [("acme", True), ("acme", False)]
+
+
+async def _handed_over(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, new_limit: float
+) -> tuple[list[tuple[str, bool]], list[str]]:
+    """Two workers started while the log was empty and acme under its limit of 10 USD (the new one's file
+    says ``new_limit``); the old one, owning the control partition, announces acme's crossing, then the
+    partition moves to the new one and its control timer fires twice before any record reaches its sink.
+    What was announced on the log, and who read the control topic again."""
+    from schemas.events import BudgetStateChanged
+
+    producer = Producer()
+    reads = control_log(monkeypatch, producer)
+    spent = [11.0]
+    old = control_app(tmp_path / "old", producer, 10.0, spent)
+    new = control_app(tmp_path / "new", producer, new_limit, spent)
+    old_sink, new_sink = Sink(), Sink()
+    old._sink, new._sink = cast(ConsumerThread, old_sink), cast(ConsumerThread, new_sink)
+    old_sink.owned, new_sink.owned = {("p.control", 0)}, {("p.results", 0)}
+    await old._control()
+    # a rolling update: the old owner's announcement was read and committed by its sink before the revoke,
+    # and acme is refused (402), so no record comes to the new owner's sink (nothing calls its reseed)
+    old_sink.owned, new_sink.owned = {("p.results", 0)}, {("p.control", 0)}
+    old._revoked([("p.control", 0)], False)
+    await new._control()
+    await new._control()  # the next interval: nothing more
+    announced = [(e.tenant, e.exhausted) for _, e in producer.records if isinstance(e, BudgetStateChanged)]
+    return announced, reads
+
+
+async def test_a_raised_limit_is_announced_by_the_new_owner_before_any_record_arrives(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a review: the new owner compared with the states it read at its own start (the log was
+    empty then) until a record reached its sink, so it announced nothing and acme stayed refused under the
+    old owner's lower limit; on a quiet platform, for good."""
+    announced, reads = await _handed_over(tmp_path, monkeypatch, 20.0)
+    assert announced == [("acme", True), ("acme", False)]
+    assert reads == ["streams/worker-reseed"] * 2  # each owner read the log once it was given it
+
+
+async def test_a_crossing_is_not_announced_twice_by_the_new_owner(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a review: with the same limit, the new owner announced acme's crossing again (a second
+    ``budget.enforce`` audit entry), not having read its previous owner's."""
+    announced, reads = await _handed_over(tmp_path, monkeypatch, 10.0)
+    assert announced == [("acme", True)]
+    assert reads == ["streams/worker-reseed"] * 2
 
 
 async def test_a_finish_dated_in_the_future_holds_the_drift_watermark_at_now(tmp_path: Path) -> None:
