@@ -43,7 +43,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any, NamedTuple, ParamSpec
 
 import msgspec
@@ -105,6 +105,12 @@ SOURCE = "streams/worker"
 
 REVOKE_WAIT_S = 30.0
 """How long a revoke waits for the insert in flight, so the batch's offsets go out with it."""
+
+LATEST_ACCEPTED = "SELECT max(toUnixTimestamp64Milli(accepted)) AS accepted_ms FROM request_facts"
+"""When the latest request the warehouse holds a fact of was accepted (unix ms; 0 when it holds none)."""
+
+CLOCK_ALLOWANCE = timedelta(minutes=10)
+"""How far past this host's clock a new price table may come into force before its start warns."""
 
 
 def sink_topics(names: TopicNames, request_topics: Sequence[str], *, decisions: bool = True) -> list[str]:
@@ -299,8 +305,8 @@ class StreamsApp(AsyncComponent):
         await self._publish_prices()
 
     async def _publish_prices(self) -> None:
-        """Put the price file's table on the log, in force from now (or just after the latest table there),
-        unless the log holds its version: a published version never changes (a file that changed its
+        """Put the price file's table on the log, in force from now (or just after the latest table there,
+        or the latest request already priced, whichever is later), unless the log holds its version: a published version never changes (a file that changed its
         prices but not its version is refused, or a rebuild could not tell which prices a row was priced
         by). Only a worker that runs alone
         publishes one: another streams worker would price by its old history until its sink read the new
@@ -332,12 +338,36 @@ class StreamsApp(AsyncComponent):
         # after every table on the log, whatever this host's clock says: a table dated before the one in
         # force would be sorted behind it and never priced by (a review)
         effective = now if latest is None else max(now, latest[0] + timedelta(milliseconds=1))
+        # and after every request already priced: a request is priced by when the edge accepted it (its
+        # id's time, the edge's clock), so with an edge clock ahead of this host's, one the previous worker
+        # priced by the old table would have been dated after the new one's start, and a replay (which knows
+        # both tables) priced it by the new one (a review). Every fact a worker committed is in the
+        # warehouse (it inserts before it commits), and this worker runs alone; one left uncommitted is
+        # priced again by this worker, under the new history, as a replay prices it.
+        priced = await self._latest_accepted()
+        if priced is not None and priced >= effective:
+            effective = priced + timedelta(milliseconds=1)
+            if effective > now + CLOCK_ALLOWANCE:
+                log.warning(
+                    "prices: %s comes into force only at %s, after the latest request already priced (its "
+                    "id dated %s by its edge); this host's clock says %s: an edge's clock is ahead",
+                    table.version,
+                    effective,
+                    priced,
+                    now,
+                )
         event = PricesChanged(
             tenant="", model="", source=SOURCE, time=now, prices=table, effective=effective, actor="streams"
         )
         await self._producer.publish(self.names.control, event)
         self.prices.add(event)
         log.info("prices: %s published on %s, in force from %s", table.version, self.names.control, effective)
+
+    async def _latest_accepted(self) -> datetime | None:
+        """When the latest request the warehouse holds a fact of was accepted (None: it holds none)."""
+        rows = await self._read(LATEST_ACCEPTED)
+        millis = int(rows[0]["accepted_ms"]) if rows and rows[0]["accepted_ms"] is not None else 0
+        return datetime(1970, 1, 1, tzinfo=UTC) + timedelta(milliseconds=millis) if millis > 0 else None
 
     async def stop(self) -> None:
         sink, self._sink = self._sink, None

@@ -10,7 +10,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import pytest
 from clickhouse_connect.driver.client import Client
@@ -23,7 +23,7 @@ from bus.producer import Record as Produced
 from schemas.codec import decode, encode
 from schemas.events import DeadLetter
 from schemas.settings import KafkaConnection, PlatformSettings
-from streams.app import Prepared, StreamsApp, consumed, every
+from streams.app import LATEST_ACCEPTED, Prepared, StreamsApp, consumed, every
 from streams.pricing import PriceTable
 from streams.settings import StreamsSettings
 from streams.sink import Batch, Consumed
@@ -358,9 +358,25 @@ class Producer:
         return [(0, len(self.records) - len(records) + i) for i in range(len(records))]
 
 
+class Answer(NamedTuple):
+    """The parts of a clickhouse-connect ``QueryResult`` the app reads."""
+
+    column_names: tuple[str, ...]
+    result_rows: list[tuple[Any, ...]]
+
+
 class Warehouse:
-    def __init__(self) -> None:
+    """Counts the rows inserted per table; answers when the latest request it holds a fact of was accepted
+    (``accepted_ms``, 0: none), and no other query."""
+
+    def __init__(self, accepted_ms: int = 0) -> None:
         self.rows: dict[str, int] = {}
+        self.accepted_ms = accepted_ms
+
+    def query(self, sql: str) -> Answer:
+        if sql != LATEST_ACCEPTED:
+            raise NotImplementedError(f"the test's warehouse answers no {sql!r}")
+        return Answer(("accepted_ms",), [(self.accepted_ms,)])
 
     def raw_insert(
         self, table: str, column_names: Sequence[str], insert_block: bytes, **kwargs: object

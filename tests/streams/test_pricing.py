@@ -136,7 +136,8 @@ NOW = T0 + timedelta(days=1)
 
 class Worker:
     """A streams app (no broker) whose price file holds ``file``, started on a control topic holding ``log``
-    with ``others`` other members in its group; what it publishes is in ``producer.records``."""
+    with ``others`` other members in its group, on a warehouse whose latest fact is of a request accepted at
+    ``priced_until`` (None: it holds none); what it publishes is in ``producer.records``."""
 
     def __init__(
         self,
@@ -147,6 +148,7 @@ class Worker:
         others: int | None = 0,
         now: datetime = NOW,
         path: str | None = None,
+        priced_until: datetime | None = None,
     ) -> None:
         from schemas.settings import PlatformSettings
         from streams.app import StreamsApp
@@ -156,7 +158,7 @@ class Worker:
         self.app = StreamsApp(
             PlatformSettings(kafka_bootstrap="127.0.0.1:1", topic_prefix="p", data_dir=str(tmp_path)),
             StreamsSettings(streams_prices_file=path),
-            Warehouse(),  # type: ignore[arg-type]
+            Warehouse(int(priced_until.timestamp() * 1000) if priced_until else 0),  # type: ignore[arg-type]
             file,
             self.producer,  # type: ignore[arg-type]
             request_topics=["p.requests.demo-gpt"],
@@ -215,6 +217,50 @@ async def test_a_table_is_dated_after_the_one_in_force_whatever_this_host_s_cloc
     assert await worker.priced(ahead + timedelta(seconds=1)) == "2026-12"
     again = Worker(tmp_path, monkeypatch, NEW, now=NOW)
     assert await again.start([published(OLD, ahead), event]) == []
+
+
+async def test_a_table_is_dated_after_every_request_already_priced_whatever_the_edges_clocks_say(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a review: a request is priced by when its edge accepted it (its id's time, the edge's clock)
+    but a new table came into force at this host's clock. With an edge 3 s ahead, a request the previous
+    worker priced by the old table (the only one it had) had an id dated after the new table's start, and
+    a replay, which knows both tables, priced it by the new one: the rebuilt ledger differed from the live
+    one. The new table comes into force after the latest request the warehouse holds a fact of."""
+    accepted_then = NOW + timedelta(seconds=3)  # by an edge whose clock is 3 s ahead of this host's
+    request = accepted(accepted_then)
+    live = cost(request, PriceHistory(OLD, [published(OLD, T0)]))  # the previous worker's fact
+    assert live[1] == "2026-11"
+    worker = Worker(tmp_path, monkeypatch, NEW, now=NOW, priced_until=accepted_then)
+    (event,) = await worker.start([published(OLD, T0)])
+    replayed = cost(request, PriceHistory(OLD, [published(OLD, T0), event]))  # `sluice replay`
+    assert replayed == live
+    assert event.effective == accepted_then + timedelta(milliseconds=1)
+    assert await worker.priced(accepted_then + timedelta(milliseconds=1)) == "2026-12"
+
+
+async def test_a_warehouse_priced_behind_this_host_s_clock_leaves_a_new_table_dated_now(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    worker = Worker(tmp_path, monkeypatch, NEW, now=NOW, priced_until=NOW - timedelta(minutes=1))
+    with caplog.at_level(logging.WARNING, logger="streams.app"):
+        (event,) = await worker.start([published(OLD, T0)])
+    assert event.effective == NOW
+    assert "an edge's clock is ahead" not in caplog.text
+
+
+async def test_a_table_dated_far_past_this_host_s_clock_by_a_request_already_priced_is_logged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An edge whose clock ran an hour ahead keeps the new prices off for that hour (replay still agrees):
+    the operator is told why."""
+    ahead = NOW + timedelta(hours=1)
+    worker = Worker(tmp_path, monkeypatch, NEW, now=NOW, priced_until=ahead)
+    with caplog.at_level(logging.WARNING, logger="streams.app"):
+        (event,) = await worker.start([published(OLD, T0)])
+    assert event.effective == ahead + timedelta(milliseconds=1)
+    assert "comes into force only at" in caplog.text
+    assert "an edge's clock is ahead" in caplog.text
 
 
 async def test_a_new_table_is_published_only_by_a_worker_that_runs_alone(
