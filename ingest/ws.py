@@ -56,7 +56,7 @@ from ingest.errors import IngestError, InvalidRequest, OriginNotAllowed, RateLim
 from ingest.gateway import ReplyStream
 from ingest.observe import RequestWatch, count_refusal, note_accepted
 from ingest.prepare import Kind, Shape
-from ingest.render import native
+from ingest.render import native_json
 from ingest.reply_stream import After
 from monitoring import metrics, tracing
 from schemas.codec import unreadable_json
@@ -162,11 +162,12 @@ class WsSession:
         except ConnectionResetError:
             log.debug("websocket peer went away while sending")
 
-    async def _put(self, frame: dict[str, Any]) -> None:
-        """Queue ``frame`` for sending, waiting for room (the socket's backpressure). A peer that takes
-        nothing for two heartbeats is gone (:class:`PeerNotReading`): a wait without end held the socket's
-        requests, their slots and the reader (which a heartbeat's close could not then end) for good."""
-        data = msgspec.json.encode(frame)
+    async def _put(self, frame: dict[str, Any] | bytes) -> None:
+        """Queue ``frame`` (or its JSON) for sending, waiting for room (the socket's backpressure). A peer
+        that takes nothing for two heartbeats is gone (:class:`PeerNotReading`): a wait without end held the
+        socket's requests, their slots and the reader (which a heartbeat's close could not then end) for
+        good."""
+        data = frame if isinstance(frame, bytes) else msgspec.json.encode(frame)
         limit = self._ctx.settings.edge_ws_send_queue_bytes
         try:
             async with asyncio.timeout(2 * self._ctx.settings.edge_heartbeat_s):
@@ -341,7 +342,7 @@ class WsSession:
             await self._put(accepted)
             async for item in stream:
                 flight.name_model(item.model)
-                await self._put({**native(item, shape), "id": client_id})
+                await self._put(await native_json(item, shape, client_id))
 
     async def _cancel(self, client_id: str | int) -> None:
         work = self._work.pop(client_id, None)

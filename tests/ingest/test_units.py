@@ -175,3 +175,15 @@ async def test_many_vectors_render_in_parts_to_the_same_json_with_the_loop_serve
     parts = -(-n // openai.EMBEDDINGS_PER_PART)
     assert turns == (parts + 2 if n > openai.EMBEDDINGS_PER_PART else 0)
     assert [item["index"] for item in msgspec.json.decode(whole)["data"]] == list(range(n))
+    # A WebSocket's done frame too (a review: rendered in one go, ~100 ms for 2,048 vectors).
+    beside = asyncio.create_task(other())
+    await asyncio.sleep(0)
+    turns = 0
+    frame = await render.native_json(finished, shape, 7)
+    beside.cancel()
+    assert turns == (parts + 2 if n > openai.EMBEDDINGS_PER_PART else 0)
+    assert msgspec.json.decode(frame) == {
+        **msgspec.json.decode(msgspec.json.encode(render.native(finished, shape))),
+        "id": 7,
+    }
+    assert msgspec.json.decode(frame)["result"] == msgspec.json.decode(whole)
