@@ -13,6 +13,7 @@ from typing import Any
 
 import hypothesis
 import msgspec
+import pytest
 import schemathesis
 from aiohttp import WSCloseCode, WSMsgType
 from hypothesis import HealthCheck, given
@@ -99,6 +100,7 @@ def _fuzz(raw_schema: dict[str, Any], base_url: str) -> Counter[str]:
     return seen
 
 
+@pytest.mark.timeout(360)  # ~45 s alone; 120 s was passed on a box busy with other work
 async def test_schemathesis_finds_no_server_error_and_every_refusal_is_openai_shaped(
     make_client: MakeClient, gateway: FakeGateway
 ) -> None:
