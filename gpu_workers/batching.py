@@ -14,10 +14,17 @@ Policies:
   is always taken, so an item over the budget on its own runs alone instead of blocking its bucket.
 * **Ready.** A bucket is ready when its batch is full (``max_batch_size`` items, more items waiting than
   fit the budget, or no further item could fit) or its oldest item has waited ``max_wait_s`` since
-  ``add``. Among ready buckets the one whose first item's request has had the fewest of its items run
-  goes first, then the one with the oldest item: a request that has had none run is not held behind the
-  rest of a large one (before 2026-12-01 the oldest item always went first, so a one-word request waited
-  30 s behind another tenant's 100 long inputs in another bucket, an audit). Within a bucket, oldest first.
+  ``add``. Among ready buckets the one holding the request that has had the fewest of its items run goes
+  first, then the one where that request's oldest item is oldest: a request that has had none run is not
+  held behind the rest of a large one (before 2026-12-01 the oldest item always went first, so a one-word
+  request waited 30 s behind another tenant's 100 long inputs in another bucket, an audit). Within a
+  bucket, oldest first, so such a request that shares a bucket with the rest of a large one waits for
+  those items, but its bucket goes first meanwhile (until 2026-12-04 a bucket was ranked by its first
+  item's request only: one input behind a partly-run request waited, with it, until its deadline while
+  another bucket had a request with none run ready at every batch, a review).
+* **Overtaken at most ``max_overtaken`` times.** A ready bucket passed over that many batches in a row
+  goes first (among several such, by the rule above), so the rest of a large request still runs under a
+  steady load of small ones instead of waiting for its deadline (since 2026-12-04, the same review).
 * **Deadlines.** An item is expired when ``now >= deadline``. ``next_batch`` never returns one: expired
   items are moved aside and handed out by ``take_expired`` (the worker ends them ``expired``).
 * **Bounded.** ``add`` answers False when ``max_queued`` items are queued; the caller sheds the request.
@@ -62,10 +69,16 @@ class BatcherConfig:
     where the queue had room for all of it, a 2,048-input request starved behind a steady load of small
     ones, an audit); the most inputs one request may carry (the default: twice what an edge takes)."""
 
+    max_overtaken: int = 4
+    """Batches in a row a ready bucket may be cut from other buckets (holding a request with fewer of its
+    items run, or an older one) before it goes first."""
+
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_batch_tokens", "max_queued"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_overtaken < 1:
+            raise ValueError(f"max_overtaken must be at least 1, got {self.max_overtaken}")
         if self.max_wait_s < 0:
             raise ValueError(f"max_wait_s must be >= 0, got {self.max_wait_s}")
         if not self.buckets or any(b < 1 for b in self.buckets):
@@ -97,6 +110,10 @@ class DynamicBatcher(Generic[P]):
         """Items queued per request; its entry in ``_served`` goes with its last."""
         self._served: dict[str, int] = {}
         """Items of each request still waiting that ``next_batch`` has already handed out."""
+        self._held: list[dict[str, int]] = [{} for _ in self._buckets]
+        """Per bucket: items queued in it per request (which requests a bucket's rank looks at)."""
+        self._passed = [0] * len(self._buckets)
+        """Per bucket: batches in a row cut from another bucket while this one was ready."""
         self._seq = 0
         self.token_budget = config.max_batch_tokens
         """Padded tokens a batch may hold now: the configured budget, lower after an out-of-memory
@@ -127,6 +144,8 @@ class DynamicBatcher(Generic[P]):
         self._buckets[index].append(entry)
         self._live[self._seq] = (index, entry)
         self._waiting[item.request_id] = self._waiting.get(item.request_id, 0) + 1
+        held = self._held[index]
+        held[item.request_id] = held.get(item.request_id, 0) + 1
         if item.deadline is not None:
             heapq.heappush(self._deadlines, (item.deadline, self._seq))
 
@@ -144,21 +163,25 @@ class DynamicBatcher(Generic[P]):
     def next_batch(self, now: float) -> list[EmbedItem[P]] | None:
         """The next batch to run, or None if no bucket is ready. Never contains an expired item."""
         self._sweep(now)
-        # ((items of the first item's request already run, its ready_at), bucket index, batch length)
-        best: tuple[tuple[int, float], int, int] | None = None
+        best: tuple[tuple[bool, int, float, int], int, int] | None = None  # (rank, bucket index, length)
+        ready: list[int] = []
         for index, queue in enumerate(self._buckets):
             if not queue:
+                self._passed[index] = 0
                 continue
             fit = self._fit(queue)
             if not self._ready(queue, fit, now):
                 continue
-            head = queue[0]
-            rank = (self._served.get(head.item.request_id, 0), head.ready_at)
+            ready.append(index)
+            rank = (self._passed[index] < self.config.max_overtaken, *self._least_served(index))
             if best is None or rank < best[0]:
                 best = (rank, index, fit[0])
         if best is None:
             return None
         _, index, size = best
+        for other in ready:
+            self._passed[other] += 1
+        self._passed[index] = 0
         queue = self._buckets[index]
         batch: list[EmbedItem[P]] = []
         for _ in range(size):
@@ -166,11 +189,29 @@ class DynamicBatcher(Generic[P]):
             del self._live[entry.seq]
             batch.append(entry.item)
             rid = entry.item.request_id
+            self._unhold(index, rid)
             self._gone(rid)
             if rid in self._waiting:
                 self._served[rid] = self._served.get(rid, 0) + 1
         self._compact_deadlines()
         return batch
+
+    def _least_served(self, index: int) -> tuple[int, float, int]:
+        """(items run, ready_at, seq) of the oldest item in bucket ``index`` of the request in it that has
+        had the fewest of its items run: the bucket's place among the ready ones."""
+        least = min(self._served.get(rid, 0) for rid in self._held[index])
+        for entry in self._buckets[index]:
+            if self._served.get(entry.item.request_id, 0) == least:
+                return least, entry.ready_at, entry.seq
+        raise AssertionError("a bucket's held requests are the requests of its items")
+
+    def _unhold(self, index: int, request_id: str) -> None:
+        held = self._held[index]
+        left = held[request_id] - 1
+        if left > 0:
+            held[request_id] = left
+        else:
+            del held[request_id]
 
     def _gone(self, request_id: str) -> None:
         """One item of ``request_id`` left the queue; its counts go with its last."""
@@ -226,6 +267,9 @@ class DynamicBatcher(Generic[P]):
         self._expired = []
         self._waiting.clear()
         self._served.clear()
+        for held in self._held:
+            held.clear()
+        self._passed = [0] * len(self._buckets)
         return items
 
     def _fit(self, queue: deque[_Entry[P]]) -> tuple[int, int]:
@@ -258,6 +302,7 @@ class DynamicBatcher(Generic[P]):
     def _remove(self, seq: int) -> EmbedItem[P]:
         index, entry = self._live.pop(seq)
         self._buckets[index].remove(entry)
+        self._unhold(index, entry.item.request_id)
         self._gone(entry.item.request_id)
         return entry.item
 

@@ -257,6 +257,10 @@ def test_random_traffic_keeps_invariants(seed: int) -> None:
         queued = {entry.item.request_id for _, entry in b._live.values()}
         assert set(b._waiting) == queued, "counts only of requests queued"
         assert set(b._served) <= queued
+        held: list[dict[str, int]] = [{} for _ in b._held]
+        for index, entry in b._live.values():
+            held[index][entry.item.request_id] = held[index].get(entry.item.request_id, 0) + 1
+        assert b._held == held, "each bucket's requests are those of its items"
     out(b.drain(), "drained")
     assert set(seen) == set(accepted)
     assert (b._waiting, b._served) == ({}, {})
@@ -307,3 +311,43 @@ def test_an_embedding_batch_s_token_budget_follows_the_device_unless_set(
     assert len(rids(b.next_batch(0.0))) == 64
     b.add_all([item("long", 512, payload=i) for i in range(8)], 0.0)
     assert len(rids(b.next_batch(0.0))) == 4
+
+
+def test_a_fresh_request_behind_part_of_a_large_one_in_its_bucket_is_not_held_by_other_buckets() -> None:
+    """Found by a review (2026-12-04): a bucket was ranked by its first item's request only, so a one-input
+    request queued behind the rest of a partly-run large one in the same length bucket waited (with it)
+    while another bucket had a request with none run ready at every batch: 199 batches and counting.
+    Now the bucket ranks by the least-served request it holds: the rest of the large one runs (oldest
+    first within a bucket) and then the small one, before the steady one-input traffic elsewhere."""
+    b = batcher(max_batch_size=8, max_wait_s=0.0)
+    b.add_all([item("large", 300, payload=i) for i in range(24)], 0.0)  # bucket 512
+    assert rids(b.next_batch(0.0)) == ["large"] * 8  # one batch of it has run
+    b.add(item("small", 300), 0.1)  # same bucket, nothing run: behind the rest of "large"
+    served: list[list[str]] = []
+    for tick in range(1, 7):  # one short one-input request per batch, in another bucket
+        now = 0.1 + tick * 0.01
+        b.add(item(f"other-{tick}", 8), now)
+        served.append(rids(b.next_batch(now)))
+    assert served[:3] == [["large"] * 8, ["large"] * 8, ["small"]]
+    assert served[3:] == [["other-1", "other-2", "other-3", "other-4"], ["other-5"], ["other-6"]]
+    assert (b._waiting, b._served, b._held) == ({}, {}, [{} for _ in b._held])
+
+
+def test_the_rest_of_a_large_request_runs_under_a_steady_load_of_fresh_ones_in_another_bucket() -> None:
+    """Least attained service alone held a partly-run request for as long as another bucket had a request
+    with none run ready at every batch (the same review); a ready bucket is passed over at most
+    ``max_overtaken`` batches in a row."""
+    b = DynamicBatcher[int](BatcherConfig(max_batch_size=8, max_wait_s=0.0, max_batch_tokens=10_000))
+    assert b.config.max_overtaken == 4
+    b.add_all([item("large", 300, payload=i) for i in range(24)], 0.0)
+    assert rids(b.next_batch(0.0)) == ["large"] * 8
+    served: list[list[str]] = []
+    for tick in range(1, 16):
+        now = tick * 0.01
+        b.add(item(f"other-{tick}", 8), now)
+        served.append(rids(b.next_batch(now)))
+    larges = [n for n, batch in enumerate(served) if batch == ["large"] * 8]
+    assert larges == [4, 9], served  # passed over 4 batches in a row, then it goes first
+    assert served[5] == ["other-5", "other-6"]  # what waited while it ran goes next, batched together
+    with pytest.raises(ValueError, match="max_overtaken"):
+        BatcherConfig(max_batch_size=1, max_wait_s=0.0, max_batch_tokens=1, max_overtaken=0)
