@@ -41,6 +41,7 @@ from schemas.manifest import (
     MANIFEST_FILE,
     ManifestError,
     ModelManifest,
+    embedding_context,
     models_root,
     read_manifest,
 )
@@ -277,6 +278,8 @@ def prepare_hf_dir(
     max_context = config.get("max_position_embeddings") or config.get("n_positions")
     if not isinstance(max_context, int):
         raise ModelError(f"{model_id}: {source}/config.json names no max_position_embeddings")
+    if task == "embedding":
+        max_context = embedding_context(source, max_context)
     eos = config.get("eos_token_id")
     hidden = config.get("hidden_size") or config.get("n_embd")
 

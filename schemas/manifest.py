@@ -3,7 +3,7 @@
 A model directory is a normal Hugging Face ``save_pretrained`` folder plus ``sluice-manifest.json``. The
 edge reads the manifest (and ``tokenizer.json`` with the ``tokenizers`` library) to validate, tokenise and
 clamp; the worker reads it to load the weights and check their hashes. Nothing here does I/O beyond
-reading the manifest file.
+reading the manifest file (and, for an embedding model, sentence-transformers' config beside it).
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ class ModelManifest(msgspec.Struct, frozen=True, kw_only=True):
     version: str
     """Content hash of weights + tokenizer (first 12 hex digits); part of every event as model_version."""
     max_context: PositiveInt
-    """Prompt + completion tokens the model can attend to."""
+    """Prompt + completion tokens the model can attend to (an embedding model: the longest input it embeds,
+    :func:`embedding_context`)."""
     max_output_tokens: PositiveInt = 256
     embedding_dim: int | None = None
     eos_token_id: int | None = None
@@ -50,16 +51,47 @@ class ModelManifest(msgspec.Struct, frozen=True, kw_only=True):
     description: str = ""
 
 
+SENTENCE_TRANSFORMERS_CONFIG = "sentence_bert_config.json"
+
+
+class _SentenceTransformersConfig(msgspec.Struct):
+    max_seq_length: PositiveInt | None = None
+
+
+def embedding_context(model_dir: Path, context: int) -> int:
+    """``context``, or less where sentence-transformers' config in ``model_dir`` names a shorter
+    ``max_seq_length``: the reference implementation of such a model cuts its inputs there, so a longer
+    one is refused rather than embedded on positions the model was not tuned on. all-MiniLM-L6-v2 was
+    served with 512 tokens (its ``max_position_embeddings``) where it embeds 256: an input of 257-512
+    tokens came back unlike the model's vector (cosine 0.963 at 302 tokens, a review, 2026-12-04). A
+    config that cannot be read changes nothing."""
+    try:
+        config = msgspec.json.decode(
+            (Path(model_dir) / SENTENCE_TRANSFORMERS_CONFIG).read_bytes(), type=_SentenceTransformersConfig
+        )
+    except (OSError, msgspec.DecodeError):
+        return context
+    return min(context, config.max_seq_length or context)
+
+
 def read_manifest(model_dir: Path) -> ModelManifest:
+    """The manifest of ``model_dir``; an embedding model's ``max_context`` at most what
+    :func:`embedding_context` allows (a manifest written before 2026-12-04 said 512 for MiniLM, and a
+    prepared version is kept as it is, so edges and workers take the smaller when they read it)."""
     path = Path(model_dir) / MANIFEST_FILE
     try:
-        return msgspec.json.decode(path.read_bytes(), type=ModelManifest)
+        manifest = msgspec.json.decode(path.read_bytes(), type=ModelManifest)
     except FileNotFoundError:
         raise ManifestError(
             f"{model_dir} has no {MANIFEST_FILE}; is it a sluicegate model directory?"
         ) from None
     except msgspec.ValidationError as exc:
         raise ManifestError(f"{path}: {exc}") from None
+    if manifest.task == "embedding":
+        context = embedding_context(model_dir, manifest.max_context)
+        if context < manifest.max_context:
+            manifest = msgspec.structs.replace(manifest, max_context=context)
+    return manifest
 
 
 def write_manifest(model_dir: Path, manifest: ModelManifest) -> Path:

@@ -50,6 +50,26 @@ def test_similar_sentences_are_closer(minilm: LoadedModel, ids: list[list[int]])
     assert cosine[0, 1] > cosine[1, 3]
 
 
+def test_the_longest_input_served_is_embedded_as_sentence_transformers_embeds_it(
+    minilm: LoadedModel, minilm_source: Path
+) -> None:
+    """The reference cuts MiniLM's inputs at 256 word pieces (its max_seq_length); served with 512 (before
+    2026-12-04, a review), an input of 302 tokens came back at cosine 0.963 to the reference's vector."""
+    from sentence_transformers import SentenceTransformer
+
+    assert minilm.manifest.max_context == 256
+    edge = tokenizers.Tokenizer.from_file(str(Path(minilm.path) / "tokenizer.json"))
+    edge.no_truncation()
+    text = "word " * 254
+    (ids,) = [enc.ids for enc in edge.encode_batch([text])]
+    assert len(ids) == minilm.manifest.max_context  # with [CLS] and [SEP]: the longest the edge takes
+    ours = EmbeddingEngine(minilm.model, max_length=minilm.manifest.max_context).embed([ids])[0]
+    reference = SentenceTransformer(str(minilm_source), device="cpu").encode(
+        [text], normalize_embeddings=True
+    )
+    assert float(ours @ reference[0]) > 0.99999
+
+
 def test_rejects_bad_batches(minilm: LoadedModel) -> None:
     engine = EmbeddingEngine(minilm.model)
     assert engine.embed([]).shape == (0, engine.dim)

@@ -8,6 +8,7 @@ import sys
 import types
 from pathlib import Path
 
+import msgspec
 import pytest
 import tokenizers
 import torch
@@ -30,6 +31,7 @@ from gpu_workers.models import (
     load_generation_model,
     prepare_hf_dir,
     prepare_models,
+    verify_model_dir,
 )
 from gpu_workers.padding import decode_bias
 from schemas.manifest import MANIFEST_FILE, current_model_dir, read_manifest
@@ -105,7 +107,7 @@ def test_prepare_hf_dir_links_without_writing_the_source(minilm_source: Path, tm
     assert not (minilm_source / MANIFEST_FILE).exists()
     assert (prepared / "model.safetensors").is_symlink()
     manifest = read_manifest(prepared)
-    assert (manifest.task, manifest.max_context, manifest.embedding_dim) == ("embedding", 512, 384)
+    assert (manifest.task, manifest.max_context, manifest.embedding_dim) == ("embedding", 256, 384)
     assert manifest.version == prepared.name
     assert "1_Pooling/config.json" in manifest.files
     assert current_model_dir(tmp_path.parent, "x") != prepared  # sanity of the helper's layout
@@ -113,6 +115,33 @@ def test_prepare_hf_dir_links_without_writing_the_source(minilm_source: Path, tm
     assert (
         prepare_hf_dir("all-minilm-l6-v2", minilm_source, tmp_path) == prepared
     )  # same content, same version
+
+
+def test_an_embedding_model_serves_the_inputs_sentence_transformers_embeds(
+    minilm_source: Path, tmp_path: Path
+) -> None:
+    """Found by a review (2026-12-04): MiniLM was served with 512 tokens (config.json's
+    max_position_embeddings) where sentence-transformers, the reference, embeds 256 of them
+    (sentence_bert_config.json): an input of 257-512 tokens was neither refused nor embedded as the model
+    does. A manifest prepared before says 512 and its version is kept as it is: reading it takes the
+    smaller, at the edge and in the worker alike."""
+    from ingest.errors import ContextLengthExceeded
+    from ingest.models import ServedModel
+
+    assert json.loads((minilm_source / "config.json").read_text())["max_position_embeddings"] == 512
+    prepared = prepare_hf_dir("all-minilm-l6-v2", minilm_source, tmp_path)
+    assert json.loads((prepared / MANIFEST_FILE).read_text())["max_context"] == 256  # as written
+    old = msgspec.structs.replace(read_manifest(prepared), max_context=512)
+    (prepared / MANIFEST_FILE).write_bytes(msgspec.json.encode(old))  # what a cache from before holds
+    assert prepare_hf_dir("all-minilm-l6-v2", minilm_source, tmp_path) == prepared
+    assert json.loads((prepared / MANIFEST_FILE).read_text())["max_context"] == 512  # kept as it is
+    assert read_manifest(prepared).max_context == 256
+    assert verify_model_dir(prepared).max_context == 256  # what the worker loads with
+    served = ServedModel.load("all-minilm-l6-v2", prepared)
+    assert served.manifest.max_context == 256
+    served.check_context(256, "input")
+    with pytest.raises(ContextLengthExceeded, match="maximum context length is 256 tokens"):
+        served.check_context(257, "input")
 
 
 def test_prepare_hf_dir_infers_generation(demo_gpt_dir: Path, tmp_path: Path) -> None:
