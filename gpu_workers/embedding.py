@@ -3,6 +3,10 @@
 This is what sentence-transformers does for all-MiniLM-L6-v2 (its ``1_Pooling`` config: mean tokens,
 then ``Normalize``). Token ids come from the edge (``tokenizer.json`` via ``tokenizers``); the engine
 adds nothing but padding. Like the generation engine it is used from one dedicated thread.
+
+A request may ask for its vectors as pooled, without the normalisation (``EmbeddingRequested.normalize``;
+the edge always asks for it): a batch holding such a row runs eagerly, each row as its request asked. It
+was ignored before 2026-12-04 (a review): such a request got unit vectors, not what it asked for.
 """
 
 from __future__ import annotations
@@ -70,9 +74,10 @@ _TRACED: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 """Model -> its traced forward (or None: it could not be traced), shared by every engine over the model."""
 
 
-def pooling_module(model: PreTrainedModel) -> torch.nn.Module:
-    """``model``'s forward with mean pooling over real tokens and L2 normalisation: ``(ids, mask)`` ->
-    ``[rows, dim]`` float32 unit vectors (what sentence-transformers does for all-MiniLM-L6-v2)."""
+def pooling_module(model: PreTrainedModel, *, normalize: bool = True) -> torch.nn.Module:
+    """``model``'s forward with mean pooling over real tokens and (``normalize``) L2 normalisation:
+    ``(ids, mask)`` -> ``[rows, dim]`` float32 unit vectors (what sentence-transformers does for
+    all-MiniLM-L6-v2), or the pooled vectors as they are."""
     import torch
 
     class Pooled(torch.nn.Module):
@@ -87,8 +92,8 @@ def pooling_module(model: PreTrainedModel) -> torch.nn.Module:
             hidden = out[0]
             weights = mask.unsqueeze(-1).to(hidden.dtype)
             summed = (hidden * weights).sum(dim=1)
-            pooled = summed / weights.sum(dim=1).clamp(min=1e-9)
-            return torch.nn.functional.normalize(pooled.float(), p=2, dim=1)
+            pooled = (summed / weights.sum(dim=1).clamp(min=1e-9)).float()
+            return torch.nn.functional.normalize(pooled, p=2, dim=1) if normalize else pooled
 
     return Pooled()
 
@@ -129,7 +134,8 @@ class EmbeddingError(GpuWorkerError):
 
 class PendingVectors(Protocol):
     def result(self) -> npt.NDArray[np.float32]:
-        """``[len(batch), dim]`` float32 unit vectors (waits for the device if it has not finished)."""
+        """``[len(batch), dim]`` float32 vectors, unit ones unless a row was launched otherwise (waits for
+        the device if it has not finished)."""
         ...
 
 
@@ -181,6 +187,7 @@ class EmbeddingEngine:
         replays all its kernels in one launch. None: eager (a CPU, or turned off, or a capture failed)."""
         self._pool: Any = None
         self._module = pooling_module(model)
+        self._unnormalized = pooling_module(model, normalize=False)
         self._trace = traced and self._device.type == "cpu"
         """On a CPU, run :func:`traced_forward`'s graph (built at the first batch) where it could be built."""
 
@@ -209,15 +216,24 @@ class EmbeddingEngine:
         such as finishing the previous batch's requests, while this one runs."""
         return self._device.type == "cuda"
 
-    def embed(self, batch: Sequence[Sequence[int]]) -> npt.NDArray[np.float32]:
-        """``[len(batch), dim]`` float32 unit vectors, one forward pass for the whole batch."""
-        return self.launch(batch).result()
+    def embed(
+        self, batch: Sequence[Sequence[int]], normalize: Sequence[bool] | None = None
+    ) -> npt.NDArray[np.float32]:
+        """``[len(batch), dim]`` float32 unit vectors, one forward pass for the whole batch (see
+        :meth:`launch` for ``normalize``)."""
+        return self.launch(batch, normalize).result()
 
-    def launch(self, batch: Sequence[Sequence[int]]) -> PendingVectors:
+    def launch(
+        self, batch: Sequence[Sequence[int]], normalize: Sequence[bool] | None = None
+    ) -> PendingVectors:
         """Start the forward pass over ``batch`` and the copy of its vectors back to the host. On a GPU both
         are queued on the device and this returns without waiting for them (the copy of the ids, from
         pageable memory, waits for the batch ahead on the stream, not for this one); on a CPU they have
-        finished. Out of memory is raised here, when the pass allocates, never by ``result()``."""
+        finished. Out of memory is raised here, when the pass allocates, never by ``result()``.
+
+        ``normalize``: per row, whether its vector is L2-normalised (None: every row's is). A batch with a
+        row that is not runs eagerly (no graph, no trace; such rows are rare, and each graph or trace
+        would double for them)."""
         import torch
 
         if not batch:
@@ -229,22 +245,42 @@ class EmbeddingEngine:
                 raise EmbeddingError(f"{len(item)} tokens exceed the model's {self.max_length}")
             if min(item) < 0 or max(item) >= self._vocab_size:
                 raise EmbeddingError(f"token ids outside the vocabulary of {self._vocab_size}")
+        if normalize is not None and len(normalize) != len(batch):
+            raise EmbeddingError(f"{len(normalize)} normalize flags for a batch of {len(batch)}")
         with torch.inference_mode():
-            graph = self._graph_for(len(batch), max(len(item) for item in batch))
-            if graph is None:
-                unit = self._pooled(*pad_rows(batch, self._pad_id, self._device))
+            if normalize is None or all(normalize):
+                vectors = self._unit(batch)
             else:
-                ids, mask = pad_rows(batch, self._pad_id, torch.device("cpu"), shape=graph.shape)
-                graph.ids.copy_(ids)
-                graph.mask.copy_(mask)
-                graph.graph.replay()
-                unit = graph.unit[: len(batch)]
+                vectors = self._as_asked(batch, normalize)
         if not self.overlaps:
-            return _Ready(unit.cpu().numpy())
-        host = unit.to("cpu", non_blocking=True)  # into pinned memory, after the pass on the same stream
+            return _Ready(vectors.cpu().numpy())
+        host = vectors.to("cpu", non_blocking=True)  # into pinned memory, after the pass on the same stream
         copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
         copied.record(torch.cuda.current_stream(self._device))
         return _OnTheWay(host, copied)
+
+    def _unit(self, batch: Sequence[Sequence[int]]) -> torch.Tensor:
+        """``batch``'s unit vectors on the device: a CUDA graph's where there is one (call under
+        ``inference_mode``)."""
+        import torch
+
+        graph = self._graph_for(len(batch), max(len(item) for item in batch))
+        if graph is None:
+            return self._pooled(*pad_rows(batch, self._pad_id, self._device))
+        ids, mask = pad_rows(batch, self._pad_id, torch.device("cpu"), shape=graph.shape)
+        graph.ids.copy_(ids)
+        graph.mask.copy_(mask)
+        graph.graph.replay()
+        return graph.unit[: len(batch)]
+
+    def _as_asked(self, batch: Sequence[Sequence[int]], normalize: Sequence[bool]) -> torch.Tensor:
+        """``batch``'s pooled vectors on the device, those of the rows ``normalize`` names L2-normalised as
+        :meth:`_unit` would give them (eagerly; call under ``inference_mode``)."""
+        import torch
+
+        pooled: torch.Tensor = self._unnormalized(*pad_rows(batch, self._pad_id, self._device))
+        rows = torch.tensor(list(normalize), device=self._device).unsqueeze(1)
+        return torch.where(rows, torch.nn.functional.normalize(pooled, p=2, dim=1), pooled)
 
     def _pooled(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Mean pooling over real tokens, then L2 normalisation (call under ``inference_mode``): through the

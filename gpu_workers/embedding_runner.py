@@ -57,6 +57,8 @@ class _Input:
     request_id: str
     index: int
     input_ids: list[int]
+    normalize: bool = True
+    """Its request's ``normalize``: whether its vector is L2-normalised."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,7 +135,7 @@ class EmbeddingRunner:
                 request_id=event.request_id,
                 n_tokens=len(ids),
                 arrival=now,
-                payload=_Input(event.request_id, index, ids),
+                payload=_Input(event.request_id, index, ids, event.normalize),
                 deadline=deadline,
             )
             for index, ids in enumerate(event.inputs)
@@ -252,7 +254,10 @@ class EmbeddingRunner:
         runs at once as two halves (recursively); an item that does not fit alone gets None. The batcher's
         token budget follows (:class:`~gpu_workers.oom.MemoryBackoff`)."""
         try:
-            pending = self._engine.launch([item.payload.input_ids for item in batch])
+            normalize = [item.payload.normalize for item in batch]
+            pending = self._engine.launch(
+                [item.payload.input_ids for item in batch], None if all(normalize) else normalize
+            )
         except Exception as exc:
             if not is_out_of_memory(exc):
                 return self._failed(batch, exc)

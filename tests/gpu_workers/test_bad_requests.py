@@ -230,13 +230,15 @@ class BrokenEmbedder(EmbeddingEngine):
     failures = 1
     where: Literal["launch", "result"] = "launch"
 
-    def launch(self, batch: Sequence[Sequence[int]]) -> PendingVectors:
+    def launch(
+        self, batch: Sequence[Sequence[int]], normalize: Sequence[bool] | None = None
+    ) -> PendingVectors:
         if self.failures:
             self.failures -= 1
             if self.where == "launch":
                 raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
             return _Raises()
-        return super().launch(batch)
+        return super().launch(batch, normalize)
 
 
 @pytest.mark.parametrize("overlap", [False, True])

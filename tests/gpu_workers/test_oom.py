@@ -53,12 +53,14 @@ class SmallCardEmbedder(EmbeddingEngine):
     fits = 20
     calls: list[int]
 
-    def launch(self, batch: Sequence[Sequence[int]]) -> PendingVectors:
+    def launch(
+        self, batch: Sequence[Sequence[int]], normalize: Sequence[bool] | None = None
+    ) -> PendingVectors:
         padded = len(batch) * max(len(item) for item in batch)
         self.calls.append(padded)
         if padded > self.fits:
             raise torch.cuda.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {padded} rows")
-        return super().launch(batch)
+        return super().launch(batch, normalize)
 
 
 def assert_embedded(
@@ -184,7 +186,9 @@ def test_other_failures_are_not_out_of_memory(minilm: LoadedModel) -> None:
     ``engine_error``, not retriable (``tests/gpu_workers/test_bad_requests.py``), the limit where it was."""
 
     class Broken(EmbeddingEngine):
-        def launch(self, batch: Sequence[Sequence[int]]) -> PendingVectors:
+        def launch(
+            self, batch: Sequence[Sequence[int]], normalize: Sequence[bool] | None = None
+        ) -> PendingVectors:
             raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
 
     runner = embedding_runner(minilm, Broken(minilm.model))
