@@ -311,6 +311,12 @@ class Dispatcher:
             return
         flight.cancel_sent = True
         metrics.CANCELS.labels(flight.model, why or reason).inc()
+        if self._settle is not None:
+            # Its stream is closed, or will be, before its end: the reservation (prompt + max_tokens) is
+            # settled to what it used when its terminal event reaches this edge. It was kept for the whole
+            # quota window (a review; the tenant was charged what it never used).
+            settle = self._settle
+            self._gateway.when_finished(flight.request_id, lambda finished: settle(flight, finished))
         event = CancelRequested(
             tenant=flight.tenant,
             model=flight.model,

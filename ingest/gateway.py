@@ -84,6 +84,10 @@ class Gateway(Protocol):
 
     async def cancel(self, event: CancelRequested) -> None: ...
 
+    def when_finished(self, request_id: str, listener: Callable[[RequestFinished], None]) -> None:
+        """Call ``listener`` on the event loop with the request's terminal event once this edge reads it,
+        whether a stream still waits for it or not (once; forgotten unheard after a while)."""
+
     async def lookup_idempotent(self, tenant: str, key: str) -> IdempotencyRecord | None: ...
 
     async def remember_idempotent(

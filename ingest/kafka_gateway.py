@@ -18,6 +18,7 @@ import hashlib
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -68,6 +69,12 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+FINISH_LISTEN_S = 180.0
+"""How long a :meth:`KafkaGateway.when_finished` listener waits for its request's end: past the quota
+window (60 s), settling a reservation changes nothing."""
+FINISH_LISTENERS = 100_000
+"""The most listeners kept at once (one per request cancelled in the last :data:`FINISH_LISTEN_S`)."""
+
 Detokenize = Callable[[str, list[int]], str]
 """(model, token ids) -> text; used to cut the overlap when a retried request replays tokens."""
 
@@ -111,6 +118,10 @@ class KafkaGateway(AsyncComponent):
         self._producer.watch(self.fail)
         self.watch(self._gateway_failed)
         self._streams: dict[str, ReplyStream] = {}
+        self._finish_listeners: OrderedDict[str, tuple[float, Callable[[RequestFinished], None]]] = (
+            OrderedDict()
+        )
+        """Request id -> (since, listener) (:meth:`when_finished`), oldest first."""
         self._log_readers: ThreadPoolExecutor | None = None
         """The threads that read the log for resumed and lagging streams (:meth:`read_log`)."""
         self._listener: ConsumerThread | None = None
@@ -676,6 +687,23 @@ class KafkaGateway(AsyncComponent):
             stream = self._streams.get(reply.request_id)
             if stream is not None:
                 stream.push(offset, reply)
+            if isinstance(reply, RequestFinished) and self._finish_listeners:
+                heard = self._finish_listeners.pop(reply.request_id, None)
+                if heard is not None:
+                    try:
+                        heard[1](reply)
+                    except Exception:
+                        log.exception("a listener for request %s's end failed", reply.request_id)
+
+    def when_finished(self, request_id: str, listener: Callable[[RequestFinished], None]) -> None:
+        """:meth:`ingest.gateway.Gateway.when_finished`: forgotten unheard after :data:`FINISH_LISTEN_S`,
+        and at most :data:`FINISH_LISTENERS` at once (the oldest go first)."""
+        listeners, now = self._finish_listeners, time.monotonic()
+        while listeners and (
+            len(listeners) >= FINISH_LISTENERS or next(iter(listeners.values()))[0] < now - FINISH_LISTEN_S
+        ):
+            listeners.popitem(last=False)
+        listeners[request_id] = (now, listener)
 
     # ---------------------------------------------------------------- the log
 

@@ -138,6 +138,7 @@ class FakeGateway:
         """When set, remember_idempotent answers this record, as if another request won the race."""
         self._logs: dict[str, _Log] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._finish_listeners: dict[str, Callable[[RequestFinished], None]] = {}
 
     # --- the Gateway protocol ---------------------------------------------------------------------------
 
@@ -177,6 +178,9 @@ class FakeGateway:
         if log is None or log.event.tenant != tenant:
             return None
         return self._stream(log, after)
+
+    def when_finished(self, request_id: str, listener: Callable[[RequestFinished], None]) -> None:
+        self._finish_listeners[request_id] = listener
 
     async def cancel(self, event: CancelRequested) -> None:
         self.cancels.append(event)
@@ -231,7 +235,7 @@ class FakeGateway:
             prompt_tokens = sum(len(ids) for ids in event.inputs)
             usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=0, total_tokens=prompt_tokens)
             packed = Float32Vectors.pack(vectors, 3)
-            await log.append(_finished(event, "completed", "stop", usage, embeddings=packed))
+            await self._end(log, _finished(event, "completed", "stop", usage, embeddings=packed))
             return
         if not isinstance(event, GenerationRequested):
             raise TypeError(event)
@@ -268,7 +272,14 @@ class FakeGateway:
             final = _finished(event, "failed", "error", usage, error=self.fail_with, text=text or None)
         else:
             final = _finished(event, "completed", reason, usage, text=text)
+        await self._end(log, final)
+
+    async def _end(self, log: _Log, final: RequestFinished) -> None:
+        """The terminal event on the log, and to its listener (as a ``KafkaGateway`` reads it)."""
         await log.append(final)
+        listener = self._finish_listeners.pop(final.request_id, None)
+        if listener is not None:
+            listener(final)
 
 
 def _finished(

@@ -17,7 +17,7 @@ from infra.topics import TopicSizing, apply_topics, make_admin, platform_topics
 from ingest.gateway import Gateway
 from ingest.kafka_gateway import KafkaGateway
 from ingest.reply_stream import WHOLE
-from schemas.events import GenerationRequested, TokenChunk
+from schemas.events import CancelRequested, GenerationRequested, RequestFinished, TokenChunk, Usage
 from schemas.ids import uuid7
 from schemas.settings import KafkaConnection
 from schemas.topics import TopicNames
@@ -103,3 +103,47 @@ async def test_a_restarted_kafka_edge_still_resumes_the_streams_it_answered(
         first = await asyncio.wait_for(anext(aiter(stream)), 10)
         assert first.request_id == request_id
         await stream.aclose()
+
+
+class TestWhenFinished:
+    async def test_a_listener_hears_the_end_of_a_request_whose_stream_was_closed(
+        self, opened: Opened, request: pytest.FixtureRequest
+    ) -> None:
+        """What settles a cancelled request's reservation to what it used (``Dispatcher.cancel``)."""
+        async with opened() as gateway:
+            submitted = _request(gateway)
+            if isinstance(gateway, FakeGateway):
+                gateway.hold_after = 0  # nothing generated until it is cancelled
+            stream = await gateway.submit(submitted)
+            await stream.aclose()
+            heard: list[RequestFinished] = []
+            ended = asyncio.Event()
+
+            def hear(finished: RequestFinished) -> None:
+                heard.append(finished)
+                ended.set()
+
+            gateway.when_finished(submitted.request_id, hear)
+            gateway.when_finished(uuid7(), heard.append)  # another request's: never heard here
+            if isinstance(gateway, FakeGateway):
+                cancel = CancelRequested(
+                    tenant="acme", model="demo-gpt", request_id=submitted.request_id, source="test",
+                    reason="client_cancel",
+                )  # fmt: skip
+                await gateway.cancel(cancel)
+            else:
+                finished = RequestFinished(
+                    tenant="acme", model="demo-gpt", request_id=submitted.request_id, source="worker",
+                    status="cancelled", finish_reason="cancelled",
+                    usage=Usage(prompt_tokens=3, completion_tokens=0, total_tokens=3),
+                )  # fmt: skip
+                with EventProducer(request.getfixturevalue("kafka"), "worker") as producer:
+                    await producer.publish(TopicNames(request.getfixturevalue("topic_prefix")).replies, finished,
+                                           partition=gateway.reply_to.partition)  # fmt: skip
+            await asyncio.wait_for(ended.wait(), 20)
+            (end,) = heard
+            assert (end.request_id, end.status, end.usage.total_tokens) == (
+                submitted.request_id,
+                "cancelled",
+                3,
+            )

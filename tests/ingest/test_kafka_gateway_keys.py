@@ -1,4 +1,5 @@
-"""Partition keys: a tenant's requests share one key unless the tenant is configured hot."""
+"""Partition keys: a tenant's requests share one key unless the tenant is configured hot; the bounded
+tables a gateway keeps without a broker."""
 
 from __future__ import annotations
 
@@ -43,3 +44,20 @@ def test_an_edge_keeps_its_reply_partition_across_restarts() -> None:
     # Pinned: a restarted (or upgraded) edge must find the replies written to the partition it owned,
     # so changing these values strands replies in flight.
     assert [reply_partition(f"edge-{n}", 8) for n in range(8)] == [5, 3, 1, 7, 4, 2, 0, 6]
+
+
+def test_end_listeners_are_bounded_and_forgotten_unheard(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One listener per cancelled request (``Dispatcher.cancel``): a request whose end never comes (its
+    worker gone, its end on another edge's partition) must not be kept for good."""
+    from ingest import kafka_gateway
+
+    made = _gateway({})
+    now = [1000.0]
+    monkeypatch.setattr("ingest.kafka_gateway.time.monotonic", lambda: now[0])
+    monkeypatch.setattr(kafka_gateway, "FINISH_LISTENERS", 3)
+    for i in range(5):
+        made.when_finished(f"r{i}", lambda _: None)
+    assert list(made._finish_listeners) == ["r2", "r3", "r4"]  # the oldest went first
+    now[0] += kafka_gateway.FINISH_LISTEN_S + 1
+    made.when_finished("r5", lambda _: None)
+    assert list(made._finish_listeners) == ["r5"]  # the rest were forgotten unheard
