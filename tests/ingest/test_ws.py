@@ -585,7 +585,7 @@ async def test_frames_past_the_concurrency_limit_are_refused_before_their_bodies
 
 def _counted(family: Any, **labels: str) -> float:
     return sum(
-        s.value
+        float(s.value)
         for metric in family.collect()
         for s in metric.samples
         if s.name.endswith("_total") and all(s.labels[k] == v for k, v in labels.items())
