@@ -251,15 +251,7 @@ def test_a_terminal_event_with_an_id_past_its_bound_fails_to_decode(change: dict
     """Each id is a detail of the request's audit entry: a 7 MB ``worker_id`` from another producer made
     an entry no broker takes, and the streams sink stopped on it (a review). The platform makes none over
     256 characters (a custom id: 512, as the edge bounds it); a record with one is dead-lettered."""
-    event = RequestFinished(
-        tenant="t",
-        model="m",
-        source="s",
-        request_id="r",
-        status="failed",
-        finish_reason="error",
-        usage=Usage(prompt_tokens=1, completion_tokens=0, total_tokens=1),
-    )
+    event = finished(status="failed", finish_reason="error")
     with pytest.raises(DecodeError):
         decode(encode(msgspec.structs.replace(event, **change)))
     fine = msgspec.structs.replace(
