@@ -357,7 +357,8 @@ class DriftFeatures(FrozenStruct, frozen=True, kw_only=True):
 
     prompt_chars: UInt32 | None = None
     prompt_script: str | None = None
-    """Dominant writing system of the prompt's letters: latin, cyrillic, greek, arabic, hebrew, cjk, other."""
+    """Dominant writing system of the prompt's letters: latin, cyrillic, greek, arabic, hebrew, cjk, other;
+    ``none`` for a prompt with no letters (:data:`schemas.features.NO_LETTERS`)."""
     prompt_language: str | None = None
     """A stop-word guess (en, de, fr, es, it, pt, nl) for latin-script text, else the script, or ``other``."""
     prompt_non_ascii: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None = None

@@ -15,6 +15,11 @@ from collections import Counter
 from dataclasses import dataclass
 
 SCRIPTS = ("latin", "cyrillic", "greek", "arabic", "hebrew", "cjk", "other")
+NO_LETTERS = "none"
+"""The script and language of text with no letters (digits, punctuation, emoji, nothing). A label, not
+None: None is "not measured" (no text at all), whose rising share the drift monitor reads as the feature
+pipeline breaking; a shift to prompts of numbers alone read so, where the rollout gate saw a category (a
+review). Its letters' non-ASCII share is 0."""
 
 _STOPWORDS: dict[str, frozenset[str]] = {
     "en": frozenset(
@@ -207,11 +212,11 @@ _script_of_char = functools.lru_cache(maxsize=8192)(script_of)
 @dataclass(frozen=True, slots=True)
 class TextProfile:
     chars: int
-    script: str | None
-    """Dominant script of the letters; None for text with no letters."""
-    non_ascii: float | None
-    """Share of letters outside ASCII; None for text with no letters."""
-    language: str | None
+    script: str
+    """Dominant script of the letters; :data:`NO_LETTERS` for text with none."""
+    non_ascii: float
+    """Share of letters outside ASCII (0 for text with no letters)."""
+    language: str
 
 
 def profile(text: str, *, max_chars: int = 4096) -> TextProfile:
@@ -224,7 +229,7 @@ def profile(text: str, *, max_chars: int = 4096) -> TextProfile:
     head = text[:max_chars]
     if head.isascii():  # an ASCII letter is latin, and none is outside ASCII
         if _ASCII_LETTER.search(head) is None:
-            return TextProfile(chars=len(text), script=None, non_ascii=None, language=None)
+            return TextProfile(chars=len(text), script=NO_LETTERS, non_ascii=0.0, language=NO_LETTERS)
         return TextProfile(
             chars=len(text), script="latin", non_ascii=0.0, language=guess_language(head, "latin")
         )
@@ -237,7 +242,7 @@ def profile(text: str, *, max_chars: int = 4096) -> TextProfile:
             non_ascii += 0 if char.isascii() else count
     letters = sum(scripts.values())
     if not letters:
-        return TextProfile(chars=len(text), script=None, non_ascii=None, language=None)
+        return TextProfile(chars=len(text), script=NO_LETTERS, non_ascii=0.0, language=NO_LETTERS)
     script = max(SCRIPTS, key=lambda s: (scripts[s], -SCRIPTS.index(s)))
     return TextProfile(
         chars=len(text), script=script, non_ascii=non_ascii / letters, language=guess_language(head, script)

@@ -9,7 +9,16 @@ from collections import Counter
 import pytest
 
 from schemas import features
-from schemas.features import SCRIPTS, TextProfile, guess_language, is_refusal, profile, sampled, script_of
+from schemas.features import (
+    NO_LETTERS,
+    SCRIPTS,
+    TextProfile,
+    guess_language,
+    is_refusal,
+    profile,
+    sampled,
+    script_of,
+)
 
 
 @pytest.mark.parametrize(
@@ -31,9 +40,13 @@ def test_profile_finds_the_script_and_guesses_the_language(text: str, script: st
     assert found.language == language
 
 
-def test_text_without_letters_has_no_script() -> None:
-    found = profile("1234 !!")
-    assert (found.script, found.non_ascii, found.language) == (None, None, None)
+@pytest.mark.parametrize("text", ["1234 !!", "", "   ", "12 € 😀", "٣٤٥"])
+def test_text_without_letters_is_its_own_category_not_unmeasured(text: str) -> None:
+    """None is "not measured" (no text), whose rising share the drift monitor reads as the feature
+    pipeline breaking: prompts of numbers alone read so (a review); they are a category, as the rollout
+    gate saw them."""
+    found = profile(text)
+    assert (found.script, found.non_ascii, found.language) == (NO_LETTERS, 0.0, NO_LETTERS)
     assert script_of("7") is None
 
 
@@ -70,7 +83,7 @@ def profile_char_by_char(text: str, max_chars: int = 4096) -> TextProfile:
     scripts = Counter(s for s in map(script_of, head) if s is not None)
     letters = sum(scripts.values())
     if not letters:
-        return TextProfile(chars=len(text), script=None, non_ascii=None, language=None)
+        return TextProfile(chars=len(text), script=NO_LETTERS, non_ascii=0.0, language=NO_LETTERS)
     script = max(SCRIPTS, key=lambda s: (scripts[s], -SCRIPTS.index(s)))
     non_ascii = sum(1 for c in head if c.isalpha() and not c.isascii()) / letters
     if script != "latin":
