@@ -22,7 +22,7 @@ generation too, the embedding runner with and without overlap; and the generatio
 around an engine that costs nothing (what is left to the host when the device's decode is a graph replay). Each cell is the median of ``--repeats`` measurements. One table, one JSON (``--out``).
 
     python benchmarks/gpu.py                          # on CUDA; fails clearly without it
-    python benchmarks/gpu.py --device cpu --quick     # the same on the CPU: CI runs it so it cannot rot
+    python benchmarks/gpu.py --device cpu --quick     # the same on the CPU (gpu-cpu.json): CI runs it so it cannot rot
 """
 
 from __future__ import annotations
@@ -80,6 +80,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 RESULTS = Path(__file__).parent / "results" / "gpu.json"
+CPU_RESULTS = RESULTS.with_name("gpu-cpu.json")
 PROMPTS = [
     "Tell me about the river and the stone wall.",
     "Hello",
@@ -523,7 +524,13 @@ def main() -> int:
         "--device", default="cuda", help="torch device to test (default cuda; cpu runs it anywhere)"
     )
     parser.add_argument("--quick", action="store_true", help="small batches and few rounds (CI)")
-    parser.add_argument("--out", type=Path, default=RESULTS, help=f"JSON results (default {RESULTS})")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help=f"JSON results (default {RESULTS} on a GPU, {CPU_RESULTS.name} beside it with --device cpu: a "
+        "check run on the CPU never replaces a GPU's committed numbers)",
+    )
     parser.add_argument(
         "--repeats",
         type=int,
@@ -651,6 +658,8 @@ def main() -> int:
         " decode leaves to the host):"
     )
     print("  " + "   ".join(f"{case} {us:.2f} us" for case, us in host.items()))
+    if args.out is None:
+        args.out = CPU_RESULTS if args.device == "cpu" else RESULTS
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")

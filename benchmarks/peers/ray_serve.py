@@ -36,10 +36,18 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/: loadgen, harness
 
 import loadgen
-import ray
 from peer_models import Body, PeerModels
-from ray import serve
-from starlette.responses import JSONResponse
+
+try:
+    import ray
+    from ray import serve
+    from starlette.responses import JSONResponse
+except ModuleNotFoundError as missing:  # its --help too: the classes below are built with Ray's decorators
+    sys.exit(
+        f"{Path(__file__).name}: Ray Serve is an optional extra and {missing.name} is not installed here: "
+        "pip install -e .[bench], best in a venv of its own (see benchmarks/online.py --help, which "
+        "runs without it and says so)"
+    )
 
 HERE = Path(__file__).resolve().parent
 

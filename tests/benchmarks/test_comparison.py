@@ -448,3 +448,22 @@ def test_generation_is_also_judged_against_the_engine_alone_under_the_loads_chur
     assert shown == f"{judged:.0f} (just before 3000, just after 4000)"
     without = floors.floor_summary(run, run, 32, 2700.0, 198.0, beside={**near, "generation_churn": []})
     assert without["generation_churn_ratio"] is None
+
+
+def test_the_ray_peer_says_ray_is_an_optional_extra_rather_than_a_traceback() -> None:
+    """Its ``--help`` was a ``ModuleNotFoundError`` traceback without Ray (a review of the benchmarks)."""
+    import subprocess
+
+    ran = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "peers" / "ray_serve.py"), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    if ran.returncode == 0:  # Ray is installed here: its help
+        assert "usage:" in ran.stdout
+    else:
+        assert "Traceback" not in ran.stderr, ran.stderr
+        assert "optional extra" in ran.stderr
+        assert "pip install -e .[bench]" in ran.stderr
