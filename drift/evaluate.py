@@ -419,6 +419,11 @@ def _embedding_rows(embeddings: npt.NDArray[Any]) -> FloatArray:
     return array[np.isfinite(array).all(axis=1)]
 
 
+NO_SPREAD = 1e-6
+"""A pool of embeddings whose every coordinate varies by no more than this share of its largest value has
+no spread (float32's precision is ~1e-7): its rows are one vector, and there is nothing to reduce."""
+
+
 def _reduced(
     reference: FloatArray, current: FloatArray, config: DriftConfig
 ) -> tuple[FloatArray, FloatArray]:
@@ -429,6 +434,12 @@ def _reduced(
         for rows in (reference, current)
     )
     pooled = np.vstack([x, y])
+    magnitude = float(np.abs(pooled).max(initial=0.0)) or 1.0
+    if float(np.ptp(pooled, axis=0).max(initial=0.0)) <= NO_SPREAD * magnitude:
+        # Every row the same (a model that embeds everything alike, a cache): PCA of a pool with no spread
+        # left ~1e-29 of rounding noise that differed between the windows, which the kernel's median
+        # scale (~1e-61) made structure, and identical windows read as drift, p ~ 1e-4 (mutation testing)
+        return np.zeros((len(x), 1)), np.zeros((len(y), 1))
     components = min(config.embedding_components, *pooled.shape)
     pca = PCA(n_components=components, svd_solver="full", random_state=config.seed)
     with np.errstate(divide="ignore", invalid="ignore"):  # all rows equal: zero variance ratios

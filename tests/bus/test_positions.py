@@ -154,28 +154,6 @@ def _committed(kafka: KafkaConnection, group: str, topic: str) -> dict[int, int]
         probe.close()
 
 
-@pytest.mark.parametrize(
-    ("own", "peers", "moved"),
-    [
-        ({}, [], {}),  # no peers: the group starts at the topic's first record, as a new group does
-        ({}, [{0: 5, 1: 2}], {0: 5, 1: 2}),
-        ({0: 5, 1: 1}, [{0: 5, 1: 2}], {1: 2}),  # level stays; behind moves up
-        ({0: 7, 1: 1}, [{0: 5, 1: 2}], {}),  # ahead anywhere: its own positions, never a mix of the two
-        ({0: 0, 1: 1}, [{0: 1, 1: 0}], {}),  # (each keeps a request's record open on another partition)
-        ({0: 3}, [{0: 5, 1: 2}], {0: 5, 1: 2}),
-        ({0: 3, 1: 1}, [{0: 5}], {}),  # a partition it committed and the peers did not: ahead of them
-        ({}, [{0: 5, 1: 2}, {0: 3, 1: -1001}], {0: 3}),  # the lowest of them; a peer without one: none
-        ({}, [{0: 5}, {1: 4}], {}),
-    ],
-)
-def test_where_a_group_moves_up_to_behind_its_peers(
-    own: dict[int, int], peers: list[dict[int, int]], moved: dict[int, int]
-) -> None:
-    from bus.positions import behind_peers
-
-    assert behind_peers(own, peers) == moved
-
-
 def test_a_new_group_starts_where_its_peers_have_committed(kafka: KafkaConnection, topic_prefix: str) -> None:
     """A rollout candidate's first worker: its group starts where the serving versions' groups have all
     committed, not at the topic's first record; a group with members keeps its own positions."""
