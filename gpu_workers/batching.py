@@ -19,12 +19,12 @@ Policies:
   held behind the rest of a large one (before 2026-12-01 the oldest item always went first, so a one-word
   request waited 30 s behind another tenant's 100 long inputs in another bucket, an audit). Within a
   bucket, oldest first, so such a request that shares a bucket with the rest of a large one waits for
-  those items, but its bucket goes first meanwhile (until 2026-12-04 a bucket was ranked by its first
+  those items, but its bucket goes first meanwhile (until 2026-12-03 a bucket was ranked by its first
   item's request only: one input behind a partly-run request waited, with it, until its deadline while
   another bucket had a request with none run ready at every batch, a review).
 * **Overtaken at most ``max_overtaken`` times.** A ready bucket passed over that many batches in a row
   goes first (among several such, by the rule above), so the rest of a large request still runs under a
-  steady load of small ones instead of waiting for its deadline (since 2026-12-04, the same review).
+  steady load of small ones instead of waiting for its deadline (since 2026-12-03, the same review).
 * **Deadlines.** An item is expired when ``now >= deadline``. ``next_batch`` never returns one: expired
   items are moved aside and handed out by ``take_expired`` (the worker ends them ``expired``).
 * **Bounded.** ``add`` answers False when ``max_queued`` items are queued; the caller sheds the request.

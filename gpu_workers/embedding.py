@@ -6,7 +6,7 @@ adds nothing but padding. Like the generation engine it is used from one dedicat
 
 A request may ask for its vectors as pooled, without the normalisation (``EmbeddingRequested.normalize``;
 the edge always asks for it): a batch holding such a row runs eagerly, each row as its request asked. It
-was ignored before 2026-12-04 (a review): such a request got unit vectors, not what it asked for.
+was ignored before 2026-12-03 (a review): such a request got unit vectors, not what it asked for.
 """
 
 from __future__ import annotations

@@ -63,7 +63,7 @@ def embedding_context(model_dir: Path, context: int) -> int:
     ``max_seq_length``: the reference implementation of such a model cuts its inputs there, so a longer
     one is refused rather than embedded on positions the model was not tuned on. all-MiniLM-L6-v2 was
     served with 512 tokens (its ``max_position_embeddings``) where it embeds 256: an input of 257-512
-    tokens came back unlike the model's vector (cosine 0.963 at 302 tokens, a review, 2026-12-04). A
+    tokens came back unlike the model's vector (cosine 0.963 at 302 tokens, a review, 2026-12-03). A
     config that cannot be read changes nothing."""
     try:
         config = msgspec.json.decode(
@@ -76,7 +76,7 @@ def embedding_context(model_dir: Path, context: int) -> int:
 
 def read_manifest(model_dir: Path) -> ModelManifest:
     """The manifest of ``model_dir``; an embedding model's ``max_context`` at most what
-    :func:`embedding_context` allows (a manifest written before 2026-12-04 said 512 for MiniLM, and a
+    :func:`embedding_context` allows (a manifest written before 2026-12-03 said 512 for MiniLM, and a
     prepared version is kept as it is, so edges and workers take the smaller when they read it)."""
     path = Path(model_dir) / MANIFEST_FILE
     try:

@@ -8,28 +8,11 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from confluent_kafka import TIMESTAMP_CREATE_TIME, TopicPartition
+from confluent_kafka import TopicPartition
 
 import bus.positions as positions
 from bus.positions import offset_at, read_to_end
-
-
-class _Record:
-    def __init__(self, partition: int, offset: int, ts: int = 0) -> None:
-        self._at = (partition, offset)
-        self._ts = ts
-
-    def error(self) -> None:
-        return None
-
-    def partition(self) -> int:
-        return self._at[0]
-
-    def offset(self) -> int:
-        return self._at[1]
-
-    def timestamp(self) -> tuple[int, int]:
-        return TIMESTAMP_CREATE_TIME, self._ts
+from tests.bus.test_read_to_end import _Record
 
 
 class _Log:

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from confluent_kafka import TopicPartition
+from confluent_kafka import TIMESTAMP_CREATE_TIME, TopicPartition
 
 from bus.positions import read_to_end
 
 
 class _Record:
-    def __init__(self, partition: int, offset: int) -> None:
+    def __init__(self, partition: int, offset: int, ts: int = 0) -> None:
         self._at = (partition, offset)
+        self._ts = ts
 
     def error(self) -> None:
         return None
@@ -19,6 +20,9 @@ class _Record:
 
     def offset(self) -> int:
         return self._at[1]
+
+    def timestamp(self) -> tuple[int, int]:
+        return TIMESTAMP_CREATE_TIME, self._ts
 
 
 class _Log:

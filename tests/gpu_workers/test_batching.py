@@ -314,7 +314,7 @@ def test_an_embedding_batch_s_token_budget_follows_the_device_unless_set(
 
 
 def test_a_fresh_request_behind_part_of_a_large_one_in_its_bucket_is_not_held_by_other_buckets() -> None:
-    """Found by a review (2026-12-04): a bucket was ranked by its first item's request only, so a one-input
+    """Found by a review (2026-12-03): a bucket was ranked by its first item's request only, so a one-input
     request queued behind the rest of a partly-run large one in the same length bucket waited (with it)
     while another bucket had a request with none run ready at every batch: 199 batches and counting.
     Now the bucket ranks by the least-served request it holds: the rest of the large one runs (oldest

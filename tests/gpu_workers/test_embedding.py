@@ -43,7 +43,7 @@ def test_batch_equals_items_and_vectors_are_unit(minilm: LoadedModel, ids: list[
 def test_a_row_may_be_left_unnormalised_and_the_others_stay_as_they_were(
     minilm: LoadedModel, ids: list[list[int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``EmbeddingRequested.normalize=False`` was ignored before 2026-12-04 (a review): the request got unit
+    """``EmbeddingRequested.normalize=False`` was ignored before 2026-12-03 (a review): the request got unit
     vectors. A row may now have its pooled vector as it is, in the same batch as rows normalised."""
     import torch
 
@@ -82,7 +82,7 @@ def test_the_longest_input_served_is_embedded_as_sentence_transformers_embeds_it
     minilm: LoadedModel, minilm_source: Path
 ) -> None:
     """The reference cuts MiniLM's inputs at 256 word pieces (its max_seq_length); served with 512 (before
-    2026-12-04, a review), an input of 302 tokens came back at cosine 0.963 to the reference's vector."""
+    2026-12-03, a review), an input of 302 tokens came back at cosine 0.963 to the reference's vector."""
     from sentence_transformers import SentenceTransformer
 
     assert minilm.manifest.max_context == 256

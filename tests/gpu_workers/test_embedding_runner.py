@@ -297,7 +297,7 @@ def test_a_request_that_asks_for_pooled_vectors_gets_them_beside_one_that_asks_f
     minilm: LoadedModel, engine: Recording
 ) -> None:
     """``EmbeddingRequested.normalize`` (the event contract; a batch line carries it too) was ignored
-    before 2026-12-04 (a review): ``normalize=False`` completed with unit vectors. Both requests here run
+    before 2026-12-03 (a review): ``normalize=False`` completed with unit vectors. Both requests here run
     in one batch, each as it asked."""
     runner = embedding_runner(minilm, engine)
     pooled, unit = embedding(normalize=False), embedding()

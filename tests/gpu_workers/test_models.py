@@ -120,7 +120,7 @@ def test_prepare_hf_dir_links_without_writing_the_source(minilm_source: Path, tm
 def test_an_embedding_model_serves_the_inputs_sentence_transformers_embeds(
     minilm_source: Path, tmp_path: Path
 ) -> None:
-    """Found by a review (2026-12-04): MiniLM was served with 512 tokens (config.json's
+    """Found by a review (2026-12-03): MiniLM was served with 512 tokens (config.json's
     max_position_embeddings) where sentence-transformers, the reference, embeds 256 of them
     (sentence_bert_config.json): an input of 257-512 tokens was neither refused nor embedded as the model
     does. A manifest prepared before says 512 and its version is kept as it is: reading it takes the

@@ -5,22 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from ingest.quota import ALL_MODELS, Key, Limits, QuotaExceeded, QuotaLedger
+from ingest.quota import Key, Limits, QuotaExceeded, QuotaLedger
 from schemas.coordination import QuotaSync, QuotaUsage
-
-T: Key = ("acme", ALL_MODELS)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def ledger(clock: Clock, name: str = "edge-a") -> QuotaLedger:
-    return QuotaLedger(name, clock=clock, wall_ms=lambda: int(clock.now * 1000))
+from tests.ingest.test_quota import Clock, T, ledger
 
 
 def refusal(quota: QuotaLedger, checks: list[tuple[Key, Limits]], tokens: int = 0):  # type: ignore[no-untyped-def]
