@@ -9,11 +9,10 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from ingest.app import Edge
 from ingest.auth import DEMO_KEY, Tenant, TenantDirectory, hash_key
-from ingest.quota import ALL_MODELS
 from tests.ingest.conftest import AUTH, GEN, MakeClient, eventually
 from tests.ingest.fake_gateway import FakeGateway
+from tests.ingest.test_take_over import _used_tokens
 
 MAX_TOKENS = 400
 CHAT = {"model": GEN, "messages": [{"role": "user", "content": "hello"}], "max_tokens": MAX_TOKENS}
@@ -22,10 +21,6 @@ CHAT = {"model": GEN, "messages": [{"role": "user", "content": "hello"}], "max_t
 @pytest.fixture
 def tenants() -> TenantDirectory:
     return TenantDirectory({"demo": Tenant(key_sha256=[hash_key(DEMO_KEY)], tokens_per_min=600)})
-
-
-def tokens_used(edge: Edge) -> int:
-    return edge.ctx.admission.ledger.used(("demo", ALL_MODELS))[1]
 
 
 @pytest.mark.parametrize("how", ["http-disconnect", "ws-cancel", "ws-close"])
@@ -50,7 +45,7 @@ async def test_a_request_ended_early_is_charged_what_it_used(
     (request,) = gateway.submitted
     prompt = len(request.input_ids)  # type: ignore[union-attr]
     await eventually(lambda: len(gateway.cancels) == 1)
-    await eventually(lambda: tokens_used(edge) == prompt + 2)
+    await eventually(lambda: _used_tokens(edge) == prompt + 2)
     # The tokens it did not use are the tenant's again: a second such request is admitted.
     gateway.hold_after = None
     again = await client.post("/v1/chat/completions", json=CHAT, headers=AUTH)
