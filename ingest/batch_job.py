@@ -226,6 +226,15 @@ class Job:
     def settled(self) -> bool:
         return self.status.count(DONE) + self.status.count(FAILED) == self.total
 
+    def maybe_running(self, window: int) -> list[tuple[int, int]]:
+        """(line, attempt) of each line that may have been running when an edge stopped, read from the
+        journal (after :meth:`restore`): lines are published in order, at most ``window`` at once, so such a
+        line has no final result and lies at most ``window`` lines past the last line with a result."""
+        status = self.status
+        last = next((i for i in range(self.total - 1, -1, -1) if status[i] != PENDING), -1)
+        end = min(self.total, last + 1 + window)
+        return [(i, self.attempts[i]) for i in range(end) if status[i] in (PENDING, RETRY)]
+
     def next_to_publish(self, now: float) -> tuple[int, int] | None:
         """(line, attempt) to publish next: a retry that is due, else the next line never published."""
         if self.retries and self.retries[0][0] <= now:

@@ -228,6 +228,8 @@ class BatchRunner(AsyncComponent):
         for job in jobs:
             self._jobs[job.state.batch_id] = job
             self._resumed = True
+            if job.ending == "cancelled" and job.state.in_progress_at is not None:
+                self._cancel_unsettled(job)
             tenant = self._tenants.named(job.state.tenant)
             if job.state.status == "validating" and tenant is not None:
                 self._spawn(self._validate(job, tenant), f"batch-validate-{job.state.batch_id}")
@@ -912,14 +914,25 @@ class BatchRunner(AsyncComponent):
     def _cancel_running(self, job: Job) -> None:
         for index in range(job.total):
             if job.status[index] == IN_FLIGHT:
-                cancel = CancelRequested(
-                    tenant=job.state.tenant,
-                    model=job.state.model,
-                    request_id=item_request_id(job.state, index, job.attempts[index]),
-                    source=self._source,
-                    reason="client_cancel",
-                )
-                self._log.cancel(cancel)
+                self._cancel_line(job, index, job.attempts[index])
+
+    def _cancel_unsettled(self, job: Job) -> None:
+        """Cancel again, at a restart, every line of a batch found ``cancelling`` that may have been running
+        when the edge stopped. ``cancelling`` is written before its cancels go out, so an edge killed
+        between the two left them unsent and those lines ran to their end (a review); a cancel of a
+        request that is not running is dropped by the workers."""
+        for index, attempt in job.maybe_running(self._settings.edge_batch_max_in_flight):
+            self._cancel_line(job, index, attempt)
+
+    def _cancel_line(self, job: Job, index: int, attempt: int) -> None:
+        cancel = CancelRequested(
+            tenant=job.state.tenant,
+            model=job.state.model,
+            request_id=item_request_id(job.state, index, attempt),
+            source=self._source,
+            reason="client_cancel",
+        )
+        self._log.cancel(cancel)
 
     async def _fail(self, job: Job, error: BatchLineError) -> None:
         """End a batch that cannot go on as ``failed`` with ``error`` (OpenAI's ``errors``), and no files:

@@ -728,6 +728,45 @@ async def test_a_batch_cancelling_while_its_edge_was_down_keeps_the_results_writ
     assert len(batch_log.lines) == 5, "nothing ran again"
 
 
+async def test_a_batch_cancelling_when_its_edge_was_killed_cancels_its_lines_at_the_restart(
+    make_client: MakeClient, batch_log: FakeBatchLog, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a review: a cancel writes ``cancelling`` before it sends its lines' cancels, and a restart
+    took a batch found ``cancelling`` for one whose cancels had gone out. An edge killed between the two
+    left its running lines to run to their end. The restarted edge cancels every line that may have been
+    running (in flight or past the last result by at most the in-flight window), and no settled one."""
+    held: list[BatchItemRequested] = []
+    batch_log.respond = held.append
+    first, _ = await make_client(edge_batch_max_in_flight=3)
+    monkeypatch.setattr(BatchRunner, "_cancel_running", lambda self, job: None)  # killed before them
+    async with AsyncOpenAI(base_url=str(first.make_url("/v1")), api_key=DEMO_KEY, max_retries=0) as sdk:
+        created = await run(sdk, [chat_line(i) for i in range(8)])
+        await _eventually(lambda: len(held) == 3)
+        batch_log.answer(complete(held[0]))  # line 0 completes; 3 is published in its place
+        await _eventually(lambda: len(held) == 4)
+        assert (await sdk.batches.cancel(created.id)).status == "cancelling"
+    await first.close()
+    assert batch_log.cancels == []
+    running = {e.request_id for e in held[1:]}
+
+    monkeypatch.undo()
+    second, _ = await make_client(edge_batch_max_in_flight=3)
+    async with AsyncOpenAI(base_url=str(second.make_url("/v1")), api_key=DEMO_KEY, max_retries=0) as sdk:
+        await _eventually(lambda: len(batch_log.cancels) > 0)
+        cancelled = {c.request_id for c in batch_log.cancels}
+        assert running <= cancelled, "every line running at the kill is cancelled"
+        assert held[0].request_id not in cancelled
+        assert len(cancelled) <= 3 + 3, "only lines the window could have published"
+        for event in held[1:]:
+            result = failing("cancelled")(event)
+            assert result is not None
+            batch_log.answer(result)
+        done = await until(sdk, created.id, "cancelled")
+    assert done.request_counts is not None
+    assert done.request_counts.completed == 1
+    assert len(batch_log.lines) == 4, "nothing ran again"
+
+
 async def test_a_batch_ends_even_when_the_results_log_never_catches_up(
     make_client: MakeClient, batch_log: FakeBatchLog, monkeypatch: pytest.MonkeyPatch
 ) -> None:
