@@ -42,6 +42,13 @@ class StreamOptions(_Strict, kw_only=True, forbid_unknown_fields=True, frozen=Tr
     include_usage: bool = False
 
 
+class ResponseFormat(msgspec.Struct, kw_only=True, frozen=True):
+    """OpenAI's ``response_format``: only ``{"type": "text"}`` (its default) is served; the rest of a
+    structured-output format is not read, since asking for one is refused."""
+
+    type: str
+
+
 class TextPart(_Strict, kw_only=True, forbid_unknown_fields=True, frozen=True):
     type: Literal["text"]
     text: str
@@ -79,10 +86,17 @@ class _GenerationBody(_Strict, kw_only=True, forbid_unknown_fields=True, frozen=
     frequency_penalty: Penalty | None = None
     user: str | None = None
     timeout: Timeout | None = None
+    logit_bias: dict[str, Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]] | None = None
+    """Accepted empty or ``null`` (what the SDK sends for a wrapper's ``logit_bias=None``; a review found
+    it a 400 on every call); a bias is refused."""
 
     def check_unsupported(self) -> None:
         if self.n not in (None, 1):
             raise InvalidRequest("Only n=1 is supported.", param="n", code="unsupported_parameter")
+        if self.logit_bias:
+            raise InvalidRequest(
+                "logit_bias is not supported.", param="logit_bias", code="unsupported_parameter"
+            )
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) not in (None, 0.0):
                 raise InvalidRequest(f"{name} is not supported.", param=name, code="unsupported_parameter")
@@ -111,12 +125,33 @@ class ChatCompletionRequest(_GenerationBody, kw_only=True, forbid_unknown_fields
     messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool | None = None
+    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
+    response_format: ResponseFormat | None = None
+    store: bool | None = None
+    """Whether OpenAI keeps the completion for its own tools: nothing to do here (every request is on the
+    log and in the audit trail either way)."""
+    metadata: (
+        Annotated[dict[str, Annotated[str, msgspec.Meta(max_length=512)]], msgspec.Meta(max_length=16)] | None
+    ) = None
+    """Tags OpenAI stores with a completion (``store``): accepted and not kept."""
+    service_tier: Literal["auto", "default"] | None = None
+    """The tiers that change nothing here; ``flex`` or ``priority`` (other prices and latencies) are 400s."""
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
         if self.logprobs:
             raise InvalidRequest(
                 "logprobs are not supported.", param="logprobs", code="unsupported_parameter"
+            )
+        if self.top_logprobs:
+            raise InvalidRequest(
+                "top_logprobs is not supported.", param="top_logprobs", code="unsupported_parameter"
+            )
+        if self.response_format is not None and self.response_format.type != "text":
+            raise InvalidRequest(
+                f"response_format {self.response_format.type!r} is not supported; only 'text' is.",
+                param="response_format",
+                code="unsupported_parameter",
             )
 
 

@@ -131,6 +131,38 @@ CASES: list[tuple[str, str, Any, int, str | None, str | None]] = [
         "unsupported_parameter",
     ),
     (
+        "logit_bias",
+        CHAT,
+        {"model": GEN, "messages": MSG, "logit_bias": {"50256": -100}},
+        400,
+        "logit_bias",
+        "unsupported_parameter",
+    ),
+    (
+        "top_logprobs",
+        CHAT,
+        {"model": GEN, "messages": MSG, "top_logprobs": 2},
+        400,
+        "top_logprobs",
+        "unsupported_parameter",
+    ),
+    (
+        "json output",
+        CHAT,
+        {"model": GEN, "messages": MSG, "response_format": {"type": "json_object"}},
+        400,
+        "response_format",
+        "unsupported_parameter",
+    ),
+    (
+        "priority tier",
+        CHAT,
+        {"model": GEN, "messages": MSG, "service_tier": "priority"},
+        400,
+        "service_tier",
+        "invalid_value",
+    ),
+    (
         "too many stops",
         CHAT,
         {"model": GEN, "messages": MSG, "stop": ["a", "b", "c", "d", "e"]},
@@ -276,6 +308,34 @@ async def test_bad_body_is_rejected_before_publishing(
     assert error["type"] == "invalid_request_error"
     assert gateway.submitted == []
     await assert_healthy(client, gateway)
+
+
+NO_OPS: list[tuple[str, dict[str, Any]]] = [
+    (CHAT, {"logit_bias": None}),
+    (CHAT, {"logit_bias": {}}),
+    (CHAT, {"top_logprobs": None}),
+    (CHAT, {"top_logprobs": 0}),
+    (CHAT, {"response_format": {"type": "text"}}),
+    (CHAT, {"store": False}),
+    (CHAT, {"store": True}),
+    (CHAT, {"metadata": None}),
+    (CHAT, {"metadata": {"team": "search"}}),
+    (CHAT, {"service_tier": "auto"}),
+    (COMPLETIONS, {"logit_bias": None}),
+]
+
+
+@pytest.mark.parametrize(("path", "extra"), NO_OPS, ids=[f"{p.rsplit('/', 1)[-1]} {e}" for p, e in NO_OPS])
+async def test_a_parameter_at_a_value_that_changes_nothing_is_accepted(
+    client: Client, gateway: FakeGateway, path: str, extra: dict[str, Any]
+) -> None:
+    """Found by a review: OpenAI parameters at their default or null were 400s (every field not declared
+    was refused), though they change no answer; the SDK sends a wrapper's ``logit_bias=None`` as null."""
+    base: dict[str, Any] = {"model": GEN, "max_tokens": 2}
+    base.update({"messages": MSG} if path == CHAT else {"prompt": "hello"})
+    response = await client.post(path, json={**base, **extra}, headers=AUTH)
+    assert response.status == 200, await response.text()
+    assert len(gateway.submitted) == 1
 
 
 RAW_CASES = [
