@@ -29,6 +29,10 @@ CLICKHOUSE_PLUGIN = "grafana-clickhouse-datasource"
 
 RATE = "$__rate_interval"
 MODEL = 'model=~"$model"'
+MODEL_OR_NONE = 'model=~"$model|"'
+"""For counts a request may join before its model is known (most rejections: a bad key, a tenant's limit,
+a body that does not parse, all counted with ``model=""``): those are shown whatever models are picked. A
+review found the Rejections panel empty through a flood of 401s, its filter matching no empty model."""
 
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 _METRIC_TOKEN = re.compile(r"\bsluice_[a-zA-Z0-9_]+")
@@ -130,8 +134,9 @@ def rows() -> list[Row]:
                 ),
                 Panel(
                     "Rejections",
-                    "Requests refused at the edge (4xx/5xx before running) per second, by status and reason.",
-                    (rate_by("sluice_rejections_total", "status, reason"),),
+                    "Requests refused at the edge (4xx/5xx before running) per second, by status and reason;"
+                    " those refused before their model was read (a bad key, a tenant's limit) are always shown.",
+                    (rate_by("sluice_rejections_total", "status, reason", MODEL_OR_NONE),),
                     "reqps",
                 ),
                 Panel(

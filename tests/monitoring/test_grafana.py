@@ -233,3 +233,21 @@ def test_the_warehouse_panels_count_clients_requests_and_one_row_a_batch(tmp_pat
         assert (row["model"], row["status"]) == ("demo-gpt", "in_progress")
     finally:
         client.close()
+
+
+def test_the_rejections_panel_shows_refusals_made_before_the_model_was_read() -> None:
+    """Found by a review: the edge counts a refusal made before it read the body's model (a bad key, a
+    tenant's limit, a body that does not parse) with ``model=""``, and the Rejections panel's
+    ``model=~"$model"`` (Grafana's "All" is the served models, ``(a|b)``) matched none of them: the panel
+    stayed empty through a flood of 401s. Such refusals are shown whatever models are picked."""
+    (panel,) = [p for p in build_dashboard()["panels"] if p.get("title") == "Rejections"]
+    (target,) = panel["targets"]
+    matcher = re.search(r'model=~"([^"]*)"', target["expr"])
+    assert matcher is not None, target["expr"]
+    for picked, shown, hidden in (
+        ("(tiny\\-gpt|minilm)", "minilm", "other"),
+        ("tiny\\-gpt", "tiny-gpt", "minilm"),
+    ):
+        regex = matcher.group(1).replace("$model", picked)
+        assert re.fullmatch(regex, "") and re.fullmatch(regex, shown)
+        assert not re.fullmatch(regex, hidden)
