@@ -249,5 +249,6 @@ def test_the_rejections_panel_shows_refusals_made_before_the_model_was_read() ->
         ("tiny\\-gpt", "tiny-gpt", "minilm"),
     ):
         regex = matcher.group(1).replace("$model", picked)
-        assert re.fullmatch(regex, "") and re.fullmatch(regex, shown)
+        assert re.fullmatch(regex, "")
+        assert re.fullmatch(regex, shown)
         assert not re.fullmatch(regex, hidden)
