@@ -101,9 +101,14 @@ class Component(_Watched, ABC):
     def stop(self) -> None:
         """Stop every piece that runs; safe after a partial start and more than once."""
 
+    def _undo_start(self) -> None:
+        """Undo a failed start: stop every piece (``stop`` is safe after a partial start). A component that
+        may find pieces running that another process started (a local Kafka node) stops only its own."""
+        self.stop()
+
     def _stop_quietly(self) -> None:
         try:
-            self.stop()
+            self._undo_start()
         except Exception:
             log.warning("%s: stop after a failed start raised", type(self).__name__, exc_info=True)
 

@@ -176,6 +176,14 @@ def kafka_status() -> None:
             raise fail(str(exc)) from None
         pids = broker.pids()
         live = live_brokers(broker.connection) if any(pid is not None for pid in pids) else 0
+        if live == 0 and any(pid is not None for pid in pids):
+            # Its JVM runs but does not answer: starting, recovering its logs or shutting down. Not "down":
+            # `sluice kafka up` waits for it rather than starting another (a review).
+            out.print(
+                f"Kafka (local) is not answering yet at {escape(broker.bootstrap)} ({_pids(broker)}): "
+                f"starting, recovering or stopping; its log is in {escape(str(broker.data_dir))}"
+            )
+            raise typer.Exit(1)
         if live == 0:
             out.print(f"Kafka (local) is down; `sluice kafka up` starts it at {escape(broker.bootstrap)}")
             raise typer.Exit(1)

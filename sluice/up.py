@@ -823,7 +823,8 @@ async def _serve(
                         # a Ctrl-C reaches the whole group: the first run's storage format fails with it
                         console.print("stopping...")
                         return
-                stack.callback(broker.stop, 30.0, launched)
+                # The nodes this start launched: not one whose JVM another process was starting (waited on)
+                stack.callback(broker.stop, 30.0, list(broker.launched))
                 watch = KafkaWatch(broker.nodes, console, stop)
                 await watch.start()
                 stack.push_async_callback(watch.stop)  # before the nodes stop: that is no crash

@@ -23,6 +23,7 @@ import msgspec
 from infra.children import die_with_parent
 from infra.errors import InfraError
 from infra.kafka.dist import fetch_kafka
+from infra.locks import exclusive
 from schemas.lifecycle import Component
 from schemas.settings import KafkaConnection
 
@@ -215,6 +216,9 @@ def request_threads(cores: int) -> tuple[int, int]:
     return max(1, cores // 4), max(1, cores // 2)
 
 
+LAUNCH_LOCK = ".launch.lock"
+"""A node's launch lock, in its data dir (see :meth:`LocalKafka.launch`)."""
+
 LOCAL_JVM_OPTIONS = ("-XX:TieredStopAtLevel=1",)
 """JVM options of every local node: the client compiler only. A local node is short-lived (a test, a
 benchmark, a development ``sluice up``) and its first minutes under load went to C2 compiling: on 2 cores
@@ -228,7 +232,8 @@ class LocalKafka(Component):
 
     ``start()`` returns once the broker answers a metadata request; ``stop()`` sends SIGTERM and waits
     for a clean shutdown (SIGKILL after ``stop_timeout``). A broker started by another process is found
-    again through its pid file, so ``sluice kafka down`` stops what ``sluice kafka up`` started.
+    again through its pid file, so ``sluice kafka down`` stops what ``sluice kafka up`` started, and a
+    start beside it waits for it rather than launching a second JVM on its data (see :meth:`launch`).
     """
 
     def __init__(
@@ -387,9 +392,23 @@ class LocalKafka(Component):
         self.launch()
         self._wait_ready(self.start_timeout)
 
-    def launch(self) -> None:
+    def launch(self) -> bool:
         """Configure, format (the first time) and start the JVM, without waiting for it to answer: the nodes
-        of a cluster all start before any can serve (its controllers need a majority)."""
+        of a cluster all start before any can serve (its controllers need a majority). Whether it launched
+        one: not when this node's JVM is alive already but not listening yet (starting, recovering its logs,
+        shutting down), whoever launched it. A second JVM on the node's data dir corrupted its metadata log
+        or died on its ports, and the failed start then stopped the first (a review), so the start waits
+        for that one instead. The node's launch lock is held from that check until the pid file names the
+        new JVM, so two starts at once launch one JVM between them and format the storage once."""
+        if self.exit_code() is not None:
+            self._proc = None  # the JVM an earlier start launched has exited: only the pid file counts
+        with exclusive(self.data_dir / LAUNCH_LOCK):
+            if self.pid() is not None:
+                return False
+            self._launch()
+        return True
+
+    def _launch(self) -> None:
         if port_open(self.port):
             raise BrokerError(f"port {self.port} is taken by another program; set SLUICE_KAFKA_PORT")
         if port_open(self.controller_port):
@@ -428,6 +447,10 @@ class LocalKafka(Component):
         this object started none."""
         return None if self._proc is None else self._proc.poll()
 
+    def runs_own_jvm(self) -> bool:
+        """Whether the JVM this object launched runs (not one another process launched on its data)."""
+        return self._proc is not None and self._proc.poll() is None
+
     def raise_if_exited(self) -> None:
         """Raise BrokerError (with the log's tail) if the JVM this object started has exited."""
         if self._proc is not None and self._proc.poll() is not None:
@@ -435,17 +458,49 @@ class LocalKafka(Component):
                 f"Kafka node {self.node_id} exited with {self._proc.returncode}:\n{self.log_tail()}"
             )
 
+    def keep_launched(self) -> bool:
+        """During a start: raise if the JVM this object launched has exited; launch one if the node's JVM
+        that another process launched has exited before it answered (it was shutting down; or it failed,
+        and then ours fails and says why). Whether it launched one."""
+        self.raise_if_exited()
+        if self._proc is None and self.pid() is None and not port_open(self.port):
+            return self.launch()
+        return False
+
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            self.raise_if_exited()
+            self.keep_launched()
             if port_open(self.port) and broker_answers(self.connection):
                 return
             time.sleep(0.2)
-        self.stop()
+        pid = self.pid()
+        if self._proc is None and pid is not None:
+            raise BrokerError(
+                f"Kafka node {self.node_id}'s JVM (pid {pid}, launched by another process) runs but did not "
+                f"answer on {self.bootstrap} within {timeout:.0f}s; it is left running (`sluice kafka down` "
+                f"stops it), its log: {self.log_file}\n{self.log_tail()}"
+            )
         raise BrokerError(
             f"Kafka did not answer on {self.bootstrap} within {timeout:.0f}s:\n{self.log_tail()}"
         )
+
+    def _undo_start(self) -> None:
+        """A failed start stops the JVM this object launched, and no other: a JVM of this node that another
+        process launched (found starting, and waited on) stays, as does one launched after ours died."""
+        if self.runs_own_jvm():
+            self.stop()
+        else:
+            self.forget_exited()
+
+    def forget_exited(self) -> None:
+        """Drop the JVM this object launched once it has exited, with the pid file while that names it."""
+        if self._proc is None or self._proc.poll() is None:
+            return
+        with contextlib.suppress(FileNotFoundError, ValueError):
+            if int(self.pid_file.read_text().strip()) == self._proc.pid:
+                self.pid_file.unlink()
+        self._proc = None
 
     def log_tail(self, lines: int = 20) -> str:
         try:
@@ -502,6 +557,8 @@ class LocalKafka(Component):
 
 
 CLUSTER_FILE = "cluster.json"
+LAYOUT_LOCK = ".cluster.lock"
+"""A cluster's layout lock, in its data dir: held while a start reads and records the layout."""
 
 
 def read_layout(data_dir: str | Path) -> ClusterLayout | None:
@@ -527,8 +584,10 @@ class LocalKafkaCluster(Component):
     factor, and unclean leader election is off; the layout (cluster id, ports, directory ids) is recorded
     in ``data_dir/cluster.json`` so the cluster restarts as it was formatted.
 
-    ``start()`` starts every node that is not running and returns once every node answers a metadata request
-    that lists all of them as brokers; ``stop()`` stops them all at once (SIGTERM, SIGKILL after ``stop_timeout``).
+    ``start()`` starts every node that is not running (and waits for one whose JVM runs but does not answer
+    yet) and returns once every node answers a metadata request that lists all of them as brokers; a failed
+    start stops the nodes it launched, no other. ``stop()`` stops them all at once (SIGTERM, SIGKILL after
+    ``stop_timeout``).
     :meth:`kill` and :meth:`restart` crash one node and bring it back, for failure tests.
     """
 
@@ -556,6 +615,8 @@ class LocalKafkaCluster(Component):
         if len(ports) > 1:
             matches = self.recorded is not None and self.recorded.ports == list(ports)
             self.layout = self.recorded if matches else ClusterLayout.new(ports)
+        self.launched: list[LocalKafka] = []
+        """The nodes whose JVM the last :meth:`start` launched: a failed start stops these and no other."""
         self.nodes = [
             LocalKafka(
                 data_dir=self.data_dir if self.layout is None else self.data_dir / f"node-{node_id}",
@@ -602,28 +663,50 @@ class LocalKafkaCluster(Component):
         return all(node.running() for node in self.nodes)
 
     def _start(self) -> None:
+        self.launched = []
         if self.running():
             return
         if self.layout is not None:
-            if self.recorded is not None and self.recorded != self.layout:
+            self._record_layout(self.layout)
+        for node in self.nodes:
+            if not node.running() and node.launch():
+                self.launched.append(node)
+        self._wait_ready(self.start_timeout)
+
+    def _record_layout(self, layout: ClusterLayout) -> None:
+        """Record ``layout`` in the data dir, or refuse to start on another recorded one. A layout recorded
+        with the same ports since this object read the data dir (a start at once with this one, of a fresh
+        cluster) is taken instead: the nodes are formatted with one cluster id."""
+        with exclusive(self.data_dir / LAYOUT_LOCK):
+            self.recorded = read_layout(self.data_dir)
+            if self.recorded is not None and self.recorded.ports == layout.ports:
+                self.layout = self.recorded
+                for node in self.nodes:
+                    node.cluster = self.recorded
+            elif self.recorded is not None:
                 raise BrokerError(
                     f"{self.data_dir} holds a {len(self.recorded.nodes)}-node cluster on ports "
                     f"{self.recorded.ports} (client, controller): start it as it was formatted (the same "
                     f"--brokers and SLUICE_KAFKA_PORT), or delete {self.layout_file} and the node-* folders"
                 )
-            self.data_dir.mkdir(parents=True, exist_ok=True)
-            self.layout_file.write_bytes(msgspec.json.format(msgspec.json.encode(self.layout)) + b"\n")
-            self.recorded = self.layout
-        for node in self.nodes:
-            if not node.running():
-                node.launch()
-        self._wait_ready(self.start_timeout)
+            else:
+                self.layout_file.write_bytes(msgspec.json.format(msgspec.json.encode(layout)) + b"\n")
+                self.recorded = layout
+
+    def _undo_start(self) -> None:
+        """A failed start stops the nodes it launched, and no other: the nodes found running (another
+        process started them) stay, where before the failed repair of one node stopped them all (a review)."""
+        own = [node for node in self.launched if node.runs_own_jvm()]
+        for node in self.launched:
+            node.forget_exited()
+        self.stop(nodes=own)
 
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for node in self.nodes:
-                node.raise_if_exited()
+                if node.keep_launched():
+                    self.launched.append(node)
             # Each node answers on its own listener (a restarted one too, not only its old registration
             # that the others still list until its session expires), and lists every broker.
             if all(port_open(n.port) and live_brokers(n.connection) == len(self.nodes) for n in self.nodes):

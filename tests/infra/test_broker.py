@@ -131,3 +131,34 @@ def test_sluice_ups_broker_dies_with_it_even_after_a_kill_9(
     assert dies_with_killed_parent(script, *args, within_s=20), (
         "the JVM outlived the process that launched it"
     )
+
+
+@pytest.mark.integration
+def test_a_second_start_while_the_node_starts_keeps_the_first_jvm(
+    platform_settings: PlatformSettings, tmp_path: Path
+) -> None:
+    """Two `sluice kafka up` at once, or `sluice up` beside a `sluice kafka up`: the second start launched
+    another JVM on the node's data dir, and the first died of a corrupt metadata log or lost its pid file
+    (a review). It waits for the first now."""
+    if not platform_settings.local_kafka:
+        pytest.skip("SLUICE_KAFKA_BOOTSTRAP points at an external cluster: no local broker to start")
+    port, controller = free_port(), free_port()
+
+    def node() -> LocalKafka:
+        return LocalKafka(
+            tmp_path, platform_settings.cache_dir, platform_settings.kafka_version, port=port,
+            controller_port=controller, start_timeout=60,
+        )  # fmt: skip
+
+    first, second = node(), node()
+    try:
+        first.launch()  # the first start's JVM, not listening yet
+        pid = first.pid()
+        assert pid is not None
+        time.sleep(0.5)
+        second.start()
+        assert first.exit_code() is None, "the node's first JVM died (a second JVM on its data dir)"
+        assert second.pid() == pid, "the pid file does not name the node's JVM"
+    finally:
+        first.stop()
+        second.stop()

@@ -231,6 +231,7 @@ class _Broker:
         self.nodes = nodes
         self.bootstrap = "127.0.0.1:1"
         self.start = start or (lambda: None)
+        self.launched = list(nodes)  # what its start launched
         self.stopped = False
 
     def running(self) -> bool:
