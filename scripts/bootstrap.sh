@@ -26,11 +26,26 @@ if ! "$_python" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
   return 1 2>/dev/null || exit 1
 fi
 
+# The cache is shared by every clone and CI run: what is missing is made under an exclusive lock (flock,
+# where there is one), and a bootstrap that waited for the lock finds it made. Two first bootstraps of one
+# lock file at once each deleted and rebuilt the other's venv mid-install (a review). The lock goes with
+# the open file, so a killed bootstrap never leaves it taken.
+_bootstrap_lock() {
+  mkdir -p "$(dirname "$1")"
+  exec {_bootstrap_fd}>"$1"
+  if command -v flock >/dev/null 2>&1; then flock "$_bootstrap_fd"; fi
+}
+_bootstrap_unlock() { exec {_bootstrap_fd}>&-; }
+
 _uv="$_cache/tools/uv-$_uv_version/bin/uv"
 if [ ! -x "$_uv" ]; then
-  echo "bootstrap: installing uv $_uv_version into $_cache/tools" >&2
-  "$_python" -m venv "$_cache/tools/uv-$_uv_version"
-  "$_cache/tools/uv-$_uv_version/bin/pip" install --quiet --disable-pip-version-check "uv==$_uv_version"
+  _bootstrap_lock "$_cache/tools/uv-$_uv_version.lock"
+  if [ ! -x "$_uv" ]; then
+    echo "bootstrap: installing uv $_uv_version into $_cache/tools" >&2
+    "$_python" -m venv "$_cache/tools/uv-$_uv_version"
+    "$_cache/tools/uv-$_uv_version/bin/pip" install --quiet --disable-pip-version-check "uv==$_uv_version"
+  fi
+  _bootstrap_unlock
 fi
 
 _wheel_dir="${SLUICEGATE_WHEEL_DIR:-/opt/wheels}"
@@ -40,18 +55,22 @@ _hash="$( { cat "$_root/requirements/lock.txt"; "$_python" --version; echo "$_uv
 export SLUICEGATE_VENV="$_cache/venvs/$_hash"
 
 if [ ! -f "$SLUICEGATE_VENV/.complete" ]; then
-  echo "bootstrap: creating $SLUICEGATE_VENV (first run for this lock; later runs reuse it)" >&2
-  rm -rf "$SLUICEGATE_VENV"
-  "$_uv" venv --quiet --python "$_python" "$SLUICEGATE_VENV"
-  if [ -n "$_torch_wheel" ]; then
-    echo "bootstrap: using local torch wheel $_torch_wheel" >&2
-    grep -vE '^(torch|triton|nvidia-[a-z0-9-]+)==' "$_root/requirements/lock.txt" > "$SLUICEGATE_VENV/lock.txt"
-    "$_uv" pip install --python "$SLUICEGATE_VENV/bin/python" "$_torch_wheel"
-  else
-    cp "$_root/requirements/lock.txt" "$SLUICEGATE_VENV/lock.txt"
+  _bootstrap_lock "$_cache/venvs/$_hash.lock"
+  if [ ! -f "$SLUICEGATE_VENV/.complete" ]; then  # not made while this one waited
+    echo "bootstrap: creating $SLUICEGATE_VENV (first run for this lock; later runs reuse it)" >&2
+    rm -rf "$SLUICEGATE_VENV"
+    "$_uv" venv --quiet --python "$_python" "$SLUICEGATE_VENV"
+    if [ -n "$_torch_wheel" ]; then
+      echo "bootstrap: using local torch wheel $_torch_wheel" >&2
+      grep -vE '^(torch|triton|nvidia-[a-z0-9-]+)==' "$_root/requirements/lock.txt" > "$SLUICEGATE_VENV/lock.txt"
+      "$_uv" pip install --python "$SLUICEGATE_VENV/bin/python" "$_torch_wheel"
+    else
+      cp "$_root/requirements/lock.txt" "$SLUICEGATE_VENV/lock.txt"
+    fi
+    "$_uv" pip install --quiet --python "$SLUICEGATE_VENV/bin/python" -r "$SLUICEGATE_VENV/lock.txt"
+    touch "$SLUICEGATE_VENV/.complete"
   fi
-  "$_uv" pip install --quiet --python "$SLUICEGATE_VENV/bin/python" -r "$SLUICEGATE_VENV/lock.txt"
-  touch "$SLUICEGATE_VENV/.complete"
+  _bootstrap_unlock
 fi
 
 # Bytecode for everything installed, once per venv. uv installs without it, and where the environment sets
@@ -73,5 +92,5 @@ export VIRTUAL_ENV="$SLUICEGATE_VENV"
 unset _root _cache _uv_version _python _uv _wheel_dir _torch_wheel _hash
 # Sourced from an interactive shell, `set -e` would close it at its next failing command (an audit).
 _bootstrap_restore
-unset -f _bootstrap_restore
-unset _bootstrap_flags _bootstrap_pipefail
+unset -f _bootstrap_restore _bootstrap_lock _bootstrap_unlock
+unset _bootstrap_flags _bootstrap_pipefail _bootstrap_fd

@@ -80,3 +80,44 @@ def test_a_caller_with_errexit_alone_gets_past_reading_its_options(tmp_path: Pat
         timeout=30,
     )
     assert "sluicegate needs Python 3.11" in done.stderr, done.stderr
+
+
+# `uv`, already installed in the cache: makes a venv (its python the real one, its bytecode marked, after a
+# second, as a real install takes minutes) and installs nothing; every call is logged.
+FAKE_UV = """#!/bin/sh
+echo "$1" >> "$FAKE_UV_LOG"
+if [ "$1" = venv ]; then
+  for dir; do :; done
+  mkdir -p "$dir/bin" && ln -s "{python}" "$dir/bin/python" && touch "$dir/.bytecode"
+  sleep 1
+fi
+"""
+
+
+def test_two_first_bootstraps_at_once_make_the_venv_once(tmp_path: Path) -> None:
+    """Found by a review: two first bootstraps of one lock file (two CI jobs, two clones) each found no
+    venv, and each deleted and rebuilt it while the other installed into it. The second waits now, and
+    reuses the venv the first made."""
+    cache = tmp_path / "cache"
+    uv = cache / "tools" / "uv-0.13.9" / "bin" / "uv"
+    uv.parent.mkdir(parents=True)
+    uv.write_text(FAKE_UV.format(python=sys.executable))
+    uv.chmod(0o755)
+    log = tmp_path / "uv.log"
+    env = {
+        "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin",
+        "HOME": str(tmp_path),
+        "SLUICE_CACHE_DIR": str(cache),
+        "SLUICEGATE_WHEEL_DIR": str(tmp_path / "no-wheels"),
+        "FAKE_UV_LOG": str(log),
+    }
+    script = 'set -e\nsource scripts/bootstrap.sh\necho "$SLUICEGATE_VENV"\n'
+    runs = [
+        subprocess.Popen(["bash", "-c", script], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    venvs = {run.communicate(timeout=60)[0].strip() for run in runs}
+    assert [run.returncode for run in runs] == [0, 0]
+    (venv,) = venvs
+    assert (Path(venv) / ".complete").is_file()
+    assert log.read_text().split().count("venv") == 1, "both bootstraps made the venv"
