@@ -69,16 +69,22 @@ def kafka(
 
 def own_broker(platform_settings: PlatformSettings, data_dir: Path) -> LocalKafka:
     """A local broker of a test's own on free ports (not started), for tests that stop or stall it; skips
-    the test where ``SLUICE_KAFKA_BOOTSTRAP`` names an external cluster."""
+    the test where ``SLUICE_KAFKA_BOOTSTRAP`` names an external cluster.
+
+    Its JVM dies with the thread that starts it (start it from one that lives as long as the test: the
+    main thread, or the event loop's executor): a pytest or xdist worker killed by a CI timeout or a
+    cancelled job runs no fixture teardown, and its JVM, in a session of its own, outlived it (a review)."""
     if not platform_settings.local_kafka:
         pytest.skip("SLUICE_KAFKA_BOOTSTRAP points at an external cluster: no local broker of the test's own")
-    return LocalKafka(
+    broker = LocalKafka(
         data_dir=data_dir,
         cache_dir=platform_settings.cache_dir,
         version=platform_settings.kafka_version,
         port=free_port(),
         controller_port=free_port(),
     )
+    broker.die_with_parent = True
+    return broker
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from confluent_kafka import Consumer, Producer
 from infra.kafka.broker import BrokerError, LocalKafka, _ephemeral_low, free_port
 from infra.topics import TopicSpec, apply_topics, make_admin
 from schemas.settings import PlatformSettings
+from tests.conftest import own_broker
 from tests.processes import dies_with_killed_parent
 
 
@@ -162,3 +164,33 @@ def test_a_second_start_while_the_node_starts_keeps_the_first_jvm(
     finally:
         first.stop()
         second.stop()
+
+
+def test_the_test_suites_own_brokers_die_with_the_test_process(
+    platform_settings: PlatformSettings, tmp_path: Path
+) -> None:
+    """A pytest (or xdist worker) killed by a CI timeout or a cancelled job runs no fixture teardown, and
+    the session broker's JVM, in a session of its own, outlived it (a review)."""
+    assert own_broker(platform_settings, tmp_path).die_with_parent
+
+
+@pytest.mark.integration
+def test_a_test_brokers_jvm_dies_with_a_killed_test_process(
+    platform_settings: PlatformSettings, tmp_path: Path
+) -> None:
+    if not platform_settings.local_kafka:
+        pytest.skip("SLUICE_KAFKA_BOOTSTRAP points at an external cluster: no local broker of the test's own")
+    script = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from schemas.settings import PlatformSettings, load_settings\n"
+        "from tests.conftest import own_broker\n"
+        "broker = own_broker(load_settings(PlatformSettings), Path(sys.argv[1]))\n"
+        "broker.launch()\n"  # what broker.start() does first, in the fixture
+        "print(broker.pid(), flush=True)\n"
+        "import time; time.sleep(120)\n"
+    )
+    gone = dies_with_killed_parent(script, str(tmp_path), within_s=20)
+    if not gone:  # what the test left
+        os.kill(int((tmp_path / "broker.pid").read_text()), signal.SIGKILL)
+    assert gone, "the test broker's JVM outlived the killed test process"
