@@ -101,11 +101,11 @@ class Check:
 
 
 def greedy_on(
-    model: PreTrainedModel, prompts: list[list[int]], budgets: list[int], eos: int | None
+    model: PreTrainedModel, prompts: list[list[int]], budgets: list[int], ends: frozenset[int]
 ) -> list[list[int]]:
-    """Each prompt generated alone (no padding), greedy, up to its budget or through EOS."""
+    """Each prompt generated alone (no padding), greedy, up to its budget or through its first end token."""
     out = [padded_generate(model, [p], n)[0] for p, n in zip(prompts, budgets, strict=True)]
-    return [tokens[: tokens.index(eos) + 1] if eos in tokens else tokens for tokens in out]
+    return [tokens[: next((i + 1 for i, t in enumerate(tokens) if t in ends), len(tokens))] for tokens in out]
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> tuple[int, float]:
@@ -121,8 +121,7 @@ def engine_under_churn(
     gen: LoadedModel, prompts: list[list[int]], budgets: list[int], static_cache: bool | None
 ) -> tuple[dict[str, list[int]], GenerationEngine]:
     """A closed loop at 4 slots: whenever a sequence ends the next request joins its free row."""
-    eos = gen.manifest.eos_token_id
-    stop = frozenset({eos}) if eos is not None else frozenset()
+    stop = gen.manifest.end_token_ids
     engine = GenerationEngine(
         gen.model, max_batch_size=4, max_context=gen.manifest.max_context, static_cache=static_cache
     )
@@ -172,9 +171,9 @@ def smoke(
     ]
     prompts = [list(gen.tokenizer(p)["input_ids"]) for p in PROMPTS]
     on_gpu = gen.device.type == "cuda"
-    eos = gen.manifest.eos_token_id
+    ends = gen.manifest.end_token_ids
     flat = [32] * len(prompts)
-    here, there = greedy_on(gen.model, prompts, flat, eos), greedy_on(cpu_gen.model, prompts, flat, eos)
+    here, there = greedy_on(gen.model, prompts, flat, ends), greedy_on(cpu_gen.model, prompts, flat, ends)
     same, prefix = agreement(here, there)
     checks.append(
         Check(
@@ -184,7 +183,7 @@ def smoke(
         )
     )
     budgets = [40, 3, 9, 5, 12, 4, 7, 30]
-    alone = {str(i): tokens for i, tokens in enumerate(greedy_on(gen.model, prompts, budgets, eos))}
+    alone = {str(i): tokens for i, tokens in enumerate(greedy_on(gen.model, prompts, budgets, ends))}
     for static_cache in (None, not on_gpu):  # as a worker builds it (the ring and graphs on a GPU), the other
         churn, engine = engine_under_churn(gen, prompts, budgets, static_cache)
         equal = sum(churn[k] == v for k, v in alone.items())

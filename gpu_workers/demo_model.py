@@ -27,6 +27,7 @@ from schemas.manifest import (
 if TYPE_CHECKING:
     import tokenizers
 
+from gpu_workers.end_tokens import end_of_turn_ids, end_token_ids
 from gpu_workers.model_store import ModelError, Progress, model_lock, point_current, publish
 
 DEMO_GPT_ID = "demo-gpt"
@@ -282,9 +283,10 @@ def build_demo_gpt(root: Path, progress: Progress | None = None, recipe: DemoRec
                 max_context=recipe.n_positions,
                 max_output_tokens=256,
                 eos_token_id=eos_id,
+                eos_token_ids=end_token_ids(staging),
                 files=files,
                 sampling=SamplingDefaults(temperature=0.8, top_p=0.95, top_k=50, max_tokens=64),
-                chat=ChatFormat(),
+                chat=ChatFormat(end_of_turn_ids=end_of_turn_ids(staging, ChatFormat())),
                 description=f"tiny GPT-2 built locally (recipe {recipe.digest()})",
             )
 

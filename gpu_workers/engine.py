@@ -840,7 +840,9 @@ def padded_generate(
     import torch
 
     pad = model.generation_config.pad_token_id
-    pad_id = int(pad if isinstance(pad, int) else (model.config.eos_token_id or 0))
+    eos = model.config.eos_token_id
+    # a config's end token may be a list (Llama 3.1's), whose first then pads
+    pad_id = int(pad if isinstance(pad, int) else (eos[0] if isinstance(eos, list) and eos else eos or 0))
     longest = max(len(p) for p in prompts)
     ids, mask = pad_rows(prompts, pad_id, next(model.parameters()).device, left=True)
     with torch.inference_mode():

@@ -48,6 +48,9 @@ class _Live:
     event: GenerationRequested
     detok: Detokenizer
     max_new_tokens: int
+    end_ids: frozenset[int] = frozenset()
+    """The tokens that end this sequence and are left out of its text and usage: the model's end tokens,
+    and for a chat request its chat format's end of turn; none with ``ignore_eos``."""
     started: datetime | None = None
     first_token: datetime | None = None
     stop_hit: bool = False
@@ -108,6 +111,9 @@ class GenerationRunner:
         self._engine = engine
         self._detokenizer = detokenizer
         self._manifest = manifest
+        # built once: a request takes one of them, and each token is one set lookup
+        self._end_ids = manifest.end_token_ids
+        self._chat_end_ids = manifest.chat_end_token_ids
         self._origin = Origin(source, worker_id)
         self._scheduler: GenerationScheduler[_Live] = GenerationScheduler(scheduler)
         self._budget = scheduler.max_batch_tokens
@@ -139,6 +145,7 @@ class GenerationRunner:
             event=event,
             detok=self._detokenizer(),
             max_new_tokens=max(0, min(event.sampling.max_tokens, room, self._manifest.max_output_tokens)),
+            end_ids=self._end_ids_of(event),
         )
         if not event.input_ids:  # the edge refuses one; another producer may not (it read "no room")
             emit.finish(arrival, self._origin.failed(arrival, "invalid_request", "the prompt is empty"))
@@ -337,6 +344,15 @@ class GenerationRunner:
 
     # ---------------------------------------------------------------- helpers
 
+    def _end_ids_of(self, event: GenerationRequested) -> frozenset[int]:
+        """The tokens ``event``'s sequence stops at. A chat answer is the assistant's turn, so it also stops
+        where the model begins another turn. A completion continues raw text, which may hold a whole
+        dialogue (demo-gpt was trained on such documents), so it stops at the end tokens only, as
+        ``generate``, vLLM and OpenAI's completions do."""
+        if event.sampling.ignore_eos:
+            return frozenset()
+        return self._chat_end_ids if event.chat else self._end_ids
+
     def _fail_all(self, request_ids: Iterable[str], error: ErrorInfo, emit: Emitter) -> None:
         """End each of these requests still live ``failed`` with ``error``."""
         for request_id in request_ids:
@@ -349,7 +365,6 @@ class GenerationRunner:
     def _start(self, live: _Live, started: datetime, emit: Emitter) -> None:
         live.started = started
         event = live.event
-        eos = self._manifest.eos_token_id
         try:
             self._engine.add(
                 SeqRequest(
@@ -362,9 +377,7 @@ class GenerationRunner:
                     seed=event.sampling.seed
                     if event.sampling.seed is not None
                     else derive_seed(event.request_id),
-                    stop_token_ids=frozenset()
-                    if eos is None or event.sampling.ignore_eos
-                    else frozenset({eos}),
+                    stop_token_ids=live.end_ids,
                 )
             )
         except GpuWorkerError as exc:  # e.g. token ids outside the vocabulary
@@ -378,7 +391,7 @@ class GenerationRunner:
         if live.last_token_at is not None:
             live.max_gap = max(live.max_gap, now - live.last_token_at)
         live.last_token_at = now
-        if token_id == self._manifest.eos_token_id and not live.event.sampling.ignore_eos:
+        if token_id in live.end_ids:
             return  # ends the sequence; not part of the completion
         if not live.event.sampling.stop:
             # No stop string needs the text token by token: a streamed request's text is decoded a chunk

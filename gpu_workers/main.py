@@ -154,7 +154,7 @@ def runner_factory(
                     graphs,
                     time.perf_counter() - began,
                 )
-            return generation_runner(engine, loaded.tokenizer, manifest, worker, source, worker_id)
+            return generation_runner(engine, loaded.tokenizer, loaded.manifest, worker, source, worker_id)
         from gpu_workers.embedding import EmbeddingEngine
         from gpu_workers.embedding_runner import EmbeddingRunner
         from gpu_workers.models import load_embedding_model

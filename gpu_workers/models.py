@@ -36,9 +36,11 @@ from gpu_workers.demo_model import (
     build_demo_gpt,
     demo_corpus,
 )
+from gpu_workers.end_tokens import end_of_turn_ids, end_token_ids, with_end_tokens
 from gpu_workers.model_store import CURRENT, ModelError, Progress, Task, model_lock, publish, sha256_file
 from schemas.manifest import (
     MANIFEST_FILE,
+    ChatFormat,
     ManifestError,
     ModelManifest,
     embedding_context,
@@ -280,7 +282,6 @@ def prepare_hf_dir(
         raise ModelError(f"{model_id}: {source}/config.json names no max_position_embeddings")
     if task == "embedding":
         max_context = embedding_context(source, max_context)
-    eos = config.get("eos_token_id")
     hidden = config.get("hidden_size") or config.get("n_embd")
 
     model_root = Path(root) / model_id
@@ -291,6 +292,7 @@ def prepare_hf_dir(
                 (staging / entry.name).symlink_to(entry)
 
         def manifest_for(version: str, files: dict[str, str]) -> ModelManifest:
+            ends = end_token_ids(staging)
             return ModelManifest(
                 model_id=model_id,
                 task=task,
@@ -298,8 +300,10 @@ def prepare_hf_dir(
                 max_context=max_context,
                 max_output_tokens=min(256, max_context),
                 embedding_dim=hidden if task == "embedding" and isinstance(hidden, int) else None,
-                eos_token_id=eos if isinstance(eos, int) else None,
+                eos_token_id=ends[0] if ends else None,
+                eos_token_ids=ends,
                 files=files,
+                chat=ChatFormat(end_of_turn_ids=end_of_turn_ids(staging, ChatFormat())),
                 description=f"linked from {source}",
             )
 
@@ -474,6 +478,8 @@ def _load(model_dir: Path, device: str, task: Task) -> LoadedModel:
     manifest = verify_model_dir(model_dir)
     if manifest.task != task:
         raise ModelError(f"{manifest.model_id} is a {manifest.task} model, not {task}")
+    if task == "generation":
+        manifest = with_end_tokens(manifest, Path(model_dir))
     configure_torch_threads()
     target = resolve_device(device)
     if target.type == "cuda" and target.index is not None:

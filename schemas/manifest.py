@@ -31,6 +31,13 @@ class ChatFormat(msgspec.Struct, frozen=True, kw_only=True):
 
     turn: str = "<|{role}|>\n{content}\n"
     assistant_prefix: str = "<|assistant|>\n"
+    end_of_turn_ids: tuple[int, ...] | None = None
+    """Tokens that end the assistant's turn in this format: the role markers that are single special
+    tokens of the model's vocabulary (demo-gpt's ``<|user|>``, ``<|assistant|>``, ``<|system|>``). A chat
+    answer stops at any of them, as at an end-of-sequence token: the model went on into a turn of its own
+    making (a review, 2026-12-03: 4 of 60 sampled demo-gpt answers did, and the client read a made-up user
+    question as the assistant's reply). A completion of raw text does not stop at them. ``None`` in a
+    manifest written before this field: the worker derives them from the tokenizer when it loads."""
 
 
 class ModelManifest(msgspec.Struct, frozen=True, kw_only=True):
@@ -44,11 +51,35 @@ class ModelManifest(msgspec.Struct, frozen=True, kw_only=True):
     max_output_tokens: PositiveInt = 256
     embedding_dim: int | None = None
     eos_token_id: int | None = None
+    """config.json's end-of-sequence token (the first of a list): what manifests recorded before
+    ``eos_token_ids``, kept for readers that know only it."""
+    eos_token_ids: tuple[int, ...] | None = None
+    """Every token that ends a sequence: config.json's and generation_config.json's ``eos_token_id``
+    (each an int or a list), as transformers' ``generate`` stops at them. A model whose config.json names
+    a list (Llama 3.1 Instruct's ``[128001, 128008, 128009]``), or whose generation_config.json names more
+    (Llama 3 Instruct's ``<|eot_id|>``), stopped at none of them or not at all of them, and every answer
+    ran on to ``max_tokens`` (a review, 2026-12-03). ``None`` in a manifest written before this field:
+    :attr:`end_token_ids` falls back on ``eos_token_id``, and the worker reads the model's configs when it
+    loads."""
     files: dict[str, str] = {}
     """file name -> sha256 of every weight and tokenizer file, checked when the worker loads."""
     sampling: SamplingDefaults = SamplingDefaults()
     chat: ChatFormat = ChatFormat()
     description: str = ""
+
+    @property
+    def end_token_ids(self) -> frozenset[int]:
+        """The tokens that end any sequence of this model (the single ``eos_token_id`` of an older
+        manifest)."""
+        if self.eos_token_ids is not None:
+            return frozenset(self.eos_token_ids)
+        return frozenset() if self.eos_token_id is None else frozenset({self.eos_token_id})
+
+    @property
+    def chat_end_token_ids(self) -> frozenset[int]:
+        """The tokens that end a chat answer: those that end any sequence, and the chat format's end of
+        turn."""
+        return self.end_token_ids | frozenset(self.chat.end_of_turn_ids or ())
 
 
 SENTENCE_TRANSFORMERS_CONFIG = "sentence_bert_config.json"

@@ -77,7 +77,7 @@ class PeerModels:
 
     def complete_many(self, bodies: list[Body]) -> list[Body]:
         """One batched greedy ``generate`` for every body's prompt (as long as the longest ``max_tokens``
-        asks; each is cut at its own ``max_tokens`` and, unless ``ignore_eos``, at EOS)."""
+        asks; each is cut at its own ``max_tokens`` and, unless ``ignore_eos``, at the model's first end token)."""
         if self.gen is None:
             raise RuntimeError("this peer serves no generation model")
         tokenizer = self.gen.tokenizer
@@ -85,13 +85,14 @@ class PeerModels:
         limits = [int(b.get("max_tokens", 16)) for b in bodies]
         at_least = min(limit if b.get("ignore_eos") else 0 for b, limit in zip(bodies, limits, strict=True))
         rows = padded_generate(self.gen.model, prompts, max(limits), min_new_tokens=at_least)
-        eos = self.gen.model.config.eos_token_id
+        ends = self.gen.manifest.end_token_ids
         out: list[Body] = []
         for body, prompt, limit, row in zip(bodies, prompts, limits, rows, strict=True):
             tokens = row[:limit]
             finish = "length"
-            if not body.get("ignore_eos") and eos in tokens:
-                tokens = tokens[: tokens.index(eos)]
+            end = next((i for i, t in enumerate(tokens) if t in ends), None)
+            if not body.get("ignore_eos") and end is not None:
+                tokens = tokens[:end]
                 finish = "stop"
             out.append(
                 {

@@ -88,6 +88,8 @@ def test_demo_build_is_deterministic(tmp_path: Path) -> None:
     second = build_demo_gpt(tmp_path / "b", recipe=TINY)
     assert first.name == second.name
     assert read_manifest(first).files == read_manifest(second).files
+    manifest = read_manifest(first)  # its end tokens recorded: <|endoftext|>, and the role tokens for a chat
+    assert (manifest.eos_token_ids, manifest.chat.end_of_turn_ids) == ((0,), (1, 2, 3))
 
 
 def test_a_prepared_model_is_readable_by_any_user_that_serves_it(tmp_path: Path) -> None:
@@ -151,6 +153,11 @@ def test_prepare_hf_dir_infers_generation(demo_gpt_dir: Path, tmp_path: Path) ->
     manifest = read_manifest(prepared)
     assert (manifest.task, manifest.max_context, manifest.embedding_dim) == ("generation", 512, None)
     assert manifest.version == demo_gpt_dir.name  # same files, same content hash
+    assert (manifest.eos_token_id, manifest.eos_token_ids, manifest.chat.end_of_turn_ids) == (
+        0,
+        (0,),
+        (1, 2, 3),
+    )
     lm = load_generation_model(prepared, device="cpu")
     assert lm.manifest.model_id == "my-gpt"
 

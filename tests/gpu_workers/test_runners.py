@@ -19,7 +19,7 @@ from gpu_workers.embedding_runner import EmbeddingRunner
 from gpu_workers.engine import GenerationEngine
 from gpu_workers.flush import FlushPolicy
 from gpu_workers.generation import GenerationRunner
-from gpu_workers.models import LoadedModel
+from gpu_workers.models import ROLE_TOKENS, LoadedModel
 from gpu_workers.runtime import Arrival, Request, Runner
 from gpu_workers.scheduler import SchedulerConfig
 from schemas.events import (
@@ -242,6 +242,44 @@ def test_a_stop_string_spanning_tokens_never_shows_in_the_stream(
     assert out.finished[whole.request_id].text == expected
     chunks = "".join(c.text for c in out.chunks if c.request_id == streamed.request_id)
     assert chunks == expected == out.finished[streamed.request_id].text
+
+
+CHAT_PROMPT = "<|system|>\nYou answer briefly.\n<|user|>\nWhy is the harbour important?\n<|assistant|>\n"
+CHAT_SEED = 10
+"""At demo-gpt's own sampling, this seed's answer goes on into a ``<|user|>`` turn of the model's making (4
+of 60 seeds did, a review, 2026-12-03)."""
+
+
+@pytest.mark.parametrize("stop", [(), ("<|user|>",)], ids=["no-stop", "client-stop-on-role"])
+def test_a_chat_answer_ends_where_the_model_begins_another_turn(
+    demo_gpt: LoadedModel, stop: tuple[str, ...]
+) -> None:
+    """The role tokens are special, so decoding drops them: the client read a made-up user question as the
+    assistant's reply, with ``finish_reason: stop`` and nothing to cut it at (a client's ``<|user|>`` stop
+    string never matched, as the text never holds a special token). Now a chat answer ends at a role token
+    as at the end token, which is left out of its tokens, text and usage. A completion of the same prompt
+    goes on: raw text may be a whole dialogue."""
+    tokenizer = demo_gpt.tokenizer
+    roles = {tokenizer.convert_tokens_to_ids(t) for t in ROLE_TOKENS}
+    assert demo_gpt.manifest.chat.end_of_turn_ids == tuple(sorted(roles))
+    sampling = SamplingParams(max_tokens=64, temperature=0.8, top_p=0.95, top_k=50, seed=CHAT_SEED, stop=stop)
+    ids = tokenizer(CHAT_PROMPT).input_ids
+    chat = generation(sampling, input_ids=ids, chat=True, stream=True)
+    completion = generation(sampling, input_ids=ids, stream=True)
+    engine = GenerationEngine(demo_gpt.model, max_batch_size=2, max_context=demo_gpt.manifest.max_context)
+    out = run(generation_runner(demo_gpt, engine, max_running=2, max_waiting=2), [chat, completion])
+    tokens = {
+        r.request_id: [t for c in out.chunks if c.request_id == r.request_id for t in c.token_ids]
+        for r in (chat, completion)
+    }
+    went_on = tokens[completion.request_id]
+    turn = next(i for i, t in enumerate(went_on) if t in roles)
+    assert turn < len(went_on) - 1, "the completion goes on past the role token"
+    assert tokens[chat.request_id] == went_on[:turn]
+    result = out.finished[chat.request_id]
+    answer = str(tokenizer.decode(went_on[:turn], skip_special_tokens=True))
+    assert (result.finish_reason, result.text, result.usage.completion_tokens) == ("stop", answer, turn)
+    assert "".join(c.text for c in out.chunks if c.request_id == chat.request_id) == answer
 
 
 def test_generation_terminal_events(gpt_runner: GenerationRunner) -> None:

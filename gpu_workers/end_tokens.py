@@ -1,0 +1,99 @@
+"""The tokens that end a model's answers, read from its Hugging Face directory into its manifest.
+
+A sequence ends at any of the model's end-of-sequence tokens, which config.json and
+generation_config.json each name as an int or a list (transformers' ``generate`` stops at
+generation_config's). A chat answer also ends where the model begins another turn of the chat format:
+at its role markers, where they are single special tokens of the vocabulary. Only json and msgspec are
+used, so preparing a model in the CLI imports no tokenizer library.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from schemas.manifest import ChatFormat, ModelManifest
+
+CONFIG_FILES = ("config.json", "generation_config.json")
+TOKENIZER_FILE = "tokenizer.json"
+CHAT_ROLES = ("system", "user", "assistant")
+"""The roles the edge writes turns of (an OpenAI ``developer`` message is a ``system`` turn)."""
+
+
+class _AddedToken(msgspec.Struct):
+    id: int
+    content: str
+    special: bool = False
+
+
+class _TokenizerFile(msgspec.Struct):
+    """The part of ``tokenizer.json`` read here; decoding skips the rest (the vocabulary) unparsed."""
+
+    added_tokens: list[_AddedToken] = []
+
+
+def _ids(value: Any) -> list[int]:
+    """A config's ``eos_token_id``: an int, a list of ints, or nothing (null, absent, or not a token id)."""
+    values = value if isinstance(value, list) else [value]
+    return [v for v in values if isinstance(v, int) and not isinstance(v, bool) and v >= 0]
+
+
+def end_token_ids(model_dir: Path) -> tuple[int, ...]:
+    """The union of config.json's and generation_config.json's ``eos_token_id``, config.json's first. A
+    file that is missing or unreadable adds none."""
+    found: dict[int, None] = {}
+    for name in CONFIG_FILES:
+        try:
+            config = json.loads((Path(model_dir) / name).read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(config, dict):
+            found.update(dict.fromkeys(_ids(config.get("eos_token_id"))))
+    return tuple(found)
+
+
+def end_of_turn_ids(model_dir: Path, chat: ChatFormat) -> tuple[int, ...]:
+    """The special tokens of ``model_dir``'s tokenizer that mark a role in ``chat``'s turns: a special token
+    whose text is in the text a role's turn begins with, and names that role (``<|user|>`` in
+    ``<|user|>\\n``). Naming the role keeps out a special token that happens to be part of every turn's
+    text (a newline, a begin-of-text), at which every answer would end. A model whose role markers are
+    plain text (a linked model given the platform's format) has none: its own end of turn is in its
+    generation_config's end tokens (Llama 3's ``<|eot_id|>``, Qwen2's ``<|im_end|>``)."""
+    try:
+        tokenizer = msgspec.json.decode((Path(model_dir) / TOKENIZER_FILE).read_bytes(), type=_TokenizerFile)
+        headers = {role: chat.turn.format(role=role, content="") for role in CHAT_ROLES}
+    except (OSError, msgspec.DecodeError, KeyError, IndexError, ValueError):
+        return ()
+    headers["assistant"] += chat.assistant_prefix
+    return tuple(
+        sorted(
+            {
+                token.id
+                for token in tokenizer.added_tokens
+                if token.special
+                and any(role in token.content and token.content in header for role, header in headers.items())
+            }
+        )
+    )
+
+
+def with_end_tokens(manifest: ModelManifest, model_dir: Path) -> ModelManifest:
+    """``manifest`` with the end tokens a manifest written before they were recorded lacks, read from
+    ``model_dir`` (a prepared version is never rewritten, so its worker derives them when it loads)."""
+    if manifest.eos_token_ids is not None and manifest.chat.end_of_turn_ids is not None:
+        return manifest
+    ends = manifest.eos_token_ids
+    if ends is None:
+        recorded = () if manifest.eos_token_id is None else (manifest.eos_token_id,)
+        ends = tuple(dict.fromkeys((*recorded, *end_token_ids(model_dir))))
+    turns = manifest.chat.end_of_turn_ids
+    if turns is None:
+        turns = end_of_turn_ids(model_dir, manifest.chat)
+    return msgspec.structs.replace(
+        manifest,
+        eos_token_ids=ends,
+        chat=msgspec.structs.replace(manifest.chat, end_of_turn_ids=turns),
+    )
