@@ -3,8 +3,9 @@
 A sequence ends at any of the model's end-of-sequence tokens, which config.json and
 generation_config.json each name as an int or a list (transformers' ``generate`` stops at
 generation_config's). A chat answer also ends where the model begins another turn of the chat format:
-at its role markers, where they are single special tokens of the vocabulary. Only json and msgspec are
-used, so preparing a model in the CLI imports no tokenizer library.
+at its role markers, where they are single special tokens of the vocabulary, or, for a model rendered with
+its own chat template, at the special token that template writes after an answer. Only json, msgspec and
+(for a template) jinja2 are used, so preparing a model in the CLI imports no tokenizer library.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from typing import Any
 
 import msgspec
 
+from gpu_workers.model_store import ModelError
+from schemas.chat_template import ChatTemplate, ChatTemplateError, read_chat_template
 from schemas.manifest import ChatFormat, ModelManifest
 
 CONFIG_FILES = ("config.json", "generation_config.json")
@@ -62,6 +65,8 @@ def end_of_turn_ids(model_dir: Path, chat: ChatFormat) -> tuple[int, ...]:
     text (a newline, a begin-of-text), at which every answer would end. A model whose role markers are
     plain text (a linked model given the platform's format) has none: its own end of turn is in its
     generation_config's end tokens (Llama 3's ``<|eot_id|>``, Qwen2's ``<|im_end|>``)."""
+    if chat.template is not None:
+        return _template_end_of_turn_ids(model_dir, chat)
     try:
         tokenizer = msgspec.json.decode((Path(model_dir) / TOKENIZER_FILE).read_bytes(), type=_TokenizerFile)
         headers = {role: chat.turn.format(role=role, content="") for role in CHAT_ROLES}
@@ -78,6 +83,49 @@ def end_of_turn_ids(model_dir: Path, chat: ChatFormat) -> tuple[int, ...]:
             }
         )
     )
+
+
+ANSWER = "\ue000answer\ue000"
+"""What an assistant turn says when its end is rendered: text no template writes, at whose end the
+template's own end-of-turn text follows."""
+
+
+def _template_end_of_turn_ids(model_dir: Path, chat: ChatFormat) -> tuple[int, ...]:
+    """The special token a model's chat template writes right after an assistant's answer (ChatML's
+    ``<|im_end|>``, Llama 3's ``<|eot_id|>``, Gemma's ``<end_of_turn>``): rendered for a user question
+    and an answer, the longest special token the text after the answer begins with. A template that
+    writes none there, refuses that conversation or has no readable tokenizer gives none; the model's
+    end-of-sequence tokens (generation_config's) still end its answers."""
+    assert chat.template is not None
+    try:
+        tokenizer = msgspec.json.decode((Path(model_dir) / TOKENIZER_FILE).read_bytes(), type=_TokenizerFile)
+        text = ChatTemplate(chat.template, chat.template_tokens).render(
+            [("user", "hello"), ("assistant", ANSWER)], add_generation_prompt=False
+        )
+    except (OSError, msgspec.DecodeError, ChatTemplateError):
+        return ()
+    at = text.find(ANSWER)
+    if at < 0:
+        return ()
+    after = text[at + len(ANSWER) :]
+    ends = [token for token in tokenizer.added_tokens if token.special and after.startswith(token.content)]
+    if not ends:
+        return ()
+    return (max(ends, key=lambda token: len(token.content)).id,)
+
+
+def chat_format(model_dir: Path, *, own_template: bool = True) -> ChatFormat:
+    """The chat format of a linked Hugging Face directory: its own Jinja template where it has one (and
+    ``own_template``), else the platform's plain-text format; with the end of turn of either.
+    :class:`ModelError` for a template that does not compile."""
+    template, tokens = read_chat_template(model_dir) if own_template else (None, {})
+    if template is not None:
+        try:
+            ChatTemplate(template, tokens)
+        except ChatTemplateError as exc:  # refused here, not by every edge at its start
+            raise ModelError(f"{model_dir}: {exc}") from None
+    chat = ChatFormat(template=template, template_tokens=tokens)
+    return msgspec.structs.replace(chat, end_of_turn_ids=end_of_turn_ids(model_dir, chat))
 
 
 def with_end_tokens(manifest: ModelManifest, model_dir: Path) -> ModelManifest:

@@ -36,11 +36,10 @@ from gpu_workers.demo_model import (
     build_demo_gpt,
     demo_corpus,
 )
-from gpu_workers.end_tokens import end_of_turn_ids, end_token_ids, with_end_tokens
+from gpu_workers.end_tokens import chat_format, end_token_ids, with_end_tokens
 from gpu_workers.model_store import CURRENT, ModelError, Progress, Task, model_lock, publish, sha256_file
 from schemas.manifest import (
     MANIFEST_FILE,
-    ChatFormat,
     ManifestError,
     ModelManifest,
     embedding_context,
@@ -303,7 +302,7 @@ def prepare_hf_dir(
                 eos_token_id=ends[0] if ends else None,
                 eos_token_ids=ends,
                 files=files,
-                chat=ChatFormat(end_of_turn_ids=end_of_turn_ids(staging, ChatFormat())),
+                chat=chat_format(staging, own_template=task == "generation"),
                 description=f"linked from {source}",
             )
 

@@ -10,6 +10,7 @@ the tokenizer's post-processor says (``[CLS] … [SEP]`` for a BERT tokenizer, n
 from __future__ import annotations
 
 import logging
+import re
 import string
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -19,6 +20,7 @@ from pathlib import Path
 from tokenizers import Encoding, Tokenizer
 
 from ingest.errors import CatalogueError, ContextLengthExceeded, InvalidRequest, ModelNotFound
+from schemas.chat_template import ChatTemplate, ChatTemplateError
 from schemas.manifest import (
     MANIFEST_FILE,
     ManifestError,
@@ -37,6 +39,10 @@ costs more than linear time in a long word: 7 MB of one letter held the edge for
 
 log = logging.getLogger(__name__)
 
+_MARK = "\ue000{}\ue001"
+"""A content's place in a template's rendering (private-use characters no template writes)."""
+_MARKS = re.compile("\ue000(\\d+)\ue001")
+
 
 @dataclass(frozen=True, eq=False)
 class ServedModel:
@@ -50,6 +56,8 @@ class ServedModel:
     """The special tokens' texts (``<|system|>``, ``[CLS]``)."""
     created: int = 0
     """When its version was prepared (its manifest's mtime, Unix seconds): OpenAI's model ``created``."""
+    template: ChatTemplate | None = None
+    """The model's own chat template (:attr:`ChatFormat.template`), compiled; None: the plain-text format."""
 
     @classmethod
     def load(cls, model_id: str, model_dir: Path) -> ServedModel:
@@ -68,6 +76,12 @@ class ServedModel:
             manifest.chat.turn.format(role="user", content="")
         except (KeyError, IndexError, ValueError) as exc:
             raise CatalogueError(f"model {model_id}: bad chat turn template {manifest.chat.turn!r}") from exc
+        template = None
+        if manifest.task == "generation" and manifest.chat.template is not None:
+            try:
+                template = ChatTemplate(manifest.chat.template, manifest.chat.template_tokens)
+            except ChatTemplateError as exc:
+                raise CatalogueError(f"model {model_id}: {exc}") from exc
         created = int((model_dir / MANIFEST_FILE).stat().st_mtime)
         plain = Tokenizer.from_str(tokenizer.to_str())
         plain.encode_special_tokens = True
@@ -79,14 +93,33 @@ class ServedModel:
             created=created,
             plain=plain,
             specials=specials,
+            template=template,
         )
 
     @property
     def vocab_size(self) -> int:
         return int(self.tokenizer.get_vocab_size(with_added_tokens=True))
 
-    def chat_prompt(self, messages: Iterable[tuple[str, str]]) -> str:
-        """The prompt text for (role, content) messages, by the manifest's plain-text chat format."""
+    def chat_role(self, role: str) -> str:
+        """A message's role in the model's chat format: OpenAI's ``developer`` messages are its system
+        instructions (they replace ``system`` for newer models), unless the model's own template knows a
+        ``developer`` role. Passed as it was, a demo-gpt prompt got ``<|developer|>``, six plain tokens it
+        never saw in training (an audit)."""
+        if role == "developer" and not (self.template is not None and self.template.names_developer):
+            return "system"
+        return role
+
+    def chat_prompt(self, messages: Sequence[tuple[str, str]]) -> str:
+        """The prompt text for (role, content) messages, by the model's own chat template or else the
+        manifest's plain-text chat format. :class:`InvalidRequest` when the template refuses them."""
+        if self.template is not None:
+            try:
+                return self.template.render(messages)
+            except ChatTemplateError as exc:
+                raise InvalidRequest(
+                    f"The chat template of model {self.model_id} cannot render these messages: {exc}",
+                    param="messages",
+                ) from exc
         chat = self.manifest.chat
         return "".join(chat.turn.format(role=role, content=content) for role, content in messages) + (
             chat.assistant_prefix
@@ -98,6 +131,8 @@ class ServedModel:
         opened a system turn of their own (a review; the edge tokenised the whole prompt as one text)."""
         text = self.chat_prompt(messages)
         self._check_length(text, param)
+        if self.template is not None:
+            return text, self._encode_templated(text, messages)
         if not any(self._names_a_special(content) for _, content in messages):
             # the prompt as one text, as the model saw its training text (tokenised in pieces, a content's
             # edges would not merge with the template's newlines)
@@ -124,6 +159,37 @@ class ServedModel:
             pieces += [spoken, after]
         merged = self.tokenizer.post_process(Encoding.merge(pieces, growing_offsets=True))
         return text, list(merged.ids)
+
+    def _encode_templated(self, text: str, messages: Sequence[tuple[str, str]]) -> list[int]:
+        """The ids of ``text``, the model's template rendering of ``messages``, as transformers'
+        ``apply_chat_template(tokenize=True)`` gives them: without special tokens added again (the
+        template writes its own ``{{ bos_token }}``; adding BOS too would double it). Where a content names
+        a special token, the template is rendered again with a placeholder for each content, and the
+        contents are spliced in as text between the template's pieces (:meth:`encode_chat`)."""
+        if not any(self._names_a_special(content) for _, content in messages):
+            return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+        assert self.template is not None
+        marked = self.template.render([(role, _MARK.format(i)) for i, (role, _) in enumerate(messages)])
+        parts = _MARKS.split(marked)  # framing, index, framing, index, …, framing
+        framing, said = parts[0::2], [int(i) for i in parts[1::2]]
+        for shape in (lambda content: content, str.strip):  # Llama 3's template trims every content
+            contents = [shape(messages[i][1]) for i in said]
+            if "".join(f + c for f, c in zip(framing, [*contents, ""], strict=True)) == text:
+                break
+        else:
+            raise InvalidRequest(
+                f"A message names one of model {self.model_id}'s special tokens, and its chat template "
+                "changes message contents, so it cannot be sent as text. Remove the special token text.",
+                param="messages",
+            )
+        pieces: list[Encoding] = []
+        for frame, spoken in zip(
+            self.tokenizer.encode_batch(framing, add_special_tokens=False),
+            [*self.plain.encode_batch(contents, add_special_tokens=False), None],
+            strict=True,
+        ):
+            pieces += [frame] if spoken is None else [frame, spoken]
+        return list(Encoding.merge(pieces, growing_offsets=True).ids)
 
     def _names_a_special(self, content: str) -> bool:
         normalizer = self.tokenizer.normalizer

@@ -107,13 +107,6 @@ def body_hash(kind: Kind, raw: bytes) -> str:
     return hashlib.sha256(canonical).hexdigest()
 
 
-def _role(role: str) -> str:
-    """A message's role in the model's chat format: OpenAI's ``developer`` messages are its system
-    instructions (they replace ``system`` for newer models). Passed as it was, a demo-gpt prompt got
-    ``<|developer|>``, six plain tokens it never saw in training (an audit)."""
-    return "system" if role == "developer" else role
-
-
 def parse_timeout(header: str | None) -> float | None:
     if header is None:
         return None
@@ -301,7 +294,9 @@ class Preparer:
         manifest = model.manifest
         if isinstance(body, ChatCompletionRequest):
             param = "messages"
-            chat_text, input_ids = model.encode_chat([(_role(m.role), m.text) for m in body.messages], param)
+            chat_text, input_ids = model.encode_chat(
+                [(model.chat_role(m.role), m.text) for m in body.messages], param
+            )
             prompt: str | None = chat_text
             requested = body.max_completion_tokens or body.max_tokens
         else:

@@ -38,6 +38,14 @@ class ChatFormat(msgspec.Struct, frozen=True, kw_only=True):
     making (a review, 2026-12-03: 4 of 60 sampled demo-gpt answers did, and the client read a made-up user
     question as the assistant's reply). A completion of raw text does not stop at them. ``None`` in a
     manifest written before this field: the worker derives them from the tokenizer when it loads."""
+    template: str | None = None
+    """The model's own Jinja chat template (its ``chat_template.jinja`` or tokenizer_config.json's
+    ``chat_template``, read when it was prepared): when set, the edge renders chats with it as
+    transformers' ``apply_chat_template`` does (:mod:`schemas.chat_template`) and ``turn`` and
+    ``assistant_prefix`` are unused. ``None``: the plain-text format above (demo-gpt, a model without a
+    template, and every manifest written before this field)."""
+    template_tokens: dict[str, str] = {}
+    """The named special tokens the template is rendered with (``bos_token``, ``eos_token``, …)."""
 
 
 class ModelManifest(msgspec.Struct, frozen=True, kw_only=True):
