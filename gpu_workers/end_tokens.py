@@ -4,20 +4,22 @@ A sequence ends at any of the model's end-of-sequence tokens, which config.json 
 generation_config.json each name as an int or a list (transformers' ``generate`` stops at
 generation_config's). A chat answer also ends where the model begins another turn of the chat format:
 at its role markers, where they are single special tokens of the vocabulary, or, for a model rendered with
-its own chat template, at the special token that template writes after an answer. Only json, msgspec and
-(for a template) jinja2 are used, so preparing a model in the CLI imports no tokenizer library.
+its own chat template, at the special token that template writes after an answer. Only json and msgspec
+are used (and transformers' template renderer for a model with a template), so preparing a model in the
+CLI loads no tokenizer.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
 from gpu_workers.model_store import ModelError
-from schemas.chat_template import ChatTemplate, ChatTemplateError, read_chat_template
+from schemas.chat_template import read_chat_template
 from schemas.manifest import ChatFormat, ModelManifest
 
 CONFIG_FILES = ("config.json", "generation_config.json")
@@ -99,10 +101,10 @@ def _template_end_of_turn_ids(model_dir: Path, chat: ChatFormat) -> tuple[int, .
     assert chat.template is not None
     try:
         tokenizer = msgspec.json.decode((Path(model_dir) / TOKENIZER_FILE).read_bytes(), type=_TokenizerFile)
-        text = ChatTemplate(chat.template, chat.template_tokens).render(
-            [("user", "hello"), ("assistant", ANSWER)], add_generation_prompt=False
+        text = render_template(
+            chat.template, chat.template_tokens, [("user", "hello"), ("assistant", ANSWER)]
         )
-    except (OSError, msgspec.DecodeError, ChatTemplateError):
+    except (OSError, msgspec.DecodeError, ModelError):
         return ()
     at = text.find(ANSWER)
     if at < 0:
@@ -114,16 +116,40 @@ def _template_end_of_turn_ids(model_dir: Path, chat: ChatFormat) -> tuple[int, .
     return (max(ends, key=lambda token: len(token.content)).id,)
 
 
+def _compiled(template: str, model_dir: Path) -> None:
+    """:class:`ModelError` unless ``template`` compiles (by transformers' own template environment)."""
+    from jinja2.exceptions import TemplateError
+    from transformers.utils.chat_template_utils import _cached_compile_jinja_template
+
+    try:
+        _cached_compile_jinja_template(template)
+    except TemplateError as exc:
+        raise ModelError(f"{model_dir}: the chat template does not compile: {exc}") from None
+
+
+def render_template(template: str, tokens: Mapping[str, str], messages: Sequence[tuple[str, str]]) -> str:
+    """``messages`` (role, content) rendered by ``template`` as transformers' ``apply_chat_template``
+    renders them (no generation prompt): transformers' own renderer, which the edge's
+    (:mod:`ingest.chat_template`) must match. :class:`ModelError` when the template fails on them."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    conversation = [{"role": role, "content": content} for role, content in messages]
+    try:
+        variables: dict[str, Any] = dict(tokens)  # the named special tokens, as the tokenizer passes them
+        found: Any = render_jinja_template([conversation], chat_template=template, **variables)
+    except Exception as exc:  # a template is a program: any failure of it is this conversation's
+        raise ModelError(f"the chat template fails on {len(messages)} messages: {exc}") from None
+    rendered = found[0] if isinstance(found, tuple) else found  # (texts, generation indices) in 5.x
+    return str(rendered[0] if isinstance(rendered, list) else rendered)
+
+
 def chat_format(model_dir: Path, *, own_template: bool = True) -> ChatFormat:
     """The chat format of a linked Hugging Face directory: its own Jinja template where it has one (and
     ``own_template``), else the platform's plain-text format; with the end of turn of either.
     :class:`ModelError` for a template that does not compile."""
     template, tokens = read_chat_template(model_dir) if own_template else (None, {})
     if template is not None:
-        try:
-            ChatTemplate(template, tokens)
-        except ChatTemplateError as exc:  # refused here, not by every edge at its start
-            raise ModelError(f"{model_dir}: {exc}") from None
+        _compiled(template, model_dir)  # refused here, not by every edge at its start
     chat = ChatFormat(template=template, template_tokens=tokens)
     return msgspec.structs.replace(chat, end_of_turn_ids=end_of_turn_ids(model_dir, chat))
 

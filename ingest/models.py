@@ -19,8 +19,8 @@ from pathlib import Path
 
 from tokenizers import Encoding, Tokenizer
 
+from ingest.chat_template import ChatTemplate, ChatTemplateError
 from ingest.errors import CatalogueError, ContextLengthExceeded, InvalidRequest, ModelNotFound
-from schemas.chat_template import ChatTemplate, ChatTemplateError
 from schemas.manifest import (
     MANIFEST_FILE,
     ManifestError,

@@ -41,7 +41,7 @@ class ChatFormat(msgspec.Struct, frozen=True, kw_only=True):
     template: str | None = None
     """The model's own Jinja chat template (its ``chat_template.jinja`` or tokenizer_config.json's
     ``chat_template``, read when it was prepared): when set, the edge renders chats with it as
-    transformers' ``apply_chat_template`` does (:mod:`schemas.chat_template`) and ``turn`` and
+    transformers' ``apply_chat_template`` does (:mod:`ingest.chat_template`) and ``turn`` and
     ``assistant_prefix`` are unused. ``None``: the plain-text format above (demo-gpt, a model without a
     template, and every manifest written before this field)."""
     template_tokens: dict[str, str] = {}
