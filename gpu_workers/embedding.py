@@ -24,6 +24,7 @@ from gpu_workers import GpuWorkerError
 from gpu_workers.graphs import GRAPH_ROWS, capture, captured_or_eager, rows_bucket
 from gpu_workers.oom import out_of_memory_in
 from gpu_workers.padding import pad_rows
+from gpu_workers.step_graphs import position_limit
 from gpu_workers.traced import trace_checked
 
 if TYPE_CHECKING:
@@ -170,14 +171,16 @@ class EmbeddingEngine:
         cuda_graphs: bool = True,
         traced: bool = True,
     ):
+        """``max_length``: at most the positions the model has (:func:`position_limit`: a RoBERTa-family
+        encoder's 514 hold 512)."""
         config = model.config
         self._model = model
         self._device = next(model.parameters()).device
         config_pad = getattr(config, "pad_token_id", None)
         self._pad_id: int = pad_token_id if pad_token_id is not None else int(config_pad or 0)
-        positions: int = getattr(config, "max_position_embeddings", 512)
+        positions = position_limit(config)
         self._positions = positions
-        self.max_length = max_length or positions
+        self.max_length = min(max_length or positions, positions)
         hidden: int = config.hidden_size
         self.dim = hidden
         self._vocab_size = int(config.vocab_size)

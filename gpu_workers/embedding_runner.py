@@ -166,9 +166,12 @@ class EmbeddingRunner:
         empty = [i for i, ids in enumerate(event.inputs) if not ids]
         if empty:
             return f"inputs {empty} are empty"
-        too_long = [i for i, ids in enumerate(event.inputs) if len(ids) > self._manifest.max_context]
+        # the engine's limit too: a manifest prepared before 2026-12-03 says 514 for a RoBERTa encoder
+        # that embeds 512, and such an input would fail its whole batch
+        longest = min(self._manifest.max_context, self._engine.max_length)
+        too_long = [i for i, ids in enumerate(event.inputs) if len(ids) > longest]
         if too_long:
-            return f"inputs {too_long} exceed {self._manifest.max_context} tokens"
+            return f"inputs {too_long} exceed {longest} tokens"
         vocab = self._engine.vocab_size
         outside = [i for i, ids in enumerate(event.inputs) if min(ids) < 0 or max(ids) >= vocab]
         if outside:

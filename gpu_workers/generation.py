@@ -139,7 +139,10 @@ class GenerationRunner:
             )
             return
         now, wall = self._clock(), utc_now()
-        room = self._manifest.max_context - len(event.input_ids)
+        # the engine's context too: a sliding-window model's manifest prepared before 2026-12-03 names all
+        # its positions, where the engine serves only its window; past it the answer is
+        # context_length_exceeded (a 400 at the edge), not the engine's refusal (a 500)
+        room = min(self._manifest.max_context, self._engine.max_context) - len(event.input_ids)
         live = _Live(
             arrival=arrival,
             event=event,

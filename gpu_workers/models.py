@@ -38,6 +38,7 @@ from gpu_workers.demo_model import (
 )
 from gpu_workers.end_tokens import chat_format, end_token_ids, with_end_tokens
 from gpu_workers.model_store import CURRENT, ModelError, Progress, Task, model_lock, publish, sha256_file
+from gpu_workers.served_context import served_context
 from schemas.manifest import (
     MANIFEST_FILE,
     ManifestError,
@@ -279,6 +280,7 @@ def prepare_hf_dir(
     max_context = config.get("max_position_embeddings") or config.get("n_positions")
     if not isinstance(max_context, int):
         raise ModelError(f"{model_id}: {source}/config.json names no max_position_embeddings")
+    max_context = served_context(source, config, task)
     if task == "embedding":
         max_context = embedding_context(source, max_context)
     hidden = config.get("hidden_size") or config.get("n_embd")

@@ -178,10 +178,41 @@ def untraceable(config: Any) -> str | None:
     return None
 
 
+OFFSET_POSITIONS = frozenset(
+    {
+        "camembert",
+        "data2vec-text",
+        "ibert",
+        "longformer",
+        "mpnet",
+        "roberta",
+        "roberta-prelayernorm",
+        "xlm-roberta",
+        "xlm-roberta-xl",
+        "xmod",
+    }
+)
+"""``model_type``s whose position ids start after the padding token's (``padding_idx + 1``, RoBERTa's
+scheme): ``max_position_embeddings`` of 514 holds 512 usable positions. A RoBERTa encoder was served 514
+tokens, and an input of 513 or 514 raised ``IndexError`` in the forward, failing its whole batch (a
+review, 2026-12-03)."""
+
+
 def position_limit(config: Any) -> int:
-    """The most positions the model has embeddings for (2,048 where its config names none)."""
-    limit = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
-    return int(limit or 2048)
+    """The most positions the model has embeddings for (2,048 where its config names none): for the
+    :data:`OFFSET_POSITIONS` family, those after the padding token's. ``config``: a transformers config,
+    or anything with its attributes."""
+    limit = int(
+        getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None) or 2048
+    )
+    pad = getattr(config, "pad_token_id", None)
+    if (
+        getattr(config, "model_type", None) in OFFSET_POSITIONS
+        and isinstance(pad, int)
+        and 0 <= pad < limit - 1
+    ):
+        return limit - pad - 1
+    return limit
 
 
 def _gap(

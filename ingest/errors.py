@@ -251,4 +251,8 @@ def from_finished(finished: RequestFinished) -> IngestError | None:
     code = info.code if info else None
     if info is not None and info.retriable:
         return Unavailable(message, code=code)
+    if code == ContextLengthExceeded.default_code:
+        # a worker that serves less context than the manifest the edge checked (a sliding-window model
+        # prepared before 2026-12-03): the prompt is too long, a 400 as the edge's own refusal, not a 500
+        return ContextLengthExceeded(message)
     return UpstreamFailed(message, code=code)
