@@ -1,8 +1,10 @@
-"""Sentence embeddings: one padded forward per batch, mean pooling over real tokens, L2 normalisation.
+"""Sentence embeddings: one padded forward per batch, pooling, L2 normalisation.
 
-This is what sentence-transformers does for all-MiniLM-L6-v2 (its ``1_Pooling`` config: mean tokens,
-then ``Normalize``). Token ids come from the edge (``tokenizer.json`` via ``tokenizers``); the engine
-adds nothing but padding. Like the generation engine it is used from one dedicated thread.
+The pooling is the model's (its manifest's ``pooling``, read from its sentence-transformers pipeline when
+it was prepared): the mean over real tokens (all-MiniLM-L6-v2's ``1_Pooling`` config, then
+``Normalize``), the first token's (``cls``) or the last real token's (``lasttoken``). Token ids come from
+the edge (``tokenizer.json`` via ``tokenizers``); the engine adds nothing but padding. Like the generation
+engine it is used from one dedicated thread.
 
 A request may ask for its vectors as pooled, without the normalisation (``EmbeddingRequested.normalize``;
 the edge always asks for it): a batch holding such a row runs eagerly, each row as its request asked. It
@@ -26,6 +28,7 @@ from gpu_workers.oom import out_of_memory_in
 from gpu_workers.padding import pad_rows
 from gpu_workers.step_graphs import position_limit
 from gpu_workers.traced import trace_checked
+from schemas.manifest import Pooling
 
 if TYPE_CHECKING:
     import torch
@@ -71,14 +74,30 @@ baked in a shape or the padding would differ on another)."""
 TRACE_ATOL = 1e-5
 """How far a traced forward's unit vectors may be from the eager forward's on :data:`TRACE_PROBES`."""
 
-_TRACED: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
-"""Model -> its traced forward (or None: it could not be traced), shared by every engine over the model."""
+_TRACED: weakref.WeakKeyDictionary[Any, dict[Pooling, Any]] = weakref.WeakKeyDictionary()
+"""Model -> pooling -> its traced forward (or None: it could not be traced), shared by every engine over
+the model."""
 
 
-def pooling_module(model: PreTrainedModel, *, normalize: bool = True) -> torch.nn.Module:
-    """``model``'s forward with mean pooling over real tokens and (``normalize``) L2 normalisation:
-    ``(ids, mask)`` -> ``[rows, dim]`` float32 unit vectors (what sentence-transformers does for
-    all-MiniLM-L6-v2), or the pooled vectors as they are."""
+POOLING_ATTRIBUTE = "sluice_pooling"
+"""The attribute of a loaded embedding model's config that names its manifest's pooling
+(``gpu_workers.models`` sets it), so every engine over the model pools as the model was trained."""
+
+
+def model_pooling(model: PreTrainedModel) -> Pooling:
+    """The pooling ``model`` was loaded with (:data:`POOLING_ATTRIBUTE`), ``mean`` where none was named."""
+    pooling = getattr(model.config, POOLING_ATTRIBUTE, None)
+    return pooling if pooling in ("cls", "lasttoken") else "mean"
+
+
+def pooling_module(
+    model: PreTrainedModel, *, pooling: Pooling = "mean", normalize: bool = True
+) -> torch.nn.Module:
+    """``model``'s forward with ``pooling`` and (``normalize``) L2 normalisation: ``(ids, mask)`` ->
+    ``[rows, dim]`` float32 unit vectors (what sentence-transformers does for a model whose pipeline is
+    that pooling, then ``Normalize``), or the pooled vectors as they are. ``mask`` marks real tokens; they
+    come first in a row (``pad_rows`` pads on the right), but ``lasttoken`` takes the last marked column
+    wherever the padding is, as sentence-transformers does."""
     import torch
 
     class Pooled(torch.nn.Module):
@@ -91,15 +110,22 @@ def pooling_module(model: PreTrainedModel, *, normalize: bool = True) -> torch.n
                 input_ids=ids, attention_mask=mask, token_type_ids=torch.zeros_like(ids), return_dict=False
             )
             hidden = out[0]
-            weights = mask.unsqueeze(-1).to(hidden.dtype)
-            summed = (hidden * weights).sum(dim=1)
-            pooled = (summed / weights.sum(dim=1).clamp(min=1e-9)).float()
+            if pooling == "cls":
+                pooled = hidden[:, 0].float()
+            elif pooling == "lasttoken":
+                columns = torch.arange(mask.shape[1], device=mask.device)
+                last = (mask * columns).argmax(dim=1)
+                pooled = hidden[torch.arange(hidden.shape[0], device=hidden.device), last].float()
+            else:
+                weights = mask.unsqueeze(-1).to(hidden.dtype)
+                summed = (hidden * weights).sum(dim=1)
+                pooled = (summed / weights.sum(dim=1).clamp(min=1e-9)).float()
             return torch.nn.functional.normalize(pooled, p=2, dim=1) if normalize else pooled
 
     return Pooled()
 
 
-def traced_forward(model: PreTrainedModel, pad_id: int) -> Any:
+def traced_forward(model: PreTrainedModel, pad_id: int, pooling: Pooling = "mean") -> Any:
     """``model``'s pooled forward as a traced, frozen TorchScript graph for the CPU, or None where it cannot
     be traced or the trace differs from the eager forward on :data:`TRACE_PROBES` (logged). Built once per
     model, under ``inference_mode``.
@@ -107,15 +133,15 @@ def traced_forward(model: PreTrainedModel, pad_id: int) -> Any:
     The graph runs without Python between ops: MiniLM's batch of one 10-token sentence took 9.1 ms instead
     of 11.0 on one core, a batch of 4 3.8 instead of 4.3 ms an item, 8 3.1 instead of 3.4; from 32 items on
     the two are the same (the forward is its GEMMs there; docs/perf)."""
-    if model in _TRACED:
-        return _TRACED[model]
+    if pooling in _TRACED.get(model, {}):
+        return _TRACED[model][pooling]
     import torch
 
     traced: Any = None
     if model.training:
         log.warning("the embedding model is in training mode: it runs eagerly")
     else:
-        eager = pooling_module(model)
+        eager = pooling_module(model, pooling=pooling)
         probes = [pad_rows(batch, pad_id, torch.device("cpu")) for batch in TRACE_PROBES]
         with torch.inference_mode():
             traced = trace_checked(
@@ -125,7 +151,7 @@ def traced_forward(model: PreTrainedModel, pad_id: int) -> Any:
                 lambda graph: max(float((graph(*p) - eager(*p)).abs().max()) for p in probes),
                 TRACE_ATOL,
             )
-    _TRACED[model] = traced
+    _TRACED.setdefault(model, {})[pooling] = traced
     return traced
 
 
@@ -170,9 +196,10 @@ class EmbeddingEngine:
         max_length: int | None = None,
         cuda_graphs: bool = True,
         traced: bool = True,
+        pooling: Pooling | None = None,
     ):
-        """``max_length``: at most the positions the model has (:func:`position_limit`: a RoBERTa-family
-        encoder's 514 hold 512)."""
+        """``pooling``: the model's own where None (:func:`model_pooling`). ``max_length``: at most the
+        positions the model has (:func:`position_limit`: a RoBERTa-family encoder's 514 hold 512)."""
         config = model.config
         self._model = model
         self._device = next(model.parameters()).device
@@ -189,8 +216,9 @@ class EmbeddingEngine:
         small encoder is launch-bound (MiniLM on an H100 took ~3 ms a batch whatever its size), a graph
         replays all its kernels in one launch. None: eager (a CPU, or turned off, or a capture failed)."""
         self._pool: Any = None
-        self._module = pooling_module(model)
-        self._unnormalized = pooling_module(model, normalize=False)
+        self.pooling: Pooling = pooling or model_pooling(model)
+        self._module = pooling_module(model, pooling=self.pooling)
+        self._unnormalized = pooling_module(model, pooling=self.pooling, normalize=False)
         self._trace = traced and self._device.type == "cpu"
         """On a CPU, run :func:`traced_forward`'s graph (built at the first batch) where it could be built."""
 
@@ -211,7 +239,7 @@ class EmbeddingEngine:
     @property
     def traced(self) -> bool:
         """Whether the forward runs as a traced graph (a CPU, once the first batch has built it)."""
-        return self._trace and _TRACED.get(self._model) is not None
+        return self._trace and _TRACED.get(self._model, {}).get(self.pooling) is not None
 
     @property
     def overlaps(self) -> bool:
@@ -286,10 +314,10 @@ class EmbeddingEngine:
         return torch.where(rows, torch.nn.functional.normalize(pooled, p=2, dim=1), pooled)
 
     def _pooled(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Mean pooling over real tokens, then L2 normalisation (call under ``inference_mode``): through the
+        """The model's pooling, then L2 normalisation (call under ``inference_mode``): through the
         traced graph where there is one, else eagerly."""
         if self._trace:
-            graph = traced_forward(self._model, self._pad_id)
+            graph = traced_forward(self._model, self._pad_id, self.pooling)
             if graph is not None:
                 unit: torch.Tensor = graph(ids, mask)
                 return unit

@@ -38,6 +38,7 @@ from gpu_workers.demo_model import (
 )
 from gpu_workers.end_tokens import chat_format, end_token_ids, with_end_tokens
 from gpu_workers.model_store import CURRENT, ModelError, Progress, Task, model_lock, publish, sha256_file
+from gpu_workers.sentence_pipeline import sentence_pooling
 from gpu_workers.served_context import served_context
 from schemas.manifest import (
     MANIFEST_FILE,
@@ -283,6 +284,7 @@ def prepare_hf_dir(
     max_context = served_context(source, config, task)
     if task == "embedding":
         max_context = embedding_context(source, max_context)
+    pooling = sentence_pooling(source) if task == "embedding" else "mean"
     hidden = config.get("hidden_size") or config.get("n_embd")
 
     model_root = Path(root) / model_id
@@ -301,6 +303,7 @@ def prepare_hf_dir(
                 max_context=max_context,
                 max_output_tokens=min(256, max_context),
                 embedding_dim=hidden if task == "embedding" and isinstance(hidden, int) else None,
+                pooling=pooling,
                 eos_token_id=ends[0] if ends else None,
                 eos_token_ids=ends,
                 files=files,
@@ -494,6 +497,9 @@ def _load(model_dir: Path, device: str, task: Task) -> LoadedModel:
         # a ModelError: the worker says why on the control topic, and a rollout of it is rolled back at
         # once (an operator audit: a config transformers refuses crash-looped the candidate's workers)
         raise ModelError(f"{model_dir} does not load as a {task} model: {exc}") from exc
+    if task == "embedding":
+        # every engine over this model pools as its manifest says (gpu_workers.embedding.model_pooling)
+        setattr(model.config, "sluice_pooling", manifest.pooling)  # noqa: B010
     model.to(target)  # type: ignore[arg-type]
     model.eval()
     model.requires_grad_(False)

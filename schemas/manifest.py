@@ -17,6 +17,9 @@ MANIFEST_FILE = "sluice-manifest.json"
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 
+Pooling = Literal["mean", "cls", "lasttoken"]
+"""The poolings the embedding engine implements (:attr:`ModelManifest.pooling`)."""
+
 
 class SamplingDefaults(msgspec.Struct, frozen=True, kw_only=True):
     temperature: Annotated[float, msgspec.Meta(ge=0.0, le=2.0)] = 1.0
@@ -58,6 +61,12 @@ class ModelManifest(msgspec.Struct, frozen=True, kw_only=True):
     :func:`embedding_context`)."""
     max_output_tokens: PositiveInt = 256
     embedding_dim: int | None = None
+    pooling: Pooling = "mean"
+    """How an embedding model's token vectors become its vector, as its sentence-transformers pipeline
+    (``modules.json``, ``1_Pooling/config.json``) says: the mean over real tokens, the first token's
+    (``cls``: the BGE family) or the last real token's (``lasttoken``: e5-mistral, Qwen3-Embedding). Every
+    model was mean-pooled before 2026-12-03 (a review: a CLS-pooled model's vectors had cosine 0.57 with
+    its own); a manifest written before then, MiniLM's and demo-gpt's say ``mean``."""
     eos_token_id: int | None = None
     """config.json's end-of-sequence token (the first of a list): what manifests recorded before
     ``eos_token_ids``, kept for readers that know only it."""
