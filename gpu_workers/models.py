@@ -48,7 +48,7 @@ from schemas.manifest import (
     models_root,
     read_manifest,
 )
-from schemas.settings import PlatformSettings
+from schemas.settings import MODEL_PATH_SYNTAX, PlatformSettings, model_path_entry
 
 if TYPE_CHECKING:
     import torch
@@ -256,13 +256,24 @@ def resolve_device(device: str = "auto") -> torch.device:
 # ------------------------------------------------------------------------------- existing HF directories
 
 
+SENTENCE_TRANSFORMERS_FILES = ("modules.json", "sentence_bert_config.json")
+
+
 def _infer_task(config: dict[str, Any], source: Path) -> Task:
+    # A sentence-transformers directory is an embedding model whatever head its config names: many were
+    # fine-tuned from an MLM checkpoint and keep its ``BertForMaskedLM`` (a review, 2026-12-03: such a model
+    # could not be served from SLUICE_MODEL_PATHS at all).
+    if any((source / name).is_file() for name in SENTENCE_TRANSFORMERS_FILES):
+        return "embedding"
     architectures = config.get("architectures") or []
     if any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures):
         return "generation"
     if any(a.endswith("Model") for a in architectures):
         return "embedding"
-    raise ModelError(f"{source}: cannot tell the task from architectures {architectures}; pass task=")
+    raise ModelError(
+        f"{source}: cannot tell the task from architectures {architectures}; name it in SLUICE_MODEL_PATHS "
+        "as id:generation=/path or id:embedding=/path (`sluice models add --task`)"
+    )
 
 
 def prepare_hf_dir(
@@ -278,6 +289,7 @@ def prepare_hf_dir(
             f"{model_id}: {source} is not a Hugging Face model directory (no config.json)"
         ) from None
     task = task or _infer_task(config, source)
+    _check_loadable(model_id, source, config)
     max_context = config.get("max_position_embeddings") or config.get("n_positions")
     if not isinstance(max_context, int):
         raise ModelError(f"{model_id}: {source}/config.json names no max_position_embeddings")
@@ -317,6 +329,24 @@ def prepare_hf_dir(
 TOKENIZER = "tokenizer.json"
 
 
+def _check_loadable(model_id: str, source: Path, config: dict[str, Any]) -> None:
+    """Refuse at prepare what would fail later (a review, 2026-12-03: a SLUICE_MODEL_PATHS directory was
+    checked for nothing but config.json; without ``tokenizer.json`` the edge then refused to start, and a
+    truncated weights file made the worker fail without reporting the model as unloadable)."""
+    if not (source / TOKENIZER).is_file():
+        raise ModelError(
+            f"{model_id}: {source} has no {TOKENIZER} (edges tokenise with the `tokenizers` library; save the "
+            "tokenizer with a fast tokenizer, e.g. AutoTokenizer(...).save_pretrained, to write one)"
+        )
+    if "auto_map" in config:
+        raise ModelError(
+            f"{model_id}: {source}/config.json names code of its own (auto_map), which needs "
+            "trust_remote_code; workers do not run a model's code"
+        )
+    for weights in sorted(source.glob("*.safetensors")):
+        check_safetensors(weights)
+
+
 def add_version(model_id: str, source: Path, root: Path, task: Task | None = None) -> Path:
     """Register a local Hugging Face directory as a new version of ``model_id`` without changing what
     serves (``current`` moves only when the model had none): a rollout puts it into service. Versions of
@@ -343,8 +373,6 @@ def add_version(model_id: str, source: Path, root: Path, task: Task | None = Non
                 "requests with one tokenizer per model id, so a version must keep it; register a model "
                 "with another tokenizer under a new model id"
             )
-    for weights in sorted(source.glob("*.safetensors")):
-        check_safetensors(weights)
     return prepare_hf_dir(model_id, source, root, task, point=False)
 
 
@@ -417,13 +445,15 @@ def _minilm_source() -> Path:
     return Path(package.get_model_path())
 
 
-def parse_model_paths(entries: tuple[str, ...]) -> dict[str, Path]:
-    paths: dict[str, Path] = {}
+def parse_model_paths(entries: tuple[str, ...]) -> dict[str, tuple[Path, Task | None]]:
+    """``SLUICE_MODEL_PATHS`` entries as id -> (directory, task or None to infer it)."""
+    paths: dict[str, tuple[Path, Task | None]] = {}
     for entry in entries:
-        model_id, sep, path = entry.partition("=")
-        if not sep or not model_id.strip() or not path.strip():
-            raise ModelError(f"model_paths entry {entry!r}: expected id=/path")
-        paths[model_id.strip()] = Path(path.strip()).expanduser()
+        try:
+            model_id, path, task = model_path_entry(entry)
+        except ValueError as exc:
+            raise ModelError(str(exc)) from None
+        paths[model_id] = (Path(path).expanduser(), task)
     return paths
 
 
@@ -435,7 +465,8 @@ def prepare_models(settings: PlatformSettings, progress: Progress | None = None)
     prepared: dict[str, Path] = {}
     for model_id in dict.fromkeys((*settings.models, *extra)):
         if model_id in extra:
-            prepared[model_id] = prepare_hf_dir(model_id, extra[model_id], root)
+            source, task = extra[model_id]
+            prepared[model_id] = prepare_hf_dir(model_id, source, root, task)
         elif model_id == DEMO_GPT_ID:
             prepared[model_id] = build_demo_gpt(root, say)
         elif model_id == MINILM_ID:
@@ -443,7 +474,7 @@ def prepare_models(settings: PlatformSettings, progress: Progress | None = None)
         else:
             raise ModelError(
                 f"unknown model {model_id!r}: built-in ids are {DEMO_GPT_ID}, {MINILM_ID}; "
-                f"serve others with SLUICE_MODEL_PATHS={model_id}=/path/to/hf-dir"
+                f"serve others with SLUICE_MODEL_PATHS={model_id}=/path/to/hf-dir ({MODEL_PATH_SYNTAX})"
             )
         say(f"{model_id}: {prepared[model_id]}")
     return prepared
@@ -493,7 +524,7 @@ def _load(model_dir: Path, device: str, task: Task) -> LoadedModel:
     loader = AutoModelForCausalLM if task == "generation" else AutoModel
     try:
         model = loader.from_pretrained(str(model_dir), local_files_only=True, dtype=torch.float32)
-    except (OSError, ValueError, TypeError, KeyError, RuntimeError) as exc:  # its files, not this worker
+    except Exception as exc:  # its files, not this worker (safetensors' SafetensorError is not an OSError)
         # a ModelError: the worker says why on the control topic, and a rollout of it is rolled back at
         # once (an operator audit: a config transformers refuses crash-looped the candidate's workers)
         raise ModelError(f"{model_dir} does not load as a {task} model: {exc}") from exc
@@ -505,7 +536,10 @@ def _load(model_dir: Path, device: str, task: Task) -> LoadedModel:
     model.requires_grad_(False)
     if target.type == "cpu" and not torch.cuda.is_available():
         _no_stream_capture_without_cuda()
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    except Exception as exc:  # e.g. a sentencepiece-only tokenizer where sentencepiece is not installed
+        raise ModelError(f"{model_dir}: its tokenizer does not load: {exc}") from exc
     return LoadedModel(
         model=model, tokenizer=tokenizer, manifest=manifest, device=target, path=Path(model_dir)
     )

@@ -29,6 +29,7 @@ from schemas.manifest import (
     models_root,
     read_manifest,
 )
+from schemas.settings import model_path_entry
 
 TOKENIZER_FILE = "tokenizer.json"
 MAX_CHARS_PER_TOKEN = 32
@@ -256,9 +257,10 @@ class ModelCatalogue:
         """The platform's models (``PlatformSettings.models`` under ``cache_dir``) plus ``id=/path`` extras."""
         dirs = {model_id: current_model_dir(cache_dir, model_id) for model_id in model_ids}
         for entry in model_paths:
-            model_id, sep, path = entry.partition("=")
-            if not sep or not model_id or not path:
-                raise CatalogueError(f"model path {entry!r} is not 'id=/path'")
+            try:
+                model_id, path, _task = model_path_entry(entry)
+            except ValueError as exc:
+                raise CatalogueError(str(exc)) from None
             dirs[model_id] = Path(path).expanduser()
         loaded = [ServedModel.load(model_id, Path(path)) for model_id, path in dirs.items()]
         return cls(loaded, models_root(cache_dir))

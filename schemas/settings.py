@@ -34,6 +34,29 @@ class SettingsError(ValueError):
     """A ``SLUICE_*`` variable is unknown or its value does not parse."""
 
 
+MODEL_PATH_SYNTAX = "id=/path or id:task=/path (task: generation or embedding)"
+ModelTask = Literal["generation", "embedding"]
+_MODEL_TASKS: dict[str, ModelTask] = {"generation": "generation", "embedding": "embedding"}
+
+
+def model_path_entry(entry: str) -> tuple[str, str, ModelTask | None]:
+    """One ``SLUICE_MODEL_PATHS`` entry as (model id, path, task or None); ``ValueError`` naming the syntax if
+    it is not one.
+
+    The task goes on the id (``st:embedding=/models/st``), not after the path: a model id names a Kafka topic
+    and so never holds a colon, while a path may (``/data/run:3/model:embedding`` stays a path)."""
+    named, sep, path = entry.partition("=")
+    model_id, colon, task = named.strip().partition(":")
+    if not sep or not model_id.strip() or not path.strip():
+        raise ValueError(f"SLUICE_MODEL_PATHS: entry {entry!r}: expected {MODEL_PATH_SYNTAX}")
+    named_task = _MODEL_TASKS.get(task.strip())
+    if colon and named_task is None:
+        raise ValueError(
+            f"SLUICE_MODEL_PATHS: entry {entry!r}: task {task.strip()!r} is not one of {', '.join(_MODEL_TASKS)}"
+        )
+    return model_id.strip(), path.strip(), named_task
+
+
 def register(cls: type[S]) -> type[S]:
     """Class decorator: make the settings class's variables known to every service."""
     _REGISTRY[cls.__name__] = cls
@@ -264,7 +287,9 @@ class PlatformSettings(msgspec.Struct, frozen=True, kw_only=True):
     models: tuple[str, ...] = ("demo-gpt", "all-minilm-l6-v2")
     """Model ids served; each gets a request topic."""
     model_paths: tuple[str, ...] = ()
-    """Extra local Hugging Face model directories to serve, as ``id=/path`` entries."""
+    """Extra local Hugging Face model directories to serve, as ``id=/path`` entries, or ``id:task=/path``
+    (task ``generation`` or ``embedding``) where the directory's config does not tell (see
+    :func:`model_path_entry`)."""
     data_dir: str = msgspec.field(default_factory=_default_home)
     """Kafka log dirs and the embedded warehouse live under here."""
     cache_dir: str = msgspec.field(default_factory=_default_cache)
@@ -325,10 +350,10 @@ class PlatformSettings(msgspec.Struct, frozen=True, kw_only=True):
         so every command exits 2 with one line (a review: ``SLUICE_MODELS='demo gpt'`` passed ``sluice
         settings``, then ``sluice topics`` failed with a traceback and ``sluice up`` after starting Kafka)."""
         names = TopicNames(self.topic_prefix)
-        extra = tuple(entry.partition("=")[0].strip() for entry in self.model_paths)
+        extra = tuple(model_path_entry(entry)[0] for entry in self.model_paths)  # ValueError if malformed
         for variable, ids, hint in (
             ("SLUICE_MODELS", self.models, ""),
-            ("SLUICE_MODEL_PATHS", extra, " (its entries are id=/path)"),
+            ("SLUICE_MODEL_PATHS", extra, f" (its entries are {MODEL_PATH_SYNTAX})"),
         ):
             for model in ids:
                 try:
@@ -370,7 +395,7 @@ class PlatformSettings(msgspec.Struct, frozen=True, kw_only=True):
 
     def served_models(self) -> tuple[str, ...]:
         """``models`` plus the ids named in ``model_paths``, in order, without repeats."""
-        extra = (entry.partition("=")[0].strip() for entry in self.model_paths)
+        extra = (model_path_entry(entry)[0] for entry in self.model_paths)
         return tuple(dict.fromkeys((*self.models, *(e for e in extra if e))))
 
     def unserved(self, model: str) -> str | None:

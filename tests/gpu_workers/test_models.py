@@ -201,8 +201,8 @@ def test_prepare_models(
     assert current_model_dir(cache_dir, "extra-minilm").resolve() == prepared["extra-minilm"].resolve()
     with pytest.raises(ModelError, match="SLUICE_MODEL_PATHS=nope=/path"):
         prepare_models(PlatformSettings(cache_dir=str(tmp_path), models=("nope",)))
-    with pytest.raises(ModelError, match="expected id=/path"):
-        prepare_models(PlatformSettings(cache_dir=str(tmp_path), models=(), model_paths=("no-path",)))
+    with pytest.raises(ValueError, match="expected id=/path"):
+        PlatformSettings(cache_dir=str(tmp_path), models=(), model_paths=("no-path",))
 
 
 def asks_torch() -> bool:

@@ -47,9 +47,14 @@ def test_a_worker_id_no_event_could_carry_is_refused(worker_id: str) -> None:
         (
             "SLUICE_MODEL_PATHS",
             "my model=/models/x",
-            r"SLUICE_MODEL_PATHS: model id 'my model' may .* \(its entries are id=/path\)",
+            r"SLUICE_MODEL_PATHS: model id 'my model' may .* \(its entries are id=/path or id:task=/path",
         ),
-        ("SLUICE_MODEL_PATHS", "/models/x", r"SLUICE_MODEL_PATHS: model id '/models/x' may .*id=/path"),
+        ("SLUICE_MODEL_PATHS", "/models/x", r"SLUICE_MODEL_PATHS: entry '/models/x': expected id=/path"),
+        (
+            "SLUICE_MODEL_PATHS",
+            "m:chat=/x",
+            r"SLUICE_MODEL_PATHS: entry 'm:chat=/x': task 'chat' is not one of",
+        ),
     ],
 )
 def test_a_model_id_no_topic_could_be_named_for_is_refused(variable: str, value: str, message: str) -> None:
