@@ -137,7 +137,7 @@ def runner_factory(
             from gpu_workers.engine import GenerationEngine
             from gpu_workers.models import load_generation_model
 
-            loaded = load_generation_model(model_dir, worker.worker_device)
+            loaded = load_generation_model(model_dir, worker.worker_device, worker.worker_dtype)
             report_loaded(loaded, manifest.model_id, worker_id)
             engine = GenerationEngine(
                 loaded.model,
@@ -159,7 +159,7 @@ def runner_factory(
         from gpu_workers.embedding_runner import EmbeddingRunner
         from gpu_workers.models import load_embedding_model
 
-        loaded = load_embedding_model(model_dir, worker.worker_device)
+        loaded = load_embedding_model(model_dir, worker.worker_device, worker.worker_dtype)
         report_loaded(loaded, manifest.model_id, worker_id)
         embedder = EmbeddingEngine(
             loaded.model,

@@ -40,6 +40,7 @@ from gpu_workers.end_tokens import chat_format, end_token_ids, with_end_tokens
 from gpu_workers.model_store import CURRENT, ModelError, Progress, Task, model_lock, publish, sha256_file
 from gpu_workers.sentence_pipeline import sentence_pooling
 from gpu_workers.served_context import served_context
+from gpu_workers.settings import WeightsDtype
 from schemas.manifest import (
     MANIFEST_FILE,
     ManifestError,
@@ -504,7 +505,17 @@ def verify_model_dir(model_dir: Path) -> ModelManifest:
     return manifest
 
 
-def _load(model_dir: Path, device: str, task: Task) -> LoadedModel:
+def weights_dtype(dtype: WeightsDtype, device: torch.device) -> torch.dtype | str:
+    """What ``from_pretrained`` is asked for (see ``WorkerSettings.worker_dtype``): ``auto`` is the
+    checkpoint's dtype on a GPU and float32 elsewhere."""
+    import torch
+
+    if dtype == "auto":
+        return "auto" if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+def _load(model_dir: Path, device: str, task: Task, dtype: WeightsDtype = "auto") -> LoadedModel:
     import torch
 
     _without_sklearn()
@@ -523,7 +534,9 @@ def _load(model_dir: Path, device: str, task: Task) -> LoadedModel:
         torch.cuda.set_device(target.index)
     loader = AutoModelForCausalLM if task == "generation" else AutoModel
     try:
-        model = loader.from_pretrained(str(model_dir), local_files_only=True, dtype=torch.float32)
+        model = loader.from_pretrained(
+            str(model_dir), local_files_only=True, dtype=weights_dtype(dtype, target)
+        )
     except Exception as exc:  # its files, not this worker (safetensors' SafetensorError is not an OSError)
         # a ModelError: the worker says why on the control topic, and a rollout of it is rolled back at
         # once (an operator audit: a config transformers refuses crash-looped the candidate's workers)
@@ -608,12 +621,12 @@ def report_loaded(loaded: LoadedModel, model_id: str, worker_id: str) -> None:
     metrics.MODEL_INFO.labels(model_id, loaded.manifest.version, device, worker_id).set(1)
 
 
-def load_generation_model(model_dir: Path, device: str = "auto") -> LoadedModel:
-    return _load(model_dir, device, "generation")
+def load_generation_model(model_dir: Path, device: str = "auto", dtype: WeightsDtype = "auto") -> LoadedModel:
+    return _load(model_dir, device, "generation", dtype)
 
 
-def load_embedding_model(model_dir: Path, device: str = "auto") -> LoadedModel:
-    return _load(model_dir, device, "embedding")
+def load_embedding_model(model_dir: Path, device: str = "auto", dtype: WeightsDtype = "auto") -> LoadedModel:
+    return _load(model_dir, device, "embedding", dtype)
 
 
 __all__ = [

@@ -11,6 +11,7 @@ from bus.placement import parse_cpus
 from schemas.settings import register
 
 Positive = Annotated[int, msgspec.Meta(ge=1)]
+WeightsDtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 
 ADOPT_GRACE_MIN_S = 1.0
@@ -26,6 +27,11 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     event it produces, whose envelope holds no longer a producer (``schemas.events.Name``)."""
     worker_device: str = "auto"
     """``auto`` (CUDA if present, else CPU), ``cpu``, ``cuda``, ``cuda:1`` …"""
+    worker_dtype: WeightsDtype = "auto"
+    """The dtype the model's weights are loaded in. ``auto``: the checkpoint's own (``torch_dtype`` in its
+    config, e.g. bfloat16) on a GPU, where float32 took twice the memory and ran its matrix products in fp32
+    (a review, 2026-12-03); float32 on a CPU, where bf16/fp16 kernels are slow or missing. ``float32``,
+    ``bfloat16``, ``float16``: that dtype on any device."""
     worker_torch_threads: Annotated[int, msgspec.Meta(ge=1)] | None = None
     """torch intra-op threads; unset: half the cores this process may use, at least one (on a box shared
     with the edge, Kafka and other workers a team as wide as the box either spins against them or, with

@@ -10,9 +10,17 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from gpu_workers.model_store import sha256_file
-from gpu_workers.models import ModelError, load_generation_model, prepare_hf_dir, prepare_models
+from gpu_workers.models import (
+    ModelError,
+    load_embedding_model,
+    load_generation_model,
+    prepare_hf_dir,
+    prepare_models,
+)
+from gpu_workers.settings import WeightsDtype, WorkerSettings
 from schemas.manifest import MANIFEST_FILE, read_manifest
 from schemas.settings import PlatformSettings, model_path_entry
 
@@ -97,3 +105,18 @@ def test_weights_that_fail_to_load_are_a_model_error(demo_gpt_dir: Path, tmp_pat
     (prepared / MANIFEST_FILE).write_text(json.dumps(manifest))
     with pytest.raises(ModelError, match="does not load"):
         load_generation_model(prepared, "cpu")
+
+
+@pytest.mark.parametrize(("dtype", "expected"), [("auto", torch.float32), ("bfloat16", torch.bfloat16)])
+def test_the_weights_load_in_the_configured_dtype(
+    demo_gpt_dir: Path, minilm_source: Path, tmp_path: Path, dtype: WeightsDtype, expected: torch.dtype
+) -> None:
+    """``auto`` keeps float32 on a CPU (the checkpoint's dtype on a GPU); a named dtype is used anywhere
+    (every checkpoint was loaded as float32, twice a bf16 model's memory on a GPU: a review, 2026-12-03)."""
+    generation = load_generation_model(demo_gpt_dir, "cpu", dtype)
+    assert next(generation.model.parameters()).dtype == expected
+    embedding = load_embedding_model(
+        prepare_hf_dir("minilm", minilm_source, tmp_path / "models"), "cpu", dtype
+    )
+    assert next(embedding.model.parameters()).dtype == expected
+    assert WorkerSettings().worker_dtype == "auto"
