@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from bus.placement import name_thread, threads_started_on
 from gpu_workers.demo_model import (
     DEMO_GPT_ID,
@@ -45,6 +47,7 @@ from schemas.manifest import (
     MANIFEST_FILE,
     ManifestError,
     ModelManifest,
+    SamplingDefaults,
     embedding_context,
     models_root,
     read_manifest,
@@ -314,13 +317,14 @@ def prepare_hf_dir(
                 task=task,
                 version=version,
                 max_context=max_context,
-                max_output_tokens=min(256, max_context),
+                max_output_tokens=max_context,  # a linked model answers up to its context (was 256)
                 embedding_dim=hidden if task == "embedding" and isinstance(hidden, int) else None,
                 pooling=pooling,
                 eos_token_id=ends[0] if ends else None,
                 eos_token_ids=ends,
                 files=files,
                 chat=chat_format(staging, own_template=task == "generation"),
+                sampling=sampling_defaults(source),
                 description=f"linked from {source}",
             )
 
@@ -328,6 +332,35 @@ def prepare_hf_dir(
 
 
 TOKENIZER = "tokenizer.json"
+GENERATION_CONFIG = "generation_config.json"
+
+
+def sampling_defaults(source: Path) -> SamplingDefaults:
+    """A linked model's defaults for what a request leaves out: ``temperature``, ``top_p``, ``top_k`` and
+    ``max_new_tokens`` (as ``max_tokens``) from its generation_config.json where it names them, as vLLM
+    takes them; else OpenAI's (1.0, 1.0, no top-k, until an end token or the context's end). A value the
+    manifest cannot hold (a ``top_p`` of 0) is left out."""
+    try:
+        config = json.loads((source / GENERATION_CONFIG).read_text())
+    except (OSError, ValueError):
+        config = {}
+    chosen: dict[str, Any] = {"max_tokens": None}
+    names = (
+        ("temperature", "temperature"),
+        ("top_p", "top_p"),
+        ("top_k", "top_k"),
+        ("max_tokens", "max_new_tokens"),
+    )
+    for name, key in names:
+        value = config.get(key) if isinstance(config, dict) else None
+        if value is None:
+            continue
+        try:
+            msgspec.convert({**chosen, name: value}, SamplingDefaults)
+        except msgspec.ValidationError:
+            continue
+        chosen[name] = value
+    return msgspec.convert(chosen, SamplingDefaults)
 
 
 def _check_loadable(model_id: str, source: Path, config: dict[str, Any]) -> None:

@@ -39,6 +39,7 @@ from schemas.events import (
     utc_now,
 )
 from schemas.ids import derive_seed, uuid7, uuid7_unix_ms
+from schemas.manifest import ModelManifest
 
 Kind = Literal["chat", "completion", "embedding"]
 ENDPOINTS: dict[Kind, Endpoint] = {
@@ -138,6 +139,20 @@ def _split_input(value: PromptInput, param: str) -> tuple[list[str], list[list[i
         f"'{param}' must be a string, a list of strings, a list of token ids or a list of token id lists.",
         param=param,
     )
+
+
+def _default_max_tokens(manifest: ModelManifest, tenant: Tenant, model_id: str, prompt_tokens: int) -> int:
+    """``max_tokens`` for a request that names none (the caller bounds it by the room left in the context):
+    the manifest's default, or where it has none (a linked model) the model's output limit, lowered to what
+    the tenant's token limits can ever admit after the prompt, so that a request naming no ``max_tokens``
+    is never refused as ``tokens_exceed_limit`` (a request reserves prompt + ``max_tokens``)."""
+    if manifest.sampling.max_tokens is not None:
+        return manifest.sampling.max_tokens
+    tokens = manifest.max_output_tokens
+    for _, limits in tenant.checks(model_id):
+        if limits.tokens_per_min is not None:
+            tokens = min(tokens, max(1, limits.tokens_per_min - prompt_tokens))
+    return tokens
 
 
 class Preparer:
@@ -316,7 +331,7 @@ class Preparer:
             raise InvalidRequest("The prompt must not be empty.", param=param)
         model.check_context(len(input_ids), param, reserve=1)
         max_tokens = min(
-            requested or manifest.sampling.max_tokens,
+            requested or _default_max_tokens(manifest, tenant, model.model_id, len(input_ids)),
             manifest.max_output_tokens,
             manifest.max_context - len(input_ids),
         )

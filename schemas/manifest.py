@@ -25,7 +25,11 @@ class SamplingDefaults(msgspec.Struct, frozen=True, kw_only=True):
     temperature: Annotated[float, msgspec.Meta(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
     top_k: Annotated[int, msgspec.Meta(ge=0)] = 0
-    max_tokens: PositiveInt = 64
+    max_tokens: PositiveInt | None = 64
+    """A request's ``max_tokens`` when it names none. ``None``: the room its prompt leaves in the context, at
+    most ``max_output_tokens`` (OpenAI and vLLM generate until an end token or the context's end); a model
+    linked from a Hugging Face directory has it unless its generation_config.json names ``max_new_tokens``
+    (before, every answer of such a model stopped at demo-gpt's 64: a review, 2026-12-03)."""
 
 
 class ChatFormat(msgspec.Struct, frozen=True, kw_only=True):

@@ -21,7 +21,7 @@ from gpu_workers.models import (
     prepare_models,
 )
 from gpu_workers.settings import WeightsDtype, WorkerSettings
-from schemas.manifest import MANIFEST_FILE, read_manifest
+from schemas.manifest import MANIFEST_FILE, SamplingDefaults, read_manifest
 from schemas.settings import PlatformSettings, model_path_entry
 
 
@@ -120,3 +120,19 @@ def test_the_weights_load_in_the_configured_dtype(
     )
     assert next(embedding.model.parameters()).dtype == expected
     assert WorkerSettings().worker_dtype == "auto"
+
+
+def test_a_linked_model_answers_up_to_its_context_with_its_own_sampling_defaults(
+    demo_gpt_dir: Path, tmp_path: Path
+) -> None:
+    """Not demo-gpt's 64 tokens by default and 256 at most (a review, 2026-12-03); generation_config.json's
+    sampling defaults as vLLM takes them, a value the manifest cannot hold left out."""
+    source = copy_source(demo_gpt_dir, tmp_path / "linked")
+    plain = read_manifest(prepare_hf_dir("plain", source, tmp_path / "models"))
+    assert plain.max_output_tokens == plain.max_context
+    assert plain.sampling == SamplingDefaults(temperature=1.0, top_p=1.0, top_k=0, max_tokens=None)
+    (source / "generation_config.json").write_text(
+        json.dumps({"do_sample": True, "temperature": 0.6, "top_p": 0, "top_k": 20, "max_new_tokens": 100})
+    )
+    tuned = read_manifest(prepare_hf_dir("tuned", source, tmp_path / "models"))
+    assert tuned.sampling == SamplingDefaults(temperature=0.6, top_p=1.0, top_k=20, max_tokens=100)
