@@ -8,7 +8,9 @@ Windows are tumbling, ``SLUICE_DRIFT_WINDOW_S`` long, aligned to the epoch and c
 ``finished`` time. A window is evaluated once it closed ``SLUICE_DRIFT_LATENESS_S`` ago. Its sample is a
 bounded reservoir: the ``SLUICE_DRIFT_RESERVOIR`` rows with the smallest ``cityHash64(request_id)`` (a
 uniform sample, the same whatever order the rows arrived in, so ``sluice drift report`` recomputes
-exactly the sample the verdict came from); embeddings have their own, smaller reservoir.
+exactly the sample the verdict came from); embeddings have their own, smaller reservoir. A restart
+resumes at the end of the last window reported (:func:`due_windows`), so a changed window length judges
+no reported traffic again: the first window after the change may be cut short to start there.
 
 Per (model, version) the all-tenant scope ``*`` is evaluated every window; each of the
 ``SLUICE_DRIFT_MAX_TENANTS`` busiest tenants with at least ``SLUICE_DRIFT_MIN_SAMPLES`` requests in the
@@ -224,12 +226,14 @@ def count_sql(key: DriftKey, window: Window) -> str:
 
 
 LAST_REPORTS = """SELECT model, model_version, scope,
-    max(window_start) AS last_start,
-    argMax(reference_start, window_start) AS reference_start,
-    argMax(reference_end, window_start) AS reference_end
+    max(window_end) AS last_end,
+    argMax(reference_start, window_end) AS reference_start,
+    argMax(reference_end, window_end) AS reference_end
 FROM drift_reports FINAL
 GROUP BY model, model_version, scope"""
-"""Where each key stands: the last window it reported and its reference (loaded once at start)."""
+"""Where each key stands: the end of the last window it reported and its reference (loaded once at start).
+The end, not the start: after ``SLUICE_DRIFT_WINDOW_S`` changed, the start of the last window says
+nothing about how far it reached."""
 
 
 def due_windows(
@@ -243,15 +247,22 @@ def due_windows(
     """The windows to evaluate, oldest first: closed ``lateness`` ago, after the last one reported.
 
     ``available``: (model, version, window start ms) of windows holding rows; ``reported``: per (model,
-    version), the start of the last window reported."""
+    version), the end of the last window reported. No window overlaps one already reported, whatever
+    window length that one had: a window ending there or before is skipped, and the one that straddles
+    it (after ``SLUICE_DRIFT_WINDOW_S`` was lengthened, or changed to a length that does not divide the
+    old one) is cut to start there. That first window is shorter than the others, so the traffic since
+    the last report is judged once, neither twice nor never; the next ones are aligned to the epoch."""
     due = []
     for model, version, start in sorted(set(available), key=lambda a: (a[2], a[0], a[1])):
-        last = reported.get((model, version))
-        if last is not None and start <= last:
+        window = Window(start, start + window_ms)
+        last_end = reported.get((model, version))
+        if last_end is not None:
+            if window.end_ms <= last_end:
+                continue
+            window = Window(max(window.start_ms, last_end), window.end_ms)
+        if window.end_ms + lateness_ms > now_ms:
             continue
-        if start + window_ms + lateness_ms > now_ms:
-            continue
-        due.append((model, version, Window(start, start + window_ms)))
+        due.append((model, version, window))
     return due
 
 
@@ -540,7 +551,7 @@ class DriftMonitor:
         for row in await self._query(LAST_REPORTS):
             key = DriftKey(row["model"], row["model_version"], row["scope"])
             if key.scope == ALL:
-                reported[(key.model, key.model_version)] = _ms(row["last_start"])
+                reported[(key.model, key.model_version)] = _ms(row["last_end"])
             if row["reference_start"] is not None and row["reference_end"] is not None:
                 self._references[key] = Window(_ms(row["reference_start"]), _ms(row["reference_end"]))
         return reported
@@ -578,7 +589,7 @@ class DriftMonitor:
                 blocked[(model, version)] = window.start_ms
                 continue
             reports += done
-            self._reported[(model, version)] = window.start_ms
+            self._reported[(model, version)] = window.end_ms
         self._scan_from = min([now_ms - 2 * self._window_ms - self._lateness_ms, *blocked.values()])
         return reports
 

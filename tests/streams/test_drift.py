@@ -170,11 +170,36 @@ def verdicts(reports: list[DriftReport], scope: str = ALL) -> list[str]:
 def test_due_windows_waits_for_lateness_and_skips_what_was_reported() -> None:
     w = 60_000
     available = [("m", "v", 0), ("m", "v", w), ("m", "v", 2 * w), ("n", "v", w)]
-    due = due_windows(available, {("m", "v"): 0}, now_ms=2 * w + 5_000, window_ms=w, lateness_ms=5_000)
+    due = due_windows(available, {("m", "v"): w}, now_ms=2 * w + 5_000, window_ms=w, lateness_ms=5_000)
     assert due == [("m", "v", Window(w, 2 * w)), ("n", "v", Window(w, 2 * w))]
     first = due_windows(available, {}, now_ms=w + 5_000, window_ms=w, lateness_ms=5_000)
     assert first == [("m", "v", Window(0, w))]
     assert due_windows(available, {}, now_ms=w + 4_999, window_ms=w, lateness_ms=5_000) == []
+
+
+def test_due_windows_after_a_shorter_window_skip_what_the_longer_one_reported() -> None:
+    """A restart with SLUICE_DRIFT_WINDOW_S shortened (300 s to 60 s): the 60 s windows inside the
+    reported [0, 300 s) were judged again, against a reference that contained them (no_drift by
+    construction). The state is the end of the last window reported, so they are skipped."""
+    w = 60_000
+    available = [("m", "v", i * w) for i in range(7)]
+    due = due_windows(available, {("m", "v"): 5 * w}, now_ms=7 * w + 5_000, window_ms=w, lateness_ms=5_000)
+    assert due == [("m", "v", Window(5 * w, 6 * w)), ("m", "v", Window(6 * w, 7 * w))]
+
+
+def test_due_windows_after_a_longer_window_cut_the_first_at_the_last_report() -> None:
+    """Lengthened (60 s to 300 s) after [180 s, 240 s) was reported: the 300 s window [0, 300 s) that
+    straddles the report is cut to [240 s, 300 s), so nothing is judged twice and nothing is skipped;
+    the windows after it are whole and aligned to the epoch."""
+    w = 300_000
+    available = [("m", "v", 0), ("m", "v", w)]
+    due = due_windows(available, {("m", "v"): 240_000}, now_ms=2 * w + 5_000, window_ms=w, lateness_ms=5_000)
+    assert due == [("m", "v", Window(240_000, w)), ("m", "v", Window(w, 2 * w))]
+    # a length that does not divide the old one (300 s to 120 s after [0, 300 s)): [240, 360) is cut
+    w = 120_000
+    available = [("m", "v", i * w) for i in range(4)]
+    due = due_windows(available, {("m", "v"): 300_000}, now_ms=4 * w + 5_000, window_ms=w, lateness_ms=5_000)
+    assert due == [("m", "v", Window(300_000, 3 * w)), ("m", "v", Window(3 * w, 4 * w))]
 
 
 def test_drift_key_quotes_hostile_names() -> None:
@@ -229,6 +254,32 @@ async def test_reference_then_no_drift_then_drift_then_a_restart_resumes(tmp_pat
             int(w3.timestamp() * 1000), int(w3.timestamp() * 1000) + WINDOW_S * 1000
         )
         assert {f.name for f in stored.features if f.drifted} == drifted
+
+
+@pytest.mark.integration
+async def test_a_restart_with_another_window_length_judges_no_reported_traffic_again(tmp_path: Path) -> None:
+    """Shortened (300 s to 60 s), the monitor judged the 60 s windows inside the reported 300 s one
+    again, each against a reference that contained it; lengthened back, the next window starts where
+    the last report ended."""
+    with warehouse(tmp_path) as client:
+        events = []
+        for i in range(7):  # seven minutes of traffic, 60 a minute
+            events += window_events(T0 + timedelta(seconds=60 * i), 60, seed=i)
+        insert(client, rows_of(events))
+        published = Published(client)
+        done = await monitor(client, published, drift_window_s=300).run_once(T0 + timedelta(seconds=306))
+        assert [(r.window_start, r.effective_verdict) for r in done if r.tenant == ALL] == [(T0, "reference")]
+
+        shorter = monitor(client, published, drift_window_s=60)
+        assert await shorter.run_once(T0 + timedelta(seconds=306)) == []
+        done = await shorter.run_once(T0 + timedelta(seconds=366))
+        judged = [(r.window_start, r.window_end, r.effective_verdict) for r in done if r.tenant == ALL]
+        assert judged == [(T0 + timedelta(seconds=300), T0 + timedelta(seconds=360), "no_drift")]
+
+        longer = monitor(client, published, drift_window_s=300)
+        done = await longer.run_once(T0 + timedelta(seconds=606))
+        cut = [(r.window_start, r.window_end) for r in done if r.tenant == ALL]
+        assert cut == [(T0 + timedelta(seconds=360), T0 + timedelta(seconds=600))]
 
 
 @pytest.mark.integration
