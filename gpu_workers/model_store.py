@@ -35,6 +35,10 @@ class ModelError(GpuWorkerError):
     """A model cannot be prepared or loaded (unknown id, bad source, hash mismatch, wrong task)."""
 
 
+class VersionFilesError(ModelError):
+    """A version's files are missing or differ from its manifest; the message says what restores them."""
+
+
 # ------------------------------------------------------------------------------------- content addressing
 
 
@@ -91,24 +95,75 @@ def publish(
     manifest_for: Callable[[str, dict[str, str]], ModelManifest],
     *,
     point: bool = True,
+    own_files: bool = False,
 ) -> Path:
     """Hash ``staging``, write its manifest, move it to ``<model_root>/<version>`` and (``point``) point
-    ``current`` at it; ``current`` is always created when the model has none."""
+    ``current`` at it; ``current`` is always created when the model has none.
+
+    Where the version exists already (the same content prepared before) it is kept, unless ``own_files``
+    (``staging`` holds copies) and some of its files are links or missing or changed: those are replaced by
+    the copies. A version registered before ``sluice models add`` copied is links into the operator's
+    directory, and registering the same files again is how its files become its own."""
     files = content_files(staging)
     version = version_of(files)
     target = model_root / version
-    if target.exists():  # same content prepared before: keep the existing directory untouched
+    if target.exists():
+        if own_files and _adopt(staging, target, files):
+            write_manifest(staging, manifest_for(version, files))
+            os.replace(staging / MANIFEST_FILE, target / MANIFEST_FILE)
         shutil.rmtree(staging)
     else:
         write_manifest(staging, manifest_for(version, files))
-        staging.chmod(0o755)  # mkdtemp made it private
-        for path in staging.rglob("*"):
-            # readable by any user that serves the model: save_pretrained writes its weights 0600, so an
-            # image prepared as root failed to load demo-gpt as its non-root user (an audit). A link (to a
-            # package's files) is left alone: its target is not ours to change.
-            if not path.is_symlink():
-                path.chmod(0o755 if path.is_dir() else 0o644)
+        _share(staging)
         os.replace(staging, target)
     if point or not (model_root / CURRENT).exists():
         point_current(model_root, version)
     return target
+
+
+def _share(model_dir: Path) -> None:
+    """Make ``model_dir``'s files readable by any user that serves the model: save_pretrained writes its
+    weights 0600 (and mkdtemp makes a staging directory private), so an image prepared as root failed to
+    load demo-gpt as its non-root user (an audit). A link (to a package's files) is left alone: its target
+    is not ours to change."""
+    for path in [model_dir, *model_dir.rglob("*")]:
+        if not path.is_symlink():
+            path.chmod(0o755 if path.is_dir() else 0o644)
+
+
+def _adopt(staging: Path, target: Path, files: dict[str, str]) -> bool:
+    """Move each top-level entry of ``staging`` over the one of ``target`` that is a link, missing, or not
+    what ``files`` lists; True if any was. Each file is swapped in with one rename, so a worker that loads
+    the version meanwhile reads either the old entry or the copy, never a part-written file."""
+    adopted = False
+    for entry in sorted(staging.iterdir()):
+        theirs = target / entry.name
+        if entry.name == MANIFEST_FILE or (not theirs.is_symlink() and _intact(theirs, entry.name, files)):
+            continue
+        _share(entry)
+        if entry.is_dir() or theirs.is_dir():  # rename(2) cannot put a directory over another entry
+            aside = target / f".old-{os.getpid()}-{entry.name}"
+            if theirs.is_symlink() or theirs.exists():
+                os.replace(theirs, aside)
+            os.replace(entry, theirs)
+            if aside.is_symlink() or aside.is_file():
+                aside.unlink()
+            elif aside.exists():
+                shutil.rmtree(aside)
+        else:
+            os.replace(entry, theirs)
+        adopted = True
+    return adopted
+
+
+def _intact(path: Path, rel: str, files: dict[str, str]) -> bool:
+    """Whether ``path`` (``rel`` in its version) holds what the manifest's ``files`` list for it."""
+    if path.is_file():
+        return sha256_file(path) == files.get(rel)
+    if path.is_dir():
+        listed = {name: digest for name, digest in files.items() if name.startswith(f"{rel}/")}
+        return all(
+            (path.parent / name).is_file() and sha256_file(path.parent / name) == digest
+            for name, digest in listed.items()
+        )
+    return False

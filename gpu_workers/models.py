@@ -21,6 +21,7 @@ import importlib
 import json
 import logging
 import os
+import shutil
 import tempfile
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -39,7 +40,16 @@ from gpu_workers.demo_model import (
     demo_corpus,
 )
 from gpu_workers.end_tokens import chat_format, end_token_ids, with_end_tokens
-from gpu_workers.model_store import CURRENT, ModelError, Progress, Task, model_lock, publish, sha256_file
+from gpu_workers.model_store import (
+    CURRENT,
+    ModelError,
+    Progress,
+    Task,
+    VersionFilesError,
+    model_lock,
+    publish,
+    sha256_file,
+)
 from gpu_workers.sentence_pipeline import sentence_pooling
 from gpu_workers.served_context import served_context
 from gpu_workers.settings import WeightsDtype
@@ -281,10 +291,24 @@ def _infer_task(config: dict[str, Any], source: Path) -> Task:
 
 
 def prepare_hf_dir(
-    model_id: str, source: Path, root: Path, task: Task | None = None, *, point: bool = True
+    model_id: str,
+    source: Path,
+    root: Path,
+    task: Task | None = None,
+    *,
+    point: bool = True,
+    copy: bool = False,
 ) -> Path:
     """Link a local Hugging Face directory into ``<root>/<model_id>/<version>/`` with a manifest; with
-    ``point``, ``current`` then names it."""
+    ``point``, ``current`` then names it.
+
+    With ``copy`` the version gets copies of the files instead of links, so that it owns what it serves:
+    ``sluice models add`` registers an immutable version, and a version of links broke as soon as the
+    operator moved, deleted or re-trained into the source directory (a review, 2026-12-03: a promoted
+    version's workers then failed at every restart and the model stopped answering). Hard links would be
+    cheaper but share the inode, and ``save_pretrained`` rewrites ``config.json`` in place. Without
+    ``copy`` (``SLUICE_MODEL_PATHS``, MiniLM) the operator's own directory is served in place, as
+    documented."""
     source = Path(source).expanduser().resolve()
     try:
         config = json.loads((source / "config.json").read_text())
@@ -304,11 +328,12 @@ def prepare_hf_dir(
     hidden = config.get("hidden_size") or config.get("n_embd")
 
     model_root = Path(root) / model_id
-    with model_lock(model_root):
-        staging = Path(tempfile.mkdtemp(prefix=".link-", dir=model_root))
-        for entry in sorted(source.iterdir()):
-            if not entry.name.startswith(".") and entry.name != MANIFEST_FILE:
-                (staging / entry.name).symlink_to(entry)
+    model_root.mkdir(parents=True, exist_ok=True)
+    # Copies are made before the lock is taken: a big model's copy must not hold up another process that
+    # prepares the same id. A staging directory is a dotfile, never read as a version.
+    staging = Path(tempfile.mkdtemp(prefix=".copy-" if copy else ".link-", dir=model_root))
+    try:
+        _stage(source, staging, copy=copy)
 
         def manifest_for(version: str, files: dict[str, str]) -> ModelManifest:
             ends = end_token_ids(staging)
@@ -325,10 +350,36 @@ def prepare_hf_dir(
                 files=files,
                 chat=chat_format(staging, own_template=task == "generation"),
                 sampling=sampling_defaults(source),
-                description=f"linked from {source}",
+                description=f"{COPIED_FROM if copy else LINKED_FROM} {source}",
             )
 
-        return publish(staging, model_root, manifest_for, point=point)
+        with model_lock(model_root):
+            return publish(staging, model_root, manifest_for, point=point, own_files=copy)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # gone already unless something failed
+
+
+LINKED_FROM = "linked from"
+COPIED_FROM = "copied from"
+
+
+def _stage(source: Path, staging: Path, *, copy: bool) -> None:
+    """Put ``source``'s entries (not its dotfiles or a manifest of its own) into ``staging``: links to
+    them, or with ``copy`` copies of what they hold (links inside ``source`` followed, as a Hugging Face
+    cache's snapshot directory is links into its blobs)."""
+    for entry in sorted(source.iterdir()):
+        if entry.name.startswith(".") or entry.name == MANIFEST_FILE:
+            continue
+        if not copy:
+            (staging / entry.name).symlink_to(entry)
+            continue
+        try:
+            if entry.is_dir():
+                shutil.copytree(entry, staging / entry.name, ignore=shutil.ignore_patterns(".*"))
+            elif entry.is_file():
+                shutil.copyfile(entry, staging / entry.name)
+        except (OSError, shutil.Error) as exc:
+            raise ModelError(f"cannot copy {entry} into the model cache: {exc}") from exc
 
 
 TOKENIZER = "tokenizer.json"
@@ -407,7 +458,7 @@ def add_version(model_id: str, source: Path, root: Path, task: Task | None = Non
                 "requests with one tokenizer per model id, so a version must keep it; register a model "
                 "with another tokenizer under a new model id"
             )
-    return prepare_hf_dir(model_id, source, root, task, point=False)
+    return prepare_hf_dir(model_id, source, root, task, point=False, copy=True)
 
 
 def check_safetensors(path: Path) -> None:
@@ -528,14 +579,38 @@ def verify_model_dir(model_dir: Path) -> ModelManifest:
     for name, expected in manifest.files.items():
         path = Path(model_dir) / name
         if not path.is_file():
-            raise ModelError(f"{manifest.model_id}@{manifest.version}: {name} is missing from {model_dir}")
+            raise VersionFilesError(
+                f"{manifest.model_id}@{manifest.version}: {name} is missing from {model_dir}; "
+                f"{repair_hint(manifest)}"
+            )
         actual = sha256_file(path)
         if actual != expected:
-            raise ModelError(
+            raise VersionFilesError(
                 f"{manifest.model_id}@{manifest.version}: {name} has sha256 {actual[:12]}…, manifest says "
-                f"{expected[:12]}…; the directory changed after it was prepared — prepare it again"
+                f"{expected[:12]}…; the directory changed after it was prepared: {repair_hint(manifest)}"
             )
     return manifest
+
+
+def repair_hint(manifest: ModelManifest) -> str:
+    """What brings back a version whose files are missing or changed. ``sluice models prepare`` links the
+    ``SLUICE_MODEL_PATHS`` directories and builds the built-in models again, but cannot restore a version
+    registered with ``sluice models add`` (a review, 2026-12-03: the worker's error said to run it, which
+    did nothing): registering the same files again can."""
+    model_id, description = manifest.model_id, manifest.description
+    if description.startswith(COPIED_FROM):
+        return (
+            f"register its files again with `sluice models add {model_id} --path DIR` (they are the "
+            "version's own copies; something removed or changed them in the model cache)"
+        )
+    if description.startswith(LINKED_FROM):
+        source = description.removeprefix(LINKED_FROM).strip()
+        return (
+            f"its files are links into {source}: restore that directory, or register the files again with "
+            f"`sluice models add {model_id} --path DIR` (which copies them); for a SLUICE_MODEL_PATHS "
+            "model, `sluice models prepare` registers the directory as it is now"
+        )
+    return "run `sluice models prepare` to prepare it again"
 
 
 def weights_dtype(dtype: WeightsDtype, device: torch.device) -> torch.dtype | str:

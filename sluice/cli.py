@@ -611,7 +611,8 @@ def models_add(
     ] = None,
 ) -> None:
     """Register DIR as a new immutable version of MODEL (content-addressed: the same files give the same
-    version). What serves does not change: roll it out with `sluice rollout start`."""
+    version). Its files are copied into the model cache, so DIR may change or go afterwards. What serves
+    does not change: roll it out with `sluice rollout start`."""
     from gpu_workers import GpuWorkerError
     from gpu_workers.models import add_version
     from schemas.manifest import models_root, read_manifest

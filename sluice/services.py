@@ -135,6 +135,7 @@ def check_streams_exposure(platform: PlatformSettings, streams: StreamsSettings)
 def run_worker_process(platform: PlatformSettings, model_id: str, console: Console) -> int:
     from gpu_workers import GpuWorkerError
     from gpu_workers.main import model_dir_of, place_worker, run_worker
+    from gpu_workers.model_store import VersionFilesError
     from monitoring.ops import OpsServerError
     from schemas.manifest import ManifestError
 
@@ -160,6 +161,9 @@ def run_worker_process(platform: PlatformSettings, model_id: str, console: Conso
     set_on_signals(join, signal.SIGUSR1)  # a warm standby (SLUICE_WORKER_STANDBY) joins
     try:
         run_worker(platform, worker, model_id, stop, join)
+    except VersionFilesError as exc:  # says what restores them: `prepare` cannot, for a registered version
+        console.print(f"[red]error:[/] {exc}")
+        return 1
     except (GpuWorkerError, ManifestError) as exc:
         console.print(f"[red]error:[/] {exc} (run `sluice models prepare`)")
         return 1

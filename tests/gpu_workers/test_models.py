@@ -351,6 +351,61 @@ def test_add_version_refuses_a_truncated_or_unreadable_weights_file(
     assert len(list_versions(root, "all-minilm-l6-v2")) == 2
 
 
+def test_an_added_version_owns_its_files(minilm_source: Path, tmp_path: Path) -> None:
+    """A review (2026-12-03): `models add` registered an "immutable" version as links into the operator's
+    directory; once it was moved or re-trained into, the promoted version failed to load at every worker
+    restart and the model stopped answering. The version now holds copies of the files."""
+    root = tmp_path / "models"
+    prepare_hf_dir("all-minilm-l6-v2", minilm_source, root)
+    source = _variant(minilm_source, tmp_path, "finetune", "g")
+    added = add_version("all-minilm-l6-v2", source, root)
+    assert not any(path.is_symlink() for path in added.rglob("*"))
+    assert read_manifest(added).description == f"copied from {source}"
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "retrained": True}))  # in place, as saved
+    verify_model_dir(added)
+    shutil.rmtree(source)  # the operator cleans up after registering
+    verify_model_dir(added)
+    assert (added / "1_Pooling" / "config.json").is_file()  # a subdirectory is copied too
+
+
+def test_adding_the_same_files_again_makes_a_linked_version_its_own(
+    minilm_source: Path, tmp_path: Path
+) -> None:
+    """A version registered before `models add` copied is links; registering its files again (what the
+    error of a broken one says to do) swaps the copies in, under the same version id."""
+    root = tmp_path / "models"
+    prepare_hf_dir("all-minilm-l6-v2", minilm_source, root)
+    source = _variant(minilm_source, tmp_path, "old", "h")
+    linked = prepare_hf_dir("all-minilm-l6-v2", source, root, point=False)  # as `models add` used to
+    (source / "notes.json").rename(tmp_path / "notes.json")  # the operator moved a file away
+    with pytest.raises(ModelError, match=rf"notes\.json is missing .*links into {source}: restore"):
+        verify_model_dir(linked)
+    (tmp_path / "notes.json").rename(source / "notes.json")
+    assert add_version("all-minilm-l6-v2", source, root) == linked
+    assert not any(path.is_symlink() for path in linked.rglob("*"))
+    assert read_manifest(linked).description.startswith("copied from")
+    shutil.rmtree(source)
+    verify_model_dir(linked)
+
+
+def test_a_broken_added_version_says_to_register_it_again(minilm_source: Path, tmp_path: Path) -> None:
+    """`sluice models prepare` cannot restore a version registered with `models add` (a review: the
+    worker's error said to run it, and it did nothing); the error says what can."""
+    root = tmp_path / "models"
+    prepare_hf_dir("all-minilm-l6-v2", minilm_source, root)
+    added = add_version("all-minilm-l6-v2", _variant(minilm_source, tmp_path, "v", "i"), root)
+    (added / "notes.json").write_text("{}")
+    with pytest.raises(
+        ModelError, match=r"register its files again with `sluice models add all-minilm"
+    ) as err:
+        verify_model_dir(added)
+    assert "models prepare" not in str(err.value)
+    (added / "notes.json").unlink()
+    with pytest.raises(ModelError, match=r"notes\.json is missing .*`sluice models add"):
+        verify_model_dir(added)
+
+
 def test_configure_openmp_sets_the_policy_before_torch_loads(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.delitem(sys.modules, "torch", raising=False)
