@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 from gpu_workers.model_store import Task
-from gpu_workers.step_graphs import attention_span, position_limit
 
 TOKENIZER_CONFIG = "tokenizer_config.json"
 SANE_MODEL_MAX_LENGTH = 1_000_000
@@ -33,6 +32,10 @@ def served_context(source: Path, config: dict[str, Any], task: Task) -> int:
     its usable positions, and for a generation model no more than its attention window; for an embedding
     model no more than its tokenizer's ``model_max_length`` when that is a real limit (what
     sentence-transformers cuts at for a model without ``sentence_bert_config.json``)."""
+    # imported here: step_graphs loads numpy, whose thread pool started at the import of gpu_workers.models
+    # would keep every core, before the worker is placed (tests/gpu_workers/test_quiet_team.py)
+    from gpu_workers.step_graphs import attention_span, position_limit
+
     if task == "generation":
         # transformers' own reading of the config, as the engine gets it: Qwen2's sliding_window is there
         # only with use_sliding_window, for instance
