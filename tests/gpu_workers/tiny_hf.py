@@ -15,7 +15,8 @@ CORPUS = [
 ] * 10
 
 
-def _tokenizer(specials: list[str]) -> Any:
+def bpe_tokenizer(specials: list[str], corpus: list[str] = CORPUS) -> Any:
+    """A byte-level BPE tokenizer of 300 tokens trained on ``corpus``, ``specials`` its special tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE(unk_token=None))
@@ -23,9 +24,21 @@ def _tokenizer(specials: list[str]) -> Any:
     tok.decoder = decoders.ByteLevel()
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     tok.train_from_iterator(
-        CORPUS, trainers.BpeTrainer(vocab_size=300, special_tokens=specials, initial_alphabet=alphabet)
+        corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=specials, initial_alphabet=alphabet)
     )
     return tok
+
+
+def _encoder_sizes(tok: Any, positions: int) -> dict[str, Any]:
+    """A tiny encoder's sizes, BERT's or RoBERTa's."""
+    return {
+        "vocab_size": tok.get_vocab_size(),
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "max_position_embeddings": positions,
+    }
 
 
 def _fast_tokenizer(tok: Any, **special_tokens: str) -> Any:
@@ -53,37 +66,22 @@ def encoder_dir(
     from transformers import BertConfig, BertModel, RobertaConfig, RobertaModel
 
     if arch == "bert":
-        tok = _tokenizer(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"])
+        tok = bpe_tokenizer(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"])
         cls, sep = ("[CLS]", tok.token_to_id("[CLS]")), ("[SEP]", tok.token_to_id("[SEP]"))
         tok.post_processor = processors.TemplateProcessing(
             single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B [SEP]", special_tokens=[cls, sep]
         )
         names = {"cls_token": "[CLS]", "sep_token": "[SEP]", "pad_token": "[PAD]", "unk_token": "[UNK]"}
-        config: Any = BertConfig(
-            vocab_size=tok.get_vocab_size(),
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            max_position_embeddings=positions,
-            pad_token_id=0,
-        )
+        config: Any = BertConfig(**_encoder_sizes(tok, positions), pad_token_id=0)
         builder: Any = BertModel
     else:
-        tok = _tokenizer(["<s>", "<pad>", "</s>", "<unk>", "<mask>"])
+        tok = bpe_tokenizer(["<s>", "<pad>", "</s>", "<unk>", "<mask>"])
         tok.post_processor = processors.RobertaProcessing(
             ("</s>", tok.token_to_id("</s>")), ("<s>", tok.token_to_id("<s>"))
         )
         names = {"cls_token": "<s>", "sep_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>"}
         config = RobertaConfig(
-            vocab_size=tok.get_vocab_size(),
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            max_position_embeddings=positions,
-            pad_token_id=tok.token_to_id("<pad>"),
-            type_vocab_size=1,
+            **_encoder_sizes(tok, positions), pad_token_id=tok.token_to_id("<pad>"), type_vocab_size=1
         )
         builder = RobertaModel
     torch.manual_seed(0)
@@ -130,7 +128,7 @@ def decoder_dir(path: Path, *, arch: str = "mistral", **config_fields: Any) -> P
     import torch
     from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    tok = _tokenizer(["<s>", "</s>"])
+    tok = bpe_tokenizer(["<s>", "</s>"])
     classes: dict[str, tuple[Any, Any]] = {
         "mistral": (MistralConfig, MistralForCausalLM),
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import processors
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from gpu_workers.model_store import ModelError
@@ -21,6 +21,7 @@ from gpu_workers.models import prepare_hf_dir
 from ingest.errors import InvalidRequest
 from ingest.models import ServedModel
 from schemas.manifest import read_manifest
+from tests.gpu_workers.tiny_hf import bpe_tokenizer
 
 CHATML = (
     "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -50,13 +51,7 @@ def model_dir(path: Path, template: str, where: str = "file") -> Path:
     ``template`` as ``chat_template.jinja`` (``file``), tokenizer_config.json's string (``config``) or its
     list of named templates (``named``)."""
     specials = ["<s>", "</s>", "<|im_start|>", "<|im_end|>"]
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    tok.train_from_iterator(
-        CORPUS, trainers.BpeTrainer(vocab_size=300, special_tokens=specials, initial_alphabet=alphabet)
-    )
+    tok = bpe_tokenizer(specials, CORPUS)
     tok.post_processor = processors.TemplateProcessing(
         single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", tok.token_to_id("<s>"))]
     )
