@@ -120,6 +120,10 @@ class EmbeddingRunner:
             return
         if event.request_id in self._requests:
             return  # a duplicate delivery of a request still in flight
+        too_long = self._too_long(event)
+        if too_long is not None:  # the edge's 400 too: a request too long for the model, not a failure
+            emit.finish(arrival, self._origin.failed(arrival, "context_length_exceeded", too_long))
+            return
         invalid = self._invalid(event)
         if invalid is not None:
             emit.finish(arrival, self._origin.failed(arrival, "invalid_input", invalid))
@@ -153,6 +157,17 @@ class EmbeddingRunner:
             return
         self._requests[event.request_id] = request
 
+    def _too_long(self, event: EmbeddingRequested) -> str | None:
+        """Why ``event``'s inputs are longer than the model embeds, or None. The engine's limit too: a
+        manifest prepared before 2026-12-03 says 514 for a RoBERTa encoder that embeds 512, and such an
+        input would fail its whole batch; it ends ``context_length_exceeded``, which the edge answers with
+        a 400 as its own refusal (it was a 500, a review)."""
+        longest = min(self._manifest.max_context, self._engine.max_length)
+        too_long = [i for i, ids in enumerate(event.inputs) if len(ids) > longest]
+        if too_long:
+            return f"This model's maximum context length is {longest} tokens; inputs {too_long} are longer."
+        return None
+
     def _invalid(self, event: EmbeddingRequested) -> str | None:
         """Why the engine could not embed ``event``'s inputs (the edge checks them, another producer may
         not), or None: a batch with such an input would fail whole."""
@@ -166,12 +181,6 @@ class EmbeddingRunner:
         empty = [i for i, ids in enumerate(event.inputs) if not ids]
         if empty:
             return f"inputs {empty} are empty"
-        # the engine's limit too: a manifest prepared before 2026-12-03 says 514 for a RoBERTa encoder
-        # that embeds 512, and such an input would fail its whole batch
-        longest = min(self._manifest.max_context, self._engine.max_length)
-        too_long = [i for i, ids in enumerate(event.inputs) if len(ids) > longest]
-        if too_long:
-            return f"inputs {too_long} exceed {longest} tokens"
         vocab = self._engine.vocab_size
         outside = [i for i, ids in enumerate(event.inputs) if min(ids) < 0 or max(ids) >= vocab]
         if outside:

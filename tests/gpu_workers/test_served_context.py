@@ -104,8 +104,9 @@ def test_an_encoders_tokenizer_limit_is_its_context(tmp_path: Path) -> None:
 
 def test_one_overlong_input_fails_its_request_alone(tmp_path: Path) -> None:
     """A manifest prepared before the fix says 66 for the RoBERTa encoder: the worker refuses a 65-token
-    input by itself (``invalid_input``) and embeds the request batched with it; before, the batch failed
-    whole with ``engine_error`` for every request in it, and three such batches stopped the worker."""
+    input by itself (``context_length_exceeded``, which the edge answers with a 400 as its own refusal) and
+    embeds the request batched with it; before, the batch failed whole with ``engine_error`` for every
+    request in it, and three such batches stopped the worker."""
     source = encoder_dir(tmp_path / "src", arch="roberta", positions=66)
     prepared = prepare_hf_dir("roberta", source, tmp_path / "models", task="embedding")
     loaded = load_embedding_model(prepared, "cpu")
@@ -118,5 +119,6 @@ def test_one_overlong_input_fails_its_request_alone(tmp_path: Path) -> None:
     error = done[long.request_id].error
     assert done[long.request_id].status == "failed"
     assert error is not None
-    assert error.code == "invalid_input"
+    assert error.code == "context_length_exceeded"
+    assert isinstance(from_finished(done[long.request_id]), ContextLengthExceeded)  # a 400, not a 500
     assert done[short.request_id].status == "completed"
