@@ -614,7 +614,7 @@ def models_add(
     version). Its files are copied into the model cache, so DIR may change or go afterwards. What serves
     does not change: roll it out with `sluice rollout start`."""
     from gpu_workers import GpuWorkerError
-    from gpu_workers.models import add_version
+    from gpu_workers.models import add_version, list_versions
     from schemas.manifest import models_root, read_manifest
 
     tasks: dict[str | None, Literal["generation", "embedding"] | None] = {
@@ -632,6 +632,13 @@ def models_add(
         raise fail(str(exc)) from None
     version = read_manifest(added).version
     out.print(f"{escape(model)}: version [bold]{escape(version)}[/] ({escape(str(added))})")
+    _, stables, _ = _live_shares(settings())
+    stable = stables.get(model) or next(
+        (v.version for v in list_versions(models_root(settings().cache_dir), model) if v.current), None
+    )
+    if version == stable:  # the same files as what serves: a rollout of it is refused (a review)
+        out.print(escape(f"  the same files as the stable version of {model}: nothing to roll out"))
+        return
     out.print(escape(f"  next: sluice rollout evaluate {model} --version {version} --from-log 1h"))
     out.print(escape(f"        sluice rollout start {model} --version {version} --canary 5"))
 

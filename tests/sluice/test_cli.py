@@ -252,6 +252,10 @@ def test_models_add_registers_a_version_and_list_shows_it_without_a_broker(tmp_p
     )
     first = sluice("models", "add", "all-minilm-l6-v2", "--path", str(source), env=env)
     assert first.returncode == 0, first.stderr
+    # the first version is what serves: no rollout of it to suggest (a review: the hint named a rollout
+    # that `rollout start` refuses, "already the stable version")
+    assert "the same files as the stable version" in first.stdout
+    assert "rollout start" not in first.stdout
     copy = tmp_path / "finetune"
     shutil.copytree(source, copy, ignore=shutil.ignore_patterns("sluice-manifest.json", ".*"))
     (copy / "notes.json").write_text("{}")
