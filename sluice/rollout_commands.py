@@ -314,6 +314,14 @@ def rollout_evaluate(
         out.print(
             "[green]every gate passed[/]" + (f" ({', '.join(skipped)}: not applicable)" if skipped else "")
         )
+        # a review: a model whose answers matched the stable version's 1.4% of the time passed here, and
+        # the drift gate rolled it back live; the summary says what this could not judge
+        out.print(
+            f"[dim]errors, latency and cost only: the drift and burn-rate gates judge live traffic (answers "
+            f"differed from the stable version's on {1 - result.same_output:.1%} of these requests; "
+            f"`sluice rollout start {model} --version {result.candidate} --shadow 100 --canary 0` lets "
+            "them judge before any client sees it)[/]"
+        )
     else:
         out.print("[red]not every gate passed[/]")
     raise typer.Exit(0 if result.passed else 1)

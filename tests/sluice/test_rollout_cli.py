@@ -752,3 +752,37 @@ def test_an_abort_the_controller_published_again_is_not_superseded(
     raced = CliRunner().invoke(app, ["rollout", "abort", MODEL, "--reason", "bad"], env=env)
     assert raced.exit_code == 1, raced.output
     assert "superseded" in raced.output
+
+
+def test_a_passing_evaluation_says_what_it_could_not_judge(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Found by a review: a candidate whose answers matched the stable version's on 1.4% of the logged
+    requests passed `rollout evaluate` ("every gate passed", exit 0), and the drift gate rolled it back
+    live. The summary says the drift and burn-rate gates judge live traffic, how often the answers
+    differed, and the shadow-only start that lets them judge before any client sees the candidate."""
+    import sluice.evaluate
+    from sluice.cli import app
+    from sluice.evaluate import Evaluation
+
+    passed = Evaluation(
+        model=MODEL,
+        stable="v1",
+        candidate="v2",
+        requests=500,
+        gates=[GateResult(gate="error_ratio", state="pass", candidate=0.0, baseline=0.0, limit=0.01)],
+        same_output=0.014,
+        seconds={"stable": 1.0, "candidate": 1.0},
+    )
+    monkeypatch.setattr(sluice.evaluate, "evaluate", lambda *args, **kwargs: passed)
+    result = CliRunner().invoke(
+        app,
+        ["rollout", "evaluate", MODEL, "--version", "v2"],
+        env={"COLUMNS": "300", "SLUICE_CACHE_DIR": str(tmp_path)},
+    )
+    assert result.exit_code == 0, result.output
+    said = " ".join(result.output.split())
+    assert "every gate passed" in said
+    assert "the drift and burn-rate gates judge live traffic" in said
+    assert "differed from the stable version's on 98.6% of these requests" in said
+    assert f"sluice rollout start {MODEL} --version v2 --shadow 100 --canary 0" in said
