@@ -6,28 +6,24 @@ per model id by an flock and the ``current`` link is swapped atomically.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import os
 import shutil
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
 
 from gpu_workers import GpuWorkerError
+from infra.locks import exclusive
 from schemas.manifest import (
     MANIFEST_FILE,
     ModelManifest,
+    ModelTask,
     write_manifest,
 )
 
-if TYPE_CHECKING:
-    pass
-
-
 Progress = Callable[[str], None]
-Task = Literal["generation", "embedding"]
+Task = ModelTask
 CURRENT = "current"
 
 
@@ -70,16 +66,9 @@ def version_of(files: dict[str, str]) -> str:
     return digest.hexdigest()[:12]
 
 
-@contextmanager
-def model_lock(model_root: Path) -> Iterator[None]:
+def model_lock(model_root: Path) -> AbstractContextManager[None]:
     """Serialise preparation of one model id across processes (two workers starting together)."""
-    model_root.mkdir(parents=True, exist_ok=True)
-    with (model_root / ".lock").open("a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+    return exclusive(model_root / ".lock")
 
 
 def point_current(model_root: Path, version: str) -> None:

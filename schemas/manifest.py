@@ -17,6 +17,10 @@ MANIFEST_FILE = "sluice-manifest.json"
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 
+ModelTask = Literal["generation", "embedding"]
+MODEL_TASKS: dict[str, ModelTask] = {"generation": "generation", "embedding": "embedding"}
+"""A task by its name, as an operator writes it (``--task``, ``SLUICE_MODEL_PATHS``' ``id:task=/path``)."""
+
 Pooling = Literal["mean", "cls", "lasttoken"]
 """The poolings the embedding engine implements (:attr:`ModelManifest.pooling`)."""
 
@@ -57,7 +61,7 @@ class ChatFormat(msgspec.Struct, frozen=True, kw_only=True):
 
 class ModelManifest(msgspec.Struct, frozen=True, kw_only=True):
     model_id: str
-    task: Literal["generation", "embedding"]
+    task: ModelTask
     version: str
     """Content hash of weights + tokenizer (first 12 hex digits); part of every event as model_version."""
     max_context: PositiveInt

@@ -19,6 +19,7 @@ from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
 
 import msgspec
 
+from schemas.manifest import MODEL_TASKS, ModelTask
 from schemas.topics import TopicNames
 
 PREFIX = "SLUICE_"
@@ -35,8 +36,6 @@ class SettingsError(ValueError):
 
 
 MODEL_PATH_SYNTAX = "id=/path or id:task=/path (task: generation or embedding)"
-ModelTask = Literal["generation", "embedding"]
-_MODEL_TASKS: dict[str, ModelTask] = {"generation": "generation", "embedding": "embedding"}
 
 
 def model_path_entry(entry: str) -> tuple[str, str, ModelTask | None]:
@@ -49,10 +48,10 @@ def model_path_entry(entry: str) -> tuple[str, str, ModelTask | None]:
     model_id, colon, task = named.strip().partition(":")
     if not sep or not model_id.strip() or not path.strip():
         raise ValueError(f"SLUICE_MODEL_PATHS: entry {entry!r}: expected {MODEL_PATH_SYNTAX}")
-    named_task = _MODEL_TASKS.get(task.strip())
+    named_task = MODEL_TASKS.get(task.strip())
     if colon and named_task is None:
         raise ValueError(
-            f"SLUICE_MODEL_PATHS: entry {entry!r}: task {task.strip()!r} is not one of {', '.join(_MODEL_TASKS)}"
+            f"SLUICE_MODEL_PATHS: entry {entry!r}: task {task.strip()!r} is not one of {', '.join(MODEL_TASKS)}"
         )
     return model_id.strip(), path.strip(), named_task
 

@@ -6,7 +6,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -615,19 +615,16 @@ def models_add(
     does not change: roll it out with `sluice rollout start`."""
     from gpu_workers import GpuWorkerError
     from gpu_workers.models import add_version, list_versions
-    from schemas.manifest import models_root, read_manifest
+    from schemas.manifest import MODEL_TASKS, models_root, read_manifest
 
-    tasks: dict[str | None, Literal["generation", "embedding"] | None] = {
-        None: None,
-        "generation": "generation",
-        "embedding": "embedding",
-    }
-    if task not in tasks:
+    if task is not None and task not in MODEL_TASKS:
         raise fail(f"--task {task!r}: expected generation or embedding", 2)
     if why := settings().unserved(model):  # a review: a typo registered an orphan model and exited 0
         raise fail(f"{why}: add it there first, or check the id", 2)
     try:
-        added = add_version(model, path, models_root(settings().cache_dir), tasks[task])
+        added = add_version(
+            model, path, models_root(settings().cache_dir), None if task is None else MODEL_TASKS[task]
+        )
     except GpuWorkerError as exc:
         raise fail(str(exc)) from None
     version = read_manifest(added).version
