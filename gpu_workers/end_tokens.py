@@ -46,6 +46,12 @@ def _ids(value: Any) -> list[int]:
     return [v for v in values if isinstance(v, int) and not isinstance(v, bool) and v >= 0]
 
 
+def _special_tokens(model_dir: Path) -> list[_AddedToken]:
+    """The special added tokens of ``model_dir``'s ``tokenizer.json`` (``OSError``, ``DecodeError``)."""
+    tokenizer = msgspec.json.decode((Path(model_dir) / TOKENIZER_FILE).read_bytes(), type=_TokenizerFile)
+    return [token for token in tokenizer.added_tokens if token.special]
+
+
 def end_token_ids(model_dir: Path) -> tuple[int, ...]:
     """The union of config.json's and generation_config.json's ``eos_token_id``, config.json's first. A
     file that is missing or unreadable adds none."""
@@ -70,7 +76,7 @@ def end_of_turn_ids(model_dir: Path, chat: ChatFormat) -> tuple[int, ...]:
     if chat.template is not None:
         return _template_end_of_turn_ids(model_dir, chat)
     try:
-        tokenizer = msgspec.json.decode((Path(model_dir) / TOKENIZER_FILE).read_bytes(), type=_TokenizerFile)
+        specials = _special_tokens(model_dir)
         headers = {role: chat.turn.format(role=role, content="") for role in CHAT_ROLES}
     except (OSError, msgspec.DecodeError, KeyError, IndexError, ValueError):
         return ()
@@ -79,9 +85,8 @@ def end_of_turn_ids(model_dir: Path, chat: ChatFormat) -> tuple[int, ...]:
         sorted(
             {
                 token.id
-                for token in tokenizer.added_tokens
-                if token.special
-                and any(role in token.content and token.content in header for role, header in headers.items())
+                for token in specials
+                if any(role in token.content and token.content in header for role, header in headers.items())
             }
         )
     )
@@ -100,7 +105,7 @@ def _template_end_of_turn_ids(model_dir: Path, chat: ChatFormat) -> tuple[int, .
     end-of-sequence tokens (generation_config's) still end its answers."""
     assert chat.template is not None
     try:
-        tokenizer = msgspec.json.decode((Path(model_dir) / TOKENIZER_FILE).read_bytes(), type=_TokenizerFile)
+        specials = _special_tokens(model_dir)
         text = render_template(
             chat.template, chat.template_tokens, [("user", "hello"), ("assistant", ANSWER)]
         )
@@ -110,7 +115,7 @@ def _template_end_of_turn_ids(model_dir: Path, chat: ChatFormat) -> tuple[int, .
     if at < 0:
         return ()
     after = text[at + len(ANSWER) :]
-    ends = [token for token in tokenizer.added_tokens if token.special and after.startswith(token.content)]
+    ends = [token for token in specials if after.startswith(token.content)]
     if not ends:
         return ()
     return (max(ends, key=lambda token: len(token.content)).id,)

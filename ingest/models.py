@@ -129,60 +129,20 @@ class ServedModel:
     def encode_chat(self, messages: Sequence[tuple[str, str]], param: str) -> tuple[str, list[int]]:
         """The prompt text of (role, content) messages and its token ids, the template's special tokens
         read as such and the messages' contents as text: a user who typed ``<|system|>`` in a message
-        opened a system turn of their own (a review; the edge tokenised the whole prompt as one text)."""
+        opened a system turn of their own (a review; the edge tokenised the whole prompt as one text).
+
+        The model's own chat template writes its special tokens itself (``{{ bos_token }}``), so its
+        rendering is tokenised without special tokens added again, as transformers'
+        ``apply_chat_template(tokenize=True)`` does (adding BOS too would double it); the plain-text
+        format's come from the tokenizer's post-processor."""
         text = self.chat_prompt(messages)
         self._check_length(text, param)
-        if self.template is not None:
-            return text, self._encode_templated(text, messages)
+        added = self.template is None
         if not any(self._names_a_special(content) for _, content in messages):
             # the prompt as one text, as the model saw its training text (tokenised in pieces, a content's
             # edges would not merge with the template's newlines)
-            return text, list(self.tokenizer.encode(text, add_special_tokens=True).ids)
-        chat = self.manifest.chat
-        formatter = string.Formatter()
-        template: list[str] = [""]  # the template's text before each content, and after the last
-        contents: list[str] = []
-        for role, content in messages:
-            for literal, field, spec, conversion in formatter.parse(chat.turn):
-                template[-1] += literal
-                if field == "content":
-                    contents.append(content)
-                    template.append("")
-                elif field is not None:  # the role (a template naming anything else fails at load)
-                    template[-1] += formatter.format_field(
-                        formatter.convert_field(role, conversion), spec or ""
-                    )
-        template[-1] += chat.assistant_prefix
-        framing = self.tokenizer.encode_batch(template, add_special_tokens=False)
-        said = self.plain.encode_batch(contents, add_special_tokens=False)
-        pieces: list[Encoding] = [framing[0]]
-        for spoken, after in zip(said, framing[1:], strict=True):
-            pieces += [spoken, after]
-        merged = self.tokenizer.post_process(Encoding.merge(pieces, growing_offsets=True))
-        return text, list(merged.ids)
-
-    def _encode_templated(self, text: str, messages: Sequence[tuple[str, str]]) -> list[int]:
-        """The ids of ``text``, the model's template rendering of ``messages``, as transformers'
-        ``apply_chat_template(tokenize=True)`` gives them: without special tokens added again (the
-        template writes its own ``{{ bos_token }}``; adding BOS too would double it). Where a content names
-        a special token, the template is rendered again with a placeholder for each content, and the
-        contents are spliced in as text between the template's pieces (:meth:`encode_chat`)."""
-        if not any(self._names_a_special(content) for _, content in messages):
-            return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
-        assert self.template is not None
-        marked = self.template.render([(role, _MARK.format(i)) for i, (role, _) in enumerate(messages)])
-        parts = _MARKS.split(marked)  # framing, index, framing, index, …, framing
-        framing, said = parts[0::2], [int(i) for i in parts[1::2]]
-        for shape in (lambda content: content, str.strip):  # Llama 3's template trims every content
-            contents = [shape(messages[i][1]) for i in said]
-            if "".join(f + c for f, c in zip(framing, [*contents, ""], strict=True)) == text:
-                break
-        else:
-            raise InvalidRequest(
-                f"A message names one of model {self.model_id}'s special tokens, and its chat template "
-                "changes message contents, so it cannot be sent as text. Remove the special token text.",
-                param="messages",
-            )
+            return text, list(self.tokenizer.encode(text, add_special_tokens=added).ids)
+        framing, contents = self._format_pieces(messages) if added else self._template_pieces(text, messages)
         pieces: list[Encoding] = []
         for frame, spoken in zip(
             self.tokenizer.encode_batch(framing, add_special_tokens=False),
@@ -190,7 +150,45 @@ class ServedModel:
             strict=True,
         ):
             pieces += [frame] if spoken is None else [frame, spoken]
-        return list(Encoding.merge(pieces, growing_offsets=True).ids)
+        merged = Encoding.merge(pieces, growing_offsets=True)
+        return text, list((self.tokenizer.post_process(merged) if added else merged).ids)
+
+    def _format_pieces(self, messages: Sequence[tuple[str, str]]) -> tuple[list[str], list[str]]:
+        """The plain-text format's text before each message's content and after the last, and the contents."""
+        chat = self.manifest.chat
+        formatter = string.Formatter()
+        framing: list[str] = [""]
+        contents: list[str] = []
+        for role, content in messages:
+            for literal, field, spec, conversion in formatter.parse(chat.turn):
+                framing[-1] += literal
+                if field == "content":
+                    contents.append(content)
+                    framing.append("")
+                elif field is not None:  # the role (a template naming anything else fails at load)
+                    framing[-1] += formatter.format_field(
+                        formatter.convert_field(role, conversion), spec or ""
+                    )
+        framing[-1] += chat.assistant_prefix
+        return framing, contents
+
+    def _template_pieces(self, text: str, messages: Sequence[tuple[str, str]]) -> tuple[list[str], list[str]]:
+        """The model's template's text (``text`` is its rendering of ``messages``) before each content and
+        after the last, and the contents as it writes them: rendered again with a placeholder for each
+        content, the contents spliced back in between must give ``text``."""
+        assert self.template is not None
+        marked = self.template.render([(role, _MARK.format(i)) for i, (role, _) in enumerate(messages)])
+        parts = _MARKS.split(marked)  # framing, index, framing, index, …, framing
+        framing, said = parts[0::2], [int(i) for i in parts[1::2]]
+        for shape in (lambda content: content, str.strip):  # Llama 3's template trims every content
+            contents = [shape(messages[i][1]) for i in said]
+            if "".join(f + c for f, c in zip(framing, [*contents, ""], strict=True)) == text:
+                return framing, contents
+        raise InvalidRequest(
+            f"A message names one of model {self.model_id}'s special tokens, and its chat template "
+            "changes message contents, so it cannot be sent as text. Remove the special token text.",
+            param="messages",
+        )
 
     def _names_a_special(self, content: str) -> bool:
         normalizer = self.tokenizer.normalizer
