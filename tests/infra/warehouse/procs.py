@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import select
+import os
+import selectors
 import subprocess
 import sys
 import time
@@ -54,25 +55,44 @@ def spawn(*args: str) -> subprocess.Popen[str]:
 
 
 def read_line(proc: subprocess.Popen[str], timeout_s: float = 30.0) -> dict[str, Any]:
-    """The next JSON line the process prints, within ``timeout_s``; its stderr if it dies instead."""
+    """The next JSON line the process prints, within ``timeout_s``; its stderr if it dies instead.
+
+    It reads the pipe's descriptor itself, keeping what follows the line for the next call: a buffered
+    ``readline`` would pull two lines in at once and leave the second where no poll can see it. It polls
+    with a selector (epoll), not ``select.select``, which refuses a descriptor above FD_SETSIZE (1024), as
+    a long test session's can be (embedded ClickHouse keeps three /proc files per thread it starts).
+    """
     assert proc.stdout is not None
+    pending = _pending.setdefault(proc.pid, bytearray())
     deadline = time.monotonic() + timeout_s
     while True:
-        ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+        end = pending.find(b"\n")
+        if end >= 0:
+            line = pending[: end + 1].decode()
+            del pending[: end + 1]
+            if line.startswith("{"):
+                result: dict[str, Any] = json.loads(line)
+                return result
+            continue
+        with selectors.DefaultSelector() as selector:
+            selector.register(proc.stdout.fileno(), selectors.EVENT_READ)
+            ready = selector.select(max(0.0, deadline - time.monotonic()))
         if not ready:
             proc.kill()
             raise TimeoutError(f"no line from {proc.args!r} in {timeout_s} s")
-        line = proc.stdout.readline()
-        if not line:
+        chunk = os.read(proc.stdout.fileno(), 65536)
+        if not chunk:
             _, err = proc.communicate(timeout=10)
             raise RuntimeError(f"{proc.args!r} exited {proc.returncode}:\n{err}")
-        if line.startswith("{"):
-            result: dict[str, Any] = json.loads(line)
-            return result
+        pending += chunk
+
+
+_pending: dict[int, bytearray] = {}  # what read_line has read past its last line, by pid
 
 
 def stop(proc: subprocess.Popen[str], timeout_s: float = 30.0) -> None:
     """Ask the process to finish (close its stdin) and wait; kill it if it does not."""
+    _pending.pop(proc.pid, None)
     try:
         proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
