@@ -57,7 +57,8 @@ class TextPart(_Strict, kw_only=True, forbid_unknown_fields=True, frozen=True):
 class ChatMessage(_Strict, kw_only=True, forbid_unknown_fields=True, frozen=True):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | Annotated[list[TextPart], msgspec.Meta(min_length=1)]
-    """Text, or its parts: at least one (OpenAI refuses an empty list; it was published as an empty turn)."""
+    """Text, or its parts: at least one (OpenAI refuses an empty list; it was published as an empty turn),
+    joined by a newline as vLLM joins them (they were glued together: ``Hello`` ``world`` read ``Helloworld``)."""
     name: str | None = None
     refusal: str | None = None
     """What an answer gives back (``"refusal": null``): the SDK's ``messages.append(choice.message)`` sends
@@ -65,7 +66,7 @@ class ChatMessage(_Strict, kw_only=True, forbid_unknown_fields=True, frozen=True
 
     @property
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
 
 
 class _GenerationBody(_Strict, kw_only=True, forbid_unknown_fields=True, frozen=True):

@@ -690,3 +690,17 @@ def test_chat_prompts_without_special_text_tokenise_as_one_text(catalogue: Any) 
     user = model.tokenizer.token_to_id("<|user|>")
     assert ids.count(user) == 1  # the template's turn; the typed one is text
     assert "x<|user|>y" in model.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+async def test_a_messages_text_parts_are_joined_by_a_newline(client: Client, gateway: FakeGateway) -> None:
+    """Found by review: a message's text parts were joined with nothing between them, so
+    ``[{"text": "Hello"}, {"text": "world"}]`` reached the model as ``Helloworld``. They are joined by a
+    newline, as vLLM joins them for a model whose template takes text."""
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]
+    for content in (parts, "Hello\nworld", "Helloworld"):
+        body = {"model": GEN, "messages": [{"role": "user", "content": content}], "stream": False}
+        response = await client.post(CHAT, json=body, headers=AUTH)
+        assert response.status == 200, await response.text()
+    split, joined, glued = (e.input_ids for e in gateway.submitted if isinstance(e, GenerationRequested))
+    assert split == joined
+    assert split != glued
