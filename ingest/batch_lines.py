@@ -10,7 +10,6 @@ publishes the same request, which workers run once.
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 import msgspec
@@ -31,7 +30,7 @@ from schemas.events import (
     RequestFinished,
     SamplingParams,
 )
-from schemas.ids import RAND_BITS, derive_seed, uuid7, uuid7_from_parts
+from schemas.ids import derive_seed, derived_uuid7, uuid7
 
 KINDS: dict[str, Kind] = {endpoint: kind for kind, endpoint in ENDPOINTS.items()}
 BATCH_PRIORITY = 100
@@ -144,9 +143,7 @@ def parse_line(raw: bytes, endpoint: Endpoint) -> Parsed:
 def item_request_id(batch: BatchStateChanged, index: int, attempt: int) -> str:
     """The request id of a line's attempt: a UUIDv7 at the batch's creation time (so facts sort by it),
     its random bits a hash of batch, line and attempt."""
-    digest = hashlib.sha256(f"{batch.batch_id}:{index}:{attempt}".encode()).digest()
-    rand = int.from_bytes(digest[:10], "big") >> (80 - RAND_BITS)
-    return uuid7_from_parts(int(batch.created_at.timestamp() * 1000), rand)
+    return derived_uuid7(int(batch.created_at.timestamp() * 1000), f"{batch.batch_id}:{index}:{attempt}")
 
 
 def line_request(

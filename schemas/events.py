@@ -495,12 +495,26 @@ class RequestFinished(Envelope, frozen=True, kw_only=True, tag="request_finished
 
 
 class UsageRecorded(Envelope, frozen=True, kw_only=True, tag="usage_recorded"):
+    """What one request is billed: the cost ledger's entry, on the ``usage`` topic for billing systems.
+
+    The streams worker writes one per terminal result that is not a shadow copy (those are never billed),
+    priced as its ``request_facts`` row is (a failure is billed nothing, a batch line at the batch price).
+    Its id is derived from tenant and request id: a copy written again after a crash has the same id."""
+
     prompt_tokens: NonNegative
     completion_tokens: NonNegative
     worker_seconds: Annotated[float, msgspec.Meta(ge=0.0)]
     cost_micros: NonNegative
-    """Integer micro-USD, so the ledger sums exactly."""
+    """Integer micro-USD, rounded down (``cost_nanos`` is exact)."""
     price_version: str
+    cost_nanos: NonNegative | None = None
+    """Integer nano-USD, exact: ``request_facts.cost_nanos``, what the ledger's views sum. ``None`` in a
+    record written before this field."""
+    model_version: Name = ""
+    status: Status | None = None
+    """The request's terminal status (a failed one costs 0; its tokens are still counted)."""
+    batch_id: Name | None = None
+    """The batch a line belongs to (billed at the batch price), ``None`` for an interactive request."""
 
 
 # --- batches ----------------------------------------------------------------------------------------------

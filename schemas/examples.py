@@ -191,6 +191,10 @@ def example_events() -> list[Event]:
             worker_seconds=0.125,
             cost_micros=1234,
             price_version="p-2026-11",
+            cost_nanos=1_234_567,
+            model_version="3f2a9c01d4e5",
+            status="completed",
+            batch_id="batch_0001",
         ),
         AuditEntry(
             **_env(7, "streams/audit"),

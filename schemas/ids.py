@@ -47,6 +47,14 @@ def uuid7_from_parts(unix_ms: int, rand: int) -> str:
 _UUID7 = re.compile(UUID7_PATTERN)
 
 
+def derived_uuid7(unix_ms: int, key: str) -> str:
+    """A UUIDv7 at ``unix_ms`` whose random bits are the top 74 of SHA-256 over ``key``: the same id every
+    time something is built again from the same input (a redelivered event, a replay), so a consumer
+    can drop the copy by id."""
+    digest = hashlib.sha256(key.encode()).digest()
+    return uuid7_from_parts(unix_ms, int.from_bytes(digest[:10], "big") >> (80 - RAND_BITS))
+
+
 def uuid7_unix_ms(value: str) -> int:
     """The millisecond timestamp inside a UUIDv7; ``ValueError`` if ``value`` is not one."""
     if _UUID7.fullmatch(value):  # the canonical form (every id we make): its first 12 digits

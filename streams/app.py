@@ -71,6 +71,7 @@ from schemas.events import (
     Event,
     PricesChanged,
     RequestFinished,
+    UsageRecorded,
     WorkersScaled,
     utc_now,
 )
@@ -94,6 +95,7 @@ from streams.anchor import (
 from streams.audit import AuditHead, admin_entry, audit_row, request_entry
 from streams.control import SPEND_TODAY, Controller, WindowCounts, burn_sql
 from streams.drift import Baseline, DriftMonitor, report_row
+from streams.facts import usage_record
 from streams.pricing import PriceHistory, PriceTable, PricingError
 from streams.rollout import FAST_WINDOWS, RolloutController
 from streams.settings import StreamsSettings
@@ -737,7 +739,8 @@ class StreamsApp(AsyncComponent):
 
     async def _chain(self, batch: Batch) -> list[tuple[AuditEntry, bytes, Position]]:
         """The batch's new audit entries, in order, published and durable on the audit topic, each with
-        its record value and the (partition, offset) it was stored at."""
+        its record value and the (partition, offset) it was stored at; before them, each new result's usage
+        record (the cost ledger's entry) on the usage topic."""
         todo = [(record, event) for record, event in batch.events if self._audited(record, event)]
         if not todo:
             return []
@@ -747,6 +750,7 @@ class StreamsApp(AsyncComponent):
         if heads is None:
             raise RuntimeError("the audit chains were anchored, yet have no heads")
         entries: list[AuditEntry] = []
+        usage: list[UsageRecorded] = []
         for record, event in todo:
             chain = chain_of(event)
             reached = self._offsets.setdefault(chain, {})
@@ -761,6 +765,15 @@ class StreamsApp(AsyncComponent):
             heads[chain] = AuditHead(seq=entry.seq, entry_hash=entry.entry_hash)
             reached[record.partition] = record.offset
             entries.append(entry)
+            if isinstance(event, RequestFinished):
+                bill = usage_record(event, self.prices, source=SOURCE)
+                if bill is not None:
+                    usage.append(bill)
+        # The ledger's entries first: a result is read again until its audit entry is durable, so one whose
+        # usage record went out and whose entry did not is billed again, under the same id (never lost).
+        await self._producer.publish_many(
+            self.names.usage, [(encode(bill), kafka_key(bill), headers(bill)) for bill in usage]
+        )
         values = [encode(entry) for entry in entries]
         return list(zip(entries, values, await self._publish(entries, values), strict=True))
 

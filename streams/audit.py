@@ -39,7 +39,7 @@ import msgspec
 
 from infra.warehouse import QueryResult, query_warehouse
 from schemas.events import AuditEntry, RequestFinished, utc_now
-from schemas.ids import uuid7, uuid7_from_parts, uuid7_unix_ms
+from schemas.ids import derived_uuid7, uuid7, uuid7_unix_ms
 from schemas.settings import PlatformSettings
 
 __all__ = [
@@ -199,12 +199,11 @@ def request_entry(
 def request_entry_id(tenant: str, request_id: str) -> str:
     """The id of a request's audit entry: a UUIDv7 with the request id's time (when it is a UUIDv7) and
     74 bits of SHA-256 over tenant and request id, so every build of the entry has the same id."""
-    digest = hashlib.sha256(f"{tenant}\x00{request_id}".encode()).digest()
     try:
         unix_ms = uuid7_unix_ms(request_id)
     except ValueError:
         unix_ms = 0
-    return uuid7_from_parts(unix_ms, int.from_bytes(digest[:10]) >> 6)
+    return derived_uuid7(unix_ms, f"{tenant}\x00{request_id}")
 
 
 def admin_entry(

@@ -13,10 +13,10 @@ Other rows have batch id ``''``, index -1 and attempt 0.
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, NamedTuple
 
-from schemas.events import RequestFinished
-from schemas.ids import uuid7_unix_ms
+from schemas.events import RequestFinished, UsageRecorded
+from schemas.ids import derived_uuid7, uuid7_unix_ms
 from streams.pricing import Prices
 
 FACT_COLUMNS = (
@@ -52,21 +52,24 @@ MAX_WORKER_MS = 7 * 86_400 * 1000
 token counts' bounds, its cost stays within ``request_facts.cost_nanos`` (UInt64)."""
 
 
-def fact_row(event: RequestFinished, prices: Prices) -> list[Any]:
-    """The ``request_facts`` row of a terminal event, in :data:`FACT_COLUMNS` order, priced by the table in
-    force when the request was accepted."""
+class Billed(NamedTuple):
+    """What a terminal event is billed, by the table in force when its request was accepted."""
+
+    accepted: datetime
+    worker_ms: int
+    cost_nanos: int
+    price_version: str
+
+
+def billed(event: RequestFinished, prices: Prices) -> Billed:
+    """The cost of a terminal event's request (its fact row's and its usage record's)."""
     timings = event.timings
     accepted = accepted_at(event)
     table = prices.at(accepted)
     finished = timings.finished or event.time
-    generation = event.kind != "embedding"
-    first_token = timings.first_token if generation else None
-    completion = event.usage.completion_tokens
-    decode_ms = _ms(finished, first_token)
     # Never past a week: read off the worker's clock, a start stamped in 1970 priced a request past UInt64,
     # stored wrapped (a review).
     worker_ms = round(min(_ms(finished, timings.started) or 0.0, MAX_WORKER_MS))
-    line = event.batch
     # A request that failed (the platform's failure: out of memory, a retired version, an engine error) is
     # not billed, as OpenAI bills no 5xx; its tokens are still counted. A batch line retried after such a
     # failure was billed for each attempt, where the docs promised once a line (an audit). A cancelled or
@@ -77,9 +80,56 @@ def fact_row(event: RequestFinished, prices: Prices) -> list[Any]:
         0
         if event.status == "failed" or unrun
         else table.cost_nanos(
-            event.model, event.usage.prompt_tokens, completion, worker_ms, batch=line is not None
+            event.model,
+            event.usage.prompt_tokens,
+            event.usage.completion_tokens,
+            worker_ms,
+            batch=event.batch is not None,
         )
     )
+    return Billed(accepted, worker_ms, cost, table.version)
+
+
+def usage_record(event: RequestFinished, prices: Prices, *, source: str) -> UsageRecorded | None:
+    """The cost ledger's entry for a terminal event, for the ``usage`` topic; ``None`` for a shadow copy
+    (never billed). Its id is the same for every build (a redelivery, a replay)."""
+    if event.shadow_of is not None:
+        return None
+    bill = billed(event, prices)
+    return UsageRecorded(
+        id=derived_uuid7(
+            int(bill.accepted.timestamp() * 1000), f"usage\x00{event.tenant}\x00{event.request_id}"
+        ),
+        time=event.time,
+        tenant=event.tenant,
+        model=event.model,
+        request_id=event.request_id,
+        source=source,
+        traceparent=event.traceparent,
+        tracestate=event.tracestate,
+        prompt_tokens=event.usage.prompt_tokens,
+        completion_tokens=event.usage.completion_tokens,
+        worker_seconds=bill.worker_ms / 1000,
+        cost_micros=bill.cost_nanos // 1000,
+        cost_nanos=bill.cost_nanos,
+        price_version=bill.price_version,
+        model_version=event.model_version,
+        status=event.status,
+        batch_id=event.batch.batch_id if event.batch is not None else None,
+    )
+
+
+def fact_row(event: RequestFinished, prices: Prices) -> list[Any]:
+    """The ``request_facts`` row of a terminal event, in :data:`FACT_COLUMNS` order, priced by the table in
+    force when the request was accepted."""
+    timings = event.timings
+    accepted, worker_ms, cost, price_version = billed(event, prices)
+    finished = timings.finished or event.time
+    generation = event.kind != "embedding"
+    first_token = timings.first_token if generation else None
+    completion = event.usage.completion_tokens
+    decode_ms = _ms(finished, first_token)
+    line = event.batch
     return [
         event.request_id,
         event.tenant,
@@ -105,7 +155,7 @@ def fact_row(event: RequestFinished, prices: Prices) -> list[Any]:
         completion,
         float(worker_ms),
         cost,
-        table.version,
+        price_version,
         event.idempotency_key or "",
         trace_id(event.traceparent),
         max(0, int(event.time.timestamp() * 1000)),  # a UInt64 column: an event before 1970 versions 0

@@ -9,6 +9,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, NamedTuple, cast
 
@@ -21,13 +22,15 @@ from bus.errors import BusError
 from bus.producer import EventProducer, Position
 from bus.producer import Record as Produced
 from schemas.codec import decode, encode
-from schemas.events import DeadLetter
+from schemas.events import DeadLetter, Timings, UsageRecorded
+from schemas.ids import uuid7
 from schemas.settings import KafkaConnection, PlatformSettings
 from streams.app import LATEST_ACCEPTED, Prepared, StreamsApp, consumed, every
+from streams.facts import accepted_at, usage_record
 from streams.pricing import PriceTable
 from streams.settings import StreamsSettings
 from streams.sink import Batch, Consumed
-from tests.streams.test_audit import finished
+from tests.streams.test_audit import T0, finished
 
 
 class Record:
@@ -405,8 +408,37 @@ async def test_an_undecodable_record_is_dead_lettered_and_the_rest_of_its_batch_
     assert len(letters) == 1
     assert isinstance(letters[0], DeadLetter)
     assert (letters[0].source_topic, letters[0].offset) == ("p.results", 7)
-    assert [topic for topic, _ in producer.records if topic != "p.deadletter"] == ["p.audit"]
+    assert [topic for topic, _ in producer.records if topic != "p.deadletter"] == ["p.usage", "p.audit"]
     assert warehouse.rows == {"events_raw": 2, "request_facts": 1, "audit_log": 1, "drift_features": 1}
+
+
+async def test_each_result_is_billed_once_on_the_usage_topic_before_its_audit_entry(tmp_path: Path) -> None:
+    """Found by review: the docs promised usage and cost records on ``usage`` and nothing wrote one (a
+    billing consumer waited forever). A result that is not a shadow copy gets one usage record, priced as
+    its fact row, published before its audit entry; a redelivered result none (its entry is stored)."""
+    producer, warehouse = Producer(), Warehouse()
+    app = make_app(tmp_path, warehouse, producer)
+    app._heads = {}  # anchored: no chain yet
+    paid = finished(request_id=uuid7(), timings=Timings(started=T0, finished=T0 + timedelta(seconds=2)))
+    failed = finished(request_id=uuid7(), status="failed", finish_reason=None)
+    shadow = finished(request_id=uuid7(), shadow_of=paid.request_id)
+    records = [Consumed("p.results", 0, n, encode(e)) for n, e in enumerate((paid, failed, shadow))]
+    await app.write(records)
+    topics = [topic for topic, _ in producer.records]
+    assert topics == ["p.usage", "p.usage", "p.audit", "p.audit", "p.audit"]  # the ledger's first
+    bills = [cast(UsageRecorded, decode(cast(bytes, value))) for _, value in producer.records[:2]]
+    assert [b.request_id for b in bills] == [paid.request_id, failed.request_id]
+    bill = bills[0]
+    table = app.prices.at(accepted_at(paid))
+    assert bill.cost_nanos == table.cost_nanos("demo-gpt", 3, 6, 2000) > 0
+    assert bill.cost_micros == bill.cost_nanos // 1000
+    assert (bill.prompt_tokens, bill.completion_tokens, bill.worker_seconds) == (3, 6, 2.0)
+    assert (bill.status, bill.model_version, bill.price_version) == ("completed", "3f2a9c", table.version)
+    assert (bills[1].cost_nanos, bills[1].cost_micros, bills[1].status) == (0, 0, "failed")
+    await app.write(records)  # delivered again: billed already
+    assert [topic for topic, _ in producer.records] == topics
+    assert usage_record(paid, app.prices, source="again") is not None
+    assert cast(UsageRecorded, usage_record(paid, app.prices, source="again")).id == bill.id
 
 
 async def test_an_operators_rebaseline_on_the_control_topic_moves_the_drift_baseline(tmp_path: Path) -> None:
