@@ -117,6 +117,25 @@ class GenerationRunner:
         self._origin = Origin(source, worker_id)
         self._scheduler: GenerationScheduler[_Live] = GenerationScheduler(scheduler)
         self._budget = scheduler.max_batch_tokens
+        # What one sequence may hold, prompt and completion together: ``accept`` lowers each request's
+        # max_new_tokens to what its prompt leaves of it, and a prompt that leaves nothing ends
+        # context_length_exceeded (a 400 at the edge). The engine's context, not only the manifest's: a
+        # sliding-window model's manifest prepared before 2026-12-03 names all its positions, where the
+        # engine serves only its window (its refusal was a 500). And the batch budget: the edge gives a
+        # request without max_tokens the room its prompt leaves in the context, so on a model whose context
+        # is longer than the budget (32,768 positions, 16,384 by default) the scheduler refused every such
+        # request ``too_large``, a 500 (a review, 2026-12-03); now it ends with finish_reason "length".
+        context = min(manifest.max_context, engine.max_context)
+        self._span = min(context, scheduler.max_batch_tokens)
+        if self._span < context:
+            log.warning(
+                "%s: the batch budget (SLUICE_WORKER_MAX_BATCH_TOKENS=%d) is smaller than the model's context "
+                '(%d): an answer ends with finish_reason "length" where prompt and completion reach the '
+                "budget, and a longer prompt is refused context_length_exceeded",
+                manifest.model_id,
+                self._span,
+                context,
+            )
         self._last_batch = 0
         self._coalescer = ChunkCoalescer(flush)
         self._clock = clock
@@ -139,10 +158,7 @@ class GenerationRunner:
             )
             return
         now, wall = self._clock(), utc_now()
-        # the engine's context too: a sliding-window model's manifest prepared before 2026-12-03 names all
-        # its positions, where the engine serves only its window; past it the answer is
-        # context_length_exceeded (a 400 at the edge), not the engine's refusal (a 500)
-        room = min(self._manifest.max_context, self._engine.max_context) - len(event.input_ids)
+        room = self._span - len(event.input_ids)
         live = _Live(
             arrival=arrival,
             event=event,
@@ -159,7 +175,8 @@ class GenerationRunner:
                 self._origin.failed(
                     arrival,
                     "context_length_exceeded",
-                    "the prompt leaves no room for a completion",
+                    f"the prompt ({len(event.input_ids)} tokens) leaves no room for a completion: this worker "
+                    f"runs at most {self._span} tokens of prompt and completion together",
                 ),
             )
             return

@@ -9,7 +9,8 @@ Policies:
 
 * **Token budget.** A running sequence holds ``prompt_len + max_new_tokens`` tokens of budget (the KV it
   may need) from admission until ``finish``/``cancel``. A request whose cost alone exceeds
-  ``max_batch_tokens`` is rejected at submit (``too_large``): it could never run.
+  ``max_batch_tokens`` is rejected at submit (``too_large``): it could never run. (The generation runner
+  lowers a request's ``max_new_tokens`` to what the budget leaves after its prompt first, so it sends none.)
 * **Classes.** Every request is in one of three classes, and a higher class is always offered a free slot
   before a lower one: *interactive* (``priority <= 0``: the edge's default 0), *batch* (``priority > 0``:
   background work) and *shadow* (``shadow``: a rollout's mirrored copy, which the edge also gives

@@ -63,7 +63,10 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     worker_max_running: Positive = 16
     """Generation: sequences decoded together at most (continuous batching)."""
     worker_max_batch_tokens: Positive = 16_384
-    """Generation: KV budget, sum of prompt + max new tokens over running sequences."""
+    """Generation: KV budget, sum of prompt + max new tokens over running sequences. It bounds one sequence
+    too: a request's max new tokens is lowered to what the budget leaves after its prompt (its answer ends
+    with finish_reason "length" there), and a longer prompt ends ``context_length_exceeded`` (a 400). On a
+    model whose context is longer than this, the worker warns at start."""
     worker_max_waiting: Positive = 1024
     """Generation: bounded waiting queue; when it is full, the tenant holding the most of it has its newest
     request refused (``queue_full``), not whoever comes next."""

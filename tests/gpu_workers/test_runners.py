@@ -283,11 +283,12 @@ def test_a_chat_answer_ends_where_the_model_begins_another_turn(
 
 
 def test_generation_terminal_events(gpt_runner: GenerationRunner) -> None:
+    context = gpt_runner._manifest.max_context  # demo-gpt's 512, within the runner's budget
     common = {"traceparent": TRACEPARENT, "shadow_of": uuid7(), "idempotency_key": "k"}
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     completed = generation(greedy, **common)
     expired = generation(greedy, deadline=utc_now() - timedelta(seconds=1), **common)
-    no_room = generation(greedy, input_ids=[1] * gpt_runner._manifest.max_context, **common)
+    no_room = generation(greedy, input_ids=[1] * context, **common)
     empty = generation(greedy, input_ids=[], **common)  # the edge refuses one; another producer may not
     wrong_kind = embedding(**common)
     began = utc_now()
@@ -327,7 +328,11 @@ def test_generation_terminal_events(gpt_runner: GenerationRunner) -> None:
     for request, error in (
         (
             no_room,
-            ErrorInfo(code="context_length_exceeded", message="the prompt leaves no room for a completion"),
+            ErrorInfo(
+                code="context_length_exceeded",
+                message=f"the prompt ({context} tokens) leaves no room for a completion: this worker runs at "
+                f"most {context} tokens of prompt and completion together",
+            ),
         ),
         (empty, ErrorInfo(code="invalid_request", message="the prompt is empty")),
         (
