@@ -66,6 +66,17 @@ DRIFT_EMBED_MAX_WAIT_S = 1.0
 its embedding (counted as skipped). A request's offset is committed once both copies are durable, so this
 also bounds how long a sampled request stays uncommitted, and a rebalance waits for it."""
 
+MAX_CHARS_PER_TOKEN = 32
+"""Characters of a prompt the drift embedder tokenises per token it keeps (MiniLM's 128: 4,096), cut before
+the tokenizer sees them: ``truncation`` cuts only after tokenising the whole text, and a prompt is bounded
+by nothing smaller than its 8 MiB record (~1 s of the model thread per MB under load, when it embeds
+itself; a review, 2026-12-03). WordPiece makes at least one token of every word and punctuation mark, and
+ordinary text takes about 4 characters a token (CJK 1), so this is ~8x what the kept tokens need, past what
+code, digits or base64 take (the edge's ``MAX_CHARS_PER_TOKEN`` of context). A prompt no longer than this
+is tokenised whole, so its embedding is the same bit for bit; a longer one keeps the same first tokens
+unless it is mostly whitespace, control characters or words of over 100 characters (one ``[UNK]`` each),
+where the sample embeds the tokens of its first 4,096 characters."""
+
 DRIFT_THREAD_NAME = "drift:embed"
 """The name the drift embedder's thread gets (what ``/proc/<pid>/task/<tid>/comm`` and ``top -H`` show): it
 runs on every core the worker may use, not only on the worker's own."""
@@ -418,8 +429,11 @@ def minilm_embedder(
     engine = EmbeddingEngine(loaded.model, max_length=max_tokens, traced=traced)
     tokenizer = loaded.tokenizer
 
+    most = max_tokens * MAX_CHARS_PER_TOKEN
+
     def embed(texts: Sequence[str]) -> Sequence[Sequence[float]]:
-        ids: list[list[int]] = tokenizer(list(texts), truncation=True, max_length=max_tokens)["input_ids"]
+        cut = [text[:most] for text in texts]  # a text no longer than ``most`` is itself, not a copy
+        ids: list[list[int]] = tokenizer(cut, truncation=True, max_length=max_tokens)["input_ids"]
         vectors: list[list[float]] = engine.embed(ids).tolist()
         return vectors
 

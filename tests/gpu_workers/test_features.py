@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -15,12 +17,15 @@ from gpu_workers.features import (
     DRIFT_EMBED_BURST_S,
     DRIFT_THREAD_NAME,
     MAX_BATCH,
+    MAX_CHARS_PER_TOKEN,
     MAX_QUEUED,
     DriftEmbedder,
     EmbedBudget,
     FeatureProbe,
     Vector,
+    minilm_embedder,
 )
+from gpu_workers.models import LoadedModel
 from schemas.events import (
     DriftFeatures,
     EmbeddingRequested,
@@ -483,3 +488,34 @@ def test_every_embeddings_model_keeps_its_own_vectors_for_drift(tmp_path: Path) 
     assert probe._own_vectors
     assert probe.embedder is None
     assert not probe_factory(platform, WorkerSettings(drift_sample=0), "bge-small-en")()._own_vectors
+
+
+def test_the_drift_embedder_tokenises_only_what_its_tokens_need_of_a_huge_prompt(
+    minilm: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a review (2026-12-03): a prompt is bounded only by its 8 MiB record, and MiniLM's tokenizer
+    took the whole text before ``truncation`` cut it to 128 tokens, on the model thread under load (~1 s a
+    MB, every running sequence waiting). It now gets the first 4,096 characters of it, and an ordinary
+    prompt's vector, long or short, is the one the whole text gives, bit for bit."""
+    import gpu_workers.models
+    from gpu_workers.embedding import EmbeddingEngine
+
+    tokenizer = minilm.tokenizer
+    seen: list[int] = []
+
+    def spy(texts: list[str], **kwargs: Any) -> Any:
+        seen.extend(map(len, texts))
+        return tokenizer(texts, **kwargs)
+
+    def load(model_dir: Path, device: str) -> LoadedModel:
+        return dataclasses.replace(minilm, tokenizer=spy)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(gpu_workers.models, "load_embedding_model", load)
+    embed = minilm_embedder(minilm.path, "cpu", traced=False)
+    words = "The river, wide and slow, ran past 3 mills; nobody knew why. "
+    huge = (words * (100_000 // len(words) + 1))[:100_000]
+    seen.clear()
+    vectors = embed([huge, PROMPT])
+    assert seen == [128 * MAX_CHARS_PER_TOKEN, len(PROMPT)]
+    whole = tokenizer([huge, PROMPT], truncation=True, max_length=128)["input_ids"]
+    assert vectors == EmbeddingEngine(minilm.model, max_length=128, traced=False).embed(whole).tolist()
