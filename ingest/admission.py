@@ -53,6 +53,15 @@ class Flight:
         if self.deadline is not None and not self.deadline.expired():
             self.deadline.reschedule(asyncio.get_running_loop().time())
 
+    def take_back(self, left: Flight) -> None:
+        """Go on as ``left``, the flight whose client left this request running on this edge within the
+        disconnect grace (its delayed cancel just dropped, :meth:`ingest.dispatch.Dispatcher.resume`): this
+        reader owns the request now, and its cancels name the request's model. A review: a resume's flight
+        (model ``""``) that cancelled before any reply named the model published ``model=""``, a cancel no
+        worker takes (each acts on its own model's alone): the request ran on unread and billed."""
+        self.owner = True
+        self.name_model(left.model)
+
     def name_model(self, model: str) -> None:
         """The model of a resumed stream, once its replies name it: counted under it from here on (it was
         counted under ``model=""`` for good: an audit)."""

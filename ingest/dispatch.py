@@ -178,7 +178,8 @@ class Dispatcher:
         self._source = source
         self._grace = disconnect_grace_s
         self._tasks: set[asyncio.Task[None]] = set()
-        self._delayed: dict[str, asyncio.Task[None]] = {}
+        self._delayed: dict[str, tuple[asyncio.Task[None], Flight]] = {}
+        """Per request id, the cancel delayed by the disconnect grace and the flight that left it."""
         self._flush = asyncio.Event()
 
     async def open(self, prepared: Prepared, idempotency_key: str | None, flight: Flight) -> Opened:
@@ -246,28 +247,35 @@ class Dispatcher:
                 param="Idempotency-Key",
             )
         # a retry after this edge's client left, within the grace, takes the request back as a resume does
-        owner = self._reclaim(record.request_id)
+        # (its body is the request's: the same model)
+        owner = self._reclaim(record.request_id) is not None
         return Opened(record.request_id, tenant_checked(stream, event.tenant), owner=owner, replay=True)
 
-    async def resume(
-        self, tenant: str, request_id: str, after: After, expect: Prepared | None = None
-    ) -> tuple[ReplyStream, bool]:
-        """The request's replies after ``after``, and whether the caller now owns the request: true when
-        it came back within the disconnect grace (its delayed cancel is dropped; it cancels on leaving).
-        ``expect``: the body of an endpoint's resume, whose model and kind the stream must be of."""
+    async def resume(self, flight: Flight, after: After, expect: Prepared | None = None) -> ReplyStream:
+        """The replies after ``after`` of the request ``flight`` reads (its tenant's, by its request id).
+        A request that came back within the disconnect grace is taken back, its delayed cancel dropped:
+        the flight goes on as the one that left it (:meth:`Flight.take_back`; it owns the request and
+        cancels it on leaving). ``expect``: the body of an endpoint's resume, whose model and kind the
+        stream must be of."""
+        tenant, request_id = flight.tenant, flight.request_id
         found = await self._gateway.resume(tenant, request_id, after)
         if found is None:
             raise NotFound(f"No stream {request_id!r} to resume.", code="stream_not_found")
         model, kind = (expect.event.model, expect.shape.kind) if expect is not None else (None, None)
-        return replayed(tenant_checked(found, tenant, model, kind), resumed=True), self._reclaim(request_id)
+        left = self._reclaim(request_id)
+        if left is not None:
+            flight.take_back(left)
+        return replayed(tenant_checked(found, tenant, model, kind), resumed=True)
 
-    def _reclaim(self, request_id: str) -> bool:
-        """Drop the request's delayed disconnect cancel, if one is pending here: True when one was (the
-        caller owns the request again, and cancels it when it leaves)."""
+    def _reclaim(self, request_id: str) -> Flight | None:
+        """Drop the request's delayed disconnect cancel, if one is pending here, and give back the flight
+        that left it (the caller owns the request again, and cancels it when it leaves)."""
         delayed = self._delayed.pop(request_id, None)
-        if delayed is not None:
-            delayed.cancel()
-        return delayed is not None
+        if delayed is None:
+            return None
+        task, left = delayed
+        task.cancel()
+        return left
 
     @contextlib.asynccontextmanager
     async def guard(self, flight: Flight, stream: ReplyStream, timeout_s: float) -> AsyncIterator[None]:
@@ -310,6 +318,8 @@ class Dispatcher:
         if not flight.owner or flight.cancel_sent:
             return
         flight.cancel_sent = True
+        if not flight.model:  # a bug: no worker takes it (each acts on its own model's cancels alone)
+            log.error("the cancel of request %s names no model: no worker will act on it", flight.request_id)
         metrics.CANCELS.labels(flight.model, why or reason).inc()
         if self._settle is not None:
             # Its stream is closed, or will be, before its end: the reservation (prompt + max_tokens) is
@@ -329,9 +339,14 @@ class Dispatcher:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         if delay:
-            self._delayed[flight.request_id] = task
+            delayed = self._delayed[flight.request_id] = (task, flight)
             flight.held_until = task  # its place in flight is kept until the cancel is sent or taken back
-            task.add_done_callback(lambda _: self._delayed.pop(flight.request_id, None))
+
+            def sent(_: object) -> None:
+                if self._delayed.get(flight.request_id) is delayed:  # not a later flight's, taking it back
+                    del self._delayed[flight.request_id]
+
+            task.add_done_callback(sent)
 
     async def _send(self, event: CancelRequested, delay: float) -> None:
         if delay:

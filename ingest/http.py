@@ -144,9 +144,7 @@ class Routes:
             after = after if shape.stream else WHOLE  # one JSON body needs the whole stream
             shape = dataclasses.replace(shape, request_id=request_id)
             with ctx.admission.flight(tenant, shape.model, request_id, owner=False, resumed=True) as flight:
-                stream, flight.owner = await ctx.dispatcher.resume(
-                    tenant.name, request_id, after, expect=prepared
-                )
+                stream = await ctx.dispatcher.resume(flight, after, expect=prepared)
                 request[SUBMITTED_KEY] = True
                 request[REQUEST_ID_KEY] = request_id
                 watch = RequestWatch(None, stream=shape.stream, t0=t0)
@@ -256,7 +254,7 @@ class Routes:
         after = last[1] if last is not None else WHOLE
         timeout = ctx.preparer.timeout(None, request.headers.get("X-Request-Timeout"))
         with ctx.admission.flight(tenant, "", request_id, owner=False, resumed=True) as flight:
-            stream, flight.owner = await ctx.dispatcher.resume(tenant.name, request_id, after)
+            stream = await ctx.dispatcher.resume(flight, after)
             response = web.StreamResponse(headers={**SSE_HEADERS, "x-request-id": request_id})
             try:
                 async with ctx.dispatcher.guard(flight, stream, timeout):

@@ -321,7 +321,7 @@ class WsSession:
                 raise InvalidRequest(
                     "'after' must be a token frame's 'cursor', '<tokens>.<chars>'.", param="after"
                 )
-            stream, flight.owner = await ctx.dispatcher.resume(self._tenant.name, frame.request_id, after)
+            stream = await ctx.dispatcher.resume(flight, after)
             accepted = {"type": "accepted", "id": frame.id, "request_id": frame.request_id}
             with RequestWatch(None, stream=True, t0=time.monotonic()) as watch:
                 await self._pump(frame.id, None, watch.wrap(stream), flight, timeout, accepted)
