@@ -44,6 +44,9 @@ class Flight:
     (a replay, a key reused with another body) takes nothing back from it."""
     deadline: asyncio.Timeout | None = None
     """The deadline of the guard the request waits in (:meth:`ingest.dispatch.Dispatcher.guard`), if any."""
+    ends_at: float | None = None
+    """The loop time of the request's own deadline, where this flight knows it: its submitter's guard sets
+    it, and a resume that takes the request back keeps it (:meth:`take_back`)."""
 
     def stop(self) -> None:
         """Cut the request for the edge's shutdown: its guard ends it with :class:`ShuttingDown` now (or as
@@ -56,11 +59,19 @@ class Flight:
     def take_back(self, left: Flight) -> None:
         """Go on as ``left``, the flight whose client left this request running on this edge within the
         disconnect grace (its delayed cancel just dropped, :meth:`ingest.dispatch.Dispatcher.resume`): this
-        reader owns the request now, and its cancels name the request's model. A review: a resume's flight
+        reader owns the request now, its cancels name the request's model, and it reads until the request's
+        own deadline at the latest (:meth:`time_left`). A review: a resume's flight
         (model ``""``) that cancelled before any reply named the model published ``model=""``, a cancel no
         worker takes (each acts on its own model's alone): the request ran on unread and billed."""
         self.owner = True
         self.name_model(left.model)
+        self.ends_at = left.ends_at
+
+    def time_left(self) -> float | None:
+        """Seconds to the request's own deadline (:attr:`ends_at`), where this flight knows it."""
+        if self.ends_at is None:
+            return None
+        return self.ends_at - asyncio.get_running_loop().time()
 
     def name_model(self, model: str) -> None:
         """The model of a resumed stream, once its replies name it: counted under it from here on (it was

@@ -35,6 +35,9 @@ log = logging.getLogger(__name__)
 
 CancelReason = Literal["client_disconnect", "client_cancel", "shutdown"]
 MAX_IDEMPOTENCY_KEY = 255
+SAME_DEADLINE_S = 0.001
+"""A reader's deadline this close to its request's own is the request's (the seconds left to it, computed a
+moment before the guard starts, land on it only up to rounding)."""
 
 
 @dataclass(frozen=True)
@@ -281,9 +284,15 @@ class Dispatcher:
     async def guard(self, flight: Flight, stream: ReplyStream, timeout_s: float) -> AsyncIterator[None]:
         """Bound the wait by the deadline, cancel an owned request when the client leaves or the deadline
         passes, end it with :class:`ShuttingDown` when the edge stops (:meth:`Flight.stop`), and always close
-        the stream."""
+        the stream. The deadline of a submitter is its request's own (:attr:`Flight.ends_at`); a resume's
+        is its reader's, and never later than the request's when it took the request back."""
+        ends = asyncio.get_running_loop().time() + timeout_s
+        if not flight.resumed:
+            flight.ends_at = ends
+        elif flight.ends_at is not None and ends > flight.ends_at - SAME_DEADLINE_S:
+            ends = flight.ends_at  # a resume that took its request back: it reads to that one at most
         try:
-            async with asyncio.timeout(timeout_s) as deadline:
+            async with asyncio.timeout_at(ends) as deadline:
                 if flight.stopping:
                     raise shutting_down()
                 flight.deadline = deadline
@@ -291,12 +300,12 @@ class Dispatcher:
         except TimeoutError:
             if flight.stopping:
                 raise shutting_down() from None
-            if flight.resumed:  # the reader's deadline, not the request's: the reader left, as on a
-                # disconnect (an audit: a request taken back within the grace was cancelled at once by its
-                # resume's 60 s default deadline, its own 600 s)
-                self.cancel(flight, "client_disconnect")
-            else:
+            if ends == flight.ends_at:  # the request's own deadline
                 self.cancel(flight, "client_cancel", why="deadline")
+            else:  # the reader's deadline, not the request's: the reader left, as on a disconnect (an
+                # audit: a request taken back within the grace was cancelled at once by its resume's
+                # shorter deadline)
+                self.cancel(flight, "client_disconnect")
             raise DeadlineExceeded("The request did not finish before its deadline.") from None
         except (asyncio.CancelledError, ConnectionResetError):
             self.cancel(flight, "client_disconnect")

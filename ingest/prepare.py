@@ -283,6 +283,14 @@ class Preparer:
         """Seconds a request may take: the smaller of body and header, else the default; at most the max."""
         return self._deadline(body_timeout, parse_timeout(header))[1]
 
+    def resume_timeout(self, asked: float | None, left: float | None) -> float:
+        """Seconds a resume reads for: the smaller of what its reader asked (``X-Request-Timeout``, a
+        WebSocket ``resume`` frame's ``timeout``) and what is left of its request's own deadline where this
+        edge knows it (a resume that took the request back, :meth:`ingest.admission.Flight.time_left`),
+        else the default; at most the max. A review: a WebSocket resume always read for the default, cut
+        (and a request taken back cancelled) though the request's own deadline was far."""
+        return self._deadline(asked, left)[1]
+
     def _deadline(self, body_timeout: float | None, header_timeout: float | None) -> tuple[datetime, float]:
         given = [t for t in (body_timeout, header_timeout) if t is not None]
         timeout = min(given) if given else self._settings.edge_default_timeout_s

@@ -8,7 +8,8 @@ Client frames::
     {"type": "request", "id": <str|int, client-chosen>, "endpoint": "chat.completions"|"completions"|"embeddings",
      "body": {...the HTTP body...}}
     {"type": "cancel", "id": ...}
-    {"type": "resume", "id": ..., "request_id": "<uuid7>", "after"?: "<a token frame's cursor>"}
+    {"type": "resume", "id": ..., "request_id": "<uuid7>", "after"?: "<a token frame's cursor>",
+     "timeout"?: <seconds>}
     {"type": "ping", "id"?: ...}
 
 Server frames: ``accepted`` (id, request_id), ``token`` (id, request_id, seq, cursor, offset, text, token_ids;
@@ -19,6 +20,13 @@ request without ``stream`` reads it), ``error`` (id or null, error: OpenAI error
 generation asked for here is always streamed (its body's ``stream`` is not needed, and ``false`` is ignored). Liveness is WebSocket ping/pong
 every ``SLUICE_EDGE_HEARTBEAT_S`` (a peer that misses a pong is closed). Bad frames (binary, junk JSON,
 unknown type, invalid body) get an ``error`` frame and the socket stays open; nothing is submitted.
+
+Resume: a ``resume`` frame reads a request's stream after ``after`` (as ``GET /v1/streams/{id}`` does), for
+its ``timeout`` (as that route's ``X-Request-Timeout``; default ``SLUICE_EDGE_DEFAULT_TIMEOUT_S``, at most
+``SLUICE_EDGE_MAX_TIMEOUT_S``); past it, an ``error`` frame with code ``timeout`` ends the reading, not the
+request. A resume that takes its request back (its client left it on this edge less than
+``SLUICE_EDGE_DISCONNECT_GRACE_S`` ago) goes on as that request: it reads until the request's own deadline
+(or its ``timeout``, if sooner), and cancels it on a ``cancel`` frame, on leaving, or at the deadline.
 
 Backpressure: every outgoing frame goes through one bounded queue per socket (``SLUICE_EDGE_WS_SEND_QUEUE``)
 drained by one writer that waits for the transport to drain. When it is full, the request tasks block on
@@ -55,6 +63,7 @@ from ingest.context import EdgeContext
 from ingest.errors import IngestError, InvalidRequest, OriginNotAllowed, RateLimited, Unavailable, error_body
 from ingest.gateway import ReplyStream
 from ingest.observe import RequestWatch, count_refusal, note_accepted
+from ingest.openai import Timeout
 from ingest.prepare import Kind, Shape
 from ingest.render import native_json
 from ingest.reply_stream import After
@@ -89,6 +98,8 @@ class ResumeFrame(msgspec.Struct, tag="resume", tag_field="type", forbid_unknown
     after_seq: Annotated[int, msgspec.Meta(ge=-1)] = -1
     """An older edge's resume point: a token frame's ``seq`` (a request re-run after its worker died numbers
     its chunks from 0 again, so ``after`` is the one that holds then)."""
+    timeout: Timeout | None = None
+    """Seconds to read for (as ``X-Request-Timeout`` on ``GET /v1/streams/{id}``): see the module's doc."""
 
 
 class PingFrame(msgspec.Struct, tag="ping", tag_field="type", forbid_unknown_fields=True, frozen=True):
@@ -313,7 +324,6 @@ class WsSession:
 
     async def _resume(self, frame: ResumeFrame) -> None:
         ctx = self._ctx
-        timeout = ctx.preparer.timeout(None, None)
         with ctx.admission.flight(self._tenant, "", frame.request_id, owner=False, resumed=True) as flight:
             self._work[frame.id].flight = flight
             after = After(seq=frame.after_seq) if frame.after is None else After.parse(frame.after)
@@ -322,6 +332,7 @@ class WsSession:
                     "'after' must be a token frame's 'cursor', '<tokens>.<chars>'.", param="after"
                 )
             stream = await ctx.dispatcher.resume(flight, after)
+            timeout = ctx.preparer.resume_timeout(frame.timeout, flight.time_left())
             accepted = {"type": "accepted", "id": frame.id, "request_id": frame.request_id}
             with RequestWatch(None, stream=True, t0=time.monotonic()) as watch:
                 await self._pump(frame.id, None, watch.wrap(stream), flight, timeout, accepted)

@@ -1,5 +1,6 @@
 """A resume that takes its request back within the disconnect grace (a WebSocket ``resume`` frame, ``GET
-/v1/streams/{id}``) goes on as that request: its cancels name the request's model.
+/v1/streams/{id}``) goes on as that request: its cancels name the request's model, and it reads until the
+request's own deadline.
 
 Found by a review: the resume's flight (model ``""``) learnt its model only from a reply passing through
 it; a cancel before one (a cancel frame, the socket dropping again, a deadline, the edge's shutdown)
@@ -8,11 +9,14 @@ alone). The request ran on to its end, unread and billed, and its place in fligh
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
+
+import pytest
 
 from tests.ingest.conftest import AUTH, GEN, Client, MakeClient, eventually
 from tests.ingest.fake_gateway import FakeGateway
-from tests.ingest.test_ws import CHAT, request
+from tests.ingest.test_ws import CHAT, frames_until, request
 
 GRACE_S = 30.0  # never runs out within a test
 
@@ -74,3 +78,84 @@ async def test_a_stream_read_dropped_again_names_the_requests_model(
     await edge.ctx.dispatcher.drain()
     (cancel,) = gateway.cancels
     assert (cancel.request_id, cancel.reason, cancel.model) == (rid, "client_disconnect", GEN)
+
+
+# Its deadline. Found by the same review: a WebSocket resume read for the edge's default deadline whatever
+# the request's own was, and its frame could ask for no other; a resume that had taken its request back
+# also cancelled it there, its client still reading.
+
+SHORT_S = 0.1  # stands for the 60 s default
+QUIET_S = 0.5  # several defaults: long enough for a resume cut at the default to have said so
+
+
+async def test_a_websocket_resume_taking_the_request_back_reads_to_its_own_deadline(
+    make_client: MakeClient, gateway: FakeGateway
+) -> None:
+    client, _ = await make_client(edge_disconnect_grace_s=GRACE_S, edge_default_timeout_s=SHORT_S)
+    rid, cursor = await left_mid_stream(client, gateway, {**CHAT, "timeout": 30})
+    async with client.ws_connect("/v1/ws", headers=AUTH) as ws:
+        await ws.send_json({"type": "resume", "id": "r", "request_id": rid, "after": cursor})
+        assert (await ws.receive_json(timeout=5))["type"] == "accepted"
+        with pytest.raises(TimeoutError):  # not cut at the default
+            await ws.receive_json(timeout=QUIET_S)
+        gateway.release.set()
+        frames = await frames_until(ws, 1)
+    assert frames[-1]["type"] == "done"
+    assert gateway.cancels == []
+
+
+async def test_a_stream_read_taking_the_request_back_reads_to_its_own_deadline(
+    make_client: MakeClient, gateway: FakeGateway
+) -> None:
+    client, _ = await make_client(edge_disconnect_grace_s=GRACE_S, edge_default_timeout_s=SHORT_S)
+    rid, cursor = await left_mid_stream(client, gateway, {**CHAT, "timeout": 30})
+    response = await client.get(f"/v1/streams/{rid}", headers={**AUTH, "Last-Event-ID": f"{rid}:{cursor}"})
+    assert response.status == 200
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(QUIET_S):
+            await response.content.readuntil(b"\n\n")
+    gateway.release.set()
+    assert b'"type":"error"' not in await response.read()
+    assert gateway.cancels == []
+
+
+async def test_a_resume_taking_the_request_back_ends_it_at_its_own_deadline(
+    make_client: MakeClient, gateway: FakeGateway
+) -> None:
+    """Passing the request's own deadline (not a reader's) cancels it at once, as it does its submitter."""
+    client, _ = await make_client(edge_disconnect_grace_s=GRACE_S)
+    rid, cursor = await left_mid_stream(client, gateway, {**CHAT, "timeout": QUIET_S})
+    async with client.ws_connect("/v1/ws", headers=AUTH) as ws:
+        resume = {"type": "resume", "id": "r", "request_id": rid, "after": cursor, "timeout": 30}
+        await ws.send_json(resume)
+        frames = await frames_until(ws, 1)
+    assert (frames[-1]["type"], frames[-1]["error"]["code"]) == ("error", "timeout")
+    await eventually(lambda: len(gateway.cancels) == 1)  # not delayed by the grace
+    assert [(c.request_id, c.reason, c.model) for c in gateway.cancels] == [(rid, "client_cancel", GEN)]
+
+
+async def test_a_websocket_resume_reads_for_its_frames_timeout(
+    make_client: MakeClient, gateway: FakeGateway
+) -> None:
+    """A resume that does not own the request (its client is still connected) reads for the default, or
+    for the ``timeout`` its frame asks."""
+    client, _ = await make_client(edge_default_timeout_s=SHORT_S)
+    gateway.hold_after = 1
+    async with (
+        client.ws_connect("/v1/ws", headers=AUTH) as first,
+        client.ws_connect("/v1/ws", headers=AUTH) as second,
+    ):
+        await first.send_json(request("a", {**CHAT, "timeout": 30}))
+        rid = (await first.receive_json(timeout=5))["request_id"]
+        cursor = (await first.receive_json(timeout=5))["cursor"]
+        plain = {"type": "resume", "id": "r1", "request_id": rid, "after": cursor}
+        await second.send_json(plain)
+        frames = await frames_until(second, 1)
+        assert (frames[-1]["type"], frames[-1]["error"]["code"]) == ("error", "timeout")
+        await second.send_json({**plain, "id": "r2", "timeout": 30})
+        assert (await second.receive_json(timeout=5))["type"] == "accepted"
+        with pytest.raises(TimeoutError):
+            await second.receive_json(timeout=QUIET_S)
+        gateway.release.set()
+        assert (await frames_until(second, 1))[-1]["type"] == "done"
+    assert gateway.cancels == []
