@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from ingest.auth import Tenant
 from ingest.errors import BudgetExceeded, InvalidRequest, RateLimited, Unavailable
+from ingest.prepare import Shape
 from ingest.quota import ALL_MODELS, Key, Limits, QuotaExceeded, QuotaLedger, Reservation
 from monitoring import metrics
 from schemas.events import EmbeddingRequested, GenerationRequested, RequestFinished
@@ -47,6 +48,10 @@ class Flight:
     ends_at: float | None = None
     """The loop time of the request's own deadline, where this flight knows it: its submitter's guard sets
     it, and a resume that takes the request back keeps it (:meth:`take_back`)."""
+    shape: Shape | None = None
+    """How the request's client asked for its replies (an embeddings result's ``encoding_format``), where
+    this flight knows it: set as it is submitted (:meth:`ingest.dispatch.Dispatcher.open`), and kept by a
+    resume that takes the request back."""
 
     def stop(self) -> None:
         """Cut the request for the edge's shutdown: its guard ends it with :class:`ShuttingDown` now (or as
@@ -60,12 +65,14 @@ class Flight:
         """Go on as ``left``, the flight whose client left this request running on this edge within the
         disconnect grace (its delayed cancel just dropped, :meth:`ingest.dispatch.Dispatcher.resume`): this
         reader owns the request now, its cancels name the request's model, and it reads until the request's
-        own deadline at the latest (:meth:`time_left`). A review: a resume's flight
+        own deadline at the latest (:meth:`time_left`), its replies rendered as its client asked (:attr:`shape`; an
+        embeddings result asked in base64 came back as float lists). A review: a resume's flight
         (model ``""``) that cancelled before any reply named the model published ``model=""``, a cancel no
         worker takes (each acts on its own model's alone): the request ran on unread and billed."""
         self.owner = True
         self.name_model(left.model)
         self.ends_at = left.ends_at
+        self.shape = left.shape
 
     def time_left(self) -> float | None:
         """Seconds to the request's own deadline (:attr:`ends_at`), where this flight knows it."""

@@ -201,6 +201,7 @@ class Dispatcher:
         if not opened.owner and self._refund is not None:  # a replay: nothing generated for it here
             self._refund(flight, request=False)
         flight.request_id, flight.owner = opened.request_id, opened.owner
+        flight.shape = dataclasses.replace(prepared.shape, request_id=opened.request_id)
         stream = opened.stream
         if self._settle is not None and opened.owner:
             settle = self._settle

@@ -263,7 +263,7 @@ class Routes:
                     async for item in stream:
                         flight.name_model(item.model)
                         chunk_id = event_id(item) if isinstance(item, TokenChunk) else None
-                        await response.write(sse(native(item), chunk_id))
+                        await response.write(sse(native(item, flight.shape), chunk_id))
                     await response.write(DONE)
             except IngestError as exc:
                 if not response.prepared:

@@ -26,7 +26,9 @@ its ``timeout`` (as that route's ``X-Request-Timeout``; default ``SLUICE_EDGE_DE
 ``SLUICE_EDGE_MAX_TIMEOUT_S``); past it, an ``error`` frame with code ``timeout`` ends the reading, not the
 request. A resume that takes its request back (its client left it on this edge less than
 ``SLUICE_EDGE_DISCONNECT_GRACE_S`` ago) goes on as that request: it reads until the request's own deadline
-(or its ``timeout``, if sooner), and cancels it on a ``cancel`` frame, on leaving, or at the deadline.
+(or its ``timeout``, if sooner), cancels it on a ``cancel`` frame, on leaving, or at the deadline, and gets
+an embeddings result in the ``encoding_format`` the request asked. Any other resume gets it as ``float``
+lists (the stream does not say how its request asked for it).
 
 Backpressure: every outgoing frame goes through one bounded queue per socket (``SLUICE_EDGE_WS_SEND_QUEUE``)
 drained by one writer that waits for the transport to drain. When it is full, the request tasks block on
@@ -335,7 +337,7 @@ class WsSession:
             timeout = ctx.preparer.resume_timeout(frame.timeout, flight.time_left())
             accepted = {"type": "accepted", "id": frame.id, "request_id": frame.request_id}
             with RequestWatch(None, stream=True, t0=time.monotonic()) as watch:
-                await self._pump(frame.id, None, watch.wrap(stream), flight, timeout, accepted)
+                await self._pump(frame.id, flight.shape, watch.wrap(stream), flight, timeout, accepted)
 
     async def _pump(
         self,

@@ -4,7 +4,8 @@ Generation: chunk ``i`` is ``" t{i}"`` with token id ``i``, up to ``min(tokens, 
 (``finish_reason`` "length" when max_tokens cut it, else "stop"), as chunks on the log for a streamed
 request and as the terminal event's ``text`` alone for one not streamed, as a worker sends them. Embeddings: input ``k`` becomes
 ``[len(ids), sum(ids) % 97, k]``. ``hold_after=n`` stops each producer after ``n`` chunks until
-``release`` is set or the request is cancelled. Replies are read from the log like Kafka would serve them:
+``release`` is set or the request is cancelled; ``hold_embeddings`` so holds an embeddings request before its
+end (a long batch). Replies are read from the log like Kafka would serve them:
 a submit stream and any number of resumes read the same records.
 """
 
@@ -130,6 +131,7 @@ class FakeGateway:
         self.idempotency: dict[tuple[str, str], IdempotencyRecord] = {}
         self.hold_after: int | None = None
         self.release = asyncio.Event()
+        self.hold_embeddings = False
         self.fail_submit = False
         self.fail_with: ErrorInfo | None = None
         self.text_size = 0
@@ -235,6 +237,11 @@ class FakeGateway:
             prompt_tokens = sum(len(ids) for ids in event.inputs)
             usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=0, total_tokens=prompt_tokens)
             packed = Float32Vectors.pack(vectors, 3)
+            if self.hold_embeddings:
+                await _first(self.release, log.cancelled)
+            if log.cancelled.is_set():
+                await self._end(log, _finished(event, "cancelled", "cancelled", usage))
+                return
             await self._end(log, _finished(event, "completed", "stop", usage, embeddings=packed))
             return
         if not isinstance(event, GenerationRequested):

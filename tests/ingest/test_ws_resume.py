@@ -1,6 +1,6 @@
 """A resume that takes its request back within the disconnect grace (a WebSocket ``resume`` frame, ``GET
 /v1/streams/{id}``) goes on as that request: its cancels name the request's model, and it reads until the
-request's own deadline.
+request's own deadline, its embeddings in the encoding its request asked.
 
 Found by a review: the resume's flight (model ``""``) learnt its model only from a reply passing through
 it; a cancel before one (a cancel frame, the socket dropping again, a deadline, the edge's shutdown)
@@ -12,9 +12,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import msgspec
 import pytest
 
-from tests.ingest.conftest import AUTH, GEN, Client, MakeClient, eventually
+from tests.ingest.conftest import AUTH, EMB, GEN, Client, MakeClient, eventually, parse_sse
 from tests.ingest.fake_gateway import FakeGateway
 from tests.ingest.test_ws import CHAT, frames_until, request
 
@@ -159,3 +160,48 @@ async def test_a_websocket_resume_reads_for_its_frames_timeout(
         gateway.release.set()
         assert (await frames_until(second, 1))[-1]["type"] == "done"
     assert gateway.cancels == []
+
+
+# Its replies' encoding. Found by the same review: an embeddings request asked in base64 (as OpenAI's SDKs
+# ask by default) came back, resumed, as float lists: a client's parser for the first answer broke on it.
+
+BASE64 = {"model": EMB, "input": "fox", "encoding_format": "base64"}
+
+
+async def embeddings_left(client: Client, gateway: FakeGateway) -> str:
+    """A base64 embeddings request over the WebSocket whose client dropped before its end; its request id."""
+    gateway.hold_embeddings = True
+    async with client.ws_connect("/v1/ws", headers=AUTH) as ws:
+        await ws.send_json(request("e", BASE64, "embeddings"))
+        accepted = await ws.receive_json(timeout=5)
+    await eventually(lambda: all(stream.closed for stream in gateway.streams))
+    return str(accepted["request_id"])
+
+
+async def test_a_websocket_resume_taking_an_embeddings_request_back_keeps_its_encoding(
+    make_client: MakeClient, gateway: FakeGateway
+) -> None:
+    client, _ = await make_client(edge_disconnect_grace_s=GRACE_S)
+    rid = await embeddings_left(client, gateway)
+    async with client.ws_connect("/v1/ws", headers=AUTH) as ws:
+        await ws.send_json({"type": "resume", "id": "r", "request_id": rid})
+        assert (await ws.receive_json(timeout=5))["type"] == "accepted"
+        gateway.release.set()
+        done = (await frames_until(ws, 1))[-1]
+        assert isinstance(done["result"]["data"][0]["embedding"], str)  # base64, as the request asked
+        # once it has ended, a resume no longer knows how it was asked for: float lists, as documented
+        await ws.send_json({"type": "resume", "id": "again", "request_id": rid})
+        again = (await frames_until(ws, 1))[-1]
+    assert again["result"]["data"][0]["embedding"] == [3.0, 14.0, 0.0]
+
+
+async def test_a_stream_read_taking_an_embeddings_request_back_keeps_its_encoding(
+    make_client: MakeClient, gateway: FakeGateway
+) -> None:
+    client, _ = await make_client(edge_disconnect_grace_s=GRACE_S)
+    rid = await embeddings_left(client, gateway)
+    response = await client.get(f"/v1/streams/{rid}", headers=AUTH)
+    assert response.status == 200
+    gateway.release.set()
+    (done,) = [data for _, data in parse_sse(await response.text()) if data != "[DONE]"]
+    assert isinstance(msgspec.json.decode(done)["result"]["data"][0]["embedding"], str)
