@@ -19,7 +19,12 @@ embeddings; ``text`` = the whole text of a generation that was not streamed, as 
 request without ``stream`` reads it), ``error`` (id or null, error: OpenAI error object), ``pong``. A
 generation asked for here is always streamed (its body's ``stream`` is not needed, and ``false`` is ignored). Liveness is WebSocket ping/pong
 every ``SLUICE_EDGE_HEARTBEAT_S`` (a peer that misses a pong is closed). Bad frames (binary, junk JSON,
-unknown type, invalid body) get an ``error`` frame and the socket stays open; nothing is submitted.
+unknown type, invalid body) get an ``error`` frame and the socket stays open; nothing is submitted. Two bad
+frames are refused by the WebSocket layer instead, with no ``error`` frame: a text frame larger than
+``SLUICE_EDGE_MAX_BODY_BYTES`` (the largest HTTP body; a ``request`` frame's own fields count too) closes the
+socket with 1009 (message too big), and one that is not UTF-8 with 1007 (invalid payload data). Every
+request in flight on that socket is then cancelled, as on any close; sent again, the same frame closes the
+next socket too.
 
 Resume: a ``resume`` frame reads a request's stream after ``after`` (as ``GET /v1/streams/{id}`` does), for
 its ``timeout`` (as that route's ``X-Request-Timeout``; default ``SLUICE_EDGE_DEFAULT_TIMEOUT_S``, at most

@@ -10,6 +10,7 @@ import msgspec
 import pytest
 from aiohttp import WSCloseCode, web
 
+import ingest.ws
 from ingest.app import Edge
 from ingest.auth import DEMO_KEY, TenantDirectory
 from ingest.ws import NOT_READING, WsSession
@@ -615,3 +616,32 @@ async def test_a_request_shed_because_the_log_cannot_take_it_counts_against_avai
     assert _counted(metrics.REQUESTS, model=GEN, outcome="shed") == shed + 1
     assert _counted(metrics.REJECTIONS, model=GEN, status="503") == refused + 1
     assert gateway.submitted == []
+
+
+@pytest.mark.parametrize(
+    ("frame", "code"),
+    [
+        (b'{"type": "ping", "id": "' + b"x" * 8192 + b'"}', WSCloseCode.MESSAGE_TOO_BIG),
+        (b'{"type": "ping", "id": "\xff"}', WSCloseCode.INVALID_TEXT),
+    ],
+    ids=["too-big", "not-utf8"],
+)
+async def test_a_frame_the_websocket_layer_refuses_closes_the_socket_as_documented(
+    make_client: MakeClient, gateway: FakeGateway, frame: bytes, code: WSCloseCode
+) -> None:
+    """Found by a review: a text frame over the size limit, or not UTF-8, closes the socket (1009, 1007)
+    without an ``error`` frame and cancels the requests on it, where the docs promised an ``error`` frame
+    and an open socket for every bad frame: a client could not tell it from a dropped connection."""
+    client, _ = await make_client(edge_max_body_bytes=4096)
+    gateway.hold_after = 1
+    async with client.ws_connect("/v1/ws", headers=AUTH) as ws:
+        await ws.send_json(request("keep"))
+        assert [(await ws.receive_json(timeout=5))["type"] for _ in range(2)] == ["accepted", "token"]
+        # the client's own API sends only valid text: its writer sends the raw frame
+        await ws._writer.send_frame(frame, aiohttp.WSMsgType.TEXT)
+        closing = await ws.receive(timeout=5)
+    assert (closing.type, closing.data) == (aiohttp.WSMsgType.CLOSE, code)
+    await eventually(lambda: [c.reason for c in gateway.cancels] == ["client_disconnect"])
+    doc = ingest.ws.__doc__ or ""
+    assert f"{int(code)} (" in doc  # the docs say so, and what the limit is
+    assert "SLUICE_EDGE_MAX_BODY_BYTES" in doc
