@@ -19,12 +19,13 @@ from gpu_workers.models import prepare_hf_dir
 from gpu_workers.runtime import Runner
 from gpu_workers.settings import WorkerSettings
 from ingest.auth import Tenant
-from ingest.errors import ContextLengthExceeded, error_response, from_finished
+from ingest.errors import error_response
 from ingest.models import ModelCatalogue
 from ingest.prepare import Preparer
 from ingest.settings import EdgeSettings
 from schemas.events import GenerationRequested, ReplyTo, SamplingParams
 from tests.gpu_workers.test_runners import generation, run
+from tests.gpu_workers.test_served_context import refused_as_too_long
 from tests.gpu_workers.tiny_hf import decoder_dir
 
 BUDGET = 64  # of the model's 256 positions
@@ -68,13 +69,7 @@ def test_a_prompt_longer_than_the_budget_is_a_400_and_its_batch_mate_runs(linked
     greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     long, short = (generation(greedy, model="long-ctx", input_ids=[5] * n) for n in (BUDGET, 10))
     done = run(worker_runner(model_dir), [long, short]).finished
-    result = done[long.request_id]
-    assert result.status == "failed"
-    assert result.error is not None
-    assert result.error.code == "context_length_exceeded"
-    error = from_finished(result)
-    assert isinstance(error, ContextLengthExceeded)
-    response = error_response(error)
+    response = error_response(refused_as_too_long(done[long.request_id]))
     assert response.status == 400
     assert response.body is not None
     body = msgspec.json.decode(response.body)  # type: ignore[arg-type]

@@ -14,7 +14,7 @@ from gpu_workers.engine import GenerationEngine
 from gpu_workers.models import LoadedModel, load_embedding_model, load_generation_model, prepare_hf_dir
 from ingest.errors import ContextLengthExceeded, from_finished
 from ingest.models import ServedModel
-from schemas.events import SamplingParams
+from schemas.events import RequestFinished, SamplingParams
 from schemas.manifest import read_manifest
 from tests.gpu_workers.test_runners import embedding, embedding_runner, generation, generation_runner, run
 from tests.gpu_workers.tiny_hf import decoder_dir, encoder_dir
@@ -47,6 +47,18 @@ def test_a_window_the_config_turns_off_caps_nothing(tmp_path: Path) -> None:
     assert read_manifest(prepare_hf_dir("qwen", source, tmp_path / "models")).max_context == 256
 
 
+def refused_as_too_long(result: RequestFinished) -> ContextLengthExceeded:
+    """``result`` failed ``context_length_exceeded``, which the edge answers with a 400 (its error, to check
+    further)."""
+    assert result.status == "failed"
+    assert result.error is not None
+    assert result.error.code == "context_length_exceeded"
+    error = from_finished(result)
+    assert isinstance(error, ContextLengthExceeded)
+    assert error.status == 400
+    return error
+
+
 def test_a_worker_serving_less_context_than_its_manifest_ends_a_longer_prompt_as_a_400(
     tmp_path: Path,
 ) -> None:
@@ -66,13 +78,7 @@ def test_a_worker_serving_less_context_than_its_manifest_ends_a_longer_prompt_as
         generation(SamplingParams(max_tokens=4, temperature=0.0), input_ids=[5] * n) for n in (100, 10)
     )
     done = run(runner, [long, short]).finished
-    result = done[long.request_id]
-    assert result.status == "failed"
-    assert result.error is not None
-    assert result.error.code == "context_length_exceeded"
-    error = from_finished(result)
-    assert isinstance(error, ContextLengthExceeded)
-    assert error.status == 400
+    refused_as_too_long(done[long.request_id])
     assert done[short.request_id].status == "completed"
 
 
@@ -116,9 +122,5 @@ def test_one_overlong_input_fails_its_request_alone(tmp_path: Path) -> None:
     runner = embedding_runner(loaded, engine)
     long, short = embedding(inputs=[[0] + [5] * 63 + [2]]), embedding(inputs=[[0, 5, 6, 2]])
     done = run(runner, [long, short]).finished
-    error = done[long.request_id].error
-    assert done[long.request_id].status == "failed"
-    assert error is not None
-    assert error.code == "context_length_exceeded"
-    assert isinstance(from_finished(done[long.request_id]), ContextLengthExceeded)  # a 400, not a 500
+    refused_as_too_long(done[long.request_id])  # a 400, not a 500
     assert done[short.request_id].status == "completed"
