@@ -116,10 +116,11 @@ CLOCK_ALLOWANCE = timedelta(minutes=10)
 
 
 def sink_topics(names: TopicNames, request_topics: Sequence[str], *, decisions: bool = True) -> list[str]:
-    """Every topic whose events the warehouse keeps (token chunks on ``replies`` are delivery only).
-    The live worker writes the audit entries and drift reports it publishes itself (``decisions=False``);
-    a replay reads them from their topics."""
-    topics = [*request_topics, names.results, names.cancels, names.control, names.usage, names.batches]
+    """Every topic whose events the warehouse keeps (token chunks on ``replies`` are delivery only; the
+    usage records on ``usage`` are the ledger's entries this worker derives from ``results``, whose
+    ``request_facts`` rows hold the same numbers). The live worker writes the audit entries and drift
+    reports it publishes itself (``decisions=False``); a replay reads them from their topics."""
+    topics = [*request_topics, names.results, names.cancels, names.control, names.batches]
     return [*topics, names.audit, names.drift] if decisions else topics
 
 
