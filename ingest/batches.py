@@ -477,7 +477,12 @@ class BatchRunner(AsyncComponent):
         """Delete the tenant's file, unless a batch that has not ended reads it (:class:`FileInUse`): on any
         edge sharing the files dir."""
         self.store.get(tenant, file_id)  # 404 first: another tenant's file is not "in use"
-        for state in await self.listing(tenant):
+        states = await self.listing(tenant)
+        # and, with no await until the file is gone, a batch this edge accepted while they were read (a
+        # create registers its job before its first await): it was answered 200 and then failed
+        # ``input_file_missing`` (a review). Another edge's create in that window still can.
+        states += [job.state for job in list(self._jobs.values()) if job.state.tenant == tenant]
+        for state in states:
             if state.input_file_id == file_id and not state.terminal:
                 raise FileInUse(
                     f"File {file_id} is the input file of batch {state.batch_id}, which is {state.status}; "

@@ -1316,3 +1316,36 @@ async def test_a_line_whose_body_has_a_field_of_the_wrong_type_is_refused_as_the
     assert (error.code, error.param) == ("invalid_value", "seed")
     assert error.message is not None
     assert "Expected `int | null`, got `str`" in error.message
+
+
+async def test_a_delete_racing_a_create_never_deletes_the_input_of_an_accepted_batch(
+    make_client: MakeClient, batch_log: FakeBatchLog
+) -> None:
+    """Found by review: a delete read every batch state (awaited, on a thread) and then deleted the file;
+    a create for the file accepted meanwhile (200, ``validating``) then failed ``input_file_missing``
+    where the docs promise the delete a 409 ``file_in_use``. The delete looks again, without awaiting, at
+    the batches this edge accepted meanwhile."""
+    client, edge = await make_client()
+    runner = edge.batches
+    assert runner is not None
+    real_listing = runner.listing
+    listed, release = asyncio.Event(), asyncio.Event()
+
+    async def slow_listing(tenant: str) -> list[Any]:  # the listing's thread, as a loaded box runs it
+        states = await real_listing(tenant)
+        listed.set()
+        await release.wait()
+        return states
+
+    async with AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=DEMO_KEY, max_retries=0) as sdk:
+        up = await sdk.files.create(file=("in.jsonl", io.BytesIO(jsonl([chat_line(0)]))), purpose="batch")
+        runner.listing = slow_listing  # type: ignore[method-assign]
+        deleting = asyncio.ensure_future(sdk.files.delete(up.id))
+        await listed.wait()
+        runner.listing = real_listing  # type: ignore[method-assign]
+        created = await sdk.batches.create(input_file_id=up.id, endpoint=CHAT, completion_window="24h")
+        release.set()
+        with pytest.raises(openai.ConflictError):
+            await deleting
+        done = await until(sdk, created.id, "completed", "failed")
+        assert done.status == "completed", done.errors
