@@ -132,7 +132,8 @@ class PayloadTooLarge(IngestError):
 
 
 class StorageQuotaExceeded(PayloadTooLarge):
-    """A tenant's stored files would pass ``SLUICE_EDGE_FILES_MAX_BYTES_PER_TENANT``."""
+    """A tenant's stored files would pass ``SLUICE_EDGE_FILES_MAX_BYTES_PER_TENANT``, or it keeps
+    ``SLUICE_EDGE_FILES_MAX_PER_TENANT`` files already."""
 
     default_code = "storage_quota_exceeded"
 

@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import Any, BinaryIO, Literal
+from typing import Any, BinaryIO, Literal, NamedTuple
 
 import msgspec
 
@@ -44,6 +44,11 @@ DAY_S = 86_400
 EXPIRES_AFTER_S = (3_600, 30 * DAY_S)
 """What ``expires_after[seconds]`` may ask for (OpenAI's bounds)."""
 SWEEP_S = 600.0
+FILE_MIN_CHARGE = 4096
+"""What each stored file counts at least against its tenant's quota, in bytes. A file is its bytes and a
+metadata JSON (two inodes), and the JSON alone takes a 4 KiB block on the usual file systems (ext4's and
+XFS's default block): counted by its content only, an empty file cost nothing, and a tenant with a 4 KiB
+quota kept 300 of them, 1.2 MB on disk (a review). A file past 4 KiB counts its content, as before."""
 UTF8_BOM = b"\xef\xbb\xbf"
 
 
@@ -81,6 +86,19 @@ class StoredFile(msgspec.Struct, frozen=True, kw_only=True):
 _META = msgspec.json.Decoder(StoredFile)
 
 
+class Usage(NamedTuple):
+    """What a tenant's files hold, as its quotas count them."""
+
+    bytes: int
+    """Their content, each file counted at least :data:`FILE_MIN_CHARGE`."""
+    files: int
+
+
+def charge(size: int) -> int:
+    """What a file of ``size`` content bytes counts against its tenant's quota."""
+    return max(size, FILE_MIN_CHARGE)
+
+
 def tenant_folder(tenant: str) -> str:
     """A tenant's folder name under a store's root (files) or its ``batches/`` (batches): a hash, so no
     tenant name ever becomes a path, and every lookup is confined to the caller's folder."""
@@ -97,19 +115,29 @@ def not_found(file_id: str) -> NotFound:
 
 class FileStore:
     def __init__(
-        self, root: Path, *, max_bytes: int, ttl_s: int = 30 * DAY_S, max_tenant_bytes: int = 0
+        self,
+        root: Path,
+        *,
+        max_bytes: int,
+        ttl_s: int = 30 * DAY_S,
+        max_tenant_bytes: int = 0,
+        max_tenant_files: int = 0,
     ) -> None:
         """``ttl_s``: how long a new file lives unless its upload says otherwise (0: until deleted);
         ``max_tenant_bytes``: what one tenant's files may hold together, uploads and the files its batches
-        wrote (0: no limit)."""
+        wrote, each counted at least :data:`FILE_MIN_CHARGE` (0: no limit); ``max_tenant_files``: how many
+        files one tenant may keep, those its batches wrote included; an upload past it is refused (0: no
+        limit)."""
         self.root = root
         self.max_bytes = max_bytes
         self.ttl_s = ttl_s
         self.max_tenant_bytes = max_tenant_bytes
+        self.max_tenant_files = max_tenant_files
 
-    def usage(self, tenant: str) -> int:
-        """Bytes the tenant's files hold (blocking: it reads their metadata)."""
-        return sum(stored.bytes for stored in self.list(tenant))
+    def usage(self, tenant: str) -> Usage:
+        """What the tenant's files hold (blocking: it reads their metadata)."""
+        files = self.list(tenant)
+        return Usage(bytes=sum(charge(stored.bytes) for stored in files), files=len(files))
 
     def _dir(self, tenant: str) -> Path:
         return self.root / tenant_folder(tenant)
@@ -203,17 +231,24 @@ class FileStore:
         self, tenant: str, filename: str, purpose: Purpose, chunks: AsyncIterator[bytes]
     ) -> StoredFile:
         """Stream ``chunks`` into a new file; :class:`PayloadTooLarge` past the size limit, and
-        :class:`StorageQuotaExceeded` past what the tenant may store (nothing kept). Uploads of one tenant
-        running at once may together pass its quota by what they carry: each sees what was stored before
-        it began. (An audit: any tenant could fill the edge's disk, 200 MB a file, kept 30 days, and a full
-        disk failed every batch.) The usage is read on a thread: it reads every metadata file of the tenant,
-        and 3,000 of them stalled the event loop 0.2 s an upload (a review)."""
+        :class:`StorageQuotaExceeded` past what the tenant may store, or when it keeps as many files as it
+        may (nothing kept). Uploads of one tenant running at once may together pass its quotas by what they
+        carry: each sees what was stored before it began. (An audit: any tenant could fill the edge's disk,
+        200 MB a file, kept 30 days, and a full disk failed every batch. A review: or with any number of
+        empty files, which counted nothing.) The usage is read on a thread: it reads every metadata file of
+        the tenant, and 3,000 of them stalled the event loop 0.2 s an upload (a review). It is read again
+        for each upload rather than kept in memory, since every edge sharing the files dir adds and deletes
+        files; the file count bounds what one read costs."""
         room = None
-        if self.max_tenant_bytes:
+        if self.max_tenant_bytes or self.max_tenant_files:
             used = await asyncio.to_thread(self.usage, tenant)
-            room = self.max_tenant_bytes - used
-            if room <= 0:
-                raise self._over_quota(used)
+            if self.max_tenant_files and used.files >= self.max_tenant_files:
+                raise self._too_many_files(used.files)
+            if self.max_tenant_bytes:
+                room = self.max_tenant_bytes - used.bytes
+                if room < FILE_MIN_CHARGE:  # even an empty file would take it past the quota
+                    raise self._over_quota(used.bytes + FILE_MIN_CHARGE)
+        # From here room >= FILE_MIN_CHARGE, so a file's charge passes it exactly when its content does.
         with self.writer(tenant, filename, purpose) as out:
             async for chunk in chunks:
                 if room is not None and out.size + len(chunk) > room:
@@ -228,7 +263,15 @@ class FileStore:
     def _over_quota(self, used: int) -> StorageQuotaExceeded:
         return StorageQuotaExceeded(
             f"This upload would take the files you store past {self.max_tenant_bytes:,} bytes ({used:,} with "
-            "it): delete files you no longer need (DELETE /v1/files/{file_id}), or wait for them to expire.",
+            f"it; each file counts at least {FILE_MIN_CHARGE:,}): delete files you no longer need "
+            "(DELETE /v1/files/{file_id}), or wait for them to expire.",
+            param="file",
+        )
+
+    def _too_many_files(self, files: int) -> StorageQuotaExceeded:
+        return StorageQuotaExceeded(
+            f"You store {files:,} files, the most this server keeps for one tenant ({self.max_tenant_files:,}): "
+            "delete files you no longer need (DELETE /v1/files/{file_id}), or wait for them to expire.",
             param="file",
         )
 

@@ -83,6 +83,7 @@ def build_edge(
         max_bytes=settings.edge_file_max_bytes,
         ttl_s=settings.edge_file_ttl_s,
         max_tenant_bytes=settings.edge_files_max_bytes_per_tenant,
+        max_tenant_files=settings.edge_files_max_per_tenant,
     )
 
     def batches(ctx: EdgeContext) -> BatchRunner:

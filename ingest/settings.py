@@ -94,7 +94,12 @@ class EdgeSettings(msgspec.Struct, frozen=True, kw_only=True):
     """Largest file ``POST /v1/files`` takes (OpenAI's limit: 200 MB); larger uploads get 413."""
     edge_files_max_bytes_per_tenant: Annotated[int, msgspec.Meta(ge=0)] = 10 * 1024**3
     """What one tenant's files may hold together (its uploads and its batches' output and error files); an
-    upload past it gets 413 ``storage_quota_exceeded``. 0: no limit."""
+    upload past it gets 413 ``storage_quota_exceeded``. Each file counts at least 4 KiB (its metadata's
+    block on disk), so empty files are not free. 0: no limit."""
+    edge_files_max_per_tenant: Annotated[int, msgspec.Meta(ge=0)] = 10_000
+    """How many files one tenant may keep (its uploads and its batches' output and error files); an upload
+    while it keeps this many gets 413 ``storage_quota_exceeded``. Each upload reads the metadata of every
+    file the tenant keeps, so this also bounds what that read costs. 0: no limit."""
     edge_file_ttl_s: Annotated[int, msgspec.Meta(ge=0)] = 30 * 86_400
     """How long an uploaded file, or a batch's output or error file, is kept (OpenAI's default: 30 days;
     an upload may ask for 1 hour to 30 days with ``expires_after``). 0: until deleted."""

@@ -163,6 +163,7 @@ async def make_client(
                 max_bytes=edge_settings.edge_file_max_bytes,
                 ttl_s=edge_settings.edge_file_ttl_s,
                 max_tenant_bytes=edge_settings.edge_files_max_bytes_per_tenant,
+                max_tenant_files=edge_settings.edge_files_max_per_tenant,
             )
             return BatchRunner(
                 log=batch_log,

@@ -135,23 +135,23 @@ async def test_an_upload_on_a_full_disk_is_a_507_in_openai_shape(
 
 async def test_a_tenant_stores_no_more_than_its_quota(make_client: MakeClient, tmp_path: Path) -> None:
     """Any tenant could fill the disk: 200 MB a file, no limit on files, kept 30 days."""
-    client, edge = await make_client(edge_files_max_bytes_per_tenant=2048)
+    client, edge = await make_client(edge_files_max_bytes_per_tenant=10_000)
     assert edge.ctx is not None
     async with _sdk(client) as sdk, _sdk(client, OTHER_KEY) as other:
-        first = await sdk.files.create(file=("a.jsonl", io.BytesIO(b"x" * 1500 + b"\n")), purpose="batch")
+        first = await sdk.files.create(file=("a.jsonl", io.BytesIO(b"x" * 6000 + b"\n")), purpose="batch")
         response = await client.post(
-            "/v1/files", data={"purpose": "batch", "file": io.BytesIO(b"y" * 1000 + b"\n")}, headers=AUTH
+            "/v1/files", data={"purpose": "batch", "file": io.BytesIO(b"y" * 5000 + b"\n")}, headers=AUTH
         )
         assert response.status == 413
         error = (await response.json())["error"]
         assert error["code"] == "storage_quota_exceeded"
-        assert "2,048 bytes" in error["message"]
+        assert "10,000 bytes" in error["message"]
         assert [f.id for f in (await sdk.files.list()).data] == [first.id]  # nothing half-kept
         await other.files.create(
-            file=("b.jsonl", io.BytesIO(b"z" * 1500 + b"\n")), purpose="batch"
+            file=("b.jsonl", io.BytesIO(b"z" * 6000 + b"\n")), purpose="batch"
         )  # its own
         await sdk.files.delete(first.id)
-        await sdk.files.create(file=("c.jsonl", io.BytesIO(b"y" * 1000 + b"\n")), purpose="batch")
+        await sdk.files.create(file=("c.jsonl", io.BytesIO(b"y" * 5000 + b"\n")), purpose="batch")
 
 
 # --- what a tenant's input makes the batch's state hold ------------------------------------------------------
@@ -399,12 +399,12 @@ async def test_a_delivery_failure_after_its_batch_ended_is_not_counted_out_twice
 
 def test_a_tenants_usage_counts_its_files_only(tmp_path: Path) -> None:
     store = FileStore(tmp_path, max_bytes=1 << 20)
-    assert store.usage("demo") == 0
+    assert store.usage("demo") == (0, 0)
     with store.writer("demo", "a", "batch") as out:
-        out.write(b"x" * 100)
+        out.write(b"x" * 5000)
     with store.writer("other", "b", "batch") as out:
-        out.write(b"y" * 10)
-    assert (store.usage("demo"), store.usage("other")) == (100, 10)
+        out.write(b"y" * 6000)
+    assert (store.usage("demo"), store.usage("other")) == ((5000, 1), (6000, 1))
 
 
 async def test_a_running_batch_waits_while_its_tenants_budget_is_used_up(

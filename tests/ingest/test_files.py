@@ -8,14 +8,15 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import openai
 import pytest
 from openai import AsyncOpenAI
 
 from ingest.auth import DEMO_KEY
 from ingest.errors import InvalidRequest, NotFound
-from ingest.files import DAY_S, FileStore, FileWriter, expires_after
-from tests.ingest.conftest import MakeClient
+from ingest.files import DAY_S, FILE_MIN_CHARGE, FileStore, FileWriter, expires_after, tenant_folder
+from tests.ingest.conftest import AUTH, OTHER_AUTH, MakeClient
 
 
 def _store(tmp_path: Path, ttl_s: int = 30 * DAY_S) -> FileStore:
@@ -246,3 +247,57 @@ def test_the_sweep_removes_what_a_killed_writer_left_once_untouched_for_an_hour(
     assert not old_tmp.exists()
     assert writing.exists()
     assert store.get("acme", kept.id) == kept  # a file not expired stays
+
+
+async def _upload(client: Any, content: bytes, auth: dict[str, str]) -> tuple[int, dict[str, Any]]:
+    form = aiohttp.FormData()
+    form.add_field("purpose", "batch")
+    form.add_field("file", content, filename="tiny.jsonl")
+    response = await client.post("/v1/files", data=form, headers=auth)
+    return response.status, await response.json()
+
+
+async def test_empty_files_count_a_block_each_against_the_tenants_quota(
+    make_client: MakeClient, tmp_path: Path
+) -> None:
+    """Found by a review: the quota counted content bytes only, so empty files were free: a tenant with a
+    4 KiB quota kept 300 of them, 1.2 MB on disk (each file's metadata takes a 4 KiB block). Each file now
+    counts at least FILE_MIN_CHARGE."""
+    client, _ = await make_client(
+        edge_files_max_bytes_per_tenant=3 * FILE_MIN_CHARGE, edge_files_max_per_tenant=0
+    )
+    statuses = [(await _upload(client, b"", AUTH))[0] for _ in range(3)]
+    assert statuses == [200, 200, 200]
+    status, body = await _upload(client, b"", AUTH)
+    assert status == 413
+    assert (body["error"]["type"], body["error"]["code"]) == (
+        "invalid_request_error",
+        "storage_quota_exceeded",
+    )
+    assert f"{3 * FILE_MIN_CHARGE:,} bytes" in body["error"]["message"]
+    assert len(list((tmp_path / "files" / tenant_folder("demo")).glob("file-*.json"))) == 3
+    assert (await _upload(client, b"", OTHER_AUTH))[0] == 200  # another tenant's quota is its own
+
+
+async def test_a_tenant_keeps_no_more_files_than_its_limit(make_client: MakeClient) -> None:
+    """Found by a review: nothing bounded how many files a tenant kept (each two inodes and a metadata
+    block, and each upload reads every metadata file of the tenant). An upload while the tenant keeps
+    SLUICE_EDGE_FILES_MAX_PER_TENANT files is refused as the storage quota is, until it deletes one."""
+    client, _ = await make_client(edge_files_max_per_tenant=3, edge_files_max_bytes_per_tenant=0)
+    ids = []
+    for _ in range(3):
+        status, body = await _upload(client, b"{}\n", AUTH)
+        assert status == 200
+        ids.append(body["id"])
+    status, body = await _upload(client, b"{}\n", AUTH)
+    assert status == 413
+    assert (body["error"]["type"], body["error"]["code"]) == (
+        "invalid_request_error",
+        "storage_quota_exceeded",
+    )
+    assert "3 files" in body["error"]["message"]
+    listed = await (await client.get("/v1/files", headers=AUTH)).json()
+    assert sorted(f["id"] for f in listed["data"]) == sorted(ids)  # nothing kept of the refused one
+    assert (await _upload(client, b"{}\n", OTHER_AUTH))[0] == 200  # another tenant's count is its own
+    assert (await client.delete(f"/v1/files/{ids[0]}", headers=AUTH)).status == 200
+    assert (await _upload(client, b"{}\n", AUTH))[0] == 200
