@@ -209,7 +209,7 @@ class Edge(AsyncComponent):
             middlewares=[traced, openai_errors, ops_guard(access, hosts)],
             client_max_size=settings.edge_max_body_bytes,
         )
-        Routes(self.ctx).add_to(self.app)
+        Routes(self.ctx, access).add_to(self.app)
         self.batches = batches(self.ctx) if batches is not None else None
         BatchRoutes(self.ctx, self.batches).add_to(self.app)
         if self.batches is not None:

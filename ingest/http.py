@@ -34,6 +34,7 @@ from ingest.prepare import Kind, Prepared, Shape, parse_timeout
 from ingest.render import DONE, SseEncoder, collect, event_id, final_json, native, sse, sse_error
 from ingest.reply_stream import WHOLE, After
 from monitoring import metrics, tracing
+from monitoring.access import OpsAccess
 from monitoring.ops import Readiness
 from schemas.events import TokenChunk
 from schemas.ids import UUID7_PATTERN
@@ -94,8 +95,10 @@ async def send_now(request: web.Request, response: web.Response, within_s: float
 
 
 class Routes:
-    def __init__(self, ctx: EdgeContext) -> None:
+    def __init__(self, ctx: EdgeContext, access: OpsAccess) -> None:
+        """``access``: the ops token's rule (``SLUICE_OPS_TOKEN``), which ``/readyz``'s model list follows."""
         self.ctx = ctx
+        self.access = access
         self._openapi: bytes | None = None
 
     def add_to(self, app: web.Application) -> None:
@@ -303,14 +306,18 @@ class Routes:
 
     async def readyz(self, request: web.Request) -> web.Response:
         """Ready when accepting, connected to Kafka (publishing and hearing replies) and serving models;
-        the same ``{"ready", "checks"}`` shape as the workers' ``/readyz``, plus the model list."""
+        the same ``{"ready", "checks"}`` shape as the workers' ``/readyz``, with how many models it serves.
+        The probe needs no key, so it names the models only to the ops token (a set ``SLUICE_OPS_TOKEN``,
+        presented): it named every model to anyone, those ``/v1/models`` hides from a tenant too (a review).
+        """
         ctx = self.ctx
         readiness = Readiness.of(
-            accepting=ctx.admission.accepting, kafka=ctx.gateway.ready(), models_loaded=len(ctx.catalogue) > 0
+            accepting=ctx.admission.accepting,
+            kafka=ctx.gateway.ready(),
+            models_loaded=len(ctx.catalogue) > 0,
+            models=len(ctx.catalogue),
         )
-        body = {
-            "ready": readiness.ready,
-            "checks": readiness.checks,
-            "models": sorted(m.model_id for m in ctx.catalogue),
-        }
+        body: dict[str, Any] = {"ready": readiness.ready, "checks": readiness.checks}
+        if self.access.required and self.access.allows(request.headers.get("Authorization")):
+            body["models"] = sorted(m.model_id for m in ctx.catalogue)
         return json_response(body, status=200 if readiness.ready else 503)

@@ -16,7 +16,7 @@ from ingest.auth import DEMO_KEY, TenantDirectory, hash_key
 from ingest.main import check_edge_exposure
 from ingest.models import ModelCatalogue
 from schemas.settings import PlatformSettings, SettingsError
-from tests.ingest.conftest import AUTH, Client, MakeClient, settings
+from tests.ingest.conftest import AUTH, EMB, GEN, Client, MakeClient, settings
 from tests.ingest.fake_gateway import FakeGateway
 
 TOKEN = "edge-ops-token-0123456789"
@@ -51,6 +51,22 @@ async def test_metrics_want_the_ops_token_when_one_is_set(guarded: Client) -> No
     assert (await guarded.get("/v1/models", headers=AUTH)).status == 200  # tenants are unaffected
     for probe in ("/healthz", "/readyz"):
         assert (await guarded.get(probe)).status in (200, 503)
+
+
+async def test_readyz_names_the_models_only_to_the_ops_token(guarded: Client, client: Client) -> None:
+    """Found by a review: ``/readyz`` needs no key and named every model the edge serves to anyone, those
+    ``/v1/models`` hides from a tenant too. It gives their number to every prober, their names only to the
+    ops token, and a probe without a token set names none."""
+    for probe, headers in ((guarded, {}), (guarded, AUTH), (client, {}), (client, AUTH)):
+        ready = await probe.get("/readyz", headers=headers)
+        assert ready.status == 200
+        body = await ready.json()
+        assert body == {"ready": True, "checks": body["checks"]}
+        assert body["checks"]["models"] == 2
+        assert EMB not in str(body)
+        assert GEN not in str(body)
+    named = await (await guarded.get("/readyz", headers=OPS)).json()
+    assert named["models"] == [EMB, GEN]
 
 
 async def test_another_spelling_of_the_metrics_path_is_checked_too(guarded: Client) -> None:
