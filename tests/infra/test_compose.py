@@ -5,11 +5,15 @@ targets, Grafana provisioning."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import shlex
+import tempfile
+import tomllib
 from pathlib import Path
 from typing import Any
+from xml.etree import ElementTree
 
 import msgspec
 import pytest
@@ -27,7 +31,14 @@ from tests.infra.manifests import IMAGE, ROOT, resolve_sluice_command
 
 COMPOSE_DIR = ROOT / "infra" / "compose"
 COMPOSE = COMPOSE_DIR / "docker-compose.yml"
-SHELL_ENV = {"SLUICE_OPS_TOKEN": "a-test-ops-token-of-enough-length"}
+TENANT_KEY = "a-test-tenant-key"
+# What the operator exports before `docker compose up` (the file's header): every ${VAR:?...} it names.
+SHELL_ENV = {
+    "SLUICE_OPS_TOKEN": "a-test-ops-token-of-enough-length",
+    "GRAFANA_ADMIN_PASSWORD": "a-test-grafana-admin-password",
+    "GRAFANA_CLICKHOUSE_PASSWORD": "a-test-grafana-reader-password",
+    "TENANT_KEY_SHA256": hashlib.sha256(TENANT_KEY.encode()).hexdigest(),
+}
 _VARIABLE = re.compile(r"\$\{(\w+)(?:(:?[-?])([^}]*))?\}")
 
 
@@ -105,6 +116,8 @@ def test_references_between_services_volumes_and_secrets() -> None:
                 assert source in top["volumes"], (name, source)
         for secret in service.get("secrets", []):
             assert secret in top["secrets"]
+        for config in service.get("configs", []):
+            assert config["source"] in top["configs"], (name, config)
 
 
 def test_kafka_cluster() -> None:
@@ -198,8 +211,8 @@ def test_grafana_provisioning() -> None:
     assert CLICKHOUSE_PLUGIN in grafana["environment"]["GF_INSTALL_PLUGINS"]
     (clickhouse,) = [d for d in datasources if d["type"] == CLICKHOUSE_PLUGIN]
     warehouse = env_of(services()["streams"])["SLUICE_WAREHOUSE_URL"]
-    assert warehouse.startswith(f"http://{clickhouse['jsonData']['username']}:")
     assert warehouse.endswith(f"@{clickhouse['jsonData']['host']}:{clickhouse['jsonData']['port']}/sluice")
+    assert clickhouse["jsonData"]["defaultDatabase"] == "sluice"
 
 
 def test_traces_go_to_the_collector() -> None:
@@ -212,12 +225,118 @@ def test_traces_go_to_the_collector() -> None:
     assert collector["service"]["pipelines"]["traces"]["receivers"] == ["otlp"]
 
 
-def test_compose_tenants_file_loads() -> None:
-    from ingest.auth import TenantDirectory
+def _host_ips(service: dict[str, Any]) -> list[str]:
+    """The host address each of ``service``'s published ports binds ("" for every interface)."""
+    out = []
+    for port in service.get("ports", []):
+        if isinstance(port, dict):
+            out.append(str(port.get("host_ip", "")))
+        else:
+            parts = str(port).split(":")
+            out.append(parts[0] if len(parts) == 3 else "")
+    return out
 
+
+def test_prometheus_and_grafana_are_published_on_loopback_only() -> None:
+    """Prometheus asks no credentials and re-serves every service's /metrics (tenant names in labels), the
+    data SLUICE_OPS_TOKEN guards; Grafana runs any SQL its users type. Published on every interface, both
+    were open to anyone who could reach the Docker host (published ports also get past ufw)."""
+    for name in ("prometheus", "grafana"):
+        ips = _host_ips(services()[name])
+        assert ips, name
+        assert set(ips) == {"127.0.0.1"}, f"{name} is published on {services()[name]['ports']}"
+    # the edge is the product: still published on every interface, behind its tenants' keys
+    assert _host_ips(services()["edge"]) == [""]
+
+
+def test_grafana_requires_an_admin_password_and_reads_the_warehouse_read_only() -> None:
+    """Grafana kept its default admin/admin and logged in to ClickHouse as `sluice`, the platform's
+    read-write user: anyone reaching it could DROP audit_log. Now the admin password is required, and the
+    datasource's user may only SELECT from database sluice (readonly=1)."""
+    grafana = services()["grafana"]
+    env = grafana["environment"]
+    assert interpolate(env["GF_SECURITY_ADMIN_PASSWORD"], SHELL_ENV) == SHELL_ENV["GRAFANA_ADMIN_PASSWORD"]
+    missing = {k: v for k, v in SHELL_ENV.items() if k != "GRAFANA_ADMIN_PASSWORD"}
+    with pytest.raises(ValueError, match="GRAFANA_ADMIN_PASSWORD"):
+        interpolate(env["GF_SECURITY_ADMIN_PASSWORD"], missing)
+    assert env["GF_USERS_ALLOW_SIGN_UP"] == "false"
+    assert env["GF_AUTH_ANONYMOUS_ENABLED"] == "false"
+    # the writer's password is not Grafana's to have
+    clickhouse_service = services()["clickhouse"]
+    writer = clickhouse_service["environment"]["CLICKHOUSE_USER"]
+    assert "CLICKHOUSE_PASSWORD" not in env
+
+    datasources = yaml.safe_load(
+        (COMPOSE_DIR / "grafana/datasources/datasources.yml").read_text(encoding="utf-8")
+    )["datasources"]
+    (datasource,) = [d for d in datasources if d["type"] == CLICKHOUSE_PLUGIN]
+    reader = datasource["jsonData"]["username"]
+    assert reader != writer, f"Grafana logs in to ClickHouse as {writer!r}, the platform's read-write user"
+
+    # the user is defined in a users.d file the ClickHouse service mounts
+    mounts = {
+        v.split(":")[1]: COMPOSE_DIR / v.split(":")[0]
+        for v in clickhouse_service["volumes"]
+        if v.startswith("./")
+    }
+    (users_file,) = [src for dst, src in mounts.items() if dst.startswith("/etc/clickhouse-server/users.d/")]
+    config = ElementTree.parse(users_file).getroot()
+    user = config.find(f"users/{reader}")
+    assert user is not None, f"{users_file.name} defines no user {reader!r}"
+    profile = config.find(f"profiles/{user.findtext('profile')}")
+    assert profile is not None
+    assert profile.findtext("readonly") == "1"
+    # the plugin sets max_execution_time on every query; readonly=1 must let it
+    assert profile.find("constraints/max_execution_time/changeable_in_readonly") is not None
+    assert [q.text for q in user.iterfind("grants/query")] == ["GRANT SELECT ON sluice.*"]
+
+    # one password, from the environment, on both sides
+    password = user.find("password")
+    assert password is not None
+    variable = password.get("from_env")
+    assert variable == "GRAFANA_CLICKHOUSE_PASSWORD"
+    assert datasource["secureJsonData"]["password"] == f"${variable}"
+    for service in (clickhouse_service, grafana):
+        assert interpolate(service["environment"][variable], SHELL_ENV) == SHELL_ENV[variable]
+        with pytest.raises(ValueError, match=variable):
+            interpolate(service["environment"][variable], {})
+
+
+def _edge_tenants_file(env: dict[str, str]) -> str:
+    """The tenants file Compose gives the edge under ``env``: a bind-mounted file or a ``configs`` entry."""
     edge = services()["edge"]
-    (mount,) = [v for v in edge["volumes"] if v.startswith("./")]
-    source, target, _mode = mount.split(":")
-    assert target == env_of(edge)["SLUICE_EDGE_TENANTS_FILE"]
-    directory = TenantDirectory.from_file(COMPOSE_DIR / source)
-    assert directory.authenticate("Bearer replace-me").name == "acme"
+    target = interpolate(edge["environment"]["SLUICE_EDGE_TENANTS_FILE"], env)
+    for volume in edge.get("volumes", []):
+        source, mounted = str(volume).split(":")[:2]
+        if mounted == target:
+            return (COMPOSE_DIR / source).read_text(encoding="utf-8")
+    for granted in edge.get("configs", []):
+        if granted["target"] == target:
+            config = raw()["configs"][granted["source"]]
+            if "file" in config:
+                return (COMPOSE_DIR / str(config["file"])).read_text(encoding="utf-8")
+            return interpolate(str(config["content"]), env)
+    raise AssertionError(f"nothing is mounted at SLUICE_EDGE_TENANTS_FILE={target}")
+
+
+def test_the_edge_accepts_only_the_operators_tenant_key() -> None:
+    """The compose edge is published on every interface, and its tenants file used to hold the digest of
+    the key its own comment spelled out ("replace-me"): anyone could use it. The key now comes from
+    TENANT_KEY_SHA256, which Compose requires."""
+    from ingest.auth import TenantDirectory
+    from ingest.errors import AuthenticationFailed
+
+    text = _edge_tenants_file(SHELL_ENV)
+    public = hashlib.sha256(b"replace-me").hexdigest()
+    open_to = [n for n, t in tomllib.loads(text)["tenants"].items() if public in t["key_sha256"]]
+    assert not open_to, f"tenant(s) {open_to} accept the documented key 'replace-me'"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "tenants.toml"
+        path.write_text(text, encoding="utf-8")
+        directory = TenantDirectory.from_file(path)
+    assert directory.authenticate(f"Bearer {TENANT_KEY}").name == "acme"
+    with pytest.raises(AuthenticationFailed):
+        directory.authenticate("Bearer replace-me")
+    without = {k: v for k, v in SHELL_ENV.items() if k != "TENANT_KEY_SHA256"}
+    with pytest.raises(ValueError, match="TENANT_KEY_SHA256"):
+        _edge_tenants_file(without)

@@ -35,6 +35,9 @@ SERVICE_SETTINGS_BY_COMMAND: dict[str, type[msgspec.Struct]] = {
     "streams": StreamsSettings,
 }
 assert set(SERVICE_SETTINGS) >= {EdgeSettings, WorkerSettings, StreamsSettings, ObservabilitySettings}
+# What an operator puts in place of the committed placeholders that are invalid on purpose (config.yaml).
+OPERATOR_SECRETS = {"SLUICE_OPS_TOKEN": "a-test-ops-token-of-enough-length"}
+TENANT_KEY = "a-test-tenant-key"
 
 
 def manifests() -> list[dict[str, Any]]:
@@ -67,9 +70,10 @@ def sluice_containers() -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
                 yield workload, container
 
 
-def container_env(container: dict[str, Any]) -> dict[str, str]:
+def container_env(container: dict[str, Any], operator: dict[str, str] = OPERATOR_SECRETS) -> dict[str, str]:
     """What the container's environment holds: ConfigMaps and Secrets it loads, then its own entries
-    (a field reference becomes a sample pod name, a secret key its value in the manifests)."""
+    (a field reference becomes a sample pod name, a secret key its value in the manifests), with the
+    ``operator``'s values in place of the placeholders that are invalid on purpose."""
     env: dict[str, str] = {}
     for source in container.get("envFrom", []):
         if "configMapRef" in source:
@@ -85,6 +89,7 @@ def container_env(container: dict[str, Any]) -> dict[str, str]:
         else:
             assert entry["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name", entry
             env[entry["name"]] = "sample-pod-7d9c5b-x2x4q"
+    env.update({k: v for k, v in operator.items() if k in env})
     return env
 
 
@@ -493,21 +498,64 @@ def test_edge_autoscaling() -> None:
     assert tenants.rsplit("/", 1)[1] in secret["stringData"]
 
 
-def test_tenants_file_loads() -> None:
-    import tomllib
-
-    from ingest.auth import TenantDirectory
-
-    raw = named("Secret", "sluice-tenants")["stringData"]["tenants.toml"]
-    tomllib.loads(raw)
+def _load_tenants(text: str) -> Any:
     import tempfile
     from pathlib import Path
 
+    from ingest.auth import TenantDirectory
+
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "tenants.toml"
-        path.write_text(raw, encoding="utf-8")
-        directory = TenantDirectory.from_file(path)
-    assert directory.authenticate("Bearer replace-me").name == "acme"
+        path.write_text(text, encoding="utf-8")
+        return TenantDirectory.from_file(path)
+
+
+def test_tenants_file_loads_once_its_placeholder_digest_is_replaced() -> None:
+    import hashlib
+    import re as regex
+
+    raw = named("Secret", "sluice-tenants")["stringData"]["tenants.toml"]
+    digest = hashlib.sha256(TENANT_KEY.encode()).hexdigest()
+    replaced = regex.sub(r'key_sha256 = \["[^"]*"\]', f'key_sha256 = ["{digest}"]', raw)
+    assert replaced != raw
+    assert _load_tenants(replaced).authenticate(f"Bearer {TENANT_KEY}").name == "acme"
+
+
+def test_the_committed_placeholders_for_public_secrets_do_not_work() -> None:
+    """The edge's port is public. Its tenants file held the digest of "replace-me" and the ops token a
+    valid placeholder, so `kubectl apply -k` with the files unchanged served both. Now each placeholder is
+    invalid: the edge (and every service, for the token) refuses to start until it is replaced."""
+    from ingest.errors import CatalogueError
+
+    raw = named("Secret", "sluice-tenants")["stringData"]["tenants.toml"]
+    with pytest.raises(CatalogueError, match="key_sha256"):
+        _load_tenants(raw)
+    for _workload, container in sluice_containers():
+        env = container_env(container, operator={})
+        with pytest.raises(ValueError, match="SLUICE_OPS_TOKEN"):
+            load_settings(PlatformSettings, env)
+
+
+def test_grafana_gets_a_read_only_clickhouse_user() -> None:
+    """Grafana (namespace monitoring, allowed to ClickHouse by a NetworkPolicy) runs any SQL its users type:
+    its datasource must not log in as `sluice`, the platform's read-write user. ClickHouse gets the same
+    read-only `grafana_reader` as the compose file, with its own password."""
+    from tests.infra.test_compose import COMPOSE_DIR
+
+    users = named("ConfigMap", "clickhouse-users")["data"]
+    compose_file = COMPOSE_DIR / "clickhouse" / "grafana-reader.xml"
+    assert users[compose_file.name] == compose_file.read_text(encoding="utf-8")
+    clickhouse = named("StatefulSet", "clickhouse")["spec"]["template"]["spec"]
+    (container,) = clickhouse["containers"]
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == "users"]
+    assert mount["mountPath"] == f"/etc/clickhouse-server/users.d/{compose_file.name}"
+    assert mount["subPath"] == compose_file.name
+    (volume,) = [v for v in clickhouse["volumes"] if v["name"] == "users"]
+    assert volume["configMap"]["name"] == "clickhouse-users"
+    env = container_env(container)
+    assert env["CLICKHOUSE_USER"] == "sluice"
+    assert 'from_env="GRAFANA_CLICKHOUSE_PASSWORD"' in users[compose_file.name]
+    assert env["GRAFANA_CLICKHOUSE_PASSWORD"] not in ("", env["CLICKHOUSE_PASSWORD"])
 
 
 def _allows(policy: dict[str, Any], pod_labels: dict[str, str], port: int) -> list[list[dict[str, Any]]]:
