@@ -67,6 +67,12 @@ def test_vectors_are_the_models_own_as_sentence_transformers_encodes_them(
         (["Pooling"], {"pooling_mode_mean_sqrt_len_tokens": True}, "pooling_mode_mean_sqrt_len_tokens"),
         (["Pooling"], {"pooling_mode_cls_token": True, "pooling_mode_mean_tokens": True}, "exactly one"),
         (["Normalize"], None, "one Pooling module"),
+        # a supported mode set too does not make an unsupported one served: max pooling is still asked for
+        (["Pooling"], {"pooling_mode_cls_token": True, "pooling_mode_max_tokens": True}, "exactly one"),
+        # the engine pools the transformer's own token vectors: a Normalize before the Pooling is not that
+        (["Normalize", "Pooling"], None, "right after its Transformer"),
+        # a second transformer would be run by no one: its vectors are not the model's
+        (["Pooling", "Transformer"], None, "its one Transformer module"),
     ],
 )
 def test_a_pipeline_the_platform_does_not_implement_is_refused_when_prepared(
