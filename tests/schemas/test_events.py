@@ -34,7 +34,15 @@ from schemas.events import (
     event_type_name,
 )
 from schemas.examples import example_events
-from schemas.ids import Uuid7Generator, derive_seed, uuid7, uuid7_from_parts, uuid7_time, uuid7_unix_ms
+from schemas.ids import (
+    Uuid7Generator,
+    derive_seed,
+    derived_uuid7,
+    uuid7,
+    uuid7_from_parts,
+    uuid7_time,
+    uuid7_unix_ms,
+)
 
 # --- UUIDv7 -----------------------------------------------------------------------------------------------
 
@@ -122,6 +130,17 @@ def test_seed_is_a_pinned_function_of_the_request_id() -> None:
     rid = uuid7()
     assert 0 <= derive_seed(rid) < 2**63
     assert derive_seed(rid) != derive_seed(uuid7())
+
+
+def test_a_derived_id_is_a_pinned_function_of_its_time_and_key() -> None:
+    """Audit entries, batch lines and usage records take derived ids so that a consumer drops a copy (a
+    redelivery, a replay) by id: one rebuilt by a later release must get the same id, so the function must
+    never change. Its random bits are the top 74 of SHA-256 over the key (``e3b0c44298fc1c149afb...`` for
+    ``""``)."""
+    assert derived_uuid7(0, "") == "00000000-0000-7e3b-8311-0a63f070526b"
+    assert derived_uuid7(1_795_000_000_000, "acme\x00req") == "01a1ee56-5e00-79ac-96ad-e6c67b1d7135"
+    assert uuid7_unix_ms(derived_uuid7(1_795_000_000_000, "acme\x00req")) == 1_795_000_000_000
+    assert derived_uuid7(1_795_000_000_000, "acme\x00req2") != derived_uuid7(1_795_000_000_000, "acme\x00req")
 
 
 # --- event types ------------------------------------------------------------------------------------------
