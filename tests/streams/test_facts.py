@@ -10,12 +10,14 @@ import msgspec
 import pytest
 
 from schemas.events import BatchRef, RequestFinished, Timings, Usage
-from streams.facts import FACT_COLUMNS, fact_row
+from schemas.ids import uuid7_unix_ms
+from streams.facts import FACT_COLUMNS, fact_row, usage_record
 from streams.pricing import ModelPrice, PriceTable, PricingError, load_prices
-from tests.streams.test_audit import finished
+from tests.streams.test_audit import REQUEST_ID, finished
 
 PRICES = PriceTable(default=ModelPrice(prompt=150, completion=601, worker_second=0), models={})
 LINE = BatchRef(batch_id="batch_42", custom_id="request-7", index=7, attempt=1)
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
 
 def row(event: RequestFinished, prices: PriceTable = PRICES) -> dict[str, object]:
@@ -146,3 +148,29 @@ def test_a_worker_time_off_a_wrong_clock_cannot_price_past_what_a_cost_can_hold(
     assert fact["cost_nanos"] < 2**64
     biggest = prices.cost_nanos("m", 2**32 - 1, 2**32 - 1, MAX_WORKER_MS)
     assert biggest < 2**64
+
+
+def test_a_usage_record_names_its_batch_and_carries_its_requests_trace() -> None:
+    """A billing consumer reconciles a batch's lines by the batch id of their records, and follows a charge
+    to its request through the trace context: a record without them matches neither."""
+    traced = {"traceparent": TRACEPARENT, "tracestate": "vendor=1"}
+    line = usage_record(finished(batch=LINE, **traced), PRICES, source="streams/test")
+    plain = usage_record(finished(**traced), PRICES, source="streams/test")
+    assert line is not None
+    assert plain is not None
+    assert (line.batch_id, plain.batch_id) == ("batch_42", None)
+    assert (line.traceparent, line.tracestate) == (TRACEPARENT, "vendor=1")
+
+
+def test_a_usage_records_id_is_a_pinned_function_of_its_tenant_and_request() -> None:
+    """A billing consumer drops a copy of a record (a redelivery, a replay by a later release) by its id,
+    so the id must be the same on every build; it is dated when the request was accepted."""
+    record = usage_record(finished(), PRICES, source="streams/a")
+    again = usage_record(finished(time=datetime(2026, 12, 1, tzinfo=UTC)), PRICES, source="streams/b")
+    other = usage_record(finished(tenant="globex"), PRICES, source="streams/a")
+    assert record is not None
+    assert again is not None
+    assert other is not None
+    assert record.id == again.id == "01a1ee56-5e00-7215-8e8b-9a524ca1d2da"
+    assert uuid7_unix_ms(record.id) == uuid7_unix_ms(REQUEST_ID)
+    assert other.id != record.id  # the key names the tenant, as the audit entry's does
