@@ -72,3 +72,16 @@ def test_no_max_tokens_stays_within_the_tenants_token_limits(preparer: Preparer)
 
 def test_a_manifest_default_is_kept(preparer: Preparer) -> None:
     assert max_tokens(preparer, GEN)[0] == 8  # demo-gpt's manifests name theirs (64)
+
+
+def test_no_max_tokens_is_at_least_one_where_the_prompt_alone_takes_the_tenants_limit(
+    preparer: Preparer,
+) -> None:
+    """A request event's ``max_tokens`` is at least 1 on the wire (``SamplingParams``): a default of 0
+    would go out as an event no worker decodes (``Expected int >= 1``). At 1, the tenant's quota decides
+    (prompt + 1 is past its limit: ``tokens_exceed_limit``)."""
+    _, prompt = max_tokens(preparer, LINKED)
+    for limit in (prompt, prompt - 1):
+        tight = Tenant(name="t", model_limits={LINKED: Limits(tokens_per_min=limit)})
+        tokens, _ = max_tokens(preparer, LINKED, tight)
+        assert tokens == 1
