@@ -16,8 +16,10 @@ import pytest
 from tokenizers import processors
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from gpu_workers.end_tokens import render_template
 from gpu_workers.model_store import ModelError
 from gpu_workers.models import prepare_hf_dir
+from ingest.chat_template import ChatTemplate
 from ingest.errors import InvalidRequest
 from ingest.models import ServedModel
 from schemas.manifest import read_manifest
@@ -163,3 +165,41 @@ def test_a_template_that_does_not_compile_is_refused_when_the_model_is_prepared(
     source = model_dir(tmp_path / "src", "{% for m in messages %}{{ m['content'] }")
     with pytest.raises(ModelError, match="does not compile"):
         prepare_hf_dir("broken", source, tmp_path / "models")
+
+
+INDENTED = (  # block tags on indented lines of their own, as most templates on the hub are written
+    "{% for m in messages %}\n"
+    "    {% if loop.index0 > 2 %}{% break %}{% endif %}\n"
+    "    {% if m['role'] == 'system' %}\n"
+    "        <<SYS>>{{ m['content'] }}<</SYS>>\n"
+    "    {% else %}\n"
+    "        [{{ m['role'] }}] {{ m['content'] | tojson }}\n"
+    "    {% endif %}\n"
+    "{% endfor %}"
+)
+SAID = [
+    ("system", "be brief"),
+    ("user", 'café <b>naïve</b> "x" & 東京'),
+    ("assistant", "ok"),
+    ("user", "not rendered: the loop breaks before it"),
+]
+
+
+def test_the_edge_renders_a_template_as_transformers_renders_it() -> None:
+    """The edge renders without transformers, so its environment must be transformers' to the character:
+    block tags' indentation and newlines dropped (``trim_blocks``, ``lstrip_blocks``), ``tojson`` that
+    keeps non-ASCII text and HTML characters as they are, and ``{% break %}`` (loop controls). A prompt off
+    by a space or an escape is not the one the model was tuned on, and its token counts differ from the
+    worker's."""
+    ours = ChatTemplate(INDENTED, {}).render(SAID, add_generation_prompt=False)
+    assert ours == render_template(INDENTED, {}, SAID)
+    assert '[user] "café <b>naïve</b> \\"x\\" & 東京"\n' in ours
+    assert "not rendered" not in ours
+
+
+def test_a_template_names_developer_only_as_a_word() -> None:
+    """A template that mentions its developers (a comment, a default system prompt) knows no ``developer``
+    role: such a message is rendered as the system one it is, not as a role the template may refuse."""
+    credited = "{# made by the developers of this model #}" + CHATML
+    assert not ChatTemplate(credited, {}).names_developer
+    assert ChatTemplate(DEVELOPER, {}).names_developer
