@@ -29,6 +29,7 @@ from schemas.events import GenerationRequested, SamplingParams
 from schemas.ids import uuid7
 from schemas.manifest import MANIFEST_FILE, ChatFormat, ModelManifest, read_manifest, write_manifest
 from tests.gpu_workers.test_runners import Collected, generation_runner
+from tests.gpu_workers.tiny_hf import bpe_tokenizer
 
 CHAT = "<|user|>\nTell me about the river.\n<|assistant|>\n"
 
@@ -104,6 +105,9 @@ def test_a_manifest_written_before_the_end_tokens_gets_them_from_its_directory(t
     )
     recorded = msgspec.structs.replace(filled, eos_token_ids=(0,), chat=ChatFormat(end_of_turn_ids=()))
     assert with_end_tokens(recorded, tmp_path) is recorded  # what a manifest says stands
+    # each field is read when it alone is missing: a chat answer must still stop at the next turn
+    half = with_end_tokens(msgspec.structs.replace(filled, eos_token_ids=(0,), chat=ChatFormat()), tmp_path)
+    assert (half.eos_token_ids, half.chat.end_of_turn_ids) == ((0,), (1,))
 
 
 def linked(demo_gpt_dir: Path, tmp_path: Path, config_eos: object, generation_eos: object) -> LoadedModel:
@@ -178,3 +182,16 @@ def test_a_version_prepared_before_the_end_tokens_were_recorded_stops_at_them(
     ids = again.tokenizer(CHAT).input_ids
     text, generated = reference(again, ids)
     assert answer(again, ids) == ("stop", text, generated)
+
+
+def test_a_templates_end_of_turn_is_the_special_token_its_tokenizer_reads_there(tmp_path: Path) -> None:
+    """Where special tokens overlap (``<|end|>`` and ``<|end|><|eos|>``), the tokenizer reads the longest
+    one after an answer, so that is the token a model tuned on the template writes to end its turn: an
+    answer stopping at the shorter one would never stop, and run on to ``max_tokens``."""
+    tok = bpe_tokenizer(["<|end|>", "<|end|><|eos|>", "<|eos|>"])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}<|end|><|eos|>\n{% endfor %}"
+    written = tok.encode("answer<|end|><|eos|>\n").ids
+    assert end_of_turn_ids(tmp_path, ChatFormat(template=template)) == (tok.token_to_id("<|end|><|eos|>"),)
+    assert tok.token_to_id("<|end|><|eos|>") in written
+    assert tok.token_to_id("<|end|>") not in written
