@@ -3,6 +3,7 @@ the seed a request without one samples with."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections.abc import Sequence
@@ -462,6 +463,20 @@ def test_a_flooding_tenant_waits_its_turn_and_pays_for_the_full_queue(demo_gpt: 
     assert second.timings.started is not None
     assert first.timings.finished <= quick.timings.started  # the light tenant took the first free slot
     assert quick.timings.finished <= second.timings.started
+
+
+def test_a_request_past_the_models_output_limit_ends_at_it(demo_gpt: LoadedModel) -> None:
+    """The worker holds a request to its manifest's ``max_output_tokens`` whatever its event asks: an edge
+    whose catalogue still holds a version's earlier manifest, or another producer, may ask for more. The
+    answer ends with finish_reason ``length`` at the limit, billed for what it produced."""
+    limited = dataclasses.replace(
+        demo_gpt, manifest=msgspec.structs.replace(demo_gpt.manifest, max_output_tokens=3)
+    )
+    engine = GenerationEngine(limited.model, max_batch_size=1, max_context=limited.manifest.max_context)
+    runner = generation_runner(limited, engine, max_running=1, max_waiting=1)
+    event = generation(SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    result = run(runner, [event]).finished[event.request_id]
+    assert (result.status, result.finish_reason, result.usage.completion_tokens) == ("completed", "length", 3)
 
 
 def two_streamed(
