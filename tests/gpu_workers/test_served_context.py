@@ -4,6 +4,7 @@ as ``context_length_exceeded`` on its own, never failing others' requests."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import msgspec
@@ -44,6 +45,12 @@ def test_a_window_the_config_turns_off_caps_nothing(tmp_path: Path) -> None:
     """Qwen2's config names a ``sliding_window`` it uses only with ``use_sliding_window``: read as
     transformers reads it, as the engine gets it."""
     source = decoder_dir(tmp_path / "src", arch="qwen2", sliding_window=64, use_sliding_window=False)
+    # as the hub's Qwen2 configs have it (a window named, use_sliding_window false, no layer_types): the
+    # transformers here saves a turned-off window as null, and with that file the test tested nothing
+    config = json.loads((source / "config.json").read_text())
+    config["sliding_window"] = 64
+    config.pop("layer_types", None)
+    (source / "config.json").write_text(json.dumps(config))
     assert read_manifest(prepare_hf_dir("qwen", source, tmp_path / "models")).max_context == 256
 
 
