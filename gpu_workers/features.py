@@ -40,6 +40,7 @@ from bus.placement import idle_thread, name_thread
 from schemas.events import DriftFeatures, EmbeddingRequested, GenerationRequested, RequestFinished
 from schemas.features import is_refusal, profile, sampled
 from schemas.lifecycle import Component
+from schemas.manifest import MAX_CHARS_PER_TOKEN
 
 log = logging.getLogger(__name__)
 
@@ -65,17 +66,6 @@ DRIFT_EMBED_MAX_WAIT_S = 1.0
 """How long a sampled prompt may wait for the embedder before its request's ``results`` copy goes without
 its embedding (counted as skipped). A request's offset is committed once both copies are durable, so this
 also bounds how long a sampled request stays uncommitted, and a rebalance waits for it."""
-
-MAX_CHARS_PER_TOKEN = 32
-"""Characters of a prompt the drift embedder tokenises per token it keeps (MiniLM's 128: 4,096), cut before
-the tokenizer sees them: ``truncation`` cuts only after tokenising the whole text, and a prompt is bounded
-by nothing smaller than its 8 MiB record (~1 s of the model thread per MB under load, when it embeds
-itself; a review, 2026-12-03). WordPiece makes at least one token of every word and punctuation mark, and
-ordinary text takes about 4 characters a token (CJK 1), so this is ~8x what the kept tokens need, past what
-code, digits or base64 take (the edge's ``MAX_CHARS_PER_TOKEN`` of context). A prompt no longer than this
-is tokenised whole, so its embedding is the same bit for bit; a longer one keeps the same first tokens
-unless it is mostly whitespace, control characters or words of over 100 characters (one ``[UNK]`` each),
-where the sample embeds the tokens of its first 4,096 characters."""
 
 DRIFT_THREAD_NAME = "drift:embed"
 """The name the drift embedder's thread gets (what ``/proc/<pid>/task/<tid>/comm`` and ``top -H`` show): it
@@ -429,6 +419,10 @@ def minilm_embedder(
     engine = EmbeddingEngine(loaded.model, max_length=max_tokens, traced=traced)
     tokenizer = loaded.tokenizer
 
+    # Cut before the tokenizer sees them (``truncation`` cuts only after tokenising the whole text). A prompt
+    # no longer than this is tokenised whole, so its embedding is the same bit for bit; a longer one keeps
+    # the same first tokens unless it is mostly whitespace, control characters or words of over 100
+    # characters (one ``[UNK]`` each), where the sample embeds the tokens of its first characters.
     most = max_tokens * MAX_CHARS_PER_TOKEN
 
     def embed(texts: Sequence[str]) -> Sequence[Sequence[float]]:

@@ -23,6 +23,7 @@ from ingest.chat_template import ChatTemplate, ChatTemplateError
 from ingest.errors import CatalogueError, ContextLengthExceeded, InvalidRequest, ModelNotFound
 from schemas.manifest import (
     MANIFEST_FILE,
+    MAX_CHARS_PER_TOKEN,
     ManifestError,
     ModelManifest,
     current_model_dir,
@@ -32,11 +33,6 @@ from schemas.manifest import (
 from schemas.settings import model_path_entry
 
 TOKENIZER_FILE = "tokenizer.json"
-MAX_CHARS_PER_TOKEN = 32
-"""The most characters an input may have per token of the model's context, checked before it is tokenised:
-~8x what ordinary text takes (about 4), past what code, digits, base64 or runs of spaces take. Tokenising
-costs more than linear time in a long word: 7 MB of one letter held the edge for 17 s to answer
-``context_length_exceeded`` (an audit, 2026-12-01), where this refuses it at once."""
 
 log = logging.getLogger(__name__)
 

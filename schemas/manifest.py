@@ -14,6 +14,14 @@ from typing import Annotated, Literal
 import msgspec
 
 MANIFEST_FILE = "sluice-manifest.json"
+MAX_CHARS_PER_TOKEN = 32
+"""The most characters of text taken per token a model could read, cut or refused before it is tokenised:
+~8x what ordinary text takes (about 4; CJK 1), past what code, digits, base64 or runs of spaces take.
+Tokenising costs at least linear time in the text (more in a long word), so a text is never tokenised
+whole when only its first tokens can count: the edge refuses an input longer than its model's context
+allows (7 MB of one letter held it 17 s, an audit, 2026-12-01), and the drift embedder cuts a prompt to
+what its 128 tokens need (a prompt is bounded by nothing smaller than its 8 MiB record: ~1 s of the model
+thread per MB, a review, 2026-12-03)."""
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 

@@ -17,7 +17,6 @@ from gpu_workers.features import (
     DRIFT_EMBED_BURST_S,
     DRIFT_THREAD_NAME,
     MAX_BATCH,
-    MAX_CHARS_PER_TOKEN,
     MAX_QUEUED,
     DriftEmbedder,
     EmbedBudget,
@@ -35,6 +34,7 @@ from schemas.events import (
     Usage,
 )
 from schemas.features import sampled
+from schemas.manifest import MAX_CHARS_PER_TOKEN
 
 PROMPT = "Tell me about the river and the weather."
 

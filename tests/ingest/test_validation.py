@@ -497,7 +497,7 @@ async def test_an_input_longer_than_any_that_fits_the_context_is_refused_before_
 
 def test_an_input_at_the_character_bound_is_still_tokenised(catalogue: Any) -> None:
     from ingest.errors import ContextLengthExceeded
-    from ingest.models import MAX_CHARS_PER_TOKEN
+    from schemas.manifest import MAX_CHARS_PER_TOKEN
 
     model = catalogue.get(GEN)
     most = model.manifest.max_context * MAX_CHARS_PER_TOKEN
