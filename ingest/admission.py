@@ -4,6 +4,7 @@ registry of in-flight requests that graceful shutdown drains and cancels."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -73,6 +74,15 @@ class Flight:
         self.name_model(left.model)
         self.ends_at = left.ends_at
         self.shape = left.shape
+
+    def render_vectors_as(self, encoding_format: str) -> None:
+        """Render an embeddings result in ``encoding_format``, as a resume's reader asked: a resume that did
+        not take its request back knows nothing of how the request asked (the stream does not say), and
+        gave base64 requests float lists back (a review)."""
+        if self.shape is not None:
+            self.shape = dataclasses.replace(self.shape, encoding_format=encoding_format)
+        else:
+            self.shape = Shape("embedding", self.model, self.request_id, "", encoding_format=encoding_format)
 
     def time_left(self) -> float | None:
         """Seconds to the request's own deadline (:attr:`ends_at`), where this flight knows it."""

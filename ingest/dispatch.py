@@ -255,12 +255,19 @@ class Dispatcher:
         owner = self._reclaim(record.request_id) is not None
         return Opened(record.request_id, tenant_checked(stream, event.tenant), owner=owner, replay=True)
 
-    async def resume(self, flight: Flight, after: After, expect: Prepared | None = None) -> ReplyStream:
+    async def resume(
+        self,
+        flight: Flight,
+        after: After,
+        expect: Prepared | None = None,
+        encoding_format: str | None = None,
+    ) -> ReplyStream:
         """The replies after ``after`` of the request ``flight`` reads (its tenant's, by its request id).
         A request that came back within the disconnect grace is taken back, its delayed cancel dropped:
         the flight goes on as the one that left it (:meth:`Flight.take_back`; it owns the request and
         cancels it on leaving). ``expect``: the body of an endpoint's resume, whose model and kind the
-        stream must be of."""
+        stream must be of. ``encoding_format``: how the reader wants an embeddings result's vectors; unset,
+        as the request asked where it is taken back, else ``float``."""
         tenant, request_id = flight.tenant, flight.request_id
         found = await self._gateway.resume(tenant, request_id, after)
         if found is None:
@@ -269,6 +276,8 @@ class Dispatcher:
         left = self._reclaim(request_id)
         if left is not None:
             flight.take_back(left)
+        if encoding_format is not None:
+            flight.render_vectors_as(encoding_format)
         return replayed(tenant_checked(found, tenant, model, kind), resumed=True)
 
     def _reclaim(self, request_id: str) -> Flight | None:

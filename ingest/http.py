@@ -30,7 +30,7 @@ from ingest.observe import (
     RequestWatch,
     note_accepted,
 )
-from ingest.prepare import Kind, Prepared, Shape, parse_timeout
+from ingest.prepare import Kind, Prepared, Shape, parse_encoding_format, parse_timeout
 from ingest.render import DONE, SseEncoder, collect, event_id, final_json, native, sse, sse_error
 from ingest.reply_stream import WHOLE, After
 from monitoring import metrics, tracing
@@ -256,8 +256,9 @@ class Routes:
             raise InvalidRequest("Last-Event-ID names another request.", param="Last-Event-ID")
         after = last[1] if last is not None else WHOLE
         asked = parse_timeout(request.headers.get("X-Request-Timeout"))
+        encoding_format = parse_encoding_format(request.query.get("encoding_format"))
         with ctx.admission.flight(tenant, "", request_id, owner=False, resumed=True) as flight:
-            stream = await ctx.dispatcher.resume(flight, after)
+            stream = await ctx.dispatcher.resume(flight, after, encoding_format=encoding_format)
             timeout = ctx.preparer.resume_timeout(asked, flight.time_left())
             response = web.StreamResponse(headers={**SSE_HEADERS, "x-request-id": request_id})
             try:

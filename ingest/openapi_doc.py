@@ -74,6 +74,14 @@ _LAST_EVENT_ID = _header(
     "Last-Event-ID", "'<request id>:<tokens>.<chars>', an event's id: resume a stream after that chunk."
 )
 _SESSION = _header("X-Session-Id", "Routes a conversation's requests to the same worker.")
+_ENCODING_FORMAT = {
+    "name": "encoding_format",
+    "in": "query",
+    "required": False,
+    "description": "How an embeddings result's vectors come back; unset, as the request asked when this "
+    "resume takes it back within the disconnect grace, else 'float'.",
+    "schema": {"type": "string", "enum": ["float", "base64"]},
+}
 
 
 @dataclass(frozen=True)
@@ -121,7 +129,7 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("GET", "/v1/streams/{request_id}"): Operation(
         "Replay a request's replies as native SSE frames",
         ok={SSE: {"schema": _SSE_EVENT}},
-        headers=(_LAST_EVENT_ID, _TIMEOUT),
+        headers=(_LAST_EVENT_ID, _TIMEOUT, _ENCODING_FORMAT),
     ),
     ("GET", "/v1/ws"): Operation(
         "Multiplex requests over one WebSocket (JSON text frames; see ingest/ws.py). A browser, which cannot "

@@ -123,6 +123,16 @@ def parse_timeout(header: str | None) -> float | None:
     return value
 
 
+ENCODING_FORMATS = ("float", "base64")
+
+
+def parse_encoding_format(value: str | None) -> str | None:
+    """A resume's ``encoding_format`` query parameter (``GET /v1/streams/{id}``), as the embeddings body's."""
+    if value is None or value in ENCODING_FORMATS:
+        return value
+    raise InvalidRequest("encoding_format must be 'float' or 'base64'.", param="encoding_format")
+
+
 def _split_input(value: PromptInput, param: str) -> tuple[list[str], list[list[int]]]:
     """(texts, token lists): exactly one of them is non-empty."""
     if isinstance(value, str):

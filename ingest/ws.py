@@ -9,7 +9,7 @@ Client frames::
      "body": {...the HTTP body...}}
     {"type": "cancel", "id": ...}
     {"type": "resume", "id": ..., "request_id": "<uuid7>", "after"?: "<a token frame's cursor>",
-     "timeout"?: <seconds>}
+     "timeout"?: <seconds>, "encoding_format"?: "float"|"base64"}
     {"type": "ping", "id"?: ...}
 
 Server frames: ``accepted`` (id, request_id), ``token`` (id, request_id, seq, cursor, offset, text, token_ids;
@@ -33,7 +33,8 @@ request. A resume that takes its request back (its client left it on this edge l
 ``SLUICE_EDGE_DISCONNECT_GRACE_S`` ago) goes on as that request: it reads until the request's own deadline
 (or its ``timeout``, if sooner), cancels it on a ``cancel`` frame, on leaving, or at the deadline, and gets
 an embeddings result in the ``encoding_format`` the request asked. Any other resume gets it as ``float``
-lists (the stream does not say how its request asked for it).
+lists (the stream does not say how its request asked for it), unless the frame names its own
+``encoding_format`` (``"float"`` or ``"base64"``), which wins in either case.
 
 Backpressure: every outgoing frame goes through one bounded queue per socket (``SLUICE_EDGE_WS_SEND_QUEUE``)
 drained by one writer that waits for the transport to drain. When it is full, the request tasks block on
@@ -107,6 +108,9 @@ class ResumeFrame(msgspec.Struct, tag="resume", tag_field="type", forbid_unknown
     its chunks from 0 again, so ``after`` is the one that holds then)."""
     timeout: Timeout | None = None
     """Seconds to read for (as ``X-Request-Timeout`` on ``GET /v1/streams/{id}``): see the module's doc."""
+    encoding_format: Literal["float", "base64"] | None = None
+    """How an embeddings result's vectors come back; unset, as the request asked if this resume takes it
+    back, else ``float``."""
 
 
 class PingFrame(msgspec.Struct, tag="ping", tag_field="type", forbid_unknown_fields=True, frozen=True):
@@ -338,7 +342,7 @@ class WsSession:
                 raise InvalidRequest(
                     "'after' must be a token frame's 'cursor', '<tokens>.<chars>'.", param="after"
                 )
-            stream = await ctx.dispatcher.resume(flight, after)
+            stream = await ctx.dispatcher.resume(flight, after, encoding_format=frame.encoding_format)
             timeout = ctx.preparer.resume_timeout(frame.timeout, flight.time_left())
             accepted = {"type": "accepted", "id": frame.id, "request_id": frame.request_id}
             with RequestWatch(None, stream=True, t0=time.monotonic()) as watch:

@@ -205,3 +205,46 @@ async def test_a_stream_read_taking_an_embeddings_request_back_keeps_its_encodin
     gateway.release.set()
     (done,) = [data for _, data in parse_sse(await response.text()) if data != "[DONE]"]
     assert isinstance(msgspec.json.decode(done)["result"]["data"][0]["embedding"], str)
+
+
+# Found by the same review, left open then: once a request has ended (or from another edge), a resume
+# knows nothing of how its request asked for the vectors, and gave a base64 client float lists. The
+# reader names its own encoding (a frame's or the query's ``encoding_format``), which wins in either case.
+
+
+async def test_a_websocket_resume_after_the_end_takes_the_encoding_its_frame_names(
+    make_client: MakeClient, gateway: FakeGateway
+) -> None:
+    client, _ = await make_client(edge_disconnect_grace_s=GRACE_S)
+    rid = await embeddings_left(client, gateway)
+    async with client.ws_connect("/v1/ws", headers=AUTH) as ws:
+        await ws.send_json({"type": "resume", "id": "r", "request_id": rid})  # takes it back: base64
+        assert (await ws.receive_json(timeout=5))["type"] == "accepted"
+        gateway.release.set()
+        assert isinstance((await frames_until(ws, 1))[-1]["result"]["data"][0]["embedding"], str)
+        await ws.send_json({"type": "resume", "id": "b", "request_id": rid, "encoding_format": "base64"})
+        done = (await frames_until(ws, 1))[-1]
+        assert done["result"]["data"][0]["embedding"] == "AABAQAAAYEEAAAAA"  # [3, 14, 0] as float32
+        await ws.send_json({"type": "resume", "id": "f", "request_id": rid, "encoding_format": "float"})
+        assert (await frames_until(ws, 1))[-1]["result"]["data"][0]["embedding"] == [3.0, 14.0, 0.0]
+        await ws.send_json({"type": "resume", "id": "x", "request_id": rid, "encoding_format": "int8"})
+        refused = await ws.receive_json(timeout=5)
+    assert (refused["type"], refused["error"]["type"]) == ("error", "invalid_request_error")
+
+
+async def test_a_stream_read_takes_the_encoding_its_query_names(
+    make_client: MakeClient, gateway: FakeGateway
+) -> None:
+    client, _ = await make_client(edge_disconnect_grace_s=GRACE_S)
+    rid = await embeddings_left(client, gateway)
+    response = await client.get(f"/v1/streams/{rid}?encoding_format=float", headers=AUTH)
+    assert response.status == 200
+    gateway.release.set()
+    (done,) = [data for _, data in parse_sse(await response.text()) if data != "[DONE]"]
+    assert msgspec.json.decode(done)["result"]["data"][0]["embedding"] == [3.0, 14.0, 0.0]  # the query wins
+    response = await client.get(f"/v1/streams/{rid}?encoding_format=base64", headers=AUTH)
+    (done,) = [data for _, data in parse_sse(await response.text()) if data != "[DONE]"]
+    assert msgspec.json.decode(done)["result"]["data"][0]["embedding"] == "AABAQAAAYEEAAAAA"
+    refused = await client.get(f"/v1/streams/{rid}?encoding_format=int8", headers=AUTH)
+    assert refused.status == 400
+    assert (await refused.json())["error"]["param"] == "encoding_format"
