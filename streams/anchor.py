@@ -27,12 +27,13 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+import zlib
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 import msgspec
-from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka import TIMESTAMP_NOT_AVAILABLE, Consumer, TopicPartition
 
 from bus.consumer import consumer_config
 from bus.positions import read_to_end, topic_extent
@@ -123,10 +124,17 @@ def resumed(extent: Extent, read: Mapping[int, int]) -> Extent:
 
 
 def audit_records(
-    kafka: KafkaConnection, extent: Extent, client_id: str, *, timeout_s: float
+    kafka: KafkaConnection,
+    extent: Extent,
+    client_id: str,
+    *,
+    timeout_s: float,
+    firsts: dict[int, int] | None = None,
 ) -> Iterator[Placed]:
     """Every audit entry within ``extent``, each partition in offset order (records that are not audit
-    entries are skipped and counted in a warning). :class:`~bus.errors.BusError` past ``timeout_s``."""
+    entries are skipped and counted in a warning). :class:`~bus.errors.BusError` past ``timeout_s``.
+    ``firsts``, if given, gets each partition's first record's Kafka timestamp (unix ms, the producer's
+    clock as it published), where the partition has one: how far back its retention reaches."""
     starts, ends = extent
     consumer = Consumer(consumer_config(kafka, None, client_id))
     skipped = 0
@@ -135,6 +143,10 @@ def audit_records(
             partition, offset = message.partition() or 0, message.offset() or 0
             if offset >= ends.get(partition, 0):
                 continue  # appended after the extent was taken
+            if firsts is not None and partition not in firsts:
+                kind, stamp = message.timestamp()
+                if kind != TIMESTAMP_NOT_AVAILABLE:
+                    firsts[partition] = stamp
             try:
                 event = decode(message.value() or b"")
             except DecodeError:
@@ -448,16 +460,10 @@ def verify_anchored(
     probes = {name: head.seq for name, head in report.heads.items()}
     suspects = {problem.tenant for problem in report.problems}
 
-    oldest: list[datetime] = []  # the oldest entry the topic still holds (every chain's)
-
-    def timed(records: Iterable[Placed]) -> Iterator[Placed]:
-        for placed in records:
-            if not oldest or placed[0].time < oldest[0]:
-                oldest[:] = [placed[0].time]
-            yield placed
+    firsts: dict[int, int] = {}  # each partition's first retained record's time (the first scan's)
 
     def scan(keep: Collection[str], *, check: bool) -> tuple[dict[str, TopicChain], int]:
-        records = timed(audit_records(settings.kafka, extent, VERIFY_CLIENT, timeout_s=timeout_s))
+        records = audit_records(settings.kafka, extent, VERIFY_CLIENT, timeout_s=timeout_s, firsts=firsts)
         return read_chains(records, tenant=tenant, probes=probes, keep_hashes=keep, check_hashes=check)
 
     chains, read = scan(suspects, check=True)
@@ -486,7 +492,7 @@ def verify_anchored(
             compare.add(name)
         if stored is not None and logged.probed is not None and logged.probed != stored.entry_hash:
             compare.add(name)  # the rows differ from the topic's at or before the warehouse's last seq
-    problems += _added_chains(settings, report, unanchored, oldest[0] if oldest else None)
+    problems += _added_chains(settings, report, unanchored, dict(firsts), len(extent[0]))
     unanchored = [name for name in unanchored if name not in {p.tenant for p in problems}]
     for name in _settle(settings, cut, settle_s):
         problems.append(_cut_tail(name, report.heads.get(name), cut[name]))
@@ -504,34 +510,51 @@ def verify_anchored(
 
 
 def _added_chains(
-    settings: PlatformSettings, report: VerifyReport, unanchored: Sequence[str], oldest: datetime | None
+    settings: PlatformSettings,
+    report: VerifyReport,
+    unanchored: Sequence[str],
+    firsts: Mapping[int, int],
+    partitions: int,
 ) -> list[Problem]:
-    """The chains with no entry on the topic whose rows are no older than the oldest entry it holds: not
-    aged out by its retention, so never on it (an audit: a chain fabricated in ``audit_log`` with valid
-    hashes, dated now, verified as "older than its retention")."""
-    if oldest is None or not unanchored:
-        return []  # nothing on the topic to date its retention by
+    """The chains with no entry on the topic whose newest row is no older than the first record its
+    partition still holds: not aged out by the topic's retention, so never on it (an audit: a chain
+    fabricated in ``audit_log`` with valid hashes, dated now, verified as "older than its retention").
+
+    A chain's entries are keyed by its tenant, so they all go to one partition (:func:`chain_partition`),
+    and retention deletes each partition's oldest segments on its own: the bound is that partition's first
+    retained record, by its Kafka timestamp (the streams worker's clock as it published). It was the
+    oldest entry's ``time`` over the whole topic: one entry dated long ago (a worker's clock, or a quiet
+    partition's old segment) made every aged-out chain look added. A chain whose partition holds nothing
+    cannot be dated, and is not judged."""
+    if not unanchored or not firsts or partitions <= 0:
+        return []
     problems: list[Problem] = []
     for name, newest_ms in sorted(newest_times(settings, unanchored).items()):
+        first_ms = firsts.get(chain_partition(name, partitions))
+        if first_ms is None or newest_ms < first_ms:
+            continue  # nothing to date it by, or older than what the partition keeps
         newest = datetime.fromtimestamp(newest_ms / 1000, UTC)
-        if newest >= _utc(oldest):
-            head = report.heads.get(name)
-            problems.append(
-                Problem(
-                    name,
-                    head.seq if head is not None else 0,
-                    f"the chain has no entry on the audit topic, yet its newest row ({newest:{STAMP}}) "
-                    f"is no older than the topic's oldest entry ({_utc(oldest):{STAMP}}): rows added",
-                )
+        first = datetime.fromtimestamp(first_ms / 1000, UTC)
+        head = report.heads.get(name)
+        problems.append(
+            Problem(
+                name,
+                head.seq if head is not None else 0,
+                f"the chain has no entry on the audit topic, yet its newest row ({newest:{STAMP}}) "
+                f"is no older than the first record its partition holds ({first:{STAMP}}): rows added",
             )
+        )
     return problems
 
 
+def chain_partition(tenant: str, partitions: int) -> int:
+    """The audit topic partition of ``tenant``'s chain: where librdkafka's default partitioner
+    (``consistent_random``: CRC-32 of the key, modulo the partition count) puts records keyed by the
+    tenant, as every audit entry is (:func:`schemas.codec.kafka_key`)."""
+    return zlib.crc32(tenant.encode()) % partitions
+
+
 STAMP = "%Y-%m-%d %H:%M:%S"
-
-
-def _utc(moment: datetime) -> datetime:
-    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
 
 
 def _settle(settings: PlatformSettings, cut: Mapping[str, TopicChain], settle_s: float) -> list[str]:

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,18 @@ from infra.warehouse import migrate, query_warehouse
 from schemas.events import AuditEntry
 from schemas.settings import PlatformSettings
 from schemas.topics import TopicNames
-from streams.anchor import ORIGIN, Placed, TopicChain, advance, anchor_chains, read_chains, resumed
+from streams.anchor import (
+    ORIGIN,
+    Placed,
+    TopicChain,
+    advance,
+    anchor_chains,
+    audit_extent,
+    audit_records,
+    chain_partition,
+    read_chains,
+    resumed,
+)
 from streams.audit import AUDIT_COLUMNS, AuditHead, admin_entry, audit_row, row_canonical
 from tests.streams.test_audit import REPO_ROOT, chain, finished, sluice, warehouse
 
@@ -346,11 +358,10 @@ def test_verify_flags_a_chain_added_to_the_warehouse_alone(anchored_settings: Pl
     topic verified, said to be "older than its retention". A chain with no entry on the topic is that only
     when its rows are older than the oldest entry the topic holds."""
     settings = anchored_settings
-    publish_chains(settings, {"acme": 2})
+    publish_chains(settings, {"acme": 2, "wayne": 2})  # a chain on each partition
     with warehouse(settings) as client:  # a chain in the table alone, as new as the topic's
-        client.insert(
-            "audit_log", [audit_row(entry) for entry in chain("ghost", 2)], column_names=AUDIT_COLUMNS
-        )
+        ghost = chain("ghost", 2, start=datetime.now(UTC))
+        client.insert("audit_log", [audit_row(entry) for entry in ghost], column_names=AUDIT_COLUMNS)
     failed = verify(settings)
     assert failed.returncode == 1, failed.stdout + failed.stderr
     assert (
@@ -359,6 +370,52 @@ def test_verify_flags_a_chain_added_to_the_warehouse_alone(anchored_settings: Pl
     )
     assert "rows added" in failed.stdout
     assert "acme" not in failed.stdout.split("FAILED")[0]
+
+
+@pytest.mark.integration
+def test_a_chain_older_than_its_partitions_first_record_aged_out_whatever_the_entries_dates(
+    anchored_settings: PlatformSettings,
+) -> None:
+    """Left open by that audit: a chain with no entry on the topic was judged against the oldest entry's
+    ``time`` over the whole topic. One entry dated long ago (a worker's clock stamps a request's entry)
+    made every chain that had aged out look added. A chain is dated against its own partition's first
+    retained record, by the record's Kafka timestamp (the streams worker's clock as it published)."""
+    settings = anchored_settings
+    long_ago = datetime(2020, 1, 1, tzinfo=UTC)
+    made = {"acme": chain("acme", 2, start=long_ago), "wayne": chain("wayne", 2, start=long_ago)}
+    producer = EventProducer(settings.kafka, "test-audit")
+    with producer:
+        for entries in made.values():
+            for entry in entries:
+                producer.produce(TopicNames(settings.topic_prefix).audit, entry)
+    aged = chain("quiet", 3, start=datetime.now(UTC) - timedelta(days=400))  # before any record's time
+    with warehouse(settings) as client:
+        migrate(client)
+        rows = [audit_row(entry) for entries in [*made.values(), aged] for entry in entries]
+        client.insert("audit_log", rows, column_names=AUDIT_COLUMNS)
+    passed = verify(settings)
+    assert passed.returncode == 0, passed.stdout + passed.stderr
+    assert "rows added" not in passed.stdout + passed.stderr
+
+
+@pytest.mark.integration
+def test_a_chain_is_dated_against_the_partition_its_tenant_is_keyed_to(
+    anchored_settings: PlatformSettings,
+) -> None:
+    """Where :func:`streams.anchor.chain_partition` says librdkafka puts a tenant's entries, they are."""
+    settings = anchored_settings
+    tenants = {f"tenant-{n}": 1 for n in range(8)}
+    publish_chains(settings, tenants)
+    topic = TopicNames(settings.topic_prefix).audit
+    extent = audit_extent(settings.kafka, topic, "test-audit")
+    placed = list(audit_records(settings.kafka, extent, "test-audit", timeout_s=30))
+    assert len(placed) == len(tenants)
+    partitions = len(extent[0])
+    assert partitions == 2
+    assert {entry.tenant: partition for entry, partition, _ in placed} == {
+        name: chain_partition(name, partitions) for name in tenants
+    }
+    assert {chain_partition(name, partitions) for name in tenants} == {0, 1}
 
 
 @pytest.mark.integration
