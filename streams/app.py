@@ -106,6 +106,10 @@ log = logging.getLogger(__name__)
 SOURCE = "streams/worker"
 
 REVOKE_WAIT_S = 30.0
+REREAD_RETRY_S = (0.25, 2.0)
+"""The first and the longest wait between tries of a read of the control or audit topic that the sink's
+batch needs (:meth:`StreamsApp._until_read`): doubling, so a broker back in a few seconds is seen within
+that, and a stop waits at most the longest."""
 """How long a revoke waits for the insert in flight, so the batch's offsets go out with it."""
 
 LATEST_ACCEPTED = "SELECT max(toUnixTimestamp64Milli(accepted)) AS accepted_ms FROM request_facts"
@@ -533,9 +537,9 @@ class StreamsApp(AsyncComponent):
         control topic's state too, unless a timer already did since the partition was gained
         (:meth:`take_control`)."""
         if reseed:
-            await self.take_control()
+            await self._until_read("reading the control topic again", self.take_control)
         if reanchor:
-            await self.reanchor()
+            await self._until_read("reading the audit chains' heads again", self.reanchor)
         prepared = await self._prepare(records)
         previous = self._storing
         if previous is not None:
@@ -543,6 +547,26 @@ class StreamsApp(AsyncComponent):
         task = asyncio.create_task(self._store(prepared))
         task.add_done_callback(functools.partial(self._stored, on_stored))
         self._storing = task
+
+    async def _until_read(self, what: str, read: Callable[[], Awaitable[object]]) -> None:
+        """``read`` (a read of the control or the audit topic a batch must follow), tried again while
+        the cluster cannot answer it. A review: a broker gone for a moment as the sink took its first batch
+        after a rebalance (as any outage longer than the session hands its partitions back) raised out of
+        the batch, and the streams worker died: usage and audit stopped until a restart, and a restart
+        failed while the broker was away. The batch cannot go on without the read (prices and deployments
+        another owner followed; chain heads it extended), so it waits, its offsets uncommitted; a stop
+        ends the wait."""
+        wait, longest = REREAD_RETRY_S
+        while True:
+            try:
+                await read()
+                return
+            except BusError as exc:
+                if self._sink is None:
+                    raise  # stopping: the batch is left uncommitted, for the next owner
+                log.warning("streams: %s failed (%s); trying again in %.2f s", what, exc, wait)
+            await asyncio.sleep(wait)
+            wait = min(wait * 2, longest)
 
     def _stored(self, on_stored: Callable[[], object], task: asyncio.Task[Batch]) -> None:
         if task.cancelled():
