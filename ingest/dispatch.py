@@ -188,9 +188,26 @@ class Dispatcher:
     async def open(self, prepared: Prepared, idempotency_key: str | None, flight: Flight) -> Opened:
         """Submit the request, or, for a key seen before with the same body, replay that request's replies.
 
-        A client that leaves while this waits (on the log's acknowledgement) gets its request cancelled."""
+        A client that leaves while this waits (on the log's acknowledgement) gets its request cancelled.
+
+        The request's deadline starts here (:attr:`Flight.ends_at`, which :meth:`guard` keeps): the wait for
+        the log is part of it. A review: it started once the log had the request, so while the broker was
+        away (stopped, restarting) a request asking 3 s waited on librdkafka's 30 s delivery timeout and was
+        answered after 25-30 s, its place in flight held all along. Past it, the client gets a 504 and a
+        cancel follows the request in case the log takes it later (its worker would find it expired)."""
+        ends = asyncio.get_running_loop().time() + prepared.timeout_s
+        flight.ends_at = ends
+        deadline = asyncio.timeout_at(ends)
         try:
-            opened = await self._open(prepared, idempotency_key)
+            async with deadline:
+                opened = await self._open(prepared, idempotency_key)
+        except TimeoutError:
+            if not deadline.expired():
+                raise  # not this deadline's
+            self.cancel(flight, "client_cancel", why="deadline")
+            raise DeadlineExceeded(
+                "The request could not be placed on the log before its deadline."
+            ) from None
         except asyncio.CancelledError:
             self.cancel(flight, "client_disconnect")
             raise
@@ -298,7 +315,9 @@ class Dispatcher:
         is its reader's, and never later than the request's when it took the request back."""
         ends = asyncio.get_running_loop().time() + timeout_s
         if not flight.resumed:
-            flight.ends_at = ends
+            if flight.ends_at is None:
+                flight.ends_at = ends
+            ends = flight.ends_at  # set as it was submitted (:meth:`open`): the wait for the log counts
         elif flight.ends_at is not None and ends > flight.ends_at - SAME_DEADLINE_S:
             ends = flight.ends_at  # a resume that took its request back: it reads to that one at most
         try:
