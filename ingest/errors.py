@@ -250,10 +250,17 @@ def from_finished(finished: RequestFinished) -> IngestError | None:
     info = finished.error
     message = info.message if info else "the request failed"
     code = info.code if info else None
+    if info is not None and finished.failed_by_client():
+        # e.g. a worker that serves less context than the manifest the edge checked (a sliding-window model
+        # prepared before 2026-12-03, or a worker's batch budget under a long context): the prompt is too
+        # long, a 400 as the edge's own refusal, not a 500. The codes are schemas.events.CLIENT_ERROR_CODES,
+        # which the SLIs leave out too, so what a client is answered 4xx is never the service's failure.
+        return _CLIENT_ERRORS.get(info.code, InvalidRequest)(message, code=info.code)
     if info is not None and info.retriable:
         return Unavailable(message, code=code)
-    if code == ContextLengthExceeded.default_code:
-        # a worker that serves less context than the manifest the edge checked (a sliding-window model
-        # prepared before 2026-12-03): the prompt is too long, a 400 as the edge's own refusal, not a 500
-        return ContextLengthExceeded(message)
     return UpstreamFailed(message, code=code)
+
+
+_CLIENT_ERRORS: dict[str, type[InvalidRequest]] = {"context_length_exceeded": ContextLengthExceeded}
+"""The error class of a client's error code (``schemas.events.CLIENT_ERROR_CODES``) that has its own;
+any other such code is a plain 400 :class:`InvalidRequest`."""

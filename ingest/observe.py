@@ -1,7 +1,9 @@
 """What the edge records about the requests it serves: client-side metrics and the edge's spans.
 
 :class:`RequestWatch` follows one request from its arrival to its end as the client saw it: TTFT and
-inter-token latency of streams, end-to-end latency, tokens, and the outcome (``sluice_requests_total``).
+inter-token latency of streams, end-to-end latency, tokens, and the outcome (``sluice_requests_total``; a
+client's error that a worker found, answered 4xx, in ``sluice_rejections_total`` instead, as the edge's own
+refusals are).
 It wraps the reply stream (so HTTP, SSE and WebSocket share it), opens the ``sluice.respond`` span and
 records the ``receive`` span of the terminal event as a child of the worker's ``publish`` span.
 A watch made for a stream this edge did not submit (a resume, an idempotent replay) records spans only:
@@ -19,7 +21,7 @@ from aiohttp import web
 from opentelemetry import trace
 from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode
 
-from ingest.errors import DeadlineExceeded, IngestError, ShuttingDown
+from ingest.errors import DeadlineExceeded, IngestError, ShuttingDown, from_finished
 from ingest.gateway import ReplyItem, ReplyStream, RequestEvent
 from monitoring import metrics, tracing
 from schemas.events import EmbeddingRequested, RequestFinished, TokenChunk
@@ -142,7 +144,13 @@ class RequestWatch:
         if self._labels is None or self._outcome is not None:
             return
         self._outcome = finished.status
-        _CHILDREN(metrics.REQUESTS, *self._labels, finished.status).inc()
+        refused = from_finished(finished)
+        if refused is not None and refused.status < 500:
+            # a client's error the worker found (a prompt too long for it): the client is answered the 4xx
+            # the edge's own check would have given, so it is counted as that refusal is, in no SLI
+            count_refusal(*self._labels, refused)
+        else:
+            _CHILDREN(metrics.REQUESTS, *self._labels, finished.status).inc()
         _CHILDREN(metrics.PROMPT_TOKENS, *self._labels).inc(finished.usage.prompt_tokens)
         _CHILDREN(metrics.GENERATION_TOKENS, *self._labels).inc(finished.usage.completion_tokens)
         if finished.status == "completed":

@@ -123,7 +123,8 @@ REQUESTS = Counter(
 )
 REJECTIONS = Counter(
     "sluice_rejections",
-    "Requests refused at the edge with a 4xx/5xx before or instead of running, by error code.",
+    "Requests refused at the edge with a 4xx/5xx before or instead of running, by error code; a client's "
+    "error that a worker found (a prompt too long for it, answered 400) included.",
     ("tenant", "model", "status", "reason"),
 )
 TTFT = Histogram(

@@ -333,6 +333,15 @@ class ErrorInfo(FrozenStruct, frozen=True, kw_only=True):
     retriable: bool = False
 
 
+CLIENT_ERROR_CODES: frozenset[str] = frozenset({"context_length_exceeded"})
+"""The codes of a ``failed`` terminal event that are the client's error, not the service's: a request the
+edge could not check fully (a worker serving less context than the manifest the edge checked the prompt
+against). The edge answers them 4xx (``ingest.errors.from_finished``), and no availability SLI counts them:
+the edge's metrics count them as refusals (``sluice_rejections_total``), and the warehouse's SLIs, burn
+rates and rollout gates leave them out of both good and valid requests (``streams.queries``; the views of
+migration 0007). A code added here needs a new migration of those views."""
+
+
 class Timings(FrozenStruct, frozen=True, kw_only=True):
     accepted: UtcDatetime | None = None
     started: UtcDatetime | None = None
@@ -480,6 +489,11 @@ class RequestFinished(Envelope, frozen=True, kw_only=True, tag="request_finished
             dim = len(self.embeddings[0])
             if not dim or any(len(row) != dim for row in self.embeddings):
                 raise ValueError("embeddings must be rows of one length, none empty")
+
+    def failed_by_client(self) -> bool:
+        """Whether the request failed with a client's error (:data:`CLIENT_ERROR_CODES`): a 4xx, in no
+        availability SLI."""
+        return self.status == "failed" and self.error is not None and self.error.code in CLIENT_ERROR_CODES
 
     def packed_vectors(self) -> Float32Vectors | None:
         """The result's vectors packed, whichever form the event carries (None: the result has none)."""

@@ -32,6 +32,7 @@ import msgspec
 from monitoring.slo import SloConfig, burn_alerts, burn_threshold, windows
 from schemas.events import BudgetStateChanged, BurnRateCrossed, Event
 from streams import StreamsError
+from streams.queries import SLI_BAD, SLI_GOOD
 
 SOURCE = "streams/control"
 log = logging.getLogger(__name__)
@@ -202,10 +203,12 @@ SPEND_TODAY = (
 
 def burn_sql(minutes: int) -> str:
     """Availability errors and eligible requests per model over the last ``minutes``: the requests clients
-    sent and waited for (no shadow copies, no lines of async batches: ``docs/streams.md``, Async batches)."""
+    sent and waited for (no shadow copies, no lines of async batches: ``docs/streams.md``, Async batches),
+    counted as every warehouse SLI counts them (:data:`streams.queries.SLI_BAD`: a client's error, such as
+    a prompt too long for the worker, is in neither count)."""
     return (
-        f"SELECT model, {int(minutes)} AS minutes, countIf(status IN ('failed', 'expired')) AS bad, "  # noqa: S608
-        "countIf(status IN ('completed', 'failed', 'expired')) AS total FROM request_facts FINAL "
+        f"SELECT model, {int(minutes)} AS minutes, countIf({SLI_BAD}) AS bad, "  # noqa: S608
+        f"countIf({SLI_GOOD} OR {SLI_BAD}) AS total FROM request_facts FINAL "
         f"WHERE finished >= now64(3) - INTERVAL {int(minutes)} MINUTE AND finished <= now64(3) "
         "AND shadow_of = '' AND batch_id = '' "
         "GROUP BY model"

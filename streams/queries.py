@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from monitoring.slo import DEFAULT_CONFIG, SloConfig, Tier
+from schemas.events import CLIENT_ERROR_CODES
 
 __all__ = [
     "BATCH_PANEL_ROWS",
@@ -31,8 +32,12 @@ __all__ = [
     "DRIFT_HISTORY_WINDOWS",
     "DRIFT_MODEL_VERSIONS",
     "DRIFT_TABLE",
+    "FAILED_BY_CLIENT",
+    "FAILED_BY_SERVICE",
     "MAX_MINUTES",
     "SAVED",
+    "SLI_BAD",
+    "SLI_GOOD",
     "DashboardSql",
     "SavedQuery",
     "dashboard_sql",
@@ -52,11 +57,6 @@ DRIFT_HISTORY_WINDOWS = 50
 BATCH_PANEL_ROWS = 50
 """The most batches the dashboard's batch panel shows: the active ones first, then the newest."""
 
-# The availability SLI, as in monitoring.slo: cancelled requests are the client's choice, neither good nor
-# bad. (Shed requests never reach the facts: the edge refuses them before accepting.)
-_GOOD = "status = 'completed'"
-_BAD = "status IN ('failed', 'expired')"
-
 
 @dataclass(frozen=True)
 class SavedQuery:
@@ -67,6 +67,20 @@ class SavedQuery:
 def sql_string(value: str) -> str:
     """A ClickHouse single-quoted string literal."""
     return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+_CLIENT_CODES = ", ".join(sql_string(code) for code in sorted(CLIENT_ERROR_CODES))
+FAILED_BY_CLIENT = f"(status = 'failed' AND error_code IN ({_CLIENT_CODES}))"
+"""A request that failed with a client's error (``schemas.events.CLIENT_ERROR_CODES``: the edge answered it
+4xx): in no availability SLI, neither good nor valid."""
+FAILED_BY_SERVICE = f"(status = 'failed' AND error_code NOT IN ({_CLIENT_CODES}))"
+"""A request that failed through the service's fault: every failure but a client's error."""
+SLI_GOOD = "status = 'completed'"
+SLI_BAD = f"(status = 'expired' OR {FAILED_BY_SERVICE})"
+"""The availability SLI's bad requests, as in monitoring.slo: what the service failed, and what passed its
+deadline. Cancelled requests are the client's choice and client errors the client's fault: neither good nor
+bad. (Shed requests never reach the facts: the edge refuses them before accepting, so only the Prometheus
+rules count them.) The SLI views (``sli_minute``, ``errors_minute``, migration 0007) spell the same out."""
 
 
 def _num(value: float) -> str:
@@ -107,9 +121,9 @@ def _error_budget_left(config: SloConfig) -> str:
     availability = f"""SELECT model, {tier} AS tier, 'availability' AS slo,
         {_by_tier(config, lambda t: _num(t.availability))} AS target,
         {_by_tier(config, _availability_budget)} AS budget, {window} AS window_days,
-        toUInt8({_BAD}) AS bad
+        toUInt8({SLI_BAD}) AS bad
     FROM request_facts FINAL
-    WHERE ({_GOOD} OR {_BAD}) AND {in_window} AND shadow_of = '' AND batch_id = ''"""  # noqa: S608 (from the config)
+    WHERE ({SLI_GOOD} OR {SLI_BAD}) AND {in_window} AND shadow_of = '' AND batch_id = ''"""  # noqa: S608 (from the config)
     selects = [availability]
     # The tiers that can hold a model: the default one, and every other tier that lists models.
     used = [t for t in config.tiers if t.name == config.default_tier or t.models]
@@ -379,8 +393,8 @@ def saved_queries(config: SloConfig = DEFAULT_CONFIG) -> dict[str, SavedQuery]:
             _error_budget_left(config),
         ),
         "errors-by-reason": SavedQuery(
-            "Failed and expired requests over the last 24 hours per model and reason (the worker's error "
-            "code, else the status).",
+            "Availability errors (expired, and failed but for a client's error) over the last 24 hours per "
+            "model and reason (the worker's error code, else the status).",
             _ERRORS_BY_REASON,
         ),
         "slis-last-hour": SavedQuery(

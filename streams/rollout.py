@@ -69,7 +69,7 @@ from schemas.events import (
 )
 from streams.facts import FACT_COLUMNS, fact_row
 from streams.pricing import PriceTable
-from streams.queries import sql_string
+from streams.queries import FAILED_BY_CLIENT, FAILED_BY_SERVICE, sql_string
 from streams.rollout_drift import NOT_YET, Reader, drift_gate
 
 log = logging.getLogger(__name__)
@@ -166,13 +166,15 @@ def stats_sql(model: str, versions: Iterable[str], since: datetime) -> str:
     those of a request cancelled or expired before any model took it (billed nothing either: a version
     whose queue was cancelled more would look cheaper). An expired shadow copy or batch line is not counted
     in ``n`` either: it is not an error of the version, and counted it would dilute the errors that are
-    and fill ``--min-requests`` with requests the version never answered. Embeddings
+    and fill ``--min-requests`` with requests the version never answered. Nor is a client's error (a
+    prompt too long for the worker, answered 400: :data:`streams.queries.FAILED_BY_CLIENT`), as in every
+    availability SLI. Embeddings
     have no first token: their end-to-end latency (completed ones, live first, like TTFT) stands in."""
     listed = ", ".join(sql_string(v) for v in sorted(set(versions)))
     since_ms = int(since.timestamp() * 1000)
     return f"""SELECT model_version,
-    countIf(NOT (status = 'expired' AND (shadow_of != '' OR batch_id != ''))) AS n,
-    countIf(status = 'failed' OR (status = 'expired' AND shadow_of = '' AND batch_id = '')) AS errors,
+    countIf(NOT (status = 'expired' AND (shadow_of != '' OR batch_id != '')) AND NOT {FAILED_BY_CLIENT}) AS n,
+    countIf({FAILED_BY_SERVICE} OR (status = 'expired' AND shadow_of = '' AND batch_id = '')) AS errors,
     {_p99_sql("ttft", "ttft_ms", "ttft_ms IS NOT NULL AND batch_id = ''")},
     {_p99_sql("ttft_live", "ttft_ms", "ttft_ms IS NOT NULL AND shadow_of = '' AND batch_id = ''")},
     {_p99_sql("itl", "itl_max_ms", "itl_max_ms IS NOT NULL AND batch_id = ''")},
@@ -225,7 +227,12 @@ class _Sizes(TypedDict):
 def stats_of(results: Iterable[RequestFinished], prices: PriceTable) -> VersionStats:
     """The gate metrics of terminal events computed as their ``request_facts`` rows compute them (for
     runs that never reach the warehouse: ``sluice rollout evaluate``)."""
-    rows = [dict(zip(FACT_COLUMNS, fact_row(event, prices), strict=True)) for event in results]
+    # a client's error (answered 4xx) is no outcome of the version: stats_sql leaves it out of n and errors
+    rows = [
+        dict(zip(FACT_COLUMNS, fact_row(event, prices), strict=True))
+        for event in results
+        if not event.failed_by_client()
+    ]
 
     def p99(column: str, of: list[dict[str, Any]] = rows) -> tuple[float | None, int]:
         values = sorted(float(r[column]) for r in of if r[column] is not None)

@@ -243,3 +243,27 @@ def test_events_dated_in_the_future_count_in_no_window_until_their_time(tmp_path
             assert (window["bad"], window["total"]) == (0, 20), minutes
         stats = parse_stats(rows(client, stats_sql("demo-gpt", ["v2"], now - timedelta(minutes=5))))
         assert (stats["v2"].n, stats["v2"].errors) == (20, 0)
+
+
+@pytest.mark.integration
+def test_a_tenants_too_long_prompts_do_not_burn_the_models_availability_budget(tmp_path: Path) -> None:
+    """Found by review: 100 prompts of one tenant too long for the worker (each a 400
+    ``context_length_exceeded``) among 1,000 of another tenant served in 4 minutes made a 9 % error ratio,
+    a burn rate of 18 on a 99.5 % objective: both page pairs fired, and ``BurnRateCrossed`` told the
+    rollout controller to act on the model that served every request it could."""
+    from datetime import timedelta
+
+    from tests.streams.test_queries import event, insert_facts, migrated_warehouse, now_ms, rows, too_long
+
+    now = now_ms()
+    served = [event(tenant="acme", finished=now - timedelta(milliseconds=200 * i)) for i in range(1000)]
+    refused = [too_long(now - timedelta(milliseconds=2000 * i), tenant="initech") for i in range(100)]
+    controller = Controller(Budgets(), DEFAULT_CONFIG)
+    counts: dict[tuple[str, int], WindowCounts] = {}
+    with migrated_warehouse(tmp_path / "data") as client:
+        insert_facts(client, served + refused)
+        for minutes in controller.windows:
+            for r in rows(client, burn_sql(minutes)):
+                counts[(r["model"], int(r["minutes"]))] = WindowCounts(int(r["bad"]), int(r["total"]))
+    assert counts[("demo-gpt", 5)] == WindowCounts(0, 1000)
+    assert controller.burn(counts) == []

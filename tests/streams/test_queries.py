@@ -51,8 +51,10 @@ from streams.facts import FACT_COLUMNS, fact_row
 from streams.pricing import PriceTable
 from streams.queries import (
     DRIFT_HISTORY_WINDOWS,
+    FAILED_BY_CLIENT,
     MAX_MINUTES,
     SAVED,
+    SLI_BAD,
     dashboard_sql,
     saved_queries,
     sql_string,
@@ -787,6 +789,77 @@ def test_shadow_copies_are_recorded_but_never_billed_nor_counted_as_service(ware
     assert rows(warehouse, "SELECT * FROM errors_minute") == []
     (burn,) = rows(warehouse, burn_sql(60))
     assert (burn["bad"], burn["total"]) == (0, 10)
+
+
+# ---------------------------------------------------------------- a client's error is in no SLI
+
+
+def too_long(finished: datetime, **fields: Any) -> RequestFinished:
+    """A request the worker refused as the client's error: its prompt is longer than the worker runs (a 400
+    at the edge, ``ingest.errors.from_finished``)."""
+    return event(
+        finished=finished, status="failed", error_code="context_length_exceeded", ttft_ms=None, **fields
+    )
+
+
+@pytest.mark.integration
+def test_client_errors_are_in_neither_the_error_budget_nor_the_sli_views(warehouse: Client) -> None:
+    """Found by review: a prompt longer than the worker's batch budget (under a long-context model's context,
+    which the edge checked) ends ``context_length_exceeded``, answered 400, but every SLI counted it as the
+    service's failure: one tenant's over-long prompts spent the model's error budget for every tenant."""
+    now = now_ms()
+    served = [event(finished=now - timedelta(seconds=i)) for i in range(100)]
+    broken = [event(finished=now - timedelta(seconds=i), status="failed") for i in range(2)]
+    refused = [too_long(now - timedelta(seconds=i), tenant="initech") for i in range(10)]
+    insert_facts(warehouse, [*served, *broken, *refused])
+
+    availability = by_key(rows(warehouse, SAVED["error-budget-left"].sql))["demo-gpt", "availability"]
+    assert (availability["events"], availability["bad_events"]) == (102, 2)  # neither good nor valid
+    (sli,) = rows(
+        warehouse,
+        "SELECT sum(requests) AS n, sum(completed) AS ok, sum(errors) AS e, sum(client_errors) AS c, "
+        "min(availability) AS a FROM sli_minute WHERE tenant = 'initech'",
+    )
+    assert (sli["n"], sli["ok"], sli["e"], sli["c"], sli["a"]) == (10, 0, 0, 10, 1.0)
+    assert rows(warehouse, "SELECT sum(errors) AS e FROM sli_minute") == [{"e": 2}]
+    assert [r["reason"] for r in rows(warehouse, "SELECT DISTINCT reason FROM errors_minute")] == [
+        "worker_error"
+    ]
+    (hour,) = rows(warehouse, SAVED["slis-last-hour"].sql)
+    assert (hour["requests"], hour["completed"], hour["errors"]) == (112, 100, 2)
+    traffic = rows(warehouse, dashboard_sql(5).traffic)
+    assert (sum(r["requests"] for r in traffic), sum(r["errors"] for r in traffic)) == (112, 2)
+    (burn,) = rows(warehouse, burn_sql(60))
+    assert (burn["bad"], burn["total"]) == (2, 102)
+
+
+def test_the_sli_views_count_errors_as_the_queries_do() -> None:
+    """The views are SQL files, the queries' predicate Python (from ``schemas.events.CLIENT_ERROR_CODES``):
+    the latest migration that defines the views spells out the same predicate, so a code added to the list
+    without a new migration of the views fails here."""
+    latest: dict[str, str] = {}
+    for path in sorted(MIGRATIONS_DIR.glob("*.sql")):
+        text = " ".join(path.read_text(encoding="utf-8").split())
+        for view in ("sli_minute", "errors_minute"):
+            if f"VIEW {view} AS" in text or f"VIEW IF NOT EXISTS {view} AS" in text:
+                latest[view] = text.split(f"{view} AS", 1)[1].split(";", 1)[0]
+    assert f"countIf{SLI_BAD} AS errors" in latest["sli_minute"]
+    assert f"countIf{FAILED_BY_CLIENT} AS client_errors" in latest["sli_minute"]
+    assert f"WHERE {SLI_BAD} AND shadow_of = ''" in latest["errors_minute"]
+
+
+@pytest.mark.integration
+def test_the_rollout_gates_count_no_client_error(warehouse: Client) -> None:
+    """A client's error is no outcome of the version that refused it, in the warehouse's statistics and an
+    offline run's alike: counted, a tenant's over-long prompts would fail a candidate's error gate."""
+    now = now_ms()
+    served = [event(finished=now - timedelta(seconds=i), version="v2") for i in range(8)]
+    broken = [event(finished=now - timedelta(seconds=10), version="v2", status="failed")]
+    refused = [too_long(now - timedelta(seconds=20 + i), version="v2") for i in range(8)]
+    insert_facts(warehouse, [*served, *broken, *refused])
+    found = parse_stats(rows(warehouse, stats_sql("demo-gpt", ["v2"], now - timedelta(hours=1))))["v2"]
+    assert (found.n, found.errors) == (9, 1)
+    assert found == stats_of([*served, *broken, *refused], PRICES)
 
 
 # ---------------------------------------------------------------- async batches on chDB

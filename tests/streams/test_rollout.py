@@ -20,6 +20,7 @@ from prometheus_client import REGISTRY
 from bus.errors import BusError
 from schemas.deployments import Deployment
 from schemas.events import (
+    CLIENT_ERROR_CODES,
     BurnRateCrossed,
     DeploymentChanged,
     GateResult,
@@ -633,14 +634,17 @@ EMBEDDING_FILTERS = [*["embedding", "completed", ""] * 2, *["embedding", "comple
 STATS_FILTERS = [*[""] * 10, *EMBEDDING_FILTERS, "", "failed", "cancelled", "expired", ""]
 """The literals of ``stats_sql``'s filters: ``shadow_of = ''``, ``batch_id = ''``, the embeddings', and the
 tokens' and cost's (neither a failure's tokens nor those of a request no model took are billed)."""
-COUNTED = ["expired", "", ""]
-"""The literals of the requests counted: not an expired shadow copy or batch line."""
+COUNTED = ["expired", "", "", "failed", *sorted(CLIENT_ERROR_CODES)]
+"""The literals of the requests counted: not an expired shadow copy or batch line, nor a client's error."""
+ERRORS = ["failed", *sorted(CLIENT_ERROR_CODES), "expired"]
+"""The literals of the errors counted: a failure but a client's error, or an expiry (of a request a client
+waited for: the ``''`` of its shadow and batch filters are the first of :data:`STATS_FILTERS`)."""
 
 
 def test_stats_sql_quotes_hostile_names() -> None:
     sql = stats_sql(HOSTILE_MODEL, [HOSTILE_VERSION, "v1"], T0)
     found, outside = literals(sql)
-    assert found == [*COUNTED, "failed", "expired", *STATS_FILTERS, HOSTILE_MODEL, "v1", HOSTILE_VERSION]
+    assert found == [*COUNTED, *ERRORS, *STATS_FILTERS, HOSTILE_MODEL, "v1", HOSTILE_VERSION]
     assert "DROP" not in outside
     assert "OR 1=1" not in outside
     assert "FROM request_facts" in outside
@@ -649,7 +653,7 @@ def test_stats_sql_quotes_hostile_names() -> None:
 def test_stats_sql_lists_each_version_once_and_starts_at_since() -> None:
     sql = stats_sql(MODEL, ["v2", "v1", "v2"], T0 + timedelta(milliseconds=123))
     found, outside = literals(sql)
-    assert found == [*COUNTED, "failed", "expired", *STATS_FILTERS, MODEL, "v1", "v2"]
+    assert found == [*COUNTED, *ERRORS, *STATS_FILTERS, MODEL, "v1", "v2"]
     assert f"fromUnixTimestamp64Milli({T0_MS + 123})" in outside
 
 
@@ -1222,7 +1226,7 @@ async def test_the_controller_reads_the_step_since_it_saw_it_begin(harness: Harn
     seen = int(harness.now.timestamp() * 1000)
     assert "FROM request_facts" in stats_query
     assert f"fromUnixTimestamp64Milli({seen})" in stats_query
-    assert literals(stats_query)[0][len(COUNTED) + 2 + len(STATS_FILTERS) :] == [MODEL, "v1", "v2"]
+    assert literals(stats_query)[0][len(COUNTED) + len(ERRORS) + len(STATS_FILTERS) :] == [MODEL, "v1", "v2"]
     assert "FROM drift_features" in pairs_query
     assert f"fromUnixTimestamp64Milli({seen}, 'UTC')" in pairs_query
 
