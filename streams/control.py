@@ -11,7 +11,9 @@ the burn-rate windows, and :class:`Controller` turns them into events *when a st
   5m above 14.4, and slow pair, 6h and 30m above 6), and when it stops. These are the pairs and
   thresholds Prometheus pages on (``sluice slo rules`` with the same file), including a threshold lowered
   to ``0.9 / budget`` where a low target puts the pair's own out of reach (``monitoring.slo.burn_threshold``).
-  The rollout work acts on these.
+  The ratios are not quite Prometheus' though: they count the requests the warehouse holds, and a request
+  the edge shed (overload, shutdown) never reaches it, so a shedding overload pages without announcing a
+  burn here (``docs/slo.md``, Known limits). The rollout work acts on these.
 
 The control topic is compacted, so its latest event per key is the state; a restarted controller reads
 the budget states back from it (:meth:`Controller.seed`) and may announce a burn-rate state again, which
