@@ -460,7 +460,8 @@ _SCRIPT = r"""
       ],
       itl: [
         lines(data.latency, [["itl_p50_ms", "p50", "dot"], ["itl_p99_ms", "p99", "solid"]]),
-        layout(data, "Inter-token latency (ms, per-request mean)", { title: { text: "ms" } }),
+        layout(data, "Mean inter-token gap per request (ms; not the ITL SLO's per-token latency)",
+               { title: { text: "ms" } }),
       ],
       throughput: [
         lines(data.traffic, [["requests", "requests/min", "solid"], ["tokens_per_s", "tokens/s", "dot"]],

@@ -465,7 +465,9 @@ class DashboardSql:
     """
 
     latency: str
-    """Per minute and model: requests and exact TTFT p50/p95/p99 and ITL p50/p99 (ms)."""
+    """Per minute and model: requests and exact TTFT p50/p95/p99 and ITL p50/p99 (ms). The ITL percentiles
+    are of each request's mean gap (``itl_mean_ms``), not of every token's as the ITL SLO's: a request with
+    one long stall among many fast tokens shows as fast."""
     traffic: str
     """Per minute and model: requests, outcomes, tokens/s, error rate and availability burn rate."""
     spend: str

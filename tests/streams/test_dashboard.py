@@ -409,6 +409,17 @@ async def test_page_script_and_plotly_are_served_from_here() -> None:
     assert bundle == plotly_js_path().read_bytes()
 
 
+def test_the_itl_chart_says_it_shows_each_requests_mean_gap() -> None:
+    """Found by review: the chart (and ``sli_minute``) takes percentiles of each request's mean gap
+    (``itl_mean_ms``), not of every token's gap as the ITL SLO does: one long stall among many fast tokens
+    shows as fast, so a chart titled plainly as inter-token latency invited comparing it with the SLO."""
+    from streams.dashboard import _SCRIPT
+
+    (title,) = re.findall(r'"([^"]*inter-token[^"]*)"', _SCRIPT, re.IGNORECASE)
+    assert "per request" in title
+    assert "not the ITL SLO" in title
+
+
 def test_refresh_interval_is_bounded() -> None:
     with pytest.raises(ValueError, match="refresh_s"):
         Dashboard(no_warehouse, refresh_s=0)
