@@ -55,6 +55,9 @@ UNREADABLE = frozenset(
 not there): librdkafka reports them, fetch after fetch, as errors it goes on from. The component must say it
 is not ready while they go on (:meth:`ConsumerThread.unreadable_for`), not only log them."""
 
+LOG_EVERY_S = 10.0
+"""The least time between two warnings of one kind an error on every fetch or commit would repeat."""
+
 UNREADABLE_QUIET_S = 15.0
 """How long after the last such error the consumer counts as readable again (at once: a record of the
 topic that error named)."""
@@ -217,6 +220,8 @@ class ConsumerThread(Component):
         self._unreadable: tuple[float, float, str, str | None] | None = None
         """(first, last, what, topic) of the errors in :data:`UNREADABLE` going on now (polling thread)."""
         self._unreadable_logged = 0.0
+        self._commit_failure_logged = 0.0
+        self._commit_failures_unlogged = 0
         self._live = _Live()
         """The current client's: its callbacks reach this thread's state only while it is current."""
         self._ends = {tp: end for tp, end in (ends or {}).items() if end > 0}
@@ -364,7 +369,7 @@ class ConsumerThread(Component):
             self._revoked(consumer, [TopicPartition(t, p) for t, p in owned], lost=True)
         while self._sent:
             merged, callers = self._sent.popleft()
-            _commit_failed(merged, callers, set(merged), "its consumer was replaced")
+            self._commit_failed(merged, callers, set(merged), "its consumer was replaced")
         self._live.retire()
         fresh = self._consumer = self._new_consumer()
         self._unsettled_since, self._unsettled_seen = time.monotonic(), None  # a member: it must settle
@@ -466,14 +471,18 @@ class ConsumerThread(Component):
             return False
         if err.code() not in UNREADABLE:
             return _benign_error(message)
+        self._note_unreadable(message.topic(), err.str())
+        return True
+
+    def _note_unreadable(self, topic: str | None, what: str) -> None:
+        """An error saying ``topic`` (None: the group) cannot be read, from a fetch or a commit."""
         now = time.monotonic()
         going = self._unreadable
         first = going[0] if going is not None and now - going[1] < UNREADABLE_QUIET_S else now
-        self._unreadable = (first, now, err.str(), message.topic())
-        if now - self._unreadable_logged >= 10.0:  # every fetch brings one: hundreds a minute
+        self._unreadable = (first, now, what, topic)
+        if now - self._unreadable_logged >= LOG_EVERY_S:  # every fetch brings one: hundreds a minute
             self._unreadable_logged = now
-            log.warning("%s cannot read %s: %s", self.name, message.topic() or "its group", err.str())
-        return True
+            log.warning("%s cannot read %s: %s", self.name, topic or "its group", what)
 
     def unreadable_for(self) -> tuple[float, str]:
         """How long (seconds) errors saying a topic or the group cannot be read (authorization refused, a
@@ -635,12 +644,12 @@ class ConsumerThread(Component):
                 self._consumer.commit(offsets=tps, asynchronous=True)
             except KafkaException as exc:  # refused before it was sent
                 self._sent.pop()
-                _commit_failed(merged, callers, set(merged), exc)
+                self._commit_failed(merged, callers, set(merged), exc)
             return
         try:
             self._consumer.commit(offsets=tps, asynchronous=False)
         except Exception as exc:  # a revoked partition cannot be committed: its next owner redoes the work
-            _commit_failed(merged, callers, set(merged), exc)
+            self._commit_failed(merged, callers, set(merged), exc)
 
     def _committed(self, err: KafkaError | None, partitions: list[TopicPartition]) -> None:
         """librdkafka's answer to an asynchronous commit (inside a poll, on the polling thread)."""
@@ -659,7 +668,39 @@ class ConsumerThread(Component):
             set(merged) if err is not None else {(tp.topic, tp.partition) for tp in partitions if tp.error}
         )
         if failed:
-            _commit_failed(merged, callers, failed, err)
+            why = err if err is not None else next(tp.error for tp in partitions if tp.error)
+            self._commit_failed(merged, callers, failed, why)
+
+    def _commit_failed(
+        self,
+        merged: dict[TP, int],
+        callers: list[tuple[dict[TP, int], CommitFailed | None]],
+        failed: set[TP],
+        why: object,
+    ) -> None:
+        """Tell each caller of a commit which of its offsets were not stored, so it can offer them again.
+
+        A commit refused because its topic is gone or may not be read counts as that topic being
+        unreadable (:meth:`unreadable_for`), and the warning is logged at most every :data:`LOG_EVERY_S`.
+        A review: with a worker's requests topic deleted, its consumer got no error at all (librdkafka says
+        nothing to an assigned member), the worker stayed ready, and the commit offered again every ~0.4 s
+        logged 76 warnings in 30 s; the refused commits are the one sign, so the worker is now not ready."""
+        code = _error_code(why)
+        if code in UNREADABLE:
+            for topic in sorted({topic for topic, _ in failed}):
+                self._note_unreadable(topic, f"a commit was refused: {why}")
+        now = time.monotonic()
+        if now - self._commit_failure_logged >= LOG_EVERY_S:
+            suppressed, self._commit_failures_unlogged = self._commit_failures_unlogged, 0
+            self._commit_failure_logged = now
+            more = f" ({suppressed} more since the last such warning)" if suppressed else ""
+            log.warning("commit of %s failed: %s%s", merged, why, more)
+        else:
+            self._commit_failures_unlogged += 1
+        for offsets, on_failure in callers:
+            refused = {tp: off for tp, off in offsets.items() if tp in failed}
+            if on_failure is not None and refused:
+                on_failure(refused)
 
     def stop(self) -> None:
         self._stop.set()
@@ -711,18 +752,11 @@ def _close_quietly(consumer: Consumer, name: str) -> None:
         log.warning("%s: closing a replaced consumer failed", name, exc_info=True)
 
 
-def _commit_failed(
-    merged: dict[TP, int],
-    callers: list[tuple[dict[TP, int], CommitFailed | None]],
-    failed: set[TP],
-    why: object,
-) -> None:
-    """Tell each caller of a commit which of its offsets were not stored, so it can offer them again."""
-    log.warning("commit of %s failed: %s", merged, why)
-    for offsets, on_failure in callers:
-        refused = {tp: off for tp, off in offsets.items() if tp in failed}
-        if on_failure is not None and refused:
-            on_failure(refused)
+def _error_code(why: object) -> int | None:
+    """The Kafka error code of a commit's failure (a ``KafkaError``, or a ``KafkaException`` of one)."""
+    if isinstance(why, KafkaException) and why.args and isinstance(why.args[0], KafkaError):
+        why = why.args[0]
+    return why.code() if isinstance(why, KafkaError) else None
 
 
 class _Source(Protocol):
