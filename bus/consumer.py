@@ -117,8 +117,9 @@ class ConsumerThread(Component):
     records between the end of the partition (its last stable offset under read-committed) and the
     group's committed offset: what this consumer has not yet finished durably, handed-out records waiting
     for their commit included. Before anything is committed on a partition (a consumer that never commits,
-    like a reply listener) the lag counts from the position handed to ``handler`` instead. Partitions
-    with neither are not reported. The value goes to ``sluice_consumer_lag`` and to ``lag()``; a
+    like a reply listener) the lag counts from the position handed to ``handler`` instead. A partition
+    that never held a record lags 0 (the streams worker's drift watermark waits for every partition whose
+    lag is not 0); others with neither are not reported. The value goes to ``sluice_consumer_lag`` and to ``lag()``; a
     partition's series is removed when it is revoked or the consumer stops.
 
     Membership (``subscribe`` only, from the same statistics): a member that was in its group and has not
@@ -842,6 +843,8 @@ class _PartitionStats(msgspec.Struct):
         if self.consumer_lag >= 0:  # end - committed offset, computed by librdkafka
             return self.consumer_lag
         end = self.ls_offset if read_committed else self.hi_offset
+        if end == 0:
+            return 0  # a partition that never held a record: nothing to read, whoever reads it
         if end < 0 or self.app_offset < 0:
             return None
         return max(0, end - self.app_offset)

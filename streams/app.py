@@ -247,8 +247,11 @@ class StreamsApp(AsyncComponent):
         self._controller = controller
         self._last_batch_at: float | None = None
         self._last_batch_full = False
-        self._stored_until_ms = 0
-        """The latest ``finished`` time of a terminal event the sink has written (ms)."""
+        self._stored_until: dict[TP, int] = {}
+        """Per partition read: the latest ``finished`` time of a terminal event the sink has written from it
+        (ms). Per partition, not over all of them: after a restart with a backlog, one tenant's ``results``
+        partition is read up to now while another's is still an hour behind, and the latest finish over all
+        of them let windows be judged without the late partition's rows (a review)."""
         self._rebaselined: dict[tuple[str, str], DriftRebaselined] = {}
         """The latest operator's rebaseline of each (model, version), from the control topic."""
         self._promoted: dict[tuple[str, str], datetime] = {}
@@ -612,15 +615,15 @@ class StreamsApp(AsyncComponent):
             span.end()
         kinds: Counter[tuple[str, str | int | None]] = Counter()
         freshness = metrics.STREAMS_FRESHNESS.observe
-        latest = self._stored_until_ms
+        marks = self._stored_until
         now_ms = int(written * 1000)  # a finish dated later (a wrong clock, or hostile) counts as now:
         for record, event in batch.events:  # it pinned the drift watermark at its date
             if isinstance(event, RequestFinished):
-                finished_ms = int((event.timings.finished or event.time).timestamp() * 1000)
-                latest = max(latest, min(finished_ms, now_ms))
+                finished_ms = min(int((event.timings.finished or event.time).timestamp() * 1000), now_ms)
+                where = (record.topic, record.partition)
+                marks[where] = max(marks.get(where, 0), finished_ms)
             kinds[(record.topic, type(event).__struct_config__.tag)] += 1
             freshness(max(0.0, written - event.time.timestamp()))
-        self._stored_until_ms = latest
         for (topic, kind), count in kinds.items():
             metrics.STREAMS_EVENTS.labels(topic, kind).inc(count)
         # durable before the batch's offsets are committed (a crash in between would lose them)
@@ -704,12 +707,24 @@ class StreamsApp(AsyncComponent):
 
     def stored_until(self) -> int | None:
         """The drift monitor's watermark: None when the sink has caught up with the log (its last batch
-        was not full, or nothing came for a while although it holds its partitions); otherwise the
-        latest finish time it has written, so windows wait for their rows."""
+        was not full, or nothing came for a while although it holds its partitions, or every ``results``
+        partition it holds is read to its end); otherwise the earliest, over the ``results`` partitions
+        still behind, of the latest finish time written from each, so windows wait for the rows of the
+        slowest partition. A partition is behind while its consumer lag is not 0 (or not known yet:
+        librdkafka's statistics come every few seconds); one with nothing written yet holds every window."""
         idle = self._last_batch_at is None or time.monotonic() - self._last_batch_at > self.SINK_IDLE_S
         if (idle and self.assigned) or (not idle and not self._last_batch_full):
             return None
-        return self._stored_until_ms
+        sink = self._sink
+        if sink is None:  # not started (tests): every partition written from counts as behind
+            behind = set(self._stored_until)
+        else:
+            lags = sink.lag()
+            results = self.names.results
+            behind = {tp for tp in sink.assignment() if tp[0] == results and lags.get(tp) != 0}
+        if not behind:
+            return None
+        return min(self._stored_until.get(tp, 0) for tp in behind)
 
     async def _read(self, sql: str) -> list[dict[str, Any]]:
         """A query on the writer's thread (the warehouse client is used from one thread at a time)."""

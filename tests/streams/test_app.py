@@ -103,6 +103,11 @@ class Sink:
     def __init__(self) -> None:
         self.commits: list[dict[tuple[str, int], int]] = []
         self.owned: set[tuple[str, int]] = set()
+        self.lags: dict[tuple[str, int], int] = {}
+        """The consumer lag librdkafka's statistics gave per partition (none: not known yet)."""
+
+    def lag(self) -> dict[tuple[str, int], int]:
+        return {tp: lag for tp, lag in self.lags.items() if tp in self.owned}
 
     def commit(self, offsets: dict[tuple[str, int], int]) -> None:
         self.commits.append(offsets)
