@@ -258,7 +258,12 @@ class StreamsApp(AsyncComponent):
         """When a rollout last promoted each (model, version) to all of its traffic, from the control topic:
         the version's baseline while it is the stable one, through the next rollout too."""
         self.drift = DriftMonitor(
-            settings, self._read, self._publish_report, self.stored_until, self._baseline
+            settings,
+            self._read,
+            self._publish_report,
+            self.stored_until,
+            self._baseline,
+            may_judge=self._owns_control,
         )
         self.rollout = RolloutController(
             self._read,
@@ -892,6 +897,9 @@ class StreamsApp(AsyncComponent):
         self.prices.observe(control)
         self._seed_control(control)  # announced by the previous owner since: compared with the log's word
         if held:
+            # Another worker may have judged drift windows since this one last did: the monitor loads
+            # what was reported from the warehouse again, rather than judge them again (a review).
+            self.drift.forget()
             self._control_read = losses
 
     async def reanchor(self) -> None:

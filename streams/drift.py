@@ -502,12 +502,18 @@ Watermark = Callable[[], int | None]
 latest ``finished`` time (ms) it has written, so no window is judged before its rows are in."""
 
 
+class Superseded(Exception):
+    """The monitor may no longer publish what it judged: it stopped being the judge (``may_judge``), or
+    its state was dropped (:meth:`DriftMonitor.forget`) while it judged."""
+
+
 class DriftMonitor:
     """Evaluate due windows and publish their reports; ``await run_once(now)`` from a timer.
 
     Its state: per (model, version) the last window reported; per key its reference window; a small LRU
     of reference samples. Loaded from ``drift_reports`` on the first run, so a restart resumes where the
-    log says it stopped. A window's reports (all tenants, then each busy tenant) are all judged before any
+    log says it stopped; :meth:`forget` drops it, so the next run loads it again (a streams worker given
+    the control partition back: another judged meanwhile). A window's reports (all tenants, then each busy tenant) are all judged before any
     is published, and the state moves only once all are durable: a failure part-way re-judges the window
     from the same state, with the same report ids. A window that keeps failing is reported as
     ``data_quality`` with the error after :attr:`MAX_FAILURES` tries, so it cannot block later windows."""
@@ -522,11 +528,15 @@ class DriftMonitor:
         publish: Publish,
         watermark: Watermark | None = None,
         baseline: Callable[[str, str], Baseline | None] = lambda model, version: None,
+        may_judge: Callable[[], bool] = lambda: True,
     ) -> None:
         """``baseline(model, version)``: since when that version's references must date, if something
         moved its baseline (a rollout promoted it to all of the model's traffic, an operator rebaselined
-        it): a reference taken before is replaced by the first window after."""
+        it): a reference taken before is replaced by the first window after. ``may_judge()``: whether this
+        monitor is the judge now, asked again before each window's reports are published (a run over a
+        backlog takes minutes, and the judging may move to another worker meanwhile)."""
         self._baseline = baseline
+        self._may_judge = may_judge
         self._settings = settings
         self._query = query
         self._publish = publish
@@ -540,21 +550,41 @@ class DriftMonitor:
         self._scan_from = 0
         """Windows starting before this were all considered already: the scan need not read them."""
         self._config: DriftConfig | None = None
+        self._epoch = 0
+        """How many times the state was dropped (:meth:`forget`): a run begun before must not move it."""
+
+    def forget(self) -> None:
+        """Drop what the monitor knows of reported windows and references; the next run loads it again from
+        ``drift_reports``. A review: a streams worker given the control partition back judged again, from
+        its old state, the windows another worker had reported meanwhile (the same report ids published
+        twice, its verdict replacing the other's row, a promotion's reference undone)."""
+        self._epoch += 1
+        self._reported = None
+        self._references.clear()
+        self._samples.clear()
+        self._failures.clear()
+        self._scan_from = 0
+
+    def _current(self, epoch: int) -> bool:
+        """Whether a run begun at ``epoch`` may still publish and move the state."""
+        return self._epoch == epoch and self._may_judge()
 
     @property
     def state_size(self) -> int:
         """Entries held in memory (bounded by model versions x tenants, never by requests)."""
         return len(self._reported or {}) + len(self._references) + len(self._samples) + len(self._failures)
 
-    async def _load(self) -> dict[tuple[str, str], int]:
+    async def _load(self) -> tuple[dict[tuple[str, str], int], dict[DriftKey, Window]]:
+        """Per (model, version) the end of the last window reported, and each key's reference."""
         reported: dict[tuple[str, str], int] = {}
+        references: dict[DriftKey, Window] = {}
         for row in await self._query(LAST_REPORTS):
             key = DriftKey(row["model"], row["model_version"], row["scope"])
             if key.scope == ALL:
                 reported[(key.model, key.model_version)] = _ms(row["last_end"])
             if row["reference_start"] is not None and row["reference_end"] is not None:
-                self._references[key] = Window(_ms(row["reference_start"]), _ms(row["reference_end"]))
-        return reported
+                references[key] = Window(_ms(row["reference_start"]), _ms(row["reference_end"]))
+        return reported, references
 
     async def prepare(self) -> None:
         """Load the drift engine (importing evidently and scipy takes seconds of CPU) now: the streams
@@ -563,9 +593,16 @@ class DriftMonitor:
             self._config = await asyncio.to_thread(drift_config, self._settings)
 
     async def run_once(self, now: datetime | None = None) -> list[DriftReport]:
-        """Evaluate every due window (oldest first) and publish its reports; return them."""
-        if self._reported is None:
-            self._reported = await self._load()
+        """Evaluate every due window (oldest first) and publish its reports; return them. A run stops, with
+        what it published so far, once this monitor is no longer the judge (:class:`Superseded`)."""
+        epoch = self._epoch
+        reported = self._reported
+        if reported is None:
+            reported, references = await self._load()
+            if self._epoch != epoch:
+                return []  # dropped while loading: the next run loads it again
+            self._reported = reported
+            self._references.update(references)
         await self.prepare()
         now_ms = int((now or datetime.now(UTC)).timestamp() * 1000)
         stored = self._watermark()
@@ -580,23 +617,30 @@ class DriftMonitor:
         reports: list[DriftReport] = []
         blocked: dict[tuple[str, str], int] = {}
         for model, version, window in due_windows(
-            available, self._reported, now_ms=now_ms, window_ms=self._window_ms, lateness_ms=self._lateness_ms
+            available, reported, now_ms=now_ms, window_ms=self._window_ms, lateness_ms=self._lateness_ms
         ):
             if (model, version) in blocked:
                 continue  # windows are judged in order: a later one waits for the failed one
-            done = await self._attempt(DriftKey(model, version), window)
+            try:
+                done = await self._attempt(DriftKey(model, version), window, epoch)
+            except Superseded:
+                log.info("drift: no longer the judge; stopped before %s %s at %s", model, version,
+                         window.start.isoformat())  # fmt: skip
+                return reports
             if done is None:
                 blocked[(model, version)] = window.start_ms
                 continue
             reports += done
-            self._reported[(model, version)] = window.end_ms
+            reported[(model, version)] = window.end_ms
         self._scan_from = min([now_ms - 2 * self._window_ms - self._lateness_ms, *blocked.values()])
         return reports
 
-    async def _attempt(self, key: DriftKey, window: Window) -> list[DriftReport] | None:
+    async def _attempt(self, key: DriftKey, window: Window, epoch: int) -> list[DriftReport] | None:
         """The window's reports, or None after a failure that is to be retried next run."""
         try:
-            reports = await self._window(key, window)
+            reports = await self._window(key, window, epoch)
+        except Superseded:
+            raise
         except Exception as exc:
             tries = self._failures.get((key, window), 0) + 1
             self._failures[(key, window)] = tries
@@ -609,6 +653,8 @@ class DriftMonitor:
                 requests=0, n_reference=0, n_current=0, alpha=self._settings.drift_alpha, method="failed",
                 quality=[f"evaluation failed {tries} times: {type(exc).__name__}: {exc}"[:500]],
             )  # fmt: skip
+            if not self._current(epoch):
+                raise Superseded from exc
             try:
                 await self._publish(report)
             except Exception:
@@ -618,7 +664,7 @@ class DriftMonitor:
         self._failures.pop((key, window), None)
         return reports
 
-    async def _window(self, key: DriftKey, window: Window) -> list[DriftReport]:
+    async def _window(self, key: DriftKey, window: Window, epoch: int) -> list[DriftReport]:
         settings = self._settings
         keys = [key] + [
             DriftKey(key.model, key.model_version, str(row["tenant"]))
@@ -627,11 +673,17 @@ class DriftMonitor:
             )
         ]
         judged = [(scoped, await self._judge(scoped, window)) for scoped in keys]
+        # Judging a window takes seconds, a backlog's run minutes: the judging may have moved to another
+        # worker meanwhile (which reports this window itself), or come back with the state dropped.
+        if not self._current(epoch):
+            raise Superseded
         # The all-tenant report last: a restart resumes after the window of the last one durable, so a
         # crash between reports must leave that window to judge again (the same ids: a tenant's report
         # already published is published again, not a second time in the warehouse).
         for _, report in sorted(judged, key=lambda pair: pair[0].scope == ALL):
             await self._publish(report)
+        if not self._current(epoch):
+            raise Superseded  # published, but neither this state nor the gauges are this worker's now
         for scoped, report in judged:
             if report.effective_verdict == "reference":
                 self._references[scoped] = window

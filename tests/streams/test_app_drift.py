@@ -12,13 +12,23 @@ import pytest
 from bus.consumer import ConsumerThread
 from infra.warehouse.client import Client
 from schemas.codec import encode
+from schemas.events import DriftReport
 from schemas.settings import PlatformSettings
 from streams.app import StreamsApp
-from streams.drift import ALL
+from streams.drift import ALL, DriftMonitor
 from streams.pricing import PriceTable
-from streams.sink import Consumed
+from streams.sink import Consumed, insert, query_rows
 from tests.streams.test_app import Producer, Sink, control_log
-from tests.streams.test_drift import T0, WINDOW_S, settings, warehouse, window_events
+from tests.streams.test_drift import (
+    T0,
+    WINDOW_S,
+    Published,
+    rows_of,
+    settings,
+    verdicts,
+    warehouse,
+    window_events,
+)
 
 
 def drift_app(tmp_path: Path, client: Client, producer: Producer, **changes: Any) -> StreamsApp:
@@ -92,3 +102,78 @@ async def test_a_results_partition_whose_lag_is_not_known_yet_holds_the_windows(
         assert app.stored_until() == 0
         sink.lags[("p.results", 0)] = 0  # empty (a partition that never held a record lags 0)
         assert app.stored_until() is None
+
+
+async def test_a_worker_given_control_back_does_not_judge_again_what_another_owner_judged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a review: the monitor's state was loaded once, on its first run. Worker A judged up to a
+    window, B owned the control partition and reported the next, and A, given the partition back, judged
+    that window again from its old state: the same report id published twice, and A's verdict replacing
+    B's row in ``drift_reports``."""
+    control_log(monkeypatch)
+    w1, w2, w3 = (T0 + timedelta(seconds=WINDOW_S * i) for i in range(3))
+    with warehouse(tmp_path) as client:
+        insert(client, rows_of(window_events(w1, 120, seed=1) + window_events(w2, 120, seed=2)))
+        producer = Producer()
+        app = drift_app(tmp_path, client, producer, drift_max_tenants=0)
+        sink = Sink()
+        app._sink = cast(ConsumerThread, sink)
+        sink.owned = {("p.results", 0), ("p.control", 0)}
+        assert await app.take_control()
+        done = await app.drift.run_once(w3 + timedelta(seconds=6))
+        assert verdicts(done) == ["reference", "no_drift"]
+
+        # a rebalance gives the control partition to worker B, which judges the next window
+        sink.owned.discard(("p.control", 0))
+        app._revoked([("p.control", 0)], False)
+        assert not await app.take_control()
+        insert(client, rows_of(window_events(w3, 120, seed=3, shifted=True)))
+
+        async def query(sql: str) -> list[dict[str, Any]]:
+            return query_rows(client, sql)
+
+        other = DriftMonitor(settings(drift_max_tenants=0), query, Published(client))
+        assert verdicts(await other.run_once(w3 + timedelta(seconds=WINDOW_S + 6))) == ["drift"]
+
+        # ...and another rebalance gives it back to A
+        sink.owned.add(("p.control", 0))
+        assert await app.take_control()
+        before = len(drift_reports(producer))
+        assert await app.drift.run_once(w3 + timedelta(seconds=WINDOW_S + 7)) == []
+        assert len(drift_reports(producer)) == before
+
+
+def drift_reports(producer: Producer) -> list[DriftReport]:
+    return [
+        event for topic, event in producer.records if topic == "p.drift" and isinstance(event, DriftReport)
+    ]
+
+
+async def test_a_run_stops_publishing_once_the_worker_is_no_longer_the_judge(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run over a backlog judges window after window (seconds each): the control partition, and with it
+    the judging, may move to another worker meanwhile. Ownership is asked again before each window's
+    reports are published, not once a run."""
+    control_log(monkeypatch)
+    w1, w2, w3 = (T0 + timedelta(seconds=WINDOW_S * i) for i in range(3))
+    with warehouse(tmp_path) as client:
+        insert(client, rows_of(window_events(w1, 120, seed=11) + window_events(w2, 120, seed=12)))
+        producer = Producer()
+        app = drift_app(tmp_path, client, producer, drift_max_tenants=0)
+        sink = Sink()
+        app._sink = cast(ConsumerThread, sink)
+        sink.owned = {("p.results", 0), ("p.control", 0)}
+        assert await app.take_control()
+        published = app._publish_report
+
+        async def publish_then_lose_control(report: DriftReport) -> None:
+            await published(report)
+            sink.owned.discard(("p.control", 0))  # the rebalance, while the first window is published
+            app._revoked([("p.control", 0)], False)
+
+        app.drift._publish = publish_then_lose_control
+        done = await app.drift.run_once(w3 + timedelta(seconds=6))
+        assert [r.window_start for r in drift_reports(producer)] == [w1]
+        assert done == []  # the first window's report went out, but this worker no longer says so
