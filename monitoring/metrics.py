@@ -433,6 +433,20 @@ def record_drift(
         DRIFT_REPORTS.labels(model, verdict).inc()
 
 
+def forget_drift() -> None:
+    """Remove every series of the drift gauges (the reports counter stays: rates cope with it). For a
+    streams worker that stops judging drift (its control partition revoked): the rules take the ``max``
+    over workers, so a 1 it kept from its last verdict fired ``SluiceDriftDetected`` (or
+    ``SluiceDriftFeaturePipeline``) for as long as it lived, whatever the new judge reported (a review)."""
+    with _drift_lock:
+        for gauge in (
+            DRIFT_DETECTED, DRIFT_VERDICT, DRIFT_QUALITY_ISSUES, DRIFT_LAST_REPORT, DRIFT_FEATURE_STATISTIC,
+            DRIFT_FEATURE_DRIFTED,
+        ):  # fmt: skip
+            gauge.clear()
+        _drift_features.clear()
+
+
 STREAMS_ONLY = frozenset(
     metric._name
     for metric in (

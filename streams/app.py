@@ -239,6 +239,8 @@ class StreamsApp(AsyncComponent):
         self._control_read: int | None = None
         """``_control_losses`` when the control topic was last read again while this worker held its
         partition (:meth:`reseed`): equal to it, that read came after the partition was last gained."""
+        self._judging = False
+        """Whether this worker's drift timer last ran as the judge (it exports the drift gauges)."""
         self._reseeding = asyncio.Lock()
         """One read of the control topic at a time (a timer and the sink may both find it due)."""
         self.audit_conflicts: dict[str, str] = {}
@@ -507,6 +509,7 @@ class StreamsApp(AsyncComponent):
         self._anchored.difference_update(partitions)
         if any(topic == self.names.control for topic, _ in partitions):
             self._control_losses += 1
+            self._let_go_of_judging()
         loop = self._loop
         if lost or loop is None or not loop.is_running():
             return
@@ -776,11 +779,23 @@ class StreamsApp(AsyncComponent):
         promotions and rebaselines a verdict depends on, and two workers' reports of one window share an
         id, so a second judge with older state made one of two verdicts win at random (a review)."""
         if not await self._taken("drift"):
+            if self._judging:  # also here: a verdict recorded just as the partition was revoked
+                self._judging = False
+                self._let_go_of_judging()
             return
+        self._judging = True
         try:
             await self.drift.run_once()
         except Exception:
             log.exception("drift: evaluating windows failed; trying again next interval")
+
+    @staticmethod
+    def _let_go_of_judging() -> None:
+        """What this worker exports as the judge of drift and rollout gates goes: the new owner exports its
+        own. The alerts take the ``max`` over workers, so a drift verdict of 1 kept by a worker that no
+        longer judges fired for as long as it lived (a review); the gate states are the dashboards'."""
+        metrics.forget_drift()
+        metrics.ROLLOUT_GATE_STATE.clear()
 
     async def _chain(self, batch: Batch) -> list[tuple[AuditEntry, bytes, Position]]:
         """The batch's new audit entries, in order, published and durable on the audit topic, each with

@@ -8,9 +8,11 @@ from pathlib import Path
 from typing import Any, cast
 
 import pytest
+from prometheus_client import REGISTRY
 
 from bus.consumer import ConsumerThread
 from infra.warehouse.client import Client
+from monitoring import metrics
 from schemas.codec import encode
 from schemas.events import DriftReport
 from schemas.settings import PlatformSettings
@@ -20,7 +22,9 @@ from streams.pricing import PriceTable
 from streams.sink import Consumed, insert, query_rows
 from tests.streams.test_app import Producer, Sink, control_log
 from tests.streams.test_drift import (
+    MODEL,
     T0,
+    VERSION,
     WINDOW_S,
     Published,
     rows_of,
@@ -177,3 +181,66 @@ async def test_a_run_stops_publishing_once_the_worker_is_no_longer_the_judge(
         done = await app.drift.run_once(w3 + timedelta(seconds=6))
         assert [r.window_start for r in drift_reports(producer)] == [w1]
         assert done == []  # the first window's report went out, but this worker no longer says so
+
+
+def detected() -> float | None:
+    return REGISTRY.get_sample_value("sluice_drift_detected", {"model": MODEL, "version": VERSION})
+
+
+async def test_a_worker_that_loses_control_stops_exporting_its_last_drift_verdict(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a review: ``SluiceDriftDetected`` is ``max by (model, version) (sluice_drift_detected) ==
+    1``, and the gauges of a worker that said drift and then handed the control partition (the judging)
+    to another stayed at 1 for as long as it lived: the alert fired whatever the new judge reported."""
+    control_log(monkeypatch)
+    w1, w2, w3 = (T0 + timedelta(seconds=WINDOW_S * i) for i in range(3))
+    with warehouse(tmp_path) as client:
+        insert(
+            client, rows_of(window_events(w1, 120, seed=21) + window_events(w2, 120, seed=22, shifted=True))
+        )
+        app = drift_app(tmp_path, client, Producer(), drift_max_tenants=0)
+        sink = Sink()
+        app._sink = cast(ConsumerThread, sink)
+        sink.owned = {("p.results", 0), ("p.control", 0)}
+        assert await app.take_control()
+        assert verdicts(await app.drift.run_once(w3 + timedelta(seconds=6))) == ["reference", "drift"]
+        assert detected() == 1.0
+        sink.owned.discard(("p.control", 0))
+        app._revoked([("p.control", 0)], False)
+        assert detected() is None
+        assert (
+            REGISTRY.get_sample_value("sluice_drift_quality_issues", {"model": MODEL, "version": VERSION})
+            is None
+        )
+
+
+async def test_the_drift_timer_of_a_worker_no_longer_the_judge_drops_a_verdict_recorded_late(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A verdict recorded just as the control partition was revoked (the run on the loop, the revoke on
+    the polling thread) would outlive the revoke's clearing: the next drift timer clears it again."""
+    control_log(monkeypatch)
+    app = StreamsApp(
+        PlatformSettings(kafka_bootstrap="127.0.0.1:1", topic_prefix="p", data_dir=str(tmp_path)),
+        settings(),
+        cast(Client, None),
+        PriceTable(),
+        cast(Any, Producer()),
+        request_topics=["p.requests.demo-gpt"],
+    )
+
+    async def run_once() -> list[DriftReport]:
+        metrics.record_drift(MODEL, VERSION, "drift", [], 0, 0.0)
+        return []
+
+    app.drift.run_once = run_once  # type: ignore[method-assign,assignment]
+    sink = Sink()
+    app._sink = cast(ConsumerThread, sink)
+    sink.owned = {("p.control", 0)}
+    await app._drift()
+    assert detected() == 1.0
+    sink.owned.clear()  # revoked; the run recorded after the revoke's clearing
+    app._control_losses += 1
+    await app._drift()
+    assert detected() is None
