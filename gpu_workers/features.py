@@ -37,7 +37,13 @@ from pathlib import Path
 import msgspec
 
 from bus.placement import idle_thread, name_thread
-from schemas.events import DriftFeatures, EmbeddingRequested, GenerationRequested, RequestFinished
+from schemas.events import (
+    EMBEDDING_MAX_DIM,
+    DriftFeatures,
+    EmbeddingRequested,
+    GenerationRequested,
+    RequestFinished,
+)
 from schemas.features import is_refusal, profile, sampled
 from schemas.lifecycle import Component
 from schemas.manifest import MAX_CHARS_PER_TOKEN
@@ -90,6 +96,8 @@ class FeatureProbe:
         self.embedder = embedder
         self._own_vectors = own_vectors
         """The served model is the drift embedder itself: a request's first vector is its embedding."""
+        self._too_long_told = False
+        """Whether the log has said once that the embeddings are too long to carry."""
 
     def embed_then(
         self, event: GenerationRequested | EmbeddingRequested, then: Callable[[Vector | None], None]
@@ -149,8 +157,16 @@ class FeatureProbe:
             if self._own_vectors and isinstance(event, EmbeddingRequested):
                 vectors = result.vectors()
                 vector = vectors[0] if vectors else None
-            if vector is not None:
+            if vector is not None and len(vector) <= EMBEDDING_MAX_DIM:
                 fields["embedding"] = [round(float(x), EMBEDDING_DECIMALS) for x in vector]
+            elif vector is not None and not self._too_long_told:
+                # the contract's bound: an event carrying a longer one is refused whole (its usage too)
+                self._too_long_told = True
+                log.warning(
+                    "drift: embeddings of %d components are left out of the drift features (at most %d)",
+                    len(vector),
+                    EMBEDDING_MAX_DIM,
+                )
         return msgspec.structs.replace(measured, **fields)
 
 

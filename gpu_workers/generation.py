@@ -505,7 +505,9 @@ class GenerationRunner:
             ),
             max_inter_token_s=live.max_gap if completion >= 2 else None,
             features=DriftFeatures(
-                mean_logprob=live.logprob_sum / live.scored, mean_entropy=live.entropy_sum / live.scored
+                # at most 0 by construction; the contract refuses a positive one, and the event with it
+                mean_logprob=min(0.0, live.logprob_sum / live.scored),
+                mean_entropy=live.entropy_sum / live.scored,
             )
             if live.scored
             else None,

@@ -357,6 +357,14 @@ FLOAT32_MAX = 3.4028234663852886e38
 Float32 = Annotated[float, msgspec.Meta(ge=-FLOAT32_MAX, le=FLOAT32_MAX)]
 """A float the warehouse keeps as Float32: 1e300 decoded and was stored as inf (a review)."""
 
+EMBEDDING_MAX_DIM = 4096
+"""The most components a drift embedding (``DriftFeatures.embedding``) may have: MiniLM's is 384, and the
+largest common sentence embedders' 4096. A review: without a bound, one 8 MiB terminal event carried 4M
+components, and the drift monitor loads a window's embedding reservoir (up to 2,000 of them) as Python
+lists: a few such rows took hundreds of MiB in the process that is also the sink and the audit chain. A
+worker leaves out a longer embedding (:meth:`gpu_workers.features.FeatureProbe.features`); an event that
+carries one anyway is refused at decoding (dead-lettered)."""
+
 
 class DriftFeatures(FrozenStruct, frozen=True, kw_only=True):
     """What drift detection sees of one request: numbers and labels derived from the prompt and the output,
@@ -376,12 +384,15 @@ class DriftFeatures(FrozenStruct, frozen=True, kw_only=True):
     output_script: str | None = None
     empty_output: bool | None = None
     refusal: bool | None = None
-    mean_logprob: float | None = None
-    """Mean log-probability of the generated tokens under the model (generation engines that expose it)."""
+    mean_logprob: Annotated[float, msgspec.Meta(le=0.0)] | None = None
+    """Mean log-probability of the generated tokens under the model (generation engines that expose it): at
+    most 0. A positive value (a producer's bug) made its window a ``data_quality`` verdict, which outranks
+    ``drift``; it is refused at decoding instead."""
     mean_entropy: Annotated[float, msgspec.Meta(ge=0.0)] | None = None
     """Mean entropy (nats) of the next-token distributions the generated tokens were drawn from."""
-    embedding: list[Float32] | None = None
-    """A MiniLM sentence embedding of the prompt, for 1 in ``SLUICE_DRIFT_SAMPLE`` requests."""
+    embedding: Annotated[list[Float32], msgspec.Meta(max_length=EMBEDDING_MAX_DIM)] | None = None
+    """A MiniLM sentence embedding of the prompt, for 1 in ``SLUICE_DRIFT_SAMPLE`` requests (at most
+    :data:`EMBEDDING_MAX_DIM` components)."""
 
 
 FLOAT32_BYTES = 4

@@ -44,7 +44,14 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import msgspec
 
 from monitoring import metrics
-from schemas.events import DriftRebaselined, DriftReport, DriftVerdict, FeatureDrift, RequestFinished
+from schemas.events import (
+    EMBEDDING_MAX_DIM,
+    DriftRebaselined,
+    DriftReport,
+    DriftVerdict,
+    FeatureDrift,
+    RequestFinished,
+)
 from schemas.ids import uuid7_from_parts
 from streams.facts import accepted_at
 from streams.queries import sql_string
@@ -215,9 +222,11 @@ ORDER BY cityHash64(request_id), request_id LIMIT {int(rows)}"""  # noqa: S608
 
 
 def embeddings_sql(key: DriftKey, window: Window, rows: int) -> str:
-    """A window's embedding reservoir (only the requests that carry one)."""
+    """A window's embedding reservoir (only the requests that carry one, of at most
+    :data:`~schemas.events.EMBEDDING_MAX_DIM` components: rows stored before the contract bounded them may
+    hold millions, which the reservoir loaded as Python lists)."""
     return f"""SELECT embedding FROM drift_features FINAL
-WHERE {key.where(window)} AND length(embedding) > 0
+WHERE {key.where(window)} AND length(embedding) BETWEEN 1 AND {EMBEDDING_MAX_DIM}
 ORDER BY cityHash64(request_id), request_id LIMIT {int(rows)}"""  # noqa: S608
 
 

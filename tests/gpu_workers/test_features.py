@@ -25,6 +25,7 @@ from gpu_workers.features import (
     minilm_embedder,
 )
 from gpu_workers.models import LoadedModel
+from schemas.codec import decode, encode
 from schemas.events import (
     DriftFeatures,
     EmbeddingRequested,
@@ -297,6 +298,26 @@ def test_an_embedding_model_uses_its_own_first_vector() -> None:
     assert FeatureProbe(4, own_vectors=True).features(event, old).embedding == [0.5, 0.25], "old events"
     assert got.prompt_chars == len("ein Fluss")
     assert got.output_chars is None, "embeddings have no text output"
+
+
+def test_an_embedding_longer_than_the_contract_allows_is_left_out_not_the_event() -> None:
+    """The contract bounds a drift embedding (``EMBEDDING_MAX_DIM``) and refuses an event past it whole:
+    an embeddings model wider than that would have had every sampled result dead-lettered, its usage
+    with it. Its drift features go without the embedding instead."""
+    from schemas.events import EMBEDDING_MAX_DIM
+
+    event = EmbeddingRequested(
+        tenant="acme", model="wide-embedder", request_id=sampled_id(), source="test", model_version="v1",
+        inputs=[[101, 102]], texts=["ein Fluss"],
+    )  # fmt: skip
+    wide = Float32Vectors.pack([[0.5] * (EMBEDDING_MAX_DIM + 1)], EMBEDDING_MAX_DIM + 1)
+    got = FeatureProbe(4, own_vectors=True).features(
+        event, msgspec.structs.replace(finished(text=None), embeddings_f32=wide)
+    )
+    assert got.embedding is None
+    assert got.prompt_chars == len("ein Fluss")
+    result = msgspec.structs.replace(finished(text=None), features=got)
+    assert decode(encode(result)) == result
 
 
 def test_a_shadow_copy_is_sampled_with_its_original() -> None:

@@ -21,6 +21,7 @@ from schemas.events import (
     REQUEST_TYPES,
     BatchRef,
     CancelRequested,
+    DriftFeatures,
     ErrorInfo,
     Event,
     Float32Vectors,
@@ -434,6 +435,35 @@ def test_a_drift_embedding_past_float32_fails_to_decode_so_the_record_is_dead_le
         decode(encode(with_embedding([1e300, 0.25])))
     fine = with_embedding([FLOAT32_MAX, -FLOAT32_MAX, 0.25])
     assert decode(encode(fine)) == fine
+
+
+def with_features(features: DriftFeatures) -> RequestFinished:
+    return RequestFinished(
+        tenant="t", model="m", source="s", request_id="r", status="completed", finish_reason="stop",
+        usage=Usage(prompt_tokens=1, completion_tokens=1, total_tokens=2), features=features,
+    )  # fmt: skip
+
+
+def test_a_drift_embedding_of_more_than_4096_components_fails_to_decode() -> None:
+    """Found by a review: the dimension had no bound, so one 8 MiB terminal event carried 4M components,
+    and a few such rows made the drift monitor load hundreds of MiB per window. Such a record is now
+    dead-lettered; every golden snapshot's embedding is far below the bound."""
+    from schemas.events import EMBEDDING_MAX_DIM
+
+    assert EMBEDDING_MAX_DIM == 4096
+    widest = with_features(DriftFeatures(embedding=[0.0] * EMBEDDING_MAX_DIM))
+    assert decode(encode(widest)) == widest
+    with pytest.raises(DecodeError, match="embedding"):
+        decode(encode(with_features(DriftFeatures(embedding=[0.0] * (EMBEDDING_MAX_DIM + 1)))))
+
+
+def test_a_positive_mean_logprob_fails_to_decode() -> None:
+    """A log-probability is at most 0: a producer's positive value made its window a ``data_quality``
+    verdict (which outranks ``drift``, and set ``sluice_drift_detected`` to 0) instead of a dead letter."""
+    zero = with_features(DriftFeatures(mean_logprob=0.0))
+    assert decode(encode(zero)) == zero
+    with pytest.raises(DecodeError, match="mean_logprob"):
+        decode(encode(with_features(DriftFeatures(mean_logprob=0.5))))
 
 
 @pytest.mark.parametrize(

@@ -695,3 +695,31 @@ async def test_a_window_mixing_embedding_dimensions_is_a_data_quality_verdict(tm
     assert verdicts(done) == ["reference", "data_quality"]
     assert done[1].quality[0] == "embedding: 3 of 60 vectors of dimension 8 (the window's: 16)"
     assert "embedding" in {f.name for f in done[1].features}  # the rest is still tested
+
+
+async def test_rows_with_hostile_embedding_dimensions_do_not_blow_the_monitors_memory(tmp_path: Path) -> None:
+    """Found by a review: the embedding's dimension had no bound, and the monitor loaded a window's
+    embedding reservoir as Python lists before keeping the most common dimension: eight rows of 400k
+    components took 147 MiB to judge one window. The contract now refuses them, and the monitor reads
+    no row longer than the bound (rows stored before it)."""
+    w1, w2 = T0, T0 + timedelta(seconds=WINDOW_S)
+    with warehouse(tmp_path) as client:
+        events = window_events(w1, 120, seed=61)
+        hostile = [
+            finished_event(1000 + i, w1 + timedelta(seconds=30), seed=62, embed=[0.0] * 400_000)
+            for i in range(8)
+        ]
+        assert rows_of(hostile).drift == [], "refused at decoding: dead-lettered by the sink"
+        # rows stored before the contract bounded the dimension
+        insert(client, Batch(drift=[feature_row(e) for e in hostile]))
+        insert(client, rows_of(events))
+        watched = monitor(client, Published(client), drift_max_tenants=0)
+        await watched.prepare()
+        tracemalloc.start()
+        try:
+            done = await watched.run_once(w2 + timedelta(seconds=6))
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert verdicts(done) == ["reference"]
+        assert peak < 64 * 2**20, f"judging one window took {peak / 2**20:.0f} MiB of Python memory"
