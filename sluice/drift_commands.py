@@ -159,6 +159,12 @@ def drift_report(
     out.print(
         f"wrote {html} (evidently report: {made.n_reference} reference vs {made.n_current} current rows)"
     )
+    if (made.n_reference, made.n_current) != (report.n_reference, report.n_current):
+        out.print(
+            f"[yellow]warning:[/] the verdict saw {report.n_reference} reference vs {report.n_current} current "
+            "rows: the warehouse holds other rows of these windows now (retention, a rebuild), so the page may "
+            "disagree with it"
+        )
 
 
 class DriftError(ValueError):

@@ -37,7 +37,7 @@ import math
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -847,21 +847,30 @@ class Recomputed:
 async def recompute_html(
     query: Query, report: StoredReport, settings: StreamsSettings, *, embeddings: bool = True
 ) -> Recomputed:
-    """Evidently's HTML report for the windows a stored report was judged on (the same reservoirs:
-    samples are chosen by a hash of the request id, not by arrival order)."""
+    """Evidently's HTML report for the windows a stored report was judged on: the same reservoirs (samples
+    are chosen by a hash of the request id, not by arrival order, so the report's ``n_reference`` and
+    ``n_current`` rows with the smallest hashes are the ones it saw) tested at the report's ``alpha``. A
+    review: the page used the reservoir size and alpha of the shell that ran ``sluice drift report``, so it
+    could disagree with the verdict. ``settings`` give what the report does not record: the minimum
+    samples, the null tolerance and the embedding reservoir."""
     from drift.evaluate import html_report
 
     if report.reference is None:
         raise ValueError("this report has no reference window (too few samples when it was judged)")
     size = settings.drift_embedding_reservoir if embeddings else 1
-    reference = await load_sample(query, report.key, report.reference, settings.drift_reservoir, size)
-    current = await load_sample(query, report.key, report.window, settings.drift_reservoir, size)
+    n_reference = report.n_reference or settings.drift_reservoir  # 0: a failed evaluation sampled nothing
+    n_current = report.n_current or settings.drift_reservoir
+    reference = await load_sample(query, report.key, report.reference, n_reference, size)
+    current = await load_sample(query, report.key, report.window, n_current, size)
+    config = drift_config(settings)
+    if report.alpha is not None:
+        config = replace(config, alpha=report.alpha)
     html = await asyncio.to_thread(
         html_report,
         reference.frame,
         current.frame,
         reference.embeddings if embeddings else reference.embeddings[:0],
         current.embeddings if embeddings else current.embeddings[:0],
-        drift_config(settings),
+        config,
     )
     return Recomputed(html, len(reference), len(current))

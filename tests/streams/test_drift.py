@@ -723,3 +723,37 @@ async def test_rows_with_hostile_embedding_dimensions_do_not_blow_the_monitors_m
             tracemalloc.stop()
         assert verdicts(done) == ["reference"]
         assert peak < 64 * 2**20, f"judging one window took {peak / 2**20:.0f} MiB of Python memory"
+
+
+async def test_the_html_report_uses_the_alpha_and_reservoir_the_report_was_judged_with(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a review: `sluice drift report --html` sampled and tested with the settings of the shell
+    it ran in: without the streams worker's ``SLUICE_DRIFT_ALPHA`` and ``SLUICE_DRIFT_RESERVOIR`` the
+    page tested other rows at another level than the verdict it claims to reproduce."""
+    import drift.evaluate
+    from streams.drift import recompute_html
+
+    w1, w2, w3 = (T0 + timedelta(seconds=WINDOW_S * i) for i in range(3))
+    with warehouse(tmp_path) as client:
+        insert(client, rows_of(window_events(w1, 120, seed=31) + window_events(w2, 120, seed=32)))
+
+        async def query(sql: str) -> list[dict[str, Any]]:
+            return query_rows(client, sql)
+
+        judged = monitor(
+            client, Published(client), drift_max_tenants=0, drift_alpha=0.05, drift_reservoir=100
+        )
+        assert verdicts(await judged.run_once(w3 + timedelta(seconds=6))) == ["reference", "no_drift"]
+        report = StoredReport.of(query_rows(client, latest_report_sql(MODEL, None, ALL, None))[0])
+        assert (report.alpha, report.n_reference, report.n_current) == (0.05, 100, 100)
+        seen: dict[str, Any] = {}
+
+        def html_report(reference: Any, current: Any, re: Any, ce: Any, config: Any) -> str:
+            seen.update(n_reference=len(reference), n_current=len(current), alpha=config.alpha)
+            return "<html></html>"
+
+        monkeypatch.setattr(drift.evaluate, "html_report", html_report)
+        made = await recompute_html(query, report, StreamsSettings(), embeddings=False)  # the CLI's defaults
+        assert seen == {"n_reference": 100, "n_current": 100, "alpha": 0.05}
+        assert (made.n_reference, made.n_current) == (100, 100)
