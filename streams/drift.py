@@ -55,7 +55,7 @@ from schemas.events import (
 from schemas.ids import uuid7_from_parts
 from streams.facts import accepted_at
 from streams.queries import sql_string
-from streams.settings import StreamsSettings
+from streams.settings import DRIFT_EMBEDDING_MIN_SAMPLES, StreamsSettings
 
 if TYPE_CHECKING:
     import numpy as np
@@ -402,6 +402,7 @@ def drift_config(settings: StreamsSettings) -> DriftConfig:
     return DriftConfig(
         alpha=settings.drift_alpha,
         min_samples=settings.drift_min_samples,
+        embedding_min_samples=DRIFT_EMBEDDING_MIN_SAMPLES,
         null_tolerance=settings.drift_null_tolerance,
     )
 

@@ -9,6 +9,10 @@ import msgspec
 
 from schemas.settings import register
 
+DRIFT_EMBEDDING_MIN_SAMPLES = 20
+"""Fewer embeddings than this in a window (or its reference): the embedding is not tested (the drift
+monitor's ``DriftConfig.embedding_min_samples``)."""
+
 
 @register
 class StreamsSettings(msgspec.Struct, frozen=True, kw_only=True):
@@ -56,7 +60,8 @@ class StreamsSettings(msgspec.Struct, frozen=True, kw_only=True):
     drift_reservoir: Annotated[int, msgspec.Meta(ge=2, le=1000)] = 1000
     """Rows sampled per window for the tabular tests (at most 1000, so KS and chi-square apply)."""
     drift_embedding_reservoir: Annotated[int, msgspec.Meta(ge=2, le=2000)] = 200
-    """Prompt embeddings sampled per window for the MMD test (its cost grows with the square of this)."""
+    """Prompt embeddings sampled per window for the MMD test (its cost grows with the square of this); at
+    least :data:`DRIFT_EMBEDDING_MIN_SAMPLES`."""
     drift_alpha: Annotated[float, msgspec.Meta(ge=0.001, le=0.2)] = 0.01
     """False-alarm rate per window and key; each of the m features is tested at alpha / m (Bonferroni).
     At least 0.001: below that the embedding test's permutation budget cannot reach the level."""
@@ -68,6 +73,12 @@ class StreamsSettings(msgspec.Struct, frozen=True, kw_only=True):
     """On a first start, how many past windows the monitor may still evaluate."""
 
     def __post_init__(self) -> None:
+        if self.drift_embedding_reservoir < DRIFT_EMBEDDING_MIN_SAMPLES:  # a review: silently off
+            raise ValueError(
+                f"SLUICE_DRIFT_EMBEDDING_RESERVOIR={self.drift_embedding_reservoir} is below "
+                f"{DRIFT_EMBEDDING_MIN_SAMPLES}, the embeddings the embedding test needs in a window: it would "
+                "never run (set at least that; SLUICE_DRIFT_SAMPLE=0 turns the embeddings off)"
+            )
         if self.drift_min_samples > self.drift_reservoir:  # the sample is what is counted (a review)
             raise ValueError(
                 f"SLUICE_DRIFT_MIN_SAMPLES={self.drift_min_samples} is above SLUICE_DRIFT_RESERVOIR="

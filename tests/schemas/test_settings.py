@@ -68,6 +68,17 @@ def test_a_model_id_no_topic_could_be_named_for_is_refused(variable: str, value:
     assert good.served_models() == ("demo-gpt", "v1.2_x", "m")
 
 
+def test_an_embedding_reservoir_below_the_embedding_tests_minimum_is_refused() -> None:
+    """Found by a review: SLUICE_DRIFT_EMBEDDING_RESERVOIR accepted 2-19, below the 20 embeddings the
+    embedding test needs in a window, which silently turned that test off."""
+    with pytest.raises(SettingsError, match="SLUICE_DRIFT_EMBEDDING_RESERVOIR=19 is below 20"):
+        load_settings(StreamsSettings, {"SLUICE_DRIFT_EMBEDDING_RESERVOIR": "19"})
+    assert (
+        load_settings(StreamsSettings, {"SLUICE_DRIFT_EMBEDDING_RESERVOIR": "20"}).drift_embedding_reservoir
+        == 20
+    )
+
+
 def test_a_drift_minimum_above_the_windows_sample_is_refused() -> None:
     """Found by a review: the minimum is counted on a window's sample (at most SLUICE_DRIFT_RESERVOIR rows),
     so a minimum above it judged no window ever, silently: no reference, no alarm."""
