@@ -1,14 +1,17 @@
 """``sluice rollout evaluate``: a candidate version on logged production requests, before live traffic.
 
 The requests come from the model's request topic (``--from-log 1h``: those accepted in the last hour; the
-events hold the tokenised prompts, so no content store is needed). Shadow copies and requests of other
-models are skipped. Both the stable and the candidate versions run them offline in this process
+events hold the tokenised prompts, so no content store is needed); ``--limit N`` keeps the N oldest of them
+over all partitions. Shadow copies, lines of async batches and requests of other models are skipped: a
+shadow copy repeats a logged request, and one batch can log tens of thousands of lines of one tenant, which
+would crowd the interactive requests out of the oldest N. Both the stable and the candidate versions run them offline in this process
 (``gpu_workers.evaluate``), and the rollout gates compare the two runs as the controller would compare
 live traffic, plus how often the candidate's output equals the stable version's.
 """
 
 from __future__ import annotations
 
+import heapq
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -55,11 +58,19 @@ def parse_duration(text: str) -> timedelta:
 def logged_requests(
     platform: PlatformSettings, model: str, since: datetime, limit: int, timeout_s: float = 60.0
 ) -> list[Logged]:
-    """Up to ``limit`` requests for ``model`` accepted since ``since`` (the first read from each partition,
-    sorted by time), no shadow copies."""
+    """The ``limit`` oldest requests for ``model`` accepted since ``since``, oldest first, over all the
+    topic's partitions; no shadow copies and no batch lines (a :class:`BatchItemRequested`, not a
+    :data:`Logged` event).
+
+    The window is read to its end: the consumer hands records back partition by partition, and requests are
+    keyed by tenant, so stopping at the first ``limit`` (as before a review) judged a candidate on the one or
+    two tenants of the partitions read first. A heap of the ``limit`` oldest seen keeps memory bounded."""
     topic = TopicNames(platform.topic_prefix).requests(model)
     consumer = Consumer(consumer_config(platform.kafka, None, "sluice-evaluate"))
-    found: list[Logged] = []
+    # A max-heap by time (both keys negated), so the newest of the kept requests is the one to drop; the
+    # read order breaks ties in time (the first read is kept), and two events are never compared.
+    oldest: list[tuple[float, int, Logged]] = []
+    seen = 0
     try:
         meta = consumer.list_topics(topic, timeout=10).topics.get(topic)
         if meta is None or meta.error is not None:
@@ -73,13 +84,15 @@ def logged_requests(
             except DecodeError:
                 continue
             if isinstance(event, Logged) and event.model == model and event.shadow_of is None:
-                found.append(event)
-                if len(found) >= limit:
-                    break
+                seen += 1
+                item = (-event.time.timestamp(), -seen, event)
+                if len(oldest) < limit:
+                    heapq.heappush(oldest, item)
+                elif item > oldest[0]:  # older than the newest kept
+                    heapq.heapreplace(oldest, item)
     finally:
         consumer.close()
-    found.sort(key=lambda e: e.time)
-    return found[:limit]
+    return [event for _, _, event in sorted(oldest, key=lambda item: (item[0], item[1]), reverse=True)]
 
 
 @dataclass(frozen=True)

@@ -232,7 +232,13 @@ def rollout_evaluate(
         str, typer.Option("--from-log", help="logged requests accepted within this long: 30m, 1h, 2d")
     ] = "1h",
     limit: Annotated[
-        int, typer.Option("--limit", min=1, help="at most this many requests (oldest first)")
+        int,
+        typer.Option(
+            "--limit",
+            min=1,
+            help="the oldest this many requests of the window, over all partitions (shadow copies and batch "
+            "lines are skipped)",
+        ),
     ] = 500,
     min_requests: Annotated[
         int,

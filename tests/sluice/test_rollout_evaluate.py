@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import msgspec
@@ -13,7 +14,15 @@ import pytest
 from bus.producer import EventProducer
 from gpu_workers.models import build_demo_gpt
 from gpu_workers.settings import WorkerSettings
-from schemas.events import GenerationRequested, ReplyTo, RolloutGates, SamplingParams
+from schemas.events import (
+    BatchItemRequested,
+    BatchRef,
+    GenerationRequested,
+    ReplyTo,
+    RolloutGates,
+    SamplingParams,
+    utc_now,
+)
 from schemas.ids import uuid7
 from schemas.manifest import models_root
 from schemas.settings import KafkaConnection, PlatformSettings
@@ -137,6 +146,51 @@ async def test_the_command_exits_1_on_a_failing_gate_and_2_on_a_bad_request(
     bad_window = run("--version", CANDIDATE, "--from-log", "an hour")
     assert bad_window.returncode == 2
     assert "expected a duration" in bad_window.stderr
+
+
+async def test_the_limit_takes_the_oldest_logged_requests_over_all_partitions(
+    kafka: KafkaConnection, platform_settings: PlatformSettings, topic_prefix: str
+) -> None:
+    """A review: ``--limit 60`` stopped at the first 60 records the consumer handed back, partition after
+    partition, so with requests keyed by tenant the sample was the 2 tenants of 12 on the partitions read
+    first. It is the 60 oldest over all partitions; batch lines are skipped and not counted."""
+    from infra.topics import TopicSizing, apply_topics, make_admin, platform_topics
+
+    names = TopicNames(topic_prefix)
+    apply_topics(
+        make_admin(kafka), platform_topics(names, [GPT], TopicSizing(requests=6, replies=2, events=2))
+    )
+    platform = msgspec.structs.replace(
+        platform_settings, kafka_bootstrap=kafka.bootstrap, topic_prefix=topic_prefix, models=(GPT,)
+    )
+    start = utc_now()
+    requests = []
+    for i in range(600):  # interleaved in time over 12 tenants, so over several partitions
+        requests.append(
+            GenerationRequested(
+                time=start + timedelta(milliseconds=i),
+                tenant=f"tenant-{i % 12}",
+                model=GPT,
+                request_id=uuid7(),
+                source="test",
+                model_version="v",
+                input_ids=[5, 6, 7],
+                sampling=SamplingParams(max_tokens=2, temperature=0.0),
+                reply=ReplyTo(topic=names.replies, partition=0, edge_id="e"),
+            )
+        )
+    batch_line = BatchItemRequested.of(
+        requests[0], BatchRef(batch_id="batch_1", custom_id="c", index=0), total=1, endpoint="/v1/completions"
+    )
+    with EventProducer(platform.kafka, "test-edge") as producer:
+        await producer.publish(names.requests(GPT), batch_line)
+        for request in requests:
+            await producer.publish(names.requests(GPT), request)
+    oldest = sorted(requests, key=lambda r: r.time)[:60]
+    found = logged_requests(platform, GPT, oldest[0].time, limit=60)
+    tenants = sorted({r.tenant for r in found})
+    assert [r.request_id for r in found] == [r.request_id for r in oldest], f"tenants {tenants} of 12"
+    assert all(isinstance(r, GenerationRequested) for r in found)
 
 
 def test_durations() -> None:
