@@ -13,11 +13,11 @@ from pathlib import Path
 
 import msgspec
 
-from bus.control import latest_deployments
+from bus.control import latest_deployments, read_control
 from bus.producer import EventProducer
 from schemas import codec
 from schemas.deployments import BUCKETS, buckets_of
-from schemas.events import DeploymentChanged, Event, GateResult, RolloutGates, utc_now
+from schemas.events import DeploymentChanged, Event, GateResult, RolloutGates, WorkerReady, utc_now
 from schemas.manifest import ManifestError, current_model_dir, read_manifest, version_dir
 from schemas.settings import PlatformSettings
 from schemas.topics import TopicNames, worker_group
@@ -129,8 +129,42 @@ def plan_start(
     )
 
 
-def plan_promote(platform: PlatformSettings, model: str, *, to_end: bool) -> DeploymentChanged:
+def candidate_ready(platform: PlatformSettings, current: DeploymentChanged) -> WorkerReady | None:
+    """The latest ``WorkerReady`` on the control topic of ``current``'s candidate naming ``current`` (the
+    one the controller's :func:`streams.rollout.warm` takes; a worker says it again for every rollout that
+    starts warming its version, so one naming an older deployment says nothing of a worker running now)."""
+    candidate = current.candidate or current.version
+    found = None
+    for event in read_control(platform.kafka, TopicNames(platform.topic_prefix).control, CLIENT_ID):
+        if isinstance(event, WorkerReady) and (event.deployment, event.version) == (current.id, candidate):
+            found = event
+    return found
+
+
+def plan_promote(
+    platform: PlatformSettings, model: str, *, to_end: bool, force: bool = False
+) -> DeploymentChanged:
+    """The operator's next step (or promotion with ``to_end``). Promotion while warming needs a worker of
+    the candidate that said it is ready, unless ``force``: promoting makes the candidate the stable version,
+    so ``sluice up`` stops the old stable version's workers at once, and a review saw demo-gpt served by no
+    worker for 9.5 s until the candidate's first one had loaded (for good, had it been unable to load: the
+    rollout no longer warming, nothing rolls it back). A ready announcement that lands just after this
+    read only makes the operator wait for the first step; the controller takes it there within a fetch."""
     current = _active(platform, model)
+    if to_end and current.phase == "warming" and not force:
+        candidate = current.candidate or current.version
+        ready = candidate_ready(platform, current)
+        if ready is None or ready.error:
+            why = (
+                f"a worker of {candidate} cannot load it: {ready.error}"
+                if ready is not None
+                else f"no worker of {candidate} has said it is ready yet"
+            )
+            raise RolloutError(
+                f"{model} is warming up and {why}; promoting to 100% now would stop the stable version's "
+                f"({current.stable}) workers before any worker of {candidate} serves. Wait for the first step "
+                "(`sluice rollout status`), or pass --force to promote anyway"
+            )
     # --all: one decision from the step that runs (stepping through the rest named a step that never ran:
     # "promoted to 100% after step 2" from step 1; an audit)
     return advance(current, utc_now(), "promoted by the operator", [], "operator", to_end=to_end)

@@ -337,12 +337,21 @@ def rollout_evaluate(
 def rollout_promote(
     model: Annotated[str, typer.Argument(help="the model id")],
     to_end: Annotated[bool, typer.Option("--all", help="straight to 100% instead of the next step")] = False,
+    force: Annotated[
+        bool,
+        typer.Option(
+            "--force",
+            help="with --all while warming up: promote though no worker of the candidate has said it is ready",
+        ),
+    ] = False,
 ) -> None:
-    """Move the rollout to its next step now (or to 100% with --all), whatever the gates say."""
+    """Move the rollout to its next step now (or to 100% with --all), whatever the gates say. --all while
+    the rollout warms up is refused (exit 2) until a worker of the candidate has said it is ready, unless
+    --force: promotion stops the stable version's workers at once."""
     from sluice.cli import settings
     from sluice.rollout import plan_promote
 
-    _rollout_call(lambda: plan_promote(settings(), model, to_end=to_end))
+    _rollout_call(lambda: plan_promote(settings(), model, to_end=to_end, force=force))
 
 
 @rollout_app.command("abort")

@@ -16,7 +16,7 @@ import bus.positions
 import infra.warehouse
 import sluice.rollout
 from infra.warehouse import QueryResult
-from schemas.events import DeploymentChanged, GateResult, RolloutGates
+from schemas.events import DeploymentChanged, Event, GateResult, RolloutGates, WorkerReady
 from schemas.manifest import ModelManifest, current_model_dir, models_root, write_manifest
 from schemas.settings import PlatformSettings, load_settings
 from schemas.topics import worker_group
@@ -116,7 +116,13 @@ class Log:
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.latest: dict[str, DeploymentChanged] = {}
         self.asked: list[str] = []
+        self.ready: list[WorkerReady] = []
+        """The workers' readiness announcements on the topic, in log order."""
         monkeypatch.setattr(sluice.rollout, "deployment_of", self.deployment_of)
+        monkeypatch.setattr(sluice.rollout, "read_control", self.read_control)
+
+    def read_control(self, kafka: object, topic: str, client_id: str) -> list[Event]:
+        return [*self.latest.values(), *self.ready]
 
     def deployment_of(self, platform: PlatformSettings, model: str) -> DeploymentChanged | None:
         self.asked.append(model)
@@ -232,6 +238,39 @@ def test_promote_gives_a_warming_rollout_its_first_step(platform: PlatformSettin
     event = plan_promote(platform, MODEL, to_end=False)
     assert (event.phase, event.step, event.action, event.actor) == ("canary", 0, "deploy", "operator")
     assert event.traffic == {"v1": 0.95, "v2": 0.05}
+    log.ready.append(ready(log.latest[MODEL]))
+    assert plan_promote(platform, MODEL, to_end=True).phase == "promoted"
+
+
+def ready(current: DeploymentChanged, version: str = "v2", error: str = "") -> WorkerReady:
+    """A worker of ``version`` says it is ready for ``current`` (or, with ``error``, that it cannot load)."""
+    return WorkerReady(
+        tenant="admin", model=MODEL, source="worker", version=version, worker="w1", deployment=current.id,
+        error=error,
+    )  # fmt: skip
+
+
+def test_promote_all_while_warming_waits_for_a_ready_worker_of_the_candidate(
+    platform: PlatformSettings, log: Log
+) -> None:
+    """A review: ``promote --all`` at once after ``start`` made the candidate stable, ``sluice up`` stopped
+    the old stable version's worker, and demo-gpt had no worker for 9.5 s until the candidate's loaded (for
+    good, had it been unable to). It is refused until a worker of the candidate is ready, or --force."""
+    current = warming()
+    log.latest[MODEL] = current
+    refused = r"demo-gpt is warming up and no worker of v2 has said it is ready yet; .*--force"
+    with pytest.raises(RolloutError, match=refused):
+        plan_promote(platform, MODEL, to_end=True)
+    # another version's, or one naming an earlier deployment (a worker that may be gone), is not enough
+    log.ready += [ready(current, version="v3"), msgspec.structs.replace(ready(current), deployment="old")]
+    with pytest.raises(RolloutError, match=refused):
+        plan_promote(platform, MODEL, to_end=True)
+    log.ready.append(ready(current, error="no config.json"))
+    with pytest.raises(RolloutError, match=r"a worker of v2 cannot load it: no config\.json"):
+        plan_promote(platform, MODEL, to_end=True)
+    assert plan_promote(platform, MODEL, to_end=True, force=True).phase == "promoted"
+    assert plan_promote(platform, MODEL, to_end=False).phase == "canary"  # the stable version still serves
+    log.ready.append(ready(current))
     assert plan_promote(platform, MODEL, to_end=True).phase == "promoted"
 
 
@@ -356,6 +395,7 @@ def test_promote_all_reaches_promoted(platform: PlatformSettings, log: Log, step
 
 def test_promote_all_while_warming_says_so(platform: PlatformSettings, log: Log) -> None:
     log.latest[MODEL] = warming("v1", "v2", now=T0)
+    log.ready.append(ready(log.latest[MODEL]))
     assert plan_promote(platform, MODEL, to_end=True).reason == (
         "promoted to 100% while warming up: promoted by the operator"
     )
@@ -685,6 +725,26 @@ def test_a_decision_a_later_one_overtook_on_the_log_says_so_and_fails(
     alone = CliRunner().invoke(app, ["rollout", "promote", MODEL], env=env)
     assert alone.exit_code == 0, alone.output
     assert "superseded" not in alone.output
+
+
+def test_the_command_refuses_promote_all_while_warming_unless_forced(
+    monkeypatch: pytest.MonkeyPatch, log: Log, tmp_path: Path
+) -> None:
+    from sluice.cli import app
+
+    def publish(platform: PlatformSettings, event: DeploymentChanged) -> None:
+        log.latest[MODEL] = event
+
+    monkeypatch.setattr(sluice.rollout, "publish", publish)
+    log.latest[MODEL] = warming()
+    env = {"COLUMNS": "250", "SLUICE_CACHE_DIR": str(tmp_path)}
+    refused = CliRunner().invoke(app, ["rollout", "promote", MODEL, "--all"], env=env)
+    assert refused.exit_code == 2, refused.output
+    assert "no worker of v2 has said it is ready yet" in " ".join(refused.output.split())
+    assert log.latest[MODEL].phase == "warming"
+    forced = CliRunner().invoke(app, ["rollout", "promote", MODEL, "--all", "--force"], env=env)
+    assert forced.exit_code == 0, forced.output
+    assert log.latest[MODEL].phase == "promoted"
 
 
 def test_a_start_the_controller_took_on_at_once_is_not_superseded(
