@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -313,7 +314,14 @@ def sql(
     query: Annotated[
         str | None, typer.Argument(help='e.g. "SELECT count() FROM request_facts FINAL" (or use --saved)')
     ] = None,
-    fmt: Annotated[str, typer.Option("--format", "-f", help="table, json or csv")] = "table",
+    fmt: Annotated[
+        str,
+        typer.Option(
+            "--format",
+            "-f",
+            help="table, json (one JSON array of row objects), jsonl (one JSON object per line) or csv",
+        ),
+    ] = "table",
     max_rows: Annotated[int, typer.Option("--max-rows", min=1, help="stop after this many rows")] = 10_000,
     saved: Annotated[
         str | None, typer.Option("--saved", "-s", help="run a saved query by name (see --list-saved)")
@@ -347,8 +355,8 @@ def sql(
         query = named[saved].sql
     if query is None:
         raise fail("give a query, or --saved NAME (--list-saved shows them)", 2)
-    if fmt not in ("table", "json", "csv"):
-        raise fail("--format must be table, json or csv", 2)
+    if fmt not in ("table", "json", "jsonl", "csv"):
+        raise fail("--format must be table, json, jsonl or csv", 2)
     try:
         check_query_text(query)
     except WarehouseQueryError as exc:
@@ -357,9 +365,15 @@ def sql(
         result = query_warehouse(settings(), query, max_rows=max_rows)
     except WarehouseError as exc:
         raise fail(str(exc)) from None
-    if fmt == "json":
-        for row in result.rows:
-            out.print_json(json.dumps(dict(zip(result.columns, row, strict=True)), default=str))
+    if fmt in ("json", "jsonl"):
+        # Plain text on stdout, never rich's coloured, indented print_json: a review found each row printed
+        # as an indented object after the other, which neither ``json.load`` nor a line reader could parse.
+        # ``json`` is one document (``[]`` for no rows), one row a line; ``jsonl`` is JSON Lines.
+        lines = [_json_row(dict(zip(result.columns, row, strict=True))) for row in result.rows]
+        if fmt == "json":
+            sys.stdout.write("[\n" + ",\n".join(lines) + "\n]\n" if lines else "[]\n")
+        else:
+            sys.stdout.writelines(line + "\n" for line in lines)
     elif fmt == "csv":
         import csv
 
@@ -387,6 +401,23 @@ def sql(
         )
     elif result.truncated:
         console.print(f"[yellow]result cut at {limit} rows[/] (--max-rows raises the limit)")
+
+
+def _json_row(row: dict[str, object]) -> str:
+    """One result row as compact JSON; a value JSON has no type for (a date, a UUID, a decimal) is its text,
+    and a float that is not finite (ClickHouse's ``nan`` of 0/0, ``inf``) is null, which a JSON reader
+    accepts where ``NaN`` is not JSON at all."""
+
+    def finite(value: object) -> object:
+        if isinstance(value, float) and not math.isfinite(value):
+            return None
+        if isinstance(value, list | tuple):
+            return [finite(v) for v in value]
+        if isinstance(value, dict):
+            return {k: finite(v) for k, v in value.items()}
+        return value
+
+    return json.dumps(finite(row), default=str, ensure_ascii=False, allow_nan=False)
 
 
 # ---------------------------------------------------------------- SLOs

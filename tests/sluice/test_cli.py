@@ -380,6 +380,25 @@ def test_sql_shows_the_header_of_an_empty_result(sql_settings: PlatformSettings)
     assert "0 rows" in table.stderr
 
 
+@pytest.mark.integration
+def test_sql_json_is_one_document_and_jsonl_one_object_a_line(sql_settings: PlatformSettings) -> None:
+    """A review: ``-f json`` printed each row as an indented, coloured object after the other, which neither
+    ``json.loads`` nor a line reader could parse, and nothing at all for no rows."""
+    query = "SELECT number, toDate('2025-03-01') AS day, nan AS ratio, 'ü' AS s FROM numbers(2)"
+    rows = [
+        {"number": n, "day": "2025-03-01", "ratio": None, "s": "ü"} for n in range(2)
+    ]  # a date is its text, nan is null (NaN is not JSON)
+    document = sql("-f", "json", query)
+    assert document.exit_code == 0, document.output
+    assert json.loads(document.stdout) == rows
+    lines = sql("-f", "jsonl", query)
+    assert lines.exit_code == 0, lines.output
+    assert [json.loads(line) for line in lines.stdout.splitlines()] == rows
+    empty = sql("-f", "json", "SELECT 1 AS a WHERE 0")
+    assert json.loads(empty.stdout) == []
+    assert sql("-f", "jsonl", "SELECT 1 AS a WHERE 0").stdout == ""
+
+
 @pytest.mark.parametrize(
     ("args", "says"),
     [
