@@ -437,6 +437,15 @@ def add_version(model_id: str, source: Path, root: Path, task: Task | None = Non
     serves (``current`` moves only when the model had none): a rollout puts it into service. Versions of
     one id must share the task and ``tokenizer.json`` (requests are tokenised at the edge)."""
     source = Path(source).expanduser().resolve()
+    # First, or a typo in ``--path`` was reported as a directory without tokenizer.json or config.json,
+    # which sent the operator to look at tokenizers (a review).
+    if not source.exists():
+        raise ModelError(f"{model_id}: no such directory: {source}")
+    if not source.is_dir():
+        raise ModelError(
+            f"{model_id}: {source} is not a directory (expected a Hugging Face model directory, as "
+            "save_pretrained writes one)"
+        )
     current_dir = Path(root) / model_id / CURRENT
     if current_dir.exists():
         try:

@@ -328,6 +328,24 @@ def test_add_version_refuses_another_tokenizer_or_task(minilm_source: Path, tmp_
     assert len(list_versions(root, "all-minilm-l6-v2")) == 1  # nothing was registered
 
 
+@pytest.mark.parametrize("registered", [True, False], ids=["model-with-a-version", "new-model"])
+def test_add_version_of_a_path_that_is_no_directory_says_so(
+    minilm_source: Path, tmp_path: Path, registered: bool
+) -> None:
+    """A review: ``sluice models add demo-gpt --path ./my-finetnue`` (a typo) said the directory "has no
+    tokenizer.json" (or, for a new model, "no config.json"), sending the operator to look at tokenizers."""
+    root = tmp_path / "models"
+    if registered:
+        prepare_hf_dir("all-minilm-l6-v2", minilm_source, root)
+    with pytest.raises(ModelError, match=r"no such directory: .*my-finetnue$"):
+        add_version("all-minilm-l6-v2", tmp_path / "my-finetnue", root, "embedding")
+    a_file = tmp_path / "requests.jsonl"
+    a_file.write_text("{}\n")
+    with pytest.raises(ModelError, match=r"requests\.jsonl is not a directory"):
+        add_version("all-minilm-l6-v2", a_file, root, "embedding")
+    assert len(list_versions(root, "all-minilm-l6-v2")) == (1 if registered else 0)
+
+
 def test_add_version_refuses_a_truncated_or_unreadable_weights_file(
     minilm_source: Path, tmp_path: Path
 ) -> None:
