@@ -48,8 +48,8 @@ def audit_verify(
     the topic's last entry, rows that differ from the topic's entry of the same seq, and a topic chain that
     forks. Chains older than the topic's retention are checked by their hashes alone (said on stderr).
 
-    Exit status: 0 every chain holds; 1 problems found (each printed); 2 the warehouse or the topic cannot
-    be read.
+    Exit status: 0 every chain holds; 1 problems found (each printed), or --tenant names a tenant with no
+    chain; 2 the warehouse or the topic cannot be read.
     """
     from rich.markup import escape
 
@@ -82,10 +82,15 @@ def audit_verify(
         raise warehouse_failure(exc) from None
     except (AnchorError, BusError) as exc:
         raise fail(f"{exc} (--warehouse-only checks the table alone)", 2) from None
+    if not problems and tenant is not None and entries == 0:
+        # A review: `--tenant acmee` (a typo) said "audit log verified" and exited 0, so a script checking
+        # one tenant's chain was told it holds. No row in the warehouse and no problem means the topic has
+        # no chain of the tenant either (a chain on the topic alone is a cut tail, reported above): nothing
+        # was verified, and a tenant that has done nothing audited yet has no chain to vouch for.
+        where = "in the warehouse" if warehouse_only else "in the warehouse or on the audit topic"
+        raise fail(f"no audit chain for tenant {tenant!r} {where}: nothing verified (check the tenant id)")
     if not problems:
         out.print(f"audit log verified: {entries} entries in {tenants} tenant chains{anchored}")
-        if tenant is not None and entries == 0:
-            console.print(f"[yellow]no audit entries for tenant {escape(tenant)!r}[/]")
         return
     for problem in problems:
         out.print(f"[red]tenant {escape(problem.tenant)!r} seq {problem.seq}: {escape(problem.reason)}[/]")

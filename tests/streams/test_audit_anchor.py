@@ -350,6 +350,9 @@ def test_verify_names_a_cut_tail_and_a_deleted_chain_the_warehouse_alone_cannot_
     assert alone.returncode == 0, alone.stdout + alone.stderr
     assert "audit log verified: 7 entries in 2 tenant chains" in alone.stdout
     assert verify(settings, "--tenant", "globex").returncode == 0
+    typo = verify(settings, "--tenant", "globexx")  # a review: "verified", exit 0
+    assert typo.returncode == 1, typo.stdout + typo.stderr
+    assert "no audit chain for tenant 'globexx' in the warehouse or on the audit topic" in typo.stderr
 
 
 @pytest.mark.integration
