@@ -301,6 +301,13 @@ def rollout_evaluate(
         f"(stable {result.seconds['stable']:.1f}s, candidate {result.seconds['candidate']:.1f}s)"
     )
     table = Table("gate", "state", "candidate", "stable", "limit", "detail", title=title)
+    # A review: with too few logged requests every gate read insufficient_data with an empty detail, and
+    # the summary said only "not every gate passed"; each such gate now says why.
+    too_few = (
+        f"{result.requests} logged requests < --min-requests {min_requests}"
+        if result.requests < min_requests
+        else ""
+    )
     for g in result.gates:
         table.add_row(
             g.gate,
@@ -308,7 +315,7 @@ def rollout_evaluate(
             _cell(g.candidate),
             _cell(g.baseline),
             _cell(g.limit),
-            g.detail,
+            g.detail or (too_few if g.state == "insufficient_data" else ""),
             style=GATE_STYLES.get(g.state, ""),
         )
     out.print(table)
@@ -327,6 +334,11 @@ def rollout_evaluate(
             f"differed from the stable version's on {1 - result.same_output:.1%} of these requests; "
             f"`sluice rollout start {model} --version {result.candidate} --shadow 100 --canary 0` lets "
             "them judge before any client sees it)[/]"
+        )
+    elif too_few:
+        out.print(
+            f"[red]not every gate passed:[/] {too_few} (widen --from-log, send traffic, or lower "
+            "--min-requests)"
         )
     else:
         out.print("[red]not every gate passed[/]")

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from typer.testing import CliRunner
 
 from bus.producer import EventProducer
 from gpu_workers.models import build_demo_gpt
@@ -191,6 +192,37 @@ async def test_the_limit_takes_the_oldest_logged_requests_over_all_partitions(
     tenants = sorted({r.tenant for r in found})
     assert [r.request_id for r in found] == [r.request_id for r in oldest], f"tenants {tenants} of 12"
     assert all(isinstance(r, GenerationRequested) for r in found)
+
+
+@pytest.mark.parametrize("logged", [6, 30])
+def test_the_command_says_when_too_few_requests_were_logged(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, logged: int
+) -> None:
+    """A review: with 6 logged requests every gate read insufficient_data with an empty detail, and the
+    summary said only "not every gate passed", not that 6 is below --min-requests 20."""
+    import sluice.evaluate
+    from schemas.events import GateResult
+    from sluice.cli import app
+    from sluice.evaluate import Evaluation
+
+    def fake(*args: object, **kwargs: object) -> Evaluation:
+        gates = [GateResult(gate=g, state="insufficient_data") for g in ("error_ratio", "ttft_p99_ms")]
+        return Evaluation(
+            model=GPT, stable="v1", candidate=CANDIDATE, requests=logged, gates=gates, same_output=1.0,
+            seconds={"stable": 0.1, "candidate": 0.1},
+        )  # fmt: skip
+
+    monkeypatch.setattr(sluice.evaluate, "evaluate", fake)
+    env = {"COLUMNS": "250", "SLUICE_CACHE_DIR": str(tmp_path)}
+    args = ["rollout", "evaluate", GPT, "--version", CANDIDATE, "--min-requests", "20"]
+    result = CliRunner().invoke(app, args, env=env)
+    assert result.exit_code == 1, result.output
+    says = f"{logged} logged requests < --min-requests 20"
+    assert (says in result.stdout) == (logged < 20), result.stdout
+    if logged < 20:
+        assert (
+            "not every gate passed: 6 logged requests < --min-requests 20 (widen --from-log" in result.stdout
+        )
 
 
 def test_durations() -> None:
