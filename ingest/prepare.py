@@ -282,8 +282,9 @@ class Preparer:
                     "yet; retry shortly.",
                 ) from exc
         if model.manifest.task != task:
+            article = "an" if model.manifest.task[0] in "aeiou" else "a"  # "a embedding model": a review
             raise InvalidRequest(
-                f"The model '{name}' is a {model.manifest.task} model and cannot serve this endpoint.",
+                f"The model '{name}' is {article} {model.manifest.task} model and cannot serve this endpoint.",
                 param="model",
                 code="unsupported_model_task",
             )

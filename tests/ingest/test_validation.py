@@ -310,6 +310,19 @@ async def test_bad_body_is_rejected_before_publishing(
     await assert_healthy(client, gateway)
 
 
+async def test_a_model_of_another_task_is_named_with_its_article(
+    client: Client, gateway: FakeGateway
+) -> None:
+    """A review: "The model 'all-minilm-l6-v2' is a embedding model"."""
+    for path, body, says in (
+        (CHAT, {"model": EMB, "messages": MSG}, f"The model '{EMB}' is an embedding model and cannot serve"),
+        (EMBEDDINGS, {"model": GEN, "input": "fox"}, f"The model '{GEN}' is a generation model and cannot"),
+    ):
+        response = await client.post(path, json=body, headers=AUTH)
+        assert response.status == 400
+        assert (await response.json())["error"]["message"].startswith(says)
+
+
 NO_OPS: list[tuple[str, dict[str, Any]]] = [
     (CHAT, {"logit_bias": None}),
     (CHAT, {"logit_bias": {}}),
