@@ -125,6 +125,7 @@ def parse_window(value: str) -> timedelta:
         raise InvalidRequest(
             "completion_window must be '24h' (or '<n>h', '<n>m', '<n>s' up to 7 days).",
             param="completion_window",
+            code="invalid_completion_window",  # it was null, unlike every other 400 (a review)
         )
     return timedelta(seconds=int(number) * units[unit])
 

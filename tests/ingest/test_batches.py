@@ -1265,6 +1265,7 @@ def test_a_bad_completion_window_is_refused_naming_it(window: str) -> None:
     with pytest.raises(InvalidRequest) as refused:
         parse_window(window)
     assert refused.value.param == "completion_window"
+    assert refused.value.code == "invalid_completion_window"  # a review: null, unlike every other 400
 
 
 async def test_lines_wait_while_their_model_is_redeployed_and_run_after(
