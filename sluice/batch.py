@@ -347,6 +347,17 @@ def status_time(state: BatchStateChanged) -> datetime | None:
     }.get(state.status)
 
 
+def _unknown_model(status: str) -> str:
+    """Why a batch names no model: it is learnt from the input's lines while validating, so a batch refused
+    or cancelled then never had one (a review: a failed batch said "not known while validating", which it
+    no longer was)."""
+    if status == "validating":
+        return "(not known while validating)"
+    if status == "failed":
+        return "(none: the input was refused)"
+    return "-"
+
+
 def render_state(state: BatchStateChanged) -> RenderableType:
     """The batch as a short table, its progress bar, and its errors when it has any."""
     table = Table.grid(padding=(0, 2))
@@ -360,7 +371,7 @@ def render_state(state: BatchStateChanged) -> RenderableType:
     rows: list[tuple[str, str | Text]] = [
         ("batch", state.batch_id),
         ("tenant", state.tenant),
-        ("model", state.model or "(not known while validating)"),
+        ("model", state.model or _unknown_model(state.status)),
         ("endpoint", state.endpoint),
         ("status", status),
         ("counts", f"total {counts.total}, completed {counts.completed}, failed {counts.failed}"),

@@ -316,6 +316,9 @@ def test_render_state_while_validating() -> None:
     text = rendered(render_state(state(status="validating")))
     assert "no lines yet" in text
     assert "(not known while validating)" in text
+    refused = rendered(render_state(msgspec.structs.replace(state(status="failed"), model="")))  # a review
+    assert "(not known" not in refused
+    assert "(none: the input was refused)" in refused
 
 
 def test_select_is_newest_first_and_filters() -> None:
