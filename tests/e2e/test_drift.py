@@ -240,5 +240,5 @@ async def test_drift_flips_on_a_shifted_mix_and_not_on_the_same_mix(
         live: Any = (await streams.sql(sql))[0]
         again = _sluice(replay_env, "sql", sql, "-f", "json")
         assert again.returncode == 0, again.stderr
-        assert json.loads(again.stdout) == live, f"{table} differs after replay"
+        assert json.loads(again.stdout) == [live], f"{table} differs after replay"
         assert live["n"] > 0

@@ -588,7 +588,7 @@ async def test_a_replay_into_an_empty_warehouse_gives_identical_aggregates(
     for name, sql in CHECKSUMS.items():
         again = _sluice(replay_env, "sql", sql, "-f", "json")
         assert again.returncode == 0, again.stderr
-        assert json.loads(again.stdout) == before[name], f"{name} differs after replay"
+        assert json.loads(again.stdout) == [before[name]], f"{name} differs after replay"
     refused = _sluice(replay_env, "replay")
     assert refused.returncode == 1
     assert "not empty" in refused.stdout + refused.stderr
