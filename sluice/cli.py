@@ -780,7 +780,9 @@ def replay(
         str | None,
         typer.Option(
             "--data-dir",
-            help="embedded warehouse to rebuild (under DIR/warehouse); default SLUICE_DATA_DIR. Must be empty.",
+            help="embedded warehouse to rebuild (under DIR/warehouse); default: the configured warehouse, "
+            "the server of SLUICE_WAREHOUSE_URL if set, else SLUICE_DATA_DIR's. Must be empty (a warehouse "
+            "that is not is refused untouched).",
         ),
     ] = None,
     timeout: Annotated[

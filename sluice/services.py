@@ -325,15 +325,24 @@ def run_replay(
         console.print(f"[red]error:[/] {escape(str(exc))}")
         return 2
     try:
-        migrate(client)
-        apply_retention(client, settings.streams_raw_retention_days)  # as the live worker's (an audit)
-        filled = {t: int(client.query(f"SELECT count() FROM {t}").result_rows[0][0]) for t in TABLES}  # noqa: S608
+        # Looked at before anything is written: a replay refused after it had migrated the warehouse and
+        # applied its shell's raw-event retention (30 days against the live worker's 90) deleted the live
+        # warehouse's raw events and left it migrated past the running release's code (a review: a
+        # forgotten --data-dir, or SLUICE_WAREHOUSE_URL set).
+        filled = {
+            t: int(client.query(f"SELECT count() FROM {t}").result_rows[0][0])  # noqa: S608
+            for t in TABLES
+            if int(client.query(f"EXISTS TABLE {t}").result_rows[0][0])
+        }
         if any(filled.values()):
             counts = ", ".join(f"{t}: {n}" for t, n in filled.items() if n)
             console.print(
-                f"[red]error:[/] the target warehouse is not empty ({counts}); replay into a new --data-dir"
+                f"[red]error:[/] the target warehouse is not empty ({counts}); nothing was changed in it; "
+                "replay into a new --data-dir"
             )
             return 1
+        migrate(client)
+        apply_retention(client, settings.streams_raw_retention_days)  # as the live worker's (an audit)
         topics = request_topics(platform)
         history = price_history(platform, prices)
         published = ", ".join(
