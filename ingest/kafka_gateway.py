@@ -147,6 +147,12 @@ class KafkaGateway(AsyncComponent):
         budgets and deployments reflect the log (``ready()``)."""
         self._quota: ConsumerThread | None = None
         self._quota_apply: Callable[[QuotaSync, float], None] | None = None
+        self._quota_unheard: dict[str, tuple[QuotaSync, float, float]] = {}
+        """Per publishing instance, its latest snapshot read before anyone followed them (:meth:`follow_quota`):
+        (snapshot, age when read, ``time.monotonic()`` when read). The read-back of the last window arrives
+        while the gateway starts, before the edge follows; it was dropped, so a restarted edge forgot what it
+        and its dead peers had admitted in the last minute (a review). Only the latest of each instance is
+        kept, as the ledger keeps only that."""
         self._quota_live_from = 0
         """The quota topic's end when this edge started: snapshots from there on are live."""
         self.on_deploy: Callable[[str, Deployment], None] | None = None
@@ -480,6 +486,12 @@ class KafkaGateway(AsyncComponent):
         self._producer.produce_raw(self._names.quota, encode_coordination(sync), key=sync.edge.encode())
 
     def follow_quota(self, apply: Callable[[QuotaSync, float], None]) -> None:
+        """Event loop: hand every snapshot to ``apply`` from now on, those read before first (each aged by
+        its wait, so a snapshot read back at start is as old as it really is)."""
+        unheard, self._quota_unheard = self._quota_unheard, {}
+        now = time.monotonic()
+        for sync, age, read_at in unheard.values():
+            apply(sync, age + max(0.0, now - read_at))
         self._quota_apply = apply
 
     def _recent_quota(self) -> TopicPartition | None:
@@ -511,9 +523,20 @@ class KafkaGateway(AsyncComponent):
             # at all (an audit). Only the window read back at start is dated by the snapshot's own time.
             live = (message.offset() or 0) >= self._quota_live_from
             syncs.append((sync, 0.0 if live else min(WINDOW_S, max(0.0, (now_ms - sync.time_ms) / 1000))))
-        apply, loop = self._quota_apply, self._loop
-        if syncs and apply is not None and loop is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(_apply_all, apply, syncs)
+        loop = self._loop
+        if syncs and loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._hear_quota, syncs, time.monotonic())
+
+    def _hear_quota(self, syncs: list[tuple[QuotaSync, float]], read_at: float) -> None:
+        """Event loop: apply the snapshots, or keep the latest of each instance until someone follows them
+        (decided here, on the loop, so none falls between the check and :meth:`follow_quota`)."""
+        apply = self._quota_apply
+        if apply is not None:
+            for sync, age in syncs:
+                apply(sync, age)
+            return
+        for sync, age in syncs:  # in log order, one partition: a later snapshot of an instance replaces it
+            self._quota_unheard[sync.edge] = (sync, age, read_at)
 
     # ---------------------------------------------------------------- idempotency
 
@@ -743,11 +766,6 @@ class KafkaGateway(AsyncComponent):
                             return
         finally:
             await asyncio.to_thread(consumer.close)
-
-
-def _apply_all(apply: Callable[[QuotaSync, float], None], syncs: list[tuple[QuotaSync, float]]) -> None:
-    for sync, age in syncs:
-        apply(sync, age)
 
 
 def _reply_of(message: Message, request_id: str) -> Reply | None:

@@ -179,3 +179,34 @@ async def test_a_live_quota_snapshot_is_heard_now_whatever_its_publishers_clock(
     assert 1.5 < ages["before"] < 5
     assert ages["ancient"] == 60  # older than the window: counted as leaving it
     assert ages["behind"] == ages["ahead"] == 0.0
+
+
+async def test_the_snapshots_read_back_before_the_edge_follows_them_are_handed_over_when_it_does(
+    gateway: tuple[KafkaGateway, Log],
+) -> None:
+    """Found by a review: the gateway reads the last window of snapshots while it starts, and the edge follows
+    them only once it starts itself, after the gateway. Read first (as whenever catching up on the idempotency
+    topic took longer), they were dropped: a restarted edge gave every tenant a fresh minute."""
+    edge, _ = gateway
+    edge._loop = asyncio.get_running_loop()
+    edge._quota_live_from = 10
+    now_ms = int(time.time() * 1000)
+
+    def snapshot(instance: str, age_s: float, offset: int) -> _Record:
+        sync = QuotaSync(edge=instance, time_ms=now_ms - int(age_s * 1000), window_s=60, usage=())
+        return _Record(encode_coordination(sync), offset)
+
+    edge._on_quota([snapshot("previous-life", 20, 1), snapshot("dead-peer", 30, 2)])  # type: ignore[list-item]
+    edge._on_quota([snapshot("previous-life", 5, 3), snapshot("live-peer", 0, 10)])  # type: ignore[list-item]
+    await asyncio.sleep(0.2)  # handed to the loop, and no one follows yet
+    heard: list[tuple[str, float]] = []
+    edge.follow_quota(lambda sync, age: heard.append((sync.edge, age)))
+    ages = dict(heard)
+    assert sorted(ages) == ["dead-peer", "live-peer", "previous-life"]
+    assert [name for name, _ in heard].count("previous-life") == 1  # its latest only, as the ledger keeps
+    assert 5.1 < ages["previous-life"] < 8  # aged by its wait as well
+    assert 30.1 < ages["dead-peer"] < 33
+    assert 0.1 < ages["live-peer"] < 3
+    edge._on_quota([snapshot("live-peer", 0, 11)])  # type: ignore[list-item]
+    await asyncio.sleep(0.01)
+    assert heard[-1] == ("live-peer", 0.0)  # from then on, straight through
