@@ -39,6 +39,7 @@ import functools
 import hashlib
 import json
 import logging
+import re
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
@@ -126,6 +127,17 @@ def sink_topics(names: TopicNames, request_topics: Sequence[str], *, decisions: 
     reports it publishes itself (``decisions=False``); a replay reads them from their topics."""
     topics = [*request_topics, names.results, names.cancels, names.control, names.batches]
     return [*topics, names.audit, names.drift] if decisions else topics
+
+
+def requests_pattern(names: TopicNames) -> str:
+    """A subscription to every request topic, those made later too (librdkafka's ``^`` regex form; a new
+    topic is picked up at the next metadata refresh, :data:`SINK_METADATA_REFRESH_MS`)."""
+    return "^" + re.escape(names.requests_prefix) + ".+"
+
+
+SINK_METADATA_REFRESH_MS = 30_000
+"""How often the sink asks for the cluster's topics, so a request topic made while it runs is read within
+this (librdkafka's default, 5 minutes)."""
 
 
 P = ParamSpec("P")
@@ -219,7 +231,11 @@ class StreamsApp(AsyncComponent):
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="warehouse-writer")
         self.group = app_id or f"{platform.topic_prefix}-streams"
         """The sink's consumer group (the Faust app of earlier versions committed under the same id)."""
-        self.topics = sink_topics(names, request_topics, decisions=False)
+        self.topics = sink_topics(names, [requests_pattern(names)], decisions=False)
+        """What the sink subscribes to: every request topic by a pattern, not the ones there at start
+        (``request_topics`` is what a replay reads). A review: a model added while the worker ran (its
+        topic made by ``sluice topics apply``) never reached ``events_raw`` until a restart, for good past
+        the topic's retention, and a replay of the same log had it."""
         self._sink: ConsumerThread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timers: list[asyncio.Task[None]] = []
@@ -304,7 +320,12 @@ class StreamsApp(AsyncComponent):
             task = asyncio.create_task(every(interval, guarded(self.fail, work)), name=work.__name__)
             self._timers.append(task)
         self._sink = ConsumerThread(
-            consumer_config(self._kafka, self.group, f"{self.group}-sink"),
+            consumer_config(
+                self._kafka,
+                self.group,
+                f"{self.group}-sink",
+                **{"topic.metadata.refresh.interval.ms": SINK_METADATA_REFRESH_MS},
+            ),
             self._consume,
             subscribe=self.topics,
             name="streams-sink",
