@@ -159,42 +159,6 @@ def settling(stream: ReplyStream, settle: Callable[[RequestFinished], None]) -> 
     return Watched(stream, see)
 
 
-async def _first_of(items: AsyncIterator[ReplyItem]) -> ReplyItem | None:
-    """The stream's first item (None: it ended without one)."""
-    try:
-        return await anext(items)
-    except StopAsyncIteration:
-        return None
-
-
-class Peeked:
-    """A reply stream whose first item is awaited already (``first``), then read on from ``items``."""
-
-    def __init__(
-        self, stream: ReplyStream, items: AsyncIterator[ReplyItem], first: asyncio.Future[ReplyItem | None]
-    ) -> None:
-        self._stream = stream
-        self._items = items
-        self._first: asyncio.Future[ReplyItem | None] | None = first
-
-    def __aiter__(self) -> Peeked:
-        return self
-
-    async def __anext__(self) -> ReplyItem:
-        first, self._first = self._first, None
-        if first is None:
-            return await anext(self._items)
-        item = await first
-        if item is None:
-            raise StopAsyncIteration
-        return item
-
-    async def aclose(self) -> None:
-        if self._first is not None:
-            self._first.cancel()
-        await self._stream.aclose()
-
-
 class Refund(Protocol):
     """Takes back what a flight reserved (:meth:`ingest.admission.Admission.refund`)."""
 
@@ -291,63 +255,18 @@ class Dispatcher:
             raise IdempotencyKeyReused(
                 "This Idempotency-Key was used with a different request body.", param="Idempotency-Key"
             )
-        if record.request_id != event.request_id:
-            replay = await self._replay(event, idempotency_key, record, mine)
-            if isinstance(replay, Opened):
-                return replay
-            record = replay  # the key's stranded claim superseded: by this request, or another edge's
         if record.request_id == event.request_id:
             try:
                 return Opened(event.request_id, await self._gateway.submit(event), owner=True)
             except GatewayUnavailable:  # never published: the key must not point at a request that is not
                 await self._gateway.forget_idempotent(event.tenant, idempotency_key, mine)
                 raise
-        return await self._replay_winner(event, record)
-
-    async def _replay_winner(self, event: RequestEvent, record: IdempotencyRecord) -> Opened:
-        """Another edge's claim that took a stranded key over first: its request is new, so replayed."""
-        stream = await self._resume_key(event, record)
-        return Opened(record.request_id, tenant_checked(stream, event.tenant), owner=False, replay=True)
-
-    async def _resume_key(self, event: RequestEvent, record: IdempotencyRecord) -> ReplyStream:
         stream = await self._gateway.resume(event.tenant, record.request_id, WHOLE)
         if stream is None:
             raise IdempotencyInProgress(
                 "A request with this Idempotency-Key is not readable yet; retry shortly.",
                 param="Idempotency-Key",
             )
-        return stream
-
-    STRANDED_PEEK_S = 2.0
-    """How long the replay of an old claim may give nothing before the edge looks for its request on the
-    log: a replay of a request that ran finds its replies at once."""
-
-    async def _replay(
-        self, event: RequestEvent, key: str, record: IdempotencyRecord, mine: IdempotencyRecord
-    ) -> Opened | IdempotencyRecord:
-        """The replay of the request that holds ``key``; or, when that claim is stranded (its edge died
-        before its request reached the log: ``ingest/idempotency.py``), the record that took the key over
-        from it. Every retry of such a key replayed a stream that never came, a 504 for 24 hours (a review)."""
-        stream = await self._resume_key(event, record)
-        if self._gateway.may_be_stranded(event.tenant, key, record):
-            items = aiter(stream)
-            first = asyncio.ensure_future(_first_of(items))
-            try:
-                await asyncio.wait([first], timeout=self.STRANDED_PEEK_S)
-                superseded = None
-                if not first.done():
-                    superseded = await self._gateway.supersede_stranded(
-                        event.tenant, key, event.model, record, mine
-                    )
-            except BaseException:
-                first.cancel()
-                await stream.aclose()
-                raise
-            if superseded is not None:
-                first.cancel()
-                await stream.aclose()
-                return superseded
-            stream = Peeked(stream, items, first)
         # a retry after this edge's client left, within the grace, takes the request back as a resume does
         # (its body is the request's: the same model)
         owner = self._reclaim(record.request_id) is not None

@@ -96,16 +96,6 @@ class Gateway(Protocol):
 
     async def forget_idempotent(self, tenant: str, key: str, record: IdempotencyRecord) -> None: ...
 
-    def may_be_stranded(self, tenant: str, key: str, held: IdempotencyRecord) -> bool:
-        """``held`` still holds ``key`` and is old enough to be stranded (its edge died before its request
-        reached the log: ``ingest/idempotency.py``), and this edge has seen no reply of it."""
-
-    async def supersede_stranded(
-        self, tenant: str, key: str, model: str, held: IdempotencyRecord, mine: IdempotencyRecord
-    ) -> IdempotencyRecord | None:
-        """If ``held`` is stranded (:meth:`may_be_stranded`, and its request is not on the log), claim
-        ``key`` over it for ``mine`` and return the record that won the key; None if it is not."""
-
     async def publish_quota(self, sync: QuotaSync) -> None: ...
 
     def follow_quota(self, apply: Callable[[QuotaSync, float], None]) -> None:

@@ -6,21 +6,6 @@ topic has passed it; the **first claim of the key in log order wins**, on every 
 replays the winner's stream (the claim names the replies partition it is answered on). A request whose
 publish fails after its claim won withdraws the claim (a tombstone), so a retry with the key can run.
 
-An edge that dies after its claim won and before its request reached the log cannot withdraw it: the claim
-is **stranded**, and every retry replayed a stream that never came (a 504 at its deadline, for the claim's
-24 hours: a review). Time bounds make it safe for another edge to take the key over:
-
-- the claimant produces its request (and withdraws its claim) only until :data:`PUBLISH_BY_S` after the
-  claim's time, by its own clock; past that it answers 503 and leaves the claim as it is;
-- a record produced is on the log within the producer's ``message.timeout.ms`` (30 s) or never;
-- so :data:`STRANDED_AFTER_S` after the claim's time (with a margin for the broker and the edges' clocks),
-  an edge whose retry finds the request on neither its partition of ``requests.<model>`` nor among this
-  edge's replies may publish a claim that **supersedes** it. Such a claim wins only over the claim it names
-  (in log order, on every edge alike), so of several edges superseding at once the first wins and the others
-  replay its request. A request that reached the log is never superseded, so it never runs twice.
-
-A key whose claimant died is so held for :data:`STRANDED_AFTER_S`; a retry past it runs the request anew.
-
 :class:`ClaimTable` is the reader's state: pure, per tenant bounded (one tenant cannot push out another's
 keys), claims expire ``ttl_s`` after they were made.
 """
@@ -32,20 +17,12 @@ from collections import OrderedDict
 from schemas.coordination import IdempotencyClaim
 
 DAY_S = 24 * 3600.0
-PUBLISH_BY_S = 15.0
-"""How long after its claim an edge may still produce the claim's request, or withdraw the claim."""
-STRANDED_AFTER_S = 60.0
-"""How long after its claim a claim whose request is not on the log may be superseded: :data:`PUBLISH_BY_S`,
-the producer's 30 s delivery timeout, and 15 s for the broker's write and the edges' clocks."""
 
 
 class ClaimTable:
-    def __init__(
-        self, *, per_tenant: int = 10_000, ttl_s: float = DAY_S, stranded_after_s: float = STRANDED_AFTER_S
-    ) -> None:
+    def __init__(self, *, per_tenant: int = 10_000, ttl_s: float = DAY_S) -> None:
         self._per_tenant = per_tenant
         self._ttl_ms = ttl_s * 1000
-        self._stranded_after_ms = stranded_after_s * 1000
         self._tenants: dict[str, OrderedDict[str, IdempotencyClaim]] = {}
         self._by_request: dict[str, IdempotencyClaim] = {}
 
@@ -53,13 +30,12 @@ class ClaimTable:
         """A claim read from the log: it wins unless a claim of the key came before it and had not expired
         when this one was made (judged by the claims' times, so every reader of the log decides alike: by
         the time of reading, an edge started a day later handed the key to a claim that had lost, a
-        review). A claim that supersedes a stranded one wins over that claim alone, and only once it is
-        :data:`STRANDED_AFTER_S` old. Returns the claim that holds the key now."""
+        review). Returns the claim that holds the key now."""
         claims = self._tenants.setdefault(claim.tenant, OrderedDict())
         held = claims.get(claim.key_sha256)
-        if held is not None and not self._expired(held, claim.time_ms) and not self._supersedes(claim, held):
+        if held is not None and not self._expired(held, claim.time_ms):
             return held
-        if held is not None:  # expired or superseded: the key is free again
+        if held is not None:  # expired: the key is free again
             del claims[claim.key_sha256]
             self._by_request.pop(held.request_id, None)
         claims[claim.key_sha256] = claim
@@ -85,13 +61,6 @@ class ClaimTable:
 
     def __len__(self) -> int:
         return sum(len(claims) for claims in self._tenants.values())
-
-    def _supersedes(self, claim: IdempotencyClaim, held: IdempotencyClaim) -> bool:
-        return (
-            claim.supersedes is not None
-            and claim.supersedes == held.request_id
-            and claim.time_ms - held.time_ms >= self._stranded_after_ms
-        )
 
     def _expired(self, claim: IdempotencyClaim, now_ms: float) -> bool:
         return now_ms - claim.time_ms > self._ttl_ms

@@ -18,7 +18,6 @@ import hashlib
 import logging
 import threading
 import time
-import zlib
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -35,7 +34,7 @@ from bus.positions import offset_at, read_to_end, watermarks
 from bus.producer import EventProducer
 from ingest.errors import GatewayUnavailable
 from ingest.gateway import IdempotencyRecord
-from ingest.idempotency import PUBLISH_BY_S, STRANDED_AFTER_S, ClaimTable
+from ingest.idempotency import ClaimTable
 from ingest.quota import WINDOW_S
 from ingest.reply_stream import WHOLE, After, Reply, ReplyStream
 from monitoring import tracing
@@ -98,7 +97,6 @@ class KafkaGateway(AsyncComponent):
         resume_window_s: float = 3600.0,
         resume_index: int = 100_000,
         replies_on_loop: bool = True,
-        stranded_after_s: float = STRANDED_AFTER_S,
     ) -> None:
         super().__init__()
         self._kafka = kafka
@@ -128,11 +126,7 @@ class KafkaGateway(AsyncComponent):
         """The threads that read the log for resumed and lagging streams (:meth:`read_log`)."""
         self._listener: ConsumerThread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._stranded_after_s = stranded_after_s
-        """The same on every edge (``ingest/idempotency.py``); other than the default in tests alone."""
-        self._claims = ClaimTable(
-            per_tenant=idempotency_per_tenant, ttl_s=idempotency_ttl_s, stranded_after_s=stranded_after_s
-        )
+        self._claims = ClaimTable(per_tenant=idempotency_per_tenant, ttl_s=idempotency_ttl_s)
         """Idempotency keys claimed by any edge, from the ``idempotency`` topic (applied on the loop)."""
         self._claims_reader: ConsumerThread | None = None
         self._claims_read: dict[int, int] = {}
@@ -142,11 +136,6 @@ class KafkaGateway(AsyncComponent):
         """(partition, offset, tenant, key, record) of claims published whose read-back was not waited
         out (it timed out, or the client left): once read, each is withdrawn if it won its key."""
         self._withdrawing: set[asyncio.Task[None]] = set()
-        self._publish_by: OrderedDict[str, float] = OrderedDict()
-        """Request id -> until when (unix ms) this edge may produce the request of a claim it won
-        (:data:`~ingest.idempotency.PUBLISH_BY_S`), oldest first."""
-        self._logged: OrderedDict[str, None] = OrderedDict()
-        """Request ids of old claims found on the log (:meth:`supersede_stranded` reads it once per id)."""
         self._claims_caught_up = asyncio.Event()
         self._claims_ends: dict[int, int] = {}
         self._control: ConsumerThread | None = None
@@ -425,9 +414,6 @@ class KafkaGateway(AsyncComponent):
             if traceparent is not None:  # the worker's spans become children of this one
                 event = msgspec.structs.replace(event, traceparent=traceparent, tracestate=tracestate)
             try:
-                # No await between this check and the produce: a claim's request is on the log within the
-                # producer's delivery timeout of it, or never (what makes a stranded claim safe to supersede).
-                self._check_publish_by(event.request_id)
                 where = await self._producer.publish(
                     topic, event, key=self.partition_key(event.tenant, event.request_id)
                 )
@@ -442,15 +428,6 @@ class KafkaGateway(AsyncComponent):
             if span.is_recording():
                 span.set_attributes(tracing.messaging("publish", topic, where[0], where[1]))
         return stream
-
-    def _check_publish_by(self, request_id: str) -> None:
-        """Raise :class:`BusError` if the request is a won claim's and past its time to be produced."""
-        publish_by = self._publish_by.pop(request_id, None)
-        if publish_by is not None and time.time() * 1000 > publish_by:
-            raise BusError(
-                f"its Idempotency-Key was claimed more than {PUBLISH_BY_S:g} s ago; another edge may take "
-                "the key over"
-            )
 
     async def mirror(self, event: GenerationRequested | EmbeddingRequested) -> None:
         """Publish a shadow copy: nobody listens for its replies (it has no ``reply``)."""
@@ -578,11 +555,6 @@ class KafkaGateway(AsyncComponent):
     ) -> IdempotencyRecord:
         """Claim ``key`` on the log and return the record of the claim that won it (in log order, on every
         edge alike): ``record`` itself, or an earlier claim's, whose stream the caller then replays."""
-        return await self._claim(tenant, key, record)
-
-    async def _claim(
-        self, tenant: str, key: str, record: IdempotencyRecord, supersedes: str | None = None
-    ) -> IdempotencyRecord:
         if self._claims_reader is None:
             raise GatewayUnavailable("idempotency keys are not available on this edge (no idempotency topic)")
         claim = IdempotencyClaim(
@@ -593,7 +565,6 @@ class KafkaGateway(AsyncComponent):
             edge=self.edge_id,
             reply_partition=self.reply_to.partition,
             time_ms=int(time.time() * 1000),
-            supersedes=supersedes,
         )
         published = asyncio.ensure_future(
             self._producer.publish_raw(
@@ -620,101 +591,12 @@ class KafkaGateway(AsyncComponent):
         won = self._claims.get(tenant, claim.key_sha256, time.time() * 1000)
         if won is None:  # withdrawn meanwhile by its winner's failed publish: ours was after it
             raise GatewayUnavailable("the idempotency key was released by a failed request; retry")
-        if won.request_id == record.request_id:
-            self._note_claimed(record.request_id, claim.time_ms + PUBLISH_BY_S * 1000)
         return IdempotencyRecord(request_id=won.request_id, body_hash=won.body_hash)
-
-    def _note_claimed(self, request_id: str, publish_by: float) -> None:
-        """Remember until when the request of a claim this edge won may be produced (forgotten once past)."""
-        fence = self._publish_by
-        now = time.time() * 1000
-        while fence and next(iter(fence.values())) < now:
-            fence.popitem(last=False)
-        fence[request_id] = publish_by
-
-    def may_be_stranded(self, tenant: str, key: str, held: IdempotencyRecord) -> bool:
-        claim = self._claims.get(tenant, key_digest(key), time.time() * 1000)
-        return (
-            claim is not None
-            and claim.request_id == held.request_id
-            and time.time() * 1000 - claim.time_ms >= self._stranded_after_s * 1000
-            and held.request_id not in self._logged
-            and self.owner(held.request_id) is None
-        )
-
-    async def supersede_stranded(
-        self, tenant: str, key: str, model: str, held: IdempotencyRecord, mine: IdempotencyRecord
-    ) -> IdempotencyRecord | None:
-        """:meth:`ingest.gateway.Gateway.supersede_stranded`: the request is looked for on every partition
-        of ``requests.<model>`` (the partitioner's salts are each edge's own settings), from a moment before
-        its claim to :data:`STRANDED_LOOK_S` after it, its records' headers alone. Rare: only a replay of an
-        old claim that has no reply here asks (``ingest/dispatch.py``)."""
-        claim = self._claims.get(tenant, key_digest(key), time.time() * 1000)
-        if claim is None or not self.may_be_stranded(tenant, key, held):
-            return None
-        try:
-            logged = await self._on_log_reader(self._request_logged, model, claim)
-        except BusError:
-            log.warning("could not look for request %s on the log", held.request_id, exc_info=True)
-            return None
-        if logged:
-            self._logged[held.request_id] = None
-            while len(self._logged) > self.LOGGED_KEPT:
-                self._logged.popitem(last=False)
-            return None
-        log.warning(
-            "idempotency claim of request %s (edge %s) is stranded: its request is not on the log; "
-            "request %s takes the key over",
-            held.request_id,
-            claim.edge,
-            mine.request_id,
-        )
-        return await self._claim(tenant, key, mine, supersedes=held.request_id)
-
-    LOGGED_KEPT = 10_000
-    STRANDED_LOOK_S = STRANDED_AFTER_S + 60.0
-    """How far after its claim a request is looked for: past :data:`~ingest.idempotency.PUBLISH_BY_S`
-    by the claimant's clock (its records' time), with room for the other producers' clocks, whose records'
-    times place the end of the read."""
-
-    def _request_logged(self, model: str, claim: IdempotencyClaim) -> bool:
-        """A log reader's thread: is ``claim``'s request on ``requests.<model>``? Its own partition (by the
-        default partitioner, CRC-32 of the key) is read first."""
-        topic = self._names.requests(model)
-        consumer = Consumer(consumer_config(self._kafka, None, f"ingest-{self.edge_id}-stranded"))
-        try:
-            meta = consumer.list_topics(topic, timeout=10).topics.get(topic)
-            if meta is None or meta.error is not None or not meta.partitions:
-                raise BusError(f"no topic {topic}")
-            count = len(meta.partitions)
-            own = zlib.crc32(self.partition_key(claim.tenant, claim.request_id)) % count
-            subject = claim.request_id.encode()
-            for partition in [own, *(p for p in sorted(meta.partitions) if p != own)]:
-                begin = offset_at(consumer, topic, partition, claim.time_ms - 5_000)
-                end = offset_at(consumer, topic, partition, claim.time_ms + int(self.STRANDED_LOOK_S * 1000))
-                start = TopicPartition(topic, partition, begin)
-                for message in read_to_end(consumer, [start], {partition: end}):
-                    try:
-                        if dict(record_headers(message)).get("ce_subject") == subject:
-                            return True
-                    except UnreadableHeaders:
-                        continue
-            return False
-        finally:
-            consumer.close()
 
     async def forget_idempotent(self, tenant: str, key: str, record: IdempotencyRecord) -> None:
         """Withdraw this edge's winning claim of ``key`` (its request was never published)."""
-        now_ms = time.time() * 1000
-        held = self._claims.get(tenant, key_digest(key), now_ms)
+        held = self._claims.get(tenant, key_digest(key), time.time() * 1000)
         if held is None or held.request_id != record.request_id:
-            return
-        if now_ms > held.time_ms + PUBLISH_BY_S * 1000:
-            # Too late to withdraw: the tombstone might land after another edge's claim superseding this
-            # one and free the key while that claim's request runs. It is left to be superseded.
-            log.warning(
-                "idempotency claim of %s left to be superseded (too old to withdraw)", record.request_id
-            )
             return
         self._claims.withdraw(tenant, held.key_sha256)
         try:

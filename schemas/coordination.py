@@ -53,9 +53,6 @@ class IdempotencyClaim(msgspec.Struct, frozen=True, kw_only=True):
     reply_partition: Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
     """The replies partition of the edge that submitted it: where any edge can replay its stream from."""
     time_ms: TimeMs
-    supersedes: str | None = None
-    """The request id of a stranded claim this one takes the key from: a claim whose request never reached
-    the log (its edge died in between), checked by the superseding edge (``ingest/idempotency.py``)."""
 
 
 _QUOTA = msgspec.json.Decoder(QuotaSync)

@@ -204,14 +204,6 @@ class FakeGateway:
         if self.idempotency.get((tenant, key)) == record:
             del self.idempotency[(tenant, key)]
 
-    def may_be_stranded(self, tenant: str, key: str, held: IdempotencyRecord) -> bool:
-        return False
-
-    async def supersede_stranded(
-        self, tenant: str, key: str, model: str, held: IdempotencyRecord, mine: IdempotencyRecord
-    ) -> IdempotencyRecord | None:
-        return None
-
     async def publish_quota(self, sync: QuotaSync) -> None:
         self.quota_published.append(sync)
         for gateway in self._quota_bus:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-import msgspec
 import pytest
 
 from bus.producer import EventProducer
@@ -183,20 +182,3 @@ async def test_a_claim_withdrawn_after_a_failed_publish_frees_the_key_on_every_e
             break
         await asyncio.sleep(0.05)
     assert await a.lookup_idempotent("acme", "k") == second
-
-
-def _superseding(key: str, request_id: str, supersedes: str, time_ms: int) -> IdempotencyClaim:
-    return msgspec.structs.replace(_claim("acme", key, request_id, time_ms), supersedes=supersedes)
-
-
-def test_a_stranded_claim_is_superseded_only_by_a_claim_naming_it_once_it_is_old_enough() -> None:
-    """Found by a review: a claim whose edge died before its request reached the log held its key for 24 h,
-    every retry replaying a stream that never came. A claim that supersedes it wins, on every reader alike."""
-    table = ClaimTable(stranded_after_s=60)
-    table.apply(_claim("acme", "k", "dead", time_ms=1_000))
-    assert table.apply(_superseding("k", "early", "dead", time_ms=50_000)).request_id == "dead"  # too young
-    assert table.apply(_superseding("k", "wrong", "other", time_ms=70_000)).request_id == "dead"  # not it
-    assert table.apply(_superseding("k", "first", "dead", time_ms=61_000)).request_id == "first"
-    assert table.apply(_superseding("k", "second", "dead", time_ms=61_001)).request_id == "first"  # too late
-    assert table.by_request("acme", "dead") is None
-    assert table.get("acme", key_digest("k"), 62_000) == _superseding("k", "first", "dead", 61_000)

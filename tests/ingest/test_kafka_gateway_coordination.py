@@ -9,12 +9,10 @@ import time
 
 import pytest
 
-from bus.errors import BusError
 from ingest.errors import GatewayUnavailable
 from ingest.gateway import IdempotencyRecord
-from ingest.idempotency import PUBLISH_BY_S
 from ingest.kafka_gateway import KafkaGateway
-from schemas.coordination import IdempotencyClaim, QuotaSync, decode_claim, encode_coordination, key_digest
+from schemas.coordination import QuotaSync, decode_claim, encode_coordination
 from schemas.settings import KafkaConnection
 from schemas.topics import TopicNames
 
@@ -212,22 +210,3 @@ async def test_the_snapshots_read_back_before_the_edge_follows_them_are_handed_o
     edge._on_quota([snapshot("live-peer", 0, 11)])  # type: ignore[list-item]
     await asyncio.sleep(0.01)
     assert heard[-1] == ("live-peer", 0.0)  # from then on, straight through
-
-
-async def test_a_claim_past_its_time_to_publish_is_neither_published_nor_withdrawn(
-    gateway: tuple[KafkaGateway, Log],
-) -> None:
-    """Another edge may supersede a claim :data:`STRANDED_AFTER_S` after it, having found its request on
-    no partition: its request must not land later, nor a tombstone that would free the superseding claim."""
-    edge, log = gateway
-    old = IdempotencyClaim(
-        tenant=TENANT, key_sha256=key_digest(KEY), request_id=MINE.request_id, body_hash="h", edge="e",
-        reply_partition=0, time_ms=int((time.time() - PUBLISH_BY_S - 1) * 1000),
-    )  # fmt: skip
-    edge._claims.apply(old)
-    await edge.forget_idempotent(TENANT, KEY, MINE)
-    assert log.records == []  # no tombstone
-    assert await edge.lookup_idempotent(TENANT, KEY) == MINE
-    edge._note_claimed(MINE.request_id, old.time_ms + PUBLISH_BY_S * 1000)
-    with pytest.raises(BusError):
-        edge._check_publish_by(MINE.request_id)
