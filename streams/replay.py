@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from time import monotonic
 
-from confluent_kafka import Consumer, KafkaException, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from bus.consumer import consumer_config, past_ends
 from bus.control import read_control
@@ -136,6 +136,10 @@ def price_history(platform: PlatformSettings, fallback: PriceTable) -> PriceHist
         raise ReplayError(f"cannot read the price history on {topic}: {exc}") from exc
 
 
+ABSENT = frozenset({KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC})
+"""The metadata errors that say a topic does not exist (nothing to replay of it)."""
+
+
 def _extents(consumer: Consumer, topics: list[str]) -> dict[tuple[str, int], tuple[int, int]]:
     """(topic, partition) -> (its first offset still held, the end offset this replay reads up to), of each
     partition that ever held records."""
@@ -143,7 +147,11 @@ def _extents(consumer: Consumer, topics: list[str]) -> dict[tuple[str, int], tup
     for topic in topics:
         meta = consumer.list_topics(topic, timeout=10).topics[topic]
         if meta.error is not None:
-            continue  # a topic that does not exist has nothing to replay
+            if meta.error.code() in ABSENT:
+                continue  # a topic that does not exist has nothing to replay
+            # Any other error is not an absence: a topic this principal may not describe (an ACL) was taken
+            # for one, and the replay exited 0 with, say, no audit_log at all (a review).
+            raise ReplayError(f"cannot read {topic}: {meta.error.str()}")
         for partition in meta.partitions:
             low, high = watermarks(consumer, topic, partition)
             if high > 0:

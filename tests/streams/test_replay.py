@@ -204,7 +204,7 @@ class FakeLog:
             raise KafkaException(
                 KafkaError(KafkaError._TRANSPORT, "Failed to get metadata: transport failure")
             )
-        error = None if topic.endswith(".results") else "unknown topic"
+        error = None if topic.endswith(".results") else KafkaError(KafkaError.UNKNOWN_TOPIC_OR_PART)
         return SimpleNamespace(topics={topic: SimpleNamespace(error=error, partitions={0: None})})
 
     def assign(self, partitions: Sequence[TopicPartition]) -> None:
@@ -361,3 +361,21 @@ def test_replay_into_a_data_dir_fills_that_directory_whatever_server_is_configur
             "SELECT engine_full FROM system.tables WHERE name = 'events_raw'"
         ).result_rows[0]
     assert "TTL toDateTime(time) + toIntervalDay(30)" in engine
+
+
+def test_a_topic_the_replay_may_not_read_is_an_error_not_an_absent_topic(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A review: any metadata error was taken for a topic that does not exist, so a principal without an
+    ACL on, say, ``audit`` got exit 0 and an empty ``audit_log``, with no word said."""
+    log = FakeLog(monkeypatch, 10, per_poll=10)
+
+    def list_topics(topic: str, timeout: float) -> Any:
+        code = (
+            KafkaError.TOPIC_AUTHORIZATION_FAILED if topic.endswith(".results") else KafkaError._UNKNOWN_TOPIC
+        )
+        return SimpleNamespace(topics={topic: SimpleNamespace(error=KafkaError(code), partitions={0: None})})
+
+    monkeypatch.setattr(log, "list_topics", list_topics)
+    with pytest.raises(ReplayError, match=r"cannot read p\.results: .*(?i:authori)"):
+        replay(PlatformSettings(topic_prefix="p"), NullWriter(), FROM_LOG, [], timeout_s=30)
