@@ -379,3 +379,30 @@ def test_a_topic_the_replay_may_not_read_is_an_error_not_an_absent_topic(
     monkeypatch.setattr(log, "list_topics", list_topics)
     with pytest.raises(ReplayError, match=r"cannot read p\.results: .*(?i:authori)"):
         replay(PlatformSettings(topic_prefix="p"), NullWriter(), FROM_LOG, [], timeout_s=30)
+
+
+class CompactedLog(FakeLog):
+    """The results partition as a compacted topic leaves it: every other offset's record removed."""
+
+    def consume(self, count: int, timeout: float) -> list[Any]:
+        return [message for message in super().consume(count, timeout) if message.offset() % 2]
+
+
+def test_a_compacted_topics_progress_reaches_its_total_and_its_holes_are_reported(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A review: over a compacted topic (``control``, ``batches``) the progress counted records against a
+    total of offsets and ended at 3/8, and nothing said the history compaction removed is not rebuilt."""
+    CompactedLog(monkeypatch, 8, per_poll=4)
+    seen: list[tuple[int, int]] = []
+    report = replay(
+        PlatformSettings(topic_prefix="p"),
+        NullWriter(),
+        FROM_LOG,
+        [],
+        progress=lambda d, t: seen.append((d, t)),
+    )
+    assert report.events == 4
+    assert seen[-1] == (8, 8)
+    assert report.compacted == {"p.results": 4}
+    assert report.gone == {}
