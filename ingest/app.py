@@ -209,7 +209,10 @@ class Edge(AsyncComponent):
             middlewares=[traced, openai_errors, ops_guard(access, hosts)],
             client_max_size=settings.edge_max_body_bytes,
         )
-        Routes(self.ctx, access).add_to(self.app)
+        Routes(self.ctx, access, failure=lambda: self.failure).add_to(self.app)
+        # A gateway that died serves nothing again: the edge fails with it, so that its process exits for
+        # its supervisor to restart and ``/healthz`` answers 503 for a liveness probe meanwhile.
+        gateway.watch(self.fail)
         self.batches = batches(self.ctx) if batches is not None else None
         BatchRoutes(self.ctx, self.batches).add_to(self.app)
         if self.batches is not None:

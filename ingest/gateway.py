@@ -101,3 +101,10 @@ class Gateway(Protocol):
     def follow_quota(self, apply: Callable[[QuotaSync, float], None]) -> None:
         """From now on, call ``apply(snapshot, age_s)`` on the event loop with the other edges' snapshots
         (a starting edge is first given those of the last window)."""
+
+    def watch(self, watcher: Callable[[BaseException], object]) -> None:
+        """Call ``watcher(exc)`` once, on any thread, when the gateway dies for good (its producer, reply
+        listener or control listener thread): it then fails closed, and only a new one serves again. The
+        edge fails with it, so that its process exits and ``/healthz`` answers 503 (a review: the edge
+        answered 503 to every request for good, ``sluice edge`` never exited for its supervisor to restart
+        it, and k8s liveness stayed green)."""

@@ -8,6 +8,7 @@ import logging
 import math
 import re
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -95,10 +96,18 @@ async def send_now(request: web.Request, response: web.Response, within_s: float
 
 
 class Routes:
-    def __init__(self, ctx: EdgeContext, access: OpsAccess) -> None:
-        """``access``: the ops token's rule (``SLUICE_OPS_TOKEN``), which ``/readyz``'s model list follows."""
+    def __init__(
+        self,
+        ctx: EdgeContext,
+        access: OpsAccess,
+        *,
+        failure: Callable[[], BaseException | None],
+    ) -> None:
+        """``access``: the ops token's rule (``SLUICE_OPS_TOKEN``), which ``/readyz``'s model list follows.
+        ``failure``: the edge's own (its gateway or its batch runner died), which ``/healthz`` reports."""
         self.ctx = ctx
         self.access = access
+        self._failure = failure
         self._openapi: bytes | None = None
 
     def add_to(self, app: web.Application) -> None:
@@ -300,6 +309,11 @@ class Routes:
         return web.Response(body=self._openapi, content_type="application/json")
 
     async def healthz(self, request: web.Request) -> web.Response:
+        """Alive unless a part the edge cannot serve without died (its Kafka gateway, its batch runner):
+        then 503, so that a liveness probe restarts it (it stayed 200 while every request got a 503, a
+        review). Why is not said here: the probe needs no key; the process logs it."""
+        if self._failure() is not None:
+            return json_response({"status": "failed"}, status=503)
         return json_response({"status": "ok"})
 
     async def metrics(self, request: web.Request) -> web.Response:

@@ -102,7 +102,8 @@ def build_edge(
 
 async def serve_edge(edge: Edge, gateway: KafkaGateway, stop: asyncio.Event) -> None:
     """Start the gateway then the server; on ``stop``, drain the server then the gateway. If the edge fails
-    (its batch runner died), it stops too and the failure is raised, so a supervisor restarts it."""
+    (its Kafka gateway or its batch runner died), it stops too and the failure is raised, so a supervisor
+    restarts it."""
     loop = asyncio.get_running_loop()
     async with gateway:
         await edge.start()

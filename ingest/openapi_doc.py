@@ -179,7 +179,11 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("GET", "/v1/batches"): Operation("List this key's batches, newest first ('after', 'limit')"),
     ("GET", "/v1/batches/{batch_id}"): Operation("A batch: status, request counts, output and error files"),
     ("POST", "/v1/batches/{batch_id}/cancel"): Operation("Cancel a batch: lines not yet run never run"),
-    ("GET", "/healthz"): Operation("Liveness", public=True),
+    ("GET", "/healthz"): Operation(
+        "Liveness (503 once its Kafka gateway or batch runner died: restart it)",
+        public=True,
+        extra={"responses": {"503": {"description": "Failed", "content": {JSON: {"schema": _OBJECT}}}}},
+    ),
     ("GET", "/readyz"): Operation(
         "Readiness (503 while not ready)",
         public=True,

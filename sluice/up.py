@@ -3,7 +3,8 @@
 Kafka (unless ``SLUICE_KAFKA_BOOTSTRAP``) → topics → the streams worker (a child process that owns the
 warehouse, serves reads and the dashboard) → models (built or linked) → worker processes per model (a
 fixed count, or autoscaled on lag: ``sluice/autoscale.py``) → the edge, in this process, and any more edges
-as children. Child processes are restarted with back-off if they die.
+as children. Child processes are restarted with back-off if they die; if the edge in this process fails
+(:class:`EdgeLoss`), the platform stops and ``sluice up`` exits 1.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from infra.errors import InfraError
 from infra.kafka.broker import free_port, port_free
 from infra.topics import apply_topics, quiet_admin, topics_of
 from ingest.auth import DEMO_KEY
-from ingest.main import build_edge, check_edge_exposure, more_edge_ids
+from ingest.main import EdgeFailed, build_edge, check_edge_exposure, more_edge_ids
 from ingest.settings import EdgeSettings
 from monitoring.ops import http_url
 from monitoring.tracing import shutdown_tracing
@@ -122,7 +123,7 @@ def run_platform(
                 worker_env,
             )
         )
-    except (InfraError, SettingsError) as exc:
+    except (InfraError, SettingsError, EdgeFailed) as exc:
         console.print(f"[red]error:[/] {exc}")
         return 1
     shutdown_tracing(provider)
@@ -591,6 +592,33 @@ class KafkaWatch:
         return self._stopping.is_set() or self._halt.is_set()
 
 
+class EdgeLoss:
+    """Edge 1, the one in the ``sluice up`` process, watched: once its Kafka gateway or its batch runner
+    died it serves nothing more, so the platform stops (``halt``) and :meth:`check` raises
+    :class:`EdgeFailed`, for ``sluice up`` to exit 1 and whoever runs it to start it again. A review: it sat
+    "up" with every request refused until someone noticed; edges 2..N exit and are restarted instead."""
+
+    def __init__(self, halt: asyncio.Event) -> None:
+        self._halt = halt
+        self._loop = asyncio.get_running_loop()
+        self.failure: BaseException | None = None
+
+    def watch(self, edge: AsyncComponent) -> None:
+        edge.watch(self._failed)
+
+    def _failed(self, exc: BaseException) -> None:
+        """On the failing thread."""
+        self.failure = exc
+        self._loop.call_soon_threadsafe(self._halt.set)
+
+    def check(self) -> None:
+        if self.failure is not None:
+            raise EdgeFailed(
+                f"the edge failed ({self.failure}): sluicegate stopped; start it again (under a process "
+                "manager, restart `sluice up` when it exits 1)"
+            ) from self.failure
+
+
 async def _listen(edge: AsyncComponent, settings: EdgeSettings) -> None:
     """Start the edge; a port taken since the check at start-up is one line, not a traceback."""
     try:
@@ -797,8 +825,10 @@ async def _serve(
     worker_env: dict[str, str],
 ) -> None:
     stop = stop_on_signals()
+    lost = EdgeLoss(stop)
 
     async with AsyncExitStack() as stack:
+        stack.callback(lost.check)  # the last step of the unwinding: once everything has stopped
         if settings.local_kafka:
             broker = started_broker(settings, console)
             if broker.running():
@@ -881,6 +911,7 @@ async def _serve(
         await stack.enter_async_context(gateway)
         await _listen(edge, edge_settings)
         stack.push_async_callback(edge.stop)
+        lost.watch(edge)
         # More edges: `sluice edge` children on the next ports, each with its own replies partition.
         edges = [edge.url]
         for edge_id, port in extra_edges(edge_settings, fleet_settings.fleet_edges, partitions):
@@ -932,4 +963,6 @@ async def _serve(
             )
         out.print('  `sluice sql "SELECT ..."` queries the warehouse; Ctrl-C stops everything.')
         await stop.wait()
-        console.print("stopping...")
+        console.print(
+            f"[red]the edge failed ({lost.failure}); stopping...[/]" if lost.failure else "stopping..."
+        )

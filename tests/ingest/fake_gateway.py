@@ -141,6 +141,8 @@ class FakeGateway:
         self._logs: dict[str, _Log] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._finish_listeners: dict[str, Callable[[RequestFinished], None]] = {}
+        self.failure: BaseException | None = None
+        self._watchers: list[Callable[[BaseException], object]] = []
 
     # --- the Gateway protocol ---------------------------------------------------------------------------
 
@@ -213,7 +215,21 @@ class FakeGateway:
     def follow_quota(self, apply: Callable[[QuotaSync, float], None]) -> None:
         self._followers.append(apply)
 
+    def watch(self, watcher: Callable[[BaseException], object]) -> None:
+        if self.failure is not None:
+            watcher(self.failure)
+        else:
+            self._watchers.append(watcher)
+
     # --- helpers for tests ------------------------------------------------------------------------------
+
+    def fail(self, exc: BaseException) -> None:
+        """What a dying producer or listener thread of the real gateway does: record the first failure and
+        tell the watchers."""
+        if self.failure is None:
+            self.failure = exc
+            for watcher in self._watchers:
+                watcher(exc)
 
     def _stream(self, log: _Log, after: After) -> FakeStream:
         stream = FakeStream(self, log, after)
