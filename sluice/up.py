@@ -48,7 +48,7 @@ from schemas.settings import (
     local_kafka_ports,
 )
 from schemas.topics import TopicNames, worker_group
-from sluice.autoscale import FleetSettings, GroupLag, ScalePolicy, fleet_of
+from sluice.autoscale import Decision, FleetSettings, GroupLag, ScalePolicy, fleet_of
 from sluice.services import (
     check_streams_exposure,
     check_worker_exposure,
@@ -379,11 +379,12 @@ class Fleet:
         return wanted, stable
 
     def replicas(self, model: str, version: str) -> int:
-        """Workers for the stable version: the latest decision about it, within today's bounds."""
+        """Workers for the stable version: the latest decision about the model, within today's bounds. One
+        about an earlier stable version carries over to a promoted one (:meth:`autoscale` publishes that):
+        the traffic the old version's workers served is now the new one's. A review: a promotion under load
+        dropped the model to ``--workers-per-model`` at once, with no ``WorkersScaled`` saying so."""
         scaled = self._scaled.get(model)
-        count = (
-            scaled.replicas if scaled is not None and scaled.version == version else self.policy.min_workers
-        )
+        count = scaled.replicas if scaled is not None else self.policy.min_workers
         return min(self.policy.max_workers, max(self.policy.min_workers, count))
 
     async def reconcile(self, wanted: dict[tuple[str, str], int], stable: dict[str, str]) -> None:
@@ -472,6 +473,12 @@ class Fleet:
         await asyncio.to_thread(self._lag.keep, {worker_group(m, v) for m, v in stable.items()})
         for model, version in sorted(stable.items()):
             current = len(self.workers.get((model, version), []))
+            scaled = self._scaled.get(model)
+            if scaled is not None and scaled.version != version:  # promoted since the last decision
+                carried = self.replicas(model, version)
+                why = f"{version} promoted: the {scaled.replicas} worker(s) of {scaled.version} carried over"
+                await self._decided(publish, model, version, Decision(carried, current, why), 0)
+                current = carried  # what this round's decision starts from: reconcile starts them next
             topic = self._names.requests(model)
             try:
                 lag = await asyncio.to_thread(self._lag, topic, model, version)
@@ -482,27 +489,32 @@ class Fleet:
                 )
                 continue
             decision = self.policy.decide(model, current, lag, time.monotonic(), self._lag.lagging.get(topic))
-            if decision is None:
-                continue
-            event = WorkersScaled(
-                tenant="",
-                model=model,
-                source="sluice/autoscaler",
-                version=version,
-                replicas=decision.replicas,
-                previous=decision.previous,
-                reason=decision.reason,
-                lag=lag,
-                target_lag=self.policy.target_lag,
-                bounds=(self.policy.min_workers, self.policy.max_workers),
-                actor="autoscaler",
-            )
-            await publish(self._names.control, event)
-            self._scaled[model] = event
-            self.decisions.append(event)
-            self._console.print(
-                f"autoscaler: {model}@{version} {decision.previous} -> {decision.replicas} workers ({decision.reason})"
-            )
+            if decision is not None:
+                await self._decided(publish, model, version, decision, lag)
+
+    async def _decided(
+        self, publish: Publish, model: str, version: str, decision: Decision, lag: int
+    ) -> None:
+        """Publish ``decision`` about ``model``'s ``version``, then hold it as the fleet's target."""
+        event = WorkersScaled(
+            tenant="",
+            model=model,
+            source="sluice/autoscaler",
+            version=version,
+            replicas=decision.replicas,
+            previous=decision.previous,
+            reason=decision.reason,
+            lag=lag,
+            target_lag=self.policy.target_lag,
+            bounds=(self.policy.min_workers, self.policy.max_workers),
+            actor="autoscaler",
+        )
+        await publish(self._names.control, event)
+        self._scaled[model] = event
+        self.decisions.append(event)
+        self._console.print(
+            f"autoscaler: {model}@{version} {decision.previous} -> {decision.replicas} workers ({decision.reason})"
+        )
 
     async def follow(self, publish: Publish) -> None:
         while True:
