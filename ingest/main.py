@@ -8,11 +8,11 @@ import zlib
 from pathlib import Path
 
 from ingest.app import Edge
-from ingest.auth import require_tenants_file
+from ingest.auth import TenantDirectory, require_tenants_file
 from ingest.batch_log import KafkaBatchLog
 from ingest.batches import BatchRunner
 from ingest.context import EdgeContext
-from ingest.errors import IngestError
+from ingest.errors import CatalogueError, IngestError
 from ingest.files import FileStore
 from ingest.kafka_gateway import KafkaGateway
 from ingest.models import ModelCatalogue, ServedModel
@@ -20,7 +20,7 @@ from ingest.settings import EdgeSettings
 from monitoring.access import check_exposure
 from monitoring.runtime import tune_gc
 from schemas.manifest import current_model_dir, models_root
-from schemas.settings import PlatformSettings
+from schemas.settings import PlatformSettings, SettingsError
 from schemas.topics import TopicNames
 
 
@@ -47,11 +47,17 @@ def more_edge_ids(first_id: str, edges: int, partitions: int) -> list[str]:
 
 def check_edge_exposure(platform: PlatformSettings, settings: EdgeSettings) -> None:
     """Refuse (:class:`SettingsError`) an edge on a non-loopback address without a tenants file or without
-    an ops token: called first by ``sluice edge`` and ``sluice up``, before anything slow starts."""
+    an ops token, and a tenants file that does not load: called first by ``sluice edge`` and ``sluice up``,
+    before anything slow starts (a review: ``sluice up`` started Kafka, the streams worker and the workers,
+    then ended in a traceback on a missing file; ``sluice edge`` crash-looped on one)."""
     require_tenants_file(settings)
     check_exposure(
         platform.ops_token, host=settings.edge_host, variable="SLUICE_EDGE_HOST", service="the edge"
     )
+    try:
+        TenantDirectory.load(settings.edge_tenants_file)
+    except CatalogueError as exc:
+        raise SettingsError(f"SLUICE_EDGE_TENANTS_FILE: {exc}") from exc
 
 
 def build_edge(

@@ -219,6 +219,7 @@ def replies_partitions(platform: PlatformSettings) -> int:
 
 
 def run_edge_process(platform: PlatformSettings, console: Console, port: int | None = None) -> int:
+    from ingest.errors import CatalogueError
     from ingest.main import EdgeFailed, build_edge, check_edge_exposure, serve_edge
 
     try:
@@ -230,7 +231,7 @@ def run_edge_process(platform: PlatformSettings, console: Console, port: int | N
 
             edge_settings = msgspec.structs.replace(edge_settings, edge_port=port)
         edge, gateway = build_edge(platform, edge_settings, replies_partitions(platform))
-    except (SettingsError, ValueError) as exc:
+    except (SettingsError, ValueError, CatalogueError) as exc:  # a model or the tenants file not loading
         console.print(f"[red]error:[/] {exc}")
         return 2
     except BusError as exc:

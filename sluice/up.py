@@ -35,6 +35,7 @@ from infra.errors import InfraError
 from infra.kafka.broker import free_port, port_free
 from infra.topics import apply_topics, quiet_admin, topics_of
 from ingest.auth import DEMO_KEY
+from ingest.errors import CatalogueError
 from ingest.main import EdgeFailed, build_edge, check_edge_exposure, more_edge_ids
 from ingest.settings import EdgeSettings
 from monitoring.ops import http_url
@@ -123,7 +124,7 @@ def run_platform(
                 worker_env,
             )
         )
-    except (InfraError, SettingsError, EdgeFailed) as exc:
+    except (InfraError, SettingsError, EdgeFailed, CatalogueError) as exc:  # Catalogue: the edge's models
         console.print(f"[red]error:[/] {exc}")
         return 1
     shutdown_tracing(provider)
