@@ -19,7 +19,8 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
 
 import aiohttp
 import msgspec
@@ -33,7 +34,9 @@ from gpu_workers.settings import WorkerSettings
 from infra.children import die_with_parent
 from infra.errors import InfraError
 from infra.kafka.broker import free_port, port_free
+from infra.locks import LockHeld, hold
 from infra.topics import apply_topics, quiet_admin, topics_of
+from infra.warehouse.errors import WarehouseLockedError
 from ingest.auth import DEMO_KEY
 from ingest.errors import CatalogueError
 from ingest.main import EdgeFailed, build_edge, check_edge_exposure, more_edge_ids
@@ -92,6 +95,56 @@ def run_platform(
     except (SettingsError, msgspec.ValidationError) as exc:
         console.print(f"[red]settings error:[/] {exc}")
         return 2
+    try:
+        claim = claim_data_dir(settings)
+    except (DataDirInUse, WarehouseLockedError) as exc:  # an OSError (a data dir the OS refuses) goes up
+        console.print(f"[red]error:[/] {exc}")
+        return 2
+    with claim:  # held until this run ends, however it ends
+        return _start(
+            settings, edge_settings, fleet_settings, streams_settings, worker_settings, out, console, port
+        )
+
+
+def claim_data_dir(settings: PlatformSettings) -> IO[str]:
+    """Hold ``$SLUICE_DATA_DIR/up.lock`` for the run (the returned file: closing it lets go), and refuse a
+    data dir another ``sluice up`` runs on (:class:`DataDirInUse`), or whose embedded warehouse another
+    process holds (:class:`WarehouseLockedError`), naming that process. A review: a second ``sluice up`` on
+    the same data dir used the first one's Kafka, then crash-looped its streams worker on the warehouse's
+    lock for 120 s."""
+    from infra.warehouse.client import check_warehouse_free
+
+    path = Path(settings.data_dir).expanduser() / "up.lock"
+    try:
+        claim = hold(path)
+    except LockHeld as exc:
+        raise DataDirInUse(
+            f"the data dir {path.parent} is in use by another `sluice up` (process {exc.pid}); stop it, or "
+            "give this one a data dir of its own (SLUICE_DATA_DIR)"
+        ) from None
+    try:
+        check_warehouse_free(settings)
+    except InfraError:
+        claim.close()
+        raise
+    return claim
+
+
+class DataDirInUse(InfraError):
+    """Another ``sluice up`` runs on this data dir."""
+
+
+def _start(
+    settings: PlatformSettings,
+    edge_settings: EdgeSettings,
+    fleet_settings: FleetSettings,
+    streams_settings: StreamsSettings,
+    worker_settings: WorkerSettings,
+    out: Console,
+    console: Console,
+    port: int | None,
+) -> int:
+    """``run_platform`` once its settings are checked and its data dir is its own."""
     if port is not None:
         edge_settings = msgspec.structs.replace(edge_settings, edge_port=port)
     try:

@@ -234,6 +234,19 @@ def _open_embedded(settings: PlatformSettings) -> Client:
         raise WarehouseError(f"cannot open the embedded warehouse at {path}: {message}") from exc
 
 
+def check_warehouse_free(settings: PlatformSettings) -> None:
+    """:class:`WarehouseLockedError` naming the owner when another process holds the embedded warehouse
+    (a ClickHouse server, ``SLUICE_WAREHOUSE_URL``, is never held): asked before a start that would open
+    it, rather than have its opener fail on chDB's lock and be restarted for minutes (a review)."""
+    if settings.warehouse_url is not None:
+        return
+    path = warehouse_dir(settings)
+    if _locked_elsewhere(path / "status"):
+        owner = read_owner(settings)
+        pid = owner.pid if owner is not None else _status_pid(path)
+        raise WarehouseLockedError(str(path), pid, owner.url if owner else None)
+
+
 def _locked_elsewhere(status_file: Path) -> bool:
     """Whether a chDB engine (in any process) holds the flock on its ``status`` file."""
     try:

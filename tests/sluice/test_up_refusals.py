@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -27,4 +31,67 @@ def test_a_tenants_file_that_does_not_load_is_refused_before_anything_starts(
     assert code == 2
     assert len(lines) == 1
     assert lines[0].startswith(f"settings error: SLUICE_EDGE_TENANTS_FILE: tenants file {tenants}: ")
+    assert started == []
+
+
+_HOLD = """
+import fcntl, os, sys, time
+path = sys.argv[1]
+os.makedirs(os.path.dirname(path), exist_ok=True)
+handle = open(path, "a+")
+fcntl.flock(handle, fcntl.LOCK_EX)
+handle.truncate(0)
+handle.write(sys.argv[2].format(pid=os.getpid()))
+handle.flush()
+print("held", flush=True)
+time.sleep(60)
+"""
+
+
+@contextmanager
+def held_by_another_process(path: Path, content: str) -> Iterator[int]:
+    """``path`` flocked by another process, which wrote ``content`` (``{pid}``: its pid) into it."""
+    with subprocess.Popen(
+        [sys.executable, "-c", _HOLD, str(path), content], stdout=subprocess.PIPE, text=True
+    ) as holder:
+        try:
+            assert holder.stdout is not None
+            assert holder.stdout.readline().strip() == "held"
+            yield holder.pid
+        finally:
+            holder.kill()
+
+
+def test_a_second_up_on_a_data_dir_in_use_is_refused_at_once_naming_the_first(
+    started: list[str],  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """A review: the second one applied topics on the first one's Kafka, then crash-looped its streams
+    worker on the warehouse's lock for 120 s."""
+    data = tmp_path / "data"
+    with held_by_another_process(data / "up.lock", "{pid}\n") as pid:
+        code, lines = _run(PlatformSettings(data_dir=str(data)))
+    assert code == 2
+    assert lines == [
+        f"error: the data dir {data} is in use by another `sluice up` (process {pid}); stop it, or give this "
+        "one a data dir of its own (SLUICE_DATA_DIR)"
+    ]
+    assert started == []
+    # the lock goes with its holder, and each run lets go of it when it ends
+    assert _run(PlatformSettings(data_dir=str(data)))[0] == 0
+    assert _run(PlatformSettings(data_dir=str(data)))[0] == 0
+    assert started == ["the platform", "the platform"]
+
+
+def test_a_data_dir_whose_warehouse_another_process_holds_is_refused_naming_it(
+    started: list[str],  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    data = tmp_path / "data"
+    # chDB holds a flock on its status file and writes its pid there
+    with held_by_another_process(data / "warehouse" / "status", "PID: {pid}\n") as pid:
+        code, lines = _run(PlatformSettings(data_dir=str(data)))
+    assert code == 2
+    said = " ".join(lines)  # one message, wrapped
+    assert said.startswith(f"error: the embedded warehouse at {data / 'warehouse'} is held by process {pid}")
     assert started == []
