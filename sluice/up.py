@@ -31,7 +31,7 @@ from bus.errors import BusError
 from bus.placement import place_box
 from bus.producer import EventProducer
 from gpu_workers.settings import WorkerSettings
-from infra.children import die_with_parent
+from infra.children import die_with
 from infra.errors import InfraError
 from infra.kafka.broker import free_port, port_free
 from infra.locks import LockHeld, hold
@@ -257,7 +257,7 @@ class ServiceProcess:
                     "sluice",
                     *self._args,
                     env={**os.environ, **self._env},
-                    preexec_fn=die_with_parent,
+                    preexec_fn=die_with(os.getpid()),
                 )
             except OSError as exc:
                 # a fork refused (a pids limit, memory, descriptors): tried again after the back-off like

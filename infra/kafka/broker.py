@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from infra.children import die_with_parent
+from infra.children import die_with
 from infra.errors import InfraError
 from infra.kafka.dist import fetch_kafka
 from infra.locks import exclusive
@@ -438,7 +438,7 @@ class LocalKafka(Component):
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,  # Ctrl-C in a terminal reaches us, and we stop it cleanly
-                preexec_fn=die_with_parent if self.die_with_parent else None,
+                preexec_fn=die_with(os.getpid()) if self.die_with_parent else None,
             )
         self.pid_file.write_text(str(self._proc.pid))
 

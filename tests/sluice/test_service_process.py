@@ -63,9 +63,9 @@ def test_a_child_dies_with_sluice_up_even_after_a_kill_9() -> None:
     """Before, ``sluice up`` killed by a signal it cannot handle left its workers and streams process
     running (holding ports, the warehouse lock and partitions); a test's timeout left four of them."""
     script = (
-        "import subprocess, sys, time\n"
-        "from sluice.up import die_with_parent\n"
-        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], preexec_fn=die_with_parent)\n"
+        "import os, subprocess, sys, time\n"
+        "from infra.children import die_with\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], preexec_fn=die_with(os.getpid()))\n"
         "print(child.pid, flush=True)\n"
         "time.sleep(120)\n"
     )
