@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from ingest.admission import Flight
 from ingest.errors import (
@@ -165,6 +166,12 @@ class Refund(Protocol):
     def __call__(self, flight: Flight, *, request: bool) -> None: ...
 
 
+def _not_past(ends: float) -> None:
+    """Raise :class:`DeadlineExceeded` once the loop time ``ends`` has passed."""
+    if asyncio.get_running_loop().time() >= ends:
+        raise DeadlineExceeded("The request could not be placed on the log before its deadline.")
+
+
 class Dispatcher:
     def __init__(
         self,
@@ -180,7 +187,7 @@ class Dispatcher:
         self._gateway = gateway
         self._source = source
         self._grace = disconnect_grace_s
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Future[Any]] = set()
         self._delayed: dict[str, tuple[asyncio.Task[None], Flight]] = {}
         """Per request id, the cancel delayed by the disconnect grace and the flight that left it."""
         self._flush = asyncio.Event()
@@ -193,22 +200,29 @@ class Dispatcher:
         The request's deadline starts here (:attr:`Flight.ends_at`, which :meth:`guard` keeps): the wait for
         the log is part of it. A review: it started once the log had the request, so while the broker was
         away (stopped, restarting) a request asking 3 s waited on librdkafka's 30 s delivery timeout and was
-        answered after 25-30 s, its place in flight held all along. Past it, the client gets a 504 and a
-        cancel follows the request in case the log takes it later (its worker would find it expired)."""
-        ends = asyncio.get_running_loop().time() + prepared.timeout_s
+        answered after 25-30 s, its place in flight held all along. Past it, the client gets a 504 at once,
+        and the submission runs to its end in the background (:meth:`_finish_late`): the record may still
+        reach the log, or fail to, and whichever it does must be followed up (a review of the first cut,
+        which cancelled the wait: a delivery that failed later was heard by nobody, so the key's claim was
+        never withdrawn, every retry with it failing for 24 h, and the tenant stayed charged)."""
+        loop = asyncio.get_running_loop()
+        ends = loop.time() + prepared.timeout_s
         flight.ends_at = ends
-        deadline = asyncio.timeout_at(ends)
+        submission = asyncio.ensure_future(self._open(prepared, idempotency_key, ends))
         try:
-            async with deadline:
-                opened = await self._open(prepared, idempotency_key)
+            async with asyncio.timeout_at(ends):
+                opened = await asyncio.shield(submission)
         except TimeoutError:
-            if not deadline.expired():
-                raise  # not this deadline's
-            self.cancel(flight, "client_cancel", why="deadline")
-            raise DeadlineExceeded(
-                "The request could not be placed on the log before its deadline."
-            ) from None
+            if not submission.done():
+                submission.add_done_callback(functools.partial(self._finish_late, flight))
+                self._tasks.add(submission)
+                submission.add_done_callback(self._tasks.discard)
+                raise DeadlineExceeded(
+                    "The request could not be placed on the log before its deadline."
+                ) from None
+            opened = submission.result()  # done just as the deadline passed: the guard ends it at once
         except asyncio.CancelledError:
+            submission.cancel()  # the client left: the wait for the log is cut, as before the deadline
             self.cancel(flight, "client_disconnect")
             raise
         except IngestError:  # never on the log (refused, its key in use or reused): it used nothing
@@ -228,8 +242,32 @@ class Dispatcher:
             stream = replayed(stream)
         return dataclasses.replace(opened, stream=stream)
 
-    async def _open(self, prepared: Prepared, idempotency_key: str | None) -> Opened:
-        opened = await self._submit_or_replay(prepared, idempotency_key)
+    def _finish_late(self, flight: Flight, submission: asyncio.Future[Opened]) -> None:
+        """A submission that ended after its request's deadline (its client had its 504): on the log as this
+        edge's request, it is cancelled (its worker finds it expired anyway) and settled by its terminal
+        event; a replay of another request, or never on the log (a failed delivery: its key's claim was
+        withdrawn by :meth:`_submit_or_replay`), it gives back what it reserved."""
+        if submission.cancelled():
+            return
+        failed = submission.exception()
+        if failed is not None:
+            if not isinstance(failed, IngestError):
+                log.error("submitting request %s failed", flight.request_id, exc_info=failed)
+            if self._refund is not None:
+                self._refund(flight, request=True)
+            return
+        opened = submission.result()
+        flight.request_id, flight.owner = opened.request_id, opened.owner
+        if opened.owner:
+            self.cancel(flight, "client_cancel", why="deadline")
+        elif self._refund is not None:
+            self._refund(flight, request=False)
+        task = asyncio.ensure_future(opened.stream.aclose())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _open(self, prepared: Prepared, idempotency_key: str | None, ends: float) -> Opened:
+        opened = await self._submit_or_replay(prepared, idempotency_key, ends)
         if opened.owner and prepared.shadow is not None:
             task = asyncio.create_task(self._mirror(prepared.shadow))
             self._tasks.add(task)
@@ -243,9 +281,13 @@ class Dispatcher:
         except Exception:
             log.exception("could not publish the shadow copy of %s", shadow.shadow_of)
 
-    async def _submit_or_replay(self, prepared: Prepared, idempotency_key: str | None) -> Opened:
+    async def _submit_or_replay(self, prepared: Prepared, idempotency_key: str | None, ends: float) -> Opened:
+        """``ends``: the request's deadline (loop time); a request not yet published when it passes (a key's
+        lookup or claim was slow) is not published at all: its client has had its 504 (a review: it went
+        on to the log and was cancelled there, its tenant charged until its terminal event)."""
         event = prepared.event
         if idempotency_key is None:
+            _not_past(ends)
             return Opened(event.request_id, await self._gateway.submit(event), owner=True)
         mine = IdempotencyRecord(request_id=event.request_id, body_hash=prepared.body_hash)
         record = await self._gateway.lookup_idempotent(event.tenant, idempotency_key)
@@ -257,8 +299,10 @@ class Dispatcher:
             )
         if record.request_id == event.request_id:
             try:
+                _not_past(ends)
                 return Opened(event.request_id, await self._gateway.submit(event), owner=True)
-            except GatewayUnavailable:  # never published: the key must not point at a request that is not
+            except (GatewayUnavailable, DeadlineExceeded):  # never published: the key must not point at a
+                # request that is not
                 await self._gateway.forget_idempotent(event.tenant, idempotency_key, mine)
                 raise
         stream = await self._gateway.resume(event.tenant, record.request_id, WHOLE)
