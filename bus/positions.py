@@ -142,8 +142,9 @@ def read_to_end(
     end is not read, nor one whose retained records all come before ``starts`` or were all deleted (its
     first retained offset, the low watermark, at or past its end: an audit found a worker that could not
     start once retention had emptied a partition of the results topic, waiting for a record that would
-    never come), nor one whose end is past its last record (a transaction's marker). Raises
-    :class:`BusError` when that takes longer than ``timeout_s``."""
+    never come), nor one whose end is past its last record (a transaction's marker). ``ends`` is read as
+    the records come: a caller that lowers a partition's end (it has what it needs of it) ends its read
+    there. Raises :class:`BusError` when that takes longer than ``timeout_s``."""
     todo = {tp.partition for tp in starts if 0 <= tp.offset < ends.get(tp.partition, 0)}
     if not todo:
         return
@@ -175,9 +176,12 @@ def read_to_end(
         for message in consumer.consume(max(1, min(READ_BATCH, left)), timeout=0.5):
             if message.error() is not None:
                 continue
-            part = message.partition() or 0
-            at[part] = (message.offset() or 0) + 1
-            if at[part] >= ends.get(part, 0):
+            part, offset = message.partition() or 0, message.offset() or 0
+            if offset >= ends.get(part, 0):  # past its end (appended since, or an end lowered as it read)
+                todo.discard(part)
+                continue
+            at[part] = offset + 1
+            if at[part] >= ends[part]:
                 todo.discard(part)
             yield message
         if todo:

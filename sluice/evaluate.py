@@ -64,7 +64,10 @@ def logged_requests(
 
     The window is read to its end: the consumer hands records back partition by partition, and requests are
     keyed by tenant, so stopping at the first ``limit`` (as before a review) judged a candidate on the one or
-    two tenants of the partitions read first. A heap of the ``limit`` oldest seen keeps memory bounded."""
+    two tenants of the partitions read first. A heap of the ``limit`` oldest seen keeps memory bounded, and
+    a partition is read only until it has given ``limit`` requests: its records come in the order they were
+    accepted, so the ``limit`` oldest overall are among each partition's first ``limit`` (a review: reading
+    a busy topic's whole hour failed on the read's timeout)."""
     topic = TopicNames(platform.topic_prefix).requests(model)
     consumer = Consumer(consumer_config(platform.kafka, None, "sluice-evaluate"))
     # A max-heap by time (both keys negated), so the newest of the kept requests is the one to drop; the
@@ -78,12 +81,19 @@ def logged_requests(
         since_ms = int(since.timestamp() * 1000)
         starts = consumer.offsets_for_times([TopicPartition(topic, p, since_ms) for p in meta.partitions], 10)
         ends = {p: watermarks(consumer, topic, p)[1] for p in meta.partitions}
+        given = dict.fromkeys(ends, 0)  # per partition, its requests read
         for message in read_to_end(consumer, starts, ends, timeout_s):
+            part = message.partition() or 0
+            if given.get(part, 0) >= limit:
+                continue  # read past its end just cut (below)
             try:
                 event = decode(message.value() or b"")
             except DecodeError:
                 continue
             if isinstance(event, Logged) and event.model == model and event.shadow_of is None:
+                given[part] = given.get(part, 0) + 1
+                if given[part] >= limit:  # read_to_end reads ``ends`` as it goes: the partition is done
+                    ends[part] = min(ends[part], (message.offset() or 0) + 1)
                 seen += 1
                 item = (-event.time.timestamp(), -seen, event)
                 if len(oldest) < limit:

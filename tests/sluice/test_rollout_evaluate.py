@@ -12,12 +12,15 @@ import msgspec
 import pytest
 from typer.testing import CliRunner
 
+import sluice.evaluate as evaluate_module
 from bus.producer import EventProducer
 from gpu_workers.models import build_demo_gpt
 from gpu_workers.settings import WorkerSettings
+from schemas.codec import decode
 from schemas.events import (
     BatchItemRequested,
     BatchRef,
+    Event,
     GenerationRequested,
     ReplyTo,
     RolloutGates,
@@ -192,6 +195,54 @@ async def test_the_limit_takes_the_oldest_logged_requests_over_all_partitions(
     tenants = sorted({r.tenant for r in found})
     assert [r.request_id for r in found] == [r.request_id for r in oldest], f"tenants {tenants} of 12"
     assert all(isinstance(r, GenerationRequested) for r in found)
+
+
+async def test_the_limit_reads_each_partition_only_until_it_has_given_that_many(
+    kafka: KafkaConnection,
+    platform_settings: PlatformSettings,
+    topic_prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A review: the read of the whole ``--from-log`` window ran into its 60 s timeout on a busy topic. The
+    ``limit`` oldest overall are among each partition's first ``limit`` (records come in the order they
+    were accepted), so a partition is read no further."""
+    from infra.topics import TopicSizing, apply_topics, make_admin, platform_topics
+
+    names = TopicNames(topic_prefix)
+    apply_topics(
+        make_admin(kafka), platform_topics(names, [GPT], TopicSizing(requests=2, replies=2, events=2))
+    )
+    platform = msgspec.structs.replace(
+        platform_settings, kafka_bootstrap=kafka.bootstrap, topic_prefix=topic_prefix, models=(GPT,)
+    )
+    start = utc_now()
+    requests = [
+        GenerationRequested(
+            time=start + timedelta(milliseconds=i),
+            tenant=f"tenant-{i % 6}",
+            model=GPT,
+            request_id=uuid7(),
+            source="test",
+            model_version="v",
+            input_ids=[5, 6, 7],
+            sampling=SamplingParams(max_tokens=2, temperature=0.0),
+            reply=ReplyTo(topic=names.replies, partition=0, edge_id="e"),
+        )
+        for i in range(400)
+    ]
+    with EventProducer(platform.kafka, "test-edge") as producer:
+        for request in requests:
+            await producer.publish(names.requests(GPT), request)
+    decoded: list[bytes] = []
+
+    def counted(value: bytes) -> Event:
+        decoded.append(value)
+        return decode(value)
+
+    monkeypatch.setattr(evaluate_module, "decode", counted)
+    found = logged_requests(platform, GPT, start, limit=5)
+    assert [r.request_id for r in found] == [r.request_id for r in requests[:5]]
+    assert len(decoded) <= 2 * 5, f"{len(decoded)} of 400 records decoded for the 5 oldest"
 
 
 @pytest.mark.parametrize("logged", [6, 30])
