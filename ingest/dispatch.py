@@ -221,8 +221,11 @@ class Dispatcher:
                     "The request could not be placed on the log before its deadline."
                 ) from None
             opened = submission.result()  # done just as the deadline passed: the guard ends it at once
-        except asyncio.CancelledError:
-            submission.cancel()  # the client left: the wait for the log is cut, as before the deadline
+        except asyncio.CancelledError:  # the client left: the wait for the log is cut, as before the deadline
+            if submission.done() and not submission.cancelled() and submission.exception() is None:
+                self._close_later(submission.result().stream)  # it ended as this wait was cancelled
+            else:
+                submission.cancel()
             self.cancel(flight, "client_disconnect")
             raise
         except IngestError:  # never on the log (refused, its key in use or reused): it used nothing
@@ -262,7 +265,11 @@ class Dispatcher:
             self.cancel(flight, "client_cancel", why="deadline")
         elif self._refund is not None:
             self._refund(flight, request=False)
-        task = asyncio.ensure_future(opened.stream.aclose())
+        self._close_later(opened.stream)
+
+    def _close_later(self, stream: ReplyStream) -> None:
+        """Close the reply stream of a request nobody reads (in the background)."""
+        task = asyncio.ensure_future(stream.aclose())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 

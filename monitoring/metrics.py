@@ -408,8 +408,11 @@ def record_drift(
     features: Sequence[tuple[str, float, bool]],
     quality_issues: int,
     window_end_unix: float,
+    *,
+    restored: bool = False,
 ) -> None:
-    """Set the drift metrics from one all-tenant report (``features``: name, statistic, drifted).
+    """Set the drift metrics from one all-tenant report (``features``: name, statistic, drifted);
+    ``restored``: a report judged before, shown again (a new judge's start), not counted again.
 
     Call it in window order: the gauges show the report recorded last. A feature the model's previous
     report tested and this one does not (an ``insufficient_data`` window tests none) loses its series
@@ -430,7 +433,8 @@ def record_drift(
             DRIFT_FEATURE_STATISTIC.remove(model, gone)
             DRIFT_FEATURE_DRIFTED.remove(model, gone)
         _drift_features[model] = names
-        DRIFT_REPORTS.labels(model, verdict).inc()
+        if not restored:
+            DRIFT_REPORTS.labels(model, verdict).inc()
 
 
 def forget_drift() -> None:

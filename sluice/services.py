@@ -389,6 +389,7 @@ def run_replay(
     for topic, records in sorted(report.compacted.items()):
         console.print(
             f"[yellow]warning:[/] {escape(topic)} holds {records:,} fewer records than its offsets span "
-            "(compaction removed superseded ones): their history is not in the rebuilt warehouse"
+            "(compaction removed superseded ones, or a transactional producer's markers): their history is "
+            "not in the rebuilt warehouse"
         )
     return 0

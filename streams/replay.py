@@ -48,7 +48,8 @@ class ReplayReport:
     history this replay could not rebuild."""
     compacted: dict[str, int] = field(default_factory=dict)
     """Per topic, how many offsets within what it holds had no record: superseded records the cleaner of a
-    compacted topic removed (``control``: older deployments and budgets), history not rebuilt either."""
+    compacted topic removed (``control``: older deployments and budgets), history not rebuilt either, or
+    the markers and aborted records of a transactional producer (none of the platform's is one)."""
 
 
 def replay(

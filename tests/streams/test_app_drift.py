@@ -244,3 +244,46 @@ async def test_the_drift_timer_of_a_worker_no_longer_the_judge_drops_a_verdict_r
     app._control_losses += 1
     await app._drift()
     assert detected() is None
+
+
+async def test_the_judge_after_a_hand_over_shows_the_latest_verdict_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a review of the test above's fix: the gauges cleared with the control partition stayed
+    empty until the new judge had judged a window of its own (~11 minutes by default, never for an idle
+    model), so a firing ``SluiceDriftDetected`` resolved and fired again. The judge that loads its state
+    shows each version's latest stored verdict, without counting the report again."""
+    control_log(monkeypatch)
+    w1, w2, w3 = (T0 + timedelta(seconds=WINDOW_S * i) for i in range(3))
+    with warehouse(tmp_path) as client:
+        insert(
+            client, rows_of(window_events(w1, 120, seed=21) + window_events(w2, 120, seed=22, shifted=True))
+        )
+        app = drift_app(tmp_path, client, Producer(), drift_max_tenants=0)
+        sink = Sink()
+        app._sink = cast(ConsumerThread, sink)
+        sink.owned = {("p.results", 0), ("p.control", 0)}
+        assert await app.take_control()
+        assert verdicts(await app.drift.run_once(w3 + timedelta(seconds=6))) == ["reference", "drift"]
+        counted = REGISTRY.get_sample_value(
+            "sluice_drift_reports_total", {"model": MODEL, "verdict": "drift"}
+        )
+        assert detected() == 1.0
+        sink.owned.discard(("p.control", 0))  # a lost session: the partition comes straight back
+        app._revoked([("p.control", 0)], True)
+        assert detected() is None
+        sink.owned.add(("p.control", 0))
+        assert await app.take_control()
+        assert await app.drift.run_once(w3 + timedelta(seconds=6)) == []  # no new window closed
+        assert detected() == 1.0
+        again = REGISTRY.get_sample_value("sluice_drift_reports_total", {"model": MODEL, "verdict": "drift"})
+        assert again == counted
+        # a judge starting long after (past the lookback) leaves a verdict that old unshown: a version
+        # retired long ago would fire its last alert at every start
+        sink.owned.discard(("p.control", 0))
+        app._revoked([("p.control", 0)], True)
+        sink.owned.add(("p.control", 0))
+        assert await app.take_control()
+        later = w3 + timedelta(seconds=WINDOW_S * (app.drift._settings.drift_lookback_windows + 2))
+        assert await app.drift.run_once(later) == []
+        assert detected() is None
