@@ -122,12 +122,44 @@ def claim_data_dir(settings: PlatformSettings) -> IO[str]:
             f"the data dir {path.parent} is in use by another `sluice up` (process {exc.pid}); stop it, or "
             "give this one a data dir of its own (SLUICE_DATA_DIR)"
         ) from None
+    deadline = time.monotonic() + ORPHAN_RELEASE_S
+    while True:
+        try:
+            check_warehouse_free(settings)
+        except WarehouseLockedError as exc:
+            # The holder may be the streams worker of a `sluice up` just killed (kill -9, an OOM kill), still
+            # draining after its parent-death signal: an immediate restart (a supervisor's) was refused
+            # (a review). An orphan is given a few seconds to let go; a live owner is refused at once.
+            if not (_orphaned(exc.owner_pid) and time.monotonic() < deadline):
+                claim.close()
+                raise
+            time.sleep(0.25)
+            continue
+        except InfraError:
+            claim.close()
+            raise
+        return claim
+
+
+ORPHAN_RELEASE_S = 15.0
+"""How long ``sluice up`` waits for an orphaned process (its parent gone) to let go of the warehouse."""
+
+
+def _orphaned(pid: int | None) -> bool:
+    """Whether process ``pid`` runs with no parent of its own (re-parented to init, as the children of a
+    killed ``sluice up`` are while they drain)."""
+    if pid is None:
+        return False
     try:
-        check_warehouse_free(settings)
-    except InfraError:
-        claim.close()
-        raise
-    return claim
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    fields = stat[stat.rfind(")") + 2 :].split()  # after the command name, which may hold spaces
+    try:
+        parent = int(fields[1])
+    except (IndexError, ValueError):
+        return False
+    return parent == 1
 
 
 class DataDirInUse(InfraError):

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
+import infra.warehouse.client as client_module
+import sluice.up as up
+from infra.warehouse.errors import WarehouseLockedError
 from schemas.settings import PlatformSettings
 from tests.sluice.test_up_checks import _run, started  # noqa: F401  (a fixture)
 
@@ -95,3 +99,54 @@ def test_a_data_dir_whose_warehouse_another_process_holds_is_refused_naming_it(
     said = " ".join(lines)  # one message, wrapped
     assert said.startswith(f"error: the embedded warehouse at {data / 'warehouse'} is held by process {pid}")
     assert started == []
+
+
+# The warehouse held by an orphan. Found by a review: after a `kill -9` (or an OOM kill) of `sluice up`, its
+# streams worker still holds the warehouse while it drains after its parent-death signal, and an immediate
+# restart (a supervisor's) was refused, which under fast-restart limits can leave the unit failed for good.
+
+
+def locked_until(calls: list[int], free_after: int, pid: int) -> Callable[[PlatformSettings], None]:
+    def check(settings: PlatformSettings) -> None:
+        calls.append(1)
+        if len(calls) <= free_after:
+            raise WarehouseLockedError(str(settings.data_dir), pid, None)
+
+    return check
+
+
+def test_a_warehouse_an_orphan_holds_is_waited_for(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    monkeypatch.setattr(client_module, "check_warehouse_free", locked_until(calls, 3, 4242))
+    monkeypatch.setattr(up, "_orphaned", lambda pid: pid == 4242)
+    with up.claim_data_dir(PlatformSettings(data_dir=str(tmp_path))):
+        assert len(calls) == 4  # refused three times while it drained, then free
+
+
+def test_a_warehouse_a_live_owner_holds_is_refused_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[int] = []
+    monkeypatch.setattr(client_module, "check_warehouse_free", locked_until(calls, 3, 4242))
+    monkeypatch.setattr(up, "_orphaned", lambda pid: False)
+    with pytest.raises(WarehouseLockedError):
+        up.claim_data_dir(PlatformSettings(data_dir=str(tmp_path)))
+    assert len(calls) == 1
+
+
+def test_an_orphan_that_keeps_the_warehouse_is_refused_after_the_wait(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[int] = []
+    monkeypatch.setattr(client_module, "check_warehouse_free", locked_until(calls, 10**6, 4242))
+    monkeypatch.setattr(up, "_orphaned", lambda pid: True)
+    monkeypatch.setattr(up, "ORPHAN_RELEASE_S", 0.6)
+    with pytest.raises(WarehouseLockedError):
+        up.claim_data_dir(PlatformSettings(data_dir=str(tmp_path)))
+    assert 2 <= len(calls) <= 5
+
+
+def test_orphaned_reads_the_parent_from_proc() -> None:
+    assert up._orphaned(None) is False
+    assert up._orphaned(os.getpid()) is (os.getppid() == 1)
+    assert up._orphaned(2**22 + 12345) is False  # no such process
