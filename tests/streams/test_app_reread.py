@@ -20,7 +20,7 @@ import streams.app
 from bus.consumer import ConsumerThread
 from bus.errors import BusError
 from streams.app import StreamsApp
-from tests.streams.test_app import Sink, make_app
+from tests.streams.test_app import Producer, Sink, make_app
 
 BLIP = BusError(
     "cannot read the offsets of p.control[0]: KafkaError{code=_UNKNOWN_PARTITION,val=-190,"
@@ -52,7 +52,7 @@ async def test_a_failed_control_read_in_the_sink_is_tried_again_not_the_workers_
         return []  # the topic as it is: nothing this worker missed
 
     monkeypatch.setattr(streams.app, "read_placed", read_placed)
-    app = make_app(tmp_path)
+    app = make_app(tmp_path, producer=Producer())
     sink_of(app)
     stored: list[bool] = []
     await app._pipelined([], lambda: stored.append(True), reseed=True)
@@ -65,7 +65,7 @@ async def test_a_failed_control_read_in_the_sink_is_tried_again_not_the_workers_
 async def test_a_failed_read_of_the_audit_heads_is_tried_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    app = make_app(tmp_path)
+    app = make_app(tmp_path, producer=Producer())
     sink_of(app)
     tries: list[int] = []
 
@@ -82,7 +82,7 @@ async def test_a_failed_read_of_the_audit_heads_is_tried_again(
 
 
 async def test_a_stop_ends_the_wait_for_a_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    app = make_app(tmp_path)
+    app = make_app(tmp_path, producer=Producer())
     sink_of(app)
 
     def read_placed(*args: object) -> list[object]:
