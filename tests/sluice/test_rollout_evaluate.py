@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import msgspec
@@ -152,6 +152,24 @@ async def test_the_command_exits_1_on_a_failing_gate_and_2_on_a_bad_request(
     assert "expected a duration" in bad_window.stderr
 
 
+def spread(names: TopicNames, start: datetime, count: int, *, tenants: int) -> list[GenerationRequested]:
+    """``count`` requests a millisecond apart from ``start``, their tenants taken in turn."""
+    return [
+        GenerationRequested(
+            time=start + timedelta(milliseconds=i),
+            tenant=f"tenant-{i % tenants}",
+            model=GPT,
+            request_id=uuid7(),
+            source="test",
+            model_version="v",
+            input_ids=[5, 6, 7],
+            sampling=SamplingParams(max_tokens=2, temperature=0.0),
+            reply=ReplyTo(topic=names.replies, partition=0, edge_id="e"),
+        )
+        for i in range(count)
+    ]
+
+
 async def test_the_limit_takes_the_oldest_logged_requests_over_all_partitions(
     kafka: KafkaConnection, platform_settings: PlatformSettings, topic_prefix: str
 ) -> None:
@@ -168,21 +186,7 @@ async def test_the_limit_takes_the_oldest_logged_requests_over_all_partitions(
         platform_settings, kafka_bootstrap=kafka.bootstrap, topic_prefix=topic_prefix, models=(GPT,)
     )
     start = utc_now()
-    requests = []
-    for i in range(600):  # interleaved in time over 12 tenants, so over several partitions
-        requests.append(
-            GenerationRequested(
-                time=start + timedelta(milliseconds=i),
-                tenant=f"tenant-{i % 12}",
-                model=GPT,
-                request_id=uuid7(),
-                source="test",
-                model_version="v",
-                input_ids=[5, 6, 7],
-                sampling=SamplingParams(max_tokens=2, temperature=0.0),
-                reply=ReplyTo(topic=names.replies, partition=0, edge_id="e"),
-            )
-        )
+    requests = spread(names, start, 600, tenants=12)  # interleaved in time, so over several partitions
     batch_line = BatchItemRequested.of(
         requests[0], BatchRef(batch_id="batch_1", custom_id="c", index=0), total=1, endpoint="/v1/completions"
     )
@@ -216,20 +220,7 @@ async def test_the_limit_reads_each_partition_only_until_it_has_given_that_many(
         platform_settings, kafka_bootstrap=kafka.bootstrap, topic_prefix=topic_prefix, models=(GPT,)
     )
     start = utc_now()
-    requests = [
-        GenerationRequested(
-            time=start + timedelta(milliseconds=i),
-            tenant=f"tenant-{i % 6}",
-            model=GPT,
-            request_id=uuid7(),
-            source="test",
-            model_version="v",
-            input_ids=[5, 6, 7],
-            sampling=SamplingParams(max_tokens=2, temperature=0.0),
-            reply=ReplyTo(topic=names.replies, partition=0, edge_id="e"),
-        )
-        for i in range(400)
-    ]
+    requests = spread(names, start, 400, tenants=6)
     with EventProducer(platform.kafka, "test-edge") as producer:
         for request in requests:
             await producer.publish(names.requests(GPT), request)

@@ -3,7 +3,9 @@ drift gauges), on real embedded ClickHouse with a fake producer and a fake consu
 
 from __future__ import annotations
 
-from datetime import timedelta
+import contextlib
+from collections.abc import AsyncIterator
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, cast
 
@@ -108,6 +110,42 @@ async def test_a_results_partition_whose_lag_is_not_known_yet_holds_the_windows(
         assert app.stored_until() is None
 
 
+W3 = T0 + timedelta(seconds=WINDOW_S * 2)
+"""The end of :func:`judge_of_two_windows`' second window."""
+
+
+@contextlib.asynccontextmanager
+async def judge_of_two_windows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, seeds: tuple[int, int], *, shifted: bool = False
+) -> AsyncIterator[tuple[StreamsApp, Sink, Producer, Client]]:
+    """A streams worker that owns the control partition, over two closed windows of 120 requests (the
+    second ``shifted``, the first at ``T0``): the app, its fake sink and producer, and its warehouse."""
+    control_log(monkeypatch)
+    w1, w2 = T0, T0 + timedelta(seconds=WINDOW_S)
+    with warehouse(tmp_path) as client:
+        events = window_events(w1, 120, seed=seeds[0]) + window_events(
+            w2, 120, seed=seeds[1], shifted=shifted
+        )
+        insert(client, rows_of(events))
+        producer = Producer()
+        app = drift_app(tmp_path, client, producer, drift_max_tenants=0)
+        sink = Sink()
+        app._sink = cast(ConsumerThread, sink)
+        sink.owned = {("p.results", 0), ("p.control", 0)}
+        assert await app.take_control()
+        yield app, sink, producer, client
+
+
+@contextlib.asynccontextmanager
+async def judge_that_said_drift(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[tuple[StreamsApp, Sink, datetime]]:
+    """:func:`judge_of_two_windows` once it has judged them: a reference, then a drift."""
+    async with judge_of_two_windows(tmp_path, monkeypatch, (21, 22), shifted=True) as (app, sink, _, _):
+        assert verdicts(await app.drift.run_once(W3 + timedelta(seconds=6))) == ["reference", "drift"]
+        yield app, sink, W3
+
+
 async def test_a_worker_given_control_back_does_not_judge_again_what_another_owner_judged(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -115,16 +153,8 @@ async def test_a_worker_given_control_back_does_not_judge_again_what_another_own
     window, B owned the control partition and reported the next, and A, given the partition back, judged
     that window again from its old state: the same report id published twice, and A's verdict replacing
     B's row in ``drift_reports``."""
-    control_log(monkeypatch)
-    w1, w2, w3 = (T0 + timedelta(seconds=WINDOW_S * i) for i in range(3))
-    with warehouse(tmp_path) as client:
-        insert(client, rows_of(window_events(w1, 120, seed=1) + window_events(w2, 120, seed=2)))
-        producer = Producer()
-        app = drift_app(tmp_path, client, producer, drift_max_tenants=0)
-        sink = Sink()
-        app._sink = cast(ConsumerThread, sink)
-        sink.owned = {("p.results", 0), ("p.control", 0)}
-        assert await app.take_control()
+    w3 = W3
+    async with judge_of_two_windows(tmp_path, monkeypatch, (1, 2)) as (app, sink, producer, client):
         done = await app.drift.run_once(w3 + timedelta(seconds=6))
         assert verdicts(done) == ["reference", "no_drift"]
 
@@ -160,16 +190,8 @@ async def test_a_run_stops_publishing_once_the_worker_is_no_longer_the_judge(
     """A run over a backlog judges window after window (seconds each): the control partition, and with it
     the judging, may move to another worker meanwhile. Ownership is asked again before each window's
     reports are published, not once a run."""
-    control_log(monkeypatch)
-    w1, w2, w3 = (T0 + timedelta(seconds=WINDOW_S * i) for i in range(3))
-    with warehouse(tmp_path) as client:
-        insert(client, rows_of(window_events(w1, 120, seed=11) + window_events(w2, 120, seed=12)))
-        producer = Producer()
-        app = drift_app(tmp_path, client, producer, drift_max_tenants=0)
-        sink = Sink()
-        app._sink = cast(ConsumerThread, sink)
-        sink.owned = {("p.results", 0), ("p.control", 0)}
-        assert await app.take_control()
+    w1, w3 = T0, W3
+    async with judge_of_two_windows(tmp_path, monkeypatch, (11, 12)) as (app, sink, producer, _):
         published = app._publish_report
 
         async def publish_then_lose_control(report: DriftReport) -> None:
@@ -193,18 +215,7 @@ async def test_a_worker_that_loses_control_stops_exporting_its_last_drift_verdic
     """Found by a review: ``SluiceDriftDetected`` is ``max by (model, version) (sluice_drift_detected) ==
     1``, and the gauges of a worker that said drift and then handed the control partition (the judging)
     to another stayed at 1 for as long as it lived: the alert fired whatever the new judge reported."""
-    control_log(monkeypatch)
-    w1, w2, w3 = (T0 + timedelta(seconds=WINDOW_S * i) for i in range(3))
-    with warehouse(tmp_path) as client:
-        insert(
-            client, rows_of(window_events(w1, 120, seed=21) + window_events(w2, 120, seed=22, shifted=True))
-        )
-        app = drift_app(tmp_path, client, Producer(), drift_max_tenants=0)
-        sink = Sink()
-        app._sink = cast(ConsumerThread, sink)
-        sink.owned = {("p.results", 0), ("p.control", 0)}
-        assert await app.take_control()
-        assert verdicts(await app.drift.run_once(w3 + timedelta(seconds=6))) == ["reference", "drift"]
+    async with judge_that_said_drift(tmp_path, monkeypatch) as (app, sink, _):
         assert detected() == 1.0
         sink.owned.discard(("p.control", 0))
         app._revoked([("p.control", 0)], False)
@@ -253,18 +264,7 @@ async def test_the_judge_after_a_hand_over_shows_the_latest_verdict_again(
     empty until the new judge had judged a window of its own (~11 minutes by default, never for an idle
     model), so a firing ``SluiceDriftDetected`` resolved and fired again. The judge that loads its state
     shows each version's latest stored verdict, without counting the report again."""
-    control_log(monkeypatch)
-    w1, w2, w3 = (T0 + timedelta(seconds=WINDOW_S * i) for i in range(3))
-    with warehouse(tmp_path) as client:
-        insert(
-            client, rows_of(window_events(w1, 120, seed=21) + window_events(w2, 120, seed=22, shifted=True))
-        )
-        app = drift_app(tmp_path, client, Producer(), drift_max_tenants=0)
-        sink = Sink()
-        app._sink = cast(ConsumerThread, sink)
-        sink.owned = {("p.results", 0), ("p.control", 0)}
-        assert await app.take_control()
-        assert verdicts(await app.drift.run_once(w3 + timedelta(seconds=6))) == ["reference", "drift"]
+    async with judge_that_said_drift(tmp_path, monkeypatch) as (app, sink, w3):
         counted = REGISTRY.get_sample_value(
             "sluice_drift_reports_total", {"model": MODEL, "verdict": "drift"}
         )
