@@ -169,7 +169,11 @@ class Refund(Protocol):
 def _not_past(ends: float) -> None:
     """Raise :class:`DeadlineExceeded` once the loop time ``ends`` has passed."""
     if asyncio.get_running_loop().time() >= ends:
-        raise DeadlineExceeded("The request could not be placed on the log before its deadline.")
+        raise _missed_deadline()
+
+
+def _missed_deadline() -> DeadlineExceeded:
+    return DeadlineExceeded("The request could not be placed on the log before its deadline.")
 
 
 class Dispatcher:
@@ -217,9 +221,7 @@ class Dispatcher:
                 submission.add_done_callback(functools.partial(self._finish_late, flight))
                 self._tasks.add(submission)
                 submission.add_done_callback(self._tasks.discard)
-                raise DeadlineExceeded(
-                    "The request could not be placed on the log before its deadline."
-                ) from None
+                raise _missed_deadline() from None
             opened = submission.result()  # done just as the deadline passed: the guard ends it at once
         except asyncio.CancelledError:  # the client left: the wait for the log is cut, as before the deadline
             if submission.done() and not submission.cancelled() and submission.exception() is None:

@@ -33,7 +33,7 @@ from bus.producer import EventProducer
 from gpu_workers.settings import WorkerSettings
 from infra.children import die_with
 from infra.errors import InfraError
-from infra.kafka.broker import free_port, port_free
+from infra.kafka.broker import free_port, parent_pid, port_free
 from infra.locks import LockHeld, hold
 from infra.topics import apply_topics, quiet_admin, topics_of
 from infra.warehouse.errors import WarehouseLockedError
@@ -148,18 +148,7 @@ ORPHAN_RELEASE_S = 15.0
 def _orphaned(pid: int | None) -> bool:
     """Whether process ``pid`` runs with no parent of its own (re-parented to init, as the children of a
     killed ``sluice up`` are while they drain)."""
-    if pid is None:
-        return False
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    fields = stat[stat.rfind(")") + 2 :].split()  # after the command name, which may hold spaces
-    try:
-        parent = int(fields[1])
-    except (IndexError, ValueError):
-        return False
-    return parent == 1
+    return pid is not None and parent_pid(pid) == 1
 
 
 class DataDirInUse(InfraError):

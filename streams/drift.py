@@ -422,6 +422,27 @@ REFERENCE_NOTE = "reference window "
 rebaseline, a reference gone): a note, not a finding (:func:`findings`)."""
 
 
+def _show(
+    key: DriftKey,
+    verdict: str,
+    features: Sequence[FeatureDrift],
+    quality: Sequence[str],
+    window: Window,
+    *,
+    restored: bool = False,
+) -> None:
+    """An all-tenant report on the drift gauges (:func:`monitoring.metrics.record_drift`)."""
+    metrics.record_drift(
+        key.model,
+        key.model_version,
+        verdict,
+        [(f.name, f.statistic, f.drifted) for f in features],
+        len(findings(quality)),
+        window.end_ms / 1000,
+        restored=restored,
+    )
+
+
 def findings(quality: Sequence[str]) -> list[str]:
     """A report's data-quality findings, its notes left out. A review: every promotion and rebaseline
     counted its note in ``sluice_drift_quality_issues``, and SluiceDriftFeaturePipeline fired on a healthy
@@ -619,15 +640,7 @@ class DriftMonitor:
             return
         for row in sorted(rows, key=lambda row: _ms(row["window_end"])):
             stored = StoredReport.of(row)
-            metrics.record_drift(
-                stored.key.model,
-                stored.key.model_version,
-                stored.verdict,
-                [(f.name, f.statistic, f.drifted) for f in stored.features],
-                len(findings(stored.quality)),
-                stored.window.end_ms / 1000,
-                restored=True,
-            )
+            _show(stored.key, stored.verdict, stored.features, stored.quality, stored.window, restored=True)
 
     async def prepare(self) -> None:
         """Load the drift engine (importing evidently and scipy takes seconds of CPU) now: the streams
@@ -732,14 +745,7 @@ class DriftMonitor:
             if report.effective_verdict == "reference":
                 self._references[scoped] = window
             if scoped.scope == ALL:
-                metrics.record_drift(
-                    report.model,
-                    report.model_version,
-                    report.effective_verdict,
-                    [(f.name, f.statistic, f.drifted) for f in report.features],
-                    len(findings(report.quality)),
-                    window.end_ms / 1000,
-                )
+                _show(scoped, report.effective_verdict, report.features, report.quality, window)
             log.info(
                 "drift %s %s %s [%s, %s): %s",
                 key.model, key.model_version, scoped.scope, window.start.isoformat(), window.end.isoformat(),

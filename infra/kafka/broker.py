@@ -145,11 +145,24 @@ def pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    try:  # /proc/<pid>/stat: "pid (comm) state ...", comm may hold spaces and parentheses
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    fields = _stat_fields(pid)
+    return fields is None or fields[0] not in ("Z", "X")
+
+
+def parent_pid(pid: int) -> int | None:
+    """The parent of process ``pid`` (1 once it is orphaned); None when it cannot be read."""
+    fields = _stat_fields(pid)
+    return int(fields[1]) if fields is not None and fields[1].isdigit() else None
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """``/proc/<pid>/stat`` after the command name (state, ppid, ...); None when it cannot be read. The
+    line is "pid (comm) state ...", and comm may hold spaces and parentheses."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
-        return True
-    return state not in ("Z", "X")
+        return None
+    return fields if len(fields) >= 2 else None
 
 
 def kafka_uuid() -> str:
